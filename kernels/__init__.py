@@ -1,0 +1,1 @@
+"""maxsim_kernels: fused MaxSim kernels (Triton on CUDA, torch on CPU)."""

@@ -1,0 +1,3 @@
+from maxsim_cli.cli import main
+
+main()

@@ -1,0 +1,38 @@
+"""Typer commands. Each module defines `register(app)`; all share `cli_errors` for exit codes."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import typer
+
+from maxsim_cli.errors import MaxsimError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def cli_errors(fn: F) -> F:
+    """Turn `MaxsimError` into a one-line message on stderr and its exit code; quiet on a broken pipe."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except MaxsimError as exc:
+            typer.echo(f"maxsim: error: {exc}", err=True)
+            raise typer.Exit(exc.exit_code) from None
+        except BrokenPipeError:
+            # `maxsim ... | head`: the reader went away; stop quietly and keep Python from
+            # complaining again when it flushes stdout at exit.
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+            except (OSError, ValueError):
+                pass
+            raise typer.Exit(0) from None
+
+    return wrapper  # type: ignore[return-value]

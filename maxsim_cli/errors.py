@@ -1,0 +1,22 @@
+"""One exception family, converted to exit codes at the CLI boundary.
+
+Every message is a single line that names the file, the document or line, and what to do.
+"""
+
+from __future__ import annotations
+
+
+class MaxsimError(Exception):
+    """A runtime error the user can act on: exit code 1."""
+
+    exit_code = 1
+
+
+class InputError(MaxsimError):
+    """Invalid input data (corrupt shard, bad run file, ...): exit code 1."""
+
+
+class UsageError(MaxsimError):
+    """Bad command-line usage (conflicting options, two stdin inputs, ...): exit code 2."""
+
+    exit_code = 2
