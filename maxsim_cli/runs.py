@@ -1,0 +1,470 @@
+"""TREC runs and qrels: readers that name `file:line` in every error, and an atomic run writer.
+
+Run formats read (detected from the first data line, then required of every line):
+
+- TREC, six columns ``qid Q0 docno rank score tag`` separated by whitespace. The rank column is never
+  trusted (Anserini writes ranks from 1, PyTerrier and ir_datasets from 0, some tools garbage): the
+  order is the score's.
+- MS MARCO, three tab-separated columns ``qid pid rank``. There is no score, so ``score = -rank``, which
+  keeps the file's ranking under "score descending".
+- ColBERT, four tab-separated columns ``qid pid rank score``; the rank is ignored.
+
+Any of them may be gzip-compressed (recognised by its magic bytes, whatever the name) and ``-`` reads
+standard input. Blank lines are skipped. In tab-separated lines a field must be non-empty and contain no
+whitespace (a space inside a tab-separated id would silently become two ids for trec_eval).
+
+Order written (trec_eval's own): score descending, ties broken by docno descending, both compared exactly
+as they are printed. Scores are printed with ``'.9g'`` of their float32 value, which round-trips every
+float32 exactly; a fixed six decimals would create ties that the scores do not have. Because the order key
+is the float32 value, the rank column always agrees with the order in which trec_eval re-sorts the file.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import IO, NamedTuple
+
+import numpy as np
+
+from maxsim_cli.errors import InputError, MaxsimError, UsageError
+
+__all__ = [
+    "Qrel",
+    "RunRow",
+    "RunWriter",
+    "format_score",
+    "iter_qrels",
+    "iter_run",
+    "read_qrels",
+    "read_run",
+    "sort_trec",
+]
+
+_GZIP_MAGIC = b"\x1f\x8b"
+_WHITESPACE = re.compile(r"\s")
+RUN_FORMATS = ("trec", "msmarco", "colbert")
+_COLUMNS = {6: "trec", 3: "msmarco", 4: "colbert"}
+_FORMAT_DESCRIPTION = {
+    "trec": "TREC 'qid Q0 docno rank score tag' (6 columns)",
+    "msmarco": "MS MARCO 'qid<TAB>pid<TAB>rank' (3 columns)",
+    "colbert": "ColBERT 'qid<TAB>pid<TAB>rank<TAB>score' (4 columns)",
+}
+
+
+class RunRow(NamedTuple):
+    """One line of a run. ``rank`` is what the file says (never used for ordering); ``line`` is 1-based."""
+
+    qid: str
+    docno: str
+    rank: int | None
+    score: float
+    line: int
+
+
+class Qrel(NamedTuple):
+    """One judgement of a TREC qrels file ``qid iteration docno relevance``; ``line`` is 1-based."""
+
+    qid: str
+    docno: str
+    relevance: int
+    line: int
+
+
+# --------------------------------------------------------------------------------------------------
+# reading
+
+
+def _display_name(path: str | os.PathLike[str]) -> str:
+    return "<stdin>" if str(path) == "-" else str(path)
+
+
+def _open_binary(path: str | os.PathLike[str], what: str) -> IO[bytes]:
+    """Open a path or ``-`` for binary reading, transparently gunzipping gzip data."""
+    name = _display_name(path)
+    if str(path) == "-":
+        raw: IO[bytes] = sys.stdin.buffer
+    else:
+        try:
+            raw = open(path, "rb")  # noqa: SIM115 - closed by the caller through the returned object
+        except FileNotFoundError:
+            raise InputError(f"{name}: {what} file not found; check the path") from None
+        except IsADirectoryError:
+            raise InputError(f"{name}: is a directory, expected a {what} file") from None
+        except OSError as exc:
+            raise InputError(f"{name}: cannot open {what} file: {exc.strerror}") from None
+    buffered = raw if isinstance(raw, io.BufferedReader) else io.BufferedReader(raw)  # type: ignore[arg-type]
+    if buffered.peek(2)[:2] == _GZIP_MAGIC:
+        return gzip.GzipFile(fileobj=buffered, mode="rb")  # type: ignore[return-value]
+    return buffered
+
+
+def _iter_lines(path: str | os.PathLike[str], what: str) -> Iterator[tuple[int, str]]:
+    """Yield ``(line_number, text)`` for each non-blank line, decoded as UTF-8, newline stripped."""
+    name = _display_name(path)
+    stream = _open_binary(path, what)
+    lineno = 0
+    try:
+        while True:
+            try:
+                raw = stream.readline()
+            except (OSError, EOFError, zlib.error) as exc:
+                raise InputError(
+                    f"{name}:{lineno + 1}: corrupt or truncated gzip data ({exc}); re-create the file"
+                ) from None
+            if not raw:
+                break
+            lineno += 1
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InputError(
+                    f"{name}:{lineno}: not valid UTF-8 at byte {exc.start} of the line; "
+                    "ids must be UTF-8 text"
+                ) from None
+            text = text.rstrip("\r\n")
+            if lineno == 1 and text.startswith("\ufeff"):
+                text = text[1:]  # a byte-order mark written by some editors
+            if not text.strip():
+                continue
+            yield lineno, text
+    finally:
+        if str(path) != "-":
+            stream.close()
+
+
+def _split_fields(name: str, lineno: int, text: str) -> list[str]:
+    """Tab-separated when the line has a tab, else whitespace-separated."""
+    if "\t" not in text:
+        return text.split()
+    fields = text.strip(" ").split("\t")
+    for column, field in enumerate(fields, 1):
+        if not field:
+            raise InputError(f"{name}:{lineno}: column {column} is empty (two tabs in a row?); remove it")
+        if _WHITESPACE.search(field):
+            raise InputError(
+                f"{name}:{lineno}: column {column} {field!r} contains whitespace; "
+                "ids cannot contain spaces, and columns must be separated by single tabs"
+            )
+    return fields
+
+
+def _parse_score(name: str, lineno: int, text: str, column: int) -> float:
+    try:
+        score = float(text)
+    except ValueError:
+        raise InputError(f"{name}:{lineno}: score (column {column}) {text!r} is not a number") from None
+    if not math.isfinite(score):
+        raise InputError(f"{name}:{lineno}: score (column {column}) is {text!r}; scores must be finite")
+    return score
+
+
+def _parse_rank(name: str, lineno: int, text: str, column: int) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise InputError(f"{name}:{lineno}: rank (column {column}) {text!r} is not an integer") from None
+
+
+def _iter_run_rows(path: str | os.PathLike[str]) -> Iterator[RunRow]:
+    """Parse rows without duplicate checks (those need state the callers keep in their own shape)."""
+    name = _display_name(path)
+    run_format: str | None = None
+    num_columns = 0
+    for lineno, text in _iter_lines(path, "run"):
+        fields = _split_fields(name, lineno, text)
+        if run_format is None:
+            run_format = _COLUMNS.get(len(fields))
+            if run_format is None:
+                raise InputError(
+                    f"{name}:{lineno}: {len(fields)} columns; expected a run in TREC "
+                    "'qid Q0 docno rank score tag' (6 columns), MS MARCO 'qid<TAB>pid<TAB>rank' (3) "
+                    "or ColBERT 'qid<TAB>pid<TAB>rank<TAB>score' (4) format"
+                )
+            num_columns = len(fields)
+        elif len(fields) != num_columns:
+            raise InputError(
+                f"{name}:{lineno}: {len(fields)} columns, but the file started as "
+                f"{_FORMAT_DESCRIPTION[run_format]}; every line must have the same columns"
+            )
+        if run_format == "trec":
+            qid, _, docno, rank_text, score_text, _ = fields
+            # The rank column is never trusted, so a non-integer there is kept as "unknown", not an error.
+            try:
+                rank: int | None = int(rank_text)
+            except ValueError:
+                rank = None
+            score = _parse_score(name, lineno, score_text, 5)
+        elif run_format == "msmarco":
+            qid, docno, rank_text = fields
+            rank = _parse_rank(name, lineno, rank_text, 3)
+            score = -float(rank)
+        else:
+            qid, docno, rank_text, score_text = fields
+            rank = _parse_rank(name, lineno, rank_text, 3)
+            score = _parse_score(name, lineno, score_text, 4)
+        yield RunRow(qid, docno, rank, score, lineno)
+    if run_format is None:
+        raise InputError(f"{name}: the run is empty (no lines); expected at least one result")
+
+
+def iter_run(path: str | os.PathLike[str]) -> Iterator[RunRow]:
+    """Yield the rows of a run file (TREC / MS MARCO / ColBERT, optionally gzipped, ``-`` = stdin).
+
+    Raises `InputError` naming ``file:line`` for a wrong column count, a non-numeric score, invalid
+    UTF-8, whitespace inside a tab-separated field, a docno repeated within one query, or an empty file.
+    """
+    name = _display_name(path)
+    seen: dict[str, set[str]] = {}
+    for row in _iter_run_rows(path):
+        docs = seen.setdefault(row.qid, set())
+        if row.docno in docs:
+            raise _duplicate_error(name, row)
+        docs.add(row.docno)
+        yield row
+
+
+def _duplicate_error(name: str, row: RunRow) -> InputError:
+    return InputError(
+        f"{name}:{row.line}: docno {row.docno!r} appears twice for query {row.qid!r}; "
+        "a run lists each document at most once per query"
+    )
+
+
+def read_run(path: str | os.PathLike[str]) -> dict[str, list[tuple[str, float]]]:
+    """Read a whole run: ``qid -> [(docno, score), ...]`` in file order, qids in first-appearance order.
+
+    The score is the file's score (``-rank`` for MS MARCO runs); sort with `sort_trec` for the ranking.
+    """
+    name = _display_name(path)
+    by_query: dict[str, dict[str, float]] = {}
+    for row in _iter_run_rows(path):
+        docs = by_query.setdefault(row.qid, {})
+        if row.docno in docs:
+            raise _duplicate_error(name, row)
+        docs[row.docno] = row.score
+    return {qid: list(docs.items()) for qid, docs in by_query.items()}
+
+
+def iter_qrels(path: str | os.PathLike[str]) -> Iterator[Qrel]:
+    """Yield the judgements of a TREC qrels file ``qid iteration docno relevance`` (.gz and ``-`` ok).
+
+    Errors name ``file:line``: wrong column count, non-integer relevance, a (qid, docno) judged twice,
+    an empty file.
+    """
+    name = _display_name(path)
+    seen: set[tuple[str, str]] = set()
+    count = 0
+    for lineno, text in _iter_lines(path, "qrels"):
+        fields = _split_fields(name, lineno, text)
+        if len(fields) != 4:
+            raise InputError(
+                f"{name}:{lineno}: {len(fields)} columns; expected TREC qrels 'qid 0 docno relevance' "
+                "(4 columns)"
+            )
+        qid, _, docno, rel_text = fields
+        try:
+            relevance = int(rel_text)
+        except ValueError:
+            raise InputError(
+                f"{name}:{lineno}: relevance (column 4) {rel_text!r} is not an integer"
+            ) from None
+        if (qid, docno) in seen:
+            raise InputError(f"{name}:{lineno}: query {qid!r} judges docno {docno!r} twice; keep one line")
+        seen.add((qid, docno))
+        count += 1
+        yield Qrel(qid, docno, relevance, lineno)
+    if count == 0:
+        raise InputError(f"{name}: the qrels file is empty (no lines); expected 'qid 0 docno relevance'")
+
+
+def read_qrels(path: str | os.PathLike[str]) -> dict[str, dict[str, int]]:
+    """Read a whole qrels file: ``qid -> {docno: relevance}``, qids in first-appearance order."""
+    qrels: dict[str, dict[str, int]] = {}
+    for qrel in iter_qrels(path):
+        qrels.setdefault(qrel.qid, {})[qrel.docno] = qrel.relevance
+    return qrels
+
+
+# --------------------------------------------------------------------------------------------------
+# ordering and formatting
+
+
+def format_score(x: float) -> str:
+    """The score as printed in a run: ``'.9g'`` of its float32 value (9 significant digits round-trip
+    every float32), with -0 printed as 0."""
+    return format(float(np.float32(x)) + 0.0, ".9g")
+
+
+def _float32_keys(scores: Sequence[float]) -> list[float]:
+    # float32 then back to Python floats: the order key is exactly the printed value.
+    return np.asarray(scores, dtype=np.float32).astype(np.float64).tolist()
+
+
+def sort_trec(docnos: Sequence[str], scores: Sequence[float]) -> list[int]:
+    """Indices of ``docnos`` in trec_eval's order: float32 score descending, ties by docno descending.
+
+    docnos compare as Python strings, i.e. by code point, which is the byte order of their UTF-8 (the
+    ``strcmp`` trec_eval uses).
+    """
+    if len(docnos) != len(scores):
+        raise ValueError(f"sort_trec: {len(docnos)} docnos but {len(scores)} scores")
+    keys = _float32_keys(scores)
+    return sorted(range(len(docnos)), key=lambda i: (keys[i], docnos[i]), reverse=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# writing
+
+
+def _check_id(kind: str, value: str, target: str, qid: str | None = None) -> None:
+    if not value or _WHITESPACE.search(value):
+        where = f" (query {qid!r})" if qid is not None else ""
+        raise InputError(
+            f"{target}: {kind} {value!r}{where} is empty or contains whitespace, which a TREC run cannot "
+            "hold; rename it in the input"
+        )
+
+
+class RunWriter:
+    """Write a run, one query at a time, atomically.
+
+    ``RunWriter(path, tag="maxsim", fmt="trec")`` is a context manager. ``fmt="trec"`` writes
+    ``qid Q0 docno rank score tag`` with single spaces, ranks from 1 in trec_eval's order;
+    ``fmt="jsonl"`` writes one JSON object per query::
+
+        {"qid": "q1", "results": [{"docno": "d7", "rank": 1, "score": 0.8125}, ...]}
+
+    with the same order, ranks and score digits. A path ending in ``.gz`` is gzip-compressed. The file
+    is written to a temporary file in the same directory and moved into place only when the ``with``
+    block exits without an exception; otherwise the temporary file is removed and no output exists.
+    ``"-"`` writes to standard output, flushing after each query so a pipeline sees results as they come.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], tag: str = "maxsim", fmt: str = "trec") -> None:
+        if fmt not in ("trec", "jsonl"):
+            raise UsageError(f"unknown run format {fmt!r}; use 'trec' or 'jsonl'")
+        if not tag or _WHITESPACE.search(tag):
+            raise UsageError(f"run tag {tag!r} is empty or contains whitespace; pass a single word")
+        self.path = str(path)
+        self.tag = tag
+        self.fmt = fmt
+        self.num_queries = 0
+        self.num_rows = 0
+        self._name = "<stdout>" if self.path == "-" else self.path
+        self._written: set[str] = set()
+        self._stream: IO[str] | None = None
+        self._binary: IO[bytes] | None = None
+        self._tmp_path: str | None = None
+
+    # context management --------------------------------------------------------------------------
+
+    def __enter__(self) -> RunWriter:
+        if self.path == "-":
+            self._stream = sys.stdout
+            return self
+        directory = os.path.dirname(os.path.abspath(self.path))
+        if not os.path.isdir(directory):
+            raise UsageError(f"{self.path}: directory {directory} does not exist; create it first")
+        try:
+            fd, self._tmp_path = tempfile.mkstemp(
+                dir=directory, prefix=f".{os.path.basename(self.path)}.", suffix=".tmp"
+            )
+        except OSError as exc:
+            raise MaxsimError(f"{self.path}: cannot create the output file: {exc.strerror}") from None
+        binary: IO[bytes] = os.fdopen(fd, "wb")
+        if self.path.endswith(".gz"):
+            # mtime=0 and no file name: the same run gives the same bytes.
+            binary = gzip.GzipFile(filename="", mode="wb", fileobj=binary, mtime=0)  # type: ignore[assignment]
+            self._binary = binary
+        self._stream = io.TextIOWrapper(binary, encoding="utf-8", newline="\n")
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if self.path == "-":
+            if exc_type is None and self._stream is not None:
+                self._stream.flush()
+            return
+        assert self._stream is not None and self._tmp_path is not None
+        try:
+            self._stream.close()
+            if self._binary is not None:
+                self._binary.close()
+        except BaseException:
+            self._discard()
+            raise
+        if exc_type is not None:
+            self._discard()
+            return
+        # mkstemp creates the file 0600; give it the mode a plain open() would have.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self._tmp_path, 0o666 & ~umask)
+        os.replace(self._tmp_path, self.path)
+        self._tmp_path = None
+
+    def _discard(self) -> None:
+        if self._tmp_path is not None:
+            try:
+                os.unlink(self._tmp_path)
+            except FileNotFoundError:
+                pass
+            self._tmp_path = None
+
+    # writing --------------------------------------------------------------------------------------
+
+    def write_query(self, qid: str, docnos: Sequence[str], scores: Sequence[float]) -> None:
+        """Write one query's results, sorted by `sort_trec` and ranked from 1.
+
+        Raises `InputError` for an id with whitespace, a non-finite score, a docno listed twice or a
+        query written twice (each would make a run that trec_eval rejects or misreads).
+        """
+        if self._stream is None:
+            raise RuntimeError("RunWriter.write_query called outside its `with` block")
+        if len(docnos) != len(scores):
+            raise ValueError(f"write_query: {len(docnos)} docnos but {len(scores)} scores")
+        _check_id("query id", qid, self._name)
+        if qid in self._written:
+            raise InputError(f"{self._name}: query {qid!r} written twice; each query appears once in a run")
+        self._written.add(qid)
+        keys = _float32_keys(scores)
+        seen: set[str] = set()
+        for docno, key in zip(docnos, keys, strict=True):
+            _check_id("docno", docno, self._name, qid)
+            if not math.isfinite(key):
+                raise InputError(
+                    f"{self._name}: score {key} of docno {docno!r} for query {qid!r} is not finite; "
+                    "check the embeddings for NaN or Inf"
+                )
+            if docno in seen:
+                raise InputError(
+                    f"{self._name}: docno {docno!r} given twice for query {qid!r}; a run lists it once"
+                )
+            seen.add(docno)
+        order = sorted(range(len(docnos)), key=lambda i: (keys[i], docnos[i]), reverse=True)
+        if self.fmt == "trec":
+            tag = self.tag
+            text = "".join(
+                f"{qid} Q0 {docnos[i]} {rank} {format(keys[i] + 0.0, '.9g')} {tag}\n"
+                for rank, i in enumerate(order, 1)
+            )
+        else:
+            results = ",".join(
+                f'{{"docno":{json.dumps(docnos[i], ensure_ascii=False)},"rank":{rank},'
+                f'"score":{format(keys[i] + 0.0, ".9g")}}}'
+                for rank, i in enumerate(order, 1)
+            )
+            text = f'{{"qid":{json.dumps(qid, ensure_ascii=False)},"results":[{results}]}}\n'
+        self._stream.write(text)
+        if self.path == "-":
+            self._stream.flush()
+        self.num_queries += 1
+        self.num_rows += len(order)
