@@ -1,0 +1,281 @@
+"""Autograd MaxSim (kernels/maxsim_backward.py) on the CPU: the torch path and the Triton kernels under
+Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 on machines without a GPU).
+
+References are float64 and independent of the code under test:
+- `_amax_reference`: torch autograd of materialised similarities reduced with `amax` (random inputs,
+  where ties have probability 0; at an exact tie autograd of amax splits the gradient evenly);
+- `_lowest_index_reference`: autograd of the similarities gathered at `argmax` (the first maximum),
+  which routes the whole gradient to the lowest tied index, the forward's rule (tie tests).
+
+Tolerances: fp32 inputs reduce at most a few dozen unit-scale products in fp32, so each entry is within
+~n * 2^-24 * max|term| of float64: atol = rtol = 1e-5 holds with a wide margin. fp16 inputs return fp16
+gradients, whose rounding alone is 2^-11 ~ 4.9e-4 relative: rtol 2e-3, atol 2e-3 (unit-scale data).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from maxsim_kernels import maxsim_backward as mb
+
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton needs CUDA or TRITON_INTERPRET=1",
+))]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------
+# inputs and references
+# ----------------------------------------------------------------------------------------------------
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def _layout(q_lens, d_lens, dim, *, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    queries = torch.randn(sum(q_lens), dim, generator=gen).to(dtype)
+    docs = torch.randn(sum(d_lens), dim, generator=gen).to(dtype)
+    return queries, _offsets(q_lens), docs, _offsets(d_lens)
+
+
+def _pair_score(q_rows, d_rows, rule):
+    sims = q_rows @ d_rows.T
+    if rule == "amax":
+        return sims.amax(dim=1).sum()
+    first = sims.detach().argmax(dim=1, keepdim=True)  # first maximum: the lowest index
+    return sims.gather(1, first).sum()
+
+
+def _reference(queries, qo, docs, do, upstream, *, cands=None, rule="amax"):
+    """float64 (dL/dQ, dL/dD) for L = <upstream, S> by autograd, pair by pair."""
+    q = queries.detach().double().requires_grad_(True)
+    d = docs.detach().double().requires_grad_(True)
+    qo, do = qo.tolist(), do.tolist()
+    if cands is None:
+        pairs = [(a, b) for a in range(len(qo) - 1) for b in range(len(do) - 1)]
+    else:
+        co, cd = cands[0].tolist(), cands[1].tolist()
+        pairs = [(a, cd[c]) for a in range(len(qo) - 1) for c in range(co[a], co[a + 1])]
+    scores = [_pair_score(q[qo[a] : qo[a + 1]], d[do[b] : do[b + 1]], rule) for a, b in pairs]
+    scores = torch.stack(scores).reshape(upstream.shape)
+    scores.backward(upstream.double())
+    return scores.detach(), q.grad, d.grad
+
+
+def _run(queries, qo, docs, do, upstream, *, backend, cands=None):
+    q = queries.clone().requires_grad_(True)
+    d = docs.clone().requires_grad_(True)
+    if cands is None:
+        scores = mb.maxsim_varlen_autograd(q, qo, d, do, backend=backend)
+    else:
+        scores = mb.maxsim_candidates_autograd(q, qo, d, do, cands[0], cands[1], backend=backend)
+    scores.backward(upstream.to(scores.dtype))
+    return scores.detach(), q.grad, d.grad
+
+
+def _upstream(shape, seed=1):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------------------------------
+# all pairs
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "q_lens, d_lens, dim",
+    [
+        ([4, 4, 4], [6, 6], 16),  # uniform
+        ([3, 9, 1, 5], [7, 1, 12, 4, 2], 24),  # ragged both sides, length-1 items, dim not a power of 2
+        ([17], [3, 30, 5], 8),  # one long query, more tokens than a kernel block
+    ],
+)
+def test_all_pairs_random_fp32(backend, q_lens, d_lens, dim):
+    queries, qo, docs, do = _layout(q_lens, d_lens, dim)
+    upstream = _upstream((len(q_lens), len(d_lens)))
+    ref_s, ref_q, ref_d = _reference(queries, qo, docs, do, upstream)
+    s, gq, gd = _run(queries, qo, docs, do, upstream, backend=backend)
+    assert gq.dtype == torch.float32 and gd.dtype == torch.float32
+    torch.testing.assert_close(s.double(), ref_s, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gq.double(), ref_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gd.double(), ref_d, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_pairs_fp16_returns_fp16_gradients(backend):
+    queries, qo, docs, do = _layout([5, 2, 7], [9, 3, 6, 4], 32, dtype=torch.float16)
+    upstream = _upstream((3, 4))
+    _, ref_q, ref_d = _reference(queries, qo, docs, do, upstream)
+    _, gq, gd = _run(queries, qo, docs, do, upstream, backend=backend)
+    assert gq.dtype == torch.float16 and gd.dtype == torch.float16
+    torch.testing.assert_close(gq.double(), ref_q, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(gd.double(), ref_d, atol=2e-3, rtol=2e-3)
+
+
+def _tie_layout():
+    """Integer-valued embeddings, so every dot product is exact and ties are exact in any order."""
+    gen = torch.Generator().manual_seed(3)
+    queries = torch.randint(-1, 3, (10, 8), generator=gen).float()
+    docs = torch.randint(-1, 2, (14, 8), generator=gen).float()
+    docs[3] = docs[1]  # doc 0 (rows 0-5): rows 1 and 3 tie for every query token
+    docs[5] = docs[1]
+    docs[9] = docs[7]  # doc 1 (rows 6-9)
+    docs[10:14] = 0.0  # doc 2: all four tokens tie at similarity 0
+    return queries, _offsets([4, 1, 5]), docs, _offsets([6, 4, 4])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_exact_ties_route_to_lowest_index(backend):
+    queries, qo, docs, do = _tie_layout()
+    upstream = _upstream((3, 3))
+    _, ref_q, ref_d = _reference(queries, qo, docs, do, upstream, rule="lowest")
+    _, gq, gd = _run(queries, qo, docs, do, upstream, backend=backend)
+    torch.testing.assert_close(gq.double(), ref_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gd.double(), ref_d, atol=1e-5, rtol=1e-5)
+    # the tied later copies never win, so their gradient is exactly zero
+    assert not gd[[3, 5, 9, 11, 12, 13]].any()
+    assert gd[10].abs().sum() > 0  # first of the all-zero tokens takes every query token of doc 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hot_token_and_unchosen_token(backend):
+    """One document token wins for every query token; another never wins and gets an exact zero."""
+    gen = torch.Generator().manual_seed(5)
+    queries = torch.rand(40, 16, generator=gen) + 0.1  # positive entries
+    docs = torch.randn(12, 16, generator=gen) * 0.1
+    docs[2] = 5.0  # hot: the largest dot product with every (positive) query token
+    docs[7] = -5.0  # cold: the smallest, never chosen
+    qo, do = _offsets([13, 27]), _offsets([5, 7])
+    upstream = _upstream((2, 2))
+    _, ref_q, ref_d = _reference(queries, qo, docs, do, upstream)
+    _, gq, gd = _run(queries, qo, docs, do, upstream, backend=backend)
+    torch.testing.assert_close(gq.double(), ref_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gd.double(), ref_d, atol=1e-4, rtol=1e-5)  # a 40-term sum of |Q| ~ 0.6
+    assert torch.equal(gd[7], torch.zeros(16))
+    expected_hot = upstream[0, 0] * queries[:13].sum(0) + upstream[1, 0] * queries[13:].sum(0)
+    torch.testing.assert_close(gd[2], expected_hot, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_only_one_side_requires_grad(backend):
+    queries, qo, docs, do = _layout([3, 4], [5, 2], 8)
+    q = queries.clone().requires_grad_(True)
+    scores = mb.maxsim_varlen_autograd(q, qo, docs, do, backend=backend)
+    scores.sum().backward()
+    _, ref_q, _ = _reference(queries, qo, docs, do, torch.ones(2, 2))
+    torch.testing.assert_close(q.grad.double(), ref_q, atol=1e-5, rtol=1e-5)
+    d = docs.clone().requires_grad_(True)
+    scores, argmax = mb.maxsim_varlen_autograd(queries, qo, d, do, backend=backend, return_argmax=True)
+    assert argmax.dtype == torch.int32 and argmax.shape == (7, 2) and not argmax.requires_grad
+    scores.sum().backward()
+    assert d.grad.shape == docs.shape
+
+
+def test_triton_matches_torch_path_and_repeats_bitwise():
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    queries, qo, docs, do = _layout([6, 1, 9], [4, 11, 7, 3], 16, seed=7)
+    upstream = _upstream((3, 4), seed=8)
+    _, tq, td = _run(queries, qo, docs, do, upstream, backend="torch")
+    _, gq, gd = _run(queries, qo, docs, do, upstream, backend="triton")
+    _, gq2, gd2 = _run(queries, qo, docs, do, upstream, backend="triton")
+    torch.testing.assert_close(gq, tq, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gd, td, atol=1e-5, rtol=1e-5)
+    assert torch.equal(gq, gq2) and torch.equal(gd, gd2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# per-query candidates
+# ----------------------------------------------------------------------------------------------------
+
+
+def _candidates():
+    # query 0: docs 2, 0; query 1: none; query 2: docs 0, 3, 2, 0 (doc 0 twice); query 3: doc 1
+    return torch.tensor([0, 2, 2, 6, 7]), torch.tensor([2, 0, 0, 3, 2, 0, 1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_candidates_random_fp32(backend):
+    queries, qo, docs, do = _layout([5, 3, 12, 1], [4, 9, 1, 6], 24, seed=11)
+    cands = _candidates()
+    upstream = _upstream((7,))
+    ref_s, ref_q, ref_d = _reference(queries, qo, docs, do, upstream, cands=cands)
+    s, gq, gd = _run(queries, qo, docs, do, upstream, backend=backend, cands=cands)
+    torch.testing.assert_close(s.double(), ref_s, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gq.double(), ref_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gd.double(), ref_d, atol=1e-5, rtol=1e-5)
+    assert not gq[5:8].any()  # query 1 has no candidates
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_candidates_exact_ties(backend):
+    queries, qo, docs, do = _tie_layout()
+    cands = (torch.tensor([0, 2, 3, 5]), torch.tensor([0, 2, 1, 2, 0]))
+    upstream = _upstream((5,))
+    _, ref_q, ref_d = _reference(queries, qo, docs, do, upstream, cands=cands, rule="lowest")
+    _, gq, gd = _run(queries, qo, docs, do, upstream, backend=backend, cands=cands)
+    torch.testing.assert_close(gq.double(), ref_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gd.double(), ref_d, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------
+# gradcheck (float64, torch path), the inverse CSR, int8 documents, gradient_check
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_gradcheck_all_pairs_float64():
+    queries, qo, docs, do = _layout([3, 1, 4], [2, 5, 3], 6, seed=21, dtype=torch.float64)
+    q = queries.requires_grad_(True)
+    d = docs.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a, b: mb.maxsim_varlen_autograd(a, qo, b, do), (q, d))
+
+
+def test_gradcheck_candidates_float64():
+    queries, qo, docs, do = _layout([2, 3, 1], [4, 1, 3], 5, seed=22, dtype=torch.float64)
+    co, cd = torch.tensor([0, 2, 5, 6]), torch.tensor([1, 2, 0, 2, 0, 1])
+    q = queries.requires_grad_(True)
+    d = docs.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a, b: mb.maxsim_candidates_autograd(a, qo, b, do, co, cd), (q, d))
+
+
+def test_inverse_csr_groups_pairs_in_order():
+    num_doc_tokens = 5
+    keys = torch.tensor([3, 0, 3, 5, 1, 3, 0], dtype=torch.int32)  # 5 = no winner
+    row_ptr, order = mb.build_inverse_csr(keys, num_doc_tokens)
+    assert row_ptr.tolist() == [0, 2, 3, 3, 6, 6]
+    assert order[:6].tolist() == [1, 6, 4, 0, 2, 5]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int8_docs_query_gradient_uses_dequantized_rows(backend):
+    gen = torch.Generator().manual_seed(31)
+    docs8 = torch.randint(-127, 128, (15, 16), generator=gen, dtype=torch.int8)
+    scales = torch.rand(15, generator=gen) * 0.02 + 0.005
+    queries = torch.randn(9, 16, generator=gen)
+    qo, do = _offsets([4, 5]), _offsets([6, 2, 7])
+    dequant = docs8.double() * scales.double()[:, None]
+    upstream = _upstream((2, 3))
+    _, argmax = mb.forward_exact(queries, qo, docs8, do, doc_scales=scales)
+    gq, gd = mb.maxsim_backward(upstream, argmax, queries, qo, docs8, do, doc_scales=scales, backend=backend)
+    assert gd is None
+    _, ref_q, _ = _reference(queries, qo, dequant, do, upstream)
+    torch.testing.assert_close(gq.double(), ref_q, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cands", [None, _candidates()])
+def test_gradient_check_reports_small_errors(cands):
+    queries, qo, docs, do = _layout([5, 3, 12, 1], [4, 9, 1, 6], 24, seed=41)
+    kw = {} if cands is None else {"candidate_offsets": cands[0], "candidate_docs": cands[1]}
+    report = mb.gradient_check(queries, qo, docs, do, seed=3, **kw)
+    assert report["dq_rel_error"] <= 1e-6 and report["dd_rel_error"] <= 1e-6
+    assert report["argmax_agreement"] == 1.0 and report["bitwise_repeatable"]
+    assert report["pairs"] == (21 * 4 if cands is None else 5 * 2 + 12 * 4 + 1)
+    assert report["seed"] == 3
