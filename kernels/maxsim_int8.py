@@ -1,0 +1,956 @@
+"""INT8 x INT8 MaxSim with per-token symmetric scales: Triton kernels on the tensor cores, a torch CPU path,
+and the float64 reference of the same integer math.
+
+Quantization (per token, symmetric): for a vector x of `dim` values,
+
+    s = absmax(x) / 127            (fp32, correctly rounded; s := 1 when it is 0, so nothing divides by 0)
+    x8 = clamp(round_half_even(x / s), -127, 127)       (int8; x ~= s * x8)
+
+Scoring, with q8/s_q a query's quantized tokens and scales and d8/s_d a document's:
+
+    acc[i, j]  = sum_k q8[i, k] * d8[j, k]             int32, exact: |acc| <= 128^2 * dim < 2^31
+    score(q, d) = sum_i s_q[i] * max_j (s_d[j] * acc[i, j])
+
+The document scale goes *before* the max (it differs per document token), the query scale after it (it
+is positive and constant over j). Every kernel and the CPU path compute `s_d[j] * acc[i, j]` as one fp32
+product of the exact integer `acc` (exact in fp32 while |acc| < 2^24, i.e. dim <= 1024) and the fp32
+scale, so the max and its argmax are the same everywhere; the query-scale products and the sum over i
+are fp32 and differ from the float64 reference only by their rounding. Ties of the max go to the lowest
+document-token index.
+
+Tiling (Triton). Queries are quantized by a small kernel (one program per block of tokens). The
+all-pairs kernel packs consecutive whole queries into groups of at most BLOCK_Q tokens (a longer query is
+a group of its own, walked in several BLOCK_Q-row tiles); a program takes one group and DOCS_PER_PROG
+consecutive documents, keeps the group's int8 query tile on chip, and streams each document through
+BLOCK_D-token int8 tiles: `tl.dot` (int8 x int8 -> int32 on the tensor cores), the doc scale and an
+out-of-document bias (0 or -inf) applied in one FMA, a running row max (and argmax) per query token, then
+the query scales and a sum per query of the group. Programs with the same document chunk are adjacent in
+launch order, so a chunk is read from HBM once and from L2 by every group. The candidates kernel does the
+same for one query and a run of its own candidate documents, read in place through their indices.
+
+Cost: FLOPs = 2 * Tq * Td * dim integer MACs (all pairs) or 2 * sum_c |q_c| * |d_c| * dim (candidates);
+HBM bytes ~= Td * (dim + 4) once (int8 tokens + fp32 scale), half the fp16 bytes, plus 4 bytes per score.
+Past the MMA, each (query token, document token) pair costs three fp32 ops (magic-number conversion,
+FMA, max), which is what bounds the all-pairs kernel, not the int8 tensor-core rate.
+
+int32 -> fp32 without the slow conversion instruction (`I2F` issues at 1/8 of the FMA rate on sm_90):
+the MMA accumulator starts at the bit pattern of 1.5 * 2^23 (0x4B400000) instead of 0, so its bits,
+read as fp32, are 1.5 * 2^23 + acc exactly while |acc| < 2^22 (dim <= 255 with |codes| <= 128); one
+subtraction gives acc. Wider vectors use the plain conversion. Rounding half to even in the quantize
+kernel uses the same constant: (y + 1.5 * 2^23) - 1.5 * 2^23 for |y| < 2^22.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+# Codes are in [-127, 127]; shards written elsewhere may hold -128, so bounds use 128.
+INT8_ABSMAX = 127.0
+MAX_DIM = 1024  # |acc| <= 128^2 * dim stays below 2^24, where fp32 holds every integer exactly
+_MAGIC_MAX_DIM = 255  # |acc| <= 128^2 * dim < 2^22: the accumulator-bias conversion is exact
+_MAGIC_BITS = 0x4B400000  # bits of 1.5 * 2^23
+_MAGIC_FLOAT = 12582912.0  # 1.5 * 2^23
+
+# Tuning constants (H200, triton 3.6, dim 128; see benchmarks/bench_int8.py and docs/benchmarks.md ## INT8).
+_VARLEN_BLOCK_Q = 128  # query tokens per program in the all-pairs kernel (4 queries of 32 tokens)
+_VARLEN_BLOCK_D = 64  # document tokens per tile
+_VARLEN_DOCS_PER_PROG = 16  # documents per program
+_VARLEN_WARPS = 4
+_VARLEN_STAGES = 2
+_FEW_QUERIES_BLOCK_D = 64  # memory-bound shapes (a group of <= 32 query tokens)
+_FEW_QUERIES_DOCS_PER_PROG = 8
+_FEW_QUERIES_WARPS = 4
+_CAND_BLOCK_D = 64
+_CAND_PER_PROG = 8  # candidates per program
+_CAND_WARPS = 4
+_QUANT_BLOCK_R = 16  # tokens per program of the quantize kernel
+
+# CPU path: at most this many fp32 similarities materialised at once (64 MiB).
+_TORCH_BLOCK_ELEMS = 1 << 24
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    # pointers
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    # sizes
+    n_rows,
+    dim,
+    # strides
+    stride_x,
+    stride_codes,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """codes[r] = clamp(round_half_even(x[r] / s[r]), -127, 127), s[r] = absmax(x[r]) / 127 (1 if 0)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_K)
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & (cols[None, :] < dim)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    absmax = tl.max(tl.abs(x), axis=1)
+    # div_rn: correctly rounded like torch's division (Triton's `/` is not, on the GPU).
+    scale = tl.math.div_rn(absmax, 127.0)
+    scale = tl.where(scale > 0.0, scale, 1.0)
+    y = tl.math.div_rn(x, scale[:, None])
+    y = (y + 12582912.0) - 12582912.0  # round half to even (|y| <= 127.5 << 2^22)
+    y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+    tl.store(codes_ptr + rows[:, None] * stride_codes + cols[None, :], y.to(tl.int8), mask=mask)
+    tl.store(scales_ptr + rows, scale, mask=row_ok)
+
+
+@triton.jit
+def _doc_row_max(
+    q,
+    d_ptr,
+    d_scale_ptr,
+    start,
+    stop,
+    dim,
+    stride_d,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MAGIC: tl.constexpr,
+    RETURN_ARGMAX: tl.constexpr,
+):
+    """max_j s_d[j] * (q8 @ d8[j]) over the document's tokens start <= j < stop, per row of the q tile.
+
+    Returns (row max fp32 [BLOCK_Q], argmax int32 [BLOCK_Q] as an index within the document, lowest on ties).
+    """
+    k = tl.arange(0, BLOCK_K)
+    k_ok = k < dim
+    row_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+    row_arg = tl.zeros([BLOCK_Q], tl.int32)
+    for t in range(start, stop, BLOCK_D):
+        cols = t + tl.arange(0, BLOCK_D)
+        col_ok = cols < stop
+        d = tl.load(
+            d_ptr + cols[:, None] * stride_d + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0
+        )
+        s = tl.load(d_scale_ptr + cols, mask=col_ok, other=1.0)
+        # 0 inside the document, -inf past its end: applied in the same FMA as the scale.
+        bias = tl.where(col_ok, 0.0, float("-inf"))
+        if MAGIC:
+            acc = tl.dot(
+                q, tl.trans(d), tl.full([BLOCK_Q, BLOCK_D], 0x4B400000, tl.int32), out_dtype=tl.int32
+            )
+            exact = acc.to(tl.float32, bitcast=True) - 12582912.0
+        else:
+            acc = tl.dot(q, tl.trans(d), out_dtype=tl.int32)
+            exact = acc.to(tl.float32)
+        val = exact * s[None, :] + bias[None, :]
+        tile_max = tl.max(val, axis=1)
+        if RETURN_ARGMAX:
+            local = (cols - start).to(tl.int32)
+            tile_arg = tl.min(tl.where(val == tile_max[:, None], local[None, :], 2147483647), axis=1)
+            # Strictly greater: an earlier tile keeps a tie (lowest index wins).
+            row_arg = tl.where(tile_max > row_max, tile_arg, row_arg)
+        row_max = tl.maximum(row_max, tile_max)
+    return row_max, row_arg
+
+
+@triton.jit
+def _maxsim_int8_varlen_kernel(
+    # pointers
+    q_ptr,
+    q_scale_ptr,
+    q_off_ptr,
+    group_ptr,
+    d_ptr,
+    d_scale_ptr,
+    d_off_ptr,
+    out_ptr,
+    arg_ptr,
+    # sizes
+    n_groups,
+    n_docs,
+    dim,
+    # strides
+    stride_q,
+    stride_d,
+    stride_out,
+    stride_arg,
+    DOCS_PER_PROG: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MAX_Q: tl.constexpr,
+    MULTI_TILE: tl.constexpr,
+    MAGIC: tl.constexpr,
+    RETURN_ARGMAX: tl.constexpr,
+):
+    """Scores of one query group against DOCS_PER_PROG consecutive documents (all-pairs layout)."""
+    pid = tl.program_id(0)
+    # Group fastest: the programs that share a document chunk run together and share it through L2.
+    group = pid % n_groups
+    doc_first = (pid // n_groups).to(tl.int64) * DOCS_PER_PROG
+    doc_last = tl.minimum(doc_first + DOCS_PER_PROG, n_docs)
+    q_first = tl.load(group_ptr + group).to(tl.int64)
+    q_last = tl.load(group_ptr + group + 1).to(tl.int64)
+    row_first = tl.load(q_off_ptr + q_first)
+    row_last = tl.load(q_off_ptr + q_last)
+    kq = tl.arange(0, MAX_Q)
+    q_ok = q_first + kq < q_last
+    # End row of each query of the group; a row belongs to local query #(ends <= row).
+    q_ends = tl.load(q_off_ptr + q_first + 1 + kq, mask=q_ok, other=9223372036854775807)
+    k = tl.arange(0, BLOCK_K)
+    out_rows = out_ptr + (q_first + kq) * stride_out
+    if not MULTI_TILE:
+        rows = row_first + tl.arange(0, BLOCK_Q)
+        row_ok = rows < row_last
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_q + k[None, :], mask=row_ok[:, None] & (k[None, :] < dim), other=0
+        )
+        sq = tl.load(q_scale_ptr + rows, mask=row_ok, other=0.0)
+        local = tl.sum((rows[:, None] >= q_ends[None, :]).to(tl.int32), axis=1)
+        member = (local[:, None] == kq[None, :]) & row_ok[:, None]
+        for doc in range(doc_first, doc_last):
+            start = tl.load(d_off_ptr + doc)
+            stop = tl.load(d_off_ptr + doc + 1)
+            row_max, row_arg = _doc_row_max(
+                q,
+                d_ptr,
+                d_scale_ptr,
+                start,
+                stop,
+                dim,
+                stride_d,
+                BLOCK_Q,
+                BLOCK_D,
+                BLOCK_K,
+                MAGIC,
+                RETURN_ARGMAX,
+            )
+            contrib = tl.where(row_ok, sq * row_max, 0.0)
+            scores = tl.sum(tl.where(member, contrib[:, None], 0.0), axis=0)
+            tl.store(out_rows + doc, scores, mask=q_ok)
+            if RETURN_ARGMAX:
+                tl.store(arg_ptr + rows * stride_arg + doc, row_arg, mask=row_ok)
+    else:
+        for doc in range(doc_first, doc_last):
+            start = tl.load(d_off_ptr + doc)
+            stop = tl.load(d_off_ptr + doc + 1)
+            scores = tl.zeros([MAX_Q], tl.float32)
+            for r in range(row_first, row_last, BLOCK_Q):
+                rows = r + tl.arange(0, BLOCK_Q)
+                row_ok = rows < row_last
+                q = tl.load(
+                    q_ptr + rows[:, None] * stride_q + k[None, :],
+                    mask=row_ok[:, None] & (k[None, :] < dim),
+                    other=0,
+                )
+                sq = tl.load(q_scale_ptr + rows, mask=row_ok, other=0.0)
+                local = tl.sum((rows[:, None] >= q_ends[None, :]).to(tl.int32), axis=1)
+                member = (local[:, None] == kq[None, :]) & row_ok[:, None]
+                row_max, row_arg = _doc_row_max(
+                    q,
+                    d_ptr,
+                    d_scale_ptr,
+                    start,
+                    stop,
+                    dim,
+                    stride_d,
+                    BLOCK_Q,
+                    BLOCK_D,
+                    BLOCK_K,
+                    MAGIC,
+                    RETURN_ARGMAX,
+                )
+                contrib = tl.where(row_ok, sq * row_max, 0.0)
+                scores += tl.sum(tl.where(member, contrib[:, None], 0.0), axis=0)
+                if RETURN_ARGMAX:
+                    tl.store(arg_ptr + rows * stride_arg + doc, row_arg, mask=row_ok)
+            tl.store(out_rows + doc, scores, mask=q_ok)
+
+
+@triton.jit
+def _maxsim_int8_candidates_kernel(
+    # pointers
+    q_ptr,
+    q_scale_ptr,
+    q_off_ptr,
+    item_query_ptr,
+    item_start_ptr,
+    cand_off_ptr,
+    cand_docs_ptr,
+    d_ptr,
+    d_scale_ptr,
+    d_off_ptr,
+    out_ptr,
+    arg_ptr,
+    # sizes
+    dim,
+    # strides
+    stride_q,
+    stride_d,
+    stride_arg,
+    CANDS_PER_PROG: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MULTI_TILE: tl.constexpr,
+    MAGIC: tl.constexpr,
+    RETURN_ARGMAX: tl.constexpr,
+):
+    """Scores of one query against a run of at most CANDS_PER_PROG of its own candidates."""
+    item = tl.program_id(0)
+    query = tl.load(item_query_ptr + item).to(tl.int64)
+    cand_first = tl.load(item_start_ptr + item)
+    cand_last = tl.minimum(cand_first + CANDS_PER_PROG, tl.load(cand_off_ptr + query + 1))
+    row_first = tl.load(q_off_ptr + query)
+    row_last = tl.load(q_off_ptr + query + 1)
+    k = tl.arange(0, BLOCK_K)
+    if not MULTI_TILE:
+        rows = row_first + tl.arange(0, BLOCK_Q)
+        row_ok = rows < row_last
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_q + k[None, :], mask=row_ok[:, None] & (k[None, :] < dim), other=0
+        )
+        sq = tl.load(q_scale_ptr + rows, mask=row_ok, other=0.0)
+        for c in range(cand_first, cand_last):
+            doc = tl.load(cand_docs_ptr + c)
+            start = tl.load(d_off_ptr + doc)
+            stop = tl.load(d_off_ptr + doc + 1)
+            row_max, row_arg = _doc_row_max(
+                q,
+                d_ptr,
+                d_scale_ptr,
+                start,
+                stop,
+                dim,
+                stride_d,
+                BLOCK_Q,
+                BLOCK_D,
+                BLOCK_K,
+                MAGIC,
+                RETURN_ARGMAX,
+            )
+            tl.store(out_ptr + c, tl.sum(tl.where(row_ok, sq * row_max, 0.0), axis=0))
+            if RETURN_ARGMAX:
+                tl.store(arg_ptr + c * stride_arg + (rows - row_first), row_arg, mask=row_ok)
+    else:
+        for c in range(cand_first, cand_last):
+            doc = tl.load(cand_docs_ptr + c)
+            start = tl.load(d_off_ptr + doc)
+            stop = tl.load(d_off_ptr + doc + 1)
+            contrib = tl.zeros([BLOCK_Q], tl.float32)
+            for r in range(row_first, row_last, BLOCK_Q):
+                rows = r + tl.arange(0, BLOCK_Q)
+                row_ok = rows < row_last
+                q = tl.load(
+                    q_ptr + rows[:, None] * stride_q + k[None, :],
+                    mask=row_ok[:, None] & (k[None, :] < dim),
+                    other=0,
+                )
+                sq = tl.load(q_scale_ptr + rows, mask=row_ok, other=0.0)
+                row_max, row_arg = _doc_row_max(
+                    q,
+                    d_ptr,
+                    d_scale_ptr,
+                    start,
+                    stop,
+                    dim,
+                    stride_d,
+                    BLOCK_Q,
+                    BLOCK_D,
+                    BLOCK_K,
+                    MAGIC,
+                    RETURN_ARGMAX,
+                )
+                contrib += tl.where(row_ok, sq * row_max, 0.0)
+                if RETURN_ARGMAX:
+                    tl.store(arg_ptr + c * stride_arg + (rows - row_first), row_arg, mask=row_ok)
+            tl.store(out_ptr + c, tl.sum(contrib, axis=0))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host side: checks, quantization, launchers
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and not _interpreting():
+        raise ValueError(
+            "backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors); use 'torch'"
+        )
+    return backend
+
+
+def _quantize_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.float()
+    scale = xf.abs().amax(dim=1) / INT8_ABSMAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(xf / scale[:, None]).clamp_(-INT8_ABSMAX, INT8_ABSMAX).to(torch.int8)
+    return codes, scale
+
+
+def _quantize_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x if x.stride(1) == 1 else x.contiguous()
+    n, dim = x.shape
+    codes = torch.empty((n, dim), dtype=torch.int8, device=x.device)
+    scales = torch.empty((n,), dtype=torch.float32, device=x.device)
+    if n:
+        block_k = triton.next_power_of_2(dim)
+        block_r = max(1, min(_QUANT_BLOCK_R, 8192 // block_k))
+        _quantize_rows_kernel[(triton.cdiv(n, block_r),)](
+            x, codes, scales, n, dim, x.stride(0), codes.stride(0), BLOCK_R=block_r, BLOCK_K=block_k
+        )
+    return codes, scales
+
+
+def quantize_per_token(x: torch.Tensor, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-token int8 quantization of `x` [T, dim] (fp16, bf16 or fp32; computed in fp32).
+
+    Returns (codes int8 [T, dim], scales fp32 [T]) with
+
+        scale = absmax(x_t) / 127   (scale := 1 where that is 0: an all-zero token gets codes 0, scale 1)
+        codes = clamp(round_half_even(x_t / scale), -127, 127)
+
+    so x_t ~= scale * codes with |error| <= scale / 2 per value. Both backends give identical bits (IEEE
+    division, ties to even); "auto" runs the Triton kernel on CUDA tensors and torch ops otherwise.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"quantize_per_token expects a [tokens, dim] tensor, got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"quantize_per_token expects float16/bfloat16/float32 values, got {x.dtype}")
+    if x.shape[1] == 0:
+        raise ValueError("quantize_per_token: dim is 0")
+    if _resolve_backend(backend, x.device) == "triton":
+        return _quantize_triton(x)
+    return _quantize_torch(x)
+
+
+def _check_offsets(name: str, offsets: torch.Tensor, total: int, device: torch.device) -> list[int]:
+    """Host copy of a validated offsets vector: int64, 1-D, from 0 to `total`, every segment non-empty."""
+    if offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(
+            f"{name} must be a 1-D int64 tensor [n+1], got {offsets.dtype} {tuple(offsets.shape)}"
+        )
+    if offsets.device != device:
+        raise ValueError(f"{name} is on {offsets.device}, the embeddings on {device}")
+    host = offsets.tolist()
+    if host[0] != 0 or host[-1] != total:
+        raise ValueError(
+            f"{name} must start at 0 and end at {total} (the token count), got {host[0]}..{host[-1]}"
+        )
+    for i in range(len(host) - 1):
+        if host[i + 1] <= host[i]:
+            what = "has zero tokens" if host[i + 1] == host[i] else "has decreasing offsets"
+            raise ValueError(
+                f"{name}: entry {i} {what} ({host[i]} -> {host[i + 1]}); every item needs >= 1 token"
+            )
+    return host
+
+
+def _check_doc_offsets(offsets: torch.Tensor, total: int, device: torch.device) -> None:
+    """Device-side checks of the (possibly long) document offsets: one host sync, no host copy."""
+    if offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(
+            f"doc_offsets must be a 1-D int64 tensor [n+1], got {offsets.dtype} {tuple(offsets.shape)}"
+        )
+    if offsets.device != device:
+        raise ValueError(f"doc_offsets is on {offsets.device}, the documents on {device}")
+    ends = torch.stack([offsets[0], offsets[-1], (offsets[1:] <= offsets[:-1]).sum()]).tolist()
+    if ends[0] != 0 or ends[1] != total:
+        raise ValueError(
+            f"doc_offsets must start at 0 and end at {total} (the token count), got {ends[0]}..{ends[1]}"
+        )
+    if ends[2]:
+        raise ValueError(f"doc_offsets: {ends[2]} document(s) with zero tokens or decreasing offsets")
+
+
+def _prepare(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    doc_scales: torch.Tensor | None,
+    query_scales: torch.Tensor | None,
+    backend: str,
+) -> tuple[str, torch.Tensor, torch.Tensor, list[int], torch.Tensor, torch.Tensor]:
+    """Validate, pick the backend, quantize float queries.
+
+    Returns (backend, q8, s_q, host copy of query_offsets, d8, s_d).
+    """
+    if docs.dtype != torch.int8 or docs.dim() != 2:
+        raise ValueError(
+            f"int8 MaxSim expects int8 documents [tokens, dim], got {docs.dtype} {tuple(docs.shape)}"
+        )
+    if queries.dim() != 2 or queries.shape[1] != docs.shape[1]:
+        raise ValueError(f"queries {tuple(queries.shape)} and documents {tuple(docs.shape)} must share dim")
+    dim = docs.shape[1]
+    if not 1 <= dim <= MAX_DIM:
+        raise ValueError(f"int8 MaxSim supports dim 1..{MAX_DIM} (exact int32->fp32 up to there), got {dim}")
+    device = docs.device
+    if queries.device != device:
+        raise ValueError(f"queries are on {queries.device}, documents on {device}")
+    if doc_scales is None:
+        raise ValueError("int8 documents need doc_scales (fp32 [doc tokens], one per token)")
+    if doc_scales.dim() != 1 or doc_scales.numel() != docs.shape[0] or doc_scales.device != device:
+        raise ValueError(
+            f"doc_scales must be [{docs.shape[0]}] on {device}, "
+            f"got {tuple(doc_scales.shape)} on {doc_scales.device}"
+        )
+    backend = _resolve_backend(backend, device)
+    q_host = _check_offsets("query_offsets", query_offsets, queries.shape[0], device)
+    _check_doc_offsets(doc_offsets, docs.shape[0], device)
+    if queries.dtype == torch.int8:
+        if query_scales is None:
+            raise ValueError("int8 queries need query_scales (fp32 [query tokens])")
+        if (
+            query_scales.dim() != 1
+            or query_scales.numel() != queries.shape[0]
+            or query_scales.device != device
+        ):
+            raise ValueError(
+                f"query_scales must be [{queries.shape[0]}] on {device}, got {tuple(query_scales.shape)}"
+            )
+        q8, sq = queries, query_scales.float()
+    elif queries.is_floating_point():
+        q8, sq = _quantize_triton(queries) if backend == "triton" else _quantize_torch(queries)
+    else:
+        raise ValueError(f"queries must be float16/bfloat16/float32 or int8, got {queries.dtype}")
+    d8 = docs if docs.stride(1) == 1 else docs.contiguous()
+    q8 = q8 if q8.stride(1) == 1 else q8.contiguous()
+    return backend, q8, sq.contiguous(), q_host, d8, doc_scales.float().contiguous()
+
+
+def _query_groups(q_host: Sequence[int], block_q: int, max_q: int) -> list[int]:
+    """Boundaries (query indices) of groups of consecutive whole queries with <= block_q tokens and
+    <= max_q queries each; a query longer than block_q is a group of its own."""
+    bounds = [0]
+    rows = count = 0
+    for i in range(len(q_host) - 1):
+        n = q_host[i + 1] - q_host[i]
+        if count and (rows + n > block_q or count == max_q):
+            bounds.append(i)
+            rows = count = 0
+        rows += n
+        count += 1
+    bounds.append(len(q_host) - 1)
+    return bounds
+
+
+def _tile_shapes(dim: int, max_rows: int) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_K) for `dim` and at most `max_rows` query tokens per tile."""
+    block_k = max(32, triton.next_power_of_2(dim))  # int8 tl.dot needs K >= 32
+    cap_q = _VARLEN_BLOCK_Q if block_k <= 256 else 64  # wide vectors: keep the tiles within shared memory
+    return min(cap_q, max(16, triton.next_power_of_2(max_rows))), block_k
+
+
+def _launch_varlen(
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    query_offsets: torch.Tensor,
+    q_host: Sequence[int],
+    d8: torch.Tensor,
+    sd: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    return_argmax: bool,
+    *,
+    block_q: int | None = None,
+    block_d: int | None = None,
+    docs_per_prog: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """All-pairs Triton launch; the keyword overrides exist for the benchmark's tile sweep."""
+    nq, nd = len(q_host) - 1, doc_offsets.numel() - 1
+    dim = d8.shape[1]
+    device = d8.device
+    q_lens = [q_host[i + 1] - q_host[i] for i in range(nq)]
+    auto_q, block_k = _tile_shapes(dim, sum(q_lens))
+    block_q = block_q or auto_q
+    max_q = max(2, block_q // 8)
+    bounds = _query_groups(q_host, block_q, max_q)
+    n_groups = len(bounds) - 1
+    multi_tile = max(q_lens) > block_q
+    few = n_groups <= 2  # one or two query tiles: bound by HBM, not by the tensor cores
+    if block_d is None:
+        block_d = _FEW_QUERIES_BLOCK_D if few else _VARLEN_BLOCK_D
+        block_d = min(block_d, 32) if block_k > 256 else block_d
+    docs_per_prog = docs_per_prog or (_FEW_QUERIES_DOCS_PER_PROG if few else _VARLEN_DOCS_PER_PROG)
+    num_warps = num_warps or (_FEW_QUERIES_WARPS if few else _VARLEN_WARPS)
+    num_stages = num_stages or _VARLEN_STAGES
+    out = torch.empty((nq, nd), dtype=torch.float32, device=device)
+    arg = torch.empty((q8.shape[0], nd), dtype=torch.int32, device=device) if return_argmax else None
+    if nd == 0:
+        return out, arg
+    groups = torch.tensor(bounds, dtype=torch.int32).to(device)
+    grid = (n_groups * triton.cdiv(nd, docs_per_prog),)
+    _maxsim_int8_varlen_kernel[grid](
+        q8, sq, query_offsets, groups, d8, sd, doc_offsets, out, out if arg is None else arg,
+        n_groups, nd, dim,
+        q8.stride(0), d8.stride(0), out.stride(0), nd,
+        DOCS_PER_PROG=docs_per_prog, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_K=block_k, MAX_Q=max_q,
+        MULTI_TILE=multi_tile, MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=return_argmax,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out, arg
+
+
+def _launch_candidates(
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    query_offsets: torch.Tensor,
+    q_host: Sequence[int],
+    d8: torch.Tensor,
+    sd: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    candidate_offsets: torch.Tensor,
+    cand_host: Sequence[int],
+    candidate_docs: torch.Tensor,
+    return_argmax: bool,
+    *,
+    block_d: int | None = None,
+    cands_per_prog: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-query-candidates Triton launch; the keyword overrides exist for the benchmark's tile sweep."""
+    nq = len(q_host) - 1
+    n_cand = candidate_docs.numel()
+    dim = d8.shape[1]
+    device = d8.device
+    max_len = max(q_host[i + 1] - q_host[i] for i in range(nq))
+    block_q, block_k = _tile_shapes(dim, max_len)
+    if block_d is None:
+        block_d = min(_CAND_BLOCK_D, 32) if block_k > 256 else _CAND_BLOCK_D
+    cands_per_prog = cands_per_prog or _CAND_PER_PROG
+    out = torch.empty((n_cand,), dtype=torch.float32, device=device)
+    arg = torch.full((n_cand, max_len), -1, dtype=torch.int32, device=device) if return_argmax else None
+    if n_cand == 0:
+        return out, arg
+    counts = torch.tensor(cand_host, dtype=torch.int64).diff()
+    items_per_query = (counts + cands_per_prog - 1) // cands_per_prog
+    item_query = torch.repeat_interleave(torch.arange(nq, dtype=torch.int64), items_per_query)
+    first_item = torch.cumsum(items_per_query, 0) - items_per_query
+    within = torch.arange(item_query.numel(), dtype=torch.int64) - first_item[item_query]
+    item_start = torch.tensor(cand_host[:-1], dtype=torch.int64)[item_query] + within * cands_per_prog
+    _maxsim_int8_candidates_kernel[(item_query.numel(),)](
+        q8, sq, query_offsets, item_query.to(torch.int32).to(device), item_start.to(device),
+        candidate_offsets, candidate_docs, d8, sd, doc_offsets, out, out if arg is None else arg,
+        dim, q8.stride(0), d8.stride(0), max_len,
+        CANDS_PER_PROG=cands_per_prog, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_K=block_k,
+        MULTI_TILE=max_len > block_q, MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=return_argmax,
+        num_warps=num_warps or _CAND_WARPS, num_stages=num_stages or _VARLEN_STAGES,
+    )  # fmt: skip
+    return out, arg
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CPU path (torch ops; also runs on CUDA tensors)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _segment_max(
+    sim: torch.Tensor, segment: torch.Tensor, n_segments: int, local: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Max over the columns of each segment of `sim` [rows, cols] (segment id per column), and optionally the
+    lowest `local` index (column index within its segment) attaining it."""
+    index = segment.expand(sim.shape[0], -1)
+    best = sim.new_full((sim.shape[0], n_segments), float("-inf"))
+    best.scatter_reduce_(1, index, sim, "amax", include_self=True)
+    if local is None:
+        return best, None
+    hit = sim == best.gather(1, index)
+    where = torch.where(hit, local.expand_as(hit), torch.iinfo(torch.int32).max)
+    arg = torch.full(best.shape, torch.iinfo(torch.int32).max, dtype=torch.int32, device=sim.device)
+    arg.scatter_reduce_(1, index, where, "amin", include_self=True)
+    return best, arg
+
+
+def _segments(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(segment id, index within the segment) of every element of consecutive segments of these lengths."""
+    segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    local = torch.arange(segment.numel(), device=lengths.device) - starts[segment]
+    return segment, local.to(torch.int32)
+
+
+def _varlen_torch(
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    q_host: Sequence[int],
+    d8: torch.Tensor,
+    sd: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    return_argmax: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    nq, nd = len(q_host) - 1, doc_offsets.numel() - 1
+    device = d8.device
+    n_rows = q8.shape[0]
+    q_float = q8.float()
+    row_query = torch.repeat_interleave(
+        torch.arange(nq, device=device), torch.tensor(q_host, device=device).diff()
+    )
+    d_host = doc_offsets.tolist()
+    out = torch.empty((nq, nd), dtype=torch.float32, device=device)
+    arg = torch.empty((n_rows, nd), dtype=torch.int32, device=device) if return_argmax else None
+    budget = max(1, _TORCH_BLOCK_ELEMS // n_rows)  # document tokens per block
+    first = 0
+    while first < nd:
+        last = first + 1
+        while last < nd and d_host[last + 1] - d_host[first] <= budget:
+            last += 1
+        t0, t1 = d_host[first], d_host[last]
+        # int8 codes as fp32: the products and every partial sum are integers below 2^24, hence exact.
+        sim = q_float @ d8[t0:t1].float().T
+        sim.mul_(sd[t0:t1])  # the one fp32 rounding of s_d * acc, as in the kernel
+        segment, local = _segments(doc_offsets[first : last + 1].diff())
+        best, best_arg = _segment_max(sim, segment, last - first, local if return_argmax else None)
+        out[:, first:last] = torch.zeros((nq, last - first), device=device).index_add_(
+            0, row_query, sq[:, None] * best
+        )
+        if arg is not None:
+            arg[:, first:last] = best_arg
+        first = last
+    return out, arg
+
+
+def _candidates_torch(
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    q_host: Sequence[int],
+    d8: torch.Tensor,
+    sd: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    cand_host: Sequence[int],
+    candidate_docs: torch.Tensor,
+    return_argmax: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    nq = len(q_host) - 1
+    device = d8.device
+    n_cand = candidate_docs.numel()
+    max_len = max(q_host[i + 1] - q_host[i] for i in range(nq))
+    out = torch.empty((n_cand,), dtype=torch.float32, device=device)
+    arg = torch.full((n_cand, max_len), -1, dtype=torch.int32, device=device) if return_argmax else None
+    cand_start = doc_offsets[candidate_docs]
+    cand_len = doc_offsets[candidate_docs + 1] - cand_start
+    len_host = cand_len.tolist()
+    for query in range(nq):
+        r0, r1 = q_host[query], q_host[query + 1]
+        q_float = q8[r0:r1].float()
+        budget = max(1, _TORCH_BLOCK_ELEMS // (r1 - r0))
+        first, stop = cand_host[query], cand_host[query + 1]
+        while first < stop:
+            last, tokens = first + 1, len_host[first]
+            while last < stop and tokens + len_host[last] <= budget:
+                tokens += len_host[last]
+                last += 1
+            segment, local = _segments(cand_len[first:last])
+            token = cand_start[first:last][segment] + local
+            sim = q_float @ d8[token].float().T
+            sim.mul_(sd[token])
+            best, best_arg = _segment_max(sim, segment, last - first, local if return_argmax else None)
+            out[first:last] = (sq[r0:r1, None] * best).sum(0)
+            if arg is not None:
+                arg[first:last, : r1 - r0] = best_arg.T
+            first = last
+    return out, arg
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------------------
+
+
+def maxsim_varlen_int8(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    *,
+    return_argmax: bool = False,
+    allow_tf32: bool = False,
+    backend: str = "auto",
+    doc_scales: torch.Tensor | None = None,
+    query_scales: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Every query against every document, int8 x int8 with per-token scales.
+
+    queries [Tq, dim] float (quantized per token here, on the GPU for CUDA tensors) or int8 with
+    `query_scales` fp32 [Tq]; query_offsets int64 [nq+1]; docs int8 [Td, dim] with `doc_scales` fp32 [Td];
+    doc_offsets int64 [nd+1]. Returns fp32 scores [nq, nd]
+    ``score[q, d] = sum_i s_q[i] * max_j (s_d[j] * (q8[i] . d8[j]))`` and, with `return_argmax`, int32
+    [Tq, nd]: the winning token's index within the document (lowest on ties). `allow_tf32` is accepted for
+    the shared signature and has no effect (the products are integer). backend: "auto" (Triton on CUDA,
+    torch on CPU), "triton", "torch".
+    """
+    del allow_tf32
+    backend, q8, sq, q_host, d8, sd = _prepare(
+        queries, query_offsets, docs, doc_offsets, doc_scales, query_scales, backend
+    )
+    if backend == "triton":
+        out, arg = _launch_varlen(q8, sq, query_offsets, q_host, d8, sd, doc_offsets, return_argmax)
+    else:
+        out, arg = _varlen_torch(q8, sq, q_host, d8, sd, doc_offsets, return_argmax)
+    return (out, arg) if return_argmax else out
+
+
+def _check_candidates(
+    candidate_offsets: torch.Tensor,
+    candidate_docs: torch.Tensor,
+    n_queries: int,
+    n_docs: int,
+    device: torch.device,
+) -> list[int]:
+    if candidate_offsets.dtype != torch.int64 or candidate_offsets.dim() != 1:
+        raise ValueError(f"candidate_offsets must be 1-D int64 [nq+1], got {candidate_offsets.dtype}")
+    if candidate_docs.dtype != torch.int64 or candidate_docs.dim() != 1:
+        raise ValueError(f"candidate_docs must be 1-D int64 [C], got {candidate_docs.dtype}")
+    if candidate_offsets.device != device or candidate_docs.device != device:
+        raise ValueError(f"candidate_offsets and candidate_docs must be on {device}")
+    host = candidate_offsets.tolist()
+    if len(host) != n_queries + 1 or host[0] != 0 or host[-1] != candidate_docs.numel():
+        raise ValueError(
+            f"candidate_offsets must have {n_queries + 1} entries from 0 to {candidate_docs.numel()}, "
+            f"got {len(host)} entries"
+        )
+    if any(host[i + 1] < host[i] for i in range(n_queries)):
+        raise ValueError("candidate_offsets must be non-decreasing")
+    if candidate_docs.numel():
+        lo, hi = torch.stack([candidate_docs.min(), candidate_docs.max()]).tolist()
+        if lo < 0 or hi >= n_docs:
+            raise ValueError(f"candidate_docs must index documents 0..{n_docs - 1}, got {lo}..{hi}")
+    return host
+
+
+def maxsim_candidates_int8(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    candidate_offsets: torch.Tensor,
+    candidate_docs: torch.Tensor,
+    *,
+    return_argmax: bool = False,
+    allow_tf32: bool = False,
+    backend: str = "auto",
+    doc_scales: torch.Tensor | None = None,
+    query_scales: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Each query against its own candidates (reranking), int8 x int8 with per-token scales.
+
+    Query i's candidates are ``candidate_docs[candidate_offsets[i]:candidate_offsets[i+1]]`` (int64 indices
+    into doc_offsets), read in place. Returns fp32 scores [C] (same formula as `maxsim_varlen_int8`) and,
+    with `return_argmax`, int32 [C, max query length] with -1 past each query's length.
+    """
+    del allow_tf32
+    backend, q8, sq, q_host, d8, sd = _prepare(
+        queries, query_offsets, docs, doc_offsets, doc_scales, query_scales, backend
+    )
+    cand_host = _check_candidates(
+        candidate_offsets, candidate_docs, len(q_host) - 1, doc_offsets.numel() - 1, d8.device
+    )
+    if backend == "triton":
+        out, arg = _launch_candidates(
+            q8,
+            sq,
+            query_offsets,
+            q_host,
+            d8,
+            sd,
+            doc_offsets,
+            candidate_offsets,
+            cand_host,
+            candidate_docs,
+            return_argmax,
+        )
+    else:
+        out, arg = _candidates_torch(
+            q8, sq, q_host, d8, sd, doc_offsets, cand_host, candidate_docs, return_argmax
+        )
+    return (out, arg) if return_argmax else out
+
+
+def maxsim_int8_reference(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    *,
+    doc_scales: torch.Tensor,
+    query_scales: torch.Tensor | None = None,
+    return_argmax: bool = False,
+    round_products: bool = True,
+    block_elems: int = 1 << 23,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The float64 evaluation of the int8 integer math, all pairs: the reference the kernels are tested on.
+
+    ``acc = q8 @ d8.T`` (exact in float64), ``score[q, d] = sum_i s_q[i] * max_j (s_d[j] * acc[i, j])`` in
+    float64. With `round_products` (default) each ``s_d[j] * acc[i, j]`` is rounded to fp32 first, exactly
+    as the kernels round it, so the max and the argmax (lowest index on ties) are defined identically and
+    must match bit for bit; only the query-scale products and the sum differ, by fp32 rounding. Float
+    queries are quantized with `quantize_per_token` (torch ops). Computed on the CPU over padded blocks
+    of documents (an implementation independent of the kernels' segmented max). Returns float64 [nq, nd]
+    and optionally int32 argmax [Tq, nd].
+    """
+    if queries.dtype == torch.int8:
+        if query_scales is None:
+            raise ValueError("int8 queries need query_scales")
+        q8, sq = queries.cpu(), query_scales.cpu().double()
+    else:
+        q8, sq = _quantize_torch(queries.cpu())
+        sq = sq.double()
+    q_host = query_offsets.tolist()
+    d_host = doc_offsets.tolist()
+    nq, nd, n_rows = len(q_host) - 1, len(d_host) - 1, q8.shape[0]
+    q64 = q8.double()
+    d8 = docs.cpu()
+    sd = doc_scales.cpu().float()
+    row_query = torch.repeat_interleave(torch.arange(nq), torch.tensor(q_host).diff())
+    out = torch.empty((nq, nd), dtype=torch.float64)
+    arg = torch.empty((n_rows, nd), dtype=torch.int32)
+    first = 0
+    while first < nd:
+        last = first + 1
+        longest = d_host[first + 1] - d_host[first]
+        while (
+            last < nd
+            and n_rows * (last + 1 - first) * max(longest, d_host[last + 1] - d_host[last]) <= block_elems
+        ):
+            longest = max(longest, d_host[last + 1] - d_host[last])
+            last += 1
+        t0, t1 = d_host[first], d_host[last]
+        acc = q64 @ d8[t0:t1].double().T  # exact: integers below 2^53
+        if round_products:
+            prod = (acc.float() * sd[t0:t1]).double()  # acc < 2^24 is exact in fp32; one rounding
+        else:
+            prod = acc * sd[t0:t1].double()
+        starts = torch.tensor(d_host[first:last]) - t0
+        lengths = torch.tensor(d_host[first + 1 : last + 1]) - t0 - starts
+        pos = torch.arange(longest)
+        inside = pos[None, :] < lengths[:, None]  # [docs, longest]
+        column = torch.where(inside, starts[:, None] + pos[None, :], 0)
+        padded = prod[:, column].masked_fill_(~inside[None], float("-inf"))  # [Tq, docs, longest]
+        best, best_arg = padded.max(dim=2)  # first maximal index on ties
+        out[:, first:last] = torch.zeros((nq, last - first), dtype=torch.float64).index_add_(
+            0, row_query, sq[:, None] * best
+        )
+        arg[:, first:last] = best_arg.to(torch.int32)
+        first = last
+    return (out, arg) if return_argmax else out
