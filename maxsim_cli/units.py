@@ -1,0 +1,49 @@
+"""Byte sizes on the command line: `parse_size("2GiB") == 2 * 1024**3`, and back for display."""
+
+from __future__ import annotations
+
+import re
+
+from maxsim_cli.errors import UsageError
+
+# Decimal units are powers of 1000, binary ones powers of 1024 (IEC), as `ls`/`df` users expect.
+UNITS: dict[str, int] = {
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str, *, option: str = "size") -> int:
+    """Parse a byte count such as `2GiB`, `512 MB`, `1.5GiB` or `4096` (bytes) into an int.
+
+    Units (case-insensitive): B, KB, MB, GB, TB (powers of 1000) and KiB, MiB, GiB, TiB (powers of
+    1024). A fractional result is rounded down to whole bytes. Raises `UsageError` (exit 2) naming
+    `option` on anything else.
+    """
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else ""
+    if match is None or (unit and unit not in UNITS):
+        raise UsageError(
+            f"{option}: invalid size {text!r}; give a number with an optional unit "
+            "B, KB, MB, GB, TB, KiB, MiB, GiB or TiB, for example 2GiB"
+        )
+    return int(float(match.group(1)) * UNITS[unit or "b"])
+
+
+def format_size(num_bytes: int) -> str:
+    """Format a byte count for people: binary units, three significant digits (`1.50 GiB`)."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.3g} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
