@@ -1,0 +1,267 @@
+"""INT8 x INT8 MaxSim on CPU: the Triton kernels under the interpreter and the torch path, against the
+float64 evaluation of the same integer math (`maxsim_int8_reference`).
+
+Tolerances. The argmax must match exactly: every path rounds ``s_d[j] * acc[i, j]`` once to fp32 from the
+exact integer `acc`, and the reference does the same (`round_products=True`), so the max is the same
+number everywhere and ties go to the lowest index. Scores then differ from the float64 reference only by
+the fp32 query-scale products and the fp32 sum over the query's tokens: at most (L + 1) roundings of
+2^-24 relative to the sum of the terms' magnitudes (L = query length), hence
+``atol = (L + 1) * 2^-24 * sum_i |s_q[i] * max_j(...)|``, with a factor 2 of slack.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from maxsim_kernels.maxsim_int8 import (
+    maxsim_candidates_int8,
+    maxsim_int8_reference,
+    maxsim_varlen_int8,
+    quantize_per_token,
+)
+
+EPS32 = 2.0**-24
+_CAN_RUN_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+_NEEDS_TRITON = pytest.mark.skipif(not _CAN_RUN_TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
+BACKENDS = ["torch", pytest.param("triton", marks=_NEEDS_TRITON)]
+
+
+def packed(
+    lengths: list[int], dim: int, gen: torch.Generator, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random float tokens (both signs) packed [T, dim] with int64 offsets."""
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths).cumsum(0)
+    return torch.randn(int(offsets[-1]), dim, generator=gen) * scale, offsets
+
+
+def term_abs_sum(q8, sq, qo, d8, sd, do) -> torch.Tensor:
+    """sum_i |s_q[i] * max_j fp32(s_d[j] * acc[i, j])| per (query, doc), by brute force (float64)."""
+    prod = (q8.double() @ d8.double().T).float() * sd.float()
+    maxima = torch.stack([prod[:, do[d] : do[d + 1]].max(dim=1).values for d in range(len(do) - 1)], dim=1)
+    terms = (sq.double()[:, None] * maxima.double()).abs()
+    return torch.stack([terms[qo[q] : qo[q + 1]].sum(0) for q in range(len(qo) - 1)])
+
+
+def assert_scores(scores, reference, abs_sum, q_lengths) -> None:
+    lengths = torch.tensor(q_lengths, dtype=torch.float64)[:, None]
+    atol = 2 * (lengths + 1) * EPS32 * abs_sum + 1e-30
+    err = (scores.double() - reference).abs()
+    assert torch.isfinite(scores).all()
+    assert (err <= atol).all(), (
+        f"max error {err.max().item():.3g}, worst ratio {(err / atol).max().item():.3g}"
+    )
+
+
+# -- quantization ------------------------------------------------------------------------------------------
+
+
+def test_quantize_rounds_half_to_even_and_clamps() -> None:
+    x = torch.tensor([[127.0, 2.5, -2.5, 3.5, -0.5, 0.5, 1.5, -127.0]])
+    codes, scales = quantize_per_token(x, backend="torch")
+    assert scales.tolist() == [1.0]
+    assert codes.tolist() == [[127, 2, -2, 4, 0, 0, 2, -127]]
+
+
+def test_quantize_zero_token_gets_scale_one() -> None:
+    x = torch.zeros(2, 16)
+    x[1, 3] = -0.25
+    codes, scales = quantize_per_token(x, backend="torch")
+    assert scales[0].item() == 1.0 and (codes[0] == 0).all()
+    assert codes[1, 3].item() == -127 and scales[1].item() == pytest.approx(0.25 / 127)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim", [8, 40, 128, 200])
+def test_quantize_error_bound(dtype: torch.dtype, dim: int) -> None:
+    gen = torch.Generator().manual_seed(dim)
+    x = (torch.randn(50, dim, generator=gen) * torch.rand(50, 1, generator=gen) * 3).to(dtype)
+    codes, scales = quantize_per_token(x, backend="torch")
+    assert codes.dtype == torch.int8 and scales.dtype == torch.float32
+    assert codes.abs().max() <= 127 and (codes.abs().amax(1) == 127).all()
+    err = (codes.float() * scales[:, None] - x.float()).abs()
+    # |x/s - round(x/s)| <= 1/2, plus the rounding of the division and of s itself.
+    assert (err <= scales[:, None] * (0.5 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_quantize_triton_matches_torch_bitwise(backend: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 72, generator=gen).to(dtype)
+    x[5] = 0
+    x[7, :4] = torch.tensor([127.0, 2.5, -2.5, 3.5], dtype=dtype)  # halves land on exact .5
+    x[7, 4:] = 0
+    want_codes, want_scales = quantize_per_token(x, backend="torch")
+    codes, scales = quantize_per_token(x, backend=backend)
+    assert torch.equal(codes, want_codes)
+    assert torch.equal(scales, want_scales)
+
+
+# -- exactness ---------------------------------------------------------------------------------------------
+
+SHAPES = [
+    # (query lengths, doc lengths, dim)
+    ([3, 1, 7, 5], [2, 9, 1, 17, 4], 40),  # ragged, length-1 on both sides, dim not a power of two
+    ([1], [1], 8),  # the smallest case
+    ([32, 32, 32, 32, 32], [20, 65, 64, 130, 33, 1, 7], 128),  # a group boundary inside the batch
+    ([6, 2], [5, 70, 3], 24),
+    ([4, 9], [12, 3, 66], 300),  # wider than the exact-bias conversion: the plain int32 -> fp32 path
+    ([140, 3], [30, 5], 16),  # a query longer than one query tile (multi-tile path)
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("q_lengths,d_lengths,dim", SHAPES)
+def test_varlen_exact(backend: str, q_lengths: list[int], d_lengths: list[int], dim: int) -> None:
+    gen = torch.Generator().manual_seed(len(q_lengths) * 1000 + dim)
+    queries, qo = packed(q_lengths, dim, gen)
+    docs, do = packed(d_lengths, dim, gen, scale=0.1)
+    d8, sd = quantize_per_token(docs, backend="torch")
+    ref, ref_arg = maxsim_int8_reference(queries, qo, d8, do, doc_scales=sd, return_argmax=True)
+    scores, arg = maxsim_varlen_int8(queries, qo, d8, do, doc_scales=sd, return_argmax=True, backend=backend)
+    assert scores.dtype == torch.float32 and scores.shape == (len(q_lengths), len(d_lengths))
+    assert arg.dtype == torch.int32 and arg.shape == (sum(q_lengths), len(d_lengths))
+    q8, sq = quantize_per_token(queries, backend="torch")
+    assert_scores(scores, ref, term_abs_sum(q8, sq, qo, d8, sd, do), q_lengths)
+    assert torch.equal(arg, ref_arg)
+    # Without argmax the same scores come out (the argmax variant is a separate compilation).
+    assert torch.equal(maxsim_varlen_int8(queries, qo, d8, do, doc_scales=sd, backend=backend), scores)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("q_lengths,d_lengths,dim", SHAPES[:4] + SHAPES[5:])
+def test_candidates_exact(backend: str, q_lengths: list[int], d_lengths: list[int], dim: int) -> None:
+    gen = torch.Generator().manual_seed(7 + dim)
+    queries, qo = packed(q_lengths, dim, gen)
+    docs, do = packed(d_lengths, dim, gen, scale=3.0)
+    d8, sd = quantize_per_token(docs, backend="torch")
+    nq, nd = len(q_lengths), len(d_lengths)
+    # Each query gets its own candidates, repeats and an empty list included.
+    counts = [(q * 3 + 2) % (nd + 2) for q in range(nq)]
+    counts[-1] = 0 if nq > 1 else counts[-1] + 1
+    cand_docs = torch.randint(0, nd, (sum(counts),), generator=gen)
+    cand_off = torch.zeros(nq + 1, dtype=torch.int64)
+    cand_off[1:] = torch.tensor(counts).cumsum(0)
+    ref, ref_arg = maxsim_int8_reference(queries, qo, d8, do, doc_scales=sd, return_argmax=True)
+    q8, sq = quantize_per_token(queries, backend="torch")
+    abs_sum = term_abs_sum(q8, sq, qo, d8, sd, do)
+    scores, arg = maxsim_candidates_int8(
+        queries, qo, d8, do, cand_off, cand_docs, doc_scales=sd, return_argmax=True, backend=backend
+    )
+    owner = torch.repeat_interleave(torch.arange(nq), torch.tensor(counts))
+    assert scores.shape == (sum(counts),) and arg.shape == (sum(counts), max(q_lengths))
+    lengths = [q_lengths[q] for q in owner.tolist()]
+    assert_scores(
+        scores[:, None], ref[owner, cand_docs][:, None], abs_sum[owner, cand_docs][:, None], lengths
+    )
+    for c, (q, d) in enumerate(zip(owner.tolist(), cand_docs.tolist(), strict=True)):
+        n = q_lengths[q]
+        assert torch.equal(arg[c, :n], ref_arg[qo[q] : qo[q + 1], d])
+        assert (arg[c, n:] == -1).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ties_pick_the_lowest_index(backend: str) -> None:
+    gen = torch.Generator().manual_seed(11)
+    base = torch.randn(3, 32, generator=gen)
+    # Document 0 repeats one token (exact ties); document 1 holds the same token after a different one.
+    docs = torch.cat([base[0:1], base[0:1], base[0:1], base[1:2], base[0:1], base[0:1]])
+    do = torch.tensor([0, 3, 6])
+    queries = torch.cat([base[0:1], -base[2:3]])
+    qo = torch.tensor([0, 2])
+    d8, sd = quantize_per_token(docs, backend="torch")
+    _, ref_arg = maxsim_int8_reference(queries, qo, d8, do, doc_scales=sd, return_argmax=True)
+    _, arg = maxsim_varlen_int8(queries, qo, d8, do, doc_scales=sd, return_argmax=True, backend=backend)
+    assert arg[0].tolist() == [0, 1]
+    assert torch.equal(arg, ref_arg)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int8_queries_with_scales(backend: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    queries, qo = packed([4, 6], 48, gen)
+    docs, do = packed([3, 8, 2], 48, gen)
+    d8, sd = quantize_per_token(docs, backend="torch")
+    q8, sq = quantize_per_token(queries, backend="torch")
+    from_float = maxsim_varlen_int8(queries, qo, d8, do, doc_scales=sd, backend=backend)
+    from_int8 = maxsim_varlen_int8(q8, qo, d8, do, doc_scales=sd, query_scales=sq, backend=backend)
+    assert torch.equal(from_float, from_int8)
+
+
+def test_reference_unrounded_products_agree_within_fp32() -> None:
+    gen = torch.Generator().manual_seed(9)
+    queries, qo = packed([5, 3], 64, gen)
+    docs, do = packed([7, 2, 9], 64, gen)
+    d8, sd = quantize_per_token(docs, backend="torch")
+    rounded = maxsim_int8_reference(queries, qo, d8, do, doc_scales=sd)
+    exact = maxsim_int8_reference(queries, qo, d8, do, doc_scales=sd, round_products=False)
+    torch.testing.assert_close(rounded, exact, rtol=1e-6, atol=1e-9)
+
+
+def test_backends_agree_exactly_on_argmax_and_closely_on_scores() -> None:
+    gen = torch.Generator().manual_seed(21)
+    queries, qo = packed([8, 8, 8], 64, gen)
+    docs, do = packed([10, 25, 1, 40, 12], 64, gen)
+    d8, sd = quantize_per_token(docs, backend="torch")
+    s_torch, a_torch = maxsim_varlen_int8(
+        queries, qo, d8, do, doc_scales=sd, return_argmax=True, backend="torch"
+    )
+    s_auto = maxsim_varlen_int8(queries, qo, d8, do, doc_scales=sd)  # CPU tensors: the torch path
+    assert torch.equal(s_auto, s_torch)
+    torch.testing.assert_close(s_torch, maxsim_int8_reference(queries, qo, d8, do, doc_scales=sd).float())
+    assert a_torch.min() >= 0
+
+
+# -- errors ------------------------------------------------------------------------------------------------
+
+
+def _small() -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    queries, qo = packed([2, 3], 16, gen)
+    docs, do = packed([4, 1], 16, gen)
+    d8, sd = quantize_per_token(docs, backend="torch")
+    return queries, qo, d8, do, sd
+
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda a: a.update(doc_scales=None), "need doc_scales"),
+        (lambda a: a.update(docs=a["docs"].float()), "int8 documents"),
+        (lambda a: a.update(doc_scales=a["doc_scales"][:-1]), "doc_scales must be"),
+        (lambda a: a.update(query_offsets=torch.tensor([0, 2, 2, 5])), "zero tokens"),
+        (lambda a: a.update(query_offsets=torch.tensor([0, 2, 4])), "end at 5"),
+        (lambda a: a.update(doc_offsets=torch.tensor([0, 5, 5])), "zero tokens"),
+        (lambda a: a.update(queries=a["queries"][:, :8]), "share dim"),
+        (lambda a: a.update(queries=a["queries"].to(torch.int8)), "query_scales"),
+        (lambda a: a.update(backend="cuda"), "backend must be"),
+    ],
+)
+def test_invalid_inputs_raise(mutate, message: str) -> None:
+    queries, qo, d8, do, sd = _small()
+    args = dict(queries=queries, query_offsets=qo, docs=d8, doc_offsets=do, doc_scales=sd, backend="torch")
+    mutate(args)
+    with pytest.raises(ValueError, match=message):
+        maxsim_varlen_int8(
+            args["queries"], args["query_offsets"], args["docs"], args["doc_offsets"],
+            doc_scales=args["doc_scales"], backend=args["backend"],
+        )  # fmt: skip
+
+
+def test_candidate_index_out_of_range_raises() -> None:
+    queries, qo, d8, do, sd = _small()
+    with pytest.raises(ValueError, match="index documents 0..1"):
+        maxsim_candidates_int8(
+            queries, qo, d8, do, torch.tensor([0, 1, 2]), torch.tensor([0, 2]), doc_scales=sd
+        )
+
+
+def test_dim_beyond_exact_range_raises() -> None:
+    docs = torch.zeros(2, 1025, dtype=torch.int8)
+    with pytest.raises(ValueError, match="dim 1..1024"):
+        maxsim_varlen_int8(
+            torch.ones(1, 1025), torch.tensor([0, 1]), docs, torch.tensor([0, 2]), doc_scales=torch.ones(2)
+        )
