@@ -905,26 +905,28 @@ def maxsim_int8_reference(
     float64. With `round_products` (default) each ``s_d[j] * acc[i, j]`` is rounded to fp32 first, exactly
     as the kernels round it, so the max and the argmax (lowest index on ties) are defined identically and
     must match bit for bit; only the query-scale products and the sum differ, by fp32 rounding. Float
-    queries are quantized with `quantize_per_token` (torch ops). Computed on the CPU over padded blocks
-    of documents (an implementation independent of the kernels' segmented max). Returns float64 [nq, nd]
-    and optionally int32 argmax [Tq, nd].
+    queries are quantized with `quantize_per_token` (torch ops). Computed on the documents' device over
+    padded blocks of documents (an implementation independent of the kernels' segmented max). Returns
+    float64 [nq, nd] and optionally int32 argmax [Tq, nd].
     """
+    device = docs.device
     if queries.dtype == torch.int8:
         if query_scales is None:
             raise ValueError("int8 queries need query_scales")
-        q8, sq = queries.cpu(), query_scales.cpu().double()
+        q8, sq = queries.to(device), query_scales.to(device).double()
     else:
-        q8, sq = _quantize_torch(queries.cpu())
+        q8, sq = _quantize_torch(queries.to(device))
         sq = sq.double()
     q_host = query_offsets.tolist()
     d_host = doc_offsets.tolist()
     nq, nd, n_rows = len(q_host) - 1, len(d_host) - 1, q8.shape[0]
     q64 = q8.double()
-    d8 = docs.cpu()
-    sd = doc_scales.cpu().float()
-    row_query = torch.repeat_interleave(torch.arange(nq), torch.tensor(q_host).diff())
-    out = torch.empty((nq, nd), dtype=torch.float64)
-    arg = torch.empty((n_rows, nd), dtype=torch.int32)
+    sd = doc_scales.to(device).float()
+    row_query = torch.repeat_interleave(
+        torch.arange(nq, device=device), torch.tensor(q_host, device=device).diff()
+    )
+    out = torch.empty((nq, nd), dtype=torch.float64, device=device)
+    arg = torch.empty((n_rows, nd), dtype=torch.int32, device=device)
     first = 0
     while first < nd:
         last = first + 1
@@ -936,19 +938,19 @@ def maxsim_int8_reference(
             longest = max(longest, d_host[last + 1] - d_host[last])
             last += 1
         t0, t1 = d_host[first], d_host[last]
-        acc = q64 @ d8[t0:t1].double().T  # exact: integers below 2^53
+        acc = q64 @ docs[t0:t1].double().T  # exact: integers below 2^53
         if round_products:
             prod = (acc.float() * sd[t0:t1]).double()  # acc < 2^24 is exact in fp32; one rounding
         else:
             prod = acc * sd[t0:t1].double()
-        starts = torch.tensor(d_host[first:last]) - t0
-        lengths = torch.tensor(d_host[first + 1 : last + 1]) - t0 - starts
-        pos = torch.arange(longest)
+        starts = torch.tensor(d_host[first:last], device=device) - t0
+        lengths = torch.tensor(d_host[first + 1 : last + 1], device=device) - t0 - starts
+        pos = torch.arange(longest, device=device)
         inside = pos[None, :] < lengths[:, None]  # [docs, longest]
         column = torch.where(inside, starts[:, None] + pos[None, :], 0)
         padded = prod[:, column].masked_fill_(~inside[None], float("-inf"))  # [Tq, docs, longest]
         best, best_arg = padded.max(dim=2)  # first maximal index on ties
-        out[:, first:last] = torch.zeros((nq, last - first), dtype=torch.float64).index_add_(
+        out[:, first:last] = torch.zeros((nq, last - first), dtype=torch.float64, device=device).index_add_(
             0, row_query, sq[:, None] * best
         )
         arg[:, first:last] = best_arg.to(torch.int32)
