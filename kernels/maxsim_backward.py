@@ -249,16 +249,11 @@ def _pair_keys(
     int32 keys when they fit (half the radix-sort passes of int64).
     """
     key_dtype = torch.int32 if num_doc_tokens < 2**31 - 1 else torch.int64
-    if candidate_docs is None:
-        starts = doc_offsets[:-1]
-    else:
-        starts = doc_offsets[candidate_docs]
+    starts = doc_offsets[:-1] if candidate_docs is None else doc_offsets[candidate_docs]
     starts = starts.to(key_dtype)
-    if candidate_docs is None:
-        keys = argmax.to(key_dtype) + starts[None, :]
-    else:
-        keys = argmax.to(key_dtype) + starts[:, None]
-    keys = torch.where(argmax >= 0, keys, torch.full_like(keys, num_doc_tokens))
+    keys = argmax.to(key_dtype, copy=True)  # built in place: one pair-sized buffer
+    keys += starts[None, :] if candidate_docs is None else starts[:, None]
+    keys.masked_fill_(argmax < 0, num_doc_tokens)
     return keys.reshape(-1)
 
 

@@ -1,0 +1,351 @@
+"""Training benchmark: MaxSim forward + backward, ours against plain autograd and the peers.
+
+Shapes (all pairs, in-batch negatives; d = 128, L2-normalised random token vectors, fixed lengths so
+every method sees the same work):
+  colbert-128   128 queries x 32 tokens   vs 128 documents x 180 tokens
+  colbert-256   128 queries x 32 tokens   vs 256 documents x 180 tokens
+  colpali-32     32 queries x 1024 tokens vs  32 documents x 1024 tokens
+
+Methods: ours (`maxsim_kernels.maxsim_varlen` with inputs that require grad, packed layout); plain
+autograd (padded einsum, -inf masked amax, sum); flash-maxsim 0.3.0 `flash_maxsim_batched_train` (its
+default backward, fp32 atomics, and its opt-in inverse-grid CSR path, FLASH_BWD_PATH=invgrid);
+late-interaction-kernels 0.4.5 `maxsim` (its default backward and `backward="lowmem"`, its
+deterministic one). The peers run on fp16 inputs only (flash-maxsim computes in fp16 whatever it is
+given); ours and plain autograd also on fp32 inputs.
+
+For each row: fwd+bwd time (triton.testing.do_bench median, upstream gradient fixed), peak memory beyond
+the inputs (torch.cuda.max_memory_allocated during one fwd+bwd, the returned gradients included), the
+relative gradient error ||g - g_ref|| / ||g_ref|| of dQ and dD against float64 (similarities and argmax
+in float64, gradients reduced in float64), and whether two runs give bitwise-equal gradients.
+Our backward is also broken down (CSR build, dQ kernel, dD kernel) and its launch constants swept.
+
+    python benchmarks/bench_train.py --out benchmarks/results/train-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+
+import maxsim_kernels
+import torch
+import triton
+from maxsim_kernels import maxsim_backward as mb
+from triton.testing import do_bench
+
+SHAPES = {
+    "colbert-128": (128, 32, 128, 180),
+    "colbert-256": (128, 32, 256, 180),
+    "colpali-32": (32, 1024, 32, 1024),
+}
+DIM = 128
+DEVICE = "cuda"
+Grads = tuple[torch.Tensor, torch.Tensor]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------
+# inputs and the float64 reference
+# ------------------------------------------------------------------------------------------------------
+
+
+def make_inputs(nq: int, lq: int, nd: int, ld: int, dtype: torch.dtype, seed: int) -> dict:
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(nq * lq, DIM, device=DEVICE, generator=gen), dim=-1)
+    d = torch.nn.functional.normalize(torch.randn(nd * ld, DIM, device=DEVICE, generator=gen), dim=-1)
+    return {
+        "q": q.to(dtype),
+        "d": d.to(dtype),
+        "qo": torch.arange(0, nq * lq + 1, lq, device=DEVICE, dtype=torch.int64),
+        "do": torch.arange(0, nd * ld + 1, ld, device=DEVICE, dtype=torch.int64),
+        "g": torch.randn(nq, nd, device=DEVICE, generator=gen),
+        "shape": (nq, lq, nd, ld),
+    }
+
+
+def reference_grads(x: dict) -> Grads:
+    """float64 dQ, dD: similarities and argmax in float64, then the gather / scatter formulas."""
+    nq, lq, nd, ld = x["shape"]
+    q = x["q"].double().view(nq, lq, DIM)
+    d = x["d"].double().view(nd, ld, DIM)
+    g = x["g"].double()
+    grad_q = torch.zeros_like(q)
+    grad_d = torch.zeros(nd * ld, DIM, dtype=torch.float64, device=DEVICE)
+    step = max(1, (1 << 28) // (nd * lq * ld))  # <= 2 GiB of float64 similarities at a time
+    for s in range(0, nq, step):
+        sims = torch.einsum("qid,bjd->qbij", q[s : s + step], d)
+        arg = sims.argmax(dim=-1)  # [qs, nd, lq], first maximum
+        del sims
+        rows = arg + (torch.arange(nd, device=DEVICE) * ld)[None, :, None]
+        w = g[s : s + step][:, :, None]  # [qs, nd, 1]
+        gathered = d.reshape(nd * ld, DIM)[rows]  # [qs, nd, lq, DIM]
+        grad_q[s : s + step] = (gathered * w[..., None]).sum(dim=1)
+        del gathered
+        contrib = q[s : s + step][:, None, :, :] * w[..., None]  # [qs, nd, lq, DIM]
+        grad_d.index_add_(0, rows.reshape(-1), contrib.expand(-1, nd, -1, -1).reshape(-1, DIM))
+        del contrib
+    return grad_q.reshape(nq * lq, DIM), grad_d
+
+
+def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return (torch.linalg.vector_norm(x.double() - ref) / torch.linalg.vector_norm(ref)).item()
+
+
+# ------------------------------------------------------------------------------------------------------
+# methods: each returns a step() computing (dQ, dD) in packed [tokens, DIM] layout
+# ------------------------------------------------------------------------------------------------------
+
+
+def ours(x: dict) -> Callable[[], Grads]:
+    q = x["q"].detach().requires_grad_(True)
+    d = x["d"].detach().requires_grad_(True)
+    forward = getattr(maxsim_kernels, "maxsim_varlen", None)
+    if forward is None:
+        forward = mb.maxsim_varlen_autograd
+
+    def step() -> Grads:
+        scores = forward(q, x["qo"], d, x["do"])
+        return torch.autograd.grad(scores, (q, d), x["g"])
+
+    return step
+
+
+def plain_autograd(x: dict) -> Callable[[], Grads]:
+    nq, lq, nd, ld = x["shape"]
+    q = x["q"].detach().view(nq, lq, DIM).requires_grad_(True)
+    d = x["d"].detach().view(nd, ld, DIM).requires_grad_(True)
+    q_mask = torch.ones(nq, lq, dtype=torch.bool, device=DEVICE)
+    d_mask = torch.ones(nd, ld, dtype=torch.bool, device=DEVICE)
+
+    def step() -> Grads:
+        sims = torch.einsum("qid,bjd->qbij", q, d)
+        sims = sims.masked_fill(~d_mask[None, :, None, :], float("-inf"))
+        scores = (sims.amax(dim=-1) * q_mask[:, None, :]).sum(dim=-1).float()
+        gq, gd = torch.autograd.grad(scores, (q, d), x["g"])
+        return gq.reshape(nq * lq, DIM), gd.reshape(nd * ld, DIM)
+
+    return step
+
+
+def flash(x: dict, path: str) -> Callable[[], Grads]:
+    from flash_maxsim.flash_maxsim_batched_train import flash_maxsim_batched_train
+
+    nq, lq, nd, ld = x["shape"]
+    q = x["q"].detach().view(nq, lq, DIM).requires_grad_(True)
+    d = x["d"].detach().view(nd, ld, DIM).requires_grad_(True)
+
+    def step() -> Grads:
+        os.environ["FLASH_BWD_PATH"] = path  # read by its backward at call time
+        scores = flash_maxsim_batched_train(q, d, shared_docs=True)
+        gq, gd = torch.autograd.grad(scores, (q, d), x["g"])
+        return gq.reshape(nq * lq, DIM), gd.reshape(nd * ld, DIM)
+
+    return step
+
+
+def lik(x: dict, backward: str | None) -> Callable[[], Grads]:
+    from late_interaction_kernels import maxsim
+
+    nq, lq, nd, ld = x["shape"]
+    q = x["q"].detach().view(nq, lq, DIM).requires_grad_(True)
+    d = x["d"].detach().view(nd, ld, DIM).requires_grad_(True)
+
+    def step() -> Grads:
+        scores = maxsim(q, d, backward=backward)
+        gq, gd = torch.autograd.grad(scores, (q, d), x["g"])
+        return gq.reshape(nq * lq, DIM), gd.reshape(nd * ld, DIM)
+
+    return step
+
+
+METHODS: dict[str, Callable[[dict], Callable[[], Grads]]] = {
+    "ours": ours,
+    "plain-autograd": plain_autograd,
+    "flash-maxsim": lambda x: flash(x, "auto"),
+    "flash-maxsim-invgrid": lambda x: flash(x, "invgrid"),
+    "lik": lambda x: lik(x, None),
+    "lik-lowmem": lambda x: lik(x, "lowmem"),
+}
+FP32_METHODS = ("ours", "plain-autograd")
+
+
+def measure(method: str, x: dict, ref: Grads) -> dict:
+    step = METHODS[method](x)
+    first = step()  # compiles, autotunes
+    second = step()
+    repeatable = all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    errors = [rel_error(a, r) for a, r in zip(first, ref, strict=True)]
+    del first, second
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    grads = step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del grads
+    ms = do_bench(step, warmup=25, rep=200, return_mode="median")
+    return {
+        "fwd_bwd_ms": ms,
+        "peak_mib": peak / 2**20,
+        "rel_err_dq": errors[0],
+        "rel_err_dd": errors[1],
+        "bitwise_repeatable": repeatable,
+    }
+
+
+# ------------------------------------------------------------------------------------------------------
+# our backward: breakdown and a sweep of its launch constants
+# ------------------------------------------------------------------------------------------------------
+
+
+def breakdown(x: dict) -> dict:
+    q, d, qo, do, g = x["q"], x["d"], x["qo"], x["do"], x["g"]
+    fwd = getattr(maxsim_kernels, "maxsim_varlen", None)
+    with torch.no_grad():
+        if fwd is not None:
+            _, argmax = fwd(q, qo, d, do, return_argmax=True)
+        else:
+            _, argmax = mb.forward_exact(q, qo, d, do, dtype=torch.float32)
+    td = d.shape[0]
+    out = {}
+    if fwd is not None:
+        out["forward_argmax_ms"] = do_bench(
+            lambda: fwd(q, qo, d, do, return_argmax=True), return_mode="median"
+        )
+    out["csr_build_ms"] = do_bench(
+        lambda: mb.build_inverse_csr(mb._pair_keys(argmax, do, None, td), td), return_mode="median"
+    )
+    out["dq_kernel_ms"] = do_bench(
+        lambda: mb._grad_queries_triton(d, None, do, argmax, g, qo, None, None, q.shape[0], q.dtype),
+        return_mode="median",
+    )
+    out["dd_total_ms"] = do_bench(
+        lambda: mb._grad_docs_triton(q, g, argmax, qo, do, None, None, td, d.dtype), return_mode="median"
+    )
+    out["backward_ms"] = do_bench(lambda: mb.maxsim_backward(g, argmax, q, qo, d, do), return_mode="median")
+    return out
+
+
+DQ_VARIANTS = [(8, 8, 4), (4, 8, 2), (16, 4, 4), (16, 8, 8), (4, 16, 4), (32, 4, 8)]
+DD_VARIANTS = [(16, 2), (8, 1), (16, 1), (32, 2), (32, 4), (16, 4)]
+
+
+@contextlib.contextmanager
+def constants(**values):
+    saved = {k: getattr(mb, k) for k in values}
+    for k, v in values.items():
+        setattr(mb, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(mb, k, v)
+
+
+def sweep(x: dict) -> list[dict]:
+    q, d, qo, do, g = x["q"], x["d"], x["qo"], x["do"], x["g"]
+    with torch.no_grad():
+        _, argmax = mb._forward(q, qo, d, do, None, None, False, "auto", None)
+    td = d.shape[0]
+    keys = mb._pair_keys(argmax, do, None, td)
+    row_ptr, order = mb.build_inverse_csr(keys, td)
+    token_query = mb._owner_of(qo, q.shape[0])
+    rows = []
+    for bt, bc, nw in DQ_VARIANTS:
+        with constants(_DQ_BLOCK_T=bt, _DQ_BLOCK_C=bc, _DQ_NUM_WARPS=nw):
+            fn = lambda: mb._grad_queries_triton(d, None, do, argmax, g, qo, None, None, q.shape[0], q.dtype)
+            fn()
+            rows.append({"kernel": "dq", "BLOCK_T": bt, "BLOCK_C": bc, "num_warps": nw,
+                         "ms": do_bench(fn, return_mode="median")})  # fmt: skip
+    for be, nw in DD_VARIANTS:
+        grad_d = torch.empty_like(d)
+
+        def fn(be=be, nw=nw, grad_d=grad_d):
+            mb._maxsim_grad_docs_kernel[(td,)](
+                q, g, order, row_ptr, token_query, qo, token_query, grad_d, argmax.shape[1], 0, DIM,
+                q.stride(0), grad_d.stride(0), CANDIDATES=False, BLOCK_E=be, BLOCK_DIM=DIM, num_warps=nw,
+            )  # fmt: skip
+
+        fn()
+        rows.append(
+            {"kernel": "dd", "BLOCK_E": be, "num_warps": nw, "ms": do_bench(fn, return_mode="median")}
+        )
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="results JSON (rewritten after every row)")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shape names")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated method names")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the sweep of our launch constants")
+    args = parser.parse_args()
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 rows compute in fp32
+    result = {
+        "benchmark": "train",
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "dim": DIM,
+        "command": "python benchmarks/bench_train.py --out " + args.out,
+        "rows": [],
+        "breakdown": [],
+        "sweep": [],
+    }
+
+    def save() -> None:
+        with open(args.out + ".tmp", "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(args.out + ".tmp", args.out)
+
+    started = time.perf_counter()
+    for shape_name in args.shapes.split(","):
+        for dtype in (torch.float16, torch.float32):
+            x = make_inputs(*SHAPES[shape_name], dtype, seed=0)
+            ref = reference_grads(x)
+            for method in args.methods.split(","):
+                if dtype == torch.float32 and method not in FP32_METHODS:
+                    continue
+                row = {"shape": shape_name, "dtype": str(dtype).removeprefix("torch."), "method": method}
+                try:
+                    row.update(measure(method, x, ref))
+                except Exception as exc:  # a peer failing on a shape is a result, not a crash
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                result["rows"].append(row)
+                log(f"[{time.perf_counter() - started:6.1f}s] {json.dumps(row)}")
+                save()
+            if "ours" in args.methods:
+                bd = {"shape": shape_name, "dtype": str(dtype).removeprefix("torch."), **breakdown(x)}
+                result["breakdown"].append(bd)
+                log(f"[{time.perf_counter() - started:6.1f}s] {json.dumps(bd)}")
+                if not args.no_sweep and dtype == torch.float16:
+                    for r in sweep(x):
+                        result["sweep"].append({"shape": shape_name, **r})
+                        log(json.dumps(result["sweep"][-1]))
+                save()
+            del x, ref
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
