@@ -1253,11 +1253,25 @@ def check_same_dim(queries: DocBatch, query_path: str, corpus: Corpus) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
+def current_umask() -> int:
+    """The process umask (read by setting and restoring it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _atomic_temp(path: str) -> tuple[int, str]:
+    """A temp file next to `path` (same filesystem, so `os.replace` is atomic) with the permissions a
+    plain `open(path, "w")` would give, not mkstemp's 0600."""
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise InputError(f"{path}: directory {directory} does not exist")
-    return tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    except OSError as exc:
+        raise MaxsimError(f"{path}: cannot write here: {exc.strerror}; check the directory") from None
+    os.fchmod(fd, 0o666 & ~current_umask())
+    return fd, tmp
 
 
 def _remove_quietly(path: str | None) -> None:
