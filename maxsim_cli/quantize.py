@@ -1,0 +1,355 @@
+"""`maxsim quantize`: float shards -> int8 shards with per-token symmetric scales, and what it costs in
+ranking quality.
+
+Each token vector x (dim values) becomes int8 codes and one fp32 scale (`quantize_per_token`):
+
+    scale = absmax(x) / 127   (1 for an all-zero token)      codes = clamp(round_half_even(x / scale), ±127)
+
+so x ~= scale * codes with at most scale / 2 error per value, and a shard's bytes per token go from
+dim * itemsize to dim + 4 (fp16, dim 128: 256 -> 132 bytes, ratio 1.94).
+
+The conversion streams: one output shard per input shard, same file name and container, written batch
+by batch (at most `batch_tokens` tokens in memory), into a temporary directory beside OUTDIR that is
+renamed to OUTDIR only once every shard and the `index.json` manifest are complete; any failure removes
+it. Ids, the normalized flag and the encoder name are kept.
+
+Quality report: the same queries score the same sample of documents twice, in the source precision
+(float kernel, fp32 accumulation) and in int8 (int8 x int8 kernel, queries quantized per token), and
+the two rankings are compared per query with `maxsim_cli.agreement`: top-10 and top-100 overlap and
+Kendall tau-b over all sampled documents. Without a query file the queries are pseudo-queries drawn from
+the corpus itself: up to 32 token vectors of a randomly chosen document.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from maxsim_cli.agreement import ranking_agreement
+from maxsim_cli.errors import InputError, UsageError
+from maxsim_cli.shards import (
+    MANIFEST_NAME,
+    Corpus,
+    DocBatch,
+    ShardInfo,
+    ShardWriter,
+    open_corpus,
+    read_queries,
+    write_manifest,
+)
+from maxsim_cli.units import format_size
+
+DEFAULT_BATCH_TOKENS = 1 << 18  # 262144 tokens: 128 MiB of fp32 at dim 128, the largest transient
+PSEUDO_QUERY_TOKENS = 32  # the query length ColBERT models use
+OVERLAP_DEPTHS = (10, 100)
+
+
+@dataclass(frozen=True)
+class QualityReport:
+    """Ranking agreement of int8 with the source precision on a sample (means and minima over queries)."""
+
+    queries: int
+    docs: int
+    pseudo_queries: bool
+    seed: int
+    top10_overlap_mean: float
+    top10_overlap_min: float
+    top100_overlap_mean: float
+    top100_overlap_min: float
+    kendall_tau_mean: float
+    kendall_tau_min: float
+
+    def summary(self) -> str:
+        what = "pseudo-queries from the corpus" if self.pseudo_queries else "queries"
+        return (
+            f"quality vs source precision ({self.queries} {what} x {self.docs} sampled docs, "
+            f"seed {self.seed}): "
+            f"top-10 overlap {self.top10_overlap_mean:.4f} (min {self.top10_overlap_min:.2f}), "
+            f"top-100 overlap {self.top100_overlap_mean:.4f} (min {self.top100_overlap_min:.2f}), "
+            f"Kendall tau-b {self.kendall_tau_mean:.4f} (min {self.kendall_tau_min:.4f})"
+        )
+
+
+@dataclass
+class QuantizeReport:
+    """What `quantize_corpus` wrote and measured."""
+
+    output_dir: str
+    shards: list[ShardInfo]
+    num_docs: int
+    num_tokens: int
+    source_bytes: int  # bytes of the input shard files
+    output_bytes: int  # bytes of the output shard files (manifest excluded)
+    quality: QualityReport | None = None
+    source_dtype: str = ""
+    dim: int = 0
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.source_bytes / self.output_bytes if self.output_bytes else float("nan")
+
+    def summary(self) -> str:
+        return (
+            f"quantized {self.num_docs} documents ({self.num_tokens} tokens, dim {self.dim}) from "
+            f"{self.source_dtype} to int8 in {len(self.shards)} shard(s) -> {self.output_dir}: "
+            f"{format_size(self.source_bytes)} -> {format_size(self.output_bytes)}, "
+            f"compression ratio {self.compression_ratio:.2f}"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "output_dir": self.output_dir,
+            "shards": [os.path.basename(s.path) for s in self.shards],
+            "num_docs": self.num_docs,
+            "num_tokens": self.num_tokens,
+            "dim": self.dim,
+            "source_dtype": self.source_dtype,
+            "source_bytes": self.source_bytes,
+            "output_bytes": self.output_bytes,
+            "compression_ratio": self.compression_ratio,
+            "quality": None if self.quality is None else asdict(self.quality),
+        }
+
+
+def _resolve_device(device: str) -> torch.device:
+    name = device.strip().lower()
+    if name == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda" or name.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {device}: no CUDA device is available here; use --device cpu")
+        return torch.device(name)
+    raise UsageError(f"--device {device}: not a device; use auto, cpu, cuda or cuda:N")
+
+
+def _check_output_dir(output_dir: str, corpus: Corpus) -> list[str]:
+    """Output shard names (input basenames); refuses a non-empty OUTDIR and clashing names."""
+    if os.path.exists(output_dir) and (not os.path.isdir(output_dir) or os.listdir(output_dir)):
+        raise UsageError(f"{output_dir}: already exists and is not an empty directory; choose a new OUTDIR")
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    if not os.path.isdir(parent):
+        raise UsageError(f"{output_dir}: parent directory {parent} does not exist")
+    names: dict[str, str] = {}
+    for shard in corpus.shards:
+        name = os.path.basename(shard.path)
+        if name == MANIFEST_NAME or name in names:
+            raise UsageError(
+                f"{shard.path}: its output name {name!r} clashes with {names.get(name, MANIFEST_NAME)}; "
+                "quantize shards with the same file name into separate OUTDIRs"
+            )
+        names[name] = shard.path
+    return list(names)
+
+
+def _quantize_batch(batch: DocBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    from maxsim_kernels.maxsim_int8 import quantize_per_token
+
+    codes, scales = quantize_per_token(batch.embeddings.to(device, non_blocking=True))
+    return codes.cpu(), scales.cpu()
+
+
+def _pack(batches: Sequence[DocBatch]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One packed (embeddings, offsets) pair from several batches."""
+    embeddings = torch.cat([b.embeddings for b in batches])
+    lengths = torch.cat([b.lengths() for b in batches])
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    return embeddings, offsets
+
+
+def _sample_docs(corpus: Corpus, count: int, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count` documents drawn without replacement (all of them if fewer), packed, in corpus order."""
+    chosen = np.sort(rng.choice(corpus.num_docs, size=min(count, corpus.num_docs), replace=False))
+    shard_of = np.searchsorted(corpus.doc_starts, chosen, side="right") - 1
+    batches = []
+    for s in np.unique(shard_of):
+        local = chosen[shard_of == s] - corpus.doc_starts[s]
+        batches.append(corpus.shards[int(s)].read_doc_indices(local.tolist()))
+    return _pack(batches)
+
+
+def _pseudo_queries(
+    corpus: Corpus, count: int, rng: np.random.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count` pseudo-queries: up to PSEUDO_QUERY_TOKENS token vectors (in order) of random documents."""
+    picks = rng.integers(0, corpus.num_docs, size=count)
+    parts = []
+    for doc in picks.tolist():
+        s = int(np.searchsorted(corpus.doc_starts, doc, side="right")) - 1
+        batch = corpus.shards[s].read_docs(
+            doc - int(corpus.doc_starts[s]), doc - int(corpus.doc_starts[s]) + 1
+        )
+        n = batch.num_tokens
+        keep = np.sort(rng.choice(n, size=min(n, PSEUDO_QUERY_TOKENS), replace=False))
+        parts.append(batch.embeddings[torch.from_numpy(keep)])
+    lengths = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
+    offsets = torch.zeros(count + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    return torch.cat(parts), offsets
+
+
+def _file_queries(
+    path: str, corpus: Corpus, count: int, rng: np.random.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """At most `count` queries of a query file (a seeded sample if it holds more), as float."""
+    batch = read_queries(path)
+    if batch.embeddings.shape[1] != corpus.dim:
+        raise InputError(
+            f"{path}: queries have dim {batch.embeddings.shape[1]} but the corpus has dim {corpus.dim}; "
+            "encode both with the same model"
+        )
+    embeddings = batch.embeddings
+    if embeddings.dtype == torch.int8:
+        if batch.scales is None:
+            raise InputError(
+                f"{path}: int8 queries without per-token scales; re-create the file with `maxsim pack`"
+            )
+        embeddings = embeddings.float() * batch.scales[:, None]
+    keep = np.arange(batch.num_docs)
+    if batch.num_docs > count:
+        keep = np.sort(rng.choice(batch.num_docs, size=count, replace=False))
+    offs = batch.offsets.numpy()
+    rows = np.concatenate([np.arange(offs[i], offs[i + 1]) for i in keep])
+    lengths = torch.from_numpy(offs[keep + 1] - offs[keep])
+    offsets = torch.zeros(keep.size + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    return embeddings[torch.from_numpy(rows)], offsets
+
+
+def measure_quality(
+    corpus: Corpus,
+    *,
+    sample_queries: int,
+    sample_docs: int,
+    seed: int,
+    queries_path: str | None = None,
+    device: torch.device | None = None,
+) -> QualityReport:
+    """Score a seeded sample of the (float) corpus in its own precision and in int8; compare the rankings."""
+    from maxsim_kernels import maxsim_varlen
+    from maxsim_kernels.maxsim_int8 import maxsim_varlen_int8, quantize_per_token
+
+    device = device or torch.device("cpu")
+    rng = np.random.default_rng(seed)
+    docs, doc_offsets = _sample_docs(corpus, sample_docs, rng)
+    if queries_path is None:
+        queries, query_offsets = _pseudo_queries(corpus, sample_queries, rng)
+    else:
+        queries, query_offsets = _file_queries(queries_path, corpus, sample_queries, rng)
+    docs, doc_offsets = docs.to(device), doc_offsets.to(device)
+    query_offsets = query_offsets.to(device)
+    float_scores = maxsim_varlen(queries.to(device, docs.dtype), query_offsets, docs, doc_offsets)
+    codes, scales = quantize_per_token(docs)
+    int8_scores = maxsim_varlen_int8(queries.to(device), query_offsets, codes, doc_offsets, doc_scales=scales)
+    stats = ranking_agreement(
+        list(int8_scores.cpu()), list(float_scores.cpu()), OVERLAP_DEPTHS, tau_depth=int(docs.shape[0])
+    )
+    top10, top100 = stats.overlap[10], stats.overlap[100]
+    return QualityReport(
+        queries=int(query_offsets.numel() - 1),
+        docs=int(doc_offsets.numel() - 1),
+        pseudo_queries=queries_path is None,
+        seed=seed,
+        top10_overlap_mean=top10.mean,
+        top10_overlap_min=top10.min,
+        top100_overlap_mean=top100.mean,
+        top100_overlap_min=top100.min,
+        kendall_tau_mean=stats.kendall_tau.mean,
+        kendall_tau_min=stats.kendall_tau.min,
+    )
+
+
+def quantize_corpus(
+    paths: Sequence[str | os.PathLike[str]],
+    output_dir: str | os.PathLike[str],
+    *,
+    batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    sample_queries: int = 64,
+    sample_docs: int = 2000,
+    seed: int = 0,
+    queries_path: str | None = None,
+    device: str = "auto",
+    progress: Callable[[int, int], None] | None = None,
+) -> QuantizeReport:
+    """Quantize a float corpus (files and/or directories) into int8 shards under `output_dir`.
+
+    Streams `batch_tokens` tokens at a time; writes into a temporary directory renamed to `output_dir`
+    at the end (nothing is left behind on failure). `progress(tokens_done, tokens_total)` is called after
+    each batch. With `sample_queries > 0` the report carries the ranking quality on a seeded sample.
+    """
+    output_dir = os.fspath(output_dir)
+    if batch_tokens < 1:
+        raise UsageError(f"--batch-tokens must be >= 1, got {batch_tokens}")
+    if sample_queries < 0 or sample_docs < 1:
+        raise UsageError("--sample-queries must be >= 0 and --sample-docs >= 1")
+    torch_device = _resolve_device(device)
+    with open_corpus(paths) as corpus:
+        if corpus.dtype == "int8":
+            raise InputError(
+                f"{corpus.shards[0].path}: already int8 (quantization {corpus.quantization}); "
+                "quantize the float shards it came from"
+            )
+        names = _check_output_dir(output_dir, corpus)
+        parent = os.path.dirname(os.path.abspath(output_dir))
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output_dir))}.", dir=parent)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private; OUTDIR gets the usual mode
+        written: list[ShardInfo] = []
+        try:
+            done = 0
+            for shard, name in zip(corpus.shards, names, strict=True):
+                info = shard.info
+                with ShardWriter(
+                    os.path.join(staging, name),
+                    info.dim,
+                    "int8",
+                    normalized=info.normalized,
+                    encoder=info.encoder,
+                    format=info.format,
+                ) as writer:
+                    for batch in shard.iter_batches(batch_tokens):
+                        codes, scales = _quantize_batch(batch, torch_device)
+                        writer.add(batch.ids, codes, offsets=batch.offsets, scales=scales)
+                        done += batch.num_tokens
+                        if progress is not None:
+                            progress(done, corpus.num_tokens)
+                    written.append(writer.close())
+            write_manifest(staging, names)
+            quality = None
+            if sample_queries > 0:
+                quality = measure_quality(
+                    corpus,
+                    sample_queries=sample_queries,
+                    sample_docs=sample_docs,
+                    seed=seed,
+                    queries_path=queries_path,
+                    device=torch_device,
+                )
+            if os.path.exists(output_dir):  # an empty directory (checked above): rename replaces it
+                os.rmdir(output_dir)
+            os.rename(staging, output_dir)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        shards = [replace(s, path=os.path.join(output_dir, os.path.basename(s.path))) for s in written]
+        return QuantizeReport(
+            output_dir=output_dir,
+            shards=shards,
+            num_docs=corpus.num_docs,
+            num_tokens=corpus.num_tokens,
+            source_bytes=sum(os.path.getsize(p) for p in corpus.paths),
+            output_bytes=sum(os.path.getsize(s.path) for s in shards),
+            quality=quality,
+            source_dtype=corpus.dtype,
+            dim=corpus.dim,
+        )
