@@ -1,0 +1,299 @@
+"""Shard format v1: writers and readers round-trip exactly, read only what is asked, stream in budgets."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from safetensors.numpy import save_file
+
+from maxsim_cli.errors import InputError, UsageError
+from maxsim_cli.shards import (
+    DocBatch,
+    ShardWriter,
+    arrow_schema,
+    open_corpus,
+    open_shard,
+    read_queries,
+    write_manifest,
+    write_shard,
+)
+from maxsim_cli.units import format_size, parse_size
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+FORMATS = ("safetensors", "arrow", "parquet")
+SUFFIX = {"safetensors": ".safetensors", "arrow": ".arrow", "parquet": ".parquet"}
+
+
+def make_docs(
+    n: int = 40, dim: int = 12, seed: int = 0, max_len: int = 30
+) -> tuple[list[str], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, max_len, (n,), generator=gen)
+    docs = [torch.randn(int(k), dim, generator=gen) for k in lengths]
+    return [f"doc-{seed}-{i}" for i in range(n)], docs
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a tensor, so comparisons are exact (NaN-safe, -0.0 != 0.0)."""
+    return (
+        t.view(torch.int16)
+        if t.element_size() == 2
+        else t.view(torch.int32 if t.element_size() == 4 else torch.int8)
+    )
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_round_trip_bit_exact(tmp_path, fmt, dtype):
+    ids, docs = make_docs()
+    path = tmp_path / f"s{SUFFIX[fmt]}"
+    info = write_shard(path, ids, docs, dtype=dtype, encoder="enc-x")
+    assert (info.format, info.dtype, info.num_docs, info.encoder) == (fmt, dtype, 40, "enc-x")
+    assert info.num_tokens == sum(d.shape[0] for d in docs)
+    with open_shard(path) as shard:
+        assert shard.info == info
+        batch = shard.read_docs(0, shard.num_docs)
+    expected = torch.cat(docs).to(DTYPES[dtype])
+    assert batch.ids == ids
+    assert batch.embeddings.dtype == DTYPES[dtype] and batch.embeddings.is_contiguous()
+    assert torch.equal(bits(batch.embeddings), bits(expected))  # bf16 included: bit-exact
+    assert batch.offsets.tolist() == np.cumsum([0] + [d.shape[0] for d in docs]).tolist()
+    assert batch.scales is None and batch.first_doc == 0
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_int8_round_trip_with_scales(tmp_path, fmt):
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randint(-127, 128, (50, 8), dtype=torch.int8, generator=gen)
+    scales = torch.rand(50, generator=gen)
+    path = tmp_path / f"q{SUFFIX[fmt]}"
+    info = write_shard(path, ["a", "b", "c"], q, offsets=[0, 10, 11, 50], scales=scales)
+    assert (info.dtype, info.quantization) == ("int8", "int8-per-token")
+    with open_shard(path) as shard:
+        batch = shard.read_docs(1, 3)
+    assert batch.ids == ["b", "c"] and batch.first_doc == 1
+    assert torch.equal(batch.embeddings, q[10:])
+    assert torch.equal(batch.scales, scales[10:])
+
+
+def test_safetensors_and_arrow_agree(tmp_path):
+    ids, docs = make_docs(n=25, seed=3)
+    write_shard(tmp_path / "a.safetensors", ids, docs, dtype="bfloat16")
+    write_shard(tmp_path / "a.arrow", ids, docs, dtype="bfloat16")
+    a, b = read_queries(str(tmp_path / "a.safetensors")), read_queries(str(tmp_path / "a.arrow"))
+    assert a.ids == b.ids
+    assert torch.equal(bits(a.embeddings), bits(b.embeddings))
+    assert torch.equal(a.offsets, b.offsets)
+
+
+def test_packed_input_and_streaming_writer_match(tmp_path):
+    ids, docs = make_docs(n=30, seed=4)
+    packed = torch.cat(docs)
+    offsets = np.cumsum([0] + [d.shape[0] for d in docs])
+    write_shard(tmp_path / "packed.safetensors", ids, packed.numpy(), offsets=offsets, dtype="float32")
+    with ShardWriter(tmp_path / "streamed.arrow", 12, "float32") as writer:
+        for i in range(0, 30, 7):  # uneven pieces, numpy and torch mixed
+            writer.add(ids[i : i + 7], [d.numpy() if i % 2 else d for d in docs[i : i + 7]])
+    a = read_queries(str(tmp_path / "packed.safetensors"))
+    b = read_queries(str(tmp_path / "streamed.arrow"))
+    assert a.ids == b.ids == ids
+    assert torch.equal(a.embeddings, packed) and torch.equal(b.embeddings, packed)
+
+
+def test_plain_safetensors_writer_is_compatible(tmp_path):
+    """A shard written with nothing but safetensors.numpy.save_file (the docs/format.md example)."""
+    ids = ["d1", "d2", "é3"]
+    docs = [
+        np.random.default_rng(i).standard_normal((n, 4)).astype(np.float16) for i, n in enumerate([3, 1, 2])
+    ]
+    id_bytes = [s.encode("utf-8") for s in ids]
+    tensors = {
+        "embeddings": np.concatenate(docs),
+        "offsets": np.cumsum([0] + [len(d) for d in docs]).astype(np.int64),
+        "ids": np.frombuffer(b"".join(id_bytes), dtype=np.uint8),
+        "id_offsets": np.cumsum([0] + [len(b) for b in id_bytes]).astype(np.int64),
+    }
+    meta = {
+        "format": "maxsim-shard",
+        "format_version": "1",
+        "dim": "4",
+        "dtype": "float16",
+        "quantization": "none",
+        "normalized": "false",
+        "num_docs": "3",
+        "num_tokens": "6",
+    }
+    save_file(tensors, str(tmp_path / "plain.safetensors"), metadata=meta)
+    batch = read_queries(str(tmp_path / "plain.safetensors"))
+    assert batch.ids == ids
+    assert np.array_equal(batch.embeddings.numpy(), tensors["embeddings"])
+
+
+def test_arrow_written_by_plain_pyarrow_is_compatible(tmp_path):
+    """An Arrow table built directly from the documented schema, as a list<list<float>> fallback too."""
+    meta = {
+        "format": "maxsim-shard",
+        "format_version": "1",
+        "dim": "2",
+        "dtype": "float32",
+        "quantization": "none",
+        "normalized": "false",
+        "num_docs": "2",
+        "num_tokens": "3",
+    }
+    table = pa.table(
+        {
+            "id": ["x", "y"],
+            "embedding": pa.array([[[1, 2]], [[3, 4], [5, 6]]], pa.list_(pa.list_(pa.float32()))),
+        }
+    ).replace_schema_metadata(meta)
+    with pa.ipc.new_file(str(tmp_path / "t.arrow"), table.schema) as out:
+        out.write_table(table)
+    batch = read_queries(str(tmp_path / "t.arrow"))
+    assert batch.embeddings.tolist() == [[1, 2], [3, 4], [5, 6]]
+
+
+def test_read_docs_reads_only_the_slice(tmp_path):
+    """Poison one document's values on disk: slices that avoid it read fine, the one covering it fails."""
+    ids, docs = make_docs(n=10, dim=4, seed=5)
+    path = tmp_path / "s.safetensors"
+    write_shard(path, ids, docs, dtype="float32")
+    with open_shard(path) as shard:
+        offsets = shard.offsets.copy()
+    header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    raw = bytearray(path.read_bytes())
+    start = 8 + header_len + int(offsets[6]) * 4 * 4  # embeddings come first in the data section
+    raw[start : start + 4] = np.array([np.nan], dtype=np.float32).tobytes()
+    path.write_bytes(bytes(raw))
+    with open_shard(path) as shard:  # open is O(N): values are not touched
+        assert shard.read_docs(0, 6).num_docs == 6
+        assert shard.read_docs(7, 10).num_docs == 3
+        with pytest.raises(InputError, match=r"s\.safetensors: document 'doc-5-6' \(index 6\) has NaN"):
+            shard.read_docs(5, 8)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_read_doc_indices_gathers_in_order(tmp_path, fmt):
+    ids, docs = make_docs(n=20, dim=6, seed=6)
+    path = tmp_path / f"s{SUFFIX[fmt]}"
+    write_shard(path, ids, docs, dtype="float32")
+    order = [7, 3, 3, 19, 0, 8]
+    with open_shard(path) as shard:
+        batch = shard.read_doc_indices(order)
+        empty = shard.read_doc_indices([])
+    assert batch.ids == [ids[i] for i in order]
+    assert torch.equal(batch.embeddings, torch.cat([docs[i] for i in order]))
+    assert batch.offsets.tolist() == np.cumsum([0] + [docs[i].shape[0] for i in order]).tolist()
+    assert empty.num_docs == 0 and empty.embeddings.shape == (0, 6) and empty.offsets.tolist() == [0]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_iter_batches_respects_token_budget(tmp_path, fmt):
+    ids, docs = make_docs(n=60, dim=4, seed=7, max_len=50)
+    docs[10] = torch.randn(120, 4)  # longer than the budget: comes alone
+    path = tmp_path / f"s{SUFFIX[fmt]}"
+    write_shard(path, ids, docs, dtype="float16")
+    with open_shard(path) as shard:
+        batches = list(shard.iter_batches(100))
+        capped = list(shard.iter_batches(10_000, max_docs=7))
+    assert [i for b in batches for i in b.ids] == ids
+    for b in batches:
+        assert b.num_tokens <= 100 or b.num_docs == 1
+        assert b.offsets[0] == 0 and b.offsets[-1] == b.num_tokens
+    assert any(b.ids == [ids[10]] for b in batches)
+    # greedy: a batch stops only where the next document would not fit
+    for b, nxt in zip(batches, batches[1:], strict=False):
+        assert b.num_tokens + int(nxt.lengths()[0]) > 100
+    assert [b.first_doc for b in capped] == list(range(0, 60, 7))
+
+
+def test_read_queries_from_stdin_stream(tmp_path, monkeypatch):
+    ids, docs = make_docs(n=5, dim=3, seed=8)
+    write_shard(tmp_path / "q.arrow", ids, docs, dtype="float32")
+    table = pa.ipc.open_file(str(tmp_path / "q.arrow")).read_all()
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, table.schema) as out:
+        out.write_table(table)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(sink.getvalue())))
+    batch = read_queries("-")
+    assert isinstance(batch, DocBatch) and batch.ids == ids
+    assert torch.equal(batch.embeddings, torch.cat(docs))
+
+
+def test_corpus_with_manifest(tmp_path):
+    ids_a, docs_a = make_docs(n=10, seed=9)
+    ids_b, docs_b = make_docs(n=15, seed=10)
+    write_shard(tmp_path / "a.safetensors", ids_a, docs_a, dtype="float16")
+    write_shard(tmp_path / "b.arrow", ids_b, docs_b, dtype="float16")
+    manifest = write_manifest(tmp_path)
+    doc = json.loads(open(manifest).read())
+    assert doc["format"] == "maxsim-corpus" and doc["format_version"] == 1
+    assert [e["path"] for e in doc["shards"]] == ["a.safetensors", "b.arrow"]
+    with open_corpus([tmp_path], verify_checksums=True) as corpus:
+        assert (corpus.num_docs, corpus.dim, corpus.dtype) == (25, 12, "float16")
+        assert corpus.num_tokens == sum(d.shape[0] for d in docs_a + docs_b)
+        index = corpus.id_index()
+        assert index[ids_b[3]] == (1, 3) and index[ids_a[0]] == (0, 0)
+        assert corpus.doc_starts.tolist() == [0, 10, 25]
+    # a shard changed after the manifest was written: counts still match, the checksum does not
+    write_shard(tmp_path / "a.safetensors", ids_a, [d * 2 for d in docs_a], dtype="float16")
+    open_corpus([tmp_path]).close()
+    with pytest.raises(InputError, match=r"a\.safetensors: sha256 .* does not match"):
+        open_corpus([tmp_path], verify_checksums=True)
+
+
+def test_corpus_without_manifest_lists_shards_by_name(tmp_path):
+    for name, seed in (("b.parquet", 1), ("a.safetensors", 2), ("c.arrow", 3)):
+        ids, docs = make_docs(n=3, dim=4, seed=seed)
+        write_shard(tmp_path / name, ids, docs, dtype="float32")
+    (tmp_path / "notes.txt").write_text("not a shard")
+    with open_corpus([str(tmp_path)]) as corpus:
+        assert [os.path.basename(p) for p in corpus.paths] == ["a.safetensors", "b.parquet", "c.arrow"]
+
+
+def test_normalized_flag_is_measured(tmp_path):
+    ids, docs = make_docs(n=5, dim=8, seed=11)
+    unit = [torch.nn.functional.normalize(d, dim=1) for d in docs]
+    assert write_shard(tmp_path / "u.safetensors", ids, unit, dtype="bfloat16").normalized
+    assert not write_shard(tmp_path / "r.safetensors", ids, docs, dtype="bfloat16").normalized
+    with pytest.raises(InputError, match="normalized=True but token 0 of document 'doc-11-0'"):
+        write_shard(tmp_path / "bad.safetensors", ids, docs, normalized=True)
+    assert not (tmp_path / "bad.safetensors").exists()
+
+
+def test_failed_write_leaves_nothing(tmp_path):
+    ids, docs = make_docs(n=5, dim=4, seed=12)
+    docs[3][0, 1] = float("inf")
+    for fmt in FORMATS:
+        with pytest.raises(InputError, match="document 'doc-12-3' .* NaN or Inf values at token 0"):
+            write_shard(tmp_path / f"x{SUFFIX[fmt]}", ids, docs)
+    with pytest.raises(RuntimeError), ShardWriter(tmp_path / "y.arrow", 4, "float32") as writer:
+        writer.add(ids[:2], docs[:2])
+        raise RuntimeError("caller failed midway")
+    assert os.listdir(tmp_path) == []
+
+
+def test_arrow_schema_layout():
+    schema = arrow_schema(128, "bfloat16")
+    assert str(schema.field("embedding").type) == "list<item: fixed_size_list<item: uint16>[128]>"
+    assert schema.names == ["id", "embedding"]
+    assert arrow_schema(4, "int8").names == ["id", "embedding", "scales"]
+
+
+def test_parse_size():
+    assert parse_size("2GiB") == 2 * 1024**3
+    assert parse_size("512 MB") == 512_000_000
+    assert parse_size("1.5KiB") == 1536
+    assert parse_size("4096") == 4096
+    assert parse_size("3tib") == 3 * 1024**4
+    for junk in ("", "GiB", "2 gigs", "-1GB", "1e9", "2GiBs"):
+        with pytest.raises(UsageError, match="--max-memory: invalid size"):
+            parse_size(junk, option="--max-memory")
+    assert format_size(1536) == "1.5 KiB" and format_size(10) == "10 B"
