@@ -1,0 +1,108 @@
+"""`maxsim score`: exhaustive top-k or reranking of a corpus of shards, TREC run out."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from maxsim_cli.commands import cli_errors
+from maxsim_cli.progress import progress_enabled
+from maxsim_cli.score import score
+from maxsim_cli.units import parse_size
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `score` command to `app`."""
+
+    @app.command("score")
+    @cli_errors
+    def score_command(
+        queries: Annotated[
+            str,
+            typer.Argument(
+                help="Query embeddings: a shard file (safetensors, Arrow, Parquet) or '-' for an Arrow IPC "
+                "stream on stdin."
+            ),
+        ],
+        corpus: Annotated[
+            list[str],
+            typer.Argument(
+                help="Corpus shards: files and/or directories (with an optional index.json manifest)."
+            ),
+        ],
+        output: str = typer.Option(
+            "-", "--output", "-o", help="Run file to write (atomically; '.gz' compresses); '-' is stdout."
+        ),
+        top_k: int = typer.Option(1000, "--top-k", "-k", help="Documents kept per query.", min=1),
+        candidates: str | None = typer.Option(
+            None,
+            "--candidates",
+            help="Rerank the candidates of this first-stage run (TREC, MS MARCO or ColBERT TSV, optionally "
+            ".gz; '-' is stdin) instead of scoring every document.",
+        ),
+        strict: bool = typer.Option(
+            False, "--strict", help="With --candidates: candidates missing from the corpus are an error."
+        ),
+        device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
+        backend: str = typer.Option(
+            "auto",
+            "--backend",
+            help="auto (Triton on CUDA, torch on the CPU), triton (on the CPU only with TRITON_INTERPRET=1) "
+            "or torch.",
+        ),
+        max_memory: str | None = typer.Option(
+            None,
+            "--max-memory",
+            help="Memory budget of the scoring device, e.g. 2GiB: GPU memory (default: 90% of the free "
+            "memory), or the working set with --device cpu.",
+        ),
+        max_host_memory: str | None = typer.Option(
+            None,
+            "--max-host-memory",
+            help="Host memory for staging buffers (pinned on CUDA), e.g. 4GiB (default: 4GiB or a quarter "
+            "of RAM, whichever is smaller).",
+        ),
+        run_tag: str = typer.Option("maxsim", "--run-tag", help="Tag written in the run's last column."),
+        fmt: str = typer.Option("trec", "--format", help="trec (six columns) or jsonl (one query a line)."),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no summary line."),
+        stats_json: str | None = typer.Option(
+            None, "--stats-json", help="Write counts, times (reading, copying, scoring) and peaks as JSON."
+        ),
+        batch_queries: int | None = typer.Option(
+            None, "--batch-queries", help="Queries per pass over the corpus (default: as many as fit).", min=1
+        ),
+    ) -> None:
+        """Score queries against a corpus of shards with exact MaxSim and write a TREC run.
+
+        Every document is scored (top-k per query), or with --candidates only the candidates of a
+        first-stage run. Results are ordered by score, ties by docno descending; the same inputs give
+        the same bytes whatever the memory budget, batch sizes or shard order. The run goes to stdout
+        (or -o), the progress bar and a summary line to stderr.
+
+        Example: maxsim score sample_data/queries.safetensors sample_data/corpus -k 100 -o run.trec
+        """
+        stats = score(
+            queries,
+            corpus,
+            output=output,
+            top_k=top_k,
+            candidates=candidates,
+            strict=strict,
+            device=device,
+            backend=backend,
+            max_memory=parse_size(max_memory, option="--max-memory") if max_memory is not None else None,
+            max_host_memory=(
+                parse_size(max_host_memory, option="--max-host-memory")
+                if max_host_memory is not None
+                else None
+            ),
+            run_tag=run_tag,
+            fmt=fmt,
+            batch_queries=batch_queries,
+            show_progress=progress_enabled(quiet),
+        )
+        if stats_json is not None:
+            stats.write_json(stats_json)
+        if not quiet:
+            typer.echo(f"maxsim: {stats.summary()}", err=True)

@@ -1,0 +1,405 @@
+"""Streaming document batches from shards to the scoring device: read, stage, copy, in overlap.
+
+A *plan* names the documents of one batch (ranges or index lists of one or more shards). `BatchStream`
+turns a list of plans into batches on the device, in plan order, with three stages overlapping:
+
+1. **Read** - reader threads (a thread pool fed in plan order by one dispatcher thread) read each plan's
+   documents from the shards and, on CUDA, copy them into a *pinned* host slot. There are
+   ``reader_threads + 2`` pinned slots, so every reader has a slot to fill while two filled ones wait to be
+   copied; a slot is handed back as soon as its copy is *queued*, with the CUDA event that marks the copy's
+   end, and the next reader to take it waits on that event before writing (the only host waits are there
+   and on the bounded hand-over queue, both off the scoring thread's hot path).
+2. **Copy** - the scoring thread queues the host->device copy of a slot on a side CUDA stream into one of
+   two device slots (double buffering), after a device-side wait for the scoring of the batch that last
+   used that device slot; the scoring stream then waits (on the device) for the copy's event.
+3. **Score** - the caller scores the batch on its current stream; asking for the next batch marks the
+   device slot free (an event recorded on the scoring stream).
+
+When the corpus fits the GPU budget the stream is *resident*: the first pass copies each batch into its
+own device buffer and later passes (one per query batch) reuse them without reading anything.
+
+On the CPU there are no pinned slots or streams: readers return the shards' tensors and a bounded number of
+batches (``reader_threads + 1``) are in flight, so disk reads overlap the CPU backend's scoring.
+
+Memory (bytes): host, CUDA: ``(reader_threads + 2) * slot + reader_threads * read`` where ``slot`` is the
+largest batch's embeddings, scales, offsets and side data and ``read`` the largest batch as the shard
+returns it before staging (zero for memory-mapped Arrow files); host, CPU: ``(reader_threads + 2) * read``.
+Device: ``2 * slot`` (or every batch when resident); the scores of a batch are the caller's to count.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+_STOP = object()  # put in the slot queue to stop the dispatcher
+
+# A part of a plan: docs [start, stop) of shard `shard`, or the docs at `indices` of that shard, in order.
+Part = tuple[int, int, int] | tuple[int, np.ndarray]
+
+
+@dataclass
+class BatchPlan:
+    """The documents of one batch and int64 side data that travels with them to the device."""
+
+    index: int
+    parts: list[Part]
+    num_docs: int
+    num_tokens: int
+    # int64 side data (docno ranks, candidate lists), or a function computing it in the reader thread.
+    side: np.ndarray | Callable[[], np.ndarray] | None = None
+    side_len: int = 0
+
+    def side_array(self) -> np.ndarray | None:
+        return self.side() if callable(self.side) else self.side
+
+
+@dataclass
+class Batch:
+    """A batch ready to score on the device (or the CPU): packed documents and their side data."""
+
+    plan: BatchPlan
+    embeddings: torch.Tensor  # [T, dim], the shard's dtype
+    offsets: torch.Tensor  # int64 [n + 1]
+    scales: torch.Tensor | None  # float32 [T] (int8 corpora)
+    side: torch.Tensor | None  # int64 [side_len]
+    host_offsets: np.ndarray  # int64 [n + 1], the same offsets on the host
+
+
+@dataclass
+class StreamTimes:
+    """Seconds spent per stage: reading (summed over reader threads), copying host->device (device
+    time), waiting for a batch (the scoring thread idle), and the number of bytes read."""
+
+    read_s: float = 0.0
+    copy_s: float = 0.0
+    wait_s: float = 0.0
+    bytes_read: int = 0
+    batches: int = 0
+    _copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list, repr=False)
+
+    def settle(self) -> None:
+        """Fold recorded CUDA copy events into `copy_s` (synchronises on them)."""
+        for start, end in self._copy_events:
+            end.synchronize()
+            self.copy_s += start.elapsed_time(end) / 1000.0
+        self._copy_events.clear()
+
+
+@dataclass
+class _HostBatch:
+    """What a reader returns: packed host tensors (views of a pinned slot on CUDA)."""
+
+    embeddings: torch.Tensor
+    offsets: torch.Tensor
+    scales: torch.Tensor | None
+    side: torch.Tensor | None
+    host_offsets: np.ndarray
+    slot: _Buffers | None
+
+
+class _Buffers:
+    """One batch's worth of storage: embeddings, scales, and one int64 vector for offsets + side data."""
+
+    def __init__(
+        self,
+        tokens: int,
+        docs: int,
+        side: int,
+        dim: int,
+        dtype: torch.dtype,
+        scaled: bool,
+        device: torch.device | str,
+        pin: bool,
+    ) -> None:
+        self.embeddings = torch.empty((max(tokens, 1), dim), dtype=dtype, device=device, pin_memory=pin)
+        self.scales = (
+            torch.empty(max(tokens, 1), dtype=torch.float32, device=device, pin_memory=pin)
+            if scaled
+            else None
+        )
+        self.ints = torch.empty(docs + 1 + side, dtype=torch.int64, device=device, pin_memory=pin)
+        self.copied: torch.cuda.Event | None = None  # end of the last copy out of this (pinned) slot
+        self.released: torch.cuda.Event | None = None  # end of the last scoring of this (device) slot
+
+    @staticmethod
+    def nbytes(tokens: int, docs: int, side: int, dim: int, itemsize: int, scaled: bool) -> int:
+        return tokens * (dim * itemsize + (4 if scaled else 0)) + (docs + 1 + side) * 8
+
+
+def read_parts(shards: Sequence, parts: Sequence[Part]) -> list:
+    """Read each part of a plan (`Shard.read_docs` for a range, `read_doc_indices` for an index list)."""
+    out = []
+    for part in parts:
+        shard = shards[part[0]]
+        if len(part) == 3:
+            out.append(shard.read_docs(int(part[1]), int(part[2])))
+        else:
+            out.append(shard.read_doc_indices(part[1]))
+    return out
+
+
+class BatchStream:
+    """Batches of `plans` on `device`, read by background threads and copied on a side stream.
+
+    Iterate it once per query batch; each iteration yields every plan's `Batch` in plan order. The
+    batch yielded last may be used (by work queued on the current stream) until the next one is asked
+    for. Call `close` (or use it as a context manager) to stop the threads.
+    """
+
+    def __init__(
+        self,
+        shards: Sequence,
+        plans: Sequence[BatchPlan],
+        *,
+        dim: int,
+        dtype: torch.dtype,
+        scaled: bool,
+        device: torch.device,
+        reader_threads: int,
+        resident: bool = False,
+    ) -> None:
+        self.shards = shards
+        self.plans = list(plans)
+        self.dim = dim
+        self.dtype = dtype
+        self.scaled = scaled
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.reader_threads = max(1, reader_threads)
+        self.resident = resident and self.cuda
+        self.times = StreamTimes()
+        self._lock = threading.Lock()
+        self._resident: list[Batch] | None = None
+        self.max_tokens = max((p.num_tokens for p in self.plans), default=0)
+        self.max_docs = max((p.num_docs for p in self.plans), default=0)
+        self.max_side = max((p.side_len for p in self.plans), default=0)
+        self._pool: ThreadPoolExecutor | None = None
+        self._dispatcher: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._device_slots: list[_Buffers] = []
+        self._pinned: list[_Buffers] = []
+        self._slots: queue.Queue = queue.Queue()
+        if self.cuda:
+            self._copy_stream = torch.cuda.Stream(device=device)
+
+    # memory --------------------------------------------------------------------------------------
+
+    @staticmethod
+    def slot_bytes(
+        max_tokens: int, max_docs: int, max_side: int, dim: int, itemsize: int, scaled: bool
+    ) -> int:
+        """Bytes of one staging slot (pinned or device) for batches up to these sizes."""
+        return _Buffers.nbytes(max_tokens, max_docs, max_side, dim, itemsize, scaled)
+
+    @staticmethod
+    def host_slots(reader_threads: int) -> int:
+        """Number of pinned slots (CUDA) or batches in flight (CPU)."""
+        return max(1, reader_threads) + 2
+
+    DEVICE_SLOTS = 2
+
+    # reading ------------------------------------------------------------------------------------
+
+    def _read(self, plan: BatchPlan, slot: _Buffers | None) -> _HostBatch:
+        start = time.perf_counter()
+        parts = read_parts(self.shards, plan.parts)
+        side = plan.side_array()
+        if slot is None:
+            # CPU: use the shard's tensors as they are when there is one part, else pack them.
+            if len(parts) == 1:
+                emb, off, scales = parts[0].embeddings, parts[0].offsets, parts[0].scales
+            else:
+                emb = torch.cat([p.embeddings for p in parts])
+                off = _concat_offsets([p.offsets for p in parts])
+                scales = torch.cat([p.scales for p in parts]) if self.scaled else None
+            host_offsets = off.numpy()
+            side_t = (
+                torch.from_numpy(np.ascontiguousarray(side, dtype=np.int64)) if side is not None else None
+            )
+            result = _HostBatch(emb, off, scales, side_t, host_offsets, None)
+        else:
+            if slot.copied is not None:
+                slot.copied.synchronize()  # the previous copy out of this slot has finished
+            tokens = 0
+            docs = 0
+            ints = slot.ints.numpy()
+            ints[0] = 0
+            for part in parts:
+                n_tok = part.embeddings.shape[0]
+                n_doc = part.offsets.shape[0] - 1
+                slot.embeddings[tokens : tokens + n_tok].copy_(part.embeddings)
+                if slot.scales is not None:
+                    slot.scales[tokens : tokens + n_tok].copy_(part.scales)
+                ints[docs + 1 : docs + n_doc + 1] = part.offsets.numpy()[1:] + tokens
+                tokens += n_tok
+                docs += n_doc
+            if side is not None:
+                ints[docs + 1 : docs + 1 + len(side)] = side
+            host_offsets = ints[: docs + 1].copy()
+            result = _HostBatch(
+                slot.embeddings[:tokens],
+                slot.ints[: docs + 1],
+                slot.scales[:tokens] if slot.scales is not None else None,
+                slot.ints[docs + 1 : docs + 1 + plan.side_len] if side is not None else None,
+                host_offsets,
+                slot,
+            )
+        nbytes = sum(p.embeddings.numel() * p.embeddings.element_size() for p in parts)
+        with self._lock:
+            self.times.read_s += time.perf_counter() - start
+            self.times.bytes_read += nbytes
+        return result
+
+    def _dispatch(self, pool: ThreadPoolExecutor, slots: queue.Queue, ready: queue.Queue) -> None:
+        """Hand plans to the reader pool in order, each with a free slot (blocks while none is free)."""
+        try:
+            for plan in self.plans:
+                slot = slots.get()
+                if slot is _STOP or self._stop.is_set():
+                    return
+                ready.put((plan, pool.submit(self._read, plan, slot if self.cuda else None), slot))
+        finally:
+            ready.put(None)
+
+    # iteration ----------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self._resident is not None:
+            yield from self._resident
+            return
+        kept: list[Batch] = []
+        yield from self._stream(kept)
+        if self.resident:
+            self._resident = kept
+
+    def _stream(self, kept: list[Batch]) -> Iterator[Batch]:
+        self._stop.clear()
+        slots: queue.Queue = queue.Queue()
+        ready: queue.Queue = queue.Queue()
+        self._slots = slots
+        n_slots = self.host_slots(self.reader_threads)
+        if self.cuda and not self._pinned:
+            self._pinned = [self._buffers("cpu", pin=True) for _ in range(n_slots)]
+        if self.cuda and not self.resident and not self._device_slots:
+            self._device_slots = [self._buffers(self.device) for _ in range(self.DEVICE_SLOTS)]
+        for i in range(n_slots):
+            slots.put(self._pinned[i] if self.cuda else object())
+        self._pool = ThreadPoolExecutor(self.reader_threads, thread_name_prefix="maxsim-read")
+        self._dispatcher = threading.Thread(
+            target=self._dispatch, args=(self._pool, slots, ready), name="maxsim-dispatch", daemon=True
+        )
+        self._dispatcher.start()
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
+        previous: _Buffers | None = None  # device slot of the batch yielded last (CUDA)
+        previous_token: object | None = None  # its in-flight token (CPU)
+        i = 0
+        try:
+            while True:
+                # Asking for the next batch means the previous one's work is queued (CUDA) or done (CPU).
+                if previous is not None and compute is not None:
+                    previous.released = torch.cuda.Event()
+                    previous.released.record(compute)
+                    previous = None
+                if previous_token is not None:
+                    slots.put(previous_token)
+                    previous_token = None
+                waited = time.perf_counter()
+                item = ready.get()
+                if item is None:
+                    break
+                plan, future, token = item
+                host: _HostBatch = future.result()  # re-raises a reader's error here
+                self.times.wait_s += time.perf_counter() - waited
+                if not self.cuda:
+                    batch = Batch(
+                        plan, host.embeddings, host.offsets, host.scales, host.side, host.host_offsets
+                    )
+                    previous_token = token
+                else:
+                    assert compute is not None
+                    if self.resident:
+                        dev = self._buffers(self.device, plan)
+                    else:
+                        dev = self._device_slots[i % self.DEVICE_SLOTS]
+                    batch = self._copy(plan, host, dev, compute)
+                    slots.put(host.slot)  # readers wait for the copy's event before refilling it
+                    previous = dev
+                    if self.resident:
+                        kept.append(batch)
+                self.times.batches += 1
+                i += 1
+                yield batch
+        finally:
+            self.close()
+
+    def _buffers(
+        self, device: torch.device | str, plan: BatchPlan | None = None, pin: bool = False
+    ) -> _Buffers:
+        if plan is None:
+            tokens, docs, side = self.max_tokens, self.max_docs, self.max_side
+        else:
+            tokens, docs, side = plan.num_tokens, plan.num_docs, plan.side_len
+        return _Buffers(tokens, docs, side, self.dim, self.dtype, self.scaled, device, pin)
+
+    def _copy(self, plan: BatchPlan, host: _HostBatch, dev: _Buffers, compute: torch.cuda.Stream) -> Batch:
+        tokens = host.embeddings.shape[0]
+        n_ints = host.host_offsets.shape[0] + plan.side_len
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self._copy_stream):
+            if dev.released is not None:
+                self._copy_stream.wait_event(dev.released)  # scoring of this slot's last batch is done
+            start.record(self._copy_stream)
+            dev.embeddings[:tokens].copy_(host.embeddings, non_blocking=True)
+            if host.scales is not None and dev.scales is not None:
+                dev.scales[:tokens].copy_(host.scales, non_blocking=True)
+            dev.ints[:n_ints].copy_(host.slot.ints[:n_ints], non_blocking=True)
+            end.record(self._copy_stream)
+        host.slot.copied = end
+        compute.wait_event(end)
+        self.times._copy_events.append((start, end))
+        n_docs = host.host_offsets.shape[0] - 1
+        return Batch(
+            plan,
+            dev.embeddings[:tokens],
+            dev.ints[: n_docs + 1],
+            dev.scales[:tokens] if dev.scales is not None and host.scales is not None else None,
+            dev.ints[n_docs + 1 : n_ints] if plan.side_len else None,
+            host.host_offsets,
+        )
+
+    def close(self) -> None:
+        """Stop the dispatcher and the readers (reads not yet started are cancelled)."""
+        self._stop.set()
+        if self._dispatcher is not None:
+            self._slots.put(_STOP)  # wakes a dispatcher waiting for a free slot
+            self._dispatcher.join()
+            self._dispatcher = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        if self.cuda:
+            self.times.settle()
+
+    def __enter__(self) -> BatchStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _concat_offsets(offsets: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Join per-part offsets ``[0, ..., T_i]`` into one ``[0, ..., sum T_i]``."""
+    out = [offsets[0]]
+    base = int(offsets[0][-1])
+    for off in offsets[1:]:
+        out.append(off[1:] + base)
+        base += int(off[-1])
+    return torch.cat(out)

@@ -1,0 +1,80 @@
+"""Progress for a person at a terminal: a rich bar on stderr, drawn only when stderr is a terminal.
+
+The bar counts tokens scored (documents scored are shown beside it) and shows documents/s, tokens/s and
+the time left. When disabled, or when stderr is not a terminal (a pipeline, a log file, a test runner),
+nothing at all is written: stdout carries data only, and stderr stays clean for the summary line.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
+from rich.text import Text
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+class _RateColumn(ProgressColumn):
+    """``12.3K docs/s  4.56M tokens/s`` from the task's elapsed time."""
+
+    def render(self, task: Task) -> Text:
+        elapsed = task.elapsed or 0.0
+        if elapsed <= 0:
+            return Text("")
+        docs = task.fields.get("docs", 0) / elapsed
+        tokens = task.completed / elapsed
+        return Text(f"{_si(docs)} docs/s  {_si(tokens)} tokens/s", style="progress.data.speed")
+
+
+def progress_enabled(quiet: bool) -> bool:
+    """Whether a bar may be drawn: not ``--quiet`` and stderr is a terminal."""
+    return not quiet and sys.stderr.isatty()
+
+
+class ScoreProgress:
+    """Context manager; `advance(docs, tokens)` after each scored batch. A no-op when disabled."""
+
+    def __init__(self, enabled: bool, total_tokens: int) -> None:
+        self.enabled = bool(enabled) and total_tokens > 0 and sys.stderr.isatty()
+        self.total_tokens = total_tokens
+        self.docs = 0
+        self._progress: Progress | None = None
+        self._task = None
+        self._last = 0.0
+
+    def __enter__(self) -> ScoreProgress:
+        if self.enabled:
+            self._progress = Progress(
+                TextColumn("scoring"),
+                BarColumn(),
+                TextColumn("{task.percentage:>3.0f}%"),
+                _RateColumn(),
+                TimeRemainingColumn(),
+                console=Console(file=sys.stderr),
+                transient=True,
+            )
+            self._progress.__enter__()
+            self._task = self._progress.add_task("score", total=self.total_tokens, docs=0)
+        return self
+
+    def advance(self, docs: int, tokens: int) -> None:
+        """Count one scored batch."""
+        self.docs += docs
+        if self._progress is None:
+            return
+        now = time.monotonic()
+        self._progress.update(self._task, advance=tokens, docs=self.docs, refresh=now - self._last > 0.5)
+        self._last = now
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.__exit__(None, None, None)
+            self._progress = None

@@ -1,0 +1,110 @@
+"""Running top-k per query, merged on the device, with a total order that does not depend on batching.
+
+Each (query, document) score becomes one int64 *order key*
+
+    key = (ord32(score) << 32) | rank(docno)
+
+where ``ord32`` maps a float32 to an int32 with the same order (non-negative floats keep their bits;
+negative floats have their 31 low bits flipped, which reverses their order), and ``rank(docno)`` is the
+document's position among all the corpus's docnos sorted ascending by their UTF-8 bytes (``0 <= rank <
+2**32``, unique because docnos are unique). Comparing keys as signed integers compares scores first and
+docnos second, so "largest key first" is exactly trec_eval's order: score descending, ties broken by docno
+descending. Since every key is distinct, the top k keys form one well-defined set, so merging batches in
+any order, of any size, over shards in any order, gives the same result: no margin for ties is needed,
+and the tie-break happens on the device, where the scores are.
+
+``ord32`` is an involution (applying it twice gives the bits back), so the winning scores are decoded
+exactly from the keys; ``-0.0`` is first turned into ``+0.0`` so that the two zeros tie, as they do when
+printed. Scores are finite (the shards are checked for NaN/Inf when read).
+
+Memory (bytes, on the scores' device): the state holds at most ``nq * k`` keys (8 B each); a merge of a
+``[nq, nd]`` score block allocates ``nq * nd * (4 + 8)`` for the key computation (an int32 temporary and
+the int64 keys, next to the caller's float32 scores) plus ``nq * min(k, nd) * 16`` for `torch.topk`'s
+values and indices, and ``nq * 2k * 8`` to concatenate with the state. `PAIR_BYTES` and `STATE_BYTES`
+bound this for the engine's memory accounting.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Bytes per (query, document) pair while a block is merged: the kernel's float32 score (4), the int32
+# temporary (4), the int64 key (8), and `torch.topk`'s int64 values and indices for the block's best
+# (counted per pair, an upper bound when k < nd: 16). 32 rounds it up.
+PAIR_BYTES = 32
+# Bytes per (query, kept result): the state (8), the block's best (8 + 8 indices), the concatenation
+# (16 for 2k keys) and the new state with its indices (16): 56 rounded up.
+STATE_BYTES = 64
+
+_LOW31 = 0x7FFFFFFF
+_LOW32 = 0xFFFFFFFF
+MAX_RANKS = 1 << 32
+
+
+def order_keys(scores: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+    """int64 keys ``(ord32(score) << 32) | rank`` for float32 ``scores [nq, nd]`` and int64 ``ranks [nd]``.
+
+    ``scores`` is modified in place (``-0.0`` becomes ``+0.0``); it must be contiguous float32.
+    """
+    if scores.dtype != torch.float32:
+        raise TypeError(f"order_keys: scores must be float32, got {scores.dtype}")
+    scores.add_(0.0)  # -0.0 + 0.0 == +0.0 in IEEE arithmetic: the two zeros must tie
+    bits = scores.view(torch.int32)
+    key32 = bits >> 31  # -1 for negative floats, 0 otherwise
+    key32 &= _LOW31
+    key32 ^= bits  # negative floats: flip the 31 low bits, which reverses their order
+    keys = key32.to(torch.int64)
+    del key32
+    keys <<= 32
+    keys |= ranks.to(device=keys.device, dtype=torch.int64)
+    return keys
+
+
+def decode_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `order_keys`: ``(float32 scores, int64 ranks)`` with the shape of ``keys``."""
+    key32 = (keys >> 32).to(torch.int32)
+    bits = key32 ^ ((key32 >> 31) & _LOW31)
+    return bits.view(torch.float32), keys & _LOW32
+
+
+class RunningTopK:
+    """The best ``k`` documents of each of ``num_queries`` queries, merged one score block at a time.
+
+    `add` takes a float32 ``[nq, nd]`` block of scores and the docno ranks of its ``nd`` documents and
+    keeps, per query, the ``k`` largest order keys seen so far. It only queues device work: there is no
+    host synchronisation until `result`.
+    """
+
+    def __init__(self, num_queries: int, k: int) -> None:
+        if k < 1:
+            raise ValueError(f"RunningTopK: k must be >= 1, got {k}")
+        self.num_queries = num_queries
+        self.k = k
+        self._keys: torch.Tensor | None = None
+
+    def add(self, scores: torch.Tensor, ranks: torch.Tensor) -> None:
+        """Merge one block: ``scores`` float32 ``[nq, nd]`` (consumed: modified in place), ``ranks`` [nd]."""
+        if scores.dim() != 2 or scores.shape[0] != self.num_queries:
+            raise ValueError(
+                f"RunningTopK.add: expected scores [{self.num_queries}, nd], got {tuple(scores.shape)}"
+            )
+        if scores.shape[1] == 0:
+            return
+        keys = order_keys(scores, ranks)
+        if keys.shape[1] > self.k:
+            keys = torch.topk(keys, self.k, dim=1, largest=True, sorted=False).values
+        if self._keys is not None:
+            # The state is replaced only once the merge has succeeded: an out-of-memory error inside it
+            # leaves the state as it was, so the caller can retry the block in halves.
+            keys = torch.cat((self._keys, keys), dim=1)
+            if keys.shape[1] > self.k:
+                keys = torch.topk(keys, self.k, dim=1, largest=True, sorted=False).values
+        self._keys = keys
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scores float32 [nq, m], ranks int64 [nq, m])`` on the CPU, best first, ``m = min(k, docs)``."""
+        if self._keys is None:
+            empty = torch.empty((self.num_queries, 0))
+            return empty, empty.to(torch.int64)
+        keys = torch.sort(self._keys, dim=1, descending=True).values.cpu()
+        return decode_keys(keys)

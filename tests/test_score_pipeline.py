@@ -1,0 +1,220 @@
+"""The streaming engine's parts: order keys and the running top-k, batch planning, the reader pipeline,
+and the out-of-memory fallback. CPU only, tiny shapes.
+
+Scores here are exact by construction (small dyadic values), so comparisons are exact.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from maxsim_cli.errors import InputError
+from maxsim_cli.pipeline import BatchPlan, BatchStream
+from maxsim_cli.score import _interleave, _split
+from maxsim_cli.shards import open_corpus, write_shard
+from maxsim_cli.topk import RunningTopK, decode_keys, order_keys
+
+# --------------------------------------------------------------------------------------------------
+# order keys
+
+
+def test_order_keys_order_scores_then_ranks() -> None:
+    values = [3.0, -2.0, 0.0, -0.0, 1.5, -1e-30, 1e-30, float("inf"), float("-inf"), 1.5, -2.0]
+    scores = torch.tensor([values], dtype=torch.float32)
+    ranks = torch.arange(len(values), dtype=torch.int64)
+    keys = order_keys(scores.clone(), ranks)[0].tolist()
+    expected = sorted(range(len(values)), key=lambda i: (values[i] + 0.0, i), reverse=True)
+    assert sorted(range(len(values)), key=lambda i: keys[i], reverse=True) == expected
+
+
+def test_decode_keys_round_trips_scores_and_ranks() -> None:
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randn(3, 50, generator=gen) * 1e3
+    scores[0, :5] = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 65504.0])  # subnormals, zeros
+    ranks = torch.randint(0, 2**32 - 1, (50,), generator=gen, dtype=torch.int64)
+    got_scores, got_ranks = decode_keys(order_keys(scores.clone(), ranks))
+    expected = scores + 0.0
+    assert torch.equal(got_scores.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(got_ranks, ranks.expand(3, -1))
+
+
+# --------------------------------------------------------------------------------------------------
+# running top-k
+
+
+def _reference_topk(scores: torch.Tensor, ranks: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
+    out = []
+    for row in scores.tolist():
+        pairs = sorted(zip(row, ranks.tolist(), strict=True), reverse=True)
+        out.append([(s, r) for s, r in pairs[:k]])
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 3, 7, 40, 100])
+def test_running_topk_is_independent_of_batching_and_order(k: int) -> None:
+    gen = torch.Generator().manual_seed(k)
+    nq, nd = 4, 60
+    # few distinct values: many exact ties, decided by rank
+    scores = torch.randint(-3, 4, (nq, nd), generator=gen).to(torch.float32) / 4
+    ranks = torch.randperm(nd, generator=gen)
+    expected = _reference_topk(scores, ranks, k)
+    rng = random.Random(k)
+    for _trial in range(5):
+        perm = list(range(nd))
+        rng.shuffle(perm)
+        cuts = sorted(rng.sample(range(1, nd), rng.randint(0, 8)))
+        topk = RunningTopK(nq, k)
+        for a, b in zip([0, *cuts], [*cuts, nd], strict=True):
+            cols = torch.tensor(perm[a:b], dtype=torch.int64)
+            topk.add(scores[:, cols].contiguous(), ranks[cols])
+        got_scores, got_ranks = topk.result()
+        got = [
+            list(zip(s, r, strict=True)) for s, r in zip(got_scores.tolist(), got_ranks.tolist(), strict=True)
+        ]
+        assert got == expected
+
+
+def test_running_topk_empty_and_short() -> None:
+    topk = RunningTopK(2, 5)
+    scores, ranks = topk.result()
+    assert scores.shape == (2, 0) and ranks.shape == (2, 0)
+    topk.add(torch.tensor([[1.0, 2.0], [0.5, 0.5]]), torch.tensor([7, 3]))
+    scores, ranks = topk.result()
+    assert scores.tolist() == [[2.0, 1.0], [0.5, 0.5]]
+    assert ranks.tolist() == [[3, 7], [7, 3]]
+
+
+# --------------------------------------------------------------------------------------------------
+# planning
+
+
+def test_split_respects_both_limits_and_keeps_long_documents_alone() -> None:
+    lengths = np.array([3, 3, 10, 1, 1, 1, 1, 4, 2], dtype=np.int64)
+    tok_cum = np.concatenate([[0], np.cumsum(lengths)])
+    doc_cum = np.arange(len(lengths) + 1, dtype=np.float64)
+    spans = _split(doc_cum, tok_cum, 3, 6)
+    assert spans[0][0] == 0 and spans[-1][1] == len(lengths)
+    assert all(b0 == a1 for (_, b0), (a1, _) in zip(spans, spans[1:], strict=False))
+    for a, b in spans:
+        assert b - a <= 3
+        assert tok_cum[b] - tok_cum[a] <= 6 or b - a == 1
+    assert (2, 3) in spans  # the 10-token document alone
+
+
+def test_interleave_alternates_shards() -> None:
+    plans = [BatchPlan(i, [(s, 0, 1)], 1, 1) for i, s in enumerate([0, 0, 0, 1, 1, 2])]
+    out = _interleave(plans)
+    assert [p.parts[0][0] for p in out] == [0, 1, 2, 0, 1, 0]
+    assert [p.index for p in out] == list(range(6))
+
+
+# --------------------------------------------------------------------------------------------------
+# the reader pipeline (CPU)
+
+
+@pytest.fixture
+def two_shards(tmp_path):
+    gen = torch.Generator().manual_seed(3)
+    paths = []
+    for s, fmt in enumerate(["safetensors", "arrow"]):
+        lengths = torch.randint(1, 6, (20,), generator=gen).tolist()
+        embs = [torch.randint(-4, 5, (n, 8), generator=gen).to(torch.float32) / 4 for n in lengths]
+        path = tmp_path / f"s{s}.{fmt}"
+        write_shard(path, [f"s{s}d{i:02d}" for i in range(20)], embs)
+        paths.append(str(path))
+    return paths
+
+
+def test_batch_stream_yields_plans_in_order_with_packed_parts(two_shards) -> None:
+    corpus = open_corpus(two_shards)
+    plans = [
+        BatchPlan(0, [(0, 0, 7)], 7, 0, side=np.arange(7), side_len=7),
+        BatchPlan(1, [(0, 7, 20), (1, 0, 5)], 18, 0, side=np.arange(18), side_len=18),
+        BatchPlan(2, [(1, np.array([9, 5, 6]))], 3, 0, side=np.arange(3), side_len=3),
+        BatchPlan(3, [(1, 10, 20)], 10, 0, side=lambda: np.arange(10), side_len=10),
+    ]
+    for plan in plans:
+        plan.num_tokens = sum(_part_tokens(corpus, p) for p in plan.parts)
+    with BatchStream(
+        corpus.shards,
+        plans,
+        dim=8,
+        dtype=torch.float32,
+        scaled=False,
+        device=torch.device("cpu"),
+        reader_threads=2,
+    ) as stream:
+        for _ in range(2):  # a stream can be iterated once per query batch
+            got = list(stream)
+            assert [b.plan.index for b in got] == [0, 1, 2, 3]
+            for batch in got:
+                expected = torch.cat([_read_part(corpus, p) for p in batch.plan.parts])
+                assert torch.equal(batch.embeddings, expected)
+                assert batch.offsets[-1] == expected.shape[0] == batch.plan.num_tokens
+                assert np.array_equal(batch.host_offsets, batch.offsets.numpy())
+                assert batch.side is not None and batch.side.tolist() == list(range(batch.plan.num_docs))
+    assert stream.times.batches == 8
+    corpus.close()
+
+
+def _part_tokens(corpus, part) -> int:
+    shard = corpus.shards[part[0]]
+    if len(part) == 3:
+        return int(shard.offsets[part[2]] - shard.offsets[part[1]])
+    return int(sum(shard.offsets[i + 1] - shard.offsets[i] for i in part[1]))
+
+
+def _read_part(corpus, part) -> torch.Tensor:
+    shard = corpus.shards[part[0]]
+    if len(part) == 3:
+        return shard.read_docs(part[1], part[2]).embeddings
+    return shard.read_doc_indices(part[1]).embeddings
+
+
+def test_batch_stream_reader_error_reaches_the_consumer_and_threads_stop(two_shards) -> None:
+    corpus = open_corpus(two_shards)
+
+    class Broken:
+        def __init__(self, shard):
+            self.shard = shard
+
+        def read_docs(self, start, stop):
+            if start >= 10:
+                raise InputError(f"{self.shard.path}: document {start} is damaged; re-create the shard")
+            return self.shard.read_docs(start, stop)
+
+    shards = [Broken(s) for s in corpus.shards]
+    plans = [BatchPlan(i, [(0, a, a + 5)], 5, 0) for i, a in enumerate(range(0, 20, 5))]
+    stream = BatchStream(
+        shards, plans, dim=8, dtype=torch.float32, scaled=False, device=torch.device("cpu"), reader_threads=3
+    )
+    seen = []
+    with pytest.raises(InputError, match="document 10 is damaged"):
+        for batch in stream:
+            seen.append(batch.plan.index)
+    assert seen == [0, 1]
+    assert stream._pool is None and stream._dispatcher is None
+    corpus.close()
+
+
+def test_batch_stream_stops_cleanly_when_abandoned(two_shards) -> None:
+    corpus = open_corpus(two_shards)
+    plans = [BatchPlan(i, [(0, i, i + 1)], 1, 0) for i in range(20)]
+    stream = BatchStream(
+        corpus.shards,
+        plans,
+        dim=8,
+        dtype=torch.float32,
+        scaled=False,
+        device=torch.device("cpu"),
+        reader_threads=2,
+    )
+    it = iter(stream)
+    next(it)
+    it.close()  # the consumer stops early (an exception, a closed pipe)
+    assert stream._pool is None and stream._dispatcher is None
+    corpus.close()
