@@ -30,12 +30,15 @@ import torch
 from maxsim_cli.errors import InputError, UsageError
 from maxsim_cli.shards import (
     FLOAT_DTYPES,
+    ID_WHITESPACE,
     MANIFEST_NAME,
     MAX_ARROW_TOKENS,
     SHARD_SUFFIXES,
+    TORCH_DTYPES,
     ShardInfo,
     ShardWriter,
     current_umask,
+    first_nonfinite_row,
     write_manifest,
 )
 
@@ -315,6 +318,36 @@ def _normalize(batch: _Batch) -> torch.Tensor:
     return values / norms
 
 
+def _check_ids(batch: _Batch) -> None:
+    """Ids are TREC fields: non-empty, no whitespace."""
+    for k, doc_id in enumerate(batch.ids):
+        if not doc_id or ID_WHITESPACE.search(doc_id):
+            problem = "is empty" if not doc_id else "contains whitespace"
+            raise InputError(
+                f"{batch.where[k]}: id {doc_id!r} {problem}; ids must be single tokens for TREC runs"
+            )
+
+
+def _cast_checked(batch: _Batch, values: torch.Tensor, dtype: str) -> torch.Tensor:
+    """`values` in the stored dtype; NaN/Inf (in the source, or from float16 overflow) names the document."""
+    stored = values.to(TORCH_DTYPES[dtype])
+    row = first_nonfinite_row(stored)
+    if row is not None:
+        offsets = np.concatenate([[0], np.cumsum(batch.lengths)])
+        k = int(np.searchsorted(offsets, row, side="right")) - 1
+        overflow = bool(torch.isfinite(values[row]).all())
+        token = row - int(offsets[k])
+        raise InputError(
+            f"{batch.where[k]}: document {batch.ids[k]!r} has NaN or Inf values at token {token}"
+            + (
+                f" after conversion to {dtype} (out of its range); pack with --dtype float32"
+                if overflow
+                else ""
+            )
+        )
+    return stored
+
+
 def _check_outdir(outdir: str) -> bool:
     """Whether OUTDIR exists already; refuses one that holds shards or a manifest."""
     if not os.path.exists(outdir):
@@ -466,7 +499,8 @@ def _pack_into(
                     ordinal = seen.setdefault(doc_id, docs_done + k)
                     if ordinal != docs_done + k:
                         _raise_duplicate(batch.where[k], doc_id, ordinal, source_starts)
-                values = _normalize(batch) if normalize else batch.values
+                _check_ids(batch)
+                values = _cast_checked(batch, _normalize(batch) if normalize else batch.values, dtype)
                 offsets = np.concatenate([[0], np.cumsum(batch.lengths)]).astype(np.int64)
                 a, n = 0, len(batch.ids)
                 while a < n:

@@ -18,6 +18,7 @@ document id or offset. Nothing is ever unpickled.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -59,13 +60,13 @@ MAX_SAFETENSORS_HEADER = 100_000_000
 # error <= 2^-9, which moves the norm of a unit vector by at most ~2e-3; 1e-2 leaves room for that.
 NORM_TOLERANCE = 1e-2
 
-_TORCH_DTYPES = {
+TORCH_DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float32": torch.float32,
     "int8": torch.int8,
 }
-_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
+_DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 _ST_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "int8": "I8"}
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 _ST_ITEMSIZE = {
@@ -94,7 +95,7 @@ _ARROW_VALUE_TYPES = {
 }
 _NUMPY_STORAGE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "int8": np.int8}
 
-_WHITESPACE = re.compile(r"\s")
+ID_WHITESPACE = re.compile(r"\s")  # ASCII and Unicode whitespace, as str.split() sees it
 
 
 def _one_line(text: object, limit: int = 200) -> str:
@@ -215,9 +216,9 @@ def _parse_metadata(path: str, meta: dict[str, str] | None, where: str) -> dict[
 def _check_ids(path: str, ids: list[str], *, what: str = "id") -> None:
     """Ids: non-empty, no whitespace (TREC fields are whitespace-separated), unique within the shard."""
     joined = "".join(ids)
-    if _WHITESPACE.search(joined):
+    if ID_WHITESPACE.search(joined):
         for i, doc_id in enumerate(ids):
-            if _WHITESPACE.search(doc_id):
+            if ID_WHITESPACE.search(doc_id):
                 raise _err(
                     path,
                     f"{what} {_show_id(doc_id)} at index {i} contains whitespace; "
@@ -314,7 +315,7 @@ def _check_counts(path: str, meta: dict[str, Any], num_docs: int, num_tokens: in
             raise _err(path, f"metadata says {key}={meta[key]} but the file holds {actual}")
 
 
-def _first_bad_row(values: torch.Tensor) -> int | None:
+def first_nonfinite_row(values: torch.Tensor) -> int | None:
     """Index of the first row holding NaN/Inf, or None. One float32 sum first: cheap, no mask."""
     if values.numel() == 0 or values.dtype == torch.int8:
         return None
@@ -342,7 +343,7 @@ def _check_values(
     for tensor, what in ((embeddings, "NaN or Inf values"), (scales, "a NaN or Inf scale")):
         if tensor is None:
             continue
-        row = _first_bad_row(tensor)
+        row = first_nonfinite_row(tensor)
         if row is not None:
             doc = int(np.searchsorted(offsets, row, side="right")) - 1
             raise _err(
@@ -406,7 +407,7 @@ class Shard:
         """Release the file (memory map, handles). Reading afterwards is an error."""
 
     def _empty_batch(self, first_doc: int = 0) -> DocBatch:
-        dtype = _TORCH_DTYPES[self.info.dtype]
+        dtype = TORCH_DTYPES[self.info.dtype]
         scales = torch.empty(0, dtype=torch.float32) if self.info.dtype == "int8" else None
         return DocBatch(
             [],
@@ -1147,18 +1148,15 @@ class Corpus:
         if self._index is None:
             index: dict[str, tuple[int, int]] = {}
             for s, shard in enumerate(self.shards):
-                before = len(index)
-                index.update((doc_id, (s, d)) for d, doc_id in enumerate(shard.ids))
-                if len(index) != before + shard.num_docs:
-                    for d, doc_id in enumerate(shard.ids):
-                        other = index[doc_id]
-                        if other != (s, d):
-                            raise _err(
-                                shard.path,
-                                f"duplicate id {_show_id(doc_id)}: document {d} here and "
-                                f"document {other[1]} of {self.shards[other[0]].path}; "
-                                "ids must be unique across a corpus",
-                            )
+                if not index.keys().isdisjoint(shard.ids):
+                    d, doc_id = next((d, i) for d, i in enumerate(shard.ids) if i in index)
+                    other = index[doc_id]
+                    raise _err(
+                        shard.path,
+                        f"duplicate id {_show_id(doc_id)}: document {d} here and document {other[1]} of "
+                        f"{self.shards[other[0]].path}; ids must be unique across a corpus",
+                    )
+                index.update(zip(shard.ids, zip(itertools.repeat(s), range(shard.num_docs)), strict=False))
             self._index = index
         return self._index
 
@@ -1575,7 +1573,7 @@ class ShardWriter:
                 raise InputError(f"{self.path}: id at index {index} is {type(doc_id).__name__}, not str")
             if not doc_id:
                 raise InputError(f"{self.path}: empty id at index {index}; every document needs an id")
-            if _WHITESPACE.search(doc_id):
+            if ID_WHITESPACE.search(doc_id):
                 raise InputError(
                     f"{self.path}: id {_show_id(doc_id)} at index {index} contains whitespace; "
                     "ids must be single tokens for TREC runs"
@@ -1675,7 +1673,7 @@ class ShardWriter:
                     f"{self.path}: int8 embeddings for a {self.dtype} shard; write an int8 shard "
                     "with scales instead"
                 )
-            values = packed.to(_TORCH_DTYPES[self.dtype]).contiguous()
+            values = packed.to(TORCH_DTYPES[self.dtype]).contiguous()
         local = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         _check_values(self.path, values, scale_t, local, ids, base)
         if self.format != "safetensors" and self.num_tokens + values.shape[0] > MAX_ARROW_TOKENS:

@@ -1,0 +1,418 @@
+"""Every invalid input gets a one-line error naming the file and the document or offset, exit code 1
+(2 for usage errors), no traceback, and no output file left behind.
+
+Corrupt files are built here, byte by byte, from a valid shard or from plain `safetensors.numpy.save_file`
+(what a foreign writer would do): no binary fixtures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.numpy import save_file
+from typer.testing import CliRunner
+
+from maxsim_cli.cli import app
+from maxsim_cli.errors import InputError
+from maxsim_cli.shards import check_same_dim, open_corpus, read_queries, write_manifest, write_shard
+
+runner = CliRunner()
+
+META = {
+    "format": "maxsim-shard",
+    "format_version": "1",
+    "dim": "4",
+    "dtype": "float32",
+    "quantization": "none",
+    "normalized": "false",
+    "num_docs": "3",
+    "num_tokens": "6",
+}
+
+
+def raw_shard(
+    path,
+    *,
+    ids=("d0", "d1", "d2"),
+    lengths=(1, 2, 3),
+    offsets=None,
+    values=None,
+    id_bytes=None,
+    meta=None,
+    drop=(),
+    extra=None,
+):
+    """A safetensors shard written without maxsim's writer, so any rule can be broken."""
+    n_tokens = sum(lengths)
+    if values is None:
+        values = np.arange(n_tokens * 4, dtype=np.float32).reshape(n_tokens, 4) / 10
+    encoded = [i.encode("utf-8") for i in ids] if id_bytes is None else id_bytes
+    tensors = {
+        "embeddings": values,
+        "offsets": np.asarray(offsets if offsets is not None else np.cumsum([0, *lengths]), dtype=np.int64),
+        "ids": np.frombuffer(b"".join(encoded), dtype=np.uint8).copy(),
+        "id_offsets": np.cumsum([0] + [len(b) for b in encoded]).astype(np.int64),
+        **(extra or {}),
+    }
+    for name in drop:
+        tensors.pop(name)
+    save_file(tensors, str(path), metadata={**META, **(meta or {})})
+    return str(path)
+
+
+def run_inspect(*paths):
+    return runner.invoke(app, ["inspect", *map(str, paths)])
+
+
+def assert_error(result, *fragments, code=1):
+    """Exit code, one line on stderr starting 'maxsim: error:', every fragment in it, no traceback."""
+    assert result.exit_code == code, (result.exit_code, result.output)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("maxsim: error: "), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    assert "Traceback" not in result.output
+    assert result.stdout == ""
+
+
+@pytest.fixture
+def good(tmp_path):
+    return raw_shard(tmp_path / "good.safetensors")
+
+
+def test_the_valid_raw_shard_is_accepted(good):
+    result = run_inspect(good, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["num_tokens"] == 6
+
+
+# --- truncated or corrupt files ---
+
+
+def test_truncated_safetensors(good, tmp_path):
+    data = open(good, "rb").read()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[:-10])
+    assert_error(run_inspect(cut), "cut.safetensors", "truncated: tensor", "only 156 bytes follow the header")
+    cut.write_bytes(data[:5])
+    assert_error(run_inspect(cut), "cut.safetensors", "truncated", "8-byte")
+    cut.write_bytes(data[:40])
+    assert_error(run_inspect(cut), "cut.safetensors", "truncated: header needs")
+    assert sorted(os.listdir(tmp_path)) == ["cut.safetensors", "good.safetensors"]
+
+
+def test_corrupt_safetensors_header(good, tmp_path):
+    data = bytearray(open(good, "rb").read())
+    data[8:12] = b"#!?@"
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(bytes(data))
+    assert_error(run_inspect(bad), "bad.safetensors", "corrupt safetensors header (bytes 8..")
+    data = bytearray(open(good, "rb").read())
+    data[0:8] = (2**40).to_bytes(8, "little")
+    bad.write_bytes(bytes(data))
+    assert_error(run_inspect(bad), "bad.safetensors", "corrupt safetensors header length", "offset 0")
+
+
+def test_truncated_arrow_and_parquet(tmp_path):
+    ids = ["a", "b"]
+    docs = [torch.ones(3, 4), torch.ones(2, 4)]
+    for name in ("x.arrow", "x.parquet"):
+        write_shard(tmp_path / name, ids, docs, dtype="float32")
+        data = (tmp_path / name).read_bytes()
+        (tmp_path / name).write_bytes(data[: len(data) // 2])
+        assert_error(run_inspect(tmp_path / name), name, "corrupt or truncated")
+
+
+# --- unknown format, version, dtype ---
+
+
+def test_unknown_format(tmp_path):
+    path = raw_shard(tmp_path / "s.safetensors", meta={"format": "colbert-chunk"})
+    assert_error(run_inspect(path), "s.safetensors", "unknown format 'colbert-chunk'")
+    plain = tmp_path / "p.safetensors"
+    save_file({"w": np.zeros(3, np.float32)}, str(plain))
+    assert_error(run_inspect(plain), "p.safetensors", "no __metadata__; not a maxsim shard")
+    text = tmp_path / "t.safetensors"
+    text.write_text("id\tvector\n")
+    assert_error(run_inspect(text), "t.safetensors", "corrupt safetensors header length")
+
+
+def test_unknown_version(tmp_path):
+    path = raw_shard(tmp_path / "s.safetensors", meta={"format_version": "2"})
+    assert_error(run_inspect(path), "s.safetensors", "unsupported format_version '2'", "reads version 1")
+
+
+def test_unsupported_dtype(tmp_path):
+    f64 = raw_shard(
+        tmp_path / "f64.safetensors", values=np.zeros((6, 4), np.float64), meta={"dtype": "float64"}
+    )
+    assert_error(run_inspect(f64), "f64.safetensors", "unsupported dtype 'float64'")
+    lying = raw_shard(tmp_path / "lying.safetensors", values=np.zeros((6, 4), np.float64))
+    assert_error(run_inspect(lying), "lying.safetensors", "unsupported embeddings dtype F64")
+
+
+# --- dim mismatches ---
+
+
+def test_dim_mismatch_between_shards(tmp_path):
+    write_shard(tmp_path / "a.safetensors", ["a"], [np.ones((2, 4), np.float32)])
+    write_shard(tmp_path / "b.safetensors", ["b"], [np.ones((2, 8), np.float32)])
+    assert_error(
+        run_inspect(tmp_path), "b.safetensors", "dim mismatch: dim=8 here but dim=4 in", "a.safetensors"
+    )
+    assert_error(run_inspect(tmp_path / "a.safetensors", tmp_path / "b.safetensors"), "dim mismatch")
+
+
+def test_dim_mismatch_between_queries_and_corpus(tmp_path):
+    write_shard(tmp_path / "corpus.safetensors", ["a"], [np.ones((2, 4), np.float32)])
+    write_shard(tmp_path / "queries.safetensors", ["q"], [np.ones((2, 8), np.float32)])
+    queries = read_queries(str(tmp_path / "queries.safetensors"))
+    with open_corpus([tmp_path / "corpus.safetensors"]) as corpus:
+        with pytest.raises(
+            InputError, match=r"queries\.safetensors: queries have dim 8 but the corpus .* dim 4"
+        ):
+            check_same_dim(queries, str(tmp_path / "queries.safetensors"), corpus)
+
+
+def test_dim_disagrees_with_metadata(tmp_path):
+    path = raw_shard(tmp_path / "s.safetensors", meta={"dim": "5"})
+    assert_error(run_inspect(path), "s.safetensors", "metadata says dim=5 but the file holds 4")
+
+
+# --- offsets ---
+
+
+def test_offsets_not_starting_at_zero(tmp_path):
+    path = raw_shard(tmp_path / "s.safetensors", offsets=[1, 2, 4, 6])
+    assert_error(run_inspect(path), "s.safetensors", "offsets start at 1, not 0", "'d0'")
+
+
+def test_offsets_not_monotonic(tmp_path):
+    path = raw_shard(tmp_path / "s.safetensors", offsets=[0, 4, 3, 6])
+    assert_error(run_inspect(path), "s.safetensors", "not monotonic: offsets[2] = 3 < offsets[1] = 4", "'d1'")
+
+
+def test_offsets_not_ending_at_num_tokens(tmp_path):
+    path = raw_shard(tmp_path / "s.safetensors", offsets=[0, 1, 3, 5])
+    assert_error(run_inspect(path), "s.safetensors", "offsets end at 5 but embeddings hold 6 tokens")
+
+
+def test_document_with_zero_tokens(tmp_path):
+    path = raw_shard(tmp_path / "s.safetensors", offsets=[0, 3, 3, 6])
+    assert_error(run_inspect(path), "s.safetensors", "document 'd1' (index 1, offset 3) has zero tokens")
+    # the same in an Arrow shard written by plain pyarrow
+    meta = {**META, "num_docs": "2", "num_tokens": "1"}
+    table = pa.table(
+        {
+            "id": ["x", "empty"],
+            "embedding": pa.array([[[1, 2, 3, 4]], []], pa.list_(pa.list_(pa.float32(), 4))),
+        }
+    ).replace_schema_metadata(meta)
+    with pa.ipc.new_file(str(tmp_path / "t.arrow"), table.schema) as out:
+        out.write_table(table)
+    assert_error(
+        run_inspect(tmp_path / "t.arrow"), "t.arrow", "document 'empty' (index 1, offset 1) has zero tokens"
+    )
+
+
+# --- values ---
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nan_or_inf_values_name_the_document(tmp_path, bad):
+    values = np.ones((6, 4), np.float32)
+    values[4, 2] = bad  # document d2 holds tokens 3..5: this is its token 1
+    path = raw_shard(tmp_path / "s.safetensors", values=values)
+    assert_error(
+        run_inspect(path), "s.safetensors", "document 'd2' (index 2) has NaN or Inf values at token 1"
+    )
+    # structure-only inspection does not read values
+    assert runner.invoke(app, ["inspect", path, "--no-check-values"]).exit_code == 0
+
+
+def test_nan_in_parquet_shard(tmp_path):
+    docs = [np.ones((2, 4), np.float32), np.ones((3, 4), np.float32)]
+    docs[1][2, 0] = np.nan
+    path = tmp_path / "s.parquet"
+    ids = ["ok", "broken"]
+    with pytest.raises(InputError, match="document 'broken'"):  # the writer refuses it
+        write_shard(path, ids, docs)
+    assert not path.exists()
+    docs[1][2, 0] = 1.0
+    write_shard(path, ids, docs)
+    table = pq.read_table(path)
+    emb = table.column("embedding").to_pylist()
+    emb[1][2][0] = float("nan")
+    table = table.set_column(1, "embedding", pa.array(emb, table.schema.field("embedding").type))
+    pq.write_table(table, path)
+    assert_error(
+        run_inspect(path), "s.parquet", "document 'broken' (index 1) has NaN or Inf values at token 2"
+    )
+
+
+# --- ids ---
+
+
+def test_duplicate_ids_within_a_shard(tmp_path):
+    path = raw_shard(tmp_path / "s.safetensors", ids=("d0", "d1", "d0"))
+    assert_error(run_inspect(path), "s.safetensors", "duplicate id 'd0' at indices 0 and 2")
+
+
+def test_duplicate_ids_across_shards(tmp_path):
+    write_shard(tmp_path / "a.safetensors", ["x", "shared"], [np.ones((1, 4), np.float32)] * 2)
+    write_shard(tmp_path / "b.safetensors", ["y", "z", "shared"], [np.ones((1, 4), np.float32)] * 3)
+    assert_error(
+        run_inspect(tmp_path),
+        "b.safetensors",
+        "duplicate id 'shared': document 2 here and document 1 of",
+        "a.safetensors",
+    )
+
+
+def test_ids_with_whitespace(tmp_path):
+    path = raw_shard(tmp_path / "s.safetensors", ids=("d0", "d 1", "d2"))
+    assert_error(run_inspect(path), "s.safetensors", "id 'd 1' at index 1 contains whitespace")
+    tab = raw_shard(tmp_path / "t.safetensors", ids=("d0", "d1", "tab\there"))
+    assert_error(run_inspect(tab), "t.safetensors", "id 'tab\\there' at index 2 contains whitespace")
+    with pytest.raises(InputError, match=r"w\.arrow: id 'a\\nb' at index 1 contains whitespace"):
+        write_shard(tmp_path / "w.arrow", ["ok", "a\nb"], [np.ones((1, 4), np.float32)] * 2)
+    assert not (tmp_path / "w.arrow").exists()
+
+
+def test_ids_not_valid_utf8(tmp_path):
+    path = raw_shard(tmp_path / "s.safetensors", id_bytes=[b"d0", b"\xff\xfe", b"d2"])
+    assert_error(run_inspect(path), "s.safetensors", "id at index 1 (bytes 2..4) is not valid UTF-8")
+
+
+# --- int8 ---
+
+
+def test_int8_without_scales(tmp_path):
+    path = raw_shard(
+        tmp_path / "s.safetensors",
+        values=np.ones((6, 4), np.int8),
+        meta={"dtype": "int8", "quantization": "int8-per-token"},
+    )
+    assert_error(run_inspect(path), "s.safetensors", "int8 embeddings without scales")
+    with pytest.raises(InputError, match=r"w\.safetensors: int8 embeddings without scales"):
+        write_shard(tmp_path / "w.safetensors", ["a"], [np.ones((2, 4), np.int8)])
+    assert not (tmp_path / "w.safetensors").exists()
+
+
+# --- manifests ---
+
+
+@pytest.mark.parametrize("escape", ["../outside.safetensors", "/etc/passwd", "sub/../../outside.safetensors"])
+def test_manifest_naming_files_outside_its_directory(tmp_path, escape):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_shard(tmp_path / "outside.safetensors", ["a"], [np.ones((1, 4), np.float32)])
+    manifest = {"format": "maxsim-corpus", "format_version": 1, "shards": [{"path": escape}]}
+    (corpus / "index.json").write_text(json.dumps(manifest))
+    assert_error(
+        run_inspect(corpus), "index.json", f"path {escape!r} names a file outside the corpus directory"
+    )
+
+
+def test_manifest_symlink_escape(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_shard(tmp_path / "outside.safetensors", ["a"], [np.ones((1, 4), np.float32)])
+    os.symlink(tmp_path / "outside.safetensors", corpus / "link.safetensors")
+    manifest = {"format": "maxsim-corpus", "format_version": 1, "shards": [{"path": "link.safetensors"}]}
+    (corpus / "index.json").write_text(json.dumps(manifest))
+    assert_error(
+        run_inspect(corpus), "index.json", "resolves (through a symlink)", "outside the corpus directory"
+    )
+
+
+def test_manifest_counts_must_match(tmp_path):
+    write_shard(tmp_path / "a.safetensors", ["a", "b"], [np.ones((1, 4), np.float32)] * 2)
+    manifest = json.loads(open(write_manifest(tmp_path)).read())
+    manifest["shards"][0]["num_docs"] = 3
+    (tmp_path / "index.json").write_text(json.dumps(manifest))
+    assert_error(run_inspect(tmp_path), "a.safetensors", "num_docs=2 but the manifest", "says 3")
+
+
+# --- pack: invalid sources leave no output ---
+
+
+def pack(*args):
+    return runner.invoke(app, ["pack", *map(str, args)])
+
+
+def write_parquet(path, ids, docs):
+    pq.write_table(pa.table({"id": ids, "embedding": pa.array(docs, pa.list_(pa.list_(pa.float32())))}), path)
+
+
+@pytest.mark.parametrize(
+    "ids, docs, fragments",
+    [
+        (["a", "b"], [[[1.0, 2.0]], []], ["row 1: document 'b' has zero tokens"]),
+        (
+            ["a", "a"],
+            [[[1.0, 2.0]], [[3.0, 4.0]]],
+            ["src.parquet row 1: duplicate id 'a' (first at", "row 0)"],
+        ),
+        (
+            ["a", "b"],
+            [[[1.0, 2.0]], [[3.0, float("nan")]]],
+            ["src.parquet row 1: document 'b' has NaN or Inf values at token 0"],
+        ),
+        (
+            ["a", "b"],
+            [[[1.0, 2.0]], [[3.0, 4.0, 5.0]]],
+            ["row 1: document 'b' has a token vector of 3 values"],
+        ),
+        (["a", "b c"], [[[1.0, 2.0]], [[3.0, 4.0]]], ["src.parquet row 1: id 'b c' contains whitespace"]),
+    ],
+)
+def test_pack_refuses_invalid_sources_and_leaves_nothing(tmp_path, ids, docs, fragments):
+    write_parquet(tmp_path / "src.parquet", ids, docs)
+    result = pack(tmp_path / "src.parquet", "-o", tmp_path / "out")
+    assert_error(result, "src.parquet", *fragments)
+    assert sorted(os.listdir(tmp_path)) == ["src.parquet"]  # no OUTDIR, no temp directory
+
+
+def test_pack_refuses_an_outdir_with_shards(tmp_path):
+    write_parquet(tmp_path / "src.parquet", ["a"], [[[1.0, 2.0]]])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "shard-00000.safetensors").write_bytes(b"keep me")
+    assert_error(
+        pack(tmp_path / "src.parquet", "-o", out),
+        "out",
+        "already holds shards (shard-00000.safetensors)",
+        code=2,
+    )
+    assert os.listdir(out) == ["shard-00000.safetensors"]
+    assert (out / "shard-00000.safetensors").read_bytes() == b"keep me"
+
+
+def test_pack_usage_errors(tmp_path):
+    write_parquet(tmp_path / "src.parquet", ["a"], [[[1.0, 2.0]]])
+    result = pack(tmp_path / "src.parquet", "-o", tmp_path / "out", "--embedding-column", "colbert")
+    assert_error(
+        result, "src.parquet", "no column 'colbert' (--embedding-column); columns: id, embedding", code=2
+    )
+    assert_error(
+        pack(tmp_path / "src.parquet", "-o", tmp_path / "out", "--dtype", "int8"), "--dtype 'int8'", code=2
+    )
+    assert sorted(os.listdir(tmp_path)) == ["src.parquet"]
+
+
+def test_npy_object_arrays_are_never_unpickled(tmp_path):
+    src = tmp_path / "npy"
+    src.mkdir()
+    np.save(src / "a.npy", np.ones((2, 4), np.float32))
+    np.save(src / "evil.npy", np.array([{"x": 1}], dtype=object), allow_pickle=True)
+    assert_error(pack(src, "-o", tmp_path / "out"), "evil.npy", "cannot read as a numeric .npy array")
+    assert sorted(os.listdir(tmp_path)) == ["npy"]
