@@ -1,0 +1,46 @@
+"""`maxsim merge`: merge runs scored on disjoint parts of a corpus into one top-k run."""
+
+from __future__ import annotations
+
+import typer
+
+from maxsim_cli.commands import cli_errors
+from maxsim_cli.merge import merge_runs
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `merge` command to `app`."""
+
+    @app.command("merge")
+    @cli_errors
+    def merge_command(
+        runs: list[str] = typer.Argument(  # noqa: B008 - Typer declares arguments in defaults
+            ...,
+            metavar="RUN",
+            help="Runs to merge (TREC, MS MARCO or ColBERT TSV, optionally .gz); '-' reads one from stdin.",
+        ),
+        top_k: int = typer.Option(1000, "--top-k", "-k", min=1, help="Documents kept per query."),
+        output: str = typer.Option(
+            "-", "--output", "-o", help="Run file to write (atomically; '.gz' compresses); '-' is stdout."
+        ),
+        tag: str = typer.Option("maxsim", "--tag", help="Tag written in the run's last column."),
+        fmt: str = typer.Option("trec", "--format", help="trec (six columns) or jsonl (one query a line)."),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="No summary line on stderr."),
+    ) -> None:
+        """Merge runs scored on disjoint parts of one corpus into one run, top-k per query.
+
+        Queries keep their first-appearance order; documents are ordered by score, ties by docno
+        descending. A document found for one query in two inputs is kept once if the scores agree
+        (as float32) and is an error otherwise.
+
+        Example: maxsim merge part-0.trec part-1.trec -k 100 -o run.trec
+        """
+        stats = merge_runs(runs, top_k, output, tag=tag, fmt=fmt)
+        if not quiet:
+            note = (
+                f"merged {stats.inputs} runs: {stats.queries} queries, {stats.rows_read} rows read, "
+                f"{stats.rows_written} written (top {top_k})"
+            )
+            if stats.duplicates:
+                note += f"; {stats.duplicates} rows found in two inputs with equal scores, kept once"
+            typer.echo(note, err=True)
