@@ -43,7 +43,6 @@ kernel uses the same constant: (y + 1.5 * 2^23) - 1.5 * 2^23 for |y| < 2^22.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 
 import torch
 import triton
@@ -68,6 +67,7 @@ _FEW_QUERIES_WARPS = 4
 _CAND_BLOCK_D = 64
 _CAND_PER_PROG = 8  # candidates per program
 _CAND_WARPS = 4
+_MAX_QUERIES_PER_GROUP = 32  # queries per all-pairs program at most (short queries)
 _QUANT_BLOCK_R = 16  # tokens per program of the quantize kernel
 
 # CPU path: at most this many fp32 similarities materialised at once (64 MiB).
@@ -135,7 +135,7 @@ def _doc_row_max(
     k = tl.arange(0, BLOCK_K)
     k_ok = k < dim
     row_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-    row_arg = tl.zeros([BLOCK_Q], tl.int32)
+    row_arg = tl.full([BLOCK_Q], -1, tl.int32)  # stays -1 for a document with no tokens
     for t in range(start, stop, BLOCK_D):
         cols = t + tl.arange(0, BLOCK_D)
         col_ok = cols < stop
@@ -165,18 +165,33 @@ def _doc_row_max(
 
 
 @triton.jit
+def _query_tile(
+    q_ptr, q_scale_ptr, row_first, row_last, dim, stride_q, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """Rows row_first.. (< row_last) of the int8 queries and their scales (0 past the end)."""
+    rows = row_first + tl.arange(0, BLOCK_Q)
+    row_ok = rows < row_last
+    k = tl.arange(0, BLOCK_K)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_q + k[None, :], mask=row_ok[:, None] & (k[None, :] < dim), other=0
+    )
+    sq = tl.load(q_scale_ptr + rows, mask=row_ok, other=1.0)  # padding rows are masked out by row_ok
+    return q, sq, rows, row_ok
+
+
+@triton.jit
 def _maxsim_int8_varlen_kernel(
     # pointers
     q_ptr,
     q_scale_ptr,
     q_off_ptr,
-    group_ptr,
     d_ptr,
     d_scale_ptr,
     d_off_ptr,
     out_ptr,
     arg_ptr,
     # sizes
+    n_queries,
     n_groups,
     n_docs,
     dim,
@@ -189,34 +204,34 @@ def _maxsim_int8_varlen_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    QUERIES_PER_GROUP: tl.constexpr,
     MAX_Q: tl.constexpr,
-    MULTI_TILE: tl.constexpr,
     MAGIC: tl.constexpr,
     RETURN_ARGMAX: tl.constexpr,
 ):
-    """Scores of one query group against DOCS_PER_PROG consecutive documents (all-pairs layout)."""
+    """Scores of QUERIES_PER_GROUP consecutive queries against DOCS_PER_PROG consecutive documents.
+
+    MAX_Q = max(2, QUERIES_PER_GROUP) is the length of the per-query vectors (a power of two).
+    """
     pid = tl.program_id(0)
     # Group fastest: the programs that share a document chunk run together and share it through L2.
     group = pid % n_groups
     doc_first = (pid // n_groups).to(tl.int64) * DOCS_PER_PROG
     doc_last = tl.minimum(doc_first + DOCS_PER_PROG, n_docs)
-    q_first = tl.load(group_ptr + group).to(tl.int64)
-    q_last = tl.load(group_ptr + group + 1).to(tl.int64)
+    q_first = group.to(tl.int64) * QUERIES_PER_GROUP
+    q_last = tl.minimum(q_first + QUERIES_PER_GROUP, n_queries)
     row_first = tl.load(q_off_ptr + q_first)
     row_last = tl.load(q_off_ptr + q_last)
     kq = tl.arange(0, MAX_Q)
     q_ok = q_first + kq < q_last
     # End row of each query of the group; a row belongs to local query #(ends <= row).
     q_ends = tl.load(q_off_ptr + q_first + 1 + kq, mask=q_ok, other=9223372036854775807)
-    k = tl.arange(0, BLOCK_K)
     out_rows = out_ptr + (q_first + kq) * stride_out
-    if not MULTI_TILE:
-        rows = row_first + tl.arange(0, BLOCK_Q)
-        row_ok = rows < row_last
-        q = tl.load(
-            q_ptr + rows[:, None] * stride_q + k[None, :], mask=row_ok[:, None] & (k[None, :] < dim), other=0
+    if row_last - row_first <= BLOCK_Q:
+        # The group fits one tile (the planned case): the query tile stays on chip for every document.
+        q, sq, rows, row_ok = _query_tile(
+            q_ptr, q_scale_ptr, row_first, row_last, dim, stride_q, BLOCK_Q, BLOCK_K
         )
-        sq = tl.load(q_scale_ptr + rows, mask=row_ok, other=0.0)
         local = tl.sum((rows[:, None] >= q_ends[None, :]).to(tl.int32), axis=1)
         member = (local[:, None] == kq[None, :]) & row_ok[:, None]
         for doc in range(doc_first, doc_last):
@@ -242,19 +257,15 @@ def _maxsim_int8_varlen_kernel(
             if RETURN_ARGMAX:
                 tl.store(arg_ptr + rows * stride_arg + doc, row_arg, mask=row_ok)
     else:
+        # Longer queries than planned: walk the group's rows in tiles, for each document.
         for doc in range(doc_first, doc_last):
             start = tl.load(d_off_ptr + doc)
             stop = tl.load(d_off_ptr + doc + 1)
             scores = tl.zeros([MAX_Q], tl.float32)
             for r in range(row_first, row_last, BLOCK_Q):
-                rows = r + tl.arange(0, BLOCK_Q)
-                row_ok = rows < row_last
-                q = tl.load(
-                    q_ptr + rows[:, None] * stride_q + k[None, :],
-                    mask=row_ok[:, None] & (k[None, :] < dim),
-                    other=0,
+                q, sq, rows, row_ok = _query_tile(
+                    q_ptr, q_scale_ptr, r, row_last, dim, stride_q, BLOCK_Q, BLOCK_K
                 )
-                sq = tl.load(q_scale_ptr + rows, mask=row_ok, other=0.0)
                 local = tl.sum((rows[:, None] >= q_ends[None, :]).to(tl.int32), axis=1)
                 member = (local[:, None] == kq[None, :]) & row_ok[:, None]
                 row_max, row_arg = _doc_row_max(
@@ -279,13 +290,24 @@ def _maxsim_int8_varlen_kernel(
 
 
 @triton.jit
+def _owner(cand_off_ptr, c, n_queries):
+    """The query whose candidate list holds flat candidate c: the largest q with cand_off[q] <= c."""
+    lo = c * 0
+    hi = lo + n_queries
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        below = tl.load(cand_off_ptr + mid) <= c
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    return lo
+
+
+@triton.jit
 def _maxsim_int8_candidates_kernel(
     # pointers
     q_ptr,
     q_scale_ptr,
     q_off_ptr,
-    item_query_ptr,
-    item_start_ptr,
     cand_off_ptr,
     cand_docs_ptr,
     d_ptr,
@@ -294,6 +316,8 @@ def _maxsim_int8_candidates_kernel(
     out_ptr,
     arg_ptr,
     # sizes
+    n_queries,
+    n_cand,
     dim,
     # strides
     stride_q,
@@ -303,27 +327,22 @@ def _maxsim_int8_candidates_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    MULTI_TILE: tl.constexpr,
     MAGIC: tl.constexpr,
     RETURN_ARGMAX: tl.constexpr,
 ):
-    """Scores of one query against a run of at most CANDS_PER_PROG of its own candidates."""
-    item = tl.program_id(0)
-    query = tl.load(item_query_ptr + item).to(tl.int64)
-    cand_first = tl.load(item_start_ptr + item)
-    cand_last = tl.minimum(cand_first + CANDS_PER_PROG, tl.load(cand_off_ptr + query + 1))
+    """Scores of CANDS_PER_PROG consecutive (query, candidate) pairs of the flat candidate list."""
+    c_first = tl.program_id(0).to(tl.int64) * CANDS_PER_PROG
+    c_last = tl.minimum(c_first + CANDS_PER_PROG, n_cand)
+    query = _owner(cand_off_ptr, c_first, n_queries)
     row_first = tl.load(q_off_ptr + query)
     row_last = tl.load(q_off_ptr + query + 1)
-    k = tl.arange(0, BLOCK_K)
-    if not MULTI_TILE:
-        rows = row_first + tl.arange(0, BLOCK_Q)
-        row_ok = rows < row_last
-        q = tl.load(
-            q_ptr + rows[:, None] * stride_q + k[None, :], mask=row_ok[:, None] & (k[None, :] < dim), other=0
+    if (tl.load(cand_off_ptr + query + 1) >= c_last) & (row_last - row_first <= BLOCK_Q):
+        # One query, one tile (the planned case): the query tile stays on chip for every candidate.
+        q, sq, rows, row_ok = _query_tile(
+            q_ptr, q_scale_ptr, row_first, row_last, dim, stride_q, BLOCK_Q, BLOCK_K
         )
-        sq = tl.load(q_scale_ptr + rows, mask=row_ok, other=0.0)
-        for c in range(cand_first, cand_last):
-            doc = tl.load(cand_docs_ptr + c)
+        for c in range(c_first, c_last):
+            doc = tl.load(cand_docs_ptr + c).to(tl.int64)
             start = tl.load(d_off_ptr + doc)
             stop = tl.load(d_off_ptr + doc + 1)
             row_max, row_arg = _doc_row_max(
@@ -344,20 +363,19 @@ def _maxsim_int8_candidates_kernel(
             if RETURN_ARGMAX:
                 tl.store(arg_ptr + c * stride_arg + (rows - row_first), row_arg, mask=row_ok)
     else:
-        for c in range(cand_first, cand_last):
-            doc = tl.load(cand_docs_ptr + c)
+        # The run crosses into the next query(s), or a query is longer than one tile.
+        for c in range(c_first, c_last):
+            query = _owner(cand_off_ptr, c, n_queries)
+            row_first = tl.load(q_off_ptr + query)
+            row_last = tl.load(q_off_ptr + query + 1)
+            doc = tl.load(cand_docs_ptr + c).to(tl.int64)
             start = tl.load(d_off_ptr + doc)
             stop = tl.load(d_off_ptr + doc + 1)
             contrib = tl.zeros([BLOCK_Q], tl.float32)
             for r in range(row_first, row_last, BLOCK_Q):
-                rows = r + tl.arange(0, BLOCK_Q)
-                row_ok = rows < row_last
-                q = tl.load(
-                    q_ptr + rows[:, None] * stride_q + k[None, :],
-                    mask=row_ok[:, None] & (k[None, :] < dim),
-                    other=0,
+                q, sq, rows, row_ok = _query_tile(
+                    q_ptr, q_scale_ptr, r, row_last, dim, stride_q, BLOCK_Q, BLOCK_K
                 )
-                sq = tl.load(q_scale_ptr + rows, mask=row_ok, other=0.0)
                 row_max, row_arg = _doc_row_max(
                     q,
                     d_ptr,
@@ -443,43 +461,28 @@ def quantize_per_token(x: torch.Tensor, *, backend: str = "auto") -> tuple[torch
     return _quantize_torch(x)
 
 
-def _check_offsets(name: str, offsets: torch.Tensor, total: int, device: torch.device) -> list[int]:
-    """Host copy of a validated offsets vector: int64, 1-D, from 0 to `total`, every segment non-empty."""
-    if offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.numel() < 1:
-        raise ValueError(
-            f"{name} must be a 1-D int64 tensor [n+1], got {offsets.dtype} {tuple(offsets.shape)}"
+def _check_offsets_tensor(name: str, offsets: torch.Tensor, device: torch.device) -> None:
+    if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int64 or offsets.dim() != 1:
+        what = (
+            f"{offsets.dtype} {tuple(offsets.shape)}" if isinstance(offsets, torch.Tensor) else type(offsets)
         )
+        raise ValueError(f"{name} must be a 1-D int64 tensor [n+1], got {what}")
+    if offsets.numel() < 1:
+        raise ValueError(f"{name} must hold at least one entry (0)")
     if offsets.device != device:
         raise ValueError(f"{name} is on {offsets.device}, the embeddings on {device}")
+
+
+def _host_offsets(name: str, offsets: torch.Tensor, total: int, *, empty_ok: bool) -> list[int]:
+    """Host copy of offsets, checked: from 0 to `total`, non-decreasing (increasing unless `empty_ok`)."""
     host = offsets.tolist()
     if host[0] != 0 or host[-1] != total:
-        raise ValueError(
-            f"{name} must start at 0 and end at {total} (the token count), got {host[0]}..{host[-1]}"
-        )
+        raise ValueError(f"{name} must run from 0 to {total} (the token count), got {host[0]}..{host[-1]}")
     for i in range(len(host) - 1):
-        if host[i + 1] <= host[i]:
-            what = "has zero tokens" if host[i + 1] == host[i] else "has decreasing offsets"
-            raise ValueError(
-                f"{name}: entry {i} {what} ({host[i]} -> {host[i + 1]}); every item needs >= 1 token"
-            )
+        if host[i + 1] < host[i] or (host[i + 1] == host[i] and not empty_ok):
+            what = "has no tokens" if host[i + 1] == host[i] else "has decreasing offsets"
+            raise ValueError(f"{name}: entry {i} {what} ({host[i]} -> {host[i + 1]}); fix the offsets")
     return host
-
-
-def _check_doc_offsets(offsets: torch.Tensor, total: int, device: torch.device) -> None:
-    """Device-side checks of the (possibly long) document offsets: one host sync, no host copy."""
-    if offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.numel() < 1:
-        raise ValueError(
-            f"doc_offsets must be a 1-D int64 tensor [n+1], got {offsets.dtype} {tuple(offsets.shape)}"
-        )
-    if offsets.device != device:
-        raise ValueError(f"doc_offsets is on {offsets.device}, the documents on {device}")
-    ends = torch.stack([offsets[0], offsets[-1], (offsets[1:] <= offsets[:-1]).sum()]).tolist()
-    if ends[0] != 0 or ends[1] != total:
-        raise ValueError(
-            f"doc_offsets must start at 0 and end at {total} (the token count), got {ends[0]}..{ends[1]}"
-        )
-    if ends[2]:
-        raise ValueError(f"doc_offsets: {ends[2]} document(s) with zero tokens or decreasing offsets")
 
 
 def _prepare(
@@ -490,17 +493,18 @@ def _prepare(
     doc_scales: torch.Tensor | None,
     query_scales: torch.Tensor | None,
     backend: str,
-) -> tuple[str, torch.Tensor, torch.Tensor, list[int], torch.Tensor, torch.Tensor]:
-    """Validate, pick the backend, quantize float queries.
+) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate, pick the backend, quantize float queries. Returns (backend, q8, s_q, d8, s_d).
 
-    Returns (backend, q8, s_q, host copy of query_offsets, d8, s_d).
+    Offset values are checked on the host except on the Triton path with CUDA tensors, which never
+    synchronises with the device (there the caller vouches for them, as the shard readers do).
     """
-    if docs.dtype != torch.int8 or docs.dim() != 2:
-        raise ValueError(
-            f"int8 MaxSim expects int8 documents [tokens, dim], got {docs.dtype} {tuple(docs.shape)}"
-        )
-    if queries.dim() != 2 or queries.shape[1] != docs.shape[1]:
-        raise ValueError(f"queries {tuple(queries.shape)} and documents {tuple(docs.shape)} must share dim")
+    if not isinstance(docs, torch.Tensor) or docs.dtype != torch.int8 or docs.dim() != 2:
+        got = f"{docs.dtype} {tuple(docs.shape)}" if isinstance(docs, torch.Tensor) else type(docs)
+        raise ValueError(f"int8 MaxSim expects int8 documents [tokens, dim], got {got}")
+    if not isinstance(queries, torch.Tensor) or queries.dim() != 2 or queries.shape[1] != docs.shape[1]:
+        got = tuple(queries.shape) if isinstance(queries, torch.Tensor) else type(queries)
+        raise ValueError(f"queries {got} and documents {tuple(docs.shape)} must be 2-D and share dim")
     dim = docs.shape[1]
     if not 1 <= dim <= MAX_DIM:
         raise ValueError(f"int8 MaxSim supports dim 1..{MAX_DIM} (exact int32->fp32 up to there), got {dim}")
@@ -509,25 +513,22 @@ def _prepare(
         raise ValueError(f"queries are on {queries.device}, documents on {device}")
     if doc_scales is None:
         raise ValueError("int8 documents need doc_scales (fp32 [doc tokens], one per token)")
-    if doc_scales.dim() != 1 or doc_scales.numel() != docs.shape[0] or doc_scales.device != device:
+    if doc_scales.shape != (docs.shape[0],) or doc_scales.device != device:
         raise ValueError(
             f"doc_scales must be [{docs.shape[0]}] on {device}, "
             f"got {tuple(doc_scales.shape)} on {doc_scales.device}"
         )
     backend = _resolve_backend(backend, device)
-    q_host = _check_offsets("query_offsets", query_offsets, queries.shape[0], device)
-    _check_doc_offsets(doc_offsets, docs.shape[0], device)
+    _check_offsets_tensor("query_offsets", query_offsets, device)
+    _check_offsets_tensor("doc_offsets", doc_offsets, device)
+    if backend == "torch" or device.type != "cuda":
+        _host_offsets("query_offsets", query_offsets, queries.shape[0], empty_ok=False)
+        _host_offsets("doc_offsets", doc_offsets, docs.shape[0], empty_ok=True)
     if queries.dtype == torch.int8:
         if query_scales is None:
             raise ValueError("int8 queries need query_scales (fp32 [query tokens])")
-        if (
-            query_scales.dim() != 1
-            or query_scales.numel() != queries.shape[0]
-            or query_scales.device != device
-        ):
-            raise ValueError(
-                f"query_scales must be [{queries.shape[0]}] on {device}, got {tuple(query_scales.shape)}"
-            )
+        if query_scales.shape != (queries.shape[0],) or query_scales.device != device:
+            raise ValueError(f"query_scales must be [{queries.shape[0]}] on {device}")
         q8, sq = queries, query_scales.float()
     elif queries.is_floating_point():
         q8, sq = _quantize_triton(queries) if backend == "triton" else _quantize_torch(queries)
@@ -535,79 +536,71 @@ def _prepare(
         raise ValueError(f"queries must be float16/bfloat16/float32 or int8, got {queries.dtype}")
     d8 = docs if docs.stride(1) == 1 else docs.contiguous()
     q8 = q8 if q8.stride(1) == 1 else q8.contiguous()
-    return backend, q8, sq.contiguous(), q_host, d8, doc_scales.float().contiguous()
+    return backend, q8, sq.contiguous(), d8, doc_scales.float().contiguous()
 
 
-def _query_groups(q_host: Sequence[int], block_q: int, max_q: int) -> list[int]:
-    """Boundaries (query indices) of groups of consecutive whole queries with <= block_q tokens and
-    <= max_q queries each; a query longer than block_q is a group of its own."""
-    bounds = [0]
-    rows = count = 0
-    for i in range(len(q_host) - 1):
-        n = q_host[i + 1] - q_host[i]
-        if count and (rows + n > block_q or count == max_q):
-            bounds.append(i)
-            rows = count = 0
-        rows += n
-        count += 1
-    bounds.append(len(q_host) - 1)
-    return bounds
+def _block_k(dim: int) -> int:
+    return max(32, triton.next_power_of_2(dim))  # int8 tl.dot needs K >= 32
 
 
-def _tile_shapes(dim: int, max_rows: int) -> tuple[int, int]:
-    """(BLOCK_Q, BLOCK_K) for `dim` and at most `max_rows` query tokens per tile."""
-    block_k = max(32, triton.next_power_of_2(dim))  # int8 tl.dot needs K >= 32
-    cap_q = _VARLEN_BLOCK_Q if block_k <= 256 else 64  # wide vectors: keep the tiles within shared memory
-    return min(cap_q, max(16, triton.next_power_of_2(max_rows))), block_k
+def _row_cap(block_k: int) -> int:
+    return _VARLEN_BLOCK_Q if block_k <= 256 else 64  # wide vectors: keep the tiles within shared memory
+
+
+def _varlen_plan(n_rows: int, n_queries: int, dim: int) -> tuple[int, int, int]:
+    """(BLOCK_Q, queries per group, BLOCK_K) from the shapes alone (no look at the offsets' values).
+
+    Groups hold a fixed number of consecutive queries, sized so that queries of the mean length (rounded
+    up to a power of two) fill one BLOCK_Q tile; a group that turns out longer is walked in tiles.
+    """
+    block_k = _block_k(dim)
+    cap = _row_cap(block_k)
+    mean = triton.next_power_of_2(max(1, -(-n_rows // max(1, n_queries))))
+    if mean >= cap:
+        return cap, 1, block_k
+    per_group = min(_MAX_QUERIES_PER_GROUP, cap // mean, triton.next_power_of_2(n_queries))
+    return max(16, min(cap, per_group * mean)), per_group, block_k
 
 
 def _launch_varlen(
     q8: torch.Tensor,
     sq: torch.Tensor,
     query_offsets: torch.Tensor,
-    q_host: Sequence[int],
     d8: torch.Tensor,
     sd: torch.Tensor,
     doc_offsets: torch.Tensor,
     return_argmax: bool,
     *,
-    block_q: int | None = None,
     block_d: int | None = None,
     docs_per_prog: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """All-pairs Triton launch; the keyword overrides exist for the benchmark's tile sweep."""
-    nq, nd = len(q_host) - 1, doc_offsets.numel() - 1
+    """All-pairs Triton launch (no host synchronisation); keyword overrides are for the tile sweep."""
+    nq, nd = query_offsets.numel() - 1, doc_offsets.numel() - 1
     dim = d8.shape[1]
     device = d8.device
-    q_lens = [q_host[i + 1] - q_host[i] for i in range(nq)]
-    auto_q, block_k = _tile_shapes(dim, sum(q_lens))
-    block_q = block_q or auto_q
-    max_q = max(2, block_q // 8)
-    bounds = _query_groups(q_host, block_q, max_q)
-    n_groups = len(bounds) - 1
-    multi_tile = max(q_lens) > block_q
+    out = torch.empty((nq, nd), dtype=torch.float32, device=device)
+    arg = torch.empty((q8.shape[0], nd), dtype=torch.int32, device=device) if return_argmax else None
+    if nd == 0 or nq == 0:
+        return out, arg
+    block_q, per_group, block_k = _varlen_plan(q8.shape[0], nq, dim)
+    n_groups = triton.cdiv(nq, per_group)
     few = n_groups <= 2  # one or two query tiles: bound by HBM, not by the tensor cores
     if block_d is None:
         block_d = _FEW_QUERIES_BLOCK_D if few else _VARLEN_BLOCK_D
         block_d = min(block_d, 32) if block_k > 256 else block_d
     docs_per_prog = docs_per_prog or (_FEW_QUERIES_DOCS_PER_PROG if few else _VARLEN_DOCS_PER_PROG)
-    num_warps = num_warps or (_FEW_QUERIES_WARPS if few else _VARLEN_WARPS)
-    num_stages = num_stages or _VARLEN_STAGES
-    out = torch.empty((nq, nd), dtype=torch.float32, device=device)
-    arg = torch.empty((q8.shape[0], nd), dtype=torch.int32, device=device) if return_argmax else None
-    if nd == 0:
-        return out, arg
-    groups = torch.tensor(bounds, dtype=torch.int32).to(device)
     grid = (n_groups * triton.cdiv(nd, docs_per_prog),)
     _maxsim_int8_varlen_kernel[grid](
-        q8, sq, query_offsets, groups, d8, sd, doc_offsets, out, out if arg is None else arg,
-        n_groups, nd, dim,
+        q8, sq, query_offsets, d8, sd, doc_offsets, out, out if arg is None else arg,
+        nq, n_groups, nd, dim,
         q8.stride(0), d8.stride(0), out.stride(0), nd,
-        DOCS_PER_PROG=docs_per_prog, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_K=block_k, MAX_Q=max_q,
-        MULTI_TILE=multi_tile, MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=return_argmax,
-        num_warps=num_warps, num_stages=num_stages,
+        DOCS_PER_PROG=docs_per_prog, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_K=block_k,
+        QUERIES_PER_GROUP=per_group, MAX_Q=max(2, per_group),
+        MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=return_argmax,
+        num_warps=num_warps or (_FEW_QUERIES_WARPS if few else _VARLEN_WARPS),
+        num_stages=num_stages or _VARLEN_STAGES,
     )  # fmt: skip
     return out, arg
 
@@ -616,12 +609,10 @@ def _launch_candidates(
     q8: torch.Tensor,
     sq: torch.Tensor,
     query_offsets: torch.Tensor,
-    q_host: Sequence[int],
     d8: torch.Tensor,
     sd: torch.Tensor,
     doc_offsets: torch.Tensor,
     candidate_offsets: torch.Tensor,
-    cand_host: Sequence[int],
     candidate_docs: torch.Tensor,
     return_argmax: bool,
     *,
@@ -630,32 +621,31 @@ def _launch_candidates(
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-query-candidates Triton launch; the keyword overrides exist for the benchmark's tile sweep."""
-    nq = len(q_host) - 1
+    """Per-query-candidates Triton launch; synchronises only to size the argmax output."""
+    nq = query_offsets.numel() - 1
     n_cand = candidate_docs.numel()
     dim = d8.shape[1]
     device = d8.device
-    max_len = max(q_host[i + 1] - q_host[i] for i in range(nq))
-    block_q, block_k = _tile_shapes(dim, max_len)
+    out = torch.empty((n_cand,), dtype=torch.float32, device=device)
+    arg = None
+    if return_argmax:
+        max_len = int(query_offsets.diff().max()) if nq else 0
+        arg = torch.full((n_cand, max_len), -1, dtype=torch.int32, device=device)
+    if n_cand == 0:
+        return out, arg
+    block_k = _block_k(dim)
+    mean = triton.next_power_of_2(max(1, -(-q8.shape[0] // nq)))
+    block_q = max(16, min(_row_cap(block_k), mean))
     if block_d is None:
         block_d = min(_CAND_BLOCK_D, 32) if block_k > 256 else _CAND_BLOCK_D
     cands_per_prog = cands_per_prog or _CAND_PER_PROG
-    out = torch.empty((n_cand,), dtype=torch.float32, device=device)
-    arg = torch.full((n_cand, max_len), -1, dtype=torch.int32, device=device) if return_argmax else None
-    if n_cand == 0:
-        return out, arg
-    counts = torch.tensor(cand_host, dtype=torch.int64).diff()
-    items_per_query = (counts + cands_per_prog - 1) // cands_per_prog
-    item_query = torch.repeat_interleave(torch.arange(nq, dtype=torch.int64), items_per_query)
-    first_item = torch.cumsum(items_per_query, 0) - items_per_query
-    within = torch.arange(item_query.numel(), dtype=torch.int64) - first_item[item_query]
-    item_start = torch.tensor(cand_host[:-1], dtype=torch.int64)[item_query] + within * cands_per_prog
-    _maxsim_int8_candidates_kernel[(item_query.numel(),)](
-        q8, sq, query_offsets, item_query.to(torch.int32).to(device), item_start.to(device),
-        candidate_offsets, candidate_docs, d8, sd, doc_offsets, out, out if arg is None else arg,
-        dim, q8.stride(0), d8.stride(0), max_len,
+    _maxsim_int8_candidates_kernel[(triton.cdiv(n_cand, cands_per_prog),)](
+        q8, sq, query_offsets, candidate_offsets, candidate_docs, d8, sd, doc_offsets,
+        out, out if arg is None else arg,
+        nq, n_cand, dim,
+        q8.stride(0), d8.stride(0), 0 if arg is None else arg.stride(0),
         CANDS_PER_PROG=cands_per_prog, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_K=block_k,
-        MULTI_TILE=max_len > block_q, MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=return_argmax,
+        MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=return_argmax,
         num_warps=num_warps or _CAND_WARPS, num_stages=num_stages or _VARLEN_STAGES,
     )  # fmt: skip
     return out, arg
@@ -669,18 +659,20 @@ def _launch_candidates(
 def _segment_max(
     sim: torch.Tensor, segment: torch.Tensor, n_segments: int, local: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Max over the columns of each segment of `sim` [rows, cols] (segment id per column), and optionally the
-    lowest `local` index (column index within its segment) attaining it."""
+    """Max over the columns of each segment of `sim` [rows, cols] (segment id per column) and, with `local`
+    (each column's index within its segment), the lowest index attaining it; -inf and -1 for an empty
+    segment."""
     index = segment.expand(sim.shape[0], -1)
     best = sim.new_full((sim.shape[0], n_segments), float("-inf"))
     best.scatter_reduce_(1, index, sim, "amax", include_self=True)
     if local is None:
         return best, None
+    never = torch.iinfo(torch.int32).max
     hit = sim == best.gather(1, index)
-    where = torch.where(hit, local.expand_as(hit), torch.iinfo(torch.int32).max)
-    arg = torch.full(best.shape, torch.iinfo(torch.int32).max, dtype=torch.int32, device=sim.device)
+    where = torch.where(hit, local.expand_as(hit), never)
+    arg = torch.full(best.shape, never, dtype=torch.int32, device=sim.device)
     arg.scatter_reduce_(1, index, where, "amin", include_self=True)
-    return best, arg
+    return best, arg.masked_fill_(arg == never, -1)
 
 
 def _segments(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -694,23 +686,21 @@ def _segments(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _varlen_torch(
     q8: torch.Tensor,
     sq: torch.Tensor,
-    q_host: Sequence[int],
+    query_offsets: torch.Tensor,
     d8: torch.Tensor,
     sd: torch.Tensor,
     doc_offsets: torch.Tensor,
     return_argmax: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    nq, nd = len(q_host) - 1, doc_offsets.numel() - 1
+    nq, nd = query_offsets.numel() - 1, doc_offsets.numel() - 1
     device = d8.device
     n_rows = q8.shape[0]
     q_float = q8.float()
-    row_query = torch.repeat_interleave(
-        torch.arange(nq, device=device), torch.tensor(q_host, device=device).diff()
-    )
+    row_query = torch.repeat_interleave(torch.arange(nq, device=device), query_offsets.diff())
     d_host = doc_offsets.tolist()
     out = torch.empty((nq, nd), dtype=torch.float32, device=device)
     arg = torch.empty((n_rows, nd), dtype=torch.int32, device=device) if return_argmax else None
-    budget = max(1, _TORCH_BLOCK_ELEMS // n_rows)  # document tokens per block
+    budget = max(1, _TORCH_BLOCK_ELEMS // max(1, n_rows))  # document tokens per block
     first = 0
     while first < nd:
         last = first + 1
@@ -734,18 +724,20 @@ def _varlen_torch(
 def _candidates_torch(
     q8: torch.Tensor,
     sq: torch.Tensor,
-    q_host: Sequence[int],
+    query_offsets: torch.Tensor,
     d8: torch.Tensor,
     sd: torch.Tensor,
     doc_offsets: torch.Tensor,
-    cand_host: Sequence[int],
+    candidate_offsets: torch.Tensor,
     candidate_docs: torch.Tensor,
     return_argmax: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    q_host = query_offsets.tolist()
+    cand_host = candidate_offsets.tolist()
     nq = len(q_host) - 1
     device = d8.device
     n_cand = candidate_docs.numel()
-    max_len = max(q_host[i + 1] - q_host[i] for i in range(nq))
+    max_len = max((q_host[i + 1] - q_host[i] for i in range(nq)), default=0)
     out = torch.empty((n_cand,), dtype=torch.float32, device=device)
     arg = torch.full((n_cand, max_len), -1, dtype=torch.int32, device=device) if return_argmax else None
     cand_start = doc_offsets[candidate_docs]
@@ -754,7 +746,7 @@ def _candidates_torch(
     for query in range(nq):
         r0, r1 = q_host[query], q_host[query + 1]
         q_float = q8[r0:r1].float()
-        budget = max(1, _TORCH_BLOCK_ELEMS // (r1 - r0))
+        budget = max(1, _TORCH_BLOCK_ELEMS // max(1, r1 - r0))
         first, stop = cand_host[query], cand_host[query + 1]
         while first < stop:
             last, tokens = first + 1, len_host[first]
@@ -796,18 +788,21 @@ def maxsim_varlen_int8(
     `query_scales` fp32 [Tq]; query_offsets int64 [nq+1]; docs int8 [Td, dim] with `doc_scales` fp32 [Td];
     doc_offsets int64 [nd+1]. Returns fp32 scores [nq, nd]
     ``score[q, d] = sum_i s_q[i] * max_j (s_d[j] * (q8[i] . d8[j]))`` and, with `return_argmax`, int32
-    [Tq, nd]: the winning token's index within the document (lowest on ties). `allow_tf32` is accepted for
-    the shared signature and has no effect (the products are integer). backend: "auto" (Triton on CUDA,
-    torch on CPU), "triton", "torch".
+    [Tq, nd]: the winning token's index within the document (lowest on ties). A document with no tokens
+    scores -inf (argmax -1). `allow_tf32` is accepted for the shared signature and has no effect (the
+    products are integer). backend: "auto" (Triton on CUDA, torch on CPU), "triton", "torch".
+
+    Offsets are checked on the host (a query needs >= 1 token) except by the Triton path on CUDA
+    tensors, which never synchronises with the device; there they must be valid.
     """
     del allow_tf32
-    backend, q8, sq, q_host, d8, sd = _prepare(
+    backend, q8, sq, d8, sd = _prepare(
         queries, query_offsets, docs, doc_offsets, doc_scales, query_scales, backend
     )
     if backend == "triton":
-        out, arg = _launch_varlen(q8, sq, query_offsets, q_host, d8, sd, doc_offsets, return_argmax)
+        out, arg = _launch_varlen(q8, sq, query_offsets, d8, sd, doc_offsets, return_argmax)
     else:
-        out, arg = _varlen_torch(q8, sq, q_host, d8, sd, doc_offsets, return_argmax)
+        out, arg = _varlen_torch(q8, sq, query_offsets, d8, sd, doc_offsets, return_argmax)
     return (out, arg) if return_argmax else out
 
 
@@ -817,26 +812,21 @@ def _check_candidates(
     n_queries: int,
     n_docs: int,
     device: torch.device,
-) -> list[int]:
-    if candidate_offsets.dtype != torch.int64 or candidate_offsets.dim() != 1:
-        raise ValueError(f"candidate_offsets must be 1-D int64 [nq+1], got {candidate_offsets.dtype}")
-    if candidate_docs.dtype != torch.int64 or candidate_docs.dim() != 1:
-        raise ValueError(f"candidate_docs must be 1-D int64 [C], got {candidate_docs.dtype}")
-    if candidate_offsets.device != device or candidate_docs.device != device:
-        raise ValueError(f"candidate_offsets and candidate_docs must be on {device}")
-    host = candidate_offsets.tolist()
-    if len(host) != n_queries + 1 or host[0] != 0 or host[-1] != candidate_docs.numel():
-        raise ValueError(
-            f"candidate_offsets must have {n_queries + 1} entries from 0 to {candidate_docs.numel()}, "
-            f"got {len(host)} entries"
-        )
-    if any(host[i + 1] < host[i] for i in range(n_queries)):
-        raise ValueError("candidate_offsets must be non-decreasing")
-    if candidate_docs.numel():
-        lo, hi = torch.stack([candidate_docs.min(), candidate_docs.max()]).tolist()
-        if lo < 0 or hi >= n_docs:
-            raise ValueError(f"candidate_docs must index documents 0..{n_docs - 1}, got {lo}..{hi}")
-    return host
+    on_host: bool,
+) -> None:
+    _check_offsets_tensor("candidate_offsets", candidate_offsets, device)
+    if not isinstance(candidate_docs, torch.Tensor) or candidate_docs.dtype != torch.int64:
+        raise ValueError("candidate_docs must be a 1-D int64 tensor [C] of document indices")
+    if candidate_docs.dim() != 1 or candidate_docs.device != device:
+        raise ValueError(f"candidate_docs must be a 1-D int64 tensor on {device}")
+    if candidate_offsets.numel() != n_queries + 1:
+        raise ValueError(f"candidate_offsets has {candidate_offsets.numel()} entries for {n_queries} queries")
+    if on_host:
+        _host_offsets("candidate_offsets", candidate_offsets, candidate_docs.numel(), empty_ok=True)
+        if candidate_docs.numel():
+            lo, hi = int(candidate_docs.min()), int(candidate_docs.max())
+            if lo < 0 or hi >= n_docs:
+                raise ValueError(f"candidate_docs must index documents 0..{n_docs - 1}, got {lo}..{hi}")
 
 
 def maxsim_candidates_int8(
@@ -857,32 +847,23 @@ def maxsim_candidates_int8(
 
     Query i's candidates are ``candidate_docs[candidate_offsets[i]:candidate_offsets[i+1]]`` (int64 indices
     into doc_offsets), read in place. Returns fp32 scores [C] (same formula as `maxsim_varlen_int8`) and,
-    with `return_argmax`, int32 [C, max query length] with -1 past each query's length.
+    with `return_argmax`, int32 [C, max query length] with -1 past each query's length. Checks as in
+    `maxsim_varlen_int8` (the Triton path on CUDA synchronises only to size the argmax).
     """
     del allow_tf32
-    backend, q8, sq, q_host, d8, sd = _prepare(
+    backend, q8, sq, d8, sd = _prepare(
         queries, query_offsets, docs, doc_offsets, doc_scales, query_scales, backend
     )
-    cand_host = _check_candidates(
-        candidate_offsets, candidate_docs, len(q_host) - 1, doc_offsets.numel() - 1, d8.device
-    )
+    nq, nd = query_offsets.numel() - 1, doc_offsets.numel() - 1
+    on_host = backend == "torch" or d8.device.type != "cuda"
+    _check_candidates(candidate_offsets, candidate_docs, nq, nd, d8.device, on_host)
     if backend == "triton":
         out, arg = _launch_candidates(
-            q8,
-            sq,
-            query_offsets,
-            q_host,
-            d8,
-            sd,
-            doc_offsets,
-            candidate_offsets,
-            cand_host,
-            candidate_docs,
-            return_argmax,
+            q8, sq, query_offsets, d8, sd, doc_offsets, candidate_offsets, candidate_docs, return_argmax
         )
     else:
         out, arg = _candidates_torch(
-            q8, sq, q_host, d8, sd, doc_offsets, cand_host, candidate_docs, return_argmax
+            q8, sq, query_offsets, d8, sd, doc_offsets, candidate_offsets, candidate_docs, return_argmax
         )
     return (out, arg) if return_argmax else out
 
@@ -930,7 +911,7 @@ def maxsim_int8_reference(
     first = 0
     while first < nd:
         last = first + 1
-        longest = d_host[first + 1] - d_host[first]
+        longest = max(1, d_host[first + 1] - d_host[first])
         while (
             last < nd
             and n_rows * (last + 1 - first) * max(longest, d_host[last + 1] - d_host[last]) <= block_elems
@@ -950,6 +931,7 @@ def maxsim_int8_reference(
         column = torch.where(inside, starts[:, None] + pos[None, :], 0)
         padded = prod[:, column].masked_fill_(~inside[None], float("-inf"))  # [Tq, docs, longest]
         best, best_arg = padded.max(dim=2)  # first maximal index on ties
+        best_arg.masked_fill_(lengths[None, :] == 0, -1)  # a document with no tokens: -inf, argmax -1
         out[:, first:last] = torch.zeros((nq, last - first), dtype=torch.float64, device=device).index_add_(
             0, row_query, sq[:, None] * best
         )

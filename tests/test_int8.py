@@ -110,6 +110,7 @@ SHAPES = [
     ([6, 2], [5, 70, 3], 24),
     ([4, 9], [12, 3, 66], 300),  # wider than the exact-bias conversion: the plain int32 -> fp32 path
     ([140, 3], [30, 5], 16),  # a query longer than one query tile (multi-tile path)
+    ([1, 1, 1, 1, 1, 1, 1, 130], [5, 40, 1], 32),  # a group of several queries longer than its tile
 ]
 
 
@@ -232,9 +233,9 @@ def _small() -> tuple[torch.Tensor, ...]:
         (lambda a: a.update(doc_scales=None), "need doc_scales"),
         (lambda a: a.update(docs=a["docs"].float()), "int8 documents"),
         (lambda a: a.update(doc_scales=a["doc_scales"][:-1]), "doc_scales must be"),
-        (lambda a: a.update(query_offsets=torch.tensor([0, 2, 2, 5])), "zero tokens"),
-        (lambda a: a.update(query_offsets=torch.tensor([0, 2, 4])), "end at 5"),
-        (lambda a: a.update(doc_offsets=torch.tensor([0, 5, 5])), "zero tokens"),
+        (lambda a: a.update(query_offsets=torch.tensor([0, 2, 2, 5])), "has no tokens"),
+        (lambda a: a.update(query_offsets=torch.tensor([0, 2, 4])), "from 0 to 5"),
+        (lambda a: a.update(doc_offsets=torch.tensor([0, 5, 3, 5])), "decreasing"),
         (lambda a: a.update(queries=a["queries"][:, :8]), "share dim"),
         (lambda a: a.update(queries=a["queries"].to(torch.int8)), "query_scales"),
         (lambda a: a.update(backend="cuda"), "backend must be"),
@@ -249,6 +250,20 @@ def test_invalid_inputs_raise(mutate, message: str) -> None:
             args["queries"], args["query_offsets"], args["docs"], args["doc_offsets"],
             doc_scales=args["doc_scales"], backend=args["backend"],
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_document_without_tokens_scores_minus_inf(backend: str) -> None:
+    gen = torch.Generator().manual_seed(4)
+    queries, qo = packed([3, 2], 32, gen)
+    docs, _ = packed([4, 1], 32, gen)
+    do = torch.tensor([0, 4, 4, 5])  # document 1 is empty
+    d8, sd = quantize_per_token(docs, backend="torch")
+    scores, arg = maxsim_varlen_int8(queries, qo, d8, do, doc_scales=sd, return_argmax=True, backend=backend)
+    ref, ref_arg = maxsim_int8_reference(queries, qo, d8, do, doc_scales=sd, return_argmax=True)
+    assert (scores[:, 1] == float("-inf")).all() and (ref[:, 1] == float("-inf")).all()
+    assert (arg[:, 1] == -1).all() and torch.equal(arg, ref_arg)
+    assert torch.isfinite(scores[:, [0, 2]]).all()
 
 
 def test_candidate_index_out_of_range_raises() -> None:
