@@ -146,3 +146,23 @@ def test_jsonl_output(tmp_path):
     assert result.exit_code == 0, result.output
     assert result.stdout == '{"qid":"q1","results":[{"docno":"y","rank":1,"score":3}]}\n'
     assert read_run(str(a))["q1"] == [("x", 2.0), ("y", 3.0)]
+
+
+def test_merge_of_per_shard_score_runs_equals_the_corpus_run(tmp_path):
+    # End to end on the sample data: `maxsim score` on each shard alone, merged, gives the bytes of
+    # `maxsim score` on the whole corpus.
+    queries = str(SAMPLE / "queries.safetensors")
+    shards = sorted(str(p) for p in (SAMPLE / "corpus").glob("*.safetensors"))
+    common = ["-k", "20", "--device", "cpu", "--quiet"]
+    full = tmp_path / "full.trec"
+    result = runner.invoke(app, ["score", queries, str(SAMPLE / "corpus"), *common, "-o", str(full)])
+    assert result.exit_code == 0, result.output
+    parts = []
+    for i, shard in enumerate(shards):
+        parts.append(str(tmp_path / f"part-{i}.trec"))
+        result = runner.invoke(app, ["score", queries, shard, *common, "-o", parts[-1]])
+        assert result.exit_code == 0, result.output
+    merged = tmp_path / "merged.trec"
+    result = runner.invoke(app, ["merge", *parts, "-k", "20", "-o", str(merged)])
+    assert result.exit_code == 0, result.output
+    assert merged.read_bytes() == full.read_bytes()
