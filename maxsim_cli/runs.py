@@ -91,6 +91,8 @@ def _open_binary(path: str | os.PathLike[str], what: str) -> IO[bytes]:
     """Open a path or ``-`` for binary reading, transparently gunzipping gzip data."""
     name = _display_name(path)
     if str(path) == "-":
+        if sys.stdin is None or not hasattr(sys.stdin, "buffer"):
+            raise InputError(f"{name}: no standard input to read the {what} from; give a file instead of '-'")
         raw: IO[bytes] = sys.stdin.buffer
     else:
         try:

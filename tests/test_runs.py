@@ -106,6 +106,12 @@ def test_run_errors_name_file_and_line(tmp_path, text, message):
     assert message in str(info.value)
 
 
+def test_run_from_missing_stdin(monkeypatch):
+    monkeypatch.setattr(sys, "stdin", None)
+    with pytest.raises(InputError, match=r"<stdin>: no standard input to read the run from"):
+        read_run("-")
+
+
 def test_run_invalid_utf8_and_missing_file(tmp_path):
     path = tmp_path / "run.txt"
     path.write_bytes(b"q1 Q0 d1 1 2 t\nq1 Q0 d\xff 2 1 t\n")
