@@ -1,1 +1,245 @@
-"""maxsim_kernels: fused MaxSim kernels (Triton on CUDA, torch on CPU)."""
+"""maxsim_kernels: exact late-interaction (MaxSim) scoring, Triton on CUDA tensors, torch on CPU tensors.
+
+    score(q, d) = sum_i max_j <q_i, d_j>        i over the query's tokens, j over the document's tokens
+
+Both sides are *packed*: a [total_tokens, dim] tensor plus int64 offsets [n+1] (item k owns rows
+offsets[k]:offsets[k+1]); nothing is padded. Two layouts:
+
+- `maxsim_varlen`: every query against every document -> fp32 scores [nq, nd];
+- `maxsim_candidates`: query i against its own documents candidate_docs[candidate_offsets[i]:
+  candidate_offsets[i+1]] (indices into the packed documents, read in place) -> fp32 scores [C].
+
+`return_argmax=True` also returns, for each query token and scored document, the int32 index within the
+document of the winning token (ties go to the lowest index; -1 for a document with no tokens):
+[Tq, nd] for `maxsim_varlen`, [C, max_query_len] (-1 past a query's length) for `maxsim_candidates`.
+
+Inputs: float16, bfloat16 or float32 with fp32 accumulation; queries are converted to the documents'
+dtype. float32 inputs use exact fp32 products unless `allow_tf32=True` (TF32 tensor cores: 10-bit
+mantissa products, ~1e-3 relative error). int8 documents with per-token `doc_scales` go to
+`maxsim_kernels.maxsim_int8`; inputs that require grad go to `maxsim_kernels.maxsim_backward`.
+dim is any multiple of 8 up to 4096. A query with no tokens raises ValueError; a document with no tokens
+scores -inf. Offsets may live on the CPU or on the tensors' device (a host copy is read for the checks).
+
+backend: "auto" (Triton for CUDA tensors, torch for CPU tensors), "triton" (CPU tensors only under
+TRITON_INTERPRET=1, for tests), "torch" (blocked torch ops; the CPU path, also valid on CUDA tensors).
+`maxsim_reference` is the independent float64 reference.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ._validate import Layout, check_backend, check_candidates, check_inputs
+from .cpu import maxsim_candidates_cpu, maxsim_varlen_cpu
+from .reference import maxsim_candidates_reference, maxsim_reference
+
+__all__ = [
+    "maxsim_varlen",
+    "maxsim_candidates",
+    "maxsim_reference",
+    "maxsim_candidates_reference",
+    "maxsim_varlen_cpu",
+    "maxsim_candidates_cpu",
+    "maxsim_varlen_forward_triton",
+    "maxsim_candidates_forward_triton",
+    "check_inputs",
+    "check_candidates",
+    "Layout",
+]
+
+
+def _needs_grad(queries: torch.Tensor, docs: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (queries.requires_grad or docs.requires_grad)
+
+
+def _int8_module() -> Any:
+    try:
+        from maxsim_kernels import maxsim_int8
+    except ImportError as exc:  # the int8 kernels live in their own module
+        raise NotImplementedError(
+            f"int8 documents need maxsim_kernels.maxsim_int8, which failed to import: {exc}"
+        ) from exc
+    return maxsim_int8
+
+
+def _backward_module() -> Any:
+    try:
+        from maxsim_kernels import maxsim_backward
+    except ImportError as exc:
+        raise NotImplementedError(
+            f"inputs that require grad need maxsim_kernels.maxsim_backward, which failed to import: {exc}"
+        ) from exc
+    return maxsim_backward
+
+
+def _resolve(backend: str, device: torch.device) -> str:
+    check_backend(backend)
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
+    return backend
+
+
+def _forward_module() -> Any:
+    from maxsim_kernels import maxsim_forward  # imports triton: only when the Triton backend is used
+
+    return maxsim_forward
+
+
+def __getattr__(name: str) -> Any:
+    # the Triton launchers are exported lazily so that `import maxsim_kernels` does not import triton
+    if name in ("maxsim_varlen_forward_triton", "maxsim_candidates_forward_triton"):
+        return getattr(_forward_module(), name)
+    raise AttributeError(f"module 'maxsim_kernels' has no attribute {name!r}")
+
+
+def maxsim_varlen(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    *,
+    return_argmax: bool = False,
+    allow_tf32: bool = False,
+    backend: str = "auto",
+    doc_scales: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Every query against every document: fp32 scores [nq, nd] (+ int32 argmax [Tq, nd]).
+
+    queries [Tq, dim] with query_offsets int64 [nq+1]; docs [Td, dim] with doc_offsets int64 [nd+1].
+    """
+    if docs.dtype == torch.int8:
+        return _int8_module().maxsim_varlen_int8(
+            queries,
+            query_offsets,
+            docs,
+            doc_offsets,
+            return_argmax=return_argmax,
+            allow_tf32=allow_tf32,
+            backend=backend,
+            doc_scales=doc_scales,
+        )
+    if _needs_grad(queries, docs):
+        return _backward_module().maxsim_varlen_autograd(
+            queries,
+            query_offsets,
+            docs,
+            doc_offsets,
+            return_argmax=return_argmax,
+            allow_tf32=allow_tf32,
+            backend=backend,
+            doc_scales=doc_scales,
+        )
+    chosen = _resolve(backend, docs.device)
+    if chosen == "triton":
+        return _forward_module().maxsim_varlen_forward_triton(
+            queries, query_offsets, docs, doc_offsets, return_argmax=return_argmax, allow_tf32=allow_tf32
+        )
+    return _torch_varlen(queries, query_offsets, docs, doc_offsets, return_argmax, doc_scales)
+
+
+def maxsim_candidates(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    candidate_offsets: torch.Tensor,
+    candidate_docs: torch.Tensor,
+    *,
+    return_argmax: bool = False,
+    allow_tf32: bool = False,
+    backend: str = "auto",
+    doc_scales: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Per-query candidates (reranking): fp32 scores [C] (+ int32 argmax [C, max_query_len], -1 padded).
+
+    Query i's candidates are candidate_docs[candidate_offsets[i]:candidate_offsets[i+1]], int64 indices
+    into doc_offsets; the documents are read in place, never gathered into a copy.
+    """
+    if docs.dtype == torch.int8:
+        return _int8_module().maxsim_candidates_int8(
+            queries,
+            query_offsets,
+            docs,
+            doc_offsets,
+            candidate_offsets,
+            candidate_docs,
+            return_argmax=return_argmax,
+            allow_tf32=allow_tf32,
+            backend=backend,
+            doc_scales=doc_scales,
+        )
+    if _needs_grad(queries, docs):
+        return _backward_module().maxsim_candidates_autograd(
+            queries,
+            query_offsets,
+            docs,
+            doc_offsets,
+            candidate_offsets,
+            candidate_docs,
+            return_argmax=return_argmax,
+            allow_tf32=allow_tf32,
+            backend=backend,
+            doc_scales=doc_scales,
+        )
+    chosen = _resolve(backend, docs.device)
+    if chosen == "triton":
+        return _forward_module().maxsim_candidates_forward_triton(
+            queries,
+            query_offsets,
+            docs,
+            doc_offsets,
+            candidate_offsets,
+            candidate_docs,
+            return_argmax=return_argmax,
+            allow_tf32=allow_tf32,
+        )
+    return _torch_candidates(
+        queries,
+        query_offsets,
+        docs,
+        doc_offsets,
+        candidate_offsets,
+        candidate_docs,
+        return_argmax,
+        doc_scales,
+    )
+
+
+def _torch_varlen(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    return_argmax: bool,
+    doc_scales: torch.Tensor | None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    return maxsim_varlen_cpu(
+        queries, query_offsets, docs, doc_offsets, return_argmax=return_argmax, doc_scales=doc_scales
+    )
+
+
+def _torch_candidates(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    candidate_offsets: torch.Tensor,
+    candidate_docs: torch.Tensor,
+    return_argmax: bool,
+    doc_scales: torch.Tensor | None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    return maxsim_candidates_cpu(
+        queries,
+        query_offsets,
+        docs,
+        doc_offsets,
+        candidate_offsets,
+        candidate_docs,
+        return_argmax=return_argmax,
+        doc_scales=doc_scales,
+    )

@@ -1,0 +1,156 @@
+"""Input checks shared by the MaxSim backends (Triton, torch CPU, float64 reference).
+
+Every check raises ValueError with one line that names the argument, the offending position and what to do.
+Checks that read offset values run on a host copy of the offsets (they are small: 8 bytes per document).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_DIM = 4096  # the Triton kernels walk the embedding dimension in chunks, so any multiple of 8 works
+BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Host-side view of a packed problem, produced by `check_inputs`.
+
+    q_offsets/d_offsets are int64 numpy copies of the offsets; q_lens/d_lens the token counts.
+    """
+
+    q_offsets: np.ndarray
+    d_offsets: np.ndarray
+    q_lens: np.ndarray
+    d_lens: np.ndarray
+    dim: int
+
+    @property
+    def num_queries(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.d_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return int(self.q_lens.max()) if len(self.q_lens) else 0
+
+    @property
+    def max_doc_len(self) -> int:
+        return int(self.d_lens.max()) if len(self.d_lens) else 0
+
+
+def host_offsets(name: str, offsets: torch.Tensor, total: int) -> np.ndarray:
+    """Check a packed-offsets tensor (int, 1-D, offsets[0] == 0, non-decreasing, offsets[-1] == total)."""
+    if not isinstance(offsets, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor of int64 offsets, got {type(offsets).__name__}")
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(
+            f"{name} must be a 1-D tensor [n+1] starting with 0, got shape {tuple(offsets.shape)}"
+        )
+    if offsets.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{name} must be int64 (or int32), got {offsets.dtype}: cast it with .long()")
+    host = offsets.detach().to("cpu", torch.int64).numpy()
+    if host[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {int(host[0])}")
+    if host[-1] != total:
+        raise ValueError(
+            f"{name}[-1] = {int(host[-1])} but the packed tensor has {total} rows: offsets and rows disagree"
+        )
+    steps = np.diff(host)
+    if len(steps) and steps.min() < 0:
+        bad = int(np.argmin(steps))
+        raise ValueError(
+            f"{name} decreases at entry {bad} ({int(host[bad])} -> {int(host[bad + 1])}): must be sorted"
+        )
+    return host
+
+
+def check_inputs(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    *,
+    doc_scales: torch.Tensor | None = None,
+    allow_float64: bool = False,
+) -> Layout:
+    """Validate the packed queries/documents pair and return host copies of the offsets.
+
+    Rules: 2-D tensors [tokens, dim] on one device; dim a multiple of 8 in [8, MAX_DIM]; float16, bfloat16
+    or float32 (float64 too where `allow_float64`), or int8 documents with fp32 `doc_scales` [Td];
+    every query has at least one token (a document may have none: its score is -inf).
+    """
+    for name, x in (("queries", queries), ("docs", docs)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be a 2-D packed tensor [tokens, dim], got {shape}")
+    dim = queries.shape[1]
+    if docs.shape[1] != dim:
+        raise ValueError(f"queries have dim {dim} but docs have dim {docs.shape[1]}: they must match")
+    if dim % 8 != 0 or not 8 <= dim <= MAX_DIM:
+        raise ValueError(
+            f"dim must be a multiple of 8 between 8 and {MAX_DIM}, got {dim}: pad the embeddings"
+        )
+    allowed = FLOAT_DTYPES + ((torch.float64,) if allow_float64 else ())
+    if queries.dtype not in allowed:
+        raise ValueError(f"queries must be one of {[str(d) for d in allowed]}, got {queries.dtype}")
+    if docs.dtype == torch.int8:
+        if doc_scales is None:
+            raise ValueError("int8 docs need doc_scales (fp32 [Td], one scale per document token)")
+        if doc_scales.shape != (docs.shape[0],):
+            raise ValueError(f"doc_scales must have shape [{docs.shape[0]}], got {tuple(doc_scales.shape)}")
+    elif docs.dtype not in allowed:
+        raise ValueError(f"docs must be one of {[str(d) for d in allowed]} or int8, got {docs.dtype}")
+    devices = {queries.device, docs.device}
+    if len(devices) != 1:
+        raise ValueError(f"queries and docs are on different devices ({queries.device}, {docs.device})")
+    q_off = host_offsets("query_offsets", query_offsets, queries.shape[0])
+    d_off = host_offsets("doc_offsets", doc_offsets, docs.shape[0])
+    q_lens = np.diff(q_off)
+    if len(q_lens) and q_lens.min() <= 0:
+        bad = int(np.argmin(q_lens))
+        raise ValueError(
+            f"query {bad} has no tokens (query_offsets[{bad}] == query_offsets[{bad + 1}]): drop it"
+        )
+    return Layout(q_off, d_off, q_lens, np.diff(d_off), dim)
+
+
+def check_candidates(
+    candidate_offsets: torch.Tensor, candidate_docs: torch.Tensor, num_queries: int, num_docs: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Check the per-query candidate lists; return host copies (offsets int64 [nq+1], docs int64 [C])."""
+    if not isinstance(candidate_docs, torch.Tensor) or candidate_docs.dim() != 1:
+        raise ValueError("candidate_docs must be a 1-D int64 tensor of document indices")
+    if candidate_docs.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"candidate_docs must be int64 (or int32), got {candidate_docs.dtype}")
+    c_off = host_offsets("candidate_offsets", candidate_offsets, candidate_docs.numel())
+    if len(c_off) != num_queries + 1:
+        raise ValueError(
+            f"candidate_offsets has {len(c_off)} entries but there are {num_queries} queries: need nq+1"
+        )
+    c_docs = candidate_docs.detach().to("cpu", torch.int64).numpy()
+    if len(c_docs):
+        lo, hi = int(c_docs.min()), int(c_docs.max())
+        if lo < 0 or hi >= num_docs:
+            bad = int(np.argmax((c_docs < 0) | (c_docs >= num_docs)))
+            raise ValueError(
+                f"candidate_docs[{bad}] = {int(c_docs[bad])} is not a document index in [0, {num_docs})"
+            )
+    return c_off, c_docs
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()

@@ -1,0 +1,204 @@
+"""MaxSim from torch ops in memory-bounded blocks: the CPU backend (every core), also valid on CUDA.
+
+    score(q, d) = sum_i max_j <q_i, d_j>
+
+Plan. Documents are sorted by length and cut into groups of consecutive lengths holding at most
+`_GROUP_TOKENS` padded tokens. A group of n documents with longest length L is gathered into an
+[n * L, dim] fp32 block in which position l >= len of a document holds a copy of its last token: a
+duplicate cannot change a max, so the padding needs no mask at all (and an argmax that lands on a copy
+is mapped back to len - 1, the token it copies). One matrix product of the block with all query tokens
+(or `_QUERY_ROWS` of them at a time) gives the similarities [n * L, Tq]; a max over L of the
+[n, L, Tq] view gives each token's max per document, and an index_add over query tokens gives the
+scores of every query at once. Sorting keeps the padding small (uniform lengths 20-300 in groups of
+consecutive lengths pad by ~1%), and the matrix product is large enough to run at the BLAS rate.
+
+Precision: fp16/bf16 inputs are upcast to fp32 in blocks and everything accumulates in fp32 (float64
+inputs stay float64). Cost: 2 * Tq * Td' * dim FLOPs with Td' the padded token count, one read of the
+documents, and n * L * Tq similarities that stay in cache-sized blocks.
+A document with no tokens scores -inf and has argmax -1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ._validate import Layout, check_candidates, check_inputs
+
+# Padded document tokens per group and query tokens per matrix product. Measured on the 2-core dev
+# machine (Xeon with AVX-512, torch 2.13, fp32, dim 128; benchmarks/bench_cpu.py): 1 query x 4000 docs
+# of 20-300 tokens and 64 queries x the same; 4096-token groups beat 1024 and 16384 on both, and query
+# blocks of 1024 rows keep the [group, rows] similarity block (16 MB) from spilling far past the L2/L3.
+_GROUP_TOKENS = 4096
+_QUERY_ROWS = 1024
+
+
+def _groups(lens: np.ndarray, group_tokens: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """Non-empty documents sorted by length, cut into runs whose padded size n * L_max <= group_tokens."""
+    order = np.argsort(lens, kind="stable")
+    order = order[lens[order] > 0]
+    sorted_lens = lens[order]
+    spans = []
+    start, count = 0, len(order)
+    while start < count:
+        # a run [start, start + k) pads to sorted_lens[start + k - 1]: take the largest k that fits
+        limit = min(count - start, max(1, group_tokens // int(sorted_lens[start])))
+        k = np.arange(1, limit + 1)
+        fits = int(np.count_nonzero(k * sorted_lens[start : start + limit] <= group_tokens))
+        stop = start + max(1, fits)
+        spans.append((start, stop))
+        start = stop
+    return order, spans
+
+
+def _score_docs(
+    q: torch.Tensor,
+    token_query: torch.Tensor,
+    num_queries: int,
+    docs: torch.Tensor,
+    doc_scales: torch.Tensor | None,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    scores: torch.Tensor,
+    argmax: torch.Tensor | None,
+) -> None:
+    """Fill scores[:, k] (and argmax[:, k]) for the documents k with rows [starts[k], starts[k] + lens[k]).
+
+    `q` [Tq, dim] is already in the compute dtype; `token_query` [Tq] maps each query token to its query.
+    """
+    compute, device = q.dtype, q.device
+    q_t = q.T  # BLAS reads the transposed view directly
+    tq = q.shape[0]
+    order, spans = _groups(lens, _GROUP_TOKENS)
+    scores[:, torch.from_numpy(np.flatnonzero(lens == 0)).to(device)] = -torch.inf
+    for lo, hi in spans:
+        picked = torch.from_numpy(order[lo:hi]).to(device)
+        g_lens = lens[order[lo:hi]]
+        width = int(g_lens[-1])
+        rows = starts[order[lo:hi], None] + np.minimum(np.arange(width)[None, :], g_lens[:, None] - 1)
+        rows_t = torch.from_numpy(rows.reshape(-1)).to(device)
+        block = docs.index_select(0, rows_t).to(compute)
+        if doc_scales is not None:
+            block *= doc_scales.index_select(0, rows_t).to(compute)[:, None]
+        n = len(picked)
+        best = torch.empty(n, tq, dtype=compute, device=device)
+        for r0 in range(0, tq, _QUERY_ROWS):
+            r1 = min(tq, r0 + _QUERY_ROWS)
+            sim = torch.mm(block, q_t[:, r0:r1]).view(n, width, r1 - r0)
+            if argmax is None:
+                torch.amax(sim, dim=1, out=best[:, r0:r1])
+            else:
+                vals, idx = sim.max(dim=1)
+                best[:, r0:r1] = vals
+                last = torch.from_numpy(g_lens - 1).to(device)[:, None]
+                argmax[r0:r1, picked] = torch.minimum(idx, last).T.to(torch.int32)
+        per_query = torch.zeros(n, num_queries, dtype=compute, device=device).index_add_(1, token_query, best)
+        scores[:, picked] = per_query.T.to(scores.dtype)
+
+
+def _compute_dtype(queries: torch.Tensor) -> torch.dtype:
+    return torch.float64 if queries.dtype == torch.float64 else torch.float32
+
+
+def maxsim_varlen_cpu(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    *,
+    return_argmax: bool = False,
+    doc_scales: torch.Tensor | None = None,
+    layout: Layout | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Every query against every document with torch ops: fp32 scores [nq, nd] (+ int32 argmax [Tq, nd]).
+
+    Float documents only (int8 documents go through `maxsim_kernels.maxsim_int8`); `doc_scales`, when
+    given, multiplies each document token before the max. Pass a `layout` from `check_inputs` to skip
+    the checks.
+    """
+    if layout is None:
+        layout = check_inputs(
+            queries, query_offsets, docs, doc_offsets, doc_scales=doc_scales, allow_float64=True
+        )
+    compute = _compute_dtype(queries)
+    out_dtype = torch.float64 if compute == torch.float64 else torch.float32
+    nq, nd = layout.num_queries, layout.num_docs
+    device = docs.device
+    scores = torch.zeros(nq, nd, dtype=out_dtype, device=device)
+    argmax = (
+        torch.full((queries.shape[0], nd), -1, dtype=torch.int32, device=device) if return_argmax else None
+    )
+    if nq and nd:
+        token_query = torch.from_numpy(np.repeat(np.arange(nq), layout.q_lens)).to(device)
+        _score_docs(
+            queries.to(compute).contiguous(),
+            token_query,
+            nq,
+            docs,
+            doc_scales,
+            layout.d_offsets[:-1],
+            layout.d_lens,
+            scores,
+            argmax,
+        )
+    return (scores, argmax) if return_argmax else scores
+
+
+def maxsim_candidates_cpu(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    candidate_offsets: torch.Tensor,
+    candidate_docs: torch.Tensor,
+    *,
+    return_argmax: bool = False,
+    doc_scales: torch.Tensor | None = None,
+    layout: Layout | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Query i against candidate_docs[candidate_offsets[i]:candidate_offsets[i+1]] with torch ops.
+
+    Returns fp32 scores [C] (+ int32 argmax [C, max_query_len], -1 past a query's length). Documents are
+    read in place through their indices; each query's candidates are scored as one block problem.
+    """
+    if layout is None:
+        layout = check_inputs(
+            queries, query_offsets, docs, doc_offsets, doc_scales=doc_scales, allow_float64=True
+        )
+    c_off, c_docs = check_candidates(candidate_offsets, candidate_docs, layout.num_queries, layout.num_docs)
+    compute = _compute_dtype(queries)
+    out_dtype = torch.float64 if compute == torch.float64 else torch.float32
+    num_c = len(c_docs)
+    device = docs.device
+    scores = torch.zeros(num_c, dtype=out_dtype, device=device)
+    argmax = (
+        torch.full((num_c, layout.max_query_len), -1, dtype=torch.int32, device=device)
+        if return_argmax
+        else None
+    )
+    starts_all = layout.d_offsets[:-1]
+    for i in range(layout.num_queries):
+        c0, c1 = int(c_off[i]), int(c_off[i + 1])
+        if c0 == c1:
+            continue
+        q0, q1 = int(layout.q_offsets[i]), int(layout.q_offsets[i + 1])
+        picked = c_docs[c0:c1]
+        row_scores = torch.zeros(1, c1 - c0, dtype=out_dtype, device=device)
+        row_argmax = (
+            torch.full((q1 - q0, c1 - c0), -1, dtype=torch.int32, device=device) if return_argmax else None
+        )
+        _score_docs(
+            queries[q0:q1].to(compute).contiguous(),
+            torch.zeros(q1 - q0, dtype=torch.int64, device=device),
+            1,
+            docs,
+            doc_scales,
+            starts_all[picked],
+            layout.d_lens[picked],
+            row_scores,
+            row_argmax,
+        )
+        scores[c0:c1] = row_scores[0]
+        if argmax is not None:
+            argmax[c0:c1, : q1 - q0] = row_argmax.T
+    return (scores, argmax) if return_argmax else scores
