@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -461,7 +462,11 @@ def quantize_per_token(x: torch.Tensor, *, backend: str = "auto") -> tuple[torch
     return _quantize_torch(x)
 
 
-def _check_offsets_tensor(name: str, offsets: torch.Tensor, device: torch.device) -> None:
+def _offsets(
+    name: str, offsets: torch.Tensor, total: int, device: torch.device, *, empty_ok: bool, check: bool
+):
+    """`offsets` on `device`, after checking dtype and shape and, when it is on the host or `check` is set,
+    its values: from 0 to `total`, non-decreasing (increasing unless `empty_ok`)."""
     if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int64 or offsets.dim() != 1:
         what = (
             f"{offsets.dtype} {tuple(offsets.shape)}" if isinstance(offsets, torch.Tensor) else type(offsets)
@@ -469,20 +474,22 @@ def _check_offsets_tensor(name: str, offsets: torch.Tensor, device: torch.device
         raise ValueError(f"{name} must be a 1-D int64 tensor [n+1], got {what}")
     if offsets.numel() < 1:
         raise ValueError(f"{name} must hold at least one entry (0)")
-    if offsets.device != device:
+    if offsets.device not in (device, torch.device("cpu")):
         raise ValueError(f"{name} is on {offsets.device}, the embeddings on {device}")
-
-
-def _host_offsets(name: str, offsets: torch.Tensor, total: int, *, empty_ok: bool) -> list[int]:
-    """Host copy of offsets, checked: from 0 to `total`, non-decreasing (increasing unless `empty_ok`)."""
-    host = offsets.tolist()
-    if host[0] != 0 or host[-1] != total:
-        raise ValueError(f"{name} must run from 0 to {total} (the token count), got {host[0]}..{host[-1]}")
-    for i in range(len(host) - 1):
-        if host[i + 1] < host[i] or (host[i + 1] == host[i] and not empty_ok):
-            what = "has no tokens" if host[i + 1] == host[i] else "has decreasing offsets"
+    if check or offsets.device.type == "cpu":
+        host = offsets.cpu().numpy()
+        if host[0] != 0 or host[-1] != total:
+            raise ValueError(
+                f"{name} must run from 0 to {total} (the token count), got {host[0]}..{host[-1]}"
+            )
+        steps = np.diff(host)
+        bad = np.flatnonzero(steps < 0) if empty_ok else np.flatnonzero(steps <= 0)
+        if bad.size:
+            i = int(bad[0])
+            what = "has no tokens" if steps[i] == 0 else "has decreasing offsets"
             raise ValueError(f"{name}: entry {i} {what} ({host[i]} -> {host[i + 1]}); fix the offsets")
-    return host
+    # Pageable host memory is staged at once: non_blocking only skips the wait for the device.
+    return offsets.to(device, non_blocking=True)
 
 
 def _prepare(
@@ -493,11 +500,12 @@ def _prepare(
     doc_scales: torch.Tensor | None,
     query_scales: torch.Tensor | None,
     backend: str,
-) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Validate, pick the backend, quantize float queries. Returns (backend, q8, s_q, d8, s_d).
+) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate, pick the backend, quantize float queries.
 
-    Offset values are checked on the host except on the Triton path with CUDA tensors, which never
-    synchronises with the device (there the caller vouches for them, as the shard readers do).
+    Returns (backend, q8, s_q, query_offsets, d8, s_d, doc_offsets), the offsets moved to the tensors'
+    device. Offset values are checked when they come from the host, and always by the torch path; the
+    Triton path never synchronises with the device to look at offsets already there.
     """
     if not isinstance(docs, torch.Tensor) or docs.dtype != torch.int8 or docs.dim() != 2:
         got = f"{docs.dtype} {tuple(docs.shape)}" if isinstance(docs, torch.Tensor) else type(docs)
@@ -519,11 +527,11 @@ def _prepare(
             f"got {tuple(doc_scales.shape)} on {doc_scales.device}"
         )
     backend = _resolve_backend(backend, device)
-    _check_offsets_tensor("query_offsets", query_offsets, device)
-    _check_offsets_tensor("doc_offsets", doc_offsets, device)
-    if backend == "torch" or device.type != "cuda":
-        _host_offsets("query_offsets", query_offsets, queries.shape[0], empty_ok=False)
-        _host_offsets("doc_offsets", doc_offsets, docs.shape[0], empty_ok=True)
+    check = backend == "torch" or device.type != "cuda"
+    query_offsets = _offsets(
+        "query_offsets", query_offsets, queries.shape[0], device, empty_ok=False, check=check
+    )
+    doc_offsets = _offsets("doc_offsets", doc_offsets, docs.shape[0], device, empty_ok=True, check=check)
     if queries.dtype == torch.int8:
         if query_scales is None:
             raise ValueError("int8 queries need query_scales (fp32 [query tokens])")
@@ -536,7 +544,7 @@ def _prepare(
         raise ValueError(f"queries must be float16/bfloat16/float32 or int8, got {queries.dtype}")
     d8 = docs if docs.stride(1) == 1 else docs.contiguous()
     q8 = q8 if q8.stride(1) == 1 else q8.contiguous()
-    return backend, q8, sq.contiguous(), d8, doc_scales.float().contiguous()
+    return backend, q8, sq.contiguous(), query_offsets, d8, doc_scales.float().contiguous(), doc_offsets
 
 
 def _block_k(dim: int) -> int:
@@ -796,7 +804,7 @@ def maxsim_varlen_int8(
     tensors, which never synchronises with the device; there they must be valid.
     """
     del allow_tf32
-    backend, q8, sq, d8, sd = _prepare(
+    backend, q8, sq, query_offsets, d8, sd, doc_offsets = _prepare(
         queries, query_offsets, docs, doc_offsets, doc_scales, query_scales, backend
     )
     if backend == "triton":
@@ -812,21 +820,22 @@ def _check_candidates(
     n_queries: int,
     n_docs: int,
     device: torch.device,
-    on_host: bool,
-) -> None:
-    _check_offsets_tensor("candidate_offsets", candidate_offsets, device)
+    check: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(candidate_offsets, candidate_docs) on `device`; values checked as in `_offsets`."""
     if not isinstance(candidate_docs, torch.Tensor) or candidate_docs.dtype != torch.int64:
         raise ValueError("candidate_docs must be a 1-D int64 tensor [C] of document indices")
-    if candidate_docs.dim() != 1 or candidate_docs.device != device:
-        raise ValueError(f"candidate_docs must be a 1-D int64 tensor on {device}")
-    if candidate_offsets.numel() != n_queries + 1:
-        raise ValueError(f"candidate_offsets has {candidate_offsets.numel()} entries for {n_queries} queries")
-    if on_host:
-        _host_offsets("candidate_offsets", candidate_offsets, candidate_docs.numel(), empty_ok=True)
-        if candidate_docs.numel():
-            lo, hi = int(candidate_docs.min()), int(candidate_docs.max())
-            if lo < 0 or hi >= n_docs:
-                raise ValueError(f"candidate_docs must index documents 0..{n_docs - 1}, got {lo}..{hi}")
+    if candidate_docs.dim() != 1 or candidate_docs.device not in (device, torch.device("cpu")):
+        raise ValueError(f"candidate_docs must be a 1-D int64 tensor on {device} or the CPU")
+    if not isinstance(candidate_offsets, torch.Tensor) or candidate_offsets.shape != (n_queries + 1,):
+        raise ValueError(f"candidate_offsets must have nq+1 = {n_queries + 1} entries")
+    n_cand = candidate_docs.numel()
+    offsets = _offsets("candidate_offsets", candidate_offsets, n_cand, device, empty_ok=True, check=check)
+    if n_cand and (check or candidate_docs.device.type == "cpu"):
+        lo, hi = int(candidate_docs.min()), int(candidate_docs.max())
+        if lo < 0 or hi >= n_docs:
+            raise ValueError(f"candidate_docs must index documents 0..{n_docs - 1}, got {lo}..{hi}")
+    return offsets, candidate_docs.to(device, non_blocking=True)
 
 
 def maxsim_candidates_int8(
@@ -851,12 +860,14 @@ def maxsim_candidates_int8(
     `maxsim_varlen_int8` (the Triton path on CUDA synchronises only to size the argmax).
     """
     del allow_tf32
-    backend, q8, sq, d8, sd = _prepare(
+    backend, q8, sq, query_offsets, d8, sd, doc_offsets = _prepare(
         queries, query_offsets, docs, doc_offsets, doc_scales, query_scales, backend
     )
     nq, nd = query_offsets.numel() - 1, doc_offsets.numel() - 1
-    on_host = backend == "torch" or d8.device.type != "cuda"
-    _check_candidates(candidate_offsets, candidate_docs, nq, nd, d8.device, on_host)
+    check = backend == "torch" or d8.device.type != "cuda"
+    candidate_offsets, candidate_docs = _check_candidates(
+        candidate_offsets, candidate_docs, nq, nd, d8.device, check
+    )
     if backend == "triton":
         out, arg = _launch_candidates(
             q8, sq, query_offsets, d8, sd, doc_offsets, candidate_offsets, candidate_docs, return_argmax
