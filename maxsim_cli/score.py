@@ -104,6 +104,10 @@ class ScoreStats:
     gpu_budget_bytes: int | None = None
     host_budget_bytes: int = 0
     reader_threads: int = 1
+    query_batch_size: int = 0
+    max_batch_docs: int = 0
+    max_batch_tokens: int = 0
+    planned_device_bytes: int = 0
     extra: dict = field(default_factory=dict)
 
     @property
@@ -472,8 +476,9 @@ class _Engine:
     def _query_slice(self, q0: int, q1: int) -> tuple[torch.Tensor, torch.Tensor]:
         t0, t1 = int(self.q_offsets[q0]), int(self.q_offsets[q1])
         emb = self.q_emb[t0:t1].to(self.device, non_blocking=False)
-        off = (self.q_offsets[q0 : q1 + 1] - t0).to(self.device)
-        return emb, off
+        # Offsets stay on the host: the kernels read a host copy for their checks and launch grid, and a
+        # device copy would cost a device-to-host synchronisation per launch.
+        return emb, self.q_offsets[q0 : q1 + 1] - t0
 
     def _query_bytes(self, q0: int, q1: int) -> int:
         t = int(self.q_offsets[q1] - self.q_offsets[q0])
@@ -542,7 +547,11 @@ class _Engine:
                 0,
             )
             resident = need <= usable
+            if resident:
+                self.stats.planned_device_bytes = need
         self.stats.resident = resident
+        self.stats.query_batch_size = nq_b
+        self._note_batches(spans, self.tok_cum)
         plans = [
             BatchPlan(
                 i,
@@ -569,6 +578,10 @@ class _Engine:
         self.stats.tokens = int(self.tok_cum[-1])
         return [_Job(q0, min(q0 + nq_b, nq), plans, stream) for q0 in range(0, nq, nq_b)]
 
+    def _note_batches(self, spans: Sequence[tuple[int, int]], tok_cum: np.ndarray) -> None:
+        self.stats.max_batch_docs = max(b - a for a, b in spans)
+        self.stats.max_batch_tokens = max(int(tok_cum[b] - tok_cum[a]) for a, b in spans)
+
     def _fit_spans(
         self, tokens: float, per_doc: int, slots: int, fixed: int, usable: int, nq_b: int, longest: int
     ) -> list[tuple[int, int]]:
@@ -589,6 +602,7 @@ class _Engine:
                 slots,
             )
             if need <= usable:
+                self.stats.planned_device_bytes = need
                 return spans
             if doc_limit <= 1 and token_limit <= longest:
                 raise MaxsimError(
@@ -636,7 +650,8 @@ class _Engine:
         t0, t1 = int(batch.host_offsets[a]), int(batch.host_offsets[b])
         whole = a == 0 and b == batch.plan.num_docs
         docs = batch.embeddings if whole else batch.embeddings[t0:t1]
-        offsets = batch.offsets if whole else batch.offsets[a : b + 1] - t0
+        host = batch.host_offsets if whole else batch.host_offsets[a : b + 1] - t0
+        offsets = torch.from_numpy(host)  # on the host: see `_query_slice`
         scales = None if batch.scales is None else (batch.scales if whole else batch.scales[t0:t1])
         assert batch.side is not None
         ranks = batch.side[a:b]
@@ -759,6 +774,7 @@ class _Engine:
                 spans, tok_cum, sides, [c * RERANK_PAIR_BYTES for c in pair_counts], self.tb, fixed, slots
             )
             if need <= usable:
+                self.stats.planned_device_bytes = need
                 break
             if cost_limit <= 1 and token_limit <= 1:
                 raise MaxsimError(
@@ -768,6 +784,8 @@ class _Engine:
                 )
             cost_limit = max(cost_limit * 0.8, 1)
             token_limit = max(token_limit * 0.8, 1)
+        self.stats.query_batch_size = nq
+        self._note_batches(spans, tok_cum)
         # pairs grouped by batch, then by query (candidate lists are per query, contiguous)
         batch_of_u = np.zeros(len(unique_docs), dtype=np.int64)
         for i, (a, b) in enumerate(spans):
@@ -834,10 +852,12 @@ class _Engine:
             try:
                 for batch in job.stream:
                     assert batch.side is not None
-                    n_pairs = batch.side.shape[0] - (nq + 1)
-                    n_pairs //= 2
-                    cand_offsets = batch.side[: nq + 1]
-                    cand_docs = batch.side[nq + 1 : nq + 1 + n_pairs]
+                    host_side = batch.plan.side_array()
+                    assert host_side is not None
+                    n_pairs = (host_side.shape[0] - (nq + 1)) // 2
+                    # candidate lists on the host (see `_query_slice`), output positions on the device
+                    cand_offsets = torch.from_numpy(host_side[: nq + 1])
+                    cand_docs = torch.from_numpy(host_side[nq + 1 : nq + 1 + n_pairs])
                     positions = batch.side[nq + 1 + n_pairs :]
                     timer = self._timer()
                     try:
@@ -845,7 +865,7 @@ class _Engine:
                             q_emb,
                             q_off,
                             batch.embeddings,
-                            batch.offsets,
+                            torch.from_numpy(batch.host_offsets),
                             cand_offsets,
                             cand_docs,
                             backend=self.backend,

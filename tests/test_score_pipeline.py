@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from maxsim_cli.errors import InputError
+from maxsim_cli.errors import InputError, MaxsimError
 from maxsim_cli.pipeline import BatchPlan, BatchStream
 from maxsim_cli.score import _interleave, _split
 from maxsim_cli.shards import open_corpus, write_shard
@@ -218,3 +218,95 @@ def test_batch_stream_stops_cleanly_when_abandoned(two_shards) -> None:
     it.close()  # the consumer stops early (an exception, a closed pipe)
     assert stream._pool is None and stream._dispatcher is None
     corpus.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# the engine with a stand-in kernel: memory plans and the out-of-memory fallback
+
+
+def _plain_varlen(q, q_off, d, d_off, *, backend="auto", doc_scales=None, **_kwargs) -> torch.Tensor:
+    """MaxSim of every (query, document) pair in float64, returned as float32."""
+    qf, df = q.double(), d.double()
+    if doc_scales is not None:
+        df = df * doc_scales.double()[:, None]
+    out = torch.empty(q_off.numel() - 1, d_off.numel() - 1, dtype=torch.float64)
+    qo, do = q_off.tolist(), d_off.tolist()
+    for j in range(len(do) - 1):
+        best = (qf @ df[do[j] : do[j + 1]].T).max(dim=1).values
+        for i in range(len(qo) - 1):
+            out[i, j] = best[qo[i] : qo[i + 1]].sum()
+    return out.float()
+
+
+@pytest.fixture
+def engine_data(tmp_path, two_shards):
+    gen = torch.Generator().manual_seed(9)
+    qembs = [torch.randint(-4, 5, (n, 8), generator=gen).to(torch.float32) / 4 for n in (2, 3, 1, 4, 2)]
+    queries = tmp_path / "q.safetensors"
+    write_shard(queries, [f"q{i}" for i in range(5)], qembs)
+    return str(queries), two_shards
+
+
+def test_out_of_memory_halves_the_batch_and_gives_the_same_run(engine_data, tmp_path, monkeypatch) -> None:
+    import maxsim_kernels
+
+    from maxsim_cli.score import score
+
+    monkeypatch.setattr(maxsim_kernels, "maxsim_varlen", _plain_varlen, raising=False)
+    queries, shards = engine_data
+    score(queries, shards, output=str(tmp_path / "plain.trec"), top_k=7, device="cpu")
+    calls = []
+
+    def tight(q, q_off, d, d_off, **kwargs):
+        calls.append(d_off.numel() - 1)
+        if d_off.numel() - 1 > 6:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return _plain_varlen(q, q_off, d, d_off, **kwargs)
+
+    monkeypatch.setattr(maxsim_kernels, "maxsim_varlen", tight)
+    notes: list[str] = []
+    stats = score(queries, shards, output=str(tmp_path / "oom.trec"), top_k=7, device="cpu", log=notes.append)
+    assert (tmp_path / "oom.trec").read_bytes() == (tmp_path / "plain.trec").read_bytes()
+    assert stats.oom_retries >= 1 and len(notes) == stats.oom_retries
+    assert "out of memory" in notes[0] and "documents per kernel call" in notes[0]
+    assert max(c for c in calls[-3:]) <= 6  # later batches are split up front, without another failure
+
+    def hopeless(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(maxsim_kernels, "maxsim_varlen", hopeless)
+    with pytest.raises(MaxsimError, match="out of memory on cpu scoring one document"):
+        score(queries, shards, output=str(tmp_path / "never.trec"), top_k=7, device="cpu", log=notes.append)
+    assert not (tmp_path / "never.trec").exists()
+
+
+@pytest.mark.parametrize("budget", [3000, 8000, 50_000, 10**9])
+def test_memory_plan_stays_within_the_budget(engine_data, tmp_path, monkeypatch, budget) -> None:
+    import maxsim_kernels
+
+    from maxsim_cli.score import BUDGET_FILL, score
+
+    monkeypatch.setattr(maxsim_kernels, "maxsim_varlen", _plain_varlen, raising=False)
+    queries, shards = engine_data
+    out = tmp_path / f"run{budget}.trec"
+    stats = score(queries, shards, output=str(out), top_k=5, device="cpu", max_memory=budget)
+    assert 0 < stats.planned_device_bytes <= budget * BUDGET_FILL
+    assert stats.doc_batches >= stats.query_batches >= 1
+    if budget < 10_000:
+        assert stats.doc_batches > stats.query_batches  # several batches per pass
+    reference = tmp_path / "reference.trec"
+    if not reference.exists():
+        score(queries, shards, output=str(reference), top_k=5, device="cpu")
+    assert out.read_bytes() == reference.read_bytes()
+
+
+def test_budget_too_small_for_one_document_is_a_clear_error(engine_data, tmp_path, monkeypatch) -> None:
+    import maxsim_kernels
+
+    from maxsim_cli.score import score
+
+    monkeypatch.setattr(maxsim_kernels, "maxsim_varlen", _plain_varlen, raising=False)
+    queries, shards = engine_data
+    with pytest.raises(MaxsimError, match=r"memory budget .* too small .* raise --max-memory"):
+        score(queries, shards, output=str(tmp_path / "x.trec"), device="cpu", max_memory=200)
+    assert not (tmp_path / "x.trec").exists()

@@ -1,0 +1,319 @@
+"""`maxsim score` end to end against its stages measured alone, on the same machine in the same run.
+
+Corpus: fp16 shards (safetensors, ~512 MiB each on the GPU, 128 MiB on the CPU) of L2-normalised random
+token vectors, d = 128 (256 B a token), document lengths uniform in [20, 300] (mean 160 tokens), written
+with `maxsim_cli.shards.write_shard` to local disk. Queries: 32 tokens each.
+Everything is timed with a warm page cache (the files are read once before) and after a warm-up run on
+a small corpus (first Triton compile excluded); the end-to-end time is `maxsim_cli.score.score` called
+in this process (no interpreter start), output written to a file with the default top-k 1000.
+
+``gpu`` (one H200):
+  1. read     - the shard files read by one thread per core into reused buffers (raw bytes, page cache);
+  2. copy     - the corpus's bytes copied host->device from a pinned 256 MiB buffer (the engine's batch
+                size), back to back on one stream;
+  3. kernel   - `maxsim_varlen` on the corpus already resident on the GPU, in the engine's batch sizes;
+  4. e2e      - `maxsim score` over the corpus, unbounded budget;
+  5. budget   - the same with ``--max-memory 2GiB``: peak GPU memory (torch.cuda.max_memory_allocated)
+                and byte equality of the two runs.
+  The figure of merit: e2e / max(read, copy, kernel) (target <= 1.3).
+
+``cpu`` (this 2-core machine): a 1 GB corpus; `maxsim score --device cpu` end to end against the CPU
+backend (`maxsim_varlen`, backend torch) on the same documents already in memory, in the engine's batch
+sizes; the figure of merit is the ratio of their throughputs (target >= 0.8).
+
+    python benchmarks/bench_score.py gpu --workdir /tmp/maxsim-bench --out benchmarks/results/score-h200.json
+    python benchmarks/bench_score.py cpu --workdir /tmp/maxsim-bench --out benchmarks/results/score-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import filecmp
+import json
+import os
+import platform
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from maxsim_cli.score import score
+from maxsim_cli.shards import open_corpus, write_shard
+from maxsim_cli.units import format_size, parse_size
+
+DIM = 128
+MIN_LEN, MAX_LEN = 20, 300
+QUERY_TOKENS = 32
+
+
+def log(msg: str) -> None:
+    print(f"[bench_score] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# data
+
+
+def build_corpus(
+    root: str, total_bytes: int, shard_bytes: int, device: torch.device, seed: int = 0
+) -> list[str]:
+    """fp16 shards totalling ~total_bytes under root (reused when already there)."""
+    os.makedirs(root, exist_ok=True)
+    done = os.path.join(root, ".complete")
+    if os.path.exists(done):
+        return sorted(os.path.join(root, n) for n in os.listdir(root) if n.endswith(".safetensors"))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    token_bytes = DIM * 2
+    paths, doc_id, written = [], 0, 0
+    while written < total_bytes:
+        tokens_goal = min(shard_bytes, total_bytes - written) // token_bytes
+        draws = tokens_goal // MIN_LEN + 1  # more lengths than needed, cut where the tokens run out
+        lengths = torch.randint(MIN_LEN, MAX_LEN + 1, (draws,), generator=gen, device=device)
+        lengths = lengths[: int((lengths.cumsum(0) <= tokens_goal).sum().item()) or 1]
+        tokens = int(lengths.sum())
+        emb = torch.randn(tokens, DIM, generator=gen, device=device)
+        emb = torch.nn.functional.normalize(emb, dim=1).to(torch.float16).cpu()
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cpu().cumsum(0)])
+        ids = [f"d{doc_id + i:09d}" for i in range(len(lengths))]
+        path = os.path.join(root, f"shard{len(paths):04d}.safetensors")
+        write_shard(path, ids, emb, offsets=offsets, dtype="float16", normalized=True)
+        paths.append(path)
+        doc_id += len(lengths)
+        written += tokens * token_bytes
+        log(f"wrote {path}: {len(lengths)} docs, {format_size(tokens * token_bytes)}")
+    open(done, "w").close()
+    return paths
+
+
+def build_queries(path: str, n: int, device: torch.device, seed: int = 1) -> None:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    emb = torch.randn(n * QUERY_TOKENS, DIM, generator=gen, device=device)
+    emb = torch.nn.functional.normalize(emb, dim=1).to(torch.float16).cpu()
+    offsets = torch.arange(0, n * QUERY_TOKENS + 1, QUERY_TOKENS, dtype=torch.int64)
+    write_shard(path, [f"q{i:04d}" for i in range(n)], emb, offsets=offsets, dtype="float16", normalized=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# stages alone
+
+
+def read_files(paths: list[str], threads: int, chunk: int = 64 << 20) -> tuple[float, int]:
+    """Read every file's bytes with `threads` threads (one file at a time each, reused buffers)."""
+    queue = list(reversed(paths))
+    lock = threading.Lock()
+    total = [0]
+
+    def worker() -> None:
+        buf = bytearray(chunk)
+        view = memoryview(buf)
+        n = 0
+        while True:
+            with lock:
+                if not queue:
+                    break
+                path = queue.pop()
+            with open(path, "rb", buffering=0) as fh:
+                while True:
+                    got = fh.readinto(view)
+                    if not got:
+                        break
+                    n += got
+        with lock:
+            total[0] += n
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        for f in [pool.submit(worker) for _ in range(threads)]:
+            f.result()
+    return time.perf_counter() - start, total[0]
+
+
+def copy_bandwidth(total_bytes: int, device: torch.device, chunk: int = 256 << 20) -> float:
+    """Seconds to copy total_bytes host->device from a pinned buffer, chunk by chunk on one stream."""
+    host = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(chunk, dtype=torch.uint8, device=device)
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(max(1, total_bytes // chunk)):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    return elapsed * total_bytes / (max(1, total_bytes // chunk) * chunk)
+
+
+def load_batches(
+    paths: list[str], max_tokens: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The corpus in batches of at most max_tokens tokens, on `device`, offsets on the host."""
+    corpus = open_corpus(paths)
+    out = []
+    for shard in corpus.shards:
+        for batch in shard.iter_batches(max_tokens):
+            out.append((batch.embeddings.to(device), batch.offsets))
+    corpus.close()
+    return out
+
+
+def kernel_time(batches, queries: torch.Tensor, q_offsets: torch.Tensor, backend: str) -> float:
+    from maxsim_kernels import maxsim_varlen
+
+    maxsim_varlen(queries, q_offsets, *batches[0], backend=backend)  # compile / warm caches
+    sync = torch.cuda.synchronize if queries.is_cuda else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for docs, offsets in batches:
+        maxsim_varlen(queries, q_offsets, docs, offsets, backend=backend)
+    sync()
+    return time.perf_counter() - start
+
+
+def run_score(queries: str, paths: list[str], out: str, **kwargs):
+    stats = score(queries, paths, output=out, log=log, **kwargs)
+    log(stats.summary())
+    return stats
+
+
+# --------------------------------------------------------------------------------------------------
+# the two benchmarks
+
+
+def bench_gpu(args: argparse.Namespace) -> dict:
+    device = torch.device("cuda")
+    work = args.workdir
+    total = parse_size(args.size)
+    t0 = time.perf_counter()
+    paths = build_corpus(os.path.join(work, "corpus"), total, 512 << 20, device)
+    qpath = os.path.join(work, "queries.safetensors")
+    build_queries(qpath, args.queries, device)
+    small = build_corpus(os.path.join(work, "small"), 32 << 20, 16 << 20, device, seed=5)
+    log(f"data ready in {time.perf_counter() - t0:.1f} s")
+    corpus_bytes = sum(os.path.getsize(p) for p in paths)
+    threads = os.cpu_count() or 1
+    read_files(paths, threads)  # warm the page cache
+    read_s, read_bytes = min(read_files(paths, threads) for _ in range(2))
+    rate = read_bytes / read_s / 1e9
+    log(f"read: {read_s:.3f} s for {format_size(read_bytes)} ({rate:.1f} GB/s, {threads} threads)")
+    copy_s = copy_bandwidth(corpus_bytes, device)
+    log(f"copy: {copy_s:.3f} s ({corpus_bytes / copy_s / 1e9:.1f} GB/s pinned)")
+
+    # warm-up: compile the kernels and touch every code path on a small corpus
+    run_score(qpath, small, os.path.join(work, "warm.trec"), device="cuda")
+    e2e_out = os.path.join(work, "run-unbounded.trec")
+    e2e = run_score(qpath, paths, e2e_out, device="cuda")
+    budget = run_score(qpath, paths, os.path.join(work, "run-2gib.trec"), device="cuda", max_memory=2 << 30)
+    same = filecmp.cmp(e2e_out, os.path.join(work, "run-2gib.trec"), shallow=False)
+
+    # the kernel alone, in the engine's batch sizes, on the GPU-resident corpus
+    q = open_corpus([qpath]).shards[0].read_docs(0, args.queries)
+    q_emb, q_off = q.embeddings.to(device), q.offsets
+    batches = load_batches(paths, e2e.max_batch_tokens, device)
+    kernel_s = kernel_time(batches, q_emb, q_off, "auto")
+    tokens = sum(b[0].shape[0] for b in batches)
+    flops = 2.0 * q_emb.shape[0] * tokens * DIM
+    log(f"kernel: {kernel_s:.3f} s over {len(batches)} batches ({flops / kernel_s / 1e12:.0f} TFLOP/s)")
+    del batches
+    torch.cuda.empty_cache()
+
+    stages = {"read_s": read_s, "copy_s": copy_s, "kernel_s": kernel_s}
+    bound = max(stages, key=stages.get)
+    return {
+        "corpus_bytes": corpus_bytes,
+        "shards": len(paths),
+        "documents": e2e.documents,
+        "tokens": e2e.tokens,
+        "queries": args.queries,
+        "query_tokens": QUERY_TOKENS,
+        "read_threads": threads,
+        "read_GBps": read_bytes / read_s / 1e9,
+        "copy_GBps": corpus_bytes / copy_s / 1e9,
+        "kernel_TFLOPps": flops / kernel_s / 1e12,
+        **stages,
+        "bound": bound,
+        "e2e_s": e2e.wall_s,
+        "e2e_over_bound": e2e.wall_s / stages[bound],
+        "e2e_stats": e2e.as_dict(),
+        "budget_2GiB": {
+            "peak_gpu_bytes": budget.peak_gpu_bytes,
+            "under_budget": budget.peak_gpu_bytes is not None and budget.peak_gpu_bytes < (2 << 30),
+            "same_run_as_unbounded": same,
+            "stats": budget.as_dict(),
+        },
+    }
+
+
+def bench_cpu(args: argparse.Namespace) -> dict:
+    device = torch.device("cpu")
+    work = args.workdir
+    total = parse_size(args.size)
+    paths = build_corpus(os.path.join(work, f"corpus-cpu-{total}"), total, 128 << 20, device)
+    qpath = os.path.join(work, f"queries-cpu-{args.queries}.safetensors")
+    build_queries(qpath, args.queries, device)
+    corpus_bytes = sum(os.path.getsize(p) for p in paths)
+    read_files(paths, 2)  # warm the page cache
+    e2e = run_score(qpath, paths, os.path.join(work, "run-cpu.trec"), device="cpu")
+    q = open_corpus([qpath]).shards[0].read_docs(0, args.queries)
+    batches = load_batches(paths, e2e.max_batch_tokens, device)
+    # The 2 cores are shared with whatever else runs: alternate the two measurements and keep the best
+    # of each, so that both see the same background load.
+    e2e_times, kernel_times = [e2e.wall_s], []
+    for rep in range(args.repeats):
+        kernel_times.append(kernel_time(batches, q.embeddings, q.offsets, "torch"))
+        if rep + 1 < args.repeats:
+            e2e_times.append(run_score(qpath, paths, os.path.join(work, "run-cpu.trec"), device="cpu").wall_s)
+    docs = e2e.documents
+    kernel_s, e2e_s = min(kernel_times), min(e2e_times)
+    log(f"CPU backend in memory: {kernel_s:.2f} s ({docs / kernel_s:.0f} docs/s); e2e {e2e_s:.2f} s")
+    return {
+        "corpus_bytes": corpus_bytes,
+        "shards": len(paths),
+        "documents": docs,
+        "tokens": e2e.tokens,
+        "queries": args.queries,
+        "query_tokens": QUERY_TOKENS,
+        "kernel_in_memory_s": kernel_s,
+        "kernel_in_memory_all_s": kernel_times,
+        "kernel_docs_per_s": docs / kernel_s,
+        "e2e_s": e2e_s,
+        "e2e_all_s": e2e_times,
+        "e2e_docs_per_s": docs / e2e_s,
+        "e2e_over_kernel_throughput": kernel_s / e2e_s,
+        "e2e_stats": e2e.as_dict(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("which", choices=["gpu", "cpu"])
+    parser.add_argument(
+        "--workdir", default="/tmp/maxsim-bench", help="where the corpus is written (local disk)"
+    )
+    parser.add_argument("--size", default=None, help="corpus size (gpu: 10GB, cpu: 1GB)")
+    parser.add_argument("--queries", type=int, default=None, help="number of queries (gpu: 512, cpu: 4)")
+    parser.add_argument("--repeats", type=int, default=3, help="cpu: alternating repetitions, best kept")
+    parser.add_argument("--out", default=None, help="JSON file for the results")
+    args = parser.parse_args()
+    if args.size is None:
+        args.size = "10GB" if args.which == "gpu" else "1GB"
+    if args.queries is None:
+        args.queries = 512 if args.which == "gpu" else 4
+    result = bench_gpu(args) if args.which == "gpu" else bench_cpu(args)
+    result["machine"] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "date": datetime.date.today().isoformat(),
+    }
+    text = json.dumps(result, indent=2, sort_keys=True)
+    print(text)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
