@@ -1469,7 +1469,7 @@ class _RecordSink:
         )
         fd, self.tmp = _atomic_temp(self.path)
         os.close(fd)
-        with pa.memory_map(self.spill, "r") as source:
+        with pa.OSFile(self.spill, "rb") as source:  # plain reads: a memory map would count in RSS
             reader = pa.ipc.open_stream(source)
             if self.fmt == "parquet":
                 with pq.ParquetWriter(self.tmp, final_schema, compression="none") as out:
