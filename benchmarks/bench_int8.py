@@ -1,0 +1,529 @@
+"""INT8 x INT8 MaxSim against this project's fp16 kernel: same run, same data, plus ranking quality.
+
+``gpu`` (one H200; inputs L2-normalised random fp16 vectors, d = 128, documents of 20-300 tokens unless
+stated, int8 = the same vectors through `quantize_per_token`; times are `triton.testing.do_bench`
+medians with its L2 flush, both paths called through their public functions):
+
+  1. exhaustive - 512 queries x 32 tokens against 50K documents (8.0M tokens), all pairs;
+  2. one query  - 1 query x 32 tokens against 100K documents (16M tokens);
+  3. rerank     - 64 queries x 32 tokens, each against its own 1000 candidates of 180 tokens, scattered
+                  over a 64K-document pool (read in place through their indices);
+     each with the offsets on the GPU and, as `maxsim score` passes them, on the host; a small tile sweep
+     for the int8 kernel first (the best configuration is reported and becomes the default);
+  4. quality    - top-10/top-100 overlap and Kendall tau-b (over each query's fp16 top 1000) of the int8
+                  scores against the fp16 ones, on workload 1's random corpus and on a topic-structured
+                  synthetic corpus (documents and queries are noisy copies of per-topic concept vectors);
+  5. end to end - `maxsim score` (in this process, warm Triton cache and page cache) with 512 queries over
+                  workload 1's documents written as fp16 shards and as int8 shards made by
+                  `maxsim quantize` (also timed).
+
+``cpu`` (2 cores): `sample_data/` (real all-MiniLM-L6-v2 embeddings, d = 384, fp16): the 200 real
+queries against all 400 documents with the torch backend in fp16 and in int8 - ranking agreement,
+nDCG@10 of both against the qrels, and the time of each.
+
+    python benchmarks/bench_int8.py gpu --out benchmarks/results/int8-h200.json
+    python benchmarks/bench_int8.py cpu --out benchmarks/results/int8-cpu-sample-data.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from maxsim_kernels import maxsim_candidates, maxsim_varlen
+from maxsim_kernels.maxsim_int8 import (
+    _launch_candidates,
+    _launch_varlen,
+    maxsim_candidates_int8,
+    maxsim_varlen_int8,
+    quantize_per_token,
+)
+
+from maxsim_cli.agreement import ranking_agreement
+
+DIM = 128
+QUERY_TOKENS = 32
+START = time.perf_counter()
+# `gpu --smoke`: the whole script on the CPU at 1/1000 of the sizes (Triton under its interpreter), to
+# check it before spending GPU time.
+SMOKE = {"on": False}
+
+
+def size(n: int) -> int:
+    return max(2, n // 1000) if SMOKE["on"] else n
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        sync()
+
+
+def log(msg: str) -> None:
+    print(f"[bench_int8 {time.perf_counter() - START:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# data
+
+
+def offsets_of(lengths: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    out[1:] = lengths.cumsum(0)
+    return out
+
+
+def normal_tokens(n: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """n L2-normalised random fp16 vectors, made in chunks (bounded fp32 temporaries)."""
+    out = torch.empty(n, DIM, dtype=torch.float16, device=device)
+    for a in range(0, n, 1 << 22):
+        b = min(n, a + (1 << 22))
+        out[a:b] = torch.nn.functional.normalize(torch.randn(b - a, DIM, generator=gen, device=device), dim=1)
+    return out
+
+
+def ragged(n: int, low: int, high: int, gen: torch.Generator, device: torch.device):
+    lengths = torch.randint(low, high + 1, (n,), generator=gen, device=device)
+    offsets = offsets_of(lengths)
+    return normal_tokens(int(offsets[-1]), gen, device), offsets
+
+
+def topic_corpus(n_docs: int, n_queries: int, gen: torch.Generator, device: torch.device):
+    """Documents and queries made of noisy copies of their topic's concept vectors (200 topics x 32)."""
+    topics, concepts, noise = 200, 32, 0.5
+    centres = torch.nn.functional.normalize(
+        torch.randn(topics, concepts, DIM, generator=gen, device=device), dim=2
+    )
+
+    def draw(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        topic = torch.randint(0, topics, (lengths.numel(),), generator=gen, device=device)
+        token_topic = torch.repeat_interleave(topic, lengths)
+        pick = torch.randint(0, concepts, (token_topic.numel(),), generator=gen, device=device)
+        g = torch.randn(token_topic.numel(), DIM, generator=gen, device=device) / DIM**0.5
+        values = torch.nn.functional.normalize(centres[token_topic, pick] + noise * g, dim=1)
+        return values.half(), offsets_of(lengths)
+
+    docs = draw(torch.randint(20, 301, (n_docs,), generator=gen, device=device))
+    queries = draw(torch.full((n_queries,), QUERY_TOKENS, device=device))
+    return docs, queries
+
+
+# --------------------------------------------------------------------------------------------------
+# measurement
+
+
+def median_ms(fn: Callable[[], Any], rep_ms: int = 300) -> float:
+    import triton
+
+    if SMOKE["on"]:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    return float(triton.testing.do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median"))
+
+
+def agreement(int8_scores: torch.Tensor, fp16_scores: torch.Tensor) -> dict:
+    stats = ranking_agreement(list(int8_scores.float().cpu()), list(fp16_scores.float().cpu()), (10, 100))
+    return {
+        "top10_overlap_mean": stats.overlap[10].mean,
+        "top10_overlap_min": stats.overlap[10].min,
+        "top100_overlap_mean": stats.overlap[100].mean,
+        "top100_overlap_min": stats.overlap[100].min,
+        "kendall_tau_b_mean": stats.kendall_tau.mean,
+        "kendall_tau_b_min": stats.kendall_tau.min,
+        "tau_depth": stats.tau_depth,
+        "queries": len(int8_scores),
+    }
+
+
+def sweep(name: str, launch: Callable[..., Any], configs: list[dict], rep_ms: int) -> tuple[dict, list]:
+    """Time the int8 launcher under each tile configuration; returns (best, all rows)."""
+    rows = []
+    for cfg in configs:
+        try:
+            ms = median_ms(lambda cfg=cfg: launch(**cfg), rep_ms)
+        except Exception as exc:  # a configuration the compiler refuses (shared memory) is skipped
+            log(f"  {name} {cfg}: failed ({type(exc).__name__}: {str(exc)[:120]})")
+            continue
+        rows.append({**cfg, "ms": ms})
+        log(f"  {name} {cfg}: {ms:.3f} ms")
+    best = min(rows, key=lambda r: r["ms"])
+    return best, rows
+
+
+# --------------------------------------------------------------------------------------------------
+# gpu
+
+
+def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
+    gen = torch.Generator(device=device).manual_seed(0)
+    docs16, doc_off = ragged(size(100_000), 20, 300, gen, device)
+    queries16, q_off = ragged(max(64, size(512)), QUERY_TOKENS, QUERY_TOKENS, gen, device)
+    t0 = time.perf_counter()
+    docs8, scales = quantize_per_token(docs16)
+    sync()
+    quant_ms = median_ms(lambda: quantize_per_token(docs16))
+    log(f"data: {docs16.shape[0]} doc tokens; quantize {docs16.shape[0] / quant_ms / 1e6:.2f} G tokens/s")
+    n_ex = size(50_000)
+    ex_tokens = int(doc_off[n_ex])
+    ex = (docs16[:ex_tokens], doc_off[: n_ex + 1], docs8[:ex_tokens], scales[:ex_tokens])
+    one_q, one_off = queries16[:QUERY_TOKENS], q_off[:2]
+
+    pool_n, per_query, cand_len, n_rq = size(64_000), size(1000), 180, 64
+    pool_n = max(pool_n, n_rq * per_query)
+    pool16 = normal_tokens(pool_n * cand_len, gen, device)
+    pool_off = torch.arange(pool_n + 1, device=device, dtype=torch.int64) * cand_len
+    pool8, pool_scales = quantize_per_token(pool16)
+    cand_docs = torch.randperm(pool_n, generator=gen, device=device)[: n_rq * per_query]
+    cand_off = torch.arange(n_rq + 1, device=device, dtype=torch.int64) * per_query
+    rq, rq_off = queries16[: n_rq * QUERY_TOKENS], q_off[: n_rq + 1]
+    sync()
+    log(f"inputs ready in {time.perf_counter() - t0:.1f} s")
+
+    results: dict[str, Any] = {"quantize_tokens_per_s": docs16.shape[0] / quant_ms * 1e3}
+    rep = args.rep_ms
+
+    # -- tile sweeps (int8 launchers, offsets on the GPU) --
+    def varlen_launcher(q, qo, d8, do, sd):
+        q8, sq = quantize_per_token(q)
+        return lambda **cfg: _launch_varlen(q8, sq, qo, d8, sd, do, False, **cfg)
+
+    sweeps: dict[str, Any] = {}
+    if args.sweep:
+        log("sweep: exhaustive")
+        best, rows = sweep(
+            "exhaustive",
+            varlen_launcher(queries16, q_off, ex[2], ex[1], ex[3]),
+            [
+                dict(block_d=64, docs_per_prog=16, num_warps=4, num_stages=2),
+                dict(block_d=64, docs_per_prog=16, num_warps=8, num_stages=2),
+                dict(block_d=32, docs_per_prog=16, num_warps=4, num_stages=2),
+                dict(block_d=128, docs_per_prog=16, num_warps=8, num_stages=2),
+                dict(block_d=64, docs_per_prog=64, num_warps=4, num_stages=3),
+            ],
+            rep,
+        )
+        sweeps["exhaustive"] = {"best": best, "rows": rows}
+        log("sweep: one query")
+        best, rows = sweep(
+            "one_query",
+            varlen_launcher(one_q, one_off, docs8, doc_off, scales),
+            [
+                dict(block_d=64, docs_per_prog=8, num_warps=4, num_stages=2),
+                dict(block_d=128, docs_per_prog=8, num_warps=4, num_stages=2),
+                dict(block_d=64, docs_per_prog=32, num_warps=4, num_stages=3),
+                dict(block_d=128, docs_per_prog=16, num_warps=8, num_stages=3),
+            ],
+            rep,
+        )
+        sweeps["one_query"] = {"best": best, "rows": rows}
+        log("sweep: rerank")
+        rq8, rsq = quantize_per_token(rq)
+        best, rows = sweep(
+            "rerank",
+            lambda **cfg: _launch_candidates(
+                rq8, rsq, rq_off, pool8, pool_scales, pool_off, cand_off, cand_docs, False, **cfg
+            ),
+            [
+                dict(block_d=64, cands_per_prog=8, num_warps=4, num_stages=2),
+                dict(block_d=64, cands_per_prog=32, num_warps=4, num_stages=2),
+                dict(block_d=32, cands_per_prog=8, num_warps=4, num_stages=2),
+                dict(block_d=128, cands_per_prog=8, num_warps=8, num_stages=3),
+            ],
+            rep,
+        )
+        sweeps["rerank"] = {"best": best, "rows": rows}
+    results["sweeps"] = sweeps
+
+    # -- the figures: public functions, same inputs, default tiles (and the sweep's best) --
+    def both(name, fp16_fn, int8_fn, flops, int8_bytes, fp16_bytes, best_fn=None):
+        row = {"fp16_ms": median_ms(fp16_fn, rep), "int8_ms": median_ms(int8_fn, rep)}
+        if best_fn is not None:
+            row["int8_best_tiles_ms"] = median_ms(best_fn, rep)
+        row["int8_over_fp16_time"] = row["int8_ms"] / row["fp16_ms"]
+        row["int8_TOPS"] = flops / row["int8_ms"] / 1e9
+        row["fp16_TFLOPS"] = flops / row["fp16_ms"] / 1e9
+        row["int8_TBps"] = int8_bytes / row["int8_ms"] / 1e9
+        row["fp16_TBps"] = fp16_bytes / row["fp16_ms"] / 1e9
+        ratio = row["int8_over_fp16_time"]
+        log(f"{name}: fp16 {row['fp16_ms']:.3f} ms, int8 {row['int8_ms']:.3f} ms ({ratio:.2f}x)")
+        return row
+
+    def best_varlen(key, q, qo, d8, do, sd):
+        if key not in sweeps:
+            return None
+        cfg = {k: v for k, v in sweeps[key]["best"].items() if k != "ms"}
+        q8, sq = quantize_per_token(q)
+        return lambda: _launch_varlen(q8, sq, qo, d8, sd, do, False, **cfg)
+
+    d16, do, d8, sd = ex
+    flops = 2.0 * queries16.shape[0] * d16.shape[0] * DIM
+    for where, qo_, do_ in (("gpu_offsets", q_off, do), ("host_offsets", q_off.cpu(), do.cpu())):
+        results[f"exhaustive_{where}"] = both(
+            f"exhaustive ({where})",
+            lambda qo_=qo_, do_=do_: maxsim_varlen(queries16, qo_, d16, do_),
+            lambda qo_=qo_, do_=do_: maxsim_varlen_int8(queries16, qo_, d8, do_, doc_scales=sd),
+            flops,
+            d8.numel() + 4 * d8.shape[0],
+            d16.numel() * 2,
+            best_varlen("exhaustive", queries16, q_off, d8, do, sd) if where == "gpu_offsets" else None,
+        )
+    flops = 2.0 * QUERY_TOKENS * docs16.shape[0] * DIM
+    for where, qo_, do_ in (
+        ("gpu_offsets", one_off, doc_off),
+        ("host_offsets", one_off.cpu(), doc_off.cpu()),
+    ):
+        results[f"one_query_{where}"] = both(
+            f"one query ({where})",
+            lambda qo_=qo_, do_=do_: maxsim_varlen(one_q, qo_, docs16, do_),
+            lambda qo_=qo_, do_=do_: maxsim_varlen_int8(one_q, qo_, docs8, do_, doc_scales=scales),
+            flops,
+            docs8.numel() + 4 * docs8.shape[0],
+            docs16.numel() * 2,
+            best_varlen("one_query", one_q, one_off, docs8, doc_off, scales)
+            if where == "gpu_offsets"
+            else None,
+        )
+    flops = 2.0 * QUERY_TOKENS * cand_len * n_rq * per_query * DIM
+    cand_bytes8 = n_rq * per_query * cand_len * (DIM + 4)
+    for where in ("gpu_offsets", "host_offsets"):
+        on = (lambda t: t) if where == "gpu_offsets" else (lambda t: t.cpu())
+        rerank_args = (rq, on(rq_off), on(pool_off), on(cand_off), on(cand_docs))
+        best_fn = None
+        if "rerank" in sweeps and where == "gpu_offsets":
+            cfg = {k: v for k, v in sweeps["rerank"]["best"].items() if k != "ms"}
+            rq8, rsq = quantize_per_token(rq)
+            best_fn = functools.partial(
+                _launch_candidates,
+                rq8,
+                rsq,
+                rq_off,
+                pool8,
+                pool_scales,
+                pool_off,
+                cand_off,
+                cand_docs,
+                False,
+                **cfg,
+            )
+        q_, qo_, po_, co_, cd_ = rerank_args
+        results[f"rerank_{where}"] = both(
+            f"rerank ({where})",
+            functools.partial(maxsim_candidates, q_, qo_, pool16, po_, co_, cd_),
+            functools.partial(maxsim_candidates_int8, q_, qo_, pool8, po_, co_, cd_, doc_scales=pool_scales),
+            flops,
+            cand_bytes8,
+            n_rq * per_query * cand_len * DIM * 2,
+            best_fn,
+        )
+
+    # -- quality on the random corpus of workload 1 --
+    fp16_scores = maxsim_varlen(queries16, q_off, d16, do)
+    int8_scores = maxsim_varlen_int8(queries16, q_off, d8, do, doc_scales=sd)
+    results["quality_random"] = agreement(int8_scores, fp16_scores)
+    log(f"quality (random corpus): {results['quality_random']}")
+    results["_e2e_inputs"] = (queries16.cpu(), q_off.cpu(), d16.cpu(), do.cpu())
+    return results
+
+
+def bench_topics(device: torch.device) -> dict:
+    gen = torch.Generator(device=device).manual_seed(7)
+    (docs, doc_off), (queries, q_off) = topic_corpus(size(50_000), max(64, size(512)), gen, device)
+    d8, sd = quantize_per_token(docs)
+    result = agreement(
+        maxsim_varlen_int8(queries, q_off, d8, doc_off, doc_scales=sd),
+        maxsim_varlen(queries, q_off, docs, doc_off),
+    )
+    log(f"quality (topic corpus): {result}")
+    return result
+
+
+def bench_e2e(work: str, inputs, device: torch.device) -> dict:
+    from maxsim_cli.quantize import quantize_corpus
+    from maxsim_cli.score import score
+    from maxsim_cli.shards import write_shard
+
+    queries, q_off, docs, d_off = inputs
+    fp16_dir, int8_dir = os.path.join(work, "fp16"), os.path.join(work, "int8")
+    os.makedirs(fp16_dir)
+    n_docs = d_off.numel() - 1
+    t0 = time.perf_counter()
+    per_shard = size(12_500)
+    for s, a in enumerate(range(0, n_docs, per_shard)):
+        b = min(n_docs, a + per_shard)
+        t_a, t_b = int(d_off[a]), int(d_off[b])
+        write_shard(
+            os.path.join(fp16_dir, f"shard-{s:03d}.safetensors"),
+            [f"d{i:07d}" for i in range(a, b)],
+            docs[t_a:t_b],
+            offsets=d_off[a : b + 1] - t_a,
+            normalized=True,
+        )
+    qpath = os.path.join(work, "queries.safetensors")
+    write_shard(qpath, [f"q{i:03d}" for i in range(q_off.numel() - 1)], queries, offsets=q_off)
+    log(f"e2e: fp16 shards written in {time.perf_counter() - t0:.1f} s")
+    t0 = time.perf_counter()
+    report = quantize_corpus([fp16_dir], int8_dir, device=device.type)
+    quantize_s = time.perf_counter() - t0
+    log(f"e2e: {report.summary()} in {quantize_s:.1f} s; {report.quality.summary()}")
+    small = [os.path.join(fp16_dir, "shard-000.safetensors")]
+    small8 = [os.path.join(int8_dir, "shard-000.safetensors")]
+    out: dict[str, Any] = {
+        "quantize_s": quantize_s,
+        "quantize": report.as_dict(),
+        "documents": n_docs,
+        "tokens": int(d_off[-1]),
+        "queries": q_off.numel() - 1,
+    }
+    for top_k in (1000, 100):
+        score(qpath, small, output=os.path.join(work, "warm.trec"), top_k=top_k, log=lambda m: None)
+        score(qpath, small8, output=os.path.join(work, "warm.trec"), top_k=top_k, log=lambda m: None)
+        times: dict[str, list[float]] = {"fp16": [], "int8": []}
+        stats: dict[str, Any] = {}
+        for _ in range(2):
+            for name, corpus in (("fp16", [fp16_dir]), ("int8", [int8_dir])):
+                t0 = time.perf_counter()
+                st = score(
+                    qpath, corpus, output=os.path.join(work, f"{name}.trec"), top_k=top_k, log=lambda m: None
+                )
+                times[name].append(time.perf_counter() - t0)
+                stats[name] = st.as_dict()
+        row = {
+            "fp16_s": min(times["fp16"]),
+            "int8_s": min(times["int8"]),
+            "all_times": times,
+            "stats": stats,
+        }
+        row["int8_over_fp16_time"] = row["int8_s"] / row["fp16_s"]
+        out[f"score_top{top_k}"] = row
+        ratio = row["int8_over_fp16_time"]
+        log(f"e2e top-{top_k}: fp16 {row['fp16_s']:.3f} s, int8 {row['int8_s']:.3f} s ({ratio:.2f}x)")
+    return out
+
+
+def bench_gpu(args: argparse.Namespace) -> dict:
+    device = torch.device("cpu" if args.smoke else "cuda")
+    results = bench_kernels(args, device)
+    inputs = results.pop("_e2e_inputs")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    results["quality_topics"] = bench_topics(device)
+    if args.e2e:
+        with tempfile.TemporaryDirectory(dir=args.workdir) as work:
+            results["end_to_end"] = bench_e2e(work, inputs, device)
+    return results
+
+
+# --------------------------------------------------------------------------------------------------
+# cpu (sample_data)
+
+
+def bench_cpu(args: argparse.Namespace) -> dict:
+    from maxsim_cli.evaluate import evaluate_run
+    from maxsim_cli.runs import RunWriter
+    from maxsim_cli.shards import open_corpus, read_queries
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    corpus = open_corpus([os.path.join(args.sample_data, "corpus")])
+    batches = [s.read_docs(0, s.num_docs) for s in corpus.shards]
+    docs = torch.cat([b.embeddings for b in batches])
+    lengths = torch.cat([b.lengths() for b in batches])
+    d_off = offsets_of(lengths)
+    ids = [i for b in batches for i in b.ids]
+    q = read_queries(os.path.join(args.sample_data, "queries.safetensors"))
+    queries = q.embeddings.to(docs.dtype)
+    d8, sd = quantize_per_token(docs)
+    fp16_fn = lambda: maxsim_varlen(queries, q.offsets, docs, d_off, backend="torch")  # noqa: E731
+    int8_fn = lambda: maxsim_varlen_int8(queries, q.offsets, d8, d_off, doc_scales=sd, backend="torch")  # noqa: E731
+    fp16_scores, int8_scores = fp16_fn(), int8_fn()
+    timings = {}
+    for name, fn in (("fp16", fp16_fn), ("int8", int8_fn)):
+        best = float("inf")
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        timings[f"{name}_s"] = best
+    result: dict[str, Any] = {
+        "documents": len(ids),
+        "tokens": int(d_off[-1]),
+        "dim": docs.shape[1],
+        "dtype": str(docs.dtype),
+        "queries": len(q.ids),
+        **timings,
+        "quality": agreement(int8_scores, fp16_scores),
+        "quantize_check": {
+            "max_abs_dequantization_error": float((d8.float() * sd[:, None] - docs.float()).abs().max()),
+        },
+    }
+    qrels = os.path.join(args.sample_data, "qrels.txt")
+    with tempfile.TemporaryDirectory() as work:
+        for name, scores in (("fp16", fp16_scores), ("int8", int8_scores)):
+            path = os.path.join(work, f"{name}.trec")
+            with RunWriter(path) as writer:
+                for qi, qid in enumerate(q.ids):
+                    writer.write_query(qid, ids, scores[qi].tolist())
+            try:
+                result[f"eval_{name}"] = evaluate_run(path, qrels, ["nDCG@10", "RR@10"]).values
+            except Exception as exc:  # ir-measures is the optional `eval` extra
+                result[f"eval_{name}"] = f"unavailable: {type(exc).__name__}: {exc}"
+    log(json.dumps(result["quality"]))
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("which", choices=["gpu", "cpu"])
+    parser.add_argument("--out", default=None, help="JSON file for the results")
+    parser.add_argument(
+        "--rep-ms", type=int, default=300, help="gpu: do_bench repetition time per measurement"
+    )
+    parser.add_argument("--no-sweep", dest="sweep", action="store_false", help="gpu: skip the tile sweep")
+    parser.add_argument(
+        "--no-e2e", dest="e2e", action="store_false", help="gpu: skip `maxsim score` end to end"
+    )
+    parser.add_argument("--workdir", default=None, help="gpu: where the end-to-end shards go (temporary)")
+    parser.add_argument("--sample-data", default="sample_data", help="cpu: the sample_data directory")
+    parser.add_argument("--repeats", type=int, default=3, help="cpu: timing repetitions, best kept")
+    parser.add_argument(
+        "--smoke", action="store_true", help="gpu: tiny sizes on the CPU (a check of the script)"
+    )
+    args = parser.parse_args()
+    if args.smoke:
+        SMOKE["on"] = True  # run as TRITON_INTERPRET=1 python benchmarks/bench_int8.py gpu --smoke
+    results = bench_gpu(args) if args.which == "gpu" else bench_cpu(args)
+    import triton
+
+    record = {
+        "benchmark": f"bench_int8 {args.which}",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "command": " ".join(["python", *sys.argv]),
+        "results": results,
+    }
+    text = json.dumps(record, indent=1, default=str)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
