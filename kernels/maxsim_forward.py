@@ -1,0 +1,530 @@
+"""Fused MaxSim forward in Triton: packed ragged queries x packed ragged documents, never padded.
+
+    S[i, j]      = <q_i, d_j>                               (fp32 accumulation on the tensor cores)
+    score(q, d)  = sum_{i in q} max_{j in d} S[i, j]
+    argmax(i, d) = min { j - start(d) : S[i, j] = max_{j' in d} S[i, j'] }
+
+Layouts. `maxsim_varlen`: every query against every document -> [nq, nd]. `maxsim_candidates`: query i
+against its own documents candidate_docs[candidate_offsets[i]:candidate_offsets[i+1]], read in place
+through their indices -> [C].
+
+Tiling. A program holds a query tile of BLOCK_Q token rows on chip for its whole life and streams
+documents past it:
+
+- query rows: QPB whole queries of at most ROWS = BLOCK_Q / QPB tokens each (rows past a query's length
+  are zero and are dropped before the sum). A query longer than BLOCK_Q is cut into chunks of BLOCK_Q
+  rows, one program row-block each, whose partial sums are added afterwards (a deterministic torch sum);
+- documents: the all-pairs kernel takes DOCS_PER_PROG consecutive documents, the candidates kernel a run
+  of one query's candidates. Each document is walked in BLOCK_T-token tiles that start at the
+  document's first token (a document of n tokens takes ceil(n / BLOCK_T) tiles, the last one masked), all
+  the program's tiles in ONE flat loop so that Triton's software pipeliner prefetches the next tile
+  (possibly of the next document) while the tensor cores work on this one;
+- per tile: S = Q_tile . D_tile^T ([BLOCK_Q, BLOCK_T], `tl.dot`, dim walked in BLOCK_K chunks),
+  out-of-document columns set to -inf (never 0: similarities may all be negative), and a running max
+  (and argmax) per query row kept in registers. At the document's last tile the maxima of each query's
+  rows are summed and only the scores (and argmax rows) are written.
+
+In the all-pairs launch, the programs that share a document run are adjacent in launch order, so a
+document tile is read from HBM once and then from L2 by every query block.
+
+Cost. FLOPs: 2 * dim * sum over (query block, document) of BLOCK_Q * BLOCK_T * ceil(len_d / BLOCK_T),
+i.e. 2 * Tq * Td * dim plus row padding (queries padded to ROWS) and tile padding (< BLOCK_T per
+document). HBM bytes: the documents once per wave of query blocks (Td * dim * 2 bytes in fp16; from L2
+for the other blocks), the queries once per program, 4 bytes per score. With many queries
+(Tq >~ 200 rows) the kernel is tensor-core bound; with one query or per-query candidates it is
+HBM-bound: the loop then reads each document byte once, 16 B per load, with enough programs in flight.
+
+Precision: fp16/bf16 inputs, fp32 products and accumulation. fp32 inputs use exact fp32 products
+(`input_precision="ieee"`) unless `allow_tf32=True`. All index arithmetic is int64 (offsets past 2^31
+elements). Sizes are runtime arguments that Triton does not specialize on, and maximum lengths enter
+only through power-of-two buckets, so new batch sizes or lengths within a bucket never recompile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ._validate import FLOAT_DTYPES, Layout, check_candidates, check_inputs, next_pow2
+
+# ============================================================================================
+# Triton kernels
+# ============================================================================================
+
+
+@triton.jit
+def _load_query_tile(
+    q_ptr,
+    q_off_ptr,
+    num_queries,
+    group,
+    chunk,
+    stride_q,
+    k0,
+    dim,
+    QPB: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """QPB queries x ROWS tokens (chunk `chunk`): values [QPB*ROWS, BLOCK_K], token ids, row validity."""
+    r = tl.arange(0, QPB * ROWS)
+    qi = group * QPB + r // ROWS
+    q_in = qi < num_queries
+    q_start = tl.load(q_off_ptr + qi, mask=q_in, other=0)
+    q_end = tl.load(q_off_ptr + qi + 1, mask=q_in, other=0)
+    tok = q_start + chunk.to(tl.int64) * ROWS + (r % ROWS)
+    row_ok = q_in & (tok < q_end)
+    k = k0 + tl.arange(0, BLOCK_K)
+    ptrs = q_ptr + tok[:, None] * stride_q + k[None, :]
+    if EVEN_K:
+        q = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        q = tl.load(ptrs, mask=row_ok[:, None] & (k < dim)[None, :], other=0.0)
+    return q, tok, row_ok
+
+
+@triton.jit
+def _tile_similarities(
+    q_resident,
+    q_ptr,
+    q_off_ptr,
+    num_queries,
+    group,
+    chunk,
+    stride_q,
+    d_ptr,
+    rows,
+    rows_ok,
+    stride_d,
+    dim,
+    QPB: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """S = Q . D^T for one document tile [BLOCK_T rows]: fp32 [QPB*ROWS, BLOCK_T], -inf off the document."""
+    k = tl.arange(0, BLOCK_K)
+    if NUM_K == 1:
+        ptrs = d_ptr + rows[:, None] * stride_d + k[None, :]
+        if EVEN_K:
+            d = tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
+        else:
+            d = tl.load(ptrs, mask=rows_ok[:, None] & (k < dim)[None, :], other=0.0)
+        s = tl.dot(q_resident, tl.trans(d), input_precision=PRECISION)
+    else:
+        s = tl.zeros((QPB * ROWS, BLOCK_T), dtype=tl.float32)
+        for kc in tl.static_range(NUM_K):
+            kk = kc * BLOCK_K + k
+            ptrs = d_ptr + rows[:, None] * stride_d + kk[None, :]
+            d = tl.load(ptrs, mask=rows_ok[:, None] & (kk < dim)[None, :], other=0.0)
+            q, _, _ = _load_query_tile(
+                q_ptr,
+                q_off_ptr,
+                num_queries,
+                group,
+                chunk,
+                stride_q,
+                kc * BLOCK_K,
+                dim,
+                QPB,
+                ROWS,
+                BLOCK_K,
+                False,
+            )
+            s = tl.dot(q, tl.trans(d), s, input_precision=PRECISION)
+    return tl.where(rows_ok[None, :], s, float("-inf"))
+
+
+@triton.jit(do_not_specialize=["num_queries", "num_docs", "num_blocks", "num_chunks"])
+def _maxsim_varlen_kernel(
+    # pointers
+    q_ptr,
+    q_off_ptr,
+    d_ptr,
+    d_off_ptr,
+    out_ptr,
+    arg_ptr,
+    # sizes
+    num_queries,
+    num_docs,
+    num_blocks,
+    num_chunks,
+    dim,
+    # strides
+    stride_q,
+    stride_d,
+    stride_arg,
+    # meta
+    QPB: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOCS_PER_PROG: tl.constexpr,
+    PRECISION: tl.constexpr,
+    RETURN_ARGMAX: tl.constexpr,
+):
+    """One program: query block `blk` (QPB queries, chunk `chunk`) x documents [d0, d0 + DOCS_PER_PROG)."""
+    pid = tl.program_id(0).to(tl.int64)
+    blk = pid % num_blocks  # query blocks vary fastest: they share the document run through L2
+    group = blk // num_chunks
+    chunk = blk % num_chunks
+    d0 = (pid // num_blocks) * DOCS_PER_PROG
+    BLOCK_Q: tl.constexpr = QPB * ROWS
+
+    q, q_tok, q_ok = _load_query_tile(
+        q_ptr, q_off_ptr, num_queries, group, chunk, stride_q, 0, dim, QPB, ROWS, BLOCK_K, EVEN_K
+    )
+    qi = group * QPB + tl.arange(0, QPB)
+
+    # tiles of this program's documents (an empty document still takes one fully masked tile)
+    dd = d0 + tl.arange(0, DOCS_PER_PROG)
+    d_in = dd < num_docs
+    lens = tl.load(d_off_ptr + dd + 1, mask=d_in, other=0) - tl.load(d_off_ptr + dd, mask=d_in, other=0)
+    total = tl.sum(tl.where(d_in, tl.maximum(tl.cdiv(lens, BLOCK_T), 1), 0))
+
+    doc = d0
+    doc_start = tl.load(d_off_ptr + tl.minimum(doc, num_docs))
+    doc_end = tl.load(d_off_ptr + tl.minimum(doc + 1, num_docs))
+    tok = doc_start
+    m = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
+    a = tl.full((BLOCK_Q,), -1, tl.int32)
+    for _ in range(total):
+        rows = tok + tl.arange(0, BLOCK_T)
+        s = _tile_similarities(
+            q, q_ptr, q_off_ptr, num_queries, group, chunk, stride_q,
+            d_ptr, rows, rows < doc_end, stride_d, dim,
+            QPB, ROWS, BLOCK_T, BLOCK_K, NUM_K, EVEN_K, PRECISION,
+        )  # fmt: skip
+        if RETURN_ARGMAX:
+            t_max, t_arg = tl.max(s, axis=1, return_indices=True, return_indices_tie_break_left=True)
+            better = t_max > m  # strict: an earlier tile keeps its tie
+            a = tl.where(better, (tok - doc_start + t_arg).to(tl.int32), a)
+            m = tl.where(better, t_max, m)
+        else:
+            m = tl.maximum(m, tl.max(s, axis=1))
+        last = tok + BLOCK_T >= doc_end
+        if last:
+            part = tl.sum(tl.reshape(tl.where(q_ok, m, 0.0), (QPB, ROWS)), axis=1)
+            o = (chunk * num_queries + qi) * num_docs + doc
+            tl.store(out_ptr + o, part, mask=qi < num_queries)
+            if RETURN_ARGMAX:
+                tl.store(arg_ptr + q_tok * stride_arg + doc, a, mask=q_ok)
+        # advance to the next tile, or to the next document (state kept free of the running max)
+        next_end = tl.load(d_off_ptr + tl.minimum(doc + 2, num_docs))
+        tok = tl.where(last, doc_end, tok + BLOCK_T)
+        doc_start = tl.where(last, doc_end, doc_start)
+        doc_end = tl.where(last, next_end, doc_end)
+        doc = doc + last.to(tl.int64)
+        m = tl.where(last, float("-inf"), m)
+        if RETURN_ARGMAX:
+            a = tl.where(last, -1, a)
+
+
+@triton.jit(do_not_specialize=["num_queries", "num_cands", "num_chunks", "num_docs"])
+def _maxsim_candidates_kernel(
+    # pointers
+    q_ptr,
+    q_off_ptr,
+    d_ptr,
+    d_off_ptr,
+    cand_ptr,
+    blk_query_ptr,
+    blk_first_ptr,
+    blk_last_ptr,
+    out_ptr,
+    arg_ptr,
+    # sizes
+    num_queries,
+    num_cands,
+    num_chunks,
+    num_docs,
+    dim,
+    # strides
+    stride_q,
+    stride_d,
+    stride_arg,
+    # meta
+    ROWS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    CANDS_PER_PROG: tl.constexpr,
+    PRECISION: tl.constexpr,
+    RETURN_ARGMAX: tl.constexpr,
+):
+    """One program: query `qi` (rows of chunk `chunk`) x its candidates [c_first, c_last)."""
+    pid = tl.program_id(0).to(tl.int64)
+    blk = pid // num_chunks
+    chunk = pid % num_chunks
+    qi = tl.load(blk_query_ptr + blk).to(tl.int64)
+    c_first = tl.load(blk_first_ptr + blk)
+    c_last = tl.load(blk_last_ptr + blk)
+
+    q, q_tok, q_ok = _load_query_tile(
+        q_ptr, q_off_ptr, num_queries, qi, chunk, stride_q, 0, dim, 1, ROWS, BLOCK_K, EVEN_K
+    )
+    q_row = chunk * ROWS + tl.arange(0, ROWS)  # token index within the query (argmax column)
+
+    cc = c_first + tl.arange(0, CANDS_PER_PROG)
+    c_in = cc < c_last
+    docs = tl.load(cand_ptr + cc, mask=c_in, other=0)
+    lens = tl.load(d_off_ptr + docs + 1, mask=c_in, other=0) - tl.load(d_off_ptr + docs, mask=c_in, other=0)
+    total = tl.sum(tl.where(c_in, tl.maximum(tl.cdiv(lens, BLOCK_T), 1), 0))
+
+    c = c_first
+    doc = tl.load(cand_ptr + c)
+    doc_start = tl.load(d_off_ptr + doc)
+    doc_end = tl.load(d_off_ptr + doc + 1)
+    tok = doc_start
+    m = tl.full((ROWS,), float("-inf"), tl.float32)
+    a = tl.full((ROWS,), -1, tl.int32)
+    for _ in range(total):
+        rows = tok + tl.arange(0, BLOCK_T)
+        s = _tile_similarities(
+            q, q_ptr, q_off_ptr, num_queries, qi, chunk, stride_q,
+            d_ptr, rows, rows < doc_end, stride_d, dim,
+            1, ROWS, BLOCK_T, BLOCK_K, NUM_K, EVEN_K, PRECISION,
+        )  # fmt: skip
+        if RETURN_ARGMAX:
+            t_max, t_arg = tl.max(s, axis=1, return_indices=True, return_indices_tie_break_left=True)
+            better = t_max > m
+            a = tl.where(better, (tok - doc_start + t_arg).to(tl.int32), a)
+            m = tl.where(better, t_max, m)
+        else:
+            m = tl.maximum(m, tl.max(s, axis=1))
+        last = tok + BLOCK_T >= doc_end
+        if last:
+            part = tl.sum(tl.where(q_ok, m, 0.0), axis=0)
+            tl.store(out_ptr + chunk * num_cands + c, part)
+            if RETURN_ARGMAX:
+                tl.store(arg_ptr + c * stride_arg + q_row, a, mask=q_ok)
+        next_doc = tl.load(cand_ptr + tl.minimum(c + 1, num_cands - 1))
+        next_start = tl.load(d_off_ptr + next_doc)
+        next_end = tl.load(d_off_ptr + next_doc + 1)
+        tok = tl.where(last, next_start, tok + BLOCK_T)
+        doc_start = tl.where(last, next_start, doc_start)
+        doc_end = tl.where(last, next_end, doc_end)
+        c = c + last.to(tl.int64)
+        m = tl.where(last, float("-inf"), m)
+        if RETURN_ARGMAX:
+            a = tl.where(last, -1, a)
+
+
+# ============================================================================================
+# Host launchers: checks, shape-class tuning table, allocation, launch
+# ============================================================================================
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch parameters of one shape class (see `_TUNING`)."""
+
+    block_q: int  # query token rows per program (QPB * ROWS)
+    block_t: int  # document tokens per tile
+    docs_per_prog: int  # documents (all-pairs) or candidates (per-query) per program
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_q", "block_t", "docs_per_prog"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"KernelConfig.{name} must be a power of two, got {value}")
+        if self.block_q < 16 or self.block_t < 16:
+            raise ValueError("KernelConfig.block_q and block_t must be >= 16 (tl.dot's minimum)")
+
+
+# Shape classes -> configuration, measured on one H200 (triton 3.6, fp16, dim 128, L2-normalised random
+# vectors; benchmarks/bench_kernels.py --sweep, docs/kernel-notes.md has the sweep). Keys:
+#   "many":  all-pairs with >= 128 query rows (tensor-core bound: 512 queries x 32 tokens x 50K docs);
+#   "few":   all-pairs with < 128 query rows (HBM bound: 1 query x 100K docs of 20-300 tokens);
+#   "long":  queries longer than 128 tokens (1 ColPali query of 1024 tokens x 1000 docs of 1024);
+#   "cands": per-query candidates (HBM bound: 64 queries x their own 1000 docs of 180 tokens).
+_TUNING: dict[str, KernelConfig] = {
+    "many": KernelConfig(block_q=128, block_t=64, docs_per_prog=16, num_warps=8, num_stages=3),
+    "few": KernelConfig(block_q=32, block_t=64, docs_per_prog=8, num_warps=4, num_stages=4),
+    "long": KernelConfig(block_q=128, block_t=64, docs_per_prog=4, num_warps=8, num_stages=3),
+    "cands": KernelConfig(block_q=32, block_t=64, docs_per_prog=8, num_warps=4, num_stages=4),
+}
+_MIN_ROWS = 16  # tl.dot needs M, N, K >= 16
+
+
+def _precision(dtype: torch.dtype, allow_tf32: bool) -> str:
+    if dtype == torch.float32:
+        return "tf32" if allow_tf32 else "ieee"
+    return "tf32"  # ignored by tl.dot for 16-bit inputs
+
+
+def _k_blocking(dim: int) -> tuple[int, int, bool]:
+    """(BLOCK_K, NUM_K, EVEN_K): dim <= 128 in one chunk (padded to a power of two), else 128-wide chunks."""
+    block_k = max(16, min(next_pow2(dim), 128))
+    num_k = triton.cdiv(dim, block_k)
+    return block_k, num_k, dim % block_k == 0
+
+
+def _on_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return x.to(device=device, dtype=torch.int64, non_blocking=True).contiguous()
+
+
+def _prepare(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    layout: Layout | None,
+) -> tuple[torch.Tensor, torch.Tensor, Layout]:
+    if layout is None:
+        layout = check_inputs(queries, query_offsets, docs, doc_offsets)
+    if docs.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"the Triton forward takes float16/bfloat16/float32 docs, got {docs.dtype}")
+    if queries.dtype != docs.dtype:
+        queries = queries.to(docs.dtype)  # queries are small; the documents set the precision
+    if queries.stride(1) != 1:
+        queries = queries.contiguous()
+    if docs.stride(1) != 1:
+        docs = docs.contiguous()
+    return queries, docs, layout
+
+
+def varlen_config(layout: Layout) -> tuple[str, KernelConfig, int, int]:
+    """Shape class, config, QPB (queries per block) and ROWS (rows per query) for an all-pairs problem."""
+    q_pad = max(_MIN_ROWS, next_pow2(layout.max_query_len))
+    if q_pad > 128:
+        cls = "long"
+    elif layout.num_queries * q_pad >= 128:
+        cls = "many"
+    else:
+        cls = "few"
+    cfg = _TUNING[cls]
+    rows = min(q_pad, cfg.block_q)
+    if cls == "few":
+        cfg = replace(cfg, block_q=max(rows, min(cfg.block_q, next_pow2(layout.num_queries * q_pad))))
+    return cls, cfg, cfg.block_q // rows, rows
+
+
+def maxsim_varlen_forward_triton(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    *,
+    return_argmax: bool = False,
+    allow_tf32: bool = False,
+    layout: Layout | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Every query against every document with the fused Triton kernel (CUDA tensors, or the interpreter).
+
+    Returns fp32 scores [nq, nd] and, with `return_argmax`, int32 [Tq, nd] (index within the document of
+    the winning token, lowest on ties, -1 for an empty document). `config` overrides the tuning table
+    (benchmark sweeps); `layout` (from `check_inputs`) skips the checks.
+    """
+    queries, docs, layout = _prepare(queries, query_offsets, docs, doc_offsets, layout)
+    device = docs.device
+    nq, nd, dim = layout.num_queries, layout.num_docs, layout.dim
+    _, cfg, qpb, rows = varlen_config(layout)
+    if config is not None:
+        cfg = config
+        qpb = max(1, cfg.block_q // rows)
+        rows = cfg.block_q // qpb
+    num_chunks = triton.cdiv(layout.max_query_len, rows) if qpb == 1 else 1
+    num_groups = triton.cdiv(nq, qpb)
+    num_blocks = num_groups * num_chunks
+    scores = torch.empty((num_chunks, nq, nd), dtype=torch.float32, device=device)
+    argmax = torch.empty((queries.shape[0], nd), dtype=torch.int32, device=device) if return_argmax else None
+    if nq == 0 or nd == 0:
+        out = scores.sum(0)
+        return (out, argmax) if return_argmax else out
+    block_k, num_k, even_k = _k_blocking(dim)
+    grid = (num_blocks * triton.cdiv(nd, cfg.docs_per_prog),)
+    _maxsim_varlen_kernel[grid](
+        queries, _on_device(query_offsets, device), docs, _on_device(doc_offsets, device), scores,
+        argmax if argmax is not None else scores,
+        nq, nd, num_blocks, num_chunks, dim,
+        queries.stride(0), docs.stride(0), nd,
+        QPB=qpb, ROWS=rows, BLOCK_T=cfg.block_t, BLOCK_K=block_k, NUM_K=num_k, EVEN_K=even_k,
+        DOCS_PER_PROG=cfg.docs_per_prog, PRECISION=_precision(docs.dtype, allow_tf32),
+        RETURN_ARGMAX=return_argmax, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    out = scores[0] if num_chunks == 1 else scores.sum(0)
+    return (out, argmax) if return_argmax else out
+
+
+def candidates_config(layout: Layout) -> tuple[KernelConfig, int]:
+    """Config and ROWS (query rows per program) for a per-query-candidates problem."""
+    cfg = _TUNING["cands"]
+    q_pad = max(_MIN_ROWS, next_pow2(layout.max_query_len))
+    rows = min(q_pad, 128)
+    return replace(cfg, block_q=rows), rows
+
+
+def _candidate_blocks(c_off: np.ndarray, per_prog: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs of at most `per_prog` candidates of one query: (query, first, last) per program block."""
+    counts = np.diff(c_off)
+    n_blk = (counts + per_prog - 1) // per_prog
+    query = np.repeat(np.arange(len(counts), dtype=np.int64), n_blk)
+    blk_start = np.repeat(np.cumsum(n_blk) - n_blk, n_blk)
+    first = c_off[query] + (np.arange(len(query)) - blk_start) * per_prog
+    last = np.minimum(first + per_prog, c_off[query + 1])
+    return query, first, last
+
+
+def maxsim_candidates_forward_triton(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    candidate_offsets: torch.Tensor,
+    candidate_docs: torch.Tensor,
+    *,
+    return_argmax: bool = False,
+    allow_tf32: bool = False,
+    layout: Layout | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Query i against candidate_docs[candidate_offsets[i]:candidate_offsets[i+1]], fused, documents in place.
+
+    Returns fp32 scores [C] and, with `return_argmax`, int32 [C, max_query_len] (-1 past a query's length).
+    """
+    queries, docs, layout = _prepare(queries, query_offsets, docs, doc_offsets, layout)
+    c_off, _ = check_candidates(candidate_offsets, candidate_docs, layout.num_queries, layout.num_docs)
+    device = docs.device
+    num_c, dim = int(c_off[-1]), layout.dim
+    cfg, rows = candidates_config(layout)
+    if config is not None:
+        cfg, rows = config, config.block_q
+    num_chunks = triton.cdiv(layout.max_query_len, rows) if num_c else 1
+    scores = torch.empty((num_chunks, num_c), dtype=torch.float32, device=device)
+    argmax = None
+    if return_argmax:
+        argmax = torch.full((num_c, layout.max_query_len), -1, dtype=torch.int32, device=device)
+    if num_c == 0:
+        out = scores.sum(0)
+        return (out, argmax) if return_argmax else out
+    query, first, last = _candidate_blocks(c_off, cfg.docs_per_prog)
+    blocks = torch.from_numpy(np.stack([query, first, last])).to(device, non_blocking=True)
+    block_k, num_k, even_k = _k_blocking(dim)
+    grid = (len(query) * num_chunks,)
+    _maxsim_candidates_kernel[grid](
+        queries, _on_device(query_offsets, device), docs, _on_device(doc_offsets, device),
+        _on_device(candidate_docs, device), blocks[0], blocks[1], blocks[2],
+        scores, argmax if argmax is not None else scores,
+        layout.num_queries, num_c, num_chunks, layout.num_docs, dim,
+        queries.stride(0), docs.stride(0), layout.max_query_len,
+        ROWS=rows, BLOCK_T=cfg.block_t, BLOCK_K=block_k, NUM_K=num_k, EVEN_K=even_k,
+        CANDS_PER_PROG=cfg.docs_per_prog, PRECISION=_precision(docs.dtype, allow_tf32),
+        RETURN_ARGMAX=return_argmax, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    out = scores[0] if num_chunks == 1 else scores.sum(0)
+    return (out, argmax) if return_argmax else out

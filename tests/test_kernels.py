@@ -1,0 +1,406 @@
+"""MaxSim forward (Triton under the interpreter, torch CPU backend) against the float64 reference.
+
+Tolerances. Every backend multiplies the *same* rounded inputs (fp16/bf16/fp32 values are exact in
+float64), so the only error is fp32 accumulation: a dot product of `dim` terms of unit vectors is off by
+at most ~dim * 2^-24 * sum|q_k d_k| <= dim * 6e-8, and a score adds up to `Lq` such maxima. We allow
+|score - ref| <= 2e-6 * Lq * max(1, dim / 32) + 1e-6 * |ref|, a few times that bound (tf32 is never used
+here). The argmax must equal the reference wherever the best and second-best similarity of a (query
+token, document) pair differ by more than 1e-5 (far above fp32 rounding of one dot product); elsewhere
+the chosen token's similarity must be within 1e-5 of the max.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton.jit decorates the kernels
+
+import maxsim_kernels  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from maxsim_kernels import (  # noqa: E402
+    maxsim_candidates,
+    maxsim_candidates_reference,
+    maxsim_reference,
+    maxsim_varlen,
+)
+
+HAS_TRITON_CPU = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
+BACKENDS = ["torch"] + (["triton"] if HAS_TRITON_CPU else [])
+
+
+def packed(lens, dim, dtype=torch.float32, *, sign=None, gen=None):
+    """Unit vectors packed as [sum(lens), dim] + int64 offsets; `sign` forces every coordinate's sign."""
+    lens = torch.as_tensor(lens, dtype=torch.int64)
+    off = torch.zeros(len(lens) + 1, dtype=torch.int64)
+    off[1:] = torch.cumsum(lens, 0)
+    x = torch.randn(int(off[-1]), dim, generator=gen, dtype=torch.float64)
+    if sign is not None:
+        x = sign * x.abs()
+    x = torch.nn.functional.normalize(x, dim=-1)
+    return x.to(dtype), off
+
+
+def tol(ref: torch.Tensor, q_lens, dim: int) -> torch.Tensor:
+    return 2e-6 * torch.as_tensor(q_lens, dtype=torch.float64) * max(1.0, dim / 32) + 1e-6 * ref.abs()
+
+
+def check_scores(out: torch.Tensor, ref: torch.Tensor, q_lens, dim: int) -> None:
+    assert out.dtype == torch.float32
+    out = out.double()
+    inf = torch.isinf(ref)
+    assert torch.equal(torch.isinf(out), inf), "empty documents must score -inf, nothing else"
+    bound = tol(ref, q_lens, dim)
+    err = (out - ref).abs()
+    ok = err <= bound
+    assert bool((ok | inf).all()), f"max err {err[~inf].max().item():.3g} over bound"
+
+
+def check_argmax(arg, queries, q_off, docs, d_off, pairs) -> None:
+    """`pairs`: list of (query index, doc index, argmax row [Lq]) to check against float64 similarities."""
+    q64, d64 = queries.double(), docs.double()
+    for qi, di, row in pairs:
+        q = q64[q_off[qi] : q_off[qi + 1]]
+        d = d64[d_off[di] : d_off[di + 1]]
+        if d.shape[0] == 0:
+            assert bool((row[: q.shape[0]] == -1).all())
+            continue
+        sim = q @ d.T
+        best = sim.max(dim=1).values
+        first = (sim == best[:, None]).int().argmax(dim=1)  # lowest index reaching the max
+        second = sim.topk(min(2, d.shape[0]), dim=1).values[:, -1] if d.shape[0] > 1 else best - 1
+        row = row[: q.shape[0]].long()
+        assert bool(((row >= 0) & (row < d.shape[0])).all())
+        chosen = sim.gather(1, row[:, None])[:, 0]
+        clear = (best - second) > 1e-5
+        assert bool((row[clear] == first[clear]).all()), "argmax differs where the max is clear"
+        assert bool((chosen >= best - 1e-5).all())
+
+
+def varlen_case(q_lens, d_lens, dim, dtype, backend, *, seed=0, q_sign=None, d_sign=None):
+    gen = torch.Generator().manual_seed(seed)
+    queries, q_off = packed(q_lens, dim, dtype, sign=q_sign, gen=gen)
+    docs, d_off = packed(d_lens, dim, dtype, sign=d_sign, gen=gen)
+    scores, arg = maxsim_varlen(queries, q_off, docs, d_off, return_argmax=True, backend=backend)
+    ref, ref_arg = maxsim_reference(queries, q_off, docs, d_off, return_argmax=True)
+    assert scores.shape == (len(q_lens), len(d_lens)) and arg.shape == (queries.shape[0], len(d_lens))
+    assert arg.dtype == torch.int32
+    check_scores(scores, ref, torch.as_tensor(q_lens)[:, None], dim)
+    plain = maxsim_varlen(queries, q_off, docs, d_off, backend=backend)
+    assert torch.equal(plain, scores), "scores must not depend on return_argmax"
+    pairs = []
+    for qi in range(len(q_lens)):
+        for di in range(len(d_lens)):
+            pairs.append((qi, di, arg[q_off[qi] : q_off[qi + 1], di]))
+    check_argmax(arg, queries, q_off, docs, d_off, pairs)
+    return scores, arg, ref, ref_arg
+
+
+# ---------------------------------------------------------------------------------------------------
+# the reference itself
+
+
+def test_reference_matches_per_document_loop():
+    gen = torch.Generator().manual_seed(1)
+    queries, q_off = packed([3, 1, 7], 16, gen=gen)
+    docs, d_off = packed([5, 1, 0, 9, 2], 16, gen=gen)
+    ref, arg = maxsim_reference(queries, q_off, docs, d_off, return_argmax=True, max_elements=7)
+    q64, d64 = queries.double(), docs.double()
+    for qi in range(3):
+        for di in range(5):
+            q = q64[q_off[qi] : q_off[qi + 1]]
+            d = d64[d_off[di] : d_off[di + 1]]
+            if d.shape[0] == 0:
+                assert ref[qi, di] == -torch.inf
+                assert bool((arg[q_off[qi] : q_off[qi + 1], di] == -1).all())
+                continue
+            best, where = (q @ d.T).max(dim=1)
+            assert torch.allclose(ref[qi, di], best.sum(), rtol=0, atol=1e-12)
+            assert torch.equal(arg[q_off[qi] : q_off[qi + 1], di], where.int())
+
+
+def test_reference_ties_go_to_lowest_index():
+    q = torch.tensor([[1.0, 0, 0, 0, 0, 0, 0, 0]])
+    d = torch.tensor([[0.5, 0, 0, 0, 0, 0, 0, 0], [1.0, 0, 0, 0, 0, 0, 0, 0], [1.0, 0, 0, 0, 0, 0, 0, 0]])
+    _, arg = maxsim_reference(q, torch.tensor([0, 1]), d, torch.tensor([0, 3]), return_argmax=True)
+    assert arg.item() == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# backends against the reference
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "q_lens, d_lens, dim",
+    [
+        ([5, 1, 9, 3], [7, 1, 20, 3, 1, 12, 40, 2], 24),  # ragged both sides, length-1 docs and queries
+        ([1], [1, 1, 1], 8),  # the smallest everything
+        ([33, 2], [65, 64, 63, 1, 129], 40),  # lengths around tile sizes: tiles straddle boundaries
+        ([4, 6], [17, 3, 30], 136),  # dim not a power of two, above 128
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_varlen_random(backend, q_lens, d_lens, dim, dtype):
+    varlen_case(q_lens, d_lens, dim, dtype, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_varlen_all_negative_similarities(backend):
+    # every similarity < 0: zero padding would turn maxima into 0; -inf masking must not
+    scores, _, ref, _ = varlen_case([3, 5], [2, 9, 1, 17], 16, torch.float32, backend, q_sign=1, d_sign=-1)
+    assert bool((ref < 0).all()) and bool((scores < 0).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_varlen_exact_ties_pick_lowest_index(backend):
+    gen = torch.Generator().manual_seed(3)
+    base, _ = packed([4], 16, gen=gen)
+    # document 0: tokens [a, b, a, b, c, a]; every query token equals one of them -> exact ties
+    docs = torch.cat([base[[0, 1, 0, 1, 2, 0]], base[[3, 3, 3]]])
+    d_off = torch.tensor([0, 6, 9])
+    queries = base[[0, 1, 2, 3]]
+    q_off = torch.tensor([0, 2, 4])
+    scores, arg = maxsim_varlen(queries, q_off, docs, d_off, return_argmax=True, backend=backend)
+    ref, ref_arg = maxsim_reference(queries, q_off, docs, d_off, return_argmax=True)
+    assert arg[:, 0].tolist() == [0, 1, 4, ref_arg[3, 0].item()]
+    assert arg[3, 1].item() == 0
+    assert torch.equal(arg, ref_arg)
+    check_scores(scores, ref, 2, 16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_varlen_empty_documents_score_minus_inf(backend):
+    scores, arg, ref, _ = varlen_case([2, 3], [0, 4, 0, 0, 2, 0], 8, torch.float32, backend)
+    assert bool(torch.isinf(scores[:, [0, 2, 3, 5]]).all())
+    assert bool((arg[:, [0, 2, 3, 5]] == -1).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_candidates_random(backend, dtype):
+    gen = torch.Generator().manual_seed(5)
+    d_lens = torch.randint(0, 50, (23,), generator=gen)
+    d_lens[3] = 1
+    queries, q_off = packed([6, 1, 11, 4], 24, dtype, gen=gen)
+    docs, d_off = packed(d_lens, 24, dtype, gen=gen)
+    # query 1 has no candidates; query 2 lists one document twice
+    cand = torch.tensor([3, 0, 7, 22, 5, 5, 9, 1, 3, 14, 2], dtype=torch.int64)
+    c_off = torch.tensor([0, 3, 3, 9, 11], dtype=torch.int64)
+    scores, arg = maxsim_candidates(
+        queries, q_off, docs, d_off, c_off, cand, return_argmax=True, backend=backend
+    )
+    ref, ref_arg = maxsim_candidates_reference(queries, q_off, docs, d_off, c_off, cand, return_argmax=True)
+    assert scores.shape == (11,) and arg.shape == (11, 11) and arg.dtype == torch.int32
+    q_lens = torch.tensor([6] * 3 + [11] * 6 + [4] * 2)
+    check_scores(scores, ref, q_lens, 24)
+    assert scores[4] == scores[5]
+    pairs = []
+    for qi in range(4):
+        for c in range(int(c_off[qi]), int(c_off[qi + 1])):
+            lq = int(q_off[qi + 1] - q_off[qi])
+            assert bool((arg[c, lq:] == -1).all())
+            pairs.append((qi, int(cand[c]), arg[c]))
+    check_argmax(arg, queries, q_off, docs, d_off, pairs)
+    plain = maxsim_candidates(queries, q_off, docs, d_off, c_off, cand, backend=backend)
+    assert torch.equal(plain, scores)
+
+
+def test_cpu_bf16_and_float64():
+    for dtype in (torch.bfloat16, torch.float64):
+        gen = torch.Generator().manual_seed(7)
+        queries, q_off = packed([3, 8], 32, dtype, gen=gen)
+        docs, d_off = packed([5, 30, 1], 32, dtype, gen=gen)
+        out = maxsim_varlen(queries, q_off, docs, d_off, backend="torch")
+        ref = maxsim_reference(queries, q_off, docs, d_off)
+        if dtype == torch.float64:
+            assert out.dtype == torch.float64 and torch.allclose(out, ref, rtol=0, atol=1e-12)
+        else:
+            check_scores(out, ref, torch.tensor([[3], [8]]), 32)
+
+
+def test_cpu_groups_cover_every_document_once():
+    from maxsim_kernels.cpu import _groups
+
+    lens = np.array([0, 5, 300, 20, 20, 1, 0, 4096, 5000, 17])
+    order, spans = _groups(lens, 64)
+    seen = np.concatenate([order[a:b] for a, b in spans])
+    assert sorted(seen.tolist()) == [i for i in range(len(lens)) if lens[i] > 0]
+    for a, b in spans:
+        assert (b - a) * lens[order[b - 1]] <= 64 or b - a == 1
+
+
+def test_cpu_many_groups_and_query_blocks(monkeypatch):
+    import maxsim_kernels.cpu as cpu
+
+    monkeypatch.setattr(cpu, "_GROUP_TOKENS", 16)
+    monkeypatch.setattr(cpu, "_QUERY_ROWS", 5)
+    varlen_case([7, 3, 9], [3, 30, 2, 8, 8, 0, 1], 16, torch.float32, "torch")
+
+
+# ---------------------------------------------------------------------------------------------------
+# input checks
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_errors(backend):
+    q, q_off = packed([2, 3], 16)
+    d, d_off = packed([4, 1], 16)
+    with pytest.raises(ValueError, match="query 1 has no tokens"):
+        maxsim_varlen(q, torch.tensor([0, 5, 5]), d, d_off, backend=backend)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        maxsim_varlen(q[:, :12], q_off, d[:, :12], d_off, backend=backend)
+    with pytest.raises(ValueError, match="dim"):
+        maxsim_varlen(q, q_off, d[:, :8], d_off, backend=backend)
+    with pytest.raises(ValueError, match=r"doc_offsets\[-1\]"):
+        maxsim_varlen(q, q_off, d, torch.tensor([0, 4, 4]), backend=backend)
+    with pytest.raises(ValueError, match="decreases"):
+        maxsim_varlen(q, q_off, d, torch.tensor([0, 4, 2, 5]), backend=backend)
+    with pytest.raises(ValueError, match="not a document index"):
+        maxsim_candidates(q, q_off, d, d_off, torch.tensor([0, 1, 2]), torch.tensor([0, 2]), backend=backend)
+    with pytest.raises(ValueError, match="nq\\+1"):
+        maxsim_candidates(q, q_off, d, d_off, torch.tensor([0, 2]), torch.tensor([0, 1]), backend=backend)
+    with pytest.raises(ValueError, match="backend"):
+        maxsim_varlen(q, q_off, d, d_off, backend="cuda")
+
+
+def test_empty_problem_shapes():
+    q, q_off = packed([2], 8)
+    d = torch.zeros(0, 8)
+    scores, arg = maxsim_varlen(q, q_off, d, torch.zeros(1, dtype=torch.int64), return_argmax=True)
+    assert scores.shape == (1, 0) and arg.shape == (2, 0)
+
+
+def test_lazy_triton_exports():
+    assert callable(maxsim_kernels.maxsim_varlen_forward_triton)
+    assert callable(maxsim_kernels.maxsim_candidates_forward_triton)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton launcher: every shape class, chunked long queries, small tiles, no recompilation
+
+needs_interpreter = pytest.mark.skipif(
+    not HAS_TRITON_CPU, reason="needs TRITON_INTERPRET=1 on a CPU-only host"
+)
+
+
+@needs_interpreter
+def test_triton_many_queries_class_with_partial_groups():
+    from maxsim_kernels._validate import check_inputs
+    from maxsim_kernels.maxsim_forward import varlen_config
+
+    gen = torch.Generator().manual_seed(11)
+    q_lens = torch.randint(1, 33, (9,), generator=gen)  # padded to 32 rows: 4 queries per 128-row block
+    d_lens = torch.randint(0, 70, (37,), generator=gen)  # 3 runs of 16 documents, the last one partial
+    queries, q_off = packed(q_lens, 32, torch.float16, gen=gen)
+    docs, d_off = packed(d_lens, 32, torch.float16, gen=gen)
+    cls, _, qpb, rows = varlen_config(check_inputs(queries, q_off, docs, d_off))
+    assert (cls, qpb, rows) == ("many", 4, 32)
+    scores, arg = maxsim_varlen(queries, q_off, docs, d_off, return_argmax=True, backend="triton")
+    ref, ref_arg = maxsim_reference(queries, q_off, docs, d_off, return_argmax=True)
+    check_scores(scores, ref, q_lens[:, None], 32)
+    pairs = [(qi, di, arg[q_off[qi] : q_off[qi + 1], di]) for qi in range(9) for di in range(37)]
+    check_argmax(arg, queries, q_off, docs, d_off, pairs)
+
+
+@needs_interpreter
+def test_triton_long_queries_are_chunked():
+    # 150 tokens pad to 256 > 128 rows: two 128-row chunks whose partial sums are added
+    varlen_case([150, 20], [5, 140, 1, 0, 64], 16, torch.float32, "triton")
+    gen = torch.Generator().manual_seed(2)
+    queries, q_off = packed([150, 3], 16, gen=gen)
+    docs, d_off = packed([5, 140, 1, 64], 16, gen=gen)
+    c_off, cand = torch.tensor([0, 3, 4]), torch.tensor([1, 0, 3, 2])
+    scores, arg = maxsim_candidates(
+        queries, q_off, docs, d_off, c_off, cand, return_argmax=True, backend="triton"
+    )
+    ref, ref_arg = maxsim_candidates_reference(queries, q_off, docs, d_off, c_off, cand, return_argmax=True)
+    check_scores(scores, ref, torch.tensor([150, 150, 150, 3]), 16)
+    assert arg.shape == (4, 150) and bool((arg[3, 3:] == -1).all())
+
+
+@needs_interpreter
+@pytest.mark.parametrize("block_t, per_prog", [(16, 2), (32, 1)])
+def test_triton_small_tiles_straddle_many_boundaries(block_t, per_prog):
+    from maxsim_kernels.maxsim_forward import (
+        KernelConfig,
+        maxsim_candidates_forward_triton,
+        maxsim_varlen_forward_triton,
+    )
+
+    gen = torch.Generator().manual_seed(4)
+    queries, q_off = packed([3, 17, 1], 24, gen=gen)
+    docs, d_off = packed([15, 16, 17, 0, 1, 33, 48, 2], 24, gen=gen)
+    cfg = KernelConfig(block_q=32, block_t=block_t, docs_per_prog=per_prog, num_warps=4, num_stages=2)
+    scores, arg = maxsim_varlen_forward_triton(queries, q_off, docs, d_off, return_argmax=True, config=cfg)
+    ref, ref_arg = maxsim_reference(queries, q_off, docs, d_off, return_argmax=True)
+    check_scores(scores, ref, torch.tensor([[3], [17], [1]]), 24)
+    assert torch.equal(arg, ref_arg)
+    c_off, cand = torch.tensor([0, 4, 4, 8]), torch.tensor([7, 6, 5, 3, 0, 1, 2, 6])
+    scores = maxsim_candidates_forward_triton(queries, q_off, docs, d_off, c_off, cand, config=cfg)
+    ref = maxsim_candidates_reference(queries, q_off, docs, d_off, c_off, cand)
+    check_scores(scores, ref, torch.tensor([3] * 4 + [1] * 4), 24)
+
+
+@needs_interpreter
+def test_triton_fp32_tf32_switch_and_mixed_query_dtype():
+    gen = torch.Generator().manual_seed(9)
+    queries, q_off = packed([4, 2], 16, torch.float32, gen=gen)
+    docs, d_off = packed([3, 9], 16, torch.float16, gen=gen)
+    # queries are converted to the documents' dtype: compare with the reference on converted queries
+    out = maxsim_varlen(queries, q_off, docs, d_off, backend="triton")
+    ref = maxsim_reference(queries.half(), q_off, docs, d_off)
+    check_scores(out, ref, torch.tensor([[4], [2]]), 16)
+    docs32 = docs.float()
+    tf32 = maxsim_varlen(queries, q_off, docs32, d_off, backend="triton", allow_tf32=True)
+    assert torch.allclose(tf32.double(), maxsim_reference(queries, q_off, docs32, d_off), atol=5e-3)
+
+
+class _Recorder:
+    """Stands in for a @triton.jit kernel and records the arguments of each launch."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+
+
+def test_launch_keys_do_not_change_within_a_bucket(monkeypatch):
+    """Triton compiles once per constexpr set (and per specialisation of non-excluded ints): only
+    power-of-two length buckets may change them, never batch sizes or lengths within a bucket."""
+    import maxsim_kernels.maxsim_forward as fwd
+
+    rec = _Recorder()
+    monkeypatch.setattr(fwd, "_maxsim_varlen_kernel", rec)
+    monkeypatch.setattr(fwd, "_maxsim_candidates_kernel", rec)
+    gen = torch.Generator().manual_seed(0)
+    # batch sizes, document counts and lengths vary; the longest query stays in the (16, 32] bucket
+    for nq, q_hi, nd, d_hi in [(64, 32, 100, 300), (17, 20, 1, 7), (200, 32, 33, 1000), (8, 17, 16, 64)]:
+        q_lens = torch.randint(1, q_hi + 1, (nq,), generator=gen)
+        q_lens[0] = q_hi
+        queries, q_off = packed(q_lens, 16, gen=gen)
+        docs, d_off = packed(torch.randint(0, d_hi, (nd,), generator=gen), 16, gen=gen)
+        fwd.maxsim_varlen_forward_triton(queries, q_off, docs, d_off)
+        c_off = torch.arange(nq + 1) * 1
+        fwd.maxsim_candidates_forward_triton(
+            queries, q_off, docs, d_off, c_off, torch.zeros(nq, dtype=torch.int64)
+        )
+    varlen_keys = {tuple(sorted(kw.items())) for args, kw in rec.calls[0::2]}
+    cand_keys = {tuple(sorted(kw.items())) for args, kw in rec.calls[1::2]}
+    assert len(varlen_keys) == 1, varlen_keys
+    assert len(cand_keys) == 1, cand_keys
+    # every int argument that changes with the batch is excluded from specialisation
+    for kernel, sizes in (
+        ("_maxsim_varlen_kernel", ("num_queries", "num_docs", "num_blocks", "num_chunks")),
+        ("_maxsim_candidates_kernel", ("num_queries", "num_cands", "num_chunks", "num_docs")),
+    ):
+        monkeypatch.undo()
+        jit = getattr(fwd, kernel)
+        names = list(jit.arg_names)
+        listed = (
+            getattr(jit, "do_not_specialize", None) or jit.kwargs["do_not_specialize"]
+        )  # jit | interpreter
+        excluded = {names[i] if isinstance(i, int) else i for i in listed}
+        assert set(sizes) <= excluded
