@@ -68,8 +68,9 @@ def build_corpus(
     gen = torch.Generator(device=device).manual_seed(seed)
     token_bytes = DIM * 2
     paths, doc_id, written = [], 0, 0
-    while written < total_bytes:
-        tokens_goal = min(shard_bytes, total_bytes - written) // token_bytes
+    num_shards = max(1, -(-total_bytes // shard_bytes))
+    for _ in range(num_shards):
+        tokens_goal = max(total_bytes // num_shards // token_bytes, MAX_LEN)
         draws = tokens_goal // MIN_LEN + 1  # more lengths than needed, cut where the tokens run out
         lengths = torch.randint(MIN_LEN, MAX_LEN + 1, (draws,), generator=gen, device=device)
         lengths = lengths[: int((lengths.cumsum(0) <= tokens_goal).sum().item()) or 1]

@@ -98,6 +98,8 @@ class ScoreStats:
     copy_s: float = 0.0
     score_s: float = 0.0
     wait_s: float = 0.0
+    setup_s: float = 0.0
+    write_s: float = 0.0
     bytes_read: int = 0
     peak_gpu_bytes: int | None = None
     peak_host_bytes: int = 0
@@ -379,6 +381,7 @@ def score(
             total_tokens = corpus_obj.num_tokens * len(jobs)
         with progress_mod.ScoreProgress(show_progress, total_tokens) as bar, writer:
             engine.progress = bar
+            stats.setup_s = time.perf_counter() - wall_start
             if candidates is not None:
                 engine.run_rerank(jobs, qids, top_k, writer)
             else:
@@ -470,6 +473,7 @@ class _Engine:
         self.doc_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
         self.tok_cum = np.concatenate([[0], np.cumsum(self.doc_lengths)]).astype(np.int64)
         self.score_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.docnos_of: dict[int, list[str]] = {}  # rerank: each query's candidates found, in run order
 
     # ---------------------------------------------------------------------------- query helpers
 
@@ -629,7 +633,9 @@ class _Engine:
                     if self.progress is not None:
                         self.progress.advance(batch.plan.num_docs, batch.plan.num_tokens)
                 scores, ranks = topk.result()
+                started = time.perf_counter()
                 self._write_topk(writer, qids[job.q0 : job.q1], scores, ranks)
+                stats.write_s += time.perf_counter() - started
                 stats.pairs += (job.q1 - job.q0) * stats.documents
         finally:
             if stream is not None:
@@ -841,6 +847,8 @@ class _Engine:
     def run_rerank(self, jobs: list[_Job], qids: list[str], top_k: int, writer) -> None:  # noqa: ANN001
         from maxsim_kernels import maxsim_candidates
 
+        from maxsim_cli.runs import sort_trec
+
         stats = self.stats
         stats.query_batches = 1 if jobs else 0
         pair_scores = None
@@ -880,18 +888,18 @@ class _Engine:
                 job.stream.close()
                 self._fold_times(job.stream)
         scores_np = pair_scores.cpu().numpy() if pair_scores is not None else np.zeros(0, dtype=np.float32)
-        from maxsim_cli.runs import sort_trec
-
+        started = time.perf_counter()
         # pairs are in (query, run order) order: split by query
         starts = np.searchsorted(self.pair_q, np.arange(len(qids) + 1)) if jobs else None
         for qi, qid in enumerate(qids):
-            docnos = getattr(self, "docnos_of", {}).get(qi)
+            docnos = self.docnos_of.get(qi)
             if not docnos:
                 continue
             assert starts is not None
             sc = scores_np[starts[qi] : starts[qi + 1]].tolist()
             keep = sort_trec(docnos, sc)[:top_k]
             writer.write_query(qid, [docnos[i] for i in keep], [sc[i] for i in keep])
+        stats.write_s += time.perf_counter() - started
 
     # ---------------------------------------------------------------------------- timing
 
