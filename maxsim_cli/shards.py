@@ -1000,6 +1000,13 @@ def open_shard(path: str | os.PathLike[str]) -> Shard:
     if os.path.isdir(path):
         raise _err(path, "is a directory; open it with open_corpus or name a shard file")
     kind = _sniff(path)
+    if kind == "safetensors" and os.path.splitext(path)[1].lower() != ".safetensors":
+        with open(path, "rb") as f:
+            head = f.read(9)
+        if len(head) < 9 or head[8:9] != b"{":
+            raise _err(
+                path, "not a shard: expected a safetensors, Arrow IPC or Parquet file (see docs/format.md)"
+            )
     if kind == "arrow":
         return _open_arrow(path)
     if kind == "parquet":
@@ -1506,7 +1513,8 @@ class ShardWriter:
     scales; embeddings go straight to disk.
 
     `normalized=None` records whether every token vector has unit L2 norm (within NORM_TOLERANCE);
-    `True` asserts it and refuses vectors that are not.
+    `True` asserts it and refuses vectors that are not. `format` is safetensors, arrow or parquet
+    (default: from the file suffix; "arrow-stream" writes an Arrow IPC file).
     """
 
     def __init__(
@@ -1527,6 +1535,8 @@ class ShardWriter:
         if not isinstance(dim, int) or dim < 1:
             raise InputError(f"{self.path}: dim must be a positive integer, not {dim!r}")
         fmt = format or format_for_path(self.path)
+        if fmt == "arrow-stream":  # what a stream shard read back says; rewritten as a (seekable) IPC file
+            fmt = "arrow"
         if fmt not in ("safetensors", "arrow", "parquet"):
             raise InputError(f"{self.path}: unknown shard format {fmt!r} (safetensors, arrow or parquet)")
         if encoder is not None and (not encoder or "\n" in encoder):

@@ -143,6 +143,11 @@ def test_unknown_format(tmp_path):
     text = tmp_path / "t.safetensors"
     text.write_text("id\tvector\n")
     assert_error(run_inspect(text), "t.safetensors", "corrupt safetensors header length")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("id\tvector\n")
+    assert_error(
+        run_inspect(notes), "notes.txt", "not a shard: expected a safetensors, Arrow IPC or Parquet file"
+    )
 
 
 def test_unknown_version(tmp_path):
