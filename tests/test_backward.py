@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 
+import maxsim_kernels
 import pytest
 import torch
 from maxsim_kernels import maxsim_backward as mb
@@ -181,6 +182,20 @@ def test_only_one_side_requires_grad(backend):
     assert d.grad.shape == docs.shape
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_document_and_one_document_per_csr_chunk(backend, monkeypatch):
+    """An empty document scores -inf and takes no gradient; CSR chunks of one document agree with one CSR."""
+    monkeypatch.setattr(mb, "_CSR_PAIRS_PER_CHUNK", 1)
+    queries, qo, docs, do = _layout([3, 6], [4, 5, 2], 16, seed=13)
+    do_empty = torch.tensor([0, 4, 4, 9, 11])  # doc 1 is empty
+    upstream = _upstream((2, 4))
+    s, gq, gd = _run(queries, qo, docs, do_empty, upstream, backend=backend)
+    assert torch.isinf(s[:, 1]).all() and (s[:, 1] < 0).all()
+    _, ref_q, ref_d = _reference(queries, qo, docs, do, upstream[:, [0, 2, 3]])
+    torch.testing.assert_close(gq.double(), ref_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gd.double(), ref_d, atol=1e-5, rtol=1e-5)
+
+
 def test_triton_matches_torch_path_and_repeats_bitwise():
     if not INTERPRETED:
         pytest.skip("needs TRITON_INTERPRET=1")
@@ -234,14 +249,14 @@ def test_candidates_exact_ties(backend):
 
 
 def test_gradcheck_all_pairs_float64():
-    queries, qo, docs, do = _layout([3, 1, 4], [2, 5, 3], 6, seed=21, dtype=torch.float64)
+    queries, qo, docs, do = _layout([3, 1, 4], [2, 5, 3], 8, seed=21, dtype=torch.float64)
     q = queries.requires_grad_(True)
     d = docs.requires_grad_(True)
     assert torch.autograd.gradcheck(lambda a, b: mb.maxsim_varlen_autograd(a, qo, b, do), (q, d))
 
 
 def test_gradcheck_candidates_float64():
-    queries, qo, docs, do = _layout([2, 3, 1], [4, 1, 3], 5, seed=22, dtype=torch.float64)
+    queries, qo, docs, do = _layout([2, 3, 1], [4, 1, 3], 8, seed=22, dtype=torch.float64)
     co, cd = torch.tensor([0, 2, 5, 6]), torch.tensor([1, 2, 0, 2, 0, 1])
     q = queries.requires_grad_(True)
     d = docs.requires_grad_(True)
@@ -265,7 +280,7 @@ def test_int8_docs_query_gradient_uses_dequantized_rows(backend):
     qo, do = _offsets([4, 5]), _offsets([6, 2, 7])
     dequant = docs8.double() * scales.double()[:, None]
     upstream = _upstream((2, 3))
-    _, argmax = mb.forward_exact(queries, qo, docs8, do, doc_scales=scales)
+    _, argmax = maxsim_kernels.maxsim_reference(queries, qo, docs8, do, return_argmax=True, doc_scales=scales)
     gq, gd = mb.maxsim_backward(upstream, argmax, queries, qo, docs8, do, doc_scales=scales, backend=backend)
     assert gd is None
     _, ref_q, _ = _reference(queries, qo, dequant, do, upstream)
