@@ -297,3 +297,38 @@ def test_parse_size():
         with pytest.raises(UsageError, match="--max-memory: invalid size"):
             parse_size(junk, option="--max-memory")
     assert format_size(1536) == "1.5 KiB" and format_size(10) == "10 B"
+
+
+def test_parquet_from_a_foreign_writer(tmp_path):
+    """No `length` column and variable-size inner lists (what a non-Arrow Parquet writer produces)."""
+    import pyarrow.parquet as pq
+
+    meta = {
+        "format": "maxsim-shard",
+        "format_version": "1",
+        "dim": "2",
+        "dtype": "float32",
+        "quantization": "none",
+        "normalized": "false",
+        "num_docs": "3",
+        "num_tokens": "4",
+    }
+    vectors = [[[1, 2]], [[3, 4], [5, 6]], [[7, 8]]]
+    table = pa.table(
+        {"id": ["a", "b", "c"], "embedding": pa.array(vectors, pa.list_(pa.list_(pa.float32())))}
+    )
+    pq.write_table(table.replace_schema_metadata(meta), tmp_path / "f.parquet", row_group_size=2)
+    with open_shard(tmp_path / "f.parquet") as shard:
+        assert shard.offsets.tolist() == [0, 1, 3, 4]
+        assert shard.read_docs(1, 3).embeddings.tolist() == [[3, 4], [5, 6], [7, 8]]
+    vectors[1][1] = [5, 6, 9]  # one vector of the wrong width
+    table = pa.table(
+        {"id": ["a", "b", "c"], "embedding": pa.array(vectors, pa.list_(pa.list_(pa.float32())))}
+    )
+    pq.write_table(table.replace_schema_metadata(meta), tmp_path / "f.parquet", row_group_size=2)
+    with open_shard(tmp_path / "f.parquet") as shard:
+        assert shard.read_docs(0, 1).ids == ["a"]  # only the documents asked for are checked
+        with pytest.raises(
+            InputError, match=r"f\.parquet: document 'b' has a token vector of 3 values; dim is 2"
+        ):
+            shard.read_docs(0, 3)
