@@ -66,8 +66,18 @@ def raw_shard(
     return str(path)
 
 
+def _listing(paths) -> dict[str, list[str]]:
+    dirs = {os.path.dirname(os.path.abspath(p)) for p in paths if not str(p).startswith("-")}
+    dirs |= {os.path.abspath(p) for p in paths if os.path.isdir(p)}
+    return {d: sorted(os.listdir(d)) for d in dirs if os.path.isdir(d)}
+
+
 def run_inspect(*paths):
-    return runner.invoke(app, ["inspect", *map(str, paths)])
+    """`maxsim inspect PATHS`; also checks that it left no file behind (temp or otherwise)."""
+    before = _listing(paths)
+    result = runner.invoke(app, ["inspect", *map(str, paths)])
+    assert _listing(paths) == before
+    return result
 
 
 def assert_error(result, *fragments, code=1):
