@@ -193,7 +193,7 @@ def measure(method: str, x: dict, ref: Grads) -> dict:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     del grads
-    ms = do_bench(step, warmup=25, rep=200, return_mode="median")
+    ms = do_bench(step, warmup=25, rep=100, return_mode="median")
     return {
         "fwd_bwd_ms": ms,
         "peak_mib": peak / 2**20,
@@ -233,8 +233,9 @@ def breakdown(x: dict) -> dict:
     return out
 
 
-DQ_VARIANTS = [(8, 8, 4), (4, 8, 2), (16, 4, 4), (16, 8, 8), (4, 16, 4), (32, 4, 8)]
-DD_VARIANTS = [(16, 2), (8, 1), (16, 1), (32, 2), (32, 4), (16, 4)]
+DQ_VARIANTS = [(8, 8, 4), (4, 8, 2), (16, 4, 4), (8, 16, 8)]
+DD_VARIANTS = [(16, 2), (8, 1), (32, 2), (16, 4)]
+CHUNK_VARIANTS = [1 << 16, 1 << 18, 1 << 20]
 
 
 @contextlib.contextmanager
@@ -250,26 +251,27 @@ def constants(**values):
 
 
 def sweep(x: dict) -> list[dict]:
+    """Our launch constants, one kernel at a time, on this shape's argmax (one CSR for all documents)."""
     q, d, qo, do, g = x["q"], x["d"], x["qo"], x["do"], x["g"]
     with torch.no_grad():
-        _, argmax = mb._forward(q, qo, d, do, None, None, False, "auto", None)
+        _, argmax = maxsim_kernels.maxsim_varlen(q, qo, d, do, return_argmax=True)
+    nq_tok, nd = argmax.shape
     td = d.shape[0]
-    keys = mb._pair_keys(argmax, do, None, td)
-    row_ptr, order = mb.build_inverse_csr(keys, td)
-    token_query = mb._owner_of(qo, q.shape[0])
+    row_ptr, order = mb.build_inverse_csr(mb._pair_keys(argmax, do, None, td), td)
+    token_query = mb._owner_of(qo, nq_tok)
     rows = []
     for bt, bc, nw in DQ_VARIANTS:
         with constants(_DQ_BLOCK_T=bt, _DQ_BLOCK_C=bc, _DQ_NUM_WARPS=nw):
-            fn = lambda: mb._grad_queries_triton(d, None, do, argmax, g, qo, None, None, q.shape[0], q.dtype)
+            fn = lambda: mb._grad_queries_triton(d, None, do, argmax, g, qo, None, None, nq_tok, q.dtype)
             fn()
-            rows.append({"kernel": "dq", "BLOCK_T": bt, "BLOCK_C": bc, "num_warps": nw,
-                         "ms": do_bench(fn, return_mode="median")})  # fmt: skip
+            ms = do_bench(fn, return_mode="median")
+        rows.append({"kernel": "dq", "BLOCK_T": bt, "BLOCK_C": bc, "num_warps": nw, "ms": ms})
+    grad_d = torch.empty_like(d)
     for be, nw in DD_VARIANTS:
-        grad_d = torch.empty_like(d)
 
-        def fn(be=be, nw=nw, grad_d=grad_d):
-            mb._maxsim_grad_docs_kernel[(td,)](
-                q, g, order, row_ptr, token_query, qo, token_query, grad_d, argmax.shape[1], 0, DIM,
+        def fn(be=be, nw=nw):
+            mb._maxsim_grad_docs_kernel[(td, 1)](
+                q, g, order, row_ptr, token_query, qo, token_query, grad_d, nd, 0, nd, 0, DIM,
                 q.stride(0), grad_d.stride(0), CANDIDATES=False, BLOCK_E=be, BLOCK_DIM=DIM, num_warps=nw,
             )  # fmt: skip
 
@@ -277,6 +279,18 @@ def sweep(x: dict) -> list[dict]:
         rows.append(
             {"kernel": "dd", "BLOCK_E": be, "num_warps": nw, "ms": do_bench(fn, return_mode="median")}
         )
+    for pairs in CHUNK_VARIANTS:
+        with constants(_CSR_PAIRS_PER_CHUNK=pairs):
+            fn = lambda: mb._grad_docs_triton(q, g, argmax, qo, do, None, None, td, d.dtype)
+            fn()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            fn()
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            ms = do_bench(fn, return_mode="median")
+        rows.append({"kernel": "csr+dd", "CSR_PAIRS_PER_CHUNK": pairs, "peak_mib": peak, "ms": ms})
     return rows
 
 
