@@ -57,6 +57,15 @@ START = time.perf_counter()
 # `gpu --smoke`: the whole script on the CPU at 1/1000 of the sizes (Triton under its interpreter), to
 # check it before spending GPU time.
 SMOKE = {"on": False}
+RECORD: dict[str, Any] = {"results": {}}
+OUT = {"path": None}
+
+
+def checkpoint() -> None:
+    """Write what is measured so far (a run cut short still leaves its numbers)."""
+    if OUT["path"]:
+        with open(OUT["path"], "w", encoding="utf-8") as f:
+            f.write(json.dumps(RECORD, indent=1, default=str) + "\n")
 
 
 def size(n: int) -> int:
@@ -189,7 +198,8 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
     sync()
     log(f"inputs ready in {time.perf_counter() - t0:.1f} s")
 
-    results: dict[str, Any] = {"quantize_tokens_per_s": docs16.shape[0] / quant_ms * 1e3}
+    results: dict[str, Any] = RECORD["results"]
+    results["quantize_tokens_per_s"] = docs16.shape[0] / quant_ms * 1e3
     rep = args.rep_ms
 
     # -- tile sweeps (int8 launchers, offsets on the GPU) --
@@ -205,27 +215,28 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
             varlen_launcher(queries16, q_off, ex[2], ex[1], ex[3]),
             [
                 dict(block_d=64, docs_per_prog=16, num_warps=4, num_stages=2),
-                dict(block_d=64, docs_per_prog=16, num_warps=8, num_stages=2),
-                dict(block_d=32, docs_per_prog=16, num_warps=4, num_stages=2),
-                dict(block_d=128, docs_per_prog=16, num_warps=8, num_stages=2),
-                dict(block_d=64, docs_per_prog=64, num_warps=4, num_stages=3),
+                dict(block_d=64, docs_per_prog=16, num_warps=8, num_stages=3),
+                dict(block_d=128, docs_per_prog=16, num_warps=8, num_stages=3),
+                dict(block_d=32, docs_per_prog=16, num_warps=4, num_stages=3),
+                dict(block_q=256, block_d=64, docs_per_prog=16, num_warps=8, num_stages=3),
             ],
             rep,
         )
         sweeps["exhaustive"] = {"best": best, "rows": rows}
+        checkpoint()
         log("sweep: one query")
         best, rows = sweep(
             "one_query",
             varlen_launcher(one_q, one_off, docs8, doc_off, scales),
             [
                 dict(block_d=64, docs_per_prog=8, num_warps=4, num_stages=2),
-                dict(block_d=128, docs_per_prog=8, num_warps=4, num_stages=2),
-                dict(block_d=64, docs_per_prog=32, num_warps=4, num_stages=3),
-                dict(block_d=128, docs_per_prog=16, num_warps=8, num_stages=3),
+                dict(block_d=64, docs_per_prog=16, num_warps=4, num_stages=4),
+                dict(block_d=128, docs_per_prog=8, num_warps=4, num_stages=3),
             ],
             rep,
         )
         sweeps["one_query"] = {"best": best, "rows": rows}
+        checkpoint()
         log("sweep: rerank")
         rq8, rsq = quantize_per_token(rq)
         best, rows = sweep(
@@ -235,9 +246,8 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
             ),
             [
                 dict(block_d=64, cands_per_prog=8, num_warps=4, num_stages=2),
-                dict(block_d=64, cands_per_prog=32, num_warps=4, num_stages=2),
-                dict(block_d=32, cands_per_prog=8, num_warps=4, num_stages=2),
-                dict(block_d=128, cands_per_prog=8, num_warps=8, num_stages=3),
+                dict(block_d=64, cands_per_prog=8, num_warps=4, num_stages=4),
+                dict(block_d=128, cands_per_prog=8, num_warps=4, num_stages=3),
             ],
             rep,
         )
@@ -256,6 +266,8 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
         row["fp16_TBps"] = fp16_bytes / row["fp16_ms"] / 1e9
         ratio = row["int8_over_fp16_time"]
         log(f"{name}: fp16 {row['fp16_ms']:.3f} ms, int8 {row['int8_ms']:.3f} ms ({ratio:.2f}x)")
+        results[name.replace(" (", "_").replace(")", "").replace(" ", "_")] = row
+        checkpoint()
         return row
 
     def best_varlen(key, q, qo, d8, do, sd):
@@ -331,6 +343,7 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
     int8_scores = maxsim_varlen_int8(queries16, q_off, d8, do, doc_scales=sd)
     results["quality_random"] = agreement(int8_scores, fp16_scores)
     log(f"quality (random corpus): {results['quality_random']}")
+    checkpoint()
     results["_e2e_inputs"] = (queries16.cpu(), q_off.cpu(), d16.cpu(), do.cpu())
     return results
 
@@ -417,6 +430,7 @@ def bench_gpu(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     results["quality_topics"] = bench_topics(device)
+    checkpoint()
     if args.e2e:
         with tempfile.TemporaryDirectory(dir=args.workdir) as work:
             results["end_to_end"] = bench_e2e(work, inputs, device)
@@ -503,26 +517,26 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         SMOKE["on"] = True  # run as TRITON_INTERPRET=1 python benchmarks/bench_int8.py gpu --smoke
-    results = bench_gpu(args) if args.which == "gpu" else bench_cpu(args)
     import triton
 
-    record = {
-        "benchmark": f"bench_int8 {args.which}",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "command": " ".join(["python", *sys.argv]),
-        "results": results,
-    }
-    text = json.dumps(record, indent=1, default=str)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-    print(text)
+    OUT["path"] = args.out
+    RECORD.update(
+        {
+            "benchmark": f"bench_int8 {args.which}",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name()
+            if torch.cuda.is_available()
+            else platform.processor() or "cpu",
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "python": platform.python_version(),
+            "command": " ".join(["python", *sys.argv]),
+        }
+    )
+    RECORD["results"] = bench_gpu(args) if args.which == "gpu" else bench_cpu(args)
+    RECORD["seconds"] = time.perf_counter() - START
+    checkpoint()
+    print(json.dumps(RECORD, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -19,14 +19,19 @@ are fp32 and differ from the float64 reference only by their rounding. Ties of t
 document-token index.
 
 Tiling (Triton). Queries are quantized by a small kernel (one program per block of tokens). The
-all-pairs kernel packs consecutive whole queries into groups of at most BLOCK_Q tokens (a longer query is
-a group of its own, walked in several BLOCK_Q-row tiles); a program takes one group and DOCS_PER_PROG
-consecutive documents, keeps the group's int8 query tile on chip, and streams each document through
-BLOCK_D-token int8 tiles: `tl.dot` (int8 x int8 -> int32 on the tensor cores), the doc scale and an
-out-of-document bias (0 or -inf) applied in one FMA, a running row max (and argmax) per query token, then
-the query scales and a sum per query of the group. Programs with the same document chunk are adjacent in
-launch order, so a chunk is read from HBM once and from L2 by every group. The candidates kernel does the
-same for one query and a run of its own candidate documents, read in place through their indices.
+all-pairs kernel cuts the queries into groups of a fixed number of consecutive queries, sized from the
+shapes alone so that queries of the mean length fill one BLOCK_Q-row tile (nothing is read back from the
+device to plan a launch); a program takes one group and DOCS_PER_PROG consecutive documents, keeps the
+group's int8 query tile on chip, and walks the documents' BLOCK_D-token int8 tiles (each document's
+first tile starts at its first token, the last one is masked) in one flat loop, as the fp16 kernel in
+`maxsim_forward` does, so that the software pipeliner prefetches across documents. Per tile: `tl.dot`
+(int8 x int8 -> int32 on the tensor cores), the doc scale and an out-of-document bias (0 or -inf) in one
+FMA, a running row max (and argmax) per query token; at a document's last tile the query scales, a sum
+per query of the group, and one store per score. Programs with the same documents are adjacent in launch
+order, so a document is read from HBM once and from L2 by every group. A group longer than its tile
+(queries longer than planned) is walked tile by tile for each document instead. The candidates kernel
+takes CANDS_PER_PROG consecutive entries of the flat candidate list (their query found by binary search
+in candidate_offsets, on the device) and does the same, reading each candidate in place through its index.
 
 Cost: FLOPs = 2 * Tq * Td * dim integer MACs (all pairs) or 2 * sum_c |q_c| * |d_c| * dim (candidates);
 HBM bytes ~= Td * (dim + 4) once (int8 tokens + fp32 scale), half the fp16 bytes, plus 4 bytes per score.
@@ -115,6 +120,38 @@ def _quantize_rows_kernel(
 
 
 @triton.jit
+def _scaled_tile(
+    q,
+    d_ptr,
+    d_scale_ptr,
+    tok,
+    doc_end,
+    dim,
+    stride_d,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MAGIC: tl.constexpr,
+):
+    """fp32(s_d[j] * (q8 . d8[j])) for the BLOCK_D document tokens tok.., -inf from doc_end on."""
+    cols = tok + tl.arange(0, BLOCK_D)
+    col_ok = cols < doc_end
+    k = tl.arange(0, BLOCK_K)
+    d = tl.load(
+        d_ptr + cols[:, None] * stride_d + k[None, :], mask=col_ok[:, None] & (k < dim)[None, :], other=0
+    )
+    s = tl.load(d_scale_ptr + cols, mask=col_ok, other=1.0)
+    # 0 inside the document, -inf past its end: applied in the same FMA as the scale.
+    bias = tl.where(col_ok, 0.0, float("-inf"))
+    if MAGIC:
+        acc = tl.dot(q, tl.trans(d), tl.full([BLOCK_Q, BLOCK_D], 0x4B400000, tl.int32), out_dtype=tl.int32)
+        exact = acc.to(tl.float32, bitcast=True) - 12582912.0
+    else:
+        exact = tl.dot(q, tl.trans(d), out_dtype=tl.int32).to(tl.float32)
+    return exact * s[None, :] + bias[None, :]
+
+
+@triton.jit
 def _doc_row_max(
     q,
     d_ptr,
@@ -133,35 +170,17 @@ def _doc_row_max(
 
     Returns (row max fp32 [BLOCK_Q], argmax int32 [BLOCK_Q] as an index within the document, lowest on ties).
     """
-    k = tl.arange(0, BLOCK_K)
-    k_ok = k < dim
     row_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     row_arg = tl.full([BLOCK_Q], -1, tl.int32)  # stays -1 for a document with no tokens
     for t in range(start, stop, BLOCK_D):
-        cols = t + tl.arange(0, BLOCK_D)
-        col_ok = cols < stop
-        d = tl.load(
-            d_ptr + cols[:, None] * stride_d + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0
-        )
-        s = tl.load(d_scale_ptr + cols, mask=col_ok, other=1.0)
-        # 0 inside the document, -inf past its end: applied in the same FMA as the scale.
-        bias = tl.where(col_ok, 0.0, float("-inf"))
-        if MAGIC:
-            acc = tl.dot(
-                q, tl.trans(d), tl.full([BLOCK_Q, BLOCK_D], 0x4B400000, tl.int32), out_dtype=tl.int32
-            )
-            exact = acc.to(tl.float32, bitcast=True) - 12582912.0
-        else:
-            acc = tl.dot(q, tl.trans(d), out_dtype=tl.int32)
-            exact = acc.to(tl.float32)
-        val = exact * s[None, :] + bias[None, :]
-        tile_max = tl.max(val, axis=1)
+        val = _scaled_tile(q, d_ptr, d_scale_ptr, t, stop, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, MAGIC)
         if RETURN_ARGMAX:
-            local = (cols - start).to(tl.int32)
-            tile_arg = tl.min(tl.where(val == tile_max[:, None], local[None, :], 2147483647), axis=1)
+            tile_max, tile_arg = tl.max(val, axis=1, return_indices=True, return_indices_tie_break_left=True)
             # Strictly greater: an earlier tile keeps a tie (lowest index wins).
-            row_arg = tl.where(tile_max > row_max, tile_arg, row_arg)
-        row_max = tl.maximum(row_max, tile_max)
+            row_arg = tl.where(tile_max > row_max, (t - start + tile_arg).to(tl.int32), row_arg)
+            row_max = tl.maximum(row_max, tile_max)
+        else:
+            row_max = tl.maximum(row_max, tl.max(val, axis=1))
     return row_max, row_arg
 
 
@@ -229,34 +248,51 @@ def _maxsim_int8_varlen_kernel(
     q_ends = tl.load(q_off_ptr + q_first + 1 + kq, mask=q_ok, other=9223372036854775807)
     out_rows = out_ptr + (q_first + kq) * stride_out
     if row_last - row_first <= BLOCK_Q:
-        # The group fits one tile (the planned case): the query tile stays on chip for every document.
+        # The group fits one tile (the planned case): the query tile stays on chip, and the tiles of all
+        # the program's documents run in ONE loop, so that the pipeliner prefetches across documents.
         q, sq, rows, row_ok = _query_tile(
             q_ptr, q_scale_ptr, row_first, row_last, dim, stride_q, BLOCK_Q, BLOCK_K
         )
         local = tl.sum((rows[:, None] >= q_ends[None, :]).to(tl.int32), axis=1)
         member = (local[:, None] == kq[None, :]) & row_ok[:, None]
-        for doc in range(doc_first, doc_last):
-            start = tl.load(d_off_ptr + doc)
-            stop = tl.load(d_off_ptr + doc + 1)
-            row_max, row_arg = _doc_row_max(
-                q,
-                d_ptr,
-                d_scale_ptr,
-                start,
-                stop,
-                dim,
-                stride_d,
-                BLOCK_Q,
-                BLOCK_D,
-                BLOCK_K,
-                MAGIC,
-                RETURN_ARGMAX,
+        dd = doc_first + tl.arange(0, DOCS_PER_PROG)
+        d_in = dd < n_docs
+        lens = tl.load(d_off_ptr + dd + 1, mask=d_in, other=0) - tl.load(d_off_ptr + dd, mask=d_in, other=0)
+        n_tiles = tl.sum(tl.where(d_in, tl.maximum(tl.cdiv(lens, BLOCK_D), 1), 0))  # an empty doc: 1 tile
+        doc = doc_first
+        doc_start = tl.load(d_off_ptr + doc)
+        doc_end = tl.load(d_off_ptr + doc + 1)
+        tok = doc_start
+        row_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+        row_arg = tl.full([BLOCK_Q], -1, tl.int32)
+        for _ in range(n_tiles):
+            val = _scaled_tile(
+                q, d_ptr, d_scale_ptr, tok, doc_end, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, MAGIC
             )
-            contrib = tl.where(row_ok, sq * row_max, 0.0)
-            scores = tl.sum(tl.where(member, contrib[:, None], 0.0), axis=0)
-            tl.store(out_rows + doc, scores, mask=q_ok)
             if RETURN_ARGMAX:
-                tl.store(arg_ptr + rows * stride_arg + doc, row_arg, mask=row_ok)
+                tile_max, tile_arg = tl.max(
+                    val, axis=1, return_indices=True, return_indices_tie_break_left=True
+                )
+                better = tile_max > row_max  # strict: an earlier tile keeps a tie
+                row_arg = tl.where(better, (tok - doc_start + tile_arg).to(tl.int32), row_arg)
+                row_max = tl.where(better, tile_max, row_max)
+            else:
+                row_max = tl.maximum(row_max, tl.max(val, axis=1))
+            last = tok + BLOCK_D >= doc_end
+            if last:
+                contrib = tl.where(row_ok, sq * row_max, 0.0)
+                tl.store(out_rows + doc, tl.sum(tl.where(member, contrib[:, None], 0.0), axis=0), mask=q_ok)
+                if RETURN_ARGMAX:
+                    tl.store(arg_ptr + rows * stride_arg + doc, row_arg, mask=row_ok)
+            # next tile, or the next document's first (the state stays free of the running max)
+            next_end = tl.load(d_off_ptr + tl.minimum(doc + 2, n_docs))
+            tok = tl.where(last, doc_end, tok + BLOCK_D)
+            doc_start = tl.where(last, doc_end, doc_start)
+            doc_end = tl.where(last, next_end, doc_end)
+            doc = doc + last.to(tl.int64)
+            row_max = tl.where(last, float("-inf"), row_max)
+            if RETURN_ARGMAX:
+                row_arg = tl.where(last, -1, row_arg)
     else:
         # Longer queries than planned: walk the group's rows in tiles, for each document.
         for doc in range(doc_first, doc_last):
@@ -338,31 +374,53 @@ def _maxsim_int8_candidates_kernel(
     row_first = tl.load(q_off_ptr + query)
     row_last = tl.load(q_off_ptr + query + 1)
     if (tl.load(cand_off_ptr + query + 1) >= c_last) & (row_last - row_first <= BLOCK_Q):
-        # One query, one tile (the planned case): the query tile stays on chip for every candidate.
+        # One query, one tile (the planned case): the query tile stays on chip, all the tiles of the run's
+        # candidates in ONE loop (prefetch across candidates).
         q, sq, rows, row_ok = _query_tile(
             q_ptr, q_scale_ptr, row_first, row_last, dim, stride_q, BLOCK_Q, BLOCK_K
         )
-        for c in range(c_first, c_last):
-            doc = tl.load(cand_docs_ptr + c).to(tl.int64)
-            start = tl.load(d_off_ptr + doc)
-            stop = tl.load(d_off_ptr + doc + 1)
-            row_max, row_arg = _doc_row_max(
-                q,
-                d_ptr,
-                d_scale_ptr,
-                start,
-                stop,
-                dim,
-                stride_d,
-                BLOCK_Q,
-                BLOCK_D,
-                BLOCK_K,
-                MAGIC,
-                RETURN_ARGMAX,
+        cc = c_first + tl.arange(0, CANDS_PER_PROG)
+        c_in = cc < c_last
+        cdocs = tl.load(cand_docs_ptr + cc, mask=c_in, other=0)
+        lens = tl.load(d_off_ptr + cdocs + 1, mask=c_in, other=0) - tl.load(
+            d_off_ptr + cdocs, mask=c_in, other=0
+        )
+        n_tiles = tl.sum(tl.where(c_in, tl.maximum(tl.cdiv(lens, BLOCK_D), 1), 0))
+        c = c_first
+        doc = tl.load(cand_docs_ptr + c)
+        doc_start = tl.load(d_off_ptr + doc)
+        doc_end = tl.load(d_off_ptr + doc + 1)
+        tok = doc_start
+        row_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+        row_arg = tl.full([BLOCK_Q], -1, tl.int32)
+        for _ in range(n_tiles):
+            val = _scaled_tile(
+                q, d_ptr, d_scale_ptr, tok, doc_end, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, MAGIC
             )
-            tl.store(out_ptr + c, tl.sum(tl.where(row_ok, sq * row_max, 0.0), axis=0))
             if RETURN_ARGMAX:
-                tl.store(arg_ptr + c * stride_arg + (rows - row_first), row_arg, mask=row_ok)
+                tile_max, tile_arg = tl.max(
+                    val, axis=1, return_indices=True, return_indices_tie_break_left=True
+                )
+                better = tile_max > row_max
+                row_arg = tl.where(better, (tok - doc_start + tile_arg).to(tl.int32), row_arg)
+                row_max = tl.where(better, tile_max, row_max)
+            else:
+                row_max = tl.maximum(row_max, tl.max(val, axis=1))
+            last = tok + BLOCK_D >= doc_end
+            if last:
+                tl.store(out_ptr + c, tl.sum(tl.where(row_ok, sq * row_max, 0.0), axis=0))
+                if RETURN_ARGMAX:
+                    tl.store(arg_ptr + c * stride_arg + (rows - row_first), row_arg, mask=row_ok)
+            next_doc = tl.load(cand_docs_ptr + tl.minimum(c + 1, n_cand - 1))
+            next_start = tl.load(d_off_ptr + next_doc)
+            next_end = tl.load(d_off_ptr + next_doc + 1)
+            tok = tl.where(last, next_start, tok + BLOCK_D)
+            doc_start = tl.where(last, next_start, doc_start)
+            doc_end = tl.where(last, next_end, doc_end)
+            c = c + last.to(tl.int64)
+            row_max = tl.where(last, float("-inf"), row_max)
+            if RETURN_ARGMAX:
+                row_arg = tl.where(last, -1, row_arg)
     else:
         # The run crosses into the next query(s), or a query is longer than one tile.
         for c in range(c_first, c_last):
@@ -579,6 +637,7 @@ def _launch_varlen(
     doc_offsets: torch.Tensor,
     return_argmax: bool,
     *,
+    block_q: int | None = None,
     block_d: int | None = None,
     docs_per_prog: int | None = None,
     num_warps: int | None = None,
@@ -592,7 +651,11 @@ def _launch_varlen(
     arg = torch.empty((q8.shape[0], nd), dtype=torch.int32, device=device) if return_argmax else None
     if nd == 0 or nq == 0:
         return out, arg
-    block_q, per_group, block_k = _varlen_plan(q8.shape[0], nq, dim)
+    planned_q, per_group, block_k = _varlen_plan(q8.shape[0], nq, dim)
+    if block_q is not None and block_q != planned_q:  # sweep override: as many queries as the tile holds
+        mean = triton.next_power_of_2(max(1, -(-q8.shape[0] // nq)))
+        per_group = max(1, min(_MAX_QUERIES_PER_GROUP, block_q // mean, triton.next_power_of_2(nq)))
+    block_q = block_q or planned_q
     n_groups = triton.cdiv(nq, per_group)
     few = n_groups <= 2  # one or two query tiles: bound by HBM, not by the tensor cores
     if block_d is None:
