@@ -1,0 +1,240 @@
+"""`maxsim verify`: the fused kernel against an independent float64 reference, with a verdict."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Annotated
+
+import typer
+
+from maxsim_cli.agreement import ErrorStats, RankingStats
+from maxsim_cli.commands import cli_errors
+from maxsim_cli.verify import DEFAULT_BATCH_TOKENS, Tolerances, VerifyReport, verify
+
+EXIT_FAILED = 3  # the verdict: something is outside its tolerance
+
+
+def _num(x: float) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3g}"
+
+
+def _error_rows(label: str, stats: ErrorStats) -> list[str]:
+    absolute = f"{_num(stats.max_abs):>11}{_num(stats.p99_abs):>11}{_num(stats.mean_abs):>11}"
+    relative = f"{_num(stats.max_rel):>11}{_num(stats.p99_rel):>11}{_num(stats.mean_rel):>11}"
+    return [f"  {label:<22}{'absolute':<10}{absolute}", f"  {'':<22}{'relative':<10}{relative}"]
+
+
+def _error_header(title: str) -> list[str]:
+    return [title, f"  {'':<32}{'max':>11}{'p99':>11}{'mean':>11}"]
+
+
+def _ranking_rows(ranking: RankingStats, within: bool) -> list[str]:
+    rows = [f"  {'':<34}{'mean':>9}{'min':>9}"]
+    for k, s in ranking.overlap.items():
+        rows.append(f"  {f'top-{k} overlap':<34}{s.mean:>9.4f}{s.min:>9.4f}")
+    if within and ranking.overlap_within is not None:
+        for k, s in ranking.overlap_within.items():
+            rows.append(f"  {f'top-{k} overlap within tolerance':<34}{s.mean:>9.4f}{s.min:>9.4f}")
+    tau = ranking.kendall_tau
+    label = f"Kendall tau-b (top {ranking.tau_depth})"
+    undefined = f"  ({tau.undefined} undefined)" if tau.undefined else ""
+    rows.append(f"  {label:<34}{_num(tau.mean):>9}{_num(tau.min):>9}{undefined}")
+    return rows
+
+
+def render(report: VerifyReport) -> str:
+    """The human-readable report (what stdout shows without --json)."""
+    s = report.setup
+    where = {"all": "all documents", "sample": f"a sample, seed {s['seed']}", "candidates": s["candidates"]}
+    lines = [
+        f"maxsim verify: {s['num_queries']} queries x {s['num_docs']} documents ({where[s['mode']]}), "
+        f"{s['pairs']:,} scores",
+        f"  {s['dtype']}, dim {s['dim']}, device {s['device_name']}, backend {s['backend']}"
+        f"{', TF32' if s['allow_tf32'] else ''}, torch {s['torch']}",
+    ]
+    if s["mode"] == "candidates" and (s["queries_without_candidates"] or s["candidates_not_in_corpus"]):
+        lines.append(
+            f"  left out: {s['queries_without_candidates']} queries without candidates, "
+            f"{s['candidates_not_in_corpus']} candidates not in the corpus"
+        )
+    reference = "int8 integer math in float64" if s["dtype"] == "int8" else "float64"
+    lines += ["", *_error_header(f"score error vs the {reference} reference")]
+    lines += _error_rows("kernel", report.kernel_errors)
+    if report.float32_errors is not None:
+        lines += _error_rows("float32 reference", report.float32_errors)
+    lines.append(f"  tolerance: {report.tolerance_rule}; largest {_num(report.max_allowed)}")
+    if report.worst is not None and report.tolerance.violations:
+        w = report.worst
+        lines.append(
+            f"  worst: query {w['qid']} document {w['docno']}: kernel {w['kernel']!r}, reference "
+            f"{w['reference']!r}, |error| {_num(w['abs_error'])} > {_num(w['allowed'])}"
+        )
+    a = report.argmax
+    lines += [
+        "",
+        "argmax per (query token, document)",
+        f"  kernel             {100 * a.agreement:.4f}% of {a.compared:,} pairs agree "
+        f"({a.mismatches:,} differ, {a.near_ties:,} near-ties excluded)",
+    ]
+    if report.float32_argmax is not None:
+        f = report.float32_argmax
+        lines.append(f"  float32 reference  {100 * f.agreement:.4f}% of {f.compared:,} pairs agree")
+    lines.append(f"  near-tie margin: {report.near_tie_margin}")
+    if report.first_argmax_mismatch is not None:
+        m = report.first_argmax_mismatch
+        lines.append(
+            f"  first mismatch: query {m['qid']} token {m['query_token']}, document {m['docno']}: "
+            f"kernel token {m['kernel_argmax']}, reference token {m['reference_argmax']}"
+        )
+    lines += ["", f"ranking per query, kernel vs reference ({report.ranking.kendall_tau.queries} queries)"]
+    lines += _ranking_rows(report.ranking, within=True)
+    k, r = report.nonfinite_kernel, report.nonfinite_reference
+    lines += ["", f"non-finite scores: kernel NaN {k.nan}, Inf {k.inf}; reference NaN {r.nan}, Inf {r.inf}"]
+    if report.quantization is not None:
+        q = report.quantization
+        lines += [
+            "",
+            *_error_header(
+                f"quantization impact: {s['dtype']} kernel vs exact float64 scores of the "
+                f"{q.reference_dtype} reference corpus"
+            ),
+        ]
+        lines += _error_rows("error (not judged)", q.errors)
+        lines += _ranking_rows(q.ranking, within=False)
+    if report.grad is not None:
+        g = report.grad
+        dd = "n/a" if g["dd_rel_error"] is None else _num(g["dd_rel_error"])
+        repeatable = "yes" if g["bitwise_repeatable"] else "no"
+        lines += [
+            "",
+            f"gradients ({g['queries']} queries x {g['docs']} documents, seed {g['seed']}): "
+            f"relative error dQ {_num(g['dq_rel_error'])}, dD {dd}; argmax agreement "
+            f"{100 * g['argmax_agreement']:.4f}%; bitwise repeatable {repeatable}",
+        ]
+    lines += ["", "checks"]
+    for c in report.checks:
+        lines.append(f"  {'PASS' if c.passed else 'FAIL'}  {c.name:<13}{c.detail}")
+    t = report.timings
+    lines += [
+        "",
+        f"verdict: {'PASS' if report.passed else 'FAIL'}   (kernel {t['kernel']:.2f} s, reference "
+        f"{t['reference']:.2f} s, total {t['total']:.2f} s)",
+    ]
+    return "\n".join(lines)
+
+
+def _json_safe(value: object) -> object:
+    """NaN and infinities become null: the output stays strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `verify` command to `app`."""
+
+    @app.command("verify")
+    @cli_errors
+    def verify_command(
+        queries: Annotated[
+            str,
+            typer.Argument(help="Query embeddings: a shard file, or '-' for an Arrow IPC stream on stdin."),
+        ],
+        corpus: Annotated[
+            list[str],
+            typer.Argument(help="Corpus shards: files and/or directories (with an optional index.json)."),
+        ],
+        sample_docs: int | None = typer.Option(
+            None, "--sample-docs", help="Verify on this many documents drawn at random (see --seed).", min=1
+        ),
+        seed: int = typer.Option(
+            0, "--seed", help="Seed of the document sample and of the --grad sample (same seed, same report)."
+        ),
+        candidates: str | None = typer.Option(
+            None,
+            "--candidates",
+            help="Verify the (query, candidate) pairs of this first-stage run (TREC, MS MARCO or ColBERT "
+            "TSV, optionally .gz) with the reranking kernel.",
+        ),
+        device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
+        backend: str = typer.Option(
+            "auto",
+            "--backend",
+            help="Kernel backend: auto (Triton on CUDA, torch on the CPU), triton (on the CPU only with "
+            "TRITON_INTERPRET=1) or torch.",
+        ),
+        allow_tf32: bool = typer.Option(
+            False, "--allow-tf32", help="Let the kernel use TF32 for float32 shards (looser default bound)."
+        ),
+        atol: float | None = typer.Option(
+            None,
+            "--atol",
+            help="Absolute score tolerance; with --rtol it replaces the derived per-score bound "
+            "(docs/verify.md).",
+        ),
+        rtol: float | None = typer.Option(
+            None, "--rtol", help="Relative score tolerance (|kernel - ref| <= atol + rtol |ref|)."
+        ),
+        min_overlap: float | None = typer.Option(
+            None,
+            "--min-overlap",
+            help="Least top-k overlap: for the kernel, every query's tolerance-aware overlap (default 1.0); "
+            "with --reference-corpus, the mean overlap with the float scores (default 0.9).",
+        ),
+        min_argmax_agreement: float = typer.Option(
+            1.0,
+            "--min-argmax-agreement",
+            help="Least share of (query token, document) pairs, near-ties excluded, whose argmax agrees.",
+        ),
+        reference_corpus: list[str] | None = typer.Option(  # noqa: B008 (Typer's option declaration)
+            None,
+            "--reference-corpus",
+            help="The float shards an int8 corpus was quantized from: also report the quantization impact. "
+            "Repeat for several paths.",
+        ),
+        grad: bool = typer.Option(
+            False, "--grad", help="Also check gradients (query and document) on a seeded sample."
+        ),
+        batch_tokens: int = typer.Option(
+            DEFAULT_BATCH_TOKENS, "--batch-tokens", help="Document tokens scored per batch.", min=1
+        ),
+        as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
+    ) -> None:
+        """Check the fused kernel against an independent float64 reference and give a verdict.
+
+        Scores every document (or --sample-docs N, or the --candidates of a run) with the kernel and
+        again with a reference that materialises the similarities in float32 and float64, then reports
+        per-score absolute and relative error (max, p99, mean), argmax agreement per (query token,
+        document) with near-ties excluded, top-10/100/1000 overlap and Kendall tau-b per query, and
+        NaN/Inf counts. int8 shards are checked against the same integer math; --reference-corpus adds
+        their quantization impact. Exit 0: everything within tolerance; 3: something is not; 1: error.
+
+        Example: maxsim verify sample_data/queries.safetensors sample_data/corpus --device cpu
+        """
+        report = verify(
+            queries,
+            corpus,
+            sample_docs=sample_docs,
+            seed=seed,
+            candidates=candidates,
+            device=device,
+            backend=backend,
+            allow_tf32=allow_tf32,
+            tolerances=Tolerances(
+                atol=atol, rtol=rtol, min_overlap=min_overlap, min_argmax_agreement=min_argmax_agreement
+            ),
+            reference_corpus=reference_corpus or None,
+            grad=grad,
+            max_tokens=batch_tokens,
+        )
+        if as_json:
+            typer.echo(json.dumps(_json_safe(report.to_dict()), indent=1))
+        else:
+            typer.echo(render(report))
+        if not report.passed:
+            raise typer.Exit(EXIT_FAILED)
