@@ -84,6 +84,7 @@ from maxsim_cli.runs import read_run
 from maxsim_cli.score import resolve_device
 from maxsim_cli.shards import Corpus, DocBatch, open_corpus, read_queries
 
+EXIT_FAILED = 3  # exit code of a verdict that fails (0: passes; 1: error; 2: usage)
 UNIT_ROUNDOFF = 2.0**-24  # fp32, round to nearest
 ACCUMULATION_ROUNDOFF = 2.0**-23  # fp32 accumulators of GEMMs and tensor cores, taken at twice u
 TF32_INPUT_ERROR = 2.0**-9  # relative error of a product of two inputs cut to TF32 (10 mantissa bits)
@@ -914,6 +915,14 @@ def _subset(batch: DocBatch, picked: np.ndarray) -> DocBatch:
     )
 
 
+def sample_documents(num_docs: int, count: int, seed: int) -> np.ndarray:
+    """`count` distinct corpus-wide document numbers drawn uniformly with `seed`, sorted (all if fewer)."""
+    if count >= num_docs:
+        return np.arange(num_docs, dtype=np.int64)
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.choice(num_docs, size=count, replace=False)).astype(np.int64)
+
+
 def _select_candidates(
     path: str, corpus: Corpus, query_ids: list[str], queries_path: str
 ) -> tuple[list[np.ndarray], int, int]:
@@ -1124,8 +1133,7 @@ def _verify(
     else:
         if sample_docs is not None and sample_docs < corpus.num_docs:
             mode = "sample"
-            rng = np.random.default_rng(seed)
-            selection = np.sort(rng.choice(corpus.num_docs, size=sample_docs, replace=False)).astype(np.int64)
+            selection = sample_documents(corpus.num_docs, sample_docs, seed)
         else:
             mode = "all"
             selection = np.arange(corpus.num_docs, dtype=np.int64)

@@ -10,9 +10,7 @@ import typer
 
 from maxsim_cli.agreement import ErrorStats, RankingStats
 from maxsim_cli.commands import cli_errors
-from maxsim_cli.verify import DEFAULT_BATCH_TOKENS, Tolerances, VerifyReport, verify
-
-EXIT_FAILED = 3  # the verdict: something is outside its tolerance
+from maxsim_cli.verify import DEFAULT_BATCH_TOKENS, EXIT_FAILED, Tolerances, VerifyReport, verify
 
 
 def _num(x: float) -> str:
