@@ -172,6 +172,37 @@ def kernel_time(batches, queries: torch.Tensor, q_offsets: torch.Tensor, backend
     return time.perf_counter() - start
 
 
+def merge_time(num_queries: int, num_docs: int, k: int, device: torch.device, blocks: int = 20) -> dict:
+    """Milliseconds per block of the engine's top-k merge (`RunningTopK.add`: order keys, then top-k of
+    the block and of the block's best with the state), next to a plain float32 `torch.topk` of the block."""
+    from maxsim_cli.topk import RunningTopK
+
+    gen = torch.Generator(device=device).manual_seed(2)
+    scores = [torch.randn(num_queries, num_docs, generator=gen, device=device) for _ in range(4)]
+    ranks = torch.arange(num_docs, device=device)
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i in range(blocks):
+            fn(i)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / blocks * 1e3
+
+    topk = RunningTopK(num_queries, k)
+    merge_ms = timed(lambda i=0: topk.add(scores[i % 4].clone(), ranks + i * num_docs))
+    clone_ms = timed(lambda i=0: scores[i % 4].clone())
+    plain_ms = timed(lambda i=0: torch.topk(scores[i % 4], min(k, num_docs), dim=1, sorted=False))
+    return {
+        "num_queries": num_queries,
+        "num_docs": num_docs,
+        "k": k,
+        "merge_ms": merge_ms - clone_ms,
+        "float32_topk_ms": plain_ms,
+    }
+
+
 def run_score(queries: str, paths: list[str], out: str, **kwargs):
     stats = score(queries, paths, output=out, log=log, **kwargs)
     log(stats.summary())
@@ -207,6 +238,9 @@ def bench_gpu(args: argparse.Namespace) -> dict:
     e2e = run_score(qpath, paths, e2e_out, device="cuda")
     budget = run_score(qpath, paths, os.path.join(work, "run-2gib.trec"), device="cuda", max_memory=2 << 30)
     same = filecmp.cmp(e2e_out, os.path.join(work, "run-2gib.trec"), shallow=False)
+    k100 = run_score(qpath, paths, os.path.join(work, "run-k100.trec"), device="cuda", top_k=100)
+    merge = merge_time(args.queries, e2e.max_batch_docs, 1000, device)
+    log(f"merge: {merge}")
 
     # the kernel alone, in the engine's batch sizes, on the GPU-resident corpus
     q = open_corpus([qpath]).shards[0].read_docs(0, args.queries)
@@ -237,6 +271,11 @@ def bench_gpu(args: argparse.Namespace) -> dict:
         "e2e_s": e2e.wall_s,
         "e2e_over_bound": e2e.wall_s / stages[bound],
         "e2e_stats": e2e.as_dict(),
+        "e2e_pass_s": e2e.wall_s - e2e.setup_s - e2e.write_s,
+        "e2e_k100_s": k100.wall_s,
+        "e2e_k100_over_bound": k100.wall_s / stages[bound],
+        "e2e_k100_stats": k100.as_dict(),
+        "merge": merge,
         "budget_2GiB": {
             "peak_gpu_bytes": budget.peak_gpu_bytes,
             "under_budget": budget.peak_gpu_bytes is not None and budget.peak_gpu_bytes < (2 << 30),

@@ -29,7 +29,10 @@ Device: ``2 * slot`` (or every batch when resident); the scores of a batch are t
 
 from __future__ import annotations
 
+import json
+import os
 import queue
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -103,6 +106,7 @@ class _HostBatch:
     side: torch.Tensor | None
     host_offsets: np.ndarray
     slot: _Buffers | None
+    checked: bool = True  # values checked for NaN/Inf on the host (False: read directly)
 
 
 class _Buffers:
@@ -148,6 +152,70 @@ class _Buffers:
     @staticmethod
     def nbytes(tokens: int, docs: int, side: int, dim: int, itemsize: int, scaled: bool) -> int:
         return tokens * (dim * itemsize + (4 if scaled else 0)) + (docs + 1 + side) * 8
+
+
+_ST_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "int8": "I8"}
+
+
+class _SafetensorsRows:
+    """Token rows of a safetensors shard read from the file straight into a caller's (pinned) buffer.
+
+    `Shard.read_docs` returns a fresh tensor (a copy out of the memory map, then a NaN/Inf scan) that the
+    stream would copy again into its pinned slot: three passes over the bytes on the host. Reading the
+    rows' byte range with `os.preadv` into the slot is one pass, with no page faults in this process,
+    and runs in parallel in every reader thread (no per-shard lock); the NaN/Inf check moves to the GPU
+    (see `BatchStream`). The layout comes from the file's header (docs/format.md): tensor `embeddings`
+    ``[T, dim]`` and, for int8, `scales` ``[T]`` float32, both row-major, little-endian.
+    """
+
+    def __init__(self, shard) -> None:  # noqa: ANN001
+        info = shard.info
+        with open(shard.path, "rb") as fh:
+            (header_len,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(header_len))
+        base = 8 + header_len
+        emb = header["embeddings"]
+        if emb["dtype"] != _ST_CODES[info.dtype] or list(emb["shape"]) != [info.num_tokens, info.dim]:
+            raise ValueError("unexpected embeddings layout")
+        itemsize = 1 if info.dtype == "int8" else (4 if info.dtype == "float32" else 2)
+        self.row_bytes = info.dim * itemsize
+        self.emb_start = base + int(emb["data_offsets"][0])
+        self.scales_start: int | None = None
+        if info.dtype == "int8":
+            scales = header["scales"]
+            if scales["dtype"] != "F32" or list(scales["shape"]) != [info.num_tokens]:
+                raise ValueError("unexpected scales layout")
+            self.scales_start = base + int(scales["data_offsets"][0])
+        self.path = shard.path
+        self.fd = os.open(shard.path, os.O_RDONLY)
+
+    @staticmethod
+    def open(shard) -> _SafetensorsRows | None:  # noqa: ANN001
+        """The direct reader of a safetensors shard, or None (other containers, unexpected headers)."""
+        if getattr(shard, "info", None) is None or shard.info.format != "safetensors":
+            return None
+        try:
+            return _SafetensorsRows(shard)
+        except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError, struct.error):
+            return None
+
+    def _pread(self, out: torch.Tensor, offset: int) -> None:
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        done = 0
+        while done < len(view):
+            got = os.preadv(self.fd, [view[done : done + (1 << 30)]], offset + done)
+            if got <= 0:
+                raise OSError(f"{self.path}: file ended at byte {offset + done}; the shard is truncated")
+            done += got
+
+    def read_rows(self, t0: int, t1: int, embeddings: torch.Tensor, scales: torch.Tensor | None) -> None:
+        """Token rows t0..t1-1 into ``embeddings[: t1 - t0]`` (and ``scales``)."""
+        self._pread(embeddings[: t1 - t0], self.emb_start + t0 * self.row_bytes)
+        if self.scales_start is not None and scales is not None:
+            self._pread(scales[: t1 - t0], self.scales_start + t0 * 4)
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 def read_parts(shards: Sequence, parts: Sequence[Part]) -> list:
@@ -203,6 +271,11 @@ class BatchStream:
         self._device_slots: list[_Buffers] = []
         self._pinned: list[_Buffers] = []
         self._slots: queue.Queue = queue.Queue()
+        # CUDA: safetensors shards are read straight into the pinned slots, their values checked on
+        # the GPU: one flag per such batch, read once at the end of the first pass.
+        self._direct: dict[int, _SafetensorsRows | None] = {}
+        self._direct_lock = threading.Lock()
+        self._flags: list[tuple[BatchPlan, torch.Tensor]] = []
         if self.cuda:
             self._copy_stream = torch.cuda.Stream(device=device)
 
@@ -226,8 +299,14 @@ class BatchStream:
 
     def _read(self, plan: BatchPlan, slot: _Buffers | None) -> _HostBatch:
         start = time.perf_counter()
-        parts = read_parts(self.shards, plan.parts)
         side = plan.side_array()
+        if slot is not None and all(len(p) == 3 and self._direct_rows(p[0]) for p in plan.parts):
+            result = self._read_direct(plan, slot, side)
+            with self._lock:
+                self.times.read_s += time.perf_counter() - start
+                self.times.bytes_read += result.embeddings.numel() * result.embeddings.element_size()
+            return result
+        parts = read_parts(self.shards, plan.parts)
         if slot is None:
             # CPU: use the shard's tensors as they are when there is one part, else pack them.
             if len(parts) == 1:
@@ -274,6 +353,56 @@ class BatchStream:
             self.times.read_s += time.perf_counter() - start
             self.times.bytes_read += nbytes
         return result
+
+    def _direct_rows(self, shard_index: int) -> _SafetensorsRows | None:
+        with self._direct_lock:
+            if shard_index not in self._direct:
+                self._direct[shard_index] = _SafetensorsRows.open(self.shards[shard_index])
+            return self._direct[shard_index]
+
+    def _read_direct(self, plan: BatchPlan, slot: _Buffers, side: np.ndarray | None) -> _HostBatch:
+        """Read a plan of document ranges of safetensors shards straight into a pinned slot."""
+        slot.allocate()
+        if slot.copied is not None:
+            slot.copied.synchronize()  # the previous copy out of this slot has finished
+        ints = slot.ints.numpy()
+        ints[0] = 0
+        tokens = docs = 0
+        for shard_index, start, stop in plan.parts:  # type: ignore[misc]
+            offsets = self.shards[shard_index].offsets
+            t0, t1 = int(offsets[start]), int(offsets[stop])
+            reader = self._direct_rows(shard_index)
+            assert reader is not None
+            scales = slot.scales[tokens:] if slot.scales is not None else None
+            reader.read_rows(t0, t1, slot.embeddings[tokens:], scales)
+            n_doc = stop - start
+            ints[docs + 1 : docs + n_doc + 1] = offsets[start + 1 : stop + 1] - t0 + tokens
+            tokens += t1 - t0
+            docs += n_doc
+        if side is not None:
+            ints[docs + 1 : docs + 1 + len(side)] = side
+        return _HostBatch(
+            slot.embeddings[:tokens],
+            slot.ints[: docs + 1],
+            slot.scales[:tokens] if slot.scales is not None else None,
+            slot.ints[docs + 1 : docs + 1 + plan.side_len] if side is not None else None,
+            ints[: docs + 1].copy(),
+            slot,
+            checked=False,
+        )
+
+    def _check_values(self) -> None:
+        """After a pass: re-read, through the shard's checked reader, every directly read batch whose
+        device check saw NaN/Inf (or a negative int8 scale); that raises the shard's one-line error
+        naming the document and token. (A float32 sum that overflows on finite values is a false
+        alarm: the re-read then passes.)"""
+        if not self._flags:
+            return
+        bad = torch.stack([flag for _, flag in self._flags]).cpu().tolist()
+        plans = [plan for (plan, _), flagged in zip(self._flags, bad, strict=True) if flagged]
+        self._flags.clear()
+        for plan in plans:
+            read_parts(self.shards, plan.parts)
 
     def _dispatch(self, pool: ThreadPoolExecutor, slots: queue.Queue, ready: queue.Queue) -> None:
         """Hand plans to the reader pool in order, each with a free slot (blocks while none is free)."""
@@ -354,6 +483,7 @@ class BatchStream:
                 self.times.batches += 1
                 i += 1
                 yield batch
+            self._check_values()
         finally:
             self.close()
 
@@ -383,6 +513,16 @@ class BatchStream:
         compute.wait_event(end)
         self.times._copy_events.append((start, end))
         n_docs = host.host_offsets.shape[0] - 1
+        if not host.checked:
+            # NaN/Inf anywhere makes the sum non-finite (one read of the batch at HBM speed, queued
+            # on the scoring stream, read back once per pass by `_check_values`)
+            values = dev.embeddings[:tokens]
+            if self.scaled and dev.scales is not None:
+                scales = dev.scales[:tokens]
+                flag = ~torch.isfinite(scales.sum()) | (scales.min() < 0)
+            else:
+                flag = ~torch.isfinite(values.sum(dtype=torch.float32))
+            self._flags.append((plan, flag))
         return Batch(
             plan,
             dev.embeddings[:tokens],
@@ -404,6 +544,11 @@ class BatchStream:
             self._pool = None
         if self.cuda:
             self.times.settle()
+        with self._direct_lock:
+            for reader in self._direct.values():
+                if reader is not None:
+                    reader.close()
+            self._direct.clear()
 
     def __enter__(self) -> BatchStream:
         return self

@@ -41,6 +41,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -49,6 +50,9 @@ from maxsim_cli.errors import InputError, MaxsimError, UsageError
 from maxsim_cli.pipeline import Batch, BatchPlan, BatchStream, Part
 from maxsim_cli.topk import MAX_RANKS, PAIR_BYTES, STATE_BYTES, RunningTopK
 from maxsim_cli.units import format_size
+
+if TYPE_CHECKING:
+    from maxsim_cli.distributed import RankPart
 
 # Share of a memory budget that plans fill: the rest absorbs the caching allocator's block rounding and
 # the kernels' scratch (a few MiB), which the plan does not see.
@@ -65,6 +69,10 @@ MIN_BATCH_BYTES = 16 << 20
 MAX_BATCH_BYTES = 256 << 20
 # With a budget this small, a query batch is split rather than the document batches shrunk further.
 MIN_BATCH_TOKENS = 16384
+# Reader threads on CUDA: one a core up to 16 (the H200 machine's cores read its page cache at
+# 12.1 GB/s with 16 threads, benchmarks/results/score-h200.json). On the CPU one thread: reading is a
+# small share of the time there and every other core scores.
+DEFAULT_READER_THREADS = 16
 # Defaults: host staging memory, and the share of free GPU memory used without --max-memory.
 DEFAULT_HOST_BYTES = 4 << 30
 DEFAULT_GPU_FREE_SHARE = 0.9
@@ -299,6 +307,8 @@ def score(
     reader_threads: int | None = None,
     show_progress: bool = False,
     log: Logger = _stderr,
+    devices: str | None = None,
+    part: RankPart | None = None,
 ) -> ScoreStats:
     """Score the queries of ``queries`` against the shards ``corpus`` and write a run to ``output``.
 
@@ -307,7 +317,14 @@ def score(
     one input may be stdin. ``max_memory`` bounds the scoring device's memory (GPU memory, or the CPU
     working set with device ``cpu``), ``max_host_memory`` the host staging buffers. Returns the stats;
     raises `UsageError` / `InputError` / `MaxsimError` with one-line messages, leaving no output file.
+    ``devices`` (``"0,1"``, ``"all"``, ``"cpu:N"``) or a torchrun environment makes it a job of several
+    processes with the same output (`maxsim_cli.distributed`); ``part`` is one rank's share of such a job.
     """
+    options = dict(locals())  # the arguments as given, for a distributed job
+    from maxsim_cli import distributed
+
+    if part is None and (devices is not None or distributed.world_size() > 1):
+        return distributed.dispatch(options)
     from maxsim_cli import progress as progress_mod
     from maxsim_cli.runs import RunWriter, read_run
     from maxsim_cli.shards import check_same_dim, open_corpus, read_queries
@@ -334,13 +351,15 @@ def score(
         raise UsageError("--max-host-memory must be positive")
 
     writer = RunWriter(output, tag=run_tag, fmt=fmt)  # checks the tag and format now, opens later
+    if part is not None:
+        writer = part.sink  # a rank of a distributed job hands its results to rank 0
     stats = ScoreStats(
         mode="rerank" if candidates is not None else "exhaustive",
         device=str(dev),
         backend=backend,
         output=str(output),
     )
-    corpus_obj = open_corpus([str(p) for p in corpus])
+    corpus_obj = part.corpus if part is not None else open_corpus([str(p) for p in corpus])
     try:
         qbatch = read_queries(str(queries))
         qname = "<stdin>" if str(queries) == "-" else str(queries)
@@ -359,7 +378,7 @@ def score(
             base_allocated = torch.cuda.memory_allocated(dev)
         host_budget = max_host_memory if max_host_memory is not None else _default_host_bytes()
         stats.host_budget_bytes = host_budget
-        threads = reader_threads or (min(8, os.cpu_count() or 1) if cuda else 1)
+        threads = reader_threads or (min(DEFAULT_READER_THREADS, os.cpu_count() or 1) if cuda else 1)
         stats.reader_threads = threads
         budget = _Budget(
             device_bytes=(gpu_budget - base_allocated)
@@ -372,7 +391,8 @@ def score(
 
         engine = _Engine(corpus_obj, q_emb, q_offsets, dev, backend, budget, stats, log, corpus)
         if candidates is not None:
-            run = read_run(str(candidates))
+            from_rank = part is not None and part.candidates is not None
+            run = part.candidates if from_rank else read_run(str(candidates))  # type: ignore[union-attr]
             cname = "<stdin>" if str(candidates) == "-" else str(candidates)
             jobs = engine.rerank_jobs(run, qids, qname, cname, strict)
             total_tokens = engine.rerank_total_tokens(jobs)
@@ -480,9 +500,19 @@ class _Engine:
     def _query_slice(self, q0: int, q1: int) -> tuple[torch.Tensor, torch.Tensor]:
         t0, t1 = int(self.q_offsets[q0]), int(self.q_offsets[q1])
         emb = self.q_emb[t0:t1].to(self.device, non_blocking=False)
-        # Offsets stay on the host: the kernels read a host copy for their checks and launch grid, and a
-        # device copy would cost a device-to-host synchronisation per launch.
-        return emb, self.q_offsets[q0 : q1 + 1] - t0
+        return emb, self._host_ints((self.q_offsets[q0 : q1 + 1] - t0).numpy())
+
+    def _host_ints(self, values: np.ndarray) -> torch.Tensor:
+        """int64 values for a kernel argument, kept on the host.
+
+        The kernels read offsets and candidate lists on the host (checks, launch grid) and copy them to
+        the device themselves. A device tensor would cost a device-to-host synchronisation per launch,
+        and a pageable host tensor makes that copy wait for the stream; a *pinned* one is copied
+        asynchronously (torch's pinned allocator keeps the block alive until the copy has run), so
+        launches queue up without the host waiting for the GPU.
+        """
+        tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        return tensor.pin_memory() if self.cuda else tensor
 
     def _query_bytes(self, q0: int, q1: int) -> int:
         t = int(self.q_offsets[q1] - self.q_offsets[q0])
@@ -656,8 +686,7 @@ class _Engine:
         t0, t1 = int(batch.host_offsets[a]), int(batch.host_offsets[b])
         whole = a == 0 and b == batch.plan.num_docs
         docs = batch.embeddings if whole else batch.embeddings[t0:t1]
-        host = batch.host_offsets if whole else batch.host_offsets[a : b + 1] - t0
-        offsets = torch.from_numpy(host)  # on the host: see `_query_slice`
+        offsets = self._host_ints(batch.host_offsets if whole else batch.host_offsets[a : b + 1] - t0)
         scales = None if batch.scales is None else (batch.scales if whole else batch.scales[t0:t1])
         assert batch.side is not None
         ranks = batch.side[a:b]
@@ -863,9 +892,9 @@ class _Engine:
                     host_side = batch.plan.side_array()
                     assert host_side is not None
                     n_pairs = (host_side.shape[0] - (nq + 1)) // 2
-                    # candidate lists on the host (see `_query_slice`), output positions on the device
-                    cand_offsets = torch.from_numpy(host_side[: nq + 1])
-                    cand_docs = torch.from_numpy(host_side[nq + 1 : nq + 1 + n_pairs])
+                    # candidate lists on the host (see `_host_ints`), output positions on the device
+                    cand_offsets = self._host_ints(host_side[: nq + 1])
+                    cand_docs = self._host_ints(host_side[nq + 1 : nq + 1 + n_pairs])
                     positions = batch.side[nq + 1 + n_pairs :]
                     timer = self._timer()
                     try:
@@ -873,7 +902,7 @@ class _Engine:
                             q_emb,
                             q_off,
                             batch.embeddings,
-                            torch.from_numpy(batch.host_offsets),
+                            self._host_ints(batch.host_offsets),
                             cand_offsets,
                             cand_docs,
                             backend=self.backend,

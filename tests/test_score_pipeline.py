@@ -310,3 +310,75 @@ def test_budget_too_small_for_one_document_is_a_clear_error(engine_data, tmp_pat
     with pytest.raises(MaxsimError, match=r"memory budget .* too small .* raise --max-memory"):
         score(queries, shards, output=str(tmp_path / "x.trec"), device="cpu", max_memory=200)
     assert not (tmp_path / "x.trec").exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# direct reads of safetensors rows (the CUDA staging path) and the deferred value check
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int8"])
+def test_direct_rows_equal_the_checked_reader(tmp_path, dtype) -> None:
+    from maxsim_cli.pipeline import _SafetensorsRows
+
+    gen = torch.Generator().manual_seed(4)
+    lengths = torch.randint(1, 9, (30,), generator=gen).tolist()
+    embs = [torch.randn(n, 16, generator=gen) for n in lengths]
+    path = tmp_path / f"s.{dtype}.safetensors"
+    if dtype == "int8":
+        scales = [e.abs().amax(dim=1) / 127 for e in embs]
+        codes = [torch.round(e / s[:, None]).to(torch.int8) for e, s in zip(embs, scales, strict=True)]
+        write_shard(path, [f"d{i}" for i in range(30)], codes, scales=scales, dtype="int8")
+    else:
+        write_shard(path, [f"d{i}" for i in range(30)], embs, dtype=dtype)
+    corpus = open_corpus([path])
+    shard = corpus.shards[0]
+    rows = _SafetensorsRows.open(shard)
+    assert rows is not None
+    for start, stop in [(0, 30), (3, 4), (10, 22)]:
+        expected = shard.read_docs(start, stop)
+        t0, t1 = int(shard.offsets[start]), int(shard.offsets[stop])
+        out = torch.empty(t1 - t0 + 5, 16, dtype=expected.embeddings.dtype)
+        out_scales = torch.empty(t1 - t0 + 5) if dtype == "int8" else None
+        rows.read_rows(t0, t1, out, out_scales)
+        assert torch.equal(out[: t1 - t0], expected.embeddings)
+        if dtype == "int8":
+            assert torch.equal(out_scales[: t1 - t0], expected.scales)
+    rows.close()
+    arrow = tmp_path / "s.arrow"
+    write_shard(arrow, ["a"], [torch.ones(2, 16)])
+    assert _SafetensorsRows.open(open_corpus([arrow]).shards[0]) is None
+    corpus.close()
+
+
+def test_deferred_value_check_names_the_document(tmp_path) -> None:
+    from maxsim_cli.pipeline import _SafetensorsRows
+
+    path = tmp_path / "s.safetensors"
+    write_shard(
+        path, ["a", "b", "c"], [torch.ones(2, 8), torch.ones(3, 8), torch.ones(1, 8)], dtype="float16"
+    )
+    shard = open_corpus([path]).shards[0]
+    rows = _SafetensorsRows.open(shard)
+    assert rows is not None
+    # plant a NaN in token 1 of document "b" (row 3), as a damaged disk or a buggy writer would
+    with open(path, "r+b") as fh:
+        fh.seek(rows.emb_start + 3 * rows.row_bytes + 2 * 5)
+        fh.write(np.array([np.nan], dtype=np.float16).tobytes())
+    rows.close()
+    corpus = open_corpus([path])
+    plan = BatchPlan(0, [(0, 0, 3)], 3, 6)
+    stream = BatchStream(
+        corpus.shards,
+        [plan],
+        dim=8,
+        dtype=torch.float16,
+        scaled=False,
+        device=torch.device("cpu"),
+        reader_threads=1,
+    )
+    stream._flags = [(plan, torch.tensor(False)), (plan, torch.tensor(True))]
+    with pytest.raises(InputError, match=r"'?b'? .*NaN or Inf values at token 1"):
+        stream._check_values()
+    stream._flags = [(plan, torch.tensor(False))]
+    stream._check_values()  # nothing flagged: nothing re-read
+    corpus.close()
