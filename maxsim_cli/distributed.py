@@ -1,0 +1,808 @@
+"""`maxsim score` on several processes - GPUs of one machine, or many machines - with torch.distributed.
+
+A job is ``W`` processes (*ranks*) that share one corpus. Every rank opens the whole corpus (headers and
+ids: this checks that ids are unique across all shards), takes its share of the shards, scores its share
+against *all* queries with the single-process engine (`maxsim_cli.score`), and sends its per-query results
+to rank 0, which merges them and alone writes the run.
+
+**Shares.** Shards are dealt largest first (by token count; ties by shard order) to the rank with the
+fewest tokens so far (ties to the lowest rank). With shard token counts ``t_s`` and total ``T``, this
+greedy rule (LPT) gives a largest share of at most ``T / W + max_s t_s``, so shards well below ``T / W``
+tokens balance the ranks; a rank left without shards (``W`` > number of shards) scores nothing.
+
+**Exactness.** Exhaustive mode: rank ``r`` keeps the best ``k`` documents of its shards per query in the
+total order "float32 score descending, docno descending" (trec_eval's). The corpus-wide best ``k`` are
+among the union of the ranks' best ``k``, and a document's score does not depend on the batch or rank it
+was scored in, so rank 0 selecting the best ``k`` of the union in the same order writes exactly the bytes
+of a single-process run. Rerank mode: rank ``r`` scores the candidates that live in its shards; a
+candidate in no shard at all is reported by rank 0 alone (the warning, and the ``--strict`` error on every
+rank), with the counts and examples a single process would give. Queries are written in the query file's
+order, queries without results left out, as in one process.
+
+**Failure.** Each rank catches its own error and all ranks exchange a status (``all_gather_object``)
+before anything is written: if any rank failed, rank 0 raises that rank's one-line error (prefixed with
+the rank and device unless it is rank 0's own), ranks other than 0 exit with the same code without a
+message, and no run is written. A rank that dies (killed) never reaches the exchange: the launcher
+(``--devices``) or torchrun's agent stops the other ranks; ranks on other machines give up after the
+process group's timeout. The run is written atomically by rank 0 after every rank has finished, and
+SIGTERM raises `SystemExit` in a rank so that a rank stopped while writing removes its temporary file.
+
+**Launching.** Under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) the rank's device is
+``cuda:LOCAL_RANK`` (``--device auto`` or ``cuda``) or the CPU (``--device cpu``). ``--devices 0,1``,
+``all`` or ``cpu:N`` starts the workers itself on this machine: one ``python`` process per device, joined
+through a TCP store that the launcher holds (the same environment contract as torchrun:
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), and the launcher's exit code is the job's.
+
+Environment variables read here:
+
+- ``MAXSIM_DIST_TIMEOUT``: seconds a rank waits in a collective, e.g. for the slowest rank to finish
+  before the status exchange (default 3600).
+- ``MAXSIM_TEST_FAIL_RANK``: *test hook*. ``R`` makes rank ``R`` raise an error after opening the corpus,
+  ``R:kill`` makes it kill itself with SIGKILL there. Only for tests of the failure paths.
+- ``MAXSIM_DEVICES``, ``MAXSIM_STORE``, ``MAXSIM_STATUS_FILE``: set by the ``--devices`` launcher for its
+  workers (device of each local rank; ``host:port`` of the launcher's store; where rank 0 reports).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from maxsim_cli.errors import MaxsimError, UsageError
+
+if TYPE_CHECKING:
+    from maxsim_cli.score import ScoreStats
+    from maxsim_cli.shards import Corpus
+
+ENV_TIMEOUT = "MAXSIM_DIST_TIMEOUT"
+ENV_FAIL_RANK = "MAXSIM_TEST_FAIL_RANK"
+ENV_DEVICES = "MAXSIM_DEVICES"
+ENV_STORE = "MAXSIM_STORE"
+ENV_STATUS = "MAXSIM_STATUS_FILE"
+# A collective waits this long by default: it must cover the slowest rank's lag behind the fastest at
+# the status exchange (shares are balanced by tokens, so the lag is a small part of a job's time).
+DEFAULT_TIMEOUT_S = 3600.0
+# Launcher: once a worker has exited with an error, the others normally follow within a second (they
+# leave the status exchange together); one still running after this long is stuck and is stopped.
+FAILED_PEER_GRACE_S = 30.0
+# Launcher: seconds between SIGTERM and SIGKILL when stopping workers.
+TERMINATE_GRACE_S = 10.0
+# The launcher's workers run this (not `-m maxsim_cli.distributed`, which would load this module twice).
+_WORKER_CODE = (
+    "import sys; from maxsim_cli.distributed import worker_main; sys.exit(worker_main(sys.argv[1:]))"
+)
+# score() options that do not travel to workers: the launcher's own and a callable.
+_LOCAL_OPTIONS = ("devices", "part", "log")
+_ERROR_CLASSES: dict[int, type[MaxsimError]] = {1: MaxsimError, 2: UsageError}
+
+Logger = Callable[[str], None]
+
+
+# --------------------------------------------------------------------------------------------------
+# what a rank hands to the engine, and what it sends back
+
+
+class ResultSink:
+    """Stands in for `maxsim_cli.runs.RunWriter` inside a rank: keeps each query's results in memory.
+
+    Scores are kept as float32, the precision the run prints (`maxsim_cli.runs.format_score`).
+    """
+
+    def __init__(self) -> None:
+        self.results: list[tuple[str, list[str], np.ndarray]] = []
+
+    def __enter__(self) -> ResultSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def write_query(self, qid: str, docnos: Sequence[str], scores: Sequence[float]) -> None:
+        """Keep one query's results (any order)."""
+        self.results.append((qid, list(docnos), np.asarray(scores, dtype=np.float32)))
+
+
+@dataclass
+class RankPart:
+    """A rank's share, as `maxsim_cli.score.score` takes it (``part=``): the shards to score (an open
+    corpus), the sink that replaces the run writer, and in rerank mode the candidates to score (a run
+    as `maxsim_cli.runs.read_run` returns it)."""
+
+    corpus: Corpus
+    sink: ResultSink
+    candidates: dict[str, list[tuple[str, float]]] | None = None
+
+
+@dataclass
+class _Share:
+    """What a rank sends to rank 0."""
+
+    rank: int
+    device: str
+    shards: list[int]
+    results: list[tuple[str, list[str], np.ndarray]]
+    stats: dict[str, Any]
+    query_ids: list[str] | None = None  # rank 0 only: the query file's order
+
+
+# --------------------------------------------------------------------------------------------------
+# small pieces (pure functions, tested alone)
+
+
+def world_size() -> int:
+    """``WORLD_SIZE`` of the environment (1 when unset): > 1 inside a torchrun or ``--devices`` job."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        value = os.environ["WORLD_SIZE"]
+        raise UsageError(f"WORLD_SIZE={value!r} is not an integer; check the launcher") from None
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"{name}={value!r} is not an integer; check the launcher") from None
+
+
+def timeout_seconds() -> float:
+    """The collectives' timeout: ``MAXSIM_DIST_TIMEOUT`` seconds, default `DEFAULT_TIMEOUT_S`."""
+    value = os.environ.get(ENV_TIMEOUT)
+    if value is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise UsageError(f"{ENV_TIMEOUT}={value!r}: give a positive number of seconds")
+    return seconds
+
+
+def parse_devices(spec: str) -> list[str]:
+    """``--devices``: ``0,1,...`` or ``cuda:0,cuda:1,...`` (CUDA device indices), ``all`` (every CUDA
+    device), ``cpu:N`` (N CPU workers) or ``cpu`` -> one torch device name per worker."""
+    text = spec.strip().lower()
+    if text == "cpu":
+        return ["cpu"]
+    if text.startswith("cpu:"):
+        try:
+            n = int(text[4:])
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise UsageError(f"--devices {spec}: cpu:N needs a whole number of workers N >= 1, e.g. cpu:2")
+        return ["cpu"] * n
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if text == "all":
+        if available == 0:
+            raise UsageError("--devices all: no CUDA device is available here; use --devices cpu:N")
+        return [f"cuda:{i}" for i in range(available)]
+    indices: list[int] = []
+    for item in text.split(","):
+        item = item.strip().removeprefix("cuda:")
+        if not item.isdigit():
+            raise UsageError(
+                f"--devices {spec}: {item!r} is not a device index; use e.g. 0,1 or cuda:0,cuda:1, all "
+                "or cpu:N"
+            )
+        index = int(item)
+        if index in indices:
+            raise UsageError(f"--devices {spec}: device {index} is listed twice; name each device once")
+        indices.append(index)
+    if available == 0:
+        raise UsageError(f"--devices {spec}: no CUDA device is available here; use --devices cpu:N")
+    for index in indices:
+        if index >= available:
+            raise UsageError(
+                f"--devices {spec}: there are {available} CUDA devices (0 to {available - 1}), no {index}"
+            )
+    return [f"cuda:{i}" for i in indices]
+
+
+def assign_shards(tokens: Sequence[int], world: int) -> list[list[int]]:
+    """Shard indices of each of ``world`` ranks, balanced by token count.
+
+    Largest shard first (ties: lower shard index first) onto the rank with the fewest tokens so far
+    (ties: lower rank); each rank's list is in shard order. Deterministic, so every rank computes the
+    same shares. The largest share is at most ``sum(tokens) / world + max(tokens)``.
+    """
+    if world < 1:
+        raise ValueError(f"assign_shards: world must be >= 1, got {world}")
+    load = [0] * world
+    shares: list[list[int]] = [[] for _ in range(world)]
+    for s in sorted(range(len(tokens)), key=lambda i: (-int(tokens[i]), i)):
+        r = min(range(world), key=lambda j: (load[j], j))
+        shares[r].append(s)
+        load[r] += int(tokens[s])
+    return [sorted(share) for share in shares]
+
+
+def split_candidates(
+    run: dict[str, list[tuple[str, float]]],
+    id_index: dict[str, tuple[int, int]],
+    owner_of_shard: Sequence[int],
+    rank: int,
+    strict: bool,
+) -> tuple[dict[str, list[tuple[str, float]]], int]:
+    """The candidates rank ``rank`` scores: those in its shards, in run order, every qid of the run kept
+    (so that the engine still checks each qid against the query file). Candidates in no shard go to
+    rank 0, which reports them as a single process would; with ``strict`` to every rank, so that all of
+    them stop with the same error at once. Returns the rank's run and the number of missing candidates.
+    """
+    part: dict[str, list[tuple[str, float]]] = {}
+    missing = 0
+    keep_missing = rank == 0 or strict
+    for qid, cands in run.items():
+        kept = []
+        for docno, score in cands:
+            where = id_index.get(docno)
+            if where is None:
+                missing += 1
+                if keep_missing:
+                    kept.append((docno, score))
+            elif owner_of_shard[where[0]] == rank:
+                kept.append((docno, score))
+        part[qid] = kept
+    return part, missing
+
+
+# --------------------------------------------------------------------------------------------------
+# entry from maxsim_cli.score.score
+
+
+def dispatch(options: dict[str, Any]) -> ScoreStats:
+    """Run `maxsim_cli.score.score` with ``options`` (its keyword arguments) as a distributed job:
+    start workers for ``options["devices"]``, or, inside a job (``WORLD_SIZE`` > 1), be one rank."""
+    devices = options.get("devices")
+    if world_size() > 1:
+        if devices is not None:
+            raise UsageError(
+                "--devices starts its own workers; under torchrun leave it out (each rank uses "
+                "cuda:LOCAL_RANK, or the CPU with --device cpu)"
+            )
+        return run_rank(options)
+    if devices is None:
+        raise ValueError("dispatch: neither --devices nor a distributed environment")
+    names = parse_devices(str(devices))
+    if str(options.get("device", "auto")).strip().lower() != "auto":
+        raise UsageError(
+            f"--device {options['device']} and --devices {devices}: give one of them (--devices picks the "
+            "device of each worker)"
+        )
+    from maxsim_cli.score import score
+
+    if len(names) == 1:  # one device: no workers, score here
+        local = {k: v for k, v in options.items() if k not in ("devices", "part")}
+        local["device"] = names[0]
+        return score(**local)
+    return launch(options, names)
+
+
+def _check_no_stdin(options: dict[str, Any]) -> None:
+    if str(options["queries"]) == "-":
+        raise UsageError(
+            "QUERIES '-': standard input cannot be shared by the workers of a distributed job; save the "
+            "Arrow stream to a file and pass its path"
+        )
+    if options.get("candidates") is not None and str(options["candidates"]) == "-":
+        raise UsageError(
+            "--candidates '-': standard input cannot be shared by the workers of a distributed job; "
+            "save the run to a file and pass its path"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# one rank
+
+
+def _rank_device(option: str, local_rank: int) -> str:
+    """The torch device of this rank: from the launcher's list, else from ``--device`` and LOCAL_RANK."""
+    listed = os.environ.get(ENV_DEVICES)
+    if listed:
+        names = listed.split(",")
+        if local_rank >= len(names):
+            raise UsageError(f"{ENV_DEVICES}={listed!r} has no device for local rank {local_rank}")
+        return names[local_rank]
+    name = str(option).strip().lower()
+    if name == "cpu":
+        return "cpu"
+    if name in ("auto", "cuda"):
+        if not torch.cuda.is_available():
+            if name == "cuda":
+                raise UsageError("--device cuda: no CUDA device is available here; use --device cpu")
+            return "cpu"
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise UsageError(
+                f"local rank {local_rank} has no GPU: this machine has {count}; start at most {count} "
+                "processes per node (torchrun --nproc-per-node)"
+            )
+        return f"cuda:{local_rank}"
+    raise UsageError(
+        f"--device {option}: under torchrun each rank uses cuda:LOCAL_RANK; pass --device auto, cuda or "
+        "cpu (or restrict the GPUs with CUDA_VISIBLE_DEVICES)"
+    )
+
+
+def _init_group(rank: int, world: int, timeout: datetime.timedelta) -> None:
+    import torch.distributed as dist
+
+    # gloo for every rank, also on GPUs: the only traffic is the ranks' results (host strings and floats)
+    # and statuses, which NCCL would have to copy to a GPU and back.
+    store_address = os.environ.get(ENV_STORE)
+    try:
+        if store_address:
+            host, _, port = store_address.rpartition(":")
+            store = dist.TCPStore(host, int(port), world, False, timeout=timeout)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(
+                "gloo", init_method="env://", rank=rank, world_size=world, timeout=timeout
+            )
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise MaxsimError(
+            f"rank {rank} of {world} could not join the job's process group: {_one_line(exc)}; check "
+            "MASTER_ADDR/MASTER_PORT and that every rank was started"
+        ) from None
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    # finally blocks run (the run writer removes its temporary file), then the process exits
+    raise SystemExit(128 + signum)
+
+
+def run_rank(options: dict[str, Any]) -> ScoreStats:
+    """This process's part of a job whose ranks are described by the environment (torchrun's variables)."""
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    rank = _env_int("RANK", 0)
+    world = world_size()
+    local_rank = _env_int("LOCAL_RANK", rank)
+    if not 0 <= rank < world:
+        raise UsageError(f"RANK={rank} is outside 0..{world - 1} (WORLD_SIZE={world}); check the launcher")
+    timeout = datetime.timedelta(seconds=timeout_seconds())
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        _init_group(rank, world, timeout)
+        try:
+            return _run_in_group(options, rank, world, local_rank, start)
+        finally:
+            dist.destroy_process_group()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run_in_group(
+    options: dict[str, Any], rank: int, world: int, local_rank: int, start: float
+) -> ScoreStats:
+    import torch.distributed as dist
+
+    device = "?"
+    share: _Share | None = None
+    status: tuple[int, str, str] | None = None
+    crash: BaseException | None = None
+    try:
+        device = _rank_device(options.get("device", "auto"), local_rank)
+        share = _score_share(options, rank, world, device)
+    except MaxsimError as exc:
+        status = (exc.exit_code, str(exc), device)
+    except Exception as exc:  # a bug: the others must still learn of it, then its traceback shows here
+        crash = exc
+        message = f"{type(exc).__name__}: {_one_line(exc)} (its traceback is in that rank's output)"
+        status = (1, message, device)
+    statuses: list[Any] = [None] * world
+    dist.all_gather_object(statuses, status)
+    failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
+    if failed:
+        if crash is not None:
+            raise crash
+        if rank != 0:
+            raise SystemExit(failed[0][1][0])  # rank 0 reports the job's error
+        r, (code, message, where) = failed[0]
+        if r != 0:
+            message = f"rank {r} of {world} ({where}): {message}"
+        raise _ERROR_CLASSES.get(code, MaxsimError)(message)
+    assert share is not None
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(share, gathered, dst=0)
+    from maxsim_cli.score import ScoreStats
+
+    if rank != 0:
+        stats = ScoreStats(**share.stats)
+        stats.extra = {"rank": rank, "world_size": world}
+        return stats
+    assert gathered is not None
+    shares: list[_Share] = gathered
+    _write_merged(options, shares)
+    stats = _combine_stats(options, shares)
+    stats.wall_s = time.perf_counter() - start
+    return stats
+
+
+def _inject_test_failure(rank: int) -> None:
+    """The `ENV_FAIL_RANK` test hook (see the module docstring)."""
+    value = os.environ.get(ENV_FAIL_RANK)
+    if not value:
+        return
+    target, _, how = value.partition(":")
+    if target.strip() != str(rank):
+        return
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise MaxsimError(f"failure injected on rank {rank} by {ENV_FAIL_RANK}={value} (a test hook)")
+
+
+def _score_share(options: dict[str, Any], rank: int, world: int, device: str) -> _Share:
+    """Open the corpus, score this rank's shards for all queries, return the results."""
+    from maxsim_cli.runs import read_run
+    from maxsim_cli.score import ScoreStats, score
+    from maxsim_cli.shards import Corpus, open_corpus, open_shard
+
+    _check_no_stdin(options)
+    corpus_paths = [str(p) for p in options["corpus"]] if options.get("corpus") else []
+    if not corpus_paths:
+        raise UsageError("no corpus given: pass one or more shard files or directories after QUERIES")
+    corpus = open_corpus(corpus_paths)
+    try:
+        _inject_test_failure(rank)
+        shares = assign_shards([s.num_tokens for s in corpus.shards], world)
+        mine = shares[rank]
+        owner = [0] * len(corpus.shards)
+        for r, indices in enumerate(shares):
+            for s in indices:
+                owner[s] = r
+        log: Logger = options.get("log") or _stderr
+        if rank != 0:
+            base_log = log
+            log = lambda message: base_log(f"rank {rank}: {message}")  # noqa: E731
+        elif world > len(corpus.shards):
+            log(
+                f"note: {world} ranks but {len(corpus.shards)} shards: ranks {len(corpus.shards)} to "
+                f"{world - 1} have nothing to score; split the corpus into more shards to use them"
+            )
+        query_ids = None
+        if rank == 0:
+            with open_shard(str(options["queries"])) as qshard:
+                query_ids = list(qshard.ids)
+        candidates = None
+        if options.get("candidates") is not None:
+            run = read_run(str(options["candidates"]))
+            candidates, _ = split_candidates(
+                run, corpus.id_index(), owner, rank, bool(options.get("strict", False))
+            )
+        sink = ResultSink()
+        if mine:
+            sub = corpus if len(mine) == len(corpus.shards) else Corpus([corpus.shards[s] for s in mine])
+            kwargs = {k: v for k, v in options.items() if k not in _LOCAL_OPTIONS}
+            kwargs.update(
+                device=device,
+                log=log,
+                show_progress=bool(options.get("show_progress")) and rank == 0,
+                part=RankPart(sub, sink, candidates),
+            )
+            stats = score(**kwargs)
+        else:
+            stats = ScoreStats(
+                mode="rerank" if options.get("candidates") is not None else "exhaustive",
+                device=device,
+                backend=str(options.get("backend", "auto")),
+                output=str(options.get("output", "-")),
+            )
+        stats_fields = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
+        stats_fields["extra"] = dict(stats.extra)
+        return _Share(rank, device, mine, sink.results, stats_fields, query_ids)
+    finally:
+        corpus.close()
+
+
+def _write_merged(options: dict[str, Any], shares: Sequence[_Share]) -> None:
+    """Rank 0: the best ``top_k`` of every query over all ranks, in the query file's order, written once."""
+    from maxsim_cli.merge import select_top_k
+    from maxsim_cli.runs import RunWriter
+
+    top_k = int(options.get("top_k", 1000))
+    by_query: dict[str, list[tuple[list[str], np.ndarray]]] = {}
+    for share in shares:
+        for qid, docnos, scores in share.results:
+            by_query.setdefault(qid, []).append((docnos, scores))
+    query_ids = shares[0].query_ids
+    assert query_ids is not None
+    writer = RunWriter(
+        str(options.get("output", "-")),
+        tag=str(options.get("run_tag", "maxsim")),
+        fmt=str(options.get("fmt", "trec")),
+    )
+    with writer:
+        for qid in query_ids:
+            parts = by_query.get(qid)
+            if not parts:
+                continue
+            if len(parts) == 1:
+                docnos, scores = parts[0]
+            else:
+                docnos = [d for part_docnos, _ in parts for d in part_docnos]
+                scores = np.concatenate([part_scores for _, part_scores in parts])
+            keep = select_top_k(docnos, scores, top_k)
+            writer.write_query(qid, [docnos[i] for i in keep.tolist()], scores[keep].tolist())
+
+
+def _combine_stats(options: dict[str, Any], shares: Sequence[_Share]) -> ScoreStats:
+    """Job stats: counts and stage times summed over ranks, peaks and batch sizes the largest rank's."""
+    from maxsim_cli.score import ScoreStats
+
+    per_rank = [ScoreStats(**share.stats) for share in shares]
+    first = per_rank[0]
+    devices = [share.device for share in shares]
+    out = ScoreStats(
+        mode=first.mode,
+        device=f"{len(shares)} ranks ({', '.join(devices)})",
+        backend=first.backend,
+        output=str(options.get("output", "-")),
+    )
+    summed = ("documents", "tokens", "pairs", "missing_candidates", "oom_retries", "doc_batches")
+    for name in (*summed, "bytes_read"):
+        setattr(out, name, sum(getattr(s, name) for s in per_rank))
+    for name in ("read_s", "copy_s", "score_s", "wait_s"):
+        setattr(out, name, float(sum(getattr(s, name) for s in per_rank)))
+    for name in (
+        "queries",
+        "query_batches",
+        "peak_host_bytes",
+        "query_batch_size",
+        "max_batch_docs",
+        "max_batch_tokens",
+        "planned_device_bytes",
+    ):
+        setattr(out, name, max(getattr(s, name) for s in per_rank))
+    peaks = [s.peak_gpu_bytes for s in per_rank if s.peak_gpu_bytes is not None]
+    out.peak_gpu_bytes = max(peaks) if peaks else None
+    out.gpu_budget_bytes = first.gpu_budget_bytes
+    out.host_budget_bytes = first.host_budget_bytes
+    out.reader_threads = first.reader_threads
+    out.resident = all(s.resident for s in per_rank if s.documents)
+    out.extra = {
+        "rank": 0,
+        "world_size": len(shares),
+        "ranks": [
+            {"rank": share.rank, "device": share.device, "shards": share.shards, **s.as_dict()}
+            for share, s in zip(shares, per_rank, strict=True)
+        ],
+    }
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# --devices: the launcher and its workers
+
+
+def _worker_options(options: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in options.items() if k not in _LOCAL_OPTIONS}
+    out["corpus"] = [str(p) for p in options.get("corpus") or []]
+    for key in ("queries", "output", "candidates"):
+        if out.get(key) is not None:
+            out[key] = str(out[key])
+    return out
+
+
+def launch(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
+    """Start one worker process per device on this machine, wait for all, return rank 0's job stats.
+
+    Raises the job's error (rank 0's report) with its exit code; if a worker dies without reporting,
+    the others are stopped and the error names it. No run is written unless every worker succeeded.
+    """
+    import torch.distributed as dist
+
+    _check_no_stdin(options)
+    world = len(devices)
+    timeout = timeout_seconds()
+    cpu_workers = sum(1 for d in devices if d == "cpu")
+    with tempfile.TemporaryDirectory(prefix="maxsim-job-") as job_dir:
+        options_path = os.path.join(job_dir, "options.json")
+        status_path = os.path.join(job_dir, "status.json")
+        with open(options_path, "w", encoding="utf-8") as fh:
+            json.dump(_worker_options(options), fh)
+        # The store lives here, bound to a port the system picks: no port to guess or collide on.
+        store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout))
+        base = dict(os.environ)
+        base.update(
+            {
+                "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(store.port),
+                ENV_STORE: f"127.0.0.1:{store.port}",
+                ENV_DEVICES: ",".join(devices),
+                ENV_STATUS: status_path,
+            }
+        )
+        if cpu_workers:
+            # CPU workers share the cores instead of each starting a thread per core
+            base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cpu_workers)))
+        procs: list[subprocess.Popen] = []
+        started = time.perf_counter()
+        try:
+            for r in range(world):
+                env = dict(base, RANK=str(r), LOCAL_RANK=str(r))
+                procs.append(subprocess.Popen([sys.executable, "-c", _WORKER_CODE, options_path], env=env))
+            codes = _wait_all(procs)
+        finally:
+            _stop(procs)
+            del store
+        return _job_outcome(codes, devices, status_path, options, started)
+
+
+def _wait_all(procs: Sequence[subprocess.Popen]) -> list[int]:
+    """Exit codes of all workers. A worker killed by a signal means the others can never finish: they
+    are stopped at once; one that exits with an error gives the others `FAILED_PEER_GRACE_S` to follow."""
+    failed_at: float | None = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return [int(c) for c in codes]  # type: ignore[arg-type]
+        if any(c is not None and c < 0 for c in codes):
+            _stop(procs)
+            continue
+        if any(c not in (None, 0) for c in codes):
+            failed_at = failed_at or time.monotonic()
+            if time.monotonic() - failed_at > FAILED_PEER_GRACE_S:
+                _stop(procs)
+                continue
+        time.sleep(0.05)
+
+
+def _stop(procs: Sequence[subprocess.Popen]) -> None:
+    """SIGTERM to every worker still running, SIGKILL to those still there after `TERMINATE_GRACE_S`."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        p.terminate()
+    deadline = time.monotonic() + TERMINATE_GRACE_S
+    for p in running:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _job_outcome(
+    codes: Sequence[int], devices: Sequence[str], status_path: str, options: dict[str, Any], started: float
+) -> ScoreStats:
+    from maxsim_cli.score import ScoreStats
+
+    status = None
+    if os.path.exists(status_path):
+        with open(status_path, encoding="utf-8") as fh:
+            status = json.load(fh)
+    world = len(devices)
+    killed = [(r, -c) for r, c in enumerate(codes) if c < 0 and c != -signal.SIGTERM]
+    if killed:
+        r, signum = killed[0]
+        _remove_partial_output(options, started)
+        raise MaxsimError(
+            f"worker rank {r} of {world} ({devices[r]}) was killed by {_signal_name(signum)}; the job "
+            "stopped and no run was written (out of host memory? see the system log)"
+        )
+    if status is not None and "error" in status:
+        raise _ERROR_CLASSES.get(int(status["exit_code"]), MaxsimError)(str(status["error"]))
+    bad = [(r, c) for r, c in enumerate(codes) if c != 0]
+    if bad or status is None:
+        r, c = bad[0] if bad else (0, codes[0])
+        _remove_partial_output(options, started)
+        raise MaxsimError(
+            f"worker rank {r} of {world} ({devices[r]}) exited with code {c} without a report; its "
+            "messages are above; no run was written"
+        )
+    fields = status["stats"]
+    return ScoreStats(**fields)
+
+
+def _remove_partial_output(options: dict[str, Any], started: float) -> None:
+    """A rank 0 killed while writing leaves its temporary file (`RunWriter`'s ``.NAME.*.tmp``) behind."""
+    output = str(options.get("output", "-"))
+    if output == "-":
+        return
+    directory = os.path.dirname(os.path.abspath(output))
+    prefix = f".{os.path.basename(output)}."
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(prefix) and name.endswith(".tmp"):
+            path = os.path.join(directory, name)
+            try:
+                if os.path.getmtime(path) >= started - 1:
+                    os.unlink(path)
+            except OSError:
+                pass
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def worker_main(argv: Sequence[str]) -> int:
+    """A ``--devices`` worker: run the job's options (a JSON file) as one rank; rank 0 reports to the
+    launcher through ``MAXSIM_STATUS_FILE`` (stats, or the job's error) and prints nothing itself."""
+    from maxsim_cli.score import score
+
+    with open(argv[0], encoding="utf-8") as fh:
+        options = json.load(fh)
+    status_path = os.environ.get(ENV_STATUS)
+    rank = _env_int("RANK", 0)
+    try:
+        stats = score(**options)
+    except MaxsimError as exc:
+        if rank == 0 and status_path:
+            _write_status(status_path, {"exit_code": exc.exit_code, "error": str(exc)})
+        return exc.exit_code
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        if rank == 0 and status_path and not isinstance(exc, KeyboardInterrupt):
+            message = f"rank 0 failed: {type(exc).__name__}: {_one_line(exc)} (traceback above)"
+            _write_status(status_path, {"exit_code": 1, "error": message})
+        raise
+    if rank == 0 and status_path:
+        fields = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
+        _write_status(status_path, {"stats": fields})
+    return 0
+
+
+def _write_status(path: str, payload: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(payload, fh)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _stderr(message: str) -> None:
+    print(f"maxsim: {message}", file=sys.stderr, flush=True)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text[:300] + ("..." if len(text) > 300 else "")
+
+
+__all__ = [
+    "RankPart",
+    "ResultSink",
+    "assign_shards",
+    "dispatch",
+    "launch",
+    "parse_devices",
+    "run_rank",
+    "split_candidates",
+    "timeout_seconds",
+    "world_size",
+    "worker_main",
+]
