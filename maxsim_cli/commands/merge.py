@@ -25,17 +25,23 @@ def register(app: typer.Typer) -> None:
         ),
         tag: str = typer.Option("maxsim", "--tag", help="Tag written in the run's last column."),
         fmt: str = typer.Option("trec", "--format", help="trec (six columns) or jsonl (one query a line)."),
+        queries: str | None = typer.Option(
+            None,
+            "--queries",
+            help="Query embeddings file (safetensors, Arrow, Parquet): write the queries in its order, as "
+            "`maxsim score` does (default: first appearance across the runs).",
+        ),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No summary line on stderr."),
     ) -> None:
         """Merge runs scored on disjoint parts of one corpus into one run, top-k per query.
 
-        Queries keep their first-appearance order; documents are ordered by score, ties by docno
-        descending. A document found for one query in two inputs is kept once if the scores agree
-        (as float32) and is an error otherwise.
+        Queries keep their first-appearance order (or the order of --queries); documents are ordered by
+        score, ties by docno descending. A document found for one query in two inputs is kept once if the
+        scores agree (as float32) and is an error otherwise.
 
         Example: maxsim merge part-0.trec part-1.trec -k 100 -o run.trec
         """
-        stats = merge_runs(runs, top_k, output, tag=tag, fmt=fmt)
+        stats = merge_runs(runs, top_k, output, tag=tag, fmt=fmt, queries=queries)
         if not quiet:
             note = (
                 f"merged {stats.inputs} runs: {stats.queries} queries, {stats.rows_read} rows read, "

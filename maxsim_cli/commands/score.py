@@ -72,13 +72,21 @@ def register(app: typer.Typer) -> None:
         batch_queries: int | None = typer.Option(
             None, "--batch-queries", help="Queries per pass over the corpus (default: as many as fit).", min=1
         ),
+        devices: str | None = typer.Option(
+            None,
+            "--devices",
+            help="Score on several devices of this machine, one worker process each, shards shared out by "
+            "tokens: GPU indices 0,1,..., all, or cpu:N. Under torchrun leave it out (each rank takes "
+            "cuda:LOCAL_RANK). The run is the same.",
+        ),
     ) -> None:
         """Score queries against a corpus of shards with exact MaxSim and write a TREC run.
 
         Every document is scored (top-k per query), or with --candidates only the candidates of a
         first-stage run. Results are ordered by score, ties by docno descending; the same inputs give
         the same bytes whatever the memory budget, batch sizes or shard order. The run goes to stdout
-        (or -o), the progress bar and a summary line to stderr.
+        (or -o), the progress bar and a summary line to stderr. With --devices, or under torchrun, the
+        shards are shared among processes and rank 0 writes the same run (docs/scaling.md).
 
         Example: maxsim score sample_data/queries.safetensors sample_data/corpus -k 100 -o run.trec
         """
@@ -101,7 +109,10 @@ def register(app: typer.Typer) -> None:
             fmt=fmt,
             batch_queries=batch_queries,
             show_progress=progress_enabled(quiet),
+            devices=devices,
         )
+        if stats.extra.get("rank", 0):  # a torchrun rank other than 0: rank 0 reports for the job
+            return
         if stats_json is not None:
             stats.write_json(stats_json)
         if not quiet:

@@ -1,0 +1,283 @@
+"""`maxsim score` as a job of several processes (`maxsim_cli.distributed`): the run is byte for byte the
+single-process run, in exhaustive and rerank mode; a failing or dying rank fails the job cleanly.
+
+The jobs run on the CPU with gloo: under torchrun (``python -m torch.distributed.run``) and with
+``--devices cpu:2`` (the launcher of this package). The corpus has 4 shards of unequal sizes, documents
+duplicated across shards (equal scores on different ranks, so the docno tie-break crosses ranks) and
+top-k cuts inside those ties. Documents have at least 16 tokens: the CPU backend's matrix products
+round differently for blocks of fewer than 16 rows (MKL's small-matrix path), which would make scores
+depend on how documents are grouped, in one process as much as in two.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from maxsim_cli import distributed
+from maxsim_cli.cli import app
+from maxsim_cli.distributed import ResultSink, assign_shards, parse_devices, split_candidates
+from maxsim_cli.errors import UsageError
+from maxsim_cli.merge import select_top_k
+from maxsim_cli.runs import sort_trec
+from maxsim_cli.score import score
+from maxsim_cli.shards import write_shard
+
+runner = CliRunner()
+DIM = 32
+SHARD_DOCS = (30, 12, 22, 8)  # unequal shards: the balancing has something to do
+JOB_ENV = {"MAXSIM_DIST_TIMEOUT": "60", "OMP_NUM_THREADS": "1"}
+
+
+# --------------------------------------------------------------------------------------------------
+# data
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("dist")
+    rng = np.random.default_rng(7)
+    corpus = root / "corpus"
+    corpus.mkdir()
+    shared = None  # one document's tokens, repeated in every shard under different docnos
+    all_ids = []
+    for s, n in enumerate(SHARD_DOCS):
+        docs, ids = [], []
+        for d in range(n):
+            length = int(rng.integers(16, 40))
+            emb = rng.standard_normal((length, DIM)).astype(np.float32)
+            if d == 0:
+                shared = emb if shared is None else shared
+                emb = shared
+            docs.append(emb / np.linalg.norm(emb, axis=1, keepdims=True))
+            ids.append(f"s{s}-d{d:02d}" if d else f"tie-{s}")
+        write_shard(str(corpus / f"shard-{s}.safetensors"), ids, docs, dtype="float32")
+        all_ids.extend(ids)
+    queries = []
+    for _ in range(9):
+        emb = rng.standard_normal((int(rng.integers(4, 9)), DIM)).astype(np.float32)
+        queries.append(emb / np.linalg.norm(emb, axis=1, keepdims=True))
+    qids = [f"q{i}" for i in range(len(queries))]
+    write_shard(str(root / "queries.safetensors"), qids, queries, dtype="float32")
+    # candidates: from every shard, in random order, with ids in no shard; q3 has only missing ones
+    lines = []
+    for qid in qids:
+        if qid == "q3":
+            picked = ["gone-1", "gone-2"]
+        else:
+            picked = list(rng.choice(all_ids, size=14, replace=False))
+            if qid == "q1":
+                picked.insert(3, "gone-3")
+        for rank, docno in enumerate(picked, 1):
+            lines.append(f"{qid} Q0 {docno} {rank} {20 - rank} bm25\n")
+    (root / "cands.trec").write_text("".join(lines))
+    return {
+        "root": str(root),
+        "queries": str(root / "queries.safetensors"),
+        "corpus": str(corpus),
+        "cands": str(root / "cands.trec"),
+    }
+
+
+def _single(data: dict[str, str], out: Path, **kwargs) -> list[str]:
+    """The single-process run (written to ``out``) and what it logged."""
+    messages: list[str] = []
+    score(data["queries"], [data["corpus"]], output=str(out), device="cpu", log=messages.append, **kwargs)
+    return messages
+
+
+def _torchrun(args: list[str], extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "maxsim_cli", "score", *args, "--device", "cpu"]
+    env = dict(os.environ, **JOB_ENV, **(extra_env or {}))
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def _leftovers(directory: Path, name: str) -> list[str]:
+    return [n for n in os.listdir(directory) if n == name or n.startswith(f".{name}.")]
+
+
+# --------------------------------------------------------------------------------------------------
+# pure pieces
+
+
+def test_assign_shards_largest_first_onto_least_loaded():
+    assert assign_shards([5, 9, 1, 7], 2) == [[1, 2], [0, 3]]  # 9+1 vs 7+5
+    assert assign_shards([4, 4, 4, 4], 2) == [[0, 2], [1, 3]]  # ties: shard order, then lower rank
+    assert assign_shards([3, 1], 4) == [[0], [1], [], []]  # more ranks than shards
+    assert assign_shards([], 3) == [[], [], []]
+    rng = np.random.default_rng(0)
+    for world in (2, 3, 8):
+        tokens = rng.integers(1, 1000, size=40).tolist()
+        shares = assign_shards(tokens, world)
+        assert sorted(s for share in shares for s in share) == list(range(40))
+        loads = [sum(tokens[s] for s in share) for share in shares]
+        assert max(loads) <= sum(tokens) / world + max(tokens)
+        assert shares == assign_shards(tokens, world)  # deterministic: every rank computes the same
+
+
+def test_parse_devices():
+    assert parse_devices("cpu:3") == ["cpu", "cpu", "cpu"]
+    assert parse_devices("cpu") == ["cpu"]
+    for bad in ("cpu:0", "cpu:x", "0,x", "-1"):
+        with pytest.raises(UsageError, match="--devices"):
+            parse_devices(bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(UsageError, match="no CUDA device"):
+            parse_devices("all")
+        with pytest.raises(UsageError, match="no CUDA device"):
+            parse_devices("0,1")
+    with pytest.raises(UsageError, match="listed twice"):
+        parse_devices("0,0")
+
+
+def test_select_top_k_is_trec_order_cut_after_k():
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        n = int(rng.integers(1, 60))
+        docnos = [f"d{i:03d}" for i in rng.permutation(n)]
+        scores = (rng.integers(-6, 6, size=n) / 4).astype(np.float32)  # many ties, +0 and -0
+        scores[rng.random(n) < 0.1] = -0.0
+        k = int(rng.integers(1, n + 3))
+        got = sorted(select_top_k(docnos, scores, k).tolist())
+        assert got == sorted(sort_trec(docnos, scores.tolist())[:k]), trial
+
+
+def test_split_candidates_keeps_run_order_and_every_qid():
+    run = {"a": [("x", 3.0), ("gone", 2.0), ("y", 1.0)], "b": [("gone2", 1.0)]}
+    index = {"x": (1, 0), "y": (0, 4)}
+    owner = [0, 1]
+    part0, missing = split_candidates(run, index, owner, 0, strict=False)
+    assert part0 == {"a": [("gone", 2.0), ("y", 1.0)], "b": [("gone2", 1.0)]} and missing == 2
+    part1, _ = split_candidates(run, index, owner, 1, strict=False)
+    assert part1 == {"a": [("x", 3.0)], "b": []}  # missing ones are rank 0's to report
+    part1, _ = split_candidates(run, index, owner, 1, strict=True)
+    assert part1 == {"a": [("x", 3.0), ("gone", 2.0)], "b": [("gone2", 1.0)]}  # all ranks fail alike
+
+
+def test_result_sink_stands_in_for_the_writer():
+    with ResultSink() as sink:
+        sink.write_query("q", ["a", "b"], [0.1, 0.2])
+    qid, docnos, scores = sink.results[0]
+    assert (qid, docnos, scores.dtype) == ("q", ["a", "b"], np.float32)
+    assert scores.tolist() == np.float32([0.1, 0.2]).tolist()  # the precision the run prints
+
+
+def test_usage_errors_before_any_worker_starts(data, tmp_path, monkeypatch):
+    out = tmp_path / "run.trec"
+    args = ["score", data["queries"], data["corpus"], "--devices", "cpu:2"]
+    result = runner.invoke(app, [*args, "--device", "cpu"])
+    assert result.exit_code == 2
+    assert "give one of them" in result.stderr
+    result = runner.invoke(app, ["score", "-", data["corpus"], "--devices", "cpu:2", "-o", str(out)])
+    assert result.exit_code == 2
+    assert "standard input cannot be shared" in result.stderr
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UsageError, match="under torchrun leave it out"):
+        distributed.dispatch({"devices": "cpu:2", "device": "auto"})
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# jobs: byte for byte the single-process run
+
+
+def test_torchrun_exhaustive_equals_single_process(data, tmp_path):
+    single = tmp_path / "single.trec"
+    _single(data, single, top_k=5)
+    out = tmp_path / "dist.trec"
+    proc = _torchrun([data["queries"], data["corpus"], "-k", "5", "-o", str(out)])
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes() == single.read_bytes()
+    # the tie across shards (and so across ranks) is cut by docno, descending
+    assert "tie-3" in single.read_text()
+    # one summary, by rank 0, for the whole job
+    summaries = [x for x in proc.stderr.splitlines() if x.startswith("maxsim: scored")]
+    assert len(summaries) == 1 and "on 2 ranks (cpu, cpu)" in summaries[0], proc.stderr
+    assert "72 documents" in summaries[0]
+
+
+def test_torchrun_rerank_equals_single_process_with_the_same_warning(data, tmp_path):
+    single = tmp_path / "single.trec"
+    messages = _single(data, single, top_k=6, candidates=data["cands"])
+    out = tmp_path / "dist.trec"
+    args = [data["queries"], data["corpus"], "-k", "6", "--candidates", data["cands"]]
+    proc = _torchrun([*args, "-o", str(out)])
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes() == single.read_bytes()
+    assert "q3 " not in single.read_text()  # a query whose candidates are all missing is left out
+    warnings = [x for x in proc.stderr.splitlines() if "warning" in x]
+    assert warnings == [f"maxsim: {m}" for m in messages if m.startswith("warning")], proc.stderr
+    assert "3 candidates are not in the corpus" in warnings[0]
+
+
+def test_devices_cpu2_jsonl_equals_single_process(data, tmp_path):
+    single = tmp_path / "single.jsonl"
+    _single(data, single, top_k=3, fmt="jsonl")
+    out = tmp_path / "dist.jsonl"
+    stats_json = tmp_path / "stats.json"
+    args = ["score", data["queries"], data["corpus"], "-k", "3", "--format", "jsonl", "-o", str(out)]
+    result = runner.invoke(app, [*args, "--devices", "cpu:2", "--stats-json", str(stats_json)], env=JOB_ENV)
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes() == single.read_bytes()
+    assert "on 2 ranks (cpu, cpu)" in result.stderr
+    import json
+
+    stats = json.loads(stats_json.read_text())
+    assert stats["world_size"] == 2 and stats["documents"] == sum(SHARD_DOCS)
+    assert sorted(s for r in stats["ranks"] for s in r["shards"]) == [0, 1, 2, 3]
+
+
+# --------------------------------------------------------------------------------------------------
+# failures: exit code, one line, no run
+
+
+def test_a_rank_that_raises_fails_the_job_cleanly(data, tmp_path):
+    out = tmp_path / "run.trec"
+    args = ["score", data["queries"], data["corpus"], "-o", str(out), "--devices", "cpu:2"]
+    result = runner.invoke(app, args, env={**JOB_ENV, "MAXSIM_TEST_FAIL_RANK": "1"})
+    assert result.exit_code == 1
+    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    assert lines == [
+        "maxsim: error: rank 1 of 2 (cpu): failure injected on rank 1 by MAXSIM_TEST_FAIL_RANK=1 "
+        "(a test hook)"
+    ]
+    assert _leftovers(tmp_path, "run.trec") == []
+
+
+def test_strict_rerank_fails_every_rank_with_the_single_process_error(data, tmp_path):
+    out = tmp_path / "run.trec"
+    with pytest.raises(Exception) as single_error:
+        _single(data, out, candidates=data["cands"], strict=True)
+    args = ["score", data["queries"], data["corpus"], "--candidates", data["cands"], "--strict"]
+    result = runner.invoke(app, [*args, "-o", str(out), "--devices", "cpu:2"], env=JOB_ENV)
+    assert result.exit_code == 1
+    assert result.stderr.strip() == f"maxsim: error: {single_error.value}"
+    assert _leftovers(tmp_path, "run.trec") == []
+
+
+def test_a_killed_rank_fails_the_job_under_the_launcher(data, tmp_path):
+    out = tmp_path / "run.trec"
+    args = ["score", data["queries"], data["corpus"], "-o", str(out), "--devices", "cpu:2"]
+    result = runner.invoke(app, args, env={**JOB_ENV, "MAXSIM_TEST_FAIL_RANK": "1:kill"})
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == [
+        "maxsim: error: worker rank 1 of 2 (cpu) was killed by SIGKILL; the job stopped and no run was "
+        "written (out of host memory? see the system log)"
+    ]
+    assert _leftovers(tmp_path, "run.trec") == []
+
+
+def test_a_killed_rank_fails_the_job_under_torchrun(data, tmp_path):
+    out = tmp_path / "run.trec"
+    proc = _torchrun([data["queries"], data["corpus"], "-o", str(out)], {"MAXSIM_TEST_FAIL_RANK": "1:kill"})
+    assert proc.returncode != 0
+    assert "Signal 9" in proc.stderr or "SIGKILL" in proc.stderr, proc.stderr
+    assert _leftovers(tmp_path, "run.trec") == []
