@@ -166,3 +166,25 @@ def test_merge_of_per_shard_score_runs_equals_the_corpus_run(tmp_path):
     result = runner.invoke(app, ["merge", *parts, "-k", "20", "-o", str(merged)])
     assert result.exit_code == 0, result.output
     assert merged.read_bytes() == full.read_bytes()
+
+
+def test_queries_file_sets_the_order_and_refuses_strangers(tmp_path):
+    # Partial runs in which the first appearance differs from the query file's order (a part with no
+    # results for the first queries): --queries restores the order `maxsim score` writes.
+    queries = str(SAMPLE / "queries.safetensors")
+    with open_corpus([queries]) as qfile:
+        qids = list(qfile.shards[0].ids)
+    a = tmp_path / "a.trec"
+    b = tmp_path / "b.trec"
+    a.write_text(f"{qids[2]} Q0 x 1 1 t\n{qids[0]} Q0 y 1 2 t\n")
+    b.write_text(f"{qids[1]} Q0 z 1 3 t\n{qids[0]} Q0 w 1 4 t\n")
+    out = tmp_path / "o.trec"
+    result = runner.invoke(app, ["merge", str(a), str(b), "--queries", queries, "--tag", "m", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_text() == (
+        f"{qids[0]} Q0 w 1 4 m\n{qids[0]} Q0 y 2 2 m\n{qids[1]} Q0 z 1 3 m\n{qids[2]} Q0 x 1 1 m\n"
+    )
+    b.write_text("stranger Q0 z 1 3 t\n")
+    result = runner.invoke(app, ["merge", str(a), str(b), "--queries", queries, "-o", str(out)])
+    assert result.exit_code == 1
+    assert f"{b}: query 'stranger' is not in the query file {queries}" in result.stderr
