@@ -1,0 +1,178 @@
+"""The fused Triton forward on a CUDA GPU at realistic sizes, against the float64 reference.
+
+Tolerances (as in tests/test_kernels.py): fp16 and bf16 products are exact in fp32 and the reference
+multiplies the same rounded values, so only fp32 accumulation differs: |err| <= 2e-6 * Lq * max(1, dim/32)
++ 1e-6 * |ref|. TF32 rounds both factors to 10-bit mantissas (relative 2^-11 each), so a dot product of
+unit vectors is off by up to ~1e-3: |err| <= 2e-3 * Lq. Argmax must equal the reference wherever the two
+best similarities differ by more than 1e-5 (1e-2 under TF32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from maxsim_kernels import (
+    maxsim_candidates,
+    maxsim_candidates_reference,
+    maxsim_reference,
+    maxsim_varlen,
+)
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+def packed(lens, dim, dtype, gen):
+    lens = torch.as_tensor(lens, dtype=torch.int64)
+    off = torch.zeros(len(lens) + 1, dtype=torch.int64)
+    off[1:] = torch.cumsum(lens, 0)
+    x = torch.randn(int(off[-1]), dim, generator=gen, device=CUDA, dtype=torch.float32)
+    x = torch.nn.functional.normalize(x, dim=-1).to(dtype)
+    return x, off
+
+
+def bound(ref, q_lens, dim, tf32=False):
+    q_lens = torch.as_tensor(q_lens, dtype=torch.float64, device=ref.device)
+    if tf32:
+        return 2e-3 * q_lens + 1e-6 * ref.abs()
+    return 2e-6 * q_lens * max(1.0, dim / 32) + 1e-6 * ref.abs()
+
+
+def assert_close(out, ref, q_lens, dim, tf32=False):
+    out = out.double()
+    inf = torch.isinf(ref)
+    assert torch.equal(torch.isinf(out), inf)
+    err = torch.where(inf, 0.0, (out - ref).abs())
+    limit = bound(ref, q_lens, dim, tf32)
+    worst = (err / limit).max().item()
+    assert worst <= 1.0, f"error {err.max().item():.3g} is {worst:.2f}x the bound"
+
+
+def assert_argmax(arg, queries, q_off, docs, d_off, doc_ids, gap):
+    """Every query token against the documents `doc_ids`: arg [Tq, len(doc_ids)]."""
+    q64 = queries.double()
+    for col, di in enumerate(doc_ids):
+        d = docs[d_off[di] : d_off[di + 1]].double()
+        if d.shape[0] == 0:
+            assert bool((arg[:, col] == -1).all())
+            continue
+        sim = q64 @ d.T
+        top = sim.topk(min(2, d.shape[0]), dim=1).values
+        first = (sim == top[:, :1]).int().argmax(dim=1)
+        clear = (top[:, 0] - top[:, -1] > gap) if d.shape[0] > 1 else torch.ones_like(first, dtype=torch.bool)
+        got = arg[:, col].long()
+        assert bool((got[clear] == first[clear]).all())
+        assert bool((sim.gather(1, got[:, None])[:, 0] >= top[:, 0] - gap).all())
+
+
+@pytest.mark.parametrize(
+    "dtype, dim, tf32",
+    [
+        (torch.float16, 128, False),
+        (torch.bfloat16, 128, False),
+        (torch.float32, 128, False),
+        (torch.float32, 128, True),
+        (torch.float16, 96, False),
+        (torch.float16, 136, False),
+        (torch.float16, 512, False),
+        (torch.bfloat16, 8, False),
+    ],
+)
+@pytest.mark.parametrize("num_queries", [1, 3, 96])  # the "few" and "many" shape classes
+def test_varlen_realistic(dtype, dim, tf32, num_queries):
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    cpu_gen = torch.Generator().manual_seed(0)
+    q_lens = torch.randint(1, 33, (num_queries,), generator=cpu_gen)
+    d_lens = torch.randint(1, 301, (1500,), generator=cpu_gen)
+    d_lens[::97] = 0  # empty documents
+    d_lens[5::101] = 1
+    queries, q_off = packed(q_lens, dim, dtype, gen)
+    docs, d_off = packed(d_lens, dim, dtype, gen)
+    scores, arg = maxsim_varlen(queries, q_off, docs, d_off, return_argmax=True, allow_tf32=tf32)
+    ref = maxsim_reference(queries, q_off, docs, d_off)
+    assert_close(scores, ref, q_lens[:, None], dim, tf32)
+    plain = maxsim_varlen(queries, q_off.to(CUDA), docs, d_off.to(CUDA), allow_tf32=tf32)
+    assert torch.equal(plain, scores)
+    picked = list(range(0, 1500, 37))
+    assert_argmax(arg[:, picked], queries, q_off, docs, d_off, picked, 1e-2 if tf32 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_varlen_long_queries(dtype):
+    gen = torch.Generator(device=CUDA).manual_seed(1)
+    queries, q_off = packed([1024, 700], 128, dtype, gen)
+    docs, d_off = packed([1024] * 20 + [3, 0, 517], 128, dtype, gen)
+    scores, arg = maxsim_varlen(queries, q_off, docs, d_off, return_argmax=True)
+    ref = maxsim_reference(queries, q_off, docs, d_off)
+    assert_close(scores, ref, torch.tensor([[1024], [700]]), 128)
+    assert_argmax(arg, queries, q_off, docs, d_off, list(range(23)), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_candidates_realistic(dtype):
+    gen = torch.Generator(device=CUDA).manual_seed(2)
+    cpu_gen = torch.Generator().manual_seed(2)
+    d_lens = torch.randint(0, 200, (3000,), generator=cpu_gen)
+    queries, q_off = packed(torch.randint(1, 33, (16,), generator=cpu_gen), 128, dtype, gen)
+    docs, d_off = packed(d_lens, 128, dtype, gen)
+    counts = torch.randint(0, 300, (16,), generator=cpu_gen)
+    counts[3] = 0
+    c_off = torch.zeros(17, dtype=torch.int64)
+    c_off[1:] = counts.cumsum(0)
+    cand = torch.randint(0, 3000, (int(c_off[-1]),), generator=cpu_gen)
+    scores, arg = maxsim_candidates(queries, q_off, docs, d_off, c_off, cand.to(CUDA), return_argmax=True)
+    ref, ref_arg = maxsim_candidates_reference(queries, q_off, docs, d_off, c_off, cand, return_argmax=True)
+    q_lens = torch.repeat_interleave(q_off.diff(), counts)
+    assert_close(scores, ref, q_lens, 128)
+    # argmax: agree wherever the reference's best two similarities are clearly apart
+    agree = (arg == ref_arg).float().mean().item()
+    assert agree > 0.999, agree
+
+
+def test_offsets_past_2_pow_31_elements():
+    """A docs tensor of > 2^31 elements; the scored documents at its end need 64-bit offsets."""
+    dim, doc_len = 128, 1024
+    num_docs = (2**31 // (dim * doc_len)) + 8  # 16392 documents, 2.15e9 elements (4.3 GB in fp16)
+    docs = torch.empty(num_docs * doc_len, dim, dtype=torch.float16, device=CUDA)
+    assert docs.numel() > 2**31
+    docs.normal_()
+    d_off = torch.arange(num_docs + 1, dtype=torch.int64) * doc_len
+    gen = torch.Generator(device=CUDA).manual_seed(3)
+    queries, q_off = packed([32], dim, torch.float16, gen)
+    scores = maxsim_varlen(queries, q_off, docs, d_off)
+    tail = 16
+    sub = docs[d_off[-tail - 1] :]
+    ref = maxsim_reference(queries, q_off, sub, d_off[-tail - 1 :] - d_off[-tail - 1])
+    # unnormalised randn docs: similarities ~ N(0, 1) x sqrt(dim) scale, so scale the bound
+    err = (scores[0, -tail:].double() - ref[0]).abs().max().item()
+    assert err <= 1e-3 * ref.abs().max().item(), err
+    cand = torch.tensor([num_docs - 1, 0, num_docs - 2])
+    c_scores = maxsim_candidates(queries, q_off, docs, d_off, torch.tensor([0, 3]), cand)
+    assert torch.allclose(c_scores[[0, 2]], scores[0, [num_docs - 1, num_docs - 2]], rtol=0, atol=0)
+
+
+def _compiles(kernel) -> int:
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+
+def test_no_recompilation_within_a_bucket():
+    from maxsim_kernels import maxsim_forward as fwd
+
+    gen = torch.Generator(device=CUDA).manual_seed(4)
+    cpu_gen = torch.Generator().manual_seed(4)
+
+    def run(nq, q_max, nd, d_max):
+        q_lens = torch.randint(1, q_max + 1, (nq,), generator=cpu_gen)
+        q_lens[0] = q_max
+        queries, q_off = packed(q_lens, 128, torch.float16, gen)
+        docs, d_off = packed(torch.randint(0, d_max + 1, (nd,), generator=cpu_gen), 128, torch.float16, gen)
+        maxsim_varlen(queries, q_off, docs, d_off)
+        c_off = torch.linspace(0, nd, nq + 1).long()
+        maxsim_candidates(queries, q_off, docs, d_off, c_off, torch.arange(nd))
+
+    run(64, 32, 1000, 300)  # warm: one compile per kernel
+    before = (_compiles(fwd._maxsim_varlen_kernel), _compiles(fwd._maxsim_candidates_kernel))
+    for nq, q_max, nd, d_max in [(65, 17, 1, 5), (128, 32, 4097, 1000), (200, 25, 16, 64), (96, 31, 333, 1)]:
+        run(nq, q_max, nd, d_max)
+    after = (_compiles(fwd._maxsim_varlen_kernel), _compiles(fwd._maxsim_candidates_kernel))
+    assert after == before, (before, after)
