@@ -20,6 +20,8 @@ A document with no tokens scores -inf and has argmax -1.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
 
@@ -31,6 +33,41 @@ from ._validate import Layout, check_candidates, check_inputs
 # blocks of 1024 rows keep the [group, rows] similarity block (16 MB) from spilling far past the L2/L3.
 _GROUP_TOKENS = 4096
 _QUERY_ROWS = 1024
+
+
+# Few query tokens (one query, or a handful): stream the documents in their packed order instead, with
+# no gather: S^T = Q . D_chunk^T [Tq, chunk] and `np.maximum.reduceat` over each document's columns,
+# chunks spread over one thread per core. Below _STREAM_MAX_ROWS query rows this reads the documents
+# once and touches Tq floats per token, against dim floats per token for the gather of the blocked path.
+_STREAM_MAX_ROWS = 128
+_STREAM_CHUNK_TOKENS = 16384
+
+
+def _score_stream(
+    q: torch.Tensor, q_offsets: np.ndarray, docs: torch.Tensor, d_offsets: np.ndarray, scores: torch.Tensor
+) -> None:
+    """All documents in packed order (CPU tensors, no argmax): fills scores [nq, nd]."""
+    lens = np.diff(d_offsets)
+    nd = len(lens)
+    out = scores.numpy()
+    out[:, lens == 0] = -np.inf
+    # chunk boundaries (document indices) of about _STREAM_CHUNK_TOKENS tokens each
+    cuts = np.searchsorted(d_offsets, np.arange(0, d_offsets[-1], _STREAM_CHUNK_TOKENS), side="right") - 1
+    bounds = np.unique(np.concatenate([cuts, [nd]]))
+    q_starts = q_offsets[:-1]
+
+    def work(a: int, b: int) -> None:
+        t0, t1 = int(d_offsets[a]), int(d_offsets[b])
+        full = np.flatnonzero(lens[a:b] > 0) + a
+        if t1 == t0 or len(full) == 0:
+            return
+        sim = torch.mm(q, docs[t0:t1].to(q.dtype).T).numpy()  # [Tq, tokens]
+        best = np.maximum.reduceat(sim, d_offsets[full] - t0, axis=1)  # [Tq, docs]
+        out[:, full] = np.add.reduceat(best, q_starts, axis=0)
+
+    workers = max(1, torch.get_num_threads())
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(work, bounds[:-1], bounds[1:]))
 
 
 def _groups(lens: np.ndarray, group_tokens: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
@@ -128,7 +165,15 @@ def maxsim_varlen_cpu(
     argmax = (
         torch.full((queries.shape[0], nd), -1, dtype=torch.int32, device=device) if return_argmax else None
     )
-    if nq and nd:
+    stream = (
+        device.type == "cpu"
+        and not return_argmax
+        and doc_scales is None
+        and queries.shape[0] <= _STREAM_MAX_ROWS
+    )
+    if nq and nd and stream:
+        _score_stream(queries.to(compute).contiguous(), layout.q_offsets, docs, layout.d_offsets, scores)
+    elif nq and nd:
         token_query = torch.from_numpy(np.repeat(np.arange(nq), layout.q_lens)).to(device)
         _score_docs(
             queries.to(compute).contiguous(),

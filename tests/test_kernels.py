@@ -88,7 +88,10 @@ def varlen_case(q_lens, d_lens, dim, dtype, backend, *, seed=0, q_sign=None, d_s
     assert arg.dtype == torch.int32
     check_scores(scores, ref, torch.as_tensor(q_lens)[:, None], dim)
     plain = maxsim_varlen(queries, q_off, docs, d_off, backend=backend)
-    assert torch.equal(plain, scores), "scores must not depend on return_argmax"
+    if backend == "triton":
+        assert torch.equal(plain, scores), "scores must not depend on return_argmax"
+    else:  # the CPU path streams when no argmax is asked for: the same maxima, another summation order
+        check_scores(plain, ref, torch.as_tensor(q_lens)[:, None], dim)
     pairs = []
     for qi in range(len(q_lens)):
         for di in range(len(d_lens)):

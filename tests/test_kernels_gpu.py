@@ -75,10 +75,9 @@ def assert_argmax(arg, queries, q_off, docs, d_off, doc_ids, gap):
         (torch.float16, 96, False),
         (torch.float16, 136, False),
         (torch.float16, 512, False),
-        (torch.bfloat16, 8, False),
     ],
 )
-@pytest.mark.parametrize("num_queries", [1, 3, 96])  # the "few" and "many" shape classes
+@pytest.mark.parametrize("num_queries", [1, 96])  # the "few" and "many" shape classes
 def test_varlen_realistic(dtype, dim, tf32, num_queries):
     gen = torch.Generator(device=CUDA).manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
