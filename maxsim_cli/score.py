@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from maxsim_cli.errors import InputError, MaxsimError, UsageError
-from maxsim_cli.pipeline import Batch, BatchPlan, BatchStream, Part
+from maxsim_cli.pipeline import Batch, BatchPlan, BatchStream, Part, PinnedArena
 from maxsim_cli.topk import MAX_RANKS, PAIR_BYTES, STATE_BYTES, RunningTopK
 from maxsim_cli.units import format_size
 
@@ -76,6 +76,11 @@ DEFAULT_READER_THREADS = 16
 # Defaults: host staging memory, and the share of free GPU memory used without --max-memory.
 DEFAULT_HOST_BYTES = 4 << 30
 DEFAULT_GPU_FREE_SHARE = 0.9
+# Pinned staging memory on CUDA: page-locking costs ~0.5 s/GiB once per process (pipeline.PinnedArena), so
+# the slots share one arena of at most this size: (16 + 2) slots of ~28 MiB, i.e. 110K fp16 tokens of
+# d = 128, a batch that still takes ~1.5 ms of kernel time for 512 queries (several times the launch
+# and merge overheads).
+STAGING_BYTES = 512 << 20
 
 Logger = Callable[[str], None]
 
@@ -234,6 +239,7 @@ class _Budget:
     host_bytes: int  # host staging budget (CUDA only)
     reader_threads: int
     cuda: bool
+    staging_bytes: int = 0  # the pinned arena (CUDA)
 
 
 def _split(
@@ -257,8 +263,11 @@ def _batch_token_limit(total_bytes: int, tb: int, budget: _Budget) -> float:
     """Tokens per batch for overlap (MIN_BATCHES per pass, within the batch-size bounds) and the host."""
     target = min(max(total_bytes // MIN_BATCHES, MIN_BATCH_BYTES), MAX_BATCH_BYTES)
     if budget.cuda:
-        # (reader_threads + 2) pinned slots and one unstaged batch per reader
-        target = min(target, budget.host_bytes // (2 * budget.reader_threads + 2))
+        slots = BatchStream.host_slots(budget.reader_threads)
+        # (reader_threads + 2) pinned slots and one unstaged batch per reader, and the slots within
+        # the pinned arena (with room for each slot's offsets and side data: 16 bytes a token at most)
+        target = min(target, budget.host_bytes // (slots + budget.reader_threads))
+        return max(min(target // tb, budget.staging_bytes // slots // (tb + 16)), 1)
     return max(target // tb, 1)
 
 
@@ -359,6 +368,12 @@ def score(
         backend=backend,
         output=str(output),
     )
+    host_budget = max_host_memory if max_host_memory is not None else _default_host_bytes()
+    threads = reader_threads or (min(DEFAULT_READER_THREADS, os.cpu_count() or 1) if cuda else 1)
+    arena = None
+    if cuda:
+        # page-locked staging memory, allocated while the corpus is opened and the run planned
+        arena = PinnedArena(min(STAGING_BYTES, host_budget, _files_bytes(corpus) + (1 << 20)), dev)
     corpus_obj = part.corpus if part is not None else open_corpus([str(p) for p in corpus])
     try:
         qbatch = read_queries(str(queries))
@@ -376,9 +391,7 @@ def score(
             stats.gpu_budget_bytes = gpu_budget
             torch.cuda.reset_peak_memory_stats(dev)
             base_allocated = torch.cuda.memory_allocated(dev)
-        host_budget = max_host_memory if max_host_memory is not None else _default_host_bytes()
         stats.host_budget_bytes = host_budget
-        threads = reader_threads or (min(DEFAULT_READER_THREADS, os.cpu_count() or 1) if cuda else 1)
         stats.reader_threads = threads
         budget = _Budget(
             device_bytes=(gpu_budget - base_allocated)
@@ -387,9 +400,11 @@ def score(
             host_bytes=host_budget,
             reader_threads=threads,
             cuda=cuda,
+            staging_bytes=arena.nbytes if arena is not None else 0,
         )
 
         engine = _Engine(corpus_obj, q_emb, q_offsets, dev, backend, budget, stats, log, corpus)
+        engine.arena = arena
         if candidates is not None:
             from_rank = part is not None and part.candidates is not None
             run = part.candidates if from_rank else read_run(str(candidates))  # type: ignore[union-attr]
@@ -420,6 +435,24 @@ def score(
 def _corpus_name(corpus: Sequence[str]) -> str:
     names = [str(p) for p in corpus]
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _files_bytes(paths: Sequence[str]) -> int:
+    """Bytes of the shard files named (directories: their shard files), for sizing the staging arena."""
+    total = 0
+    for path in paths:
+        try:
+            if os.path.isdir(path):
+                total += sum(
+                    entry.stat().st_size
+                    for entry in os.scandir(path)
+                    if entry.is_file() and entry.name.endswith((".safetensors", ".arrow", ".parquet"))
+                )
+            else:
+                total += os.path.getsize(path)
+        except OSError:
+            return STAGING_BYTES  # open_corpus reports the problem
+    return total
 
 
 def _default_host_bytes() -> int:
@@ -493,6 +526,7 @@ class _Engine:
         self.doc_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
         self.tok_cum = np.concatenate([[0], np.cumsum(self.doc_lengths)]).astype(np.int64)
         self.score_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.arena: PinnedArena | None = None
         self.docnos_of: dict[int, list[str]] = {}  # rerank: each query's candidates found, in run order
 
     # ---------------------------------------------------------------------------- query helpers
@@ -607,6 +641,7 @@ class _Engine:
             device=self.device,
             reader_threads=self.budget.reader_threads,
             resident=resident,
+            arena=self.arena,
         )
         self.stats.documents = n_docs
         self.stats.tokens = int(self.tok_cum[-1])
@@ -853,6 +888,7 @@ class _Engine:
             scaled=self.scaled,
             device=self.device,
             reader_threads=self.budget.reader_threads,
+            arena=self.arena,
         )
         self.pair_q = q_arr
         self.pair_scores_len = len(q_arr)

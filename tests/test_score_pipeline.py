@@ -382,3 +382,28 @@ def test_deferred_value_check_names_the_document(tmp_path) -> None:
     stream._flags = [(plan, torch.tensor(False))]
     stream._check_values()  # nothing flagged: nothing re-read
     corpus.close()
+
+
+def test_pinned_arena_carves_aligned_disjoint_slots(monkeypatch) -> None:
+    from maxsim_cli import pipeline
+
+    # the carving, without page-locking (this machine has no CUDA)
+    def allocate(self) -> None:
+        self._buffer = torch.zeros(self.nbytes, dtype=torch.uint8)
+
+    monkeypatch.setattr(pipeline.PinnedArena, "_allocate", allocate)
+    arena = pipeline.PinnedArena(1 << 20)
+    slots = [
+        pipeline._Buffers(100 + i, 10, 5, 16, torch.bfloat16, True, "cpu", False, arena) for i in range(3)
+    ]
+    for i, slot in enumerate(slots):
+        assert slot.embeddings.shape == (100 + i, 16) and slot.embeddings.dtype == torch.bfloat16
+        assert slot.scales is not None and slot.scales.shape == (100 + i,)
+        assert slot.ints.shape == (16,) and slot.ints.dtype == torch.int64
+        for t in (slot.embeddings, slot.scales, slot.ints):
+            assert (t.data_ptr() - arena._buffer.data_ptr()) % pipeline.PinnedArena.ALIGN == 0
+            t.fill_(i + 1)
+    for i, slot in enumerate(slots):  # no slot overwrote another
+        assert bool((slot.embeddings == i + 1).all()) and bool((slot.ints == i + 1).all())
+    huge = pipeline._Buffers(1 << 20, 10, 0, 16, torch.float16, False, "cpu", False, arena)
+    assert huge.embeddings.shape == (1 << 20, 16)  # the arena is used up: a slot of its own
