@@ -380,13 +380,22 @@ def run_rank(options: dict[str, Any]) -> ScoreStats:
     if not 0 <= rank < world:
         raise UsageError(f"RANK={rank} is outside 0..{world - 1} (WORLD_SIZE={world}); check the launcher")
     timeout = datetime.timedelta(seconds=timeout_seconds())
+    # The device is settled before joining the group, but a bad one is reported through the status
+    # exchange like any other error, so that every rank stops.
+    device, device_error = "?", None
+    try:
+        device = _rank_device(options.get("device", "auto"), local_rank)
+    except MaxsimError as exc:
+        device_error = exc
+    cuda_ready = _CudaInit(device) if device.startswith("cuda") else None
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         _init_group(rank, world, timeout)
+        phases = {"join_s": time.perf_counter() - start}
         try:
-            return _run_in_group(options, rank, world, local_rank, start)
+            return _run_in_group(options, rank, world, device, device_error, cuda_ready, start, phases)
         finally:
             dist.destroy_process_group()
     finally:
@@ -394,26 +403,58 @@ def run_rank(options: dict[str, Any]) -> ScoreStats:
             signal.signal(signal.SIGTERM, previous)
 
 
+class _CudaInit(threading.Thread):
+    """Creates the rank's CUDA context (a few hundred ms) while the rank joins the group and opens the
+    corpus; `wait` re-raises what it raised."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__(name="maxsim-cuda-init", daemon=True)
+        self.device = device
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            torch.empty(1, device=self.device)
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            self.error = exc
+
+    def wait(self) -> None:
+        self.join()
+        if self.error is not None:
+            raise self.error
+
+
 def _run_in_group(
-    options: dict[str, Any], rank: int, world: int, local_rank: int, start: float
+    options: dict[str, Any],
+    rank: int,
+    world: int,
+    device: str,
+    device_error: MaxsimError | None,
+    cuda_ready: _CudaInit | None,
+    start: float,
+    phases: dict[str, float],
 ) -> ScoreStats:
     import torch.distributed as dist
 
-    device = "?"
     share: _Share | None = None
     status: tuple[int, str, str] | None = None
     crash: BaseException | None = None
     try:
-        device = _rank_device(options.get("device", "auto"), local_rank)
-        share = _score_share(options, rank, world, device)
+        if device_error is not None:
+            raise device_error
+        share = _score_share(options, rank, world, device, cuda_ready)
     except MaxsimError as exc:
         status = (exc.exit_code, str(exc), device)
     except Exception as exc:  # a bug: the others must still learn of it, then its traceback shows here
         crash = exc
         message = f"{type(exc).__name__}: {_one_line(exc)} (its traceback is in that rank's output)"
         status = (1, message, device)
+    phases["share_s"] = time.perf_counter() - start - phases["join_s"]
+    mark = time.perf_counter()
     statuses: list[Any] = [None] * world
     dist.all_gather_object(statuses, status)
+    phases["wait_for_ranks_s"] = time.perf_counter() - mark
     failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
     if failed:
         if crash is not None:
@@ -425,8 +466,10 @@ def _run_in_group(
             message = f"rank {r} of {world} ({where}): {message}"
         raise _ERROR_CLASSES.get(code, MaxsimError)(message)
     assert share is not None
+    mark = time.perf_counter()
     gathered: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(share, gathered, dst=0)
+    phases["gather_s"] = time.perf_counter() - mark
     from maxsim_cli.score import ScoreStats
 
     if rank != 0:
@@ -435,8 +478,12 @@ def _run_in_group(
         return stats
     assert gathered is not None
     shares: list[_Share] = gathered
+    mark = time.perf_counter()
     _write_merged(options, shares)
+    phases["merge_write_s"] = time.perf_counter() - mark
     stats = _combine_stats(options, shares)
+    stats.write_s = phases["merge_write_s"]
+    stats.extra["phases"] = phases
     stats.wall_s = time.perf_counter() - start
     return stats
 
@@ -454,7 +501,9 @@ def _inject_test_failure(rank: int) -> None:
     raise MaxsimError(f"failure injected on rank {rank} by {ENV_FAIL_RANK}={value} (a test hook)")
 
 
-def _score_share(options: dict[str, Any], rank: int, world: int, device: str) -> _Share:
+def _score_share(
+    options: dict[str, Any], rank: int, world: int, device: str, cuda_ready: _CudaInit | None
+) -> _Share:
     """Open the corpus, score this rank's shards for all queries, return the results."""
     from maxsim_cli.runs import read_run
     from maxsim_cli.score import ScoreStats, score
@@ -493,6 +542,8 @@ def _score_share(options: dict[str, Any], rank: int, world: int, device: str) ->
                 run, corpus.id_index(), owner, rank, bool(options.get("strict", False))
             )
         sink = ResultSink()
+        if cuda_ready is not None:
+            cuda_ready.wait()
         if mine:
             sub = corpus if len(mine) == len(corpus.shards) else Corpus([corpus.shards[s] for s in mine])
             kwargs = {k: v for k, v in options.items() if k not in _LOCAL_OPTIONS}
@@ -549,38 +600,23 @@ def _write_merged(options: dict[str, Any], shares: Sequence[_Share]) -> None:
 
 
 def _combine_stats(options: dict[str, Any], shares: Sequence[_Share]) -> ScoreStats:
-    """Job stats: counts and stage times summed over ranks, peaks and batch sizes the largest rank's."""
+    """Job stats: counts and stage times summed over ranks; peaks, setup and batch sizes the largest
+    rank's; anything else rank 0's. Each rank's own stats are kept under ``ranks``."""
     from maxsim_cli.score import ScoreStats
 
     per_rank = [ScoreStats(**share.stats) for share in shares]
-    first = per_rank[0]
-    devices = [share.device for share in shares]
-    out = ScoreStats(
-        mode=first.mode,
-        device=f"{len(shares)} ranks ({', '.join(devices)})",
-        backend=first.backend,
-        output=str(options.get("output", "-")),
-    )
+    out = ScoreStats(**{**shares[0].stats, "extra": {}})
+    out.device = f"{len(shares)} ranks ({', '.join(share.device for share in shares)})"
+    out.output = str(options.get("output", "-"))
     summed = ("documents", "tokens", "pairs", "missing_candidates", "oom_retries", "doc_batches")
-    for name in (*summed, "bytes_read"):
+    for name in (*summed, "bytes_read", "read_s", "copy_s", "score_s", "wait_s"):
         setattr(out, name, sum(getattr(s, name) for s in per_rank))
-    for name in ("read_s", "copy_s", "score_s", "wait_s"):
-        setattr(out, name, float(sum(getattr(s, name) for s in per_rank)))
-    for name in (
-        "queries",
-        "query_batches",
-        "peak_host_bytes",
-        "query_batch_size",
-        "max_batch_docs",
-        "max_batch_tokens",
-        "planned_device_bytes",
-    ):
-        setattr(out, name, max(getattr(s, name) for s in per_rank))
+    largest = ("queries", "query_batches", "peak_host_bytes", "query_batch_size", "max_batch_docs")
+    for name in (*largest, "max_batch_tokens", "planned_device_bytes", "setup_s"):
+        if hasattr(out, name):
+            setattr(out, name, max(getattr(s, name) for s in per_rank))
     peaks = [s.peak_gpu_bytes for s in per_rank if s.peak_gpu_bytes is not None]
     out.peak_gpu_bytes = max(peaks) if peaks else None
-    out.gpu_budget_bytes = first.gpu_budget_bytes
-    out.host_budget_bytes = first.host_budget_bytes
-    out.reader_threads = first.reader_threads
     out.resident = all(s.resident for s in per_rank if s.documents)
     out.extra = {
         "rank": 0,
