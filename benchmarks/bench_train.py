@@ -17,7 +17,7 @@ For each row: fwd+bwd time (triton.testing.do_bench median, upstream gradient fi
 the inputs (torch.cuda.max_memory_allocated during one fwd+bwd, the returned gradients included), the
 relative gradient error ||g - g_ref|| / ||g_ref|| of dQ and dD against float64 (similarities and argmax
 in float64, gradients reduced in float64), and whether two runs give bitwise-equal gradients.
-Our backward is also broken down (CSR build, dQ kernel, dD kernel) and its launch constants swept.
+Our backward is also broken down (forward, CSR build, dQ kernel, CSR + dD).
 
     python benchmarks/bench_train.py --out benchmarks/results/train-h200.json
 """
@@ -25,7 +25,6 @@ Our backward is also broken down (CSR build, dQ kernel, dD kernel) and its launc
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
 import json
@@ -204,94 +203,33 @@ def measure(method: str, x: dict, ref: Grads) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------
-# our backward: breakdown and a sweep of its launch constants
+# our forward and backward, part by part
 # ------------------------------------------------------------------------------------------------------
 
 
 def breakdown(x: dict) -> dict:
+    """Our forward and the parts of our backward, each timed alone."""
     q, d, qo, do, g = x["q"], x["d"], x["qo"], x["do"], x["g"]
     fwd = maxsim_kernels.maxsim_varlen
     with torch.no_grad():
         _, argmax = fwd(q, qo, d, do, return_argmax=True)
     td = d.shape[0]
-    out = {}
-    if fwd is not None:
-        out["forward_argmax_ms"] = do_bench(
-            lambda: fwd(q, qo, d, do, return_argmax=True), return_mode="median"
-        )
-    out["csr_build_ms"] = do_bench(
-        lambda: mb.build_inverse_csr(mb._pair_keys(argmax, do, None, td), td), return_mode="median"
-    )
-    out["dq_kernel_ms"] = do_bench(
-        lambda: mb._grad_queries_triton(d, None, do, argmax, g, qo, None, None, q.shape[0], q.dtype),
-        return_mode="median",
-    )
-    out["dd_total_ms"] = do_bench(
-        lambda: mb._grad_docs_triton(q, g, argmax, qo, do, None, None, td, d.dtype), return_mode="median"
-    )
-    out["backward_ms"] = do_bench(lambda: mb.maxsim_backward(g, argmax, q, qo, d, do), return_mode="median")
-    return out
-
-
-DQ_VARIANTS = [(8, 8, 4), (4, 8, 2), (16, 4, 4), (8, 16, 8)]
-DD_VARIANTS = [(16, 2), (8, 1), (32, 2), (16, 4)]
-CHUNK_VARIANTS = [1 << 16, 1 << 18, 1 << 20]
-
-
-@contextlib.contextmanager
-def constants(**values):
-    saved = {k: getattr(mb, k) for k in values}
-    for k, v in values.items():
-        setattr(mb, k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(mb, k, v)
-
-
-def sweep(x: dict) -> list[dict]:
-    """Our launch constants, one kernel at a time, on this shape's argmax (one CSR for all documents)."""
-    q, d, qo, do, g = x["q"], x["d"], x["qo"], x["do"], x["g"]
-    with torch.no_grad():
-        _, argmax = maxsim_kernels.maxsim_varlen(q, qo, d, do, return_argmax=True)
-    nq_tok, nd = argmax.shape
-    td = d.shape[0]
-    row_ptr, order = mb.build_inverse_csr(mb._pair_keys(argmax, do, None, td), td)
-    token_query = mb._owner_of(qo, nq_tok)
-    rows = []
-    for bt, bc, nw in DQ_VARIANTS:
-        with constants(_DQ_BLOCK_T=bt, _DQ_BLOCK_C=bc, _DQ_NUM_WARPS=nw):
-            fn = lambda: mb._grad_queries_triton(d, None, do, argmax, g, qo, None, None, nq_tok, q.dtype)
-            fn()
-            ms = do_bench(fn, return_mode="median")
-        rows.append({"kernel": "dq", "BLOCK_T": bt, "BLOCK_C": bc, "num_warps": nw, "ms": ms})
-    grad_d = torch.empty_like(d)
-    for be, nw in DD_VARIANTS:
-
-        def fn(be=be, nw=nw):
-            mb._maxsim_grad_docs_kernel[(td, 1)](
-                q, g, order, row_ptr, token_query, qo, token_query, grad_d, nd, 0, nd, 0, DIM,
-                q.stride(0), grad_d.stride(0), CANDIDATES=False, BLOCK_E=be, BLOCK_DIM=DIM, num_warps=nw,
-            )  # fmt: skip
-
-        fn()
-        rows.append(
-            {"kernel": "dd", "BLOCK_E": be, "num_warps": nw, "ms": do_bench(fn, return_mode="median")}
-        )
-    for pairs in CHUNK_VARIANTS:
-        with constants(_CSR_PAIRS_PER_CHUNK=pairs):
-            fn = lambda: mb._grad_docs_triton(q, g, argmax, qo, do, None, None, td, d.dtype)
-            fn()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            fn()
-            torch.cuda.synchronize()
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-            ms = do_bench(fn, return_mode="median")
-        rows.append({"kernel": "csr+dd", "CSR_PAIRS_PER_CHUNK": pairs, "peak_mib": peak, "ms": ms})
-    return rows
+    tq = mb._owner_of(qo, q.shape[0])
+    return {
+        "forward_argmax_ms": do_bench(lambda: fwd(q, qo, d, do, return_argmax=True), return_mode="median"),
+        "csr_build_ms": do_bench(
+            lambda: mb.build_inverse_csr_all_pairs(argmax, do, td), return_mode="median"
+        ),
+        "dq_kernel_ms": do_bench(
+            lambda: mb._grad_queries_triton(d, None, do, argmax, g, qo, tq, None, None, q.shape[0], q.dtype),
+            return_mode="median",
+        ),
+        "csr_and_dd_ms": do_bench(
+            lambda: mb._grad_docs_triton(q, g, argmax, qo, do, tq, None, None, td, d.dtype),
+            return_mode="median",
+        ),
+        "backward_ms": do_bench(lambda: mb.maxsim_backward(g, argmax, q, qo, d, do), return_mode="median"),
+    }
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -302,7 +240,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="results JSON (rewritten after every row)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shape names")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated method names")
-    parser.add_argument("--no-sweep", action="store_true", help="skip the sweep of our launch constants")
+    parser.add_argument("--fp32-shapes", default=",".join(SHAPES), help="shapes also run with fp32 inputs")
     args = parser.parse_args()
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 rows compute in fp32
@@ -314,10 +252,9 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "dim": DIM,
-        "command": "python benchmarks/bench_train.py --out " + args.out,
+        "command": "python benchmarks/bench_train.py " + " ".join(sys.argv[1:]),
         "rows": [],
         "breakdown": [],
-        "sweep": [],
     }
 
     def save() -> None:
@@ -328,6 +265,8 @@ def main() -> None:
     started = time.perf_counter()
     for shape_name in args.shapes.split(","):
         for dtype in (torch.float16, torch.float32):
+            if dtype == torch.float32 and shape_name not in args.fp32_shapes.split(","):
+                continue
             x = make_inputs(*SHAPES[shape_name], dtype, seed=0)
             ref = reference_grads(x)
             for method in args.methods.split(","):
@@ -345,10 +284,6 @@ def main() -> None:
                 bd = {"shape": shape_name, "dtype": str(dtype).removeprefix("torch."), **breakdown(x)}
                 result["breakdown"].append(bd)
                 log(f"[{time.perf_counter() - started:6.1f}s] {json.dumps(bd)}")
-                if not args.no_sweep and dtype == torch.float16:
-                    for r in sweep(x):
-                        result["sweep"].append({"shape": shape_name, **r})
-                        log(json.dumps(result["sweep"][-1]))
                 save()
             del x, ref
             gc.collect()

@@ -23,13 +23,14 @@ route the whole gradient to the token the forward's argmax picked, the lowest in
 Inverse map (CSR) and determinism
 ---------------------------------
 Every pair ``p`` (a query token and a scored document) has a key ``k(p)``: the global row of its winning
-document token. A stable sort of the keys (``torch.sort(stable=True)``, a radix sort on CUDA, itself
-deterministic) gives ``order``, the pair indices grouped by key and increasing within a group;
-``row_ptr[j] = #{p : k(p) < j}`` (``searchsorted``). One program per document token ``j`` sums
-``G * Q_i`` over ``order[row_ptr[j] : row_ptr[j+1]]`` in that fixed order with fp32 accumulators and
-writes its row once, in the input dtype: no atomics, no fp32 gradient buffer, and the same bits from run
-to run. For all pairs a document's pairs only ever land on its own tokens, so the CSR is built for a chunk
-of documents at a time (at most _CSR_PAIRS_PER_CHUNK pairs), which bounds the sort's scratch memory.
+document token. The CSR lists, for each document token ``j``, the pairs with ``k(p) = j`` in increasing
+order. All pairs: a document's pairs only land on its own tokens, so a counting sort per (block of
+_CSR_SEGMENT query tokens, document) builds it in two passes around integer prefix sums (count; fill)
+in which every write has a single owner: no atomics, no host synchronisation, 4 bytes a pair.
+Candidates (lists may share documents): a stable sort of the keys (``torch.sort(stable=True)``, a
+deterministic radix sort on CUDA) and a binary search. One program per document token ``j`` then sums
+``G * Q_i`` over its list in that fixed order with fp32 accumulators and writes its row once, in the
+input dtype: no atomics, no fp32 gradient buffer, and the same bits from run to run.
 The query gradient is owned by query-token blocks, which loop over the documents in index order.
 A document token that no query token chose gets an exact zero row.
 
@@ -40,8 +41,9 @@ Float64 inputs (used by ``torch.autograd.gradcheck``) are scored by the package'
 
 Cost, with P the number of scored (query token, document) pairs (Tq * nd for all pairs): the backward
 gathers P document rows (dQ) and P query rows (dD), 2 * P * dim * bytes, mostly from L2 at training batch
-sizes, plus a radix sort of P int32 keys; memory beyond the two gradients is the forward's int32 argmax
-(4 B a pair) and one chunk's CSR.
+sizes, and reads the int32 argmax three times (dQ, count, fill). Memory beyond the two gradients: the
+forward's int32 argmax (4 B a pair), the CSR (4 B a pair + 12 B a document token) and the cursors
+(4 B x Td x ceil(Tq / _CSR_SEGMENT)).
 """
 
 from __future__ import annotations
@@ -53,20 +55,24 @@ import torch
 import triton
 import triton.language as tl
 
-# --- tuning constants ------------------------------------------------------------------------------
+# --- tuning constants (H200, triton 3.6, dim 128: benchmarks/results/train-h200.json, "sweep") --------
 # Query-gradient kernel: a program owns _DQ_BLOCK_T query tokens and gathers _DQ_BLOCK_C winning rows
-# per token per step ([T, C, dim] in flight, which is what hides the gather latency).
+# per token per step ([T, C, dim] in flight, which is what hides the gather latency). (8, 8, 4 warps)
+# was within noise of the best of the four variants swept on the three training shapes.
 _DQ_BLOCK_T = 8
 _DQ_BLOCK_C = 8
 _DQ_NUM_WARPS = 4
-# Document-gradient kernel: one program per document token; it reads its CSR entries _DD_BLOCK_E at a
-# time (the mean list length is (query tokens x docs) / doc tokens: 23 for ColBERT 128x32 vs 180-token
-# docs, 32 for ColPali 32x1024 vs 1024-token docs).
-_DD_BLOCK_E = 16
-_DD_NUM_WARPS = 2
-# Pairs per inverse-CSR build (all pairs): the sort's transient (int32 keys in and out, int64 order, CUB
-# scratch: ~36 B a pair) stays near 9 MiB at 2^18 pairs.
-_CSR_PAIRS_PER_CHUNK = 1 << 18
+# Document-gradient kernel: one program per document token reads its CSR list _DD_BLOCK_E entries at a
+# time (mean list length = query tokens x docs / doc tokens: 23 for ColBERT 128x32 vs 180-token docs, 32
+# for ColPali). 8 entries, 1 warp: 53 us / 96 us on ColBERT 128 / 256 docs, vs 62 / 115 us for (16, 2
+# warps) and 92 / 174 us for (32, 2 warps).
+_DD_BLOCK_E = 8
+_DD_NUM_WARPS = 1
+# All-pairs inverse CSR (counting sort): a program ranks the winners of _CSR_SEGMENT query tokens against
+# one document, _CSR_BLOCK_I at a time ([BLOCK_I, BLOCK_I] equality tile). A stable torch.sort of the
+# keys instead took 200 us for ColBERT 128 x 128 docs (0.5M pairs) and ~36 B of scratch a pair.
+_CSR_SEGMENT = 1024
+_CSR_BLOCK_I = 128
 # Columns per program: a wider vector is split over a grid axis, so the register tiles stay at the size of
 # the measured dim-128 case whatever the dim (up to 4096).
 _MAX_BLOCK_DIM = 128
@@ -79,6 +85,54 @@ _BACKENDS = ("auto", "triton", "torch")
 # =====================================================================================================
 # Triton kernels
 # =====================================================================================================
+
+
+@triton.jit
+def _maxsim_inverse_csr_kernel(
+    # pointers
+    argmax_ptr,
+    doc_offsets_ptr,
+    cursor_ptr,
+    order_ptr,
+    # sizes
+    num_query_tokens,
+    num_docs,
+    num_doc_tokens,
+    # meta
+    FILL: tl.constexpr,
+    SEGMENT: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    """Counting sort of the query tokens by winning document token, one (query segment, document) each.
+
+    Program (s, d) walks query tokens i in [s*SEGMENT, (s+1)*SEGMENT), BLOCK_I at a time, in increasing
+    order; cursor[s, j] (int32 [S, Td]) is segment s's next slot in the list of document token j.
+    Count pass (FILL=False, cursors from 0): the cursors end as the per-segment counts. Fill pass (cursors
+    from the exclusive prefix over tokens, then segments): token i goes to order[cursor[s, a(i, d)] +
+    rank], rank = earlier tokens of the same block with the same winner; then the cursors advance. Every
+    write has one owner, so no atomics; the lists come out in increasing i.
+    """
+    seg = tl.program_id(0)
+    doc = tl.program_id(1)
+    doc_start = tl.load(doc_offsets_ptr + doc)
+    seg_end = tl.minimum((seg + 1) * SEGMENT, num_query_tokens)
+    lanes = tl.arange(0, BLOCK_I)
+    earlier = lanes[None, :] < lanes[:, None]  # [i, i']: i' comes before i
+    later = lanes[None, :] > lanes[:, None]
+    cursors = cursor_ptr + seg.to(tl.int64) * num_doc_tokens + doc_start
+    for i0 in range(seg * SEGMENT, seg_end, BLOCK_I):
+        tokens = i0 + lanes
+        winner = tl.load(argmax_ptr + tokens.to(tl.int64) * num_docs + doc, mask=tokens < seg_end, other=-1)
+        valid = winner >= 0
+        same = (winner[:, None] == winner[None, :]) & valid[None, :]
+        rank = tl.sum((same & earlier).to(tl.int32), axis=1)
+        last = tl.sum((same & later).to(tl.int32), axis=1) == 0
+        slot = tl.load(cursors + winner, mask=valid, other=0)
+        tl.debug_barrier()  # every lane has read its cursor before any cursor moves
+        if FILL:
+            tl.store(order_ptr + slot + rank, tokens, mask=valid)
+        tl.store(cursors + winner, slot + rank + 1, mask=valid & last)
+        tl.debug_barrier()  # the moved cursors are what the next block reads
 
 
 @triton.jit
@@ -174,15 +228,14 @@ def _maxsim_grad_docs_kernel(
     queries_ptr,
     grad_scores_ptr,
     order_ptr,
-    row_ptr_ptr,
-    token_query_ptr,
+    row_start_ptr,
+    row_count_ptr,
+    owner_ptr,
+    token_doc_ptr,
     query_offsets_ptr,
-    candidate_query_ptr,
     grad_docs_ptr,
     # sizes
     num_docs,
-    first_doc,
-    chunk_docs,
     max_query_len,
     dim,
     # strides
@@ -195,32 +248,33 @@ def _maxsim_grad_docs_kernel(
 ):
     """dD_j = sum over the CSR list of doc token j of G[pair] * Q[query token of pair], in list order.
 
-    A list entry is a flat pair index. All pairs, built per chunk of documents [first_doc, first_doc +
-    chunk_docs): p = i * chunk_docs + (d - first_doc), over argmax[:, chunk] ([Tq, chunk_docs]), and
-    G[q, d] at q * num_docs + d. Candidates: p = c * max_query_len + t (argmax [C, max_query_len]), query
-    token qo[q_c] + t. Program (j, k) writes columns [k*BLOCK_DIM, (k+1)*BLOCK_DIM) of row j (rows and
-    row_ptr relative to the chunk's first document token).
+    The list of j is order[row_start[j] : row_start[j] + row_count[j]]. All pairs: an entry is a query
+    token i, owner[i] its query, token_doc[j] the document d of j, and the weight G[owner[i], d].
+    Candidates: an entry is a flat pair index p = c * max_query_len + t (argmax [C, max_query_len]),
+    owner[c] the query of candidate c, the query token qo[owner[c]] + t and the weight G[c].
+    Program (j, k) writes columns [k*BLOCK_DIM, (k+1)*BLOCK_DIM) of row j.
     """
     token = tl.program_id(0).to(tl.int64)
     dims = tl.program_id(1) * BLOCK_DIM + tl.arange(0, BLOCK_DIM)
     dim_ok = dims < dim
-    start = tl.load(row_ptr_ptr + token)
-    end = tl.load(row_ptr_ptr + token + 1)
+    start = tl.load(row_start_ptr + token).to(tl.int64)
+    end = start + tl.load(row_count_ptr + token)
+    if not CANDIDATES:
+        doc_of_token = tl.load(token_doc_ptr + token).to(tl.int64)
     acc = tl.zeros([BLOCK_E, BLOCK_DIM], dtype=tl.float32)
     for e0 in range(start, end, BLOCK_E):
         entry = e0 + tl.arange(0, BLOCK_E)
         entry_ok = entry < end
-        pair = tl.load(order_ptr + entry, mask=entry_ok, other=0)
+        pair = tl.load(order_ptr + entry, mask=entry_ok, other=0).to(tl.int64)
         if CANDIDATES:
             cand = pair // max_query_len
-            query = tl.load(candidate_query_ptr + cand, mask=entry_ok, other=0)
+            query = tl.load(owner_ptr + cand, mask=entry_ok, other=0)
             qtok = tl.load(query_offsets_ptr + query, mask=entry_ok, other=0) + (pair - cand * max_query_len)
             weight = tl.load(grad_scores_ptr + cand, mask=entry_ok, other=0.0)
         else:
-            qtok = pair // chunk_docs
-            doc = first_doc + (pair - qtok * chunk_docs)
-            query = tl.load(token_query_ptr + qtok, mask=entry_ok, other=0).to(tl.int64)
-            weight = tl.load(grad_scores_ptr + query * num_docs + doc, mask=entry_ok, other=0.0)
+            qtok = pair
+            query = tl.load(owner_ptr + qtok, mask=entry_ok, other=0).to(tl.int64)
+            weight = tl.load(grad_scores_ptr + query * num_docs + doc_of_token, mask=entry_ok, other=0.0)
         rows = tl.load(
             queries_ptr + qtok[:, None] * stride_query_token + dims[None, :],
             mask=entry_ok[:, None] & dim_ok[None, :],
@@ -251,41 +305,54 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
 def _owner_of(offsets: torch.Tensor, count: int) -> torch.Tensor:
     """Segment index of each of ``count`` items for CSR ``offsets`` (int32 [count]); no host sync."""
     items = torch.arange(count, device=offsets.device, dtype=offsets.dtype)
-    return (torch.searchsorted(offsets, items, right=True) - 1).to(torch.int32)
-
-
-def _pair_keys(
-    argmax: torch.Tensor,
-    doc_offsets: torch.Tensor,
-    candidate_docs: torch.Tensor | None,
-    num_doc_tokens: int,
-) -> torch.Tensor:
-    """Global winning document row of every pair, flattened in argmax order; ``num_doc_tokens`` where none.
-
-    All pairs: argmax [Tq, nd], key = do[d] + a. Candidates: argmax [C, L], key = do[cand_docs[c]] + a.
-    int32 keys when they fit (half the radix-sort passes of int64).
-    """
-    key_dtype = torch.int32 if num_doc_tokens < 2**31 - 1 else torch.int64
-    starts = doc_offsets[:-1] if candidate_docs is None else doc_offsets[candidate_docs]
-    starts = starts.to(key_dtype)
-    # built in place in one pair-sized row-major buffer (argmax may be a column slice)
-    keys = argmax.to(key_dtype, memory_format=torch.contiguous_format, copy=True)
-    keys += starts[None, :] if candidate_docs is None else starts[:, None]
-    keys.masked_fill_(argmax < 0, num_doc_tokens)
-    return keys.reshape(-1)
+    return torch.searchsorted(offsets, items, right=True, out_int32=True) - 1
 
 
 def build_inverse_csr(keys: torch.Tensor, num_doc_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of the argmax map: ``(row_ptr int64 [Td+1], order int64 [E])``.
+    """Inverse of a flat key map by stable sort: ``(row_ptr int64 [Td+1], order int64 [E])``.
 
-    ``order[row_ptr[j]:row_ptr[j+1]]`` are the flat pair indices whose winning row is ``j``, increasing.
-    Keys equal to ``num_doc_tokens`` (no winner) sort last and fall outside every row. Built with a stable
-    sort and a binary search, both deterministic on CUDA and CPU.
+    ``order[row_ptr[j]:row_ptr[j+1]]`` are the indices p with ``keys[p] == j``, increasing. Keys equal to
+    ``num_doc_tokens`` (no winner) sort last and fall outside every row. A stable sort and a binary search,
+    both deterministic on CUDA and CPU. Used for the candidates layout, where candidates share documents.
     """
     sorted_keys, order = torch.sort(keys, stable=True)
     bounds = torch.arange(num_doc_tokens + 1, device=keys.device, dtype=keys.dtype)
     row_ptr = torch.searchsorted(sorted_keys, bounds)
     return row_ptr, order
+
+
+def build_inverse_csr_all_pairs(
+    argmax: torch.Tensor, doc_offsets: torch.Tensor, num_doc_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of the all-pairs argmax [Tq, nd]: ``(row_start int64, row_count int32 [Td], order int32)``.
+
+    ``order[row_start[j] : row_start[j] + row_count[j]]`` are the query tokens i whose winner in j's
+    document is j, increasing. Two passes of ``_maxsim_inverse_csr_kernel`` (count, fill) around integer
+    prefix sums; deterministic, no atomics, no host synchronisation; scratch: int32 cursors [S, Td] with
+    S = ceil(Tq / _CSR_SEGMENT).
+    """
+    num_query_tokens, num_docs = argmax.shape
+    if num_query_tokens * num_docs >= 2**31:
+        raise ValueError(
+            f"{num_query_tokens} query tokens x {num_docs} documents is 2^31 pairs or more: split the batch"
+        )
+    segments = triton.cdiv(num_query_tokens, _CSR_SEGMENT)
+    device = argmax.device
+    cursors = torch.zeros((segments, num_doc_tokens), device=device, dtype=torch.int32)
+    order = torch.empty(num_query_tokens * num_docs, device=device, dtype=torch.int32)
+    launch = dict(SEGMENT=_CSR_SEGMENT, BLOCK_I=_CSR_BLOCK_I, num_warps=4)
+    grid = (segments, num_docs)
+    _maxsim_inverse_csr_kernel[grid](
+        argmax, doc_offsets, cursors, order, num_query_tokens, num_docs, num_doc_tokens, FILL=False, **launch
+    )
+    row_count = cursors.sum(dim=0, dtype=torch.int32)
+    row_start = row_count.cumsum(dim=0) - row_count  # int64: a list may start past 2^31
+    # segment s of token j starts after the earlier segments' entries of j
+    cursors = (cursors.cumsum(dim=0, dtype=torch.int32) - cursors) + row_start.to(torch.int32)[None, :]
+    _maxsim_inverse_csr_kernel[grid](
+        argmax, doc_offsets, cursors, order, num_query_tokens, num_docs, num_doc_tokens, FILL=True, **launch
+    )
+    return row_start, row_count, order
 
 
 def _next_pow2(n: int) -> int:
@@ -299,6 +366,7 @@ def _grad_queries_triton(
     argmax: torch.Tensor,
     grad_scores: torch.Tensor,
     query_offsets: torch.Tensor,
+    token_query: torch.Tensor | None,
     candidate_offsets: torch.Tensor | None,
     candidate_docs: torch.Tensor | None,
     num_query_tokens: int,
@@ -308,31 +376,26 @@ def _grad_queries_triton(
     grad_queries = torch.empty((num_query_tokens, dim), device=docs.device, dtype=out_dtype)
     if num_query_tokens == 0:
         return grad_queries
-    num_queries = query_offsets.numel() - 1
     candidates = candidate_docs is not None
     block_dim = min(_next_pow2(dim), _MAX_BLOCK_DIM)
     dim_blocks = triton.cdiv(dim, block_dim)
     if candidates:
-        max_query_len = argmax.shape[1]
-        num_docs = 0
-        token_query = query_offsets  # unused
-        grid = (num_queries, triton.cdiv(max(max_query_len, 1), _DQ_BLOCK_T), dim_blocks)
+        num_docs, max_query_len = 0, argmax.shape[1]
+        grid = (query_offsets.numel() - 1, triton.cdiv(max(max_query_len, 1), _DQ_BLOCK_T), dim_blocks)
     else:
-        max_query_len = 0
-        num_docs = argmax.shape[1]
-        token_query = _owner_of(query_offsets, num_query_tokens)
+        num_docs, max_query_len = argmax.shape[1], 0
         grid = (triton.cdiv(num_query_tokens, _DQ_BLOCK_T), 1, dim_blocks)
-    dummy = doc_offsets
+    unused = doc_offsets  # a valid pointer for the arguments a layout does not read
     _maxsim_grad_queries_kernel[grid](
         docs,
-        doc_scales if doc_scales is not None else grad_scores,
+        doc_scales if doc_scales is not None else unused,
         doc_offsets,
         argmax,
         grad_scores,
         query_offsets,
-        token_query,
-        candidate_offsets if candidates else dummy,
-        candidate_docs if candidates else dummy,
+        token_query if token_query is not None else unused,
+        candidate_offsets if candidates else unused,
+        candidate_docs if candidates else unused,
         grad_queries,
         num_query_tokens,
         num_docs,
@@ -356,6 +419,7 @@ def _grad_docs_triton(
     argmax: torch.Tensor,
     query_offsets: torch.Tensor,
     doc_offsets: torch.Tensor,
+    token_query: torch.Tensor | None,
     candidate_offsets: torch.Tensor | None,
     candidate_docs: torch.Tensor | None,
     num_doc_tokens: int,
@@ -365,56 +429,41 @@ def _grad_docs_triton(
     grad_docs = torch.empty((num_doc_tokens, dim), device=queries.device, dtype=out_dtype)
     if num_doc_tokens == 0:
         return grad_docs
-    block_dim = min(_next_pow2(dim), _MAX_BLOCK_DIM)
-
-    def reduce(order, row_ptr, out, token_query, candidate_query, num_docs, first_doc, chunk_docs, max_len):
-        _maxsim_grad_docs_kernel[(out.shape[0], triton.cdiv(dim, block_dim))](
-            queries,
-            grad_scores,
-            order,
-            row_ptr,
-            token_query,
-            query_offsets,
-            candidate_query,
-            out,
-            num_docs,
-            first_doc,
-            chunk_docs,
-            max_len,
-            dim,
-            queries.stride(0),
-            out.stride(0),
-            CANDIDATES=candidate_docs is not None,
-            BLOCK_E=_DD_BLOCK_E,
-            BLOCK_DIM=block_dim,
-            num_warps=_DD_NUM_WARPS,
-        )
-
     if candidate_docs is not None:
-        # candidates may share documents, so destinations do not split by candidate: one CSR for all
-        keys = _pair_keys(argmax, doc_offsets, candidate_docs, num_doc_tokens)
+        # candidates may share documents: one stable sort of the winning rows of every pair
+        key_dtype = torch.int32 if num_doc_tokens < 2**31 - 1 else torch.int64  # int32: half the radix passes
+        starts = doc_offsets[candidate_docs].to(key_dtype)[:, None]
+        keys = torch.where(argmax >= 0, starts + argmax.to(key_dtype), num_doc_tokens).reshape(-1)
         row_ptr, order = build_inverse_csr(keys, num_doc_tokens)
-        del keys
-        candidate_query = _owner_of(candidate_offsets, candidate_docs.numel())
-        reduce(order, row_ptr, grad_docs, candidate_query, candidate_query, 0, 0, 1, argmax.shape[1])
-        return grad_docs
-
-    # All pairs: doc d's destinations are its own tokens, so the CSR is built per chunk of documents,
-    # which bounds the sort's transient memory to ~36 bytes x _CSR_PAIRS_PER_CHUNK.
-    num_query_tokens, num_docs = argmax.shape
-    token_query = _owner_of(query_offsets, num_query_tokens)
-    doc_starts = doc_offsets.tolist()  # one host read; the forward already checked the offsets on the host
-    docs_per_chunk = max(1, _CSR_PAIRS_PER_CHUNK // max(num_query_tokens, 1))
-    for d0 in range(0, num_docs, docs_per_chunk):
-        d1 = min(num_docs, d0 + docs_per_chunk)
-        t0, t1 = doc_starts[d0], doc_starts[d1]
-        if t1 == t0:
-            continue
-        keys = _pair_keys(argmax[:, d0:d1], doc_offsets[d0 : d1 + 1] - t0, None, t1 - t0)
-        row_ptr, order = build_inverse_csr(keys, t1 - t0)
-        del keys
-        reduce(order, row_ptr, grad_docs[t0:t1], token_query, token_query, num_docs, d0, d1 - d0, 0)
-        del row_ptr, order
+        del keys, starts
+        row_start, row_count = row_ptr[:-1], (row_ptr[1:] - row_ptr[:-1]).to(torch.int32)
+        owner, token_doc = _owner_of(candidate_offsets, candidate_docs.numel()), row_count  # token_doc unused
+        num_docs, max_query_len = 0, argmax.shape[1]
+    else:
+        row_start, row_count, order = build_inverse_csr_all_pairs(argmax, doc_offsets, num_doc_tokens)
+        owner, token_doc = token_query, _owner_of(doc_offsets, num_doc_tokens)
+        num_docs, max_query_len = argmax.shape[1], 0
+    block_dim = min(_next_pow2(dim), _MAX_BLOCK_DIM)
+    _maxsim_grad_docs_kernel[(num_doc_tokens, triton.cdiv(dim, block_dim))](
+        queries,
+        grad_scores,
+        order,
+        row_start,
+        row_count,
+        owner,
+        token_doc,
+        query_offsets,
+        grad_docs,
+        num_docs,
+        max_query_len,
+        dim,
+        queries.stride(0),
+        grad_docs.stride(0),
+        CANDIDATES=candidate_docs is not None,
+        BLOCK_E=_DD_BLOCK_E,
+        BLOCK_DIM=block_dim,
+        num_warps=_DD_NUM_WARPS,
+    )
     return grad_docs
 
 
@@ -595,6 +644,7 @@ def maxsim_backward(
         )
     grad_scores = grad_scores.to(torch.float32)
     argmax = argmax.contiguous()
+    token_query = None if candidate_docs is not None else _owner_of(query_offsets, queries.shape[0])
     grad_q = grad_d = None
     if need_queries:
         grad_q = _grad_queries_triton(
@@ -604,6 +654,7 @@ def maxsim_backward(
             argmax,
             grad_scores,
             query_offsets,
+            token_query,
             candidate_offsets,
             candidate_docs,
             queries.shape[0],
@@ -616,6 +667,7 @@ def maxsim_backward(
             argmax,
             query_offsets,
             doc_offsets,
+            token_query,
             candidate_offsets,
             candidate_docs,
             docs.shape[0],

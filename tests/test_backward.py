@@ -183,17 +183,37 @@ def test_only_one_side_requires_grad(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_empty_document_and_one_document_per_csr_chunk(backend, monkeypatch):
-    """An empty document scores -inf and takes no gradient; CSR chunks of one document agree with one CSR."""
-    monkeypatch.setattr(mb, "_CSR_PAIRS_PER_CHUNK", 1)
-    queries, qo, docs, do = _layout([3, 6], [4, 5, 2], 16, seed=13)
+def test_empty_document_and_many_csr_segments(backend, monkeypatch):
+    """An empty document scores -inf and takes no gradient; the CSR built from 4-token blocks in 8-token
+    segments (several blocks and segments per document) gives the same gradients."""
+    monkeypatch.setattr(mb, "_CSR_SEGMENT", 8)
+    monkeypatch.setattr(mb, "_CSR_BLOCK_I", 4)
+    queries, qo, docs, do = _layout([3, 6, 11], [4, 5, 2], 16, seed=13)
     do_empty = torch.tensor([0, 4, 4, 9, 11])  # doc 1 is empty
-    upstream = _upstream((2, 4))
+    upstream = _upstream((3, 4))
     s, gq, gd = _run(queries, qo, docs, do_empty, upstream, backend=backend)
     assert torch.isinf(s[:, 1]).all() and (s[:, 1] < 0).all()
     _, ref_q, ref_d = _reference(queries, qo, docs, do, upstream[:, [0, 2, 3]])
     torch.testing.assert_close(gq.double(), ref_q, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(gd.double(), ref_d, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("segment, block", [(1024, 128), (8, 4), (4, 4)])
+def test_all_pairs_inverse_csr_lists_every_pair_in_order(segment, block, monkeypatch):
+    monkeypatch.setattr(mb, "_CSR_SEGMENT", segment)
+    monkeypatch.setattr(mb, "_CSR_BLOCK_I", block)
+    gen = torch.Generator().manual_seed(17)
+    do = torch.tensor([0, 3, 3, 8, 9])  # doc 1 empty, doc 3 one token
+    argmax = torch.stack([torch.randint(0, n, (21,), generator=gen) if n else torch.full((21,), -1)
+                          for n in (3, 0, 5, 1)], dim=1).to(torch.int32)  # fmt: skip
+    row_start, row_count, order = mb.build_inverse_csr_all_pairs(argmax, do, 9)
+    for doc in range(4):
+        for local in range(int(do[doc + 1] - do[doc])):
+            j = int(do[doc]) + local
+            listed = order[row_start[j] : row_start[j] + row_count[j]].tolist()
+            assert listed == (argmax[:, doc] == local).nonzero().flatten().tolist()
+    assert int(row_count.sum()) == 21 * 3
 
 
 def test_triton_matches_torch_path_and_repeats_bitwise():
@@ -263,7 +283,7 @@ def test_gradcheck_candidates_float64():
     assert torch.autograd.gradcheck(lambda a, b: mb.maxsim_candidates_autograd(a, qo, b, do, co, cd), (q, d))
 
 
-def test_inverse_csr_groups_pairs_in_order():
+def test_sorted_inverse_csr_groups_pairs_in_order():
     num_doc_tokens = 5
     keys = torch.tensor([3, 0, 3, 5, 1, 3, 0], dtype=torch.int32)  # 5 = no winner
     row_ptr, order = mb.build_inverse_csr(keys, num_doc_tokens)
