@@ -117,16 +117,14 @@ def _maxsim_inverse_csr_kernel(
     doc_start = tl.load(doc_offsets_ptr + doc)
     seg_end = tl.minimum((seg + 1) * SEGMENT, num_query_tokens)
     lanes = tl.arange(0, BLOCK_I)
-    earlier = lanes[None, :] < lanes[:, None]  # [i, i']: i' comes before i
-    later = lanes[None, :] > lanes[:, None]
     cursors = cursor_ptr + seg.to(tl.int64) * num_doc_tokens + doc_start
     for i0 in range(seg * SEGMENT, seg_end, BLOCK_I):
         tokens = i0 + lanes
         winner = tl.load(argmax_ptr + tokens.to(tl.int64) * num_docs + doc, mask=tokens < seg_end, other=-1)
         valid = winner >= 0
-        same = (winner[:, None] == winner[None, :]) & valid[None, :]
-        rank = tl.sum((same & earlier).to(tl.int32), axis=1)
-        last = tl.sum((same & later).to(tl.int32), axis=1) == 0
+        same = (winner[:, None] == winner[None, :]) & valid[None, :]  # [i, i']
+        rank = tl.sum((same & (lanes[None, :] < lanes[:, None])).to(tl.int32), axis=1)  # same winner, i' < i
+        last = tl.sum((same & (lanes[None, :] > lanes[:, None])).to(tl.int32), axis=1) == 0
         slot = tl.load(cursors + winner, mask=valid, other=0)
         tl.debug_barrier()  # every lane has read its cursor before any cursor moves
         if FILL:
