@@ -264,6 +264,38 @@ def split_candidates(
     return part, missing
 
 
+def kth_scores(results: Sequence[tuple[str, list[str], np.ndarray]], k: int) -> dict[str, float]:
+    """Per query, the k-th best score of a rank's results (only queries with ``k`` results).
+
+    A rank with ``k`` results at or above ``s`` for a query proves that the job's ``k``-th best score is
+    at least ``s``: every result of any rank scoring below the largest such ``s`` over the ranks is
+    beaten by ``k`` others and cannot be in the top-k (a result equal to it can, by the docno
+    tie-break, and is kept). So ranks send only results at or above that bound: about ``k`` per query
+    in all instead of ``k`` per rank, which keeps rank 0's gather and merge flat in the number of ranks.
+    """
+    out = {}
+    for qid, _, scores in results:
+        if len(scores) >= k:
+            out[qid] = float(np.partition(scores, len(scores) - k)[len(scores) - k])
+    return out
+
+
+def drop_below(
+    results: Sequence[tuple[str, list[str], np.ndarray]], bounds: Sequence[dict[str, float]]
+) -> list[tuple[str, list[str], np.ndarray]]:
+    """A rank's results without those scoring below the best of the ranks' `kth_scores` bounds."""
+    out = []
+    for qid, docnos, scores in results:
+        floor = max((b[qid] for b in bounds if qid in b), default=None)
+        if floor is not None:
+            keep = np.flatnonzero(scores >= np.float32(floor))
+            if len(keep) < len(scores):
+                docnos = [docnos[i] for i in keep.tolist()]
+                scores = scores[keep]
+        out.append((qid, docnos, scores))
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # entry from maxsim_cli.score.score
 
@@ -467,6 +499,11 @@ def _run_in_group(
         raise _ERROR_CLASSES.get(code, MaxsimError)(message)
     assert share is not None
     mark = time.perf_counter()
+    if world > 1:
+        # Only results that can still make the job's top-k travel (see `kth_scores`).
+        bounds: list[Any] = [None] * world
+        dist.all_gather_object(bounds, kth_scores(share.results, int(options.get("top_k", 1000))))
+        share.results = drop_below(share.results, bounds)
     gathered: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(share, gathered, dst=0)
     phases["gather_s"] = time.perf_counter() - mark
@@ -834,6 +871,8 @@ __all__ = [
     "ResultSink",
     "assign_shards",
     "dispatch",
+    "drop_below",
+    "kth_scores",
     "launch",
     "parse_devices",
     "run_rank",

@@ -150,6 +150,37 @@ def test_select_top_k_is_trec_order_cut_after_k():
         assert got == sorted(sort_trec(docnos, scores.tolist())[:k]), trial
 
 
+def _best(ranks, qid: str, k: int) -> list[str]:
+    docnos = [d for res in ranks for x, ds, _ in res if x == qid for d in ds]
+    scores = [float(v) for res in ranks for x, _, sc in res if x == qid for v in sc]
+    return sorted(docnos[i] for i in sort_trec(docnos, scores)[:k])
+
+
+def test_results_below_the_ranks_bound_never_make_the_top_k():
+    # Ranks' top-k lists filtered by the best k-th score over ranks merge to the same top-k, and far
+    # fewer results travel: about k per query instead of k per rank.
+    rng = np.random.default_rng(5)
+    k, world = 10, 6
+    for trial in range(50):
+        per_rank = []
+        for r in range(world):
+            results = []
+            for q in range(4):
+                n = int(rng.integers(0, 25))
+                docnos = [f"r{r}-{i:02d}" for i in range(n)]
+                scores = (rng.integers(-8, 8, size=n) / 4).astype(np.float32)  # many ties across ranks
+                keep = select_top_k(docnos, scores, k)
+                if len(keep):
+                    results.append((f"q{q}", [docnos[i] for i in keep], scores[keep]))
+            per_rank.append(results)
+        bounds = [distributed.kth_scores(results, k) for results in per_rank]
+        filtered = [distributed.drop_below(results, bounds) for results in per_rank]
+        for q in range(4):
+            assert _best(filtered, f"q{q}", k) == _best(per_rank, f"q{q}", k), trial
+        sent = sum(len(ds) for res in filtered for _, ds, _ in res)
+        assert sent <= sum(len(ds) for res in per_rank for _, ds, _ in res)
+
+
 def test_split_candidates_keeps_run_order_and_every_qid():
     run = {"a": [("x", 3.0), ("gone", 2.0), ("y", 1.0)], "b": [("gone2", 1.0)]}
     index = {"x": (1, 0), "y": (0, 4)}
