@@ -74,7 +74,7 @@ def size(n: int) -> int:
 
 def sync() -> None:
     if torch.cuda.is_available():
-        sync()
+        torch.cuda.synchronize()
 
 
 def log(msg: str) -> None:

@@ -35,8 +35,12 @@ in candidate_offsets, on the device) and does the same, reading each candidate i
 
 Cost: FLOPs = 2 * Tq * Td * dim integer MACs (all pairs) or 2 * sum_c |q_c| * |d_c| * dim (candidates);
 HBM bytes ~= Td * (dim + 4) once (int8 tokens + fp32 scale), half the fp16 bytes, plus 4 bytes per score.
-Past the MMA, each (query token, document token) pair costs three fp32 ops (magic-number conversion,
-FMA, max), which is what bounds the all-pairs kernel, not the int8 tensor-core rate.
+Past the MMA, each (query token, document token) pair costs the same CUDA-core work as in fp16 (the
+conversion, one FMA, the max) and every tile the same loop, load and reduction overhead, so halving the
+MMA time does not halve the tile time. Measured on one H200 (benchmarks/results/int8-h200.json): all pairs
+409 int8 TOPS against the fp16 kernel's 292 TFLOP/s (1.40x); read through a two-point model (fp16 time =
+x + y, int8 time = x + y/2), about 49 of int8's 82 ms are that per-tile work x. HBM-bound shapes reach
+2.0-2.5 TB/s: a tile holds half the bytes of an fp16 tile for the same per-tile overhead.
 
 int32 -> fp32 without the slow conversion instruction (`I2F` issues at 1/8 of the FMA rate on sm_90):
 the MMA accumulator starts at the bit pattern of 1.5 * 2^23 (0x4B400000) instead of 0, so its bits,
@@ -61,18 +65,27 @@ _MAGIC_MAX_DIM = 255  # |acc| <= 128^2 * dim < 2^22: the accumulator-bias conver
 _MAGIC_BITS = 0x4B400000  # bits of 1.5 * 2^23
 _MAGIC_FLOAT = 12582912.0  # 1.5 * 2^23
 
-# Tuning constants (H200, triton 3.6, dim 128; see benchmarks/bench_int8.py and docs/benchmarks.md ## INT8).
+# Tuning constants: `benchmarks/bench_int8.py gpu` tile sweep on one H200 (triton 3.6, dim 128, fp16 inputs
+# quantized, do_bench medians; benchmarks/results/int8-h200.json, 2026-11-30). (BLOCK_D, docs per program,
+# warps, stages) -> time:
+#   all pairs, 512 q x 32 tok x 50K docs: (64,16,4,2) 82.1 ms | (32,16,4,3) 88.5 | BLOCK_Q 256 (64,16,8,3)
+#     95.7 | (64,16,8,3) 149.6 | (128,16,8,3) 161.9: 4 warps, 2 stages; 8 warps spill and lose 2x.
+#   one query x 100K docs: (64,16,4,4) 0.811 ms | (128,8,4,3) 0.873 | (64,8,4,2) 1.030: deep pipelining
+#     and longer programs pay on the HBM-bound shape.
+#   64 q x 1000 own candidates x 180 tok: (64,8,4,4) 0.592 ms | (64,8,4,2) 0.612 | (128,8,4,3) 0.688.
 _VARLEN_BLOCK_Q = 128  # query tokens per program in the all-pairs kernel (4 queries of 32 tokens)
 _VARLEN_BLOCK_D = 64  # document tokens per tile
 _VARLEN_DOCS_PER_PROG = 16  # documents per program
 _VARLEN_WARPS = 4
 _VARLEN_STAGES = 2
-_FEW_QUERIES_BLOCK_D = 64  # memory-bound shapes (a group of <= 32 query tokens)
-_FEW_QUERIES_DOCS_PER_PROG = 8
+_FEW_QUERIES_BLOCK_D = 64  # memory-bound shapes (one or two query tiles)
+_FEW_QUERIES_DOCS_PER_PROG = 16
 _FEW_QUERIES_WARPS = 4
+_FEW_QUERIES_STAGES = 4
 _CAND_BLOCK_D = 64
 _CAND_PER_PROG = 8  # candidates per program
 _CAND_WARPS = 4
+_CAND_STAGES = 4
 _MAX_QUERIES_PER_GROUP = 32  # queries per all-pairs program at most (short queries)
 _QUANT_BLOCK_R = 16  # tokens per program of the quantize kernel
 
@@ -478,7 +491,10 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
 
 def _quantize_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
-    scale = xf.abs().amax(dim=1) / INT8_ABSMAX
+    absmax = xf.abs().amax(dim=1)
+    # A tensor divisor: torch multiplies by the reciprocal of a Python-scalar divisor on CUDA, which is
+    # not the correctly rounded quotient the kernel computes.
+    scale = absmax / torch.full_like(absmax, INT8_ABSMAX)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round(xf / scale[:, None]).clamp_(-INT8_ABSMAX, INT8_ABSMAX).to(torch.int8)
     return codes, scale
@@ -671,7 +687,7 @@ def _launch_varlen(
         QUERIES_PER_GROUP=per_group, MAX_Q=max(2, per_group),
         MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=return_argmax,
         num_warps=num_warps or (_FEW_QUERIES_WARPS if few else _VARLEN_WARPS),
-        num_stages=num_stages or _VARLEN_STAGES,
+        num_stages=num_stages or (_FEW_QUERIES_STAGES if few else _VARLEN_STAGES),
     )  # fmt: skip
     return out, arg
 
@@ -717,7 +733,7 @@ def _launch_candidates(
         q8.stride(0), d8.stride(0), 0 if arg is None else arg.stride(0),
         CANDS_PER_PROG=cands_per_prog, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_K=block_k,
         MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=return_argmax,
-        num_warps=num_warps or _CAND_WARPS, num_stages=num_stages or _VARLEN_STAGES,
+        num_warps=num_warps or _CAND_WARPS, num_stages=num_stages or _CAND_STAGES,
     )  # fmt: skip
     return out, arg
 

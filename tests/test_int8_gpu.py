@@ -125,7 +125,7 @@ def test_candidates_exact_at_size() -> None:
 def test_offsets_past_2_31_bytes() -> None:
     """Documents whose bytes start beyond 2^31: 64-bit index arithmetic (the peers' overflow bug)."""
     dim = 128
-    n_tokens = (1 << 31) // dim + 50_000  # 2.15 GB of int8 tokens
+    n_tokens = (1 << 31) // dim + 100_000  # 2.16 GB of int8 tokens
     gen = torch.Generator(device="cuda").manual_seed(2)
     d8 = torch.randint(-127, 128, (n_tokens, dim), dtype=torch.int8, device="cuda", generator=gen)
     sd = torch.rand(n_tokens, device="cuda", generator=gen) * 1e-3 + 1e-4
