@@ -113,9 +113,11 @@ DEFAULT_BATCH_TOKENS = 1 << 19
 # 64 MB block of similarities keeps the masked max passes at ~2x the GEMM time (16M elements measured
 # against 4M and 64M on the 2-core dev machine, 1000 docs x 3200 query tokens, dim 128); the float64
 # gather of winning rows runs one document at a time while its rows sit in the L2 cache.
-_CPU_SIM_ELEMS = 1 << 24
+_CPU_SIM_ELEMS = 1 << 22
 _CUDA_SIM_ELEMS = 1 << 28
-_CPU_FIXUP_BYTES = 4 << 20
+_CPU_QUERY_ROWS = 1024
+_CUDA_QUERY_ROWS = 1 << 30
+_CPU_FIXUP_BYTES = 16 << 20
 # Documents up to this many tokens get a plain float64 GEMM: its cost per (query token, document) grows
 # with the length, the certified fix-up's (one gathered float64 row) does not; 1000 documents x 3200
 # query tokens, dim 128, 2-core dev machine: float64 GEMM 200 ms vs fix-up 29 ms per 64 documents of
@@ -307,20 +309,38 @@ def _segment_max(values: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
     return torch.segment_reduce(values, "max", lengths=lengths, unsafe=True).nan_to_num(0.0, 0.0, 0.0)
 
 
-def _top2(sims: torch.Tensor, padding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Max, first argmax and second max over dim 1 of `sims`, positions where `padding` is true left out.
+def _top2(
+    sims: torch.Tensor, padding: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Max, first argmax and second max over the last dim of `sims`, leaving out where `padding` is true.
 
-    Overwrites `sims`. The second max is -inf for a one-token document.
+    Overwrites `sims`. The second max is -inf for a one-token document. `padding` None: no padding.
     """
-    sims.masked_fill_(padding, -math.inf)
-    best, arg = sims.max(dim=1)  # the first maximal index on ties
-    sims.scatter_(1, arg.unsqueeze(1), -math.inf)
-    return best, arg, sims.amax(dim=1)
+    if padding is not None:
+        sims.masked_fill_(padding, -math.inf)
+    best, arg = sims.max(dim=-1)  # the first maximal index on ties
+    sims.scatter_(-1, arg.unsqueeze(-1), -math.inf)
+    return best, arg, sims.amax(dim=-1)
+
+
+@contextlib.contextmanager
+def _one_thread(device: torch.device) -> Iterator[None]:
+    """Run a loop of small CPU ops on one thread: a second thread gains little on these memory-bound
+    ops and, on a busy machine, makes every op wait for it (measured 30x slower under load)."""
+    if device.type != "cpu":
+        yield
+        return
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
 
 
 def _certified_float64(
     block64: torch.Tensor,
-    padding: torch.Tensor,
+    padding: torch.Tensor | None,
     q64: torch.Tensor,
     best32: torch.Tensor,
     arg32: torch.Tensor,
@@ -329,38 +349,46 @@ def _certified_float64(
     margin: torch.Tensor,
     fixup_bytes: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Float64 max, argmax and near-tie flag of every (document, query row) from the float32 pass.
+    """Float64 max, argmax and near-tie flag of every (query row, document) from the float32 pass.
 
     `block64` [n, width, dim] holds the documents in float64, `q64` [rows, dim] the query rows;
-    `best32`, `arg32`, `second32` [n, rows] are the float32 results and `gemm_bound` [n, rows] bounds
+    `best32`, `arg32`, `second32` [rows, n] are the float32 results and `gemm_bound` [rows, n] bounds
     |S32 - S|. Where the float32 gap exceeds 2 * gemm_bound + margin the float32 winner is the float64
     one and the pair is no near-tie: one float64 dot product gives its max. The other pairs are
-    recomputed over the whole document. Returns (best64, arg64, near_tie, recomputed pairs).
+    recomputed over the whole document. Returns (best64, arg64, near_tie, recomputed pairs), [rows, n].
     """
     n, width, dim = block64.shape
     rows = q64.shape[0]
+    device = block64.device
     gap32 = best32.double() - second32.double()  # inf for one-token documents
     certain = gap32 > 2.0 * gemm_bound + margin
     # one dot product per pair, a few documents at a time so the gathered rows stay in cache
-    best64 = torch.empty(n, rows, dtype=torch.float64, device=block64.device)
+    best64 = torch.empty(n, rows, dtype=torch.float64, device=device)
     flat = block64.view(n * width, dim)
-    winners = (torch.arange(n, device=block64.device)[:, None] * width + arg32).reshape(-1)
+    winners = (torch.arange(n, device=device)[:, None] * width + arg32.T).reshape(-1)  # [n * rows]
     per_step = max(1, fixup_bytes // max(1, rows * dim * 8))
-    for j0 in range(0, n, per_step):
-        j1 = min(n, j0 + per_step)
-        picked = flat.index_select(0, winners[j0 * rows : j1 * rows]).view(j1 - j0, rows, dim)
-        best64[j0:j1] = (picked * q64[None]).sum(-1)
+    # one buffer reused: fresh multi-MB temporaries per document cost more in page faults than the math
+    buffer = torch.empty(min(n, per_step) * rows, dim, dtype=torch.float64, device=device)
+    with _one_thread(device):
+        for j0 in range(0, n, per_step):
+            j1 = min(n, j0 + per_step)
+            picked = buffer[: (j1 - j0) * rows]
+            torch.index_select(flat, 0, winners[j0 * rows : j1 * rows], out=picked)
+            picked = picked.view(j1 - j0, rows, dim)
+            picked.mul_(q64)
+            torch.sum(picked, dim=2, out=best64[j0:j1])
+    best64 = best64.T.contiguous()
     arg64 = arg32.clone()
-    tie = torch.zeros(n, rows, dtype=torch.bool, device=block64.device)
+    tie = torch.zeros(rows, n, dtype=torch.bool, device=device)
     unsure = (~certain).nonzero()
     per_pair = max(1, fixup_bytes // max(1, width * dim * 8))
     for p0 in range(0, unsure.shape[0], per_pair):
-        jj, rr = unsure[p0 : p0 + per_pair].unbind(1)
+        rr, jj = unsure[p0 : p0 + per_pair].unbind(1)
         full = torch.bmm(block64[jj], q64[rr].unsqueeze(2)).squeeze(2)  # [pairs, width]
-        top, where, second = _top2(full, padding[jj])
-        best64[jj, rr] = top
-        arg64[jj, rr] = where
-        tie[jj, rr] = (top - second) <= margin[jj, rr]
+        top, where, second = _top2(full, None if padding is None else padding[jj])
+        best64[rr, jj] = top
+        arg64[rr, jj] = where
+        tie[rr, jj] = (top - second) <= margin[rr, jj]
     return best64, arg64, tie, int(unsure.shape[0])
 
 
@@ -411,35 +439,36 @@ def float_reference(
     cuda = device.type == "cuda"
     sim_elems = _CUDA_SIM_ELEMS if cuda else _CPU_SIM_ELEMS
     fixup_bytes = _CUDA_FIXUP_BYTES if cuda else _CPU_FIXUP_BYTES
-    rows_per_step = max(1, min(tq, sim_elems // max(1, int(lengths.max()))))
+    row_cap = _CUDA_QUERY_ROWS if cuda else _CPU_QUERY_ROWS
+    rows_per_step = max(1, min(tq, row_cap, sim_elems // max(1, int(lengths.max()))))
     starts = doc_offsets[:-1]
     with _ieee_float32_matmul():
-        for group in _length_groups(lengths, min(tq, rows_per_step), sim_elems):
+        for group in _length_groups(lengths, rows_per_step, sim_elems):
             n = group.size
             g_lens = lengths[group]
             width = int(g_lens.max())
             pos = np.arange(width)[None, :]
             rows = starts[group, None] + np.minimum(pos, g_lens[:, None] - 1)
             rows_t = torch.from_numpy(rows.reshape(-1)).to(device)
-            padding = torch.from_numpy(pos >= g_lens[:, None]).to(device)  # [n, width]
+            padded = pos >= g_lens[:, None]  # [n, width]
+            padding = torch.from_numpy(padded).to(device) if padded.any() else None
             block32 = d32.index_select(0, rows_t)  # [n * width, dim]
             block64 = docs.index_select(0, rows_t).to(torch.float64)
             if doc_scales is not None:
                 block64 *= doc_scales.index_select(0, rows_t).to(torch.float64)[:, None]
-            group_t = torch.from_numpy(group).to(device)
-            g_norm = doc_norm[group_t]
+            cols = torch.from_numpy(group).to(device)
+            g_norm = doc_norm[cols]
             for r0 in range(0, tq, rows_per_step):
                 r1 = min(tq, r0 + rows_per_step)
-                n_rows = r1 - r0
                 q_rows64 = q64[r0:r1]
-                sims = torch.mm(block32, q32[r0:r1].T).view(n, width, n_rows)
-                best32, arg32, second32 = _top2(sims, padding[:, :, None])
+                sims = torch.mm(q32[r0:r1], block32.T).view(r1 - r0, n, width)
+                best32, arg32, second32 = _top2(sims, padding)
                 del sims
-                scale = g_norm[:, None] * q_norm[None, r0:r1]  # |q_i| max_j |d_j|, [n, rows]
+                scale = q_norm[r0:r1, None] * g_norm[None, :]  # |q_i| max_j |d_j|, [rows, n]
                 margin = 2.0 * sim_error * scale
                 if width <= _FULL_FLOAT64_WIDTH:
-                    sims64 = torch.mm(block64, q_rows64.T).view(n, width, n_rows)
-                    best64, arg64, second64 = _top2(sims64, padding[:, :, None])
+                    sims64 = torch.mm(q_rows64, block64.T).view(r1 - r0, n, width)
+                    best64, arg64, second64 = _top2(sims64, padding)
                     del sims64
                     tie = (best64 - second64) <= margin
                 else:
@@ -455,16 +484,16 @@ def float_reference(
                         fixup_bytes,
                     )
                     recomputed += count
-
-                cols = group_t
-                argmax64[r0:r1, cols] = arg64.T.to(torch.int32)
-                argmax32[r0:r1, cols] = arg32.T.to(torch.int32)
-                near_tie[r0:r1, cols] = tie.T
+                argmax64[r0:r1, cols] = arg64.to(torch.int32)
+                argmax32[r0:r1, cols] = arg32.to(torch.int32)
+                near_tie[r0:r1, cols] = tie
                 tq_rows = token_query[r0:r1]
-                part64 = torch.zeros(n, nq, dtype=torch.float64, device=device).index_add_(1, tq_rows, best64)
-                part32 = torch.zeros(n, nq, dtype=torch.float32, device=device).index_add_(1, tq_rows, best32)
-                score64[:, cols] += part64.T
-                score32[:, cols] += part32.T
+                score64[:, cols] += torch.zeros(nq, n, dtype=torch.float64, device=device).index_add_(
+                    0, tq_rows, best64
+                )
+                score32[:, cols] += torch.zeros(nq, n, dtype=torch.float32, device=device).index_add_(
+                    0, tq_rows, best32
+                )
     return FloatReference(score64, score32, argmax64, argmax32, near_tie, recomputed)
 
 
