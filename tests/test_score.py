@@ -622,3 +622,22 @@ def test_cuda_rerank_equals_the_cpu_rerank(data, tmp_path) -> None:
         outs.append(result.stdout)
     assert outs[0] == outs[1]
     assert parse_run(outs[1]) == _expected_rerank(data, cands)
+
+
+def test_nan_in_a_shard_is_an_error_naming_the_document(tmp_path) -> None:
+    docs = [torch.full((2, DIM), 0.25), torch.full((3, DIM), 0.5), torch.full((1, DIM), 0.75)]
+    path = tmp_path / "bad.safetensors"
+    write_shard(str(path), ["a", "b", "c"], docs, dtype="float16")
+    raw = bytearray(path.read_bytes())
+    pattern = np.full(DIM, 0.5, dtype=np.float16).tobytes()  # document "b", token 0
+    at = raw.index(pattern)
+    raw[at + 6 : at + 8] = np.array([np.nan], dtype=np.float16).tobytes()
+    path.write_bytes(bytes(raw))
+    make_queries(tmp_path / "q.safetensors")
+    out = tmp_path / "run.trec"
+    result = invoke(str(tmp_path / "q.safetensors"), str(path), "-o", str(out))
+    assert result.exit_code == 1
+    message = result.stderr.strip()
+    assert len(message.splitlines()) == 1
+    assert "bad.safetensors" in message and "'b'" in message and "NaN or Inf" in message
+    assert not out.exists()

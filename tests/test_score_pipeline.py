@@ -397,6 +397,7 @@ def test_pinned_arena_carves_aligned_disjoint_slots(monkeypatch) -> None:
         pipeline._Buffers(100 + i, 10, 5, 16, torch.bfloat16, True, "cpu", False, arena) for i in range(3)
     ]
     for i, slot in enumerate(slots):
+        slot.allocate()  # host slots are allocated by the reader that first fills them
         assert slot.embeddings.shape == (100 + i, 16) and slot.embeddings.dtype == torch.bfloat16
         assert slot.scales is not None and slot.scales.shape == (100 + i,)
         assert slot.ints.shape == (16,) and slot.ints.dtype == torch.int64
@@ -406,4 +407,5 @@ def test_pinned_arena_carves_aligned_disjoint_slots(monkeypatch) -> None:
     for i, slot in enumerate(slots):  # no slot overwrote another
         assert bool((slot.embeddings == i + 1).all()) and bool((slot.ints == i + 1).all())
     huge = pipeline._Buffers(1 << 20, 10, 0, 16, torch.float16, False, "cpu", False, arena)
+    huge.allocate()
     assert huge.embeddings.shape == (1 << 20, 16)  # the arena is used up: a slot of its own
