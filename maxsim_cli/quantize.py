@@ -34,6 +34,7 @@ import torch
 
 from maxsim_cli.agreement import ranking_agreement
 from maxsim_cli.errors import InputError, UsageError
+from maxsim_cli.score import resolve_device
 from maxsim_cli.shards import (
     MANIFEST_NAME,
     Corpus,
@@ -116,19 +117,6 @@ class QuantizeReport:
             "compression_ratio": self.compression_ratio,
             "quality": None if self.quality is None else asdict(self.quality),
         }
-
-
-def _resolve_device(device: str) -> torch.device:
-    name = device.strip().lower()
-    if name == "auto":
-        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    if name == "cpu":
-        return torch.device("cpu")
-    if name == "cuda" or name.startswith("cuda:"):
-        if not torch.cuda.is_available():
-            raise UsageError(f"--device {device}: no CUDA device is available here; use --device cpu")
-        return torch.device(name)
-    raise UsageError(f"--device {device}: not a device; use auto, cpu, cuda or cuda:N")
 
 
 def _check_output_dir(output_dir: str, corpus: Corpus) -> list[str]:
@@ -291,7 +279,7 @@ def quantize_corpus(
         raise UsageError(f"--batch-tokens must be >= 1, got {batch_tokens}")
     if sample_queries < 0 or sample_docs < 1:
         raise UsageError("--sample-queries must be >= 0 and --sample-docs >= 1")
-    torch_device = _resolve_device(device)
+    torch_device = resolve_device(device)
     with open_corpus(paths) as corpus:
         if corpus.dtype == "int8":
             raise InputError(
