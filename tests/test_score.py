@@ -641,3 +641,69 @@ def test_nan_in_a_shard_is_an_error_naming_the_document(tmp_path) -> None:
     assert len(message.splitlines()) == 1
     assert "bad.safetensors" in message and "'b'" in message and "NaN or Inf" in message
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# int8 corpora: the scales travel with the documents to the kernels
+
+
+def test_int8_corpus_scores_exactly_and_mixing_with_float_is_refused(tmp_path) -> None:
+    """int8 codes with power-of-two scales and queries that quantize exactly (each token's largest
+    |value| is 127/4 and every value a multiple of 1/4, so scale 1/4 and integer codes): the int8 MaxSim
+    ``sum_i s_q[i] * max_j s_d[j] * <q8_i, d8_j>`` is then exact in float32 and equals the float64 MaxSim of
+    the dequantized documents and the float queries."""
+    gen = torch.Generator().manual_seed(8)
+    docs: dict[str, torch.Tensor] = {}
+    paths = []
+    for s, fmt in enumerate(["safetensors", "arrow"]):
+        ids, codes, scales = [], [], []
+        for i in range(25):
+            n = int(torch.randint(1, 7, (1,), generator=gen))
+            c = torch.randint(-127, 128, (n, DIM), generator=gen).to(torch.int8)
+            sc = 2.0 ** torch.randint(-6, -2, (n,), generator=gen).to(torch.float32)
+            ids.append(f"s{s}d{i:02d}")
+            codes.append(c)
+            scales.append(sc)
+            docs[ids[-1]] = c.to(torch.float64) * sc.to(torch.float64)[:, None]
+        path = tmp_path / f"shard{s}.{fmt}"
+        write_shard(str(path), ids, codes, scales=scales, dtype="int8")
+        paths.append(str(path))
+    queries = {}
+    qembs = []
+    for i in range(4):
+        q = torch.randint(-127, 128, (3, DIM), generator=gen).to(torch.float32)
+        q[:, 0] = 127  # the largest |code| of every token: scale 1/4 exactly
+        queries[f"q{i}"] = (q / 4).double()
+        qembs.append(q / 4)
+    write_shard(str(tmp_path / "q.safetensors"), list(queries), qembs, dtype="float32")
+    result = invoke(str(tmp_path / "q.safetensors"), *paths, "-k", "7", "--quiet")
+    assert result.exit_code == 0, result.output
+    ref = reference_scores(queries, docs)
+
+    def f32(run: dict[str, list[tuple[str, float]]]) -> dict[str, list[tuple[str, float]]]:
+        # scores this large print with fewer digits than they have: compare the float32 values
+        return {q: [(d, float(np.float32(v))) for d, v in rows] for q, rows in run.items()}
+
+    assert f32(parse_run(result.stdout)) == f32(reference_run(ref, 7))
+    # rerank through the same kernels' candidates path
+    (tmp_path / "c.trec").write_text(
+        "".join(f"q1 Q0 s{s}d{i:02d} 0 1 x\n" for s in (1, 0) for i in range(0, 25, 3))
+    )
+    result = invoke(
+        str(tmp_path / "q.safetensors"), *paths, "--candidates", str(tmp_path / "c.trec"), "--quiet"
+    )
+    assert result.exit_code == 0, result.output
+    wanted = {f"s{s}d{i:02d}" for s in (1, 0) for i in range(0, 25, 3)}
+    expected = sorted(
+        ((d, v) for d, v in ref["q1"].items() if d in wanted), key=lambda x: (x[1], x[0]), reverse=True
+    )
+    assert f32(parse_run(result.stdout)) == f32({"q1": expected})
+    # a float shard next to int8 ones is refused when the corpus is opened
+    write_shard(str(tmp_path / "float.safetensors"), ["f"], [torch.ones(1, DIM)], dtype="float16")
+    out = tmp_path / "run.trec"
+    result = invoke(
+        str(tmp_path / "q.safetensors"), *paths, str(tmp_path / "float.safetensors"), "-o", str(out)
+    )
+    assert result.exit_code == 1
+    assert "float.safetensors" in result.stderr and "mismatch" in result.stderr
+    assert not out.exists()

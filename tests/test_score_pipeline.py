@@ -409,3 +409,28 @@ def test_pinned_arena_carves_aligned_disjoint_slots(monkeypatch) -> None:
     huge = pipeline._Buffers(1 << 20, 10, 0, 16, torch.float16, False, "cpu", False, arena)
     huge.allocate()
     assert huge.embeddings.shape == (1 << 20, 16)  # the arena is used up: a slot of its own
+
+
+def test_progress_bar_is_drawn_only_on_a_terminal(monkeypatch) -> None:
+    import io
+    import sys
+
+    from maxsim_cli import progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    assert progress.progress_enabled(quiet=False) and not progress.progress_enabled(quiet=True)
+    with progress.ScoreProgress(True, 1000) as bar:
+        bar.advance(10, 600)
+        bar.advance(10, 400)
+    assert "scoring" in screen.getvalue() and "docs/s" in screen.getvalue()
+    pipe = io.StringIO()  # a pipe or a file: nothing at all
+    monkeypatch.setattr(sys, "stderr", pipe)
+    assert not progress.progress_enabled(quiet=False)
+    with progress.ScoreProgress(True, 1000) as bar:
+        bar.advance(1, 1)
+    assert pipe.getvalue() == ""
