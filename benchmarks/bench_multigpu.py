@@ -2,7 +2,7 @@
 
 Workload (the `score` benchmark's, on a larger corpus): 512 queries x 32 tokens against fp16 shards of
 L2-normalised random token vectors, d = 128 (256 B a token), document lengths uniform in [20, 300]
-(mean 160), 512 MiB shards (64 of them for 32 GB, so that two ranks get shares within one shard of each
+(mean 160), 512 MiB shards (61 of them for 32 GB, so that two ranks get shares within one shard of each
 other), top-k 1000, the run written to local disk. The corpus is written in this run (so it sits in the
 page cache) and read once more before timing; a warm-up on a small corpus compiles the Triton kernels into
 the on-disk cache that the workers load them from.

@@ -564,9 +564,11 @@ def _score_share(
             base_log = log
             log = lambda message: base_log(f"rank {rank}: {message}")  # noqa: E731
         elif world > len(corpus.shards):
+            n = len(corpus.shards)
+            idle = f"rank {n} has" if world - n == 1 else f"ranks {n} to {world - 1} have"
             log(
-                f"note: {world} ranks but {len(corpus.shards)} shards: ranks {len(corpus.shards)} to "
-                f"{world - 1} have nothing to score; split the corpus into more shards to use them"
+                f"note: {world} ranks but {n} shards: {idle} nothing to score; split the corpus into "
+                "more shards to use them"
             )
         query_ids = None
         if rank == 0:
