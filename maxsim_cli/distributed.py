@@ -779,6 +779,8 @@ def _job_outcome(
             f"worker rank {r} of {world} ({devices[r]}) was killed by {_signal_name(signum)}; the job "
             "stopped and no run was written (out of host memory? see the system log)"
         )
+    if status is not None and status.get("broken_pipe"):
+        raise BrokenPipeError("the run's reader closed standard output")
     if status is not None and "error" in status:
         raise _ERROR_CLASSES.get(int(status["exit_code"]), MaxsimError)(str(status["error"]))
     bad = [(r, c) for r, c in enumerate(codes) if c != 0]
@@ -838,6 +840,16 @@ def worker_main(argv: Sequence[str]) -> int:
         return exc.exit_code
     except SystemExit:
         raise
+    except BrokenPipeError:
+        # `maxsim score --devices ... | head`: the reader went away; the launcher leaves quietly too
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        if rank == 0 and status_path:
+            _write_status(status_path, {"broken_pipe": True})
+        return 0
     except BaseException as exc:
         if rank == 0 and status_path and not isinstance(exc, KeyboardInterrupt):
             message = f"rank 0 failed: {type(exc).__name__}: {_one_line(exc)} (traceback above)"
