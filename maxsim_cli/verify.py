@@ -1240,7 +1240,7 @@ def _verify(
         Check(
             "scores",
             tolerance.violations == 0,
-            f"{tolerance.violations} of {kernel_flat.size} scores outside the tolerance "
+            f"{tolerance.violations:,} of {kernel_flat.size:,} scores outside the tolerance "
             f"(worst at {tolerance.worst:.3g} of its bound)",
         )
     )
@@ -1265,8 +1265,8 @@ def _verify(
         Check(
             "argmax",
             argmax.agreement >= tol.min_argmax_agreement,
-            f"{argmax.agreed} of {argmax.compared} (query token, document) pairs agree "
-            f"({argmax.near_ties} near-ties excluded); at least {tol.min_argmax_agreement:g} required",
+            f"{argmax.agreed:,} of {argmax.compared:,} (query token, document) pairs agree "
+            f"({argmax.near_ties:,} near-ties excluded); at least {tol.min_argmax_agreement:g} required",
         )
     )
     min_overlap = 1.0 if tol.min_overlap is None else tol.min_overlap
@@ -1276,7 +1276,7 @@ def _verify(
         Check(
             "ranking",
             all(s.min >= min_overlap for s in ranking.overlap_within.values()),
-            f"every query's top-k is a valid reference top-k within tolerance: min over queries "
+            f"each query's top-k is a reference top-k within tolerance: least overlap "
             f"{ranking.overlap_within[worst_k].min:.4f} at k={worst_k} (required {min_overlap:g})",
         )
     )

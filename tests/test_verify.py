@@ -349,6 +349,15 @@ def test_int8_near_ties_fail_min_overlap_1_and_pass_the_defaults(tmp_path) -> No
     failed = {c["name"] for c in json.loads(strict.stdout)["checks"] if not c["passed"]}
     assert failed == {"quantization"}  # the kernel itself stays exact
 
+    # the same through the reranking kernel: a run listing every document for both queries
+    run = tmp_path / "all.trec"
+    run.write_text("".join(f"q{q} Q0 d{d} {d + 1} {20 - d} bm25\n" for q in (0, 1) for d in range(14)))
+    rerank = invoke(*args, "--candidates", str(run))
+    assert rerank.exit_code == 0, rerank.output
+    quant = json.loads(rerank.stdout)["details"]["quantization"]
+    assert quant["ranking"]["overlap"]["10"]["mean"] == pytest.approx(0.95)
+    assert invoke(*args, "--candidates", str(run), "--min-overlap", "1").exit_code == 3
+
 
 def test_int8_kernel_exactness_catches_a_moved_argmax(tmp_path, monkeypatch) -> None:
     _write_data(tmp_path / "f", dtype="float32", n_docs=12, n_queries=3)

@@ -17,6 +17,10 @@ def _num(x: float) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3g}"
 
 
+def _fraction(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.4f}"
+
+
 def _error_rows(label: str, stats: ErrorStats) -> list[str]:
     absolute = f"{_num(stats.max_abs):>11}{_num(stats.p99_abs):>11}{_num(stats.mean_abs):>11}"
     relative = f"{_num(stats.max_rel):>11}{_num(stats.p99_rel):>11}{_num(stats.mean_rel):>11}"
@@ -37,7 +41,7 @@ def _ranking_rows(ranking: RankingStats, within: bool) -> list[str]:
     tau = ranking.kendall_tau
     label = f"Kendall tau-b (top {ranking.tau_depth})"
     undefined = f"  ({tau.undefined} undefined)" if tau.undefined else ""
-    rows.append(f"  {label:<34}{_num(tau.mean):>9}{_num(tau.min):>9}{undefined}")
+    rows.append(f"  {label:<34}{_fraction(tau.mean):>9}{_fraction(tau.min):>9}{undefined}")
     return rows
 
 
@@ -61,7 +65,8 @@ def render(report: VerifyReport) -> str:
     lines += _error_rows("kernel", report.kernel_errors)
     if report.float32_errors is not None:
         lines += _error_rows("float32 reference", report.float32_errors)
-    lines.append(f"  tolerance: {report.tolerance_rule}; largest {_num(report.max_allowed)}")
+    lines.append(f"  tolerance: {report.tolerance_rule}")
+    lines.append(f"  largest allowed error: {_num(report.max_allowed)}")
     if report.worst is not None and report.tolerance.violations:
         w = report.worst
         lines.append(
