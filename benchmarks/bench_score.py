@@ -326,7 +326,10 @@ def bench_cpu(args: argparse.Namespace) -> dict:
             e2e_times.append(run_score(qpath, paths, os.path.join(work, "run-cpu.trec"), device="cpu").wall_s)
     docs = e2e.documents
     kernel_s, e2e_s = min(kernel_times), min(e2e_times)
+    # each end-to-end run is followed by a kernel-only run: the ratio within a pair sees the same load
+    pairs = sorted(k / e for k, e in zip(kernel_times, e2e_times, strict=True))
     log(f"CPU backend in memory: {kernel_s:.2f} s ({docs / kernel_s:.0f} docs/s); e2e {e2e_s:.2f} s")
+    log(f"throughput ratio: best/best {kernel_s / e2e_s:.2f}, pairs {', '.join(f'{r:.2f}' for r in pairs)}")
     return {
         "corpus_bytes": corpus_bytes,
         "shards": len(paths),
@@ -341,6 +344,9 @@ def bench_cpu(args: argparse.Namespace) -> dict:
         "e2e_all_s": e2e_times,
         "e2e_docs_per_s": docs / e2e_s,
         "e2e_over_kernel_throughput": kernel_s / e2e_s,
+        "e2e_over_kernel_throughput_pairs": pairs,
+        "e2e_over_kernel_throughput_pairs_median": pairs[len(pairs) // 2],
+        "load_average_1min": os.getloadavg()[0],
         "e2e_stats": e2e.as_dict(),
     }
 

@@ -26,8 +26,10 @@ whose error names the document and the token.
 When the corpus fits the GPU budget the stream is *resident*: the first pass copies each batch into its
 own device buffer and later passes (one per query batch) reuse them without reading anything.
 
-On the CPU there are no streams: the batch handed to the caller is the slot itself (or the shard's
-tensors), and at most ``reader_threads + 2`` batches are in flight, so reads overlap the CPU backend.
+On the CPU there are no streams, and no copy where none is needed: a document range of a safetensors
+shard is handed to the CPU backend as tensors over a pre-populated map of the file (`map_rows`: the
+reader checks the values, the backend reads the page cache), other batches as the shard's tensors (or
+packed in a slot); at most ``reader_threads + 2`` batches are in flight, so reads overlap the scoring.
 
 Memory (bytes): host: ``(reader_threads + 2) * slot`` plus, for batches read through `Shard.read_docs`,
 one unstaged batch per reader (zero for memory-mapped Arrow files), where ``slot`` is the largest batch's
@@ -38,6 +40,7 @@ scores of a batch are the caller's to count.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import queue
 import struct
@@ -51,6 +54,8 @@ import numpy as np
 import torch
 
 _STOP = object()  # put in the slot queue to stop the dispatcher
+
+_MADV_POPULATE_READ = 22  # linux/mman.h
 
 # A part of a plan: docs [start, stop) of shard `shard`, or the docs at `indices` of that shard, in order.
 Part = tuple[int, int, int] | tuple[int, np.ndarray]
@@ -278,6 +283,40 @@ class _SafetensorsRows:
         if self.scales_start is not None and scales is not None:
             self._pread(scales[: t1 - t0], self.scales_start + t0 * 4)
 
+    def _map(self, start: int, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of the file from byte ``start`` as a uint8 tensor over a private, pre-faulted map."""
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        aligned = start - start % mmap.ALLOCATIONGRANULARITY
+        # Private and writable, for torch.frombuffer (never written: no page is ever copied). Not
+        # MAP_POPULATE, which write-faults (copies) every page of a writable private map; MADV_POPULATE_READ
+        # maps the page-cache pages in one call instead of one fault per page later (Linux >= 5.14).
+        mapped = mmap.mmap(
+            self.fd,
+            nbytes + start - aligned,
+            flags=mmap.MAP_PRIVATE,
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            offset=aligned,
+        )
+        try:
+            mapped.madvise(_MADV_POPULATE_READ)
+        except (OSError, ValueError, AttributeError):
+            pass  # older kernels: the first reads map the pages instead
+        return torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=start - aligned)
+
+    def map_rows(self, t0: int, t1: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token rows t0..t1-1 *without copying* (CPU scoring): tensors over a map of the file.
+
+        The map is populated up front (see `_map`) and lives as long as the tensors.
+        """
+        rows = t1 - t0
+        emb = self._map(self.emb_start + t0 * self.row_bytes, rows * self.row_bytes)
+        embeddings = emb.view(dtype).view(rows, self.row_bytes // torch.empty(0, dtype=dtype).element_size())
+        scales = None
+        if self.scales_start is not None:
+            scales = self._map(self.scales_start + t0 * 4, rows * 4).view(torch.float32)
+        return embeddings, scales
+
     def close(self) -> None:
         os.close(self.fd)
 
@@ -367,7 +406,10 @@ class BatchStream:
         start = time.perf_counter()
         side = plan.side_array()
         if all(len(p) == 3 and self._direct_rows(p[0]) for p in plan.parts):
-            result = self._read_direct(plan, slot, side)
+            if self.cuda or len(plan.parts) > 1:
+                result = self._read_direct(plan, slot, side)
+            else:
+                result = self._map_direct(plan, side)
             if not self.cuda and not _finite(result.embeddings, result.scales):
                 read_parts(self.shards, plan.parts)  # the shard's checked reader names the document
             with self._lock:
@@ -457,6 +499,21 @@ class BatchStream:
             ints[: docs + 1].copy(),
             slot,
             checked=False,
+        )
+
+    def _map_direct(self, plan: BatchPlan, side: np.ndarray | None) -> _HostBatch:
+        """CPU: one document range of a safetensors shard as tensors over a map of the file (no copy;
+        the CPU backend reads the page cache directly)."""
+        shard_index, start, stop = plan.parts[0]  # type: ignore[misc]
+        offsets = self.shards[shard_index].offsets
+        t0, t1 = int(offsets[start]), int(offsets[stop])
+        reader = self._direct_rows(shard_index)
+        assert reader is not None
+        embeddings, scales = reader.map_rows(t0, t1, self.dtype)
+        host_offsets = np.ascontiguousarray(offsets[start : stop + 1] - t0, dtype=np.int64)
+        side_t = torch.from_numpy(np.ascontiguousarray(side, dtype=np.int64)) if side is not None else None
+        return _HostBatch(
+            embeddings, torch.from_numpy(host_offsets), scales, side_t, host_offsets, None, False
         )
 
     def _check_values(self) -> None:
