@@ -6,10 +6,16 @@ Checks that read offset values run on a host copy of the offsets (they are small
 
 from __future__ import annotations
 
+import functools
+import weakref
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
+
+T = TypeVar("T")
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_DIM = 4096  # the Triton kernels walk the embedding dimension in chunks, so any multiple of 8 works
@@ -46,8 +52,55 @@ class Layout:
         return int(self.d_lens.max()) if len(self.d_lens) else 0
 
 
+# Per-tensor memo of derived data (validated host copies, device copies, launch tables): the same
+# offsets tensors come back for every query batch, and recomputing from them costs a device<->host copy
+# that stalls the launch queue (measured on the H200: 1 query x 100K documents took 1.66 ms with offsets
+# on the GPU against 1.22 ms with offsets on the host, for a ~1 ms kernel). An entry is keyed by the
+# tensor object and its in-place version counter, and dies with the tensor. Writes that bypass the
+# version counter (through a numpy view or `.data`) are not seen: treat offsets as immutable.
+_MEMO: dict[int, tuple[weakref.ref, int, dict[Hashable, Any]]] = {}
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    entry = _MEMO.get(key)
+    if entry is not None and entry[0] is ref:
+        del _MEMO[key]
+
+
+def memo(tensor: torch.Tensor, key: Hashable, compute: Callable[[], T]) -> T:
+    """compute(), remembered for this tensor object until it changes in place or is freed."""
+    try:
+        version = tensor._version
+    except RuntimeError:  # inference tensors have no version counter
+        return compute()
+    entry = _MEMO.get(id(tensor))
+    if entry is None or entry[0]() is not tensor or entry[1] != version:
+        entry = (weakref.ref(tensor, functools.partial(_forget, id(tensor))), version, {})
+        _MEMO[id(tensor)] = entry
+    store = entry[2]
+    if key not in store:
+        store[key] = compute()
+    return store[key]
+
+
+def on_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An int64 contiguous copy of `x` on `device` (memoised: one transfer per offsets tensor)."""
+    if x.device == device and x.dtype == torch.int64 and x.is_contiguous():
+        return x
+    return memo(x, ("device", str(device)), lambda: x.to(device=device, dtype=torch.int64).contiguous())
+
+
 def host_offsets(name: str, offsets: torch.Tensor, total: int) -> np.ndarray:
-    """Check a packed-offsets tensor (int, 1-D, offsets[0] == 0, non-decreasing, offsets[-1] == total)."""
+    """Check a packed-offsets tensor (int, 1-D, offsets[0] == 0, non-decreasing, offsets[-1] == total).
+
+    Returns a read-only int64 host copy, memoised per tensor.
+    """
+    if not isinstance(offsets, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor of int64 offsets, got {type(offsets).__name__}")
+    return memo(offsets, ("host", name, total), lambda: _host_offsets(name, offsets, total))
+
+
+def _host_offsets(name: str, offsets: torch.Tensor, total: int) -> np.ndarray:
     if not isinstance(offsets, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor of int64 offsets, got {type(offsets).__name__}")
     if offsets.dim() != 1 or offsets.numel() < 1:
@@ -69,6 +122,8 @@ def host_offsets(name: str, offsets: torch.Tensor, total: int) -> np.ndarray:
         raise ValueError(
             f"{name} decreases at entry {bad} ({int(host[bad])} -> {int(host[bad + 1])}): must be sorted"
         )
+    host = host.copy() if host.base is not None else host  # never a view of the caller's memory
+    host.flags.writeable = False
     return host
 
 
@@ -113,13 +168,14 @@ def check_inputs(
         raise ValueError(f"queries and docs are on different devices ({queries.device}, {docs.device})")
     q_off = host_offsets("query_offsets", query_offsets, queries.shape[0])
     d_off = host_offsets("doc_offsets", doc_offsets, docs.shape[0])
-    q_lens = np.diff(q_off)
+    q_lens = memo(query_offsets, ("lens", queries.shape[0]), lambda: np.diff(q_off))
     if len(q_lens) and q_lens.min() <= 0:
         bad = int(np.argmin(q_lens))
         raise ValueError(
             f"query {bad} has no tokens (query_offsets[{bad}] == query_offsets[{bad + 1}]): drop it"
         )
-    return Layout(q_off, d_off, q_lens, np.diff(d_off), dim)
+    d_lens = memo(doc_offsets, ("lens", docs.shape[0]), lambda: np.diff(d_off))
+    return Layout(q_off, d_off, q_lens, d_lens, dim)
 
 
 def check_candidates(
@@ -135,7 +191,15 @@ def check_candidates(
         raise ValueError(
             f"candidate_offsets has {len(c_off)} entries but there are {num_queries} queries: need nq+1"
         )
-    c_docs = candidate_docs.detach().to("cpu", torch.int64).numpy()
+    c_docs = memo(
+        candidate_docs, ("candidates", num_docs), lambda: _host_candidates(candidate_docs, num_docs)
+    )
+    return c_off, c_docs
+
+
+def _host_candidates(candidate_docs: torch.Tensor, num_docs: int) -> np.ndarray:
+    c_docs = candidate_docs.detach().to("cpu", torch.int64).numpy().copy()
+    c_docs.flags.writeable = False
     if len(c_docs):
         lo, hi = int(c_docs.min()), int(c_docs.max())
         if lo < 0 or hi >= num_docs:
@@ -143,7 +207,7 @@ def check_candidates(
             raise ValueError(
                 f"candidate_docs[{bad}] = {int(c_docs[bad])} is not a document index in [0, {num_docs})"
             )
-    return c_off, c_docs
+    return c_docs
 
 
 def check_backend(backend: str) -> None:

@@ -28,11 +28,12 @@ import torch
 from ._validate import Layout, check_candidates, check_inputs
 
 # Padded document tokens per group and query tokens per matrix product. Measured on the 2-core dev
-# machine (Xeon with AVX-512, torch 2.13, fp32, dim 128; benchmarks/bench_cpu.py): 1 query x 4000 docs
-# of 20-300 tokens and 64 queries x the same; 4096-token groups beat 1024 and 16384 on both, and query
-# blocks of 1024 rows keep the [group, rows] similarity block (16 MB) from spilling far past the L2/L3.
-_GROUP_TOKENS = 4096
-_QUERY_ROWS = 1024
+# machine (Xeon with AVX-512, torch 2.13, fp32, dim 128), 64 queries x 32 tokens against 1000 documents
+# of 20-300 tokens, best of 3 while other jobs shared the cores (sgemm 90 GFLOP/s at the time):
+# groups x rows = 512 x 2048 -> 81 GFLOP/s, 256 x 2048 -> 73, 2048 x 2048 -> 58, 8192 x 256 -> 64,
+# 4096 x 1024 -> 23, 2048 x 512 -> 18: the [group, rows] similarity block must stay near the 2 MB L2.
+_GROUP_TOKENS = 512
+_QUERY_ROWS = 2048
 
 
 # Few query tokens (one query, or a handful): stream the documents in their packed order instead, with

@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._validate import FLOAT_DTYPES, Layout, check_candidates, check_inputs, next_pow2
+from ._validate import FLOAT_DTYPES, Layout, check_candidates, check_inputs, memo, next_pow2, on_device
 
 # ============================================================================================
 # Triton kernels
@@ -345,16 +345,26 @@ class KernelConfig:
             raise ValueError("KernelConfig.block_q and block_t must be >= 16 (tl.dot's minimum)")
 
 
-# Shape classes -> configuration, measured on one H200 (triton 3.6, fp16, dim 128, L2-normalised random
-# vectors; benchmarks/bench_kernels.py --sweep, docs/kernel-notes.md has the sweep). Keys:
+# Shape classes -> configuration (H200, triton 3.6, fp16, dim 128, L2-normalised random vectors).
 #   "many":  all-pairs with >= 128 query rows (tensor-core bound: 512 queries x 32 tokens x 50K docs);
 #   "few":   all-pairs with < 128 query rows (HBM bound: 1 query x 100K docs of 20-300 tokens);
 #   "long":  queries longer than 128 tokens (1 ColPali query of 1024 tokens x 1000 docs of 1024);
 #   "cands": per-query candidates (HBM bound: 64 queries x their own 1000 docs of 180 tokens).
+# Evidence (docs/kernel-notes.md has the numbers and the reasoning):
+# - this kernel with the first table (many = 128 rows x 64-token tiles, 8 warps, 3 stages; few and
+#   cands = 32 x 64, 4 warps, 4 stages, 8 docs a program), timed on the H200 by benchmarks/bench_int8.py
+#   (benchmarks/results/int8-h200.json): exhaustive 115 ms (292 TFLOP/s), 1 query 1.22 ms, rerank 0.93 ms;
+# - the int8 kernel, the same flat tile loop with the same grid, swept on the same workloads: at 128 rows
+#   x 64 tokens, 4 warps took 82 ms against 149.6 ms for 8 warps (256 rows with 8 warps: 95.7 ms); for
+#   1 query, 16 docs a program and 4 stages took 0.81 ms against 1.03 ms for 8 docs and 2 stages;
+# - sm_90 builds of every entry below (triton's ptxas, no GPU needed): no spills; "many"/"long" 181
+#   registers and 82 KB of shared memory with 4 warps (2 programs per SM), "few"/"cands" 86 registers and
+#   58 KB (3 programs per SM, 3 tiles in flight each); the loads are cp.async-pipelined, the dots wgmma
+#   for >= 64 rows. `bench_kernels.py --tune` re-derives the table on a GPU.
 _TUNING: dict[str, KernelConfig] = {
-    "many": KernelConfig(block_q=128, block_t=64, docs_per_prog=16, num_warps=8, num_stages=3),
-    "few": KernelConfig(block_q=32, block_t=64, docs_per_prog=8, num_warps=4, num_stages=4),
-    "long": KernelConfig(block_q=128, block_t=64, docs_per_prog=4, num_warps=8, num_stages=3),
+    "many": KernelConfig(block_q=128, block_t=64, docs_per_prog=16, num_warps=4, num_stages=3),
+    "few": KernelConfig(block_q=32, block_t=64, docs_per_prog=16, num_warps=4, num_stages=4),
+    "long": KernelConfig(block_q=128, block_t=64, docs_per_prog=2, num_warps=4, num_stages=3),
     "cands": KernelConfig(block_q=32, block_t=64, docs_per_prog=8, num_warps=4, num_stages=4),
 }
 _MIN_ROWS = 16  # tl.dot needs M, N, K >= 16
@@ -371,10 +381,6 @@ def _k_blocking(dim: int) -> tuple[int, int, bool]:
     block_k = max(16, min(next_pow2(dim), 128))
     num_k = triton.cdiv(dim, block_k)
     return block_k, num_k, dim % block_k == 0
-
-
-def _on_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return x.to(device=device, dtype=torch.int64, non_blocking=True).contiguous()
 
 
 def _prepare(
@@ -449,7 +455,7 @@ def maxsim_varlen_forward_triton(
     block_k, num_k, even_k = _k_blocking(dim)
     grid = (num_blocks * triton.cdiv(nd, cfg.docs_per_prog),)
     _maxsim_varlen_kernel[grid](
-        queries, _on_device(query_offsets, device), docs, _on_device(doc_offsets, device), scores,
+        queries, on_device(query_offsets, device), docs, on_device(doc_offsets, device), scores,
         argmax if argmax is not None else scores,
         nq, nd, num_blocks, num_chunks, dim,
         queries.stride(0), docs.stride(0), nd,
@@ -512,13 +518,16 @@ def maxsim_candidates_forward_triton(
     if num_c == 0:
         out = scores.sum(0)
         return (out, argmax) if return_argmax else out
-    query, first, last = _candidate_blocks(c_off, cfg.docs_per_prog)
-    blocks = torch.from_numpy(np.stack([query, first, last])).to(device, non_blocking=True)
+    blocks = memo(
+        candidate_offsets,
+        ("blocks", cfg.docs_per_prog, str(device)),
+        lambda: torch.from_numpy(np.stack(_candidate_blocks(c_off, cfg.docs_per_prog))).to(device),
+    )
     block_k, num_k, even_k = _k_blocking(dim)
-    grid = (len(query) * num_chunks,)
+    grid = (blocks.shape[1] * num_chunks,)
     _maxsim_candidates_kernel[grid](
-        queries, _on_device(query_offsets, device), docs, _on_device(doc_offsets, device),
-        _on_device(candidate_docs, device), blocks[0], blocks[1], blocks[2],
+        queries, on_device(query_offsets, device), docs, on_device(doc_offsets, device),
+        on_device(candidate_docs, device), blocks[0], blocks[1], blocks[2],
         scores, argmax if argmax is not None else scores,
         layout.num_queries, num_c, num_chunks, layout.num_docs, dim,
         queries.stride(0), docs.stride(0), layout.max_query_len,

@@ -407,3 +407,30 @@ def test_launch_keys_do_not_change_within_a_bucket(monkeypatch):
         )  # jit | interpreter
         excluded = {names[i] if isinstance(i, int) else i for i in listed}
         assert set(sizes) <= excluded
+
+
+def test_offsets_memo_follows_in_place_changes_and_frees():
+    import gc
+
+    from maxsim_kernels import _validate as v
+
+    off = torch.tensor([0, 2, 5])
+    first = v.host_offsets("doc_offsets", off, 5)
+    assert v.host_offsets("doc_offsets", off, 5) is first  # remembered
+    assert not first.flags.writeable
+    off[1] = 3  # an in-place change bumps the version counter: checked again
+    assert v.host_offsets("doc_offsets", off, 5).tolist() == [0, 3, 5]
+    off[2] = 4
+    with pytest.raises(ValueError, match=r"doc_offsets\[-1\]"):
+        v.host_offsets("doc_offsets", off, 5)
+    key = id(off)
+    del off, first
+    gc.collect()
+    assert key not in v._MEMO
+    q, q_off = packed([2, 3], 8)
+    d, d_off = packed([4, 0, 1], 8)
+    before = maxsim_varlen(q, q_off, d, d_off)
+    d_off[1:] = torch.tensor([1, 4, 5])  # same object, new content: new scores
+    after = maxsim_varlen(q, q_off, d, d_off)
+    check_scores(after, maxsim_reference(q, q_off, d, d_off), torch.tensor([[2], [3]]), 8)
+    assert not torch.equal(before, after)

@@ -1,0 +1,138 @@
+"""The torch CPU backend against maxsim-cpu 0.1.0 (Rust, libxsmm) on the same data, on this machine.
+
+Data: 4000 documents of 20-300 tokens (uniform), dim 128, L2-normalised random fp32 vectors (maxsim-cpu
+takes fp32 numpy arrays); queries of 32 tokens. Workloads: 1 query x 4000 documents and 64 queries x
+4000 documents (maxsim-cpu scores one query per call, so it is called once per query). Each method runs
+`--repeats` times, interleaved with the others so that load from other processes hits all alike; the
+report gives the best and the median time, documents per second (query-document pairs / s for 64
+queries), GFLOP/s (2 * Tq * Td * dim) and the fraction of this machine's fp32 matrix-product rate
+(4096^3 `torch.mm`, measured in the same run). maxsim-cpu is optional: `pip install maxsim-cpu==0.1.0`.
+
+    python benchmarks/bench_cpu.py --out benchmarks/results/cpu-2core.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from maxsim_kernels import maxsim_reference, maxsim_varlen
+
+DIM = 128
+
+
+def log(msg: str) -> None:
+    print(f"[bench_cpu] {msg}", file=sys.stderr, flush=True)
+
+
+def sgemm_gflops(repeats: int) -> float:
+    a, b = torch.randn(4096, 4096), torch.randn(4096, 4096)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 4096**3 / best / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the JSON results here")
+    parser.add_argument("--docs", type=int, default=4000, help="number of documents")
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs per method and workload")
+    args = parser.parse_args()
+
+    rng = np.random.default_rng(0)
+    lens = rng.integers(20, 301, args.docs)
+    offsets = np.zeros(args.docs + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    docs = rng.standard_normal((int(offsets[-1]), DIM), dtype=np.float32)
+    docs /= np.linalg.norm(docs, axis=1, keepdims=True)
+    doc_list = [docs[offsets[i] : offsets[i + 1]] for i in range(args.docs)]
+    docs_t, d_off = torch.from_numpy(docs), torch.from_numpy(offsets)
+    try:
+        import maxsim_cpu
+    except ImportError:
+        maxsim_cpu = None
+        log("maxsim-cpu is not installed: measuring this project only")
+
+    rows: list[dict[str, Any]] = []
+    rate = sgemm_gflops(args.repeats)
+    log(f"fp32 matrix product (4096^3): {rate:.0f} GFLOP/s, {torch.get_num_threads()} threads")
+    for nq in (1, 64):
+        queries = rng.standard_normal((nq * 32, DIM), dtype=np.float32)
+        queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+        q_t, q_off = torch.from_numpy(queries), torch.arange(nq + 1, dtype=torch.int64) * 32
+        methods: dict[str, Callable[[], np.ndarray]] = {
+            "maxsim (torch backend)": lambda: maxsim_varlen(
+                q_t, q_off, docs_t, d_off, backend="torch"
+            ).numpy()
+        }
+        if maxsim_cpu is not None:
+            methods["maxsim-cpu 0.1.0"] = lambda: np.stack(
+                [
+                    maxsim_cpu.maxsim_scores_variable(queries[i * 32 : (i + 1) * 32], doc_list)
+                    for i in range(nq)
+                ]
+            )
+        ref = maxsim_reference(q_t, q_off, docs_t, d_off).numpy()
+        times: dict[str, list[float]] = {name: [] for name in methods}
+        errors = {name: float(np.abs(fn() - ref).max()) for name, fn in methods.items()}  # also warms up
+        for _ in range(args.repeats):
+            for name, fn in methods.items():
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+        flops = 2.0 * nq * 32 * int(offsets[-1]) * DIM
+        for name in methods:
+            best, median = min(times[name]), statistics.median(times[name])
+            row = {
+                "workload": f"{nq} x {args.docs} docs",
+                "method": name,
+                "best_s": best,
+                "median_s": median,
+                "docs_per_s": nq * args.docs / best,
+                "gflops": flops / best / 1e9,
+                "fraction_of_sgemm": flops / best / 1e9 / rate,
+                "max_abs_err_vs_fp64": errors[name],
+            }
+            rows.append(row)
+            log(
+                f"{row['workload']:>18} {name:>24}: best {best * 1e3:8.1f} ms  median {median * 1e3:8.1f} ms"
+                f"  {row['docs_per_s']:9.0f} docs/s  {row['gflops']:6.1f} GFLOP/s ({row['fraction_of_sgemm']:.0%})"
+                f"  err {row['max_abs_err_vs_fp64']:.1e}"
+            )
+    result = {
+        "meta": {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "load_average_1m": os.getloadavg()[0],
+            "command": " ".join(["python", "benchmarks/bench_cpu.py", *sys.argv[1:]]),
+        },
+        "sgemm_gflops": rate,
+        "rows": rows,
+    }
+    if args.out:
+        tmp = f"{args.out}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(tmp, args.out)
+
+
+if __name__ == "__main__":
+    main()
