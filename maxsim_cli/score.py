@@ -450,11 +450,12 @@ def _files_bytes(paths: Sequence[str]) -> int:
     total = 0
     for path in paths:
         try:
-            if os.path.isdir(path):
+            if os.path.isdir(path):  # a manifest may name shards in sub-directories
                 total += sum(
-                    entry.stat().st_size
-                    for entry in os.scandir(path)
-                    if entry.is_file() and entry.name.endswith((".safetensors", ".arrow", ".parquet"))
+                    os.path.getsize(os.path.join(root, name))
+                    for root, _dirs, names in os.walk(path)
+                    for name in names
+                    if name.endswith((".safetensors", ".arrow", ".parquet"))
                 )
             else:
                 total += os.path.getsize(path)
