@@ -495,9 +495,7 @@ class _Job:
     q1: int
     plans: list[BatchPlan]
     stream: BatchStream | None = None
-    # rerank: per pair (query, docno index) in output order
-    pair_docnos: list[list[str]] | None = None
-    num_pairs: int = 0
+    num_pairs: int = 0  # rerank: (query, candidate) pairs scored
 
 
 class _Engine:
@@ -900,8 +898,6 @@ class _Engine:
             arena=self.arena,
         )
         self.pair_q = q_arr
-        self.pair_scores_len = len(q_arr)
-        self.nq = nq
         return [_Job(0, nq, plans, stream, num_pairs=len(q_arr))]
 
     def _index_parts(self, ordinals: np.ndarray) -> list[Part]:
