@@ -45,7 +45,6 @@ import math
 import os
 import resource
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -56,6 +55,7 @@ import torch
 
 from maxsim_cli.errors import InputError, MaxsimError, UsageError
 from maxsim_cli.pipeline import Batch, BatchPlan, BatchStream, Part, PinnedArena
+from maxsim_cli.shards import write_text_atomic
 from maxsim_cli.topk import MAX_RANKS, PAIR_BYTES, STATE_BYTES, RunningTopK
 from maxsim_cli.units import format_size
 
@@ -164,7 +164,7 @@ class ScoreStats:
 
     def write_json(self, path: str) -> None:
         """Write `as_dict` to ``path`` atomically."""
-        _atomic_write_text(path, json.dumps(self.as_dict(), indent=2, sort_keys=True) + "\n")
+        write_text_atomic(path, json.dumps(self.as_dict(), indent=2, sort_keys=True) + "\n")
 
 
 def _si(x: float) -> str:
@@ -172,26 +172,6 @@ def _si(x: float) -> str:
         if x >= scale:
             return f"{x / scale:.3g}{unit}"
     return f"{x:.3g}"
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    except OSError as exc:
-        raise MaxsimError(
-            f"{path}: cannot write the stats file: {exc.strerror}; check the directory"
-        ) from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 # --------------------------------------------------------------------------------------------------
