@@ -1052,6 +1052,8 @@ def verify(
     tol = tolerances or Tolerances()
     if sample_docs is not None and candidates is not None:
         raise UsageError("--sample-docs and --candidates exclude each other: verify a sample or a run")
+    if queries == "-" and candidates == "-":
+        raise UsageError("queries and --candidates both read stdin; give one of them as a file")
     if sample_docs is not None and sample_docs < 1:
         raise UsageError(f"--sample-docs {sample_docs}: give a positive number of documents")
     for name, value in (("--atol", tol.atol), ("--rtol", tol.rtol)):

@@ -254,6 +254,8 @@ def test_usage_and_input_errors(data, tmp_path) -> None:
     assert len(wrong_dim.stderr.strip().splitlines()) == 1
     bad_overlap = runner.invoke(app, ["verify", q, c, "--min-overlap", "1.5"])
     assert bad_overlap.exit_code == 2
+    two_stdins = runner.invoke(app, ["verify", "-", c, "--candidates", "-"])
+    assert two_stdins.exit_code == 2 and "stdin" in two_stdins.stderr
 
 
 def test_grad_reports_gradient_agreement(data) -> None:
