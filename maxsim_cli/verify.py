@@ -109,21 +109,22 @@ GRAD_DOCS = 64
 MAX_SCORES = 50_000_000
 # Document tokens per scored batch (the kernel's argmax [Tq, docs] is the largest array per batch).
 DEFAULT_BATCH_TOKENS = 1 << 19
-# Reference pass: float32 similarities per group, and float64 temporaries of the fix-up. On the CPU a
-# 64 MB block of similarities keeps the masked max passes at ~2x the GEMM time (16M elements measured
-# against 4M and 64M on the 2-core dev machine, 1000 docs x 3200 query tokens, dim 128); the float64
-# gather of winning rows runs one document at a time while its rows sit in the L2 cache.
+# Reference pass sizes. CPU, measured on one core of the 2-core dev machine (dim 128, 3200 query tokens,
+# documents of 20-300 tokens): blocks of 4M similarities (1024 query rows x ~4096 padded document tokens,
+# 16 MB, the kernel's CPU block too) ran 500 documents in 3.9 s against 3.8-4.9 s for 2M-16M; a max with
+# argmax over the last dim (query-major layout) takes 6.7 ms per block against 9.7 ms over the middle
+# dim. The fix-up gathers rows for 16 MB worth of documents at a time (4-16 documents: 35 ms per 64
+# documents, flat). CUDA: sized to keep temporaries near 1-2 GiB; not tuned (no GPU measurement yet).
 _CPU_SIM_ELEMS = 1 << 22
 _CUDA_SIM_ELEMS = 1 << 28
 _CPU_QUERY_ROWS = 1024
 _CUDA_QUERY_ROWS = 1 << 30
 _CPU_FIXUP_BYTES = 16 << 20
-# Documents up to this many tokens get a plain float64 GEMM: its cost per (query token, document) grows
-# with the length, the certified fix-up's (one gathered float64 row) does not; 1000 documents x 3200
-# query tokens, dim 128, 2-core dev machine: float64 GEMM 200 ms vs fix-up 29 ms per 64 documents of
-# 160 tokens, so the two meet near 24 tokens.
-_FULL_FLOAT64_WIDTH = 24
 _CUDA_FIXUP_BYTES = 256 << 20
+# Documents up to this many tokens get a plain float64 GEMM: its cost per (query token, document) grows
+# with the length, the certified fix-up's (one gathered float64 row) does not; 64 documents of 160
+# tokens x 3200 query tokens, dim 128: float64 GEMM 200 ms vs fix-up 29 ms, so the two meet near 24.
+_FULL_FLOAT64_WIDTH = 24
 
 
 def gamma(n: int, unit: float = UNIT_ROUNDOFF) -> float:
