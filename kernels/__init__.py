@@ -18,7 +18,9 @@ dtype. float32 inputs use exact fp32 products unless `allow_tf32=True` (TF32 ten
 mantissa products, ~1e-3 relative error). int8 documents with per-token `doc_scales` go to
 `maxsim_kernels.maxsim_int8`; inputs that require grad go to `maxsim_kernels.maxsim_backward`.
 dim is any multiple of 8 up to 4096. A query with no tokens raises ValueError; a document with no tokens
-scores -inf. Offsets may live on the CPU or on the tensors' device (a host copy is read for the checks).
+scores -inf. Offsets may live on the CPU or on the tensors' device: each offsets tensor is checked (on a
+host copy) and copied to the device once, then remembered per tensor object and in-place version, so
+repeated calls cost no transfer; change offsets in place through torch (not through a numpy view).
 
 backend: "auto" (Triton for CUDA tensors, torch for CPU tensors), "triton" (CPU tensors only under
 TRITON_INTERPRET=1, for tests), "torch" (blocked torch ops; the CPU path, also valid on CUDA tensors).
