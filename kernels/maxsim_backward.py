@@ -511,7 +511,11 @@ def _grads_torch(
     need_docs: bool,
     acc_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Both gradients by gather + ``index_put_(accumulate=True)`` (sequential on CPU) in ``acc_dtype``."""
+    """Both gradients by gather + ``index_add_`` in ``acc_dtype``.
+
+    ``index_add_`` adds the rows in index order on CPU, so the sums are bitwise repeatable with any number
+    of threads; ``index_put_(accumulate=True)`` is not (it splits duplicate rows across threads).
+    """
     query_tok, rows, score_idx = _pairs_torch(
         argmax, query_offsets, doc_offsets, candidate_offsets, candidate_docs, queries.shape[0]
     )
@@ -528,9 +532,9 @@ def _grads_torch(
             doc_rows = docs[rows[sl]].to(acc_dtype)
             if doc_scales is not None:
                 doc_rows = doc_rows * doc_scales[rows[sl]].to(acc_dtype)[:, None]
-            grad_q.index_put_((query_tok[sl],), doc_rows * w, accumulate=True)
+            grad_q.index_add_(0, query_tok[sl], doc_rows * w)
         if grad_d is not None:
-            grad_d.index_put_((rows[sl],), queries[query_tok[sl]].to(acc_dtype) * w, accumulate=True)
+            grad_d.index_add_(0, rows[sl], queries[query_tok[sl]].to(acc_dtype) * w)
     return grad_q, grad_d
 
 

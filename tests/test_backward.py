@@ -316,3 +316,26 @@ def test_gradient_check_reports_small_errors(cands):
     assert report["argmax_agreement"] == 1.0 and report["bitwise_repeatable"]
     assert report["pairs"] == (21 * 4 if cands is None else 5 * 2 + 12 * 4 + 1)
     assert report["seed"] == 3
+
+
+def test_torch_path_gradients_are_bitwise_repeatable_with_several_threads():
+    """Many query tokens choosing the same few document tokens: the CPU sums must not depend on threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        g = torch.Generator().manual_seed(7)
+        queries = torch.randn(4000, 64, generator=g, dtype=torch.float32)
+        docs = torch.randn(6, 64, generator=g, dtype=torch.float32)
+        query_offsets = torch.arange(0, 4001, 40, dtype=torch.int64)
+        doc_offsets = torch.tensor([0, 3, 6], dtype=torch.int64)
+        grads = []
+        for _ in range(3):
+            q = queries.clone().requires_grad_(True)
+            d = docs.clone().requires_grad_(True)
+            scores = maxsim_kernels.maxsim_varlen(q, query_offsets, d, doc_offsets, backend="torch")
+            scores.backward(torch.ones_like(scores))
+            grads.append((q.grad, d.grad))
+        for gq, gd in grads[1:]:
+            assert torch.equal(gq, grads[0][0]) and torch.equal(gd, grads[0][1])
+    finally:
+        torch.set_num_threads(threads)
