@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One call on the H200 that checks and times everything the docs report: the GPU-marked tests, the forward
+# kernels against the peers, training (forward + backward), and the verify reports on sample_data/.
+# Usage (device tool, carrying .whl with the peers' wheels):  bash benchmarks/run_h200.sh "$OUT"
+# Each step has its own time limit so that one slow step cannot take the others' results with it.
+set -u
+out=${1:?usage: run_h200.sh OUTDIR}
+logs=$(mktemp -d)
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$logs/install.log" 2>&1 || cat "$logs/install.log"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$logs/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$logs/gpu.txt"
+
+step() {  # step NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS
+  timeout "$secs" "$@" >"$logs/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$logs/steps.txt"
+  tail -n 25 "$logs/$name.log"
+}
+
+step gpu-tests 160 python3 -m pytest -q -m gpu -p no:cacheprovider tests/
+step kernels 140 python3 benchmarks/bench_kernels.py --cold --cold-workloads one_query --out "$logs/kernels-h200.json"
+step train 100 python3 benchmarks/bench_train.py --out "$logs/train-h200.json" \
+  --methods ours,plain-autograd,lik,lik-lowmem,flash-maxsim --fp32-shapes colbert-128
+step verify 80 python3 benchmarks/verify_reports.py --device cuda --out "$logs/verify"
+
+tar -czf "$out/h200-results.tar.gz" -C "$logs" .
+cat "$logs/gpu.txt" "$logs/steps.txt"
