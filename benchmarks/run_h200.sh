@@ -22,13 +22,17 @@ step() {  # step NAME SECONDS CMD...
   local rc=$?
   echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$logs/steps.txt"
   tail -n 25 "$logs/$name.log"
+  tar -czf "$out/h200-results.tar.gz" -C "$logs" .  # after every step: a later time-out keeps these
 }
 
-step gpu-tests 160 python3 -m pytest -q -m gpu -p no:cacheprovider tests/
-step kernels 140 python3 benchmarks/bench_kernels.py --cold --cold-workloads one_query --out "$logs/kernels-h200.json"
-step train 100 python3 benchmarks/bench_train.py --out "$logs/train-h200.json" \
+# STEPS picks a subset (e.g. STEPS="gpu-tests verify"); WORKLOADS narrows the kernel benchmark.
+steps=" ${STEPS:-gpu-tests kernels train verify} "
+want() { [[ $steps == *" $1 "* ]]; }
+want gpu-tests && step gpu-tests ${GPU_TESTS_S:-160} python3 -m pytest -q -m gpu -p no:cacheprovider tests/
+want kernels && step kernels ${KERNELS_S:-140} python3 benchmarks/bench_kernels.py --cold --cold-workloads one_query \
+  --workloads "${WORKLOADS:-exhaustive,one_query,colpali,rerank}" --out "$logs/kernels-h200.json"
+want train && step train 100 python3 benchmarks/bench_train.py --out "$logs/train-h200.json" \
   --methods ours,plain-autograd,lik,lik-lowmem,flash-maxsim --fp32-shapes colbert-128
-step verify 80 python3 benchmarks/verify_reports.py --device cuda --out "$logs/verify"
+want verify && step verify ${VERIFY_S:-80} python3 benchmarks/verify_reports.py --device cuda --out "$logs/verify"
 
-tar -czf "$out/h200-results.tar.gz" -C "$logs" .
 cat "$logs/gpu.txt" "$logs/steps.txt"

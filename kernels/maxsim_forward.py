@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import launch_fitting_shared_memory
 from ._validate import FLOAT_DTYPES, Layout, check_candidates, check_inputs, memo, next_pow2, on_device
 
 # ============================================================================================
@@ -454,7 +455,8 @@ def maxsim_varlen_forward_triton(
         return (out, argmax) if return_argmax else out
     block_k, num_k, even_k = _k_blocking(dim)
     grid = (num_blocks * triton.cdiv(nd, cfg.docs_per_prog),)
-    _maxsim_varlen_kernel[grid](
+    launch_fitting_shared_memory(
+        _maxsim_varlen_kernel, grid,
         queries, on_device(query_offsets, device), docs, on_device(doc_offsets, device), scores,
         argmax if argmax is not None else scores,
         nq, nd, num_blocks, num_chunks, dim,
@@ -525,7 +527,8 @@ def maxsim_candidates_forward_triton(
     )
     block_k, num_k, even_k = _k_blocking(dim)
     grid = (blocks.shape[1] * num_chunks,)
-    _maxsim_candidates_kernel[grid](
+    launch_fitting_shared_memory(
+        _maxsim_candidates_kernel, grid,
         queries, on_device(query_offsets, device), docs, on_device(doc_offsets, device),
         on_device(candidate_docs, device), blocks[0], blocks[1], blocks[2],
         scores, argmax if argmax is not None else scores,

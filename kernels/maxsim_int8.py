@@ -58,6 +58,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import launch_fitting_shared_memory
+
 # Codes are in [-127, 127]; shards written elsewhere may hold -128, so bounds use 128.
 INT8_ABSMAX = 127.0
 MAX_DIM = 1024  # |acc| <= 128^2 * dim stays below 2^24, where fp32 holds every integer exactly
@@ -679,7 +681,8 @@ def _launch_varlen(
         block_d = min(block_d, 32) if block_k > 256 else block_d
     docs_per_prog = docs_per_prog or (_FEW_QUERIES_DOCS_PER_PROG if few else _VARLEN_DOCS_PER_PROG)
     grid = (n_groups * triton.cdiv(nd, docs_per_prog),)
-    _maxsim_int8_varlen_kernel[grid](
+    launch_fitting_shared_memory(
+        _maxsim_int8_varlen_kernel, grid,
         q8, sq, query_offsets, d8, sd, doc_offsets, out, out if arg is None else arg,
         nq, n_groups, nd, dim,
         q8.stride(0), d8.stride(0), out.stride(0), nd,
@@ -726,7 +729,8 @@ def _launch_candidates(
     if block_d is None:
         block_d = min(_CAND_BLOCK_D, 32) if block_k > 256 else _CAND_BLOCK_D
     cands_per_prog = cands_per_prog or _CAND_PER_PROG
-    _maxsim_int8_candidates_kernel[(triton.cdiv(n_cand, cands_per_prog),)](
+    launch_fitting_shared_memory(
+        _maxsim_int8_candidates_kernel, (triton.cdiv(n_cand, cands_per_prog),),
         q8, sq, query_offsets, candidate_offsets, candidate_docs, d8, sd, doc_offsets,
         out, out if arg is None else arg,
         nq, n_cand, dim,

@@ -1,21 +1,21 @@
 """Test-session setup shared by every test module.
 
 Without a CUDA device the Triton kernels run under Triton's interpreter on CPU tensors; the variable
-must be set before `triton` is first imported, hence here, before anything else imports it.
+must be set before the kernels are defined, hence here, before any test module imports them.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 
-if shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidia0"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
+# `triton.jit` reads the variable when a kernel is defined, i.e. when maxsim_kernels is first imported,
+# which happens after this (torch itself does not import the kernels).
 HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
