@@ -9,6 +9,8 @@ best similarities differ by more than 1e-5 (1e-2 under TF32).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from maxsim_kernels import (
@@ -175,3 +177,9 @@ def test_no_recompilation_within_a_bucket():
         run(nq, q_max, nd, d_max)
     after = (_compiles(fwd._maxsim_varlen_kernel), _compiles(fwd._maxsim_candidates_kernel))
     assert after == before, (before, after)
+
+
+@pytest.mark.gpu
+def test_gpu_tests_run_compiled_kernels_not_the_interpreter():
+    """Nothing in the test session may switch Triton to its interpreter on a GPU machine."""
+    assert os.environ.get("TRITON_INTERPRET", "0") != "1"
