@@ -422,3 +422,26 @@ def test_report_can_be_built_from_the_library(data) -> None:
     report = verify(str(data / "queries.safetensors"), [str(data / "corpus")], device="cpu", sample_docs=5)
     assert report.passed
     assert report.to_dict()["details"]["setup"]["mode"] == "sample"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_plain_low_precision_baseline_rounds_similarities_to_the_input_dtype(dtype) -> None:
+    """The yardstick's GPU baseline: torch.mm in the input dtype, maxima summed in float32."""
+    gen = torch.Generator().manual_seed(3)
+    q_lens, d_lens = [4, 1, 6], [5, 1, 9, 3]
+    queries = torch.nn.functional.normalize(torch.randn(sum(q_lens), 40, generator=gen), dim=1).to(dtype)
+    docs = torch.nn.functional.normalize(torch.randn(sum(d_lens), 40, generator=gen), dim=1).to(dtype)
+    q_off, d_off = _packed(q_lens), _packed(d_lens)
+    ref = float_reference(queries, q_off, docs, d_off, sim_error=0.0, plain_dtype=dtype)
+    sims = (queries @ docs.T).float()  # similarities rounded to `dtype`, as plain PyTorch makes them
+    expected = torch.stack(
+        [
+            torch.stack(
+                [sims[q_off[i] : q_off[i + 1], d_off[j] : d_off[j + 1]].amax(1).sum() for j in range(4)]
+            )
+            for i in range(3)
+        ]
+    )
+    assert ref.score_plain is not None
+    torch.testing.assert_close(ref.score_plain, expected, rtol=0, atol=1e-6)
+    assert float((ref.score_plain.double() - ref.score64).abs().max()) > 1e-5  # coarser than float32
