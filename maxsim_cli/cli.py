@@ -44,13 +44,7 @@ def _root(
 
 
 for _name in COMMAND_MODULES:
-    try:
-        _module = importlib.import_module(f"maxsim_cli.commands.{_name}")
-    except ModuleNotFoundError as _exc:  # TEMPORARY while commands land; removed before release
-        if _exc.name != f"maxsim_cli.commands.{_name}":
-            raise
-        continue
-    _module.register(app)
+    importlib.import_module(f"maxsim_cli.commands.{_name}").register(app)
 
 
 def main(argv: list[str] | None = None) -> None:
