@@ -43,6 +43,24 @@ _QUERY_ROWS = 2048
 _STREAM_MAX_ROWS = 128
 _STREAM_CHUNK_TOKENS = 16384
 
+# Batch invariance: MKL's sgemm switches to other kernels, with other summation orders along dim, when
+# either operand has fewer than ~8 rows (seen with torch 2.13 on AVX-512: 1 x 50, 3 x 7, 300 x 5 and
+# 2 x 3000 products differ in the last bit from the same rows inside a large product; from 8 rows on
+# they agree). Padding both operands to _MIN_GEMM_ROWS rows makes a similarity independent of which
+# other queries and documents share its product, so scores do not depend on batch sizes or budgets.
+_MIN_GEMM_ROWS = 16
+
+
+def _similarities(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [m, dim] . b [n, dim]^T as a contiguous [m, n], computed identically whatever m and n are."""
+    m, n = a.shape[0], b.shape[0]
+    if m < _MIN_GEMM_ROWS:
+        a = torch.cat([a, a.new_zeros(_MIN_GEMM_ROWS - m, a.shape[1])])
+    if n < _MIN_GEMM_ROWS:
+        b = torch.cat([b, b.new_zeros(_MIN_GEMM_ROWS - n, b.shape[1])])
+    out = torch.mm(a, b.T)
+    return out if out.shape == (m, n) else out[:m, :n].contiguous()
+
 
 def _score_stream(
     q: torch.Tensor, q_offsets: np.ndarray, docs: torch.Tensor, d_offsets: np.ndarray, scores: torch.Tensor
@@ -55,16 +73,19 @@ def _score_stream(
     # chunk boundaries (document indices) of about _STREAM_CHUNK_TOKENS tokens each
     cuts = np.searchsorted(d_offsets, np.arange(0, d_offsets[-1], _STREAM_CHUNK_TOKENS), side="right") - 1
     bounds = np.unique(np.concatenate([cuts, [nd]]))
-    q_starts = q_offsets[:-1]
+    nq = len(q_offsets) - 1
+    token_query = torch.from_numpy(np.repeat(np.arange(nq), np.diff(q_offsets)))
 
     def work(a: int, b: int) -> None:
         t0, t1 = int(d_offsets[a]), int(d_offsets[b])
         full = np.flatnonzero(lens[a:b] > 0) + a
         if t1 == t0 or len(full) == 0:
             return
-        sim = torch.mm(q, docs[t0:t1].to(q.dtype).T).numpy()  # [Tq, tokens]
-        best = np.maximum.reduceat(sim, d_offsets[full] - t0, axis=1)  # [Tq, docs]
-        out[:, full] = np.add.reduceat(best, q_starts, axis=0)
+        sim = _similarities(q, docs[t0:t1].to(q.dtype)).numpy()  # [Tq, tokens]
+        best = torch.from_numpy(np.maximum.reduceat(sim, d_offsets[full] - t0, axis=1))  # [Tq, docs]
+        # the same sequential sum over query tokens as the blocked path (np.add.reduceat sums in
+        # another order), so a score does not depend on which path its batch took
+        out[:, full] = best.new_zeros(nq, len(full)).index_add_(0, token_query, best).numpy()
 
     workers = max(1, torch.get_num_threads())
     with ThreadPoolExecutor(workers) as pool:
@@ -105,7 +126,6 @@ def _score_docs(
     `q` [Tq, dim] is already in the compute dtype; `token_query` [Tq] maps each query token to its query.
     """
     compute, device = q.dtype, q.device
-    q_t = q.T  # BLAS reads the transposed view directly
     tq = q.shape[0]
     order, spans = _groups(lens, _GROUP_TOKENS)
     scores[:, torch.from_numpy(np.flatnonzero(lens == 0)).to(device)] = -torch.inf
@@ -122,7 +142,7 @@ def _score_docs(
         best = torch.empty(n, tq, dtype=compute, device=device)
         for r0 in range(0, tq, _QUERY_ROWS):
             r1 = min(tq, r0 + _QUERY_ROWS)
-            sim = torch.mm(block, q_t[:, r0:r1]).view(n, width, r1 - r0)
+            sim = _similarities(block, q[r0:r1]).view(n, width, r1 - r0)
             if argmax is None:
                 torch.amax(sim, dim=1, out=best[:, r0:r1])
             else:

@@ -502,3 +502,28 @@ def test_table_entries_build_for_sm90_without_spills():
         assert r["pipelined"], f"{cls}: document loads are not pipelined"
         assert r["wgmma"] or not r["wide"], f"{cls}: no wgmma"
         assert not r["usage"] or "LOCAL:0" in r["usage"], f"{cls}: spills to local memory: {r['usage']}"
+
+
+def test_cpu_backend_scores_do_not_depend_on_the_batch() -> None:
+    """A (query, document) score is bitwise the same whatever else shares its call: `maxsim score`
+    promises identical bytes under any --max-memory, so batches of 1..many queries and documents
+    (the streaming and the blocked paths, tiny and large matrix products) must agree exactly."""
+    g = torch.Generator().manual_seed(11)
+    q_lens = [1, 3, 32, 7, 1, 64, 2, 40, 5, 9]
+    d_lens = [int(x) for x in torch.randint(1, 60, (120,), generator=g)]
+    dim = 96
+    queries = torch.nn.functional.normalize(torch.randn(sum(q_lens), dim, generator=g), dim=1).half()
+    docs = torch.nn.functional.normalize(torch.randn(sum(d_lens), dim, generator=g), dim=1).half()
+    q_off = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int64)
+    d_off = torch.tensor([0, *np.cumsum(d_lens)], dtype=torch.int64)
+    full = maxsim_varlen(queries, q_off, docs, d_off, backend="torch")
+    for qa, qb in [(0, 1), (0, 2), (2, 3), (1, 6), (0, 10)]:
+        for da, db in [(0, 1), (5, 7), (3, 40), (0, 120)]:
+            sub = maxsim_varlen(
+                queries[q_off[qa] : q_off[qb]],
+                q_off[qa : qb + 1] - q_off[qa],
+                docs[d_off[da] : d_off[db]],
+                d_off[da : db + 1] - d_off[da],
+                backend="torch",
+            )
+            assert torch.equal(sub, full[qa:qb, da:db]), (qa, qb, da, db)

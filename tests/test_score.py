@@ -707,3 +707,18 @@ def test_int8_corpus_scores_exactly_and_mixing_with_float_is_refused(tmp_path) -
     assert result.exit_code == 1
     assert "float.safetensors" in result.stderr and "mismatch" in result.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("mode", ["exhaustive", "rerank"])
+def test_sample_data_run_bytes_do_not_depend_on_the_memory_budget(tmp_path, mode) -> None:
+    """Real embeddings with short documents (7-12 tokens) and 1-17 token queries: every budget, the
+    same bytes (small budgets split queries and documents into small matrix products)."""
+    extra = ["--candidates", str(SAMPLE / "candidates.trec")] if mode == "rerank" else ["-k", "50"]
+    outputs = []
+    for budget in ([], ["--max-memory", "2MiB"]):
+        out = tmp_path / f"run{len(outputs)}.trec"
+        args = ["score", str(SAMPLE / "queries.safetensors"), str(SAMPLE / "corpus"), "-q", "-o", str(out)]
+        result = runner.invoke(app, [*args, *extra, *budget])
+        assert result.exit_code == 0, result.output
+        outputs.append(out.read_bytes())
+    assert outputs[0] == outputs[1]
