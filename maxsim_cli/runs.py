@@ -423,6 +423,22 @@ class RunWriter:
 
     # writing --------------------------------------------------------------------------------------
 
+    def _raise_for_bad_row(self, qid: str, docnos: Sequence[str], keys: Sequence[float]) -> None:
+        """Raise `InputError` for the first row of a query that a TREC run cannot hold."""
+        seen: set[str] = set()
+        for docno, key in zip(docnos, keys, strict=True):
+            _check_id("docno", docno, self._name, qid)
+            if not math.isfinite(key):
+                raise InputError(
+                    f"{self._name}: score {key} of docno {docno!r} for query {qid!r} is not finite; "
+                    "check the embeddings for NaN or Inf"
+                )
+            if docno in seen:
+                raise InputError(
+                    f"{self._name}: docno {docno!r} given twice for query {qid!r}; a run lists it once"
+                )
+            seen.add(docno)
+
     def write_query(self, qid: str, docnos: Sequence[str], scores: Sequence[float]) -> None:
         """Write one query's results, sorted by `sort_trec` and ranked from 1.
 
@@ -438,19 +454,14 @@ class RunWriter:
             raise InputError(f"{self._name}: query {qid!r} written twice; each query appears once in a run")
         self._written.add(qid)
         keys = _float32_keys(scores)
-        seen: set[str] = set()
-        for docno, key in zip(docnos, keys, strict=True):
-            _check_id("docno", docno, self._name, qid)
-            if not math.isfinite(key):
-                raise InputError(
-                    f"{self._name}: score {key} of docno {docno!r} for query {qid!r} is not finite; "
-                    "check the embeddings for NaN or Inf"
-                )
-            if docno in seen:
-                raise InputError(
-                    f"{self._name}: docno {docno!r} given twice for query {qid!r}; a run lists it once"
-                )
-            seen.add(docno)
+        # whole-query checks first (one pass each in C); the per-row loop only runs to name the culprit
+        if (
+            _WHITESPACE.search("".join(docnos))
+            or not all(docnos)
+            or not np.isfinite(keys).all()
+            or len(set(docnos)) != len(docnos)
+        ):
+            self._raise_for_bad_row(qid, docnos, keys)
         order = sorted(range(len(docnos)), key=lambda i: (keys[i], docnos[i]), reverse=True)
         if self.fmt == "trec":
             tag = self.tag
