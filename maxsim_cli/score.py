@@ -618,18 +618,7 @@ class _Engine:
             )
             for i, (a, b) in enumerate(spans)
         ]
-        plans = _interleave(plans)
-        stream = BatchStream(
-            self.shards,
-            plans,
-            dim=self.corpus.dim,
-            dtype=self.doc_dtype,
-            scaled=self.scaled,
-            device=self.device,
-            reader_threads=self.budget.reader_threads,
-            resident=resident,
-            arena=self.arena,
-        )
+        stream = self._stream(plans, resident=resident)
         self.stats.documents = n_docs
         self.stats.tokens = int(self.tok_cum[-1])
         return [_Job(q0, min(q0 + nq_b, nq), plans, stream) for q0 in range(0, nq, nq_b)]
@@ -866,17 +855,7 @@ class _Engine:
                     side_len=len(side),
                 )
             )
-        plans = _interleave(plans)
-        stream = BatchStream(
-            self.shards,
-            plans,
-            dim=self.corpus.dim,
-            dtype=self.doc_dtype,
-            scaled=self.scaled,
-            device=self.device,
-            reader_threads=self.budget.reader_threads,
-            arena=self.arena,
-        )
+        stream = self._stream(plans)
         self.pair_q = q_arr
         return [_Job(0, nq, plans, stream, num_pairs=len(q_arr))]
 
@@ -952,6 +931,20 @@ class _Engine:
         stats.write_s += time.perf_counter() - started
 
     # ---------------------------------------------------------------------------- timing
+
+    def _stream(self, plans: list[BatchPlan], *, resident: bool = False) -> BatchStream:
+        """The background reader over `plans`, interleaved across shards."""
+        return BatchStream(
+            self.shards,
+            _interleave(plans),
+            dim=self.corpus.dim,
+            dtype=self.doc_dtype,
+            scaled=self.scaled,
+            device=self.device,
+            reader_threads=self.budget.reader_threads,
+            resident=resident,
+            arena=self.arena,
+        )
 
     def _timer(self) -> object:
         if self.cuda:
