@@ -32,11 +32,21 @@ def make_timing_data(root: str) -> None:
         lens = torch.randint(20, 301, (2500,), generator=g)
         emb = torch.nn.functional.normalize(torch.randn(int(lens.sum()), 128, generator=g), dim=-1)
         off = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
-        write_shard(f"{root}/corpus/shard-{s}.safetensors", [f"d{s}-{i}" for i in range(2500)], emb,
-                    offsets=off, dtype="float16")
+        write_shard(
+            f"{root}/corpus/shard-{s}.safetensors",
+            [f"d{s}-{i}" for i in range(2500)],
+            emb,
+            offsets=off,
+            dtype="float16",
+        )
     q = torch.nn.functional.normalize(torch.randn(3200, 128, generator=g), dim=-1)
-    write_shard(f"{root}/queries.safetensors", [f"q{i}" for i in range(100)], q,
-                offsets=torch.arange(0, 3201, 32), dtype="float16")
+    write_shard(
+        f"{root}/queries.safetensors",
+        [f"q{i}" for i in range(100)],
+        q,
+        offsets=torch.arange(0, 3201, 32),
+        dtype="float16",
+    )
 
 
 def main() -> None:
@@ -50,16 +60,41 @@ def main() -> None:
     q = "sample_data/queries.safetensors"
     steps = [
         ("fp16", ["maxsim", "verify", q, "sample_data/corpus", *dev]),
-        ("pack-bf16", ["maxsim", "pack", "sample_data/corpus.arrow", "-o", f"{work}/corpus-bf16",
-                       "--dtype", "bfloat16"]),
+        (
+            "pack-bf16",
+            [
+                "maxsim",
+                "pack",
+                "sample_data/corpus.arrow",
+                "-o",
+                f"{work}/corpus-bf16",
+                "--dtype",
+                "bfloat16",
+            ],
+        ),
         ("bf16", ["maxsim", "verify", q, f"{work}/corpus-bf16", *dev]),
         ("quantize-int8", ["maxsim", "quantize", "sample_data/corpus", "-o", f"{work}/corpus-int8", *dev]),
-        ("int8", ["maxsim", "verify", q, f"{work}/corpus-int8", "--reference-corpus", "sample_data/corpus",
-                  *dev]),
-        ("rerank-grad", ["maxsim", "verify", q, "sample_data/corpus", *dev, "--candidates",
-                         "sample_data/candidates.trec", "--grad"]),
-        ("timing-100x10k", ["maxsim", "verify", f"{work}/timing/queries.safetensors", f"{work}/timing/corpus",
-                            *dev]),
+        (
+            "int8",
+            ["maxsim", "verify", q, f"{work}/corpus-int8", "--reference-corpus", "sample_data/corpus", *dev],
+        ),
+        (
+            "rerank-grad",
+            [
+                "maxsim",
+                "verify",
+                q,
+                "sample_data/corpus",
+                *dev,
+                "--candidates",
+                "sample_data/candidates.trec",
+                "--grad",
+            ],
+        ),
+        (
+            "timing-100x10k",
+            ["maxsim", "verify", f"{work}/timing/queries.safetensors", f"{work}/timing/corpus", *dev],
+        ),
     ]
     make_timing_data(f"{work}/timing")
     rows = []
