@@ -29,12 +29,11 @@ TRITON_INTERPRET=1, for tests), "torch" (blocked torch ops; the CPU path, also v
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
-from ._validate import Layout, check_backend, check_candidates, check_inputs
+from ._validate import Layout, check_candidates, check_inputs, resolve_backend
 from .cpu import maxsim_candidates_cpu, maxsim_varlen_cpu
 from .reference import maxsim_candidates_reference, maxsim_reference
 
@@ -75,15 +74,6 @@ def _backward_module() -> Any:
             f"inputs that require grad need maxsim_kernels.maxsim_backward, which failed to import: {exc}"
         ) from exc
     return maxsim_backward
-
-
-def _resolve(backend: str, device: torch.device) -> str:
-    check_backend(backend)
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
-    return backend
 
 
 def _forward_module() -> Any:
@@ -136,8 +126,7 @@ def maxsim_varlen(
             backend=backend,
             doc_scales=doc_scales,
         )
-    chosen = _resolve(backend, docs.device)
-    if chosen == "triton":
+    if resolve_backend(backend, docs.device) == "triton":
         return _forward_module().maxsim_varlen_forward_triton(
             queries, query_offsets, docs, doc_offsets, return_argmax=return_argmax, allow_tf32=allow_tf32
         )
@@ -188,8 +177,7 @@ def maxsim_candidates(
             backend=backend,
             doc_scales=doc_scales,
         )
-    chosen = _resolve(backend, docs.device)
-    if chosen == "triton":
+    if resolve_backend(backend, docs.device) == "triton":
         return _forward_module().maxsim_candidates_forward_triton(
             queries,
             query_offsets,

@@ -7,6 +7,7 @@ Checks that read offset values run on a host copy of the offsets (they are small
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -210,9 +211,20 @@ def _host_candidates(candidate_docs: torch.Tensor, num_docs: int) -> np.ndarray:
     return c_docs
 
 
-def check_backend(backend: str) -> None:
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """ "triton" or "torch" for `backend` on tensors of `device` ("auto": Triton on CUDA, torch elsewhere).
+
+    Triton on CPU tensors needs its interpreter (TRITON_INTERPRET=1), as the tests use it.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(
+            "backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors); use 'torch'"
+        )
+    return backend
 
 
 def next_pow2(n: int) -> int:

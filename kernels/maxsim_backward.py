@@ -48,12 +48,13 @@ forward's int32 argmax (4 B a pair), the CSR (4 B a pair + 12 B a document token
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+
+from ._validate import resolve_backend
 
 # --- tuning constants (H200, triton 3.6, dim 128: benchmarks/results/train-h200.json, "sweep") --------
 # Query-gradient kernel: a program owns _DQ_BLOCK_T query tokens and gathers _DQ_BLOCK_C winning rows
@@ -78,8 +79,6 @@ _CSR_BLOCK_I = 128
 _MAX_BLOCK_DIM = 128
 # Torch path: pairs gathered per step, bounding the [pairs, dim] fp32 temporaries to ~64 MiB at dim 128.
 _TORCH_PAIRS_PER_STEP = 1 << 17
-
-_BACKENDS = ("auto", "triton", "torch")
 
 
 # =====================================================================================================
@@ -288,16 +287,6 @@ def _maxsim_grad_docs_kernel(
 # =====================================================================================================
 # Host side: layout helpers, inverse CSR, launchers
 # =====================================================================================================
-
-
-def _resolve_backend(backend: str, device: torch.device) -> str:
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
-    return backend
 
 
 def _owner_of(offsets: torch.Tensor, count: int) -> torch.Tensor:
@@ -619,7 +608,7 @@ def maxsim_backward(
     inputs' dtypes (fp32 accumulation; float64 inputs accumulate in float64 on the torch path). The
     document gradient is None when not needed or when the documents are int8.
     """
-    backend = _resolve_backend(backend, queries.device)
+    backend = resolve_backend(backend, queries.device)
     need_docs = need_docs and docs.is_floating_point()
     grad_scores = grad_scores.contiguous()
     queries = queries.contiguous()
@@ -781,7 +770,7 @@ def maxsim_varlen_autograd(
     Gradients flow to ``queries`` and ``docs`` (not to int8 docs); see the module docstring for the
     math, the tie rule and determinism.
     """
-    _resolve_backend(backend, queries.device)
+    resolve_backend(backend, queries.device)
     scores, argmax = MaxSimVarlenFunction.apply(
         queries, docs, query_offsets, doc_offsets, doc_scales, allow_tf32, backend
     )
@@ -804,7 +793,7 @@ def maxsim_candidates_autograd(
     """Differentiable ``maxsim_candidates``: scores [C] (query i's candidates are
     ``candidate_docs[candidate_offsets[i]:candidate_offsets[i+1]]``); gradients as in the module docstring.
     """
-    _resolve_backend(backend, queries.device)
+    resolve_backend(backend, queries.device)
     scores, argmax = MaxSimCandidatesFunction.apply(
         queries,
         docs,

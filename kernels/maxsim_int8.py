@@ -51,14 +51,13 @@ kernel uses the same constant: (y + 1.5 * 2^23) - 1.5 * 2^23 for |y| < 2^22.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from ._launch import launch_fitting_shared_memory
+from ._validate import resolve_backend
 
 # Codes are in [-127, 127]; shards written elsewhere may hold -128, so bounds use 128.
 INT8_ABSMAX = 127.0
@@ -93,8 +92,6 @@ _QUANT_BLOCK_R = 16  # tokens per program of the quantize kernel
 
 # CPU path: at most this many fp32 similarities materialised at once (64 MiB).
 _TORCH_BLOCK_ELEMS = 1 << 24
-
-BACKENDS = ("auto", "triton", "torch")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -475,22 +472,6 @@ def _maxsim_int8_candidates_kernel(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _resolve_backend(backend: str, device: torch.device) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda" and not _interpreting():
-        raise ValueError(
-            "backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors); use 'torch'"
-        )
-    return backend
-
-
 def _quantize_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     absmax = xf.abs().amax(dim=1)
@@ -533,7 +514,7 @@ def quantize_per_token(x: torch.Tensor, *, backend: str = "auto") -> tuple[torch
         raise TypeError(f"quantize_per_token expects float16/bfloat16/float32 values, got {x.dtype}")
     if x.shape[1] == 0:
         raise ValueError("quantize_per_token: dim is 0")
-    if _resolve_backend(backend, x.device) == "triton":
+    if resolve_backend(backend, x.device) == "triton":
         return _quantize_triton(x)
     return _quantize_torch(x)
 
@@ -602,7 +583,7 @@ def _prepare(
             f"doc_scales must be [{docs.shape[0]}] on {device}, "
             f"got {tuple(doc_scales.shape)} on {doc_scales.device}"
         )
-    backend = _resolve_backend(backend, device)
+    backend = resolve_backend(backend, device)
     check = backend == "torch" or device.type != "cuda"
     query_offsets = _offsets(
         "query_offsets", query_offsets, queries.shape[0], device, empty_ok=False, check=check

@@ -206,7 +206,8 @@ def resolve_device(device: str) -> torch.device:
     raise UsageError(f"--device {device}: not a device; use auto, cpu, cuda or cuda:N")
 
 
-def _check_backend(backend: str, device: torch.device) -> str:
+def check_backend_option(backend: str, device: torch.device) -> str:
+    """`--backend` checked against `--device` (usage errors); returned as given, "auto" included."""
     if backend not in ("auto", "triton", "torch"):
         raise UsageError(f"--backend {backend}: use auto, triton or torch")
     if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -340,7 +341,7 @@ def score(
     if fmt not in ("trec", "jsonl"):
         raise UsageError(f"--format {fmt}: use trec or jsonl")
     dev = resolve_device(device)
-    backend = _check_backend(backend, dev)
+    backend = check_backend_option(backend, dev)
     cuda = dev.type == "cuda"
     if max_memory is not None and max_memory <= 0:
         raise UsageError("--max-memory must be positive")

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -81,7 +80,7 @@ from maxsim_cli.agreement import (
 )
 from maxsim_cli.errors import InputError, MaxsimError, UsageError
 from maxsim_cli.runs import read_run
-from maxsim_cli.score import resolve_device
+from maxsim_cli.score import check_backend_option, resolve_device
 from maxsim_cli.shards import Corpus, DocBatch, open_corpus, read_queries
 
 EXIT_FAILED = 3  # exit code of a verdict that fails (0: passes; 1: error; 2: usage)
@@ -525,18 +524,6 @@ def float_reference(
 # ------------------------------------------------------------------------------------------------------
 # Inputs: queries, the scored documents, reading by location
 # ------------------------------------------------------------------------------------------------------
-
-
-def _check_backend(backend: str, device: torch.device) -> str:
-    if backend not in ("auto", "triton", "torch"):
-        raise UsageError(f"--backend {backend}: use auto, triton or torch")
-    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise UsageError(
-            "--backend triton on the CPU needs Triton's interpreter (TRITON_INTERPRET=1); use --backend torch"
-        )
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    return backend
 
 
 def _query_values(batch: DocBatch, corpus_dtype: str, path: str) -> torch.Tensor:
@@ -1116,7 +1103,9 @@ def verify(
     if max_tokens < 1:
         raise UsageError(f"--batch-tokens {max_tokens}: give a positive number of tokens")
     dev = resolve_device(device)
-    chosen_backend = _check_backend(backend, dev)
+    chosen_backend = check_backend_option(backend, dev)
+    if chosen_backend == "auto":  # the report names the backend that actually ran
+        chosen_backend = "triton" if dev.type == "cuda" else "torch"
 
     qbatch = read_queries(queries)
     docs_corpus = open_corpus(list(corpus))
