@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -38,8 +37,8 @@ from maxsim_cli.shards import (
     TORCH_DTYPES,
     ShardInfo,
     ShardWriter,
-    current_umask,
     first_nonfinite_row,
+    staging_dir,
     write_manifest,
 )
 
@@ -413,8 +412,7 @@ def pack(
     existed = _check_outdir(outdir)
     total_docs = sum(_count_docs(s, k) for s, k in zip(sources, kinds, strict=True))
     parent = outdir if existed else os.path.dirname(os.path.abspath(outdir))
-    workdir = tempfile.mkdtemp(prefix=".maxsim-pack-", dir=parent)
-    os.chmod(workdir, 0o777 & ~current_umask())  # mkdtemp makes 0700; OUTDIR should be like mkdir's
+    workdir = staging_dir(parent, ".maxsim-pack-")
     moved: list[str] = []
     try:
         result = _pack_into(

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -43,6 +42,7 @@ from maxsim_cli.shards import (
     ShardWriter,
     open_corpus,
     read_queries,
+    staging_dir,
     write_manifest,
 )
 from maxsim_cli.units import format_size
@@ -288,10 +288,7 @@ def quantize_corpus(
             )
         names = _check_output_dir(output_dir, corpus)
         parent = os.path.dirname(os.path.abspath(output_dir))
-        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output_dir))}.", dir=parent)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private; OUTDIR gets the usual mode
+        staging = staging_dir(parent, f".{os.path.basename(os.path.abspath(output_dir))}.")
         written: list[ShardInfo] = []
         try:
             done = 0

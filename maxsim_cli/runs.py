@@ -36,6 +36,7 @@ from typing import IO, NamedTuple
 import numpy as np
 
 from maxsim_cli.errors import InputError, MaxsimError, UsageError
+from maxsim_cli.shards import current_umask
 
 __all__ = [
     "Qrel",
@@ -407,9 +408,7 @@ class RunWriter:
             self._discard()
             return
         # mkstemp creates the file 0600; give it the mode a plain open() would have.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(self._tmp_path, 0o666 & ~umask)
+        os.chmod(self._tmp_path, 0o666 & ~current_umask())
         os.replace(self._tmp_path, self.path)
         self._tmp_path = None
 

@@ -1274,6 +1274,14 @@ def current_umask() -> int:
     return mask
 
 
+def staging_dir(parent: str, prefix: str) -> str:
+    """A new private working folder in `parent` (same filesystem as the output, so renames are atomic),
+    with the mode `mkdir` would give rather than mkdtemp's 0700: it becomes the user's output folder."""
+    workdir = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    os.chmod(workdir, 0o777 & ~current_umask())
+    return workdir
+
+
 def _atomic_temp(path: str) -> tuple[int, str]:
     """A temp file next to `path` (same filesystem, so `os.replace` is atomic) with the permissions a
     plain `open(path, "w")` would give, not mkstemp's 0600."""
