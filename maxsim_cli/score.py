@@ -383,9 +383,8 @@ def score(
         stats.host_budget_bytes = host_budget
         stats.reader_threads = threads
         budget = _Budget(
-            device_bytes=(gpu_budget - base_allocated)
-            if cuda
-            else min(host_budget, max_memory or host_budget),
+            # the budget bounds what this run allocates, on top of what the process already holds
+            device_bytes=gpu_budget if cuda else min(host_budget, max_memory or host_budget),
             host_bytes=host_budget,
             reader_threads=threads,
             cuda=cuda,
@@ -415,7 +414,7 @@ def score(
             shard.close()
     if cuda:
         torch.cuda.synchronize(dev)
-        stats.peak_gpu_bytes = torch.cuda.max_memory_allocated(dev)
+        stats.peak_gpu_bytes = torch.cuda.max_memory_allocated(dev) - base_allocated
     stats.peak_host_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     stats.wall_s = time.perf_counter() - wall_start
     return stats
