@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._validate import resolve_backend
+from ._validate import on_device, resolve_backend
 
 # --- tuning constants (H200, triton 3.6, dim 128: benchmarks/results/train-h200.json, "sweep") --------
 # Query-gradient kernel: a program owns _DQ_BLOCK_T query tokens and gathers _DQ_BLOCK_C winning rows
@@ -86,7 +86,8 @@ _TORCH_PAIRS_PER_STEP = 1 << 17
 # =====================================================================================================
 
 
-@triton.jit
+# Sizes are not specialized (see maxsim_forward: no recompiles when one is 1 or a multiple of 16).
+@triton.jit(do_not_specialize=["num_query_tokens", "num_docs", "num_doc_tokens"])
 def _maxsim_inverse_csr_kernel(
     # pointers
     argmax_ptr,
@@ -132,7 +133,7 @@ def _maxsim_inverse_csr_kernel(
         tl.debug_barrier()  # the moved cursors are what the next block reads
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_query_tokens", "num_docs", "max_query_len"])
 def _maxsim_grad_queries_kernel(
     # pointers
     docs_ptr,
@@ -219,7 +220,7 @@ def _maxsim_grad_queries_kernel(
     tl.store(out, acc.to(grad_queries_ptr.dtype.element_ty), mask=token_ok[:, None] & dim_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_docs", "max_query_len"])
 def _maxsim_grad_docs_kernel(
     # pointers
     queries_ptr,
@@ -635,6 +636,14 @@ def maxsim_backward(
         )
     grad_scores = grad_scores.to(torch.float32)
     argmax = argmax.contiguous()
+    # the forward accepts offsets and candidate lists on the host; the kernels read them on the device
+    device = queries.device
+    query_offsets, doc_offsets = on_device(query_offsets, device), on_device(doc_offsets, device)
+    if candidate_docs is not None:
+        candidate_offsets = on_device(candidate_offsets, device)
+        candidate_docs = on_device(candidate_docs, device)
+    if doc_scales is not None:
+        doc_scales = doc_scales.to(device)
     token_query = None if candidate_docs is not None else _owner_of(query_offsets, queries.shape[0])
     grad_q = grad_d = None
     if need_queries:

@@ -14,7 +14,8 @@ documents past it:
 - query rows: QPB whole queries of at most ROWS = BLOCK_Q / QPB tokens each (rows past a query's length
   are zero and are dropped before the sum). A query longer than BLOCK_Q is cut into chunks of BLOCK_Q
   rows, one program row-block each, whose partial sums are added afterwards (a deterministic torch sum);
-- documents: the all-pairs kernel takes DOCS_PER_PROG consecutive documents, the candidates kernel a run
+- documents: the all-pairs kernel takes `docs_per_prog` consecutive documents (a runtime value up to
+  DOCS_PER_PROG, lowered for small problems so that the grid still fills the GPU), the candidates kernel a run
   of one query's candidates. Each document is walked in BLOCK_T-token tiles that start at the
   document's first token (a document of n tokens takes ceil(n / BLOCK_T) tiles, the last one masked), all
   the program's tiles in ONE flat loop so that Triton's software pipeliner prefetches the next tile
@@ -42,6 +43,7 @@ only through power-of-two buckets, so new batch sizes or lengths within a bucket
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -144,7 +146,13 @@ def _tile_similarities(
     return tl.where(rows_ok[None, :], s, float("-inf"))
 
 
-@triton.jit(do_not_specialize=["num_queries", "num_docs", "num_blocks", "num_chunks"])
+# Sizes (and stride_arg, which is one) are not specialized: Triton would otherwise compile again whenever
+# one of them happens to be 1 or a multiple of 16. Index pointers may be slices of the caller's tensors, so
+# their alignment is not specialized either; the embedding pointers stay 16-byte aligned (dim % 8 == 0).
+@triton.jit(
+    do_not_specialize=["num_queries", "num_docs", "num_blocks", "num_chunks", "docs_per_prog", "stride_arg"],
+    do_not_specialize_on_alignment=["q_off_ptr", "d_off_ptr"],
+)
 def _maxsim_varlen_kernel(
     # pointers
     q_ptr,
@@ -158,6 +166,7 @@ def _maxsim_varlen_kernel(
     num_docs,
     num_blocks,
     num_chunks,
+    docs_per_prog,
     dim,
     # strides
     stride_q,
@@ -174,12 +183,12 @@ def _maxsim_varlen_kernel(
     PRECISION: tl.constexpr,
     RETURN_ARGMAX: tl.constexpr,
 ):
-    """One program: query block `blk` (QPB queries, chunk `chunk`) x documents [d0, d0 + DOCS_PER_PROG)."""
+    """One program: query block `blk` (QPB queries, chunk `chunk`) x documents [d0, d0 + docs_per_prog)."""
     pid = tl.program_id(0).to(tl.int64)
     blk = pid % num_blocks  # query blocks vary fastest: they share the document run through L2
     group = blk // num_chunks
     chunk = blk % num_chunks
-    d0 = (pid // num_blocks) * DOCS_PER_PROG
+    d0 = (pid // num_blocks) * docs_per_prog
     BLOCK_Q: tl.constexpr = QPB * ROWS
 
     q, q_tok, q_ok = _load_query_tile(
@@ -189,7 +198,7 @@ def _maxsim_varlen_kernel(
 
     # tiles of this program's documents (an empty document still takes one fully masked tile)
     dd = d0 + tl.arange(0, DOCS_PER_PROG)
-    d_in = dd < num_docs
+    d_in = (dd < num_docs) & (tl.arange(0, DOCS_PER_PROG) < docs_per_prog)
     lens = tl.load(d_off_ptr + dd + 1, mask=d_in, other=0) - tl.load(d_off_ptr + dd, mask=d_in, other=0)
     total = tl.sum(tl.where(d_in, tl.maximum(tl.cdiv(lens, BLOCK_T), 1), 0))
 
@@ -231,7 +240,17 @@ def _maxsim_varlen_kernel(
             a = tl.where(last, -1, a)
 
 
-@triton.jit(do_not_specialize=["num_queries", "num_cands", "num_chunks", "num_docs"])
+@triton.jit(
+    do_not_specialize=["num_queries", "num_cands", "num_chunks", "num_docs", "stride_arg"],
+    do_not_specialize_on_alignment=[
+        "q_off_ptr",
+        "d_off_ptr",
+        "cand_ptr",
+        "blk_query_ptr",
+        "blk_first_ptr",
+        "blk_last_ptr",
+    ],
+)
 def _maxsim_candidates_kernel(
     # pointers
     q_ptr,
@@ -347,25 +366,34 @@ class KernelConfig:
 
 
 # Shape classes -> configuration (H200, triton 3.6, fp16, dim 128, L2-normalised random vectors).
-#   "many":  all-pairs with >= 128 query rows (tensor-core bound: 512 queries x 32 tokens x 50K docs);
+#   "many":  all-pairs with >= 256 query rows (tensor-core bound: 512 queries x 32 tokens x 50K docs);
+#   "some":  all-pairs with 128 to 255 query rows (a 256-row tile would be half padding);
 #   "few":   all-pairs with < 128 query rows (HBM bound: 1 query x 100K docs of 20-300 tokens);
 #   "long":  queries longer than 128 tokens (1 ColPali query of 1024 tokens x 1000 docs of 1024);
 #   "cands": per-query candidates (HBM bound: 64 queries x their own 1000 docs of 180 tokens).
-# Evidence (docs/kernel-notes.md has the numbers and the reasoning):
-# - this kernel with the first table (many = 128 rows x 64-token tiles, 8 warps, 3 stages; few and
-#   cands = 32 x 64, 4 warps, 4 stages, 8 docs a program), timed on the H200 by benchmarks/bench_int8.py
-#   (benchmarks/results/int8-h200.json): exhaustive 115 ms (292 TFLOP/s), 1 query 1.22 ms, rerank 0.93 ms;
-# - the int8 kernel, the same flat tile loop with the same grid, swept on the same workloads: at 128 rows
-#   x 64 tokens, 4 warps took 82 ms against 149.6 ms for 8 warps (256 rows with 8 warps: 95.7 ms); for
-#   1 query, 16 docs a program and 4 stages took 0.81 ms against 1.03 ms for 8 docs and 2 stages;
-# - sm_90 builds of every entry below (triton's ptxas, no GPU needed): no spills; "many"/"long" 181
-#   registers and 82 KB of shared memory with 4 warps (2 programs per SM), "few"/"cands" 86 registers and
-#   58 KB (3 programs per SM, 3 tiles in flight each); the loads are cp.async-pipelined, the dots wgmma
-#   for >= 64 rows. `bench_kernels.py --tune` re-derives the table on a GPU.
+# Evidence (docs/kernel-notes.md has the numbers and the reasoning; the sweeps are
+# benchmarks/results/kernels-sweep-h200.json and the "sweep" rows of benchmarks/results/kernels-h200.json,
+# `python benchmarks/bench_kernels.py --tune` on the H200):
+# - many: 256 rows x 32-token tiles, 8 warps, 3 stages, 64 documents a program: 96.0 ms on the exhaustive
+#   workload, against 119.1 ms for the previous entry (128 x 64, 4 warps, 16 documents) in the same run;
+#   64 documents a program is most of the gain (128 x 64 with 16 / 64 / 128 / 256 documents: 119.1 / 99.0
+#   / 100.8 / 101.3 ms: fewer, longer programs spend less on the query-tile load and pipeline fill);
+#   256 x 64 with 64 documents 100.0 ms, 256 x 128 115.9 ms (tile padding), 128 x 64 with 8 warps 103.3 ms;
+# - some: the best 128-row entry of the same sweep, 128 x 64, 4 warps, 64 documents (99.0 ms);
+# - few: 32 x 64, 4 warps, 4 stages, 64 documents: 1.017 ms for 1 query x 100K documents against 1.034 ms
+#   with 16 (3 stages: 1.107 ms; 128-token tiles: 1.040 ms);
+# - long: one document a program and 2 stages: 0.638 ms for the ColPali workload against 0.740 ms with
+#   two documents and 3 stages (3 / 4 stages with one document 0.668 / 0.666 ms; 8 warps 0.757 ms;
+#   256 rows 0.750 ms);
+# - cands: 8 candidates a program: 0.742 ms (16: 0.741, 32: 0.778, 4: 0.799; 3 stages 0.768; 128-token
+#   tiles 0.854 ms);
+# - sm_90 builds of every entry below (triton's ptxas, no GPU needed): no spills; the loads are
+#   cp.async-pipelined, the dots wgmma for >= 64 rows.
 _TUNING: dict[str, KernelConfig] = {
-    "many": KernelConfig(block_q=128, block_t=64, docs_per_prog=16, num_warps=4, num_stages=3),
-    "few": KernelConfig(block_q=32, block_t=64, docs_per_prog=16, num_warps=4, num_stages=4),
-    "long": KernelConfig(block_q=128, block_t=64, docs_per_prog=2, num_warps=4, num_stages=3),
+    "many": KernelConfig(block_q=256, block_t=32, docs_per_prog=64, num_warps=8, num_stages=3),
+    "some": KernelConfig(block_q=128, block_t=64, docs_per_prog=64, num_warps=4, num_stages=3),
+    "few": KernelConfig(block_q=32, block_t=64, docs_per_prog=64, num_warps=4, num_stages=4),
+    "long": KernelConfig(block_q=128, block_t=64, docs_per_prog=1, num_warps=4, num_stages=2),
     "cands": KernelConfig(block_q=32, block_t=64, docs_per_prog=8, num_warps=4, num_stages=4),
 }
 _MIN_ROWS = 16  # tl.dot needs M, N, K >= 16
@@ -404,13 +432,38 @@ def _prepare(
     return queries, docs, layout
 
 
+# Programs a launch should have at least, per SM: the sweeps' winners take 64 documents a program, which
+# leaves a small problem (one query x 1000 documents: 16 programs) with most SMs idle. Four waves of two
+# programs an SM keep every SM busy and the tail short.
+_MIN_PROGRAMS_PER_SM = 8
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: small, so that the CPU tests take the lowered path as well
+
+
+def _docs_per_program(cap: int, num_blocks: int, num_docs: int, device: torch.device) -> int:
+    """Documents a program: `cap` (the table's), halved while the grid would be under
+    _MIN_PROGRAMS_PER_SM programs an SM. A runtime argument, so it never recompiles the kernel."""
+    want = _MIN_PROGRAMS_PER_SM * _sm_count(device)
+    per = cap
+    while per > 1 and num_blocks * triton.cdiv(num_docs, per) < want:
+        per //= 2
+    return per
+
+
 def varlen_config(layout: Layout) -> tuple[str, KernelConfig, int, int]:
     """Shape class, config, QPB (queries per block) and ROWS (rows per query) for an all-pairs problem."""
     q_pad = max(_MIN_ROWS, next_pow2(layout.max_query_len))
     if q_pad > 128:
         cls = "long"
-    elif layout.num_queries * q_pad >= 128:
+    elif layout.num_queries * q_pad >= 256:
         cls = "many"
+    elif layout.num_queries * q_pad >= 128:
+        cls = "some"
     else:
         cls = "few"
     cfg = _TUNING[cls]
@@ -443,8 +496,11 @@ def maxsim_varlen_forward_triton(
     _, cfg, qpb, rows = varlen_config(layout)
     if config is not None:
         cfg = config
-        qpb = max(1, cfg.block_q // rows)
-        rows = cfg.block_q // qpb
+        if layout.max_query_len > rows:  # chunked long queries: one query a block, block_q rows a chunk
+            qpb, rows = 1, cfg.block_q
+        else:
+            qpb = max(1, cfg.block_q // rows)
+            rows = cfg.block_q // qpb
     num_chunks = triton.cdiv(layout.max_query_len, rows) if qpb == 1 else 1
     num_groups = triton.cdiv(nq, qpb)
     num_blocks = num_groups * num_chunks
@@ -454,12 +510,13 @@ def maxsim_varlen_forward_triton(
         out = scores.sum(0)
         return (out, argmax) if return_argmax else out
     block_k, num_k, even_k = _k_blocking(dim)
-    grid = (num_blocks * triton.cdiv(nd, cfg.docs_per_prog),)
+    docs_per_prog = _docs_per_program(cfg.docs_per_prog, num_blocks, nd, device)
+    grid = (num_blocks * triton.cdiv(nd, docs_per_prog),)
     launch_fitting_shared_memory(
         _maxsim_varlen_kernel, grid,
         queries, on_device(query_offsets, device), docs, on_device(doc_offsets, device), scores,
         argmax if argmax is not None else scores,
-        nq, nd, num_blocks, num_chunks, dim,
+        nq, nd, num_blocks, num_chunks, docs_per_prog, dim,
         queries.stride(0), docs.stride(0), nd,
         QPB=qpb, ROWS=rows, BLOCK_T=cfg.block_t, BLOCK_K=block_k, NUM_K=num_k, EVEN_K=even_k,
         DOCS_PER_PROG=cfg.docs_per_prog, PRECISION=_precision(docs.dtype, allow_tf32),

@@ -113,3 +113,17 @@ def test_peak_memory_of_forward_and_backward():
     assert peak <= input_bytes + 48 * pairs + (4 << 20)
     assert peak * 25 <= similarity_bytes
     del grads
+
+
+@pytest.mark.parametrize("layout", ["all-pairs", "candidates"])
+def test_offsets_on_the_host_give_the_same_gradients(layout):
+    """The forward takes offsets and candidate lists on the host; so must the backward."""
+    queries, qo, docs, do = _batch(8, 32, 40, 100, torch.float16, seed=4)
+    cands = _candidates(8, 10, 40, seed=4) if layout == "candidates" else None
+    scores_shape = (80,) if cands else (8, 40)
+    upstream = torch.randn(scores_shape, device="cuda")
+    on_gpu = _fwd_bwd(queries, qo, docs, do, upstream, cands=cands)
+    host_cands = tuple(c.cpu() for c in cands) if cands else None
+    on_host = _fwd_bwd(queries, qo.cpu(), docs, do.cpu(), upstream, cands=host_cands)
+    for a, b in zip(on_gpu, on_host, strict=True):
+        assert torch.equal(a, b)

@@ -289,21 +289,34 @@ needs_interpreter = pytest.mark.skipif(
 
 
 @needs_interpreter
-def test_triton_many_queries_class_with_partial_groups():
+@pytest.mark.parametrize(
+    ("num_queries", "cls", "qpb", "fill_gpu"),
+    [
+        (9, "many", 8, True),  # 256-row blocks of 8 queries: a full one and a partial one
+        (5, "some", 4, True),  # 128-row blocks of 4 queries
+        (9, "many", 8, False),  # the table's 64 documents a program: one partial run
+    ],
+)
+def test_triton_many_queries_classes_with_partial_groups(monkeypatch, num_queries, cls, qpb, fill_gpu):
+    from maxsim_kernels import maxsim_forward as fwd
     from maxsim_kernels._validate import check_inputs
-    from maxsim_kernels.maxsim_forward import varlen_config
 
+    if not fill_gpu:  # keep the table's documents a program instead of lowering it for a small grid
+        monkeypatch.setattr(fwd, "_MIN_PROGRAMS_PER_SM", 0)
     gen = torch.Generator().manual_seed(11)
-    q_lens = torch.randint(1, 33, (9,), generator=gen)  # padded to 32 rows: 4 queries per 128-row block
-    d_lens = torch.randint(0, 70, (37,), generator=gen)  # 3 runs of 16 documents, the last one partial
+    q_lens = torch.randint(1, 33, (num_queries,), generator=gen)  # padded to 32 rows
+    d_lens = torch.randint(0, 70, (37,), generator=gen)  # runs of documents, the last one partial
     queries, q_off = packed(q_lens, 32, torch.float16, gen=gen)
     docs, d_off = packed(d_lens, 32, torch.float16, gen=gen)
-    cls, _, qpb, rows = varlen_config(check_inputs(queries, q_off, docs, d_off))
-    assert (cls, qpb, rows) == ("many", 4, 32)
+    got_cls, cfg, got_qpb, rows = fwd.varlen_config(check_inputs(queries, q_off, docs, d_off))
+    assert (got_cls, got_qpb, rows) == (cls, qpb, 32)
+    blocks = -(-num_queries // qpb)
+    per = fwd._docs_per_program(cfg.docs_per_prog, blocks, 37, docs.device)
+    assert per == 64 if not fill_gpu else 1 < per < 37
     scores, arg = maxsim_varlen(queries, q_off, docs, d_off, return_argmax=True, backend="triton")
     ref, ref_arg = maxsim_reference(queries, q_off, docs, d_off, return_argmax=True)
     check_scores(scores, ref, q_lens[:, None], 32)
-    pairs = [(qi, di, arg[q_off[qi] : q_off[qi + 1], di]) for qi in range(9) for di in range(37)]
+    pairs = [(qi, di, arg[q_off[qi] : q_off[qi + 1], di]) for qi in range(num_queries) for di in range(37)]
     check_argmax(arg, queries, q_off, docs, d_off, pairs)
 
 
@@ -445,12 +458,13 @@ import maxsim_kernels.maxsim_forward as fwd
 
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 ints = {"num_queries", "num_docs", "num_blocks", "num_chunks", "num_cands", "dim", "stride_q", "stride_d"}
+ints.add("docs_per_prog")
 ints.add("stride_arg")
 pointers = {"q_ptr": "*fp16", "d_ptr": "*fp16", "out_ptr": "*fp32", "arg_ptr": "*i32"}
 report = {}
 for cls, cfg in fwd._TUNING.items():
     kernel = fwd._maxsim_candidates_kernel if cls == "cands" else fwd._maxsim_varlen_kernel
-    rows = 32 if cls == "many" else cfg.block_q
+    rows = 32 if cls in ("many", "some") else cfg.block_q
     consts = dict(ROWS=rows, BLOCK_T=cfg.block_t, BLOCK_K=128, NUM_K=1, EVEN_K=True, PRECISION="tf32",
                   RETURN_ARGMAX=False)
     if cls == "cands":
