@@ -192,13 +192,11 @@ def check_candidates(
         raise ValueError(
             f"candidate_offsets has {len(c_off)} entries but there are {num_queries} queries: need nq+1"
         )
-    c_docs = memo(
-        candidate_docs, ("candidates", num_docs), lambda: _host_candidates(candidate_docs, num_docs)
-    )
+    c_docs = memo(candidate_docs, ("candidates", num_docs), lambda: host_candidates(candidate_docs, num_docs))
     return c_off, c_docs
 
 
-def _host_candidates(candidate_docs: torch.Tensor, num_docs: int) -> np.ndarray:
+def host_candidates(candidate_docs: torch.Tensor, num_docs: int) -> np.ndarray:
     c_docs = candidate_docs.detach().to("cpu", torch.int64).numpy().copy()
     c_docs.flags.writeable = False
     if len(c_docs):

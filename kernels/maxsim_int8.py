@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from ._launch import launch_fitting_shared_memory
-from ._validate import resolve_backend
+from ._validate import host_candidates, host_offsets, memo, on_device, resolve_backend
 
 # Codes are in [-127, 127]; shards written elsewhere may hold -128, so bounds use 128.
 INT8_ABSMAX = 127.0
@@ -547,19 +547,13 @@ def _offsets(
     if offsets.device not in (device, torch.device("cpu")):
         raise ValueError(f"{name} is on {offsets.device}, the embeddings on {device}")
     if check or offsets.device.type == "cpu":
-        host = offsets.cpu().numpy()
-        if host[0] != 0 or host[-1] != total:
-            raise ValueError(
-                f"{name} must run from 0 to {total} (the token count), got {host[0]}..{host[-1]}"
-            )
-        steps = np.diff(host)
-        bad = np.flatnonzero(steps < 0) if empty_ok else np.flatnonzero(steps <= 0)
-        if bad.size:
-            i = int(bad[0])
-            what = "has no tokens" if steps[i] == 0 else "has decreasing offsets"
-            raise ValueError(f"{name}: entry {i} {what} ({host[i]} -> {host[i + 1]}); fix the offsets")
-    # Pageable host memory is staged at once: non_blocking only skips the wait for the device.
-    return offsets.to(device, non_blocking=True)
+        host = host_offsets(name, offsets, total)  # checked once per tensor (memoised)
+        if not empty_ok:
+            lens = memo(offsets, ("lens", total), lambda: np.diff(host))
+            if len(lens) and lens.min() <= 0:
+                i = int(np.argmin(lens))
+                raise ValueError(f"{name}: entry {i} has no tokens ({host[i]} -> {host[i + 1]}); drop it")
+    return on_device(offsets, device)  # one transfer per offsets tensor (memoised)
 
 
 def _prepare(
@@ -909,10 +903,8 @@ def _check_candidates(
     n_cand = candidate_docs.numel()
     offsets = _offsets("candidate_offsets", candidate_offsets, n_cand, device, empty_ok=True, check=check)
     if n_cand and (check or candidate_docs.device.type == "cpu"):
-        lo, hi = int(candidate_docs.min()), int(candidate_docs.max())
-        if lo < 0 or hi >= n_docs:
-            raise ValueError(f"candidate_docs must index documents 0..{n_docs - 1}, got {lo}..{hi}")
-    return offsets, candidate_docs.to(device, non_blocking=True)
+        memo(candidate_docs, ("candidates", n_docs), lambda: host_candidates(candidate_docs, n_docs))
+    return offsets, on_device(candidate_docs, device)
 
 
 def maxsim_candidates_int8(

@@ -237,8 +237,8 @@ def _small() -> tuple[torch.Tensor, ...]:
         (lambda a: a.update(docs=a["docs"].float()), "int8 documents"),
         (lambda a: a.update(doc_scales=a["doc_scales"][:-1]), "doc_scales must be"),
         (lambda a: a.update(query_offsets=torch.tensor([0, 2, 2, 5])), "has no tokens"),
-        (lambda a: a.update(query_offsets=torch.tensor([0, 2, 4])), "from 0 to 5"),
-        (lambda a: a.update(doc_offsets=torch.tensor([0, 5, 3, 5])), "decreasing"),
+        (lambda a: a.update(query_offsets=torch.tensor([0, 2, 4])), "has 5 rows"),
+        (lambda a: a.update(doc_offsets=torch.tensor([0, 5, 3, 5])), "decreases"),
         (lambda a: a.update(queries=a["queries"][:, :8]), "share dim"),
         (lambda a: a.update(queries=a["queries"].to(torch.int8)), "query_scales"),
         (lambda a: a.update(backend="cuda"), "backend must be"),
@@ -271,7 +271,7 @@ def test_document_without_tokens_scores_minus_inf(backend: str) -> None:
 
 def test_candidate_index_out_of_range_raises() -> None:
     queries, qo, d8, do, sd = _small()
-    with pytest.raises(ValueError, match="index documents 0..1"):
+    with pytest.raises(ValueError, match=r"not a document index in \[0, 2\)"):
         maxsim_candidates_int8(
             queries, qo, d8, do, torch.tensor([0, 1, 2]), torch.tensor([0, 2]), doc_scales=sd
         )
