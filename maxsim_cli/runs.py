@@ -312,6 +312,10 @@ def _float32_keys(scores: Sequence[float]) -> list[float]:
     return np.asarray(scores, dtype=np.float32).astype(np.float64).tolist()
 
 
+def _percent_escaped(text: str) -> str:
+    return text.replace("%", "%%")
+
+
 def sort_trec(docnos: Sequence[str], scores: Sequence[float]) -> list[int]:
     """Indices of ``docnos`` in trec_eval's order: float32 score descending, ties by docno descending.
 
@@ -452,22 +456,29 @@ class RunWriter:
         if qid in self._written:
             raise InputError(f"{self._name}: query {qid!r} written twice; each query appears once in a run")
         self._written.add(qid)
-        keys = _float32_keys(scores)
+        # float32 then float64 (+ 0.0 turns -0 into 0): the order key is exactly the printed value
+        key_array = np.asarray(scores, dtype=np.float32).astype(np.float64) + 0.0
+        keys = key_array.tolist()
         # whole-query checks first (one pass each in C); the per-row loop only runs to name the culprit
         if (
             _WHITESPACE.search("".join(docnos))
             or not all(docnos)
-            or not np.isfinite(keys).all()
+            or not np.isfinite(key_array).all()
             or len(set(docnos)) != len(docnos)
         ):
             self._raise_for_bad_row(qid, docnos, keys)
-        order = sorted(range(len(docnos)), key=lambda i: (keys[i], docnos[i]), reverse=True)
+        if np.all(key_array[:-1] > key_array[1:]):  # already strictly descending (a top-k): no ties
+            order: Sequence[int] = range(len(keys))
+        else:
+            order = sorted(range(len(docnos)), key=lambda i: (keys[i], docnos[i]), reverse=True)
         if self.fmt == "trec":
-            tag = self.tag
-            text = "".join(
-                f"{qid} Q0 {docnos[i]} {rank} {format(keys[i] + 0.0, '.9g')} {tag}\n"
-                for rank, i in enumerate(order, 1)
-            )
+            # one %-format over the whole query: rows of (docno, rank, score), '.9g' as format_score
+            fields: list[object] = [None] * (3 * len(order))
+            fields[0::3] = [docnos[i] for i in order]
+            fields[1::3] = range(1, len(order) + 1)
+            fields[2::3] = [keys[i] for i in order]
+            row = f"{_percent_escaped(qid)} Q0 %s %d %.9g {_percent_escaped(self.tag)}\n"
+            text = (row * len(order)) % tuple(fields)
         else:
             results = ",".join(
                 f'{{"docno":{json.dumps(docnos[i], ensure_ascii=False)},"rank":{rank},'

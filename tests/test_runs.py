@@ -187,6 +187,31 @@ def test_run_writer_trec(tmp_path):
     assert np.float32(run["q1"][0][1]) == np.float32(0.1)
 
 
+def test_run_writer_rows_match_format_score_in_either_order_path(tmp_path):
+    """Sorted input (no sort needed) and unsorted input give the rows format_score and sort_trec say, and
+    ids or tags holding '%' come out literally."""
+    rng = np.random.default_rng(5)
+    scores = rng.standard_normal(300).astype(np.float32)
+    scores[[3, 7]] = -0.0
+    docnos = [f"d%{i}s" for i in range(300)]
+    by_score = np.argsort(-scores, kind="stable")
+    distinct = np.unique(scores)[::-1]  # strictly descending: the writer's no-sort path
+    cases = {
+        "shuffled": (docnos, scores.tolist()),
+        "sorted with a tie": ([docnos[i] for i in by_score], scores[by_score]),
+        "strictly descending": (docnos[: len(distinct)], distinct),
+    }
+    for name, (ids, values) in cases.items():
+        out = tmp_path / f"{name}.trec"
+        with RunWriter(str(out), tag="run%d") as writer:
+            writer.write_query("q%s", ids, values)
+        order = sort_trec(ids, values)
+        expected = "".join(
+            f"q%s Q0 {ids[i]} {rank} {format_score(values[i])} run%d\n" for rank, i in enumerate(order, 1)
+        )
+        assert out.read_text() == expected, name
+
+
 def test_run_writer_jsonl_and_gzip(tmp_path):
     out = tmp_path / "out.jsonl.gz"
     with RunWriter(str(out), fmt="jsonl") as writer:
