@@ -219,6 +219,12 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
                 dict(block_d=128, docs_per_prog=16, num_warps=8, num_stages=3),
                 dict(block_d=32, docs_per_prog=16, num_warps=4, num_stages=3),
                 dict(block_q=256, block_d=64, docs_per_prog=16, num_warps=8, num_stages=3),
+                # the levers of the fp16 kernel's v3 tuning: more documents a program, 256-row tiles
+                dict(block_d=64, docs_per_prog=64, num_warps=4, num_stages=2),
+                dict(block_d=64, docs_per_prog=128, num_warps=4, num_stages=2),
+                dict(block_d=32, docs_per_prog=64, num_warps=4, num_stages=3),
+                dict(block_q=256, block_d=64, docs_per_prog=64, num_warps=8, num_stages=3),
+                dict(block_q=256, block_d=32, docs_per_prog=64, num_warps=8, num_stages=3),
             ],
             rep,
         )
@@ -232,6 +238,8 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
                 dict(block_d=64, docs_per_prog=8, num_warps=4, num_stages=2),
                 dict(block_d=64, docs_per_prog=16, num_warps=4, num_stages=4),
                 dict(block_d=128, docs_per_prog=8, num_warps=4, num_stages=3),
+                dict(block_d=64, docs_per_prog=32, num_warps=4, num_stages=4),
+                dict(block_d=64, docs_per_prog=64, num_warps=4, num_stages=4),
             ],
             rep,
         )
@@ -248,6 +256,7 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
                 dict(block_d=64, cands_per_prog=8, num_warps=4, num_stages=2),
                 dict(block_d=64, cands_per_prog=8, num_warps=4, num_stages=4),
                 dict(block_d=128, cands_per_prog=8, num_warps=4, num_stages=3),
+                dict(block_d=64, cands_per_prog=16, num_warps=4, num_stages=4),
             ],
             rep,
         )
