@@ -25,15 +25,19 @@ step() {  # step NAME SECONDS CMD...
   tar -czf "$out/h200-results.tar.gz" -C "$logs" .  # after every step: a later time-out keeps these
 }
 
-# STEPS picks a subset; WORKLOADS narrows the kernel benchmark. All four steps at their default limits take
-# longer than one 10-minute call: run STEPS="gpu-tests verify" and STEPS="kernels train" as two calls.
-steps=" ${STEPS:-gpu-tests kernels train verify} "
+# STEPS picks a subset; WORKLOADS narrows the kernel benchmark. All steps at their default limits take
+# longer than one 10-minute call: run STEPS="gpu-tests verify", STEPS="kernels train" and
+# STEPS="int8 ab" as three calls.
+steps=" ${STEPS:-gpu-tests kernels train verify int8 ab} "
 want() { [[ $steps == *" $1 "* ]]; }
 want gpu-tests && step gpu-tests ${GPU_TESTS_S:-240} python3 -m pytest -q -m gpu -p no:cacheprovider tests/
 want kernels && step kernels ${KERNELS_S:-300} python3 benchmarks/bench_kernels.py --cold --cold-workloads one_query \
   --workloads "${WORKLOADS:-exhaustive,one_query,colpali,rerank}" --out "$logs/kernels-h200.json"
-want train && step train ${TRAIN_S:-180} python3 benchmarks/bench_train.py --out "$logs/train-h200.json" \
+want train && step train ${TRAIN_S:-260} python3 benchmarks/bench_train.py --out "$logs/train-h200.json" \
   --methods ours,plain-autograd,lik,lik-lowmem,flash-maxsim --fp32-shapes colbert-128
 want verify && step verify ${VERIFY_S:-80} python3 benchmarks/verify_reports.py --device cuda --out "$logs/verify"
+want int8 && step int8 ${INT8_S:-200} python3 benchmarks/bench_int8.py gpu --rep-ms 200 \
+  --out "$logs/int8-h200.json" --workdir /tmp
+want ab && step ab ${AB_S:-60} python3 benchmarks/ab_specialization.py
 
 cat "$logs/gpu.txt" "$logs/steps.txt"
