@@ -335,8 +335,11 @@ def build_inverse_csr_all_pairs(
     )
     row_count = cursors.sum(dim=0, dtype=torch.int32)
     row_start = row_count.cumsum(dim=0) - row_count  # int64: a list may start past 2^31
-    # segment s of token j starts after the earlier segments' entries of j
-    cursors = (cursors.cumsum(dim=0, dtype=torch.int32) - cursors) + row_start.to(torch.int32)[None, :]
+    # segment s of token j starts after the earlier segments' entries of j (in place: one [S, Td]
+    # temporary at a time, not three)
+    starts = cursors.cumsum(dim=0, dtype=torch.int32)
+    starts.sub_(cursors).add_(row_start.to(torch.int32)[None, :])
+    cursors = starts
     _maxsim_inverse_csr_kernel[grid](
         argmax, doc_offsets, cursors, order, num_query_tokens, num_docs, num_doc_tokens, FILL=True, **launch
     )
