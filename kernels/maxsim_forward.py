@@ -372,8 +372,8 @@ class KernelConfig:
 #   "long":  queries longer than 128 tokens (1 ColPali query of 1024 tokens x 1000 docs of 1024);
 #   "cands": per-query candidates (HBM bound: 64 queries x their own 1000 docs of 180 tokens).
 # Evidence (docs/kernel-notes.md has the numbers and the reasoning; the sweeps are
-# benchmarks/results/kernels-sweep-h200.json and the "sweep" rows of benchmarks/results/kernels-h200.json,
-# `python benchmarks/bench_kernels.py --tune` on the H200):
+# benchmarks/results/kernels-sweep-h200.json and the "sweep" rows of kernels-tune-h200.json, from
+# `python benchmarks/bench_kernels.py --sweep` and `--tune` on the H200):
 # - many: 256 rows x 32-token tiles, 8 warps, 3 stages, 64 documents a program: 96.0 ms on the exhaustive
 #   workload, against 119.1 ms for the previous entry (128 x 64, 4 warps, 16 documents) in the same run;
 #   64 documents a program is most of the gain (128 x 64 with 16 / 64 / 128 / 256 documents: 119.1 / 99.0
