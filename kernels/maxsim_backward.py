@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._validate import on_device, resolve_backend
+from ._validate import next_pow2, on_device, resolve_backend
 
 # --- tuning constants (H200, triton 3.6, dim 128: benchmarks/results/train-h200.json, "sweep") --------
 # Query-gradient kernel: a program owns _DQ_BLOCK_T query tokens and gathers _DQ_BLOCK_C winning rows
@@ -346,10 +346,6 @@ def build_inverse_csr_all_pairs(
     return row_start, row_count, order
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _grad_queries_triton(
     docs: torch.Tensor,
     doc_scales: torch.Tensor | None,
@@ -368,7 +364,7 @@ def _grad_queries_triton(
     if num_query_tokens == 0:
         return grad_queries
     candidates = candidate_docs is not None
-    block_dim = min(_next_pow2(dim), _MAX_BLOCK_DIM)
+    block_dim = min(next_pow2(dim), _MAX_BLOCK_DIM)
     dim_blocks = triton.cdiv(dim, block_dim)
     if candidates:
         num_docs, max_query_len = 0, argmax.shape[1]
@@ -434,7 +430,7 @@ def _grad_docs_triton(
         row_start, row_count, order = build_inverse_csr_all_pairs(argmax, doc_offsets, num_doc_tokens)
         owner, token_doc = token_query, _owner_of(doc_offsets, num_doc_tokens)
         num_docs, max_query_len = argmax.shape[1], 0
-    block_dim = min(_next_pow2(dim), _MAX_BLOCK_DIM)
+    block_dim = min(next_pow2(dim), _MAX_BLOCK_DIM)
     _maxsim_grad_docs_kernel[(num_doc_tokens, triton.cdiv(dim, block_dim))](
         queries,
         grad_scores,

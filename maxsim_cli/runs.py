@@ -307,9 +307,9 @@ def format_score(x: float) -> str:
     return format(float(np.float32(x)) + 0.0, ".9g")
 
 
-def _float32_keys(scores: Sequence[float]) -> list[float]:
-    # float32 then back to Python floats: the order key is exactly the printed value.
-    return np.asarray(scores, dtype=np.float32).astype(np.float64).tolist()
+def _float32_keys(scores: Sequence[float]) -> np.ndarray:
+    """float32 then float64 (+ 0.0 turns -0 into 0): the order key is exactly the printed value."""
+    return np.asarray(scores, dtype=np.float32).astype(np.float64) + 0.0
 
 
 def _percent_escaped(text: str) -> str:
@@ -324,7 +324,7 @@ def sort_trec(docnos: Sequence[str], scores: Sequence[float]) -> list[int]:
     """
     if len(docnos) != len(scores):
         raise ValueError(f"sort_trec: {len(docnos)} docnos but {len(scores)} scores")
-    keys = _float32_keys(scores)
+    keys = _float32_keys(scores).tolist()
     return sorted(range(len(docnos)), key=lambda i: (keys[i], docnos[i]), reverse=True)
 
 
@@ -456,8 +456,7 @@ class RunWriter:
         if qid in self._written:
             raise InputError(f"{self._name}: query {qid!r} written twice; each query appears once in a run")
         self._written.add(qid)
-        # float32 then float64 (+ 0.0 turns -0 into 0): the order key is exactly the printed value
-        key_array = np.asarray(scores, dtype=np.float32).astype(np.float64) + 0.0
+        key_array = _float32_keys(scores)
         keys = key_array.tolist()
         # whole-query checks first (one pass each in C); the per-row loop only runs to name the culprit
         if (
