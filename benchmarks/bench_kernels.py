@@ -389,21 +389,24 @@ def cold_starts(methods: list[str], workloads: list[str], peer_workloads: list[s
 def sweep_configs(name: str) -> list[Any]:
     from maxsim_kernels.maxsim_forward import KernelConfig as C
 
-    # first entry of each list = the tuning table in force; the rest are its neighbours
+    # first entry of each list = the tuning table in force; the rest are its neighbours. A sixth field
+    # True = document-major tiles (S^T = D . Q^T, running max per element; all-pairs kernel only).
     if name == "exhaustive":
-        grid = [(256, 32, 64, 8, 3), (128, 64, 16, 4, 3), (128, 64, 64, 4, 3), (128, 64, 128, 4, 3),
-                (256, 64, 64, 8, 3), (256, 32, 128, 8, 3), (256, 32, 64, 8, 2), (256, 32, 64, 8, 4),
-                (256, 128, 64, 8, 2)]  # fmt: skip
+        grid = [(256, 32, 64, 8, 3), (128, 64, 64, 4, 3), (256, 64, 64, 8, 3),
+                (128, 64, 64, 4, 3, True), (128, 64, 64, 4, 4, True), (128, 64, 64, 4, 2, True),
+                (128, 64, 128, 4, 3, True), (128, 64, 16, 4, 3, True), (256, 64, 64, 8, 2, True),
+                (256, 64, 64, 8, 3, True), (256, 64, 128, 8, 3, True)]  # fmt: skip
     elif name == "one_query":
         grid = [(32, 64, 64, 4, 4), (32, 64, 16, 4, 4), (32, 64, 32, 4, 4), (32, 64, 64, 4, 3),
-                (32, 128, 32, 4, 3), (32, 64, 128, 4, 4)]  # fmt: skip
+                (32, 64, 64, 4, 4, True), (32, 64, 16, 4, 4, True), (32, 64, 64, 4, 3, True)]  # fmt: skip
     elif name == "colpali":
-        grid = [(128, 64, 1, 4, 2), (128, 64, 2, 4, 3), (128, 64, 1, 4, 3), (128, 64, 1, 8, 3),
-                (128, 32, 1, 4, 3), (256, 64, 1, 8, 2)]  # fmt: skip
+        grid = [(128, 64, 1, 4, 2), (128, 64, 1, 4, 3), (128, 64, 1, 4, 2, True), (128, 64, 1, 4, 3, True),
+                (128, 64, 2, 4, 2, True), (256, 64, 1, 8, 2, True), (256, 64, 1, 8, 3, True),
+                (128, 128, 1, 4, 2, True)]  # fmt: skip
     else:
         grid = [(32, 64, 8, 4, 4), (32, 64, 16, 4, 4), (32, 64, 32, 4, 4), (32, 64, 4, 4, 4),
                 (32, 64, 16, 4, 3), (32, 128, 8, 4, 3)]  # fmt: skip
-    return [C(block_q=a, block_t=b, docs_per_prog=c, num_warps=d, num_stages=e) for a, b, c, d, e in grid]
+    return [C(*entry[:5], doc_major=len(entry) > 5 and entry[5]) for entry in grid]
 
 
 def sweep_workload(

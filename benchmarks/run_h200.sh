@@ -25,12 +25,14 @@ step() {  # step NAME SECONDS CMD...
   tar -czf "$out/h200-results.tar.gz" -C "$logs" .  # after every step: a later time-out keeps these
 }
 
-# STEPS picks a subset; WORKLOADS narrows the kernel benchmark. All steps at their default limits take
+# STEPS picks a subset (sweep: the tile sweep of bench_kernels.py, not in the default set); WORKLOADS narrows the kernel benchmark. All steps at their default limits take
 # longer than one 10-minute call: run STEPS="gpu-tests verify", STEPS="kernels train" and
 # STEPS="int8 ab" as three calls.
 steps=" ${STEPS:-gpu-tests kernels train verify int8 ab} "
 want() { [[ $steps == *" $1 "* ]]; }
 want gpu-tests && step gpu-tests ${GPU_TESTS_S:-240} python3 -m pytest -q -m gpu -p no:cacheprovider tests/
+want sweep && step sweep ${SWEEP_S:-240} python3 benchmarks/bench_kernels.py --sweep \
+  --workloads "${SWEEP_WORKLOADS:-exhaustive,colpali,one_query}" --out "$logs/kernels-sweep-h200.json"
 want kernels && step kernels ${KERNELS_S:-300} python3 benchmarks/bench_kernels.py --cold --cold-workloads one_query \
   --workloads "${WORKLOADS:-exhaustive,one_query,colpali,rerank}" --out "$logs/kernels-h200.json"
 want train && step train ${TRAIN_S:-260} python3 benchmarks/bench_train.py --out "$logs/train-h200.json" \

@@ -112,8 +112,12 @@ def _tile_similarities(
     NUM_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    DOC_MAJOR: tl.constexpr,
 ):
-    """S = Q . D^T for one document tile [BLOCK_T rows]: fp32 [QPB*ROWS, BLOCK_T], -inf off the document."""
+    """S = Q . D^T for one document tile [BLOCK_T rows]: fp32 [QPB*ROWS, BLOCK_T], -inf off the document.
+
+    DOC_MAJOR: S^T = D . Q^T instead, [BLOCK_T, QPB*ROWS], -inf on the rows off the document.
+    """
     k = tl.arange(0, BLOCK_K)
     if NUM_K == 1:
         ptrs = d_ptr + rows[:, None] * stride_d + k[None, :]
@@ -121,9 +125,15 @@ def _tile_similarities(
             d = tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
         else:
             d = tl.load(ptrs, mask=rows_ok[:, None] & (k < dim)[None, :], other=0.0)
-        s = tl.dot(q_resident, tl.trans(d), input_precision=PRECISION)
+        if DOC_MAJOR:  # q_resident is the transposed tile [BLOCK_K, QPB*ROWS]
+            s = tl.dot(d, q_resident, input_precision=PRECISION)
+        else:
+            s = tl.dot(q_resident, tl.trans(d), input_precision=PRECISION)
     else:
-        s = tl.zeros((QPB * ROWS, BLOCK_T), dtype=tl.float32)
+        if DOC_MAJOR:
+            s = tl.zeros((BLOCK_T, QPB * ROWS), dtype=tl.float32)
+        else:
+            s = tl.zeros((QPB * ROWS, BLOCK_T), dtype=tl.float32)
         for kc in tl.static_range(NUM_K):
             kk = kc * BLOCK_K + k
             ptrs = d_ptr + rows[:, None] * stride_d + kk[None, :]
@@ -142,8 +152,15 @@ def _tile_similarities(
                 BLOCK_K,
                 False,
             )
-            s = tl.dot(q, tl.trans(d), s, input_precision=PRECISION)
-    return tl.where(rows_ok[None, :], s, float("-inf"))
+            if DOC_MAJOR:
+                s = tl.dot(d, tl.trans(q), s, input_precision=PRECISION)
+            else:
+                s = tl.dot(q, tl.trans(d), s, input_precision=PRECISION)
+    if DOC_MAJOR:
+        s = tl.where(rows_ok[:, None], s, float("-inf"))
+    else:
+        s = tl.where(rows_ok[None, :], s, float("-inf"))
+    return s
 
 
 # Sizes (and stride_arg, which is one) are not specialized: Triton would otherwise compile again whenever
@@ -182,8 +199,15 @@ def _maxsim_varlen_kernel(
     DOCS_PER_PROG: tl.constexpr,
     PRECISION: tl.constexpr,
     RETURN_ARGMAX: tl.constexpr,
+    DOC_MAJOR: tl.constexpr,
 ):
-    """One program: query block `blk` (QPB queries, chunk `chunk`) x documents [d0, d0 + docs_per_prog)."""
+    """One program: query block `blk` (QPB queries, chunk `chunk`) x documents [d0, d0 + docs_per_prog).
+
+    DOC_MAJOR (scores only: the launcher never sets it with RETURN_ARGMAX): each tile is S^T = D . Q^T,
+    so the query tile is the wide operand of the tensor-core instruction (m64 x n = BLOCK_Q per warp group:
+    less shared-memory traffic per FLOP than n = BLOCK_T); the running max is kept per element of
+    [BLOCK_T, BLOCK_Q] and reduced over the document's tokens once, at its last tile, not once per tile.
+    """
     pid = tl.program_id(0).to(tl.int64)
     blk = pid % num_blocks  # query blocks vary fastest: they share the document run through L2
     group = blk // num_chunks
@@ -195,6 +219,9 @@ def _maxsim_varlen_kernel(
         q_ptr, q_off_ptr, num_queries, group, chunk, stride_q, 0, dim, QPB, ROWS, BLOCK_K, EVEN_K
     )
     qi = group * QPB + tl.arange(0, QPB)
+    if DOC_MAJOR:
+        # transposed once, here: inside the loop Triton would copy the tile to shared memory every iteration
+        q = tl.trans(q)
 
     # tiles of this program's documents (an empty document still takes one fully masked tile)
     dd = d0 + tl.arange(0, DOCS_PER_PROG)
@@ -208,14 +235,18 @@ def _maxsim_varlen_kernel(
     tok = doc_start
     m = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
     a = tl.full((BLOCK_Q,), -1, tl.int32)
+    if DOC_MAJOR:
+        m_tile = tl.full((BLOCK_T, BLOCK_Q), float("-inf"), tl.float32)
     for _ in range(total):
         rows = tok + tl.arange(0, BLOCK_T)
         s = _tile_similarities(
             q, q_ptr, q_off_ptr, num_queries, group, chunk, stride_q,
             d_ptr, rows, rows < doc_end, stride_d, dim,
-            QPB, ROWS, BLOCK_T, BLOCK_K, NUM_K, EVEN_K, PRECISION,
+            QPB, ROWS, BLOCK_T, BLOCK_K, NUM_K, EVEN_K, PRECISION, DOC_MAJOR,
         )  # fmt: skip
-        if RETURN_ARGMAX:
+        if DOC_MAJOR:
+            m_tile = tl.maximum(m_tile, s)
+        elif RETURN_ARGMAX:
             t_max, t_arg = tl.max(s, axis=1, return_indices=True, return_indices_tie_break_left=True)
             better = t_max > m  # strict: an earlier tile keeps its tie
             a = tl.where(better, (tok - doc_start + t_arg).to(tl.int32), a)
@@ -224,6 +255,8 @@ def _maxsim_varlen_kernel(
             m = tl.maximum(m, tl.max(s, axis=1))
         last = tok + BLOCK_T >= doc_end
         if last:
+            if DOC_MAJOR:
+                m = tl.max(m_tile, axis=0)
             part = tl.sum(tl.reshape(tl.where(q_ok, m, 0.0), (QPB, ROWS)), axis=1)
             o = (chunk * num_queries + qi) * num_docs + doc
             tl.store(out_ptr + o, part, mask=qi < num_queries)
@@ -235,7 +268,10 @@ def _maxsim_varlen_kernel(
         doc_start = tl.where(last, doc_end, doc_start)
         doc_end = tl.where(last, next_end, doc_end)
         doc = doc + last.to(tl.int64)
-        m = tl.where(last, float("-inf"), m)
+        if DOC_MAJOR:
+            m_tile = tl.where(last, float("-inf"), m_tile)
+        else:
+            m = tl.where(last, float("-inf"), m)
         if RETURN_ARGMAX:
             a = tl.where(last, -1, a)
 
@@ -314,7 +350,7 @@ def _maxsim_candidates_kernel(
         s = _tile_similarities(
             q, q_ptr, q_off_ptr, num_queries, qi, chunk, stride_q,
             d_ptr, rows, rows < doc_end, stride_d, dim,
-            1, ROWS, BLOCK_T, BLOCK_K, NUM_K, EVEN_K, PRECISION,
+            1, ROWS, BLOCK_T, BLOCK_K, NUM_K, EVEN_K, PRECISION, False,
         )  # fmt: skip
         if RETURN_ARGMAX:
             t_max, t_arg = tl.max(s, axis=1, return_indices=True, return_indices_tie_break_left=True)
@@ -355,6 +391,7 @@ class KernelConfig:
     docs_per_prog: int  # documents (all-pairs) or candidates (per-query) per program
     num_warps: int
     num_stages: int
+    doc_major: bool = False  # all-pairs scores: S^T = D . Q^T tiles (see _maxsim_varlen_kernel)
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_t", "docs_per_prog"):
@@ -520,7 +557,8 @@ def maxsim_varlen_forward_triton(
         queries.stride(0), docs.stride(0), nd,
         QPB=qpb, ROWS=rows, BLOCK_T=cfg.block_t, BLOCK_K=block_k, NUM_K=num_k, EVEN_K=even_k,
         DOCS_PER_PROG=cfg.docs_per_prog, PRECISION=_precision(docs.dtype, allow_tf32),
-        RETURN_ARGMAX=return_argmax, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        RETURN_ARGMAX=return_argmax, DOC_MAJOR=cfg.doc_major and not return_argmax,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     out = scores[0] if num_chunks == 1 else scores.sum(0)
     return (out, argmax) if return_argmax else out

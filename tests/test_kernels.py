@@ -360,6 +360,27 @@ def test_triton_small_tiles_straddle_many_boundaries(block_t, per_prog):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("block_q, block_t, dim", [(32, 16, 24), (64, 16, 200)])
+def test_triton_doc_major_tiles_match_reference(block_q, block_t, dim):
+    """The S^T = D . Q^T variant: running max per element across a document's tiles, reduced at its end;
+    ragged, empty and one-token documents, tiles straddling boundaries, dims over one K chunk."""
+    from maxsim_kernels.maxsim_forward import KernelConfig, maxsim_varlen_forward_triton
+
+    gen = torch.Generator().manual_seed(12)
+    queries, q_off = packed([3, 17, 1, 9], dim, gen=gen)
+    docs, d_off = packed([15, 16, 17, 0, 1, 33, 48, 2], dim, gen=gen)
+    docs[d_off[5] : d_off[5] + 4] = -docs[d_off[5] : d_off[5] + 4].abs()  # negative similarities
+    cfg = KernelConfig(block_q, block_t, docs_per_prog=4, num_warps=4, num_stages=2, doc_major=True)
+    scores = maxsim_varlen_forward_triton(queries, q_off, docs, d_off, config=cfg)
+    check_scores(
+        scores, maxsim_reference(queries, q_off, docs, d_off), torch.tensor([[3], [17], [1], [9]]), dim
+    )
+    # argmax requests take the query-major tiles, whatever the config says
+    scores, arg = maxsim_varlen_forward_triton(queries, q_off, docs, d_off, return_argmax=True, config=cfg)
+    assert torch.equal(arg, maxsim_reference(queries, q_off, docs, d_off, return_argmax=True)[1])
+
+
+@needs_interpreter
 def test_triton_fp32_tf32_switch_and_mixed_query_dtype():
     gen = torch.Generator().manual_seed(9)
     queries, q_off = packed([4, 2], 16, torch.float32, gen=gen)
@@ -470,7 +491,7 @@ for cls, cfg in fwd._TUNING.items():
     if cls == "cands":
         consts["CANDS_PER_PROG"] = cfg.docs_per_prog
     else:
-        consts.update(QPB=cfg.block_q // rows, DOCS_PER_PROG=cfg.docs_per_prog)
+        consts.update(QPB=cfg.block_q // rows, DOCS_PER_PROG=cfg.docs_per_prog, DOC_MAJOR=cfg.doc_major)
     names = kernel.arg_names
     kinds = {**{n: "i32" for n in ints}, **{n: "constexpr" for n in consts}}
     sig = {n: kinds.get(n, pointers.get(n, "*i64")) for n in names}
