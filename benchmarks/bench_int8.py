@@ -213,18 +213,14 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
         best, rows = sweep(
             "exhaustive",
             varlen_launcher(queries16, q_off, ex[2], ex[1], ex[3]),
-            [
-                dict(block_d=64, docs_per_prog=16, num_warps=4, num_stages=2),
-                dict(block_d=64, docs_per_prog=16, num_warps=8, num_stages=3),
-                dict(block_d=128, docs_per_prog=16, num_warps=8, num_stages=3),
-                dict(block_d=32, docs_per_prog=16, num_warps=4, num_stages=3),
-                dict(block_q=256, block_d=64, docs_per_prog=16, num_warps=8, num_stages=3),
-                # the levers of the fp16 kernel's v3 tuning: more documents a program, 256-row tiles
-                dict(block_d=64, docs_per_prog=64, num_warps=4, num_stages=2),
-                dict(block_d=64, docs_per_prog=128, num_warps=4, num_stages=2),
-                dict(block_d=32, docs_per_prog=64, num_warps=4, num_stages=3),
-                dict(block_q=256, block_d=64, docs_per_prog=64, num_warps=8, num_stages=3),
+            [  # first: the constants in force
                 dict(block_q=256, block_d=32, docs_per_prog=64, num_warps=8, num_stages=3),
+                dict(block_q=256, block_d=32, docs_per_prog=128, num_warps=8, num_stages=3),
+                dict(block_q=256, block_d=32, docs_per_prog=64, num_warps=8, num_stages=4),
+                dict(block_q=256, block_d=32, docs_per_prog=64, num_warps=8, num_stages=2),
+                dict(block_q=256, block_d=64, docs_per_prog=64, num_warps=8, num_stages=3),
+                dict(block_q=128, block_d=64, docs_per_prog=64, num_warps=4, num_stages=2),
+                dict(block_q=128, block_d=64, docs_per_prog=64, num_warps=4, num_stages=3, doc_major=True),
             ],
             rep,
         )
@@ -234,12 +230,13 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
         best, rows = sweep(
             "one_query",
             varlen_launcher(one_q, one_off, docs8, doc_off, scales),
-            [
-                dict(block_d=64, docs_per_prog=8, num_warps=4, num_stages=2),
+            [  # first: the constants in force; doc_major: document-major tiles, elementwise running max
                 dict(block_d=64, docs_per_prog=16, num_warps=4, num_stages=4),
-                dict(block_d=128, docs_per_prog=8, num_warps=4, num_stages=3),
-                dict(block_d=64, docs_per_prog=32, num_warps=4, num_stages=4),
-                dict(block_d=64, docs_per_prog=64, num_warps=4, num_stages=4),
+                dict(block_d=64, docs_per_prog=16, num_warps=4, num_stages=4, doc_major=True),
+                dict(block_d=64, docs_per_prog=32, num_warps=4, num_stages=4, doc_major=True),
+                dict(block_d=64, docs_per_prog=64, num_warps=4, num_stages=4, doc_major=True),
+                dict(block_d=64, docs_per_prog=64, num_warps=4, num_stages=3, doc_major=True),
+                dict(block_d=128, docs_per_prog=16, num_warps=4, num_stages=3, doc_major=True),
             ],
             rep,
         )
@@ -253,10 +250,12 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
                 rq8, rsq, rq_off, pool8, pool_scales, pool_off, cand_off, cand_docs, False, **cfg
             ),
             [
-                dict(block_d=64, cands_per_prog=8, num_warps=4, num_stages=2),
                 dict(block_d=64, cands_per_prog=8, num_warps=4, num_stages=4),
-                dict(block_d=128, cands_per_prog=8, num_warps=4, num_stages=3),
                 dict(block_d=64, cands_per_prog=16, num_warps=4, num_stages=4),
+                dict(block_d=64, cands_per_prog=8, num_warps=4, num_stages=4, doc_major=True),
+                dict(block_d=64, cands_per_prog=16, num_warps=4, num_stages=4, doc_major=True),
+                dict(block_d=64, cands_per_prog=16, num_warps=4, num_stages=3, doc_major=True),
+                dict(block_d=128, cands_per_prog=8, num_warps=4, num_stages=3, doc_major=True),
             ],
             rep,
         )

@@ -404,8 +404,8 @@ def sweep_configs(name: str) -> list[Any]:
                 (128, 64, 2, 4, 2, True), (256, 64, 1, 8, 2, True), (256, 64, 1, 8, 3, True),
                 (128, 128, 1, 4, 2, True)]  # fmt: skip
     else:
-        grid = [(32, 64, 8, 4, 4), (32, 64, 16, 4, 4), (32, 64, 32, 4, 4), (32, 64, 4, 4, 4),
-                (32, 64, 16, 4, 3), (32, 128, 8, 4, 3)]  # fmt: skip
+        grid = [(32, 64, 8, 4, 4), (32, 64, 16, 4, 4), (32, 64, 8, 4, 4, True), (32, 64, 16, 4, 4, True),
+                (32, 64, 8, 4, 3, True), (32, 64, 32, 4, 4, True), (32, 128, 8, 4, 3, True)]  # fmt: skip
     return [C(*entry[:5], doc_major=len(entry) > 5 and entry[5]) for entry in grid]
 
 

@@ -318,8 +318,12 @@ def _maxsim_candidates_kernel(
     CANDS_PER_PROG: tl.constexpr,
     PRECISION: tl.constexpr,
     RETURN_ARGMAX: tl.constexpr,
+    DOC_MAJOR: tl.constexpr,
 ):
-    """One program: query `qi` (rows of chunk `chunk`) x its candidates [c_first, c_last)."""
+    """One program: query `qi` (rows of chunk `chunk`) x its candidates [c_first, c_last).
+
+    DOC_MAJOR as in `_maxsim_varlen_kernel` (scores only).
+    """
     pid = tl.program_id(0).to(tl.int64)
     blk = pid // num_chunks
     chunk = pid % num_chunks
@@ -331,6 +335,8 @@ def _maxsim_candidates_kernel(
         q_ptr, q_off_ptr, num_queries, qi, chunk, stride_q, 0, dim, 1, ROWS, BLOCK_K, EVEN_K
     )
     q_row = chunk * ROWS + tl.arange(0, ROWS)  # token index within the query (argmax column)
+    if DOC_MAJOR:
+        q = tl.trans(q)  # once, outside the loop (see _maxsim_varlen_kernel)
 
     cc = c_first + tl.arange(0, CANDS_PER_PROG)
     c_in = cc < c_last
@@ -345,14 +351,18 @@ def _maxsim_candidates_kernel(
     tok = doc_start
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     a = tl.full((ROWS,), -1, tl.int32)
+    if DOC_MAJOR:
+        m_tile = tl.full((BLOCK_T, ROWS), float("-inf"), tl.float32)
     for _ in range(total):
         rows = tok + tl.arange(0, BLOCK_T)
         s = _tile_similarities(
             q, q_ptr, q_off_ptr, num_queries, qi, chunk, stride_q,
             d_ptr, rows, rows < doc_end, stride_d, dim,
-            1, ROWS, BLOCK_T, BLOCK_K, NUM_K, EVEN_K, PRECISION, False,
+            1, ROWS, BLOCK_T, BLOCK_K, NUM_K, EVEN_K, PRECISION, DOC_MAJOR,
         )  # fmt: skip
-        if RETURN_ARGMAX:
+        if DOC_MAJOR:
+            m_tile = tl.maximum(m_tile, s)
+        elif RETURN_ARGMAX:
             t_max, t_arg = tl.max(s, axis=1, return_indices=True, return_indices_tie_break_left=True)
             better = t_max > m
             a = tl.where(better, (tok - doc_start + t_arg).to(tl.int32), a)
@@ -361,6 +371,8 @@ def _maxsim_candidates_kernel(
             m = tl.maximum(m, tl.max(s, axis=1))
         last = tok + BLOCK_T >= doc_end
         if last:
+            if DOC_MAJOR:
+                m = tl.max(m_tile, axis=0)
             part = tl.sum(tl.where(q_ok, m, 0.0), axis=0)
             tl.store(out_ptr + chunk * num_cands + c, part)
             if RETURN_ARGMAX:
@@ -372,7 +384,10 @@ def _maxsim_candidates_kernel(
         doc_start = tl.where(last, next_start, doc_start)
         doc_end = tl.where(last, next_end, doc_end)
         c = c + last.to(tl.int64)
-        m = tl.where(last, float("-inf"), m)
+        if DOC_MAJOR:
+            m_tile = tl.where(last, float("-inf"), m_tile)
+        else:
+            m = tl.where(last, float("-inf"), m)
         if RETURN_ARGMAX:
             a = tl.where(last, -1, a)
 
@@ -391,7 +406,7 @@ class KernelConfig:
     docs_per_prog: int  # documents (all-pairs) or candidates (per-query) per program
     num_warps: int
     num_stages: int
-    doc_major: bool = False  # all-pairs scores: S^T = D . Q^T tiles (see _maxsim_varlen_kernel)
+    doc_major: bool = False  # scores only: S^T = D . Q^T tiles (see _maxsim_varlen_kernel)
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_t", "docs_per_prog"):
@@ -631,7 +646,8 @@ def maxsim_candidates_forward_triton(
         queries.stride(0), docs.stride(0), layout.max_query_len,
         ROWS=rows, BLOCK_T=cfg.block_t, BLOCK_K=block_k, NUM_K=num_k, EVEN_K=even_k,
         CANDS_PER_PROG=cfg.docs_per_prog, PRECISION=_precision(docs.dtype, allow_tf32),
-        RETURN_ARGMAX=return_argmax, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        RETURN_ARGMAX=return_argmax, DOC_MAJOR=cfg.doc_major and not return_argmax,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     out = scores[0] if num_chunks == 1 else scores.sum(0)
     return (out, argmax) if return_argmax else out

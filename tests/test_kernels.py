@@ -364,7 +364,11 @@ def test_triton_small_tiles_straddle_many_boundaries(block_t, per_prog):
 def test_triton_doc_major_tiles_match_reference(block_q, block_t, dim):
     """The S^T = D . Q^T variant: running max per element across a document's tiles, reduced at its end;
     ragged, empty and one-token documents, tiles straddling boundaries, dims over one K chunk."""
-    from maxsim_kernels.maxsim_forward import KernelConfig, maxsim_varlen_forward_triton
+    from maxsim_kernels.maxsim_forward import (
+        KernelConfig,
+        maxsim_candidates_forward_triton,
+        maxsim_varlen_forward_triton,
+    )
 
     gen = torch.Generator().manual_seed(12)
     queries, q_off = packed([3, 17, 1, 9], dim, gen=gen)
@@ -378,6 +382,11 @@ def test_triton_doc_major_tiles_match_reference(block_q, block_t, dim):
     # argmax requests take the query-major tiles, whatever the config says
     scores, arg = maxsim_varlen_forward_triton(queries, q_off, docs, d_off, return_argmax=True, config=cfg)
     assert torch.equal(arg, maxsim_reference(queries, q_off, docs, d_off, return_argmax=True)[1])
+    c_off, cand = torch.tensor([0, 4, 4, 8, 9]), torch.tensor([7, 6, 5, 3, 0, 1, 2, 6, 5])
+    cfg = KernelConfig(32, block_t, docs_per_prog=2, num_warps=4, num_stages=2, doc_major=True)
+    scores = maxsim_candidates_forward_triton(queries, q_off, docs, d_off, c_off, cand, config=cfg)
+    ref = maxsim_candidates_reference(queries, q_off, docs, d_off, c_off, cand)
+    check_scores(scores, ref, torch.tensor([3] * 4 + [1] * 4 + [9]), dim)
 
 
 @needs_interpreter
