@@ -433,20 +433,28 @@ class KernelConfig:
 #   256 x 64 with 64 documents 100.0 ms, 256 x 128 115.9 ms (tile padding), 128 x 64 with 8 warps 103.3 ms;
 # - some: the best 128-row entry of the same sweep, 128 x 64, 4 warps, 64 documents (99.0 ms);
 # - few: 32 x 64, 4 warps, 4 stages, 64 documents: 1.017 ms for 1 query x 100K documents against 1.034 ms
-#   with 16 (3 stages: 1.107 ms; 128-token tiles: 1.040 ms);
+#   with 16 (3 stages: 1.107 ms; 128-token tiles: 1.040 ms); document-major tiles (v4): 0.933 ms against
+#   1.038 ms query-major in the same run (16 documents 0.942, 3 stages 0.936): the running max per element
+#   needs no shuffles per tile, and the 64 document tokens fill the wgmma m64 side that 32 query rows
+#   left half empty;
 # - long: one document a program and 2 stages: 0.638 ms for the ColPali workload against 0.740 ms with
 #   two documents and 3 stages (3 / 4 stages with one document 0.668 / 0.666 ms; 8 warps 0.757 ms;
 #   256 rows 0.750 ms);
 # - cands: 8 candidates a program: 0.742 ms (16: 0.741, 32: 0.778, 4: 0.799; 3 stages 0.768; 128-token
-#   tiles 0.854 ms);
+#   tiles 0.854 ms); document-major tiles (v4): 0.688 ms against 0.755 ms in the same run (16 candidates
+#   0.701, 3 stages 0.695, 128-token tiles 0.896);
+# - document-major tiles for many / some / long lose: exhaustive 113-123 ms against 93.7 ms (the m64
+#   document side pads 20-300-token documents to 64-token tiles, and 256 query columns need 185-255
+#   registers, one program an SM); ColPali 0.709 against 0.663 ms
+#   (benchmarks/results/kernels-sweep-h200.json);
 # - sm_90 builds of every entry below (triton's ptxas, no GPU needed): no spills; the loads are
-#   cp.async-pipelined, the dots wgmma for >= 64 rows.
+#   cp.async-pipelined, the dots wgmma for >= 64 rows (and for document-major tiles).
 _TUNING: dict[str, KernelConfig] = {
     "many": KernelConfig(block_q=256, block_t=32, docs_per_prog=64, num_warps=8, num_stages=3),
     "some": KernelConfig(block_q=128, block_t=64, docs_per_prog=64, num_warps=4, num_stages=3),
-    "few": KernelConfig(block_q=32, block_t=64, docs_per_prog=64, num_warps=4, num_stages=4),
+    "few": KernelConfig(block_q=32, block_t=64, docs_per_prog=64, num_warps=4, num_stages=4, doc_major=True),
     "long": KernelConfig(block_q=128, block_t=64, docs_per_prog=1, num_warps=4, num_stages=2),
-    "cands": KernelConfig(block_q=32, block_t=64, docs_per_prog=8, num_warps=4, num_stages=4),
+    "cands": KernelConfig(block_q=32, block_t=64, docs_per_prog=8, num_warps=4, num_stages=4, doc_major=True),
 }
 _MIN_ROWS = 16  # tl.dot needs M, N, K >= 16
 

@@ -498,7 +498,7 @@ for cls, cfg in fwd._TUNING.items():
     consts = dict(ROWS=rows, BLOCK_T=cfg.block_t, BLOCK_K=128, NUM_K=1, EVEN_K=True, PRECISION="tf32",
                   RETURN_ARGMAX=False)
     if cls == "cands":
-        consts["CANDS_PER_PROG"] = cfg.docs_per_prog
+        consts.update(CANDS_PER_PROG=cfg.docs_per_prog, DOC_MAJOR=cfg.doc_major)
     else:
         consts.update(QPB=cfg.block_q // rows, DOCS_PER_PROG=cfg.docs_per_prog, DOC_MAJOR=cfg.doc_major)
     names = kernel.arg_names
@@ -519,7 +519,7 @@ for cls, cfg in fwd._TUNING.items():
             usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
                                    text=True).stdout
     report[cls] = {"pipelined": "async_copy_global_to_local" in ttgir, "wgmma": "warp_group_dot" in ttgir,
-                   "usage": usage, "wide": cfg.block_q >= 64}
+                   "usage": usage, "wide": cfg.block_q >= 64 or cfg.doc_major}
 print(json.dumps(report))
 """
 
