@@ -92,6 +92,19 @@ def _load_query_tile(
 
 
 @triton.jit
+def _query_sums(row_max, QPB: tl.constexpr, ROWS: tl.constexpr):
+    """[QPB * ROWS] row maxima -> [QPB] sums, added in a fixed pairwise tree (rows 2i and 2i + 1, then the
+    pairs of pairs, ...). tl.sum's order follows the register layout, which differs between tile shapes
+    and orientations; this order does not, so a score's bits do not depend on the shape class its batch
+    falls in (or on whether the argmax was asked for)."""
+    x = tl.reshape(row_max, (QPB, ROWS))
+    for _ in tl.static_range(ROWS.bit_length() - 1):  # ROWS is a power of two
+        left, right = tl.split(tl.reshape(x, (QPB, x.shape[1] // 2, 2)))
+        x = left + right
+    return tl.reshape(x, (QPB,))
+
+
+@triton.jit
 def _tile_similarities(
     q_resident,
     q_ptr,
@@ -257,7 +270,7 @@ def _maxsim_varlen_kernel(
         if last:
             if DOC_MAJOR:
                 m = tl.max(m_tile, axis=0)
-            part = tl.sum(tl.reshape(tl.where(q_ok, m, 0.0), (QPB, ROWS)), axis=1)
+            part = _query_sums(tl.where(q_ok, m, 0.0), QPB, ROWS)
             o = (chunk * num_queries + qi) * num_docs + doc
             tl.store(out_ptr + o, part, mask=qi < num_queries)
             if RETURN_ARGMAX:
@@ -373,7 +386,7 @@ def _maxsim_candidates_kernel(
         if last:
             if DOC_MAJOR:
                 m = tl.max(m_tile, axis=0)
-            part = tl.sum(tl.where(q_ok, m, 0.0), axis=0)
+            part = tl.sum(_query_sums(tl.where(q_ok, m, 0.0), 1, ROWS), axis=0)  # one query: [1] -> scalar
             tl.store(out_ptr + chunk * num_cands + c, part)
             if RETURN_ARGMAX:
                 tl.store(arg_ptr + c * stride_arg + q_row, a, mask=q_ok)
