@@ -439,7 +439,10 @@ class KernelConfig:
 # Evidence (docs/kernel-notes.md has the numbers and the reasoning; the sweeps are
 # benchmarks/results/kernels-sweep-h200.json and the "sweep" rows of kernels-tune-h200.json, from
 # `python benchmarks/bench_kernels.py --sweep` and `--tune` on the H200):
-# - many: 256 rows x 32-token tiles, 8 warps, 3 stages, 64 documents a program: 96.0 ms on the exhaustive
+# - many (v4): the same tile on 4 warps (one warp group, 186 registers, two programs an SM) and 2 stages:
+#   90.4 ms against 95.7 ms for the v3 entry below in the same run (4 warps, 3 stages 90.6; 512 rows 103.9;
+#   16-token tiles 132.7-146.8; benchmarks/results/kernels-sweep-v4c-h200.json);
+# - many (v3): 256 rows x 32-token tiles, 8 warps, 3 stages, 64 documents a program: 96.0 ms on the exhaustive
 #   workload, against 119.1 ms for the previous entry (128 x 64, 4 warps, 16 documents) in the same run;
 #   64 documents a program is most of the gain (128 x 64 with 16 / 64 / 128 / 256 documents: 119.1 / 99.0
 #   / 100.8 / 101.3 ms: fewer, longer programs spend less on the query-tile load and pipeline fill);
@@ -463,7 +466,7 @@ class KernelConfig:
 # - sm_90 builds of every entry below (triton's ptxas, no GPU needed): no spills; the loads are
 #   cp.async-pipelined, the dots wgmma for >= 64 rows (and for document-major tiles).
 _TUNING: dict[str, KernelConfig] = {
-    "many": KernelConfig(block_q=256, block_t=32, docs_per_prog=64, num_warps=8, num_stages=3),
+    "many": KernelConfig(block_q=256, block_t=32, docs_per_prog=64, num_warps=4, num_stages=2),
     "some": KernelConfig(block_q=128, block_t=64, docs_per_prog=64, num_warps=4, num_stages=3),
     "few": KernelConfig(block_q=32, block_t=64, docs_per_prog=64, num_warps=4, num_stages=4, doc_major=True),
     "long": KernelConfig(block_q=128, block_t=64, docs_per_prog=1, num_warps=4, num_stages=2),
