@@ -23,7 +23,12 @@ documents past it:
 - per tile: S = Q_tile . D_tile^T ([BLOCK_Q, BLOCK_T], `tl.dot`, dim walked in BLOCK_K chunks),
   out-of-document columns set to -inf (never 0: similarities may all be negative), and a running max
   (and argmax) per query row kept in registers. At the document's last tile the maxima of each query's
-  rows are summed and only the scores (and argmax rows) are written.
+  rows are summed (in a fixed pairwise order, so the bits do not depend on the tile shape) and only the
+  scores (and argmax rows) are written;
+- document-major tiles (the one-query and candidates classes, scores only): S^T = D_tile . Q_tile^T
+  ([BLOCK_T, BLOCK_Q]) puts the document tokens on the tensor-core instruction's 64-row side, which a
+  32-token query would leave half empty, and the running max is kept per element and reduced over the
+  document's tokens once, at its last tile.
 
 In the all-pairs launch, the programs that share a document run are adjacent in launch order, so a
 document tile is read from HBM once and then from L2 by every query block.

@@ -38,9 +38,9 @@ HBM bytes ~= Td * (dim + 4) once (int8 tokens + fp32 scale), half the fp16 bytes
 Past the MMA, each (query token, document token) pair costs the same CUDA-core work as in fp16 (the
 conversion, one FMA, the max) and every tile the same loop, load and reduction overhead, so halving the
 MMA time does not halve the tile time. Measured on one H200 (benchmarks/results/int8-h200.json): all pairs
-409 int8 TOPS against the fp16 kernel's 292 TFLOP/s (1.40x); read through a two-point model (fp16 time =
-x + y, int8 time = x + y/2), about 49 of int8's 82 ms are that per-tile work x. HBM-bound shapes reach
-2.0-2.5 TB/s: a tile holds half the bytes of an fp16 tile for the same per-tile overhead.
+469 int8 TOPS against the fp16 kernel's 351 TFLOP/s in the same run (1.34x); read through a two-point model
+(fp16 time = x + y, int8 time = x + y/2), about 47 of int8's 72 ms are that per-tile work x. HBM-bound
+shapes reach 2.5-2.6 TB/s: a tile holds half the bytes of an fp16 tile for the same per-tile overhead.
 
 int32 -> fp32 without the slow conversion instruction (`I2F` issues at 1/8 of the FMA rate on sm_90):
 the MMA accumulator starts at the bit pattern of 1.5 * 2^23 (0x4B400000) instead of 0, so its bits,
@@ -67,8 +67,8 @@ _MAGIC_BITS = 0x4B400000  # bits of 1.5 * 2^23
 _MAGIC_FLOAT = 12582912.0  # 1.5 * 2^23
 
 # Tuning constants: `benchmarks/bench_int8.py gpu` tile sweep on one H200 (triton 3.6, dim 128, fp16 inputs
-# quantized, do_bench medians; benchmarks/results/int8-h200.json, 2026-11-30). (BLOCK_D, docs per program,
-# warps, stages) -> time:
+# quantized, do_bench medians; benchmarks/results/int8-sweep-v4-h200.json, whose first sweep repeats the
+# first of these runs, and int8-h200.json, 2026-11-30). (BLOCK_D, docs per program, warps, stages) -> time:
 #   all pairs, 512 q x 32 tok x 50K docs: (64,16,4,2) 82.1 ms | (32,16,4,3) 88.5 | BLOCK_Q 256 (64,16,8,3)
 #     95.7 | (64,16,8,3) 149.6 | (128,16,8,3) 161.9: 4 warps, 2 stages; 8 warps spill and lose 2x.
 #   one query x 100K docs: (64,16,4,4) 0.811 ms | (128,8,4,3) 0.873 | (64,8,4,2) 1.030: deep pipelining
