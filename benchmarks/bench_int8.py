@@ -220,7 +220,6 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
                 dict(block_q=256, block_d=32, docs_per_prog=64, num_warps=8, num_stages=2),
                 dict(block_q=256, block_d=64, docs_per_prog=64, num_warps=8, num_stages=3),
                 dict(block_q=128, block_d=64, docs_per_prog=64, num_warps=4, num_stages=2),
-                dict(block_q=128, block_d=64, docs_per_prog=64, num_warps=4, num_stages=3, doc_major=True),
             ],
             rep,
         )
@@ -230,13 +229,8 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
         best, rows = sweep(
             "one_query",
             varlen_launcher(one_q, one_off, docs8, doc_off, scales),
-            [  # first: the constants in force; doc_major: document-major tiles, elementwise running max
+            [  # first: the constants in force
                 dict(block_d=64, docs_per_prog=16, num_warps=4, num_stages=4),
-                dict(block_d=64, docs_per_prog=16, num_warps=4, num_stages=4, doc_major=True),
-                dict(block_d=64, docs_per_prog=32, num_warps=4, num_stages=4, doc_major=True),
-                dict(block_d=64, docs_per_prog=64, num_warps=4, num_stages=4, doc_major=True),
-                dict(block_d=64, docs_per_prog=64, num_warps=4, num_stages=3, doc_major=True),
-                dict(block_d=128, docs_per_prog=16, num_warps=4, num_stages=3, doc_major=True),
             ],
             rep,
         )
@@ -252,10 +246,6 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
             [
                 dict(block_d=64, cands_per_prog=8, num_warps=4, num_stages=4),
                 dict(block_d=64, cands_per_prog=16, num_warps=4, num_stages=4),
-                dict(block_d=64, cands_per_prog=8, num_warps=4, num_stages=4, doc_major=True),
-                dict(block_d=64, cands_per_prog=16, num_warps=4, num_stages=4, doc_major=True),
-                dict(block_d=64, cands_per_prog=16, num_warps=4, num_stages=3, doc_major=True),
-                dict(block_d=128, cands_per_prog=8, num_warps=4, num_stages=3, doc_major=True),
             ],
             rep,
         )

@@ -41,6 +41,10 @@ MMA time does not halve the tile time. Measured on one H200 (benchmarks/results/
 469 int8 TOPS against the fp16 kernel's 351 TFLOP/s in the same run (1.34x); read through a two-point model
 (fp16 time = x + y, int8 time = x + y/2), about 47 of int8's 72 ms are that per-tile work x. HBM-bound
 shapes reach 2.5-2.6 TB/s: a tile holds half the bytes of an fp16 tile for the same per-tile overhead.
+Document-major tiles (S^T = D . Q^T with an elementwise running max, which the fp16 kernel uses for one
+query and for candidates) were built and swept for both int8 kernels and lost on every shape (one query
+0.96-0.97 ms against 0.81, candidates 0.68 against 0.59, all pairs 109.6 against 71.6 ms;
+benchmarks/results/int8-h200.json), so the int8 kernels keep query-major tiles.
 
 int32 -> fp32 without the slow conversion instruction (`I2F` issues at 1/8 of the FMA rate on sm_90):
 the MMA accumulator starts at the bit pattern of 1.5 * 2^23 (0x4B400000) instead of 0, so its bits,
@@ -90,11 +94,6 @@ _CAND_BLOCK_D = 64
 _CAND_PER_PROG = 8  # candidates per program
 _CAND_WARPS = 4
 _CAND_STAGES = 4
-# Document-major tiles (as the fp16 kernel's "few" and "cands" classes use) lose in int8, same sweep: one
-# query 0.96-0.97 ms against 0.81, candidates 0.68 against 0.59, all pairs 109.6 against 71.6 ms.
-_VARLEN_DOC_MAJOR = False
-_FEW_QUERIES_DOC_MAJOR = False
-_CAND_DOC_MAJOR = False
 _MAX_QUERIES_PER_GROUP = 32  # queries per all-pairs program at most (short queries)
 _QUANT_BLOCK_R = 16  # tokens per program of the quantize kernel
 
@@ -152,12 +151,8 @@ def _scaled_tile(
     BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr,
     MAGIC: tl.constexpr,
-    DOC_MAJOR: tl.constexpr = False,
 ):
-    """fp32(s_d[j] * (q8 . d8[j])) for the BLOCK_D document tokens tok.., -inf from doc_end on.
-
-    [BLOCK_Q, BLOCK_D]; DOC_MAJOR: q is the transposed tile [BLOCK_K, BLOCK_Q], the result [BLOCK_D, BLOCK_Q].
-    """
+    """fp32(s_d[j] * (q8 . d8[j])) for the BLOCK_D document tokens tok.., -inf from doc_end on."""
     cols = tok + tl.arange(0, BLOCK_D)
     col_ok = cols < doc_end
     k = tl.arange(0, BLOCK_K)
@@ -167,23 +162,12 @@ def _scaled_tile(
     s = tl.load(d_scale_ptr + cols, mask=col_ok, other=1.0)
     # 0 inside the document, -inf past its end: applied in the same FMA as the scale.
     bias = tl.where(col_ok, 0.0, float("-inf"))
-    if DOC_MAJOR:
-        if MAGIC:
-            acc = tl.dot(d, q, tl.full([BLOCK_D, BLOCK_Q], 0x4B400000, tl.int32), out_dtype=tl.int32)
-            exact = acc.to(tl.float32, bitcast=True) - 12582912.0
-        else:
-            exact = tl.dot(d, q, out_dtype=tl.int32).to(tl.float32)
-        val = exact * s[:, None] + bias[:, None]
+    if MAGIC:
+        acc = tl.dot(q, tl.trans(d), tl.full([BLOCK_Q, BLOCK_D], 0x4B400000, tl.int32), out_dtype=tl.int32)
+        exact = acc.to(tl.float32, bitcast=True) - 12582912.0
     else:
-        if MAGIC:
-            acc = tl.dot(
-                q, tl.trans(d), tl.full([BLOCK_Q, BLOCK_D], 0x4B400000, tl.int32), out_dtype=tl.int32
-            )
-            exact = acc.to(tl.float32, bitcast=True) - 12582912.0
-        else:
-            exact = tl.dot(q, tl.trans(d), out_dtype=tl.int32).to(tl.float32)
-        val = exact * s[None, :] + bias[None, :]
-    return val
+        exact = tl.dot(q, tl.trans(d), out_dtype=tl.int32).to(tl.float32)
+    return exact * s[None, :] + bias[None, :]
 
 
 @triton.jit
@@ -268,13 +252,10 @@ def _maxsim_int8_varlen_kernel(
     MAGIC: tl.constexpr,
     RETURN_ARGMAX: tl.constexpr,
     ONE_QUERY: tl.constexpr,
-    DOC_MAJOR: tl.constexpr,
 ):
     """Scores of QUERIES_PER_GROUP consecutive queries against DOCS_PER_PROG consecutive documents.
 
     MAX_Q = max(2, QUERIES_PER_GROUP) is the length of the per-query vectors (a power of two).
-    DOC_MAJOR (scores only): tiles are [BLOCK_D, BLOCK_Q] (documents on the tensor-core instruction's m
-    side) and the running max is kept per element, reduced over the document once, at its last tile.
     """
     if ONE_QUERY:
         # One query is its own bucket with the sizes folded to constants: 1 query x 100K documents took
@@ -303,9 +284,6 @@ def _maxsim_int8_varlen_kernel(
         )
         local = tl.sum((rows[:, None] >= q_ends[None, :]).to(tl.int32), axis=1)
         member = (local[:, None] == kq[None, :]) & row_ok[:, None]
-        if DOC_MAJOR:
-            q = tl.trans(q)  # once, here: in the loop Triton would copy it to shared memory every tile
-            m_tile = tl.full([BLOCK_D, BLOCK_Q], float("-inf"), tl.float32)
         dd = doc_first + tl.arange(0, DOCS_PER_PROG)
         d_in = dd < n_docs
         lens = tl.load(d_off_ptr + dd + 1, mask=d_in, other=0) - tl.load(d_off_ptr + dd, mask=d_in, other=0)
@@ -318,22 +296,9 @@ def _maxsim_int8_varlen_kernel(
         row_arg = tl.full([BLOCK_Q], -1, tl.int32)
         for _ in range(n_tiles):
             val = _scaled_tile(
-                q,
-                d_ptr,
-                d_scale_ptr,
-                tok,
-                doc_end,
-                dim,
-                stride_d,
-                BLOCK_Q,
-                BLOCK_D,
-                BLOCK_K,
-                MAGIC,
-                DOC_MAJOR,
+                q, d_ptr, d_scale_ptr, tok, doc_end, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, MAGIC
             )
-            if DOC_MAJOR:
-                m_tile = tl.maximum(m_tile, val)
-            elif RETURN_ARGMAX:
+            if RETURN_ARGMAX:
                 tile_max, tile_arg = tl.max(
                     val, axis=1, return_indices=True, return_indices_tie_break_left=True
                 )
@@ -344,8 +309,6 @@ def _maxsim_int8_varlen_kernel(
                 row_max = tl.maximum(row_max, tl.max(val, axis=1))
             last = tok + BLOCK_D >= doc_end
             if last:
-                if DOC_MAJOR:
-                    row_max = tl.max(m_tile, axis=0)
                 contrib = tl.where(row_ok, sq * row_max, 0.0)
                 tl.store(out_rows + doc, tl.sum(tl.where(member, contrib[:, None], 0.0), axis=0), mask=q_ok)
                 if RETURN_ARGMAX:
@@ -356,10 +319,7 @@ def _maxsim_int8_varlen_kernel(
             doc_start = tl.where(last, doc_end, doc_start)
             doc_end = tl.where(last, next_end, doc_end)
             doc = doc + last.to(tl.int64)
-            if DOC_MAJOR:
-                m_tile = tl.where(last, float("-inf"), m_tile)
-            else:
-                row_max = tl.where(last, float("-inf"), row_max)
+            row_max = tl.where(last, float("-inf"), row_max)
             if RETURN_ARGMAX:
                 row_arg = tl.where(last, -1, row_arg)
     else:
@@ -438,12 +398,8 @@ def _maxsim_int8_candidates_kernel(
     BLOCK_K: tl.constexpr,
     MAGIC: tl.constexpr,
     RETURN_ARGMAX: tl.constexpr,
-    DOC_MAJOR: tl.constexpr,
 ):
-    """Scores of CANDS_PER_PROG consecutive (query, candidate) pairs of the flat candidate list.
-
-    DOC_MAJOR as in `_maxsim_int8_varlen_kernel` (scores only).
-    """
+    """Scores of CANDS_PER_PROG consecutive (query, candidate) pairs of the flat candidate list."""
     c_first = tl.program_id(0).to(tl.int64) * CANDS_PER_PROG
     c_last = tl.minimum(c_first + CANDS_PER_PROG, n_cand)
     query = _owner(cand_off_ptr, c_first, n_queries)
@@ -462,9 +418,6 @@ def _maxsim_int8_candidates_kernel(
             d_off_ptr + cdocs, mask=c_in, other=0
         )
         n_tiles = tl.sum(tl.where(c_in, tl.maximum(tl.cdiv(lens, BLOCK_D), 1), 0))
-        if DOC_MAJOR:
-            q = tl.trans(q)
-            m_tile = tl.full([BLOCK_D, BLOCK_Q], float("-inf"), tl.float32)
         c = c_first
         doc = tl.load(cand_docs_ptr + c)
         doc_start = tl.load(d_off_ptr + doc)
@@ -474,22 +427,9 @@ def _maxsim_int8_candidates_kernel(
         row_arg = tl.full([BLOCK_Q], -1, tl.int32)
         for _ in range(n_tiles):
             val = _scaled_tile(
-                q,
-                d_ptr,
-                d_scale_ptr,
-                tok,
-                doc_end,
-                dim,
-                stride_d,
-                BLOCK_Q,
-                BLOCK_D,
-                BLOCK_K,
-                MAGIC,
-                DOC_MAJOR,
+                q, d_ptr, d_scale_ptr, tok, doc_end, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, MAGIC
             )
-            if DOC_MAJOR:
-                m_tile = tl.maximum(m_tile, val)
-            elif RETURN_ARGMAX:
+            if RETURN_ARGMAX:
                 tile_max, tile_arg = tl.max(
                     val, axis=1, return_indices=True, return_indices_tie_break_left=True
                 )
@@ -500,8 +440,6 @@ def _maxsim_int8_candidates_kernel(
                 row_max = tl.maximum(row_max, tl.max(val, axis=1))
             last = tok + BLOCK_D >= doc_end
             if last:
-                if DOC_MAJOR:
-                    row_max = tl.max(m_tile, axis=0)
                 tl.store(out_ptr + c, tl.sum(tl.where(row_ok, sq * row_max, 0.0), axis=0))
                 if RETURN_ARGMAX:
                     tl.store(arg_ptr + c * stride_arg + (rows - row_first), row_arg, mask=row_ok)
@@ -512,10 +450,7 @@ def _maxsim_int8_candidates_kernel(
             doc_start = tl.where(last, next_start, doc_start)
             doc_end = tl.where(last, next_end, doc_end)
             c = c + last.to(tl.int64)
-            if DOC_MAJOR:
-                m_tile = tl.where(last, float("-inf"), m_tile)
-            else:
-                row_max = tl.where(last, float("-inf"), row_max)
+            row_max = tl.where(last, float("-inf"), row_max)
             if RETURN_ARGMAX:
                 row_arg = tl.where(last, -1, row_arg)
     else:
@@ -720,7 +655,6 @@ def _launch_varlen(
     docs_per_prog: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    doc_major: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """All-pairs Triton launch (no host synchronisation); keyword overrides are for the tile sweep."""
     nq, nd = query_offsets.numel() - 1, doc_offsets.numel() - 1
@@ -741,8 +675,6 @@ def _launch_varlen(
         block_d = _FEW_QUERIES_BLOCK_D if few else _VARLEN_BLOCK_D
         block_d = min(block_d, 32) if block_k > 256 else block_d
     docs_per_prog = docs_per_prog or (_FEW_QUERIES_DOCS_PER_PROG if few else _VARLEN_DOCS_PER_PROG)
-    if doc_major is None:
-        doc_major = _FEW_QUERIES_DOC_MAJOR if few else _VARLEN_DOC_MAJOR
     grid = (n_groups * triton.cdiv(nd, docs_per_prog),)
     launch_fitting_shared_memory(
         _maxsim_int8_varlen_kernel, grid,
@@ -752,7 +684,6 @@ def _launch_varlen(
         DOCS_PER_PROG=docs_per_prog, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_K=block_k,
         QUERIES_PER_GROUP=per_group, MAX_Q=max(2, per_group),
         MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=return_argmax, ONE_QUERY=nq == 1,
-        DOC_MAJOR=doc_major and not return_argmax,
         num_warps=num_warps or (_FEW_QUERIES_WARPS if few else _VARLEN_WARPS),
         num_stages=num_stages or (_FEW_QUERIES_STAGES if few else _VARLEN_STAGES),
     )  # fmt: skip
@@ -774,7 +705,6 @@ def _launch_candidates(
     cands_per_prog: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    doc_major: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-query-candidates Triton launch; synchronises only to size the argmax output."""
     nq = query_offsets.numel() - 1
@@ -802,7 +732,6 @@ def _launch_candidates(
         q8.stride(0), d8.stride(0), 0 if arg is None else arg.stride(0),
         CANDS_PER_PROG=cands_per_prog, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_K=block_k,
         MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=return_argmax,
-        DOC_MAJOR=(_CAND_DOC_MAJOR if doc_major is None else doc_major) and not return_argmax,
         num_warps=num_warps or _CAND_WARPS, num_stages=num_stages or _CAND_STAGES,
     )  # fmt: skip
     return out, arg

@@ -135,31 +135,6 @@ def test_varlen_exact(backend: str, q_lengths: list[int], d_lengths: list[int], 
     assert torch.equal(maxsim_varlen_int8(queries, qo, d8, do, doc_scales=sd, backend=backend), scores)
 
 
-@_NEEDS_TRITON
-@pytest.mark.parametrize("q_lengths,d_lengths,dim", SHAPES)
-def test_doc_major_tiles_give_the_same_bits(q_lengths: list[int], d_lengths: list[int], dim: int) -> None:
-    """Document-major tiles (elementwise running max, reduced at the document's end) take the same maxima
-    and sum them in the same order: bitwise the same scores, all pairs and candidates."""
-    from maxsim_kernels.maxsim_int8 import _launch_candidates, _launch_varlen
-
-    gen = torch.Generator().manual_seed(dim)
-    queries, qo = packed(q_lengths, dim, gen)
-    docs, do = packed(d_lengths, dim, gen)
-    docs[: min(3, len(docs))] *= -1
-    d8, sd = quantize_per_token(docs, backend="torch")
-    q8, sq = quantize_per_token(queries, backend="torch")
-    for block_d in (16, 32):
-        args = (q8, sq, qo, d8, sd, do)
-        plain, _ = _launch_varlen(*args, False, block_d=block_d, doc_major=False)
-        major, _ = _launch_varlen(*args, False, block_d=block_d, doc_major=True)
-        assert torch.equal(plain, major)
-        cand_off = torch.arange(len(q_lengths) + 1) * len(d_lengths)
-        cand_docs = torch.arange(len(d_lengths)).repeat(len(q_lengths))
-        plain, _ = _launch_candidates(*args, cand_off, cand_docs, False, block_d=block_d, doc_major=False)
-        major, _ = _launch_candidates(*args, cand_off, cand_docs, False, block_d=block_d, doc_major=True)
-        assert torch.equal(plain, major)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("q_lengths,d_lengths,dim", SHAPES[:4] + SHAPES[5:])
 def test_candidates_exact(backend: str, q_lengths: list[int], d_lengths: list[int], dim: int) -> None:
