@@ -25,7 +25,8 @@ step() {  # step NAME SECONDS CMD...
   tar -czf "$out/h200-results.tar.gz" -C "$logs" .  # after every step: a later time-out keeps these
 }
 
-# STEPS picks a subset (sweep: the tile sweep of bench_kernels.py, not in the default set); WORKLOADS narrows the kernel benchmark. All steps at their default limits take
+# STEPS picks a subset (sweep: the tile sweep of bench_kernels.py, and score: `maxsim score` end to end on
+# a 10 GB corpus, are not in the default set); WORKLOADS narrows the kernel benchmark. All steps at their default limits take
 # longer than one 10-minute call: run STEPS="gpu-tests verify", STEPS="kernels train" and
 # STEPS="int8 ab" as three calls.
 steps=" ${STEPS:-gpu-tests kernels train verify int8 ab} "
@@ -41,5 +42,7 @@ want verify && step verify ${VERIFY_S:-80} python3 benchmarks/verify_reports.py 
 want int8 && step int8 ${INT8_S:-200} python3 benchmarks/bench_int8.py gpu --rep-ms 200 \
   --out "$logs/int8-h200.json" --workdir /tmp
 want ab && step ab ${AB_S:-60} python3 benchmarks/ab_specialization.py
+want score && step score ${SCORE_S:-200} python3 benchmarks/bench_score.py gpu --workdir /var/tmp/mb \
+  --out "$logs/score-h200.json"
 
 cat "$logs/gpu.txt" "$logs/steps.txt"
