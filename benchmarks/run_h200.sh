@@ -25,10 +25,10 @@ step() {  # step NAME SECONDS CMD...
   tar -czf "$out/h200-results.tar.gz" -C "$logs" .  # after every step: a later time-out keeps these
 }
 
-# STEPS picks a subset (sweep: the tile sweep of bench_kernels.py, and score: `maxsim score` end to end on
-# a 10 GB corpus, are not in the default set); WORKLOADS narrows the kernel benchmark. All steps at their default limits take
-# longer than one 10-minute call: run STEPS="gpu-tests verify", STEPS="kernels train" and
-# STEPS="int8 ab" as three calls.
+# STEPS picks a subset (not in the default set: sweep, the tile sweep of bench_kernels.py, and score,
+# `maxsim score` end to end on a 10 GB corpus); WORKLOADS narrows the kernel benchmark. All steps at their
+# default limits take longer than one 10-minute call: run STEPS="gpu-tests verify", STEPS="kernels train"
+# and STEPS="int8 ab" as three calls (the full gpu-tests step takes ~110-140 s).
 steps=" ${STEPS:-gpu-tests kernels train verify int8 ab} "
 want() { [[ $steps == *" $1 "* ]]; }
 want gpu-tests && step gpu-tests ${GPU_TESTS_S:-240} python3 -m pytest -q -m gpu -p no:cacheprovider tests/
