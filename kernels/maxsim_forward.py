@@ -181,6 +181,34 @@ def _tile_similarities(
     return s
 
 
+@triton.jit
+def _fold_tile(s, m, a, m_tile, tok, doc_start, DOC_MAJOR: tl.constexpr, RETURN_ARGMAX: tl.constexpr):
+    """Fold one tile's similarities into its document's running max: per query row `m` (and argmax `a`,
+    lowest index on ties), or per element `m_tile` for document-major tiles."""
+    if DOC_MAJOR:
+        m_tile = tl.maximum(m_tile, s)
+    elif RETURN_ARGMAX:
+        t_max, t_arg = tl.max(s, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        better = t_max > m  # strict: an earlier tile keeps its tie
+        a = tl.where(better, (tok - doc_start + t_arg).to(tl.int32), a)
+        m = tl.where(better, t_max, m)
+    else:
+        m = tl.maximum(m, tl.max(s, axis=1))
+    return m, a, m_tile
+
+
+@triton.jit
+def _start_next_document(last, m, a, m_tile, DOC_MAJOR: tl.constexpr, RETURN_ARGMAX: tl.constexpr):
+    """After a document's last tile, the running max (and argmax) start again."""
+    if DOC_MAJOR:
+        m_tile = tl.where(last, float("-inf"), m_tile)
+    else:
+        m = tl.where(last, float("-inf"), m)
+    if RETURN_ARGMAX:
+        a = tl.where(last, -1, a)
+    return m, a, m_tile
+
+
 # Sizes (and stride_arg, which is one) are not specialized: Triton would otherwise compile again whenever
 # one of them happens to be 1 or a multiple of 16. Index pointers may be slices of the caller's tensors, so
 # their alignment is not specialized either; the embedding pointers stay 16-byte aligned (dim % 8 == 0).
@@ -253,8 +281,7 @@ def _maxsim_varlen_kernel(
     tok = doc_start
     m = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
     a = tl.full((BLOCK_Q,), -1, tl.int32)
-    if DOC_MAJOR:
-        m_tile = tl.full((BLOCK_T, BLOCK_Q), float("-inf"), tl.float32)
+    m_tile = tl.full((BLOCK_T, BLOCK_Q) if DOC_MAJOR else (1, 1), float("-inf"), tl.float32)
     for _ in range(total):
         rows = tok + tl.arange(0, BLOCK_T)
         s = _tile_similarities(
@@ -262,15 +289,7 @@ def _maxsim_varlen_kernel(
             d_ptr, rows, rows < doc_end, stride_d, dim,
             QPB, ROWS, BLOCK_T, BLOCK_K, NUM_K, EVEN_K, PRECISION, DOC_MAJOR,
         )  # fmt: skip
-        if DOC_MAJOR:
-            m_tile = tl.maximum(m_tile, s)
-        elif RETURN_ARGMAX:
-            t_max, t_arg = tl.max(s, axis=1, return_indices=True, return_indices_tie_break_left=True)
-            better = t_max > m  # strict: an earlier tile keeps its tie
-            a = tl.where(better, (tok - doc_start + t_arg).to(tl.int32), a)
-            m = tl.where(better, t_max, m)
-        else:
-            m = tl.maximum(m, tl.max(s, axis=1))
+        m, a, m_tile = _fold_tile(s, m, a, m_tile, tok, doc_start, DOC_MAJOR, RETURN_ARGMAX)
         last = tok + BLOCK_T >= doc_end
         if last:
             if DOC_MAJOR:
@@ -286,12 +305,7 @@ def _maxsim_varlen_kernel(
         doc_start = tl.where(last, doc_end, doc_start)
         doc_end = tl.where(last, next_end, doc_end)
         doc = doc + last.to(tl.int64)
-        if DOC_MAJOR:
-            m_tile = tl.where(last, float("-inf"), m_tile)
-        else:
-            m = tl.where(last, float("-inf"), m)
-        if RETURN_ARGMAX:
-            a = tl.where(last, -1, a)
+        m, a, m_tile = _start_next_document(last, m, a, m_tile, DOC_MAJOR, RETURN_ARGMAX)
 
 
 @triton.jit(
@@ -369,8 +383,7 @@ def _maxsim_candidates_kernel(
     tok = doc_start
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     a = tl.full((ROWS,), -1, tl.int32)
-    if DOC_MAJOR:
-        m_tile = tl.full((BLOCK_T, ROWS), float("-inf"), tl.float32)
+    m_tile = tl.full((BLOCK_T, ROWS) if DOC_MAJOR else (1, 1), float("-inf"), tl.float32)
     for _ in range(total):
         rows = tok + tl.arange(0, BLOCK_T)
         s = _tile_similarities(
@@ -378,15 +391,7 @@ def _maxsim_candidates_kernel(
             d_ptr, rows, rows < doc_end, stride_d, dim,
             1, ROWS, BLOCK_T, BLOCK_K, NUM_K, EVEN_K, PRECISION, DOC_MAJOR,
         )  # fmt: skip
-        if DOC_MAJOR:
-            m_tile = tl.maximum(m_tile, s)
-        elif RETURN_ARGMAX:
-            t_max, t_arg = tl.max(s, axis=1, return_indices=True, return_indices_tie_break_left=True)
-            better = t_max > m
-            a = tl.where(better, (tok - doc_start + t_arg).to(tl.int32), a)
-            m = tl.where(better, t_max, m)
-        else:
-            m = tl.maximum(m, tl.max(s, axis=1))
+        m, a, m_tile = _fold_tile(s, m, a, m_tile, tok, doc_start, DOC_MAJOR, RETURN_ARGMAX)
         last = tok + BLOCK_T >= doc_end
         if last:
             if DOC_MAJOR:
@@ -402,12 +407,7 @@ def _maxsim_candidates_kernel(
         doc_start = tl.where(last, next_start, doc_start)
         doc_end = tl.where(last, next_end, doc_end)
         c = c + last.to(tl.int64)
-        if DOC_MAJOR:
-            m_tile = tl.where(last, float("-inf"), m_tile)
-        else:
-            m = tl.where(last, float("-inf"), m)
-        if RETURN_ARGMAX:
-            a = tl.where(last, -1, a)
+        m, a, m_tile = _start_next_document(last, m, a, m_tile, DOC_MAJOR, RETURN_ARGMAX)
 
 
 # ============================================================================================
