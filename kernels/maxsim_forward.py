@@ -250,9 +250,10 @@ def _maxsim_varlen_kernel(
     """One program: query block `blk` (QPB queries, chunk `chunk`) x documents [d0, d0 + docs_per_prog).
 
     DOC_MAJOR (scores only: the launcher never sets it with RETURN_ARGMAX): each tile is S^T = D . Q^T,
-    so the query tile is the wide operand of the tensor-core instruction (m64 x n = BLOCK_Q per warp group:
-    less shared-memory traffic per FLOP than n = BLOCK_T); the running max is kept per element of
-    [BLOCK_T, BLOCK_Q] and reduced over the document's tokens once, at its last tile, not once per tile.
+    so the document tokens fill the tensor-core instruction's 64-row side (a 32-row query tile would fill
+    half of it); the running max is kept per element of [BLOCK_T, BLOCK_Q] and reduced over the
+    document's tokens once, at its last tile, not once per tile. The tuning table uses it where it was
+    measured faster: one query and per-query candidates.
     """
     pid = tl.program_id(0).to(tl.int64)
     blk = pid % num_blocks  # query blocks vary fastest: they share the document run through L2
