@@ -57,6 +57,7 @@ import triton
 import triton.language as tl
 
 from ._launch import launch_fitting_shared_memory
+from ._running_max import fold_row_max, restart_row_max
 from ._validate import FLOAT_DTYPES, Layout, check_candidates, check_inputs, memo, next_pow2, on_device
 
 # ============================================================================================
@@ -187,13 +188,8 @@ def _fold_tile(s, m, a, m_tile, tok, doc_start, DOC_MAJOR: tl.constexpr, RETURN_
     lowest index on ties), or per element `m_tile` for document-major tiles."""
     if DOC_MAJOR:
         m_tile = tl.maximum(m_tile, s)
-    elif RETURN_ARGMAX:
-        t_max, t_arg = tl.max(s, axis=1, return_indices=True, return_indices_tie_break_left=True)
-        better = t_max > m  # strict: an earlier tile keeps its tie
-        a = tl.where(better, (tok - doc_start + t_arg).to(tl.int32), a)
-        m = tl.where(better, t_max, m)
     else:
-        m = tl.maximum(m, tl.max(s, axis=1))
+        m, a = fold_row_max(s, m, a, tok, doc_start, RETURN_ARGMAX)
     return m, a, m_tile
 
 
@@ -203,9 +199,7 @@ def _start_next_document(last, m, a, m_tile, DOC_MAJOR: tl.constexpr, RETURN_ARG
     if DOC_MAJOR:
         m_tile = tl.where(last, float("-inf"), m_tile)
     else:
-        m = tl.where(last, float("-inf"), m)
-    if RETURN_ARGMAX:
-        a = tl.where(last, -1, a)
+        m, a = restart_row_max(last, m, a, RETURN_ARGMAX)
     return m, a, m_tile
 
 

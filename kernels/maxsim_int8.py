@@ -61,6 +61,7 @@ import triton
 import triton.language as tl
 
 from ._launch import launch_fitting_shared_memory
+from ._running_max import fold_row_max, restart_row_max
 from ._validate import host_candidates, host_offsets, memo, on_device, resolve_backend
 
 # Codes are in [-127, 127]; shards written elsewhere may hold -128, so bounds use 128.
@@ -193,13 +194,7 @@ def _doc_row_max(
     row_arg = tl.full([BLOCK_Q], -1, tl.int32)  # stays -1 for a document with no tokens
     for t in range(start, stop, BLOCK_D):
         val = _scaled_tile(q, d_ptr, d_scale_ptr, t, stop, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, MAGIC)
-        if RETURN_ARGMAX:
-            tile_max, tile_arg = tl.max(val, axis=1, return_indices=True, return_indices_tie_break_left=True)
-            # Strictly greater: an earlier tile keeps a tie (lowest index wins).
-            row_arg = tl.where(tile_max > row_max, (t - start + tile_arg).to(tl.int32), row_arg)
-            row_max = tl.maximum(row_max, tile_max)
-        else:
-            row_max = tl.maximum(row_max, tl.max(val, axis=1))
+        row_max, row_arg = fold_row_max(val, row_max, row_arg, t, start, RETURN_ARGMAX)
     return row_max, row_arg
 
 
@@ -298,15 +293,7 @@ def _maxsim_int8_varlen_kernel(
             val = _scaled_tile(
                 q, d_ptr, d_scale_ptr, tok, doc_end, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, MAGIC
             )
-            if RETURN_ARGMAX:
-                tile_max, tile_arg = tl.max(
-                    val, axis=1, return_indices=True, return_indices_tie_break_left=True
-                )
-                better = tile_max > row_max  # strict: an earlier tile keeps a tie
-                row_arg = tl.where(better, (tok - doc_start + tile_arg).to(tl.int32), row_arg)
-                row_max = tl.where(better, tile_max, row_max)
-            else:
-                row_max = tl.maximum(row_max, tl.max(val, axis=1))
+            row_max, row_arg = fold_row_max(val, row_max, row_arg, tok, doc_start, RETURN_ARGMAX)
             last = tok + BLOCK_D >= doc_end
             if last:
                 contrib = tl.where(row_ok, sq * row_max, 0.0)
@@ -319,9 +306,7 @@ def _maxsim_int8_varlen_kernel(
             doc_start = tl.where(last, doc_end, doc_start)
             doc_end = tl.where(last, next_end, doc_end)
             doc = doc + last.to(tl.int64)
-            row_max = tl.where(last, float("-inf"), row_max)
-            if RETURN_ARGMAX:
-                row_arg = tl.where(last, -1, row_arg)
+            row_max, row_arg = restart_row_max(last, row_max, row_arg, RETURN_ARGMAX)
     else:
         # Longer queries than planned: walk the group's rows in tiles, for each document.
         for doc in range(doc_first, doc_last):
@@ -429,15 +414,7 @@ def _maxsim_int8_candidates_kernel(
             val = _scaled_tile(
                 q, d_ptr, d_scale_ptr, tok, doc_end, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, MAGIC
             )
-            if RETURN_ARGMAX:
-                tile_max, tile_arg = tl.max(
-                    val, axis=1, return_indices=True, return_indices_tie_break_left=True
-                )
-                better = tile_max > row_max
-                row_arg = tl.where(better, (tok - doc_start + tile_arg).to(tl.int32), row_arg)
-                row_max = tl.where(better, tile_max, row_max)
-            else:
-                row_max = tl.maximum(row_max, tl.max(val, axis=1))
+            row_max, row_arg = fold_row_max(val, row_max, row_arg, tok, doc_start, RETURN_ARGMAX)
             last = tok + BLOCK_D >= doc_end
             if last:
                 tl.store(out_ptr + c, tl.sum(tl.where(row_ok, sq * row_max, 0.0), axis=0))
@@ -450,9 +427,7 @@ def _maxsim_int8_candidates_kernel(
             doc_start = tl.where(last, next_start, doc_start)
             doc_end = tl.where(last, next_end, doc_end)
             c = c + last.to(tl.int64)
-            row_max = tl.where(last, float("-inf"), row_max)
-            if RETURN_ARGMAX:
-                row_arg = tl.where(last, -1, row_arg)
+            row_max, row_arg = restart_row_max(last, row_max, row_arg, RETURN_ARGMAX)
     else:
         # The run crosses into the next query(s), or a query is longer than one tile.
         for c in range(c_first, c_last):
