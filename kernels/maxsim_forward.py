@@ -122,6 +122,7 @@ def _tile_similarities(
     d_ptr,
     rows,
     rows_ok,
+    partial,
     stride_d,
     dim,
     QPB: tl.constexpr,
@@ -175,10 +176,11 @@ def _tile_similarities(
                 s = tl.dot(d, tl.trans(q), s, input_precision=PRECISION)
             else:
                 s = tl.dot(q, tl.trans(d), s, input_precision=PRECISION)
-    if DOC_MAJOR:
-        s = tl.where(rows_ok[:, None], s, float("-inf"))
-    else:
-        s = tl.where(rows_ok[None, :], s, float("-inf"))
+    if partial:  # only a document's last tile can reach past its end
+        if DOC_MAJOR:
+            s = tl.where(rows_ok[:, None], s, float("-inf"))
+        else:
+            s = tl.where(rows_ok[None, :], s, float("-inf"))
     return s
 
 
@@ -281,7 +283,7 @@ def _maxsim_varlen_kernel(
         rows = tok + tl.arange(0, BLOCK_T)
         s = _tile_similarities(
             q, q_ptr, q_off_ptr, num_queries, group, chunk, stride_q,
-            d_ptr, rows, rows < doc_end, stride_d, dim,
+            d_ptr, rows, rows < doc_end, tok + BLOCK_T > doc_end, stride_d, dim,
             QPB, ROWS, BLOCK_T, BLOCK_K, NUM_K, EVEN_K, PRECISION, DOC_MAJOR,
         )  # fmt: skip
         m, a, m_tile = _fold_tile(s, m, a, m_tile, tok, doc_start, DOC_MAJOR, RETURN_ARGMAX)
@@ -383,7 +385,7 @@ def _maxsim_candidates_kernel(
         rows = tok + tl.arange(0, BLOCK_T)
         s = _tile_similarities(
             q, q_ptr, q_off_ptr, num_queries, qi, chunk, stride_q,
-            d_ptr, rows, rows < doc_end, stride_d, dim,
+            d_ptr, rows, rows < doc_end, tok + BLOCK_T > doc_end, stride_d, dim,
             1, ROWS, BLOCK_T, BLOCK_K, NUM_K, EVEN_K, PRECISION, DOC_MAJOR,
         )  # fmt: skip
         m, a, m_tile = _fold_tile(s, m, a, m_tile, tok, doc_start, DOC_MAJOR, RETURN_ARGMAX)
