@@ -390,22 +390,24 @@ def sweep_configs(name: str) -> list[Any]:
     from maxsim_kernels.maxsim_forward import KernelConfig as C
 
     # first entry of each list = the tuning table in force; the rest are its neighbours. A sixth field
-    # True = document-major tiles (S^T = D . Q^T, running max per element; all-pairs kernel only).
+    # True = document-major tiles (S^T = D . Q^T, running max per element); a seventh True = running max
+    # per element on query-major tiles.
+    E = (False, True)
     if name == "exhaustive":
-        grid = [(256, 32, 64, 4, 2), (128, 64, 64, 4, 3), (256, 64, 64, 8, 3), (256, 32, 64, 4, 3),
-                (256, 32, 64, 8, 3), (512, 32, 64, 8, 2), (512, 16, 64, 8, 3), (256, 16, 64, 8, 4),
-                (128, 64, 64, 4, 3, True), (256, 64, 64, 8, 3, True)]  # fmt: skip
+        grid = [(256, 32, 64, 4, 2), (256, 32, 64, 4, 2, *E), (256, 64, 64, 8, 2, *E),
+                (256, 32, 64, 4, 3, *E), (128, 64, 64, 4, 3, *E), (256, 64, 64, 8, 3), (256, 32, 64, 4, 3),
+                (512, 32, 64, 8, 2), (128, 64, 64, 4, 3)]  # fmt: skip
     elif name == "one_query":
         grid = [(32, 64, 64, 4, 4, True), (32, 64, 16, 4, 4, True), (32, 64, 64, 4, 3, True),
                 (32, 64, 32, 4, 4, True), (32, 64, 64, 4, 4), (32, 64, 16, 4, 4)]  # fmt: skip
     elif name == "colpali":
-        grid = [(128, 64, 1, 4, 2), (128, 64, 1, 4, 3), (128, 64, 1, 4, 2, True), (128, 64, 1, 4, 3, True),
-                (128, 64, 2, 4, 2, True), (256, 64, 1, 8, 2, True), (256, 64, 1, 8, 3, True),
-                (128, 128, 1, 4, 2, True)]  # fmt: skip
+        grid = [(128, 64, 1, 4, 2), (128, 64, 1, 4, 2, *E), (128, 64, 1, 4, 3, *E), (128, 128, 1, 8, 2, *E),
+                (128, 64, 1, 4, 3), (128, 64, 1, 4, 2, True), (128, 64, 1, 4, 3, True),
+                (256, 64, 1, 8, 2, True), (128, 128, 1, 4, 2, True)]  # fmt: skip
     else:
         grid = [(32, 64, 8, 4, 4, True), (32, 64, 16, 4, 4, True), (32, 64, 8, 4, 3, True),
                 (32, 64, 32, 4, 4, True), (32, 64, 8, 4, 4), (32, 64, 16, 4, 4)]  # fmt: skip
-    return [C(*entry[:5], doc_major=len(entry) > 5 and entry[5]) for entry in grid]
+    return [C(*entry[:5], *entry[5:7]) for entry in grid]
 
 
 def sweep_workload(

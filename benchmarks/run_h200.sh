@@ -42,6 +42,10 @@ want verify && step verify ${VERIFY_S:-80} python3 benchmarks/verify_reports.py 
 want int8 && step int8 ${INT8_S:-200} python3 benchmarks/bench_int8.py gpu --rep-ms 200 \
   --out "$logs/int8-h200.json" --workdir /tmp
 want ab && step ab ${AB_S:-60} python3 benchmarks/ab_specialization.py
+# ab-forward: the forward kernel against other versions of its module, AB_VARIANTS="NAME=FILE ..."
+want ab-forward && step ab-forward ${AB_FORWARD_S:-240} python3 benchmarks/ab_forward.py \
+  $(for v in ${AB_VARIANTS:-}; do echo --variant "$v"; done) --workloads "${AB_WORKLOADS:-exhaustive,colpali,one_query,rerank}" \
+  --out "$logs/ab-forward-h200.json"
 want score && step score ${SCORE_S:-200} python3 benchmarks/bench_score.py gpu --workdir /var/tmp/mb \
   --out "$logs/score-h200.json"
 

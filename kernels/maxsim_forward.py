@@ -185,10 +185,10 @@ def _tile_similarities(
 
 
 @triton.jit
-def _fold_tile(s, m, a, m_tile, tok, doc_start, DOC_MAJOR: tl.constexpr, RETURN_ARGMAX: tl.constexpr):
+def _fold_tile(s, m, a, m_tile, tok, doc_start, ELEMENT_MAX: tl.constexpr, RETURN_ARGMAX: tl.constexpr):
     """Fold one tile's similarities into its document's running max: per query row `m` (and argmax `a`,
-    lowest index on ties), or per element `m_tile` for document-major tiles."""
-    if DOC_MAJOR:
+    lowest index on ties), or, with ELEMENT_MAX, per element `m_tile` (reduced at the document's end)."""
+    if ELEMENT_MAX:
         m_tile = tl.maximum(m_tile, s)
     else:
         m, a = fold_row_max(s, m, a, tok, doc_start, RETURN_ARGMAX)
@@ -196,12 +196,23 @@ def _fold_tile(s, m, a, m_tile, tok, doc_start, DOC_MAJOR: tl.constexpr, RETURN_
 
 
 @triton.jit
-def _start_next_document(last, m, a, m_tile, DOC_MAJOR: tl.constexpr, RETURN_ARGMAX: tl.constexpr):
-    """After a document's last tile, the running max (and argmax) start again."""
-    if DOC_MAJOR:
-        m_tile = tl.where(last, float("-inf"), m_tile)
+def _document_max(m, m_tile, DOC_MAJOR: tl.constexpr, ELEMENT_MAX: tl.constexpr):
+    """At a document's last tile: the per-row max, reduced over the tokens when kept per element."""
+    if ELEMENT_MAX:
+        if DOC_MAJOR:
+            m = tl.max(m_tile, axis=0)
+        else:
+            m = tl.max(m_tile, axis=1)
+    return m
+
+
+@triton.jit
+def _start_next_document(m, a, m_tile, ELEMENT_MAX: tl.constexpr, RETURN_ARGMAX: tl.constexpr):
+    """After a document's last tile (inside its branch, so other tiles pay nothing): start again."""
+    if ELEMENT_MAX:
+        m_tile = tl.full(m_tile.shape, float("-inf"), tl.float32)
     else:
-        m, a = restart_row_max(last, m, a, RETURN_ARGMAX)
+        m, a = restart_row_max(True, m, a, RETURN_ARGMAX)
     return m, a, m_tile
 
 
@@ -242,6 +253,7 @@ def _maxsim_varlen_kernel(
     PRECISION: tl.constexpr,
     RETURN_ARGMAX: tl.constexpr,
     DOC_MAJOR: tl.constexpr,
+    ELEMENT_MAX: tl.constexpr,
 ):
     """One program: query block `blk` (QPB queries, chunk `chunk`) x documents [d0, d0 + docs_per_prog).
 
@@ -278,7 +290,11 @@ def _maxsim_varlen_kernel(
     tok = doc_start
     m = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
     a = tl.full((BLOCK_Q,), -1, tl.int32)
-    m_tile = tl.full((BLOCK_T, BLOCK_Q) if DOC_MAJOR else (1, 1), float("-inf"), tl.float32)
+    m_tile = tl.full(
+        (BLOCK_T, BLOCK_Q) if DOC_MAJOR else ((BLOCK_Q, BLOCK_T) if ELEMENT_MAX else (1, 1)),
+        float("-inf"),
+        tl.float32,
+    )
     for _ in range(total):
         rows = tok + tl.arange(0, BLOCK_T)
         s = _tile_similarities(
@@ -286,23 +302,22 @@ def _maxsim_varlen_kernel(
             d_ptr, rows, rows < doc_end, tok + BLOCK_T > doc_end, stride_d, dim,
             QPB, ROWS, BLOCK_T, BLOCK_K, NUM_K, EVEN_K, PRECISION, DOC_MAJOR,
         )  # fmt: skip
-        m, a, m_tile = _fold_tile(s, m, a, m_tile, tok, doc_start, DOC_MAJOR, RETURN_ARGMAX)
+        m, a, m_tile = _fold_tile(s, m, a, m_tile, tok, doc_start, ELEMENT_MAX, RETURN_ARGMAX)
         last = tok + BLOCK_T >= doc_end
         if last:
-            if DOC_MAJOR:
-                m = tl.max(m_tile, axis=0)
+            m = _document_max(m, m_tile, DOC_MAJOR, ELEMENT_MAX)
             part = _query_sums(tl.where(q_ok, m, 0.0), QPB, ROWS)
             o = (chunk * num_queries + qi) * num_docs + doc
             tl.store(out_ptr + o, part, mask=qi < num_queries)
             if RETURN_ARGMAX:
                 tl.store(arg_ptr + q_tok * stride_arg + doc, a, mask=q_ok)
+            m, a, m_tile = _start_next_document(m, a, m_tile, ELEMENT_MAX, RETURN_ARGMAX)
         # advance to the next tile, or to the next document (state kept free of the running max)
         next_end = tl.load(d_off_ptr + tl.minimum(doc + 2, num_docs))
         tok = tl.where(last, doc_end, tok + BLOCK_T)
         doc_start = tl.where(last, doc_end, doc_start)
         doc_end = tl.where(last, next_end, doc_end)
         doc = doc + last.to(tl.int64)
-        m, a, m_tile = _start_next_document(last, m, a, m_tile, DOC_MAJOR, RETURN_ARGMAX)
 
 
 @triton.jit(
@@ -348,6 +363,7 @@ def _maxsim_candidates_kernel(
     PRECISION: tl.constexpr,
     RETURN_ARGMAX: tl.constexpr,
     DOC_MAJOR: tl.constexpr,
+    ELEMENT_MAX: tl.constexpr,
 ):
     """One program: query `qi` (rows of chunk `chunk`) x its candidates [c_first, c_last).
 
@@ -380,7 +396,11 @@ def _maxsim_candidates_kernel(
     tok = doc_start
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     a = tl.full((ROWS,), -1, tl.int32)
-    m_tile = tl.full((BLOCK_T, ROWS) if DOC_MAJOR else (1, 1), float("-inf"), tl.float32)
+    m_tile = tl.full(
+        (BLOCK_T, ROWS) if DOC_MAJOR else ((ROWS, BLOCK_T) if ELEMENT_MAX else (1, 1)),
+        float("-inf"),
+        tl.float32,
+    )
     for _ in range(total):
         rows = tok + tl.arange(0, BLOCK_T)
         s = _tile_similarities(
@@ -388,15 +408,15 @@ def _maxsim_candidates_kernel(
             d_ptr, rows, rows < doc_end, tok + BLOCK_T > doc_end, stride_d, dim,
             1, ROWS, BLOCK_T, BLOCK_K, NUM_K, EVEN_K, PRECISION, DOC_MAJOR,
         )  # fmt: skip
-        m, a, m_tile = _fold_tile(s, m, a, m_tile, tok, doc_start, DOC_MAJOR, RETURN_ARGMAX)
+        m, a, m_tile = _fold_tile(s, m, a, m_tile, tok, doc_start, ELEMENT_MAX, RETURN_ARGMAX)
         last = tok + BLOCK_T >= doc_end
         if last:
-            if DOC_MAJOR:
-                m = tl.max(m_tile, axis=0)
+            m = _document_max(m, m_tile, DOC_MAJOR, ELEMENT_MAX)
             part = tl.sum(_query_sums(tl.where(q_ok, m, 0.0), 1, ROWS), axis=0)  # one query: [1] -> scalar
             tl.store(out_ptr + chunk * num_cands + c, part)
             if RETURN_ARGMAX:
                 tl.store(arg_ptr + c * stride_arg + q_row, a, mask=q_ok)
+            m, a, m_tile = _start_next_document(m, a, m_tile, ELEMENT_MAX, RETURN_ARGMAX)
         next_doc = tl.load(cand_ptr + tl.minimum(c + 1, num_cands - 1))
         next_start = tl.load(d_off_ptr + next_doc)
         next_end = tl.load(d_off_ptr + next_doc + 1)
@@ -404,7 +424,6 @@ def _maxsim_candidates_kernel(
         doc_start = tl.where(last, next_start, doc_start)
         doc_end = tl.where(last, next_end, doc_end)
         c = c + last.to(tl.int64)
-        m, a, m_tile = _start_next_document(last, m, a, m_tile, DOC_MAJOR, RETURN_ARGMAX)
 
 
 # ============================================================================================
@@ -422,6 +441,7 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     doc_major: bool = False  # scores only: S^T = D . Q^T tiles (see _maxsim_varlen_kernel)
+    element_max: bool = False  # scores only: running max per tile element (implied by doc_major)
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_t", "docs_per_prog"):
@@ -599,6 +619,7 @@ def maxsim_varlen_forward_triton(
         QPB=qpb, ROWS=rows, BLOCK_T=cfg.block_t, BLOCK_K=block_k, NUM_K=num_k, EVEN_K=even_k,
         DOCS_PER_PROG=cfg.docs_per_prog, PRECISION=_precision(docs.dtype, allow_tf32),
         RETURN_ARGMAX=return_argmax, DOC_MAJOR=cfg.doc_major and not return_argmax,
+        ELEMENT_MAX=(cfg.doc_major or cfg.element_max) and not return_argmax,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     out = scores[0] if num_chunks == 1 else scores.sum(0)
@@ -673,6 +694,7 @@ def maxsim_candidates_forward_triton(
         ROWS=rows, BLOCK_T=cfg.block_t, BLOCK_K=block_k, NUM_K=num_k, EVEN_K=even_k,
         CANDS_PER_PROG=cfg.docs_per_prog, PRECISION=_precision(docs.dtype, allow_tf32),
         RETURN_ARGMAX=return_argmax, DOC_MAJOR=cfg.doc_major and not return_argmax,
+        ELEMENT_MAX=(cfg.doc_major or cfg.element_max) and not return_argmax,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     out = scores[0] if num_chunks == 1 else scores.sum(0)

@@ -360,10 +360,13 @@ def test_triton_small_tiles_straddle_many_boundaries(block_t, per_prog):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("block_q, block_t, dim", [(32, 16, 24), (64, 16, 200)])
-def test_triton_doc_major_tiles_match_reference(block_q, block_t, dim):
-    """The S^T = D . Q^T variant: running max per element across a document's tiles, reduced at its end;
-    ragged, empty and one-token documents, tiles straddling boundaries, dims over one K chunk."""
+@pytest.mark.parametrize(
+    "block_q, block_t, dim, doc_major", [(32, 16, 24, True), (64, 16, 200, True), (32, 16, 24, False)]
+)
+def test_triton_element_max_tiles_match_reference(block_q, block_t, dim, doc_major):
+    """The running max kept per tile element across a document's tiles and reduced at its end, on
+    S^T = D . Q^T tiles (doc_major) and on S = Q . D^T tiles; ragged, empty and one-token documents,
+    tiles straddling boundaries, dims over one K chunk."""
     from maxsim_kernels.maxsim_forward import (
         KernelConfig,
         maxsim_candidates_forward_triton,
@@ -374,7 +377,7 @@ def test_triton_doc_major_tiles_match_reference(block_q, block_t, dim):
     queries, q_off = packed([3, 17, 1, 9], dim, gen=gen)
     docs, d_off = packed([15, 16, 17, 0, 1, 33, 48, 2], dim, gen=gen)
     docs[d_off[5] : d_off[5] + 4] = -docs[d_off[5] : d_off[5] + 4].abs()  # negative similarities
-    cfg = KernelConfig(block_q, block_t, docs_per_prog=4, num_warps=4, num_stages=2, doc_major=True)
+    cfg = KernelConfig(block_q, block_t, 4, num_warps=4, num_stages=2, doc_major=doc_major, element_max=True)
     scores = maxsim_varlen_forward_triton(queries, q_off, docs, d_off, config=cfg)
     check_scores(
         scores, maxsim_reference(queries, q_off, docs, d_off), torch.tensor([[3], [17], [1], [9]]), dim
@@ -383,7 +386,7 @@ def test_triton_doc_major_tiles_match_reference(block_q, block_t, dim):
     scores, arg = maxsim_varlen_forward_triton(queries, q_off, docs, d_off, return_argmax=True, config=cfg)
     assert torch.equal(arg, maxsim_reference(queries, q_off, docs, d_off, return_argmax=True)[1])
     c_off, cand = torch.tensor([0, 4, 4, 8, 9]), torch.tensor([7, 6, 5, 3, 0, 1, 2, 6, 5])
-    cfg = KernelConfig(32, block_t, docs_per_prog=2, num_warps=4, num_stages=2, doc_major=True)
+    cfg = KernelConfig(32, block_t, 2, num_warps=4, num_stages=2, doc_major=doc_major, element_max=True)
     scores = maxsim_candidates_forward_triton(queries, q_off, docs, d_off, c_off, cand, config=cfg)
     ref = maxsim_candidates_reference(queries, q_off, docs, d_off, c_off, cand)
     check_scores(scores, ref, torch.tensor([3] * 4 + [1] * 4 + [9]), dim)
@@ -498,9 +501,10 @@ for cls, cfg in fwd._TUNING.items():
     consts = dict(ROWS=rows, BLOCK_T=cfg.block_t, BLOCK_K=128, NUM_K=1, EVEN_K=True, PRECISION="tf32",
                   RETURN_ARGMAX=False)
     if cls == "cands":
-        consts.update(CANDS_PER_PROG=cfg.docs_per_prog, DOC_MAJOR=cfg.doc_major)
+        consts.update(CANDS_PER_PROG=cfg.docs_per_prog)
     else:
-        consts.update(QPB=cfg.block_q // rows, DOCS_PER_PROG=cfg.docs_per_prog, DOC_MAJOR=cfg.doc_major)
+        consts.update(QPB=cfg.block_q // rows, DOCS_PER_PROG=cfg.docs_per_prog)
+    consts.update(DOC_MAJOR=cfg.doc_major, ELEMENT_MAX=cfg.doc_major or cfg.element_max)
     names = kernel.arg_names
     kinds = {**{n: "i32" for n in ints}, **{n: "constexpr" for n in consts}}
     sig = {n: kinds.get(n, pointers.get(n, "*i64")) for n in names}
