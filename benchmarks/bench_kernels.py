@@ -394,7 +394,7 @@ def sweep_configs(name: str) -> list[Any]:
     # per element on query-major tiles.
     E = (False, True)
     if name == "exhaustive":
-        grid = [(256, 32, 64, 4, 2), (256, 32, 64, 4, 2, *E), (256, 64, 64, 8, 2, *E),
+        grid = [(256, 32, 64, 4, 2, *E), (256, 32, 64, 4, 2), (256, 64, 64, 8, 2, *E),
                 (256, 32, 64, 4, 3, *E), (128, 64, 64, 4, 3, *E), (256, 64, 64, 8, 3), (256, 32, 64, 4, 3),
                 (512, 32, 64, 8, 2), (128, 64, 64, 4, 3)]  # fmt: skip
     elif name == "one_query":

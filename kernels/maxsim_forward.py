@@ -461,6 +461,11 @@ class KernelConfig:
 # Evidence (docs/kernel-notes.md has the numbers and the reasoning; the sweeps are
 # benchmarks/results/kernels-sweep-h200.json and the "sweep" rows of kernels-tune-h200.json, from
 # `python benchmarks/bench_kernels.py --sweep` and `--tune` on the H200):
+# - many (v5): the running max kept per tile element (element_max) and the -inf mask applied only on a
+#   document's partial last tile: 82.4 ms against 84.6 ms with the per-row max, same tile, same run
+#   (benchmarks/results/kernels-sweep-v5-h200.json); the partial-tile mask alone took the v4 entry from
+#   92.2 to 85.3 ms, ColPali from 0.681 to 0.594 ms, one query 1.003 -> 0.955 ms, rerank 0.772 -> 0.712 ms
+#   (benchmarks/results/ab-forward-v5-h200.json); element_max loses on ColPali (0.631 against 0.585 ms);
 # - many (v4): the same tile on 4 warps (one warp group, 186 registers, two programs an SM) and 2 stages:
 #   90.4 ms against 95.7 ms for the v3 entry below in the same run (4 warps, 3 stages 90.6; 512 rows 103.9;
 #   16-token tiles 132.7-146.8; benchmarks/results/kernels-sweep-v4c-h200.json);
@@ -488,7 +493,9 @@ class KernelConfig:
 # - sm_90 builds of every entry below (triton's ptxas, no GPU needed): no spills; the loads are
 #   cp.async-pipelined, the dots wgmma for >= 64 rows (and for document-major tiles).
 _TUNING: dict[str, KernelConfig] = {
-    "many": KernelConfig(block_q=256, block_t=32, docs_per_prog=64, num_warps=4, num_stages=2),
+    "many": KernelConfig(
+        block_q=256, block_t=32, docs_per_prog=64, num_warps=4, num_stages=2, element_max=True
+    ),
     "some": KernelConfig(block_q=128, block_t=64, docs_per_prog=64, num_warps=4, num_stages=3),
     "few": KernelConfig(block_q=32, block_t=64, docs_per_prog=64, num_warps=4, num_stages=4, doc_major=True),
     "long": KernelConfig(block_q=128, block_t=64, docs_per_prog=1, num_warps=4, num_stages=2),
