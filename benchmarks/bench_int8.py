@@ -215,11 +215,12 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
             varlen_launcher(queries16, q_off, ex[2], ex[1], ex[3]),
             [  # first: the constants in force
                 dict(block_q=256, block_d=32, docs_per_prog=64, num_warps=8, num_stages=3),
-                dict(block_q=256, block_d=32, docs_per_prog=128, num_warps=8, num_stages=3),
+                dict(block_q=256, block_d=32, docs_per_prog=64, num_warps=8, num_stages=3, element_max=True),
+                dict(block_q=256, block_d=32, docs_per_prog=64, num_warps=8, num_stages=2, element_max=True),
+                dict(block_q=256, block_d=32, docs_per_prog=64, num_warps=4, num_stages=2, element_max=True),
+                dict(block_q=256, block_d=64, docs_per_prog=64, num_warps=8, num_stages=3, element_max=True),
+                dict(block_q=128, block_d=64, docs_per_prog=64, num_warps=4, num_stages=2, element_max=True),
                 dict(block_q=256, block_d=32, docs_per_prog=64, num_warps=8, num_stages=4),
-                dict(block_q=256, block_d=32, docs_per_prog=64, num_warps=8, num_stages=2),
-                dict(block_q=256, block_d=64, docs_per_prog=64, num_warps=8, num_stages=3),
-                dict(block_q=128, block_d=64, docs_per_prog=64, num_warps=4, num_stages=2),
             ],
             rep,
         )
@@ -231,6 +232,8 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
             varlen_launcher(one_q, one_off, docs8, doc_off, scales),
             [  # first: the constants in force
                 dict(block_d=64, docs_per_prog=16, num_warps=4, num_stages=4),
+                dict(block_d=64, docs_per_prog=16, num_warps=4, num_stages=4, element_max=True),
+                dict(block_d=64, docs_per_prog=16, num_warps=4, num_stages=3, element_max=True),
             ],
             rep,
         )
@@ -245,6 +248,8 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
             ),
             [
                 dict(block_d=64, cands_per_prog=8, num_warps=4, num_stages=4),
+                dict(block_d=64, cands_per_prog=8, num_warps=4, num_stages=4, element_max=True),
+                dict(block_d=64, cands_per_prog=16, num_warps=4, num_stages=4, element_max=True),
                 dict(block_d=64, cands_per_prog=16, num_warps=4, num_stages=4),
             ],
             rep,

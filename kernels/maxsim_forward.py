@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from ._launch import launch_fitting_shared_memory
-from ._running_max import fold_row_max, restart_row_max
+from ._running_max import document_max, fold_tile, restart
 from ._validate import FLOAT_DTYPES, Layout, check_candidates, check_inputs, memo, next_pow2, on_device
 
 # ============================================================================================
@@ -184,38 +184,6 @@ def _tile_similarities(
     return s
 
 
-@triton.jit
-def _fold_tile(s, m, a, m_tile, tok, doc_start, ELEMENT_MAX: tl.constexpr, RETURN_ARGMAX: tl.constexpr):
-    """Fold one tile's similarities into its document's running max: per query row `m` (and argmax `a`,
-    lowest index on ties), or, with ELEMENT_MAX, per element `m_tile` (reduced at the document's end)."""
-    if ELEMENT_MAX:
-        m_tile = tl.maximum(m_tile, s)
-    else:
-        m, a = fold_row_max(s, m, a, tok, doc_start, RETURN_ARGMAX)
-    return m, a, m_tile
-
-
-@triton.jit
-def _document_max(m, m_tile, DOC_MAJOR: tl.constexpr, ELEMENT_MAX: tl.constexpr):
-    """At a document's last tile: the per-row max, reduced over the tokens when kept per element."""
-    if ELEMENT_MAX:
-        if DOC_MAJOR:
-            m = tl.max(m_tile, axis=0)
-        else:
-            m = tl.max(m_tile, axis=1)
-    return m
-
-
-@triton.jit
-def _start_next_document(m, a, m_tile, ELEMENT_MAX: tl.constexpr, RETURN_ARGMAX: tl.constexpr):
-    """After a document's last tile (inside its branch, so other tiles pay nothing): start again."""
-    if ELEMENT_MAX:
-        m_tile = tl.full(m_tile.shape, float("-inf"), tl.float32)
-    else:
-        m, a = restart_row_max(True, m, a, RETURN_ARGMAX)
-    return m, a, m_tile
-
-
 # Sizes (and stride_arg, which is one) are not specialized: Triton would otherwise compile again whenever
 # one of them happens to be 1 or a multiple of 16. Index pointers may be slices of the caller's tensors, so
 # their alignment is not specialized either; the embedding pointers stay 16-byte aligned (dim % 8 == 0).
@@ -302,16 +270,16 @@ def _maxsim_varlen_kernel(
             d_ptr, rows, rows < doc_end, tok + BLOCK_T > doc_end, stride_d, dim,
             QPB, ROWS, BLOCK_T, BLOCK_K, NUM_K, EVEN_K, PRECISION, DOC_MAJOR,
         )  # fmt: skip
-        m, a, m_tile = _fold_tile(s, m, a, m_tile, tok, doc_start, ELEMENT_MAX, RETURN_ARGMAX)
+        m, a, m_tile = fold_tile(s, m, a, m_tile, tok, doc_start, ELEMENT_MAX, RETURN_ARGMAX)
         last = tok + BLOCK_T >= doc_end
         if last:
-            m = _document_max(m, m_tile, DOC_MAJOR, ELEMENT_MAX)
+            m = document_max(m, m_tile, 0 if DOC_MAJOR else 1, ELEMENT_MAX)
             part = _query_sums(tl.where(q_ok, m, 0.0), QPB, ROWS)
             o = (chunk * num_queries + qi) * num_docs + doc
             tl.store(out_ptr + o, part, mask=qi < num_queries)
             if RETURN_ARGMAX:
                 tl.store(arg_ptr + q_tok * stride_arg + doc, a, mask=q_ok)
-            m, a, m_tile = _start_next_document(m, a, m_tile, ELEMENT_MAX, RETURN_ARGMAX)
+            m, a, m_tile = restart(m, a, m_tile, ELEMENT_MAX, RETURN_ARGMAX)
         # advance to the next tile, or to the next document (state kept free of the running max)
         next_end = tl.load(d_off_ptr + tl.minimum(doc + 2, num_docs))
         tok = tl.where(last, doc_end, tok + BLOCK_T)
@@ -408,15 +376,15 @@ def _maxsim_candidates_kernel(
             d_ptr, rows, rows < doc_end, tok + BLOCK_T > doc_end, stride_d, dim,
             1, ROWS, BLOCK_T, BLOCK_K, NUM_K, EVEN_K, PRECISION, DOC_MAJOR,
         )  # fmt: skip
-        m, a, m_tile = _fold_tile(s, m, a, m_tile, tok, doc_start, ELEMENT_MAX, RETURN_ARGMAX)
+        m, a, m_tile = fold_tile(s, m, a, m_tile, tok, doc_start, ELEMENT_MAX, RETURN_ARGMAX)
         last = tok + BLOCK_T >= doc_end
         if last:
-            m = _document_max(m, m_tile, DOC_MAJOR, ELEMENT_MAX)
+            m = document_max(m, m_tile, 0 if DOC_MAJOR else 1, ELEMENT_MAX)
             part = tl.sum(_query_sums(tl.where(q_ok, m, 0.0), 1, ROWS), axis=0)  # one query: [1] -> scalar
             tl.store(out_ptr + chunk * num_cands + c, part)
             if RETURN_ARGMAX:
                 tl.store(arg_ptr + c * stride_arg + q_row, a, mask=q_ok)
-            m, a, m_tile = _start_next_document(m, a, m_tile, ELEMENT_MAX, RETURN_ARGMAX)
+            m, a, m_tile = restart(m, a, m_tile, ELEMENT_MAX, RETURN_ARGMAX)
         next_doc = tl.load(cand_ptr + tl.minimum(c + 1, num_cands - 1))
         next_start = tl.load(d_off_ptr + next_doc)
         next_end = tl.load(d_off_ptr + next_doc + 1)

@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from ._launch import launch_fitting_shared_memory
-from ._running_max import fold_row_max, restart_row_max
+from ._running_max import document_max, fold_row_max, fold_tile, restart
 from ._validate import host_candidates, host_offsets, memo, on_device, resolve_backend
 
 # Codes are in [-127, 127]; shards written elsewhere may hold -128, so bounds use 128.
@@ -87,14 +87,17 @@ _VARLEN_BLOCK_D = 32  # document tokens per tile
 _VARLEN_DOCS_PER_PROG = 64  # documents per program
 _VARLEN_WARPS = 8
 _VARLEN_STAGES = 3
+_VARLEN_ELEMENT_MAX = False  # running max per tile element (scores only; see kernels/_running_max.py)
 _FEW_QUERIES_BLOCK_D = 64  # memory-bound shapes (one or two query tiles)
 _FEW_QUERIES_DOCS_PER_PROG = 16
 _FEW_QUERIES_WARPS = 4
 _FEW_QUERIES_STAGES = 4
+_FEW_QUERIES_ELEMENT_MAX = False
 _CAND_BLOCK_D = 64
 _CAND_PER_PROG = 8  # candidates per program
 _CAND_WARPS = 4
 _CAND_STAGES = 4
+_CAND_ELEMENT_MAX = False
 _MAX_QUERIES_PER_GROUP = 32  # queries per all-pairs program at most (short queries)
 _QUANT_BLOCK_R = 16  # tokens per program of the quantize kernel
 
@@ -247,6 +250,7 @@ def _maxsim_int8_varlen_kernel(
     MAGIC: tl.constexpr,
     RETURN_ARGMAX: tl.constexpr,
     ONE_QUERY: tl.constexpr,
+    ELEMENT_MAX: tl.constexpr,
 ):
     """Scores of QUERIES_PER_GROUP consecutive queries against DOCS_PER_PROG consecutive documents.
 
@@ -289,24 +293,28 @@ def _maxsim_int8_varlen_kernel(
         tok = doc_start
         row_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         row_arg = tl.full([BLOCK_Q], -1, tl.int32)
+        m_tile = tl.full((BLOCK_Q, BLOCK_D) if ELEMENT_MAX else (1, 1), float("-inf"), tl.float32)
         for _ in range(n_tiles):
             val = _scaled_tile(
                 q, d_ptr, d_scale_ptr, tok, doc_end, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, MAGIC
             )
-            row_max, row_arg = fold_row_max(val, row_max, row_arg, tok, doc_start, RETURN_ARGMAX)
+            row_max, row_arg, m_tile = fold_tile(
+                val, row_max, row_arg, m_tile, tok, doc_start, ELEMENT_MAX, RETURN_ARGMAX
+            )
             last = tok + BLOCK_D >= doc_end
             if last:
+                row_max = document_max(row_max, m_tile, 1, ELEMENT_MAX)
                 contrib = tl.where(row_ok, sq * row_max, 0.0)
                 tl.store(out_rows + doc, tl.sum(tl.where(member, contrib[:, None], 0.0), axis=0), mask=q_ok)
                 if RETURN_ARGMAX:
                     tl.store(arg_ptr + rows * stride_arg + doc, row_arg, mask=row_ok)
+                row_max, row_arg, m_tile = restart(row_max, row_arg, m_tile, ELEMENT_MAX, RETURN_ARGMAX)
             # next tile, or the next document's first (the state stays free of the running max)
             next_end = tl.load(d_off_ptr + tl.minimum(doc + 2, n_docs))
             tok = tl.where(last, doc_end, tok + BLOCK_D)
             doc_start = tl.where(last, doc_end, doc_start)
             doc_end = tl.where(last, next_end, doc_end)
             doc = doc + last.to(tl.int64)
-            row_max, row_arg = restart_row_max(last, row_max, row_arg, RETURN_ARGMAX)
     else:
         # Longer queries than planned: walk the group's rows in tiles, for each document.
         for doc in range(doc_first, doc_last):
@@ -383,6 +391,7 @@ def _maxsim_int8_candidates_kernel(
     BLOCK_K: tl.constexpr,
     MAGIC: tl.constexpr,
     RETURN_ARGMAX: tl.constexpr,
+    ELEMENT_MAX: tl.constexpr,
 ):
     """Scores of CANDS_PER_PROG consecutive (query, candidate) pairs of the flat candidate list."""
     c_first = tl.program_id(0).to(tl.int64) * CANDS_PER_PROG
@@ -410,16 +419,21 @@ def _maxsim_int8_candidates_kernel(
         tok = doc_start
         row_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         row_arg = tl.full([BLOCK_Q], -1, tl.int32)
+        m_tile = tl.full((BLOCK_Q, BLOCK_D) if ELEMENT_MAX else (1, 1), float("-inf"), tl.float32)
         for _ in range(n_tiles):
             val = _scaled_tile(
                 q, d_ptr, d_scale_ptr, tok, doc_end, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, MAGIC
             )
-            row_max, row_arg = fold_row_max(val, row_max, row_arg, tok, doc_start, RETURN_ARGMAX)
+            row_max, row_arg, m_tile = fold_tile(
+                val, row_max, row_arg, m_tile, tok, doc_start, ELEMENT_MAX, RETURN_ARGMAX
+            )
             last = tok + BLOCK_D >= doc_end
             if last:
+                row_max = document_max(row_max, m_tile, 1, ELEMENT_MAX)
                 tl.store(out_ptr + c, tl.sum(tl.where(row_ok, sq * row_max, 0.0), axis=0))
                 if RETURN_ARGMAX:
                     tl.store(arg_ptr + c * stride_arg + (rows - row_first), row_arg, mask=row_ok)
+                row_max, row_arg, m_tile = restart(row_max, row_arg, m_tile, ELEMENT_MAX, RETURN_ARGMAX)
             next_doc = tl.load(cand_docs_ptr + tl.minimum(c + 1, n_cand - 1))
             next_start = tl.load(d_off_ptr + next_doc)
             next_end = tl.load(d_off_ptr + next_doc + 1)
@@ -427,7 +441,6 @@ def _maxsim_int8_candidates_kernel(
             doc_start = tl.where(last, next_start, doc_start)
             doc_end = tl.where(last, next_end, doc_end)
             c = c + last.to(tl.int64)
-            row_max, row_arg = restart_row_max(last, row_max, row_arg, RETURN_ARGMAX)
     else:
         # The run crosses into the next query(s), or a query is longer than one tile.
         for c in range(c_first, c_last):
@@ -616,6 +629,11 @@ def _varlen_plan(n_rows: int, n_queries: int, dim: int) -> tuple[int, int, int]:
     return max(16, min(cap, per_group * mean)), per_group, block_k
 
 
+def _element_max(override: bool | None, default: bool, return_argmax: bool) -> bool:
+    """Running max per tile element: the sweep's override or the tuned default, never with the argmax."""
+    return (default if override is None else override) and not return_argmax
+
+
 def _launch_varlen(
     q8: torch.Tensor,
     sq: torch.Tensor,
@@ -630,6 +648,7 @@ def _launch_varlen(
     docs_per_prog: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    element_max: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """All-pairs Triton launch (no host synchronisation); keyword overrides are for the tile sweep."""
     nq, nd = query_offsets.numel() - 1, doc_offsets.numel() - 1
@@ -659,6 +678,8 @@ def _launch_varlen(
         DOCS_PER_PROG=docs_per_prog, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_K=block_k,
         QUERIES_PER_GROUP=per_group, MAX_Q=max(2, per_group),
         MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=return_argmax, ONE_QUERY=nq == 1,
+        ELEMENT_MAX=_element_max(element_max, _FEW_QUERIES_ELEMENT_MAX if few else _VARLEN_ELEMENT_MAX,
+                                 return_argmax),
         num_warps=num_warps or (_FEW_QUERIES_WARPS if few else _VARLEN_WARPS),
         num_stages=num_stages or (_FEW_QUERIES_STAGES if few else _VARLEN_STAGES),
     )  # fmt: skip
@@ -680,6 +701,7 @@ def _launch_candidates(
     cands_per_prog: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    element_max: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-query-candidates Triton launch; synchronises only to size the argmax output."""
     nq = query_offsets.numel() - 1
@@ -707,6 +729,7 @@ def _launch_candidates(
         q8.stride(0), d8.stride(0), 0 if arg is None else arg.stride(0),
         CANDS_PER_PROG=cands_per_prog, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_K=block_k,
         MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=return_argmax,
+        ELEMENT_MAX=_element_max(element_max, _CAND_ELEMENT_MAX, return_argmax),
         num_warps=num_warps or _CAND_WARPS, num_stages=num_stages or _CAND_STAGES,
     )  # fmt: skip
     return out, arg

@@ -135,6 +135,34 @@ def test_varlen_exact(backend: str, q_lengths: list[int], d_lengths: list[int], 
     assert torch.equal(maxsim_varlen_int8(queries, qo, d8, do, doc_scales=sd, backend=backend), scores)
 
 
+@_NEEDS_TRITON
+@pytest.mark.parametrize("q_lengths,d_lengths,dim", SHAPES)
+def test_element_max_tiles_give_the_same_scores(monkeypatch, q_lengths, d_lengths, dim) -> None:
+    """The running max kept per tile element (reduced at each document's end) gives the bits of the
+    per-row running max: the max of the same fp32 products, in whatever order, is the same number."""
+    import maxsim_kernels.maxsim_int8 as int8
+
+    gen = torch.Generator().manual_seed(31 + dim)
+    queries, qo = packed(q_lengths, dim, gen)
+    docs, do = packed(d_lengths, dim, gen, scale=0.1)
+    d8, sd = quantize_per_token(docs, backend="torch")
+    cand_off = torch.arange(len(q_lengths) + 1) * len(d_lengths)  # every query: every doc, reversed
+    cand_docs = torch.arange(len(d_lengths)).flip(0).repeat(len(q_lengths))
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        all_pairs = maxsim_varlen_int8(queries, qo, d8, do, doc_scales=sd, backend="triton")
+        cands = maxsim_candidates_int8(
+            queries, qo, d8, do, cand_off, cand_docs, doc_scales=sd, backend="triton"
+        )
+        return all_pairs, cands
+
+    by_row = run()
+    for name in ("_VARLEN_ELEMENT_MAX", "_FEW_QUERIES_ELEMENT_MAX", "_CAND_ELEMENT_MAX"):
+        monkeypatch.setattr(int8, name, True)
+    by_element = run()
+    assert torch.equal(by_row[0], by_element[0]) and torch.equal(by_row[1], by_element[1])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("q_lengths,d_lengths,dim", SHAPES[:4] + SHAPES[5:])
 def test_candidates_exact(backend: str, q_lengths: list[int], d_lengths: list[int], dim: int) -> None:
