@@ -123,22 +123,29 @@ class _HostBatch:
 
 
 class PinnedArena:
-    """Page-locked host memory for the staging slots, allocated by a background thread.
+    """Page-locked host memory for the staging slots, allocated by a background thread in pieces.
 
-    Page-locking costs about 0.5 s per GiB on the H200 machine (2.3 GiB of lazily pinned slots added
-    ~1.2 s to a 10 GB run, benchmarks/results/score-h200.json), once per process. The engine starts the
-    arena before it opens the corpus, so the allocation overlaps the set-up (opening shards, building
-    the id index, planning); slots are then carved out of it.
+    Page-locking costs about 0.5 s per GiB on the H200 machine, once per process (PyTorch's host
+    allocator caches the blocks for later runs). The engine starts the arena before it opens the corpus,
+    and the thread locks it one piece (`PIECE_BYTES`) at a time: a reader waits only for the piece its
+    slot is carved from, so the first batches are read while later pieces are still being locked, instead
+    of the whole arena delaying the first read. A request larger than a piece, or past the last piece,
+    gets None (the caller allocates a slot of its own).
     """
 
     ALIGN = 4096
+    PIECE_BYTES = 64 << 20  # two slots of the default ~28 MiB (score.STAGING_BYTES / 18)
 
     def __init__(self, nbytes: int, device: torch.device | None = None) -> None:
         self.nbytes = max(int(nbytes), self.ALIGN)
         self.device = device
-        self._used = 0
-        self._buffer: torch.Tensor | None = None
+        self.piece_bytes = min(self.PIECE_BYTES, self.nbytes)
+        self._count = -(-self.nbytes // self.piece_bytes)
+        self._pieces: list[torch.Tensor] = []
+        self._current = 0  # the piece slots are carved from
+        self._used = 0  # bytes of it handed out
         self._error: BaseException | None = None
+        self._ready = threading.Condition()
         self._thread = threading.Thread(target=self._allocate, name="maxsim-pin", daemon=True)
         self._thread.start()
 
@@ -146,21 +153,36 @@ class PinnedArena:
         try:
             if self.device is not None and self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            self._buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+            for _ in range(self._count):
+                piece = self._lock_piece()
+                with self._ready:
+                    self._pieces.append(piece)
+                    self._ready.notify_all()
         except BaseException as exc:  # noqa: BLE001 - re-raised by the thread that takes memory
-            self._error = exc
+            with self._ready:
+                self._error = exc
+                self._ready.notify_all()
+
+    def _lock_piece(self) -> torch.Tensor:
+        return torch.empty(self.piece_bytes, dtype=torch.uint8, pin_memory=True)
 
     def take(self, nbytes: int) -> torch.Tensor | None:
-        """``nbytes`` bytes (uint8, aligned) of the arena, or None once it is used up."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        assert self._buffer is not None
-        start = -(-self._used // self.ALIGN) * self.ALIGN
-        if start + nbytes > self.nbytes:
+        """``nbytes`` bytes (uint8, aligned) of the arena, or None when no piece can hold them."""
+        if nbytes > self.piece_bytes:
             return None
-        self._used = start + nbytes
-        return self._buffer[start : start + nbytes]
+        with self._ready:
+            while self._current < self._count:
+                if self._current < len(self._pieces):
+                    start = -(-self._used // self.ALIGN) * self.ALIGN
+                    if start + nbytes <= self.piece_bytes:
+                        self._used = start + nbytes
+                        return self._pieces[self._current][start : start + nbytes]
+                    self._current, self._used = self._current + 1, 0  # the rest of this piece stays unused
+                elif self._error is not None:
+                    raise self._error
+                else:
+                    self._ready.wait()
+        return None
 
 
 class _Buffers:

@@ -14,9 +14,11 @@ standard input. Blank lines are skipped. In tab-separated lines a field must be 
 whitespace (a space inside a tab-separated id would silently become two ids for trec_eval).
 
 Order written (trec_eval's own): score descending, ties broken by docno descending, both compared exactly
-as they are printed. Scores are printed with ``'.9g'`` of their float32 value, which round-trips every
-float32 exactly; a fixed six decimals would create ties that the scores do not have. Because the order key
-is the float32 value, the rank column always agrees with the order in which trec_eval re-sorts the file.
+as they are printed. A score is printed as the shortest decimal that reads back as the same float32 (Arrow's
+float-to-string cast, e.g. ``0.8125``, ``31.97153``, ``1e-7``), so it round-trips exactly; a fixed six
+decimals would create ties that the scores do not have. Because the order key is the float32 value, the
+rank column always agrees with the order in which trec_eval re-sorts the file. Lines are assembled by
+Arrow compute functions, not by Python string formatting: 512K lines take ~0.1 s instead of ~0.6 s.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ __all__ = [
     "RunRow",
     "RunWriter",
     "format_score",
+    "format_scores",
     "iter_qrels",
     "iter_run",
     "read_qrels",
@@ -301,19 +304,40 @@ def read_qrels(path: str | os.PathLike[str]) -> dict[str, dict[str, int]]:
 # ordering and formatting
 
 
+def format_scores(scores: Sequence[float] | np.ndarray):  # noqa: ANN201 - a pyarrow.StringArray
+    """Scores as printed in a run (an Arrow string array): the shortest decimal that reads back as the
+    same float32, with -0 printed as 0."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    values = np.asarray(scores, dtype=np.float32).reshape(-1) + np.float32(0.0)
+    return pc.cast(pa.array(values, type=pa.float32()), pa.large_string())
+
+
 def format_score(x: float) -> str:
-    """The score as printed in a run: ``'.9g'`` of its float32 value (9 significant digits round-trip
-    every float32), with -0 printed as 0."""
-    return format(float(np.float32(x)) + 0.0, ".9g")
+    """One score as printed in a run (see `format_scores`)."""
+    return format_scores([x])[0].as_py()
+
+
+def _arrow_bytes(lines) -> bytes:  # noqa: ANN001 - a pyarrow (Large)StringArray without nulls
+    """The concatenated values of a string array (UTF-8), straight from its data buffer."""
+    if len(lines) == 0:
+        return b""
+    width = np.int64 if str(lines.type) == "large_string" else np.int32
+    offsets = np.frombuffer(lines.buffers()[1], dtype=width)[lines.offset : lines.offset + len(lines) + 1]
+    return lines.buffers()[2][int(offsets[0]) : int(offsets[-1])].to_pybytes()
+
+
+def _ranks_text(count: int):  # noqa: ANN202
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    return pc.cast(pa.array(np.arange(1, count + 1, dtype=np.int64)), pa.large_string())
 
 
 def _float32_keys(scores: Sequence[float]) -> np.ndarray:
     """float32 then float64 (+ 0.0 turns -0 into 0): the order key is exactly the printed value."""
     return np.asarray(scores, dtype=np.float32).astype(np.float64) + 0.0
-
-
-def _percent_escaped(text: str) -> str:
-    return text.replace("%", "%%")
 
 
 def sort_trec(docnos: Sequence[str], scores: Sequence[float]) -> list[int]:
@@ -470,23 +494,89 @@ class RunWriter:
             order: Sequence[int] = range(len(keys))
         else:
             order = sorted(range(len(docnos)), key=lambda i: (keys[i], docnos[i]), reverse=True)
+        import pyarrow as pa
+
+        ordered = [docnos[i] for i in order]
+        scores_text = format_scores(key_array[list(order)])
         if self.fmt == "trec":
-            # one %-format over the whole query: rows of (docno, rank, score), '.9g' as format_score
-            fields: list[object] = [None] * (3 * len(order))
-            fields[0::3] = [docnos[i] for i in order]
-            fields[1::3] = range(1, len(order) + 1)
-            fields[2::3] = [keys[i] for i in order]
-            row = f"{_percent_escaped(qid)} Q0 %s %d %.9g {_percent_escaped(self.tag)}\n"
-            text = (row * len(order)) % tuple(fields)
+            text = self._trec_lines(
+                [qid], [len(order)], pa.array(ordered, type=pa.large_string()), scores_text
+            )
         else:
             results = ",".join(
-                f'{{"docno":{json.dumps(docnos[i], ensure_ascii=False)},"rank":{rank},'
-                f'"score":{format(keys[i] + 0.0, ".9g")}}}'
-                for rank, i in enumerate(order, 1)
+                f'{{"docno":{json.dumps(docno, ensure_ascii=False)},"rank":{rank},"score":{score}}}'
+                for rank, (docno, score) in enumerate(zip(ordered, scores_text.to_pylist(), strict=True), 1)
             )
             text = f'{{"qid":{json.dumps(qid, ensure_ascii=False)},"results":[{results}]}}\n'
-        self._stream.write(text)
+        self._emit(text, 1, len(order))
+
+    def write_ranked(self, qids: Sequence[str], docnos, scores: np.ndarray) -> None:  # noqa: ANN001
+        """Write several queries at once whose rows are already in trec_eval's order, as a running top-k
+        yields them: query i's rows are ``docnos[i * m : (i + 1) * m]`` (an Arrow string array) with
+        float32 ``scores[i]`` ([len(qids), m]). Formats the whole block with Arrow compute functions.
+
+        The rows are checked as `write_query` checks them (ids, finite scores, the order); whatever fails
+        goes through `write_query` query by query, which names the culprit.
+        """
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if self._stream is None:
+            raise RuntimeError("RunWriter.write_ranked called outside its `with` block")
+        nq, m = (len(qids), 0) if scores.size == 0 else scores.shape
+        if len(docnos) != nq * m:
+            raise ValueError(f"write_ranked: {len(docnos)} docnos for {nq} queries of {m} rows")
+        docnos = docnos.cast(pa.large_string())
+        keys = scores.astype(np.float32) + np.float32(0.0)
+        clean = (
+            self.fmt == "trec"
+            and len(set(qids)) == nq
+            and not any(q in self._written for q in qids)
+            and all(q and not _WHITESPACE.search(q) for q in qids)
+            and bool(np.isfinite(keys).all())
+            and bool((keys[:, :-1] >= keys[:, 1:]).all())
+            and (m == 0 or not pc.any(pc.match_substring_regex(docnos, r"\s")).as_py())
+            and (m == 0 or pc.min(pc.utf8_length(docnos)).as_py() > 0)
+        )
+        if not clean:
+            for i, qid in enumerate(qids):
+                self.write_query(qid, docnos[i * m : (i + 1) * m].to_pylist(), keys[i].tolist())
+            return
+        self._written.update(qids)
+        self._emit(self._trec_lines(qids, [m] * nq, docnos, format_scores(keys)), nq, nq * m)
+
+    def _trec_lines(self, qids: Sequence[str], counts: Sequence[int], docnos, scores_text) -> bytes:  # noqa: ANN001
+        """``qid Q0 docno rank score tag`` lines, query i's ``counts[i]`` rows ranked from 1."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        repeat = np.repeat(np.arange(len(qids)), counts)
+        qid_column = pa.array(list(qids), type=pa.large_string()).take(pa.array(repeat))
+        rank_index = np.arange(len(repeat)) - np.repeat(np.cumsum(counts) - np.asarray(counts), counts)
+        ranks = _ranks_text(max(counts, default=0)).take(pa.array(rank_index))
+        text = pa.large_string()
+        lines = pc.binary_join_element_wise(
+            qid_column,
+            pa.scalar("Q0", text),
+            docnos,
+            ranks,
+            scores_text,
+            pa.scalar(f"{self.tag}\n", text),
+            pa.scalar(" ", text),
+        )
+        return _arrow_bytes(lines)
+
+    def _emit(self, text: str | bytes, queries: int, rows: int) -> None:
+        assert self._stream is not None
+        binary = getattr(self._stream, "buffer", None) if isinstance(text, bytes) else None
+        if binary is not None:  # UTF-8 bytes as Arrow built them, past the text layer
+            self._stream.flush()
+            binary.write(text)
+        else:
+            self._stream.write(text.decode("utf-8") if isinstance(text, bytes) else text)
         if self.path == "-":
             self._stream.flush()
-        self.num_queries += 1
-        self.num_rows += len(order)
+            if binary is not None:
+                binary.flush()
+        self.num_queries += queries
+        self.num_rows += rows

@@ -564,7 +564,7 @@ class _Engine:
         if nq == 0 or n_docs == 0:
             return []
         # docno ranks (ascending byte order) for the tie-break, and the inverse to decode results
-        self.all_ids, self.ordinal_of_rank = _docno_order([s.ids for s in self.shards])
+        self.all_ids, self.ordinal_of_rank, self.ids_by_rank = _docno_order([s.ids for s in self.shards])
         self.rank_of_ordinal = np.empty(n_docs, dtype=np.int64)
         self.rank_of_ordinal[self.ordinal_of_rank] = np.arange(n_docs, dtype=np.int64)
 
@@ -735,7 +735,12 @@ class _Engine:
         )
 
     def _write_topk(self, writer, qids: list[str], scores: torch.Tensor, ranks: torch.Tensor) -> None:  # noqa: ANN001
+        import pyarrow as pa
+
         scores_np = scores.numpy()
+        if hasattr(writer, "write_ranked"):  # the whole block at once, docnos taken in Arrow
+            writer.write_ranked(qids, self.ids_by_rank.take(pa.array(ranks.numpy().reshape(-1))), scores_np)
+            return
         ordinals = self.ordinal_of_rank[ranks.numpy()]
         all_ids = self.all_ids
         for i, qid in enumerate(qids):
@@ -1004,14 +1009,16 @@ class _RankSlice:
         return self.ranks[self.a : self.b]
 
 
-def _docno_order(ids_per_shard: Sequence[Sequence[str]]) -> tuple[list[str], np.ndarray]:
-    """All docnos (global ordinal order) and the ordinals sorted by docno, ascending by UTF-8 bytes (the
-    order of Python's str comparison and of trec_eval's strcmp)."""
+def _docno_order(ids_per_shard: Sequence[Sequence[str]]):  # noqa: ANN202
+    """All docnos (global ordinal order), the ordinals sorted by docno, ascending by UTF-8 bytes (the
+    order of Python's str comparison and of trec_eval's strcmp), and the docnos in that order (an Arrow
+    array: a run's docnos are taken from it by rank, without a Python string each)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     all_ids: list[str] = []
     for ids in ids_per_shard:
         all_ids.extend(ids)
-    order = pc.sort_indices(pa.array(all_ids, type=pa.large_string())).to_numpy().astype(np.int64)
-    return all_ids, order
+    ids = pa.array(all_ids, type=pa.large_string())
+    order = pc.sort_indices(ids).to_numpy().astype(np.int64)
+    return all_ids, order, ids.take(pa.array(order))

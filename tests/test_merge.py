@@ -95,7 +95,7 @@ def test_duplicate_with_equal_score_is_kept_once(tmp_path):
     b.write_text("q1 Q0 x 1 0.10000000149 t\n")
     out = tmp_path / "o.trec"
     stats = merge_runs([str(a), str(b)], 10, str(out), tag="m")
-    assert out.read_text() == "q1 Q0 x 1 0.100000001 m\nq1 Q0 y 2 0.0500000007 m\n"
+    assert out.read_text() == "q1 Q0 x 1 0.1 m\nq1 Q0 y 2 0.05 m\n"
     assert stats.duplicates == 1
 
 

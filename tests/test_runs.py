@@ -161,6 +161,10 @@ def test_format_score_round_trips_float32():
     assert format_score(-0.0) == "0"
     # Scores that differ only below float32 resolution print (and sort) as equal.
     assert format_score(1.0) == format_score(1.0 + 1e-12) == "1"
+    # the shortest decimal that reads back as the float32: no digits beyond what it takes
+    assert [format_score(v) for v in (0.1, 31.97153, 1e-7, -2.5)] == ["0.1", "31.97153", "1e-7", "-2.5"]
+    digits = [format_score(float(v)).lstrip("-").split("e")[0].replace(".", "").strip("0") for v in values]
+    assert max(len(d) for d in digits) <= 9  # never more significant digits than '.9g' prints
 
 
 def test_sort_trec_ties_by_docno_descending_on_float32_value():
@@ -178,7 +182,7 @@ def test_run_writer_trec(tmp_path):
         writer.write_query("q2", ["d1", "d3", "d2"], [0.5, 0.75, 0.75])
         writer.write_query("q1", ["x"], [np.float32(0.1)])
     assert out.read_text() == (
-        "q2 Q0 d3 1 0.75 exp1\nq2 Q0 d2 2 0.75 exp1\nq2 Q0 d1 3 0.5 exp1\nq1 Q0 x 1 0.100000001 exp1\n"
+        "q2 Q0 d3 1 0.75 exp1\nq2 Q0 d2 2 0.75 exp1\nq2 Q0 d1 3 0.5 exp1\nq1 Q0 x 1 0.1 exp1\n"
     )
     assert (writer.num_queries, writer.num_rows) == (2, 4)
     # what was written reads back to the same ranking and float32 scores
@@ -210,6 +214,44 @@ def test_run_writer_rows_match_format_score_in_either_order_path(tmp_path):
             f"q%s Q0 {ids[i]} {rank} {format_score(values[i])} run%d\n" for rank, i in enumerate(order, 1)
         )
         assert out.read_text() == expected, name
+
+
+def test_write_ranked_block_equals_write_query_per_query(tmp_path):
+    """The whole-block path (Arrow) writes the bytes that write_query writes for the same rows, ties and
+    -0 included; a block with a bad row goes through write_query, which names it."""
+    import pyarrow as pa
+
+    rng = np.random.default_rng(8)
+    nq, m = 7, 50
+    scores = np.round(rng.standard_normal((nq, m)), 1).astype(np.float32)  # many ties
+    scores[0, :3] = -0.0
+    docnos = np.array([f"doc{i:03d}" for i in range(400)])
+    rows = []
+    for q in range(nq):
+        picked = rng.choice(len(docnos), m, replace=False)
+        order = sort_trec(list(docnos[picked]), scores[q].tolist())
+        rows.append((picked[order], scores[q][order]))
+    block_scores = np.stack([r[1] for r in rows])
+    block_docnos = pa.array(np.concatenate([docnos[r[0]] for r in rows]).tolist())
+    qids = [f"q{q}" for q in range(nq)]
+    a, b = tmp_path / "block.trec", tmp_path / "each.trec"
+    with RunWriter(str(a), tag="t") as writer:
+        writer.write_ranked(qids, block_docnos, block_scores)
+    assert (writer.num_queries, writer.num_rows) == (nq, nq * m)
+    with RunWriter(str(b), tag="t") as writer:
+        for q in range(nq):
+            writer.write_query(qids[q], list(docnos[rows[q][0]]), rows[q][1].tolist())
+    assert a.read_bytes() == b.read_bytes()
+    bad = block_scores.copy()
+    bad[3, 5] = np.inf
+    with pytest.raises(InputError, match=r"score inf of docno '.*' for query 'q3' is not finite"):
+        with RunWriter(str(tmp_path / "bad.trec")) as writer:
+            writer.write_ranked(qids, block_docnos, bad)
+    assert not (tmp_path / "bad.trec").exists()
+    spaced = pa.array(["a b"] + block_docnos.to_pylist()[1:])
+    with pytest.raises(InputError, match="docno 'a b' .*whitespace"):
+        with RunWriter(str(tmp_path / "bad.trec")) as writer:
+            writer.write_ranked(qids, spaced, block_scores)
 
 
 def test_run_writer_jsonl_and_gzip(tmp_path):

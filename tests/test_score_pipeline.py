@@ -387,12 +387,16 @@ def test_deferred_value_check_names_the_document(tmp_path) -> None:
 def test_pinned_arena_carves_aligned_disjoint_slots(monkeypatch) -> None:
     from maxsim_cli import pipeline
 
-    # the carving, without page-locking (this machine has no CUDA)
-    def allocate(self) -> None:
-        self._buffer = torch.zeros(self.nbytes, dtype=torch.uint8)
+    # the carving, without page-locking (this machine has no CUDA): 3 pieces of 12 KiB, a slot each
+    locked = []
 
-    monkeypatch.setattr(pipeline.PinnedArena, "_allocate", allocate)
-    arena = pipeline.PinnedArena(1 << 20)
+    def lock_piece(self) -> torch.Tensor:
+        locked.append(torch.zeros(self.piece_bytes, dtype=torch.uint8))
+        return locked[-1]
+
+    monkeypatch.setattr(pipeline.PinnedArena, "_lock_piece", lock_piece)
+    monkeypatch.setattr(pipeline.PinnedArena, "PIECE_BYTES", 12 << 10)
+    arena = pipeline.PinnedArena(36 << 10)
     slots = [
         pipeline._Buffers(100 + i, 10, 5, 16, torch.bfloat16, True, "cpu", False, arena) for i in range(3)
     ]
@@ -402,13 +406,31 @@ def test_pinned_arena_carves_aligned_disjoint_slots(monkeypatch) -> None:
         assert slot.scales is not None and slot.scales.shape == (100 + i,)
         assert slot.ints.shape == (16,) and slot.ints.dtype == torch.int64
         for t in (slot.embeddings, slot.scales, slot.ints):
-            assert (t.data_ptr() - arena._buffer.data_ptr()) % pipeline.PinnedArena.ALIGN == 0
+            piece = [p for p in locked if 0 <= t.data_ptr() - p.data_ptr() < p.numel()]
+            assert len(piece) == 1  # inside one locked piece, aligned, not past its end
+            assert (t.data_ptr() - piece[0].data_ptr()) % pipeline.PinnedArena.ALIGN == 0
+            assert t.data_ptr() - piece[0].data_ptr() + t.numel() * t.element_size() <= piece[0].numel()
             t.fill_(i + 1)
     for i, slot in enumerate(slots):  # no slot overwrote another
         assert bool((slot.embeddings == i + 1).all()) and bool((slot.ints == i + 1).all())
+    assert len(locked) == 3
+    rest = pipeline._Buffers(100, 10, 5, 16, torch.bfloat16, True, "cpu", False, arena)
+    rest.allocate()  # the pieces are used up: a slot of its own
+    assert all(not (0 <= rest.embeddings.data_ptr() - p.data_ptr() < p.numel()) for p in locked)
     huge = pipeline._Buffers(1 << 20, 10, 0, 16, torch.float16, False, "cpu", False, arena)
     huge.allocate()
-    assert huge.embeddings.shape == (1 << 20, 16)  # the arena is used up: a slot of its own
+    assert huge.embeddings.shape == (1 << 20, 16)  # larger than a piece: a slot of its own
+
+
+def test_pinned_arena_error_reaches_the_reader(monkeypatch) -> None:
+    from maxsim_cli import pipeline
+
+    def lock_piece(self) -> torch.Tensor:
+        raise RuntimeError("cannot page-lock")
+
+    monkeypatch.setattr(pipeline.PinnedArena, "_lock_piece", lock_piece)
+    with pytest.raises(RuntimeError, match="cannot page-lock"):
+        pipeline.PinnedArena(1 << 20).take(100)
 
 
 def test_progress_bar_is_drawn_only_on_a_terminal(monkeypatch) -> None:
