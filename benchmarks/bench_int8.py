@@ -214,10 +214,10 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
             "exhaustive",
             varlen_launcher(queries16, q_off, ex[2], ex[1], ex[3]),
             [  # first: the constants in force
-                dict(block_q=256, block_d=32, docs_per_prog=64, num_warps=8, num_stages=3),
-                dict(block_q=256, block_d=32, docs_per_prog=64, num_warps=8, num_stages=3, element_max=True),
-                dict(block_q=256, block_d=32, docs_per_prog=64, num_warps=8, num_stages=2, element_max=True),
                 dict(block_q=256, block_d=32, docs_per_prog=64, num_warps=4, num_stages=2, element_max=True),
+                dict(block_q=256, block_d=32, docs_per_prog=64, num_warps=8, num_stages=3, element_max=False),
+                dict(block_q=256, block_d=32, docs_per_prog=64, num_warps=4, num_stages=3, element_max=True),
+                dict(block_q=256, block_d=32, docs_per_prog=64, num_warps=4, num_stages=2, element_max=False),
                 dict(block_q=256, block_d=64, docs_per_prog=64, num_warps=8, num_stages=3, element_max=True),
                 dict(block_q=128, block_d=64, docs_per_prog=64, num_warps=4, num_stages=2, element_max=True),
                 dict(block_q=256, block_d=32, docs_per_prog=64, num_warps=8, num_stages=4),
@@ -231,9 +231,10 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
             "one_query",
             varlen_launcher(one_q, one_off, docs8, doc_off, scales),
             [  # first: the constants in force
-                dict(block_d=64, docs_per_prog=16, num_warps=4, num_stages=4),
                 dict(block_d=64, docs_per_prog=16, num_warps=4, num_stages=4, element_max=True),
-                dict(block_d=64, docs_per_prog=16, num_warps=4, num_stages=3, element_max=True),
+                dict(block_d=64, docs_per_prog=16, num_warps=4, num_stages=4, element_max=False),
+                dict(block_d=64, docs_per_prog=32, num_warps=4, num_stages=4, element_max=True),
+                dict(block_d=128, docs_per_prog=16, num_warps=4, num_stages=3, element_max=True),
             ],
             rep,
         )
@@ -247,10 +248,10 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
                 rq8, rsq, rq_off, pool8, pool_scales, pool_off, cand_off, cand_docs, False, **cfg
             ),
             [
-                dict(block_d=64, cands_per_prog=8, num_warps=4, num_stages=4),
                 dict(block_d=64, cands_per_prog=8, num_warps=4, num_stages=4, element_max=True),
-                dict(block_d=64, cands_per_prog=16, num_warps=4, num_stages=4, element_max=True),
-                dict(block_d=64, cands_per_prog=16, num_warps=4, num_stages=4),
+                dict(block_d=64, cands_per_prog=8, num_warps=4, num_stages=4, element_max=False),
+                dict(block_d=64, cands_per_prog=8, num_warps=4, num_stages=3, element_max=True),
+                dict(block_d=128, cands_per_prog=8, num_warps=4, num_stages=3, element_max=True),
             ],
             rep,
         )

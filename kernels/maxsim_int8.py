@@ -82,22 +82,26 @@ _MAGIC_FLOAT = 12582912.0  # 1.5 * 2^23
 #   second sweep (same script, the fp16 kernel's v3 levers): BLOCK_Q 256 (32,64,8,3) 71.8 ms | (64,64,8,3)
 #     85.0 | BLOCK_Q 128 (64,64,4,2) 85.7 | (64,128,4,2) 85.5 | (32,64,4,3) 87.7: 256-row x 32-token tiles
 #     with 64 documents a program, as in fp16.
+#   third sweep (v5; benchmarks/results/int8-sweep-v5-h200.json): the running max kept per tile element
+#     (ELEMENT_MAX, reduced once per document; kernels/_running_max.py) on one warp group:
+#     all pairs (32,64,4,2)+E 66.5 ms against 70.8 for the v4 entry (8 warps +E: 103.5, spills);
+#     one query (64,16,4,4)+E 0.699 ms against 0.806; rerank (64,8,4,4)+E 0.502 ms against 0.588.
 _VARLEN_BLOCK_Q = 256  # query tokens per program in the all-pairs kernel (8 queries of 32 tokens)
 _VARLEN_BLOCK_D = 32  # document tokens per tile
 _VARLEN_DOCS_PER_PROG = 64  # documents per program
-_VARLEN_WARPS = 8
-_VARLEN_STAGES = 3
-_VARLEN_ELEMENT_MAX = False  # running max per tile element (scores only; see kernels/_running_max.py)
+_VARLEN_WARPS = 4
+_VARLEN_STAGES = 2
+_VARLEN_ELEMENT_MAX = True  # running max per tile element (scores only; see kernels/_running_max.py)
 _FEW_QUERIES_BLOCK_D = 64  # memory-bound shapes (one or two query tiles)
 _FEW_QUERIES_DOCS_PER_PROG = 16
 _FEW_QUERIES_WARPS = 4
 _FEW_QUERIES_STAGES = 4
-_FEW_QUERIES_ELEMENT_MAX = False
+_FEW_QUERIES_ELEMENT_MAX = True
 _CAND_BLOCK_D = 64
 _CAND_PER_PROG = 8  # candidates per program
 _CAND_WARPS = 4
 _CAND_STAGES = 4
-_CAND_ELEMENT_MAX = False
+_CAND_ELEMENT_MAX = True
 _MAX_QUERIES_PER_GROUP = 32  # queries per all-pairs program at most (short queries)
 _QUANT_BLOCK_R = 16  # tokens per program of the quantize kernel
 
