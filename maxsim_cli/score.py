@@ -359,11 +359,13 @@ def score(
     )
     host_budget = max_host_memory if max_host_memory is not None else _default_host_bytes()
     threads = reader_threads or (min(DEFAULT_READER_THREADS, os.cpu_count() or 1) if cuda else 1)
+    corpus_obj = part.corpus if part is not None else open_corpus([str(p) for p in corpus])
     arena = None
     if cuda:
-        # page-locked staging memory, allocated while the corpus is opened and the run planned
+        # Page-locked staging memory, locked piece by piece while the run is planned and read; only once
+        # the corpus is open: opening 19 shards (an mmap each) while pieces were being locked took 0.29 s
+        # instead of 0.07 s on the H200 machine (both take the process's address-space lock).
         arena = PinnedArena(min(STAGING_BYTES, host_budget, _files_bytes(corpus) + (1 << 20)), dev)
-    corpus_obj = part.corpus if part is not None else open_corpus([str(p) for p in corpus])
     try:
         qbatch = read_queries(str(queries))
         qname = "<stdin>" if str(queries) == "-" else str(queries)

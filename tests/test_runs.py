@@ -216,11 +216,16 @@ def test_run_writer_rows_match_format_score_in_either_order_path(tmp_path):
         assert out.read_text() == expected, name
 
 
-def test_write_ranked_block_equals_write_query_per_query(tmp_path):
+@pytest.mark.parametrize("part_rows", [32768, 60])  # one part, or parts formatted side by side
+def test_write_ranked_block_equals_write_query_per_query(tmp_path, monkeypatch, part_rows):
     """The whole-block path (Arrow) writes the bytes that write_query writes for the same rows, ties and
     -0 included; a block with a bad row goes through write_query, which names it."""
     import pyarrow as pa
 
+    from maxsim_cli import runs
+
+    monkeypatch.setattr(runs, "_PARALLEL_ROWS", part_rows)
+    monkeypatch.setattr(runs.os, "cpu_count", lambda: 4)
     rng = np.random.default_rng(8)
     nq, m = 7, 50
     scores = np.round(rng.standard_normal((nq, m)), 1).astype(np.float32)  # many ties
