@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 _GZIP_MAGIC = b"\x1f\x8b"
-# Rows per part when write_ranked formats a block on several threads (512K rows: 8 parts on 8+ cores).
+# Rows per part when write_ranked formats a block on several threads (512K rows: 15 parts on 16 cores).
 _PARALLEL_ROWS = 32768
 _WHITESPACE = re.compile(r"\s")
 RUN_FORMATS = ("trec", "msmarco", "colbert")
@@ -551,7 +551,7 @@ class RunWriter:
             return self._trec_lines(qids[a:b], [m] * (b - a), docnos[a * m : b * m], format_scores(keys[a:b]))
 
         # parts of >= _PARALLEL_ROWS rows formatted side by side, written in order
-        parts = max(1, min(os.cpu_count() or 1, 8, nq * m // _PARALLEL_ROWS))
+        parts = max(1, min(os.cpu_count() or 1, 16, nq * m // _PARALLEL_ROWS))
         cuts = [nq * i // parts for i in range(parts + 1)]
         if parts == 1:
             self._emit(lines(0, nq), nq, nq * m)
