@@ -56,14 +56,18 @@ _STREAM_CHUNK_TOKENS = 32768
 _MIN_GEMM_ROWS = 16
 
 
-def _similarities(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [m, dim] . b [n, dim]^T as a contiguous [m, n], computed identically whatever m and n are."""
-    m, n = a.shape[0], b.shape[0]
+def _similarities(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """a [m, dim] . b_t [dim, n] as a contiguous [m, n], computed identically whatever m and n are.
+
+    The right operand comes transposed and contiguous (the query tokens as columns): MKL multiplies
+    [n_tokens, 128] x [128, 32] 2-8% faster that way than through a transposed view (2-core dev machine,
+    1 query x 4000 documents, 12 interleaved rounds: 56.8 / 59.0 ms best / median against 58.2 / 64.2)."""
+    m, n = a.shape[0], b_t.shape[1]
     if m < _MIN_GEMM_ROWS:
         a = torch.cat([a, a.new_zeros(_MIN_GEMM_ROWS - m, a.shape[1])])
     if n < _MIN_GEMM_ROWS:
-        b = torch.cat([b, b.new_zeros(_MIN_GEMM_ROWS - n, b.shape[1])])
-    out = torch.mm(a, b.T)
+        b_t = torch.cat([b_t, b_t.new_zeros(b_t.shape[0], _MIN_GEMM_ROWS - n)], dim=1)
+    out = torch.mm(a, b_t)
     return out if out.shape == (m, n) else out[:m, :n].contiguous()
 
 
@@ -80,13 +84,14 @@ def _score_stream(
     bounds = np.unique(np.concatenate([cuts, [nd]]))
     nq = len(q_offsets) - 1
     token_query = torch.from_numpy(np.repeat(np.arange(nq), np.diff(q_offsets)))
+    q_t = q.T.contiguous()
 
     def work(a: int, b: int) -> None:
         t0, t1 = int(d_offsets[a]), int(d_offsets[b])
         full = np.flatnonzero(lens[a:b] > 0) + a
         if t1 == t0 or len(full) == 0:
             return
-        sim = _similarities(docs[t0:t1].to(q.dtype), q)  # [tokens, Tq], as the blocked path computes it
+        sim = _similarities(docs[t0:t1].to(q.dtype), q_t)  # [tokens, Tq], as the blocked path computes it
         owner = torch.from_numpy(np.repeat(np.arange(b - a), lens[a:b]))[:, None].expand(-1, sim.shape[1])
         best = sim.new_full((b - a, sim.shape[1]), -torch.inf).scatter_reduce_(0, owner, sim, "amax")
         best = best[torch.from_numpy(full - a)]  # [docs, Tq]
@@ -135,6 +140,7 @@ def _score_docs(
     compute, device = q.dtype, q.device
     tq = q.shape[0]
     order, spans = _groups(lens, _GROUP_TOKENS)
+    q_t_blocks = [q[r0 : r0 + _QUERY_ROWS].T.contiguous() for r0 in range(0, tq, _QUERY_ROWS)]
     scores[:, torch.from_numpy(np.flatnonzero(lens == 0)).to(device)] = -torch.inf
     for lo, hi in spans:
         picked = torch.from_numpy(order[lo:hi]).to(device)
@@ -147,9 +153,9 @@ def _score_docs(
             block *= doc_scales.index_select(0, rows_t).to(compute)[:, None]
         n = len(picked)
         best = torch.empty(n, tq, dtype=compute, device=device)
-        for r0 in range(0, tq, _QUERY_ROWS):
+        for r0, q_t in zip(range(0, tq, _QUERY_ROWS), q_t_blocks, strict=True):
             r1 = min(tq, r0 + _QUERY_ROWS)
-            sim = _similarities(block, q[r0:r1]).view(n, width, r1 - r0)
+            sim = _similarities(block, q_t).view(n, width, r1 - r0)
             if argmax is None:
                 torch.amax(sim, dim=1, out=best[:, r0:r1])
             else:
