@@ -575,3 +575,41 @@ def test_cpu_backend_scores_do_not_depend_on_the_batch() -> None:
                 backend="torch",
             )
             assert torch.equal(sub, full[qa:qb, da:db]), (qa, qb, da, db)
+
+
+def _stream_scores_in_child(conn, inputs) -> None:  # noqa: ANN001
+    conn.send(maxsim_varlen(*inputs, backend="torch").numpy())  # numpy: no shared-memory handles
+    conn.close()
+
+
+def test_cpu_stream_pool_is_reused_and_survives_fork() -> None:
+    """The one-query stream keeps its worker threads across calls, starts a new pool when torch's thread
+    count changes, and a forked child (none of the parent's threads) still scores."""
+    import multiprocessing
+
+    import maxsim_kernels.cpu as cpu
+
+    q, q_off = packed([32], 16)
+    d, d_off = packed([20, 40, 7], 16)
+    first = maxsim_varlen(q, q_off, d, d_off, backend="torch")
+    pool = cpu._POOL
+    assert pool is not None
+    assert torch.equal(maxsim_varlen(q, q_off, d, d_off, backend="torch"), first)
+    assert cpu._POOL is pool  # reused
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        maxsim_varlen(q, q_off, d, d_off, backend="torch")
+        assert cpu._POOL is not pool and cpu._POOL[0] == threads + 1
+    finally:
+        torch.set_num_threads(threads)
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork on this platform")
+    parent, child = multiprocessing.get_context("fork").Pipe()
+    inputs = (q, q_off, d, d_off)
+    proc = multiprocessing.get_context("fork").Process(target=_stream_scores_in_child, args=(child, inputs))
+    proc.start()
+    assert parent.poll(60), "the forked child did not answer"
+    assert torch.equal(torch.from_numpy(parent.recv()), first)
+    proc.join(60)
+    assert proc.exitcode == 0
