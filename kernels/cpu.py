@@ -30,12 +30,16 @@ import torch
 from ._validate import Layout, check_candidates, check_inputs
 
 # Padded document tokens per group and query tokens per matrix product. Measured on the 2-core dev
-# machine (Xeon with AVX-512, torch 2.13, fp32, dim 128), 64 queries x 32 tokens against 1000 documents
-# of 20-300 tokens, best of 3 while other jobs shared the cores (sgemm 90 GFLOP/s at the time):
-# groups x rows = 512 x 2048 -> 81 GFLOP/s, 256 x 2048 -> 73, 2048 x 2048 -> 58, 8192 x 256 -> 64,
-# 4096 x 1024 -> 23, 2048 x 512 -> 18: the [group, rows] similarity block must stay near the 2 MB L2.
-_GROUP_TOKENS = 512
-_QUERY_ROWS = 2048
+# machine (Xeon with AVX-512, torch 2.13, fp32, dim 128), 64 queries x 32 tokens against 4000 documents
+# of 20-300 tokens, 4 interleaved rounds, best / median (sgemm 4096^3 at 317-324 GFLOP/s in the same
+# process): groups x rows = 2048 x 512 -> 1.69 / 1.72 s (200 GFLOP/s), 2048 x 256 1.64 / 1.74,
+# 4096 x 128 1.67 / 1.77, 1024 x 1024 1.72 / 1.77, 1024 x 512 1.72-1.75 / 1.77-1.79, 512 x 1024 1.95 /
+# 1.96, 512 x 2048 (the previous choice, from a run when other jobs held the cores) 1.88-1.93 / 1.95-2.01,
+# 256 x 512 2.19 / 2.28: about 1M similarities a block, with longer document groups. (An earlier sweep
+# on 1000 documents, with other jobs on the cores and sgemm at 90 GFLOP/s, ranked them otherwise:
+# 512 x 2048 81 GFLOP/s, 2048 x 2048 58, 2048 x 512 18.)
+_GROUP_TOKENS = 2048
+_QUERY_ROWS = 512
 
 
 # Few query tokens (one query, or a handful): stream the documents in their packed order instead, with
