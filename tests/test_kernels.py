@@ -596,6 +596,8 @@ def test_cpu_stream_pool_is_reused_and_survives_fork() -> None:
     assert pool is not None
     assert torch.equal(maxsim_varlen(q, q_off, d, d_off, backend="torch"), first)
     assert cpu._POOL is pool  # reused
+    # its workers run their products on one thread each; the caller's thread count is left alone
+    assert pool[1].submit(torch.get_num_threads).result() == 1
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:
