@@ -411,6 +411,13 @@ class KernelConfig:
     doc_major: bool = False  # scores only: S^T = D . Q^T tiles (see _maxsim_varlen_kernel)
     element_max: bool = False  # scores only: running max per tile element (implied by doc_major)
 
+    def tile_variant(self, return_argmax: bool) -> dict[str, bool]:
+        """The kernels' DOC_MAJOR and ELEMENT_MAX: both scores-only (an argmax needs the per-row max)."""
+        return {
+            "DOC_MAJOR": self.doc_major and not return_argmax,
+            "ELEMENT_MAX": (self.doc_major or self.element_max) and not return_argmax,
+        }
+
     def __post_init__(self) -> None:
         for name in ("block_q", "block_t", "docs_per_prog"):
             value = getattr(self, name)
@@ -593,8 +600,7 @@ def maxsim_varlen_forward_triton(
         queries.stride(0), docs.stride(0), nd,
         QPB=qpb, ROWS=rows, BLOCK_T=cfg.block_t, BLOCK_K=block_k, NUM_K=num_k, EVEN_K=even_k,
         DOCS_PER_PROG=cfg.docs_per_prog, PRECISION=_precision(docs.dtype, allow_tf32),
-        RETURN_ARGMAX=return_argmax, DOC_MAJOR=cfg.doc_major and not return_argmax,
-        ELEMENT_MAX=(cfg.doc_major or cfg.element_max) and not return_argmax,
+        RETURN_ARGMAX=return_argmax, **cfg.tile_variant(return_argmax),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     out = scores[0] if num_chunks == 1 else scores.sum(0)
@@ -668,8 +674,7 @@ def maxsim_candidates_forward_triton(
         queries.stride(0), docs.stride(0), layout.max_query_len,
         ROWS=rows, BLOCK_T=cfg.block_t, BLOCK_K=block_k, NUM_K=num_k, EVEN_K=even_k,
         CANDS_PER_PROG=cfg.docs_per_prog, PRECISION=_precision(docs.dtype, allow_tf32),
-        RETURN_ARGMAX=return_argmax, DOC_MAJOR=cfg.doc_major and not return_argmax,
-        ELEMENT_MAX=(cfg.doc_major or cfg.element_max) and not return_argmax,
+        RETURN_ARGMAX=return_argmax, **cfg.tile_variant(return_argmax),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     out = scores[0] if num_chunks == 1 else scores.sum(0)
