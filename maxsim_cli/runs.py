@@ -331,6 +331,23 @@ def _arrow_bytes(lines) -> bytes:  # noqa: ANN001 - a pyarrow (Large)StringArray
     return lines.buffers()[2][int(offsets[0]) : int(offsets[-1])].to_pybytes()
 
 
+def _ties_by_docno_descending(docnos, keys: np.ndarray) -> bool:  # noqa: ANN001 - an Arrow string array
+    """Whether every pair of equal neighbouring scores in the rows of ``keys`` [nq, m] has its docnos in
+    descending order (trec_eval's tie-break), ``docnos`` holding the rows one after another."""
+    m = keys.shape[1] if keys.ndim == 2 else 0
+    if m < 2:
+        return True
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    row, col = np.nonzero(keys[:, :-1] == keys[:, 1:])
+    if len(row) == 0:
+        return True
+    first = row * m + col
+    # Arrow compares strings by their UTF-8 bytes, as Python's str comparison and trec_eval's strcmp do
+    return bool(pc.all(pc.greater(docnos.take(pa.array(first)), docnos.take(pa.array(first + 1)))).as_py())
+
+
 def _ranks_text(count: int):  # noqa: ANN202
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -540,6 +557,7 @@ class RunWriter:
             and bool((keys[:, :-1] >= keys[:, 1:]).all())
             and (m == 0 or not pc.any(pc.match_substring_regex(docnos, r"\s")).as_py())
             and (m == 0 or pc.min(pc.utf8_length(docnos)).as_py() > 0)
+            and _ties_by_docno_descending(docnos, keys)
         )
         if not clean:
             for i, qid in enumerate(qids):

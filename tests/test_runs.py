@@ -247,6 +247,15 @@ def test_write_ranked_block_equals_write_query_per_query(tmp_path, monkeypatch, 
         for q in range(nq):
             writer.write_query(qids[q], list(docnos[rows[q][0]]), rows[q][1].tolist())
     assert a.read_bytes() == b.read_bytes()
+    # a tie handed over in the wrong docno order is sorted as write_query sorts it
+    tied = np.argwhere(block_scores[:, :-1] == block_scores[:, 1:])
+    q, j = int(tied[0][0]), int(tied[0][1])
+    swapped = block_docnos.to_pylist()
+    swapped[q * m + j], swapped[q * m + j + 1] = swapped[q * m + j + 1], swapped[q * m + j]
+    c = tmp_path / "swapped.trec"
+    with RunWriter(str(c), tag="t") as writer:
+        writer.write_ranked(qids, pa.array(swapped), block_scores)
+    assert c.read_bytes() == b.read_bytes()
     bad = block_scores.copy()
     bad[3, 5] = np.inf
     with pytest.raises(InputError, match=r"score inf of docno '.*' for query 'q3' is not finite"):
