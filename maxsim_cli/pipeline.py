@@ -587,7 +587,12 @@ class BatchStream:
             self._device_slots = [self._buffers(self.device) for _ in range(self.DEVICE_SLOTS)]
         for i in range(n_slots):
             slots.put(self._pinned[i])
-        self._pool = ThreadPoolExecutor(self.reader_threads, thread_name_prefix="maxsim-read")
+        self._pool = ThreadPoolExecutor(
+            self.reader_threads,
+            thread_name_prefix="maxsim-read",
+            initializer=torch.set_num_threads,
+            initargs=(1,),
+        )
         self._dispatcher = threading.Thread(
             target=self._dispatch, args=(self._pool, slots, ready), name="maxsim-dispatch", daemon=True
         )
