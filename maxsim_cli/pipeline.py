@@ -123,38 +123,45 @@ class _HostBatch:
 
 
 class PinnedArena:
-    """Page-locked host memory for the staging slots, allocated by a background thread in pieces.
+    """Page-locked host memory for `slots` staging slots, allocated by a background thread in pieces.
 
     Page-locking costs about 0.5 s per GiB on the H200 machine, once per process (PyTorch's host
-    allocator caches the blocks for later runs). The engine starts the arena before it opens the corpus,
-    and the thread locks it one piece (`PIECE_BYTES`) at a time: a reader waits only for the piece its
-    slot is carved from, so the first batches are read while later pieces are still being locked, instead
-    of the whole arena delaying the first read. A request larger than a piece, or past the last piece,
-    gets None (the caller allocates a slot of its own).
+    allocator caches the blocks for later runs). The engine starts the arena before it opens the corpus.
+    The arena is `slots` equal shares (``nbytes // slots``, aligned down), locked a piece of whole shares
+    (about `PIECE_BYTES`) at a time: a reader waits only for the piece its share is in, so the first
+    batches are read while later pieces are still being locked, and the arena never holds more than
+    ``nbytes``. The engine sizes batches so that a slot fits a share (`slot_share`); a larger request, or
+    one past the last share, gets None (the caller allocates a slot of its own).
     """
 
     ALIGN = 4096
-    PIECE_BYTES = 64 << 20  # two slots of the default ~28 MiB (score.STAGING_BYTES / 18)
+    PIECE_BYTES = 64 << 20  # about 33 ms to lock on the H200 machine
 
-    def __init__(self, nbytes: int, device: torch.device | None = None) -> None:
-        self.nbytes = max(int(nbytes), self.ALIGN)
+    def __init__(self, nbytes: int, slots: int, device: torch.device | None = None) -> None:
+        self.share = self.slot_share(nbytes, slots)
+        self.slots = max(1, slots)
+        self.nbytes = self.share * self.slots
         self.device = device
-        self.piece_bytes = min(self.PIECE_BYTES, self.nbytes)
-        self._count = -(-self.nbytes // self.piece_bytes)
+        per_piece = max(1, self.PIECE_BYTES // self.share)
+        self._piece_shares = [min(per_piece, self.slots - i) for i in range(0, self.slots, per_piece)]
         self._pieces: list[torch.Tensor] = []
-        self._current = 0  # the piece slots are carved from
-        self._used = 0  # bytes of it handed out
+        self._taken = 0  # shares handed out
         self._error: BaseException | None = None
         self._ready = threading.Condition()
         self._thread = threading.Thread(target=self._allocate, name="maxsim-pin", daemon=True)
         self._thread.start()
 
+    @classmethod
+    def slot_share(cls, nbytes: int, slots: int) -> int:
+        """Bytes of one share: ``nbytes // slots`` aligned down (at least one alignment unit)."""
+        return max(cls.ALIGN, int(nbytes) // max(1, slots) // cls.ALIGN * cls.ALIGN)
+
     def _allocate(self) -> None:
         try:
             if self.device is not None and self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            for _ in range(self._count):
-                piece = self._lock_piece()
+            for shares in self._piece_shares:
+                piece = self._lock_piece(shares * self.share)
                 with self._ready:
                     self._pieces.append(piece)
                     self._ready.notify_all()
@@ -163,26 +170,28 @@ class PinnedArena:
                 self._error = exc
                 self._ready.notify_all()
 
-    def _lock_piece(self) -> torch.Tensor:
-        return torch.empty(self.piece_bytes, dtype=torch.uint8, pin_memory=True)
+    def _lock_piece(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def take(self, nbytes: int) -> torch.Tensor | None:
-        """``nbytes`` bytes (uint8, aligned) of the arena, or None when no piece can hold them."""
-        if nbytes > self.piece_bytes:
+        """``nbytes`` bytes (uint8, aligned) at the start of the next share, or None when they do not fit
+        a share or every share is taken."""
+        if nbytes > self.share:
             return None
         with self._ready:
-            while self._current < self._count:
-                if self._current < len(self._pieces):
-                    start = -(-self._used // self.ALIGN) * self.ALIGN
-                    if start + nbytes <= self.piece_bytes:
-                        self._used = start + nbytes
-                        return self._pieces[self._current][start : start + nbytes]
-                    self._current, self._used = self._current + 1, 0  # the rest of this piece stays unused
-                elif self._error is not None:
+            if self._taken >= self.slots:
+                return None
+            piece, index = 0, self._taken
+            while index >= self._piece_shares[piece]:
+                index -= self._piece_shares[piece]
+                piece += 1
+            while piece >= len(self._pieces):
+                if self._error is not None:
                     raise self._error
-                else:
-                    self._ready.wait()
-        return None
+                self._ready.wait()
+            self._taken += 1
+            start = index * self.share
+            return self._pieces[piece][start : start + nbytes]
 
 
 class _Buffers:

@@ -85,7 +85,7 @@ DEFAULT_READER_THREADS = 16
 DEFAULT_HOST_BYTES = 4 << 30
 DEFAULT_GPU_FREE_SHARE = 0.9
 # Pinned staging memory on CUDA: page-locking costs ~0.5 s/GiB once per process (pipeline.PinnedArena), so
-# the slots share one arena of at most this size: (16 + 2) slots of ~28 MiB, i.e. 110K fp16 tokens of
+# the slots share one arena of at most this size: (16 + 2) shares of ~28 MiB, i.e. 110K fp16 tokens of
 # d = 128, a batch that still takes ~1.5 ms of kernel time for 512 queries (several times the launch
 # and merge overheads).
 STAGING_BYTES = 512 << 20
@@ -253,10 +253,12 @@ def _batch_token_limit(total_bytes: int, tb: int, budget: _Budget) -> float:
     target = min(max(total_bytes // MIN_BATCHES, MIN_BATCH_BYTES), MAX_BATCH_BYTES)
     if budget.cuda:
         slots = BatchStream.host_slots(budget.reader_threads)
-        # (reader_threads + 2) pinned slots and one unstaged batch per reader, and the slots within
-        # the pinned arena (with room for each slot's offsets and side data: 16 bytes a token at most)
+        # (reader_threads + 2) pinned slots and one unstaged batch per reader, and each slot within its
+        # share of the pinned arena (with room for its offsets and side data, 16 bytes a token at most,
+        # and the alignment of its three parts, with room to spare)
         target = min(target, budget.host_bytes // (slots + budget.reader_threads))
-        return max(min(target // tb, budget.staging_bytes // slots // (tb + 16)), 1)
+        share = PinnedArena.slot_share(budget.staging_bytes, slots) - 3 * PinnedArena.ALIGN
+        return max(min(target // tb, share // (tb + 16)), 1)
     return max(target // tb, 1)
 
 
@@ -366,7 +368,8 @@ def score(
         # 0.29 s instead of 0.07 s on the H200 machine: both take the process's address-space lock), but
         # started later it overlapped the pass, whose CUDA calls and reads then waited for the pieces:
         # 1.2-1.3 s instead of 0.54 s for the first pass of a process on a fresh machine.
-        arena = PinnedArena(min(STAGING_BYTES, host_budget, _files_bytes(corpus) + (1 << 20)), dev)
+        staging = min(STAGING_BYTES, host_budget, _files_bytes(corpus) + (1 << 20))
+        arena = PinnedArena(staging, BatchStream.host_slots(threads), dev)
     corpus_obj = part.corpus if part is not None else open_corpus([str(p) for p in corpus])
     try:
         if cuda:

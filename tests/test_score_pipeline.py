@@ -387,18 +387,19 @@ def test_deferred_value_check_names_the_document(tmp_path) -> None:
 def test_pinned_arena_carves_aligned_disjoint_slots(monkeypatch) -> None:
     from maxsim_cli import pipeline
 
-    # the carving, without page-locking (this machine has no CUDA): 3 pieces of 12 KiB, a slot each
+    # the carving, without page-locking (this machine has no CUDA): 5 shares of 12 KiB, 2 a piece
     locked = []
 
-    def lock_piece(self) -> torch.Tensor:
-        locked.append(torch.zeros(self.piece_bytes, dtype=torch.uint8))
+    def lock_piece(self, nbytes: int) -> torch.Tensor:
+        locked.append(torch.zeros(nbytes, dtype=torch.uint8))
         return locked[-1]
 
     monkeypatch.setattr(pipeline.PinnedArena, "_lock_piece", lock_piece)
-    monkeypatch.setattr(pipeline.PinnedArena, "PIECE_BYTES", 12 << 10)
-    arena = pipeline.PinnedArena(36 << 10)
+    monkeypatch.setattr(pipeline.PinnedArena, "PIECE_BYTES", 24 << 10)
+    arena = pipeline.PinnedArena((60 << 10) + 100, slots=5)
+    assert (arena.share, arena.nbytes) == (12 << 10, 60 << 10)  # never more than asked for
     slots = [
-        pipeline._Buffers(100 + i, 10, 5, 16, torch.bfloat16, True, "cpu", False, arena) for i in range(3)
+        pipeline._Buffers(100 + i, 10, 5, 16, torch.bfloat16, True, "cpu", False, arena) for i in range(5)
     ]
     for i, slot in enumerate(slots):
         slot.allocate()  # host slots are allocated by the reader that first fills them
@@ -413,24 +414,43 @@ def test_pinned_arena_carves_aligned_disjoint_slots(monkeypatch) -> None:
             t.fill_(i + 1)
     for i, slot in enumerate(slots):  # no slot overwrote another
         assert bool((slot.embeddings == i + 1).all()) and bool((slot.ints == i + 1).all())
-    assert len(locked) == 3
+    assert [p.numel() for p in locked] == [24 << 10, 24 << 10, 12 << 10]  # whole shares a piece
     rest = pipeline._Buffers(100, 10, 5, 16, torch.bfloat16, True, "cpu", False, arena)
-    rest.allocate()  # the pieces are used up: a slot of its own
+    rest.allocate()  # every share is taken: a slot of its own
     assert all(not (0 <= rest.embeddings.data_ptr() - p.data_ptr() < p.numel()) for p in locked)
     huge = pipeline._Buffers(1 << 20, 10, 0, 16, torch.float16, False, "cpu", False, arena)
     huge.allocate()
-    assert huge.embeddings.shape == (1 << 20, 16)  # larger than a piece: a slot of its own
+    assert huge.embeddings.shape == (1 << 20, 16)  # larger than a share: a slot of its own
+
+
+def test_batches_fit_the_pinned_shares() -> None:
+    """The planner's token limit keeps a slot (embeddings, scales, offsets and side data, aligned)
+    within its share of the arena, so no slot falls outside the pinned budget."""
+    from maxsim_cli import pipeline
+    from maxsim_cli.score import _batch_token_limit, _Budget
+
+    for staging, dim, itemsize, scaled in [(512 << 20, 128, 2, False), (3 << 20, 96, 1, True)]:
+        budget = _Budget(device_bytes=1 << 40, host_bytes=1 << 40, reader_threads=16, cuda=True,
+                         staging_bytes=staging)  # fmt: skip
+        slots = pipeline.BatchStream.host_slots(16)
+        tb = dim * itemsize + (4 if scaled else 0)
+        tokens = int(_batch_token_limit(100 << 30, tb, budget))
+        need = (
+            pipeline._Buffers.nbytes(tokens, tokens, tokens, dim, itemsize, scaled)
+            + 2 * pipeline.PinnedArena.ALIGN
+        )
+        assert need <= pipeline.PinnedArena.slot_share(staging, slots)
 
 
 def test_pinned_arena_error_reaches_the_reader(monkeypatch) -> None:
     from maxsim_cli import pipeline
 
-    def lock_piece(self) -> torch.Tensor:
+    def lock_piece(self, nbytes: int) -> torch.Tensor:
         raise RuntimeError("cannot page-lock")
 
     monkeypatch.setattr(pipeline.PinnedArena, "_lock_piece", lock_piece)
     with pytest.raises(RuntimeError, match="cannot page-lock"):
-        pipeline.PinnedArena(1 << 20).take(100)
+        pipeline.PinnedArena(1 << 20, slots=4).take(100)
 
 
 def test_progress_bar_is_drawn_only_on_a_terminal(monkeypatch) -> None:
