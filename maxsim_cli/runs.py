@@ -58,6 +58,8 @@ _GZIP_MAGIC = b"\x1f\x8b"
 # Rows per part when write_ranked formats a block on several threads (512K rows: 15 parts on 16 cores).
 _PARALLEL_ROWS = 32768
 _WHITESPACE = re.compile(r"\s")
+# The same characters as _WHITESPACE in RE2 syntax (Arrow's regexes): RE2's \s is ASCII only.
+_WHITESPACE_RE2 = r"[\s\x0b\x1c-\x1f\x85\p{Z}]"
 RUN_FORMATS = ("trec", "msmarco", "colbert")
 _COLUMNS = {6: "trec", 3: "msmarco", 4: "colbert"}
 _FORMAT_DESCRIPTION = {
@@ -555,7 +557,7 @@ class RunWriter:
             and all(q and not _WHITESPACE.search(q) for q in qids)
             and bool(np.isfinite(keys).all())
             and bool((keys[:, :-1] >= keys[:, 1:]).all())
-            and (m == 0 or not pc.any(pc.match_substring_regex(docnos, r"\s")).as_py())
+            and (m == 0 or not pc.any(pc.match_substring_regex(docnos, _WHITESPACE_RE2)).as_py())
             and (m == 0 or pc.min(pc.utf8_length(docnos)).as_py() > 0)
             and _ties_by_docno_descending(docnos, keys)
         )

@@ -266,6 +266,19 @@ def test_write_ranked_block_equals_write_query_per_query(tmp_path, monkeypatch, 
     with pytest.raises(InputError, match="docno 'a b' .*whitespace"):
         with RunWriter(str(tmp_path / "bad.trec")) as writer:
             writer.write_ranked(qids, spaced, block_scores)
+    # every character Python's \s matches is caught on the Arrow path too (RE2's \s is ASCII only)
+    import re
+
+    import pyarrow.compute as pc
+
+    from maxsim_cli.runs import _WHITESPACE_RE2
+
+    spaces = [c for c in map(chr, range(0x110000)) if re.match(r"\s", c)]
+    found = pc.match_substring_regex(pa.array([f"d{c}x" for c in spaces]), _WHITESPACE_RE2)
+    assert all(found.to_pylist())
+    with pytest.raises(InputError, match="whitespace"):
+        with RunWriter(str(tmp_path / "bad.trec")) as writer:
+            writer.write_ranked(qids, pa.array(["a\u3000b"] + block_docnos.to_pylist()[1:]), block_scores)
 
 
 def test_run_writer_jsonl_and_gzip(tmp_path):
