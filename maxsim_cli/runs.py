@@ -521,9 +521,7 @@ class RunWriter:
         ordered = [docnos[i] for i in order]
         scores_text = format_scores(key_array[list(order)])
         if self.fmt == "trec":
-            text = self._trec_lines(
-                [qid], [len(order)], pa.array(ordered, type=pa.large_string()), scores_text
-            )
+            text = self._trec_lines([qid], len(order), pa.array(ordered, type=pa.large_string()), scores_text)
         else:
             results = ",".join(
                 f'{{"docno":{json.dumps(docno, ensure_ascii=False)},"rank":{rank},"score":{score}}}'
@@ -568,7 +566,7 @@ class RunWriter:
         self._written.update(qids)
 
         def lines(a: int, b: int) -> bytes:  # queries [a, b); Arrow releases the GIL while it works
-            return self._trec_lines(qids[a:b], [m] * (b - a), docnos[a * m : b * m], format_scores(keys[a:b]))
+            return self._trec_lines(qids[a:b], m, docnos[a * m : b * m], format_scores(keys[a:b]))
 
         # parts of >= _PARALLEL_ROWS rows formatted side by side, written in order
         parts = max(1, min(os.cpu_count() or 1, 16, nq * m // _PARALLEL_ROWS))
@@ -580,15 +578,15 @@ class RunWriter:
             text = b"".join(pool.map(lines, cuts[:-1], cuts[1:]))
         self._emit(text, nq, nq * m)
 
-    def _trec_lines(self, qids: Sequence[str], counts: Sequence[int], docnos, scores_text) -> bytes:  # noqa: ANN001
-        """``qid Q0 docno rank score tag`` lines, query i's ``counts[i]`` rows ranked from 1."""
+    def _trec_lines(self, qids: Sequence[str], m: int, docnos, scores_text) -> bytes:  # noqa: ANN001
+        """``qid Q0 docno rank score tag`` lines, ``m`` rows a query, ranked from 1."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        repeat = np.repeat(np.arange(len(qids)), counts)
-        qid_column = pa.array(list(qids), type=pa.large_string()).take(pa.array(repeat))
-        rank_index = np.arange(len(repeat)) - np.repeat(np.cumsum(counts) - np.asarray(counts), counts)
-        ranks = _ranks_text(max(counts, default=0)).take(pa.array(rank_index))
+        qid_column = pa.array(list(qids), type=pa.large_string()).take(
+            pa.array(np.repeat(np.arange(len(qids)), m))
+        )
+        ranks = _ranks_text(m).take(pa.array(np.tile(np.arange(m), len(qids))))
         text = pa.large_string()
         lines = pc.binary_join_element_wise(
             qid_column,
