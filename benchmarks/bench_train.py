@@ -207,25 +207,40 @@ def measure(method: str, x: dict, ref: Grads) -> dict:
 # ------------------------------------------------------------------------------------------------------
 
 
+def host_time(step: Callable[[], Grads], steps: int = 50) -> float:
+    """Milliseconds of host time a step takes to enqueue (no synchronisation inside the loop): when it
+    exceeds the GPU time, the step is bound by Python and launch overheads."""
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / steps * 1e3
+
+
 def breakdown(x: dict) -> dict:
     """Our forward and the parts of our backward, each timed alone."""
     q, d, qo, do, g = x["q"], x["d"], x["qo"], x["do"], x["g"]
     fwd = maxsim_kernels.maxsim_varlen
     with torch.no_grad():
         _, argmax = fwd(q, qo, d, do, return_argmax=True)
-    td = d.shape[0]
+    td, max_doc_len = d.shape[0], x["shape"][3]
     tq = mb._owner_of(qo, q.shape[0])
     return {
+        "host_ms_per_step": host_time(ours(x)),
         "forward_argmax_ms": do_bench(lambda: fwd(q, qo, d, do, return_argmax=True), return_mode="median"),
         "csr_build_ms": do_bench(
-            lambda: mb.build_inverse_csr_all_pairs(argmax, do, td), return_mode="median"
+            lambda: mb.build_inverse_csr_all_pairs(argmax, do, td, max_doc_len), return_mode="median"
         ),
         "dq_kernel_ms": do_bench(
             lambda: mb._grad_queries_triton(d, None, do, argmax, g, qo, tq, None, None, q.shape[0], q.dtype),
             return_mode="median",
         ),
         "csr_and_dd_ms": do_bench(
-            lambda: mb._grad_docs_triton(q, g, argmax, qo, do, tq, None, None, td, d.dtype),
+            lambda: mb._grad_docs_triton(q, g, argmax, qo, do, tq, None, None, td, max_doc_len, d.dtype),
             return_mode="median",
         ),
         "backward_ms": do_bench(lambda: mb.maxsim_backward(g, argmax, q, qo, d, do), return_mode="median"),

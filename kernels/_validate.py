@@ -44,11 +44,11 @@ class Layout:
     def num_docs(self) -> int:
         return len(self.d_lens)
 
-    @property
+    @functools.cached_property
     def max_query_len(self) -> int:
         return int(self.q_lens.max()) if len(self.q_lens) else 0
 
-    @property
+    @functools.cached_property
     def max_doc_len(self) -> int:
         return int(self.d_lens.max()) if len(self.d_lens) else 0
 
@@ -223,6 +223,11 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             "backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors); use 'torch'"
         )
     return backend
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host integers (``triton.cdiv`` is a Triton function: ~2 us a call from Python)."""
+    return -(-a // b)
 
 
 def next_pow2(n: int) -> int:

@@ -24,9 +24,13 @@ Inverse map (CSR) and determinism
 ---------------------------------
 Every pair ``p`` (a query token and a scored document) has a key ``k(p)``: the global row of its winning
 document token. The CSR lists, for each document token ``j``, the pairs with ``k(p) = j`` in increasing
-order. All pairs: a document's pairs only land on its own tokens, so a counting sort per (block of
-_CSR_SEGMENT query tokens, document) builds it in two passes around integer prefix sums (count; fill)
-in which every write has a single owner: no atomics, no host synchronisation, 4 bytes a pair.
+order. All pairs: a document's pairs only land on its own tokens, and every query token has exactly one
+winner in each non-empty document, so document d's lists fill the fixed region ``[d*Tq, (d+1)*Tq)`` of
+the list array. One launch builds them: a program per (segment of up to _CSR_MAX_SEGMENT query tokens,
+document) sorts its segment by (winner, query token) in registers, writes the sorted tokens to its part
+of the region, and derives each document token's row pointer and count from the runs of equal winners
+(one CSR per segment; a token's list is its segments' lists in segment order). Every write has a single
+owner: no atomics, no host synchronisation, 2 bytes a pair.
 Candidates (lists may share documents): a stable sort of the keys (``torch.sort(stable=True)``, a
 deterministic radix sort on CUDA) and a binary search. One program per document token ``j`` then sums
 ``G * Q_i`` over its list in that fixed order with fp32 accumulators and writes its row once, in the
@@ -41,20 +45,22 @@ Float64 inputs (used by ``torch.autograd.gradcheck``) are scored by the package'
 
 Cost, with P the number of scored (query token, document) pairs (Tq * nd for all pairs): the backward
 gathers P document rows (dQ) and P query rows (dD), 2 * P * dim * bytes, mostly from L2 at training batch
-sizes, and reads the int32 argmax three times (dQ, count, fill). Memory beyond the two gradients: the
-forward's int32 argmax (4 B a pair), the CSR (4 B a pair + 12 B a document token) and the cursors
-(4 B x Td x ceil(Tq / _CSR_SEGMENT)).
+sizes, and reads the int32 argmax twice (dQ, the inverse map). Memory beyond the two gradients: the
+forward's int32 argmax (4 B a pair) and, for all pairs, the int16 lists (2 B a pair) and row pointers
+and counts (4 B x Td x ceil(Tq / segment)).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from ._validate import next_pow2, on_device, resolve_backend
+from ._validate import cdiv, host_offsets, memo, next_pow2, on_device, resolve_backend
 
 # --- tuning constants (H200, triton 3.6, dim 128: benchmarks/results/train-h200.json, "sweep") --------
 # Query-gradient kernel: a program owns _DQ_BLOCK_T query tokens and gathers _DQ_BLOCK_C winning rows
@@ -69,11 +75,13 @@ _DQ_NUM_WARPS = 4
 # warps) and 92 / 174 us for (32, 2 warps).
 _DD_BLOCK_E = 8
 _DD_NUM_WARPS = 1
-# All-pairs inverse CSR (counting sort): a program ranks the winners of _CSR_SEGMENT query tokens against
-# one document, _CSR_BLOCK_I at a time ([BLOCK_I, BLOCK_I] equality tile). A stable torch.sort of the
-# keys instead took 200 us for ColBERT 128 x 128 docs (0.5M pairs) and ~36 B of scratch a pair.
-_CSR_SEGMENT = 1024
-_CSR_BLOCK_I = 128
+# All-pairs inverse CSR: a program sorts the winners of up to _CSR_MAX_SEGMENT query tokens against one
+# document in registers. A stable torch.sort of the keys instead took 200 us for ColBERT 128 x 128 docs
+# (0.5M pairs) and ~36 B of scratch a pair; the previous counting sort (two passes of 1024-token segments
+# around torch prefix sums) 96 us a pass on the GPU plus ten launches on the host.
+_CSR_MAX_SEGMENT = 4096
+_CSR_MIN_SEGMENT = 16
+_CSR_DOC_BLOCK = 1024  # document tokens a step of the suffix minimum
 # Columns per program: a wider vector is split over a grid axis, so the register tiles stay at the size of
 # the measured dim-128 case whatever the dim (up to 4096).
 _MAX_BLOCK_DIM = 128
@@ -86,51 +94,83 @@ _TORCH_PAIRS_PER_STEP = 1 << 17
 # =====================================================================================================
 
 
+@triton.jit
+def _run_start_combine(winner_a, start_a, winner_b, start_b):
+    # scan over a sorted vector: b continues a's run of equal winners, or starts its own
+    return winner_b, tl.where(winner_a == winner_b, start_a, start_b)
+
+
+@triton.jit
+def _min_combine(a, b):
+    return tl.minimum(a, b)
+
+
 # Sizes are not specialized (see maxsim_forward: no recompiles when one is 1 or a multiple of 16).
 @triton.jit(do_not_specialize=["num_query_tokens", "num_docs", "num_doc_tokens"])
 def _maxsim_inverse_csr_kernel(
     # pointers
     argmax_ptr,
     doc_offsets_ptr,
-    cursor_ptr,
     order_ptr,
+    row_start_ptr,
+    row_count_ptr,
     # sizes
     num_query_tokens,
     num_docs,
     num_doc_tokens,
     # meta
-    FILL: tl.constexpr,
     SEGMENT: tl.constexpr,
-    BLOCK_I: tl.constexpr,
+    LOG_SEGMENT: tl.constexpr,
+    DOC_BLOCK: tl.constexpr,
 ):
-    """Counting sort of the query tokens by winning document token, one (query segment, document) each.
+    """Inverse map of one (query segment s, document d): a stable sort of the segment by winner.
 
-    Program (s, d) walks query tokens i in [s*SEGMENT, (s+1)*SEGMENT), BLOCK_I at a time, in increasing
-    order; cursor[s, j] (int32 [S, Td]) is segment s's next slot in the list of document token j.
-    Count pass (FILL=False, cursors from 0): the cursors end as the per-segment counts. Fill pass (cursors
-    from the exclusive prefix over tokens, then segments): token i goes to order[cursor[s, a(i, d)] +
-    rank], rank = earlier tokens of the same block with the same winner; then the cursors advance. Every
-    write has one owner, so no atomics; the lists come out in increasing i.
+    The SEGMENT query tokens i of segment s (global i = s*SEGMENT + local) are sorted in registers by the
+    key (a(i, d) << LOG_SEGMENT) | local, so ties keep increasing i. The sorted locals go to the region of
+    (s, d) in `order` (int16, region start d*Tq + s*SEGMENT); a scan over the sorted winners marks the first
+    position of each run, which becomes row_start[s, j] of its document token j; tokens without pairs take
+    the next run's start (a suffix minimum), and row_count[s, j] = row_start[s, j+1] - row_start[s, j].
+    One program owns every write it makes, so the build needs no atomics and no host synchronisation.
     """
     seg = tl.program_id(0)
     doc = tl.program_id(1)
     doc_start = tl.load(doc_offsets_ptr + doc)
-    seg_end = tl.minimum((seg + 1) * SEGMENT, num_query_tokens)
-    lanes = tl.arange(0, BLOCK_I)
-    cursors = cursor_ptr + seg.to(tl.int64) * num_doc_tokens + doc_start
-    for i0 in range(seg * SEGMENT, seg_end, BLOCK_I):
-        tokens = i0 + lanes
-        winner = tl.load(argmax_ptr + tokens.to(tl.int64) * num_docs + doc, mask=tokens < seg_end, other=-1)
-        valid = winner >= 0
-        same = (winner[:, None] == winner[None, :]) & valid[None, :]  # [i, i']
-        rank = tl.sum((same & (lanes[None, :] < lanes[:, None])).to(tl.int32), axis=1)  # same winner, i' < i
-        last = tl.sum((same & (lanes[None, :] > lanes[:, None])).to(tl.int32), axis=1) == 0
-        slot = tl.load(cursors + winner, mask=valid, other=0)
-        tl.debug_barrier()  # every lane has read its cursor before any cursor moves
-        if FILL:
-            tl.store(order_ptr + slot + rank, tokens, mask=valid)
-        tl.store(cursors + winner, slot + rank + 1, mask=valid & last)
-        tl.debug_barrier()  # the moved cursors are what the next block reads
+    doc_len = tl.load(doc_offsets_ptr + doc + 1) - doc_start
+    lanes = tl.arange(0, SEGMENT)
+    tokens = (seg * SEGMENT + lanes).to(tl.int64)
+    winner = tl.load(argmax_ptr + tokens * num_docs + doc, mask=tokens < num_query_tokens, other=-1)
+    key = tl.sort(tl.where(winner >= 0, (winner << LOG_SEGMENT) | lanes, 2147483647))
+    listed = key != 2147483647
+    num_listed = tl.sum(listed.to(tl.int32), axis=0)
+    region = doc.to(tl.int64) * num_query_tokens + seg * SEGMENT
+    tl.store(order_ptr + region + lanes, (key & (SEGMENT - 1)).to(order_ptr.dtype.element_ty), mask=listed)
+    sorted_winner = key >> LOG_SEGMENT
+    _, run_start = tl.associative_scan((sorted_winner, lanes), 0, _run_start_combine)
+    starts = row_start_ptr + seg.to(tl.int64) * num_doc_tokens + doc_start
+    counts = row_count_ptr + seg.to(tl.int64) * num_doc_tokens + doc_start
+    blocks = tl.cdiv(doc_len, DOC_BLOCK)
+    for b in range(0, blocks):
+        j = b * DOC_BLOCK + tl.arange(0, DOC_BLOCK)
+        tl.store(starts + j, num_listed.to(row_start_ptr.dtype.element_ty), mask=j < doc_len)
+    tl.debug_barrier()  # every token reads "no pairs" before the runs are written
+    tl.store(
+        starts + sorted_winner, lanes.to(row_start_ptr.dtype.element_ty), mask=listed & (run_start == lanes)
+    )
+    tl.debug_barrier()
+    next_start = num_listed
+    for b in range(0, blocks):  # from the last block of tokens to the first: suffix minimum
+        j = (blocks - 1 - b) * DOC_BLOCK + tl.arange(0, DOC_BLOCK)
+        first = tl.load(starts + j, mask=j < doc_len, other=SEGMENT).to(tl.int32)
+        first = tl.associative_scan(tl.minimum(first, next_start), 0, _min_combine, reverse=True)
+        tl.store(starts + j, first.to(row_start_ptr.dtype.element_ty), mask=j < doc_len)
+        next_start = tl.min(first, axis=0)
+    tl.debug_barrier()
+    for b in range(0, blocks):
+        j = b * DOC_BLOCK + tl.arange(0, DOC_BLOCK)
+        first = tl.load(starts + j, mask=j < doc_len, other=0).to(tl.int32)
+        end = tl.load(starts + j + 1, mask=j + 1 < doc_len, other=num_listed).to(tl.int32)
+        end = tl.where(j + 1 < doc_len, end, num_listed)
+        tl.store(counts + j, (end - first).to(row_count_ptr.dtype.element_ty), mask=j < doc_len)
 
 
 @triton.jit(do_not_specialize=["num_query_tokens", "num_docs", "max_query_len"])
@@ -220,7 +260,7 @@ def _maxsim_grad_queries_kernel(
     tl.store(out, acc.to(grad_queries_ptr.dtype.element_ty), mask=token_ok[:, None] & dim_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_docs", "max_query_len"])
+@triton.jit(do_not_specialize=["num_docs", "max_query_len", "num_query_tokens", "num_segments"])
 def _maxsim_grad_docs_kernel(
     # pointers
     queries_ptr,
@@ -235,50 +275,63 @@ def _maxsim_grad_docs_kernel(
     # sizes
     num_docs,
     max_query_len,
+    num_query_tokens,
+    num_segments,
+    num_doc_tokens,
     dim,
     # strides
     stride_query_token,
     stride_grad_token,
     # meta
     CANDIDATES: tl.constexpr,
+    SEGMENT: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
 ):
-    """dD_j = sum over the CSR list of doc token j of G[pair] * Q[query token of pair], in list order.
+    """dD_j = sum over the inverse-map lists of doc token j of G[pair] * Q[query token of pair], in order.
 
-    The list of j is order[row_start[j] : row_start[j] + row_count[j]]. All pairs: an entry is a query
-    token i, owner[i] its query, token_doc[j] the document d of j, and the weight G[owner[i], d].
-    Candidates: an entry is a flat pair index p = c * max_query_len + t (argmax [C, max_query_len]),
-    owner[c] the query of candidate c, the query token qo[owner[c]] + t and the weight G[c].
+    All pairs: segment s's list of j holds the locals order[r + row_start[s, j] + e], e < row_count[s, j],
+    r = d*Tq + s*SEGMENT, d = token_doc[j]: query token i = s*SEGMENT + local, owner[i] its query, weight
+    G[owner[i], d]; segments in increasing s, so the sum runs over i in increasing order.
+    Candidates (one segment): the list is order[row_start[j] + e], each a flat pair index
+    p = c * max_query_len + t (argmax [C, max_query_len]), owner[c] the query of candidate c, the query
+    token qo[owner[c]] + t and the weight G[c].
     Program (j, k) writes columns [k*BLOCK_DIM, (k+1)*BLOCK_DIM) of row j.
     """
     token = tl.program_id(0).to(tl.int64)
     dims = tl.program_id(1) * BLOCK_DIM + tl.arange(0, BLOCK_DIM)
     dim_ok = dims < dim
-    start = tl.load(row_start_ptr + token).to(tl.int64)
-    end = start + tl.load(row_count_ptr + token)
     if not CANDIDATES:
         doc_of_token = tl.load(token_doc_ptr + token).to(tl.int64)
     acc = tl.zeros([BLOCK_E, BLOCK_DIM], dtype=tl.float32)
-    for e0 in range(start, end, BLOCK_E):
-        entry = e0 + tl.arange(0, BLOCK_E)
-        entry_ok = entry < end
-        pair = tl.load(order_ptr + entry, mask=entry_ok, other=0).to(tl.int64)
+    for seg in range(0, num_segments):
+        start = tl.load(row_start_ptr + seg * num_doc_tokens + token).to(tl.int64)
+        count = tl.load(row_count_ptr + seg * num_doc_tokens + token).to(tl.int32)
         if CANDIDATES:
-            cand = pair // max_query_len
-            query = tl.load(owner_ptr + cand, mask=entry_ok, other=0)
-            qtok = tl.load(query_offsets_ptr + query, mask=entry_ok, other=0) + (pair - cand * max_query_len)
-            weight = tl.load(grad_scores_ptr + cand, mask=entry_ok, other=0.0)
+            base = start
         else:
-            qtok = pair
-            query = tl.load(owner_ptr + qtok, mask=entry_ok, other=0).to(tl.int64)
-            weight = tl.load(grad_scores_ptr + query * num_docs + doc_of_token, mask=entry_ok, other=0.0)
-        rows = tl.load(
-            queries_ptr + qtok[:, None] * stride_query_token + dims[None, :],
-            mask=entry_ok[:, None] & dim_ok[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        acc += rows * weight[:, None]
+            base = doc_of_token * num_query_tokens + seg * SEGMENT + start
+        for e0 in range(0, count, BLOCK_E):
+            entry = e0 + tl.arange(0, BLOCK_E)
+            entry_ok = entry < count
+            pair = tl.load(order_ptr + base + entry, mask=entry_ok, other=0).to(tl.int64)
+            if CANDIDATES:
+                cand = pair // max_query_len
+                query = tl.load(owner_ptr + cand, mask=entry_ok, other=0)
+                qtok = tl.load(query_offsets_ptr + query, mask=entry_ok, other=0) + (
+                    pair - cand * max_query_len
+                )
+                weight = tl.load(grad_scores_ptr + cand, mask=entry_ok, other=0.0)
+            else:
+                qtok = seg * SEGMENT + pair
+                query = tl.load(owner_ptr + qtok, mask=entry_ok, other=0).to(tl.int64)
+                weight = tl.load(grad_scores_ptr + query * num_docs + doc_of_token, mask=entry_ok, other=0.0)
+            rows = tl.load(
+                queries_ptr + qtok[:, None] * stride_query_token + dims[None, :],
+                mask=entry_ok[:, None] & dim_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            acc += rows * weight[:, None]
     out = tl.sum(acc, axis=0)
     tl.store(
         grad_docs_ptr + token * stride_grad_token + dims, out.to(grad_docs_ptr.dtype.element_ty), mask=dim_ok
@@ -291,9 +344,15 @@ def _maxsim_grad_docs_kernel(
 
 
 def _owner_of(offsets: torch.Tensor, count: int) -> torch.Tensor:
-    """Segment index of each of ``count`` items for CSR ``offsets`` (int32 [count]); no host sync."""
-    items = torch.arange(count, device=offsets.device, dtype=offsets.dtype)
-    return torch.searchsorted(offsets, items, right=True, out_int32=True) - 1
+    """Segment index of each of ``count`` items for CSR ``offsets`` (int32 [count]); no host sync.
+
+    Memoised per offsets tensor: a training loop passes the same offsets to every step."""
+
+    def compute() -> torch.Tensor:
+        items = torch.arange(count, device=offsets.device, dtype=offsets.dtype)
+        return torch.searchsorted(offsets, items, right=True, out_int32=True) - 1
+
+    return memo(offsets, ("owner", count), compute)
 
 
 def build_inverse_csr(keys: torch.Tensor, num_doc_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -309,41 +368,73 @@ def build_inverse_csr(keys: torch.Tensor, num_doc_tokens: int) -> tuple[torch.Te
     return row_ptr, order
 
 
-def build_inverse_csr_all_pairs(
-    argmax: torch.Tensor, doc_offsets: torch.Tensor, num_doc_tokens: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of the all-pairs argmax [Tq, nd]: ``(row_start int64, row_count int32 [Td], order int32)``.
+@dataclass(frozen=True)
+class InverseMap:
+    """The all-pairs inverse map, one CSR per segment of ``segment`` query tokens.
 
-    ``order[row_start[j] : row_start[j] + row_count[j]]`` are the query tokens i whose winner in j's
-    document is j, increasing. Two passes of ``_maxsim_inverse_csr_kernel`` (count, fill) around integer
-    prefix sums; deterministic, no atomics, no host synchronisation; scratch: int32 cursors [S, Td] with
-    S = ceil(Tq / _CSR_SEGMENT).
+    Segment s's list of document token j (in document d) is ``order[r + row_start[s, j] :
+    r + row_start[s, j] + row_count[s, j]]`` with ``r = d * Tq + s * segment``: the query tokens
+    ``s * segment + local`` whose winner in d is j, increasing. int16 throughout (values < segment).
     """
+
+    order: torch.Tensor  # int16 [Tq * nd]
+    row_start: torch.Tensor  # int16 [S, Td]
+    row_count: torch.Tensor  # int16 [S, Td]
+    segment: int
+
+    def lists(self, doc_offsets: torch.Tensor) -> list[list[int]]:
+        """Every token's full list of query tokens (host-side, for tests)."""
+        order, start, count = (
+            self.order.long().cpu(),
+            self.row_start.long().cpu(),
+            self.row_count.long().cpu(),
+        )
+        offsets = doc_offsets.cpu().tolist()
+        num_query_tokens = order.numel() // max(1, len(offsets) - 1)
+        out = []
+        for d in range(len(offsets) - 1):
+            for j in range(offsets[d], offsets[d + 1]):
+                listed = []
+                for s in range(start.shape[0]):
+                    r = d * num_query_tokens + s * self.segment + int(start[s, j])
+                    listed += [s * self.segment + int(x) for x in order[r : r + int(count[s, j])]]
+                out.append(listed)
+        return out
+
+
+def _csr_segment(num_query_tokens: int, max_doc_len: int) -> int:
+    """Query tokens a CSR program sorts: a power of two, at most _CSR_MAX_SEGMENT, small enough that the
+    key (winner << log2(segment)) | local fits in int31."""
+    winner_bits = max(1, int(max_doc_len).bit_length())
+    return max(_CSR_MIN_SEGMENT, min(_CSR_MAX_SEGMENT, next_pow2(num_query_tokens), 1 << (31 - winner_bits)))
+
+
+def build_inverse_csr_all_pairs(
+    argmax: torch.Tensor, doc_offsets: torch.Tensor, num_doc_tokens: int, max_doc_len: int
+) -> InverseMap:
+    """Inverse of the all-pairs argmax [Tq, nd] (see `InverseMap`): one launch of
+    ``_maxsim_inverse_csr_kernel``, a program per (segment, document); deterministic, no atomics, no host
+    synchronisation, 2 B a pair plus 4 B x S x Td."""
     num_query_tokens, num_docs = argmax.shape
     if num_query_tokens * num_docs >= 2**31:
         raise ValueError(
             f"{num_query_tokens} query tokens x {num_docs} documents is 2^31 pairs or more: split the batch"
         )
-    segments = triton.cdiv(num_query_tokens, _CSR_SEGMENT)
+    if max_doc_len >= 1 << 22:
+        raise ValueError(f"a document of {max_doc_len} tokens is too long for the backward (limit 2^22)")
+    segment = _csr_segment(num_query_tokens, max_doc_len)
+    segments = cdiv(num_query_tokens, segment)
     device = argmax.device
-    cursors = torch.zeros((segments, num_doc_tokens), device=device, dtype=torch.int32)
-    order = torch.empty(num_query_tokens * num_docs, device=device, dtype=torch.int32)
-    launch = dict(SEGMENT=_CSR_SEGMENT, BLOCK_I=_CSR_BLOCK_I, num_warps=4)
-    grid = (segments, num_docs)
-    _maxsim_inverse_csr_kernel[grid](
-        argmax, doc_offsets, cursors, order, num_query_tokens, num_docs, num_doc_tokens, FILL=False, **launch
-    )
-    row_count = cursors.sum(dim=0, dtype=torch.int32)
-    row_start = row_count.cumsum(dim=0) - row_count  # int64: a list may start past 2^31
-    # segment s of token j starts after the earlier segments' entries of j (in place: one [S, Td]
-    # temporary at a time, not three)
-    starts = cursors.cumsum(dim=0, dtype=torch.int32)
-    starts.sub_(cursors).add_(row_start.to(torch.int32)[None, :])
-    cursors = starts
-    _maxsim_inverse_csr_kernel[grid](
-        argmax, doc_offsets, cursors, order, num_query_tokens, num_docs, num_doc_tokens, FILL=True, **launch
-    )
-    return row_start, row_count, order
+    order = torch.empty(num_query_tokens * num_docs, device=device, dtype=torch.int16)
+    pointers = torch.empty((2, segments, num_doc_tokens), device=device, dtype=torch.int16)
+    if num_query_tokens and num_docs:
+        _maxsim_inverse_csr_kernel[(segments, num_docs)](
+            argmax, doc_offsets, order, pointers[0], pointers[1], num_query_tokens, num_docs, num_doc_tokens,
+            SEGMENT=segment, LOG_SEGMENT=segment.bit_length() - 1,
+            DOC_BLOCK=min(_CSR_DOC_BLOCK, max(16, next_pow2(max_doc_len))),
+            num_warps=max(4, min(8, segment // 512)),
+        )  # fmt: skip
+    return InverseMap(order, pointers[0], pointers[1], segment)
 
 
 def _grad_queries_triton(
@@ -365,13 +456,13 @@ def _grad_queries_triton(
         return grad_queries
     candidates = candidate_docs is not None
     block_dim = min(next_pow2(dim), _MAX_BLOCK_DIM)
-    dim_blocks = triton.cdiv(dim, block_dim)
+    dim_blocks = cdiv(dim, block_dim)
     if candidates:
         num_docs, max_query_len = 0, argmax.shape[1]
-        grid = (query_offsets.numel() - 1, triton.cdiv(max(max_query_len, 1), _DQ_BLOCK_T), dim_blocks)
+        grid = (query_offsets.numel() - 1, cdiv(max(max_query_len, 1), _DQ_BLOCK_T), dim_blocks)
     else:
         num_docs, max_query_len = argmax.shape[1], 0
-        grid = (triton.cdiv(num_query_tokens, _DQ_BLOCK_T), 1, dim_blocks)
+        grid = (cdiv(num_query_tokens, _DQ_BLOCK_T), 1, dim_blocks)
     unused = doc_offsets  # a valid pointer for the arguments a layout does not read
     _maxsim_grad_queries_kernel[grid](
         docs,
@@ -410,6 +501,7 @@ def _grad_docs_triton(
     candidate_offsets: torch.Tensor | None,
     candidate_docs: torch.Tensor | None,
     num_doc_tokens: int,
+    max_doc_len: int,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     dim = queries.shape[1]
@@ -425,32 +517,26 @@ def _grad_docs_triton(
         del keys, starts
         row_start, row_count = row_ptr[:-1], (row_ptr[1:] - row_ptr[:-1]).to(torch.int32)
         owner, token_doc = _owner_of(candidate_offsets, candidate_docs.numel()), row_count  # token_doc unused
-        num_docs, max_query_len = 0, argmax.shape[1]
+        num_docs, max_query_len, segments, segment = 0, argmax.shape[1], 1, 1
     else:
-        row_start, row_count, order = build_inverse_csr_all_pairs(argmax, doc_offsets, num_doc_tokens)
+        inverse = build_inverse_csr_all_pairs(argmax, doc_offsets, num_doc_tokens, max_doc_len)
+        order, row_start, row_count, segment = (
+            inverse.order,
+            inverse.row_start,
+            inverse.row_count,
+            inverse.segment,
+        )
+        segments = row_start.shape[0]
         owner, token_doc = token_query, _owner_of(doc_offsets, num_doc_tokens)
         num_docs, max_query_len = argmax.shape[1], 0
     block_dim = min(next_pow2(dim), _MAX_BLOCK_DIM)
-    _maxsim_grad_docs_kernel[(num_doc_tokens, triton.cdiv(dim, block_dim))](
-        queries,
-        grad_scores,
-        order,
-        row_start,
-        row_count,
-        owner,
-        token_doc,
-        query_offsets,
-        grad_docs,
-        num_docs,
-        max_query_len,
-        dim,
-        queries.stride(0),
-        grad_docs.stride(0),
-        CANDIDATES=candidate_docs is not None,
-        BLOCK_E=_DD_BLOCK_E,
-        BLOCK_DIM=block_dim,
+    _maxsim_grad_docs_kernel[(num_doc_tokens, cdiv(dim, block_dim))](
+        queries, grad_scores, order, row_start, row_count, owner, token_doc, query_offsets, grad_docs,
+        num_docs, max_query_len, argmax.shape[0], segments, num_doc_tokens, dim,
+        queries.stride(0), grad_docs.stride(0),
+        CANDIDATES=candidate_docs is not None, SEGMENT=segment, BLOCK_E=_DD_BLOCK_E, BLOCK_DIM=block_dim,
         num_warps=_DD_NUM_WARPS,
-    )
+    )  # fmt: skip
     return grad_docs
 
 
@@ -637,6 +723,7 @@ def maxsim_backward(
     argmax = argmax.contiguous()
     # the forward accepts offsets and candidate lists on the host; the kernels read them on the device
     device = queries.device
+    doc_offsets_in = doc_offsets
     query_offsets, doc_offsets = on_device(query_offsets, device), on_device(doc_offsets, device)
     if candidate_docs is not None:
         candidate_offsets = on_device(candidate_offsets, device)
@@ -670,9 +757,20 @@ def maxsim_backward(
             candidate_offsets,
             candidate_docs,
             docs.shape[0],
+            _max_len(doc_offsets_in, docs.shape[0]),
             docs.dtype,
         )
     return grad_q, grad_d
+
+
+def _max_len(offsets: torch.Tensor, total: int) -> int:
+    """Longest item of packed ``offsets`` (memoised; the forward's checks already hold a host copy)."""
+
+    def compute() -> int:
+        lens = np.diff(host_offsets("doc_offsets", offsets, total))
+        return int(lens.max()) if len(lens) else 0
+
+    return memo(offsets, ("max_len", total), compute)
 
 
 class MaxSimVarlenFunction(torch.autograd.Function):

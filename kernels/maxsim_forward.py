@@ -58,7 +58,16 @@ import triton.language as tl
 
 from ._launch import launch_fitting_shared_memory
 from ._running_max import document_max, fold_tile, restart
-from ._validate import FLOAT_DTYPES, Layout, check_candidates, check_inputs, memo, next_pow2, on_device
+from ._validate import (
+    FLOAT_DTYPES,
+    Layout,
+    cdiv,
+    check_candidates,
+    check_inputs,
+    memo,
+    next_pow2,
+    on_device,
+)
 
 # ============================================================================================
 # Triton kernels
@@ -488,7 +497,7 @@ def _precision(dtype: torch.dtype, allow_tf32: bool) -> str:
 def _k_blocking(dim: int) -> tuple[int, int, bool]:
     """(BLOCK_K, NUM_K, EVEN_K): dim <= 128 in one chunk (padded to a power of two), else 128-wide chunks."""
     block_k = max(16, min(next_pow2(dim), 128))
-    num_k = triton.cdiv(dim, block_k)
+    num_k = cdiv(dim, block_k)
     return block_k, num_k, dim % block_k == 0
 
 
@@ -530,7 +539,7 @@ def _docs_per_program(cap: int, num_blocks: int, num_docs: int, device: torch.de
     _MIN_PROGRAMS_PER_SM programs an SM. A runtime argument, so it never recompiles the kernel."""
     want = _MIN_PROGRAMS_PER_SM * _sm_count(device)
     per = cap
-    while per > 1 and num_blocks * triton.cdiv(num_docs, per) < want:
+    while per > 1 and num_blocks * cdiv(num_docs, per) < want:
         per //= 2
     return per
 
@@ -581,8 +590,8 @@ def maxsim_varlen_forward_triton(
         else:
             qpb = max(1, cfg.block_q // rows)
             rows = cfg.block_q // qpb
-    num_chunks = triton.cdiv(layout.max_query_len, rows) if qpb == 1 else 1
-    num_groups = triton.cdiv(nq, qpb)
+    num_chunks = cdiv(layout.max_query_len, rows) if qpb == 1 else 1
+    num_groups = cdiv(nq, qpb)
     num_blocks = num_groups * num_chunks
     scores = torch.empty((num_chunks, nq, nd), dtype=torch.float32, device=device)
     argmax = torch.empty((queries.shape[0], nd), dtype=torch.int32, device=device) if return_argmax else None
@@ -591,7 +600,7 @@ def maxsim_varlen_forward_triton(
         return (out, argmax) if return_argmax else out
     block_k, num_k, even_k = _k_blocking(dim)
     docs_per_prog = _docs_per_program(cfg.docs_per_prog, num_blocks, nd, device)
-    grid = (num_blocks * triton.cdiv(nd, docs_per_prog),)
+    grid = (num_blocks * cdiv(nd, docs_per_prog),)
     launch_fitting_shared_memory(
         _maxsim_varlen_kernel, grid,
         queries, on_device(query_offsets, device), docs, on_device(doc_offsets, device), scores,
@@ -650,7 +659,7 @@ def maxsim_candidates_forward_triton(
     cfg, rows = candidates_config(layout)
     if config is not None:
         cfg, rows = config, config.block_q
-    num_chunks = triton.cdiv(layout.max_query_len, rows) if num_c else 1
+    num_chunks = cdiv(layout.max_query_len, rows) if num_c else 1
     scores = torch.empty((num_chunks, num_c), dtype=torch.float32, device=device)
     argmax = None
     if return_argmax:

@@ -62,7 +62,7 @@ import triton.language as tl
 
 from ._launch import launch_fitting_shared_memory
 from ._running_max import document_max, fold_row_max, fold_tile, restart
-from ._validate import host_candidates, host_offsets, memo, on_device, resolve_backend
+from ._validate import cdiv, host_candidates, host_offsets, memo, on_device, resolve_backend
 
 # Codes are in [-127, 127]; shards written elsewhere may hold -128, so bounds use 128.
 INT8_ABSMAX = 127.0
@@ -503,7 +503,7 @@ def _quantize_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if n:
         block_k = triton.next_power_of_2(dim)
         block_r = max(1, min(_QUANT_BLOCK_R, 8192 // block_k))
-        _quantize_rows_kernel[(triton.cdiv(n, block_r),)](
+        _quantize_rows_kernel[(cdiv(n, block_r),)](
             x, codes, scales, n, dim, x.stride(0), codes.stride(0), BLOCK_R=block_r, BLOCK_K=block_k
         )
     return codes, scales
@@ -667,13 +667,13 @@ def _launch_varlen(
         mean = triton.next_power_of_2(max(1, -(-q8.shape[0] // nq)))
         per_group = max(1, min(_MAX_QUERIES_PER_GROUP, block_q // mean, triton.next_power_of_2(nq)))
     block_q = block_q or planned_q
-    n_groups = triton.cdiv(nq, per_group)
+    n_groups = cdiv(nq, per_group)
     few = n_groups <= 2  # one or two query tiles: bound by HBM, not by the tensor cores
     if block_d is None:
         block_d = _FEW_QUERIES_BLOCK_D if few else _VARLEN_BLOCK_D
         block_d = min(block_d, 32) if block_k > 256 else block_d
     docs_per_prog = docs_per_prog or (_FEW_QUERIES_DOCS_PER_PROG if few else _VARLEN_DOCS_PER_PROG)
-    grid = (n_groups * triton.cdiv(nd, docs_per_prog),)
+    grid = (n_groups * cdiv(nd, docs_per_prog),)
     launch_fitting_shared_memory(
         _maxsim_int8_varlen_kernel, grid,
         q8, sq, query_offsets, d8, sd, doc_offsets, out, out if arg is None else arg,
@@ -726,7 +726,7 @@ def _launch_candidates(
         block_d = min(_CAND_BLOCK_D, 32) if block_k > 256 else _CAND_BLOCK_D
     cands_per_prog = cands_per_prog or _CAND_PER_PROG
     launch_fitting_shared_memory(
-        _maxsim_int8_candidates_kernel, (triton.cdiv(n_cand, cands_per_prog),),
+        _maxsim_int8_candidates_kernel, (cdiv(n_cand, cands_per_prog),),
         q8, sq, query_offsets, candidate_offsets, candidate_docs, d8, sd, doc_offsets,
         out, out if arg is None else arg,
         nq, n_cand, dim,

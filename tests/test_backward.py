@@ -14,6 +14,7 @@ gradients, whose rounding alone is 2^-11 ~ 4.9e-4 relative: rtol 2e-3, atol 2e-3
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import maxsim_kernels
@@ -184,13 +185,12 @@ def test_only_one_side_requires_grad(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_document_and_many_csr_segments(backend, monkeypatch):
-    """An empty document scores -inf and takes no gradient; the CSR built from 4-token blocks in 8-token
-    segments (several blocks and segments per document) gives the same gradients."""
-    monkeypatch.setattr(mb, "_CSR_SEGMENT", 8)
-    monkeypatch.setattr(mb, "_CSR_BLOCK_I", 4)
-    queries, qo, docs, do = _layout([3, 6, 11], [4, 5, 2], 16, seed=13)
+    """An empty document scores -inf and takes no gradient; the inverse map built from 16-token segments
+    (several per batch of queries) gives the same gradients."""
+    monkeypatch.setattr(mb, "_CSR_MAX_SEGMENT", 16)
+    queries, qo, docs, do = _layout([3, 6, 11, 9], [4, 5, 2], 16, seed=13)
     do_empty = torch.tensor([0, 4, 4, 9, 11])  # doc 1 is empty
-    upstream = _upstream((3, 4))
+    upstream = _upstream((4, 4))
     s, gq, gd = _run(queries, qo, docs, do_empty, upstream, backend=backend)
     assert torch.isinf(s[:, 1]).all() and (s[:, 1] < 0).all()
     _, ref_q, ref_d = _reference(queries, qo, docs, do, upstream[:, [0, 2, 3]])
@@ -199,21 +199,28 @@ def test_empty_document_and_many_csr_segments(backend, monkeypatch):
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize("segment, block", [(1024, 128), (8, 4), (4, 4)])
-def test_all_pairs_inverse_csr_lists_every_pair_in_order(segment, block, monkeypatch):
-    monkeypatch.setattr(mb, "_CSR_SEGMENT", segment)
-    monkeypatch.setattr(mb, "_CSR_BLOCK_I", block)
+@pytest.mark.parametrize(
+    "max_segment, doc_block, query_tokens", [(4096, 1024, 21), (16, 16, 37), (16, 4, 64)]
+)
+def test_all_pairs_inverse_csr_lists_every_pair_in_order(max_segment, doc_block, query_tokens, monkeypatch):
+    """Every (query token, document) pair is listed once, under its winner, in increasing query token
+    order, across segments; ties, an empty document, a one-token document and a token no query picks."""
+    monkeypatch.setattr(mb, "_CSR_MAX_SEGMENT", max_segment)
+    monkeypatch.setattr(mb, "_CSR_DOC_BLOCK", doc_block)
     gen = torch.Generator().manual_seed(17)
-    do = torch.tensor([0, 3, 3, 8, 9])  # doc 1 empty, doc 3 one token
-    argmax = torch.stack([torch.randint(0, n, (21,), generator=gen) if n else torch.full((21,), -1)
-                          for n in (3, 0, 5, 1)], dim=1).to(torch.int32)  # fmt: skip
-    row_start, row_count, order = mb.build_inverse_csr_all_pairs(argmax, do, 9)
-    for doc in range(4):
-        for local in range(int(do[doc + 1] - do[doc])):
-            j = int(do[doc]) + local
-            listed = order[row_start[j] : row_start[j] + row_count[j]].tolist()
-            assert listed == (argmax[:, doc] == local).nonzero().flatten().tolist()
-    assert int(row_count.sum()) == 21 * 3
+    lens = (3, 0, 5, 1, 12)
+    do = torch.tensor([0, *itertools.accumulate(lens)])
+    columns = [torch.randint(0, max(n, 1), (query_tokens,), generator=gen) if n else torch.full((query_tokens,), -1)
+               for n in lens]  # fmt: skip
+    columns[4] = columns[4] % 6 * 2  # doc 4: only even tokens win, many times each
+    argmax = torch.stack(columns, dim=1).to(torch.int32)
+    inverse = mb.build_inverse_csr_all_pairs(argmax, do, int(do[-1]), max(lens))
+    listed = inverse.lists(do)
+    for doc, n in enumerate(lens):
+        for local in range(n):
+            want = (argmax[:, doc] == local).nonzero().flatten().tolist()
+            assert listed[int(do[doc]) + local] == want, (doc, local)
+    assert sum(len(x) for x in listed) == query_tokens * 4
 
 
 def test_triton_matches_torch_path_and_repeats_bitwise():
