@@ -8,6 +8,8 @@ staging arena (492 MiB, in 56 MiB pieces as `pipeline.PinnedArena` does). Varian
   register_touch           the same, pages touched first (memset)
   register_huge_touch      the same, advised MADV_HUGEPAGE first (2 MiB pages): `pipeline.lock_huge_pages`
   torch_pageable_register  torch.empty a piece, cudaHostRegister
+  torch_register_threads   torch.empty(pin_memory=True) a piece, PyTorch's allocator set to register
+                           malloc'ed memory with 8 threads (pinned_use_cuda_host_register)
 Each line also gives the host-to-GPU copy rate from the locked memory.
 
     python benchmarks/bench_pinning.py > benchmarks/results/pin-h200.txt
@@ -25,14 +27,18 @@ import time
 TOTAL = 512 << 20
 PIECE = 56 << 20
 VARIANTS = ["torch_pieces", "torch_one", "register", "register_touch", "register_huge_touch",
-            "torch_pageable_register"]  # fmt: skip
+            "torch_pageable_register", "torch_register_threads"]  # fmt: skip
 
 
 def lock(variant: str) -> list:
     import torch
 
     pieces = TOTAL // PIECE
-    if variant == "torch_pieces":
+    if variant == "torch_register_threads":
+        torch.cuda.memory._set_allocator_settings(
+            "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+        )
+    if variant in ("torch_pieces", "torch_register_threads"):
         return [torch.empty(PIECE, dtype=torch.uint8, pin_memory=True) for _ in range(pieces)]
     if variant == "torch_one":
         return [torch.empty(pieces * PIECE, dtype=torch.uint8, pin_memory=True)]

@@ -229,8 +229,35 @@ def breakdown(x: dict) -> dict:
         _, argmax = fwd(q, qo, d, do, return_argmax=True)
     td, max_doc_len = d.shape[0], x["shape"][3]
     tq = mb._owner_of(qo, q.shape[0])
+
+    def forward_only() -> Grads:
+        return fwd(q, qo, d, do, return_argmax=True)
+
+    segments = {}
+    for segment in (512, 1024, 2048, 4096):  # the inverse map's segment cap, swept
+        saved, mb._CSR_MAX_SEGMENT = mb._CSR_MAX_SEGMENT, segment
+        try:
+            segments[str(segment)] = {
+                "csr_build_ms": do_bench(
+                    lambda: mb.build_inverse_csr_all_pairs(argmax, do, td, max_doc_len), return_mode="median"
+                ),
+                "csr_and_dd_ms": do_bench(
+                    lambda: mb._grad_docs_triton(
+                        q, g, argmax, qo, do, tq, None, None, td, max_doc_len, d.dtype
+                    ),
+                    return_mode="median",
+                ),
+            }
+        finally:
+            mb._CSR_MAX_SEGMENT = saved
     return {
         "host_ms_per_step": host_time(ours(x)),
+        "host_forward_ms": host_time(forward_only),
+        "host_backward_ms": host_time(lambda: mb.maxsim_backward(g, argmax, q, qo, d, do)),
+        "host_dq_launch_ms": host_time(
+            lambda: mb._grad_queries_triton(d, None, do, argmax, g, qo, tq, None, None, q.shape[0], q.dtype)
+        ),
+        "csr_segment_sweep": segments,
         "forward_argmax_ms": do_bench(lambda: fwd(q, qo, d, do, return_argmax=True), return_mode="median"),
         "csr_build_ms": do_bench(
             lambda: mb.build_inverse_csr_all_pairs(argmax, do, td, max_doc_len), return_mode="median"

@@ -25,8 +25,8 @@ step() {  # step NAME SECONDS CMD...
   tar -czf "$out/h200-results.tar.gz" -C "$logs" .  # after every step: a later time-out keeps these
 }
 
-# STEPS picks a subset (not in the default set: sweep, the tile sweep of bench_kernels.py, and score,
-# `maxsim score` end to end on a 10 GB corpus); WORKLOADS narrows the kernel benchmark. All steps at their
+# STEPS picks a subset (not in the default set: sweep, the tile sweep of bench_kernels.py; score,
+# `maxsim score` end to end on a 10 GB corpus; pinning, bench_pinning.py); WORKLOADS narrows the kernel benchmark. All steps at their
 # default limits take longer than one 10-minute call: run STEPS="gpu-tests verify", STEPS="kernels train"
 # and STEPS="int8 ab" as three calls (the full gpu-tests step takes ~110-140 s).
 steps=" ${STEPS:-gpu-tests kernels train verify int8 ab} "
@@ -46,6 +46,7 @@ want ab && step ab ${AB_S:-60} python3 benchmarks/ab_specialization.py
 want ab-forward && step ab-forward ${AB_FORWARD_S:-240} python3 benchmarks/ab_forward.py \
   $(for v in ${AB_VARIANTS:-}; do echo --variant "$v"; done) --workloads "${AB_WORKLOADS:-exhaustive,colpali,one_query,rerank}" \
   --out "$logs/ab-forward-h200.json"
+want pinning && step pinning ${PINNING_S:-90} bash -c "python3 benchmarks/bench_pinning.py > $logs/pin-h200.txt"
 want score && step score ${SCORE_S:-200} python3 benchmarks/bench_score.py gpu --workdir /var/tmp/mb \
   --out "$logs/score-h200.json"
 

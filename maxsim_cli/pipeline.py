@@ -39,7 +39,6 @@ scores of a batch are the caller's to count.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import mmap
 import os
@@ -47,7 +46,6 @@ import queue
 import struct
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -124,69 +122,11 @@ class _HostBatch:
     checked: bool = True  # values checked for NaN/Inf on the host (False: read directly)
 
 
-# Page-locked memory on 2 MiB pages. Locking 492 MiB on the H200 machine, each way in a fresh process
-# (benchmarks/results/pin-h200.txt): torch.empty(pin_memory=True) in 56 MiB pieces 0.25-0.38 s, in one
-# block 0.19-0.26 s; an anonymous mapping advised MADV_HUGEPAGE, touched, then cudaHostRegister'ed
-# 0.10 s (4 KiB pages, touched: 0.27-0.28 s): the kernel maps and the driver pins 512x fewer pages. The
-# host-to-GPU copy rate is the same (55 GB/s). Mappings are kept for the life of the process, like
-# PyTorch's pinned blocks: a piece whose last tensor view is gone goes back to a pool for the next arena.
-_LOCKED_POOL: dict[int, list[mmap.mmap]] = {}
-_LOCKED_POOL_LOCK = threading.Lock()
-
-
-def lock_huge_pages(nbytes: int) -> torch.Tensor | None:
-    """A uint8 tensor of ``nbytes`` page-locked bytes on huge pages, or None where that cannot be had."""
-    with _LOCKED_POOL_LOCK:
-        free = _LOCKED_POOL.get(nbytes)
-        mapping = free.pop() if free else None
-        if mapping is None:
-            _unlock_pool_except(nbytes)  # a later arena of other piece sizes does not keep the old ones
-    if mapping is None:
-        mapping = _register_mapping(nbytes)
-        if mapping is None:
-            return None
-    view = (ctypes.c_char * nbytes).from_buffer(mapping)
-    weakref.finalize(view, _return_to_pool, nbytes, mapping)  # runs when the last tensor view is gone
-    return torch.frombuffer(view, dtype=torch.uint8)
-
-
-def _register_mapping(nbytes: int) -> mmap.mmap | None:
-    try:
-        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except (OSError, ValueError):
-        return None
-    try:
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):
-        pass  # no transparent huge pages here: still locked, on 4 KiB pages
-    view = (ctypes.c_char * nbytes).from_buffer(mapping)
-    address = ctypes.addressof(view)
-    ctypes.memset(address, 0, nbytes)  # fault the pages in (as huge pages) before the driver pins them
-    cudart = torch.cuda.cudart()
-    registered = int(cudart.cudaHostRegister(address, nbytes, 0)) == 0
-    del view
-    if not registered:
-        clear = getattr(cudart, "cudaGetLastError", None)
-        if clear is not None:
-            clear()  # the error is not sticky: clear it so that a later launch check does not report it
-        mapping.close()
-        return None
-    return mapping
-
-
-def _return_to_pool(nbytes: int, mapping: mmap.mmap) -> None:
-    with _LOCKED_POOL_LOCK:
-        _LOCKED_POOL.setdefault(nbytes, []).append(mapping)
-
-
-def _unlock_pool_except(nbytes: int) -> None:
-    """Unregister and unmap the pooled (unused) mappings of every other size. Caller holds the lock."""
-    for size in [n for n in _LOCKED_POOL if n != nbytes]:
-        for mapping in _LOCKED_POOL.pop(size):
-            view = (ctypes.c_char * size).from_buffer(mapping)
-            torch.cuda.cudart().cudaHostUnregister(ctypes.addressof(view))
-            del view
-            mapping.close()
+# Page-locking goes through PyTorch's pinned allocator (cudaHostAlloc), the slowest of the ways measured
+# (benchmarks/results/pin-h200.txt: 0.22-0.31 s for 492 MiB in 56 MiB pieces, against 0.09-0.10 s for
+# cudaHostRegister of huge-page mappings or PyTorch's threaded `pinned_use_cuda_host_register`), because
+# both registering ways gave wrong runs on the first run of a process, while pieces were still being
+# registered (benchmarks/check_pinning.py, benchmarks/results/check-pinning-h200.txt).
 
 
 class PinnedArena:
@@ -238,10 +178,6 @@ class PinnedArena:
                 self._ready.notify_all()
 
     def _lock_piece(self, nbytes: int) -> torch.Tensor:
-        if self.device is not None and self.device.type == "cuda":
-            piece = lock_huge_pages(nbytes)
-            if piece is not None:
-                return piece
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def take(self, nbytes: int) -> torch.Tensor | None:

@@ -210,7 +210,7 @@ def test_all_pairs_inverse_csr_lists_every_pair_in_order(max_segment, doc_block,
     gen = torch.Generator().manual_seed(17)
     lens = (3, 0, 5, 1, 12)
     do = torch.tensor([0, *itertools.accumulate(lens)])
-    columns = [torch.randint(0, max(n, 1), (query_tokens,), generator=gen) if n else torch.full((query_tokens,), -1)
+    columns = [torch.randint(0, n, (query_tokens,), generator=gen) if n else torch.full((query_tokens,), -1)
                for n in lens]  # fmt: skip
     columns[4] = columns[4] % 6 * 2  # doc 4: only even tokens win, many times each
     argmax = torch.stack(columns, dim=1).to(torch.int32)

@@ -95,7 +95,8 @@ def test_peak_memory_of_forward_and_backward():
 
     It holds the two gradients (= the inputs' size), the int32 argmax (4 B a pair), the int16 inverse
     lists (2 B a pair) and their int16 row pointers and counts (4 B x 8 segments x 32768 tokens):
-    ~23 MiB; 48 B a pair allowed. Materialising the similarities alone would take 2 B x 32 x 32 x 1024 x 1024 = 2 GiB.
+    ~23 MiB; 48 B a pair allowed. Materialising the similarities alone would take
+    2 B x 32 x 32 x 1024 x 1024 = 2 GiB.
     """
     queries, qo, docs, do = _batch(32, 1024, 32, 1024, torch.float16, seed=7, ragged=False)
     upstream = torch.randn(32, 32, device="cuda")
