@@ -79,16 +79,16 @@ _DD_NUM_WARPS = 1
 # document in registers. A stable torch.sort of the keys instead took 200 us for ColBERT 128 x 128 docs
 # (0.5M pairs) and ~36 B of scratch a pair; the previous counting sort (two passes of 1024-token segments
 # around torch prefix sums) 96 us a pass on the GPU plus ten launches on the host.
-# Segment cap: 1024 query tokens when there are >= _CSR_MANY_DOCS documents (programs enough from the
-# documents alone), else 4096 (fewer segments keep the dD kernel's per-token loop short). CSR build + dD,
-# ms, caps 512 / 1024 / 2048 / 4096 (benchmarks/results/train-h200.json, "csr_segment_sweep"):
+# Segment: 1024 query tokens when there are >= _CSR_MANY_DOCS documents (programs enough from the
+# documents alone), else 4096 (fewer segments keep the dD kernel's per-token loop short). Fixed per class,
+# whatever the number of query tokens, so that batch sizes never recompile the kernel. CSR build + dD,
+# ms, segments 512 / 1024 / 2048 / 4096 (benchmarks/results/train-h200.json, "csr_segment_sweep"):
 # ColBERT 128 q x 32 vs 128 docs 0.089 / 0.080 / 0.103 / 0.141; vs 256 docs 0.162 / 0.145 / 0.187 / 0.242;
 # ColPali 32 x 1024 vs 32 x 1024 0.381 / 0.311 / 0.289 / 0.289.
 _CSR_MAX_SEGMENT = 4096
 _CSR_MANY_DOCS_SEGMENT = 1024
 _CSR_MANY_DOCS = 64
-_CSR_MIN_SEGMENT = 16
-_CSR_DOC_BLOCK = 1024  # document tokens a step of the suffix minimum
+_CSR_DOC_BLOCK = 256  # document tokens a step of the suffix minimum (fixed: no recompiles by length)
 # Columns per program: a wider vector is split over a grid axis, so the register tiles stay at the size of
 # the measured dim-128 case whatever the dim (up to 4096).
 _MAX_BLOCK_DIM = 128
@@ -409,12 +409,13 @@ class InverseMap:
         return out
 
 
-def _csr_segment(num_query_tokens: int, num_docs: int, max_doc_len: int) -> int:
-    """Query tokens a CSR program sorts: a power of two up to the cap for this many documents, small
-    enough that the key (winner << log2(segment)) | local fits in int31."""
-    cap = _CSR_MAX_SEGMENT if num_docs < _CSR_MANY_DOCS else min(_CSR_MAX_SEGMENT, _CSR_MANY_DOCS_SEGMENT)
+def _csr_segment(num_docs: int, max_doc_len: int) -> int:
+    """Query tokens a CSR program sorts: the class's segment (by document count), halved only for
+    documents so long (2^19 tokens and more) that the key (winner << log2(segment)) | local would not
+    fit in int31."""
+    segment = _CSR_MAX_SEGMENT if num_docs < _CSR_MANY_DOCS else min(_CSR_MAX_SEGMENT, _CSR_MANY_DOCS_SEGMENT)
     winner_bits = max(1, int(max_doc_len).bit_length())
-    return max(_CSR_MIN_SEGMENT, min(cap, next_pow2(num_query_tokens), 1 << (31 - winner_bits)))
+    return min(segment, 1 << (31 - winner_bits))
 
 
 def build_inverse_csr_all_pairs(
@@ -430,7 +431,7 @@ def build_inverse_csr_all_pairs(
         )
     if max_doc_len >= 1 << 22:
         raise ValueError(f"a document of {max_doc_len} tokens is too long for the backward (limit 2^22)")
-    segment = _csr_segment(num_query_tokens, num_docs, max_doc_len)
+    segment = _csr_segment(num_docs, max_doc_len)
     segments = cdiv(num_query_tokens, segment)
     device = argmax.device
     order = torch.empty(num_query_tokens * num_docs, device=device, dtype=torch.int16)
@@ -439,8 +440,8 @@ def build_inverse_csr_all_pairs(
         _maxsim_inverse_csr_kernel[(segments, num_docs)](
             argmax, doc_offsets, order, pointers[0], pointers[1], num_query_tokens, num_docs, num_doc_tokens,
             SEGMENT=segment, LOG_SEGMENT=segment.bit_length() - 1,
-            DOC_BLOCK=min(_CSR_DOC_BLOCK, max(16, next_pow2(max_doc_len))),
-            num_warps=max(4, min(8, segment // 512)),
+            DOC_BLOCK=_CSR_DOC_BLOCK,
+            num_warps=8 if segment >= 4096 else 4,
         )  # fmt: skip
     return InverseMap(order, pointers[0], pointers[1], segment)
 

@@ -199,9 +199,7 @@ def test_empty_document_and_many_csr_segments(backend, monkeypatch):
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize(
-    "max_segment, doc_block, query_tokens", [(4096, 1024, 21), (16, 16, 37), (16, 4, 64)]
-)
+@pytest.mark.parametrize("max_segment, doc_block, query_tokens", [(256, 256, 21), (16, 16, 37), (16, 4, 64)])
 def test_all_pairs_inverse_csr_lists_every_pair_in_order(max_segment, doc_block, query_tokens, monkeypatch):
     """Every (query token, document) pair is listed once, under its winner, in increasing query token
     order, across segments; ties, an empty document, a one-token document and a token no query picks."""
@@ -221,6 +219,16 @@ def test_all_pairs_inverse_csr_lists_every_pair_in_order(max_segment, doc_block,
             want = (argmax[:, doc] == local).nonzero().flatten().tolist()
             assert listed[int(do[doc]) + local] == want, (doc, local)
     assert sum(len(x) for x in listed) == query_tokens * 4
+
+
+def test_inverse_map_launch_does_not_depend_on_batch_size_or_lengths(monkeypatch):
+    """The CSR kernel's compile-time constants come from the document-count class only (and a cap for
+    documents of 2^19 tokens or more), so batch sizes and lengths never recompile it."""
+    monkeypatch.setattr(mb, "_CSR_MAX_SEGMENT", 4096)  # the GPU sizes (the interpreter's are smaller)
+    monkeypatch.setattr(mb, "_CSR_MANY_DOCS_SEGMENT", 1024)
+    for docs in ([1, 16, 63], [64, 333, 4097]):
+        assert len({mb._csr_segment(n, max_len) for n in docs for max_len in (1, 5, 64, 1000, 1 << 18)}) == 1
+    assert mb._csr_segment(1, 1 << 20) < mb._csr_segment(1, 1000)  # int31 keys for a very long document
 
 
 def test_triton_matches_torch_path_and_repeats_bitwise():
@@ -346,3 +354,55 @@ def test_torch_path_gradients_are_bitwise_repeatable_with_several_threads():
             assert torch.equal(gq, grads[0][0]) and torch.equal(gd, grads[0][1])
     finally:
         torch.set_num_threads(threads)
+
+
+_CSR_SM90_BUILD = r"""
+import json, os, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import maxsim_kernels.maxsim_backward as mb
+
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+kernel = mb._maxsim_inverse_csr_kernel
+names = kernel.arg_names
+report = {}
+for segment in (mb._CSR_MANY_DOCS_SEGMENT, mb._CSR_MAX_SEGMENT):
+    consts = dict(SEGMENT=segment, LOG_SEGMENT=segment.bit_length() - 1, DOC_BLOCK=mb._CSR_DOC_BLOCK)
+    sig = {"argmax_ptr": "*i32", "doc_offsets_ptr": "*i64", "order_ptr": "*i16", "row_start_ptr": "*i16",
+           "row_count_ptr": "*i16", "num_query_tokens": "i32", "num_docs": "i32", "num_doc_tokens": "i32",
+           **{c: "constexpr" for c in consts}}
+    src = ASTSource(kernel, sig, constexprs={(names.index(c),): v for c, v in consts.items()})
+    warps = 8 if segment >= 4096 else 4
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    usage = ""
+    if os.path.exists(cuobjdump):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
+                                   text=True).stdout
+    report[segment] = usage
+print(json.dumps(report))
+"""
+
+
+def test_inverse_map_kernel_builds_for_sm90_without_spills():
+    """The CSR kernel at both segment sizes compiles for Hopper with triton's own ptxas (no GPU needed)
+    and keeps its sort in registers: nothing spills to local memory. In a fresh process, without the
+    interpreter."""
+    import json
+    import subprocess
+    import sys
+
+    triton = pytest.importorskip("triton")
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not os.path.exists(os.path.join(tools, "ptxas")):
+        pytest.skip("triton's NVIDIA backend tools are not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _CSR_SM90_BUILD], env=env, capture_output=True, text=True)
+    if proc.returncode != 0 and ("ASTSource" in proc.stderr or "GPUTarget" in proc.stderr):
+        pytest.skip(f"this triton's ahead-of-time compile API differs: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for segment, usage in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        assert not usage or "LOCAL:0" in usage, f"segment {segment}: spills to local memory: {usage}"
