@@ -234,8 +234,9 @@ def breakdown(x: dict) -> dict:
         return fwd(q, qo, d, do, return_argmax=True)
 
     segments = {}
-    for segment in (512, 1024, 2048, 4096):  # the inverse map's segment cap, swept
-        saved, mb._CSR_MAX_SEGMENT = mb._CSR_MAX_SEGMENT, segment
+    saved = mb._CSR_MAX_SEGMENT, mb._CSR_MANY_DOCS_SEGMENT
+    for segment in (512, 1024, 2048, 4096):  # the inverse map's segment, swept (both classes)
+        mb._CSR_MAX_SEGMENT = mb._CSR_MANY_DOCS_SEGMENT = segment
         try:
             segments[str(segment)] = {
                 "csr_build_ms": do_bench(
@@ -249,7 +250,7 @@ def breakdown(x: dict) -> dict:
                 ),
             }
         finally:
-            mb._CSR_MAX_SEGMENT = saved
+            mb._CSR_MAX_SEGMENT, mb._CSR_MANY_DOCS_SEGMENT = saved
     return {
         "host_ms_per_step": host_time(ours(x)),
         "host_forward_ms": host_time(forward_only),
