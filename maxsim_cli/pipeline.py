@@ -728,10 +728,20 @@ class BatchStream:
         self.close()
 
 
+# Half-precision bit patterns with every exponent bit set are the infinities and NaNs.
+_NON_FINITE_BITS = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
+# int16 values checked a step: the masked copy stays in cache. 512 KiB steps took 0.159 s per GB of fp16
+# on one core of the 2-core machine, against 0.196-0.212 s for 128 KiB or 2 MiB and 0.256 s for
+# `torch.aminmax` on the fp16 values.
+_FINITE_STEP = 1 << 18
+
+
 def _finite(embeddings: torch.Tensor, scales: torch.Tensor | None) -> bool:
-    """No NaN/Inf values (and no negative int8 scale). `torch.aminmax` propagates NaN and exposes
-    +-Inf in one pass, ~4x faster on the CPU than the float32 sum `Shard.read_docs` uses (0.16 s
-    against 0.56 s for 512 MB of fp16 on the 2-core machine)."""
+    """No NaN/Inf values (and no negative int8 scale).
+
+    Half precision: the largest sign-cleared bit pattern must be below the all-ones exponent, checked in
+    cache-sized steps on the int16 view. float32 (and scales): `torch.aminmax`, which propagates NaN and
+    exposes +-Inf in one pass (~4x faster on the CPU than the float32 sum `Shard.read_docs` uses)."""
     if scales is not None:
         if scales.numel() == 0:
             return True
@@ -739,8 +749,18 @@ def _finite(embeddings: torch.Tensor, scales: torch.Tensor | None) -> bool:
         return bool(torch.isfinite(lo) & torch.isfinite(hi) & (lo >= 0))
     if embeddings.numel() == 0 or embeddings.dtype == torch.int8:
         return True
-    lo, hi = torch.aminmax(embeddings)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+    limit = _NON_FINITE_BITS.get(embeddings.dtype)
+    if limit is None:
+        lo, hi = torch.aminmax(embeddings)
+        return bool(torch.isfinite(lo) & torch.isfinite(hi))
+    bits = embeddings.reshape(-1).view(torch.int16)
+    masked = torch.empty(min(_FINITE_STEP, bits.numel()), dtype=torch.int16)
+    for step in bits.split(_FINITE_STEP):
+        out = masked[: step.numel()]
+        torch.bitwise_and(step, 0x7FFF, out=out)
+        if int(out.max()) >= limit:
+            return False
+    return True
 
 
 def _concat_offsets(offsets: Sequence[torch.Tensor]) -> torch.Tensor:

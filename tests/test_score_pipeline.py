@@ -476,3 +476,24 @@ def test_progress_bar_is_drawn_only_on_a_terminal(monkeypatch) -> None:
     with progress.ScoreProgress(True, 1000) as bar:
         bar.advance(1, 1)
     assert pipe.getvalue() == ""
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_finite_check_finds_every_non_finite_value_and_passes_extremes(dtype, monkeypatch) -> None:
+    """The reader's NaN/Inf check (bit patterns for half precision, in steps): every kind of non-finite
+    value is found wherever it sits, including on either side of a step boundary; the largest finite
+    values, subnormals and -0.0 pass."""
+    from maxsim_cli import pipeline
+
+    monkeypatch.setattr(pipeline, "_FINITE_STEP", 64)
+    info = torch.finfo(dtype)
+    values = torch.randn(50, 8).to(dtype)
+    values[0, 0], values[0, 1], values[0, 2] = info.max, -info.max, -0.0
+    values[0, 3], values[0, 4] = info.smallest_normal / 4, -info.smallest_normal / 4  # subnormals
+    assert pipeline._finite(values, None)
+    negative_nan = -torch.tensor(float("nan"))
+    for bad in (float("nan"), negative_nan, float("inf"), float("-inf")):
+        for at in (0, 63, 64, 65, 399):
+            poisoned = values.clone()
+            poisoned.view(-1)[at] = bad
+            assert not pipeline._finite(poisoned, None), (bad, at)
