@@ -6,7 +6,12 @@ must be set before the kernels are defined, hence here, before any test module i
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -38,3 +43,48 @@ def _small_inverse_map_segments(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(maxsim_backward, "_CSR_MAX_SEGMENT", 64)
     monkeypatch.setattr(maxsim_backward, "_CSR_MANY_DOCS_SEGMENT", 32)
+
+
+# Defined for every script `sm90_build` runs: the Hopper target and the kernel's resource usage (registers,
+# shared and local memory) from triton's own cuobjdump, "" where that tool is missing.
+_SM90_PRELUDE = r"""
+import json, os, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+SM90 = GPUTarget("cuda", 90, 32)
+_CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def resource_usage(compiled):
+    if not os.path.exists(_CUOBJDUMP):
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([_CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True,
+                              text=True).stdout
+"""
+
+
+@pytest.fixture
+def sm90_build() -> Callable[[str], Any]:
+    """Runs a script that compiles kernels for Hopper (sm_90) with triton's own ptxas, no GPU needed, and
+    returns the JSON it prints last. In a fresh process: triton cannot generate code once imported with
+    TRITON_INTERPRET=1. Skips where triton's NVIDIA tools or its ahead-of-time compile API are missing."""
+
+    def run(script: str) -> Any:
+        triton = pytest.importorskip("triton")
+        tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+        if not os.path.exists(os.path.join(tools, "ptxas")):
+            pytest.skip("triton's NVIDIA backend tools are not installed")
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        cmd = [sys.executable, "-c", _SM90_PRELUDE + script]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0 and ("ASTSource" in proc.stderr or "GPUTarget" in proc.stderr):
+            pytest.skip(f"this triton's ahead-of-time compile API differs: {proc.stderr[-300:]}")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    return run

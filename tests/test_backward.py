@@ -357,13 +357,8 @@ def test_torch_path_gradients_are_bitwise_repeatable_with_several_threads():
 
 
 _CSR_SM90_BUILD = r"""
-import json, os, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 import maxsim_kernels.maxsim_backward as mb
 
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 kernel = mb._maxsim_inverse_csr_kernel
 names = kernel.arg_names
 report = {}
@@ -374,35 +369,13 @@ for segment in (mb._CSR_MANY_DOCS_SEGMENT, mb._CSR_MAX_SEGMENT):
            **{c: "constexpr" for c in consts}}
     src = ASTSource(kernel, sig, constexprs={(names.index(c),): v for c, v in consts.items()})
     warps = 8 if segment >= 4096 else 4
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    usage = ""
-    if os.path.exists(cuobjdump):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
-                                   text=True).stdout
-    report[segment] = usage
+    report[segment] = resource_usage(triton.compile(src, target=SM90, options={"num_warps": warps}))
 print(json.dumps(report))
 """
 
 
-def test_inverse_map_kernel_builds_for_sm90_without_spills():
+def test_inverse_map_kernel_builds_for_sm90_without_spills(sm90_build):
     """The CSR kernel at both segment sizes compiles for Hopper with triton's own ptxas (no GPU needed)
-    and keeps its sort in registers: nothing spills to local memory. In a fresh process, without the
-    interpreter."""
-    import json
-    import subprocess
-    import sys
-
-    triton = pytest.importorskip("triton")
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not os.path.exists(os.path.join(tools, "ptxas")):
-        pytest.skip("triton's NVIDIA backend tools are not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _CSR_SM90_BUILD], env=env, capture_output=True, text=True)
-    if proc.returncode != 0 and ("ASTSource" in proc.stderr or "GPUTarget" in proc.stderr):
-        pytest.skip(f"this triton's ahead-of-time compile API differs: {proc.stderr[-300:]}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for segment, usage in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+    and keeps its sort in registers: nothing spills to local memory."""
+    for segment, usage in sm90_build(_CSR_SM90_BUILD).items():
         assert not usage or "LOCAL:0" in usage, f"segment {segment}: spills to local memory: {usage}"

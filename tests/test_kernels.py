@@ -483,13 +483,8 @@ def test_offsets_memo_follows_in_place_changes_and_frees():
 
 
 _SM90_BUILD = r"""
-import json, os, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 import maxsim_kernels.maxsim_forward as fwd
 
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 ints = {"num_queries", "num_docs", "num_blocks", "num_chunks", "num_cands", "dim", "stride_q", "stride_d"}
 ints.add("docs_per_prog")
 ints.add("stride_arg")
@@ -513,40 +508,18 @@ for cls, cfg in fwd._TUNING.items():
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    compiled = triton.compile(src, target=SM90, options=options)
     ttgir = compiled.asm["ttgir"]
-    usage = ""
-    if os.path.exists(cuobjdump):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
-                                   text=True).stdout
     report[cls] = {"pipelined": "async_copy_global_to_local" in ttgir, "wgmma": "warp_group_dot" in ttgir,
-                   "usage": usage, "wide": cfg.block_q >= 64 or cfg.doc_major}
+                   "usage": resource_usage(compiled), "wide": cfg.block_q >= 64 or cfg.doc_major}
 print(json.dumps(report))
 """
 
 
-def test_table_entries_build_for_sm90_without_spills():
+def test_table_entries_build_for_sm90_without_spills(sm90_build):
     """Every tuning-table entry compiles for Hopper (sm_90) with triton's own ptxas, no GPU needed: the
-    loads are cp.async-pipelined, the tensor-core classes use wgmma, and nothing spills to local memory.
-    In a fresh process: triton cannot generate code once imported with TRITON_INTERPRET=1."""
-    import json
-    import subprocess
-    import sys
-
-    triton = pytest.importorskip("triton")
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not os.path.exists(os.path.join(tools, "ptxas")):
-        pytest.skip("triton's NVIDIA backend tools are not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _SM90_BUILD], env=env, capture_output=True, text=True)
-    if proc.returncode != 0 and ("ASTSource" in proc.stderr or "GPUTarget" in proc.stderr):
-        pytest.skip(f"this triton's ahead-of-time compile API differs: {proc.stderr[-300:]}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    for cls, r in report.items():
+    loads are cp.async-pipelined, the tensor-core classes use wgmma, and nothing spills to local memory."""
+    for cls, r in sm90_build(_SM90_BUILD).items():
         assert r["pipelined"], f"{cls}: document loads are not pipelined"
         assert r["wgmma"] or not r["wide"], f"{cls}: no wgmma"
         assert not r["usage"] or "LOCAL:0" in r["usage"], f"{cls}: spills to local memory: {r['usage']}"
