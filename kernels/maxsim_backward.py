@@ -175,8 +175,7 @@ def _maxsim_inverse_csr_kernel(
     for b in range(0, blocks):
         j = b * DOC_BLOCK + tl.arange(0, DOC_BLOCK)
         first = tl.load(starts + j, mask=j < doc_len, other=0).to(tl.int32)
-        end = tl.load(starts + j + 1, mask=j + 1 < doc_len, other=num_listed).to(tl.int32)
-        end = tl.where(j + 1 < doc_len, end, num_listed)
+        end = tl.load(starts + j + 1, mask=j + 1 < doc_len, other=num_listed).to(tl.int32)  # last: all
         tl.store(counts + j, (end - first).to(row_count_ptr.dtype.element_ty), mask=j < doc_len)
 
 
@@ -267,7 +266,9 @@ def _maxsim_grad_queries_kernel(
     tl.store(out, acc.to(grad_queries_ptr.dtype.element_ty), mask=token_ok[:, None] & dim_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_docs", "max_query_len", "num_query_tokens", "num_segments"])
+@triton.jit(
+    do_not_specialize=["num_docs", "max_query_len", "num_query_tokens", "num_segments", "num_doc_tokens"]
+)
 def _maxsim_grad_docs_kernel(
     # pointers
     queries_ptr,
@@ -312,8 +313,9 @@ def _maxsim_grad_docs_kernel(
         doc_of_token = tl.load(token_doc_ptr + token).to(tl.int64)
     acc = tl.zeros([BLOCK_E, BLOCK_DIM], dtype=tl.float32)
     for seg in range(0, num_segments):
-        start = tl.load(row_start_ptr + seg * num_doc_tokens + token).to(tl.int64)
-        count = tl.load(row_count_ptr + seg * num_doc_tokens + token).to(tl.int32)
+        pointer = seg * num_doc_tokens.to(tl.int64) + token
+        start = tl.load(row_start_ptr + pointer).to(tl.int64)
+        count = tl.load(row_count_ptr + pointer).to(tl.int32)
         if CANDIDATES:
             base = start
         else:
