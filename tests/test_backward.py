@@ -379,3 +379,16 @@ def test_inverse_map_kernel_builds_for_sm90_without_spills(sm90_build):
     and keeps its sort in registers: nothing spills to local memory."""
     for segment, usage in sm90_build(_CSR_SM90_BUILD).items():
         assert not usage or "LOCAL:0" in usage, f"segment {segment}: spills to local memory: {usage}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_queries_give_zero_document_gradients(backend):
+    """A batch with no queries scores [0, nd] and sends an exact zero gradient to every document (the
+    inverse map has no segment, so no list is read)."""
+    queries = torch.zeros(0, 16, requires_grad=True)
+    docs = torch.randn(7, 16, requires_grad=True)
+    no_offsets, doc_offsets = torch.zeros(1, dtype=torch.int64), torch.tensor([0, 3, 7])
+    scores = maxsim_kernels.maxsim_varlen(queries, no_offsets, docs, doc_offsets, backend=backend)
+    assert scores.shape == (0, 2)
+    grad_q, grad_d = torch.autograd.grad(scores.sum(), (queries, docs))
+    assert grad_q.shape == (0, 16) and torch.equal(grad_d, torch.zeros_like(docs))
