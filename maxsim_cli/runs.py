@@ -39,7 +39,7 @@ from typing import IO, NamedTuple
 import numpy as np
 
 from maxsim_cli.errors import InputError, MaxsimError, UsageError
-from maxsim_cli.shards import current_umask
+from maxsim_cli.shards import ID_WHITESPACE_RE2, current_umask
 
 __all__ = [
     "Qrel",
@@ -58,8 +58,7 @@ _GZIP_MAGIC = b"\x1f\x8b"
 # Rows per part when write_ranked formats a block on several threads (512K rows: 15 parts on 16 cores).
 _PARALLEL_ROWS = 32768
 _WHITESPACE = re.compile(r"\s")
-# The same characters as _WHITESPACE in RE2 syntax (Arrow's regexes): RE2's \s is ASCII only.
-_WHITESPACE_RE2 = r"[\s\x0b\x1c-\x1f\x85\p{Z}]"
+_WHITESPACE_RE2 = ID_WHITESPACE_RE2  # the same characters in RE2 syntax (Arrow's regexes)
 RUN_FORMATS = ("trec", "msmarco", "colbert")
 _COLUMNS = {6: "trec", 3: "msmarco", 4: "colbert"}
 _FORMAT_DESCRIPTION = {

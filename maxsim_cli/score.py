@@ -571,7 +571,10 @@ class _Engine:
         if nq == 0 or n_docs == 0:
             return []
         # docno ranks (ascending byte order) for the tie-break, and the inverse to decode results
-        self.all_ids, self.ordinal_of_rank, self.ids_by_rank = _docno_order([s.ids for s in self.shards])
+        self.all_ids = []
+        for shard in self.shards:
+            self.all_ids.extend(shard.ids)
+        _, self.ordinal_of_rank, self.ids_by_rank = self.corpus.id_order()
         self.rank_of_ordinal = np.empty(n_docs, dtype=np.int64)
         self.rank_of_ordinal[self.ordinal_of_rank] = np.arange(n_docs, dtype=np.int64)
 
@@ -1014,18 +1017,3 @@ class _RankSlice:
 
     def __call__(self) -> np.ndarray:
         return self.ranks[self.a : self.b]
-
-
-def _docno_order(ids_per_shard: Sequence[Sequence[str]]):  # noqa: ANN202
-    """All docnos (global ordinal order), the ordinals sorted by docno, ascending by UTF-8 bytes (the
-    order of Python's str comparison and of trec_eval's strcmp), and the docnos in that order (an Arrow
-    array: a run's docnos are taken from it by rank, without a Python string each)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    all_ids: list[str] = []
-    for ids in ids_per_shard:
-        all_ids.extend(ids)
-    ids = pa.array(all_ids, type=pa.large_string())
-    order = pc.sort_indices(ids).to_numpy().astype(np.int64)
-    return all_ids, order, ids.take(pa.array(order))

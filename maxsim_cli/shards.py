@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
@@ -96,6 +97,10 @@ _ARROW_VALUE_TYPES = {
 _NUMPY_STORAGE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "int8": np.int8}
 
 ID_WHITESPACE = re.compile(r"\s")  # ASCII and Unicode whitespace, as str.split() sees it
+# The same characters as ID_WHITESPACE in RE2 syntax (Arrow's regexes): RE2's \s is ASCII only.
+ID_WHITESPACE_RE2 = r"[\s\x0b\x1c-\x1f\x85\p{Z}]"
+_ASCII_WHITESPACE = np.zeros(256, dtype=bool)
+_ASCII_WHITESPACE[[0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x1C, 0x1D, 0x1E, 0x1F, 0x20]] = True  # str.isspace() < 0x80
 
 
 def _one_line(text: object, limit: int = 200) -> str:
@@ -239,8 +244,9 @@ def _check_ids(path: str, ids: list[str], *, what: str = "id") -> None:
             raise _err(path, f"empty {what} at index {i}; every document needs an id")
 
 
-def _decode_ids(path: str, data: np.ndarray, id_offsets: np.ndarray) -> list[str]:
-    """Split the concatenated UTF-8 id bytes at `id_offsets` (int64 [N+1]) and check each id."""
+def _decode_ids(path: str, data: np.ndarray, id_offsets: np.ndarray) -> tuple[list[str], pa.Array]:
+    """Split the concatenated UTF-8 id bytes at `id_offsets` (int64 [N+1]) and check each id: the ids as
+    Python strings and as an Arrow array."""
     n = len(id_offsets) - 1
     if n < 0 or id_offsets[0] != 0:
         raise _err(path, "id_offsets must start at 0")
@@ -275,8 +281,31 @@ def _decode_ids(path: str, data: np.ndarray, id_offsets: np.ndarray) -> list[str
                 ) from None
         raise
     ids = strings.to_pylist()
-    _check_ids(path, ids)
-    return ids
+    if not _ids_pass(strings, data):
+        _check_ids(path, ids)  # names the offending id
+    return ids, strings
+
+
+def _ids_pass(ids: pa.Array, data: np.ndarray) -> bool:
+    """Whether ids (non-empty, non-null, their UTF-8 bytes concatenated in `data`) have no whitespace and
+    no duplicate, checked without a Python object per id; `_check_ids` then names what fails.
+
+    Whitespace: ASCII ids by a byte table over `data`, others by Arrow's regex. Duplicates: equal
+    neighbours once sorted. 12.8K ids: 0.7 ms against 3.6 ms for Python's regex and set."""
+    if len(ids) == 0:
+        return True
+    if ids.null_count:
+        return False
+    if len(data) and int(data.max()) < 0x80:
+        if _ASCII_WHITESPACE[data].any():
+            return False
+    elif pc.any(pc.match_substring_regex(ids, ID_WHITESPACE_RE2)).as_py():
+        return False
+    return not _has_equal_neighbours(ids.take(pc.sort_indices(ids)))
+
+
+def _has_equal_neighbours(values: pa.Array) -> bool:
+    return len(values) > 1 and pc.any(pc.equal(values.slice(1), values.slice(0, len(values) - 1))).as_py()
 
 
 def _check_offsets(path: str, offsets: np.ndarray, ids: Sequence[str], num_tokens: int) -> None:
@@ -373,12 +402,22 @@ class Shard:
     Reads are serialised by a lock, so a prefetch thread may share the shard.
     """
 
-    def __init__(self, info: ShardInfo, ids: list[str], offsets: np.ndarray) -> None:
+    def __init__(
+        self, info: ShardInfo, ids: list[str], offsets: np.ndarray, id_array: pa.Array | None = None
+    ) -> None:
         self.info = info
         self.path = info.path
         self.ids = ids
         self.offsets = offsets
+        self._id_array = id_array
         self._lock = threading.Lock()
+
+    @property
+    def id_array(self) -> pa.Array:
+        """The ids as an Arrow large_string array (built from `ids` once where the reader had none)."""
+        if self._id_array is None:
+            self._id_array = pa.array(self.ids, type=pa.large_string())
+        return self._id_array
 
     # -- subclass hook --
     def _read_rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -603,7 +642,7 @@ class SafetensorsShard(Shard):
             raise
         except Exception as exc:  # safetensors raises its own error types
             raise _err(path, f"corrupt safetensors file: {_one_line(exc)}") from None
-        ids = _decode_ids(path, id_bytes, id_offsets)
+        ids, id_array = _decode_ids(path, id_bytes, id_offsets)
         _check_offsets(path, offsets, ids, num_tokens)
         _check_counts(path, meta, len(ids), num_tokens, dim)
         info = ShardInfo(
@@ -617,7 +656,7 @@ class SafetensorsShard(Shard):
             meta["normalized"],
             meta["encoder"],
         )
-        super().__init__(info, ids, offsets.astype(np.int64, copy=False))
+        super().__init__(info, ids, offsets.astype(np.int64, copy=False), id_array)
 
     def _read_rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._emb is None:
@@ -1144,16 +1183,24 @@ class Corpus:
         self.num_docs = int(self.doc_starts[-1])
         self.num_tokens = sum(s.num_tokens for s in shards)
         self._index: dict[str, tuple[int, int]] | None = None
+        self._id_order: tuple[pa.Array, np.ndarray, pa.Array] | None = None
         self._check_unique_ids()  # refuses duplicate ids across shards now, not at scoring time
 
     def _check_unique_ids(self) -> None:
-        # A set of the ids is 4x faster to build than the id -> (shard, doc) index and far smaller, and
-        # exhaustive scoring never needs the index; it is built (and names the duplicate) only on demand.
-        seen: set[str] = set()
-        for shard in self.shards:
-            if not seen.isdisjoint(shard.ids):
-                self.id_index()  # raises, naming both documents
-            seen.update(shard.ids)
+        # Each shard's ids are unique already; across shards, equal neighbours in the sorted ids (no
+        # Python object per id, and the sort is the one `id_order` keeps for writing runs). The id ->
+        # (shard, doc) index, which exhaustive scoring never needs, is built only to name a duplicate.
+        if len(self.shards) > 1 and _has_equal_neighbours(self.id_order()[2]):
+            self.id_index()  # raises, naming both documents
+
+    def id_order(self) -> tuple[pa.Array, np.ndarray, pa.Array]:
+        """All ids as one Arrow array (corpus ordinal order), the ordinals sorted by id (ascending UTF-8
+        bytes: Python's str order and trec_eval's strcmp), and the ids in that order; computed once."""
+        if self._id_order is None:
+            ids = pa.chunked_array([s.id_array for s in self.shards], type=pa.large_string()).combine_chunks()
+            order = pc.sort_indices(ids)
+            self._id_order = (ids, order.to_numpy().astype(np.int64), ids.take(order))
+        return self._id_order
 
     @property
     def paths(self) -> list[str]:

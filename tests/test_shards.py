@@ -332,3 +332,31 @@ def test_parquet_from_a_foreign_writer(tmp_path):
             InputError, match=r"f\.parquet: document 'b' has a token vector of 3 values; dim is 2"
         ):
             shard.read_docs(0, 3)
+
+
+def test_id_checks_without_python_objects_agree_with_python_on_every_code_point() -> None:
+    """The shard reader checks ids with a byte table (ASCII ids) or Arrow's regex (others) and sorted
+    neighbours; both must refuse exactly the ids that Python's `\\s` or a repeated id would."""
+    import numpy as np
+
+    from maxsim_cli import shards as sh
+
+    def decode(ids: list[str]) -> None:
+        raw = [i.encode() for i in ids]
+        offsets = np.concatenate([[0], np.cumsum([len(r) for r in raw])]).astype(np.int64)
+        sh._decode_ids("t.safetensors", np.frombuffer(b"".join(raw), dtype=np.uint8), offsets)
+
+    for code in range(1, 0x3100):
+        char = chr(code)
+        if 0xD800 <= code <= 0xDFFF:
+            continue  # surrogates are not valid UTF-8
+        for ids in ([f"a{char}b", "c"], [f"x{char}", "é"]):  # an ASCII-only id list, and a mixed one
+            if sh.ID_WHITESPACE.search(char):
+                with pytest.raises(sh.MaxsimError, match="contains whitespace"):
+                    decode(ids)
+            else:
+                decode(ids)
+    with pytest.raises(sh.MaxsimError, match="duplicate id 'b' at indices 1 and 3"):
+        decode(["a", "b", "c", "b"])
+    with pytest.raises(sh.MaxsimError, match="duplicate id 'é' at indices 0 and 2"):
+        decode(["é", "e", "é"])
