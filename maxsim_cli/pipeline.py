@@ -124,9 +124,11 @@ class _HostBatch:
 
 # Page-locking goes through PyTorch's pinned allocator (cudaHostAlloc), the slowest of the ways measured
 # (benchmarks/results/pin-h200.txt: 0.22-0.31 s for 492 MiB in 56 MiB pieces, against 0.09-0.10 s for
-# cudaHostRegister of huge-page mappings or PyTorch's threaded `pinned_use_cuda_host_register`), because
-# both registering ways gave wrong runs on the first run of a process, while pieces were still being
-# registered (benchmarks/check_pinning.py, benchmarks/results/check-pinning-h200.txt).
+# cudaHostRegister of huge-page mappings or PyTorch's threaded `pinned_use_cuda_host_register`). Both
+# registering ways gave wrong runs on the first run of a process (benchmarks/check_pinning.py,
+# benchmarks/results/check-pinning-h200.txt), most likely through a race in `take` since fixed (a taker
+# waiting for its piece left the share unclaimed, so the next taker got the same bytes); they are to be
+# checked again on the GPU before the arena uses one.
 
 
 class PinnedArena:
@@ -189,6 +191,7 @@ class PinnedArena:
             if self._taken >= self.slots:
                 return None
             piece, index = 0, self._taken
+            self._taken += 1  # the share is ours before we wait: waiting releases the lock to other takers
             while index >= self._piece_shares[piece]:
                 index -= self._piece_shares[piece]
                 piece += 1
@@ -196,7 +199,6 @@ class PinnedArena:
                 if self._error is not None:
                     raise self._error
                 self._ready.wait()
-            self._taken += 1
             start = index * self.share
             return self._pieces[piece][start : start + nbytes]
 

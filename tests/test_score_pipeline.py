@@ -497,3 +497,40 @@ def test_finite_check_finds_every_non_finite_value_and_passes_extremes(dtype, mo
             poisoned = values.clone()
             poisoned.view(-1)[at] = bad
             assert not pipeline._finite(poisoned, None), (bad, at)
+
+
+def test_pinned_arena_hands_each_share_to_one_taker_while_pieces_are_still_locking(monkeypatch) -> None:
+    """Readers take shares while later pieces are still being locked: a taker that waits for its piece
+    must already own its share, or a second taker computes the same one and two batches are staged in
+    the same bytes."""
+    import threading
+    import time
+
+    from maxsim_cli import pipeline
+
+    def slow_lock_piece(self, nbytes: int) -> torch.Tensor:
+        time.sleep(0.02)  # pieces arrive while the takers wait
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    monkeypatch.setattr(pipeline.PinnedArena, "_lock_piece", slow_lock_piece)
+    monkeypatch.setattr(pipeline.PinnedArena, "PIECE_BYTES", 8 << 10)
+    arena = pipeline.PinnedArena(16 * (4 << 10), slots=16)  # 16 shares of 4 KiB, 2 a piece
+    taken: list[torch.Tensor] = []
+    lock = threading.Lock()
+    start = threading.Barrier(16)
+
+    def taker() -> None:
+        start.wait()
+        region = arena.take(4 << 10)
+        assert region is not None
+        with lock:
+            taken.append(region)
+
+    threads = [threading.Thread(target=taker) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    addresses = sorted(r.data_ptr() for r in taken)
+    assert len(set(addresses)) == 16, "two takers were given the same share"
+    assert arena.take(1) is None  # every share handed out exactly once
