@@ -391,25 +391,6 @@ class InverseMap:
     row_count: torch.Tensor  # int16 [S, Td]
     segment: int
 
-    def lists(self, doc_offsets: torch.Tensor) -> list[list[int]]:
-        """Every token's full list of query tokens (host-side, for tests)."""
-        order, start, count = (
-            self.order.long().cpu(),
-            self.row_start.long().cpu(),
-            self.row_count.long().cpu(),
-        )
-        offsets = doc_offsets.cpu().tolist()
-        num_query_tokens = order.numel() // max(1, len(offsets) - 1)
-        out = []
-        for d in range(len(offsets) - 1):
-            for j in range(offsets[d], offsets[d + 1]):
-                listed = []
-                for s in range(start.shape[0]):
-                    r = d * num_query_tokens + s * self.segment + int(start[s, j])
-                    listed += [s * self.segment + int(x) for x in order[r : r + int(count[s, j])]]
-                out.append(listed)
-        return out
-
 
 def _csr_segment(num_docs: int, max_doc_len: int) -> int:
     """Query tokens a CSR program sorts: the class's segment (by document count), halved only for

@@ -151,7 +151,8 @@ class PinnedArena:
         self.slots = max(1, slots)
         self.nbytes = self.share * self.slots
         self.device = device
-        per_piece = max(1, self.PIECE_BYTES // self.share)
+        self._per_piece = max(1, self.PIECE_BYTES // self.share)
+        per_piece = self._per_piece
         self._piece_shares = [min(per_piece, self.slots - i) for i in range(0, self.slots, per_piece)]
         self._pieces: list[torch.Tensor] = []
         self._taken = 0  # shares handed out
@@ -190,11 +191,8 @@ class PinnedArena:
         with self._ready:
             if self._taken >= self.slots:
                 return None
-            piece, index = 0, self._taken
+            piece, index = divmod(self._taken, self._per_piece)  # every piece but the last is full
             self._taken += 1  # the share is ours before we wait: waiting releases the lock to other takers
-            while index >= self._piece_shares[piece]:
-                index -= self._piece_shares[piece]
-                piece += 1
             while piece >= len(self._pieces):
                 if self._error is not None:
                     raise self._error

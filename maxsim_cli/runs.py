@@ -28,7 +28,6 @@ import io
 import json
 import math
 import os
-import re
 import sys
 import tempfile
 import zlib
@@ -39,7 +38,7 @@ from typing import IO, NamedTuple
 import numpy as np
 
 from maxsim_cli.errors import InputError, MaxsimError, UsageError
-from maxsim_cli.shards import ID_WHITESPACE_RE2, current_umask
+from maxsim_cli.shards import ID_WHITESPACE, current_umask, has_whitespace, string_bytes
 
 __all__ = [
     "Qrel",
@@ -57,8 +56,7 @@ __all__ = [
 _GZIP_MAGIC = b"\x1f\x8b"
 # Rows per part when write_ranked formats a block on several threads (512K rows: 15 parts on 16 cores).
 _PARALLEL_ROWS = 32768
-_WHITESPACE = re.compile(r"\s")
-_WHITESPACE_RE2 = ID_WHITESPACE_RE2  # the same characters in RE2 syntax (Arrow's regexes)
+_WHITESPACE = ID_WHITESPACE  # TREC fields are whitespace-separated
 RUN_FORMATS = ("trec", "msmarco", "colbert")
 _COLUMNS = {6: "trec", 3: "msmarco", 4: "colbert"}
 _FORMAT_DESCRIPTION = {
@@ -323,15 +321,6 @@ def format_score(x: float) -> str:
     return format_scores([x])[0].as_py()
 
 
-def _arrow_bytes(lines) -> bytes:  # noqa: ANN001 - a pyarrow (Large)StringArray without nulls
-    """The concatenated values of a string array (UTF-8), straight from its data buffer."""
-    if len(lines) == 0:
-        return b""
-    width = np.int64 if str(lines.type) == "large_string" else np.int32
-    offsets = np.frombuffer(lines.buffers()[1], dtype=width)[lines.offset : lines.offset + len(lines) + 1]
-    return lines.buffers()[2][int(offsets[0]) : int(offsets[-1])].to_pybytes()
-
-
 def _ties_by_docno_descending(docnos, keys: np.ndarray) -> bool:  # noqa: ANN001 - an Arrow string array
     """Whether every pair of equal neighbouring scores in the rows of ``keys`` [nq, m] has its docnos in
     descending order (trec_eval's tie-break), ``docnos`` holding the rows one after another."""
@@ -554,7 +543,7 @@ class RunWriter:
             and all(q and not _WHITESPACE.search(q) for q in qids)
             and bool(np.isfinite(keys).all())
             and bool((keys[:, :-1] >= keys[:, 1:]).all())
-            and (m == 0 or not pc.any(pc.match_substring_regex(docnos, _WHITESPACE_RE2)).as_py())
+            and not has_whitespace(docnos)
             and (m == 0 or pc.min(pc.utf8_length(docnos)).as_py() > 0)
             and _ties_by_docno_descending(docnos, keys)
         )
@@ -596,7 +585,7 @@ class RunWriter:
             pa.scalar(f"{self.tag}\n", text),
             pa.scalar(" ", text),
         )
-        return _arrow_bytes(lines)
+        return string_bytes(lines).tobytes()
 
     def _emit(self, text: str | bytes, queries: int, rows: int) -> None:
         assert self._stream is not None

@@ -571,9 +571,6 @@ class _Engine:
         if nq == 0 or n_docs == 0:
             return []
         # docno ranks (ascending byte order) for the tie-break, and the inverse to decode results
-        self.all_ids = []
-        for shard in self.shards:
-            self.all_ids.extend(shard.ids)
         _, self.ordinal_of_rank, self.ids_by_rank = self.corpus.id_order()
         self.rank_of_ordinal = np.empty(n_docs, dtype=np.int64)
         self.rank_of_ordinal[self.ordinal_of_rank] = np.arange(n_docs, dtype=np.int64)
@@ -748,13 +745,13 @@ class _Engine:
         import pyarrow as pa
 
         scores_np = scores.numpy()
-        if hasattr(writer, "write_ranked"):  # the whole block at once, docnos taken in Arrow
-            writer.write_ranked(qids, self.ids_by_rank.take(pa.array(ranks.numpy().reshape(-1))), scores_np)
+        docnos = self.ids_by_rank.take(pa.array(ranks.numpy().reshape(-1)))  # query after query
+        if hasattr(writer, "write_ranked"):  # the whole block at once
+            writer.write_ranked(qids, docnos, scores_np)
             return
-        ordinals = self.ordinal_of_rank[ranks.numpy()]
-        all_ids = self.all_ids
+        m = scores_np.shape[1] if scores_np.ndim == 2 else 0
         for i, qid in enumerate(qids):
-            writer.write_query(qid, [all_ids[o] for o in ordinals[i].tolist()], scores_np[i].tolist())
+            writer.write_query(qid, docnos[i * m : (i + 1) * m].to_pylist(), scores_np[i].tolist())
 
     # ---------------------------------------------------------------------------- rerank
 

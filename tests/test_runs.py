@@ -271,11 +271,14 @@ def test_write_ranked_block_equals_write_query_per_query(tmp_path, monkeypatch, 
 
     import pyarrow.compute as pc
 
-    from maxsim_cli.runs import _WHITESPACE_RE2
+    from maxsim_cli.shards import ID_WHITESPACE_RE2, has_whitespace
 
-    spaces = [c for c in map(chr, range(0x110000)) if re.match(r"\s", c)]
-    found = pc.match_substring_regex(pa.array([f"d{c}x" for c in spaces]), _WHITESPACE_RE2)
+    chars = [chr(c) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF]
+    spaces = [c for c in chars if re.match(r"\s", c)]
+    found = pc.match_substring_regex(pa.array([f"d{c}x" for c in spaces]), ID_WHITESPACE_RE2)
     assert all(found.to_pylist())
+    assert all(has_whitespace(pa.array([f"d{c}x"])) for c in spaces)  # ASCII ones by the byte table
+    assert not has_whitespace(pa.array([f"d{c}x" for c in chars if not re.match(r"\s", c)]))
     with pytest.raises(InputError, match="whitespace"):
         with RunWriter(str(tmp_path / "bad.trec")) as writer:
             writer.write_ranked(qids, pa.array(["a\u3000b"] + block_docnos.to_pylist()[1:]), block_scores)
