@@ -30,7 +30,9 @@ def shards(folder: str) -> list[str]:
 
 def one_process(variant: str, process: int) -> None:
     sys.stdout.reconfigure(line_buffering=True)
-    if variant == "threaded":
+    if variant == "default":  # the engine turns threaded registration on unless the user configured pinning
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "pinned_use_cuda_host_register:False"
+    else:
         torch.cuda.memory._set_allocator_settings(THREADED)
     queries = os.path.join(WORK, "queries.safetensors")
     quiet = lambda _msg: None  # noqa: E731

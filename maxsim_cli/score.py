@@ -84,7 +84,7 @@ DEFAULT_READER_THREADS = 16
 # Defaults: host staging memory, and the share of free GPU memory used without --max-memory.
 DEFAULT_HOST_BYTES = 4 << 30
 DEFAULT_GPU_FREE_SHARE = 0.9
-# Pinned staging memory on CUDA: page-locking costs ~0.5 s/GiB once per process (pipeline.PinnedArena), so
+# Pinned staging memory on CUDA: page-locking costs ~0.17 s/GiB once per process (pipeline.PinnedArena), so
 # the slots share one arena of at most this size: (16 + 2) shares of ~28 MiB, i.e. 110K fp16 tokens of
 # d = 128, a batch that still takes ~1.5 ms of kernel time for 512 queries (several times the launch
 # and merge overheads).

@@ -453,6 +453,21 @@ def test_pinned_arena_error_reaches_the_reader(monkeypatch) -> None:
         pipeline.PinnedArena(1 << 20, slots=4).take(100)
 
 
+def test_threaded_host_register_is_set_once_and_never_over_a_users_setting(monkeypatch) -> None:
+    from maxsim_cli import pipeline
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    for name in pipeline._ALLOC_CONF_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setattr(pipeline, "_threaded_register_done", False)
+    assert not pipeline.use_threaded_host_register() and calls == []  # the user's configuration stands
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert pipeline.use_threaded_host_register() and pipeline.use_threaded_host_register()
+    assert calls == [pipeline.THREADED_HOST_REGISTER]  # once per process
+
+
 def test_progress_bar_is_drawn_only_on_a_terminal(monkeypatch) -> None:
     import io
     import sys
