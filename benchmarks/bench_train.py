@@ -221,6 +221,27 @@ def host_time(step: Callable[[], Grads], steps: int = 50) -> float:
     return elapsed / steps * 1e3
 
 
+def profile_host(step: Callable[[], Grads], title: str, path: str, steps: int = 200) -> None:
+    """Append the cProfile of `steps` enqueued steps (host time by function, no synchronisation) to path."""
+    import cProfile
+    import io
+    import pstats
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(f"===== {title}: {steps} steps\n{text.getvalue()}\n")
+
+
 def breakdown(x: dict) -> dict:
     """Our forward and the parts of our backward, each timed alone."""
     q, d, qo, do, g = x["q"], x["d"], x["qo"], x["do"], x["g"]
@@ -284,6 +305,9 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shape names")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated method names")
     parser.add_argument("--fp32-shapes", default=",".join(SHAPES), help="shapes also run with fp32 inputs")
+    parser.add_argument(
+        "--profile-host", default=None, help="write a cProfile of our step's host time (per shape) here"
+    )
     args = parser.parse_args()
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 rows compute in fp32
@@ -323,6 +347,8 @@ def main() -> None:
                 result["rows"].append(row)
                 log(f"[{time.perf_counter() - started:6.1f}s] {json.dumps(row)}")
                 save()
+            if "ours" in args.methods and args.profile_host and dtype == torch.float16:
+                profile_host(ours(x), f"{shape_name} {dtype}", args.profile_host)
             if "ours" in args.methods:
                 bd = {"shape": shape_name, "dtype": str(dtype).removeprefix("torch."), **breakdown(x)}
                 result["breakdown"].append(bd)

@@ -408,3 +408,22 @@ def test_no_queries_give_zero_document_gradients(backend):
     assert scores.shape == (0, 2)
     grad_q, grad_d = torch.autograd.grad(scores.sum(), (queries, docs))
     assert grad_q.shape == (0, 16) and torch.equal(grad_d, torch.zeros_like(docs))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_returned_argmax_takes_no_part_in_the_backward(backend):
+    """With the argmax returned too, the gradients are those of the scores alone: the Functions ask for
+    no zero-filled stand-in for the argmax's gradient (`set_materialize_grads(False)`)."""
+    torch.manual_seed(3)
+    queries = torch.randn(9, 16, requires_grad=True)
+    docs = torch.randn(11, 16, requires_grad=True)
+    qo, do = torch.tensor([0, 4, 9]), torch.tensor([0, 5, 11])
+    weights = torch.randn(2, 2)
+    plain = maxsim_kernels.maxsim_varlen(queries, qo, docs, do, backend=backend)
+    expected = torch.autograd.grad((plain * weights).sum(), (queries, docs))
+    scores, argmax = maxsim_kernels.maxsim_varlen(queries, qo, docs, do, backend=backend, return_argmax=True)
+    assert not argmax.requires_grad
+    got = torch.autograd.grad((scores * weights).sum() + argmax.sum(), (queries, docs))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    empty = mb.MaxSimVarlenFunction.backward(None, None, None)  # no gradient reached the scores
+    assert all(g is None for g in empty)
