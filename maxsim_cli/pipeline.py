@@ -186,6 +186,8 @@ class PinnedArena:
         self._taken = 0  # shares handed out
         self._error: BaseException | None = None
         self._ready = threading.Condition()
+        self.started = time.perf_counter()
+        self.ready_s: float | None = None  # seconds from start to the last piece locked
         if device is not None and device.type == "cuda":
             use_threaded_host_register()
         self._thread = threading.Thread(target=self._allocate, name="maxsim-pin", daemon=True)
@@ -204,11 +206,22 @@ class PinnedArena:
                 piece = self._lock_piece(shares * self.share)
                 with self._ready:
                     self._pieces.append(piece)
+                    if len(self._pieces) == len(self._piece_shares):
+                        self.ready_s = time.perf_counter() - self.started
                     self._ready.notify_all()
         except BaseException as exc:  # noqa: BLE001 - re-raised by the thread that takes memory
             with self._ready:
                 self._error = exc
                 self._ready.notify_all()
+
+    def wait(self) -> float:
+        """Block until every piece is locked (or locking failed: raised); returns `ready_s`."""
+        with self._ready:
+            while self.ready_s is None:
+                if self._error is not None:
+                    raise self._error
+                self._ready.wait()
+            return self.ready_s
 
     def _lock_piece(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

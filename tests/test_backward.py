@@ -424,6 +424,6 @@ def test_returned_argmax_takes_no_part_in_the_backward(backend):
     scores, argmax = maxsim_kernels.maxsim_varlen(queries, qo, docs, do, backend=backend, return_argmax=True)
     assert not argmax.requires_grad
     got = torch.autograd.grad((scores * weights).sum() + argmax.sum(), (queries, docs))
-    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     empty = mb.MaxSimVarlenFunction.backward(None, None, None)  # no gradient reached the scores
     assert all(g is None for g in empty)

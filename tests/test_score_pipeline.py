@@ -414,6 +414,7 @@ def test_pinned_arena_carves_aligned_disjoint_slots(monkeypatch) -> None:
             t.fill_(i + 1)
     for i, slot in enumerate(slots):  # no slot overwrote another
         assert bool((slot.embeddings == i + 1).all()) and bool((slot.ints == i + 1).all())
+    assert arena.wait() >= 0 and arena.ready_s is not None  # every piece locked
     assert [p.numel() for p in locked] == [24 << 10, 24 << 10, 12 << 10]  # whole shares a piece
     rest = pipeline._Buffers(100, 10, 5, 16, torch.bfloat16, True, "cpu", False, arena)
     rest.allocate()  # every share is taken: a slot of its own
@@ -451,6 +452,8 @@ def test_pinned_arena_error_reaches_the_reader(monkeypatch) -> None:
     monkeypatch.setattr(pipeline.PinnedArena, "_lock_piece", lock_piece)
     with pytest.raises(RuntimeError, match="cannot page-lock"):
         pipeline.PinnedArena(1 << 20, slots=4).take(100)
+    with pytest.raises(RuntimeError, match="cannot page-lock"):
+        pipeline.PinnedArena(1 << 20, slots=4).wait()
 
 
 def test_threaded_host_register_is_set_once_and_never_over_a_users_setting(monkeypatch) -> None:
