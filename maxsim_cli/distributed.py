@@ -2,8 +2,10 @@
 
 A job is ``W`` processes (*ranks*) that share one corpus. Every rank opens the whole corpus (headers and
 ids: this checks that ids are unique across all shards), takes its share of the shards, scores its share
-against *all* queries with the single-process engine (`maxsim_cli.score`), and sends its per-query results
-to rank 0, which merges them and alone writes the run.
+against *all* queries with the single-process engine (`maxsim_cli.score`), and sends its results to rank
+0, which merges them and alone writes the run. Exhaustive results travel as two arrays per rank (float32
+scores and corpus ordinals, ``[queries, k]``, 12 B a result), merged on rank 0 with the engine's order keys
+and written by the run writer's columnar path, as one process writes them; rerank results per query.
 
 **Shares.** Shards are dealt largest first (by token count; ties by shard order) to the rank with the
 fewest tokens so far (ties to the lowest rank). With shard token counts ``t_s`` and total ``T``, this
@@ -55,7 +57,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -97,13 +99,28 @@ Logger = Callable[[str], None]
 
 
 class ResultSink:
-    """Stands in for `maxsim_cli.runs.RunWriter` inside a rank: keeps each query's results in memory.
+    """Stands in for `maxsim_cli.runs.RunWriter` inside a rank: keeps the results in memory.
 
-    Scores are kept as float32, the precision the run prints (`maxsim_cli.runs.format_score`).
+    Rerank mode hands it each query's results (`write_query`: docnos and scores); exhaustive mode hands
+    it whole query batches as columns (`write_ordinals`: scores and corpus ordinals, ``[nq, m]`` arrays,
+    best first), which travel to rank 0 as two arrays instead of a Python string per result. Scores are
+    kept as float32, the precision the run prints (`maxsim_cli.runs.format_score`).
     """
 
     def __init__(self) -> None:
         self.results: list[tuple[str, list[str], np.ndarray]] = []
+        self.blocks: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def write_ordinals(self, scores: np.ndarray, ordinals: np.ndarray) -> None:
+        """Keep one query batch: float32 scores and int64 ordinals of the engine's corpus, ``[nq, m]``,
+        each row best first."""
+        self.blocks.append((np.asarray(scores, dtype=np.float32), np.asarray(ordinals, dtype=np.int64)))
+
+    def columns(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Every batch kept by `write_ordinals`, stacked in query order (None when there is none)."""
+        if not self.blocks:
+            return None
+        return np.concatenate([b[0] for b in self.blocks]), np.concatenate([b[1] for b in self.blocks])
 
     def __enter__(self) -> ResultSink:
         return self
@@ -134,9 +151,19 @@ class _Share:
     rank: int
     device: str
     shards: list[int]
-    results: list[tuple[str, list[str], np.ndarray]]
+    results: list[tuple[str, list[str], np.ndarray]]  # rerank mode: per query
     stats: dict[str, Any]
     query_ids: list[str] | None = None  # rank 0 only: the query file's order
+    # exhaustive mode: scores and corpus-wide ordinals [nq, m] (every query, rows best first)
+    columns: tuple[np.ndarray, np.ndarray] | None = None
+
+
+@dataclass
+class _MergeOrder:
+    """Rank 0's key from corpus ordinals to docnos, for merging columns (stays on rank 0)."""
+
+    rank_of_ordinal: np.ndarray  # int64 [docs]: position of each document's id in byte order
+    ids_by_rank: Any  # pyarrow array: the ids in that order
 
 
 # --------------------------------------------------------------------------------------------------
@@ -278,6 +305,47 @@ def kth_scores(results: Sequence[tuple[str, list[str], np.ndarray]], k: int) -> 
         if len(scores) >= k:
             out[qid] = float(np.partition(scores, len(scores) - k)[len(scores) - k])
     return out
+
+
+def kth_column(scores: np.ndarray, k: int) -> np.ndarray:
+    """`kth_scores` for columns: the k-th best score of each row of ``scores [nq, m]`` (rows best first),
+    -inf where a row has fewer than ``k``."""
+    if scores.shape[1] >= k and k > 0:
+        return scores[:, k - 1].astype(np.float32)
+    return np.full(scores.shape[0], -np.inf, dtype=np.float32)
+
+
+def trim_columns(columns: tuple[np.ndarray, np.ndarray], floors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Columns cut to the widest row prefix at or above its query's floor (`kth_column`, best over the
+    ranks): what is cut scores below ``k`` others and cannot reach the top-k; what is kept beyond a
+    row's own prefix loses in the merge."""
+    scores, ordinals = columns
+    if scores.shape[1] == 0:
+        return columns
+    width = int((scores >= floors[:, None]).sum(axis=1).max(initial=0))
+    return scores[:, :width], ordinals[:, :width]
+
+
+def merge_columns(
+    parts: Sequence[tuple[np.ndarray, np.ndarray]], rank_of_ordinal: np.ndarray, top_k: int, rows: int
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """The best ``top_k`` of the ranks' columns per query, in blocks of up to ``rows`` queries:
+    ``(first query, float32 scores [n, m], docno ranks [n, m])``, best first, with the engine's order keys
+    (`maxsim_cli.topk`): float32 score descending, docno descending."""
+    from maxsim_cli.topk import decode_keys, order_keys
+
+    parts = [p for p in parts if p[0].shape[1]]
+    if not parts:
+        return
+    nq = parts[0][0].shape[0]
+    for q0 in range(0, nq, rows):
+        q1 = min(q0 + rows, nq)
+        scores = torch.from_numpy(np.concatenate([p[0][q0:q1] for p in parts], axis=1))
+        ranks = torch.from_numpy(rank_of_ordinal[np.concatenate([p[1][q0:q1] for p in parts], axis=1)])
+        keys = order_keys(scores, ranks)
+        keys = torch.topk(keys, min(top_k, keys.shape[1]), dim=1, largest=True, sorted=True).values
+        best_scores, best_ranks = decode_keys(keys)
+        yield q0, best_scores, best_ranks
 
 
 def drop_below(
@@ -470,12 +538,13 @@ def _run_in_group(
     import torch.distributed as dist
 
     share: _Share | None = None
+    merge_order: _MergeOrder | None = None
     status: tuple[int, str, str] | None = None
     crash: BaseException | None = None
     try:
         if device_error is not None:
             raise device_error
-        share = _score_share(options, rank, world, device, cuda_ready)
+        share, merge_order = _score_share(options, rank, world, device, cuda_ready)
     except MaxsimError as exc:
         status = (exc.exit_code, str(exc), device)
     except Exception as exc:  # a bug: the others must still learn of it, then its traceback shows here
@@ -501,9 +570,18 @@ def _run_in_group(
     mark = time.perf_counter()
     if world > 1:
         # Only results that can still make the job's top-k travel (see `kth_scores`).
-        bounds: list[Any] = [None] * world
-        dist.all_gather_object(bounds, kth_scores(share.results, int(options.get("top_k", 1000))))
-        share.results = drop_below(share.results, bounds)
+        top_k = int(options.get("top_k", 1000))
+        if options.get("candidates") is None:
+            kth = None if share.columns is None else kth_column(share.columns[0], top_k)
+            floors: list[Any] = [None] * world
+            dist.all_gather_object(floors, kth)
+            known = [f for f in floors if f is not None]
+            if share.columns is not None and known:
+                share.columns = trim_columns(share.columns, np.maximum.reduce(known))
+        else:
+            bounds: list[Any] = [None] * world
+            dist.all_gather_object(bounds, kth_scores(share.results, top_k))
+            share.results = drop_below(share.results, bounds)
     gathered: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(share, gathered, dst=0)
     phases["gather_s"] = time.perf_counter() - mark
@@ -516,7 +594,7 @@ def _run_in_group(
     assert gathered is not None
     shares: list[_Share] = gathered
     mark = time.perf_counter()
-    _write_merged(options, shares)
+    _write_merged(options, shares, merge_order)
     phases["merge_write_s"] = time.perf_counter() - mark
     stats = _combine_stats(options, shares)
     stats.write_s = phases["merge_write_s"]
@@ -540,8 +618,9 @@ def _inject_test_failure(rank: int) -> None:
 
 def _score_share(
     options: dict[str, Any], rank: int, world: int, device: str, cuda_ready: _CudaInit | None
-) -> _Share:
-    """Open the corpus, score this rank's shards for all queries, return the results."""
+) -> tuple[_Share, _MergeOrder | None]:
+    """Open the corpus, score this rank's shards for all queries, return the results (and, on rank 0
+    in exhaustive mode, the docno order that the merge needs)."""
     from maxsim_cli.runs import read_run
     from maxsim_cli.score import ScoreStats, score
     from maxsim_cli.shards import Corpus, open_corpus, open_shard
@@ -602,17 +681,51 @@ def _score_share(
             )
         stats_fields = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
         stats_fields["extra"] = dict(stats.extra)
-        return _Share(rank, device, mine, sink.results, stats_fields, query_ids)
+        share = _Share(rank, device, mine, sink.results, stats_fields, query_ids)
+        columns = sink.columns()
+        if columns is not None:  # the engine's ordinals (of its shards) -> ordinals of the whole corpus
+            scores, ordinals = columns
+            sub_starts = np.concatenate([[0], np.cumsum([corpus.shards[s].num_docs for s in mine])])
+            shard = np.searchsorted(sub_starts, ordinals, side="right") - 1
+            base = corpus.doc_starts[np.asarray(mine, dtype=np.int64)] - sub_starts[:-1]
+            share.columns = (scores, ordinals + base[shard])
+        merge_order = None
+        if rank == 0 and options.get("candidates") is None:
+            _, ordinal_of_rank, ids_by_rank = corpus.id_order()
+            rank_of_ordinal = np.empty(len(ordinal_of_rank), dtype=np.int64)
+            rank_of_ordinal[ordinal_of_rank] = np.arange(len(ordinal_of_rank), dtype=np.int64)
+            merge_order = _MergeOrder(rank_of_ordinal, ids_by_rank)
+        return share, merge_order
     finally:
         corpus.close()
 
 
-def _write_merged(options: dict[str, Any], shares: Sequence[_Share]) -> None:
+# Rank 0 merges the ranks' columns this many queries at a time (temporaries ~ 24 B x ranks x k a query).
+MERGE_QUERY_BLOCK = 4096
+
+
+def _write_merged(options: dict[str, Any], shares: Sequence[_Share], order: _MergeOrder | None) -> None:
     """Rank 0: the best ``top_k`` of every query over all ranks, in the query file's order, written once."""
+    import pyarrow as pa
+
     from maxsim_cli.merge import select_top_k
     from maxsim_cli.runs import RunWriter
 
     top_k = int(options.get("top_k", 1000))
+    if order is not None:  # exhaustive mode: every query has its columns on every rank that scored
+        query_ids = shares[0].query_ids
+        assert query_ids is not None
+        parts = [share.columns for share in shares if share.columns is not None]
+        writer = RunWriter(
+            str(options.get("output", "-")),
+            tag=str(options.get("run_tag", "maxsim")),
+            fmt=str(options.get("fmt", "trec")),
+        )
+        with writer:
+            for q0, scores, ranks in merge_columns(parts, order.rank_of_ordinal, top_k, MERGE_QUERY_BLOCK):
+                docnos = order.ids_by_rank.take(pa.array(ranks.numpy().reshape(-1)))
+                writer.write_ranked(query_ids[q0 : q0 + scores.shape[0]], docnos, scores.numpy())
+        return
     by_query: dict[str, list[tuple[list[str], np.ndarray]]] = {}
     for share in shares:
         for qid, docnos, scores in share.results:
@@ -886,7 +999,10 @@ __all__ = [
     "assign_shards",
     "dispatch",
     "drop_below",
+    "kth_column",
     "kth_scores",
+    "merge_columns",
+    "trim_columns",
     "launch",
     "parse_devices",
     "run_rank",

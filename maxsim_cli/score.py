@@ -749,6 +749,9 @@ class _Engine:
         import pyarrow as pa
 
         scores_np = scores.numpy()
+        if hasattr(writer, "write_ordinals"):  # a rank of a distributed job: columns for rank 0's merge
+            writer.write_ordinals(scores_np, self.ordinal_of_rank[ranks.numpy()])
+            return
         docnos = self.ids_by_rank.take(pa.array(ranks.numpy().reshape(-1)))  # query after query
         if hasattr(writer, "write_ranked"):  # the whole block at once
             writer.write_ranked(qids, docnos, scores_np)

@@ -181,6 +181,42 @@ def test_results_below_the_ranks_bound_never_make_the_top_k():
         assert sent <= sum(len(ds) for res in per_rank for _, ds, _ in res)
 
 
+def test_columns_trimmed_by_the_ranks_floor_merge_to_the_union_top_k():
+    # Exhaustive mode's columns: each rank's best k per query (rows best first, many ties across ranks),
+    # cut by the best k-th score over the ranks, merge to the top-k of the union in trec order.
+    rng = np.random.default_rng(7)
+    num_docs, nq = 40, 5
+    docnos = [f"d{i:03d}" for i in rng.permutation(num_docs)]  # ordinal -> docno, not in byte order
+    order = np.argsort(np.array(docnos))  # ordinals by docno
+    rank_of_ordinal = np.empty(num_docs, dtype=np.int64)
+    rank_of_ordinal[order] = np.arange(num_docs)
+    for trial in range(40):
+        k = int(rng.integers(1, 12))
+        scores_all = (rng.integers(-6, 6, size=(nq, num_docs)) / 4).astype(np.float32)
+        owner = rng.integers(0, 3, size=num_docs)
+        parts = []
+        for r in range(3):
+            mine = np.flatnonzero(owner == r)
+            rows_s, rows_o = [], []
+            for q in range(nq):
+                keep = mine[select_top_k([docnos[i] for i in mine], scores_all[q, mine], k)]
+                best = sort_trec([docnos[i] for i in keep], scores_all[q, keep].tolist())
+                rows_o.append(keep[best])
+                rows_s.append(scores_all[q, keep[best]])
+            parts.append((np.array(rows_s, np.float32).reshape(nq, -1), np.array(rows_o).reshape(nq, -1)))
+        floors = np.maximum.reduce([distributed.kth_column(p[0], k) for p in parts])
+        trimmed = [distributed.trim_columns(p, floors) for p in parts]
+        assert sum(p[0].size for p in trimmed) <= sum(p[0].size for p in parts)
+        for rows in (2, nq):  # the merge's query blocks do not change the result
+            merged = list(distributed.merge_columns(trimmed, rank_of_ordinal, k, rows))
+            got_scores = np.concatenate([m[1].numpy() for m in merged])
+            got_docnos = [[docnos[order[r]] for r in m_ranks] for m in merged for m_ranks in m[2].tolist()]
+            for q in range(nq):
+                expected = sort_trec(docnos, scores_all[q].tolist())[:k]
+                assert got_docnos[q] == [docnos[i] for i in expected], trial
+                assert got_scores[q].tolist() == scores_all[q, expected].tolist()
+
+
 def test_split_candidates_keeps_run_order_and_every_qid():
     run = {"a": [("x", 3.0), ("gone", 2.0), ("y", 1.0)], "b": [("gone2", 1.0)]}
     index = {"x": (1, 0), "y": (0, 4)}
