@@ -412,8 +412,8 @@ def score(
         with progress_mod.ScoreProgress(show_progress, total_tokens) as bar, writer:
             engine.progress = bar
             if arena is not None:
-                # The pass starts once the arena is locked: page-locking during the pass stalled its CUDA
-                # calls (the first pass on the H200 machine took 1.14 s instead of 0.55-0.63 s).
+                # The pass starts once the arena is locked, so that no page-locking runs during it (with
+                # cudaHostAlloc, locking that overlapped the pass made it wait; see the comment above).
                 stats.extra["arena_ready_s"] = round(arena.wait(), 4)
             stats.setup_s = time.perf_counter() - wall_start
             if candidates is not None:
