@@ -16,6 +16,14 @@ Precision: fp16/bf16 inputs are upcast to fp32 in blocks and everything accumula
 inputs stay float64). Cost: 2 * Tq * Td' * dim FLOPs with Td' the padded token count, one read of the
 documents, and n * L * Tq similarities that stay in cache-sized blocks.
 A document with no tokens scores -inf and has argmax -1.
+
+Checking values on the way (``check_finite``): a document token with a NaN or +-Inf component has a
+non-finite similarity with *every* finite query token (x * NaN = NaN, 0 * Inf = NaN, x * Inf = +-Inf for
+x != 0, and a non-finite term keeps the fp32 sum non-finite), so the similarities of one query token,
+already computed, find every such token: `NonFiniteDocuments` is raised. Within fp16's range finite
+tokens cannot overflow the fp32 sum (|q . d| <= dim * 65504^2); larger finite values (bf16, fp32) can,
+which raises the same error on finite values: a caller that needs to tell the two apart checks those
+documents' values itself.
 """
 
 from __future__ import annotations
@@ -96,6 +104,19 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
+class NonFiniteDocuments(ValueError):
+    """A document token's similarities are NaN or Inf: it holds NaN/Inf values (or, for bf16 and fp32
+    documents, values so large that the fp32 sum overflows). Raised by ``check_finite``."""
+
+
+def _require_finite(similarities: torch.Tensor) -> None:
+    """One query token's similarities with a set of document tokens (any shape) must all be finite."""
+    if not bool(torch.isfinite(similarities).all()):
+        raise NonFiniteDocuments(
+            "a document token has NaN or Inf similarities: its embedding holds NaN or Inf values"
+        )
+
+
 def _similarities(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
     """a [m, dim] . b_t [dim, n] as a contiguous [m, n], computed identically whatever m and n are.
 
@@ -112,7 +133,12 @@ def _similarities(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
 
 
 def _score_stream(
-    q: torch.Tensor, q_offsets: np.ndarray, docs: torch.Tensor, d_offsets: np.ndarray, scores: torch.Tensor
+    q: torch.Tensor,
+    q_offsets: np.ndarray,
+    docs: torch.Tensor,
+    d_offsets: np.ndarray,
+    scores: torch.Tensor,
+    check_finite: bool = False,
 ) -> None:
     """All documents in packed order (CPU tensors, no argmax): fills scores [nq, nd]."""
     lens = np.diff(d_offsets)
@@ -132,6 +158,8 @@ def _score_stream(
         if t1 == t0 or len(full) == 0:
             return
         sim = _similarities(docs[t0:t1].to(q.dtype), q_t)  # [tokens, Tq], as the blocked path computes it
+        if check_finite:
+            _require_finite(sim[:, 0])
         owner = torch.from_numpy(np.repeat(np.arange(b - a), lens[a:b]))[:, None].expand(-1, sim.shape[1])
         best = sim.new_full((b - a, sim.shape[1]), -torch.inf).scatter_reduce_(0, owner, sim, "amax")
         best = best[torch.from_numpy(full - a)]  # [docs, Tq]
@@ -170,6 +198,7 @@ def _score_docs(
     lens: np.ndarray,
     scores: torch.Tensor,
     argmax: torch.Tensor | None,
+    check_finite: bool = False,
 ) -> None:
     """Fill scores[:, k] (and argmax[:, k]) for the documents k with rows [starts[k], starts[k] + lens[k]).
 
@@ -194,6 +223,8 @@ def _score_docs(
         for r0, q_t in zip(range(0, tq, _QUERY_ROWS), q_t_blocks, strict=True):
             r1 = min(tq, r0 + _QUERY_ROWS)
             sim = _similarities(block, q_t).view(n, width, r1 - r0)
+            if check_finite and r0 == 0:
+                _require_finite(sim[:, :, 0])
             if argmax is None:
                 torch.amax(sim, dim=1, out=best[:, r0:r1])
             else:
@@ -218,12 +249,14 @@ def maxsim_varlen_cpu(
     return_argmax: bool = False,
     doc_scales: torch.Tensor | None = None,
     layout: Layout | None = None,
+    check_finite: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Every query against every document with torch ops: fp32 scores [nq, nd] (+ int32 argmax [Tq, nd]).
 
     Float documents only (int8 documents go through `maxsim_kernels.maxsim_int8`); `doc_scales`, when
     given, multiplies each document token before the max. Pass a `layout` from `check_inputs` to skip
-    the checks.
+    the checks. ``check_finite``: raise `NonFiniteDocuments` if a document token holds NaN/Inf (see the
+    module docstring; the queries must be finite).
     """
     if layout is None:
         layout = check_inputs(
@@ -244,7 +277,9 @@ def maxsim_varlen_cpu(
         and queries.shape[0] <= _STREAM_MAX_ROWS
     )
     if nq and nd and stream:
-        _score_stream(queries.to(compute).contiguous(), layout.q_offsets, docs, layout.d_offsets, scores)
+        _score_stream(
+            queries.to(compute).contiguous(), layout.q_offsets, docs, layout.d_offsets, scores, check_finite
+        )
     elif nq and nd:
         token_query = torch.from_numpy(np.repeat(np.arange(nq), layout.q_lens)).to(device)
         _score_docs(
@@ -257,6 +292,7 @@ def maxsim_varlen_cpu(
             layout.d_lens,
             scores,
             argmax,
+            check_finite,
         )
     return (scores, argmax) if return_argmax else scores
 
@@ -272,11 +308,13 @@ def maxsim_candidates_cpu(
     return_argmax: bool = False,
     doc_scales: torch.Tensor | None = None,
     layout: Layout | None = None,
+    check_finite: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Query i against candidate_docs[candidate_offsets[i]:candidate_offsets[i+1]] with torch ops.
 
     Returns fp32 scores [C] (+ int32 argmax [C, max_query_len], -1 past a query's length). Documents are
     read in place through their indices; each query's candidates are scored as one block problem.
+    ``check_finite`` as in `maxsim_varlen_cpu` (for the candidates' tokens).
     """
     if layout is None:
         layout = check_inputs(
@@ -314,6 +352,7 @@ def maxsim_candidates_cpu(
             layout.d_lens[picked],
             row_scores,
             row_argmax,
+            check_finite,
         )
         scores[c0:c1] = row_scores[0]
         if argmax is not None:

@@ -588,3 +588,34 @@ def test_cpu_stream_pool_is_reused_and_survives_fork() -> None:
     assert torch.equal(torch.from_numpy(parent.recv()), first)
     proc.join(60)
     assert proc.exitcode == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("query_tokens", [4, 160])  # the stream path (<= 128 rows) and the blocked path
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_cpu_backend_check_finite_finds_a_non_finite_document_token(bad, query_tokens, dtype):
+    """One query token's similarities find a NaN/Inf component anywhere in any document token, also a
+    -Inf met only by positive query components (every similarity -Inf: a max would pass over it)."""
+    from maxsim_kernels.cpu import NonFiniteDocuments, maxsim_candidates_cpu, maxsim_varlen_cpu
+
+    gen = torch.Generator().manual_seed(11)
+    queries = torch.rand(query_tokens, 24, generator=gen).to(dtype) + 0.1  # all components > 0
+    qo = torch.tensor([0, query_tokens // 2, query_tokens])
+    lens = [5, 1, 9, 3, 7]
+    docs = torch.randn(sum(lens), 24, generator=gen).to(dtype)
+    do = torch.tensor(np.concatenate([[0], np.cumsum(lens)]))
+    co, cd = torch.tensor([0, 3, 5]), torch.tensor([4, 2, 0, 2, 1])
+    plain = maxsim_varlen_cpu(queries, qo, docs, do)
+    assert torch.equal(maxsim_varlen_cpu(queries, qo, docs, do, check_finite=True), plain)
+    assert torch.equal(
+        maxsim_candidates_cpu(queries, qo, docs, do, co, cd, check_finite=True),
+        maxsim_candidates_cpu(queries, qo, docs, do, co, cd),
+    )
+    docs[int(do[2]) + 6, 17] = bad  # document 2, token 6
+    with pytest.raises(NonFiniteDocuments, match="NaN or Inf"):
+        maxsim_varlen_cpu(queries, qo, docs, do, check_finite=True)
+    with pytest.raises(NonFiniteDocuments):
+        maxsim_candidates_cpu(queries, qo, docs, do, co, cd, check_finite=True)
+    maxsim_candidates_cpu(
+        queries, qo, docs, do, co.new_tensor([0, 1, 2]), cd.new_tensor([4, 0]), check_finite=True
+    )

@@ -624,22 +624,47 @@ def test_cuda_rerank_equals_the_cpu_rerank(data, tmp_path) -> None:
     assert parse_run(outs[1]) == _expected_rerank(data, cands)
 
 
-def test_nan_in_a_shard_is_an_error_naming_the_document(tmp_path) -> None:
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("rerank", [False, True])
+def test_nan_in_a_shard_is_an_error_naming_the_document(tmp_path, bad, rerank) -> None:
+    # On the CPU the backend finds it from the similarities; queries with only positive components make
+    # a -Inf component give -Inf similarities, which a max alone would pass over.
     docs = [torch.full((2, DIM), 0.25), torch.full((3, DIM), 0.5), torch.full((1, DIM), 0.75)]
     path = tmp_path / "bad.safetensors"
     write_shard(str(path), ["a", "b", "c"], docs, dtype="float16")
     raw = bytearray(path.read_bytes())
     pattern = np.full(DIM, 0.5, dtype=np.float16).tobytes()  # document "b", token 0
     at = raw.index(pattern)
-    raw[at + 6 : at + 8] = np.array([np.nan], dtype=np.float16).tobytes()
+    raw[at + 6 : at + 8] = np.array([bad], dtype=np.float16).tobytes()
     path.write_bytes(bytes(raw))
-    make_queries(tmp_path / "q.safetensors")
+    make_queries(tmp_path / "q.safetensors", values=lambda gen, n: torch.rand(n, DIM, generator=gen) + 0.1)
     out = tmp_path / "run.trec"
-    result = invoke(str(tmp_path / "q.safetensors"), str(path), "-o", str(out))
+    extra = []
+    if rerank:
+        (tmp_path / "cands.tsv").write_text("".join(f"q{i}\tb\t1\nq{i}\tc\t2\n" for i in range(6)))
+        extra = ["--candidates", str(tmp_path / "cands.tsv")]
+    result = invoke(str(tmp_path / "q.safetensors"), str(path), "-o", str(out), *extra)
     assert result.exit_code == 1
     message = result.stderr.strip()
     assert len(message.splitlines()) == 1
     assert "bad.safetensors" in message and "'b'" in message and "NaN or Inf" in message
+    assert not out.exists()
+
+
+def test_finite_values_whose_similarities_overflow_fail_cleanly(tmp_path) -> None:
+    """fp32 documents with finite values so large that the fp32 sum overflows: the CPU backend's check
+    flags them, the checked reader finds the values finite, the batch is scored again without the check,
+    and the run writer refuses the infinite score with its one-line error (as before the check moved)."""
+    huge = torch.zeros(2, DIM)
+    huge[:, :4] = 3e38
+    docs = [torch.full((2, DIM), 0.25), huge, torch.full((1, DIM), 0.75)]
+    write_shard(str(tmp_path / "s.safetensors"), ["a", "b", "c"], docs, dtype="float32")
+    make_queries(tmp_path / "q.safetensors", dtype="float32", values=lambda gen, n: torch.ones(n, DIM))
+    out = tmp_path / "run.trec"
+    result = invoke(str(tmp_path / "q.safetensors"), str(tmp_path / "s.safetensors"), "-o", str(out))
+    assert result.exit_code == 1
+    message = result.stderr.strip()
+    assert len(message.splitlines()) == 1 and "score inf of docno 'b'" in message and "not finite" in message
     assert not out.exists()
 
 

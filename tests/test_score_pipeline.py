@@ -224,6 +224,16 @@ def test_batch_stream_stops_cleanly_when_abandoned(two_shards) -> None:
 # the engine with a stand-in kernel: memory plans and the out-of-memory fallback
 
 
+def _patch_varlen(monkeypatch, fn) -> None:
+    """Route the engine's all-pairs scoring to ``fn``: the public entry point, and the CPU backend's,
+    which the engine calls directly to have it check the documents' values (``check_finite``)."""
+    import maxsim_kernels
+    import maxsim_kernels.cpu
+
+    monkeypatch.setattr(maxsim_kernels, "maxsim_varlen", fn, raising=False)
+    monkeypatch.setattr(maxsim_kernels.cpu, "maxsim_varlen_cpu", fn)
+
+
 def _plain_varlen(q, q_off, d, d_off, *, backend="auto", doc_scales=None, **_kwargs) -> torch.Tensor:
     """MaxSim of every (query, document) pair in float64, returned as float32."""
     qf, df = q.double(), d.double()
@@ -248,11 +258,10 @@ def engine_data(tmp_path, two_shards):
 
 
 def test_out_of_memory_halves_the_batch_and_gives_the_same_run(engine_data, tmp_path, monkeypatch) -> None:
-    import maxsim_kernels
 
     from maxsim_cli.score import score
 
-    monkeypatch.setattr(maxsim_kernels, "maxsim_varlen", _plain_varlen, raising=False)
+    _patch_varlen(monkeypatch, _plain_varlen)
     queries, shards = engine_data
     score(queries, shards, output=str(tmp_path / "plain.trec"), top_k=7, device="cpu")
     calls = []
@@ -263,7 +272,7 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_run(engine_data, tmp_
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return _plain_varlen(q, q_off, d, d_off, **kwargs)
 
-    monkeypatch.setattr(maxsim_kernels, "maxsim_varlen", tight)
+    _patch_varlen(monkeypatch, tight)
     notes: list[str] = []
     stats = score(queries, shards, output=str(tmp_path / "oom.trec"), top_k=7, device="cpu", log=notes.append)
     assert (tmp_path / "oom.trec").read_bytes() == (tmp_path / "plain.trec").read_bytes()
@@ -274,7 +283,7 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_run(engine_data, tmp_
     def hopeless(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(maxsim_kernels, "maxsim_varlen", hopeless)
+    _patch_varlen(monkeypatch, hopeless)
     with pytest.raises(MaxsimError, match="out of memory on cpu scoring one document"):
         score(queries, shards, output=str(tmp_path / "never.trec"), top_k=7, device="cpu", log=notes.append)
     assert not (tmp_path / "never.trec").exists()
@@ -282,11 +291,10 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_run(engine_data, tmp_
 
 @pytest.mark.parametrize("budget", [3000, 8000, 50_000, 10**9])
 def test_memory_plan_stays_within_the_budget(engine_data, tmp_path, monkeypatch, budget) -> None:
-    import maxsim_kernels
 
     from maxsim_cli.score import BUDGET_FILL, score
 
-    monkeypatch.setattr(maxsim_kernels, "maxsim_varlen", _plain_varlen, raising=False)
+    _patch_varlen(monkeypatch, _plain_varlen)
     queries, shards = engine_data
     out = tmp_path / f"run{budget}.trec"
     stats = score(queries, shards, output=str(out), top_k=5, device="cpu", max_memory=budget)
@@ -301,11 +309,10 @@ def test_memory_plan_stays_within_the_budget(engine_data, tmp_path, monkeypatch,
 
 
 def test_budget_too_small_for_one_document_is_a_clear_error(engine_data, tmp_path, monkeypatch) -> None:
-    import maxsim_kernels
 
     from maxsim_cli.score import score
 
-    monkeypatch.setattr(maxsim_kernels, "maxsim_varlen", _plain_varlen, raising=False)
+    _patch_varlen(monkeypatch, _plain_varlen)
     queries, shards = engine_data
     with pytest.raises(MaxsimError, match=r"memory budget .* too small .* raise --max-memory"):
         score(queries, shards, output=str(tmp_path / "x.trec"), device="cpu", max_memory=200)
