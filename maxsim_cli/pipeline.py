@@ -20,7 +20,8 @@ turns a list of plans into batches on the device, in plan order, with three stag
 
 Values are checked for NaN/Inf wherever they are read: `Shard.read_docs` checks its own; a direct read
 is checked on the GPU after its copy (one flag per batch, read once per pass, `_check_values`) or, on the
-CPU, by the reader (`_finite`); a failed check re-reads the batch through the shard's checked reader,
+CPU, by the reader (`_finite`) unless the caller's backend checks them (``check_values=False``: the CPU
+backend's ``check_finite``); a failed check re-reads the batch through the shard's checked reader,
 whose error names the document and the token.
 
 When the corpus fits the GPU budget the stream is *resident*: the first pass copies each batch into its
