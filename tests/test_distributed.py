@@ -302,6 +302,19 @@ def test_devices_cpu2_jsonl_equals_single_process(data, tmp_path):
     assert sorted(s for r in stats["ranks"] for s in r["shards"]) == [0, 1, 2, 3]
 
 
+def test_a_rank_without_shards_sends_nothing_and_the_run_is_the_same(data, tmp_path):
+    """One shard, two ranks: rank 1 scores nothing (no columns to send), and top-k larger than the
+    shard's documents leaves every row short; the run is still the single process's, byte for byte."""
+    shard = str(Path(data["corpus"]) / "shard-3.safetensors")
+    single = tmp_path / "single.trec"
+    score(data["queries"], [shard], output=str(single), device="cpu", top_k=50)
+    out = tmp_path / "dist.trec"
+    args = ["score", data["queries"], shard, "-k", "50", "-o", str(out), "--devices", "cpu:2"]
+    result = runner.invoke(app, args, env=JOB_ENV)
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes() == single.read_bytes()
+
+
 # --------------------------------------------------------------------------------------------------
 # failures: exit code, one line, no run
 
