@@ -26,7 +26,8 @@ step() {  # step NAME SECONDS CMD...
 }
 
 # STEPS picks a subset (not in the default set: sweep, the tile sweep of bench_kernels.py; score,
-# `maxsim score` end to end on a 10 GB corpus; pinning, bench_pinning.py); WORKLOADS narrows the kernel benchmark. All steps at their
+# `maxsim score` end to end on a 10 GB corpus; pinning, bench_pinning.py; first-pass,
+# profile_first_pass.py); WORKLOADS narrows the kernel benchmark. All steps at their
 # default limits take longer than one 10-minute call: run STEPS="gpu-tests verify", STEPS="kernels train"
 # and STEPS="int8 ab" as three calls (the full gpu-tests step takes ~110-140 s).
 steps=" ${STEPS:-gpu-tests kernels train verify int8 ab} "
@@ -47,6 +48,8 @@ want ab-forward && step ab-forward ${AB_FORWARD_S:-240} python3 benchmarks/ab_fo
   $(for v in ${AB_VARIANTS:-}; do echo --variant "$v"; done) --workloads "${AB_WORKLOADS:-exhaustive,colpali,one_query,rerank}" \
   --out "$logs/ab-forward-h200.json"
 want pinning && step pinning ${PINNING_S:-90} bash -c "python3 benchmarks/bench_pinning.py > $logs/pin-h200.txt"
+want first-pass && step first-pass ${FIRST_PASS_S:-150} python3 benchmarks/profile_first_pass.py \
+  --workdir /var/tmp/mb --out "$logs/first-pass-h200.txt"
 want score && step score ${SCORE_S:-200} python3 benchmarks/bench_score.py gpu --workdir /var/tmp/mb \
   --out "$logs/score-h200.json"
 
