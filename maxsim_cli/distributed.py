@@ -691,10 +691,7 @@ def _score_share(
             share.columns = (scores, ordinals + base[shard])
         merge_order = None
         if rank == 0 and options.get("candidates") is None:
-            _, ordinal_of_rank, ids_by_rank = corpus.id_order()
-            rank_of_ordinal = np.empty(len(ordinal_of_rank), dtype=np.int64)
-            rank_of_ordinal[ordinal_of_rank] = np.arange(len(ordinal_of_rank), dtype=np.int64)
-            merge_order = _MergeOrder(rank_of_ordinal, ids_by_rank)
+            merge_order = _MergeOrder(corpus.rank_of_ordinal(), corpus.id_order()[2])
         return share, merge_order
     finally:
         corpus.close()
@@ -712,24 +709,6 @@ def _write_merged(options: dict[str, Any], shares: Sequence[_Share], order: _Mer
     from maxsim_cli.runs import RunWriter
 
     top_k = int(options.get("top_k", 1000))
-    if order is not None:  # exhaustive mode: every query has its columns on every rank that scored
-        query_ids = shares[0].query_ids
-        assert query_ids is not None
-        parts = [share.columns for share in shares if share.columns is not None]
-        writer = RunWriter(
-            str(options.get("output", "-")),
-            tag=str(options.get("run_tag", "maxsim")),
-            fmt=str(options.get("fmt", "trec")),
-        )
-        with writer:
-            for q0, scores, ranks in merge_columns(parts, order.rank_of_ordinal, top_k, MERGE_QUERY_BLOCK):
-                docnos = order.ids_by_rank.take(pa.array(ranks.numpy().reshape(-1)))
-                writer.write_ranked(query_ids[q0 : q0 + scores.shape[0]], docnos, scores.numpy())
-        return
-    by_query: dict[str, list[tuple[list[str], np.ndarray]]] = {}
-    for share in shares:
-        for qid, docnos, scores in share.results:
-            by_query.setdefault(qid, []).append((docnos, scores))
     query_ids = shares[0].query_ids
     assert query_ids is not None
     writer = RunWriter(
@@ -738,6 +717,16 @@ def _write_merged(options: dict[str, Any], shares: Sequence[_Share], order: _Mer
         fmt=str(options.get("fmt", "trec")),
     )
     with writer:
+        if order is not None:  # exhaustive mode: columns, every query on every rank that scored
+            columns = [share.columns for share in shares if share.columns is not None]
+            for q0, scores, ranks in merge_columns(columns, order.rank_of_ordinal, top_k, MERGE_QUERY_BLOCK):
+                docnos = order.ids_by_rank.take(pa.array(ranks.numpy().reshape(-1)))
+                writer.write_ranked(query_ids[q0 : q0 + scores.shape[0]], docnos, scores.numpy())
+            return
+        by_query: dict[str, list[tuple[list[str], np.ndarray]]] = {}
+        for share in shares:
+            for qid, docnos, scores in share.results:
+                by_query.setdefault(qid, []).append((docnos, scores))
         for qid in query_ids:
             parts = by_query.get(qid)
             if not parts:

@@ -584,8 +584,7 @@ class _Engine:
             return []
         # docno ranks (ascending byte order) for the tie-break, and the inverse to decode results
         _, self.ordinal_of_rank, self.ids_by_rank = self.corpus.id_order()
-        self.rank_of_ordinal = np.empty(n_docs, dtype=np.int64)
-        self.rank_of_ordinal[self.ordinal_of_rank] = np.arange(n_docs, dtype=np.int64)
+        self.rank_of_ordinal = self.corpus.rank_of_ordinal()
 
         total_bytes = int(self.tok_cum[-1]) * self.tb
         token_limit = _batch_token_limit(total_bytes, self.tb, self.budget)
@@ -726,7 +725,7 @@ class _Engine:
             scores = self._checked(
                 batch,
                 lambda check: (
-                    maxsim_varlen_cpu(q_emb, q_off, docs, offsets, check_finite=True)
+                    maxsim_varlen_cpu(q_emb, q_off, docs, offsets, doc_scales=scales, check_finite=True)
                     if check
                     else maxsim_varlen(q_emb, q_off, docs, offsets, backend=self.backend, doc_scales=scales)
                 ),

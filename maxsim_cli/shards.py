@@ -1197,6 +1197,7 @@ class Corpus:
         self.num_tokens = sum(s.num_tokens for s in shards)
         self._index: dict[str, tuple[int, int]] | None = None
         self._id_order: tuple[pa.Array, np.ndarray, pa.Array] | None = None
+        self._rank_of_ordinal: np.ndarray | None = None
         self._check_unique_ids()  # refuses duplicate ids across shards now, not at scoring time
 
     def _check_unique_ids(self) -> None:
@@ -1214,6 +1215,16 @@ class Corpus:
             order = pc.sort_indices(ids)
             self._id_order = (ids, order.to_numpy().astype(np.int64), ids.take(order))
         return self._id_order
+
+    def rank_of_ordinal(self) -> np.ndarray:
+        """The inverse of `id_order`'s permutation: each document's position among the ids sorted by
+        bytes (int64 [docs], corpus ordinal order); computed once."""
+        if self._rank_of_ordinal is None:
+            ordinal_of_rank = self.id_order()[1]
+            ranks = np.empty(len(ordinal_of_rank), dtype=np.int64)
+            ranks[ordinal_of_rank] = np.arange(len(ordinal_of_rank), dtype=np.int64)
+            self._rank_of_ordinal = ranks
+        return self._rank_of_ordinal
 
     @property
     def paths(self) -> list[str]:

@@ -42,7 +42,8 @@ MAX_RANKS = 1 << 32
 
 
 def order_keys(scores: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
-    """int64 keys ``(ord32(score) << 32) | rank`` for float32 ``scores [nq, nd]`` and int64 ``ranks [nd]``.
+    """int64 keys ``(ord32(score) << 32) | rank`` for float32 ``scores [nq, nd]`` and int64 ``ranks``,
+    ``[nd]`` (one per document) or ``[nq, nd]`` (one per score).
 
     ``scores`` is modified in place (``-0.0`` becomes ``+0.0``); it must be contiguous float32.
     """
