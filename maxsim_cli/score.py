@@ -944,7 +944,7 @@ class _Engine:
                         s = self._checked(
                             batch,
                             lambda check, args=args, scales=batch.scales: (
-                                maxsim_candidates_cpu(*args, check_finite=True)
+                                maxsim_candidates_cpu(*args, doc_scales=scales, check_finite=True)
                                 if check
                                 else maxsim_candidates(*args, backend=self.backend, doc_scales=scales)
                             ),
