@@ -123,14 +123,11 @@ class _HostBatch:
     checked: bool = True  # values checked for NaN/Inf on the host (False: read directly)
 
 
-# Page-locking goes through PyTorch's pinned allocator (cudaHostAlloc), the slowest of the ways measured
-# (benchmarks/results/pin-h200.txt: 0.22-0.31 s for 492 MiB in 56 MiB pieces, against 0.09-0.10 s for
-# cudaHostRegister of huge-page mappings or PyTorch's threaded `pinned_use_cuda_host_register`). Both
-# registering ways gave wrong runs on the first run of a process (benchmarks/check_pinning.py,
-# benchmarks/results/check-pinning-h200.txt), most likely through a race in `take` since fixed (a taker
-# waiting for its piece left the share unclaimed, so the next taker got the same bytes); they are to be
-# checked again on the GPU before the arena uses one.
-
+# Page-locking ways measured on the H200 machine (benchmarks/results/pin-h200.txt, 492 MiB in 56 MiB
+# pieces): PyTorch's default cudaHostAlloc 0.22-0.31 s; cudaHostRegister of huge-page mappings or PyTorch's
+# threaded `pinned_use_cuda_host_register` 0.09-0.10 s. The registering ways once gave wrong first runs,
+# through a race in `take` since fixed (a taker waiting for its piece left the share unclaimed, so the
+# next one got the same bytes); checked again after the fix, every run matched (check-pinning-h200.txt).
 
 # PyTorch's pinned allocator, told to page-lock by malloc + cudaHostRegister split over threads instead of
 # cudaHostAlloc: the H200 machine locked 0.49 GiB in 0.086-0.091 s that way against 0.19-0.26 s
