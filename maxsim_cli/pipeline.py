@@ -123,16 +123,12 @@ class _HostBatch:
     checked: bool = True  # values checked for NaN/Inf on the host (False: read directly)
 
 
-# Page-locking ways measured on the H200 machine (benchmarks/results/pin-h200.txt, 492 MiB in 56 MiB
-# pieces): PyTorch's default cudaHostAlloc 0.22-0.31 s; cudaHostRegister of huge-page mappings or PyTorch's
-# threaded `pinned_use_cuda_host_register` 0.09-0.10 s. The registering ways once gave wrong first runs,
-# through a race in `take` since fixed (a taker waiting for its piece left the share unclaimed, so the
-# next one got the same bytes); checked again after the fix, every run matched (check-pinning-h200.txt).
-
 # PyTorch's pinned allocator, told to page-lock by malloc + cudaHostRegister split over threads instead of
-# cudaHostAlloc: the H200 machine locked 0.49 GiB in 0.086-0.091 s that way against 0.19-0.26 s
+# cudaHostAlloc: the H200 machine locked 0.49 GiB in 0.086-0.091 s that way against 0.19-0.31 s
 # (benchmarks/results/pin-h200.txt), and the first `maxsim score` of a process set up in 0.057-0.065 s
-# instead of 0.26-0.58 s with the same run (check-pinning-h200.txt).
+# instead of 0.26-0.58 s, with the same run in every process checked (check-pinning-h200.txt). Registering
+# ways once gave wrong first runs, through a race in `PinnedArena.take` since fixed (a taker waiting for
+# its piece left its share unclaimed, so the next taker got the same bytes).
 THREADED_HOST_REGISTER = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
 _ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 _threaded_register_done = False
