@@ -13,8 +13,9 @@ Packed ragged layout: query ``q`` owns the token rows ``Q_i``, ``i in [qo[q], qo
     dL/dQ_i = sum_{d}                  G[q(i), d] * D_{a(i, d)}         (gather: one row per pair)
     dL/dD_j = sum_{(i, d): a(i,d) = j} G[q(i), d] * Q_i                 (reduce through the inverse map)
 
-Only the argmax ``a`` (int32, the winning token's index *within* its document) and the offsets are kept
-from the forward; the similarity tensor is never stored.
+Only the argmax ``a`` (the winning token's index *within* its document: int16 when every document is
+shorter than 2^15 tokens, else int32) and the offsets are kept from the forward; the similarity tensor is
+never stored.
 
 Subgradient at ties: ``max`` is not differentiable where two document tokens tie for a query token. We
 route the whole gradient to the token the forward's argmax picked, the lowest index among the tied ones
@@ -45,9 +46,10 @@ Float64 inputs (used by ``torch.autograd.gradcheck``) are scored by the package'
 
 Cost, with P the number of scored (query token, document) pairs (Tq * nd for all pairs): the backward
 gathers P document rows (dQ) and P query rows (dD), 2 * P * dim * bytes, mostly from L2 at training batch
-sizes, and reads the int32 argmax twice (dQ, the inverse map). Memory beyond the two gradients: the
-forward's int32 argmax (4 B a pair) and, for all pairs, the int16 lists (2 B a pair) and row pointers
-and counts (4 B x Td x ceil(Tq / segment)).
+sizes, and reads the argmax twice (dQ, the inverse map). Memory beyond the two gradients: the forward's
+argmax (2 B a pair on the Triton path with documents under 2^15 tokens, else 4 B) and, for all pairs,
+the int16 lists (2 B a pair) and row pointers and counts (4 B x Td x ceil(Tq / segment)), freed before
+the query gradient is allocated.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._validate import cdiv, host_offsets, memo, next_pow2, on_device, resolve_backend
+from ._validate import cdiv, check_inputs, host_offsets, memo, next_pow2, on_device, resolve_backend
 
 # --- tuning constants (H200, triton 3.6, dim 128: benchmarks/results/train-h200.json, "sweep") --------
 # Query-gradient kernel: a program owns _DQ_BLOCK_T query tokens and gathers _DQ_BLOCK_C winning rows
@@ -146,6 +148,7 @@ def _maxsim_inverse_csr_kernel(
     lanes = tl.arange(0, SEGMENT)
     tokens = (seg * SEGMENT + lanes).to(tl.int64)
     winner = tl.load(argmax_ptr + tokens * num_docs + doc, mask=tokens < num_query_tokens, other=-1)
+    winner = winner.to(tl.int32)  # the argmax may be int16: the key needs 32 bits
     key = tl.sort(tl.where(winner >= 0, (winner << LOG_SEGMENT) | lanes, 2147483647))
     listed = key != 2147483647
     num_listed = tl.sum(listed.to(tl.int32), axis=0)
@@ -648,6 +651,23 @@ def _forward(
             queries, query_offsets, docs, doc_offsets, candidate_offsets, candidate_docs, doc_scales
         )
 
+    if docs.dtype != torch.int8 and resolve_backend(backend, docs.device) == "triton":
+        # The Triton forward directly, keeping an int16 argmax where every document is shorter than
+        # 2^15 tokens: it lives until the backward, 2 B a pair instead of 4.
+        from . import maxsim_forward as fwd
+
+        layout = check_inputs(queries, query_offsets, docs, doc_offsets)
+        short = dict(argmax_dtype=torch.int16 if layout.max_doc_len < 1 << 15 else torch.int32)
+        with torch.no_grad():
+            if candidate_docs is None:
+                return fwd.maxsim_varlen_forward_triton(
+                    queries, query_offsets, docs, doc_offsets, return_argmax=True, allow_tf32=allow_tf32,
+                    layout=layout, **short,
+                )  # fmt: skip
+            return fwd.maxsim_candidates_forward_triton(
+                queries, query_offsets, docs, doc_offsets, candidate_offsets, candidate_docs,
+                return_argmax=True, allow_tf32=allow_tf32, layout=layout, **short,
+            )  # fmt: skip
     kwargs: dict[str, Any] = dict(
         return_argmax=True, allow_tf32=allow_tf32, backend=backend, doc_scales=doc_scales
     )
@@ -885,7 +905,7 @@ def maxsim_varlen_autograd(
     scores, argmax = MaxSimVarlenFunction.apply(
         queries, docs, query_offsets, doc_offsets, doc_scales, allow_tf32, backend
     )
-    return (scores, argmax) if return_argmax else scores
+    return (scores, argmax.to(torch.int32)) if return_argmax else scores  # int32, as documented
 
 
 def maxsim_candidates_autograd(
@@ -916,7 +936,7 @@ def maxsim_candidates_autograd(
         allow_tf32,
         backend,
     )
-    return (scores, argmax) if return_argmax else scores
+    return (scores, argmax.to(torch.int32)) if return_argmax else scores  # int32, as documented
 
 
 # =====================================================================================================

@@ -562,6 +562,16 @@ def varlen_config(layout: Layout) -> tuple[str, KernelConfig, int, int]:
     return cls, cfg, cfg.block_q // rows, rows
 
 
+def _check_argmax_dtype(argmax_dtype: torch.dtype, layout: Layout) -> None:
+    # The kernels store the winner's index (< the longest document) into the argmax's element type.
+    if argmax_dtype == torch.int16 and layout.max_doc_len >= 1 << 15:
+        raise ValueError(
+            f"an int16 argmax needs documents under 2^15 tokens; the longest has {layout.max_doc_len}"
+        )
+    if argmax_dtype not in (torch.int16, torch.int32):
+        raise ValueError(f"argmax_dtype must be torch.int16 or torch.int32, got {argmax_dtype}")
+
+
 def maxsim_varlen_forward_triton(
     queries: torch.Tensor,
     query_offsets: torch.Tensor,
@@ -572,12 +582,14 @@ def maxsim_varlen_forward_triton(
     allow_tf32: bool = False,
     layout: Layout | None = None,
     config: KernelConfig | None = None,
+    argmax_dtype: torch.dtype = torch.int32,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Every query against every document with the fused Triton kernel (CUDA tensors, or the interpreter).
 
     Returns fp32 scores [nq, nd] and, with `return_argmax`, int32 [Tq, nd] (index within the document of
     the winning token, lowest on ties, -1 for an empty document). `config` overrides the tuning table
-    (benchmark sweeps); `layout` (from `check_inputs`) skips the checks.
+    (benchmark sweeps); `layout` (from `check_inputs`) skips the checks. `argmax_dtype` int16 halves the
+    argmax where every document is shorter than 2^15 tokens (the autograd path's choice).
     """
     queries, docs, layout = _prepare(queries, query_offsets, docs, doc_offsets, layout)
     device = docs.device
@@ -594,7 +606,8 @@ def maxsim_varlen_forward_triton(
     num_groups = cdiv(nq, qpb)
     num_blocks = num_groups * num_chunks
     scores = torch.empty((num_chunks, nq, nd), dtype=torch.float32, device=device)
-    argmax = torch.empty((queries.shape[0], nd), dtype=torch.int32, device=device) if return_argmax else None
+    _check_argmax_dtype(argmax_dtype, layout)
+    argmax = torch.empty((queries.shape[0], nd), dtype=argmax_dtype, device=device) if return_argmax else None
     if nq == 0 or nd == 0:
         out = scores.sum(0)
         return (out, argmax) if return_argmax else out
@@ -647,10 +660,12 @@ def maxsim_candidates_forward_triton(
     allow_tf32: bool = False,
     layout: Layout | None = None,
     config: KernelConfig | None = None,
+    argmax_dtype: torch.dtype = torch.int32,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Query i against candidate_docs[candidate_offsets[i]:candidate_offsets[i+1]], fused, documents in place.
 
-    Returns fp32 scores [C] and, with `return_argmax`, int32 [C, max_query_len] (-1 past a query's length).
+    Returns fp32 scores [C] and, with `return_argmax`, int32 [C, max_query_len] (-1 past a query's length;
+    `argmax_dtype` as in `maxsim_varlen_forward_triton`).
     """
     queries, docs, layout = _prepare(queries, query_offsets, docs, doc_offsets, layout)
     c_off, _ = check_candidates(candidate_offsets, candidate_docs, layout.num_queries, layout.num_docs)
@@ -663,7 +678,8 @@ def maxsim_candidates_forward_triton(
     scores = torch.empty((num_chunks, num_c), dtype=torch.float32, device=device)
     argmax = None
     if return_argmax:
-        argmax = torch.full((num_c, layout.max_query_len), -1, dtype=torch.int32, device=device)
+        _check_argmax_dtype(argmax_dtype, layout)
+        argmax = torch.full((num_c, layout.max_query_len), -1, dtype=argmax_dtype, device=device)
     if num_c == 0:
         out = scores.sum(0)
         return (out, argmax) if return_argmax else out

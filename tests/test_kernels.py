@@ -490,16 +490,20 @@ ints.add("docs_per_prog")
 ints.add("stride_arg")
 pointers = {"q_ptr": "*fp16", "d_ptr": "*fp16", "out_ptr": "*fp32", "arg_ptr": "*i32"}
 report = {}
-for cls, cfg in fwd._TUNING.items():
+# every entry scores-only, and the all-pairs classes also with the autograd path's int16 argmax
+builds = [(cls, cfg, False) for cls, cfg in fwd._TUNING.items()]
+builds += [(cls, cfg, True) for cls, cfg in fwd._TUNING.items() if cls != "cands"]
+for cls, cfg, argmax in builds:
     kernel = fwd._maxsim_candidates_kernel if cls == "cands" else fwd._maxsim_varlen_kernel
     rows = 32 if cls in ("many", "some") else cfg.block_q
     consts = dict(ROWS=rows, BLOCK_T=cfg.block_t, BLOCK_K=128, NUM_K=1, EVEN_K=True, PRECISION="tf32",
-                  RETURN_ARGMAX=False)
+                  RETURN_ARGMAX=argmax)
     if cls == "cands":
         consts.update(CANDS_PER_PROG=cfg.docs_per_prog)
     else:
         consts.update(QPB=cfg.block_q // rows, DOCS_PER_PROG=cfg.docs_per_prog)
-    consts.update(DOC_MAJOR=cfg.doc_major, ELEMENT_MAX=cfg.doc_major or cfg.element_max)
+    consts.update(cfg.tile_variant(argmax))
+    pointers["arg_ptr"] = "*i16" if argmax else "*i32"
     names = kernel.arg_names
     kinds = {**{n: "i32" for n in ints}, **{n: "constexpr" for n in consts}}
     sig = {n: kinds.get(n, pointers.get(n, "*i64")) for n in names}
@@ -510,8 +514,9 @@ for cls, cfg in fwd._TUNING.items():
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     compiled = triton.compile(src, target=SM90, options=options)
     ttgir = compiled.asm["ttgir"]
-    report[cls] = {"pipelined": "async_copy_global_to_local" in ttgir, "wgmma": "warp_group_dot" in ttgir,
-                   "usage": resource_usage(compiled), "wide": cfg.block_q >= 64 or cfg.doc_major}
+    report[cls + ("+argmax16" if argmax else "")] = {
+                   "pipelined": "async_copy_global_to_local" in ttgir, "wgmma": "warp_group_dot" in ttgir,
+                   "usage": resource_usage(compiled), "wide": cfg.block_q >= 64 or consts["DOC_MAJOR"]}
 print(json.dumps(report))
 """
 
