@@ -624,3 +624,18 @@ def test_cpu_backend_check_finite_finds_a_non_finite_document_token(bad, query_t
     maxsim_candidates_cpu(
         queries, qo, docs, do, co.new_tensor([0, 1, 2]), cd.new_tensor([4, 0]), check_finite=True
     )
+
+
+def test_int16_argmax_is_refused_for_documents_of_2_pow_15_tokens():
+    """The autograd path's int16 argmax holds indices below 2^15; the forward refuses it otherwise (the
+    check comes before any launch), and any other dtype."""
+    import maxsim_kernels.maxsim_forward as fwd
+
+    queries, qo = torch.randn(3, 8), torch.tensor([0, 3])
+    docs, do = torch.zeros(1 << 15, 8), torch.tensor([0, 1 << 15])
+    with pytest.raises(ValueError, match="under 2\\^15 tokens; the longest has 32768"):
+        fwd.maxsim_varlen_forward_triton(queries, qo, docs, do, return_argmax=True, argmax_dtype=torch.int16)
+    with pytest.raises(ValueError, match="int16 or torch.int32"):
+        fwd.maxsim_varlen_forward_triton(
+            queries, qo, docs[:4], torch.tensor([0, 4]), return_argmax=True, argmax_dtype=torch.int64
+        )
