@@ -47,6 +47,7 @@ import queue
 import struct
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -143,8 +144,16 @@ def use_threaded_host_register() -> bool:
         return True
     if any(os.environ.get(name) for name in _ALLOC_CONF_VARS) or torch.version.hip is not None:
         return False
+    # PyTorch has no public call for this: the binding its deprecated `_set_allocator_settings` wraps,
+    # else that function itself with its FutureWarning silenced (stderr carries only our own lines).
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     try:
-        torch.cuda.memory._set_allocator_settings(THREADED_HOST_REGISTER)
+        if setter is not None:
+            setter(THREADED_HOST_REGISTER)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                torch.cuda.memory._set_allocator_settings(THREADED_HOST_REGISTER)
     except (AttributeError, RuntimeError):
         return False
     _threaded_register_done = True

@@ -467,7 +467,7 @@ def test_threaded_host_register_is_set_once_and_never_over_a_users_setting(monke
     from maxsim_cli import pipeline
 
     calls = []
-    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
     for name in pipeline._ALLOC_CONF_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -476,6 +476,23 @@ def test_threaded_host_register_is_set_once_and_never_over_a_users_setting(monke
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     assert pipeline.use_threaded_host_register() and pipeline.use_threaded_host_register()
     assert calls == [pipeline.THREADED_HOST_REGISTER]  # once per process
+
+    # an older torch without the binding: its deprecated wrapper, whose FutureWarning stays off stderr
+    def deprecated(settings: str) -> None:
+        import warnings
+
+        warnings.warn("deprecated", FutureWarning, stacklevel=2)
+        calls.append(settings)
+
+    monkeypatch.delattr(torch._C, "_accelerator_setAllocatorSettings", raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", deprecated)
+    monkeypatch.setattr(pipeline, "_threaded_register_done", False)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert pipeline.use_threaded_host_register()
+    assert calls == [pipeline.THREADED_HOST_REGISTER] * 2
 
 
 def test_progress_bar_is_drawn_only_on_a_terminal(monkeypatch) -> None:
