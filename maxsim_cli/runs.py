@@ -468,7 +468,8 @@ class RunWriter:
             if not math.isfinite(key):
                 raise InputError(
                     f"{self._name}: score {key} of docno {docno!r} for query {qid!r} is not finite; "
-                    "check the embeddings for NaN or Inf"
+                    "check the embeddings for NaN or Inf, or for values so large that their products "
+                    "overflow float32"
                 )
             if docno in seen:
                 raise InputError(
