@@ -93,9 +93,10 @@ def test_triton_and_torch_backends_agree_on_cuda():
 def test_peak_memory_of_forward_and_backward():
     """ColPali 32 x 1024 vs 32 x 1024 (fp16): what fwd + bwd allocates beyond the inputs.
 
-    It holds the two gradients (= the inputs' size), the int32 argmax (4 B a pair), the int16 inverse
-    lists (2 B a pair) and their int16 row pointers and counts (4 B x 8 segments x 32768 tokens):
-    ~23 MiB; 48 B a pair allowed. Materialising the similarities alone would take
+    It holds the two gradients (= the inputs' size), the argmax (int16 for documents under 2^15 tokens:
+    2 B a pair), the int16 inverse lists (2 B a pair) and their int16 row pointers and counts (4 B x 8
+    segments x 32768 tokens), the lists freed before the query gradient exists: ~19 MiB by the byte
+    count; 48 B a pair allowed. Materialising the similarities alone would take
     2 B x 32 x 32 x 1024 x 1024 = 2 GiB.
     """
     queries, qo, docs, do = _batch(32, 1024, 32, 1024, torch.float16, seed=7, ragged=False)
