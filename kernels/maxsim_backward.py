@@ -657,16 +657,16 @@ def _forward(
         from . import maxsim_forward as fwd
 
         layout = check_inputs(queries, query_offsets, docs, doc_offsets)
-        short = dict(argmax_dtype=torch.int16 if layout.max_doc_len < 1 << 15 else torch.int32)
+        argmax_dtype = torch.int16 if layout.max_doc_len < 1 << 15 else torch.int32
         with torch.no_grad():
             if candidate_docs is None:
                 return fwd.maxsim_varlen_forward_triton(
                     queries, query_offsets, docs, doc_offsets, return_argmax=True, allow_tf32=allow_tf32,
-                    layout=layout, **short,
+                    layout=layout, argmax_dtype=argmax_dtype,
                 )  # fmt: skip
             return fwd.maxsim_candidates_forward_triton(
                 queries, query_offsets, docs, doc_offsets, candidate_offsets, candidate_docs,
-                return_argmax=True, allow_tf32=allow_tf32, layout=layout, **short,
+                return_argmax=True, allow_tf32=allow_tf32, layout=layout, argmax_dtype=argmax_dtype,
             )  # fmt: skip
     kwargs: dict[str, Any] = dict(
         return_argmax=True, allow_tf32=allow_tf32, backend=backend, doc_scales=doc_scales

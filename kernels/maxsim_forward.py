@@ -606,8 +606,10 @@ def maxsim_varlen_forward_triton(
     num_groups = cdiv(nq, qpb)
     num_blocks = num_groups * num_chunks
     scores = torch.empty((num_chunks, nq, nd), dtype=torch.float32, device=device)
-    _check_argmax_dtype(argmax_dtype, layout)
-    argmax = torch.empty((queries.shape[0], nd), dtype=argmax_dtype, device=device) if return_argmax else None
+    argmax = None
+    if return_argmax:
+        _check_argmax_dtype(argmax_dtype, layout)
+        argmax = torch.empty((queries.shape[0], nd), dtype=argmax_dtype, device=device)
     if nq == 0 or nd == 0:
         out = scores.sum(0)
         return (out, argmax) if return_argmax else out
