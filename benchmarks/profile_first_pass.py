@@ -3,35 +3,61 @@
 On the H200 machines the first pass over a 10 GB corpus in a fresh process took 1.15-1.35 s of
 scoring-stream time against 0.51-0.53 s for the second, with the staging arena already locked, the
 reader ahead of the scoring and the copies at full rate (`docs/benchmarks.md`). This script scores the
-same corpus twice in one fresh process, after a warm-up on a small corpus, and for each run records:
+same corpus ``--runs`` times in one fresh process and, for each run, records:
 
 - the engine's stats (set-up, pass, read / copy / score times);
-- the CUDA caching allocator's counters (`torch.cuda.memory_stats`: device allocations and frees,
-  retries) as deltas over the run: a first pass that calls cudaMalloc where the second reuses blocks
-  shows here;
-- a `torch.profiler` table of the run's host-side CUDA API calls and operators by self CPU time
-  (cudaMalloc, module loading, launches, synchronisations), to compare the two runs line by line.
+- per document batch, the host time the scoring loop spent launching the batch's work and the GPU time
+  between the batch's start and end events on the scoring stream (the figure `score_s` sums): a one-time
+  stall shows as a few long batches, a slow GPU (clocks ramping up) as a slow start that recovers;
+- the SM clock sampled by ``nvidia-smi`` every 20 ms, averaged over the run;
+- the CUDA caching allocator's counters (device allocations, frees, retries) as deltas over the run;
+- with ``--profile``, a `torch.profiler` table of the first run's host-side calls by self CPU time.
 
+``--warm small`` scores a 32 MB corpus first (as `bench_score.py` does); ``--spin S`` keeps the GPU busy
+with matrix products for S seconds right before the first run. Comparing fresh processes with and
+without them (and with ``CUDA_MODULE_LOADING=EAGER``) separates a slow GPU from one-time host work.
 Corpus: `bench_score.py`'s generator (fp16, d = 128, 20-300 tokens), 512 queries x 32 tokens.
 
-    python benchmarks/profile_first_pass.py --workdir /var/tmp/mb --out first-pass-h200.txt
+    python benchmarks/profile_first_pass.py --workdir /var/tmp/mb --warm none --runs 2
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_score  # noqa: E402
 
+from maxsim_cli import score as score_mod  # noqa: E402
 from maxsim_cli.units import parse_size  # noqa: E402
 
 COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms")
+_batches: list[tuple[float, object, object]] = []  # (host seconds, start event, end event) per batch
+
+
+def _instrument() -> None:
+    """Record each scored batch's host launch time next to its GPU events (the engine's own timers)."""
+    engine = score_mod._Engine
+    timer, timer_end = engine._timer, engine._timer_end
+
+    def _timer(self):  # noqa: ANN001, ANN202
+        return (time.perf_counter(), timer(self))
+
+    def _timer_end(self, pair) -> None:  # noqa: ANN001
+        host_start, inner = pair
+        timer_end(self, inner)
+        if self.cuda:
+            start, end = self.score_events[-1]
+            _batches.append((time.perf_counter() - host_start, start, end))
+
+    engine._timer, engine._timer_end = _timer, _timer_end
 
 
 def counters() -> dict[str, int]:
@@ -39,31 +65,116 @@ def counters() -> dict[str, int]:
     return {name: int(stats.get(name, 0)) for name in COUNTERS}
 
 
-def profiled_run(name: str, queries: str, paths: list[str], out: str, rows: int) -> str:
-    from torch.profiler import ProfilerActivity, profile
+class ClockTrace:
+    """``nvidia-smi`` sampling the SM clock every 20 ms in the background, with host timestamps."""
 
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "20",
+             "-i", str(torch.cuda.current_device())],
+            stdout=subprocess.PIPE, text=True, bufsize=1,
+        )  # fmt: skip
+        self.samples: list[tuple[float, float, float]] = []
+        import threading
+
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                sm, power = (float(x) for x in line.split(","))
+            except ValueError:
+                continue
+            self.samples.append((time.perf_counter(), sm, power))
+
+    def window(self, t0: float, t1: float) -> str:
+        got = [(sm, p) for t, sm, p in self.samples if t0 <= t <= t1]
+        if not got:
+            return "no clock samples"
+        sm = np.array([g[0] for g in got])
+        return (
+            f"SM clock over the run: min {sm.min():.0f} / mean {sm.mean():.0f} / max {sm.max():.0f} MHz "
+            f"({len(sm)} samples; first five {[int(x) for x in sm[:5]]}); "
+            f"power mean {np.mean([g[1] for g in got]):.0f} W"
+        )
+
+    def close(self) -> None:
+        self.proc.terminate()
+
+
+def batch_report() -> str:
+    if not _batches:
+        return "no batches recorded"
+    host = np.array([b[0] for b in _batches]) * 1e3
+    gpu = np.array([b[1].elapsed_time(b[2]) for b in _batches])  # ms
+    n = len(gpu)
+    tenth = max(n // 10, 1)
+    worst = np.argsort(gpu)[::-1][:5]
+    tenths = [round(float(gpu[i : i + tenth].sum()) / 1e3, 3) for i in range(0, n, tenth)]
+    slowest = [(int(i), round(float(gpu[i]), 2), round(float(host[i]), 2)) for i in worst]
+    lines = [
+        f"batches {n}: GPU ms per batch p10 {np.percentile(gpu, 10):.3f} / median {np.median(gpu):.3f} / "
+        f"p90 {np.percentile(gpu, 90):.3f} / max {gpu.max():.3f}; sum {gpu.sum() / 1e3:.3f} s",
+        f"  host ms per batch median {np.median(host):.3f} / p90 {np.percentile(host, 90):.3f} / max "
+        f"{host.max():.3f}; sum {host.sum() / 1e3:.3f} s",
+        f"  GPU s by tenth of the pass: {tenths}",
+        f"  slowest batches (index, GPU ms, host ms): {slowest}",
+    ]
+    _batches.clear()
+    return "\n".join(lines)
+
+
+def one_run(
+    name: str, queries: str, paths: list[str], out: str, clocks: ClockTrace, rows: int, prof: bool
+) -> str:
     before = counters()
     start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    if prof:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            stats = bench_score.score(queries, paths, output=out, log=lambda _m: None, device="cuda")
+        table = p.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60
+        )
+    else:
         stats = bench_score.score(queries, paths, output=out, log=lambda _m: None, device="cuda")
-    wall = time.perf_counter() - start
-    after = counters()
-    delta = {k: after[k] - before[k] for k in COUNTERS}
-    split = {k: round(getattr(stats, k), 3) for k in ("setup_s", "read_s", "copy_s", "score_s", "wait_s")}
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60)
+        table = ""
+    end = time.perf_counter()
+    delta = {k: v - before[k] for k, v in counters().items()}
+    split = {k: round(getattr(stats, k), 3) for k in ("setup_s", "copy_s", "score_s", "wait_s", "write_s")}
+    split["arena_ready_s"] = stats.extra.get("arena_ready_s")
     pass_s = stats.wall_s - stats.setup_s - stats.write_s
     return (
-        f"===== {name}: wall {wall:.3f} s (engine {stats.wall_s:.3f} s, pass {pass_s:.3f} s) {split}\n"
-        f"allocator deltas: {delta}\n{table}\n"
+        f"===== {name}: engine {stats.wall_s:.3f} s, pass {pass_s:.3f} s {split}\n"
+        f"{clocks.window(start, end)}\nallocator deltas: {delta}\n{batch_report()}\n{table}\n"
     )
+
+
+def spin(seconds: float) -> None:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="/var/tmp/mb")
     parser.add_argument("--size", default="10GB")
-    parser.add_argument("--rows", type=int, default=25, help="rows of each profiler table")
-    parser.add_argument("--out", default=None, help="also write the report here")
+    parser.add_argument("--warm", choices=("none", "small"), default="none")
+    parser.add_argument(
+        "--spin", type=float, default=0.0, help="seconds of matrix products before the first run"
+    )
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--profile", action="store_true", help="torch.profiler table of the first run")
+    parser.add_argument("--rows", type=int, default=25, help="rows of the profiler table")
+    parser.add_argument("--label", default="")
+    parser.add_argument("--out", default=None, help="append the report here")
     args = parser.parse_args()
     device = torch.device("cuda")
     paths = bench_score.build_corpus(
@@ -73,17 +184,27 @@ def main() -> None:
     bench_score.build_queries(queries, 512, device)
     small = bench_score.build_corpus(os.path.join(args.workdir, "small"), 32 << 20, 16 << 20, device, seed=5)
     bench_score.read_files(paths, os.cpu_count() or 1)  # page cache warm
-    quiet = lambda _m: None  # noqa: E731
-    bench_score.score(
-        queries, small, output=os.path.join(args.workdir, "warm.trec"), log=quiet, device="cuda"
-    )
-    report = "".join(
-        profiled_run(name, queries, paths, os.path.join(args.workdir, f"{name}.trec"), args.rows)
-        for name in ("first", "second")
-    )
+    _instrument()
+    clocks = ClockTrace()
+    if args.warm == "small":
+        bench_score.score(
+            queries, small, output=os.path.join(args.workdir, "warm.trec"), log=lambda _m: None, device="cuda"
+        )
+        _batches.clear()
+    if args.spin:
+        spin(args.spin)
+    time.sleep(0.2)
+    loading = os.environ.get("CUDA_MODULE_LOADING", "")
+    header = f"######## {args.label} warm={args.warm} spin={args.spin} CUDA_MODULE_LOADING={loading}\n"
+    report = header + "".join(
+        one_run(f"run {i + 1}", queries, paths, os.path.join(args.workdir, f"run{i}.trec"), clocks, args.rows,
+                args.profile and i == 0)
+        for i in range(args.runs)
+    )  # fmt: skip
+    clocks.close()
     print(report)
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
+        with open(args.out, "a", encoding="utf-8") as fh:
             fh.write(report)
 
 

@@ -48,8 +48,12 @@ want ab-forward && step ab-forward ${AB_FORWARD_S:-240} python3 benchmarks/ab_fo
   $(for v in ${AB_VARIANTS:-}; do echo --variant "$v"; done) --workloads "${AB_WORKLOADS:-exhaustive,colpali,one_query,rerank}" \
   --out "$logs/ab-forward-h200.json"
 want pinning && step pinning ${PINNING_S:-90} bash -c "python3 benchmarks/bench_pinning.py > $logs/pin-h200.txt"
-want first-pass && step first-pass ${FIRST_PASS_S:-150} python3 benchmarks/profile_first_pass.py \
-  --workdir /var/tmp/mb --out "$logs/first-pass-h200.txt"
+# first-pass: fresh processes that differ in what precedes the first run (benchmarks/profile_first_pass.py)
+want first-pass && step first-pass ${FIRST_PASS_S:-200} bash -c '
+  fp="python3 benchmarks/profile_first_pass.py --workdir /var/tmp/mb --out '"$logs"'/first-pass-h200.txt"
+  $fp --label fresh --warm none && $fp --label warm-small --warm small && $fp --label spin --spin 2 \
+    && CUDA_MODULE_LOADING=EAGER $fp --label eager && $fp --label fresh-again --warm none'
+
 want score && step score ${SCORE_S:-200} python3 benchmarks/bench_score.py gpu --workdir /var/tmp/mb \
   --out "$logs/score-h200.json"
 

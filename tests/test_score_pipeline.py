@@ -576,3 +576,95 @@ def test_pinned_arena_hands_each_share_to_one_taker_while_pieces_are_still_locki
     addresses = sorted(r.data_ptr() for r in taken)
     assert len(set(addresses)) == 16, "two takers were given the same share"
     assert arena.take(1) is None  # every share handed out exactly once
+
+
+# --------------------------------------------------------------------------------------------------
+# the first kernel launches, made in the background during set-up
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("rerank", [False, True])
+def test_first_kernel_launches_are_made_in_the_background_before_the_pass(
+    engine_data, tmp_path, monkeypatch, int8, rerank
+) -> None:
+    """The Triton backend's `_KernelWarmup` makes the pass's launches on the real query batch (here
+    under the interpreter, on the CPU) without an error, is joined before the first batch is scored, and
+    changes nothing in the run."""
+    _check_first_launches(engine_data, tmp_path, monkeypatch, int8, rerank, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("rerank", [False, True])
+def test_first_kernel_launches_on_the_gpu(engine_data, tmp_path, monkeypatch, int8, rerank) -> None:
+    _check_first_launches(engine_data, tmp_path, monkeypatch, int8, rerank, "cuda")
+
+
+def _check_first_launches(engine_data, tmp_path, monkeypatch, int8: bool, rerank: bool, device: str) -> None:
+    pytest.importorskip("maxsim_kernels.maxsim_forward")  # the Triton kernels (imports triton)
+    from maxsim_cli import score as score_mod
+
+    made: list[score_mod._KernelWarmup] = []
+
+    class Recording(score_mod._KernelWarmup):
+        def __init__(self, device: torch.device) -> None:
+            super().__init__(device)
+            made.append(self)
+
+    monkeypatch.setattr(score_mod, "_KernelWarmup", Recording)
+    queries, shards = engine_data
+    if int8:
+        gen = torch.Generator().manual_seed(6)
+        shards = []
+        for s in range(2):
+            codes = [torch.randint(-127, 128, (n, 8), generator=gen).to(torch.int8) for n in (3, 1, 4, 2)]
+            scales = [torch.full((c.shape[0],), 2.0**-7) for c in codes]
+            path = tmp_path / f"i{s}.safetensors"
+            write_shard(path, [f"s{s}d{i:02d}" for i in range(4)], codes, scales=scales, dtype="int8")
+            shards.append(str(path))
+    candidates = None
+    if rerank:
+        candidates = tmp_path / "cands.tsv"
+        candidates.write_text(
+            "".join(f"q{q}\ts{q % 2}d{d:02d}\t{d + 1}\n" for q in range(5) for d in range(3))
+        )
+    runs = {}
+    for backend in ("torch", "triton"):
+        out = tmp_path / f"{backend}.trec"
+        stats = score_mod.score(
+            queries, shards, output=str(out), top_k=5, device=device, backend=backend,
+            candidates=None if candidates is None else str(candidates),
+        )  # fmt: skip
+        runs[backend] = out.read_bytes()
+    assert len(made) == 1  # the triton run's
+    assert made[0].error is None and made[0].launched and not made[0]._thread.is_alive()
+    assert stats.extra["kernel_wait_s"] >= 0
+    assert runs["triton"] == runs["torch"] and runs["torch"].count(b"\n") == (15 if rerank else 25)
+
+
+def test_a_failing_first_launch_in_the_background_changes_nothing(engine_data, tmp_path, monkeypatch) -> None:
+    pytest.importorskip("maxsim_kernels.maxsim_forward")
+    from maxsim_cli import score as score_mod
+
+    made: list[score_mod._KernelWarmup] = []
+
+    class Recording(score_mod._KernelWarmup):
+        def __init__(self, device: torch.device) -> None:
+            super().__init__(device)
+            made.append(self)
+
+    def failing(self, job, top_k, rerank):  # noqa: ANN001, ANN202
+        def launch() -> None:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+        return launch
+
+    monkeypatch.setattr(score_mod, "_KernelWarmup", Recording)
+    monkeypatch.setattr(score_mod._Engine, "first_launches", failing)
+    queries, shards = engine_data
+    for backend in ("torch", "triton"):
+        score_mod.score(
+            queries, shards, output=str(tmp_path / f"{backend}.trec"), device="cpu", backend=backend
+        )
+    assert isinstance(made[0].error, torch.OutOfMemoryError) and not made[0].launched
+    assert (tmp_path / "triton.trec").read_bytes() == (tmp_path / "torch.trec").read_bytes()
