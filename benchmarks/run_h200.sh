@@ -32,7 +32,8 @@ step() {  # step NAME SECONDS CMD...
 # and STEPS="int8 ab" as three calls (the full gpu-tests step takes ~110-140 s).
 steps=" ${STEPS:-gpu-tests kernels train verify int8 ab} "
 want() { [[ $steps == *" $1 "* ]]; }
-want gpu-tests && step gpu-tests ${GPU_TESTS_S:-240} python3 -m pytest -q -m gpu -p no:cacheprovider tests/
+# GPU_TESTS narrows the GPU-marked tests to some files or node ids
+want gpu-tests && step gpu-tests ${GPU_TESTS_S:-240} python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/}
 want sweep && step sweep ${SWEEP_S:-240} python3 benchmarks/bench_kernels.py --sweep \
   --workloads "${SWEEP_WORKLOADS:-exhaustive,colpali,one_query}" --out "$logs/kernels-sweep-h200.json"
 want kernels && step kernels ${KERNELS_S:-300} python3 benchmarks/bench_kernels.py --cold --cold-workloads one_query \
