@@ -49,7 +49,6 @@ __all__ = [
     "check_inputs",
     "check_candidates",
     "Layout",
-    "preload",
 ]
 
 
@@ -81,22 +80,6 @@ def _forward_module() -> Any:
     from maxsim_kernels import maxsim_forward  # imports triton: only when the Triton backend is used
 
     return maxsim_forward
-
-
-def preload() -> None:
-    """Import the Triton launchers and compute the key of Triton's compile cache, now.
-
-    A process's first Triton launch does both before it can look a compiled kernel up: on the H200
-    machine importing triton took 0.3 s and the key (a hash of Triton's own libraries, computed once per
-    process) 0.45 s (`benchmarks/profile_first_launch.py`). Called from a background thread while the
-    caller sets up, it takes that off the first launch. No GPU work; later calls cost nothing.
-    """
-    _forward_module()
-    try:
-        from triton.runtime.cache import triton_key
-    except ImportError:  # not where this Triton release keeps it: the first launch computes it
-        return
-    triton_key()
 
 
 def __getattr__(name: str) -> Any:

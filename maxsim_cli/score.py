@@ -45,7 +45,6 @@ import math
 import os
 import resource
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -348,8 +347,6 @@ def score(
     dev = resolve_device(device)
     backend = check_backend_option(backend, dev)
     cuda = dev.type == "cuda"
-    # Triton launches: on CUDA, or under the interpreter on the CPU (tests)
-    warmup = _KernelWarmup(dev) if resolve_backend(backend, dev) == "triton" else None
     if max_memory is not None and max_memory <= 0:
         raise UsageError("--max-memory must be positive")
     if max_host_memory is not None and max_host_memory <= 0:
@@ -405,7 +402,6 @@ def score(
 
         engine = _Engine(corpus_obj, q_emb, q_offsets, dev, backend, budget, stats, log, corpus)
         engine.arena = arena
-        engine.warmup = warmup
         if candidates is not None:
             from_rank = part is not None and part.candidates is not None
             run = part.candidates if from_rank else read_run(str(candidates))  # type: ignore[union-attr]
@@ -415,8 +411,6 @@ def score(
         else:
             jobs = engine.exhaustive_jobs(top_k, batch_queries)
             total_tokens = corpus_obj.num_tokens * len(jobs)
-        if warmup is not None and jobs:
-            warmup.start(engine.first_launches(jobs[0], top_k, rerank=candidates is not None))
         with progress_mod.ScoreProgress(show_progress, total_tokens) as bar, writer:
             engine.progress = bar
             if arena is not None:
@@ -429,8 +423,6 @@ def score(
             else:
                 engine.run_exhaustive(jobs, qids, top_k, writer)
     finally:
-        if warmup is not None:
-            warmup.close()
         for shard in corpus_obj.shards:
             shard.close()
     if cuda:
@@ -488,69 +480,6 @@ def _query_embeddings(qbatch, corpus_dtype: str, quantization: str) -> torch.Ten
     return emb.to(getattr(torch, corpus_dtype)).contiguous()
 
 
-class _KernelWarmup:
-    """A process's first Triton launches, made in the background while the run sets up.
-
-    In a fresh process the first kernel launch took 0.66-0.82 s of host time on the H200 machine with the
-    compiled kernel already in Triton's disk cache: importing triton, hashing Triton's libraries for the
-    cache key, loading the kernel (benchmarks/results/first-launch-h200.txt). The pass's first batch
-    waited that long, the reader stalled behind it once the staging slots were full, and the first pass
-    took 1.3-1.4 s instead of 0.57-0.59 s (benchmarks/results/first-pass-h200.txt). This thread makes
-    those calls while the corpus is opened and the readers fill the slots: `maxsim_kernels.preload` at
-    once, then, once the run's first query batch is known, the pass's launches on one small document, on
-    a side stream (`_Engine.first_launches`). The scoring thread waits for it before its first launch.
-    Errors are not raised here: the pass's own launches meet them and report them.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._launch: Callable[[], None] | None = None
-        self._go = threading.Event()
-        self.launched = False  # the launches ran
-        self.error: Exception | None = None  # what stopped them (kept for tests; never raised)
-        self._thread = threading.Thread(target=self._run, name="maxsim-warmup", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            from maxsim_kernels import preload
-
-            preload()
-            self._go.wait()
-            if self._launch is None:
-                return
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-                stream = torch.cuda.Stream(self.device)
-                with torch.cuda.stream(stream):
-                    self._launch()
-                stream.synchronize()
-            else:  # the interpreter (tests)
-                self._launch()
-            self.launched = True
-        except Exception as exc:  # noqa: BLE001 - the pass's own launches meet it and report it
-            self.error = exc
-
-    def start(self, launch: Callable[[], None]) -> None:
-        """Make ``launch``'s calls in the thread (once its import is done)."""
-        self._launch = launch
-        self._go.set()
-
-    def close(self) -> None:
-        """End the thread: wait for launches given to `start`; without any, launch nothing (the
-        thread then finishes its import in the background)."""
-        self._go.set()
-        if self._launch is not None:
-            self._thread.join()
-
-    def wait(self) -> float:
-        """Block until the thread is done; returns the seconds waited."""
-        started = time.perf_counter()
-        self._go.set()
-        self._thread.join()
-        return time.perf_counter() - started
-
-
 @dataclass
 class _Job:
     """One query batch: queries [q0, q1) and the document batches of its pass."""
@@ -604,7 +533,6 @@ class _Engine:
         self.tok_cum = np.concatenate([[0], np.cumsum(self.doc_lengths)]).astype(np.int64)
         self.score_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.arena: PinnedArena | None = None
-        self.warmup: _KernelWarmup | None = None  # waited for before the first launch
         self.docnos_of: dict[int, list[str]] = {}  # rerank: each query's candidates found, in run order
 
     # ---------------------------------------------------------------------------- query helpers
@@ -625,37 +553,6 @@ class _Engine:
         """
         tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
         return tensor.pin_memory() if self.cuda else tensor
-
-    def first_launches(self, job: _Job, top_k: int, rerank: bool) -> Callable[[], None]:
-        """The pass's kernel launches on `job`'s queries against one document of 16 zero tokens, for
-        `_KernelWarmup`: the kernels' compile-time choices depend on the queries, the documents' dtype
-        and the dim, never on the documents' number or lengths, so these load the kernels the pass uses."""
-        from maxsim_kernels import maxsim_candidates, maxsim_varlen
-
-        def launch() -> None:
-            q_emb, q_off = self._query_slice(job.q0, job.q1)
-            nq = job.q1 - job.q0
-            docs = torch.zeros((16, self.corpus.dim), dtype=self.doc_dtype, device=self.device)
-            offsets = self._host_ints(np.array([0, 16]))
-            scales = torch.ones(16, dtype=torch.float32, device=self.device) if self.scaled else None
-            if rerank:
-                one_each = (self._host_ints(np.arange(nq + 1)), self._host_ints(np.zeros(nq)))
-                maxsim_candidates(
-                    q_emb, q_off, docs, offsets, *one_each, backend=self.backend, doc_scales=scales
-                )
-                return
-            maxsim_varlen(q_emb, q_off, docs, offsets, backend=self.backend, doc_scales=scales)
-            rows = min(nq, 8)  # the merge's ops, on a block with more columns than the top-k keeps
-            ranks = torch.arange(top_k + 1, device=self.device)
-            RunningTopK(rows, top_k).add(torch.zeros((rows, top_k + 1), device=self.device), ranks)
-
-        return launch
-
-    def _kernels_ready(self) -> None:
-        """Before the first launch: wait for `_KernelWarmup` (the wait is in the stats)."""
-        if self.warmup is not None:
-            self.stats.extra["kernel_wait_s"] = round(self.warmup.wait(), 4)
-            self.warmup = None
 
     def _query_bytes(self, q0: int, q1: int) -> int:
         t = int(self.q_offsets[q1] - self.q_offsets[q0])
@@ -823,7 +720,6 @@ class _Engine:
         scales = None if batch.scales is None else (batch.scales if whole else batch.scales[t0:t1])
         assert batch.side is not None
         ranks = batch.side[a:b]
-        self._kernels_ready()
         timer = self._timer()
         try:
             scores = self._checked(
@@ -1035,7 +931,6 @@ class _Engine:
                     cand_offsets = self._host_ints(host_side[: nq + 1])
                     cand_docs = self._host_ints(host_side[nq + 1 : nq + 1 + n_pairs])
                     positions = batch.side[nq + 1 + n_pairs :]
-                    self._kernels_ready()
                     timer = self._timer()
                     try:
                         args = (

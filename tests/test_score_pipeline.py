@@ -579,42 +579,30 @@ def test_pinned_arena_hands_each_share_to_one_taker_while_pieces_are_still_locki
 
 
 # --------------------------------------------------------------------------------------------------
-# the first kernel launches, made in the background during set-up
+# both backends on the GPU
 
 
-@pytest.mark.parametrize("int8", [False, True])
-@pytest.mark.parametrize("rerank", [False, True])
-def test_first_kernel_launches_are_made_in_the_background_before_the_pass(
-    engine_data, tmp_path, monkeypatch, int8, rerank
-) -> None:
-    """The Triton backend's `_KernelWarmup` makes the pass's launches on the real query batch (here
-    under the interpreter, on the CPU) without an error, is joined before the first batch is scored, and
-    changes nothing in the run."""
-    _check_first_launches(engine_data, tmp_path, monkeypatch, int8, rerank, "cpu")
+DEVICES_BACKENDS = (("cpu", "torch"), ("cuda", "torch"), ("cuda", "triton"))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("rerank", [False, True])
-def test_first_kernel_launches_on_the_gpu(engine_data, tmp_path, monkeypatch, int8, rerank) -> None:
-    _check_first_launches(engine_data, tmp_path, monkeypatch, int8, rerank, "cuda")
-
-
-def _check_first_launches(engine_data, tmp_path, monkeypatch, int8: bool, rerank: bool, device: str) -> None:
-    pytest.importorskip("maxsim_kernels.maxsim_forward")  # the Triton kernels (imports triton)
-    from maxsim_cli import score as score_mod
-
-    made: list[score_mod._KernelWarmup] = []
-
-    class Recording(score_mod._KernelWarmup):
-        def __init__(self, device: torch.device) -> None:
-            super().__init__(device)
-            made.append(self)
-
-    monkeypatch.setattr(score_mod, "_KernelWarmup", Recording)
+def test_both_backends_on_the_gpu_give_the_same_run(engine_data, tmp_path, int8, rerank) -> None:
+    """Dyadic values (exact in every summation order): the Triton and torch backends on CUDA, and the
+    torch backend on the CPU, write the same bytes in both modes, for float and int8 shards. The int8
+    case's queries quantize exactly (each token's largest |value| is 127/4: scale 1/4, integer codes),
+    so that the scale products are exact too (otherwise the backends may differ in the last bit)."""
     queries, shards = engine_data
     if int8:
         gen = torch.Generator().manual_seed(6)
+        qembs = [
+            torch.randint(-127, 128, (n, 8), generator=gen).to(torch.float32) / 4 for n in (2, 3, 1, 4, 2)
+        ]
+        for q in qembs:
+            q[:, 0] = 127 / 4
+        queries = str(tmp_path / "q8.safetensors")
+        write_shard(queries, [f"q{i}" for i in range(5)], qembs)
         shards = []
         for s in range(2):
             codes = [torch.randint(-127, 128, (n, 8), generator=gen).to(torch.int8) for n in (3, 1, 4, 2)]
@@ -629,42 +617,17 @@ def _check_first_launches(engine_data, tmp_path, monkeypatch, int8: bool, rerank
             "".join(f"q{q}\ts{q % 2}d{d:02d}\t{d + 1}\n" for q in range(5) for d in range(3))
         )
     runs = {}
-    for backend in ("torch", "triton"):
-        out = tmp_path / f"{backend}.trec"
-        stats = score_mod.score(
-            queries, shards, output=str(out), top_k=5, device=device, backend=backend,
-            candidates=None if candidates is None else str(candidates),
-        )  # fmt: skip
-        runs[backend] = out.read_bytes()
-    assert len(made) == 1  # the triton run's
-    assert made[0].error is None and made[0].launched and not made[0]._thread.is_alive()
-    assert stats.extra["kernel_wait_s"] >= 0
-    assert runs["triton"] == runs["torch"] and runs["torch"].count(b"\n") == (15 if rerank else 25)
+    for device, backend in DEVICES_BACKENDS:
+        out = tmp_path / f"{device}-{backend}.trec"
+        score_run(queries, shards, out, device, backend, candidates)
+        runs[(device, backend)] = out.read_text()
+    assert all(run == runs[("cpu", "torch")] for run in runs.values())
 
 
-def test_a_failing_first_launch_in_the_background_changes_nothing(engine_data, tmp_path, monkeypatch) -> None:
-    pytest.importorskip("maxsim_kernels.maxsim_forward")
-    from maxsim_cli import score as score_mod
+def score_run(queries: str, shards: list[str], out, device: str, backend: str, candidates) -> None:  # noqa: ANN001
+    from maxsim_cli.score import score
 
-    made: list[score_mod._KernelWarmup] = []
-
-    class Recording(score_mod._KernelWarmup):
-        def __init__(self, device: torch.device) -> None:
-            super().__init__(device)
-            made.append(self)
-
-    def failing(self, job, top_k, rerank):  # noqa: ANN001, ANN202
-        def launch() -> None:
-            raise torch.OutOfMemoryError("CUDA out of memory")
-
-        return launch
-
-    monkeypatch.setattr(score_mod, "_KernelWarmup", Recording)
-    monkeypatch.setattr(score_mod._Engine, "first_launches", failing)
-    queries, shards = engine_data
-    for backend in ("torch", "triton"):
-        score_mod.score(
-            queries, shards, output=str(tmp_path / f"{backend}.trec"), device="cpu", backend=backend
-        )
-    assert isinstance(made[0].error, torch.OutOfMemoryError) and not made[0].launched
-    assert (tmp_path / "triton.trec").read_bytes() == (tmp_path / "torch.trec").read_bytes()
+    score(
+        queries, shards, output=str(out), top_k=5, device=device, backend=backend,
+        candidates=None if candidates is None else str(candidates),
+    )  # fmt: skip
