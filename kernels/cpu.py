@@ -117,19 +117,40 @@ def _require_finite(similarities: torch.Tensor) -> None:
         )
 
 
-def _similarities(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
-    """a [m, dim] . b_t [dim, n] as a contiguous [m, n], computed identically whatever m and n are.
+def _similarities(a: torch.Tensor, b_t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a [m, dim] . b_t [dim, n] as a contiguous [m, n], computed identically whatever m and n are
+    (into ``out``, a contiguous [m, n], when given and no padding is needed).
 
     The right operand comes transposed and contiguous (the query tokens as columns): MKL multiplies
     [n_tokens, 128] x [128, 32] 2-8% faster that way than through a transposed view (2-core dev machine,
     1 query x 4000 documents, 12 interleaved rounds: 56.8 / 59.0 ms best / median against 58.2 / 64.2)."""
     m, n = a.shape[0], b_t.shape[1]
+    if m >= _MIN_GEMM_ROWS and n >= _MIN_GEMM_ROWS and out is not None:
+        return torch.mm(a, b_t, out=out)
     if m < _MIN_GEMM_ROWS:
         a = torch.cat([a, a.new_zeros(_MIN_GEMM_ROWS - m, a.shape[1])])
     if n < _MIN_GEMM_ROWS:
         b_t = torch.cat([b_t, b_t.new_zeros(b_t.shape[0], _MIN_GEMM_ROWS - n)], dim=1)
-    out = torch.mm(a, b_t)
-    return out if out.shape == (m, n) else out[:m, :n].contiguous()
+    product = torch.mm(a, b_t)
+    return product if product.shape == (m, n) else product[:m, :n].contiguous()
+
+
+# Each stream worker's upcast chunk and similarity block live in buffers kept per thread (2 x 16 MB
+# at 32K tokens, d = 128, 128 query tokens): fresh 16 MB tensors are mapped and unmapped by malloc on
+# every chunk, one page fault per 4 KB each time, and the unmaps stall the other threads' page walks
+# (`maxsim score` on 2 cores spent 0.45-0.54 s of system time on 1 GB against 0.13-0.24 s for the
+# same scoring from memory; see docs/benchmarks.md).
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous [rows, cols] view of this thread's reusable buffer ``name`` (grown when too small)."""
+    need = shape[0] * shape[1]
+    buf = getattr(_SCRATCH, name, None)
+    if buf is None or buf.dtype != dtype or buf.numel() < need:
+        buf = torch.empty(need, dtype=dtype)
+        setattr(_SCRATCH, name, buf)
+    return buf[:need].view(shape)
 
 
 def _score_stream(
@@ -157,7 +178,11 @@ def _score_stream(
         full = np.flatnonzero(lens[a:b] > 0) + a
         if t1 == t0 or len(full) == 0:
             return
-        sim = _similarities(docs[t0:t1].to(q.dtype), q_t)  # [tokens, Tq], as the blocked path computes it
+        chunk = docs[t0:t1]
+        if chunk.dtype != q.dtype:  # upcast into this thread's buffer
+            chunk = _scratch("chunk", tuple(chunk.shape), q.dtype).copy_(chunk)
+        # [tokens, Tq], as the blocked path computes it
+        sim = _similarities(chunk, q_t, out=_scratch("sim", (t1 - t0, q_t.shape[1]), q.dtype))
         if check_finite:
             _require_finite(sim[:, 0])
         owner = torch.from_numpy(np.repeat(np.arange(b - a), lens[a:b]))[:, None].expand(-1, sim.shape[1])

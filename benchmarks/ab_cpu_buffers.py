@@ -1,0 +1,54 @@
+"""The CPU backend's reused per-thread buffers against fresh tensors per chunk, interleaved (CPU).
+
+`maxsim_kernels.cpu` upcasts each 32K-token chunk and writes its similarities into buffers kept per
+worker thread. The baseline (``fresh``) swaps `_scratch` for a new tensor per call, as the backend
+allocated before. Each process scores the 1 GB corpus of ``bench_score.py cpu`` three times end to end
+(`maxsim score --device cpu`, 4 queries) and three times from memory (the backend alone); run the two
+ways alternately, several rounds:
+
+    for i in 1 2 3; do python benchmarks/ab_cpu_buffers.py fresh
+        python benchmarks/ab_cpu_buffers.py reused; done
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_score  # noqa: E402
+import maxsim_kernels.cpu as cpu_backend  # noqa: E402
+
+from maxsim_cli.score import score  # noqa: E402
+from maxsim_cli.shards import open_corpus  # noqa: E402
+
+
+def main() -> None:
+    way = sys.argv[1] if len(sys.argv) > 1 else "reused"
+    work = sys.argv[2] if len(sys.argv) > 2 else "/tmp/mbcpu"
+    if way == "fresh":
+        cpu_backend._scratch = lambda _name, shape, dtype: torch.empty(shape, dtype=dtype)
+    paths = sorted(glob.glob(os.path.join(work, "corpus-cpu-*", "*.safetensors")))
+    queries = os.path.join(work, "queries-cpu-4.safetensors")
+    if not paths or not os.path.exists(queries):
+        sys.exit(f"no corpus under {work}: run `python benchmarks/bench_score.py cpu --workdir {work}` first")
+    q = open_corpus([queries]).shards[0].read_docs(0, 4)
+    e2e = score(queries, paths, output=os.path.join(work, "ab.trec"), device="cpu", log=lambda _m: None)
+    batches = bench_score.load_batches(paths, e2e.max_batch_tokens, torch.device("cpu"))
+    e2e_s, kernel_s = [], []
+    for _ in range(3):
+        e2e_s.append(
+            score(
+                queries, paths, output=os.path.join(work, "ab.trec"), device="cpu", log=lambda _m: None
+            ).wall_s
+        )
+        kernel_s.append(bench_score.kernel_time(batches, q.embeddings, q.offsets, "torch"))
+    print(f"{way:6s} end to end {' '.join(f'{x:.3f}' for x in e2e_s)} s; backend from memory "
+          f"{' '.join(f'{x:.3f}' for x in kernel_s)} s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
