@@ -14,7 +14,7 @@ import torch
 
 from maxsim_cli.errors import InputError, MaxsimError
 from maxsim_cli.pipeline import BatchPlan, BatchStream
-from maxsim_cli.score import _interleave, _split
+from maxsim_cli.score import _cut_at, _interleave, _split
 from maxsim_cli.shards import open_corpus, write_shard
 from maxsim_cli.topk import RunningTopK, decode_keys, order_keys
 
@@ -246,6 +246,35 @@ def _plain_varlen(q, q_off, d, d_off, *, backend="auto", doc_scales=None, **_kwa
         for i in range(len(qo) - 1):
             out[i, j] = best[qo[i] : qo[i + 1]].sum()
     return out.float()
+
+
+def test_cut_at_shard_boundaries() -> None:
+    bounds = np.array([0, 7, 20, 30])
+    assert _cut_at([(0, 10), (10, 25), (25, 30)], bounds) == [(0, 7), (7, 10), (10, 20), (20, 25), (25, 30)]
+    assert _cut_at([(0, 7), (7, 20)], bounds) == [(0, 7), (7, 20)]  # already within shards
+
+
+def test_cpu_batches_stay_within_one_shard(engine_data, tmp_path, monkeypatch) -> None:
+    """On the CPU no document batch spans two shards (each is scored from a map of its file, uncopied),
+    whatever the budget; the run is the same as with one batch a shard."""
+    from maxsim_cli import score as score_mod
+
+    queries, shards = engine_data
+    seen: list[list] = []
+    original = score_mod._Engine._stream
+
+    def recording(self, plans, *, resident=False):  # noqa: ANN001, ANN202
+        seen.append([p.parts for p in plans])
+        return original(self, plans, resident=resident)
+
+    monkeypatch.setattr(score_mod._Engine, "_stream", recording)
+    big = score_mod.score(queries, shards, output=str(tmp_path / "big.trec"), top_k=5, device="cpu")
+    small = score_mod.score(
+        queries, shards, output=str(tmp_path / "small.trec"), top_k=5, device="cpu", max_memory=8000
+    )
+    assert big.doc_batches == 2 and small.doc_batches > 2
+    assert all(len(parts) == 1 for plans in seen for parts in plans)
+    assert (tmp_path / "big.trec").read_bytes() == (tmp_path / "small.trec").read_bytes()
 
 
 @pytest.fixture

@@ -1,13 +1,18 @@
-"""The CPU backend's reused per-thread buffers against fresh tensors per chunk, interleaved (CPU).
+"""`maxsim score --device cpu` against earlier versions of its CPU path, interleaved (CPU machine).
 
-`maxsim_kernels.cpu` upcasts each 32K-token chunk and writes its similarities into buffers kept per
-worker thread. The baseline (``fresh``) swaps `_scratch` for a new tensor per call, as the backend
-allocated before. Each process scores the 1 GB corpus of ``bench_score.py cpu`` three times end to end
-(`maxsim score --device cpu`, 4 queries) and three times from memory (the backend alone); run the two
-ways alternately, several rounds:
+Ways (one per process; run them alternately, several rounds):
 
-    for i in 1 2 3; do python benchmarks/ab_cpu_buffers.py fresh
-        python benchmarks/ab_cpu_buffers.py reused; done
+- ``current``: the code as it is;
+- ``uncut``: document batches not cut at shard boundaries (a batch spanning two shards is copied into a
+  staging slot instead of scored from a map of each file), as before `maxsim_cli.score._cut_at`;
+- ``fresh``: also the CPU backend's chunk buffers allocated per chunk instead of kept per worker
+  thread, as before `maxsim_kernels.cpu._scratch`.
+
+Each process scores the 1 GB corpus of ``bench_score.py cpu`` three times end to end (4 queries) and
+three times from memory (the backend alone, in the run's batch sizes):
+
+    for i in 1 2 3; do for way in fresh uncut current; do
+        python benchmarks/ab_cpu_score.py $way; done; done
 """
 
 from __future__ import annotations
@@ -22,13 +27,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_score  # noqa: E402
 import maxsim_kernels.cpu as cpu_backend  # noqa: E402
 
+import maxsim_cli.score as score_module  # noqa: E402
 from maxsim_cli.score import score  # noqa: E402
 from maxsim_cli.shards import open_corpus  # noqa: E402
 
 
 def main() -> None:
-    way = sys.argv[1] if len(sys.argv) > 1 else "reused"
+    way = sys.argv[1] if len(sys.argv) > 1 else "current"
     work = sys.argv[2] if len(sys.argv) > 2 else "/tmp/mbcpu"
+    if way in ("fresh", "uncut"):
+        score_module._cut_at = lambda spans, _bounds: spans
     if way == "fresh":
         cpu_backend._scratch = lambda _name, shape, dtype: torch.empty(shape, dtype=dtype)
     paths = sorted(glob.glob(os.path.join(work, "corpus-cpu-*", "*.safetensors")))
