@@ -254,7 +254,13 @@ def bench_gpu(args: argparse.Namespace) -> dict:
     # warm-up: compile the kernels and touch every code path on a small corpus
     run_score(qpath, small, os.path.join(work, "warm.trec"), device="cuda")
     e2e_out = os.path.join(work, "run-unbounded.trec")
+    if args.batch_times:  # per-batch host and GPU times of the first run (profile_first_pass.py)
+        import profile_first_pass
+
+        profile_first_pass._instrument()
     e2e = run_score(qpath, paths, e2e_out, device="cuda")
+    if args.batch_times:
+        log(f"first run, per batch:\n{profile_first_pass.batch_report()}")
     budget = run_score(qpath, paths, os.path.join(work, "run-2gib.trec"), device="cuda", max_memory=2 << 30)
     same = filecmp.cmp(e2e_out, os.path.join(work, "run-2gib.trec"), shallow=False)
     k100 = run_score(qpath, paths, os.path.join(work, "run-k100.trec"), device="cuda", top_k=100)
@@ -365,6 +371,9 @@ def main() -> None:
     parser.add_argument("--size", default=None, help="corpus size (gpu: 10GB, cpu: 1GB)")
     parser.add_argument("--queries", type=int, default=None, help="number of queries (gpu: 512, cpu: 4)")
     parser.add_argument("--repeats", type=int, default=3, help="cpu: alternating repetitions, best kept")
+    parser.add_argument(
+        "--batch-times", action="store_true", help="gpu: log the first run's host and GPU time per batch"
+    )
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args()
     if args.size is None:

@@ -171,6 +171,9 @@ def main() -> None:
         "--spin", type=float, default=0.0, help="seconds of matrix products before the first run"
     )
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument(
+        "--copy-first", action="store_true", help="bench_score.py's pinned copy-bandwidth step first"
+    )
     parser.add_argument("--profile", action="store_true", help="torch.profiler table of the first run")
     parser.add_argument("--rows", type=int, default=25, help="rows of the profiler table")
     parser.add_argument("--label", default="")
@@ -184,6 +187,8 @@ def main() -> None:
     bench_score.build_queries(queries, 512, device)
     small = bench_score.build_corpus(os.path.join(args.workdir, "small"), 32 << 20, 16 << 20, device, seed=5)
     bench_score.read_files(paths, os.cpu_count() or 1)  # page cache warm
+    if args.copy_first:
+        bench_score.copy_bandwidth(sum(os.path.getsize(p) for p in paths), device)
     _instrument()
     clocks = ClockTrace()
     if args.warm == "small":
@@ -195,7 +200,10 @@ def main() -> None:
         spin(args.spin)
     time.sleep(0.2)
     loading = os.environ.get("CUDA_MODULE_LOADING", "")
-    header = f"######## {args.label} warm={args.warm} spin={args.spin} CUDA_MODULE_LOADING={loading}\n"
+    header = (
+        f"######## {args.label} warm={args.warm} spin={args.spin} copy-first={args.copy_first} "
+        f"CUDA_MODULE_LOADING={loading}\n"
+    )
     report = header + "".join(
         one_run(f"run {i + 1}", queries, paths, os.path.join(args.workdir, f"run{i}.trec"), clocks, args.rows,
                 args.profile and i == 0)
