@@ -87,6 +87,9 @@ def build_corpus(
         doc_id += len(lengths)
         written += tokens * token_bytes
         log(f"wrote {path}: {len(lengths)} docs, {format_size(tokens * token_bytes)}")
+    # The pages just written are dirty: their writeback to disk would run during the first timed run
+    # (on the H200 machine a first run right after writing 10 GB took 1.31 s, 0.76 s once written back)
+    os.sync()
     open(done, "w").close()
     return paths
 
