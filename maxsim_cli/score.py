@@ -618,7 +618,11 @@ class _Engine:
             avg_len = max(self.tok_cum[-1] / n_docs, 1.0)
             fit_tokens = rest / (slots * self.tb + per_doc / avg_len) if rest > 0 else 0
             tokens = min(token_limit, fit_tokens)
-            enough = tokens >= min(int(self.tok_cum[-1]), max(longest, MIN_BATCH_TOKENS))
+            # Fewer queries a pass only make room on the scoring device; `token_limit` (overlap, host
+            # staging) does not depend on them. Testing it here split the 512 queries of a 32 MB
+            # corpus into 512 passes of one query: its staging slots, sized to the corpus, hold ~7K
+            # tokens, under MIN_BATCH_TOKENS.
+            enough = fit_tokens >= min(int(self.tok_cum[-1]), max(longest, MIN_BATCH_TOKENS))
             if enough or nq_b == 1 or batch_queries is not None:
                 break
             nq_b = (nq_b + 1) // 2

@@ -660,3 +660,26 @@ def score_run(queries: str, shards: list[str], out, device: str, backend: str, c
         queries, shards, output=str(out), top_k=5, device=device, backend=backend,
         candidates=None if candidates is None else str(candidates),
     )  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_a_small_corpus_is_scored_with_all_queries_in_one_pass(tmp_path) -> None:
+    """The staging slots of a small corpus are small (the arena is sized to the files); that must not
+    split the queries into many passes, which only device memory calls for."""
+    from maxsim_cli.score import score
+
+    gen = torch.Generator().manual_seed(2)
+    for s in range(2):
+        embs = [
+            torch.randn(int(n), 128, generator=gen) for n in torch.randint(20, 300, (400,), generator=gen)
+        ]
+        write_shard(
+            tmp_path / f"s{s}.safetensors", [f"s{s}d{i:03d}" for i in range(400)], embs, dtype="float16"
+        )
+    qembs = [torch.randn(32, 128, generator=gen) for _ in range(512)]
+    write_shard(tmp_path / "q.safetensors", [f"q{i:03d}" for i in range(512)], qembs, dtype="float16")
+    shards = [str(tmp_path / f"s{s}.safetensors") for s in range(2)]
+    stats = score(
+        str(tmp_path / "q.safetensors"), shards, output=str(tmp_path / "run.trec"), top_k=10, device="cuda"
+    )
+    assert stats.query_batches == 1 and stats.query_batch_size == 512, stats.as_dict()
