@@ -27,15 +27,17 @@ candidates that exist are written re-sorted by MaxSim (cut to ``top_k``).
   plus one unstaged batch per reader thread for containers read through `Shard.read_docs`.
 
 Batches are also kept small enough for the stages to overlap: about ``corpus bytes / MIN_BATCHES``, between
-`MIN_BATCH_BYTES` and `MAX_BATCH_BYTES`, and on CUDA small enough that the slots fit the pinned arena. A CUDA
+`MIN_BATCH_BYTES` and `MAX_BATCH_BYTES`, on CUDA small enough that the slots fit the pinned arena, and on
+the CPU within one shard (`_cut_at`: scored from a map of the file, never copied). A CUDA
 out-of-memory error while scoring halves the document batch (down to one document) and the run continues,
 with a note on stderr.
 
 Where the time goes (one H200, 10 GB of fp16 safetensors shards, 512 queries x 32 tokens, warm page cache,
-benchmarks/results/score-h200.json): the pass over the corpus takes 0.80 s against 0.81 s to read the files
-alone with 16 threads (copying them to the GPU alone: 0.18 s; the kernel alone: 0.56 s), i.e. reading,
-copying and scoring overlap completely; on top come the set-up (opening the shards, the id index, the docno
-order: 0.25 s) and writing the run (0.06 s for 100 results a query, 1.0 s for 1000).
+benchmarks/results/score-h200.json): the pass over the corpus takes 0.59-0.60 s against 0.74 s to read the
+files alone with 16 threads (copying them to the GPU alone: 0.18 s; the kernel alone: 0.45 s), i.e.
+reading, copying and scoring overlap completely; on top come the set-up (opening the shards, the id
+index, the docno order, page-locking the staging arena: 0.09-0.14 s) and writing the run (0.02 s for 100
+results a query, 0.10 s for 1000).
 """
 
 from __future__ import annotations
