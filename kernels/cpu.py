@@ -136,10 +136,9 @@ def _similarities(a: torch.Tensor, b_t: torch.Tensor, out: torch.Tensor | None =
 
 
 # Each stream worker's upcast chunk and similarity block live in buffers kept per thread (2 x 16 MB
-# at 32K tokens, d = 128, 128 query tokens): fresh 16 MB tensors are mapped and unmapped by malloc on
-# every chunk, one page fault per 4 KB each time, and the unmaps stall the other threads' page walks
-# (`maxsim score` on 2 cores spent 0.45-0.54 s of system time on 1 GB against 0.13-0.24 s for the
-# same scoring from memory; see docs/benchmarks.md).
+# at 32K tokens, d = 128, 128 query tokens): fresh 16 MB tensors were mapped and unmapped by malloc on
+# every chunk, a page fault per 4 KB each time. 1 GB of fp16 documents, 4 queries, 2 cores, interleaved
+# (benchmarks/ab_cpu_score.py, results/cpu-score-ab.txt): from memory 1.31-1.73 s -> 1.04-1.34 s.
 _SCRATCH = threading.local()
 
 

@@ -239,10 +239,10 @@ def _cut_at(spans: list[tuple[int, int]], bounds: np.ndarray) -> list[tuple[int,
     """``spans`` (document ranges) cut at the shard boundaries ``bounds``, so that each lies in one shard.
 
     On the CPU a batch within one safetensors shard is scored straight from a map of the file; one that
-    spans two shards is copied into a staging slot first. On the 2-core machine (1 GB, 8 shards, 17
-    batches of which about half straddled two shards) those copies made `maxsim score` 0.90-1.02 s
-    against 0.83-0.87 s with the batches cut, for 0.74-0.76 s of scoring from memory
-    (docs/benchmarks.md). The CUDA path copies every batch anyway and keeps its larger batches."""
+    spans two shards is copied into a staging slot first, on the cores that score (1 GB in 8 shards:
+    about half of the 17 batches). Measured interleaved on the 2-core machine, the gain depends on the
+    machine's state (docs/benchmarks.md). The CUDA path copies every batch anyway and keeps its larger
+    batches."""
     out = []
     for a, b in spans:
         inner = bounds[(bounds > a) & (bounds < b)].tolist()
