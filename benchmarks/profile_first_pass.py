@@ -18,6 +18,11 @@ with matrix products for S seconds right before the first run. Comparing fresh p
 without them (and with ``CUDA_MODULE_LOADING=EAGER``) separates a slow GPU from one-time host work.
 Corpus: `bench_score.py`'s generator (fp16, d = 128, 20-300 tokens), 512 queries x 32 tokens.
 
+What it found (benchmarks/results/first-pass-*.txt): the whole difference sat in the first batch, on the
+host (0.66-0.82 s: the process's first Triton launch, see profile_first_launch.py), with the SM clock at
+1980 MHz throughout; after a warm-up on a small corpus the first run was as fast as the next, once the
+plan no longer split a small corpus's queries into one-query passes (docs/benchmarks.md).
+
     python benchmarks/profile_first_pass.py --workdir /var/tmp/mb --warm none --runs 2
 """
 
