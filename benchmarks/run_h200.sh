@@ -27,9 +27,9 @@ step() {  # step NAME SECONDS CMD...
 
 # STEPS picks a subset (not in the default set: sweep, the tile sweep of bench_kernels.py; score,
 # `maxsim score` end to end on a 10 GB corpus; pinning, bench_pinning.py; first-pass,
-# profile_first_pass.py; probe-host, probe_host_overhead.py); WORKLOADS narrows the kernel benchmark. All steps at their
-# default limits take longer than one 10-minute call: run STEPS="gpu-tests verify", STEPS="kernels train"
-# and STEPS="int8 ab" as three calls (the full gpu-tests step takes ~110-140 s).
+# profile_first_pass.py; probe-host, probe_host_overhead.py); WORKLOADS narrows the kernel benchmark.
+# All steps at their default limits take longer than one 10-minute call: run STEPS="gpu-tests verify",
+# STEPS="kernels train" and STEPS="int8 ab" as three calls (the full gpu-tests step takes ~140 s).
 steps=" ${STEPS:-gpu-tests kernels train verify int8 ab} "
 want() { [[ $steps == *" $1 "* ]]; }
 # GPU_TESTS narrows the GPU-marked tests to some files or node ids
