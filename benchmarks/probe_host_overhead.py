@@ -19,24 +19,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import os
+import sys
 from collections.abc import Callable
 
 import maxsim_kernels
 import torch
 from maxsim_kernels import maxsim_backward as mb
+from maxsim_kernels._validate import cdiv
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_train  # noqa: E402
 
 
 def host_us(fn: Callable[[], object], calls: int = 2000) -> float:
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    """Microseconds of host time per call (`bench_train.host_time`: enqueued, no synchronisation)."""
+    return bench_train.host_time(fn, calls) * 1e3
 
 
 class _Identity(torch.autograd.Function):
@@ -95,7 +93,7 @@ def main() -> None:
 
     # the dQ kernel alone, through the JIT and through its compiled launcher
     out = torch.empty_like(q)
-    grid = (triton_cdiv(q.shape[0], mb._DQ_BLOCK_T), 1, 1)
+    grid = (cdiv(q.shape[0], mb._DQ_BLOCK_T), 1, 1)
     kernel_args = (
         d,
         do,
@@ -147,10 +145,6 @@ def main() -> None:
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fh:
             json.dump(results, fh, indent=1)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 if __name__ == "__main__":

@@ -28,9 +28,9 @@ candidates that exist are written re-sorted by MaxSim (cut to ``top_k``).
 
 Batches are also kept small enough for the stages to overlap: about ``corpus bytes / MIN_BATCHES``, between
 `MIN_BATCH_BYTES` and `MAX_BATCH_BYTES`, on CUDA small enough that the slots fit the pinned arena, and on
-the CPU within one shard (`_cut_at`: scored from a map of the file, never copied). A CUDA
-out-of-memory error while scoring halves the document batch (down to one document) and the run continues,
-with a note on stderr.
+the CPU within one shard (`_cut_at`: a safetensors batch is then scored from a map of its file,
+uncopied). A CUDA out-of-memory error while scoring halves the document batch (down to one document) and
+the run continues, with a note on stderr.
 
 Where the time goes (one H200, 10 GB of fp16 safetensors shards, 512 queries x 32 tokens, warm page cache,
 benchmarks/results/score-h200.json): the pass over the corpus takes 0.59-0.60 s against 0.74 s to read the
