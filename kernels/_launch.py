@@ -1,4 +1,4 @@
-"""Launching a Triton kernel whose tiles must fit the GPU's shared memory, for any `dim`.
+"""Launching Triton kernels: fitting the tiles into shared memory, and repeated launches at low host cost.
 
 The tuning tables were measured at dim 128. Wider embeddings (ColBERT variants at 384, ColPali at 128 but
 other encoders up to 512+) walk the dim in several K chunks, and the software pipeliner keeps `num_stages`
@@ -6,11 +6,20 @@ copies of every chunk's tiles in shared memory: at dim 384 the fp16 "few" config
 against the H200's 227 KB (measured, triton 3.6). Compilation reports that before anything runs, so the
 launch is retried with one pipeline stage less until it fits, and the fitted stage count is remembered per
 kernel and compile-time signature (no retry and no recompile on later calls).
+
+Host cost. `kernel[grid](...)` binds and specialises every argument and looks the compiled kernel up in
+Triton's cache on every call: 37.5 us of host time a launch on the H200 machine's host, against 16.0 us for
+the compiled kernel's own launcher (benchmarks/results/probe-host-h200.json, `probe_host_overhead.py`).
+Training steps at ColBERT sizes make four launches and are bound by host time, so a launch site that
+repeats with the same shapes (`KernelLaunch`) calls the compiled launcher directly from its second call on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 try:  # the error class moved between Triton releases
     from triton.runtime.errors import OutOfResources
@@ -20,8 +29,10 @@ except ImportError:  # pragma: no cover
 _FITTED_STAGES: dict[tuple, int] = {}
 
 
-def launch_fitting_shared_memory(kernel: Any, grid: tuple, *args: Any, **meta: Any) -> None:
-    """`kernel[grid](*args, **meta)`, with `num_stages` lowered until the tiles fit in shared memory."""
+def launch_fitting_shared_memory(kernel: Any, grid: tuple, *args: Any, **meta: Any) -> int:
+    """`kernel[grid](*args, **meta)`, with `num_stages` lowered until the tiles fit in shared memory.
+
+    Returns the stage count that was launched."""
     key = (kernel, tuple(sorted((k, v) for k, v in meta.items() if k != "num_stages")),
            tuple(getattr(a, "dtype", None) for a in args))  # fmt: skip
     stages = _FITTED_STAGES.get(key, meta.get("num_stages", 3))
@@ -34,4 +45,53 @@ def launch_fitting_shared_memory(kernel: Any, grid: tuple, *args: Any, **meta: A
             stages -= 1
             continue
         _FITTED_STAGES[key] = stages
-        return
+        return stages
+
+
+class KernelLaunch:
+    """A launch site that repeats: one kernel, grid and set of compile-time arguments (`meta`, with
+    num_warps and num_stages).
+
+    The first call launches through Triton's JIT (`launch_fitting_shared_memory`: it compiles if needed
+    and fits num_stages). On CUDA the second call fetches the compiled kernel (`kernel.warmup` with the
+    same arguments) and every call from then on goes straight to its launcher. That skips Triton's
+    argument specialisation, so the caller must pass arguments that Triton would specialise alike on
+    every call: the same dtypes, the same 16-byte alignment of every tensor, and the same int values
+    (the plans that own a KernelLaunch key it by shapes, dtypes and alignments). Under the interpreter,
+    or where this Triton release lacks the compiled-launcher API, every call goes through the JIT.
+    """
+
+    __slots__ = ("kernel", "grid", "meta", "device", "calls", "runner", "tail")
+
+    def __init__(self, kernel: Any, grid: tuple, meta: dict[str, Any], device: torch.device) -> None:
+        self.kernel, self.grid, self.meta, self.device = kernel, grid, dict(meta), device
+        self.calls = 0
+        self.runner: Any = None
+        self.tail: tuple = ()
+
+    def __call__(self, *args: Any) -> None:
+        if self.runner is not None:
+            self.runner(*args, *self.tail, stream=torch._C._cuda_getCurrentRawStream(self.device.index))
+            return
+        self.calls += 1
+        if self.calls == 2 and self.device.type == "cuda":
+            self._compile(args)
+        self.meta["num_stages"] = launch_fitting_shared_memory(self.kernel, self.grid, *args, **self.meta)
+
+    def _compile(self, args: Sequence[Any]) -> None:
+        """Fetch the compiled kernel and its launcher (an API Triton keeps public since 3.0)."""
+        try:
+            compiled = self.kernel.warmup(*args, grid=self.grid, **self.meta)
+            params = self.kernel.params[len(args) :]
+            tail = []
+            for param in params:
+                if param.name in self.meta:
+                    tail.append(self.meta[param.name])
+                elif param.is_constexpr and param.has_default:
+                    tail.append(param.default)
+                else:
+                    return  # a runtime argument missing from args: keep the JIT path
+            self.tail = tuple(tail)
+            self.runner = compiled[self.grid]
+        except (AttributeError, TypeError):  # pragma: no cover - a Triton release without this API
+            self.runner = None

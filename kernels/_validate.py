@@ -63,6 +63,8 @@ _MEMO: dict[int, tuple[weakref.ref, int, dict[Hashable, Any]]] = {}
 
 
 def _forget(key: int, ref: weakref.ref) -> None:
+    if _MEMO is None:  # interpreter shutdown
+        return
     entry = _MEMO.get(key)
     if entry is not None and entry[0] is ref:
         del _MEMO[key]
@@ -82,6 +84,52 @@ def memo(tensor: torch.Tensor, key: Hashable, compute: Callable[[], T]) -> T:
     if key not in store:
         store[key] = compute()
     return store[key]
+
+
+_PAIRS_PER_TENSOR = 8  # launch plans kept per offsets tensor: one per recent partner (query batch, say)
+
+
+def memo_pair(first: torch.Tensor, second: torch.Tensor, key: Hashable, compute: Callable[[], T]) -> T:
+    """compute(), remembered for this pair of tensor objects until either changes in place or is freed.
+
+    Kept on `first`, at most _PAIRS_PER_TENSOR partners (the oldest is dropped): a corpus's offsets meet
+    many query batches, and each batch's plan is only worth keeping while that batch is in use. The value
+    must not hold `first` or `second` themselves (nor a tensor that views them): the memo would then keep
+    them alive for ever."""
+    try:
+        version = second._version
+    except RuntimeError:  # inference tensors have no version counter
+        return compute()
+    pairs: dict = memo(first, "pairs", dict)
+    full_key = (id(second), version, key)
+    entry = pairs.get(full_key)
+    if entry is not None and entry[0]() is second:
+        return entry[1]
+    value = compute()
+    pairs.pop(full_key, None)
+    while len(pairs) >= _PAIRS_PER_TENSOR:
+        pairs.pop(next(iter(pairs)))
+    pairs[full_key] = (weakref.ref(second), value)
+    return value
+
+
+def alignment_key(*tensors: torch.Tensor) -> tuple | None:
+    """What a launch plan depends on besides the offsets' identities: shape, strides, dtype, device and
+    16-byte alignment (Triton specialises pointers on it) of each data tensor; None for a non-tensor."""
+    key: list = []
+    for x in tensors:
+        if not isinstance(x, torch.Tensor):
+            return None
+        key += (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0)
+    return tuple(key)
+
+
+def memo_plan(first: object, second: object, key: tuple | None, compute: Callable[[], T]) -> T:
+    """compute() remembered per (first, second) offsets pair and `key` (`memo_pair`), or simply computed
+    where an argument is not a tensor (the checks inside compute() then say what is wrong)."""
+    if key is None or not isinstance(first, torch.Tensor) or not isinstance(second, torch.Tensor):
+        return compute()
+    return memo_pair(first, second, key, compute)
 
 
 def on_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:

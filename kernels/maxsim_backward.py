@@ -62,7 +62,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._validate import cdiv, check_inputs, host_offsets, memo, next_pow2, on_device, resolve_backend
+from ._launch import KernelLaunch
+from ._validate import (
+    alignment_key,
+    cdiv,
+    host_offsets,
+    memo,
+    memo_plan,
+    next_pow2,
+    on_device,
+    resolve_backend,
+)
 
 # --- tuning constants (H200, triton 3.6, dim 128: benchmarks/results/train-h200.json, "sweep") --------
 # Query-gradient kernel: a program owns _DQ_BLOCK_T query tokens and gathers _DQ_BLOCK_C winning rows
@@ -404,13 +414,10 @@ def _csr_segment(num_docs: int, max_doc_len: int) -> int:
     return min(segment, 1 << (31 - winner_bits))
 
 
-def build_inverse_csr_all_pairs(
-    argmax: torch.Tensor, doc_offsets: torch.Tensor, num_doc_tokens: int, max_doc_len: int
-) -> InverseMap:
-    """Inverse of the all-pairs argmax [Tq, nd] (see `InverseMap`): one launch of
-    ``_maxsim_inverse_csr_kernel``, a program per (segment, document); deterministic, no atomics, no host
-    synchronisation, 2 B a pair plus 4 B x S x Td."""
-    num_query_tokens, num_docs = argmax.shape
+def _csr_launch(
+    num_query_tokens: int, num_docs: int, num_doc_tokens: int, max_doc_len: int, device: torch.device
+) -> tuple[KernelLaunch, int, int, tuple[int, ...]]:
+    """The all-pairs inverse-map launch: (launch, segment, segments, int arguments)."""
     if num_query_tokens * num_docs >= 2**31:
         raise ValueError(
             f"{num_query_tokens} query tokens x {num_docs} documents is 2^31 pairs or more: split the batch"
@@ -419,17 +426,71 @@ def build_inverse_csr_all_pairs(
         raise ValueError(f"a document of {max_doc_len} tokens is too long for the backward (limit 2^22)")
     segment = _csr_segment(num_docs, max_doc_len)
     segments = cdiv(num_query_tokens, segment)
+    meta = dict(
+        SEGMENT=segment,
+        LOG_SEGMENT=segment.bit_length() - 1,
+        DOC_BLOCK=_CSR_DOC_BLOCK,
+        num_warps=8 if segment >= 4096 else 4,
+        num_stages=3,
+    )
+    launch = KernelLaunch(_maxsim_inverse_csr_kernel, (segments, num_docs), meta, device)
+    return launch, segment, segments, (num_query_tokens, num_docs, num_doc_tokens)
+
+
+def _run_csr(
+    launch: KernelLaunch, ints: tuple[int, ...], segment: int, segments: int, argmax: torch.Tensor,
+    doc_offsets: torch.Tensor, num_doc_tokens: int,
+) -> InverseMap:  # fmt: skip
     device = argmax.device
-    order = torch.empty(num_query_tokens * num_docs, device=device, dtype=torch.int16)
-    pointers = torch.empty((2, segments, num_doc_tokens), device=device, dtype=torch.int16)
-    if num_query_tokens and num_docs:
-        _maxsim_inverse_csr_kernel[(segments, num_docs)](
-            argmax, doc_offsets, order, pointers[0], pointers[1], num_query_tokens, num_docs, num_doc_tokens,
-            SEGMENT=segment, LOG_SEGMENT=segment.bit_length() - 1,
-            DOC_BLOCK=_CSR_DOC_BLOCK,
-            num_warps=8 if segment >= 4096 else 4,
-        )  # fmt: skip
-    return InverseMap(order, pointers[0], pointers[1], segment)
+    order = torch.empty(argmax.numel(), device=device, dtype=torch.int16)
+    row_start, row_count = torch.empty(
+        (2, segments, num_doc_tokens), device=device, dtype=torch.int16
+    ).unbind(0)
+    if argmax.numel():
+        launch(argmax, doc_offsets, order, row_start, row_count, *ints)
+    return InverseMap(order, row_start, row_count, segment)
+
+
+def build_inverse_csr_all_pairs(
+    argmax: torch.Tensor, doc_offsets: torch.Tensor, num_doc_tokens: int, max_doc_len: int
+) -> InverseMap:
+    """Inverse of the all-pairs argmax [Tq, nd] (see `InverseMap`): one launch of
+    ``_maxsim_inverse_csr_kernel``, a program per (segment, document); deterministic, no atomics, no host
+    synchronisation, 2 B a pair plus 4 B x S x Td."""
+    launch, segment, segments, ints = _csr_launch(*argmax.shape, num_doc_tokens, max_doc_len, argmax.device)
+    return _run_csr(launch, ints, segment, segments, argmax, doc_offsets, num_doc_tokens)
+
+
+def _dq_launch(
+    dim: int, device: torch.device, grid_rows: tuple[int, int], candidates: bool, has_scales: bool
+) -> KernelLaunch:
+    """The query-gradient launch; grid_rows = the grid's first two extents (the third walks dim)."""
+    block_dim = min(next_pow2(dim), _MAX_BLOCK_DIM)
+    meta = dict(
+        CANDIDATES=candidates,
+        HAS_SCALES=has_scales,
+        BLOCK_T=_DQ_BLOCK_T,
+        BLOCK_C=_DQ_BLOCK_C,
+        BLOCK_DIM=block_dim,
+        num_warps=_DQ_NUM_WARPS,
+        num_stages=3,
+    )
+    return KernelLaunch(_maxsim_grad_queries_kernel, (*grid_rows, cdiv(dim, block_dim)), meta, device)
+
+
+def _dd_launch(
+    dim: int, device: torch.device, num_doc_tokens: int, candidates: bool, segment: int
+) -> KernelLaunch:
+    block_dim = min(next_pow2(dim), _MAX_BLOCK_DIM)
+    meta = dict(
+        CANDIDATES=candidates,
+        SEGMENT=segment,
+        BLOCK_E=_DD_BLOCK_E,
+        BLOCK_DIM=block_dim,
+        num_warps=_DD_NUM_WARPS,
+        num_stages=3,
+    )
+    return KernelLaunch(_maxsim_grad_docs_kernel, (num_doc_tokens, cdiv(dim, block_dim)), meta, device)
 
 
 def _grad_queries_triton(
@@ -450,16 +511,14 @@ def _grad_queries_triton(
     if num_query_tokens == 0:
         return grad_queries
     candidates = candidate_docs is not None
-    block_dim = min(next_pow2(dim), _MAX_BLOCK_DIM)
-    dim_blocks = cdiv(dim, block_dim)
     if candidates:
         num_docs, max_query_len = 0, argmax.shape[1]
-        grid = (query_offsets.numel() - 1, cdiv(max(max_query_len, 1), _DQ_BLOCK_T), dim_blocks)
+        grid_rows = (query_offsets.numel() - 1, cdiv(max(max_query_len, 1), _DQ_BLOCK_T))
     else:
         num_docs, max_query_len = argmax.shape[1], 0
-        grid = (cdiv(num_query_tokens, _DQ_BLOCK_T), 1, dim_blocks)
+        grid_rows = (cdiv(num_query_tokens, _DQ_BLOCK_T), 1)
     unused = doc_offsets  # a valid pointer for the arguments a layout does not read
-    _maxsim_grad_queries_kernel[grid](
+    _dq_launch(dim, docs.device, grid_rows, candidates, doc_scales is not None)(
         docs,
         doc_scales if doc_scales is not None else unused,
         doc_offsets,
@@ -476,12 +535,6 @@ def _grad_queries_triton(
         dim,
         docs.stride(0),
         grad_queries.stride(0),
-        CANDIDATES=candidates,
-        HAS_SCALES=doc_scales is not None,
-        BLOCK_T=_DQ_BLOCK_T,
-        BLOCK_C=_DQ_BLOCK_C,
-        BLOCK_DIM=block_dim,
-        num_warps=_DQ_NUM_WARPS,
     )
     return grad_queries
 
@@ -524,15 +577,90 @@ def _grad_docs_triton(
         segments = row_start.shape[0]
         owner, token_doc = token_query, _owner_of(doc_offsets, num_doc_tokens)
         num_docs, max_query_len = argmax.shape[1], 0
-    block_dim = min(next_pow2(dim), _MAX_BLOCK_DIM)
-    _maxsim_grad_docs_kernel[(num_doc_tokens, cdiv(dim, block_dim))](
+    _dd_launch(dim, queries.device, num_doc_tokens, candidate_docs is not None, segment)(
         queries, grad_scores, order, row_start, row_count, owner, token_doc, query_offsets, grad_docs,
         num_docs, max_query_len, argmax.shape[0], segments, num_doc_tokens, dim,
         queries.stride(0), grad_docs.stride(0),
-        CANDIDATES=candidate_docs is not None, SEGMENT=segment, BLOCK_E=_DD_BLOCK_E, BLOCK_DIM=block_dim,
-        num_warps=_DD_NUM_WARPS,
     )  # fmt: skip
     return grad_docs
+
+
+class _AllPairsBackward:
+    """The all-pairs backward's launches and derived tensors for one set of shapes and offsets, kept for
+    the next step with the same ones (a training loop): a step then costs four allocations and three
+    launches through the compiled kernels' own launchers (`KernelLaunch`)."""
+
+    def __init__(
+        self,
+        queries: torch.Tensor,
+        docs: torch.Tensor,
+        argmax: torch.Tensor,
+        query_offsets: torch.Tensor,
+        doc_offsets: torch.Tensor,
+        max_doc_len: int,
+    ) -> None:
+        device = queries.device
+        num_query_tokens, num_docs = argmax.shape
+        num_doc_tokens, dim = docs.shape
+        # (the offsets themselves are not kept: the plan lives in their memo, see `memo_pair`)
+        self.token_query = _owner_of(query_offsets, num_query_tokens)
+        self.token_doc = _owner_of(doc_offsets, num_doc_tokens)
+        self.csr, self.segment, self.segments, self.csr_ints = _csr_launch(
+            num_query_tokens, num_docs, num_doc_tokens, max_doc_len, device
+        )
+        self.dd = _dd_launch(dim, device, num_doc_tokens, False, self.segment)
+        self.dd_ints = (
+            num_docs,
+            0,
+            num_query_tokens,
+            self.segments,
+            num_doc_tokens,
+            dim,
+            queries.stride(0),
+            dim,
+        )
+        self.dq = _dq_launch(dim, device, (cdiv(num_query_tokens, _DQ_BLOCK_T), 1), False, False)
+        self.dq_ints = (num_query_tokens, num_docs, 0, dim, docs.stride(0), dim)
+
+    def grad_docs(
+        self,
+        queries: torch.Tensor,
+        docs: torch.Tensor,
+        grad_scores: torch.Tensor,
+        argmax: torch.Tensor,
+        query_offsets: torch.Tensor,
+        doc_offsets: torch.Tensor,
+    ) -> torch.Tensor:
+        grad_docs = torch.empty(docs.shape, device=docs.device, dtype=docs.dtype)
+        if docs.shape[0] == 0:
+            return grad_docs
+        inverse = _run_csr(
+            self.csr, self.csr_ints, self.segment, self.segments, argmax, doc_offsets, docs.shape[0]
+        )
+        self.dd(
+            queries, grad_scores, inverse.order, inverse.row_start, inverse.row_count, self.token_query,
+            self.token_doc, query_offsets, grad_docs, *self.dd_ints,
+        )  # fmt: skip
+        return grad_docs
+
+    def grad_queries(
+        self,
+        queries: torch.Tensor,
+        docs: torch.Tensor,
+        grad_scores: torch.Tensor,
+        argmax: torch.Tensor,
+        query_offsets: torch.Tensor,
+        doc_offsets: torch.Tensor,
+    ) -> torch.Tensor:
+        grad_queries = torch.empty(queries.shape, device=queries.device, dtype=queries.dtype)
+        if queries.shape[0] == 0:
+            return grad_queries
+        unused = doc_offsets
+        self.dq(
+            docs, unused, doc_offsets, argmax, grad_scores, query_offsets, self.token_query,
+            unused, unused, grad_queries, *self.dq_ints,
+        )  # fmt: skip
+        return grad_queries
 
 
 # =====================================================================================================
@@ -653,21 +781,19 @@ def _forward(
 
     if docs.dtype != torch.int8 and resolve_backend(backend, docs.device) == "triton":
         # The Triton forward directly, keeping an int16 argmax where every document is shorter than
-        # 2^15 tokens: it lives until the backward, 2 B a pair instead of 4.
+        # 2^15 tokens: it lives until the backward, 2 B a pair instead of 4. (autograd.Function.forward
+        # already runs without grad recording.)
         from . import maxsim_forward as fwd
 
-        layout = check_inputs(queries, query_offsets, docs, doc_offsets)
-        argmax_dtype = torch.int16 if layout.max_doc_len < 1 << 15 else torch.int32
-        with torch.no_grad():
-            if candidate_docs is None:
-                return fwd.maxsim_varlen_forward_triton(
-                    queries, query_offsets, docs, doc_offsets, return_argmax=True, allow_tf32=allow_tf32,
-                    layout=layout, argmax_dtype=argmax_dtype,
-                )  # fmt: skip
-            return fwd.maxsim_candidates_forward_triton(
-                queries, query_offsets, docs, doc_offsets, candidate_offsets, candidate_docs,
-                return_argmax=True, allow_tf32=allow_tf32, layout=layout, argmax_dtype=argmax_dtype,
+        if candidate_docs is None:
+            return fwd.maxsim_varlen_forward_triton(
+                queries, query_offsets, docs, doc_offsets, return_argmax=True, allow_tf32=allow_tf32,
+                argmax_dtype=None,
             )  # fmt: skip
+        return fwd.maxsim_candidates_forward_triton(
+            queries, query_offsets, docs, doc_offsets, candidate_offsets, candidate_docs,
+            return_argmax=True, allow_tf32=allow_tf32, argmax_dtype=None,
+        )  # fmt: skip
     kwargs: dict[str, Any] = dict(
         return_argmax=True, allow_tf32=allow_tf32, backend=backend, doc_scales=doc_scales
     )
@@ -737,15 +863,29 @@ def maxsim_backward(
     device = queries.device
     doc_offsets_in = doc_offsets
     query_offsets, doc_offsets = on_device(query_offsets, device), on_device(doc_offsets, device)
+    if candidate_docs is None and doc_scales is None:
+        plan = memo_plan(
+            doc_offsets,
+            query_offsets,
+            alignment_key(queries, docs, argmax, grad_scores),
+            lambda: _AllPairsBackward(
+                queries, docs, argmax, query_offsets, doc_offsets, _max_len(doc_offsets_in, docs.shape[0])
+            ),
+        )
+        # The document gradient first: its inverse map is freed when it returns, before the query
+        # gradient is allocated, so the two never coexist.
+        args = (queries, docs, grad_scores, argmax, query_offsets, doc_offsets)
+        grad_d = plan.grad_docs(*args) if need_docs else None
+        grad_q = plan.grad_queries(*args) if need_queries else None
+        return grad_q, grad_d
     if candidate_docs is not None:
         candidate_offsets = on_device(candidate_offsets, device)
         candidate_docs = on_device(candidate_docs, device)
     if doc_scales is not None:
         doc_scales = doc_scales.to(device)
     token_query = None if candidate_docs is not None else _owner_of(query_offsets, queries.shape[0])
-    # The document gradient first: its inverse map is freed when it returns, before the query gradient
-    # is allocated, so the two never coexist (the peak drops by the smaller of the two: 1 MiB at ColBERT
-    # 128 x 128 documents, ~3 MiB at ColPali 32 x 32 by the byte count; not yet measured).
+    # The document gradient first, as above (the peak drops by the smaller of the two: 1 MiB at ColBERT
+    # 128 x 128 documents, ~3 MiB at ColPali 32 x 32 by the byte count).
     grad_q = grad_d = None
     if need_docs:
         grad_d = _grad_docs_triton(

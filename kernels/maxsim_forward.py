@@ -56,15 +56,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch_fitting_shared_memory
+from ._launch import KernelLaunch
 from ._running_max import document_max, fold_tile, restart
 from ._validate import (
     FLOAT_DTYPES,
     Layout,
+    alignment_key,
     cdiv,
     check_candidates,
     check_inputs,
     memo,
+    memo_plan,
     next_pow2,
     on_device,
 )
@@ -501,24 +503,18 @@ def _k_blocking(dim: int) -> tuple[int, int, bool]:
     return block_k, num_k, dim % block_k == 0
 
 
-def _prepare(
-    queries: torch.Tensor,
-    query_offsets: torch.Tensor,
-    docs: torch.Tensor,
-    doc_offsets: torch.Tensor,
-    layout: Layout | None,
-) -> tuple[torch.Tensor, torch.Tensor, Layout]:
-    if layout is None:
-        layout = check_inputs(queries, query_offsets, docs, doc_offsets)
-    if docs.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"the Triton forward takes float16/bfloat16/float32 docs, got {docs.dtype}")
-    if queries.dtype != docs.dtype:
-        queries = queries.to(docs.dtype)  # queries are small; the documents set the precision
-    if queries.stride(1) != 1:
+def _match_dtypes(queries: torch.Tensor, docs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries in the documents' dtype (queries are small; the documents set the precision), both with
+    unit stride along dim. Anything that is not a pair of float tensors is left for the checks to refuse."""
+    if not (isinstance(queries, torch.Tensor) and isinstance(docs, torch.Tensor)):
+        return queries, docs
+    if queries.dtype != docs.dtype and queries.dtype in FLOAT_DTYPES and docs.dtype in FLOAT_DTYPES:
+        queries = queries.to(docs.dtype)
+    if queries.dim() == 2 and queries.stride(1) != 1:
         queries = queries.contiguous()
-    if docs.stride(1) != 1:
+    if docs.dim() == 2 and docs.stride(1) != 1 and docs.dtype in FLOAT_DTYPES:
         docs = docs.contiguous()
-    return queries, docs, layout
+    return queries, docs
 
 
 # Programs a launch should have at least, per SM: the sweeps' winners take 64 documents a program, which
@@ -562,14 +558,60 @@ def varlen_config(layout: Layout) -> tuple[str, KernelConfig, int, int]:
     return cls, cfg, cfg.block_q // rows, rows
 
 
-def _check_argmax_dtype(argmax_dtype: torch.dtype, layout: Layout) -> None:
-    # The kernels store the winner's index (< the longest document) into the argmax's element type.
+def _argmax_dtype(argmax_dtype: torch.dtype | None, layout: Layout) -> torch.dtype:
+    """The argmax's element type: the kernels store the winner's index (< the longest document) in it.
+    None picks int16 where every document is shorter than 2^15 tokens (half the bytes), else int32."""
+    if argmax_dtype is None:
+        return torch.int16 if layout.max_doc_len < 1 << 15 else torch.int32
     if argmax_dtype == torch.int16 and layout.max_doc_len >= 1 << 15:
         raise ValueError(
             f"an int16 argmax needs documents under 2^15 tokens; the longest has {layout.max_doc_len}"
         )
     if argmax_dtype not in (torch.int16, torch.int32):
         raise ValueError(f"argmax_dtype must be torch.int16 or torch.int32, got {argmax_dtype}")
+    return argmax_dtype
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything a forward launch derives from its inputs' shapes and offsets, kept for the next call
+    with the same ones (`_planned`): validated layout, output shapes, device offsets, launch arguments."""
+
+    layout: Layout
+    num_chunks: int
+    scores_shape: tuple[int, ...]
+    argmax_shape: tuple[int, ...]
+    argmax_dtype: torch.dtype
+    argmax_fill: int | None  # the argmax's initial value (None: every entry is written)
+    launch: KernelLaunch | None  # None: nothing to score
+    ints: tuple[int, ...]  # the kernel's runtime int arguments
+
+
+def _finish(
+    plan: _Plan,
+    queries: torch.Tensor,
+    docs: torch.Tensor,
+    return_argmax: bool,
+    before_docs: tuple[torch.Tensor, ...],
+    after_docs: tuple[torch.Tensor, ...],
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Allocate the outputs, launch the plan (the kernels take queries, `before_docs`, docs, `after_docs`,
+    the outputs, then the ints), and fold the chunks of long queries."""
+    device = docs.device
+    scores = torch.empty(plan.scores_shape, dtype=torch.float32, device=device)
+    argmax = None
+    if return_argmax:
+        if plan.argmax_fill is None:
+            argmax = torch.empty(plan.argmax_shape, dtype=plan.argmax_dtype, device=device)
+        else:
+            argmax = torch.full(plan.argmax_shape, plan.argmax_fill, dtype=plan.argmax_dtype, device=device)
+    if plan.launch is not None:
+        plan.launch(
+            queries, *before_docs, docs, *after_docs, scores,
+            argmax if argmax is not None else scores, *plan.ints,
+        )  # fmt: skip
+    out = scores[0] if plan.num_chunks == 1 else scores.sum(0)
+    return (out, argmax) if return_argmax else out
 
 
 def maxsim_varlen_forward_triton(
@@ -582,16 +624,60 @@ def maxsim_varlen_forward_triton(
     allow_tf32: bool = False,
     layout: Layout | None = None,
     config: KernelConfig | None = None,
-    argmax_dtype: torch.dtype = torch.int32,
+    argmax_dtype: torch.dtype | None = torch.int32,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Every query against every document with the fused Triton kernel (CUDA tensors, or the interpreter).
 
     Returns fp32 scores [nq, nd] and, with `return_argmax`, int32 [Tq, nd] (index within the document of
     the winning token, lowest on ties, -1 for an empty document). `config` overrides the tuning table
     (benchmark sweeps); `layout` (from `check_inputs`) skips the checks. `argmax_dtype` int16 halves the
-    argmax where every document is shorter than 2^15 tokens (the autograd path's choice).
+    argmax where every document is shorter than 2^15 tokens; None picks int16 wherever that holds (the
+    autograd path's choice). The checks and launch arguments are remembered per pair of offsets tensors
+    and input shapes, so a repeated call (a training step) costs an allocation and a launch.
     """
-    queries, docs, layout = _prepare(queries, query_offsets, docs, doc_offsets, layout)
+    queries, docs = _match_dtypes(queries, docs)
+    key = alignment_key(queries, docs)
+    if key is not None:
+        key += ("varlen", return_argmax, allow_tf32, config, argmax_dtype)
+    plan = memo_plan(
+        doc_offsets,
+        query_offsets,
+        key,
+        lambda: _varlen_plan(
+            queries, query_offsets, docs, doc_offsets, return_argmax, allow_tf32, layout, config, argmax_dtype
+        ),
+    )
+    device = docs.device
+    before, after = (on_device(query_offsets, device),), (on_device(doc_offsets, device),)
+    return _finish(plan, queries, docs, return_argmax, before, after)
+
+
+def _checked_layout(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    layout: Layout | None,
+) -> Layout:
+    if layout is None:
+        layout = check_inputs(queries, query_offsets, docs, doc_offsets)
+    if docs.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"the Triton forward takes float16/bfloat16/float32 docs, got {docs.dtype}")
+    return layout
+
+
+def _varlen_plan(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    return_argmax: bool,
+    allow_tf32: bool,
+    layout: Layout | None,
+    config: KernelConfig | None,
+    argmax_dtype: torch.dtype | None,
+) -> _Plan:
+    layout = _checked_layout(queries, query_offsets, docs, doc_offsets, layout)
     device = docs.device
     nq, nd, dim = layout.num_queries, layout.num_docs, layout.dim
     _, cfg, qpb, rows = varlen_config(layout)
@@ -605,30 +691,32 @@ def maxsim_varlen_forward_triton(
     num_chunks = cdiv(layout.max_query_len, rows) if qpb == 1 else 1
     num_groups = cdiv(nq, qpb)
     num_blocks = num_groups * num_chunks
-    scores = torch.empty((num_chunks, nq, nd), dtype=torch.float32, device=device)
-    argmax = None
-    if return_argmax:
-        _check_argmax_dtype(argmax_dtype, layout)
-        argmax = torch.empty((queries.shape[0], nd), dtype=argmax_dtype, device=device)
-    if nq == 0 or nd == 0:
-        out = scores.sum(0)
-        return (out, argmax) if return_argmax else out
-    block_k, num_k, even_k = _k_blocking(dim)
-    docs_per_prog = _docs_per_program(cfg.docs_per_prog, num_blocks, nd, device)
-    grid = (num_blocks * cdiv(nd, docs_per_prog),)
-    launch_fitting_shared_memory(
-        _maxsim_varlen_kernel, grid,
-        queries, on_device(query_offsets, device), docs, on_device(doc_offsets, device), scores,
-        argmax if argmax is not None else scores,
-        nq, nd, num_blocks, num_chunks, docs_per_prog, dim,
-        queries.stride(0), docs.stride(0), nd,
-        QPB=qpb, ROWS=rows, BLOCK_T=cfg.block_t, BLOCK_K=block_k, NUM_K=num_k, EVEN_K=even_k,
-        DOCS_PER_PROG=cfg.docs_per_prog, PRECISION=_precision(docs.dtype, allow_tf32),
-        RETURN_ARGMAX=return_argmax, **cfg.tile_variant(return_argmax),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    out = scores[0] if num_chunks == 1 else scores.sum(0)
-    return (out, argmax) if return_argmax else out
+    argmax_dtype = _argmax_dtype(argmax_dtype, layout) if return_argmax else torch.int32
+    launch = None
+    if nq and nd:
+        block_k, num_k, even_k = _k_blocking(dim)
+        docs_per_prog = _docs_per_program(cfg.docs_per_prog, num_blocks, nd, device)
+        meta = dict(
+            QPB=qpb, ROWS=rows, BLOCK_T=cfg.block_t, BLOCK_K=block_k, NUM_K=num_k, EVEN_K=even_k,
+            DOCS_PER_PROG=cfg.docs_per_prog, PRECISION=_precision(docs.dtype, allow_tf32),
+            RETURN_ARGMAX=return_argmax, **cfg.tile_variant(return_argmax),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        grid = (num_blocks * cdiv(nd, docs_per_prog),)
+        launch = KernelLaunch(_maxsim_varlen_kernel, grid, meta, device)
+        ints = (nq, nd, num_blocks, num_chunks, docs_per_prog, dim, queries.stride(0), docs.stride(0), nd)
+    else:
+        ints = ()
+    return _Plan(
+        layout=layout,
+        num_chunks=num_chunks,
+        scores_shape=(num_chunks, nq, nd),
+        argmax_shape=(queries.shape[0], nd),
+        argmax_dtype=argmax_dtype,
+        argmax_fill=None,
+        launch=launch,
+        ints=ints,
+    )
 
 
 def candidates_config(layout: Layout) -> tuple[KernelConfig, int]:
@@ -662,14 +750,37 @@ def maxsim_candidates_forward_triton(
     allow_tf32: bool = False,
     layout: Layout | None = None,
     config: KernelConfig | None = None,
-    argmax_dtype: torch.dtype = torch.int32,
+    argmax_dtype: torch.dtype | None = torch.int32,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Query i against candidate_docs[candidate_offsets[i]:candidate_offsets[i+1]], fused, documents in place.
 
     Returns fp32 scores [C] and, with `return_argmax`, int32 [C, max_query_len] (-1 past a query's length;
     `argmax_dtype` as in `maxsim_varlen_forward_triton`).
     """
-    queries, docs, layout = _prepare(queries, query_offsets, docs, doc_offsets, layout)
+    queries, docs = _match_dtypes(queries, docs)
+    # planned afresh each call: candidate lists change from one reranking batch to the next
+    plan, tensors = _candidates_plan(
+        queries, query_offsets, docs, doc_offsets, candidate_offsets, candidate_docs,
+        return_argmax, allow_tf32, layout, config, argmax_dtype,
+    )  # fmt: skip
+    return _finish(plan, queries, docs, return_argmax, tensors[:1], tensors[1:])
+
+
+def _candidates_plan(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    candidate_offsets: torch.Tensor,
+    candidate_docs: torch.Tensor,
+    return_argmax: bool,
+    allow_tf32: bool,
+    layout: Layout | None,
+    config: KernelConfig | None,
+    argmax_dtype: torch.dtype | None,
+) -> tuple[_Plan, tuple[torch.Tensor, ...]]:
+    """The plan and the tensors the kernel takes besides queries, documents and outputs."""
+    layout = _checked_layout(queries, query_offsets, docs, doc_offsets, layout)
     c_off, _ = check_candidates(candidate_offsets, candidate_docs, layout.num_queries, layout.num_docs)
     device = docs.device
     num_c, dim = int(c_off[-1]), layout.dim
@@ -677,32 +788,33 @@ def maxsim_candidates_forward_triton(
     if config is not None:
         cfg, rows = config, config.block_q
     num_chunks = cdiv(layout.max_query_len, rows) if num_c else 1
-    scores = torch.empty((num_chunks, num_c), dtype=torch.float32, device=device)
-    argmax = None
-    if return_argmax:
-        _check_argmax_dtype(argmax_dtype, layout)
-        argmax = torch.full((num_c, layout.max_query_len), -1, dtype=argmax_dtype, device=device)
-    if num_c == 0:
-        out = scores.sum(0)
-        return (out, argmax) if return_argmax else out
-    blocks = memo(
-        candidate_offsets,
-        ("blocks", cfg.docs_per_prog, str(device)),
-        lambda: torch.from_numpy(np.stack(_candidate_blocks(c_off, cfg.docs_per_prog))).to(device),
-    )
-    block_k, num_k, even_k = _k_blocking(dim)
-    grid = (blocks.shape[1] * num_chunks,)
-    launch_fitting_shared_memory(
-        _maxsim_candidates_kernel, grid,
-        queries, on_device(query_offsets, device), docs, on_device(doc_offsets, device),
-        on_device(candidate_docs, device), blocks[0], blocks[1], blocks[2],
-        scores, argmax if argmax is not None else scores,
-        layout.num_queries, num_c, num_chunks, layout.num_docs, dim,
-        queries.stride(0), docs.stride(0), layout.max_query_len,
-        ROWS=rows, BLOCK_T=cfg.block_t, BLOCK_K=block_k, NUM_K=num_k, EVEN_K=even_k,
-        CANDS_PER_PROG=cfg.docs_per_prog, PRECISION=_precision(docs.dtype, allow_tf32),
-        RETURN_ARGMAX=return_argmax, **cfg.tile_variant(return_argmax),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    out = scores[0] if num_chunks == 1 else scores.sum(0)
-    return (out, argmax) if return_argmax else out
+    argmax_dtype = _argmax_dtype(argmax_dtype, layout) if return_argmax else torch.int32
+    q_off, d_off = on_device(query_offsets, device), on_device(doc_offsets, device)
+    launch, tensors, ints = None, (q_off, d_off), ()
+    if num_c:
+        blocks = memo(
+            candidate_offsets,
+            ("blocks", cfg.docs_per_prog, str(device)),
+            lambda: torch.from_numpy(np.stack(_candidate_blocks(c_off, cfg.docs_per_prog))).to(device),
+        )
+        block_k, num_k, even_k = _k_blocking(dim)
+        meta = dict(
+            ROWS=rows, BLOCK_T=cfg.block_t, BLOCK_K=block_k, NUM_K=num_k, EVEN_K=even_k,
+            CANDS_PER_PROG=cfg.docs_per_prog, PRECISION=_precision(docs.dtype, allow_tf32),
+            RETURN_ARGMAX=return_argmax, **cfg.tile_variant(return_argmax),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        launch = KernelLaunch(_maxsim_candidates_kernel, (blocks.shape[1] * num_chunks,), meta, device)
+        tensors = (q_off, d_off, on_device(candidate_docs, device), blocks[0], blocks[1], blocks[2])
+        ints = (layout.num_queries, num_c, num_chunks, layout.num_docs, dim,
+                queries.stride(0), docs.stride(0), layout.max_query_len)  # fmt: skip
+    return _Plan(
+        layout=layout,
+        num_chunks=num_chunks,
+        scores_shape=(num_chunks, num_c),
+        argmax_shape=(num_c, layout.max_query_len),
+        argmax_dtype=argmax_dtype,
+        argmax_fill=-1,
+        launch=launch,
+        ints=ints,
+    ), tensors

@@ -482,6 +482,70 @@ def test_offsets_memo_follows_in_place_changes_and_frees():
     assert not torch.equal(before, after)
 
 
+def test_launch_plans_follow_their_offsets_and_never_keep_them_alive():
+    """The Triton launchers remember checks and launch arguments per pair of offsets tensors: an in-place
+    change, another partner or a new shape plans again; a plan holds neither offsets tensor (else the memo
+    would keep every batch's offsets for ever); at most a few partners are kept per tensor."""
+    import gc
+    import weakref
+
+    import maxsim_kernels.maxsim_forward as fwd
+    from maxsim_kernels import _validate as v
+
+    q, q_off = packed([2, 3], 16)
+    d, d_off = packed([4, 0, 1], 16)
+    first = fwd.maxsim_varlen_forward_triton(q, q_off, d, d_off)
+    assert torch.equal(fwd.maxsim_varlen_forward_triton(q, q_off, d, d_off), first)
+    assert len(v._MEMO[id(d_off)][2]["pairs"]) == 1
+    d_off[1:] = torch.tensor([1, 4, 5])  # same object, new content
+    moved = fwd.maxsim_varlen_forward_triton(q, q_off, d, d_off)
+    check_scores(moved, maxsim_reference(q, q_off, d, d_off), torch.tensor([[2], [3]]), 16)
+    q2, q2_off = packed([5], 16)  # another partner, and another shape
+    check_scores(
+        fwd.maxsim_varlen_forward_triton(q2, q2_off, d, d_off),
+        maxsim_reference(q2, q2_off, d, d_off),
+        torch.tensor([[5]]),
+        16,
+    )
+    for _ in range(2 * v._PAIRS_PER_TENSOR):
+        fwd.maxsim_varlen_forward_triton(q, q_off.clone(), d, d_off)
+    assert len(v._MEMO[id(d_off)][2]["pairs"]) <= v._PAIRS_PER_TENSOR
+    refs = [weakref.ref(t) for t in (q_off, d_off, q2_off)]
+    del q_off, d_off, q2_off
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+
+
+def test_backward_plans_follow_their_offsets():
+    """The all-pairs backward's plan (kept per offsets pair) gives the torch backend's gradients on every
+    step, again after the offsets change in place, and does not keep the offsets alive."""
+    import gc
+    import weakref
+
+    from maxsim_kernels import maxsim_backward as mb
+
+    q, q_off = packed([3, 5], 16)
+    d, d_off = packed([4, 1, 6], 16)
+    upstream = torch.randn(2, 3, dtype=torch.float64).float()
+
+    def grads(q_off, d_off, backend):
+        qg, dg = q.clone().requires_grad_(True), d.clone().requires_grad_(True)
+        scores = mb.maxsim_varlen_autograd(qg, q_off, dg, d_off, backend=backend)
+        return torch.autograd.grad(scores, (qg, dg), upstream)
+
+    for _ in range(2):
+        expected = grads(q_off, d_off, "torch")
+        for _ in range(3):
+            got = grads(q_off, d_off, "triton")
+            for a, b in zip(got, expected, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        d_off[1:] = torch.tensor([2, 9, 11])  # same object, new content: planned again
+    refs = [weakref.ref(q_off), weakref.ref(d_off)]
+    del q_off, d_off
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+
+
 _SM90_BUILD = r"""
 import maxsim_kernels.maxsim_forward as fwd
 

@@ -202,6 +202,39 @@ def test_no_recompilation_within_a_bucket():
     assert after == before, [(k.fn.__name__, b, a) for k, b, a in zip(kernels, before, after, strict=True)]
 
 
+def test_repeated_calls_through_the_compiled_launcher_agree():
+    """From its third call on, a launch plan calls the compiled kernel's own launcher (`KernelLaunch`):
+    the results must stay bitwise equal to the first call's, for every layout and with the argmax."""
+    from maxsim_kernels import maxsim_forward as fwd
+
+    gen = torch.Generator(device=CUDA).manual_seed(11)
+    queries, q_off = packed([32, 7, 19, 32], 128, torch.float16, gen)
+    docs, d_off = packed([180, 3, 0, 77, 300], 128, torch.float16, gen)
+    c_off, cands = torch.tensor([0, 2, 2, 5, 7]), torch.tensor([4, 0, 1, 2, 3, 3, 4])
+    calls = [
+        lambda: fwd.maxsim_varlen_forward_triton(queries, q_off, docs, d_off),
+        lambda: fwd.maxsim_varlen_forward_triton(queries, q_off, docs, d_off, return_argmax=True),
+        lambda: fwd.maxsim_varlen_forward_triton(queries[:32], q_off[:2], docs, d_off, return_argmax=True),
+        lambda: maxsim_candidates(queries, q_off, docs, d_off, c_off, cands, return_argmax=True),
+    ]
+    for call in calls:
+        first = call()
+        for _ in range(4):
+            again = call()
+            torch.cuda.synchronize()
+            first_parts = first if isinstance(first, tuple) else (first,)
+            again_parts = again if isinstance(again, tuple) else (again,)
+            assert all(torch.equal(a, b) for a, b in zip(first_parts, again_parts, strict=True))
+    plans = [entry[1] for entry in _pairs(d_off).values()]
+    assert plans and all(plan.launch.runner is not None for plan in plans)
+
+
+def _pairs(offsets):
+    from maxsim_kernels import _validate as v
+
+    return v._MEMO[id(offsets)][2]["pairs"]
+
+
 @pytest.mark.gpu
 def test_gpu_tests_run_compiled_kernels_not_the_interpreter():
     """Nothing in the test session may switch Triton to its interpreter on a GPU machine."""
