@@ -92,6 +92,6 @@ class KernelLaunch:
                 else:
                     return  # a runtime argument missing from args: keep the JIT path
             self.tail = tuple(tail)
-            self.runner = compiled[self.grid]
+            self.runner = compiled[(*self.grid, 1, 1)[:3]]  # the compiled launcher reads all three extents
         except (AttributeError, TypeError):  # pragma: no cover - a Triton release without this API
             self.runner = None

@@ -610,7 +610,7 @@ def _finish(
             queries, *before_docs, docs, *after_docs, scores,
             argmax if argmax is not None else scores, *plan.ints,
         )  # fmt: skip
-    out = scores[0] if plan.num_chunks == 1 else scores.sum(0)
+    out = scores if plan.num_chunks == 1 else scores.sum(0)
     return (out, argmax) if return_argmax else out
 
 
@@ -710,7 +710,7 @@ def _varlen_plan(
     return _Plan(
         layout=layout,
         num_chunks=num_chunks,
-        scores_shape=(num_chunks, nq, nd),
+        scores_shape=(nq, nd) if num_chunks == 1 else (num_chunks, nq, nd),  # chunks: partial sums
         argmax_shape=(queries.shape[0], nd),
         argmax_dtype=argmax_dtype,
         argmax_fill=None,
@@ -811,7 +811,7 @@ def _candidates_plan(
     return _Plan(
         layout=layout,
         num_chunks=num_chunks,
-        scores_shape=(num_chunks, num_c),
+        scores_shape=(num_c,) if num_chunks == 1 else (num_chunks, num_c),
         argmax_shape=(num_c, layout.max_query_len),
         argmax_dtype=argmax_dtype,
         argmax_fill=-1,
