@@ -211,10 +211,11 @@ def test_repeated_calls_through_the_compiled_launcher_agree():
     queries, q_off = packed([32, 7, 19, 32], 128, torch.float16, gen)
     docs, d_off = packed([180, 3, 0, 77, 300], 128, torch.float16, gen)
     c_off, cands = torch.tensor([0, 2, 2, 5, 7]), torch.tensor([4, 0, 1, 2, 3, 3, 4])
+    q_head = q_off[:2]  # one object: a fresh slice in every call would be a new partner, planned afresh
     calls = [
         lambda: fwd.maxsim_varlen_forward_triton(queries, q_off, docs, d_off),
         lambda: fwd.maxsim_varlen_forward_triton(queries, q_off, docs, d_off, return_argmax=True),
-        lambda: fwd.maxsim_varlen_forward_triton(queries[:32], q_off[:2], docs, d_off, return_argmax=True),
+        lambda: fwd.maxsim_varlen_forward_triton(queries[:32], q_head, docs, d_off, return_argmax=True),
         lambda: maxsim_candidates(queries, q_off, docs, d_off, c_off, cands, return_argmax=True),
     ]
     for call in calls:
