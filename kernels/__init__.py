@@ -21,6 +21,9 @@ dim is any multiple of 8 up to 4096. A query with no tokens raises ValueError; a
 scores -inf. Offsets may live on the CPU or on the tensors' device: each offsets tensor is checked (on a
 host copy) and copied to the device once, then remembered per tensor object and in-place version, so
 repeated calls cost no transfer; change offsets in place through torch (not through a numpy view).
+On the Triton path the checks and launch arguments are also remembered per pair of offsets tensors and
+input shapes, and a launch repeated with them calls the compiled kernel directly: a training loop that
+passes the same offsets tensors every step pays little more than the launches on the host.
 
 backend: "auto" (Triton for CUDA tensors, torch for CPU tensors), "triton" (CPU tensors only under
 TRITON_INTERPRET=1, for tests), "torch" (blocked torch ops; the CPU path, also valid on CUDA tensors).

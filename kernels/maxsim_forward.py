@@ -575,7 +575,8 @@ def _argmax_dtype(argmax_dtype: torch.dtype | None, layout: Layout) -> torch.dty
 @dataclass(frozen=True)
 class _Plan:
     """Everything a forward launch derives from its inputs' shapes and offsets, kept for the next call
-    with the same ones (`_planned`): validated layout, output shapes, device offsets, launch arguments."""
+    with the same ones (`memo_plan`): checked layout, output shapes, the launch and its int arguments.
+    It holds no offsets tensor (see `memo_pair`); the launch gets their device copies at each call."""
 
     layout: Layout
     num_chunks: int
