@@ -500,6 +500,11 @@ def test_launch_plans_follow_their_offsets_and_never_keep_them_alive():
     d_off[1:] = torch.tensor([1, 4, 5])  # same object, new content
     moved = fwd.maxsim_varlen_forward_triton(q, q_off, d, d_off)
     check_scores(moved, maxsim_reference(q, q_off, d, d_off), torch.tensor([[2], [3]]), 16)
+    planned = len(v._MEMO[id(d_off)][2]["pairs"])
+    q_off[1] = 4  # the partner changes in place: planned again too
+    regrouped = fwd.maxsim_varlen_forward_triton(q, q_off, d, d_off)
+    assert len(v._MEMO[id(d_off)][2]["pairs"]) == planned + 1
+    check_scores(regrouped, maxsim_reference(q, q_off, d, d_off), torch.tensor([[4], [1]]), 16)
     q2, q2_off = packed([5], 16)  # another partner, and another shape
     check_scores(
         fwd.maxsim_varlen_forward_triton(q2, q2_off, d, d_off),
@@ -540,6 +545,7 @@ def test_backward_plans_follow_their_offsets():
             for a, b in zip(got, expected, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         d_off[1:] = torch.tensor([2, 9, 11])  # same object, new content: planned again
+        q_off[1] = 2  # and the partner's
     refs = [weakref.ref(q_off), weakref.ref(d_off)]
     del q_off, d_off
     gc.collect()
