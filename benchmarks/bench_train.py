@@ -254,6 +254,12 @@ def breakdown(x: dict) -> dict:
     def forward_only() -> Grads:
         return fwd(q, qo, d, do, return_argmax=True)
 
+    def grad_docs() -> Callable[[], torch.Tensor]:
+        """The backward's document gradient (inverse map + dD) as the training step runs it, planned at
+        the inverse map's current segment."""
+        plan = mb._AllPairsBackward(q, d, argmax, qo, do, max_doc_len)
+        return lambda: plan.grad_docs(q, d, g, argmax, qo, do)
+
     segments = {}
     saved = mb._CSR_MAX_SEGMENT, mb._CSR_MANY_DOCS_SEGMENT
     for segment in (512, 1024, 2048, 4096):  # the inverse map's segment, swept (both classes)
@@ -263,12 +269,7 @@ def breakdown(x: dict) -> dict:
                 "csr_build_ms": do_bench(
                     lambda: mb.build_inverse_csr_all_pairs(argmax, do, td, max_doc_len), return_mode="median"
                 ),
-                "csr_and_dd_ms": do_bench(
-                    lambda: mb._grad_docs_triton(
-                        q, g, argmax, qo, do, tq, None, None, td, max_doc_len, d.dtype
-                    ),
-                    return_mode="median",
-                ),
+                "csr_and_dd_ms": do_bench(grad_docs(), return_mode="median"),
             }
         finally:
             mb._CSR_MAX_SEGMENT, mb._CSR_MANY_DOCS_SEGMENT = saved
@@ -288,10 +289,7 @@ def breakdown(x: dict) -> dict:
             lambda: mb._grad_queries_triton(d, None, do, argmax, g, qo, tq, None, None, q.shape[0], q.dtype),
             return_mode="median",
         ),
-        "csr_and_dd_ms": do_bench(
-            lambda: mb._grad_docs_triton(q, g, argmax, qo, do, tq, None, None, td, max_doc_len, d.dtype),
-            return_mode="median",
-        ),
+        "csr_and_dd_ms": do_bench(grad_docs(), return_mode="median"),
         "backward_ms": do_bench(lambda: mb.maxsim_backward(g, argmax, q, qo, d, do), return_mode="median"),
     }
 

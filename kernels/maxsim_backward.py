@@ -539,48 +539,35 @@ def _grad_queries_triton(
     return grad_queries
 
 
-def _grad_docs_triton(
+def _grad_docs_candidates(
     queries: torch.Tensor,
     grad_scores: torch.Tensor,
     argmax: torch.Tensor,
     query_offsets: torch.Tensor,
     doc_offsets: torch.Tensor,
-    token_query: torch.Tensor | None,
-    candidate_offsets: torch.Tensor | None,
-    candidate_docs: torch.Tensor | None,
+    candidate_offsets: torch.Tensor,
+    candidate_docs: torch.Tensor,
     num_doc_tokens: int,
-    max_doc_len: int,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
+    """The document gradient of the per-query-candidates layout (the all-pairs one: `_AllPairsBackward`).
+
+    Candidates may share documents: one stable sort of the winning rows of every pair."""
     dim = queries.shape[1]
     grad_docs = torch.empty((num_doc_tokens, dim), device=queries.device, dtype=out_dtype)
     if num_doc_tokens == 0:
         return grad_docs
-    if candidate_docs is not None:
-        # candidates may share documents: one stable sort of the winning rows of every pair
-        key_dtype = torch.int32 if num_doc_tokens < 2**31 - 1 else torch.int64  # int32: half the radix passes
-        starts = doc_offsets[candidate_docs].to(key_dtype)[:, None]
-        keys = torch.where(argmax >= 0, starts + argmax.to(key_dtype), num_doc_tokens).reshape(-1)
-        row_ptr, order = build_inverse_csr(keys, num_doc_tokens)
-        del keys, starts
-        row_start, row_count = row_ptr[:-1], (row_ptr[1:] - row_ptr[:-1]).to(torch.int32)
-        owner, token_doc = _owner_of(candidate_offsets, candidate_docs.numel()), row_count  # token_doc unused
-        num_docs, max_query_len, segments, segment = 0, argmax.shape[1], 1, 1
-    else:
-        inverse = build_inverse_csr_all_pairs(argmax, doc_offsets, num_doc_tokens, max_doc_len)
-        order, row_start, row_count, segment = (
-            inverse.order,
-            inverse.row_start,
-            inverse.row_count,
-            inverse.segment,
-        )
-        segments = row_start.shape[0]
-        owner, token_doc = token_query, _owner_of(doc_offsets, num_doc_tokens)
-        num_docs, max_query_len = argmax.shape[1], 0
-    _dd_launch(dim, queries.device, num_doc_tokens, candidate_docs is not None, segment)(
-        queries, grad_scores, order, row_start, row_count, owner, token_doc, query_offsets, grad_docs,
-        num_docs, max_query_len, argmax.shape[0], segments, num_doc_tokens, dim,
-        queries.stride(0), grad_docs.stride(0),
+    key_dtype = torch.int32 if num_doc_tokens < 2**31 - 1 else torch.int64  # int32: half the radix passes
+    starts = doc_offsets[candidate_docs].to(key_dtype)[:, None]
+    keys = torch.where(argmax >= 0, starts + argmax.to(key_dtype), num_doc_tokens).reshape(-1)
+    row_ptr, order = build_inverse_csr(keys, num_doc_tokens)
+    del keys, starts
+    row_start, row_count = row_ptr[:-1], (row_ptr[1:] - row_ptr[:-1]).to(torch.int32)
+    owner = _owner_of(candidate_offsets, candidate_docs.numel())
+    unused = row_count  # the all-pairs layout's token -> document map
+    _dd_launch(dim, queries.device, num_doc_tokens, True, 1)(
+        queries, grad_scores, order, row_start, row_count, owner, unused, query_offsets, grad_docs,
+        0, argmax.shape[1], argmax.shape[0], 1, num_doc_tokens, dim, queries.stride(0), grad_docs.stride(0),
     )  # fmt: skip
     return grad_docs
 
@@ -604,23 +591,32 @@ class _AllPairsBackward:
         num_doc_tokens, dim = docs.shape
         # (the offsets themselves are not kept: the plan lives in their memo, see `memo_pair`)
         self.token_query = _owner_of(query_offsets, num_query_tokens)
-        self.token_doc = _owner_of(doc_offsets, num_doc_tokens)
-        self.csr, self.segment, self.segments, self.csr_ints = _csr_launch(
-            num_query_tokens, num_docs, num_doc_tokens, max_doc_len, device
-        )
-        self.dd = _dd_launch(dim, device, num_doc_tokens, False, self.segment)
-        self.dd_ints = (
-            num_docs,
-            0,
+        self.dq = _dq_launch(dim, device, (cdiv(num_query_tokens, _DQ_BLOCK_T), 1), False, False)
+        self.dq_ints = (num_query_tokens, num_docs, 0, dim, docs.stride(0), dim)
+        # the inverse map and dD launches, made on the first document gradient: a backward for the
+        # queries alone (frozen or int8 documents) never meets the inverse map's size limits
+        self.shapes = (
             num_query_tokens,
-            self.segments,
+            num_docs,
             num_doc_tokens,
             dim,
             queries.stride(0),
-            dim,
+            max_doc_len,
+            device,
         )
-        self.dq = _dq_launch(dim, device, (cdiv(num_query_tokens, _DQ_BLOCK_T), 1), False, False)
-        self.dq_ints = (num_query_tokens, num_docs, 0, dim, docs.stride(0), dim)
+        self.docs_launches: tuple | None = None
+
+    def _docs_launches(self, doc_offsets: torch.Tensor) -> tuple:
+        if self.docs_launches is None:
+            num_query_tokens, num_docs, num_doc_tokens, dim, query_stride, max_doc_len, device = self.shapes
+            csr, segment, segments, csr_ints = _csr_launch(
+                num_query_tokens, num_docs, num_doc_tokens, max_doc_len, device
+            )
+            dd = _dd_launch(dim, device, num_doc_tokens, False, segment)
+            dd_ints = (num_docs, 0, num_query_tokens, segments, num_doc_tokens, dim, query_stride, dim)
+            token_doc = _owner_of(doc_offsets, num_doc_tokens)
+            self.docs_launches = (csr, segment, segments, csr_ints, dd, dd_ints, token_doc)
+        return self.docs_launches
 
     def grad_docs(
         self,
@@ -634,12 +630,11 @@ class _AllPairsBackward:
         grad_docs = torch.empty(docs.shape, device=docs.device, dtype=docs.dtype)
         if docs.shape[0] == 0:
             return grad_docs
-        inverse = _run_csr(
-            self.csr, self.csr_ints, self.segment, self.segments, argmax, doc_offsets, docs.shape[0]
-        )
-        self.dd(
+        csr, segment, segments, csr_ints, dd, dd_ints, token_doc = self._docs_launches(doc_offsets)
+        inverse = _run_csr(csr, csr_ints, segment, segments, argmax, doc_offsets, docs.shape[0])
+        dd(
             queries, grad_scores, inverse.order, inverse.row_start, inverse.row_count, self.token_query,
-            self.token_doc, query_offsets, grad_docs, *self.dd_ints,
+            token_doc, query_offsets, grad_docs, *dd_ints,
         )  # fmt: skip
         return grad_docs
 
@@ -863,7 +858,12 @@ def maxsim_backward(
     device = queries.device
     doc_offsets_in = doc_offsets
     query_offsets, doc_offsets = on_device(query_offsets, device), on_device(doc_offsets, device)
-    if candidate_docs is None and doc_scales is None:
+    if doc_scales is not None:
+        doc_scales = doc_scales.to(device)
+    # The document gradient first: its inverse map is freed when it returns, before the query gradient
+    # is allocated, so the two never coexist (the peak drops by the smaller of the two).
+    grad_q = grad_d = None
+    if candidate_docs is None:
         plan = memo_plan(
             doc_offsets,
             query_offsets,
@@ -872,33 +872,28 @@ def maxsim_backward(
                 queries, docs, argmax, query_offsets, doc_offsets, _max_len(doc_offsets_in, docs.shape[0])
             ),
         )
-        # The document gradient first: its inverse map is freed when it returns, before the query
-        # gradient is allocated, so the two never coexist.
         args = (queries, docs, grad_scores, argmax, query_offsets, doc_offsets)
         grad_d = plan.grad_docs(*args) if need_docs else None
-        grad_q = plan.grad_queries(*args) if need_queries else None
+        if need_queries and doc_scales is None:
+            grad_q = plan.grad_queries(*args)
+        elif need_queries:  # int8 documents: the query gradient gathers dequantized rows
+            grad_q = _grad_queries_triton(
+                docs, doc_scales, doc_offsets, argmax, grad_scores, query_offsets, plan.token_query,
+                None, None, queries.shape[0], queries.dtype,
+            )  # fmt: skip
         return grad_q, grad_d
-    if candidate_docs is not None:
-        candidate_offsets = on_device(candidate_offsets, device)
-        candidate_docs = on_device(candidate_docs, device)
-    if doc_scales is not None:
-        doc_scales = doc_scales.to(device)
-    token_query = None if candidate_docs is not None else _owner_of(query_offsets, queries.shape[0])
-    # The document gradient first, as above (the peak drops by the smaller of the two: 1 MiB at ColBERT
-    # 128 x 128 documents, ~3 MiB at ColPali 32 x 32 by the byte count).
-    grad_q = grad_d = None
+    candidate_offsets = on_device(candidate_offsets, device)
+    candidate_docs = on_device(candidate_docs, device)
     if need_docs:
-        grad_d = _grad_docs_triton(
+        grad_d = _grad_docs_candidates(
             queries,
             grad_scores,
             argmax,
             query_offsets,
             doc_offsets,
-            token_query,
             candidate_offsets,
             candidate_docs,
             docs.shape[0],
-            _max_len(doc_offsets_in, docs.shape[0]),
             docs.dtype,
         )
     if need_queries:
@@ -909,7 +904,7 @@ def maxsim_backward(
             argmax,
             grad_scores,
             query_offsets,
-            token_query,
+            None,
             candidate_offsets,
             candidate_docs,
             queries.shape[0],

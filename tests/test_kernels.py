@@ -552,6 +552,28 @@ def test_backward_plans_follow_their_offsets():
     assert all(ref() is None for ref in refs)
 
 
+def test_a_query_only_backward_never_builds_the_inverse_map(monkeypatch):
+    """Frozen documents: the backward plans only the query gradient, so the inverse map's size limits
+    (2^31 pairs, 2^22-token documents) never apply to it."""
+    from maxsim_kernels import maxsim_backward as mb
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the inverse map was planned for a query-only backward")
+
+    monkeypatch.setattr(mb, "_csr_launch", refuse)
+    q, q_off = packed([3, 5], 16)
+    d, d_off = packed([4, 1, 6], 16)
+    upstream = torch.randn(2, 3, dtype=torch.float64).float()
+    expected = None
+    for backend in ("torch", "triton", "triton"):
+        qg = q.clone().requires_grad_(True)
+        scores = mb.maxsim_varlen_autograd(qg, q_off, d, d_off, backend=backend)
+        (got,) = torch.autograd.grad(scores, (qg,), upstream)
+        if expected is None:
+            expected = got
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
 _SM90_BUILD = r"""
 import maxsim_kernels.maxsim_forward as fwd
 
