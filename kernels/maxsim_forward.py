@@ -575,10 +575,9 @@ def _argmax_dtype(argmax_dtype: torch.dtype | None, layout: Layout) -> torch.dty
 @dataclass(frozen=True)
 class _Plan:
     """Everything a forward launch derives from its inputs' shapes and offsets, kept for the next call
-    with the same ones (`memo_plan`): checked layout, output shapes, the launch and its int arguments.
+    with the same ones (`memo_plan`): output shapes, the launch and its int arguments (the checks passed).
     It holds no offsets tensor (see `memo_pair`); the launch gets their device copies at each call."""
 
-    layout: Layout
     num_chunks: int
     scores_shape: tuple[int, ...]
     argmax_shape: tuple[int, ...]
@@ -709,7 +708,6 @@ def _varlen_plan(
     else:
         ints = ()
     return _Plan(
-        layout=layout,
         num_chunks=num_chunks,
         scores_shape=(nq, nd) if num_chunks == 1 else (num_chunks, nq, nd),  # chunks: partial sums
         argmax_shape=(queries.shape[0], nd),
@@ -810,7 +808,6 @@ def _candidates_plan(
         ints = (layout.num_queries, num_c, num_chunks, layout.num_docs, dim,
                 queries.stride(0), docs.stride(0), layout.max_query_len)  # fmt: skip
     return _Plan(
-        layout=layout,
         num_chunks=num_chunks,
         scores_shape=(num_c,) if num_chunks == 1 else (num_chunks, num_c),
         argmax_shape=(num_c, layout.max_query_len),
