@@ -487,6 +487,16 @@ _TUNING: dict[str, KernelConfig] = {
     "long": KernelConfig(block_q=128, block_t=64, docs_per_prog=1, num_warps=4, num_stages=2),
     "cands": KernelConfig(block_q=32, block_t=64, docs_per_prog=8, num_warps=4, num_stages=4, doc_major=True),
 }
+# With return_argmax (the training forward) the all-pairs kernel keeps a running max and argmax per query
+# row, not per tile element, so the scores-only winners above need not win. Sweep of that forward at the
+# ColBERT training shapes (32 queries x 32 tokens against 128 / 256 documents of 20-300 tokens, H200,
+# benchmarks/sweep_argmax_forward.py, benchmarks/results/argmax-sweep-h200.json; every tile bitwise equal):
+# - many: 256 rows x 64 tokens, 8 warps, 2 stages, 64 documents: 0.103 / 0.171 ms against 0.137 / 0.241 ms
+#   for the scores-only entry (256 x 32, 4 warps); 64 x 64 on 4 warps 0.102 / 0.184; 128 x 64 on 4 warps
+#   0.106 / 0.187. At the ColPali shape ("long") no tile beat the table's by more than 5%.
+_ARGMAX_TUNING: dict[str, KernelConfig] = {
+    "many": KernelConfig(block_q=256, block_t=64, docs_per_prog=64, num_warps=8, num_stages=2),
+}
 _MIN_ROWS = 16  # tl.dot needs M, N, K >= 16
 
 
@@ -540,8 +550,9 @@ def _docs_per_program(cap: int, num_blocks: int, num_docs: int, device: torch.de
     return per
 
 
-def varlen_config(layout: Layout) -> tuple[str, KernelConfig, int, int]:
-    """Shape class, config, QPB (queries per block) and ROWS (rows per query) for an all-pairs problem."""
+def varlen_config(layout: Layout, return_argmax: bool = False) -> tuple[str, KernelConfig, int, int]:
+    """Shape class, config, QPB (queries per block) and ROWS (rows per query) for an all-pairs problem
+    (`_ARGMAX_TUNING` overrides the class's entry when the argmax is asked for)."""
     q_pad = max(_MIN_ROWS, next_pow2(layout.max_query_len))
     if q_pad > 128:
         cls = "long"
@@ -551,7 +562,7 @@ def varlen_config(layout: Layout) -> tuple[str, KernelConfig, int, int]:
         cls = "some"
     else:
         cls = "few"
-    cfg = _TUNING[cls]
+    cfg = _ARGMAX_TUNING.get(cls, _TUNING[cls]) if return_argmax else _TUNING[cls]
     rows = min(q_pad, cfg.block_q)
     if cls == "few":
         cfg = replace(cfg, block_q=max(rows, min(cfg.block_q, next_pow2(layout.num_queries * q_pad))))
@@ -680,7 +691,7 @@ def _varlen_plan(
     layout = _checked_layout(queries, query_offsets, docs, doc_offsets, layout)
     device = docs.device
     nq, nd, dim = layout.num_queries, layout.num_docs, layout.dim
-    _, cfg, qpb, rows = varlen_config(layout)
+    _, cfg, qpb, rows = varlen_config(layout, return_argmax)
     if config is not None:
         cfg = config
         if layout.max_query_len > rows:  # chunked long queries: one query a block, block_q rows a chunk

@@ -584,7 +584,8 @@ pointers = {"q_ptr": "*fp16", "d_ptr": "*fp16", "out_ptr": "*fp32", "arg_ptr": "
 report = {}
 # every entry scores-only, and the all-pairs classes also with the autograd path's int16 argmax
 builds = [(cls, cfg, False) for cls, cfg in fwd._TUNING.items()]
-builds += [(cls, cfg, True) for cls, cfg in fwd._TUNING.items() if cls != "cands"]
+argmax_tuning = {**fwd._TUNING, **fwd._ARGMAX_TUNING}
+builds += [(cls, cfg, True) for cls, cfg in argmax_tuning.items() if cls != "cands"]
 for cls, cfg, argmax in builds:
     kernel = fwd._maxsim_candidates_kernel if cls == "cands" else fwd._maxsim_varlen_kernel
     rows = 32 if cls in ("many", "some") else cfg.block_q
