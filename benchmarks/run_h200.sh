@@ -28,7 +28,7 @@ step() {  # step NAME SECONDS CMD...
 # STEPS picks a subset (not in the default set: sweep, the tile sweep of bench_kernels.py; score,
 # `maxsim score` end to end on a 10 GB corpus; pinning, bench_pinning.py; first-pass,
 # profile_first_pass.py; probe-host, probe_host_overhead.py; argmax-sweep,
-# sweep_argmax_forward.py); WORKLOADS narrows the kernel benchmark.
+# sweep_argmax_forward.py; long-hopper, ab_long_hopper.py); WORKLOADS narrows the kernel benchmark.
 # All steps at their default limits take longer than one 10-minute call: run STEPS="gpu-tests verify",
 # STEPS="kernels train" and STEPS="int8 ab" as three calls (the full gpu-tests step takes ~140 s).
 steps=" ${STEPS:-gpu-tests kernels train verify int8 ab} "
@@ -60,6 +60,8 @@ want probe-host && step probe-host ${PROBE_HOST_S:-120} python3 benchmarks/probe
   --out "$logs/probe-host-h200.json"
 want argmax-sweep && step argmax-sweep ${ARGMAX_SWEEP_S:-150} python3 benchmarks/sweep_argmax_forward.py \
   --out "$logs/argmax-sweep-h200.json"
+want long-hopper && step long-hopper ${LONG_HOPPER_S:-240} python3 benchmarks/ab_long_hopper.py \
+  --out "$logs/long-hopper-h200.json"
 want score && step score ${SCORE_S:-200} python3 benchmarks/bench_score.py gpu --workdir /var/tmp/mb \
   --out "$logs/score-h200.json"
 

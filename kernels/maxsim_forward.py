@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -677,6 +678,23 @@ def _checked_layout(
     return layout
 
 
+def _hopper_long(queries: torch.Tensor, docs: torch.Tensor, return_argmax: bool) -> Any:
+    """The Gluon module for long queries (`maxsim_forward_hopper`) where it takes the problem, else None
+    (other GPUs, the interpreter, the argmax, fp32; or a Triton without Gluon's Hopper API)."""
+    if docs.device.type != "cuda" or not triton.__version__.startswith(_GLUON_TRITON):
+        return None
+    try:
+        from . import maxsim_forward_hopper as hopper
+    except ImportError:
+        return None
+    return hopper if hopper.supports(queries, docs, return_argmax) else None
+
+
+# Gluon is experimental and its API changes between Triton releases: the Hopper kernel is used with the
+# release it was built and measured with (the GPU image's), and the Triton kernel with any other.
+_GLUON_TRITON = "3.6."
+
+
 def _varlen_plan(
     queries: torch.Tensor,
     query_offsets: torch.Tensor,
@@ -691,7 +709,7 @@ def _varlen_plan(
     layout = _checked_layout(queries, query_offsets, docs, doc_offsets, layout)
     device = docs.device
     nq, nd, dim = layout.num_queries, layout.num_docs, layout.dim
-    _, cfg, qpb, rows = varlen_config(layout, return_argmax)
+    cls, cfg, qpb, rows = varlen_config(layout, return_argmax)
     if config is not None:
         cfg = config
         if layout.max_query_len > rows:  # chunked long queries: one query a block, block_q rows a chunk
@@ -704,7 +722,16 @@ def _varlen_plan(
     num_blocks = num_groups * num_chunks
     argmax_dtype = _argmax_dtype(argmax_dtype, layout) if return_argmax else torch.int32
     launch = None
-    if nq and nd:
+    hopper = (
+        _hopper_long(queries, docs, return_argmax)
+        if cls == "long" and config is None and rows == 128
+        else None
+    )
+    if nq and nd and hopper is not None:  # long queries, scores only, on Hopper: maxsim_forward_hopper
+        docs_per_prog = _docs_per_program(hopper.DOCS_PER_PROG, num_blocks, nd, device)
+        launch = hopper.LongLaunch((num_blocks * cdiv(nd, docs_per_prog),))
+        ints = (nq, nd, num_chunks, docs_per_prog, queries.stride(0))
+    elif nq and nd:
         block_k, num_k, even_k = _k_blocking(dim)
         docs_per_prog = _docs_per_program(cfg.docs_per_prog, num_blocks, nd, device)
         meta = dict(

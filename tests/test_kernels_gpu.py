@@ -109,6 +109,49 @@ def test_varlen_long_queries(dtype):
     assert_argmax(arg, queries, q_off, docs, d_off, list(range(23)), 1e-5)
 
 
+def _uses_hopper_kernel(queries, q_off, docs, d_off) -> bool:
+    from maxsim_kernels import maxsim_forward as fwd
+    from maxsim_kernels._validate import check_inputs
+
+    layout = check_inputs(queries, q_off, docs, d_off)
+    plan = fwd._varlen_plan(queries, q_off, docs, d_off, False, False, layout, None, None)
+    return type(plan.launch).__name__ == "LongLaunch"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_long_queries_on_hopper_equal_the_triton_kernel(dtype):
+    """Scores-only long queries take the Gluon kernel on Hopper (maxsim_forward_hopper): bit for bit the
+    Triton kernel's scores, on ragged documents (empty, 1 token, tiles straddling documents, a run longer
+    than a tile group) and negative similarities; within the float64 bound."""
+    from maxsim_kernels import maxsim_forward as fwd
+
+    gen = torch.Generator(device=CUDA).manual_seed(4)
+    cpu_gen = torch.Generator().manual_seed(4)
+    d_lens = [0, 1, 63, 64, 65, 1024, 7, 128, 129, 1030] + torch.randint(
+        0, 700, (53,), generator=cpu_gen
+    ).tolist()
+    queries, q_off = packed([1024, 129, 300, 1030], 128, dtype, gen)
+    docs, d_off = packed(d_lens, 128, dtype, gen)
+    docs[: docs.shape[0] // 2] *= -1
+    if not _uses_hopper_kernel(queries, q_off, docs, d_off):
+        pytest.skip("the Hopper kernel needs an sm_90 GPU and the Triton release it was built with")
+    scores = maxsim_varlen(queries, q_off, docs, d_off)
+    triton_scores = fwd.maxsim_varlen_forward_triton(queries, q_off, docs, d_off, config=fwd._TUNING["long"])
+    assert torch.equal(scores, triton_scores)
+    ref = maxsim_reference(queries, q_off, docs, d_off)
+    assert_close(scores, ref, torch.tensor([[1024], [129], [300], [1030]]), 128)
+    # other sizes and lengths: no recompilation
+    from maxsim_kernels import maxsim_forward_hopper as hopper
+
+    compiled = _compiles(hopper._maxsim_long_kernel)
+    more_q, more_q_off = packed([200, 1024, 517], 128, dtype, gen)
+    more_d, more_d_off = packed(d_lens[:17], 128, dtype, gen)
+    more = maxsim_varlen(more_q, more_q_off, more_d, more_d_off)
+    assert torch.equal(more, fwd.maxsim_varlen_forward_triton(more_q, more_q_off, more_d, more_d_off,
+                                                              config=fwd._TUNING["long"]))  # fmt: skip
+    assert _compiles(hopper._maxsim_long_kernel) == compiled
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_candidates_realistic(dtype):
     gen = torch.Generator(device=CUDA).manual_seed(2)
@@ -150,6 +193,18 @@ def test_offsets_past_2_pow_31_elements():
     cand = torch.tensor([num_docs - 1, 0, num_docs - 2])
     c_scores = maxsim_candidates(queries, q_off, docs, d_off, torch.tensor([0, 3]), cand)
     assert torch.allclose(c_scores[[0, 2]], scores[0, [num_docs - 1, num_docs - 2]], rtol=0, atol=0)
+    # a long query (the Hopper kernel's class on an H200): the same tail, and the Triton kernel's bits
+    from maxsim_kernels import maxsim_forward as fwd
+
+    long_q, long_off = packed([300], dim, torch.float16, gen)
+    long_scores = maxsim_varlen(long_q, long_off, docs, d_off)
+    ref = maxsim_reference(long_q, long_off, sub, d_off[-tail - 1 :] - d_off[-tail - 1])
+    err = (long_scores[0, -tail:].double() - ref[0]).abs().max().item()
+    assert err <= 1e-3 * ref.abs().max().item(), err
+    triton_scores = fwd.maxsim_varlen_forward_triton(
+        long_q, long_off, docs, d_off, config=fwd._TUNING["long"]
+    )
+    assert torch.equal(long_scores, triton_scores)
 
 
 def _compiles(kernel) -> int:
