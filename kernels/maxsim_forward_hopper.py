@@ -147,6 +147,19 @@ def _fold(
     return m, tok, doc_end, doc
 
 
+@gluon.jit
+def _retire(s, done, tiles, total, m, row_ok, l_tok, l_end, l_doc, f_tok, f_end, f_doc, d_desc, d_smem, ready,
+            d_off_ptr, num_docs, out_ptr, out_row, col_layout: gl.constexpr, pair_layout: gl.constexpr,
+            BLOCK_T: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Tile `done`'s product `s` has finished: refill its buffer (`_refill`) and fold it (`_fold`, unless
+    it is a padding tile). Returns the running max and both cursors."""
+    l_tok, l_end, l_doc = _refill(d_desc, d_smem, ready, done, tiles, l_tok, l_end, l_doc, d_off_ptr,
+                                  num_docs, BLOCK_T, STAGES)  # fmt: skip
+    m, f_tok, f_end, f_doc = _fold(s, done < total, m, row_ok, f_tok, f_end, f_doc, d_off_ptr, num_docs,
+                                   out_ptr, out_row, col_layout, pair_layout, BLOCK_T)  # fmt: skip
+    return m, l_tok, l_end, l_doc, f_tok, f_end, f_doc
+
+
 @gluon.jit(do_not_specialize=["num_queries", "num_docs", "num_chunks", "docs_per_prog"])
 def _maxsim_long_kernel(
     q_ptr,
@@ -239,100 +252,32 @@ def _maxsim_long_kernel(
         acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_a])  # no wait: a tensor from here on
         acc_b = _issue_product(q_smem, d_smem, ready, base + 1, zero, STAGES)
         acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])  # tile base is done
-        l_tok, l_end, l_doc = _refill(
-            d_desc, d_smem, ready, base, tiles, l_tok, l_end, l_doc, d_off_ptr, num_docs, BLOCK_T, STAGES
-        )
-        m, f_tok, f_end, f_doc = _fold(
-            acc_a,
-            base < total,
-            m,
-            row_ok,
-            f_tok,
-            f_end,
-            f_doc,
-            d_off_ptr,
-            num_docs,
-            out_ptr,
-            out_row,
-            col_layout,
-            pair_layout,
-            BLOCK_T,
-        )
+        m, l_tok, l_end, l_doc, f_tok, f_end, f_doc = _retire(
+            acc_a, base, tiles, total, m, row_ok, l_tok, l_end, l_doc, f_tok, f_end, f_doc,
+            d_desc, d_smem, ready, d_off_ptr, num_docs, out_ptr, out_row, col_layout, pair_layout,
+            BLOCK_T, STAGES,
+        )  # fmt: skip
         for j in gl.static_range(2, GROUP, 2):  # B holds tile base + j - 1, in flight
-            x = base + j
-            acc_a = _issue_product(q_smem, d_smem, ready, x, acc_a, STAGES)
-            acc_a, acc_b = warpgroup_mma_wait(num_outstanding=1, deps=[acc_a, acc_b])  # tile x - 1 is done
-            l_tok, l_end, l_doc = _refill(
-                d_desc, d_smem, ready, x - 1, tiles, l_tok, l_end, l_doc, d_off_ptr, num_docs, BLOCK_T, STAGES
-            )
-            m, f_tok, f_end, f_doc = _fold(
-                acc_b,
-                x - 1 < total,
-                m,
-                row_ok,
-                f_tok,
-                f_end,
-                f_doc,
-                d_off_ptr,
-                num_docs,
-                out_ptr,
-                out_row,
-                col_layout,
-                pair_layout,
-                BLOCK_T,
-            )
-            acc_b = _issue_product(q_smem, d_smem, ready, x + 1, acc_b, STAGES)
-            acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])  # tile x is done
-            l_tok, l_end, l_doc = _refill(
-                d_desc, d_smem, ready, x, tiles, l_tok, l_end, l_doc, d_off_ptr, num_docs, BLOCK_T, STAGES
-            )
-            m, f_tok, f_end, f_doc = _fold(
-                acc_a,
-                x < total,
-                m,
-                row_ok,
-                f_tok,
-                f_end,
-                f_doc,
-                d_off_ptr,
-                num_docs,
-                out_ptr,
-                out_row,
-                col_layout,
-                pair_layout,
-                BLOCK_T,
-            )
+            acc_a = _issue_product(q_smem, d_smem, ready, base + j, acc_a, STAGES)
+            acc_a, acc_b = warpgroup_mma_wait(num_outstanding=1, deps=[acc_a, acc_b])  # base + j - 1 is done
+            m, l_tok, l_end, l_doc, f_tok, f_end, f_doc = _retire(
+                acc_b, base + j - 1, tiles, total, m, row_ok, l_tok, l_end, l_doc, f_tok, f_end, f_doc,
+                d_desc, d_smem, ready, d_off_ptr, num_docs, out_ptr, out_row, col_layout, pair_layout,
+                BLOCK_T, STAGES,
+            )  # fmt: skip
+            acc_b = _issue_product(q_smem, d_smem, ready, base + j + 1, acc_b, STAGES)
+            acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])  # base + j is done
+            m, l_tok, l_end, l_doc, f_tok, f_end, f_doc = _retire(
+                acc_a, base + j, tiles, total, m, row_ok, l_tok, l_end, l_doc, f_tok, f_end, f_doc,
+                d_desc, d_smem, ready, d_off_ptr, num_docs, out_ptr, out_row, col_layout, pair_layout,
+                BLOCK_T, STAGES,
+            )  # fmt: skip
         acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc_b])  # the group's last tile
-        l_tok, l_end, l_doc = _refill(
-            d_desc,
-            d_smem,
-            ready,
-            base + GROUP - 1,
-            tiles,
-            l_tok,
-            l_end,
-            l_doc,
-            d_off_ptr,
-            num_docs,
-            BLOCK_T,
-            STAGES,
-        )
-        m, f_tok, f_end, f_doc = _fold(
-            acc_b,
-            base + GROUP - 1 < total,
-            m,
-            row_ok,
-            f_tok,
-            f_end,
-            f_doc,
-            d_off_ptr,
-            num_docs,
-            out_ptr,
-            out_row,
-            col_layout,
-            pair_layout,
-            BLOCK_T,
-        )
+        m, l_tok, l_end, l_doc, f_tok, f_end, f_doc = _retire(
+            acc_b, base + GROUP - 1, tiles, total, m, row_ok, l_tok, l_end, l_doc, f_tok, f_end, f_doc,
+            d_desc, d_smem, ready, d_off_ptr, num_docs, out_ptr, out_row, col_layout, pair_layout,
+            BLOCK_T, STAGES,
+        )  # fmt: skip
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
