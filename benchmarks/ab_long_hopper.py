@@ -86,7 +86,11 @@ def checks() -> list[dict]:
 def timings(rounds: int) -> list[dict]:
     w = bk.make_workload("colpali")
     q, qo, d, do = w["queries"], w["q_off"], w["docs"], w["d_off"]
-    methods = {"triton-long": lambda: fwd.maxsim_varlen_forward_triton(q, qo, d, do)}
+    long_cfg = fwd._TUNING["long"]  # a config forces the Triton kernel; none: the default (Gluon on Hopper)
+    methods = {
+        "triton-long": lambda: fwd.maxsim_varlen_forward_triton(q, qo, d, do, config=long_cfg),
+        "default": lambda: fwd.maxsim_varlen_forward_triton(q, qo, d, do),
+    }
     for v in VARIANTS:
         methods["gluon-t{}-w{}-g{}-s{}-d{}".format(*v)] = gluon(q, qo, d, do, *v)
     try:
