@@ -5,7 +5,7 @@ tensor cores while the running max of the previous tile is taken.
     score(q, d) = sum_{i in q} max_{j in d} S[i, j]
 
 Scope: the "long" shape class of `maxsim_forward` (queries longer than 128 tokens: ColPali's 1024-token
-page queries), scores only, fp16/bf16, dim 32, 64 or 128, on an sm_90 GPU. Everything else
+page queries), scores only, fp16/bf16, dim 128, on an sm_90 GPU. Everything else
 (the argmax, fp32, other GPUs, the interpreter) keeps the Triton kernel of `maxsim_forward`; the scores
 are bitwise the same as that kernel's (same products per element, same max, same pairwise sum).
 
@@ -294,7 +294,7 @@ def supports(queries: torch.Tensor, docs: torch.Tensor, return_argmax: bool) -> 
         not return_argmax
         and docs.dtype in (torch.float16, torch.bfloat16)
         and queries.dtype == docs.dtype
-        and docs.shape[1] in (32, 64, 128)  # one power-of-two block; 256 spills in the sm_90 build
+        and docs.shape[1] == 128  # the dim tested on the H200 (64 builds for sm_90; 256 spills there)
         and docs.shape[0] < 2**31  # TMA coordinates are int32
         and docs.stride(1) == 1
         and docs.data_ptr() % 16 == 0
