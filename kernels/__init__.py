@@ -25,7 +25,7 @@ On the Triton path the checks and launch arguments are also remembered per pair 
 input shapes, and a launch repeated with them calls the compiled kernel directly: a training loop that
 passes the same offsets tensors every step pays little more than the launches on the host.
 
-On an sm_90 GPU (H100, H200) with triton 3.6, scores-only long queries (over 128 tokens: ColPali) in
+On an sm_90 GPU (H100, H200) with triton 3.6, scores-only long queries (over 128 tokens: ColPali, dim 128) in
 fp16/bf16 go to a Gluon kernel, `maxsim_kernels.maxsim_forward_hopper`, whose scores are bitwise the
 Triton kernel's and which runs the max of one tile while the next tile's product is computed.
 
