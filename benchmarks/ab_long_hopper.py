@@ -41,12 +41,11 @@ def gluon(q, qo, d, do, block_t: int, warps: int, group: int, stages: int, per_p
     qo_dev, do_dev = qo.to(d.device), do.to(d.device)
     nq, nd = qo.shape[0] - 1, do.shape[0] - 1
 
+    launch = hopper.LongLaunch((nq * chunks * -(-nd // per_prog),), block_t, stages, group, warps)
+
     def run() -> torch.Tensor:
         scores = torch.empty((chunks, nq, nd), dtype=torch.float32, device=d.device)
-        hopper.maxsim_long_forward(
-            q, qo_dev, d, do_dev, scores, chunks, per_prog, block_t=block_t, stages=stages, group=group,
-            num_warps=warps,
-        )  # fmt: skip
+        launch(q, qo_dev, d, do_dev, scores, None, nq, nd, chunks, per_prog, q.stride(0))
         return scores.sum(0) if chunks > 1 else scores[0]
 
     return run

@@ -37,7 +37,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -315,6 +314,12 @@ BLOCK_T, STAGES, GROUP, NUM_WARPS, DOCS_PER_PROG = 64, 4, 8, 4, 2
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
+@functools.cache
+def _tile_layout(block_t: int, dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The shared-memory layout (swizzle) of a document tile, as TMA writes it and wgmma reads it."""
+    return gl.NVMMASharedLayout.get_default_for([block_t, dim], _GL_DTYPES[dtype])
+
+
 @dataclass(frozen=True)
 class LongLaunch:
     """A launch of `_maxsim_long_kernel` with the call signature of `_launch.KernelLaunch` as the forward
@@ -330,30 +335,10 @@ class LongLaunch:
 
     def __call__(self, queries, q_off, docs, d_off, scores, _argmax, *ints) -> None:
         dim = docs.shape[1]
-        layout = gl.NVMMASharedLayout.get_default_for([self.block_t, dim], _GL_DTYPES[docs.dtype])
-        desc = TensorDescriptor.from_tensor(docs, [self.block_t, dim], layout)
+        desc = TensorDescriptor.from_tensor(
+            docs, [self.block_t, dim], _tile_layout(self.block_t, dim, docs.dtype)
+        )
         _maxsim_long_kernel[self.grid](
             queries, q_off, desc, d_off, scores, *ints,
             DIM=dim, BLOCK_T=self.block_t, STAGES=self.stages, GROUP=self.group, num_warps=self.num_warps,
         )  # fmt: skip
-
-
-def maxsim_long_forward(
-    queries: torch.Tensor,
-    q_off: torch.Tensor,
-    docs: torch.Tensor,
-    d_off: torch.Tensor,
-    scores: torch.Tensor,
-    num_chunks: int,
-    docs_per_prog: int,
-    block_t: int = BLOCK_T,
-    stages: int = STAGES,
-    group: int = GROUP,
-    num_warps: int = NUM_WARPS,
-) -> None:
-    """Writes the partial scores [num_chunks, nq, nd] of 128-row chunks (offsets on the device)."""
-    nq, nd = q_off.shape[0] - 1, d_off.shape[0] - 1
-    launch = LongLaunch(
-        (nq * num_chunks * triton.cdiv(nd, docs_per_prog),), block_t, stages, group, num_warps
-    )
-    launch(queries, q_off, docs, d_off, scores, None, nq, nd, num_chunks, docs_per_prog, queries.stride(0))

@@ -152,6 +152,47 @@ def test_long_queries_on_hopper_equal_the_triton_kernel(dtype):
     assert _compiles(hopper._maxsim_long_kernel) == compiled
 
 
+_HOPPER_SM90_BUILD = r"""
+import torch
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+import maxsim_kernels.maxsim_forward_hopper as hopper
+
+kernel = hopper._maxsim_long_kernel
+names = kernel.arg_names
+docs = torch.zeros(1000, 128, dtype=torch.float16)
+layout = hopper._tile_layout(hopper.BLOCK_T, 128, docs.dtype)
+desc = hopper.TensorDescriptor.from_tensor(docs, [hopper.BLOCK_T, 128], layout)
+consts = {"DIM": 128, "BLOCK_T": hopper.BLOCK_T, "STAGES": hopper.STAGES, "GROUP": hopper.GROUP}
+sig = {n: "i32" for n in names}
+sig.update({"q_ptr": "*fp16", "q_off_ptr": "*i64", "d_off_ptr": "*i64", "out_ptr": "*fp32",
+            "d_desc": mangle_type(desc), **{n: "constexpr" for n in consts}})
+src = GluonASTSource(kernel, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
+compiled = triton.compile(src, target=SM90, options={"num_warps": hopper.NUM_WARPS})
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+with tempfile.TemporaryDirectory() as tmp:
+    with open(os.path.join(tmp, "k.ptx"), "w") as fh:
+        fh.write(compiled.asm["ptx"])
+    info = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(tmp, "k.ptx"), "-o",
+                           os.path.join(tmp, "k.cubin")], capture_output=True, text=True).stderr
+print(json.dumps({"ptxas": info, "usage": resource_usage(compiled)}))
+"""
+
+
+def test_hopper_kernel_builds_without_serialized_wgmma(sm90_build):
+    """The overlap of the Hopper kernel exists only while ptxas keeps its wgmma asynchronous: ptxas
+    serializes them all (C7514) when an accumulator is copied or in flight across a loop's back edge
+    (maxsim_forward_hopper). Built for sm_90 with the Triton release the kernel is used with."""
+    import triton
+    from maxsim_kernels import maxsim_forward as fwd
+
+    if not triton.__version__.startswith(fwd._GLUON_TRITON):
+        pytest.skip(f"the Hopper kernel is built with triton {fwd._GLUON_TRITON}x, not {triton.__version__}")
+    report = sm90_build(_HOPPER_SM90_BUILD)
+    assert "C7514" not in report["ptxas"] and "serialized" not in report["ptxas"], report["ptxas"]
+    assert not report["usage"] or "LOCAL:0" in report["usage"], report["usage"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_candidates_realistic(dtype):
     gen = torch.Generator(device=CUDA).manual_seed(2)
