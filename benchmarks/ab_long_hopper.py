@@ -5,7 +5,7 @@ First the checks: on ragged long queries x ragged documents (empty, 1-token, til
 bf16, the Gluon scores must equal the Triton kernel's bit for bit and stay within the float64 reference's
 tolerance. Then the ColPali workload of bench_kernels.py (1 query x 1024 tokens against 1000 documents of
 1024 tokens), methods interleaved over rounds, best median per method; and the variants of the Gluon
-kernel (tile group, ring depth, documents a program).
+kernel (tile group, ring depth, documents a program; "auto" is the forward's choice).
 
     python benchmarks/ab_long_hopper.py --out benchmarks/results/long-hopper-h200.json
 """
@@ -26,22 +26,22 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_kernels as bk  # noqa: E402
 
-# (tile tokens, warps, group, ring depth, documents a program)
+# (group, ring depth, documents a program: None for the forward's choice)
 VARIANTS = [
-    (64, 4, 4, 4, 2), (64, 4, 8, 4, 2), (64, 4, 4, 4, 4), (64, 4, 8, 3, 4), (64, 4, 4, 3, 8),
-    (64, 8, 8, 3, 2), (64, 8, 8, 4, 4),
-    (128, 8, 4, 3, 1), (128, 8, 8, 3, 1), (128, 8, 4, 2, 2), (128, 8, 8, 3, 2), (128, 8, 4, 3, 4),
+    (16, 5, None), (8, 5, None), (16, 4, None), (16, 6, None), (16, 5, 2), (16, 5, 16), (16, 5, 62),
 ]  # fmt: skip
 
 
-def gluon(q, qo, d, do, block_t: int, warps: int, group: int, stages: int, per_prog: int):
+def gluon(q, qo, d, do, group: int, stages: int, per_prog: int | None):
     """The Gluon kernel as the forward launches it: partial scores per 128-row chunk, then their sum."""
     max_len = int((qo[1:] - qo[:-1]).max())
     chunks = -(-max_len // 128)
     qo_dev, do_dev = qo.to(d.device), do.to(d.device)
     nq, nd = qo.shape[0] - 1, do.shape[0] - 1
-
-    launch = hopper.LongLaunch((nq * chunks * -(-nd // per_prog),), block_t, stages, group, warps)
+    if per_prog is None:
+        slots = hopper.PROGRAMS_PER_SM * torch.cuda.get_device_properties(d.device).multi_processor_count
+        per_prog = fwd.persistent_docs_per_program(nq * chunks, nd, slots, hopper.PROGRAM_START_DOCS)
+    launch = hopper.LongLaunch((nq * chunks * -(-nd // per_prog),), hopper.BLOCK_T, stages, group)
 
     def run() -> torch.Tensor:
         scores = torch.empty((chunks, nq, nd), dtype=torch.float32, device=d.device)
@@ -58,6 +58,7 @@ def checks() -> list[dict]:
         ([150, 1024, 129, 300], [0, 1, 63, 64, 65, 200, 1024, 7, 128, 129]),
         ([1024], [1024] * 9),
         ([200, 256], [int(x) for x in torch.randint(0, 400, (37,), generator=gen)]),
+        ([300, 5, 140], [int(x) for x in torch.randint(0, 70, (90,), generator=gen)]),  # full groups of ends
     ]
     for dtype in (torch.float16, torch.bfloat16):
         for q_lens, d_lens in cases:
@@ -69,7 +70,7 @@ def checks() -> list[dict]:
             q, d = q.to(dtype).cuda(), d.to(dtype).cuda()
             ref = maxsim_reference(q, q_off, d, d_off)
             triton_scores = fwd.maxsim_varlen_forward_triton(q, q_off, d, d_off)
-            for variant in ((64, 4, 8, 3, 1), (64, 4, 4, 4, 3), (128, 8, 4, 3, 16), (64, 8, 8, 4, 2)):
+            for variant in ((16, 5, None), (8, 4, 1), (16, 5, 3), (16, 6, 5)):
                 got = gluon(q, q_off, d, d_off, *variant)()
                 finite = torch.isfinite(ref)
                 rows.append({
@@ -91,7 +92,7 @@ def timings(rounds: int) -> list[dict]:
         "default": lambda: fwd.maxsim_varlen_forward_triton(q, qo, d, do),
     }
     for v in VARIANTS:
-        methods["gluon-t{}-w{}-g{}-s{}-d{}".format(*v)] = gluon(q, qo, d, do, *v)
+        methods["gluon-g{}-s{}-d{}".format(*(x or "auto" for x in v))] = gluon(q, qo, d, do, *v)
     try:
         methods["flash-maxsim"] = bk.flash(w)
     except ImportError as exc:

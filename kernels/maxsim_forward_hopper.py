@@ -12,7 +12,8 @@ are bitwise the same as that kernel's (same products per element, same max, same
 Why a second kernel. In Triton's `tl.dot` loop each tile's wgmma is waited for right after it is issued,
 before its max: the max (and the loads' address arithmetic) and the tensor cores take turns within a
 program, and at ColPali's shape that loop reaches 64% of the measured matmul rate (docs/kernel-notes.md,
-version 5). Here, per program (one warp group, a 128-row query chunk held in shared memory):
+version 5). Here, per program (one warp group; a 128-row query chunk held in registers as wgmma's A
+operand, a run of consecutive documents):
 
 - document tiles [BLOCK_T, dim] arrive by TMA into a ring of STAGES shared-memory buffers, each with its
   mbarrier; tile t - 1 + STAGES is requested as soon as tile t - 1's product is done with its buffer;
@@ -20,15 +21,26 @@ version 5). Here, per program (one warp group, a 128-row query chunk held in sha
   program waits for the product of tile t - 1 only (`warpgroup_mma_wait(1)`) and folds S_{t-1} into the
   running max per query row while S_t is being computed: two fp32 accumulators live at once (in groups
   of GROUP tiles, see `_maxsim_long_kernel`);
-- at a document's last tile the 128 row maxima (rows past the query's end count 0) are added in the same
-  pairwise tree as `maxsim_forward._query_sums` and one partial score per (chunk, document) is written;
-  the chunks of a query are added afterwards as in `maxsim_forward`.
+- at a document's last tile its 128 row maxima go to shared memory; at the group's end they are added
+  (rows past the query's end count 0) in the same pairwise tree as `maxsim_forward._query_sums` and one
+  partial score per (chunk, document) is written; the chunks of a query are added afterwards as in
+  `maxsim_forward`.
+
+Programs are persistent where the problem allows: `maxsim_forward.persistent_docs_per_program` picks
+the run of documents a program walks so that the grid fills the GPU's PROGRAMS_PER_SM x SMs slots in as
+few waves as it can (ColPali's shape: 31 documents a program, 8 chunks x 33 runs = 264 programs, one
+wave), so a program's start (the query's load, the ring's fill) is paid once per run.
+
+Bandwidth per tile and SM (the reason for the A operand in registers): the tile's wgmma read B (the
+document tile, 16 KB) once per 64-row half and, from shared memory, A (the query chunk) as well: 64 KB
+a tile plus TMA's 16 KB write against 512 cycles of tensor-core work at 2048 FMA/clock, 160 B/clock
+where shared memory gives 128; with A in registers 94 B/clock.
 
 Cost, as for the Triton kernel: FLOPs 2 * 128 * dim * BLOCK_T per tile (ColPali: 2.7e11, 0.39 ms at the
-694 TFLOP/s measured on the H200); documents are read from HBM once per wave of query chunks and from L2
-by the other chunks of the same query (adjacent programs). Tile padding: a document of n tokens takes
-ceil(n / BLOCK_T) tiles; the rows past its end (the next document's, or TMA's zeros past the tensor) are
-masked to -inf on its last tile only.
+694 TFLOP/s measured on the H200); documents are read from HBM once and from L2 by the other chunks of
+the same query (adjacent programs, which walk the same run in step): 16 KB of L2 reads per 1M FMA. Tile
+padding: a document of n tokens takes ceil(n / BLOCK_T) tiles; the rows past its end (the next
+document's, or TMA's zeros past the tensor) are masked to -inf on its last tile only.
 """
 
 from __future__ import annotations
@@ -105,11 +117,11 @@ def _refill(
 
 
 @gluon.jit
-def _issue_product(q_smem, d_smem, ready, x, dead_acc, STAGES: gl.constexpr):
+def _issue_product(q_rows, d_smem, ready, x, dead_acc, STAGES: gl.constexpr):
     """Tile x's S = Q . D^T, asynchronous, written over the registers of `dead_acc` (a folded tile)."""
     slot = x % STAGES
     mbarrier.wait(ready.index(slot), (x // STAGES) & 1)
-    return warpgroup_mma(q_smem, d_smem.index(slot).permute((1, 0)), dead_acc, use_acc=False, is_async=True)
+    return warpgroup_mma(q_rows, d_smem.index(slot).permute((1, 0)), dead_acc, use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -117,46 +129,44 @@ def _fold(
     s,
     valid,
     m,
-    row_ok,
     tok,
     doc_end,
     doc,
     d_off_ptr,
     num_docs,
-    out_ptr,
-    out_row,
+    finished,
+    num_finished,
     col_layout: gl.constexpr,
-    pair_layout: gl.constexpr,
     BLOCK_T: gl.constexpr,
 ):
     """Fold tile s (starting at token `tok` of document `doc`) into the running max per row; at the
-    document's last tile write its partial score and start again. Returns the state and the next tile.
-    A padding tile (not `valid`) changes nothing."""
+    document's last tile park the row maxima in `finished` (summed at the group's end: the sum's code
+    stays out of the unrolled group) and start again. Returns the state and the next tile. A padding tile
+    (not `valid`) changes nothing."""
     if valid:
         if tok + BLOCK_T > doc_end:  # only a document's last tile can reach past its end
-            cols = tok + gl.arange(0, BLOCK_T, layout=col_layout)
-            m = gl.maximum(m, gl.max(gl.where((cols < doc_end)[None, :], s, float("-inf")), axis=1))
-        else:
-            m = gl.maximum(m, gl.max(s, axis=1))
+            cols = gl.arange(0, BLOCK_T, layout=col_layout)
+            s = gl.where((cols < (doc_end - tok).to(gl.int32))[None, :], s, float("-inf"))
+        m = gl.maximum(m, gl.max(s, axis=1))
         if tok + BLOCK_T >= doc_end:
-            part = _pairwise_row_sum(gl.where(row_ok, m, 0.0), BLOCK_Q, pair_layout)
-            gl.store(out_ptr + out_row + doc, part)
+            finished.index(num_finished).store(m)
+            num_finished += 1
             m = gl.full(m.shape, float("-inf"), gl.float32, m.type.layout)
         tok, doc_end, doc = _advance(tok, doc_end, doc, d_off_ptr, num_docs, BLOCK_T)
-    return m, tok, doc_end, doc
+    return m, tok, doc_end, doc, num_finished
 
 
 @gluon.jit
-def _retire(s, done, tiles, total, m, row_ok, l_tok, l_end, l_doc, f_tok, f_end, f_doc, d_desc, d_smem, ready,
-            d_off_ptr, num_docs, out_ptr, out_row, col_layout: gl.constexpr, pair_layout: gl.constexpr,
-            BLOCK_T: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+def _retire(s, done, tiles, total, m, l_tok, l_end, l_doc, f_tok, f_end, f_doc, d_desc, d_smem, ready,
+            d_off_ptr, num_docs, finished, num_finished, col_layout: gl.constexpr, BLOCK_T: gl.constexpr,
+            STAGES: gl.constexpr):  # fmt: skip
     """Tile `done`'s product `s` has finished: refill its buffer (`_refill`) and fold it (`_fold`, unless
-    it is a padding tile). Returns the running max and both cursors."""
+    it is a padding tile). Returns the running max, both cursors and the count of finished documents."""
     l_tok, l_end, l_doc = _refill(d_desc, d_smem, ready, done, tiles, l_tok, l_end, l_doc, d_off_ptr,
                                   num_docs, BLOCK_T, STAGES)  # fmt: skip
-    m, f_tok, f_end, f_doc = _fold(s, done < total, m, row_ok, f_tok, f_end, f_doc, d_off_ptr, num_docs,
-                                   out_ptr, out_row, col_layout, pair_layout, BLOCK_T)  # fmt: skip
-    return m, l_tok, l_end, l_doc, f_tok, f_end, f_doc
+    m, f_tok, f_end, f_doc, num_finished = _fold(s, done < total, m, f_tok, f_end, f_doc, d_off_ptr, num_docs,
+                                                 finished, num_finished, col_layout, BLOCK_T)  # fmt: skip
+    return m, l_tok, l_end, l_doc, f_tok, f_end, f_doc, num_finished
 
 
 @gluon.jit(do_not_specialize=["num_queries", "num_docs", "num_chunks", "docs_per_prog"])
@@ -191,33 +201,31 @@ def _maxsim_long_kernel(
     d0 = (pid // (num_queries * num_chunks)) * docs_per_prog
     d1 = gl.minimum(d0 + docs_per_prog, num_docs)
 
-    WARPS: gl.constexpr = gl.num_warps()  # 4: one warp group, 2 x m64 rows; 8: a warp group per m64 rows
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_T, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 16]
     )
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-    load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
-    pair_layout: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [WARPS, 1], [1, 0])
+    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    pair_layout: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [4, 1], [1, 0])
 
-    # the query chunk: rows past the query's end load as zeros and are left out of the sum
+    # the query chunk, loaded once into the registers wgmma reads its A operand from (from shared memory,
+    # A and B together would ask more than its bandwidth at 64-token tiles); rows past the query's end
+    # load as zeros and are left out of the sum
     q_start = gl.load(q_off_ptr + qi)
     q_end = gl.load(q_off_ptr + qi + 1)
-    r = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, load_layout))
-    k = gl.arange(0, DIM, layout=gl.SliceLayout(0, load_layout))
-    q_tok = q_start + chunk * BLOCK_Q + r
+    q_tok = q_start + chunk * BLOCK_Q + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, q_layout))
+    k = gl.arange(0, DIM, layout=gl.SliceLayout(0, q_layout))
     q_rows = gl.load(q_ptr + q_tok[:, None] * stride_q + k[None, :], mask=(q_tok < q_end)[:, None], other=0.0)
-    q_smem = gl.allocate_shared_memory(
-        d_desc.dtype, [BLOCK_Q, DIM], gl.NVMMASharedLayout.get_default_for([BLOCK_Q, DIM], d_desc.dtype)
-    )
-    q_smem.store(q_rows)
     row_ok = (q_start + chunk * BLOCK_Q + gl.arange(0, BLOCK_Q, layout=row_layout)) < q_end
 
     d_smem = gl.allocate_shared_memory(d_desc.dtype, [STAGES, BLOCK_T, DIM], d_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # row maxima of the documents finished within a group (at most one a tile)
+    finished = gl.allocate_shared_memory(gl.float32, [GROUP, BLOCK_Q], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-    fence_async_shared()  # the barriers' init and the query's generic-proxy store, before TMA and wgmma
+    fence_async_shared()  # the barriers' init, before TMA
     gl.thread_barrier()
 
     # the program's tiles (an empty document still takes one tile, fully masked), rounded up to groups
@@ -243,40 +251,47 @@ def _maxsim_long_kernel(
     m = gl.full([BLOCK_Q], float("-inf"), gl.float32, row_layout)
     out_row = (chunk * num_queries + qi) * num_docs
     zero = gl.zeros([BLOCK_Q, BLOCK_T], gl.float32, acc_layout)
+    num_finished = 0
     for base in range(0, tiles, GROUP):
+        first_doc = f_doc  # documents finish in order: the group's are first_doc, first_doc + 1, ...
         # a group's first two products start from a zero constant, the others over the registers of a
         # folded tile: a register copy of an accumulator, or one in flight across the loop's back edge,
         # makes ptxas serialize every wgmma
-        acc_a = _issue_product(q_smem, d_smem, ready, base, zero, STAGES)
+        acc_a = _issue_product(q_rows, d_smem, ready, base, zero, STAGES)
         acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_a])  # no wait: a tensor from here on
-        acc_b = _issue_product(q_smem, d_smem, ready, base + 1, zero, STAGES)
+        acc_b = _issue_product(q_rows, d_smem, ready, base + 1, zero, STAGES)
         acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])  # tile base is done
-        m, l_tok, l_end, l_doc, f_tok, f_end, f_doc = _retire(
-            acc_a, base, tiles, total, m, row_ok, l_tok, l_end, l_doc, f_tok, f_end, f_doc,
-            d_desc, d_smem, ready, d_off_ptr, num_docs, out_ptr, out_row, col_layout, pair_layout,
-            BLOCK_T, STAGES,
+        m, l_tok, l_end, l_doc, f_tok, f_end, f_doc, num_finished = _retire(
+            acc_a, base, tiles, total, m, l_tok, l_end, l_doc, f_tok, f_end, f_doc, d_desc, d_smem, ready,
+            d_off_ptr, num_docs, finished, num_finished, col_layout, BLOCK_T, STAGES,
         )  # fmt: skip
         for j in gl.static_range(2, GROUP, 2):  # B holds tile base + j - 1, in flight
-            acc_a = _issue_product(q_smem, d_smem, ready, base + j, acc_a, STAGES)
+            acc_a = _issue_product(q_rows, d_smem, ready, base + j, acc_a, STAGES)
             acc_a, acc_b = warpgroup_mma_wait(num_outstanding=1, deps=[acc_a, acc_b])  # base + j - 1 is done
-            m, l_tok, l_end, l_doc, f_tok, f_end, f_doc = _retire(
-                acc_b, base + j - 1, tiles, total, m, row_ok, l_tok, l_end, l_doc, f_tok, f_end, f_doc,
-                d_desc, d_smem, ready, d_off_ptr, num_docs, out_ptr, out_row, col_layout, pair_layout,
-                BLOCK_T, STAGES,
+            m, l_tok, l_end, l_doc, f_tok, f_end, f_doc, num_finished = _retire(
+                acc_b, base + j - 1, tiles, total, m, l_tok, l_end, l_doc, f_tok, f_end, f_doc, d_desc,
+                d_smem, ready, d_off_ptr, num_docs, finished, num_finished, col_layout, BLOCK_T, STAGES,
             )  # fmt: skip
-            acc_b = _issue_product(q_smem, d_smem, ready, base + j + 1, acc_b, STAGES)
+            acc_b = _issue_product(q_rows, d_smem, ready, base + j + 1, acc_b, STAGES)
             acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])  # base + j is done
-            m, l_tok, l_end, l_doc, f_tok, f_end, f_doc = _retire(
-                acc_a, base + j, tiles, total, m, row_ok, l_tok, l_end, l_doc, f_tok, f_end, f_doc,
-                d_desc, d_smem, ready, d_off_ptr, num_docs, out_ptr, out_row, col_layout, pair_layout,
-                BLOCK_T, STAGES,
+            m, l_tok, l_end, l_doc, f_tok, f_end, f_doc, num_finished = _retire(
+                acc_a, base + j, tiles, total, m, l_tok, l_end, l_doc, f_tok, f_end, f_doc, d_desc, d_smem,
+                ready, d_off_ptr, num_docs, finished, num_finished, col_layout, BLOCK_T, STAGES,
             )  # fmt: skip
         acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc_b])  # the group's last tile
-        m, l_tok, l_end, l_doc, f_tok, f_end, f_doc = _retire(
-            acc_b, base + GROUP - 1, tiles, total, m, row_ok, l_tok, l_end, l_doc, f_tok, f_end, f_doc,
-            d_desc, d_smem, ready, d_off_ptr, num_docs, out_ptr, out_row, col_layout, pair_layout,
-            BLOCK_T, STAGES,
+        m, l_tok, l_end, l_doc, f_tok, f_end, f_doc, num_finished = _retire(
+            acc_b, base + GROUP - 1, tiles, total, m, l_tok, l_end, l_doc, f_tok, f_end, f_doc, d_desc,
+            d_smem, ready, d_off_ptr, num_docs, finished, num_finished, col_layout, BLOCK_T, STAGES,
         )  # fmt: skip
+        # the group's finished documents: partial score = pairwise sum of the row maxima (the barrier: a
+        # row's copies across a quad may have been written by one of its threads)
+        if num_finished > 0:
+            gl.thread_barrier()
+        for x in range(num_finished):
+            row_max = finished.index(x).load(row_layout)
+            part = _pairwise_row_sum(gl.where(row_ok, row_max, 0.0), BLOCK_Q, pair_layout)
+            gl.store(out_ptr + out_row + first_doc + x, part)
+        num_finished = 0
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -303,15 +318,31 @@ def supports(queries: torch.Tensor, docs: torch.Tensor, return_argmax: bool) -> 
 
 
 # Tuning (H200, triton 3.6, ColPali: 1 query x 1024 tokens against 1000 documents of 1024, fp16, dim 128;
-# benchmarks/ab_long_hopper.py, benchmarks/results/long-hopper-h200.json, one run, best median of 3 rounds;
-# every variant bitwise equal to the Triton kernel): 64-token tiles on one warp group, groups of 8 tiles,
-# a ring of 4 buffers, 2 documents a program: 0.516 ms (520 TFLOP/s) against the Triton kernel's 0.585 ms
-# and flash-maxsim's 0.599 ms. Groups of 4: 0.524; 4 documents a program: 0.526-0.530; 8: 0.529; 1:
-# 0.550-0.563 (first run); groups of 16: 0.553-0.742 (255 registers); two warp groups of 64 rows with
-# 64-token tiles 0.644-0.682; 128-token tiles on two warp groups 0.542-0.589 (one program an SM).
-# Groups of 8 against groups of 4 over four runs (long-hopper-h200*.json): 0.535 / 0.535, 0.516 / 0.524,
-# 0.537 / 0.528, 0.532 / 0.524 ms: within 2%, either way.
-BLOCK_T, STAGES, GROUP, NUM_WARPS, DOCS_PER_PROG = 64, 4, 8, 4, 2
+# every variant bitwise equal to the Triton kernel; ms, best median of 3 rounds, same run as flash-maxsim).
+# Version 6 (query chunk in shared memory, groups of 8, a ring of 4, 2 documents a program): 0.516-0.537.
+# The exploration runs of version 7 (benchmarks/results/long-hopper-v7-dev-{a..e}.json, script and
+# kernels at commit e3f36d5):
+# - the query chunk as wgmma's A operand in registers instead of shared memory: 0.449 against 0.538 (run
+#   a), 0.483-0.497 in runs b-e (version 6 there: 0.527-0.537); a program of 256 rows on two warp groups
+#   (one program an SM): 0.54-0.57, with A in registers or not;
+# - 31 documents a program (the 8 chunks x 33 document ranges fill the 264 slots of 2 programs an SM
+#   once) against 2 (16 waves): 0.462-0.472 against 0.498-0.506; 16 documents: 0.475; a grid that leaves
+#   half the slots empty (63 documents): 0.63;
+# - a ring of 5: 0.438-0.449 against 0.462 for 4 (31 documents); 6 (2 programs an SM only without the
+#   query's shared-memory copy): 0.445-0.453; a ring that leaves one program an SM: 0.63-0.64;
+# - groups of 16 against 8: 0.430-0.433 against 0.438-0.449 in three pairs (k3 and k4, runs d and e);
+#   12: 0.495-0.516 (the tile count is no longer a multiple of the group at 16 tiles a document);
+# - the row maxima of finished documents summed at the group's end and one max for masked and unmasked
+#   tiles: 0.440 against 0.455 (run e, groups of 8, a ring of 5, 31 documents); the query loaded straight
+#   into registers (no shared-memory copy): 0.430-0.449 against 0.433-0.440, kept for its registers
+#   (239 against 255) and shared memory.
+# The chosen variant: 0.430 ms (run e) against flash-maxsim's 0.603 and version 6's 0.533.
+BLOCK_T, STAGES, GROUP, NUM_WARPS = 64, 5, 16, 4
+# A program takes 239 registers x 128 threads and 90.6 KB of shared memory (sm_90 build): two fit an SM.
+PROGRAMS_PER_SM = 2
+# A program's start (query load, ring fill) in documents' worth of time: 2 documents a program lost
+# 7-9% against 31 in the runs above, part of it waves (16 against 1).
+PROGRAM_START_DOCS = 0.25
 
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
@@ -333,7 +364,6 @@ class LongLaunch:
     block_t: int = BLOCK_T
     stages: int = STAGES
     group: int = GROUP
-    num_warps: int = NUM_WARPS
 
     def __call__(self, queries, q_off, docs, d_off, scores, _argmax, *ints) -> None:
         dim = docs.shape[1]
@@ -342,5 +372,5 @@ class LongLaunch:
         )
         _maxsim_long_kernel[self.grid](
             queries, q_off, desc, d_off, scores, *ints,
-            DIM=dim, BLOCK_T=self.block_t, STAGES=self.stages, GROUP=self.group, num_warps=self.num_warps,
+            DIM=dim, BLOCK_T=self.block_t, STAGES=self.stages, GROUP=self.group, num_warps=NUM_WARPS,
         )  # fmt: skip

@@ -320,6 +320,24 @@ def test_triton_many_queries_classes_with_partial_groups(monkeypatch, num_querie
     check_argmax(arg, queries, q_off, docs, d_off, pairs)
 
 
+@pytest.mark.parametrize(
+    ("num_blocks", "num_docs", "want"),
+    [
+        (8, 1000, 31),  # ColPali: 33 runs x 8 chunks fill 264 slots once
+        (16, 1000, 31),  # two waves of 31 beat one of 63
+        (512, 1000, 1000),  # more blocks than slots: whole runs, two waves
+        (200, 1000, 59),  # 17 runs x 200 blocks: 13 waves, 770 against an ideal 758 documents' time
+        (8, 10, 1),
+        (3, 1, 1),
+    ],
+)
+def test_persistent_docs_per_program(num_blocks, num_docs, want):
+    from maxsim_kernels.maxsim_forward import persistent_docs_per_program
+
+    per = persistent_docs_per_program(num_blocks, num_docs, slots=264, start_docs=0.25)
+    assert per == want
+
+
 @needs_interpreter
 def test_triton_long_queries_are_chunked():
     # 150 tokens pad to 256 > 128 rows: two 128-row chunks whose partial sums are added

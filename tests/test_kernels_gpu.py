@@ -122,7 +122,8 @@ def _uses_hopper_kernel(queries, q_off, docs, d_off) -> bool:
 def test_long_queries_on_hopper_equal_the_triton_kernel(dtype):
     """Scores-only long queries take the Gluon kernel on Hopper (maxsim_forward_hopper): bit for bit the
     Triton kernel's scores, on ragged documents (empty, 1 token, tiles straddling documents, a run longer
-    than a tile group) and negative similarities; within the float64 bound."""
+    than a tile group, groups where every tile ends a document) and negative similarities; within the
+    float64 bound."""
     from maxsim_kernels import maxsim_forward as fwd
 
     gen = torch.Generator(device=CUDA).manual_seed(4)
@@ -130,6 +131,7 @@ def test_long_queries_on_hopper_equal_the_triton_kernel(dtype):
     d_lens = [0, 1, 63, 64, 65, 1024, 7, 128, 129, 1030] + torch.randint(
         0, 700, (53,), generator=cpu_gen
     ).tolist()
+    d_lens += torch.randint(0, 65, (60,), generator=cpu_gen).tolist()  # one-tile docs: groups of ends
     queries, q_off = packed([1024, 129, 300, 1030], 128, dtype, gen)
     docs, d_off = packed(d_lens, 128, dtype, gen)
     docs[: docs.shape[0] // 2] *= -1
