@@ -37,7 +37,7 @@ want() { [[ $steps == *" $1 "* ]]; }
 want gpu-tests && step gpu-tests ${GPU_TESTS_S:-240} python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/}
 want sweep && step sweep ${SWEEP_S:-240} python3 benchmarks/bench_kernels.py --sweep \
   --workloads "${SWEEP_WORKLOADS:-exhaustive,colpali,one_query}" --out "$logs/kernels-sweep-h200.json"
-want kernels && step kernels ${KERNELS_S:-300} python3 benchmarks/bench_kernels.py --cold --cold-workloads one_query \
+want kernels && step kernels ${KERNELS_S:-300} python3 benchmarks/bench_kernels.py --cold --cold-workloads "${COLD_WORKLOADS:-one_query}" \
   --workloads "${WORKLOADS:-exhaustive,one_query,colpali,rerank}" --out "$logs/kernels-h200.json"
 want train && step train ${TRAIN_S:-260} python3 benchmarks/bench_train.py --out "$logs/train-h200.json" \
   --methods ours,plain-autograd,lik,lik-lowmem,flash-maxsim --fp32-shapes colbert-128

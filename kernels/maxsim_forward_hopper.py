@@ -339,7 +339,7 @@ def supports(queries: torch.Tensor, docs: torch.Tensor, return_argmax: bool) -> 
 # The chosen variant: 0.430 ms (run e) against flash-maxsim's 0.603 and version 6's 0.533.
 # Then, in benchmarks/ab_long_hopper.py at 7de6c92 (long-hopper-h200-v7.json): groups of 16 0.439, of 8
 # 0.434, against flash-maxsim's 0.599; but the first call at groups of 16 took 5.9 s
-# (kernels-h200-v7-g16.json: ptxas on 256 unrolled wgmma; 4.0 against 2.4 s of compile for groups of 8
+# (kernels-h200.json: ptxas on 256 unrolled wgmma; 4.0 against 2.4 s of compile for groups of 8
 # in an offline sm_90 build). Groups of 8, then.
 BLOCK_T, STAGES, GROUP, NUM_WARPS = 64, 5, 8, 4
 # A program takes 239 registers x 128 threads and 90.6 KB of shared memory (sm_90 build): two fit an SM.
