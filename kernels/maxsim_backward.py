@@ -461,36 +461,33 @@ def build_inverse_csr_all_pairs(
     return _run_csr(launch, ints, segment, segments, argmax, doc_offsets, num_doc_tokens)
 
 
+def _dim_blocked_launch(
+    kernel: Any, grid_rows: tuple[int, ...], dim: int, device: torch.device, **meta: Any
+) -> KernelLaunch:
+    """A gradient launch whose last grid extent walks `dim` in BLOCK_DIM columns (3 stages)."""
+    block_dim = min(next_pow2(dim), _MAX_BLOCK_DIM)
+    meta.update(BLOCK_DIM=block_dim, num_stages=3)
+    return KernelLaunch(kernel, (*grid_rows, cdiv(dim, block_dim)), meta, device)
+
+
 def _dq_launch(
     dim: int, device: torch.device, grid_rows: tuple[int, int], candidates: bool, has_scales: bool
 ) -> KernelLaunch:
     """The query-gradient launch; grid_rows = the grid's first two extents (the third walks dim)."""
-    block_dim = min(next_pow2(dim), _MAX_BLOCK_DIM)
-    meta = dict(
-        CANDIDATES=candidates,
-        HAS_SCALES=has_scales,
-        BLOCK_T=_DQ_BLOCK_T,
-        BLOCK_C=_DQ_BLOCK_C,
-        BLOCK_DIM=block_dim,
-        num_warps=_DQ_NUM_WARPS,
-        num_stages=3,
-    )
-    return KernelLaunch(_maxsim_grad_queries_kernel, (*grid_rows, cdiv(dim, block_dim)), meta, device)
+    return _dim_blocked_launch(
+        _maxsim_grad_queries_kernel, grid_rows, dim, device, CANDIDATES=candidates, HAS_SCALES=has_scales,
+        BLOCK_T=_DQ_BLOCK_T, BLOCK_C=_DQ_BLOCK_C, num_warps=_DQ_NUM_WARPS,
+    )  # fmt: skip
 
 
 def _dd_launch(
     dim: int, device: torch.device, num_doc_tokens: int, candidates: bool, segment: int
 ) -> KernelLaunch:
-    block_dim = min(next_pow2(dim), _MAX_BLOCK_DIM)
-    meta = dict(
-        CANDIDATES=candidates,
-        SEGMENT=segment,
-        BLOCK_E=_DD_BLOCK_E,
-        BLOCK_DIM=block_dim,
-        num_warps=_DD_NUM_WARPS,
-        num_stages=3,
-    )
-    return KernelLaunch(_maxsim_grad_docs_kernel, (num_doc_tokens, cdiv(dim, block_dim)), meta, device)
+    """The document-gradient launch: a program per document token (and block of dim)."""
+    return _dim_blocked_launch(
+        _maxsim_grad_docs_kernel, (num_doc_tokens,), dim, device, CANDIDATES=candidates, SEGMENT=segment,
+        BLOCK_E=_DD_BLOCK_E, num_warps=_DD_NUM_WARPS,
+    )  # fmt: skip
 
 
 def _grad_queries_triton(
