@@ -39,8 +39,7 @@ def gluon(q, qo, d, do, group: int, stages: int, per_prog: int | None):
     qo_dev, do_dev = qo.to(d.device), do.to(d.device)
     nq, nd = qo.shape[0] - 1, do.shape[0] - 1
     if per_prog is None:
-        slots = hopper.PROGRAMS_PER_SM * torch.cuda.get_device_properties(d.device).multi_processor_count
-        per_prog = fwd.persistent_docs_per_program(nq * chunks, nd, slots, hopper.PROGRAM_START_DOCS)
+        per_prog = fwd.hopper_docs_per_program(hopper, nq * chunks, nd, d.device)
     launch = hopper.LongLaunch((nq * chunks * -(-nd // per_prog),), hopper.BLOCK_T, stages, group)
 
     def run() -> torch.Tensor:

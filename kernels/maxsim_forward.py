@@ -567,6 +567,13 @@ def persistent_docs_per_program(num_blocks: int, num_docs: int, slots: int, star
     return max(best, 1)
 
 
+def hopper_docs_per_program(hopper: Any, num_blocks: int, num_docs: int, device: torch.device) -> int:
+    """Documents a program of the Hopper long-query kernel (module `hopper`): persistent runs sized to its
+    programs an SM on this device."""
+    slots = hopper.PROGRAMS_PER_SM * _sm_count(device)
+    return persistent_docs_per_program(num_blocks, num_docs, slots, hopper.PROGRAM_START_DOCS)
+
+
 def varlen_config(layout: Layout, return_argmax: bool = False) -> tuple[str, KernelConfig, int, int]:
     """Shape class, config, QPB (queries per block) and ROWS (rows per query) for an all-pairs problem
     (`_ARGMAX_TUNING` overrides the class's entry when the argmax is asked for)."""
@@ -744,9 +751,7 @@ def _varlen_plan(
         else None
     )
     if nq and nd and hopper is not None:  # long queries, scores only, on Hopper: maxsim_forward_hopper
-        docs_per_prog = persistent_docs_per_program(
-            num_blocks, nd, hopper.PROGRAMS_PER_SM * _sm_count(device), hopper.PROGRAM_START_DOCS
-        )
+        docs_per_prog = hopper_docs_per_program(hopper, num_blocks, nd, device)
         launch = hopper.LongLaunch((num_blocks * cdiv(nd, docs_per_prog),))
         ints = (nq, nd, num_chunks, docs_per_prog, queries.stride(0))
     elif nq and nd:
