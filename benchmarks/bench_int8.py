@@ -8,8 +8,10 @@ medians with its L2 flush, both paths called through their public functions):
   2. one query  - 1 query x 32 tokens against 100K documents (16M tokens);
   3. rerank     - 64 queries x 32 tokens, each against its own 1000 candidates of 180 tokens, scattered
                   over a 64K-document pool (read in place through their indices);
-     each with the offsets on the GPU and, as `maxsim score` passes them, on the host; a small tile sweep
-     for the int8 kernel first (the best configuration is reported and becomes the default);
+     each with the offsets on the GPU and, as `maxsim score` passes them, on the host (where the int8
+     all-pairs call takes the Gluon kernel on Hopper, `maxsim_int8_hopper`; offsets on the GPU keep the
+     Triton kernel); workload 1 also with 16-128 queries, both int8 kernels and fp16; a small tile sweep
+     for the int8 Triton kernel first (the best configuration is reported and becomes the default);
   4. quality    - top-10/top-100 overlap and Kendall tau-b (over each query's fp16 top 1000) of the int8
                   scores against the fp16 ones, on workload 1's random corpus and on a topic-structured
                   synthetic corpus (documents and queries are noisy copies of per-topic concept vectors);
@@ -284,6 +286,7 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
     d16, do, d8, sd = ex
     flops = 2.0 * queries16.shape[0] * d16.shape[0] * DIM
     for where, qo_, do_ in (("gpu_offsets", q_off, do), ("host_offsets", q_off.cpu(), do.cpu())):
+        log(f"exhaustive ({where}): int8 kernel {int8_kernel(queries16, qo_, d8, do_)}")
         results[f"exhaustive_{where}"] = both(
             f"exhaustive ({where})",
             lambda qo_=qo_, do_=do_: maxsim_varlen(queries16, qo_, d16, do_),
@@ -293,6 +296,27 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
             d16.numel() * 2,
             best_varlen("exhaustive", queries16, q_off, d8, do, sd) if where == "gpu_offsets" else None,
         )
+    results["exhaustive_host_offsets"]["int8_kernel"] = int8_kernel(queries16, q_off.cpu(), d8, do.cpu())
+    results["exhaustive_gpu_offsets"]["int8_kernel"] = int8_kernel(queries16, q_off, d8, do)
+    # fewer queries against the same documents: the int8 kernels side by side (host offsets: the Gluon
+    # kernel where it takes the problem; offsets on the GPU: the Triton kernel)
+    few = {}
+    for nq in (16, 32, 64, 128):
+        q_, qo_ = queries16[: nq * QUERY_TOKENS], q_off[: nq + 1]
+        row = {
+            "int8_kernel_host_offsets": int8_kernel(q_, qo_.cpu(), d8, do.cpu()),
+            "int8_host_offsets_ms": median_ms(
+                lambda q_=q_, qo_=qo_: maxsim_varlen_int8(q_, qo_.cpu(), d8, do.cpu(), doc_scales=sd), rep
+            ),
+            "int8_triton_ms": median_ms(
+                lambda q_=q_, qo_=qo_: maxsim_varlen_int8(q_, qo_, d8, do, doc_scales=sd), rep
+            ),
+            "fp16_ms": median_ms(lambda q_=q_, qo_=qo_: maxsim_varlen(q_, qo_, d16, do), rep),
+        }
+        log(f"exhaustive, {nq} queries: {row}")
+        few[str(nq)] = row
+    results["exhaustive_fewer_queries"] = few
+    checkpoint()
     flops = 2.0 * QUERY_TOKENS * docs16.shape[0] * DIM
     for where, qo_, do_ in (
         ("gpu_offsets", one_off, doc_off),
@@ -350,6 +374,14 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
     checkpoint()
     results["_e2e_inputs"] = (queries16.cpu(), q_off.cpu(), d16.cpu(), do.cpu())
     return results
+
+
+def int8_kernel(queries, q_off, d8, d_off) -> str:
+    """Which int8 all-pairs kernel `maxsim_varlen_int8` runs for these inputs (scores only)."""
+    from maxsim_kernels import maxsim_int8
+
+    q8 = quantize_per_token(queries)[0]
+    return "gluon" if maxsim_int8._hopper_allpairs(q_off, d_off, q8, d8, False) is not None else "triton"
 
 
 def bench_topics(device: torch.device) -> dict:

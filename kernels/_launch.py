@@ -17,10 +17,13 @@ repeats with the same shapes (`KernelLaunch`) calls the compiled launcher direct
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
+import triton
 
 try:  # the error class moved between Triton releases
     from triton.runtime.errors import OutOfResources
@@ -28,6 +31,22 @@ except ImportError:  # pragma: no cover
     from triton.runtime.autotuner import OutOfResources  # type: ignore[no-redef]
 
 _FITTED_STAGES: dict[tuple, int] = {}
+
+# Gluon is experimental and its API changes between Triton releases: the Gluon kernels are used with the
+# release they were built and measured with (the GPU image's), and the Triton kernels with any other.
+GLUON_TRITON = "3.6."
+
+
+def gluon_module(name: str, device: torch.device) -> ModuleType | None:
+    """The Gluon kernel module `maxsim_kernels.<name>` where it can run on `device` (CUDA, with Triton
+    GLUON_TRITON*), else None (the caller then keeps its Triton kernel). The module's own `supports`
+    decides on the problem."""
+    if device.type != "cuda" or not triton.__version__.startswith(GLUON_TRITON):
+        return None
+    try:
+        return importlib.import_module(f"{__package__}.{name}")
+    except ImportError:
+        return None
 
 
 def launch_fitting_shared_memory(kernel: Any, grid: tuple, *args: Any, **meta: Any) -> int:

@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import KernelLaunch
+from ._launch import KernelLaunch, gluon_module
 from ._running_max import document_max, fold_tile, restart
 from ._validate import (
     FLOAT_DTYPES,
@@ -704,18 +704,8 @@ def _checked_layout(
 def _hopper_long(queries: torch.Tensor, docs: torch.Tensor, return_argmax: bool) -> Any:
     """The Gluon module for long queries (`maxsim_forward_hopper`) where it takes the problem, else None
     (other GPUs, the interpreter, the argmax, fp32; or a Triton without Gluon's Hopper API)."""
-    if docs.device.type != "cuda" or not triton.__version__.startswith(_GLUON_TRITON):
-        return None
-    try:
-        from . import maxsim_forward_hopper as hopper
-    except ImportError:
-        return None
-    return hopper if hopper.supports(queries, docs, return_argmax) else None
-
-
-# Gluon is experimental and its API changes between Triton releases: the Hopper kernel is used with the
-# release it was built and measured with (the GPU image's), and the Triton kernel with any other.
-_GLUON_TRITON = "3.6."
+    hopper = gluon_module("maxsim_forward_hopper", docs.device)
+    return hopper if hopper is not None and hopper.supports(queries, docs, return_argmax) else None
 
 
 def _varlen_plan(

@@ -55,14 +55,16 @@ kernel uses the same constant: (y + 1.5 * 2^23) - 1.5 * 2^23 for |y| < 2^22.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch_fitting_shared_memory
+from ._launch import gluon_module, launch_fitting_shared_memory
 from ._running_max import document_max, fold_row_max, fold_tile, restart
-from ._validate import cdiv, host_candidates, host_offsets, memo, on_device, resolve_backend
+from ._validate import cdiv, host_candidates, host_offsets, memo, memo_pair, on_device, resolve_backend
 
 # Codes are in [-127, 127]; shards written elsewhere may hold -128, so bounds use 128.
 INT8_ABSMAX = 127.0
@@ -690,6 +692,52 @@ def _launch_varlen(
     return out, arg
 
 
+def _hopper_allpairs(
+    query_offsets: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    q8: torch.Tensor,
+    d8: torch.Tensor,
+    return_argmax: bool,
+) -> Any:
+    """The Gluon all-pairs module (`maxsim_int8_hopper`) where it takes the problem, else None. It plans
+    from host offsets only (offsets already on the device would need a synchronisation to be read)."""
+    if return_argmax or query_offsets.device.type != "cpu" or doc_offsets.device.type != "cpu":
+        return None
+    hopper = gluon_module("maxsim_int8_hopper", d8.device)
+    if hopper is None:
+        return None
+    q_lens = memo(query_offsets, ("lens", q8.shape[0]),
+                  lambda: np.diff(host_offsets("query_offsets", query_offsets, q8.shape[0])))  # fmt: skip
+    return hopper if hopper.supports(q_lens, d8, return_argmax) else None
+
+
+def _launch_hopper(
+    hopper: Any,
+    query_offsets: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    d8: torch.Tensor,
+    sd: torch.Tensor,
+) -> torch.Tensor:
+    """All pairs on the Gluon kernel; its tile table and tile scales are kept per (scales, doc offsets)."""
+    from .maxsim_forward import hopper_docs_per_program
+
+    q_host = host_offsets("query_offsets", query_offsets, q8.shape[0])
+
+    def tables() -> tuple[torch.Tensor, ...]:
+        d_host = host_offsets("doc_offsets", doc_offsets, d8.shape[0])
+        first, ends, doc_tile, inside = (torch.from_numpy(a).to(d8.device) for a in hopper.tile_table(d_host))
+        return first, ends, doc_tile, hopper.tile_scales(sd, first, inside)
+
+    tiles = memo_pair(sd, doc_offsets, ("int8-hopper-tiles", hopper.BLOCK_T), tables)
+    nq, nd = len(q_host) - 1, len(tiles[2]) - 1
+    groups = cdiv(nq, hopper.queries_per_group(int(np.diff(q_host).max())))
+    return hopper.maxsim_int8_allpairs(
+        q8, sq, q_host, d8, sd, tiles, hopper_docs_per_program(hopper, groups, nd, d8.device)
+    )
+
+
 def _launch_candidates(
     q8: torch.Tensor,
     sq: torch.Tensor,
@@ -881,13 +929,21 @@ def maxsim_varlen_int8(
     products are integer). backend: "auto" (Triton on CUDA, torch on CPU), "triton", "torch".
 
     Offsets are checked on the host (a query needs >= 1 token) except by the Triton path on CUDA
-    tensors, which never synchronises with the device; there they must be valid.
+    tensors, which never synchronises with the device; there they must be valid. With offsets on the
+    host, scores only and dim 128 on an sm_90 GPU, many queries run on the Gluon kernel of
+    `maxsim_int8_hopper` (same row maxima; the query sums added in another order, within the same bound).
     """
     del allow_tf32
+    given_q_off, given_d_off = query_offsets, doc_offsets
     backend, q8, sq, query_offsets, d8, sd, doc_offsets = _prepare(
         queries, query_offsets, docs, doc_offsets, doc_scales, query_scales, backend
     )
+    hopper = None
     if backend == "triton":
+        hopper = _hopper_allpairs(given_q_off, given_d_off, q8, d8, return_argmax)
+    if hopper is not None:
+        out, arg = _launch_hopper(hopper, given_q_off, given_d_off, q8, sq, d8, sd), None
+    elif backend == "triton":
         out, arg = _launch_varlen(q8, sq, query_offsets, d8, sd, doc_offsets, return_argmax)
     else:
         out, arg = _varlen_torch(q8, sq, query_offsets, d8, sd, doc_offsets, return_argmax)

@@ -311,3 +311,53 @@ def test_dim_beyond_exact_range_raises() -> None:
         maxsim_varlen_int8(
             torch.ones(1, 1025), torch.tensor([0, 1]), docs, torch.tensor([0, 2]), doc_scales=torch.ones(2)
         )
+
+
+def test_hopper_tile_table_walks_every_document() -> None:
+    """The host tile table of the Gluon all-pairs kernel (maxsim_int8_hopper): every document's tiles in
+    order, from its first token, one tile for an empty document, its last tile marked; and the tile scales:
+    each token's scale, NaN past the document."""
+    import numpy as np
+    from maxsim_kernels import maxsim_int8_hopper as hopper
+
+    lengths = [0, 1, 63, 64, 65, 128, 129, 0, 7, 300]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    first, ends, doc_tile, inside = hopper.tile_table(offsets, block_t=64)
+    want_first, want_ends, want_inside, want_doc_tile = [], [], [], [0]
+    for d, n in enumerate(lengths):
+        tiles = max(1, -(-n // 64))
+        for k in range(tiles):
+            want_first.append(offsets[d] + 64 * k)
+            want_inside.append(min(64, max(0, n - 64 * k)))
+            want_ends.append(int(k == tiles - 1))
+        want_doc_tile.append(want_doc_tile[-1] + tiles)
+    assert first.tolist() == want_first and inside.tolist() == want_inside
+    assert ends.tolist() == want_ends and doc_tile.tolist() == want_doc_tile
+    assert first.dtype == ends.dtype == doc_tile.dtype == np.int32
+
+    scales = torch.arange(1, offsets[-1] + 1, dtype=torch.float32)
+    table = hopper.tile_scales(scales, torch.from_numpy(first), torch.from_numpy(inside), block_t=64)
+    for t in range(len(first)):
+        n = int(inside[t])
+        assert torch.equal(table[t, :n], scales[first[t] : first[t] + n])
+        assert torch.isnan(table[t, n:]).all()
+
+
+def test_hopper_kernel_is_not_planned_off_the_gpu() -> None:
+    """CPU tensors, the argmax, another dim or too few query groups keep the Triton/torch paths."""
+    import numpy as np
+    from maxsim_kernels import maxsim_int8
+    from maxsim_kernels import maxsim_int8_hopper as hopper
+
+    d8 = torch.zeros(1000, 128, dtype=torch.int8)
+    many = np.full(64, 32)
+    assert not hopper.supports(many, d8, False)  # on the CPU
+    assert not hopper.supports(many, d8, True)
+    assert not hopper.supports(many, torch.zeros(1000, 96, dtype=torch.int8), False)
+    assert not hopper.supports(np.full(4, 32), d8, False)
+    assert not hopper.supports(np.full(64, 129), d8, False)
+    assert hopper.queries_per_group(32) == 4 and hopper.queries_per_group(1) == hopper.MAX_QPG
+    q_off = torch.arange(65, dtype=torch.int64) * 32
+    d_off = torch.tensor([0, 500, 1000])
+    q8 = torch.zeros(64 * 32, 128, dtype=torch.int8)
+    assert maxsim_int8._hopper_allpairs(q_off, d_off, q8, d8, False) is None

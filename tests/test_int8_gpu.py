@@ -46,6 +46,14 @@ def assert_scores(scores, reference, atol) -> None:
     )
 
 
+def uses_hopper(queries, qo, d8, do, return_argmax: bool = False) -> bool:
+    """Whether `maxsim_varlen_int8` takes these inputs to the Gluon kernel (maxsim_int8_hopper)."""
+    from maxsim_kernels import maxsim_int8
+
+    q8 = queries if queries.dtype == torch.int8 else quantize_per_token(queries)[0]
+    return maxsim_int8._hopper_allpairs(qo, do, q8, d8, return_argmax) is not None
+
+
 def check(scores, arg, queries, qo, d8, do, sd) -> None:
     ref, ref_arg = maxsim_int8_reference(queries, qo, d8, do, doc_scales=sd, return_argmax=True)
     assert_scores(scores, ref, score_tolerance(queries, qo, d8, do, sd))
@@ -85,8 +93,14 @@ def test_varlen_exact_at_size(nq: int, q_len: int, nd: int, dim: int) -> None:
     scores, arg = maxsim_varlen_int8(queries, qo, d8, do, doc_scales=sd, return_argmax=True)
     check(scores, arg, queries, qo, d8, do, sd)
     assert torch.equal(maxsim_varlen_int8(queries, qo, d8, do, doc_scales=sd), scores)
-    # Offsets from the host (as `maxsim score` passes them): checked there, same scores.
-    assert torch.equal(maxsim_varlen_int8(queries, qo.cpu(), d8, do.cpu(), doc_scales=sd), scores)
+    # Offsets from the host (as `maxsim score` passes them): checked there; the same scores, or on Hopper
+    # (the Gluon kernel, whose sums run in another order) scores within the same bound.
+    host = maxsim_varlen_int8(queries, qo.cpu(), d8, do.cpu(), doc_scales=sd)
+    if uses_hopper(queries, qo.cpu(), d8, do.cpu()):
+        ref = maxsim_int8_reference(queries, qo, d8, do, doc_scales=sd)
+        assert_scores(host, ref, score_tolerance(queries, qo, d8, do, sd))
+    else:
+        assert torch.equal(host, scores)
     # The torch path on the same CUDA tensors: identical argmax, scores within the same bound.
     scores_t, arg_t = maxsim_varlen_int8(
         queries, qo, d8, do, doc_scales=sd, return_argmax=True, backend="torch"
@@ -147,3 +161,131 @@ def test_offsets_past_2_31_bytes() -> None:
     )
     assert_scores(scores[:, first_doc:], ref, score_tolerance(queries, qo, d8[start:], sub_off, sd[start:]))
     assert torch.equal(arg[:, first_doc:], ref_arg)
+
+
+def hopper_or_skip(queries, qo, d8, do) -> None:
+    if not uses_hopper(queries, qo, d8, do):
+        pytest.skip("the Gluon int8 kernel needs an sm_90 GPU and the Triton release it was built with")
+
+
+def packed_lengths(lengths: list[int], dim: int, gen: torch.Generator, dtype=torch.float16):
+    """Items of the given lengths (L2-normalised, on the GPU) and their host offsets."""
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    values = torch.nn.functional.normalize(torch.randn(int(offsets[-1]), dim, generator=gen), dim=1)
+    return values.to(dtype).cuda(), offsets
+
+
+@pytest.mark.parametrize(
+    "q_lens",
+    [
+        "ragged",  # 1..32 tokens: 4 queries a group, groups of ragged rows
+        [128] * 8,  # one query a group
+        [1, 2, 3, 4, 5, 6, 7, 8] * 16,  # short queries: 16 a group (the cap)
+    ],
+)
+def test_hopper_allpairs_against_reference(q_lens) -> None:
+    """The Gluon all-pairs kernel (host offsets, scores only, dim 128, sm_90): every score within the
+    float64 bound, -inf for empty documents, close to the Triton kernel's, on ragged documents (empty, one
+    token, tiles straddling documents, runs of one-tile documents whose groups end a document at every
+    tile), negative similarities and exact ties."""
+    gen = torch.Generator().manual_seed(11)
+    if q_lens == "ragged":
+        q_lens = torch.randint(1, 33, (64,), generator=gen).tolist()
+        q_lens[:3] = [32, 1, 32]
+    d_lens = [0, 1, 63, 64, 65, 128, 129, 300, 7, 0]
+    d_lens += torch.randint(0, 301, (400,), generator=gen).tolist()
+    d_lens += torch.randint(1, 65, (200,), generator=gen).tolist()
+    queries, qo = packed_lengths(q_lens, 128, gen)
+    docs, do = packed_lengths(d_lens, 128, gen)
+    docs[: docs.shape[0] // 2] *= -1
+    docs[int(do[20]) + 1] = docs[int(do[20])]  # an exact tie inside a document
+    d8, sd = quantize_per_token(docs)
+    hopper_or_skip(queries, qo, d8, do)
+    scores = maxsim_varlen_int8(queries, qo, d8, do, doc_scales=sd)
+    qo_d, do_d = qo.cuda(), do.cuda()
+    ref = maxsim_int8_reference(queries, qo_d, d8, do_d, doc_scales=sd)
+    empty = do.diff() == 0
+    assert (scores[:, empty.cuda()] == float("-inf")).all()
+    tol = score_tolerance(queries, qo_d, d8, do_d, sd)
+    assert_scores(scores[:, ~empty.cuda()], ref[:, ~empty.cuda()], tol[:, ~empty.cuda()])
+    triton_scores = maxsim_varlen_int8(queries, qo_d, d8, do_d, doc_scales=sd)  # device offsets: Triton
+    keep = ~empty.cuda()
+    assert ((scores - triton_scores)[:, keep].abs() <= 2 * tol[:, keep]).all()
+
+
+def test_hopper_allpairs_offsets_past_2_31_bytes() -> None:
+    """The Gluon kernel on documents whose bytes start beyond 2^31 (TMA coordinates and tile tables in
+    tokens, int32)."""
+    dim = 128
+    n_tokens = (1 << 31) // dim + 100_000
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    d8 = torch.randint(-127, 128, (n_tokens, dim), dtype=torch.int8, device="cuda", generator=gen)
+    sd = torch.rand(n_tokens, device="cuda", generator=gen) * 1e-3 + 1e-4
+    lengths = torch.full((n_tokens // 200,), 200, dtype=torch.int64)
+    lengths[-1] += n_tokens - int(lengths.sum())
+    do = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    do[1:] = lengths.cumsum(0)
+    queries = torch.randn(32 * 32, dim, device="cuda", generator=gen)
+    qo = torch.arange(33, dtype=torch.int64) * 32
+    hopper_or_skip(queries, qo, d8, do)
+    scores = maxsim_varlen_int8(queries, qo, d8, do, doc_scales=sd)
+    tail = 300
+    first_doc = do.numel() - 1 - tail
+    start = int(do[first_doc])
+    assert start * dim > 2**31
+    sub_off = (do[first_doc:] - start).cuda()
+    qo_d = qo.cuda()
+    ref = maxsim_int8_reference(queries, qo_d, d8[start:], sub_off, doc_scales=sd[start:])
+    tol = score_tolerance(queries, qo_d, d8[start:], sub_off, sd[start:])
+    assert_scores(scores[:, first_doc:], ref, tol)
+
+
+_INT8_HOPPER_SM90_BUILD = r"""
+import torch
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+import maxsim_kernels.maxsim_int8_hopper as hopper
+from triton.experimental.gluon import language as gl
+
+kernel = hopper._int8_allpairs_kernel
+names = kernel.arg_names
+docs = torch.zeros(1000, 128, dtype=torch.int8)
+scales = torch.zeros(1000, hopper.BLOCK_T, dtype=torch.float32)
+d_desc = hopper.TensorDescriptor.from_tensor(
+    docs, [hopper.BLOCK_T, 128], gl.NVMMASharedLayout.get_default_for([hopper.BLOCK_T, 128], gl.int8))
+s_desc = hopper.TensorDescriptor.from_tensor(
+    scales, [1, hopper.BLOCK_T], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+consts = {"DIM": 128, "BLOCK_T": hopper.BLOCK_T, "STAGES": hopper.STAGES, "GROUP": hopper.GROUP, "QPG": 4}
+sig = {n: "i32" for n in names}
+sig.update({"q_ptr": "*i8", "qs_ptr": "*fp32", "q_off_ptr": "*i32", "tile_tok_ptr": "*i32",
+            "tile_ends_ptr": "*i32", "doc_tile_ptr": "*i32", "out_ptr": "*fp32",
+            "d_desc": mangle_type(d_desc), "s_desc": mangle_type(s_desc), **{n: "constexpr" for n in consts}})
+src = GluonASTSource(kernel, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
+compiled = triton.compile(src, target=SM90, options={"num_warps": hopper.NUM_WARPS})
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+with tempfile.TemporaryDirectory() as tmp:
+    with open(os.path.join(tmp, "k.ptx"), "w") as fh:
+        fh.write(compiled.asm["ptx"])
+    info = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(tmp, "k.ptx"), "-o",
+                           os.path.join(tmp, "k.cubin")], capture_output=True, text=True).stderr
+print(json.dumps({"ptxas": info, "usage": resource_usage(compiled), "shared": compiled.metadata.shared}))
+"""
+
+
+def test_hopper_int8_kernel_builds_for_two_programs_an_sm(sm90_build) -> None:
+    """The tuning assumes two programs an SM (PROGRAMS_PER_SM): no spills, at most 255 registers, at most
+    half the shared memory; and asynchronous wgmma (no C7514 serialization)."""
+    import re
+
+    import triton
+    from maxsim_kernels._launch import GLUON_TRITON
+
+    if not triton.__version__.startswith(GLUON_TRITON):
+        pytest.skip(f"the Hopper kernel is built with triton {GLUON_TRITON}x, not {triton.__version__}")
+    report = sm90_build(_INT8_HOPPER_SM90_BUILD)
+    assert "C7514" not in report["ptxas"] and "serialized" not in report["ptxas"], report["ptxas"]
+    assert " 0 bytes spill stores" in report["ptxas"], report["ptxas"]
+    registers = int(re.search(r"Used (\d+) registers", report["ptxas"]).group(1))
+    assert registers * 128 * 2 <= 65536, registers
+    assert report["shared"] <= 227 * 1024 // 2, report["shared"]

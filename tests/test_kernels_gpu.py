@@ -186,10 +186,10 @@ def test_hopper_kernel_builds_without_serialized_wgmma(sm90_build):
     serializes them all (C7514) when an accumulator is copied or in flight across a loop's back edge
     (maxsim_forward_hopper). Built for sm_90 with the Triton release the kernel is used with."""
     import triton
-    from maxsim_kernels import maxsim_forward as fwd
+    from maxsim_kernels._launch import GLUON_TRITON
 
-    if not triton.__version__.startswith(fwd._GLUON_TRITON):
-        pytest.skip(f"the Hopper kernel is built with triton {fwd._GLUON_TRITON}x, not {triton.__version__}")
+    if not triton.__version__.startswith(GLUON_TRITON):
+        pytest.skip(f"the Hopper kernel is built with triton {GLUON_TRITON}x, not {triton.__version__}")
     report = sm90_build(_HOPPER_SM90_BUILD)
     assert "C7514" not in report["ptxas"] and "serialized" not in report["ptxas"], report["ptxas"]
     assert not report["usage"] or "LOCAL:0" in report["usage"], report["usage"]

@@ -1,0 +1,354 @@
+"""INT8 x INT8 MaxSim, all pairs, on Hopper (sm_90), in Gluon: the int8 product of one document tile runs
+on the tensor cores while the previous tile's products are scaled and folded into the row maxima.
+
+    acc[i, j]   = sum_k q8[i, k] * d8[j, k]                 (int32, exact)
+    score(q, d) = sum_{i in q} s_q[i] * max_{j in d} (s_d[j] * acc[i, j])
+
+the math of `maxsim_int8` (its docstring): each `s_d[j] * acc[i, j]` is one fp32 product of the exact
+integer and the fp32 scale, so the row maxima are bit for bit those of the Triton kernel and of the float64
+reference with `round_products`; the query-scale products and the sum over a query's rows are fp32 and
+differ from the Triton kernel's only by the order of the additions.
+
+Scope: `maxsim_varlen_int8` on an sm_90 GPU with the Triton release the kernel was built with, scores
+only, dim 128, offsets given on the host (the plan reads the query lengths and the documents' tile counts
+without synchronising with the device), queries of at most 128 tokens, and enough query groups to keep
+the tensor cores busy (`MIN_GROUPS`). Everything else keeps the Triton kernels of `maxsim_int8`.
+
+Per program (one warp group):
+
+- a group of QPG consecutive queries, at most 128 rows (QPG = 128 // the longest query, at most
+  MAX_QPG), is loaded once into registers as wgmma's int8 A operand;
+- the program walks a run of consecutive documents tile by tile, BLOCK_T tokens a tile, each document's
+  first tile at its first token. The walk is a table made on the host (each tile's first token and
+  whether it ends its document) and the tiles' scales a table on the device, one row of BLOCK_T fp32 per
+  tile with NaN past the document's end (`tile_scales`): the kernel needs no mask, since a NaN product is
+  ignored by max;
+- tiles and their scale rows arrive by TMA in a ring of STAGES buffers. Tile t's product
+  Q8 . D8_t^T (int32) is issued asynchronously; while it runs, tile t - 1's products are converted,
+  scaled and folded into the running row maxima;
+- the int32 -> fp32 conversion adds the bits of 1.5 * 2^23 and subtracts 1.5 * 2^23 as a float (exact
+  while |acc| < 2^22, as in `maxsim_int8`). Per product element that is four instructions: the
+  integer add, the float subtraction, the scale product and the max;
+- at a document's last tile the 128 row maxima go to shared memory. At the end of each group of GROUP
+  tiles, every finished document gets one sum per query of the group (the query scales applied).
+
+Why a TMA row of scales per tile rather than one per token: TMA needs the innermost coordinate of a copy
+16-byte aligned, so a 64-scale copy can start only at a token that is a multiple of 4 (an unaligned one
+stops the kernel with an illegal instruction).
+
+Cost (the exhaustive workload of `benchmarks/bench_int8.py`: 512 queries of 32 tokens x 50K documents of
+20-300 tokens): 2 * 128 * 128 * 64 int8 operations a tile, 19.2M tiles; the tensor cores need 256 cycles
+a tile an SM at 4096 int8 MAC/clock, 17 ms for the workload at the datasheet's 1979 TOPS. The loop is
+issue-bound instead: in the exploration's profiles a warp issued 445 instructions a tile (275 of them the
+four per element) at 2.34 of 4 instructions a clock an SM (two programs an SM, 228 registers a thread
+here). Measured 57 ms against the Triton int8 kernel's 66 ms and the fp16 kernel's 81 ms in the same
+process (docs/benchmarks.md, INT8; docs/kernel-notes.md, the int8 Gluon kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# Tuning (H200, triton 3.6, the exhaustive workload above; ms, best median of 2 rounds, in the same
+# processes as the Triton int8 kernel at 66.4-66.7 and the fp16 kernel at 80.5-81.3;
+# benchmarks/results/int8-hopper-dev-*; prototypes, script and commands at commit 1dfe73e):
+# - a ring of 4 tiles: 57.1; 5: 63.4; 6: 60.0 (a ring that is not a power of two divides in every
+#   slot and phase computation); groups of 16 tiles: 57.1, the same as 8;
+# - a row of scales per tile with NaN past the document against a [4, T] table of shifted scales with a
+#   per-column -inf bias: 57.1 against 62.2-62.5 (together with the flush's per-row data kept in shared
+#   memory and the next start tokens loaded two tiles ahead);
+# - the per-query sums at a group's end in a [GROUP, 128] layout whose rows lie in one warp (shuffles
+#   only) against one cross-warp sum per finished document and query: 77.2 against 89.9 (version 1);
+# - one producer warp issuing the TMA ring (warp specialisation) instead: 78.9-103.7: Triton 3.6 pads the
+#   worker to a full warp group and raises the consumer to 256 registers, which leaves one program an SM.
+BLOCK_Q = 128  # query rows a program (one warp group: two m64 wgmma rows)
+BLOCK_T = 64  # document tokens a tile
+STAGES = 4
+GROUP = 8
+NUM_WARPS = 4
+MAX_QPG = 16  # queries a group at most (the per-query sums are unrolled over the group)
+PROGRAMS_PER_SM = 2  # 228 registers x 128 threads, 46 KB of shared memory (sm_90 build)
+PROGRAM_START_DOCS = 0.25  # as the fp16 Hopper kernel: a program's start in documents' worth of time
+# Fewer query groups than this leave the shape bound by HBM, where the Triton kernel's few-query
+# configuration is tuned.
+MIN_GROUPS = 8
+
+_MAGIC_BITS = gl.constexpr(0x4B400000)  # bits of 1.5 * 2^23
+_MAGIC_FLOAT = gl.constexpr(12582912.0)  # 1.5 * 2^23
+_ENDS_DOC = 1  # tile_ends value of a document's last tile
+
+
+@gluon.jit
+def _request(d_desc, d_smem, s_desc, s_smem, ready, x, tok, row, STAGES: gl.constexpr):
+    """TMA of tile x (its first token `tok`, its scales row `row` of the tile scales) into ring slot
+    x % STAGES."""
+    slot = x % STAGES
+    mbarrier.expect(ready.index(slot), d_desc.block_type.nbytes + s_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(d_desc, [tok, 0], ready.index(slot), d_smem.index(slot))
+    tma.async_copy_global_to_shared(s_desc, [row, 0], ready.index(slot), s_smem.index(slot))
+
+
+@gluon.jit
+def _product(q_rows, d_smem, ready, x, zero, STAGES: gl.constexpr):
+    """Tile x's Q8 . D8^T (int32), issued asynchronously once its TMA has landed."""
+    slot = x % STAGES
+    mbarrier.wait(ready.index(slot), (x // STAGES) & 1)
+    return warpgroup_mma(q_rows, d_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _scales(s_smem, x, col_layout: gl.constexpr, STAGES: gl.constexpr, BLOCK_T: gl.constexpr):
+    flat = s_smem._reinterpret(gl.float32, [STAGES, BLOCK_T], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    return flat.index(x % STAGES).load(col_layout)
+
+
+@gluon.jit
+def _retire(acc, scale, t, total, tiles, m, tok_a, tok_b, ends, finished, num_finished, tile_tok_ptr,
+            tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES: gl.constexpr):  # fmt: skip
+    """Tile t's product is done: refill the ring slot of tile t - 2 with tile t - 2 + STAGES (its first
+    token `tok_a`, loaded two tiles ago), fold tile t into the row maxima `m` (parking them in `finished`
+    at its document's end), and load the table entries of later tiles."""
+    r = t - 2 + STAGES
+    # every warp has read tile t - 2's scales: tile t's product being done means every warp has issued it,
+    # which each does after retiring tile t - 2
+    if t >= 2:
+        if r < tiles:
+            _request(d_desc, d_smem, s_desc, s_smem, ready, r, tok_a, gl.where(r < total, t0 + r, 0), STAGES)
+    tok_a = tok_b
+    tok_b = gl.load(tile_tok_ptr + t0 + r + 2, mask=r + 2 < total, other=0)
+    if t < total:
+        # columns past the document have NaN scales: NaN products, which max ignores
+        v = ((acc + _MAGIC_BITS).to(gl.float32, bitcast=True) - _MAGIC_FLOAT) * scale[None, :]
+        m = gl.maximum(m, gl.max(v, axis=1))
+        if ends != 0:
+            finished.index(num_finished).store(m)
+            num_finished += 1
+            m = gl.full(m.shape, float("-inf"), gl.float32, m.type.layout)
+    ends = gl.load(tile_ends_ptr + t0 + t + 1, mask=t + 1 < total, other=0)
+    return m, tok_a, tok_b, ends, num_finished
+
+
+@gluon.jit(do_not_specialize=["num_queries", "num_docs", "num_groups", "docs_per_prog"])
+def _int8_allpairs_kernel(
+    q_ptr, qs_ptr, q_off_ptr, d_desc, s_desc, tile_tok_ptr, tile_ends_ptr, doc_tile_ptr, out_ptr,
+    num_queries, num_docs, num_groups, docs_per_prog, stride_q,
+    DIM: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+    QPG: gl.constexpr,
+):  # fmt: skip
+    """Program pid: query group pid % num_groups (queries QPG * g ...), documents
+    [(pid // num_groups) * docs_per_prog, + docs_per_prog). q_off int32 [nq + 1]; the tile table
+    (tile_tok, tile_ends int32 [n_tiles], doc_tile int32 [nd + 1]) as `tile_table` makes it; d_desc the
+    int8 documents [Td, DIM] in [BLOCK_T, DIM] tiles; s_desc the tile scales [n_tiles, BLOCK_T]."""
+    BLOCK_Q: gl.constexpr = 128
+    pid = gl.program_id(0)
+    grp = pid % num_groups
+    d0 = (pid // num_groups) * docs_per_prog
+    d1 = gl.minimum(d0 + docs_per_prog, num_docs)
+    q_first = grp * QPG
+    q_last = gl.minimum(q_first + QPG, num_queries)
+    row_first = gl.load(q_off_ptr + q_first)
+    row_last = gl.load(q_off_ptr + q_last)
+
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 32]
+    )
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
+    # [GROUP documents, 128 rows] with whole rows in one warp: the per-query sums are warp shuffles
+    sums_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+
+    q_tok = row_first + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, q_layout))
+    k = gl.arange(0, DIM, layout=gl.SliceLayout(0, q_layout))
+    q_rows = gl.load(q_ptr + q_tok.to(gl.int64)[:, None] * stride_q + k[None, :],
+                     mask=(q_tok < row_last)[:, None], other=0)  # fmt: skip
+
+    # per query row: its scale and its query within the group (-1 past the group's rows), for the sums
+    row_sq = gl.allocate_shared_memory(gl.float32, [BLOCK_Q], plain)
+    row_query = gl.allocate_shared_memory(gl.int32, [BLOCK_Q], plain)
+    rows = row_first + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, sums_layout))
+    row_ok = rows < row_last
+    local = gl.zeros([BLOCK_Q], gl.int32, gl.SliceLayout(0, sums_layout))
+    for kq in gl.static_range(QPG - 1):
+        local += (rows >= gl.load(q_off_ptr + gl.minimum(q_first + 1 + kq, q_last))).to(gl.int32)
+    row_sq.store(gl.load(qs_ptr + rows, mask=row_ok, other=0.0))
+    row_query.store(gl.where(row_ok, local, -1))
+
+    d_smem = gl.allocate_shared_memory(d_desc.dtype, [STAGES, BLOCK_T, DIM], d_desc.layout)
+    s_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_T], s_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    finished = gl.allocate_shared_memory(gl.float32, [GROUP, BLOCK_Q], plain)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    t0 = gl.load(doc_tile_ptr + d0)
+    total = gl.load(doc_tile_ptr + d1) - t0
+    tiles = gl.cdiv(total, GROUP) * GROUP  # padding tiles (past `total`) are loaded and not folded
+    for i in gl.static_range(STAGES):
+        if i < tiles:
+            tok = gl.load(tile_tok_ptr + t0 + i, mask=i < total, other=0)
+            _request(d_desc, d_smem, s_desc, s_smem, ready, i, tok, gl.where(i < total, t0 + i, 0), STAGES)
+    tok_a = 0
+    tok_b = gl.load(tile_tok_ptr + t0 + STAGES, mask=STAGES < total, other=0)
+    ends = gl.load(tile_ends_ptr + t0)
+
+    m = gl.full([BLOCK_Q], float("-inf"), gl.float32, row_layout)
+    zero = gl.zeros([BLOCK_Q, BLOCK_T], gl.int32, acc_layout)
+    num_finished = 0
+    first_doc = d0
+    for base in range(0, tiles, GROUP):
+        # two products in flight: tile x + 1's is issued before tile x's is folded
+        acc_a = _product(q_rows, d_smem, ready, base, zero, STAGES)
+        acc_b = _product(q_rows, d_smem, ready, base + 1, zero, STAGES)
+        scale = _scales(s_smem, base, col_layout, STAGES, BLOCK_T)
+        acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])
+        m, tok_a, tok_b, ends, num_finished = _retire(
+            acc_a, scale, base, total, tiles, m, tok_a, tok_b, ends, finished, num_finished, tile_tok_ptr,
+            tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES,
+        )  # fmt: skip
+        for j in gl.static_range(2, GROUP, 2):
+            acc_a = _product(q_rows, d_smem, ready, base + j, zero, STAGES)
+            scale = _scales(s_smem, base + j - 1, col_layout, STAGES, BLOCK_T)
+            acc_a, acc_b = warpgroup_mma_wait(num_outstanding=1, deps=[acc_a, acc_b])
+            m, tok_a, tok_b, ends, num_finished = _retire(
+                acc_b, scale, base + j - 1, total, tiles, m, tok_a, tok_b, ends, finished, num_finished,
+                tile_tok_ptr, tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES,
+            )  # fmt: skip
+            acc_b = _product(q_rows, d_smem, ready, base + j + 1, zero, STAGES)
+            scale = _scales(s_smem, base + j, col_layout, STAGES, BLOCK_T)
+            acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])
+            m, tok_a, tok_b, ends, num_finished = _retire(
+                acc_a, scale, base + j, total, tiles, m, tok_a, tok_b, ends, finished, num_finished,
+                tile_tok_ptr, tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES,
+            )  # fmt: skip
+        scale = _scales(s_smem, base + GROUP - 1, col_layout, STAGES, BLOCK_T)
+        acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc_b])
+        m, tok_a, tok_b, ends, num_finished = _retire(
+            acc_b, scale, base + GROUP - 1, total, tiles, m, tok_a, tok_b, ends, finished, num_finished,
+            tile_tok_ptr, tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES,
+        )  # fmt: skip
+        if num_finished > 0:
+            gl.thread_barrier()
+            sq = row_sq.load(gl.SliceLayout(0, sums_layout))
+            local = row_query.load(gl.SliceLayout(0, sums_layout))
+            by_row: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+            flat = finished._reinterpret(gl.float32, [GROUP, BLOCK_Q], by_row)
+            # rows past the group give NaN (0 * -inf) or 0 here and are never selected below
+            contrib = sq[None, :] * flat.load(sums_layout)
+            xs = gl.arange(0, GROUP, layout=gl.SliceLayout(1, sums_layout))
+            for kq in gl.static_range(QPG):
+                part = gl.sum(gl.where((local == kq)[None, :], contrib, 0.0), axis=1)
+                dst = (q_first + kq).to(gl.int64) * num_docs + first_doc + xs
+                gl.store(out_ptr + dst, part, mask=(xs < num_finished) & (q_first + kq < q_last))
+            first_doc += num_finished
+            num_finished = 0
+            gl.thread_barrier()  # the next group overwrites `finished`
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------------------
+
+
+def tile_table(doc_offsets: np.ndarray, block_t: int = BLOCK_T) -> tuple[np.ndarray, ...]:
+    """The documents' tiles in order: (first token int32 [n_tiles], 1 where the tile is its document's
+    last else 0 int32 [n_tiles], each document's first tile int32 [nd + 1], tokens of the tile inside its
+    document int32 [n_tiles]). A document of n tokens has max(1, ceil(n / block_t)) tiles (an empty one a
+    single tile with no token)."""
+    lens = np.diff(doc_offsets)
+    per_doc = np.maximum((lens + block_t - 1) // block_t, 1)
+    doc_tile = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(per_doc, out=doc_tile[1:])
+    doc_of = np.repeat(np.arange(len(lens)), per_doc)
+    k = np.arange(int(doc_tile[-1])) - doc_tile[doc_of]
+    first = doc_offsets[doc_of] + k * block_t
+    inside = np.clip(lens[doc_of] - k * block_t, 0, block_t)
+    ends = k == per_doc[doc_of] - 1
+    return first.astype(np.int32), ends.astype(np.int32), doc_tile.astype(np.int32), inside.astype(np.int32)
+
+
+def tile_scales(
+    doc_scales: torch.Tensor, first: torch.Tensor, inside: torch.Tensor, block_t: int = BLOCK_T
+) -> torch.Tensor:
+    """[n_tiles, block_t] fp32 on the scales' device: each tile's token scales, NaN past its document."""
+    cols = torch.arange(block_t, device=doc_scales.device)
+    idx = (first.long()[:, None] + cols[None, :]).clamp_(max=doc_scales.shape[0] - 1)
+    return torch.where(cols[None, :] < inside[:, None], doc_scales[idx], float("nan")).contiguous()
+
+
+@functools.cache
+def _supported_device(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def queries_per_group(max_query_len: int) -> int:
+    return min(MAX_QPG, BLOCK_Q // max_query_len)
+
+
+def supports(q_lens: np.ndarray, d8: torch.Tensor, return_argmax: bool) -> bool:
+    """Whether this kernel takes an all-pairs problem (see the module docstring): `q_lens` the query
+    lengths (host), `d8` the int8 documents."""
+    if return_argmax or not len(q_lens) or d8.dim() != 2 or d8.shape[1] != 128:
+        return False
+    longest = int(q_lens.max())
+    return (
+        1 <= longest <= BLOCK_Q
+        and -(-len(q_lens) // queries_per_group(longest)) >= MIN_GROUPS
+        and 0 < d8.shape[0] < 2**31 - BLOCK_T  # TMA coordinates and the tile table are int32
+        and d8.stride(1) == 1
+        and d8.stride(0) % 16 == 0
+        and d8.data_ptr() % 16 == 0
+        and _supported_device(d8.device)
+    )
+
+
+def maxsim_int8_allpairs(
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    q_off: np.ndarray,
+    d8: torch.Tensor,
+    sd: torch.Tensor,
+    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    docs_per_prog: int,
+) -> torch.Tensor:
+    """fp32 scores [nq, nd]: q8 int8 [Tq, 128] with scales sq fp32 [Tq], query offsets q_off (host);
+    d8 int8 [Td, 128]; `tables` = (tile_tok, tile_ends, doc_tile) on the device and the tile scales
+    (`tile_scales`); `docs_per_prog` documents a program (`maxsim_forward.persistent_docs_per_program`)."""
+    tile_tok, tile_ends, doc_tile, scales = tables
+    nq, nd = len(q_off) - 1, doc_tile.numel() - 1
+    qpg = queries_per_group(int(np.diff(q_off).max()))
+    groups = -(-nq // qpg)
+    out = torch.empty((nq, nd), dtype=torch.float32, device=d8.device)
+    q_off32 = torch.from_numpy(q_off.astype(np.int32)).to(d8.device)
+    d_desc = TensorDescriptor.from_tensor(
+        d8, [BLOCK_T, d8.shape[1]], gl.NVMMASharedLayout.get_default_for([BLOCK_T, d8.shape[1]], gl.int8)
+    )
+    s_desc = TensorDescriptor.from_tensor(
+        scales, [1, BLOCK_T], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    )
+    grid = (groups * -(-nd // docs_per_prog),)
+    _int8_allpairs_kernel[grid](
+        q8, sq, q_off32, d_desc, s_desc, tile_tok, tile_ends, doc_tile, out, nq, nd, groups, docs_per_prog,
+        q8.stride(0), DIM=d8.shape[1], BLOCK_T=BLOCK_T, STAGES=STAGES, GROUP=GROUP, QPG=qpg,
+        num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return out
