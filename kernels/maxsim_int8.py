@@ -715,19 +715,22 @@ def _launch_hopper(
     hopper: Any,
     query_offsets: torch.Tensor,
     doc_offsets: torch.Tensor,
+    device_doc_offsets: torch.Tensor,
     q8: torch.Tensor,
     sq: torch.Tensor,
     d8: torch.Tensor,
     sd: torch.Tensor,
 ) -> torch.Tensor:
-    """All pairs on the Gluon kernel; its tile table and tile scales are kept per (scales, doc offsets)."""
+    """All pairs on the Gluon kernel. Its tile table and tile scales are made on the device (sized from
+    the host offsets) and kept per (scales, doc offsets)."""
     from .maxsim_forward import hopper_docs_per_program
 
     q_host = host_offsets("query_offsets", query_offsets, q8.shape[0])
 
     def tables() -> tuple[torch.Tensor, ...]:
         d_host = host_offsets("doc_offsets", doc_offsets, d8.shape[0])
-        first, ends, doc_tile, inside = (torch.from_numpy(a).to(d8.device) for a in hopper.tile_table(d_host))
+        n_tiles = hopper.tile_count(np.diff(d_host))
+        first, ends, doc_tile, inside = hopper.tile_table(device_doc_offsets, n_tiles)
         return first, ends, doc_tile, hopper.tile_scales(sd, first, inside)
 
     tiles = memo_pair(sd, doc_offsets, ("int8-hopper-tiles", hopper.BLOCK_T), tables)
@@ -942,7 +945,8 @@ def maxsim_varlen_int8(
     if backend == "triton":
         hopper = _hopper_allpairs(given_q_off, given_d_off, q8, d8, return_argmax)
     if hopper is not None:
-        out, arg = _launch_hopper(hopper, given_q_off, given_d_off, q8, sq, d8, sd), None
+        out = _launch_hopper(hopper, given_q_off, given_d_off, doc_offsets, q8, sq, d8, sd)
+        arg = None
     elif backend == "triton":
         out, arg = _launch_varlen(q8, sq, query_offsets, d8, sd, doc_offsets, return_argmax)
     else:

@@ -269,30 +269,40 @@ def _int8_allpairs_kernel(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def tile_table(doc_offsets: np.ndarray, block_t: int = BLOCK_T) -> tuple[np.ndarray, ...]:
-    """The documents' tiles in order: (first token int32 [n_tiles], 1 where the tile is its document's
-    last else 0 int32 [n_tiles], each document's first tile int32 [nd + 1], tokens of the tile inside its
-    document int32 [n_tiles]). A document of n tokens has max(1, ceil(n / block_t)) tiles (an empty one a
-    single tile with no token)."""
-    lens = np.diff(doc_offsets)
-    per_doc = np.maximum((lens + block_t - 1) // block_t, 1)
-    doc_tile = np.zeros(len(lens) + 1, dtype=np.int64)
-    np.cumsum(per_doc, out=doc_tile[1:])
-    doc_of = np.repeat(np.arange(len(lens)), per_doc)
-    k = np.arange(int(doc_tile[-1])) - doc_tile[doc_of]
+def tile_count(doc_lens: np.ndarray, block_t: int = BLOCK_T) -> int:
+    """Tiles of the walk: max(1, ceil(n / block_t)) for a document of n tokens (one for an empty one)."""
+    return int(np.maximum((doc_lens + block_t - 1) // block_t, 1).sum())
+
+
+def tile_table(
+    doc_offsets: torch.Tensor, n_tiles: int, block_t: int = BLOCK_T
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The documents' tiles in order, on the offsets' device (int64 offsets [nd + 1]; `n_tiles` from
+    `tile_count`, so that nothing is read back from the device): (first token int32 [n_tiles], 1 where the
+    tile is its document's last else 0 int32 [n_tiles], each document's first tile int32 [nd + 1], tokens
+    of the tile inside its document int32 [n_tiles])."""
+    device = doc_offsets.device
+    lens = doc_offsets[1:] - doc_offsets[:-1]
+    per_doc = torch.clamp((lens + block_t - 1) // block_t, min=1)
+    doc_tile = torch.zeros(len(lens) + 1, dtype=torch.int64, device=device)
+    torch.cumsum(per_doc, 0, out=doc_tile[1:])
+    doc_of = torch.repeat_interleave(torch.arange(len(lens), device=device), per_doc, output_size=n_tiles)
+    k = torch.arange(n_tiles, device=device) - doc_tile[doc_of]
     first = doc_offsets[doc_of] + k * block_t
-    inside = np.clip(lens[doc_of] - k * block_t, 0, block_t)
+    inside = torch.clamp(lens[doc_of] - k * block_t, 0, block_t)
     ends = k == per_doc[doc_of] - 1
-    return first.astype(np.int32), ends.astype(np.int32), doc_tile.astype(np.int32), inside.astype(np.int32)
+    i32 = torch.int32
+    return first.to(i32), ends.to(i32), doc_tile.to(i32), inside.to(i32)
 
 
 def tile_scales(
     doc_scales: torch.Tensor, first: torch.Tensor, inside: torch.Tensor, block_t: int = BLOCK_T
 ) -> torch.Tensor:
     """[n_tiles, block_t] fp32 on the scales' device: each tile's token scales, NaN past its document."""
+    padded = torch.cat([doc_scales, doc_scales.new_zeros(block_t)])
+    rows = padded.unfold(0, block_t, 1)[first.long()]  # row t: the block_t scales from token first[t] on
     cols = torch.arange(block_t, device=doc_scales.device)
-    idx = (first.long()[:, None] + cols[None, :]).clamp_(max=doc_scales.shape[0] - 1)
-    return torch.where(cols[None, :] < inside[:, None], doc_scales[idx], float("nan")).contiguous()
+    return rows.masked_fill_(cols[None, :] >= inside[:, None], float("nan"))
 
 
 @functools.cache
