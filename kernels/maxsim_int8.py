@@ -38,13 +38,15 @@ HBM bytes ~= Td * (dim + 4) once (int8 tokens + fp32 scale), half the fp16 bytes
 Past the MMA, each (query token, document token) pair costs the same CUDA-core work as in fp16 (the
 conversion, one FMA, the max) and every tile the same loop, load and reduction overhead, so halving the
 MMA time does not halve the tile time. Measured on one H200 (benchmarks/results/int8-h200.json): all pairs
-469 int8 TOPS against the fp16 kernel's 351 TFLOP/s in the same run (1.34x); read through a two-point model
-(fp16 time = x + y, int8 time = x + y/2), about 47 of int8's 72 ms are that per-tile work x. HBM-bound
-shapes reach 2.5-2.6 TB/s: a tile holds half the bytes of an fp16 tile for the same per-tile overhead.
+505 int8 TOPS against the fp16 kernel's 408 TFLOP/s in the same run (1.23x); read through a two-point model
+(fp16 time = x + y, int8 time = x + y/2), about 51 of int8's 66.5 ms are that per-tile work x. HBM-bound
+shapes reach 3.0 TB/s: a tile holds half the bytes of an fp16 tile for the same per-tile overhead.
 Document-major tiles (S^T = D . Q^T with an elementwise running max, which the fp16 kernel uses for one
 query and for candidates) were built and swept for both int8 kernels and lost on every shape (one query
 0.96-0.97 ms against 0.81, candidates 0.68 against 0.59, all pairs 109.6 against 71.6 ms;
-benchmarks/results/int8-h200.json), so the int8 kernels keep query-major tiles.
+benchmarks/results/int8-h200.json at commit 909b5ad), so the int8 kernels keep query-major tiles. On
+Hopper, all pairs with host offsets go to the Gluon kernel of `maxsim_int8_hopper` (57.4 ms on the same
+workload).
 
 int32 -> fp32 without the slow conversion instruction (`I2F` issues at 1/8 of the FMA rate on sm_90):
 the MMA accumulator starts at the bit pattern of 1.5 * 2^23 (0x4B400000) instead of 0, so its bits,
