@@ -717,14 +717,16 @@ def _launch_hopper(
     hopper: Any,
     query_offsets: torch.Tensor,
     doc_offsets: torch.Tensor,
+    device_query_offsets: torch.Tensor,
     device_doc_offsets: torch.Tensor,
     q8: torch.Tensor,
     sq: torch.Tensor,
     d8: torch.Tensor,
     sd: torch.Tensor,
 ) -> torch.Tensor:
-    """All pairs on the Gluon kernel. Its tile table and tile scales are made on the device (sized from
-    the host offsets) and kept per (scales, doc offsets)."""
+    """All pairs on the Gluon kernel, from the host offsets (the plan) and their device copies (what the
+    kernels read; nothing here waits for the device). Its tile table and tile scales are made on the
+    device, sized from the host offsets, and kept per (scales, doc offsets)."""
     from .maxsim_forward import hopper_docs_per_program
 
     q_host = host_offsets("query_offsets", query_offsets, q8.shape[0])
@@ -738,9 +740,8 @@ def _launch_hopper(
     tiles = memo_pair(sd, doc_offsets, ("int8-hopper-tiles", hopper.BLOCK_T), tables)
     nq, nd = len(q_host) - 1, len(tiles[2]) - 1
     groups = cdiv(nq, hopper.queries_per_group(int(np.diff(q_host).max())))
-    return hopper.maxsim_int8_allpairs(
-        q8, sq, q_host, d8, sd, tiles, hopper_docs_per_program(hopper, groups, nd, d8.device)
-    )
+    docs_per_prog = hopper_docs_per_program(hopper, groups, nd, d8.device)
+    return hopper.maxsim_int8_allpairs(q8, sq, q_host, device_query_offsets, d8, tiles, docs_per_prog)
 
 
 def _launch_candidates(
@@ -947,7 +948,7 @@ def maxsim_varlen_int8(
     if backend == "triton":
         hopper = _hopper_allpairs(given_q_off, given_d_off, q8, d8, return_argmax)
     if hopper is not None:
-        out = _launch_hopper(hopper, given_q_off, given_d_off, doc_offsets, q8, sq, d8, sd)
+        out = _launch_hopper(hopper, given_q_off, given_d_off, query_offsets, doc_offsets, q8, sq, d8, sd)
         arg = None
     elif backend == "triton":
         out, arg = _launch_varlen(q8, sq, query_offsets, d8, sd, doc_offsets, return_argmax)

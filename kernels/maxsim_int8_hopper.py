@@ -335,20 +335,21 @@ def maxsim_int8_allpairs(
     q8: torch.Tensor,
     sq: torch.Tensor,
     q_off: np.ndarray,
+    device_q_off: torch.Tensor,
     d8: torch.Tensor,
-    sd: torch.Tensor,
     tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     docs_per_prog: int,
 ) -> torch.Tensor:
-    """fp32 scores [nq, nd]: q8 int8 [Tq, 128] with scales sq fp32 [Tq], query offsets q_off (host);
-    d8 int8 [Td, 128]; `tables` = (tile_tok, tile_ends, doc_tile) on the device and the tile scales
-    (`tile_scales`); `docs_per_prog` documents a program (`maxsim_forward.persistent_docs_per_program`)."""
+    """fp32 scores [nq, nd]: q8 int8 [Tq, 128] with scales sq fp32 [Tq], query offsets on the host
+    (`q_off`, for the plan) and on the device (`device_q_off`, int64; read by the kernel: a copy from the
+    host here would wait for the stream); d8 int8 [Td, 128]; `tables` = (tile_tok, tile_ends, doc_tile)
+    on the device and the tile scales (`tile_scales`); `docs_per_prog` documents a program
+    (`maxsim_forward.persistent_docs_per_program`)."""
     tile_tok, tile_ends, doc_tile, scales = tables
     nq, nd = len(q_off) - 1, doc_tile.numel() - 1
     qpg = queries_per_group(int(np.diff(q_off).max()))
     groups = -(-nq // qpg)
     out = torch.empty((nq, nd), dtype=torch.float32, device=d8.device)
-    q_off32 = torch.from_numpy(q_off.astype(np.int32)).to(d8.device)
     d_desc = TensorDescriptor.from_tensor(
         d8, [BLOCK_T, d8.shape[1]], gl.NVMMASharedLayout.get_default_for([BLOCK_T, d8.shape[1]], gl.int8)
     )
@@ -357,8 +358,8 @@ def maxsim_int8_allpairs(
     )
     grid = (groups * -(-nd // docs_per_prog),)
     _int8_allpairs_kernel[grid](
-        q8, sq, q_off32, d_desc, s_desc, tile_tok, tile_ends, doc_tile, out, nq, nd, groups, docs_per_prog,
-        q8.stride(0), DIM=d8.shape[1], BLOCK_T=BLOCK_T, STAGES=STAGES, GROUP=GROUP, QPG=qpg,
-        num_warps=NUM_WARPS,
+        q8, sq, device_q_off.to(torch.int32), d_desc, s_desc, tile_tok, tile_ends, doc_tile, out, nq, nd,
+        groups, docs_per_prog, q8.stride(0), DIM=d8.shape[1], BLOCK_T=BLOCK_T, STAGES=STAGES, GROUP=GROUP,
+        QPG=qpg, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
