@@ -726,7 +726,8 @@ def _launch_hopper(
 ) -> torch.Tensor:
     """All pairs on the Gluon kernel, from the host offsets (the plan) and their device copies (what the
     kernels read; nothing here waits for the device). Its tile table and tile scales are made on the
-    device, sized from the host offsets, and kept per (scales, doc offsets)."""
+    device, sized from the host offsets, and kept on the host doc offsets tensor per scales tensor (freed
+    with the offsets: in `maxsim score` every block of documents has its own)."""
     from .maxsim_forward import hopper_docs_per_program
 
     q_host = host_offsets("query_offsets", query_offsets, q8.shape[0])
@@ -737,7 +738,7 @@ def _launch_hopper(
         first, ends, doc_tile, inside = hopper.tile_table(device_doc_offsets, n_tiles)
         return first, ends, doc_tile, hopper.tile_scales(sd, first, inside)
 
-    tiles = memo_pair(sd, doc_offsets, ("int8-hopper-tiles", hopper.BLOCK_T), tables)
+    tiles = memo_pair(doc_offsets, sd, ("int8-hopper-tiles", hopper.BLOCK_T), tables)
     nq, nd = len(q_host) - 1, len(tiles[2]) - 1
     groups = cdiv(nq, hopper.queries_per_group(int(np.diff(q_host).max())))
     docs_per_prog = hopper_docs_per_program(hopper, groups, nd, d8.device)
