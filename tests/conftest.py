@@ -57,6 +57,15 @@ SM90 = GPUTarget("cuda", 90, 32)
 _CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
+def ptxas_report(compiled):  # ptxas -v on the kernel's PTX: registers, spills, wgmma serialization
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "k.ptx"), "w") as fh:
+            fh.write(compiled.asm["ptx"])
+        return subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(tmp, "k.ptx"), "-o",
+                               os.path.join(tmp, "k.cubin")], capture_output=True, text=True).stderr
+
+
 def resource_usage(compiled):
     if not os.path.exists(_CUOBJDUMP):
         return ""

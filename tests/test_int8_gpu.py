@@ -136,17 +136,24 @@ def test_candidates_exact_at_size() -> None:
         assert (mine[:, int(q_len[q]) :] == -1).all()
 
 
-def test_offsets_past_2_31_bytes() -> None:
-    """Documents whose bytes start beyond 2^31: 64-bit index arithmetic (the peers' overflow bug)."""
-    dim = 128
-    n_tokens = (1 << 31) // dim + 100_000  # 2.16 GB of int8 tokens
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    d8 = torch.randint(-127, 128, (n_tokens, dim), dtype=torch.int8, device="cuda", generator=gen)
-    sd = torch.rand(n_tokens, device="cuda", generator=gen) * 1e-3 + 1e-4
+def corpus_past_2_31_bytes(dim: int, seed: int, n_tokens: int | None = None, device: str = "cuda"):
+    """Random int8 documents of 200 tokens (the last one longer) filling 2^31 bytes and 100K tokens more:
+    (codes [T, dim], scales [T], host offsets, the generator for the queries)."""
+    n_tokens = n_tokens or (1 << 31) // dim + 100_000  # 2.16 GB of int8 tokens at dim 128
+    gen = torch.Generator(device=device).manual_seed(seed)
+    d8 = torch.randint(-127, 128, (n_tokens, dim), dtype=torch.int8, device=device, generator=gen)
+    sd = torch.rand(n_tokens, device=device, generator=gen) * 1e-3 + 1e-4
     lengths = torch.full((n_tokens // 200,), 200, dtype=torch.int64)
     lengths[-1] += n_tokens - int(lengths.sum())
     do = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
     do[1:] = lengths.cumsum(0)
+    return d8, sd, do, gen
+
+
+def test_offsets_past_2_31_bytes() -> None:
+    """Documents whose bytes start beyond 2^31: 64-bit index arithmetic (the peers' overflow bug)."""
+    dim = 128
+    d8, sd, do, gen = corpus_past_2_31_bytes(dim, seed=2)
     do = do.cuda()
     queries = torch.randn(32, dim, device="cuda", generator=gen)
     qo = torch.tensor([0, 32], device="cuda")
@@ -218,14 +225,7 @@ def test_hopper_allpairs_offsets_past_2_31_bytes() -> None:
     """The Gluon kernel on documents whose bytes start beyond 2^31 (TMA coordinates and tile tables in
     tokens, int32)."""
     dim = 128
-    n_tokens = (1 << 31) // dim + 100_000
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    d8 = torch.randint(-127, 128, (n_tokens, dim), dtype=torch.int8, device="cuda", generator=gen)
-    sd = torch.rand(n_tokens, device="cuda", generator=gen) * 1e-3 + 1e-4
-    lengths = torch.full((n_tokens // 200,), 200, dtype=torch.int64)
-    lengths[-1] += n_tokens - int(lengths.sum())
-    do = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-    do[1:] = lengths.cumsum(0)
+    d8, sd, do, gen = corpus_past_2_31_bytes(dim, seed=3)
     queries = torch.randn(32 * 32, dim, device="cuda", generator=gen)
     qo = torch.arange(33, dtype=torch.int64) * 32
     hopper_or_skip(queries, qo, d8, do)
@@ -263,12 +263,7 @@ sig.update({"q_ptr": "*i8", "qs_ptr": "*fp32", "q_off_ptr": "*i32", "tile_tok_pt
             "d_desc": mangle_type(d_desc), "s_desc": mangle_type(s_desc), **{n: "constexpr" for n in consts}})
 src = GluonASTSource(kernel, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
 compiled = triton.compile(src, target=SM90, options={"num_warps": hopper.NUM_WARPS})
-ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-with tempfile.TemporaryDirectory() as tmp:
-    with open(os.path.join(tmp, "k.ptx"), "w") as fh:
-        fh.write(compiled.asm["ptx"])
-    info = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(tmp, "k.ptx"), "-o",
-                           os.path.join(tmp, "k.cubin")], capture_output=True, text=True).stderr
+info = ptxas_report(compiled)
 print(json.dumps({"ptxas": info, "usage": resource_usage(compiled), "shared": compiled.metadata.shared}))
 """
 

@@ -171,12 +171,7 @@ sig.update({"q_ptr": "*fp16", "q_off_ptr": "*i64", "d_off_ptr": "*i64", "out_ptr
             "d_desc": mangle_type(desc), **{n: "constexpr" for n in consts}})
 src = GluonASTSource(kernel, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
 compiled = triton.compile(src, target=SM90, options={"num_warps": hopper.NUM_WARPS})
-ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-with tempfile.TemporaryDirectory() as tmp:
-    with open(os.path.join(tmp, "k.ptx"), "w") as fh:
-        fh.write(compiled.asm["ptx"])
-    info = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(tmp, "k.ptx"), "-o",
-                           os.path.join(tmp, "k.cubin")], capture_output=True, text=True).stderr
+info = ptxas_report(compiled)
 print(json.dumps({"ptxas": info, "usage": resource_usage(compiled)}))
 """
 
