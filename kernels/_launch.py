@@ -17,6 +17,7 @@ repeats with the same shapes (`KernelLaunch`) calls the compiled launcher direct
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Sequence
 from types import ModuleType
@@ -47,6 +48,12 @@ def gluon_module(name: str, device: torch.device) -> ModuleType | None:
         return importlib.import_module(f"{__package__}.{name}")
     except ImportError:
         return None
+
+
+@functools.cache
+def hopper_device(device: torch.device) -> bool:
+    """Whether `device` is an sm_90 GPU, the one the Gluon kernels are built for."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def launch_fitting_shared_memory(kernel: Any, grid: tuple, *args: Any, **meta: Any) -> int:

@@ -60,6 +60,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ._launch import hopper_device
+
 BLOCK_Q = gl.constexpr(128)  # query rows a program (one warp group: two m64 wgmma rows)
 
 
@@ -297,11 +299,6 @@ def _maxsim_long_kernel(
         mbarrier.invalidate(ready.index(i))
 
 
-@functools.cache
-def _supported_device(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-
-
 def supports(queries: torch.Tensor, docs: torch.Tensor, return_argmax: bool) -> bool:
     """Whether this kernel takes a long-query all-pairs problem (see the module docstring)."""
     return (
@@ -313,7 +310,7 @@ def supports(queries: torch.Tensor, docs: torch.Tensor, return_argmax: bool) -> 
         and docs.stride(1) == 1
         and docs.data_ptr() % 16 == 0
         and (docs.stride(0) * docs.element_size()) % 16 == 0
-        and _supported_device(docs.device)
+        and hopper_device(docs.device)
     )
 
 

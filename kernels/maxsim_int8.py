@@ -740,9 +740,11 @@ def _launch_hopper(
 
     tiles = memo_pair(doc_offsets, sd, ("int8-hopper-tiles", hopper.BLOCK_T), tables)
     nq, nd = len(q_host) - 1, len(tiles[2]) - 1
-    groups = cdiv(nq, hopper.queries_per_group(int(np.diff(q_host).max())))
-    docs_per_prog = hopper_docs_per_program(hopper, groups, nd, d8.device)
-    return hopper.maxsim_int8_allpairs(q8, sq, q_host, device_query_offsets, d8, tiles, docs_per_prog)
+    queries_a_group = hopper.queries_per_group(int(np.diff(q_host).max()))
+    docs_per_prog = hopper_docs_per_program(hopper, cdiv(nq, queries_a_group), nd, d8.device)
+    return hopper.maxsim_int8_allpairs(
+        q8, sq, device_query_offsets, d8, tiles, queries_a_group, docs_per_prog
+    )
 
 
 def _launch_candidates(

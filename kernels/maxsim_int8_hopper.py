@@ -47,8 +47,6 @@ process (docs/benchmarks.md, INT8; docs/kernel-notes.md, the int8 Gluon kernel).
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 from triton.experimental import gluon
@@ -57,10 +55,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
-    warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ._launch import hopper_device
+from .maxsim_forward_hopper import _issue_product
 
 # Tuning (H200, triton 3.6, the exhaustive workload above; ms, best median of 2 rounds, in the same
 # processes as the Triton int8 kernel at 66.4-66.7 and the fp16 kernel at 80.5-81.3;
@@ -99,14 +99,6 @@ def _request(d_desc, d_smem, s_desc, s_smem, ready, x, tok, row, STAGES: gl.cons
     mbarrier.expect(ready.index(slot), d_desc.block_type.nbytes + s_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(d_desc, [tok, 0], ready.index(slot), d_smem.index(slot))
     tma.async_copy_global_to_shared(s_desc, [row, 0], ready.index(slot), s_smem.index(slot))
-
-
-@gluon.jit
-def _product(q_rows, d_smem, ready, x, zero, STAGES: gl.constexpr):
-    """Tile x's Q8 . D8^T (int32), issued asynchronously once its TMA has landed."""
-    slot = x % STAGES
-    mbarrier.wait(ready.index(slot), (x // STAGES) & 1)
-    return warpgroup_mma(q_rows, d_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -214,8 +206,8 @@ def _int8_allpairs_kernel(
     first_doc = d0
     for base in range(0, tiles, GROUP):
         # two products in flight: tile x + 1's is issued before tile x's is folded
-        acc_a = _product(q_rows, d_smem, ready, base, zero, STAGES)
-        acc_b = _product(q_rows, d_smem, ready, base + 1, zero, STAGES)
+        acc_a = _issue_product(q_rows, d_smem, ready, base, zero, STAGES)
+        acc_b = _issue_product(q_rows, d_smem, ready, base + 1, zero, STAGES)
         scale = _scales(s_smem, base, col_layout, STAGES, BLOCK_T)
         acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])
         m, tok_a, tok_b, ends, num_finished = _retire(
@@ -223,14 +215,14 @@ def _int8_allpairs_kernel(
             tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES,
         )  # fmt: skip
         for j in gl.static_range(2, GROUP, 2):
-            acc_a = _product(q_rows, d_smem, ready, base + j, zero, STAGES)
+            acc_a = _issue_product(q_rows, d_smem, ready, base + j, zero, STAGES)
             scale = _scales(s_smem, base + j - 1, col_layout, STAGES, BLOCK_T)
             acc_a, acc_b = warpgroup_mma_wait(num_outstanding=1, deps=[acc_a, acc_b])
             m, tok_a, tok_b, ends, num_finished = _retire(
                 acc_b, scale, base + j - 1, total, tiles, m, tok_a, tok_b, ends, finished, num_finished,
                 tile_tok_ptr, tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES,
             )  # fmt: skip
-            acc_b = _product(q_rows, d_smem, ready, base + j + 1, zero, STAGES)
+            acc_b = _issue_product(q_rows, d_smem, ready, base + j + 1, zero, STAGES)
             scale = _scales(s_smem, base + j, col_layout, STAGES, BLOCK_T)
             acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])
             m, tok_a, tok_b, ends, num_finished = _retire(
@@ -305,11 +297,6 @@ def tile_scales(
     return rows.masked_fill_(cols[None, :] >= inside[:, None], float("nan"))
 
 
-@functools.cache
-def _supported_device(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-
-
 def queries_per_group(max_query_len: int) -> int:
     return min(MAX_QPG, BLOCK_Q // max_query_len)
 
@@ -327,28 +314,27 @@ def supports(q_lens: np.ndarray, d8: torch.Tensor, return_argmax: bool) -> bool:
         and d8.stride(1) == 1
         and d8.stride(0) % 16 == 0
         and d8.data_ptr() % 16 == 0
-        and _supported_device(d8.device)
+        and hopper_device(d8.device)
     )
 
 
 def maxsim_int8_allpairs(
     q8: torch.Tensor,
     sq: torch.Tensor,
-    q_off: np.ndarray,
-    device_q_off: torch.Tensor,
+    q_off: torch.Tensor,
     d8: torch.Tensor,
     tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    queries_a_group: int,
     docs_per_prog: int,
 ) -> torch.Tensor:
-    """fp32 scores [nq, nd]: q8 int8 [Tq, 128] with scales sq fp32 [Tq], query offsets on the host
-    (`q_off`, for the plan) and on the device (`device_q_off`, int64; read by the kernel: a copy from the
-    host here would wait for the stream); d8 int8 [Td, 128]; `tables` = (tile_tok, tile_ends, doc_tile)
-    on the device and the tile scales (`tile_scales`); `docs_per_prog` documents a program
+    """fp32 scores [nq, nd]: q8 int8 [Tq, 128] with scales sq fp32 [Tq], query offsets int64 [nq + 1] on
+    the device (a copy from the host here would wait for the stream); d8 int8 [Td, 128]; `tables` =
+    (tile_tok, tile_ends, doc_tile) on the device and the tile scales (`tile_scales`); `queries_a_group`
+    from `queries_per_group`; `docs_per_prog` documents a program
     (`maxsim_forward.persistent_docs_per_program`)."""
     tile_tok, tile_ends, doc_tile, scales = tables
-    nq, nd = len(q_off) - 1, doc_tile.numel() - 1
-    qpg = queries_per_group(int(np.diff(q_off).max()))
-    groups = -(-nq // qpg)
+    nq, nd = q_off.numel() - 1, doc_tile.numel() - 1
+    groups = -(-nq // queries_a_group)
     out = torch.empty((nq, nd), dtype=torch.float32, device=d8.device)
     d_desc = TensorDescriptor.from_tensor(
         d8, [BLOCK_T, d8.shape[1]], gl.NVMMASharedLayout.get_default_for([BLOCK_T, d8.shape[1]], gl.int8)
@@ -358,8 +344,8 @@ def maxsim_int8_allpairs(
     )
     grid = (groups * -(-nd // docs_per_prog),)
     _int8_allpairs_kernel[grid](
-        q8, sq, device_q_off.to(torch.int32), d_desc, s_desc, tile_tok, tile_ends, doc_tile, out, nq, nd,
-        groups, docs_per_prog, q8.stride(0), DIM=d8.shape[1], BLOCK_T=BLOCK_T, STAGES=STAGES, GROUP=GROUP,
-        QPG=qpg, num_warps=NUM_WARPS,
+        q8, sq, q_off.to(torch.int32), d_desc, s_desc, tile_tok, tile_ends, doc_tile, out, nq, nd, groups,
+        docs_per_prog, q8.stride(0), DIM=d8.shape[1], BLOCK_T=BLOCK_T, STAGES=STAGES, GROUP=GROUP,
+        QPG=queries_a_group, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
