@@ -175,6 +175,17 @@ def sweep(name: str, launch: Callable[..., Any], configs: list[dict], rep_ms: in
 # gpu
 
 
+def memory_bound_tiles(per_prog: str, counts: tuple[int, ...]) -> list[dict]:
+    """Sweep entries for the HBM-bound shapes (one query, candidates), element max on: 64-token tiles on
+    2 or 4 warps, and 128-token tiles (twice the bytes a loop iteration) on 4 or 8 warps."""
+    tiles = [(64, 4, 3), (64, 4, 4), (64, 2, 4), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 3)]
+    return [
+        {"block_d": d, "num_warps": w, "num_stages": st, per_prog: n, "element_max": True}
+        for n in counts
+        for d, w, st in tiles
+    ]
+
+
 def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     docs16, doc_off = ragged(size(100_000), 20, 300, gen, device)
@@ -235,8 +246,7 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
             [  # first: the constants in force
                 dict(block_d=64, docs_per_prog=16, num_warps=4, num_stages=4, element_max=True),
                 dict(block_d=64, docs_per_prog=16, num_warps=4, num_stages=4, element_max=False),
-                dict(block_d=64, docs_per_prog=32, num_warps=4, num_stages=4, element_max=True),
-                dict(block_d=128, docs_per_prog=16, num_warps=4, num_stages=3, element_max=True),
+                *memory_bound_tiles("docs_per_prog", (8, 16, 32)),
             ],
             rep,
         )
@@ -252,8 +262,7 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
             [
                 dict(block_d=64, cands_per_prog=8, num_warps=4, num_stages=4, element_max=True),
                 dict(block_d=64, cands_per_prog=8, num_warps=4, num_stages=4, element_max=False),
-                dict(block_d=64, cands_per_prog=8, num_warps=4, num_stages=3, element_max=True),
-                dict(block_d=128, cands_per_prog=8, num_warps=4, num_stages=3, element_max=True),
+                *memory_bound_tiles("cands_per_prog", (4, 8, 16)),
             ],
             rep,
         )

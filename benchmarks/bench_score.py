@@ -16,6 +16,11 @@ in this process (no interpreter start), output written to a file with the defaul
   5. budget   - the same with ``--max-memory 2GiB``: peak GPU memory (torch.cuda.max_memory_allocated)
                 and byte equality of the two runs.
   The figure of merit: e2e / max(read, copy, kernel) (target <= 1.3).
+  6. int8     - with ``--int8``: the corpus quantized once by `maxsim quantize` (kept beside it), then
+                `maxsim score` over the fp16 and the int8 corpus, alternating, ``--int8-repeats`` each;
+                the best of each and their ratio (the INT8 issue's end-to-end figure, <= 0.6), the
+                read rate of the int8 files alone, and (with ``--batch-times``) the per-batch times of
+                the first int8 run.
 
 ``cpu`` (this 2-core machine): a 1 GB corpus; `maxsim score --device cpu` end to end (after a warm-up
 run on a small corpus) against the CPU backend (`maxsim_varlen`, backend torch) on the same documents
@@ -24,6 +29,8 @@ already in memory, in the engine's batch sizes; the figure of merit is the ratio
 
     python benchmarks/bench_score.py gpu --workdir /tmp/maxsim-bench --out benchmarks/results/score-h200.json
     python benchmarks/bench_score.py cpu --workdir /tmp/maxsim-bench --out benchmarks/results/score-cpu.json
+    python benchmarks/bench_score.py gpu --workdir /var/tmp/mb --int8 --batch-times \
+        --out benchmarks/results/score-int8-h200.json
 """
 
 from __future__ import annotations
@@ -284,7 +291,9 @@ def bench_gpu(args: argparse.Namespace) -> dict:
 
     stages = {"read_s": read_s, "copy_s": copy_s, "kernel_s": kernel_s}
     bound = max(stages, key=stages.get)
+    int8 = bench_int8_e2e(args, work, qpath, paths, small, threads) if args.int8 else None
     return {
+        "int8": int8,
         "corpus_bytes": corpus_bytes,
         "shards": len(paths),
         "documents": e2e.documents,
@@ -312,6 +321,63 @@ def bench_gpu(args: argparse.Namespace) -> dict:
             "same_run_as_unbounded": same,
             "stats": budget.as_dict(),
         },
+    }
+
+
+def bench_int8_e2e(
+    args: argparse.Namespace,
+    work: str,
+    qpath: str,
+    paths: list[str],
+    small: list[str],
+    threads: int,
+    device: str = "cuda",
+) -> dict:
+    """`maxsim score` over the corpus in fp16 and quantized to int8, alternating, in this process."""
+    from maxsim_cli.quantize import quantize_corpus
+
+    int8_dir = os.path.join(work, "corpus-int8")
+    t0 = time.perf_counter()
+    if not os.path.isdir(int8_dir):
+        report = quantize_corpus(paths, int8_dir, device=device)
+        log(f"int8: {report.summary()}; {report.quality.summary()}")
+        os.sync()
+    quantize_s = time.perf_counter() - t0
+    int8_paths = sorted(os.path.join(int8_dir, n) for n in os.listdir(int8_dir) if n.endswith(".safetensors"))
+    read_files(int8_paths, threads)  # warm the page cache
+    read8_s, read8_bytes = min(read_files(int8_paths, threads) for _ in range(2))
+    log(f"int8 read: {read8_s:.3f} s for {format_size(read8_bytes)} ({read8_bytes / read8_s / 1e9:.1f} GB/s)")
+    small8 = os.path.join(work, "small-int8")
+    if not os.path.isdir(small8):
+        quantize_corpus(small, small8, device=device, sample_queries=0)
+    run_score(qpath, [small8], os.path.join(work, "warm.trec"), device=device)
+    times: dict[str, list[float]] = {"fp16": [], "int8": []}
+    stats: dict[str, dict] = {}
+    for i in range(args.int8_repeats):
+        for name, corpus in (("fp16", paths), ("int8", int8_paths)):
+            timed = args.batch_times and name == "int8" and i == 0
+            if timed:  # instrumented by bench_gpu's first run
+                import profile_first_pass
+
+                profile_first_pass._batches.clear()
+            st = run_score(qpath, corpus, os.path.join(work, f"run-{name}.trec"), device=device)
+            if timed:
+                log(f"first int8 run, per batch:\n{profile_first_pass.batch_report()}")
+            times[name].append(st.wall_s)
+            if st.wall_s <= min(times[name]):
+                stats[name] = st.as_dict()
+    best = {name: min(t) for name, t in times.items()}
+    log(f"e2e fp16 {best['fp16']:.3f} s, int8 {best['int8']:.3f} s ({best['int8'] / best['fp16']:.2f}x)")
+    return {
+        "quantize_s": quantize_s,
+        "int8_bytes": sum(os.path.getsize(p) for p in int8_paths),
+        "int8_read_s": read8_s,
+        "int8_read_GBps": read8_bytes / read8_s / 1e9,
+        "fp16_s": best["fp16"],
+        "int8_s": best["int8"],
+        "int8_over_fp16_time": best["int8"] / best["fp16"],
+        "all_times": times,
+        "stats": stats,
     }
 
 
@@ -377,6 +443,8 @@ def main() -> None:
     parser.add_argument(
         "--batch-times", action="store_true", help="gpu: log the first run's host and GPU time per batch"
     )
+    parser.add_argument("--int8", action="store_true", help="gpu: also fp16 against int8 end to end")
+    parser.add_argument("--int8-repeats", type=int, default=3, help="gpu: runs of each precision")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args()
     if args.size is None:

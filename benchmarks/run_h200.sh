@@ -62,7 +62,8 @@ want argmax-sweep && step argmax-sweep ${ARGMAX_SWEEP_S:-150} python3 benchmarks
   --out "$logs/argmax-sweep-h200.json"
 want long-hopper && step long-hopper ${LONG_HOPPER_S:-240} python3 benchmarks/ab_long_hopper.py \
   --out "$logs/long-hopper-h200.json"
+# SCORE_ARGS adds options to the score step (e.g. "--int8 --batch-times": fp16 against int8 end to end)
 want score && step score ${SCORE_S:-200} python3 benchmarks/bench_score.py gpu --workdir /var/tmp/mb \
-  --out "$logs/score-h200.json"
+  ${SCORE_ARGS:-} --out "$logs/score-h200.json"
 
 cat "$logs/gpu.txt" "$logs/steps.txt"
