@@ -136,7 +136,23 @@ def on_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """An int64 contiguous copy of `x` on `device` (memoised: one transfer per offsets tensor)."""
     if x.device == device and x.dtype == torch.int64 and x.is_contiguous():
         return x
-    return memo(x, ("device", str(device)), lambda: x.to(device=device, dtype=torch.int64).contiguous())
+    return memo(x, ("device", str(device)), lambda: host_to_device(x.to(torch.int64).contiguous(), device))
+
+
+def host_to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`x` copied to `device` without the host waiting for the device.
+
+    A host -> GPU copy that is not `non_blocking` synchronises the stream first: the host waits for
+    every kernel queued before it. `maxsim score` passes each document batch's offsets on the host, so
+    that wait made every batch's launches start only once the previous batch had been scored (the GPU
+    idle meanwhile). Here the values go through a private page-locked buffer (from torch's caching host
+    allocator, which keeps the block until the copy has run) and the copy is queued on the stream;
+    the caller's tensor is read now, so it may change as soon as this returns."""
+    if device.type != "cuda" or x.device.type != "cpu":
+        return x.to(device)
+    staged = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    staged.copy_(x)
+    return staged.to(device, non_blocking=True)
 
 
 def host_offsets(name: str, offsets: torch.Tensor, total: int) -> np.ndarray:

@@ -66,6 +66,7 @@ from ._validate import (
     cdiv,
     check_candidates,
     check_inputs,
+    host_to_device,
     memo,
     memo_plan,
     next_pow2,
@@ -845,7 +846,9 @@ def _candidates_plan(
         blocks = memo(
             candidate_offsets,
             ("blocks", cfg.docs_per_prog, str(device)),
-            lambda: torch.from_numpy(np.stack(_candidate_blocks(c_off, cfg.docs_per_prog))).to(device),
+            lambda: host_to_device(
+                torch.from_numpy(np.stack(_candidate_blocks(c_off, cfg.docs_per_prog))), device
+            ),
         )
         block_k, num_k, even_k = _k_blocking(dim)
         meta = dict(

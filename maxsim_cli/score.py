@@ -564,13 +564,11 @@ class _Engine:
         """int64 values for a kernel argument, kept on the host.
 
         The kernels read offsets and candidate lists on the host (checks, launch grid) and copy them to
-        the device themselves. A device tensor would cost a device-to-host synchronisation per launch,
-        and a pageable host tensor makes that copy wait for the stream; a *pinned* one is copied
-        asynchronously (torch's pinned allocator keeps the block alive until the copy has run), so
-        launches queue up without the host waiting for the GPU.
+        the device themselves, without waiting for the stream (`maxsim_kernels._validate.host_to_device`),
+        so launches queue up while the GPU scores earlier batches. A device tensor would cost a
+        device-to-host synchronisation per launch.
         """
-        tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
-        return tensor.pin_memory() if self.cuda else tensor
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
 
     def _query_bytes(self, q0: int, q1: int) -> int:
         t = int(self.q_offsets[q1] - self.q_offsets[q0])

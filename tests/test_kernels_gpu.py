@@ -333,3 +333,22 @@ def _pairs(offsets):
 def test_gpu_tests_run_compiled_kernels_not_the_interpreter():
     """Nothing in the test session may switch Triton to its interpreter on a GPU machine."""
     assert os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+def test_host_offsets_reach_the_device_without_waiting_for_the_stream():
+    """`host_to_device` (how the kernels take offsets from the host) queues its copy behind the kernels
+    already on the stream instead of waiting for them, and reads the caller's tensor at once: changing
+    it after the call does not change what arrives."""
+    from maxsim_kernels._validate import host_to_device
+
+    values = torch.arange(100_000, dtype=torch.int64)
+    for source in (values.clone(), values.clone().pin_memory()):
+        torch.cuda.synchronize()
+        busy = torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of the copy
+        busy.record()
+        copied = host_to_device(source, CUDA)
+        returned_while_busy = not busy.query()
+        source.fill_(-1)
+        assert returned_while_busy
+        assert torch.equal(copied.cpu(), values)
