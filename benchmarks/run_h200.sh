@@ -27,7 +27,8 @@ step() {  # step NAME SECONDS CMD...
 
 # STEPS picks a subset (not in the default set: sweep, the tile sweep of bench_kernels.py; score,
 # `maxsim score` end to end on a 10 GB corpus; pinning, bench_pinning.py; first-pass,
-# profile_first_pass.py; probe-host, probe_host_overhead.py; argmax-sweep,
+# profile_first_pass.py; probe-host, probe_host_overhead.py; probe-batch,
+# probe_batch_host.py; argmax-sweep,
 # sweep_argmax_forward.py; long-hopper, ab_long_hopper.py); WORKLOADS narrows the kernel benchmark.
 # All steps at their default limits take longer than one 10-minute call: run STEPS="gpu-tests verify",
 # STEPS="kernels train" and STEPS="int8 ab" as three calls (the full gpu-tests step takes ~140 s).
@@ -58,6 +59,8 @@ want first-pass && step first-pass ${FIRST_PASS_S:-200} bash -c '
 
 want probe-host && step probe-host ${PROBE_HOST_S:-120} python3 benchmarks/probe_host_overhead.py \
   --out "$logs/probe-host-h200.json"
+want probe-batch && step probe-batch ${PROBE_BATCH_S:-120} python3 benchmarks/probe_batch_host.py \
+  --out "$logs/probe-batch-host-h200.txt"
 want argmax-sweep && step argmax-sweep ${ARGMAX_SWEEP_S:-150} python3 benchmarks/sweep_argmax_forward.py \
   --out "$logs/argmax-sweep-h200.json"
 want long-hopper && step long-hopper ${LONG_HOPPER_S:-240} python3 benchmarks/ab_long_hopper.py \
