@@ -22,7 +22,8 @@ import time
 from collections.abc import Callable
 
 import torch
-from maxsim_kernels import maxsim_varlen, quantize_per_token
+from maxsim_kernels import maxsim_varlen
+from maxsim_kernels.maxsim_int8 import quantize_per_token
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from maxsim_cli.topk import RunningTopK  # noqa: E402

@@ -61,6 +61,12 @@ want probe-host && step probe-host ${PROBE_HOST_S:-120} python3 benchmarks/probe
   --out "$logs/probe-host-h200.json"
 want probe-batch && step probe-batch ${PROBE_BATCH_S:-120} python3 benchmarks/probe_batch_host.py \
   --out "$logs/probe-batch-host-h200.txt"
+# ncu-one-query: Nsight Compute on the one-query kernels, int8 and fp16 (profile_memory_bound.py)
+want ncu-one-query && step ncu-one-query ${NCU_S:-150} bash -c '
+  PATH=/usr/local/cuda-13/bin:$PATH ncu -k regex:"_maxsim_int8_varlen_kernel|_maxsim_varlen_kernel" \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis python3 benchmarks/profile_memory_bound.py \
+    > '"$logs"'/ncu-one-query-h200.txt 2>&1; rc=$?; grep -E "Duration|Throughput|Occupancy|Registers|Stall|Eligible|Issued" '"$logs"'/ncu-one-query-h200.txt; exit $rc'
 want argmax-sweep && step argmax-sweep ${ARGMAX_SWEEP_S:-150} python3 benchmarks/sweep_argmax_forward.py \
   --out "$logs/argmax-sweep-h200.json"
 want long-hopper && step long-hopper ${LONG_HOPPER_S:-240} python3 benchmarks/ab_long_hopper.py \
