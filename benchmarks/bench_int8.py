@@ -244,8 +244,8 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
             "one_query",
             varlen_launcher(one_q, one_off, docs8, doc_off, scales),
             [  # first: the constants in force
-                dict(block_d=64, docs_per_prog=16, num_warps=4, num_stages=4, element_max=True),
-                dict(block_d=64, docs_per_prog=16, num_warps=4, num_stages=4, element_max=False),
+                dict(block_d=64, docs_per_prog=32, num_warps=4, num_stages=3, element_max=True),
+                dict(block_d=64, docs_per_prog=32, num_warps=4, num_stages=3, element_max=False),
                 *memory_bound_tiles("docs_per_prog", (8, 16, 32)),
             ],
             rep,
@@ -260,8 +260,8 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
                 rq8, rsq, rq_off, pool8, pool_scales, pool_off, cand_off, cand_docs, False, **cfg
             ),
             [
-                dict(block_d=64, cands_per_prog=8, num_warps=4, num_stages=4, element_max=True),
-                dict(block_d=64, cands_per_prog=8, num_warps=4, num_stages=4, element_max=False),
+                dict(block_d=64, cands_per_prog=16, num_warps=4, num_stages=3, element_max=True),
+                dict(block_d=64, cands_per_prog=16, num_warps=4, num_stages=3, element_max=False),
                 *memory_bound_tiles("cands_per_prog", (4, 8, 16)),
             ],
             rep,

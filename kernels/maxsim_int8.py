@@ -90,6 +90,14 @@ _MAGIC_FLOAT = 12582912.0  # 1.5 * 2^23
 #     (ELEMENT_MAX, reduced once per document; kernels/_running_max.py) on one warp group:
 #     all pairs (32,64,4,2)+E 66.5 ms against 70.8 for the v4 entry (8 warps +E: 103.5, spills);
 #     one query (64,16,4,4)+E 0.699 ms against 0.806; rerank (64,8,4,4)+E 0.502 ms against 0.588.
+#   fourth sweep (benchmarks/results/int8-sweep-v6-h200.json; 64- and 128-token tiles, 2-8 warps, 2-5
+#     stages, 4-32 documents or candidates a program, element max on): one query (64,32,4,3) 0.683 ms
+#     against 0.694 for the v5 entry (8 or 16 documents 0.688-0.697; 2 warps 0.727-0.733; 128-token
+#     tiles 0.93-0.95, 248-250 registers, two programs an SM; 8 warps 1.15-1.23); rerank (64,16,4,3)
+#     0.463 ms against 0.502 (4 candidates 0.477-0.479; 128-token tiles 0.73-0.80). The one-query tile
+#     takes 168 registers (sm_90 build), three programs an SM: 2.5 TB/s under Nsight Compute against the
+#     fp16 kernel's 4.0 at the same occupancy, whose 16 KB tiles keep twice the bytes in flight
+#     (benchmarks/results/ncu-one-query-h200.txt).
 _VARLEN_BLOCK_Q = 256  # query tokens per program in the all-pairs kernel (8 queries of 32 tokens)
 _VARLEN_BLOCK_D = 32  # document tokens per tile
 _VARLEN_DOCS_PER_PROG = 64  # documents per program
@@ -97,14 +105,14 @@ _VARLEN_WARPS = 4
 _VARLEN_STAGES = 2
 _VARLEN_ELEMENT_MAX = True  # running max per tile element (scores only; see kernels/_running_max.py)
 _FEW_QUERIES_BLOCK_D = 64  # memory-bound shapes (one or two query tiles)
-_FEW_QUERIES_DOCS_PER_PROG = 16
+_FEW_QUERIES_DOCS_PER_PROG = 32
 _FEW_QUERIES_WARPS = 4
-_FEW_QUERIES_STAGES = 4
+_FEW_QUERIES_STAGES = 3
 _FEW_QUERIES_ELEMENT_MAX = True
 _CAND_BLOCK_D = 64
-_CAND_PER_PROG = 8  # candidates per program
+_CAND_PER_PROG = 16  # candidates per program
 _CAND_WARPS = 4
-_CAND_STAGES = 4
+_CAND_STAGES = 3
 _CAND_ELEMENT_MAX = True
 _MAX_QUERIES_PER_GROUP = 32  # queries per all-pairs program at most (short queries)
 _QUANT_BLOCK_R = 16  # tokens per program of the quantize kernel
@@ -718,25 +726,21 @@ def _launch_hopper(
     query_offsets: torch.Tensor,
     doc_offsets: torch.Tensor,
     device_query_offsets: torch.Tensor,
-    device_doc_offsets: torch.Tensor,
     q8: torch.Tensor,
     sq: torch.Tensor,
     d8: torch.Tensor,
     sd: torch.Tensor,
 ) -> torch.Tensor:
-    """All pairs on the Gluon kernel, from the host offsets (the plan) and their device copies (what the
-    kernels read; nothing here waits for the device). Its tile table and tile scales are made on the
-    device, sized from the host offsets, and kept on the host doc offsets tensor per scales tensor (freed
-    with the offsets: in `maxsim score` every block of documents has its own)."""
+    """All pairs on the Gluon kernel, from the host offsets (the plan and the tile table) and the device
+    copy of the query offsets (what the kernel reads; nothing here waits for the device). The tile table
+    (made on the host) and the tile scales (on the device) are kept on the host doc offsets tensor per
+    scales tensor (freed with the offsets: in `maxsim score` every block of documents has its own)."""
     from .maxsim_forward import hopper_docs_per_program
 
     q_host = host_offsets("query_offsets", query_offsets, q8.shape[0])
 
     def tables() -> tuple[torch.Tensor, ...]:
-        d_host = host_offsets("doc_offsets", doc_offsets, d8.shape[0])
-        n_tiles = hopper.tile_count(np.diff(d_host))
-        first, ends, doc_tile, inside = hopper.tile_table(device_doc_offsets, n_tiles)
-        return first, ends, doc_tile, hopper.tile_scales(sd, first, inside)
+        return hopper.device_tables(host_offsets("doc_offsets", doc_offsets, d8.shape[0]), sd)
 
     tiles = memo_pair(doc_offsets, sd, ("int8-hopper-tiles", hopper.BLOCK_T), tables)
     nq, nd = len(q_host) - 1, len(tiles[2]) - 1
@@ -951,7 +955,7 @@ def maxsim_varlen_int8(
     if backend == "triton":
         hopper = _hopper_allpairs(given_q_off, given_d_off, q8, d8, return_argmax)
     if hopper is not None:
-        out = _launch_hopper(hopper, given_q_off, given_d_off, query_offsets, doc_offsets, q8, sq, d8, sd)
+        out = _launch_hopper(hopper, given_q_off, given_d_off, query_offsets, q8, sq, d8, sd)
         arg = None
     elif backend == "triton":
         out, arg = _launch_varlen(q8, sq, query_offsets, d8, sd, doc_offsets, return_argmax)

@@ -60,6 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._launch import hopper_device
+from ._validate import host_to_device
 from .maxsim_forward_hopper import _issue_product
 
 # Tuning (H200, triton 3.6, the exhaustive workload above; ms, best median of 2 rounds, in the same
@@ -261,30 +262,41 @@ def _int8_allpairs_kernel(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def tile_count(doc_lens: np.ndarray, block_t: int = BLOCK_T) -> int:
-    """Tiles of the walk: max(1, ceil(n / block_t)) for a document of n tokens (one for an empty one)."""
-    return int(np.maximum((doc_lens + block_t - 1) // block_t, 1).sum())
-
-
-def tile_table(
-    doc_offsets: torch.Tensor, n_tiles: int, block_t: int = BLOCK_T
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The documents' tiles in order, on the offsets' device (int64 offsets [nd + 1]; `n_tiles` from
-    `tile_count`, so that nothing is read back from the device): (first token int32 [n_tiles], 1 where the
-    tile is its document's last else 0 int32 [n_tiles], each document's first tile int32 [nd + 1], tokens
-    of the tile inside its document int32 [n_tiles])."""
-    device = doc_offsets.device
-    lens = doc_offsets[1:] - doc_offsets[:-1]
-    per_doc = torch.clamp((lens + block_t - 1) // block_t, min=1)
-    doc_tile = torch.zeros(len(lens) + 1, dtype=torch.int64, device=device)
-    torch.cumsum(per_doc, 0, out=doc_tile[1:])
-    doc_of = torch.repeat_interleave(torch.arange(len(lens), device=device), per_doc, output_size=n_tiles)
-    k = torch.arange(n_tiles, device=device) - doc_tile[doc_of]
+def tile_table(doc_offsets: np.ndarray, block_t: int = BLOCK_T) -> tuple[np.ndarray, ...]:
+    """The documents' tiles in order, from host offsets (int64 [nd + 1]): (first token [n_tiles], 1 where
+    the tile is its document's last else 0 [n_tiles], each document's first tile [nd + 1], tokens of the
+    tile inside its document [n_tiles]), int32 numpy arrays; an empty document has one tile."""
+    lens = np.diff(doc_offsets)
+    per_doc = np.maximum((lens + block_t - 1) // block_t, 1)
+    doc_tile = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(per_doc, out=doc_tile[1:])
+    doc_of = np.repeat(np.arange(len(lens)), per_doc)
+    k = np.arange(int(doc_tile[-1])) - doc_tile[doc_of]
     first = doc_offsets[doc_of] + k * block_t
-    inside = torch.clamp(lens[doc_of] - k * block_t, 0, block_t)
+    inside = np.clip(lens[doc_of] - k * block_t, 0, block_t)
     ends = k == per_doc[doc_of] - 1
-    i32 = torch.int32
-    return first.to(i32), ends.to(i32), doc_tile.to(i32), inside.to(i32)
+    return tuple(a.astype(np.int32) for a in (first, ends, doc_tile, inside))
+
+
+def device_tables(
+    doc_offsets: np.ndarray, doc_scales: torch.Tensor, block_t: int = BLOCK_T
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's tables on the scales' device: (first token, ends, doc_tile) of `tile_table` and the
+    tile scales (`tile_scales`). The three index tables travel in one copy that the host does not wait
+    for (`host_to_device`), each part starting on a 16-byte boundary (the kernel's pointers stay
+    aligned); made on the host, they cost ~50 us of host time a call against ~750 us for the same
+    tables as a dozen torch operations on the device (benchmarks/probe_batch_host.py)."""
+    first, ends, doc_tile, inside = tile_table(doc_offsets, block_t)
+    parts = (first, ends, doc_tile, inside)
+    starts = np.cumsum([0] + [-(-len(a) // 4) * 4 for a in parts])
+    packed = np.zeros(int(starts[-1]), dtype=np.int32)
+    for a, at in zip(parts, starts[:-1], strict=False):
+        packed[at : at + len(a)] = a
+    on_gpu = host_to_device(torch.from_numpy(packed), doc_scales.device)
+    first_d, ends_d, doc_tile_d, inside_d = (
+        on_gpu[a : a + len(p)] for a, p in zip(starts[:-1], parts, strict=False)
+    )
+    return first_d, ends_d, doc_tile_d, tile_scales(doc_scales, first_d, inside_d, block_t)
 
 
 def tile_scales(

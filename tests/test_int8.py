@@ -322,10 +322,7 @@ def test_hopper_tile_table_walks_every_document() -> None:
 
     lengths = [0, 1, 63, 64, 65, 128, 129, 0, 7, 300]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    n_tiles = hopper.tile_count(np.diff(offsets), block_t=64)
-    first, ends, doc_tile, inside = (
-        t.numpy() for t in hopper.tile_table(torch.from_numpy(offsets), n_tiles, block_t=64)
-    )
+    first, ends, doc_tile, inside = hopper.tile_table(offsets, block_t=64)
     want_first, want_ends, want_inside, want_doc_tile = [], [], [], [0]
     for d, n in enumerate(lengths):
         tiles = max(1, -(-n // 64))
@@ -339,7 +336,11 @@ def test_hopper_tile_table_walks_every_document() -> None:
     assert first.dtype == ends.dtype == doc_tile.dtype == np.int32
 
     scales = torch.arange(1, offsets[-1] + 1, dtype=torch.float32)
-    table = hopper.tile_scales(scales, torch.from_numpy(first), torch.from_numpy(inside), block_t=64)
+    tables = hopper.device_tables(offsets, scales, block_t=64)  # on the CPU: the same tables as tensors
+    for got, want in zip(tables[:3], (first, ends, doc_tile), strict=True):
+        assert got.dtype == torch.int32 and got.numpy().tolist() == want.tolist()
+    assert all(t.data_ptr() % 16 == 0 for t in tables)
+    table = tables[3]
     assert table.shape == (len(first), 64) and table.is_contiguous()
     for t in range(len(first)):
         n = int(inside[t])
