@@ -346,6 +346,10 @@ def test_hopper_tile_table_walks_every_document() -> None:
         n = int(inside[t])
         assert torch.equal(table[t, :n], scales[first[t] : first[t] + n])
         assert torch.isnan(table[t, n:]).all()
+    # the kernel that makes the table on CUDA (here under the interpreter), on the same tile table
+    kernel_table = hopper.tile_scales_triton(scales, tables[0], torch.from_numpy(inside), block_t=64)
+    assert torch.equal(kernel_table.isnan(), table.isnan())
+    assert torch.equal(kernel_table.nan_to_num(), table.nan_to_num())
 
 
 def test_hopper_kernel_is_not_planned_off_the_gpu() -> None:
