@@ -43,7 +43,7 @@ want kernels && step kernels ${KERNELS_S:-300} python3 benchmarks/bench_kernels.
 want train && step train ${TRAIN_S:-260} python3 benchmarks/bench_train.py --out "$logs/train-h200.json" \
   --methods ours,plain-autograd,lik,lik-lowmem,flash-maxsim --fp32-shapes colbert-128
 want verify && step verify ${VERIFY_S:-80} python3 benchmarks/verify_reports.py --device cuda --out "$logs/verify"
-want int8 && step int8 ${INT8_S:-200} python3 benchmarks/bench_int8.py gpu --rep-ms 200 \
+want int8 && step int8 ${INT8_S:-200} python3 benchmarks/bench_int8.py gpu --rep-ms 200 ${INT8_ARGS:-} \
   --out "$logs/int8-h200.json" --workdir /tmp
 want ab && step ab ${AB_S:-60} python3 benchmarks/ab_specialization.py
 # ab-forward: the forward kernel against other versions of its module, AB_VARIANTS="NAME=FILE ..."

@@ -726,21 +726,23 @@ def _launch_hopper(
     query_offsets: torch.Tensor,
     doc_offsets: torch.Tensor,
     device_query_offsets: torch.Tensor,
+    device_doc_offsets: torch.Tensor,
     q8: torch.Tensor,
     sq: torch.Tensor,
     d8: torch.Tensor,
     sd: torch.Tensor,
 ) -> torch.Tensor:
-    """All pairs on the Gluon kernel, from the host offsets (the plan and the tile table) and the device
-    copy of the query offsets (what the kernel reads; nothing here waits for the device). The tile table
-    (made on the host) and the tile scales (on the device) are kept on the host doc offsets tensor per
+    """All pairs on the Gluon kernel, from the host offsets (the plan, and the tile table of a few
+    thousand documents) and their device copies (what the kernel reads; nothing here waits for the
+    device). The tables (`maxsim_int8_hopper.device_tables`) are kept on the host doc offsets tensor per
     scales tensor (freed with the offsets: in `maxsim score` every block of documents has its own)."""
     from .maxsim_forward import hopper_docs_per_program
 
     q_host = host_offsets("query_offsets", query_offsets, q8.shape[0])
 
     def tables() -> tuple[torch.Tensor, ...]:
-        return hopper.device_tables(host_offsets("doc_offsets", doc_offsets, d8.shape[0]), sd)
+        d_host = host_offsets("doc_offsets", doc_offsets, d8.shape[0])
+        return hopper.device_tables(d_host, device_doc_offsets, sd)
 
     tiles = memo_pair(doc_offsets, sd, ("int8-hopper-tiles", hopper.BLOCK_T), tables)
     nq, nd = len(q_host) - 1, len(tiles[2]) - 1
@@ -955,7 +957,7 @@ def maxsim_varlen_int8(
     if backend == "triton":
         hopper = _hopper_allpairs(given_q_off, given_d_off, q8, d8, return_argmax)
     if hopper is not None:
-        out = _launch_hopper(hopper, given_q_off, given_d_off, query_offsets, q8, sq, d8, sd)
+        out = _launch_hopper(hopper, given_q_off, given_d_off, query_offsets, doc_offsets, q8, sq, d8, sd)
         arg = None
     elif backend == "triton":
         out, arg = _launch_varlen(q8, sq, query_offsets, d8, sd, doc_offsets, return_argmax)

@@ -282,25 +282,52 @@ def tile_table(doc_offsets: np.ndarray, block_t: int = BLOCK_T) -> tuple[np.ndar
     return tuple(a.astype(np.int32) for a in (first, ends, doc_tile, inside))
 
 
-def device_tables(
-    doc_offsets: np.ndarray, doc_scales: torch.Tensor, block_t: int = BLOCK_T
+def tile_table_device(
+    doc_offsets: torch.Tensor, n_tiles: int, block_t: int = BLOCK_T
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's tables on the scales' device: (first token, ends, doc_tile) of `tile_table` and the
-    tile scales (`tile_scales`). The three index tables travel in one copy that the host does not wait
-    for (`host_to_device`), each part starting on a 16-byte boundary (the kernel's pointers stay
-    aligned); made on the host, they cost ~50 us of host time a call against ~750 us for the same
-    tables as a dozen torch operations on the device (benchmarks/probe_batch_host.py)."""
-    first, ends, doc_tile, inside = tile_table(doc_offsets, block_t)
-    parts = (first, ends, doc_tile, inside)
+    """`tile_table` in torch operations on the offsets' device (int64 [nd + 1]; `n_tiles`, the table's
+    length, from the host offsets, so that nothing is read back from the device): int32 tensors."""
+    device = doc_offsets.device
+    lens = doc_offsets[1:] - doc_offsets[:-1]
+    per_doc = torch.clamp((lens + block_t - 1) // block_t, min=1)
+    doc_tile = torch.zeros(len(lens) + 1, dtype=torch.int64, device=device)
+    torch.cumsum(per_doc, 0, out=doc_tile[1:])
+    doc_of = torch.repeat_interleave(torch.arange(len(lens), device=device), per_doc, output_size=n_tiles)
+    k = torch.arange(n_tiles, device=device) - doc_tile[doc_of]
+    first = doc_offsets[doc_of] + k * block_t
+    inside = torch.clamp(lens[doc_of] - k * block_t, 0, block_t)
+    ends = k == per_doc[doc_of] - 1
+    return first.int(), ends.int(), doc_tile.int(), inside.int()
+
+
+# The tile table of up to this many documents is made on the host and copied (numpy: 70 / 154 / 716 /
+# 2250 us of host time for 1.3K / 4K / 16K / 50K documents on the 2-core dev machine); beyond, by a dozen
+# torch operations on the device, whose host cost (~0.6 ms on the H200 machine, cProfile in
+# benchmarks/results/probe-batch-host-h200-b1dec42.txt) no longer grows with the documents. `maxsim
+# score` batches hold ~700-1300 documents of 20-300 tokens.
+HOST_TABLE_DOCS = 8192
+
+
+def device_tables(
+    doc_offsets: np.ndarray, device_doc_offsets: torch.Tensor, doc_scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's tables on the scales' device, from the doc offsets on the host (numpy int64) and
+    their device copy: (first token, ends, doc_tile) of `tile_table` and the tile scales (`tile_scales`).
+    Up to HOST_TABLE_DOCS documents the three index tables are made on the host and travel in one copy
+    that the host does not wait for (`host_to_device`), each part on a 16-byte boundary (the kernel's
+    pointers stay aligned); larger ones are made on the device (`tile_table_device`)."""
+    if len(doc_offsets) - 1 > HOST_TABLE_DOCS and device_doc_offsets.is_cuda:
+        n_tiles = int(np.maximum((np.diff(doc_offsets) + BLOCK_T - 1) // BLOCK_T, 1).sum())
+        first, ends, doc_tile, inside = tile_table_device(device_doc_offsets, n_tiles)
+        return first, ends, doc_tile, tile_scales(doc_scales, first, inside)
+    parts = tile_table(doc_offsets)
     starts = np.cumsum([0] + [-(-len(a) // 4) * 4 for a in parts])
     packed = np.zeros(int(starts[-1]), dtype=np.int32)
     for a, at in zip(parts, starts[:-1], strict=False):
         packed[at : at + len(a)] = a
     on_gpu = host_to_device(torch.from_numpy(packed), doc_scales.device)
-    first_d, ends_d, doc_tile_d, inside_d = (
-        on_gpu[a : a + len(p)] for a, p in zip(starts[:-1], parts, strict=False)
-    )
-    return first_d, ends_d, doc_tile_d, tile_scales(doc_scales, first_d, inside_d, block_t)
+    first, ends, doc_tile, inside = (on_gpu[a : a + len(p)] for a, p in zip(starts[:-1], parts, strict=False))
+    return first, ends, doc_tile, tile_scales(doc_scales, first, inside)
 
 
 def tile_scales(

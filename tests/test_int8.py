@@ -336,7 +336,15 @@ def test_hopper_tile_table_walks_every_document() -> None:
     assert first.dtype == ends.dtype == doc_tile.dtype == np.int32
 
     scales = torch.arange(1, offsets[-1] + 1, dtype=torch.float32)
-    tables = hopper.device_tables(offsets, scales, block_t=64)  # on the CPU: the same tables as tensors
+    # the same tables in torch operations (made so on the GPU for many documents)
+    n_tiles = len(first)
+    for got, want in zip(
+        hopper.tile_table_device(torch.from_numpy(offsets), n_tiles, block_t=64),
+        (first, ends, doc_tile, inside),
+        strict=True,
+    ):
+        assert got.dtype == torch.int32 and got.numpy().tolist() == want.tolist()
+    tables = hopper.device_tables(offsets, torch.from_numpy(offsets), scales)  # CPU: the host tables
     for got, want in zip(tables[:3], (first, ends, doc_tile), strict=True):
         assert got.dtype == torch.int32 and got.numpy().tolist() == want.tolist()
     assert all(t.data_ptr() % 16 == 0 for t in tables)
