@@ -40,7 +40,9 @@ conversion, one FMA, the max) and every tile the same loop, load and reduction o
 MMA time does not halve the tile time. Measured on one H200 (benchmarks/results/int8-h200.json): all pairs
 505 int8 TOPS against the fp16 kernel's 408 TFLOP/s in the same run (1.23x); read through a two-point model
 (fp16 time = x + y, int8 time = x + y/2), about 51 of int8's 66.5 ms are that per-tile work x. HBM-bound
-shapes reach 3.0 TB/s: a tile holds half the bytes of an fp16 tile for the same per-tile overhead.
+shapes reach 3.1-3.3 TB/s (fp16: 4.2-4.4): at the same occupancy as the fp16 kernel (three programs an SM,
+here for the 168 registers of the one-query tile) a program keeps 8 KB tiles in flight where fp16 keeps
+16 KB ones (Nsight Compute, docs/kernel-notes.md, the int8 Triton kernels on HBM-bound shapes).
 Document-major tiles (S^T = D . Q^T with an elementwise running max, which the fp16 kernel uses for one
 query and for candidates) were built and swept for both int8 kernels and lost on every shape (one query
 0.96-0.97 ms against 0.81, candidates 0.68 against 0.59, all pairs 109.6 against 71.6 ms;
