@@ -1,0 +1,125 @@
+"""`maxsim score` on the GPU with the offsets copied three ways, alternating in one process (H200 A/B).
+
+Since df1a339 the kernels copy offsets from the host without the host waiting for the stream
+(`maxsim_kernels._validate.host_to_device`) and since 0ffa3bd the scoring thread queues at most
+`RUN_AHEAD_BATCHES` batches ahead. fp16 end-to-end runs after df1a339 were slower than before on other
+machines (docs/benchmarks.md, `maxsim score` end to end); this settles it in one process:
+
+- ``bounded``: the code as it is (non-blocking copies, two batches ahead);
+- ``unbounded``: non-blocking copies, no bound (as at df1a339);
+- ``blocking``: offsets copied with a copy that waits for the stream (as before df1a339), no bound.
+
+The `score` benchmark's corpus (10 GB of fp16 shards under --workdir, built as `bench_score.py` builds
+it) and its int8 quantization (`bench_score.py --int8` keeps it in corpus-int8), 512 queries, top-1000,
+after a warm-up run on the small corpus; every way and precision ``--rounds`` times, interleaved. Prints
+the best and median wall time of each and their per-batch GPU and host times (first round).
+
+    python benchmarks/ab_offsets_copy.py --workdir /var/tmp/mb --out benchmarks/results/ab-offsets-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+from collections.abc import Iterator
+
+import maxsim_kernels._validate as validate
+import maxsim_kernels.maxsim_forward as forward
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_score  # noqa: E402
+
+import maxsim_cli.score as score_module  # noqa: E402
+from maxsim_cli.quantize import quantize_corpus  # noqa: E402
+from maxsim_cli.score import score  # noqa: E402
+
+WAYS = ("bounded", "unbounded", "blocking")
+
+
+def _blocking_copy(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return x.to(device)  # waits for the stream when the target is a GPU
+
+
+@contextlib.contextmanager
+def way(name: str) -> Iterator[None]:
+    """The code patched to copy offsets and bound the queue as `name` says, restored afterwards."""
+    modules = [validate, forward]
+    with contextlib.suppress(ImportError):  # the Gluon module needs triton's gluon
+        import maxsim_kernels.maxsim_int8_hopper as hopper
+
+        modules.append(hopper)
+    saved = [(m, m.host_to_device) for m in modules], score_module.RUN_AHEAD_BATCHES
+    try:
+        if name in ("unbounded", "blocking"):
+            score_module.RUN_AHEAD_BATCHES = 1 << 30
+        if name == "blocking":
+            for m in modules:
+                m.host_to_device = _blocking_copy
+        yield
+    finally:
+        for m, fn in saved[0]:
+            m.host_to_device = fn
+        score_module.RUN_AHEAD_BATCHES = saved[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", default="/var/tmp/mb")
+    parser.add_argument("--size", default="10GB")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cuda", help="cuda (cpu: a check of the script)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    work = args.workdir
+    shard_bytes = 512 << 20 if device.type == "cuda" else 4 << 20
+    size = bench_score.parse_size(args.size)
+    paths = bench_score.build_corpus(os.path.join(work, "corpus"), size, shard_bytes, device)
+    small = bench_score.build_corpus(os.path.join(work, "small"), 32 << 20, 16 << 20, device, seed=5)
+    qpath = os.path.join(work, "queries.safetensors")
+    if not os.path.exists(qpath):
+        bench_score.build_queries(qpath, 512, device)
+    int8_dir = os.path.join(work, "corpus-int8")
+    if not os.path.isdir(int8_dir):
+        quantize_corpus(paths, int8_dir, device=device.type, sample_queries=0)
+    small8 = os.path.join(work, "small-int8")
+    if not os.path.isdir(small8):
+        quantize_corpus(small, small8, device=device.type, sample_queries=0)
+    corpora = {"fp16": paths, "int8": [int8_dir]}
+    bench_score.read_files(paths, os.cpu_count() or 1)  # warm the page cache
+    for corpus in (small, [small8]):
+        score(
+            qpath, corpus, output=os.path.join(work, "ab-warm.trec"), device=device.type, log=lambda m: None
+        )
+    times: dict[str, list[float]] = {}
+    batches: dict[str, str] = {}
+    for r in range(args.rounds):
+        for name in WAYS:
+            for precision, corpus in corpora.items():
+                key = f"{precision} {name}"
+                with way(name):
+                    stats = score(qpath, corpus, output=os.path.join(work, "ab.trec"), device=device.type,
+                                  log=lambda m: None)  # fmt: skip
+                times.setdefault(key, []).append(stats.wall_s)
+                if r == 0:
+                    batches[key] = f"{stats.doc_batches} batches, scoring {stats.score_s:.3f} s"
+                print(f"round {r} {key}: {stats.wall_s:.3f} s", file=sys.stderr, flush=True)
+    rows = {
+        key: {"best_s": min(t), "median_s": statistics.median(t), "all_s": t, "first_round": batches[key]}
+        for key, t in times.items()
+    }
+    for key, row in rows.items():
+        print(f"{key:16s} best {row['best_s']:.3f} s  median {row['median_s']:.3f} s  ({row['first_round']})")
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+            json.dump({"rows": rows, "device": gpu, "torch": torch.__version__}, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
