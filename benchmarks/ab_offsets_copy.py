@@ -1,13 +1,14 @@
 """`maxsim score` on the GPU with the offsets copied three ways, alternating in one process (H200 A/B).
 
 Since df1a339 the kernels copy offsets from the host without the host waiting for the stream
-(`maxsim_kernels._validate.host_to_device`) and since 0ffa3bd the scoring thread queues at most
-`RUN_AHEAD_BATCHES` batches ahead. fp16 end-to-end runs after df1a339 were slower than before on other
+(`maxsim_kernels._validate.host_to_device`), so the scoring thread queues batches as far ahead of the
+GPU as the readers' batches allow. fp16 end-to-end runs after df1a339 were slower than before on other
 machines (docs/benchmarks.md, `maxsim score` end to end); this settles it in one process:
 
-- ``bounded``: the code as it is (non-blocking copies, two batches ahead);
-- ``unbounded``: non-blocking copies, no bound (as at df1a339);
-- ``blocking``: offsets copied with a copy that waits for the stream (as before df1a339), no bound.
+- ``current``: the code as it is (non-blocking copies, no bound on the queue);
+- ``bounded``: the candidate fix: the same, with the scoring thread waiting for the end of the batch two
+  back before it queues the next (`RUN_AHEAD_BATCHES`), so at most two batches wait on the GPU;
+- ``blocking``: offsets copied with a copy that waits for the stream (as before df1a339).
 
 The `score` benchmark's corpus (10 GB of fp16 shards under --workdir, built as `bench_score.py` builds
 it) and its int8 quantization (`bench_score.py --int8` keeps it in corpus-int8), 512 queries, top-1000,
@@ -25,7 +26,8 @@ import json
 import os
 import statistics
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import maxsim_kernels._validate as validate
 import maxsim_kernels.maxsim_forward as forward
@@ -38,11 +40,23 @@ import maxsim_cli.score as score_module  # noqa: E402
 from maxsim_cli.quantize import quantize_corpus  # noqa: E402
 from maxsim_cli.score import score  # noqa: E402
 
-WAYS = ("bounded", "unbounded", "blocking")
+WAYS = ("current", "bounded", "blocking")
+RUN_AHEAD_BATCHES = 2  # the bound that ``bounded`` tries
 
 
 def _blocking_copy(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.to(device)  # waits for the stream when the target is a GPU
+
+
+def _bounded_timer(timer: Callable[[Any], object]) -> Callable[[Any], object]:
+    """The engine's batch timer, first waiting for the end of the batch RUN_AHEAD_BATCHES back."""
+
+    def start(engine: Any) -> object:
+        if engine.cuda and len(engine.score_events) >= RUN_AHEAD_BATCHES:
+            engine.score_events[-RUN_AHEAD_BATCHES][1].synchronize()
+        return timer(engine)
+
+    return start
 
 
 @contextlib.contextmanager
@@ -53,18 +67,19 @@ def way(name: str) -> Iterator[None]:
         import maxsim_kernels.maxsim_int8_hopper as hopper
 
         modules.append(hopper)
-    saved = [(m, m.host_to_device) for m in modules], score_module.RUN_AHEAD_BATCHES
+    copies = [(m, m.host_to_device) for m in modules]
+    timer = score_module._Engine._timer
     try:
-        if name in ("unbounded", "blocking"):
-            score_module.RUN_AHEAD_BATCHES = 1 << 30
+        if name == "bounded":
+            score_module._Engine._timer = _bounded_timer(timer)
         if name == "blocking":
             for m in modules:
                 m.host_to_device = _blocking_copy
         yield
     finally:
-        for m, fn in saved[0]:
+        for m, fn in copies:
             m.host_to_device = fn
-        score_module.RUN_AHEAD_BATCHES = saved[1]
+        score_module._Engine._timer = timer
 
 
 def main() -> None:

@@ -67,7 +67,8 @@ want ncu-one-query && step ncu-one-query ${NCU_S:-150} bash -c '
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section SchedulerStats --section MemoryWorkloadAnalysis python3 benchmarks/profile_memory_bound.py \
     > '"$logs"'/ncu-one-query-h200.txt 2>&1; rc=$?; grep -E "Duration|Throughput|Occupancy|Registers|Stall|Eligible|Issued" '"$logs"'/ncu-one-query-h200.txt; exit $rc'
-# ab-offsets: maxsim score with the offsets copied three ways, fp16 and int8 (ab_offsets_copy.py)
+# ab-offsets: maxsim score with the offsets copied three ways (and a run-ahead bound), fp16 and int8
+# (ab_offsets_copy.py)
 want ab-offsets && step ab-offsets ${AB_OFFSETS_S:-300} python3 benchmarks/ab_offsets_copy.py \
   --workdir /var/tmp/mb --out "$logs/ab-offsets-h200.json"
 want argmax-sweep && step argmax-sweep ${ARGMAX_SWEEP_S:-150} python3 benchmarks/sweep_argmax_forward.py \

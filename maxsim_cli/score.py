@@ -85,13 +85,6 @@ MIN_BATCH_TOKENS = 16384
 # 12.1 GB/s with 16 threads, benchmarks/results/score-h200.json). On the CPU one thread: reading is a
 # small share of the time there and every other core scores.
 DEFAULT_READER_THREADS = 16
-# Batches the host may queue ahead of the GPU's scoring. The kernels copy host offsets without waiting for
-# the stream (maxsim_kernels._validate.host_to_device), so the scoring thread would otherwise run ahead
-# as far as the readers' batches allow, with their pinned slots held by copies the GPU has yet to run; two
-# keep one batch's launches overlapping the previous batch's kernels. (Not measured against an unbounded
-# queue: after the non-blocking copies, before this bound, fp16 end-to-end runs took 0.82-0.90 s
-# against 0.72-0.84 s before on other machines, docs/benchmarks.md.)
-RUN_AHEAD_BATCHES = 2
 # Defaults: host staging memory, and the share of free GPU memory used without --max-memory.
 DEFAULT_HOST_BYTES = 4 << 30
 DEFAULT_GPU_FREE_SHARE = 0.9
@@ -1031,11 +1024,7 @@ class _Engine:
             return compute(False)
 
     def _timer(self) -> object:
-        """Start of a batch's scoring: on CUDA a timing event, recorded once the GPU is at most
-        RUN_AHEAD_BATCHES batches behind (the host waits for the end of the batch that many back)."""
         if self.cuda:
-            if len(self.score_events) >= RUN_AHEAD_BATCHES:
-                self.score_events[-RUN_AHEAD_BATCHES][1].synchronize()
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             return start
