@@ -71,6 +71,9 @@ want ncu-one-query && step ncu-one-query ${NCU_S:-150} bash -c '
 # (ab_offsets_copy.py)
 want ab-offsets && step ab-offsets ${AB_OFFSETS_S:-300} python3 benchmarks/ab_offsets_copy.py \
   --workdir /var/tmp/mb --out "$logs/ab-offsets-h200.json"
+# read-rate: page-cached shard reads by method and thread count (probe_read_rate.py; needs the score corpus)
+want read-rate && step read-rate ${READ_RATE_S:-150} python3 benchmarks/probe_read_rate.py /var/tmp/mb/corpus/*.safetensors \
+  --out "$logs/read-rate-h200.json"
 want argmax-sweep && step argmax-sweep ${ARGMAX_SWEEP_S:-150} python3 benchmarks/sweep_argmax_forward.py \
   --out "$logs/argmax-sweep-h200.json"
 want long-hopper && step long-hopper ${LONG_HOPPER_S:-240} python3 benchmarks/ab_long_hopper.py \
