@@ -4,8 +4,8 @@ Workload (the `score` benchmark's, on a larger corpus): 512 queries x 32 tokens 
 L2-normalised random token vectors, d = 128 (256 B a token), document lengths uniform in [20, 300]
 (mean 160), 512 MiB shards (61 of them for 32 GB, so that two ranks get shares within one shard of each
 other), top-k 1000, the run written to local disk. The corpus is written in this run (so it sits in the
-page cache) and read once more before timing; a warm-up on a small corpus compiles the Triton kernels into
-the on-disk cache that the workers load them from.
+page cache) and read alone as fast as the cores can (`bench_score.read_files`); a warm-up on a small
+corpus compiles the Triton kernels into the on-disk cache that the workers load them from.
 
 Each configuration starts fresh worker processes through the `--devices` launcher
 (`maxsim_cli.distributed.launch`), so both pay the same start-up:
@@ -42,10 +42,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from maxsim_cli import distributed
-from maxsim_cli.score import score
-from maxsim_cli.shards import write_shard
-from maxsim_cli.units import format_size, parse_size
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_score  # noqa: E402
+
+from maxsim_cli import distributed  # noqa: E402
+from maxsim_cli.score import score  # noqa: E402
+from maxsim_cli.shards import write_shard  # noqa: E402
+from maxsim_cli.units import format_size, parse_size  # noqa: E402
 
 DIM = 128
 MIN_LEN, MAX_LEN = 20, 300
@@ -111,22 +114,6 @@ def build_queries(path: str, n: int, device: torch.device, seed: int = 1) -> Non
     emb = torch.nn.functional.normalize(emb, dim=1).to(torch.float16).cpu()
     offsets = torch.arange(0, n * QUERY_TOKENS + 1, QUERY_TOKENS, dtype=torch.int64)
     write_shard(path, [f"q{i:04d}" for i in range(n)], emb, offsets=offsets, dtype="float16", normalized=True)
-
-
-def read_all(paths: list[str], threads: int) -> float:
-    """Read every file once (page cache warm-up); returns seconds."""
-
-    def read(path: str) -> int:
-        n = 0
-        with open(path, "rb", buffering=0) as fh:
-            while chunk := fh.read(64 << 20):
-                n += len(chunk)
-        return n
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        sum(pool.map(read, paths))
-    return time.perf_counter() - start
 
 
 def sha256(path: str) -> str:
@@ -198,8 +185,9 @@ def main() -> None:
     data_s = time.perf_counter() - t0
     log(f"data: {len(paths)} shards, {format_size(corpus_bytes)} in {data_s:.1f} s")
     record("data", shards=len(paths), corpus_bytes=corpus_bytes, seconds=data_s)
-    read_s = read_all(paths, threads)
-    log(f"page cache warm-up read: {read_s:.2f} s ({corpus_bytes / read_s / 1e9:.1f} GB/s)")
+    bench_score.read_files(paths, threads)  # page cache warm
+    read_s = min(bench_score.read_files(paths, threads)[0] for _ in range(2))
+    log(f"page cache read alone: {read_s:.2f} s ({corpus_bytes / read_s / 1e9:.1f} GB/s, {threads} threads)")
     record("read", seconds=read_s, GBps=corpus_bytes / read_s / 1e9)
 
     # Triton compile into the on-disk cache (workers load from it), CUDA and torch warm in this process

@@ -39,7 +39,8 @@ def run(method: str, work: list[tuple[str, int, int]], threads: int, pinned: boo
     maps = {}
     if method == "map":
         maps = {p: mmap.mmap(fd, 0, prot=mmap.PROT_READ) for p, fd in fds.items()}
-    buffers = [torch.empty(PIECE, dtype=torch.uint8, pin_memory=pinned and torch.cuda.is_available()) for _ in range(threads)]
+    pin = pinned and torch.cuda.is_available()
+    buffers = [torch.empty(PIECE, dtype=torch.uint8, pin_memory=pin) for _ in range(threads)]
     views = [memoryview(b.numpy()).cast("B") for b in buffers]
     call = 2 << 20 if method == "pread-2m" else PIECE
 
@@ -85,7 +86,7 @@ def main() -> None:
                    "seconds": best, "GBps": total / best / 1e9}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
-    print(f"{'method':10s} {'dest':8s} " + " ".join(f"{t:>6d}" for t in sorted({r['threads'] for r in rows})))
+    print(f"{'method':10s} {'dest':8s} " + " ".join(f"{t:>6d}" for t in sorted({r["threads"] for r in rows})))
     for method, pinned in (("pread", True), ("pread-2m", True), ("pread", False), ("map", True)):
         rates = [r["GBps"] for r in rows if r["method"] == method and r["pinned"] == pinned]
         dest = "pinned" if pinned else "pageable"
