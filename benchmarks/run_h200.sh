@@ -74,6 +74,10 @@ want ab-offsets && step ab-offsets ${AB_OFFSETS_S:-300} python3 benchmarks/ab_of
 # read-rate: page-cached shard reads by method and thread count (probe_read_rate.py; needs the score corpus)
 want read-rate && step read-rate ${READ_RATE_S:-150} python3 benchmarks/probe_read_rate.py /var/tmp/mb/corpus/*.safetensors \
   --out "$logs/read-rate-h200.json"
+# timeline: torch.profiler timelines of one fp16 and one int8 `maxsim score` pass, summarised
+# (profile_score_timeline.py; builds the score corpus and its int8 quantization like ab-offsets)
+want timeline && step timeline ${TIMELINE_S:-240} python3 benchmarks/profile_score_timeline.py --workdir /var/tmp/mb \
+  --out "$logs/timeline-h200.json" --traces "$logs"
 want argmax-sweep && step argmax-sweep ${ARGMAX_SWEEP_S:-150} python3 benchmarks/sweep_argmax_forward.py \
   --out "$logs/argmax-sweep-h200.json"
 want long-hopper && step long-hopper ${LONG_HOPPER_S:-240} python3 benchmarks/ab_long_hopper.py \
