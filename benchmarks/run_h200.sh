@@ -78,6 +78,9 @@ want read-rate && step read-rate ${READ_RATE_S:-150} python3 benchmarks/probe_re
 # (profile_score_timeline.py; builds the score corpus and its int8 quantization like ab-offsets)
 want timeline && step timeline ${TIMELINE_S:-240} python3 benchmarks/profile_score_timeline.py --workdir /var/tmp/mb \
   --out "$logs/timeline-h200.json" --traces "$logs"
+# sweep-readers: maxsim score by reader threads and staging arena size, fp16 and int8 (sweep_readers.py)
+want sweep-readers && step sweep-readers ${SWEEP_READERS_S:-240} python3 benchmarks/sweep_readers.py --workdir /var/tmp/mb \
+  ${SWEEP_READERS_ARGS:-} --out "$logs/sweep-readers-h200.json"
 want argmax-sweep && step argmax-sweep ${ARGMAX_SWEEP_S:-150} python3 benchmarks/sweep_argmax_forward.py \
   --out "$logs/argmax-sweep-h200.json"
 want long-hopper && step long-hopper ${LONG_HOPPER_S:-240} python3 benchmarks/ab_long_hopper.py \
