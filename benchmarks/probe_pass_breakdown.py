@@ -1,0 +1,159 @@
+"""Where the scoring thread's time goes in a `maxsim score` pass, per batch, without a profiler (H200).
+
+A torch.profiler timeline (profile_score_timeline.py) shows the GPU idle about half of each pass while
+the scoring thread never waits long for a batch. This times, with `time.perf_counter` wrappers around
+the engine's own functions, each part of the scoring thread's cycle: waiting for the next read batch,
+issuing its copy (`BatchStream._copy`), the kernel call (`maxsim_varlen`), the top-k merge
+(`RunningTopK.add`), and the rest; and in the readers, the file reads (`_SafetensorsRows._pread`)
+against their whole time. Variants change one thing each: fewer reader threads, a shorter GIL switch
+interval, Python's garbage collector off during the pass. fp16 and int8, `--rounds` rounds, alternating.
+
+    python benchmarks/probe_pass_breakdown.py --workdir /var/tmp/mb --out pass-breakdown.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import maxsim_kernels
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ab_offsets_copy  # noqa: E402
+
+import maxsim_cli.pipeline as pipeline  # noqa: E402
+import maxsim_cli.score as score_module  # noqa: E402
+import maxsim_cli.topk as topk_module  # noqa: E402
+
+PARTS = ("copy", "kernel_call", "topk_add", "score_block")
+
+
+class Clock:
+    """Per-call durations of wrapped functions, kept per part; the scoring thread's cycle starts."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, list[float]] = {p: [] for p in PARTS}
+        self.reads: list[float] = []
+        self.block_starts: list[float] = []
+        self.lock = threading.Lock()
+
+    def wrap(self, owner: Any, name: str, part: str) -> Callable[[], None]:
+        original = getattr(owner, name)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            if part == "score_block":
+                self.block_starts.append(t0)
+            try:
+                return original(*a, **k)
+            finally:
+                dt = time.perf_counter() - t0
+                if part == "read":
+                    with self.lock:
+                        self.reads.append(dt)
+                else:
+                    self.parts[part].append(dt)
+
+        setattr(owner, name, timed)
+        return lambda: setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def instrumented(clock: Clock) -> Iterator[None]:
+    undo = [
+        clock.wrap(pipeline.BatchStream, "_copy", "copy"),
+        clock.wrap(maxsim_kernels, "maxsim_varlen", "kernel_call"),
+        clock.wrap(topk_module.RunningTopK, "add", "topk_add"),
+        clock.wrap(score_module._Engine, "_score_block", "score_block"),
+        clock.wrap(pipeline._SafetensorsRows, "_pread", "read"),
+    ]
+    try:
+        yield
+    finally:
+        for u in reversed(undo):
+            u()
+
+
+@contextlib.contextmanager
+def variant(name: str) -> Iterator[dict[str, Any]]:
+    kwargs: dict[str, Any] = {}
+    interval = sys.getswitchinterval()
+    try:
+        if name == "readers=4":
+            kwargs["reader_threads"] = 4
+        elif name == "switch=0.5ms":
+            sys.setswitchinterval(0.0005)
+        elif name == "gc-off":
+            gc.disable()
+        yield kwargs
+    finally:
+        sys.setswitchinterval(interval)
+        gc.enable()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", default="/var/tmp/mb")
+    parser.add_argument("--size", default="10GB")
+    parser.add_argument("--variants", default="default,readers=4,switch=0.5ms,gc-off")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--device", default="cuda", help="cuda (cpu: a check of the script)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    corpora, qpath, warm = ab_offsets_copy.prepare(args.workdir, device, args.size)
+    out = os.path.join(args.workdir, "probe.trec")
+    quiet = {"device": device.type, "log": lambda m: None}
+    for corpus in warm:
+        score_module.score(qpath, corpus, output=out, **quiet)
+    rows: dict[str, dict[str, Any]] = {}
+    for r in range(args.rounds):
+        for name in args.variants.split(","):
+            for precision, corpus in corpora.items():
+                clock = Clock()
+                with variant(name) as kwargs, instrumented(clock):
+                    st = score_module.score(qpath, corpus, output=out, **kwargs, **quiet)
+                n = st.doc_batches
+                cycles = [b - a for a, b in zip(clock.block_starts, clock.block_starts[1:], strict=False)]
+                pass_s = st.wall_s - st.setup_s - st.write_s
+                row = {
+                    "wall_s": st.wall_s,
+                    "pass_s": pass_s,
+                    "batches": n,
+                    "gpu_score_s": st.score_s,
+                    "wait_s": st.wait_s,
+                    "cycle_ms_median": 1e3 * statistics.median(cycles) if cycles else 0.0,
+                    **{f"{p}_ms_median": 1e3 * statistics.median(v) for p, v in clock.parts.items() if v},
+                    **{f"{p}_s_sum": sum(v) for p, v in clock.parts.items()},
+                    "reader_read_s_sum": sum(clock.reads),
+                    "reader_busy_s_sum": st.read_s,
+                }
+                key = f"{precision} {name}"
+                if key not in rows or pass_s < rows[key]["pass_s"]:
+                    rows[key] = row
+                med = {p: row.get(f"{p}_ms_median", 0.0) for p in PARTS}
+                line = (
+                    f"round {r} {key:20s} wall {st.wall_s:.3f} pass {pass_s:.3f} s, {n} batches: cycle "
+                    f"{row['cycle_ms_median']:.2f} ms (copy {med['copy']:.2f}, kernel call "
+                    f"{med['kernel_call']:.2f}, top-k {med['topk_add']:.2f}, block {med['score_block']:.2f})"
+                    f"; wait {st.wait_s:.3f} s; GPU spans {st.score_s:.3f} s; "
+                    f"readers: preadv {sum(clock.reads):.2f} of {st.read_s:.2f} s"
+                )
+                print(line, flush=True)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            json.dump({"rows": rows, "cores": os.cpu_count()}, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
