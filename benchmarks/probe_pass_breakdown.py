@@ -5,8 +5,9 @@ the scoring thread never waits long for a batch. This times, with `time.perf_cou
 the engine's own functions, each part of the scoring thread's cycle: waiting for the next read batch,
 issuing its copy (`BatchStream._copy`), the kernel call (`maxsim_varlen`), the top-k merge
 (`RunningTopK.add`), and the rest; and in the readers, the file reads (`_SafetensorsRows._pread`)
-against their whole time. Variants change one thing each: fewer reader threads, a shorter GIL switch
-interval, Python's garbage collector off during the pass. fp16 and int8, `--rounds` rounds, alternating.
+against their whole time. Variants change reader threads, the pinned staging arena (hence the batch
+size), the GIL switch interval, or turn Python's garbage collector off during the pass. fp16 and int8,
+`--rounds` rounds, alternating.
 
     python benchmarks/probe_pass_breakdown.py --workdir /var/tmp/mb --out pass-breakdown.json
 """
@@ -34,6 +35,7 @@ import ab_offsets_copy  # noqa: E402
 import maxsim_cli.pipeline as pipeline  # noqa: E402
 import maxsim_cli.score as score_module  # noqa: E402
 import maxsim_cli.topk as topk_module  # noqa: E402
+from maxsim_cli.units import parse_size  # noqa: E402
 
 PARTS = ("copy", "kernel_call", "topk_add", "score_block")
 
@@ -86,18 +88,24 @@ def instrumented(clock: Clock) -> Iterator[None]:
 
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[dict[str, Any]]:
+    """Settings joined by '+': readers=N, staging=SIZE (the pinned arena), switch=0.5ms, gc-off."""
     kwargs: dict[str, Any] = {}
     interval = sys.getswitchinterval()
+    staging = score_module.STAGING_BYTES
     try:
-        if name == "readers=4":
-            kwargs["reader_threads"] = 4
-        elif name == "switch=0.5ms":
-            sys.setswitchinterval(0.0005)
-        elif name == "gc-off":
-            gc.disable()
+        for setting in name.split("+"):
+            if setting.startswith("readers="):
+                kwargs["reader_threads"] = int(setting.split("=")[1])
+            elif setting.startswith("staging="):
+                score_module.STAGING_BYTES = parse_size(setting.split("=")[1])
+            elif setting == "switch=0.5ms":
+                sys.setswitchinterval(0.0005)
+            elif setting == "gc-off":
+                gc.disable()
         yield kwargs
     finally:
         sys.setswitchinterval(interval)
+        score_module.STAGING_BYTES = staging
         gc.enable()
 
 
@@ -122,7 +130,9 @@ def main() -> None:
             for precision, corpus in corpora.items():
                 clock = Clock()
                 with variant(name) as kwargs, instrumented(clock):
+                    called = time.perf_counter()
                     st = score_module.score(qpath, corpus, output=out, **kwargs, **quiet)
+                    returned = time.perf_counter()
                 n = st.doc_batches
                 cycles = [b - a for a, b in zip(clock.block_starts, clock.block_starts[1:], strict=False)]
                 pass_s = st.wall_s - st.setup_s - st.write_s
@@ -133,6 +143,9 @@ def main() -> None:
                     "gpu_score_s": st.score_s,
                     "wait_s": st.wait_s,
                     "cycle_ms_median": 1e3 * statistics.median(cycles) if cycles else 0.0,
+                    "cycle_ms_mean": 1e3 * statistics.fmean(cycles) if cycles else 0.0,
+                    "first_block_after_setup_s": clock.block_starts[0] - called - st.setup_s if n else 0.0,
+                    "after_last_block_s": returned - clock.block_starts[-1] - st.write_s if n else 0.0,
                     **{f"{p}_ms_median": 1e3 * statistics.median(v) for p, v in clock.parts.items() if v},
                     **{f"{p}_s_sum": sum(v) for p, v in clock.parts.items()},
                     "reader_read_s_sum": sum(clock.reads),
@@ -144,10 +157,13 @@ def main() -> None:
                 med = {p: row.get(f"{p}_ms_median", 0.0) for p in PARTS}
                 line = (
                     f"round {r} {key:20s} wall {st.wall_s:.3f} pass {pass_s:.3f} s, {n} batches: cycle "
-                    f"{row['cycle_ms_median']:.2f} ms (copy {med['copy']:.2f}, kernel call "
+                    f"{row['cycle_ms_median']:.2f} ms, mean {row['cycle_ms_mean']:.2f} "
+                    f"(copy {med['copy']:.2f}, kernel call "
                     f"{med['kernel_call']:.2f}, top-k {med['topk_add']:.2f}, block {med['score_block']:.2f})"
                     f"; wait {st.wait_s:.3f} s; GPU spans {st.score_s:.3f} s; "
-                    f"readers: preadv {sum(clock.reads):.2f} of {st.read_s:.2f} s"
+                    f"readers: preadv {sum(clock.reads):.2f} of {st.read_s:.2f} s; first block "
+                    f"{row['first_block_after_setup_s']:.3f} s after set-up, last "
+                    f"{row['after_last_block_s']:.3f} s before writing"
                 )
                 print(line, flush=True)
     if args.out:
