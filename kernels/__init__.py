@@ -96,6 +96,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'maxsim_kernels' has no attribute {name!r}")
 
 
+def _check_query_scales(query_scales: torch.Tensor | None, docs: torch.Tensor) -> None:
+    if query_scales is not None and not (isinstance(docs, torch.Tensor) and docs.dtype == torch.int8):
+        raise ValueError("query_scales go with int8 queries and int8 documents")
+
+
 def maxsim_varlen(
     queries: torch.Tensor,
     query_offsets: torch.Tensor,
@@ -106,11 +111,15 @@ def maxsim_varlen(
     allow_tf32: bool = False,
     backend: str = "auto",
     doc_scales: torch.Tensor | None = None,
+    query_scales: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Every query against every document: fp32 scores [nq, nd] (+ int32 argmax [Tq, nd]).
 
     queries [Tq, dim] with query_offsets int64 [nq+1]; docs [Td, dim] with doc_offsets int64 [nd+1].
+    int8 docs take `doc_scales` fp32 [Td], and either float queries (quantized per token on each call)
+    or int8 queries with `query_scales` fp32 [Tq] (`maxsim_kernels.maxsim_int8.quantize_per_token`).
     """
+    _check_query_scales(query_scales, docs)
     if docs.dtype == torch.int8:
         return _int8_module().maxsim_varlen_int8(
             queries,
@@ -121,6 +130,7 @@ def maxsim_varlen(
             allow_tf32=allow_tf32,
             backend=backend,
             doc_scales=doc_scales,
+            query_scales=query_scales,
         )
     if _needs_grad(queries, docs):
         return _backward_module().maxsim_varlen_autograd(
@@ -152,12 +162,15 @@ def maxsim_candidates(
     allow_tf32: bool = False,
     backend: str = "auto",
     doc_scales: torch.Tensor | None = None,
+    query_scales: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-query candidates (reranking): fp32 scores [C] (+ int32 argmax [C, max_query_len], -1 padded).
 
     Query i's candidates are candidate_docs[candidate_offsets[i]:candidate_offsets[i+1]], int64 indices
-    into doc_offsets; the documents are read in place, never gathered into a copy.
+    into doc_offsets; the documents are read in place, never gathered into a copy. Scales as in
+    `maxsim_varlen`.
     """
+    _check_query_scales(query_scales, docs)
     if docs.dtype == torch.int8:
         return _int8_module().maxsim_candidates_int8(
             queries,
@@ -170,6 +183,7 @@ def maxsim_candidates(
             allow_tf32=allow_tf32,
             backend=backend,
             doc_scales=doc_scales,
+            query_scales=query_scales,
         )
     if _needs_grad(queries, docs):
         return _backward_module().maxsim_candidates_autograd(

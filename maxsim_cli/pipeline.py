@@ -466,7 +466,7 @@ class BatchStream:
         # the GPU: one flag per such batch, read once at the end of the first pass.
         self._direct: dict[int, _SafetensorsRows | None] = {}
         self._direct_lock = threading.Lock()
-        self._flags: list[tuple[BatchPlan, torch.Tensor]] = []
+        self._checks: list[tuple[BatchPlan, torch.Tensor]] = []
         if self.cuda:
             self._copy_stream = torch.cuda.Stream(device=device)
 
@@ -607,11 +607,11 @@ class BatchStream:
         device check saw NaN/Inf (or a negative int8 scale); that raises the shard's one-line error
         naming the document and token. (A float32 sum that overflows on finite values is a false
         alarm: the re-read then passes.)"""
-        if not self._flags:
+        if not self._checks:
             return
-        bad = torch.stack([flag for _, flag in self._flags]).cpu().tolist()
-        plans = [plan for (plan, _), flagged in zip(self._flags, bad, strict=True) if flagged]
-        self._flags.clear()
+        bad = (~torch.isfinite(torch.stack([check for _, check in self._checks]))).cpu().tolist()
+        plans = [plan for (plan, _), flagged in zip(self._checks, bad, strict=True) if flagged]
+        self._checks.clear()
         for plan in plans:
             read_parts(self.shards, plan.parts)
 
@@ -733,15 +733,10 @@ class BatchStream:
         self.times._copy_events.append((start, end))
         n_docs = host.host_offsets.shape[0] - 1
         if not host.checked:
-            # NaN/Inf anywhere makes the sum non-finite (one read of the batch at HBM speed, queued
-            # on the scoring stream, read back once per pass by `_check_values`)
-            values = dev.embeddings[:tokens]
-            if self.scaled and dev.scales is not None:
-                scales = dev.scales[:tokens]
-                flag = ~torch.isfinite(scales.sum()) | (scales.min() < 0)
-            else:
-                flag = ~torch.isfinite(values.sum(dtype=torch.float32))
-            self._flags.append((plan, flag))
+            # one read of the batch at HBM speed, queued on the scoring stream; `_check_values` reads
+            # the values back once per pass
+            scales = dev.scales[:tokens] if self.scaled and dev.scales is not None else None
+            self._checks.append((plan, batch_check(dev.embeddings[:tokens], scales)))
         return Batch(
             plan,
             dev.embeddings[:tokens],
@@ -782,6 +777,18 @@ _NON_FINITE_BITS = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
 # on one core of the 2-core machine, against 0.196-0.212 s for 128 KiB or 2 MiB and 0.256 s for
 # `torch.aminmax` on the fp16 values.
 _FINITE_STEP = 1 << 18
+
+
+def batch_check(embeddings: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """A 0-dim float32 tensor, on the batch's device, that is finite unless the batch has a NaN/Inf value
+    (float embeddings: their float32 sum) or a NaN/Inf or negative scale (int8: the sum of the scales'
+    square roots; -0.0 and 0.0 pass). A sum can also overflow on finite values: a false alarm, which the
+    re-read in `BatchStream._check_values` clears. One or two launches: the scoring thread issues every
+    batch's work, and sets the pace when its time per batch nears the kernel's (six more launches a
+    batch, as `isfinite` and the comparisons took, cost ~0.1 ms of it)."""
+    if scales is not None:
+        return torch.sqrt(scales).sum()
+    return embeddings.sum(dtype=torch.float32)
 
 
 def _finite(embeddings: torch.Tensor, scales: torch.Tensor | None) -> bool:

@@ -223,6 +223,30 @@ def test_int8_queries_with_scales(backend: str) -> None:
     assert torch.equal(from_float, from_int8)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_public_entry_points_take_quantized_queries(backend: str) -> None:
+    """`maxsim score` quantizes a query batch once and passes the codes with `query_scales`: the public
+    entry points give the same scores as from the float queries, and refuse scales with float docs."""
+    from maxsim_kernels import maxsim_candidates, maxsim_varlen
+
+    gen = torch.Generator().manual_seed(6)
+    queries, qo = packed([5, 3, 7], 40, gen)
+    docs, do = packed([2, 9, 4, 1], 40, gen)
+    d8, sd = quantize_per_token(docs, backend="torch")
+    q8, sq = quantize_per_token(queries, backend=backend)
+    from_float = maxsim_varlen(queries, qo, d8, do, doc_scales=sd, backend=backend)
+    from_int8 = maxsim_varlen(q8, qo, d8, do, doc_scales=sd, query_scales=sq, backend=backend)
+    assert torch.equal(from_float, from_int8)
+    co, cd = torch.tensor([0, 2, 3, 5]), torch.tensor([3, 0, 1, 2, 1])
+    cand_float = maxsim_candidates(queries, qo, d8, do, co, cd, doc_scales=sd, backend=backend)
+    cand_int8 = maxsim_candidates(q8, qo, d8, do, co, cd, doc_scales=sd, query_scales=sq, backend=backend)
+    assert torch.equal(cand_float, cand_int8)
+    with pytest.raises(ValueError, match="query_scales go with int8"):
+        maxsim_varlen(queries, qo, docs, do, query_scales=sq, backend=backend)
+    with pytest.raises(ValueError, match="query_scales go with int8"):
+        maxsim_candidates(queries, qo, docs, do, co, cd, query_scales=sq, backend=backend)
+
+
 def test_reference_unrounded_products_agree_within_fp32() -> None:
     gen = torch.Generator().manual_seed(9)
     queries, qo = packed([5, 3], 64, gen)

@@ -412,12 +412,37 @@ def test_deferred_value_check_names_the_document(tmp_path) -> None:
         device=torch.device("cpu"),
         reader_threads=1,
     )
-    stream._flags = [(plan, torch.tensor(False)), (plan, torch.tensor(True))]
+    stream._checks = [(plan, torch.tensor(1.0)), (plan, torch.tensor(float("inf")))]
     with pytest.raises(InputError, match=r"'?b'? .*NaN or Inf values at token 1"):
         stream._check_values()
-    stream._flags = [(plan, torch.tensor(False))]
+    stream._checks = [(plan, torch.tensor(1.0))]
     stream._check_values()  # nothing flagged: nothing re-read
     corpus.close()
+
+
+def test_batch_check_is_finite_only_for_clean_batches() -> None:
+    from maxsim_cli.pipeline import batch_check
+
+    def clean(emb: torch.Tensor, scales: torch.Tensor | None = None) -> bool:
+        return bool(torch.isfinite(batch_check(emb, scales)))
+
+    emb = torch.randn(50, 8).to(torch.float16)
+    assert clean(emb)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        dirty = emb.clone()
+        dirty[17, 3] = bad
+        assert not clean(dirty)
+    codes = torch.randint(-127, 128, (50, 8), dtype=torch.int8)
+    scales = torch.rand(50)
+    assert clean(codes, scales)
+    for edge in (0.0, -0.0):  # zero tokens have zero scales
+        ok = scales.clone()
+        ok[4] = edge
+        assert clean(codes, ok)
+    for bad in (-1e-3, float("nan"), float("inf"), -float("inf")):
+        dirty = scales.clone()
+        dirty[4] = bad
+        assert not clean(codes, dirty)
 
 
 def test_pinned_arena_carves_aligned_disjoint_slots(monkeypatch) -> None:
