@@ -45,10 +45,15 @@ def order_keys(scores: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
     """int64 keys ``(ord32(score) << 32) | rank`` for float32 ``scores [nq, nd]`` and int64 ``ranks``,
     ``[nd]`` (one per document) or ``[nq, nd]`` (one per score).
 
-    ``scores`` is modified in place (``-0.0`` becomes ``+0.0``); it must be contiguous float32.
+    ``scores`` may be modified in place (``-0.0`` becomes ``+0.0``); it must be contiguous float32. On
+    CUDA one launch of `maxsim_kernels.order_keys` does the same arithmetic.
     """
     if scores.dtype != torch.float32:
         raise TypeError(f"order_keys: scores must be float32, got {scores.dtype}")
+    if scores.is_cuda and scores.dim() == 2:  # one launch instead of the nine below
+        from maxsim_kernels.order_keys import order_keys_triton
+
+        return order_keys_triton(scores, ranks)
     scores.add_(0.0)  # -0.0 + 0.0 == +0.0 in IEEE arithmetic: the two zeros must tie
     bits = scores.view(torch.int32)
     key32 = bits >> 31  # -1 for negative floats, 0 otherwise

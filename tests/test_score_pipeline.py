@@ -6,6 +6,7 @@ Scores here are exact by construction (small dyadic values), so comparisons are 
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -708,3 +709,40 @@ def test_a_small_corpus_is_scored_with_all_queries_in_one_pass(tmp_path) -> None
         str(tmp_path / "q.safetensors"), shards, output=str(tmp_path / "run.trec"), top_k=10, device="cuda"
     )
     assert stats.query_batches == 1 and stats.query_batch_size == 512, stats.as_dict()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("per_score", [False, True])
+def test_order_keys_kernel_equals_the_torch_arithmetic(per_score: bool) -> None:
+    """The one-launch order keys (CUDA; here under Triton's interpreter) equal the torch form bit for bit,
+    on both zeros, negatives, exact ties, extreme floats and ranks up to 2^32 - 1."""
+    from maxsim_kernels.order_keys import order_keys_triton
+
+    gen = torch.Generator().manual_seed(11)
+    nq, nd = 5, 1300  # 6500 scores: several programs, the last one partial
+    scores = torch.randn(nq, nd, generator=gen)
+    scores[0, :6] = torch.tensor([0.0, -0.0, 1.0, 1.0, -1.0, -1.0])
+    scores[1, :4] = torch.tensor([3.4e38, -3.4e38, 1e-45, -1e-45])
+    shape = (nq, nd) if per_score else (nd,)
+    ranks = torch.randint(0, 1 << 32, shape, generator=gen, dtype=torch.int64)
+    ranks.view(-1)[:3] = torch.tensor([0, (1 << 32) - 1, 1])
+    expected = order_keys(scores.clone(), ranks)
+    got = order_keys_triton(scores, ranks)
+    assert torch.equal(got, expected)
+    decoded, back = decode_keys(got)
+    assert torch.equal(decoded, torch.where(scores == 0, 0.0, scores))
+    assert torch.equal(back, ranks.expand(nq, nd))
+    assert torch.equal(order_keys_triton(scores[:, :0], ranks[..., :0]), expected[:, :0])
+
+
+@pytest.mark.gpu
+def test_order_keys_on_cuda_equal_the_cpu_keys() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    gen = torch.Generator().manual_seed(12)
+    scores = torch.randn(512, 1301, generator=gen)
+    scores[0, :3] = torch.tensor([0.0, -0.0, -0.0])
+    ranks = torch.randint(0, 1 << 32, (1301,), generator=gen, dtype=torch.int64)
+    expected = order_keys(scores.clone(), ranks)
+    assert torch.equal(order_keys(scores.cuda(), ranks.cuda()).cpu(), expected)
+    assert torch.equal(order_keys(scores.cuda(), ranks).cpu(), expected)  # ranks from the host
