@@ -84,6 +84,10 @@ want sweep-readers && step sweep-readers ${SWEEP_READERS_S:-240} python3 benchma
 # pass-breakdown: the scoring thread's cycle per batch, timed part by part, with variants (probe_pass_breakdown.py)
 want pass-breakdown && step pass-breakdown ${PASS_BREAKDOWN_S:-240} python3 benchmarks/probe_pass_breakdown.py \
   --workdir /var/tmp/mb ${PASS_BREAKDOWN_ARGS:-} --out "$logs/pass-breakdown-h200.json"
+# ab-trees: maxsim score end to end from the checkout and from a baseline tree (AB_BASE, e.g. unpacked by
+# `git archive BASE | tar -x -C ab-base` before the call), alternating fresh processes (ab_trees.py)
+want ab-trees && step ab-trees ${AB_TREES_S:-300} python3 benchmarks/ab_trees.py --tree base=${AB_BASE:-ab-base} \
+  --tree new=. --workdir /var/tmp/mb ${AB_TREES_ARGS:-} --out "$logs/ab-trees-h200.json"
 want argmax-sweep && step argmax-sweep ${ARGMAX_SWEEP_S:-150} python3 benchmarks/sweep_argmax_forward.py \
   --out "$logs/argmax-sweep-h200.json"
 want long-hopper && step long-hopper ${LONG_HOPPER_S:-240} python3 benchmarks/ab_long_hopper.py \
