@@ -718,7 +718,12 @@ class BatchStream:
     def _copy(self, plan: BatchPlan, host: _HostBatch, dev: _Buffers, compute: torch.cuda.Stream) -> Batch:
         tokens = host.embeddings.shape[0]
         n_ints = host.host_offsets.shape[0] + plan.side_len
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # A reader that takes this slot next waits for `end` (`slot.copied`). A blocking-sync event puts
+        # it to sleep: CUDA's default with one context on many cores is to spin, and with a slot handed
+        # back as soon as its copy is queued, several readers spun at once, on the cores that the
+        # scoring thread, which issues every batch's work, needs.
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True, blocking=True)
         with torch.cuda.stream(self._copy_stream):
             if dev.released is not None:
                 self._copy_stream.wait_event(dev.released)  # scoring of this slot's last batch is done
