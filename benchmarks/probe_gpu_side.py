@@ -1,0 +1,122 @@
+"""What the GPU side of a `maxsim score` pass costs with the corpus already on the GPU, step by step (H200).
+
+The `score` benchmark's pass (fp16, 10 GB, 512 queries) takes ~0.69 s against 0.43 s for the kernel alone
+in the same batch sizes, and neither fewer launches per batch, nor fewer reader threads, nor larger
+batches moved it (benchmarks/results/ab-trees-*.json, pass-breakdown-*.json). This replays the pass on
+GPU-resident batches, adding one ingredient at a time, each timed back to back over all batches (best of
+``--repeats``):
+
+  kernel          `maxsim_varlen` alone (the `score` benchmark's "kernel alone");
+  + merge         and the engine's per-batch work on the device: the NaN/Inf check and the top-k merge;
+  + copies        and a host->device copy of the batch's bytes from pinned memory on a side stream,
+                  which the scoring stream waits for (as `BatchStream` does);
+  + reads         and 16 threads reading the shard files from the page cache meanwhile.
+
+    python benchmarks/probe_gpu_side.py --workdir /var/tmp/mb --out gpu-side.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ab_offsets_copy  # noqa: E402
+import bench_score  # noqa: E402
+
+from maxsim_cli.pipeline import batch_check  # noqa: E402
+from maxsim_cli.score import score  # noqa: E402
+from maxsim_cli.shards import open_corpus  # noqa: E402
+from maxsim_cli.topk import RunningTopK  # noqa: E402
+
+
+def replay(batches, q_emb, q_off, merge: bool, copies: bool) -> float:  # noqa: ANN001
+    from maxsim_kernels import maxsim_varlen
+
+    device = q_emb.device
+    compute = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    biggest = max(d.numel() * d.element_size() for d, _, _ in batches)
+    pinned = torch.empty(biggest, dtype=torch.uint8, pin_memory=True) if copies else None
+    slots = [torch.empty(biggest, dtype=torch.uint8, device=device) for _ in range(2)] if copies else []
+    released: list[torch.cuda.Event | None] = [None, None]
+    topk = RunningTopK(q_off.numel() - 1, 1000)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i, (docs, offsets, ranks) in enumerate(batches):
+        if copies:
+            nbytes = docs.numel() * docs.element_size()
+            done = torch.cuda.Event()
+            with torch.cuda.stream(side):
+                if released[i % 2] is not None:
+                    side.wait_event(released[i % 2])
+                slots[i % 2][:nbytes].copy_(pinned[:nbytes], non_blocking=True)
+                done.record(side)
+            compute.wait_event(done)
+        scores = maxsim_varlen(q_emb, q_off, docs, offsets)
+        if merge:
+            batch_check(docs, None)
+            topk.add(scores, ranks)
+        if copies:
+            released[i % 2] = torch.cuda.Event()
+            released[i % 2].record(compute)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", default="/var/tmp/mb")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    corpora, qpath, warm = ab_offsets_copy.prepare(args.workdir, device, "10GB")
+    paths = corpora["fp16"]
+    st = score(qpath, paths, output=os.path.join(args.workdir, "gpu-side.trec"), device="cuda", log=lambda m: None)
+    q = open_corpus([qpath]).shards[0].read_docs(0, st.queries)
+    q_emb, q_off = q.embeddings.to(device), q.offsets
+    loaded = bench_score.load_batches(paths, st.max_batch_tokens, device)
+    batches, first = [], 0
+    for docs, offsets in loaded:
+        n = offsets.numel() - 1
+        batches.append((docs, offsets, torch.arange(first, first + n, device=device)))
+        first += n
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            bench_score.read_files(paths, 16)
+
+    rows = {}
+    for name, merge, copies, reads in (
+        ("kernel", False, False, False),
+        ("+ merge", True, False, False),
+        ("+ copies", True, True, False),
+        ("+ reads", True, True, True),
+    ):
+        thread = threading.Thread(target=reader, daemon=True) if reads else None
+        if thread is not None:
+            stop.clear()
+            thread.start()
+        times = [replay(batches, q_emb, q_off, merge, copies) for _ in range(args.repeats)]
+        if thread is not None:
+            stop.set()
+            thread.join()
+        rows[name] = {"best_s": min(times), "all_s": times}
+        print(f"{name:10s} best {min(times):.3f} s  ({', '.join(f'{t:.3f}' for t in times)}); "
+              f"{len(batches)} batches, pass of `maxsim score` {st.wall_s - st.setup_s - st.write_s:.3f} s",
+              flush=True)  # fmt: skip
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            json.dump({"rows": rows, "batches": len(batches), "score_stats": st.as_dict()}, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
