@@ -79,7 +79,8 @@ def main() -> None:
     device = torch.device("cuda")
     corpora, qpath, warm = ab_offsets_copy.prepare(args.workdir, device, "10GB")
     paths = corpora["fp16"]
-    st = score(qpath, paths, output=os.path.join(args.workdir, "gpu-side.trec"), device="cuda", log=lambda m: None)
+    out = os.path.join(args.workdir, "gpu-side.trec")
+    st = score(qpath, paths, output=out, device="cuda", log=lambda m: None)
     q = open_corpus([qpath]).shards[0].read_docs(0, st.queries)
     q_emb, q_off = q.embeddings.to(device), q.offsets
     loaded = bench_score.load_batches(paths, st.max_batch_tokens, device)
