@@ -88,6 +88,9 @@ want pass-breakdown && step pass-breakdown ${PASS_BREAKDOWN_S:-240} python3 benc
 # `git archive BASE | tar -x -C ab-base` before the call), alternating fresh processes (ab_trees.py)
 want ab-trees && step ab-trees ${AB_TREES_S:-300} python3 benchmarks/ab_trees.py --tree base=${AB_BASE:-ab-base} \
   --tree new=. --workdir /var/tmp/mb ${AB_TREES_ARGS:-} --out "$logs/ab-trees-h200.json"
+# gpu-side: the pass replayed on GPU-resident batches, adding the merge, copies and reads (probe_gpu_side.py)
+want gpu-side && step gpu-side ${GPU_SIDE_S:-200} python3 benchmarks/probe_gpu_side.py --workdir /var/tmp/mb \
+  --out "$logs/gpu-side-h200.json"
 want argmax-sweep && step argmax-sweep ${ARGMAX_SWEEP_S:-150} python3 benchmarks/sweep_argmax_forward.py \
   --out "$logs/argmax-sweep-h200.json"
 want long-hopper && step long-hopper ${LONG_HOPPER_S:-240} python3 benchmarks/ab_long_hopper.py \
