@@ -114,12 +114,12 @@ def build_queries(path: str, n: int, device: torch.device, seed: int = 1) -> Non
 # stages alone
 
 
-def read_files(paths: list[str], threads: int, chunk: int = 32 << 20) -> tuple[float, int]:
+def read_files(paths: list[str], threads: int, chunk: int = 32 << 20, nice: int = 0) -> tuple[float, int]:
     """Read every file's bytes with `threads` threads into reused buffers (pinned where CUDA is up, as
     the engine's staging slots are): the files cut into `chunk`-byte pieces that the threads take from
     one queue, so all threads stay busy to the end. (Dealing whole files to threads left most threads
     idle while a few read a second 512 MiB file: 20 files on 16 threads measured 13.5 GB/s on the H200
-    machine, pieces 44 GB/s; benchmarks/probe_read_rate.py.)"""
+    machine, pieces 44 GB/s; benchmarks/probe_read_rate.py.) `nice` lowers the threads' priority (Linux)."""
     pieces = [(p, start) for p in paths for start in range(0, os.path.getsize(p), chunk)]
     pieces.reverse()
     lock = threading.Lock()
@@ -128,6 +128,8 @@ def read_files(paths: list[str], threads: int, chunk: int = 32 << 20) -> tuple[f
     buffers = [torch.empty(chunk, dtype=torch.uint8, pin_memory=pinned) for _ in range(threads)]
 
     def worker(i: int) -> None:
+        if nice:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
         view = memoryview(buffers[i].numpy()).cast("B")
         fds: dict[str, int] = {}
         n = 0

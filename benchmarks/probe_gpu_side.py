@@ -10,7 +10,8 @@ GPU-resident batches, adding one ingredient at a time, each timed back to back o
   + merge         and the engine's per-batch work on the device: the NaN/Inf check and the top-k merge;
   + copies        and a host->device copy of the batch's bytes from pinned memory on a side stream,
                   which the scoring stream waits for (as `BatchStream` does);
-  + reads         and 16 threads reading the shard files from the page cache meanwhile.
+  + reads         and 16 threads reading the shard files from the page cache meanwhile (and the same
+                  with the readers' priority lowered, or with 14 or 8 threads).
 
     python benchmarks/probe_gpu_side.py --workdir /var/tmp/mb --out gpu-side.json
 """
@@ -91,18 +92,21 @@ def main() -> None:
         first += n
     stop = threading.Event()
 
-    def reader() -> None:
+    def reader(threads: int, nice: int) -> None:
         while not stop.is_set():
-            bench_score.read_files(paths, 16)
+            bench_score.read_files(paths, threads, nice=nice)
 
     rows = {}
     for name, merge, copies, reads in (
-        ("kernel", False, False, False),
-        ("+ merge", True, False, False),
-        ("+ copies", True, True, False),
-        ("+ reads", True, True, True),
+        ("kernel", False, False, None),
+        ("+ merge", True, False, None),
+        ("+ copies", True, True, None),
+        ("+ reads", True, True, (16, 0)),
+        ("+ reads nice 10", True, True, (16, 10)),
+        ("+ reads x14", True, True, (14, 0)),
+        ("+ reads x8", True, True, (8, 0)),
     ):
-        thread = threading.Thread(target=reader, daemon=True) if reads else None
+        thread = threading.Thread(target=reader, args=reads, daemon=True) if reads else None
         if thread is not None:
             stop.clear()
             thread.start()
@@ -111,7 +115,7 @@ def main() -> None:
             stop.set()
             thread.join()
         rows[name] = {"best_s": min(times), "all_s": times}
-        print(f"{name:10s} best {min(times):.3f} s  ({', '.join(f'{t:.3f}' for t in times)}); "
+        print(f"{name:16s} best {min(times):.3f} s  ({', '.join(f'{t:.3f}' for t in times)}); "
               f"{len(batches)} batches, pass of `maxsim score` {st.wall_s - st.setup_s - st.write_s:.3f} s",
               flush=True)  # fmt: skip
     if args.out:

@@ -40,6 +40,7 @@ scores of a batch are the caller's to count.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -654,8 +655,7 @@ class BatchStream:
         self._pool = ThreadPoolExecutor(
             self.reader_threads,
             thread_name_prefix="maxsim-read",
-            initializer=torch.set_num_threads,
-            initargs=(1,),
+            initializer=_reader_thread_init,
         )
         self._dispatcher = threading.Thread(
             target=self._dispatch, args=(self._pool, slots, ready), name="maxsim-dispatch", daemon=True
@@ -782,6 +782,19 @@ _NON_FINITE_BITS = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
 # on one core of the 2-core machine, against 0.196-0.212 s for 128 KiB or 2 MiB and 0.256 s for
 # `torch.aminmax` on the fp16 values.
 _FINITE_STEP = 1 << 18
+
+
+# Niceness of the reader threads (Linux): they copy from the page cache on every core, and the scoring
+# thread, which issues every batch's work to the GPU, then ran slower. Replaying a pass on GPU-resident
+# batches on the H200 machine took 0.46 s alone and 0.67 s beside 16 threads reading the page cache
+# (benchmarks/results/gpu-side-h200*.json).
+READER_NICE = 10
+
+
+def _reader_thread_init() -> None:
+    torch.set_num_threads(1)
+    with contextlib.suppress(AttributeError, OSError):  # per-thread priority: Linux only
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), READER_NICE)
 
 
 def batch_check(embeddings: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
