@@ -786,8 +786,9 @@ _FINITE_STEP = 1 << 18
 
 # Niceness of the reader threads (Linux): they copy from the page cache on every core, and the scoring
 # thread, which issues every batch's work to the GPU, then ran slower. Replaying a pass on GPU-resident
-# batches on the H200 machine took 0.46 s alone and 0.67 s beside 16 threads reading the page cache
-# (benchmarks/results/gpu-side-h200*.json).
+# batches on the H200 machine took 0.46 s alone, 0.67-0.71 s beside 16 threads reading the page cache,
+# and 0.47 s with those threads at niceness 10 (benchmarks/results/gpu-side-h200-readers.json). In
+# `maxsim score` itself: int8 pass median 0.53 -> 0.47 s, fp16 unchanged (ab-trees-h200-nice.json).
 READER_NICE = 10
 
 

@@ -33,11 +33,11 @@ uncopied). A CUDA out-of-memory error while scoring halves the document batch (d
 the run continues, with a note on stderr.
 
 Where the time goes (one H200, 10 GB of fp16 safetensors shards, 512 queries x 32 tokens, warm page cache,
-benchmarks/results/score-h200.json): the pass over the corpus takes 0.59-0.60 s against 0.74 s to read the
-files alone with 16 threads (copying them to the GPU alone: 0.18 s; the kernel alone: 0.45 s), i.e.
-reading, copying and scoring overlap completely; on top come the set-up (opening the shards, the id
-index, the docno order, page-locking the staging arena: 0.09-0.14 s) and writing the run (0.02 s for 100
-results a query, 0.10 s for 1000).
+benchmarks/results/score-h200-read-pieces.json, docs/benchmarks.md): the pass over the corpus takes
+0.64-0.72 s against 0.43 s for the kernel alone (reading the files alone: 0.20 s with 16 threads; copying
+them to the GPU alone: 0.18 s), so the kernel bounds it and ~0.2 s is lost in the hand-off between the
+stages; on top come the set-up (opening the shards, the id index, the docno order, page-locking the
+staging arena: 0.09-0.14 s) and writing the run (0.02 s for 100 results a query, 0.10 s for 1000).
 """
 
 from __future__ import annotations
@@ -81,9 +81,10 @@ MIN_BATCH_BYTES = 16 << 20
 MAX_BATCH_BYTES = 256 << 20
 # With a budget this small, a query batch is split rather than the document batches shrunk further.
 MIN_BATCH_TOKENS = 16384
-# Reader threads on CUDA: one a core up to 16 (the H200 machine's cores read its page cache at
-# 12.1 GB/s with 16 threads, benchmarks/results/score-h200.json). On the CPU one thread: reading is a
-# small share of the time there and every other core scores.
+# Reader threads on CUDA: one a core up to 16 (the H200 machine's cores read its page cache at 44 GB/s
+# with 16 threads, 33 with 8 and 20 with 4, benchmarks/results/read-rate-h200.json; with 4 the pass
+# waited 0.45 s for reads, pass-breakdown-h200-a.json). They run at `pipeline.READER_NICE`. On the CPU
+# one thread: reading is a small share of the time there and every other core scores.
 DEFAULT_READER_THREADS = 16
 # Defaults: host staging memory, and the share of free GPU memory used without --max-memory.
 DEFAULT_HOST_BYTES = 4 << 30
