@@ -789,13 +789,14 @@ _FINITE_STEP = 1 << 18
 # batches on the H200 machine took 0.46 s alone, 0.67-0.71 s beside 16 threads reading the page cache,
 # and 0.47 s with those threads at niceness 10 (benchmarks/results/gpu-side-h200-readers.json). In
 # `maxsim score` itself: int8 pass median 0.53 -> 0.47 s, fp16 unchanged (ab-trees-h200-nice.json).
-READER_NICE = 10
+READER_NICE = 10  # added to the process's niceness (at most 19)
 
 
 def _reader_thread_init() -> None:
     torch.set_num_threads(1)
     with contextlib.suppress(AttributeError, OSError):  # per-thread priority: Linux only
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), READER_NICE)
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + READER_NICE))
 
 
 def batch_check(embeddings: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:

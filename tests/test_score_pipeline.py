@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -746,3 +747,25 @@ def test_order_keys_on_cuda_equal_the_cpu_keys() -> None:
     expected = order_keys(scores.clone(), ranks)
     assert torch.equal(order_keys(scores.cuda(), ranks.cuda()).cpu(), expected)
     assert torch.equal(order_keys(scores.cuda(), ranks).cpu(), expected)  # ranks from the host
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's")
+def test_reader_threads_run_below_the_scoring_thread() -> None:
+    """Reader threads add READER_NICE to their niceness (the scoring thread keeps its own), capped at 19."""
+    import threading
+
+    from maxsim_cli.pipeline import READER_NICE, _reader_thread_init
+
+    got: dict[str, int] = {}
+
+    def reader() -> None:
+        tid = threading.get_native_id()
+        got["before"] = os.getpriority(os.PRIO_PROCESS, tid)
+        _reader_thread_init()
+        got["after"] = os.getpriority(os.PRIO_PROCESS, tid)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    thread.join()
+    assert got["after"] == min(19, got["before"] + READER_NICE)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == got["before"]
