@@ -36,10 +36,9 @@ import maxsim_kernels.maxsim_forward as forward
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_score  # noqa: E402
+import score_corpus  # noqa: E402
 
 import maxsim_cli.score as score_module  # noqa: E402
-from maxsim_cli.quantize import quantize_corpus  # noqa: E402
 from maxsim_cli.score import score  # noqa: E402
 
 WAYS = ("current", "bounded", "blocking")
@@ -84,41 +83,14 @@ def way(name: str) -> Iterator[None]:
         score_module._Engine._timer = timer
 
 
-def prepare(work: str, device: torch.device, size: str) -> tuple[dict[str, list[str]], str, list[list[str]]]:
-    """The `score` benchmark's corpus (built once under `work`), its int8 quantization, 512 queries, and
-    the small fp16 and int8 corpora to warm up on; the page cache warmed. Returns (corpora by precision,
-    query file, warm-up corpora)."""
-    shard_bytes = 512 << 20 if device.type == "cuda" else 4 << 20
-    total = bench_score.parse_size(size)
-    paths = bench_score.build_corpus(os.path.join(work, "corpus"), total, shard_bytes, device)
-    small = bench_score.build_corpus(os.path.join(work, "small"), 32 << 20, 16 << 20, device, seed=5)
-    qpath = os.path.join(work, "queries.safetensors")
-    if not os.path.exists(qpath):
-        bench_score.build_queries(qpath, 512, device)
-    int8_dir = os.path.join(work, "corpus-int8")
-    if not os.path.isdir(int8_dir):
-        quantize_corpus(paths, int8_dir, device=device.type, sample_queries=0)
-    small8 = os.path.join(work, "small-int8")
-    if not os.path.isdir(small8):
-        quantize_corpus(small, small8, device=device.type, sample_queries=0)
-    bench_score.read_files(paths, os.cpu_count() or 1)  # warm the page cache
-    return {"fp16": paths, "int8": [int8_dir]}, qpath, [small, [small8]]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", default="/var/tmp/mb")
-    parser.add_argument("--size", default="10GB")
+    score_corpus.add_args(parser)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--device", default="cuda", help="cuda (cpu: a check of the script)")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
     work = args.workdir
-    corpora, qpath, warm = prepare(work, device, args.size)
-    for corpus in warm:
-        warm_out = os.path.join(work, "ab-warm.trec")
-        score(qpath, corpus, output=warm_out, device=device.type, log=lambda m: None)
+    corpora, qpath = score_corpus.prepare(work, device, args.size)
     times: dict[str, list[float]] = {}
     batches: dict[str, str] = {}
     for r in range(args.rounds):

@@ -3,7 +3,7 @@
 For changes that cannot be switched inside one process (the engine's own code): each tree's
 `maxsim_cli/` and `kernels/` (as `maxsim_kernels`) are put first on the path of a worker process, which
 warms up on the small corpora and then times ``--runs`` fp16 and int8 runs of the `score` benchmark's
-corpus (`ab_offsets_copy.prepare`: 10 GB, 512 queries, top-1000). Workers of the two trees alternate
+corpus (`score_corpus.prepare`: 10 GB, 512 queries, top-1000). Workers of the two trees alternate
 ``--rounds`` times; the best and median of each tree and precision are printed, and every run file must
 be byte for byte the same across trees.
 
@@ -23,20 +23,17 @@ import subprocess
 import sys
 import tempfile
 
+import score_corpus  # this script's folder is first on the path; it imports the tree's maxsim_cli
+
 
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import ab_offsets_copy
-
     from maxsim_cli.score import score
 
     device = torch.device(args.device)
-    corpora, qpath, warm = ab_offsets_copy.prepare(args.workdir, device, args.size)
+    corpora, qpath = score_corpus.prepare(args.workdir, device, args.size)
     quiet = {"device": device.type, "log": lambda m: None}
-    for corpus in warm:
-        score(qpath, corpus, output=os.path.join(args.workdir, "ab-trees-warm.trec"), **quiet)
     result: dict[str, list] = {}
     for _ in range(args.runs):
         for precision, corpus in corpora.items():
@@ -77,12 +74,9 @@ def run_tree(root: str, args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tree", action="append", default=[], help="NAME=PATH of a source tree")
-    parser.add_argument("--workdir", default="/var/tmp/mb")
-    parser.add_argument("--size", default="10GB")
+    score_corpus.add_args(parser)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--runs", type=int, default=2, help="timed runs a worker, each precision")
-    parser.add_argument("--device", default="cuda", help="cuda (cpu: a check of the script)")
-    parser.add_argument("--out", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

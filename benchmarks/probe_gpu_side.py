@@ -28,8 +28,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ab_offsets_copy  # noqa: E402
 import bench_score  # noqa: E402
+import score_corpus  # noqa: E402
 
 from maxsim_cli.pipeline import batch_check  # noqa: E402
 from maxsim_cli.score import score  # noqa: E402
@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
-    corpora, qpath, warm = ab_offsets_copy.prepare(args.workdir, device, "10GB")
+    corpora, qpath = score_corpus.prepare(args.workdir, device, "10GB")
     paths = corpora["fp16"]
     out = os.path.join(args.workdir, "gpu-side.trec")
     st = score(qpath, paths, output=out, device="cuda", log=lambda m: None)

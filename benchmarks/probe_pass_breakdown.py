@@ -30,7 +30,7 @@ import maxsim_kernels
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ab_offsets_copy  # noqa: E402
+import score_corpus  # noqa: E402
 
 import maxsim_cli.pipeline as pipeline  # noqa: E402
 import maxsim_cli.score as score_module  # noqa: E402
@@ -111,19 +111,14 @@ def variant(name: str) -> Iterator[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", default="/var/tmp/mb")
-    parser.add_argument("--size", default="10GB")
+    score_corpus.add_args(parser)
     parser.add_argument("--variants", default="default,readers=4,switch=0.5ms,gc-off")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--device", default="cuda", help="cuda (cpu: a check of the script)")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
-    corpora, qpath, warm = ab_offsets_copy.prepare(args.workdir, device, args.size)
+    corpora, qpath = score_corpus.prepare(args.workdir, device, args.size)
     out = os.path.join(args.workdir, "probe.trec")
     quiet = {"device": device.type, "log": lambda m: None}
-    for corpus in warm:
-        score_module.score(qpath, corpus, output=out, **quiet)
     rows: dict[str, dict[str, Any]] = {}
     for r in range(args.rounds):
         for name in args.variants.split(","):

@@ -1,6 +1,6 @@
 """Where the GPU's time goes in one `maxsim score` pass: a torch.profiler (CUPTI) timeline, summarised.
 
-The `score` benchmark's 10 GB corpus (fp16, and its int8 quantization, as `ab_offsets_copy.py` keeps
+The `score` benchmark's 10 GB corpus (fp16, and its int8 quantization, as `score_corpus.py` keeps
 them under --workdir), 512 queries, top-1000, after a warm-up on the small corpus. For each precision:
 one run unprofiled (wall time), one under the profiler. From the trace: GPU time by kernel name, the
 host->device copies, and on the stream that runs the scoring kernel its busy time against its span
@@ -24,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ab_offsets_copy  # noqa: E402
+import score_corpus  # noqa: E402
 
 from maxsim_cli.score import score  # noqa: E402
 
@@ -90,17 +90,12 @@ def summarise(trace: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", default="/var/tmp/mb")
-    parser.add_argument("--size", default="10GB")
-    parser.add_argument("--device", default="cuda", help="cuda (cpu: a check of the script)")
-    parser.add_argument("--out", default=None)
+    score_corpus.add_args(parser)
     parser.add_argument("--traces", default=None, help="folder for the gzipped chrome traces")
     args = parser.parse_args()
     device = torch.device(args.device)
-    corpora, qpath, warm = ab_offsets_copy.prepare(args.workdir, device, args.size)
+    corpora, qpath = score_corpus.prepare(args.workdir, device, args.size)
     quiet = {"device": device.type, "log": lambda m: None}
-    for corpus in warm:
-        score(qpath, corpus, output=os.path.join(args.workdir, "tl-warm.trec"), **quiet)
     result: dict[str, Any] = {}
     for precision, corpus in corpora.items():
         out = os.path.join(args.workdir, "tl.trec")

@@ -5,7 +5,7 @@ thread was never short of batches: the host's launch work per batch, not the rea
 the pace, next to 16 reader threads copying from the page cache on 16 cores. Fewer readers leave the
 scoring thread a core; a larger arena gives larger batches (fewer launches per pass). This alternates
 every (readers, staging) pair, fp16 and int8, in one process on the `score` benchmark's corpus
-(`ab_offsets_copy.prepare`), ``--rounds`` times, and prints the best wall time and pass of each.
+(`score_corpus.prepare`), ``--rounds`` times, and prints the best wall time and pass of each.
 
     python benchmarks/sweep_readers.py --workdir /var/tmp/mb --out benchmarks/results/sweep-readers-h200.json
 """
@@ -20,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ab_offsets_copy  # noqa: E402
+import score_corpus  # noqa: E402
 
 import maxsim_cli.score as score_module  # noqa: E402
 from maxsim_cli.units import parse_size  # noqa: E402
@@ -28,21 +28,16 @@ from maxsim_cli.units import parse_size  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", default="/var/tmp/mb")
-    parser.add_argument("--size", default="10GB")
+    score_corpus.add_args(parser)
     parser.add_argument("--readers", default="4,8,12,16")
     parser.add_argument("--staging", default="512MiB,1GiB")
     parser.add_argument("--precisions", default="fp16,int8")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--device", default="cuda", help="cuda (cpu: a check of the script)")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
-    corpora, qpath, warm = ab_offsets_copy.prepare(args.workdir, device, args.size)
+    corpora, qpath = score_corpus.prepare(args.workdir, device, args.size)
     out = os.path.join(args.workdir, "sweep.trec")
     quiet = {"device": device.type, "log": lambda m: None}
-    for corpus in warm:
-        score_module.score(qpath, corpus, output=out, **quiet)
     default_staging = score_module.STAGING_BYTES
     rows: dict[str, dict] = {}
     try:
