@@ -6,8 +6,9 @@ the engine's own functions, each part of the scoring thread's cycle: waiting for
 issuing its copy (`BatchStream._copy`), the kernel call (`maxsim_varlen`), the top-k merge
 (`RunningTopK.add`), and the rest; and in the readers, the file reads (`_SafetensorsRows._pread`)
 against their whole time. Variants change reader threads, the pinned staging arena (hence the batch
-size), the GIL switch interval, or turn Python's garbage collector off during the pass. fp16 and int8,
-`--rounds` rounds, alternating.
+size), the GIL switch interval, turn Python's garbage collector off during the pass, or replace the
+engine's per-batch scoring by nothing (the stream of reads and copies alone) or by the bare kernel and
+merge. fp16 and int8, `--rounds` rounds, alternating.
 
     python benchmarks/probe_pass_breakdown.py --workdir /var/tmp/mb --out pass-breakdown.json
 """
@@ -86,12 +87,26 @@ def instrumented(clock: Clock) -> Iterator[None]:
             u()
 
 
+def _bare_block(self, batch, a, b, queries, topk) -> None:  # noqa: ANN001
+    """The engine's `_score_block` reduced to the kernel and the top-k merge (no timers, no OOM retry,
+    no CPU value check): what `probe_gpu_side.py` replays per batch."""
+    q_emb, q_off, q_scales = queries
+    scores = maxsim_kernels.maxsim_varlen(
+        q_emb, q_off, batch.embeddings, self._host_ints(batch.host_offsets), backend=self.backend,
+        doc_scales=batch.scales, query_scales=q_scales,
+    )  # fmt: skip
+    topk.add(scores, batch.side)
+
+
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[dict[str, Any]]:
-    """Settings joined by '+': readers=N, staging=SIZE (the pinned arena), switch=0.5ms, gc-off."""
+    """Settings joined by '+': readers=N, staging=SIZE (the pinned arena), switch=0.5ms, gc-off,
+    score=none (batches read and copied, nothing scored: the stream alone; the run is empty) or
+    score=bare (`_bare_block`)."""
     kwargs: dict[str, Any] = {}
     interval = sys.getswitchinterval()
     staging = score_module.STAGING_BYTES
+    block = score_module._Engine._score_block
     try:
         for setting in name.split("+"):
             if setting.startswith("readers="):
@@ -102,8 +117,13 @@ def variant(name: str) -> Iterator[dict[str, Any]]:
                 sys.setswitchinterval(0.0005)
             elif setting == "gc-off":
                 gc.disable()
+            elif setting == "score=none":
+                score_module._Engine._score_block = lambda *args: None
+            elif setting == "score=bare":
+                score_module._Engine._score_block = _bare_block
         yield kwargs
     finally:
+        score_module._Engine._score_block = block
         sys.setswitchinterval(interval)
         score_module.STAGING_BYTES = staging
         gc.enable()
