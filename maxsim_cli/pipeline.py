@@ -720,8 +720,9 @@ class BatchStream:
         n_ints = host.host_offsets.shape[0] + plan.side_len
         # A reader that takes this slot next waits for `end` (`slot.copied`). A blocking-sync event puts
         # it to sleep: CUDA's default with one context on many cores is to spin, and with a slot handed
-        # back as soon as its copy is queued, several readers spun at once, on the cores that the
-        # scoring thread, which issues every batch's work, needs.
+        # back as soon as its copy is queued, several readers could spin at once on the cores that the
+        # scoring thread needs (on the H200 machine the pass did not measurably change:
+        # benchmarks/results/ab-trees-h200-blocking-event.json).
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True, blocking=True)
         with torch.cuda.stream(self._copy_stream):
@@ -803,9 +804,10 @@ def batch_check(embeddings: torch.Tensor, scales: torch.Tensor | None) -> torch.
     """A 0-dim float32 tensor, on the batch's device, that is finite unless the batch has a NaN/Inf value
     (float embeddings: their float32 sum) or a NaN/Inf or negative scale (int8: the sum of the scales'
     square roots; -0.0 and 0.0 pass). A sum can also overflow on finite values: a false alarm, which the
-    re-read in `BatchStream._check_values` clears. One or two launches: the scoring thread issues every
-    batch's work, and sets the pace when its time per batch nears the kernel's (six more launches a
-    batch, as `isfinite` and the comparisons took, cost ~0.1 ms of it)."""
+    re-read in `BatchStream._check_values` clears. One or two launches a batch where the check took eight
+    (`isfinite` and the comparisons); in `maxsim score` on the H200 that made no measurable difference
+    (benchmarks/results/ab-trees-h200-trims.json), it is simply less work for the thread that issues
+    every batch's work."""
     if scales is not None:
         return torch.sqrt(scales).sum()
     return embeddings.sum(dtype=torch.float32)
