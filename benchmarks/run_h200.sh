@@ -78,9 +78,6 @@ want read-rate && step read-rate ${READ_RATE_S:-150} python3 benchmarks/probe_re
 # (profile_score_timeline.py; builds the score corpus and its int8 quantization like ab-offsets)
 want timeline && step timeline ${TIMELINE_S:-240} python3 benchmarks/profile_score_timeline.py --workdir /var/tmp/mb \
   --out "$logs/timeline-h200.json" --traces "$logs"
-# sweep-readers: maxsim score by reader threads and staging arena size, fp16 and int8 (sweep_readers.py)
-want sweep-readers && step sweep-readers ${SWEEP_READERS_S:-240} python3 benchmarks/sweep_readers.py --workdir /var/tmp/mb \
-  ${SWEEP_READERS_ARGS:-} --out "$logs/sweep-readers-h200.json"
 # pass-breakdown: the scoring thread's cycle per batch, timed part by part, with variants (probe_pass_breakdown.py)
 want pass-breakdown && step pass-breakdown ${PASS_BREAKDOWN_S:-240} python3 benchmarks/probe_pass_breakdown.py \
   --workdir /var/tmp/mb ${PASS_BREAKDOWN_ARGS:-} --out "$logs/pass-breakdown-h200.json"
