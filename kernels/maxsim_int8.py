@@ -718,9 +718,13 @@ def _hopper_allpairs(
     hopper = gluon_module("maxsim_int8_hopper", d8.device)
     if hopper is None:
         return None
-    q_lens = memo(query_offsets, ("lens", q8.shape[0]),
-                  lambda: np.diff(host_offsets("query_offsets", query_offsets, q8.shape[0])))  # fmt: skip
-    return hopper if hopper.supports(q_lens, d8, return_argmax) else None
+    return hopper if hopper.supports(_query_lengths(query_offsets, q8.shape[0]), d8, return_argmax) else None
+
+
+def _query_lengths(query_offsets: torch.Tensor, n_tokens: int) -> np.ndarray:
+    """The queries' lengths from their host offsets (memoised per offsets tensor)."""
+    return memo(query_offsets, ("lens", n_tokens),
+                lambda: np.diff(host_offsets("query_offsets", query_offsets, n_tokens)))  # fmt: skip
 
 
 def _launch_hopper(
@@ -740,15 +744,15 @@ def _launch_hopper(
     scales tensor (freed with the offsets: in `maxsim score` every block of documents has its own)."""
     from .maxsim_forward import hopper_docs_per_program
 
-    q_host = host_offsets("query_offsets", query_offsets, q8.shape[0])
+    q_lens = _query_lengths(query_offsets, q8.shape[0])
 
     def tables() -> tuple[torch.Tensor, ...]:
         d_host = host_offsets("doc_offsets", doc_offsets, d8.shape[0])
         return hopper.device_tables(d_host, device_doc_offsets, sd)
 
     tiles = memo_pair(doc_offsets, sd, ("int8-hopper-tiles", hopper.BLOCK_T), tables)
-    nq, nd = len(q_host) - 1, len(tiles[2]) - 1
-    queries_a_group = hopper.queries_per_group(int(np.diff(q_host).max()))
+    nq, nd = len(q_lens), len(tiles[2]) - 1
+    queries_a_group = hopper.queries_per_group(int(q_lens.max()))
     docs_per_prog = hopper_docs_per_program(hopper, cdiv(nq, queries_a_group), nd, d8.device)
     return hopper.maxsim_int8_allpairs(
         q8, sq, device_query_offsets, d8, tiles, queries_a_group, docs_per_prog

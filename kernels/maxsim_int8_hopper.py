@@ -64,7 +64,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._launch import hopper_device
-from ._validate import host_to_device, memo
+from ._validate import cdiv, host_to_device, memo
 from .maxsim_forward_hopper import _issue_product
 
 # Tuning (H200, triton 3.6, the exhaustive workload above; ms, best median of 2 rounds, in the same
@@ -321,7 +321,7 @@ def device_tables(
         first, ends, doc_tile, inside = tile_table_device(device_doc_offsets, n_tiles)
         return first, ends, doc_tile, tile_scales(doc_scales, first, inside)
     parts = tile_table(doc_offsets)
-    starts = np.cumsum([0] + [-(-len(a) // 4) * 4 for a in parts])
+    starts = np.cumsum([0] + [cdiv(len(a), 4) * 4 for a in parts])
     packed = np.zeros(int(starts[-1]), dtype=np.int32)
     for a, at in zip(parts, starts[:-1], strict=True):
         packed[at : at + len(a)] = a
@@ -370,7 +370,7 @@ def tile_scales_triton(
     n_tiles = first.numel()
     out = torch.empty((n_tiles, block_t), dtype=torch.float32, device=doc_scales.device)
     if n_tiles:
-        grid = (-(-n_tiles // _SCALE_TILES),)
+        grid = (cdiv(n_tiles, _SCALE_TILES),)
         _tile_scales_kernel[grid](
             doc_scales, first, inside, out, n_tiles, TILES=_SCALE_TILES, BLOCK_T=block_t
         )
@@ -389,7 +389,7 @@ def supports(q_lens: np.ndarray, d8: torch.Tensor, return_argmax: bool) -> bool:
     longest = int(q_lens.max())
     return (
         1 <= longest <= BLOCK_Q
-        and -(-len(q_lens) // queries_per_group(longest)) >= MIN_GROUPS
+        and cdiv(len(q_lens), queries_per_group(longest)) >= MIN_GROUPS
         and 0 < d8.shape[0] < 2**31 - BLOCK_T  # TMA coordinates and the tile table are int32
         and d8.stride(1) == 1
         and d8.stride(0) % 16 == 0
@@ -423,12 +423,12 @@ def maxsim_int8_allpairs(
     (`maxsim_forward.persistent_docs_per_program`)."""
     tile_tok, tile_ends, doc_tile, scales = tables
     nq, nd = q_off.numel() - 1, doc_tile.numel() - 1
-    groups = -(-nq // queries_a_group)
+    groups = cdiv(nq, queries_a_group)
     out = torch.empty((nq, nd), dtype=torch.float32, device=d8.device)
     d_layout, s_layout = _smem_layouts(d8.shape[1])
     d_desc = TensorDescriptor.from_tensor(d8, [BLOCK_T, d8.shape[1]], d_layout)
     s_desc = TensorDescriptor.from_tensor(scales, [1, BLOCK_T], s_layout)
-    grid = (groups * -(-nd // docs_per_prog),)
+    grid = (groups * cdiv(nd, docs_per_prog),)
     q_off32 = memo(q_off, "int32", lambda: q_off.to(torch.int32))  # the same for every document batch
     _int8_allpairs_kernel[grid](
         q8, sq, q_off32, d_desc, s_desc, tile_tok, tile_ends, doc_tile, out, nq, nd, groups,
