@@ -139,6 +139,29 @@ def on_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return memo(x, ("device", str(device)), lambda: host_to_device(x.to(torch.int64).contiguous(), device))
 
 
+def share_device_copy(host: torch.Tensor, device_copy: torch.Tensor) -> None:
+    """Tell the launchers that `device_copy` already holds `host`'s values, so that `on_device` hands it
+    out instead of staging and copying `host` again.
+
+    `maxsim score` copies each document batch's offsets to the GPU together with its embeddings; the
+    kernels take the host offsets (for their checks and launch grids) and would otherwise copy them a
+    second time per batch, through a freshly staged page-locked buffer. On the H200 that second copy
+    cost ~0.45 ms of the scoring thread per batch, 0.16 s of a 0.66 s pass over 10 GB
+    (`benchmarks/probe_pass_breakdown.py`, variants score=bare against score=bare-seeded). The caller
+    guarantees that the values are equal and that `device_copy` is not overwritten while `host` lives.
+    """
+    if device_copy.dtype != torch.int64 or not device_copy.is_contiguous():
+        raise ValueError("share_device_copy: the device copy must be a contiguous int64 tensor")
+    if tuple(device_copy.shape) != tuple(host.shape) or host.dtype != torch.int64:
+        raise ValueError(
+            f"share_device_copy: host {tuple(host.shape)} {host.dtype} and device copy "
+            f"{tuple(device_copy.shape)} {device_copy.dtype} differ"
+        )
+    if device_copy.device == host.device:
+        return
+    memo(host, ("device", str(device_copy.device)), lambda: device_copy)
+
+
 def host_to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`x` copied to `device` without the host waiting for the device.
 

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from maxsim_kernels._validate import resolve_backend
+from maxsim_kernels._validate import resolve_backend, share_device_copy
 from maxsim_kernels.cpu import NonFiniteDocuments
 
 from maxsim_cli.errors import InputError, MaxsimError, UsageError
@@ -580,6 +580,14 @@ class _Engine:
         """
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
 
+    def _batch_ints(self, values: np.ndarray, device_copy: torch.Tensor) -> torch.Tensor:
+        """`_host_ints` of values that the batch stream has already copied to the device with the batch
+        (`device_copy`): the kernels use that copy instead of copying the values again."""
+        host = self._host_ints(values)
+        if device_copy.device.type == "cuda":
+            share_device_copy(host, device_copy)
+        return host
+
     def _query_bytes(self, q0: int, q1: int) -> int:
         t = int(self.q_offsets[q1] - self.q_offsets[q0])
         return t * self.q_emb.shape[1] * self.q_emb.element_size() + (q1 - q0 + 1) * 8
@@ -756,7 +764,10 @@ class _Engine:
         t0, t1 = int(batch.host_offsets[a]), int(batch.host_offsets[b])
         whole = a == 0 and b == batch.plan.num_docs
         docs = batch.embeddings if whole else batch.embeddings[t0:t1]
-        offsets = self._host_ints(batch.host_offsets if whole else batch.host_offsets[a : b + 1] - t0)
+        if whole:
+            offsets = self._batch_ints(batch.host_offsets, batch.offsets)
+        else:
+            offsets = self._host_ints(batch.host_offsets[a : b + 1] - t0)
         scales = None if batch.scales is None else (batch.scales if whole else batch.scales[t0:t1])
         assert batch.side is not None
         ranks = batch.side[a:b]
@@ -976,8 +987,10 @@ class _Engine:
                     assert host_side is not None
                     n_pairs = (host_side.shape[0] - (nq + 1)) // 2
                     # candidate lists on the host (see `_host_ints`), output positions on the device
-                    cand_offsets = self._host_ints(host_side[: nq + 1])
-                    cand_docs = self._host_ints(host_side[nq + 1 : nq + 1 + n_pairs])
+                    cand_offsets = self._batch_ints(host_side[: nq + 1], batch.side[: nq + 1])
+                    cand_docs = self._batch_ints(
+                        host_side[nq + 1 : nq + 1 + n_pairs], batch.side[nq + 1 : nq + 1 + n_pairs]
+                    )
                     positions = batch.side[nq + 1 + n_pairs :]
                     timer = self._timer()
                     try:
@@ -985,7 +998,7 @@ class _Engine:
                             q_emb,
                             q_off,
                             batch.embeddings,
-                            self._host_ints(batch.host_offsets),
+                            self._batch_ints(batch.host_offsets, batch.offsets),
                             cand_offsets,
                             cand_docs,
                         )

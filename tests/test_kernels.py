@@ -500,6 +500,38 @@ def test_offsets_memo_follows_in_place_changes_and_frees():
     assert not torch.equal(before, after)
 
 
+def test_a_shared_device_copy_replaces_the_launchers_own_and_follows_the_host_tensor():
+    """`share_device_copy`: `on_device` hands out the registered copy (no second transfer) while the host
+    tensor is unchanged; an in-place change or a new tensor copies again; a copy that cannot hold the
+    values is refused. The meta device stands in for a GPU."""
+    import gc
+
+    from maxsim_kernels import _validate as v
+
+    meta = torch.device("meta")
+    host = torch.tensor([0, 3, 7], dtype=torch.int64)
+    copy = torch.empty(3, dtype=torch.int64, device=meta)
+    v.share_device_copy(host, copy)
+    assert v.on_device(host, meta) is copy
+    host[1] = 2  # in place: the registered copy no longer holds these values
+    assert v.on_device(host, meta) is not copy
+    other = torch.tensor([0, 3, 7], dtype=torch.int64)
+    assert v.on_device(other, meta) is not copy  # registered per tensor object
+    v.share_device_copy(host, host)  # same device: nothing to share, nothing remembered
+    assert v.on_device(host, torch.device("cpu")) is host
+    for bad in (
+        torch.empty(4, dtype=torch.int64, device=meta),
+        torch.empty(3, dtype=torch.int32, device=meta),
+        torch.empty(6, dtype=torch.int64, device=meta)[::2],
+    ):
+        with pytest.raises(ValueError, match="share_device_copy"):
+            v.share_device_copy(other, bad)
+    key = id(host)
+    del host, copy
+    gc.collect()
+    assert key not in v._MEMO
+
+
 def test_launch_plans_follow_their_offsets_and_never_keep_them_alive():
     """The Triton launchers remember checks and launch arguments per pair of offsets tensors: an in-place
     change, another partner or a new shape plans again; a plan holds neither offsets tensor (else the memo

@@ -690,6 +690,44 @@ def score_run(queries: str, shards: list[str], out, device: str, backend: str, c
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rerank", [False, True])
+def test_batch_ints_reach_the_kernels_through_the_streams_device_copy(
+    engine_data, tmp_path, monkeypatch, rerank
+) -> None:
+    """The offsets and candidate lists that `BatchStream` copies to the GPU with each batch are not
+    copied a second time by the kernels' launchers (`share_device_copy`), and the run is unchanged."""
+    from maxsim_kernels import _validate
+
+    from maxsim_cli.score import _Engine
+
+    queries, shards = engine_data
+    candidates = None
+    if rerank:
+        candidates = tmp_path / "cands.tsv"
+        candidates.write_text(
+            "".join(f"q{q}\ts{q % 2}d{d:02d}\t{d + 1}\n" for q in range(5) for d in range(3))
+        )
+    score_run(queries, shards, tmp_path / "cpu.trec", "cpu", "torch", candidates)
+    shared: list[torch.Tensor] = []  # kept alive: their ids stay theirs
+    batch_ints, to_device = _Engine._batch_ints, _validate.host_to_device
+
+    def recording(self, values, device_copy):  # noqa: ANN001, ANN202
+        host = batch_ints(self, values, device_copy)
+        shared.append(host)
+        return host
+
+    def copying(x, device):  # noqa: ANN001, ANN202
+        assert all(x is not h for h in shared), "a batch's ints were copied to the device again"
+        return to_device(x, device)
+
+    monkeypatch.setattr(_Engine, "_batch_ints", recording)
+    monkeypatch.setattr(_validate, "host_to_device", copying)
+    score_run(queries, shards, tmp_path / "cuda.trec", "cuda", "triton", candidates)
+    assert shared
+    assert (tmp_path / "cuda.trec").read_text() == (tmp_path / "cpu.trec").read_text()
+
+
+@pytest.mark.gpu
 def test_a_small_corpus_is_scored_with_all_queries_in_one_pass(tmp_path) -> None:
     """The staging slots of a small corpus are small (the arena is sized to the files); that must not
     split the queries into many passes, which only device memory calls for."""
