@@ -1,31 +1,31 @@
 """`maxsim score` end to end on 1 and on 2 GPUs of one machine, in one run: speedup and identical output.
 
-Workload (the `score` benchmark's, on a larger corpus): 512 queries x 32 tokens against fp16 shards of
+Workload (the `score` benchmark's, bench_score.py): 512 queries x 32 tokens against fp16 shards of
 L2-normalised random token vectors, d = 128 (256 B a token), document lengths uniform in [20, 300]
-(mean 160), 512 MiB shards (61 of them for 32 GB, so that two ranks get shares within one shard of each
-other), top-k 1000, the run written to local disk. The corpus is written in this run (so it sits in the
-page cache) and read alone as fast as the cores can (`bench_score.read_files`); a warm-up on a small
-corpus compiles the Triton kernels into the on-disk cache that the workers load them from.
+(mean 160), 512 MiB shards, 10 GB by default, top-k 1000, the run written to local disk. The corpus is
+written in this run (so it sits in the page cache) and read alone as fast as the cores can
+(`bench_score.read_files`); a warm-up on a small corpus on each GPU, alone and together, compiles the
+Triton kernels and starts CUDA on both devices, as `bench_score` warms up before its first run.
 
-Each configuration starts fresh worker processes through the `--devices` launcher
-(`maxsim_cli.distributed.launch`), so both pay the same start-up:
+Configurations (``--configs``), alternated in the order given, each run's wall time from the call to the
+run written:
 
-- ``1gpu``: one worker on cuda:0 (world size 1: the single-process engine);
-- ``2gpu``: two workers on cuda:0 and cuda:1 (shards shared by tokens, results merged on rank 0).
+- ``1gpu``: `score` on cuda:0 in this process (the single-process engine: `bench_score`'s first run);
+- ``2gpu``: `score --devices 0,1` in this process: a rank per GPU as threads (`run_threads`), shards
+  shared by tokens, results merged and written once;
+- ``1gpu-process`` / ``2gpu-processes``: the same with ranks as fresh worker processes joined through
+  torch.distributed (`distributed.launch`, what torchrun does): interpreter, imports and CUDA start
+  included;
+- ``cli-1gpu`` / ``cli-2gpu``: `python -m maxsim_cli score` as a user types it, all start-up included.
 
-Times: ``job_s`` is the launcher's call from start to return (interpreter start of the workers
-included); ``engine_s`` is measured inside rank 0 from entering `score` to the run written (for 2 GPUs:
-joining the group, the rank's share, waiting for the other rank, gathering, merging and writing). The
-in-process single-GPU `score` call of a warm process (``inprocess_1gpu``, no start-up at all) is
-reported beside them. Repeats alternate 1gpu / 2gpu and keep each one's best. Every run must be byte
-for byte the same file. JSON lines are appended to ``--log`` as stages finish, so a run cut short still
-leaves its figures.
+Every run must be byte for byte the same file. JSON lines are appended to ``--log`` as stages finish,
+so a run cut short still leaves its figures.
 
-    python benchmarks/bench_multigpu.py --workdir /tmp/maxsim-mgpu --size 32GB \\
-        --out benchmarks/results/multigpu-h200x2.json
+    python benchmarks/bench_multigpu.py --workdir /var/tmp/mgpu --size 10GB \\
+        --configs 1gpu,2gpu,cli-1gpu,cli-2gpu --out benchmarks/results/multigpu-h200x2.json
 
-``--cpu`` runs the same script with CPU workers (``cpu`` / ``cpu, cpu``) on a small corpus: a check of
-the script, not a measurement.
+``--cpu`` runs the same script with CPU "devices" on a small corpus: a check of the script, not a
+measurement.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ import hashlib
 import json
 import os
 import platform
+import statistics
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -128,9 +130,8 @@ def sha256(path: str) -> str:
 # runs
 
 
-def job(qpath: str, paths: list[str], out: str, devices: list[str]) -> dict:
-    """One launcher job on `devices`: wall of the call, rank 0's stats."""
-    options = {
+def options_for(qpath: str, paths: list[str], out: str) -> dict:
+    return {
         "queries": qpath,
         "corpus": paths,
         "output": out,
@@ -138,12 +139,28 @@ def job(qpath: str, paths: list[str], out: str, devices: list[str]) -> dict:
         "device": "auto",
         "show_progress": False,
     }
+
+
+def run_config(name: str, qpath: str, paths: list[str], out: str, devices: list[str]) -> dict:
+    """One run of configuration `name`: wall of the call and the engine's stats (rank 0's for a job)."""
     start = time.perf_counter()
-    stats = distributed.launch(options, devices)
-    job_s = time.perf_counter() - start
-    result = {"devices": devices, "job_s": job_s, "engine_s": stats.wall_s, "stats": stats.as_dict()}
-    log(f"{len(devices)} worker(s) {devices}: job {job_s:.2f} s, engine {stats.wall_s:.2f} s")
-    log(stats.summary())
+    if name == "1gpu":  # the single-process engine, in this (warm) process
+        stats = score(qpath, paths, output=out, top_k=TOP_K, device=devices[0], log=log)
+    elif name == "2gpu":  # `--devices`: ranks as threads of this process
+        stats = distributed.run_threads(options_for(qpath, paths, out), devices)
+    elif name in ("1gpu-process", "2gpu-processes"):  # ranks as fresh worker processes
+        stats = distributed.launch(options_for(qpath, paths, out), devices)
+    else:  # cli-1gpu / cli-2gpu: `maxsim score` as a user types it, interpreter start included
+        cmd = [sys.executable, "-m", "maxsim_cli", "score", qpath, *paths, "-k", str(TOP_K), "-o", out]
+        spec = ",".join(devices) if devices[0].startswith("cuda") else f"cpu:{len(devices)}"
+        cmd += ["--device", devices[0]] if len(devices) == 1 else ["--devices", spec]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        stats = None
+    wall = time.perf_counter() - start
+    result = {"devices": devices, "wall_s": wall}
+    if stats is not None:
+        result.update(engine_s=stats.wall_s, stats=stats.as_dict())
+    log(f"{name} {devices}: {wall:.3f} s" + (f"; {stats.summary()}" if stats is not None else ""))
     return result
 
 
@@ -153,10 +170,16 @@ def main() -> None:
     parser.add_argument(
         "--workdir", default="/tmp/maxsim-mgpu", help="where the corpus is written (local disk)"
     )
-    parser.add_argument("--size", default=None, help="corpus size (default 32GB; --cpu: 64MB)")
+    parser.add_argument("--size", default=None, help="corpus size (default 10GB; --cpu: 64MB)")
     parser.add_argument("--shard-size", default=None, help="shard size (default 512MiB; --cpu: 8MiB)")
     parser.add_argument("--queries", type=int, default=None, help="number of queries (default 512; --cpu: 8)")
-    parser.add_argument("--repeats", type=int, default=2, help="alternating repetitions, best kept")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating repetitions")
+    parser.add_argument(
+        "--configs",
+        default="1gpu,2gpu",
+        help="comma-separated, alternated in this order: 1gpu, 2gpu (threads, in this process), "
+        "1gpu-process, 2gpu-processes (fresh workers), cli-1gpu, cli-2gpu (fresh `maxsim score`)",
+    )
     parser.add_argument("--cpu", action="store_true", help="check the script with CPU workers")
     parser.add_argument("--log", default=None, help="append one JSON line per finished stage here")
     parser.add_argument("--out", default=None, help="JSON file for the summary")
@@ -164,14 +187,15 @@ def main() -> None:
     _log_path = args.log
     if args.cpu:
         device = torch.device("cpu")
-        one, two, inproc_device = ["cpu"], ["cpu", "cpu"], "cpu"
+        one, two = ["cpu"], ["cpu", "cpu"]
         size, shard, nq = args.size or "64MB", args.shard_size or "8MiB", args.queries or 8
     else:
         if torch.cuda.device_count() < 2:
             raise SystemExit("bench_multigpu: needs 2 CUDA devices (or --cpu to check the script)")
         device = torch.device("cuda", 0)
-        one, two, inproc_device = ["cuda:0"], ["cuda:0", "cuda:1"], "cuda:0"
-        size, shard, nq = args.size or "32GB", args.shard_size or "512MiB", args.queries or 512
+        one, two = ["cuda:0"], ["cuda:0", "cuda:1"]
+        size, shard, nq = args.size or "10GB", args.shard_size or "512MiB", args.queries or 512
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     threads = min(16, os.cpu_count() or 1)
     work = args.workdir
     os.makedirs(work, exist_ok=True)
@@ -190,52 +214,45 @@ def main() -> None:
     log(f"page cache read alone: {read_s:.2f} s ({corpus_bytes / read_s / 1e9:.1f} GB/s, {threads} threads)")
     record("read", seconds=read_s, GBps=corpus_bytes / read_s / 1e9)
 
-    # Triton compile into the on-disk cache (workers load from it), CUDA and torch warm in this process
-    score(qpath, small, output=os.path.join(work, "warm.trec"), top_k=TOP_K, device=inproc_device, log=log)
-    inproc_out = os.path.join(work, "run-inprocess.trec")
-    start = time.perf_counter()
-    inproc = score(qpath, paths, output=inproc_out, top_k=TOP_K, device=inproc_device, log=log)
-    inproc_s = time.perf_counter() - start
-    log(f"in-process 1 device: {inproc_s:.2f} s; {inproc.summary()}")
-    record("inprocess_1gpu", seconds=inproc_s, stats=inproc.as_dict())
-    reference = sha256(inproc_out)
+    # Triton compile (into the on-disk cache that fresh workers load from), CUDA and torch warm on both
+    # devices in this process, as `bench_score` warms up before its first run
+    for warm_devices in ([d] for d in two):
+        run_config("1gpu", qpath, small, os.path.join(work, "warm.trec"), warm_devices)
+    run_config("2gpu", qpath, small, os.path.join(work, "warm.trec"), two)
     if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # the worker on cuda:0 should find the memory this process used free
+        torch.cuda.empty_cache()  # a worker on cuda:0 should find the memory this process used free
 
-    best: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {c: [] for c in configs}
+    reference = None
     same = True
     for rep in range(args.repeats):
-        for name, devices in (("1gpu", one), ("2gpu", two)):
+        for name in configs:
             out = os.path.join(work, f"run-{name}.trec")
-            result = job(qpath, paths, out, devices)
-            result["same_as_inprocess"] = sha256(out) == reference
-            same = same and result["same_as_inprocess"]
+            result = run_config(name, qpath, paths, out, one if "1gpu" in name else two)
+            digest = sha256(out)
+            reference = reference or digest
+            result["same_output"] = digest == reference
+            same = same and result["same_output"]
             record(name, rep=rep, **result)
-            if name not in best or result["engine_s"] < best[name]["engine_s"]:
-                best[name] = result
+            runs[name].append(result)
             os.unlink(out)
+
+    def summary_of(name: str) -> dict:
+        walls = [r["wall_s"] for r in runs[name]]
+        return {"best_s": min(walls), "median_s": statistics.median(walls), "walls_s": walls}
 
     summary = {
         "corpus_bytes": corpus_bytes,
         "shards": len(paths),
-        "documents": inproc.documents,
-        "tokens": inproc.tokens,
         "queries": nq,
         "query_tokens": QUERY_TOKENS,
         "top_k": TOP_K,
+        "repeats": args.repeats,
         "page_cache_read_GBps": corpus_bytes / read_s / 1e9,
-        "inprocess_1gpu_s": inproc_s,
-        "job_1gpu_s": best["1gpu"]["job_s"],
-        "job_2gpu_s": best["2gpu"]["job_s"],
-        "engine_1gpu_s": best["1gpu"]["engine_s"],
-        "engine_2gpu_s": best["2gpu"]["engine_s"],
-        "speedup_engine": best["1gpu"]["engine_s"] / best["2gpu"]["engine_s"],
-        "speedup_job": best["1gpu"]["job_s"] / best["2gpu"]["job_s"],
-        "speedup_vs_inprocess": inproc_s / best["2gpu"]["engine_s"],
+        "configs": {name: summary_of(name) for name in configs},
         "identical_output": same,
         "run_sha256": reference,
-        "best_1gpu": best["1gpu"],
-        "best_2gpu": best["2gpu"],
+        "runs": runs,
         "machine": {
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -244,11 +261,19 @@ def main() -> None:
             "date": datetime.date.today().isoformat(),
         },
     }
-    log(
-        f"speedup 2 vs 1: engine {summary['speedup_engine']:.2f}x, job {summary['speedup_job']:.2f}x, "
-        f"vs in-process {summary['speedup_vs_inprocess']:.2f}x; identical output: {same}"
-    )
-    record("summary", **summary)
+    for base, multi in (("1gpu", "2gpu"), ("1gpu-process", "2gpu-processes"), ("cli-1gpu", "cli-2gpu")):
+        if base in runs and multi in runs:
+            a, b = summary["configs"][base], summary["configs"][multi]
+            summary[f"speedup_{multi}"] = {
+                "best": a["best_s"] / b["best_s"],
+                "median": a["median_s"] / b["median_s"],
+            }
+            log(
+                f"speedup {multi} vs {base}: best {a['best_s'] / b['best_s']:.2f}x, "
+                f"median {a['median_s'] / b['median_s']:.2f}x"
+            )
+    log(f"identical output: {same}")
+    record("summary", **{k: v for k, v in summary.items() if k != "runs"})
     text = json.dumps(summary, indent=2, sort_keys=True)
     print(text)
     if args.out:

@@ -85,6 +85,10 @@ want pass-breakdown && step pass-breakdown ${PASS_BREAKDOWN_S:-240} python3 benc
 # `git archive BASE | tar -x -C ab-base` before the call), alternating fresh processes (ab_trees.py)
 want ab-trees && step ab-trees ${AB_TREES_S:-300} python3 benchmarks/ab_trees.py --tree base=${AB_BASE:-ab-base} \
   --tree new=. --workdir /var/tmp/mb ${AB_TREES_ARGS:-} --out "$logs/ab-trees-h200.json"
+# multigpu: `maxsim score` on 1 and 2 GPUs (needs the two-GPU kind), MGPU_CONFIGS from bench_multigpu.py
+want multigpu && step multigpu ${MULTIGPU_S:-420} python3 benchmarks/bench_multigpu.py --workdir /var/tmp/mgpu \
+  --size ${MGPU_SIZE:-10GB} --configs ${MGPU_CONFIGS:-1gpu,2gpu} --repeats ${MGPU_REPEATS:-3} \
+  --log "$logs/multigpu-log.jsonl" --out "$logs/multigpu-h200x2.json"
 # gpu-side: the pass replayed on GPU-resident batches, adding the merge, copies and reads (probe_gpu_side.py)
 want gpu-side && step gpu-side ${GPU_SIDE_S:-200} python3 benchmarks/probe_gpu_side.py --workdir /var/tmp/mb \
   --out "$logs/gpu-side-h200.json"

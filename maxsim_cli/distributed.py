@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from maxsim_cli.errors import MaxsimError, UsageError
+from maxsim_cli.errors import MaxsimError, RankStopped, UsageError
 
 if TYPE_CHECKING:
     from maxsim_cli.score import ScoreStats
@@ -142,6 +142,7 @@ class RankPart:
     corpus: Corpus
     sink: ResultSink
     candidates: dict[str, list[tuple[str, float]]] | None = None
+    stop: threading.Event | None = None  # set when another rank of the job has failed: stop scoring
 
 
 @dataclass
@@ -393,7 +394,15 @@ def dispatch(options: dict[str, Any]) -> ScoreStats:
         local = {k: v for k, v in options.items() if k not in ("devices", "part")}
         local["device"] = names[0]
         return score(**local)
+    if in_threads(names):
+        return run_threads(options, names)
     return launch(options, names)
+
+
+def in_threads(devices: Sequence[str]) -> bool:
+    """Whether ``--devices`` runs its ranks as threads of this process (GPUs: `run_threads`) rather than
+    as worker processes (CPU workers, whose torch thread pools would otherwise share one process)."""
+    return all(d.startswith("cuda") for d in devices)
 
 
 def _check_no_stdin(options: dict[str, Any]) -> None:
@@ -616,20 +625,35 @@ def _inject_test_failure(rank: int) -> None:
     raise MaxsimError(f"failure injected on rank {rank} by {ENV_FAIL_RANK}={value} (a test hook)")
 
 
-def _score_share(
-    options: dict[str, Any], rank: int, world: int, device: str, cuda_ready: _CudaInit | None
-) -> tuple[_Share, _MergeOrder | None]:
-    """Open the corpus, score this rank's shards for all queries, return the results (and, on rank 0
-    in exhaustive mode, the docno order that the merge needs)."""
-    from maxsim_cli.runs import read_run
-    from maxsim_cli.score import ScoreStats, score
-    from maxsim_cli.shards import Corpus, open_corpus, open_shard
+def _open_job_corpus(options: dict[str, Any]) -> Corpus:
+    from maxsim_cli.shards import open_corpus
 
     _check_no_stdin(options)
     corpus_paths = [str(p) for p in options["corpus"]] if options.get("corpus") else []
     if not corpus_paths:
         raise UsageError("no corpus given: pass one or more shard files or directories after QUERIES")
-    corpus = open_corpus(corpus_paths)
+    return open_corpus(corpus_paths)
+
+
+def _score_share(
+    options: dict[str, Any],
+    rank: int,
+    world: int,
+    device: str,
+    cuda_ready: _CudaInit | None,
+    corpus: Corpus | None = None,
+    stop: threading.Event | None = None,
+) -> tuple[_Share, _MergeOrder | None]:
+    """Score this rank's shards of the corpus (opened here, or the job's open `corpus`, whose shards
+    of this rank are closed afterwards) for all queries, return the results (and, on rank 0 in
+    exhaustive mode, the docno order that the merge needs). `stop`: set when another rank failed."""
+    from maxsim_cli.runs import read_run
+    from maxsim_cli.score import ScoreStats, score
+    from maxsim_cli.shards import Corpus, open_shard
+
+    own_corpus = corpus is None
+    if corpus is None:
+        corpus = _open_job_corpus(options)
     try:
         _inject_test_failure(rank)
         shares = assign_shards([s.num_tokens for s in corpus.shards], world)
@@ -669,7 +693,7 @@ def _score_share(
                 device=device,
                 log=log,
                 show_progress=bool(options.get("show_progress")) and rank == 0,
-                part=RankPart(sub, sink, candidates),
+                part=RankPart(sub, sink, candidates, stop),
             )
             stats = score(**kwargs)
         else:
@@ -694,7 +718,8 @@ def _score_share(
             merge_order = _MergeOrder(corpus.rank_of_ordinal(), corpus.id_order()[2])
         return share, merge_order
     finally:
-        corpus.close()
+        if own_corpus:
+            corpus.close()
 
 
 # Rank 0 merges the ranks' columns this many queries at a time (temporaries ~ 24 B x ranks x k a query).
@@ -768,6 +793,81 @@ def _combine_stats(options: dict[str, Any], shares: Sequence[_Share]) -> ScoreSt
         ],
     }
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# --devices with GPUs: one thread per device in this process
+
+# The launcher's main thread checks this often for a finished rank (and for Ctrl-C).
+_POLL_S = 0.05
+
+
+def run_threads(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
+    """Score on several devices of this machine from this one process: a rank per device, each a thread
+    that drives its GPU with the single-process engine, results merged here and the run written once.
+
+    The ranks share the open corpus (headers and ids read once) and need no process group: they hand
+    their results over in memory. The engine's per-batch work holds Python's lock for a small part of
+    each kernel's time, and the file reads and copies release it, so one process keeps several GPUs
+    busy; it also spares the job a worker's start-up (an interpreter, torch and Triton imported again,
+    the corpus opened again), which on a 10 GB corpus took longer than scoring it
+    (docs/scaling.md). A rank that fails stops the others at their next batch; the job raises that
+    rank's error and writes nothing.
+    """
+    start = time.perf_counter()
+    world = len(devices)
+    stop = threading.Event()
+    corpus = _open_job_corpus(options)
+    try:
+        if options.get("candidates") is None:
+            corpus.rank_of_ordinal()  # computed once here, not raced by the ranks (rank 0 merges)
+        outcomes: list[tuple[_Share, _MergeOrder | None] | BaseException | None] = [None] * world
+
+        def rank_main(rank: int) -> None:
+            try:
+                outcomes[rank] = _score_share(options, rank, world, devices[rank], None, corpus, stop)
+            except BaseException as exc:  # noqa: BLE001 - reported by the launcher's thread
+                outcomes[rank] = exc
+                stop.set()
+
+        threads = [
+            threading.Thread(target=rank_main, args=(r,), name=f"maxsim-rank-{r}", daemon=True)
+            for r in range(world)
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            for thread in threads:
+                while thread.is_alive():
+                    thread.join(_POLL_S)
+        except BaseException:  # Ctrl-C: the ranks stop at their next batch, then the error goes on
+            stop.set()
+            for thread in threads:
+                thread.join()
+            raise
+        share_s = time.perf_counter() - start
+    finally:
+        corpus.close()
+    failures = [(r, o) for r, o in enumerate(outcomes) if isinstance(o, BaseException)]
+    if failures:
+        first = [(r, o) for r, o in failures if not isinstance(o, RankStopped)] or failures
+        r, exc = first[0]
+        if not isinstance(exc, MaxsimError):
+            raise exc
+        if r == 0:
+            raise exc
+        raise type(exc)(f"rank {r} of {world} ({devices[r]}): {exc}") from None
+    done = [o for o in outcomes if isinstance(o, tuple)]
+    shares = [share for share, _order in done]
+    mark = time.perf_counter()
+    _write_merged(options, shares, done[0][1])
+    merge_write_s = time.perf_counter() - mark
+    stats = _combine_stats(options, shares)
+    stats.write_s = merge_write_s
+    stats.extra["phases"] = {"share_s": share_s, "merge_write_s": merge_write_s}
+    stats.extra["workers"] = "threads"
+    stats.wall_s = time.perf_counter() - start
+    return stats
 
 
 # --------------------------------------------------------------------------------------------------
@@ -992,9 +1092,11 @@ __all__ = [
     "kth_scores",
     "merge_columns",
     "trim_columns",
+    "in_threads",
     "launch",
     "parse_devices",
     "run_rank",
+    "run_threads",
     "split_candidates",
     "timeout_seconds",
     "world_size",

@@ -20,3 +20,7 @@ class UsageError(MaxsimError):
     """Bad command-line usage (conflicting options, two stdin inputs, ...): exit code 2."""
 
     exit_code = 2
+
+
+class RankStopped(MaxsimError):
+    """A rank of a job stopped early because another rank failed (that rank's error is the job's)."""

@@ -47,6 +47,7 @@ import math
 import os
 import resource
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -57,7 +58,7 @@ import torch
 from maxsim_kernels._validate import resolve_backend, share_device_copy
 from maxsim_kernels.cpu import NonFiniteDocuments
 
-from maxsim_cli.errors import InputError, MaxsimError, UsageError
+from maxsim_cli.errors import InputError, MaxsimError, RankStopped, UsageError
 from maxsim_cli.pipeline import Batch, BatchPlan, BatchStream, Part, PinnedArena, read_parts
 from maxsim_cli.shards import write_text_atomic
 from maxsim_cli.topk import MAX_RANKS, PAIR_BYTES, STATE_BYTES, RunningTopK
@@ -421,6 +422,7 @@ def score(
 
         engine = _Engine(corpus_obj, q_emb, q_offsets, dev, backend, budget, stats, log, corpus)
         engine.arena = arena
+        engine.stop = part.stop if part is not None else None
         if candidates is not None:
             from_rank = part is not None and part.candidates is not None
             run = part.candidates if from_rank else read_run(str(candidates))  # type: ignore[union-attr]
@@ -545,6 +547,7 @@ class _Engine:
         )
         self.piece_docs: int | None = None  # set after a CUDA OOM: documents per kernel call
         self.progress = None
+        self.stop: threading.Event | None = None  # set by a job whose other rank failed
         sizes = [len(s.ids) for s in self.shards]
         self.shard_base = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         lengths = [np.diff(np.asarray(s.offsets, dtype=np.int64)) for s in self.shards]
@@ -729,8 +732,7 @@ class _Engine:
                 assert job.stream is not None
                 for batch in job.stream:
                     self._score_block(batch, 0, batch.plan.num_docs, (q_emb, q_off, q_scales), topk)
-                    if self.progress is not None:
-                        self.progress.advance(batch.plan.num_docs, batch.plan.num_tokens)
+                    self._batch_done(batch)
                 scores, ranks = topk.result()
                 started = time.perf_counter()
                 self._write_topk(writer, qids[job.q0 : job.q1], scores, ranks)
@@ -740,6 +742,13 @@ class _Engine:
             if stream is not None:
                 stream.close()
                 self._fold_times(stream)
+
+    def _batch_done(self, batch: Batch) -> None:
+        """After each batch: the progress bar, and a stop when another rank of the job has failed."""
+        if self.progress is not None:
+            self.progress.advance(batch.plan.num_docs, batch.plan.num_tokens)
+        if self.stop is not None and self.stop.is_set():
+            raise RankStopped("stopped because another rank of the job failed")
 
     def _score_block(
         self,
@@ -1015,8 +1024,7 @@ class _Engine:
                         pair_scores.index_copy_(0, positions, s.to(torch.float32))
                     finally:
                         self._timer_end(timer)
-                    if self.progress is not None:
-                        self.progress.advance(batch.plan.num_docs, batch.plan.num_tokens)
+                    self._batch_done(batch)
             finally:
                 job.stream.close()
                 self._fold_times(job.stream)

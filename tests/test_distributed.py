@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from maxsim_cli import distributed
 from maxsim_cli.cli import app
 from maxsim_cli.distributed import ResultSink, assign_shards, parse_devices, split_candidates
-from maxsim_cli.errors import UsageError
+from maxsim_cli.errors import MaxsimError, UsageError
 from maxsim_cli.merge import select_top_k
 from maxsim_cli.runs import sort_trec
 from maxsim_cli.score import score
@@ -340,6 +340,82 @@ def test_strict_rerank_fails_every_rank_with_the_single_process_error(data, tmp_
     result = runner.invoke(app, [*args, "-o", str(out), "--devices", "cpu:2"], env=JOB_ENV)
     assert result.exit_code == 1
     assert result.stderr.strip() == f"maxsim: error: {single_error.value}"
+    assert _leftovers(tmp_path, "run.trec") == []
+
+
+@pytest.mark.parametrize("mode", ["exhaustive", "rerank"])
+def test_ranks_as_threads_equal_single_process(data, tmp_path, monkeypatch, mode):
+    """`--devices` with GPUs runs its ranks as threads of one process (`run_threads`); here on two CPU
+    "devices", the same code: byte for byte the single process's run, one summary for the job."""
+    kwargs = {"top_k": 6, "candidates": data["cands"]} if mode == "rerank" else {"top_k": 5}
+    single = tmp_path / "single.trec"
+    expected = [m for m in _single(data, single, **kwargs) if m.startswith("warning")]
+    monkeypatch.setattr(distributed, "in_threads", lambda devices: True)
+    out = tmp_path / "threads.trec"
+    messages: list[str] = []
+    stats = score(
+        data["queries"], [data["corpus"]], output=str(out), devices="cpu:2", log=messages.append, **kwargs
+    )
+    assert out.read_bytes() == single.read_bytes()
+    assert [m for m in messages if m.startswith("warning")] == expected
+    assert stats.extra["workers"] == "threads" and stats.extra["world_size"] == 2
+    assert stats.documents == (sum(SHARD_DOCS) if mode == "exhaustive" else stats.documents)
+    assert sorted(s for r in stats.extra["ranks"] for s in r["shards"]) == [0, 1, 2, 3]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["exhaustive", "rerank"])
+def test_gpu_ranks_as_threads_equal_single_process(data, tmp_path, monkeypatch, mode):
+    """`--devices` on GPUs: two rank threads (on cuda:0 and cuda:1, or both on cuda:0 where there is
+    one GPU) write the single-process GPU run byte for byte; each rank drives its own device."""
+    kwargs = {"top_k": 6, "candidates": data["cands"]} if mode == "rerank" else {"top_k": 5}
+    single = tmp_path / "single.trec"
+    score(data["queries"], [data["corpus"]], output=str(single), device="cuda:0", **kwargs)
+    devices = ["cuda:0", "cuda:1"] if torch.cuda.device_count() > 1 else ["cuda:0", "cuda:0"]
+    monkeypatch.setattr(distributed, "parse_devices", lambda spec: devices)
+    out = tmp_path / "threads.trec"
+    stats = score(data["queries"], [data["corpus"]], output=str(out), devices="0,1", **kwargs)
+    assert out.read_bytes() == single.read_bytes()
+    assert stats.extra["workers"] == "threads"
+    assert [r["device"] for r in stats.extra["ranks"]] == devices
+
+
+def test_a_rank_thread_that_fails_stops_the_others_and_writes_nothing(data, tmp_path, monkeypatch):
+    """A failing rank's error is the job's (named by rank and device, one line, exit code 1 from the
+    CLI); the other rank stops at its next batch instead of scoring on; no run is written."""
+    import threading
+
+    from maxsim_cli.score import _Engine
+
+    monkeypatch.setattr(distributed, "in_threads", lambda devices: True)
+    out = tmp_path / "run.trec"
+    args = ["score", data["queries"], data["corpus"], "-o", str(out), "--devices", "cpu:2"]
+    result = runner.invoke(app, args, env={**JOB_ENV, "MAXSIM_TEST_FAIL_RANK": "1"})
+    assert result.exit_code == 1, result.output
+    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    assert lines == [
+        "maxsim: error: rank 1 of 2 (cpu): failure injected on rank 1 by MAXSIM_TEST_FAIL_RANK=1 "
+        "(a test hook)"
+    ]
+    assert _leftovers(tmp_path, "run.trec") == []
+    # rank 0 fails after its first batch while rank 1 is held in its first batch until then: rank 1
+    # must stop there (RankStopped), and the job reports rank 0's own error
+    batches = {0: 0, 1: 0}
+    done = _Engine._batch_done
+
+    def batch_done(self, batch):  # noqa: ANN001, ANN202
+        rank = int(threading.current_thread().name.rpartition("-")[2])
+        batches[rank] += 1
+        if rank == 0:
+            raise MaxsimError("rank 0 broke")
+        assert self.stop.wait(10)  # the job's stop, set once rank 0's error has left its thread
+        return done(self, batch)
+
+    monkeypatch.setattr(_Engine, "_batch_done", batch_done)
+    monkeypatch.setattr("maxsim_cli.score.STAGING_BYTES", 1 << 12)
+    with pytest.raises(MaxsimError, match="^rank 0 broke$"):
+        score(data["queries"], [data["corpus"]], output=str(out), devices="cpu:2", max_memory=1 << 16)
+    assert batches[1] == 1
     assert _leftovers(tmp_path, "run.trec") == []
 
 
