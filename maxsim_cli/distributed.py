@@ -143,6 +143,7 @@ class RankPart:
     sink: ResultSink
     candidates: dict[str, list[tuple[str, float]]] | None = None
     stop: threading.Event | None = None  # set when another rank of the job has failed: stop scoring
+    staging_bytes: int | None = None  # this rank's pinned staging arena (default `score.STAGING_BYTES`)
 
 
 @dataclass
@@ -643,10 +644,12 @@ def _score_share(
     cuda_ready: _CudaInit | None,
     corpus: Corpus | None = None,
     stop: threading.Event | None = None,
+    staging_bytes: int | None = None,
 ) -> tuple[_Share, _MergeOrder | None]:
     """Score this rank's shards of the corpus (opened here, or the job's open `corpus`, whose shards
     of this rank are closed afterwards) for all queries, return the results (and, on rank 0 in
-    exhaustive mode, the docno order that the merge needs). `stop`: set when another rank failed."""
+    exhaustive mode, the docno order that the merge needs). `stop`: set when another rank failed;
+    `staging_bytes`: the rank's pinned staging arena (`RankPart`)."""
     from maxsim_cli.runs import read_run
     from maxsim_cli.score import ScoreStats, score
     from maxsim_cli.shards import Corpus, open_shard
@@ -693,7 +696,7 @@ def _score_share(
                 device=device,
                 log=log,
                 show_progress=bool(options.get("show_progress")) and rank == 0,
-                part=RankPart(sub, sink, candidates, stop),
+                part=RankPart(sub, sink, candidates, stop, staging_bytes),
             )
             stats = score(**kwargs)
         else:
@@ -800,6 +803,16 @@ def _combine_stats(options: dict[str, Any], shares: Sequence[_Share]) -> ScoreSt
 
 # The launcher's main thread checks this often for a finished rank (and for Ctrl-C).
 _POLL_S = 0.05
+# Rank threads share Python's lock, which each holds for part of every batch (launches, top-k merge,
+# the batch stream's bookkeeping: ~1 ms a batch on the H200 machine), so they take larger batches than
+# one process does: a pinned staging arena of this size each (batches of ~56 MiB instead of ~28), and
+# the lock changes hands every `THREAD_SWITCH_S` instead of Python's 5 ms, which left a GPU idle while
+# the other rank's thread ran. Two H200s, 10 GB (benchmarks/results/multigpu-10gb-h200x2-variants.json,
+# wall against one GPU in the same process, best / median of 3): 0.90 / 0.90x with the single-process
+# arena, 1.26 / 1.29x with 1 GiB, 1.26 / 1.34x adding the 0.5 ms switch; 2 GiB gave 1.39 / 1.37x but
+# page-locked 4 GiB in a fresh process first (0.64 s against 0.29 s for 2 x 1 GiB).
+THREAD_STAGING_BYTES = 1 << 30
+THREAD_SWITCH_S = 0.0005
 
 
 def run_threads(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
@@ -818,17 +831,20 @@ def run_threads(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
     world = len(devices)
     stop = threading.Event()
     corpus = _open_job_corpus(options)
+    interval = sys.getswitchinterval()
     try:
-        if options.get("candidates") is None:
-            corpus.rank_of_ordinal()  # computed once here, not raced by the ranks (rank 0 merges)
         outcomes: list[tuple[_Share, _MergeOrder | None] | BaseException | None] = [None] * world
 
         def rank_main(rank: int) -> None:
             try:
-                outcomes[rank] = _score_share(options, rank, world, devices[rank], None, corpus, stop)
+                outcomes[rank] = _score_share(
+                    options, rank, world, devices[rank], None, corpus, stop, THREAD_STAGING_BYTES
+                )
             except BaseException as exc:  # noqa: BLE001 - reported by the launcher's thread
                 outcomes[rank] = exc
                 stop.set()
+
+        sys.setswitchinterval(min(interval, THREAD_SWITCH_S))
 
         threads = [
             threading.Thread(target=rank_main, args=(r,), name=f"maxsim-rank-{r}", daemon=True)
@@ -847,6 +863,7 @@ def run_threads(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
             raise
         share_s = time.perf_counter() - start
     finally:
+        sys.setswitchinterval(interval)
         corpus.close()
     failures = [(r, o) for r, o in enumerate(outcomes) if isinstance(o, BaseException)]
     if failures:

@@ -390,7 +390,8 @@ def score(
         # 0.29 s instead of 0.07 s on the H200 machine: both take the process's address-space lock), but
         # started later it overlapped the pass, whose CUDA calls and reads then waited for the pieces:
         # 1.2-1.3 s instead of 0.54 s for the first pass of a process on a fresh machine.
-        staging = min(STAGING_BYTES, host_budget, _files_bytes(corpus) + (1 << 20))
+        cap = part.staging_bytes if part is not None and part.staging_bytes else STAGING_BYTES
+        staging = min(cap, host_budget, _files_bytes(corpus) + (1 << 20))
         arena = PinnedArena(staging, BatchStream.host_slots(threads), dev)
     corpus_obj = part.corpus if part is not None else open_corpus([str(p) for p in corpus])
     try:
