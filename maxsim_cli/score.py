@@ -549,7 +549,7 @@ class _Engine:
         self.piece_docs: int | None = None  # set after a CUDA OOM: documents per kernel call
         self.progress = None
         self.stop: threading.Event | None = None  # set by a job whose other rank failed
-        sizes = [len(s.ids) for s in self.shards]
+        sizes = [s.num_docs for s in self.shards]
         self.shard_base = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         lengths = [np.diff(np.asarray(s.offsets, dtype=np.int64)) for s in self.shards]
         self.doc_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
