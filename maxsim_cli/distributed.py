@@ -805,14 +805,19 @@ def _combine_stats(options: dict[str, Any], shares: Sequence[_Share]) -> ScoreSt
 _POLL_S = 0.05
 # Rank threads share Python's lock, which each holds for part of every batch (launches, top-k merge,
 # the batch stream's bookkeeping: ~1 ms a batch on the H200 machine), so they take larger batches than
-# one process does: a pinned staging arena of this size each (batches of ~56 MiB instead of ~28), and
-# the lock changes hands every `THREAD_SWITCH_S` instead of Python's 5 ms, which left a GPU idle while
-# the other rank's thread ran. Two H200s, 10 GB (benchmarks/results/multigpu-10gb-h200x2-variants.json,
-# wall against one GPU in the same process, best / median of 3): 0.90 / 0.90x with the single-process
-# arena, 1.26 / 1.29x with 1 GiB, 1.26 / 1.34x adding the 0.5 ms switch; 2 GiB gave 1.39 / 1.37x but
-# page-locked 4 GiB in a fresh process first (0.64 s against 0.29 s for 2 x 1 GiB).
+# one process does: a pinned staging arena of this size each (batches of ~56 MiB with 16 readers a
+# rank instead of ~28; ~100 MiB with the 8 below), and the lock changes hands every `THREAD_SWITCH_S`
+# instead of Python's 5 ms, which left a GPU idle while the other rank's thread ran. Two H200s, 10 GB
+# (benchmarks/results/multigpu-10gb-h200x2-variants.json, wall against one GPU in the same process,
+# best / median of 3, 16 readers a rank): 0.90 / 0.90x with the single-process arena, 1.26 / 1.29x with
+# 1 GiB, 1.26 / 1.34x adding the 0.5 ms switch; 2 GiB gave 1.39 / 1.37x but page-locked 4 GiB in a
+# fresh process first (0.64 s against 0.29 s for 2 x 1 GiB).
 THREAD_STAGING_BYTES = 1 << 30
 THREAD_SWITCH_S = 0.0005
+# The machine's page cache is read fastest by ~16 threads in all (score.DEFAULT_READER_THREADS), so the
+# rank threads share them instead of starting 16 each. Two H200s, 16 readers a rank against 8: 10 GB
+# 1.42 against 1.50x of one GPU, 32 GB 1.69 against 1.76x (medians of 4 and 3,
+# benchmarks/results/multigpu-*-h200x2-readers.json); with 8 a rank, both ranks wait for reads.
 
 
 def run_threads(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
@@ -827,8 +832,13 @@ def run_threads(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
     (docs/scaling.md). A rank that fails stops the others at their next batch; the job raises that
     rank's error and writes nothing.
     """
+    from maxsim_cli.score import DEFAULT_READER_THREADS
+
     start = time.perf_counter()
     world = len(devices)
+    if not options.get("reader_threads"):
+        machine = min(DEFAULT_READER_THREADS, os.cpu_count() or 1)
+        options = {**options, "reader_threads": max(1, machine // world)}
     stop = threading.Event()
     corpus = _open_job_corpus(options)
     interval = sys.getswitchinterval()
