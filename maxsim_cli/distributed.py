@@ -1,11 +1,13 @@
-"""`maxsim score` on several processes - GPUs of one machine, or many machines - with torch.distributed.
+"""`maxsim score` on several devices: rank threads on the GPUs of one machine, or processes joined by
+torch.distributed on one machine or many.
 
-A job is ``W`` processes (*ranks*) that share one corpus. Every rank opens the whole corpus (headers and
-ids: this checks that ids are unique across all shards), takes its share of the shards, scores its share
-against *all* queries with the single-process engine (`maxsim_cli.score`), and sends its results to rank
-0, which merges them and alone writes the run. Exhaustive results travel as two arrays per rank (float32
-scores and corpus ordinals, ``[queries, k]``, 12 B a result), merged on rank 0 with the engine's order keys
-and written by the run writer's columnar path, as one process writes them; rerank results per query.
+A job is ``W`` ranks that share one corpus. Every rank opens the whole corpus (headers and ids: this
+checks that ids are unique across all shards; rank threads share one opened corpus), takes its share of
+the shards, scores its share against *all* queries with the single-process engine (`maxsim_cli.score`),
+and sends its results to rank 0, which merges them and alone writes the run. Exhaustive results travel
+as two arrays per rank (float32 scores and corpus ordinals, ``[queries, k]``, 12 B a result), merged on
+rank 0 with the engine's order keys and written by the run writer's columnar path, as one process writes
+them; rerank results per query.
 
 **Shares.** Shards are dealt largest first (by token count; ties by shard order) to the rank with the
 fewest tokens so far (ties to the lowest rank). With shard token counts ``t_s`` and total ``T``, this
@@ -30,10 +32,13 @@ process group's timeout. The run is written atomically by rank 0 after every ran
 SIGTERM raises `SystemExit` in a rank so that a rank stopped while writing removes its temporary file.
 
 **Launching.** Under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) the rank's device is
-``cuda:LOCAL_RANK`` (``--device auto`` or ``cuda``) or the CPU (``--device cpu``). ``--devices 0,1``,
-``all`` or ``cpu:N`` starts the workers itself on this machine: one ``python`` process per device, joined
-through a TCP store that the launcher holds (the same environment contract as torchrun:
-``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), and the launcher's exit code is the job's.
+``cuda:LOCAL_RANK`` (``--device auto`` or ``cuda``) or the CPU (``--device cpu``). ``--devices 0,1`` or
+``all`` runs a rank per GPU as a thread of this process (`run_threads`): no interpreter, import or
+corpus opening is repeated, and results are merged in memory. ``--devices cpu:N`` starts N worker
+processes itself on this machine, joined through a TCP store that the launcher holds (the same
+environment contract as torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), and the launcher's exit code
+is the job's. **Failure** of rank threads: the failing rank sets a stop that the others check after
+every batch (`maxsim_cli.errors.RankStopped`), and the job raises the failing rank's error.
 
 Environment variables read here:
 
@@ -41,8 +46,8 @@ Environment variables read here:
   before the status exchange (default 3600).
 - ``MAXSIM_TEST_FAIL_RANK``: *test hook*. ``R`` makes rank ``R`` raise an error after opening the corpus,
   ``R:kill`` makes it kill itself with SIGKILL there. Only for tests of the failure paths.
-- ``MAXSIM_DEVICES``, ``MAXSIM_STORE``, ``MAXSIM_STATUS_FILE``: set by the ``--devices`` launcher for its
-  workers (device of each local rank; ``host:port`` of the launcher's store; where rank 0 reports).
+- ``MAXSIM_DEVICES``, ``MAXSIM_STORE``, ``MAXSIM_STATUS_FILE``: set by the ``--devices cpu:N`` launcher
+  for its workers (device of each local rank; ``host:port`` of the launcher's store; where rank 0 reports).
 """
 
 from __future__ import annotations

@@ -75,9 +75,9 @@ def register(app: typer.Typer) -> None:
         devices: str | None = typer.Option(
             None,
             "--devices",
-            help="Score on several devices of this machine, one worker process each, shards shared out by "
-            "tokens: GPU indices 0,1,..., all, or cpu:N. Under torchrun leave it out (each rank takes "
-            "cuda:LOCAL_RANK). The run is the same.",
+            help="Score on several devices of this machine, shards shared out by tokens: GPU indices "
+            "0,1,... or all (a thread per GPU in this process), or cpu:N (N worker processes). Under "
+            "torchrun leave it out (each rank takes cuda:LOCAL_RANK). The run is the same.",
         ),
     ) -> None:
         """Score queries against a corpus of shards with exact MaxSim and write a TREC run.
@@ -86,7 +86,7 @@ def register(app: typer.Typer) -> None:
         first-stage run. Results are ordered by score, ties by docno descending; the same inputs give
         the same bytes whatever the memory budget, batch sizes or shard order. The run goes to stdout
         (or -o), the progress bar and a summary line to stderr. With --devices, or under torchrun, the
-        shards are shared among processes and rank 0 writes the same run (docs/scaling.md).
+        shards are shared among ranks and rank 0 writes the same run (docs/scaling.md).
 
         Example: maxsim score sample_data/queries.safetensors sample_data/corpus -k 100 -o run.trec
         """
