@@ -145,10 +145,12 @@ def share_device_copy(host: torch.Tensor, device_copy: torch.Tensor) -> None:
 
     `maxsim score` copies each document batch's offsets to the GPU together with its embeddings; the
     kernels take the host offsets (for their checks and launch grids) and would otherwise copy them a
-    second time per batch, through a freshly staged page-locked buffer. On the H200 that second copy
-    cost ~0.45 ms of the scoring thread per batch, 0.16 s of a 0.66 s pass over 10 GB
-    (`benchmarks/probe_pass_breakdown.py`, variants score=bare against score=bare-seeded). The caller
-    guarantees that the values are equal and that `device_copy` is not overwritten while `host` lives.
+    second time per batch, on the stream the kernel runs on. On the H200 that second copy made the pass
+    over 10 GB 0.16 s slower (0.66 against 0.50 s, `benchmarks/probe_pass_breakdown.py`, variants
+    score=bare against score=bare-seeded), ~0.45 ms a batch, though issuing it costs the host ~22 us
+    (`benchmarks/probe_host_copy.py`): the kernel waits for that copy, which likely queues behind the
+    next batch's embeddings on the host-to-device copy engine. The caller guarantees that the values are
+    equal and that `device_copy` is not overwritten while `host` lives.
     """
     if device_copy.dtype != torch.int64 or not device_copy.is_contiguous():
         raise ValueError("share_device_copy: the device copy must be a contiguous int64 tensor")
