@@ -650,11 +650,13 @@ def _score_share(
     corpus: Corpus | None = None,
     stop: threading.Event | None = None,
     staging_bytes: int | None = None,
+    run: dict[str, list[tuple[str, float]]] | None = None,
 ) -> tuple[_Share, _MergeOrder | None]:
     """Score this rank's shards of the corpus (opened here, or the job's open `corpus`, whose shards
     of this rank are closed afterwards) for all queries, return the results (and, on rank 0 in
     exhaustive mode, the docno order that the merge needs). `stop`: set when another rank failed;
-    `staging_bytes`: the rank's pinned staging arena (`RankPart`)."""
+    `staging_bytes`: the rank's pinned staging arena (`RankPart`); `run`: the candidates' run, when the
+    job has read it already (else read here)."""
     from maxsim_cli.runs import read_run
     from maxsim_cli.score import ScoreStats, score
     from maxsim_cli.shards import Corpus, open_shard
@@ -687,7 +689,7 @@ def _score_share(
                 query_ids = list(qshard.ids)
         candidates = None
         if options.get("candidates") is not None:
-            run = read_run(str(options["candidates"]))
+            run = run if run is not None else read_run(str(options["candidates"]))
             candidates, _ = split_candidates(
                 run, corpus.id_index(), owner, rank, bool(options.get("strict", False))
             )
@@ -848,12 +850,18 @@ def run_threads(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
     corpus = _open_job_corpus(options)
     interval = sys.getswitchinterval()
     try:
+        run = None
+        if options.get("candidates") is not None:  # read and indexed once for all ranks
+            from maxsim_cli.runs import read_run
+
+            run = read_run(str(options["candidates"]))
+            corpus.id_index()
         outcomes: list[tuple[_Share, _MergeOrder | None] | BaseException | None] = [None] * world
 
         def rank_main(rank: int) -> None:
             try:
                 outcomes[rank] = _score_share(
-                    options, rank, world, devices[rank], None, corpus, stop, THREAD_STAGING_BYTES
+                    options, rank, world, devices[rank], None, corpus, stop, THREAD_STAGING_BYTES, run
                 )
             except BaseException as exc:  # noqa: BLE001 - reported by the launcher's thread
                 outcomes[rank] = exc
