@@ -353,10 +353,12 @@ def test_ranks_as_threads_equal_single_process(data, tmp_path, monkeypatch, mode
     monkeypatch.setattr(distributed, "in_threads", lambda devices: True)
     out = tmp_path / "threads.trec"
     messages: list[str] = []
+    interval = sys.getswitchinterval()
     stats = score(
         data["queries"], [data["corpus"]], output=str(out), devices="cpu:2", log=messages.append, **kwargs
     )
     assert out.read_bytes() == single.read_bytes()
+    assert sys.getswitchinterval() == interval  # the job's shorter interval is given back
     assert [m for m in messages if m.startswith("warning")] == expected
     assert stats.extra["workers"] == "threads" and stats.extra["world_size"] == 2
     assert stats.documents == (sum(SHARD_DOCS) if mode == "exhaustive" else stats.documents)
@@ -413,9 +415,11 @@ def test_a_rank_thread_that_fails_stops_the_others_and_writes_nothing(data, tmp_
 
     monkeypatch.setattr(_Engine, "_batch_done", batch_done)
     monkeypatch.setattr("maxsim_cli.score.STAGING_BYTES", 1 << 12)
+    interval = sys.getswitchinterval()
     with pytest.raises(MaxsimError, match="^rank 0 broke$"):
         score(data["queries"], [data["corpus"]], output=str(out), devices="cpu:2", max_memory=1 << 16)
     assert batches[1] == 1
+    assert sys.getswitchinterval() == interval
     assert _leftovers(tmp_path, "run.trec") == []
 
 
