@@ -300,28 +300,23 @@ def tile_table_device(
     return first.int(), ends.int(), doc_tile.int(), inside.int()
 
 
-# The tile table of more than this many documents is made on the device, by a dozen torch operations on
-# the device copy of the offsets (host cost ~0.6 ms on the H200 machine, cProfile in
-# benchmarks/results/probe-batch-host-h200-b1dec42.txt); up to it, on the host (numpy: 70 / 154 / 716 /
-# 2250 us for 1.3K / 4K / 16K / 50K documents on the 2-core dev machine) and copied. On CUDA that copy
-# runs on the kernel's stream, which then waits for it behind the batch copies on the copy engine:
-# `maxsim score` int8 over 10 GB (~1,300 documents a batch) took pass 0.443 / 0.458 s (best / median)
-# with host tables up to 8192 documents and 0.383 / 0.390 s with device tables always, wall 0.564 /
-# 0.587 -> 0.501 / 0.522 s, byte-identical runs (benchmarks/ab_trees.py, ab-trees-h200-int8-device-
-# tables.json). So on CUDA the table is always made on the device; the host path serves other devices.
-HOST_TABLE_DOCS = 0
-
-
 def device_tables(
     doc_offsets: np.ndarray, device_doc_offsets: torch.Tensor, doc_scales: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's tables on the scales' device, from the doc offsets on the host (numpy int64) and
     their device copy: (first token, ends, doc_tile) of `tile_table` and the tile scales (`tile_scales`).
-    Up to HOST_TABLE_DOCS documents (on CUDA: an empty batch only) the three index tables are made on
-    the host and travel in one copy that the host does not wait for (`host_to_device`), each part on a
-    16-byte boundary (the kernel's pointers stay aligned); larger ones are made on the device
-    (`tile_table_device`)."""
-    if len(doc_offsets) - 1 > HOST_TABLE_DOCS and device_doc_offsets.is_cuda:
+
+    On CUDA the index tables are made on the device from the offsets' device copy (`tile_table_device`:
+    a dozen torch operations, ~0.6 ms of host time on the H200 machine, cProfile in
+    benchmarks/results/probe-batch-host-h200-b1dec42.txt). Elsewhere, and for an empty batch, they are
+    made on the host (numpy: 70 / 154 / 716 / 2250 us for 1.3K / 4K / 16K / 50K documents on the 2-core
+    dev machine) and travel in one copy that the host does not wait for (`host_to_device`), each part on
+    a 16-byte boundary (the kernel's pointers stay aligned). On CUDA that copy ran on the kernel's
+    stream, which then waited for it behind the batch copies: `maxsim score` int8 over 10 GB (~1,300
+    documents a batch) took pass 0.443 / 0.458 s (best / median) with host tables up to 8192 documents
+    and 0.383 / 0.390 s with device tables always, wall 0.564 / 0.587 -> 0.501 / 0.522 s, byte-identical
+    runs (benchmarks/ab_trees.py, ab-trees-h200-int8-device-tables.json)."""
+    if device_doc_offsets.is_cuda and len(doc_offsets) > 1:
         n_tiles = int(np.maximum((np.diff(doc_offsets) + BLOCK_T - 1) // BLOCK_T, 1).sum())
         first, ends, doc_tile, inside = tile_table_device(device_doc_offsets, n_tiles)
         return first, ends, doc_tile, tile_scales(doc_scales, first, inside)
