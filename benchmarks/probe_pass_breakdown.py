@@ -30,7 +30,7 @@ from typing import Any
 
 import maxsim_kernels
 import torch
-from maxsim_kernels._validate import memo
+from maxsim_kernels._validate import share_device_copy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import score_corpus  # noqa: E402
@@ -91,13 +91,13 @@ def instrumented(clock: Clock) -> Iterator[None]:
 
 def _bare_block(self, batch, a, b, queries, topk, seeded: bool = False) -> None:  # noqa: ANN001
     """The engine's `_score_block` reduced to the kernel and the top-k merge (no timers, no OOM retry,
-    no CPU value check): what `probe_gpu_side.py` replays per batch. `seeded`: the kernel's memo of the
-    host offsets' device copy is given the copy that `BatchStream` already made (`batch.offsets`), so
-    the launcher does not stage and copy them again (a candidate change to the engine)."""
+    no CPU value check): what `probe_gpu_side.py` replays per batch. `seeded`: the launcher is given the
+    device copy of the offsets that `BatchStream` already made (`share_device_copy`, what the engine
+    does since 27740dd), so that it does not copy them again."""
     q_emb, q_off, q_scales = queries
     offsets = self._host_ints(batch.host_offsets)
-    if seeded and batch.offsets.device != offsets.device:
-        memo(offsets, ("device", str(batch.offsets.device)), lambda: batch.offsets)
+    if seeded:
+        share_device_copy(offsets, batch.offsets)
     scores = maxsim_kernels.maxsim_varlen(
         q_emb, q_off, batch.embeddings, offsets, backend=self.backend, doc_scales=batch.scales,
         query_scales=q_scales,
