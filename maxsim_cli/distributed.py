@@ -832,12 +832,12 @@ def run_threads(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
     that drives its GPU with the single-process engine, results merged here and the run written once.
 
     The ranks share the open corpus (headers and ids read once) and need no process group: they hand
-    their results over in memory. The engine's per-batch work holds Python's lock for a small part of
-    each kernel's time, and the file reads and copies release it, so one process keeps several GPUs
-    busy; it also spares the job a worker's start-up (an interpreter, torch and Triton imported again,
-    the corpus opened again), which on a 10 GB corpus took longer than scoring it
-    (docs/scaling.md). A rank that fails stops the others at their next batch; the job raises that
-    rank's error and writes nothing.
+    their results over in memory. The file reads and copies release Python's lock; the engine's
+    per-batch work holds it (~1 ms a batch on the H200 machine), which is why rank threads take larger
+    batches (`THREAD_STAGING_BYTES`) and a shorter switch interval. Threads spare the job a worker's
+    start-up (an interpreter, torch and Triton imported again, the corpus opened again), which on a
+    10 GB corpus took longer than scoring it (docs/scaling.md). A rank that fails stops the others at
+    their next batch; the job raises that rank's error and writes nothing.
     """
     from maxsim_cli.score import DEFAULT_READER_THREADS
 
@@ -861,8 +861,9 @@ def run_threads(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
         def rank_main(rank: int) -> None:
             try:
                 outcomes[rank] = _score_share(
-                    options, rank, world, devices[rank], None, corpus, stop, THREAD_STAGING_BYTES, run
-                )
+                    options, rank, world, devices[rank], None,
+                    corpus=corpus, stop=stop, staging_bytes=THREAD_STAGING_BYTES, run=run,
+                )  # fmt: skip
             except BaseException as exc:  # noqa: BLE001 - reported by the launcher's thread
                 outcomes[rank] = exc
                 stop.set()
@@ -892,9 +893,7 @@ def run_threads(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
     if failures:
         first = [(r, o) for r, o in failures if not isinstance(o, RankStopped)] or failures
         r, exc = first[0]
-        if not isinstance(exc, MaxsimError):
-            raise exc
-        if r == 0:
+        if r == 0 or not isinstance(exc, MaxsimError):
             raise exc
         raise type(exc)(f"rank {r} of {world} ({devices[r]}): {exc}") from None
     done = [o for o in outcomes if isinstance(o, tuple)]
