@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--workdir", default="/var/tmp/mb")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precisions", default="fp16", help="comma-separated: fp16, int8")
-    parser.add_argument("--steps", default=",".join(STEPS), help="comma-separated, from: " + ", ".join(STEPS))
+    parser.add_argument("--steps", default=",".join(STEPS), help="comma-separated (spaces optional), from: " + ", ".join(STEPS))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from maxsim_kernels.maxsim_int8 import quantize_per_token
@@ -132,7 +132,8 @@ def main() -> None:
         batches = load_batches(paths, st.max_batch_tokens, device)
 
         rows = {}
-        for name in args.steps.split(","):
+        wanted = set(args.steps.replace(" ", "").split(","))
+        for name in [n for n in STEPS if n.replace(" ", "") in wanted]:
             merge, copies, reads = STEPS[name]
             thread = threading.Thread(target=reader, args=(files, *reads), daemon=True) if reads else None
             if thread is not None:

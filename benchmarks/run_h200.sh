@@ -90,7 +90,7 @@ want multigpu && step multigpu ${MULTIGPU_S:-420} python3 benchmarks/bench_multi
   --size ${MGPU_SIZE:-10GB} --configs ${MGPU_CONFIGS:-1gpu,2gpu} --repeats ${MGPU_REPEATS:-3} \
   --log "$logs/multigpu-log.jsonl" --out "$logs/multigpu-h200x2.json"
 # gpu-side: the pass replayed on GPU-resident batches, adding the merge, copies and reads (probe_gpu_side.py)
-# (GPU_SIDE_ARGS: e.g. "--precisions fp16,int8 --steps kernel,+ merge,+ copies,+ reads")
+# (GPU_SIDE_ARGS: e.g. "--precisions fp16,int8 --steps kernel,+merge,+copies,+reads")
 want gpu-side && step gpu-side ${GPU_SIDE_S:-200} python3 benchmarks/probe_gpu_side.py --workdir /var/tmp/mb \
   ${GPU_SIDE_ARGS:-} --out "$logs/gpu-side-h200.json"
 want argmax-sweep && step argmax-sweep ${ARGMAX_SWEEP_S:-150} python3 benchmarks/sweep_argmax_forward.py \
