@@ -105,7 +105,11 @@ def main() -> None:
     parser.add_argument("--workdir", default="/var/tmp/mb")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precisions", default="fp16", help="comma-separated: fp16, int8")
-    parser.add_argument("--steps", default=",".join(STEPS), help="comma-separated (spaces optional), from: " + ", ".join(STEPS))
+    parser.add_argument(
+        "--steps",
+        default=",".join(STEPS),
+        help="comma-separated (spaces optional), from: " + ", ".join(STEPS),
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from maxsim_kernels.maxsim_int8 import quantize_per_token
