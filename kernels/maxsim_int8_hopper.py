@@ -282,22 +282,48 @@ def tile_table(doc_offsets: np.ndarray, block_t: int = BLOCK_T) -> tuple[np.ndar
     return tuple(a.astype(np.int32) for a in (first, ends, doc_tile, inside))
 
 
-def tile_table_device(
+_TABLE_DOCS = 1024  # documents a step of `_tile_table_kernel`
+
+
+@triton.jit
+def _tile_table_kernel(offsets_ptr, first_ptr, ends_ptr, doc_tile_ptr, inside_ptr, n_docs,
+                       DOCS: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
+    """`tile_table` in one program: DOCS documents a step, each step's tile counts prefix-summed onto
+    the running total, then each document's k-th tile written for k up to the step's largest count."""
+    carry = tl.full([], 0, tl.int32)
+    tl.store(doc_tile_ptr, carry)
+    for start in range(0, n_docs, DOCS):
+        d = start + tl.arange(0, DOCS)
+        ok = d < n_docs
+        lo = tl.load(offsets_ptr + d, mask=ok, other=0)
+        lens = tl.load(offsets_ptr + d + 1, mask=ok, other=0) - lo
+        per_doc = tl.where(ok, tl.maximum((lens + BLOCK_T - 1) // BLOCK_T, 1), 0).to(tl.int32)
+        before = tl.cumsum(per_doc, 0) - per_doc + carry  # each document's first tile
+        tl.store(doc_tile_ptr + d + 1, before + per_doc, mask=ok)
+        for k in range(0, tl.max(per_doc, 0)):
+            has = k < per_doc
+            t = before + k
+            tl.store(first_ptr + t, (lo + k * BLOCK_T).to(tl.int32), mask=has)
+            inside = tl.minimum(tl.maximum(lens - k * BLOCK_T, 0), BLOCK_T)
+            tl.store(inside_ptr + t, inside.to(tl.int32), mask=has)
+            tl.store(ends_ptr + t, (k == per_doc - 1).to(tl.int32), mask=has)
+        carry += tl.sum(per_doc, 0)
+
+
+def tile_table_triton(
     doc_offsets: torch.Tensor, n_tiles: int, block_t: int = BLOCK_T
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`tile_table` in torch operations on the offsets' device (int64 [nd + 1]; `n_tiles`, the table's
-    length, from the host offsets, so that nothing is read back from the device): int32 tensors."""
+    """`tile_table` by one launch of `_tile_table_kernel` on the offsets' device (CUDA, or the CPU under
+    TRITON_INTERPRET=1): the offsets int64 [nd + 1] there, `n_tiles` from the host offsets (so that
+    nothing is read back from the device); int32 tensors."""
+    nd = doc_offsets.numel() - 1
     device = doc_offsets.device
-    lens = doc_offsets[1:] - doc_offsets[:-1]
-    per_doc = torch.clamp((lens + block_t - 1) // block_t, min=1)
-    doc_tile = torch.zeros(len(lens) + 1, dtype=torch.int64, device=device)
-    torch.cumsum(per_doc, 0, out=doc_tile[1:])
-    doc_of = torch.repeat_interleave(torch.arange(len(lens), device=device), per_doc, output_size=n_tiles)
-    k = torch.arange(n_tiles, device=device) - doc_tile[doc_of]
-    first = doc_offsets[doc_of] + k * block_t
-    inside = torch.clamp(lens[doc_of] - k * block_t, 0, block_t)
-    ends = k == per_doc[doc_of] - 1
-    return first.int(), ends.int(), doc_tile.int(), inside.int()
+    first, ends, inside = (torch.empty(n_tiles, dtype=torch.int32, device=device) for _ in range(3))
+    doc_tile = torch.empty(nd + 1, dtype=torch.int32, device=device)
+    _tile_table_kernel[(1,)](
+        doc_offsets, first, ends, doc_tile, inside, nd, DOCS=_TABLE_DOCS, BLOCK_T=block_t
+    )
+    return first, ends, doc_tile, inside
 
 
 def device_tables(
@@ -306,8 +332,8 @@ def device_tables(
     """The kernel's tables on the scales' device, from the doc offsets on the host (numpy int64) and
     their device copy: (first token, ends, doc_tile) of `tile_table` and the tile scales (`tile_scales`).
 
-    On CUDA the index tables are made on the device from the offsets' device copy (`tile_table_device`:
-    a dozen torch operations, ~0.6 ms of host time on the H200 machine, cProfile in
+    On CUDA the index tables are made on the device from the offsets' device copy (`tile_table_triton`,
+    one launch; before, a dozen torch operations, ~0.6 ms of host time on the H200 machine, cProfile in
     benchmarks/results/probe-batch-host-h200-b1dec42.txt). Elsewhere, and for an empty batch, they are
     made on the host (numpy: 70 / 154 / 716 / 2250 us for 1.3K / 4K / 16K / 50K documents on the 2-core
     dev machine) and travel in one copy that the host does not wait for (`host_to_device`), each part on
@@ -318,7 +344,7 @@ def device_tables(
     runs (benchmarks/ab_trees.py, ab-trees-h200-int8-device-tables.json)."""
     if device_doc_offsets.is_cuda and len(doc_offsets) > 1:
         n_tiles = int(np.maximum((np.diff(doc_offsets) + BLOCK_T - 1) // BLOCK_T, 1).sum())
-        first, ends, doc_tile, inside = tile_table_device(device_doc_offsets, n_tiles)
+        first, ends, doc_tile, inside = tile_table_triton(device_doc_offsets, n_tiles)
         return first, ends, doc_tile, tile_scales(doc_scales, first, inside)
     parts = tile_table(doc_offsets)
     starts = np.cumsum([0] + [cdiv(len(a), 4) * 4 for a in parts])

@@ -360,14 +360,6 @@ def test_hopper_tile_table_walks_every_document() -> None:
     assert first.dtype == ends.dtype == doc_tile.dtype == np.int32
 
     scales = torch.arange(1, offsets[-1] + 1, dtype=torch.float32)
-    # the same tables in torch operations (made so on the GPU for many documents)
-    n_tiles = len(first)
-    for got, want in zip(
-        hopper.tile_table_device(torch.from_numpy(offsets), n_tiles, block_t=64),
-        (first, ends, doc_tile, inside),
-        strict=True,
-    ):
-        assert got.dtype == torch.int32 and got.numpy().tolist() == want.tolist()
     tables = hopper.device_tables(offsets, torch.from_numpy(offsets), scales)  # CPU: the host tables
     for got, want in zip(tables[:3], (first, ends, doc_tile), strict=True):
         assert got.dtype == torch.int32 and got.numpy().tolist() == want.tolist()
@@ -382,6 +374,29 @@ def test_hopper_tile_table_walks_every_document() -> None:
     kernel_table = hopper.tile_scales_triton(scales, tables[0], torch.from_numpy(inside), block_t=64)
     assert torch.equal(kernel_table.isnan(), table.isnan())
     assert torch.equal(kernel_table.nan_to_num(), table.nan_to_num())
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tile_table_kernel_equals_the_host_table(seed):
+    """`tile_table_triton` (one launch, on the device) gives `tile_table`'s numbers: empty and one-token
+    documents, tiles cut exactly at the tile size, long documents, batches of several kernel steps."""
+    import numpy as np
+    from maxsim_kernels import maxsim_int8_hopper as hopper
+
+    rng = np.random.default_rng(seed)
+    cases = [
+        [0, 1, 63, 64, 65, 128, 129, 0, 7, 300],
+        [0],
+        [64] * (hopper._TABLE_DOCS + 5),
+        list(rng.integers(0, 700, 2 * hopper._TABLE_DOCS + 17)),
+        [],
+    ]
+    for lengths in cases:
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        want = hopper.tile_table(offsets, block_t=64)
+        got = hopper.tile_table_triton(torch.from_numpy(offsets), len(want[0]), block_t=64)
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == torch.int32 and g.numpy().tolist() == w.tolist()
 
 
 def test_hopper_kernel_is_not_planned_off_the_gpu() -> None:
