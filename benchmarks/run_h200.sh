@@ -89,8 +89,9 @@ want ab-trees && step ab-trees ${AB_TREES_S:-300} python3 benchmarks/ab_trees.py
 want multigpu && step multigpu ${MULTIGPU_S:-420} python3 benchmarks/bench_multigpu.py --workdir /var/tmp/mgpu \
   --size ${MGPU_SIZE:-10GB} --configs ${MGPU_CONFIGS:-1gpu,2gpu} --repeats ${MGPU_REPEATS:-3} \
   --log "$logs/multigpu-log.jsonl" --out "$logs/multigpu-h200x2.json"
-# numa: the host's NUMA nodes, each GPU's local node, read and copy rates bound to nodes (probe_numa.py)
-want numa && step numa ${NUMA_S:-200} python3 benchmarks/probe_numa.py --workdir /var/tmp/mgpu --out "$logs/numa-h200.json"
+# host-memory: NUMA nodes, read and copy rates bound to nodes, reads while GPUs copy (probe_host_memory.py)
+want host-memory && step host-memory ${HOST_MEMORY_S:-200} python3 benchmarks/probe_host_memory.py \
+  --workdir /var/tmp/mgpu --out "$logs/host-memory-h200.json"
 # gpu-side: the pass replayed on GPU-resident batches, adding the merge, copies and reads (probe_gpu_side.py)
 # (GPU_SIDE_ARGS: e.g. "--precisions fp16,int8 --steps kernel,+merge,+copies,+reads")
 want gpu-side && step gpu-side ${GPU_SIDE_S:-200} python3 benchmarks/probe_gpu_side.py --workdir /var/tmp/mb \

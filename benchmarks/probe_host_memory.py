@@ -1,8 +1,9 @@
-"""Does the host's NUMA layout limit reading a corpus onto two GPUs? (the two-H200 machine)
+"""What limits reading a corpus onto two GPUs: the host's NUMA layout, or its memory traffic? (two H200s)
 
 `maxsim score --devices 0,1` feeds both GPUs from one host's page cache; its ranks wait for reads
-(docs/scaling.md). This prints the machine's NUMA nodes and each GPU's local node, then times, on the
-`score` benchmark's 10 GB corpus (warm page cache):
+(docs/scaling.md). Every corpus byte crosses host memory three times: read from the page cache, written
+to a pinned slot, read again by the GPU's copy engine. This prints the machine's NUMA nodes and each
+GPU's local node, then times, on the `score` benchmark's 10 GB corpus (warm page cache):
 
   read            the whole corpus read by N threads (pieces of 32 MiB into pinned buffers, as the
                   engine's readers do), threads free or bound to one node's cores;
@@ -10,9 +11,12 @@
                   threads do), free or each bound to its GPU's node;
   copy            host->device copies from a pinned buffer allocated by a thread bound to node n, to
                   GPU g, alone and both GPUs at once (each from its own node's buffer, or both from
-                  node 0's).
+                  node 0's);
+  memcpy          a 2 GiB host tensor copied by torch's threads (read + write bytes counted);
+  + copying       the halves read while both GPUs copy from pinned buffers without pause: the read
+                  rate and the copies' rate side by side.
 
-    python benchmarks/probe_numa.py --workdir /var/tmp/mgpu --out numa.json
+    python benchmarks/probe_host_memory.py --workdir /var/tmp/mgpu --out host-memory.json
 """
 
 from __future__ import annotations
@@ -172,6 +176,43 @@ def copy_rate(pairs: list[tuple[torch.Tensor, int]], repeats: int = 8) -> float:
     return repeats * sum(h.numel() for h, _ in pairs) / elapsed / 1e9
 
 
+def copying_meanwhile(buffers: list[tuple[torch.Tensor, int]], work) -> tuple[float, float]:  # noqa: ANN001
+    """(`work()`'s result, GB/s of host->device copies that ran without pause on every pair meanwhile)."""
+    stop = threading.Event()
+    moved = [0, 0.0]
+
+    def copier() -> None:
+        dests = [torch.empty(h.numel(), dtype=torch.uint8, device=f"cuda:{g}") for h, g in buffers]
+        streams = [torch.cuda.Stream(device=f"cuda:{g}") for _, g in buffers]
+        start = time.perf_counter()
+        while not stop.is_set():
+            for (h, _), d, s in zip(buffers, dests, streams, strict=True):
+                with torch.cuda.stream(s):
+                    d.copy_(h, non_blocking=True)
+            for s in streams:
+                s.synchronize()
+            moved[0] += sum(h.numel() for h, _ in buffers)
+        moved[1] = time.perf_counter() - start
+
+    thread = threading.Thread(target=copier)
+    thread.start()
+    time.sleep(0.05)
+    result = work()
+    stop.set()
+    thread.join()
+    return result, moved[0] / moved[1] / 1e9
+
+
+def memcpy_rate(nbytes: int = 2 << 30) -> float:
+    a = torch.ones(nbytes // 4, dtype=torch.float32)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    start = time.perf_counter()
+    for _ in range(3):
+        b.copy_(a)
+    return 3 * 2 * nbytes / (time.perf_counter() - start) / 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="/var/tmp/mgpu")
@@ -224,6 +265,19 @@ def main() -> None:
             rows.setdefault("copy both GPUs, both from node 0", []).append(
                 copy_rate([(buffers[0], 0), (pinned_on(nodes[0], 256 << 20), 1)])
             )
+    torch.set_num_threads(os.cpu_count() or 1)
+    if ngpu >= 2:
+        pairs = [(pinned_on(None, 256 << 20), g) for g in range(2)]
+    for _ in range(args.repeats):
+        rows.setdefault("memcpy (read + write)", []).append(memcpy_rate())
+        if ngpu >= 2:
+            for per in (8, 16):
+                seconds, dma = copying_meanwhile(
+                    pairs, lambda per=per: read_halves(halves, per, [None, None])
+                )
+                record(f"halves 2 x{per} + copying", seconds)
+                rows.setdefault(f"copies during halves 2 x{per}", []).append(dma)
+            rows.setdefault("copies alone, both GPUs", []).append(copy_rate(pairs))
     print(f"\n{size / 1e9:.2f} GB corpus, {len(files)} files; GB/s, best (all runs)")
     for name, rates in rows.items():
         print(f"{name:40s} {max(rates):6.1f}  ({', '.join(f'{r:.1f}' for r in rates)})")
