@@ -80,7 +80,7 @@ def replay(batches, q_emb, q_off, q_scales, merge: bool, copies: bool) -> float:
             compute.wait_event(done)
         scores = maxsim_varlen(q_emb, q_off, docs, offsets, doc_scales=scales, query_scales=q_scales)
         if merge:
-            batch_check(docs, None)
+            batch_check(docs, scales)  # as the engine: the scales for int8
             topk.add(scores, ranks)
         if copies:
             released[i % 2] = torch.cuda.Event()
