@@ -89,6 +89,9 @@ want ab-trees && step ab-trees ${AB_TREES_S:-300} python3 benchmarks/ab_trees.py
 want multigpu && step multigpu ${MULTIGPU_S:-420} python3 benchmarks/bench_multigpu.py --workdir /var/tmp/mgpu \
   --size ${MGPU_SIZE:-10GB} --configs ${MGPU_CONFIGS:-1gpu,2gpu} --repeats ${MGPU_REPEATS:-3} \
   --log "$logs/multigpu-log.jsonl" --out "$logs/multigpu-h200x2.json"
+# int8-queries: int8 all-pairs kernels and tiles for 1-64 queries against fp16 (sweep_int8_queries.py)
+want int8-queries && step int8-queries ${INT8_QUERIES_S:-200} python3 benchmarks/sweep_int8_queries.py \
+  ${INT8_QUERIES_ARGS:-} --out "$logs/int8-queries-h200.json"
 # host-memory: NUMA nodes, read and copy rates bound to nodes, reads while GPUs copy (probe_host_memory.py)
 want host-memory && step host-memory ${HOST_MEMORY_S:-200} python3 benchmarks/probe_host_memory.py \
   --workdir /var/tmp/mgpu --out "$logs/host-memory-h200.json"
