@@ -106,7 +106,14 @@ _VARLEN_DOCS_PER_PROG = 64  # documents per program
 _VARLEN_WARPS = 4
 _VARLEN_STAGES = 2
 _VARLEN_ELEMENT_MAX = True  # running max per tile element (scores only; see kernels/_running_max.py)
-_FEW_QUERIES_BLOCK_D = 64  # memory-bound shapes (one or two query tiles)
+# The few-queries tiles below are for memory-bound shapes: at most _FEW_QUERIES_MAX_ROWS query tokens in
+# all. Measured against the all-pairs tiles above (H200, 50K documents of 20-300 tokens, queries of 32
+# tokens; benchmarks/results/int8-queries-h200.json, sweep_int8_queries.py): 1 query 0.354 against 0.579
+# ms, 2 queries 0.633 against 0.704, 4 queries 0.832 against 0.796, 8 queries 2.70 against 1.29, 16
+# queries 5.14 against 2.46 (these were given the few-queries tiles while one or two query tiles of 256
+# rows held them).
+_FEW_QUERIES_MAX_ROWS = 64
+_FEW_QUERIES_BLOCK_D = 64
 _FEW_QUERIES_DOCS_PER_PROG = 32
 _FEW_QUERIES_WARPS = 4
 _FEW_QUERIES_STAGES = 3
@@ -682,7 +689,7 @@ def _launch_varlen(
         per_group = max(1, min(_MAX_QUERIES_PER_GROUP, block_q // mean, triton.next_power_of_2(nq)))
     block_q = block_q or planned_q
     n_groups = cdiv(nq, per_group)
-    few = n_groups <= 2  # one or two query tiles: bound by HBM, not by the tensor cores
+    few = q8.shape[0] <= _FEW_QUERIES_MAX_ROWS  # bound by HBM, not by the tensor cores
     if block_d is None:
         block_d = _FEW_QUERIES_BLOCK_D if few else _VARLEN_BLOCK_D
         block_d = min(block_d, 32) if block_k > 256 else block_d

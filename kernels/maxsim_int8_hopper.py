@@ -87,9 +87,12 @@ NUM_WARPS = 4
 MAX_QPG = 16  # queries a group at most (the per-query sums are unrolled over the group)
 PROGRAMS_PER_SM = 2  # 228 registers x 128 threads, 46 KB of shared memory (sm_90 build)
 PROGRAM_START_DOCS = 0.25  # as the fp16 Hopper kernel: a program's start in documents' worth of time
-# Fewer query groups than this leave the shape bound by HBM, where the Triton kernel's few-query
-# configuration is tuned.
-MIN_GROUPS = 8
+# One group of 128 rows leaves the shape bound by HBM, where the Triton kernel's tiles are faster; from
+# two groups on this kernel is (H200, 50K documents of 20-300 tokens, queries of 32 tokens, 4 a group;
+# benchmarks/results/int8-queries-h200.json, sweep_int8_queries.py): 4 queries (one group) 1.21 ms
+# against the Triton kernel's 0.80; 8 queries 0.99 against 1.29; 16 queries 1.91 against 2.46; 24
+# queries 2.82 against 3.59; 32 queries 3.72 against 4.80.
+MIN_GROUPS = 2
 
 _MAGIC_BITS = gl.constexpr(0x4B400000)  # bits of 1.5 * 2^23
 _MAGIC_FLOAT = gl.constexpr(12582912.0)  # 1.5 * 2^23

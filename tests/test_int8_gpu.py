@@ -188,6 +188,7 @@ def packed_lengths(lengths: list[int], dim: int, gen: torch.Generator, dtype=tor
     [
         "ragged",  # 1..32 tokens: 4 queries a group, groups of ragged rows
         [128] * 8,  # one query a group
+        [32] * 8,  # two groups of four: the fewest the kernel takes (`MIN_GROUPS`)
         [1, 2, 3, 4, 5, 6, 7, 8] * 16,  # short queries: 16 a group (the cap)
     ],
 )
