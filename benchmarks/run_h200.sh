@@ -95,6 +95,9 @@ want int8-queries && step int8-queries ${INT8_QUERIES_S:-200} python3 benchmarks
 # host-memory: NUMA nodes, read and copy rates bound to nodes, reads while GPUs copy (probe_host_memory.py)
 want host-memory && step host-memory ${HOST_MEMORY_S:-200} python3 benchmarks/probe_host_memory.py \
   --workdir /var/tmp/mgpu --out "$logs/host-memory-h200.json"
+# register-pages: page-locking the mapped shard files, and copies from them (probe_register_pages.py)
+want register-pages && step register-pages ${REGISTER_PAGES_S:-200} python3 benchmarks/probe_register_pages.py \
+  --workdir /var/tmp/mgpu --out "$logs/register-pages-h200.json"
 # gpu-side: the pass replayed on GPU-resident batches, adding the merge, copies and reads (probe_gpu_side.py)
 # (GPU_SIDE_ARGS: e.g. "--precisions fp16,int8 --steps kernel,+merge,+copies,+reads")
 want gpu-side && step gpu-side ${GPU_SIDE_S:-200} python3 benchmarks/probe_gpu_side.py --workdir /var/tmp/mb \
