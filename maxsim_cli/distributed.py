@@ -72,6 +72,7 @@ import torch
 from maxsim_cli.errors import MaxsimError, RankStopped, UsageError
 
 if TYPE_CHECKING:
+    from maxsim_cli.progress import ScoreProgress
     from maxsim_cli.score import ScoreStats
     from maxsim_cli.shards import Corpus
 
@@ -149,6 +150,7 @@ class RankPart:
     candidates: dict[str, list[tuple[str, float]]] | None = None
     stop: threading.Event | None = None  # set when another rank of the job has failed: stop scoring
     staging_bytes: int | None = None  # this rank's pinned staging arena (default `score.STAGING_BYTES`)
+    progress: ScoreProgress | None = None  # the job's progress bar, when ranks are threads of one process
 
 
 @dataclass
@@ -651,12 +653,14 @@ def _score_share(
     stop: threading.Event | None = None,
     staging_bytes: int | None = None,
     run: dict[str, list[tuple[str, float]]] | None = None,
+    progress: ScoreProgress | None = None,
 ) -> tuple[_Share, _MergeOrder | None]:
     """Score this rank's shards of the corpus (opened here, or the job's open `corpus`, whose shards
     of this rank are closed afterwards) for all queries, return the results (and, on rank 0 in
     exhaustive mode, the docno order that the merge needs). `stop`: set when another rank failed;
     `staging_bytes`: the rank's pinned staging arena (`RankPart`); `run`: the candidates' run, when the
-    job has read it already (else read here)."""
+    job has read it already (else read here); `progress`: the job's bar, shared by rank threads (else
+    rank 0 draws its own share)."""
     from maxsim_cli.runs import read_run
     from maxsim_cli.score import ScoreStats, score
     from maxsim_cli.shards import Corpus, open_shard
@@ -702,8 +706,8 @@ def _score_share(
             kwargs.update(
                 device=device,
                 log=log,
-                show_progress=bool(options.get("show_progress")) and rank == 0,
-                part=RankPart(sub, sink, candidates, stop, staging_bytes),
+                show_progress=bool(options.get("show_progress")) and rank == 0 and progress is None,
+                part=RankPart(sub, sink, candidates, stop, staging_bytes, progress),
             )
             stats = score(**kwargs)
         else:
@@ -839,6 +843,7 @@ def run_threads(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
     10 GB corpus took longer than scoring it (docs/scaling.md). A rank that fails stops the others at
     their next batch; the job raises that rank's error and writes nothing.
     """
+    from maxsim_cli.progress import ScoreProgress
     from maxsim_cli.score import DEFAULT_READER_THREADS
 
     start = time.perf_counter()
@@ -857,12 +862,13 @@ def run_threads(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
             run = read_run(str(options["candidates"]))
             corpus.id_index()
         outcomes: list[tuple[_Share, _MergeOrder | None] | BaseException | None] = [None] * world
+        bar = ScoreProgress(bool(options.get("show_progress")), 0)  # one bar for all ranks' work
 
         def rank_main(rank: int) -> None:
             try:
                 outcomes[rank] = _score_share(
                     options, rank, world, devices[rank], None,
-                    corpus=corpus, stop=stop, staging_bytes=THREAD_STAGING_BYTES, run=run,
+                    corpus=corpus, stop=stop, staging_bytes=THREAD_STAGING_BYTES, run=run, progress=bar,
                 )  # fmt: skip
             except BaseException as exc:  # noqa: BLE001 - reported by the launcher's thread
                 outcomes[rank] = exc
@@ -874,17 +880,18 @@ def run_threads(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
             threading.Thread(target=rank_main, args=(r,), name=f"maxsim-rank-{r}", daemon=True)
             for r in range(world)
         ]
-        for thread in threads:
-            thread.start()
-        try:
+        with bar:
             for thread in threads:
-                while thread.is_alive():
-                    thread.join(_POLL_S)
-        except BaseException:  # Ctrl-C: the ranks stop at their next batch, then the error goes on
-            stop.set()
-            for thread in threads:
-                thread.join()
-            raise
+                thread.start()
+            try:
+                for thread in threads:
+                    while thread.is_alive():
+                        thread.join(_POLL_S)
+            except BaseException:  # Ctrl-C: the ranks stop at their next batch, then the error goes on
+                stop.set()
+                for thread in threads:
+                    thread.join()
+                raise
         share_s = time.perf_counter() - start
     finally:
         sys.setswitchinterval(interval)

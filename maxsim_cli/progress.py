@@ -8,6 +8,7 @@ nothing at all is written: stdout carries data only, and stderr stays clean for 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 from rich.console import Console
@@ -40,15 +41,20 @@ def progress_enabled(quiet: bool) -> bool:
 
 
 class ScoreProgress:
-    """Context manager; `advance(docs, tokens)` after each scored batch. A no-op when disabled."""
+    """Context manager; `advance(docs, tokens)` after each scored batch. A no-op when disabled.
+
+    One bar may serve several scoring threads (the rank threads of `--devices`): each adds its own work
+    with `add_total` before it starts, and `advance` is safe to call from any of them."""
 
     def __init__(self, enabled: bool, total_tokens: int) -> None:
-        self.enabled = bool(enabled) and total_tokens > 0 and sys.stderr.isatty()
+        self.enabled = bool(enabled) and sys.stderr.isatty()
         self.total_tokens = total_tokens
         self.docs = 0
+        self.tokens = 0
         self._progress: Progress | None = None
         self._task = None
         self._last = 0.0
+        self._lock = threading.Lock()
 
     def __enter__(self) -> ScoreProgress:
         if self.enabled:
@@ -65,14 +71,23 @@ class ScoreProgress:
             self._task = self._progress.add_task("score", total=self.total_tokens, docs=0)
         return self
 
+    def add_total(self, tokens: int) -> None:
+        """Add work to the bar's total (a scoring thread that shares the bar, before it starts)."""
+        with self._lock:
+            self.total_tokens += tokens
+            if self._progress is not None:
+                self._progress.update(self._task, total=self.total_tokens)
+
     def advance(self, docs: int, tokens: int) -> None:
         """Count one scored batch."""
-        self.docs += docs
-        if self._progress is None:
-            return
-        now = time.monotonic()
-        self._progress.update(self._task, advance=tokens, docs=self.docs, refresh=now - self._last > 0.5)
-        self._last = now
+        with self._lock:
+            self.docs += docs
+            self.tokens += tokens
+            if self._progress is None:
+                return
+            now = time.monotonic()
+            self._progress.update(self._task, advance=tokens, docs=self.docs, refresh=now - self._last > 0.5)
+            self._last = now
 
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:

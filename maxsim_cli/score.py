@@ -42,6 +42,7 @@ run (0.02 s for 100 results a query, 0.07-0.10 s for 1000).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -433,7 +434,15 @@ def score(
         else:
             jobs = engine.exhaustive_jobs(top_k, batch_queries)
             total_tokens = corpus_obj.num_tokens * len(jobs)
-        with progress_mod.ScoreProgress(show_progress, total_tokens) as bar, writer:
+        shared_bar = part.progress if part is not None else None  # the job's, shared by its rank threads
+        if shared_bar is not None:
+            shared_bar.add_total(total_tokens)
+        bar_context = (
+            contextlib.nullcontext(shared_bar)
+            if shared_bar is not None
+            else progress_mod.ScoreProgress(show_progress, total_tokens)
+        )
+        with bar_context as bar, writer:
             engine.progress = bar
             if arena is not None:
                 # The pass starts once the arena is locked, so that no page-locking runs during it (with

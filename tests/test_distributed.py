@@ -365,6 +365,32 @@ def test_ranks_as_threads_equal_single_process(data, tmp_path, monkeypatch, mode
     assert sorted(s for r in stats.extra["ranks"] for s in r["shards"]) == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("mode", ["exhaustive", "rerank"])
+def test_rank_threads_share_one_progress_bar(data, tmp_path, monkeypatch, mode):
+    """Rank threads draw one bar for the job: every rank adds its work to it and advances it, so it
+    counts the single process's tokens, not rank 0's share."""
+    from maxsim_cli import progress
+
+    kwargs = {"top_k": 6, "candidates": data["cands"]} if mode == "rerank" else {"top_k": 5}
+    bars: list[progress.ScoreProgress] = []
+
+    class Recorded(progress.ScoreProgress):
+        def __init__(self, enabled: bool, total_tokens: int) -> None:
+            super().__init__(enabled, total_tokens)
+            bars.append(self)
+
+    monkeypatch.setattr(progress, "ScoreProgress", Recorded)
+    _single(data, tmp_path / "single.trec", show_progress=True, **kwargs)
+    (single,) = bars
+    bars.clear()
+    monkeypatch.setattr(distributed, "in_threads", lambda devices: True)
+    out = tmp_path / "threads.trec"
+    score(data["queries"], [data["corpus"]], output=str(out), devices="cpu:2", show_progress=True, **kwargs)
+    (job,) = bars
+    assert job.total_tokens == single.total_tokens > 0
+    assert (job.tokens, job.docs) == (single.tokens, single.docs) and job.tokens == job.total_tokens
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["exhaustive", "rerank"])
 def test_gpu_ranks_as_threads_equal_single_process(data, tmp_path, monkeypatch, mode):
