@@ -969,30 +969,51 @@ def launch(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
             for r in range(world):
                 env = dict(base, RANK=str(r), LOCAL_RANK=str(r))
                 procs.append(subprocess.Popen([sys.executable, "-c", _WORKER_CODE, options_path], env=env))
-            codes = _wait_all(procs)
+            codes, ended = _wait_all(procs)
         finally:
             _stop(procs)
             del store
-        return _job_outcome(codes, devices, status_path, options, started)
+        return _job_outcome(codes, devices, status_path, options, started, ended)
 
 
-def _wait_all(procs: Sequence[subprocess.Popen]) -> list[int]:
-    """Exit codes of all workers. A worker killed by a signal means the others can never finish: they
-    are stopped at once; one that exits with an error gives the others `FAILED_PEER_GRACE_S` to follow."""
+def _wait_all(procs: Sequence[subprocess.Popen]) -> tuple[list[int], list[int]]:
+    """Exit codes of all workers, and their ranks in the order they ended. A worker killed by a signal
+    means the others can never finish: they are stopped at once; one that exits with an error gives the
+    others `FAILED_PEER_GRACE_S` to follow.
+
+    A thread per worker waits for it, so that the order is the order of the deaths: a worker killed
+    from outside brings its peers down within milliseconds (gloo aborts on a closed connection), and
+    polling all of them now and then found both dead and named the wrong one."""
+    ended: list[int] = []
+    changed = threading.Event()
+    lock = threading.Lock()
+
+    def watch(rank: int, proc: subprocess.Popen) -> None:
+        proc.wait()
+        with lock:
+            ended.append(rank)
+        changed.set()
+
+    for rank, proc in enumerate(procs):
+        threading.Thread(target=watch, args=(rank, proc), name=f"maxsim-watch-{rank}", daemon=True).start()
     failed_at: float | None = None
     while True:
-        codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
-            return [int(c) for c in codes]  # type: ignore[arg-type]
-        if any(c is not None and c < 0 for c in codes):
+        changed.wait(0.05)
+        changed.clear()
+        with lock:
+            done = list(ended)
+        codes = [procs[r].returncode for r in done]
+        if len(done) == len(procs):
+            by_rank = {r: int(c) for r, c in zip(done, codes, strict=True)}
+            return [by_rank[r] for r in range(len(procs))], done
+        if any(c < 0 for c in codes):
             _stop(procs)
             continue
-        if any(c not in (None, 0) for c in codes):
+        if any(c != 0 for c in codes):
             failed_at = failed_at or time.monotonic()
             if time.monotonic() - failed_at > FAILED_PEER_GRACE_S:
                 _stop(procs)
                 continue
-        time.sleep(0.05)
 
 
 def _stop(procs: Sequence[subprocess.Popen]) -> None:
@@ -1010,8 +1031,16 @@ def _stop(procs: Sequence[subprocess.Popen]) -> None:
 
 
 def _job_outcome(
-    codes: Sequence[int], devices: Sequence[str], status_path: str, options: dict[str, Any], started: float
+    codes: Sequence[int],
+    devices: Sequence[str],
+    status_path: str,
+    options: dict[str, Any],
+    started: float,
+    ended: Sequence[int] | None = None,
 ) -> ScoreStats:
+    """The job's stats from rank 0's report, or its error: a worker killed by a signal (the first to
+    end, in `ended` order, when several were), rank 0's report of an error, or a worker that exited
+    without one."""
     from maxsim_cli.score import ScoreStats
 
     status = None
@@ -1019,7 +1048,8 @@ def _job_outcome(
         with open(status_path, encoding="utf-8") as fh:
             status = json.load(fh)
     world = len(devices)
-    killed = [(r, -c) for r, c in enumerate(codes) if c < 0 and c != -signal.SIGTERM]
+    order = list(ended) if ended is not None else list(range(len(codes)))
+    killed = [(r, -codes[r]) for r in order if codes[r] < 0 and codes[r] != -signal.SIGTERM]
     if killed:
         r, signum = killed[0]
         _remove_partial_output(options, started)

@@ -12,6 +12,7 @@ depend on how documents are grouped, in one process as much as in two.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -459,6 +460,17 @@ def test_a_killed_rank_fails_the_job_under_the_launcher(data, tmp_path):
         "written (out of host memory? see the system log)"
     ]
     assert _leftovers(tmp_path, "run.trec") == []
+
+
+def test_the_first_worker_to_die_is_the_one_named(tmp_path):
+    """A worker killed from outside takes its peer down a moment later (gloo aborts on the closed
+    connection): the job's error names the worker that ended first, not the lowest rank."""
+    codes = [-signal.SIGABRT, -signal.SIGKILL]
+    options = {"output": str(tmp_path / "run.trec")}
+    with pytest.raises(MaxsimError, match=r"^worker rank 1 of 2 \(cpu\) was killed by SIGKILL;"):
+        distributed._job_outcome(codes, ["cpu", "cpu"], str(tmp_path / "none.json"), options, 0.0, [1, 0])
+    with pytest.raises(MaxsimError, match=r"^worker rank 0 of 2 \(cpu\) was killed by SIGABRT;"):
+        distributed._job_outcome(codes, ["cpu", "cpu"], str(tmp_path / "none.json"), options, 0.0, [0, 1])
 
 
 def test_a_killed_rank_fails_the_job_under_torchrun(data, tmp_path):
