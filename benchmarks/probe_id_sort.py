@@ -7,8 +7,8 @@ times, on ids spread over 20 shards (MS MARCO-like numbers in random order, and 
 `msmarco_passage_07_123456`):
 
   whole      `pc.sort_indices` of all ids, then `take` (the current `id_order`);
-  by shard   each shard's ids sorted in its own thread, then the concatenated sorted runs sorted once
-             more (Arrow's sort is faster on runs), then `take`.
+  by shard   `maxsim_cli.shards.sorted_id_order`: each shard's ids sorted in its own thread, then the
+             concatenated sorted runs sorted once more (Arrow's sort is faster on runs), then `take`.
 
     python benchmarks/probe_id_sort.py --out id-sort.json
 """
@@ -19,11 +19,12 @@ import argparse
 import json
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from maxsim_cli import shards
 
 
 def whole(arrays: list[pa.Array]) -> tuple[np.ndarray, pa.Array]:
@@ -32,18 +33,15 @@ def whole(arrays: list[pa.Array]) -> tuple[np.ndarray, pa.Array]:
     return order.to_numpy().astype(np.int64), ids.take(order)
 
 
-def by_shard(arrays: list[pa.Array], threads: int) -> tuple[np.ndarray, pa.Array]:
-    def sort_run(values: pa.Array) -> tuple[np.ndarray, pa.Array]:
-        run_order = pc.sort_indices(values)
-        return run_order.to_numpy().astype(np.int64), values.take(run_order)
-
-    with ThreadPoolExecutor(threads) as pool:
-        runs = list(pool.map(sort_run, arrays))
-    starts = np.cumsum([0] + [len(a) for a in arrays[:-1]])
-    ordinal_of_run = np.concatenate([o + s for (o, _), s in zip(runs, starts, strict=True)])
-    sorted_runs = pa.concat_arrays([v for _, v in runs])
-    order = pc.sort_indices(sorted_runs).to_numpy()
-    return ordinal_of_run[order], sorted_runs.take(pa.array(order))
+def by_shard(arrays: list[pa.Array]) -> tuple[np.ndarray, pa.Array]:
+    """`maxsim_cli.shards.sorted_id_order`, made to sort shard by shard whatever the sizes."""
+    saved = shards.BY_SHARD_SORT_MIN_THREADS, shards.BY_SHARD_SORT_MIN_IDS
+    shards.BY_SHARD_SORT_MIN_THREADS, shards.BY_SHARD_SORT_MIN_IDS = 2, 0
+    try:
+        _, ordinals, sorted_ids = shards.sorted_id_order(arrays)
+    finally:
+        shards.BY_SHARD_SORT_MIN_THREADS, shards.BY_SHARD_SORT_MIN_IDS = saved
+    return ordinals, sorted_ids
 
 
 def main() -> None:
@@ -69,7 +67,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 a = whole(arrays)
                 t1 = time.perf_counter()
-                b = by_shard(arrays, min(args.shards, cpus))
+                b = by_shard(arrays)
                 t2 = time.perf_counter()
                 times["whole"].append(t1 - t0)
                 times["by_shard"].append(t2 - t1)

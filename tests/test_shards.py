@@ -360,3 +360,26 @@ def test_id_checks_without_python_objects_agree_with_python_on_every_code_point(
         decode(["a", "b", "c", "b"])
     with pytest.raises(sh.MaxsimError, match="duplicate id 'é' at indices 0 and 2"):
         decode(["é", "e", "é"])
+
+
+@pytest.mark.parametrize("by_shard", [False, True])
+def test_sorted_id_order_is_one_sort_of_all_ids(monkeypatch, by_shard):
+    """Ids sorted shard by shard in threads, then their sorted runs once more, give the order of one
+    sort of all ids (UTF-8 bytes: Python's str order), with each id's corpus ordinal."""
+    from maxsim_cli import shards
+
+    if by_shard:
+        monkeypatch.setattr(shards, "BY_SHARD_SORT_MIN_THREADS", 2)
+        monkeypatch.setattr(shards, "BY_SHARD_SORT_MIN_IDS", 0)
+    monkeypatch.setattr(shards.os, "cpu_count", lambda: 4)
+    rng = np.random.default_rng(3)
+    words = ["é", "e", "E", "z", "10", "9", "a", "ß", "中"]
+    ids = list(dict.fromkeys(f"{rng.choice(words)}{rng.integers(0, 10**6)}" for _ in range(3000)))
+    ids += ["", "0"]  # the empty id sorts first
+    cuts = [0, 1, 700, 1500, 1500, len(ids)]  # one id alone, an empty shard
+    arrays = [pa.array(ids[a:b], type=pa.string()) for a, b in zip(cuts, cuts[1:])]
+    all_ids, ordinals, sorted_ids = shards.sorted_id_order(arrays)
+    assert all_ids.to_pylist() == ids
+    expected = sorted(range(len(ids)), key=lambda i: ids[i].encode())
+    assert ordinals.tolist() == expected
+    assert sorted_ids.to_pylist() == [ids[i] for i in expected]

@@ -281,7 +281,13 @@ def test_duplicate_ids_within_a_shard(tmp_path):
     assert_error(run_inspect(path), "s.safetensors", "duplicate id 'd0' at indices 0 and 2")
 
 
-def test_duplicate_ids_across_shards(tmp_path):
+@pytest.mark.parametrize("by_shard", [False, True])
+def test_duplicate_ids_across_shards(tmp_path, monkeypatch, by_shard):
+    if by_shard:  # the ids sorted shard by shard in threads (`sorted_id_order`), as on a large corpus
+        from maxsim_cli import shards
+
+        monkeypatch.setattr(shards, "BY_SHARD_SORT_MIN_THREADS", 1)
+        monkeypatch.setattr(shards, "BY_SHARD_SORT_MIN_IDS", 0)
     write_shard(tmp_path / "a.safetensors", ["x", "shared"], [np.ones((1, 4), np.float32)] * 2)
     write_shard(tmp_path / "b.safetensors", ["y", "z", "shared"], [np.ones((1, 4), np.float32)] * 3)
     assert_error(
