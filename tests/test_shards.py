@@ -377,7 +377,7 @@ def test_sorted_id_order_is_one_sort_of_all_ids(monkeypatch, by_shard):
     ids = list(dict.fromkeys(f"{rng.choice(words)}{rng.integers(0, 10**6)}" for _ in range(3000)))
     ids += ["", "0"]  # the empty id sorts first
     cuts = [0, 1, 700, 1500, 1500, len(ids)]  # one id alone, an empty shard
-    arrays = [pa.array(ids[a:b], type=pa.string()) for a, b in zip(cuts, cuts[1:])]
+    arrays = [pa.array(ids[a:b], type=pa.string()) for a, b in zip(cuts, cuts[1:], strict=False)]
     all_ids, ordinals, sorted_ids = shards.sorted_id_order(arrays)
     assert all_ids.to_pylist() == ids
     expected = sorted(range(len(ids)), key=lambda i: ids[i].encode())
