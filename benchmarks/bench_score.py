@@ -114,6 +114,31 @@ def build_queries(path: str, n: int, device: torch.device, seed: int = 1) -> Non
 # stages alone
 
 
+def drain_pieces(pieces: list[tuple[str, int]], lock: threading.Lock, view: memoryview) -> int:
+    """Take (path, offset) pieces from the shared list until it is empty, each read with `os.preadv`
+    into `view` (a piece is `len(view)` bytes, or less at a file's end); returns the bytes read."""
+    fds: dict[str, int] = {}
+    n = 0
+    try:
+        while True:
+            with lock:
+                if not pieces:
+                    return n
+                path, start = pieces.pop()
+            if path not in fds:
+                fds[path] = os.open(path, os.O_RDONLY)
+            done = 0
+            while done < len(view):
+                got = os.preadv(fds[path], [view[done:]], start + done)
+                if not got:
+                    break
+                done += got
+            n += done
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
 def read_files(paths: list[str], threads: int, chunk: int = 32 << 20, nice: int = 0) -> tuple[float, int]:
     """Read every file's bytes with `threads` threads into reused buffers (pinned where CUDA is up, as
     the engine's staging slots are): the files cut into `chunk`-byte pieces that the threads take from
@@ -130,25 +155,7 @@ def read_files(paths: list[str], threads: int, chunk: int = 32 << 20, nice: int 
     def worker(i: int) -> None:
         if nice:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-        view = memoryview(buffers[i].numpy()).cast("B")
-        fds: dict[str, int] = {}
-        n = 0
-        while True:
-            with lock:
-                if not pieces:
-                    break
-                path, start = pieces.pop()
-            if path not in fds:
-                fds[path] = os.open(path, os.O_RDONLY)
-            done = 0
-            while done < chunk:
-                got = os.preadv(fds[path], [view[done:]], start + done)
-                if not got:
-                    break
-                done += got
-            n += done
-        for fd in fds.values():
-            os.close(fd)
+        n = drain_pieces(pieces, lock, memoryview(buffers[i].numpy()).cast("B"))
         with lock:
             total[0] += n
 

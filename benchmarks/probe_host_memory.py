@@ -94,24 +94,9 @@ def read_pieces(files: list[str], threads: int, cpus: list[int] | None) -> tuple
             os.sched_setaffinity(0, cpus)
         buf = torch.empty(CHUNK, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         view = memoryview(buf.numpy()).cast("B")
-        fds: dict[str, int] = {}
         ready.wait()
         go.wait()
-        n = 0
-        while True:
-            with lock:
-                if not pieces:
-                    break
-                path, start = pieces.pop()
-            fd = fds.get(path) or fds.setdefault(path, os.open(path, os.O_RDONLY))
-            got = 1
-            done = 0
-            while done < CHUNK and got:
-                got = os.preadv(fd, [view[done:]], start + done)
-                done += got
-            n += done
-        for fd in fds.values():
-            os.close(fd)
+        n = bench_score.drain_pieces(pieces, lock, view)
         with lock:
             total[0] += n
 
