@@ -862,7 +862,7 @@ def run_threads(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
             run = read_run(str(options["candidates"]))
             corpus.id_index()
         outcomes: list[tuple[_Share, _MergeOrder | None] | BaseException | None] = [None] * world
-        bar = ScoreProgress(bool(options.get("show_progress")), 0)  # one bar for all ranks' work
+        bar = ScoreProgress(bool(options.get("show_progress")), 0, shared=True)  # one for all ranks' work
 
         def rank_main(rank: int) -> None:
             try:

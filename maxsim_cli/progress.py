@@ -43,11 +43,12 @@ def progress_enabled(quiet: bool) -> bool:
 class ScoreProgress:
     """Context manager; `advance(docs, tokens)` after each scored batch. A no-op when disabled.
 
-    One bar may serve several scoring threads (the rank threads of `--devices`): each adds its own work
-    with `add_total` before it starts, and `advance` is safe to call from any of them."""
+    A `shared` bar serves several scoring threads (the rank threads of `--devices`): it starts empty,
+    each thread adds its own work with `add_total` before it starts, and `advance` is safe to call from
+    any of them. A bar that is not shared and has nothing to count is not drawn."""
 
-    def __init__(self, enabled: bool, total_tokens: int) -> None:
-        self.enabled = bool(enabled) and sys.stderr.isatty()
+    def __init__(self, enabled: bool, total_tokens: int, *, shared: bool = False) -> None:
+        self.enabled = bool(enabled) and (total_tokens > 0 or shared) and sys.stderr.isatty()
         self.total_tokens = total_tokens
         self.docs = 0
         self.tokens = 0

@@ -376,8 +376,8 @@ def test_rank_threads_share_one_progress_bar(data, tmp_path, monkeypatch, mode):
     bars: list[progress.ScoreProgress] = []
 
     class Recorded(progress.ScoreProgress):
-        def __init__(self, enabled: bool, total_tokens: int) -> None:
-            super().__init__(enabled, total_tokens)
+        def __init__(self, enabled: bool, total_tokens: int, *, shared: bool = False) -> None:
+            super().__init__(enabled, total_tokens, shared=shared)
             bars.append(self)
 
     monkeypatch.setattr(progress, "ScoreProgress", Recorded)
