@@ -271,6 +271,13 @@ def assign_shards(tokens: Sequence[int], world: int) -> list[list[int]]:
     return [sorted(share) for share in shares]
 
 
+def run_candidate_index(
+    corpus: Corpus, run: dict[str, list[tuple[str, float]]]
+) -> dict[str, tuple[int, int]]:
+    """(shard, document) of each of the run's candidates in the corpus (`Corpus.candidate_index`)."""
+    return corpus.candidate_index(docno for cands in run.values() for docno, _ in cands)
+
+
 def split_candidates(
     run: dict[str, list[tuple[str, float]]],
     id_index: dict[str, tuple[int, int]],
@@ -653,14 +660,15 @@ def _score_share(
     stop: threading.Event | None = None,
     staging_bytes: int | None = None,
     run: dict[str, list[tuple[str, float]]] | None = None,
+    run_index: dict[str, tuple[int, int]] | None = None,
     progress: ScoreProgress | None = None,
 ) -> tuple[_Share, _MergeOrder | None]:
     """Score this rank's shards of the corpus (opened here, or the job's open `corpus`, whose shards
     of this rank are closed afterwards) for all queries, return the results (and, on rank 0 in
     exhaustive mode, the docno order that the merge needs). `stop`: set when another rank failed;
-    `staging_bytes`: the rank's pinned staging arena (`RankPart`); `run`: the candidates' run, when the
-    job has read it already (else read here); `progress`: the job's bar, shared by rank threads (else
-    rank 0 draws its own share)."""
+    `staging_bytes`: the rank's pinned staging arena (`RankPart`); `run` and `run_index`: the
+    candidates' run and its `run_candidate_index`, when the job has made them already (else made
+    here); `progress`: the job's bar, shared by rank threads (else rank 0 draws its own share)."""
     from maxsim_cli.runs import read_run
     from maxsim_cli.score import ScoreStats, score
     from maxsim_cli.shards import Corpus, open_shard
@@ -694,9 +702,9 @@ def _score_share(
         candidates = None
         if options.get("candidates") is not None:
             run = run if run is not None else read_run(str(options["candidates"]))
-            candidates, _ = split_candidates(
-                run, corpus.id_index(), owner, rank, bool(options.get("strict", False))
-            )
+            if run_index is None:
+                run_index = run_candidate_index(corpus, run)
+            candidates, _ = split_candidates(run, run_index, owner, rank, bool(options.get("strict", False)))
         sink = ResultSink()
         if cuda_ready is not None:
             cuda_ready.wait()
@@ -855,12 +863,12 @@ def run_threads(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
     corpus = _open_job_corpus(options)
     interval = sys.getswitchinterval()
     try:
-        run = None
+        run = run_index = None
         if options.get("candidates") is not None:  # read and indexed once for all ranks
             from maxsim_cli.runs import read_run
 
             run = read_run(str(options["candidates"]))
-            corpus.id_index()
+            run_index = run_candidate_index(corpus, run)
         outcomes: list[tuple[_Share, _MergeOrder | None] | BaseException | None] = [None] * world
         bar = ScoreProgress(bool(options.get("show_progress")), 0, shared=True)  # one for all ranks' work
 
@@ -868,7 +876,8 @@ def run_threads(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
             try:
                 outcomes[rank] = _score_share(
                     options, rank, world, devices[rank], None,
-                    corpus=corpus, stop=stop, staging_bytes=THREAD_STAGING_BYTES, run=run, progress=bar,
+                    corpus=corpus, stop=stop, staging_bytes=THREAD_STAGING_BYTES, run=run,
+                    run_index=run_index, progress=bar,
                 )  # fmt: skip
             except BaseException as exc:  # noqa: BLE001 - reported by the launcher's thread
                 outcomes[rank] = exc

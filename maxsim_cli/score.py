@@ -866,7 +866,7 @@ class _Engine:
                     f"{cname}: query {qid!r} has candidates but no embedding in {qname}; "
                     "add it to the query file or drop it from the run"
                 )
-        id_index = self.corpus.id_index()
+        id_index = self.corpus.candidate_index(docno for cands in run.values() for docno, _ in cands)
         missing: list[str] = []
         n_missing = 0
         pair_q: list[int] = []

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -1293,8 +1293,33 @@ class Corpus:
     def paths(self) -> list[str]:
         return [s.path for s in self.shards]
 
+    def candidate_index(self, docnos: Iterable[str]) -> dict[str, tuple[int, int]]:
+        """`id_index` restricted to `docnos` (those of them in the corpus): one hash lookup of the
+        distinct docnos in all ids, by Arrow, instead of a Python dict of every id. 2M ids, 2-core
+        machine (`python benchmarks/probe_candidate_index.py`), the index and a lookup per candidate:
+        100K candidates 0.56 s against 1.56 s with `id_index`, 1M candidates 1.45 s against 2.60 s; and
+        no dict of the whole corpus's ids in memory."""
+        wanted = list(dict.fromkeys(docnos))
+        if not wanted:
+            return {}
+        ids = self.id_order()[0] if self._id_order is not None else self._all_ids()
+        found = pc.index_in(pa.array(wanted, type=pa.large_string()), value_set=ids)
+        ordinals = found.fill_null(-1).to_numpy().astype(np.int64)
+        present = np.flatnonzero(ordinals >= 0)
+        shard = np.searchsorted(self.doc_starts, ordinals[present], side="right") - 1
+        local = ordinals[present] - self.doc_starts[shard]
+        return {
+            wanted[i]: (s, d)
+            for i, s, d in zip(present.tolist(), shard.tolist(), local.tolist(), strict=True)
+        }
+
+    def _all_ids(self) -> pa.Array:
+        """Every id in corpus ordinal order, one large_string array (not sorted)."""
+        return pa.concat_arrays([s.id_array.cast(pa.large_string()) for s in self.shards])
+
     def id_index(self) -> dict[str, tuple[int, int]]:
-        """doc id -> (shard index, document index in that shard); built once."""
+        """doc id -> (shard index, document index in that shard); built once. A dict of every id: for
+        looking up some ids, `candidate_index` is faster and smaller."""
         if self._index is None:
             index: dict[str, tuple[int, int]] = {}
             for s, shard in enumerate(self.shards):

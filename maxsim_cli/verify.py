@@ -768,7 +768,7 @@ def _exact_float_scores(
 ) -> np.ndarray:
     """float64 scores of the reference corpus's documents `doc_ids` (quantization impact)."""
     assert ctx.reference_queries is not None
-    index = corpus.id_index()
+    index = corpus.candidate_index(doc_ids)
     try:
         locations = np.array([index[i] for i in doc_ids], dtype=np.int64).reshape(-1, 2)
     except KeyError as exc:
@@ -1005,7 +1005,7 @@ def _select_candidates(
         raise InputError(
             f"{path}: query {unknown} is not in {queries_path}; the run must use the query file's ids"
         )
-    index = corpus.id_index()
+    index = corpus.candidate_index(docno for rows in run.values() for docno, _ in rows)
     per_query = [np.zeros(0, dtype=np.int64)] * len(query_ids)
     missing = 0
     for qid, rows in run.items():

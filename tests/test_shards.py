@@ -383,3 +383,19 @@ def test_sorted_id_order_is_one_sort_of_all_ids(monkeypatch, by_shard):
     expected = sorted(range(len(ids)), key=lambda i: ids[i].encode())
     assert ordinals.tolist() == expected
     assert sorted_ids.to_pylist() == [ids[i] for i in expected]
+
+
+def test_candidate_index_is_id_index_restricted_to_the_candidates(tmp_path):
+    """Candidates found in any shard map to (shard, document) as `id_index` says; unknown ones, and an
+    empty request, give nothing; a docno asked twice is one entry."""
+    a = ["x", "b", "é", "a"]
+    b = ["z", "y", "中", "10"]
+    for name, ids in (("a", a), ("b", b)):
+        write_shard(tmp_path / f"{name}.safetensors", ids, [np.ones((2, 4), np.float32)] * len(ids))
+    corpus = open_corpus([tmp_path])
+    full = corpus.id_index()
+    asked = ["10", "missing", "é", "x", "10", "", "中"]
+    found = corpus.candidate_index(asked)
+    assert found == {d: full[d] for d in asked if d in full}
+    assert found["中"] == (1, 2) and found["x"] == (0, 0)
+    assert corpus.candidate_index([]) == {}
