@@ -341,6 +341,13 @@ BY_SHARD_SORT_MIN_THREADS = 4
 BY_SHARD_SORT_MIN_IDS = 1_000_000
 
 
+def concat_ids(shard_ids: Sequence[pa.Array]) -> pa.Array:
+    """Per-shard id arrays as one large_string array, in order."""
+    if not shard_ids:
+        return pa.array([], type=pa.large_string())
+    return pa.concat_arrays([a.cast(pa.large_string()) for a in shard_ids])
+
+
 def sorted_id_order(shard_ids: Sequence[pa.Array]) -> tuple[pa.Array, np.ndarray, pa.Array]:
     """(all ids as one large_string array, the ordinals sorted by id (ascending UTF-8 bytes: Python's str
     order and trec_eval's strcmp), the ids in that order) for per-shard id arrays.
@@ -350,7 +357,7 @@ def sorted_id_order(shard_ids: Sequence[pa.Array]) -> tuple[pa.Array, np.ndarray
     no order. The order is the same as one sort of all ids, as long as the ids are unique (equal ids
     are refused by the caller)."""
     arrays = [a.cast(pa.large_string()) for a in shard_ids]
-    ids = pa.concat_arrays(arrays) if arrays else pa.array([], type=pa.large_string())
+    ids = concat_ids(arrays)
     threads = min(len(arrays), os.cpu_count() or 1)
     if threads < 2 or (threads < BY_SHARD_SORT_MIN_THREADS and len(ids) < BY_SHARD_SORT_MIN_IDS):
         order = pc.sort_indices(ids)
@@ -1302,7 +1309,11 @@ class Corpus:
         wanted = list(dict.fromkeys(docnos))
         if not wanted:
             return {}
-        ids = self.id_order()[0] if self._id_order is not None else self._all_ids()
+        # the ids in ordinal order: `id_order`'s array when it is made already, else a concatenation
+        if self._id_order is not None:
+            ids = self._id_order[0]
+        else:
+            ids = concat_ids([s.id_array for s in self.shards])
         found = pc.index_in(pa.array(wanted, type=pa.large_string()), value_set=ids)
         ordinals = found.fill_null(-1).to_numpy().astype(np.int64)
         present = np.flatnonzero(ordinals >= 0)
@@ -1312,10 +1323,6 @@ class Corpus:
             wanted[i]: (s, d)
             for i, s, d in zip(present.tolist(), shard.tolist(), local.tolist(), strict=True)
         }
-
-    def _all_ids(self) -> pa.Array:
-        """Every id in corpus ordinal order, one large_string array (not sorted)."""
-        return pa.concat_arrays([s.id_array.cast(pa.large_string()) for s in self.shards])
 
     def id_index(self) -> dict[str, tuple[int, int]]:
         """doc id -> (shard index, document index in that shard); built once. A dict of every id: for
