@@ -43,6 +43,7 @@ from maxsim_cli.shards import ID_WHITESPACE, current_umask, has_whitespace, stri
 __all__ = [
     "Qrel",
     "RunRow",
+    "RankedSink",
     "RunWriter",
     "format_score",
     "format_scores",
@@ -375,7 +376,113 @@ def _check_id(kind: str, value: str, target: str, qid: str | None = None) -> Non
         )
 
 
-class RunWriter:
+class RankedSink:
+    """What every consumer of ranked results shares: the rules a run must follow, checked once.
+
+    The engine hands results over one query at a time (`write_query`: any order, re-sorted here) or as
+    blocks already in trec_eval's order (`write_ranked`). Both refuse what a TREC run cannot hold (an
+    id with whitespace, a non-finite score, a docno twice in a query, a query twice), naming the
+    culprit, and pass the ordered rows on to `_take_query` / `_take_block`: `RunWriter` formats them
+    into a file, `maxsim_cli.run.RunCollector` keeps them in memory.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._written: set[str] = set()
+        self.num_queries = 0
+        self.num_rows = 0
+
+    def _check_open(self, method: str) -> None:
+        """Raise if rows cannot be taken now (a writer outside its `with` block)."""
+
+    def _take_query(self, qid: str, docnos: list[str], keys: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _take_block(self, qids: Sequence[str], m: int, docnos, keys: np.ndarray) -> None:  # noqa: ANN001
+        raise NotImplementedError
+
+    def _raise_for_bad_row(self, qid: str, docnos: Sequence[str], keys: Sequence[float]) -> None:
+        """Raise `InputError` for the first row of a query that a TREC run cannot hold."""
+        seen: set[str] = set()
+        for docno, key in zip(docnos, keys, strict=True):
+            _check_id("docno", docno, self._name, qid)
+            if not math.isfinite(key):
+                raise InputError(
+                    f"{self._name}: score {key} of docno {docno!r} for query {qid!r} is not finite; "
+                    "check the embeddings for NaN or Inf, or for values so large that their products "
+                    "overflow float32"
+                )
+            if docno in seen:
+                raise InputError(
+                    f"{self._name}: docno {docno!r} given twice for query {qid!r}; a run lists it once"
+                )
+            seen.add(docno)
+
+    def write_query(self, qid: str, docnos: Sequence[str], scores: Sequence[float]) -> None:
+        """Take one query's results, sorted by `sort_trec` and ranked from 1.
+
+        Raises `InputError` for an id with whitespace, a non-finite score, a docno listed twice or a
+        query written twice (each would make a run that trec_eval rejects or misreads).
+        """
+        self._check_open("write_query")
+        if len(docnos) != len(scores):
+            raise ValueError(f"write_query: {len(docnos)} docnos but {len(scores)} scores")
+        _check_id("query id", qid, self._name)
+        if qid in self._written:
+            raise InputError(f"{self._name}: query {qid!r} written twice; each query appears once in a run")
+        self._written.add(qid)
+        key_array = _float32_keys(scores)
+        keys = key_array.tolist()
+        # whole-query checks first (one pass each in C); the per-row loop only runs to name the culprit
+        if (
+            _WHITESPACE.search("".join(docnos))
+            or not all(docnos)
+            or not np.isfinite(key_array).all()
+            or len(set(docnos)) != len(docnos)
+        ):
+            self._raise_for_bad_row(qid, docnos, keys)
+        if np.all(key_array[:-1] > key_array[1:]):  # already strictly descending (a top-k): no ties
+            order: Sequence[int] = range(len(keys))
+        else:
+            order = sorted(range(len(docnos)), key=lambda i: (keys[i], docnos[i]), reverse=True)
+        self._take_query(qid, [docnos[i] for i in order], key_array[list(order)].astype(np.float32))
+
+    def write_ranked(self, qids: Sequence[str], docnos, scores: np.ndarray) -> None:  # noqa: ANN001
+        """Take several queries at once whose rows are already in trec_eval's order, as a running top-k
+        yields them: query i's rows are ``docnos[i * m : (i + 1) * m]`` (an Arrow string array) with
+        float32 ``scores[i]`` ([len(qids), m]).
+
+        The rows are checked as `write_query` checks them (ids, finite scores, the order); whatever fails
+        goes through `write_query` query by query, which names the culprit.
+        """
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        self._check_open("write_ranked")
+        nq, m = (len(qids), 0) if scores.size == 0 else scores.shape
+        if len(docnos) != nq * m:
+            raise ValueError(f"write_ranked: {len(docnos)} docnos for {nq} queries of {m} rows")
+        docnos = docnos.cast(pa.large_string())
+        keys = scores.astype(np.float32) + np.float32(0.0)
+        clean = (
+            len(set(qids)) == nq
+            and not any(q in self._written for q in qids)
+            and all(q and not _WHITESPACE.search(q) for q in qids)
+            and bool(np.isfinite(keys).all())
+            and bool((keys[:, :-1] >= keys[:, 1:]).all())
+            and not has_whitespace(docnos)
+            and (m == 0 or pc.min(pc.utf8_length(docnos)).as_py() > 0)
+            and _ties_by_docno_descending(docnos, keys)
+        )
+        if not clean:
+            for i, qid in enumerate(qids):
+                self.write_query(qid, docnos[i * m : (i + 1) * m].to_pylist(), keys[i].tolist())
+            return
+        self._written.update(qids)
+        self._take_block(list(qids), m, docnos, keys)
+
+
+class RunWriter(RankedSink):
     """Write a run, one query at a time, atomically.
 
     ``RunWriter(path, tag="maxsim", fmt="trec")`` is a context manager. ``fmt="trec"`` writes
@@ -396,12 +503,9 @@ class RunWriter:
         if not tag or _WHITESPACE.search(tag):
             raise UsageError(f"run tag {tag!r} is empty or contains whitespace; pass a single word")
         self.path = str(path)
+        super().__init__("<stdout>" if self.path == "-" else self.path)
         self.tag = tag
         self.fmt = fmt
-        self.num_queries = 0
-        self.num_rows = 0
-        self._name = "<stdout>" if self.path == "-" else self.path
-        self._written: set[str] = set()
         self._stream: IO[str] | None = None
         self._binary: IO[bytes] | None = None
         self._tmp_path: str | None = None
@@ -460,99 +564,30 @@ class RunWriter:
 
     # writing --------------------------------------------------------------------------------------
 
-    def _raise_for_bad_row(self, qid: str, docnos: Sequence[str], keys: Sequence[float]) -> None:
-        """Raise `InputError` for the first row of a query that a TREC run cannot hold."""
-        seen: set[str] = set()
-        for docno, key in zip(docnos, keys, strict=True):
-            _check_id("docno", docno, self._name, qid)
-            if not math.isfinite(key):
-                raise InputError(
-                    f"{self._name}: score {key} of docno {docno!r} for query {qid!r} is not finite; "
-                    "check the embeddings for NaN or Inf, or for values so large that their products "
-                    "overflow float32"
-                )
-            if docno in seen:
-                raise InputError(
-                    f"{self._name}: docno {docno!r} given twice for query {qid!r}; a run lists it once"
-                )
-            seen.add(docno)
-
-    def write_query(self, qid: str, docnos: Sequence[str], scores: Sequence[float]) -> None:
-        """Write one query's results, sorted by `sort_trec` and ranked from 1.
-
-        Raises `InputError` for an id with whitespace, a non-finite score, a docno listed twice or a
-        query written twice (each would make a run that trec_eval rejects or misreads).
-        """
+    def _check_open(self, method: str) -> None:
         if self._stream is None:
-            raise RuntimeError("RunWriter.write_query called outside its `with` block")
-        if len(docnos) != len(scores):
-            raise ValueError(f"write_query: {len(docnos)} docnos but {len(scores)} scores")
-        _check_id("query id", qid, self._name)
-        if qid in self._written:
-            raise InputError(f"{self._name}: query {qid!r} written twice; each query appears once in a run")
-        self._written.add(qid)
-        key_array = _float32_keys(scores)
-        keys = key_array.tolist()
-        # whole-query checks first (one pass each in C); the per-row loop only runs to name the culprit
-        if (
-            _WHITESPACE.search("".join(docnos))
-            or not all(docnos)
-            or not np.isfinite(key_array).all()
-            or len(set(docnos)) != len(docnos)
-        ):
-            self._raise_for_bad_row(qid, docnos, keys)
-        if np.all(key_array[:-1] > key_array[1:]):  # already strictly descending (a top-k): no ties
-            order: Sequence[int] = range(len(keys))
-        else:
-            order = sorted(range(len(docnos)), key=lambda i: (keys[i], docnos[i]), reverse=True)
+            raise RuntimeError(f"RunWriter.{method} called outside its `with` block")
+
+    def _take_query(self, qid: str, docnos: list[str], keys: np.ndarray) -> None:
         import pyarrow as pa
 
-        ordered = [docnos[i] for i in order]
-        scores_text = format_scores(key_array[list(order)])
+        scores_text = format_scores(keys)
         if self.fmt == "trec":
-            text = self._trec_lines([qid], len(order), pa.array(ordered, type=pa.large_string()), scores_text)
+            text = self._trec_lines([qid], len(docnos), pa.array(docnos, type=pa.large_string()), scores_text)
         else:
             results = ",".join(
                 f'{{"docno":{json.dumps(docno, ensure_ascii=False)},"rank":{rank},"score":{score}}}'
-                for rank, (docno, score) in enumerate(zip(ordered, scores_text.to_pylist(), strict=True), 1)
+                for rank, (docno, score) in enumerate(zip(docnos, scores_text.to_pylist(), strict=True), 1)
             )
             text = f'{{"qid":{json.dumps(qid, ensure_ascii=False)},"results":[{results}]}}\n'
-        self._emit(text, 1, len(order))
+        self._emit(text, 1, len(docnos))
 
-    def write_ranked(self, qids: Sequence[str], docnos, scores: np.ndarray) -> None:  # noqa: ANN001
-        """Write several queries at once whose rows are already in trec_eval's order, as a running top-k
-        yields them: query i's rows are ``docnos[i * m : (i + 1) * m]`` (an Arrow string array) with
-        float32 ``scores[i]`` ([len(qids), m]). Formats the whole block with Arrow compute functions.
-
-        The rows are checked as `write_query` checks them (ids, finite scores, the order); whatever fails
-        goes through `write_query` query by query, which names the culprit.
-        """
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
-        if self._stream is None:
-            raise RuntimeError("RunWriter.write_ranked called outside its `with` block")
-        nq, m = (len(qids), 0) if scores.size == 0 else scores.shape
-        if len(docnos) != nq * m:
-            raise ValueError(f"write_ranked: {len(docnos)} docnos for {nq} queries of {m} rows")
-        docnos = docnos.cast(pa.large_string())
-        keys = scores.astype(np.float32) + np.float32(0.0)
-        clean = (
-            self.fmt == "trec"
-            and len(set(qids)) == nq
-            and not any(q in self._written for q in qids)
-            and all(q and not _WHITESPACE.search(q) for q in qids)
-            and bool(np.isfinite(keys).all())
-            and bool((keys[:, :-1] >= keys[:, 1:]).all())
-            and not has_whitespace(docnos)
-            and (m == 0 or pc.min(pc.utf8_length(docnos)).as_py() > 0)
-            and _ties_by_docno_descending(docnos, keys)
-        )
-        if not clean:
+    def _take_block(self, qids: Sequence[str], m: int, docnos, keys: np.ndarray) -> None:  # noqa: ANN001
+        nq = len(qids)
+        if self.fmt != "trec":
             for i, qid in enumerate(qids):
-                self.write_query(qid, docnos[i * m : (i + 1) * m].to_pylist(), keys[i].tolist())
+                self._take_query(qid, docnos[i * m : (i + 1) * m].to_pylist(), keys[i])
             return
-        self._written.update(qids)
 
         def lines(a: int, b: int) -> bytes:  # queries [a, b); Arrow releases the GIL while it works
             return self._trec_lines(qids[a:b], m, docnos[a * m : b * m], format_scores(keys[a:b]))
