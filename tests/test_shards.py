@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
-from maxsim_cli.errors import InputError, UsageError
+from maxsim_cli.errors import InputError, MaxsimError, UsageError
 from maxsim_cli.shards import (
     DocBatch,
     ShardWriter,
@@ -352,13 +352,13 @@ def test_id_checks_without_python_objects_agree_with_python_on_every_code_point(
             continue  # surrogates are not valid UTF-8
         for ids in ([f"a{char}b", "c"], [f"x{char}", "é"]):  # an ASCII-only id list, and a mixed one
             if sh.ID_WHITESPACE.search(char):
-                with pytest.raises(sh.MaxsimError, match="contains whitespace"):
+                with pytest.raises(MaxsimError, match="contains whitespace"):
                     decode(ids)
             else:
                 decode(ids)
-    with pytest.raises(sh.MaxsimError, match="duplicate id 'b' at indices 1 and 3"):
+    with pytest.raises(MaxsimError, match="duplicate id 'b' at indices 1 and 3"):
         decode(["a", "b", "c", "b"])
-    with pytest.raises(sh.MaxsimError, match="duplicate id 'é' at indices 0 and 2"):
+    with pytest.raises(MaxsimError, match="duplicate id 'é' at indices 0 and 2"):
         decode(["é", "e", "é"])
 
 
@@ -366,19 +366,19 @@ def test_id_checks_without_python_objects_agree_with_python_on_every_code_point(
 def test_sorted_id_order_is_one_sort_of_all_ids(monkeypatch, by_shard):
     """Ids sorted shard by shard in threads, then their sorted runs once more, give the order of one
     sort of all ids (UTF-8 bytes: Python's str order), with each id's corpus ordinal."""
-    from maxsim_cli import shards
+    from maxsim_cli.shards import format as shard_format  # where sorted_id_order reads its thresholds
 
     if by_shard:
-        monkeypatch.setattr(shards, "BY_SHARD_SORT_MIN_THREADS", 2)
-        monkeypatch.setattr(shards, "BY_SHARD_SORT_MIN_IDS", 0)
-    monkeypatch.setattr(shards.os, "cpu_count", lambda: 4)
+        monkeypatch.setattr(shard_format, "BY_SHARD_SORT_MIN_THREADS", 2)
+        monkeypatch.setattr(shard_format, "BY_SHARD_SORT_MIN_IDS", 0)
+    monkeypatch.setattr(shard_format.os, "cpu_count", lambda: 4)
     rng = np.random.default_rng(3)
     words = ["é", "e", "E", "z", "10", "9", "a", "ß", "中"]
     ids = list(dict.fromkeys(f"{rng.choice(words)}{rng.integers(0, 10**6)}" for _ in range(3000)))
     ids += ["", "0"]  # the empty id sorts first
     cuts = [0, 1, 700, 1500, 1500, len(ids)]  # one id alone, an empty shard
     arrays = [pa.array(ids[a:b], type=pa.string()) for a, b in zip(cuts, cuts[1:], strict=False)]
-    all_ids, ordinals, sorted_ids = shards.sorted_id_order(arrays)
+    all_ids, ordinals, sorted_ids = shard_format.sorted_id_order(arrays)
     assert all_ids.to_pylist() == ids
     expected = sorted(range(len(ids)), key=lambda i: ids[i].encode())
     assert ordinals.tolist() == expected
@@ -399,3 +399,44 @@ def test_candidate_index_is_id_index_restricted_to_the_candidates(tmp_path):
     assert found == {d: full[d] for d in asked if d in full}
     assert found["中"] == (1, 2) and found["x"] == (0, 0)
     assert corpus.candidate_index([]) == {}
+
+
+TORCH_FREE_SCRIPT = """
+import sys
+
+import maxsim_cli.runs
+import maxsim_cli.shards
+
+assert "torch" not in sys.modules, "importing maxsim_cli.shards or maxsim_cli.runs imported torch"
+from maxsim_cli.shards import open_corpus, open_shard
+
+corpus = open_corpus([sys.argv[1]])
+print(corpus.num_docs, corpus.dim, len(corpus.id_order()[0]))
+for path in sys.argv[2:]:
+    with open_shard(path) as shard:
+        print(shard.info.format, shard.num_docs, shard.ids[0], int(shard.offsets[-1]))
+assert "torch" not in sys.modules, "opening shards imported torch"
+"""
+
+
+def test_importing_and_opening_shards_needs_no_torch(tmp_path):
+    """Importing the package (and `maxsim_cli.runs`, which imports from it), and opening a corpus or a
+    shard of each container down to its ids and offsets, import no torch: commands that score nothing
+    (`maxsim --help`, `eval`, `merge`, `inspect` without value checks) start without it. Checked in a
+    fresh interpreter, since this one has torch already."""
+    import subprocess
+    from pathlib import Path
+
+    corpus = Path(__file__).resolve().parent.parent / "sample_data" / "corpus"
+    ids, docs = make_docs(n=5, dim=4)
+    paths = []
+    for fmt in FORMATS:  # bfloat16, which numpy has no type for
+        paths.append(str(tmp_path / f"s{SUFFIX[fmt]}"))
+        write_shard(paths[-1], ids, docs, dtype="bfloat16")
+    proc = subprocess.run(
+        [sys.executable, "-c", TORCH_FREE_SCRIPT, str(corpus), *paths], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "400 384 400"
+    assert lines[1:] == [f"{fmt} 5 {ids[0]} {sum(len(d) for d in docs)}" for fmt in FORMATS]

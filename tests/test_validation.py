@@ -284,10 +284,10 @@ def test_duplicate_ids_within_a_shard(tmp_path):
 @pytest.mark.parametrize("by_shard", [False, True])
 def test_duplicate_ids_across_shards(tmp_path, monkeypatch, by_shard):
     if by_shard:  # the ids sorted shard by shard in threads (`sorted_id_order`), as on a large corpus
-        from maxsim_cli import shards
+        from maxsim_cli.shards import format as shard_format  # where sorted_id_order reads them
 
-        monkeypatch.setattr(shards, "BY_SHARD_SORT_MIN_THREADS", 1)
-        monkeypatch.setattr(shards, "BY_SHARD_SORT_MIN_IDS", 0)
+        monkeypatch.setattr(shard_format, "BY_SHARD_SORT_MIN_THREADS", 1)
+        monkeypatch.setattr(shard_format, "BY_SHARD_SORT_MIN_IDS", 0)
     write_shard(tmp_path / "a.safetensors", ["x", "shared"], [np.ones((1, 4), np.float32)] * 2)
     write_shard(tmp_path / "b.safetensors", ["y", "z", "shared"], [np.ones((1, 4), np.float32)] * 3)
     assert_error(

@@ -1,0 +1,300 @@
+"""A corpus: shards scored together, given as files and/or directories (with an optional `index.json`
+manifest). `open_corpus` opens them, refuses a dim/dtype/quantization mismatch and duplicate ids across
+shards, and checks the manifest's counts (and, when asked, checksums) against the shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from maxsim_cli.errors import InputError
+from maxsim_cli.shards.format import (
+    CORPUS_FORMAT_NAME,
+    CORPUS_FORMAT_VERSION,
+    MANIFEST_NAME,
+    SHARD_SUFFIXES,
+    DocBatch,
+    _err,
+    _has_equal_neighbours,
+    _one_line,
+    _show_id,
+    concat_ids,
+    sorted_id_order,
+)
+from maxsim_cli.shards.readers import Shard, open_shard
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def list_shard_files(directory: str) -> list[str]:
+    """Shard files of a directory (`*.safetensors`, `*.arrow`, `*.parquet`), sorted by name."""
+    names = sorted(
+        n
+        for n in os.listdir(directory)
+        if os.path.splitext(n)[1].lower() in SHARD_SUFFIXES and not n.startswith(".")
+    )
+    return [os.path.join(directory, n) for n in names if os.path.isfile(os.path.join(directory, n))]
+
+
+def read_manifest(directory: str) -> list[dict[str, Any]]:
+    """Entries of `directory/index.json`, each with a checked `path` (inside the directory) made absolute."""
+    manifest = os.path.join(directory, MANIFEST_NAME)
+    try:
+        with open(manifest, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _err(manifest, f"not valid JSON: {_one_line(exc)}") from None
+    if not isinstance(doc, dict) or doc.get("format") != CORPUS_FORMAT_NAME:
+        got = doc.get("format") if isinstance(doc, dict) else None
+        raise _err(manifest, f"unknown format {got!r} (expected {CORPUS_FORMAT_NAME!r})")
+    if doc.get("format_version") != CORPUS_FORMAT_VERSION:
+        raise _err(
+            manifest,
+            f"unsupported format_version {doc.get('format_version')!r} "
+            f"(this maxsim reads version {CORPUS_FORMAT_VERSION})",
+        )
+    entries = doc.get("shards")
+    if not isinstance(entries, list) or not entries:
+        raise _err(manifest, "'shards' must be a non-empty list")
+    root = os.path.realpath(directory)
+    out = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+            raise _err(manifest, f"shards[{i}] needs a 'path' string")
+        rel = entry["path"]
+        parts = re.split(r"[\\/]", rel)
+        if not rel or os.path.isabs(rel) or rel.startswith(("/", "\\")) or ".." in parts:
+            raise _err(
+                manifest,
+                f"shards[{i}] path {rel!r} names a file outside the corpus directory; "
+                "manifest paths must be relative names inside it",
+            )
+        full = os.path.join(directory, rel)
+        real = os.path.realpath(full)
+        if os.path.commonpath([root, real]) != root:
+            raise _err(
+                manifest,
+                f"shards[{i}] path {rel!r} resolves (through a symlink) to {real}, outside "
+                "the corpus directory; copy the shard into it",
+            )
+        if not os.path.isfile(full):
+            raise _err(manifest, f"shards[{i}] path {rel!r}: no such file in {directory}")
+        for key in ("num_docs", "num_tokens"):
+            if key in entry and not (isinstance(entry[key], int) and entry[key] >= 0):
+                raise _err(manifest, f"shards[{i}] {key} must be a non-negative integer")
+        out.append({**entry, "path": full, "relpath": rel})
+    return out
+
+
+class Corpus:
+    """Shards that are scored together: one dim, dtype and quantization, ids unique across all shards.
+
+    Documents are numbered globally in shard order: shard s holds `doc_starts[s]:doc_starts[s+1]`.
+    """
+
+    def __init__(self, shards: list[Shard]) -> None:
+        if not shards:
+            raise InputError("corpus: no shards given")
+        first = shards[0].info
+        for shard in shards[1:]:
+            info = shard.info
+            for key in ("dim", "dtype", "quantization"):
+                if getattr(info, key) != getattr(first, key):
+                    raise _err(
+                        info.path,
+                        f"{key} mismatch: {key}={getattr(info, key)} here but "
+                        f"{key}={getattr(first, key)} in {first.path}; a corpus needs "
+                        "one dim, dtype and quantization",
+                    )
+        encoders = {s.info.encoder for s in shards} - {None}
+        if len(encoders) > 1:
+            named = sorted(encoders)
+            raise _err(
+                shards[0].path,
+                f"shards were made by different encoders ({', '.join(map(repr, named))}); "
+                "their scores cannot be compared",
+            )
+        self.shards = shards
+        self.dim = first.dim
+        self.dtype = first.dtype
+        self.quantization = first.quantization
+        self.normalized = all(s.info.normalized for s in shards)
+        self.encoder = next(iter(encoders), None)
+        self.doc_starts = np.concatenate([[0], np.cumsum([s.num_docs for s in shards])]).astype(np.int64)
+        self.num_docs = int(self.doc_starts[-1])
+        self.num_tokens = sum(s.num_tokens for s in shards)
+        self._index: dict[str, tuple[int, int]] | None = None
+        self._id_order: tuple[pa.Array, np.ndarray, pa.Array] | None = None
+        self._rank_of_ordinal: np.ndarray | None = None
+        self._check_unique_ids()  # refuses duplicate ids across shards now, not at scoring time
+
+    def _check_unique_ids(self) -> None:
+        # Each shard's ids are unique already; across shards, equal neighbours in the sorted ids (no
+        # Python object per id, and the sort is the one `id_order` keeps for writing runs). The id ->
+        # (shard, doc) index, which exhaustive scoring never needs, is built only to name a duplicate.
+        if len(self.shards) > 1 and _has_equal_neighbours(self.id_order()[2]):
+            self.id_index()  # raises, naming both documents
+
+    def id_order(self) -> tuple[pa.Array, np.ndarray, pa.Array]:
+        """All ids as one Arrow array (corpus ordinal order), the ordinals sorted by id (ascending UTF-8
+        bytes: Python's str order and trec_eval's strcmp), and the ids in that order; computed once."""
+        if self._id_order is None:
+            self._id_order = sorted_id_order([s.id_array for s in self.shards])
+        return self._id_order
+
+    def rank_of_ordinal(self) -> np.ndarray:
+        """The inverse of `id_order`'s permutation: each document's position among the ids sorted by
+        bytes (int64 [docs], corpus ordinal order); computed once."""
+        if self._rank_of_ordinal is None:
+            ordinal_of_rank = self.id_order()[1]
+            ranks = np.empty(len(ordinal_of_rank), dtype=np.int64)
+            ranks[ordinal_of_rank] = np.arange(len(ordinal_of_rank), dtype=np.int64)
+            self._rank_of_ordinal = ranks
+        return self._rank_of_ordinal
+
+    @property
+    def paths(self) -> list[str]:
+        return [s.path for s in self.shards]
+
+    def candidate_index(self, docnos: Iterable[str]) -> dict[str, tuple[int, int]]:
+        """`id_index` restricted to `docnos` (those of them in the corpus): one hash lookup of the
+        distinct docnos in all ids, by Arrow, instead of a Python dict of every id. 2M ids, 2-core
+        machine (`python benchmarks/probe_candidate_index.py`), the index and a lookup per candidate:
+        100K candidates 0.56 s against 1.56 s with `id_index`, 1M candidates 1.45 s against 2.60 s; and
+        no dict of the whole corpus's ids in memory."""
+        wanted = list(dict.fromkeys(docnos))
+        if not wanted:
+            return {}
+        # the ids in ordinal order: `id_order`'s array when it is made already, else a concatenation
+        if self._id_order is not None:
+            ids = self._id_order[0]
+        else:
+            ids = concat_ids([s.id_array for s in self.shards])
+        found = pc.index_in(pa.array(wanted, type=pa.large_string()), value_set=ids)
+        ordinals = found.fill_null(-1).to_numpy().astype(np.int64)
+        present = np.flatnonzero(ordinals >= 0)
+        shard = np.searchsorted(self.doc_starts, ordinals[present], side="right") - 1
+        local = ordinals[present] - self.doc_starts[shard]
+        return {
+            wanted[i]: (s, d)
+            for i, s, d in zip(present.tolist(), shard.tolist(), local.tolist(), strict=True)
+        }
+
+    def id_index(self) -> dict[str, tuple[int, int]]:
+        """doc id -> (shard index, document index in that shard); built once. A dict of every id: for
+        looking up some ids, `candidate_index` is faster and smaller."""
+        if self._index is None:
+            index: dict[str, tuple[int, int]] = {}
+            for s, shard in enumerate(self.shards):
+                if not index.keys().isdisjoint(shard.ids):
+                    d, doc_id = next((d, i) for d, i in enumerate(shard.ids) if i in index)
+                    other = index[doc_id]
+                    raise _err(
+                        shard.path,
+                        f"duplicate id {_show_id(doc_id)}: document {d} here and document {other[1]} of "
+                        f"{self.shards[other[0]].path}; ids must be unique across a corpus",
+                    )
+                index.update(zip(shard.ids, zip(itertools.repeat(s), range(shard.num_docs)), strict=False))
+            self._index = index
+        return self._index
+
+    def close(self) -> None:
+        for shard in self.shards:
+            shard.close()
+
+    def __enter__(self) -> Corpus:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _expand(path: str, verify_checksums: bool) -> list[tuple[str, dict[str, Any] | None]]:
+    if not os.path.exists(path):
+        raise _err(path, "no such file or directory")
+    if not os.path.isdir(path):
+        return [(path, None)]
+    if os.path.exists(os.path.join(path, MANIFEST_NAME)):
+        entries = read_manifest(path)
+        if verify_checksums:
+            manifest = os.path.join(path, MANIFEST_NAME)
+            for entry in entries:
+                want = entry.get("sha256")
+                if not isinstance(want, str):
+                    raise _err(manifest, f"no sha256 for shard {entry['relpath']!r}; cannot verify checksums")
+                got = _sha256(entry["path"])
+                if got != want.lower():
+                    raise _err(
+                        entry["path"],
+                        f"sha256 {got} does not match {want} in {manifest}; the file changed or is damaged",
+                    )
+        return [(e["path"], e) for e in entries]
+    files = list_shard_files(path)
+    if not files:
+        raise _err(path, "no shards (*.safetensors, *.arrow, *.parquet) in this directory")
+    return [(f, None) for f in files]
+
+
+def open_corpus(paths: Sequence[str | os.PathLike[str]], *, verify_checksums: bool = False) -> Corpus:
+    """Open shards given as files and/or directories (with an optional `index.json` manifest).
+
+    Refuses a dim/dtype/quantization mismatch between shards and duplicate ids across them. Manifest counts
+    are checked against the shards; sha256 only with `verify_checksums=True` (it reads every byte).
+    """
+    if not paths:
+        raise InputError("corpus: no shard files or directories given")
+    listed: list[tuple[str, dict[str, Any] | None]] = []
+    for p in paths:
+        listed.extend(_expand(os.fspath(p), verify_checksums))
+    seen: dict[str, str] = {}
+    for path, _ in listed:
+        real = os.path.realpath(path)
+        if real in seen:
+            raise _err(path, f"the same shard is listed twice (also as {seen[real]}); name each shard once")
+        seen[real] = path
+    shards: list[Shard] = []
+    try:
+        for path, entry in listed:
+            shard = open_shard(path)
+            shards.append(shard)
+            if entry is not None:
+                for key in ("num_docs", "num_tokens"):
+                    if key in entry and entry[key] != getattr(shard, key):
+                        raise _err(
+                            path,
+                            f"{key}={getattr(shard, key)} but the manifest "
+                            f"{os.path.join(os.path.dirname(path), MANIFEST_NAME)} says "
+                            f"{entry[key]}; rebuild it with write_manifest",
+                        )
+        return Corpus(shards)
+    except BaseException:
+        for shard in shards:
+            shard.close()
+        raise
+
+
+def check_same_dim(queries: DocBatch, query_path: str, corpus: Corpus) -> None:
+    """Queries and corpus must share `dim` (the score is a sum of dot products)."""
+    dim = int(queries.embeddings.shape[1])
+    if dim != corpus.dim:
+        raise _err(
+            query_path,
+            f"queries have dim {dim} but the corpus ({corpus.shards[0].path}) has dim "
+            f"{corpus.dim}; encode both with the same model",
+        )

@@ -1,0 +1,458 @@
+"""The shard format v1: its constants, metadata keys and the rules every shard obeys, with the checks
+that readers and writers share (metadata, ids, offsets, counts, values), and the data types
+`ShardInfo` and `DocBatch`. The byte layout of the containers and every rule is in `docs/format.md`.
+
+Importing this module imports no torch: the value checks are given tensors (torch is loaded by then),
+and `torch_dtypes()` imports it on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from maxsim_cli.errors import InputError
+
+if TYPE_CHECKING:
+    import torch
+
+FORMAT_NAME = "maxsim-shard"
+FORMAT_VERSION = "1"
+CORPUS_FORMAT_NAME = "maxsim-corpus"
+CORPUS_FORMAT_VERSION = 1
+MANIFEST_NAME = "index.json"
+
+DTYPES = ("float16", "bfloat16", "float32", "int8")
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+QUANTIZATIONS = ("none", "int8-per-token")
+FORMATS = ("safetensors", "arrow", "parquet", "arrow-stream")
+SHARD_SUFFIXES = {".safetensors": "safetensors", ".arrow": "arrow", ".parquet": "parquet"}
+
+# Arrow list offsets are int32 and count tokens (the inner fixed_size_list holds one token's `dim`
+# values), so an Arrow or Parquet shard holds at most 2^31 - 1 tokens.
+MAX_ARROW_TOKENS = 2**31 - 1
+# safetensors refuses headers above 100 MB; ours are a few hundred bytes.
+MAX_SAFETENSORS_HEADER = 100_000_000
+# A token counts as L2-normalised when | ||x||_2 - 1 | <= this. bf16 rounds each component with relative
+# error <= 2^-9, which moves the norm of a unit vector by at most ~2e-3; 1e-2 leaves room for that.
+NORM_TOLERANCE = 1e-2
+
+
+@functools.cache
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """The torch dtype of each shard dtype: a function, not a constant, so that importing the format
+    imports no torch (commands that score nothing start without it)."""
+    import torch
+
+    return {
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "float32": torch.float32,
+        "int8": torch.int8,
+    }
+
+
+_ST_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "int8": "I8"}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+_ST_ITEMSIZE = {
+    "F16": 2,
+    "BF16": 2,
+    "F32": 4,
+    "I8": 1,
+    "I64": 8,
+    "U8": 1,
+    "F64": 8,
+    "I32": 4,
+    "I16": 2,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
+# Arrow has no bfloat16: bf16 values travel as their raw 16 bits in uint16.
+_ARROW_VALUE_TYPES = {
+    "float16": pa.float16(),
+    "bfloat16": pa.uint16(),
+    "float32": pa.float32(),
+    "int8": pa.int8(),
+}
+_NUMPY_STORAGE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "int8": np.int8}
+
+ID_WHITESPACE = re.compile(r"\s")  # ASCII and Unicode whitespace, as str.split() sees it
+# The same characters as ID_WHITESPACE in RE2 syntax (Arrow's regexes): RE2's \s is ASCII only.
+ID_WHITESPACE_RE2 = r"[\s\x0b\x1c-\x1f\x85\p{Z}]"
+_ASCII_WHITESPACE = np.zeros(256, dtype=bool)
+_ASCII_WHITESPACE[[0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x1C, 0x1D, 0x1E, 0x1F, 0x20]] = True  # str.isspace() < 0x80
+
+
+def _one_line(text: object, limit: int = 200) -> str:
+    """Collapse a library's (possibly multi-line) message into one short line."""
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _err(path: str, message: str) -> InputError:
+    return InputError(f"{path}: {message}")
+
+
+def _show_id(doc_id: str) -> str:
+    """An id for an error message: quoted, escapes visible, never more than one line."""
+    text = repr(doc_id)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public data types
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a shard holds, from its metadata (checked against its contents on open)."""
+
+    path: str
+    format: str  # "safetensors" | "arrow" | "parquet" | "arrow-stream"
+    num_docs: int
+    num_tokens: int
+    dim: int
+    dtype: str  # one of DTYPES
+    quantization: str  # "none" | "int8-per-token"
+    normalized: bool
+    encoder: str | None
+
+
+@dataclass
+class DocBatch:
+    """Consecutive (or gathered) documents, packed: document i is `embeddings[offsets[i]:offsets[i+1]]`.
+
+    `embeddings` is a contiguous CPU tensor `[T, dim]` in the shard's dtype; `offsets` int64 `[n+1]` with
+    `offsets[0] == 0` and `offsets[-1] == T`; `scales` float32 `[T]` for int8 shards (`x ≈ q * scale`),
+    else None; `first_doc` is the index of `ids[0]` in its shard.
+    """
+
+    ids: list[str]
+    embeddings: torch.Tensor
+    offsets: torch.Tensor
+    scales: torch.Tensor | None
+    first_doc: int = 0
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.embeddings.shape[0])
+
+    def lengths(self) -> torch.Tensor:
+        """Tokens per document, int64 `[n]`."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Validation shared by readers and writers
+# ----------------------------------------------------------------------------------------------------
+
+
+def _parse_metadata(path: str, meta: dict[str, str] | None, where: str) -> dict[str, Any]:
+    """Check the format v1 metadata keys; return them typed. `where` says where they live."""
+    if not meta:
+        raise _err(path, f"no {where}; not a maxsim shard (see docs/format.md)")
+    fmt = meta.get("format")
+    if fmt != FORMAT_NAME:
+        raise _err(
+            path,
+            f"unknown format {fmt!r} in {where} (expected {FORMAT_NAME!r}); "
+            "convert the file with `maxsim pack`",
+        )
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise _err(
+            path,
+            f"unsupported format_version {version!r} (this maxsim reads version "
+            f"{FORMAT_VERSION}); upgrade maxsim or rewrite the shard",
+        )
+    dtype = meta.get("dtype")
+    if dtype not in DTYPES:
+        raise _err(path, f"unsupported dtype {dtype!r} in {where} (expected one of {', '.join(DTYPES)})")
+    quantization = meta.get("quantization", "none")
+    expected_q = "int8-per-token" if dtype == "int8" else "none"
+    if quantization != expected_q:
+        raise _err(
+            path, f"quantization {quantization!r} does not fit dtype {dtype!r} (expected {expected_q!r})"
+        )
+    normalized = meta.get("normalized", "false")
+    if normalized not in ("true", "false"):
+        raise _err(path, f"normalized must be 'true' or 'false', not {normalized!r}")
+    values: dict[str, Any] = {
+        "dtype": dtype,
+        "quantization": quantization,
+        "normalized": normalized == "true",
+        "encoder": meta.get("encoder") or None,
+    }
+    for key in ("dim", "num_docs", "num_tokens"):
+        text = meta.get(key)
+        if text is None or not text.isdigit():
+            raise _err(path, f"{key} in {where} must be a non-negative integer, not {text!r}")
+        values[key] = int(text)
+    if values["dim"] < 1:
+        raise _err(path, "dim is 0 in metadata; a shard needs vectors of at least one value")
+    return values
+
+
+def _check_ids(path: str, ids: list[str], *, what: str = "id") -> None:
+    """Ids: non-empty, no whitespace (TREC fields are whitespace-separated), unique within the shard."""
+    joined = "".join(ids)
+    if ID_WHITESPACE.search(joined):
+        for i, doc_id in enumerate(ids):
+            if ID_WHITESPACE.search(doc_id):
+                raise _err(
+                    path,
+                    f"{what} {_show_id(doc_id)} at index {i} contains whitespace; "
+                    "ids must be single tokens for TREC runs",
+                )
+    if len(set(ids)) != len(ids):
+        first: dict[str, int] = {}
+        for i, doc_id in enumerate(ids):
+            if doc_id in first:
+                raise _err(
+                    path,
+                    f"duplicate {what} {_show_id(doc_id)} at indices {first[doc_id]} and {i}; "
+                    "ids must be unique",
+                )
+            first[doc_id] = i
+    for i, doc_id in enumerate(ids):
+        if not doc_id:
+            raise _err(path, f"empty {what} at index {i}; every document needs an id")
+
+
+class _ArrowIds(Sequence[str]):
+    """An Arrow string array read as a sequence of Python strings, one at a time (for messages that
+    name a document, without a Python string per id)."""
+
+    def __init__(self, array: pa.Array) -> None:
+        self.array = array
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __getitem__(self, index):  # noqa: ANN001, ANN204
+        if isinstance(index, slice):
+            return self.array[index].to_pylist()
+        return self.array[index].as_py()
+
+
+def _decode_ids(path: str, data: np.ndarray, id_offsets: np.ndarray) -> pa.Array:
+    """Split the concatenated UTF-8 id bytes at `id_offsets` (int64 [N+1]) and check each id: the ids as
+    an Arrow array (Python strings are made only where `Shard.ids` is asked for)."""
+    n = len(id_offsets) - 1
+    if n < 0 or id_offsets[0] != 0:
+        raise _err(path, "id_offsets must start at 0")
+    steps = np.diff(id_offsets)
+    if np.any(steps < 0):
+        i = int(np.flatnonzero(steps < 0)[0])
+        raise _err(
+            path,
+            f"id_offsets are not monotonic at index {i} ({int(id_offsets[i])} then {int(id_offsets[i + 1])})",
+        )
+    if id_offsets[-1] != len(data):
+        raise _err(path, f"id_offsets end at {int(id_offsets[-1])} but ids hold {len(data)} bytes")
+    if np.any(steps == 0):
+        raise _err(
+            path, f"empty id at index {int(np.flatnonzero(steps == 0)[0])}; every document needs an id"
+        )
+    strings = pa.LargeStringArray.from_buffers(
+        n, pa.py_buffer(np.ascontiguousarray(id_offsets, dtype=np.int64)), pa.py_buffer(data.tobytes())
+    )
+    try:
+        strings.validate(full=True)
+    except pa.ArrowInvalid:
+        for i in range(n):
+            raw = data[int(id_offsets[i]) : int(id_offsets[i + 1])].tobytes()
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise _err(
+                    path,
+                    f"id at index {i} (bytes {int(id_offsets[i])}..{int(id_offsets[i + 1])}) "
+                    f"is not valid UTF-8: {raw[:40]!r}",
+                ) from None
+        raise
+    if not _ids_pass(strings):
+        _check_ids(path, strings.to_pylist())  # names the offending id
+    return strings
+
+
+def _ids_pass(ids: pa.Array) -> bool:
+    """Whether non-empty ids have no null, no whitespace and no duplicate, checked without a Python
+    object per id; `_check_ids` then names what fails. Duplicates: equal neighbours once sorted. 12.8K
+    ids: 0.7 ms against 3.6 ms for Python's regex and set."""
+    if len(ids) == 0:
+        return True
+    if ids.null_count or has_whitespace(ids):
+        return False
+    return not _has_equal_neighbours(ids.take(pc.sort_indices(ids)))
+
+
+def string_bytes(strings: pa.Array) -> np.ndarray:
+    """The concatenated UTF-8 values of an Arrow (large) string array, as a uint8 view of its data buffer
+    (no copy)."""
+    _, offsets_buffer, data_buffer = strings.buffers()
+    if len(strings) == 0 or data_buffer is None:
+        return np.zeros(0, dtype=np.uint8)
+    width = np.int64 if pa.types.is_large_string(strings.type) else np.int32
+    offsets = np.frombuffer(offsets_buffer, dtype=width)[strings.offset : strings.offset + len(strings) + 1]
+    return np.frombuffer(data_buffer, dtype=np.uint8)[int(offsets[0]) : int(offsets[-1])]
+
+
+def has_whitespace(strings: pa.Array) -> bool:
+    """Whether any value holds a character that `ID_WHITESPACE` (Python's \\s) matches: a byte table over
+    the data when every byte is ASCII, Arrow's regex (`ID_WHITESPACE_RE2`) otherwise."""
+    data = string_bytes(strings)
+    if len(data) and int(data.max()) < 0x80:
+        return bool(_ASCII_WHITESPACE[data].any())
+    return bool(pc.any(pc.match_substring_regex(strings, ID_WHITESPACE_RE2)).as_py())
+
+
+# Sorting the ids shard by shard pays from this many threads, or from this many ids on fewer threads.
+# `python benchmarks/probe_id_sort.py`, 20 shards, against one sort of all ids: on the 16-core H200 host
+# (benchmarks/results/id-sort-h200-host.json) 244K ids 0.032 s against 0.055, 8.8M ids 1.40 s against
+# 3.64 (long ids 1.86 against 5.23); on a 2-core machine 244K ids 0.094 s against 0.077, 2M ids 0.57 s
+# against 0.88.
+BY_SHARD_SORT_MIN_THREADS = 4
+BY_SHARD_SORT_MIN_IDS = 1_000_000
+
+
+def concat_ids(shard_ids: Sequence[pa.Array]) -> pa.Array:
+    """Per-shard id arrays as one large_string array, in order."""
+    if not shard_ids:
+        return pa.array([], type=pa.large_string())
+    return pa.concat_arrays([a.cast(pa.large_string()) for a in shard_ids])
+
+
+def sorted_id_order(shard_ids: Sequence[pa.Array]) -> tuple[pa.Array, np.ndarray, pa.Array]:
+    """(all ids as one large_string array, the ordinals sorted by id (ascending UTF-8 bytes: Python's str
+    order and trec_eval's strcmp), the ids in that order) for per-shard id arrays.
+
+    With enough threads or ids, each shard's ids are sorted in a thread of their own (Arrow releases the
+    GIL) and the concatenated sorted runs are sorted once more, which Arrow does ~3x faster than ids in
+    no order. The order is the same as one sort of all ids, as long as the ids are unique (equal ids
+    are refused by the caller)."""
+    arrays = [a.cast(pa.large_string()) for a in shard_ids]
+    ids = concat_ids(arrays)
+    threads = min(len(arrays), os.cpu_count() or 1)
+    if threads < 2 or (threads < BY_SHARD_SORT_MIN_THREADS and len(ids) < BY_SHARD_SORT_MIN_IDS):
+        order = pc.sort_indices(ids)
+        return ids, order.to_numpy().astype(np.int64), ids.take(order)
+
+    def sort_run(values: pa.Array) -> tuple[np.ndarray, pa.Array]:
+        run_order = pc.sort_indices(values)
+        return run_order.to_numpy().astype(np.int64), values.take(run_order)
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="maxsim-ids") as pool:
+        runs = list(pool.map(sort_run, arrays))
+    starts = np.cumsum([0] + [len(a) for a in arrays[:-1]])
+    ordinal_of_run = np.concatenate([order + start for (order, _), start in zip(runs, starts, strict=True)])
+    sorted_runs = pa.concat_arrays([values for _, values in runs])
+    order = pc.sort_indices(sorted_runs).to_numpy()
+    return ids, ordinal_of_run[order], sorted_runs.take(pa.array(order))
+
+
+def _has_equal_neighbours(values: pa.Array) -> bool:
+    return len(values) > 1 and pc.any(pc.equal(values.slice(1), values.slice(0, len(values) - 1))).as_py()
+
+
+def _check_offsets(path: str, offsets: np.ndarray, ids: Sequence[str], num_tokens: int) -> None:
+    """offsets int64 [N+1]: start at 0, end at T, strictly increasing (no empty document)."""
+    if offsets.ndim != 1 or len(offsets) != len(ids) + 1:
+        raise _err(
+            path,
+            f"offsets has {len(offsets)} entries but the shard has {len(ids)} ids; expected num_docs + 1",
+        )
+    if offsets[0] != 0:
+        raise _err(
+            path, f"offsets start at {int(offsets[0])}, not 0 (offset 0 of document {_show_id(ids[0])})"
+        )
+    steps = np.diff(offsets)
+    bad = np.flatnonzero(steps <= 0)
+    if bad.size:
+        i = int(bad[0])
+        if steps[i] < 0:
+            raise _err(
+                path,
+                f"offsets are not monotonic: offsets[{i + 1}] = {int(offsets[i + 1])} < "
+                f"offsets[{i}] = {int(offsets[i])} (document {_show_id(ids[i])}, index {i})",
+            )
+        raise _err(
+            path,
+            f"document {_show_id(ids[i])} (index {i}, offset {int(offsets[i])}) has zero "
+            "tokens; every document needs at least one token vector",
+        )
+    if offsets[-1] != num_tokens:
+        raise _err(path, f"offsets end at {int(offsets[-1])} but embeddings hold {num_tokens} tokens")
+
+
+def _check_counts(path: str, meta: dict[str, Any], num_docs: int, num_tokens: int, dim: int) -> None:
+    for key, actual in (("num_docs", num_docs), ("num_tokens", num_tokens), ("dim", dim)):
+        if meta[key] != actual:
+            raise _err(path, f"metadata says {key}={meta[key]} but the file holds {actual}")
+
+
+def first_nonfinite_row(values: torch.Tensor) -> int | None:
+    """Index of the first row holding NaN/Inf, or None. One float32 sum first: cheap, no mask."""
+    import torch
+
+    if values.numel() == 0 or values.dtype == torch.int8:
+        return None
+    if torch.isfinite(values.sum(dtype=torch.float32)):
+        return None
+    # The sum is NaN/Inf: find the row (an overflowing sum of finite values finds none).
+    flat = values.reshape(values.shape[0], -1)
+    chunk = max(1, (1 << 22) // max(1, flat.shape[1]))  # bounded temporary mask
+    for start in range(0, flat.shape[0], chunk):
+        bad = (~torch.isfinite(flat[start : start + chunk])).any(dim=1).nonzero()
+        if bad.numel():
+            return start + int(bad[0, 0])
+    return None
+
+
+def _check_values(
+    path: str,
+    embeddings: torch.Tensor,
+    scales: torch.Tensor | None,
+    offsets: np.ndarray,
+    ids: Sequence[str],
+    first_doc: int,
+) -> None:
+    """NaN/Inf in the values (or NaN/Inf/negative int8 scales): name the document and its token."""
+    for tensor, what in ((embeddings, "NaN or Inf values"), (scales, "a NaN or Inf scale")):
+        if tensor is None:
+            continue
+        row = first_nonfinite_row(tensor)
+        if row is not None:
+            doc = int(np.searchsorted(offsets, row, side="right")) - 1
+            raise _err(
+                path,
+                f"document {_show_id(ids[doc])} (index {first_doc + doc}) has {what} at token "
+                f"{row - int(offsets[doc])}; re-encode or drop that document",
+            )
+    if scales is not None and scales.numel() and bool((scales < 0).any()):
+        row = int((scales < 0).nonzero()[0, 0])
+        doc = int(np.searchsorted(offsets, row, side="right")) - 1
+        raise _err(
+            path,
+            f"document {_show_id(ids[doc])} (index {first_doc + doc}) has a negative int8 scale "
+            f"at token {row - int(offsets[doc])}; scales are max|x|/127 >= 0",
+        )

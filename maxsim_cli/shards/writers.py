@@ -1,0 +1,592 @@
+"""Shard writers: `ShardWriter` streams documents into a safetensors, Arrow IPC or Parquet shard,
+checking every rule of the format as they arrive, and writes atomically (nothing appears at the path
+unless `close()` succeeds); `write_shard` writes one shard from in-memory data; `write_manifest`
+writes a corpus directory's `index.json`.
+
+Writing takes tensors (numpy input is wrapped), so torch is imported when documents are added.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from maxsim_cli.errors import InputError, MaxsimError
+from maxsim_cli.shards.corpus import _sha256, list_shard_files
+from maxsim_cli.shards.files import _atomic_temp, _remove_quietly, write_text_atomic
+from maxsim_cli.shards.format import (
+    _ARROW_VALUE_TYPES,
+    _ST_DTYPES,
+    CORPUS_FORMAT_NAME,
+    CORPUS_FORMAT_VERSION,
+    DTYPES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    ID_WHITESPACE,
+    MANIFEST_NAME,
+    MAX_ARROW_TOKENS,
+    NORM_TOLERANCE,
+    SHARD_SUFFIXES,
+    ShardInfo,
+    _check_offsets,
+    _check_values,
+    _err,
+    _show_id,
+    torch_dtypes,
+)
+from maxsim_cli.shards.readers import open_shard
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _as_tensor(x: Any) -> torch.Tensor:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    arr = np.asarray(x)
+    if arr.dtype == np.float64 or arr.dtype == np.float32 or arr.dtype == np.float16 or arr.dtype == np.int8:
+        with warnings.catch_warnings():  # read-only (memory-mapped) arrays: we never write to them
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(arr)
+    if arr.dtype.kind in "iu" or arr.dtype.kind == "f":
+        return torch.from_numpy(arr.astype(np.float32))
+    raise TypeError(f"embeddings must be numeric arrays or tensors, not {arr.dtype}")
+
+
+def infer_dtype(x: torch.Tensor) -> str:
+    """The shard dtype for an input tensor: float64 is stored as float32, the others as they are."""
+    import torch
+
+    if x.dtype == torch.float64:
+        return "float32"
+    dtype_names = {v: k for k, v in torch_dtypes().items()}
+    if x.dtype in dtype_names:
+        return dtype_names[x.dtype]
+    raise TypeError(f"unsupported embedding dtype {x.dtype}")
+
+
+class _SafetensorsSink:
+    """Writes embeddings as they come after a reserved header; the rest and the header at close."""
+
+    def __init__(self, path: str, dim: int, dtype: str, meta_keys: dict[str, str]) -> None:
+        self.path, self.dim, self.dtype, self.meta_keys = path, dim, dtype, meta_keys
+        # Reserve room for the longest header the counts could need (20-digit numbers); padded with spaces.
+        big = 10**19
+        self.reserved = len(self._header(big, big, big)) + 64
+        self.reserved += -self.reserved % 8
+        fd, self.tmp = _atomic_temp(path)
+        self.file = os.fdopen(fd, "wb")
+        self.file.seek(8 + self.reserved)
+        self.scales: list[torch.Tensor] = []
+
+    def _header(self, num_docs: int, num_tokens: int, id_bytes: int) -> bytes:
+        item = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1}[self.dtype]
+        layout = [
+            ("embeddings", _ST_DTYPES[self.dtype], [num_tokens, self.dim], num_tokens * self.dim * item)
+        ]
+        if self.dtype == "int8":
+            layout.append(("scales", "F32", [num_tokens], 4 * num_tokens))
+        layout += [
+            ("offsets", "I64", [num_docs + 1], 8 * (num_docs + 1)),
+            ("id_offsets", "I64", [num_docs + 1], 8 * (num_docs + 1)),
+            ("ids", "U8", [id_bytes], id_bytes),
+        ]
+        header: dict[str, Any] = {
+            "__metadata__": {**self.meta_keys, "num_docs": str(num_docs), "num_tokens": str(num_tokens)}
+        }
+        pos = 0
+        for name, st, shape, nbytes in layout:
+            header[name] = {"dtype": st, "shape": shape, "data_offsets": [pos, pos + nbytes]}
+            pos += nbytes
+        return json.dumps(header, separators=(",", ":")).encode("utf-8")
+
+    def add(
+        self, ids: list[str], values: torch.Tensor, lengths: np.ndarray, scales: torch.Tensor | None
+    ) -> None:
+        import torch
+
+        raw = values.view(torch.int16) if values.dtype == torch.bfloat16 else values
+        self.file.write(memoryview(raw.numpy()).cast("B"))
+        if scales is not None:
+            self.scales.append(scales)
+
+    def finish(self, ids: list[str], offsets: np.ndarray, meta_keys: dict[str, str]) -> None:
+        import torch
+
+        self.meta_keys = meta_keys
+        if self.scales:
+            self.file.write(memoryview(torch.cat(self.scales).numpy()).cast("B"))
+        encoded = [i.encode("utf-8") for i in ids]
+        id_offsets = np.concatenate([[0], np.cumsum([len(b) for b in encoded])]).astype("<i8")
+        self.file.write(offsets.astype("<i8").tobytes())
+        self.file.write(id_offsets.tobytes())
+        self.file.write(b"".join(encoded))
+        header = self._header(len(ids), int(offsets[-1]), int(id_offsets[-1]))
+        if len(header) > self.reserved:
+            raise MaxsimError(f"{self.path}: metadata too long for the reserved header")
+        self.file.seek(0)
+        self.file.write(struct.pack("<Q", self.reserved))
+        self.file.write(header + b" " * (self.reserved - len(header)))
+        self.file.close()
+        os.replace(self.tmp, self.path)
+        self.tmp = None
+
+    def abort(self) -> None:
+        self.file.close()
+        _remove_quietly(self.tmp)
+
+
+def arrow_schema(
+    dim: int, dtype: str, metadata: dict[str, str] | None = None, *, length_column: bool = False
+) -> pa.Schema:
+    """The format v1 Arrow schema: id utf8, embedding list<fixed_size_list<T, dim>>, scales for int8."""
+    fields = [
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("embedding", pa.list_(pa.list_(_ARROW_VALUE_TYPES[dtype], dim)), nullable=False),
+    ]
+    if dtype == "int8":
+        fields.append(pa.field("scales", pa.list_(pa.float32()), nullable=False))
+    if length_column:
+        fields.append(pa.field("length", pa.int32(), nullable=False))
+    return pa.schema(fields, metadata=metadata)
+
+
+def _record_batch(
+    schema: pa.Schema,
+    dim: int,
+    dtype: str,
+    ids: list[str],
+    values: torch.Tensor,
+    lengths: np.ndarray,
+    scales: torch.Tensor | None,
+) -> pa.RecordBatch:
+    import torch
+
+    raw = values.view(torch.int16).numpy().view(np.uint16) if dtype == "bfloat16" else values.numpy()
+    list_offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32), type=pa.int32())
+    vectors = pa.FixedSizeListArray.from_arrays(
+        pa.array(raw.reshape(-1), type=_ARROW_VALUE_TYPES[dtype]), dim
+    )
+    columns = [pa.array(ids, type=pa.string()), pa.ListArray.from_arrays(list_offsets, vectors)]
+    if dtype == "int8":
+        assert scales is not None
+        columns.append(pa.ListArray.from_arrays(list_offsets, pa.array(scales.numpy(), type=pa.float32())))
+    if "length" in schema.names:
+        columns.append(pa.array(lengths.astype(np.int32), type=pa.int32()))
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
+class _RecordSink:
+    """Arrow IPC file or Parquet. The counts belong in the schema metadata, which precedes the data, so
+    record batches are spilled to a temp IPC stream first and copied (memory-mapped) into the final file
+    at close: bounded memory, twice the disk writes."""
+
+    # A record batch / row group is flushed once it holds this many bytes of embeddings or documents:
+    # small enough to bound memory, large enough that per-batch overhead is noise.
+    FLUSH_BYTES = 16 << 20
+    FLUSH_DOCS = 8192
+
+    def __init__(self, path: str, dim: int, dtype: str, fmt: str) -> None:
+        self.path, self.dim, self.dtype, self.fmt = path, dim, dtype, fmt
+        self.schema = arrow_schema(dim, dtype, length_column=fmt == "parquet")
+        fd, self.spill = _atomic_temp(path + ".spill")
+        os.close(fd)
+        self.writer = pa.ipc.new_stream(self.spill, self.schema)
+        self.pending: list[tuple[list[str], torch.Tensor, np.ndarray, torch.Tensor | None]] = []
+        self.pending_bytes = 0
+        self.pending_docs = 0
+        self.tmp: str | None = None
+
+    def add(
+        self, ids: list[str], values: torch.Tensor, lengths: np.ndarray, scales: torch.Tensor | None
+    ) -> None:
+        self.pending.append((ids, values, lengths, scales))
+        self.pending_bytes += values.numel() * values.element_size()
+        self.pending_docs += len(ids)
+        if self.pending_bytes >= self.FLUSH_BYTES or self.pending_docs >= self.FLUSH_DOCS:
+            self._flush()
+
+    def _flush(self) -> None:
+        import torch
+
+        if not self.pending:
+            return
+        ids = [i for p in self.pending for i in p[0]]
+        values = torch.cat([p[1] for p in self.pending])
+        lengths = np.concatenate([p[2] for p in self.pending])
+        scales = torch.cat([p[3] for p in self.pending]) if self.dtype == "int8" else None  # type: ignore[misc]
+        self.writer.write_batch(
+            _record_batch(self.schema, self.dim, self.dtype, ids, values, lengths, scales)
+        )
+        self.pending, self.pending_bytes, self.pending_docs = [], 0, 0
+
+    def finish(self, ids: list[str], offsets: np.ndarray, meta_keys: dict[str, str]) -> None:
+        self._flush()
+        self.writer.close()
+        final_schema = self.schema.with_metadata(
+            {**meta_keys, "num_docs": str(len(ids)), "num_tokens": str(int(offsets[-1]))}
+        )
+        fd, self.tmp = _atomic_temp(self.path)
+        os.close(fd)
+        with pa.OSFile(self.spill, "rb") as source:  # plain reads: a memory map would count in RSS
+            reader = pa.ipc.open_stream(source)
+            if self.fmt == "parquet":
+                with pq.ParquetWriter(self.tmp, final_schema, compression="none") as out:
+                    for batch in reader:
+                        out.write_batch(batch)
+            else:
+                with pa.ipc.new_file(self.tmp, final_schema) as out:
+                    for batch in reader:
+                        out.write_batch(batch)
+        os.replace(self.tmp, self.path)
+        self.tmp = None
+        _remove_quietly(self.spill)
+
+    def abort(self) -> None:
+        try:
+            self.writer.close()
+        except pa.ArrowException:
+            pass
+        _remove_quietly(self.spill)
+        _remove_quietly(self.tmp)
+
+
+def format_for_path(path: str) -> str:
+    """The container a file name asks for: `.arrow` and `.parquet`, else safetensors."""
+    return SHARD_SUFFIXES.get(os.path.splitext(path)[1].lower(), "safetensors")
+
+
+class ShardWriter:
+    """Streaming shard writer: `add(ids, embeddings)` any number of times, then `close()` -> ShardInfo.
+
+    Checks every rule of the format as documents arrive (ids, lengths, dim, NaN/Inf) and writes
+    atomically: nothing appears at `path` unless `close()` succeeds; `abort()` (or leaving a `with`
+    block by an exception) removes the temp files. Memory holds the ids, the offsets and, for int8, the
+    scales; embeddings go straight to disk.
+
+    `normalized=None` records whether every token vector has unit L2 norm (within NORM_TOLERANCE);
+    `True` asserts it and refuses vectors that are not. `format` is safetensors, arrow or parquet
+    (default: from the file suffix; "arrow-stream" writes an Arrow IPC file).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        dim: int,
+        dtype: str,
+        *,
+        normalized: bool | None = None,
+        encoder: str | None = None,
+        format: str | None = None,
+    ) -> None:
+        self.path = os.fspath(path)
+        if dtype not in DTYPES:
+            raise InputError(
+                f"{self.path}: unsupported dtype {dtype!r} (expected one of {', '.join(DTYPES)})"
+            )
+        if not isinstance(dim, int) or dim < 1:
+            raise InputError(f"{self.path}: dim must be a positive integer, not {dim!r}")
+        fmt = format or format_for_path(self.path)
+        if fmt == "arrow-stream":  # what a stream shard read back says; rewritten as a (seekable) IPC file
+            fmt = "arrow"
+        if fmt not in ("safetensors", "arrow", "parquet"):
+            raise InputError(f"{self.path}: unknown shard format {fmt!r} (safetensors, arrow or parquet)")
+        if encoder is not None and (not encoder or "\n" in encoder):
+            raise InputError(f"{self.path}: encoder name must be a non-empty single line")
+        if sys.byteorder != "little":
+            raise MaxsimError("maxsim writes little-endian shards and needs a little-endian machine")
+        self.dim, self.dtype, self.format, self.encoder = dim, dtype, fmt, encoder
+        self.claimed_normalized = normalized
+        self.all_unit = True
+        self.ids: list[str] = []
+        self._seen: set[str] = set()
+        self._lengths: list[np.ndarray] = []
+        self.num_tokens = 0
+        self._closed = False
+        meta = self._meta_keys(False)
+        self._sink: _SafetensorsSink | _RecordSink
+        if fmt == "safetensors":
+            self._sink = _SafetensorsSink(self.path, dim, dtype, meta)
+        else:
+            self._sink = _RecordSink(self.path, dim, dtype, fmt)
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.ids)
+
+    def _meta_keys(self, normalized: bool) -> dict[str, str]:
+        meta = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "dim": str(self.dim),
+            "dtype": self.dtype,
+            "quantization": "int8-per-token" if self.dtype == "int8" else "none",
+            "normalized": "true" if normalized else "false",
+        }
+        if self.encoder:
+            meta["encoder"] = self.encoder
+        return meta
+
+    def _check_new_ids(self, ids: Sequence[str]) -> list[str]:
+        out = []
+        for k, doc_id in enumerate(ids):
+            index = len(self.ids) + k
+            if not isinstance(doc_id, str):
+                raise InputError(f"{self.path}: id at index {index} is {type(doc_id).__name__}, not str")
+            if not doc_id:
+                raise InputError(f"{self.path}: empty id at index {index}; every document needs an id")
+            if ID_WHITESPACE.search(doc_id):
+                raise InputError(
+                    f"{self.path}: id {_show_id(doc_id)} at index {index} contains whitespace; "
+                    "ids must be single tokens for TREC runs"
+                )
+            try:
+                doc_id.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InputError(
+                    f"{self.path}: id {_show_id(doc_id)} at index {index} is not valid UTF-8 (lone surrogate)"
+                ) from None
+            out.append(doc_id)
+        seen = self._seen
+        for k, doc_id in enumerate(out):
+            if doc_id in seen:
+                first = self.ids.index(doc_id) if doc_id in self.ids else out.index(doc_id)
+                raise InputError(
+                    f"{self.path}: duplicate id {_show_id(doc_id)} at indices {first} and "
+                    f"{len(self.ids) + k}; ids must be unique"
+                )
+            seen.add(doc_id)
+        return out
+
+    def add(self, ids: Sequence[str], embeddings: Any, *, offsets: Any = None, scales: Any = None) -> None:
+        """Append documents: `embeddings` is a list of per-document `[len, dim]` arrays/tensors, or one
+        packed `[T, dim]` with `offsets` `[n+1]`. int8 needs `scales` (per document `[len]` or packed `[T]`).
+        """
+        if self._closed:
+            raise MaxsimError(f"{self.path}: writer is closed")
+        try:
+            self._add(list(ids), embeddings, offsets, scales)
+        except BaseException:
+            self.abort()
+            raise
+
+    def _add(self, ids: list[str], embeddings: Any, offsets: Any, scales: Any) -> None:
+        import torch
+
+        base = len(self.ids)
+        if offsets is not None:
+            packed = _as_tensor(embeddings)
+            offs = np.asarray(offsets.cpu() if isinstance(offsets, torch.Tensor) else offsets, dtype=np.int64)
+            if packed.ndim != 2:
+                raise InputError(
+                    f"{self.path}: packed embeddings must be [T, dim], got {tuple(packed.shape)}"
+                )
+            if len(ids) == 0:
+                return
+            _check_offsets(self.path, offs, ids, packed.shape[0])
+            lengths = np.diff(offs)
+        else:
+            if len(embeddings) != len(ids):
+                raise InputError(f"{self.path}: {len(ids)} ids but {len(embeddings)} embedding arrays")
+            if len(ids) == 0:
+                return
+            docs = [_as_tensor(e) for e in embeddings]
+            for k, d in enumerate(docs):
+                if d.ndim != 2 or d.shape[0] == 0:
+                    raise InputError(
+                        f"{self.path}: document {_show_id(str(ids[k]))} (index {base + k}) has shape "
+                        f"{tuple(d.shape)}; expected [num_tokens >= 1, {self.dim}]"
+                    )
+            lengths = np.array([d.shape[0] for d in docs], dtype=np.int64)
+            packed = (
+                docs[0]
+                if len(docs) == 1
+                else torch.cat([d.to(docs[0].dtype) if d.dtype != docs[0].dtype else d for d in docs])
+            )
+        if packed.shape[1] != self.dim:
+            raise InputError(
+                f"{self.path}: document {_show_id(str(ids[0]))} (index {base}) has vectors of "
+                f"{packed.shape[1]} values; this shard has dim {self.dim}"
+            )
+        ids = self._check_new_ids(ids)
+        scale_t: torch.Tensor | None = None
+        if self.dtype == "int8":
+            if packed.dtype != torch.int8:
+                raise InputError(
+                    f"{self.path}: int8 shard needs int8 embeddings (quantize first), got {packed.dtype}"
+                )
+            if scales is None:
+                raise InputError(
+                    f"{self.path}: int8 embeddings without scales (document {_show_id(ids[0])}); "
+                    "pass one float32 scale per token"
+                )
+            if isinstance(scales, (list, tuple)):
+                scale_t = torch.cat([_as_tensor(s).reshape(-1) for s in scales])
+            else:
+                scale_t = _as_tensor(scales).reshape(-1)
+            scale_t = scale_t.to(torch.float32).contiguous()
+            if scale_t.shape[0] != packed.shape[0]:
+                raise InputError(
+                    f"{self.path}: {scale_t.shape[0]} scales for {packed.shape[0]} tokens "
+                    f"(documents from {_show_id(ids[0])})"
+                )
+            values = packed.contiguous()
+        else:
+            if packed.dtype == torch.int8:
+                raise InputError(
+                    f"{self.path}: int8 embeddings for a {self.dtype} shard; write an int8 shard "
+                    "with scales instead"
+                )
+            values = packed.to(torch_dtypes()[self.dtype]).contiguous()
+        local = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        _check_values(self.path, values, scale_t, local, ids, base)
+        if self.format != "safetensors" and self.num_tokens + values.shape[0] > MAX_ARROW_TOKENS:
+            raise InputError(
+                f"{self.path}: more than 2^31-1 tokens in one {self.format} shard (its list "
+                "offsets are int32); split the documents over several shards"
+            )
+        if self.dtype != "int8" and (self.all_unit or self.claimed_normalized):
+            norms = values.float().norm(dim=1)
+            off = (norms - 1).abs() > NORM_TOLERANCE
+            if bool(off.any()):
+                self.all_unit = False
+                if self.claimed_normalized:
+                    row = int(off.nonzero()[0, 0])
+                    doc = int(np.searchsorted(local, row, side="right")) - 1
+                    raise InputError(
+                        f"{self.path}: normalized=True but token {row - int(local[doc])} of document "
+                        f"{_show_id(ids[doc])} has L2 norm {float(norms[row]):.4g}; normalise the "
+                        "vectors or pass normalized=None"
+                    )
+        self._sink.add(ids, values, lengths, scale_t)
+        self.ids.extend(ids)
+        self._lengths.append(lengths)
+        self.num_tokens += int(values.shape[0])
+
+    def close(self) -> ShardInfo:
+        """Finish the file and move it into place; returns what was written."""
+        if self._closed:
+            raise MaxsimError(f"{self.path}: writer is already closed")
+        try:
+            if not self.ids:
+                raise InputError(f"{self.path}: no documents to write; a shard holds at least one")
+            if self.dtype == "int8":
+                normalized = bool(self.claimed_normalized)
+            elif self.claimed_normalized is None:
+                normalized = self.all_unit
+            else:
+                normalized = self.claimed_normalized
+            offsets = np.concatenate([[0], np.cumsum(np.concatenate(self._lengths))]).astype(np.int64)
+            self._sink.finish(self.ids, offsets, self._meta_keys(normalized))
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+        return ShardInfo(
+            self.path,
+            self.format,
+            len(self.ids),
+            self.num_tokens,
+            self.dim,
+            self.dtype,
+            "int8-per-token" if self.dtype == "int8" else "none",
+            normalized,
+            self.encoder,
+        )
+
+    def abort(self) -> None:
+        """Drop everything written so far; nothing appears at `path`."""
+        if not self._closed:
+            self._closed = True
+            self._sink.abort()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif not self._closed:
+            self.close()
+
+
+def write_shard(
+    path: str | os.PathLike[str],
+    ids: Sequence[str],
+    embeddings: Any,
+    *,
+    offsets: Any = None,
+    scales: Any = None,
+    dtype: str | None = None,
+    normalized: bool | None = None,
+    encoder: str | None = None,
+    format: str | None = None,
+) -> ShardInfo:
+    """Write one shard atomically from in-memory data and return its ShardInfo.
+
+    `embeddings`: a list of per-document `[len, dim]` arrays/tensors (what PyLate and colpali-engine
+    return), or one packed `[T, dim]` with `offsets` `[n+1]`. `dtype` defaults to the input's (float64 is
+    stored as float32); int8 needs `scales`. `format` defaults to the file suffix (`.arrow`, `.parquet`,
+    else safetensors). `normalized=None` records whether all vectors have unit L2 norm.
+
+        write_shard("docs.safetensors", ids, model.encode(texts, is_query=False))
+    """
+    path = os.fspath(path)
+    if offsets is not None:
+        first = _as_tensor(embeddings)
+    else:
+        if len(embeddings) == 0:
+            raise InputError(f"{path}: no documents to write; a shard holds at least one")
+        first = _as_tensor(embeddings[0])
+    if first.ndim != 2:
+        raise InputError(
+            f"{path}: embeddings must be [num_tokens, dim] per document (or packed [T, dim] with "
+            f"offsets), got shape {tuple(first.shape)}"
+        )
+    dim = int(first.shape[1])
+    writer = ShardWriter(
+        path, dim, dtype or infer_dtype(first), normalized=normalized, encoder=encoder, format=format
+    )
+    writer.add(ids, embeddings, offsets=offsets, scales=scales)
+    return writer.close()
+
+
+def write_manifest(directory: str | os.PathLike[str], shard_paths: Sequence[str] | None = None) -> str:
+    """Write `directory/index.json` (atomically) listing its shards with counts and sha256; return its path.
+
+    `shard_paths` (names inside `directory`) fixes the order; default: every shard file, sorted by name.
+    """
+    directory = os.fspath(directory)
+    files = (
+        list_shard_files(directory)
+        if shard_paths is None
+        else [os.path.join(directory, os.path.basename(p)) for p in shard_paths]
+    )
+    if not files:
+        raise _err(directory, "no shards to list in a manifest")
+    entries = []
+    for f in files:
+        with open_shard(f) as shard:
+            entries.append(
+                {
+                    "path": os.path.basename(f),
+                    "num_docs": shard.num_docs,
+                    "num_tokens": shard.num_tokens,
+                    "sha256": _sha256(f),
+                }
+            )
+    doc = {"format": CORPUS_FORMAT_NAME, "format_version": CORPUS_FORMAT_VERSION, "shards": entries}
+    target = os.path.join(directory, MANIFEST_NAME)
+    write_text_atomic(target, json.dumps(doc, indent=1) + "\n")
+    return target
