@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from maxsim_cli.errors import MaxsimError, UsageError
-from maxsim_cli.runs import read_qrels, read_run, sort_trec
+
+# `maxsim_cli.runs` (numpy, pyarrow) is imported where a run is read, not here: `maxsim eval --help`
+# imports this module for DEFAULT_MEASURES and should not pay for the readers.
 
 DEFAULT_MEASURES = ("nDCG@10", "RR@10", "R@100")
 
@@ -68,6 +70,8 @@ def _trec_eval_order(rows: list[tuple[str, float]]) -> dict[str, float]:
     ir_measures hands different measures to different providers, and not all of them break score ties
     as trec_eval does (its RR@k provider does not); distinct scores make every provider see one ranking.
     """
+    from maxsim_cli.runs import sort_trec
+
     docnos = [docno for docno, _ in rows]
     order = sort_trec(docnos, [score for _, score in rows])
     return {docnos[i]: float(len(order) - rank) for rank, i in enumerate(order)}
@@ -86,6 +90,8 @@ def evaluate_run(
     """
     if str(run_path) == "-" and str(qrels_path) == "-":
         raise UsageError("RUN and QRELS cannot both be '-' (standard input); give one of them as a file")
+    from maxsim_cli.runs import read_qrels, read_run
+
     ir_measures = _ir_measures()
     parsed = parse_measures(list(measures) if measures else list(DEFAULT_MEASURES))
     qrels = read_qrels(qrels_path)

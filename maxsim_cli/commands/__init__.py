@@ -1,4 +1,9 @@
-"""Typer commands. Each module defines `register(app)`; all share `cli_errors` for exit codes."""
+"""Typer commands. Each module defines `register(app)`; all share `cli_errors` for exit codes.
+
+A command module declares its options at import but imports the library function it calls inside the
+command's body: `maxsim --help`, `--version` and the commands that score nothing then never import the
+scoring stack (torch, triton), which alone takes seconds to import (tests/test_imports.py).
+"""
 
 from __future__ import annotations
 

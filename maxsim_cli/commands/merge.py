@@ -5,7 +5,6 @@ from __future__ import annotations
 import typer
 
 from maxsim_cli.commands import cli_errors
-from maxsim_cli.merge import merge_runs
 
 
 def register(app: typer.Typer) -> None:
@@ -41,6 +40,8 @@ def register(app: typer.Typer) -> None:
 
         Example: maxsim merge part-0.trec part-1.trec -k 100 -o run.trec
         """
+        from maxsim_cli.merge import merge_runs
+
         stats = merge_runs(runs, top_k, output, tag=tag, fmt=fmt, queries=queries)
         if not quiet:
             note = (

@@ -9,7 +9,10 @@ from typing import Annotated
 import typer
 
 from maxsim_cli.commands import cli_errors
-from maxsim_cli.quantize import DEFAULT_BATCH_TOKENS, quantize_corpus
+
+# `maxsim_cli.quantize.DEFAULT_BATCH_TOKENS`, repeated here so that `--help` does not import the scoring
+# stack (torch) to show it; tests/test_imports.py checks that the two agree.
+DEFAULT_BATCH_TOKENS = 1 << 18
 
 
 def register(app: typer.Typer) -> None:
@@ -59,6 +62,8 @@ def register(app: typer.Typer) -> None:
 
         Example: maxsim quantize sample_data/corpus -o corpus-int8
         """
+        from maxsim_cli.quantize import quantize_corpus
+
         report = quantize_corpus(
             corpus,
             output_dir,

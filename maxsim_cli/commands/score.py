@@ -7,9 +7,6 @@ from typing import Annotated
 import typer
 
 from maxsim_cli.commands import cli_errors
-from maxsim_cli.progress import progress_enabled
-from maxsim_cli.score import score
-from maxsim_cli.units import parse_size
 
 
 def register(app: typer.Typer) -> None:
@@ -90,6 +87,10 @@ def register(app: typer.Typer) -> None:
 
         Example: maxsim score sample_data/queries.safetensors sample_data/corpus -k 100 -o run.trec
         """
+        from maxsim_cli.progress import progress_enabled
+        from maxsim_cli.score import score
+        from maxsim_cli.units import parse_size
+
         stats = score(
             queries,
             corpus,

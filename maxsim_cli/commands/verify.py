@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from maxsim_cli.agreement import ErrorStats, RankingStats
 from maxsim_cli.commands import cli_errors
-from maxsim_cli.verify import DEFAULT_BATCH_TOKENS, EXIT_FAILED, Tolerances, VerifyReport, verify
+
+if TYPE_CHECKING:
+    from maxsim_cli.agreement import ErrorStats, RankingStats
+    from maxsim_cli.verify import VerifyReport
+
+# `maxsim_cli.verify.DEFAULT_BATCH_TOKENS`, repeated here so that `--help` does not import the scoring
+# stack (torch) to show it; tests/test_imports.py checks that the two agree.
+DEFAULT_BATCH_TOKENS = 1 << 19
 
 
 def _num(x: float) -> str:
@@ -219,6 +225,8 @@ def register(app: typer.Typer) -> None:
 
         Example: maxsim verify sample_data/queries.safetensors sample_data/corpus --device cpu
         """
+        from maxsim_cli.verify import EXIT_FAILED, Tolerances, verify
+
         report = verify(
             queries,
             corpus,
