@@ -78,6 +78,17 @@ def check_argmax(arg, queries, q_off, docs, d_off, pairs) -> None:
         assert bool((chosen >= best - 1e-5).all())
 
 
+def assert_same_as_argmax_scores(plain: torch.Tensor, scores: torch.Tensor, backend: str) -> None:
+    """Scores without and with the argmax. On the GPU they are bitwise equal (tests/test_kernels_gpu.py
+    checks that). Under Triton's interpreter, tl.dot is numpy's float32 matmul, whose sums follow the
+    operands' layout (triton 3.8: 1 ulp apart between the scores-only document-major tiles and the argmax
+    tiles), so here they agree to 4 float32 ulps of the score."""
+    if backend == "triton" and HAS_TRITON_CPU:
+        torch.testing.assert_close(plain, scores, rtol=4 * 2**-23, atol=1e-6)
+    else:
+        assert torch.equal(plain, scores), "scores must not depend on return_argmax"
+
+
 def varlen_case(q_lens, d_lens, dim, dtype, backend, *, seed=0, q_sign=None, d_sign=None):
     gen = torch.Generator().manual_seed(seed)
     queries, q_off = packed(q_lens, dim, dtype, sign=q_sign, gen=gen)
@@ -89,7 +100,7 @@ def varlen_case(q_lens, d_lens, dim, dtype, backend, *, seed=0, q_sign=None, d_s
     check_scores(scores, ref, torch.as_tensor(q_lens)[:, None], dim)
     plain = maxsim_varlen(queries, q_off, docs, d_off, backend=backend)
     if backend == "triton":
-        assert torch.equal(plain, scores), "scores must not depend on return_argmax"
+        assert_same_as_argmax_scores(plain, scores, backend)
     else:  # the CPU path streams when no argmax is asked for: the same maxima, another summation order
         check_scores(plain, ref, torch.as_tensor(q_lens)[:, None], dim)
     pairs = []
@@ -207,7 +218,7 @@ def test_candidates_random(backend, dtype):
             pairs.append((qi, int(cand[c]), arg[c]))
     check_argmax(arg, queries, q_off, docs, d_off, pairs)
     plain = maxsim_candidates(queries, q_off, docs, d_off, c_off, cand, backend=backend)
-    assert torch.equal(plain, scores)
+    assert_same_as_argmax_scores(plain, scores, backend)
 
 
 def test_cpu_bf16_and_float64():
