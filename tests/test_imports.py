@@ -64,13 +64,6 @@ def _assert_light(result: dict) -> None:
     assert not result["imported"], f"imported {result['imported']}"
 
 
-# Until `maxsim_cli.shards` (and `maxsim_cli.runs` through it) import without torch, the commands that read
-# runs or shards import it on their way; the CLI side of these commands imports nothing of the scoring stack.
-_NEEDS_LIGHT_SHARDS = pytest.mark.xfail(
-    strict=False, reason="maxsim_cli.shards / maxsim_cli.runs still import torch at module level"
-)
-
-
 @pytest.fixture
 def small_runs(tmp_path: Path) -> tuple[Path, Path, Path]:
     """A run of the first three queries of sample_data/candidates.trec, and two disjoint halves of it."""
@@ -105,7 +98,6 @@ def test_command_help(tmp_path: Path, name: str) -> None:
     _assert_light(_run_fresh(tmp_path, [name, "--help"]))
 
 
-@_NEEDS_LIGHT_SHARDS
 def test_eval(tmp_path: Path, small_runs: tuple[Path, Path, Path]) -> None:
     run, _, _ = small_runs
     result = _run_fresh(tmp_path, ["eval", str(run), str(SAMPLE / "qrels.txt"), "--json"])
@@ -113,7 +105,6 @@ def test_eval(tmp_path: Path, small_runs: tuple[Path, Path, Path]) -> None:
     assert "nDCG@10" in result["output"]
 
 
-@_NEEDS_LIGHT_SHARDS
 def test_merge(tmp_path: Path, small_runs: tuple[Path, Path, Path]) -> None:
     _, part0, part1 = small_runs
     merged = tmp_path / "merged.trec"
@@ -121,7 +112,6 @@ def test_merge(tmp_path: Path, small_runs: tuple[Path, Path, Path]) -> None:
     assert len(merged.read_text().splitlines()) == 30
 
 
-@_NEEDS_LIGHT_SHARDS
 def test_inspect_without_value_checks(tmp_path: Path) -> None:
     result = _run_fresh(tmp_path, ["inspect", str(SAMPLE / "corpus"), "--no-check-values", "--json"])
     _assert_light(result)
