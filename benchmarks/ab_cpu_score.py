@@ -21,15 +21,13 @@ import glob
 import os
 import sys
 
+import maxsim_kernels.cpu as cpu_backend
 import torch
+from common import kernel_time, load_batches
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_score  # noqa: E402
-import maxsim_kernels.cpu as cpu_backend  # noqa: E402
-
-import maxsim_cli.score as score_module  # noqa: E402
-from maxsim_cli.score import score  # noqa: E402
-from maxsim_cli.shards import open_corpus  # noqa: E402
+import maxsim_cli.score as score_module
+from maxsim_cli.score import score
+from maxsim_cli.shards import open_corpus
 
 
 def main() -> None:
@@ -45,7 +43,7 @@ def main() -> None:
         sys.exit(f"no corpus under {work}: run `python benchmarks/bench_score.py cpu --workdir {work}` first")
     q = open_corpus([queries]).shards[0].read_docs(0, 4)
     e2e = score(queries, paths, output=os.path.join(work, "ab.trec"), device="cpu", log=lambda _m: None)
-    batches = bench_score.load_batches(paths, e2e.max_batch_tokens, torch.device("cpu"))
+    batches = load_batches(paths, e2e.max_batch_tokens, torch.device("cpu"))
     e2e_s, kernel_s = [], []
     for _ in range(3):
         e2e_s.append(
@@ -53,7 +51,7 @@ def main() -> None:
                 queries, paths, output=os.path.join(work, "ab.trec"), device="cpu", log=lambda _m: None
             ).wall_s
         )
-        kernel_s.append(bench_score.kernel_time(batches, q.embeddings, q.offsets, "torch"))
+        kernel_s.append(kernel_time(batches, q.embeddings, q.offsets, "torch"))
     print(f"{way:6s} end to end {' '.join(f'{x:.3f}' for x in e2e_s)} s; backend from memory "
           f"{' '.join(f'{x:.3f}' for x in kernel_s)} s")  # fmt: skip
 

@@ -15,20 +15,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import pathlib
 import shutil
-import sys
 from typing import Any
 
 import maxsim_kernels
 import maxsim_kernels.maxsim_forward as as_is
 import torch
-
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import bench_kernels as bk  # noqa: E402
+from common import SMOKE, WORKLOADS, device, make_log, make_workload, meta, time_ms, write_json
 
 PACKAGE = pathlib.Path(maxsim_kernels.__file__).parent
+log = make_log("ab_forward", clock=True)
 
 
 def load_variant(name: str, path: str) -> Any:
@@ -41,7 +38,7 @@ def load_variant(name: str, path: str) -> Any:
 def launcher(module: Any, w: dict[str, Any]) -> Any:
     q, qo, d, do = w["queries"], w["q_off"], w["docs"], w["d_off"]
     if w["name"] == "rerank":
-        co, cd = w["cand_offsets"], w["cand_docs"].to(bk.device())
+        co, cd = w["cand_offsets"], w["cand_docs"].to(device())
         return lambda: module.maxsim_candidates_forward_triton(q, qo, d, do, co, cd)
     return lambda: module.maxsim_varlen_forward_triton(q, qo, d, do)
 
@@ -49,12 +46,12 @@ def launcher(module: Any, w: dict[str, Any]) -> Any:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", action="append", default=[], help="NAME=FILE (repeatable)")
-    parser.add_argument("--workloads", default=",".join(bk.WORKLOADS))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (Triton interpreter)")
     args = parser.parse_args()
-    bk.SMOKE["on"] = args.smoke
+    SMOKE["on"] = args.smoke
     modules = {"as_is": as_is}
     try:
         for spec in args.variant:
@@ -62,7 +59,7 @@ def main() -> None:
             modules[name] = load_variant(name, path)
         rows: list[dict[str, Any]] = []
         for wname in args.workloads.split(","):
-            w = bk.make_workload(wname)
+            w = make_workload(wname)
             fns = {name: launcher(mod, w) for name, mod in modules.items()}
             base = fns["as_is"]()
             diffs = {name: (fn() - base).abs().max().item() for name, fn in fns.items()}
@@ -70,16 +67,15 @@ def main() -> None:
             times: dict[str, list[float]] = {name: [] for name in fns}
             for _ in range(args.rounds):
                 for name, fn in fns.items():
-                    times[name].append(bk.time_ms(fn, slow=False))
+                    times[name].append(time_ms(fn, slow=False))
             for name in fns:
                 row = {"workload": wname, "variant": name, "ms": times[name], "best_ms": min(times[name])}
                 row["max_abs_diff_vs_as_is"] = diffs[name]
                 rows.append(row)
-                bk.log(f"{wname:10s} {name:12s} " + " ".join(f"{t:8.3f}" for t in times[name]))
+                log(f"{wname:10s} {name:12s} " + " ".join(f"{t:8.3f}" for t in times[name]))
             del w, fns
             torch.cuda.empty_cache()
-        if args.out:
-            pathlib.Path(args.out).write_text(json.dumps({"ab": rows, "meta": bk.meta()}, indent=1))
+        write_json(args.out, {"ab": rows, "meta": meta(dtype="float16", dim=128)})
         print(f"\n{'workload':10s} " + " ".join(f"{n:>12s}" for n in modules) + "   (best ms of rounds)")
         for wname in args.workloads.split(","):
             best = {r["variant"]: r["best_ms"] for r in rows if r["workload"] == wname}

@@ -7,24 +7,21 @@ tolerance. Then the ColPali workload of bench_kernels.py (1 query x 1024 tokens 
 1024 tokens), methods interleaved over rounds, best median per method; and the variants of the Gluon
 kernel (tile group, ring depth, documents a program; "auto" is the forward's choice).
 
-    python benchmarks/ab_long_hopper.py --out benchmarks/results/long-hopper-h200.json
+    python benchmarks/ab_long_hopper.py --out benchmarks/results/kernels/long-hopper-h200.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
+from common import flash, make_workload, meta, write_json
 from maxsim_kernels import maxsim_forward as fwd
 from maxsim_kernels import maxsim_forward_hopper as hopper
 from maxsim_kernels import maxsim_reference
 from triton.testing import do_bench
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_kernels as bk  # noqa: E402
 
 # (group, ring depth, documents a program: None for the forward's choice)
 VARIANTS = [
@@ -83,7 +80,7 @@ def checks() -> list[dict]:
 
 
 def timings(rounds: int) -> list[dict]:
-    w = bk.make_workload("colpali")
+    w = make_workload("colpali")
     q, qo, d, do = w["queries"], w["q_off"], w["docs"], w["d_off"]
     long_cfg = fwd._TUNING["long"]  # a config forces the Triton kernel; none: the default (Gluon on Hopper)
     methods = {
@@ -93,7 +90,7 @@ def timings(rounds: int) -> list[dict]:
     for v in VARIANTS:
         methods["gluon-g{}-s{}-d{}".format(*(x or "auto" for x in v))] = gluon(q, qo, d, do, *v)
     try:
-        methods["flash-maxsim"] = bk.flash(w)
+        methods["flash-maxsim"] = flash(w)
     except ImportError as exc:
         print("flash-maxsim:", exc)
     base = methods["triton-long"]()
@@ -120,10 +117,8 @@ def main() -> None:
     args = parser.parse_args()
     check_rows = checks()
     rows = timings(args.rounds)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
-            data = {"command": " ".join(sys.argv), "meta": bk.meta(), "checks": check_rows, "colpali": rows}
-            json.dump(data, fh, indent=1)
+    data = {"command": " ".join(sys.argv), "meta": meta(), "checks": check_rows, "colpali": rows}
+    write_json(args.out, data)
     ok = all(r["bitwise_equal_to_triton"] for r in check_rows)
     print(f"\nchecks: {len(check_rows)}, all bitwise equal to the Triton kernel: {ok}, "
           f"max error vs fp64 {max(r['max_abs_err_vs_fp64'] for r in check_rows):.2e}")  # fmt: skip

@@ -14,17 +14,17 @@ The `score` benchmark's corpus (10 GB of fp16 shards under --workdir, built as `
 it) and its int8 quantization (`bench_score.py --int8` keeps it in corpus-int8), 512 queries, top-1000,
 after a warm-up run on the small corpus; every way and precision ``--rounds`` times, interleaved. Prints
 the best and median wall time of each and their per-batch GPU and host times (first round). Result
-(benchmarks/results/ab-offsets-h200.json): the non-blocking copy stays (int8 17-20% faster, fp16 within
+(benchmarks/results/score/ab-offsets-h200.json): the non-blocking copy stays (int8 17-20% faster, fp16 within
 the spread); the bound did not pay enough to enter the engine.
 
-    python benchmarks/ab_offsets_copy.py --workdir /var/tmp/mb --out benchmarks/results/ab-offsets-h200.json
+    python benchmarks/ab_offsets_copy.py --workdir /var/tmp/mb \\
+        --out benchmarks/results/score/ab-offsets-h200.json
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -34,12 +34,10 @@ from typing import Any
 import maxsim_kernels._validate as validate
 import maxsim_kernels.maxsim_forward as forward
 import torch
+from common import add_score_args, prepare_score_corpus, write_json
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import score_corpus  # noqa: E402
-
-import maxsim_cli.score as score_module  # noqa: E402
-from maxsim_cli.score import score  # noqa: E402
+import maxsim_cli.score as score_module
+from maxsim_cli.score import score
 
 WAYS = ("current", "bounded", "blocking")
 RUN_AHEAD_BATCHES = 2  # the bound that ``bounded`` tries
@@ -85,12 +83,12 @@ def way(name: str) -> Iterator[None]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    score_corpus.add_args(parser)
+    add_score_args(parser)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     device = torch.device(args.device)
     work = args.workdir
-    corpora, qpath = score_corpus.prepare(work, device, args.size)
+    corpora, qpath = prepare_score_corpus(work, device, args.size)
     times: dict[str, list[float]] = {}
     batches: dict[str, str] = {}
     for r in range(args.rounds):
@@ -110,10 +108,8 @@ def main() -> None:
     }
     for key, row in rows.items():
         print(f"{key:16s} best {row['best_s']:.3f} s  median {row['median_s']:.3f} s  ({row['first_round']})")
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
-            gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-            json.dump({"rows": rows, "device": gpu, "torch": torch.__version__}, fh, indent=2)
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    write_json(args.out, {"rows": rows, "device": gpu, "torch": torch.__version__}, indent=2)
 
 
 if __name__ == "__main__":

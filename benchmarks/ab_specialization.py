@@ -8,7 +8,7 @@ bucket (the ONE_QUERY constexpr) taken out:
 
     python benchmarks/ab_specialization.py            # on the H200; prints ms per variant, two rounds
 
-Results: benchmarks/results/ab-specialization-h200.txt.
+Results: benchmarks/results/kernels/ab-specialization-h200.txt.
 """
 
 from __future__ import annotations

@@ -3,19 +3,18 @@
 For changes that cannot be switched inside one process (the engine's own code): each tree's
 `maxsim_cli/` and `kernels/` (as `maxsim_kernels`) are put first on the path of a worker process, which
 warms up on the small corpora and then times ``--runs`` fp16 and int8 runs of the `score` benchmark's
-corpus (`score_corpus.prepare`: 10 GB, 512 queries, top-1000). Workers of the two trees alternate
+corpus (`common.prepare_score_corpus`: 10 GB, 512 queries, top-1000). Workers of the two trees alternate
 ``--rounds`` times; the best and median of each tree and precision are printed, and every run file must
 be byte for byte the same across trees.
 
     git archive BASE | tar -x -C /tmp/base          # the baseline tree, beside this checkout
     python benchmarks/ab_trees.py --tree base=/tmp/base --tree new=. --workdir /var/tmp/mb \\
-        --out benchmarks/results/ab-trees-h200.json
+        --out benchmarks/results/score/ab-trees-h200.json
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import statistics
@@ -23,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-import score_corpus  # this script's folder is first on the path; it imports the tree's maxsim_cli
+from common import add_score_args, prepare_score_corpus, sha256, write_json
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -32,15 +31,14 @@ def worker(args: argparse.Namespace) -> None:
     from maxsim_cli.score import score
 
     device = torch.device(args.device)
-    corpora, qpath = score_corpus.prepare(args.workdir, device, args.size)
+    corpora, qpath = prepare_score_corpus(args.workdir, device, args.size)
     quiet = {"device": device.type, "log": lambda m: None}
     result: dict[str, list] = {}
     for _ in range(args.runs):
         for precision, corpus in corpora.items():
             out = os.path.join(args.workdir, f"ab-trees-{precision}.trec")
             st = score(qpath, corpus, output=out, **quiet)
-            with open(out, "rb") as fh:
-                digest = hashlib.sha256(fh.read()).hexdigest()
+            digest = sha256(out)
             result.setdefault(precision, []).append(
                 {"wall_s": st.wall_s, "pass_s": st.wall_s - st.setup_s - st.write_s, "sha256": digest}
             )
@@ -74,7 +72,7 @@ def run_tree(root: str, args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tree", action="append", default=[], help="NAME=PATH of a source tree")
-    score_corpus.add_args(parser)
+    add_score_args(parser)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--runs", type=int, default=2, help="timed runs a worker, each precision")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -109,9 +107,7 @@ def main() -> None:
         for p in ("fp16", "int8")
     )
     print(f"run files identical across trees: {same} ({len(digests)} distinct over both precisions)")
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
-            json.dump({"trees": trees, "summary": summary, "identical_runs": same}, fh, indent=2)
+    write_json(args.out, {"trees": trees, "summary": summary, "identical_runs": same}, indent=2)
 
 
 if __name__ == "__main__":

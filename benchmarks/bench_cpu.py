@@ -10,7 +10,7 @@ queries), GFLOP/s (2 * Tq * Td * dim) and the fraction of this machine's fp32 ma
 the workload, next to the methods (the best of those rounds): the machine's speed drifts within a run.
 maxsim-cpu is optional: `pip install maxsim-cpu==0.1.0`.
 
-    python benchmarks/bench_cpu.py --out benchmarks/results/cpu-2core.json
+    python benchmarks/bench_cpu.py --out benchmarks/results/cpu/cpu-2core.json
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ medians with its L2 flush, both paths called through their public functions):
 queries against all 400 documents with the torch backend in fp16 and in int8 - ranking agreement,
 nDCG@10 of both against the qrels, and the time of each.
 
-    python benchmarks/bench_int8.py gpu --out benchmarks/results/int8-h200.json
-    python benchmarks/bench_int8.py cpu --out benchmarks/results/int8-cpu-sample-data.json
+    python benchmarks/bench_int8.py gpu --out benchmarks/results/int8/int8-h200.json
+    python benchmarks/bench_int8.py cpu --out benchmarks/results/int8/int8-cpu-sample-data.json
 """
 
 from __future__ import annotations
@@ -42,6 +42,21 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from common import (
+    DIM,
+    QUERY_TOKENS,
+    SMOKE,
+    START,
+    int8_kernel,
+    make_log,
+    median_ms,
+    normal_tokens,
+    offsets_of,
+    ragged,
+    smoke_size,
+    sync,
+    write_json,
+)
 from maxsim_kernels import maxsim_candidates, maxsim_varlen
 from maxsim_kernels.maxsim_int8 import (
     _launch_candidates,
@@ -53,59 +68,21 @@ from maxsim_kernels.maxsim_int8 import (
 
 from maxsim_cli.agreement import ranking_agreement
 
-DIM = 128
-QUERY_TOKENS = 32
-START = time.perf_counter()
-# `gpu --smoke`: the whole script on the CPU at 1/1000 of the sizes (Triton under its interpreter), to
-# check it before spending GPU time.
-SMOKE = {"on": False}
+# `gpu --smoke` (common.SMOKE): the whole script on the CPU at 1/1000 of the sizes (Triton under its
+# interpreter), to check it before spending GPU time.
+size = smoke_size
+log = make_log("bench_int8", clock=True)
 RECORD: dict[str, Any] = {"results": {}}
 OUT = {"path": None}
 
 
 def checkpoint() -> None:
     """Write what is measured so far (a run cut short still leaves its numbers)."""
-    if OUT["path"]:
-        with open(OUT["path"], "w", encoding="utf-8") as f:
-            f.write(json.dumps(RECORD, indent=1, default=str) + "\n")
-
-
-def size(n: int) -> int:
-    return max(2, n // 1000) if SMOKE["on"] else n
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def log(msg: str) -> None:
-    print(f"[bench_int8 {time.perf_counter() - START:6.1f}s] {msg}", file=sys.stderr, flush=True)
+    write_json(OUT["path"], RECORD)
 
 
 # --------------------------------------------------------------------------------------------------
 # data
-
-
-def offsets_of(lengths: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
-    out[1:] = lengths.cumsum(0)
-    return out
-
-
-def normal_tokens(n: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    """n L2-normalised random fp16 vectors, made in chunks (bounded fp32 temporaries)."""
-    out = torch.empty(n, DIM, dtype=torch.float16, device=device)
-    for a in range(0, n, 1 << 22):
-        b = min(n, a + (1 << 22))
-        out[a:b] = torch.nn.functional.normalize(torch.randn(b - a, DIM, generator=gen, device=device), dim=1)
-    return out
-
-
-def ragged(n: int, low: int, high: int, gen: torch.Generator, device: torch.device):
-    lengths = torch.randint(low, high + 1, (n,), generator=gen, device=device)
-    offsets = offsets_of(lengths)
-    return normal_tokens(int(offsets[-1]), gen, device), offsets
 
 
 def topic_corpus(n_docs: int, n_queries: int, gen: torch.Generator, device: torch.device):
@@ -130,16 +107,6 @@ def topic_corpus(n_docs: int, n_queries: int, gen: torch.Generator, device: torc
 
 # --------------------------------------------------------------------------------------------------
 # measurement
-
-
-def median_ms(fn: Callable[[], Any], rep_ms: int = 300) -> float:
-    import triton
-
-    if SMOKE["on"]:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    return float(triton.testing.do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median"))
 
 
 def agreement(int8_scores: torch.Tensor, fp16_scores: torch.Tensor) -> dict:
@@ -393,14 +360,6 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
     checkpoint()
     results["_e2e_inputs"] = (queries16.cpu(), q_off.cpu(), d16.cpu(), do.cpu())
     return results
-
-
-def int8_kernel(queries, q_off, d8, d_off) -> str:
-    """Which int8 all-pairs kernel `maxsim_varlen_int8` runs for these inputs (scores only)."""
-    from maxsim_kernels import maxsim_int8
-
-    q8 = quantize_per_token(queries)[0]
-    return "gluon" if maxsim_int8._hopper_allpairs(q_off, d_off, q8, d8, False) is not None else "triton"
 
 
 def bench_topics(device: torch.device) -> dict:

@@ -19,18 +19,16 @@ max |score error| against the float64 reference of the same fp16 inputs (on a su
 `exhaustive`). `--cold` also times each method's first call in a fresh process with an empty
 TRITON_CACHE_DIR. `--sweep` times this project's kernel over a grid of tile configurations instead.
 
-    python benchmarks/bench_kernels.py --out benchmarks/results/kernels-h200.json --cold
-    python benchmarks/bench_kernels.py --sweep --out benchmarks/results/kernels-sweep-h200.json
+    python benchmarks/bench_kernels.py --out benchmarks/results/kernels/kernels-h200.json --cold
+    python benchmarks/bench_kernels.py --sweep --out benchmarks/results/kernels/kernels-sweep-h200.json
     python benchmarks/bench_kernels.py --smoke   # CPU, Triton interpreter, tiny sizes: checks the script
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -39,93 +37,23 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from common import (
+    DIM,
+    SMOKE,
+    WORKLOADS,
+    device,
+    flash,
+    lik,
+    make_log,
+    make_workload,
+    meta,
+    padded_inputs,
+    sync,
+    time_ms,
+    write_json,
+)
 
-DIM = 128
-START = time.perf_counter()
-SMOKE = {"on": False}
-WORKLOADS = ("exhaustive", "one_query", "colpali", "rerank")
-
-
-def log(msg: str) -> None:
-    print(f"[bench_kernels {time.perf_counter() - START:6.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
-def device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def scale(n: int, minimum: int = 2) -> int:
-    return max(minimum, n // 1000) if SMOKE["on"] else n
-
-
-# --------------------------------------------------------------------------------------------------
-# data
-
-
-def unit(n: int, dim: int, gen: torch.Generator) -> torch.Tensor:
-    x = torch.randn(n, dim, generator=gen, device=device(), dtype=torch.float32)
-    return torch.nn.functional.normalize(x, dim=-1).half()
-
-
-def offsets_of(lengths: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-    out[1:] = torch.cumsum(lengths.cpu(), 0)
-    return out
-
-
-def padded(values: torch.Tensor, offsets: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed [T, d] -> zero-padded [n, width, d] and a bool mask [n, width]."""
-    lens = offsets.diff().to(values.device)
-    n = lens.numel()
-    pos = torch.arange(width, device=values.device)
-    mask = pos[None, :] < lens[:, None]
-    out = torch.zeros(n, width, values.shape[1], dtype=values.dtype, device=values.device)
-    out[mask] = values
-    return out, mask
-
-
-def make_workload(name: str, seed: int = 0) -> dict[str, Any]:
-    gen = torch.Generator(device=device()).manual_seed(seed)
-    cpu_gen = torch.Generator().manual_seed(seed)
-    w: dict[str, Any] = {"name": name}
-    if name == "exhaustive":
-        nq, lq, nd = scale(512), 32, scale(50_000)
-        d_lens = torch.randint(20, 301, (nd,), generator=cpu_gen)
-    elif name == "one_query":
-        nq, lq, nd = 1, 32, scale(100_000)
-        d_lens = torch.randint(20, 301, (nd,), generator=cpu_gen)
-    elif name == "colpali":
-        nq, lq, nd = 1, scale(1024, 16), scale(1000)
-        d_lens = torch.full((nd,), scale(1024, 16))
-    elif name == "rerank":
-        nq, lq, per_q = scale(64), 32, scale(1000)
-        nd = nq * per_q
-        d_lens = torch.full((nd,), 180)
-        # each query owns 1000 documents scattered over the pool, read in place through their indices
-        w["cand_docs"] = torch.randperm(nd, generator=cpu_gen)
-        w["cand_offsets"] = torch.arange(nq + 1, dtype=torch.int64) * per_q
-        w["per_q"] = per_q
-    else:
-        raise ValueError(name)
-    q_lens = torch.full((nq,), lq)
-    w.update(nq=nq, lq=lq, nd=nd, d_lens=d_lens)
-    w["q_off"], w["d_off"] = offsets_of(q_lens), offsets_of(d_lens)
-    w["queries"] = unit(int(w["q_off"][-1]), DIM, gen)
-    w["docs"] = unit(int(w["d_off"][-1]), DIM, gen)
-    w["tq"], w["td"] = int(w["q_off"][-1]), int(w["d_off"][-1])
-    if name == "rerank":
-        scored = int(w["d_lens"][w["cand_docs"]].sum())
-        w["flops"] = 2.0 * lq * scored * DIM
-        w["bytes"] = scored * DIM * 2.0
-    else:
-        w["flops"] = 2.0 * w["tq"] * w["td"] * DIM
-        w["bytes"] = w["td"] * DIM * 2.0
-    return w
+log = make_log("bench_kernels", clock=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -149,22 +77,9 @@ def ours(w: dict[str, Any], config: Any = None) -> Callable[[], torch.Tensor]:
     return lambda: maxsim_varlen(q, qo, d, do)
 
 
-def _padded_inputs(w: dict[str, Any]) -> dict[str, torch.Tensor]:
-    if "qp" not in w:
-        w["qp"] = w["queries"].view(w["nq"], w["lq"], DIM)
-        if w["name"] == "rerank":
-            docs = w["docs"].view(w["nd"], 180, DIM)[w["cand_docs"].to(device())]
-            w["dp"] = docs.view(w["nq"], w["per_q"], 180, DIM)  # the gathered copy the peers need
-            w["dmask"] = torch.ones(w["nq"], w["per_q"], 180, dtype=torch.bool, device=device())
-        else:
-            width = int(w["d_lens"].max())
-            w["dp"], w["dmask"] = padded(w["docs"], w["d_off"], width)
-    return w
-
-
 def naive(w: dict[str, Any], dtype: torch.dtype) -> Callable[[], torch.Tensor]:
     """Padded einsum in `dtype`, -inf masked amax over document tokens, fp32 sum over query tokens."""
-    w = _padded_inputs(w)
+    w = padded_inputs(w)
     qp, dp, mask = w["qp"], w["dp"], w["dmask"]
     budget = 10e9  # bytes of similarities per chunk
     if w["name"] == "rerank":
@@ -194,37 +109,11 @@ def naive(w: dict[str, Any], dtype: torch.dtype) -> Callable[[], torch.Tensor]:
     return run
 
 
-def flash(w: dict[str, Any]) -> Callable[[], torch.Tensor]:
-    import flash_maxsim as fm
-
-    if w["name"] == "one_query":
-        cu = w["d_off"].to(device(), torch.int32)
-        return lambda: fm.flash_maxsim(w["queries"], w["docs"], cu)[None]
-    w = _padded_inputs(w)
-    if w["name"] == "colpali":
-        return lambda: fm.flash_maxsim(w["queries"], w["dp"])[None]
-    if w["name"] == "rerank":
-        return lambda: fm.flash_maxsim_batched(w["qp"], w["dp"], shared_docs=False)
-    lens = w["d_lens"].to(device(), torch.int32)
-    return lambda: fm.flash_maxsim_batched(w["qp"], w["dp"], doc_lengths=lens)
-
-
 def flash_splitk(w: dict[str, Any]) -> Callable[[], torch.Tensor]:
     import flash_maxsim as fm
 
-    w = _padded_inputs(w)
+    w = padded_inputs(w)
     return lambda: fm.flash_maxsim(w["queries"], w["dp"], splitk=True)[None]
-
-
-def lik(w: dict[str, Any]) -> Callable[[], torch.Tensor]:
-    import late_interaction_kernels as lk
-
-    if w["name"] in ("rerank", "colpali"):
-        w = _padded_inputs(w)
-        return lambda: lk.maxsim(w["qp"], w["dp"]).view(w["nq"], -1)
-    cq, cd = w["q_off"].to(device(), torch.int32), w["d_off"].to(device(), torch.int32)
-    max_q, max_d = int(w["lq"]), int(w["d_lens"].max())
-    return lambda: lk.maxsim_varlen(w["queries"], w["docs"], cq, cd, max_q, max_d)
 
 
 METHODS: dict[str, Callable[..., Callable[[], torch.Tensor]]] = {
@@ -259,28 +148,6 @@ def reference(w: dict[str, Any]) -> tuple[torch.Tensor, slice]:
     cols = slice(0, min(w["nd"], 2000)) if w["name"] == "exhaustive" else slice(None)
     n = cols.stop if cols.stop is not None else w["nd"]
     return maxsim_reference(q, qo, d[: int(do[n])], do[: n + 1]), cols
-
-
-def time_ms(fn: Callable[[], Any], slow: bool, quick: bool = False) -> float:
-    if SMOKE["on"] or not torch.cuda.is_available():
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    import triton
-
-    if slow:  # one warm-up call, one timed call
-        fn()
-        sync()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        sync()
-        return start.elapsed_time(end)
-    if quick:
-        return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
 def peak_extra_bytes(fn: Callable[[], Any]) -> int:
@@ -441,36 +308,12 @@ def run_sweep(workloads: list[str], out_path: str | None) -> None:
         w = make_workload(name)
         ref, cols = reference(w)
         sweep_workload(w, ref, cols, rows, quick=False)
-        write(out_path, {"sweep": rows, "meta": meta()})
+        write_json(out_path, {"sweep": rows, "meta": meta(dtype="float16", dim=DIM)})
         del w
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
 # --------------------------------------------------------------------------------------------------
-
-
-def meta() -> dict[str, Any]:
-    import triton
-
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "command": " ".join(["python", "benchmarks/bench_kernels.py", *sys.argv[1:]]),
-        "dtype": "float16",
-        "dim": DIM,
-    }
-
-
-def write(path: str | None, data: dict[str, Any]) -> None:
-    if path is None:
-        return
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
 
 
 def main() -> None:
@@ -500,7 +343,7 @@ def main() -> None:
     ceil = ceilings()
     log(f"ceilings: {ceil}")
     rows: list[dict[str, Any]] = []
-    result: dict[str, Any] = {"meta": meta(), "ceilings": ceil, "rows": rows}
+    result: dict[str, Any] = {"meta": meta(dtype="float16", dim=DIM), "ceilings": ceil, "rows": rows}
     for name in workloads:
         w = make_workload(name)
         ref, cols = reference(w)
@@ -509,7 +352,7 @@ def main() -> None:
         if args.tune:
             best = sweep_workload(w, ref, cols, result.setdefault("sweep", []))
             result.setdefault("tuned", {})[name] = best.__dict__ if best is not None else None
-            write(args.out, result)
+            write_json(args.out, result)
         for method in args.methods.split(",") if args.methods else methods_for(name):
             if method not in methods_for(name):
                 continue
@@ -519,7 +362,7 @@ def main() -> None:
                 rows.append(measure(w, "maxsim_table_default", ours(w), ref, cols, ceil))
             else:
                 rows.append(measure(w, method, METHODS[method](w), ref, cols, ceil))
-            write(args.out, result)
+            write_json(args.out, result)
         del w, ref
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -527,7 +370,7 @@ def main() -> None:
         cold_methods = [m for m in ("maxsim", "flash_maxsim", "lik") if not args.methods or m in args.methods]
         peer_workloads = args.cold_workloads.split(",") if args.cold_workloads else workloads
         result["cold_start_s"] = cold_starts(cold_methods, workloads, peer_workloads)
-        write(args.out, result)
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

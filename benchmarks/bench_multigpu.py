@@ -4,7 +4,7 @@ Workload (the `score` benchmark's, bench_score.py): 512 queries x 32 tokens agai
 L2-normalised random token vectors, d = 128 (256 B a token), document lengths uniform in [20, 300]
 (mean 160), 512 MiB shards, 10 GB by default, top-k 1000, the run written to local disk. The corpus is
 written in this run (so it sits in the page cache) and read alone as fast as the cores can
-(`bench_score.read_files`); a warm-up on a small corpus on each GPU, alone and together, compiles the
+(`common.read_files`); a warm-up on a small corpus on each GPU, alone and together, compiles the
 Triton kernels and starts CUDA on both devices, as `bench_score` warms up before its first run.
 
 Configurations (``--configs``), alternated in the order given, each run's wall time from the call to the
@@ -22,7 +22,7 @@ Every run must be byte for byte the same file. JSON lines are appended to ``--lo
 so a run cut short still leaves its figures.
 
     python benchmarks/bench_multigpu.py --workdir /var/tmp/mgpu --size 10GB \\
-        --configs 1gpu,2gpu,cli-1gpu,cli-2gpu --out benchmarks/results/multigpu-h200x2.json
+        --configs 1gpu,2gpu,cli-1gpu,cli-2gpu --out benchmarks/results/scaling/multigpu-h200x2.json
 
 ``--cpu`` runs the same script with CPU "devices" on a small corpus: a check of the script, not a
 measurement.
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import hashlib
 import json
 import os
 import platform
@@ -45,19 +44,14 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from common import DIM, MAX_LEN, MIN_LEN, QUERY_TOKENS, build_queries, read_files, sha256, write_json
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_score  # noqa: E402
+import maxsim_cli.score as score_module
+from maxsim_cli import distributed
+from maxsim_cli.score import score
+from maxsim_cli.shards import write_shard
+from maxsim_cli.units import format_size, parse_size
 
-import maxsim_cli.score as score_module  # noqa: E402
-from maxsim_cli import distributed  # noqa: E402
-from maxsim_cli.score import score  # noqa: E402
-from maxsim_cli.shards import write_shard  # noqa: E402
-from maxsim_cli.units import format_size, parse_size  # noqa: E402
-
-DIM = 128
-MIN_LEN, MAX_LEN = 20, 300
-QUERY_TOKENS = 32
 TOP_K = 1000
 
 _log_path: str | None = None
@@ -111,22 +105,6 @@ def build_corpus(
         for job in jobs:
             job.result()
     return sorted(os.path.join(root, n) for n in os.listdir(root) if n.endswith(".safetensors"))
-
-
-def build_queries(path: str, n: int, device: torch.device, seed: int = 1) -> None:
-    gen = torch.Generator(device=device).manual_seed(seed)
-    emb = torch.randn(n * QUERY_TOKENS, DIM, generator=gen, device=device)
-    emb = torch.nn.functional.normalize(emb, dim=1).to(torch.float16).cpu()
-    offsets = torch.arange(0, n * QUERY_TOKENS + 1, QUERY_TOKENS, dtype=torch.int64)
-    write_shard(path, [f"q{i:04d}" for i in range(n)], emb, offsets=offsets, dtype="float16", normalized=True)
-
-
-def sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -242,8 +220,8 @@ def main() -> None:
     data_s = time.perf_counter() - t0
     log(f"data: {len(paths)} shards, {format_size(corpus_bytes)} in {data_s:.1f} s")
     record("data", shards=len(paths), corpus_bytes=corpus_bytes, seconds=data_s)
-    bench_score.read_files(paths, threads)  # page cache warm
-    read_s = min(bench_score.read_files(paths, threads)[0] for _ in range(2))
+    read_files(paths, threads)  # page cache warm
+    read_s = min(read_files(paths, threads)[0] for _ in range(2))
     log(f"page cache read alone: {read_s:.2f} s ({corpus_bytes / read_s / 1e9:.1f} GB/s, {threads} threads)")
     record("read", seconds=read_s, GBps=corpus_bytes / read_s / 1e9)
 
@@ -315,11 +293,8 @@ def main() -> None:
             )
     log(f"identical output: {same}")
     record("summary", **{k: v for k, v in summary.items() if k != "runs"})
-    text = json.dumps(summary, indent=2, sort_keys=True)
-    print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
+    print(json.dumps(summary, indent=2, sort_keys=True))
+    write_json(args.out, summary, indent=2, sort_keys=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ staging arena (492 MiB, in 56 MiB pieces as `pipeline.PinnedArena` does). Varian
                            malloc'ed memory with 8 threads (pinned_use_cuda_host_register)
 Each line also gives the host-to-GPU copy rate from the locked memory.
 
-    python benchmarks/bench_pinning.py > benchmarks/results/pin-h200.txt
+    python benchmarks/bench_pinning.py > benchmarks/results/host/pin-h200.txt
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Time `RunWriter` on a run of 512 queries x 1000 documents (the `maxsim score` default top-k), on this
 machine: ids like MS MARCO's, scores already in descending order as the engine hands them over.
 
-    python benchmarks/bench_run_writer.py --out benchmarks/results/run-writer-cpu.json
+    python benchmarks/bench_run_writer.py --out benchmarks/results/host/run-writer-cpu.json
 
 `--compare-with FILE` times the RunWriter of another version of maxsim_cli/runs.py on the same rows in
 the same run, e.g. the one before the one-format-per-query change:

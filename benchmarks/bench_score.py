@@ -28,10 +28,12 @@ run on a small corpus) against the CPU backend (`maxsim_varlen`, backend torch) 
 already in memory, in the engine's batch sizes; the figure of merit is the ratio of their throughputs
 (target >= 0.8), best against best and per pair of neighbouring runs.
 
-    python benchmarks/bench_score.py gpu --workdir /tmp/maxsim-bench --out benchmarks/results/score-h200.json
-    python benchmarks/bench_score.py cpu --workdir /tmp/maxsim-bench --out benchmarks/results/score-cpu.json
-    python benchmarks/bench_score.py gpu --workdir /var/tmp/mb --int8 --batch-times \
-        --out benchmarks/results/score-int8-h200.json
+    python benchmarks/bench_score.py gpu --workdir /tmp/maxsim-bench \\
+        --out benchmarks/results/score/score-h200.json
+    python benchmarks/bench_score.py cpu --workdir /tmp/maxsim-bench \\
+        --out benchmarks/results/cpu/score-cpu.json
+    python benchmarks/bench_score.py gpu --workdir /var/tmp/mb --int8 --batch-times \\
+        --out benchmarks/results/int8/score-int8-h200.json
 """
 
 from __future__ import annotations
@@ -44,19 +46,27 @@ import os
 import platform
 import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from common import (
+    BATCHES,
+    DIM,
+    QUERY_TOKENS,
+    batch_report,
+    build_corpus,
+    build_queries,
+    copy_bandwidth,
+    instrument_batches,
+    kernel_time,
+    load_batches,
+    read_files,
+    write_json,
+)
 
 from maxsim_cli.score import score
-from maxsim_cli.shards import open_corpus, write_shard
+from maxsim_cli.shards import open_corpus
 from maxsim_cli.units import format_size, parse_size
-
-DIM = 128
-MIN_LEN, MAX_LEN = 20, 300
-QUERY_TOKENS = 32
 
 
 def log(msg: str) -> None:
@@ -64,146 +74,7 @@ def log(msg: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# data
-
-
-def build_corpus(
-    root: str, total_bytes: int, shard_bytes: int, device: torch.device, seed: int = 0
-) -> list[str]:
-    """fp16 shards totalling ~total_bytes under root (reused when already there)."""
-    os.makedirs(root, exist_ok=True)
-    done = os.path.join(root, ".complete")
-    if os.path.exists(done):
-        return sorted(os.path.join(root, n) for n in os.listdir(root) if n.endswith(".safetensors"))
-    gen = torch.Generator(device=device).manual_seed(seed)
-    token_bytes = DIM * 2
-    paths, doc_id, written = [], 0, 0
-    num_shards = max(1, -(-total_bytes // shard_bytes))
-    for _ in range(num_shards):
-        tokens_goal = max(total_bytes // num_shards // token_bytes, MAX_LEN)
-        draws = tokens_goal // MIN_LEN + 1  # more lengths than needed, cut where the tokens run out
-        lengths = torch.randint(MIN_LEN, MAX_LEN + 1, (draws,), generator=gen, device=device)
-        lengths = lengths[: int((lengths.cumsum(0) <= tokens_goal).sum().item()) or 1]
-        tokens = int(lengths.sum())
-        emb = torch.randn(tokens, DIM, generator=gen, device=device)
-        emb = torch.nn.functional.normalize(emb, dim=1).to(torch.float16).cpu()
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cpu().cumsum(0)])
-        ids = [f"d{doc_id + i:09d}" for i in range(len(lengths))]
-        path = os.path.join(root, f"shard{len(paths):04d}.safetensors")
-        write_shard(path, ids, emb, offsets=offsets, dtype="float16", normalized=True)
-        paths.append(path)
-        doc_id += len(lengths)
-        written += tokens * token_bytes
-        log(f"wrote {path}: {len(lengths)} docs, {format_size(tokens * token_bytes)}")
-    # The pages just written are dirty: their writeback to disk would run during the first timed run
-    # (on the H200 machine a first run right after writing 10 GB took 1.31 s, 0.76 s once written back)
-    os.sync()
-    open(done, "w").close()
-    return paths
-
-
-def build_queries(path: str, n: int, device: torch.device, seed: int = 1) -> None:
-    gen = torch.Generator(device=device).manual_seed(seed)
-    emb = torch.randn(n * QUERY_TOKENS, DIM, generator=gen, device=device)
-    emb = torch.nn.functional.normalize(emb, dim=1).to(torch.float16).cpu()
-    offsets = torch.arange(0, n * QUERY_TOKENS + 1, QUERY_TOKENS, dtype=torch.int64)
-    write_shard(path, [f"q{i:04d}" for i in range(n)], emb, offsets=offsets, dtype="float16", normalized=True)
-
-
-# --------------------------------------------------------------------------------------------------
 # stages alone
-
-
-def drain_pieces(pieces: list[tuple[str, int]], lock: threading.Lock, view: memoryview) -> int:
-    """Take (path, offset) pieces from the shared list until it is empty, each read with `os.preadv`
-    into `view` (a piece is `len(view)` bytes, or less at a file's end); returns the bytes read."""
-    fds: dict[str, int] = {}
-    n = 0
-    try:
-        while True:
-            with lock:
-                if not pieces:
-                    return n
-                path, start = pieces.pop()
-            if path not in fds:
-                fds[path] = os.open(path, os.O_RDONLY)
-            done = 0
-            while done < len(view):
-                got = os.preadv(fds[path], [view[done:]], start + done)
-                if not got:
-                    break
-                done += got
-            n += done
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-
-
-def read_files(paths: list[str], threads: int, chunk: int = 32 << 20, nice: int = 0) -> tuple[float, int]:
-    """Read every file's bytes with `threads` threads into reused buffers (pinned where CUDA is up, as
-    the engine's staging slots are): the files cut into `chunk`-byte pieces that the threads take from
-    one queue, so all threads stay busy to the end. (Dealing whole files to threads left most threads
-    idle while a few read a second 512 MiB file: 20 files on 16 threads measured 13.5 GB/s on the H200
-    machine, pieces 44 GB/s; benchmarks/probe_read_rate.py.) `nice` lowers the threads' priority (Linux)."""
-    pieces = [(p, start) for p in paths for start in range(0, os.path.getsize(p), chunk)]
-    pieces.reverse()
-    lock = threading.Lock()
-    total = [0]
-    pinned = torch.cuda.is_available()
-    buffers = [torch.empty(chunk, dtype=torch.uint8, pin_memory=pinned) for _ in range(threads)]
-
-    def worker(i: int) -> None:
-        if nice:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-        n = drain_pieces(pieces, lock, memoryview(buffers[i].numpy()).cast("B"))
-        with lock:
-            total[0] += n
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        for f in [pool.submit(worker, i) for i in range(threads)]:
-            f.result()
-    return time.perf_counter() - start, total[0]
-
-
-def copy_bandwidth(total_bytes: int, device: torch.device, chunk: int = 256 << 20) -> float:
-    """Seconds to copy total_bytes host->device from a pinned buffer, chunk by chunk on one stream."""
-    host = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(chunk, dtype=torch.uint8, device=device)
-    dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(max(1, total_bytes // chunk)):
-        dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    return elapsed * total_bytes / (max(1, total_bytes // chunk) * chunk)
-
-
-def load_batches(
-    paths: list[str], max_tokens: int, device: torch.device
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The corpus in batches of at most max_tokens tokens, on `device`, offsets on the host."""
-    corpus = open_corpus(paths)
-    out = []
-    for shard in corpus.shards:
-        for batch in shard.iter_batches(max_tokens):
-            out.append((batch.embeddings.to(device), batch.offsets))
-    corpus.close()
-    return out
-
-
-def kernel_time(batches, queries: torch.Tensor, q_offsets: torch.Tensor, backend: str) -> float:
-    from maxsim_kernels import maxsim_varlen
-
-    maxsim_varlen(queries, q_offsets, *batches[0], backend=backend)  # compile / warm caches
-    sync = torch.cuda.synchronize if queries.is_cuda else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    for docs, offsets in batches:
-        maxsim_varlen(queries, q_offsets, docs, offsets, backend=backend)
-    sync()
-    return time.perf_counter() - start
 
 
 def merge_time(num_queries: int, num_docs: int, k: int, device: torch.device, blocks: int = 20) -> dict:
@@ -286,13 +157,11 @@ def bench_gpu(args: argparse.Namespace) -> dict:
     # warm-up: compile the kernels and touch every code path on a small corpus
     run_score(qpath, small, os.path.join(work, "warm.trec"), device="cuda")
     e2e_out = os.path.join(work, "run-unbounded.trec")
-    if args.batch_times:  # per-batch host and GPU times of the first run (profile_first_pass.py)
-        import profile_first_pass
-
-        profile_first_pass._instrument()
+    if args.batch_times:  # per-batch host and GPU times of the first run
+        instrument_batches()
     e2e = run_score(qpath, paths, e2e_out, device="cuda")
     if args.batch_times:
-        log(f"first run, per batch:\n{profile_first_pass.batch_report()}")
+        log(f"first run, per batch:\n{batch_report()}")
     budget = run_score(qpath, paths, os.path.join(work, "run-2gib.trec"), device="cuda", max_memory=2 << 30)
     same = filecmp.cmp(e2e_out, os.path.join(work, "run-2gib.trec"), shallow=False)
     k100 = run_score(qpath, paths, os.path.join(work, "run-k100.trec"), device="cuda", top_k=100)
@@ -379,12 +248,10 @@ def bench_int8_e2e(
         for name, corpus in (("fp16", paths), ("int8", int8_paths)):
             timed = args.batch_times and name == "int8" and i == 0
             if timed:  # instrumented by bench_gpu's first run
-                import profile_first_pass
-
-                profile_first_pass._batches.clear()
+                BATCHES.clear()
             st = run_score(qpath, corpus, os.path.join(work, f"run-{name}.trec"), device=device)
             if timed:
-                log(f"first int8 run, per batch:\n{profile_first_pass.batch_report()}")
+                log(f"first int8 run, per batch:\n{batch_report()}")
             times[name].append(st.wall_s)
             if st.wall_s <= min(times[name]):
                 stats[name] = st.as_dict()
@@ -481,11 +348,8 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "date": datetime.date.today().isoformat(),
     }
-    text = json.dumps(result, indent=2, sort_keys=True)
-    print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
+    print(json.dumps(result, indent=2, sort_keys=True))
+    write_json(args.out, result, indent=2, sort_keys=True)
 
 
 if __name__ == "__main__":

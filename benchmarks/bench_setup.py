@@ -3,7 +3,7 @@ document count of the H200 end-to-end benchmark: 19 safetensors shards, 244,150 
 tokens, with dim 8 so the files stay small (the set-up does not read embeddings). The scoring pass is
 skipped. Host-only work, so any machine measures it; best of --repeats runs in one process.
 
-    python benchmarks/bench_setup.py --workdir /tmp/mb-setup --out benchmarks/results/setup-cpu.json
+    python benchmarks/bench_setup.py --workdir /tmp/mb-setup --out benchmarks/results/host/setup-cpu.json
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ relative gradient error ||g - g_ref|| / ||g_ref|| of dQ and dD against float64 (
 in float64, gradients reduced in float64), and whether two runs give bitwise-equal gradients.
 Our backward is also broken down (forward, CSR build, dQ kernel, CSR + dD).
 
-    python benchmarks/bench_train.py --out benchmarks/results/train-h200.json
+    python benchmarks/bench_train.py --out benchmarks/results/train/train-h200.json
 """
 
 from __future__ import annotations
@@ -37,15 +37,11 @@ from collections.abc import Callable
 import maxsim_kernels
 import torch
 import triton
+from common import DIM, TRAIN_SHAPES, host_time, training_inputs, write_json
 from maxsim_kernels import maxsim_backward as mb
 from triton.testing import do_bench
 
-SHAPES = {
-    "colbert-128": (128, 32, 128, 180),
-    "colbert-256": (128, 32, 256, 180),
-    "colpali-32": (32, 1024, 32, 1024),
-}
-DIM = 128
+SHAPES = TRAIN_SHAPES
 DEVICE = "cuda"
 Grads = tuple[torch.Tensor, torch.Tensor]
 
@@ -57,20 +53,6 @@ def log(msg: str) -> None:
 # ------------------------------------------------------------------------------------------------------
 # inputs and the float64 reference
 # ------------------------------------------------------------------------------------------------------
-
-
-def make_inputs(nq: int, lq: int, nd: int, ld: int, dtype: torch.dtype, seed: int) -> dict:
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    q = torch.nn.functional.normalize(torch.randn(nq * lq, DIM, device=DEVICE, generator=gen), dim=-1)
-    d = torch.nn.functional.normalize(torch.randn(nd * ld, DIM, device=DEVICE, generator=gen), dim=-1)
-    return {
-        "q": q.to(dtype),
-        "d": d.to(dtype),
-        "qo": torch.arange(0, nq * lq + 1, lq, device=DEVICE, dtype=torch.int64),
-        "do": torch.arange(0, nd * ld + 1, ld, device=DEVICE, dtype=torch.int64),
-        "g": torch.randn(nq, nd, device=DEVICE, generator=gen),
-        "shape": (nq, lq, nd, ld),
-    }
 
 
 def reference_grads(x: dict) -> Grads:
@@ -207,20 +189,6 @@ def measure(method: str, x: dict, ref: Grads) -> dict:
 # ------------------------------------------------------------------------------------------------------
 
 
-def host_time(step: Callable[[], Grads], steps: int = 50) -> float:
-    """Milliseconds of host time a step takes to enqueue (no synchronisation inside the loop): when it
-    exceeds the GPU time, the step is bound by Python and launch overheads."""
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / steps * 1e3
-
-
 def profile_host(step: Callable[[], Grads], title: str, path: str, steps: int = 200) -> None:
     """Append the cProfile of `steps` enqueued steps (host time by function, no synchronisation) to path."""
     import cProfile
@@ -323,16 +291,14 @@ def main() -> None:
     }
 
     def save() -> None:
-        with open(args.out + ".tmp", "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(args.out + ".tmp", args.out)
+        write_json(args.out, result)
 
     started = time.perf_counter()
     for shape_name in args.shapes.split(","):
         for dtype in (torch.float16, torch.float32):
             if dtype == torch.float32 and shape_name not in args.fp32_shapes.split(","):
                 continue
-            x = make_inputs(*SHAPES[shape_name], dtype, seed=0)
+            x = training_inputs(*SHAPES[shape_name], dtype, seed=0, dev=DEVICE)
             ref = reference_grads(x)
             for method in args.methods.split(","):
                 if dtype == torch.float32 and method not in FP32_METHODS:

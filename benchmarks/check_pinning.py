@@ -5,7 +5,7 @@ warm-up on a small corpus, with PyTorch's default pinned allocator (cudaHostAllo
 threaded registration (`pinned_use_cuda_host_register:True,pinned_num_register_threads:8`: malloc, then
 cudaHostRegister), three processes each, and compares every run file with the first default run.
 
-    python benchmarks/check_pinning.py > benchmarks/results/check-pinning-h200.txt
+    python benchmarks/check_pinning.py > benchmarks/results/host/check-pinning-h200.txt
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import subprocess
 import sys
 
 import torch
+from common import build_corpus, build_queries
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_score  # noqa: E402
+from maxsim_cli.score import score
 
 WORK = "/var/tmp/mb-pinning"
 THREADED = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
@@ -36,14 +36,14 @@ def one_process(variant: str, process: int) -> None:
         torch.cuda.memory._set_allocator_settings(THREADED)
     queries = os.path.join(WORK, "queries.safetensors")
     quiet = lambda _msg: None  # noqa: E731
-    bench_score.score(queries, shards(os.path.join(WORK, "small")), output=os.path.join(WORK, "warm.trec"),
+    score(queries, shards(os.path.join(WORK, "small")), output=os.path.join(WORK, "warm.trec"),
                       log=quiet, device="cuda")  # fmt: skip
     reference = os.path.join(WORK, "default-p0-r0.trec")
     for run in range(2):
         out = os.path.join(WORK, f"{variant}-p{process}-r{run}.trec")
         name = f"{variant} process {process} run {run}"
         try:
-            stats = bench_score.score(queries, shards(os.path.join(WORK, "corpus")), output=out, log=quiet,
+            stats = score(queries, shards(os.path.join(WORK, "corpus")), output=out, log=quiet,
                                       device="cuda")  # fmt: skip
         except Exception as exc:  # a corrupted batch surfaces as an error somewhere downstream
             print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
@@ -59,9 +59,9 @@ def main() -> None:
         one_process(sys.argv[1], int(sys.argv[2]))
         return
     device = torch.device("cuda")
-    bench_score.build_corpus(os.path.join(WORK, "corpus"), 4 << 30, 512 << 20, device)
-    bench_score.build_queries(os.path.join(WORK, "queries.safetensors"), 512, device)
-    bench_score.build_corpus(os.path.join(WORK, "small"), 32 << 20, 16 << 20, device, seed=5)
+    build_corpus(os.path.join(WORK, "corpus"), 4 << 30, 512 << 20, device)
+    build_queries(os.path.join(WORK, "queries.safetensors"), 512, device)
+    build_corpus(os.path.join(WORK, "small"), 32 << 20, 16 << 20, device, seed=5)
     for process in range(3):
         for variant in ("default", "threaded"):
             proc = subprocess.run(

@@ -4,7 +4,7 @@ The bound is the ceiling measured in the same run: the fp16 matmul rate for the 
 (exhaustive, ColPali), the device-copy rate for the HBM-bound ones (one query, rerank). Needs matplotlib
 (not a dependency of maxsim: `pip install matplotlib`).
 
-    python benchmarks/plot_kernels.py benchmarks/results/kernels-h200.json docs/kernels-h200.svg
+    python benchmarks/plot_kernels.py benchmarks/results/kernels/kernels-h200.json docs/kernels-h200.svg
 """
 
 from __future__ import annotations

@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
-import sys
 import time
 from collections.abc import Callable
 
@@ -25,8 +23,7 @@ import torch
 from maxsim_kernels import maxsim_varlen
 from maxsim_kernels.maxsim_int8 import quantize_per_token
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from maxsim_cli.topk import RunningTopK  # noqa: E402
+from maxsim_cli.topk import RunningTopK
 
 QUERIES, QUERY_TOKENS, DIM, TOP_K = 512, 32, 128, 1000
 

@@ -2,7 +2,7 @@
 
 The `score` benchmark's pass (fp16, 10 GB, 512 queries) takes ~0.69 s against 0.43 s for the kernel alone
 in the same batch sizes, and neither fewer launches per batch, nor fewer reader threads, nor larger
-batches moved it (benchmarks/results/ab-trees-*.json, pass-breakdown-*.json). This replays the pass on
+batches moved it (benchmarks/results/score/ab-trees-*.json, pass-breakdown-*.json). This replays the pass on
 GPU-resident batches, adding one ingredient at a time, each timed back to back over all batches (best of
 ``--repeats``):
 
@@ -22,22 +22,17 @@ queries quantized once as the engine does.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import threading
 import time
 
 import torch
+from common import prepare_score_corpus, read_files, write_json
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_score  # noqa: E402
-import score_corpus  # noqa: E402
-
-from maxsim_cli.pipeline import batch_check  # noqa: E402
-from maxsim_cli.score import score  # noqa: E402
-from maxsim_cli.shards import open_corpus  # noqa: E402
-from maxsim_cli.topk import RunningTopK  # noqa: E402
+from maxsim_cli.pipeline import batch_check
+from maxsim_cli.score import score
+from maxsim_cli.shards import open_corpus
+from maxsim_cli.topk import RunningTopK
 
 
 def load_batches(paths: list[str], max_tokens: int, device: torch.device) -> list[tuple]:
@@ -115,14 +110,14 @@ def main() -> None:
     from maxsim_kernels.maxsim_int8 import quantize_per_token
 
     device = torch.device("cuda")
-    corpora, qpath = score_corpus.prepare(args.workdir, device, "10GB")
+    corpora, qpath = prepare_score_corpus(args.workdir, device, "10GB")
     out = os.path.join(args.workdir, "gpu-side.trec")
     result: dict[str, dict] = {}
     stop = threading.Event()
 
     def reader(files: list[str], threads: int, nice: int) -> None:
         while not stop.is_set():
-            bench_score.read_files(files, threads, nice=nice)
+            read_files(files, threads, nice=nice)
 
     for precision in args.precisions.split(","):
         paths = corpora[precision]
@@ -154,9 +149,7 @@ def main() -> None:
         result[precision] = {"rows": rows, "batches": len(batches), "score_stats": st.as_dict()}
         del batches
         torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
-            json.dump(result, fh, indent=2)
+    write_json(args.out, result, indent=2)
 
 
 if __name__ == "__main__":

@@ -7,11 +7,12 @@ page-locked slots round-robin, each taken again once a CUDA event says its copy 
 the host side of N copies of each size both ways, each queued behind a short kernel with the host at
 most two steps ahead (as in `maxsim score`'s pass), alternating the ways over `--rounds`.
 
-Result (`host-copy-h200.json`, 2026-11-30): the launchers' way 21-25 us a copy, the ring 39-52 us
-(its event queries and locking cost more than the allocator's cached blocks), and `maxsim score` end to
-end no faster with the ring (`ab-trees-h200-staging-ring.json`); the ring was not adopted.
+Result (`benchmarks/results/host/host-copy-h200.json`, 2026-11-30): the launchers' way 21-25 us a
+copy, the ring 39-52 us (its event queries and locking cost more than the allocator's cached blocks),
+and `maxsim score` end to end no faster with the ring
+(`benchmarks/results/score/ab-trees-h200-staging-ring.json`); the ring was not adopted.
 
-    python benchmarks/probe_host_copy.py --out benchmarks/results/host-copy-h200.json
+    python benchmarks/probe_host_copy.py --out benchmarks/results/host/host-copy-h200.json
 """
 
 from __future__ import annotations

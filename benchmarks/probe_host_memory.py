@@ -22,17 +22,15 @@ GPU's local node, then times, on the `score` benchmark's 10 GB corpus (warm page
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
-import sys
 import threading
 import time
 
 import torch
+from common import build_corpus, drain_pieces, read_files, write_json
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_score  # noqa: E402
+from maxsim_cli.units import parse_size
 
 CHUNK = 32 << 20
 
@@ -96,7 +94,7 @@ def read_pieces(files: list[str], threads: int, cpus: list[int] | None) -> tuple
         view = memoryview(buf.numpy()).cast("B")
         ready.wait()
         go.wait()
-        n = bench_score.drain_pieces(pieces, lock, view)
+        n = drain_pieces(pieces, lock, view)
         with lock:
             total[0] += n
 
@@ -210,14 +208,14 @@ def main() -> None:
     print("nodes:", {n: f"{len(c)} cpus {c[0]}-{c[-1]}" for n, c in topo["nodes"].items()})
     for g in topo["gpus"]:
         print(f"GPU {g['index']} {g['bus']}: node {g['numa_node']}, {len(g['local_cpus'] or [])} local cpus")
-    files = bench_score.build_corpus(
+    files = build_corpus(
         os.path.join(args.workdir, "corpus"),
-        bench_score.parse_size(args.size),
+        parse_size(args.size),
         512 << 20,
         torch.device("cuda"),
     )
     size = sum(os.path.getsize(p) for p in files)
-    bench_score.read_files(files, 16)  # warm the page cache
+    read_files(files, 16)  # warm the page cache
     nodes = topo["nodes"]
     gpu_cpus = [g["local_cpus"] for g in topo["gpus"]][:2]
     rows: dict[str, list[float]] = {}
@@ -266,9 +264,7 @@ def main() -> None:
     print(f"\n{size / 1e9:.2f} GB corpus, {len(files)} files; GB/s, best (all runs)")
     for name, rates in rows.items():
         print(f"{name:40s} {max(rates):6.1f}  ({', '.join(f'{r:.1f}' for r in rates)})")
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
-            json.dump({"topology": topo, "gb_per_s": rows, "bytes": size}, fh, indent=2)
+    write_json(args.out, {"topology": topo, "gb_per_s": rows, "bytes": size}, indent=2)
 
 
 if __name__ == "__main__":

@@ -18,23 +18,18 @@ microseconds per call with nothing synchronised inside the loop:
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 from collections.abc import Callable
 
 import maxsim_kernels
 import torch
+from common import host_time, write_json
 from maxsim_kernels import maxsim_backward as mb
 from maxsim_kernels._validate import cdiv
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_train  # noqa: E402
-
 
 def host_us(fn: Callable[[], object], calls: int = 2000) -> float:
-    """Microseconds of host time per call (`bench_train.host_time`: enqueued, no synchronisation)."""
-    return bench_train.host_time(fn, calls) * 1e3
+    """Microseconds of host time per call (`common.host_time`: enqueued, no synchronisation)."""
+    return host_time(fn, calls) * 1e3
 
 
 class _Identity(torch.autograd.Function):
@@ -142,9 +137,7 @@ def main() -> None:
     )
     for key, value in results.items():
         print(f"{key:36s} {value:.1f}" if isinstance(value, float) else f"{key:36s} {value}")
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
-            json.dump(results, fh, indent=1)
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import functools
 import gc
-import json
 import os
 import statistics
 import sys
@@ -30,15 +29,13 @@ from typing import Any
 
 import maxsim_kernels
 import torch
+from common import add_score_args, prepare_score_corpus, write_json
 from maxsim_kernels._validate import share_device_copy
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import score_corpus  # noqa: E402
-
-import maxsim_cli.pipeline as pipeline  # noqa: E402
-import maxsim_cli.score as score_module  # noqa: E402
-import maxsim_cli.topk as topk_module  # noqa: E402
-from maxsim_cli.units import parse_size  # noqa: E402
+import maxsim_cli.pipeline as pipeline
+import maxsim_cli.score as score_module
+import maxsim_cli.topk as topk_module
+from maxsim_cli.units import parse_size
 
 PARTS = ("copy", "kernel_call", "topk_add", "score_block")
 
@@ -140,12 +137,12 @@ def variant(name: str) -> Iterator[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    score_corpus.add_args(parser)
+    add_score_args(parser)
     parser.add_argument("--variants", default="default,readers=4,switch=0.5ms,gc-off")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     device = torch.device(args.device)
-    corpora, qpath = score_corpus.prepare(args.workdir, device, args.size)
+    corpora, qpath = prepare_score_corpus(args.workdir, device, args.size)
     out = os.path.join(args.workdir, "probe.trec")
     quiet = {"device": device.type, "log": lambda m: None}
     rows: dict[str, dict[str, Any]] = {}
@@ -190,9 +187,7 @@ def main() -> None:
                     f"{row['after_last_block_s']:.3f} s before writing"
                 )
                 print(line, flush=True)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
-            json.dump({"rows": rows, "cores": os.cpu_count()}, fh, indent=2)
+    write_json(args.out, {"rows": rows, "cores": os.cpu_count()}, indent=2)
 
 
 if __name__ == "__main__":

@@ -16,19 +16,17 @@ the `score` benchmark's 10 GB corpus (warm page cache):
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
-import sys
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+from common import build_corpus, read_files, write_json
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_score  # noqa: E402
+from maxsim_cli.units import parse_size
 
 READ_ONLY = 0x08  # cudaHostRegisterReadOnly
 
@@ -40,11 +38,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    total = bench_score.parse_size(args.size)
-    files = bench_score.build_corpus(
-        os.path.join(args.workdir, "corpus"), total, 512 << 20, torch.device("cuda")
-    )
-    bench_score.read_files(files, 16)
+    total = parse_size(args.size)
+    files = build_corpus(os.path.join(args.workdir, "corpus"), total, 512 << 20, torch.device("cuda"))
+    read_files(files, 16)
     cudart = torch.cuda.cudart()
     maps = []
     for path in files:
@@ -101,9 +97,7 @@ def main() -> None:
     print(f"{size / 1e9:.2f} GB in {len(files)} mapped files")
     for name, values in rows.items():
         print(f"{name:45s} best {max(values):7.1f}  ({', '.join(f'{v:.1f}' for v in values)})")
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
-            json.dump({"rows": rows, "bytes": size}, fh, indent=2)
+    write_json(args.out, {"rows": rows, "bytes": size}, indent=2)
 
 
 if __name__ == "__main__":

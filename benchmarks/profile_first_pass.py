@@ -16,9 +16,10 @@ same corpus ``--runs`` times in one fresh process and, for each run, records:
 ``--warm small`` scores a 32 MB corpus first (as `bench_score.py` does); ``--spin S`` keeps the GPU busy
 with matrix products for S seconds right before the first run. Comparing fresh processes with and
 without them (and with ``CUDA_MODULE_LOADING=EAGER``) separates a slow GPU from one-time host work.
-Corpus: `bench_score.py`'s generator (fp16, d = 128, 20-300 tokens), 512 queries x 32 tokens.
+Corpus: the `score` benchmark's generator (`common.build_corpus`: fp16, d = 128, 20-300 tokens), 512
+queries x 32 tokens.
 
-What it found (benchmarks/results/first-pass-*.txt): the whole difference sat in the first batch, on the
+What it found (benchmarks/results/score/first-pass-*.txt): the whole difference sat in the first batch, on the
 host (0.66-0.82 s: the process's first Triton launch, see profile_first_launch.py), with the SM clock at
 1980 MHz throughout; after a warm-up on a small corpus the first run was as fast as the next, once the
 plan no longer split a small corpus's queries into one-query passes (docs/benchmarks.md).
@@ -31,38 +32,24 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import sys
 import time
 
 import numpy as np
 import torch
+from common import (
+    BATCHES,
+    batch_report,
+    build_corpus,
+    build_queries,
+    copy_bandwidth,
+    instrument_batches,
+    read_files,
+)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_score  # noqa: E402
-
-from maxsim_cli import score as score_mod  # noqa: E402
-from maxsim_cli.units import parse_size  # noqa: E402
+from maxsim_cli.score import score
+from maxsim_cli.units import parse_size
 
 COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms")
-_batches: list[tuple[float, object, object]] = []  # (host seconds, start event, end event) per batch
-
-
-def _instrument() -> None:
-    """Record each scored batch's host launch time next to its GPU events (the engine's own timers)."""
-    engine = score_mod._Engine
-    timer, timer_end = engine._timer, engine._timer_end
-
-    def _timer(self):  # noqa: ANN001, ANN202
-        return (time.perf_counter(), timer(self))
-
-    def _timer_end(self, pair) -> None:  # noqa: ANN001
-        host_start, inner = pair
-        timer_end(self, inner)
-        if self.cuda:
-            start, end = self.score_events[-1]
-            _batches.append((time.perf_counter() - host_start, start, end))
-
-    engine._timer, engine._timer_end = _timer, _timer_end
 
 
 def counters() -> dict[str, int]:
@@ -109,28 +96,6 @@ class ClockTrace:
         self.proc.terminate()
 
 
-def batch_report() -> str:
-    if not _batches:
-        return "no batches recorded"
-    host = np.array([b[0] for b in _batches]) * 1e3
-    gpu = np.array([b[1].elapsed_time(b[2]) for b in _batches])  # ms
-    n = len(gpu)
-    tenth = max(n // 10, 1)
-    worst = np.argsort(gpu)[::-1][:5]
-    tenths = [round(float(gpu[i : i + tenth].sum()) / 1e3, 3) for i in range(0, n, tenth)]
-    slowest = [(int(i), round(float(gpu[i]), 2), round(float(host[i]), 2)) for i in worst]
-    lines = [
-        f"batches {n}: GPU ms per batch p10 {np.percentile(gpu, 10):.3f} / median {np.median(gpu):.3f} / "
-        f"p90 {np.percentile(gpu, 90):.3f} / max {gpu.max():.3f}; sum {gpu.sum() / 1e3:.3f} s",
-        f"  host ms per batch median {np.median(host):.3f} / p90 {np.percentile(host, 90):.3f} / max "
-        f"{host.max():.3f}; sum {host.sum() / 1e3:.3f} s",
-        f"  GPU s by tenth of the pass: {tenths}",
-        f"  slowest batches (index, GPU ms, host ms): {slowest}",
-    ]
-    _batches.clear()
-    return "\n".join(lines)
-
-
 def one_run(
     name: str, queries: str, paths: list[str], out: str, clocks: ClockTrace, rows: int, prof: bool
 ) -> str:
@@ -140,12 +105,12 @@ def one_run(
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-            stats = bench_score.score(queries, paths, output=out, log=lambda _m: None, device="cuda")
+            stats = score(queries, paths, output=out, log=lambda _m: None, device="cuda")
         table = p.key_averages().table(
             sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60
         )
     else:
-        stats = bench_score.score(queries, paths, output=out, log=lambda _m: None, device="cuda")
+        stats = score(queries, paths, output=out, log=lambda _m: None, device="cuda")
         table = ""
     end = time.perf_counter()
     delta = {k: v - before[k] for k, v in counters().items()}
@@ -185,22 +150,20 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="append the report here")
     args = parser.parse_args()
     device = torch.device("cuda")
-    paths = bench_score.build_corpus(
-        os.path.join(args.workdir, "corpus"), parse_size(args.size), 512 << 20, device
-    )
+    paths = build_corpus(os.path.join(args.workdir, "corpus"), parse_size(args.size), 512 << 20, device)
     queries = os.path.join(args.workdir, "queries.safetensors")
-    bench_score.build_queries(queries, 512, device)
-    small = bench_score.build_corpus(os.path.join(args.workdir, "small"), 32 << 20, 16 << 20, device, seed=5)
-    bench_score.read_files(paths, os.cpu_count() or 1)  # page cache warm
+    build_queries(queries, 512, device)
+    small = build_corpus(os.path.join(args.workdir, "small"), 32 << 20, 16 << 20, device, seed=5)
+    read_files(paths, os.cpu_count() or 1)  # page cache warm
     if args.copy_first:
-        bench_score.copy_bandwidth(sum(os.path.getsize(p) for p in paths), device)
-    _instrument()
+        copy_bandwidth(sum(os.path.getsize(p) for p in paths), device)
+    instrument_batches()
     clocks = ClockTrace()
     if args.warm == "small":
-        bench_score.score(
+        score(
             queries, small, output=os.path.join(args.workdir, "warm.trec"), log=lambda _m: None, device="cuda"
         )
-        _batches.clear()
+        BATCHES.clear()
     if args.spin:
         spin(args.spin)
     time.sleep(0.2)

@@ -4,24 +4,19 @@ The one-query workload of `bench_kernels.py` (1 query x 32 tokens against 100K d
 tokens, offsets on the GPU): `maxsim_varlen_int8` (the Triton int8 kernel) and `maxsim_varlen` (fp16).
 Run under ncu, e.g. (run_h200.sh step ncu-one-query):
 
-    ncu -k regex:"_maxsim_int8_varlen_kernel|_maxsim_varlen_kernel" --section SpeedOfLight \
-        --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+    ncu -k regex:"_maxsim_int8_varlen_kernel|_maxsim_varlen_kernel" --section SpeedOfLight \\
+        --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \\
         --section MemoryWorkloadAnalysis python benchmarks/profile_memory_bound.py
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
+from common import make_workload
+from maxsim_kernels import maxsim_varlen
+from maxsim_kernels.maxsim_int8 import maxsim_varlen_int8, quantize_per_token
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_kernels  # noqa: E402
-from maxsim_kernels import maxsim_varlen  # noqa: E402
-from maxsim_kernels.maxsim_int8 import maxsim_varlen_int8, quantize_per_token  # noqa: E402
-
-w = bench_kernels.make_workload("one_query")
+w = make_workload("one_query")
 q_off, d_off = w["q_off"].cuda(), w["d_off"].cuda()
 d8, sd = quantize_per_token(w["docs"])
 d16 = w["docs"].half()

@@ -1,6 +1,6 @@
 """Where the GPU's time goes in one `maxsim score` pass: a torch.profiler (CUPTI) timeline, summarised.
 
-The `score` benchmark's 10 GB corpus (fp16, and its int8 quantization, as `score_corpus.py` keeps
+The `score` benchmark's 10 GB corpus (fp16, and its int8 quantization, as `common.prepare_score_corpus` keeps
 them under --workdir), 512 queries, top-1000, after a warm-up on the small corpus. For each precision:
 one run unprofiled (wall time), one under the profiler. From the trace: GPU time by kernel name, the
 host->device copies, and on the stream that runs the scoring kernel its busy time against its span
@@ -17,16 +17,13 @@ import collections
 import gzip
 import json
 import os
-import sys
 from typing import Any
 
 import torch
+from common import add_score_args, prepare_score_corpus, write_json
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import score_corpus  # noqa: E402
-
-from maxsim_cli.score import score  # noqa: E402
+from maxsim_cli.score import score
 
 GAP_BINS_US = (5, 20, 50, 200, 1000)
 
@@ -90,11 +87,11 @@ def summarise(trace: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    score_corpus.add_args(parser)
+    add_score_args(parser)
     parser.add_argument("--traces", default=None, help="folder for the gzipped chrome traces")
     args = parser.parse_args()
     device = torch.device(args.device)
-    corpora, qpath = score_corpus.prepare(args.workdir, device, args.size)
+    corpora, qpath = prepare_score_corpus(args.workdir, device, args.size)
     quiet = {"device": device.type, "log": lambda m: None}
     result: dict[str, Any] = {}
     for precision, corpus in corpora.items():
@@ -130,9 +127,7 @@ def main() -> None:
             print(f"  {c['total_ms']:8.1f} ms {c['count']:6d}x  {name}")
         for name, g in s["gaps"].items():
             print(f"  gaps {name:>12s}: {g['count']:5d}, {g['total_ms']:.1f} ms")
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
-            json.dump(result, fh, indent=2)
+    write_json(args.out, result, indent=2)
 
 
 if __name__ == "__main__":

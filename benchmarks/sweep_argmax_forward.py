@@ -6,22 +6,19 @@ ColBERT training step at 256 documents is now bound by that forward on the GPU (
 Training). This times the table's choice against other tiles on the same tensors, in one run, and
 checks that every tile gives bitwise the same scores and argmax as the table's.
 
-    python benchmarks/sweep_argmax_forward.py --out benchmarks/results/argmax-sweep-h200.json
+    python benchmarks/sweep_argmax_forward.py --out benchmarks/results/train/argmax-sweep-h200.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
+from common import TRAIN_SHAPES, training_inputs, write_json
 from maxsim_kernels import maxsim_forward as fwd
 from triton.testing import do_bench
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_train  # noqa: E402
 
 # (block_q, block_t, docs_per_prog, num_warps, num_stages); None = the tuning table's choice
 COLBERT_TILES = [
@@ -59,7 +56,7 @@ def main() -> None:
     rows = []
     for shape, tiles in (("colbert-128", COLBERT_TILES), ("colbert-256", COLBERT_TILES),
                          ("colpali-32", COLPALI_TILES)):  # fmt: skip
-        x = bench_train.make_inputs(*bench_train.SHAPES[shape], torch.float16, seed=0)
+        x = training_inputs(*TRAIN_SHAPES[shape], torch.float16, seed=0)
         base = run_tile(x, None)
         for tile in tiles:
             row: dict = {"shape": shape, "tile": tile or "table"}
@@ -69,9 +66,7 @@ def main() -> None:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:200]
             rows.append(row)
             print(json.dumps(row), flush=True)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
-            json.dump({"command": " ".join(sys.argv), "rows": rows}, fh, indent=1)
+    write_json(args.out, {"command": " ".join(sys.argv), "rows": rows})
     print("\nshape         tile                        ms    same")
     for r in rows:
         same = r.get("same_as_table", r.get("error", ""))

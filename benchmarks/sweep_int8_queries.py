@@ -4,7 +4,7 @@
 `maxsim_int8_hopper.MIN_GROUPS` groups of 128 query rows, else the Triton kernel, whose tiles are the
 memory-bound ("few queries") ones when the queries fill at most two query tiles. At 16 queries of 32
 tokens that gave the Triton few-queries tiles and 5.2 ms against fp16's 2.9 ms
-(benchmarks/results/int8-h200-a286c9c.log). This times, for 1-64 queries of 32 tokens against the
+(benchmarks/results/archive/int8/int8-h200-a286c9c.log). This times, for 1-64 queries of 32 tokens against the
 50K ragged documents of `bench_int8.py`'s workload 1 (20-300 tokens, 8.0M tokens):
 
   fp16            `maxsim_varlen`, host offsets;
@@ -13,23 +13,17 @@ tokens that gave the Triton few-queries tiles and 5.2 ms against fp16's 2.9 ms
   triton many     the Triton kernel with the all-pairs tiles;
   gluon           the Gluon kernel, `MIN_GROUPS` lifted (where it takes the shape).
 
-    python benchmarks/sweep_int8_queries.py --out benchmarks/results/int8-queries-h200.json
+    python benchmarks/sweep_int8_queries.py --out benchmarks/results/int8/int8-queries-h200.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_int8  # noqa: E402
-from bench_int8 import QUERY_TOKENS, median_ms, ragged  # noqa: E402
-from maxsim_kernels import maxsim_int8, maxsim_varlen  # noqa: E402
-from maxsim_kernels.maxsim_int8 import (  # noqa: E402
+from common import QUERY_TOKENS, SMOKE, int8_kernel, median_ms, ragged, write_json
+from maxsim_kernels import maxsim_int8, maxsim_varlen
+from maxsim_kernels.maxsim_int8 import (
     _launch_varlen,
     maxsim_varlen_int8,
     quantize_per_token,
@@ -48,7 +42,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
-    bench_int8.SMOKE["on"] = device.type == "cpu"
+    SMOKE["on"] = device.type == "cpu"
     gen = torch.Generator(device=device).manual_seed(0)
     d16, d_off = ragged(args.docs, 20, 300, gen, device)
     counts = [int(n) for n in args.queries.split(",")]
@@ -62,7 +56,7 @@ def main() -> None:
         qo_host = qo.cpu()
         q8, sq = quantize_per_token(q16)
         row = {
-            "kernel_picked": bench_int8.int8_kernel(q16, qo_host, d8, d_off_host),
+            "kernel_picked": int8_kernel(q16, qo_host, d8, d_off_host),
             "fp16_ms": median_ms(lambda: maxsim_varlen(q16, qo_host, d16, d_off_host), args.rep_ms),
             "default_ms": median_ms(
                 lambda: maxsim_varlen_int8(q16, qo_host, d8, d_off_host, doc_scales=sd), args.rep_ms
@@ -92,9 +86,7 @@ def main() -> None:
         rows[nq] = row
         cells = ", ".join(f"{k[:-3]} {v:.3f}" for k, v in row.items() if k.endswith("_ms"))
         print(f"{nq:3d} queries ({row['kernel_picked']}): {cells} ms", flush=True)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
-            json.dump({"rows": rows, "doc_tokens": int(d16.shape[0])}, fh, indent=2)
+    write_json(args.out, {"rows": rows, "doc_tokens": int(d16.shape[0])}, indent=2)
 
 
 if __name__ == "__main__":
