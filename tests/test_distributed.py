@@ -1,4 +1,4 @@
-"""`maxsim score` as a job of several processes (`maxsim_cli.distributed`): the run is byte for byte the
+"""`maxsim score` as a job of several processes (`maxsim_cli.jobs`): the run is byte for byte the
 single-process run, in exhaustive and rerank mode; a failing or dying rank fails the job cleanly.
 
 The jobs run on the CPU with gloo: under torchrun (``python -m torch.distributed.run``) and with
@@ -11,6 +11,8 @@ depend on how documents are grouped, in one process as much as in two.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -22,13 +24,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from maxsim_cli import distributed
+from maxsim_cli import jobs
 from maxsim_cli.cli import app
-from maxsim_cli.distributed import ResultSink, assign_shards, parse_devices, split_candidates
 from maxsim_cli.errors import MaxsimError, UsageError
+from maxsim_cli.jobs import ResultSink, assign_shards, parse_devices, split_candidates
 from maxsim_cli.merge import select_top_k
 from maxsim_cli.runs import sort_trec
 from maxsim_cli.score import score
+from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.shards import write_shard
 
 runner = CliRunner()
@@ -174,8 +177,8 @@ def test_results_below_the_ranks_bound_never_make_the_top_k():
                 if len(keep):
                     results.append((f"q{q}", [docnos[i] for i in keep], scores[keep]))
             per_rank.append(results)
-        bounds = [distributed.kth_scores(results, k) for results in per_rank]
-        filtered = [distributed.drop_below(results, bounds) for results in per_rank]
+        bounds = [jobs.kth_scores(results, k) for results in per_rank]
+        filtered = [jobs.drop_below(results, bounds) for results in per_rank]
         for q in range(4):
             assert _best(filtered, f"q{q}", k) == _best(per_rank, f"q{q}", k), trial
         sent = sum(len(ds) for res in filtered for _, ds, _ in res)
@@ -205,11 +208,11 @@ def test_columns_trimmed_by_the_ranks_floor_merge_to_the_union_top_k():
                 rows_o.append(keep[best])
                 rows_s.append(scores_all[q, keep[best]])
             parts.append((np.array(rows_s, np.float32).reshape(nq, -1), np.array(rows_o).reshape(nq, -1)))
-        floors = np.maximum.reduce([distributed.kth_column(p[0], k) for p in parts])
-        trimmed = [distributed.trim_columns(p, floors) for p in parts]
+        floors = np.maximum.reduce([jobs.kth_column(p[0], k) for p in parts])
+        trimmed = [jobs.trim_columns(p, floors) for p in parts]
         assert sum(p[0].size for p in trimmed) <= sum(p[0].size for p in parts)
         for rows in (2, nq):  # the merge's query blocks do not change the result
-            merged = list(distributed.merge_columns(trimmed, rank_of_ordinal, k, rows))
+            merged = list(jobs.merge_columns(trimmed, rank_of_ordinal, k, rows))
             got_scores = np.concatenate([m[1].numpy() for m in merged])
             got_docnos = [[docnos[order[r]] for r in m_ranks] for m in merged for m_ranks in m[2].tolist()]
             for q in range(nq):
@@ -238,6 +241,17 @@ def test_result_sink_stands_in_for_the_writer():
     assert scores.tolist() == np.float32([0.1, 0.2]).tolist()  # the precision the run prints
 
 
+def test_the_request_travels_to_workers_as_json_and_ranks_get_copies():
+    request = ScoreRequest(Path("q.arrow"), [Path("a"), "b"], top_k=7, candidates="c.trec", devices="cpu:2")
+    assert request.corpus == ("a", "b") and request.queries == "q.arrow"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.top_k = 3  # type: ignore[misc]
+    sent = json.loads(json.dumps(jobs._worker_options(request)))
+    assert ScoreRequest(**sent) == dataclasses.replace(request, devices=None)
+    share = dataclasses.replace(request, device="cuda:1", devices=None)
+    assert (share.device, share.corpus, request.device) == ("cuda:1", ("a", "b"), "auto")
+
+
 def test_usage_errors_before_any_worker_starts(data, tmp_path, monkeypatch):
     out = tmp_path / "run.trec"
     args = ["score", data["queries"], data["corpus"], "--devices", "cpu:2"]
@@ -249,7 +263,7 @@ def test_usage_errors_before_any_worker_starts(data, tmp_path, monkeypatch):
     assert "standard input cannot be shared" in result.stderr
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UsageError, match="under torchrun leave it out"):
-        distributed.dispatch({"devices": "cpu:2", "device": "auto"})
+        jobs.dispatch(ScoreRequest(data["queries"], (data["corpus"],), devices="cpu:2"))
     assert not out.exists()
 
 
@@ -351,7 +365,7 @@ def test_ranks_as_threads_equal_single_process(data, tmp_path, monkeypatch, mode
     kwargs = {"top_k": 6, "candidates": data["cands"]} if mode == "rerank" else {"top_k": 5}
     single = tmp_path / "single.trec"
     expected = [m for m in _single(data, single, **kwargs) if m.startswith("warning")]
-    monkeypatch.setattr(distributed, "in_threads", lambda devices: True)
+    monkeypatch.setattr(jobs, "in_threads", lambda devices: True)
     out = tmp_path / "threads.trec"
     messages: list[str] = []
     interval = sys.getswitchinterval()
@@ -384,7 +398,7 @@ def test_rank_threads_share_one_progress_bar(data, tmp_path, monkeypatch, mode):
     _single(data, tmp_path / "single.trec", show_progress=True, **kwargs)
     (single,) = bars
     bars.clear()
-    monkeypatch.setattr(distributed, "in_threads", lambda devices: True)
+    monkeypatch.setattr(jobs, "in_threads", lambda devices: True)
     out = tmp_path / "threads.trec"
     score(data["queries"], [data["corpus"]], output=str(out), devices="cpu:2", show_progress=True, **kwargs)
     (job,) = bars
@@ -401,7 +415,7 @@ def test_gpu_ranks_as_threads_equal_single_process(data, tmp_path, monkeypatch, 
     single = tmp_path / "single.trec"
     score(data["queries"], [data["corpus"]], output=str(single), device="cuda:0", **kwargs)
     devices = ["cuda:0", "cuda:1"] if torch.cuda.device_count() > 1 else ["cuda:0", "cuda:0"]
-    monkeypatch.setattr(distributed, "parse_devices", lambda spec: devices)
+    monkeypatch.setattr(jobs, "parse_devices", lambda spec: devices)
     out = tmp_path / "threads.trec"
     stats = score(data["queries"], [data["corpus"]], output=str(out), devices="0,1", **kwargs)
     assert out.read_bytes() == single.read_bytes()
@@ -414,9 +428,9 @@ def test_a_rank_thread_that_fails_stops_the_others_and_writes_nothing(data, tmp_
     CLI); the other rank stops at its next batch instead of scoring on; no run is written."""
     import threading
 
-    from maxsim_cli.score import _Engine
+    from maxsim_cli.scoring.engine import _Engine
 
-    monkeypatch.setattr(distributed, "in_threads", lambda devices: True)
+    monkeypatch.setattr(jobs, "in_threads", lambda devices: True)
     out = tmp_path / "run.trec"
     args = ["score", data["queries"], data["corpus"], "-o", str(out), "--devices", "cpu:2"]
     result = runner.invoke(app, args, env={**JOB_ENV, "MAXSIM_TEST_FAIL_RANK": "1"})
@@ -441,7 +455,7 @@ def test_a_rank_thread_that_fails_stops_the_others_and_writes_nothing(data, tmp_
         return done(self, batch)
 
     monkeypatch.setattr(_Engine, "_batch_done", batch_done)
-    monkeypatch.setattr("maxsim_cli.score.STAGING_BYTES", 1 << 12)
+    monkeypatch.setattr("maxsim_cli.scoring.plan.STAGING_BYTES", 1 << 12)
     interval = sys.getswitchinterval()
     with pytest.raises(MaxsimError, match="^rank 0 broke$"):
         score(data["queries"], [data["corpus"]], output=str(out), devices="cpu:2", max_memory=1 << 16)
@@ -466,11 +480,11 @@ def test_the_first_worker_to_die_is_the_one_named(tmp_path):
     """A worker killed from outside takes its peer down a moment later (gloo aborts on the closed
     connection): the job's error names the worker that ended first, not the lowest rank."""
     codes = [-signal.SIGABRT, -signal.SIGKILL]
-    options = {"output": str(tmp_path / "run.trec")}
+    output = str(tmp_path / "run.trec")
     with pytest.raises(MaxsimError, match=r"^worker rank 1 of 2 \(cpu\) was killed by SIGKILL;"):
-        distributed._job_outcome(codes, ["cpu", "cpu"], str(tmp_path / "none.json"), options, 0.0, [1, 0])
+        jobs._job_outcome(codes, ["cpu", "cpu"], str(tmp_path / "none.json"), output, 0.0, [1, 0])
     with pytest.raises(MaxsimError, match=r"^worker rank 0 of 2 \(cpu\) was killed by SIGABRT;"):
-        distributed._job_outcome(codes, ["cpu", "cpu"], str(tmp_path / "none.json"), options, 0.0, [0, 1])
+        jobs._job_outcome(codes, ["cpu", "cpu"], str(tmp_path / "none.json"), output, 0.0, [0, 1])
 
 
 def test_a_killed_rank_fails_the_job_under_torchrun(data, tmp_path):

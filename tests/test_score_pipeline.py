@@ -16,7 +16,8 @@ import torch
 
 from maxsim_cli.errors import InputError, MaxsimError
 from maxsim_cli.pipeline import BatchPlan, BatchStream
-from maxsim_cli.score import _cut_at, _interleave, _split
+from maxsim_cli.scoring.engine import _interleave
+from maxsim_cli.scoring.plan import _cut_at, _split
 from maxsim_cli.shards import open_corpus, write_shard
 from maxsim_cli.topk import RunningTopK, decode_keys, order_keys
 
@@ -260,16 +261,17 @@ def test_cpu_batches_stay_within_one_shard(engine_data, tmp_path, monkeypatch) -
     """On the CPU no document batch spans two shards (each is scored from a map of its file, uncopied),
     whatever the budget; the run is the same as with one batch a shard."""
     from maxsim_cli import score as score_mod
+    from maxsim_cli.scoring import engine
 
     queries, shards = engine_data
     seen: list[list] = []
-    original = score_mod._Engine._stream
+    original = engine._Engine._stream
 
     def recording(self, plans, *, resident=False):  # noqa: ANN001, ANN202
         seen.append([p.parts for p in plans])
         return original(self, plans, resident=resident)
 
-    monkeypatch.setattr(score_mod._Engine, "_stream", recording)
+    monkeypatch.setattr(engine._Engine, "_stream", recording)
     big = score_mod.score(queries, shards, output=str(tmp_path / "big.trec"), top_k=5, device="cpu")
     small = score_mod.score(
         queries, shards, output=str(tmp_path / "small.trec"), top_k=5, device="cpu", max_memory=8000
@@ -323,7 +325,8 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_run(engine_data, tmp_
 @pytest.mark.parametrize("budget", [3000, 8000, 50_000, 10**9])
 def test_memory_plan_stays_within_the_budget(engine_data, tmp_path, monkeypatch, budget) -> None:
 
-    from maxsim_cli.score import BUDGET_FILL, score
+    from maxsim_cli.score import score
+    from maxsim_cli.scoring.plan import BUDGET_FILL
 
     _patch_varlen(monkeypatch, _plain_varlen)
     queries, shards = engine_data
@@ -491,10 +494,10 @@ def test_batches_fit_the_pinned_shares() -> None:
     """The planner's token limit keeps a slot (embeddings, scales, offsets and side data, aligned)
     within its share of the arena, so no slot falls outside the pinned budget."""
     from maxsim_cli import pipeline
-    from maxsim_cli.score import _batch_token_limit, _Budget
+    from maxsim_cli.scoring.plan import Budget, _batch_token_limit
 
     for staging, dim, itemsize, scaled in [(512 << 20, 128, 2, False), (3 << 20, 96, 1, True)]:
-        budget = _Budget(device_bytes=1 << 40, host_bytes=1 << 40, reader_threads=16, cuda=True,
+        budget = Budget(device_bytes=1 << 40, host_bytes=1 << 40, reader_threads=16, cuda=True,
                          staging_bytes=staging)  # fmt: skip
         slots = pipeline.BatchStream.host_slots(16)
         tb = dim * itemsize + (4 if scaled else 0)
@@ -698,7 +701,7 @@ def test_batch_ints_reach_the_kernels_through_the_streams_device_copy(
     copied a second time by the kernels' launchers (`share_device_copy`), and the run is unchanged."""
     from maxsim_kernels import _validate
 
-    from maxsim_cli.score import _Engine
+    from maxsim_cli.scoring.engine import _Engine
 
     queries, shards = engine_data
     candidates = None

@@ -3,11 +3,13 @@ torch.distributed on one machine or many.
 
 A job is ``W`` ranks that share one corpus. Every rank opens the whole corpus (headers and ids: this
 checks that ids are unique across all shards; rank threads share one opened corpus), takes its share of
-the shards, scores its share against *all* queries with the single-process engine (`maxsim_cli.score`),
-and sends its results to rank 0, which merges them and alone writes the run. Exhaustive results travel
-as two arrays per rank (float32 scores and corpus ordinals, ``[queries, k]``, 12 B a result), merged on
-rank 0 with the engine's order keys and written by the run writer's columnar path, as one process writes
-them; rerank results per query.
+the shards, scores its share against *all* queries with the single-process engine
+(`maxsim_cli.scoring.engine.run`, given a copy of the job's `ScoreRequest` with the rank's device), and
+sends its results to rank 0, which merges them and alone writes the run. Exhaustive results travel as
+two arrays per rank (float32 scores and corpus ordinals, ``[queries, k]``, 12 B a result), merged on rank
+0 with the engine's order keys and written by the run writer's columnar path, as one process writes
+them; rerank results per query. This module is the layer above the engine: it never calls
+`maxsim_cli.score.score`, which calls it.
 
 **Shares.** Shards are dealt largest first (by token count; ties by shard order) to the rank with the
 fewest tokens so far (ties to the lowest rank). With shard token counts ``t_s`` and total ``T``, this
@@ -70,10 +72,11 @@ import numpy as np
 import torch
 
 from maxsim_cli.errors import MaxsimError, RankStopped, UsageError
+from maxsim_cli.scoring.request import ScoreRequest
+from maxsim_cli.scoring.stats import ScoreStats
 
 if TYPE_CHECKING:
     from maxsim_cli.progress import ScoreProgress
-    from maxsim_cli.score import ScoreStats
     from maxsim_cli.shards import Corpus
 
 ENV_TIMEOUT = "MAXSIM_DIST_TIMEOUT"
@@ -89,15 +92,15 @@ DEFAULT_TIMEOUT_S = 3600.0
 FAILED_PEER_GRACE_S = 30.0
 # Launcher: seconds between SIGTERM and SIGKILL when stopping workers.
 TERMINATE_GRACE_S = 10.0
-# The launcher's workers run this (not `-m maxsim_cli.distributed`, which would load this module twice).
-_WORKER_CODE = (
-    "import sys; from maxsim_cli.distributed import worker_main; sys.exit(worker_main(sys.argv[1:]))"
-)
-# score() options that do not travel to workers: the launcher's own and a callable.
-_LOCAL_OPTIONS = ("devices", "part", "log")
+# The launcher's workers run this (not `-m maxsim_cli.jobs`, which would load this module twice).
+_WORKER_CODE = "import sys; from maxsim_cli.jobs import worker_main; sys.exit(worker_main(sys.argv[1:]))"
 _ERROR_CLASSES: dict[int, type[MaxsimError]] = {1: MaxsimError, 2: UsageError}
 
 Logger = Callable[[str], None]
+
+
+def _stderr(message: str) -> None:
+    print(f"maxsim: {message}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -105,7 +108,7 @@ Logger = Callable[[str], None]
 
 
 class ResultSink:
-    """Stands in for `maxsim_cli.runs.RunWriter` inside a rank: keeps the results in memory.
+    """The sink of a rank's `engine.run` in place of `maxsim_cli.runs.RunWriter`: keeps the results in memory.
 
     Rerank mode hands it each query's results (`write_query`: docnos and scores); exhaustive mode hands
     it whole query batches as columns (`write_ordinals`: scores and corpus ordinals, ``[nq, m]`` arrays,
@@ -137,20 +140,6 @@ class ResultSink:
     def write_query(self, qid: str, docnos: Sequence[str], scores: Sequence[float]) -> None:
         """Keep one query's results (any order)."""
         self.results.append((qid, list(docnos), np.asarray(scores, dtype=np.float32)))
-
-
-@dataclass
-class RankPart:
-    """A rank's share, as `maxsim_cli.score.score` takes it (``part=``): the shards to score (an open
-    corpus), the sink that replaces the run writer, and in rerank mode the candidates to score (a run
-    as `maxsim_cli.runs.read_run` returns it)."""
-
-    corpus: Corpus
-    sink: ResultSink
-    candidates: dict[str, list[tuple[str, float]]] | None = None
-    stop: threading.Event | None = None  # set when another rank of the job has failed: stop scoring
-    staging_bytes: int | None = None  # this rank's pinned staging arena (default `score.STAGING_BYTES`)
-    progress: ScoreProgress | None = None  # the job's progress bar, when ranks are threads of one process
 
 
 @dataclass
@@ -381,37 +370,35 @@ def drop_below(
 
 
 # --------------------------------------------------------------------------------------------------
-# entry from maxsim_cli.score.score
+# entry from maxsim_cli.score.score (and the workers)
 
 
-def dispatch(options: dict[str, Any]) -> ScoreStats:
-    """Run `maxsim_cli.score.score` with ``options`` (its keyword arguments) as a distributed job:
-    start workers for ``options["devices"]``, or, inside a job (``WORLD_SIZE`` > 1), be one rank."""
-    devices = options.get("devices")
+def dispatch(request: ScoreRequest, *, log: Logger = _stderr) -> ScoreStats:
+    """Run ``request`` as a distributed job: start workers for ``request.devices``, or, inside a job
+    (``WORLD_SIZE`` > 1), be one rank."""
+    devices = request.devices
     if world_size() > 1:
         if devices is not None:
             raise UsageError(
                 "--devices starts its own workers; under torchrun leave it out (each rank uses "
                 "cuda:LOCAL_RANK, or the CPU with --device cpu)"
             )
-        return run_rank(options)
+        return run_rank(request, log=log)
     if devices is None:
         raise ValueError("dispatch: neither --devices nor a distributed environment")
     names = parse_devices(str(devices))
-    if str(options.get("device", "auto")).strip().lower() != "auto":
+    if request.device.strip().lower() != "auto":
         raise UsageError(
-            f"--device {options['device']} and --devices {devices}: give one of them (--devices picks the "
+            f"--device {request.device} and --devices {devices}: give one of them (--devices picks the "
             "device of each worker)"
         )
-    from maxsim_cli.score import score
-
     if len(names) == 1:  # one device: no workers, score here
-        local = {k: v for k, v in options.items() if k not in ("devices", "part")}
-        local["device"] = names[0]
-        return score(**local)
+        from maxsim_cli.scoring.files import score_files
+
+        return score_files(dataclasses.replace(request, devices=None, device=names[0]), log=log)
     if in_threads(names):
-        return run_threads(options, names)
-    return launch(options, names)
+        return run_threads(request, names, log=log)
+    return launch(request, names)
 
 
 def in_threads(devices: Sequence[str]) -> bool:
@@ -420,13 +407,13 @@ def in_threads(devices: Sequence[str]) -> bool:
     return all(d.startswith("cuda") for d in devices)
 
 
-def _check_no_stdin(options: dict[str, Any]) -> None:
-    if str(options["queries"]) == "-":
+def _check_no_stdin(request: ScoreRequest) -> None:
+    if request.queries == "-":
         raise UsageError(
             "QUERIES '-': standard input cannot be shared by the workers of a distributed job; save the "
             "Arrow stream to a file and pass its path"
         )
-    if options.get("candidates") is not None and str(options["candidates"]) == "-":
+    if request.candidates == "-":
         raise UsageError(
             "--candidates '-': standard input cannot be shared by the workers of a distributed job; "
             "save the run to a file and pass its path"
@@ -493,7 +480,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def run_rank(options: dict[str, Any]) -> ScoreStats:
+def run_rank(request: ScoreRequest, *, log: Logger = _stderr) -> ScoreStats:
     """This process's part of a job whose ranks are described by the environment (torchrun's variables)."""
     import torch.distributed as dist
 
@@ -508,7 +495,7 @@ def run_rank(options: dict[str, Any]) -> ScoreStats:
     # exchange like any other error, so that every rank stops.
     device, device_error = "?", None
     try:
-        device = _rank_device(options.get("device", "auto"), local_rank)
+        device = _rank_device(request.device, local_rank)
     except MaxsimError as exc:
         device_error = exc
     cuda_ready = _CudaInit(device) if device.startswith("cuda") else None
@@ -519,7 +506,7 @@ def run_rank(options: dict[str, Any]) -> ScoreStats:
         _init_group(rank, world, timeout)
         phases = {"join_s": time.perf_counter() - start}
         try:
-            return _run_in_group(options, rank, world, device, device_error, cuda_ready, start, phases)
+            return _run_in_group(request, rank, world, device, device_error, cuda_ready, start, phases, log)
         finally:
             dist.destroy_process_group()
     finally:
@@ -550,7 +537,7 @@ class _CudaInit(threading.Thread):
 
 
 def _run_in_group(
-    options: dict[str, Any],
+    request: ScoreRequest,
     rank: int,
     world: int,
     device: str,
@@ -558,6 +545,7 @@ def _run_in_group(
     cuda_ready: _CudaInit | None,
     start: float,
     phases: dict[str, float],
+    log: Logger,
 ) -> ScoreStats:
     import torch.distributed as dist
 
@@ -568,7 +556,7 @@ def _run_in_group(
     try:
         if device_error is not None:
             raise device_error
-        share, merge_order = _score_share(options, rank, world, device, cuda_ready)
+        share, merge_order = _score_share(request, rank, world, device, cuda_ready, log)
     except MaxsimError as exc:
         status = (exc.exit_code, str(exc), device)
     except Exception as exc:  # a bug: the others must still learn of it, then its traceback shows here
@@ -594,8 +582,8 @@ def _run_in_group(
     mark = time.perf_counter()
     if world > 1:
         # Only results that can still make the job's top-k travel (see `kth_scores`).
-        top_k = int(options.get("top_k", 1000))
-        if options.get("candidates") is None:
+        top_k = request.top_k
+        if request.candidates is None:
             kth = None if share.columns is None else kth_column(share.columns[0], top_k)
             floors: list[Any] = [None] * world
             dist.all_gather_object(floors, kth)
@@ -609,8 +597,6 @@ def _run_in_group(
     gathered: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(share, gathered, dst=0)
     phases["gather_s"] = time.perf_counter() - mark
-    from maxsim_cli.score import ScoreStats
-
     if rank != 0:
         stats = ScoreStats(**share.stats)
         stats.extra = {"rank": rank, "world_size": world}
@@ -618,9 +604,9 @@ def _run_in_group(
     assert gathered is not None
     shares: list[_Share] = gathered
     mark = time.perf_counter()
-    _write_merged(options, shares, merge_order)
+    _write_merged(request, shares, merge_order)
     phases["merge_write_s"] = time.perf_counter() - mark
-    stats = _combine_stats(options, shares)
+    stats = _combine_stats(request, shares)
     stats.write_s = phases["merge_write_s"]
     stats.extra["phases"] = phases
     stats.wall_s = time.perf_counter() - start
@@ -640,22 +626,23 @@ def _inject_test_failure(rank: int) -> None:
     raise MaxsimError(f"failure injected on rank {rank} by {ENV_FAIL_RANK}={value} (a test hook)")
 
 
-def _open_job_corpus(options: dict[str, Any]) -> Corpus:
+def _open_job_corpus(request: ScoreRequest) -> Corpus:
     from maxsim_cli.shards import open_corpus
 
-    _check_no_stdin(options)
-    corpus_paths = [str(p) for p in options["corpus"]] if options.get("corpus") else []
+    _check_no_stdin(request)
+    corpus_paths = list(request.corpus)
     if not corpus_paths:
         raise UsageError("no corpus given: pass one or more shard files or directories after QUERIES")
     return open_corpus(corpus_paths)
 
 
 def _score_share(
-    options: dict[str, Any],
+    request: ScoreRequest,
     rank: int,
     world: int,
     device: str,
     cuda_ready: _CudaInit | None,
+    log: Logger,
     corpus: Corpus | None = None,
     stop: threading.Event | None = None,
     staging_bytes: int | None = None,
@@ -666,16 +653,16 @@ def _score_share(
     """Score this rank's shards of the corpus (opened here, or the job's open `corpus`, whose shards
     of this rank are closed afterwards) for all queries, return the results (and, on rank 0 in
     exhaustive mode, the docno order that the merge needs). `stop`: set when another rank failed;
-    `staging_bytes`: the rank's pinned staging arena (`RankPart`); `run` and `run_index`: the
+    `staging_bytes`: the rank's pinned staging arena (`RankContext`); `run` and `run_index`: the
     candidates' run and its `run_candidate_index`, when the job has made them already (else made
     here); `progress`: the job's bar, shared by rank threads (else rank 0 draws its own share)."""
     from maxsim_cli.runs import read_run
-    from maxsim_cli.score import ScoreStats, score
-    from maxsim_cli.shards import Corpus, open_shard
+    from maxsim_cli.scoring import engine
+    from maxsim_cli.shards import Corpus, open_shard, read_queries
 
     own_corpus = corpus is None
     if corpus is None:
-        corpus = _open_job_corpus(options)
+        corpus = _open_job_corpus(request)
     try:
         _inject_test_failure(rank)
         shares = assign_shards([s.num_tokens for s in corpus.shards], world)
@@ -684,7 +671,6 @@ def _score_share(
         for r, indices in enumerate(shares):
             for s in indices:
                 owner[s] = r
-        log: Logger = options.get("log") or _stderr
         if rank != 0:
             base_log = log
             log = lambda message: base_log(f"rank {rank}: {message}")  # noqa: E731
@@ -697,33 +683,41 @@ def _score_share(
             )
         query_ids = None
         if rank == 0:
-            with open_shard(str(options["queries"])) as qshard:
+            with open_shard(request.queries) as qshard:
                 query_ids = list(qshard.ids)
         candidates = None
-        if options.get("candidates") is not None:
-            run = run if run is not None else read_run(str(options["candidates"]))
+        if request.candidates is not None:
+            run = run if run is not None else read_run(request.candidates)
             if run_index is None:
                 run_index = run_candidate_index(corpus, run)
-            candidates, _ = split_candidates(run, run_index, owner, rank, bool(options.get("strict", False)))
+            candidates, _ = split_candidates(run, run_index, owner, rank, request.strict)
         sink = ResultSink()
         if cuda_ready is not None:
             cuda_ready.wait()
         if mine:
             sub = corpus if len(mine) == len(corpus.shards) else Corpus([corpus.shards[s] for s in mine])
-            kwargs = {k: v for k, v in options.items() if k not in _LOCAL_OPTIONS}
-            kwargs.update(
+            share_request = dataclasses.replace(
+                request,
                 device=device,
-                log=log,
-                show_progress=bool(options.get("show_progress")) and rank == 0 and progress is None,
-                part=RankPart(sub, sink, candidates, stop, staging_bytes, progress),
+                devices=None,
+                show_progress=request.show_progress and rank == 0 and progress is None,
             )
-            stats = score(**kwargs)
+            context = engine.RankContext(stop=stop, staging_bytes=staging_bytes, progress=progress)
+            started = time.perf_counter()
+            try:
+                share_request.check()  # bad options are reported before the query file is read
+                queries = read_queries(share_request.queries)
+                entered = time.perf_counter()
+                stats = engine.run(
+                    share_request, sub, queries, sink, candidates=candidates, context=context, log=log
+                )
+            finally:
+                sub.close()  # this rank's shards
+            stats.setup_s += entered - started
+            stats.wall_s = time.perf_counter() - started
         else:
             stats = ScoreStats(
-                mode="rerank" if options.get("candidates") is not None else "exhaustive",
-                device=device,
-                backend=str(options.get("backend", "auto")),
-                output=str(options.get("output", "-")),
+                mode=request.mode, device=device, backend=request.backend, output=request.output
             )
         stats_fields = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
         stats_fields["extra"] = dict(stats.extra)
@@ -736,7 +730,7 @@ def _score_share(
             base = corpus.doc_starts[np.asarray(mine, dtype=np.int64)] - sub_starts[:-1]
             share.columns = (scores, ordinals + base[shard])
         merge_order = None
-        if rank == 0 and options.get("candidates") is None:
+        if rank == 0 and request.candidates is None:
             merge_order = _MergeOrder(corpus.rank_of_ordinal(), corpus.id_order()[2])
         return share, merge_order
     finally:
@@ -748,21 +742,17 @@ def _score_share(
 MERGE_QUERY_BLOCK = 4096
 
 
-def _write_merged(options: dict[str, Any], shares: Sequence[_Share], order: _MergeOrder | None) -> None:
+def _write_merged(request: ScoreRequest, shares: Sequence[_Share], order: _MergeOrder | None) -> None:
     """Rank 0: the best ``top_k`` of every query over all ranks, in the query file's order, written once."""
     import pyarrow as pa
 
     from maxsim_cli.merge import select_top_k
     from maxsim_cli.runs import RunWriter
 
-    top_k = int(options.get("top_k", 1000))
+    top_k = request.top_k
     query_ids = shares[0].query_ids
     assert query_ids is not None
-    writer = RunWriter(
-        str(options.get("output", "-")),
-        tag=str(options.get("run_tag", "maxsim")),
-        fmt=str(options.get("fmt", "trec")),
-    )
+    writer = RunWriter(request.output, tag=request.run_tag, fmt=request.fmt)
     with writer:
         if order is not None:  # exhaustive mode: columns, every query on every rank that scored
             columns = [share.columns for share in shares if share.columns is not None]
@@ -787,15 +777,13 @@ def _write_merged(options: dict[str, Any], shares: Sequence[_Share], order: _Mer
             writer.write_query(qid, [docnos[i] for i in keep.tolist()], scores[keep].tolist())
 
 
-def _combine_stats(options: dict[str, Any], shares: Sequence[_Share]) -> ScoreStats:
+def _combine_stats(request: ScoreRequest, shares: Sequence[_Share]) -> ScoreStats:
     """Job stats: counts and stage times summed over ranks; peaks, setup and batch sizes the largest
     rank's; anything else rank 0's. Each rank's own stats are kept under ``ranks``."""
-    from maxsim_cli.score import ScoreStats
-
     per_rank = [ScoreStats(**share.stats) for share in shares]
     out = ScoreStats(**{**shares[0].stats, "extra": {}})
     out.device = f"{len(shares)} ranks ({', '.join(share.device for share in shares)})"
-    out.output = str(options.get("output", "-"))
+    out.output = request.output
     summed = ("documents", "tokens", "pairs", "missing_candidates", "oom_retries", "doc_batches")
     for name in (*summed, "bytes_read", "read_s", "copy_s", "score_s", "wait_s"):
         setattr(out, name, sum(getattr(s, name) for s in per_rank))
@@ -833,13 +821,13 @@ _POLL_S = 0.05
 # fresh process first (0.64 s against 0.29 s for 2 x 1 GiB).
 THREAD_STAGING_BYTES = 1 << 30
 THREAD_SWITCH_S = 0.0005
-# The machine's page cache is read fastest by ~16 threads in all (score.DEFAULT_READER_THREADS), so the
+# The machine's page cache is read fastest by ~16 threads in all (plan.DEFAULT_READER_THREADS), so the
 # rank threads share them instead of starting 16 each. Two H200s, 16 readers a rank against 8: 10 GB
 # 1.42 against 1.50x of one GPU, 32 GB 1.69 against 1.76x (medians of 4 and 3,
 # benchmarks/results/multigpu-*-h200x2-readers.json); with 8 a rank, both ranks wait for reads.
 
 
-def run_threads(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
+def run_threads(request: ScoreRequest, devices: Sequence[str], *, log: Logger = _stderr) -> ScoreStats:
     """Score on several devices of this machine from this one process: a rank per device, each a thread
     that drives its GPU with the single-process engine, results merged here and the run written once.
 
@@ -852,30 +840,30 @@ def run_threads(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
     their next batch; the job raises that rank's error and writes nothing.
     """
     from maxsim_cli.progress import ScoreProgress
-    from maxsim_cli.score import DEFAULT_READER_THREADS
+    from maxsim_cli.scoring.plan import DEFAULT_READER_THREADS
 
     start = time.perf_counter()
     world = len(devices)
-    if not options.get("reader_threads"):
+    if not request.reader_threads:
         machine = min(DEFAULT_READER_THREADS, os.cpu_count() or 1)
-        options = {**options, "reader_threads": max(1, machine // world)}
+        request = dataclasses.replace(request, reader_threads=max(1, machine // world))
     stop = threading.Event()
-    corpus = _open_job_corpus(options)
+    corpus = _open_job_corpus(request)
     interval = sys.getswitchinterval()
     try:
         run = run_index = None
-        if options.get("candidates") is not None:  # read and indexed once for all ranks
+        if request.candidates is not None:  # read and indexed once for all ranks
             from maxsim_cli.runs import read_run
 
-            run = read_run(str(options["candidates"]))
+            run = read_run(request.candidates)
             run_index = run_candidate_index(corpus, run)
         outcomes: list[tuple[_Share, _MergeOrder | None] | BaseException | None] = [None] * world
-        bar = ScoreProgress(bool(options.get("show_progress")), 0, shared=True)  # one for all ranks' work
+        bar = ScoreProgress(request.show_progress, 0, shared=True)  # one for all ranks' work
 
         def rank_main(rank: int) -> None:
             try:
                 outcomes[rank] = _score_share(
-                    options, rank, world, devices[rank], None,
+                    request, rank, world, devices[rank], None, log,
                     corpus=corpus, stop=stop, staging_bytes=THREAD_STAGING_BYTES, run=run,
                     run_index=run_index, progress=bar,
                 )  # fmt: skip
@@ -915,9 +903,9 @@ def run_threads(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
     done = [o for o in outcomes if isinstance(o, tuple)]
     shares = [share for share, _order in done]
     mark = time.perf_counter()
-    _write_merged(options, shares, done[0][1])
+    _write_merged(request, shares, done[0][1])
     merge_write_s = time.perf_counter() - mark
-    stats = _combine_stats(options, shares)
+    stats = _combine_stats(request, shares)
     stats.write_s = merge_write_s
     stats.extra["phases"] = {"share_s": share_s, "merge_write_s": merge_write_s}
     stats.extra["workers"] = "threads"
@@ -929,16 +917,14 @@ def run_threads(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
 # --devices: the launcher and its workers
 
 
-def _worker_options(options: dict[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in options.items() if k not in _LOCAL_OPTIONS}
-    out["corpus"] = [str(p) for p in options.get("corpus") or []]
-    for key in ("queries", "output", "candidates"):
-        if out.get(key) is not None:
-            out[key] = str(out[key])
+def _worker_options(request: ScoreRequest) -> dict[str, Any]:
+    """The request as the workers read it (JSON), without the launcher's own ``devices``."""
+    out = dataclasses.asdict(dataclasses.replace(request, devices=None))
+    out["corpus"] = list(request.corpus)
     return out
 
 
-def launch(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
+def launch(request: ScoreRequest, devices: Sequence[str]) -> ScoreStats:
     """Start one worker process per device on this machine, wait for all, return rank 0's job stats.
 
     Raises the job's error (rank 0's report) with its exit code; if a worker dies without reporting,
@@ -946,7 +932,7 @@ def launch(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
     """
     import torch.distributed as dist
 
-    _check_no_stdin(options)
+    _check_no_stdin(request)
     world = len(devices)
     timeout = timeout_seconds()
     cpu_workers = sum(1 for d in devices if d == "cpu")
@@ -954,7 +940,7 @@ def launch(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
         options_path = os.path.join(job_dir, "options.json")
         status_path = os.path.join(job_dir, "status.json")
         with open(options_path, "w", encoding="utf-8") as fh:
-            json.dump(_worker_options(options), fh)
+            json.dump(_worker_options(request), fh)
         # The store lives here, bound to a port the system picks: no port to guess or collide on.
         store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout))
         base = dict(os.environ)
@@ -982,7 +968,7 @@ def launch(options: dict[str, Any], devices: Sequence[str]) -> ScoreStats:
         finally:
             _stop(procs)
             del store
-        return _job_outcome(codes, devices, status_path, options, started, ended)
+        return _job_outcome(codes, devices, status_path, request.output, started, ended)
 
 
 def _wait_all(procs: Sequence[subprocess.Popen]) -> tuple[list[int], list[int]]:
@@ -1043,15 +1029,13 @@ def _job_outcome(
     codes: Sequence[int],
     devices: Sequence[str],
     status_path: str,
-    options: dict[str, Any],
+    output: str,
     started: float,
     ended: Sequence[int] | None = None,
 ) -> ScoreStats:
     """The job's stats from rank 0's report, or its error: a worker killed by a signal (the first to
     end, in `ended` order, when several were), rank 0's report of an error, or a worker that exited
     without one."""
-    from maxsim_cli.score import ScoreStats
-
     status = None
     if os.path.exists(status_path):
         with open(status_path, encoding="utf-8") as fh:
@@ -1061,7 +1045,7 @@ def _job_outcome(
     killed = [(r, -codes[r]) for r in order if codes[r] < 0 and codes[r] != -signal.SIGTERM]
     if killed:
         r, signum = killed[0]
-        _remove_partial_output(options, started)
+        _remove_partial_output(output, started)
         raise MaxsimError(
             f"worker rank {r} of {world} ({devices[r]}) was killed by {_signal_name(signum)}; the job "
             "stopped and no run was written (out of host memory? see the system log)"
@@ -1073,7 +1057,7 @@ def _job_outcome(
     bad = [(r, c) for r, c in enumerate(codes) if c != 0]
     if bad or status is None:
         r, c = bad[0] if bad else (0, codes[0])
-        _remove_partial_output(options, started)
+        _remove_partial_output(output, started)
         raise MaxsimError(
             f"worker rank {r} of {world} ({devices[r]}) exited with code {c} without a report; its "
             "messages are above; no run was written"
@@ -1082,9 +1066,8 @@ def _job_outcome(
     return ScoreStats(**fields)
 
 
-def _remove_partial_output(options: dict[str, Any], started: float) -> None:
+def _remove_partial_output(output: str, started: float) -> None:
     """A rank 0 killed while writing leaves its temporary file (`RunWriter`'s ``.NAME.*.tmp``) behind."""
-    output = str(options.get("output", "-"))
     if output == "-":
         return
     directory = os.path.dirname(os.path.abspath(output))
@@ -1111,16 +1094,14 @@ def _signal_name(signum: int) -> str:
 
 
 def worker_main(argv: Sequence[str]) -> int:
-    """A ``--devices`` worker: run the job's options (a JSON file) as one rank; rank 0 reports to the
+    """A ``--devices`` worker: run the job's request (a JSON file) as one rank; rank 0 reports to the
     launcher through ``MAXSIM_STATUS_FILE`` (stats, or the job's error) and prints nothing itself."""
-    from maxsim_cli.score import score
-
     with open(argv[0], encoding="utf-8") as fh:
         options = json.load(fh)
     status_path = os.environ.get(ENV_STATUS)
     rank = _env_int("RANK", 0)
     try:
-        stats = score(**options)
+        stats = dispatch(ScoreRequest(**options))
     except MaxsimError as exc:
         if rank == 0 and status_path:
             _write_status(status_path, {"exit_code": exc.exit_code, "error": str(exc)})
@@ -1158,17 +1139,12 @@ def _write_status(path: str, payload: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def _stderr(message: str) -> None:
-    print(f"maxsim: {message}", file=sys.stderr, flush=True)
-
-
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return text[:300] + ("..." if len(text) > 300 else "")
 
 
 __all__ = [
-    "RankPart",
     "ResultSink",
     "assign_shards",
     "dispatch",

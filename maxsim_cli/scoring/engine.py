@@ -1,0 +1,749 @@
+"""The scoring engine: one process, one device. It runs a plan (`maxsim_cli.scoring.plan`) over an open
+corpus and hands the results to a sink.
+
+    score(q, d) = sum_i max_j <q_i, d_j>        i over the query's tokens, j over the document's
+
+**Exhaustive mode** (the default) ranks every document of every shard for every query. Queries are split
+into as few *query batches* as the memory budget allows (one, usually); each query batch makes one pass
+over the corpus, streamed in *document batches* (`maxsim_cli.pipeline`) and scored with
+`maxsim_kernels.maxsim_varlen` into a ``[nq, nd]`` block that is folded into a running top-k on the device
+(`maxsim_cli.topk`). Ties are broken by docno descending through order keys, so the run does not depend on
+batch sizes, shard order or memory budgets.
+
+**Rerank mode** (``candidates=RUN``) scores exactly the (query, document) pairs of a first-stage run:
+documents are found through one id index, only those some query needs are read (`Shard.read_doc_indices`),
+and each document batch is scored with one `maxsim_kernels.maxsim_candidates` launch. Each query's
+candidates that exist are written re-sorted by MaxSim (cut to ``top_k``).
+
+A CUDA out-of-memory error while scoring halves the document batch (down to one document) and the run
+continues, with a note on stderr.
+
+**Sinks.** Results go to ``sink``: ``write_query(qid, docnos, scores)`` for one query's results, best first
+(rerank mode always; exhaustive mode when the sink has neither method below), or, when the sink has them,
+``write_ordinals(scores, ordinals)`` (exhaustive: float32 scores and the corpus's int64 ordinals,
+``[nq, m]`` numpy arrays, rows best first) or else ``write_ranked(qids, docnos, scores)`` (exhaustive: a
+query batch at once, docnos an Arrow array query after query, scores ``[nq, m]`` float32). A sink that is
+a context manager (`maxsim_cli.runs.RunWriter`) is entered around the pass only: the run file is created
+once the plan is made and kept only if the pass succeeds.
+
+Where the time goes (one H200, 10 GB of fp16 safetensors shards, 512 queries x 32 tokens, warm page cache,
+benchmarks/results/score-h200-read-pieces.json, ab-trees-h200x2-seeded-offsets.json, docs/benchmarks.md):
+the pass over the corpus takes 0.50-0.53 s against 0.43 s for the kernel alone (reading the files alone:
+0.20 s with 16 threads; copying them to the GPU alone: 0.18 s), so the kernel bounds it; on top come the
+set-up (opening the shards, the docno order, page-locking the staging arena: 0.05-0.14 s) and writing the
+run (0.02 s for 100 results a query, 0.07-0.10 s for 1000).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from maxsim_kernels._validate import resolve_backend, share_device_copy
+from maxsim_kernels.cpu import NonFiniteDocuments
+
+from maxsim_cli.errors import InputError, MaxsimError, RankStopped
+from maxsim_cli.pipeline import Batch, BatchPlan, BatchStream, PinnedArena, read_parts
+from maxsim_cli.scoring import plan as planning
+from maxsim_cli.scoring.devices import DEFAULT_GPU_FREE_SHARE, default_host_bytes
+from maxsim_cli.scoring.plan import Budget, Plan
+from maxsim_cli.scoring.request import ScoreRequest
+from maxsim_cli.scoring.stats import ScoreStats
+from maxsim_cli.shards import check_same_dim
+from maxsim_cli.topk import RunningTopK
+
+if TYPE_CHECKING:
+    from maxsim_cli.progress import ScoreProgress
+    from maxsim_cli.shards import Corpus, DocBatch
+
+Logger = Callable[[str], None]
+
+
+def _stderr(message: str) -> None:
+    print(f"maxsim: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a caller adds to a run beyond its request: a rank of a job (`maxsim_cli.jobs`), or a caller
+    that started the staging memory early."""
+
+    stop: threading.Event | None = None  # set when another rank of the job has failed: stop scoring
+    staging_bytes: int | None = None  # the pinned staging arena's size cap (default `plan.STAGING_BYTES`)
+    progress: ScoreProgress | None = None  # a bar shared by the job's rank threads (else the run's own)
+    # Pinned staging memory already locking (`open_arena`): `files.score_files` starts it before it
+    # opens the corpus, so that the page-locking overlaps the opening.
+    arena: PinnedArena | None = None
+
+
+def run(
+    request: ScoreRequest,
+    corpus: Corpus,
+    queries: DocBatch,
+    sink: Any,
+    *,
+    candidates: dict[str, list[tuple[str, float]]] | None = None,
+    context: RankContext | None = None,
+    log: Logger = _stderr,
+) -> ScoreStats:
+    """Score ``queries`` against the open ``corpus`` as ``request`` says and hand the results to ``sink``
+    (see the module docstring); return the stats.
+
+    ``candidates``: rerank mode's run (``qid -> [(docno, score), ...]``, as `maxsim_cli.runs.read_run`
+    returns it); None scores every document. The corpus is neither opened nor closed here. Raises
+    `UsageError` / `InputError` / `MaxsimError` with one-line messages; the request's ``devices`` is
+    ignored (a job is `maxsim_cli.jobs`' business). ``setup_s`` and ``wall_s`` count from this call.
+    """
+    from maxsim_cli import progress as progress_mod
+
+    started = time.perf_counter()
+    context = context or RankContext()
+    dev = request.check()
+    backend = request.backend
+    cuda = dev.type == "cuda"
+    stats = ScoreStats(
+        mode="rerank" if candidates is not None else "exhaustive",
+        device=str(dev),
+        backend=backend,
+        output=request.output,
+    )
+    host_budget = _host_budget(request)
+    threads = reader_threads(request, cuda)
+    arena = context.arena
+    if cuda and arena is None:
+        arena = open_arena(request, dev, context.staging_bytes)
+    if cuda:
+        torch.cuda.set_device(dev)
+        free, _total = torch.cuda.mem_get_info(dev)
+        gpu_budget = (
+            request.max_memory if request.max_memory is not None else int(free * DEFAULT_GPU_FREE_SHARE)
+        )
+        stats.gpu_budget_bytes = gpu_budget
+        torch.cuda.reset_peak_memory_stats(dev)
+        base_allocated = torch.cuda.memory_allocated(dev)
+    qname = request.query_name
+    check_same_dim(queries, qname, corpus)
+    q_emb = _query_embeddings(queries, corpus.dtype, corpus.quantization)
+    q_offsets = queries.offsets.to(torch.int64)
+    qids = list(queries.ids)
+    stats.queries = len(qids)
+
+    stats.host_budget_bytes = host_budget
+    stats.reader_threads = threads
+    max_memory = request.max_memory
+    budget = Budget(
+        # the budget bounds what this run allocates, on top of what the process already holds
+        device_bytes=gpu_budget if cuda else min(host_budget, max_memory or host_budget),
+        host_bytes=host_budget,
+        reader_threads=threads,
+        cuda=cuda,
+        staging_bytes=arena.nbytes if arena is not None else 0,
+        device=str(dev),
+    )
+
+    engine = _Engine(corpus, q_emb, q_offsets, dev, backend, budget, stats, log, request.corpus)
+    engine.arena = arena
+    engine.stop = context.stop
+    if candidates is not None:
+        passes = engine.rerank_passes(candidates, qids, qname, request.candidates_name, request.strict)
+        total_tokens = engine.rerank_total_tokens(passes)
+    else:
+        passes = engine.exhaustive_passes(request.top_k, request.batch_queries)
+        total_tokens = corpus.num_tokens * len(passes)
+    shared_bar = context.progress  # the job's, shared by its rank threads
+    if shared_bar is not None:
+        shared_bar.add_total(total_tokens)
+    bar_context = (
+        contextlib.nullcontext(shared_bar)
+        if shared_bar is not None
+        else progress_mod.ScoreProgress(request.show_progress, total_tokens)
+    )
+    sink_context = sink if hasattr(sink, "__enter__") else contextlib.nullcontext(sink)
+    with bar_context as bar, sink_context:
+        engine.progress = bar
+        if arena is not None:
+            # The pass starts once the arena is locked, so that no page-locking runs during it (with
+            # cudaHostAlloc, locking that overlapped the pass made it wait; see `open_arena`).
+            stats.extra["arena_ready_s"] = round(arena.wait(), 4)
+        stats.setup_s = time.perf_counter() - started
+        if candidates is not None:
+            engine.run_rerank(passes, qids, request.top_k, sink)
+        else:
+            engine.run_exhaustive(passes, qids, request.top_k, sink)
+    if cuda:
+        torch.cuda.synchronize(dev)
+        stats.peak_gpu_bytes = torch.cuda.max_memory_allocated(dev) - base_allocated
+    stats.peak_host_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    stats.wall_s = time.perf_counter() - started
+    return stats
+
+
+def reader_threads(request: ScoreRequest, cuda: bool) -> int:
+    """Reader threads of a run: ``--reader-threads``, else one a core up to `DEFAULT_READER_THREADS` on
+    CUDA and one on the CPU (see there)."""
+    if request.reader_threads:
+        return request.reader_threads
+    return min(planning.DEFAULT_READER_THREADS, os.cpu_count() or 1) if cuda else 1
+
+
+def _host_budget(request: ScoreRequest) -> int:
+    return request.max_host_memory if request.max_host_memory is not None else default_host_bytes()
+
+
+def open_arena(request: ScoreRequest, device: torch.device, staging_bytes: int | None = None) -> PinnedArena:
+    """Start page-locking the staging memory of a CUDA run: at most ``staging_bytes`` (default
+    `plan.STAGING_BYTES`), the host budget, or the corpus files' size.
+
+    Locked piece by piece from the start, so that the locking is over before the pass begins. It slows
+    the set-up it overlaps (opening 19 shards, an mmap each, took 0.29 s instead of 0.07 s on the H200
+    machine: both take the process's address-space lock), but started later it overlapped the pass,
+    whose CUDA calls and reads then waited for the pieces: 1.2-1.3 s instead of 0.54 s for the first
+    pass of a process on a fresh machine."""
+    host_budget = _host_budget(request)
+    cap = staging_bytes or planning.STAGING_BYTES
+    staging = min(cap, host_budget, _files_bytes(request.corpus) + (1 << 20))
+    return PinnedArena(staging, BatchStream.host_slots(reader_threads(request, True)), device)
+
+
+def _corpus_name(corpus: Sequence[str]) -> str:
+    names = [str(p) for p in corpus]
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _files_bytes(paths: Sequence[str]) -> int:
+    """Bytes of the shard files named (directories: their shard files), for sizing the staging arena."""
+    total = 0
+    for path in paths:
+        try:
+            if os.path.isdir(path):  # a manifest may name shards in sub-directories
+                total += sum(
+                    os.path.getsize(os.path.join(root, name))
+                    for root, _dirs, names in os.walk(path)
+                    for name in names
+                    if name.endswith((".safetensors", ".arrow", ".parquet"))
+                )
+            else:
+                total += os.path.getsize(path)
+        except OSError:
+            return planning.STAGING_BYTES  # open_corpus reports the problem
+    return total
+
+
+def _query_embeddings(qbatch: DocBatch, corpus_dtype: str, quantization: str) -> torch.Tensor:
+    """Queries in the dtype the kernels take for this corpus: the corpus's float dtype, or float32
+    for an int8 corpus (the kernels quantize them per token). int8 query files are dequantized."""
+    emb = qbatch.embeddings
+    if emb.dtype == torch.int8:
+        if qbatch.scales is None:
+            raise InputError(
+                "the query file is int8 without per-token scales; re-create it with `maxsim pack`"
+            )
+        emb = emb.to(torch.float32) * qbatch.scales.to(torch.float32)[:, None]
+    if corpus_dtype == "int8" or quantization != "none":
+        return emb.to(torch.float32).contiguous()
+    return emb.to(getattr(torch, corpus_dtype)).contiguous()
+
+
+@dataclass
+class _Pass:
+    """One query batch: queries [q0, q1) and the document batches of its pass."""
+
+    q0: int
+    q1: int
+    plans: list[BatchPlan]
+    stream: BatchStream | None = None
+    num_pairs: int = 0  # rerank: (query, candidate) pairs scored
+
+
+class _Engine:
+    """Runs a plan: streams document batches, scores them against the queries, folds the top-k (or
+    gathers the candidates' scores) and hands the results to the sink; halves a batch on CUDA OOM."""
+
+    def __init__(
+        self,
+        corpus: Corpus,
+        q_emb: torch.Tensor,
+        q_offsets: torch.Tensor,
+        device: torch.device,
+        backend: str,
+        budget: Budget,
+        stats: ScoreStats,
+        log: Logger,
+        corpus_paths: Sequence[str],
+    ) -> None:
+        self.corpus = corpus
+        self.shards = corpus.shards
+        self.q_emb = q_emb
+        self.q_offsets = q_offsets
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.backend = backend
+        self.budget = budget
+        self.stats = stats
+        self.log = log
+        self.corpus_paths = corpus_paths
+        self.scaled = corpus.quantization != "none"
+        self.doc_dtype = getattr(torch, corpus.dtype)
+        self.tb = corpus.dim * self.doc_dtype.itemsize + (4 if self.scaled else 0)
+        # The CPU backend checks float documents for NaN/Inf from the similarities it computes anyway
+        # (`maxsim_kernels.cpu`, check_finite), so the reader need not: on the 2-core machine the
+        # reader's check took 0.16-0.20 s of a core per GB, next to ~0.9 s of scoring per GB on both.
+        self.backend_checks = (
+            not self.cuda and not self.scaled and resolve_backend(backend, device) == "torch"
+        )
+        self.piece_docs: int | None = None  # set after a CUDA OOM: documents per kernel call
+        self.progress = None
+        self.stop: threading.Event | None = None  # set by a job whose other rank failed
+        sizes = [s.num_docs for s in self.shards]
+        self.shard_base = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        lengths = [np.diff(np.asarray(s.offsets, dtype=np.int64)) for s in self.shards]
+        self.doc_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
+        self.score_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.arena: PinnedArena | None = None
+        self.docnos_of: dict[int, list[str]] = {}  # rerank: each query's candidates found, in run order
+
+    # ---------------------------------------------------------------------------- query helpers
+
+    def _query_slice(self, q0: int, q1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Queries q0..q1-1 on the device: (embeddings, host offsets, per-token scales or None). For an
+        int8 corpus on CUDA the queries are quantized here, once (int8 codes and their scales), rather
+        than by the kernel for every document batch (a launch and ~60 us of host time each)."""
+        from maxsim_kernels.maxsim_int8 import quantize_per_token
+
+        t0, t1 = int(self.q_offsets[q0]), int(self.q_offsets[q1])
+        emb = self.q_emb[t0:t1].to(self.device, non_blocking=False)
+        offsets = self._host_ints((self.q_offsets[q0 : q1 + 1] - t0).numpy())
+        if self.cuda and self.scaled:
+            q8, scales = quantize_per_token(emb)
+            return q8, offsets, scales
+        return emb, offsets, None
+
+    def _host_ints(self, values: np.ndarray) -> torch.Tensor:
+        """int64 values for a kernel argument, kept on the host.
+
+        The kernels read offsets and candidate lists on the host (checks, launch grid) and copy them to
+        the device themselves, without waiting for the stream (`maxsim_kernels._validate.host_to_device`),
+        so launches queue up while the GPU scores earlier batches. A device tensor would cost a
+        device-to-host synchronisation per launch.
+        """
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+
+    def _batch_ints(self, values: np.ndarray, device_copy: torch.Tensor) -> torch.Tensor:
+        """`_host_ints` of values that the batch stream has already copied to the device with the batch
+        (`device_copy`): the kernels use that copy instead of copying the values again."""
+        host = self._host_ints(values)
+        if device_copy.device.type == "cuda":
+            share_device_copy(host, device_copy)
+        return host
+
+    def _query_offsets(self) -> np.ndarray:
+        return self.q_offsets.numpy()
+
+    def _query_token_bytes(self) -> int:
+        return int(self.q_emb.shape[1]) * self.q_emb.element_size()
+
+    def _note_plan(self, plan: Plan) -> None:
+        self.stats.planned_device_bytes = plan.planned_bytes
+        self.stats.query_batch_size = plan.query_batch_size
+        self.stats.max_batch_docs = plan.max_batch_docs
+        self.stats.max_batch_tokens = plan.max_batch_tokens
+
+    # ---------------------------------------------------------------------------- exhaustive
+
+    def exhaustive_passes(self, top_k: int, batch_queries: int | None) -> list[_Pass]:
+        """Query batches and the document batches of each pass, sized to the budgets (`plan_exhaustive`)."""
+        plan = planning.plan_exhaustive(
+            self.doc_lengths,
+            self.shard_base,
+            self._query_offsets(),
+            self._query_token_bytes(),
+            self.tb,
+            top_k,
+            batch_queries,
+            self.budget,
+        )
+        if plan is None:
+            return []
+        # docno ranks (ascending byte order) for the tie-break, and the inverse to decode results
+        _, self.ordinal_of_rank, self.ids_by_rank = self.corpus.id_order()
+        self.rank_of_ordinal = self.corpus.rank_of_ordinal()
+        self._note_plan(plan)
+        self.stats.resident = plan.resident
+        plans = [
+            BatchPlan(
+                i,
+                plan.parts[i],
+                b - a,
+                plan.batch_tokens(i),
+                side=_RankSlice(self.rank_of_ordinal, a, b),
+                side_len=b - a,
+            )
+            for i, (a, b) in enumerate(plan.spans)
+        ]
+        stream = self._stream(plans, resident=plan.resident)
+        self.stats.documents = plan.num_docs
+        self.stats.tokens = plan.num_tokens
+        return [_Pass(q0, q1, plans, stream) for q0, q1 in plan.query_batches]
+
+    def run_exhaustive(self, passes: list[_Pass], qids: list[str], top_k: int, sink: Any) -> None:
+        stats = self.stats
+        stats.query_batches = len(passes)
+        stream = passes[0].stream if passes else None
+        try:
+            for qpass in passes:
+                q_emb, q_off, q_scales = self._query_slice(qpass.q0, qpass.q1)
+                topk = RunningTopK(qpass.q1 - qpass.q0, top_k)
+                assert qpass.stream is not None
+                for batch in qpass.stream:
+                    self._score_block(batch, 0, batch.plan.num_docs, (q_emb, q_off, q_scales), topk)
+                    self._batch_done(batch)
+                scores, ranks = topk.result()
+                started = time.perf_counter()
+                self._write_topk(sink, qids[qpass.q0 : qpass.q1], scores, ranks)
+                stats.write_s += time.perf_counter() - started
+                stats.pairs += (qpass.q1 - qpass.q0) * stats.documents
+        finally:
+            if stream is not None:
+                stream.close()
+                self._fold_times(stream)
+
+    def _batch_done(self, batch: Batch) -> None:
+        """After each batch: the progress bar, and a stop when another rank of the qpass has failed."""
+        if self.progress is not None:
+            self.progress.advance(batch.plan.num_docs, batch.plan.num_tokens)
+        if self.stop is not None and self.stop.is_set():
+            raise RankStopped("stopped because another rank of the qpass failed")
+
+    def _score_block(
+        self,
+        batch: Batch,
+        a: int,
+        b: int,
+        queries: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+        topk: RunningTopK,
+    ) -> None:
+        """Score documents [a, b) of a batch into the top-k; on CUDA OOM halve and retry. `queries`:
+        `_query_slice`'s (embeddings, offsets, scales)."""
+        from maxsim_kernels import maxsim_varlen
+        from maxsim_kernels.cpu import maxsim_varlen_cpu
+
+        q_emb, q_off, q_scales = queries
+
+        piece = self.piece_docs
+        if piece is not None and b - a > piece:
+            for s in range(a, b, piece):
+                self._score_block(batch, s, min(s + piece, b), queries, topk)
+            return
+        t0, t1 = int(batch.host_offsets[a]), int(batch.host_offsets[b])
+        whole = a == 0 and b == batch.plan.num_docs
+        docs = batch.embeddings if whole else batch.embeddings[t0:t1]
+        if whole:
+            offsets = self._batch_ints(batch.host_offsets, batch.offsets)
+        else:
+            offsets = self._host_ints(batch.host_offsets[a : b + 1] - t0)
+        scales = None if batch.scales is None else (batch.scales if whole else batch.scales[t0:t1])
+        assert batch.side is not None
+        ranks = batch.side[a:b]
+        timer = self._timer()
+        try:
+            scores = self._checked(
+                batch,
+                lambda check: (
+                    maxsim_varlen_cpu(q_emb, q_off, docs, offsets, doc_scales=scales, check_finite=True)
+                    if check
+                    else maxsim_varlen(
+                        q_emb,
+                        q_off,
+                        docs,
+                        offsets,
+                        backend=self.backend,
+                        doc_scales=scales,
+                        query_scales=q_scales,
+                    )  # fmt: skip
+                ),
+            )
+            topk.add(scores, ranks)
+            del scores
+        except torch.OutOfMemoryError:
+            oom = True
+        else:
+            oom = False
+        self._timer_end(timer)
+        if not oom:
+            return
+        if b - a <= 1:
+            raise MaxsimError(
+                f"out of memory on {self.device} scoring one document ({t1 - t0} tokens) against "
+                f"{topk.num_queries} queries; lower --batch-queries or --max-memory, or free GPU memory"
+            )
+        self._oom_note(b - a)
+        mid = a + (b - a) // 2
+        self._score_block(batch, a, mid, queries, topk)
+        self._score_block(batch, mid, b, queries, topk)
+
+    def _oom_note(self, docs: int) -> None:
+        self.stats.oom_retries += 1
+        half = max(docs // 2, 1)
+        self.piece_docs = half if self.piece_docs is None else min(self.piece_docs, half)
+        if self.cuda:
+            torch.cuda.empty_cache()
+        self.log(
+            f"note: out of memory on {self.device} scoring {docs} documents at once; "
+            f"continuing with at most {self.piece_docs} documents per kernel call"
+        )
+
+    def _write_topk(self, sink: Any, qids: list[str], scores: torch.Tensor, ranks: torch.Tensor) -> None:
+        import pyarrow as pa
+
+        scores_np = scores.numpy()
+        if hasattr(sink, "write_ordinals"):  # a rank of a distributed qpass: columns for rank 0's merge
+            sink.write_ordinals(scores_np, self.ordinal_of_rank[ranks.numpy()])
+            return
+        docnos = self.ids_by_rank.take(pa.array(ranks.numpy().reshape(-1)))  # query after query
+        if hasattr(sink, "write_ranked"):  # the whole block at once
+            sink.write_ranked(qids, docnos, scores_np)
+            return
+        m = scores_np.shape[1] if scores_np.ndim == 2 else 0
+        for i, qid in enumerate(qids):
+            sink.write_query(qid, docnos[i * m : (i + 1) * m].to_pylist(), scores_np[i].tolist())
+
+    # ---------------------------------------------------------------------------- rerank
+
+    # ---------------------------------------------------------------------------- rerank
+
+    def rerank_passes(
+        self, run: dict[str, list[tuple[str, float]]], qids: list[str], qname: str, cname: str, strict: bool
+    ) -> list[_Pass]:
+        """Map the run's candidates to corpus documents and plan the document batches (`plan_rerank`)."""
+        qindex = {q: i for i, q in enumerate(qids)}
+        for qid in run:
+            if qid not in qindex:
+                raise InputError(
+                    f"{cname}: query {qid!r} has candidates but no embedding in {qname}; "
+                    "add it to the query file or drop it from the run"
+                )
+        id_index = self.corpus.candidate_index(docno for cands in run.values() for docno, _ in cands)
+        missing: list[str] = []
+        n_missing = 0
+        pair_q: list[int] = []
+        pair_doc: list[int] = []
+        docnos_of: dict[int, list[str]] = {}
+        for qid, cands in run.items():
+            qi = qindex[qid]
+            found = []
+            for docno, _ in cands:
+                where = id_index.get(docno)
+                if where is None:
+                    n_missing += 1
+                    if len(missing) < 3 and docno not in missing:
+                        missing.append(docno)
+                    continue
+                pair_q.append(qi)
+                pair_doc.append(int(self.shard_base[where[0]]) + where[1])
+                found.append(docno)
+            docnos_of[qi] = found
+        self.stats.missing_candidates = n_missing
+        if n_missing:
+            examples = ", ".join(repr(m) for m in missing)
+            if strict:
+                raise InputError(
+                    f"{cname}: {n_missing} candidates are not in the corpus "
+                    f"({_corpus_name(self.corpus_paths)}), e.g. {examples}; check the run and the corpus, "
+                    "or drop --strict to skip them"
+                )
+            self.log(
+                f"warning: {cname}: {n_missing} candidates are not in the corpus, e.g. {examples}; "
+                "they are left out (--strict makes this an error)"
+            )
+        self.docnos_of = docnos_of
+        self.stats.pairs = len(pair_q)
+        plan = planning.plan_rerank(
+            np.asarray(pair_q, dtype=np.int64),
+            np.asarray(pair_doc, dtype=np.int64),
+            self.doc_lengths,
+            self.shard_base,
+            self._query_offsets(),
+            self._query_token_bytes(),
+            self.tb,
+            self.budget,
+        )
+        if plan is None:
+            return []
+        assert plan.sides is not None and plan.pair_query is not None
+        self.stats.documents = plan.num_docs
+        self.stats.tokens = plan.num_tokens
+        self._note_plan(plan)
+        plans = [
+            BatchPlan(i, plan.parts[i], b - a, plan.batch_tokens(i), side=side, side_len=len(side))
+            for i, ((a, b), side) in enumerate(zip(plan.spans, plan.sides, strict=True))
+        ]
+        stream = self._stream(plans)
+        self.pair_q = plan.pair_query
+        return [_Pass(0, plan.num_queries, plans, stream, num_pairs=plan.num_pairs)]
+
+    @staticmethod
+    def rerank_total_tokens(passes: list[_Pass]) -> int:
+        return sum(p.num_tokens for one in passes for p in one.plans)
+
+    def run_rerank(self, passes: list[_Pass], qids: list[str], top_k: int, sink: Any) -> None:
+        from maxsim_kernels import maxsim_candidates
+        from maxsim_kernels.cpu import maxsim_candidates_cpu
+
+        from maxsim_cli.runs import sort_trec
+
+        stats = self.stats
+        stats.query_batches = 1 if passes else 0
+        pair_scores = None
+        for qpass in passes:
+            nq = qpass.q1 - qpass.q0
+            q_emb, q_off, q_scales = self._query_slice(qpass.q0, qpass.q1)
+            pair_scores = torch.zeros(qpass.num_pairs, dtype=torch.float32, device=self.device)
+            assert qpass.stream is not None
+            try:
+                for batch in qpass.stream:
+                    assert batch.side is not None
+                    host_side = batch.plan.side_array()
+                    assert host_side is not None
+                    n_pairs = (host_side.shape[0] - (nq + 1)) // 2
+                    # candidate lists on the host (see `_host_ints`), output positions on the device
+                    cand_offsets = self._batch_ints(host_side[: nq + 1], batch.side[: nq + 1])
+                    cand_docs = self._batch_ints(
+                        host_side[nq + 1 : nq + 1 + n_pairs], batch.side[nq + 1 : nq + 1 + n_pairs]
+                    )
+                    positions = batch.side[nq + 1 + n_pairs :]
+                    timer = self._timer()
+                    try:
+                        args = (
+                            q_emb,
+                            q_off,
+                            batch.embeddings,
+                            self._batch_ints(batch.host_offsets, batch.offsets),
+                            cand_offsets,
+                            cand_docs,
+                        )
+                        s = self._checked(
+                            batch,
+                            lambda check, args=args, scales=batch.scales, q_scales=q_scales: (
+                                maxsim_candidates_cpu(*args, doc_scales=scales, check_finite=True)
+                                if check
+                                else maxsim_candidates(
+                                    *args, backend=self.backend, doc_scales=scales, query_scales=q_scales
+                                )
+                            ),
+                        )
+                        pair_scores.index_copy_(0, positions, s.to(torch.float32))
+                    finally:
+                        self._timer_end(timer)
+                    self._batch_done(batch)
+            finally:
+                qpass.stream.close()
+                self._fold_times(qpass.stream)
+        scores_np = pair_scores.cpu().numpy() if pair_scores is not None else np.zeros(0, dtype=np.float32)
+        started = time.perf_counter()
+        # pairs are in (query, run order) order: split by query
+        starts = np.searchsorted(self.pair_q, np.arange(len(qids) + 1)) if passes else None
+        for qi, qid in enumerate(qids):
+            docnos = self.docnos_of.get(qi)
+            if not docnos:
+                continue
+            assert starts is not None
+            sc = scores_np[starts[qi] : starts[qi + 1]].tolist()
+            keep = sort_trec(docnos, sc)[:top_k]
+            sink.write_query(qid, [docnos[i] for i in keep], [sc[i] for i in keep])
+        stats.write_s += time.perf_counter() - started
+
+    # ---------------------------------------------------------------------------- timing
+
+    def _stream(self, plans: list[BatchPlan], *, resident: bool = False) -> BatchStream:
+        """The background reader over `plans`, interleaved across shards."""
+        return BatchStream(
+            self.shards,
+            _interleave(plans),
+            dim=self.corpus.dim,
+            dtype=self.doc_dtype,
+            scaled=self.scaled,
+            device=self.device,
+            reader_threads=self.budget.reader_threads,
+            resident=resident,
+            arena=self.arena,
+            check_values=not self.backend_checks,
+        )
+
+    def _checked(self, batch: Batch, compute: Callable[[bool], torch.Tensor]) -> torch.Tensor:
+        """``compute(check)``: with ``check``, the CPU backend checks the documents' values (the reader
+        did not: `backend_checks`). A flagged batch is read again through the shards' checked reader,
+        whose error names the document and token; if that finds nothing (finite values whose products
+        overflow fp32), the batch is scored again without the check."""
+        if not self.backend_checks:
+            return compute(False)
+        try:
+            return compute(True)
+        except NonFiniteDocuments:
+            read_parts(self.shards, batch.plan.parts)
+            return compute(False)
+
+    def _timer(self) -> object:
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            return start
+        return time.perf_counter()
+
+    def _timer_end(self, timer: object) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.score_events.append((timer, end))  # type: ignore[arg-type]
+        else:
+            self.stats.score_s += time.perf_counter() - timer  # type: ignore[operator]
+
+    def _fold_times(self, stream: BatchStream) -> None:
+        t = stream.times
+        self.stats.read_s += t.read_s
+        self.stats.copy_s += t.copy_s
+        self.stats.wait_s += t.wait_s
+        self.stats.bytes_read += t.bytes_read
+        self.stats.doc_batches += t.batches
+        t.read_s = t.copy_s = t.wait_s = 0.0
+        t.bytes_read = t.batches = 0
+        for start, end in self.score_events:
+            end.synchronize()
+            self.stats.score_s += start.elapsed_time(end) / 1000.0
+        self.score_events.clear()
+
+
+def _interleave(plans: list[BatchPlan]) -> list[BatchPlan]:
+    """Plans reordered round-robin over shards (first the first batch of every shard, then the second
+    ...), so that reader threads read different shards at once: a shard serialises its own reads. The
+    results do not depend on the order (see `maxsim_cli.topk`)."""
+    seen: dict[int, int] = {}
+    keyed = []
+    for plan in plans:
+        shard = int(plan.parts[0][0])
+        keyed.append((seen.get(shard, 0), shard, plan.index, plan))
+        seen[shard] = seen.get(shard, 0) + 1
+    out = [item[3] for item in sorted(keyed, key=lambda item: item[:3])]
+    for i, plan in enumerate(out):
+        plan.index = i
+    return out
+
+
+class _RankSlice:
+    """Docno ranks of global ordinals [a, b), computed in the reader thread."""
+
+    __slots__ = ("ranks", "a", "b")
+
+    def __init__(self, ranks: np.ndarray, a: int, b: int) -> None:
+        self.ranks, self.a, self.b = ranks, a, b
+
+    def __call__(self) -> np.ndarray:
+        return self.ranks[self.a : self.b]

@@ -1,0 +1,38 @@
+"""A scoring run whose inputs are files and whose output is a run file: what `maxsim score` does on one
+device (`maxsim_cli.score.score` without ``--devices``, and a job with a single device)."""
+
+from __future__ import annotations
+
+import time
+
+from maxsim_cli.runs import RunWriter, read_run
+from maxsim_cli.scoring import engine
+from maxsim_cli.scoring.engine import Logger, RankContext
+from maxsim_cli.scoring.request import ScoreRequest
+from maxsim_cli.scoring.stats import ScoreStats
+from maxsim_cli.shards import check_same_dim, open_corpus, read_queries
+
+
+def score_files(request: ScoreRequest, *, log: Logger = engine._stderr) -> ScoreStats:
+    """Open the request's corpus, read its queries (and candidates), score them with `engine.run` and
+    write the run to ``request.output``; the corpus is closed on every exit path. ``setup_s`` and
+    ``wall_s`` count from this call."""
+    started = time.perf_counter()
+    device = request.check()
+    writer = RunWriter(request.output, tag=request.run_tag, fmt=request.fmt)  # opens only in the pass
+    # on CUDA the staging memory locks while the corpus opens (`engine.open_arena`)
+    arena = engine.open_arena(request, device) if device.type == "cuda" else None
+    corpus = open_corpus(list(request.corpus))
+    try:
+        queries = read_queries(request.queries)
+        check_same_dim(queries, request.query_name, corpus)  # before the run is read, as always
+        candidates = read_run(request.candidates) if request.candidates is not None else None
+        entered = time.perf_counter()
+        stats = engine.run(
+            request, corpus, queries, writer, candidates=candidates, context=RankContext(arena=arena), log=log
+        )
+    finally:
+        corpus.close()
+    stats.setup_s += entered - started
+    stats.wall_s = time.perf_counter() - started
+    return stats

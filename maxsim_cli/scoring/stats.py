@@ -1,0 +1,86 @@
+"""`ScoreStats`: what a scoring run did and where its time went, as `maxsim score --stats-json` writes it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from maxsim_cli.shards import write_text_atomic
+from maxsim_cli.units import format_size
+
+
+@dataclass
+class ScoreStats:
+    """What a run did and where the time went (seconds; `read_s` is summed over reader threads)."""
+
+    mode: str
+    device: str
+    backend: str
+    output: str
+    queries: int = 0
+    documents: int = 0
+    tokens: int = 0
+    pairs: int = 0
+    query_batches: int = 0
+    doc_batches: int = 0
+    resident: bool = False
+    missing_candidates: int = 0
+    oom_retries: int = 0
+    wall_s: float = 0.0
+    read_s: float = 0.0
+    copy_s: float = 0.0
+    score_s: float = 0.0
+    wait_s: float = 0.0
+    setup_s: float = 0.0
+    write_s: float = 0.0
+    bytes_read: int = 0
+    peak_gpu_bytes: int | None = None
+    peak_host_bytes: int = 0
+    gpu_budget_bytes: int | None = None
+    host_budget_bytes: int = 0
+    reader_threads: int = 1
+    query_batch_size: int = 0
+    max_batch_docs: int = 0
+    max_batch_tokens: int = 0
+    planned_device_bytes: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def docs_per_s(self) -> float:
+        """Documents scored (against every query) per second of wall time."""
+        return self.documents / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Document tokens scored (against every query) per second of wall time."""
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        """The stats as a JSON-ready dict, with throughput added."""
+        out = asdict(self)
+        out.pop("extra")
+        out.update(self.extra)
+        out["docs_per_s"] = self.docs_per_s
+        out["tokens_per_s"] = self.tokens_per_s
+        return out
+
+    def summary(self) -> str:
+        """One line for stderr."""
+        gpu = f", peak GPU {format_size(self.peak_gpu_bytes)}" if self.peak_gpu_bytes is not None else ""
+        what = f"{self.pairs:,} candidates of " if self.mode == "rerank" else ""
+        return (
+            f"scored {self.queries:,} queries x {what}{self.documents:,} documents ({self.tokens:,} tokens) "
+            f"in {self.wall_s:.2f} s: {_si(self.docs_per_s)} docs/s, {_si(self.tokens_per_s)} tokens/s"
+            f" on {self.device}{gpu}"
+        )
+
+    def write_json(self, path: str) -> None:
+        """Write `as_dict` to ``path`` atomically."""
+        write_text_atomic(path, json.dumps(self.as_dict(), indent=2, sort_keys=True) + "\n")
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
