@@ -3,6 +3,7 @@
 # kernels against the peers, training (forward + backward), and the verify reports on sample_data/.
 # Usage (device tool, carrying .whl with the peers' wheels):  bash benchmarks/run_h200.sh "$OUT"
 # Each step has its own time limit so that one slow step cannot take the others' results with it.
+# Kept results go to benchmarks/results/<area>/: benchmarks/README.md lists each step's area.
 set -u
 out=${1:?usage: run_h200.sh OUTDIR}
 logs=$(mktemp -d)
