@@ -25,7 +25,9 @@ backend's ``check_finite``); a failed check re-reads the batch through the shard
 whose error names the document and the token.
 
 When the corpus fits the GPU budget the stream is *resident*: the first pass copies each batch into its
-own device buffer and later passes (one per query batch) reuse them without reading anything.
+own device buffer and later passes (one per query batch) reuse them without reading anything. A corpus
+made resident beforehand (`Corpus.to`, ``residency=``) is not read at all: each batch is a view of its
+shard's device tensors (a gather on the device when a plan names scattered documents).
 
 On the CPU there are no streams, and no copy where none is needed: a document range of a safetensors
 shard is handed to the CPU backend as tensors over a pre-populated map of the file (`map_rows`: the
@@ -55,6 +57,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from maxsim_cli.shards.resident import Residency, ResidentShard
 
 _STOP = object()  # put in the slot queue to stop the dispatcher
 
@@ -439,8 +443,10 @@ class BatchStream:
         resident: bool = False,
         arena: PinnedArena | None = None,
         check_values: bool = True,
+        residency: Residency | None = None,
     ) -> None:
         self.shards = shards
+        self.residency = residency  # the corpus already in the device's memory: nothing to read
         self.check_values = check_values  # CPU: False when the caller's backend checks values itself
         self.arena = arena
         self.plans = list(plans)
@@ -630,6 +636,9 @@ class BatchStream:
     # iteration ----------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Batch]:
+        if self.residency is not None:
+            yield from self._from_residency()
+            return
         if self._resident is not None:
             yield from self._resident
             return
@@ -704,6 +713,23 @@ class BatchStream:
             self._check_values()
         finally:
             self.close()
+
+    def _from_residency(self) -> Iterator[Batch]:
+        """Batches out of the resident corpus: views of a shard's tensors for a document range, a gather
+        on the device otherwise; the values were checked when the corpus was made resident."""
+        assert self.residency is not None
+        device = self.residency.device
+        for plan in self.plans:
+            embeddings, scales, host_offsets = _resident_rows(self.residency.shards, plan.parts)
+            offsets = torch.from_numpy(host_offsets).to(device, non_blocking=True)
+            side = plan.side_array()
+            side_t = (
+                torch.from_numpy(np.ascontiguousarray(side, dtype=np.int64)).to(device, non_blocking=True)
+                if side is not None
+                else None
+            )
+            self.times.batches += 1
+            yield Batch(plan, embeddings, offsets, scales, side_t, host_offsets)
 
     def _buffers(
         self, device: torch.device | str, plan: BatchPlan | None = None, pin: bool = False
@@ -838,6 +864,38 @@ def _finite(embeddings: torch.Tensor, scales: torch.Tensor | None) -> bool:
         if int(out.max()) >= limit:
             return False
     return True
+
+
+def _resident_rows(
+    shards: Sequence[ResidentShard], parts: Sequence[Part]
+) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray]:
+    """The rows of ``parts`` from resident shards, packed: (embeddings, scales, host offsets [n + 1]).
+    One document range is a view; several parts or index lists are gathered on the device."""
+    if len(parts) == 1 and len(parts[0]) == 3:
+        s, a, b = parts[0]  # type: ignore[misc]
+        shard = shards[s]
+        t0, t1 = int(shard.host_offsets[a]), int(shard.host_offsets[b])
+        scales = shard.scales[t0:t1] if shard.scales is not None else None
+        return shard.embeddings[t0:t1], scales, shard.host_offsets[a : b + 1] - t0
+    emb_parts, scale_parts, lengths = [], [], []
+    for part in parts:
+        shard = shards[part[0]]
+        docs = np.arange(part[1], part[2]) if len(part) == 3 else np.asarray(part[1], dtype=np.int64)
+        starts, stops = shard.host_offsets[docs], shard.host_offsets[docs + 1]
+        n = stops - starts
+        rows = np.repeat(starts - np.concatenate([[0], np.cumsum(n)[:-1]]), n) + np.arange(int(n.sum()))
+        index = torch.from_numpy(rows).to(shard.embeddings.device, non_blocking=True)
+        emb_parts.append(shard.embeddings.index_select(0, index))
+        if shard.scales is not None:
+            scale_parts.append(shard.scales.index_select(0, index))
+        lengths.append(n)
+    all_lengths = np.concatenate(lengths)
+    host_offsets = np.concatenate([[0], np.cumsum(all_lengths)]).astype(np.int64)
+    embeddings = torch.cat(emb_parts)
+    scales = (
+        None if not scale_parts else (scale_parts[0] if len(scale_parts) == 1 else torch.cat(scale_parts))
+    )
+    return embeddings, scales, host_offsets
 
 
 def _concat_offsets(offsets: Sequence[torch.Tensor]) -> torch.Tensor:

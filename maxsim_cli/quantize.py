@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from maxsim_cli.agreement import ranking_agreement
+from maxsim_cli.devices import resolve_device
 from maxsim_cli.errors import InputError, UsageError
-from maxsim_cli.score import resolve_device
 from maxsim_cli.shards import (
     MANIFEST_NAME,
     Corpus,

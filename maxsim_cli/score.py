@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from maxsim_cli import jobs
-from maxsim_cli.scoring.devices import check_backend_option, resolve_device
+from maxsim_cli.devices import check_backend_option, resolve_device
 from maxsim_cli.scoring.engine import Logger, _Engine, _interleave, _stderr
 from maxsim_cli.scoring.files import score_files
 from maxsim_cli.scoring.plan import (

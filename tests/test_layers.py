@@ -5,7 +5,8 @@ every import statement counts, at module level or inside a function (a lazy impo
 dependency), and so does a package ``__init__`` that re-exports a submodule's names. ``from P import x``
 is an edge to the module ``P.x`` when there is one, else to ``P``. The layers (docs: the target shape):
 
-    commands, cli  >  api  >  jobs  >  scoring  >  pipeline, topk, runs, shards, ...  >  maxsim_kernels
+    commands, cli  >  api, score  >  jobs  >  scoring  >  pipeline, topk, runs, shards, devices, ...
+                   >  maxsim_kernels
 
 And every package found is one that pyproject.toml installs.
 """
@@ -151,6 +152,27 @@ RULES = [
         ("maxsim_cli.jobs", "maxsim_cli.score", "maxsim_cli.api", "maxsim_cli.commands", "maxsim_cli.cli"),
     ),
     (("maxsim_cli.jobs",), ("maxsim_cli.score", "maxsim_cli.api", "maxsim_cli.commands", "maxsim_cli.cli")),
+    (("maxsim_cli.api",), ("maxsim_cli.commands", "maxsim_cli.cli")),
+    (
+        # the ground floor: shards (with residency), the batch stream, top-k, runs, devices, queries
+        (
+            "maxsim_cli.shards",
+            "maxsim_cli.pipeline",
+            "maxsim_cli.topk",
+            "maxsim_cli.runs",
+            "maxsim_cli.run",
+            "maxsim_cli.queries",
+            "maxsim_cli.devices",
+        ),
+        (
+            "maxsim_cli.scoring",
+            "maxsim_cli.jobs",
+            "maxsim_cli.score",
+            "maxsim_cli.api",
+            "maxsim_cli.commands",
+            "maxsim_cli.cli",
+        ),
+    ),
 ]
 
 

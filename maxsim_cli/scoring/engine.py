@@ -51,10 +51,10 @@ import torch
 from maxsim_kernels._validate import resolve_backend, share_device_copy
 from maxsim_kernels.cpu import NonFiniteDocuments
 
+from maxsim_cli.devices import DEFAULT_GPU_FREE_SHARE, default_host_bytes
 from maxsim_cli.errors import InputError, MaxsimError, RankStopped
 from maxsim_cli.pipeline import Batch, BatchPlan, BatchStream, PinnedArena, read_parts
 from maxsim_cli.scoring import plan as planning
-from maxsim_cli.scoring.devices import DEFAULT_GPU_FREE_SHARE, default_host_bytes
 from maxsim_cli.scoring.plan import Budget, Plan
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.stats import ScoreStats
@@ -64,6 +64,7 @@ from maxsim_cli.topk import RunningTopK
 if TYPE_CHECKING:
     from maxsim_cli.progress import ScoreProgress
     from maxsim_cli.shards import Corpus, DocBatch
+    from maxsim_cli.shards.resident import Residency
 
 Logger = Callable[[str], None]
 
@@ -118,8 +119,11 @@ def run(
     )
     host_budget = _host_budget(request)
     threads = reader_threads(request, cuda)
+    # A corpus resident on this device (`Corpus.to`) is scored from its device tensors: nothing to read,
+    # so no staging memory to lock.
+    residency = corpus.residency if corpus.residency is not None and corpus.residency.device == dev else None
     arena = context.arena
-    if cuda and arena is None:
+    if cuda and arena is None and residency is None:
         arena = open_arena(request, dev, context.staging_bytes)
     if cuda:
         torch.cuda.set_device(dev)
@@ -148,10 +152,13 @@ def run(
         cuda=cuda,
         staging_bytes=arena.nbytes if arena is not None else 0,
         device=str(dev),
+        resident_corpus=residency is not None,
     )
+    stats.extra["resident_corpus"] = residency is not None
 
     engine = _Engine(corpus, q_emb, q_offsets, dev, backend, budget, stats, log, request.corpus)
     engine.arena = arena
+    engine.residency = residency
     engine.stop = context.stop
     if candidates is not None:
         passes = engine.rerank_passes(candidates, qids, qname, request.candidates_name, request.strict)
@@ -309,6 +316,7 @@ class _Engine:
         self.doc_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
         self.score_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.arena: PinnedArena | None = None
+        self.residency: Residency | None = None  # the corpus on this device, when it is resident
         self.docnos_of: dict[int, list[str]] = {}  # rerank: each query's candidates found, in run order
 
     # ---------------------------------------------------------------------------- query helpers
@@ -676,6 +684,7 @@ class _Engine:
             resident=resident,
             arena=self.arena,
             check_values=not self.backend_checks,
+            residency=self.residency,
         )
 
     def _checked(self, batch: Batch, compute: Callable[[bool], torch.Tensor]) -> torch.Tensor:

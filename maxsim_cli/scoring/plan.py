@@ -67,6 +67,9 @@ class Budget:
     cuda: bool
     staging_bytes: int = 0  # the pinned arena (CUDA)
     device: str = "cpu"  # the scoring device, as messages name it
+    # The corpus is resident on the scoring device (`Corpus.to`): batches are views of its shards, so
+    # nothing is staged and batches need not be small for reads to overlap.
+    resident_corpus: bool = False
 
 
 @dataclass
@@ -251,9 +254,15 @@ def plan_exhaustive(
     tok_cum = np.concatenate([[0], np.cumsum(doc_lengths)]).astype(np.int64)
 
     total_bytes = int(tok_cum[-1]) * tb
-    token_limit = _batch_token_limit(total_bytes, tb, budget)
     usable = int(budget.device_bytes * BUDGET_FILL)
-    slots = BatchStream.DEVICE_SLOTS if budget.cuda else BatchStream.host_slots(budget.reader_threads)
+    if budget.resident_corpus:
+        # one batch's offsets and side data are copied (tb = 0: no token is staged); no size limit
+        # for overlap
+        token_limit, slots, staged_tb = float(tok_cum[-1]), 1, 0
+    else:
+        token_limit = _batch_token_limit(total_bytes, tb, budget)
+        slots = BatchStream.DEVICE_SLOTS if budget.cuda else BatchStream.host_slots(budget.reader_threads)
+        staged_tb = tb
     longest = int(doc_lengths.max())
     nq_b = min(nq, batch_queries or nq)
     while True:
@@ -266,7 +275,7 @@ def plan_exhaustive(
         rest = usable - fixed
         # tokens per batch such that staging + scores fit, with docs of average length
         avg_len = max(tok_cum[-1] / n_docs, 1.0)
-        fit_tokens = rest / (slots * tb + per_doc / avg_len) if rest > 0 else 0
+        fit_tokens = rest / (slots * staged_tb + per_doc / avg_len) if rest > 0 else 0
         tokens = min(token_limit, fit_tokens)
         # Fewer queries a pass only make room on the scoring device; `token_limit` (overlap, host
         # staging) does not depend on them. Testing it here split the 512 queries of a 32 MB
@@ -276,12 +285,14 @@ def plan_exhaustive(
         if enough or nq_b == 1 or batch_queries is not None:
             break
         nq_b = (nq_b + 1) // 2
-    spans, planned = _fit_spans(tok_cum, tokens, per_doc, slots, fixed, usable, nq_b, longest, tb, budget)
-    if not budget.cuda:
-        spans = _cut_at(spans, bounds)
+    spans, planned = _fit_spans(
+        tok_cum, tokens, per_doc, slots, fixed, usable, nq_b, longest, staged_tb, budget
+    )
+    if not budget.cuda or budget.resident_corpus:
+        spans = _cut_at(spans, bounds)  # a batch within one shard: a view of it (a map, or resident)
     resident = False
     n_jobs = math.ceil(nq / nq_b)
-    if budget.cuda and n_jobs > 1:
+    if budget.cuda and n_jobs > 1 and not budget.resident_corpus:
         need = _device_total(
             spans,
             tok_cum,

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from maxsim_cli.devices import check_backend_option, resolve_device
 from maxsim_cli.errors import UsageError
-from maxsim_cli.scoring.devices import check_backend_option, resolve_device
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import json
 import os
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -32,6 +32,9 @@ from maxsim_cli.shards.format import (
     sorted_id_order,
 )
 from maxsim_cli.shards.readers import Shard, open_shard
+
+if TYPE_CHECKING:
+    from maxsim_cli.shards.resident import Residency
 
 
 def _sha256(path: str) -> str:
@@ -106,6 +109,9 @@ class Corpus:
     """Shards that are scored together: one dim, dtype and quantization, ids unique across all shards.
 
     Documents are numbered globally in shard order: shard s holds `doc_starts[s]:doc_starts[s+1]`.
+    ``len(corpus)`` counts documents, ``corpus.ids`` lists their ids in that order. ``corpus.to(device)``
+    makes it *resident*: every shard read once into that device's memory (`residency`), so scoring reads
+    nothing from disk; otherwise batches stream from the files.
     """
 
     def __init__(self, shards: list[Shard]) -> None:
@@ -142,6 +148,7 @@ class Corpus:
         self._index: dict[str, tuple[int, int]] | None = None
         self._id_order: tuple[pa.Array, np.ndarray, pa.Array] | None = None
         self._rank_of_ordinal: np.ndarray | None = None
+        self.residency: Residency | None = None
         self._check_unique_ids()  # refuses duplicate ids across shards now, not at scoring time
 
     def _check_unique_ids(self) -> None:
@@ -214,7 +221,50 @@ class Corpus:
             self._index = index
         return self._index
 
+    def __len__(self) -> int:
+        return self.num_docs
+
+    def __repr__(self) -> str:
+        where = f", resident on {self.residency.device}" if self.residency is not None else ""
+        return (
+            f"Corpus({self.num_docs:,} documents, {self.num_tokens:,} tokens, dim {self.dim}, "
+            f"{self.dtype}, {len(self.shards)} shards{where})"
+        )
+
+    @property
+    def ids(self) -> list[str]:
+        """Every document's id, in corpus order."""
+        if self._id_order is not None:
+            return self._id_order[0].to_pylist()
+        return concat_ids([s.id_array for s in self.shards]).to_pylist()
+
+    @property
+    def device(self) -> str | None:
+        """The device the corpus is resident on (``"cuda:0"``, ``"cpu"``), or None when it streams."""
+        return str(self.residency.device) if self.residency is not None else None
+
+    def to(self, device: str) -> Corpus:
+        """Make the corpus resident on ``device`` (``cuda``, ``cuda:N``, ``cpu``, ``auto``) and return it:
+        every shard is read once into that device's memory, values checked as on every read. Raises
+        `MaxsimError` (one line: how much is needed, how much is free) when it does not fit. A corpus
+        resident elsewhere is released first."""
+        from maxsim_cli.devices import resolve_device
+        from maxsim_cli.shards.resident import make_resident
+
+        target = resolve_device(device)
+        if self.residency is not None and self.residency.device == target:
+            return self
+        self.release()
+        name = self.paths[0] if len(self.paths) == 1 else f"{self.paths[0]} and {len(self.paths) - 1} more"
+        self.residency = make_resident(self.shards, target, name=name)
+        return self
+
+    def release(self) -> None:
+        """Free the device memory of a resident corpus; later scoring streams from the files again."""
+        self.residency = None
+
     def close(self) -> None:
+        self.release()
         for shard in self.shards:
             shard.close()
 

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from maxsim_cli.agreement import score_errors
+from maxsim_cli.devices import check_backend_option, resolve_device
 from maxsim_cli.errors import InputError, MaxsimError, UsageError
-from maxsim_cli.score import check_backend_option, resolve_device
 from maxsim_cli.shards import Corpus, DocBatch, open_corpus, read_queries
 from maxsim_cli.verify.batches import _Context, _score_all_pairs, _score_candidates
 from maxsim_cli.verify.checks import (

@@ -1,4 +1,5 @@
-"""The scoring device and the host budget: `--device`, `--backend`, and the defaults of the memory budgets."""
+"""Devices and memory defaults: `--device`, `--backend`, and the defaults of the memory budgets (used by
+scoring, residency, quantize and verify alike)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,292 @@
+"""The Python API: open a corpus once, keep it resident, score queries from files or from memory.
+
+    >>> from maxsim_cli import open_corpus, read_queries, search
+    >>> corpus = open_corpus("sample_data/corpus")
+    >>> run = search(read_queries("sample_data/queries.safetensors"), corpus, k=10, device="cpu")
+    >>> len(run.qids), len(run)
+    (200, 2000)
+
+`search` ranks the whole corpus for every query (exact top-k); `rerank` scores the candidates of a
+first-stage run. Both return a `Run` (``run.to_trec(path)`` writes what ``maxsim score`` writes for the
+same inputs, ``run.to_dataframe()`` gives PyTerrier's columns). ``corpus.to("cuda")`` makes the corpus
+*resident*: every shard is read once into GPU memory and later calls read nothing from disk. Bad input
+raises `maxsim_cli.errors.InputError` (and `UsageError` for bad options) with the one-line messages the
+command line prints.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from maxsim_cli.errors import InputError, UsageError
+from maxsim_cli.queries import Queries, read_queries
+from maxsim_cli.run import Result, Run, RunCollector
+from maxsim_cli.shards import Corpus
+from maxsim_cli.shards import open_corpus as _open_corpus
+
+__all__ = [
+    "Corpus",
+    "MaxsimWarning",
+    "Queries",
+    "Result",
+    "Run",
+    "open_corpus",
+    "read_queries",
+    "rerank",
+    "search",
+]
+
+PathLike = str | os.PathLike
+# Rerank keeps every candidate unless told otherwise.
+ALL_CANDIDATES = 2**31 - 1
+
+logger = logging.getLogger("maxsim")
+
+
+class MaxsimWarning(UserWarning):
+    """Something was left out or adjusted, and the run is still valid (e.g. candidates missing from the
+    corpus, a batch split after running out of GPU memory)."""
+
+
+def open_corpus(paths: PathLike | Sequence[PathLike], *, verify_checksums: bool = False) -> Corpus:
+    """Open a corpus: a shard file, a folder of shards (with an optional ``index.json``), or a list of
+    both. Nothing is read but the shards' headers, offsets and ids; ``corpus.to(device)`` makes it
+    resident. Close it with ``corpus.close()`` or a ``with`` block.
+
+    >>> corpus = open_corpus("sample_data/corpus")
+    >>> len(corpus), corpus.dim, corpus.dtype
+    (400, 384, 'float16')
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    return _open_corpus(list(paths), verify_checksums=verify_checksums)
+
+
+def search(
+    queries: PathLike | Queries | tuple[Sequence[str | int], Any],
+    corpus: Corpus | PathLike | Sequence[PathLike],
+    *,
+    k: int = 1000,
+    device: str = "auto",
+    backend: str = "auto",
+    max_memory: int | str | None = None,
+    max_host_memory: int | str | None = None,
+    batch_queries: int | None = None,
+    show_progress: bool = False,
+) -> Run:
+    """The exact top-``k`` documents of ``corpus`` for every query, as a `Run`.
+
+    ``queries``: a query shard path (or folder of them), a `Queries`, or an ``(ids, embeddings)`` pair as
+    `Queries.from_embeddings` takes it. ``corpus``: a `Corpus` (resident or not) or shard path(s).
+    ``device``: ``auto`` (the resident corpus's device, else CUDA when there is one), ``cpu``, ``cuda``,
+    ``cuda:N``. ``max_memory`` bounds the scoring device's memory, ``max_host_memory`` the host staging
+    buffers (bytes, or a size such as ``"2GiB"``). Ties are broken by docno descending, so the run does
+    not depend on batch sizes or memory budgets.
+
+    >>> run = search("sample_data/queries.safetensors", "sample_data/corpus", k=3, device="cpu")
+    >>> [(r.docno, r.rank) for r in run][:3]  # doctest: +ELLIPSIS
+    [('...', 1), ('...', 2), ('...', 3)]
+    """
+    return _score(
+        queries,
+        corpus,
+        None,
+        top_k=k,
+        strict=False,
+        device=device,
+        backend=backend,
+        max_memory=max_memory,
+        max_host_memory=max_host_memory,
+        batch_queries=batch_queries,
+        show_progress=show_progress,
+    )
+
+
+def rerank(
+    queries: PathLike | Queries | tuple[Sequence[str | int], Any],
+    corpus: Corpus | PathLike | Sequence[PathLike],
+    candidates: Any,
+    *,
+    k: int | None = None,
+    strict: bool = False,
+    device: str = "auto",
+    backend: str = "auto",
+    max_memory: int | str | None = None,
+    max_host_memory: int | str | None = None,
+    show_progress: bool = False,
+) -> Run:
+    """Each query's candidates re-scored by MaxSim and re-sorted, as a `Run` (cut to ``k`` per query
+    when given).
+
+    ``candidates``: a run file path (TREC, MS MARCO or ColBERT TSV, optionally gzipped), a `Run`, a
+    mapping ``{qid: [docno, ...]}`` (or ``[(docno, score), ...]``), or a pandas DataFrame with ``qid``
+    and ``docno`` columns (PyTerrier's). Candidates missing from the corpus are left out with a
+    `MaxsimWarning` (``strict=True``: an `InputError`); a qid without a query embedding is an error.
+
+    >>> run = rerank("sample_data/queries.safetensors", "sample_data/corpus",
+    ...              "sample_data/candidates.trec", k=5, device="cpu")
+    >>> max(len(rows) for rows in run.to_dict().values())
+    5
+    """
+    if k is not None and k < 1:
+        raise UsageError(f"k={k}: must be at least 1")
+    return _score(
+        queries,
+        corpus,
+        candidates,
+        top_k=ALL_CANDIDATES if k is None else k,
+        strict=strict,
+        device=device,
+        backend=backend,
+        max_memory=max_memory,
+        max_host_memory=max_host_memory,
+        batch_queries=None,
+        show_progress=show_progress,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# shared by search and rerank
+
+
+def _score(
+    queries: Any,
+    corpus: Any,
+    candidates: Any,
+    *,
+    top_k: int,
+    strict: bool,
+    device: str,
+    backend: str,
+    max_memory: int | str | None,
+    max_host_memory: int | str | None,
+    batch_queries: int | None,
+    show_progress: bool,
+) -> Run:
+    from maxsim_cli.scoring import engine
+    from maxsim_cli.scoring.request import ScoreRequest
+    from maxsim_cli.shards import check_same_dim
+
+    q = _as_queries(queries)
+    corpus_obj, owned = _as_corpus(corpus)
+    try:
+        if device == "auto" and corpus_obj.residency is not None:
+            device = str(corpus_obj.residency.device)
+        run_candidates = None if candidates is None else _as_candidates(candidates)
+        request = ScoreRequest(
+            queries=q.name,
+            corpus=tuple(corpus_obj.paths),
+            output="-",
+            top_k=top_k,
+            candidates=_candidates_name(candidates),
+            strict=strict,
+            device=device,
+            backend=backend,
+            max_memory=_size(max_memory, "max_memory"),
+            max_host_memory=_size(max_host_memory, "max_host_memory"),
+            batch_queries=batch_queries,
+            show_progress=show_progress,
+        )
+        check_same_dim(q.batch, q.name, corpus_obj)
+        collector = RunCollector()
+        stats = engine.run(request, corpus_obj, q.batch, collector, candidates=run_candidates, log=_log)
+        return collector.run(stats)
+    finally:
+        if owned:
+            corpus_obj.close()
+
+
+def _candidates_name(candidates: Any) -> str | None:
+    """What messages call the candidates: the run file's path, else "candidates"."""
+    if candidates is None:
+        return None
+    return os.fspath(candidates) if isinstance(candidates, (str, os.PathLike)) else "candidates"
+
+
+def _log(message: str) -> None:
+    """The engine's notes: warnings become `MaxsimWarning`s, the rest goes to the ``maxsim`` logger."""
+    if message.startswith("warning: "):
+        warnings.warn(message.removeprefix("warning: "), MaxsimWarning, stacklevel=4)
+    else:
+        logger.info(message)
+
+
+def _as_queries(queries: Any) -> Queries:
+    if isinstance(queries, Queries):
+        return queries
+    if isinstance(queries, (str, os.PathLike)):
+        return read_queries(queries)
+    if isinstance(queries, tuple) and len(queries) == 2:
+        return Queries.from_embeddings(queries[0], queries[1])
+    raise UsageError(
+        f"queries: got {type(queries).__name__}; pass a query shard path, a Queries, or an "
+        "(ids, embeddings) pair"
+    )
+
+
+def _as_corpus(corpus: Any) -> tuple[Corpus, bool]:
+    """The corpus and whether it was opened here (and so is closed here)."""
+    if isinstance(corpus, Corpus):
+        return corpus, False
+    if isinstance(corpus, (str, os.PathLike)) or (
+        isinstance(corpus, Sequence) and all(isinstance(p, (str, os.PathLike)) for p in corpus)
+    ):
+        return open_corpus(corpus), True
+    raise UsageError(f"corpus: got {type(corpus).__name__}; pass a Corpus or shard file/folder path(s)")
+
+
+def _size(value: int | str | None, name: str) -> int | None:
+    if value is None or isinstance(value, int):
+        if value is not None and value <= 0:
+            raise UsageError(f"{name}={value}: must be positive")
+        return value
+    from maxsim_cli.units import parse_size
+
+    return parse_size(str(value))
+
+
+def _as_candidates(candidates: Any) -> dict[str, list[tuple[str, float]]]:
+    """A first-stage run as the engine takes it: ``{qid: [(docno, score), ...]}`` in first-seen order."""
+    from maxsim_cli.runs import read_run
+
+    if isinstance(candidates, (str, os.PathLike)):
+        return read_run(candidates)
+    if isinstance(candidates, Run):
+        return candidates.to_dict()
+    if hasattr(candidates, "columns") and hasattr(candidates, "itertuples"):  # a pandas DataFrame
+        missing = [c for c in ("qid", "docno") if c not in candidates.columns]
+        if missing:
+            raise InputError(
+                f"candidates: the DataFrame has no {' or '.join(missing)} column; PyTerrier's frames "
+                "have qid and docno"
+            )
+        scores = candidates["score"] if "score" in candidates.columns else [0.0] * len(candidates)
+        return _group(zip(candidates["qid"], candidates["docno"], scores, strict=True))
+    if isinstance(candidates, Mapping):
+        return _group(
+            (qid, *(row if isinstance(row, tuple) else (row, 0.0)))
+            for qid, rows in candidates.items()
+            for row in rows
+        )
+    raise UsageError(
+        f"candidates: got {type(candidates).__name__}; pass a run file path, a Run, a {{qid: [docno, ...]}} "
+        "mapping or a DataFrame with qid and docno columns"
+    )
+
+
+def _group(rows: Iterable[tuple[Any, Any, Any]]) -> dict[str, list[tuple[str, float]]]:
+    out: dict[str, dict[str, float]] = {}
+    for qid, docno, score in rows:
+        qid, docno = str(qid), str(docno)
+        docs = out.setdefault(qid, {})
+        if docno in docs:
+            raise InputError(
+                f"candidates: docno {docno!r} appears twice for query {qid!r}; a run lists each document "
+                "at most once per query"
+            )
+        docs[docno] = float(score)
+    return {qid: list(docs.items()) for qid, docs in out.items()}

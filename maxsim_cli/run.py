@@ -1,0 +1,217 @@
+"""`Run`: ranked results in memory, in trec_eval's order, as `search` and `rerank` return them.
+
+A run holds, for each query in the order the queries were given, its documents best first: float32
+score descending, ties broken by docno descending (trec_eval's own order, `maxsim_cli.runs.sort_trec`).
+Results are kept as the engine hands them over (Arrow string arrays and float32 blocks), so a run of
+512 queries x 1000 documents costs no Python object per result until one is asked for; `Run.to_trec`
+writes the same bytes as `maxsim score` for the same inputs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from maxsim_cli.runs import RankedSink, RunWriter, read_run
+
+if TYPE_CHECKING:
+    import pandas
+
+
+class Result(NamedTuple):
+    """One row of a run: ``rank`` counts from 1 in trec_eval's order."""
+
+    qid: str
+    docno: str
+    rank: int
+    score: float
+
+
+@dataclass
+class _Block:
+    """Queries whose rows arrived together: query i holds rows ``offsets[i]:offsets[i + 1]`` of
+    ``docnos`` (an Arrow large_string array) and ``scores`` (float32), best first."""
+
+    qids: list[str]
+    docnos: Any
+    scores: np.ndarray
+    offsets: np.ndarray
+
+    def uniform(self) -> int | None:
+        """Rows per query when every query has the same number, else None."""
+        lengths = np.diff(self.offsets)
+        return int(lengths[0]) if len(lengths) and bool((lengths == lengths[0]).all()) else None
+
+
+class RunCollector(RankedSink):
+    """A sink for the engine that keeps the ranked rows in memory (see `Run`)."""
+
+    def __init__(self, name: str = "run") -> None:
+        super().__init__(name)
+        self.blocks: list[_Block] = []
+
+    def __enter__(self) -> RunCollector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def _take_query(self, qid: str, docnos: list[str], keys: np.ndarray) -> None:
+        import pyarrow as pa
+
+        offsets = np.array([0, len(docnos)], dtype=np.int64)
+        self.blocks.append(_Block([qid], pa.array(docnos, type=pa.large_string()), keys, offsets))
+        self.num_queries += 1
+        self.num_rows += len(docnos)
+
+    def _take_block(self, qids: Sequence[str], m: int, docnos, keys: np.ndarray) -> None:  # noqa: ANN001
+        offsets = np.arange(len(qids) + 1, dtype=np.int64) * m
+        self.blocks.append(_Block(list(qids), docnos, keys.reshape(-1).astype(np.float32), offsets))
+        self.num_queries += len(qids)
+        self.num_rows += len(qids) * m
+
+    def run(self, stats: object = None) -> Run:
+        """The rows taken so far as a `Run`."""
+        return Run._from_blocks(self.blocks, stats)
+
+
+class Run:
+    """Ranked results per query, in trec_eval's order (score descending, ties by docno descending).
+
+    Iterating yields `Result` rows ``(qid, docno, rank, score)`` query after query, ranks from 1.
+    ``run[qid]`` is that query's ``[(docno, score), ...]``; ``len(run)`` counts rows; ``run.qids`` lists
+    the queries in order. ``stats`` is what the scoring run reported (a `ScoreStats`), or None.
+
+    >>> run = Run({"q1": [("d1", 0.5), ("d2", 0.75)], "q2": [("d3", 0.25)]})
+    >>> list(run)[0]
+    Result(qid='q1', docno='d2', rank=1, score=0.75)
+    >>> run.to_dict()["q1"][1]
+    ('d1', 0.5)
+    >>> len(run), run.qids
+    (3, ['q1', 'q2'])
+    """
+
+    def __init__(self, results: Mapping[str, Sequence[tuple[str, float]]] | None = None) -> None:
+        collector = RunCollector()
+        for qid, rows in (results or {}).items():
+            collector.write_query(str(qid), [str(d) for d, _ in rows], [float(s) for _, s in rows])
+        self._blocks = collector.blocks
+        self.stats: Any = None
+
+    @classmethod
+    def _from_blocks(cls, blocks: list[_Block], stats: object = None) -> Run:
+        run = cls.__new__(cls)
+        run._blocks = blocks
+        run.stats = stats
+        return run
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> Run:
+        """Read a run file: TREC, MS MARCO or ColBERT TSV, optionally gzipped (`maxsim_cli.runs`).
+
+        The rank column is never trusted: rows are re-sorted by score (MS MARCO runs, which have no
+        score, rank by ``-rank``). Errors name the file and line.
+        """
+        return cls(read_run(path))
+
+    # ------------------------------------------------------------------------------------- reading
+
+    @property
+    def qids(self) -> list[str]:
+        """The queries, in order."""
+        return [q for block in self._blocks for q in block.qids]
+
+    def __len__(self) -> int:
+        return sum(len(block.scores) for block in self._blocks)
+
+    def _queries(self) -> Iterator[tuple[str, list[str], np.ndarray]]:
+        for block in self._blocks:
+            yield from _block_queries(block)
+
+    def __iter__(self) -> Iterator[Result]:
+        for qid, docnos, scores in self._queries():
+            for rank, (docno, score) in enumerate(zip(docnos, scores.tolist(), strict=True), 1):
+                yield Result(qid, docno, rank, score)
+
+    def __getitem__(self, qid: str) -> list[tuple[str, float]]:
+        for block in self._blocks:
+            if qid in block.qids:
+                i = block.qids.index(qid)
+                a, b = int(block.offsets[i]), int(block.offsets[i + 1])
+                return list(zip(block.docnos[a:b].to_pylist(), block.scores[a:b].tolist(), strict=True))
+        raise KeyError(qid)
+
+    def __contains__(self, qid: object) -> bool:
+        return any(qid in block.qids for block in self._blocks)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Run):
+            return NotImplemented
+        return self.qids == other.qids and self.to_dict() == other.to_dict()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Run({len(self.qids):,} queries, {len(self):,} results)"
+
+    # ---------------------------------------------------------------------------------- converting
+
+    def to_dict(self) -> dict[str, list[tuple[str, float]]]:
+        """``{qid: [(docno, score), ...]}`` in rank order, queries in order (scores are the float32
+        values, as Python floats)."""
+        return {
+            qid: list(zip(docnos, scores.tolist(), strict=True)) for qid, docnos, scores in self._queries()
+        }
+
+    def to_trec(self, path: str | os.PathLike[str], tag: str = "maxsim", *, fmt: str = "trec") -> None:
+        """Write the run as ``maxsim score`` does: TREC ``qid Q0 docno rank score tag`` (or ``fmt="jsonl"``),
+        atomically, ``.gz`` compressed, ``"-"`` for stdout. The same inputs give the same bytes."""
+        with RunWriter(path, tag=tag, fmt=fmt) as writer:
+            for block in self._blocks:
+                m = block.uniform()
+                if m is not None:
+                    writer.write_ranked(block.qids, block.docnos, block.scores.reshape(len(block.qids), m))
+                    continue
+                for qid, docnos, scores in _block_queries(block):
+                    writer.write_query(qid, docnos, scores.tolist())
+
+    def to_dataframe(self) -> pandas.DataFrame:
+        """A pandas DataFrame with PyTerrier's columns ``qid``, ``docno``, ``rank``, ``score`` (ranks from
+        1 as in the TREC file; PyTerrier itself numbers them from 0). Needs pandas
+        (``pip install 'maxsim[pandas]'``)."""
+        try:
+            import pandas as pd
+        except ImportError:
+            from maxsim_cli.errors import UsageError
+
+            raise UsageError("Run.to_dataframe needs pandas: pip install 'maxsim[pandas]'") from None
+        qids, docnos, ranks, scores = [], [], [], []
+        for block in self._blocks:
+            lengths = np.diff(block.offsets)
+            qids.append(np.repeat(np.asarray(block.qids, dtype=object), lengths))
+            docnos.append(np.asarray(block.docnos.to_pylist(), dtype=object))
+            ranks.append(np.arange(len(block.scores)) - np.repeat(block.offsets[:-1], lengths) + 1)
+            scores.append(block.scores.astype(np.float64))
+        if not qids:
+            return pd.DataFrame({"qid": [], "docno": [], "rank": [], "score": []}).astype(
+                {"qid": object, "docno": object, "rank": np.int64, "score": np.float64}
+            )
+        return pd.DataFrame(
+            {
+                "qid": np.concatenate(qids),
+                "docno": np.concatenate(docnos),
+                "rank": np.concatenate(ranks).astype(np.int64),
+                "score": np.concatenate(scores),
+            }
+        )
+
+
+def _block_queries(block: _Block) -> Iterator[tuple[str, list[str], np.ndarray]]:
+    docnos = block.docnos.to_pylist()
+    for i, qid in enumerate(block.qids):
+        a, b = int(block.offsets[i]), int(block.offsets[i + 1])
+        yield qid, docnos[a:b], block.scores[a:b]

@@ -1,0 +1,145 @@
+"""A corpus held in a device's memory: every shard's packed rows, offsets and scales, read once.
+
+`Corpus.to(device)` calls `make_resident`: each shard becomes one ``[T, dim]`` tensor (and ``[T]`` int8
+scales, ``[n + 1]`` offsets) on the device, filled chunk by chunk by reader threads through the shard's
+checked reader (NaN/Inf are refused as on every read), so host memory holds only the chunks in flight.
+Scoring then takes its document batches as views of these tensors and reads nothing from disk.
+
+Bytes on the device: ``T * (dim * itemsize + 4 if int8) + (n + 1) * 8`` per shard, checked against the
+device's free memory (or the host's available memory for ``cpu``) before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from maxsim_cli.errors import MaxsimError
+
+if TYPE_CHECKING:
+    import torch
+
+    from maxsim_cli.shards.readers import Shard
+
+# Rows are read and copied in chunks of about this many bytes: large enough that a chunk's read and
+# copy dwarf their per-call costs, small enough that the chunks in flight (reader threads + 2) stay a
+# small share of host memory.
+CHUNK_BYTES = 64 << 20
+# Share of the free device memory a resident corpus may take: scoring needs the rest for query
+# batches, scores and the top-k state.
+FREE_SHARE = 0.9
+
+
+@dataclass
+class ResidentShard:
+    """One shard on the device: document i is ``embeddings[host_offsets[i]:host_offsets[i + 1]]``."""
+
+    embeddings: torch.Tensor  # [T, dim], the shard's dtype
+    offsets: torch.Tensor  # int64 [n + 1], on the device
+    host_offsets: np.ndarray  # int64 [n + 1], the same offsets on the host
+    scales: torch.Tensor | None  # float32 [T] for int8 shards
+
+
+@dataclass
+class Residency:
+    """Every shard of a corpus on ``device``, in the corpus's shard order."""
+
+    device: torch.device
+    shards: list[ResidentShard]
+    nbytes: int
+
+
+def shard_bytes(shard: Shard) -> int:
+    """Device bytes of one resident shard."""
+    info = shard.info
+    per_token = info.dim * (1 if info.dtype == "int8" else _itemsize(info.dtype))
+    per_token += 4 if info.quantization != "none" else 0
+    return info.num_tokens * per_token + (info.num_docs + 1) * 8
+
+
+def _itemsize(dtype: str) -> int:
+    return {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1}[dtype]
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory a resident corpus may take on ``device``: a share of the free GPU memory, or of the
+    host's available memory (``MemAvailable``) for the CPU."""
+    import torch
+
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * FREE_SHARE)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(int(line.split()[1]) * 1024 * FREE_SHARE)
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") * FREE_SHARE)
+
+
+def make_resident(
+    shards: Sequence[Shard], device: torch.device, *, name: str, reader_threads: int | None = None
+) -> Residency:
+    """Read every shard into ``device`` memory. Raises `MaxsimError` before allocating anything when the
+    corpus does not fit: the message says how much is needed and how much is free."""
+    import torch
+
+    from maxsim_cli.units import format_size
+
+    need = sum(shard_bytes(s) for s in shards)
+    free = available_bytes(device)
+    if need > free:
+        raise MaxsimError(
+            f"{name}: the corpus needs {format_size(need)} to be resident on {device} but only "
+            f"{format_size(free)} is free there; score it streamed from disk instead (leave out .to()), "
+            "free memory, or use a device with more"
+        )
+    resident: list[ResidentShard] = []
+    chunks: list[tuple[int, int, int]] = []  # (shard, first doc, stop doc)
+    for s, shard in enumerate(shards):
+        info = shard.info
+        dtype = getattr(torch, info.dtype)
+        embeddings = torch.empty((info.num_tokens, info.dim), dtype=dtype, device=device)
+        scales = (
+            torch.empty(info.num_tokens, dtype=torch.float32, device=device)
+            if info.quantization != "none"
+            else None
+        )
+        host_offsets = np.asarray(shard.offsets, dtype=np.int64).copy()
+        offsets = torch.from_numpy(host_offsets).to(device)
+        resident.append(ResidentShard(embeddings, offsets, host_offsets, scales))
+        per_doc_bytes = max(shard_bytes(shard) // max(info.num_docs, 1), 1)
+        step = max(CHUNK_BYTES // per_doc_bytes, 1)
+        chunks.extend((s, a, min(a + step, info.num_docs)) for a in range(0, info.num_docs, step))
+    # round-robin over shards: a shard serialises its own reads, so threads read different shards
+    chunks.sort(key=lambda c: (c[1], c[0]))
+    threads = reader_threads or min(16, os.cpu_count() or 1)
+
+    def read(chunk: tuple[int, int, int]):  # noqa: ANN202 - a DocBatch
+        s, a, b = chunk
+        return shards[s].read_docs(a, b)
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="maxsim-resident") as pool:
+        in_flight = threads + 2
+        futures = [pool.submit(read, c) for c in chunks[:in_flight]]
+        for i, chunk in enumerate(chunks):
+            batch = futures[i].result()
+            futures[i] = None  # type: ignore[call-overload]  # let the chunk's host memory go
+            if i + in_flight < len(chunks):
+                futures.append(pool.submit(read, chunks[i + in_flight]))
+            s, a, _b = chunk
+            t0 = int(resident[s].host_offsets[a])
+            rows = batch.embeddings.shape[0]
+            resident[s].embeddings[t0 : t0 + rows].copy_(batch.embeddings)
+            if resident[s].scales is not None and batch.scales is not None:
+                resident[s].scales[t0 : t0 + rows].copy_(batch.scales)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return Residency(device, resident, need)

@@ -1,0 +1,324 @@
+"""The Python API (`maxsim_cli.api`): the same runs as the command line, from files and from memory.
+
+Corpora and queries are fresh random *dyadic* values (see tests/test_score.py): every score is exact in
+float32, so runs are compared byte for byte and ties (many) exercise the docno-descending tie-break.
+"""
+
+from __future__ import annotations
+
+import doctest
+import os
+
+import numpy as np
+import pytest
+import torch
+from test_score import DIM, make_corpus, make_queries, reference_run, reference_scores
+from typer.testing import CliRunner
+
+import maxsim_cli
+from maxsim_cli import Queries, Run, open_corpus, read_queries, rerank, search
+from maxsim_cli.cli import app
+from maxsim_cli.errors import InputError, MaxsimError, UsageError
+from maxsim_cli.shards import write_shard
+
+runner = CliRunner()
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A ragged fp16 corpus over three shards (safetensors, Arrow, safetensors) and eight queries."""
+    root = tmp_path_factory.mktemp("api")
+    paths, docs = make_corpus(root / "corpus", seed=7)
+    queries = make_queries(root / "queries.safetensors", n=8, seed=11)
+    return {
+        "root": root,
+        "corpus": str(root / "corpus"),
+        "queries_path": str(root / "queries.safetensors"),
+        "queries": queries,
+        "ref": reference_scores(queries, docs),
+    }
+
+
+def cli_run(tmp_path, *args: str) -> bytes:
+    out = tmp_path / "cli.trec"
+    result = runner.invoke(app, ["score", *args, "--device", "cpu", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    return out.read_bytes()
+
+
+def trec_bytes(run: Run, tmp_path, name: str = "api.trec") -> bytes:
+    run.to_trec(tmp_path / name)
+    return (tmp_path / name).read_bytes()
+
+
+# --------------------------------------------------------------------------------------------------
+# search
+
+
+def test_search_from_files_writes_the_bytes_of_maxsim_score(data, tmp_path) -> None:
+    run = search(data["queries_path"], data["corpus"], k=7, device="cpu")
+    assert trec_bytes(run, tmp_path) == cli_run(tmp_path, data["queries_path"], data["corpus"], "-k", "7")
+    assert run.to_dict() == reference_run(data["ref"], 7)
+    assert run.qids == [f"q{i}" for i in range(8)]
+    assert run.stats is not None and run.stats.mode == "exhaustive"
+
+
+def test_search_from_memory_lists_padded_and_ids_gives_the_same_run(data, tmp_path) -> None:
+    qids = list(data["queries"])
+    embs = [data["queries"][q].to(torch.float16) for q in qids]
+    expected = trec_bytes(search(data["queries_path"], data["corpus"], k=5, device="cpu"), tmp_path, "a")
+    # a list of [len, dim] tensors (PyLate), as numpy arrays too, and as an (ids, embeddings) pair
+    for queries in (
+        Queries.from_embeddings(qids, embs),
+        Queries.from_embeddings(qids, [e.numpy() for e in embs]),
+        (qids, embs),
+    ):
+        assert trec_bytes(search(queries, data["corpus"], k=5, device="cpu"), tmp_path, "b") == expected
+    # a padded [n, L, dim] tensor with a mask (colpali-engine); the padding rows hold garbage that the
+    # mask must exclude exactly
+    longest = max(e.shape[0] for e in embs)
+    padded = torch.full((len(embs), longest, DIM), 7.0, dtype=torch.float16)
+    mask = torch.zeros(len(embs), longest, dtype=torch.bool)
+    for i, e in enumerate(embs):
+        padded[i, : e.shape[0]] = e
+        mask[i, : e.shape[0]] = True
+    q = Queries.from_embeddings(qids, padded, mask)
+    assert q.offsets.tolist()[-1] == sum(e.shape[0] for e in embs)
+    assert trec_bytes(search(q, data["corpus"], k=5, device="cpu"), tmp_path, "c") == expected
+
+
+def test_int_ids_become_strings_and_float64_is_scored_as_float32(data) -> None:
+    embs = [data["queries"][q].numpy() for q in data["queries"]]  # float64
+    q = Queries.from_embeddings(list(range(8)), embs)
+    assert q.ids == [str(i) for i in range(8)] and q.dtype == "float32"
+    run = search(q, data["corpus"], k=3, device="cpu")
+    expected = reference_run(data["ref"], 3)
+    assert run.to_dict() == {str(i): expected[f"q{i}"] for i in range(8)}
+
+
+def test_search_takes_an_open_corpus_and_leaves_it_open(data) -> None:
+    with open_corpus(data["corpus"]) as corpus:
+        first = search(data["queries_path"], corpus, k=4, device="cpu")
+        second = search(data["queries_path"], corpus, k=4, device="cpu")
+        assert first == second
+        assert len(corpus) == 75 and corpus.dim == DIM and corpus.dtype == "float16"
+        assert sorted(corpus.ids) == sorted(data["ref"]["q0"])
+
+
+# --------------------------------------------------------------------------------------------------
+# rerank
+
+
+def _candidates(data, tmp_path) -> tuple[str, dict[str, list[str]]]:
+    gen = np.random.default_rng(3)
+    docnos = sorted(next(iter(data["ref"].values())))
+    cands = {q: list(gen.choice(docnos, size=12, replace=False)) for q in data["queries"] if q != "q3"}
+    cands["q5"].append("not-in-corpus")
+    path = tmp_path / "cands.trec"
+    with open(path, "w") as f:
+        for q, ds in cands.items():
+            for rank, d in enumerate(ds):
+                f.write(f"{q} Q0 {d} {rank} {-rank} bm25\n")
+    return str(path), cands
+
+
+def test_rerank_every_candidate_form_gives_the_bytes_of_maxsim_score(data, tmp_path) -> None:
+    pd = pytest.importorskip("pandas")
+    path, cands = _candidates(data, tmp_path)
+    expected = cli_run(tmp_path, data["queries_path"], data["corpus"], "--candidates", path, "-k", "10")
+    frame = pd.DataFrame([(q, d) for q, ds in cands.items() for d in ds], columns=["qid", "docno"])
+    for candidates in (path, cands, Run.read(path), frame):
+        with pytest.warns(maxsim_cli.MaxsimWarning, match="1 candidates are not in the corpus"):
+            run = rerank(data["queries_path"], data["corpus"], candidates, k=10, device="cpu")
+        assert trec_bytes(run, tmp_path) == expected
+        assert "q3" not in run and run.stats.missing_candidates == 1
+
+
+def test_rerank_scores_equal_float64_and_strict_refuses_missing(data, tmp_path) -> None:
+    path, cands = _candidates(data, tmp_path)
+    with pytest.warns(maxsim_cli.MaxsimWarning):
+        run = rerank(data["queries_path"], data["corpus"], path, device="cpu")
+    exact = {q: {d: data["ref"][q][d] for d in ds if d in data["ref"][q]} for q, ds in cands.items()}
+    assert run.to_dict() == reference_run(exact, 100)
+    with pytest.raises(InputError, match="not in the corpus"):
+        rerank(data["queries_path"], data["corpus"], path, strict=True, device="cpu")
+    with pytest.raises(InputError, match="appears twice"):
+        rerank(data["queries_path"], data["corpus"], {"q1": ["a", "a"]}, device="cpu")
+
+
+# --------------------------------------------------------------------------------------------------
+# Run
+
+
+def test_run_rows_dict_dataframe_and_read_back(data, tmp_path) -> None:
+    pd = pytest.importorskip("pandas")
+    run = search(data["queries_path"], data["corpus"], k=6, device="cpu")
+    rows = list(run)
+    assert len(rows) == len(run) == 48
+    assert rows[0].rank == 1 and rows[5].rank == 6 and rows[6].qid == "q1"
+    frame = run.to_dataframe()
+    assert list(frame.columns) == ["qid", "docno", "rank", "score"] and len(frame) == 48
+    assert frame["rank"].tolist()[:7] == [1, 2, 3, 4, 5, 6, 1]
+    assert [tuple(r) for r in frame.itertuples(index=False)] == [tuple(r) for r in rows]
+    path = tmp_path / "run.trec"
+    run.to_trec(path)
+    again = Run.read(path)
+    assert again == run and trec_bytes(again, tmp_path, "again.trec") == path.read_bytes()
+    assert run["q2"] == run.to_dict()["q2"] and "nope" not in run
+    assert isinstance(pd.DataFrame, type)
+
+
+def test_empty_run_and_tag(tmp_path) -> None:
+    assert len(Run()) == 0 and Run().to_dataframe().empty
+    Run({"q": [("d", 1.0)]}).to_trec(tmp_path / "r", tag="mine")
+    assert (tmp_path / "r").read_text() == "q Q0 d 1 1 mine\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# queries: folders and bad input
+
+
+def test_read_queries_from_a_folder_of_query_shards(data, tmp_path) -> None:
+    qids = list(data["queries"])
+    folder = tmp_path / "queries"
+    folder.mkdir()
+    write_shard(str(folder / "a.safetensors"), qids[:3], [data["queries"][q].half() for q in qids[:3]])
+    write_shard(str(folder / "b.arrow"), qids[3:], [data["queries"][q].half() for q in qids[3:]])
+    q = read_queries(folder)
+    assert q.ids == qids and len(q) == 8
+    expected = search(data["queries_path"], data["corpus"], k=5, device="cpu")
+    assert search(q, data["corpus"], k=5, device="cpu") == expected
+
+
+@pytest.mark.parametrize(
+    "ids, embeddings, mask, message",
+    [
+        (["a", "b"], [np.ones((2, 4))], None, "2 ids but 1 embedding arrays"),
+        (["a", "a"], [np.ones((2, 4)), np.ones((1, 4))], None, "duplicate query id 'a'"),
+        (["a b"], [np.ones((2, 4))], None, "contains whitespace"),
+        ([""], [np.ones((2, 4))], None, "empty query id"),
+        ([1.5], [np.ones((2, 4))], None, "ids must be str or int"),
+        (["a"], [np.ones((0, 4))], None, "has no tokens"),
+        (["a", "b"], [np.ones((2, 4)), np.ones((2, 5))], None, "has vectors of 5 values"),
+        (["a"], [np.array([[1.0, np.nan, 0, 0]])], None, "NaN or Inf values at token 0"),
+        (["a"], np.ones((1, 3, 4)), np.ones((1, 2)), "mask has shape"),
+        (["a"], np.ones((1, 3, 4)), np.zeros((1, 3)), "has no tokens"),
+        (["a"], np.ones((3, 4)), None, "pass a list of"),
+        (["a"], [np.ones((2, 4), dtype=np.int8)], None, "int8 query embeddings"),
+    ],
+)
+def test_bad_in_memory_queries_raise_one_line_input_errors(ids, embeddings, mask, message) -> None:
+    with pytest.raises(InputError, match=message) as info:
+        Queries.from_embeddings(ids, embeddings, mask)
+    assert "\n" not in str(info.value) and str(info.value).startswith("queries: ")
+
+
+def test_dim_mismatch_and_bad_options(data) -> None:
+    wrong = Queries.from_embeddings(["a"], [np.ones((2, DIM + 1), np.float32)])
+    with pytest.raises(InputError, match=f"queries have dim {DIM + 1} but the corpus"):
+        search(wrong, data["corpus"], device="cpu")
+    with pytest.raises(UsageError):
+        search(data["queries_path"], data["corpus"], k=0, device="cpu")
+    with pytest.raises(UsageError):
+        search(data["queries_path"], data["corpus"], device="tpu")
+    with pytest.raises(UsageError):
+        search(42, data["corpus"], device="cpu")
+
+
+# --------------------------------------------------------------------------------------------------
+# residency
+
+
+def test_resident_corpus_on_cpu_gives_the_streamed_run(data, tmp_path) -> None:
+    streamed = search(data["queries_path"], data["corpus"], k=9, device="cpu")
+    path, cands = _candidates(data, tmp_path)
+    with pytest.warns(maxsim_cli.MaxsimWarning):
+        reranked = rerank(data["queries_path"], data["corpus"], path, device="cpu")
+    with open_corpus(data["corpus"]) as corpus:
+        assert corpus.to("cpu") is corpus and corpus.device == "cpu"
+        for _ in range(2):
+            run = search(data["queries_path"], corpus, k=9)  # device auto: the corpus's
+            assert run == streamed and run.stats.extra.get("resident_corpus") is True
+            with pytest.warns(maxsim_cli.MaxsimWarning):
+                assert rerank(data["queries_path"], corpus, path) == reranked
+            assert run.stats.bytes_read == 0
+        corpus.release()
+        assert corpus.device is None
+        assert search(data["queries_path"], corpus, k=9, device="cpu") == streamed
+
+
+def test_resident_int8_corpus_gives_the_streamed_run(data, tmp_path) -> None:
+    from maxsim_cli.quantize import quantize_corpus
+
+    quantize_corpus([data["corpus"]], tmp_path / "int8", sample_queries=0, device="cpu")
+    streamed = search(data["queries_path"], tmp_path / "int8", k=6, device="cpu")
+    with open_corpus(tmp_path / "int8") as corpus:
+        assert corpus.to("cpu").residency.shards[0].scales is not None
+        assert search(data["queries_path"], corpus, k=6) == streamed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantized", [False, True])
+def test_resident_corpus_on_the_gpu_gives_the_streamed_run(data, tmp_path, quantized) -> None:
+    from maxsim_cli.quantize import quantize_corpus
+
+    corpus_path = data["corpus"]
+    if quantized:
+        quantize_corpus([corpus_path], tmp_path / "int8", sample_queries=0, device="cuda")
+        corpus_path = str(tmp_path / "int8")
+    path, _cands = _candidates(data, tmp_path)
+    streamed = search(data["queries_path"], corpus_path, k=9, device="cuda")
+    with pytest.warns(maxsim_cli.MaxsimWarning):
+        reranked = rerank(data["queries_path"], corpus_path, path, device="cuda")
+    with open_corpus(corpus_path) as corpus:
+        corpus.to("cuda")
+        assert corpus.device == "cuda:0"
+        assert corpus.residency.shards[0].embeddings.is_cuda
+        for _ in range(2):
+            run = search(data["queries_path"], corpus, k=9)
+            assert run == streamed and run.stats.extra["resident_corpus"] is True
+            assert run.stats.bytes_read == 0
+            with pytest.warns(maxsim_cli.MaxsimWarning):
+                assert rerank(data["queries_path"], corpus, path) == reranked
+        # a tight memory budget splits the batches, never the result
+        assert search(data["queries_path"], corpus, k=9, max_memory="1MiB") == streamed
+        # the CPU is another device: the corpus streams there
+        on_cpu = search(data["queries_path"], corpus, k=9, device="cpu")
+        assert on_cpu.stats.extra["resident_corpus"] is False
+        if not quantized:  # fp16 on the CPU sums in another order than the GPU: dyadic values, exact
+            assert on_cpu == streamed
+
+
+def test_resident_corpus_that_does_not_fit_says_how_much(data, monkeypatch) -> None:
+    from maxsim_cli.shards import resident
+
+    monkeypatch.setattr(resident, "available_bytes", lambda device: 1000)
+    with open_corpus(data["corpus"]) as corpus, pytest.raises(MaxsimError) as info:
+        corpus.to("cpu")
+    message = str(info.value)
+    assert "needs" in message and "only 1000 B is free" in message and "\n" not in message
+    assert corpus.residency is None
+
+
+def test_resident_corpus_refuses_nan_like_every_read(tmp_path) -> None:
+    from test_validation import raw_shard
+
+    values = np.ones((6, 4), np.float32)
+    values[4, 2] = np.inf  # document d2 holds tokens 3..5: this is its token 1
+    path = raw_shard(tmp_path / "s.safetensors", values=values)
+    with open_corpus(path) as corpus, pytest.raises(InputError, match="'d2' .index 2. has NaN or Inf"):
+        corpus.to("cpu")
+
+
+# --------------------------------------------------------------------------------------------------
+# the examples in the docstrings run
+
+
+@pytest.mark.parametrize("module", ["maxsim_cli.api", "maxsim_cli.run", "maxsim_cli.queries"])
+def test_docstring_examples(module, monkeypatch) -> None:
+    import importlib
+
+    monkeypatch.chdir(REPO)
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
