@@ -74,7 +74,7 @@ from ._validate import (
     resolve_backend,
 )
 
-# --- tuning constants (H200, triton 3.6, dim 128: benchmarks/results/train-h200.json, "sweep") --------
+# --- tuning constants (H200, triton 3.6, dim 128: benchmarks/results/archive/train/train-h200.json, "sweep") --------
 # Query-gradient kernel: a program owns _DQ_BLOCK_T query tokens and gathers _DQ_BLOCK_C winning rows
 # per token per step ([T, C, dim] in flight, which is what hides the gather latency). (8, 8, 4 warps)
 # was within noise of the best of the four variants swept on the three training shapes.
@@ -94,7 +94,7 @@ _DD_NUM_WARPS = 1
 # Segment: 1024 query tokens when there are >= _CSR_MANY_DOCS documents (programs enough from the
 # documents alone), else 4096 (fewer segments keep the dD kernel's per-token loop short). Fixed per class,
 # whatever the number of query tokens, so that batch sizes never recompile the kernel. CSR build + dD,
-# ms, segments 512 / 1024 / 2048 / 4096 (benchmarks/results/train-sweep-h200.json, "csr_segment_sweep"):
+# ms, segments 512 / 1024 / 2048 / 4096 (benchmarks/results/train/train-sweep-h200.json, "csr_segment_sweep"):
 # ColBERT 128 q x 32 vs 128 docs 0.089 / 0.080 / 0.103 / 0.141; vs 256 docs 0.162 / 0.145 / 0.187 / 0.242;
 # ColPali 32 x 1024 vs 32 x 1024 0.381 / 0.311 / 0.289 / 0.289.
 _CSR_MAX_SEGMENT = 4096

@@ -447,16 +447,16 @@ class KernelConfig:
 #   "long":  queries longer than 128 tokens (1 ColPali query of 1024 tokens x 1000 docs of 1024);
 #   "cands": per-query candidates (HBM bound: 64 queries x their own 1000 docs of 180 tokens).
 # Evidence (docs/kernel-notes.md has the numbers and the reasoning; the sweeps are
-# benchmarks/results/kernels-sweep-h200.json and the "sweep" rows of kernels-tune-h200.json, from
+# benchmarks/results/archive/kernels/kernels-sweep-h200.json and the "sweep" rows of kernels-tune-h200.json, from
 # `python benchmarks/bench_kernels.py --sweep` and `--tune` on the H200):
 # - many (v5): the running max kept per tile element (element_max) and the -inf mask applied only on a
 #   document's partial last tile: 82.4 ms against 84.6 ms with the per-row max, same tile, same run
-#   (benchmarks/results/kernels-sweep-v5-h200.json); the partial-tile mask alone took the v4 entry from
+#   (benchmarks/results/kernels/kernels-sweep-v5-h200.json); the partial-tile mask alone took the v4 entry from
 #   92.2 to 85.3 ms, ColPali from 0.681 to 0.594 ms, one query 1.003 -> 0.955 ms, rerank 0.772 -> 0.712 ms
-#   (benchmarks/results/ab-forward-v5-h200.json); element_max loses on ColPali (0.631 against 0.585 ms);
+#   (benchmarks/results/kernels/ab-forward-v5-h200.json); element_max loses on ColPali (0.631 against 0.585 ms);
 # - many (v4): the same tile on 4 warps (one warp group, 186 registers, two programs an SM) and 2 stages:
 #   90.4 ms against 95.7 ms for the v3 entry below in the same run (4 warps, 3 stages 90.6; 512 rows 103.9;
-#   16-token tiles 132.7-146.8; benchmarks/results/kernels-sweep-v4c-h200.json);
+#   16-token tiles 132.7-146.8; benchmarks/results/archive/kernels/kernels-sweep-v4c-h200.json);
 # - many (v3): 256 rows x 32-token tiles, 8 warps, 3 stages, 64 documents a program: 96.0 ms on the exhaustive
 #   workload, against 119.1 ms for the previous entry (128 x 64, 4 warps, 16 documents) in the same run;
 #   64 documents a program is most of the gain (128 x 64 with 16 / 64 / 128 / 256 documents: 119.1 / 99.0
@@ -477,7 +477,7 @@ class KernelConfig:
 # - document-major tiles for many / some / long lose: exhaustive 113-123 ms against 93.7 ms (the m64
 #   document side pads 20-300-token documents to 64-token tiles, and 256 query columns need 185-255
 #   registers, one program an SM); ColPali 0.709 against 0.663 ms
-#   (benchmarks/results/kernels-sweep-h200.json);
+#   (benchmarks/results/archive/kernels/kernels-sweep-h200.json);
 # - sm_90 builds of every entry below (triton's ptxas, no GPU needed): no spills; the loads are
 #   cp.async-pipelined, the dots wgmma for >= 64 rows (and for document-major tiles).
 _TUNING: dict[str, KernelConfig] = {
@@ -492,7 +492,7 @@ _TUNING: dict[str, KernelConfig] = {
 # With return_argmax (the training forward) the all-pairs kernel keeps a running max and argmax per query
 # row, not per tile element, so the scores-only winners above need not win. Sweep of that forward at the
 # ColBERT training shapes (32 queries x 32 tokens against 128 / 256 documents of 20-300 tokens, H200,
-# benchmarks/sweep_argmax_forward.py, benchmarks/results/argmax-sweep-h200.json; every tile bitwise equal):
+# benchmarks/sweep_argmax_forward.py, benchmarks/results/archive/train/argmax-sweep-h200.json; every tile bitwise equal):
 # - many: 256 rows x 64 tokens, 8 warps, 2 stages, 64 documents: 0.103 / 0.171 ms against 0.137 / 0.241 ms
 #   for the scores-only entry (256 x 32, 4 warps); 64 x 64 on 4 warps 0.102 / 0.184; 128 x 64 on 4 warps
 #   0.106 / 0.187. At the ColPali shape ("long") no tile beat the table's by more than 5%.

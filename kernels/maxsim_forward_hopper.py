@@ -317,7 +317,7 @@ def supports(queries: torch.Tensor, docs: torch.Tensor, return_argmax: bool) -> 
 # Tuning (H200, triton 3.6, ColPali: 1 query x 1024 tokens against 1000 documents of 1024, fp16, dim 128;
 # every variant bitwise equal to the Triton kernel; ms, best median of 3 rounds, same run as flash-maxsim).
 # Version 6 (query chunk in shared memory, groups of 8, a ring of 4, 2 documents a program): 0.516-0.537.
-# The exploration runs of version 7 (benchmarks/results/long-hopper-v7-dev-{a..e}.json, script and
+# The exploration runs of version 7 (benchmarks/results/kernels/long-hopper-v7-dev-{a..e}.json, script and
 # kernels at commit e3f36d5):
 # - the query chunk as wgmma's A operand in registers instead of shared memory: 0.449 against 0.538 (run
 #   a), 0.483-0.497 in runs b-e (version 6 there: 0.527-0.537); a program of 256 rows on two warp groups

@@ -69,7 +69,7 @@ from .maxsim_forward_hopper import _issue_product
 
 # Tuning (H200, triton 3.6, the exhaustive workload above; ms, best median of 2 rounds, in the same
 # processes as the Triton int8 kernel at 66.4-66.7 and the fp16 kernel at 80.5-81.3;
-# benchmarks/results/int8-hopper-dev-*; prototypes, script and commands at commit 1dfe73e):
+# benchmarks/results/int8/int8-hopper-dev-*; prototypes, script and commands at commit 1dfe73e):
 # - a ring of 4 tiles: 57.1; 5: 63.4; 6: 60.0 (a ring that is not a power of two divides in every
 #   slot and phase computation); groups of 16 tiles: 57.1, the same as 8;
 # - a row of scales per tile with NaN past the document against a [4, T] table of shifted scales with a
@@ -89,7 +89,7 @@ PROGRAMS_PER_SM = 2  # 228 registers x 128 threads, 46 KB of shared memory (sm_9
 PROGRAM_START_DOCS = 0.25  # as the fp16 Hopper kernel: a program's start in documents' worth of time
 # One group of 128 rows leaves the shape bound by HBM, where the Triton kernel's tiles are faster; from
 # two groups on this kernel is (H200, 50K documents of 20-300 tokens, queries of 32 tokens, 4 a group;
-# benchmarks/results/int8-queries-h200.json, sweep_int8_queries.py): 4 queries (one group) 1.21 ms
+# benchmarks/results/archive/int8/int8-queries-h200.json, sweep_int8_queries.py): 4 queries (one group) 1.21 ms
 # against the Triton kernel's 0.80; 8 queries 0.99 against 1.29; 16 queries 1.91 against 2.46; 24
 # queries 2.82 against 3.59; 32 queries 3.72 against 4.80.
 MIN_GROUPS = 2
@@ -337,7 +337,7 @@ def device_tables(
 
     On CUDA the index tables are made on the device from the offsets' device copy (`tile_table_triton`,
     one launch; before, a dozen torch operations, ~0.6 ms of host time on the H200 machine, cProfile in
-    benchmarks/results/probe-batch-host-h200-b1dec42.txt). Elsewhere, and for an empty batch, they are
+    benchmarks/results/archive/int8/probe-batch-host-h200-b1dec42.txt). Elsewhere, and for an empty batch, they are
     made on the host (numpy: 70 / 154 / 716 / 2250 us for 1.3K / 4K / 16K / 50K documents on the 2-core
     dev machine) and travel in one copy that the host does not wait for (`host_to_device`), each part on
     a 16-byte boundary (the kernel's pointers stay aligned). On CUDA that copy ran on the kernel's
@@ -366,7 +366,7 @@ def tile_scales(
 
     On CUDA one launch of `_tile_scales_kernel` instead of the seven torch operations below, which serve
     other devices (with the tile table made on the host: `_launch_hopper`'s host time under cProfile 1.04
-    -> 0.67 ms a call, benchmarks/results/probe-batch-host-h200-b1dec42.txt and -d006262.txt)."""
+    -> 0.67 ms a call, benchmarks/results/archive/int8/probe-batch-host-h200-b1dec42.txt and -d006262.txt)."""
     if doc_scales.is_cuda:
         return tile_scales_triton(doc_scales, first, inside, block_t)
     padded = torch.cat([doc_scales, doc_scales.new_zeros(block_t)])

@@ -11,7 +11,7 @@ arithmetic (`maxsim_cli.topk.order_keys`) is nine operations; the scoring thread
 every batch's work, so on CUDA this is one launch instead. Memory-bound: 4 B read and 8 B written per
 score (plus 8 per rank read), ~2 us for a 512 x 1300 block at HBM speed; what it saves is host time per
 batch, not GPU time. Measured end to end on the H200 (`maxsim score`, 10 GB, 512 queries, against the
-nine operations: benchmarks/results/ab-trees-h200-trims.json): no change beyond noise, as the pass is
+nine operations: benchmarks/results/score/ab-trees-h200-trims.json): no change beyond noise, as the pass is
 not bound by that thread's launches (docs/benchmarks.md, `maxsim score` end to end).
 """
 

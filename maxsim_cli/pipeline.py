@@ -131,7 +131,7 @@ class _HostBatch:
 
 # PyTorch's pinned allocator, told to page-lock by malloc + cudaHostRegister split over threads instead of
 # cudaHostAlloc: the H200 machine locked 0.49 GiB in 0.086-0.091 s that way against 0.19-0.31 s
-# (benchmarks/results/pin-h200.txt), and the first `maxsim score` of a process set up in 0.057-0.065 s
+# (benchmarks/results/host/pin-h200.txt), and the first `maxsim score` of a process set up in 0.057-0.065 s
 # instead of 0.26-0.58 s, with the same run in every process checked (check-pinning-h200.txt). Registering
 # ways once gave wrong first runs, through a race in `PinnedArena.take` since fixed (a taker waiting for
 # its piece left its share unclaimed, so the next taker got the same bytes).
@@ -748,7 +748,7 @@ class BatchStream:
         # it to sleep: CUDA's default with one context on many cores is to spin, and with a slot handed
         # back as soon as its copy is queued, several readers could spin at once on the cores that the
         # scoring thread needs (on the H200 machine the pass did not measurably change:
-        # benchmarks/results/ab-trees-h200-blocking-event.json).
+        # benchmarks/results/score/ab-trees-h200-blocking-event.json).
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True, blocking=True)
         with torch.cuda.stream(self._copy_stream):
@@ -814,7 +814,7 @@ _FINITE_STEP = 1 << 18
 # Niceness of the reader threads (Linux): they copy from the page cache on every core, and the scoring
 # thread, which issues every batch's work to the GPU, then ran slower. Replaying a pass on GPU-resident
 # batches on the H200 machine took 0.46 s alone, 0.67-0.71 s beside 16 threads reading the page cache,
-# and 0.47 s with those threads at niceness 10 (benchmarks/results/gpu-side-h200-readers.json). In
+# and 0.47 s with those threads at niceness 10 (benchmarks/results/score/gpu-side-h200-readers.json). In
 # `maxsim score` itself: int8 pass median 0.53 -> 0.47 s, fp16 unchanged (ab-trees-h200-nice.json).
 READER_NICE = 10  # added to the process's niceness (at most 19)
 
@@ -832,7 +832,7 @@ def batch_check(embeddings: torch.Tensor, scales: torch.Tensor | None) -> torch.
     square roots; -0.0 and 0.0 pass). A sum can also overflow on finite values: a false alarm, which the
     re-read in `BatchStream._check_values` clears. One or two launches a batch where the check took eight
     (`isfinite` and the comparisons); in `maxsim score` on the H200 that made no measurable difference
-    (benchmarks/results/ab-trees-h200-trims.json), it is simply less work for the thread that issues
+    (benchmarks/results/score/ab-trees-h200-trims.json), it is simply less work for the thread that issues
     every batch's work."""
     if scales is not None:
         return torch.sqrt(scales).sum()

@@ -48,7 +48,7 @@ MAX_BATCH_BYTES = 256 << 20
 # With a budget this small, a query batch is split rather than the document batches shrunk further.
 MIN_BATCH_TOKENS = 16384
 # Reader threads on CUDA: one a core up to 16 (the H200 machine's cores read its page cache at 44 GB/s
-# with 16 threads, 33 with 8 and 20 with 4, benchmarks/results/read-rate-h200.json; with 4 the pass
+# with 16 threads, 33 with 8 and 20 with 4, benchmarks/results/host/read-rate-h200.json; with 4 the pass
 # waited 0.45 s for reads, pass-breakdown-h200-a.json). They run at `pipeline.READER_NICE`. On the CPU
 # one thread: reading is a small share of the time there and every other core scores.
 DEFAULT_READER_THREADS = 16
