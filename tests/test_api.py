@@ -322,3 +322,23 @@ def test_docstring_examples(module, monkeypatch) -> None:
     monkeypatch.chdir(REPO)
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_readme_python_example_runs(tmp_path, monkeypatch) -> None:
+    """The README's "From Python" block, run in a fresh folder next to sample_data/ (without a GPU the
+    `corpus.to("cuda")` line is left out)."""
+    import re
+
+    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    section = readme[readme.index("## From Python") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    if not torch.cuda.is_available():
+        code = "\n".join(line for line in code.splitlines() if not line.startswith("corpus.to("))
+    (tmp_path / "sample_data").symlink_to(os.path.join(REPO, "sample_data"))
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the README's own example
+    assert (tmp_path / "run.trec").stat().st_size > 0
+    assert list(namespace["frame"].columns) == ["qid", "docno", "rank", "score"]
+    assert namespace["frame"].groupby("qid").size().max() == 10
+    assert namespace["run"].qids == ["q1", "q2"]
