@@ -4,7 +4,7 @@ Ways (one per process; run them alternately, several rounds):
 
 - ``current``: the code as it is;
 - ``uncut``: document batches not cut at shard boundaries (a batch spanning two shards is copied into a
-  staging slot instead of scored from a map of each file), as before `maxsim_cli.score._cut_at`;
+  staging slot instead of scored from a map of each file), as before `maxsim_cli.scoring.plan._cut_at`;
 - ``fresh``: also the CPU backend's chunk buffers allocated per chunk instead of kept per worker
   thread, as before `maxsim_kernels.cpu._scratch`.
 
@@ -25,7 +25,7 @@ import maxsim_kernels.cpu as cpu_backend
 import torch
 from common import kernel_time, load_batches
 
-import maxsim_cli.score as score_module
+import maxsim_cli.scoring.plan as plan_module
 from maxsim_cli.score import score
 from maxsim_cli.shards import open_corpus
 
@@ -34,7 +34,7 @@ def main() -> None:
     way = sys.argv[1] if len(sys.argv) > 1 else "current"
     work = sys.argv[2] if len(sys.argv) > 2 else "/tmp/mbcpu"
     if way in ("fresh", "uncut"):
-        score_module._cut_at = lambda spans, _bounds: spans
+        plan_module._cut_at = lambda spans, _bounds: spans  # planning calls it from its own module
     if way == "fresh":
         cpu_backend._scratch = lambda _name, shape, dtype: torch.empty(shape, dtype=dtype)
     paths = sorted(glob.glob(os.path.join(work, "corpus-cpu-*", "*.safetensors")))

@@ -14,7 +14,7 @@ run written:
 - ``2gpu``: `score --devices 0,1` in this process: a rank per GPU as threads (`run_threads`), shards
   shared by tokens, results merged and written once;
 - ``1gpu-process`` / ``2gpu-processes``: the same with ranks as fresh worker processes joined through
-  torch.distributed (`distributed.launch`, what torchrun does): interpreter, imports and CUDA start
+  torch.distributed (`jobs.launch`, what torchrun does): interpreter, imports and CUDA start
   included;
 - ``cli-1gpu`` / ``cli-2gpu``: `python -m maxsim_cli score` as a user types it, all start-up included.
 
@@ -46,9 +46,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from common import DIM, MAX_LEN, MIN_LEN, QUERY_TOKENS, build_queries, read_files, sha256, write_json
 
-import maxsim_cli.score as score_module
-from maxsim_cli import distributed
+import maxsim_cli.scoring.plan as plan_module
+from maxsim_cli import jobs
 from maxsim_cli.score import score
+from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.shards import write_shard
 from maxsim_cli.units import format_size, parse_size
 
@@ -111,15 +112,11 @@ def build_corpus(
 # runs
 
 
-def options_for(qpath: str, paths: list[str], out: str) -> dict:
-    return {
-        "queries": qpath,
-        "corpus": paths,
-        "output": out,
-        "top_k": TOP_K,
-        "device": "auto",
-        "show_progress": False,
-    }
+def request_for(qpath: str, paths: list[str], out: str, **settings: object) -> ScoreRequest:
+    """The job's request, as `maxsim score --devices` builds it (plus a configuration's settings)."""
+    return ScoreRequest(
+        queries=qpath, corpus=paths, output=out, top_k=TOP_K, device="auto", show_progress=False, **settings
+    )
 
 
 @contextlib.contextmanager
@@ -127,14 +124,16 @@ def settings(config: str) -> Iterator[dict]:
     """A configuration's settings after '@', joined by '+': staging=SIZE (each rank's pinned arena, hence
     the batch size, for 1gpu and for rank threads alike), readers=N (reader threads per rank), switch=MS
     (Python's GIL switch interval). In-process configurations only."""
-    staging, interval = score_module.STAGING_BYTES, sys.getswitchinterval()
-    thread_staging = distributed.THREAD_STAGING_BYTES
+    # the engine reads the arena's cap from `maxsim_cli.scoring.plan` and rank threads theirs from
+    # `maxsim_cli.jobs`, both at each run: patch them there
+    staging, interval = plan_module.STAGING_BYTES, sys.getswitchinterval()
+    thread_staging = jobs.THREAD_STAGING_BYTES
     kwargs: dict = {}
     try:
         for setting in filter(None, config.partition("@")[2].split("+")):
             key, _, value = setting.partition("=")
             if key == "staging":
-                score_module.STAGING_BYTES = distributed.THREAD_STAGING_BYTES = parse_size(value)
+                plan_module.STAGING_BYTES = jobs.THREAD_STAGING_BYTES = parse_size(value)
             elif key == "readers":
                 kwargs["reader_threads"] = int(value)
             elif key == "switch":  # Python's GIL switch interval, in ms
@@ -143,7 +142,7 @@ def settings(config: str) -> Iterator[dict]:
                 raise SystemExit(f"bench_multigpu: unknown setting {setting!r} in {config!r}")
         yield kwargs
     finally:
-        score_module.STAGING_BYTES, distributed.THREAD_STAGING_BYTES = staging, thread_staging
+        plan_module.STAGING_BYTES, jobs.THREAD_STAGING_BYTES = staging, thread_staging
         sys.setswitchinterval(interval)
 
 
@@ -157,9 +156,9 @@ def run_config(config: str, qpath: str, paths: list[str], out: str, devices: lis
             stats = score(qpath, paths, output=out, top_k=TOP_K, device=devices[0], log=log, **kwargs)
     elif name == "2gpu":  # `--devices`: ranks as threads of this process
         with settings(config) as kwargs:
-            stats = distributed.run_threads({**options_for(qpath, paths, out), **kwargs}, devices)
+            stats = jobs.run_threads(request_for(qpath, paths, out, **kwargs), devices)
     elif name in ("1gpu-process", "2gpu-processes"):  # ranks as fresh worker processes
-        stats = distributed.launch(options_for(qpath, paths, out), devices)
+        stats = jobs.launch(request_for(qpath, paths, out), devices)
     else:  # cli-1gpu / cli-2gpu: `maxsim score` as a user types it, interpreter start included
         cmd = [sys.executable, "-m", "maxsim_cli", "score", qpath, *paths, "-k", str(TOP_K), "-o", out]
         spec = ",".join(devices) if devices[0].startswith("cuda") else f"cpu:{len(devices)}"

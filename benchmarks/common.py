@@ -193,9 +193,8 @@ BATCHES: list[tuple[float, object, object]] = []  # (host seconds, start event, 
 def instrument_batches() -> None:
     """Record each batch that `maxsim score` scores: its host launch time next to its GPU events (the
     engine's own timers); `batch_report` summarises them."""
-    from maxsim_cli import score as score_mod
+    from maxsim_cli.scoring.engine import _Engine as engine
 
-    engine = score_mod._Engine
     timer, timer_end = engine._timer, engine._timer_end
 
     def _timer(self):  # noqa: ANN001, ANN202

@@ -7,7 +7,7 @@ times, on ids spread over 20 shards (MS MARCO-like numbers in random order, and 
 `msmarco_passage_07_123456`):
 
   whole      `pc.sort_indices` of all ids, then `take` (the current `id_order`);
-  by shard   `maxsim_cli.shards.sorted_id_order`: each shard's ids sorted in its own thread, then the
+  by shard   `maxsim_cli.shards.format.sorted_id_order`: each shard's ids sorted in its own thread, then the
              concatenated sorted runs sorted once more (Arrow's sort is faster on runs), then `take`.
 
     python benchmarks/probe_id_sort.py --out id-sort.json
@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from maxsim_cli import shards
+from maxsim_cli.shards import format as shard_format
 
 
 def whole(arrays: list[pa.Array]) -> tuple[np.ndarray, pa.Array]:
@@ -34,13 +34,14 @@ def whole(arrays: list[pa.Array]) -> tuple[np.ndarray, pa.Array]:
 
 
 def by_shard(arrays: list[pa.Array]) -> tuple[np.ndarray, pa.Array]:
-    """`maxsim_cli.shards.sorted_id_order`, made to sort shard by shard whatever the sizes."""
-    saved = shards.BY_SHARD_SORT_MIN_THREADS, shards.BY_SHARD_SORT_MIN_IDS
-    shards.BY_SHARD_SORT_MIN_THREADS, shards.BY_SHARD_SORT_MIN_IDS = 2, 0
+    """`maxsim_cli.shards.format.sorted_id_order`, made to sort shard by shard whatever the sizes (its
+    thresholds are read from `maxsim_cli.shards.format`, so they are set there)."""
+    saved = shard_format.BY_SHARD_SORT_MIN_THREADS, shard_format.BY_SHARD_SORT_MIN_IDS
+    shard_format.BY_SHARD_SORT_MIN_THREADS, shard_format.BY_SHARD_SORT_MIN_IDS = 2, 0
     try:
-        _, ordinals, sorted_ids = shards.sorted_id_order(arrays)
+        _, ordinals, sorted_ids = shard_format.sorted_id_order(arrays)
     finally:
-        shards.BY_SHARD_SORT_MIN_THREADS, shards.BY_SHARD_SORT_MIN_IDS = saved
+        shard_format.BY_SHARD_SORT_MIN_THREADS, shard_format.BY_SHARD_SORT_MIN_IDS = saved
     return ordinals, sorted_ids
 
 

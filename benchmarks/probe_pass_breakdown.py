@@ -34,7 +34,9 @@ from maxsim_kernels._validate import share_device_copy
 
 import maxsim_cli.pipeline as pipeline
 import maxsim_cli.score as score_module
+import maxsim_cli.scoring.plan as plan_module
 import maxsim_cli.topk as topk_module
+from maxsim_cli.scoring.engine import _Engine
 from maxsim_cli.units import parse_size
 
 PARTS = ("copy", "kernel_call", "topk_add", "score_block")
@@ -76,7 +78,7 @@ def instrumented(clock: Clock) -> Iterator[None]:
         clock.wrap(pipeline.BatchStream, "_copy", "copy"),
         clock.wrap(maxsim_kernels, "maxsim_varlen", "kernel_call"),
         clock.wrap(topk_module.RunningTopK, "add", "topk_add"),
-        clock.wrap(score_module._Engine, "_score_block", "score_block"),
+        clock.wrap(_Engine, "_score_block", "score_block"),
         clock.wrap(pipeline._SafetensorsRows, "_pread", "read"),
     ]
     try:
@@ -109,29 +111,29 @@ def variant(name: str) -> Iterator[dict[str, Any]]:
     score=bare or score=bare-seeded (`_bare_block`)."""
     kwargs: dict[str, Any] = {}
     interval = sys.getswitchinterval()
-    staging = score_module.STAGING_BYTES
-    block = score_module._Engine._score_block
+    staging = plan_module.STAGING_BYTES  # the engine reads the arena's cap from the planning module
+    block = _Engine._score_block
     try:
         for setting in name.split("+"):
             if setting.startswith("readers="):
                 kwargs["reader_threads"] = int(setting.split("=")[1])
             elif setting.startswith("staging="):
-                score_module.STAGING_BYTES = parse_size(setting.split("=")[1])
+                plan_module.STAGING_BYTES = parse_size(setting.split("=")[1])
             elif setting == "switch=0.5ms":
                 sys.setswitchinterval(0.0005)
             elif setting == "gc-off":
                 gc.disable()
             elif setting == "score=none":
-                score_module._Engine._score_block = lambda *args: None
+                _Engine._score_block = lambda *args: None
             elif setting == "score=bare":
-                score_module._Engine._score_block = _bare_block
+                _Engine._score_block = _bare_block
             elif setting == "score=bare-seeded":
-                score_module._Engine._score_block = functools.partialmethod(_bare_block, seeded=True)
+                _Engine._score_block = functools.partialmethod(_bare_block, seeded=True)
         yield kwargs
     finally:
-        score_module._Engine._score_block = block
+        _Engine._score_block = block
         sys.setswitchinterval(interval)
-        score_module.STAGING_BYTES = staging
+        plan_module.STAGING_BYTES = staging
         gc.enable()
 
 
