@@ -74,7 +74,7 @@ from ._validate import (
     resolve_backend,
 )
 
-# --- tuning constants (H200, triton 3.6, dim 128: benchmarks/results/archive/train/train-h200.json, "sweep") --------
+# --- tuning constants (H200, triton 3.6, dim 128: benchmarks/results/archive/train/train-h200.json, "sweep")
 # Query-gradient kernel: a program owns _DQ_BLOCK_T query tokens and gathers _DQ_BLOCK_C winning rows
 # per token per step ([T, C, dim] in flight, which is what hides the gather latency). (8, 8, 4 warps)
 # was within noise of the best of the four variants swept on the three training shapes.

@@ -447,13 +447,14 @@ class KernelConfig:
 #   "long":  queries longer than 128 tokens (1 ColPali query of 1024 tokens x 1000 docs of 1024);
 #   "cands": per-query candidates (HBM bound: 64 queries x their own 1000 docs of 180 tokens).
 # Evidence (docs/kernel-notes.md has the numbers and the reasoning; the sweeps are
-# benchmarks/results/archive/kernels/kernels-sweep-h200.json and the "sweep" rows of kernels-tune-h200.json, from
-# `python benchmarks/bench_kernels.py --sweep` and `--tune` on the H200):
+# benchmarks/results/archive/kernels/kernels-sweep-h200.json and the "sweep" rows of
+# kernels-tune-h200.json, from `python benchmarks/bench_kernels.py --sweep` and `--tune` on the H200):
 # - many (v5): the running max kept per tile element (element_max) and the -inf mask applied only on a
 #   document's partial last tile: 82.4 ms against 84.6 ms with the per-row max, same tile, same run
-#   (benchmarks/results/kernels/kernels-sweep-v5-h200.json); the partial-tile mask alone took the v4 entry from
-#   92.2 to 85.3 ms, ColPali from 0.681 to 0.594 ms, one query 1.003 -> 0.955 ms, rerank 0.772 -> 0.712 ms
-#   (benchmarks/results/kernels/ab-forward-v5-h200.json); element_max loses on ColPali (0.631 against 0.585 ms);
+#   (benchmarks/results/kernels/kernels-sweep-v5-h200.json); the partial-tile mask alone took the v4 entry
+#   from 92.2 to 85.3 ms, ColPali from 0.681 to 0.594 ms, one query 1.003 -> 0.955 ms, rerank 0.772 ->
+#   0.712 ms (benchmarks/results/kernels/ab-forward-v5-h200.json); element_max loses on ColPali (0.631
+#   against 0.585 ms);
 # - many (v4): the same tile on 4 warps (one warp group, 186 registers, two programs an SM) and 2 stages:
 #   90.4 ms against 95.7 ms for the v3 entry below in the same run (4 warps, 3 stages 90.6; 512 rows 103.9;
 #   16-token tiles 132.7-146.8; benchmarks/results/archive/kernels/kernels-sweep-v4c-h200.json);
@@ -492,7 +493,8 @@ _TUNING: dict[str, KernelConfig] = {
 # With return_argmax (the training forward) the all-pairs kernel keeps a running max and argmax per query
 # row, not per tile element, so the scores-only winners above need not win. Sweep of that forward at the
 # ColBERT training shapes (32 queries x 32 tokens against 128 / 256 documents of 20-300 tokens, H200,
-# benchmarks/sweep_argmax_forward.py, benchmarks/results/archive/train/argmax-sweep-h200.json; every tile bitwise equal):
+# benchmarks/sweep_argmax_forward.py, benchmarks/results/archive/train/argmax-sweep-h200.json; every
+# tile bitwise equal):
 # - many: 256 rows x 64 tokens, 8 warps, 2 stages, 64 documents: 0.103 / 0.171 ms against 0.137 / 0.241 ms
 #   for the scores-only entry (256 x 32, 4 warps); 64 x 64 on 4 warps 0.102 / 0.184; 128 x 64 on 4 warps
 #   0.106 / 0.187. At the ColPali shape ("long") no tile beat the table's by more than 5%.

@@ -37,12 +37,13 @@ Cost: FLOPs = 2 * Tq * Td * dim integer MACs (all pairs) or 2 * sum_c |q_c| * |d
 HBM bytes ~= Td * (dim + 4) once (int8 tokens + fp32 scale), half the fp16 bytes, plus 4 bytes per score.
 Past the MMA, each (query token, document token) pair costs the same CUDA-core work as in fp16 (the
 conversion, one FMA, the max) and every tile the same loop, load and reduction overhead, so halving the
-MMA time does not halve the tile time. Measured on one H200 (benchmarks/results/int8/int8-h200.json): all pairs
-505 int8 TOPS against the fp16 kernel's 408 TFLOP/s in the same run (1.23x); read through a two-point model
-(fp16 time = x + y, int8 time = x + y/2), about 51 of int8's 66.5 ms are that per-tile work x. HBM-bound
-shapes reach 3.1-3.3 TB/s (fp16: 4.2-4.4): at the same occupancy as the fp16 kernel (three programs an SM,
-here for the 168 registers of the one-query tile) a program keeps 8 KB tiles in flight where fp16 keeps
-16 KB ones (Nsight Compute, docs/kernel-notes.md, the int8 Triton kernels on HBM-bound shapes).
+MMA time does not halve the tile time. Measured on one H200 (benchmarks/results/int8/int8-h200.json):
+all pairs 505 int8 TOPS against the fp16 kernel's 408 TFLOP/s in the same run (1.23x); read through a
+two-point model (fp16 time = x + y, int8 time = x + y/2), about 51 of int8's 66.5 ms are that per-tile
+work x. HBM-bound shapes reach 3.1-3.3 TB/s (fp16: 4.2-4.4): at the same occupancy as the fp16 kernel
+(three programs an SM, here for the 168 registers of the one-query tile) a program keeps 8 KB tiles in
+flight where fp16 keeps 16 KB ones (Nsight Compute, docs/kernel-notes.md, the int8 Triton kernels on
+HBM-bound shapes).
 Document-major tiles (S^T = D . Q^T with an elementwise running max, which the fp16 kernel uses for one
 query and for candidates) were built and swept for both int8 kernels and lost on every shape (one query
 0.96-0.97 ms against 0.81, candidates 0.68 against 0.59, all pairs 109.6 against 71.6 ms;
@@ -78,8 +79,9 @@ _MAGIC_BITS = 0x4B400000  # bits of 1.5 * 2^23
 _MAGIC_FLOAT = 12582912.0  # 1.5 * 2^23
 
 # Tuning constants: `benchmarks/bench_int8.py gpu` tile sweep on one H200 (triton 3.6, dim 128, fp16 inputs
-# quantized, do_bench medians; benchmarks/results/archive/int8/int8-sweep-v4-h200.json, whose first sweep repeats the
-# first of these runs, and int8-h200.json, 2026-11-30). (BLOCK_D, docs per program, warps, stages) -> time:
+# quantized, do_bench medians; benchmarks/results/archive/int8/int8-sweep-v4-h200.json, whose first sweep
+# repeats the first of these runs, and int8-h200.json, 2026-11-30).
+# (BLOCK_D, docs per program, warps, stages) -> time:
 #   all pairs, 512 q x 32 tok x 50K docs: (64,16,4,2) 82.1 ms | (32,16,4,3) 88.5 | BLOCK_Q 256 (64,16,8,3)
 #     95.7 | (64,16,8,3) 149.6 | (128,16,8,3) 161.9: 4 warps, 2 stages; 8 warps spill and lose 2x.
 #   one query x 100K docs: (64,16,4,4) 0.811 ms | (128,8,4,3) 0.873 | (64,8,4,2) 1.030: deep pipelining
@@ -88,8 +90,8 @@ _MAGIC_FLOAT = 12582912.0  # 1.5 * 2^23
 #   second sweep (same script, the fp16 kernel's v3 levers): BLOCK_Q 256 (32,64,8,3) 71.8 ms | (64,64,8,3)
 #     85.0 | BLOCK_Q 128 (64,64,4,2) 85.7 | (64,128,4,2) 85.5 | (32,64,4,3) 87.7: 256-row x 32-token tiles
 #     with 64 documents a program, as in fp16.
-#   third sweep (v5; benchmarks/results/archive/int8/int8-sweep-v5-h200.json): the running max kept per tile element
-#     (ELEMENT_MAX, reduced once per document; kernels/_running_max.py) on one warp group:
+#   third sweep (v5; benchmarks/results/archive/int8/int8-sweep-v5-h200.json): the running max kept per
+#     tile element (ELEMENT_MAX, reduced once per document; kernels/_running_max.py) on one warp group:
 #     all pairs (32,64,4,2)+E 66.5 ms against 70.8 for the v4 entry (8 warps +E: 103.5, spills);
 #     one query (64,16,4,4)+E 0.699 ms against 0.806; rerank (64,8,4,4)+E 0.502 ms against 0.588.
 #   fourth sweep (benchmarks/results/int8/int8-sweep-v6-h200.json; 64- and 128-token tiles, 2-8 warps, 2-5
@@ -108,10 +110,10 @@ _VARLEN_STAGES = 2
 _VARLEN_ELEMENT_MAX = True  # running max per tile element (scores only; see kernels/_running_max.py)
 # The few-queries tiles below are for memory-bound shapes: at most _FEW_QUERIES_MAX_ROWS query tokens in
 # all. Measured against the all-pairs tiles above (H200, 50K documents of 20-300 tokens, queries of 32
-# tokens; benchmarks/results/archive/int8/int8-queries-h200.json, sweep_int8_queries.py): 1 query 0.354 against 0.579
-# ms, 2 queries 0.633 against 0.704, 4 queries 0.832 against 0.796, 8 queries 2.70 against 1.29, 16
-# queries 5.14 against 2.46 (these were given the few-queries tiles while one or two query tiles of 256
-# rows held them).
+# tokens; benchmarks/results/archive/int8/int8-queries-h200.json, sweep_int8_queries.py): 1 query 0.354
+# against 0.579 ms, 2 queries 0.633 against 0.704, 4 queries 0.832 against 0.796, 8 queries 2.70 against
+# 1.29, 16 queries 5.14 against 2.46 (these were given the few-queries tiles while one or two query tiles
+# of 256 rows held them).
 _FEW_QUERIES_MAX_ROWS = 64
 _FEW_QUERIES_BLOCK_D = 64
 _FEW_QUERIES_DOCS_PER_PROG = 32

@@ -89,9 +89,9 @@ PROGRAMS_PER_SM = 2  # 228 registers x 128 threads, 46 KB of shared memory (sm_9
 PROGRAM_START_DOCS = 0.25  # as the fp16 Hopper kernel: a program's start in documents' worth of time
 # One group of 128 rows leaves the shape bound by HBM, where the Triton kernel's tiles are faster; from
 # two groups on this kernel is (H200, 50K documents of 20-300 tokens, queries of 32 tokens, 4 a group;
-# benchmarks/results/archive/int8/int8-queries-h200.json, sweep_int8_queries.py): 4 queries (one group) 1.21 ms
-# against the Triton kernel's 0.80; 8 queries 0.99 against 1.29; 16 queries 1.91 against 2.46; 24
-# queries 2.82 against 3.59; 32 queries 3.72 against 4.80.
+# benchmarks/results/archive/int8/int8-queries-h200.json, sweep_int8_queries.py): 4 queries (one group)
+# 1.21 ms against the Triton kernel's 0.80; 8 queries 0.99 against 1.29; 16 queries 1.91 against 2.46;
+# 24 queries 2.82 against 3.59; 32 queries 3.72 against 4.80.
 MIN_GROUPS = 2
 
 _MAGIC_BITS = gl.constexpr(0x4B400000)  # bits of 1.5 * 2^23
@@ -337,10 +337,10 @@ def device_tables(
 
     On CUDA the index tables are made on the device from the offsets' device copy (`tile_table_triton`,
     one launch; before, a dozen torch operations, ~0.6 ms of host time on the H200 machine, cProfile in
-    benchmarks/results/archive/int8/probe-batch-host-h200-b1dec42.txt). Elsewhere, and for an empty batch, they are
-    made on the host (numpy: 70 / 154 / 716 / 2250 us for 1.3K / 4K / 16K / 50K documents on the 2-core
-    dev machine) and travel in one copy that the host does not wait for (`host_to_device`), each part on
-    a 16-byte boundary (the kernel's pointers stay aligned). On CUDA that copy ran on the kernel's
+    benchmarks/results/archive/int8/probe-batch-host-h200-b1dec42.txt). Elsewhere, and for an empty batch,
+    they are made on the host (numpy: 70 / 154 / 716 / 2250 us for 1.3K / 4K / 16K / 50K documents on the
+    2-core dev machine) and travel in one copy that the host does not wait for (`host_to_device`), each
+    part on a 16-byte boundary (the kernel's pointers stay aligned). On CUDA that copy ran on the kernel's
     stream, which then waited for it behind the batch copies: `maxsim score` int8 over 10 GB (~1,300
     documents a batch) took pass 0.443 / 0.458 s (best / median) with host tables up to 8192 documents
     and 0.383 / 0.390 s with device tables always, wall 0.564 / 0.587 -> 0.501 / 0.522 s, byte-identical

@@ -27,11 +27,11 @@ a context manager (`maxsim_cli.runs.RunWriter`) is entered around the pass only:
 once the plan is made and kept only if the pass succeeds.
 
 Where the time goes (one H200, 10 GB of fp16 safetensors shards, 512 queries x 32 tokens, warm page cache,
-benchmarks/results/score/score-h200-read-pieces.json, ab-trees-h200x2-seeded-offsets.json, docs/benchmarks.md):
-the pass over the corpus takes 0.50-0.53 s against 0.43 s for the kernel alone (reading the files alone:
-0.20 s with 16 threads; copying them to the GPU alone: 0.18 s), so the kernel bounds it; on top come the
-set-up (opening the shards, the docno order, page-locking the staging arena: 0.05-0.14 s) and writing the
-run (0.02 s for 100 results a query, 0.07-0.10 s for 1000).
+benchmarks/results/score/score-h200-read-pieces.json, ab-trees-h200x2-seeded-offsets.json,
+docs/benchmarks.md): the pass over the corpus takes 0.50-0.53 s against 0.43 s for the kernel alone
+(reading the files alone: 0.20 s with 16 threads; copying them to the GPU alone: 0.18 s), so the kernel
+bounds it; on top come the set-up (opening the shards, the docno order, page-locking the staging arena:
+0.05-0.14 s) and writing the run (0.02 s for 100 results a query, 0.07-0.10 s for 1000).
 """
 
 from __future__ import annotations
