@@ -425,11 +425,11 @@ class _Engine:
                 self._fold_times(stream)
 
     def _batch_done(self, batch: Batch) -> None:
-        """After each batch: the progress bar, and a stop when another rank of the qpass has failed."""
+        """After each batch: the progress bar, and a stop when another rank of the job has failed."""
         if self.progress is not None:
             self.progress.advance(batch.plan.num_docs, batch.plan.num_tokens)
         if self.stop is not None and self.stop.is_set():
-            raise RankStopped("stopped because another rank of the qpass failed")
+            raise RankStopped("stopped because another rank of the job failed")
 
     def _score_block(
         self,
