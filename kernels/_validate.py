@@ -55,8 +55,8 @@ class Layout:
 
 # Per-tensor memo of derived data (validated host copies, device copies, launch tables): the same
 # offsets tensors come back for every query batch, and recomputing from them costs a device<->host copy
-# that stalls the launch queue (measured on the H200: 1 query x 100K documents took 1.66 ms with offsets
-# on the GPU against 1.22 ms with offsets on the host, for a ~1 ms kernel). An entry is keyed by the
+# that stalls the launch queue (1 query x 100K documents: 1.66 ms with offsets on the GPU against 1.22 ms
+# on the host; docs/kernel-notes.md, "Version 1 (commit 93c4de8)..."). An entry is keyed by the
 # tensor object and its in-place version counter, and dies with the tensor. Writes that bypass the
 # version counter (through a numpy view or `.data`) are not seen: treat offsets as immutable.
 _MEMO: dict[int, tuple[weakref.ref, int, dict[Hashable, Any]]] = {}
@@ -145,12 +145,10 @@ def share_device_copy(host: torch.Tensor, device_copy: torch.Tensor) -> None:
 
     `maxsim score` copies each document batch's offsets to the GPU together with its embeddings; the
     kernels take the host offsets (for their checks and launch grids) and would otherwise copy them a
-    second time per batch, on the stream the kernel runs on. On the H200 that second copy made the pass
-    over 10 GB 0.16 s slower (0.66 against 0.50 s, `benchmarks/probe_pass_breakdown.py`, variants
-    score=bare against score=bare-seeded), ~0.45 ms a batch, though issuing it costs the host ~22 us
-    (`benchmarks/probe_host_copy.py`): the kernel waits for that copy, which likely queues behind the
-    next batch's embeddings on the host-to-device copy engine. The caller guarantees that the values are
-    equal and that `device_copy` is not overwritten while `host` lives.
+    second time per batch, on the stream the kernel runs on, which then waits for it: ~0.45 ms a batch
+    on the H200 (benchmarks/results/score/pass-breakdown-h200-seeded.json; docs/kernel-notes.md,
+    "`maxsim score`: the pass against the kernel"). The caller guarantees that the values are equal and
+    that `device_copy` is not overwritten while `host` lives.
     """
     if device_copy.dtype != torch.int64 or not device_copy.is_contiguous():
         raise ValueError("share_device_copy: the device copy must be a contiguous int64 tensor")

@@ -446,41 +446,18 @@ class KernelConfig:
 #   "few":   all-pairs with < 128 query rows (HBM bound: 1 query x 100K docs of 20-300 tokens);
 #   "long":  queries longer than 128 tokens (1 ColPali query of 1024 tokens x 1000 docs of 1024);
 #   "cands": per-query candidates (HBM bound: 64 queries x their own 1000 docs of 180 tokens).
-# Evidence (docs/kernel-notes.md has the numbers and the reasoning; the sweeps are
-# benchmarks/results/archive/kernels/kernels-sweep-h200.json and the "sweep" rows of
-# kernels-tune-h200.json, from `python benchmarks/bench_kernels.py --sweep` and `--tune` on the H200):
-# - many (v5): the running max kept per tile element (element_max) and the -inf mask applied only on a
-#   document's partial last tile: 82.4 ms against 84.6 ms with the per-row max, same tile, same run
-#   (benchmarks/results/kernels/kernels-sweep-v5-h200.json); the partial-tile mask alone took the v4 entry
-#   from 92.2 to 85.3 ms, ColPali from 0.681 to 0.594 ms, one query 1.003 -> 0.955 ms, rerank 0.772 ->
-#   0.712 ms (benchmarks/results/kernels/ab-forward-v5-h200.json); element_max loses on ColPali (0.631
-#   against 0.585 ms);
-# - many (v4): the same tile on 4 warps (one warp group, 186 registers, two programs an SM) and 2 stages:
-#   90.4 ms against 95.7 ms for the v3 entry below in the same run (4 warps, 3 stages 90.6; 512 rows 103.9;
-#   16-token tiles 132.7-146.8; benchmarks/results/archive/kernels/kernels-sweep-v4c-h200.json);
-# - many (v3): 256 rows x 32-token tiles, 8 warps, 3 stages, 64 documents a program: 96.0 ms on the exhaustive
-#   workload, against 119.1 ms for the previous entry (128 x 64, 4 warps, 16 documents) in the same run;
-#   64 documents a program is most of the gain (128 x 64 with 16 / 64 / 128 / 256 documents: 119.1 / 99.0
-#   / 100.8 / 101.3 ms: fewer, longer programs spend less on the query-tile load and pipeline fill);
-#   256 x 64 with 64 documents 100.0 ms, 256 x 128 115.9 ms (tile padding), 128 x 64 with 8 warps 103.3 ms;
-# - some: the best 128-row entry of the same sweep, 128 x 64, 4 warps, 64 documents (99.0 ms);
-# - few: 32 x 64, 4 warps, 4 stages, 64 documents: 1.017 ms for 1 query x 100K documents against 1.034 ms
-#   with 16 (3 stages: 1.107 ms; 128-token tiles: 1.040 ms); document-major tiles (v4): 0.933 ms against
-#   1.038 ms query-major in the same run (16 documents 0.942, 3 stages 0.936): the running max per element
-#   needs no shuffles per tile, and the 64 document tokens fill the wgmma m64 side that 32 query rows
-#   left half empty;
-# - long: one document a program and 2 stages: 0.638 ms for the ColPali workload against 0.740 ms with
-#   two documents and 3 stages (3 / 4 stages with one document 0.668 / 0.666 ms; 8 warps 0.757 ms;
-#   256 rows 0.750 ms);
-# - cands: 8 candidates a program: 0.742 ms (16: 0.741, 32: 0.778, 4: 0.799; 3 stages 0.768; 128-token
-#   tiles 0.854 ms); document-major tiles (v4): 0.688 ms against 0.755 ms in the same run (16 candidates
-#   0.701, 3 stages 0.695, 128-token tiles 0.896);
-# - document-major tiles for many / some / long lose: exhaustive 113-123 ms against 93.7 ms (the m64
-#   document side pads 20-300-token documents to 64-token tiles, and 256 query columns need 185-255
-#   registers, one program an SM); ColPali 0.709 against 0.663 ms
-#   (benchmarks/results/archive/kernels/kernels-sweep-h200.json);
-# - sm_90 builds of every entry below (triton's ptxas, no GPU needed): no spills; the loads are
-#   cp.async-pipelined, the dots wgmma for >= 64 rows (and for document-major tiles).
+# Each entry is its class's fastest in `python benchmarks/bench_kernels.py --sweep` / `--tune` (H200); the
+# alternatives: docs/kernel-notes.md, "The forward tuning table, entry by entry".
+# - many: 82.4 ms exhaustive, 84.6 with a per-row max (benchmarks/results/kernels/kernels-sweep-v5-h200.json);
+# - some: 99.0 ms, the best 128-row entry (benchmarks/results/archive/kernels/kernels-sweep-h200.json);
+# - few: document-major, 0.933 ms for 1 query x 100K docs against 1.038 query-major
+#   (benchmarks/results/kernels/kernels-sweep-v4b-h200.json);
+# - long: 0.638 ms for ColPali, 0.740 with 2 documents and 3 stages
+#   (benchmarks/results/kernels/kernels-tune-h200.json);
+# - cands: document-major, 0.688 ms against 0.755 query-major
+#   (benchmarks/results/kernels/kernels-sweep-v4b-h200.json).
+# sm_90 builds of every entry (triton's ptxas, no GPU needed): no spills; the loads are cp.async-pipelined,
+# the dots wgmma for >= 64 rows (and for document-major tiles).
 _TUNING: dict[str, KernelConfig] = {
     "many": KernelConfig(
         block_q=256, block_t=32, docs_per_prog=64, num_warps=4, num_stages=2, element_max=True
@@ -491,13 +468,10 @@ _TUNING: dict[str, KernelConfig] = {
     "cands": KernelConfig(block_q=32, block_t=64, docs_per_prog=8, num_warps=4, num_stages=4, doc_major=True),
 }
 # With return_argmax (the training forward) the all-pairs kernel keeps a running max and argmax per query
-# row, not per tile element, so the scores-only winners above need not win. Sweep of that forward at the
-# ColBERT training shapes (32 queries x 32 tokens against 128 / 256 documents of 20-300 tokens, H200,
-# benchmarks/sweep_argmax_forward.py, benchmarks/results/archive/train/argmax-sweep-h200.json; every
-# tile bitwise equal):
-# - many: 256 rows x 64 tokens, 8 warps, 2 stages, 64 documents: 0.103 / 0.171 ms against 0.137 / 0.241 ms
-#   for the scores-only entry (256 x 32, 4 warps); 64 x 64 on 4 warps 0.102 / 0.184; 128 x 64 on 4 warps
-#   0.106 / 0.187. At the ColPali shape ("long") no tile beat the table's by more than 5%.
+# row, not per tile element, so the scores-only winners above need not win. many: 0.103 / 0.171 ms at
+# ColBERT 128 / 256 docs against 0.137 / 0.241 for the scores-only entry, bitwise equal
+# (benchmarks/results/archive/train/argmax-sweep-h200.json; the other tiles: docs/kernel-notes.md,
+# "Training: the inverse map, the host and the argmax tile").
 _ARGMAX_TUNING: dict[str, KernelConfig] = {
     "many": KernelConfig(block_q=256, block_t=64, docs_per_prog=64, num_warps=8, num_stages=2),
 }

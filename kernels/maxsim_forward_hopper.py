@@ -314,35 +314,16 @@ def supports(queries: torch.Tensor, docs: torch.Tensor, return_argmax: bool) -> 
     )
 
 
-# Tuning (H200, triton 3.6, ColPali: 1 query x 1024 tokens against 1000 documents of 1024, fp16, dim 128;
-# every variant bitwise equal to the Triton kernel; ms, best median of 3 rounds, same run as flash-maxsim).
-# Version 6 (query chunk in shared memory, groups of 8, a ring of 4, 2 documents a program): 0.516-0.537.
-# The exploration runs of version 7 (benchmarks/results/kernels/long-hopper-v7-dev-{a..e}.json, script and
-# kernels at commit e3f36d5):
-# - the query chunk as wgmma's A operand in registers instead of shared memory: 0.449 against 0.538 (run
-#   a), 0.483-0.497 in runs b-e (version 6 there: 0.527-0.537); a program of 256 rows on two warp groups
-#   (one program an SM): 0.54-0.57, with A in registers or not;
-# - 31 documents a program (the 8 chunks x 33 document ranges fill the 264 slots of 2 programs an SM
-#   once) against 2 (16 waves): 0.462-0.472 against 0.498-0.506; 16 documents: 0.475; a grid that leaves
-#   half the slots empty (63 documents): 0.63;
-# - a ring of 5: 0.438-0.449 against 0.462 for 4 (31 documents); 6 (2 programs an SM only without the
-#   query's shared-memory copy): 0.445-0.453; a ring that leaves one program an SM: 0.63-0.64;
-# - groups of 16 against 8: 0.430-0.433 against 0.438-0.449 in three pairs (k3 and k4, runs d and e);
-#   12: 0.495-0.516 (the tile count is no longer a multiple of the group at 16 tiles a document);
-# - the row maxima of finished documents summed at the group's end and one max for masked and unmasked
-#   tiles: 0.440 against 0.455 (run e, groups of 8, a ring of 5, 31 documents); the query loaded straight
-#   into registers (no shared-memory copy): 0.430-0.449 against 0.433-0.440, kept for its registers
-#   (239 against 255) and shared memory.
-# The chosen variant: 0.430 ms (run e) against flash-maxsim's 0.603 and version 6's 0.533.
-# Then, in benchmarks/ab_long_hopper.py at 7de6c92 (long-hopper-h200-v7.json): groups of 16 0.439, of 8
-# 0.434, against flash-maxsim's 0.599; but the first call at groups of 16 took 5.9 s
-# (kernels-h200.json: ptxas on 256 unrolled wgmma; 4.0 against 2.4 s of compile for groups of 8
-# in an offline sm_90 build). Groups of 8, then.
+# Tuning (H200, ColPali: 1 query x 1024 tokens x 1000 documents of 1024, fp16, dim 128; the alternatives,
+# run by run: docs/kernel-notes.md, "Version 7 (this code): the query in registers, persistent runs of
+# documents"). A ring of 5: 0.438-0.449 ms against 0.462 for 4; groups of 8: 0.434 against 0.439 for 16,
+# whose first call took 5.9 s (benchmarks/results/kernels/long-hopper-v7-dev-{a..e}.json,
+# benchmarks/results/archive/kernels/long-hopper-h200-v7.json).
 BLOCK_T, STAGES, GROUP, NUM_WARPS = 64, 5, 8, 4
 # A program takes 239 registers x 128 threads and 90.6 KB of shared memory (sm_90 build): two fit an SM.
 PROGRAMS_PER_SM = 2
 # A program's start (query load, ring fill) in documents' worth of time: 2 documents a program lost
-# 7-9% against 31 in the runs above, part of it waves (16 against 1).
+# 7-9% against 31, part of it waves (16 against 1; the same runs).
 PROGRAM_START_DOCS = 0.25
 
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
