@@ -74,29 +74,24 @@ from ._validate import (
     resolve_backend,
 )
 
-# --- tuning constants (H200, triton 3.6, dim 128: benchmarks/results/archive/train/train-h200.json, "sweep")
+# --- tuning constants (H200, triton 3.6, dim 128; the alternatives' times: docs/kernel-notes.md,
+# "Training: the inverse map, the host and the argmax tile")
 # Query-gradient kernel: a program owns _DQ_BLOCK_T query tokens and gathers _DQ_BLOCK_C winning rows
-# per token per step ([T, C, dim] in flight, which is what hides the gather latency). (8, 8, 4 warps)
-# was within noise of the best of the four variants swept on the three training shapes.
+# per token per step ([T, C, dim] in flight, which is what hides the gather latency); within noise of the
+# best variant swept (benchmarks/results/archive/train/train-h200.json, "sweep").
 _DQ_BLOCK_T = 8
 _DQ_BLOCK_C = 8
 _DQ_NUM_WARPS = 4
 # Document-gradient kernel: one program per document token reads its CSR list _DD_BLOCK_E entries at a
-# time (mean list length = query tokens x docs / doc tokens: 23 for ColBERT 128x32 vs 180-token docs, 32
-# for ColPali). 8 entries, 1 warp: 53 us / 96 us on ColBERT 128 / 256 docs, vs 62 / 115 us for (16, 2
-# warps) and 92 / 174 us for (32, 2 warps).
+# time: 53 / 96 us at ColBERT 128 / 256 docs against 62 / 115 us for 16 entries on 2 warps
+# (benchmarks/results/archive/train/train-h200.json, "sweep").
 _DD_BLOCK_E = 8
 _DD_NUM_WARPS = 1
 # All-pairs inverse CSR: a program sorts the winners of up to _CSR_MAX_SEGMENT query tokens against one
-# document in registers. A stable torch.sort of the keys instead took 200 us for ColBERT 128 x 128 docs
-# (0.5M pairs) and ~36 B of scratch a pair; the previous counting sort (two passes of 1024-token segments
-# around torch prefix sums) 96 us a pass on the GPU plus ten launches on the host.
-# Segment: 1024 query tokens when there are >= _CSR_MANY_DOCS documents (programs enough from the
-# documents alone), else 4096 (fewer segments keep the dD kernel's per-token loop short). Fixed per class,
-# whatever the number of query tokens, so that batch sizes never recompile the kernel. CSR build + dD,
-# ms, segments 512 / 1024 / 2048 / 4096 (benchmarks/results/train/train-sweep-h200.json, "csr_segment_sweep"):
-# ColBERT 128 q x 32 vs 128 docs 0.089 / 0.080 / 0.103 / 0.141; vs 256 docs 0.162 / 0.145 / 0.187 / 0.242;
-# ColPali 32 x 1024 vs 32 x 1024 0.381 / 0.311 / 0.289 / 0.289.
+# document in registers. Segment: 1024 query tokens when there are >= _CSR_MANY_DOCS documents (programs
+# enough from the documents alone), else 4096 (fewer segments keep the dD kernel's per-token loop short);
+# fixed per class so that batch sizes never recompile the kernel. CSR build + dD at ColBERT 128 docs 0.080
+# ms with 1024, ColPali 0.289 with 4096 (benchmarks/results/train/train-sweep-h200.json, "csr_segment_sweep").
 _CSR_MAX_SEGMENT = 4096
 _CSR_MANY_DOCS_SEGMENT = 1024
 _CSR_MANY_DOCS = 64

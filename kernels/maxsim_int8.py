@@ -37,19 +37,13 @@ Cost: FLOPs = 2 * Tq * Td * dim integer MACs (all pairs) or 2 * sum_c |q_c| * |d
 HBM bytes ~= Td * (dim + 4) once (int8 tokens + fp32 scale), half the fp16 bytes, plus 4 bytes per score.
 Past the MMA, each (query token, document token) pair costs the same CUDA-core work as in fp16 (the
 conversion, one FMA, the max) and every tile the same loop, load and reduction overhead, so halving the
-MMA time does not halve the tile time. Measured on one H200 (benchmarks/results/int8/int8-h200.json):
-all pairs 505 int8 TOPS against the fp16 kernel's 408 TFLOP/s in the same run (1.23x); read through a
-two-point model (fp16 time = x + y, int8 time = x + y/2), about 51 of int8's 66.5 ms are that per-tile
-work x. HBM-bound shapes reach 3.1-3.3 TB/s (fp16: 4.2-4.4): at the same occupancy as the fp16 kernel
-(three programs an SM, here for the 168 registers of the one-query tile) a program keeps 8 KB tiles in
-flight where fp16 keeps 16 KB ones (Nsight Compute, docs/kernel-notes.md, the int8 Triton kernels on
-HBM-bound shapes).
-Document-major tiles (S^T = D . Q^T with an elementwise running max, which the fp16 kernel uses for one
-query and for candidates) were built and swept for both int8 kernels and lost on every shape (one query
-0.96-0.97 ms against 0.81, candidates 0.68 against 0.59, all pairs 109.6 against 71.6 ms;
-benchmarks/results/int8/int8-h200.json at commit 909b5ad), so the int8 kernels keep query-major tiles. On
-Hopper, all pairs with host offsets go to the Gluon kernel of `maxsim_int8_hopper` (57.4 ms on the same
-workload).
+MMA time does not halve the tile time: all pairs run at 1.23x the fp16 kernel's rate, not 2x
+(benchmarks/results/int8/int8-h200.json). HBM-bound shapes reach 3.1-3.3 TB/s (fp16: 4.2-4.4): at the same
+occupancy as the fp16 kernel (three programs an SM, here for the 168 registers of the one-query tile) a
+program keeps 8 KB tiles in flight where fp16 keeps 16 KB ones. The tiles are query-major: document-major
+ones, as the fp16 kernel uses for one query and for candidates, lost on every shape. The measurements:
+docs/kernel-notes.md, "INT8: what limits it" and "The int8 Triton kernels on HBM-bound shapes (v6)". On
+Hopper, all pairs with host offsets go to the Gluon kernel of `maxsim_int8_hopper`.
 
 int32 -> fp32 without the slow conversion instruction (`I2F` issues at 1/8 of the FMA rate on sm_90):
 the MMA accumulator starts at the bit pattern of 1.5 * 2^23 (0x4B400000) instead of 0, so its bits,
@@ -78,30 +72,9 @@ _MAGIC_MAX_DIM = 255  # |acc| <= 128^2 * dim < 2^22: the accumulator-bias conver
 _MAGIC_BITS = 0x4B400000  # bits of 1.5 * 2^23
 _MAGIC_FLOAT = 12582912.0  # 1.5 * 2^23
 
-# Tuning constants: `benchmarks/bench_int8.py gpu` tile sweep on one H200 (triton 3.6, dim 128, fp16 inputs
-# quantized, do_bench medians; benchmarks/results/archive/int8/int8-sweep-v4-h200.json, whose first sweep
-# repeats the first of these runs, and int8-h200.json, 2026-11-30).
-# (BLOCK_D, docs per program, warps, stages) -> time:
-#   all pairs, 512 q x 32 tok x 50K docs: (64,16,4,2) 82.1 ms | (32,16,4,3) 88.5 | BLOCK_Q 256 (64,16,8,3)
-#     95.7 | (64,16,8,3) 149.6 | (128,16,8,3) 161.9: 4 warps, 2 stages; 8 warps spill and lose 2x.
-#   one query x 100K docs: (64,16,4,4) 0.811 ms | (128,8,4,3) 0.873 | (64,8,4,2) 1.030: deep pipelining
-#     and longer programs pay on the HBM-bound shape.
-#   64 q x 1000 own candidates x 180 tok: (64,8,4,4) 0.592 ms | (64,8,4,2) 0.612 | (128,8,4,3) 0.688.
-#   second sweep (same script, the fp16 kernel's v3 levers): BLOCK_Q 256 (32,64,8,3) 71.8 ms | (64,64,8,3)
-#     85.0 | BLOCK_Q 128 (64,64,4,2) 85.7 | (64,128,4,2) 85.5 | (32,64,4,3) 87.7: 256-row x 32-token tiles
-#     with 64 documents a program, as in fp16.
-#   third sweep (v5; benchmarks/results/archive/int8/int8-sweep-v5-h200.json): the running max kept per
-#     tile element (ELEMENT_MAX, reduced once per document; kernels/_running_max.py) on one warp group:
-#     all pairs (32,64,4,2)+E 66.5 ms against 70.8 for the v4 entry (8 warps +E: 103.5, spills);
-#     one query (64,16,4,4)+E 0.699 ms against 0.806; rerank (64,8,4,4)+E 0.502 ms against 0.588.
-#   fourth sweep (benchmarks/results/int8/int8-sweep-v6-h200.json; 64- and 128-token tiles, 2-8 warps, 2-5
-#     stages, 4-32 documents or candidates a program, element max on): one query (64,32,4,3) 0.683 ms
-#     against 0.694 for the v5 entry (8 or 16 documents 0.688-0.697; 2 warps 0.727-0.733; 128-token
-#     tiles 0.93-0.95, 248-250 registers, two programs an SM; 8 warps 1.15-1.23); rerank (64,16,4,3)
-#     0.463 ms against 0.502 (4 candidates 0.477-0.479; 128-token tiles 0.73-0.80). The one-query tile
-#     takes 168 registers (sm_90 build), three programs an SM: 2.5 TB/s under Nsight Compute against the
-#     fp16 kernel's 4.0 at the same occupancy, whose 16 KB tiles keep twice the bytes in flight
-#     (benchmarks/results/int8/ncu-one-query-h200.txt).
+# Tuning constants: `benchmarks/bench_int8.py gpu` tile sweeps on one H200 (triton 3.6, dim 128); every
+# sweep's alternatives: docs/kernel-notes.md, "INT8: what limits it". All pairs: 66.5 ms against 70.8 for
+# the 8-warp entry before the per-element max (benchmarks/results/archive/int8/int8-sweep-v5-h200.json).
 _VARLEN_BLOCK_Q = 256  # query tokens per program in the all-pairs kernel (8 queries of 32 tokens)
 _VARLEN_BLOCK_D = 32  # document tokens per tile
 _VARLEN_DOCS_PER_PROG = 64  # documents per program
@@ -109,17 +82,16 @@ _VARLEN_WARPS = 4
 _VARLEN_STAGES = 2
 _VARLEN_ELEMENT_MAX = True  # running max per tile element (scores only; see kernels/_running_max.py)
 # The few-queries tiles below are for memory-bound shapes: at most _FEW_QUERIES_MAX_ROWS query tokens in
-# all. Measured against the all-pairs tiles above (H200, 50K documents of 20-300 tokens, queries of 32
-# tokens; benchmarks/results/archive/int8/int8-queries-h200.json, sweep_int8_queries.py): 1 query 0.354
-# against 0.579 ms, 2 queries 0.633 against 0.704, 4 queries 0.832 against 0.796, 8 queries 2.70 against
-# 1.29, 16 queries 5.14 against 2.46 (these were given the few-queries tiles while one or two query tiles
-# of 256 rows held them).
+# all. Against the all-pairs tiles: 2 queries 0.633 ms against 0.704, 4 queries 0.832 against 0.796
+# (benchmarks/results/archive/int8/int8-queries-h200.json); the tile: one query x 100K docs 0.683 ms
+# against 0.694 for the v5 entry (benchmarks/results/int8/int8-sweep-v6-h200.json).
 _FEW_QUERIES_MAX_ROWS = 64
 _FEW_QUERIES_BLOCK_D = 64
 _FEW_QUERIES_DOCS_PER_PROG = 32
 _FEW_QUERIES_WARPS = 4
 _FEW_QUERIES_STAGES = 3
 _FEW_QUERIES_ELEMENT_MAX = True
+# Candidates: 64 queries x 1000 own documents 0.463 ms against 0.502 for the v5 entry (same v6 sweep).
 _CAND_BLOCK_D = 64
 _CAND_PER_PROG = 16  # candidates per program
 _CAND_WARPS = 4
@@ -285,7 +257,8 @@ def _maxsim_int8_varlen_kernel(
     """
     if ONE_QUERY:
         # One query is its own bucket with the sizes folded to constants: 1 query x 100K documents took
-        # 0.81 ms so against 1.07 ms with them as runtime values (H200, same run).
+        # 0.81 ms so against 1.07 ms with them as runtime values (H200, same run;
+        # benchmarks/results/kernels/ab-specialization-h200.txt).
         n_queries = 1
         n_groups = 1
     pid = tl.program_id(0)

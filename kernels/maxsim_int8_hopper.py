@@ -67,18 +67,9 @@ from ._launch import hopper_device
 from ._validate import cdiv, host_to_device, memo
 from .maxsim_forward_hopper import _issue_product
 
-# Tuning (H200, triton 3.6, the exhaustive workload above; ms, best median of 2 rounds, in the same
-# processes as the Triton int8 kernel at 66.4-66.7 and the fp16 kernel at 80.5-81.3;
-# benchmarks/results/int8/int8-hopper-dev-*; prototypes, script and commands at commit 1dfe73e):
-# - a ring of 4 tiles: 57.1; 5: 63.4; 6: 60.0 (a ring that is not a power of two divides in every
-#   slot and phase computation); groups of 16 tiles: 57.1, the same as 8;
-# - a row of scales per tile with NaN past the document against a [4, T] table of shifted scales with a
-#   per-column -inf bias: 57.1 against 62.2-62.5 (together with the flush's per-row data kept in shared
-#   memory and the next start tokens loaded two tiles ahead);
-# - the per-query sums at a group's end in a [GROUP, 128] layout whose rows lie in one warp (shuffles
-#   only) against one cross-warp sum per finished document and query: 77.2 against 89.9 (version 1);
-# - one producer warp issuing the TMA ring (warp specialisation) instead: 78.9-103.7: Triton 3.6 pads the
-#   worker to a full warp group and raises the consumer to 256 registers, which leaves one program an SM.
+# Tuning (H200, the exhaustive workload above; the alternatives: docs/kernel-notes.md, "The int8 Gluon
+# kernel: all pairs on Hopper"): a ring of 4 tiles 57.1 ms against 63.4 for 5 and 60.0 for 6; groups of 16
+# the same as 8 (benchmarks/results/int8/int8-hopper-dev-v5-h200.json).
 BLOCK_Q = 128  # query rows a program (one warp group: two m64 wgmma rows)
 BLOCK_T = 64  # document tokens a tile
 STAGES = 4
@@ -88,10 +79,8 @@ MAX_QPG = 16  # queries a group at most (the per-query sums are unrolled over th
 PROGRAMS_PER_SM = 2  # 228 registers x 128 threads, 46 KB of shared memory (sm_90 build)
 PROGRAM_START_DOCS = 0.25  # as the fp16 Hopper kernel: a program's start in documents' worth of time
 # One group of 128 rows leaves the shape bound by HBM, where the Triton kernel's tiles are faster; from
-# two groups on this kernel is (H200, 50K documents of 20-300 tokens, queries of 32 tokens, 4 a group;
-# benchmarks/results/archive/int8/int8-queries-h200.json, sweep_int8_queries.py): 4 queries (one group)
-# 1.21 ms against the Triton kernel's 0.80; 8 queries 0.99 against 1.29; 16 queries 1.91 against 2.46;
-# 24 queries 2.82 against 3.59; 32 queries 3.72 against 4.80.
+# two groups on this kernel is: 4 queries (one group) 1.21 ms against the Triton kernel's 0.80, 8 queries
+# 0.99 against 1.29 (benchmarks/results/archive/int8/int8-queries-h200.json).
 MIN_GROUPS = 2
 
 _MAGIC_BITS = gl.constexpr(0x4B400000)  # bits of 1.5 * 2^23
@@ -336,15 +325,12 @@ def device_tables(
     their device copy: (first token, ends, doc_tile) of `tile_table` and the tile scales (`tile_scales`).
 
     On CUDA the index tables are made on the device from the offsets' device copy (`tile_table_triton`,
-    one launch; before, a dozen torch operations, ~0.6 ms of host time on the H200 machine, cProfile in
-    benchmarks/results/archive/int8/probe-batch-host-h200-b1dec42.txt). Elsewhere, and for an empty batch,
-    they are made on the host (numpy: 70 / 154 / 716 / 2250 us for 1.3K / 4K / 16K / 50K documents on the
-    2-core dev machine) and travel in one copy that the host does not wait for (`host_to_device`), each
-    part on a 16-byte boundary (the kernel's pointers stay aligned). On CUDA that copy ran on the kernel's
-    stream, which then waited for it behind the batch copies: `maxsim score` int8 over 10 GB (~1,300
-    documents a batch) took pass 0.443 / 0.458 s (best / median) with host tables up to 8192 documents
-    and 0.383 / 0.390 s with device tables always, wall 0.564 / 0.587 -> 0.501 / 0.522 s, byte-identical
-    runs (benchmarks/ab_trees.py, ab-trees-h200-int8-device-tables.json)."""
+    one launch). Elsewhere, and for an empty batch, they are made on the host (numpy) and travel in one
+    copy that the host does not wait for (`host_to_device`), each part on a 16-byte boundary (the
+    kernel's pointers stay aligned). On CUDA such a copy would run on the kernel's stream and hold the
+    kernel behind the batch copies: int8 pass 0.383 s with device tables against 0.443 s with host ones
+    (benchmarks/results/score/ab-trees-h200-int8-device-tables.json; docs/kernel-notes.md, "The int8 Gluon
+    kernel: all pairs on Hopper")."""
     if device_doc_offsets.is_cuda and len(doc_offsets) > 1:
         n_tiles = int(np.maximum((np.diff(doc_offsets) + BLOCK_T - 1) // BLOCK_T, 1).sum())
         first, ends, doc_tile, inside = tile_table_triton(device_doc_offsets, n_tiles)
@@ -365,8 +351,9 @@ def tile_scales(
     """[n_tiles, block_t] fp32 on the scales' device: each tile's token scales, NaN past its document.
 
     On CUDA one launch of `_tile_scales_kernel` instead of the seven torch operations below, which serve
-    other devices (with the tile table made on the host: `_launch_hopper`'s host time under cProfile 1.04
-    -> 0.67 ms a call, benchmarks/results/archive/int8/probe-batch-host-h200-b1dec42.txt and -d006262.txt)."""
+    other devices: 0.67 ms of `_launch_hopper` host time a call against 1.04
+    (benchmarks/results/archive/int8/probe-batch-host-h200-d006262.txt; docs/kernel-notes.md, "The int8
+    Gluon kernel: all pairs on Hopper")."""
     if doc_scales.is_cuda:
         return tile_scales_triton(doc_scales, first, inside, block_t)
     padded = torch.cat([doc_scales, doc_scales.new_zeros(block_t)])
