@@ -32,6 +32,14 @@ Triton kernel's and which runs the max of one tile while the next tile's product
 backend: "auto" (Triton for CUDA tensors, torch for CPU tensors), "triton" (CPU tensors only under
 TRITON_INTERPRET=1, for tests), "torch" (blocked torch ops; the CPU path, also valid on CUDA tensors).
 `maxsim_reference` is the independent float64 reference.
+
+PyLate-shaped inputs (padded tensors with masks, lists of [len, dim], numpy arrays): `colbert_scores`
+(all pairs, [n_queries, n_docs]) and `colbert_kd_scores` (each query against its own documents
+[n_queries, n_docs_each, L, dim] -> [n_queries, n_docs_each]) take the arguments of
+`pylate.scores.colbert_scores` / `colbert_kd_scores`, pack the unmasked tokens and call the kernels above.
+Masked tokens are left out exactly (-inf before the max), where PyLate zeroes masked similarities: the
+scores differ when every unmasked similarity of a query token with a document is negative
+(`maxsim_kernels.colbert_scores` has the details).
 """
 
 from __future__ import annotations
@@ -41,12 +49,15 @@ from typing import Any
 import torch
 
 from ._validate import Layout, check_candidates, check_inputs, resolve_backend
+from .colbert_scores import colbert_kd_scores, colbert_scores
 from .cpu import maxsim_candidates_cpu, maxsim_varlen_cpu
 from .reference import maxsim_candidates_reference, maxsim_reference
 
 __all__ = [
     "maxsim_varlen",
     "maxsim_candidates",
+    "colbert_scores",
+    "colbert_kd_scores",
     "maxsim_reference",
     "maxsim_candidates_reference",
     "maxsim_varlen_cpu",
