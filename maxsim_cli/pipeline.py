@@ -130,11 +130,8 @@ class _HostBatch:
 
 
 # PyTorch's pinned allocator, told to page-lock by malloc + cudaHostRegister split over threads instead of
-# cudaHostAlloc: the H200 machine locked 0.49 GiB in 0.086-0.091 s that way against 0.19-0.31 s
-# (benchmarks/results/host/pin-h200.txt), and the first `maxsim score` of a process set up in 0.057-0.065 s
-# instead of 0.26-0.58 s, with the same run in every process checked (check-pinning-h200.txt). Registering
-# ways once gave wrong first runs, through a race in `PinnedArena.take` since fixed (a taker waiting for
-# its piece left its share unclaimed, so the next taker got the same bytes).
+# cudaHostAlloc: 0.49 GiB locked in 0.086-0.091 s against 0.19-0.31 s on the H200 machine
+# (benchmarks/results/host/pin-h200.txt; docs/kernel-notes.md, "`maxsim score`: the host-side constants").
 THREADED_HOST_REGISTER = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
 _ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 _threaded_register_done = False
@@ -805,17 +802,17 @@ class BatchStream:
 
 # Half-precision bit patterns with every exponent bit set are the infinities and NaNs.
 _NON_FINITE_BITS = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
-# int16 values checked a step: the masked copy stays in cache. 512 KiB steps took 0.159 s per GB of fp16
-# on one core of the 2-core machine, against 0.196-0.212 s for 128 KiB or 2 MiB and 0.256 s for
-# `torch.aminmax` on the fp16 values.
+# int16 values checked a step: the masked copy stays in cache. 512 KiB steps: 0.159 s per GB of fp16 on one
+# core of the 2-core machine, against 0.196-0.212 s for 128 KiB or 2 MiB (docs/kernel-notes.md,
+# "`maxsim score`: the host-side constants").
 _FINITE_STEP = 1 << 18
 
 
 # Niceness of the reader threads (Linux): they copy from the page cache on every core, and the scoring
-# thread, which issues every batch's work to the GPU, then ran slower. Replaying a pass on GPU-resident
-# batches on the H200 machine took 0.46 s alone, 0.67-0.71 s beside 16 threads reading the page cache,
-# and 0.47 s with those threads at niceness 10 (benchmarks/results/score/gpu-side-h200-readers.json). In
-# `maxsim score` itself: int8 pass median 0.53 -> 0.47 s, fp16 unchanged (ab-trees-h200-nice.json).
+# thread, which issues every batch's work to the GPU, then runs slower: a pass replayed on the H200 took
+# 0.67-0.71 s beside 16 readers, 0.47 s with them at niceness 10, 0.46 s alone
+# (benchmarks/results/score/gpu-side-h200-readers.json; docs/kernel-notes.md, "`maxsim score`: the
+# host-side constants").
 READER_NICE = 10  # added to the process's niceness (at most 19)
 
 
@@ -830,10 +827,8 @@ def batch_check(embeddings: torch.Tensor, scales: torch.Tensor | None) -> torch.
     """A 0-dim float32 tensor, on the batch's device, that is finite unless the batch has a NaN/Inf value
     (float embeddings: their float32 sum) or a NaN/Inf or negative scale (int8: the sum of the scales'
     square roots; -0.0 and 0.0 pass). A sum can also overflow on finite values: a false alarm, which the
-    re-read in `BatchStream._check_values` clears. One or two launches a batch where the check took eight
-    (`isfinite` and the comparisons); in `maxsim score` on the H200 that made no measurable difference
-    (benchmarks/results/score/ab-trees-h200-trims.json), it is simply less work for the thread that issues
-    every batch's work."""
+    re-read in `BatchStream._check_values` clears. One or two launches a batch: less work for the thread
+    that issues every batch's work (docs/kernel-notes.md, "`maxsim score`: the host-side constants")."""
     if scales is not None:
         return torch.sqrt(scales).sum()
     return embeddings.sum(dtype=torch.float32)

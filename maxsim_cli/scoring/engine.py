@@ -26,12 +26,10 @@ query batch at once, docnos an Arrow array query after query, scores ``[nq, m]``
 a context manager (`maxsim_cli.runs.RunWriter`) is entered around the pass only: the run file is created
 once the plan is made and kept only if the pass succeeds.
 
-Where the time goes (one H200, 10 GB of fp16 safetensors shards, 512 queries x 32 tokens, warm page cache,
-benchmarks/results/score/score-h200-read-pieces.json, ab-trees-h200x2-seeded-offsets.json,
-docs/benchmarks.md): the pass over the corpus takes 0.50-0.53 s against 0.43 s for the kernel alone
-(reading the files alone: 0.20 s with 16 threads; copying them to the GPU alone: 0.18 s), so the kernel
-bounds it; on top come the set-up (opening the shards, the docno order, page-locking the staging arena:
-0.05-0.14 s) and writing the run (0.02 s for 100 results a query, 0.07-0.10 s for 1000).
+Where the time goes (one H200, 10 GB of fp16 shards, 512 queries x 32 tokens): the pass over the corpus
+takes 0.50-0.53 s against 0.43 s for the kernel alone, so the kernel bounds it; set-up and writing the run
+come on top (benchmarks/results/score/score-h200-read-pieces.json; the pieces: docs/kernel-notes.md,
+"`maxsim score`: the host-side constants").
 """
 
 from __future__ import annotations
@@ -210,11 +208,10 @@ def open_arena(request: ScoreRequest, device: torch.device, staging_bytes: int |
     """Start page-locking the staging memory of a CUDA run: at most ``staging_bytes`` (default
     `plan.STAGING_BYTES`), the host budget, or the corpus files' size.
 
-    Locked piece by piece from the start, so that the locking is over before the pass begins. It slows
-    the set-up it overlaps (opening 19 shards, an mmap each, took 0.29 s instead of 0.07 s on the H200
-    machine: both take the process's address-space lock), but started later it overlapped the pass,
-    whose CUDA calls and reads then waited for the pieces: 1.2-1.3 s instead of 0.54 s for the first
-    pass of a process on a fresh machine."""
+    Locked piece by piece from the start, so that the locking is over before the pass begins: locking that
+    overlaps the pass makes its CUDA calls and reads wait for the pieces (1.2-1.3 s instead of 0.54 s for
+    a fresh process's first pass on the H200 machine), though it slows the set-up it overlaps (both take
+    the process's address-space lock; docs/kernel-notes.md, "`maxsim score`: the host-side constants")."""
     host_budget = _host_budget(request)
     cap = staging_bytes or planning.STAGING_BYTES
     staging = min(cap, host_budget, _files_bytes(request.corpus) + (1 << 20))

@@ -48,9 +48,9 @@ MAX_BATCH_BYTES = 256 << 20
 # With a budget this small, a query batch is split rather than the document batches shrunk further.
 MIN_BATCH_TOKENS = 16384
 # Reader threads on CUDA: one a core up to 16 (the H200 machine's cores read its page cache at 44 GB/s
-# with 16 threads, 33 with 8 and 20 with 4, benchmarks/results/host/read-rate-h200.json; with 4 the pass
-# waited 0.45 s for reads, pass-breakdown-h200-a.json). They run at `pipeline.READER_NICE`. On the CPU
-# one thread: reading is a small share of the time there and every other core scores.
+# with 16 threads, 33 with 8: benchmarks/results/host/read-rate-h200.json; docs/kernel-notes.md,
+# "`maxsim score`: the host-side constants"). They run at `pipeline.READER_NICE`. On the CPU one thread:
+# reading is a small share of the time there and every other core scores.
 DEFAULT_READER_THREADS = 16
 # Pinned staging memory on CUDA: page-locking costs ~0.17 s/GiB once per process (pipeline.PinnedArena), so
 # the slots share one arena of at most this size: (16 + 2) shares of ~28 MiB, i.e. 110K fp16 tokens of
@@ -278,7 +278,7 @@ def plan_exhaustive(
         fit_tokens = rest / (slots * staged_tb + per_doc / avg_len) if rest > 0 else 0
         tokens = min(token_limit, fit_tokens)
         # Fewer queries a pass only make room on the scoring device; `token_limit` (overlap, host
-        # staging) does not depend on them. Testing it here split the 512 queries of a 32 MB
+        # staging) does not depend on them. Testing it here would split the 512 queries of a 32 MB
         # corpus into 512 passes of one query: its staging slots, sized to the corpus, hold ~7K
         # tokens, under MIN_BATCH_TOKENS.
         enough = fit_tokens >= min(int(tok_cum[-1]), max(longest, MIN_BATCH_TOKENS))
