@@ -810,21 +810,17 @@ def _combine_stats(request: ScoreRequest, shares: Sequence[_Share]) -> ScoreStat
 
 # The launcher's main thread checks this often for a finished rank (and for Ctrl-C).
 _POLL_S = 0.05
-# Rank threads share Python's lock, which each holds for part of every batch (launches, top-k merge,
-# the batch stream's bookkeeping: ~1 ms a batch on the H200 machine), so they take larger batches than
-# one process does: a pinned staging arena of this size each (batches of ~56 MiB with 16 readers a
-# rank instead of ~28; ~100 MiB with the 8 below), and the lock changes hands every `THREAD_SWITCH_S`
-# instead of Python's 5 ms, which left a GPU idle while the other rank's thread ran. Two H200s, 10 GB
-# (benchmarks/results/scaling/multigpu-10gb-h200x2-variants.json, wall against one GPU in the same process,
-# best / median of 3, 16 readers a rank): 0.90 / 0.90x with the single-process arena, 1.26 / 1.29x with
-# 1 GiB, 1.26 / 1.34x adding the 0.5 ms switch; 2 GiB gave 1.39 / 1.37x but page-locked 4 GiB in a
-# fresh process first (0.64 s against 0.29 s for 2 x 1 GiB).
+# Rank threads share Python's lock, which each holds for part of every batch (~1 ms a batch on the H200
+# machine), so they take larger batches than one process does (a pinned staging arena of this size each)
+# and hand the lock over every `THREAD_SWITCH_S` instead of Python's 5 ms, which left a GPU idle while the
+# other rank's thread ran. Two H200s, 10 GB: 1.34x one GPU (median) against 0.90x with neither
+# (benchmarks/results/scaling/multigpu-10gb-h200x2-variants.json; docs/kernel-notes.md, "Two GPUs from one
+# host").
 THREAD_STAGING_BYTES = 1 << 30
 THREAD_SWITCH_S = 0.0005
 # The machine's page cache is read fastest by ~16 threads in all (plan.DEFAULT_READER_THREADS), so the
-# rank threads share them instead of starting 16 each. Two H200s, 16 readers a rank against 8: 10 GB
-# 1.42 against 1.50x of one GPU, 32 GB 1.69 against 1.76x (medians of 4 and 3,
-# benchmarks/results/scaling/multigpu-*-h200x2-readers.json); with 8 a rank, both ranks wait for reads.
+# rank threads share them instead of starting 16 each: 8 a rank 1.50x one GPU on 10 GB, 16 a rank 1.42x
+# (benchmarks/results/scaling/multigpu-10gb-h200x2-readers.json).
 
 
 def run_threads(request: ScoreRequest, devices: Sequence[str], *, log: Logger = _stderr) -> ScoreStats:
@@ -978,7 +974,7 @@ def _wait_all(procs: Sequence[subprocess.Popen]) -> tuple[list[int], list[int]]:
 
     A thread per worker waits for it, so that the order is the order of the deaths: a worker killed
     from outside brings its peers down within milliseconds (gloo aborts on a closed connection), and
-    polling all of them now and then found both dead and named the wrong one."""
+    polling all of them now and then can find both dead and name the wrong one."""
     ended: list[int] = []
     changed = threading.Event()
     lock = threading.Lock()

@@ -181,10 +181,10 @@ class Corpus:
 
     def candidate_index(self, docnos: Iterable[str]) -> dict[str, tuple[int, int]]:
         """`id_index` restricted to `docnos` (those of them in the corpus): one hash lookup of the
-        distinct docnos in all ids, by Arrow, instead of a Python dict of every id. 2M ids, 2-core
-        machine (`python benchmarks/probe_candidate_index.py`), the index and a lookup per candidate:
-        100K candidates 0.56 s against 1.56 s with `id_index`, 1M candidates 1.45 s against 2.60 s; and
-        no dict of the whole corpus's ids in memory."""
+        distinct docnos in all ids, by Arrow, instead of a Python dict of every id: 0.56 s against 1.56 s
+        for 100K candidates among 2M ids on 2 cores (`python benchmarks/probe_candidate_index.py`;
+        docs/kernel-notes.md, "`maxsim score`: the host-side constants"), and no dict of the whole
+        corpus's ids in memory."""
         wanted = list(dict.fromkeys(docnos))
         if not wanted:
             return {}

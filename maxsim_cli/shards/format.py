@@ -324,11 +324,10 @@ def has_whitespace(strings: pa.Array) -> bool:
     return bool(pc.any(pc.match_substring_regex(strings, ID_WHITESPACE_RE2)).as_py())
 
 
-# Sorting the ids shard by shard pays from this many threads, or from this many ids on fewer threads.
-# `python benchmarks/probe_id_sort.py`, 20 shards, against one sort of all ids: on the 16-core H200 host
-# (benchmarks/results/host/id-sort-h200-host.json) 244K ids 0.032 s against 0.055, 8.8M ids 1.40 s against
-# 3.64 (long ids 1.86 against 5.23); on a 2-core machine 244K ids 0.094 s against 0.077, 2M ids 0.57 s
-# against 0.88.
+# Sorting the ids shard by shard pays from this many threads, or from this many ids on fewer threads:
+# 8.8M ids 1.40 s against 3.64 for one sort on the 16-core H200 host
+# (benchmarks/results/host/id-sort-h200-host.json), but 244K ids 0.094 s against 0.077 on 2 cores
+# (docs/kernel-notes.md, "`maxsim score`: the host-side constants").
 BY_SHARD_SORT_MIN_THREADS = 4
 BY_SHARD_SORT_MIN_IDS = 1_000_000
 
