@@ -738,12 +738,12 @@ def _reference(
     doc_scales: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 scores and lowest-index argmax from the package's reference (materialised similarities)."""
-    import maxsim_kernels
+    from .reference import maxsim_candidates_reference, maxsim_reference
 
     kwargs: dict[str, Any] = dict(dtype=torch.float64, return_argmax=True, doc_scales=doc_scales)
     if candidate_docs is None:
-        return maxsim_kernels.maxsim_reference(queries, query_offsets, docs, doc_offsets, **kwargs)
-    return maxsim_kernels.maxsim_candidates_reference(
+        return maxsim_reference(queries, query_offsets, docs, doc_offsets, **kwargs)
+    return maxsim_candidates_reference(
         queries, query_offsets, docs, doc_offsets, candidate_offsets, candidate_docs, **kwargs
     )
 
@@ -759,8 +759,6 @@ def _forward(
     backend: str,
     doc_scales: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    import maxsim_kernels  # resolved at call time: the package imports this module lazily
-
     if queries.dtype == torch.float64:
         return _reference(
             queries, query_offsets, docs, doc_offsets, candidate_offsets, candidate_docs, doc_scales
@@ -781,15 +779,30 @@ def _forward(
             queries, query_offsets, docs, doc_offsets, candidate_offsets, candidate_docs,
             return_argmax=True, allow_tf32=allow_tf32, argmax_dtype=None,
         )  # fmt: skip
-    kwargs: dict[str, Any] = dict(
-        return_argmax=True, allow_tf32=allow_tf32, backend=backend, doc_scales=doc_scales
-    )
+    # int8 documents: the int8 module's forward; float documents on the torch backend: the CPU path
+    # (this module imports neither the package root nor anything that imports it)
     with torch.no_grad():
+        if docs.dtype == torch.int8:
+            from . import maxsim_int8
+
+            kwargs: dict[str, Any] = dict(
+                return_argmax=True, allow_tf32=allow_tf32, backend=backend, doc_scales=doc_scales
+            )
+            if candidate_docs is None:
+                return maxsim_int8.maxsim_varlen_int8(queries, query_offsets, docs, doc_offsets, **kwargs)
+            return maxsim_int8.maxsim_candidates_int8(
+                queries, query_offsets, docs, doc_offsets, candidate_offsets, candidate_docs, **kwargs
+            )
+        from .cpu import maxsim_candidates_cpu, maxsim_varlen_cpu
+
         if candidate_docs is None:
-            return maxsim_kernels.maxsim_varlen(queries, query_offsets, docs, doc_offsets, **kwargs)
-        return maxsim_kernels.maxsim_candidates(
-            queries, query_offsets, docs, doc_offsets, candidate_offsets, candidate_docs, **kwargs
-        )
+            return maxsim_varlen_cpu(
+                queries, query_offsets, docs, doc_offsets, return_argmax=True, doc_scales=doc_scales
+            )
+        return maxsim_candidates_cpu(
+            queries, query_offsets, docs, doc_offsets, candidate_offsets, candidate_docs,
+            return_argmax=True, doc_scales=doc_scales,
+        )  # fmt: skip
 
 
 # =====================================================================================================

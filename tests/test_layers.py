@@ -126,12 +126,7 @@ def test_the_graph_sees_the_layers(graph: dict[str, set[str]]) -> None:
 
 
 # Cycles known and left for now: each is named with why it is there. Any other cycle fails the test.
-KNOWN_CYCLES = {
-    # Both imports are inside functions: the package imports maxsim_backward when a gradient is asked
-    # for, and maxsim_backward calls the package's `maxsim_reference` / `maxsim_candidates_reference`
-    # (importing them from `.reference` would end it).
-    ("maxsim_kernels", "maxsim_kernels.maxsim_backward"),
-}
+KNOWN_CYCLES: set[tuple[str, ...]] = set()
 
 
 def test_no_import_cycles(graph: dict[str, set[str]]) -> None:
