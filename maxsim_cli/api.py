@@ -193,7 +193,15 @@ def _score(
         )
         check_same_dim(q.batch, q.name, corpus_obj)
         collector = RunCollector()
-        stats = engine.run(request, corpus_obj, q.batch, collector, candidates=run_candidates, log=_log)
+        if corpus_obj.placement is not None and device == "auto":  # resident on several devices
+            from maxsim_cli import jobs
+
+            request.check()
+            stats = jobs.score_resident(
+                request, corpus_obj, q.batch, collector, candidates=run_candidates, log=_log
+            )
+        else:
+            stats = engine.run(request, corpus_obj, q.batch, collector, candidates=run_candidates, log=_log)
         return collector.run(stats)
     finally:
         if owned:

@@ -54,6 +54,7 @@ Environment variables read here:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -74,10 +75,11 @@ import torch
 from maxsim_cli.errors import MaxsimError, RankStopped, UsageError
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.stats import ScoreStats
+from maxsim_cli.shards.resident import assign_shards
 
 if TYPE_CHECKING:
     from maxsim_cli.progress import ScoreProgress
-    from maxsim_cli.shards import Corpus
+    from maxsim_cli.shards import Corpus, DocBatch
 
 ENV_TIMEOUT = "MAXSIM_DIST_TIMEOUT"
 ENV_FAIL_RANK = "MAXSIM_TEST_FAIL_RANK"
@@ -240,24 +242,6 @@ def parse_devices(spec: str) -> list[str]:
                 f"--devices {spec}: there are {available} CUDA devices (0 to {available - 1}), no {index}"
             )
     return [f"cuda:{i}" for i in indices]
-
-
-def assign_shards(tokens: Sequence[int], world: int) -> list[list[int]]:
-    """Shard indices of each of ``world`` ranks, balanced by token count.
-
-    Largest shard first (ties: lower shard index first) onto the rank with the fewest tokens so far
-    (ties: lower rank); each rank's list is in shard order. Deterministic, so every rank computes the
-    same shares. The largest share is at most ``sum(tokens) / world + max(tokens)``.
-    """
-    if world < 1:
-        raise ValueError(f"assign_shards: world must be >= 1, got {world}")
-    load = [0] * world
-    shares: list[list[int]] = [[] for _ in range(world)]
-    for s in sorted(range(len(tokens)), key=lambda i: (-int(tokens[i]), i)):
-        r = min(range(world), key=lambda j: (load[j], j))
-        shares[r].append(s)
-        load[r] += int(tokens[s])
-    return [sorted(share) for share in shares]
 
 
 def run_candidate_index(
@@ -719,16 +703,7 @@ def _score_share(
             stats = ScoreStats(
                 mode=request.mode, device=device, backend=request.backend, output=request.output
             )
-        stats_fields = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
-        stats_fields["extra"] = dict(stats.extra)
-        share = _Share(rank, device, mine, sink.results, stats_fields, query_ids)
-        columns = sink.columns()
-        if columns is not None:  # the engine's ordinals (of its shards) -> ordinals of the whole corpus
-            scores, ordinals = columns
-            sub_starts = np.concatenate([[0], np.cumsum([corpus.shards[s].num_docs for s in mine])])
-            shard = np.searchsorted(sub_starts, ordinals, side="right") - 1
-            base = corpus.doc_starts[np.asarray(mine, dtype=np.int64)] - sub_starts[:-1]
-            share.columns = (scores, ordinals + base[shard])
+        share = _make_share(rank, device, mine, sink, stats, query_ids, corpus)
         merge_order = None
         if rank == 0 and request.candidates is None:
             merge_order = _MergeOrder(corpus.rank_of_ordinal(), corpus.id_order()[2])
@@ -738,43 +713,71 @@ def _score_share(
             corpus.close()
 
 
+def _make_share(
+    rank: int,
+    device: str,
+    mine: list[int],
+    sink: ResultSink,
+    stats: ScoreStats,
+    query_ids: list[str] | None,
+    corpus: Corpus,
+) -> _Share:
+    """What a rank hands over: its results, and in exhaustive mode its columns with the engine's
+    ordinals (of the rank's shards ``mine``) turned into ordinals of the whole ``corpus``."""
+    stats_fields = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
+    stats_fields["extra"] = dict(stats.extra)
+    share = _Share(rank, device, mine, sink.results, stats_fields, query_ids)
+    columns = sink.columns()
+    if columns is not None:
+        scores, ordinals = columns
+        sub_starts = np.concatenate([[0], np.cumsum([corpus.shards[s].num_docs for s in mine])])
+        shard = np.searchsorted(sub_starts, ordinals, side="right") - 1
+        base = corpus.doc_starts[np.asarray(mine, dtype=np.int64)] - sub_starts[:-1]
+        share.columns = (scores, ordinals + base[shard])
+    return share
+
+
 # Rank 0 merges the ranks' columns this many queries at a time (temporaries ~ 24 B x ranks x k a query).
 MERGE_QUERY_BLOCK = 4096
 
 
 def _write_merged(request: ScoreRequest, shares: Sequence[_Share], order: _MergeOrder | None) -> None:
     """Rank 0: the best ``top_k`` of every query over all ranks, in the query file's order, written once."""
+    from maxsim_cli.runs import RunWriter
+
+    with RunWriter(request.output, tag=request.run_tag, fmt=request.fmt) as writer:
+        _merge_into(writer, request.top_k, shares, order)
+
+
+def _merge_into(sink: Any, top_k: int, shares: Sequence[_Share], order: _MergeOrder | None) -> None:
+    """The best ``top_k`` of every query over all ranks, handed to ``sink`` in the query file's order."""
     import pyarrow as pa
 
     from maxsim_cli.merge import select_top_k
-    from maxsim_cli.runs import RunWriter
 
-    top_k = request.top_k
     query_ids = shares[0].query_ids
     assert query_ids is not None
-    writer = RunWriter(request.output, tag=request.run_tag, fmt=request.fmt)
-    with writer:
-        if order is not None:  # exhaustive mode: columns, every query on every rank that scored
-            columns = [share.columns for share in shares if share.columns is not None]
-            for q0, scores, ranks in merge_columns(columns, order.rank_of_ordinal, top_k, MERGE_QUERY_BLOCK):
-                docnos = order.ids_by_rank.take(pa.array(ranks.numpy().reshape(-1)))
-                writer.write_ranked(query_ids[q0 : q0 + scores.shape[0]], docnos, scores.numpy())
-            return
-        by_query: dict[str, list[tuple[list[str], np.ndarray]]] = {}
-        for share in shares:
-            for qid, docnos, scores in share.results:
-                by_query.setdefault(qid, []).append((docnos, scores))
-        for qid in query_ids:
-            parts = by_query.get(qid)
-            if not parts:
-                continue
-            if len(parts) == 1:
-                docnos, scores = parts[0]
-            else:
-                docnos = [d for part_docnos, _ in parts for d in part_docnos]
-                scores = np.concatenate([part_scores for _, part_scores in parts])
-            keep = select_top_k(docnos, scores, top_k)
-            writer.write_query(qid, [docnos[i] for i in keep.tolist()], scores[keep].tolist())
+    if order is not None:  # exhaustive mode: columns, every query on every rank that scored
+        columns = [share.columns for share in shares if share.columns is not None]
+        for q0, scores, ranks in merge_columns(columns, order.rank_of_ordinal, top_k, MERGE_QUERY_BLOCK):
+            docnos = order.ids_by_rank.take(pa.array(ranks.numpy().reshape(-1)))
+            sink.write_ranked(query_ids[q0 : q0 + scores.shape[0]], docnos, scores.numpy())
+        return
+    by_query: dict[str, list[tuple[list[str], np.ndarray]]] = {}
+    for share in shares:
+        for qid, docnos, scores in share.results:
+            by_query.setdefault(qid, []).append((docnos, scores))
+    for qid in query_ids:
+        parts = by_query.get(qid)
+        if not parts:
+            continue
+        if len(parts) == 1:
+            docnos, scores = parts[0]
+        else:
+            docnos = [d for part_docnos, _ in parts for d in part_docnos]
+            scores = np.concatenate([part_scores for _, part_scores in parts])
+        keep = select_top_k(docnos, scores, top_k)
+        sink.write_query(qid, [docnos[i] for i in keep.tolist()], scores[keep].tolist())
 
 
 def _combine_stats(request: ScoreRequest, shares: Sequence[_Share]) -> ScoreStats:
@@ -905,6 +908,78 @@ def run_threads(request: ScoreRequest, devices: Sequence[str], *, log: Logger = 
     stats.write_s = merge_write_s
     stats.extra["phases"] = {"share_s": share_s, "merge_write_s": merge_write_s}
     stats.extra["workers"] = "threads"
+    stats.wall_s = time.perf_counter() - start
+    return stats
+
+
+# --------------------------------------------------------------------------------------------------
+# a corpus resident on several devices (`Corpus.to` with a list): one thread per device
+
+
+def score_resident(
+    request: ScoreRequest,
+    corpus: Corpus,
+    queries: DocBatch,
+    sink: Any,
+    *,
+    candidates: dict[str, list[tuple[str, float]]] | None = None,
+    log: Logger = _stderr,
+) -> ScoreStats:
+    """Score ``queries`` against a corpus whose shards are resident on several devices
+    (``corpus.placement``): each device's share by the single-process engine in a thread of its own,
+    the shares' top-k merged as `run_threads` merges its ranks', the results handed to ``sink``. The
+    same run as one device gives; a device that fails stops the others, and its error is raised."""
+    from maxsim_cli.scoring import engine
+
+    placement = corpus.placement
+    assert placement, "score_resident needs a corpus resident on several devices"
+    world = len(placement)
+    owner = [0] * len(corpus.shards)
+    for r, part in enumerate(placement):
+        for s in part.shards:
+            owner[s] = r
+    run_index = run_candidate_index(corpus, candidates) if candidates is not None else None
+    stop = threading.Event()
+    outcomes: list[_Share | BaseException | None] = [None] * world
+    start = time.perf_counter()
+
+    def rank_main(rank: int) -> None:
+        part = placement[rank]
+        try:
+            mine = None
+            if candidates is not None:
+                assert run_index is not None
+                mine, _missing = split_candidates(candidates, run_index, owner, rank, request.strict)
+            rank_sink = ResultSink()
+            rank_request = dataclasses.replace(request, device=str(part.device), devices=None)
+            rank_log = log if rank == 0 else (lambda message: log(f"{part.device}: {message}"))
+            stats = engine.run(
+                rank_request, part.corpus, queries, rank_sink, candidates=mine,
+                context=engine.RankContext(stop=stop), log=rank_log,
+            )  # fmt: skip
+            qids = list(queries.ids) if rank == 0 else None
+            outcomes[rank] = _make_share(rank, str(part.device), part.shards, rank_sink, stats, qids, corpus)
+        except BaseException as exc:  # noqa: BLE001 - raised below, on the caller's thread
+            outcomes[rank] = exc
+            stop.set()
+
+    threads = [threading.Thread(target=rank_main, args=(r,), name=f"maxsim-device-{r}") for r in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failures = [o for o in outcomes if isinstance(o, BaseException)]
+    if failures:
+        raise next((f for f in failures if not isinstance(f, RankStopped)), failures[0])
+    shares = [o for o in outcomes if isinstance(o, _Share)]
+    order = _MergeOrder(corpus.rank_of_ordinal(), corpus.id_order()[2]) if candidates is None else None
+    mark = time.perf_counter()
+    with sink if hasattr(sink, "__enter__") else contextlib.nullcontext(sink):
+        _merge_into(sink, request.top_k, shares, order)
+    stats = _combine_stats(request, shares)
+    stats.write_s = time.perf_counter() - mark
+    stats.extra["workers"] = "resident devices"
+    stats.extra["resident_corpus"] = True
     stats.wall_s = time.perf_counter() - start
     return stats
 

@@ -290,6 +290,42 @@ def test_resident_corpus_on_the_gpu_gives_the_streamed_run(data, tmp_path, quant
             assert on_cpu == streamed
 
 
+@pytest.mark.parametrize("devices", [["cpu", "cpu"], ["cpu", "cpu", "cpu", "cpu", "cpu"]])
+def test_corpus_resident_on_several_devices_gives_the_one_device_run(data, tmp_path, devices) -> None:
+    """Shards spread over devices (two CPU "devices" here; more devices than shards leaves some idle):
+    each device's share is scored in a thread of its own and the top-k merged, the same run."""
+    streamed = search(data["queries_path"], data["corpus"], k=9, device="cpu")
+    path, _cands = _candidates(data, tmp_path)
+    with pytest.warns(maxsim_cli.MaxsimWarning):
+        reranked = rerank(data["queries_path"], data["corpus"], path, device="cpu")
+    with open_corpus(data["corpus"]) as corpus:
+        corpus.to(devices)
+        assert corpus.device == "cpu,cpu" if len(devices) == 2 else corpus.device == "cpu,cpu,cpu"
+        assert sorted(s for part in corpus.placement for s in part.shards) == [0, 1, 2]
+        run = search(data["queries_path"], corpus, k=9)
+        assert run == streamed and run.stats.extra["resident_corpus"] is True
+        assert trec_bytes(run, tmp_path, "a") == trec_bytes(streamed, tmp_path, "b")
+        with pytest.warns(maxsim_cli.MaxsimWarning, match="1 candidates are not in the corpus"):
+            assert rerank(data["queries_path"], corpus, path) == reranked
+        with pytest.raises(InputError, match="not in the corpus"):
+            rerank(data["queries_path"], corpus, path, strict=True)
+        corpus.release()
+        assert corpus.device is None and corpus.placement is None
+        assert search(data["queries_path"], corpus, k=9, device="cpu") == streamed
+
+
+@pytest.mark.gpu
+def test_corpus_resident_on_several_gpus_gives_the_one_device_run(data) -> None:
+    """Every GPU of the machine (the one GPU twice when there is one): the same run as streaming."""
+    streamed = search(data["queries_path"], data["corpus"], k=9, device="cuda")
+    devices = [f"cuda:{i}" for i in range(max(2, torch.cuda.device_count()))]
+    devices = [d if int(d[5:]) < torch.cuda.device_count() else "cuda:0" for d in devices]
+    with open_corpus(data["corpus"]) as corpus:
+        corpus.to(devices)
+        assert all(part.corpus.residency.shards[0].embeddings.is_cuda for part in corpus.placement)
+        assert search(data["queries_path"], corpus, k=9) == streamed
+
+
 def test_resident_corpus_that_does_not_fit_says_how_much(data, monkeypatch) -> None:
     from maxsim_cli.shards import resident
 

@@ -11,13 +11,14 @@ import json
 import os
 import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from maxsim_cli.errors import InputError
+from maxsim_cli.errors import InputError, UsageError
 from maxsim_cli.shards.format import (
     CORPUS_FORMAT_NAME,
     CORPUS_FORMAT_VERSION,
@@ -34,6 +35,8 @@ from maxsim_cli.shards.format import (
 from maxsim_cli.shards.readers import Shard, open_shard
 
 if TYPE_CHECKING:
+    import torch
+
     from maxsim_cli.shards.resident import Residency
 
 
@@ -105,6 +108,16 @@ def read_manifest(directory: str) -> list[dict[str, Any]]:
     return out
 
 
+@dataclass
+class ResidentPart:
+    """One device's share of a corpus spread over several (`Corpus.to` with a list): ``corpus`` holds
+    the shards ``shards`` (indices into the whole corpus's shards), resident on ``device``."""
+
+    device: torch.device
+    corpus: Corpus
+    shards: list[int]
+
+
 class Corpus:
     """Shards that are scored together: one dim, dtype and quantization, ids unique across all shards.
 
@@ -148,7 +161,8 @@ class Corpus:
         self._index: dict[str, tuple[int, int]] | None = None
         self._id_order: tuple[pa.Array, np.ndarray, pa.Array] | None = None
         self._rank_of_ordinal: np.ndarray | None = None
-        self.residency: Residency | None = None
+        self.residency: Residency | None = None  # every shard on one device (`to`)
+        self.placement: list[ResidentPart] | None = None  # shares of the shards on several devices
         self._check_unique_ids()  # refuses duplicate ids across shards now, not at scoring time
 
     def _check_unique_ids(self) -> None:
@@ -240,28 +254,60 @@ class Corpus:
 
     @property
     def device(self) -> str | None:
-        """The device the corpus is resident on (``"cuda:0"``, ``"cpu"``), or None when it streams."""
+        """The device the corpus is resident on (``"cuda:0"``, ``"cpu"``; several devices joined by
+        commas), or None when it streams."""
+        if self.placement is not None:
+            return ",".join(str(part.device) for part in self.placement)
         return str(self.residency.device) if self.residency is not None else None
 
-    def to(self, device: str) -> Corpus:
+    def to(self, device: str | Sequence[str]) -> Corpus:
         """Make the corpus resident on ``device`` (``cuda``, ``cuda:N``, ``cpu``, ``auto``) and return it:
-        every shard is read once into that device's memory, values checked as on every read. Raises
-        `MaxsimError` (one line: how much is needed, how much is free) when it does not fit. A corpus
-        resident elsewhere is released first."""
+        every shard is read once into that device's memory, values checked as on every read. A list of
+        devices spreads the shards over them, balanced by tokens: each device holds its share, and scoring
+        runs on all of them and merges. Raises `MaxsimError` (one line: how much is needed, how much is
+        free) when a share does not fit. A corpus resident elsewhere is released first."""
         from maxsim_cli.devices import resolve_device
-        from maxsim_cli.shards.resident import make_resident
+        from maxsim_cli.shards.resident import assign_shards, make_resident
 
-        target = resolve_device(device)
-        if self.residency is not None and self.residency.device == target:
+        names = [device] if isinstance(device, str) else list(device)
+        if not names:
+            raise UsageError("Corpus.to: no device given; pass a device or a list of devices")
+        targets = [resolve_device(str(name)) for name in names]
+        if len(targets) == 1:
+            if self.residency is not None and self.residency.device == targets[0]:
+                return self
+            self.release()
+            self.residency = make_resident(self.shards, targets[0], name=self._name())
+            return self
+        if self.placement is not None and [p.device for p in self.placement] == targets:
             return self
         self.release()
-        name = self.paths[0] if len(self.paths) == 1 else f"{self.paths[0]} and {len(self.paths) - 1} more"
-        self.residency = make_resident(self.shards, target, name=name)
+        parts: list[ResidentPart] = []
+        for target, indices in zip(targets, assign_shards([s.num_tokens for s in self.shards], len(targets)),
+                                   strict=True):  # fmt: skip
+            if not indices:  # more devices than shards
+                continue
+            share = Corpus([self.shards[i] for i in indices])
+            try:
+                share.residency = make_resident(share.shards, target, name=share._name())
+            except BaseException:
+                for part in parts:
+                    part.corpus.release()
+                raise
+            parts.append(ResidentPart(target, share, indices))
+        self.placement = parts
         return self
+
+    def _name(self) -> str:
+        """The corpus as messages name it: its first shard, and how many more."""
+        return self.paths[0] if len(self.paths) == 1 else f"{self.paths[0]} and {len(self.paths) - 1} more"
 
     def release(self) -> None:
         """Free the device memory of a resident corpus; later scoring streams from the files again."""
         self.residency = None
+        for part in self.placement or ():
+            part.corpus.release()  # its shards are this corpus's: released, not closed
+        self.placement = None
 
     def close(self) -> None:
         self.release()

@@ -54,6 +54,24 @@ class Residency:
     nbytes: int
 
 
+def assign_shards(tokens: Sequence[int], world: int) -> list[list[int]]:
+    """Shard indices of each of ``world`` ranks, balanced by token count.
+
+    Largest shard first (ties: lower shard index first) onto the rank with the fewest tokens so far
+    (ties: lower rank); each rank's list is in shard order. Deterministic, so every rank computes the
+    same shares. The largest share is at most ``sum(tokens) / world + max(tokens)``.
+    """
+    if world < 1:
+        raise ValueError(f"assign_shards: world must be >= 1, got {world}")
+    load = [0] * world
+    shares: list[list[int]] = [[] for _ in range(world)]
+    for s in sorted(range(len(tokens)), key=lambda i: (-int(tokens[i]), i)):
+        r = min(range(world), key=lambda j: (load[j], j))
+        shares[r].append(s)
+        load[r] += int(tokens[s])
+    return [sorted(share) for share in shares]
+
+
 def shard_bytes(shard: Shard) -> int:
     """Device bytes of one resident shard."""
     info = shard.info
