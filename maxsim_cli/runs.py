@@ -29,7 +29,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import zlib
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,8 +36,9 @@ from typing import IO, NamedTuple
 
 import numpy as np
 
-from maxsim_cli.errors import InputError, MaxsimError, UsageError
-from maxsim_cli.shards import ID_WHITESPACE, current_umask, has_whitespace, string_bytes
+from maxsim_cli.errors import InputError, UsageError
+from maxsim_cli.shards import ID_WHITESPACE, has_whitespace, string_bytes
+from maxsim_cli.shards.files import OutputFile, write_error
 
 __all__ = [
     "Qrel",
@@ -493,8 +493,10 @@ class RunWriter(RankedSink):
 
     with the same order, ranks and score digits. A path ending in ``.gz`` is gzip-compressed. The file
     is written to a temporary file in the same directory and moved into place only when the ``with``
-    block exits without an exception; otherwise the temporary file is removed and no output exists.
+    block exits without an exception; otherwise the temporary file is removed and whatever was at the
+    path stays as it was (`maxsim_cli.shards.files.OutputFile`; a FIFO or a device is written through).
     ``"-"`` writes to standard output, flushing after each query so a pipeline sees results as they come.
+    A write error (a full disk, ...) is a one-line `MaxsimError` naming the path.
     """
 
     def __init__(self, path: str | os.PathLike[str], tag: str = "maxsim", fmt: str = "trec") -> None:
@@ -508,7 +510,7 @@ class RunWriter(RankedSink):
         self.fmt = fmt
         self._stream: IO[str] | None = None
         self._binary: IO[bytes] | None = None
-        self._tmp_path: str | None = None
+        self._output: OutputFile | None = None
 
     # context management --------------------------------------------------------------------------
 
@@ -516,16 +518,8 @@ class RunWriter(RankedSink):
         if self.path == "-":
             self._stream = sys.stdout
             return self
-        directory = os.path.dirname(os.path.abspath(self.path))
-        if not os.path.isdir(directory):
-            raise UsageError(f"{self.path}: directory {directory} does not exist; create it first")
-        try:
-            fd, self._tmp_path = tempfile.mkstemp(
-                dir=directory, prefix=f".{os.path.basename(self.path)}.", suffix=".tmp"
-            )
-        except OSError as exc:
-            raise MaxsimError(f"{self.path}: cannot create the output file: {exc.strerror}") from None
-        binary: IO[bytes] = os.fdopen(fd, "wb")
+        self._output = OutputFile(self.path)
+        binary = self._output.open()
         if self.path.endswith(".gz"):
             # mtime=0 and no file name: the same run gives the same bytes.
             binary = gzip.GzipFile(filename="", mode="wb", fileobj=binary, mtime=0)  # type: ignore[assignment]
@@ -536,31 +530,35 @@ class RunWriter(RankedSink):
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         if self.path == "-":
             if exc_type is None and self._stream is not None:
-                self._stream.flush()
+                try:
+                    self._stream.flush()
+                except BrokenPipeError:
+                    raise
+                except OSError as error:
+                    raise write_error(self._name, error, nothing_written=False) from None
             return
-        assert self._stream is not None and self._tmp_path is not None
+        assert self._stream is not None and self._output is not None
+        if exc_type is not None:  # the error that ended the block is the one to report
+            try:
+                self._stream.close()
+            except (OSError, ValueError):
+                pass
+            self._output.abort()
+            return
         try:
-            self._stream.close()
+            self._stream.close()  # the last buffered lines (and the gzip trailer)
             if self._binary is not None:
                 self._binary.close()
-        except BaseException:
-            self._discard()
+        except BrokenPipeError:
+            self._output.abort()
             raise
-        if exc_type is not None:
-            self._discard()
-            return
-        # mkstemp creates the file 0600; give it the mode a plain open() would have.
-        os.chmod(self._tmp_path, 0o666 & ~current_umask())
-        os.replace(self._tmp_path, self.path)
-        self._tmp_path = None
-
-    def _discard(self) -> None:
-        if self._tmp_path is not None:
-            try:
-                os.unlink(self._tmp_path)
-            except FileNotFoundError:
-                pass
-            self._tmp_path = None
+        except OSError as error:
+            self._output.abort()
+            raise write_error(self.path, error, nothing_written=not self._output.stream) from None
+        except BaseException:
+            self._output.abort()
+            raise
+        self._output.commit()
 
     # writing --------------------------------------------------------------------------------------
 
@@ -626,14 +624,20 @@ class RunWriter(RankedSink):
     def _emit(self, text: str | bytes, queries: int, rows: int) -> None:
         assert self._stream is not None
         binary = getattr(self._stream, "buffer", None) if isinstance(text, bytes) else None
-        if binary is not None:  # UTF-8 bytes as Arrow built them, past the text layer
-            self._stream.flush()
-            binary.write(text)
-        else:
-            self._stream.write(text.decode("utf-8") if isinstance(text, bytes) else text)
-        if self.path == "-":
-            self._stream.flush()
-            if binary is not None:
-                binary.flush()
+        try:
+            if binary is not None:  # UTF-8 bytes as Arrow built them, past the text layer
+                self._stream.flush()
+                binary.write(text)
+            else:
+                self._stream.write(text.decode("utf-8") if isinstance(text, bytes) else text)
+            if self.path == "-":
+                self._stream.flush()
+                if binary is not None:
+                    binary.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as error:  # a full disk, a quota, ...: one line naming the output
+            streamed = self.path == "-" or (self._output is not None and self._output.stream)
+            raise write_error(self._name, error, nothing_written=not streamed) from None
         self.num_queries += queries
         self.num_rows += rows

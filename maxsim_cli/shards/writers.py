@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from maxsim_cli.errors import InputError, MaxsimError
 from maxsim_cli.shards.corpus import _sha256, list_shard_files
-from maxsim_cli.shards.files import _atomic_temp, _remove_quietly, write_text_atomic
+from maxsim_cli.shards.files import _atomic_temp, _remove_quietly, write_error, write_text_atomic
 from maxsim_cli.shards.format import (
     _ARROW_VALUE_TYPES,
     _ST_DTYPES,
@@ -202,7 +202,11 @@ class _RecordSink:
         self.schema = arrow_schema(dim, dtype, length_column=fmt == "parquet")
         fd, self.spill = _atomic_temp(path + ".spill")
         os.close(fd)
-        self.writer = pa.ipc.new_stream(self.spill, self.schema)
+        try:
+            self.writer = pa.ipc.new_stream(self.spill, self.schema)
+        except BaseException:
+            _remove_quietly(self.spill)
+            raise
         self.pending: list[tuple[list[str], torch.Tensor, np.ndarray, torch.Tensor | None]] = []
         self.pending_bytes = 0
         self.pending_docs = 0
@@ -316,10 +320,13 @@ class ShardWriter:
         self._closed = False
         meta = self._meta_keys(False)
         self._sink: _SafetensorsSink | _RecordSink
-        if fmt == "safetensors":
-            self._sink = _SafetensorsSink(self.path, dim, dtype, meta)
-        else:
-            self._sink = _RecordSink(self.path, dim, dtype, fmt)
+        try:
+            if fmt == "safetensors":
+                self._sink = _SafetensorsSink(self.path, dim, dtype, meta)
+            else:
+                self._sink = _RecordSink(self.path, dim, dtype, fmt)
+        except OSError as exc:  # a full disk, a read-only folder, ...: one line naming the shard
+            raise write_error(self.path, exc) from None
 
     @property
     def num_docs(self) -> int:
@@ -469,7 +476,10 @@ class ShardWriter:
                         f"{_show_id(ids[doc])} has L2 norm {float(norms[row]):.4g}; normalise the "
                         "vectors or pass normalized=None"
                     )
-        self._sink.add(ids, values, lengths, scale_t)
+        try:
+            self._sink.add(ids, values, lengths, scale_t)
+        except OSError as exc:
+            raise write_error(self.path, exc) from None
         self.ids.extend(ids)
         self._lengths.append(lengths)
         self.num_tokens += int(values.shape[0])
@@ -488,7 +498,10 @@ class ShardWriter:
             else:
                 normalized = self.claimed_normalized
             offsets = np.concatenate([[0], np.cumsum(np.concatenate(self._lengths))]).astype(np.int64)
-            self._sink.finish(self.ids, offsets, self._meta_keys(normalized))
+            try:
+                self._sink.finish(self.ids, offsets, self._meta_keys(normalized))
+            except OSError as exc:
+                raise write_error(self.path, exc) from None
         except BaseException:
             self.abort()
             raise
