@@ -25,6 +25,7 @@ import numpy as np
 
 from maxsim_cli.errors import InputError, UsageError
 from maxsim_cli.runs import RunWriter, format_score, read_run
+from maxsim_cli.shards.files import check_output
 
 
 @dataclass
@@ -53,7 +54,8 @@ def merge_runs(
     ``queries`` (a query embeddings file: safetensors, Arrow or Parquet), in that file's order, which
     is the order `maxsim score` writes; a query of the runs missing from that file is then an error.
     Inputs may be any format `maxsim_cli.runs.read_run` reads; ``-`` (at most once) is stdin,
-    ``output="-"`` stdout. The output is written atomically, after every input has been read and checked.
+    ``output="-"`` stdout. The output is written atomically, after every input has been read and checked;
+    an output that is one of the inputs, or cannot be written, is refused before any is read.
     """
     if not paths:
         raise UsageError("no runs to merge; give at least one RUN")
@@ -61,6 +63,7 @@ def merge_runs(
         raise UsageError(f"--top-k must be at least 1, got {top_k}")
     if sum(1 for p in paths if str(p) == "-") > 1:
         raise UsageError("'-' (standard input) can be given only once among the runs to merge")
+    check_output(output, [*paths, queries])  # not one of the inputs, and writable: before reading them
     query_order = _query_ids(queries) if queries is not None else None
     stats = MergeStats(inputs=len(paths))
     # qid -> docno -> (score, index of the input it came from)

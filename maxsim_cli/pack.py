@@ -41,6 +41,7 @@ from maxsim_cli.shards import (
     staging_dir,
     write_manifest,
 )
+from maxsim_cli.shards.files import OutputWriteError, check_output, write_error
 
 # 8 Mi tokens per shard: 2 GiB at dim 128 in float16, far below the 2^31-token limit of Arrow shards,
 # and few enough files that opening a corpus stays instant.
@@ -409,10 +410,14 @@ def pack(
         if not os.path.exists(src):
             raise InputError(f"{src}: no such file or directory")
         kinds.append(_source_kind(src))
+    check_output(outdir, sources, folder=True)  # not an input folder (nor inside one), and writable
     existed = _check_outdir(outdir)
     total_docs = sum(_count_docs(s, k) for s, k in zip(sources, kinds, strict=True))
     parent = outdir if existed else os.path.dirname(os.path.abspath(outdir))
-    workdir = staging_dir(parent, ".maxsim-pack-")
+    try:
+        workdir = staging_dir(parent, ".maxsim-pack-")
+    except OutputWriteError as exc:
+        raise exc.naming(outdir) from None
     moved: list[str] = []
     try:
         result = _pack_into(
@@ -436,11 +441,11 @@ def pack(
                 target = os.path.join(outdir, name)
                 if os.path.exists(target):
                     raise UsageError(f"{outdir}: {name} appeared while packing; nothing was written")
-                os.replace(os.path.join(workdir, name), target)
+                _move(os.path.join(workdir, name), target, outdir)
                 moved.append(target)
             os.rmdir(workdir)
         else:
-            os.rename(workdir, outdir)
+            _move(workdir, outdir, outdir)
         result.outdir = outdir
         result.manifest = os.path.join(outdir, os.path.basename(manifest))
         result.shards = [
@@ -448,14 +453,24 @@ def pack(
             for s in result.shards
         ]
         return result
-    except BaseException:
+    except BaseException as exc:
         for target in moved:
             try:
                 os.unlink(target)
             except OSError:
                 pass
         shutil.rmtree(workdir, ignore_errors=True)
+        if isinstance(exc, OutputWriteError):  # a shard of the staging folder: name the output folder
+            raise exc.naming(outdir) from None
         raise
+
+
+def _move(source: str, target: str, outdir: str) -> None:
+    """`os.replace`, an error naming OUTDIR."""
+    try:
+        os.replace(source, target)
+    except OSError as exc:
+        raise write_error(outdir, exc) from None
 
 
 def _raise_duplicate(

@@ -45,6 +45,7 @@ from maxsim_cli.shards import (
     staging_dir,
     write_manifest,
 )
+from maxsim_cli.shards.files import OutputWriteError, check_output, write_error
 from maxsim_cli.units import format_size
 
 DEFAULT_BATCH_TOKENS = 1 << 18  # 262144 tokens: 128 MiB of fp32 at dim 128, the largest transient
@@ -279,6 +280,7 @@ def quantize_corpus(
         raise UsageError(f"--batch-tokens must be >= 1, got {batch_tokens}")
     if sample_queries < 0 or sample_docs < 1:
         raise UsageError("--sample-queries must be >= 0 and --sample-docs >= 1")
+    check_output(output_dir, [*paths, queries_path], folder=True)  # not an input folder, and writable
     torch_device = resolve_device(device)
     with open_corpus(paths) as corpus:
         if corpus.dtype == "int8":
@@ -288,8 +290,11 @@ def quantize_corpus(
             )
         names = _check_output_dir(output_dir, corpus)
         parent = os.path.dirname(os.path.abspath(output_dir))
-        staging = staging_dir(parent, f".{os.path.basename(os.path.abspath(output_dir))}.")
         written: list[ShardInfo] = []
+        try:
+            staging = staging_dir(parent, f".{os.path.basename(os.path.abspath(output_dir))}.")
+        except OutputWriteError as exc:
+            raise exc.naming(output_dir) from None
         try:
             done = 0
             for shard, name in zip(corpus.shards, names, strict=True):
@@ -320,11 +325,16 @@ def quantize_corpus(
                     queries_path=queries_path,
                     device=torch_device,
                 )
-            if os.path.exists(output_dir):  # an empty directory (checked above): rename replaces it
-                os.rmdir(output_dir)
-            os.rename(staging, output_dir)
-        except BaseException:
+            try:
+                if os.path.exists(output_dir):  # an empty directory (checked above): rename replaces it
+                    os.rmdir(output_dir)
+                os.rename(staging, output_dir)
+            except OSError as exc:
+                raise write_error(output_dir, exc) from None
+        except BaseException as exc:
             shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(exc, OutputWriteError):  # a shard of the staging folder: name OUTDIR
+                raise exc.naming(output_dir) from None
             raise
         shards = [replace(s, path=os.path.join(output_dir, os.path.basename(s.path))) for s in written]
         return QuantizeReport(

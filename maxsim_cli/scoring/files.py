@@ -11,6 +11,7 @@ from maxsim_cli.scoring.engine import Logger, RankContext
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.stats import ScoreStats
 from maxsim_cli.shards import check_same_dim, open_corpus, read_queries
+from maxsim_cli.shards.files import check_output
 
 
 def score_files(request: ScoreRequest, *, log: Logger = engine._stderr) -> ScoreStats:
@@ -19,6 +20,8 @@ def score_files(request: ScoreRequest, *, log: Logger = engine._stderr) -> Score
     ``wall_s`` count from this call."""
     started = time.perf_counter()
     device = request.check()
+    # the run may not overwrite an input and must be writable: refused now, not after the scoring
+    check_output(request.output, [request.queries, *request.corpus, request.candidates])
     writer = RunWriter(request.output, tag=request.run_tag, fmt=request.fmt)  # opens only in the pass
     # on CUDA the staging memory locks while the corpus opens (`engine.open_arena`)
     arena = engine.open_arena(request, device) if device.type == "cuda" else None
