@@ -1,22 +1,139 @@
 """The `maxsim` command line: parses options, calls one library function per command, formats.
 
-Errors of the `MaxsimError` family become a one-line message on stderr and their exit code
-(1 runtime, 2 usage); nothing else is caught here, so a bug still shows its traceback.
+Every error is one line on stderr, ``maxsim: error: ...``, and an exit code: 1 for a runtime error, 2
+for a usage error (the `MaxsimError` family, and the usage errors of Typer's parser, which would
+otherwise draw a box). Nothing else is caught here, so a bug still shows its traceback.
+
+SIGTERM and SIGHUP stop a command the way Ctrl-C (SIGINT) does: they raise an exception in the main
+thread, so every ``finally`` / ``__exit__`` runs (temp files and staging folders are removed, an output
+being written is left as it was), and the process exits with 128 + the signal's number, saying so in one
+line. A signal that was ignored when maxsim started (``nohup``) stays ignored.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import signal
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import typer
+from typer.core import TyperGroup
 
 from maxsim_cli import __version__
 from maxsim_cli.errors import MaxsimError
 
+# Signals that stop a command with its cleanup, like SIGINT; ``jobs.run_rank`` does the same for SIGTERM.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(SystemExit):
+    """Raised in the main thread by SIGTERM or SIGHUP: cleanup runs, then the exit code is 128 + signum."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    """While inside, SIGTERM and SIGHUP raise `Stopped` in the main thread; the handlers found are put
+    back after. Outside the main thread (no handler can be set there) and for a signal ignored on entry
+    this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous: dict[int, Any] = {}
+    for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) is signal.SIG_IGN:
+            continue
+        previous[signum] = signal.signal(signum, _raise_stopped)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the flush at exit cannot fail again (closed pipe, full disk)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _error(message: str) -> None:
+    print(f"maxsim: error: {message}", file=sys.stderr)
+
+
+def run_command(call: Callable[[], Any]) -> int:
+    """Run ``call`` (the parser and the command, Typer not in standalone mode) and return the exit code,
+    every error printed as one line."""
+    code = 0
+    try:
+        with stop_signals_raise():
+            result = call()
+            # not standalone, Typer returns the code of a `typer.Exit` (or of Ctrl-C: 130), else the
+            # command's return value (None)
+            code = result if isinstance(result, int) else 0
+    except Stopped as exc:
+        print(f"maxsim: stopped by {signal.Signals(exc.signum).name}", file=sys.stderr)
+        code = int(exc.code)  # type: ignore[arg-type]
+    except MaxsimError as exc:
+        _error(str(exc))
+        code = exc.exit_code
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 0
+    except typer.Abort:
+        _error("aborted")
+        code = 1
+    except typer.TyperException as exc:  # the parser's usage errors (Click's, vendored by Typer)
+        if type(exc).__name__ == "NoArgsIsHelpError":  # `maxsim` alone: the help is already printed
+            return exc.exit_code
+        message = " ".join(exc.format_message().split()).rstrip(".")
+        ctx = getattr(exc, "ctx", None)
+        hint = f"; see '{ctx.command_path} --help'" if ctx is not None else ""
+        _error(f"{message}{hint}")
+        code = exc.exit_code
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_stdout()
+    except OSError as exc:  # data left in stdout's buffer met a full disk, ...
+        if code == 0:
+            from maxsim_cli.shards.files import write_error
+
+            _error(str(write_error("<stdout>", exc, nothing_written=False)))
+            code = 1
+        _quiet_stdout()
+    return code
+
+
+class MaxsimGroup(TyperGroup):
+    """Typer's group, run through `run_command`: one-line errors and the stop signals, also under
+    `typer.testing.CliRunner` (which calls `main`)."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        code = run_command(lambda: super(MaxsimGroup, self).main(*args, standalone_mode=False, **kwargs))
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
 app = typer.Typer(
     name="maxsim",
+    cls=MaxsimGroup,
     help="Exact late-interaction (ColBERT, ColPali) MaxSim scoring over on-disk embedding shards.",
     no_args_is_help=True,
     add_completion=False,
@@ -48,14 +165,5 @@ for _name in COMMAND_MODULES:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point."""
-    try:
-        app(args=argv, prog_name="maxsim", standalone_mode=True)
-    except MaxsimError as exc:
-        print(f"maxsim: error: {exc}", file=sys.stderr)
-        sys.exit(exc.exit_code)
-    except BrokenPipeError:
-        # `maxsim score ... | head`: the reader went away; leave quietly.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        sys.exit(0)
+    """Console-script entry point (`MaxsimGroup.main` prints the errors and exits with their code)."""
+    app(args=argv, prog_name="maxsim")

@@ -41,3 +41,17 @@ def cli_errors(fn: F) -> F:
             raise typer.Exit(0) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def echo_data(text: str) -> None:
+    """Print ``text`` and a newline on stdout (data only goes there). A write error (a full disk behind
+    a redirection, ...) becomes a one-line error naming <stdout>; a closed pipe stays a `BrokenPipeError`.
+    """
+    try:
+        typer.echo(text)
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        from maxsim_cli.shards.files import write_error
+
+        raise write_error("<stdout>", exc, nothing_written=False) from None

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from maxsim_cli.commands import cli_errors
+from maxsim_cli.commands import cli_errors, echo_data
 from maxsim_cli.evaluate import DEFAULT_MEASURES, evaluate_run
 
 _MEASURE_HELP = (
@@ -42,11 +42,11 @@ def register(app: typer.Typer) -> None:
         """
         result = evaluate_run(run, qrels, measure or None)
         if as_json:
-            typer.echo(json.dumps(result.values))
+            echo_data(json.dumps(result.values))
         else:
             width = max(len(name) for name in result.values)
             for name, value in result.values.items():
-                typer.echo(f"{name:<{width}}  {value:.4f}")
+                echo_data(f"{name:<{width}}  {value:.4f}")
         note = f"{result.judged_queries} judged queries, {result.run_queries} in the run"
         if result.missing_queries:
             note += f"; {result.missing_queries} judged queries absent from the run count as 0"

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from maxsim_cli.commands import cli_errors
+from maxsim_cli.commands import cli_errors, echo_data
 from maxsim_cli.commands.pack import stderr_bar
 
 
@@ -49,6 +49,6 @@ def register(app: typer.Typer) -> None:
                 paths, check_values=check_values, verify_checksums=verify_checksums, progress=update
             )
         if as_json:
-            typer.echo(json.dumps(report.to_dict(), indent=2))
+            echo_data(json.dumps(report.to_dict(), indent=2))
         else:
-            typer.echo(format_report(report))
+            echo_data(format_report(report))

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from typing import Annotated
 
 import typer
 
-from maxsim_cli.commands import cli_errors
+from maxsim_cli.commands import cli_errors, echo_data
 
 # `maxsim_cli.quantize.DEFAULT_BATCH_TOKENS`, repeated here so that `--help` does not import the scoring
 # stack (torch) to show it; tests/test_imports.py checks that the two agree.
@@ -78,4 +77,4 @@ def register(app: typer.Typer) -> None:
         if report.quality is not None:
             typer.echo(report.quality.summary(), err=True)
         if as_json:
-            sys.stdout.write(json.dumps(report.as_dict()) + "\n")
+            echo_data(json.dumps(report.as_dict()))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Annotated
 
 import typer
 
-from maxsim_cli.commands import cli_errors
+from maxsim_cli.commands import cli_errors, echo_data
 
 
 def register(app: typer.Typer) -> None:
@@ -64,7 +66,9 @@ def register(app: typer.Typer) -> None:
         fmt: str = typer.Option("trec", "--format", help="trec (six columns) or jsonl (one query a line)."),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no summary line."),
         stats_json: str | None = typer.Option(
-            None, "--stats-json", help="Write counts, times (reading, copying, scoring) and peaks as JSON."
+            None,
+            "--stats-json",
+            help="Write counts, times (reading, copying, scoring) and peaks as JSON ('-': stdout, with -o).",
         ),
         batch_queries: int | None = typer.Option(
             None, "--batch-queries", help="Queries per pass over the corpus (default: as many as fit).", min=1
@@ -91,6 +95,7 @@ def register(app: typer.Typer) -> None:
         from maxsim_cli.score import score
         from maxsim_cli.units import parse_size
 
+        _check_outputs(output, stats_json, [queries, *corpus, candidates])
         stats = score(
             queries,
             corpus,
@@ -114,7 +119,26 @@ def register(app: typer.Typer) -> None:
         )
         if stats.extra.get("rank", 0):  # a torchrun rank other than 0: rank 0 reports for the job
             return
-        if stats_json is not None:
+        if stats_json == "-":
+            echo_data(json.dumps(stats.as_dict(), indent=2, sort_keys=True))
+        elif stats_json is not None:
             stats.write_json(stats_json)
         if not quiet:
             typer.echo(f"maxsim: {stats.summary()}", err=True)
+
+
+def _check_outputs(output: str, stats_json: str | None, inputs: list[str | None]) -> None:
+    """Both outputs, before any work: not an input, not each other, and writable (`check_output`)."""
+    from maxsim_cli.errors import UsageError
+    from maxsim_cli.shards.files import check_output
+
+    check_output(output, inputs, option="-o")
+    if stats_json is None:
+        return
+    check_output(stats_json, inputs, option="--stats-json")
+    if stats_json == output or (
+        "-" not in (stats_json, output) and os.path.realpath(stats_json) == os.path.realpath(output)
+    ):
+        raise UsageError(
+            f"--stats-json {stats_json}: is also where the run goes (-o {output}); give another file"
+        )

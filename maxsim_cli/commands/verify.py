@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from maxsim_cli.commands import cli_errors
+from maxsim_cli.commands import cli_errors, echo_data
 
 if TYPE_CHECKING:
     from maxsim_cli.agreement import ErrorStats, RankingStats
@@ -244,8 +244,8 @@ def register(app: typer.Typer) -> None:
             max_tokens=batch_tokens,
         )
         if as_json:
-            typer.echo(json.dumps(_json_safe(report.to_dict()), indent=1))
+            echo_data(json.dumps(_json_safe(report.to_dict()), indent=1))
         else:
-            typer.echo(render(report))
+            echo_data(render(report))
         if not report.passed:
             raise typer.Exit(EXIT_FAILED)
