@@ -202,6 +202,9 @@ class Corpus:
         wanted = list(dict.fromkeys(docnos))
         if not wanted:
             return {}
+        if self._index is not None:  # the dict of every id is there already (a long-lived corpus)
+            index = self._index
+            return {docno: index[docno] for docno in wanted if docno in index}
         # the ids in ordinal order: `id_order`'s array when it is made already, else a concatenation
         if self._id_order is not None:
             ids = self._id_order[0]
