@@ -440,3 +440,16 @@ def test_importing_and_opening_shards_needs_no_torch(tmp_path):
     lines = proc.stdout.splitlines()
     assert lines[0] == "400 384 400"
     assert lines[1:] == [f"{fmt} 5 {ids[0]} {sum(len(d) for d in docs)}" for fmt in FORMATS]
+
+
+def test_candidate_index_is_the_same_with_the_id_dict_built(tmp_path):
+    from maxsim_cli.shards import open_corpus, write_shard
+
+    for s in range(3):
+        ids = [f"s{s}d{i}" for i in range(5)]
+        write_shard(str(tmp_path / f"{s}.safetensors"), ids, [np.ones((2, 4), np.float32)] * 5)
+    wanted = ["s2d4", "nope", "s0d0", "s1d3", "s0d0"]
+    with open_corpus([tmp_path]) as corpus:
+        hashed = corpus.candidate_index(wanted)
+        corpus.id_index()
+        assert corpus.candidate_index(wanted) == hashed == {"s2d4": (2, 4), "s0d0": (0, 0), "s1d3": (1, 3)}
