@@ -5,9 +5,10 @@ for a usage error (the `MaxsimError` family, and the usage errors of Typer's par
 otherwise draw a box). Nothing else is caught here, so a bug still shows its traceback.
 
 SIGTERM and SIGHUP stop a command the way Ctrl-C (SIGINT) does: they raise an exception in the main
-thread, so every ``finally`` / ``__exit__`` runs (temp files and staging folders are removed, an output
-being written is left as it was), and the process exits with 128 + the signal's number, saying so in one
-line. A signal that was ignored when maxsim started (``nohup``) stays ignored.
+thread (`SystemExit`, as `maxsim_cli.jobs.run_rank` does for SIGTERM; SIGINT keeps its
+KeyboardInterrupt), so every ``finally`` / ``__exit__`` runs (temp files and staging folders are
+removed, an output being written is left as it was), and the process exits with 128 + the signal's
+number, saying so in one line. A signal that was ignored when maxsim started (``nohup``) stays ignored.
 """
 
 from __future__ import annotations
@@ -43,21 +44,34 @@ def _raise_stopped(signum: int, frame: object) -> None:
     raise Stopped(signum)
 
 
+_interrupted: list[int] = []
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    # Python's own SIGINT handler (KeyboardInterrupt, which Typer turns into exit code 130), remembered
+    _interrupted.append(signum)
+    raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
-def stop_signals_raise() -> Iterator[None]:
-    """While inside, SIGTERM and SIGHUP raise `Stopped` in the main thread; the handlers found are put
-    back after. Outside the main thread (no handler can be set there) and for a signal ignored on entry
-    this does nothing."""
+def stop_signals_raise() -> Iterator[list[int]]:
+    """While inside, SIGTERM and SIGHUP raise `Stopped` in the main thread, and SIGINT raises
+    KeyboardInterrupt as always, noting it in the list yielded; the handlers found are put back after.
+    Outside the main thread (no handler can be set there) and for a signal ignored on entry (or whose
+    handler is someone else's, for SIGINT) this does nothing."""
+    _interrupted.clear()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield _interrupted
         return
     previous: dict[int, Any] = {}
     for signum in STOP_SIGNALS:
         if signal.getsignal(signum) is signal.SIG_IGN:
             continue
         previous[signum] = signal.signal(signum, _raise_stopped)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, _raise_interrupt)
     try:
-        yield
+        yield _interrupted
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
@@ -76,18 +90,27 @@ def _error(message: str) -> None:
     print(f"maxsim: error: {message}", file=sys.stderr)
 
 
+def _stopped_by(signum: int) -> None:
+    print(f"maxsim: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+
+
 def run_command(call: Callable[[], Any]) -> int:
     """Run ``call`` (the parser and the command, Typer not in standalone mode) and return the exit code,
     every error printed as one line."""
     code = 0
     try:
-        with stop_signals_raise():
+        with stop_signals_raise() as interrupted:
             result = call()
             # not standalone, Typer returns the code of a `typer.Exit` (or of Ctrl-C: 130), else the
             # command's return value (None)
             code = result if isinstance(result, int) else 0
+        if code == 128 + signal.SIGINT and interrupted:
+            _stopped_by(signal.SIGINT)
+    except KeyboardInterrupt:  # outside what Typer catches
+        _stopped_by(signal.SIGINT)
+        code = 128 + signal.SIGINT
     except Stopped as exc:
-        print(f"maxsim: stopped by {signal.Signals(exc.signum).name}", file=sys.stderr)
+        _stopped_by(exc.signum)
         code = int(exc.code)  # type: ignore[arg-type]
     except MaxsimError as exc:
         _error(str(exc))

@@ -130,15 +130,17 @@ def register(app: typer.Typer) -> None:
 def _check_outputs(output: str, stats_json: str | None, inputs: list[str | None]) -> None:
     """Both outputs, before any work: not an input, not each other, and writable (`check_output`)."""
     from maxsim_cli.errors import UsageError
-    from maxsim_cli.shards.files import check_output
+    from maxsim_cli.shards.files import check_output, is_stream
 
     check_output(output, inputs, option="-o")
     if stats_json is None:
         return
     check_output(stats_json, inputs, option="--stats-json")
-    if stats_json == output or (
-        "-" not in (stats_json, output) and os.path.realpath(stats_json) == os.path.realpath(output)
-    ):
+    if "-" in (stats_json, output):
+        same = stats_json == output
+    else:  # one regular file for both (a FIFO or /dev/null can take both)
+        same = not is_stream(output) and os.path.realpath(stats_json) == os.path.realpath(output)
+    if same:
         raise UsageError(
             f"--stats-json {stats_json}: is also where the run goes (-o {output}); give another file"
         )

@@ -143,7 +143,10 @@ class _SafetensorsSink:
         self.tmp = None
 
     def abort(self) -> None:
-        self.file.close()
+        try:
+            self.file.close()  # flushing what is buffered may fail again (a full disk): the error is known
+        except OSError:
+            pass
         _remove_quietly(self.tmp)
 
 
