@@ -5,8 +5,8 @@ every import statement counts, at module level or inside a function (a lazy impo
 dependency), and so does a package ``__init__`` that re-exports a submodule's names. ``from P import x``
 is an edge to the module ``P.x`` when there is one, else to ``P``. The layers (docs: the target shape):
 
-    commands, cli  >  api, score  >  jobs  >  scoring  >  pipeline, topk, runs, shards, devices, ...
-                   >  maxsim_kernels
+    commands, cli  >  service  >  api, score  >  jobs  >  scoring
+                   >  pipeline, topk, runs, shards, devices, ...  >  maxsim_kernels
 
 And every package found is one that pyproject.toml installs.
 """
@@ -148,6 +148,8 @@ RULES = [
     ),
     (("maxsim_cli.jobs",), ("maxsim_cli.score", "maxsim_cli.api", "maxsim_cli.commands", "maxsim_cli.cli")),
     (("maxsim_cli.api",), ("maxsim_cli.commands", "maxsim_cli.cli")),
+    # maxsim serve: HTTP over the API; the command line starts it, never the other way round
+    (("maxsim_cli.service",), ("maxsim_cli.commands", "maxsim_cli.cli")),
     (
         # the ground floor: shards (with residency), the batch stream, top-k, runs, devices, queries
         (

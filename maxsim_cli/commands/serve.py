@@ -1,0 +1,93 @@
+"""`maxsim serve`: a corpus kept resident, answering exact search and rerank requests over HTTP."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from maxsim_cli.commands import cli_errors
+from maxsim_cli.errors import MaxsimError
+
+# Repeated from maxsim_cli.service.app, which imports FastAPI: `--help` stays light.
+DEFAULT_MAX_REQUEST_BYTES = "64MiB"
+DEFAULT_WINDOW_MS = 2.0
+DEFAULT_MAX_BATCH_QUERIES = 256
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `serve` command to `app`."""
+
+    @app.command("serve")
+    @cli_errors
+    def serve_command(
+        corpus: Annotated[
+            list[str],
+            typer.Argument(
+                help="Corpus shards: files and/or directories (with an optional index.json manifest)."
+            ),
+        ],
+        host: str = typer.Option(
+            "127.0.0.1",
+            "--host",
+            help="Address to listen on. Anything but loopback needs --token-file.",
+        ),
+        port: int = typer.Option(8000, "--port", help="Port to listen on (0: a free one, printed).", min=0),
+        device: str = typer.Option(
+            "auto", "--device", help="auto, cpu, cuda or cuda:N: where the corpus lives."
+        ),
+        devices: str | None = typer.Option(
+            None, "--devices", help="Spread the corpus over several GPUs, e.g. 0,1 (each scores its share)."
+        ),
+        token_file: str | None = typer.Option(
+            None,
+            "--token-file",
+            help="File holding a bearer token (16+ characters); clients send Authorization: Bearer <token>.",
+        ),
+        max_request_bytes: str = typer.Option(
+            DEFAULT_MAX_REQUEST_BYTES, "--max-request-bytes", help="Largest request body, e.g. 64MiB."
+        ),
+        batch_window_ms: float = typer.Option(
+            DEFAULT_WINDOW_MS,
+            "--batch-window-ms",
+            help="How long a request waits for others to share its batch (0: no wait).",
+            min=0.0,
+        ),
+        max_batch_queries: int = typer.Option(
+            DEFAULT_MAX_BATCH_QUERIES,
+            "--max-batch-queries",
+            help="Queries of one batch at most (a larger request is scored alone).",
+            min=1,
+        ),
+        access_log: bool = typer.Option(False, "--access-log", help="Log every request on stderr."),
+    ) -> None:
+        """Keep a corpus resident and answer exact search and rerank requests over HTTP (JSON or Arrow).
+
+        GET /health, POST /search, POST /rerank: see docs/serve.md.
+
+        Example: maxsim serve corpus/ --device cuda --port 8000
+        """
+        try:
+            import fastapi  # noqa: F401
+            import uvicorn  # noqa: F401
+        except ImportError:
+            raise MaxsimError("maxsim serve needs FastAPI and uvicorn: pip install 'maxsim[serve]'") from None
+        from maxsim_cli.service.app import parse_devices, serve
+        from maxsim_cli.units import parse_size
+
+        if devices is not None and device != "auto":
+            from maxsim_cli.errors import UsageError
+
+            raise UsageError("--device and --devices: give one of them")
+        serve(
+            corpus,
+            host=host,
+            port=port,
+            device=device,
+            devices=parse_devices(devices) if devices is not None else None,
+            token_file=token_file,
+            max_request_bytes=parse_size(max_request_bytes, option="--max-request-bytes"),
+            batch_window_ms=batch_window_ms,
+            max_batch_queries=max_batch_queries,
+            access_log=access_log,
+        )

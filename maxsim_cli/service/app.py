@@ -1,0 +1,388 @@
+"""`maxsim serve`: a corpus opened once and kept resident, answering exact search and rerank over HTTP.
+
+`create_app(corpus, ...)` builds the FastAPI application (``GET /health``, ``POST /search``,
+``POST /rerank``) over an open corpus; `serve(paths, ...)` opens the corpus, makes it resident, checks
+the address and token, and runs it under uvicorn until SIGTERM or Ctrl-C. docs/serve.md is the guide.
+
+Errors: every refused request gets ``{"detail": "<one line>"}`` and a status: 400 an unreadable body
+(not JSON, not an Arrow stream), 401 a missing or wrong bearer token, 413 a body over the limit, 415
+another Content-Type, 422 a request that is readable but invalid (unknown fields, wrong dim, NaN/Inf,
+an empty query, duplicate ids, candidates without a query, ``strict`` with candidates not in the
+corpus: the library's `InputError` messages), 503 out of memory even alone or shutting down, 500
+anything else (logged with its traceback). None of them stops the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hmac
+import ipaddress
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from maxsim_cli.errors import InputError, MaxsimError, UsageError
+from maxsim_cli.service.batching import Batcher, Scorer
+from maxsim_cli.service.schema import JSON_TYPE, RequestError, answer_json, parse_request
+
+if TYPE_CHECKING:
+    from maxsim_cli.api import Corpus
+
+logger = logging.getLogger("maxsim.serve")
+
+DEFAULT_MAX_REQUEST_BYTES = 64 << 20
+DEFAULT_WINDOW_MS = 2.0
+DEFAULT_MAX_BATCH_QUERIES = 256
+# After SIGTERM, requests in flight get this long to finish before they are cancelled.
+GRACEFUL_SHUTDOWN_S = 60
+# Bodies up to this size are parsed on the event loop (well under a millisecond); larger ones on a
+# worker thread, so that a big request does not hold up the small ones.
+INLINE_PARSE_BYTES = 256 << 10
+INLINE_ANSWER_HITS = 10_000
+
+
+def create_app(
+    corpus: Corpus,
+    *,
+    token: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    batch_window_ms: float = DEFAULT_WINDOW_MS,
+    max_batch_queries: int = DEFAULT_MAX_BATCH_QUERIES,
+    device: str = "auto",
+) -> FastAPI:
+    """The application over an open ``corpus`` (resident or not; scoring on ``device``, ``auto``: the
+    corpus's). The batcher starts and stops with the application's lifespan (``with TestClient(app)``
+    in tests). ``app.state.batcher.counters`` counts the batches."""
+    batcher = Batcher(
+        Scorer(corpus, device=device), window_s=batch_window_ms / 1000, max_queries=max_batch_queries
+    )
+    index_ids(corpus)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> Any:
+        await batcher.start()
+        try:
+            yield
+        finally:
+            await batcher.close()  # every queued request is answered first
+
+    app = FastAPI(
+        title="maxsim",
+        summary="Exact MaxSim search and rerank over a resident corpus",
+        lifespan=lifespan,
+        openapi_url=None,  # no schema or docs pages: docs/serve.md describes the endpoints
+    )
+    app.state.batcher = batcher
+    app.state.corpus = corpus
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "documents": len(corpus),
+            "tokens": corpus.num_tokens,
+            "dim": corpus.dim,
+            "dtype": corpus.dtype,
+            "devices": corpus_devices(corpus),
+        }
+
+    async def answer(kind: str, request: Request) -> Response:
+        try:
+            body = await _read_body(request, max_request_bytes)
+            args = (kind, request.headers.get("content-type"), body, request.query_params, corpus.dim)
+            if len(body) <= INLINE_PARSE_BYTES:
+                parsed = parse_request(*args)
+            else:
+                parsed = await run_in_threadpool(parse_request, *args)
+            answers = await batcher.submit(kind, parsed)
+            if sum(len(hits) for _, hits, _ in answers) <= INLINE_ANSWER_HITS:
+                content = answer_json(answers)
+            else:
+                content = await run_in_threadpool(answer_json, answers)
+            return Response(content, media_type=JSON_TYPE)
+        except Exception as exc:  # noqa: BLE001 - every failure is one request's answer
+            return error_response(exc)
+
+    @app.post("/search")
+    async def search(request: Request) -> Response:
+        """``{"queries": [{"qid", "embedding"}, ...], "k": 10}`` or an Arrow stream (``?k=``)."""
+        return await answer("search", request)
+
+    @app.post("/rerank")
+    async def rerank(request: Request) -> Response:
+        """``{"queries": [...], "candidates": {qid: [docno, ...]}, "k": null, "strict": false}`` or an
+        Arrow stream with a ``candidates`` column (``?k=&strict=``)."""
+        return await answer("rerank", request)
+
+    if token is not None:
+        app.add_middleware(BearerToken, token=token)
+    return app
+
+
+def corpus_devices(corpus: Corpus) -> list[str]:
+    """The devices the corpus is resident on, one a share ([] when it streams from the files)."""
+    return corpus.device.split(",") if corpus.device is not None else []
+
+
+def index_ids(corpus: Corpus) -> None:
+    """Build the corpus's id -> document dict once (and each device share's): a rerank then looks its
+    candidates up in it instead of hashing every id of the corpus at each request."""
+    corpus.id_index()
+    for part in corpus.placement or ():
+        part.corpus.id_index()
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """The one-line answer to a request that failed with ``exc`` (module doc: the statuses)."""
+    if isinstance(exc, RequestError):
+        status, message = exc.status, exc.message
+    elif isinstance(exc, (InputError, UsageError)):
+        status, message = 422, str(exc)
+    elif type(exc).__name__ == "OutOfMemoryError":  # torch's, raised even for this request alone
+        status, message = 503, f"out of memory scoring this request alone: {exc}"
+    elif isinstance(exc, MaxsimError):
+        status, message = (503 if "out of memory" in str(exc) else 500), str(exc)
+    else:
+        logger.error("request failed", exc_info=exc)
+        status, message = 500, f"internal error: {type(exc).__name__}: {exc}"
+    return JSONResponse({"detail": " ".join(message.split())}, status_code=status)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) as soon as it is known to exceed ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    too_big = f"over the limit of {limit} bytes (maxsim serve --max-request-bytes)"
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestError(413, f"request body of {int(declared)} bytes is {too_big}")
+    chunks = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise RequestError(413, f"request body is {too_big}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class BearerToken:
+    """ASGI middleware: every HTTP request needs ``Authorization: Bearer <token>``, compared in
+    constant time (`hmac.compare_digest`); 401 otherwise."""
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app = app
+        self.token = token.encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http":
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, given = header.partition(b" ")
+            ok = scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.token)
+            if not ok:
+                response = JSONResponse(
+                    {"detail": "missing or wrong bearer token: send Authorization: Bearer <token>"},
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# --------------------------------------------------------------------------------------------------
+# the server
+
+
+def read_token(path: str, log: Callable[[str], None] | None = None) -> str:
+    """The bearer token in ``path`` (surrounding whitespace dropped); `UsageError` when it is empty or
+    not one word of printable ASCII."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+        mode = os.stat(path).st_mode
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(
+            f"--token-file {path}: cannot read it: {getattr(exc, 'strerror', None) or exc}"
+        ) from None
+    if not token:
+        raise UsageError(f"--token-file {path}: the file is empty; put the bearer token in it")
+    if not (token.isascii() and token.isprintable()) or any(c.isspace() for c in token):
+        raise UsageError(f"--token-file {path}: the token must be one word of printable ASCII")
+    if len(token) < 16:
+        raise UsageError(f"--token-file {path}: the token has {len(token)} characters; use at least 16")
+    if mode & 0o077 and log is not None:
+        log(f"warning: --token-file {path} can be read by other users (chmod 600 it)")
+    return token
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` resolves to is a loopback address (127.0.0.0/8, ::1)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return False
+    addresses = {info[4][0].split("%", 1)[0] for info in infos}
+    return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
+
+
+def check_bind(host: str, token: str | None) -> None:
+    """Refuse an address other machines can reach unless clients must present a token."""
+    if token is None and not is_loopback(host):
+        raise UsageError(
+            f"--host {host} is not a loopback address: other machines could query the corpus; pass "
+            "--token-file FILE (clients then send Authorization: Bearer <token>) or bind 127.0.0.1"
+        )
+
+
+def parse_devices(devices: str) -> list[str]:
+    """``--devices 0,1`` (GPU indices, ``cuda:N`` or ``cpu``) as device names."""
+    out = []
+    for part in devices.split(","):
+        name = part.strip().lower()
+        if name.isdigit():
+            name = f"cuda:{name}"
+        if not (name == "cpu" or name == "cuda" or name.startswith("cuda:")):
+            raise UsageError(
+                f"--devices {devices}: {part.strip()!r} is not a device; use GPU indices 0,1,..."
+            )
+        out.append(name)
+    if not out:
+        raise UsageError("--devices: no device given")
+    return out
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, UnicodeError) as exc:
+        raise UsageError(f"--host {host}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise MaxsimError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _log_config() -> dict[str, Any]:
+    """uvicorn's logging, all of it on stderr (stdout carries data only), plus the ``maxsim`` loggers."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    config["loggers"]["maxsim"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    return config
+
+
+@contextlib.contextmanager
+def _signals_end_cleanly() -> Iterator[None]:
+    """uvicorn traps SIGTERM and SIGINT for its graceful shutdown and, once done, raises the signal again
+    for the handler that was there before it. That handler is this no-op, so `serve` returns and the
+    command exits 0 after a SIGTERM that let every request in flight finish."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def warm_up(corpus: Corpus, device: str = "auto") -> None:
+    """One search and one rerank of a one-token query: the kernels are compiled or loaded now, not on a
+    client's first request."""
+    import numpy as np
+
+    from maxsim_cli.api import Queries, rerank, search
+
+    queries = Queries.from_embeddings(["warm-up"], [np.zeros((1, corpus.dim), dtype=np.float32)])
+    search(queries, corpus, k=1, device=device)
+    first = corpus.shards[0].id_array[0].as_py()
+    rerank(queries, corpus, {"warm-up": [first]}, device=device)
+
+
+def _stderr(message: str) -> None:
+    print(f"maxsim: {message}", file=sys.stderr, flush=True)
+
+
+def serve(
+    corpus_paths: Sequence[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    device: str = "auto",
+    devices: Sequence[str] | None = None,
+    token_file: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    batch_window_ms: float = DEFAULT_WINDOW_MS,
+    max_batch_queries: int = DEFAULT_MAX_BATCH_QUERIES,
+    access_log: bool = False,
+    log: Callable[[str], None] = _stderr,
+) -> None:
+    """Open the corpus, make it resident on ``device`` (or spread over ``devices``), and answer requests
+    on ``host:port`` (0: a free port; the line ``serving ... on http://HOST:PORT`` on stderr says which)
+    until SIGTERM or Ctrl-C, which let the requests in flight finish first."""
+    import uvicorn
+
+    from maxsim_cli.api import open_corpus
+
+    if max_request_bytes < 1:
+        raise UsageError(f"--max-request-bytes {max_request_bytes}: must be positive")
+    if batch_window_ms < 0:
+        raise UsageError(f"--batch-window-ms {batch_window_ms}: must be 0 or more")
+    if max_batch_queries < 1:
+        raise UsageError(f"--max-batch-queries {max_batch_queries}: must be at least 1")
+    token = read_token(token_file, log) if token_file is not None else None
+    check_bind(host, token)
+    sock = _bind(host, port)  # a port in use fails now, before the corpus is loaded
+    try:
+        with open_corpus(list(corpus_paths)) as corpus:
+            started = time.perf_counter()
+            corpus.to(list(devices) if devices else device)
+            log(f"{corpus!r}: resident in {time.perf_counter() - started:.1f} s")
+            warm_up(corpus)
+            app = create_app(
+                corpus,
+                token=token,
+                max_request_bytes=max_request_bytes,
+                batch_window_ms=batch_window_ms,
+                max_batch_queries=max_batch_queries,
+            )
+            bound = sock.getsockname()[1]
+            config = uvicorn.Config(
+                app,
+                host=host,
+                port=bound,
+                log_config=_log_config(),
+                access_log=access_log,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                server_header=False,
+            )
+            server = uvicorn.Server(config)
+            sock.listen(2048)
+            log(f"serving on {_url(host, bound)} (SIGTERM or Ctrl-C stops, after the requests in flight)")
+            with _signals_end_cleanly():
+                server.run(sockets=[sock])
+            log("stopped")
+    finally:
+        sock.close()

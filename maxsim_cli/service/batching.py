@@ -1,0 +1,316 @@
+"""Batching: concurrent requests gathered for a short window into one `search` or `rerank` call.
+
+`Batcher` (on the server's event loop) queues checked requests (`Job`s). Once the first request of a
+batch has waited ``window_s`` (or the queued queries reach ``max_queries``), it takes every queued
+request of that kind, hands them to `Scorer.score` on its one worker thread, and answers each request
+from the result; requests that arrive meanwhile make the next batch, so batches grow with the load.
+One worker thread means one engine pass (one kernel launch per document batch) at a time.
+
+The window is waited only while the server is busy: when the last batch held several requests or
+others were queued behind it. A request that reaches an idle server is scored at once, so one client
+alone pays no window; under concurrent load every batch gathers for up to the window.
+
+A request's answer does not depend on what it was batched with:
+
+- Queries are concatenated under internal ids (request index, query index), so two requests may use
+  the same qids; each answer is put back under the request's own qids, in its order.
+- A search batch runs with the largest ``k`` of its requests and cuts each request's hits to its own
+  ``k``: top-k in trec_eval's order (score descending, ties by docno descending) is prefix-closed, so
+  the cut is exactly the request's own top-k. Scores do not depend on the batch (the kernels are
+  batch-invariant: the library gives the same run for any query batch and memory budget).
+- A rerank batch concatenates the candidate maps under the internal ids and keeps every candidate;
+  each request is cut to its ``k``, its missing docnos are those of its candidates the run does not
+  hold, and a ``strict`` request with missing docnos fails alone.
+- A batch that fails (out of memory even after the engine's own halving, or anything else) is split in
+  two and each half is scored again, down to single requests: only a request that fails alone fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import warnings
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from maxsim_cli.errors import InputError
+from maxsim_cli.service.schema import CANDIDATES, Parsed, RequestError
+
+if TYPE_CHECKING:
+    import torch
+
+    from maxsim_cli.api import Corpus, Queries
+
+logger = logging.getLogger("maxsim.serve")
+
+# One query's answer: its qid (as the request gave it), hits [(docno, score)] best first, and for a
+# rerank the candidates that are not in the corpus (None for a search).
+QueryAnswer = tuple[str, list[tuple[str, float]], "list[str] | None"]
+
+
+@dataclass(eq=False)
+class Job:
+    """One request in the queue: ``kind`` is "search" or "rerank"."""
+
+    kind: str
+    request: Parsed
+    future: asyncio.Future | None = None
+    arrived: float = 0.0
+
+    @property
+    def num_queries(self) -> int:
+        return len(self.request.queries)
+
+
+@dataclass
+class Counters:
+    """What the batcher has done: batches run, requests answered, the largest batch (requests)."""
+
+    batches: int = 0
+    requests: int = 0
+    largest: int = 0
+    splits: int = 0
+    sizes: list[int] = field(default_factory=list)  # the last batches' sizes (requests), for tests
+
+    def note(self, size: int) -> None:
+        self.batches += 1
+        self.requests += size
+        self.largest = max(self.largest, size)
+        self.sizes = [*self.sizes[-999:], size]
+
+
+class Scorer:
+    """Scores a batch of jobs of one kind against the corpus (called on the batcher's worker thread)."""
+
+    def __init__(self, corpus: Corpus, *, device: str = "auto", counters: Counters | None = None) -> None:
+        self.corpus = corpus
+        self.device = device
+        self.counters = counters or Counters()
+
+    def score(self, jobs: Sequence[Job]) -> list[list[QueryAnswer] | BaseException]:
+        """Each job's answers, or the exception that job alone fails with."""
+        try:
+            if jobs[0].kind == "search":
+                return list(self._search(jobs))
+            return list(self._rerank(jobs))
+        except Exception as exc:  # noqa: BLE001 - split the batch, and let a request that fails alone fail
+            if len(jobs) == 1:
+                return [exc]
+            self.counters.splits += 1
+            logger.info("a batch of %d requests failed (%s); scoring its halves apart", len(jobs), exc)
+            _free_device_memory()
+            mid = len(jobs) // 2
+            return self.score(jobs[:mid]) + self.score(jobs[mid:])
+
+    def _search(self, jobs: Sequence[Job]) -> list[list[QueryAnswer]]:
+        from maxsim_cli.api import search
+
+        queries = _concat([job.request.queries for job in jobs])
+        documents = len(self.corpus)
+        k = max(min(job.request.k or documents, documents) for job in jobs)
+        rows = search(queries, self.corpus, k=k, device=self.device).to_dict()
+        self.counters.note(len(jobs))
+        return [
+            [
+                (qid, rows.get(_internal(j, i), [])[: job.request.k], None)
+                for i, qid in enumerate(job.request.queries.ids)
+            ]
+            for j, job in enumerate(jobs)
+        ]
+
+    def _rerank(self, jobs: Sequence[Job]) -> list[list[QueryAnswer] | BaseException]:
+        from maxsim_cli.api import MaxsimWarning, rerank
+
+        queries = _concat([job.request.queries for job in jobs])
+        candidates: dict[str, list[str]] = {}
+        for j, job in enumerate(jobs):
+            assert job.request.candidates is not None
+            index = {qid: i for i, qid in enumerate(job.request.queries.ids)}
+            for qid, docnos in job.request.candidates.items():
+                candidates[_internal(j, index[qid])] = docnos
+        with warnings.catch_warnings():
+            # missing candidates are reported per request below, not as a warning of the batch
+            warnings.simplefilter("ignore", MaxsimWarning)
+            rows = rerank(queries, self.corpus, candidates, device=self.device).to_dict()
+        self.counters.note(len(jobs))
+        out: list[list[QueryAnswer] | BaseException] = []
+        for j, job in enumerate(jobs):
+            answers: list[QueryAnswer] = []
+            missing_total: list[str] = []
+            for i, qid in enumerate(job.request.queries.ids):
+                hits = rows.get(_internal(j, i), [])
+                asked = job.request.candidates.get(qid, []) if job.request.candidates else []
+                found = {docno for docno, _ in hits}
+                missing = [docno for docno in asked if docno not in found] if len(found) < len(asked) else []
+                missing_total.extend(missing)
+                k = job.request.k
+                answers.append((qid, hits if k is None else hits[:k], missing))
+            if job.request.strict and missing_total:
+                examples = ", ".join(repr(d) for d in dict.fromkeys(missing_total[:3]))
+                out.append(
+                    InputError(
+                        f"{CANDIDATES}: {len(missing_total)} candidates are not in the corpus, e.g. "
+                        f"{examples}; check the candidates, or drop strict to skip them"
+                    )
+                )
+            else:
+                out.append(answers)
+        return out
+
+
+def _internal(job: int, query: int) -> str:
+    """The id of a request's query inside a batch: unique across the batch's requests."""
+    return f"{job}.{query}"
+
+
+def _concat(parts: Sequence[Queries]) -> Queries:
+    """The queries of several requests as one `Queries`, ids made unique (`_internal`). Requests of one
+    dtype are concatenated as they are; mixed dtypes go to float32 first (int8 queries dequantized as the
+    engine does it), which every float dtype converts to exactly, so each query's values reach the
+    kernels as they would alone."""
+    import torch
+
+    from maxsim_cli.queries import Queries
+    from maxsim_cli.shards import DocBatch
+
+    ids = [_internal(j, i) for j, part in enumerate(parts) for i in range(len(part))]
+    if len(parts) == 1:
+        batch = parts[0].batch
+        return Queries(DocBatch(ids, batch.embeddings, batch.offsets, batch.scales), parts[0].name)
+    same = len({p.embeddings.dtype for p in parts}) == 1 and len({p.scales is None for p in parts}) == 1
+    embeddings = torch.cat([p.embeddings if same else _float32(p) for p in parts])
+    scales = torch.cat([p.scales for p in parts]) if same and parts[0].scales is not None else None
+    lengths = torch.cat([p.offsets[1:] - p.offsets[:-1] for p in parts])
+    offsets = torch.zeros(len(ids) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    return Queries(DocBatch(ids, embeddings, offsets, scales), parts[0].name)
+
+
+def _float32(queries: Queries) -> torch.Tensor:
+    import torch
+
+    emb = queries.embeddings
+    if queries.scales is not None:
+        return emb.to(torch.float32) * queries.scales.to(torch.float32)[:, None]
+    return emb.to(torch.float32)
+
+
+def _free_device_memory() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class Batcher:
+    """Gathers jobs on the event loop and scores them in batches on one worker thread (module doc)."""
+
+    def __init__(self, scorer: Scorer, *, window_s: float = 0.002, max_queries: int = 256) -> None:
+        self.scorer = scorer
+        self.window_s = max(0.0, window_s)
+        self.max_queries = max(1, max_queries)
+        self._pending: deque[Job] = deque()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._closing = False
+        self._executor: ThreadPoolExecutor | None = None
+        self._busy = False  # the last batch had company: wait the window for the next one
+
+    @property
+    def counters(self) -> Counters:
+        return self.scorer.counters
+
+    async def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="maxsim-serve")
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        """Answer every queued job, then stop."""
+        if self._task is None:
+            return
+        self._closing = True
+        assert self._wake is not None
+        self._wake.set()
+        await self._task
+        self._task = None
+        assert self._executor is not None
+        self._executor.shutdown(wait=True)
+
+    async def submit(self, kind: str, request: Parsed) -> list[QueryAnswer]:
+        """Queue a checked request and wait for its answers (raises what it fails with)."""
+        if self._task is None or self._closing:
+            raise RequestError(503, "the server is shutting down")
+        loop = asyncio.get_running_loop()
+        job = Job(kind, request, loop.create_future(), loop.time())
+        self._pending.append(job)
+        assert self._wake is not None
+        self._wake.set()
+        return await job.future  # type: ignore[misc]
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wake is not None
+        while True:
+            while not self._pending:
+                if self._closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+            first = self._pending[0]
+            deadline = first.arrived + (self.window_s if self._busy else 0.0)
+            while not self._closing and self._queued(first.kind) < self.max_queries:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), remaining)
+                except asyncio.TimeoutError:
+                    break
+            batch = self._take(first.kind)
+            if not batch:
+                continue
+            try:
+                results: list[Any] = await loop.run_in_executor(self._executor, self.scorer.score, batch)
+            except Exception as exc:  # noqa: BLE001 - a bug in the scorer: fail this batch, keep serving
+                logger.exception("scoring a batch failed")
+                results = [exc] * len(batch)
+            for job, result in zip(batch, results, strict=True):
+                assert job.future is not None
+                if job.future.done():  # the client went away
+                    continue
+                if isinstance(result, BaseException):
+                    job.future.set_exception(result)
+                else:
+                    job.future.set_result(result)
+            # company: this batch had several requests, or more came while it was scored
+            self._busy = len(batch) > 1 or bool(self._pending)
+
+    def _queued(self, kind: str) -> int:
+        return sum(job.num_queries for job in self._pending if job.kind == kind)
+
+    def _take(self, kind: str) -> list[Job]:
+        """The queued jobs of ``kind`` up to ``max_queries`` queries (at least one job), in arrival order;
+        jobs whose client went away are dropped."""
+        batch: list[Job] = []
+        rest: deque[Job] = deque()
+        total = 0
+        full = False
+        while self._pending:
+            job = self._pending.popleft()
+            assert job.future is not None
+            if job.future.done():
+                continue
+            full = full or (bool(batch) and total + job.num_queries > self.max_queries)
+            if job.kind != kind or full:
+                rest.append(job)
+                continue
+            batch.append(job)
+            total += job.num_queries
+        self._pending = rest
+        return batch

@@ -1,0 +1,277 @@
+"""What `maxsim serve` reads and writes: the JSON request models, the Arrow IPC stream, the JSON answer.
+
+Requests are checked here, one request at a time, before they are batched with others: a request that
+is malformed, has the wrong dim, NaN/Inf, an empty query, an unknown field or candidates that name no
+query is refused with a `RequestError` (an HTTP status and a one-line message; the library's own
+`InputError` messages where it has one), so a batch only ever holds requests that can be scored.
+
+JSON (``Content-Type: application/json``)::
+
+    POST /search  {"queries": [{"qid": "q1", "embedding": [[...], ...]}, ...], "k": 10}
+    POST /rerank  {"queries": [...], "candidates": {"q1": ["d7", ...]}, "k": 100, "strict": false}
+
+Arrow (``Content-Type: application/vnd.apache.arrow.stream``): the query shard stream that
+``maxsim score -`` reads (docs/format.md: ``id``, ``embedding``, ``scales`` for int8, the metadata keys
+in the schema metadata); for ``/rerank`` one more column, ``candidates`` (``list<utf8>``, one list of
+docnos per query); ``k`` and ``strict`` as query-string parameters (``/rerank?k=100&strict=true``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+
+from maxsim_cli.errors import InputError, MaxsimError
+from maxsim_cli.queries import Queries
+
+JSON_TYPE = "application/json"
+ARROW_TYPE = "application/vnd.apache.arrow.stream"
+# Hits per query of a search that does not say (`maxsim score` keeps 1000; an answer in JSON is meant to
+# be read, so it keeps fewer unless asked).
+DEFAULT_K = 10
+# How messages name the request's queries and candidates (the library calls in-memory queries
+# "queries" too).
+QUERIES = "queries"
+CANDIDATES = "candidates"
+
+
+class RequestError(Exception):
+    """A request that cannot be answered: an HTTP status and a one-line message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = " ".join(str(message).split())
+
+
+# --------------------------------------------------------------------------------------------------
+# JSON models
+
+
+class _Model(BaseModel):
+    # unknown fields are refused; numbers stay numbers ("1.5" is not a float here)
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class QueryIn(_Model):
+    """One query: an id (unique within the request) and its token vectors, ``[tokens][dim]``."""
+
+    qid: StrictStr | StrictInt
+    embedding: list[list[float]]
+
+
+class SearchIn(_Model):
+    queries: list[QueryIn] = Field(min_length=1)
+    k: int = Field(DEFAULT_K, ge=1)
+
+
+class RerankIn(_Model):
+    queries: list[QueryIn] = Field(min_length=1)
+    candidates: dict[str, list[str]]
+    k: int | None = Field(None, ge=1)
+    strict: bool = False
+
+
+# --------------------------------------------------------------------------------------------------
+# parsed requests
+
+
+@dataclass(eq=False)
+class Parsed:
+    """A checked request: its queries (packed, as the library takes them), ``k`` (None: every
+    candidate), and for a rerank its candidates ``{qid: [docno, ...]}`` and ``strict``."""
+
+    queries: Queries
+    k: int | None
+    candidates: dict[str, list[str]] | None = None
+    strict: bool = False
+
+
+def parse_request(
+    kind: str, content_type: str | None, body: bytes, params: Mapping[str, str], corpus_dim: int
+) -> Parsed:
+    """The request ``body`` of ``/search`` or ``/rerank`` (``kind``), checked; raises `RequestError`."""
+    media = (content_type or JSON_TYPE).split(";", 1)[0].strip().lower()
+    if not body:
+        raise RequestError(400, "empty request body; send JSON or an Arrow IPC stream of queries")
+    try:
+        if media == JSON_TYPE:
+            if params:
+                raise RequestError(
+                    422,
+                    f"query-string parameter {sorted(params)[0]!r}: with JSON, k and strict go in the body",
+                )
+            return _parse_json(kind, body, corpus_dim)
+        if media == ARROW_TYPE:
+            return _parse_arrow(kind, body, params, corpus_dim)
+    except MaxsimError as exc:  # InputError / UsageError: the library's one-line message
+        raise RequestError(422, str(exc)) from None
+    raise RequestError(
+        415, f"Content-Type {media!r}: send {JSON_TYPE} or {ARROW_TYPE} (an Arrow IPC stream of queries)"
+    )
+
+
+def _parse_json(kind: str, body: bytes, corpus_dim: int) -> Parsed:
+    model = SearchIn if kind == "search" else RerankIn
+    try:
+        request = model.model_validate_json(body)
+    except ValidationError as exc:
+        raise RequestError(*_validation_message(exc)) from None
+    queries = _queries_from_json(request.queries, corpus_dim)
+    if isinstance(request, SearchIn):
+        return Parsed(queries, request.k)
+    candidates = _check_candidates(request.candidates, queries.ids)
+    return Parsed(queries, request.k, candidates, request.strict)
+
+
+def _validation_message(exc: ValidationError) -> tuple[int, str]:
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return 400, f"malformed JSON: {first['msg'].removeprefix('Invalid JSON: ')}"
+    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"])
+    where = where.removeprefix(".") or "body"
+    if first["type"] == "extra_forbidden":
+        message = f"{where}: unknown field"
+    else:
+        message = f"{where}: {first['msg']}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return 422, message
+
+
+def _queries_from_json(items: Sequence[QueryIn], corpus_dim: int) -> Queries:
+    arrays = []
+    for i, item in enumerate(items):
+        rows = item.embedding
+        if not rows:
+            arrays.append(np.zeros((0, corpus_dim), dtype=np.float32))  # refused below: no tokens
+            continue
+        width = len(rows[0])
+        for row in rows:
+            if len(row) != width:
+                raise InputError(
+                    f"{QUERIES}: query {str(item.qid)!r} (index {i}) has token vectors of {width} and "
+                    f"{len(row)} values; every vector of a query has dim values"
+                )
+        arrays.append(np.asarray(rows, dtype=np.float32))
+    queries = Queries.from_embeddings([item.qid for item in items], arrays)
+    _check_dim(queries, corpus_dim)
+    return queries
+
+
+def _check_dim(queries: Queries, corpus_dim: int) -> None:
+    if queries.dim != corpus_dim:
+        raise InputError(
+            f"{QUERIES}: the query vectors have {queries.dim} values but the corpus has dim {corpus_dim}; "
+            "encode queries and documents with the same model"
+        )
+
+
+def _check_candidates(candidates: Mapping[str, Sequence[str]], qids: Sequence[str]) -> dict[str, list[str]]:
+    """Every qid of the candidates names a query of the request; no docno twice for one query."""
+    known = set(qids)
+    out: dict[str, list[str]] = {}
+    for qid, docnos in candidates.items():
+        if qid not in known:
+            raise InputError(
+                f"{CANDIDATES}: query {qid!r} has candidates but no embedding in {QUERIES}; add it to the "
+                "queries or drop it from the candidates"
+            )
+        docnos = list(docnos)
+        if len(set(docnos)) != len(docnos):
+            seen: set[str] = set()
+            twice = next(d for d in docnos if d in seen or seen.add(d))  # type: ignore[func-returns-value]
+            raise InputError(
+                f"{CANDIDATES}: docno {twice!r} appears twice for query {qid!r}; list each document at "
+                "most once per query"
+            )
+        out[qid] = docnos
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Arrow IPC stream
+
+
+def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: int) -> Parsed:
+    import pyarrow as pa
+
+    from maxsim_cli.shards import ArrowShard
+
+    allowed = ("k",) if kind == "search" else ("k", "strict")
+    for name in params:
+        if name not in allowed:
+            raise RequestError(422, f"query-string parameter {name!r}: /{kind} takes {' and '.join(allowed)}")
+    k = _int_param(params, "k", DEFAULT_K if kind == "search" else None)
+    strict = _bool_param(params, "strict")
+    try:
+        reader = pa.ipc.open_stream(pa.py_buffer(body))
+        batches = list(reader)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise RequestError(400, f"not an Arrow IPC stream: {exc}") from None
+    schema = reader.schema
+    with ArrowShard("<request>", batches, schema, "arrow-stream") as shard:
+        if shard.num_docs == 0:
+            raise RequestError(422, f"{QUERIES}: the Arrow stream holds no queries")
+        batch = shard.read_docs(0, shard.num_docs)
+    queries = Queries(batch, QUERIES)
+    _check_dim(queries, corpus_dim)
+    if kind == "search":
+        return Parsed(queries, k)
+    if "candidates" not in schema.names:
+        raise RequestError(
+            422, "the Arrow stream has no 'candidates' column (list<utf8>: each query's docnos) for /rerank"
+        )
+    column = pa.concat_arrays([b.column("candidates") for b in batches]) if batches else None
+    if column is None or not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+        raise RequestError(
+            422, f"the 'candidates' column is {schema.field('candidates').type}; use list<utf8>"
+        )
+    if not (pa.types.is_string(column.type.value_type) or pa.types.is_large_string(column.type.value_type)):
+        raise RequestError(422, f"the 'candidates' column is {column.type}; use list<utf8>")
+    lists = column.to_pylist()
+    candidates = {qid: docnos for qid, docnos in zip(queries.ids, lists, strict=True) if docnos}
+    for qid, docnos in candidates.items():
+        if any(d is None for d in docnos):
+            raise RequestError(422, f"{CANDIDATES}: query {qid!r} has a null docno")
+    return Parsed(queries, k, _check_candidates(candidates, queries.ids), strict)
+
+
+def _int_param(params: Mapping[str, str], name: str, default: int | None) -> int | None:
+    if name not in params:
+        return default
+    text = params[name]
+    if not text.isdigit() or int(text) < 1:
+        raise RequestError(422, f"{name}={text!r}: must be a whole number of at least 1")
+    return int(text)
+
+
+def _bool_param(params: Mapping[str, str], name: str) -> bool:
+    text = params.get(name, "false").lower()
+    if text not in ("true", "false", "1", "0"):
+        raise RequestError(422, f"{name}={params[name]!r}: must be true or false")
+    return text in ("true", "1")
+
+
+# --------------------------------------------------------------------------------------------------
+# answers
+
+
+def answer_json(results: Sequence[tuple[str, Sequence[tuple[str, float]], Sequence[str] | None]]) -> bytes:
+    """``{"results": [{"qid": ..., "hits": [{"docno": ..., "score": ...}, ...]}, ...]}`` (and each
+    rerank result's ``"missing"`` docnos). Scores are the float32 values as Python floats, written with
+    `repr`'s shortest round-trip digits: reading one back as float32 gives the same value."""
+    import json
+
+    out: list[dict[str, Any]] = []
+    for qid, hits, missing in results:
+        entry: dict[str, Any] = {"qid": qid, "hits": [{"docno": d, "score": s} for d, s in hits]}
+        if missing is not None:
+            entry["missing"] = list(missing)
+        out.append(entry)
+    return json.dumps({"results": out}, separators=(",", ":"), allow_nan=False).encode()
