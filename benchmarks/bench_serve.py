@@ -1,0 +1,415 @@
+"""`maxsim serve` under load: an asyncio + httpx load generator on loopback, bounded in requests and time.
+
+    python benchmarks/bench_serve.py --client-processes 4 --out benchmarks/results/serve/serve-h200.json
+    python benchmarks/bench_serve.py --device cpu --size 16MB --rerank-docs 1200 --clients 8 \\
+        --search-requests 400 --rerank-requests 100 --workdir /tmp/mb-serve \\
+        --out benchmarks/results/serve/serve-cpu-2core.json
+
+Builds (once, under --workdir) two corpora of fp16, L2-normalised random vectors, d = 128: the search
+corpus of `bench_resident.py` (documents of 20-300 tokens, ``--size``) and a rerank corpus of
+``--rerank-docs`` documents of exactly 180 tokens; queries are 32 random tokens. Then:
+
+1. **rerank, one client**: the in-process ``rerank`` call (1 query x 1000 candidates, the corpus
+   resident on ``--device``, called from one worker thread as the server calls it), then the same
+   requests to a ``maxsim serve`` of that corpus from one client, one at a time (JSON, ``k`` unset: all
+   1000 re-sorted): latency p50 / p99 of each.
+2. **search, N clients**: the in-process ``search`` of one query and of N queries at once, then
+   ``--clients`` concurrent clients (closed loop: each sends its next single-query request, k = 10, as
+   soon as the last is answered) against a ``maxsim serve`` of the search corpus: queries/s over the
+   run, latency p50 / p99, and the server's RSS before and after. ``--client-processes P`` shares the
+   clients among P processes, so that the Python load generator is not what limits the rate.
+
+Every answer of a distinct request is compared with the in-process call (same docnos, same float32
+scores). Servers run as ``python -m maxsim_cli serve ... --port 0`` on 127.0.0.1 and are stopped with
+SIGTERM (their exit code is recorded). Nothing listens beyond loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+from common import DIM, QUERY_TOKENS, build_corpus, make_log, meta, write_json
+
+log = make_log("serve", clock=True)
+RERANK_TOKENS = 180
+CANDIDATES = 1000
+DISTINCT = 64  # distinct requests of each kind, cycled through
+
+
+def percentile(values: list[float], p: float) -> float:
+    return float(np.percentile(np.asarray(values), p)) if values else float("nan")
+
+
+def summary_ms(seconds: list[float]) -> dict[str, float]:
+    ms = [s * 1000 for s in seconds]
+    return {
+        "n": len(ms),
+        "p50_ms": round(percentile(ms, 50), 3),
+        "p99_ms": round(percentile(ms, 99), 3),
+        "mean_ms": round(statistics.fmean(ms), 3) if ms else float("nan"),
+        "min_ms": round(min(ms), 3) if ms else float("nan"),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# inputs
+
+
+def build_rerank_corpus(root: str, docs: int, device: torch.device) -> str:
+    """``docs`` documents of exactly 180 tokens in one shard (reused when there)."""
+    from maxsim_cli.shards import write_shard
+
+    path = os.path.join(root, f"rerank-{docs}x{RERANK_TOKENS}.safetensors")
+    if os.path.exists(path):
+        return path
+    os.makedirs(root, exist_ok=True)
+    gen = torch.Generator(device=device).manual_seed(3)
+    emb = torch.randn(docs * RERANK_TOKENS, DIM, generator=gen, device=device)
+    emb = torch.nn.functional.normalize(emb, dim=1).to(torch.float16).cpu()
+    offsets = torch.arange(0, docs * RERANK_TOKENS + 1, RERANK_TOKENS, dtype=torch.int64)
+    write_shard(
+        path, [f"r{i:07d}" for i in range(docs)], emb, offsets=offsets, dtype="float16", normalized=True
+    )
+    return path
+
+
+def make_queries(n: int, seed: int) -> list[np.ndarray]:
+    """n queries of 32 fp16 tokens (as float32 arrays holding fp16 values: exact in JSON)."""
+    gen = torch.Generator().manual_seed(seed)
+    emb = torch.nn.functional.normalize(torch.randn(n * QUERY_TOKENS, DIM, generator=gen), dim=1)
+    emb = emb.to(torch.float16).float().numpy()
+    return [emb[i * QUERY_TOKENS : (i + 1) * QUERY_TOKENS] for i in range(n)]
+
+
+def on_worker_thread(fn: Callable[[], None]) -> None:
+    """Run ``fn`` on a thread of its own, as the server scores its batches (on the 2-core CPU machine the
+    same CPU calls ran up to 2x slower from the main thread)."""
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(fn).result()
+
+
+def free_device_memory() -> None:
+    """Hand the in-process corpus's GPU memory back before a server needs it."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def hits(answer: dict) -> dict[str, list[tuple[str, float]]]:
+    return {r["qid"]: [(h["docno"], h["score"]) for h in r["hits"]] for r in answer["results"]}
+
+
+# --------------------------------------------------------------------------------------------------
+# the server
+
+
+class Server:
+    """``maxsim serve`` on 127.0.0.1, a free port, its stderr in a log file."""
+
+    def __init__(self, corpus: str, device: str, window_ms: float, log_path: str) -> None:
+        self.log_path = log_path
+        self.log_file = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        cmd = [sys.executable, "-m", "maxsim_cli", "serve", corpus, "--device", device, "--port", "0",
+               "--batch-window-ms", str(window_ms)]  # fmt: skip
+        self.command = " ".join(["maxsim", *cmd[3:]])
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log_file
+        )
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            text = open(log_path).read()
+            match = re.search(r"serving on (http://127\.0\.0\.1:\d+)", text)
+            if match:
+                self.url = match.group(1)
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        self.stop()
+        raise SystemExit(f"the server did not start:\n{open(log_path).read()}")
+
+    def rss_mib(self) -> float:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) / 1024
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log_file.close()
+        return self.proc.returncode
+
+
+async def load(
+    url: str, path: str, bodies: list[bytes], total: int, clients: int, max_seconds: float
+) -> dict:
+    """``clients`` closed-loop clients sending ``total`` requests (bodies cycled) or until
+    ``max_seconds``; latencies, errors, wall time, and the first answer to each distinct body."""
+    import httpx
+
+    latencies: list[float] = []
+    errors: list[str] = []
+    answers: dict[int, dict] = {}
+    sent = 0
+    started = time.perf_counter()
+
+    async def client(http: httpx.AsyncClient) -> None:
+        nonlocal sent
+        while sent < total and time.perf_counter() - started < max_seconds:
+            i = sent % len(bodies)
+            sent += 1
+            t0 = time.perf_counter()
+            response = await http.post(
+                f"{url}{path}", content=bodies[i], headers={"content-type": "application/json"}
+            )
+            latencies.append(time.perf_counter() - t0)
+            if response.status_code != 200:
+                errors.append(f"{response.status_code} {response.text[:200]}")
+            elif i not in answers:
+                answers[i] = response.json()
+
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+    wall = time.perf_counter() - started
+    return {"latencies": latencies, "errors": errors, "answers": answers, "wall_s": wall}
+
+
+def _client_process(args: tuple, barrier: object, results: object) -> None:
+    barrier.wait()  # type: ignore[attr-defined]
+    results.put(asyncio.run(load(*args)))  # type: ignore[attr-defined]
+
+
+def run_load(
+    url: str, path: str, bodies: list[bytes], total: int, clients: int, max_seconds: float, processes: int
+) -> dict:
+    """`load` in ``processes`` client processes (started together; the clients and requests shared out),
+    so that the load generator is not the limit; the results merged."""
+    if processes <= 1:
+        return asyncio.run(load(url, path, bodies, total, clients, max_seconds))
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(processes), ctx.Queue()
+    procs = []
+    for i in range(processes):
+        share = (url, path, bodies, total // processes + (i < total % processes),
+                 clients // processes + (i < clients % processes), max_seconds)  # fmt: skip
+        procs.append(ctx.Process(target=_client_process, args=(share, barrier, results)))
+    for proc in procs:
+        proc.start()
+    parts = [results.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    answers: dict[int, dict] = {}
+    for part in parts:
+        answers.update(part["answers"])
+    return {
+        "latencies": [x for part in parts for x in part["latencies"]],
+        "errors": [e for part in parts for e in part["errors"]],
+        "answers": answers,
+        "wall_s": max(part["wall_s"] for part in parts),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# the two measurements
+
+
+def rerank_one_client(args: argparse.Namespace, device: torch.device) -> dict:
+    from maxsim_cli import Queries, open_corpus, rerank
+
+    path = build_rerank_corpus(args.workdir, args.rerank_docs, device)
+    rng = np.random.default_rng(5)
+    queries = make_queries(DISTINCT, seed=11)
+    cands = [[f"r{i:07d}" for i in rng.choice(args.rerank_docs, CANDIDATES, replace=False)] for _ in queries]
+    bodies = [
+        json.dumps({"queries": [{"qid": "q", "embedding": q.tolist()}], "candidates": {"q": c}}).encode()
+        for q, c in zip(queries, cands, strict=True)
+    ]
+
+    # in process, on the same device and, as in the server, on a worker thread
+    with open_corpus(path) as corpus:
+        corpus.to(str(device))
+        corpus.id_index()  # as the server does: candidates looked up in a dict built once
+        expected, times = {}, []
+        one = [Queries.from_embeddings(["q"], [q]) for q in queries]
+
+        def measure() -> None:
+            for i in range(args.warmup):
+                rerank(one[i % DISTINCT], corpus, {"q": cands[i % DISTINCT]})
+            for i in range(args.rerank_requests):
+                j = i % DISTINCT
+                t0 = time.perf_counter()
+                run = rerank(one[j], corpus, {"q": cands[j]})
+                times.append(time.perf_counter() - t0)
+                expected.setdefault(j, run.to_dict())
+
+        on_worker_thread(measure)
+    free_device_memory()
+    in_process = summary_ms(times)
+    log(f"rerank in process: p50 {in_process['p50_ms']} ms, p99 {in_process['p99_ms']} ms")
+
+    server = Server(path, str(device), args.window_ms, os.path.join(args.workdir, "serve-rerank.log"))
+    try:
+        asyncio.run(load(server.url, "/rerank", bodies, args.warmup, 1, args.max_seconds))
+        result = asyncio.run(load(server.url, "/rerank", bodies, args.rerank_requests, 1, args.max_seconds))
+    finally:
+        code = server.stop()
+    same = all(hits(answer) == expected[i] for i, answer in result["answers"].items() if i in expected)
+    http = summary_ms(result["latencies"])
+    log(f"rerank over HTTP, one client: p50 {http['p50_ms']} ms, p99 {http['p99_ms']} ms; same: {same}")
+    return {
+        "server_command": server.command,
+        "documents": args.rerank_docs,
+        "document_tokens": RERANK_TOKENS,
+        "candidates": CANDIDATES,
+        "query_tokens": QUERY_TOKENS,
+        "in_process": in_process,
+        "http_one_client": http,
+        "errors": len(result["errors"]),
+        "error_examples": result["errors"][:3],
+        "answers_equal_in_process": same,
+        "server_exit_code": code,
+    }
+
+
+def search_clients(args: argparse.Namespace, device: torch.device) -> dict:
+    from maxsim_cli import Queries, open_corpus, search
+    from maxsim_cli.units import parse_size
+
+    shard_bytes = 512 << 20 if device.type == "cuda" else 4 << 20
+    root = os.path.join(args.workdir, f"corpus-{args.size}")
+    paths = build_corpus(root, parse_size(args.size), shard_bytes, device)
+    queries = make_queries(DISTINCT, seed=12)
+    ids = [f"q{i:03d}" for i in range(DISTINCT)]
+    bodies = [
+        json.dumps({"queries": [{"qid": qid, "embedding": q.tolist()}], "k": args.k}).encode()
+        for qid, q in zip(ids, queries, strict=True)
+    ]
+
+    with open_corpus(paths) as corpus:
+        corpus.to(str(device))
+        documents, tokens = len(corpus), corpus.num_tokens
+        all_queries = Queries.from_embeddings(ids, queries)
+        expected = search(all_queries, corpus, k=args.k).to_dict()
+        one = [Queries.from_embeddings([qid], [q]) for qid, q in zip(ids, queries, strict=True)]
+        n = min(args.clients, DISTINCT)
+        batch = Queries.from_embeddings(ids[:n], queries[:n])
+        single, batched = [], []
+
+        def measure() -> None:
+            for i in range(args.warmup):
+                search(one[i % DISTINCT], corpus, k=args.k)
+            for i in range(min(args.search_requests, 200)):
+                t0 = time.perf_counter()
+                search(one[i % DISTINCT], corpus, k=args.k)
+                single.append(time.perf_counter() - t0)
+            search(batch, corpus, k=args.k)
+            for _ in range(5):
+                t0 = time.perf_counter()
+                search(batch, corpus, k=args.k)
+                batched.append(time.perf_counter() - t0)
+
+        on_worker_thread(measure)
+    free_device_memory()
+    in_single, in_batch = summary_ms(single), summary_ms(batched)
+    log(f"search in process: one query p50 {in_single['p50_ms']} ms; {n} queries p50 {in_batch['p50_ms']} ms")
+
+    server = Server(root, str(device), args.window_ms, os.path.join(args.workdir, "serve-search.log"))
+    try:
+        warm = args.warmup * args.clients
+        run_load(server.url, "/search", bodies, warm, args.clients, args.max_seconds, args.client_processes)
+        rss_before = server.rss_mib()
+        result = run_load(
+            server.url, "/search", bodies, args.search_requests, args.clients, args.max_seconds,
+            args.client_processes,
+        )  # fmt: skip
+        rss_after = server.rss_mib()
+    finally:
+        code = server.stop()
+    same = all(hits(answer) == {ids[i]: expected[ids[i]]} for i, answer in result["answers"].items())
+    http = summary_ms(result["latencies"])
+    qps = len(result["latencies"]) / result["wall_s"]
+    log(
+        f"search over HTTP, {args.clients} clients: {qps:.0f} queries/s, p50 {http['p50_ms']} ms, "
+        f"p99 {http['p99_ms']} ms; errors {len(result['errors'])}; same: {same}"
+    )
+    return {
+        "server_command": server.command,
+        "corpus_bytes": sum(os.path.getsize(p) for p in paths),
+        "documents": documents,
+        "tokens": tokens,
+        "query_tokens": QUERY_TOKENS,
+        "k": args.k,
+        "clients": args.clients,
+        "requests": len(result["latencies"]),
+        "wall_s": round(result["wall_s"], 3),
+        "queries_per_s": round(qps, 1),
+        "http": http,
+        "in_process_one_query": in_single,
+        f"in_process_{n}_queries": in_batch,
+        "errors": len(result["errors"]),
+        "error_examples": result["errors"][:3],
+        "answers_equal_in_process": same,
+        "server_rss_mib_before_after": [round(rss_before, 1), round(rss_after, 1)],
+        "server_exit_code": code,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workdir", default="/var/tmp/mb-serve")
+    parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (small sizes: a check)")
+    parser.add_argument("--size", default="8GB", help="search corpus size (bench_resident.py's: 8GB)")
+    parser.add_argument(
+        "--rerank-docs", type=int, default=20000, help="documents of 180 tokens to rerank from"
+    )
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--client-processes", type=int, default=1, help="processes the clients are shared by")
+    parser.add_argument("--search-requests", type=int, default=20000)
+    parser.add_argument("--rerank-requests", type=int, default=2000)
+    parser.add_argument("-k", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=20, help="requests before timing (per client)")
+    parser.add_argument("--window-ms", type=float, default=2.0, help="the servers' --batch-window-ms")
+    parser.add_argument("--max-seconds", type=float, default=120, help="time bound of each timed run")
+    parser.add_argument("--only", choices=("rerank", "search"), default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
+    os.makedirs(args.workdir, exist_ok=True)
+    result: dict = {**meta(), "window_ms": args.window_ms, "client_processes": args.client_processes}
+    result["load_average_start"] = os.getloadavg()
+    if args.only in (None, "rerank"):
+        result["rerank_one_client"] = rerank_one_client(args, device)
+    if args.only in (None, "search"):
+        result["search_clients"] = search_clients(args, device)
+    result["load_average_end"] = os.getloadavg()
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    write_json(args.out, result)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
