@@ -32,7 +32,9 @@ def register(app: typer.Typer) -> None:
             "--host",
             help="Address to listen on. Anything but loopback needs --token-file.",
         ),
-        port: int = typer.Option(8000, "--port", help="Port to listen on (0: a free one, printed).", min=0),
+        port: int = typer.Option(
+            8000, "--port", help="Port to listen on (0: a free one, printed).", min=0, max=65535
+        ),
         device: str = typer.Option(
             "auto", "--device", help="auto, cpu, cuda or cuda:N: where the corpus lives."
         ),
