@@ -48,6 +48,15 @@ if TYPE_CHECKING:
     import torch
 
 
+def _shard_info(
+    path: str, fmt: str, num_docs: int, num_tokens: int, dim: int, dtype: str, meta: dict[str, Any]
+) -> ShardInfo:
+    """What a shard holds, once its structure has been checked against its metadata."""
+    return ShardInfo(
+        path, fmt, num_docs, num_tokens, dim, dtype, meta["quantization"], meta["normalized"], meta["encoder"]
+    )
+
+
 class Shard:
     """An open shard: `ids`, `offsets` (int64 numpy [N+1]) and `info` in memory, values read on demand.
 
@@ -319,17 +328,7 @@ class SafetensorsShard(Shard):
         id_array = _decode_ids(path, id_bytes, id_offsets)
         _check_offsets(path, offsets, _ArrowIds(id_array), num_tokens)
         _check_counts(path, meta, len(id_array), num_tokens, dim)
-        info = ShardInfo(
-            path,
-            "safetensors",
-            len(id_array),
-            num_tokens,
-            dim,
-            dtype,
-            meta["quantization"],
-            meta["normalized"],
-            meta["encoder"],
-        )
+        info = _shard_info(path, "safetensors", len(id_array), num_tokens, dim, dtype, meta)
         super().__init__(info, None, offsets.astype(np.int64, copy=False), id_array)
 
     def _open_values(self) -> None:
@@ -560,17 +559,7 @@ class ArrowShard(_RecordShard):
         num_tokens = int(offsets[-1])
         _check_offsets(path, offsets, ids, num_tokens)
         _check_counts(path, meta, len(ids), num_tokens, dim)
-        info = ShardInfo(
-            path,
-            fmt,
-            len(ids),
-            num_tokens,
-            dim,
-            dtype,
-            meta["quantization"],
-            meta["normalized"],
-            meta["encoder"],
-        )
+        info = _shard_info(path, fmt, len(ids), num_tokens, dim, dtype, meta)
         super().__init__(info, ids, offsets)
         self._batches: list[pa.RecordBatch] | None = batches
         self._source = source
@@ -660,17 +649,7 @@ class ParquetShard(_RecordShard):
         num_tokens = int(offsets[-1])
         _check_offsets(path, offsets, ids, num_tokens)
         _check_counts(path, meta, len(ids), num_tokens, dim)
-        info = ShardInfo(
-            path,
-            "parquet",
-            len(ids),
-            num_tokens,
-            dim,
-            dtype,
-            meta["quantization"],
-            meta["normalized"],
-            meta["encoder"],
-        )
+        info = _shard_info(path, "parquet", len(ids), num_tokens, dim, dtype, meta)
         super().__init__(info, ids, offsets)
         self._tokens = _ArrowTokens(path, dim, dtype, fixed)
 
