@@ -321,6 +321,129 @@ def maxsim_varlen_cpu(
     return (scores, argmax) if return_argmax else scores
 
 
+# Rerank (each query against its own candidates): the (query, document) pairs of all queries are scored
+# together, a document once against all the queries that list it. A "unit" is a document with up to
+# k_max of its pairs (k_max query widths fit _QUERY_ROWS columns). Units are sorted by pair count k, then
+# document length, and cut into groups of equal k whose buffers (document rows, query rows, similarities,
+# in the compute dtype) fit _RERANK_GROUP_BYTES. A group of n units is one batched product
+# [n, L, dim] x [n, dim, k * W] (each document's tokens, padded with copies of its last one, against the
+# tokens of its k queries, each padded to W columns with copies of its last token), a max over L, and
+# the same sequential sum over a query's tokens as the other paths. For fp16/bf16/fp32 inputs a score is
+# then bitwise the exhaustive path's and the per-query loop's this replaced (tests/test_cpu_rerank.py;
+# float64: MKL's batched and single double products may differ in the last bit). Groups are spread over
+# the stream's worker threads (one product thread each: a product split over an OpenMP team stalls
+# whenever another process holds a core), into per-thread buffers (a unit larger than the budget is a
+# group on its own).
+# Measured on the 2-core EPYC machine (torch 2.14, MKL, dim 128; benchmarks/bench_cpu_rerank.py,
+# docs/benchmarks.md), 64 queries x 1000 own candidates of 20-300 tokens, fp32, medians: each candidate a
+# distinct document 12.5 us a pair, against 14.4 for the per-query loop and 7.5 for the exhaustive path
+# (which reads a document once for 64 queries; here each pair copies its own from memory, ~2.7 us, and
+# the copy does not overlap the products); documents shared by ~8 queries 8.4 us (1.12x). Group budget,
+# same workload, 5 rounds: 2 / 4 / 6 / 8 MiB took 0.94 / 0.77 / 0.75 / 0.79 s.
+_RERANK_GROUP_BYTES = 4 << 20
+# Fewer groups than this per worker run on the caller's thread, each op on all cores. Quiet machine, fp16
+# and fp32, caller's thread against workers: 1 query x 100 candidates (3 groups) 1.7 / 3.4 ms, 1 x 1000
+# (30 groups) 12.9 / 13.7 ms, 4 x 1000 47 / 52 ms, 16 x 1000 (~500 groups) 158 / 158 ms, 64 x 1000 527 /
+# 510 ms. But with another process on a core, ops split over an OpenMP team took 10-50x longer (the
+# per-query loop: 180-880 us a pair against 14) and the workers ~2x: large calls go to the workers.
+_RERANK_POOL_GROUPS = 32
+
+
+def _unit_groups(unit_bytes: np.ndarray, budget: int) -> list[tuple[int, int]]:
+    """Cut units sorted by ascending padded length into runs [a, b) with (b - a) * unit_bytes[b - 1] <=
+    budget (at least one unit each); unit_bytes[i]: a unit's buffers when padded to unit i's length."""
+    spans = []
+    start, count = 0, len(unit_bytes)
+    while start < count:
+        limit = min(count - start, max(1, budget // int(unit_bytes[start])))
+        k = np.arange(1, limit + 1)
+        fits = int(np.count_nonzero(k * unit_bytes[start : start + limit] <= budget))
+        stop = start + max(1, fits)
+        spans.append((start, stop))
+        start = stop
+    return spans
+
+
+def _score_units(
+    q: torch.Tensor,
+    q_starts: np.ndarray,
+    q_lens: np.ndarray,
+    docs: torch.Tensor,
+    doc_scales: torch.Tensor | None,
+    d_starts: np.ndarray,
+    d_lens: np.ndarray,
+    group: tuple[int, int, int, int],
+    scores: torch.Tensor,
+    argmax: torch.Tensor | None,
+    check_finite: bool,
+) -> None:
+    """One group: units [u0, u1) (ascending document length, none empty) of k pairs each, pairs [p0, p0 +
+    (u1 - u0) * k). Unit u is document rows [d_starts[u], + d_lens[u]); pair p is query rows
+    [q_starts[p], + q_lens[p]) of `q` (compute dtype). Adds each pair's score into scores[p, 0] (zeros
+    on entry) and writes argmax[p, :q_lens[p]]."""
+    u0, u1, k, p0 = group
+    n, m = u1 - u0, (u1 - u0) * k
+    compute, device, dim = q.dtype, q.device, q.shape[1]
+    on_cpu = device.type == "cpu"
+
+    def buffer(name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        if on_cpu:
+            return _scratch("rerank_" + name, (rows, cols), dtype)
+        return torch.empty(rows, cols, dtype=dtype, device=device)
+
+    lens = d_lens[u0:u1]
+    width = max(int(lens[-1]), _MIN_GEMM_ROWS)  # short documents padded too: see _MIN_GEMM_ROWS
+    rows = d_starts[u0:u1, None] + np.minimum(np.arange(width), lens[:, None] - 1)
+    rows = torch.from_numpy(rows.reshape(-1)).to(device)
+    block = buffer("block", n * width, dim, compute)
+    if docs.dtype == compute:
+        torch.index_select(docs, 0, rows, out=block)
+    else:
+        block.copy_(torch.index_select(docs, 0, rows, out=buffer("raw", n * width, dim, docs.dtype)))
+    if doc_scales is not None:
+        block *= doc_scales.index_select(0, rows).to(compute)[:, None]
+    block = block.view(n, width, dim)
+    p1 = p0 + m
+    ql = q_lens[p0:p1]
+    tq = int(ql.max())
+    best = torch.empty(m, tq, dtype=compute, device=device)
+    per_product = max(1, _QUERY_ROWS // k)  # query tokens of each pair per product (all when k > 1)
+    one_query = k == 1 and bool((q_starts[p0:p1] == q_starts[p0]).all())
+    for c0 in range(0, tq, per_product):
+        c1 = min(tq, c0 + per_product)
+        cols_n = max(c1 - c0, -(-_MIN_GEMM_ROWS // k))
+        # each pair's query tokens c0.. (past its length: copies of its last token, dropped below)
+        if one_query:  # the same rows for every document: a broadcast operand, not a copy per pair
+            cols = q_starts[p0] + np.minimum(c0 + np.arange(cols_n), ql[0] - 1)
+            q_g = q.index_select(0, torch.from_numpy(cols).to(device)).expand(n, cols_n, dim)
+        else:
+            cols = q_starts[p0:p1, None] + np.minimum(c0 + np.arange(cols_n), ql[:, None] - 1)
+            q_g = buffer("query", m * cols_n, dim, compute)
+            torch.index_select(q, 0, torch.from_numpy(cols.reshape(-1)).to(device), out=q_g)
+            q_g = q_g.view(n, k * cols_n, dim)
+        sim = torch.bmm(
+            block,
+            q_g.transpose(1, 2),
+            out=buffer("sim", n * width, k * cols_n, compute).view(n, width, k * cols_n),
+        )
+        if check_finite and c0 == 0:
+            _require_finite(sim[:, :, 0])
+        if argmax is None:
+            best[:, c0:c1] = torch.amax(sim, dim=1).view(m, cols_n)[:, : c1 - c0]
+        else:
+            vals, idx = sim.max(dim=1)
+            best[:, c0:c1] = vals.view(m, cols_n)[:, : c1 - c0]
+            last = torch.from_numpy(np.repeat(lens - 1, k)).to(device)[:, None]
+            argmax[p0:p1, c0:c1] = torch.minimum(idx.view(m, cols_n)[:, : c1 - c0], last).to(torch.int32)
+    if int(ql.min()) < tq:  # a shorter query's extra columns: -0.0 leaves a sum unchanged, argmax -1
+        extra = torch.from_numpy(np.arange(tq)[None, :] >= ql[:, None]).to(device)
+        best.masked_fill_(extra, -0.0)
+        if argmax is not None:
+            argmax[p0:p1, :tq].masked_fill_(extra, -1)
+    # the same sequential sum over query tokens as _score_docs
+    scores[p0:p1].index_add_(1, torch.zeros(tq, dtype=torch.int64, device=device), best)
+
+
 def maxsim_candidates_cpu(
     queries: torch.Tensor,
     query_offsets: torch.Tensor,
@@ -337,7 +460,9 @@ def maxsim_candidates_cpu(
     """Query i against candidate_docs[candidate_offsets[i]:candidate_offsets[i+1]] with torch ops.
 
     Returns fp32 scores [C] (+ int32 argmax [C, max_query_len], -1 past a query's length). Documents are
-    read in place through their indices; each query's candidates are scored as one block problem.
+    read in place through their indices. The pairs of all queries are scored together, in groups of
+    documents of similar length, each document once against every query that lists it (see
+    _RERANK_GROUP_BYTES); a score does not depend on the other pairs of the call.
     ``check_finite`` as in `maxsim_varlen_cpu` (for the candidates' tokens).
     """
     if layout is None:
@@ -355,30 +480,71 @@ def maxsim_candidates_cpu(
         if return_argmax
         else None
     )
-    starts_all = layout.d_offsets[:-1]
-    for i in range(layout.num_queries):
-        c0, c1 = int(c_off[i]), int(c_off[i + 1])
-        if c0 == c1:
-            continue
-        q0, q1 = int(layout.q_offsets[i]), int(layout.q_offsets[i + 1])
-        picked = c_docs[c0:c1]
-        row_scores = torch.zeros(1, c1 - c0, dtype=out_dtype, device=device)
-        row_argmax = (
-            torch.full((q1 - q0, c1 - c0), -1, dtype=torch.int32, device=device) if return_argmax else None
-        )
-        _score_docs(
-            queries[q0:q1].to(compute).contiguous(),
-            torch.zeros(q1 - q0, dtype=torch.int64, device=device),
-            1,
-            docs,
-            doc_scales,
-            starts_all[picked],
-            layout.d_lens[picked],
-            row_scores,
-            row_argmax,
-            check_finite,
-        )
-        scores[c0:c1] = row_scores[0]
-        if argmax is not None:
-            argmax[c0:c1, : q1 - q0] = row_argmax.T
+    if num_c == 0:
+        return (scores, argmax) if return_argmax else scores
+    pair_query = np.repeat(np.arange(layout.num_queries), np.diff(c_off))
+    pair_len = layout.d_lens[c_docs]
+    empty = pair_len == 0
+    if empty.any():  # an empty document scores -inf, argmax -1
+        scores[torch.from_numpy(np.flatnonzero(empty)).to(device)] = -torch.inf
+    full = np.flatnonzero(~empty)
+    if len(full) == 0:
+        return (scores, argmax) if return_argmax else scores
+    # pairs by document (then query); each document's run of pairs cut into units of <= k_max pairs
+    by_doc = full[np.lexsort((pair_query[full], c_docs[full]))]
+    doc_of = c_docs[by_doc]
+    run_start = np.flatnonzero(np.concatenate([[True], doc_of[1:] != doc_of[:-1]]))
+    run_len = np.diff(np.append(run_start, len(by_doc)))
+    columns = max(_MIN_GEMM_ROWS, min(layout.max_query_len, _QUERY_ROWS))
+    k_max = max(1, _QUERY_ROWS // columns)
+    units_per_run = -(-run_len // k_max)
+    first_unit = np.repeat(np.cumsum(units_per_run) - units_per_run, units_per_run)
+    unit_start = np.repeat(run_start, units_per_run) + (np.arange(len(first_unit)) - first_unit) * k_max
+    unit_k = np.minimum(k_max, np.repeat(run_start + run_len, units_per_run) - unit_start)
+    unit_doc = doc_of[unit_start]
+    unit_len = layout.d_lens[unit_doc]
+    # units by pair count, then length (groups pad little), then document (a run's units stay adjacent)
+    u_order = np.lexsort((unit_start, unit_len, unit_k))
+    unit_start, unit_k, unit_doc, unit_len = (x[u_order] for x in (unit_start, unit_k, unit_doc, unit_len))
+    unit_pair0 = np.cumsum(unit_k) - unit_k  # first pair of each unit in the scoring order
+    pair_order = by_doc[np.repeat(unit_start - unit_pair0, unit_k) + np.arange(int(unit_k.sum()))]
+    groups = []
+    k_bounds = np.flatnonzero(np.concatenate([[True], unit_k[1:] != unit_k[:-1], [True]]))
+    itemsize = torch.empty(0, dtype=compute).element_size()
+    padded = np.maximum(unit_len, _MIN_GEMM_ROWS).astype(np.int64)
+    # a unit's document rows, its k queries' rows and its similarities, in the compute dtype
+    unit_bytes = ((padded + unit_k * columns) * layout.dim + padded * unit_k * columns) * itemsize
+    for ka, kb in zip(k_bounds[:-1], k_bounds[1:], strict=True):
+        for a, b in _unit_groups(unit_bytes[ka:kb], _RERANK_GROUP_BYTES):
+            groups.append((int(ka + a), int(ka + b), int(unit_k[ka]), int(unit_pair0[ka + a])))
+    pair_scores = torch.zeros(len(pair_order), 1, dtype=compute, device=device)
+    pair_argmax = (
+        torch.full((len(pair_order), layout.max_query_len), -1, dtype=torch.int32, device=device)
+        if return_argmax
+        else None
+    )
+    sorted_query = pair_query[pair_order]
+    args = (
+        queries.to(compute).contiguous(),
+        layout.q_offsets[:-1][sorted_query],
+        layout.q_lens[sorted_query],
+        docs,
+        doc_scales,
+        layout.d_offsets[:-1][unit_doc],
+        unit_len,
+    )
+
+    def work(group: tuple[int, int, int, int]) -> None:
+        _score_units(*args, group, pair_scores, pair_argmax, check_finite)
+
+    workers = max(1, torch.get_num_threads())
+    if device.type == "cpu" and workers > 1 and len(groups) >= _RERANK_POOL_GROUPS * workers:
+        list(_stream_pool(workers).map(work, groups))
+    else:
+        for group in groups:
+            work(group)
+    placed = torch.from_numpy(pair_order).to(device)
+    scores[placed] = pair_scores[:, 0].to(out_dtype)
+    if argmax is not None:
+        argmax[placed] = pair_argmax
     return (scores, argmax) if return_argmax else scores

@@ -1,0 +1,243 @@
+"""The batched CPU rerank (`maxsim_kernels.cpu.maxsim_candidates_cpu`): every query's candidates scored
+together, a document shared by several queries once against all of them.
+
+Against the float64 reference (`maxsim_candidates_reference`) with test_kernels.py's tolerances (fp32
+accumulation: |score - ref| <= 2e-6 * Lq * max(1, dim / 32) + 1e-6 * |ref|; the argmax equal to the
+reference's wherever the max is clear by 1e-5). Against the other CPU paths bitwise: a pair's score is
+the one the exhaustive path (`maxsim_varlen_cpu`) gives that pair, whatever else shares the call and
+whatever the group budget, as `maxsim score` promises identical bytes under any --max-memory.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from maxsim_kernels import cpu as cpu_backend
+from maxsim_kernels import maxsim_candidates_reference
+from maxsim_kernels.cpu import NonFiniteDocuments, maxsim_candidates_cpu, maxsim_varlen_cpu
+from test_kernels import check_argmax, check_scores, packed
+
+
+def candidates(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """candidate_offsets, candidate_docs of per-query lists."""
+    off = torch.zeros(len(lists) + 1, dtype=torch.int64)
+    off[1:] = torch.cumsum(torch.tensor([len(x) for x in lists], dtype=torch.int64), 0)
+    flat = [d for x in lists for d in x]
+    return off, torch.tensor(flat, dtype=torch.int64)
+
+
+def check_case(
+    q_lens,
+    d_lens,
+    lists,
+    dim,
+    dtype=torch.float32,
+    *,
+    seed=0,
+    q_sign=None,
+    d_sign=None,
+    int8_docs=False,
+) -> torch.Tensor:
+    """Scores and argmax of the batched rerank against the float64 reference and against the exhaustive
+    CPU path (bitwise); returns the scores."""
+    gen = torch.Generator().manual_seed(seed)
+    queries, q_off = packed(q_lens, dim, dtype, sign=q_sign, gen=gen)
+    docs, d_off = packed(d_lens, dim, dtype, sign=d_sign, gen=gen)
+    scales = None
+    if int8_docs:
+        scales = docs.float().abs().amax(dim=1).clamp_min(1e-6) / 127
+        docs = torch.round(docs.float() / scales[:, None]).to(torch.int8)
+    c_off, c_docs = candidates(lists)
+    scores, arg = maxsim_candidates_cpu(
+        queries, q_off, docs, d_off, c_off, c_docs, return_argmax=True, doc_scales=scales
+    )
+    ref = maxsim_candidates_reference(queries, q_off, docs, d_off, c_off, c_docs, doc_scales=scales)
+    pair_query = np.repeat(np.arange(len(lists)), [len(x) for x in lists])
+    q_lens_t = torch.as_tensor(q_lens, dtype=torch.int64)
+    max_q = int(q_lens_t.max())
+    assert scores.shape == (len(c_docs),) and arg.shape == (len(c_docs), max_q) and arg.dtype == torch.int32
+    if dtype == torch.float64:
+        assert scores.dtype == torch.float64
+        assert torch.allclose(scores, ref, rtol=1e-12, atol=1e-12) or torch.equal(scores, ref)
+    else:
+        check_scores(scores, ref, q_lens_t[pair_query], dim)
+    plain = maxsim_candidates_cpu(queries, q_off, docs, d_off, c_off, c_docs, doc_scales=scales)
+    assert torch.equal(plain, scores), "scores must not depend on return_argmax"
+    # the argmax: -1 past each query's length, otherwise a token reaching the max (on the scaled tokens)
+    scaled = docs.double() * scales.double()[:, None] if scales is not None else docs
+    pairs = []
+    for c, (qi, di) in enumerate(zip(pair_query, c_docs.tolist(), strict=True)):
+        assert bool((arg[c, q_lens[qi] :] == -1).all())
+        pairs.append((int(qi), di, arg[c]))
+    check_argmax(arg, queries, q_off, scaled, d_off, pairs)
+    # bitwise the exhaustive path's score of the same pair
+    full = maxsim_varlen_cpu(queries, q_off, docs, d_off, doc_scales=scales)
+    assert torch.equal(scores, full[torch.from_numpy(pair_query), c_docs])
+    return scores
+
+
+def on_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small groups, all on the worker threads (small calls run on the caller's thread)."""
+    monkeypatch.setattr(cpu_backend, "_RERANK_GROUP_BYTES", 200_000)
+    monkeypatch.setattr(cpu_backend, "_RERANK_POOL_GROUPS", 0)
+
+
+@pytest.mark.parametrize("workers", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_random_ragged_candidates_match_the_reference(seed, dtype, workers, monkeypatch):
+    if workers:
+        on_workers(monkeypatch)
+    rng = np.random.default_rng(1000 + seed)
+    nq, nd = int(rng.integers(1, 40)), int(rng.integers(1, 80))
+    q_lens = rng.integers(1, 40, nq).tolist()
+    d_lens = rng.integers(0, 300, nd).tolist()
+    lists = [rng.integers(0, nd, int(rng.integers(0, 25))).tolist() for _ in range(nq)]
+    dim = [24, 40, 96, 128, 136, 8][seed]
+    check_case(q_lens, d_lens, lists, dim, dtype, seed=seed)
+
+
+def test_length_one_queries_and_documents_and_empty_documents():
+    # documents of 0, 1, 2 and 15-17 tokens (around the 16-row padding of the products)
+    d_lens = [1, 0, 2, 1, 15, 16, 17, 1, 0]
+    lists = [[0, 1, 2], [3], [], [4, 5, 6, 7, 8, 0], [1, 8], [7, 7, 0]]
+    scores = check_case([1, 1, 3, 1, 2, 1], d_lens, lists, 24)
+    off = np.cumsum([0] + [len(x) for x in lists])
+    empty = [off[q] + j for q, x in enumerate(lists) for j, d in enumerate(x) if d_lens[d] == 0]
+    assert bool(torch.isinf(scores[empty]).all()) and bool((scores[empty] < 0).all())
+
+
+def test_duplicates_and_a_document_listed_by_many_queries():
+    # document 3 is listed by all 75 queries, twice by some: with queries of <= 5 tokens a product takes
+    # 512 // 16 = 32 of its pairs, so its pairs are split over several products
+    rng = np.random.default_rng(3)
+    nq = 75
+    lists = [[3, int(rng.integers(0, 12))] + ([3] if q % 4 == 0 else []) for q in range(nq)]
+    q_lens = rng.integers(1, 6, nq).tolist()
+    check_case(q_lens, rng.integers(1, 60, 12).tolist(), lists, 40, seed=4)
+
+
+def test_queries_without_candidates_first_last_and_between():
+    lists = [[], [0, 1], [], [], [2, 0, 2], []]
+    check_case([3, 4, 5, 6, 7, 8], [4, 9, 1], lists, 16)
+
+
+def test_no_candidates_at_all():
+    queries, q_off = packed([3, 5], 16)
+    docs, d_off = packed([4, 2], 16)
+    c_off, c_docs = torch.zeros(3, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    scores, arg = maxsim_candidates_cpu(queries, q_off, docs, d_off, c_off, c_docs, return_argmax=True)
+    assert scores.shape == (0,) and scores.dtype == torch.float32
+    assert arg.shape == (0, 5) and arg.dtype == torch.int32
+
+
+def test_only_empty_documents():
+    scores, arg = maxsim_candidates_cpu(
+        *packed([2], 16),
+        torch.zeros(0, 16),
+        torch.zeros(4, dtype=torch.int64),
+        *candidates([[0, 2, 1]]),
+        return_argmax=True,
+    )
+    assert bool(torch.isinf(scores).all()) and bool((scores < 0).all())
+    assert bool((arg == -1).all())
+
+
+def test_negative_similarities():
+    """Every similarity negative: a padding that added a zero (or a dropped column counted as 0) shows."""
+    rng = np.random.default_rng(5)
+    lists = [rng.integers(0, 20, 9).tolist() for _ in range(7)]
+    scores = check_case(
+        rng.integers(1, 30, 7).tolist(), rng.integers(1, 50, 20).tolist(), lists, 48, q_sign=1.0, d_sign=-1.0
+    )
+    assert bool((scores < 0).all())
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_long_queries_are_split_over_several_products(shared):
+    """Queries over 512 tokens (the products' column limit), ragged, alone or sharing documents."""
+    lists = [[0, 1, 2], [1, 3] if shared else [3], [2, 1, 0] if shared else [4]]
+    check_case([600, 17, 1030], [5, 40, 1, 300, 70], lists, 32, seed=6)
+
+
+def test_int8_documents_with_scales():
+    rng = np.random.default_rng(7)
+    lists = [rng.integers(0, 30, 12).tolist() for _ in range(9)]
+    check_case(rng.integers(1, 33, 9).tolist(), rng.integers(0, 120, 30).tolist(), lists, 96, int8_docs=True)
+
+
+def test_float64_queries_and_documents():
+    rng = np.random.default_rng(8)
+    lists = [rng.integers(0, 15, 6).tolist() for _ in range(5)]
+    gen = torch.Generator().manual_seed(8)
+    queries, q_off = packed(rng.integers(1, 20, 5).tolist(), 24, torch.float64, gen=gen)
+    docs, d_off = packed(rng.integers(0, 40, 15).tolist(), 24, torch.float64, gen=gen)
+    c_off, c_docs = candidates(lists)
+    scores = maxsim_candidates_cpu(queries, q_off, docs, d_off, c_off, c_docs)
+    ref = maxsim_candidates_reference(queries, q_off, docs, d_off, c_off, c_docs)
+    assert scores.dtype == torch.float64
+    torch.testing.assert_close(scores, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("pool_groups", [0, 10**9])  # groups on the worker threads / on the caller's
+def test_scores_do_not_depend_on_the_batch_or_the_budget(monkeypatch, pool_groups):
+    """A pair's score is bitwise the same in a call with other queries or alone, and whatever the group
+    budget (one document a product, or many), on the worker threads or not."""
+    monkeypatch.setattr(cpu_backend, "_RERANK_POOL_GROUPS", pool_groups)
+    rng = np.random.default_rng(9)
+    nq, nd = 12, 40
+    gen = torch.Generator().manual_seed(9)
+    q_lens = rng.integers(1, 40, nq).tolist()
+    queries, q_off = packed(q_lens, 96, torch.float16, gen=gen)
+    docs, d_off = packed(rng.integers(1, 200, nd).tolist(), 96, torch.float16, gen=gen)
+    lists = [rng.integers(0, nd, int(rng.integers(0, 30))).tolist() for _ in range(nq)]
+    c_off, c_docs = candidates(lists)
+    full = maxsim_candidates_cpu(queries, q_off, docs, d_off, c_off, c_docs)
+    for budget in (1, 100_000, 1 << 26):  # one document a product, a few, all
+        monkeypatch.setattr(cpu_backend, "_RERANK_GROUP_BYTES", budget)
+        assert torch.equal(maxsim_candidates_cpu(queries, q_off, docs, d_off, c_off, c_docs), full), budget
+    for qa, qb in [(0, 1), (3, 4), (2, 9), (11, 12)]:
+        sub_c_off, sub_c_docs = candidates(lists[qa:qb])
+        sub = maxsim_candidates_cpu(
+            queries[q_off[qa] : q_off[qb]], q_off[qa : qb + 1] - q_off[qa], docs, d_off, sub_c_off, sub_c_docs
+        )
+        assert torch.equal(sub, full[int(c_off[qa]) : int(c_off[qb])]), (qa, qb)
+
+
+@pytest.mark.parametrize("workers", [False, True])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_non_finite_candidate_tokens_raise(bad, dtype, workers, monkeypatch):
+    """check_finite finds a NaN/Inf in any candidate's token, also one shared by many queries (several
+    pairs in one product), and ignores it in a document no query lists."""
+    if workers:
+        on_workers(monkeypatch)
+    rng = np.random.default_rng(10)
+    gen = torch.Generator().manual_seed(10)
+    queries, q_off = packed(rng.integers(1, 9, 40).tolist(), 24, dtype, gen=gen)
+    docs, d_off = packed([5, 1, 9, 3, 7, 30], 24, dtype, gen=gen)
+    docs[int(d_off[2]) + 6, 17] = bad  # document 2, token 6
+    shared = candidates([[2, 0] for _ in range(40)])
+    once = candidates([[0]] * 39 + [[4, 2]])
+    elsewhere = candidates([[0, 1, 3, 4, 5]] * 40)
+    for c_off, c_docs in (shared, once):
+        with pytest.raises(NonFiniteDocuments, match="NaN or Inf"):
+            maxsim_candidates_cpu(queries, q_off, docs, d_off, c_off, c_docs, check_finite=True)
+    clean = maxsim_candidates_cpu(queries, q_off, docs, d_off, *elsewhere, check_finite=True)
+    assert torch.equal(clean, maxsim_candidates_cpu(queries, q_off, docs, d_off, *elsewhere))
+
+
+def test_argument_errors_are_unchanged():
+    queries, q_off = packed([3, 5], 16)
+    docs, d_off = packed([4, 2], 16)
+    with pytest.raises(ValueError, match=r"candidate_docs\[1\] = 2 is not a document index in \[0, 2\)"):
+        maxsim_candidates_cpu(queries, q_off, docs, d_off, *candidates([[0, 2], []]))
+    with pytest.raises(ValueError, match="candidate_offsets has 2 entries but there are 2 queries"):
+        maxsim_candidates_cpu(queries, q_off, docs, d_off, torch.tensor([0, 1]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="candidate_docs must be int64"):
+        maxsim_candidates_cpu(queries, q_off, docs, d_off, torch.tensor([0, 1, 1]), torch.tensor([0.0]))
+    with pytest.raises(ValueError, match="queries have dim 16 but docs have dim 8"):
+        maxsim_candidates_cpu(queries, q_off, docs[:, :8], d_off, *candidates([[0], [1]]))
+    with pytest.raises(ValueError, match="query 1 has no tokens"):
+        maxsim_candidates_cpu(queries, torch.tensor([0, 8, 8]), docs, d_off, *candidates([[0], [1]]))
