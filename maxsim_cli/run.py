@@ -100,12 +100,14 @@ class Run:
         for qid, rows in (results or {}).items():
             collector.write_query(str(qid), [str(d) for d, _ in rows], [float(s) for _, s in rows])
         self._blocks = collector.blocks
+        self._index: dict[str, tuple[_Block, int]] | None = None
         self.stats: Any = None
 
     @classmethod
     def _from_blocks(cls, blocks: list[_Block], stats: object = None) -> Run:
         run = cls.__new__(cls)
         run._blocks = blocks
+        run._index = None
         run.stats = stats
         return run
 
@@ -137,16 +139,19 @@ class Run:
             for rank, (docno, score) in enumerate(zip(docnos, scores.tolist(), strict=True), 1):
                 yield Result(qid, docno, rank, score)
 
+    def _where(self) -> dict[str, tuple[_Block, int]]:
+        """Each qid's block and position in it, made on first use (one dict, not a scan per lookup)."""
+        if self._index is None:
+            self._index = {qid: (block, i) for block in self._blocks for i, qid in enumerate(block.qids)}
+        return self._index
+
     def __getitem__(self, qid: str) -> list[tuple[str, float]]:
-        for block in self._blocks:
-            if qid in block.qids:
-                i = block.qids.index(qid)
-                a, b = int(block.offsets[i]), int(block.offsets[i + 1])
-                return list(zip(block.docnos[a:b].to_pylist(), block.scores[a:b].tolist(), strict=True))
-        raise KeyError(qid)
+        block, i = self._where()[qid]
+        a, b = int(block.offsets[i]), int(block.offsets[i + 1])
+        return list(zip(block.docnos[a:b].to_pylist(), block.scores[a:b].tolist(), strict=True))
 
     def __contains__(self, qid: object) -> bool:
-        return any(qid in block.qids for block in self._blocks)
+        return qid in self._where()
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Run):

@@ -165,8 +165,17 @@ def test_run_rows_dict_dataframe_and_read_back(data, tmp_path) -> None:
     run.to_trec(path)
     again = Run.read(path)
     assert again == run and trec_bytes(again, tmp_path, "again.trec") == path.read_bytes()
-    assert run["q2"] == run.to_dict()["q2"] and "nope" not in run
+    assert run["q2"] == run.to_dict()["q2"] and "nope" not in run and "q7" in run
+    with pytest.raises(KeyError):
+        run["nope"]
     assert isinstance(pd.DataFrame, type)
+
+
+def test_the_package_exports_the_api() -> None:
+    from maxsim_cli import api
+
+    assert set(maxsim_cli._API) == set(api.__all__)
+    assert all(getattr(maxsim_cli, name) is getattr(api, name) for name in api.__all__)
 
 
 def test_empty_run_and_tag(tmp_path) -> None:
