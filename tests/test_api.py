@@ -344,6 +344,12 @@ def test_resident_corpus_that_does_not_fit_says_how_much(data, monkeypatch) -> N
     message = str(info.value)
     assert "needs" in message and "only 1000 B is free" in message and "\n" not in message
     assert corpus.residency is None
+    with open_corpus(data["corpus"]) as corpus:
+        with pytest.raises(UsageError, match="no device given"):
+            corpus.to([])
+        with pytest.raises(UsageError, match="not a device"):
+            corpus.to(["cpu", "tpu"])
+        assert corpus.residency is None and corpus.placement is None
 
 
 def test_resident_corpus_refuses_nan_like_every_read(tmp_path) -> None:
