@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from maxsim_cli.errors import InputError, UsageError
+from maxsim_cli.errors import InputError, MaxsimWarning, UsageError
 from maxsim_cli.queries import Queries, read_queries
 from maxsim_cli.run import Result, Run, RunCollector
 from maxsim_cli.shards import Corpus
@@ -45,11 +45,6 @@ PathLike = str | os.PathLike
 ALL_CANDIDATES = 2**31 - 1
 
 logger = logging.getLogger("maxsim")
-
-
-class MaxsimWarning(UserWarning):
-    """Something was left out or adjusted, and the run is still valid (e.g. candidates missing from the
-    corpus, a batch split after running out of GPU memory)."""
 
 
 def open_corpus(paths: PathLike | Sequence[PathLike], *, verify_checksums: bool = False) -> Corpus:

@@ -22,5 +22,11 @@ class UsageError(MaxsimError):
     exit_code = 2
 
 
+class MaxsimWarning(UserWarning):
+    """Something was left out or adjusted, and the result is still valid (e.g. candidates missing from
+    the corpus, documents written with all-zero token rows). Defined here, the lowest layer, so that
+    every layer can warn with it; `maxsim_cli.MaxsimWarning` is this class."""
+
+
 class RankStopped(MaxsimError):
     """A rank of a job stopped early because another rank failed (that rank's error is the job's)."""
