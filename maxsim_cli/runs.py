@@ -10,7 +10,8 @@ Run formats read (detected from the first data line, then required of every line
 - ColBERT, four tab-separated columns ``qid pid rank score``; the rank is ignored.
 
 Any of them may be gzip-compressed (recognised by its magic bytes, whatever the name) and ``-`` reads
-standard input. Blank lines are skipped. In tab-separated lines a field must be non-empty and contain no
+standard input; ``irds:<dataset-id>`` reads an ir_datasets dataset's scoreddocs or qrels instead
+(`maxsim_cli.irds`). Blank lines are skipped. In tab-separated lines a field must be non-empty and contain no
 whitespace (a space inside a tab-separated id would silently become two ids for trec_eval).
 
 Order written (trec_eval's own): score descending, ties broken by docno descending, both compared exactly
@@ -36,6 +37,7 @@ from typing import IO, NamedTuple
 
 import numpy as np
 
+from maxsim_cli import irds
 from maxsim_cli.errors import InputError, UsageError
 from maxsim_cli.shards import ID_WHITESPACE, has_whitespace, string_bytes
 from maxsim_cli.shards.files import OutputFile, write_error
@@ -231,6 +233,10 @@ def iter_run(path: str | os.PathLike[str]) -> Iterator[RunRow]:
     Raises `InputError` naming ``file:line`` for a wrong column count, a non-numeric score, invalid
     UTF-8, whitespace inside a tab-separated field, a docno repeated within one query, or an empty file.
     """
+    if irds.is_irds(path):
+        for qid, docno, score, number in irds.iter_scoreddocs(str(path)):
+            yield RunRow(qid, docno, None, score, number)
+        return
     name = _display_name(path)
     seen: dict[str, set[str]] = {}
     for row in _iter_run_rows(path):
@@ -252,7 +258,10 @@ def read_run(path: str | os.PathLike[str]) -> dict[str, list[tuple[str, float]]]
     """Read a whole run: ``qid -> [(docno, score), ...]`` in file order, qids in first-appearance order.
 
     The score is the file's score (``-rank`` for MS MARCO runs); sort with `sort_trec` for the ranking.
+    ``irds:<dataset-id>`` reads the scoreddocs of an ir_datasets dataset (`maxsim_cli.irds`).
     """
+    if irds.is_irds(path):
+        return irds.read_run(str(path))
     name = _display_name(path)
     by_query: dict[str, dict[str, float]] = {}
     for row in _iter_run_rows(path):
@@ -269,6 +278,10 @@ def iter_qrels(path: str | os.PathLike[str]) -> Iterator[Qrel]:
     Errors name ``file:line``: wrong column count, non-integer relevance, a (qid, docno) judged twice,
     an empty file.
     """
+    if irds.is_irds(path):
+        for qid, docno, relevance, number in irds.iter_qrels(str(path)):
+            yield Qrel(qid, docno, relevance, number)
+        return
     name = _display_name(path)
     seen: set[tuple[str, str]] = set()
     count = 0
@@ -296,7 +309,8 @@ def iter_qrels(path: str | os.PathLike[str]) -> Iterator[Qrel]:
 
 
 def read_qrels(path: str | os.PathLike[str]) -> dict[str, dict[str, int]]:
-    """Read a whole qrels file: ``qid -> {docno: relevance}``, qids in first-appearance order."""
+    """Read a whole qrels file: ``qid -> {docno: relevance}``, qids in first-appearance order;
+    ``irds:<dataset-id>`` reads an ir_datasets dataset's qrels (`maxsim_cli.irds`)."""
     qrels: dict[str, dict[str, int]] = {}
     for qrel in iter_qrels(path):
         qrels.setdefault(qrel.qid, {})[qrel.docno] = qrel.relevance
