@@ -1,9 +1,11 @@
 """Evaluate a run against TREC qrels with ir_measures (the optional ``eval`` extra).
 
 The run is read by `maxsim_cli.runs` (TREC, MS MARCO or ColBERT format, .gz, ``-`` for stdin), so a
-malformed line is reported as ``file:line`` before ir_measures sees anything; the measures themselves are
-ir_measures' (pytrec_eval inside). Each value is a mean over the *judged* queries: a query of the qrels
-that the run lacks scores 0 (as ``trec_eval -c``), a query of the run that has no judgement is ignored.
+malformed line is reported as ``file:line`` before ir_measures sees anything; ``irds:<dataset-id>``, for
+the run or the qrels, reads an ir_datasets dataset's scoreddocs or qrels (`maxsim_cli.irds`). The
+measures themselves are ir_measures' (pytrec_eval inside). Each value is a mean over the *judged*
+queries: a query of the qrels that the run lacks scores 0 (as ``trec_eval -c``), a query of the run that
+has no judgement is ignored.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ def evaluate_run(
 
     e.g. ``nDCG@10 = mean_q DCG@10(q) / IDCG@10(q)`` with ``DCG@k = sum_{r<=k} (2^rel_r - 1) / log2(r + 1)``
     as trec_eval defines it; ``RR@10`` the reciprocal rank of the first relevant document in the top 10.
-    The run is ordered as trec_eval orders it: score descending, ties by docno descending.
+    The run is ordered as trec_eval orders it: score descending, ties by docno descending. Either path
+    may be ``irds:<dataset-id>`` (the dataset's scoreddocs as the run, its qrels as the qrels).
     """
     if str(run_path) == "-" and str(qrels_path) == "-":
         raise UsageError("RUN and QRELS cannot both be '-' (standard input); give one of them as a file")

@@ -25,10 +25,14 @@ def register(app: typer.Typer) -> None:
         run: str = typer.Argument(
             ...,
             metavar="RUN",
-            help="Run to evaluate: TREC 6 columns, MS MARCO or ColBERT TSV, optionally .gz; '-' reads stdin.",
+            help="Run to evaluate: TREC 6 columns, MS MARCO or ColBERT TSV, optionally .gz; '-' reads stdin; "
+            "irds:<dataset-id> evaluates an ir_datasets dataset's own run (its scoreddocs).",
         ),
         qrels: str = typer.Argument(
-            ..., metavar="QRELS", help="TREC qrels 'qid 0 docno relevance', optionally .gz."
+            ...,
+            metavar="QRELS",
+            help="TREC qrels 'qid 0 docno relevance', optionally .gz, or irds:<dataset-id> for the qrels of "
+            "an ir_datasets dataset (pip install 'maxsim[irds]').",
         ),
         measure: Annotated[list[str] | None, typer.Option("--measure", "-m", help=_MEASURE_HELP)] = None,
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object {measure: value}."),
@@ -39,6 +43,8 @@ def register(app: typer.Typer) -> None:
         The table (or JSON) goes to stdout, the query counts to stderr.
 
         Example: maxsim eval sample_data/candidates.trec sample_data/qrels.txt -m nDCG@10 -m RR@10
+
+        Example: maxsim eval run.trec irds:msmarco-passage/dev/small -m RR@10
         """
         result = evaluate_run(run, qrels, measure or None)
         if as_json:

@@ -38,7 +38,8 @@ def register(app: typer.Typer) -> None:
             None,
             "--candidates",
             help="Rerank the candidates of this first-stage run (TREC, MS MARCO or ColBERT TSV, optionally "
-            ".gz; '-' is stdin) instead of scoring every document.",
+            ".gz; '-' is stdin; irds:<dataset-id> reads an ir_datasets dataset's scoreddocs) instead of "
+            "scoring every document.",
         ),
         strict: bool = typer.Option(
             False, "--strict", help="With --candidates: candidates missing from the corpus are an error."
