@@ -39,7 +39,14 @@ import numpy as np
 
 from maxsim_cli import irds
 from maxsim_cli.errors import InputError, UsageError
-from maxsim_cli.shards import ID_WHITESPACE, has_whitespace, string_bytes
+from maxsim_cli.shards import (
+    ID_FORBIDDEN,
+    ID_FORBIDDEN_NOT_SPACE,
+    ID_RULE,
+    has_forbidden_chars,
+    id_problem,
+    string_bytes,
+)
 from maxsim_cli.shards.files import OutputFile, write_error
 
 __all__ = [
@@ -53,13 +60,14 @@ __all__ = [
     "iter_run",
     "read_qrels",
     "read_run",
+    "read_run_and_format",
     "sort_trec",
 ]
 
 _GZIP_MAGIC = b"\x1f\x8b"
 # Rows per part when write_ranked formats a block on several threads (512K rows: 15 parts on 16 cores).
 _PARALLEL_ROWS = 32768
-_WHITESPACE = ID_WHITESPACE  # TREC fields are whitespace-separated
+_WHITESPACE = ID_FORBIDDEN  # what a TREC field cannot hold: whitespace, control and zero-width characters
 RUN_FORMATS = ("trec", "msmarco", "colbert")
 _COLUMNS = {6: "trec", 3: "msmarco", 4: "colbert"}
 _FORMAT_DESCRIPTION = {
@@ -153,14 +161,21 @@ def _iter_lines(path: str | os.PathLike[str], what: str) -> Iterator[tuple[int, 
 
 
 def _split_fields(name: str, lineno: int, text: str) -> list[str]:
-    """Tab-separated when the line has a tab, else whitespace-separated."""
+    """Tab-separated when the line has a tab, else whitespace-separated. A field holding a character that
+    ids may not hold (`maxsim_cli.shards.ID_FORBIDDEN`: a NUL, a zero-width space, ...) is an error."""
     if "\t" not in text:
-        return text.split()
+        fields = text.split()
+        if ID_FORBIDDEN_NOT_SPACE.search(text):
+            column, field = next((c, f) for c, f in enumerate(fields, 1) if ID_FORBIDDEN_NOT_SPACE.search(f))
+            raise InputError(f"{name}:{lineno}: column {column} {field!r} {id_problem(field)}; {ID_RULE}")
+        return fields
     fields = text.strip(" ").split("\t")
     for column, field in enumerate(fields, 1):
         if not field:
             raise InputError(f"{name}:{lineno}: column {column} is empty (two tabs in a row?); remove it")
         if _WHITESPACE.search(field):
+            if ID_FORBIDDEN_NOT_SPACE.search(field):
+                raise InputError(f"{name}:{lineno}: column {column} {field!r} {id_problem(field)}; {ID_RULE}")
             raise InputError(
                 f"{name}:{lineno}: column {column} {field!r} contains whitespace; "
                 "ids cannot contain spaces, and columns must be separated by single tabs"
@@ -185,8 +200,9 @@ def _parse_rank(name: str, lineno: int, text: str, column: int) -> int:
         raise InputError(f"{name}:{lineno}: rank (column {column}) {text!r} is not an integer") from None
 
 
-def _iter_run_rows(path: str | os.PathLike[str]) -> Iterator[RunRow]:
-    """Parse rows without duplicate checks (those need state the callers keep in their own shape)."""
+def _iter_run_rows(path: str | os.PathLike[str], formats: list[str] | None = None) -> Iterator[RunRow]:
+    """Parse rows without duplicate checks (those need state the callers keep in their own shape); the
+    format found on the first line is appended to ``formats`` when given."""
     name = _display_name(path)
     run_format: str | None = None
     num_columns = 0
@@ -201,6 +217,8 @@ def _iter_run_rows(path: str | os.PathLike[str]) -> Iterator[RunRow]:
                     "or ColBERT 'qid<TAB>pid<TAB>rank<TAB>score' (4) format"
                 )
             num_columns = len(fields)
+            if formats is not None:
+                formats.append(run_format)
         elif len(fields) != num_columns:
             raise InputError(
                 f"{name}:{lineno}: {len(fields)} columns, but the file started as "
@@ -260,16 +278,23 @@ def read_run(path: str | os.PathLike[str]) -> dict[str, list[tuple[str, float]]]
     The score is the file's score (``-rank`` for MS MARCO runs); sort with `sort_trec` for the ranking.
     ``irds:<dataset-id>`` reads the scoreddocs of an ir_datasets dataset (`maxsim_cli.irds`).
     """
+    return read_run_and_format(path)[0]
+
+
+def read_run_and_format(path: str | os.PathLike[str]) -> tuple[dict[str, list[tuple[str, float]]], str]:
+    """`read_run` and the format the file was read as: ``"trec"``, ``"colbert"``, ``"msmarco"`` (no score
+    column: the scores are ``-rank``) or ``"irds"`` (an ir_datasets dataset's scoreddocs)."""
     if irds.is_irds(path):
-        return irds.read_run(str(path))
+        return irds.read_run(str(path)), "irds"
     name = _display_name(path)
     by_query: dict[str, dict[str, float]] = {}
-    for row in _iter_run_rows(path):
+    formats: list[str] = []
+    for row in _iter_run_rows(path, formats):
         docs = by_query.setdefault(row.qid, {})
         if row.docno in docs:
             raise _duplicate_error(name, row)
         docs[row.docno] = row.score
-    return {qid: list(docs.items()) for qid, docs in by_query.items()}
+    return {qid: list(docs.items()) for qid, docs in by_query.items()}, formats[0]
 
 
 def iter_qrels(path: str | os.PathLike[str]) -> Iterator[Qrel]:
@@ -382,11 +407,12 @@ def sort_trec(docnos: Sequence[str], scores: Sequence[float]) -> list[int]:
 
 
 def _check_id(kind: str, value: str, target: str, qid: str | None = None) -> None:
-    if not value or _WHITESPACE.search(value):
+    problem = id_problem(value)
+    if problem is not None:
         where = f" (query {qid!r})" if qid is not None else ""
         raise InputError(
-            f"{target}: {kind} {value!r}{where} is empty or contains whitespace, which a TREC run cannot "
-            "hold; rename it in the input"
+            f"{target}: {kind} {value!r}{where} {problem}, which a TREC run cannot hold; rename it in the "
+            "input"
         )
 
 
@@ -484,7 +510,7 @@ class RankedSink:
             and all(q and not _WHITESPACE.search(q) for q in qids)
             and bool(np.isfinite(keys).all())
             and bool((keys[:, :-1] >= keys[:, 1:]).all())
-            and not has_whitespace(docnos)
+            and not has_forbidden_chars(docnos)
             and (m == 0 or pc.min(pc.utf8_length(docnos)).as_py() > 0)
             and _ties_by_docno_descending(docnos, keys)
         )
@@ -516,8 +542,8 @@ class RunWriter(RankedSink):
     def __init__(self, path: str | os.PathLike[str], tag: str = "maxsim", fmt: str = "trec") -> None:
         if fmt not in ("trec", "jsonl"):
             raise UsageError(f"unknown run format {fmt!r}; use 'trec' or 'jsonl'")
-        if not tag or _WHITESPACE.search(tag):
-            raise UsageError(f"run tag {tag!r} is empty or contains whitespace; pass a single word")
+        if id_problem(tag) is not None:
+            raise UsageError(f"run tag {tag!r} {id_problem(tag)}; pass a single word")
         self.path = str(path)
         super().__init__("<stdout>" if self.path == "-" else self.path)
         self.tag = tag

@@ -89,6 +89,9 @@ def test_run_from_stdin(monkeypatch):
         ("q1 Q0 d1 1 2 t\n\nq1 Q0 d1 2 1 t\n", "run.txt:3: docno 'd1' appears twice for query 'q1'"),
         ("q1 d1 1 2 t\n", "run.txt:1: 5 columns; expected a run in TREC"),
         ("q 1\td1\t1\n", "run.txt:1: column 1 'q 1' contains whitespace"),
+        ("q1 Q0 d\x001 1 2 t\n", "run.txt:1: column 3 'd\\x001' contains a control character, U+0000"),
+        ("q1\td\u200b1\t1\n", "run.txt:1: column 2 'd\\u200b1' contains an invisible zero-width character"),
+        ("q1\td1\x7f\t1\t2\n", "run.txt:1: column 2 'd1\\x7f' contains a control character, U+007F"),
         ("q1\t\td1\t1\n", "run.txt:1: column 2 is empty"),
         ("q1\td1\tfirst\n", "run.txt:1: rank (column 3) 'first' is not an integer"),
         ("", "run.txt: the run is empty"),
@@ -142,6 +145,9 @@ def test_qrels(tmp_path):
         read_qrels(bad)
     bad = write(tmp_path, "qrels.txt", "q1 d1 1\n")
     with pytest.raises(InputError, match=r"qrels.txt:1: 3 columns; expected TREC qrels"):
+        read_qrels(bad)
+    bad = write(tmp_path, "qrels.txt", "q1 0 d1 1\nq1 0 \ufeffd2 1\n")  # a BOM is allowed on line 1 only
+    with pytest.raises(InputError, match=r"qrels.txt:2: column 3 '\\ufeffd2' contains an invisible"):
         read_qrels(bad)
 
 
@@ -266,19 +272,22 @@ def test_write_ranked_block_equals_write_query_per_query(tmp_path, monkeypatch, 
     with pytest.raises(InputError, match="docno 'a b' .*whitespace"):
         with RunWriter(str(tmp_path / "bad.trec")) as writer:
             writer.write_ranked(qids, spaced, block_scores)
-    # every character Python's \s matches is caught on the Arrow path too (RE2's \s is ASCII only)
-    import re
-
+    # every character an id may not hold (Python's \s, control and zero-width characters) is caught on
+    # the Arrow path too (RE2's \s is ASCII only)
     import pyarrow.compute as pc
 
-    from maxsim_cli.shards import ID_WHITESPACE_RE2, has_whitespace
+    from maxsim_cli.shards import ID_FORBIDDEN, ID_FORBIDDEN_RE2, has_forbidden_chars
 
     chars = [chr(c) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF]
-    spaces = [c for c in chars if re.match(r"\s", c)]
-    found = pc.match_substring_regex(pa.array([f"d{c}x" for c in spaces]), ID_WHITESPACE_RE2)
+    forbidden = [c for c in chars if ID_FORBIDDEN.match(c)]
+    assert {"\x00", "\x7f", "\u200b", "\u200d", "\u2060", "\ufeff", "\u3000"} <= set(forbidden)
+    found = pc.match_substring_regex(pa.array([f"d{c}x" for c in forbidden]), ID_FORBIDDEN_RE2)
     assert all(found.to_pylist())
-    assert all(has_whitespace(pa.array([f"d{c}x"])) for c in spaces)  # ASCII ones by the byte table
-    assert not has_whitespace(pa.array([f"d{c}x" for c in chars if not re.match(r"\s", c)]))
+    assert all(has_forbidden_chars(pa.array([f"d{c}x"])) for c in forbidden)  # ASCII: the byte table
+    assert not has_forbidden_chars(pa.array([f"d{c}x" for c in chars if not ID_FORBIDDEN.match(c)]))
+    with pytest.raises(InputError, match=r"docno 'a\\x00b' .*contains a control character, U\+0000"):
+        with RunWriter(str(tmp_path / "bad.trec")) as writer:
+            writer.write_ranked(qids, pa.array(["a\x00b"] + block_docnos.to_pylist()[1:]), block_scores)
     with pytest.raises(InputError, match="whitespace"):
         with RunWriter(str(tmp_path / "bad.trec")) as writer:
             writer.write_ranked(qids, pa.array(["a\u3000b"] + block_docnos.to_pylist()[1:]), block_scores)
@@ -324,8 +333,10 @@ def test_run_writer_is_atomic(tmp_path):
 @pytest.mark.parametrize(
     ("qid", "docnos", "scores", "message"),
     [
-        ("q 1", ["d1"], [1.0], "query id 'q 1' is empty or contains whitespace"),
-        ("q1", ["d\t1"], [1.0], "docno 'd\\t1' (query 'q1') is empty or contains whitespace"),
+        ("q 1", ["d1"], [1.0], "query id 'q 1' contains whitespace, U+0020 SPACE, at character 1"),
+        ("q1", ["d\t1"], [1.0], "docno 'd\\t1' (query 'q1') contains whitespace, U+0009"),
+        ("q1", ["d\u200b1"], [1.0], "docno 'd\\u200b1' (query 'q1') contains an invisible zero-width"),
+        ("q\x001", ["d1"], [1.0], "query id 'q\\x001' contains a control character, U+0000"),
         ("q1", [""], [1.0], "docno '' (query 'q1') is empty"),
         ("q1", ["d1"], [float("nan")], "score nan of docno 'd1' for query 'q1' is not finite"),
         ("q1", ["d1", "d1"], [1.0, 2.0], "docno 'd1' given twice for query 'q1'"),

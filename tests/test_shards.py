@@ -336,7 +336,8 @@ def test_parquet_from_a_foreign_writer(tmp_path):
 
 def test_id_checks_without_python_objects_agree_with_python_on_every_code_point() -> None:
     """The shard reader checks ids with a byte table (ASCII ids) or Arrow's regex (others) and sorted
-    neighbours; both must refuse exactly the ids that Python's `\\s` or a repeated id would."""
+    neighbours; both must refuse exactly the ids that `ID_FORBIDDEN` (Python's `\\s`, control and
+    zero-width characters) or a repeated id would."""
     import numpy as np
 
     from maxsim_cli import shards as sh
@@ -351,8 +352,9 @@ def test_id_checks_without_python_objects_agree_with_python_on_every_code_point(
         if 0xD800 <= code <= 0xDFFF:
             continue  # surrogates are not valid UTF-8
         for ids in ([f"a{char}b", "c"], [f"x{char}", "é"]):  # an ASCII-only id list, and a mixed one
-            if sh.ID_WHITESPACE.search(char):
-                with pytest.raises(MaxsimError, match="contains whitespace"):
+            if sh.ID_FORBIDDEN.search(char):
+                kind = "whitespace" if char.isspace() else "a control" if code < 0xA0 else "an invisible"
+                with pytest.raises(MaxsimError, match=f"contains {kind}"):
                     decode(ids)
             else:
                 decode(ids)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -88,11 +89,52 @@ _ARROW_VALUE_TYPES = {
 }
 _NUMPY_STORAGE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "int8": np.int8}
 
-ID_WHITESPACE = re.compile(r"\s")  # ASCII and Unicode whitespace, as str.split() sees it
-# The same characters as ID_WHITESPACE in RE2 syntax (Arrow's regexes): RE2's \s is ASCII only.
-ID_WHITESPACE_RE2 = r"[\s\x0b\x1c-\x1f\x85\p{Z}]"
-_ASCII_WHITESPACE = np.zeros(256, dtype=bool)
-_ASCII_WHITESPACE[[0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x1C, 0x1D, 0x1E, 0x1F, 0x20]] = True  # str.isspace() < 0x80
+# What an id may not hold (docs/format.md, "Logical content"): whitespace (`str.isspace()`: TREC fields are
+# whitespace-separated), control characters (C0, DEL, C1: a NUL cuts a C string, a newline a run line) and
+# the invisible zero-width characters U+200B..U+200D, U+2060, U+FEFF (two ids that print alike but differ).
+ID_FORBIDDEN = re.compile(r"[\s\x00-\x1f\x7f-\x9f\u200b-\u200d\u2060\ufeff]")
+# The same characters in RE2 syntax (Arrow's regexes): RE2's \s is ASCII only, \p{Z} adds the rest of
+# `str.isspace()` beyond the control characters.
+ID_FORBIDDEN_RE2 = r"[\s\x00-\x1f\x7f-\x9f\p{Z}\x{200B}-\x{200D}\x{2060}\x{FEFF}]"
+# The forbidden characters that are not whitespace: what is left inside a field once a line is split.
+ID_FORBIDDEN_NOT_SPACE = re.compile(r"[\x00-\x08\x0e-\x1b\x7f-\x84\x86-\x9f\u200b-\u200d\u2060\ufeff]")
+# Former names, kept for code that imported them: they now match every forbidden character.
+ID_WHITESPACE = ID_FORBIDDEN
+ID_WHITESPACE_RE2 = ID_FORBIDDEN_RE2
+_ASCII_FORBIDDEN = np.zeros(256, dtype=bool)
+_ASCII_FORBIDDEN[0x00:0x21] = True  # the C0 controls and space (tab, newline, ... among them)
+_ASCII_FORBIDDEN[0x7F] = True
+ID_RULE = "ids must be non-empty, without whitespace, control or zero-width characters (docs/format.md)"
+
+
+def id_problem(value: str) -> str | None:
+    """What makes ``value`` unfit to be an id (a document id, a query id, a TREC field), or None:
+    "is empty", or which forbidden character it holds (`ID_FORBIDDEN`) and where."""
+    if not value:
+        return "is empty"
+    found = ID_FORBIDDEN.search(value)
+    if found is None:
+        return None
+    char = found.group()
+    if char.isspace():
+        kind = "whitespace"
+    elif unicodedata.category(char) == "Cc":
+        kind = "a control character"
+    else:
+        kind = "an invisible zero-width character"
+    name = unicodedata.name(char, "")
+    return f"contains {kind}, U+{ord(char):04X}{f' {name}' if name else ''}, at character {found.start()}"
+
+
+def check_id(path: str, value: str, position: str, *, what: str = "id") -> None:
+    """Raise `InputError` (one line: ``path``, the id shown with escapes, ``position`` such as
+    "at index 7" or "on line 3") when `id_problem` finds something; the one id check every reader and
+    writer shares."""
+    if not value:
+        raise _err(path, f"empty {what} {position}; every document needs an id")
+    problem = id_problem(value)
+    if problem is not None:
+        raise _err(path, f"{what} {_show_id(value)} {position} {problem}; {ID_RULE}")
 
 
 def _one_line(text: object, limit: int = 200) -> str:
@@ -210,17 +252,12 @@ def _parse_metadata(path: str, meta: dict[str, str] | None, where: str) -> dict[
     return values
 
 
-def _check_ids(path: str, ids: list[str], *, what: str = "id") -> None:
-    """Ids: non-empty, no whitespace (TREC fields are whitespace-separated), unique within the shard."""
-    joined = "".join(ids)
-    if ID_WHITESPACE.search(joined):
+def _check_ids(path: str, ids: Sequence[str], *, what: str = "id") -> None:
+    """Ids: `check_id` for each (non-empty, no whitespace, control or zero-width character), unique within
+    the shard."""
+    if not all(ids) or ID_FORBIDDEN.search("".join(ids)):
         for i, doc_id in enumerate(ids):
-            if ID_WHITESPACE.search(doc_id):
-                raise _err(
-                    path,
-                    f"{what} {_show_id(doc_id)} at index {i} contains whitespace; "
-                    "ids must be single tokens for TREC runs",
-                )
+            check_id(path, doc_id, f"at index {i}", what=what)
     if len(set(ids)) != len(ids):
         first: dict[str, int] = {}
         for i, doc_id in enumerate(ids):
@@ -231,9 +268,6 @@ def _check_ids(path: str, ids: list[str], *, what: str = "id") -> None:
                     "ids must be unique",
                 )
             first[doc_id] = i
-    for i, doc_id in enumerate(ids):
-        if not doc_id:
-            raise _err(path, f"empty {what} at index {i}; every document needs an id")
 
 
 class _ArrowIds(Sequence[str]):
@@ -294,12 +328,12 @@ def _decode_ids(path: str, data: np.ndarray, id_offsets: np.ndarray) -> pa.Array
 
 
 def _ids_pass(ids: pa.Array) -> bool:
-    """Whether non-empty ids have no null, no whitespace and no duplicate, checked without a Python
-    object per id; `_check_ids` then names what fails. Duplicates: equal neighbours once sorted. 12.8K
-    ids: 0.7 ms against 3.6 ms for Python's regex and set."""
+    """Whether non-empty ids have no null, no forbidden character (`ID_FORBIDDEN`) and no duplicate,
+    checked without a Python object per id; `_check_ids` then names what fails. Duplicates: equal
+    neighbours once sorted. 12.8K ids: 0.7 ms against 3.6 ms for Python's regex and set."""
     if len(ids) == 0:
         return True
-    if ids.null_count or has_whitespace(ids):
+    if ids.null_count or has_forbidden_chars(ids):
         return False
     return not _has_equal_neighbours(ids.take(pc.sort_indices(ids)))
 
@@ -315,13 +349,16 @@ def string_bytes(strings: pa.Array) -> np.ndarray:
     return np.frombuffer(data_buffer, dtype=np.uint8)[int(offsets[0]) : int(offsets[-1])]
 
 
-def has_whitespace(strings: pa.Array) -> bool:
-    """Whether any value holds a character that `ID_WHITESPACE` (Python's \\s) matches: a byte table over
-    the data when every byte is ASCII, Arrow's regex (`ID_WHITESPACE_RE2`) otherwise."""
+def has_forbidden_chars(strings: pa.Array) -> bool:
+    """Whether any value holds a character that ids may not hold (`ID_FORBIDDEN`): a byte table over the
+    data when every byte is ASCII, Arrow's regex (`ID_FORBIDDEN_RE2`) otherwise."""
     data = string_bytes(strings)
     if len(data) and int(data.max()) < 0x80:
-        return bool(_ASCII_WHITESPACE[data].any())
-    return bool(pc.any(pc.match_substring_regex(strings, ID_WHITESPACE_RE2)).as_py())
+        return bool(_ASCII_FORBIDDEN[data].any())
+    return bool(pc.any(pc.match_substring_regex(strings, ID_FORBIDDEN_RE2)).as_py())
+
+
+has_whitespace = has_forbidden_chars  # the former name
 
 
 # Sorting the ids shard by shard pays from this many threads, or from this many ids on fewer threads:

@@ -31,7 +31,6 @@ from maxsim_cli.shards.format import (
     DTYPES,
     FORMAT_NAME,
     FORMAT_VERSION,
-    ID_WHITESPACE,
     MANIFEST_NAME,
     MAX_ARROW_TOKENS,
     NORM_TOLERANCE,
@@ -41,6 +40,7 @@ from maxsim_cli.shards.format import (
     _check_values,
     _err,
     _show_id,
+    check_id,
     torch_dtypes,
 )
 from maxsim_cli.shards.readers import open_shard
@@ -354,13 +354,7 @@ class ShardWriter:
             index = len(self.ids) + k
             if not isinstance(doc_id, str):
                 raise InputError(f"{self.path}: id at index {index} is {type(doc_id).__name__}, not str")
-            if not doc_id:
-                raise InputError(f"{self.path}: empty id at index {index}; every document needs an id")
-            if ID_WHITESPACE.search(doc_id):
-                raise InputError(
-                    f"{self.path}: id {_show_id(doc_id)} at index {index} contains whitespace; "
-                    "ids must be single tokens for TREC runs"
-                )
+            check_id(self.path, doc_id, f"at index {index}")
             try:
                 doc_id.encode("utf-8")
             except UnicodeEncodeError:
