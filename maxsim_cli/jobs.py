@@ -48,8 +48,17 @@ Environment variables read here:
   before the status exchange (default 3600).
 - ``MAXSIM_TEST_FAIL_RANK``: *test hook*. ``R`` makes rank ``R`` raise an error after opening the corpus,
   ``R:kill`` makes it kill itself with SIGKILL there. Only for tests of the failure paths.
-- ``MAXSIM_DEVICES``, ``MAXSIM_STORE``, ``MAXSIM_STATUS_FILE``: set by the ``--devices cpu:N`` launcher
-  for its workers (device of each local rank; ``host:port`` of the launcher's store; where rank 0 reports).
+- ``MAXSIM_DEVICES``, ``MAXSIM_STORE``, ``MAXSIM_STATUS_FILE``, ``MAXSIM_LAUNCHER_PID``: set by the
+  ``--devices cpu:N`` launcher for its workers (device of each local rank; ``host:port`` of the
+  launcher's store; where rank 0 reports; the launcher's pid, see `maxsim_cli.lifeline`).
+
+**Lifetime of ``--devices cpu:N`` workers.** The workers die with their launcher, however it ends
+(`maxsim_cli.lifeline`: a death signal from the kernel and a thread watching the parent); rank 0 checks
+that the launcher is still there before it writes the run, so no run appears after the job failed.
+SIGINT and SIGHUP go to the launcher alone (workers ignore them); it stops the workers with SIGTERM,
+then SIGKILL after `TERMINATE_GRACE_S`. Rank 0 notes the temporary file of the run it writes in the
+job's folder, so that a launcher whose rank 0 was killed removes exactly that file. A worker that finds
+its launcher gone removes the job's folder (its two or three files) on its way out.
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ import datetime
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -73,6 +83,7 @@ import numpy as np
 import torch
 
 from maxsim_cli.errors import MaxsimError, RankStopped, UsageError
+from maxsim_cli.lifeline import ENV_LAUNCHER_PID, launcher_gone
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.stats import ScoreStats
 from maxsim_cli.shards.resident import assign_shards
@@ -86,6 +97,8 @@ ENV_FAIL_RANK = "MAXSIM_TEST_FAIL_RANK"
 ENV_DEVICES = "MAXSIM_DEVICES"
 ENV_STORE = "MAXSIM_STORE"
 ENV_STATUS = "MAXSIM_STATUS_FILE"
+# Beside the status file: the temporary file rank 0 is writing the run to (one line), while it does.
+PARTIAL_NOTE = "partial-output"
 # A collective waits this long by default: it must cover the slowest rank's lag behind the fastest at
 # the status exchange (shares are balanced by tokens, so the lag is a small part of a job's time).
 DEFAULT_TIMEOUT_S = 3600.0
@@ -95,7 +108,22 @@ FAILED_PEER_GRACE_S = 30.0
 # Launcher: seconds between SIGTERM and SIGKILL when stopping workers.
 TERMINATE_GRACE_S = 10.0
 # The launcher's workers run this (not `-m maxsim_cli.jobs`, which would load this module twice).
-_WORKER_CODE = "import sys; from maxsim_cli.jobs import worker_main; sys.exit(worker_main(sys.argv[1:]))"
+# The lifeline is tied before torch is imported (seconds), so that a launcher killed meanwhile takes
+# its workers along; a worker whose launcher died removes the job's folder on its way out.
+_WORKER_CODE = f"""
+import os, sys
+from maxsim_cli import lifeline
+try:
+    lifeline.tie_to_launcher()
+    from maxsim_cli.jobs import worker_main
+    sys.exit(worker_main(sys.argv[1:]))
+finally:
+    status = os.environ.get({ENV_STATUS!r}, "")
+    folder = os.path.dirname(status)
+    lifeline.remove_if_orphaned(
+        [sys.argv[1], status, status + ".tmp", os.path.join(folder, {PARTIAL_NOTE!r})], folder
+    )
+"""
 _ERROR_CLASSES: dict[int, type[MaxsimError]] = {1: MaxsimError, 2: UsageError}
 
 Logger = Callable[[str], None]
@@ -640,9 +668,10 @@ def _score_share(
     `staging_bytes`: the rank's pinned staging arena (`RankContext`); `run` and `run_index`: the
     candidates' run and its `run_candidate_index`, when the job has made them already (else made
     here); `progress`: the job's bar, shared by rank threads (else rank 0 draws its own share)."""
+    from maxsim_cli.queries import read_queries, read_query_ids
     from maxsim_cli.runs import read_run
     from maxsim_cli.scoring import engine
-    from maxsim_cli.shards import Corpus, open_shard, read_queries
+    from maxsim_cli.shards import Corpus
 
     own_corpus = corpus is None
     if corpus is None:
@@ -667,8 +696,7 @@ def _score_share(
             )
         query_ids = None
         if rank == 0:
-            with open_shard(request.queries) as qshard:
-                query_ids = list(qshard.ids)
+            query_ids = read_query_ids(request.queries)  # a query shard or a folder of them
         candidates = None
         if request.candidates is not None:
             run = run if run is not None else read_run(request.candidates)
@@ -690,7 +718,7 @@ def _score_share(
             started = time.perf_counter()
             try:
                 share_request.check()  # bad options are reported before the query file is read
-                queries = read_queries(share_request.queries)
+                queries = read_queries(share_request.queries).batch
                 entered = time.perf_counter()
                 stats = engine.run(
                     share_request, sub, queries, sink, candidates=candidates, context=context, log=log
@@ -745,8 +773,35 @@ def _write_merged(request: ScoreRequest, shares: Sequence[_Share], order: _Merge
     """Rank 0: the best ``top_k`` of every query over all ranks, in the query file's order, written once."""
     from maxsim_cli.runs import RunWriter
 
+    if launcher_gone():  # the job has failed: its launcher is dead and reports nothing; write nothing
+        raise SystemExit(128 + signal.SIGTERM)
     with RunWriter(request.output, tag=request.run_tag, fmt=request.fmt) as writer:
-        _merge_into(writer, request.top_k, shares, order)
+        note = _note_partial_output(writer)
+        try:
+            _merge_into(writer, request.top_k, shares, order)
+        finally:
+            _remove_quietly(note)
+
+
+def _note_partial_output(writer: Any) -> str | None:
+    """Under the ``--devices`` launcher, write the path of the run's temporary file to the job folder's
+    `PARTIAL_NOTE`: should this rank be killed while writing, the launcher removes that file, and only
+    it. Returns the note's path (None when there is nothing to note)."""
+    status_path = os.environ.get(ENV_STATUS)
+    output = getattr(writer, "_output", None)  # the run's `OutputFile`; None on stdout
+    tmp = getattr(output, "_tmp", None)  # None for a FIFO or a device, written through
+    if not status_path or not tmp:
+        return None
+    note = os.path.join(os.path.dirname(status_path), PARTIAL_NOTE)
+    with open(note, "w", encoding="utf-8") as fh:
+        fh.write(os.path.abspath(tmp))
+    return note
+
+
+def _remove_quietly(path: str | None) -> None:
+    if path:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _merge_into(sink: Any, top_k: int, shares: Sequence[_Share], order: _MergeOrder | None) -> None:
@@ -1024,6 +1079,7 @@ def launch(request: ScoreRequest, devices: Sequence[str]) -> ScoreStats:
                 ENV_STORE: f"127.0.0.1:{store.port}",
                 ENV_DEVICES: ",".join(devices),
                 ENV_STATUS: status_path,
+                ENV_LAUNCHER_PID: str(os.getpid()),
             }
         )
         if cpu_workers:
@@ -1116,7 +1172,7 @@ def _job_outcome(
     killed = [(r, -codes[r]) for r in order if codes[r] < 0 and codes[r] != -signal.SIGTERM]
     if killed:
         r, signum = killed[0]
-        _remove_partial_output(output, started)
+        _remove_partial_output(status_path, output, started)
         raise MaxsimError(
             f"worker rank {r} of {world} ({devices[r]}) was killed by {_signal_name(signum)}; the job "
             "stopped and no run was written (out of host memory? see the system log)"
@@ -1128,7 +1184,7 @@ def _job_outcome(
     bad = [(r, c) for r, c in enumerate(codes) if c != 0]
     if bad or status is None:
         r, c = bad[0] if bad else (0, codes[0])
-        _remove_partial_output(output, started)
+        _remove_partial_output(status_path, output, started)
         raise MaxsimError(
             f"worker rank {r} of {world} ({devices[r]}) exited with code {c} without a report; its "
             "messages are above; no run was written"
@@ -1137,24 +1193,30 @@ def _job_outcome(
     return ScoreStats(**fields)
 
 
-def _remove_partial_output(output: str, started: float) -> None:
-    """A rank 0 killed while writing leaves its temporary file (`RunWriter`'s ``.NAME.*.tmp``) behind."""
-    if output == "-":
-        return
-    directory = os.path.dirname(os.path.abspath(output))
-    prefix = f".{os.path.basename(output)}."
+def _remove_partial_output(status_path: str, output: str, started: float) -> None:
+    """Remove the temporary file that a rank 0 killed while writing left behind, and nothing else: the
+    file named by its note (`PARTIAL_NOTE`), if it is a regular file (not a link) in the folder the run
+    goes to, named as `OutputFile` names its temp files for that run, and made during this job."""
+    note = os.path.join(os.path.dirname(status_path), PARTIAL_NOTE)
     try:
-        names = os.listdir(directory)
+        with open(note, encoding="utf-8") as fh:
+            tmp = fh.read().strip()
     except OSError:
         return
-    for name in names:
-        if name.startswith(prefix) and name.endswith(".tmp"):
-            path = os.path.join(directory, name)
-            try:
-                if os.path.getmtime(path) >= started - 1:
-                    os.unlink(path)
-            except OSError:
-                pass
+    if output == "-" or not tmp:
+        return
+    target = os.path.realpath(output)  # `OutputFile` writes beside the file a symlink names
+    name = os.path.basename(tmp)
+    if os.path.realpath(os.path.dirname(tmp)) != os.path.dirname(target):
+        return
+    if not (name.startswith(f".{os.path.basename(target)}.") and name.endswith(".tmp")):
+        return
+    try:
+        st = os.lstat(tmp)
+        if stat.S_ISREG(st.st_mode) and st.st_mtime >= started - 1:
+            os.unlink(tmp)
+    except OSError:
+        pass
 
 
 def _signal_name(signum: int) -> str:

@@ -1,0 +1,104 @@
+"""A worker process that dies with the process that started it (the ``--devices cpu:N`` launcher).
+
+`tie_to_launcher` runs first thing in a worker, before torch is imported, so that a worker is never left
+running (and never writes the run) once its launcher is gone, whatever ended the launcher - SIGKILL
+included, which the launcher cannot clean up after:
+
+- On Linux the kernel sends the worker SIGTERM the moment its parent dies (``prctl(PR_SET_PDEATHSIG)``).
+- Everywhere, a daemon thread checks ``os.getppid()`` every `POLL_S` (a dead parent makes the worker an
+  orphan, with a new parent) and sends the worker SIGTERM itself.
+- SIGTERM raises `SystemExit` in the main thread, so the worker's ``finally`` blocks run: a run being
+  written loses its temporary file. A worker that has not ended `GRACE_S` after its launcher died (stuck
+  in a collective) is killed.
+
+SIGINT and SIGHUP are ignored by a worker: Ctrl-C and a closed terminal reach the whole process group,
+and it is the launcher that decides, then stops its workers with SIGTERM.
+
+This module imports nothing of maxsim's and nothing heavy: it must be cheap before torch is loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+# The launcher's pid, set by the launcher for its workers.
+ENV_LAUNCHER_PID = "MAXSIM_LAUNCHER_PID"
+# How often the watcher thread looks for its parent (a few microseconds each time).
+POLL_S = 0.2
+# Seconds between the launcher's death and SIGKILL for a worker that did not end on SIGTERM.
+GRACE_S = 10.0
+_PR_SET_PDEATHSIG = 1
+
+
+def launcher_pid() -> int | None:
+    """The launcher's pid from the environment, or None outside a ``--devices`` worker."""
+    try:
+        return int(os.environ[ENV_LAUNCHER_PID])
+    except (KeyError, ValueError):
+        return None
+
+
+def launcher_gone() -> bool:
+    """Whether this process is a ``--devices`` worker whose launcher has died (it was re-parented)."""
+    pid = launcher_pid()
+    return pid is not None and os.getppid() != pid
+
+
+def _raise_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _death_signal() -> None:
+    """Ask the kernel for SIGTERM when the parent dies (Linux only; elsewhere the watcher does it)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _watch(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(POLL_S)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(GRACE_S)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def tie_to_launcher() -> None:
+    """Make this worker die with its launcher (see the module docstring). Call from the main thread,
+    first thing. Without ``MAXSIM_LAUNCHER_PID`` (not a ``--devices`` worker) it does nothing."""
+    parent = launcher_pid()
+    if parent is None:
+        return
+    signal.signal(signal.SIGTERM, _raise_exit)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    _death_signal()
+    threading.Thread(target=_watch, args=(parent,), name="maxsim-lifeline", daemon=True).start()
+    if os.getppid() != parent:  # the launcher died before the death signal was asked for
+        raise SystemExit(128 + signal.SIGTERM)
+
+
+def remove_if_orphaned(paths: list[str], folder: str) -> None:
+    """When the launcher is gone (it cannot clean up any more): remove the job's files ``paths`` by
+    name, then ``folder`` if that left it empty - never anything else."""
+    if not launcher_gone():
+        return
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass
