@@ -34,6 +34,7 @@ import torch
 from maxsim_cli.agreement import ranking_agreement
 from maxsim_cli.devices import resolve_device
 from maxsim_cli.errors import InputError, UsageError
+from maxsim_cli.queries import read_queries
 from maxsim_cli.shards import (
     MANIFEST_NAME,
     Corpus,
@@ -41,7 +42,6 @@ from maxsim_cli.shards import (
     ShardInfo,
     ShardWriter,
     open_corpus,
-    read_queries,
     staging_dir,
     write_manifest,
 )
@@ -190,7 +190,7 @@ def _file_queries(
     path: str, corpus: Corpus, count: int, rng: np.random.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """At most `count` queries of a query file (a seeded sample if it holds more), as float."""
-    batch = read_queries(path)
+    batch = read_queries(path).batch  # a query shard or a folder of them
     if batch.embeddings.shape[1] != corpus.dim:
         raise InputError(
             f"{path}: queries have dim {batch.embeddings.shape[1]} but the corpus has dim {corpus.dim}; "

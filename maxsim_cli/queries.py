@@ -195,3 +195,15 @@ def read_queries(path: str | os.PathLike[str]) -> Queries:
     offsets[1:] = torch.cumsum(lengths, 0)
     scales = torch.cat([p.scales for p in parts]) if parts[0].scales is not None else None
     return Queries(DocBatch(ids, embeddings, offsets, scales), name)
+
+
+def read_query_ids(path: str | os.PathLike[str]) -> list[str]:
+    """The query ids of a query shard file or a folder of them, in order, without reading the embeddings."""
+    from maxsim_cli.shards import open_corpus, open_shard
+
+    name = os.fspath(path)
+    if os.path.isdir(name):
+        with open_corpus([name]) as folder:
+            return [qid for shard in folder.shards for qid in shard.ids]
+    with open_shard(name) as shard:
+        return list(shard.ids)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import time
 
+from maxsim_cli.queries import read_queries
 from maxsim_cli.runs import RunWriter, read_run
 from maxsim_cli.scoring import engine
 from maxsim_cli.scoring.engine import Logger, RankContext
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.stats import ScoreStats
-from maxsim_cli.shards import check_same_dim, open_corpus, read_queries
+from maxsim_cli.shards import check_same_dim, open_corpus
 from maxsim_cli.shards.files import check_output
 
 
@@ -27,7 +28,7 @@ def score_files(request: ScoreRequest, *, log: Logger = engine._stderr) -> Score
     arena = engine.open_arena(request, device) if device.type == "cuda" else None
     corpus = open_corpus(list(request.corpus))
     try:
-        queries = read_queries(request.queries)
+        queries = read_queries(request.queries).batch  # a query shard, a folder of them, or stdin
         check_same_dim(queries, request.query_name, corpus)  # before the run is read, as always
         candidates = read_run(request.candidates) if request.candidates is not None else None
         entered = time.perf_counter()

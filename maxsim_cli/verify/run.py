@@ -24,7 +24,8 @@ import torch
 from maxsim_cli.agreement import score_errors
 from maxsim_cli.devices import check_backend_option, resolve_device
 from maxsim_cli.errors import InputError, MaxsimError, UsageError
-from maxsim_cli.shards import Corpus, DocBatch, open_corpus, read_queries
+from maxsim_cli.queries import read_queries
+from maxsim_cli.shards import Corpus, DocBatch, open_corpus
 from maxsim_cli.verify.batches import _Context, _score_all_pairs, _score_candidates
 from maxsim_cli.verify.checks import (
     UNIT_ROUNDOFF,
@@ -105,7 +106,7 @@ def verify(
     if chosen_backend == "auto":  # the report names the backend that actually ran
         chosen_backend = "triton" if dev.type == "cuda" else "torch"
 
-    qbatch = read_queries(queries)
+    qbatch = read_queries(queries).batch  # a query shard, a folder of them, or stdin
     docs_corpus = open_corpus(list(corpus))
     ref_corpus = open_corpus(list(reference_corpus)) if reference_corpus else None
     try:
