@@ -147,7 +147,9 @@ RULES = [
         ("maxsim_cli.jobs", "maxsim_cli.score", "maxsim_cli.api", "maxsim_cli.commands", "maxsim_cli.cli"),
     ),
     (("maxsim_cli.jobs",), ("maxsim_cli.score", "maxsim_cli.api", "maxsim_cli.commands", "maxsim_cli.cli")),
-    (("maxsim_cli.api",), ("maxsim_cli.commands", "maxsim_cli.cli")),
+    (("maxsim_cli.api",), ("maxsim_cli.commands", "maxsim_cli.cli", "maxsim_cli.pyterrier")),
+    # the PyTerrier transformers: over the API, beside the command line and the server
+    (("maxsim_cli.pyterrier",), ("maxsim_cli.commands", "maxsim_cli.cli", "maxsim_cli.service")),
     # maxsim serve: HTTP over the API; the command line starts it, never the other way round
     (("maxsim_cli.service",), ("maxsim_cli.commands", "maxsim_cli.cli")),
     (
