@@ -427,3 +427,18 @@ def test_without_pyterrier_the_import_says_what_to_install(monkeypatch) -> None:
     assert str(err.value) == (
         "maxsim_cli.pyterrier needs PyTerrier and pandas; install them with: pip install 'maxsim[pyterrier]'"
     )
+
+
+def test_the_command_line_does_not_import_pyterrier() -> None:
+    """``maxsim --help`` (and the CLI module) stay free of PyTerrier and pandas."""
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "from maxsim_cli.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print([m for m in ('pyterrier', 'pandas', 'maxsim_cli.pyterrier') if m in sys.modules])"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
