@@ -199,8 +199,8 @@ def _source_parts(src: str) -> list[_Part]:
             by_suffix.setdefault(suffix, []).append(name)
     if len(by_suffix) > 1:
         raise UsageError(
-            f"{src}: holds {' and '.join(sorted(by_suffix))} files together; put each kind in a folder of its "
-            "own or name the files"
+            f"{src}: holds {' and '.join(sorted(by_suffix))} files together; put each kind in a folder "
+            "of its own or name the files"
         )
     if ".npy" in by_suffix:
         return [_Part(src, "npy")]
@@ -672,7 +672,7 @@ def pack(
     """
     if not sources:
         raise UsageError(
-            "pack: give at least one SOURCE (Parquet, Arrow IPC, a folder of them, or a directory of .npy files)"
+            "pack: give at least one SOURCE (Parquet, Arrow IPC, a folder of them, or a folder of .npy files)"
         )
     for src in sources:
         if not os.path.exists(src):

@@ -1,4 +1,5 @@
-"""`maxsim pack`: build shards from Parquet / Arrow IPC tables or a directory of .npy files."""
+"""`maxsim pack`: build shards from Parquet / Arrow IPC tables, folders of them (Hugging Face datasets) or a
+directory of .npy files."""
 
 from __future__ import annotations
 
@@ -47,12 +48,16 @@ def register(app: typer.Typer) -> None:
         sources: Annotated[
             list[str],
             typer.Argument(
-                help="Parquet or Arrow IPC files with an id column and a token-embedding column, and/or "
-                "directories of .npy files (one [num_tokens, dim] array per document, id = file stem).",
+                help="Parquet or Arrow IPC files with an id column and a token-embedding column; folders of "
+                "them (a Hugging Face dataset's data/ folder, a save_to_disk folder); and/or directories of "
+                ".npy files (one [num_tokens, dim] array per document, id = file stem).",
             ),
         ],
         output: str = typer.Option(
-            ..., "--output", "-o", help="Output directory: new, or existing without shards in it."
+            ...,
+            "--output",
+            "-o",
+            help="Output directory: new, or existing without shards in it (see --overwrite).",
         ),
         id_column: str = typer.Option(
             "id", "--id-column", help="Column of document ids (strings or integers)."
@@ -62,6 +67,12 @@ def register(app: typer.Typer) -> None:
             "--embedding-column",
             help="Column of token embeddings: list<list<float>>, list<fixed_size_list<float>> or their "
             "large_list variants.",
+        ),
+        mask_column: str | None = typer.Option(
+            None,
+            "--mask-column",
+            help="Column of per-document masks (0/1 or true/false, one per token vector, e.g. an "
+            "attention mask): token vectors marked 0 are padding and are left out.",
         ),
         dtype: str = typer.Option("float16", "--dtype", help="Stored dtype: float16, bfloat16 or float32."),
         shard_tokens: int = typer.Option(
@@ -77,14 +88,21 @@ def register(app: typer.Typer) -> None:
         encoder: str | None = typer.Option(
             None, "--encoder", help="Name of the encoder that made the embeddings, recorded in each shard."
         ),
+        overwrite: bool = typer.Option(
+            False,
+            "--overwrite",
+            help="Replace the shards and index.json already in OUTDIR (other files stay); the old ones "
+            "are removed only once the new ones are complete.",
+        ),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no summary line."),
     ) -> None:
         """Pack token embeddings into shards (shard-00000.safetensors, ...) plus an index.json manifest.
 
-        Reads Parquet by record batches and memory-maps Arrow and .npy files, so memory stays bounded
-        whatever the input size. Nothing is written to OUTDIR unless the whole run succeeds.
+        Reads Parquet and Arrow by record batches and memory-maps .npy files, one file at a time, so memory
+        stays bounded whatever the input size. Nothing is written to OUTDIR unless the whole run succeeds.
+        Documents with all-zero token rows (padding stored without its mask) get a warning.
 
-        Example: maxsim pack embeddings.parquet --embedding-column colbert -o corpus/ --normalize
+        Example: maxsim pack data/ --embedding-column colbert --mask-column attention_mask -o corpus/
         """
         from maxsim_cli.pack import pack
         from maxsim_cli.units import format_size
@@ -95,13 +113,18 @@ def register(app: typer.Typer) -> None:
                 output,
                 id_column=id_column,
                 embedding_column=embedding_column,
+                mask_column=mask_column,
                 dtype=dtype,
                 shard_tokens=shard_tokens,
                 normalize=normalize,
                 format=fmt,
                 encoder=encoder,
+                overwrite=overwrite,
                 progress=update,
             )
+        if result.zero_row_docs:  # a warning, not an error: the shards are valid, the scores may not be
+            remedy = "pack with --mask-column NAME (the attention mask) to leave padding out"
+            typer.echo(f"warning: {result.zero_row_warning(remedy)}", err=True)
         if not quiet:
             size = sum(os.path.getsize(s.path) for s in result.shards)
             typer.echo(

@@ -3,6 +3,12 @@ checking every rule of the format as they arrive, and writes atomically (nothing
 unless `close()` succeeds); `write_shard` writes one shard from in-memory data; `write_manifest`
 writes a corpus directory's `index.json`.
 
+Embeddings come as encoders return them: a list of per-document `[len, dim]` arrays (PyLate, stanford
+ColBERT), a padded `[n, L, dim]` array with an `[n, L]` mask (colpali-engine, a Hugging Face model's
+attention mask), or packed `[T, dim]` rows with offsets. Masked tokens are left out. Documents that
+still carry all-zero token rows (padding passed without its mask) are counted and reported with a
+`MaxsimWarning` when the shard is closed.
+
 Writing takes tensors (numpy input is wrapped), so torch is imported when documents are added.
 """
 
@@ -20,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from maxsim_cli.errors import InputError, MaxsimError
+from maxsim_cli.errors import InputError, MaxsimError, MaxsimWarning
 from maxsim_cli.shards.corpus import _sha256, list_shard_files
 from maxsim_cli.shards.files import _atomic_temp, _remove_quietly, write_error, write_text_atomic
 from maxsim_cli.shards.format import (
@@ -74,6 +80,35 @@ def infer_dtype(x: torch.Tensor) -> str:
     if x.dtype in dtype_names:
         return dtype_names[x.dtype]
     raise TypeError(f"unsupported embedding dtype {x.dtype}")
+
+
+def _as_id_list(ids: Any) -> list[Any]:
+    """Ids as a list: a numpy array or a tensor of integer ids gives Python ints."""
+    return ids.tolist() if hasattr(ids, "tolist") and not isinstance(ids, (str, bytes)) else list(ids)
+
+
+def _mask_rows(mask: Any, where: str) -> torch.Tensor:
+    """One document's mask as a bool tensor: True/1 marks a real token, False/0 padding."""
+    import torch
+
+    keep = mask.detach().cpu() if isinstance(mask, torch.Tensor) else torch.as_tensor(np.asarray(mask))
+    if keep.dtype != torch.bool:
+        if not bool(((keep == 0) | (keep == 1)).all()):
+            bad = keep[(keep != 0) & (keep != 1)][0].item()
+            raise InputError(
+                f"{where} holds {bad!r}; a mask holds True/1 for real tokens, False/0 for padding"
+            )
+        keep = keep != 0
+    return keep
+
+
+def zero_row_warning(path: str, num_docs: int, first_id: str, remedy: str, *, where: str = "") -> str:
+    """What to tell a user whose documents carry all-zero token rows (most often padding kept because
+    the mask was not passed: the rows then take part in every max and change the scores). `where`: the
+    first document's place in its source."""
+    docs = f"{num_docs:,} document carries" if num_docs == 1 else f"{num_docs:,} documents carry"
+    first = _show_id(first_id) + (f" at {where}" if where else "")
+    return f"{path}: {docs} all-zero token rows (first: {first}): padding kept without its mask? {remedy}"
 
 
 class _SafetensorsSink:
@@ -285,6 +320,9 @@ class ShardWriter:
     `normalized=None` records whether every token vector has unit L2 norm (within NORM_TOLERANCE);
     `True` asserts it and refuses vectors that are not. `format` is safetensors, arrow or parquet
     (default: from the file suffix; "arrow-stream" writes an Arrow IPC file).
+
+    Documents with all-zero token rows are counted (`zero_row_docs`, `first_zero_row_id`) and `close()`
+    warns about them with a `MaxsimWarning` (`warn_zero_rows=False`: the caller reports them).
     """
 
     def __init__(
@@ -296,6 +334,7 @@ class ShardWriter:
         normalized: bool | None = None,
         encoder: str | None = None,
         format: str | None = None,
+        warn_zero_rows: bool = True,
     ) -> None:
         self.path = os.fspath(path)
         if dtype not in DTYPES:
@@ -320,6 +359,9 @@ class ShardWriter:
         self._seen: set[str] = set()
         self._lengths: list[np.ndarray] = []
         self.num_tokens = 0
+        self.zero_row_docs = 0
+        self.first_zero_row_id: str | None = None
+        self.warn_zero_rows = warn_zero_rows
         self._closed = False
         meta = self._meta_keys(False)
         self._sink: _SafetensorsSink | _RecordSink
@@ -348,12 +390,16 @@ class ShardWriter:
             meta["encoder"] = self.encoder
         return meta
 
-    def _check_new_ids(self, ids: Sequence[str]) -> list[str]:
+    def _check_new_ids(self, ids: Sequence[str | int]) -> list[str]:
         out = []
         for k, doc_id in enumerate(ids):
             index = len(self.ids) + k
+            if isinstance(doc_id, (int, np.integer)) and not isinstance(doc_id, (bool, np.bool_)):
+                doc_id = str(int(doc_id))  # as `maxsim pack` stores an integer id column: 7 -> "7"
             if not isinstance(doc_id, str):
-                raise InputError(f"{self.path}: id at index {index} is {type(doc_id).__name__}, not str")
+                raise InputError(
+                    f"{self.path}: id at index {index} is {type(doc_id).__name__}; ids must be str or int"
+                )
             check_id(self.path, doc_id, f"at index {index}")
             try:
                 doc_id.encode("utf-8")
@@ -373,22 +419,89 @@ class ShardWriter:
             seen.add(doc_id)
         return out
 
-    def add(self, ids: Sequence[str], embeddings: Any, *, offsets: Any = None, scales: Any = None) -> None:
-        """Append documents: `embeddings` is a list of per-document `[len, dim]` arrays/tensors, or one
-        packed `[T, dim]` with `offsets` `[n+1]`. int8 needs `scales` (per document `[len]` or packed `[T]`).
+    def add(
+        self,
+        ids: Sequence[str | int],
+        embeddings: Any,
+        *,
+        mask: Any = None,
+        offsets: Any = None,
+        scales: Any = None,
+    ) -> None:
+        """Append documents. `embeddings`: a list of per-document `[len, dim]` arrays/tensors, a padded
+        `[n, L, dim]` array/tensor, or one packed `[T, dim]` with `offsets` `[n+1]`. `mask` (with a list
+        or a padded array): `[n, L]` or one `[len]` per document, True/1 for real tokens; masked tokens
+        are left out. int8 needs `scales` (per document `[len]`, padded `[n, L]`, or packed `[T]`).
+        Ids are str or int (`7` is stored as `"7"`).
         """
         if self._closed:
             raise MaxsimError(f"{self.path}: writer is closed")
         try:
-            self._add(list(ids), embeddings, offsets, scales)
+            self._add(_as_id_list(ids), embeddings, mask, offsets, scales)
         except BaseException:
             self.abort()
             raise
 
-    def _add(self, ids: list[str], embeddings: Any, offsets: Any, scales: Any) -> None:
+    def _unpad(
+        self, ids: list[Any], embeddings: Any, mask: Any, scales: Any
+    ) -> tuple[list[torch.Tensor], Any]:
+        """Per-document `[len, dim]` tensors, masked tokens left out (and so their scales)."""
         import torch
 
         base = len(self.ids)
+        padded = isinstance(embeddings, (torch.Tensor, np.ndarray)) and embeddings.ndim == 3
+        if isinstance(embeddings, (torch.Tensor, np.ndarray)) and not padded:
+            raise InputError(
+                f"{self.path}: embeddings of shape {tuple(embeddings.shape)}; pass a list of [tokens, dim] "
+                "arrays (one per document), a padded [documents, tokens, dim] array with its mask, or "
+                "packed [tokens, dim] rows with offsets="
+            )
+        docs = list(_as_tensor(embeddings).unbind(0)) if padded else [_as_tensor(e) for e in embeddings]
+        if len(docs) != len(ids):
+            raise InputError(f"{self.path}: {len(ids)} ids but {len(docs)} documents of embeddings")
+        for k, d in enumerate(docs):
+            if d.ndim != 2 or d.shape[0] == 0:
+                raise InputError(
+                    f"{self.path}: document {_show_id(str(ids[k]))} (index {base + k}) has shape "
+                    f"{tuple(d.shape)}; expected [num_tokens >= 1, {self.dim}]"
+                )
+        if mask is None:
+            return docs, scales
+        if padded and hasattr(mask, "shape") and tuple(mask.shape) != tuple(embeddings.shape[:2]):
+            raise InputError(
+                f"{self.path}: mask has shape {tuple(mask.shape)}; expected {tuple(embeddings.shape[:2])} "
+                f"([documents, tokens]) for embeddings of shape {tuple(embeddings.shape)}"
+            )
+        masks = list(mask.unbind(0)) if isinstance(mask, torch.Tensor) else list(mask)
+        if len(masks) != len(docs):
+            raise InputError(f"{self.path}: {len(masks)} masks for {len(docs)} documents; give one each")
+        keeps = []
+        for k, (d, m) in enumerate(zip(docs, masks, strict=True)):
+            where = f"{self.path}: the mask of document {_show_id(str(ids[k]))} (index {base + k})"
+            keep = _mask_rows(m, where).reshape(-1)
+            if keep.shape[0] != d.shape[0]:
+                raise InputError(f"{where} has {keep.shape[0]} entries for {d.shape[0]} token rows")
+            if not bool(keep.any()):
+                raise InputError(f"{where} masks every token; every document needs at least one token")
+            keeps.append(keep)
+        if scales is not None:
+            if isinstance(scales, (torch.Tensor, np.ndarray)) and scales.ndim == 1:
+                raise InputError(
+                    f"{self.path}: packed [T] scales with a mask; pass one [len] per document or a padded "
+                    "[documents, tokens] array"
+                )
+            scales = [_as_tensor(s).reshape(-1)[keep] for s, keep in zip(scales, keeps, strict=True)]
+        return [d if bool(keep.all()) else d[keep] for d, keep in zip(docs, keeps, strict=True)], scales
+
+    def _add(self, ids: list[Any], embeddings: Any, mask: Any, offsets: Any, scales: Any) -> None:
+        import torch
+
+        base = len(self.ids)
+        if offsets is not None and mask is not None:
+            raise InputError(
+                f"{self.path}: mask= with offsets=: packed rows hold no padding; give the padded "
+                "embeddings with their mask, or the packed rows alone"
+            )
         if offsets is not None:
             packed = _as_tensor(embeddings)
             offs = np.asarray(offsets.cpu() if isinstance(offsets, torch.Tensor) else offsets, dtype=np.int64)
@@ -401,17 +514,9 @@ class ShardWriter:
             _check_offsets(self.path, offs, ids, packed.shape[0])
             lengths = np.diff(offs)
         else:
-            if len(embeddings) != len(ids):
-                raise InputError(f"{self.path}: {len(ids)} ids but {len(embeddings)} embedding arrays")
-            if len(ids) == 0:
+            if len(embeddings) == 0 and len(ids) == 0:
                 return
-            docs = [_as_tensor(e) for e in embeddings]
-            for k, d in enumerate(docs):
-                if d.ndim != 2 or d.shape[0] == 0:
-                    raise InputError(
-                        f"{self.path}: document {_show_id(str(ids[k]))} (index {base + k}) has shape "
-                        f"{tuple(d.shape)}; expected [num_tokens >= 1, {self.dim}]"
-                    )
+            docs, scales = self._unpad(ids, embeddings, mask, scales)
             lengths = np.array([d.shape[0] for d in docs], dtype=np.int64)
             packed = (
                 docs[0]
@@ -473,6 +578,8 @@ class ShardWriter:
                         f"{_show_id(ids[doc])} has L2 norm {float(norms[row]):.4g}; normalise the "
                         "vectors or pass normalized=None"
                     )
+        if self.dtype != "int8":
+            self._count_zero_rows(values, local, ids)
         try:
             self._sink.add(ids, values, lengths, scale_t)
         except OSError as exc:
@@ -481,8 +588,22 @@ class ShardWriter:
         self._lengths.append(lengths)
         self.num_tokens += int(values.shape[0])
 
+    def _count_zero_rows(self, values: torch.Tensor, offsets: np.ndarray, ids: list[str]) -> None:
+        """Count the documents with an all-zero token row: a real encoder never outputs one, padding does."""
+        zero = ~values.ne(0).any(dim=1)
+        if not bool(zero.any()):
+            return
+        rows = zero.nonzero()[:, 0].numpy()
+        docs = np.unique(np.searchsorted(offsets, rows, side="right") - 1)
+        self.zero_row_docs += len(docs)
+        if self.first_zero_row_id is None:
+            self.first_zero_row_id = ids[int(docs[0])]
+
     def close(self) -> ShardInfo:
         """Finish the file and move it into place; returns what was written."""
+        return self._close(stacklevel=3)
+
+    def _close(self, stacklevel: int) -> ShardInfo:
         if self._closed:
             raise MaxsimError(f"{self.path}: writer is already closed")
         try:
@@ -503,6 +624,10 @@ class ShardWriter:
             self.abort()
             raise
         self._closed = True
+        if self.warn_zero_rows and self.first_zero_row_id is not None:
+            remedy = "pass mask= (the attention mask) so that padding is left out"
+            message = zero_row_warning(self.path, self.zero_row_docs, self.first_zero_row_id, remedy)
+            warnings.warn(message, MaxsimWarning, stacklevel=stacklevel)
         return ShardInfo(
             self.path,
             self.format,
@@ -528,14 +653,15 @@ class ShardWriter:
         if exc_type is not None:
             self.abort()
         elif not self._closed:
-            self.close()
+            self._close(stacklevel=3)
 
 
 def write_shard(
     path: str | os.PathLike[str],
-    ids: Sequence[str],
+    ids: Sequence[str | int],
     embeddings: Any,
     *,
+    mask: Any = None,
     offsets: Any = None,
     scales: Any = None,
     dtype: str | None = None,
@@ -545,31 +671,44 @@ def write_shard(
 ) -> ShardInfo:
     """Write one shard atomically from in-memory data and return its ShardInfo.
 
-    `embeddings`: a list of per-document `[len, dim]` arrays/tensors (what PyLate and colpali-engine
-    return), or one packed `[T, dim]` with `offsets` `[n+1]`. `dtype` defaults to the input's (float64 is
-    stored as float32); int8 needs `scales`. `format` defaults to the file suffix (`.arrow`, `.parquet`,
-    else safetensors). `normalized=None` records whether all vectors have unit L2 norm.
+    `embeddings`: a list of per-document `[len, dim]` arrays/tensors (what PyLate and stanford ColBERT
+    return), a padded `[n, L, dim]` array/tensor with `mask` `[n, L]` (what colpali-engine or a Hugging
+    Face model returns, with the batch's attention mask; True/1 marks a real token), or one packed
+    `[T, dim]` with `offsets` `[n+1]`. Masked tokens are left out of the shard. Ids are str or int (`7`
+    is stored as `"7"`). `dtype` defaults to the input's (float64 is stored as float32); int8 needs
+    `scales`. `format` defaults to the file suffix (`.arrow`, `.parquet`, else safetensors).
+    `normalized=None` records whether all vectors have unit L2 norm. Documents with all-zero token rows
+    (padding passed without its mask) are written as given, with a `MaxsimWarning`.
 
         write_shard("docs.safetensors", ids, model.encode(texts, is_query=False))
+        write_shard("pages.safetensors", ids, out, mask=batch["attention_mask"])
     """
+    import torch
+
     path = os.fspath(path)
     if offsets is not None:
         first = _as_tensor(embeddings)
+    elif isinstance(embeddings, (torch.Tensor, np.ndarray)) and embeddings.ndim != 3:
+        raise InputError(
+            f"{path}: embeddings of shape {tuple(embeddings.shape)}; pass a list of [tokens, dim] arrays "
+            "(one per document), a padded [documents, tokens, dim] array with its mask, or packed "
+            "[tokens, dim] rows with offsets="
+        )
     else:
         if len(embeddings) == 0:
             raise InputError(f"{path}: no documents to write; a shard holds at least one")
         first = _as_tensor(embeddings[0])
     if first.ndim != 2:
         raise InputError(
-            f"{path}: embeddings must be [num_tokens, dim] per document (or packed [T, dim] with "
-            f"offsets), got shape {tuple(first.shape)}"
+            f"{path}: embeddings must be [num_tokens, dim] per document, padded [documents, tokens, dim] "
+            f"with a mask, or packed [T, dim] with offsets; got shape {tuple(first.shape)}"
         )
     dim = int(first.shape[1])
     writer = ShardWriter(
         path, dim, dtype or infer_dtype(first), normalized=normalized, encoder=encoder, format=format
     )
-    writer.add(ids, embeddings, offsets=offsets, scales=scales)
-    return writer.close()
+    writer.add(ids, embeddings, mask=mask, offsets=offsets, scales=scales)
+    return writer._close(stacklevel=3)
 
 
 def write_manifest(directory: str | os.PathLike[str], shard_paths: Sequence[str] | None = None) -> str:
