@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from maxsim_cli import __version__
 from maxsim_cli.errors import MaxsimError
@@ -143,9 +143,28 @@ def run_command(call: Callable[[], Any]) -> int:
     return code
 
 
+def _flags_as_flags(params: list[Any]) -> list[Any]:
+    """Typer's help shows every option's type, a flag's as ``<bool>`` (``--quiet <bool>``), which reads
+    as if it took a value: an empty metavar leaves the type column blank for flags."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class MaxsimCommand(TyperCommand):
+    """Typer's command, with flags shown as flags in its help."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _flags_as_flags(super().get_params(ctx))
+
+
 class MaxsimGroup(TyperGroup):
     """Typer's group, run through `run_command`: one-line errors and the stop signals, also under
-    `typer.testing.CliRunner` (which calls `main`)."""
+    `typer.testing.CliRunner` (which calls `main`); flags shown as flags in its help."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _flags_as_flags(super().get_params(ctx))
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         code = run_command(lambda: super(MaxsimGroup, self).main(*args, standalone_mode=False, **kwargs))
@@ -154,10 +173,19 @@ class MaxsimGroup(TyperGroup):
         return code
 
 
+# The top-level help's example: score the sample data and evaluate the run (every line runs as is).
+_EXAMPLE = (
+    "Example: maxsim score sample_data/queries.safetensors sample_data/corpus -k 100 -o run.trec "
+    "&& maxsim eval run.trec sample_data/qrels.txt"
+)
+
 app = typer.Typer(
     name="maxsim",
     cls=MaxsimGroup,
-    help="Exact late-interaction (ColBERT, ColPali) MaxSim scoring over on-disk embedding shards.",
+    help="Exact late-interaction (ColBERT, ColPali) MaxSim scoring over on-disk embedding shards.\n\n"
+    "Pack token embeddings into shards, score queries against them (every document, or the candidates "
+    "of a first-stage run) and evaluate the TREC run. Each command's --help ends with an example.",
+    epilog=_EXAMPLE,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -185,6 +213,9 @@ def _root(
 
 for _name in COMMAND_MODULES:
     importlib.import_module(f"maxsim_cli.commands.{_name}").register(app)
+for _info in app.registered_commands:
+    if _info.cls in (None, TyperCommand):
+        _info.cls = MaxsimCommand
 
 
 def main(argv: list[str] | None = None) -> None:
