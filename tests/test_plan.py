@@ -136,6 +136,19 @@ def test_rerank_side_data_lists_each_pair_once_with_its_output_position(budget: 
     assert plan.pair_query is not None and plan.pair_query.tolist() == pair_q.tolist()
 
 
+@pytest.mark.parametrize("cuda", [False, True])
+def test_rerank_of_a_resident_corpus_is_one_batch_when_it_fits(cuda: bool) -> None:
+    """No staging slot limits a resident corpus's batches: 1000 candidates of one query are one batch,
+    not one batch a document (the staging arena of a resident corpus is empty)."""
+    lengths, bounds = _corpus(3)
+    pair_doc = np.random.default_rng(2).choice(len(lengths), min(1000, len(lengths)), replace=False)
+    pair_q = np.zeros(len(pair_doc), np.int64)
+    budget = Budget(1 << 30, 4 << 30, 2, cuda, staging_bytes=0, device="cuda:0" if cuda else "cpu",
+                    resident_corpus=True)  # fmt: skip
+    plan = plan_rerank(pair_q, pair_doc, lengths, bounds, _queries(1), QTB, TB, budget)
+    assert plan is not None and len(plan.spans) == 1 and plan.num_pairs == len(pair_doc)
+
+
 def test_rerank_budget_too_small_is_a_clear_error() -> None:
     lengths, bounds = _corpus()
     pair_q, pair_doc = np.zeros(3, np.int64), np.array([0, 50, 90])

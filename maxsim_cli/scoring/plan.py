@@ -387,9 +387,14 @@ def plan_rerank(
     pairs_per_doc = np.bincount(u_of_pair, minlength=len(unique_docs))
 
     total_bytes = int(tok_cum[-1]) * tb
-    token_limit = _batch_token_limit(total_bytes, tb, budget)
     usable = int(budget.device_bytes * BUDGET_FILL)
-    slots = BatchStream.DEVICE_SLOTS if budget.cuda else BatchStream.host_slots(budget.reader_threads)
+    if budget.resident_corpus:
+        # nothing is staged: a batch gathers its candidates' rows on the device, one batch at a time, so
+        # only the device budget splits the candidates (the staging limits would cut one batch a document)
+        token_limit, slots = float(tok_cum[-1]), 1
+    else:
+        token_limit = _batch_token_limit(total_bytes, tb, budget)
+        slots = BatchStream.DEVICE_SLOTS if budget.cuda else BatchStream.host_slots(budget.reader_threads)
     fixed = query_bytes(query_offsets, query_token_bytes, 0, nq) + (nq + 1) * 8 * (slots + 1) + len(q_arr) * 4
     cost = pairs_per_doc * RERANK_PAIR_BYTES + lengths * tb * slots + 16 * slots
     cost_cum = np.concatenate([[0], np.cumsum(cost)]).astype(np.float64)
