@@ -9,6 +9,18 @@ A query's documents are the union of its documents in every input. A document th
 query in two inputs is kept once if both scores are the same float32 (overlapping parts, or a part given
 twice) and is an error otherwise: the inputs then do not come from the same scoring.
 
+**Runs without scores.** An MS MARCO run (``qid<TAB>pid<TAB>rank``) has ranks, not scores; read alone it
+is ordered by ``-rank``, but ``-rank`` compared with another run's real scores is meaningless, so a merge
+of scoreless and scored runs is refused. ``by_rank=True`` merges every run by rank instead: each input's
+documents for a query are put in that input's order (its scores, or its ranks) and scored by their
+reciprocal rank ``1 / position`` (1, 0.5, 0.333..., positions from 1), so the merged run takes the first
+place of every input, then the second places, and so on (ties by docno descending). A document found in
+two inputs keeps its best position.
+
+**Query sets.** Runs that should come from one set of queries but do not (a part that failed half-way, a
+run of other queries) are reported: a warning naming how many queries each input lacks (of the queries of
+``queries``, when given, else of all the inputs' queries), an error with ``strict=True``.
+
 The best ``k`` of a query's union are selected in O(n) (`select_top_k`): the k-th largest float32 score
 ``s_k`` is found by partition; every document scoring above ``s_k`` is in, and of those scoring exactly
 ``s_k`` the ones with the largest docnos fill the remaining places, which is the order "score descending,
@@ -18,14 +30,18 @@ docno descending" cut after ``k`` without sorting everything.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from maxsim_cli.errors import InputError, UsageError
-from maxsim_cli.runs import RunWriter, format_score, read_run
+from maxsim_cli.errors import InputError, MaxsimWarning, UsageError
+from maxsim_cli.runs import RunWriter, format_score, read_run_and_format, sort_trec
 from maxsim_cli.shards.files import check_output
+
+# The run format that has no score column (`maxsim_cli.runs`: its scores are -rank).
+SCORELESS_FORMAT = "msmarco"
 
 
 @dataclass
@@ -36,7 +52,8 @@ class MergeStats:
     queries: int = 0
     rows_read: int = 0
     rows_written: int = 0
-    duplicates: int = 0  # (query, docno) pairs found in more than one input, with equal scores
+    duplicates: int = 0  # (query, docno) pairs found in more than one input (equal scores, or by rank)
+    by_rank: bool = False  # merged by reciprocal rank
 
 
 def merge_runs(
@@ -47,6 +64,9 @@ def merge_runs(
     tag: str = "maxsim",
     fmt: str = "trec",
     queries: str | os.PathLike[str] | None = None,
+    by_rank: bool = False,
+    strict: bool = False,
+    warn: Callable[[str], None] | None = None,
 ) -> MergeStats:
     """Merge the runs at ``paths`` and write the best ``top_k`` documents per query to ``output``.
 
@@ -56,6 +76,10 @@ def merge_runs(
     Inputs may be any format `maxsim_cli.runs.read_run` reads; ``-`` (at most once) is stdin,
     ``output="-"`` stdout. The output is written atomically, after every input has been read and checked;
     an output that is one of the inputs, or cannot be written, is refused before any is read.
+
+    A run without scores (MS MARCO's three columns) among scored runs is an `InputError` unless
+    ``by_rank`` (see the module docstring). Inputs whose query sets differ give one warning, passed to
+    ``warn`` (default: a `MaxsimWarning`), or with ``strict`` an `InputError` and no output.
     """
     if not paths:
         raise UsageError("no runs to merge; give at least one RUN")
@@ -65,11 +89,25 @@ def merge_runs(
         raise UsageError("'-' (standard input) can be given only once among the runs to merge")
     check_output(output, [*paths, queries])  # not one of the inputs, and writable: before reading them
     query_order = _query_ids(queries) if queries is not None else None
-    stats = MergeStats(inputs=len(paths))
+    stats = MergeStats(inputs=len(paths), by_rank=by_rank)
     # qid -> docno -> (score, index of the input it came from)
     merged: dict[str, dict[str, tuple[float, int]]] = {}
+    query_sets: list[set[str]] = []
+    scored: str | None = None  # an input with scores, and one without, for the error that needs both
+    scoreless: str | None = None
     for source, path in enumerate(paths):
-        for qid, rows in read_run(path).items():
+        run, run_format = read_run_and_format(path)
+        if run_format == SCORELESS_FORMAT:
+            scoreless = scoreless or _name(path)
+        else:
+            scored = scored or _name(path)
+        if scored is not None and scoreless is not None and not by_rank:
+            raise InputError(
+                f"{scoreless}: a run without scores (MS MARCO 'qid<TAB>pid<TAB>rank'), so its ranks cannot "
+                f"be compared with the scores of {scored}; pass --by-rank to merge every run by rank"
+            )
+        query_sets.append(set(run))
+        for qid, rows in run.items():
             if query_order is not None and qid not in query_order:
                 raise InputError(
                     f"{_name(path)}: query {qid!r} is not in the query file {queries}; merge runs of the "
@@ -77,10 +115,17 @@ def merge_runs(
                 )
             docs = merged.setdefault(qid, {})
             stats.rows_read += len(rows)
+            if by_rank:
+                rows = _reciprocal_ranks(rows)
             for docno, score in rows:
                 previous = docs.get(docno)
                 if previous is None:
                     docs[docno] = (score, source)
+                    continue
+                if by_rank:  # the best position of the document in any input
+                    if score > previous[0]:
+                        docs[docno] = (score, source)
+                    stats.duplicates += 1
                     continue
                 if np.float32(previous[0]) != np.float32(score):
                     other = _name(paths[previous[1]])
@@ -90,6 +135,9 @@ def merge_runs(
                         "parts of one corpus with the same queries and model"
                     )
                 stats.duplicates += 1
+    _report_query_sets(
+        paths, query_sets, list(query_order) if query_order is not None else None, strict, warn
+    )
     order = list(merged) if query_order is None else [q for q in query_order if q in merged]
     with RunWriter(output, tag=tag, fmt=fmt) as writer:
         for qid in order:
@@ -101,6 +149,43 @@ def merge_runs(
             stats.rows_written += len(best)
     stats.queries = len(merged)
     return stats
+
+
+def _reciprocal_ranks(rows: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    """One input's rows of a query, each scored ``1 / position`` in the input's own order (trec_eval's:
+    score descending, ties by docno descending; an MS MARCO run's scores are -rank, so its ranks)."""
+    order = sort_trec([docno for docno, _ in rows], [score for _, score in rows])
+    return [(rows[i][0], 1.0 / position) for position, i in enumerate(order, 1)]
+
+
+def _report_query_sets(
+    paths: Sequence[str | os.PathLike[str]],
+    query_sets: list[set[str]],
+    query_order: list[str] | None,
+    strict: bool,
+    warn: Callable[[str], None] | None,
+) -> None:
+    """Warn (``strict``: raise `InputError`) when some inputs lack queries that others (or the query
+    file) have: one line, how many each input lacks, with an example."""
+    expected = set(query_order) if query_order is not None else set().union(*query_sets)
+    whole = "of the query file" if query_order is not None else "of all the runs"
+    lacking = []
+    for path, found in zip(paths, query_sets, strict=True):
+        missing = expected - found
+        if missing:
+            example = min(missing) if query_order is None else next(q for q in query_order if q in missing)
+            lacking.append(f"{_name(path)} lacks {len(missing)} (e.g. {example!r})")
+    if not lacking:
+        return
+    counts = ", ".join(lacking)
+    message = f"the runs hold different queries: of the {len(expected)} queries {whole}, {counts}"
+    if strict:
+        raise InputError(f"{message}; merge runs of the same queries, or leave out --strict")
+    message += "; each query is merged from the runs that have it (--strict makes this an error)"
+    if warn is not None:
+        warn(message)
+    else:
+        warnings.warn(message, MaxsimWarning, stacklevel=3)
 
 
 def select_top_k(docnos: Sequence[str], scores: Sequence[float] | np.ndarray, k: int) -> np.ndarray:

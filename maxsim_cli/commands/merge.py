@@ -22,7 +22,8 @@ def register(app: typer.Typer) -> None:
         output: str = typer.Option(
             "-", "--output", "-o", help="Run file to write (atomically; '.gz' compresses); '-' is stdout."
         ),
-        tag: str = typer.Option("maxsim", "--tag", help="Tag written in the run's last column."),
+        run_tag: str = typer.Option("maxsim", "--run-tag", help="Tag written in the run's last column."),
+        tag: str | None = typer.Option(None, "--tag", hidden=True, help="Former name of --run-tag."),
         fmt: str = typer.Option("trec", "--format", help="trec (six columns) or jsonl (one query a line)."),
         queries: str | None = typer.Option(
             None,
@@ -30,24 +31,58 @@ def register(app: typer.Typer) -> None:
             help="Query embeddings file (safetensors, Arrow, Parquet): write the queries in its order, as "
             "`maxsim score` does (default: first appearance across the runs).",
         ),
+        by_rank: bool = typer.Option(
+            False,
+            "--by-rank",
+            help="Merge by rank, not score: each run's documents get 1/position in that run (1, 0.5, "
+            "0.33, ...) as their score. Needed to merge a run without scores (MS MARCO "
+            "'qid<TAB>pid<TAB>rank') with scored runs.",
+        ),
+        strict: bool = typer.Option(
+            False, "--strict", help="Runs that hold different queries are an error (default: a warning)."
+        ),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No summary line on stderr."),
     ) -> None:
         """Merge runs scored on disjoint parts of one corpus into one run, top-k per query.
 
         Queries keep their first-appearance order (or the order of --queries); documents are ordered by
         score, ties by docno descending. A document found for one query in two inputs is kept once if the
-        scores agree (as float32) and is an error otherwise.
+        scores agree (as float32) and is an error otherwise. A run without scores cannot be merged with
+        scored runs except --by-rank. Runs that hold different queries are merged with a warning
+        (--strict: an error, nothing written).
 
         Example: maxsim merge part-0.trec part-1.trec -k 100 -o run.trec
         """
+        from maxsim_cli.errors import UsageError
         from maxsim_cli.merge import merge_runs
 
-        stats = merge_runs(runs, top_k, output, tag=tag, fmt=fmt, queries=queries)
+        if tag is not None:
+            if run_tag not in ("maxsim", tag):
+                raise UsageError(f"--tag {tag} and --run-tag {run_tag} disagree; give --run-tag only")
+            run_tag = tag
+
+        def warn(message: str) -> None:
+            typer.echo(f"maxsim: warning: {message}", err=True)
+
+        stats = merge_runs(
+            runs,
+            top_k,
+            output,
+            tag=run_tag,
+            fmt=fmt,
+            queries=queries,
+            by_rank=by_rank,
+            strict=strict,
+            warn=warn,
+        )
         if not quiet:
+            how = " by rank" if stats.by_rank else ""
             note = (
-                f"merged {stats.inputs} runs: {stats.queries} queries, {stats.rows_read} rows read, "
+                f"merged {stats.inputs} runs{how}: {stats.queries} queries, {stats.rows_read} rows read, "
                 f"{stats.rows_written} written (top {top_k})"
             )
-            if stats.duplicates:
+            if stats.duplicates and stats.by_rank:
+                note += f"; {stats.duplicates} rows found in two inputs, kept at their best rank"
+            elif stats.duplicates:
                 note += f"; {stats.duplicates} rows found in two inputs with equal scores, kept once"
             typer.echo(note, err=True)
