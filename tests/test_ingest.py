@@ -165,3 +165,66 @@ def test_bad_ids_and_shapes(tmp_path, ids, embeddings, fragment):
         write_shard(tmp_path / "bad.safetensors", ids, embeddings)
     assert fragment in str(err.value)
     assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# score / inspect on embeddings that need packing: one line with the command
+
+
+def _hf_table(ids, lengths, dim=4):
+    import pyarrow as pa
+
+    rng = np.random.default_rng(3)
+    vectors = [rng.standard_normal((n, dim)).astype(np.float32).tolist() for n in lengths]
+    return pa.table(
+        {
+            "docid": ids,
+            "colbert": pa.array(vectors, pa.list_(pa.list_(pa.float32()))),
+            "attention_mask": [[1] * n for n in lengths],
+        }
+    )
+
+
+@pytest.mark.parametrize("command", ["inspect", "score"])
+def test_an_hf_parquet_file_points_at_pack(tmp_path, command):
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from maxsim_cli.cli import app
+
+    (tmp_path / "data").mkdir()
+    pq.write_table(_hf_table([1, 2], [2, 3]), tmp_path / "data" / "train-00000-of-00001.parquet")
+    pq.write_table(_hf_table(["a", "b"], [2, 3]), tmp_path / "plain.parquet")
+    write_shard(tmp_path / "q.safetensors", ["q"], [np.ones((2, 4), np.float32)])
+    for target, source in [
+        (tmp_path / "data" / "train-00000-of-00001.parquet", f"{tmp_path / 'data'}/"),
+        (tmp_path / "plain.parquet", str(tmp_path / "plain.parquet")),
+    ]:
+        args = (
+            ["inspect", str(target)]
+            if command == "inspect"
+            else ["score", str(tmp_path / "q.safetensors"), str(target)]
+        )
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 1, result.output
+        assert result.stderr.count("\n") == 1
+        assert (
+            "a table of token embeddings (column 'colbert'), not a maxsim shard; make a corpus of it with: "
+            in result.stderr
+        )
+        assert (
+            f"maxsim pack {source} --id-column docid --embedding-column colbert --mask-column attention_mask "
+            "-o corpus/" in result.stderr
+        )
+
+
+def test_a_folder_of_npy_files_points_at_pack(tmp_path):
+    from typer.testing import CliRunner
+
+    from maxsim_cli.cli import app
+
+    (tmp_path / "npy").mkdir()
+    np.save(tmp_path / "npy" / "d1.npy", np.ones((2, 4), np.float32))
+    result = CliRunner().invoke(app, ["inspect", str(tmp_path / "npy")])
+    assert result.exit_code == 1
+    assert f"it holds embeddings to pack first: maxsim pack {tmp_path / 'npy'} -o corpus/" in result.stderr

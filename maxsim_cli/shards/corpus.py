@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import re
+import shlex
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -324,6 +325,15 @@ class Corpus:
         self.close()
 
 
+def _pack_hint(folder: str) -> str:
+    """For a folder of embeddings that are not shards yet (.npy files, a Hugging Face dataset): the
+    `maxsim pack` command to run."""
+    names = os.listdir(folder)
+    if any(n.endswith(".npy") for n in names) or "dataset_dict.json" in names or "data" in names:
+        return f"; it holds embeddings to pack first: maxsim pack {shlex.quote(folder)} -o corpus/"
+    return ""
+
+
 def _expand(path: str, verify_checksums: bool) -> list[tuple[str, dict[str, Any] | None]]:
     if not os.path.exists(path):
         raise _err(path, "no such file or directory")
@@ -346,7 +356,7 @@ def _expand(path: str, verify_checksums: bool) -> list[tuple[str, dict[str, Any]
         return [(e["path"], e) for e in entries]
     files = list_shard_files(path)
     if not files:
-        raise _err(path, "no shards (*.safetensors, *.arrow, *.parquet) in this directory")
+        raise _err(path, "no shards (*.safetensors, *.arrow, *.parquet) in this directory" + _pack_hint(path))
     return [(f, None) for f in files]
 
 

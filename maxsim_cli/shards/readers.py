@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shlex
 import struct
 import sys
 import threading
@@ -239,7 +241,8 @@ class SafetensorsShard(Shard):
     """safetensors container: header parsed and checked here, values through `safe_open(...).get_slice`."""
 
     def __init__(self, path: str) -> None:
-        size = os.path.getsize(path)
+        opened = os.stat(path)
+        size = opened.st_size
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -321,9 +324,16 @@ class SafetensorsShard(Shard):
             raise
         except Exception as exc:  # safetensors raises its own error types
             raise _err(path, f"corrupt safetensors file: {_one_line(exc)}") from None
-        self._file: Any = None
-        self._emb: Any = None
-        self._scales: Any = None
+        # The values are read with `os.pread` at these byte positions (docs/format.md: row-major,
+        # little-endian), never through a map of the file: a file truncated while mapped kills the
+        # process with SIGBUS, a short read is a one-line error.
+        base = 8 + header_len
+        self.row_bytes = dim * _ST_ITEMSIZE[emb_dtype]
+        self.emb_start = base + int(header["embeddings"]["data_offsets"][0])
+        self.scales_start = base + int(header["scales"]["data_offsets"][0]) if dtype == "int8" else None
+        self._identity = _identity(opened)
+        self._fd: int | None = None
+        self._fd_lock = threading.Lock()
         self._closed = False
         id_array = _decode_ids(path, id_bytes, id_offsets)
         _check_offsets(path, offsets, _ArrowIds(id_array), num_tokens)
@@ -331,32 +341,98 @@ class SafetensorsShard(Shard):
         info = _shard_info(path, "safetensors", len(id_array), num_tokens, dim, dtype, meta)
         super().__init__(info, None, offsets.astype(np.int64, copy=False), id_array)
 
-    def _open_values(self) -> None:
-        """The torch handle on the values (`get_slice` reads a range without loading the file)."""
-        try:
-            from safetensors import safe_open
+    def _values_fd(self) -> int:
+        """The file, opened on the first read and checked to be the one opened (same inode, size and
+        modification time)."""
+        with self._fd_lock:
+            if self._closed:
+                raise MaxsimError(f"{self.path}: shard is closed")
+            if self._fd is None:
+                try:
+                    fd = os.open(self.path, os.O_RDONLY)
+                except OSError as exc:
+                    raise _err(self.path, f"cannot reopen it to read values: {_one_line(exc)}") from None
+                try:
+                    check_unchanged(self.path, self._identity, os.fstat(fd))
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self._fd = fd
+            return self._fd
 
-            self._file = safe_open(self.path, framework="pt")
-            self._emb = self._file.get_slice("embeddings")
-            self._scales = self._file.get_slice("scales") if self.info.dtype == "int8" else None
-        except Exception as exc:  # safetensors raises its own error types
-            raise _err(self.path, f"corrupt safetensors file: {_one_line(exc)}") from None
+    def read_rows_into(self, t0: int, t1: int, embeddings: torch.Tensor, scales: torch.Tensor | None) -> None:
+        """Token rows t0..t1-1 into ``embeddings[: t1 - t0]`` (and ``scales[: t1 - t0]`` for int8), with
+        `os.preadv` straight into the caller's buffers: one copy out of the page cache, no map, no lock
+        (reader threads share the file). Values are not checked here."""
+        fd = self._values_fd()
+        pread_into(self.path, fd, self._identity, embeddings[: t1 - t0], self.emb_start + t0 * self.row_bytes)
+        if self.scales_start is not None and scales is not None:
+            pread_into(self.path, fd, self._identity, scales[: t1 - t0], self.scales_start + t0 * 4)
 
     def _read_rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self._closed:
-            raise MaxsimError(f"{self.path}: shard is closed")
-        if self._emb is None:
-            self._open_values()
+        import torch
+
         t0, t1 = int(self.offsets[start]), int(self.offsets[stop])
-        emb = self._emb[t0:t1].contiguous()
-        scales = self._scales[t0:t1].contiguous() if self._scales is not None else None
+        emb = torch.empty(t1 - t0, self.info.dim, dtype=torch_dtypes()[self.info.dtype])
+        scales = torch.empty(t1 - t0, dtype=torch.float32) if self.scales_start is not None else None
+        self.read_rows_into(t0, t1, emb, scales)
         return emb, scales
 
     def close(self) -> None:
-        self._closed = True
-        self._emb = None
-        self._scales = None
-        self._file = None
+        with self._fd_lock:
+            self._closed = True
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+# What identifies the file a shard was opened from: (device, inode, size, modification time in ns).
+FileIdentity = tuple[int, int, int, int]
+
+
+def _identity(st: os.stat_result) -> FileIdentity:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def check_unchanged(path: str, identity: FileIdentity, st: os.stat_result) -> None:
+    """`InputError` when the file ``st`` describes is not the one opened: replaced, resized or written."""
+    now = _identity(st)
+    if now == identity:
+        return
+    if now[:2] != identity[:2]:
+        what = "was replaced by another file"
+    elif now[2] != identity[2]:
+        what = f"changed size from {identity[2]} to {now[2]} bytes"
+    else:
+        what = "was rewritten"
+    raise _err(
+        path,
+        f"{what} while maxsim was reading it; let the process writing it finish, then run again",
+    )
+
+
+def pread_into(path: str, fd: int, identity: FileIdentity, out: Any, offset: int) -> None:
+    """Fill the tensor or array ``out`` with the file's bytes from ``offset`` (`os.preadv`). A read that
+    ends early, or a file that changed (`check_unchanged`, checked after the read), is an `InputError`."""
+    array = out.view(_uint8()).numpy() if hasattr(out, "numpy") else out.view(np.uint8)
+    view = memoryview(array.reshape(-1)).cast("B")
+    done = 0
+    while done < len(view):
+        try:
+            got = os.preadv(fd, [view[done : done + (1 << 30)]], offset + done)
+        except OSError as exc:
+            raise _err(path, f"cannot read: {_one_line(exc)}") from None
+        if got <= 0:
+            check_unchanged(path, identity, os.fstat(fd))
+            raise _err(path, f"truncated: the file ends at byte {offset + done}; re-copy or rewrite it")
+        done += got
+    check_unchanged(path, identity, os.fstat(fd))
+
+
+def _uint8() -> Any:
+    import torch
+
+    return torch.uint8
 
 
 def _arrow_schema_types(path: str, schema: pa.Schema, dim: int, dtype: str) -> tuple[bool, bool]:
@@ -504,10 +580,62 @@ class _RecordShard(Shard):
         return embeddings, scales
 
 
+# Hugging Face shard file names: `train-00000-of-00002.parquet`, `data-00000-of-00001.arrow`.
+_HF_SHARD_NAME = re.compile(r".+-\d{5}-of-\d{5}")
+
+
+def _pack_command(path: str, schema: pa.Schema) -> str | None:
+    """For a table of token embeddings that is not a shard (a Hugging Face dataset's file, ...): what it
+    is and the `maxsim pack` command that makes a corpus of it; None for any other table."""
+
+    def storage(t: pa.DataType) -> pa.DataType:
+        return t.storage_type if isinstance(t, pa.ExtensionType) else t
+
+    def is_list(t: pa.DataType) -> bool:
+        return pa.types.is_list(t) or pa.types.is_large_list(t)
+
+    embedding = mask = None
+    id_columns = []
+    for field in schema:
+        t = storage(field.type)
+        if is_list(t):
+            inner = storage(t.value_type)
+            vectors = is_list(inner) or pa.types.is_fixed_size_list(inner)
+            if vectors and embedding is None and pa.types.is_floating(inner.value_type):
+                embedding = field.name
+            elif not vectors and mask is None and "mask" in field.name.lower():
+                mask = field.name
+        elif pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t):
+            id_columns.append(field.name)
+    if embedding is None:
+        return None
+    # a file of a Hugging Face dataset's folder: pack the whole folder
+    folder = os.path.dirname(path)
+    name = os.path.basename(path)
+    whole = os.path.isfile(os.path.join(folder, "state.json")) or _HF_SHARD_NAME.match(name)
+    command = ["maxsim", "pack", (folder or ".") + os.sep if whole else path]
+    id_column = "id" if "id" in id_columns else (id_columns[0] if id_columns else "ID_COLUMN")
+    if id_column != "id":
+        command += ["--id-column", id_column]
+    if embedding != "embedding":
+        command += ["--embedding-column", embedding]
+    if mask is not None:
+        command += ["--mask-column", mask]
+    return (
+        f"a table of token embeddings (column {embedding!r}), not a maxsim shard; make a corpus of it "
+        f"with: {shlex.join([*command, '-o', 'corpus/'])}"
+    )
+
+
 def _record_metadata(
     path: str, schema: pa.Schema, meta_raw: dict[bytes, bytes] | None, where: str
 ) -> tuple[dict[str, Any], bool, bool]:
-    meta = _parse_metadata(path, _decode_meta(meta_raw), where)
+    decoded = _decode_meta(meta_raw)
+    if not decoded or "format" not in decoded:
+        hint = _pack_command(path, schema)
+        if hint is not None:
+            raise _err(path, hint)
+    meta = _parse_metadata(path, decoded, where)
     fixed, has_length = _arrow_schema_types(path, schema, meta["dim"], meta["dtype"])
     return meta, fixed, has_length
 
