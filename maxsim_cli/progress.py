@@ -1,8 +1,10 @@
 """Progress for a person at a terminal: a rich bar on stderr, drawn only when stderr is a terminal.
 
-The bar counts tokens scored (documents scored are shown beside it) and shows documents/s, tokens/s and
-the time left. When disabled, or when stderr is not a terminal (a pipeline, a log file, a test runner),
-nothing at all is written: stdout carries data only, and stderr stays clean for the summary line.
+`ScoreProgress` is `maxsim score`'s bar: it counts tokens scored (documents scored are shown beside it)
+and shows documents/s, tokens/s and the time left. `progress_bar` is every other long command's: one
+count (tokens quantized, pairs verified) with its rate and the time left. When disabled, or when stderr
+is not a terminal (a pipeline, a log file, a test runner), nothing at all is written: stdout carries
+data only, and stderr stays clean for the summary line.
 """
 
 from __future__ import annotations
@@ -10,17 +12,14 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-
-def _si(x: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if x >= scale:
-            return f"{x / scale:.3g}{unit}"
-    return f"{x:.3g}"
+from maxsim_cli.units import format_si as _si
 
 
 class _RateColumn(ProgressColumn):
@@ -94,3 +93,44 @@ class ScoreProgress:
         if self._progress is not None:
             self._progress.__exit__(None, None, None)
             self._progress = None
+
+
+class _CountColumn(ProgressColumn):
+    """``1.23M/4.56M tokens, 512K/s`` from the task's counts and elapsed time."""
+
+    def __init__(self, unit: str) -> None:
+        super().__init__()
+        self.unit = unit
+
+    def render(self, task: Task) -> Text:
+        total = f"/{_si(task.total)}" if task.total else ""
+        elapsed = task.elapsed or 0.0
+        rate = f", {_si(task.completed / elapsed)}/s" if elapsed > 0 else ""
+        return Text(f"{_si(task.completed)}{total} {self.unit}{rate}", style="progress.data.speed")
+
+
+@contextmanager
+def progress_bar(label: str, enabled: bool, unit: str) -> Iterator[Callable[[int, int], None]]:
+    """A transient bar on stderr labelled ``label``, counting ``unit`` (tokens, pairs); yields
+    ``update(done, total)``. Nothing is drawn when not ``enabled`` or when stderr is not a terminal."""
+    if not progress_enabled(not enabled):
+        yield lambda done, total: None
+        return
+    with Progress(
+        TextColumn(label),
+        BarColumn(),
+        TextColumn("{task.percentage:>3.0f}%"),
+        _CountColumn(unit),
+        TimeRemainingColumn(),
+        console=Console(file=sys.stderr),
+        transient=True,
+    ) as bar:
+        task = bar.add_task(label, total=None)
+        last = [0.0]
+
+        def update(done: int, total: int) -> None:
+            now = time.monotonic()
+            bar.update(task, completed=done, total=total or None, refresh=now - last[0] > 0.5)
+            last[0] = now
+
+        yield update

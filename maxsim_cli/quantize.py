@@ -37,6 +37,7 @@ from maxsim_cli.errors import InputError, UsageError
 from maxsim_cli.queries import read_queries
 from maxsim_cli.shards import (
     MANIFEST_NAME,
+    SHARD_SUFFIXES,
     Corpus,
     DocBatch,
     ShardInfo,
@@ -46,7 +47,7 @@ from maxsim_cli.shards import (
     write_manifest,
 )
 from maxsim_cli.shards.files import OutputWriteError, check_output, write_error
-from maxsim_cli.units import format_size
+from maxsim_cli.units import format_count, format_size
 
 DEFAULT_BATCH_TOKENS = 1 << 18  # 262144 tokens: 128 MiB of fp32 at dim 128, the largest transient
 PSEUDO_QUERY_TOKENS = 32  # the query length ColBERT models use
@@ -71,7 +72,8 @@ class QualityReport:
     def summary(self) -> str:
         what = "pseudo-queries from the corpus" if self.pseudo_queries else "queries"
         return (
-            f"quality vs source precision ({self.queries} {what} x {self.docs} sampled docs, "
+            f"quality vs source precision ({format_count(self.queries)} {what} x "
+            f"{format_count(self.docs)} sampled docs, "
             f"seed {self.seed}): "
             f"top-10 overlap {self.top10_overlap_mean:.4f} (min {self.top10_overlap_min:.2f}), "
             f"top-100 overlap {self.top100_overlap_mean:.4f} (min {self.top100_overlap_min:.2f}), "
@@ -99,7 +101,8 @@ class QuantizeReport:
 
     def summary(self) -> str:
         return (
-            f"quantized {self.num_docs} documents ({self.num_tokens} tokens, dim {self.dim}) from "
+            f"quantized {format_count(self.num_docs)} documents ({format_count(self.num_tokens)} tokens, "
+            f"dim {self.dim}) from "
             f"{self.source_dtype} to int8 in {len(self.shards)} shard(s) -> {self.output_dir}: "
             f"{format_size(self.source_bytes)} -> {format_size(self.output_bytes)}, "
             f"compression ratio {self.compression_ratio:.2f}"
@@ -120,10 +123,27 @@ class QuantizeReport:
         }
 
 
-def _check_output_dir(output_dir: str, corpus: Corpus) -> list[str]:
-    """Output shard names (input basenames); refuses a non-empty OUTDIR and clashing names."""
-    if os.path.exists(output_dir) and (not os.path.isdir(output_dir) or os.listdir(output_dir)):
-        raise UsageError(f"{output_dir}: already exists and is not an empty directory; choose a new OUTDIR")
+def _corpus_files(folder: str) -> list[str]:
+    """The shard files and the manifest in ``folder`` (the manifest first)."""
+    names = [
+        n
+        for n in sorted(os.listdir(folder))
+        if n == MANIFEST_NAME or os.path.splitext(n)[1].lower() in SHARD_SUFFIXES
+    ]
+    return sorted(names, key=lambda n: n != MANIFEST_NAME)
+
+
+def _check_output_dir(output_dir: str, corpus: Corpus, overwrite: bool = False) -> list[str]:
+    """Output shard names (input basenames); refuses clashing names, and an OUTDIR that exists and is not
+    empty unless `overwrite`."""
+    if os.path.exists(output_dir):
+        if not os.path.isdir(output_dir):
+            raise UsageError(f"{output_dir}: exists and is not a directory; choose a new OUTDIR")
+        if os.listdir(output_dir) and not overwrite:
+            raise UsageError(
+                f"{output_dir}: already exists and is not empty; choose a new OUTDIR, or pass --overwrite "
+                "to replace the shards and index.json in it"
+            )
     parent = os.path.dirname(os.path.abspath(output_dir))
     if not os.path.isdir(parent):
         raise UsageError(f"{output_dir}: parent directory {parent} does not exist")
@@ -257,6 +277,30 @@ def measure_quality(
     )
 
 
+def _replace_corpus_files(staging: str, output_dir: str, names: list[str]) -> None:
+    """Move the complete new corpus ``names`` (the manifest last) from ``staging`` into ``output_dir`` in
+    place of the shards and manifest there; on a failure the old files are put back."""
+    trash = staging_dir(output_dir, ".maxsim-old-")
+    set_aside: list[str] = []
+    moved: list[str] = []
+    try:
+        for name in _corpus_files(output_dir):  # the old manifest first: never a mixed corpus as whole
+            os.replace(os.path.join(output_dir, name), os.path.join(trash, name))
+            set_aside.append(name)
+        for name in names:
+            os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+            moved.append(name)
+    except OSError as exc:
+        for name in moved:
+            os.replace(os.path.join(output_dir, name), os.path.join(staging, name))
+        for name in reversed(set_aside):
+            os.replace(os.path.join(trash, name), os.path.join(output_dir, name))
+        shutil.rmtree(trash, ignore_errors=True)
+        raise write_error(output_dir, exc) from None
+    shutil.rmtree(trash, ignore_errors=True)
+    os.rmdir(staging)
+
+
 def quantize_corpus(
     paths: Sequence[str | os.PathLike[str]],
     output_dir: str | os.PathLike[str],
@@ -267,13 +311,17 @@ def quantize_corpus(
     seed: int = 0,
     queries_path: str | None = None,
     device: str = "auto",
+    overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> QuantizeReport:
     """Quantize a float corpus (files and/or directories) into int8 shards under `output_dir`.
 
     Streams `batch_tokens` tokens at a time; writes into a temporary directory renamed to `output_dir`
-    at the end (nothing is left behind on failure). `progress(tokens_done, tokens_total)` is called after
-    each batch. With `sample_queries > 0` the report carries the ranking quality on a seeded sample.
+    at the end (nothing is left behind on failure). An existing, non-empty `output_dir` is refused
+    unless `overwrite`: then its shards and manifest are replaced once the new ones are complete (the
+    manifest last, so a reader never sees a mixed corpus as whole), and its other files stay.
+    `progress(tokens_done, tokens_total)` is called after each batch. With `sample_queries > 0` the
+    report carries the ranking quality on a seeded sample.
     """
     output_dir = os.fspath(output_dir)
     if batch_tokens < 1:
@@ -288,7 +336,7 @@ def quantize_corpus(
                 f"{corpus.shards[0].path}: already int8 (quantization {corpus.quantization}); "
                 "quantize the float shards it came from"
             )
-        names = _check_output_dir(output_dir, corpus)
+        names = _check_output_dir(output_dir, corpus, overwrite)
         parent = os.path.dirname(os.path.abspath(output_dir))
         written: list[ShardInfo] = []
         try:
@@ -325,12 +373,15 @@ def quantize_corpus(
                     queries_path=queries_path,
                     device=torch_device,
                 )
-            try:
-                if os.path.exists(output_dir):  # an empty directory (checked above): rename replaces it
-                    os.rmdir(output_dir)
-                os.rename(staging, output_dir)
-            except OSError as exc:
-                raise write_error(output_dir, exc) from None
+            if os.path.isdir(output_dir) and os.listdir(output_dir):  # --overwrite (checked above)
+                _replace_corpus_files(staging, output_dir, [*names, MANIFEST_NAME])
+            else:
+                try:
+                    if os.path.exists(output_dir):  # an empty directory: rename replaces it
+                        os.rmdir(output_dir)
+                    os.rename(staging, output_dir)
+                except OSError as exc:
+                    raise write_error(output_dir, exc) from None
         except BaseException as exc:
             shutil.rmtree(staging, ignore_errors=True)
             if isinstance(exc, OutputWriteError):  # a shard of the staging folder: name OUTDIR

@@ -47,3 +47,22 @@ def format_size(num_bytes: int) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.3g} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def format_count(count: int) -> str:
+    """A count for people, the same in every summary: thousands separated by commas (`80,000`)."""
+    return f"{int(count):,}"
+
+
+def format_si(value: float) -> str:
+    """A rate or a large figure, three significant digits with K, M or G (`92.0K`, `5.16M`, `455`)."""
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.3g}{unit}"
+    return f"{value:.3g}"
+
+
+def format_rate(count: float, seconds: float, what: str) -> str:
+    """``count`` things in ``seconds`` as a rate for people, e.g. ``92.0K pairs/s`` (``- pairs/s`` when
+    no time was measured)."""
+    return f"{format_si(count / seconds)} {what}/s" if seconds > 0 else f"- {what}/s"

@@ -27,7 +27,16 @@ def register(app: typer.Typer) -> None:
             ),
         ],
         output_dir: str = typer.Option(
-            ..., "--output", "-o", help="New directory for the int8 shards (must not exist, or be empty)."
+            ...,
+            "--output",
+            "-o",
+            help="Directory for the int8 shards: new or empty (see --overwrite).",
+        ),
+        overwrite: bool = typer.Option(
+            False,
+            "--overwrite",
+            help="Replace the shards and index.json already in OUTDIR (other files stay); the old ones "
+            "are removed only once the new ones are complete.",
         ),
         batch_tokens: int = typer.Option(
             DEFAULT_BATCH_TOKENS,
@@ -51,6 +60,7 @@ def register(app: typer.Typer) -> None:
             "auto", "--device", help="auto, cpu, cuda or cuda:N (quantizing and check)."
         ),
         as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object on stdout."),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no summary lines."),
     ) -> None:
         """Quantize float shards to int8 with per-token scales and report the ranking quality kept.
 
@@ -59,22 +69,27 @@ def register(app: typer.Typer) -> None:
         everything is written. The compression ratio and a quality summary (top-10/top-100 overlap and
         Kendall tau-b of int8 against the source precision, on a seeded sample) go to stderr.
 
-        Example: maxsim quantize sample_data/corpus -o corpus-int8
+        Example: maxsim quantize sample_data/corpus -o corpus-int8 --overwrite
         """
+        from maxsim_cli.progress import progress_bar
         from maxsim_cli.quantize import quantize_corpus
 
-        report = quantize_corpus(
-            corpus,
-            output_dir,
-            batch_tokens=batch_tokens,
-            sample_queries=sample_queries,
-            sample_docs=sample_docs,
-            seed=seed,
-            queries_path=queries,
-            device=device,
-        )
-        typer.echo(report.summary(), err=True)
-        if report.quality is not None:
-            typer.echo(report.quality.summary(), err=True)
+        with progress_bar("quantizing", not quiet, "tokens") as update:
+            report = quantize_corpus(
+                corpus,
+                output_dir,
+                batch_tokens=batch_tokens,
+                sample_queries=sample_queries,
+                sample_docs=sample_docs,
+                seed=seed,
+                queries_path=queries,
+                device=device,
+                overwrite=overwrite,
+                progress=update,
+            )
+        if not quiet:
+            typer.echo(report.summary(), err=True)
+            if report.quality is not None:
+                typer.echo(report.quality.summary(), err=True)
         if as_json:
             echo_data(json.dumps(report.as_dict()))

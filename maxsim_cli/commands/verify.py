@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from maxsim_cli.commands import cli_errors, echo_data
+from maxsim_cli.units import format_count
 
 if TYPE_CHECKING:
     from maxsim_cli.agreement import ErrorStats, RankingStats
@@ -56,8 +57,8 @@ def render(report: VerifyReport) -> str:
     s = report.setup
     where = {"all": "all documents", "sample": f"a sample, seed {s['seed']}", "candidates": s["candidates"]}
     lines = [
-        f"maxsim verify: {s['num_queries']} queries x {s['num_docs']} documents ({where[s['mode']]}), "
-        f"{s['pairs']:,} scores",
+        f"maxsim verify: {format_count(s['num_queries'])} queries x {format_count(s['num_docs'])} documents "
+        f"({where[s['mode']]}), {format_count(s['pairs'])} scores",
         f"  {s['dtype']}, dim {s['dim']}, device {s['device_name']}, backend {s['backend']}"
         f"{', TF32' if s['allow_tf32'] else ''}, torch {s['torch']}",
     ]
@@ -213,6 +214,7 @@ def register(app: typer.Typer) -> None:
             DEFAULT_BATCH_TOKENS, "--batch-tokens", help="Document tokens scored per batch.", min=1
         ),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     ) -> None:
         """Check the fused kernel against an independent float64 reference and give a verdict.
 
@@ -225,24 +227,27 @@ def register(app: typer.Typer) -> None:
 
         Example: maxsim verify sample_data/queries.safetensors sample_data/corpus --device cpu
         """
+        from maxsim_cli.progress import progress_bar
         from maxsim_cli.verify import EXIT_FAILED, Tolerances, verify
 
-        report = verify(
-            queries,
-            corpus,
-            sample_docs=sample_docs,
-            seed=seed,
-            candidates=candidates,
-            device=device,
-            backend=backend,
-            allow_tf32=allow_tf32,
-            tolerances=Tolerances(
-                atol=atol, rtol=rtol, min_overlap=min_overlap, min_argmax_agreement=min_argmax_agreement
-            ),
-            reference_corpus=reference_corpus or None,
-            grad=grad,
-            max_tokens=batch_tokens,
-        )
+        with progress_bar("verifying", not quiet, "pairs") as update:
+            report = verify(
+                queries,
+                corpus,
+                sample_docs=sample_docs,
+                seed=seed,
+                candidates=candidates,
+                device=device,
+                backend=backend,
+                allow_tf32=allow_tf32,
+                tolerances=Tolerances(
+                    atol=atol, rtol=rtol, min_overlap=min_overlap, min_argmax_agreement=min_argmax_agreement
+                ),
+                reference_corpus=reference_corpus or None,
+                grad=grad,
+                max_tokens=batch_tokens,
+                progress=update,
+            )
         if as_json:
             echo_data(json.dumps(_json_safe(report.to_dict()), indent=1))
         else:

@@ -197,6 +197,7 @@ def _score_all_pairs(
             )
             counters.quantization_s += time.perf_counter() - t3
         col += docs.size
+        counters.advance(nq * docs.size)
     return _Scored(
         docs=[selection] * nq,
         kernel=list(kernel),
@@ -293,6 +294,7 @@ def _score_candidates(
                     ctx, ctx.reference_corpus, sub.ids, np.arange(*ctx.query_offsets[g : g + 2]), q_off
                 )[0]
                 counters.quantization_s += time.perf_counter() - t3
+        counters.advance(int(c_off[-1]))
     return _Scored(
         docs=per_query,
         kernel=out_kernel,

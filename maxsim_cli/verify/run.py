@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +79,7 @@ class _Plan:
     per_query: list[np.ndarray] | None = None  # per query, corpus-wide document numbers in run order
     skipped: int = 0  # queries without candidates
     missing: int = 0  # candidates not in the corpus
+    pairs: int = 0  # (query, document) pairs to score
 
 
 def verify(
@@ -95,9 +96,11 @@ def verify(
     reference_corpus: Sequence[str] | None = None,
     grad: bool = False,
     max_tokens: int = DEFAULT_BATCH_TOKENS,
+    progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
     """Score the queries against (a sample of, or the run candidates of) the corpus with the fused kernel
-    and with the independent reference; return the report and its verdict (see `maxsim_cli.verify`)."""
+    and with the independent reference; return the report and its verdict (see `maxsim_cli.verify`).
+    ``progress(pairs_done, pairs_total)`` is called after each scored batch."""
     started = time.perf_counter()
     tol = tolerances or Tolerances()
     _check_options(queries, sample_docs, candidates, tol, max_tokens)
@@ -113,7 +116,7 @@ def verify(
         _check_inputs(queries, qbatch, docs_corpus, ref_corpus)
         return _verify(
             queries, qbatch, docs_corpus, ref_corpus, sample_docs, seed, candidates, dev, chosen_backend,
-            allow_tf32, tol, grad, max_tokens, started,
+            allow_tf32, tol, grad, max_tokens, started, progress,
         )  # fmt: skip
     finally:
         docs_corpus.close()
@@ -180,12 +183,13 @@ def _verify(
     grad: bool,
     max_tokens: int,
     started: float,
+    progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
     """The steps of `verify` on opened inputs: plan, score both ways, measure, judge, report."""
     ctx = _context(queries_path, qbatch, corpus, ref_corpus, dev, backend, allow_tf32)
     plan = _plan(ctx, corpus, sample_docs, seed, candidates, queries_path)
     setup_s = time.perf_counter() - started
-    counters = _Counters()
+    counters = _Counters(total_pairs=plan.pairs, progress=progress)
     scored = _score(ctx, corpus, plan, max_tokens, counters)
 
     stats = score_statistics(scored, corpus.dtype)
@@ -309,6 +313,7 @@ def _plan(
             plan = _Plan("all", selection=np.arange(corpus.num_docs, dtype=np.int64))
         assert plan.selection is not None
         pairs = nq * plan.selection.size
+    plan.pairs = pairs
     if pairs > MAX_SCORES:
         raise UsageError(
             f"{pairs:,} scores ({nq} queries x documents) is more than verify keeps in memory "

@@ -3,6 +3,7 @@ error and ranking statistics the checks judge. Pure computations over tensors an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +109,15 @@ class _Counters:
     recomputed: int = 0
     argmax: _ArgmaxCounter = field(default_factory=_ArgmaxCounter)
     float32_argmax: _ArgmaxCounter = field(default_factory=_ArgmaxCounter)
+    total_pairs: int = 0  # pairs planned
+    done_pairs: int = 0  # pairs scored both ways so far
+    progress: Callable[[int, int], None] | None = None  # told (done_pairs, total_pairs) after each batch
+
+    def advance(self, pairs: int) -> None:
+        """Count ``pairs`` more scored, and tell `progress`."""
+        self.done_pairs += pairs
+        if self.progress is not None:
+            self.progress(self.done_pairs, self.total_pairs)
 
 
 @dataclass
