@@ -6,7 +6,8 @@ turns a list of plans into batches on the device, in plan order, with three stag
 1. **Read** - reader threads (a thread pool fed in plan order by one dispatcher thread) fill *staging
    slots*. There are ``reader_threads + 2`` slots, so every reader has one to fill while two filled ones
    wait. Document ranges of safetensors shards are read with `os.preadv` straight into the slot (one
-   pass over the bytes, no page faults, no per-shard lock: `_SafetensorsRows`); other containers and
+   pass over the bytes, no page faults, no per-shard lock: `SafetensorsShard.read_rows_into`, which also
+   turns a shard truncated or rewritten during the run into a one-line error); other containers and
    index lists go through `Shard.read_docs` / `read_doc_indices` and, on CUDA, are copied into the slot.
    On CUDA the slots are page-locked (carved from one `PinnedArena`); a slot is handed back as soon as its
    copy is *queued*, with the CUDA event that marks the copy's end, and the next reader to take it waits
@@ -29,10 +30,12 @@ own device buffer and later passes (one per query batch) reuse them without read
 made resident beforehand (`Corpus.to`, ``residency=``) is not read at all: each batch is a view of its
 shard's device tensors (a gather on the device when a plan names scattered documents).
 
-On the CPU there are no streams, and no copy where none is needed: a document range of a safetensors
-shard is handed to the CPU backend as tensors over a pre-populated map of the file (`map_rows`: the
-reader checks the values, the backend reads the page cache), other batches as the shard's tensors (or
-packed in a slot); at most ``reader_threads + 2`` batches are in flight, so reads overlap the scoring.
+On the CPU there are no streams: safetensors ranges are read into the slots as on CUDA (the reader checks
+their values unless the backend does), other batches are the shard's tensors (or packed in a slot); at
+most ``reader_threads + 2`` batches are in flight, so reads overlap the scoring. Nothing is read through
+a map of a file: the pages of a map count in the process's resident set for as long as it lives (what
+`--max-host-memory` bounds, `maxsim_cli.memory`), and a map of a file truncated meanwhile kills the
+process with SIGBUS.
 
 Memory (bytes): host: ``(reader_threads + 2) * slot`` plus, for batches read through `Shard.read_docs`,
 one unstaged batch per reader (zero for memory-mapped Arrow files), where ``slot`` is the largest batch's
@@ -43,11 +46,8 @@ scores of a batch are the caller's to count.
 from __future__ import annotations
 
 import contextlib
-import json
-import mmap
 import os
 import queue
-import struct
 import threading
 import time
 import warnings
@@ -62,7 +62,6 @@ from maxsim_cli.shards.resident import Residency, ResidentShard
 
 _STOP = object()  # put in the slot queue to stop the dispatcher
 
-_MADV_POPULATE_READ = 22  # linux/mman.h
 
 # A part of a plan: docs [start, stop) of shard `shard`, or the docs at `indices` of that shard, in order.
 Part = tuple[int, int, int] | tuple[int, np.ndarray]
@@ -309,104 +308,6 @@ class _Buffers:
         return tokens * (dim * itemsize + (4 if scaled else 0)) + (docs + 1 + side) * 8
 
 
-_ST_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "int8": "I8"}
-
-
-class _SafetensorsRows:
-    """Token rows of a safetensors shard read from the file straight into a caller's (pinned) buffer.
-
-    `Shard.read_docs` returns a fresh tensor (a copy out of the memory map, then a NaN/Inf scan) that the
-    stream would copy again into its pinned slot: three passes over the bytes on the host. Reading the
-    rows' byte range with `os.preadv` into the slot is one pass, with no page faults in this process,
-    and runs in parallel in every reader thread (no per-shard lock); the NaN/Inf check moves to the GPU
-    (see `BatchStream`). The layout comes from the file's header (docs/format.md): tensor `embeddings`
-    ``[T, dim]`` and, for int8, `scales` ``[T]`` float32, both row-major, little-endian.
-    """
-
-    def __init__(self, shard) -> None:  # noqa: ANN001
-        info = shard.info
-        with open(shard.path, "rb") as fh:
-            (header_len,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(header_len))
-        base = 8 + header_len
-        emb = header["embeddings"]
-        if emb["dtype"] != _ST_CODES[info.dtype] or list(emb["shape"]) != [info.num_tokens, info.dim]:
-            raise ValueError("unexpected embeddings layout")
-        itemsize = 1 if info.dtype == "int8" else (4 if info.dtype == "float32" else 2)
-        self.row_bytes = info.dim * itemsize
-        self.emb_start = base + int(emb["data_offsets"][0])
-        self.scales_start: int | None = None
-        if info.dtype == "int8":
-            scales = header["scales"]
-            if scales["dtype"] != "F32" or list(scales["shape"]) != [info.num_tokens]:
-                raise ValueError("unexpected scales layout")
-            self.scales_start = base + int(scales["data_offsets"][0])
-        self.path = shard.path
-        self.fd = os.open(shard.path, os.O_RDONLY)
-
-    @staticmethod
-    def open(shard) -> _SafetensorsRows | None:  # noqa: ANN001
-        """The direct reader of a safetensors shard, or None (other containers, unexpected headers)."""
-        if getattr(shard, "info", None) is None or shard.info.format != "safetensors":
-            return None
-        try:
-            return _SafetensorsRows(shard)
-        except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError, struct.error):
-            return None
-
-    def _pread(self, out: torch.Tensor, offset: int) -> None:
-        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
-        done = 0
-        while done < len(view):
-            got = os.preadv(self.fd, [view[done : done + (1 << 30)]], offset + done)
-            if got <= 0:
-                raise OSError(f"{self.path}: file ended at byte {offset + done}; the shard is truncated")
-            done += got
-
-    def read_rows(self, t0: int, t1: int, embeddings: torch.Tensor, scales: torch.Tensor | None) -> None:
-        """Token rows t0..t1-1 into ``embeddings[: t1 - t0]`` (and ``scales``)."""
-        self._pread(embeddings[: t1 - t0], self.emb_start + t0 * self.row_bytes)
-        if self.scales_start is not None and scales is not None:
-            self._pread(scales[: t1 - t0], self.scales_start + t0 * 4)
-
-    def _map(self, start: int, nbytes: int) -> torch.Tensor:
-        """``nbytes`` of the file from byte ``start`` as a uint8 tensor over a private, pre-faulted map."""
-        if nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8)
-        aligned = start - start % mmap.ALLOCATIONGRANULARITY
-        # Private and writable, for torch.frombuffer (never written: no page is ever copied). Not
-        # MAP_POPULATE, which write-faults (copies) every page of a writable private map; MADV_POPULATE_READ
-        # maps the page-cache pages in one call instead of one fault per page later (Linux >= 5.14).
-        mapped = mmap.mmap(
-            self.fd,
-            nbytes + start - aligned,
-            flags=mmap.MAP_PRIVATE,
-            prot=mmap.PROT_READ | mmap.PROT_WRITE,
-            offset=aligned,
-        )
-        try:
-            mapped.madvise(_MADV_POPULATE_READ)
-        except (OSError, ValueError, AttributeError):
-            pass  # older kernels: the first reads map the pages instead
-        return torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=start - aligned)
-
-    def map_rows(self, t0: int, t1: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Token rows t0..t1-1 *without copying* (CPU scoring): tensors over a map of the file.
-
-        The map is populated up front (see `_map`) and lives as long as the tensors.
-        """
-        rows = t1 - t0
-        emb = self._map(self.emb_start + t0 * self.row_bytes, rows * self.row_bytes)
-        embeddings = emb.view(dtype).view(rows, self.row_bytes // torch.empty(0, dtype=dtype).element_size())
-        scales = None
-        if self.scales_start is not None:
-            scales = self._map(self.scales_start + t0 * 4, rows * 4).view(torch.float32)
-        return embeddings, scales
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
 def read_parts(shards: Sequence, parts: Sequence[Part]) -> list:
     """Read each part of a plan (`Shard.read_docs` for a range, `read_doc_indices` for an index list)."""
     out = []
@@ -468,8 +369,6 @@ class BatchStream:
         self._slots: queue.Queue = queue.Queue()
         # CUDA: safetensors shards are read straight into the pinned slots, their values checked on
         # the GPU: one flag per such batch, read once at the end of the first pass.
-        self._direct: dict[int, _SafetensorsRows | None] = {}
-        self._direct_lock = threading.Lock()
         self._checks: list[tuple[BatchPlan, torch.Tensor]] = []
         if self.cuda:
             self._copy_stream = torch.cuda.Stream(device=device)
@@ -496,10 +395,7 @@ class BatchStream:
         start = time.perf_counter()
         side = plan.side_array()
         if all(len(p) == 3 and self._direct_rows(p[0]) for p in plan.parts):
-            if self.cuda or len(plan.parts) > 1:
-                result = self._read_direct(plan, slot, side)
-            else:
-                result = self._map_direct(plan, side)
+            result = self._read_direct(plan, slot, side)
             if not self.cuda and self.check_values and not _finite(result.embeddings, result.scales):
                 read_parts(self.shards, plan.parts)  # the shard's checked reader names the document
             with self._lock:
@@ -554,11 +450,10 @@ class BatchStream:
             self.times.bytes_read += nbytes
         return result
 
-    def _direct_rows(self, shard_index: int) -> _SafetensorsRows | None:
-        with self._direct_lock:
-            if shard_index not in self._direct:
-                self._direct[shard_index] = _SafetensorsRows.open(self.shards[shard_index])
-            return self._direct[shard_index]
+    def _direct_rows(self, shard_index: int) -> bool:
+        """Whether the shard reads token rows straight into a caller's buffer (`read_rows_into`:
+        safetensors)."""
+        return hasattr(self.shards[shard_index], "read_rows_into")
 
     def _read_direct(self, plan: BatchPlan, slot: _Buffers, side: np.ndarray | None) -> _HostBatch:
         """Read a plan of document ranges of safetensors shards straight into a (pinned) slot."""
@@ -571,10 +466,8 @@ class BatchStream:
         for shard_index, start, stop in plan.parts:  # type: ignore[misc]
             offsets = self.shards[shard_index].offsets
             t0, t1 = int(offsets[start]), int(offsets[stop])
-            reader = self._direct_rows(shard_index)
-            assert reader is not None
             scales = slot.scales[tokens:] if slot.scales is not None else None
-            reader.read_rows(t0, t1, slot.embeddings[tokens:], scales)
+            self.shards[shard_index].read_rows_into(t0, t1, slot.embeddings[tokens:], scales)
             n_doc = stop - start
             ints[docs + 1 : docs + n_doc + 1] = offsets[start + 1 : stop + 1] - t0 + tokens
             tokens += t1 - t0
@@ -589,21 +482,6 @@ class BatchStream:
             ints[: docs + 1].copy(),
             slot,
             checked=False,
-        )
-
-    def _map_direct(self, plan: BatchPlan, side: np.ndarray | None) -> _HostBatch:
-        """CPU: one document range of a safetensors shard as tensors over a map of the file (no copy;
-        the CPU backend reads the page cache directly)."""
-        shard_index, start, stop = plan.parts[0]  # type: ignore[misc]
-        offsets = self.shards[shard_index].offsets
-        t0, t1 = int(offsets[start]), int(offsets[stop])
-        reader = self._direct_rows(shard_index)
-        assert reader is not None
-        embeddings, scales = reader.map_rows(t0, t1, self.dtype)
-        host_offsets = np.ascontiguousarray(offsets[start : stop + 1] - t0, dtype=np.int64)
-        side_t = torch.from_numpy(np.ascontiguousarray(side, dtype=np.int64)) if side is not None else None
-        return _HostBatch(
-            embeddings, torch.from_numpy(host_offsets), scales, side_t, host_offsets, None, False
         )
 
     def _check_values(self) -> None:
@@ -787,11 +665,6 @@ class BatchStream:
             self._pool = None
         if self.cuda:
             self.times.settle()
-        with self._direct_lock:
-            for reader in self._direct.values():
-                if reader is not None:
-                    reader.close()
-            self._direct.clear()
 
     def __enter__(self) -> BatchStream:
         return self

@@ -358,8 +358,8 @@ def test_budget_too_small_for_one_document_is_a_clear_error(engine_data, tmp_pat
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int8"])
-def test_direct_rows_equal_the_checked_reader(tmp_path, dtype) -> None:
-    from maxsim_cli.pipeline import _SafetensorsRows
+def test_direct_rows_equal_what_safetensors_loads(tmp_path, dtype) -> None:
+    from safetensors.torch import load_file
 
     gen = torch.Generator().manual_seed(4)
     lengths = torch.randint(1, 9, (30,), generator=gen).tolist()
@@ -371,41 +371,37 @@ def test_direct_rows_equal_the_checked_reader(tmp_path, dtype) -> None:
         write_shard(path, [f"d{i}" for i in range(30)], codes, scales=scales, dtype="int8")
     else:
         write_shard(path, [f"d{i}" for i in range(30)], embs, dtype=dtype)
+    reference = load_file(str(path))
     corpus = open_corpus([path])
     shard = corpus.shards[0]
-    rows = _SafetensorsRows.open(shard)
-    assert rows is not None
     for start, stop in [(0, 30), (3, 4), (10, 22)]:
-        expected = shard.read_docs(start, stop)
         t0, t1 = int(shard.offsets[start]), int(shard.offsets[stop])
-        out = torch.empty(t1 - t0 + 5, 16, dtype=expected.embeddings.dtype)
+        out = torch.empty(t1 - t0 + 5, 16, dtype=reference["embeddings"].dtype)
         out_scales = torch.empty(t1 - t0 + 5) if dtype == "int8" else None
-        rows.read_rows(t0, t1, out, out_scales)
-        assert torch.equal(out[: t1 - t0], expected.embeddings)
+        shard.read_rows_into(t0, t1, out, out_scales)
+        assert torch.equal(out[: t1 - t0], reference["embeddings"][t0:t1])
+        batch = shard.read_docs(start, stop)
+        assert torch.equal(batch.embeddings, reference["embeddings"][t0:t1])
         if dtype == "int8":
-            assert torch.equal(out_scales[: t1 - t0], expected.scales)
-    rows.close()
+            assert torch.equal(out_scales[: t1 - t0], reference["scales"][t0:t1])
+            assert torch.equal(batch.scales, reference["scales"][t0:t1])
+    corpus.close()
     arrow = tmp_path / "s.arrow"
     write_shard(arrow, ["a"], [torch.ones(2, 16)])
-    assert _SafetensorsRows.open(open_corpus([arrow]).shards[0]) is None
-    corpus.close()
+    assert not hasattr(open_corpus([arrow]).shards[0], "read_rows_into")
 
 
 def test_deferred_value_check_names_the_document(tmp_path) -> None:
-    from maxsim_cli.pipeline import _SafetensorsRows
-
     path = tmp_path / "s.safetensors"
     write_shard(
         path, ["a", "b", "c"], [torch.ones(2, 8), torch.ones(3, 8), torch.ones(1, 8)], dtype="float16"
     )
     shard = open_corpus([path]).shards[0]
-    rows = _SafetensorsRows.open(shard)
-    assert rows is not None
     # plant a NaN in token 1 of document "b" (row 3), as a damaged disk or a buggy writer would
     with open(path, "r+b") as fh:
-        fh.seek(rows.emb_start + 3 * rows.row_bytes + 2 * 5)
+        fh.seek(shard.emb_start + 3 * shard.row_bytes + 2 * 5)
         fh.write(np.array([np.nan], dtype=np.float16).tobytes())
-    rows.close()
+    shard.close()
     corpus = open_corpus([path])
     plan = BatchPlan(0, [(0, 0, 3)], 3, 6)
     stream = BatchStream(
@@ -810,3 +806,101 @@ def test_reader_threads_run_below_the_scoring_thread() -> None:
     thread.join()
     assert got["after"] == min(19, got["before"] + READER_NICE)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == got["before"]
+
+
+# --------------------------------------------------------------------------------------------------
+# inputs that change during a run
+
+
+def _changing_corpus(tmp_path) -> tuple[str, list[str]]:
+    gen = torch.Generator().manual_seed(8)
+    queries = str(tmp_path / "q.safetensors")
+    write_shard(queries, ["q0", "q1"], [torch.randn(3, 16, generator=gen) for _ in range(2)])
+    shards = []
+    for s in range(2):
+        path = str(tmp_path / f"c{s}.safetensors")
+        write_shard(
+            path, [f"d{s}-{i}" for i in range(40)], [torch.randn(6, 16, generator=gen) for _ in range(40)]
+        )
+        shards.append(path)
+    return queries, shards
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        ("truncated", lambda path: os.truncate(path, os.path.getsize(path) // 2), "changed size from"),
+        ("rewritten", lambda path: open(path, "r+b").close() or os.utime(path, ns=(1, 1)), "was rewritten"),
+        ("replaced", lambda path: os.replace(path + ".new", path), "was replaced by another file"),
+    ],
+    ids=lambda c: c[0],
+)
+@pytest.mark.parametrize("candidates", [False, True])
+def test_a_shard_changed_during_a_run_is_a_one_line_error_and_no_run(
+    tmp_path, monkeypatch, change, candidates
+):
+    """The corpus is opened, then a shard changes before its values are read (the `engine.run` hook):
+    one `InputError` naming the shard, no run file; never a crash on a truncated map (SIGBUS)."""
+    from maxsim_cli.score import score
+    from maxsim_cli.scoring import engine
+
+    _name, mutate, message = change
+    queries, shards = _changing_corpus(tmp_path)
+    with open(shards[1], "rb") as src, open(shards[1] + ".new", "wb") as dst:
+        dst.write(src.read())
+    original = engine.run
+
+    def run_after_the_change(*args, **kwargs):
+        mutate(shards[1])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "run", run_after_the_change)
+    run_file = tmp_path / "cands.trec"
+    run_file.write_text("".join(f"q0 Q0 d{s}-{i} {i + 1} 1.0 x\n" for s in range(2) for i in range(3)))
+    out = tmp_path / "out.trec"
+    with pytest.raises(InputError, match=rf"^{shards[1]}: {message}.* while maxsim was reading it"):
+        score(
+            queries,
+            shards,
+            output=str(out),
+            top_k=5,
+            device="cpu",
+            candidates=str(run_file) if candidates else None,
+        )
+    assert not out.exists()
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["q.safetensors", "c0.safetensors", "c1.safetensors", "cands.trec"]
+        + (["c1.safetensors.new"] if _name != "replaced" else [])
+    )
+
+
+def test_a_shard_truncated_while_maxsim_reads_it_exits_1_with_one_line(tmp_path) -> None:
+    """The whole CLI in a process of its own: the shard is cut short once the first batch is read
+    (`--max-memory` makes many small batches); exit 1, one line naming the shard, no output."""
+    import subprocess
+
+    queries, shards = _changing_corpus(tmp_path)
+    hook = (
+        "import os, sys\n"
+        "from maxsim_cli.shards.readers import SafetensorsShard\n"
+        "original = SafetensorsShard.read_rows_into\n"
+        "def read_then_truncate(self, *args):\n"
+        "    original(self, *args)\n"
+        "    if self.path.endswith('c1.safetensors') and os.path.getsize(self.path) > 100:\n"
+        "        os.truncate(self.path, 100)\n"
+        "SafetensorsShard.read_rows_into = read_then_truncate\n"
+        "from maxsim_cli.cli import main\n"
+        "main(sys.argv[1:])\n"
+    )
+    out = tmp_path / "out.trec"
+    proc = subprocess.run(
+        [sys.executable, "-c", hook, "score", queries, *shards, "--device", "cpu", "--max-memory", "24KiB",
+         "-o", str(out), "-q"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"maxsim: error: {shards[1]}: changed size from"), lines
+    assert not out.exists()

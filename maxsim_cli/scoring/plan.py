@@ -15,8 +15,7 @@ query batches and document batches. Pure: numpy arrays in, a `Plan` out; no devi
 
 Batches are also kept small enough for the stages to overlap: about ``corpus bytes / MIN_BATCHES``, between
 `MIN_BATCH_BYTES` and `MAX_BATCH_BYTES`, on CUDA small enough that the slots fit the pinned arena, and on
-the CPU within one shard (`_cut_at`: a safetensors batch is then scored from a map of its file,
-uncopied).
+the CPU within one shard (`_cut_at`: one read a batch).
 """
 
 from __future__ import annotations
@@ -129,11 +128,9 @@ class Plan:
 def _cut_at(spans: list[tuple[int, int]], bounds: np.ndarray) -> list[tuple[int, int]]:
     """``spans`` (document ranges) cut at the shard boundaries ``bounds``, so that each lies in one shard.
 
-    On the CPU a batch within one safetensors shard is scored straight from a map of the file; one that
-    spans two shards is copied into a staging slot first, on the cores that score (1 GB in 8 shards:
-    about half of the 17 batches). Measured interleaved on the 2-core machine, the gain depends on the
-    machine's state (docs/benchmarks.md). The CUDA path copies every batch anyway and keeps its larger
-    batches."""
+    On the CPU each batch is then one read of one shard (and one `Shard.read_docs` for other
+    containers, used as it is rather than packed into a slot). The CUDA path copies every batch into a
+    slot anyway and keeps its larger batches."""
     out = []
     for a, b in spans:
         inner = bounds[(bounds > a) & (bounds < b)].tolist()
@@ -289,7 +286,7 @@ def plan_exhaustive(
         tok_cum, tokens, per_doc, slots, fixed, usable, nq_b, longest, staged_tb, budget
     )
     if not budget.cuda or budget.resident_corpus:
-        spans = _cut_at(spans, bounds)  # a batch within one shard: a view of it (a map, or resident)
+        spans = _cut_at(spans, bounds)  # a batch within one shard: one read, or a view of it (resident)
     resident = False
     n_jobs = math.ceil(nq / nq_b)
     if budget.cuda and n_jobs > 1 and not budget.resident_corpus:
