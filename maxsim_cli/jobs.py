@@ -671,7 +671,7 @@ def _score_share(
     from maxsim_cli.queries import read_queries, read_query_ids
     from maxsim_cli.runs import read_run
     from maxsim_cli.scoring import engine
-    from maxsim_cli.shards import Corpus
+    from maxsim_cli.shards import Corpus, input_notes, report_notes
 
     own_corpus = corpus is None
     if corpus is None:
@@ -719,6 +719,10 @@ def _score_share(
             try:
                 share_request.check()  # bad options are reported before the query file is read
                 queries = read_queries(share_request.queries).batch
+                if rank == 0:  # the job's corpus (skipped shards, encoder): reported once, as one process does
+                    report_notes(
+                        input_notes(corpus, queries, share_request.query_name), strict=request.strict, log=log
+                    )
                 entered = time.perf_counter()
                 stats = engine.run(
                     share_request, sub, queries, sink, candidates=candidates, context=context, log=log
@@ -849,6 +853,10 @@ def _combine_stats(request: ScoreRequest, shares: Sequence[_Share]) -> ScoreStat
     for name in (*largest, "max_batch_tokens", "planned_device_bytes", "setup_s"):
         if hasattr(out, name):
             setattr(out, name, max(getattr(s, name) for s in per_rank))
+    if request.candidates is not None:  # a query's candidates may lie on several ranks: count it once
+        out.queries_with_candidates = len(
+            {qid for share in shares for qid, docnos, _ in share.results if len(docnos)}
+        )
     peaks = [s.peak_gpu_bytes for s in per_rank if s.peak_gpu_bytes is not None]
     out.peak_gpu_bytes = max(peaks) if peaks else None
     out.resident = all(s.resident for s in per_rank if s.documents)

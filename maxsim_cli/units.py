@@ -66,3 +66,8 @@ def format_rate(count: float, seconds: float, what: str) -> str:
     """``count`` things in ``seconds`` as a rate for people, e.g. ``92.0K pairs/s`` (``- pairs/s`` when
     no time was measured)."""
     return f"{format_si(count / seconds)} {what}/s" if seconds > 0 else f"- {what}/s"
+
+
+def format_counted(count: int, singular: str, plural: str) -> str:
+    """A count and its noun, e.g. ``1 query``, ``16,934 candidates``."""
+    return f"{format_count(count)} {singular if count == 1 else plural}"

@@ -162,7 +162,8 @@ def test_exhaustive_matches_float64_ranking(tmp_path, dtype, layout) -> None:
     assert result.stdout == ""
     assert parse_run(out.read_text()) == reference_run(reference_scores(queries, docs), 9)
     summary = result.stderr.strip().splitlines()
-    assert len(summary) == 1 and "scored 6 queries" in summary[0] and "docs/s" in summary[0]
+    assert len(summary) == 1 and "pairs/s" in summary[0]
+    assert f"scored 6 queries x {len(docs)} documents = {6 * len(docs)} pairs" in summary[0]
 
 
 def test_exhaustive_to_stdout_with_default_k_keeps_every_document(data) -> None:

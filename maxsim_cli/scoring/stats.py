@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from maxsim_cli.shards import write_text_atomic
-from maxsim_cli.units import format_size
+from maxsim_cli.units import format_count, format_counted, format_rate, format_size
 
 
 @dataclass
@@ -21,6 +21,7 @@ class ScoreStats:
     documents: int = 0
     tokens: int = 0
     pairs: int = 0
+    queries_with_candidates: int = 0  # rerank mode: queries that had at least one candidate scored
     query_batches: int = 0
     doc_batches: int = 0
     resident: bool = False
@@ -51,6 +52,11 @@ class ScoreStats:
         return self.documents / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
+    def pairs_per_s(self) -> float:
+        """(query, document) pairs scored per second of wall time: the work done, in either mode."""
+        return self.pairs / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
     def tokens_per_s(self) -> float:
         """Document tokens scored (against every query) per second of wall time."""
         return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
@@ -61,26 +67,36 @@ class ScoreStats:
         out.pop("extra")
         out.update(self.extra)
         out["docs_per_s"] = self.docs_per_s
+        out["pairs_per_s"] = self.pairs_per_s
         out["tokens_per_s"] = self.tokens_per_s
         return out
 
     def summary(self) -> str:
-        """One line for stderr."""
+        """One line for stderr: the pairs scored (exhaustive: every query x every document; rerank: the
+        candidates found in the corpus, of the queries that had some), their rate, and what was read."""
         gpu = f", peak GPU {format_size(self.peak_gpu_bytes)}" if self.peak_gpu_bytes is not None else ""
-        what = f"{self.pairs:,} candidates of " if self.mode == "rerank" else ""
+        n = format_count
+        if self.mode == "rerank":
+            without = self.queries - self.queries_with_candidates
+            none = f"; {n(without)} of {n(self.queries)} queries had none" if without > 0 else ""
+            missing = f", {n(self.missing_candidates)} not in the corpus" if self.missing_candidates else ""
+            work = (
+                f"reranked {format_counted(self.pairs, 'candidate', 'candidates')} of "
+                f"{format_counted(self.queries_with_candidates, 'query', 'queries')} "
+                f"({format_counted(self.documents, 'document', 'documents')}, "
+                f"{format_counted(self.tokens, 'token', 'tokens')}{missing}{none})"
+            )
+        else:
+            work = (
+                f"scored {format_counted(self.queries, 'query', 'queries')} x "
+                f"{format_counted(self.documents, 'document', 'documents')} = {n(self.pairs)} pairs "
+                f"({n(self.tokens)} document tokens)"
+            )
         return (
-            f"scored {self.queries:,} queries x {what}{self.documents:,} documents ({self.tokens:,} tokens) "
-            f"in {self.wall_s:.2f} s: {_si(self.docs_per_s)} docs/s, {_si(self.tokens_per_s)} tokens/s"
-            f" on {self.device}{gpu}"
+            f"{work} in {self.wall_s:.2f} s: {format_rate(self.pairs, self.wall_s, 'pairs')} "
+            f"on {self.device}{gpu}"
         )
 
     def write_json(self, path: str) -> None:
         """Write `as_dict` to ``path`` atomically."""
         write_text_atomic(path, json.dumps(self.as_dict(), indent=2, sort_keys=True) + "\n")
-
-
-def _si(x: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if x >= scale:
-            return f"{x / scale:.3g}{unit}"
-    return f"{x:.3g}"
