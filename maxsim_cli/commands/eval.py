@@ -9,6 +9,7 @@ import typer
 
 from maxsim_cli.commands import cli_errors, echo_data
 from maxsim_cli.evaluate import DEFAULT_MEASURES, evaluate_run
+from maxsim_cli.units import format_count
 
 _MEASURE_HELP = (
     "Measure in ir_measures syntax, e.g. nDCG@10, RR@10, R@100, P@5, AP (repeatable). "
@@ -53,9 +54,10 @@ def register(app: typer.Typer) -> None:
             width = max(len(name) for name in result.values)
             for name, value in result.values.items():
                 echo_data(f"{name:<{width}}  {value:.4f}")
-        note = f"{result.judged_queries} judged queries, {result.run_queries} in the run"
+        n = format_count
+        note = f"{n(result.judged_queries)} judged queries, {n(result.run_queries)} in the run"
         if result.missing_queries:
-            note += f"; {result.missing_queries} judged queries absent from the run count as 0"
+            note += f"; {n(result.missing_queries)} judged queries absent from the run count as 0"
         if result.unjudged_queries:
-            note += f"; {result.unjudged_queries} run queries without judgements ignored"
+            note += f"; {n(result.unjudged_queries)} run queries without judgements ignored"
         typer.echo(note, err=True)
