@@ -55,6 +55,7 @@ def register(app: typer.Typer) -> None:
         """
         from maxsim_cli.errors import UsageError
         from maxsim_cli.merge import merge_runs
+        from maxsim_cli.units import format_count as n
 
         if tag is not None:
             if run_tag not in ("maxsim", tag):
@@ -78,8 +79,8 @@ def register(app: typer.Typer) -> None:
         if not quiet:
             how = " by rank" if stats.by_rank else ""
             note = (
-                f"merged {stats.inputs} runs{how}: {stats.queries} queries, {stats.rows_read} rows read, "
-                f"{stats.rows_written} written (top {top_k})"
+                f"merged {stats.inputs} runs{how}: {n(stats.queries)} queries, {n(stats.rows_read)} rows "
+                f"read, {n(stats.rows_written)} written (top {top_k})"
             )
             if stats.duplicates and stats.by_rank:
                 note += f"; {stats.duplicates} rows found in two inputs, kept at their best rank"

@@ -105,7 +105,7 @@ def register(app: typer.Typer) -> None:
         Example: maxsim pack data/ --embedding-column colbert --mask-column attention_mask -o corpus/
         """
         from maxsim_cli.pack import pack
-        from maxsim_cli.units import format_size
+        from maxsim_cli.units import format_count, format_size
 
         with stderr_bar("packing", not quiet) as update:
             result = pack(
@@ -128,7 +128,8 @@ def register(app: typer.Typer) -> None:
         if not quiet:
             size = sum(os.path.getsize(s.path) for s in result.shards)
             typer.echo(
-                f"packed {result.num_docs} documents, {result.num_tokens} tokens (dim {result.dim}, "
+                f"packed {format_count(result.num_docs)} documents, {format_count(result.num_tokens)} tokens "
+                f"(dim {result.dim}, "
                 f"{result.dtype}{', normalised' if result.normalized else ''}) into {len(result.shards)} "
                 f"shard(s), {format_size(size)}, in {result.outdir}",
                 err=True,
