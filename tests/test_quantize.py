@@ -93,9 +93,66 @@ def test_mixed_corpus_is_refused(corpus_dir, tmp_path) -> None:
 def test_existing_output_is_refused(corpus_dir, tmp_path) -> None:
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "keep.txt").write_text("x")
-    with pytest.raises(UsageError, match="not an empty directory"):
+    with pytest.raises(UsageError, match="already exists and is not empty; .* or pass --overwrite"):
         quantize_corpus([corpus_dir], tmp_path / "busy", sample_queries=0)
     assert os.listdir(tmp_path / "busy") == ["keep.txt"]
+
+
+def test_overwrite_replaces_the_shards_and_keeps_other_files(corpus_dir, tmp_path) -> None:
+    out = tmp_path / "int8"
+    first = quantize_corpus([corpus_dir], out, sample_queries=0)
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    (out / "notes.txt").write_text("mine")
+    (out / "old-shard.arrow").write_bytes(b"a shard of an earlier corpus")
+    again = quantize_corpus([corpus_dir], out, sample_queries=0, overwrite=True)
+    assert sorted(os.listdir(out)) == sorted([*before, "notes.txt"])  # the old shard went, notes stayed
+    assert {name: (out / name).read_bytes() for name in before} == before  # the same bytes again
+    assert (out / "notes.txt").read_text() == "mine" and again.num_docs == first.num_docs
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no staging folder left
+
+
+def test_overwrite_that_fails_keeps_the_old_corpus(corpus_dir, tmp_path, monkeypatch) -> None:
+    out = tmp_path / "int8"
+    quantize_corpus([corpus_dir], out, sample_queries=0)
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    real_replace = os.replace
+    calls = []
+
+    def failing_replace(src, dst):  # the second new file to move into OUTDIR fails
+        if os.path.dirname(dst) == str(out):
+            calls.append(dst)
+            if len(calls) == 2:
+                raise OSError(28, "No space left on device")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(quantize_module.os, "replace", failing_replace)
+    with pytest.raises(Exception, match="int8: cannot write: no space left on device"):
+        quantize_corpus([corpus_dir], out, sample_queries=0, overwrite=True)
+    monkeypatch.undo()
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+
+
+def test_cli_overwrite_and_quiet(corpus_dir, tmp_path) -> None:
+    out = str(tmp_path / "int8")
+    args = ["quantize", str(corpus_dir), "-o", out, "--sample-queries", "0", "--device", "cpu"]
+    first = CliRunner().invoke(app, args)
+    assert first.exit_code == 0, first.output
+    assert first.stderr.startswith("quantized 70 documents (") and " tokens, dim 48)" in first.stderr
+    refused = CliRunner().invoke(app, args)
+    assert refused.exit_code == 2 and "pass --overwrite" in refused.stderr
+    again = CliRunner().invoke(app, [*args, "--overwrite", "--quiet"])
+    assert again.exit_code == 0, again.output
+    assert again.stderr == "" and again.stdout == ""
+
+
+def test_progress_is_told_every_batch(corpus_dir, tmp_path) -> None:
+    seen: list[tuple[int, int]] = []
+    report = quantize_corpus(
+        [corpus_dir], tmp_path / "q", sample_queries=0, batch_tokens=100, progress=lambda *a: seen.append(a)
+    )
+    assert len(seen) > 2 and seen[-1] == (report.num_tokens, report.num_tokens)
+    assert [done for done, _ in seen] == sorted(done for done, _ in seen)
 
 
 def test_failure_leaves_nothing(corpus_dir, tmp_path, monkeypatch) -> None:
@@ -162,7 +219,7 @@ def test_cli_existing_output_exit_2(corpus_dir, tmp_path) -> None:
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "f").write_text("x")
     result = CliRunner().invoke(app, ["quantize", str(corpus_dir), "-o", str(tmp_path / "busy")])
-    assert result.exit_code == 2 and "not an empty directory" in result.stderr
+    assert result.exit_code == 2 and "already exists and is not empty" in result.stderr
 
 
 def test_cli_help_has_example() -> None:
