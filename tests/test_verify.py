@@ -445,3 +445,34 @@ def test_plain_low_precision_baseline_rounds_similarities_to_the_input_dtype(dty
     assert ref.score_plain is not None
     torch.testing.assert_close(ref.score_plain, expected, rtol=0, atol=1e-6)
     assert float((ref.score_plain.double() - ref.score64).abs().max()) > 1e-5  # coarser than float32
+
+
+def test_progress_counts_the_pairs_and_quiet_draws_nothing(data, tmp_path) -> None:
+    from maxsim_cli.verify import verify
+
+    seen: list[tuple[int, int]] = []
+    report = verify(
+        str(data / "queries.safetensors"),
+        [str(data / "corpus")],
+        device="cpu",
+        max_tokens=64,
+        progress=lambda done, total: seen.append((done, total)),
+    )
+    assert len(seen) > 1 and seen[-1] == (report.setup["pairs"], report.setup["pairs"])
+    result = invoke(
+        "verify", str(data / "queries.safetensors"), str(data / "corpus"), "--device", "cpu", "-q"
+    )
+    assert result.exit_code == 0 and result.stderr == ""
+
+
+def test_a_query_folder_is_accepted(data, tmp_path) -> None:
+    folder = tmp_path / "queries"
+    folder.mkdir()
+    (folder / "shard-00000.safetensors").write_bytes((data / "queries.safetensors").read_bytes())
+    by_folder = invoke("verify", str(folder), str(data / "corpus"), "--device", "cpu", "--json")
+    by_file = invoke(
+        "verify", str(data / "queries.safetensors"), str(data / "corpus"), "--device", "cpu", "--json"
+    )
+    assert by_folder.exit_code == 0, by_folder.output
+    assert json.loads(by_folder.stdout)["details"]["setup"]["pairs"] == 6 * 40
+    assert json.loads(by_folder.stdout)["max_abs_error"] == json.loads(by_file.stdout)["max_abs_error"]
