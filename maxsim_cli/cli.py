@@ -9,6 +9,11 @@ thread (`SystemExit`, as `maxsim_cli.jobs.run_rank` does for SIGTERM; SIGINT kee
 KeyboardInterrupt), so every ``finally`` / ``__exit__`` runs (temp files and staging folders are
 removed, an output being written is left as it was), and the process exits with 128 + the signal's
 number, saying so in one line. A signal that was ignored when maxsim started (``nohup``) stays ignored.
+
+A signal that arrives while a module is being imported is held back until the import is over (it is
+sent again every `DEFER_S`, for at most `DEFER_MAX_S`): libraries import others lazily mid-command and
+some catch whatever the import raises (pyarrow's pandas bridge retries, then fails with a confusing
+traceback over a half-imported pandas).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,15 +46,45 @@ class Stopped(SystemExit):
         self.signum = signum
 
 
-def _raise_stopped(signum: int, frame: object) -> None:
-    raise Stopped(signum)
+# A signal met inside an import is sent again this often, and raised anyway after this long.
+DEFER_S = 0.02
+DEFER_MAX_S = 5.0
+_deferred_since: dict[int, float] = {}
+
+
+def _importing(frame: Any) -> bool:
+    """Whether ``frame`` (where a signal interrupted the main thread) runs inside an import."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _deferred(signum: int, frame: Any) -> bool:
+    """Hold the signal back while ``frame`` is inside an import: a thread sends it again shortly."""
+    now = time.monotonic()
+    if not _importing(frame) or now - _deferred_since.setdefault(signum, now) > DEFER_MAX_S:
+        _deferred_since.pop(signum, None)
+        return False
+    timer = threading.Timer(DEFER_S, os.kill, (os.getpid(), signum))
+    timer.daemon = True
+    timer.start()
+    return True
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    if not _deferred(signum, frame):
+        raise Stopped(signum)
 
 
 _interrupted: list[int] = []
 
 
-def _raise_interrupt(signum: int, frame: object) -> None:
+def _raise_interrupt(signum: int, frame: Any) -> None:
     # Python's own SIGINT handler (KeyboardInterrupt, which Typer turns into exit code 130), remembered
+    if _deferred(signum, frame):
+        return
     _interrupted.append(signum)
     raise KeyboardInterrupt
 
@@ -60,6 +96,7 @@ def stop_signals_raise() -> Iterator[list[int]]:
     Outside the main thread (no handler can be set there) and for a signal ignored on entry (or whose
     handler is someone else's, for SIGINT) this does nothing."""
     _interrupted.clear()
+    _deferred_since.clear()
     if threading.current_thread() is not threading.main_thread():
         yield _interrupted
         return

@@ -372,8 +372,17 @@ def locked(work: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
         return call
 
+    def refuse_mkdir(original):
+        def call(path, *args, **kwargs):
+            if os.path.realpath(os.path.dirname(os.path.abspath(path))) == os.path.realpath(folder):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+            return original(path, *args, **kwargs)
+
+        return call
+
     monkeypatch.setattr(tempfile, "mkstemp", refuse(tempfile.mkstemp))
     monkeypatch.setattr(tempfile, "mkdtemp", refuse(tempfile.mkdtemp))
+    monkeypatch.setattr(output_files.os, "mkdir", refuse_mkdir(os.mkdir))
     yield folder
     folder.chmod(0o700)
 

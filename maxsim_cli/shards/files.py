@@ -21,9 +21,11 @@ temp file behind and the previous output as it was.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
+import secrets
 import stat
 import tempfile
 from collections.abc import Iterable
@@ -218,14 +220,24 @@ def check_output(
 
 
 def staging_dir(parent: str, prefix: str) -> str:
-    """A new private working folder in `parent` (same filesystem as the output, so renames are atomic),
-    with the mode `mkdir` would give rather than mkdtemp's 0700: it becomes the user's output folder."""
-    try:
-        workdir = tempfile.mkdtemp(prefix=prefix, dir=parent)
-    except OSError as exc:
-        raise write_error(parent, exc) from None
-    os.chmod(workdir, 0o777 & ~current_umask())
-    return workdir
+    """A new working folder ``PREFIX<random>`` in `parent` (same filesystem as the output, so renames
+    are atomic), with the mode `mkdir` gives: it becomes the user's output folder. Made by one `mkdir`
+    whose folder is removed again by whatever interrupts this function (a signal raising in the main
+    thread just after the call), so that an interrupted caller never leaves one it did not learn of."""
+    for _ in range(100):
+        workdir = os.path.join(parent, f"{prefix}{secrets.token_hex(6)}")
+        try:
+            os.mkdir(workdir)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise write_error(parent, exc) from None
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.rmdir(workdir)
+            raise
+        return workdir
+    raise write_error(parent, FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST)))
 
 
 def _atomic_temp(path: str) -> tuple[int, str]:
