@@ -169,7 +169,7 @@ def register(app: typer.Typer) -> None:
             None,
             "--candidates",
             help="Verify the (query, candidate) pairs of this first-stage run (TREC, MS MARCO or ColBERT "
-            "TSV, optionally .gz) with the reranking kernel.",
+            "TSV, optionally .gz, or irds:<dataset-id>) with the reranking kernel.",
         ),
         device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
         backend: str = typer.Option(
