@@ -131,7 +131,7 @@ def run(
         )
         stats.gpu_budget_bytes = gpu_budget
         torch.cuda.reset_peak_memory_stats(dev)
-        base_allocated = torch.cuda.memory_allocated(dev)
+        base_allocated = _allocated_bytes(dev)["current"]
     qname = request.query_name
     check_same_dim(queries, qname, corpus)
     q_emb = _query_embeddings(queries, corpus.dtype, corpus.quantization)
@@ -186,10 +186,17 @@ def run(
             engine.run_exhaustive(passes, qids, request.top_k, sink)
     if cuda:
         torch.cuda.synchronize(dev)
-        stats.peak_gpu_bytes = torch.cuda.max_memory_allocated(dev) - base_allocated
+        stats.peak_gpu_bytes = _allocated_bytes(dev)["peak"] - base_allocated
     stats.peak_host_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     stats.wall_s = time.perf_counter() - started
     return stats
+
+
+def _allocated_bytes(dev: torch.device) -> dict[str, int]:
+    """The caching allocator's allocated bytes on ``dev`` ("current", "peak", ...): one nested dict, where
+    `torch.cuda.memory_allocated` and `max_memory_allocated` each flatten every statistic (~0.5 ms a
+    call on the H200 host, which a served request of a few milliseconds paid twice)."""
+    return torch.cuda.memory_stats_as_nested_dict(dev)["allocated_bytes"]["all"]
 
 
 def reader_threads(request: ScoreRequest, cuda: bool) -> int:
