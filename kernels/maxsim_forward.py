@@ -345,10 +345,13 @@ def _maxsim_candidates_kernel(
     RETURN_ARGMAX: tl.constexpr,
     DOC_MAJOR: tl.constexpr,
     ELEMENT_MAX: tl.constexpr,
+    ROTATE: tl.constexpr = False,
 ):
     """One program: query `qi` (rows of chunk `chunk`) x its candidates [c_first, c_last).
 
-    DOC_MAJOR as in `_maxsim_varlen_kernel` (scores only).
+    DOC_MAJOR as in `_maxsim_varlen_kernel` (scores only). ROTATE: block `blk` walks its candidates
+    from the (blk mod n)-th on and wraps around, so that programs running side by side over candidates
+    that lie one after another in memory do not read addresses in lockstep (see `_ROTATE_CANDIDATES`).
     """
     pid = tl.program_id(0).to(tl.int64)
     blk = pid // num_chunks
@@ -371,6 +374,8 @@ def _maxsim_candidates_kernel(
     total = tl.sum(tl.where(c_in, tl.maximum(tl.cdiv(lens, BLOCK_T), 1), 0))
 
     c = c_first
+    if ROTATE:
+        c = c_first + blk % (c_last - c_first)
     doc = tl.load(cand_ptr + c)
     doc_start = tl.load(d_off_ptr + doc)
     doc_end = tl.load(d_off_ptr + doc + 1)
@@ -398,13 +403,16 @@ def _maxsim_candidates_kernel(
             if RETURN_ARGMAX:
                 tl.store(arg_ptr + c * stride_arg + q_row, a, mask=q_ok)
             m, a, m_tile = restart(m, a, m_tile, ELEMENT_MAX, RETURN_ARGMAX)
-        next_doc = tl.load(cand_ptr + tl.minimum(c + 1, num_cands - 1))
+        c_next = c + 1
+        if ROTATE:
+            c_next = tl.where(c_next >= c_last, c_first, c_next)
+        next_doc = tl.load(cand_ptr + tl.minimum(c_next, num_cands - 1))
         next_start = tl.load(d_off_ptr + next_doc)
         next_end = tl.load(d_off_ptr + next_doc + 1)
         tok = tl.where(last, next_start, tok + BLOCK_T)
         doc_start = tl.where(last, next_start, doc_start)
         doc_end = tl.where(last, next_end, doc_end)
-        c = c + last.to(tl.int64)
+        c = tl.where(last, c_next, c)
 
 
 # ============================================================================================
@@ -475,6 +483,11 @@ _TUNING: dict[str, KernelConfig] = {
 _ARGMAX_TUNING: dict[str, KernelConfig] = {
     "many": KernelConfig(block_q=256, block_t=64, docs_per_prog=64, num_warps=8, num_stages=2),
 }
+# Candidates kernel: ROTATE starts each program's run at a rotated candidate, so that programs over candidates
+# that lie one after another never read in lockstep. Candidates in order scored as fast as shuffled ones
+# without it (0.668 against 0.675 ms; rotated 0.672 / 0.679), so it is off
+# (benchmarks/results/int8/memory-bound-h200.json; docs/kernel-notes.md, "Rerank: candidates in order").
+_ROTATE_CANDIDATES = False
 _MIN_ROWS = 16  # tl.dot needs M, N, K >= 16
 
 
@@ -830,7 +843,7 @@ def _candidates_plan(
         meta = dict(
             ROWS=rows, BLOCK_T=cfg.block_t, BLOCK_K=block_k, NUM_K=num_k, EVEN_K=even_k,
             CANDS_PER_PROG=cfg.docs_per_prog, PRECISION=_precision(docs.dtype, allow_tf32),
-            RETURN_ARGMAX=return_argmax, **cfg.tile_variant(return_argmax),
+            RETURN_ARGMAX=return_argmax, **cfg.tile_variant(return_argmax), ROTATE=_ROTATE_CANDIDATES,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         launch = KernelLaunch(_maxsim_candidates_kernel, (blocks.shape[1] * num_chunks,), meta, device)

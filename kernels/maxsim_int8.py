@@ -38,11 +38,12 @@ HBM bytes ~= Td * (dim + 4) once (int8 tokens + fp32 scale), half the fp16 bytes
 Past the MMA, each (query token, document token) pair costs the same CUDA-core work as in fp16 (the
 conversion, one FMA, the max) and every tile the same loop, load and reduction overhead, so halving the
 MMA time does not halve the tile time: all pairs run at 1.23x the fp16 kernel's rate, not 2x
-(benchmarks/results/int8/int8-h200.json). HBM-bound shapes reach 3.1-3.3 TB/s (fp16: 4.2-4.4): at the same
-occupancy as the fp16 kernel (three programs an SM, here for the 168 registers of the one-query tile) a
-program keeps 8 KB tiles in flight where fp16 keeps 16 KB ones. The tiles are query-major: document-major
-ones, as the fp16 kernel uses for one query and for candidates, lost on every shape. The measurements:
-docs/kernel-notes.md, "INT8: what limits it" and "The int8 Triton kernels on HBM-bound shapes (v6)". On
+(benchmarks/results/int8/int8-h200.json). HBM-bound shapes read at 3.5 TB/s with TMA tiles on
+Hopper (fp16: 4.4): with cp.async loads they reached 2.9-3.1, three programs an SM (the registers of the
+per-thread addresses) each keeping two 8 KB tiles in flight where fp16 keeps three 16 KB ones. The
+tiles are query-major: document-major ones, as the fp16 kernel uses for one query and for candidates,
+lost on every shape. The measurements: docs/kernel-notes.md, "INT8: what limits it" and "INT8 on
+HBM-bound shapes: TMA tiles". On
 Hopper, all pairs with host offsets go to the Gluon kernel of `maxsim_int8_hopper`.
 
 int32 -> fp32 without the slow conversion instruction (`I2F` issues at 1/8 of the FMA rate on sm_90):
@@ -61,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import gluon_module, launch_fitting_shared_memory
+from ._launch import gluon_module, hopper_device, launch_fitting_shared_memory
 from ._running_max import document_max, fold_row_max, fold_tile, restart
 from ._validate import cdiv, host_candidates, host_offsets, memo, memo_pair, on_device, resolve_backend
 
@@ -97,6 +98,14 @@ _CAND_PER_PROG = 16  # candidates per program
 _CAND_WARPS = 4
 _CAND_STAGES = 3
 _CAND_ELEMENT_MAX = True
+# Document tiles by TMA bulk copies (sm_90+, dim a power of two) instead of per-thread cp.async loads: one
+# query x 100K docs 0.600 ms against 0.679, rerank 0.441 against 0.517, all pairs 69.8 against 66.7 ms (so
+# not there), same run (benchmarks/results/int8/memory-bound-h200.json; docs/kernel-notes.md, "INT8 on
+# HBM-bound shapes: TMA tiles"). A rotated start of each candidate run lost 2-6% there: off.
+_VARLEN_TMA = False
+_FEW_QUERIES_TMA = True
+_CAND_TMA = True
+_ROTATE_CANDIDATES = False
 _MAX_QUERIES_PER_GROUP = 32  # queries per all-pairs program at most (short queries)
 _QUANT_BLOCK_R = 16  # tokens per program of the quantize kernel
 
@@ -154,14 +163,21 @@ def _scaled_tile(
     BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr,
     MAGIC: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    """fp32(s_d[j] * (q8 . d8[j])) for the BLOCK_D document tokens tok.., -inf from doc_end on."""
+    """fp32(s_d[j] * (q8 . d8[j])) for the BLOCK_D document tokens tok.., -inf from doc_end on.
+
+    TMA: `d_ptr` is a tensor descriptor of the codes (block [BLOCK_D, BLOCK_K], BLOCK_K == dim): the tile
+    comes by one bulk copy, rows past the document included (their columns get the -inf bias)."""
     cols = tok + tl.arange(0, BLOCK_D)
     col_ok = cols < doc_end
-    k = tl.arange(0, BLOCK_K)
-    d = tl.load(
-        d_ptr + cols[:, None] * stride_d + k[None, :], mask=col_ok[:, None] & (k < dim)[None, :], other=0
-    )
+    if TMA:
+        d = d_ptr.load([tok.to(tl.int32), 0])
+    else:
+        k = tl.arange(0, BLOCK_K)
+        d = tl.load(
+            d_ptr + cols[:, None] * stride_d + k[None, :], mask=col_ok[:, None] & (k < dim)[None, :], other=0
+        )
     s = tl.load(d_scale_ptr + cols, mask=col_ok, other=1.0)
     # 0 inside the document, -inf past its end: applied in the same FMA as the scale.
     bias = tl.where(col_ok, 0.0, float("-inf"))
@@ -187,6 +203,7 @@ def _doc_row_max(
     BLOCK_K: tl.constexpr,
     MAGIC: tl.constexpr,
     RETURN_ARGMAX: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """max_j s_d[j] * (q8 @ d8[j]) over the document's tokens start <= j < stop, per row of the q tile.
 
@@ -195,7 +212,9 @@ def _doc_row_max(
     row_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     row_arg = tl.full([BLOCK_Q], -1, tl.int32)  # stays -1 for a document with no tokens
     for t in range(start, stop, BLOCK_D):
-        val = _scaled_tile(q, d_ptr, d_scale_ptr, t, stop, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, MAGIC)
+        val = _scaled_tile(
+            q, d_ptr, d_scale_ptr, t, stop, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, MAGIC, TMA
+        )
         row_max, row_arg = fold_row_max(val, row_max, row_arg, t, start, RETURN_ARGMAX)
     return row_max, row_arg
 
@@ -250,6 +269,7 @@ def _maxsim_int8_varlen_kernel(
     RETURN_ARGMAX: tl.constexpr,
     ONE_QUERY: tl.constexpr,
     ELEMENT_MAX: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):
     """Scores of QUERIES_PER_GROUP consecutive queries against DOCS_PER_PROG consecutive documents.
 
@@ -296,7 +316,7 @@ def _maxsim_int8_varlen_kernel(
         m_tile = tl.full((BLOCK_Q, BLOCK_D) if ELEMENT_MAX else (1, 1), float("-inf"), tl.float32)
         for _ in range(n_tiles):
             val = _scaled_tile(
-                q, d_ptr, d_scale_ptr, tok, doc_end, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, MAGIC
+                q, d_ptr, d_scale_ptr, tok, doc_end, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, MAGIC, TMA
             )
             row_max, row_arg, m_tile = fold_tile(
                 val, row_max, row_arg, m_tile, tok, doc_start, ELEMENT_MAX, RETURN_ARGMAX
@@ -340,6 +360,7 @@ def _maxsim_int8_varlen_kernel(
                     BLOCK_K,
                     MAGIC,
                     RETURN_ARGMAX,
+                    TMA,
                 )
                 contrib = tl.where(row_ok, sq * row_max, 0.0)
                 scores += tl.sum(tl.where(member, contrib[:, None], 0.0), axis=0)
@@ -392,8 +413,13 @@ def _maxsim_int8_candidates_kernel(
     MAGIC: tl.constexpr,
     RETURN_ARGMAX: tl.constexpr,
     ELEMENT_MAX: tl.constexpr,
+    TMA: tl.constexpr = False,
+    ROTATE: tl.constexpr = False,
 ):
-    """Scores of CANDS_PER_PROG consecutive (query, candidate) pairs of the flat candidate list."""
+    """Scores of CANDS_PER_PROG consecutive (query, candidate) pairs of the flat candidate list.
+
+    TMA as in `_scaled_tile`; ROTATE as in maxsim_forward's candidates kernel (the run is walked from its
+    (pid mod n)-th candidate on, wrapping around)."""
     c_first = tl.program_id(0).to(tl.int64) * CANDS_PER_PROG
     c_last = tl.minimum(c_first + CANDS_PER_PROG, n_cand)
     query = _owner(cand_off_ptr, c_first, n_queries)
@@ -413,6 +439,8 @@ def _maxsim_int8_candidates_kernel(
         )
         n_tiles = tl.sum(tl.where(c_in, tl.maximum(tl.cdiv(lens, BLOCK_D), 1), 0))
         c = c_first
+        if ROTATE:
+            c = c_first + tl.program_id(0) % (c_last - c_first)
         doc = tl.load(cand_docs_ptr + c)
         doc_start = tl.load(d_off_ptr + doc)
         doc_end = tl.load(d_off_ptr + doc + 1)
@@ -422,7 +450,7 @@ def _maxsim_int8_candidates_kernel(
         m_tile = tl.full((BLOCK_Q, BLOCK_D) if ELEMENT_MAX else (1, 1), float("-inf"), tl.float32)
         for _ in range(n_tiles):
             val = _scaled_tile(
-                q, d_ptr, d_scale_ptr, tok, doc_end, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, MAGIC
+                q, d_ptr, d_scale_ptr, tok, doc_end, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, MAGIC, TMA
             )
             row_max, row_arg, m_tile = fold_tile(
                 val, row_max, row_arg, m_tile, tok, doc_start, ELEMENT_MAX, RETURN_ARGMAX
@@ -434,13 +462,16 @@ def _maxsim_int8_candidates_kernel(
                 if RETURN_ARGMAX:
                     tl.store(arg_ptr + c * stride_arg + (rows - row_first), row_arg, mask=row_ok)
                 row_max, row_arg, m_tile = restart(row_max, row_arg, m_tile, ELEMENT_MAX, RETURN_ARGMAX)
-            next_doc = tl.load(cand_docs_ptr + tl.minimum(c + 1, n_cand - 1))
+            c_next = c + 1
+            if ROTATE:
+                c_next = tl.where(c_next >= c_last, c_first, c_next)
+            next_doc = tl.load(cand_docs_ptr + tl.minimum(c_next, n_cand - 1))
             next_start = tl.load(d_off_ptr + next_doc)
             next_end = tl.load(d_off_ptr + next_doc + 1)
             tok = tl.where(last, next_start, tok + BLOCK_D)
             doc_start = tl.where(last, next_start, doc_start)
             doc_end = tl.where(last, next_end, doc_end)
-            c = c + last.to(tl.int64)
+            c = tl.where(last, c_next, c)
     else:
         # The run crosses into the next query(s), or a query is longer than one tile.
         for c in range(c_first, c_last):
@@ -468,6 +499,7 @@ def _maxsim_int8_candidates_kernel(
                     BLOCK_K,
                     MAGIC,
                     RETURN_ARGMAX,
+                    TMA,
                 )
                 contrib += tl.where(row_ok, sq * row_max, 0.0)
                 if RETURN_ARGMAX:
@@ -629,6 +661,20 @@ def _varlen_plan(n_rows: int, n_queries: int, dim: int) -> tuple[int, int, int]:
     return max(16, min(cap, per_group * mean)), per_group, block_k
 
 
+def _tma_codes(d8: torch.Tensor, block_d: int, block_k: int, wanted: bool) -> Any:
+    """A TMA descriptor of the document codes for tiles [block_d, block_k] where `wanted` and the GPU and
+    layout allow it (sm_90+, block_k == dim, 16-byte aligned rows and base), else None (pointer loads)."""
+    if not wanted or d8.device.type != "cuda" or d8.shape[1] != block_k or d8.shape[0] == 0:
+        return None
+    if d8.data_ptr() % 16 or d8.stride(0) % 16 or not hopper_device(d8.device):
+        return None
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # pragma: no cover - a Triton release without host descriptors
+        return None
+    return TensorDescriptor.from_tensor(d8, [block_d, block_k])
+
+
 def _element_max(override: bool | None, default: bool, return_argmax: bool) -> bool:
     """Running max per tile element: the sweep's override or the tuned default, never with the argmax."""
     return (default if override is None else override) and not return_argmax
@@ -649,6 +695,7 @@ def _launch_varlen(
     num_warps: int | None = None,
     num_stages: int | None = None,
     element_max: bool | None = None,
+    tma: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """All-pairs Triton launch (no host synchronisation); keyword overrides are for the tile sweep."""
     nq, nd = query_offsets.numel() - 1, doc_offsets.numel() - 1
@@ -670,9 +717,12 @@ def _launch_varlen(
         block_d = min(block_d, 32) if block_k > 256 else block_d
     docs_per_prog = docs_per_prog or (_FEW_QUERIES_DOCS_PER_PROG if few else _VARLEN_DOCS_PER_PROG)
     grid = (n_groups * cdiv(nd, docs_per_prog),)
+    wanted = (_FEW_QUERIES_TMA if few else _VARLEN_TMA) if tma is None else tma
+    codes = _tma_codes(d8, block_d, block_k, wanted)
+    tiles = d8 if codes is None else codes
     launch_fitting_shared_memory(
         _maxsim_int8_varlen_kernel, grid,
-        q8, sq, query_offsets, d8, sd, doc_offsets, out, out if arg is None else arg,
+        q8, sq, query_offsets, tiles, sd, doc_offsets, out, out if arg is None else arg,
         nq, n_groups, nd, dim,
         q8.stride(0), d8.stride(0), out.stride(0), nd,
         DOCS_PER_PROG=docs_per_prog, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_K=block_k,
@@ -680,6 +730,7 @@ def _launch_varlen(
         MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=return_argmax, ONE_QUERY=nq == 1,
         ELEMENT_MAX=_element_max(element_max, _FEW_QUERIES_ELEMENT_MAX if few else _VARLEN_ELEMENT_MAX,
                                  return_argmax),
+        TMA=codes is not None,
         num_warps=num_warps or (_FEW_QUERIES_WARPS if few else _VARLEN_WARPS),
         num_stages=num_stages or (_FEW_QUERIES_STAGES if few else _VARLEN_STAGES),
     )  # fmt: skip
@@ -757,6 +808,8 @@ def _launch_candidates(
     num_warps: int | None = None,
     num_stages: int | None = None,
     element_max: bool | None = None,
+    tma: bool | None = None,
+    rotate: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-query-candidates Triton launch; synchronises only to size the argmax output."""
     nq = query_offsets.numel() - 1
@@ -776,15 +829,18 @@ def _launch_candidates(
     if block_d is None:
         block_d = min(_CAND_BLOCK_D, 32) if block_k > 256 else _CAND_BLOCK_D
     cands_per_prog = cands_per_prog or _CAND_PER_PROG
+    codes = _tma_codes(d8, block_d, block_k, _CAND_TMA if tma is None else tma)
+    tiles = d8 if codes is None else codes
     launch_fitting_shared_memory(
         _maxsim_int8_candidates_kernel, (cdiv(n_cand, cands_per_prog),),
-        q8, sq, query_offsets, candidate_offsets, candidate_docs, d8, sd, doc_offsets,
+        q8, sq, query_offsets, candidate_offsets, candidate_docs, tiles, sd, doc_offsets,
         out, out if arg is None else arg,
         nq, n_cand, dim,
         q8.stride(0), d8.stride(0), 0 if arg is None else arg.stride(0),
         CANDS_PER_PROG=cands_per_prog, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_K=block_k,
         MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=return_argmax,
         ELEMENT_MAX=_element_max(element_max, _CAND_ELEMENT_MAX, return_argmax),
+        TMA=codes is not None, ROTATE=_ROTATE_CANDIDATES if rotate is None else rotate,
         num_warps=num_warps or _CAND_WARPS, num_stages=num_stages or _CAND_STAGES,
     )  # fmt: skip
     return out, arg

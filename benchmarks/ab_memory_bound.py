@@ -1,0 +1,265 @@
+"""The HBM-bound shapes, old and new tiles side by side in one process: int8 one query and rerank (pointer
+loads against TMA tiles, a sweep of the TMA tiles), the fp16 kernel on the same data, the int8 all-pairs
+case, and the rerank with each query's candidates one after another in memory against shuffled ones.
+
+Inputs: L2-normalised random fp16 vectors, d = 128, int8 = the same vectors through `quantize_per_token`;
+offsets on the GPU for the int8 launchers (kernel time), the public fp16 functions as `bench_kernels.py`
+calls them; `triton.testing.do_bench` medians. Every variant's scores are compared bit for bit with the
+baseline of its row group (the old int8 tiles, or the unrotated fp16 walk on the same candidates).
+
+Rerank candidate layouts (64 queries x 1000 candidates of 180 tokens, a pool of 64K documents):
+  shuffled    each query's candidates scattered over the pool (`randperm`, the benchmark's layout)
+  contiguous  query q owns documents 1000 q .. 1000 q + 999, in order
+  sorted      random candidates, each query's list in increasing document order
+  gapped      contiguous, but a 1-token document between any two pool documents (shifts the alignment)
+  round-robin contiguous, the programs' launch order interleaved over the queries
+  per4/per16  contiguous, 4 or 16 candidates a program instead of 8
+
+    python benchmarks/ab_memory_bound.py --out benchmarks/results/int8/memory-bound-h200.json
+    TRITON_INTERPRET=1 python benchmarks/ab_memory_bound.py --smoke     # the script itself, on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from common import (
+    DIM,
+    QUERY_TOKENS,
+    SMOKE,
+    device,
+    make_log,
+    median_ms,
+    meta,
+    normal_tokens,
+    ragged,
+    smoke_size,
+    sync,
+    write_json,
+)
+
+log = make_log("ab_memory_bound", clock=True)
+RECORD: dict[str, Any] = {"rows": []}
+OUT: dict[str, str | None] = {"path": None}
+
+
+def row(
+    part: str,
+    variant: str,
+    fn: Callable[[], torch.Tensor],
+    nbytes: float,
+    base: torch.Tensor | None,
+    rep_ms: int,
+    **extra: Any,
+) -> torch.Tensor | None:
+    """Time `fn`, compare its scores with `base` bit for bit, record and log one row."""
+    try:
+        out = fn()
+        sync()
+        ms = median_ms(fn, rep_ms)
+    except Exception as exc:  # a tile the compiler refuses is recorded, not fatal
+        log(f"{part} {variant}: failed ({type(exc).__name__}: {str(exc)[:200]})")
+        RECORD["rows"].append({"part": part, "variant": variant, "error": str(exc)[:400], **extra})
+        return None
+    equal = None if base is None else bool(torch.equal(out, base))
+    diff = None if base is None else float((out.double() - base.double()).abs().max())
+    r = {"part": part, "variant": variant, "ms": ms, "tb_s": nbytes / ms / 1e9, "bitwise_equal": equal,
+         "max_abs_diff": diff, **extra}  # fmt: skip
+    RECORD["rows"].append(r)
+    log(f"{part:10s} {variant:44s} {ms:8.3f} ms {r['tb_s']:5.2f} TB/s  equal={equal}")
+    write_json(OUT["path"], RECORD)
+    return out
+
+
+def rerank(rep_ms: int) -> None:
+    from maxsim_kernels import maxsim_forward as fwd
+    from maxsim_kernels import maxsim_int8 as i8
+
+    dev = device()
+    gen = torch.Generator(device=dev).manual_seed(0)
+    n_rq, per_q, length = 64, smoke_size(1000), 180
+    pool_n = n_rq * per_q
+    tokens = normal_tokens(pool_n * (length + 1), gen, dev)  # room for the gapped layout
+    pool8, pool_sc = i8.quantize_per_token(tokens)
+    plain_off = torch.arange(pool_n + 1, dtype=torch.int64) * length  # host offsets, as the API takes
+    gap_lens = torch.tensor([length, 1] * pool_n, dtype=torch.int64)
+    gap_off = torch.cat([torch.zeros(1, dtype=torch.int64), gap_lens.cumsum(0)])
+    queries = normal_tokens(n_rq * QUERY_TOKENS, gen, dev)
+    q_off = torch.arange(n_rq + 1, dtype=torch.int64) * QUERY_TOKENS
+    q8, sq = i8.quantize_per_token(queries)
+    q_off_dev = q_off.to(dev)
+    perm = torch.randperm(pool_n, generator=torch.Generator().manual_seed(0))
+    layouts = {
+        "shuffled": (perm, plain_off),
+        "contiguous": (torch.arange(pool_n), plain_off),
+        "sorted": (perm.view(n_rq, per_q).sort(1).values.flatten(), plain_off),
+        "gapped": (torch.arange(pool_n) * 2, gap_off),
+    }
+    c_off = torch.arange(n_rq + 1, dtype=torch.int64) * per_q
+    fp16_bytes = n_rq * per_q * length * DIM * 2.0
+    int8_bytes = n_rq * per_q * length * (DIM + 4.0)
+    docs16 = {"plain": tokens[: pool_n * length], "gapped": tokens[: int(gap_off[-1])]}
+    docs8 = {"plain": (pool8[: pool_n * length], pool_sc[: pool_n * length]),
+             "gapped": (pool8[: int(gap_off[-1])], pool_sc[: int(gap_off[-1])])}  # fmt: skip
+    cands = fwd._TUNING["cands"]
+    original_blocks = fwd._candidate_blocks
+
+    def round_robin(c: np.ndarray, per: int):  # the same blocks, launched one query after another
+        query, first, last = original_blocks(c, per)
+        order = np.lexsort((query, np.arange(len(query)) - np.searchsorted(query, query)))
+        return query[order], first[order], last[order]
+
+    for name, (cand, d_off) in layouts.items():
+        kind = "gapped" if name == "gapped" else "plain"
+        cand_dev = cand.to(dev)
+        setups = [("", None, original_blocks)]
+        if name == "contiguous":
+            setups += [("round-robin", None, round_robin)]
+            setups += [(f"per{n}", fwd.replace(cands, docs_per_prog=n), original_blocks) for n in (4, 16)]
+        for label, cfg, blocks in setups:
+            base = None
+            for rotate in (False, True):
+                fwd._ROTATE_CANDIDATES, fwd._candidate_blocks = rotate, blocks
+                co = c_off.clone()  # a fresh tensor: the launch blocks are memoised per offsets tensor
+
+                def fn(co=co, cfg=cfg, d=docs16[kind], d_off=d_off, cand_dev=cand_dev) -> torch.Tensor:
+                    return fwd.maxsim_candidates_forward_triton(
+                        queries, q_off, d, d_off, co, cand_dev, config=cfg
+                    )
+
+                tag = f"{name}{'+' + label if label else ''} rotate={rotate}"
+                out = row(
+                    "rerank16", tag, fn, fp16_bytes, base, rep_ms, layout=name, setup=label, rotate=rotate
+                )
+                base = out if base is None else base
+        fwd._ROTATE_CANDIDATES, fwd._candidate_blocks = True, original_blocks
+        d8, sd = docs8[kind]
+        d_off_dev = d_off.to(dev)
+        co_dev = c_off.to(dev)
+        base = None
+        variants = [(False, False), (True, False), (True, True), (False, True)]
+        if name in ("sorted", "gapped"):
+            variants = [(False, False), (True, True)]
+        for tma, rotate in variants:
+
+            def fn8(
+                tma=tma, rotate=rotate, d8=d8, sd=sd, d_off=d_off_dev, co=co_dev, cd=cand_dev
+            ) -> torch.Tensor:
+                return i8._launch_candidates(
+                    q8, sq, q_off_dev, d8, sd, d_off, co, cd, False, tma=tma, rotate=rotate
+                )[0]
+
+            out = row("rerank8", f"{name} tma={tma} rotate={rotate}", fn8, int8_bytes, base, rep_ms,
+                      layout=name, tma=tma, rotate=rotate)  # fmt: skip
+            base = out if base is None else base
+        if name == "shuffled":  # the TMA tile sweep on the benchmark's layout
+            for bd, per, warps, stages in [(64, 8, 4, 4), (64, 16, 4, 3), (64, 16, 4, 4), (64, 16, 4, 6),
+                                           (64, 32, 4, 4), (64, 16, 8, 4), (128, 16, 4, 3)]:  # fmt: skip
+                cfg8 = dict(block_d=bd, cands_per_prog=per, num_warps=warps, num_stages=stages)
+
+                def fn8(cfg8=cfg8, d8=d8, sd=sd, d_off=d_off_dev, co=co_dev, cd=cand_dev) -> torch.Tensor:
+                    return i8._launch_candidates(
+                        q8, sq, q_off_dev, d8, sd, d_off, co, cd, False, tma=True, **cfg8
+                    )[0]
+
+                row("rerank8", f"shuffled tma sweep {cfg8}", fn8, int8_bytes, base, rep_ms, layout=name,
+                    tma=True, sweep=cfg8)  # fmt: skip
+        fp16_check = None
+        if name == "shuffled":
+            fp16_check = fwd.maxsim_candidates_forward_triton(queries, q_off, docs16[kind], d_off, c_off,
+                                                              cand_dev)  # fmt: skip
+            RECORD["rerank_int8_vs_fp16_max_abs"] = float((base - fp16_check).abs().max())
+
+
+def one_query_and_exhaustive(rep_ms: int, parts: set[str]) -> None:
+    from maxsim_kernels import maxsim_int8 as i8
+    from maxsim_kernels import maxsim_varlen
+
+    dev = device()
+    gen = torch.Generator(device=dev).manual_seed(1)
+    docs16, d_off = ragged(smoke_size(100_000), 20, 300, gen, dev)
+    docs8, sd = i8.quantize_per_token(docs16)
+    queries = normal_tokens(smoke_size(512) * QUERY_TOKENS, gen, dev)
+    n_tok = int(d_off[-1])
+    if "one_query" in parts:
+        q, qo = queries[:QUERY_TOKENS], torch.tensor([0, QUERY_TOKENS], dtype=torch.int64, device=dev)
+        q8, sq = i8.quantize_per_token(q)
+        fp16 = lambda: maxsim_varlen(q, qo, docs16, d_off)  # noqa: E731
+        row("one_query", "fp16 (maxsim_varlen)", fp16, n_tok * DIM * 2.0, None, rep_ms)
+        base = None
+        configs = [dict(tma=False)]  # the old default tile: (64, 32, 4, 3), pointer loads
+        configs += [
+            dict(tma=True, block_d=64, docs_per_prog=32, num_warps=4, num_stages=s) for s in (3, 4, 5, 6, 8)
+        ]
+        configs += [dict(tma=True, block_d=64, docs_per_prog=p, num_warps=4, num_stages=5) for p in (16, 64)]
+        configs += [dict(tma=True, block_d=128, docs_per_prog=32, num_warps=4, num_stages=s) for s in (3, 4)]
+        configs += [dict(tma=True, block_d=64, docs_per_prog=32, num_warps=8, num_stages=5), dict(tma=True)]
+        for cfg in configs:
+
+            def fn(cfg=cfg) -> torch.Tensor:
+                return i8._launch_varlen(q8, sq, qo, docs8, sd, d_off, False, **cfg)[0]
+
+            out = row("one_query", f"int8 {cfg}", fn, n_tok * (DIM + 4.0), base, rep_ms, config=cfg)
+            base = out if base is None else base
+    if "exhaustive" in parts:
+        n_ex = smoke_size(50_000)
+        t_ex = int(d_off[n_ex])
+        d16, do, d8, s8 = docs16[:t_ex], d_off[: n_ex + 1].contiguous(), docs8[:t_ex], sd[:t_ex]
+        nq = smoke_size(512)
+        qo = torch.arange(nq + 1, dtype=torch.int64, device=dev) * QUERY_TOKENS
+        q8, sq = i8.quantize_per_token(queries)
+        flops = 2.0 * queries.shape[0] * t_ex * DIM
+        fp16 = lambda: maxsim_varlen(queries, qo, d16, do)  # noqa: E731
+        row("exhaustive", "fp16 (maxsim_varlen, gpu offsets)", fp16, flops, None, rep_ms)
+        base = row(
+            "exhaustive",
+            "int8 triton (gpu offsets)",
+            lambda: i8._launch_varlen(q8, sq, qo, d8, s8, do, False, tma=False)[0],
+            flops,
+            None,
+            rep_ms,
+        )
+        tma = lambda: i8._launch_varlen(q8, sq, qo, d8, s8, do, False, tma=True)[0]  # noqa: E731
+        row("exhaustive", "int8 triton tma", tma, flops, base, rep_ms)
+        qo_h, do_h = qo.cpu(), do.cpu()
+        row(
+            "exhaustive",
+            "int8 maxsim_varlen_int8 (host offsets: gluon)",
+            lambda: i8.maxsim_varlen_int8(q8, qo_h, d8, do_h, doc_scales=s8, query_scales=sq),
+            flops,
+            base,
+            rep_ms,
+        )
+    RECORD["note"] = "exhaustive rows: tb_s holds TFLOP/s x 1e-3 (flops / ms / 1e9)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--rep-ms", type=int, default=150)
+    parser.add_argument("--parts", default="rerank,one_query,exhaustive")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one call each (CPU, interpreter)")
+    args = parser.parse_args()
+    SMOKE["on"] = args.smoke
+    OUT["path"] = args.out
+    RECORD["meta"] = meta()
+    parts = set(args.parts.split(","))
+    if "rerank" in parts:
+        rerank(args.rep_ms)
+    if parts & {"one_query", "exhaustive"}:
+        one_query_and_exhaustive(args.rep_ms, parts)
+    write_json(args.out, RECORD)
+    for r in RECORD["rows"]:
+        if "ms" in r:
+            name = r["variant"][:70]
+            print(f"{r['part']:10s} {name:70s} {r['ms']:8.3f} {r['tb_s']:6.2f} {r['bitwise_equal']}")
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
