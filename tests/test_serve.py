@@ -147,14 +147,31 @@ def assert_one_line_error(response, status: int, fragment: str = "") -> None:
 def test_health(client, corpus) -> None:
     response = client.get("/health")
     assert response.status_code == 200
-    assert response.json() == {
+    health = response.json()
+    assert health == {
         "status": "ok",
         "documents": 400,
         "tokens": corpus.num_tokens,
         "dim": 384,
         "dtype": "float16",
         "devices": ["cpu"],
+        "requests": health["requests"],
+        "batches": health["batches"],
     }
+    assert health["requests"] >= health["batches"] >= 0
+
+
+def test_answers_say_where_their_time_went(client, queries) -> None:
+    """Each answer's Server-Timing header: parse, queue, score (with its batch's size), encode."""
+    import re
+
+    response = client.post("/search", json={"queries": [query_json(queries, 0)], "k": 3})
+    assert response.status_code == 200
+    timing = response.headers["server-timing"]
+    spans = dict(re.findall(r"(\w+);dur=([\d.]+)", timing))
+    assert list(spans) == ["parse", "queue", "score", "encode"]
+    assert all(float(v) >= 0 for v in spans.values()) and float(spans["score"]) > 0
+    assert 'desc="batch of 1"' in timing
 
 
 def test_search_answers_equal_maxsim_score(client, queries) -> None:

@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from maxsim_cli.errors import InputError, MaxsimError, UsageError
-from maxsim_cli.service.batching import Batcher, Scorer
+from maxsim_cli.service.batching import Batcher, Scorer, Timing
 from maxsim_cli.service.schema import JSON_TYPE, RequestError, answer_json, parse_request
 
 if TYPE_CHECKING:
@@ -95,39 +95,61 @@ def create_app(
             "dim": corpus.dim,
             "dtype": corpus.dtype,
             "devices": corpus_devices(corpus),
+            "requests": batcher.counters.requests,
+            "batches": batcher.counters.batches,
         }
 
     async def answer(kind: str, request: Request) -> Response:
         try:
             body = await _read_body(request, max_request_bytes)
+            started = time.perf_counter()
             args = (kind, request.headers.get("content-type"), body, request.query_params, corpus.dim)
             if len(body) <= INLINE_PARSE_BYTES:
                 parsed = parse_request(*args)
             else:
                 parsed = await run_in_threadpool(parse_request, *args)
-            answers = await batcher.submit(kind, parsed)
+            parsed_at = time.perf_counter()
+            timing = Timing()
+            answers = await batcher.submit(kind, parsed, timing)
+            answered_at = time.perf_counter()
             if sum(len(hits) for _, hits, _ in answers) <= INLINE_ANSWER_HITS:
                 content = answer_json(answers)
             else:
                 content = await run_in_threadpool(answer_json, answers)
-            return Response(content, media_type=JSON_TYPE)
+            spans = (parsed_at - started, timing.queue_s, timing.score_s, time.perf_counter() - answered_at)
+            return Response(
+                content, media_type=JSON_TYPE, headers={"server-timing": server_timing(*spans, timing)}
+            )
         except Exception as exc:  # noqa: BLE001 - every failure is one request's answer
             return error_response(exc)
 
-    @app.post("/search")
+    # The two scoring endpoints are plain Starlette routes: FastAPI's parameter machinery has nothing to
+    # do for a raw body, and costs each request its dependency solving.
     async def search(request: Request) -> Response:
         """``{"queries": [{"qid", "embedding"}, ...], "k": 10}`` or an Arrow stream (``?k=``)."""
         return await answer("search", request)
 
-    @app.post("/rerank")
     async def rerank(request: Request) -> Response:
         """``{"queries": [...], "candidates": {qid: [docno, ...]}, "k": null, "strict": false}`` or an
         Arrow stream with a ``candidates`` column (``?k=&strict=``)."""
         return await answer("rerank", request)
 
+    app.add_route("/search", search, methods=["POST"])
+    app.add_route("/rerank", rerank, methods=["POST"])
+
     if token is not None:
         app.add_middleware(BearerToken, token=token)
     return app
+
+
+def server_timing(parse_s: float, queue_s: float, score_s: float, encode_s: float, timing: Timing) -> str:
+    """The ``Server-Timing`` header of an answer (milliseconds): parsing the body, waiting for its batch,
+    the batch's scoring (shared by the batch's requests: ``desc`` says how many), encoding the answer."""
+    return (
+        f"parse;dur={parse_s * 1e3:.3f}, queue;dur={queue_s * 1e3:.3f}, "
+        f'score;dur={score_s * 1e3:.3f};desc="batch of {timing.batch_requests}", '
+        f"encode;dur={encode_s * 1e3:.3f}"
+    )
 
 
 def corpus_devices(corpus: Corpus) -> list[str]:
@@ -308,6 +330,22 @@ def _signals_end_cleanly() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+@contextlib.contextmanager
+def _quick_thread_switches() -> Iterator[None]:
+    """Hand the interpreter lock between the event loop and the scoring thread every `THREAD_SWITCH_S`
+    rather than Python's 5 ms: a thread that wants the lock waits out the interval while the other runs
+    Python, so a request that arrives while a batch is planned or merged would wait that long to be read
+    (as `maxsim_cli.jobs` does for its rank threads, which left a GPU idle without it)."""
+    from maxsim_cli.jobs import THREAD_SWITCH_S
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(interval, THREAD_SWITCH_S))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)
+
+
 def warm_up(corpus: Corpus, device: str = "auto") -> None:
     """One search and one rerank of a one-token query: the kernels are compiled or loaded now, not on a
     client's first request."""
@@ -381,7 +419,7 @@ def serve(
             server = uvicorn.Server(config)
             sock.listen(2048)
             log(f"serving on {_url(host, bound)} (SIGTERM or Ctrl-C stops, after the requests in flight)")
-            with _signals_end_cleanly():
+            with _signals_end_cleanly(), _quick_thread_switches():
                 server.run(sockets=[sock])
             log("stopped")
     finally:

@@ -51,6 +51,16 @@ logger = logging.getLogger("maxsim.serve")
 QueryAnswer = tuple[str, list[tuple[str, float]], "list[str] | None"]
 
 
+@dataclass
+class Timing:
+    """Where one request's time went, for its ``Server-Timing`` header: queued (from its arrival to its
+    batch's start), the batch's scoring, and the batch's size in requests."""
+
+    queue_s: float = 0.0
+    score_s: float = 0.0
+    batch_requests: int = 0
+
+
 @dataclass(eq=False)
 class Job:
     """One request in the queue: ``kind`` is "search" or "rerank"."""
@@ -59,6 +69,7 @@ class Job:
     request: Parsed
     future: asyncio.Future | None = None
     arrived: float = 0.0
+    timing: Timing | None = None
 
     @property
     def num_queries(self) -> int:
@@ -241,12 +252,13 @@ class Batcher:
         assert self._executor is not None
         self._executor.shutdown(wait=True)
 
-    async def submit(self, kind: str, request: Parsed) -> list[QueryAnswer]:
-        """Queue a checked request and wait for its answers (raises what it fails with)."""
+    async def submit(self, kind: str, request: Parsed, timing: Timing | None = None) -> list[QueryAnswer]:
+        """Queue a checked request and wait for its answers (raises what it fails with); ``timing`` is
+        filled in when given."""
         if self._task is None or self._closing:
             raise RequestError(503, "the server is shutting down")
         loop = asyncio.get_running_loop()
-        job = Job(kind, request, loop.create_future(), loop.time())
+        job = Job(kind, request, loop.create_future(), loop.time(), timing)
         self._pending.append(job)
         assert self._wake is not None
         self._wake.set()
@@ -275,12 +287,18 @@ class Batcher:
             batch = self._take(first.kind)
             if not batch:
                 continue
+            started = loop.time()
             try:
                 results: list[Any] = await loop.run_in_executor(self._executor, self.scorer.score, batch)
             except Exception as exc:  # noqa: BLE001 - a bug in the scorer: fail this batch, keep serving
                 logger.exception("scoring a batch failed")
                 results = [exc] * len(batch)
+            score_s = loop.time() - started
             for job, result in zip(batch, results, strict=True):
+                if job.timing is not None:
+                    job.timing.queue_s = started - job.arrived
+                    job.timing.score_s = score_s
+                    job.timing.batch_requests = len(batch)
                 assert job.future is not None
                 if job.future.done():  # the client went away
                     continue
