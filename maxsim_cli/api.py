@@ -50,15 +50,21 @@ logger = logging.getLogger("maxsim")
 def open_corpus(paths: PathLike | Sequence[PathLike], *, verify_checksums: bool = False) -> Corpus:
     """Open a corpus: a shard file, a folder of shards (with an optional ``index.json``), or a list of
     both. Nothing is read but the shards' headers, offsets and ids; ``corpus.to(device)`` makes it
-    resident. Close it with ``corpus.close()`` or a ``with`` block.
+    resident. Close it with ``corpus.close()`` or a ``with`` block. A shard with no documents is left out
+    with a `MaxsimWarning` (``corpus.skipped`` names it).
 
     >>> corpus = open_corpus("sample_data/corpus")
     >>> len(corpus), corpus.dim, corpus.dtype
     (400, 384, 'float16')
     """
+    from maxsim_cli.shards import input_notes
+
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    return _open_corpus(list(paths), verify_checksums=verify_checksums)
+    corpus = _open_corpus(list(paths), verify_checksums=verify_checksums)
+    for note in input_notes(corpus):
+        warnings.warn(note.warning(), MaxsimWarning, stacklevel=2)
+    return corpus
 
 
 def search(
@@ -80,7 +86,8 @@ def search(
     ``device``: ``auto`` (the resident corpus's device, else CUDA when there is one), ``cpu``, ``cuda``,
     ``cuda:N``. ``max_memory`` bounds the scoring device's memory, ``max_host_memory`` the host staging
     buffers (bytes, or a size such as ``"2GiB"``). Ties are broken by docno descending, so the run does
-    not depend on batch sizes or memory budgets.
+    not depend on batch sizes or memory budgets. A query file with no queries, or whose metadata names
+    another encoder than the corpus's (or another L2 normalisation), gives a `MaxsimWarning`.
 
     >>> run = search("sample_data/queries.safetensors", "sample_data/corpus", k=3, device="cpu")
     >>> [(r.docno, r.rank) for r in run][:3]  # doctest: +ELLIPSIS
@@ -121,6 +128,8 @@ def rerank(
     mapping ``{qid: [docno, ...]}`` (or ``[(docno, score), ...]``), or a pandas DataFrame with ``qid``
     and ``docno`` columns (PyTerrier's). Candidates missing from the corpus are left out with a
     `MaxsimWarning` (``strict=True``: an `InputError`); a qid without a query embedding is an error.
+    A query file with no queries, or from another encoder (or L2 normalisation) than the corpus, gives
+    a `MaxsimWarning` too (``strict=True``: an `InputError`).
 
     >>> run = rerank("sample_data/queries.safetensors", "sample_data/corpus",
     ...              "sample_data/candidates.trec", k=5, device="cpu")
@@ -164,7 +173,7 @@ def _score(
 ) -> Run:
     from maxsim_cli.scoring import engine
     from maxsim_cli.scoring.request import ScoreRequest
-    from maxsim_cli.shards import check_same_dim
+    from maxsim_cli.shards import check_same_dim, input_notes, report_notes
 
     q = _as_queries(queries)
     corpus_obj, owned = _as_corpus(corpus)
@@ -187,6 +196,9 @@ def _score(
             show_progress=show_progress,
         )
         check_same_dim(q.batch, q.name, corpus_obj)
+        # no queries, another encoder or normalisation: `MaxsimWarning`s (strict: `InputError`); shards
+        # skipped for holding no documents were reported when the corpus was opened
+        report_notes(input_notes(corpus_obj, q.batch, q.name, skipped=False), strict=strict, log=_log)
         collector = RunCollector()
         if corpus_obj.placement is not None and device == "auto":  # resident on several devices
             from maxsim_cli import jobs

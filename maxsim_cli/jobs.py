@@ -671,7 +671,7 @@ def _score_share(
     from maxsim_cli.queries import read_queries, read_query_ids
     from maxsim_cli.runs import read_run
     from maxsim_cli.scoring import engine
-    from maxsim_cli.shards import Corpus
+    from maxsim_cli.shards import Corpus, input_notes, report_notes
 
     own_corpus = corpus is None
     if corpus is None:
@@ -719,6 +719,11 @@ def _score_share(
             try:
                 share_request.check()  # bad options are reported before the query file is read
                 queries = read_queries(share_request.queries).batch
+                # the job's corpus (skipped shards, encoder): reported once, as one process reports it
+                if rank == 0:
+                    report_notes(
+                        input_notes(corpus, queries, share_request.query_name), strict=request.strict, log=log
+                    )
                 entered = time.perf_counter()
                 stats = engine.run(
                     share_request, sub, queries, sink, candidates=candidates, context=context, log=log

@@ -194,7 +194,8 @@ def read_queries(path: str | os.PathLike[str]) -> Queries:
     offsets = torch.zeros(len(ids) + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths, 0)
     scales = torch.cat([p.scales for p in parts]) if parts[0].scales is not None else None
-    return Queries(DocBatch(ids, embeddings, offsets, scales), name)
+    batch = DocBatch(ids, embeddings, offsets, scales, encoder=folder.encoder, normalized=folder.normalized)
+    return Queries(batch, name)
 
 
 def read_query_ids(path: str | os.PathLike[str]) -> list[str]:

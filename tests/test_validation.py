@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -437,3 +438,177 @@ def test_npy_object_arrays_are_never_unpickled(tmp_path):
     np.save(src / "evil.npy", np.array([{"x": 1}], dtype=object), allow_pickle=True)
     assert_error(pack(src, "-o", tmp_path / "out"), "evil.npy", "cannot read as a numeric .npy array")
     assert sorted(os.listdir(tmp_path)) == ["npy"]
+
+
+# --- ids: no whitespace, control or zero-width characters, in every reader and writer ---
+
+# Each forbidden id has a 3-byte UTF-8 placeholder of the same length, so that a valid file written with
+# the placeholder becomes the bad file by replacing bytes (what a foreign writer would produce).
+BAD_IDS = [
+    ("a\x00\x00\x00b", "aQQQb", "contains a control character, U+0000, at character 1"),
+    ("a\u200bb", "aQQQb", "contains an invisible zero-width character, U+200B ZERO WIDTH SPACE"),
+    ("a\u2060b", "aQQQb", "contains an invisible zero-width character, U+2060 WORD JOINER"),
+    ("a\ufeffb", "aQQQb", "contains an invisible zero-width character, U+FEFF"),
+    ("a\x1b\x7f\x7fb", "aQQQb", "contains a control character, U+001B"),
+]
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".arrow", ".parquet"])
+@pytest.mark.parametrize(("bad_id", "placeholder", "problem"), BAD_IDS)
+def test_forbidden_id_characters_are_refused_by_every_reader(tmp_path, suffix, bad_id, placeholder, problem):
+    assert len(bad_id.encode()) == len(placeholder.encode())
+    path = tmp_path / f"s{suffix}"
+    write_shard(path, ["d0", placeholder, "d2"], [np.ones((1, 4), np.float32)] * 3)
+    data = path.read_bytes()
+    assert placeholder.encode() in data
+    path.write_bytes(data.replace(placeholder.encode(), bad_id.encode()))
+    assert_error(run_inspect(path), f"s{suffix}: id {bad_id!r} at index 1 {problem}")
+    # as a query file, the same line before anything is scored
+    corpus = tmp_path / "corpus.safetensors"
+    write_shard(corpus, ["c0"], [np.ones((1, 4), np.float32)])
+    result = runner.invoke(app, ["score", str(path), str(corpus), "--device", "cpu"])
+    assert_error(result, f"s{suffix}: ", f"at index 1 {problem}")
+
+
+@pytest.mark.parametrize(("bad_id", "placeholder", "problem"), BAD_IDS)
+def test_forbidden_id_characters_are_refused_by_every_writer(tmp_path, bad_id, placeholder, problem):
+    from maxsim_cli.queries import Queries
+    from maxsim_cli.shards import ShardWriter
+
+    docs = [np.ones((1, 4), np.float32)] * 2
+    pattern = re.escape(problem)
+    for suffix in (".safetensors", ".arrow", ".parquet"):
+        with pytest.raises(InputError, match=rf"w{suffix}: id .* at index 1 {pattern}"):
+            write_shard(tmp_path / f"w{suffix}", ["ok", bad_id], docs)
+    with pytest.raises(InputError, match=rf"sw\.safetensors: id .* at index 1 {pattern}"):
+        with ShardWriter(str(tmp_path / "sw.safetensors"), 4, "float32") as writer:
+            writer.add(["ok"], docs[:1])
+            writer.add([bad_id], docs[:1])
+    with pytest.raises(InputError, match=rf"queries: query id .* at index 1 {pattern}"):
+        Queries.from_embeddings(["q0", bad_id], docs)
+    write_parquet(tmp_path / "src.parquet", ["a", bad_id], [[[1.0, 2.0]], [[3.0, 4.0]]])
+    assert_error(pack(tmp_path / "src.parquet", "-o", tmp_path / "out"), "src.parquet row 1: id", problem)
+    assert sorted(os.listdir(tmp_path)) == ["src.parquet"]  # nothing written, no temp file left
+
+
+def test_forbidden_id_characters_in_a_candidate_run_or_qrels(tmp_path):
+    corpus = tmp_path / "c.safetensors"
+    write_shard(corpus, ["d0", "d1"], [np.ones((1, 4), np.float32)] * 2)
+    write_shard(tmp_path / "q.safetensors", ["q0"], [np.ones((1, 4), np.float32)])
+    (tmp_path / "run.trec").write_text("q0 Q0 d0 1 2 t\nq0 Q0 d\u200b1 2 1 t\n")
+    out = tmp_path / "out.trec"
+    result = runner.invoke(
+        app,
+        ["score", str(tmp_path / "q.safetensors"), str(corpus), "--candidates", str(tmp_path / "run.trec")]
+        + ["--device", "cpu", "-o", str(out)],
+    )
+    assert_error(result, "run.trec:2: column 3 'd\\u200b1' contains an invisible zero-width character")
+    assert not out.exists()
+    (tmp_path / "qrels.txt").write_text("q0 0 d\x001 1\n")
+    result = runner.invoke(app, ["eval", str(tmp_path / "run.trec"), str(tmp_path / "qrels.txt")])
+    assert result.exit_code == 1
+    assert "contains" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+# --- zero-document shards, encoder and normalisation mismatches: warnings, errors under --strict ---
+
+
+def empty_shard(path, **meta):
+    """A shard of no documents, as another tool could write it (maxsim's writers refuse to)."""
+    values = np.zeros((0, 8), np.float32)
+    meta = {"num_docs": "0", "num_tokens": "0", "dim": "8", **meta}
+    return raw_shard(path, ids=(), lengths=(), values=values, meta=meta)
+
+
+def shard(path, ids, *, normalized=False, encoder=None):
+    """A valid dim-8 shard of one token per id (unit vectors when ``normalized``)."""
+    rng = np.random.default_rng(len(ids))
+    docs = [rng.standard_normal((1, 8)).astype(np.float32) for _ in ids]
+    if normalized:
+        docs = [d / np.linalg.norm(d) for d in docs]
+    else:
+        docs = [d * 3 for d in docs]
+    write_shard(path, list(ids), docs, encoder=encoder)
+    return str(path)
+
+
+def score(*args):
+    return runner.invoke(app, ["score", *map(str, args), "--device", "cpu", "--quiet"])
+
+
+def test_empty_corpus_shard_is_skipped_with_a_warning(tmp_path):
+    from maxsim_cli import api
+    from maxsim_cli.errors import MaxsimWarning
+
+    queries = shard(tmp_path / "q.safetensors", ["q0"])
+    good = shard(tmp_path / "a.safetensors", ["d0", "d1", "d2"])
+    empty = empty_shard(tmp_path / "b.safetensors")
+    result = score(queries, good, empty, "-k", "2")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.strip() == (
+        f"maxsim: warning: {empty}: holds no documents; skipped (--strict makes this an error)"
+    )
+    assert len(result.stdout.splitlines()) == 2
+    out = tmp_path / "out.trec"
+    assert_error(score(queries, good, empty, "--strict", "-o", out), f"{empty}: holds no documents; drop it")
+    assert not out.exists()
+    assert_error(score(queries, empty, "-o", out), f"{empty}: holds no documents; a corpus needs")
+    assert not out.exists()
+    with pytest.warns(MaxsimWarning, match="b.safetensors: holds no documents; skipped"):
+        corpus = api.open_corpus([good, empty])
+    assert (len(corpus), corpus.skipped) == (3, [empty])
+    corpus.close()
+
+
+def test_query_file_without_queries_gives_a_warning_and_an_empty_run(tmp_path):
+    from maxsim_cli import api
+    from maxsim_cli.errors import MaxsimWarning
+
+    corpus = shard(tmp_path / "a.safetensors", ["d0", "d1"])
+    queries = empty_shard(tmp_path / "q.safetensors")
+    out = tmp_path / "out.trec"
+    result = score(queries, corpus, "-o", out)
+    assert result.exit_code == 0, result.output
+    assert result.stderr.strip() == (
+        f"maxsim: warning: {queries}: holds no queries; the run is empty (--strict makes this an error)"
+    )
+    assert out.read_text() == ""
+    out.unlink()
+    assert_error(score(queries, corpus, "--strict", "-o", out), f"{queries}: holds no queries; give")
+    assert not out.exists()
+    with pytest.warns(MaxsimWarning, match="holds no queries"):
+        run = api.search(queries, corpus, k=1, device="cpu")
+    assert len(run) == 0
+
+
+def test_queries_from_another_encoder_or_normalisation(tmp_path):
+    from maxsim_cli import api
+    from maxsim_cli.errors import MaxsimWarning
+
+    corpus = shard(tmp_path / "a.safetensors", ["d0", "d1"], encoder="org/colbert-a")
+    queries = shard(tmp_path / "q.safetensors", ["q0"], encoder="org/colbert-b")
+    result = score(queries, corpus, "-k", "1")
+    assert result.exit_code == 0, result.output
+    warning = result.stderr.strip()
+    assert warning.startswith(f"maxsim: warning: {queries}: the queries were made by encoder 'org/colbert-b'")
+    assert f"but the corpus ({corpus}) by 'org/colbert-a'" in warning and "\n" not in warning
+    out = tmp_path / "out.trec"
+    out.write_text("previous\n")
+    assert_error(score(queries, corpus, "--strict", "-o", out), "'org/colbert-b'", "encode the queries")
+    assert out.read_text() == "previous\n"
+    with pytest.warns(MaxsimWarning, match="made by encoder 'org/colbert-b'"):
+        api.search(queries, corpus, k=1, device="cpu")
+    with pytest.raises(InputError, match="made by encoder 'org/colbert-b'"):
+        api.rerank(queries, corpus, {"q0": ["d0"]}, strict=True, device="cpu")
+    # one side without an encoder name: nothing to compare
+    unnamed = shard(tmp_path / "u.safetensors", ["q0"])
+    result = score(unnamed, corpus, "-k", "1")
+    assert (result.exit_code, result.stderr) == (0, "")
+    # L2-normalised queries against a corpus that is not
+    normalized = shard(tmp_path / "n.safetensors", ["q0"], normalized=True, encoder="org/colbert-a")
+    result = score(normalized, corpus, "-k", "1")
+    assert result.exit_code == 0, result.output
+    assert "the queries are L2-normalised but the corpus" in result.stderr
+    assert "is not L2-normalised" in result.stderr
+    assert_error(score(normalized, corpus, "--strict", "-o", out), "are L2-normalised but the corpus")
+    assert out.read_text() == "previous\n"

@@ -42,7 +42,11 @@ def register(app: typer.Typer) -> None:
             "scoring every document.",
         ),
         strict: bool = typer.Option(
-            False, "--strict", help="With --candidates: candidates missing from the corpus are an error."
+            False,
+            "--strict",
+            help="Make the warnings errors (exit 1, nothing written): candidates missing from the corpus, "
+            "corpus shards with no documents, a query file with no queries, queries from another encoder "
+            "or L2 normalisation than the corpus (shard metadata).",
         ),
         device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
         backend: str = typer.Option(

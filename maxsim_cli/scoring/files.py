@@ -11,7 +11,7 @@ from maxsim_cli.scoring import engine
 from maxsim_cli.scoring.engine import Logger, RankContext
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.stats import ScoreStats
-from maxsim_cli.shards import check_same_dim, open_corpus
+from maxsim_cli.shards import check_same_dim, input_notes, open_corpus, report_notes
 from maxsim_cli.shards.files import check_output
 
 
@@ -30,6 +30,8 @@ def score_files(request: ScoreRequest, *, log: Logger = engine._stderr) -> Score
     try:
         queries = read_queries(request.queries).batch  # a query shard, a folder of them, or stdin
         check_same_dim(queries, request.query_name, corpus)  # before the run is read, as always
+        # empty shards skipped, no queries, another encoder: warnings (--strict: errors), before any work
+        report_notes(input_notes(corpus, queries, request.query_name), strict=request.strict, log=log)
         candidates = read_run(request.candidates) if request.candidates is not None else None
         entered = time.perf_counter()
         stats = engine.run(

@@ -29,10 +29,13 @@ Every name is re-exported here; import from `maxsim_cli.shards`.
 
 from maxsim_cli.shards.corpus import (
     Corpus,
+    InputNote,
     check_same_dim,
+    input_notes,
     list_shard_files,
     open_corpus,
     read_manifest,
+    report_notes,
 )
 from maxsim_cli.shards.files import current_umask, staging_dir, write_text_atomic
 from maxsim_cli.shards.format import (
@@ -120,6 +123,7 @@ __all__ = [
     "ArrowShard",
     "Corpus",
     "DocBatch",
+    "InputNote",
     "ParquetShard",
     "SafetensorsShard",
     "Shard",
@@ -136,11 +140,13 @@ __all__ = [
     "has_whitespace",
     "id_problem",
     "infer_dtype",
+    "input_notes",
     "list_shard_files",
     "open_corpus",
     "open_shard",
     "read_manifest",
     "read_queries",
+    "report_notes",
     "sorted_id_order",
     "staging_dir",
     "string_bytes",

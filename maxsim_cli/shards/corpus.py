@@ -1,6 +1,11 @@
 """A corpus: shards scored together, given as files and/or directories (with an optional `index.json`
 manifest). `open_corpus` opens them, refuses a dim/dtype/quantization mismatch and duplicate ids across
-shards, and checks the manifest's counts (and, when asked, checksums) against the shards.
+shards, and checks the manifest's counts (and, when asked, checksums) against the shards. Shards holding
+no documents are left out of the corpus and listed in `Corpus.skipped`.
+
+`input_notes` lists what is valid but most likely a mistake when queries meet a corpus (shards skipped for
+holding no documents, a query file without queries, queries and corpus from different encoders or with
+different normalisation); `report_notes` turns them into warnings, or into an error under ``strict``.
 """
 
 from __future__ import annotations
@@ -11,9 +16,9 @@ import json
 import os
 import re
 import shlex
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -162,6 +167,7 @@ class Corpus:
         self._index: dict[str, tuple[int, int]] | None = None
         self._id_order: tuple[pa.Array, np.ndarray, pa.Array] | None = None
         self._rank_of_ordinal: np.ndarray | None = None
+        self.skipped: list[str] = []  # shards left out by `open_corpus` for holding no documents
         self.residency: Residency | None = None  # every shard on one device (`to`)
         self.placement: list[ResidentPart] | None = None  # shares of the shards on several devices
         self._check_unique_ids()  # refuses duplicate ids across shards now, not at scoring time
@@ -364,7 +370,9 @@ def open_corpus(paths: Sequence[str | os.PathLike[str]], *, verify_checksums: bo
     """Open shards given as files and/or directories (with an optional `index.json` manifest).
 
     Refuses a dim/dtype/quantization mismatch between shards and duplicate ids across them. Manifest counts
-    are checked against the shards; sha256 only with `verify_checksums=True` (it reads every byte).
+    are checked against the shards; sha256 only with `verify_checksums=True` (it reads every byte). A
+    shard with no documents is left out and named in `Corpus.skipped` (the callers warn about it:
+    `input_notes`); a corpus whose shards all hold none is an `InputError`.
     """
     if not paths:
         raise InputError("corpus: no shard files or directories given")
@@ -391,7 +399,16 @@ def open_corpus(paths: Sequence[str | os.PathLike[str]], *, verify_checksums: bo
                             f"{os.path.join(os.path.dirname(path), MANIFEST_NAME)} says "
                             f"{entry[key]}; rebuild it with write_manifest",
                         )
-        return Corpus(shards)
+        empty = [shard for shard in shards if shard.num_docs == 0]
+        if len(empty) == len(shards):
+            names = shards[0].path if len(shards) == 1 else f"all {len(shards)} shards, {shards[0].path}, ..."
+            raise _err(names, "holds no documents; a corpus needs at least one document to score")
+        for shard in empty:
+            shards.remove(shard)
+            shard.close()
+        corpus = Corpus(shards)
+        corpus.skipped = [shard.path for shard in empty]
+        return corpus
     except BaseException:
         for shard in shards:
             shard.close()
@@ -407,3 +424,76 @@ def check_same_dim(queries: DocBatch, query_path: str, corpus: Corpus) -> None:
             f"queries have dim {dim} but the corpus ({corpus.shards[0].path}) has dim "
             f"{corpus.dim}; encode both with the same model",
         )
+
+
+class InputNote(NamedTuple):
+    """Something valid but most likely a mistake: ``fact`` (one clause naming the file), what is done
+    about it (``consequence``, for the warning) and what to do (``remedy``, for the ``strict`` error)."""
+
+    fact: str
+    consequence: str
+    remedy: str
+
+    def warning(self) -> str:
+        return f"{self.fact}; {self.consequence} (--strict makes this an error)"
+
+    def error(self) -> str:
+        return f"{self.fact}; {self.remedy}"
+
+
+def input_notes(
+    corpus: Corpus, queries: DocBatch | None = None, query_name: str = "queries", *, skipped: bool = True
+) -> list[InputNote]:
+    """What to warn about when ``queries`` (a query file's batch, or None) are scored against ``corpus``:
+    the corpus shards skipped for holding no documents (``skipped=False`` leaves them out, for callers
+    that reported them when the corpus was opened), a query file without queries, an encoder named in
+    the queries' metadata that differs from the corpus's, and queries L2-normalised where the corpus
+    is not (or the reverse). Metadata that is not recorded (vectors from memory) is not compared."""
+    notes = []
+    if skipped:
+        for path in corpus.skipped:
+            notes.append(
+                InputNote(
+                    f"{path}: holds no documents", "skipped", "drop it from the corpus, or leave out --strict"
+                )
+            )
+    if queries is None:
+        return notes
+    if queries.num_docs == 0:
+        notes.append(
+            InputNote(
+                f"{query_name}: holds no queries",
+                "the run is empty",
+                "give a query file with queries, or leave out --strict",
+            )
+        )
+    corpus_name = corpus.shards[0].path if len(corpus.shards) == 1 else f"{corpus.shards[0].path}, ..."
+    if queries.encoder is not None and corpus.encoder is not None and queries.encoder != corpus.encoder:
+        notes.append(
+            InputNote(
+                f"{query_name}: the queries were made by encoder {queries.encoder!r} but the corpus "
+                f"({corpus_name}) by {corpus.encoder!r}",
+                "scores of vectors from two models mean nothing",
+                "encode the queries with the corpus's model, or leave out --strict",
+            )
+        )
+    if queries.normalized is not None and queries.normalized != corpus.normalized:
+        how = {True: "L2-normalised", False: "not L2-normalised"}
+        notes.append(
+            InputNote(
+                f"{query_name}: the queries are {how[queries.normalized]} but the corpus ({corpus_name}) "
+                f"is {how[corpus.normalized]} (the shards' normalized metadata)",
+                "scored as they are",
+                "normalise both the same way (maxsim pack --normalize), or leave out --strict",
+            )
+        )
+    return notes
+
+
+def report_notes(notes: Sequence[InputNote], *, strict: bool, log: Callable[[str], None]) -> None:
+    """Each note as a ``warning: ...`` line through ``log`` (the engine's logger: one line on stderr,
+    a `MaxsimWarning` in the Python API), or with ``strict`` the first one as an `InputError`."""
+    if strict and notes:
+        raise InputError(notes[0].error())
+    for note in notes:
+        log(f"warning: {note.warning()}")

@@ -179,7 +179,9 @@ class DocBatch:
 
     `embeddings` is a contiguous CPU tensor `[T, dim]` in the shard's dtype; `offsets` int64 `[n+1]` with
     `offsets[0] == 0` and `offsets[-1] == T`; `scales` float32 `[T]` for int8 shards (`x ≈ q * scale`),
-    else None; `first_doc` is the index of `ids[0]` in its shard.
+    else None; `first_doc` is the index of `ids[0]` in its shard. `encoder` and `normalized` are what the
+    metadata of the file it came from says (a query file's, for the checks against a corpus), None when
+    unknown (vectors from memory).
     """
 
     ids: list[str]
@@ -187,6 +189,8 @@ class DocBatch:
     offsets: torch.Tensor
     scales: torch.Tensor | None
     first_doc: int = 0
+    encoder: str | None = None
+    normalized: bool | None = None
 
     @property
     def num_docs(self) -> int:

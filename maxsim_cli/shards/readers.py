@@ -866,4 +866,6 @@ def read_queries(path: str) -> DocBatch:
     else:
         shard = open_shard(path)
     with shard:
-        return shard.read_docs(0, shard.num_docs)
+        batch = shard.read_docs(0, shard.num_docs)
+    batch.encoder, batch.normalized = shard.info.encoder, shard.info.normalized  # compared with the corpus's
+    return batch
