@@ -5,6 +5,9 @@ every method sees the same work):
   colbert-128   128 queries x 32 tokens   vs 128 documents x 180 tokens
   colbert-256   128 queries x 32 tokens   vs 256 documents x 180 tokens
   colpali-32     32 queries x 1024 tokens vs  32 documents x 1024 tokens
+  colpali-q32    32 queries x 32 tokens   vs  32 documents x 1024 tokens (text queries, page images)
+  colpali-q64    64 queries x 32 tokens   vs  64 documents x 1024 tokens
+  colpali-q128  128 queries x 32 tokens   vs 128 documents x 1024 tokens
 
 Methods: ours (`maxsim_kernels.maxsim_varlen` with inputs that require grad, packed layout); plain
 autograd (padded einsum, -inf masked amax, sum); flash-maxsim 0.3.0 `flash_maxsim_batched_train` (its
@@ -13,11 +16,15 @@ late-interaction-kernels 0.4.5 `maxsim` (its default backward and `backward="low
 deterministic one). The peers run on fp16 inputs only (flash-maxsim computes in fp16 whatever it is
 given); ours and plain autograd also on fp32 inputs.
 
-For each row: fwd+bwd time (triton.testing.do_bench median, upstream gradient fixed), peak memory beyond
-the inputs (torch.cuda.max_memory_allocated during one fwd+bwd, the returned gradients included), the
-relative gradient error ||g - g_ref|| / ||g_ref|| of dQ and dD against float64 (similarities and argmax
-in float64, gradients reduced in float64), and whether two runs give bitwise-equal gradients.
-Our backward is also broken down (forward, CSR build, dQ kernel, CSR + dD).
+For each row: fwd+bwd time (triton.testing.do_bench median, upstream gradient fixed), the same step
+captured in a CUDA graph and replayed (`gpu_ms`: the GPU's work without the host's; missing where a method
+cannot be captured), the host time to enqueue a step (`host_ms`), peak memory beyond the inputs
+(torch.cuda.max_memory_allocated during one fwd+bwd, the returned gradients included), the relative
+gradient error ||g - g_ref|| / ||g_ref|| of dQ and dD against float64 (similarities and argmax in float64,
+gradients reduced in float64), and whether two runs give bitwise-equal gradients. `ours-csr` and
+`ours-onehot` force our document gradient's two paths (`ours` picks one by shape).
+Our backward is also broken down (forward, CSR build, dQ kernel, CSR + dD, the one-hot dD; with
+`--segment-sweep` the inverse map's segment, with `--argmax-tiles` forward tiles).
 
     python benchmarks/bench_train.py --out benchmarks/results/train/train-h200.json
 """
@@ -41,7 +48,12 @@ from common import DIM, TRAIN_SHAPES, host_time, training_inputs, write_json
 from maxsim_kernels import maxsim_backward as mb
 from triton.testing import do_bench
 
-SHAPES = TRAIN_SHAPES
+SHAPES = {
+    **TRAIN_SHAPES,
+    "colpali-q32": (32, 32, 32, 1024),
+    "colpali-q64": (64, 32, 64, 1024),
+    "colpali-q128": (128, 32, 128, 1024),
+}
 DEVICE = "cuda"
 Grads = tuple[torch.Tensor, torch.Tensor]
 
@@ -88,14 +100,22 @@ def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
 # ------------------------------------------------------------------------------------------------------
 
 
-def ours(x: dict) -> Callable[[], Grads]:
+def ours(x: dict, dd_path: str = "auto") -> Callable[[], Grads]:
+    """Our step; `dd_path` forces the document gradient's path ("csr", "onehot") for this step's plans,
+    which are made at the first call on offsets of their own (the plans are kept per offsets tensor)."""
     q = x["q"].detach().requires_grad_(True)
     d = x["d"].detach().requires_grad_(True)
+    qo, do = x["qo"].clone(), x["do"].clone()
 
     def step() -> Grads:
-        scores = maxsim_kernels.maxsim_varlen(q, x["qo"], d, x["do"])  # routes to the autograd path
+        scores = maxsim_kernels.maxsim_varlen(q, qo, d, do)  # routes to the autograd path
         return torch.autograd.grad(scores, (q, d), x["g"])
 
+    saved, mb._DD_PATH = mb._DD_PATH, dd_path
+    try:
+        step()
+    finally:
+        mb._DD_PATH = saved
     return step
 
 
@@ -149,6 +169,8 @@ def lik(x: dict, backward: str | None) -> Callable[[], Grads]:
 
 METHODS: dict[str, Callable[[dict], Callable[[], Grads]]] = {
     "ours": ours,
+    "ours-csr": lambda x: ours(x, "csr"),
+    "ours-onehot": lambda x: ours(x, "onehot"),
     "plain-autograd": plain_autograd,
     "flash-maxsim": lambda x: flash(x, "auto"),
     "flash-maxsim-invgrid": lambda x: flash(x, "invgrid"),
@@ -156,6 +178,30 @@ METHODS: dict[str, Callable[[dict], Callable[[], Grads]]] = {
     "lik-lowmem": lambda x: lik(x, "lowmem"),
 }
 FP32_METHODS = ("ours", "plain-autograd")
+
+
+def graph_time(step: Callable[[], Grads]) -> float | None:
+    """Milliseconds of one step captured in a CUDA graph and replayed: the GPU's work and its launch gaps
+    inside the graph, without the host's time to enqueue it. None where the step cannot be captured."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graph.replay()
+        torch.cuda.synchronize()
+        ms = do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+        del graph
+        return ms
+    except Exception as exc:  # a method that syncs or allocates on the host inside the step
+        log(f"graph capture failed: {type(exc).__name__}: {exc}"[:200])
+        torch.cuda.synchronize()
+        return None
 
 
 def measure(method: str, x: dict, ref: Grads) -> dict:
@@ -177,6 +223,9 @@ def measure(method: str, x: dict, ref: Grads) -> dict:
     ms = do_bench(step, warmup=25, rep=100, return_mode="median")
     return {
         "fwd_bwd_ms": ms,
+        "gpu_ms": graph_time(step),
+        "host_ms": host_time(step),
+        "fwd_bwd_ms_again": do_bench(step, warmup=25, rep=100, return_mode="median"),  # the spread
         "peak_mib": peak / 2**20,
         "rel_err_dq": errors[0],
         "rel_err_dd": errors[1],
@@ -210,27 +259,63 @@ def profile_host(step: Callable[[], Grads], title: str, path: str, steps: int = 
         fh.write(f"===== {title}: {steps} steps\n{text.getvalue()}\n")
 
 
-def breakdown(x: dict) -> dict:
+# forward-with-argmax tiles timed by --argmax-tiles: (block_q, block_t, docs_per_prog, num_warps,
+# num_stages); the table's own choice is timed as "table"
+ARGMAX_TILES = [(128, 64, 64, 4, 3), (64, 64, 64, 4, 3)]
+
+
+def argmax_tiles(x: dict) -> dict:
+    """The forward with argmax on other tiles than the table's, each checked bitwise against it."""
+    from maxsim_kernels import maxsim_forward as fwd
+
+    def run(config: object) -> tuple[torch.Tensor, torch.Tensor]:
+        return fwd.maxsim_varlen_forward_triton(
+            x["q"], x["qo"], x["d"], x["do"], return_argmax=True, argmax_dtype=None, config=config
+        )
+
+    base = run(None)
+    out = {"table": do_bench(lambda: run(None), return_mode="median")}
+    for tile in ARGMAX_TILES:
+        config = fwd.KernelConfig(*tile)
+        try:
+            scores, argmax = run(config)
+            same = bool(torch.equal(scores, base[0]) and torch.equal(argmax, base[1]))
+            out[str(tile)] = {"ms": do_bench(lambda c=config: run(c), return_mode="median"), "same": same}
+        except Exception as exc:
+            out[str(tile)] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+    return out
+
+
+def breakdown(x: dict, segment_sweep: bool, tiles: bool) -> dict:
     """Our forward and the parts of our backward, each timed alone."""
     q, d, qo, do, g = x["q"], x["d"], x["qo"], x["do"], x["g"]
-    fwd = maxsim_kernels.maxsim_varlen
+    from maxsim_kernels.maxsim_forward import maxsim_varlen_forward_triton
+
+    def fwd(*args: torch.Tensor, return_argmax: bool) -> Grads:  # the training step's forward (int16 argmax)
+        return maxsim_varlen_forward_triton(*args, return_argmax=return_argmax, argmax_dtype=None)
+
     with torch.no_grad():
         _, argmax = fwd(q, qo, d, do, return_argmax=True)
-    td, max_doc_len = d.shape[0], x["shape"][3]
+    td, max_doc_len, max_query_len = d.shape[0], x["shape"][3], x["shape"][1]
     tq = mb._owner_of(qo, q.shape[0])
 
     def forward_only() -> Grads:
         return fwd(q, qo, d, do, return_argmax=True)
 
-    def grad_docs() -> Callable[[], torch.Tensor]:
-        """The backward's document gradient (inverse map + dD) as the training step runs it, planned at
-        the inverse map's current segment."""
-        plan = mb._AllPairsBackward(q, d, argmax, qo, do, max_doc_len)
+    def grad_docs(path: str = "csr") -> Callable[[], torch.Tensor]:
+        """The backward's document gradient as the training step runs it, on one path ("csr": inverse
+        map + dD, planned at the inverse map's current segment; "onehot")."""
+        saved = mb._DD_PATH
+        mb._DD_PATH = path
+        try:
+            plan = mb._AllPairsBackward(q, d, argmax, qo, do, max_doc_len, max_query_len)
+        finally:
+            mb._DD_PATH = saved
         return lambda: plan.grad_docs(q, d, g, argmax, qo, do)
 
     segments = {}
     saved = mb._CSR_MAX_SEGMENT, mb._CSR_MANY_DOCS_SEGMENT
-    for segment in (512, 1024, 2048, 4096):  # the inverse map's segment, swept (both classes)
+    for segment in (512, 1024, 2048, 4096) if segment_sweep else ():  # the inverse map's segment
         mb._CSR_MAX_SEGMENT = mb._CSR_MANY_DOCS_SEGMENT = segment
         try:
             segments[str(segment)] = {
@@ -241,7 +326,11 @@ def breakdown(x: dict) -> dict:
             }
         finally:
             mb._CSR_MAX_SEGMENT, mb._CSR_MANY_DOCS_SEGMENT = saved
+    onehot = grad_docs("onehot")
     return {
+        "onehot_dd_ms": do_bench(onehot, return_mode="median"),
+        "onehot_dd_rel_diff_to_csr": rel_error(onehot(), grad_docs("csr")().double()),
+        "argmax_tiles": argmax_tiles(x) if tiles else None,
         "host_ms_per_step": host_time(ours(x)),
         "host_forward_ms": host_time(forward_only),
         "host_backward_ms": host_time(lambda: mb.maxsim_backward(g, argmax, q, qo, d, do)),
@@ -274,6 +363,9 @@ def main() -> None:
     parser.add_argument(
         "--profile-host", default=None, help="write a cProfile of our step's host time (per shape) here"
     )
+    parser.add_argument("--segment-sweep", action="store_true", help="time the inverse map's segments")
+    parser.add_argument("--argmax-tiles", action="store_true", help="time forward-with-argmax tiles")
+    parser.add_argument("--no-breakdown", action="store_true", help="skip the breakdown of our step")
     args = parser.parse_args()
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 rows compute in fp32
@@ -311,10 +403,14 @@ def main() -> None:
                 result["rows"].append(row)
                 log(f"[{time.perf_counter() - started:6.1f}s] {json.dumps(row)}")
                 save()
-            if "ours" in args.methods and args.profile_host and dtype == torch.float16:
+            if "ours" in args.methods.split(",") and args.profile_host and dtype == torch.float16:
                 profile_host(ours(x), f"{shape_name} {dtype}", args.profile_host)
-            if "ours" in args.methods:
-                bd = {"shape": shape_name, "dtype": str(dtype).removeprefix("torch."), **breakdown(x)}
+            if "ours" in args.methods and not args.no_breakdown and dtype == torch.float16:
+                bd = {
+                    "shape": shape_name,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    **breakdown(x, args.segment_sweep, args.argmax_tiles),
+                }
                 result["breakdown"].append(bd)
                 log(f"[{time.perf_counter() - started:6.1f}s] {json.dumps(bd)}")
                 save()

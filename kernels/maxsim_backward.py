@@ -39,6 +39,15 @@ input dtype: no atomics, no fp32 gradient buffer, and the same bits from run to 
 The query gradient is owned by query-token blocks, which loop over the documents in index order.
 A document token that no query token chose gets an exact zero row.
 
+One-hot document gradient (all pairs, fp16/bf16, queries of at most 128 tokens, small batches: see
+``_ONEHOT_*``): no inverse map. A program owns a block of a document's tokens and, for each query in index
+order, multiplies the 0/1 matrix [j == a(i, d)] into the query's rows on the tensor cores (exact products,
+fp32 sums), scales the result by G[q, d] in fp32 and adds it to its accumulator; it writes each row once.
+Deterministic and atomic-free as well; the sums group by query, so its bits differ from the inverse map's
+(by ~4e-6 relative, far under the fp16 output's rounding). A non-finite value in any query row of the
+batch reaches every document token of the block (0 x inf), where the inverse map would confine it to
+the tokens it won; such a batch's loss is not finite either.
+
 INT8 documents (``doc_scales``): ``D_j = s_j * d8_j``; the query gradient uses the dequantized rows (the
 forward's on-the-fly query quantization is passed straight through), and int8 documents get no gradient.
 Float64 inputs (used by ``torch.autograd.gradcheck``) are scored by the package's float64 reference
@@ -96,6 +105,20 @@ _CSR_MAX_SEGMENT = 4096
 _CSR_MANY_DOCS_SEGMENT = 1024
 _CSR_MANY_DOCS = 64
 _CSR_DOC_BLOCK = 256  # document tokens a step of the suffix minimum (fixed: no recompiles by length)
+# Document gradient without the inverse map (16-bit inputs, queries of at most 128 tokens): a program per
+# (document, _ONEHOT_BLOCK_J of its tokens) forms, for each query, the one-hot matrix [token == winner] and
+# multiplies it into the query's rows on the tensor cores. Its cost grows with queries x documents x token
+# blocks (steps: ~4.6-6 us per thousand on the H200), the inverse map's with the pairs, plus a fixed sort
+# of 4096-token segments below _CSR_MANY_DOCS documents. So it is taken below _CSR_MANY_DOCS documents and
+# up to _ONEHOT_MAX_STEPS steps: at 32 queries x 32 tokens vs 32 documents x 1024 (16K steps) dD took 0.075
+# ms against 0.131 for the inverse map; at 64 x 64 documents (65K steps) 0.258 against 0.066
+# (benchmarks/results/train/train-colpali-queries-h200.json; docs/kernel-notes.md, "Training: short
+# queries against long documents").
+_DD_PATH = "auto"  # "auto", "csr" or "onehot" (the benchmark's A/B switch; read when a plan is made)
+_ONEHOT_BLOCK_J = 64
+_ONEHOT_BLOCK_I = 32
+_ONEHOT_NUM_WARPS = 4
+_ONEHOT_MAX_STEPS = 1 << 15
 # Columns per program: a wider vector is split over a grid axis, so the register tiles stay at the size of
 # the measured dim-128 case whatever the dim (up to 4096).
 _MAX_BLOCK_DIM = 128
@@ -355,6 +378,65 @@ def _maxsim_grad_docs_kernel(
     )
 
 
+@triton.jit(do_not_specialize=["num_queries", "num_docs"])
+def _maxsim_grad_docs_onehot_kernel(
+    # pointers
+    queries_ptr,
+    grad_scores_ptr,
+    argmax_ptr,
+    query_offsets_ptr,
+    doc_offsets_ptr,
+    grad_docs_ptr,
+    # sizes
+    num_queries,
+    num_docs,
+    dim,
+    # strides
+    stride_query_token,
+    stride_grad_token,
+    # meta
+    BLOCK_J: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_DIM: tl.constexpr,
+):
+    """dD_j = sum over queries q of G[q, d] * (sum of the rows Q_i of q whose winner in d is j), queries in
+    index order, for the BLOCK_J tokens j of document d from token b*BLOCK_J on (program (d, b, k)).
+
+    Per query the inner sum is a product on the tensor cores, [j == a(i, d)] (0/1, exact in the inputs'
+    16-bit type) times Q_q [BLOCK_I, BLOCK_DIM], accumulated in fp32; then scaled by G[q, d] in fp32. No
+    inverse map, no atomics; every row of the block is written once, zero where no query token chose it.
+    Each query has at most BLOCK_I tokens (the launcher checks).
+    """
+    doc = tl.program_id(0)
+    doc_start = tl.load(doc_offsets_ptr + doc)
+    doc_len = (tl.load(doc_offsets_ptr + doc + 1) - doc_start).to(tl.int32)
+    first = tl.program_id(1) * BLOCK_J
+    if first < doc_len:
+        local = first + tl.arange(0, BLOCK_J)
+        dims = tl.program_id(2) * BLOCK_DIM + tl.arange(0, BLOCK_DIM)
+        dim_ok = dims < dim
+        lanes = tl.arange(0, BLOCK_I)
+        acc = tl.zeros([BLOCK_J, BLOCK_DIM], dtype=tl.float32)
+        for query in range(0, num_queries):
+            q_start = tl.load(query_offsets_ptr + query)
+            q_end = tl.load(query_offsets_ptr + query + 1)
+            tokens = q_start + lanes
+            token_ok = tokens < q_end
+            winner = tl.load(argmax_ptr + tokens * num_docs + doc, mask=token_ok, other=-1).to(tl.int32)
+            rows = tl.load(
+                queries_ptr + tokens[:, None] * stride_query_token + dims[None, :],
+                mask=token_ok[:, None] & dim_ok[None, :],
+                other=0.0,
+            )
+            onehot = (local[:, None] == winner[None, :]).to(rows.dtype)
+            weight = tl.load(grad_scores_ptr + query * num_docs + doc)  # nq * nd < 2^31: the launcher checks
+            acc += tl.dot(onehot, rows) * weight
+        out = grad_docs_ptr + (doc_start + local.to(tl.int64))[:, None] * stride_grad_token + dims[None, :]
+        tl.store(
+            out, acc.to(grad_docs_ptr.dtype.element_ty), mask=(local < doc_len)[:, None] & dim_ok[None, :]
+        )
+
+
 # =====================================================================================================
 # Host side: layout helpers, inverse CSR, launchers
 # =====================================================================================================
@@ -564,6 +646,35 @@ def _grad_docs_candidates(
     return grad_docs
 
 
+def _onehot_block_i(
+    dtype: torch.dtype, num_queries: int, num_query_tokens: int, num_docs: int, max_query_len: int,
+    max_doc_len: int,
+) -> int | None:  # fmt: skip
+    """BLOCK_I of the one-hot document gradient where it takes the batch (see _ONEHOT_*), else None."""
+    if _DD_PATH == "csr" or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    block_i = max(_ONEHOT_BLOCK_I, next_pow2(max(max_query_len, 1)))
+    if block_i > 128 or num_query_tokens * num_docs >= 2**31:
+        return None
+    steps = num_queries * num_docs * cdiv(max_doc_len, _ONEHOT_BLOCK_J)
+    if _DD_PATH == "onehot" or (num_docs < _CSR_MANY_DOCS and steps <= _ONEHOT_MAX_STEPS):
+        return block_i
+    return None
+
+
+def _onehot_launch(
+    dim: int, device: torch.device, num_docs: int, max_doc_len: int, block_i: int
+) -> KernelLaunch:
+    """The one-hot document-gradient launch: a program per (document, block of its tokens, block of dim)."""
+    block_dim = min(max(16, next_pow2(dim)), _MAX_BLOCK_DIM)  # tl.dot needs N >= 16
+    meta = dict(
+        BLOCK_J=_ONEHOT_BLOCK_J, BLOCK_I=block_i, BLOCK_DIM=block_dim, num_warps=_ONEHOT_NUM_WARPS,
+        num_stages=3,
+    )  # fmt: skip
+    grid = (num_docs, cdiv(max(max_doc_len, 1), _ONEHOT_BLOCK_J), cdiv(dim, block_dim))
+    return KernelLaunch(_maxsim_grad_docs_onehot_kernel, grid, meta, device)
+
+
 class _AllPairsBackward:
     """The all-pairs backward's launches and derived tensors for one set of shapes and offsets, kept for
     the next step with the same ones (a training loop): a step then costs four allocations and three
@@ -577,6 +688,7 @@ class _AllPairsBackward:
         query_offsets: torch.Tensor,
         doc_offsets: torch.Tensor,
         max_doc_len: int,
+        max_query_len: int,
     ) -> None:
         device = queries.device
         num_query_tokens, num_docs = argmax.shape
@@ -597,6 +709,14 @@ class _AllPairsBackward:
             device,
         )
         self.docs_launches: tuple | None = None
+        self.onehot: KernelLaunch | None = None
+        num_queries = query_offsets.numel() - 1
+        block_i = _onehot_block_i(
+            queries.dtype, num_queries, num_query_tokens, num_docs, max_query_len, max_doc_len
+        )
+        if block_i is not None:
+            self.onehot = _onehot_launch(dim, device, num_docs, max_doc_len, block_i)
+            self.onehot_ints = (num_queries, num_docs, dim, queries.stride(0), dim)
 
     def _docs_launches(self, doc_offsets: torch.Tensor) -> tuple:
         if self.docs_launches is None:
@@ -621,6 +741,11 @@ class _AllPairsBackward:
     ) -> torch.Tensor:
         grad_docs = torch.empty(docs.shape, device=docs.device, dtype=docs.dtype)
         if docs.shape[0] == 0:
+            return grad_docs
+        if self.onehot is not None:
+            self.onehot(
+                queries, grad_scores, argmax, query_offsets, doc_offsets, grad_docs, *self.onehot_ints
+            )
             return grad_docs
         csr, segment, segments, csr_ints, dd, dd_ints, token_doc = self._docs_launches(doc_offsets)
         inverse = _run_csr(csr, csr_ints, segment, segments, argmax, doc_offsets, docs.shape[0])
@@ -861,7 +986,7 @@ def maxsim_backward(
     argmax = argmax.contiguous()
     # the forward accepts offsets and candidate lists on the host; the kernels read them on the device
     device = queries.device
-    doc_offsets_in = doc_offsets
+    doc_offsets_in, query_offsets_in = doc_offsets, query_offsets
     query_offsets, doc_offsets = on_device(query_offsets, device), on_device(doc_offsets, device)
     if doc_scales is not None:
         doc_scales = doc_scales.to(device)
@@ -874,7 +999,13 @@ def maxsim_backward(
             query_offsets,
             alignment_key(queries, docs, argmax, grad_scores),
             lambda: _AllPairsBackward(
-                queries, docs, argmax, query_offsets, doc_offsets, _max_len(doc_offsets_in, docs.shape[0])
+                queries,
+                docs,
+                argmax,
+                query_offsets,
+                doc_offsets,
+                _max_len(doc_offsets_in, docs.shape[0]),
+                _max_len(query_offsets_in, queries.shape[0], "query_offsets"),
             ),
         )
         args = (queries, docs, grad_scores, argmax, query_offsets, doc_offsets)
@@ -918,11 +1049,11 @@ def maxsim_backward(
     return grad_q, grad_d
 
 
-def _max_len(offsets: torch.Tensor, total: int) -> int:
+def _max_len(offsets: torch.Tensor, total: int, name: str = "doc_offsets") -> int:
     """Longest item of packed ``offsets`` (memoised; the forward's checks already hold a host copy)."""
 
     def compute() -> int:
-        lens = np.diff(host_offsets("doc_offsets", offsets, total))
+        lens = np.diff(host_offsets(name, offsets, total))
         return int(lens.max()) if len(lens) else 0
 
     return memo(offsets, ("max_len", total), compute)

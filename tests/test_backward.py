@@ -429,3 +429,59 @@ def test_returned_argmax_takes_no_part_in_the_backward(backend):
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     empty = mb.MaxSimVarlenFunction.backward(None, None, None)  # no gradient reached the scores
     assert all(g is None for g in empty)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the one-hot document gradient (16-bit inputs, short queries)
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize(
+    "q_lens, d_lens, dim",
+    [
+        ([3, 1, 7], [70, 1, 0, 5], 24),  # length 1, an empty document, two token blocks, dim not 2^k
+        ([40, 2], [9, 65], 8),  # a query over 32 tokens (64-token blocks), dim under the tile's 16
+        ([32, 32, 32], [64, 64], 16),  # queries and documents exactly one block long
+    ],
+)
+def test_onehot_document_gradient_matches_float64(q_lens, d_lens, dim, monkeypatch):
+    monkeypatch.setattr(mb, "_DD_PATH", "onehot")
+    queries, qo, docs, do = _layout(q_lens, d_lens, dim, seed=21, dtype=torch.float16)
+    upstream = _upstream((len(q_lens), len(d_lens)))
+    nonempty = [b for b, n in enumerate(d_lens) if n]
+    _, ref_q, ref_d = _reference(queries, qo, docs, _offsets([d_lens[b] for b in nonempty]),
+                                 upstream[:, nonempty])  # fmt: skip
+    _, gq, gd = _run(queries, qo, docs, do, upstream, backend="triton")
+    assert gd.dtype == torch.float16
+    torch.testing.assert_close(gq.double(), ref_q, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(gd.double(), ref_d, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1")
+def test_onehot_document_gradient_ties_and_unchosen_tokens(monkeypatch):
+    """Exact ties route to the lowest index on the one-hot path too; tied copies get exact zeros."""
+    monkeypatch.setattr(mb, "_DD_PATH", "onehot")
+    queries, qo, docs, do = (t.half() if t.is_floating_point() else t for t in _tie_layout())
+    upstream = _upstream((3, 3))
+    _, ref_q, ref_d = _reference(queries, qo, docs, do, upstream, rule="lowest")
+    _, gq, gd = _run(queries, qo, docs, do, upstream, backend="triton")
+    torch.testing.assert_close(gd.double(), ref_d, atol=2e-2, rtol=2e-3)  # integer sums up to ~20
+    assert not gd[[3, 5, 9, 11, 12, 13]].any()
+
+
+def test_onehot_path_is_taken_by_dtype_and_size(monkeypatch):
+    """The one-hot document gradient takes 16-bit batches of short queries, fewer documents than the
+    inverse map's many-documents class and at most _ONEHOT_MAX_STEPS steps (32 x 32 tokens vs 32 x 1024)."""
+    monkeypatch.setattr(mb, "_DD_PATH", "auto")
+    pick = mb._onehot_block_i
+    assert pick(torch.float16, 32, 1024, 32, 32, 1024) == 32
+    assert pick(torch.bfloat16, 32, 1024, 32, 33, 1024) == 64
+    assert pick(torch.float32, 32, 1024, 32, 32, 1024) is None  # fp32: the inverse map
+    assert pick(torch.float16, 32, 1024, 32, 129, 1024) is None  # long queries: the inverse map
+    assert pick(torch.float16, 64, 2048, mb._CSR_MANY_DOCS, 32, 1024) is None  # many documents
+    assert pick(torch.float16, 63, 2016, 63, 32, 1024) is None  # 63 x 63 x 16 steps > _ONEHOT_MAX_STEPS
+    monkeypatch.setattr(mb, "_DD_PATH", "csr")
+    assert pick(torch.float16, 32, 1024, 32, 32, 1024) is None
+    monkeypatch.setattr(mb, "_DD_PATH", "onehot")
+    assert pick(torch.float16, 128, 4096, 128, 32, 1024) == 32

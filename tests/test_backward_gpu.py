@@ -130,3 +130,55 @@ def test_offsets_on_the_host_give_the_same_gradients(layout):
     on_host = _fwd_bwd(queries, qo.cpu(), docs, do.cpu(), upstream, cands=host_cands)
     for a, b in zip(on_gpu, on_host, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("path", ["onehot", "csr"])
+def test_document_gradient_paths_at_short_queries_against_long_documents(dtype, path, monkeypatch):
+    """ColPali-shaped batches (32-token queries, documents of ~1000 tokens, ragged) on both document-gradient
+    paths: against float64, bitwise repeatable, and the two paths within rounding of each other."""
+    monkeypatch.setattr(mb, "_DD_PATH", path)
+    queries, qo, docs, do = _batch(32, 32, 32, 1024, dtype, seed=11)
+    report = mb.gradient_check(queries, qo, docs, do, seed=12)
+    assert report["dq_rel_error"] <= TOLERANCE[dtype], report
+    assert report["dd_rel_error"] <= TOLERANCE[dtype], report
+    assert report["bitwise_repeatable"], report
+
+
+@pytest.mark.parametrize(
+    "q_lens, d_lens, dim",
+    [
+        ([1, 32, 7, 1], [1, 1000, 0, 64, 65, 3], 96),  # length 1, an empty document, dim not a power of 2
+        ([100, 3], [300, 129], 128),  # a query over 64 tokens (128-token blocks), blocks past a document
+        ([40, 33, 5], [70, 1], 8),  # dim under 16 (the tile pads it)
+    ],
+)
+def test_onehot_document_gradient_on_adversarial_layouts(q_lens, d_lens, dim, monkeypatch):
+    monkeypatch.setattr(mb, "_DD_PATH", "onehot")
+    gen = torch.Generator().manual_seed(sum(q_lens) + dim)
+    queries = torch.nn.functional.normalize(torch.randn(sum(q_lens), dim, generator=gen), dim=-1)
+    docs = torch.nn.functional.normalize(torch.randn(sum(d_lens), dim, generator=gen), dim=-1)
+    docs[1::7] = docs[0]  # exact ties: the lowest index takes the gradient
+    qo = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()]).cuda()
+    do = torch.tensor([0, *torch.tensor(d_lens).cumsum(0).tolist()]).cuda()
+    report = mb.gradient_check(queries.cuda().half(), qo, docs.cuda().half(), do, seed=3)
+    assert report["dq_rel_error"] <= TOLERANCE[torch.float16], report
+    assert report["dd_rel_error"] <= TOLERANCE[torch.float16], report
+    assert report["bitwise_repeatable"], report
+
+
+def test_peak_memory_at_short_queries_against_long_documents():
+    """32 queries x 32 tokens vs 32 documents x 1024 (fp16): beyond the inputs, the two gradients, the
+    int16 argmax and the scores (the one-hot document gradient keeps no inverse map)."""
+    queries, qo, docs, do = _batch(32, 32, 32, 1024, torch.float16, seed=13, ragged=False)
+    upstream = torch.randn(32, 32, device="cuda")
+    _fwd_bwd(queries, qo, docs, do, upstream)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    grads = _fwd_bwd(queries, qo, docs, do, upstream)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    pairs = queries.shape[0] * 32
+    assert peak <= queries.nbytes + docs.nbytes + 8 * pairs + (1 << 20), peak
+    del grads
