@@ -164,6 +164,7 @@ async def load(
     import httpx
 
     latencies: list[float] = []
+    timings: list[dict[str, float]] = []
     errors: list[str] = []
     answers: dict[int, dict] = {}
     sent = 0
@@ -181,14 +182,31 @@ async def load(
             latencies.append(time.perf_counter() - t0)
             if response.status_code != 200:
                 errors.append(f"{response.status_code} {response.text[:200]}")
-            elif i not in answers:
-                answers[i] = response.json()
+            else:
+                timings.append(server_timing(response.headers.get("server-timing", "")))
+                if i not in answers:
+                    answers[i] = response.json()
 
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(timeout=120, limits=limits) as http:
         await asyncio.gather(*(client(http) for _ in range(clients)))
     wall = time.perf_counter() - started
-    return {"latencies": latencies, "errors": errors, "answers": answers, "wall_s": wall}
+    return {"latencies": latencies, "timings": timings, "errors": errors, "answers": answers, "wall_s": wall}
+
+
+def server_timing(header: str) -> dict[str, float]:
+    """``parse;dur=0.4, queue;dur=1.2, score;dur=5.0;desc="batch of 3", ...`` as {phase: ms, "batch": 3}."""
+    out = {name: float(ms) for name, ms in re.findall(r"(\w+);dur=([\d.]+)", header)}
+    batch = re.search(r"batch of (\d+)", header)
+    if batch:
+        out["batch"] = float(batch.group(1))
+    return out
+
+
+def timing_summary(timings: list[dict[str, float]]) -> dict[str, float]:
+    """Median of each Server-Timing phase over the answers (ms; ``batch``: requests a batch)."""
+    names = sorted({name for t in timings for name in t})
+    return {name: round(float(np.median([t[name] for t in timings if name in t])), 3) for name in names}
 
 
 def _client_process(args: tuple, barrier: object, results: object) -> None:
@@ -222,6 +240,7 @@ def run_load(
         answers.update(part["answers"])
     return {
         "latencies": [x for part in parts for x in part["latencies"]],
+        "timings": [x for part in parts for x in part["timings"]],
         "errors": [e for part in parts for e in part["errors"]],
         "answers": answers,
         "wall_s": max(part["wall_s"] for part in parts),
@@ -275,6 +294,7 @@ def rerank_one_client(args: argparse.Namespace, device: torch.device) -> dict:
     same = all(hits(answer) == expected[i] for i, answer in result["answers"].items() if i in expected)
     http = summary_ms(result["latencies"])
     log(f"rerank over HTTP, one client: p50 {http['p50_ms']} ms, p99 {http['p99_ms']} ms; same: {same}")
+    log(f"  server timing (median ms): {timing_summary(result['timings'])}")
     return {
         "server_command": server.command,
         "documents": args.rerank_docs,
@@ -283,6 +303,7 @@ def rerank_one_client(args: argparse.Namespace, device: torch.device) -> dict:
         "query_tokens": QUERY_TOKENS,
         "in_process": in_process,
         "http_one_client": http,
+        "server_timing_median_ms": timing_summary(result["timings"]),
         "errors": len(result["errors"]),
         "error_examples": result["errors"][:3],
         "answers_equal_in_process": same,
@@ -351,6 +372,7 @@ def search_clients(args: argparse.Namespace, device: torch.device) -> dict:
         f"search over HTTP, {args.clients} clients: {qps:.0f} queries/s, p50 {http['p50_ms']} ms, "
         f"p99 {http['p99_ms']} ms; errors {len(result['errors'])}; same: {same}"
     )
+    log(f"  server timing (median ms): {timing_summary(result['timings'])}")
     return {
         "server_command": server.command,
         "corpus_bytes": sum(os.path.getsize(p) for p in paths),
@@ -363,6 +385,7 @@ def search_clients(args: argparse.Namespace, device: torch.device) -> dict:
         "wall_s": round(result["wall_s"], 3),
         "queries_per_s": round(qps, 1),
         "http": http,
+        "server_timing_median_ms": timing_summary(result["timings"]),
         "in_process_one_query": in_single,
         f"in_process_{n}_queries": in_batch,
         "errors": len(result["errors"]),

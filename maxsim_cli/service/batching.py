@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import warnings
 from collections import deque
 from collections.abc import Sequence
@@ -59,6 +60,7 @@ class Timing:
     queue_s: float = 0.0
     score_s: float = 0.0
     batch_requests: int = 0
+    arrived: float = 0.0  # time.perf_counter() (uvloop's loop.time() counts whole milliseconds)
 
 
 @dataclass(eq=False)
@@ -258,6 +260,8 @@ class Batcher:
         if self._task is None or self._closing:
             raise RequestError(503, "the server is shutting down")
         loop = asyncio.get_running_loop()
+        if timing is not None:
+            timing.arrived = time.perf_counter()
         job = Job(kind, request, loop.create_future(), loop.time(), timing)
         self._pending.append(job)
         assert self._wake is not None
@@ -287,16 +291,16 @@ class Batcher:
             batch = self._take(first.kind)
             if not batch:
                 continue
-            started = loop.time()
+            started = time.perf_counter()
             try:
                 results: list[Any] = await loop.run_in_executor(self._executor, self.scorer.score, batch)
             except Exception as exc:  # noqa: BLE001 - a bug in the scorer: fail this batch, keep serving
                 logger.exception("scoring a batch failed")
                 results = [exc] * len(batch)
-            score_s = loop.time() - started
+            score_s = time.perf_counter() - started
             for job, result in zip(batch, results, strict=True):
                 if job.timing is not None:
-                    job.timing.queue_s = started - job.arrived
+                    job.timing.queue_s = started - job.timing.arrived
                     job.timing.score_s = score_s
                     job.timing.batch_requests = len(batch)
                 assert job.future is not None
