@@ -27,6 +27,9 @@ Our backward is also broken down (forward, CSR build, dQ kernel, CSR + dD, the o
 `--segment-sweep` the inverse map's segment, with `--argmax-tiles` forward tiles).
 
     python benchmarks/bench_train.py --out benchmarks/results/train/train-h200.json
+    python benchmarks/bench_train.py --out benchmarks/results/train/train-colpali-queries-h200.json \
+        --shapes colpali-q32,colpali-q64,colpali-q128,colbert-128 \
+        --methods ours,ours-csr,flash-maxsim,lik --fp32-shapes none --argmax-tiles
 """
 
 from __future__ import annotations
@@ -357,7 +360,11 @@ def breakdown(x: dict, segment_sweep: bool, tiles: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="results JSON (rewritten after every row)")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shape names")
+    parser.add_argument(
+        "--shapes",
+        default=",".join(TRAIN_SHAPES),
+        help=f"comma-separated shape names, of: {', '.join(SHAPES)}",
+    )
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated method names")
     parser.add_argument("--fp32-shapes", default=",".join(SHAPES), help="shapes also run with fp32 inputs")
     parser.add_argument(
