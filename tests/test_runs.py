@@ -367,3 +367,20 @@ def test_run_writer_stdout_flushes_per_query(capsys):
         assert capsys.readouterr().out == "q1 Q0 d1 1 2 t\n"
         writer.write_query("q2", ["d1"], [1.0])
     assert capsys.readouterr().out == "q2 Q0 d1 1 1 t\n"
+
+
+@pytest.mark.parametrize("n", [63, 64, 65, 1000])
+def test_sort_trec_orders_long_lists_as_pythons_sort_does(n: int) -> None:
+    """From 64 entries `sort_trec` sorts in numpy: the same order as Python's sort of (float32 score,
+    docno) descending, with ties in score, non-ASCII docnos, -0.0 and repeated entries."""
+    import random
+
+    from maxsim_cli.runs import _float32_keys, sort_trec
+
+    rng = random.Random(n)
+    for _ in range(20):
+        docnos = [rng.choice(["d", "D", "é", "zz", "d1", "💡"]) + str(rng.randrange(n)) for _ in range(n)]
+        scores = [rng.choice([0.5, -0.0, 0.0, 1.25, 1.0000001, rng.random()]) for _ in docnos]
+        keys = _float32_keys(scores).tolist()
+        expected = sorted(range(n), key=lambda i: (keys[i], docnos[i]), reverse=True)
+        assert sort_trec(docnos, scores) == expected
