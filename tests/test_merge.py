@@ -180,7 +180,9 @@ def test_queries_file_sets_the_order_and_refuses_strangers(tmp_path):
     a.write_text(f"{qids[2]} Q0 x 1 1 t\n{qids[0]} Q0 y 1 2 t\n")
     b.write_text(f"{qids[1]} Q0 z 1 3 t\n{qids[0]} Q0 w 1 4 t\n")
     out = tmp_path / "o.trec"
-    result = runner.invoke(app, ["merge", str(a), str(b), "--queries", queries, "--run-tag", "m", "-o", str(out)])
+    result = runner.invoke(
+        app, ["merge", str(a), str(b), "--queries", queries, "--run-tag", "m", "-o", str(out)]
+    )
     assert result.exit_code == 0, result.output
     assert out.read_text() == (
         f"{qids[0]} Q0 w 1 4 m\n{qids[0]} Q0 y 2 2 m\n{qids[1]} Q0 z 1 3 m\n{qids[2]} Q0 x 1 1 m\n"
