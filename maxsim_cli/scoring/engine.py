@@ -546,23 +546,30 @@ class _Engine:
         id_index = self.corpus.candidate_index(docno for cands in run.values() for docno, _ in cands)
         missing: list[str] = []
         n_missing = 0
-        pair_q: list[int] = []
-        pair_doc: list[int] = []
+        query_parts: list[np.ndarray] = []
+        doc_parts: list[np.ndarray] = []
         docnos_of: dict[int, list[str]] = {}
+        # a query's candidates in a few list passes and one array, not a loop of appends (~1 ms for a
+        # served rerank of 1000 candidates)
         for qid, cands in run.items():
             qi = qindex[qid]
-            found = []
-            for docno, _ in cands:
-                where = id_index.get(docno)
-                if where is None:
-                    n_missing += 1
-                    if len(missing) < 3 and docno not in missing:
-                        missing.append(docno)
-                    continue
-                pair_q.append(qi)
-                pair_doc.append(int(self.shard_base[where[0]]) + where[1])
-                found.append(docno)
-            docnos_of[qi] = found
+            docnos = [docno for docno, _ in cands]
+            wheres = [id_index.get(docno) for docno in docnos]
+            if None in wheres:
+                for docno, where in zip(docnos, wheres, strict=True):
+                    if where is None:
+                        n_missing += 1
+                        if len(missing) < 3 and docno not in missing:
+                            missing.append(docno)
+                docnos = [docno for docno, where in zip(docnos, wheres, strict=True) if where is not None]
+                wheres = [where for where in wheres if where is not None]
+            if wheres:
+                located = np.array(wheres, dtype=np.int64).reshape(-1, 2)
+                doc_parts.append(self.shard_base[located[:, 0]] + located[:, 1])
+                query_parts.append(np.full(len(wheres), qi, dtype=np.int64))
+            docnos_of[qi] = docnos
+        pair_q = np.concatenate(query_parts) if query_parts else np.zeros(0, dtype=np.int64)
+        pair_doc = np.concatenate(doc_parts) if doc_parts else np.zeros(0, dtype=np.int64)
         self.stats.missing_candidates = n_missing
         if n_missing:
             examples = ", ".join(repr(m) for m in missing)
@@ -580,8 +587,8 @@ class _Engine:
         self.stats.pairs = len(pair_q)
         self.stats.queries_with_candidates = len(set(pair_q))
         plan = planning.plan_rerank(
-            np.asarray(pair_q, dtype=np.int64),
-            np.asarray(pair_doc, dtype=np.int64),
+            pair_q,
+            pair_doc,
             self.doc_lengths,
             self.shard_base,
             self._query_offsets(),
