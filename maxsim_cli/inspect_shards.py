@@ -2,6 +2,12 @@
 
 Token-length statistics are over documents: min, mean, median, 99th percentile (linear interpolation
 between order statistics, numpy's default) and max of `offsets[i+1] - offsets[i]`.
+
+The value check streams: `CHECK_BATCH_TOKENS` tokens at a time, read into memory and dropped (never
+through a map of the file, whose pages would stay resident), so its memory does not grow with the corpus.
+It also counts the documents that carry an all-zero token row: no encoder outputs one, but padding kept
+without its mask does (a padded batch of colpali-engine or a HF model saved as it is), and such rows take
+part in every max.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ import numpy as np
 
 from maxsim_cli.shards import Shard, open_corpus
 
-# Tokens read per batch while checking values: 2^19 tokens x 128 dims x 2 B = 128 MiB in float16, a
-# bounded working set with per-batch overhead (a few ms) far below the read time.
-CHECK_BATCH_TOKENS = 1 << 19
+# Tokens read per batch while checking values: 2^16 tokens x 128 dims x 2 B = 16 MiB in float16 (the
+# check's working set is a few times that), with a per-batch overhead (about a millisecond) far below
+# the batch's read time. A longer document is read alone.
+CHECK_BATCH_TOKENS = 1 << 16
 
 
 @dataclass
@@ -55,6 +62,8 @@ class ShardReport:
     encoder: str | None
     bytes: int
     token_lengths: LengthStats
+    zero_row_docs: int | None = None  # documents with an all-zero token row (None: values not checked)
+    first_zero_row_doc: str | None = None
 
 
 @dataclass
@@ -72,9 +81,27 @@ class InspectReport:
     token_lengths: LengthStats
     values_checked: bool
     shards: list[ShardReport]
+    zero_row_docs: int | None = None  # documents with an all-zero token row (None: values not checked)
+    first_zero_row_doc: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def zero_row_warning(self) -> str | None:
+        """One line about the documents carrying all-zero token rows, or None when there are none."""
+        from maxsim_cli.shards.writers import zero_row_warning
+
+        first = next((r for r in self.shards if r.zero_row_docs), None)
+        if not self.zero_row_docs or first is None or first.first_zero_row_doc is None:
+            return None
+        where = first.path if len(self.shards) > 1 else ""
+        return zero_row_warning(
+            first.path if len(self.shards) == 1 else "the corpus",
+            self.zero_row_docs,
+            first.first_zero_row_doc,
+            "re-create the shards with the mask (maxsim pack --mask-column), or drop the zero rows",
+            where=where,
+        )
 
 
 def _shard_report(shard: Shard) -> ShardReport:
@@ -104,18 +131,29 @@ def inspect_paths(
     """Open `paths` as one corpus (all validation of `open_corpus`) and describe it.
 
     With `check_values`, every value is read, in batches of CHECK_BATCH_TOKENS tokens, and NaN/Inf
-    (or a bad int8 scale) is an error naming the document. `progress(tokens_done, total_tokens)` is
-    called after each batch.
+    (or a bad int8 scale) is an error naming the document; documents with an all-zero token row are
+    counted (`zero_row_docs`, `InspectReport.zero_row_warning`). `progress(tokens_done, total_tokens)`
+    is called after each batch.
     """
     with open_corpus(paths, verify_checksums=verify_checksums) as corpus:
         reports = [_shard_report(s) for s in corpus.shards]
+        zero_docs: int | None = None
         if check_values:
-            done = 0
-            for shard in corpus.shards:
+            done = zero_docs = 0
+            for shard, report in zip(corpus.shards, reports, strict=True):
+                report.zero_row_docs = 0
                 for batch in shard.iter_batches(CHECK_BATCH_TOKENS):
+                    docs = _zero_row_docs(batch.embeddings, batch.offsets.numpy())
+                    if docs.size:
+                        report.zero_row_docs += int(docs.size)
+                        if report.first_zero_row_doc is None:
+                            report.first_zero_row_doc = batch.ids[int(docs[0])]
                     done += batch.num_tokens
+                    del batch  # before the next read: one batch in memory at a time
                     if progress is not None:
                         progress(done, corpus.num_tokens)
+                zero_docs += report.zero_row_docs
+        first_zero = next((r.first_zero_row_doc for r in reports if r.first_zero_row_doc), None)
         lengths = np.concatenate([np.diff(s.offsets) for s in corpus.shards])
         return InspectReport(
             num_docs=corpus.num_docs,
@@ -129,7 +167,18 @@ def inspect_paths(
             token_lengths=LengthStats.of(lengths),
             values_checked=check_values,
             shards=reports,
+            zero_row_docs=zero_docs,
+            first_zero_row_doc=first_zero,
         )
+
+
+def _zero_row_docs(embeddings, offsets: np.ndarray) -> np.ndarray:  # noqa: ANN001 - a torch tensor
+    """Indices (in the batch) of the documents with at least one all-zero token row."""
+    zero = ~embeddings.ne(0).any(dim=1)
+    if not bool(zero.any()):
+        return np.zeros(0, dtype=np.int64)
+    rows = zero.nonzero()[:, 0].numpy()
+    return np.unique(np.searchsorted(offsets, rows, side="right") - 1)
 
 
 def format_report(report: InspectReport) -> str:

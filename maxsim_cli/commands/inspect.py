@@ -27,7 +27,8 @@ def register(app: typer.Typer) -> None:
         check_values: bool = typer.Option(
             True,
             "--check-values/--no-check-values",
-            help="Read every value to check for NaN/Inf (streamed in bounded batches); off: structure only.",
+            help="Read every value to check for NaN/Inf and count documents with all-zero token rows "
+            "(unmasked padding), streamed 65536 tokens at a time; off: structure only.",
         ),
         verify_checksums: bool = typer.Option(
             False, "--verify-checksums", help="Check each shard's sha256 against the index.json manifest."
@@ -38,7 +39,9 @@ def register(app: typer.Typer) -> None:
 
         Prints a table (or with --json one object) on stdout: per shard and in total, documents, tokens,
         dim, dtype, quantization, whether vectors are L2-normalised, token lengths min / mean / median /
-        p99 / max and bytes. Any invalid input is an error naming the file and the document.
+        p99 / max and bytes. Any invalid input is an error naming the file and the document. Documents
+        carrying all-zero token rows (padding kept without its mask) get a warning on stderr, and are
+        counted in the JSON (zero_row_docs, first_zero_row_doc).
 
         Example: maxsim inspect sample_data/corpus --json
         """
@@ -48,6 +51,9 @@ def register(app: typer.Typer) -> None:
             report = inspect_paths(
                 paths, check_values=check_values, verify_checksums=verify_checksums, progress=update
             )
+        warning = report.zero_row_warning()
+        if warning is not None:
+            typer.echo(f"maxsim: warning: {warning}", err=True)
         if as_json:
             echo_data(json.dumps(report.to_dict(), indent=2))
         else:

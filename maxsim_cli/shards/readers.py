@@ -9,8 +9,10 @@ when token rows are first read, as the tensors of a `DocBatch`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import mmap
 import os
 import re
 import shlex
@@ -701,6 +703,20 @@ class ArrowShard(_RecordShard):
             raise MaxsimError(f"{self.path}: shard is closed")
         return self._batches[index]
 
+    def _read_rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        mapped = getattr(self._source, "mapped", None)
+        if mapped is None:  # a stream read from stdin: in memory
+            return super()._read_rows(start, stop)
+        # The file is mapped: one truncated since it was opened would be SIGBUS on the first page past
+        # its end, so its size and time are checked first (a change during the copy below is not caught)
+        check_unchanged(self.path, self._source.identity, os.stat(self.path))
+        rows = super()._read_rows(start, stop)  # copies the rows out of the map
+        # the map's pages stay in the process's resident set until dropped (re-read from the page
+        # cache if touched again)
+        with contextlib.suppress(OSError, ValueError):
+            mapped.madvise(mmap.MADV_DONTNEED)
+        return rows
+
     def close(self) -> None:
         self._batches = None
         if self._source is not None:
@@ -708,11 +724,33 @@ class ArrowShard(_RecordShard):
             self._source = None
 
 
+class _MappedFile:
+    """A file mapped read-only for Arrow (`pa.BufferReader`) whose pages `ArrowShard` can drop."""
+
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            self.identity = _identity(st)
+            if st.st_size == 0:
+                raise OSError("the file is empty")
+            self.mapped: mmap.mmap | None = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        self.reader = pa.BufferReader(pa.py_buffer(self.mapped))
+
+    def close(self) -> None:
+        # unmapped once the last Arrow buffer over it is gone (closing with buffers exported fails)
+        self.reader = None
+        self.mapped = None
+
+
 def _open_arrow(path: str) -> ArrowShard:
     try:
-        source = pa.memory_map(path, "r")
-    except (OSError, pa.ArrowException) as exc:
+        mapped = _MappedFile(path)
+    except (OSError, ValueError, pa.ArrowException) as exc:
         raise _err(path, f"cannot open: {_one_line(exc)}") from None
+    source = mapped.reader
     try:
         try:
             reader = pa.ipc.open_file(source)
@@ -724,12 +762,12 @@ def _open_arrow(path: str) -> ArrowShard:
             stream = pa.ipc.open_stream(source)
             batches = list(stream)
             reader, fmt = stream, "arrow-stream"
-        return ArrowShard(path, batches, reader.schema, fmt, source)
+        return ArrowShard(path, batches, reader.schema, fmt, mapped)
     except MaxsimError:
-        source.close()
+        mapped.close()
         raise
     except (pa.ArrowException, OSError, ValueError) as exc:
-        source.close()
+        mapped.close()
         raise _err(path, f"corrupt or truncated Arrow IPC file: {_one_line(exc)}") from None
 
 
@@ -739,7 +777,9 @@ class ParquetShard(_RecordShard):
 
     def __init__(self, path: str) -> None:
         try:
-            self._file: pq.ParquetFile | None = pq.ParquetFile(path, memory_map=True)
+            # read, not mapped: row groups are decoded into memory anyway, and a map's pages would stay
+            # in the process's resident set (and a file truncated meanwhile would be SIGBUS)
+            self._file: pq.ParquetFile | None = pq.ParquetFile(path, memory_map=False)
             schema = self._file.schema_arrow
             file_meta = self._file.metadata
         except (pa.ArrowException, OSError) as exc:
