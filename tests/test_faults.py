@@ -383,6 +383,7 @@ def locked(work: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(tempfile, "mkstemp", refuse(tempfile.mkstemp))
     monkeypatch.setattr(tempfile, "mkdtemp", refuse(tempfile.mkdtemp))
     monkeypatch.setattr(output_files.os, "mkdir", refuse_mkdir(os.mkdir))
+    monkeypatch.setattr(output_files.os, "open", refuse_mkdir(os.open))  # new files: temp, probe
     yield folder
     folder.chmod(0o700)
 

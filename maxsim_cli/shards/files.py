@@ -27,7 +27,6 @@ import os
 import re
 import secrets
 import stat
-import tempfile
 from collections.abc import Iterable
 from typing import IO
 
@@ -159,11 +158,33 @@ def _clash(output: str, out_stat: os.stat_result | None, source: str, folder: bo
     return None
 
 
+def new_file(directory: str, prefix: str, suffix: str) -> tuple[int, str]:
+    """A new file ``PREFIX<random>SUFFIX`` in ``directory``, open for writing: ``(fd, path)``.
+
+    One ``open(O_CREAT | O_EXCL)`` with mode 0o666 (the umask applies, as for a plain `open`), not
+    mkstemp then fchmod: should a signal raise in the main thread right after the file is made, the
+    file is removed here, so an interrupted caller never leaves a file it did not learn of."""
+    for _ in range(100):
+        path = os.path.join(directory, f"{prefix}{secrets.token_hex(6)}{suffix}")
+        try:
+            return os.open(
+                path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666
+            ), path
+        except FileExistsError:
+            continue
+        except OSError:
+            raise
+        except BaseException:
+            _remove_quietly(path)
+            raise
+    raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), directory)
+
+
 def _probe(folder: str, label: str) -> None:
     """Create and remove a file in ``folder``: a read-only file system or a missing permission shows
     here, before any work, rather than after it (root ignores permission bits, `os.access` would not)."""
     try:
-        fd, probe = tempfile.mkstemp(prefix=".maxsim-probe-", suffix=".tmp", dir=folder)
+        fd, probe = new_file(folder, ".maxsim-probe-", ".tmp")
     except OSError as exc:
         hint = _HINTS.get(exc.errno or 0, "")
         raise MaxsimError(
@@ -252,11 +273,9 @@ def _atomic_temp(path: str) -> tuple[int, str]:
         what = "a directory" if stat.S_ISDIR(existing.st_mode) else "not a regular file"
         raise UsageError(f"{path}: is {what}; give a file name")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+        return new_file(directory, f".{os.path.basename(path)}.", ".tmp")
     except OSError as exc:
         raise write_error(path, exc) from None
-    os.fchmod(fd, 0o666 & ~current_umask())
-    return fd, tmp
 
 
 def _remove_quietly(path: str | None) -> None:
