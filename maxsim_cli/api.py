@@ -84,10 +84,11 @@ def search(
     ``queries``: a query shard path (or folder of them), a `Queries`, or an ``(ids, embeddings)`` pair as
     `Queries.from_embeddings` takes it. ``corpus``: a `Corpus` (resident or not) or shard path(s).
     ``device``: ``auto`` (the resident corpus's device, else CUDA when there is one), ``cpu``, ``cuda``,
-    ``cuda:N``. ``max_memory`` bounds the scoring device's memory, ``max_host_memory`` the host staging
-    buffers (bytes, or a size such as ``"2GiB"``). Ties are broken by docno descending, so the run does
-    not depend on batch sizes or memory budgets. A query file with no queries, or whose metadata names
-    another encoder than the corpus's (or another L2 normalisation), gives a `MaxsimWarning`.
+    ``cuda:N``. ``max_memory`` bounds the scoring device's memory, ``max_host_memory`` what the call adds
+    to the process's resident set (bytes, or a size such as ``"2GiB"``; `maxsim_cli.memory`). Ties
+    are broken by docno descending, so the run does not depend on batch sizes or memory budgets. A
+    query file with no queries, or whose metadata names another encoder than the corpus's (or another
+    L2 normalisation), gives a `MaxsimWarning`.
 
     >>> run = search("sample_data/queries.safetensors", "sample_data/corpus", k=3, device="cpu")
     >>> [(r.docno, r.rank) for r in run][:3]  # doctest: +ELLIPSIS

@@ -55,7 +55,8 @@ def score(
     Exhaustive top-``top_k`` per query, or, with ``candidates`` (a run file, ``-`` = stdin), the
     candidates of that run re-scored. ``queries`` may be ``-`` (an Arrow IPC stream on stdin); at most
     one input may be stdin. ``max_memory`` bounds the scoring device's memory (GPU memory, or the CPU
-    working set with device ``cpu``), ``max_host_memory`` the host staging buffers. Returns the stats;
+    working set with device ``cpu``), ``max_host_memory`` the process's host memory growth during the run
+    (`maxsim_cli.memory`). Returns the stats;
     raises `UsageError` / `InputError` / `MaxsimError` with one-line messages, leaving no output file.
     ``devices`` (``"0,1"``, ``"all"``, ``"cpu:N"``) or a torchrun environment makes it a job of several
     processes with the same output (`maxsim_cli.jobs`).

@@ -904,3 +904,78 @@ def test_a_shard_truncated_while_maxsim_reads_it_exits_1_with_one_line(tmp_path)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"maxsim: error: {shards[1]}: changed size from"), lines
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# --max-host-memory: the process's growth over the run
+
+
+def _fp16_corpus(root, total_tokens: int, shards: int = 4, dim: int = 128) -> list[str]:
+    gen = torch.Generator().manual_seed(9)
+    paths = []
+    per = total_tokens // shards
+    for s in range(shards):
+        values = torch.randn(per, dim, generator=gen).to(torch.float16)
+        path = str(root / f"c{s}.safetensors")
+        write_shard(
+            path, [f"d{s}-{i}" for i in range(per // 128)], values, offsets=torch.arange(0, per + 1, 128)
+        )
+        paths.append(path)
+    return paths
+
+
+def test_host_memory_growth_stays_within_max_host_memory(tmp_path) -> None:
+    """A fresh `maxsim score --device cpu` over 128 MiB of shards with --max-host-memory 80MiB: the
+    process grows (peak RSS, mapped pages included, minus RSS at the start) by at most the budget, and
+    says so in its stats. (Reading the shards through a map grew it by the corpus: ~580 MiB for 32 MiB.)"""
+    import json
+    import subprocess
+
+    shards = _fp16_corpus(tmp_path, 1 << 19)  # 128 MiB of values
+    queries = str(tmp_path / "q.safetensors")
+    write_shard(queries, ["q0", "q1"], [torch.randn(8, 128) for _ in range(2)], dtype="float16")
+    stats_path = tmp_path / "stats.json"
+    budget = 80 << 20
+    proc = subprocess.run(
+        [sys.executable, "-m", "maxsim_cli", "score", queries, *shards, "--device", "cpu", "-k", "5",
+         "--max-host-memory", "80MiB", "-o", str(tmp_path / "run.trec"), "--stats-json", str(stats_path),
+         "-q"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    stats = json.loads(stats_path.read_text())
+    assert stats["host_budget_bytes"] == budget
+    assert stats["peak_host_bytes"] == stats["peak_rss_bytes"] - stats["host_base_bytes"]
+    assert 0 < stats["peak_host_bytes"] <= budget, stats["peak_host_bytes"] / 2**20
+    assert stats["doc_batches"] > 4  # the corpus did not fit one batch
+
+
+def test_a_run_that_grows_past_max_host_memory_warns(tmp_path, monkeypatch, capsys) -> None:
+    from maxsim_cli.memory import HostMeter
+    from maxsim_cli.score import score
+
+    queries, shards = _changing_corpus(tmp_path)
+    monkeypatch.setattr(HostMeter, "peak", lambda self: self.base + (300 << 20))
+    stats = score(queries, shards, output=str(tmp_path / "run.trec"), device="cpu", max_host_memory=256 << 20)
+    assert stats.peak_host_bytes == 300 << 20 and stats.host_budget_bytes == 256 << 20
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "maxsim: warning: the process's memory grew by 300 MiB during the run, over --max-host-memory "
+        '256 MiB; a larger budget avoids this, or see docs/reliability.md, "Memory bounds"'
+    ]
+    assert (tmp_path / "run.trec").exists()  # a warning: the run is complete
+
+
+def test_a_host_budget_below_what_the_run_holds_is_refused_naming_the_minimum(tmp_path) -> None:
+    from maxsim_cli.score import score
+
+    queries, shards = _changing_corpus(tmp_path)
+    out = tmp_path / "run.trec"
+    with pytest.raises(
+        MaxsimError,
+        match=r"\(8 MiB\) is too small .* needs at least (\d+) MiB; give --max-host-memory \1MiB or more$",
+    ):
+        score(queries, shards, output=str(out), device="cpu", max_host_memory=8 << 20)
+    assert not out.exists()

@@ -58,14 +58,17 @@ def register(app: typer.Typer) -> None:
         max_memory: str | None = typer.Option(
             None,
             "--max-memory",
-            help="Memory budget of the scoring device, e.g. 2GiB: GPU memory (default: 90% of the free "
-            "memory), or the working set with --device cpu.",
+            help="Memory budget of the scoring device, e.g. 2GiB: the GPU memory the run allocates (default: "
+            "90% of the free memory), or with --device cpu the planned working set (batches, scores, top-k), "
+            "within --max-host-memory.",
         ),
         max_host_memory: str | None = typer.Option(
             None,
             "--max-host-memory",
-            help="Host memory for staging buffers (pinned on CUDA), e.g. 4GiB (default: 4GiB or a quarter "
-            "of RAM, whichever is smaller).",
+            help="Host memory the run may add to the process, e.g. 4GiB: peak RSS (mapped file pages "
+            "included) minus RSS at the start, after Python and torch are loaded (default: 4GiB or a quarter "
+            "of RAM, whichever is smaller). Batches are sized to it; a run over it warns; one below its "
+            "minimum (about 64MiB on the CPU) is refused, naming the minimum.",
         ),
         run_tag: str = typer.Option("maxsim", "--run-tag", help="Tag written in the run's last column."),
         fmt: str = typer.Option("trec", "--format", help="trec (six columns) or jsonl (one query a line)."),

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import sys
 import threading
 import time
@@ -51,6 +50,7 @@ from maxsim_kernels.cpu import NonFiniteDocuments
 
 from maxsim_cli.devices import DEFAULT_GPU_FREE_SHARE, default_host_bytes
 from maxsim_cli.errors import InputError, MaxsimError, RankStopped
+from maxsim_cli.memory import UNPLANNED_HOST_BYTES, HostMeter
 from maxsim_cli.pipeline import Batch, BatchPlan, BatchStream, PinnedArena, read_parts
 from maxsim_cli.scoring import plan as planning
 from maxsim_cli.scoring.plan import Budget, Plan
@@ -58,6 +58,7 @@ from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.stats import ScoreStats
 from maxsim_cli.shards import check_same_dim
 from maxsim_cli.topk import RunningTopK
+from maxsim_cli.units import format_size
 
 if TYPE_CHECKING:
     from maxsim_cli.progress import ScoreProgress
@@ -82,6 +83,9 @@ class RankContext:
     # Pinned staging memory already locking (`open_arena`): `files.score_files` starts it before it
     # opens the corpus, so that the page-locking overlaps the opening.
     arena: PinnedArena | None = None
+    # The host memory meter of the run (`maxsim_cli.memory`), started by a caller that opened the inputs
+    # (`files.score_files`), so that they count; else the run starts its own.
+    host_meter: HostMeter | None = None
 
 
 def run(
@@ -102,10 +106,34 @@ def run(
     `UsageError` / `InputError` / `MaxsimError` with one-line messages; the request's ``devices`` is
     ignored (a job is `maxsim_cli.jobs`' business). ``setup_s`` and ``wall_s`` count from this call.
     """
-    from maxsim_cli import progress as progress_mod
-
     started = time.perf_counter()
     context = context or RankContext()
+    dev = request.check()
+    cuda = dev.type == "cuda"
+    meter = context.host_meter
+    own_meter = meter is None
+    if meter is None:
+        meter = HostMeter(dev if cuda else None)
+    try:
+        return _run(request, corpus, queries, sink, candidates, context, log, meter, started)
+    finally:
+        if own_meter:
+            meter.close()
+
+
+def _run(
+    request: ScoreRequest,
+    corpus: Corpus,
+    queries: DocBatch,
+    sink: Any,
+    candidates: dict[str, list[tuple[str, float]]] | None,
+    context: RankContext,
+    log: Logger,
+    meter: HostMeter,
+    started: float,
+) -> ScoreStats:
+    from maxsim_cli import progress as progress_mod
+
     dev = request.check()
     backend = request.backend
     cuda = dev.type == "cuda"
@@ -141,10 +169,10 @@ def run(
 
     stats.host_budget_bytes = host_budget
     stats.reader_threads = threads
-    max_memory = request.max_memory
     budget = Budget(
-        # the budget bounds what this run allocates, on top of what the process already holds
-        device_bytes=gpu_budget if cuda else min(host_budget, max_memory or host_budget),
+        # the budget bounds what this run allocates, on top of what the process already holds; on the
+        # CPU the planned working set is also what is left of the host budget (`_Engine.fit_host`)
+        device_bytes=gpu_budget if cuda else min(host_budget, request.max_memory or host_budget),
         host_bytes=host_budget,
         reader_threads=threads,
         cuda=cuda,
@@ -155,6 +183,8 @@ def run(
     stats.extra["resident_corpus"] = residency is not None
 
     engine = _Engine(corpus, q_emb, q_offsets, dev, backend, budget, stats, log, request.corpus)
+    engine.meter = meter
+    engine.max_memory = request.max_memory
     engine.arena = arena
     engine.residency = residency
     engine.stop = context.stop
@@ -187,7 +217,7 @@ def run(
     if cuda:
         torch.cuda.synchronize(dev)
         stats.peak_gpu_bytes = _allocated_bytes(dev)["peak"] - base_allocated
-    stats.peak_host_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    _note_host_memory(stats, meter, host_budget, request.max_host_memory is not None, log)
     stats.wall_s = time.perf_counter() - started
     return stats
 
@@ -197,6 +227,25 @@ def _allocated_bytes(dev: torch.device) -> dict[str, int]:
     `torch.cuda.memory_allocated` and `max_memory_allocated` each flatten every statistic (~0.5 ms a
     call on the H200 host, which a served request of a few milliseconds paid twice)."""
     return torch.cuda.memory_stats_as_nested_dict(dev)["allocated_bytes"]["all"]
+
+
+def _note_host_memory(stats: ScoreStats, meter: HostMeter, budget: int, given: bool, log: Logger) -> None:
+    """The host memory the run used (`maxsim_cli.memory`) into the stats, and a warning when it grew past
+    the budget."""
+    peak = meter.peak()
+    stats.peak_host_bytes = max(0, peak - meter.base)
+    stats.extra["host_base_bytes"] = meter.base
+    stats.extra["peak_rss_bytes"] = peak
+    if stats.peak_host_bytes > budget:
+        option = (
+            f"--max-host-memory {format_size(budget)}"
+            if given
+            else f"the host budget ({format_size(budget)})"
+        )
+        log(
+            f"warning: the process's memory grew by {format_size(stats.peak_host_bytes)} during the run, "
+            f'over {option}; a larger budget avoids this, or see docs/reliability.md, "Memory bounds"'
+        )
 
 
 def reader_threads(request: ScoreRequest, cuda: bool) -> int:
@@ -322,6 +371,21 @@ class _Engine:
         self.arena: PinnedArena | None = None
         self.residency: Residency | None = None  # the corpus on this device, when it is resident
         self.docnos_of: dict[int, list[str]] = {}  # rerank: each query's candidates found, in run order
+        self.meter: HostMeter | None = None
+        self.max_memory: int | None = None  # --max-memory
+
+    def fit_host(self) -> None:
+        """CPU: the plan's budget is what is left of the host budget once the run holds its inputs (the
+        corpus's ids and offsets, the queries, the id order) and `UNPLANNED_HOST_BYTES` for what no plan
+        sizes; at most --max-memory. The planner's error names the total a run needs when not even one
+        batch fits."""
+        if self.cuda or self.meter is None:
+            return
+        held = self.meter.used() + UNPLANNED_HOST_BYTES
+        room = max(self.budget.host_bytes - held, 1)
+        self.budget.device_bytes = min(room, self.max_memory or room)
+        self.budget.host_reserved = held if self.budget.device_bytes == room else 0
+        self.stats.extra["host_reserved_bytes"] = held
 
     # ---------------------------------------------------------------------------- query helpers
 
@@ -329,12 +393,12 @@ class _Engine:
         """Queries q0..q1-1 on the device: (embeddings, host offsets, per-token scales or None). For an
         int8 corpus on CUDA the queries are quantized here, once (int8 codes and their scales), rather
         than by the kernel for every document batch (a launch and ~60 us of host time each)."""
-        from maxsim_kernels.maxsim_int8 import quantize_per_token
-
         t0, t1 = int(self.q_offsets[q0]), int(self.q_offsets[q1])
         emb = self.q_emb[t0:t1].to(self.device, non_blocking=False)
         offsets = self._host_ints((self.q_offsets[q0 : q1 + 1] - t0).numpy())
         if self.cuda and self.scaled:
+            from maxsim_kernels.maxsim_int8 import quantize_per_token  # imports Triton: CUDA only
+
             q8, scales = quantize_per_token(emb)
             return q8, offsets, scales
         return emb, offsets, None
@@ -373,6 +437,12 @@ class _Engine:
 
     def exhaustive_passes(self, top_k: int, batch_queries: int | None) -> list[_Pass]:
         """Query batches and the document batches of each pass, sized to the budgets (`plan_exhaustive`)."""
+        if len(self.q_offsets) > 1 and len(self.doc_lengths):
+            # docno ranks (ascending byte order) for the tie-break, and the inverse to decode results:
+            # made before the plan, whose budget is what they leave of the host budget (`fit_host`)
+            _, self.ordinal_of_rank, self.ids_by_rank = self.corpus.id_order()
+            self.rank_of_ordinal = self.corpus.rank_of_ordinal()
+        self.fit_host()
         plan = planning.plan_exhaustive(
             self.doc_lengths,
             self.shard_base,
@@ -385,9 +455,6 @@ class _Engine:
         )
         if plan is None:
             return []
-        # docno ranks (ascending byte order) for the tie-break, and the inverse to decode results
-        _, self.ordinal_of_rank, self.ids_by_rank = self.corpus.id_order()
-        self.rank_of_ordinal = self.corpus.rank_of_ordinal()
         self._note_plan(plan)
         self.stats.resident = plan.resident
         plans = [
@@ -586,6 +653,7 @@ class _Engine:
         self.docnos_of = docnos_of
         self.stats.pairs = len(pair_q)
         self.stats.queries_with_candidates = len(set(pair_q))
+        self.fit_host()
         plan = planning.plan_rerank(
             pair_q,
             pair_doc,

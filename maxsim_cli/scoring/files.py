@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from maxsim_cli.memory import HostMeter
 from maxsim_cli.queries import read_queries
 from maxsim_cli.runs import RunWriter, read_run
 from maxsim_cli.scoring import engine
@@ -24,9 +25,15 @@ def score_files(request: ScoreRequest, *, log: Logger = engine._stderr) -> Score
     # the run may not overwrite an input and must be writable: refused now, not after the scoring
     check_output(request.output, [request.queries, *request.corpus, request.candidates])
     writer = RunWriter(request.output, tag=request.run_tag, fmt=request.fmt)  # opens only in the pass
+    # what --max-host-memory bounds: the growth from here on, the inputs' ids and offsets included
+    meter = HostMeter(device if device.type == "cuda" else None)
     # on CUDA the staging memory locks while the corpus opens (`engine.open_arena`)
     arena = engine.open_arena(request, device) if device.type == "cuda" else None
-    corpus = open_corpus(list(request.corpus))
+    try:
+        corpus = open_corpus(list(request.corpus))
+    except BaseException:
+        meter.close()
+        raise
     try:
         queries = read_queries(request.queries).batch  # a query shard, a folder of them, or stdin
         check_same_dim(queries, request.query_name, corpus)  # before the run is read, as always
@@ -35,10 +42,17 @@ def score_files(request: ScoreRequest, *, log: Logger = engine._stderr) -> Score
         candidates = read_run(request.candidates) if request.candidates is not None else None
         entered = time.perf_counter()
         stats = engine.run(
-            request, corpus, queries, writer, candidates=candidates, context=RankContext(arena=arena), log=log
+            request,
+            corpus,
+            queries,
+            writer,
+            candidates=candidates,
+            context=RankContext(arena=arena, host_meter=meter),
+            log=log,
         )
     finally:
         corpus.close()
+        meter.close()
     stats.setup_s += entered - started
     stats.wall_s = time.perf_counter() - started
     return stats

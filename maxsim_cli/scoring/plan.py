@@ -69,6 +69,31 @@ class Budget:
     # The corpus is resident on the scoring device (`Corpus.to`): batches are views of its shards, so
     # nothing is staged and batches need not be small for reads to overlap.
     resident_corpus: bool = False
+    # CPU: host bytes the run holds before its batches (inputs, id order, unplanned reserve) when
+    # `device_bytes` is what they leave of the host budget: a budget too small names their sum.
+    host_reserved: int = 0
+
+
+def _too_small(budget: Budget, need: int, what: str) -> MaxsimError:
+    """The error of a plan that does not fit: what it needs in all, and the options that give it."""
+    if budget.cuda:
+        return MaxsimError(
+            f"the memory budget ({format_size(budget.device_bytes)} on {budget.device}) is too small {what}: "
+            f"it needs about {format_size(int(need / BUDGET_FILL))}; raise --max-memory or pass "
+            "--batch-queries"
+        )
+    if budget.host_reserved:
+        mib = -(-(budget.host_reserved + int(need / BUDGET_FILL)) // (1 << 20))  # rounded up
+        return MaxsimError(
+            f"the host memory budget ({format_size(budget.host_bytes)}) is too small {what}: with "
+            f"{format_size(budget.host_reserved)} held for the corpus's ids and offsets, the queries and "
+            f"the scoring threads, the run needs at least {mib} MiB; give --max-host-memory {mib}MiB or more"
+        )
+    return MaxsimError(
+        f"the memory budget ({format_size(budget.device_bytes)} on {budget.device}) is too small {what}: "
+        f"it needs about {format_size(int(need / BUDGET_FILL))}; raise --max-memory or --max-host-memory "
+        "or pass --batch-queries"
+    )
 
 
 @dataclass
@@ -339,13 +364,7 @@ def _fit_spans(
         if need <= usable:
             return spans, need
         if doc_limit <= 1 and token_limit <= longest:
-            raise MaxsimError(
-                f"the memory budget ({format_size(budget.device_bytes)} on {budget.device}) is too "
-                f"small for {nq_b} queries and the longest document ({longest} tokens): it needs about "
-                f"{format_size(int(need / BUDGET_FILL))}; raise --max-memory"
-                + (" or --max-host-memory" if not budget.cuda else "")
-                + " or pass --batch-queries"
-            )
+            raise _too_small(budget, need, f"for {nq_b} queries and the longest document ({longest} tokens)")
         token_limit = max(token_limit * 0.8, 1.0)
         doc_limit = max(doc_limit * 0.8, 1.0)
 
@@ -406,11 +425,7 @@ def plan_rerank(
         if need <= usable:
             break
         if cost_limit <= 1 and token_limit <= 1:
-            raise MaxsimError(
-                f"the memory budget ({format_size(budget.device_bytes)} on {budget.device}) is too "
-                f"small to rerank {nq} queries: it needs about "
-                f"{format_size(int(need / BUDGET_FILL))}; raise --max-memory"
-            )
+            raise _too_small(budget, need, f"to rerank {nq} queries")
         cost_limit = max(cost_limit * 0.8, 1)
         token_limit = max(token_limit * 0.8, 1)
     # pairs grouped by batch, then by query (candidate lists are per query, contiguous)
