@@ -658,7 +658,8 @@ class BatchStream:
         self._stop.set()
         if self._dispatcher is not None:
             self._slots.put(_STOP)  # wakes a dispatcher waiting for a free slot
-            self._dispatcher.join()
+            if self._dispatcher.ident is not None:  # not when a signal came before its start()
+                self._dispatcher.join()
             self._dispatcher = None
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
