@@ -256,5 +256,28 @@ for _info in app.registered_commands:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point (`MaxsimGroup.main` prints the errors and exits with their code)."""
-    app(args=argv, prog_name="maxsim")
+    """Console-script entry point (`MaxsimGroup.main` prints the errors and exits with their code).
+
+    The stop signals raise from the start, not only while the command runs (Ctrl-C while Typer builds
+    the command line is no traceback either), and are blocked once the command has ended: the exit code
+    is then the command's."""
+    code: int = 1
+    try:
+        for signum in STOP_SIGNALS:
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                signal.signal(signum, _raise_stopped)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _raise_interrupt)
+        command = typer.main.get_command(app)
+        command.main(args=argv, prog_name="maxsim")  # exits: MaxsimGroup.main is standalone here
+    except Stopped as exc:  # before the command started
+        _stopped_by(exc.signum)
+        code = int(exc.code)  # type: ignore[arg-type]
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except KeyboardInterrupt:
+        _stopped_by(signal.SIGINT)
+        code = 128 + signal.SIGINT
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *STOP_SIGNALS})
+    sys.exit(code)

@@ -118,6 +118,8 @@ try:
     from maxsim_cli.jobs import worker_main
     sys.exit(worker_main(sys.argv[1:]))
 finally:
+    import signal  # from here on, the exit code is the worker's
+    signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGTERM}})
     status = os.environ.get({ENV_STATUS!r}, "")
     folder = os.path.dirname(status)
     lifeline.remove_if_orphaned(
