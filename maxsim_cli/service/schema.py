@@ -18,12 +18,14 @@ docnos per query); ``k`` and ``strict`` as query-string parameters (``/rerank?k=
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from pydantic_core import to_json
 
 from maxsim_cli.errors import InputError, MaxsimError
 from maxsim_cli.queries import Queries
@@ -265,13 +267,15 @@ def _bool_param(params: Mapping[str, str], name: str) -> bool:
 def answer_json(results: Sequence[tuple[str, Sequence[tuple[str, float]], Sequence[str] | None]]) -> bytes:
     """``{"results": [{"qid": ..., "hits": [{"docno": ..., "score": ...}, ...]}, ...]}`` (and each
     rerank result's ``"missing"`` docnos). Scores are the float32 values as Python floats, written with
-    `repr`'s shortest round-trip digits: reading one back as float32 gives the same value."""
-    import json
-
+    the shortest digits that read back as the same double, so as float32 too. pydantic's Rust encoder
+    writes it (1000 hits in ~0.17 ms against ~0.75 ms for `json.dumps`). A score that is not finite
+    (which checked inputs do not give) is an error, as JSON has no such number."""
     out: list[dict[str, Any]] = []
     for qid, hits, missing in results:
+        if not all(math.isfinite(s) for _, s in hits):
+            raise ValueError(f"query {qid!r}: a score is not finite; JSON cannot carry it")
         entry: dict[str, Any] = {"qid": qid, "hits": [{"docno": d, "score": s} for d, s in hits]}
         if missing is not None:
             entry["missing"] = list(missing)
         out.append(entry)
-    return json.dumps({"results": out}, separators=(",", ":"), allow_nan=False).encode()
+    return to_json({"results": out})
