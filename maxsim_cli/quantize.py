@@ -377,8 +377,8 @@ def quantize_corpus(
                 _replace_corpus_files(staging, output_dir, [*names, MANIFEST_NAME])
             else:
                 try:
-                    if os.path.exists(output_dir):  # an empty directory: rename replaces it
-                        os.rmdir(output_dir)
+                    # an empty directory there is replaced by the one rename (POSIX): no moment without
+                    # it, should a signal come between an rmdir and the rename
                     os.rename(staging, output_dir)
                 except OSError as exc:
                     raise write_error(output_dir, exc) from None
