@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from maxsim_cli.shards.resident import Residency, ResidentShard
+from maxsim_cli.shards.resident import Residency
 
 _STOP = object()  # put in the slot queue to stop the dispatcher
 
@@ -595,7 +595,7 @@ class BatchStream:
         assert self.residency is not None
         device = self.residency.device
         for plan in self.plans:
-            embeddings, scales, host_offsets = _resident_rows(self.residency.shards, plan.parts)
+            embeddings, scales, host_offsets = _resident_rows(self.residency, plan.parts)
             offsets = torch.from_numpy(host_offsets).to(device, non_blocking=True)
             side = plan.side_array()
             side_t = (
@@ -736,16 +736,21 @@ def _finite(embeddings: torch.Tensor, scales: torch.Tensor | None) -> bool:
 
 
 def _resident_rows(
-    shards: Sequence[ResidentShard], parts: Sequence[Part]
+    residency: Residency, parts: Sequence[Part]
 ) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray]:
-    """The rows of ``parts`` from resident shards, packed: (embeddings, scales, host offsets [n + 1]).
-    One document range is a view; several parts or index lists are gathered on the device."""
+    """The rows of ``parts`` from a resident corpus, packed: (embeddings, scales, host offsets [n + 1]).
+    A document range is a view, and so are consecutive ranges across the shards of a contiguous
+    residency; index lists (or ranges of a residency that is not contiguous) are gathered on the
+    device, in one gather from a contiguous one."""
+    shards = residency.shards
     if len(parts) == 1 and len(parts[0]) == 3:
         s, a, b = parts[0]  # type: ignore[misc]
         shard = shards[s]
         t0, t1 = int(shard.host_offsets[a]), int(shard.host_offsets[b])
         scales = shard.scales[t0:t1] if shard.scales is not None else None
         return shard.embeddings[t0:t1], scales, shard.host_offsets[a : b + 1] - t0
+    if residency.contiguous:
+        return _contiguous_rows(residency, parts)
     emb_parts, scale_parts, lengths = [], [], []
     for part in parts:
         shard = shards[part[0]]
@@ -765,6 +770,36 @@ def _resident_rows(
         None if not scale_parts else (scale_parts[0] if len(scale_parts) == 1 else torch.cat(scale_parts))
     )
     return embeddings, scales, host_offsets
+
+
+def _contiguous_rows(
+    residency: Residency, parts: Sequence[Part]
+) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray]:
+    """`_resident_rows` of a contiguous residency: parts as documents of the whole buffer; consecutive
+    ones are a view, others one gather."""
+    assert residency.embeddings is not None and residency.doc_base is not None
+    assert residency.host_offsets is not None
+    base = residency.doc_base
+    docs = [
+        np.arange(base[p[0]] + p[1], base[p[0]] + p[2])
+        if len(p) == 3
+        else base[p[0]] + np.asarray(p[1], dtype=np.int64)
+        for p in parts
+    ]
+    ordinals = np.concatenate(docs) if len(docs) > 1 else docs[0]
+    offsets = residency.host_offsets
+    if len(ordinals) and bool(np.all(np.diff(ordinals) == 1)):  # one run of documents: a view
+        g0, g1 = int(ordinals[0]), int(ordinals[-1]) + 1
+        t0, t1 = int(offsets[g0]), int(offsets[g1])
+        scales = residency.scales[t0:t1] if residency.scales is not None else None
+        return residency.embeddings[t0:t1], scales, offsets[g0 : g1 + 1] - t0
+    starts, stops = offsets[ordinals], offsets[ordinals + 1]
+    n = stops - starts
+    rows = np.repeat(starts - np.concatenate([[0], np.cumsum(n)[:-1]]), n) + np.arange(int(n.sum()))
+    index = torch.from_numpy(rows).to(residency.embeddings.device, non_blocking=True)
+    embeddings = residency.embeddings.index_select(0, index)
+    scales = residency.scales.index_select(0, index) if residency.scales is not None else None
+    return embeddings, scales, np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
 
 
 def _concat_offsets(offsets: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -179,6 +179,7 @@ def _run(
         staging_bytes=arena.nbytes if arena is not None else 0,
         device=str(dev),
         resident_corpus=residency is not None,
+        resident_contiguous=residency is not None and residency.contiguous,
     )
     stats.extra["resident_corpus"] = residency is not None
 

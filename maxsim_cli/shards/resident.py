@@ -1,7 +1,8 @@
 """A corpus held in a device's memory: every shard's packed rows, offsets and scales, read once.
 
 `Corpus.to(device)` calls `make_resident`: each shard becomes one ``[T, dim]`` tensor (and ``[T]`` int8
-scales, ``[n + 1]`` offsets) on the device, filled chunk by chunk by reader threads through the shard's
+scales, ``[n + 1]`` offsets) on the device, all of them views of one buffer when the shards agree on dtype
+and dim, filled chunk by chunk by reader threads through the shard's
 checked reader (NaN/Inf are refused as on every read), so host memory holds only the chunks in flight.
 Scoring then takes its document batches as views of these tensors and reads nothing from disk.
 
@@ -47,11 +48,25 @@ class ResidentShard:
 
 @dataclass
 class Residency:
-    """Every shard of a corpus on ``device``, in the corpus's shard order."""
+    """Every shard of a corpus on ``device``, in the corpus's shard order.
+
+    When the shards share dtype, dim and quantization (`contiguous`), they are views of one buffer in
+    shard order: ``embeddings`` / ``scales`` hold every row, ``doc_base[s]`` is shard ``s``'s first
+    document within the residency and ``host_offsets`` its documents' rows in the buffer, so that a batch
+    of consecutive documents across shards is one view and one kernel launch (a corpus of 15 shards was
+    15 launches a search)."""
 
     device: torch.device
     shards: list[ResidentShard]
     nbytes: int
+    embeddings: torch.Tensor | None = None  # [T, dim]: every shard's rows, when contiguous
+    scales: torch.Tensor | None = None  # float32 [T] for int8 shards, when contiguous
+    doc_base: np.ndarray | None = None  # int64 [S + 1]: each shard's first document, then the total
+    host_offsets: np.ndarray | None = None  # int64 [N + 1]: every document's first row in ``embeddings``
+
+    @property
+    def contiguous(self) -> bool:
+        return self.embeddings is not None
 
 
 def assign_shards(tokens: Sequence[int], world: int) -> list[list[int]]:
@@ -121,15 +136,30 @@ def make_resident(
         )
     resident: list[ResidentShard] = []
     chunks: list[tuple[int, int, int]] = []  # (shard, first doc, stop doc)
+    # one buffer for every shard when they agree on the row layout (`Residency.contiguous`)
+    layouts = {(s.info.dtype, s.info.dim, s.info.quantization) for s in shards}
+    whole = whole_scales = None
+    if len(layouts) == 1 and shards:
+        dtype_name, dim, quantization = layouts.pop()
+        total = sum(s.info.num_tokens for s in shards)
+        whole = torch.empty((total, dim), dtype=getattr(torch, dtype_name), device=device)
+        if quantization != "none":
+            whole_scales = torch.empty(total, dtype=torch.float32, device=device)
+    row = 0
     for s, shard in enumerate(shards):
         info = shard.info
         dtype = getattr(torch, info.dtype)
-        embeddings = torch.empty((info.num_tokens, info.dim), dtype=dtype, device=device)
-        scales = (
-            torch.empty(info.num_tokens, dtype=torch.float32, device=device)
-            if info.quantization != "none"
-            else None
-        )
+        if whole is not None:
+            embeddings = whole[row : row + info.num_tokens]
+            scales = whole_scales[row : row + info.num_tokens] if whole_scales is not None else None
+            row += info.num_tokens
+        else:
+            embeddings = torch.empty((info.num_tokens, info.dim), dtype=dtype, device=device)
+            scales = (
+                torch.empty(info.num_tokens, dtype=torch.float32, device=device)
+                if info.quantization != "none"
+                else None
+            )
         host_offsets = np.asarray(shard.offsets, dtype=np.int64).copy()
         offsets = torch.from_numpy(host_offsets).to(device)
         resident.append(ResidentShard(embeddings, offsets, host_offsets, scales))
@@ -160,4 +190,11 @@ def make_resident(
                 resident[s].scales[t0 : t0 + rows].copy_(batch.scales)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return Residency(device, resident, need)
+    if whole is None:
+        return Residency(device, resident, need)
+    docs = np.array([0] + [len(r.host_offsets) - 1 for r in resident], dtype=np.int64)
+    rows = np.concatenate([[0], np.cumsum([r.embeddings.shape[0] for r in resident])]).astype(np.int64)
+    host_offsets = np.concatenate(
+        [[0]] + [r.host_offsets[1:] + rows[s] for s, r in enumerate(resident)]
+    ).astype(np.int64)
+    return Residency(device, resident, need, whole, whole_scales, np.cumsum(docs), host_offsets)
