@@ -93,6 +93,10 @@ class Batch:
     scales: torch.Tensor | None  # float32 [T] (int8 corpora)
     side: torch.Tensor | None  # int64 [side_len]
     host_offsets: np.ndarray  # int64 [n + 1], the same offsets on the host
+    # A rerank batch of a contiguous resident corpus is scored in place: ``embeddings`` / ``offsets`` /
+    # ``scales`` are the whole corpus's and ``ordinals`` maps the batch's documents (as its side data
+    # numbers them) to documents of it, so that no candidate row is copied.
+    ordinals: np.ndarray | None = None
 
 
 @dataclass
@@ -594,9 +598,8 @@ class BatchStream:
         on the device otherwise; the values were checked when the corpus was made resident."""
         assert self.residency is not None
         device = self.residency.device
+        residency = self.residency
         for plan in self.plans:
-            embeddings, scales, host_offsets = _resident_rows(self.residency, plan.parts)
-            offsets = torch.from_numpy(host_offsets).to(device, non_blocking=True)
             side = plan.side_array()
             side_t = (
                 torch.from_numpy(np.ascontiguousarray(side, dtype=np.int64)).to(device, non_blocking=True)
@@ -604,6 +607,17 @@ class BatchStream:
                 else None
             )
             self.times.batches += 1
+            if side is not None and residency.contiguous:  # a rerank batch: scored in place
+                assert residency.embeddings is not None and residency.offsets is not None
+                assert residency.host_offsets is not None and residency.doc_base is not None
+                ordinals = _ordinals(residency.doc_base, plan.parts)
+                yield Batch(
+                    plan, residency.embeddings, residency.offsets, residency.scales, side_t,
+                    residency.host_offsets, ordinals,
+                )  # fmt: skip
+                continue
+            embeddings, scales, host_offsets = _resident_rows(residency, plan.parts)
+            offsets = torch.from_numpy(host_offsets).to(device, non_blocking=True)
             yield Batch(plan, embeddings, offsets, scales, side_t, host_offsets)
 
     def _buffers(
@@ -772,6 +786,18 @@ def _resident_rows(
     return embeddings, scales, host_offsets
 
 
+def _ordinals(doc_base: np.ndarray, parts: Sequence[Part]) -> np.ndarray:
+    """The documents of ``parts`` (ranges or index lists of shards) as documents of the whole residency,
+    in the parts' order."""
+    docs = [
+        np.arange(doc_base[p[0]] + p[1], doc_base[p[0]] + p[2])
+        if len(p) == 3
+        else doc_base[p[0]] + np.asarray(p[1], dtype=np.int64)
+        for p in parts
+    ]
+    return np.concatenate(docs) if len(docs) > 1 else docs[0]
+
+
 def _contiguous_rows(
     residency: Residency, parts: Sequence[Part]
 ) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray]:
@@ -779,14 +805,7 @@ def _contiguous_rows(
     ones are a view, others one gather."""
     assert residency.embeddings is not None and residency.doc_base is not None
     assert residency.host_offsets is not None
-    base = residency.doc_base
-    docs = [
-        np.arange(base[p[0]] + p[1], base[p[0]] + p[2])
-        if len(p) == 3
-        else base[p[0]] + np.asarray(p[1], dtype=np.int64)
-        for p in parts
-    ]
-    ordinals = np.concatenate(docs) if len(docs) > 1 else docs[0]
+    ordinals = _ordinals(residency.doc_base, parts)
     offsets = residency.host_offsets
     if len(ordinals) and bool(np.all(np.diff(ordinals) == 1)):  # one run of documents: a view
         g0, g1 = int(ordinals[0]), int(ordinals[-1]) + 1

@@ -705,20 +705,19 @@ class _Engine:
                     n_pairs = (host_side.shape[0] - (nq + 1)) // 2
                     # candidate lists on the host (see `_host_ints`), output positions on the device
                     cand_offsets = self._batch_ints(host_side[: nq + 1], batch.side[: nq + 1])
-                    cand_docs = self._batch_ints(
-                        host_side[nq + 1 : nq + 1 + n_pairs], batch.side[nq + 1 : nq + 1 + n_pairs]
-                    )
+                    if batch.ordinals is not None:  # in place: documents of the whole resident corpus
+                        assert self.residency is not None and self.residency.offsets_host is not None
+                        cand_docs = self._host_ints(batch.ordinals[host_side[nq + 1 : nq + 1 + n_pairs]])
+                        doc_offsets = self.residency.offsets_host
+                    else:
+                        cand_docs = self._batch_ints(
+                            host_side[nq + 1 : nq + 1 + n_pairs], batch.side[nq + 1 : nq + 1 + n_pairs]
+                        )
+                        doc_offsets = self._batch_ints(batch.host_offsets, batch.offsets)
                     positions = batch.side[nq + 1 + n_pairs :]
                     timer = self._timer()
                     try:
-                        args = (
-                            q_emb,
-                            q_off,
-                            batch.embeddings,
-                            self._batch_ints(batch.host_offsets, batch.offsets),
-                            cand_offsets,
-                            cand_docs,
-                        )
+                        args = (q_emb, q_off, batch.embeddings, doc_offsets, cand_offsets, cand_docs)
                         s = self._checked(
                             batch,
                             lambda check, args=args, scales=batch.scales, q_scales=q_scales: (

@@ -63,6 +63,10 @@ class Residency:
     scales: torch.Tensor | None = None  # float32 [T] for int8 shards, when contiguous
     doc_base: np.ndarray | None = None  # int64 [S + 1]: each shard's first document, then the total
     host_offsets: np.ndarray | None = None  # int64 [N + 1]: every document's first row in ``embeddings``
+    # the same offsets as a host tensor whose device copy (``offsets``) the kernels are handed with it
+    # (`maxsim_kernels._validate.share_device_copy`): one object, so its checks are made once
+    offsets_host: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
 
     @property
     def contiguous(self) -> bool:
@@ -197,4 +201,13 @@ def make_resident(
     host_offsets = np.concatenate(
         [[0]] + [r.host_offsets[1:] + rows[s] for s, r in enumerate(resident)]
     ).astype(np.int64)
-    return Residency(device, resident, need, whole, whole_scales, np.cumsum(docs), host_offsets)
+    offsets_host = torch.from_numpy(host_offsets)
+    offsets_device = offsets_host.to(device)
+    if device.type == "cuda":
+        from maxsim_kernels._validate import share_device_copy
+
+        share_device_copy(offsets_host, offsets_device)
+    doc_base = np.cumsum(docs)
+    return Residency(
+        device, resident, need, whole, whole_scales, doc_base, host_offsets, offsets_host, offsets_device
+    )
