@@ -135,7 +135,8 @@ def test_documents_with_all_zero_token_rows_are_counted_and_warned(tmp_path):
     assert "'d1' at " in lines[0] and "a.safetensors" in lines[0]
     one = runner.invoke(app, ["inspect", str(tmp_path / "b.safetensors"), "-q"])
     assert one.exit_code == 0
-    assert one.stderr.startswith(f"maxsim: warning: {tmp_path / 'b.safetensors'}: 1 document carries all-zero")
+    b = tmp_path / "b.safetensors"
+    assert one.stderr.startswith(f"maxsim: warning: {b}: 1 document carries all-zero")
     unchecked = runner.invoke(app, ["inspect", str(tmp_path), "--json", "--no-check-values"])
     assert unchecked.exit_code == 0 and unchecked.stderr == ""
     assert json.loads(unchecked.stdout)["zero_row_docs"] is None
