@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from maxsim_cli.shards import Shard, open_corpus
+from maxsim_cli.units import format_count
 
 # Tokens read per batch while checking values: 2^16 tokens x 128 dims x 2 B = 16 MiB in float16 (the
 # check's working set is a few times that), with a per-batch overhead (about a millisecond) far below
@@ -228,13 +229,13 @@ def _row(
 ) -> list[str]:
     return [
         name,
-        str(docs),
-        str(tokens),
-        str(st.min),
+        format_count(docs),
+        format_count(tokens),
+        format_count(st.min),
         f"{st.mean:.1f}",
         f"{st.median:g}",
         f"{st.p99:.1f}",
-        str(st.max),
+        format_count(st.max),
         fmt(size),
         "yes" if normalized else "no",
     ]
