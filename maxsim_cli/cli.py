@@ -10,10 +10,10 @@ KeyboardInterrupt), so every ``finally`` / ``__exit__`` runs (temp files and sta
 removed, an output being written is left as it was), and the process exits with 128 + the signal's
 number, saying so in one line. A signal that was ignored when maxsim started (``nohup``) stays ignored.
 
-A signal that arrives while a module is being imported is held back until the import is over (it is
-sent again every `DEFER_S`, for at most `DEFER_MAX_S`): libraries import others lazily mid-command and
-some catch whatever the import raises (pyarrow's pandas bridge retries, then fails with a confusing
-traceback over a half-imported pandas).
+A signal that arrives while a module is being imported is held back until the import is over (sent
+again every 20 ms, for at most 5 s: `maxsim_cli.lifeline.defer`): libraries import others lazily
+mid-command and some catch whatever the import raises (pyarrow's pandas bridge retries, then fails
+with a confusing traceback over a half-imported pandas).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,6 +32,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from maxsim_cli import __version__
 from maxsim_cli.errors import MaxsimError
+from maxsim_cli.lifeline import defer
 
 # Signals that stop a command with its cleanup, like SIGINT; ``jobs.run_rank`` does the same for SIGTERM.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -46,31 +46,9 @@ class Stopped(SystemExit):
         self.signum = signum
 
 
-# A signal met inside an import is sent again this often, and raised anyway after this long.
-DEFER_S = 0.02
-DEFER_MAX_S = 5.0
-_deferred_since: dict[int, float] = {}
-
-
-def _importing(frame: Any) -> bool:
-    """Whether ``frame`` (where a signal interrupted the main thread) runs inside an import."""
-    while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
-            return True
-        frame = frame.f_back
-    return False
-
-
 def _deferred(signum: int, frame: Any) -> bool:
-    """Hold the signal back while ``frame`` is inside an import: a thread sends it again shortly."""
-    now = time.monotonic()
-    if not _importing(frame) or now - _deferred_since.setdefault(signum, now) > DEFER_MAX_S:
-        _deferred_since.pop(signum, None)
-        return False
-    timer = threading.Timer(DEFER_S, os.kill, (os.getpid(), signum))
-    timer.daemon = True
-    timer.start()
-    return True
+    """Whether the signal is held back, ``frame`` being inside an import (`lifeline.defer`)."""
+    return bool(defer(signum, frame))
 
 
 def _raise_stopped(signum: int, frame: Any) -> None:
@@ -96,7 +74,6 @@ def stop_signals_raise() -> Iterator[list[int]]:
     Outside the main thread (no handler can be set there) and for a signal ignored on entry (or whose
     handler is someone else's, for SIGINT) this does nothing."""
     _interrupted.clear()
-    _deferred_since.clear()
     if threading.current_thread() is not threading.main_thread():
         yield _interrupted
         return
@@ -259,8 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry point (`MaxsimGroup.main` prints the errors and exits with their code).
 
     The stop signals raise from the start, not only while the command runs (Ctrl-C while Typer builds
-    the command line is no traceback either), and are blocked once the command has ended: the exit code
-    is then the command's."""
+    the command line is no traceback either), and are let go once the command has ended: the exit code
+    is then the command's. It is the process's entry point: it leaves the stop signals ignored."""
     code: int = 1
     try:
         for signum in STOP_SIGNALS:
@@ -278,6 +255,16 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         _stopped_by(signal.SIGINT)
         code = 128 + signal.SIGINT
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *STOP_SIGNALS})
+    while True:  # from here on a stop signal is let go: the exit code is the command's
+        try:
+            for signum in (signal.SIGINT, *STOP_SIGNALS):
+                if signal.getsignal(signum) in (_raise_stopped, _raise_interrupt):
+                    signal.signal(signum, _let_go)
+            break
+        except (Stopped, KeyboardInterrupt):  # one already on its way when the command ended
+            continue
     sys.exit(code)
+
+
+def _let_go(signum: int, frame: object) -> None:
+    """The handler of the stop signals once the command has ended (`main` is about to exit)."""

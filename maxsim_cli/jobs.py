@@ -68,6 +68,7 @@ import dataclasses
 import datetime
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -86,6 +87,7 @@ from maxsim_cli.errors import MaxsimError, RankStopped, UsageError
 from maxsim_cli.lifeline import ENV_LAUNCHER_PID, launcher_gone
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.stats import ScoreStats
+from maxsim_cli.shards.files import staging_dir
 from maxsim_cli.shards.resident import assign_shards
 
 if TYPE_CHECKING:
@@ -111,20 +113,18 @@ TERMINATE_GRACE_S = 10.0
 # The lifeline is tied before torch is imported (seconds), so that a launcher killed meanwhile takes
 # its workers along; a worker whose launcher died removes the job's folder on its way out.
 _WORKER_CODE = f"""
-import os, sys
+import os, signal, sys
 from maxsim_cli import lifeline
+status = os.environ.get({ENV_STATUS!r}, "")
+folder = os.path.dirname(status)
+files = [sys.argv[1], status, status + ".tmp", os.path.join(folder, {PARTIAL_NOTE!r})]
 try:
-    lifeline.tie_to_launcher()
+    lifeline.tie_to_launcher(files, folder)
     from maxsim_cli.jobs import worker_main
     sys.exit(worker_main(sys.argv[1:]))
 finally:
-    import signal  # from here on, the exit code is the worker's
-    signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGTERM}})
-    status = os.environ.get({ENV_STATUS!r}, "")
-    folder = os.path.dirname(status)
-    lifeline.remove_if_orphaned(
-        [sys.argv[1], status, status + ".tmp", os.path.join(folder, {PARTIAL_NOTE!r})], folder
-    )
+    signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGTERM}})  # the exit code is now the worker's
+    lifeline.remove_if_orphaned(files, folder)
 """
 _ERROR_CLASSES: dict[int, type[MaxsimError]] = {1: MaxsimError, 2: UsageError}
 
@@ -1073,7 +1073,11 @@ def launch(request: ScoreRequest, devices: Sequence[str]) -> ScoreStats:
     world = len(devices)
     timeout = timeout_seconds()
     cpu_workers = sum(1 for d in devices if d == "cpu")
-    with tempfile.TemporaryDirectory(prefix="maxsim-job-") as job_dir:
+    # Made by one mkdir that a signal cannot separate from the cleanup below (TemporaryDirectory could
+    # leave it behind when stopped right after making it).
+    job_dir = staging_dir(tempfile.gettempdir(), "maxsim-job-")
+    try:
+        os.chmod(job_dir, 0o700)  # the job's options name the user's files
         options_path = os.path.join(job_dir, "options.json")
         status_path = os.path.join(job_dir, "status.json")
         with open(options_path, "w", encoding="utf-8") as fh:
@@ -1107,6 +1111,8 @@ def launch(request: ScoreRequest, devices: Sequence[str]) -> ScoreStats:
             _stop(procs)
             del store
         return _job_outcome(codes, devices, status_path, request.output, started, ended)
+    finally:
+        shutil.rmtree(job_dir, ignore_errors=True)
 
 
 def _wait_all(procs: Sequence[subprocess.Popen]) -> tuple[list[int], list[int]]:

@@ -10,6 +10,11 @@ included, which the launcher cannot clean up after:
 - SIGTERM raises `SystemExit` in the main thread, so the worker's ``finally`` blocks run: a run being
   written loses its temporary file. A worker that has not ended `GRACE_S` after its launcher died (stuck
   in a collective) is killed.
+- A SIGTERM that arrives while a module is being imported (torch, for the first seconds of a worker) is
+  held back until the import is over, sent again every `DEFER_S` (`importing`): an exception raised
+  inside an import ends in a confusing traceback, as some libraries catch what their imports raise. A
+  worker still importing `DEFER_MAX_S` later leaves at once (`os._exit`), removing the job's files if its
+  launcher is gone.
 
 SIGINT and SIGHUP are ignored by a worker: Ctrl-C and a closed terminal reach the whole process group,
 and it is the launcher that decides, then stops its workers with SIGTERM.
@@ -24,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 # The launcher's pid, set by the launcher for its workers.
 ENV_LAUNCHER_PID = "MAXSIM_LAUNCHER_PID"
@@ -32,6 +38,12 @@ POLL_S = 0.2
 # Seconds between the launcher's death and SIGKILL for a worker that did not end on SIGTERM.
 GRACE_S = 10.0
 _PR_SET_PDEATHSIG = 1
+# A signal met inside an import is sent again this often, and acted on anyway after this long.
+DEFER_S = 0.02
+DEFER_MAX_S = 5.0
+_deferred_since: dict[int, float] = {}
+# The job's files and folder, removed by a worker that leaves while its launcher is gone.
+_job_files: tuple[list[str], str] | None = None
 
 
 def launcher_pid() -> int | None:
@@ -48,8 +60,39 @@ def launcher_gone() -> bool:
     return pid is not None and os.getppid() != pid
 
 
-def _raise_exit(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+def importing(frame: Any) -> bool:
+    """Whether ``frame`` (where a signal interrupted the main thread) runs inside an import."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def defer(signum: int, frame: Any) -> bool | None:
+    """For a signal handler: True when ``frame`` is inside an import, and then the signal is sent again in
+    `DEFER_S`; False when it is not; None when it has been held back for `DEFER_MAX_S` already."""
+    now = time.monotonic()
+    if not importing(frame):
+        _deferred_since.pop(signum, None)
+        return False
+    if now - _deferred_since.setdefault(signum, now) > DEFER_MAX_S:
+        _deferred_since.pop(signum, None)
+        return None
+    timer = threading.Timer(DEFER_S, os.kill, (os.getpid(), signum))
+    timer.daemon = True
+    timer.start()
+    return True
+
+
+def _raise_exit(signum: int, frame: Any) -> None:
+    held = defer(signum, frame)
+    if held is None:  # stuck in an import: nothing of the job's is open yet, leave now
+        if _job_files is not None:
+            remove_if_orphaned(*_job_files)
+        os._exit(128 + signum)
+    if not held:
+        raise SystemExit(128 + signum)
 
 
 def _death_signal() -> None:
@@ -73,12 +116,16 @@ def _watch(parent: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def tie_to_launcher() -> None:
+def tie_to_launcher(job_files: list[str] | None = None, job_folder: str | None = None) -> None:
     """Make this worker die with its launcher (see the module docstring). Call from the main thread,
-    first thing. Without ``MAXSIM_LAUNCHER_PID`` (not a ``--devices`` worker) it does nothing."""
+    first thing. ``job_files`` and ``job_folder``: what `remove_if_orphaned` removes should the worker
+    have to leave at once. Without ``MAXSIM_LAUNCHER_PID`` (not a ``--devices`` worker) it does nothing."""
+    global _job_files
     parent = launcher_pid()
     if parent is None:
         return
+    if job_files is not None and job_folder is not None:
+        _job_files = (job_files, job_folder)
     signal.signal(signal.SIGTERM, _raise_exit)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
