@@ -1246,8 +1246,13 @@ def _signal_name(signum: int) -> str:
 def worker_main(argv: Sequence[str]) -> int:
     """A ``--devices`` worker: run the job's request (a JSON file) as one rank; rank 0 reports to the
     launcher through ``MAXSIM_STATUS_FILE`` (stats, or the job's error) and prints nothing itself."""
-    with open(argv[0], encoding="utf-8") as fh:
-        options = json.load(fh)
+    try:
+        with open(argv[0], encoding="utf-8") as fh:
+            options = json.load(fh)
+    except OSError:
+        if launcher_gone():  # the job is over, and its folder went with it: leave quietly
+            raise SystemExit(128 + signal.SIGTERM) from None
+        raise
     status_path = os.environ.get(ENV_STATUS)
     rank = _env_int("RANK", 0)
     try:
