@@ -580,7 +580,7 @@ def _run_in_group(
     phases["share_s"] = time.perf_counter() - start - phases["join_s"]
     mark = time.perf_counter()
     statuses: list[Any] = [None] * world
-    dist.all_gather_object(statuses, status)
+    _collective(rank, world, dist.all_gather_object, statuses, status)
     phases["wait_for_ranks_s"] = time.perf_counter() - mark
     failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
     if failed:
@@ -600,16 +600,16 @@ def _run_in_group(
         if request.candidates is None:
             kth = None if share.columns is None else kth_column(share.columns[0], top_k)
             floors: list[Any] = [None] * world
-            dist.all_gather_object(floors, kth)
+            _collective(rank, world, dist.all_gather_object, floors, kth)
             known = [f for f in floors if f is not None]
             if share.columns is not None and known:
                 share.columns = trim_columns(share.columns, np.maximum.reduce(known))
         else:
             bounds: list[Any] = [None] * world
-            dist.all_gather_object(bounds, kth_scores(share.results, top_k))
+            _collective(rank, world, dist.all_gather_object, bounds, kth_scores(share.results, top_k))
             share.results = drop_below(share.results, bounds)
     gathered: list[Any] | None = [None] * world if rank == 0 else None
-    dist.gather_object(share, gathered, dst=0)
+    _collective(rank, world, dist.gather_object, share, gathered, dst=0)
     phases["gather_s"] = time.perf_counter() - mark
     if rank != 0:
         stats = ScoreStats(**share.stats)
@@ -625,6 +625,19 @@ def _run_in_group(
     stats.extra["phases"] = phases
     stats.wall_s = time.perf_counter() - start
     return stats
+
+
+def _collective(rank: int, world: int, call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """A collective of the job's process group; a peer that went away (stopped, killed: gloo's
+    "Connection closed by peer") is one error line rather than a traceback. The launcher, or torchrun's
+    agent, names the rank that died."""
+    try:
+        call(*args, **kwargs)
+    except RuntimeError as exc:
+        raise MaxsimError(
+            f"rank {rank} of {world} lost the other ranks ({_one_line(exc)[:120]}); one of them stopped or "
+            "died, see its messages; no run was written"
+        ) from None
 
 
 def _inject_test_failure(rank: int) -> None:
