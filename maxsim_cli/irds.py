@@ -102,6 +102,7 @@ def iter_qrels(source: str) -> Iterator[tuple[str, str, int, int]]:
     count = 0
     for number, qrel in enumerate(_records(source, "qrels"), 1):
         key = (str(qrel.query_id), str(qrel.doc_id))
+        _check_ids(source, "judgement", number, *key)
         if key in seen:
             continue
         seen.add(key)
@@ -118,6 +119,7 @@ def iter_scoreddocs(source: str) -> Iterator[tuple[str, str, float, int]]:
     count = 0
     for number, row in enumerate(_records(source, "scoreddocs"), 1):
         qid, docno, score = str(row.query_id), str(row.doc_id), float(row.score)
+        _check_ids(source, "scored document", number, qid, docno)
         docs = seen.setdefault(qid, set())
         if docno in docs:
             continue
@@ -131,6 +133,20 @@ def iter_scoreddocs(source: str) -> Iterator[tuple[str, str, float, int]]:
         yield qid, docno, score, number
     if count == 0:
         raise InputError(f"{source}: the dataset's scoreddocs are empty; choose a split with a run")
+
+
+def _check_ids(source: str, what: str, number: int, qid: str, docno: str) -> None:
+    """The format's id rule (`maxsim_cli.shards.format.id_problem`) for a record's query and document
+    ids, as for a run or qrels file: a NUL or a space in an id would reach the TREC run."""
+    from maxsim_cli.shards.format import id_problem
+
+    for kind, value in (("query id", qid), ("docno", docno)):
+        problem = id_problem(value)
+        if problem is not None:
+            raise InputError(
+                f"{source}: {what} {number} has {kind} {value!r}, which {problem}; ids may not hold "
+                "whitespace, control or zero-width characters"
+            )
 
 
 def read_qrels(source: str) -> dict[str, dict[str, int]]:

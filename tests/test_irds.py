@@ -131,6 +131,19 @@ def test_a_non_finite_score_is_an_error(tmp_path: Path) -> None:
         read_run(dataset)
 
 
+def test_ids_obey_the_format_rule(tmp_path: Path) -> None:
+    """A zero-width character in a docno, or a control character in a qid, is an error naming the record,
+    as in a run or qrels file."""
+    from maxsim_cli.runs import read_qrels
+
+    dataset = register(tmp_path, scoreddocs="q1 Q0 d1 0 3.0 r\nq1 Q0 d\u200b2 1 2.0 r\n")
+    with pytest.raises(InputError, match=r"scored document 2 has docno .* zero-width character, U\+200B"):
+        read_run(dataset)
+    dataset = register(tmp_path, qrels="q\x011 0 d1 1\n")
+    with pytest.raises(InputError, match=r"judgement 1 has query id .* a control character, U\+0001"):
+        read_qrels(dataset)
+
+
 def test_unknown_dataset_id_suggests_close_ones(sample: str) -> None:
     typo = sample[:-1] + ("x" if sample[-1] != "x" else "y")
     result = runner.invoke(app, ["eval", str(SAMPLE / "candidates.trec"), typo])
