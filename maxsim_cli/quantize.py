@@ -42,6 +42,7 @@ from maxsim_cli.shards import (
     DocBatch,
     ShardInfo,
     ShardWriter,
+    check_kernel_dim,
     open_corpus,
     staging_dir,
     write_manifest,
@@ -336,6 +337,7 @@ def quantize_corpus(
                 f"{corpus.shards[0].path}: already int8 (quantization {corpus.quantization}); "
                 "quantize the float shards it came from"
             )
+        check_kernel_dim(corpus)
         names = _check_output_dir(output_dir, corpus, overwrite)
         parent = os.path.dirname(os.path.abspath(output_dir))
         written: list[ShardInfo] = []

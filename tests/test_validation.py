@@ -198,6 +198,25 @@ def test_dim_mismatch_between_queries_and_corpus(tmp_path):
             check_same_dim(queries, str(tmp_path / "queries.safetensors"), corpus)
 
 
+@pytest.mark.parametrize("dim", [4, 12, 4104])
+@pytest.mark.parametrize("command", ["score", "verify", "quantize"])
+def test_a_dim_the_kernels_do_not_take_is_one_line_before_any_work(tmp_path, dim, command):
+    """Dims that are not multiples of 8 up to the kernels' maximum: one line naming the corpus and what
+    to do, exit 1, nothing written (not the kernel's ValueError as a traceback)."""
+    rng = np.random.default_rng(dim)
+    write_shard(tmp_path / "corpus.safetensors", ["a", "b"], [rng.standard_normal((3, dim))] * 2)
+    write_shard(tmp_path / "queries.safetensors", ["q"], [rng.standard_normal((2, dim))])
+    corpus, queries, out = (str(tmp_path / n) for n in ("corpus.safetensors", "queries.safetensors", "out"))
+    args = {
+        "score": ["score", queries, corpus, "-o", out, "--device", "cpu"],
+        "verify": ["verify", queries, corpus, "--device", "cpu"],
+        "quantize": ["quantize", corpus, "-o", out, "--device", "cpu"],
+    }[command]
+    result = runner.invoke(app, args)
+    assert_error(result, "corpus.safetensors", f"dim {dim}", "multiples of 8", "pad")
+    assert not os.path.exists(out)
+
+
 def test_dim_disagrees_with_metadata(tmp_path):
     path = raw_shard(tmp_path / "s.safetensors", meta={"dim": "5"})
     assert_error(run_inspect(path), "s.safetensors", "metadata says dim=5 but the file holds 4")

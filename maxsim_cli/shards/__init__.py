@@ -18,7 +18,7 @@ The parts, each importing only those above it:
 
 - `format`: constants, metadata parsing, id / offset / count / value checks, `ShardInfo`, `DocBatch`.
 - `readers`: `Shard` and its safetensors / Arrow / Parquet readers, `open_shard`, `read_queries`.
-- `corpus`: `Corpus`, `open_corpus`, the `index.json` manifest, `check_same_dim`.
+- `corpus`: `Corpus`, `open_corpus`, the `index.json` manifest, `check_same_dim`, `check_kernel_dim`.
 - `files`: atomic output (temp file or folder next to the target, then `os.replace`).
 - `writers`: `ShardWriter`, `write_shard`, `write_manifest`, `arrow_schema`.
 
@@ -30,6 +30,7 @@ Every name is re-exported here; import from `maxsim_cli.shards`.
 from maxsim_cli.shards.corpus import (
     Corpus,
     InputNote,
+    check_kernel_dim,
     check_same_dim,
     input_notes,
     list_shard_files,
@@ -131,6 +132,7 @@ __all__ = [
     "ShardWriter",
     "arrow_schema",
     "check_id",
+    "check_kernel_dim",
     "check_same_dim",
     "concat_ids",
     "current_umask",

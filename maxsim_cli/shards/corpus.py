@@ -416,13 +416,27 @@ def open_corpus(paths: Sequence[str | os.PathLike[str]], *, verify_checksums: bo
 
 
 def check_same_dim(queries: DocBatch, query_path: str, corpus: Corpus) -> None:
-    """Queries and corpus must share `dim` (the score is a sum of dot products)."""
+    """Queries and corpus must share `dim` (the score is a sum of dot products), one the kernels take."""
     dim = int(queries.embeddings.shape[1])
     if dim != corpus.dim:
         raise _err(
             query_path,
             f"queries have dim {dim} but the corpus ({corpus.shards[0].path}) has dim "
             f"{corpus.dim}; encode both with the same model",
+        )
+    check_kernel_dim(corpus)
+
+
+def check_kernel_dim(corpus: Corpus) -> None:
+    """The corpus's `dim` is one the kernels take (a multiple of 8 up to their maximum)."""
+    from maxsim_kernels._validate import MAX_DIM
+
+    dim = corpus.dim
+    if dim % 8 or not 8 <= dim <= MAX_DIM:
+        raise _err(
+            corpus.shards[0].path,
+            f"dim {dim}: the kernels take dims that are multiples of 8 from 8 to {MAX_DIM}; pad every "
+            "query and document vector with zeros up to a multiple of 8 (the scores do not change)",
         )
 
 

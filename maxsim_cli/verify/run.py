@@ -25,7 +25,7 @@ from maxsim_cli.agreement import score_errors
 from maxsim_cli.devices import check_backend_option, resolve_device
 from maxsim_cli.errors import InputError, MaxsimError, UsageError
 from maxsim_cli.queries import read_queries
-from maxsim_cli.shards import Corpus, DocBatch, open_corpus
+from maxsim_cli.shards import Corpus, DocBatch, check_kernel_dim, open_corpus
 from maxsim_cli.verify.batches import _Context, _score_all_pairs, _score_candidates
 from maxsim_cli.verify.checks import (
     UNIT_ROUNDOFF,
@@ -157,6 +157,7 @@ def _check_inputs(queries: str, qbatch: DocBatch, corpus: Corpus, ref_corpus: Co
             f"{queries}: queries have dim {qbatch.embeddings.shape[1]} but the corpus "
             f"{corpus.paths[0]} has dim {corpus.dim}; use queries from the same encoder"
         )
+    check_kernel_dim(corpus)
     if ref_corpus is not None and ref_corpus.dim != corpus.dim:
         raise InputError(
             f"{ref_corpus.paths[0]}: reference corpus has dim {ref_corpus.dim} but the corpus "
