@@ -512,8 +512,8 @@ def test_forbidden_id_characters_are_refused_by_every_writer(tmp_path, bad_id, p
 
 def test_forbidden_id_characters_in_a_candidate_run_or_qrels(tmp_path):
     corpus = tmp_path / "c.safetensors"
-    write_shard(corpus, ["d0", "d1"], [np.ones((1, 4), np.float32)] * 2)
-    write_shard(tmp_path / "q.safetensors", ["q0"], [np.ones((1, 4), np.float32)])
+    write_shard(corpus, ["d0", "d1"], [np.ones((1, 8), np.float32)] * 2)
+    write_shard(tmp_path / "q.safetensors", ["q0"], [np.ones((1, 8), np.float32)])
     (tmp_path / "run.trec").write_text("q0 Q0 d0 1 2 t\nq0 Q0 d\u200b1 2 1 t\n")
     out = tmp_path / "out.trec"
     result = runner.invoke(
