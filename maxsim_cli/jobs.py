@@ -113,17 +113,20 @@ TERMINATE_GRACE_S = 10.0
 # The lifeline is tied before torch is imported (seconds), so that a launcher killed meanwhile takes
 # its workers along; a worker whose launcher died removes the job's folder on its way out.
 _WORKER_CODE = f"""
-import os, signal, sys
+import os, sys
 from maxsim_cli import lifeline
 status = os.environ.get({ENV_STATUS!r}, "")
 folder = os.path.dirname(status)
 files = [sys.argv[1], status, status + ".tmp", os.path.join(folder, {PARTIAL_NOTE!r})]
 try:
-    lifeline.tie_to_launcher(files, folder)
+    lifeline.tie_to_launcher(files, folder, armed=False)  # SIGTERM ends the worker silently until armed
+    import pyarrow
+    pyarrow.array([""])  # its pandas bridge, imported at the first array: before any handler can raise
     from maxsim_cli.jobs import worker_main
+    lifeline.arm()
     sys.exit(worker_main(sys.argv[1:]))
 finally:
-    signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGTERM}})  # the exit code is now the worker's
+    lifeline.disarm()  # the exit code is now the worker's
     lifeline.remove_if_orphaned(files, folder)
 """
 _ERROR_CLASSES: dict[int, type[MaxsimError]] = {1: MaxsimError, 2: UsageError}

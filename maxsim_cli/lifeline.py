@@ -116,23 +116,44 @@ def _watch(parent: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def tie_to_launcher(job_files: list[str] | None = None, job_folder: str | None = None) -> None:
+def tie_to_launcher(
+    job_files: list[str] | None = None, job_folder: str | None = None, *, armed: bool = True
+) -> None:
     """Make this worker die with its launcher (see the module docstring). Call from the main thread,
     first thing. ``job_files`` and ``job_folder``: what `remove_if_orphaned` removes should the worker
-    have to leave at once. Without ``MAXSIM_LAUNCHER_PID`` (not a ``--devices`` worker) it does nothing."""
+    have to leave at once. Without ``MAXSIM_LAUNCHER_PID`` (not a ``--devices`` worker) it does nothing.
+
+    ``armed=False`` leaves SIGTERM's default action (the process ends at once, silently) until `arm`:
+    for the worker's first imports, which an exception raised inside can break for good (pyarrow retries
+    a failed import of pandas, whose second attempt then fails on the first one's remains)."""
     global _job_files
     parent = launcher_pid()
     if parent is None:
         return
     if job_files is not None and job_folder is not None:
         _job_files = (job_files, job_folder)
-    signal.signal(signal.SIGTERM, _raise_exit)
+    if armed:
+        arm()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     _death_signal()
     threading.Thread(target=_watch, args=(parent,), name="maxsim-lifeline", daemon=True).start()
     if os.getppid() != parent:  # the launcher died before the death signal was asked for
         raise SystemExit(128 + signal.SIGTERM)
+
+
+def arm() -> None:
+    """From now on SIGTERM raises `SystemExit` in the main thread (held back inside imports), so that the
+    worker's ``finally`` blocks run."""
+    if launcher_pid() is not None:
+        signal.signal(signal.SIGTERM, _raise_exit)
+
+
+def disarm() -> None:
+    """The worker's work is over: a SIGTERM from now on is ignored, not raised inside the interpreter's
+    shutdown (a signal is handled by the main thread whichever thread receives it)."""
+    if launcher_pid() is not None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def remove_if_orphaned(paths: list[str], folder: str) -> None:
