@@ -101,21 +101,28 @@ def test_peak_memory_of_forward_and_backward():
     2 B x 32 x 32 x 1024 x 1024 = 2 GiB.
     """
     queries, qo, docs, do = _batch(32, 1024, 32, 1024, torch.float16, seed=7, ragged=False)
-    upstream = torch.randn(32, 32, device="cuda")
-    _fwd_bwd(queries, qo, docs, do, upstream)  # compile and warm the allocator outside the measurement
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    grads = _fwd_bwd(queries, qo, docs, do, upstream)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    peak = _step_peak_bytes(queries, qo, docs, do)
     pairs = queries.shape[0] * 32
     input_bytes = queries.nbytes + docs.nbytes
     similarity_bytes = 2 * 32 * 32 * 1024 * 1024
     print(f"fwd+bwd peak beyond the inputs: {peak / 2**20:.1f} MiB ({pairs} pairs)")
     assert peak <= input_bytes + 48 * pairs + (4 << 20)
     assert peak * 25 <= similarity_bytes
+
+
+def _step_peak_bytes(queries, qo, docs, do) -> int:  # noqa: ANN001
+    """Peak bytes one forward + backward allocates beyond what was allocated before it (a first step
+    compiles and warms the allocator outside the measurement); 32 x 32 pairs."""
+    upstream = torch.randn(32, 32, device="cuda")
+    _fwd_bwd(queries, qo, docs, do, upstream)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    grads = _fwd_bwd(queries, qo, docs, do, upstream)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
     del grads
+    return peak
 
 
 @pytest.mark.parametrize("layout", ["all-pairs", "candidates"])
@@ -171,14 +178,6 @@ def test_peak_memory_at_short_queries_against_long_documents():
     """32 queries x 32 tokens vs 32 documents x 1024 (fp16): beyond the inputs, the two gradients, the
     int16 argmax and the scores (the one-hot document gradient keeps no inverse map)."""
     queries, qo, docs, do = _batch(32, 32, 32, 1024, torch.float16, seed=13, ragged=False)
-    upstream = torch.randn(32, 32, device="cuda")
-    _fwd_bwd(queries, qo, docs, do, upstream)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    grads = _fwd_bwd(queries, qo, docs, do, upstream)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    peak = _step_peak_bytes(queries, qo, docs, do)
     pairs = queries.shape[0] * 32
     assert peak <= queries.nbytes + docs.nbytes + 8 * pairs + (1 << 20), peak
-    del grads
