@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 import signal
 import sys
 import threading
@@ -31,7 +30,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from maxsim_cli import __version__
-from maxsim_cli.errors import MaxsimError
+from maxsim_cli.errors import MaxsimError, quiet_stdout
 from maxsim_cli.lifeline import defer
 
 # Signals that stop a command with its cleanup, like SIGINT; ``jobs.run_rank`` does the same for SIGTERM.
@@ -91,15 +90,6 @@ def stop_signals_raise() -> Iterator[list[int]]:
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
-def _quiet_stdout() -> None:
-    """Point stdout at /dev/null, so that the flush at exit cannot fail again (closed pipe, full disk)."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):
-        pass
-
-
 def _error(message: str) -> None:
     print(f"maxsim: error: {message}", file=sys.stderr)
 
@@ -130,7 +120,7 @@ def run_command(call: Callable[[], Any]) -> int:
         _error(str(exc))
         code = exc.exit_code
     except BrokenPipeError:
-        _quiet_stdout()
+        quiet_stdout()
         return 0
     except typer.Abort:
         _error("aborted")
@@ -146,14 +136,14 @@ def run_command(call: Callable[[], Any]) -> int:
     try:
         sys.stdout.flush()
     except BrokenPipeError:
-        _quiet_stdout()
+        quiet_stdout()
     except OSError as exc:  # data left in stdout's buffer met a full disk, ...
         if code == 0:
             from maxsim_cli.shards.files import write_error
 
             _error(str(write_error("<stdout>", exc, nothing_written=False)))
             code = 1
-        _quiet_stdout()
+        quiet_stdout()
     return code
 
 

@@ -5,6 +5,9 @@ Every message is a single line that names the file, the document or line, and wh
 
 from __future__ import annotations
 
+import os
+import sys
+
 
 class MaxsimError(Exception):
     """A runtime error the user can act on: exit code 1."""
@@ -30,3 +33,13 @@ class MaxsimWarning(UserWarning):
 
 class RankStopped(MaxsimError):
     """A rank of a job stopped early because another rank failed (that rank's error is the job's)."""
+
+
+def quiet_stdout() -> None:
+    """Point stdout at /dev/null after its reader went away (a closed pipe, `maxsim ... | head`) or its
+    disk filled, so that Python's flush at exit cannot fail a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass

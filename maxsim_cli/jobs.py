@@ -83,7 +83,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from maxsim_cli.errors import MaxsimError, RankStopped, UsageError
+from maxsim_cli.errors import MaxsimError, RankStopped, UsageError, quiet_stdout
 from maxsim_cli.lifeline import ENV_LAUNCHER_PID, launcher_gone
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.stats import ScoreStats
@@ -1281,11 +1281,7 @@ def worker_main(argv: Sequence[str]) -> int:
         raise
     except BrokenPipeError:
         # `maxsim score --devices ... | head`: the reader went away; the launcher leaves quietly too
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-        except (OSError, ValueError):
-            pass
+        quiet_stdout()
         if rank == 0 and status_path:
             _write_status(status_path, {"broken_pipe": True})
         return 0

@@ -8,14 +8,12 @@ scoring stack (torch, triton), which alone takes seconds to import (tests/test_i
 from __future__ import annotations
 
 import functools
-import os
-import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import typer
 
-from maxsim_cli.errors import MaxsimError
+from maxsim_cli.errors import MaxsimError, quiet_stdout
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -31,13 +29,7 @@ def cli_errors(fn: F) -> F:
             typer.echo(f"maxsim: error: {exc}", err=True)
             raise typer.Exit(exc.exit_code) from None
         except BrokenPipeError:
-            # `maxsim ... | head`: the reader went away; stop quietly and keep Python from
-            # complaining again when it flushes stdout at exit.
-            try:
-                devnull = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, sys.stdout.fileno())
-            except (OSError, ValueError):
-                pass
+            quiet_stdout()  # `maxsim ... | head`: the reader went away; stop quietly
             raise typer.Exit(0) from None
 
     return wrapper  # type: ignore[return-value]
