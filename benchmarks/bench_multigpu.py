@@ -44,13 +44,14 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from common import DIM, MAX_LEN, MIN_LEN, QUERY_TOKENS, build_queries, read_files, sha256, write_json
+from common import DIM, MAX_LEN, MIN_LEN, QUERY_TOKENS, build_queries, read_files, write_json
 
 import maxsim_cli.scoring.plan as plan_module
 from maxsim_cli import jobs
 from maxsim_cli.score import score
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.shards import write_shard
+from maxsim_cli.shards.corpus import file_sha256
 from maxsim_cli.units import format_size, parse_size
 
 TOP_K = 1000
@@ -239,7 +240,7 @@ def main() -> None:
         for name in configs:
             out = os.path.join(work, f"run-{name}.trec")
             result = run_config(name, qpath, paths, out, one if "1gpu" in name else two)
-            digest = sha256(out)
+            digest = file_sha256(out)
             reference = reference or digest
             result["same_output"] = digest == reference
             same = same and result["same_output"]

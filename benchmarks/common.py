@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import os
 import platform
@@ -109,14 +108,6 @@ def write_json(path: str | None, data: Any, indent: int = 1, sort_keys: bool = F
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(json.dumps(data, indent=indent, sort_keys=sort_keys, default=str) + "\n")
     os.replace(tmp, path)
-
-
-def sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------------

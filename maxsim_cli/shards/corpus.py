@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from maxsim_cli.shards.resident import Residency
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
@@ -353,7 +353,7 @@ def _expand(path: str, verify_checksums: bool) -> list[tuple[str, dict[str, Any]
                 want = entry.get("sha256")
                 if not isinstance(want, str):
                     raise _err(manifest, f"no sha256 for shard {entry['relpath']!r}; cannot verify checksums")
-                got = _sha256(entry["path"])
+                got = file_sha256(entry["path"])
                 if got != want.lower():
                     raise _err(
                         entry["path"],

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from maxsim_cli.errors import InputError, MaxsimError, MaxsimWarning
-from maxsim_cli.shards.corpus import _sha256, list_shard_files
+from maxsim_cli.shards.corpus import file_sha256, list_shard_files
 from maxsim_cli.shards.files import _atomic_temp, _remove_quietly, write_error, write_text_atomic
 from maxsim_cli.shards.format import (
     _ARROW_VALUE_TYPES,
@@ -732,7 +732,7 @@ def write_manifest(directory: str | os.PathLike[str], shard_paths: Sequence[str]
                     "path": os.path.basename(f),
                     "num_docs": shard.num_docs,
                     "num_tokens": shard.num_tokens,
-                    "sha256": _sha256(f),
+                    "sha256": file_sha256(f),
                 }
             )
     doc = {"format": CORPUS_FORMAT_NAME, "format_version": CORPUS_FORMAT_VERSION, "shards": entries}
