@@ -1,13 +1,14 @@
-"""A corpus held in a device's memory: every shard's packed rows, offsets and scales, read once.
+"""A corpus held in a device's memory: every shard's packed rows and scales, read once.
 
 `Corpus.to(device)` calls `make_resident`: each shard becomes one ``[T, dim]`` tensor (and ``[T]`` int8
-scales, ``[n + 1]`` offsets) on the device, all of them views of one buffer when the shards agree on dtype
-and dim, filled chunk by chunk by reader threads through the shard's
-checked reader (NaN/Inf are refused as on every read), so host memory holds only the chunks in flight.
-Scoring then takes its document batches as views of these tensors and reads nothing from disk.
+scales) on the device, all of them views of one buffer when the shards agree on dtype and dim (with the
+whole corpus's ``[N + 1]`` offsets beside it), filled chunk by chunk by reader threads through the
+shard's checked reader (NaN/Inf are refused as on every read), so host memory holds only the chunks in
+flight. Scoring then takes its document batches as views of these tensors and reads nothing from disk.
 
-Bytes on the device: ``T * (dim * itemsize + 4 if int8) + (n + 1) * 8`` per shard, checked against the
-device's free memory (or the host's available memory for ``cpu``) before anything is allocated.
+Bytes on the device: ``T * (dim * itemsize + 4 if int8) + (n + 1) * 8`` per shard (at most), checked
+against the device's free memory (or the host's available memory for ``cpu``) before anything is
+allocated.
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ class ResidentShard:
     """One shard on the device: document i is ``embeddings[host_offsets[i]:host_offsets[i + 1]]``."""
 
     embeddings: torch.Tensor  # [T, dim], the shard's dtype
-    offsets: torch.Tensor  # int64 [n + 1], on the device
-    host_offsets: np.ndarray  # int64 [n + 1], the same offsets on the host
+    host_offsets: np.ndarray  # int64 [n + 1]: the kernels get a batch's offsets with the batch
     scales: torch.Tensor | None  # float32 [T] for int8 shards
 
 
@@ -165,8 +165,7 @@ def make_resident(
                 else None
             )
         host_offsets = np.asarray(shard.offsets, dtype=np.int64).copy()
-        offsets = torch.from_numpy(host_offsets).to(device)
-        resident.append(ResidentShard(embeddings, offsets, host_offsets, scales))
+        resident.append(ResidentShard(embeddings, host_offsets, scales))
         per_doc_bytes = max(shard_bytes(shard) // max(info.num_docs, 1), 1)
         step = max(CHUNK_BYTES // per_doc_bytes, 1)
         chunks.extend((s, a, min(a + step, info.num_docs)) for a in range(0, info.num_docs, step))
