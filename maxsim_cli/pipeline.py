@@ -28,7 +28,7 @@ whose error names the document and the token.
 When the corpus fits the GPU budget the stream is *resident*: the first pass copies each batch into its
 own device buffer and later passes (one per query batch) reuse them without reading anything. A corpus
 made resident beforehand (`Corpus.to`, ``residency=``) is not read at all: each batch is a view of its
-shard's device tensors (a gather on the device when a plan names scattered documents).
+buffer, and a rerank batch names its candidates in it (no rows are copied).
 
 On the CPU there are no streams: safetensors ranges are read into the slots as on CUDA (the reader checks
 their values unless the backend does), other batches are the shard's tensors (or packed in a slot); at
@@ -594,31 +594,23 @@ class BatchStream:
             self.close()
 
     def _from_residency(self) -> Iterator[Batch]:
-        """Batches out of the resident corpus: views of a shard's tensors for a document range, a gather
-        on the device otherwise; the values were checked when the corpus was made resident."""
-        assert self.residency is not None
-        device = self.residency.device
+        """Batches out of the resident corpus, whose values were checked when it was made resident: an
+        exhaustive batch is a view of its buffer; a rerank batch is scored in place (`Batch.ordinals`)."""
         residency = self.residency
+        assert residency is not None
         for plan in self.plans:
             side = plan.side_array()
-            side_t = (
-                torch.from_numpy(np.ascontiguousarray(side, dtype=np.int64)).to(device, non_blocking=True)
-                if side is not None
-                else None
-            )
             self.times.batches += 1
-            if side is not None and residency.contiguous:  # a rerank batch: scored in place
-                assert residency.embeddings is not None and residency.offsets is not None
-                assert residency.host_offsets is not None and residency.doc_base is not None
-                ordinals = _ordinals(residency.doc_base, plan.parts)
-                yield Batch(
-                    plan, residency.embeddings, residency.offsets, residency.scales, side_t,
-                    residency.host_offsets, ordinals,
-                )  # fmt: skip
+            if side is None:
+                embeddings, scales, host_offsets, offsets = _resident_rows(residency, plan.parts)
+                yield Batch(plan, embeddings, offsets, scales, None, host_offsets)
                 continue
-            embeddings, scales, host_offsets = _resident_rows(residency, plan.parts)
-            offsets = torch.from_numpy(host_offsets).to(device, non_blocking=True)
-            yield Batch(plan, embeddings, offsets, scales, side_t, host_offsets)
+            side_t = torch.from_numpy(np.ascontiguousarray(side, dtype=np.int64))
+            yield Batch(
+                plan, residency.embeddings, residency.offsets, residency.scales,
+                side_t.to(residency.device, non_blocking=True), residency.host_offsets,
+                _ordinals(residency.doc_base, plan.parts),
+            )  # fmt: skip
 
     def _buffers(
         self, device: torch.device | str, plan: BatchPlan | None = None, pin: bool = False
@@ -751,39 +743,23 @@ def _finite(embeddings: torch.Tensor, scales: torch.Tensor | None) -> bool:
 
 def _resident_rows(
     residency: Residency, parts: Sequence[Part]
-) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray]:
-    """The rows of ``parts`` from a resident corpus, packed: (embeddings, scales, host offsets [n + 1]).
-    A document range is a view, and so are consecutive ranges across the shards of a contiguous
-    residency; index lists (or ranges of a residency that is not contiguous) are gathered on the
-    device, in one gather from a contiguous one."""
-    shards = residency.shards
-    if len(parts) == 1 and len(parts[0]) == 3:
-        s, a, b = parts[0]  # type: ignore[misc]
-        shard = shards[s]
-        t0, t1 = int(shard.host_offsets[a]), int(shard.host_offsets[b])
-        scales = shard.scales[t0:t1] if shard.scales is not None else None
-        return shard.embeddings[t0:t1], scales, shard.host_offsets[a : b + 1] - t0
-    if residency.contiguous:
-        return _contiguous_rows(residency, parts)
-    emb_parts, scale_parts, lengths = [], [], []
-    for part in parts:
-        shard = shards[part[0]]
-        docs = np.arange(part[1], part[2]) if len(part) == 3 else np.asarray(part[1], dtype=np.int64)
-        starts, stops = shard.host_offsets[docs], shard.host_offsets[docs + 1]
-        n = stops - starts
-        rows = np.repeat(starts - np.concatenate([[0], np.cumsum(n)[:-1]]), n) + np.arange(int(n.sum()))
-        index = torch.from_numpy(rows).to(shard.embeddings.device, non_blocking=True)
-        emb_parts.append(shard.embeddings.index_select(0, index))
-        if shard.scales is not None:
-            scale_parts.append(shard.scales.index_select(0, index))
-        lengths.append(n)
-    all_lengths = np.concatenate(lengths)
-    host_offsets = np.concatenate([[0], np.cumsum(all_lengths)]).astype(np.int64)
-    embeddings = torch.cat(emb_parts)
-    scales = (
-        None if not scale_parts else (scale_parts[0] if len(scale_parts) == 1 else torch.cat(scale_parts))
+) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray, torch.Tensor]:
+    """The rows of ``parts`` (consecutive document ranges, as exhaustive plans cut them, across shards
+    too) as one view of the resident corpus's buffer: (embeddings, scales, host offsets [n + 1], the same
+    offsets on the device, from the corpus's own: no copy from the host)."""
+    base = residency.doc_base
+    spans = [(int(base[p[0]] + p[1]), int(base[p[0]] + p[2])) for p in parts if len(p) == 3]
+    assert len(spans) == len(parts), parts
+    assert all(a[1] == b[0] for a, b in zip(spans[:-1], spans[1:], strict=True)), parts
+    g0, g1 = spans[0][0], spans[-1][1]
+    t0, t1 = int(residency.host_offsets[g0]), int(residency.host_offsets[g1])
+    scales = residency.scales[t0:t1] if residency.scales is not None else None
+    return (
+        residency.embeddings[t0:t1],
+        scales,
+        residency.host_offsets[g0 : g1 + 1] - t0,
+        residency.offsets[g0 : g1 + 1] - t0,
     )
-    return embeddings, scales, host_offsets
 
 
 def _ordinals(doc_base: np.ndarray, parts: Sequence[Part]) -> np.ndarray:
@@ -796,29 +772,6 @@ def _ordinals(doc_base: np.ndarray, parts: Sequence[Part]) -> np.ndarray:
         for p in parts
     ]
     return np.concatenate(docs) if len(docs) > 1 else docs[0]
-
-
-def _contiguous_rows(
-    residency: Residency, parts: Sequence[Part]
-) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray]:
-    """`_resident_rows` of a contiguous residency: parts as documents of the whole buffer; consecutive
-    ones are a view, others one gather."""
-    assert residency.embeddings is not None and residency.doc_base is not None
-    assert residency.host_offsets is not None
-    ordinals = _ordinals(residency.doc_base, parts)
-    offsets = residency.host_offsets
-    if len(ordinals) and bool(np.all(np.diff(ordinals) == 1)):  # one run of documents: a view
-        g0, g1 = int(ordinals[0]), int(ordinals[-1]) + 1
-        t0, t1 = int(offsets[g0]), int(offsets[g1])
-        scales = residency.scales[t0:t1] if residency.scales is not None else None
-        return residency.embeddings[t0:t1], scales, offsets[g0 : g1 + 1] - t0
-    starts, stops = offsets[ordinals], offsets[ordinals + 1]
-    n = stops - starts
-    rows = np.repeat(starts - np.concatenate([[0], np.cumsum(n)[:-1]]), n) + np.arange(int(n.sum()))
-    index = torch.from_numpy(rows).to(residency.embeddings.device, non_blocking=True)
-    embeddings = residency.embeddings.index_select(0, index)
-    scales = residency.scales.index_select(0, index) if residency.scales is not None else None
-    return embeddings, scales, np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
 
 
 def _concat_offsets(offsets: Sequence[torch.Tensor]) -> torch.Tensor:

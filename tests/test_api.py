@@ -259,32 +259,41 @@ def test_resident_corpus_on_cpu_gives_the_streamed_run(data, tmp_path) -> None:
 
 def test_a_resident_corpus_is_one_buffer_and_one_batch_across_its_shards(data, tmp_path) -> None:
     """The shards of a resident corpus are views of one buffer, so a search is one document batch (one
-    launch) across the three shards; rows of consecutive documents across shards are a view of it, other
-    rows one gather; the run is the streamed one."""
-    from maxsim_cli.pipeline import _resident_rows
+    launch) across the three shards, its rows one view with offsets sliced from the corpus's own; a
+    rerank batch names its candidates as documents of the whole corpus (scored in place); the runs are
+    the streamed ones."""
+    from maxsim_cli.pipeline import _ordinals, _resident_rows
 
     streamed = search(data["queries_path"], data["corpus"], k=9, device="cpu")
+    path, _cands = _candidates(data, tmp_path)
+    with pytest.warns(maxsim_cli.MaxsimWarning):
+        reranked = rerank(data["queries_path"], data["corpus"], path, device="cpu")
     with open_corpus(data["corpus"]) as corpus:
         residency = corpus.to("cpu").residency
-        assert residency.contiguous and len(residency.shards) == 3
+        assert len(residency.shards) == 3
         whole = residency.embeddings
         for shard in residency.shards:
             assert shard.embeddings.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
         run = search(data["queries_path"], corpus, k=9)
         assert run == streamed and run.stats.doc_batches == 1
+        with pytest.warns(maxsim_cli.MaxsimWarning):
+            assert rerank(data["queries_path"], corpus, path) == reranked
         n0, n1 = (len(s.host_offsets) - 1 for s in residency.shards[:2])
         # the last two documents of shard 0, all of shard 1, the first of shard 2: one view
-        rows, _scales, offsets = _resident_rows(residency, [(0, n0 - 2, n0), (1, 0, n1), (2, 0, 1)])
+        rows, _scales, offsets, device_offsets = _resident_rows(
+            residency, [(0, n0 - 2, n0), (1, 0, n1), (2, 0, 1)]
+        )
         assert rows.data_ptr() == whole[int(residency.host_offsets[n0 - 2])].data_ptr()
         first = int(residency.host_offsets[n0 - 2])
         expected = residency.host_offsets[n0 - 2 : n0 + n1 + 2] - first
-        assert offsets.tolist() == expected.tolist() and rows.shape[0] == int(expected[-1])
-        # documents 3 and 1 of shard 2, then document 0 of shard 0: gathered, in that order
-        rows, _scales, offsets = _resident_rows(residency, [(2, np.array([3, 1])), (0, 0, 1)])
-        docs = [n0 + n1 + 3, n0 + n1 + 1, 0]
-        parts = [whole[residency.host_offsets[d] : residency.host_offsets[d + 1]] for d in docs]
-        assert torch.equal(rows, torch.cat(parts))
-        assert offsets.tolist() == np.cumsum([0] + [len(p) for p in parts]).tolist()
+        assert offsets.tolist() == expected.tolist() == device_offsets.tolist()
+        assert rows.shape[0] == int(expected[-1])
+        # documents 3 and 1 of shard 2, then document 0 of shard 0, as documents of the whole corpus
+        assert _ordinals(residency.doc_base, [(2, np.array([3, 1])), (0, 0, 1)]).tolist() == [
+            n0 + n1 + 3,
+            n0 + n1 + 1,
+            0,
+        ]
 
 
 def test_resident_int8_corpus_gives_the_streamed_run(data, tmp_path) -> None:

@@ -179,7 +179,6 @@ def _run(
         staging_bytes=arena.nbytes if arena is not None else 0,
         device=str(dev),
         resident_corpus=residency is not None,
-        resident_contiguous=residency is not None and residency.contiguous,
     )
     stats.extra["resident_corpus"] = residency is not None
 
@@ -706,7 +705,7 @@ class _Engine:
                     # candidate lists on the host (see `_host_ints`), output positions on the device
                     cand_offsets = self._batch_ints(host_side[: nq + 1], batch.side[: nq + 1])
                     if batch.ordinals is not None:  # in place: documents of the whole resident corpus
-                        assert self.residency is not None and self.residency.offsets_host is not None
+                        assert self.residency is not None
                         cand_docs = self._host_ints(batch.ordinals[host_side[nq + 1 : nq + 1 + n_pairs]])
                         doc_offsets = self.residency.offsets_host
                     else:

@@ -66,12 +66,9 @@ class Budget:
     cuda: bool
     staging_bytes: int = 0  # the pinned arena (CUDA)
     device: str = "cpu"  # the scoring device, as messages name it
-    # The corpus is resident on the scoring device (`Corpus.to`): batches are views of its shards, so
+    # The corpus is resident on the scoring device (`Corpus.to`): batches are views of its buffer, so
     # nothing is staged and batches need not be small for reads to overlap.
     resident_corpus: bool = False
-    # ... and its shards are views of one buffer (`Residency.contiguous`): a batch may span shards and
-    # still be a view, so batches are not cut at shard ends (one launch for a corpus of many shards).
-    resident_contiguous: bool = False
     # CPU: host bytes the run holds before its batches (inputs, id order, unplanned reserve) when
     # `device_bytes` is what they leave of the host budget: a budget too small names their sum.
     host_reserved: int = 0
@@ -313,8 +310,9 @@ def plan_exhaustive(
     spans, planned = _fit_spans(
         tok_cum, tokens, per_doc, slots, fixed, usable, nq_b, longest, staged_tb, budget
     )
-    if (not budget.cuda or budget.resident_corpus) and not budget.resident_contiguous:
-        spans = _cut_at(spans, bounds)  # a batch within one shard: one read, or a view of it (resident)
+    if not budget.cuda and not budget.resident_corpus:
+        # a batch within one shard: one read (a resident corpus is one buffer: a view across shards)
+        spans = _cut_at(spans, bounds)
     resident = False
     n_jobs = math.ceil(nq / nq_b)
     if budget.cuda and n_jobs > 1 and not budget.resident_corpus:

@@ -48,29 +48,22 @@ class ResidentShard:
 
 @dataclass
 class Residency:
-    """Every shard of a corpus on ``device``, in the corpus's shard order.
-
-    When the shards share dtype, dim and quantization (`contiguous`), they are views of one buffer in
-    shard order: ``embeddings`` / ``scales`` hold every row, ``doc_base[s]`` is shard ``s``'s first
-    document within the residency and ``host_offsets`` its documents' rows in the buffer, so that a batch
-    of consecutive documents across shards is one view and one kernel launch (a corpus of 15 shards was
-    15 launches a search)."""
+    """Every shard of a corpus on ``device``: one buffer of every row in shard order (the shards of a
+    corpus share dtype, dim and quantization), so that a batch of consecutive documents is one view and
+    one kernel launch, across shards too (a corpus of 15 shards was 15 launches a search).
+    ``doc_base[s]`` is shard ``s``'s first document within the residency; ``shards`` are views of it."""
 
     device: torch.device
     shards: list[ResidentShard]
     nbytes: int
-    embeddings: torch.Tensor | None = None  # [T, dim]: every shard's rows, when contiguous
-    scales: torch.Tensor | None = None  # float32 [T] for int8 shards, when contiguous
-    doc_base: np.ndarray | None = None  # int64 [S + 1]: each shard's first document, then the total
-    host_offsets: np.ndarray | None = None  # int64 [N + 1]: every document's first row in ``embeddings``
+    embeddings: torch.Tensor  # [T, dim]: every shard's rows
+    scales: torch.Tensor | None  # float32 [T] for int8 shards
+    doc_base: np.ndarray  # int64 [S + 1]: each shard's first document, then the total
+    host_offsets: np.ndarray  # int64 [N + 1]: every document's first row in ``embeddings``
     # the same offsets as a host tensor whose device copy (``offsets``) the kernels are handed with it
     # (`maxsim_kernels._validate.share_device_copy`): one object, so its checks are made once
-    offsets_host: torch.Tensor | None = None
-    offsets: torch.Tensor | None = None
-
-    @property
-    def contiguous(self) -> bool:
-        return self.embeddings is not None
+    offsets_host: torch.Tensor
+    offsets: torch.Tensor
 
 
 def assign_shards(tokens: Sequence[int], world: int) -> list[list[int]]:
@@ -138,34 +131,30 @@ def make_resident(
             f"{format_size(free)} is free there; score it streamed from disk instead (leave out .to()), "
             "free memory, or use a device with more"
         )
-    resident: list[ResidentShard] = []
-    chunks: list[tuple[int, int, int]] = []  # (shard, first doc, stop doc)
-    # one buffer for every shard when they agree on the row layout (`Residency.contiguous`)
     layouts = {(s.info.dtype, s.info.dim, s.info.quantization) for s in shards}
-    whole = whole_scales = None
-    if len(layouts) == 1 and shards:
-        dtype_name, dim, quantization = layouts.pop()
-        total = sum(s.info.num_tokens for s in shards)
-        whole = torch.empty((total, dim), dtype=getattr(torch, dtype_name), device=device)
-        if quantization != "none":
-            whole_scales = torch.empty(total, dtype=torch.float32, device=device)
-    row = 0
+    if len(layouts) != 1:  # `open_corpus` refuses such shards
+        raise MaxsimError(f"{name}: only shards of one dim, dtype and quantization can be resident together")
+    dtype_name, dim, quantization = layouts.pop()
+    doc_base = np.concatenate([[0], np.cumsum([s.info.num_docs for s in shards])]).astype(np.int64)
+    row_base = np.concatenate([[0], np.cumsum([s.info.num_tokens for s in shards])]).astype(np.int64)
+    host_offsets = np.concatenate(
+        [[0]] + [np.asarray(s.offsets, dtype=np.int64)[1:] + row_base[i] for i, s in enumerate(shards)]
+    ).astype(np.int64)
+    embeddings = torch.empty((int(row_base[-1]), dim), dtype=getattr(torch, dtype_name), device=device)
+    scales = (
+        torch.empty(int(row_base[-1]), dtype=torch.float32, device=device) if quantization != "none" else None
+    )
+    resident = [
+        ResidentShard(
+            embeddings[row_base[i] : row_base[i + 1]],
+            host_offsets[doc_base[i] : doc_base[i + 1] + 1] - row_base[i],
+            scales[row_base[i] : row_base[i + 1]] if scales is not None else None,
+        )
+        for i in range(len(shards))
+    ]
+    chunks: list[tuple[int, int, int]] = []  # (shard, first doc, stop doc)
     for s, shard in enumerate(shards):
         info = shard.info
-        dtype = getattr(torch, info.dtype)
-        if whole is not None:
-            embeddings = whole[row : row + info.num_tokens]
-            scales = whole_scales[row : row + info.num_tokens] if whole_scales is not None else None
-            row += info.num_tokens
-        else:
-            embeddings = torch.empty((info.num_tokens, info.dim), dtype=dtype, device=device)
-            scales = (
-                torch.empty(info.num_tokens, dtype=torch.float32, device=device)
-                if info.quantization != "none"
-                else None
-            )
-        host_offsets = np.asarray(shard.offsets, dtype=np.int64).copy()
-        resident.append(ResidentShard(embeddings, host_offsets, scales))
         per_doc_bytes = max(shard_bytes(shard) // max(info.num_docs, 1), 1)
         step = max(CHUNK_BYTES // per_doc_bytes, 1)
         chunks.extend((s, a, min(a + step, info.num_docs)) for a in range(0, info.num_docs, step))
@@ -186,27 +175,19 @@ def make_resident(
             if i + in_flight < len(chunks):
                 futures.append(pool.submit(read, chunks[i + in_flight]))
             s, a, _b = chunk
-            t0 = int(resident[s].host_offsets[a])
+            t0 = int(host_offsets[doc_base[s] + a])
             rows = batch.embeddings.shape[0]
-            resident[s].embeddings[t0 : t0 + rows].copy_(batch.embeddings)
-            if resident[s].scales is not None and batch.scales is not None:
-                resident[s].scales[t0 : t0 + rows].copy_(batch.scales)
+            embeddings[t0 : t0 + rows].copy_(batch.embeddings)
+            if scales is not None and batch.scales is not None:
+                scales[t0 : t0 + rows].copy_(batch.scales)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    if whole is None:
-        return Residency(device, resident, need)
-    docs = np.array([0] + [len(r.host_offsets) - 1 for r in resident], dtype=np.int64)
-    rows = np.concatenate([[0], np.cumsum([r.embeddings.shape[0] for r in resident])]).astype(np.int64)
-    host_offsets = np.concatenate(
-        [[0]] + [r.host_offsets[1:] + rows[s] for s, r in enumerate(resident)]
-    ).astype(np.int64)
     offsets_host = torch.from_numpy(host_offsets)
     offsets_device = offsets_host.to(device)
     if device.type == "cuda":
         from maxsim_kernels._validate import share_device_copy
 
         share_device_copy(offsets_host, offsets_device)
-    doc_base = np.cumsum(docs)
     return Residency(
-        device, resident, need, whole, whole_scales, doc_base, host_offsets, offsets_host, offsets_device
+        device, resident, need, embeddings, scales, doc_base, host_offsets, offsets_host, offsets_device
     )
