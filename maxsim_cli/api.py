@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from maxsim_cli.errors import InputError, MaxsimWarning, UsageError
@@ -281,45 +281,32 @@ def _as_candidates(candidates: Any) -> dict[str, list[tuple[str, float]]]:
                 "have qid and docno"
             )
         scores = candidates["score"] if "score" in candidates.columns else [0.0] * len(candidates)
-        return _group(zip(candidates["qid"], candidates["docno"], scores, strict=True))
+        grouped: dict[str, list[tuple[str, float]]] = {}
+        for qid, docno, score in zip(candidates["qid"], candidates["docno"], scores, strict=True):
+            grouped.setdefault(str(qid), []).append((str(docno), float(score)))
+        return _each_once(grouped)
     if isinstance(candidates, Mapping):
-        plain = _plain_candidates(candidates)
-        if plain is not None:
-            return plain
-        return _group(
-            (qid, *(row if isinstance(row, tuple) else (row, 0.0)))
-            for qid, rows in candidates.items()
-            for row in rows
-        )
+        grouped = {}
+        for qid, rows in candidates.items():
+            grouped.setdefault(str(qid), []).extend(
+                (str(row[0]), float(row[1])) if isinstance(row, tuple) else (str(row), 0.0) for row in rows
+            )
+        return _each_once(grouped)
     raise UsageError(
         f"candidates: got {type(candidates).__name__}; pass a run file path, a Run, a {{qid: [docno, ...]}} "
         "mapping or a DataFrame with qid and docno columns"
     )
 
 
-def _plain_candidates(candidates: Mapping[Any, Any]) -> dict[str, list[tuple[str, float]]] | None:
-    """``{qid: [docno, ...]}`` with str keys and docnos, none twice for a query, as the engine takes it
-    without `_group`'s row-by-row checks (a served rerank of 1000 candidates paid ~1 ms for them); None
-    for anything else, which `_group` converts and checks."""
-    out: dict[str, list[tuple[str, float]]] = {}
-    for qid, rows in candidates.items():
-        if type(qid) is not str or not isinstance(rows, list):
-            return None
-        if not all(type(docno) is str for docno in rows) or len(set(rows)) != len(rows):
-            return None
-        out[qid] = [(docno, 0.0) for docno in rows]
-    return out
-
-
-def _group(rows: Iterable[tuple[Any, Any, Any]]) -> dict[str, list[tuple[str, float]]]:
-    out: dict[str, dict[str, float]] = {}
-    for qid, docno, score in rows:
-        qid, docno = str(qid), str(docno)
-        docs = out.setdefault(qid, {})
-        if docno in docs:
+def _each_once(grouped: dict[str, list[tuple[str, float]]]) -> dict[str, list[tuple[str, float]]]:
+    """``grouped`` after checking that no query lists a docno twice (a set per query, not a check per
+    row: a served rerank of 1000 candidates paid ~1 ms for those)."""
+    for qid, rows in grouped.items():
+        if len({docno for docno, _ in rows}) != len(rows):
+            seen: set[str] = set()
+            twice = next(d for d, _ in rows if d in seen or seen.add(d))  # type: ignore[func-returns-value]
             raise InputError(
-                f"candidates: docno {docno!r} appears twice for query {qid!r}; a run lists each document "
+                f"candidates: docno {twice!r} appears twice for query {qid!r}; a run lists each document "
                 "at most once per query"
             )
-        docs[docno] = float(score)
-    return {qid: list(docs.items()) for qid, docs in out.items()}
+    return grouped
