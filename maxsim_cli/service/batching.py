@@ -60,7 +60,6 @@ class Timing:
     queue_s: float = 0.0
     score_s: float = 0.0
     batch_requests: int = 0
-    arrived: float = 0.0  # time.perf_counter() (uvloop's loop.time() counts whole milliseconds)
 
 
 @dataclass(eq=False)
@@ -70,7 +69,7 @@ class Job:
     kind: str
     request: Parsed
     future: asyncio.Future | None = None
-    arrived: float = 0.0
+    arrived: float = 0.0  # time.perf_counter() (uvloop's loop.time() counts whole milliseconds)
     timing: Timing | None = None
 
     @property
@@ -260,9 +259,7 @@ class Batcher:
         if self._task is None or self._closing:
             raise RequestError(503, "the server is shutting down")
         loop = asyncio.get_running_loop()
-        if timing is not None:
-            timing.arrived = time.perf_counter()
-        job = Job(kind, request, loop.create_future(), loop.time(), timing)
+        job = Job(kind, request, loop.create_future(), time.perf_counter(), timing)
         self._pending.append(job)
         assert self._wake is not None
         self._wake.set()
@@ -280,7 +277,7 @@ class Batcher:
             first = self._pending[0]
             deadline = first.arrived + (self.window_s if self._busy else 0.0)
             while not self._closing and self._queued(first.kind) < self.max_queries:
-                remaining = deadline - loop.time()
+                remaining = deadline - time.perf_counter()
                 if remaining <= 0:
                     break
                 self._wake.clear()
@@ -300,7 +297,7 @@ class Batcher:
             score_s = time.perf_counter() - started
             for job, result in zip(batch, results, strict=True):
                 if job.timing is not None:
-                    job.timing.queue_s = started - job.timing.arrived
+                    job.timing.queue_s = started - job.arrived
                     job.timing.score_s = score_s
                     job.timing.batch_requests = len(batch)
                 assert job.future is not None
