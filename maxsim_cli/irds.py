@@ -136,17 +136,12 @@ def iter_scoreddocs(source: str) -> Iterator[tuple[str, str, float, int]]:
 
 
 def _check_ids(source: str, what: str, number: int, qid: str, docno: str) -> None:
-    """The format's id rule (`maxsim_cli.shards.format.id_problem`) for a record's query and document
-    ids, as for a run or qrels file: a NUL or a space in an id would reach the TREC run."""
-    from maxsim_cli.shards.format import id_problem
+    """The format's id rule for a record's query id and docno, as for a run or qrels file: a NUL or a
+    space in an id would reach the TREC run."""
+    from maxsim_cli.shards.format import check_id
 
-    for kind, value in (("query id", qid), ("docno", docno)):
-        problem = id_problem(value)
-        if problem is not None:
-            raise InputError(
-                f"{source}: {what} {number} has {kind} {value!r}, which {problem}; ids may not hold "
-                "whitespace, control or zero-width characters"
-            )
+    check_id(source, qid, f"in {what} {number}", what="query id")
+    check_id(source, docno, f"in {what} {number}", what="docno")
 
 
 def read_qrels(source: str) -> dict[str, dict[str, int]]:

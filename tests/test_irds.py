@@ -137,10 +137,10 @@ def test_ids_obey_the_format_rule(tmp_path: Path) -> None:
     from maxsim_cli.runs import read_qrels
 
     dataset = register(tmp_path, scoreddocs="q1 Q0 d1 0 3.0 r\nq1 Q0 d\u200b2 1 2.0 r\n")
-    with pytest.raises(InputError, match=r"scored document 2 has docno .* zero-width character, U\+200B"):
+    with pytest.raises(InputError, match=r"docno .* in scored document 2 contains an invisible zero-width"):
         read_run(dataset)
     dataset = register(tmp_path, qrels="q\x011 0 d1 1\n")
-    with pytest.raises(InputError, match=r"judgement 1 has query id .* a control character, U\+0001"):
+    with pytest.raises(InputError, match=r"query id .* in judgement 1 contains a control character, U\+0001"):
         read_qrels(dataset)
 
 
