@@ -408,9 +408,10 @@ def sort_trec(docnos: Sequence[str], scores: Sequence[float]) -> list[int]:
     return sorted(range(len(docnos)), key=lambda i: (key_list[i], docnos[i]), reverse=True)
 
 
-# From this many entries `sort_trec` sorts in numpy: 1000 candidates in ~0.15 ms against ~0.6 ms for
-# Python's sort with a tuple key (2-core machine), the order checked equal by tests/test_runs.py.
-_NUMPY_SORT_FROM = 64
+# From this many entries `sort_trec` sorts in numpy, the same order (tests/test_runs.py). 2-core machine,
+# per sort: 32 entries 4.9 us against 4.7 for Python's sort with a tuple key, 48: 6.2 / 6.6, 1000:
+# 87 / 230 us (`python benchmarks/probe_sort_trec.py`, results/host/sort-trec-cpu.json).
+_NUMPY_SORT_FROM = 48
 
 
 # --------------------------------------------------------------------------------------------------
