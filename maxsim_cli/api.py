@@ -299,8 +299,8 @@ def _as_candidates(candidates: Any) -> dict[str, list[tuple[str, float]]]:
 
 
 def _each_once(grouped: dict[str, list[tuple[str, float]]]) -> dict[str, list[tuple[str, float]]]:
-    """``grouped`` after checking that no query lists a docno twice (a set per query, not a check per
-    row: a served rerank of 1000 candidates paid ~1 ms for those)."""
+    """``grouped`` after checking that no query lists a docno twice: a set per query, not a check per
+    row (a served rerank pays this at every request)."""
     for qid, rows in grouped.items():
         if len({docno for docno, _ in rows}) != len(rows):
             seen: set[str] = set()

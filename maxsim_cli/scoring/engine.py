@@ -224,8 +224,8 @@ def _run(
 
 def _allocated_bytes(dev: torch.device) -> dict[str, int]:
     """The caching allocator's allocated bytes on ``dev`` ("current", "peak", ...): one nested dict, where
-    `torch.cuda.memory_allocated` and `max_memory_allocated` each flatten every statistic (~0.5 ms a
-    call on the H200 host, which a served request of a few milliseconds paid twice)."""
+    `torch.cuda.memory_allocated` and `max_memory_allocated` each flatten every statistic into a new dict
+    (in Python), which a served request of a few milliseconds paid twice."""
     return torch.cuda.memory_stats_as_nested_dict(dev)["allocated_bytes"]["all"]
 
 
@@ -616,8 +616,8 @@ class _Engine:
         query_parts: list[np.ndarray] = []
         doc_parts: list[np.ndarray] = []
         docnos_of: dict[int, list[str]] = {}
-        # a query's candidates in a few list passes and one array, not a loop of appends (~1 ms for a
-        # served rerank of 1000 candidates)
+        # a query's candidates in a few list passes and one array, not a loop of appends: a served
+        # rerank pays this at every request
         for qid, cands in run.items():
             qi = qindex[qid]
             docnos = [docno for docno, _ in cands]
