@@ -5,6 +5,10 @@ is malformed, has the wrong dim, NaN/Inf, an empty query, an unknown field or ca
 query is refused with a `RequestError` (an HTTP status and a one-line message; the library's own
 `InputError` messages where it has one), so a batch only ever holds requests that can be scored.
 
+Two steps: `check_request` reads and checks a body into a `Checked` request of numpy arrays (no torch:
+``serve --workers`` runs it in the HTTP worker processes), and `to_parsed` wraps those arrays as the
+library's `Queries` (torch, in the scoring process). `parse_request` does both.
+
 JSON (``Content-Type: application/json``)::
 
     POST /search  {"queries": [{"qid": "q1", "embedding": [[...], ...]}, ...], "k": 10}
@@ -28,7 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from pydantic_core import to_json
 
 from maxsim_cli.errors import InputError, MaxsimError
-from maxsim_cli.queries import Queries
+from maxsim_cli.queries import IN_MEMORY_NAME, Queries, _as_ids, _check_lengths
+from maxsim_cli.shards.format import _check_ids, _err, _show_id
 
 JSON_TYPE = "application/json"
 ARROW_TYPE = "application/vnd.apache.arrow.stream"
@@ -93,10 +98,35 @@ class Parsed:
     strict: bool = False
 
 
+@dataclass(eq=False)
+class Checked:
+    """A checked request as numpy arrays, before any torch: the query ids, their token vectors packed
+    ``[T, dim]`` (``dtype``: float32 from JSON; an Arrow stream's own dtype, bfloat16 held as int16,
+    int8 with float32 per-token ``scales``), ``offsets`` int64 ``[n + 1]``, and what `Parsed` holds.
+    ``name`` is how messages name the queries."""
+
+    ids: list[str]
+    embeddings: np.ndarray
+    offsets: np.ndarray
+    dtype: str
+    scales: np.ndarray | None
+    k: int | None
+    candidates: dict[str, list[str]] | None = None
+    strict: bool = False
+    name: str = QUERIES
+
+
 def parse_request(
     kind: str, content_type: str | None, body: bytes, params: Mapping[str, str], corpus_dim: int
 ) -> Parsed:
     """The request ``body`` of ``/search`` or ``/rerank`` (``kind``), checked; raises `RequestError`."""
+    return to_parsed(check_request(kind, content_type, body, params, corpus_dim))
+
+
+def check_request(
+    kind: str, content_type: str | None, body: bytes, params: Mapping[str, str], corpus_dim: int
+) -> Checked:
+    """`parse_request` without torch: the checked request as numpy arrays; raises `RequestError`."""
     media = (content_type or JSON_TYPE).split(";", 1)[0].strip().lower()
     if not body:
         raise RequestError(400, "empty request body; send JSON or an Arrow IPC stream of queries")
@@ -117,17 +147,34 @@ def parse_request(
     )
 
 
-def _parse_json(kind: str, body: bytes, corpus_dim: int) -> Parsed:
+def to_parsed(checked: Checked) -> Parsed:
+    """The library's `Queries` over a checked request's arrays (shared, not copied)."""
+    import torch
+
+    from maxsim_cli.shards.format import DocBatch
+
+    if checked.dtype == "bfloat16":
+        embeddings = torch.from_numpy(checked.embeddings.view(np.int16)).view(torch.bfloat16)
+    else:
+        embeddings = torch.from_numpy(checked.embeddings)
+    scales = torch.from_numpy(checked.scales) if checked.scales is not None else None
+    batch = DocBatch(checked.ids, embeddings, torch.from_numpy(checked.offsets), scales)
+    return Parsed(Queries(batch, checked.name), checked.k, checked.candidates, checked.strict)
+
+
+def _parse_json(kind: str, body: bytes, corpus_dim: int) -> Checked:
     model = SearchIn if kind == "search" else RerankIn
     try:
         request = model.model_validate_json(body)
     except ValidationError as exc:
         raise RequestError(*_validation_message(exc)) from None
-    queries = _queries_from_json(request.queries, corpus_dim)
+    ids, embeddings, offsets = _queries_from_json(request.queries, corpus_dim)
     if isinstance(request, SearchIn):
-        return Parsed(queries, request.k)
-    candidates = _check_candidates(request.candidates, queries.ids)
-    return Parsed(queries, request.k, candidates, request.strict)
+        return Checked(ids, embeddings, offsets, "float32", None, request.k, name=IN_MEMORY_NAME)
+    candidates = _check_candidates(request.candidates, ids)
+    return Checked(
+        ids, embeddings, offsets, "float32", None, request.k, candidates, request.strict, IN_MEMORY_NAME
+    )
 
 
 def _validation_message(exc: ValidationError) -> tuple[int, str]:
@@ -146,7 +193,9 @@ def _validation_message(exc: ValidationError) -> tuple[int, str]:
     return 422, message
 
 
-def _queries_from_json(items: Sequence[QueryIn], corpus_dim: int) -> Queries:
+def _queries_from_json(items: Sequence[QueryIn], corpus_dim: int) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """The ids, packed float32 vectors and offsets of the JSON queries, checked in the order (and with
+    the messages) of `Queries.from_embeddings`, then against the corpus's dim."""
     arrays = []
     for i, item in enumerate(items):
         rows = item.embedding
@@ -161,16 +210,72 @@ def _queries_from_json(items: Sequence[QueryIn], corpus_dim: int) -> Queries:
                     f"{len(row)} values; every vector of a query has dim values"
                 )
         arrays.append(np.asarray(rows, dtype=np.float32))
-    queries = Queries.from_embeddings([item.qid for item in items], arrays)
-    _check_dim(queries, corpus_dim)
-    return queries
+    name = IN_MEMORY_NAME
+    ids = _as_ids([item.qid for item in items], name)
+    _check_lengths(ids, [a.shape[0] for a in arrays], name)
+    first = arrays[0].shape[1]
+    for i, a in enumerate(arrays):
+        if a.shape[1] != first:
+            raise InputError(
+                f"{name}: query {ids[i]!r} (index {i}) has vectors of {a.shape[1]} values but "
+                f"query {ids[0]!r} has {first}; encode all queries with one model"
+            )
+    embeddings = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+    offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+    np.cumsum([a.shape[0] for a in arrays], out=offsets[1:])
+    _check_ids(name, ids, what="query id")
+    _check_values(name, embeddings, None, offsets, ids)
+    _check_dim(embeddings.shape[1], corpus_dim)
+    return ids, embeddings, offsets
 
 
-def _check_dim(queries: Queries, corpus_dim: int) -> None:
-    if queries.dim != corpus_dim:
+def _check_dim(dim: int, corpus_dim: int) -> None:
+    if dim != corpus_dim:
         raise InputError(
-            f"{QUERIES}: the query vectors have {queries.dim} values but the corpus has dim {corpus_dim}; "
+            f"{QUERIES}: the query vectors have {dim} values but the corpus has dim {corpus_dim}; "
             "encode queries and documents with the same model"
+        )
+
+
+def _as_float32(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Values as float32 for the NaN/Inf check (bfloat16 is held as int16: its bits are float32's top
+    half)."""
+    if dtype == "bfloat16":
+        return (values.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return values
+
+
+def _first_nonfinite_row(values: np.ndarray) -> int | None:
+    """Index of the first row holding NaN/Inf, or None (as `shards.format.first_nonfinite_row`)."""
+    if values.size == 0 or values.dtype == np.int8:
+        return None
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(values.sum(dtype=np.float32)):
+            return None
+    bad = np.flatnonzero(~np.isfinite(values.reshape(values.shape[0], -1)).all(axis=1))
+    return int(bad[0]) if bad.size else None
+
+
+def _check_values(
+    name: str, embeddings: np.ndarray, scales: np.ndarray | None, offsets: np.ndarray, ids: Sequence[str]
+) -> None:
+    """NaN/Inf values, NaN/Inf or negative scales: the messages of `shards.format._check_values`."""
+    for values, what in ((embeddings, "NaN or Inf values"), (scales, "a NaN or Inf scale")):
+        row = _first_nonfinite_row(values) if values is not None else None
+        if row is not None:
+            doc = int(np.searchsorted(offsets, row, side="right")) - 1
+            raise _err(
+                name,
+                f"document {_show_id(ids[doc])} (index {doc}) has {what} at token "
+                f"{row - int(offsets[doc])}; re-encode or drop that document",
+            )
+    if scales is not None and scales.size and bool((scales < 0).any()):
+        row = int(np.flatnonzero(scales < 0)[0])
+        doc = int(np.searchsorted(offsets, row, side="right")) - 1
+        raise _err(
+            name,
+            f"document {_show_id(ids[doc])} (index {doc}) has a negative int8 scale "
+            f"at token {row - int(offsets[doc])}; scales are max|x|/127 >= 0",
         )
 
 
@@ -199,8 +304,10 @@ def _check_candidates(candidates: Mapping[str, Sequence[str]], qids: Sequence[st
 # --------------------------------------------------------------------------------------------------
 # Arrow IPC stream
 
+ARROW_NAME = "<request>"  # how the Arrow shard checks name the request's stream
 
-def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: int) -> Parsed:
+
+def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: int) -> Checked:
     import pyarrow as pa
 
     from maxsim_cli.shards import ArrowShard
@@ -217,14 +324,17 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise RequestError(400, f"not an Arrow IPC stream: {exc}") from None
     schema = reader.schema
-    with ArrowShard("<request>", batches, schema, "arrow-stream") as shard:
+    with ArrowShard(ARROW_NAME, batches, schema, "arrow-stream") as shard:
         if shard.num_docs == 0:
             raise RequestError(422, f"{QUERIES}: the Arrow stream holds no queries")
-        batch = shard.read_docs(0, shard.num_docs)
-    queries = Queries(batch, QUERIES)
-    _check_dim(queries, corpus_dim)
+        ids = list(shard.ids)
+        offsets = np.asarray(shard.offsets, dtype=np.int64)
+        embeddings, scales = _arrow_rows(shard, batches)
+        dtype = shard.info.dtype
+    _check_values(ARROW_NAME, _as_float32(embeddings, dtype), scales, offsets, ids)
+    _check_dim(embeddings.shape[1], corpus_dim)
     if kind == "search":
-        return Parsed(queries, k)
+        return Checked(ids, embeddings, offsets, dtype, scales, k)
     if "candidates" not in schema.names:
         raise RequestError(
             422, "the Arrow stream has no 'candidates' column (list<utf8>: each query's docnos) for /rerank"
@@ -237,11 +347,40 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
     if not (pa.types.is_string(column.type.value_type) or pa.types.is_large_string(column.type.value_type)):
         raise RequestError(422, f"the 'candidates' column is {column.type}; use list<utf8>")
     lists = column.to_pylist()
-    candidates = {qid: docnos for qid, docnos in zip(queries.ids, lists, strict=True) if docnos}
+    candidates = {qid: docnos for qid, docnos in zip(ids, lists, strict=True) if docnos}
     for qid, docnos in candidates.items():
         if any(d is None for d in docnos):
             raise RequestError(422, f"{CANDIDATES}: query {qid!r} has a null docno")
-    return Parsed(queries, k, _check_candidates(candidates, queries.ids), strict)
+    return Checked(ids, embeddings, offsets, dtype, scales, k, _check_candidates(candidates, ids), strict)
+
+
+def _arrow_rows(shard: Any, batches: Sequence[Any]) -> tuple[np.ndarray, np.ndarray | None]:
+    """Every query's token vectors (and int8 scales) as numpy, with the shard's own row checks (what its
+    `read_docs` does before it makes tensors, which the HTTP workers have no torch for)."""
+    from maxsim_cli.shards.readers import _combine
+
+    emb_parts, scale_parts = [], []
+    for c, batch in enumerate(batches):
+        first = int(shard._chunk_starts[c])
+        emb_col = _combine(batch.column(shard._emb_col))
+        emb_parts.append(shard._tokens.rows(emb_col, 0, batch.num_rows, shard.ids, first))
+        if shard._scale_col is not None:
+            scale_parts.append(
+                shard._tokens.scales(_combine(batch.column(shard._scale_col)), 0, batch.num_rows)
+            )
+    embeddings = np.concatenate(emb_parts) if len(emb_parts) > 1 else np.array(emb_parts[0], copy=True)
+    expected = int(shard.offsets[-1])
+    n = shard.num_docs
+    if embeddings.shape[0] != expected:
+        raise _err(
+            ARROW_NAME, f"documents 0..{n} hold {embeddings.shape[0]} tokens but their lengths say {expected}"
+        )
+    if not scale_parts:
+        return embeddings, None
+    scales = np.array(np.concatenate(scale_parts), dtype=np.float32)  # writable: torch shares it
+    if scales.shape[0] != expected:
+        raise _err(ARROW_NAME, f"documents 0..{n} have {scales.shape[0]} scales for {expected} tokens")
+    return embeddings, scales
 
 
 def _int_param(params: Mapping[str, str], name: str, default: int | None) -> int | None:
