@@ -201,6 +201,9 @@ def _score(
         # skipped for holding no documents were reported when the corpus was opened
         report_notes(input_notes(corpus_obj, q.batch, q.name, skipped=False), strict=strict, log=_log)
         collector = RunCollector()
+        stats = _score_direct(request, corpus_obj, q, run_candidates, collector)
+        if stats is not None:
+            return collector.run(stats)
         if corpus_obj.placement is not None and device == "auto":  # resident on several devices
             from maxsim_cli import jobs
 
@@ -214,6 +217,23 @@ def _score(
     finally:
         if owned:
             corpus_obj.close()
+
+
+def _score_direct(
+    request: Any, corpus: Corpus, queries: Queries, candidates: dict | None, collector: RunCollector
+) -> Any:
+    """A small call on a resident corpus, scored in one launch (`maxsim_cli.scoring.direct`): its stats,
+    or None when the engine is to run it (rows are written only when the stats come back)."""
+    if corpus.residency is None:
+        return None
+    from maxsim_cli.scoring import direct
+
+    nq = len(queries)
+    pairs = nq * len(corpus) if candidates is None else sum(len(rows) for rows in candidates.values())
+    residency = direct.eligible(request, corpus, nq, pairs)
+    if residency is None:
+        return None
+    return direct.run(request, corpus, residency, queries.batch, collector, candidates=candidates, log=_log)
 
 
 def _candidates_name(candidates: Any) -> str | None:

@@ -603,53 +603,11 @@ class _Engine:
         self, run: dict[str, list[tuple[str, float]]], qids: list[str], qname: str, cname: str, strict: bool
     ) -> list[_Pass]:
         """Map the run's candidates to corpus documents and plan the document batches (`plan_rerank`)."""
-        qindex = {q: i for i, q in enumerate(qids)}
-        for qid in run:
-            if qid not in qindex:
-                raise InputError(
-                    f"{cname}: query {qid!r} has candidates but no embedding in {qname}; "
-                    "add it to the query file or drop it from the run"
-                )
-        id_index = self.corpus.candidate_index(docno for cands in run.values() for docno, _ in cands)
-        missing: list[str] = []
-        n_missing = 0
-        query_parts: list[np.ndarray] = []
-        doc_parts: list[np.ndarray] = []
-        docnos_of: dict[int, list[str]] = {}
-        # a query's candidates in a few list passes and one array, not a loop of appends: a served
-        # rerank pays this at every request
-        for qid, cands in run.items():
-            qi = qindex[qid]
-            docnos = [docno for docno, _ in cands]
-            wheres = [id_index.get(docno) for docno in docnos]
-            if None in wheres:
-                for docno, where in zip(docnos, wheres, strict=True):
-                    if where is None:
-                        n_missing += 1
-                        if len(missing) < 3 and docno not in missing:
-                            missing.append(docno)
-                docnos = [docno for docno, where in zip(docnos, wheres, strict=True) if where is not None]
-                wheres = [where for where in wheres if where is not None]
-            if wheres:
-                located = np.array(wheres, dtype=np.int64).reshape(-1, 2)
-                doc_parts.append(self.shard_base[located[:, 0]] + located[:, 1])
-                query_parts.append(np.full(len(wheres), qi, dtype=np.int64))
-            docnos_of[qi] = docnos
-        pair_q = np.concatenate(query_parts) if query_parts else np.zeros(0, dtype=np.int64)
-        pair_doc = np.concatenate(doc_parts) if doc_parts else np.zeros(0, dtype=np.int64)
-        self.stats.missing_candidates = n_missing
-        if n_missing:
-            examples = ", ".join(repr(m) for m in missing)
-            if strict:
-                raise InputError(
-                    f"{cname}: {n_missing} candidates are not in the corpus "
-                    f"({_corpus_name(self.corpus_paths)}), e.g. {examples}; check the run and the corpus, "
-                    "or drop --strict to skip them"
-                )
-            self.log(
-                f"warning: {cname}: {n_missing} candidates are not in the corpus, e.g. {examples}; "
-                "they are left out (--strict makes this an error)"
-            )
+        located = locate_candidates(
+            self.corpus, run, qids, qname, cname, strict, self.corpus_paths, self.log, self.shard_base
+        )
+        pair_q, pair_doc, docnos_of = located.pair_query, located.pair_doc, located.docnos_of
+        self.stats.missing_candidates = located.missing
         self.docnos_of = docnos_of
         self.stats.pairs = len(pair_q)
         self.stats.queries_with_candidates = len(set(pair_q))
@@ -685,8 +643,6 @@ class _Engine:
     def run_rerank(self, passes: list[_Pass], qids: list[str], top_k: int, sink: Any) -> None:
         from maxsim_kernels import maxsim_candidates
         from maxsim_kernels.cpu import maxsim_candidates_cpu
-
-        from maxsim_cli.runs import sort_trec
 
         stats = self.stats
         stats.query_batches = 1 if passes else 0
@@ -736,16 +692,7 @@ class _Engine:
                 self._fold_times(qpass.stream)
         scores_np = pair_scores.cpu().numpy() if pair_scores is not None else np.zeros(0, dtype=np.float32)
         started = time.perf_counter()
-        # pairs are in (query, run order) order: split by query
-        starts = np.searchsorted(self.pair_q, np.arange(len(qids) + 1)) if passes else None
-        for qi, qid in enumerate(qids):
-            docnos = self.docnos_of.get(qi)
-            if not docnos:
-                continue
-            assert starts is not None
-            sc = scores_np[starts[qi] : starts[qi + 1]].tolist()
-            keep = sort_trec(docnos, sc)[:top_k]
-            sink.write_query(qid, [docnos[i] for i in keep], [sc[i] for i in keep])
+        write_reranked(sink, qids, self.docnos_of, self.pair_q if passes else None, scores_np, top_k)
         stats.write_s += time.perf_counter() - started
 
     # ---------------------------------------------------------------------------- timing
@@ -807,6 +754,107 @@ class _Engine:
             end.synchronize()
             self.stats.score_s += start.elapsed_time(end) / 1000.0
         self.score_events.clear()
+
+
+@dataclass
+class LocatedCandidates:
+    """A first-stage run's candidates found in the corpus: pair ``i`` is query ``pair_query[i]`` against
+    the document of corpus ordinal ``pair_doc[i]``, in (query, run order) order; ``docnos_of[q]`` are
+    query ``q``'s candidates found, in run order; ``missing`` counts candidates not in the corpus."""
+
+    pair_query: np.ndarray
+    pair_doc: np.ndarray
+    docnos_of: dict[int, list[str]]
+    missing: int
+
+
+def locate_candidates(
+    corpus: Corpus,
+    run: dict[str, list[tuple[str, float]]],
+    qids: Sequence[str],
+    qname: str,
+    cname: str,
+    strict: bool,
+    corpus_paths: Sequence[str],
+    log: Logger,
+    shard_base: np.ndarray,
+) -> LocatedCandidates:
+    """Find ``run``'s candidates among the corpus's documents (one id lookup, `Corpus.candidate_index`).
+    A qid of the run that names no query is an `InputError`; candidates not in the corpus are a warning
+    through ``log`` (``strict``: an `InputError`). ``shard_base``: each shard's first corpus ordinal."""
+    qindex = {q: i for i, q in enumerate(qids)}
+    for qid in run:
+        if qid not in qindex:
+            raise InputError(
+                f"{cname}: query {qid!r} has candidates but no embedding in {qname}; "
+                "add it to the query file or drop it from the run"
+            )
+    id_index = corpus.candidate_index(docno for cands in run.values() for docno, _ in cands)
+    missing: list[str] = []
+    n_missing = 0
+    query_parts: list[np.ndarray] = []
+    doc_parts: list[np.ndarray] = []
+    docnos_of: dict[int, list[str]] = {}
+    # a query's candidates in a few list passes and one array, not a loop of appends: a served rerank
+    # pays this at every request
+    for qid, cands in run.items():
+        qi = qindex[qid]
+        docnos = [docno for docno, _ in cands]
+        wheres = [id_index.get(docno) for docno in docnos]
+        if None in wheres:
+            for docno, where in zip(docnos, wheres, strict=True):
+                if where is None:
+                    n_missing += 1
+                    if len(missing) < 3 and docno not in missing:
+                        missing.append(docno)
+            docnos = [docno for docno, where in zip(docnos, wheres, strict=True) if where is not None]
+            wheres = [where for where in wheres if where is not None]
+        if wheres:
+            located = np.array(wheres, dtype=np.int64).reshape(-1, 2)
+            doc_parts.append(shard_base[located[:, 0]] + located[:, 1])
+            query_parts.append(np.full(len(wheres), qi, dtype=np.int64))
+        docnos_of[qi] = docnos
+    if n_missing:
+        examples = ", ".join(repr(m) for m in missing)
+        if strict:
+            raise InputError(
+                f"{cname}: {n_missing} candidates are not in the corpus ({_corpus_name(corpus_paths)}), "
+                f"e.g. {examples}; check the run and the corpus, or drop --strict to skip them"
+            )
+        log(
+            f"warning: {cname}: {n_missing} candidates are not in the corpus, e.g. {examples}; "
+            "they are left out (--strict makes this an error)"
+        )
+    return LocatedCandidates(
+        np.concatenate(query_parts) if query_parts else np.zeros(0, dtype=np.int64),
+        np.concatenate(doc_parts) if doc_parts else np.zeros(0, dtype=np.int64),
+        docnos_of,
+        n_missing,
+    )
+
+
+def write_reranked(
+    sink: Any,
+    qids: Sequence[str],
+    docnos_of: dict[int, list[str]],
+    pair_query: np.ndarray | None,
+    scores: np.ndarray,
+    top_k: int,
+) -> None:
+    """Each query's candidates with their float32 ``scores`` (pairs in (query, run order) order, as
+    `locate_candidates` gives them) to ``sink``, re-sorted in trec_eval's order and cut to ``top_k``."""
+    from maxsim_cli.runs import sort_trec
+
+    if pair_query is None:
+        return
+    starts = np.searchsorted(pair_query, np.arange(len(qids) + 1))
+    for qi, qid in enumerate(qids):
+        docnos = docnos_of.get(qi)
+        if not docnos:
+            continue
+        sc = scores[starts[qi] : starts[qi + 1]].tolist()
+        keep = sort_trec(docnos, sc)[:top_k]
+        sink.write_query(qid, [docnos[i] for i in keep], [sc[i] for i in keep])
 
 
 def _interleave(plans: list[BatchPlan]) -> list[BatchPlan]:

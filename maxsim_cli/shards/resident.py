@@ -64,6 +64,9 @@ class Residency:
     # (`maxsim_kernels._validate.share_device_copy`): one object, so its checks are made once
     offsets_host: torch.Tensor
     offsets: torch.Tensor
+    # each document's docno rank on the device (the tie-break of a search's top-k), made at the first
+    # search scored directly (`maxsim_cli.scoring.direct`)
+    doc_ranks: torch.Tensor | None = None
 
 
 def assign_shards(tokens: Sequence[int], world: int) -> list[list[int]]:

@@ -1,0 +1,199 @@
+"""Small requests against a resident corpus, scored in one launch without the engine's planning.
+
+A corpus made resident on one device (`Corpus.to`) holds every document in one buffer with its offsets
+beside it (`maxsim_cli.shards.resident.Residency`). A search is then one `maxsim_kernels.maxsim_varlen`
+launch over that buffer and one `maxsim_cli.topk.RunningTopK` merge; a rerank is one
+`maxsim_kernels.maxsim_candidates` launch on the candidates' corpus ordinals. The engine
+(`maxsim_cli.scoring.engine`) issues exactly these launches for a resident corpus too, but around them
+it pays, at every call, for what a streamed run needs: a plan under memory budgets, a batch stream with
+its threads, device and host memory meters. For a served request that is most of the call: the
+in-process rerank of one query against 1,000 candidates took 4.5 ms on the H200 host for a kernel of
+about 0.1 ms (benchmarks/results/serve/serve-h200.json).
+
+This path runs the same kernels on the same inputs (the queries converted as the engine converts them,
+int8 queries quantized once per call as the engine does), keys and sorts results the same way
+(`order_keys`, `sort_trec`), and hands them to the same sink, so a run is the engine's bit for bit
+(tests/test_direct.py compares the two on every layout). It is taken when:
+
+- the corpus is resident on the device the call scores on (one device; a corpus spread over several
+  goes through `maxsim_cli.jobs`), and there are queries to score;
+- the call gives no memory budget, query batch size or progress bar (those are the engine's to plan);
+- the work is small: the search's ``[queries, documents]`` score block, or the rerank's pairs, within
+  `MAX_BLOCK_BYTES` (the engine's per-pair accounting, `maxsim_cli.topk.PAIR_BYTES`).
+
+A CUDA out-of-memory error hands the call to the engine, which splits the work.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from maxsim_cli.scoring.engine import _query_embeddings, locate_candidates, write_reranked
+from maxsim_cli.scoring.request import ScoreRequest
+from maxsim_cli.scoring.stats import ScoreStats
+from maxsim_cli.topk import PAIR_BYTES, RunningTopK
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from maxsim_cli.shards import Corpus, DocBatch
+    from maxsim_cli.shards.resident import Residency
+
+# The largest score block (pairs x `PAIR_BYTES`) scored here; larger calls go to the engine, which plans
+# query batches under the memory budget. On the GPU, 1 GiB is 256 queries against 130K documents, under
+# 1% of an H200; on the CPU the block is host memory, so the default budget's planning takes over sooner.
+MAX_BLOCK_BYTES = {"cuda": 1 << 30, "cpu": 256 << 20}
+
+
+def eligible(request: ScoreRequest, corpus: Corpus, num_queries: int, pairs: int) -> Residency | None:
+    """The residency to score ``request`` from directly, or None when the engine should run it (module
+    docstring). ``pairs``: the (query, document) pairs the call scores."""
+    residency = corpus.residency
+    if residency is None or corpus.placement is not None or num_queries == 0 or len(corpus) == 0:
+        return None
+    if request.max_memory is not None or request.max_host_memory is not None:
+        return None
+    if request.batch_queries is not None or request.show_progress:
+        return None
+    if residency.device != request.check():
+        return None
+    if pairs * PAIR_BYTES > MAX_BLOCK_BYTES.get(residency.device.type, 0):
+        return None
+    return residency
+
+
+def run(
+    request: ScoreRequest,
+    corpus: Corpus,
+    residency: Residency,
+    queries: DocBatch,
+    sink: Any,
+    *,
+    candidates: dict[str, list[tuple[str, float]]] | None,
+    log: Callable[[str], None],
+) -> ScoreStats | None:
+    """Score ``queries`` against the resident corpus into ``sink`` (rows as the engine hands them over);
+    the stats, or None when the device ran out of memory (nothing was written: run the engine)."""
+    started = time.perf_counter()
+    dev = residency.device
+    stats = ScoreStats(
+        mode="rerank" if candidates is not None else "exhaustive",
+        device=str(dev),
+        backend=request.backend,
+        output=request.output,
+        queries=len(queries.ids),
+        query_batches=1,
+        doc_batches=1,
+        resident=True,
+    )
+    stats.extra["resident_corpus"] = True
+    stats.extra["direct"] = True
+    q_emb = _query_embeddings(queries, corpus.dtype, corpus.quantization).to(dev)
+    q_offsets = queries.offsets.to(torch.int64)
+    query_scales = None
+    if dev.type == "cuda" and corpus.quantization != "none":
+        from maxsim_kernels.maxsim_int8 import quantize_per_token  # imports Triton: CUDA only
+
+        q_emb, query_scales = quantize_per_token(q_emb)
+    kernel_args = (q_emb, q_offsets, residency.embeddings, residency.offsets_host)
+    kernel_kwargs = {"backend": request.backend, "doc_scales": residency.scales, "query_scales": query_scales}
+    try:
+        if candidates is None:
+            _search(request, corpus, residency, queries, sink, stats, kernel_args, kernel_kwargs)
+        else:
+            _rerank(
+                request, corpus, residency, queries, sink, stats, candidates, kernel_args, kernel_kwargs, log
+            )
+    except torch.OutOfMemoryError:
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        return None
+    stats.wall_s = stats.score_s = time.perf_counter() - started
+    return stats
+
+
+def _search(
+    request: ScoreRequest,
+    corpus: Corpus,
+    residency: Residency,
+    queries: DocBatch,
+    sink: Any,
+    stats: ScoreStats,
+    kernel_args: tuple,
+    kernel_kwargs: dict,
+) -> None:
+    import pyarrow as pa
+    from maxsim_kernels import maxsim_varlen
+
+    _, _, ids_by_rank = corpus.id_order()
+    ranks = _device_ranks(corpus, residency)
+    scores = maxsim_varlen(*kernel_args, **kernel_kwargs)
+    topk = RunningTopK(len(queries.ids), request.top_k)
+    topk.add(scores, ranks)
+    del scores
+    top_scores, top_ranks = topk.result()
+    stats.documents = len(corpus)
+    stats.tokens = corpus.num_tokens
+    stats.pairs = len(queries.ids) * len(corpus)
+    docnos = ids_by_rank.take(pa.array(top_ranks.numpy().reshape(-1)))
+    sink.write_ranked(list(queries.ids), docnos, top_scores.numpy())
+
+
+def _rerank(
+    request: ScoreRequest,
+    corpus: Corpus,
+    residency: Residency,
+    queries: DocBatch,
+    sink: Any,
+    stats: ScoreStats,
+    candidates: dict[str, list[tuple[str, float]]],
+    kernel_args: tuple,
+    kernel_kwargs: dict,
+    log: Callable[[str], None],
+) -> None:
+    from maxsim_kernels import maxsim_candidates
+
+    qids = list(queries.ids)
+    located = locate_candidates(
+        corpus,
+        candidates,
+        qids,
+        request.query_name,
+        request.candidates_name,
+        request.strict,
+        request.corpus,
+        log,
+        corpus.doc_starts,
+    )
+    stats.missing_candidates = located.missing
+    stats.pairs = len(located.pair_query)
+    if not stats.pairs:
+        return
+    # the kernel takes each query's candidates as one run of the list: pairs grouped by query, each
+    # query's in run order (the order `write_reranked` reads the scores in)
+    order = np.argsort(located.pair_query, kind="stable")
+    pair_query, pair_doc = located.pair_query[order], located.pair_doc[order]
+    counts = np.bincount(pair_query, minlength=len(qids))
+    stats.queries_with_candidates = int(np.count_nonzero(counts))
+    cand_offsets = np.zeros(len(qids) + 1, dtype=np.int64)
+    np.cumsum(counts, out=cand_offsets[1:])
+    scores = maxsim_candidates(
+        *kernel_args, torch.from_numpy(cand_offsets), torch.from_numpy(pair_doc), **kernel_kwargs
+    )
+    scores_np = scores.to(torch.float32).cpu().numpy()
+    distinct = np.unique(pair_doc)
+    stats.documents = len(distinct)
+    stats.tokens = int((residency.host_offsets[distinct + 1] - residency.host_offsets[distinct]).sum())
+    write_reranked(sink, qids, located.docnos_of, pair_query, scores_np, request.top_k)
+
+
+def _device_ranks(corpus: Corpus, residency: Residency) -> torch.Tensor:
+    """Each document's docno rank (`Corpus.rank_of_ordinal`, the tie-break of `order_keys`) on the
+    residency's device: made at the first search, kept with the residency."""
+    if residency.doc_ranks is None:
+        residency.doc_ranks = torch.from_numpy(corpus.rank_of_ordinal()).to(residency.device)
+    return residency.doc_ranks

@@ -1,0 +1,174 @@
+"""Small calls on a resident corpus are scored directly (`maxsim_cli.scoring.direct`): the same run as
+the engine's, bit for bit, on every layout; the engine takes over where the direct path must not run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_score import DIM, make_corpus, make_queries
+
+import maxsim_cli
+from maxsim_cli import Queries, open_corpus, rerank, search
+from maxsim_cli.errors import InputError
+from maxsim_cli.scoring import direct
+from maxsim_cli.shards import write_shard
+
+
+def _random_values(gen: torch.Generator, n: int) -> torch.Tensor:
+    """Unrounded values of both signs: fp16 products that round, negative similarities."""
+    return torch.randn(n, DIM, generator=gen, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module", params=["float16", "float32", "bfloat16"])
+def corpus_path(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"direct-{request.param}")
+    make_corpus(root / "corpus", dtype=request.param, seed=3, values=_random_values)
+    return str(root / "corpus")
+
+
+@pytest.fixture(scope="module")
+def queries(tmp_path_factory):
+    path = tmp_path_factory.mktemp("direct-q") / "queries.safetensors"
+    make_queries(path, n=7, dtype="float32", seed=5, values=_random_values)
+    return maxsim_cli.read_queries(path)
+
+
+def _engine_only(monkeypatch) -> None:
+    monkeypatch.setattr(direct, "eligible", lambda *args: None)
+
+
+def _candidates(corpus, qids, seed: int) -> dict[str, list[str]]:
+    """Candidates in an order other than the queries' (the last query first), some queries without any,
+    one docno not in the corpus."""
+    rng = np.random.default_rng(seed)
+    ids = corpus.ids
+    out = {}
+    for qid in reversed(qids[1:]):
+        picked = rng.choice(len(ids), size=int(rng.integers(1, 12)), replace=False)
+        out[qid] = [ids[i] for i in picked]
+    out[qids[-1]].append("not-a-document")
+    return out
+
+
+def test_search_is_the_engines_run_bit_for_bit(corpus_path, queries, monkeypatch) -> None:
+    with open_corpus(corpus_path) as corpus:
+        corpus.to("cpu")
+        for k in (1, 5, 1000):
+            run = search(queries, corpus, k=k)
+            assert run.stats.extra.get("direct") is True
+            with monkeypatch.context() as patch:
+                _engine_only(patch)
+                engine_run = search(queries, corpus, k=k)
+            assert engine_run.stats.extra.get("direct") is None
+            assert run.to_dict() == engine_run.to_dict()
+            assert run.stats.pairs == engine_run.stats.pairs == len(queries) * len(corpus)
+
+
+def test_rerank_is_the_engines_run_bit_for_bit(corpus_path, queries, monkeypatch) -> None:
+    with open_corpus(corpus_path) as corpus:
+        corpus.to("cpu")
+        cands = _candidates(corpus, queries.ids, seed=1)
+        for k in (None, 3):
+            with pytest.warns(maxsim_cli.MaxsimWarning, match="1 candidates are not in the corpus"):
+                run = rerank(queries, corpus, cands, k=k)
+            assert run.stats.extra.get("direct") is True
+            with monkeypatch.context() as patch, pytest.warns(maxsim_cli.MaxsimWarning):
+                _engine_only(patch)
+                engine_run = rerank(queries, corpus, cands, k=k)
+            assert run.to_dict() == engine_run.to_dict()
+            assert run.qids == engine_run.qids  # the queries' order, not the candidates'
+            for field in ("pairs", "queries_with_candidates", "missing_candidates", "documents", "tokens"):
+                assert getattr(run.stats, field) == getattr(engine_run.stats, field), field
+
+
+def test_int8_corpus_is_the_engines_run(corpus_path, queries, tmp_path, monkeypatch) -> None:
+    from maxsim_cli.quantize import quantize_corpus
+
+    quantize_corpus([corpus_path], tmp_path / "int8", sample_queries=0, device="cpu")
+    with open_corpus(tmp_path / "int8") as corpus:
+        corpus.to("cpu")
+        cands = {qid: corpus.ids[:9] for qid in queries.ids}
+        run, reranked = search(queries, corpus, k=6), rerank(queries, corpus, cands)
+        assert run.stats.extra.get("direct") is True
+        _engine_only(monkeypatch)
+        assert run.to_dict() == search(queries, corpus, k=6).to_dict()
+        assert reranked.to_dict() == rerank(queries, corpus, cands).to_dict()
+
+
+def test_exact_ties_are_broken_by_docno_descending(tmp_path) -> None:
+    """Five copies of one document under different docnos, in two shards: equal scores, ranked by docno
+    descending, in search and rerank alike."""
+    emb = torch.zeros(2, 8)
+    emb[:, :3] = torch.tensor([[0.5, -0.25, 1.0], [1.0, 0.5, -0.5]])
+    write_shard(tmp_path / "a.safetensors", ["d3", "d1", "x"], [emb, emb, -emb[:1]], dtype="float32")
+    write_shard(tmp_path / "b.safetensors", ["d2", "d5", "d4"], [emb, emb, emb], dtype="float32")
+    q = Queries.from_embeddings(["q"], [emb[:1]])
+    with open_corpus(tmp_path) as corpus:
+        corpus.to("cpu")
+        run = search(q, corpus, k=6)
+        assert run.stats.extra.get("direct") is True
+        assert [r.docno for r in run] == ["d5", "d4", "d3", "d2", "d1", "x"]
+        assert len({r.score for r in list(run)[:5]}) == 1 and list(run)[5].score < 0
+        reranked = rerank(q, corpus, {"q": ["x", "d1", "d4", "d2"]})
+        assert [r.docno for r in reranked] == ["d4", "d2", "d1", "x"]
+
+
+def test_bad_candidates_fail_as_in_the_engine(corpus_path, queries) -> None:
+    with open_corpus(corpus_path) as corpus:
+        corpus.to("cpu")
+        with pytest.raises(InputError, match="query 'nope' has candidates but no embedding"):
+            rerank(queries, corpus, {"nope": corpus.ids[:2]})
+        with pytest.raises(InputError, match="1 candidates are not in the corpus"):
+            rerank(queries, corpus, {queries.ids[0]: ["missing"]}, strict=True)
+        with pytest.warns(maxsim_cli.MaxsimWarning):
+            empty = rerank(queries, corpus, {queries.ids[0]: ["missing"]})
+        assert len(empty) == 0 and empty.stats.pairs == 0
+
+
+def test_the_engine_runs_what_the_direct_path_must_not(corpus_path, queries, monkeypatch) -> None:
+    with open_corpus(corpus_path) as corpus:
+        streamed = search(queries, corpus, k=4, device="cpu")  # not resident
+        assert streamed.stats.extra.get("direct") is None
+        corpus.to("cpu")
+        for options in ({"max_memory": "64MiB"}, {"max_host_memory": "4GiB"}, {"batch_queries": 2}):
+            run = search(queries, corpus, k=4, **options)
+            assert run.stats.extra.get("direct") is None and run == streamed, options
+        # a score block over the direct path's limit
+        monkeypatch.setitem(direct.MAX_BLOCK_BYTES, "cpu", 1)
+        assert search(queries, corpus, k=4).stats.extra.get("direct") is None
+
+
+def test_out_of_memory_hands_the_call_to_the_engine(corpus_path, queries, monkeypatch) -> None:
+    import maxsim_kernels
+
+    with open_corpus(corpus_path) as corpus:
+        corpus.to("cpu")
+        expected = search(queries, corpus, k=5)
+
+        def out_of_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError("out of memory")
+
+        monkeypatch.setattr(maxsim_kernels, "maxsim_varlen", out_of_memory)
+        monkeypatch.setattr(maxsim_kernels, "maxsim_candidates", out_of_memory)
+        # the engine on the CPU scores through maxsim_kernels.cpu (checking values), which still works
+        run = search(queries, corpus, k=5)
+        assert run.stats.extra.get("direct") is None and run == expected
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_direct_path_is_the_engines_run(corpus_path, queries, tmp_path, monkeypatch) -> None:
+    from maxsim_cli.quantize import quantize_corpus
+
+    quantize_corpus([corpus_path], tmp_path / "int8", sample_queries=0, device="cuda")
+    for path in (corpus_path, str(tmp_path / "int8")):
+        with open_corpus(path) as corpus:
+            corpus.to("cuda")
+            cands = _candidates(corpus, queries.ids, seed=2)
+            with pytest.warns(maxsim_cli.MaxsimWarning):
+                got = (search(queries, corpus, k=7), rerank(queries, corpus, cands))
+            assert all(r.stats.extra.get("direct") is True for r in got)
+            with monkeypatch.context() as patch, pytest.warns(maxsim_cli.MaxsimWarning):
+                _engine_only(patch)
+                want = (search(queries, corpus, k=7), rerank(queries, corpus, cands))
+            assert [r.to_dict() for r in got] == [r.to_dict() for r in want]
