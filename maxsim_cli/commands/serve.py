@@ -62,12 +62,21 @@ def register(app: typer.Typer) -> None:
             min=1,
         ),
         access_log: bool = typer.Option(False, "--access-log", help="Log every request on stderr."),
+        workers: str = typer.Option(
+            "auto",
+            "--workers",
+            help=(
+                "HTTP worker processes (0: HTTP in the scoring process). auto: 0 when the CPU scores (its "
+                "cores are busy scoring), else a quarter of the cores, 1 to 4: on a GPU one process's "
+                "HTTP and JSON work, not the GPU, caps the queries per second."
+            ),
+        ),
     ) -> None:
         """Keep a corpus resident and answer exact search and rerank requests over HTTP (JSON or Arrow).
 
         GET /health, POST /search, POST /rerank: see docs/serve.md.
 
-        Example: maxsim serve corpus/ --device cuda --port 8000
+        Example: maxsim serve corpus/ --device cuda --port 8000 --workers 4
         """
         try:
             import fastapi  # noqa: F401
@@ -81,6 +90,14 @@ def register(app: typer.Typer) -> None:
             from maxsim_cli.errors import UsageError
 
             raise UsageError("--device and --devices: give one of them")
+        if workers.strip().lower() == "auto":
+            worker_count = None
+        elif workers.strip().isdigit():
+            worker_count = int(workers)
+        else:
+            from maxsim_cli.errors import UsageError
+
+            raise UsageError(f"--workers {workers}: a number of processes (0 or more) or auto")
         serve(
             corpus,
             host=host,
@@ -92,4 +109,5 @@ def register(app: typer.Typer) -> None:
             batch_window_ms=batch_window_ms,
             max_batch_queries=max_batch_queries,
             access_log=access_log,
+            workers=worker_count,
         )

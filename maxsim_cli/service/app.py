@@ -25,7 +25,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -33,8 +34,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from maxsim_cli.errors import InputError, MaxsimError, UsageError
-from maxsim_cli.service.batching import Batcher, Scorer, Timing
-from maxsim_cli.service.schema import JSON_TYPE, RequestError, answer_json, parse_request
+from maxsim_cli.service.batching import Batcher, QueryAnswer, Scorer, Timing
+from maxsim_cli.service.schema import JSON_TYPE, Parsed, RequestError, answer_json, parse_request
 
 if TYPE_CHECKING:
     from maxsim_cli.api import Corpus
@@ -50,6 +51,9 @@ GRACEFUL_SHUTDOWN_S = 60
 # worker thread, so that a big request does not hold up the small ones.
 INLINE_PARSE_BYTES = 256 << 10
 INLINE_ANSWER_HITS = 10_000
+# --workers at most (each is a process of ~60 MB).
+MAX_WORKERS = 64
+STOPS = "(SIGTERM or Ctrl-C stops, after the requests in flight)"
 
 
 def create_app(
@@ -77,49 +81,82 @@ def create_app(
         finally:
             await batcher.close()  # every queued request is answered first
 
+    async def submit(kind: str, parsed: Parsed) -> Answered:
+        timing = Timing()
+        answers = await batcher.submit(kind, parsed, timing)
+        return Answered(answers, timing.queue_s, timing.score_s, timing.batch_requests)
+
+    async def health() -> dict[str, Any]:
+        return health_of(corpus, batcher, workers=0)
+
+    app = http_app(
+        parse_request,
+        submit,
+        health,
+        corpus_dim=corpus.dim,
+        token=token,
+        max_request_bytes=max_request_bytes,
+        lifespan=lifespan,
+    )
+    app.state.batcher = batcher
+    app.state.corpus = corpus
+    return app
+
+
+@dataclass
+class Answered:
+    """A request's answers and where its time went: queued, its batch's scoring, the batch's size in
+    requests, and (from a worker process) the round trip to the scoring process beyond those."""
+
+    answers: list[QueryAnswer]
+    queue_s: float
+    score_s: float
+    batch_requests: int
+    ipc_s: float | None = None
+
+
+def http_app(
+    parse: Callable[[str, str | None, bytes, Mapping[str, str], int], Any],
+    submit: Callable[[str, Any], Awaitable[Answered]],
+    health: Callable[[], Awaitable[dict[str, Any]]],
+    *,
+    corpus_dim: int,
+    token: str | None,
+    max_request_bytes: int,
+    lifespan: Callable[[FastAPI], Any],
+) -> FastAPI:
+    """The HTTP side of the server: ``parse`` reads a body (`schema.parse_request` in one process,
+    `schema.check_request` in a worker process), ``submit`` has it scored, ``health`` says how the
+    server is. Both sides answer with the same bytes and errors."""
     app = FastAPI(
         title="maxsim",
         summary="Exact MaxSim search and rerank over a resident corpus",
         lifespan=lifespan,
         openapi_url=None,  # no schema or docs pages: docs/serve.md describes the endpoints
     )
-    app.state.batcher = batcher
-    app.state.corpus = corpus
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {
-            "status": "ok",
-            "documents": len(corpus),
-            "tokens": corpus.num_tokens,
-            "dim": corpus.dim,
-            "dtype": corpus.dtype,
-            "devices": corpus_devices(corpus),
-            "requests": batcher.counters.requests,
-            "batches": batcher.counters.batches,
-        }
+    async def health_route() -> dict[str, Any]:
+        return await health()
 
     async def answer(kind: str, request: Request) -> Response:
         try:
             body = await _read_body(request, max_request_bytes)
             started = time.perf_counter()
-            args = (kind, request.headers.get("content-type"), body, request.query_params, corpus.dim)
+            args = (kind, request.headers.get("content-type"), body, request.query_params, corpus_dim)
             if len(body) <= INLINE_PARSE_BYTES:
-                parsed = parse_request(*args)
+                parsed = parse(*args)
             else:
-                parsed = await run_in_threadpool(parse_request, *args)
+                parsed = await run_in_threadpool(parse, *args)
             parsed_at = time.perf_counter()
-            timing = Timing()
-            answers = await batcher.submit(kind, parsed, timing)
+            answered = await submit(kind, parsed)
             answered_at = time.perf_counter()
-            if sum(len(hits) for _, hits, _ in answers) <= INLINE_ANSWER_HITS:
-                content = answer_json(answers)
+            if sum(len(hits) for _, hits, _ in answered.answers) <= INLINE_ANSWER_HITS:
+                content = answer_json(answered.answers)
             else:
-                content = await run_in_threadpool(answer_json, answers)
-            spans = (parsed_at - started, timing.queue_s, timing.score_s, time.perf_counter() - answered_at)
-            return Response(
-                content, media_type=JSON_TYPE, headers={"server-timing": server_timing(*spans, timing)}
-            )
+                content = await run_in_threadpool(answer_json, answered.answers)
+            header = server_timing(parsed_at - started, answered, time.perf_counter() - answered_at)
+            return Response(content, media_type=JSON_TYPE, headers={"server-timing": header})
         except Exception as exc:  # noqa: BLE001 - every failure is one request's answer
             return error_response(exc)
 
@@ -142,12 +179,29 @@ def create_app(
     return app
 
 
-def server_timing(parse_s: float, queue_s: float, score_s: float, encode_s: float, timing: Timing) -> str:
-    """The ``Server-Timing`` header of an answer (milliseconds): parsing the body, waiting for its batch,
-    the batch's scoring (shared by the batch's requests: ``desc`` says how many), encoding the answer."""
+def health_of(corpus: Corpus, batcher: Batcher, *, workers: int) -> dict[str, Any]:
+    """``GET /health``'s answer: the corpus, the batcher's counters, the HTTP worker processes."""
+    return {
+        "status": "ok",
+        "documents": len(corpus),
+        "tokens": corpus.num_tokens,
+        "dim": corpus.dim,
+        "dtype": corpus.dtype,
+        "devices": corpus_devices(corpus),
+        "requests": batcher.counters.requests,
+        "batches": batcher.counters.batches,
+        "workers": workers,
+    }
+
+
+def server_timing(parse_s: float, answered: Answered, encode_s: float) -> str:
+    """The ``Server-Timing`` header of an answer (milliseconds): parsing the body, (from a worker
+    process) the way to the scoring process and back, waiting for its batch, the batch's scoring
+    (shared by the batch's requests: ``desc`` says how many), encoding the answer."""
+    ipc = f"ipc;dur={answered.ipc_s * 1e3:.3f}, " if answered.ipc_s is not None else ""
     return (
-        f"parse;dur={parse_s * 1e3:.3f}, queue;dur={queue_s * 1e3:.3f}, "
-        f'score;dur={score_s * 1e3:.3f};desc="batch of {timing.batch_requests}", '
+        f"parse;dur={parse_s * 1e3:.3f}, {ipc}queue;dur={answered.queue_s * 1e3:.3f}, "
+        f'score;dur={answered.score_s * 1e3:.3f};desc="batch of {answered.batch_requests}", '
         f"encode;dur={encode_s * 1e3:.3f}"
     )
 
@@ -167,6 +221,12 @@ def index_ids(corpus: Corpus) -> None:
 
 def error_response(exc: BaseException) -> JSONResponse:
     """The one-line answer to a request that failed with ``exc`` (module doc: the statuses)."""
+    status, message = error_status(exc)
+    return JSONResponse({"detail": message}, status_code=status)
+
+
+def error_status(exc: BaseException) -> tuple[int, str]:
+    """The HTTP status and one-line message of a request that failed with ``exc``."""
     if isinstance(exc, RequestError):
         status, message = exc.status, exc.message
     elif isinstance(exc, (InputError, UsageError)):
@@ -178,7 +238,7 @@ def error_response(exc: BaseException) -> JSONResponse:
     else:
         logger.error("request failed", exc_info=exc)
         status, message = 500, f"internal error: {type(exc).__name__}: {exc}"
-    return JSONResponse({"detail": " ".join(message.split())}, status_code=status)
+    return status, " ".join(message.split())
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -375,11 +435,13 @@ def serve(
     batch_window_ms: float = DEFAULT_WINDOW_MS,
     max_batch_queries: int = DEFAULT_MAX_BATCH_QUERIES,
     access_log: bool = False,
+    workers: int | None = None,
     log: Callable[[str], None] = _stderr,
 ) -> None:
     """Open the corpus, make it resident on ``device`` (or spread over ``devices``), and answer requests
     on ``host:port`` (0: a free port; the line ``serving ... on http://HOST:PORT`` on stderr says which)
-    until SIGTERM or Ctrl-C, which let the requests in flight finish first."""
+    until SIGTERM or Ctrl-C, which let the requests in flight finish first. ``workers``: HTTP in that
+    many worker processes (`maxsim_cli.service.workers`), 0 in this one, None: `auto_workers`."""
     import uvicorn
 
     from maxsim_cli.api import open_corpus
@@ -390,6 +452,8 @@ def serve(
         raise UsageError(f"--batch-window-ms {batch_window_ms}: must be 0 or more")
     if max_batch_queries < 1:
         raise UsageError(f"--max-batch-queries {max_batch_queries}: must be at least 1")
+    if workers is not None and not 0 <= workers <= MAX_WORKERS:
+        raise UsageError(f"--workers {workers}: must be 0 to {MAX_WORKERS}, or auto")
     token = read_token(token_file, log) if token_file is not None else None
     check_bind(host, token)
     sock = _bind(host, port)  # a port in use fails now, before the corpus is loaded
@@ -399,6 +463,24 @@ def serve(
             corpus.to(list(devices) if devices else device)
             log(f"{corpus!r}: resident in {time.perf_counter() - started:.1f} s")
             warm_up(corpus)
+            if workers is None:
+                from maxsim_cli.service.workers import auto_workers
+
+                workers = auto_workers(corpus_devices(corpus))
+            if workers > 0:
+                _serve_with_workers(
+                    corpus,
+                    sock,
+                    workers,
+                    host=host,
+                    token=token,
+                    max_request_bytes=max_request_bytes,
+                    batch_window_ms=batch_window_ms,
+                    max_batch_queries=max_batch_queries,
+                    access_log=access_log,
+                    log=log,
+                )
+                return
             app = create_app(
                 corpus,
                 token=token,
@@ -418,9 +500,60 @@ def serve(
             )
             server = uvicorn.Server(config)
             sock.listen(2048)
-            log(f"serving on {_url(host, bound)} (SIGTERM or Ctrl-C stops, after the requests in flight)")
+            log(f"serving on {_url(host, bound)} {STOPS}")
             with _signals_end_cleanly(), _quick_thread_switches():
                 server.run(sockets=[sock])
             log("stopped")
     finally:
         sock.close()
+
+
+def _serve_with_workers(
+    corpus: Corpus,
+    sock: socket.socket,
+    workers: int,
+    *,
+    host: str,
+    token: str | None,
+    max_request_bytes: int,
+    batch_window_ms: float,
+    max_batch_queries: int,
+    access_log: bool,
+    log: Callable[[str], None],
+) -> None:
+    """`serve`'s scoring process under ``--workers N`` (`maxsim_cli.service.workers`)."""
+    import asyncio
+    import logging.config
+
+    from maxsim_cli.service.workers import Hub
+
+    logging.config.dictConfig(_log_config())
+    index_ids(corpus)
+    hub = Hub(
+        corpus,
+        sock,
+        workers,
+        token=token,
+        max_request_bytes=max_request_bytes,
+        batch_window_ms=batch_window_ms,
+        max_batch_queries=max_batch_queries,
+        access_log=access_log,
+    )
+    bound = sock.getsockname()[1]
+    sock.listen(2048)
+
+    def ready() -> None:
+        log(f"serving on {_url(host, bound)} with {workers} HTTP worker processes {STOPS}")
+
+    try:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    except ImportError:
+        loop = asyncio.new_event_loop()
+    try:
+        with _quick_thread_switches():
+            loop.run_until_complete(hub.run(ready))
+    finally:
+        loop.close()
+    log("stopped")
