@@ -538,6 +538,9 @@ def _serve_with_workers(
         batch_window_ms=batch_window_ms,
         max_batch_queries=max_batch_queries,
         access_log=access_log,
+        health=lambda batcher: health_of(corpus, batcher, workers=workers),
+        error_status=error_status,
+        graceful_shutdown_s=GRACEFUL_SHUTDOWN_S,
     )
     bound = sock.getsockname()[1]
     sock.listen(2048)

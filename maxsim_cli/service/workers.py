@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, Any
 
 from maxsim_cli.errors import MaxsimError
 from maxsim_cli.lifeline import ENV_LAUNCHER_PID
-from maxsim_cli.service.app import GRACEFUL_SHUTDOWN_S, error_status, health_of
 from maxsim_cli.service.batching import Batcher, Scorer, Timing
 from maxsim_cli.service.schema import to_parsed
 from maxsim_cli.service.wire import (
@@ -97,9 +96,18 @@ class Hub:
         batch_window_ms: float,
         max_batch_queries: int,
         access_log: bool,
+        health: Callable[[Batcher], dict[str, Any]],
+        error_status: Callable[[BaseException], tuple[int, str]],
+        graceful_shutdown_s: float,
         device: str = "auto",
     ) -> None:
+        """``health``: ``GET /health``'s answer; ``error_status``: a failed request's HTTP status and
+        message; ``graceful_shutdown_s``: how long a stopping worker may finish its requests (the
+        HTTP side's, in `maxsim_cli.service.app`)."""
         self.corpus = corpus
+        self.health = health
+        self.error_status = error_status
+        self.graceful_shutdown_s = graceful_shutdown_s
         self.listener = listener
         self.count = workers
         self.config = {
@@ -202,7 +210,7 @@ class Hub:
             if worker.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     worker.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + GRACEFUL_SHUTDOWN_S + EXIT_GRACE_S
+        deadline = time.monotonic() + self.graceful_shutdown_s + EXIT_GRACE_S
         while any(w.proc.poll() is None for w in self.workers) and time.monotonic() < deadline:
             await asyncio.sleep(POLL_S)
         for worker in self.workers:
@@ -235,7 +243,7 @@ class Hub:
                 header, payload = await read_frame(reader)
                 op = header.get("op")
                 if op == "health":
-                    health = health_of(self.corpus, self.batcher, workers=self.count)
+                    health = self.health(self.batcher)
                     writer.write(pack({"id": header.get("id"), "status": 200, "health": health}))
                 elif op in ("search", "rerank"):
                     task = asyncio.get_running_loop().create_task(self._answer(op, header, payload, writer))
@@ -260,6 +268,6 @@ class Hub:
             answers = await self.batcher.submit(kind, parsed, timing)
             frame = answer_frame(request_id, answers, timing.queue_s, timing.score_s, timing.batch_requests)
         except Exception as exc:  # noqa: BLE001 - every failure is one request's answer
-            frame = error_frame(request_id, *error_status(exc))
+            frame = error_frame(request_id, *self.error_status(exc))
         if not writer.is_closing():
             writer.write(frame)
