@@ -1,0 +1,402 @@
+"""`maxsim serve --workers N`: real servers on 127.0.0.1 (port 0) whose HTTP runs in worker processes.
+
+Each answer and each refusal is compared byte for byte with the one-process server (`create_app` under
+FastAPI's TestClient, what ``--workers 0`` runs) and with `maxsim score`'s run; then the processes: no
+torch in a worker, a worker killed or sent SIGTERM is replaced, SIGTERM to the server finishes the
+requests in flight and removes the server's folder, a worker that cannot start stops the server.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*httpx2.*")
+    from fastapi.testclient import TestClient  # noqa: E402
+from test_serve import (  # noqa: E402
+    CORPUS,
+    JSON_ERRORS,
+    QUERY_FILE,
+    TOKEN,
+    arrow_stream,
+    as_float32,
+    cli_run,
+    first_stage,
+    hits_of,
+    query_json,
+)
+from typer.testing import CliRunner  # noqa: E402
+
+from maxsim_cli import open_corpus, read_queries, search  # noqa: E402
+from maxsim_cli.cli import app as cli_app  # noqa: E402
+from maxsim_cli.service.app import create_app  # noqa: E402
+from maxsim_cli.service.schema import ARROW_TYPE, parse_request  # noqa: E402
+from maxsim_cli.shards import write_shard  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+JSON = "application/json"
+
+
+class Server:
+    """`maxsim serve` in a subprocess on 127.0.0.1, a free port; stderr collected by a thread."""
+
+    def __init__(self, corpus: str, *args: str, env: dict[str, str] | None = None, wait: bool = True) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "maxsim_cli", "serve", corpus, "--device", "cpu", "--port", "0", *args],
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})},
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._drain, daemon=True).start()
+        if not wait:
+            return
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                self.stop()
+                pytest.fail("the server did not start:\n" + "".join(self.log))
+            match = re.search(r"serving on http://127\.0\.0\.1:(\d+)", line)
+            if match:
+                self.port = int(match.group(1))
+                self.url = f"http://127.0.0.1:{self.port}"
+                return
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log.append(line)
+            self.lines.put(line)
+
+    def workers(self) -> list[int]:
+        """The pids of the worker processes."""
+        text = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
+        return [int(pid) for pid in text.split()]
+
+    def hub_folder(self) -> str:
+        """The server's private folder (its Unix socket's), from a worker's command line."""
+        args = Path(f"/proc/{self.workers()[0]}/cmdline").read_bytes().split(b"\0")
+        return os.path.dirname(args[args.index(b"--hub") + 1].decode())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def wait_for(condition, what: str, timeout: float = 30) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def queries():
+    return read_queries(QUERY_FILE)
+
+
+@pytest.fixture(scope="module")
+def local() -> Iterator[TestClient]:
+    """The one-process server (`--workers 0`) on the same settings."""
+    with open_corpus(CORPUS) as corpus:
+        corpus.to("cpu")
+        with TestClient(create_app(corpus, batch_window_ms=5, max_request_bytes=4 << 20)) as client:
+            yield client
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    s = Server(CORPUS, "--workers", "2", "--batch-window-ms", "5", "--max-request-bytes", "4MiB")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        yield client
+
+
+def both(http: httpx.Client, local: TestClient, path: str, body: bytes, content_type: str = JSON):
+    """The worker server's and the one-process server's answers to one request."""
+    headers = {"content-type": content_type}
+    return http.post(path, content=body, headers=headers), local.post(path, content=body, headers=headers)
+
+
+def json_body(value: dict) -> bytes:
+    import json
+
+    return json.dumps(value).encode()
+
+
+# --------------------------------------------------------------------------------------------------
+# answers
+
+
+def test_health_names_the_workers(http) -> None:
+    health = http.get("/health").json()
+    assert health["workers"] == 2 and health["documents"] == 400 and health["dtype"] == "float16"
+    assert health["requests"] >= health["batches"] >= 0
+
+
+def test_search_from_several_clients_equals_one_process_and_maxsim_score(server, local, queries) -> None:
+    expected = cli_run("-k", "10")
+    sizes = [1, 2, 3, 37, 5, 1, 20, 31, 1, 8, 40, 1, 50]
+    starts = np.cumsum([0, *sizes])
+    bodies = [
+        json_body({"queries": [query_json(queries, i) for i in range(a, b)], "k": 10})
+        for a, b in zip(starts[:-1], starts[1:], strict=True)
+    ]
+
+    def send(body: bytes) -> httpx.Response:
+        with httpx.Client(base_url=server.url, timeout=30) as client:  # a connection each
+            return client.post("/search", content=body, headers={"content-type": JSON})
+
+    with ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(send, bodies))
+    got: dict = {}
+    for response, body in zip(responses, bodies, strict=True):
+        assert response.status_code == 200, response.text
+        alone = local.post("/search", content=body, headers={"content-type": JSON})
+        assert response.content == alone.content
+        got.update(hits_of(response.json()))
+    assert as_float32(got) == expected
+
+
+def test_rerank_equals_one_process_and_maxsim_score(http, local, queries) -> None:
+    stage = first_stage(20)
+    wanted = [queries.ids.index(q) for q in stage]
+    expected = cli_run("--candidates", "sample_data/candidates.trec", "-k", "5")
+    body = {"queries": [query_json(queries, i) for i in wanted], "candidates": stage, "k": 5}
+    ours, theirs = both(http, local, "/rerank", json_body(body))
+    assert ours.status_code == 200 and ours.content == theirs.content
+    assert as_float32(hits_of(ours.json())) == {q: expected[q] for q in stage}
+    cands = {q: ["no-such-doc", *docnos] for q, docnos in stage.items()}
+    ours, theirs = both(http, local, "/rerank", json_body({**body, "candidates": cands, "k": None}))
+    assert ours.status_code == 200 and ours.content == theirs.content
+    assert all(r["missing"] == ["no-such-doc"] for r in ours.json()["results"])
+
+
+def test_arrow_requests_equal_one_process(http, local, queries, tmp_path) -> None:
+    stream = arrow_stream(queries, list(range(10, 25)), tmp_path)
+    ours, theirs = both(http, local, "/search?k=7", stream, ARROW_TYPE)
+    assert ours.status_code == 200 and ours.content == theirs.content
+    stage = first_stage(3)
+    lists = [stage[q] + (["no-such-doc"] if n == 0 else []) for n, q in enumerate(stage)]
+    body = arrow_stream(queries, [queries.ids.index(q) for q in stage], tmp_path, candidates=lists)
+    for path in ("/rerank?k=4", "/rerank?strict=true"):
+        ours, theirs = both(http, local, path, body, ARROW_TYPE)
+        assert (ours.status_code, ours.content) == (theirs.status_code, theirs.content)
+
+
+def test_answers_say_where_their_time_went(http, queries) -> None:
+    response = http.post("/search", json={"queries": [query_json(queries, 0)], "k": 3})
+    spans = dict(re.findall(r"(\w+);dur=([\d.]+)", response.headers["server-timing"]))
+    assert list(spans) == ["parse", "ipc", "queue", "score", "encode"]
+    assert all(float(v) >= 0 for v in spans.values()) and float(spans["score"]) > 0
+
+
+BAD_TRANSPORT = [
+    ("/search", b"hello", "text/plain"),
+    ("/search", b"", JSON),
+    ("/search", b"\x00" * 64, ARROW_TYPE),
+    ("/search", json_body({"queries": [{"qid": "q1", "embedding": [[0.5] * 384]}] * 3000}), JSON),
+    ("/search?k=3", json_body({"queries": [{"qid": "q1", "embedding": [[0.5] * 384]}]}), JSON),
+]
+
+
+def test_refusals_equal_one_process(http, local, queries, tmp_path) -> None:
+    cases = [
+        (path, body if isinstance(body, bytes) else json_body(body), JSON)
+        for _, path, body, *_ in JSON_ERRORS
+    ]
+    stream = arrow_stream(queries, [0], tmp_path)
+    cases += BAD_TRANSPORT + [
+        ("/search?kk=1", stream, ARROW_TYPE),
+        ("/search?k=zero", stream, ARROW_TYPE),
+        ("/rerank", stream, ARROW_TYPE),
+    ]
+    for path, body, content_type in cases:
+        ours, theirs = both(http, local, path, body, content_type)
+        assert 400 <= ours.status_code < 500, (path, body[:80], ours.text)
+        assert (ours.status_code, ours.content) == (theirs.status_code, theirs.content), (path, body[:80])
+    assert http.get("/search").status_code == 405 and http.get("/nothing").status_code == 404
+
+
+def test_workers_do_not_import_torch(server) -> None:
+    workers = server.workers()
+    assert len(workers) == 2
+    assert "torch" in Path(f"/proc/{server.proc.pid}/maps").read_text()  # the check sees torch where it is
+    for pid in workers:
+        assert "torch" not in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "sigterm"])
+def test_a_worker_that_exits_is_replaced(server, http, queries, how) -> None:
+    before = server.workers()
+    os.kill(before[0], how)
+    wait_for(lambda: before[0] not in server.workers() and len(server.workers()) == 2, "a new worker")
+    body = {"queries": [query_json(queries, 3)], "k": 2}
+    with ThreadPoolExecutor(4) as pool:  # fresh connections, spread over both workers
+        statuses = list(
+            pool.map(lambda _: httpx.post(f"{server.url}/search", json=body).status_code, range(8))
+        )
+    assert statuses == [200] * 8
+    assert any(f"pid {before[0]}) exited" in line for line in server.log)
+    assert server.proc.poll() is None
+
+
+# --------------------------------------------------------------------------------------------------
+# an int8 corpus, int8 queries, a token
+
+
+def quantized(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    values = rows.float()
+    scales = values.abs().amax(dim=1).clamp_min(1e-12) / 127
+    return torch.round(values / scales[:, None]).to(torch.int8), scales
+
+
+def int8_query_stream(queries, ids: list[int], path: Path) -> bytes:
+    import pyarrow as pa
+
+    rows = [queries.embeddings[int(queries.offsets[i]) : int(queries.offsets[i + 1])] for i in ids]
+    pairs = [quantized(r) for r in rows]
+    write_shard(path, [queries.ids[i] for i in ids], [q for q, _ in pairs], scales=[s for _, s in pairs])
+    with pa.memory_map(str(path)) as source:
+        table = pa.ipc.open_file(source).read_all()
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def test_int8_corpus_and_queries_with_a_token(tmp_path, queries) -> None:
+    from maxsim_cli.quantize import quantize_corpus
+
+    quantize_corpus([CORPUS], tmp_path / "int8", device="cpu", sample_queries=0)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    server = Server(str(tmp_path / "int8"), "--workers", "1", "--token-file", str(token_file))
+    try:
+        with open_corpus(tmp_path / "int8") as corpus:
+            corpus.to("cpu")
+            app = create_app(corpus, token=TOKEN, batch_window_ms=0)
+            with TestClient(app) as local, httpx.Client(base_url=server.url, timeout=30) as http:
+                for headers in ({}, {"authorization": "Bearer wrong-token-0123456789"}):
+                    ours, theirs = http.get("/health", headers=headers), local.get("/health", headers=headers)
+                    assert ours.status_code == 401 and ours.content == theirs.content
+                    assert ours.headers["www-authenticate"] == "Bearer"
+                auth = {"authorization": f"Bearer {TOKEN}"}
+                assert http.get("/health", headers=auth).json()["dtype"] == "int8"
+                body = json_body({"queries": [query_json(queries, i) for i in range(0, 200, 9)], "k": 5})
+                stream = int8_query_stream(queries, list(range(0, 200, 13)), tmp_path / "q8.arrow")
+                for path, content, kind in (("/search", body, JSON), ("/search?k=5", stream, ARROW_TYPE)):
+                    headers = {**auth, "content-type": kind}
+                    ours, theirs = (c.post(path, content=content, headers=headers) for c in (http, local))
+                    assert ours.status_code == 200, ours.text
+                    assert ours.content == theirs.content
+                parsed = parse_request("search", ARROW_TYPE, stream, {"k": "5"}, corpus.dim)
+                assert parsed.queries.dtype == "int8"
+                expected = search(parsed.queries, corpus, k=5).to_dict()
+                assert hits_of(ours.json()) == expected
+    finally:
+        server.stop()
+
+
+# --------------------------------------------------------------------------------------------------
+# stopping, and a worker that cannot start
+
+
+def test_sigterm_answers_the_requests_in_flight_then_exits_0(queries) -> None:
+    server = Server(CORPUS, "--workers", "2", "--batch-window-ms", "2")
+    try:
+        folder = server.hub_folder()
+        assert os.path.isdir(folder) and os.stat(folder).st_mode & 0o777 == 0o700
+        bodies = [json_body({"queries": [query_json(queries, i)], "k": 4}) for i in range(6)]
+        heads = [
+            (
+                f"POST /search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            ).encode()
+            for body in bodies
+        ]
+        socks = [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in bodies]
+        for sock, head, body in zip(socks, heads, bodies, strict=True):
+            sock.sendall(head + body[: len(body) // 2])
+        time.sleep(0.3)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert server.proc.poll() is None  # waiting for the requests in flight
+        expected = search(queries, CORPUS, k=4, device="cpu").to_dict()
+        for i, (sock, body) in enumerate(zip(socks, bodies, strict=True)):
+            sock.sendall(body[len(body) // 2 :])
+            response = b""
+            while chunk := sock.recv(65536):
+                response += chunk
+            sock.close()
+            status_line, _, rest = response.partition(b"\r\n")
+            assert b" 200 " in status_line, response[:300]
+            answer = httpx.Response(200, content=rest.partition(b"\r\n\r\n")[2]).json()
+            assert hits_of(answer) == {queries.ids[i]: expected[queries.ids[i]]}
+        assert server.proc.wait(timeout=60) == 0, "".join(server.log)
+        assert not os.path.exists(folder)
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", server.port), timeout=2).close()
+    finally:
+        server.stop()
+
+
+def test_a_worker_that_cannot_start_stops_the_server(tmp_path) -> None:
+    # every worker process exits at once, before it has imported anything
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        "if 'maxsim_cli.service.front' in getattr(sys, 'orig_argv', ()):\n"
+        "    print('maxsim: serve worker: cannot start', file=sys.stderr, flush=True)\n"
+        "    os._exit(1)\n"
+    )
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    server = Server(CORPUS, "--workers", "2", env={"PYTHONPATH": path}, wait=False)
+    try:
+        assert server.proc.wait(timeout=90) == 1, "".join(server.log)
+        time.sleep(0.2)  # the rest of stderr
+        errors = [line for line in server.log if line.startswith("maxsim: error:")]
+        assert len(errors) == 1 and "before it was ready" in errors[0], "".join(server.log)
+        assert not any("serving on" in line for line in server.log)
+        assert not any(line.startswith("Traceback") for line in server.log)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("value", ["many", "-1", "65"])
+def test_bad_workers_option(value) -> None:
+    result = CliRunner().invoke(cli_app, ["serve", CORPUS, "--device", "cpu", "--workers", value])
+    assert result.exit_code == 2, result.output
+    assert "--workers" in result.output
