@@ -99,9 +99,14 @@ def register(app: typer.Typer) -> None:
 
         Example: maxsim score sample_data/queries.safetensors sample_data/corpus -k 100 -o run.trec
         """
+        from maxsim_cli import timeline
+
+        timeline.mark("command")  # the arguments are parsed (MAXSIM_TIMELINE: docs/benchmarks.md)
         from maxsim_cli.progress import progress_enabled
         from maxsim_cli.score import score
         from maxsim_cli.units import parse_size
+
+        timeline.mark("imports")
 
         _check_outputs(output, stats_json, [queries, *corpus, candidates])
         stats = score(

@@ -48,6 +48,7 @@ import torch
 from maxsim_kernels._validate import resolve_backend, share_device_copy
 from maxsim_kernels.cpu import NonFiniteDocuments
 
+from maxsim_cli import timeline
 from maxsim_cli.devices import DEFAULT_GPU_FREE_SHARE, default_host_bytes
 from maxsim_cli.errors import InputError, MaxsimError, RankStopped
 from maxsim_cli.memory import UNPLANNED_HOST_BYTES, HostMeter
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
     from maxsim_cli.progress import ScoreProgress
     from maxsim_cli.shards import Corpus, DocBatch
     from maxsim_cli.shards.resident import Residency
+    from maxsim_cli.warmup import KernelWarmup
 
 Logger = Callable[[str], None]
 
@@ -86,6 +88,9 @@ class RankContext:
     # The host memory meter of the run (`maxsim_cli.memory`), started by a caller that opened the inputs
     # (`files.score_files`), so that they count; else the run starts its own.
     host_meter: HostMeter | None = None
+    # The first Triton launch's once-a-process work, started beside the set-up (`maxsim_cli.warmup`):
+    # waited for before the pass's first launch.
+    warmup: KernelWarmup | None = None
 
 
 def run(
@@ -209,6 +214,10 @@ def _run(
             # The pass starts once the arena is locked, so that no page-locking runs during it (with
             # cudaHostAlloc, locking that overlapped the pass made it wait; see `open_arena`).
             stats.extra["arena_ready_s"] = round(arena.wait(), 4)
+            timeline.mark("arena_locked")
+        if context.warmup is not None:
+            stats.extra["kernels_wait_s"] = round(context.warmup.wait(), 4)
+            timeline.mark("kernels_joined")
         stats.setup_s = time.perf_counter() - started
         if candidates is not None:
             engine.run_rerank(passes, qids, request.top_k, sink)
@@ -497,6 +506,7 @@ class _Engine:
 
     def _batch_done(self, batch: Batch) -> None:
         """After each batch: the progress bar, and a stop when another rank of the job has failed."""
+        timeline.mark("first_batch_launched")
         if self.progress is not None:
             self.progress.advance(batch.plan.num_docs, batch.plan.num_tokens)
         if self.stop is not None and self.stop.is_set():

@@ -4,7 +4,12 @@ device (`maxsim_cli.score.score` without ``--devices``, and a job with a single 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
+import numpy as np
+import torch
+
+from maxsim_cli import timeline
 from maxsim_cli.memory import HostMeter
 from maxsim_cli.queries import read_queries
 from maxsim_cli.runs import RunWriter, read_run
@@ -12,8 +17,10 @@ from maxsim_cli.scoring import engine
 from maxsim_cli.scoring.engine import Logger, RankContext
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.stats import ScoreStats
-from maxsim_cli.shards import check_same_dim, input_notes, open_corpus, report_notes
+from maxsim_cli.shards import Corpus, DocBatch, check_same_dim, input_notes, open_corpus, report_notes
 from maxsim_cli.shards.files import check_output
+from maxsim_cli.topk import RunningTopK
+from maxsim_cli.warmup import KernelWarmup
 
 
 def score_files(request: ScoreRequest, *, log: Logger = engine._stderr) -> ScoreStats:
@@ -27,18 +34,27 @@ def score_files(request: ScoreRequest, *, log: Logger = engine._stderr) -> Score
     writer = RunWriter(request.output, tag=request.run_tag, fmt=request.fmt)  # opens only in the pass
     # what --max-host-memory bounds: the growth from here on, the inputs' ids and offsets included
     meter = HostMeter(device if device.type == "cuda" else None)
-    # on CUDA the staging memory locks while the corpus opens (`engine.open_arena`)
-    arena = engine.open_arena(request, device) if device.type == "cuda" else None
+    timeline.mark("checked")
+    # on CUDA the first Triton launch's once-a-process work starts now, beside the set-up (`warmup`)
+    warmup = KernelWarmup.start(device, request.backend)
     try:
+        # on CUDA the staging memory locks while the corpus opens (`engine.open_arena`)
+        arena = engine.open_arena(request, device) if device.type == "cuda" else None
         corpus = open_corpus(list(request.corpus))
     except BaseException:
         meter.close()
+        if warmup is not None:
+            warmup.close()
         raise
+    timeline.mark("corpus_open")
     try:
         queries = read_queries(request.queries).batch  # a query shard, a folder of them, or stdin
         check_same_dim(queries, request.query_name, corpus)  # before the run is read, as always
         # empty shards skipped, no queries, another encoder: warnings (--strict: errors), before any work
         report_notes(input_notes(corpus, queries, request.query_name), strict=request.strict, log=log)
+        timeline.mark("queries_read")
+        if warmup is not None and queries.num_docs and corpus.num_docs:
+            warmup.load(first_launches(request, corpus, queries, device))
         candidates = read_run(request.candidates) if request.candidates is not None else None
         entered = time.perf_counter()
         stats = engine.run(
@@ -47,12 +63,60 @@ def score_files(request: ScoreRequest, *, log: Logger = engine._stderr) -> Score
             queries,
             writer,
             candidates=candidates,
-            context=RankContext(arena=arena, host_meter=meter),
+            context=RankContext(arena=arena, host_meter=meter, warmup=warmup),
             log=log,
         )
     finally:
+        if warmup is not None:
+            warmup.close()  # joined on every exit path
         corpus.close()
         meter.close()
+    timeline.mark("run_written")
+    if warmup is not None:
+        stats.extra["warmup"] = warmup.stats()
     stats.setup_s += entered - started
     stats.wall_s = time.perf_counter() - started
     return stats
+
+
+def first_launches(
+    request: ScoreRequest, corpus: Corpus, queries: DocBatch, device: torch.device
+) -> Callable[[], None]:
+    """The run's first kernel launches, for `KernelWarmup`: its first query batch against one document
+    of 16 zero tokens, and the top-k merge's key kernel. The kernels' compile-time choices depend on the
+    queries (how many, the longest), the documents' dtype and dim, never on the documents, so these load
+    the kernels that the pass launches (a memory plan that cuts the queries into smaller batches than
+    ``--batch-queries`` may still pick another). Made in the warm-up's thread: the calls that
+    `engine._Engine` makes for the pass's first batch."""
+    from maxsim_kernels import maxsim_candidates, maxsim_varlen
+
+    num = queries.num_docs
+    first = min(num, request.batch_queries or num)
+
+    def launch() -> None:
+        q_emb = engine._query_embeddings(queries, corpus.dtype, corpus.quantization)
+        q_off = queries.offsets[: first + 1].to(torch.int64)
+        q = q_emb[: int(q_off[-1])].to(device)
+        q_scales = None
+        scaled = corpus.quantization != "none"
+        if scaled and device.type == "cuda":
+            from maxsim_kernels.maxsim_int8 import quantize_per_token
+
+            q, q_scales = quantize_per_token(q)
+        docs = torch.zeros((16, corpus.dim), dtype=getattr(torch, corpus.dtype), device=device)
+        d_off = torch.tensor([0, 16], dtype=torch.int64)
+        d_scales = torch.ones(16, dtype=torch.float32, device=device) if scaled else None
+        kernel_args = dict(backend=request.backend, doc_scales=d_scales, query_scales=q_scales)
+        if request.candidates is not None:
+            one_each = torch.arange(first + 1, dtype=torch.int64), torch.zeros(first, dtype=torch.int64)
+            maxsim_candidates(q, q_off, docs, d_off, *one_each, **kernel_args)
+            return
+        maxsim_varlen(q, q_off, docs, d_off, **kernel_args)
+        # the merge's order-key kernel is specialised on its sizes being multiples of 16: both kinds,
+        # and a block wider than the top-k (the partial sort)
+        k = min(request.top_k, 1024)
+        for width in (16, k + 1):
+            ranks = torch.from_numpy(np.arange(width, dtype=np.int64)).to(device)
+            RunningTopK(first, k).add(torch.zeros((first, width), device=device), ranks)
+
+    return launch

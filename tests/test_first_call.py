@@ -1,0 +1,195 @@
+"""A fresh process's first call: the timeline (`MAXSIM_TIMELINE`) and the kernel warm-up thread.
+
+The warm-up runs on CUDA only; here it is forced on for the Triton backend under the interpreter, where
+it makes the same calls on CPU tensors (`KernelWarmup.wanted` patched).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from maxsim_cli import timeline
+from maxsim_cli.cli import app
+from maxsim_cli.score import score
+from maxsim_cli.warmup import SWITCH_S, KernelWarmup
+from tests.test_score import make_corpus, make_queries, parse_run, reference_run, reference_scores
+
+ROOT = Path(__file__).resolve().parent.parent
+runner = CliRunner()
+MAIN_STAGES = ["command", "imports", "checked", "corpus_open", "queries_read", "first_batch_launched"]
+
+
+def _warmup_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "maxsim-warmup"]
+
+
+@pytest.fixture
+def small(tmp_path: Path) -> tuple[list[str], str, dict, dict]:
+    paths, docs = make_corpus(tmp_path / "c", "float16", layout=(("safetensors", 6), ("arrow", 5)))
+    queries = make_queries(tmp_path / "q.safetensors", n=3)
+    return paths, str(tmp_path / "q.safetensors"), queries, docs
+
+
+@pytest.fixture
+def forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm-up on for the Triton backend on the CPU (the interpreter)."""
+    pytest.importorskip("maxsim_kernels.maxsim_forward")
+    monkeypatch.setattr(KernelWarmup, "wanted", staticmethod(lambda device, backend: backend == "triton"))
+
+
+def test_timeline_of_a_fresh_process(small, tmp_path: Path) -> None:
+    paths, qpath, _, _ = small
+    out = tmp_path / "timeline.json"
+    started = time.time()
+    env = {**os.environ, timeline.ENV_PATH: str(out), timeline.ENV_T0: repr(started)}
+    cmd = [sys.executable, "-m", "maxsim_cli", "score", qpath, *paths, "-k", "3", "--device", "cpu", "-q"]
+    proc = subprocess.run([*cmd, "-o", str(tmp_path / "run.trec")], env=env, cwd=ROOT, capture_output=True)
+    assert proc.returncode == 0, proc.stderr.decode()
+    record = json.loads(out.read_text())
+    assert record["t0"] == started and record["t0_source"] == "parent" and record["pid"] > 0
+    stages = record["stages"]
+    assert [s for s in stages if s in MAIN_STAGES] == MAIN_STAGES  # in the order reached
+    assert list(stages)[-1] == "run_written"
+    assert 0 < stages["command"] <= stages["run_written"] < time.time() - started
+    # on the CPU there is no warm-up thread and no arena
+    assert set(record["threads"].values()) == {"MainThread"}
+    assert "kernels_ready" not in stages and "arena_locked" not in stages
+
+
+def test_timeline_start_from_proc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the parent's time, the process's start time from /proc: before now, after boot."""
+    monkeypatch.delenv(timeline.ENV_T0, raising=False)
+    t0, source = timeline.process_start()
+    assert source in ("proc", "first-mark") and t0 <= time.time()
+
+
+def test_timeline_is_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(timeline.ENV_PATH, raising=False)
+    before = dict(timeline._stages)
+    timeline.mark("never-written")
+    assert timeline._stages == before and not timeline.enabled()
+
+
+def test_timeline_unwritable_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setenv(timeline.ENV_PATH, str(tmp_path / "missing" / "t.json"))
+    timeline.write()
+    err = capsys.readouterr().err
+    assert err.startswith("maxsim: warning: MAXSIM_TIMELINE=") and err.count("\n") == 1
+    assert not list(tmp_path.iterdir())
+
+
+def test_no_warmup_on_the_cpu(small, tmp_path: Path) -> None:
+    paths, qpath, _, _ = small
+    assert KernelWarmup.start(torch.device("cpu"), "auto") is None
+    assert not KernelWarmup.wanted(torch.device("cpu"), "triton")
+    stats = score(qpath, paths, output=str(tmp_path / "run.trec"), top_k=3, device="cpu")
+    assert "warmup" not in stats.extra and "kernels_wait_s" not in stats.extra
+    assert not _warmup_threads()
+
+
+def test_warmup_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAXSIM_KERNEL_WARMUP", "0")
+    assert not KernelWarmup.wanted(torch.device("cuda"), "auto")
+
+
+@pytest.mark.parametrize("rerank", [False, True], ids=["exhaustive", "rerank"])
+def test_warmup_gives_the_same_run(forced, small, tmp_path: Path, rerank: bool) -> None:
+    paths, qpath, queries, docs = small
+    extra = {}
+    if rerank:
+        cands = tmp_path / "cands.trec"
+        cands.write_text("".join(f"q{i} Q0 {d} 1 1.0 bm25\n" for i in range(3) for d in sorted(docs)[:4]))
+        extra["candidates"] = str(cands)
+    interval = sys.getswitchinterval()
+    stats = score(qpath, paths, output=str(tmp_path / "run.trec"), top_k=3, device="cpu", backend="triton",
+                  **extra)  # fmt: skip
+    assert sys.getswitchinterval() == interval  # handed back
+    assert not _warmup_threads()
+    assert "error" not in stats.extra["warmup"], stats.extra["warmup"]
+    assert "kernels_ready_s" in stats.extra["warmup"] and stats.extra["kernels_wait_s"] >= 0
+    got = parse_run((tmp_path / "run.trec").read_text())
+    if rerank:
+        docs = {d: docs[d] for d in sorted(docs)[:4]}
+    assert got == reference_run(reference_scores(queries, docs), 3)
+
+
+def test_bad_shard_with_the_warmup_is_one_line(forced, small, tmp_path: Path) -> None:
+    paths, qpath, _, _ = small
+    bad = tmp_path / "c" / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+    out = tmp_path / "run.trec"
+    result = runner.invoke(
+        app, ["score", qpath, *paths, str(bad), "--device", "cpu", "--backend", "triton", "-o", str(out)]
+    )
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("maxsim: error: ") and "bad.safetensors" in lines[0]
+    assert not out.exists() and not _warmup_threads()
+
+
+def test_error_after_the_launches_were_given(forced, small, tmp_path: Path) -> None:
+    """A bad --candidates line fails after the queries are read (the warm-up has its launches)."""
+    paths, qpath, _, _ = small
+    cands = tmp_path / "cands.trec"
+    cands.write_text("q0 Q0 doc000\n")
+    result = runner.invoke(
+        app,
+        ["score", qpath, *paths, "--device", "cpu", "--backend", "triton", "--candidates", str(cands)],
+    )
+    assert result.exit_code == 1, result.output
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("maxsim: error: ")
+    assert not _warmup_threads()
+
+
+def test_interrupt_joins_the_thread(forced, small, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while the corpus opens: exit 130, the thread is joined, nothing written."""
+    import maxsim_cli.scoring.files as files
+
+    def interrupted(paths: list[str]) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(files, "open_corpus", interrupted)
+    paths, qpath, _, _ = small
+    out = tmp_path / "run.trec"
+    result = runner.invoke(
+        app, ["score", qpath, *paths, "--device", "cpu", "--backend", "triton", "-o", str(out)]
+    )
+    assert result.exit_code == 130
+    assert not out.exists() and not _warmup_threads()
+
+
+def test_close_before_load_launches_nothing() -> None:
+    pytest.importorskip("maxsim_kernels.maxsim_forward")
+    called: list[int] = []
+    interval = sys.getswitchinterval()
+    warm = KernelWarmup(torch.device("cpu"))
+    assert sys.getswitchinterval() == min(interval, SWITCH_S)
+    warm.close()
+    warm.load(lambda: called.append(1))  # too late: the thread has ended
+    assert not called and not _warmup_threads() and sys.getswitchinterval() == interval
+
+
+def test_a_failing_launch_is_kept_not_raised() -> None:
+    pytest.importorskip("maxsim_kernels.maxsim_forward")
+
+    def fails() -> None:
+        raise RuntimeError("no such kernel")
+
+    warm = KernelWarmup(torch.device("cpu"))
+    warm.load(fails)
+    assert warm.wait() >= 0
+    assert warm.stats()["error"] == "RuntimeError: no such kernel"
+    warm.close()  # a second end is harmless
+    assert not _warmup_threads()
