@@ -21,7 +21,10 @@ corpus of `bench_resident.py` (documents of 20-300 tokens, ``--size``) and a rer
 
 Every answer of a distinct request is compared with the in-process call (same docnos, same float32
 scores). Servers run as ``python -m maxsim_cli serve ... --port 0`` on 127.0.0.1 and are stopped with
-SIGTERM (their exit code is recorded). Nothing listens beyond loopback.
+SIGTERM (their exit code is recorded). Nothing listens beyond loopback. ``--workers N`` is passed to
+the servers (left out: the server's own default, ``auto``); the search run records the number the server
+reports and the CPU time per request of the server's main thread (event loop: HTTP, or with workers the
+frames to and from them), of its whole process, and of its worker processes.
 """
 
 from __future__ import annotations
@@ -118,11 +121,15 @@ def hits(answer: dict) -> dict[str, list[tuple[str, float]]]:
 class Server:
     """``maxsim serve`` on 127.0.0.1, a free port, its stderr in a log file."""
 
-    def __init__(self, corpus: str, device: str, window_ms: float, log_path: str) -> None:
+    def __init__(
+        self, corpus: str, device: str, window_ms: float, log_path: str, workers: str | None = None
+    ) -> None:
         self.log_path = log_path
         self.log_file = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "maxsim_cli", "serve", corpus, "--device", device, "--port", "0",
                "--batch-window-ms", str(window_ms)]  # fmt: skip
+        if workers is not None:
+            cmd += ["--workers", workers]
         self.command = " ".join(["maxsim", *cmd[3:]])
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log_file
@@ -144,6 +151,17 @@ class Server:
         with open(f"/proc/{self.proc.pid}/status") as f:
             return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) / 1024
 
+    def cpu_s(self) -> dict[str, float]:
+        """CPU seconds so far: the main thread, the whole server process, its worker processes."""
+        pid = self.proc.pid
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+        return {
+            "main_thread": _cpu_s(f"/proc/{pid}/task/{pid}/stat"),
+            "process": _cpu_s(f"/proc/{pid}/stat"),
+            "workers": sum(_cpu_s(f"/proc/{c}/stat") for c in children),
+        }
+
     def stop(self) -> int | None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -154,6 +172,16 @@ class Server:
                 self.proc.wait()
         self.log_file.close()
         return self.proc.returncode
+
+
+def _cpu_s(stat_path: str) -> float:
+    """User + system CPU seconds of a process or thread (``/proc/.../stat``; 0 once it is gone)."""
+    try:
+        with open(stat_path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def load(
@@ -285,7 +313,9 @@ def rerank_one_client(args: argparse.Namespace, device: torch.device) -> dict:
     in_process = summary_ms(times)
     log(f"rerank in process: p50 {in_process['p50_ms']} ms, p99 {in_process['p99_ms']} ms")
 
-    server = Server(path, str(device), args.window_ms, os.path.join(args.workdir, "serve-rerank.log"))
+    server = Server(
+        path, str(device), args.window_ms, os.path.join(args.workdir, "serve-rerank.log"), args.workers
+    )
     try:
         asyncio.run(load(server.url, "/rerank", bodies, args.warmup, 1, args.max_seconds))
         result = asyncio.run(load(server.url, "/rerank", bodies, args.rerank_requests, 1, args.max_seconds))
@@ -353,18 +383,27 @@ def search_clients(args: argparse.Namespace, device: torch.device) -> dict:
     in_single, in_batch = summary_ms(single), summary_ms(batched)
     log(f"search in process: one query p50 {in_single['p50_ms']} ms; {n} queries p50 {in_batch['p50_ms']} ms")
 
-    server = Server(root, str(device), args.window_ms, os.path.join(args.workdir, "serve-search.log"))
+    server = Server(
+        root, str(device), args.window_ms, os.path.join(args.workdir, "serve-search.log"), args.workers
+    )
     try:
+        import httpx
+
+        workers = httpx.get(f"{server.url}/health", timeout=30).json().get("workers")
         warm = args.warmup * args.clients
         run_load(server.url, "/search", bodies, warm, args.clients, args.max_seconds, args.client_processes)
         rss_before = server.rss_mib()
+        cpu_before = server.cpu_s()
         result = run_load(
             server.url, "/search", bodies, args.search_requests, args.clients, args.max_seconds,
             args.client_processes,
         )  # fmt: skip
+        cpu_after = server.cpu_s()
         rss_after = server.rss_mib()
     finally:
         code = server.stop()
+    done = max(1, len(result["latencies"]))
+    cpu_ms = {part: round((cpu_after[part] - cpu_before[part]) / done * 1e3, 3) for part in cpu_after}
     same = all(hits(answer) == {ids[i]: expected[ids[i]]} for i, answer in result["answers"].items())
     http = summary_ms(result["latencies"])
     qps = len(result["latencies"]) / result["wall_s"]
@@ -373,8 +412,11 @@ def search_clients(args: argparse.Namespace, device: torch.device) -> dict:
         f"p99 {http['p99_ms']} ms; errors {len(result['errors'])}; same: {same}"
     )
     log(f"  server timing (median ms): {timing_summary(result['timings'])}")
+    log(f"  server CPU per request (ms), {workers} workers: {cpu_ms}")
     return {
         "server_command": server.command,
+        "workers": workers,
+        "server_cpu_ms_per_request": cpu_ms,
         "corpus_bytes": sum(os.path.getsize(p) for p in paths),
         "documents": documents,
         "tokens": tokens,
@@ -414,6 +456,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20, help="requests before timing (per client)")
     parser.add_argument("--window-ms", type=float, default=2.0, help="the servers' --batch-window-ms")
     parser.add_argument("--max-seconds", type=float, default=120, help="time bound of each timed run")
+    parser.add_argument(
+        "--workers", default=None, help="the servers' --workers (N or auto; default: the server's own)"
+    )
     parser.add_argument("--only", choices=("rerank", "search"), default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -421,7 +466,12 @@ def main() -> None:
     if device.type == "cuda":
         device = torch.device("cuda", device.index or 0)
     os.makedirs(args.workdir, exist_ok=True)
-    result: dict = {**meta(), "window_ms": args.window_ms, "client_processes": args.client_processes}
+    result: dict = {
+        **meta(),
+        "window_ms": args.window_ms,
+        "client_processes": args.client_processes,
+        "workers_option": args.workers or "default (auto)",
+    }
     result["load_average_start"] = os.getloadavg()
     if args.only in (None, "rerank"):
         result["rerank_one_client"] = rerank_one_client(args, device)

@@ -77,8 +77,10 @@ class Server:
         deadline = time.monotonic() + 90
         while True:
             try:
-                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+                line = self.lines.get(timeout=0.2)
             except queue.Empty:
+                if self.proc.poll() is None and time.monotonic() < deadline:
+                    continue
                 self.stop()
                 pytest.fail("the server did not start:\n" + "".join(self.log))
             match = re.search(r"serving on http://127\.0\.0\.1:(\d+)", line)
