@@ -51,7 +51,7 @@ GRACEFUL_SHUTDOWN_S = 60
 # worker thread, so that a big request does not hold up the small ones.
 INLINE_PARSE_BYTES = 256 << 10
 INLINE_ANSWER_HITS = 10_000
-# --workers at most (each is a process of ~60 MB).
+# --workers at most (each is a process of ~100 MB resident).
 MAX_WORKERS = 64
 STOPS = "(SIGTERM or Ctrl-C stops, after the requests in flight)"
 
