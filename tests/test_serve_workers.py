@@ -107,8 +107,12 @@ class Server:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def wait_for(condition, what: str, timeout: float = 30) -> None:  # noqa: ANN001
@@ -393,6 +397,18 @@ def test_a_worker_that_cannot_start_stops_the_server(tmp_path) -> None:
         assert len(errors) == 1 and "before it was ready" in errors[0], "".join(server.log)
         assert not any("serving on" in line for line in server.log)
         assert not any(line.startswith("Traceback") for line in server.log)
+    finally:
+        server.stop()
+
+
+def test_workers_die_with_a_killed_server_and_remove_its_folder() -> None:
+    server = Server(CORPUS, "--workers", "2")
+    try:
+        folder, workers = server.hub_folder(), server.workers()
+        server.proc.kill()
+        server.proc.wait()
+        wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in workers), "the workers to exit")
+        wait_for(lambda: not os.path.exists(folder), "the folder to go")
     finally:
         server.stop()
 

@@ -170,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(f"{type(exc).__name__}: {exc}".split())
         print(f"maxsim: serve worker {args.worker}: {message}", file=sys.stderr, flush=True)
         return 1
+    finally:
+        # a scoring process that was killed left its socket and folder: the last worker removes them
+        lifeline.remove_if_orphaned([args.hub], os.path.dirname(args.hub))
     return 0
 
 
