@@ -193,3 +193,26 @@ def test_a_failing_launch_is_kept_not_raised() -> None:
     assert warm.stats()["error"] == "RuntimeError: no such kernel"
     warm.close()  # a second end is harmless
     assert not _warmup_threads()
+
+
+def test_profile_script_one_fresh_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/profile_first_call.py on the CPU: one fresh process's row, the medians, the bytecode."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import profile_first_call as profile
+    from common import build_corpus, build_queries
+
+    work = tmp_path / "w"
+    corpus = build_corpus(str(work / "corpus"), 1 << 20, 1 << 20, torch.device("cpu"))
+    queries = str(work / "queries.safetensors")
+    build_queries(queries, 2, torch.device("cpu"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    args = profile.argparse.Namespace(workdir=str(work), top_k=5, device="cpu")
+    row = profile.one_run(args, "on", corpus, queries, "t")
+    assert row["mode"] == "on" and row["warmup"] is None  # no warm-up on the CPU
+    assert list(row["stages"]) == [s for s in profile.STAGES if s in row["stages"]]
+    assert {"command", "imports", "first_batch_launched", "run_written"} <= row["stages"].keys()
+    assert 0 < row["wall_s"] < row["process_s"] and len(row["run_sha256"]) == 64
+    med = profile.summary([row, {**row, "mode": "off"}])
+    assert med["on"]["runs"] == 1 and med["off"]["wall_s"] == row["wall_s"]
+    report = profile.bytecode_report()
+    assert report["py_files"] >= report["with_pyc"] >= 0
