@@ -1,5 +1,5 @@
-"""CPU rerank: the batched `maxsim_candidates_cpu` against the per-query loop it replaced and against the
-exhaustive CPU path, per scored (query, document) pair, on this machine.
+"""CPU rerank: `maxsim_candidates_cpu` against the paths it replaced and against the exhaustive CPU path,
+per scored (query, document) pair, on this machine.
 
 Workloads (fp32 by default, as `bench_cpu.py`; ``--dtype float16`` for the corpus format of `maxsim
 score`): `--queries` queries of 32 tokens, each with `--candidates` candidates among documents of 20-300
@@ -11,17 +11,20 @@ tokens (uniform), dim 128, L2-normalised random vectors.
   replacement (~queries x candidates / pool queries list each document).
 
 Methods, timed in turn within each round (`--repeats` rounds, the order reversed every other round), so
-that load from other processes hits all alike: ``old loop`` (the per-query loop as it was, copied below),
-``batched`` (the library's `maxsim_candidates_cpu`), ``exhaustive`` (`maxsim_varlen_cpu`: every query
-against the first `--exhaustive-docs` documents of the same pool) and, with ``--onednn``, a what-if that
-is not in the library (`onednn_candidates_cpu`: per-query products through oneDNN). Each is reported per
-pair (median and best over the rounds) and in GFLOP/s (2 * q_len * d_len * dim per pair); the ratios are
-medians of the per-round ratios. Every round also measures the 4096^3 fp32 matrix product (MKL through
-torch.mm, the rate the exhaustive path runs at): a round whose rate is below 80% of the best counts as
-loaded, and the ratios are also given over the other rounds. The machine's rates, measured at the
-start: that product, the rerank's product shape, a read of 2 GiB from memory, and oneDNN's fp32 product.
+that load from other processes hits all alike: ``old loop`` (the per-query loop of e934bbd, copied
+below), ``document units`` (the library's MKL path, which scored every rerank from 0317f1c on and still
+does where oneDNN's product is missing or gives other bits), ``batched`` (the library's
+`maxsim_candidates_cpu` as it runs here: query groups through oneDNN) and ``exhaustive``
+(`maxsim_varlen_cpu`: every query against the first `--exhaustive-docs` documents of the same pool).
+Each is reported per pair (median and best over the rounds) and in GFLOP/s (2 * q_len * d_len * dim per
+pair); the ratios are medians of the per-round ratios. Every round also measures the 4096^3 fp32 matrix
+product (MKL through torch.mm, the rate the exhaustive path runs at): a round whose rate is below 80% of
+the best counts as loaded, and the ratios are also given over the other rounds. The machine's rates,
+measured at the start: that product, the rerank's product shape, a read of 2 GiB from memory, and
+oneDNN's fp32 product. ``--profile`` adds where a ``batched`` pair's time goes: the phases of its groups
+timed one by one on one thread (`profile_phases`).
 
-    python benchmarks/bench_cpu_rerank.py --out benchmarks/results/cpu/cpu-rerank-2core.json
+    python benchmarks/bench_cpu_rerank.py --profile --out benchmarks/results/cpu/cpu-rerank-2core.json
 """
 
 from __future__ import annotations
@@ -37,16 +40,9 @@ from typing import Any
 import numpy as np
 import torch
 from common import DIM, MAX_LEN, MIN_LEN, QUERY_TOKENS, make_log, meta, offsets_of, write_json
-from maxsim_kernels import maxsim_candidates_reference
+from maxsim_kernels import cpu, maxsim_candidates_reference
 from maxsim_kernels._validate import Layout, check_candidates, check_inputs
-from maxsim_kernels.cpu import (
-    _compute_dtype,
-    _score_docs,
-    _scratch,
-    _stream_pool,
-    maxsim_candidates_cpu,
-    maxsim_varlen_cpu,
-)
+from maxsim_kernels.cpu import _compute_dtype, _score_docs, maxsim_candidates_cpu, maxsim_varlen_cpu
 
 log = make_log("bench_cpu_rerank")
 
@@ -109,57 +105,78 @@ def old_candidates_cpu(
     return (scores, argmax) if return_argmax else scores
 
 
-def onednn_candidates_cpu(
-    queries: torch.Tensor,
-    query_offsets: torch.Tensor,
-    docs: torch.Tensor,
-    doc_offsets: torch.Tensor,
-    candidate_offsets: torch.Tensor,
-    candidate_docs: torch.Tensor,
-    group_tokens: int = 8192,
-) -> torch.Tensor:
-    """What-if, not in the library (``--onednn``): each query's candidates, sorted by length, in groups of
-    <= group_tokens padded tokens, against that query alone through oneDNN's fp32 product
-    (`torch.ops.mkldnn._linear_pointwise`: its AVX-512 kernels, about twice MKL's rate on the 2-core AMD
-    machine), on the batched path's worker threads. Rows padded to a multiple of 512 so that oneDNN's
-    primitives are reused. Float documents, scores only, no checks beyond the inputs'."""
-    linear = torch.ops.mkldnn._linear_pointwise
-    layout = check_inputs(queries, query_offsets, docs, doc_offsets)
-    c_off, c_docs = check_candidates(candidate_offsets, candidate_docs, layout.num_queries, layout.num_docs)
-    q = queries.float().contiguous()
-    scores = torch.zeros(len(c_docs))
-    groups = []
-    for i in range(layout.num_queries):
-        a, b = int(c_off[i]), int(c_off[i + 1])
-        pairs = a + np.argsort(layout.d_lens[c_docs[a:b]], kind="stable")
-        lens = np.maximum(layout.d_lens[c_docs[pairs]], 16)
-        start = 0
-        while start < len(pairs):
-            fits = np.count_nonzero(np.arange(1, len(pairs) - start + 1) * lens[start:] <= group_tokens)
-            stop = start + max(1, int(fits))
-            groups.append((i, pairs[start:stop]))
-            start = stop
+def document_units_cpu(*args: torch.Tensor) -> torch.Tensor:
+    """`maxsim_candidates_cpu` through its MKL document units, as if oneDNN's product gave other bits."""
+    saved = dict(cpu._ONEDNN_SAME_BITS)
+    cpu._ONEDNN_SAME_BITS[int(args[0].shape[1])] = False
+    try:
+        return maxsim_candidates_cpu(*args)
+    finally:
+        cpu._ONEDNN_SAME_BITS.clear()
+        cpu._ONEDNN_SAME_BITS.update(saved)
 
-    def work(group: tuple[int, np.ndarray]) -> None:
-        i, pairs = group
-        lens = layout.d_lens[c_docs[pairs]]
-        n, width = len(pairs), max(16, int(lens.max()))
-        rows = layout.d_offsets[c_docs[pairs]][:, None] + np.minimum(np.arange(width), lens[:, None] - 1)
-        m = n * width
-        block = _scratch("onednn_block", (-(-m // 512) * 512, q.shape[1]), torch.float32)
-        rows_t = torch.from_numpy(rows.reshape(-1))
-        if docs.dtype == torch.float32:
-            torch.index_select(docs, 0, rows_t, out=block[:m])
-        else:
-            raw = _scratch("onednn_raw", (m, q.shape[1]), docs.dtype)
-            block[:m].copy_(torch.index_select(docs, 0, rows_t, out=raw))
-        sim = linear(block, q[layout.q_offsets[i] : layout.q_offsets[i + 1]], None, "none", [], "")
-        best = sim[:m].view(n, width, -1).amax(dim=1)
-        total = torch.zeros(n, 1).index_add_(1, torch.zeros(best.shape[1], dtype=torch.int64), best)
-        scores[torch.from_numpy(pairs)] = total[:, 0]
 
-    list(_stream_pool(max(1, torch.get_num_threads())).map(work, groups))
-    return scores
+def profile_phases(w: dict[str, Any], limit_pairs: int = 16000) -> dict[str, Any]:
+    """The groups of the library's query path (`cpu._query_groups`, the first `limit_pairs` pairs), each
+    phase of `cpu._score_query_group` timed on its own on one thread: the gather of the documents' rows
+    (with the upcast), the product, the max over each document's rows and the sum over query tokens.
+    Seconds a pair for one core; divide by the cores for the wall time of a call."""
+    queries, q_off, docs, d_off, c_off, cand = (
+        w[k] for k in ("queries", "q_off", "docs", "d_off", "c_off", "cand")
+    )
+    layout = check_inputs(queries, q_off, docs, d_off)
+    c_off_np, c_docs = check_candidates(c_off, cand, layout.num_queries, layout.num_docs)
+    pair_query = np.repeat(np.arange(layout.num_queries), np.diff(c_off_np))[:limit_pairs]
+    pair_doc = c_docs[:limit_pairs]
+    w_cols = -(-layout.q_lens // cpu._ONEDNN_COLS) * cpu._ONEDNN_COLS
+    assert bool((w_cols == layout.q_lens).all()), "queries of a multiple of 16 tokens"
+    weights = queries.float()
+    order = np.lexsort((pair_doc, layout.d_lens[pair_doc], pair_query))
+    s_query, s_doc = pair_query[order], pair_doc[order]
+    s_len = layout.d_lens[s_doc]
+    s_start = layout.d_offsets[:-1][s_doc]
+    pair_bytes = s_len.astype(np.int64) * (layout.dim + w_cols[s_query]) * 4
+    spans = cpu._query_groups(s_query, pair_bytes, cpu._QUERY_GROUP_BYTES)
+    phases = dict.fromkeys(("gather", "product", "max", "sum"), 0.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for p0, p1 in spans:
+            i = int(s_query[p0])
+            weight = weights[int(layout.q_offsets[i]) : int(layout.q_offsets[i + 1])]
+            lens = s_len[p0:p1]
+            n, width = p1 - p0, int(lens[-1])
+            m = n * width
+            t0 = time.perf_counter()
+            rows = torch.from_numpy(
+                (s_start[p0:p1, None] + np.minimum(np.arange(width), lens[:, None] - 1)).reshape(-1)
+            )
+            block = cpu._scratch(
+                "rerank_block", (-(-m // cpu._ONEDNN_ROWS) * cpu._ONEDNN_ROWS, DIM), torch.float32
+            )
+            if docs.dtype == torch.float32:
+                torch.index_select(docs, 0, rows, out=block[:m])
+            else:
+                block[:m].copy_(docs.index_select(0, rows))
+            block[m:].zero_()
+            t1 = time.perf_counter()
+            sim = cpu._onednn_linear(block, weight)[:m].view(n, width, -1)
+            t2 = time.perf_counter()
+            best = torch.amax(sim, dim=1)
+            t3 = time.perf_counter()
+            torch.zeros(n, 1).index_add_(1, torch.zeros(best.shape[1], dtype=torch.int64), best)
+            t4 = time.perf_counter()
+            for name, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                phases[name] += dt
+    finally:
+        torch.set_num_threads(threads)
+    pairs = len(order)
+    return {
+        "pairs": pairs,
+        "groups": len(spans),
+        "group_bytes": cpu._QUERY_GROUP_BYTES,
+        "us_per_pair_one_core": {name: dt / pairs * 1e6 for name, dt in phases.items()},
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -252,10 +269,11 @@ def machine_rates(repeats: int) -> dict[str, float | None]:
 # --------------------------------------------------------------------------------------------------
 
 
-def run(w: dict[str, Any], repeats: int, onednn: bool) -> dict[str, Any]:
+def run(w: dict[str, Any], repeats: int, profile: bool) -> dict[str, Any]:
     args = (w["queries"], w["q_off"], w["docs"], w["d_off"], w["c_off"], w["cand"])
     methods: dict[str, tuple[Callable[[], Any], int, float]] = {
         "old loop": (lambda: old_candidates_cpu(*args), w["pairs"], w["flops"]),
+        "document units": (lambda: document_units_cpu(*args), w["pairs"], w["flops"]),
         "batched": (lambda: maxsim_candidates_cpu(*args), w["pairs"], w["flops"]),
         "exhaustive": (
             lambda: maxsim_varlen_cpu(w["queries"], w["q_off"], w["exh_docs_t"], w["exh_d_off"]),
@@ -263,19 +281,24 @@ def run(w: dict[str, Any], repeats: int, onednn: bool) -> dict[str, Any]:
             w["exh_flops"],
         ),
     }
-    if onednn:
-        methods["oneDNN per-query (what-if)"] = (lambda: onednn_candidates_cpu(*args), w["pairs"], w["flops"])
-    # exactness (also the warm-up): the batched scores are bitwise those of the old loop; both against
-    # the float64 reference
-    new, old = maxsim_candidates_cpu(*args), old_candidates_cpu(*args)
+    # exactness (also the warm-up): the batched scores are bitwise those of the old loop, of the document
+    # units and of the exhaustive path (for the pairs it scores); all against the float64 reference
+    new, old, units = maxsim_candidates_cpu(*args), old_candidates_cpu(*args), document_units_cpu(*args)
     ref = maxsim_candidates_reference(*args)
+    exh = maxsim_varlen_cpu(w["queries"], w["q_off"], w["exh_docs_t"], w["exh_d_off"])
+    pair_query = torch.repeat_interleave(torch.arange(len(w["q_off"]) - 1), torch.diff(w["c_off"]))
+    in_exh = w["cand"] < w["exh_docs"]
     check = {
+        "batched_uses_onednn": cpu._onednn_product(DIM),
         "batched_equals_old_loop_bitwise": bool(torch.equal(new, old)),
+        "batched_equals_document_units_bitwise": bool(torch.equal(new, units)),
+        "batched_equals_exhaustive_bitwise": bool(
+            torch.equal(new[in_exh], exh[pair_query[in_exh], w["cand"][in_exh]])
+        ),
+        "pairs_compared_with_exhaustive": int(in_exh.sum()),
         "max_abs_err_vs_fp64": float((new.double() - ref).abs().max()),
         "max_rel_err_vs_fp64": float(((new.double() - ref).abs() / ref.abs().clamp_min(1e-30)).max()),
     }
-    if onednn:
-        check["onednn_what_if_equals_batched_bitwise"] = bool(torch.equal(onednn_candidates_cpu(*args), new))
     log(f"{w['name']}: {check}")
     methods["exhaustive"][0]()
     times: dict[str, list[float]] = {name: [] for name in methods}
@@ -331,9 +354,9 @@ def run(w: dict[str, Any], repeats: int, onednn: bool) -> dict[str, Any]:
         "ratio_old_to_exhaustive_quiet": ratio("old loop", "exhaustive", quiet),
         "speedup_batched_over_old": ratio("old loop", "batched", list(range(repeats))),
         "speedup_batched_over_old_quiet": ratio("old loop", "batched", quiet),
-        "ratio_onednn_what_if_to_exhaustive": (
-            ratio("oneDNN per-query (what-if)", "exhaustive", list(range(repeats))) if onednn else None
-        ),
+        "ratio_document_units_to_exhaustive": ratio("document units", "exhaustive", list(range(repeats))),
+        "ratio_document_units_to_exhaustive_quiet": ratio("document units", "exhaustive", quiet),
+        "profile": profile_phases(w) if profile else None,
         "rows": rows,
     }
 
@@ -360,7 +383,7 @@ def main() -> None:
     parser.add_argument("--workloads", default="disjoint,shared")
     parser.add_argument("--repeats", type=int, default=9, help="rounds (each method once per round)")
     parser.add_argument(
-        "--onednn", action="store_true", help="also time the oneDNN per-query what-if (not in the library)"
+        "--profile", action="store_true", help="also time the phases of the batched path on one thread"
     )
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -375,7 +398,7 @@ def main() -> None:
             f"({w['distinct_tokens'] * DIM * w['docs'].element_size() / 1e9:.2f} GB), "
             f"{w['flops'] / 1e9:.1f} GFLOP"
         )
-        results.append(run(w, args.repeats, args.onednn))
+        results.append(run(w, args.repeats, args.profile))
         res = results[-1]
         for row in res["rows"]:
             log(
@@ -384,9 +407,12 @@ def main() -> None:
             )
         log(
             f"{name}: batched / exhaustive {res['ratio_batched_to_exhaustive']:.2f} "
-            f"(quiet rounds {res['ratio_batched_to_exhaustive_quiet']:.2f}), old loop / batched "
+            f"(quiet rounds {res['ratio_batched_to_exhaustive_quiet']:.2f}), document units / exhaustive "
+            f"{res['ratio_document_units_to_exhaustive']:.2f}, old loop / batched "
             f"{res['speedup_batched_over_old']:.2f}"
         )
+        if res["profile"]:
+            log(f"{name}: phases on one core, us a pair: {res['profile']['us_per_pair_one_core']}")
         del w
     write_json(
         args.out,

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
@@ -321,7 +323,8 @@ def maxsim_varlen_cpu(
     return (scores, argmax) if return_argmax else scores
 
 
-# Rerank (each query against its own candidates): the (query, document) pairs of all queries are scored
+# Rerank (each query against its own candidates) by document units, the path where oneDNN's product is
+# not used (see _QUERY_GROUP_BYTES below): the (query, document) pairs of all queries are scored
 # together, a document once against all the queries that list it. A "unit" is a document with up to
 # k_max of its pairs (k_max query widths fit _QUERY_ROWS columns). Units are sorted by pair count k, then
 # document length, and cut into groups of equal k whose buffers (document rows, query rows, similarities,
@@ -444,6 +447,181 @@ def _score_units(
     scores[p0:p1].index_add_(1, torch.zeros(tq, dtype=torch.int64, device=device), best)
 
 
+# Rerank through oneDNN's product, each query against its own candidates. On the 2-core AMD machine MKL's
+# fp32 product runs ~100 GFLOP/s a core (its AVX2 kernels: MKL takes AVX-512 only on Intel) and oneDNN's
+# (avx512_core brgemm, through `torch.ops.mkldnn._linear_pointwise`, the op torch's compiler calls for
+# linear layers) 240-250, [8192, 128] x [128, 32] on one thread. A rerank pair's document is read from
+# memory for its queries alone, so where the exhaustive path is bound by the product, the rerank pays
+# the product and a copy of the document (~2.9 us a pair of 160 tokens on two cores at ~14 GB/s a core,
+# the rate one core reads memory at): with MKL's product that floor was ~1.35x the exhaustive path's
+# time a pair, with oneDNN's it is below it. oneDNN's products are used only where they give the bits
+# MKL's give, checked once per dimension in each process (`_onednn_product`; equal for dim <= 136 on
+# that machine, not for 256 and over, where oneDNN cuts the sum over dim otherwise): a pair's score
+# stays bitwise the exhaustive path's. Elsewhere (no oneDNN, other bits, float64, CUDA) the document
+# units above score the pairs with MKL's batched product.
+# A group: pairs of one query, sorted by document length, whose padded block and similarities fit
+# _QUERY_GROUP_BYTES; one gather of the documents' rows (upcast, scaled) into the worker's buffer, one
+# product with the query's tokens, a max over each document's rows, the same sequential sum over query
+# tokens as the other paths.
+_QUERY_GROUP_BYTES = 4 << 20
+# oneDNN builds a primitive for each new shape (~0.2 ms, against ~0.03 ms for a cached 1000-row call):
+# a product's rows are padded to a multiple of _ONEDNN_ROWS and its columns (the query's tokens, padded
+# with copies of the last one) to a multiple of _ONEDNN_COLS, so that shapes repeat. Columns >= 16 also
+# keep every product clear of the kernels that sum otherwise (see _MIN_GEMM_ROWS).
+_ONEDNN_ROWS = 256
+_ONEDNN_COLS = _MIN_GEMM_ROWS
+
+_ONEDNN_SAME_BITS: dict[int, bool] = {}
+_ONEDNN_LOCK = threading.Lock()
+
+
+def _onednn_linear(block: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """block [m, dim] . weight [n, dim]^T as a new contiguous [m, n] (fp32, oneDNN)."""
+    return torch.ops.mkldnn._linear_pointwise(block, weight, None, "none", [], "")
+
+
+def _onednn_matches_mkl(dim: int) -> bool:
+    """Whether oneDNN's fp32 product gives the bits of `_similarities` (MKL, as the exhaustive path calls
+    it) on random vectors of this dim, in the shapes `_score_query_group` uses."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    gen = torch.Generator().manual_seed(dim)
+    block = torch.randn(2 * _ONEDNN_ROWS, dim, generator=gen)
+    weight = torch.randn(_QUERY_ROWS, dim, generator=gen)
+    try:
+        got = [_onednn_linear(block, weight[:cols]) for cols in (_ONEDNN_COLS, 3 * _ONEDNN_COLS)]
+    except (AttributeError, RuntimeError, NotImplementedError):  # no such op in this build
+        return False
+    want = _similarities(block, weight.T.contiguous())
+    return all(torch.equal(sim, want[:, : sim.shape[1]]) for sim in got)
+
+
+def _onednn_product(dim: int) -> bool:
+    """Whether reranks of this dim go through oneDNN (checked once per process and dim)."""
+    with _ONEDNN_LOCK:
+        if dim not in _ONEDNN_SAME_BITS:
+            _ONEDNN_SAME_BITS[dim] = _onednn_matches_mkl(dim)
+        return _ONEDNN_SAME_BITS[dim]
+
+
+def _query_groups(pair_query: np.ndarray, pair_bytes: np.ndarray, budget: int) -> list[tuple[int, int]]:
+    """Pairs sorted by query, then document length, cut into runs [a, b) of one query each with (b - a) *
+    pair_bytes[b - 1] <= budget (at least one pair each)."""
+    bounds = np.flatnonzero(np.concatenate([[True], pair_query[1:] != pair_query[:-1], [True]]))
+    spans = []
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        if (b - a) * int(pair_bytes[b - 1]) <= budget:
+            spans.append((a, b))
+        else:
+            spans.extend((a + x, a + y) for x, y in _unit_groups(pair_bytes[a:b], budget))
+    return spans
+
+
+def _score_query_group(
+    weights: torch.Tensor,
+    w_starts: np.ndarray,
+    w_cols: np.ndarray,
+    q_lens: np.ndarray,
+    docs: torch.Tensor,
+    doc_scales: torch.Tensor | None,
+    d_starts: np.ndarray,
+    d_lens: np.ndarray,
+    pair_query: np.ndarray,
+    span: tuple[int, int],
+    scores: torch.Tensor,
+    argmax: torch.Tensor | None,
+    check_finite: bool,
+) -> None:
+    """Pairs [p0, p1) of one query (ascending document length, none empty): pair p is document rows
+    [d_starts[p], + d_lens[p]); query i is rows [w_starts[i], + w_cols[i]) of `weights` (fp32, its
+    q_lens[i] tokens then copies of the last). Writes scores[p, 0] and argmax[p, :q_lens[i]]."""
+    p0, p1 = span
+    i = int(pair_query[p0])
+    tq, cols = int(q_lens[i]), int(w_cols[i])
+    weight = weights[int(w_starts[i]) : int(w_starts[i]) + cols]
+    lens = d_lens[p0:p1]
+    n, width, dim = p1 - p0, int(lens[-1]), weights.shape[1]
+    m = n * width
+    rows = torch.from_numpy(
+        (d_starts[p0:p1, None] + np.minimum(np.arange(width), lens[:, None] - 1)).reshape(-1)
+    )
+    block = _scratch("rerank_block", (-(-m // _ONEDNN_ROWS) * _ONEDNN_ROWS, dim), torch.float32)
+    if docs.dtype == torch.float32:
+        torch.index_select(docs, 0, rows, out=block[:m])
+    else:
+        block[:m].copy_(torch.index_select(docs, 0, rows, out=_scratch("rerank_raw", (m, dim), docs.dtype)))
+    if doc_scales is not None:
+        block[:m] *= doc_scales.index_select(0, rows).to(torch.float32)[:, None]
+    block[m:].zero_()  # rows computed and dropped: zeros, not stale values (denormals are slow)
+    sim = _onednn_linear(block, weight)[:m].view(n, width, cols)
+    if check_finite:
+        _require_finite(sim[:, :, 0])
+    if argmax is None:
+        best = torch.amax(sim, dim=1)
+    else:
+        best, idx = sim.max(dim=1)
+        last = torch.from_numpy(lens - 1)[:, None]
+        argmax[p0:p1, :tq] = torch.minimum(idx[:, :tq], last).to(torch.int32)
+    # the same sequential sum over query tokens as _score_docs
+    scores[p0:p1].index_add_(1, torch.zeros(tq, dtype=torch.int64), best[:, :tq])
+
+
+def _rerank_by_query(
+    queries: torch.Tensor,
+    layout: Layout,
+    docs: torch.Tensor,
+    doc_scales: torch.Tensor | None,
+    pair_query: np.ndarray,
+    pair_doc: np.ndarray,
+    pairs: np.ndarray,
+    scores: torch.Tensor,
+    argmax: torch.Tensor | None,
+    check_finite: bool,
+) -> None:
+    """Fill scores[pairs] (and argmax[pairs]) of the CPU pairs `pairs` (documents not empty) through
+    oneDNN, a group of one query's pairs a product (see _QUERY_GROUP_BYTES)."""
+    # each query's tokens, then copies of its last up to a multiple of _ONEDNN_COLS columns
+    w_cols = -(-layout.q_lens // _ONEDNN_COLS) * _ONEDNN_COLS
+    w_starts = np.cumsum(w_cols) - w_cols
+    w_rows = np.repeat(layout.q_offsets[:-1], w_cols) + np.minimum(
+        np.arange(int(w_cols.sum())) - np.repeat(w_starts, w_cols), np.repeat(layout.q_lens - 1, w_cols)
+    )
+    weights = queries.index_select(0, torch.from_numpy(w_rows)).to(torch.float32)
+    # pairs by query, then document length (groups pad little), then document (a document's rows stay
+    # near each other)
+    pair_len = layout.d_lens[pair_doc[pairs]]
+    order = pairs[np.lexsort((pair_doc[pairs], pair_len, pair_query[pairs]))]
+    sorted_query, sorted_doc = pair_query[order], pair_doc[order]
+    sorted_len = layout.d_lens[sorted_doc]
+    # a pair's rows of the block and of the similarities, fp32
+    pair_bytes = sorted_len.astype(np.int64) * (layout.dim + w_cols[sorted_query]) * 4
+    spans = _query_groups(sorted_query, pair_bytes, _QUERY_GROUP_BYTES)
+    pair_scores = torch.zeros(len(order), 1, dtype=torch.float32)
+    pair_argmax = (
+        torch.full((len(order), layout.max_query_len), -1, dtype=torch.int32) if argmax is not None else None
+    )
+    args = (
+        weights,
+        w_starts,
+        w_cols,
+        layout.q_lens,
+        docs,
+        doc_scales,
+        layout.d_offsets[:-1][sorted_doc],
+        sorted_len,
+        sorted_query,
+    )
+
+    def work(span: tuple[int, int]) -> None:
+        _score_query_group(*args, span, pair_scores, pair_argmax, check_finite)
+
+    _run_groups(work, spans)
+    placed = torch.from_numpy(order)
+    scores[placed] = pair_scores[:, 0].to(scores.dtype)
+    if argmax is not None:
+        argmax[placed] = pair_argmax
+
+
 def maxsim_candidates_cpu(
     queries: torch.Tensor,
     query_offsets: torch.Tensor,
@@ -460,9 +638,11 @@ def maxsim_candidates_cpu(
     """Query i against candidate_docs[candidate_offsets[i]:candidate_offsets[i+1]] with torch ops.
 
     Returns fp32 scores [C] (+ int32 argmax [C, max_query_len], -1 past a query's length). Documents are
-    read in place through their indices. The pairs of all queries are scored together, in groups of
-    documents of similar length, each document once against every query that lists it (see
-    _RERANK_GROUP_BYTES); a score does not depend on the other pairs of the call.
+    read in place through their indices. The pairs of all queries are scored in one plan, in groups of
+    documents of similar length spread over the cores: groups of one query's candidates through
+    oneDNN's product where it gives MKL's bits (see _QUERY_GROUP_BYTES), otherwise document units, each
+    document once against every query that lists it (see _RERANK_GROUP_BYTES). A score is bitwise the
+    exhaustive path's for the same pair and does not depend on the other pairs of the call.
     ``check_finite`` as in `maxsim_varlen_cpu` (for the candidates' tokens).
     """
     if layout is None:
@@ -490,9 +670,55 @@ def maxsim_candidates_cpu(
     full = np.flatnonzero(~empty)
     if len(full) == 0:
         return (scores, argmax) if return_argmax else scores
+    if device.type == "cpu" and compute == torch.float32 and _onednn_product(layout.dim):
+        _rerank_by_query(
+            queries, layout, docs, doc_scales, pair_query, c_docs, full, scores, argmax, check_finite
+        )
+    else:
+        _rerank_by_document(
+            queries.to(compute).contiguous(),
+            layout,
+            docs,
+            doc_scales,
+            pair_query,
+            c_docs,
+            full,
+            scores,
+            argmax,
+            check_finite,
+        )
+    return (scores, argmax) if return_argmax else scores
+
+
+def _run_groups(work: Callable[[Any], None], groups: list[Any]) -> None:
+    """work(group) for every group: on the stream's worker threads when there are many (see
+    _RERANK_POOL_GROUPS), otherwise on the caller's thread."""
+    workers = max(1, torch.get_num_threads())
+    if workers > 1 and len(groups) >= _RERANK_POOL_GROUPS * workers:
+        list(_stream_pool(workers).map(work, groups))
+    else:
+        for group in groups:
+            work(group)
+
+
+def _rerank_by_document(
+    q: torch.Tensor,
+    layout: Layout,
+    docs: torch.Tensor,
+    doc_scales: torch.Tensor | None,
+    pair_query: np.ndarray,
+    pair_doc: np.ndarray,
+    full: np.ndarray,
+    scores: torch.Tensor,
+    argmax: torch.Tensor | None,
+    check_finite: bool,
+) -> None:
+    """Fill scores[full] (and argmax[full]) of the pairs `full` (documents not empty) in document units
+    through MKL's batched product (see _RERANK_GROUP_BYTES); `q` in the compute dtype."""
+    compute, device = q.dtype, q.device
     # pairs by document (then query); each document's run of pairs cut into units of <= k_max pairs
-    by_doc = full[np.lexsort((pair_query[full], c_docs[full]))]
-    doc_of = c_docs[by_doc]
+    by_doc = full[np.lexsort((pair_query[full], pair_doc[full]))]
+    doc_of = pair_doc[by_doc]
     run_start = np.flatnonzero(np.concatenate([[True], doc_of[1:] != doc_of[:-1]]))
     run_len = np.diff(np.append(run_start, len(by_doc)))
     columns = max(_MIN_GEMM_ROWS, min(layout.max_query_len, _QUERY_ROWS))
@@ -520,12 +746,12 @@ def maxsim_candidates_cpu(
     pair_scores = torch.zeros(len(pair_order), 1, dtype=compute, device=device)
     pair_argmax = (
         torch.full((len(pair_order), layout.max_query_len), -1, dtype=torch.int32, device=device)
-        if return_argmax
+        if argmax is not None
         else None
     )
     sorted_query = pair_query[pair_order]
     args = (
-        queries.to(compute).contiguous(),
+        q,
         layout.q_offsets[:-1][sorted_query],
         layout.q_lens[sorted_query],
         docs,
@@ -537,14 +763,12 @@ def maxsim_candidates_cpu(
     def work(group: tuple[int, int, int, int]) -> None:
         _score_units(*args, group, pair_scores, pair_argmax, check_finite)
 
-    workers = max(1, torch.get_num_threads())
-    if device.type == "cpu" and workers > 1 and len(groups) >= _RERANK_POOL_GROUPS * workers:
-        list(_stream_pool(workers).map(work, groups))
+    if device.type == "cpu":
+        _run_groups(work, groups)
     else:
         for group in groups:
             work(group)
     placed = torch.from_numpy(pair_order).to(device)
-    scores[placed] = pair_scores[:, 0].to(out_dtype)
+    scores[placed] = pair_scores[:, 0].to(scores.dtype)
     if argmax is not None:
         argmax[placed] = pair_argmax
-    return (scores, argmax) if return_argmax else scores

@@ -1,5 +1,7 @@
-"""The batched CPU rerank (`maxsim_kernels.cpu.maxsim_candidates_cpu`): every query's candidates scored
-together, a document shared by several queries once against all of them.
+"""The batched CPU rerank (`maxsim_kernels.cpu.maxsim_candidates_cpu`) on both of its paths: groups of one
+query's candidates through oneDNN's product (where it gives MKL's bits), and document units through MKL's
+batched product, a document shared by several queries once against all of them (everywhere else). The
+tests taking the ``rerank_path`` fixture run on each.
 
 Against the float64 reference (`maxsim_candidates_reference`) with test_kernels.py's tolerances (fp32
 accumulation: |score - ref| <= 2e-6 * Lq * max(1, dim / 32) + 1e-6 * |ref|; the argmax equal to the
@@ -77,16 +79,32 @@ def check_case(
     return scores
 
 
+@pytest.fixture(params=["query groups", "document units"])
+def rerank_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test that takes it runs on the oneDNN query groups and on the MKL document units."""
+    if request.param == "document units":
+        monkeypatch.setattr(cpu_backend, "_onednn_product", lambda dim: False)
+    elif not cpu_backend._onednn_product(128):
+        pytest.skip("oneDNN's product is missing here or gives other bits than MKL's")
+    return request.param
+
+
+def set_budget(monkeypatch: pytest.MonkeyPatch, budget: int) -> None:
+    """The group budget of both paths."""
+    monkeypatch.setattr(cpu_backend, "_RERANK_GROUP_BYTES", budget)
+    monkeypatch.setattr(cpu_backend, "_QUERY_GROUP_BYTES", budget)
+
+
 def on_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Small groups, all on the worker threads (small calls run on the caller's thread)."""
-    monkeypatch.setattr(cpu_backend, "_RERANK_GROUP_BYTES", 200_000)
+    set_budget(monkeypatch, 200_000)
     monkeypatch.setattr(cpu_backend, "_RERANK_POOL_GROUPS", 0)
 
 
 @pytest.mark.parametrize("workers", [False, True])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_random_ragged_candidates_match_the_reference(seed, dtype, workers, monkeypatch):
+def test_random_ragged_candidates_match_the_reference(seed, dtype, workers, rerank_path, monkeypatch):
     if workers:
         on_workers(monkeypatch)
     rng = np.random.default_rng(1000 + seed)
@@ -98,7 +116,7 @@ def test_random_ragged_candidates_match_the_reference(seed, dtype, workers, monk
     check_case(q_lens, d_lens, lists, dim, dtype, seed=seed)
 
 
-def test_length_one_queries_and_documents_and_empty_documents():
+def test_length_one_queries_and_documents_and_empty_documents(rerank_path):
     # documents of 0, 1, 2 and 15-17 tokens (around the 16-row padding of the products)
     d_lens = [1, 0, 2, 1, 15, 16, 17, 1, 0]
     lists = [[0, 1, 2], [3], [], [4, 5, 6, 7, 8, 0], [1, 8], [7, 7, 0]]
@@ -108,7 +126,7 @@ def test_length_one_queries_and_documents_and_empty_documents():
     assert bool(torch.isinf(scores[empty]).all()) and bool((scores[empty] < 0).all())
 
 
-def test_duplicates_and_a_document_listed_by_many_queries():
+def test_duplicates_and_a_document_listed_by_many_queries(rerank_path):
     # document 3 is listed by all 75 queries, twice by some: with queries of <= 5 tokens a product takes
     # 512 // 16 = 32 of its pairs, so its pairs are split over several products
     rng = np.random.default_rng(3)
@@ -118,9 +136,84 @@ def test_duplicates_and_a_document_listed_by_many_queries():
     check_case(q_lens, rng.integers(1, 60, 12).tolist(), lists, 40, seed=4)
 
 
-def test_queries_without_candidates_first_last_and_between():
+def test_queries_without_candidates_first_last_and_between(rerank_path):
     lists = [[], [0, 1], [], [], [2, 0, 2], []]
     check_case([3, 4, 5, 6, 7, 8], [4, 9, 1], lists, 16)
+
+
+def test_one_candidate_a_query(rerank_path):
+    # every query one candidate (a group of one pair each), 1-token queries and documents among them
+    lists = [[4], [0], [2], [4], [1], [3]]
+    check_case([1, 33, 16, 17, 1, 5], [1, 300, 7, 1, 40], lists, 40, seed=11)
+    check_case([9], [3, 60], [[1]], 24, seed=12)  # one query, one candidate
+
+
+def test_the_same_documents_in_every_query_in_other_orders(rerank_path):
+    """Every query lists the same documents (some twice) in its own order: each pair is scored in its
+    query's group, a document gathered once a pair, and lands at its own position."""
+    rng = np.random.default_rng(13)
+    base = [0, 1, 2, 3, 4, 5, 2, 5]
+    lists = [rng.permutation(base).tolist() for _ in range(9)]
+    scores = check_case(rng.integers(1, 40, 9).tolist(), [1, 2, 16, 17, 150, 40], lists, 24, seed=13)
+    off = np.cumsum([0] + [len(x) for x in lists])
+    for q, listed in enumerate(lists):  # a document listed twice by a query scores the same twice
+        row = scores[int(off[q]) : int(off[q + 1])]
+        for d in (2, 5):
+            at = [j for j, x in enumerate(listed) if x == d]
+            assert torch.equal(row[at[0]], row[at[1]])
+
+
+def test_query_lengths_around_the_column_padding(rerank_path):
+    """oneDNN's columns are a query's tokens padded with copies of its last to a multiple of 16; the
+    copies never reach a score or an argmax."""
+    q_lens = [1, 15, 16, 17, 31, 32, 33, 47, 48]
+    rng = np.random.default_rng(14)
+    lists = [rng.integers(0, 10, 5).tolist() for _ in q_lens]
+    check_case(q_lens, rng.integers(1, 90, 10).tolist(), lists, 32, q_sign=1.0, d_sign=-1.0, seed=14)
+
+
+def test_a_document_over_the_group_budget(rerank_path, monkeypatch):
+    """A document whose block alone exceeds the budget is a group of its own, between smaller groups."""
+    set_budget(monkeypatch, 64 * 1024)
+    lists = [[0, 1, 2, 3], [3, 2], [1]]
+    check_case([20, 3, 40], [2, 1500, 30, 700], lists, 16, seed=15)
+
+
+def test_a_dim_where_onednn_may_sum_otherwise():
+    """dim 256: oneDNN's product cuts the sum over dim otherwise than MKL's on some CPUs (the 2-core AMD
+    machine); whichever path the check picks, a pair's score is the exhaustive path's."""
+    rng = np.random.default_rng(16)
+    lists = [rng.integers(0, 8, 4).tolist() for _ in range(3)]
+    check_case([5, 32, 17], rng.integers(1, 60, 8).tolist(), lists, 256, seed=16)
+
+
+def test_onednn_is_used_only_where_it_gives_mkls_bits(monkeypatch):
+    """The check compares oneDNN's product with MKL's once per dim: one that differs by a single ulp, or
+    is missing, sends the rerank to the document units, and its scores stay the exhaustive path's."""
+    real = cpu_backend._onednn_linear
+    calls = []
+
+    def off_by_an_ulp(block: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        calls.append(block.shape)
+        sim = real(block, weight)
+        return torch.nextafter(sim, torch.full_like(sim, torch.inf))
+
+    monkeypatch.setattr(cpu_backend, "_ONEDNN_SAME_BITS", {})
+    monkeypatch.setattr(cpu_backend, "_onednn_linear", off_by_an_ulp)
+    assert cpu_backend._onednn_product(24) is False
+    probed = len(calls)
+    check_case([3, 20], [5, 30, 1], [[0, 1, 2], [2, 2]], 24, seed=17)
+    assert len(calls) == probed, "no oneDNN product after a check that failed"
+    assert cpu_backend._onednn_product(24) is False and len(calls) == probed, "checked once per dim"
+
+    def missing(block: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("no such op")
+
+    monkeypatch.setattr(cpu_backend, "_onednn_linear", missing)
+    assert cpu_backend._onednn_product(40) is False
+    check_case([3, 20], [5, 30, 1], [[0, 1, 2], [2, 2]], 40, seed=17)
+    monkeypatch.setattr(cpu_backend.torch.backends.mkldnn, "is_available", lambda: False)
+    assert cpu_backend._onednn_product(48) is False
 
 
 def test_no_candidates_at_all():
@@ -144,7 +237,7 @@ def test_only_empty_documents():
     assert bool((arg == -1).all())
 
 
-def test_negative_similarities():
+def test_negative_similarities(rerank_path):
     """Every similarity negative: a padding that added a zero (or a dropped column counted as 0) shows."""
     rng = np.random.default_rng(5)
     lists = [rng.integers(0, 20, 9).tolist() for _ in range(7)]
@@ -155,13 +248,13 @@ def test_negative_similarities():
 
 
 @pytest.mark.parametrize("shared", [False, True])
-def test_long_queries_are_split_over_several_products(shared):
+def test_long_queries_are_split_over_several_products(shared, rerank_path):
     """Queries over 512 tokens (the products' column limit), ragged, alone or sharing documents."""
     lists = [[0, 1, 2], [1, 3] if shared else [3], [2, 1, 0] if shared else [4]]
     check_case([600, 17, 1030], [5, 40, 1, 300, 70], lists, 32, seed=6)
 
 
-def test_int8_documents_with_scales():
+def test_int8_documents_with_scales(rerank_path):
     rng = np.random.default_rng(7)
     lists = [rng.integers(0, 30, 12).tolist() for _ in range(9)]
     check_case(rng.integers(1, 33, 9).tolist(), rng.integers(0, 120, 30).tolist(), lists, 96, int8_docs=True)
@@ -181,9 +274,10 @@ def test_float64_queries_and_documents():
 
 
 @pytest.mark.parametrize("pool_groups", [0, 10**9])  # groups on the worker threads / on the caller's
-def test_scores_do_not_depend_on_the_batch_or_the_budget(monkeypatch, pool_groups):
-    """A pair's score is bitwise the same in a call with other queries or alone, and whatever the group
-    budget (one document a product, or many), on the worker threads or not."""
+def test_scores_do_not_depend_on_the_batch_or_the_budget(monkeypatch, pool_groups, rerank_path):
+    """A pair's score is bitwise the same in a call with other queries or alone, whatever the group
+    budget (one document a product, or many) and the rows a oneDNN product is padded to, on the worker
+    threads or not."""
     monkeypatch.setattr(cpu_backend, "_RERANK_POOL_GROUPS", pool_groups)
     rng = np.random.default_rng(9)
     nq, nd = 12, 40
@@ -195,8 +289,11 @@ def test_scores_do_not_depend_on_the_batch_or_the_budget(monkeypatch, pool_group
     c_off, c_docs = candidates(lists)
     full = maxsim_candidates_cpu(queries, q_off, docs, d_off, c_off, c_docs)
     for budget in (1, 100_000, 1 << 26):  # one document a product, a few, all
-        monkeypatch.setattr(cpu_backend, "_RERANK_GROUP_BYTES", budget)
+        set_budget(monkeypatch, budget)
         assert torch.equal(maxsim_candidates_cpu(queries, q_off, docs, d_off, c_off, c_docs), full), budget
+    for rows in (16, 1024):
+        monkeypatch.setattr(cpu_backend, "_ONEDNN_ROWS", rows)
+        assert torch.equal(maxsim_candidates_cpu(queries, q_off, docs, d_off, c_off, c_docs), full), rows
     for qa, qb in [(0, 1), (3, 4), (2, 9), (11, 12)]:
         sub_c_off, sub_c_docs = candidates(lists[qa:qb])
         sub = maxsim_candidates_cpu(
@@ -208,7 +305,7 @@ def test_scores_do_not_depend_on_the_batch_or_the_budget(monkeypatch, pool_group
 @pytest.mark.parametrize("workers", [False, True])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_non_finite_candidate_tokens_raise(bad, dtype, workers, monkeypatch):
+def test_non_finite_candidate_tokens_raise(bad, dtype, workers, rerank_path, monkeypatch):
     """check_finite finds a NaN/Inf in any candidate's token, also one shared by many queries (several
     pairs in one product), and ignores it in a document no query lists."""
     if workers:
