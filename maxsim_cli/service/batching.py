@@ -155,8 +155,10 @@ class Scorer:
             for i, qid in enumerate(job.request.queries.ids):
                 hits = rows.get(_internal(j, i), [])
                 asked = job.request.candidates.get(qid, []) if job.request.candidates else []
-                found = {docno for docno, _ in hits}
-                missing = [docno for docno in asked if docno not in found] if len(found) < len(asked) else []
+                missing: list[str] = []
+                if len(hits) < len(asked):  # hits are distinct docnos of the asked ones
+                    found = {docno for docno, _ in hits}
+                    missing = [docno for docno in asked if docno not in found]
                 missing_total.extend(missing)
                 k = job.request.k
                 answers.append((qid, hits if k is None else hits[:k], missing))
