@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_score import make_corpus, make_queries, parse_run, reference_run, reference_scores
 from typer.testing import CliRunner
 
 from maxsim_cli import timeline
 from maxsim_cli.cli import app
 from maxsim_cli.score import score
 from maxsim_cli.warmup import SWITCH_S, KernelWarmup
-from tests.test_score import make_corpus, make_queries, parse_run, reference_run, reference_scores
 
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
