@@ -92,6 +92,10 @@ def run(
     )
     stats.extra["resident_corpus"] = True
     stats.extra["direct"] = True
+    if dev.type == "cuda":
+        # Triton launches on the calling thread's current device, whatever the tensors' (the engine does
+        # the same): a corpus resident on cuda:1, scored from a thread whose device is cuda:0
+        torch.cuda.set_device(dev)
     q_emb = _query_embeddings(queries, corpus.dtype, corpus.quantization).to(dev)
     q_offsets = queries.offsets.to(torch.int64)
     query_scales = None
