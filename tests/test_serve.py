@@ -213,6 +213,42 @@ def test_each_request_gets_its_own_k_and_qids(client, queries) -> None:
         assert hits_of(response.json()) == {"q": full[queries.ids[i]][: body["k"]]}
 
 
+def test_a_small_request_to_an_idle_gpu_server_is_scored_on_the_event_loop(
+    corpus, queries, monkeypatch
+) -> None:
+    """`Scorer.quick`: one small request on an idle server whose corpus is on GPUs is scored without the
+    worker thread (here the corpus is on the CPU, so the test says it is on GPUs), with the same answers;
+    a batch of several, or a large request, still goes to the worker thread."""
+    threads: list[str] = []
+    score = Scorer.score
+
+    def record(self, jobs):
+        threads.append(threading.current_thread().name)
+        return score(self, jobs)
+
+    monkeypatch.setattr(Scorer, "on_gpus", property(lambda self: True))
+    monkeypatch.setattr(Scorer, "score", record)
+    one = Queries.from_embeddings(["x"], [rows_of(queries, 0)])
+    expected = search(one, corpus, k=3, device="cpu").to_dict()
+
+    async def main() -> list:
+        batcher = Batcher(Scorer(corpus), window_s=0.0)
+        await batcher.start()
+        try:
+            alone = await batcher.submit("search", Parsed(one, 3))
+            many = await asyncio.gather(*(batcher.submit("search", Parsed(one, 3)) for _ in range(3)))
+            big = Queries.from_embeddings([f"q{i}" for i in range(5)], [rows_of(queries, 0)] * 5)
+            await batcher.submit("search", Parsed(big, 3))
+            return [alone, *many]
+        finally:
+            await batcher.close()
+
+    answers = asyncio.run(main())
+    assert all(dict((qid, hits) for qid, hits, _ in answer) == {"x": expected["x"]} for answer in answers)
+    assert threads[0] == threading.main_thread().name
+    assert all(name.startswith("maxsim-serve") for name in threads[1:]), threads
+
+
 def test_rerank_answers_equal_maxsim_score(client, queries, tmp_path) -> None:
     stage = first_stage(20)
     wanted = [queries.ids.index(q) for q in stage]

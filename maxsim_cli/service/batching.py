@@ -8,7 +8,9 @@ One worker thread means one engine pass (one kernel launch per document batch) a
 
 The window is waited only while the server is busy: when the last batch held several requests or
 others were queued behind it. A request that reaches an idle server is scored at once, so one client
-alone pays no window; under concurrent load every batch gathers for up to the window.
+alone pays no window; under concurrent load every batch gathers for up to the window. When that request
+is small and the corpus is on GPUs (`Scorer.quick`: a few launches, a few milliseconds), it is scored
+on the event loop itself, sparing it the two hand-overs between threads.
 
 A request's answer does not depend on what it was batched with:
 
@@ -46,6 +48,11 @@ if TYPE_CHECKING:
     from maxsim_cli.api import Corpus, Queries
 
 logger = logging.getLogger("maxsim.serve")
+
+# A request scored on the event loop when the server is idle (`Scorer.quick`): at most this many queries
+# and rerank candidates, a few milliseconds of GPU work.
+QUICK_MAX_QUERIES = 4
+QUICK_MAX_CANDIDATES = 10_000
 
 # One query's answer: its qid (as the request gave it), hits [(docno, score)] best first, and for a
 # rerank the candidates that are not in the corpus (None for a search).
@@ -101,6 +108,29 @@ class Scorer:
         self.corpus = corpus
         self.device = device
         self.counters = counters or Counters()
+
+    def quick(self, jobs: Sequence[Job]) -> bool:
+        """Whether ``jobs`` is one small request against a corpus resident on GPUs: its scoring is a few
+        launches that the GPU runs in a few milliseconds, short enough to run on the event loop."""
+        if len(jobs) != 1 or jobs[0].num_queries > QUICK_MAX_QUERIES:
+            return False
+        request = jobs[0].request
+        if request.candidates is not None and (
+            sum(len(docnos) for docnos in request.candidates.values()) > QUICK_MAX_CANDIDATES
+        ):
+            return False
+        return self.on_gpus
+
+    @property
+    def on_gpus(self) -> bool:
+        residency, placement = self.corpus.residency, self.corpus.placement
+        if placement is not None:
+            return all(part.device.type == "cuda" for part in placement)
+        return (
+            residency is not None
+            and residency.device.type == "cuda"
+            and self.device in ("auto", str(residency.device))
+        )
 
     def score(self, jobs: Sequence[Job]) -> list[list[QueryAnswer] | BaseException]:
         """Each job's answers, or the exception that job alone fails with."""
@@ -292,7 +322,12 @@ class Batcher:
                 continue
             started = time.perf_counter()
             try:
-                results: list[Any] = await loop.run_in_executor(self._executor, self.scorer.score, batch)
+                if not self._busy and not self._pending and self.scorer.quick(batch):
+                    # an idle server and a small request on a GPU: scored here, without the two thread
+                    # hand-overs (nothing else is waiting to be read while it runs)
+                    results: list[Any] = self.scorer.score(batch)
+                else:
+                    results = await loop.run_in_executor(self._executor, self.scorer.score, batch)
             except Exception as exc:  # noqa: BLE001 - a bug in the scorer: fail this batch, keep serving
                 logger.exception("scoring a batch failed")
                 results = [exc] * len(batch)
