@@ -329,7 +329,7 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
             raise RequestError(422, f"{QUERIES}: the Arrow stream holds no queries")
         ids = list(shard.ids)
         offsets = np.asarray(shard.offsets, dtype=np.int64)
-        embeddings, scales = _arrow_rows(shard, batches)
+        embeddings, scales = shard.rows_numpy(0, shard.num_docs)
         dtype = shard.info.dtype
     _check_values(ARROW_NAME, _as_float32(embeddings, dtype), scales, offsets, ids)
     _check_dim(embeddings.shape[1], corpus_dim)
@@ -352,35 +352,6 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
         if any(d is None for d in docnos):
             raise RequestError(422, f"{CANDIDATES}: query {qid!r} has a null docno")
     return Checked(ids, embeddings, offsets, dtype, scales, k, _check_candidates(candidates, ids), strict)
-
-
-def _arrow_rows(shard: Any, batches: Sequence[Any]) -> tuple[np.ndarray, np.ndarray | None]:
-    """Every query's token vectors (and int8 scales) as numpy, with the shard's own row checks (what its
-    `read_docs` does before it makes tensors, which the HTTP workers have no torch for)."""
-    from maxsim_cli.shards.readers import _combine
-
-    emb_parts, scale_parts = [], []
-    for c, batch in enumerate(batches):
-        first = int(shard._chunk_starts[c])
-        emb_col = _combine(batch.column(shard._emb_col))
-        emb_parts.append(shard._tokens.rows(emb_col, 0, batch.num_rows, shard.ids, first))
-        if shard._scale_col is not None:
-            scale_parts.append(
-                shard._tokens.scales(_combine(batch.column(shard._scale_col)), 0, batch.num_rows)
-            )
-    embeddings = np.concatenate(emb_parts) if len(emb_parts) > 1 else np.array(emb_parts[0], copy=True)
-    expected = int(shard.offsets[-1])
-    n = shard.num_docs
-    if embeddings.shape[0] != expected:
-        raise _err(
-            ARROW_NAME, f"documents 0..{n} hold {embeddings.shape[0]} tokens but their lengths say {expected}"
-        )
-    if not scale_parts:
-        return embeddings, None
-    scales = np.array(np.concatenate(scale_parts), dtype=np.float32)  # writable: torch shares it
-    if scales.shape[0] != expected:
-        raise _err(ARROW_NAME, f"documents 0..{n} have {scales.shape[0]} scales for {expected} tokens")
-    return embeddings, scales
 
 
 def _int_param(params: Mapping[str, str], name: str, default: int | None) -> int | None:

@@ -552,6 +552,24 @@ class _RecordShard(Shard):
         raise NotImplementedError
 
     def _read_rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        emb_parts, scale_parts = self._row_parts(start, stop)
+        return _to_torch(emb_parts, self.info.dtype), (
+            _to_torch(scale_parts, "float32") if scale_parts else None
+        )
+
+    def rows_numpy(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """`_read_rows` without torch (for `maxsim serve`'s HTTP workers, which import none): token rows
+        of documents start..stop-1 as one numpy array (bfloat16 as its 16-bit storage) and the int8
+        scales or None, with the same checks."""
+        emb_parts, scale_parts = self._row_parts(start, stop)
+        embeddings = np.concatenate(emb_parts) if len(emb_parts) > 1 else np.array(emb_parts[0], copy=True)
+        if not scale_parts:
+            return embeddings, None
+        return embeddings, np.array(np.concatenate(scale_parts), dtype=np.float32)
+
+    def _row_parts(self, start: int, stop: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The rows (and scales) of documents start..stop-1, a piece per chunk they span (read-only views
+        where Arrow allows), checked against the documents' lengths."""
         emb_parts, scale_parts = [], []
         c = int(np.searchsorted(self._chunk_starts, start, side="right")) - 1
         a = start
@@ -566,20 +584,18 @@ class _RecordShard(Shard):
                 scale_parts.append(self._tokens.scales(scale_col, a - c_start, b - c_start))
             a = b
             c += 1
-        embeddings = _to_torch(emb_parts, self.info.dtype)
         expected = int(self.offsets[stop] - self.offsets[start])
-        if embeddings.shape[0] != expected:
+        tokens = sum(part.shape[0] for part in emb_parts)
+        if tokens != expected:
             raise _err(
-                self.path,
-                f"documents {start}..{stop} hold {embeddings.shape[0]} tokens but their "
-                f"lengths say {expected}",
+                self.path, f"documents {start}..{stop} hold {tokens} tokens but their lengths say {expected}"
             )
-        scales = _to_torch(scale_parts, "float32") if scale_parts else None
-        if scales is not None and scales.shape[0] != expected:
+        scale_count = sum(part.shape[0] for part in scale_parts)
+        if scale_parts and scale_count != expected:
             raise _err(
-                self.path, f"documents {start}..{stop} have {scales.shape[0]} scales for {expected} tokens"
+                self.path, f"documents {start}..{stop} have {scale_count} scales for {expected} tokens"
             )
-        return embeddings, scales
+        return emb_parts, scale_parts
 
 
 # Hugging Face shard file names: `train-00000-of-00002.parquet`, `data-00000-of-00001.arrow`.
