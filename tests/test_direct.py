@@ -154,6 +154,10 @@ def test_out_of_memory_hands_the_call_to_the_engine(corpus_path, queries, monkey
         # the engine on the CPU scores through maxsim_kernels.cpu (checking values), which still works
         run = search(queries, corpus, k=5)
         assert run.stats.extra.get("direct") is None and run == expected
+        # the direct path's notes are dropped with it: the missing candidate is warned about once
+        with pytest.warns(maxsim_cli.MaxsimWarning) as caught:
+            reranked = rerank(queries, corpus, {queries.ids[0]: [corpus.ids[0], "missing"]})
+        assert len(caught) == 1 and reranked.stats.extra.get("direct") is None and len(reranked) == 1
 
 
 @pytest.mark.gpu

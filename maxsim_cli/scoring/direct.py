@@ -105,17 +105,29 @@ def run(
         q_emb, query_scales = quantize_per_token(q_emb)
     kernel_args = (q_emb, q_offsets, residency.embeddings, residency.offsets_host)
     kernel_kwargs = {"backend": request.backend, "doc_scales": residency.scales, "query_scales": query_scales}
+    notes: list[str] = []  # given to ``log`` once the call has succeeded: the engine would repeat them
     try:
         if candidates is None:
             _search(request, corpus, residency, queries, sink, stats, kernel_args, kernel_kwargs)
         else:
             _rerank(
-                request, corpus, residency, queries, sink, stats, candidates, kernel_args, kernel_kwargs, log
+                request,
+                corpus,
+                residency,
+                queries,
+                sink,
+                stats,
+                candidates,
+                kernel_args,
+                kernel_kwargs,
+                notes.append,
             )
     except torch.OutOfMemoryError:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         return None
+    for note in notes:
+        log(note)
     stats.wall_s = stats.score_s = time.perf_counter() - started
     return stats
 
