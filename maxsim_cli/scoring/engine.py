@@ -607,8 +607,6 @@ class _Engine:
 
     # ---------------------------------------------------------------------------- rerank
 
-    # ---------------------------------------------------------------------------- rerank
-
     def rerank_passes(
         self, run: dict[str, list[tuple[str, float]]], qids: list[str], qname: str, cname: str, strict: bool
     ) -> list[_Pass]:
