@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import socket
@@ -153,6 +154,10 @@ def run(listen_fd: int, hub_path: str, index: int) -> None:
         )
     )
     logging.getLogger("maxsim.serve").debug("serve worker %d ready", index)
+    # the imported modules out of the collector's generations, as in the scoring process: its full
+    # collections, which a request's allocations start, then walk only what requests made
+    gc.collect()
+    gc.freeze()
     with _signals_end_cleanly():
         server.run(sockets=[listener])
 
