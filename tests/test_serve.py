@@ -249,6 +249,35 @@ def test_a_small_request_to_an_idle_gpu_server_is_scored_on_the_event_loop(
     assert all(name.startswith("maxsim-serve") for name in threads[1:]), threads
 
 
+@pytest.mark.gpu
+def test_a_gpu_resident_corpus_answers_as_the_in_process_calls(queries) -> None:
+    """On a GPU: a lone small request (scored on the event loop) and concurrent ones (a batch on the
+    worker thread) answer as `search` and `rerank` on the same resident corpus."""
+    stage = first_stage(6)
+    with open_corpus(CORPUS) as corpus:
+        corpus.to("cuda")
+        expected = search(queries, corpus, k=5).to_dict()
+        reranked = rerank(queries, corpus, stage).to_dict()
+        with TestClient(create_app(corpus, batch_window_ms=20)) as client:
+            lone = client.post("/search", json={"queries": [query_json(queries, 0)], "k": 5})
+            assert lone.status_code == 200, lone.text
+            assert hits_of(lone.json()) == {queries.ids[0]: expected[queries.ids[0]]}
+            qid = next(iter(stage))
+            i = queries.ids.index(qid)
+            one = client.post(
+                "/rerank", json={"queries": [query_json(queries, i)], "candidates": {qid: stage[qid]}}
+            )
+            assert hits_of(one.json()) == {qid: reranked[qid]}
+
+            def ask(i: int) -> dict:
+                return client.post("/search", json={"queries": [query_json(queries, i)], "k": 5}).json()
+
+            with ThreadPoolExecutor(8) as pool:
+                answers = list(pool.map(ask, range(len(queries))))
+            for i, answer in enumerate(answers):
+                assert hits_of(answer) == {queries.ids[i]: expected[queries.ids[i]]}
+
+
 def test_rerank_answers_equal_maxsim_score(client, queries, tmp_path) -> None:
     stage = first_stage(20)
     wanted = [queries.ids.index(q) for q in stage]
