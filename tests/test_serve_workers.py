@@ -59,9 +59,16 @@ JSON = "application/json"
 class Server:
     """`maxsim serve` in a subprocess on 127.0.0.1, a free port; stderr collected by a thread."""
 
-    def __init__(self, corpus: str, *args: str, env: dict[str, str] | None = None, wait: bool = True) -> None:
+    def __init__(
+        self,
+        corpus: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+        where: tuple[str, ...] = ("--device", "cpu"),
+    ) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "maxsim_cli", "serve", corpus, "--device", "cpu", "--port", "0", *args],
+            [sys.executable, "-m", "maxsim_cli", "serve", corpus, *where, "--port", "0", *args],
             cwd=ROOT,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -194,6 +201,35 @@ def test_search_from_several_clients_equals_one_process_and_maxsim_score(server,
         assert response.content == alone.content
         got.update(hits_of(response.json()))
     assert as_float32(got) == expected
+
+
+def test_a_corpus_on_several_devices_behind_workers_answers_as_one_process(local, queries) -> None:
+    """`--devices cpu,cpu --workers 2`: the shards spread over two devices, every request scored on both
+    and merged, HTTP in two workers: the bytes of the one-process, one-device server."""
+    server = Server(CORPUS, "--workers", "2", where=("--devices", "cpu,cpu"))
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            health = client.get("/health").json()
+            assert health["devices"] == ["cpu", "cpu"] and health["workers"] == 2
+            stage = first_stage(4)
+            for path, body in (
+                ("/search", {"queries": [query_json(queries, i) for i in range(6)], "k": 7}),
+                (
+                    "/rerank",
+                    {
+                        "queries": [query_json(queries, queries.ids.index(q)) for q in stage],
+                        "candidates": stage,
+                    },
+                ),
+            ):
+                content = json_body(body)
+                response = client.post(path, content=content, headers={"content-type": JSON})
+                assert response.status_code == 200, response.text
+                alone = local.post(path, content=content, headers={"content-type": JSON})
+                assert response.content == alone.content
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0, "".join(server.log)
 
 
 def test_rerank_equals_one_process_and_maxsim_score(http, local, queries) -> None:
