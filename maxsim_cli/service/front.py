@@ -114,7 +114,7 @@ def run(listen_fd: int, hub_path: str, index: int) -> None:
 
     import uvicorn
 
-    from maxsim_cli.service.app import GRACEFUL_SHUTDOWN_S, _log_config, _signals_end_cleanly, http_app
+    from maxsim_cli.service.app import GRACEFUL_SHUTDOWN_S, _log_config, http_app
     from maxsim_cli.service.schema import check_request
     from maxsim_cli.service.wire import pack, recv_frame
 
@@ -158,8 +158,20 @@ def run(listen_fd: int, hub_path: str, index: int) -> None:
     # collections, which a request's allocations start, then walk only what requests made
     gc.collect()
     gc.freeze()
-    with _signals_end_cleanly():
-        server.run(sockets=[listener])
+    _STOP["server"] = server
+    if _STOP["asked"]:  # asked to stop while starting: uvicorn starts, sees it, and stops at once
+        server.should_exit = True
+    server.run(sockets=[listener])
+
+
+# A SIGTERM noted before uvicorn serves, and the server to hand it to once there is one.
+_STOP: dict[str, Any] = {"asked": False, "server": None}
+
+
+def _note_stop(signum: int, frame: Any) -> None:
+    _STOP["asked"] = True
+    if _STOP["server"] is not None:
+        _STOP["server"].should_exit = True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,7 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hub", required=True, help="the scoring process's Unix socket")
     parser.add_argument("--worker", type=int, default=0, help="this worker's number, for messages")
     args = parser.parse_args(argv)
-    lifeline.tie_to_launcher(armed=False)  # dies with the scoring process; SIGTERM is uvicorn's
+    lifeline.tie_to_launcher(armed=False)  # dies with the scoring process
+    # A SIGTERM only ever asks the worker to stop: before uvicorn serves (imports, the hello) it is
+    # noted and handed to uvicorn, while it serves it is uvicorn's, after it is ignored. Several come
+    # when the scoring process dies (the kernel's, the lifeline's, the lost connection's): none may end
+    # the process before the `finally` below removes the orphaned socket.
+    signal.signal(signal.SIGTERM, _note_stop)
     try:
         run(args.listen_fd, args.hub, args.worker)
     except Exception as exc:  # noqa: BLE001 - one line for the scoring process's log, then exit 1
