@@ -200,18 +200,8 @@ def _groups(lens: np.ndarray, group_tokens: int) -> tuple[np.ndarray, list[tuple
     """Non-empty documents sorted by length, cut into runs whose padded size n * L_max <= group_tokens."""
     order = np.argsort(lens, kind="stable")
     order = order[lens[order] > 0]
-    sorted_lens = lens[order]
-    spans = []
-    start, count = 0, len(order)
-    while start < count:
-        # a run [start, start + k) pads to sorted_lens[start + k - 1]: take the largest k that fits
-        limit = min(count - start, max(1, group_tokens // int(sorted_lens[start])))
-        k = np.arange(1, limit + 1)
-        fits = int(np.count_nonzero(k * sorted_lens[start : start + limit] <= group_tokens))
-        stop = start + max(1, fits)
-        spans.append((start, stop))
-        start = stop
-    return order, spans
+    # a run [a, b) pads to its last (longest) document: the cut of `_unit_groups`
+    return order, _unit_groups(lens[order], group_tokens)
 
 
 def _score_docs(
