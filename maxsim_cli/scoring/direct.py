@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from maxsim_cli.scoring.engine import _query_embeddings, locate_candidates, write_reranked
+from maxsim_cli.scoring.engine import _query_embeddings, locate_candidates, write_reranked, write_topk
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.stats import ScoreStats
 from maxsim_cli.topk import PAIR_BYTES, RunningTopK
@@ -142,10 +142,8 @@ def _search(
     kernel_args: tuple,
     kernel_kwargs: dict,
 ) -> None:
-    import pyarrow as pa
     from maxsim_kernels import maxsim_varlen
 
-    _, _, ids_by_rank = corpus.id_order()
     ranks = _device_ranks(corpus, residency)
     scores = maxsim_varlen(*kernel_args, **kernel_kwargs)
     topk = RunningTopK(len(queries.ids), request.top_k)
@@ -155,8 +153,7 @@ def _search(
     stats.documents = len(corpus)
     stats.tokens = corpus.num_tokens
     stats.pairs = len(queries.ids) * len(corpus)
-    docnos = ids_by_rank.take(pa.array(top_ranks.numpy().reshape(-1)))
-    sink.write_ranked(list(queries.ids), docnos, top_scores.numpy())
+    write_topk(sink, queries.ids, top_scores, top_ranks, corpus)
 
 
 def _rerank(

@@ -447,9 +447,9 @@ class _Engine:
     def exhaustive_passes(self, top_k: int, batch_queries: int | None) -> list[_Pass]:
         """Query batches and the document batches of each pass, sized to the budgets (`plan_exhaustive`)."""
         if len(self.q_offsets) > 1 and len(self.doc_lengths):
-            # docno ranks (ascending byte order) for the tie-break, and the inverse to decode results:
-            # made before the plan, whose budget is what they leave of the host budget (`fit_host`)
-            _, self.ordinal_of_rank, self.ids_by_rank = self.corpus.id_order()
+            # docno ranks (ascending byte order) for the tie-break, and the id order that decodes results
+            # (`write_topk`): made before the plan, whose budget is what they leave of the host budget
+            # (`fit_host`)
             self.rank_of_ordinal = self.corpus.rank_of_ordinal()
         self.fit_host()
         plan = planning.plan_exhaustive(
@@ -496,7 +496,7 @@ class _Engine:
                     self._batch_done(batch)
                 scores, ranks = topk.result()
                 started = time.perf_counter()
-                self._write_topk(sink, qids[qpass.q0 : qpass.q1], scores, ranks)
+                write_topk(sink, qids[qpass.q0 : qpass.q1], scores, ranks, self.corpus)
                 stats.write_s += time.perf_counter() - started
                 stats.pairs += (qpass.q1 - qpass.q0) * stats.documents
         finally:
@@ -589,21 +589,6 @@ class _Engine:
             f"note: out of memory on {self.device} scoring {docs} documents at once; "
             f"continuing with at most {self.piece_docs} documents per kernel call"
         )
-
-    def _write_topk(self, sink: Any, qids: list[str], scores: torch.Tensor, ranks: torch.Tensor) -> None:
-        import pyarrow as pa
-
-        scores_np = scores.numpy()
-        if hasattr(sink, "write_ordinals"):  # a rank of a distributed qpass: columns for rank 0's merge
-            sink.write_ordinals(scores_np, self.ordinal_of_rank[ranks.numpy()])
-            return
-        docnos = self.ids_by_rank.take(pa.array(ranks.numpy().reshape(-1)))  # query after query
-        if hasattr(sink, "write_ranked"):  # the whole block at once
-            sink.write_ranked(qids, docnos, scores_np)
-            return
-        m = scores_np.shape[1] if scores_np.ndim == 2 else 0
-        for i, qid in enumerate(qids):
-            sink.write_query(qid, docnos[i * m : (i + 1) * m].to_pylist(), scores_np[i].tolist())
 
     # ---------------------------------------------------------------------------- rerank
 
@@ -762,6 +747,28 @@ class _Engine:
             end.synchronize()
             self.stats.score_s += start.elapsed_time(end) / 1000.0
         self.score_events.clear()
+
+
+def write_topk(
+    sink: Any, qids: Sequence[str], scores: torch.Tensor, ranks: torch.Tensor, corpus: Corpus
+) -> None:
+    """A running top-k's result (`RunningTopK.result`: float32 scores and docno ranks, ``[nq, m]``, best
+    first) to ``sink``: corpus ordinals to a rank of a distributed job (``write_ordinals``), else docnos,
+    the whole block at once (``write_ranked``) or query by query (``write_query``)."""
+    import pyarrow as pa
+
+    _, ordinal_of_rank, ids_by_rank = corpus.id_order()
+    scores_np = scores.numpy()
+    if hasattr(sink, "write_ordinals"):  # a rank of a distributed qpass: columns for rank 0's merge
+        sink.write_ordinals(scores_np, ordinal_of_rank[ranks.numpy()])
+        return
+    docnos = ids_by_rank.take(pa.array(ranks.numpy().reshape(-1)))  # query after query
+    if hasattr(sink, "write_ranked"):  # the whole block at once
+        sink.write_ranked(list(qids), docnos, scores_np)
+        return
+    m = scores_np.shape[1] if scores_np.ndim == 2 else 0
+    for i, qid in enumerate(qids):
+        sink.write_query(qid, docnos[i * m : (i + 1) * m].to_pylist(), scores_np[i].tolist())
 
 
 @dataclass
