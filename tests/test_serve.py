@@ -586,33 +586,44 @@ def test_serve_without_fastapi_says_what_to_install(monkeypatch) -> None:
 
 
 class Server:
-    """`maxsim serve` in a subprocess on 127.0.0.1, a free port; stderr drained by a thread."""
+    """`maxsim serve CORPUS` in a subprocess on 127.0.0.1, a free port (on the CPU unless ``where`` says
+    otherwise); stderr collected by a thread; ``wait``: until it says it is serving."""
 
-    def __init__(self, *args: str) -> None:
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    def __init__(
+        self,
+        corpus: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+        where: tuple[str, ...] = ("--device", "cpu"),
+    ) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "maxsim_cli", "serve", CORPUS, "--device", "cpu", "--port", "0", *args],
+            [sys.executable, "-m", "maxsim_cli", "serve", corpus, *where, "--port", "0", *args],
             cwd=ROOT,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=env,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})},
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
         threading.Thread(target=self._drain, daemon=True).start()
+        if not wait:
+            return
         deadline = time.monotonic() + 90
         while True:
             try:
-                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+                line = self.lines.get(timeout=0.2)
             except queue.Empty:
+                if self.proc.poll() is None and time.monotonic() < deadline:
+                    continue
                 self.stop()
                 pytest.fail("the server did not start:\n" + "".join(self.log))
             match = re.search(r"serving on http://127\.0\.0\.1:(\d+)", line)
             if match:
-                self.url = f"http://127.0.0.1:{match.group(1)}"
                 self.port = int(match.group(1))
+                self.url = f"http://127.0.0.1:{self.port}"
                 return
 
     def _drain(self) -> None:
@@ -621,14 +632,28 @@ class Server:
             self.log.append(line)
             self.lines.put(line)
 
+    def workers(self) -> list[int]:
+        """The pids of the worker processes."""
+        text = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
+        return [int(pid) for pid in text.split()]
+
+    def hub_folder(self) -> str:
+        """The server's private folder (its Unix socket's), from a worker's command line."""
+        args = Path(f"/proc/{self.workers()[0]}/cmdline").read_bytes().split(b"\0")
+        return os.path.dirname(args[args.index(b"--hub") + 1].decode())
+
     def rss_kib(self) -> int:
         status = Path(f"/proc/{self.proc.pid}/status").read_text()
         return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1))
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 async def _load(url: str, bodies: list[dict], clients: int) -> list[tuple[int, dict]]:
@@ -651,7 +676,7 @@ async def _load(url: str, bodies: list[dict], clients: int) -> list[tuple[int, d
 @pytest.mark.slow
 def test_real_server_under_load_then_sigterm(queries) -> None:
     expected = search(queries, CORPUS, k=10, device="cpu").to_dict()
-    server = Server("--batch-window-ms", "2")
+    server = Server(CORPUS, "--batch-window-ms", "2")
     try:
         ks = [1, 3, 10]
 

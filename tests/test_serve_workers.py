@@ -9,13 +9,9 @@ requests in flight and removes the server's folder, a worker that cannot start s
 from __future__ import annotations
 
 import os
-import queue
 import re
 import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -32,11 +28,13 @@ httpx = pytest.importorskip("httpx")
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*httpx2.*")
     from fastapi.testclient import TestClient  # noqa: E402
+from test_score import _arrow_stream_bytes  # noqa: E402
 from test_serve import (  # noqa: E402
     CORPUS,
     JSON_ERRORS,
     QUERY_FILE,
     TOKEN,
+    Server,
     arrow_stream,
     as_float32,
     cli_run,
@@ -54,72 +52,6 @@ from maxsim_cli.shards import write_shard  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 JSON = "application/json"
-
-
-class Server:
-    """`maxsim serve` in a subprocess on 127.0.0.1, a free port; stderr collected by a thread."""
-
-    def __init__(
-        self,
-        corpus: str,
-        *args: str,
-        env: dict[str, str] | None = None,
-        wait: bool = True,
-        where: tuple[str, ...] = ("--device", "cpu"),
-    ) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "maxsim_cli", "serve", corpus, *where, "--port", "0", *args],
-            cwd=ROOT,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})},
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.log: list[str] = []
-        threading.Thread(target=self._drain, daemon=True).start()
-        if not wait:
-            return
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                line = self.lines.get(timeout=0.2)
-            except queue.Empty:
-                if self.proc.poll() is None and time.monotonic() < deadline:
-                    continue
-                self.stop()
-                pytest.fail("the server did not start:\n" + "".join(self.log))
-            match = re.search(r"serving on http://127\.0\.0\.1:(\d+)", line)
-            if match:
-                self.port = int(match.group(1))
-                self.url = f"http://127.0.0.1:{self.port}"
-                return
-
-    def _drain(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.log.append(line)
-            self.lines.put(line)
-
-    def workers(self) -> list[int]:
-        """The pids of the worker processes."""
-        text = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
-        return [int(pid) for pid in text.split()]
-
-    def hub_folder(self) -> str:
-        """The server's private folder (its Unix socket's), from a worker's command line."""
-        args = Path(f"/proc/{self.workers()[0]}/cmdline").read_bytes().split(b"\0")
-        return os.path.dirname(args[args.index(b"--hub") + 1].decode())
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def wait_for(condition, what: str, timeout: float = 30) -> None:  # noqa: ANN001
@@ -326,17 +258,10 @@ def quantized(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_query_stream(queries, ids: list[int], path: Path) -> bytes:
-    import pyarrow as pa
-
     rows = [queries.embeddings[int(queries.offsets[i]) : int(queries.offsets[i + 1])] for i in ids]
     pairs = [quantized(r) for r in rows]
     write_shard(path, [queries.ids[i] for i in ids], [q for q, _ in pairs], scales=[s for _, s in pairs])
-    with pa.memory_map(str(path)) as source:
-        table = pa.ipc.open_file(source).read_all()
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue().to_pybytes()
+    return _arrow_stream_bytes(path)
 
 
 def test_int8_corpus_and_queries_with_a_token(tmp_path, queries) -> None:
