@@ -33,7 +33,7 @@ from pydantic_core import to_json
 
 from maxsim_cli.errors import InputError, MaxsimError
 from maxsim_cli.queries import IN_MEMORY_NAME, Queries, _as_ids, _check_lengths
-from maxsim_cli.shards.format import _check_ids, _err, _show_id
+from maxsim_cli.shards.format import _check_ids, _check_values
 
 JSON_TYPE = "application/json"
 ARROW_TYPE = "application/vnd.apache.arrow.stream"
@@ -224,7 +224,7 @@ def _queries_from_json(items: Sequence[QueryIn], corpus_dim: int) -> tuple[list[
     offsets = np.zeros(len(ids) + 1, dtype=np.int64)
     np.cumsum([a.shape[0] for a in arrays], out=offsets[1:])
     _check_ids(name, ids, what="query id")
-    _check_values(name, embeddings, None, offsets, ids)
+    _check_values(name, embeddings, None, offsets, ids, 0)
     _check_dim(embeddings.shape[1], corpus_dim)
     return ids, embeddings, offsets
 
@@ -243,40 +243,6 @@ def _as_float32(values: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bfloat16":
         return (values.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     return values
-
-
-def _first_nonfinite_row(values: np.ndarray) -> int | None:
-    """Index of the first row holding NaN/Inf, or None (as `shards.format.first_nonfinite_row`)."""
-    if values.size == 0 or values.dtype == np.int8:
-        return None
-    with np.errstate(over="ignore", invalid="ignore"):
-        if np.isfinite(values.sum(dtype=np.float32)):
-            return None
-    bad = np.flatnonzero(~np.isfinite(values.reshape(values.shape[0], -1)).all(axis=1))
-    return int(bad[0]) if bad.size else None
-
-
-def _check_values(
-    name: str, embeddings: np.ndarray, scales: np.ndarray | None, offsets: np.ndarray, ids: Sequence[str]
-) -> None:
-    """NaN/Inf values, NaN/Inf or negative scales: the messages of `shards.format._check_values`."""
-    for values, what in ((embeddings, "NaN or Inf values"), (scales, "a NaN or Inf scale")):
-        row = _first_nonfinite_row(values) if values is not None else None
-        if row is not None:
-            doc = int(np.searchsorted(offsets, row, side="right")) - 1
-            raise _err(
-                name,
-                f"document {_show_id(ids[doc])} (index {doc}) has {what} at token "
-                f"{row - int(offsets[doc])}; re-encode or drop that document",
-            )
-    if scales is not None and scales.size and bool((scales < 0).any()):
-        row = int(np.flatnonzero(scales < 0)[0])
-        doc = int(np.searchsorted(offsets, row, side="right")) - 1
-        raise _err(
-            name,
-            f"document {_show_id(ids[doc])} (index {doc}) has a negative int8 scale "
-            f"at token {row - int(offsets[doc])}; scales are max|x|/127 >= 0",
-        )
 
 
 def _check_candidates(candidates: Mapping[str, Sequence[str]], qids: Sequence[str]) -> dict[str, list[str]]:
@@ -331,7 +297,7 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
         offsets = np.asarray(shard.offsets, dtype=np.int64)
         embeddings, scales = shard.rows_numpy(0, shard.num_docs)
         dtype = shard.info.dtype
-    _check_values(ARROW_NAME, _as_float32(embeddings, dtype), scales, offsets, ids)
+    _check_values(ARROW_NAME, _as_float32(embeddings, dtype), scales, offsets, ids, 0)
     _check_dim(embeddings.shape[1], corpus_dim)
     if kind == "search":
         return Checked(ids, embeddings, offsets, dtype, scales, k)

@@ -450,8 +450,17 @@ def _check_counts(path: str, meta: dict[str, Any], num_docs: int, num_tokens: in
             raise _err(path, f"metadata says {key}={meta[key]} but the file holds {actual}")
 
 
-def first_nonfinite_row(values: torch.Tensor) -> int | None:
-    """Index of the first row holding NaN/Inf, or None. One float32 sum first: cheap, no mask."""
+def first_nonfinite_row(values: torch.Tensor | np.ndarray) -> int | None:
+    """Index of the first row holding NaN/Inf, or None. One float32 sum first: cheap, no mask. Takes a
+    numpy array too (`maxsim serve`'s HTTP workers check requests without torch)."""
+    if isinstance(values, np.ndarray):
+        if values.size == 0 or values.dtype == np.int8:
+            return None
+        with np.errstate(over="ignore", invalid="ignore"):
+            if np.isfinite(values.sum(dtype=np.float32)):
+                return None
+        bad = np.flatnonzero(~np.isfinite(values.reshape(values.shape[0], -1)).all(axis=1))
+        return int(bad[0]) if bad.size else None
     import torch
 
     if values.numel() == 0 or values.dtype == torch.int8:
@@ -470,13 +479,14 @@ def first_nonfinite_row(values: torch.Tensor) -> int | None:
 
 def _check_values(
     path: str,
-    embeddings: torch.Tensor,
-    scales: torch.Tensor | None,
+    embeddings: torch.Tensor | np.ndarray,
+    scales: torch.Tensor | np.ndarray | None,
     offsets: np.ndarray,
     ids: Sequence[str],
     first_doc: int,
 ) -> None:
-    """NaN/Inf in the values (or NaN/Inf/negative int8 scales): name the document and its token."""
+    """NaN/Inf in the values (or NaN/Inf/negative int8 scales): name the document and its token. Torch
+    tensors on the CPU or numpy arrays (float values: bfloat16 as float32)."""
     for tensor, what in ((embeddings, "NaN or Inf values"), (scales, "a NaN or Inf scale")):
         if tensor is None:
             continue
@@ -488,8 +498,9 @@ def _check_values(
                 f"document {_show_id(ids[doc])} (index {first_doc + doc}) has {what} at token "
                 f"{row - int(offsets[doc])}; re-encode or drop that document",
             )
-    if scales is not None and scales.numel() and bool((scales < 0).any()):
-        row = int((scales < 0).nonzero()[0, 0])
+    negative = None if scales is None else np.flatnonzero(np.asarray(scales) < 0)
+    if negative is not None and negative.size:
+        row = int(negative[0])
         doc = int(np.searchsorted(offsets, row, side="right")) - 1
         raise _err(
             path,
