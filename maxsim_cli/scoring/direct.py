@@ -32,7 +32,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from maxsim_cli.scoring.engine import _query_embeddings, locate_candidates, write_reranked, write_topk
+from maxsim_cli.scoring.engine import (
+    _query_embeddings,
+    device_queries,
+    locate_candidates,
+    write_reranked,
+    write_topk,
+)
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.stats import ScoreStats
 from maxsim_cli.topk import PAIR_BYTES, RunningTopK
@@ -96,17 +102,16 @@ def run(
         # Triton launches on the calling thread's current device, whatever the tensors' (the engine does
         # the same): a corpus resident on cuda:1, scored from a thread whose device is cuda:0
         torch.cuda.set_device(dev)
-    q_emb = _query_embeddings(queries, corpus.dtype, corpus.quantization).to(dev)
-    q_offsets = queries.offsets.to(torch.int64)
-    query_scales = None
-    if dev.type == "cuda" and corpus.quantization != "none":
-        from maxsim_kernels.maxsim_int8 import quantize_per_token  # imports Triton: CUDA only
-
-        q_emb, query_scales = quantize_per_token(q_emb)
-    kernel_args = (q_emb, q_offsets, residency.embeddings, residency.offsets_host)
-    kernel_kwargs = {"backend": request.backend, "doc_scales": residency.scales, "query_scales": query_scales}
     notes: list[str] = []  # given to ``log`` once the call has succeeded: the engine would repeat them
     try:
+        q_emb = _query_embeddings(queries, corpus.dtype, corpus.quantization)
+        q_emb, query_scales = device_queries(q_emb, dev, corpus.quantization != "none")
+        kernel_args = (q_emb, queries.offsets.to(torch.int64), residency.embeddings, residency.offsets_host)
+        kernel_kwargs = {
+            "backend": request.backend,
+            "doc_scales": residency.scales,
+            "query_scales": query_scales,
+        }
         if candidates is None:
             _search(request, corpus, residency, queries, sink, stats, kernel_args, kernel_kwargs)
         else:

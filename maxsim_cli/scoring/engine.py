@@ -322,6 +322,20 @@ def _query_embeddings(qbatch: DocBatch, corpus_dtype: str, quantization: str) ->
     return emb.to(getattr(torch, corpus_dtype)).contiguous()
 
 
+def device_queries(
+    q_emb: torch.Tensor, device: torch.device, scaled: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Queries (`_query_embeddings`' dtype) on ``device`` as the kernels take them: for an int8 corpus on
+    CUDA quantized once (int8 codes and their per-token scales) rather than by the kernel for every
+    document batch (a launch and ~60 us of host time each); else as they are, scales None."""
+    emb = q_emb.to(device, non_blocking=False)
+    if device.type == "cuda" and scaled:
+        from maxsim_kernels.maxsim_int8 import quantize_per_token  # imports Triton: CUDA only
+
+        return quantize_per_token(emb)
+    return emb, None
+
+
 @dataclass
 class _Pass:
     """One query batch: queries [q0, q1) and the document batches of its pass."""
@@ -399,18 +413,12 @@ class _Engine:
     # ---------------------------------------------------------------------------- query helpers
 
     def _query_slice(self, q0: int, q1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Queries q0..q1-1 on the device: (embeddings, host offsets, per-token scales or None). For an
-        int8 corpus on CUDA the queries are quantized here, once (int8 codes and their scales), rather
-        than by the kernel for every document batch (a launch and ~60 us of host time each)."""
+        """Queries q0..q1-1 on the device: (embeddings, host offsets, per-token scales or None), as
+        `device_queries` makes them."""
         t0, t1 = int(self.q_offsets[q0]), int(self.q_offsets[q1])
-        emb = self.q_emb[t0:t1].to(self.device, non_blocking=False)
         offsets = self._host_ints((self.q_offsets[q0 : q1 + 1] - t0).numpy())
-        if self.cuda and self.scaled:
-            from maxsim_kernels.maxsim_int8 import quantize_per_token  # imports Triton: CUDA only
-
-            q8, scales = quantize_per_token(emb)
-            return q8, offsets, scales
-        return emb, offsets, None
+        emb, scales = device_queries(self.q_emb[t0:t1], self.device, self.scaled)
+        return emb, offsets, scales
 
     def _host_ints(self, values: np.ndarray) -> torch.Tensor:
         """int64 values for a kernel argument, kept on the host.
