@@ -331,6 +331,10 @@ def test_arrow_stream_requests(client, queries, tmp_path) -> None:
     assert response.json()["results"][0]["missing"] == ["no-such-doc"]
     strict = client.post("/rerank?strict=true", content=body, headers={"content-type": ARROW_TYPE})
     assert_one_line_error(strict, 422, "not in the corpus")
+    lists[1] = [lists[1][0], None]
+    nulls = arrow_stream(queries, wanted, tmp_path, candidates=lists)
+    response = client.post("/rerank", content=nulls, headers={"content-type": ARROW_TYPE})
+    assert_one_line_error(response, 422, f"query {queries.ids[wanted[1]]!r} has a null docno")
 
 
 def test_int8_corpus(tmp_path, queries) -> None:
@@ -408,6 +412,76 @@ def test_a_batch_answers_each_request_as_alone(corpus, queries) -> None:
     for (q, k), answer in zip(parts, answers, strict=True):
         alone = search(q, corpus, k=k).to_dict()
         assert {qid: hits for qid, hits, _ in answer} == alone
+
+
+def tie_corpus(root: Path, dtype: str = "float16") -> str:
+    """Two shards whose scores tie on purpose: copies of one document under ids whose byte order is not
+    their look (upper case, digits, non-ASCII), a zero document (-0.0 against a negative query) beside
+    one that scores +0.0, negative scores, and lengths from 1 to 9 tokens; dim 24."""
+    gen = torch.Generator().manual_seed(7)
+    base = torch.randn(3, 24, generator=gen)
+    zero_plus = torch.zeros(1, 24)
+    zero_plus[0, 0], zero_plus[0, 1] = 1.0, -1.0  # against the all -1 query: -1 + 1 = +0.0
+    docs = {"d10": base, "d9": base.clone(), "D1": base.clone(), "\u00e9": base.clone()}
+    docs |= {"zero": torch.zeros(1, 24), "plus0": zero_plus, "neg": -base.abs()}
+    docs["long"] = torch.randn(9, 24, generator=gen)
+    for n in range(12):
+        docs[f"r{n}"] = torch.randn(1 + n % 5, 24, generator=gen)
+    names = list(docs)
+    os.makedirs(root, exist_ok=True)
+    half = len(names) // 2
+    for s, part in enumerate((names[:half], names[half:])):
+        rows = [docs[n] for n in part]
+        if dtype == "int8":
+            packed = torch.cat(rows)
+            scales = packed.abs().amax(dim=1).clamp_min(1e-12) / 127
+            codes = torch.round(packed / scales[:, None]).clamp(-127, 127).to(torch.int8)
+            offsets = torch.tensor(np.cumsum([0, *[len(r) for r in rows]]), dtype=torch.int64)
+            write_shard(root / f"s{s}.safetensors", part, codes, offsets=offsets, scales=scales, dtype="int8")
+        else:
+            write_shard(root / f"s{s}.safetensors", part, [r.to(getattr(torch, dtype)) for r in rows])
+    return str(root)
+
+
+@pytest.mark.filterwarnings("ignore::maxsim_cli.errors.MaxsimWarning")
+@pytest.mark.parametrize("dtype", ["float16", "float32", "int8"])
+def test_the_resident_rerank_answers_as_the_library(tmp_path, dtype) -> None:
+    """A rerank batch on a resident corpus goes straight from docnos to corpus ordinals and sorts in
+    numpy (`Scorer._rerank_resident`); its answers are the library `rerank`'s, on exact ties (ordered by
+    docno bytes), -0.0 against +0.0, negative scores, candidates over two shards, missing docnos, k
+    cuts, strict requests and mixed query dtypes in one batch."""
+    gen = torch.Generator().manual_seed(11)
+    every = ["d10", "d9", "D1", "\u00e9", "zero", "plus0", "neg", "long", *[f"r{n}" for n in range(12)]]
+    requests = [
+        (torch.full((2, 24), -1.0), every, None, False),
+        (torch.randn(3, 24, generator=gen), ["r3", "nope", "d9", "D1", "d10", "\u00e9"], 3, False),
+        (torch.randn(1, 24, generator=gen).to(torch.bfloat16), every[::-1], 5, False),
+        (torch.randn(4, 24, generator=gen), ["zero", "nope"], None, True),
+        (torch.randn(2, 24, generator=gen).half(), ["long"], 1, False),
+    ]
+    with open_corpus(tie_corpus(tmp_path / "c", dtype)) as corpus:
+        corpus.to("cpu")
+        scorer = Scorer(corpus)
+        residency = corpus.residency
+        jobs = [
+            Job("rerank", Parsed(Queries.from_embeddings(["q"], [emb]), k, {"q": cands}, strict))
+            for emb, cands, k, strict in requests
+        ]
+        for batch in (jobs, *[[job] for job in jobs]):
+            fast = scorer._rerank_resident(batch, residency)
+            slow = scorer._rerank_library(batch)
+            assert fast is not None and len(fast) == len(slow)
+            for a, b in zip(fast, slow, strict=True):
+                if isinstance(b, Exception):
+                    assert type(a) is type(b) and str(a) == str(b)
+                else:
+                    assert a == b
+        hits = scorer.score([jobs[0]])[0][0][1]
+        copies = [(d, score) for d, score in hits if d in ("d10", "d9", "D1", "\u00e9")]
+        assert [d for d, _ in copies] == ["\u00e9", "d9", "d10", "D1"]  # docno bytes, descending
+        assert len({score for _, score in copies}) == 1
+        zeros = [d for d, score in hits if score == 0.0]
+        assert zeros == ["zero", "plus0"]  # -0.0 and +0.0 tie
 
 
 def test_an_idle_server_does_not_wait_the_window(corpus, queries) -> None:
@@ -527,6 +601,16 @@ def test_a_bug_in_one_request_is_a_500_and_the_server_goes_on(client, queries, m
 
 # --------------------------------------------------------------------------------------------------
 # safety
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_an_answer_with_a_score_json_cannot_carry_is_refused(bad) -> None:
+    from maxsim_cli.service.schema import answer_json
+
+    good = [("d1", 3.5), ("d2", -1.25)]
+    assert json.loads(answer_json([("q", good, None)]))["results"][0]["hits"][1]["score"] == -1.25
+    with pytest.raises(ValueError, match="'q': a score is not finite"):
+        answer_json([("q", [*good, ("d3", bad)], [])])
 
 
 def test_bearer_token(corpus, queries) -> None:

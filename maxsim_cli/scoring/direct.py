@@ -98,20 +98,9 @@ def run(
     )
     stats.extra["resident_corpus"] = True
     stats.extra["direct"] = True
-    if dev.type == "cuda":
-        # Triton launches on the calling thread's current device, whatever the tensors' (the engine does
-        # the same): a corpus resident on cuda:1, scored from a thread whose device is cuda:0
-        torch.cuda.set_device(dev)
     notes: list[str] = []  # given to ``log`` once the call has succeeded: the engine would repeat them
     try:
-        q_emb = _query_embeddings(queries, corpus.dtype, corpus.quantization)
-        q_emb, query_scales = device_queries(q_emb, dev, corpus.quantization != "none")
-        kernel_args = (q_emb, queries.offsets.to(torch.int64), residency.embeddings, residency.offsets_host)
-        kernel_kwargs = {
-            "backend": request.backend,
-            "doc_scales": residency.scales,
-            "query_scales": query_scales,
-        }
+        kernel_args, kernel_kwargs = _kernel_inputs(corpus, residency, queries, request.backend)
         if candidates is None:
             _search(request, corpus, residency, queries, sink, stats, kernel_args, kernel_kwargs)
         else:
@@ -135,6 +124,60 @@ def run(
         log(note)
     stats.wall_s = stats.score_s = time.perf_counter() - started
     return stats
+
+
+def candidate_scores(
+    corpus: Corpus,
+    residency: Residency,
+    queries: DocBatch,
+    candidate_offsets: np.ndarray,
+    candidate_docs: np.ndarray,
+    *,
+    backend: str = "auto",
+) -> np.ndarray | None:
+    """float32 scores of query ``i`` against the corpus ordinals
+    ``candidate_docs[candidate_offsets[i]:candidate_offsets[i + 1]]`` (int64 numpy arrays), in one
+    `maxsim_kernels.maxsim_candidates` launch on the resident corpus; None when the device ran out of
+    memory. For a caller that finds its candidates itself (`maxsim_cli.service.batching`: a served
+    rerank looks docnos up in `Corpus.ordinal_index` and sorts its answers itself)."""
+    try:
+        kernel_args, kernel_kwargs = _kernel_inputs(corpus, residency, queries, backend)
+        return _candidates_kernel(kernel_args, kernel_kwargs, candidate_offsets, candidate_docs)
+    except torch.OutOfMemoryError:
+        if residency.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return None
+
+
+def _kernel_inputs(
+    corpus: Corpus, residency: Residency, queries: DocBatch, backend: str
+) -> tuple[tuple, dict]:
+    """The kernels' positional and keyword arguments for ``queries`` against the residency: the queries
+    converted and put on the device as the engine does it (`device_queries`)."""
+    dev = residency.device
+    if dev.type == "cuda":
+        # Triton launches on the calling thread's current device, whatever the tensors' (the engine does
+        # the same): a corpus resident on cuda:1, scored from a thread whose device is cuda:0
+        torch.cuda.set_device(dev)
+    q_emb = _query_embeddings(queries, corpus.dtype, corpus.quantization)
+    q_emb, query_scales = device_queries(q_emb, dev, corpus.quantization != "none")
+    kernel_args = (q_emb, queries.offsets.to(torch.int64), residency.embeddings, residency.offsets_host)
+    kernel_kwargs = {"backend": backend, "doc_scales": residency.scales, "query_scales": query_scales}
+    return kernel_args, kernel_kwargs
+
+
+def _candidates_kernel(
+    kernel_args: tuple, kernel_kwargs: dict, candidate_offsets: np.ndarray, candidate_docs: np.ndarray
+) -> np.ndarray:
+    from maxsim_kernels import maxsim_candidates
+
+    scores = maxsim_candidates(
+        *kernel_args,
+        torch.from_numpy(candidate_offsets),
+        torch.from_numpy(candidate_docs),
+        **kernel_kwargs,
+    )
+    return scores.to(torch.float32).cpu().numpy()
 
 
 def _search(
@@ -173,8 +216,6 @@ def _rerank(
     kernel_kwargs: dict,
     log: Callable[[str], None],
 ) -> None:
-    from maxsim_kernels import maxsim_candidates
-
     qids = list(queries.ids)
     located = locate_candidates(
         corpus,
@@ -199,10 +240,7 @@ def _rerank(
     stats.queries_with_candidates = int(np.count_nonzero(counts))
     cand_offsets = np.zeros(len(qids) + 1, dtype=np.int64)
     np.cumsum(counts, out=cand_offsets[1:])
-    scores = maxsim_candidates(
-        *kernel_args, torch.from_numpy(cand_offsets), torch.from_numpy(pair_doc), **kernel_kwargs
-    )
-    scores_np = scores.to(torch.float32).cpu().numpy()
+    scores_np = _candidates_kernel(kernel_args, kernel_kwargs, cand_offsets, pair_doc)
     distinct = np.unique(pair_doc)
     stats.documents = len(distinct)
     stats.tokens = int((residency.host_offsets[distinct + 1] - residency.host_offsets[distinct]).sum())

@@ -212,8 +212,13 @@ def corpus_devices(corpus: Corpus) -> list[str]:
 
 
 def index_ids(corpus: Corpus) -> None:
-    """Build the corpus's id -> document dict once (and each device share's): a rerank then looks its
-    candidates up in it instead of hashing every id of the corpus at each request."""
+    """Build the corpus's id dict once, so that a rerank looks its candidates up in it instead of hashing
+    every id of the corpus at each request: id -> ordinal for a corpus resident on one device (the
+    scorer's own path, `Scorer._rerank_resident`), else id -> document, the corpus's and each device
+    share's (the library's `rerank`)."""
+    if corpus.residency is not None and corpus.placement is None:
+        corpus.ordinal_index()
+        return
     corpus.id_index()
     for part in corpus.placement or ():
         part.corpus.id_index()
