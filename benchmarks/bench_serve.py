@@ -10,9 +10,11 @@ corpus of `bench_resident.py` (documents of 20-300 tokens, ``--size``) and a rer
 ``--rerank-docs`` documents of exactly 180 tokens; queries are 32 random tokens. Then:
 
 1. **rerank, one client**: the in-process ``rerank`` call (1 query x 1000 candidates, the corpus
-   resident on ``--device``, called from one worker thread as the server calls it), then the same
-   requests to a ``maxsim serve`` of that corpus from one client, one at a time (JSON, ``k`` unset: all
-   1000 re-sorted): latency p50 / p99 of each.
+   resident on ``--device``, called from one worker thread as the server calls it) and the server's own
+   scoring step for the same request (`Scorer.score`), then the same requests to a ``maxsim serve`` of
+   that corpus from one client, one at a time (``k`` unset: all 1000 re-sorted): JSON bodies through
+   the standard library's ``http.client`` (one keep-alive connection), the same query as an Arrow IPC
+   stream, and JSON through httpx's asyncio client; latency p50 / p99 of each.
 2. **search, N clients**: the in-process ``search`` of one query and of N queries at once, then
    ``--clients`` concurrent clients (closed loop: each sends its next single-query request, k = 10, as
    soon as the last is answered) against a ``maxsim serve`` of the search corpus: queries/s over the
@@ -281,6 +283,8 @@ def run_load(
 
 def rerank_one_client(args: argparse.Namespace, device: torch.device) -> dict:
     from maxsim_cli import Queries, open_corpus, rerank
+    from maxsim_cli.service.batching import Job, Scorer
+    from maxsim_cli.service.schema import parse_request
 
     path = build_rerank_corpus(args.workdir, args.rerank_docs, device)
     rng = np.random.default_rng(5)
@@ -290,55 +294,154 @@ def rerank_one_client(args: argparse.Namespace, device: torch.device) -> dict:
         json.dumps({"queries": [{"qid": "q", "embedding": q.tolist()}], "candidates": {"q": c}}).encode()
         for q, c in zip(queries, cands, strict=True)
     ]
+    arrow_bodies = [arrow_rerank_body(q, c) for q, c in zip(queries, cands, strict=True)]
 
-    # in process, on the same device and, as in the server, on a worker thread
+    # in process, on the same device and, as in the server, on a worker thread: the public `rerank`,
+    # then the server's own scoring step (`Scorer.score` of a parsed request)
     with open_corpus(path) as corpus:
         corpus.to(str(device))
-        corpus.id_index()  # as the server does: candidates looked up in a dict built once
-        expected, times = {}, []
+        corpus.id_index()  # as a long-lived corpus does: candidates looked up in a dict built once
+        expected, times, served_times = {}, [], []
         one = [Queries.from_embeddings(["q"], [q]) for q in queries]
+        scorer = Scorer(corpus)
+        parsed = [parse_request("rerank", "application/json", b, {}, corpus.dim) for b in bodies]
 
         def measure() -> None:
             for i in range(args.warmup):
                 rerank(one[i % DISTINCT], corpus, {"q": cands[i % DISTINCT]})
+                scorer.score([Job("rerank", parsed[i % DISTINCT])])
             for i in range(args.rerank_requests):
                 j = i % DISTINCT
                 t0 = time.perf_counter()
                 run = rerank(one[j], corpus, {"q": cands[j]})
                 times.append(time.perf_counter() - t0)
                 expected.setdefault(j, run.to_dict())
+            for i in range(args.rerank_requests):
+                t0 = time.perf_counter()
+                scorer.score([Job("rerank", parsed[i % DISTINCT])])
+                served_times.append(time.perf_counter() - t0)
 
         on_worker_thread(measure)
     free_device_memory()
     in_process = summary_ms(times)
+    scorer_step = summary_ms(served_times)
     log(f"rerank in process: p50 {in_process['p50_ms']} ms, p99 {in_process['p99_ms']} ms")
+    log(f"  the server's scoring step: p50 {scorer_step['p50_ms']} ms, p99 {scorer_step['p99_ms']} ms")
 
     server = Server(
         path, str(device), args.window_ms, os.path.join(args.workdir, "serve-rerank.log"), args.workers
     )
+    runs = {}
     try:
-        asyncio.run(load(server.url, "/rerank", bodies, args.warmup, 1, args.max_seconds))
-        result = asyncio.run(load(server.url, "/rerank", bodies, args.rerank_requests, 1, args.max_seconds))
+        clients = {
+            "http_one_client": (one_client, bodies, JSON),
+            "http_one_client_arrow": (one_client, arrow_bodies, ARROW),
+            "http_one_client_httpx": (httpx_one_client, bodies, JSON),
+        }
+        for name, (client, these, content_type) in clients.items():
+            client(server.url, "/rerank", these, args.warmup, content_type, args.max_seconds)
+            runs[name] = client(
+                server.url, "/rerank", these, args.rerank_requests, content_type, args.max_seconds
+            )
     finally:
         code = server.stop()
-    same = all(hits(answer) == expected[i] for i, answer in result["answers"].items() if i in expected)
-    http = summary_ms(result["latencies"])
-    log(f"rerank over HTTP, one client: p50 {http['p50_ms']} ms, p99 {http['p99_ms']} ms; same: {same}")
-    log(f"  server timing (median ms): {timing_summary(result['timings'])}")
-    return {
+    out = {
         "server_command": server.command,
         "documents": args.rerank_docs,
         "document_tokens": RERANK_TOKENS,
         "candidates": CANDIDATES,
         "query_tokens": QUERY_TOKENS,
+        "request_bytes_json": len(bodies[0]),
+        "request_bytes_arrow": len(arrow_bodies[0]),
         "in_process": in_process,
-        "http_one_client": http,
-        "server_timing_median_ms": timing_summary(result["timings"]),
-        "errors": len(result["errors"]),
-        "error_examples": result["errors"][:3],
-        "answers_equal_in_process": same,
-        "server_exit_code": code,
+        "in_process_server_scoring_step": scorer_step,
     }
+    for name, result in runs.items():
+        same = all(hits(answer) == expected[i] for i, answer in result["answers"].items() if i in expected)
+        http = summary_ms(result["latencies"])
+        log(f"rerank {name}: p50 {http['p50_ms']} ms, p99 {http['p99_ms']} ms; same: {same}")
+        log(f"  server timing (median ms): {timing_summary(result['timings'])}")
+        out[name] = {
+            **http,
+            "server_timing_median_ms": timing_summary(result["timings"]),
+            "errors": len(result["errors"]),
+            "error_examples": result["errors"][:3],
+            "answers_equal_in_process": same,
+        }
+    out["server_exit_code"] = code
+    return out
+
+
+JSON = "application/json"
+ARROW = "application/vnd.apache.arrow.stream"
+
+
+def arrow_rerank_body(query: np.ndarray, candidates: list[str]) -> bytes:
+    """One query (fp16, as `maxsim pack` writes queries) and its candidates as the Arrow IPC stream
+    ``/rerank`` takes: the query shard stream of docs/format.md plus a ``candidates`` column."""
+    import tempfile
+
+    import pyarrow as pa
+
+    from maxsim_cli.shards import write_shard
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "q.arrow")
+        write_shard(path, ["q"], [torch.from_numpy(query).to(torch.float16)])
+        with pa.memory_map(path) as source:
+            table = pa.ipc.open_file(source).read_all()
+    table = table.append_column("candidates", pa.array([candidates], type=pa.list_(pa.string())))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def one_client(
+    url: str, path: str, bodies: list[bytes], total: int, content_type: str, max_seconds: float
+) -> dict:
+    """One client sending ``total`` requests one at a time over one keep-alive connection, through the
+    standard library's `http.client`: the least Python a client spends on a request (on the 2-core
+    machine a request to ``/health`` took 0.27 ms through it and 0.83 ms through httpx's asyncio
+    client), so that the latency is the server's. The result as `load`'s."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    connection = http.client.HTTPConnection(where.hostname, where.port, timeout=120)
+    latencies: list[float] = []
+    timings: list[dict[str, float]] = []
+    errors: list[str] = []
+    answers: dict[int, dict] = {}
+    started = time.perf_counter()
+    try:
+        for n in range(total):
+            if time.perf_counter() - started > max_seconds:
+                break
+            i = n % len(bodies)
+            t0 = time.perf_counter()
+            connection.request("POST", path, body=bodies[i], headers={"content-type": content_type})
+            response = connection.getresponse()
+            text = response.read()
+            latencies.append(time.perf_counter() - t0)
+            if response.status != 200:
+                errors.append(f"{response.status} {text[:200]!r}")
+            else:
+                timings.append(server_timing(response.getheader("server-timing") or ""))
+                if i not in answers:
+                    answers[i] = json.loads(text)
+    finally:
+        connection.close()
+    wall = time.perf_counter() - started
+    return {"latencies": latencies, "timings": timings, "errors": errors, "answers": answers, "wall_s": wall}
+
+
+def httpx_one_client(
+    url: str, path: str, bodies: list[bytes], total: int, content_type: str, max_seconds: float
+) -> dict:
+    """`load` with one asyncio + httpx client (JSON bodies): the client of the concurrent runs."""
+    assert content_type == JSON
+    return asyncio.run(load(url, path, bodies, total, 1, max_seconds))
 
 
 def search_clients(args: argparse.Namespace, device: torch.device) -> dict:
