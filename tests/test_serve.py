@@ -354,15 +354,26 @@ def test_int8_corpus(tmp_path, queries) -> None:
 
 def test_corpus_on_several_devices(queries) -> None:
     """`--devices`: the corpus spread over two (CPU) devices answers as on one."""
+    answers_on_several_devices(queries, ["cpu", "cpu"])
+
+
+@pytest.mark.gpu
+def test_corpus_on_several_gpus(queries) -> None:
+    """`--devices` on GPUs (cuda:0 and cuda:1, or cuda:0 twice where there is one): as on one CPU."""
+    two = ["cuda:0", "cuda:1"] if torch.cuda.device_count() > 1 else ["cuda:0", "cuda:0"]
+    answers_on_several_devices(queries, two)
+
+
+def answers_on_several_devices(queries: Queries, devices: list[str]) -> None:
     stage = first_stage(4)
     body = {"queries": [query_json(queries, queries.ids.index(q)) for q in stage], "candidates": stage}
     search_body = {"queries": [query_json(queries, i) for i in range(0, 200, 11)], "k": 6}
     expected_search = search(queries, CORPUS, k=6, device="cpu").to_dict()
     expected_rerank = rerank(queries, CORPUS, stage, device="cpu").to_dict()
     with open_corpus(CORPUS) as corpus:
-        corpus.to(["cpu", "cpu"])
+        corpus.to(devices)
         with TestClient(create_app(corpus, batch_window_ms=0)) as client:
-            assert client.get("/health").json()["devices"] == ["cpu", "cpu"]
+            assert client.get("/health").json()["devices"] == devices
             searched = client.post("/search", json=search_body)
             reranked = client.post("/rerank", json=body)
     assert hits_of(searched.json()) == {q["qid"]: expected_search[q["qid"]] for q in search_body["queries"]}
