@@ -6,9 +6,9 @@
 A rerank request of `bench_serve.py` (1 query of 32 tokens, 1000 candidates of 180 tokens, JSON, every
 candidate returned) goes through the steps of `maxsim serve --workers 0` in process, on a corpus resident
 on the CPU, with `maxsim_candidates` replaced by a function that returns one score a candidate at once,
-so that what is timed is the request's Python: parsing and checking the JSON, the batcher's scorer (the
-public `rerank`: candidates found among the ids, the direct path, the trec_eval order, the `Run`), and
-encoding the answer. On the H200 host the same Python ran 3-4x slower than on the 2-core development
+so that what is timed is the request's Python: parsing and checking the JSON, the batcher's scorer (for
+a corpus resident on one device its own step, `Scorer._rerank_resident`: docnos to corpus positions, the
+launch's inputs, the trec_eval order of the hits), and encoding the answer. On the H200 host the same Python ran 3-4x slower than on the 2-core development
 machine (docs/serve.md), and it is most of a request's time there: this probe measures it anywhere.
 Medians of --repeats after a warm-up; the scorer's step under cProfile with --profile.
 """
@@ -76,7 +76,7 @@ def main() -> None:
             "parse and check the JSON": lambda: parse_request(
                 "rerank", "application/json", body_bytes, {}, corpus.dim
             ),
-            "score (the public rerank and the batcher's answers, no kernel)": lambda: scorer.score(
+            "score (the batcher's scorer, no kernel)": lambda: scorer.score(
                 [Job("rerank", parsed)]
             ),
             "encode the answer": lambda: answer_json(answers),

@@ -359,17 +359,18 @@ def test_corpus_on_several_devices(queries) -> None:
 
 @pytest.mark.gpu
 def test_corpus_on_several_gpus(queries) -> None:
-    """`--devices` on GPUs (cuda:0 and cuda:1, or cuda:0 twice where there is one): as on one CPU."""
+    """`--devices` on GPUs (cuda:0 and cuda:1, or cuda:0 twice where there is one): as on cuda:0."""
     two = ["cuda:0", "cuda:1"] if torch.cuda.device_count() > 1 else ["cuda:0", "cuda:0"]
     answers_on_several_devices(queries, two)
 
 
 def answers_on_several_devices(queries: Queries, devices: list[str]) -> None:
+    """A server over the corpus spread on ``devices`` answers as the library on the first of them."""
     stage = first_stage(4)
     body = {"queries": [query_json(queries, queries.ids.index(q)) for q in stage], "candidates": stage}
     search_body = {"queries": [query_json(queries, i) for i in range(0, 200, 11)], "k": 6}
-    expected_search = search(queries, CORPUS, k=6, device="cpu").to_dict()
-    expected_rerank = rerank(queries, CORPUS, stage, device="cpu").to_dict()
+    expected_search = search(queries, CORPUS, k=6, device=devices[0]).to_dict()
+    expected_rerank = rerank(queries, CORPUS, stage, device=devices[0]).to_dict()
     with open_corpus(CORPUS) as corpus:
         corpus.to(devices)
         with TestClient(create_app(corpus, batch_window_ms=0)) as client:

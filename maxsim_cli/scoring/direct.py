@@ -8,7 +8,7 @@ launch over that buffer and one `maxsim_cli.topk.RunningTopK` merge; a rerank is
 it pays, at every call, for what a streamed run needs: a plan under memory budgets, a batch stream with
 its threads, device and host memory meters. For a served request that is most of the call: the
 in-process rerank of one query against 1,000 candidates took 4.5 ms on the H200 host for a kernel of
-about 0.1 ms (benchmarks/results/serve/serve-h200.json).
+about 0.1 ms (benchmarks/results/serve/archive/serve-h200-7cf1e9f.json).
 
 This path runs the same kernels on the same inputs (the queries converted as the engine converts them,
 int8 queries quantized once per call as the engine does), keys and sorts results the same way

@@ -346,8 +346,8 @@ def answer_json(results: Sequence[tuple[str, Sequence[tuple[str, float]], Sequen
     rerank result's ``"missing"`` docnos). Scores are the float32 values as Python floats, written with
     the shortest digits that read back as the same double, so as float32 too. pydantic's Rust encoder
     writes it: the median encode of a 1000-hit rerank answer on the H200 host went from 1.75 ms with
-    `json.dumps` to 0.86 ms (the Server-Timing medians of benchmarks/results/serve/serve-h200.json and
-    archive/serve-h200-before-resident-buffer.json). A score that is not finite
+    `json.dumps` to 0.86 ms (the Server-Timing medians of the runs in benchmarks/results/serve/archive/:
+    serve-h200-before-resident-buffer.json, serve-h200-7cf1e9f.json). A score that is not finite
     (which checked inputs do not give) is an error, as JSON has no such number: found by one sum of a
     query's scores, which is finite exactly when each is (float32 values: 1e6 of them cannot overflow a
     double), in C rather than a Python test a hit (10 us against 28 for 1,000 hits on 2 cores)."""
