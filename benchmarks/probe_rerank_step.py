@@ -18,26 +18,14 @@ import cProfile
 import io
 import json
 import pstats
-import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
 from bench_serve import build_rerank_corpus, make_queries
 from common import make_log, meta, write_json
+from probe_serve_host import median_us
 
 log = make_log("rerank-step")
-
-
-def median_us(fn: Callable[[], object], repeats: int) -> float:
-    for _ in range(30):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return round(float(np.median(times)) * 1e6, 1)
 
 
 def main() -> None:
