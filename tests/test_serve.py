@@ -496,6 +496,31 @@ def test_the_resident_rerank_answers_as_the_library(tmp_path, dtype) -> None:
         assert zeros == ["zero", "plus0"]  # -0.0 and +0.0 tie
 
 
+def test_a_rerank_the_resident_path_cannot_take_goes_to_the_library(corpus, queries, monkeypatch) -> None:
+    """A batch too large for one launch, or one that ran the device out of memory, is scored by the
+    library's `rerank` instead, with the same answers."""
+    from maxsim_cli.scoring import direct
+
+    stage = first_stage(3)
+    jobs = [
+        Job(
+            "rerank",
+            Parsed(Queries.from_embeddings([q], [rows_of(queries, queries.ids.index(q))]), 4, {q: c}),
+        )
+        for q, c in stage.items()
+    ]
+    scorer = Scorer(corpus)
+    expected = scorer._rerank_library(jobs)
+    calls = []
+    real = scorer._rerank_library
+    monkeypatch.setattr(scorer, "_rerank_library", lambda batch: calls.append(len(batch)) or real(batch))
+    assert scorer.score(jobs) == expected and calls == []
+    monkeypatch.setattr(direct, "candidate_scores", lambda *a, **k: None)  # out of memory
+    assert scorer.score(jobs) == expected and calls == [3]
+    monkeypatch.setattr(direct, "MAX_BLOCK_BYTES", {})  # beyond one launch
+    assert scorer.score(jobs) == expected and calls == [3, 3]
+
+
 def test_an_idle_server_does_not_wait_the_window(corpus, queries) -> None:
     """A request alone is scored at once; concurrent ones share a batch."""
     counters = Counters()

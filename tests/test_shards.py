@@ -405,6 +405,17 @@ def test_candidate_index_is_id_index_restricted_to_the_candidates(tmp_path):
     assert corpus.candidate_index(asked) is full and "missing" not in full
 
 
+def test_ordinal_index_numbers_documents_over_the_shards_in_order(tmp_path):
+    """`ordinal_index`: each id's position over the shards in order (what a resident corpus and the
+    kernels index), i.e. `id_index`'s (shard, document) as the shard's first ordinal plus the document."""
+    for name, ids in (("a", ["x", "b", "é"]), ("b", ["z", "中", "10", "a"])):
+        write_shard(tmp_path / f"{name}.safetensors", ids, [np.ones((2, 8), np.float32)] * len(ids))
+    corpus = open_corpus([tmp_path])
+    ordinals = corpus.ordinal_index()
+    assert ordinals == {d: int(corpus.doc_starts[s]) + i for d, (s, i) in corpus.id_index().items()}
+    assert ordinals["x"] == 0 and ordinals["中"] == 4 and corpus.ordinal_index() is ordinals
+
+
 TORCH_FREE_SCRIPT = """
 import sys
 
