@@ -10,7 +10,9 @@ in turn, --runs of each:
 - ``on-pycache``: the same with ``PYTHONPYCACHEPREFIX`` set to a folder under --workdir (filled by one
   uncounted run), for a Python whose site-packages it may not write bytecode to: what the install advice
   of docs/benchmarks.md ("What a fresh process pays once") would give;
-- ``off-pycache``: that bytecode folder without the warm-up thread.
+- ``off-pycache``: that bytecode folder without the warm-up thread;
+- ``on-pycache-rehash``: ``on-pycache`` with ``MAXSIM_TRITON_KEY_CACHE=0``: the warm-up computes Triton's
+  cache key as Triton does instead of reading back its saved copy (`maxsim_cli.warmup.remember_triton_key`).
 
 Each process writes its timeline (``MAXSIM_TIMELINE``: seconds since the parent started it, per stage)
 and its stats (``--stats-json``). Reported per run: the process's wall time, the command's own
@@ -39,7 +41,7 @@ from common import build_corpus, build_queries, make_log, meta, read_files, writ
 from maxsim_cli.units import parse_size
 
 log = make_log("first-call", clock=True)
-MODES = ("off", "on", "on-pycache", "off-pycache")
+MODES = ("off", "on", "on-pycache", "off-pycache", "on-pycache-rehash")
 # stages of the timeline, in the order a run reaches them (those of the warm-up thread: on CUDA only)
 STAGES = (
     "command", "imports", "checked", "triton_imported", "cache_key", "cuda_ready", "corpus_open",
@@ -88,9 +90,10 @@ def one_run(args: argparse.Namespace, mode: str, corpus: list[str], queries: str
         **os.environ,
         "MAXSIM_TIMELINE": timeline_path,
         "MAXSIM_KERNEL_WARMUP": "0" if mode.startswith("off") else "1",
+        "MAXSIM_TRITON_KEY_CACHE": "0" if mode.endswith("rehash") else "1",
     }
     env.pop("PYTHONPYCACHEPREFIX", None)
-    if mode.endswith("pycache"):  # bytecode written to, and read from, a folder of its own
+    if "pycache" in mode:  # bytecode written to, and read from, a folder of its own
         env["PYTHONPYCACHEPREFIX"] = os.path.join(work, "pycache")
         env.pop("PYTHONDONTWRITEBYTECODE", None)
     cmd = [sys.executable, "-m", "maxsim_cli", "score", queries, *corpus, "-k", str(args.top_k), "-o", output]
@@ -181,7 +184,7 @@ def main() -> None:
         f"corpus {nbytes / 1e9:.2f} GB in {len(corpus)} shards ready in {time.perf_counter() - started:.1f} s"
     )
     # uncounted: the kernels into Triton's disk cache, and the bytecode folder of on-pycache filled
-    primes = ["off"] + (["on-pycache"] if any(m.endswith("pycache") for m in modes) else [])
+    primes = ["off"] + (["on-pycache"] if any("pycache" in m for m in modes) else [])
     for mode in primes:
         one_run(args, mode, corpus, queries, f"prime-{mode}")
     rows = []

@@ -2,12 +2,12 @@
 
 A fresh process pays once, on its first kernel launch, with the kernel already in Triton's disk cache:
 importing triton (0.3 s on the H200 machine, where its sources were compiled to bytecode at every start),
-the key of Triton's cache (a hash of Triton's own libraries, 0.45 s, once a process), loading the compiled
-kernel and Triton's launcher (docs/benchmarks.md, "What a fresh process pays once"). Without this thread
-the pass's first batch pays all of it.
+the key of Triton's cache (a hash of Triton's own libraries, 0.42 s, once a process; now read back from a
+saved copy, `remember_triton_key`), loading the compiled kernel and Triton's launcher (docs/benchmarks.md,
+"What a fresh process pays once"). Without this thread the pass's first batch pays all of it.
 
 `KernelWarmup.start` starts the thread as soon as a run knows it will launch Triton kernels on a GPU,
-before the corpus is opened: it imports the kernels, computes the cache key and makes the device current
+before the corpus is opened: it imports the kernels, gets the cache key and makes the device current
 in its thread, then waits for `load`, which gives it the run's first launches (the run's queries against
 one small document: `maxsim_cli.scoring.files`), and makes them on a stream of its own. The run calls
 `wait` before its first launch and `close` on every exit path, so no thread outlives the run, an error
@@ -25,17 +25,21 @@ than it saved; docs/kernel-notes.md, "A fresh process's first batch").
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from maxsim_cli import timeline
 
 ENV_SWITCH = "MAXSIM_KERNEL_WARMUP"
+# "0": Triton's cache key computed as Triton does, not read back from the saved copy (`remember_triton_key`)
+ENV_KEY_CACHE = "MAXSIM_TRITON_KEY_CACHE"
 # As `maxsim_cli.jobs.THREAD_SWITCH_S` for its rank threads: a thread that wants the lock waits at most this.
 SWITCH_S = 0.0005
 
@@ -152,9 +156,104 @@ def _import_kernels() -> None:
 
 
 def _cache_key() -> None:
-    """Triton's compile-cache key, computed once a process (an lru_cache inside Triton)."""
+    """Triton's compile-cache key, read back from the copy kept beside Triton's cache where its files
+    are unchanged (`remember_triton_key`), else computed once a process (an lru_cache inside Triton)."""
     try:
-        from triton.runtime.cache import triton_key
+        from triton.runtime import cache as triton_cache
     except ImportError:  # pragma: no cover - not where this Triton release keeps it: the launch computes it
         return
-    triton_key()
+    if os.environ.get(ENV_KEY_CACHE, "1") == "0" or not remember_triton_key(triton_cache):
+        triton_cache.triton_key()
+
+
+def remember_triton_key(triton_cache: Any) -> bool:
+    """Make Triton's compile-cache key a saved copy instead of a hash of Triton's own files.
+
+    ``triton.runtime.cache.triton_key`` hashes Triton's compiler, backend and language sources and its
+    500 MB library, once a process: 0.42 s on the H200 host, the longest wait before a fresh process's
+    first launch (docs/benchmarks.md, "What a fresh process pays once"), 0.9 s on the 2-core machine.
+    The key only changes when one of those files does, so it is saved, beside Triton's own cache
+    (``TRITON_CACHE_DIR``, else ~/.triton/cache), under a fingerprint of every such file's path, size
+    and modification time (1-2 ms of ``stat``), Triton's version and Python's; a process that finds it
+    there hands it out through a function put in place of ``triton_key`` wherever Triton's modules hold
+    it. A missing, unreadable or unwritable copy is computed as before. Returns whether the key was
+    handed out that way (False: Triton's own function is left as it is)."""
+    original = getattr(triton_cache, "triton_key", None)
+    if original is None:
+        return False
+    try:
+        fingerprint = _triton_fingerprint(triton_cache)
+    except OSError:
+        return False
+    path = os.path.join(_triton_cache_dir(), f"maxsim-triton-key-{fingerprint}")
+    version = getattr(sys.modules.get("triton"), "__version__", "")
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.read()
+    except OSError:
+        key = ""
+    if not _is_key(key, version):  # absent, or not a key of this Triton: computed and saved
+        key = original()
+        _save(path, key)
+    _hand_out(original, key)
+    return True
+
+
+def _is_key(text: str, version: str) -> bool:
+    """Whether ``text`` reads as Triton's key: its version, then hex digests joined by dashes."""
+    digests = text[len(version) :]
+    return text.startswith(version) and len(digests) >= 64 and set(digests) <= set("0123456789abcdef-")
+
+
+def _triton_fingerprint(triton_cache: Any) -> str:
+    """A hash of what `triton_key` reads: the path, size and modification time of its own module and of
+    every file under Triton's compiler, backends and language folders and its ``_C`` libraries."""
+    import hashlib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(triton_cache.__file__)))
+    digest = hashlib.sha256(f"{getattr(sys.modules.get('triton'), '__version__', '')}|{sys.version}".encode())
+    paths = [os.path.abspath(triton_cache.__file__)]
+    for folder in ("compiler", "backends", "language", "_C"):
+        for where, dirs, files in os.walk(os.path.join(root, folder)):
+            dirs.sort()
+            paths += [os.path.join(where, name) for name in sorted(files) if not name.endswith(".pyc")]
+    for path in paths:
+        st = os.stat(path)
+        digest.update(f"{os.path.relpath(path, root)}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:32]
+
+
+def _triton_cache_dir() -> str:
+    return os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+
+
+def _save(path: str, key: str) -> None:
+    """``key`` written to ``path`` through a temporary file (a reader never sees half of it); nothing
+    when the folder cannot be written."""
+    import tempfile
+
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".maxsim-triton-key-")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(key)
+        os.replace(tmp, path)
+    except OSError:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _hand_out(original: Callable[[], str], key: str) -> None:
+    """``key`` from every Triton module's ``triton_key`` (those that imported the function by name
+    included; modules imported later take it from ``triton.runtime.cache``)."""
+
+    def triton_key() -> str:
+        return key
+
+    for name, module in list(sys.modules.items()):
+        if (name == "triton" or name.startswith("triton.")) and getattr(
+            module, "triton_key", None
+        ) is original:
+            module.triton_key = triton_key

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -216,3 +217,92 @@ def test_profile_script_one_fresh_run(tmp_path: Path, monkeypatch: pytest.Monkey
     assert med["on"]["runs"] == 1 and med["off"]["wall_s"] == row["wall_s"]
     report = profile.bytecode_report()
     assert report["py_files"] >= report["with_pyc"] >= 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton's cache key, saved and read back (`remember_triton_key`)
+
+KEY = "9.9.9" + "ab12" * 40
+
+
+def _fake_triton(root: Path, key: str = KEY) -> tuple[types.SimpleNamespace, list[int]]:
+    """A `triton.runtime.cache` stand-in over a small Triton-like tree under ``root``, whose
+    ``triton_key`` counts its calls."""
+    for rel in ("runtime/cache.py", "compiler/compiler.py", "backends/nvidia/driver.py", "language/core.py",
+                "_C/libtriton.so"):  # fmt: skip
+        if not (root / rel).exists():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(rel)
+    calls: list[int] = []
+
+    def triton_key() -> str:
+        calls.append(1)
+        return key
+
+    return types.SimpleNamespace(__file__=str(root / "runtime" / "cache.py"), triton_key=triton_key), calls
+
+
+@pytest.fixture
+def fake_version(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="9.9.9"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def test_triton_key_is_saved_then_read_back(fake_version: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first process computes the key and saves it beside Triton's cache; the next reads it back and
+    hands it out wherever a Triton module holds ``triton_key``."""
+    from maxsim_cli.warmup import remember_triton_key
+
+    first, calls = _fake_triton(fake_version / "triton")
+    assert remember_triton_key(first) and calls == [1]
+    saved = list((fake_version / "cache").iterdir())
+    assert [p.read_text() for p in saved] == [KEY] and saved[0].name.startswith("maxsim-triton-key-")
+    second, calls = _fake_triton(fake_version / "triton")
+    user = types.SimpleNamespace(triton_key=second.triton_key)  # a module that imported it by name
+    monkeypatch.setitem(sys.modules, "triton.compiler.fake_user", user)
+    assert remember_triton_key(second) and calls == []  # read back, not computed
+    assert user.triton_key() == KEY and user.triton_key is not second.triton_key
+
+
+def test_a_changed_triton_file_or_a_bad_copy_computes_the_key_again(fake_version: Path) -> None:
+    from maxsim_cli.warmup import remember_triton_key
+
+    root = fake_version / "triton"
+    module, _ = _fake_triton(root)
+    remember_triton_key(module)
+    (root / "compiler" / "compiler.py").write_text("edited: another size")
+    counted: list[int] = []
+    module.triton_key = lambda: counted.append(1) or KEY
+    assert remember_triton_key(module) and counted == [1]  # a new fingerprint: computed
+    assert len(list((fake_version / "cache").iterdir())) == 2
+    for saved in (fake_version / "cache").iterdir():
+        saved.write_text("9.9.9 not a key")
+    assert remember_triton_key(module) and counted == [1, 1]  # not a key of this Triton: computed
+
+
+def test_an_unwritable_cache_folder_still_gives_the_key(
+    fake_version: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from maxsim_cli.warmup import remember_triton_key
+
+    blocker = fake_version / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(blocker / "cache"))  # under a file: cannot be made
+    module, calls = _fake_triton(fake_version / "triton")
+    assert remember_triton_key(module) and calls == [1]
+    assert remember_triton_key(module) and calls == [1, 1]  # nothing saved: computed each time
+    assert list(fake_version.glob("**/.maxsim-triton-key-*")) == []
+
+
+def test_the_saved_key_is_off_by_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``MAXSIM_TRITON_KEY_CACHE=0``: the warm-up calls Triton's own function and saves nothing."""
+    triton_cache = pytest.importorskip("triton.runtime.cache")
+    from maxsim_cli import warmup
+
+    counted: list[int] = []
+    monkeypatch.setattr(triton_cache, "triton_key", lambda: counted.append(1) or "k")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MAXSIM_TRITON_KEY_CACHE", "0")
+    warmup._cache_key()
+    assert counted == [1] and list(tmp_path.iterdir()) == []
