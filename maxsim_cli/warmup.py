@@ -170,11 +170,12 @@ def remember_triton_key(triton_cache: Any) -> bool:
     """Make Triton's compile-cache key a saved copy instead of a hash of Triton's own files.
 
     ``triton.runtime.cache.triton_key`` hashes Triton's compiler, backend and language sources and its
-    500 MB library, once a process: 0.42 s on the H200 host, the longest wait before a fresh process's
-    first launch (docs/benchmarks.md, "What a fresh process pays once"), 0.9 s on the 2-core machine.
+    500 MB library, once a process: 0.42-0.82 s on the H200 host, the longest wait before a fresh
+    process's first launch (docs/benchmarks.md, "What a fresh process pays once"), 0.5-0.9 s on the
+    2-core machine.
     The key only changes when one of those files does, so it is saved, beside Triton's own cache
     (``TRITON_CACHE_DIR``, else ~/.triton/cache), under a fingerprint of every such file's path, size
-    and modification time (1-2 ms of ``stat``), Triton's version and Python's; a process that finds it
+    and modification time (~5 ms of ``stat``), Triton's version and Python's; a process that finds it
     there hands it out through a function put in place of ``triton_key`` wherever Triton's modules hold
     it. A missing, unreadable or unwritable copy is computed as before. Returns whether the key was
     handed out that way (False: Triton's own function is left as it is)."""
@@ -215,8 +216,8 @@ def _triton_fingerprint(triton_cache: Any) -> str:
     paths = [os.path.abspath(triton_cache.__file__)]
     for folder in ("compiler", "backends", "language", "_C"):
         for where, dirs, files in os.walk(os.path.join(root, folder)):
-            dirs.sort()
-            paths += [os.path.join(where, name) for name in sorted(files) if not name.endswith(".pyc")]
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")  # bytecode comes and goes
+            paths += [os.path.join(where, name) for name in sorted(files)]
     for path in paths:
         st = os.stat(path)
         digest.update(f"{os.path.relpath(path, root)}|{st.st_size}|{st.st_mtime_ns}\n".encode())
@@ -253,7 +254,6 @@ def _hand_out(original: Callable[[], str], key: str) -> None:
         return key
 
     for name, module in list(sys.modules.items()):
-        if (name == "triton" or name.startswith("triton.")) and getattr(
-            module, "triton_key", None
-        ) is original:
+        in_triton = name == "triton" or name.startswith("triton.")
+        if in_triton and getattr(module, "triton_key", None) is original:
             module.triton_key = triton_key
