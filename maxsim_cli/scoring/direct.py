@@ -67,9 +67,15 @@ def eligible(request: ScoreRequest, corpus: Corpus, num_queries: int, pairs: int
         return None
     if residency.device != request.check():
         return None
-    if pairs * PAIR_BYTES > MAX_BLOCK_BYTES.get(residency.device.type, 0):
+    if not fits(residency.device, pairs):
         return None
     return residency
+
+
+def fits(device: torch.device, pairs: int) -> bool:
+    """Whether a call of ``pairs`` (query, document) pairs is small enough for one launch on ``device``
+    (`MAX_BLOCK_BYTES`)."""
+    return pairs * PAIR_BYTES <= MAX_BLOCK_BYTES.get(device.type, 0)
 
 
 def run(

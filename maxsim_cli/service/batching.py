@@ -127,14 +127,11 @@ class Scorer:
 
     @property
     def on_gpus(self) -> bool:
-        residency, placement = self.corpus.residency, self.corpus.placement
+        placement = self.corpus.placement
         if placement is not None:
             return all(part.device.type == "cuda" for part in placement)
-        return (
-            residency is not None
-            and residency.device.type == "cuda"
-            and self.device in ("auto", str(residency.device))
-        )
+        residency = self._one_residency()
+        return residency is not None and residency.device.type == "cuda"
 
     def score(self, jobs: Sequence[Job]) -> list[list[QueryAnswer] | BaseException]:
         """Each job's answers, or the exception that job alone fails with."""
@@ -205,7 +202,6 @@ class Scorer:
         (benchmarks/results/serve/serve-rerank-h200-workers0-resident-path.json); without the kernel,
         0.18 ms against 1.01 on 2 cores (`python benchmarks/probe_serve_host.py`)."""
         from maxsim_cli.scoring import direct
-        from maxsim_cli.topk import PAIR_BYTES
 
         ordinal_of = self.corpus.ordinal_index()
         kept: list[list[str]] = []  # each query's candidates in the corpus, request order
@@ -228,7 +224,7 @@ class Scorer:
         offsets = np.zeros(len(ordinals) + 1, dtype=np.int64)
         np.cumsum(counts, out=offsets[1:])
         pairs = int(offsets[-1])
-        if pairs * PAIR_BYTES > direct.MAX_BLOCK_BYTES.get(residency.device.type, 0):
+        if not direct.fits(residency.device, pairs):
             return None
         cand_docs = np.fromiter(itertools.chain.from_iterable(ordinals), dtype=np.int64, count=pairs)
         scores = np.zeros(0, dtype=np.float32)
