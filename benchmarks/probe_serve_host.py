@@ -8,8 +8,9 @@ candidate returned) goes through the steps of `maxsim serve --workers 0` in proc
 on the CPU, with `maxsim_candidates` replaced by a function that returns one score a candidate at once,
 so that what is timed is the request's Python: parsing and checking the JSON, the batcher's scorer (for
 a corpus resident on one device its own step, `Scorer._rerank_resident`: docnos to corpus positions, the
-launch's inputs, the trec_eval order of the hits), and encoding the answer. On the H200 host the same Python ran 3-4x slower than on the 2-core development
-machine (docs/serve.md), and it is most of a request's time there: this probe measures it anywhere.
+launch's inputs, the trec_eval order of the hits), and encoding the answer. On the H200 host the same
+Python ran 2-3.6x slower than on the 2-core development machine (docs/serve.md), and it is most of a
+request's time there: this probe measures it anywhere.
 Medians of --repeats after a warm-up; the scorer's step under cProfile with --profile.
 """
 

@@ -182,12 +182,12 @@ def remember_triton_key(triton_cache: Any) -> bool:
     original = getattr(triton_cache, "triton_key", None)
     if original is None:
         return False
+    version = getattr(sys.modules.get("triton"), "__version__", "")
     try:
-        fingerprint = _triton_fingerprint(triton_cache)
+        fingerprint = _triton_fingerprint(triton_cache, version)
     except OSError:
         return False
     path = os.path.join(_triton_cache_dir(), f"maxsim-triton-key-{fingerprint}")
-    version = getattr(sys.modules.get("triton"), "__version__", "")
     try:
         with open(path, encoding="utf-8") as f:
             key = f.read()
@@ -201,18 +201,22 @@ def remember_triton_key(triton_cache: Any) -> bool:
 
 
 def _is_key(text: str, version: str) -> bool:
-    """Whether ``text`` reads as Triton's key: its version, then hex digests joined by dashes."""
-    digests = text[len(version) :]
-    return text.startswith(version) and len(digests) >= 64 and set(digests) <= set("0123456789abcdef-")
+    """Whether ``text`` reads as Triton's key: its version, then sha256 hex digests joined by dashes."""
+    import re
+
+    return (
+        text.startswith(version)
+        and re.fullmatch(r"[0-9a-f]{64}(-[0-9a-f]{64})*", text[len(version) :]) is not None
+    )
 
 
-def _triton_fingerprint(triton_cache: Any) -> str:
+def _triton_fingerprint(triton_cache: Any, version: str) -> str:
     """A hash of what `triton_key` reads: the path, size and modification time of its own module and of
     every file under Triton's compiler, backends and language folders and its ``_C`` libraries."""
     import hashlib
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(triton_cache.__file__)))
-    digest = hashlib.sha256(f"{getattr(sys.modules.get('triton'), '__version__', '')}|{sys.version}".encode())
+    digest = hashlib.sha256(f"{version}|{sys.version}".encode())
     paths = [os.path.abspath(triton_cache.__file__)]
     for folder in ("compiler", "backends", "language", "_C"):
         for where, dirs, files in os.walk(os.path.join(root, folder)):

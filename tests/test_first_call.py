@@ -222,7 +222,7 @@ def test_profile_script_one_fresh_run(tmp_path: Path, monkeypatch: pytest.Monkey
 # --------------------------------------------------------------------------------------------------
 # Triton's cache key, saved and read back (`remember_triton_key`)
 
-KEY = "9.9.9" + "ab12" * 40
+KEY = "9.9.9" + "-".join(["ab12" * 16, "cd34" * 16, "ef56" * 16])  # version, then sha256 digests
 
 
 def _fake_triton(root: Path, key: str = KEY) -> tuple[types.SimpleNamespace, list[int]]:
@@ -279,6 +279,9 @@ def test_a_changed_triton_file_or_a_bad_copy_computes_the_key_again(fake_version
     for saved in (fake_version / "cache").iterdir():
         saved.write_text("9.9.9 not a key")
     assert remember_triton_key(module) and counted == [1, 1]  # not a key of this Triton: computed
+    for saved in (fake_version / "cache").iterdir():
+        saved.write_text(KEY[:-5])  # a copy cut short
+    assert remember_triton_key(module) and counted == [1, 1, 1]
 
 
 def test_an_unwritable_cache_folder_still_gives_the_key(
