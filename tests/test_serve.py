@@ -85,6 +85,11 @@ def query_json(queries: Queries, i: int, qid: str | None = None) -> dict:
     return {"qid": qid or queries.ids[i], "embedding": rows_of(queries, i).float().tolist()}
 
 
+def as_pairs(answers: list) -> list:
+    """Scorer answers with each query's hits as (docno, score) pairs."""
+    return [(qid, list(hits), missing) for qid, hits, missing in answers]
+
+
 def hits_of(answer: dict) -> dict[str, list[tuple[str, float]]]:
     return {r["qid"]: [(h["docno"], h["score"]) for h in r["hits"]] for r in answer["results"]}
 
@@ -244,7 +249,9 @@ def test_a_small_request_to_an_idle_gpu_server_is_scored_on_the_event_loop(
             await batcher.close()
 
     answers = asyncio.run(main())
-    assert all(dict((qid, hits) for qid, hits, _ in answer) == {"x": expected["x"]} for answer in answers)
+    assert all(
+        dict((qid, list(hits)) for qid, hits, _ in answer) == {"x": expected["x"]} for answer in answers
+    )
     assert threads[0] == threading.main_thread().name
     assert all(name.startswith("maxsim-serve") for name in threads[1:]), threads
 
@@ -423,7 +430,7 @@ def test_a_batch_answers_each_request_as_alone(corpus, queries) -> None:
     assert counters.batches == 1 and counters.largest == len(parts)
     for (q, k), answer in zip(parts, answers, strict=True):
         alone = search(q, corpus, k=k).to_dict()
-        assert {qid: hits for qid, hits, _ in answer} == alone
+        assert {qid: list(hits) for qid, hits, _ in answer} == alone
 
 
 def tie_corpus(root: Path, dtype: str = "float16") -> str:
@@ -487,8 +494,8 @@ def test_the_resident_rerank_answers_as_the_library(tmp_path, dtype) -> None:
                 if isinstance(b, Exception):
                     assert type(a) is type(b) and str(a) == str(b)
                 else:
-                    assert a == b
-        hits = scorer.score([jobs[0]])[0][0][1]
+                    assert as_pairs(a) == as_pairs(b)
+        hits = list(scorer.score([jobs[0]])[0][0][1])
         copies = [(d, score) for d, score in hits if d in ("d10", "d9", "D1", "\u00e9")]
         assert [d for d, _ in copies] == ["\u00e9", "d9", "d10", "D1"]  # docno bytes, descending
         assert len({score for _, score in copies}) == 1
@@ -562,7 +569,7 @@ def test_a_failing_batch_is_split_and_only_the_bad_request_fails(corpus, queries
     results = scorer.score(jobs)
     assert isinstance(results[2], torch.OutOfMemoryError)
     for i in (0, 1, 3):
-        assert results[i][0][1] == real(jobs[i].request.queries, corpus, k=3).to_dict()["x"]
+        assert list(results[i][0][1]) == real(jobs[i].request.queries, corpus, k=3).to_dict()["x"]
     assert scorer.counters.splits >= 1
 
 
@@ -642,12 +649,49 @@ def test_a_bug_in_one_request_is_a_500_and_the_server_goes_on(client, queries, m
 
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
 def test_an_answer_with_a_score_json_cannot_carry_is_refused(bad) -> None:
-    from maxsim_cli.service.schema import answer_json
+    from maxsim_cli.service.schema import Hits, answer_json
 
     good = [("d1", 3.5), ("d2", -1.25)]
-    assert json.loads(answer_json([("q", good, None)]))["results"][0]["hits"][1]["score"] == -1.25
+    answer = answer_json([("q", Hits.from_pairs(good), None)])
+    assert json.loads(answer)["results"][0]["hits"][1]["score"] == -1.25
     with pytest.raises(ValueError, match="'q': a score is not finite"):
-        answer_json([("q", [*good, ("d3", bad)], [])])
+        answer_json([("q", Hits.from_pairs([*good, ("d3", bad)]), [])])
+
+
+@pytest.mark.parametrize(
+    "docnos",
+    [
+        ["d1"],
+        ["d1", "doc-2", "\u00e9t\u00e9", "\U0001f600", "", "a,b", "x]y", "}{"],  # no escape needed
+        ["d1", 'say "hi"', "d3"],  # a quote
+        ["back\\slash", "d2"],
+        ["tab\tin", "bell\x07"],
+        ['","', "d2"],  # the separator itself, escaped
+    ],
+)
+def test_the_answer_is_the_json_of_the_hits_whatever_the_docnos(docnos) -> None:
+    """The hits are written by splicing two arrays when no docno needs an escape, else as a list of
+    objects: either way the JSON reads back as the hits, scores as the same float32 values, and the
+    text is the one `json.dumps` of the same objects would parse to."""
+    from maxsim_cli.service.schema import Hits, answer_json
+
+    rng = np.random.default_rng(len(docnos))
+    scores = rng.standard_normal(len(docnos)).astype(np.float32)
+    scores[0] = -0.0
+    hits = Hits(docnos, scores)
+    answer = json.loads(
+        answer_json([('q"1', hits, ["gone"]), ("q2", Hits([], np.zeros(0, np.float32)), None)])
+    )
+    assert answer == {
+        "results": [
+            {"qid": 'q"1', "hits": [{"docno": d, "score": s} for d, s in hits], "missing": ["gone"]},
+            {"qid": "q2", "hits": []},
+        ]
+    }
+    got = answer["results"][0]["hits"]
+    assert np.array_equal(
+        np.array([h["score"] for h in got], dtype=np.float32).view(np.int32), scores.view(np.int32)
+    )
 
 
 def test_bearer_token(corpus, queries) -> None:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from maxsim_cli.errors import InputError
-from maxsim_cli.service.schema import CANDIDATES, Parsed, RequestError
+from maxsim_cli.service.schema import CANDIDATES, Hits, Parsed, QueryAnswer, RequestError
 
 if TYPE_CHECKING:
     import torch
@@ -57,10 +57,6 @@ logger = logging.getLogger("maxsim.serve")
 # and rerank candidates, a few milliseconds of GPU work.
 QUICK_MAX_QUERIES = 4
 QUICK_MAX_CANDIDATES = 10_000
-
-# One query's answer: its qid (as the request gave it), hits [(docno, score)] best first, and for a
-# rerank the candidates that are not in the corpus (None for a search).
-QueryAnswer = tuple[str, list[tuple[str, float]], "list[str] | None"]
 
 
 @dataclass
@@ -158,7 +154,7 @@ class Scorer:
         self.counters.note(len(jobs))
         return [
             [
-                (qid, rows.get(_internal(j, i), [])[: job.request.k], None)
+                (qid, Hits.from_pairs(rows.get(_internal(j, i), [])[: job.request.k]), None)
                 for i, qid in enumerate(job.request.queries.ids)
             ]
             for j, job in enumerate(jobs)
@@ -205,17 +201,17 @@ class Scorer:
 
         ordinal_of = self.corpus.ordinal_index()
         kept: list[list[str]] = []  # each query's candidates in the corpus, request order
-        ordinals: list[list[int]] = []
+        ordinals: list[np.ndarray] = []
         missing_of: list[list[str]] = []
         for job in jobs:
             assert job.request.candidates is not None
             for qid in job.request.queries.ids:
                 asked = job.request.candidates.get(qid, [])
-                found = list(map(ordinal_of.get, asked))
-                if None in found:
-                    missing_of.append([d for d, o in zip(asked, found, strict=True) if o is None])
-                    asked = [d for d, o in zip(asked, found, strict=True) if o is not None]
-                    found = [o for o in found if o is not None]
+                found = np.fromiter(map(ordinal_of.get, asked, _NOT_FOUND), dtype=np.int64, count=len(asked))
+                if len(found) and found.min() < 0:
+                    missing_of.append([d for d, o in zip(asked, found.tolist(), strict=True) if o < 0])
+                    asked = [d for d, o in zip(asked, found.tolist(), strict=True) if o >= 0]
+                    found = found[found >= 0]
                 else:
                     missing_of.append([])
                 kept.append(asked)
@@ -226,7 +222,7 @@ class Scorer:
         pairs = int(offsets[-1])
         if not direct.fits(residency.device, pairs):
             return None
-        cand_docs = np.fromiter(itertools.chain.from_iterable(ordinals), dtype=np.int64, count=pairs)
+        cand_docs = ordinals[0] if len(ordinals) == 1 else np.concatenate(ordinals)
         scores = np.zeros(0, dtype=np.float32)
         if pairs:
             queries = _concat([job.request.queries for job in jobs])
@@ -249,9 +245,7 @@ class Scorer:
                 order = np.lexsort((ranks[cand_docs[a:b]], keys))[::-1]
                 if job.request.k is not None:
                     order = order[: job.request.k]
-                hits = list(
-                    zip([docnos[i] for i in order.tolist()], scores[a:b][order].tolist(), strict=True)
-                )
+                hits = Hits([docnos[i] for i in order.tolist()], scores[a:b][order])
                 missing_total.extend(missing)
                 answers.append((qid, hits, missing))
             out.append(_strict_failure(missing_total) if job.request.strict and missing_total else answers)
@@ -285,9 +279,13 @@ class Scorer:
                     missing = [docno for docno in asked if docno not in found]
                 missing_total.extend(missing)
                 k = job.request.k
-                answers.append((qid, hits if k is None else hits[:k], missing))
+                answers.append((qid, Hits.from_pairs(hits if k is None else hits[:k]), missing))
             out.append(_strict_failure(missing_total) if job.request.strict and missing_total else answers)
         return out
+
+
+# `dict.get`'s default for a docno not in the corpus (no corpus ordinal is negative)
+_NOT_FOUND = itertools.repeat(-1)
 
 
 def _strict_failure(missing: list[str]) -> InputError:

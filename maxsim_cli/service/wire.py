@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from pydantic_core import from_json, to_json
 
-from maxsim_cli.service.schema import Checked
+from maxsim_cli.service.schema import Checked, Hits, QueryAnswer
 
 _PREFIX = struct.Struct("<II")
 # A frame's parts at most: a header of ids and candidates, a payload of vectors (the HTTP body limit
@@ -37,9 +37,6 @@ MAX_HEADER_BYTES = 1 << 30
 MAX_PAYLOAD_BYTES = (1 << 32) - 1
 # The arrays a request may carry, by the name its header gives (bfloat16 travels as its int16 bits).
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.int16, "int8": np.int8}
-
-# One query's answer: qid, hits [(docno, score)] best first, and a rerank's missing docnos.
-QueryAnswer = tuple[str, list[tuple[str, float]], "list[str] | None"]
 
 
 class FrameError(Exception):
@@ -151,12 +148,9 @@ def answer_frame(
 ) -> bytes:
     """A request's answers: docnos in the header, the float32 scores (exact: they are float32 values)
     as raw bytes."""
-    results = [[qid, [docno for docno, _ in hits], missing] for qid, hits, missing in answers]
-    scores = np.fromiter(
-        (score for _, hits, _ in answers for _, score in hits),
-        dtype=np.float32,
-        count=sum(len(hits) for _, hits, _ in answers),
-    )
+    results = [[qid, list(hits.docnos), missing] for qid, hits, missing in answers]
+    columns = [hits.scores for _, hits, _ in answers]
+    scores = np.concatenate(columns, dtype=np.float32) if columns else np.zeros(0, dtype=np.float32)
     header = {
         "id": request_id,
         "status": 200,
@@ -170,14 +164,15 @@ def answer_frame(
 
 def answers_from_frame(header: dict[str, Any], payload: bytes) -> list[QueryAnswer]:
     """The answers of an answer frame, as `Batcher.submit` gives them."""
-    scores = np.frombuffer(payload, dtype=np.float32).tolist()
+    scores = np.frombuffer(payload, dtype=np.float32)
+    total = sum(len(docnos) for _, docnos, _ in header["results"])
+    if total != len(scores):
+        raise FrameError(f"an answer frame with {len(scores)} scores for {total} hits")
     out: list[QueryAnswer] = []
     at = 0
     for qid, docnos, missing in header["results"]:
-        out.append((qid, list(zip(docnos, scores[at : at + len(docnos)], strict=True)), missing))
+        out.append((qid, Hits(docnos, scores[at : at + len(docnos)]), missing))
         at += len(docnos)
-    if at != len(scores):
-        raise FrameError(f"an answer frame with {len(scores)} scores for {at} hits")
     return out
 
 
