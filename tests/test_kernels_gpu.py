@@ -211,6 +211,22 @@ def test_candidates_realistic(dtype):
     assert agree > 0.999, agree
 
 
+def test_candidates_of_new_tensors_every_call_match_the_reference():
+    """A served rerank's pattern: new query offsets, candidates and program blocks at every call, for 1
+    and several queries and odd and even numbers of program blocks."""
+    gen = torch.Generator(device=CUDA).manual_seed(4)
+    cpu_gen = torch.Generator().manual_seed(4)
+    docs, d_off = packed(torch.randint(1, 200, (2000,), generator=cpu_gen), 128, torch.float16, gen)
+    for counts in ([1], [1000], [999, 1], [37, 0, 300], [64] * 5):
+        queries, q_off = packed([32] * len(counts), 128, torch.float16, gen)
+        c_off = torch.zeros(len(counts) + 1, dtype=torch.int64)
+        c_off[1:] = torch.tensor(counts).cumsum(0)
+        cand = torch.randint(0, 2000, (int(c_off[-1]),), generator=cpu_gen)
+        scores = maxsim_candidates(queries, q_off.clone(), docs, d_off, c_off.clone(), cand.clone())
+        ref = maxsim_candidates_reference(queries, q_off, docs, d_off, c_off, cand)
+        assert_close(scores, ref, torch.repeat_interleave(q_off.diff(), torch.tensor(counts)), 128)
+
+
 def test_offsets_past_2_pow_31_elements():
     """A docs tensor of > 2^31 elements; the scored documents at its end need 64-bit offsets."""
     dim, doc_len = 128, 1024
