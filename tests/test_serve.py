@@ -40,7 +40,7 @@ from maxsim_cli import Queries, open_corpus, read_queries, rerank, search  # noq
 from maxsim_cli.cli import app as cli_app  # noqa: E402
 from maxsim_cli.service.app import check_bind, create_app, is_loopback  # noqa: E402
 from maxsim_cli.service.batching import Batcher, Counters, Job, Scorer  # noqa: E402
-from maxsim_cli.service.schema import ARROW_TYPE, Parsed  # noqa: E402
+from maxsim_cli.service.schema import ARROW_TYPE, Parsed, RequestError  # noqa: E402
 from maxsim_cli.shards import DocBatch, write_shard  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -893,3 +893,127 @@ def test_real_server_under_load_then_sigterm(queries) -> None:
             socket.create_connection(("127.0.0.1", server.port), timeout=2).close()
     finally:
         server.stop()
+
+
+# --------------------------------------------------------------------------------------------------
+# the JSON reader of well-formed requests (simdjson) against the pydantic models
+
+ROW4 = "[0.5, -0.25, 1e-45, 3]"
+FAST_BODIES = {  # ROW: a token vector of 4 numbers
+    # read by simdjson (fast: True), or left to the models (False), with the same outcome either way
+    "search": (True, "search", '{"queries": [{"qid": "q1", "embedding": [ROW, ROW]}], "k": 3}'),
+    "search-default-k": (True, "search", '{"queries": [{"embedding": [ROW], "qid": 7}]}'),
+    "rerank": (
+        True,
+        "rerank",
+        '{"queries": [{"qid": "a[1", "embedding": [ROW]}, {"qid": "b", "embedding": [ROW, ROW]}],'
+        ' "candidates": {"a[1": ["d[0]", "d2", "\u00e9t\u00e9"], "b": []}, "k": null, "strict": true}',
+    ),
+    "rerank-missing-query": (
+        True,
+        "rerank",
+        '{"queries": [{"qid": "a", "embedding": [ROW]}], "candidates": {"z": ["d"]}}',
+    ),
+    "overflow-to-inf": (True, "search", '{"queries": [{"qid": "a", "embedding": [[1e39, 0, 0, 0]]}]}'),
+    "nested-singleton": (False, "search", '{"queries": [{"qid": "a", "embedding": [[0.5, [1.0], 2, 3]]}]}'),
+    "row-not-array": (False, "search", '{"queries": [{"qid": "a", "embedding": [1, [[2]]]}]}'),
+    "escaped-bracket": (
+        False,
+        "rerank",
+        '{"queries": [{"qid": "a", "embedding": [[0.5, [1.0], 2, 3]]}], "candidates": {"a": ["\\u005b"]}}',
+    ),
+    "ragged": (False, "search", '{"queries": [{"qid": "a", "embedding": [[1, 2], [3], [4, 5, 6]]}]}'),
+    "duplicate-key": (
+        False,
+        "search",
+        '{"queries": [{"qid": "a", "embedding": [ROW]}], "queries": []}',
+    ),
+    "duplicate-query-key": (
+        False,
+        "search",
+        '{"queries": [{"qid": "a", "qid": "b", "embedding": [ROW]}]}',
+    ),
+    "duplicate-candidates": (
+        False,
+        "rerank",
+        '{"queries": [{"qid": "a", "embedding": [ROW]}], "candidates": {"a": ["x"], "a": ["y"]}}',
+    ),
+    "qid-bool": (False, "search", '{"queries": [{"qid": true, "embedding": [ROW]}]}'),
+    "qid-float": (False, "search", '{"queries": [{"qid": 1.5, "embedding": [ROW]}]}'),
+    "k-bool": (False, "search", '{"queries": [{"qid": "a", "embedding": [ROW]}], "k": true}'),
+    "k-float": (False, "search", '{"queries": [{"qid": "a", "embedding": [ROW]}], "k": 2.0}'),
+    "k-null-search": (False, "search", '{"queries": [{"qid": "a", "embedding": [ROW]}], "k": null}'),
+    "strict-int": (
+        False,
+        "rerank",
+        '{"queries": [{"qid": "a", "embedding": [ROW]}], "candidates": {}, "strict": 1}',
+    ),
+    "strict-in-search": (
+        False,
+        "search",
+        '{"queries": [{"qid": "a", "embedding": [ROW]}], "strict": true}',
+    ),
+    "bool-number": (False, "search", '{"queries": [{"qid": "a", "embedding": [[true, 1, 2, 3]]}]}'),
+    "huge-number": (False, "search", '{"queries": [{"qid": "a", "embedding": [[1e400, 1, 2, 3]]}]}'),
+    "docno-number": (
+        False,
+        "rerank",
+        '{"queries": [{"qid": "a", "embedding": [ROW]}], "candidates": {"a": [1]}}',
+    ),
+    "candidates-list": (
+        False,
+        "rerank",
+        '{"queries": [{"qid": "a", "embedding": [ROW]}], "candidates": ["a"]}',
+    ),
+    "trailing": (False, "search", '{"queries": [{"qid": "a", "embedding": [ROW]}]} x'),
+    "empty-rows": (False, "search", '{"queries": [{"qid": "a", "embedding": [[]]}]}'),
+    "array-body": (False, "search", "[1, 2]"),
+}
+
+
+@pytest.mark.parametrize("name", list(FAST_BODIES))
+def test_the_fast_json_reader_agrees_with_the_models(name, monkeypatch) -> None:
+    """Every body gives the same checked request (bit for bit) or the same error with simdjson's reader
+    as with the pydantic models alone; the well-formed ones are read by simdjson, the rest fall back."""
+    from maxsim_cli.service import schema
+
+    fast, kind, text = FAST_BODIES[name]
+    body = text.replace("ROW", ROW4).encode()
+    assert (schema._read_json_fast(kind, body) is not None) == fast
+
+    def outcome():
+        try:
+            c = schema.check_request(kind, "application/json", body, {}, 4)
+        except RequestError as exc:
+            return ("error", exc.status, exc.message)
+        return (
+            c.ids,
+            c.embeddings.dtype,
+            c.embeddings.tobytes(),
+            c.offsets.tolist(),
+            c.k,
+            c.candidates,
+            c.strict,
+        )
+
+    with_simdjson = outcome()
+    monkeypatch.setattr(schema, "simdjson", None)
+    assert outcome() == with_simdjson
+
+
+def test_a_request_of_realistic_size_is_read_by_simdjson_as_the_models_read_it(queries) -> None:
+    from maxsim_cli.service import schema
+
+    body = json.dumps(
+        {
+            "queries": [query_json(queries, 0), query_json(queries, 1)],
+            "candidates": {queries.ids[0]: ["a", "b"]},
+        }
+    ).encode()
+    assert schema._read_json_fast("rerank", body) is not None
+    fast = schema._parse_json("rerank", body, queries.dim)
+    slow_ids, slow_emb, slow_off = schema._queries_from_json(
+        schema.RerankIn.model_validate_json(body).queries, queries.dim
+    )
+    assert fast.ids == slow_ids and np.array_equal(fast.offsets, slow_off)
+    assert fast.embeddings.tobytes() == slow_emb.tobytes()
