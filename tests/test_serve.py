@@ -899,6 +899,14 @@ def test_real_server_under_load_then_sigterm(queries) -> None:
 # the JSON reader of well-formed requests (simdjson) against the pydantic models
 
 ROW4 = "[0.5, -0.25, 1e-45, 3]"
+ONE = '{"queries": [{"qid": "a", "embedding": [ROW]}]'  # one query; the rest of the body follows
+
+
+def embedding_body(embedding: str, rest: str = "}") -> str:
+    """A body of one query "a" with this embedding's JSON text, then ``rest``."""
+    return '{"queries": [{"qid": "a", "embedding": ' + embedding + "}]" + rest
+
+
 FAST_BODIES = {  # ROW: a token vector of 4 numbers
     # read by simdjson (fast: True), or left to the models (False), with the same outcome either way
     "search": (True, "search", '{"queries": [{"qid": "q1", "embedding": [ROW, ROW]}], "k": 3}'),
@@ -909,64 +917,36 @@ FAST_BODIES = {  # ROW: a token vector of 4 numbers
         '{"queries": [{"qid": "a[1", "embedding": [ROW]}, {"qid": "b", "embedding": [ROW, ROW]}],'
         ' "candidates": {"a[1": ["d[0]", "d2", "\u00e9t\u00e9"], "b": []}, "k": null, "strict": true}',
     ),
-    "rerank-missing-query": (
-        True,
-        "rerank",
-        '{"queries": [{"qid": "a", "embedding": [ROW]}], "candidates": {"z": ["d"]}}',
-    ),
-    "overflow-to-inf": (True, "search", '{"queries": [{"qid": "a", "embedding": [[1e39, 0, 0, 0]]}]}'),
-    "nested-singleton": (False, "search", '{"queries": [{"qid": "a", "embedding": [[0.5, [1.0], 2, 3]]}]}'),
-    "row-not-array": (False, "search", '{"queries": [{"qid": "a", "embedding": [1, [[2]]]}]}'),
+    "rerank-missing-query": (True, "rerank", ONE + ', "candidates": {"z": ["d"]}}'),
+    "overflow-to-inf": (True, "search", embedding_body("[[1e39, 0, 0, 0]]")),
+    "nested-singleton": (False, "search", embedding_body("[[0.5, [1.0], 2, 3]]")),
+    "row-not-array": (False, "search", embedding_body("[1, [[2]]]")),
     "escaped-bracket": (
         False,
         "rerank",
-        '{"queries": [{"qid": "a", "embedding": [[0.5, [1.0], 2, 3]]}], "candidates": {"a": ["\\u005b"]}}',
+        embedding_body("[[0.5, [1.0], 2, 3]]", ', "candidates": {"a": ["\\u005b"]}}'),
     ),
-    "ragged": (False, "search", '{"queries": [{"qid": "a", "embedding": [[1, 2], [3], [4, 5, 6]]}]}'),
-    "duplicate-key": (
-        False,
-        "search",
-        '{"queries": [{"qid": "a", "embedding": [ROW]}], "queries": []}',
-    ),
+    "ragged": (False, "search", embedding_body("[[1, 2], [3], [4, 5, 6]]")),
+    "duplicate-key": (False, "search", ONE + ', "queries": []}'),
     "duplicate-query-key": (
         False,
         "search",
         '{"queries": [{"qid": "a", "qid": "b", "embedding": [ROW]}]}',
     ),
-    "duplicate-candidates": (
-        False,
-        "rerank",
-        '{"queries": [{"qid": "a", "embedding": [ROW]}], "candidates": {"a": ["x"], "a": ["y"]}}',
-    ),
+    "duplicate-candidates": (False, "rerank", ONE + ', "candidates": {"a": ["x"], "a": ["y"]}}'),
     "qid-bool": (False, "search", '{"queries": [{"qid": true, "embedding": [ROW]}]}'),
     "qid-float": (False, "search", '{"queries": [{"qid": 1.5, "embedding": [ROW]}]}'),
-    "k-bool": (False, "search", '{"queries": [{"qid": "a", "embedding": [ROW]}], "k": true}'),
-    "k-float": (False, "search", '{"queries": [{"qid": "a", "embedding": [ROW]}], "k": 2.0}'),
-    "k-null-search": (False, "search", '{"queries": [{"qid": "a", "embedding": [ROW]}], "k": null}'),
-    "strict-int": (
-        False,
-        "rerank",
-        '{"queries": [{"qid": "a", "embedding": [ROW]}], "candidates": {}, "strict": 1}',
-    ),
-    "strict-in-search": (
-        False,
-        "search",
-        '{"queries": [{"qid": "a", "embedding": [ROW]}], "strict": true}',
-    ),
-    "bool-number": (False, "search", '{"queries": [{"qid": "a", "embedding": [[true, 1, 2, 3]]}]}'),
-    "huge-number": (False, "search", '{"queries": [{"qid": "a", "embedding": [[1e400, 1, 2, 3]]}]}'),
-    "docno-number": (
-        False,
-        "rerank",
-        '{"queries": [{"qid": "a", "embedding": [ROW]}], "candidates": {"a": [1]}}',
-    ),
-    "candidates-list": (
-        False,
-        "rerank",
-        '{"queries": [{"qid": "a", "embedding": [ROW]}], "candidates": ["a"]}',
-    ),
-    "trailing": (False, "search", '{"queries": [{"qid": "a", "embedding": [ROW]}]} x'),
-    "empty-rows": (False, "search", '{"queries": [{"qid": "a", "embedding": [[]]}]}'),
+    "k-bool": (False, "search", ONE + ', "k": true}'),
+    "k-float": (False, "search", ONE + ', "k": 2.0}'),
+    "k-null-search": (False, "search", ONE + ', "k": null}'),
+    "strict-int": (False, "rerank", ONE + ', "candidates": {}, "strict": 1}'),
+    "strict-in-search": (False, "search", ONE + ', "strict": true}'),
+    "bool-number": (False, "search", embedding_body("[[true, 1, 2, 3]]")),
+    "huge-number": (False, "search", embedding_body("[[1e400, 1, 2, 3]]")),
+    "docno-number": (False, "rerank", ONE + ', "candidates": {"a": [1]}}'),
+    "candidates-list": (False, "rerank", ONE + ', "candidates": ["a"]}'),
+    "trailing": (False, "search", ONE + "} x"),
+    "empty-rows": (False, "search", embedding_body("[[]]")),
     "array-body": (False, "search", "[1, 2]"),
 }
 
