@@ -997,3 +997,19 @@ def test_a_request_of_realistic_size_is_read_by_simdjson_as_the_models_read_it(q
     )
     assert fast.ids == slow_ids and np.array_equal(fast.offsets, slow_off)
     assert fast.embeddings.tobytes() == slow_emb.tobytes()
+
+
+def test_a_large_body_gets_a_parser_of_its_own(monkeypatch) -> None:
+    """A thread keeps one parser for small bodies (its buffers grow to the largest it read); a body over
+    KEPT_PARSER_BYTES is read by a parser freed with it, so the kept one stays small."""
+    from maxsim_cli.service import schema
+
+    small = ONE.replace("ROW", ROW4).encode() + b"}"
+    assert schema._read_json_fast("search", small) is not None
+    kept = schema._PARSERS.parser
+    monkeypatch.setattr(schema, "KEPT_PARSER_BYTES", len(small))
+    large = embedding_body("[" + ", ".join([ROW4] * 50) + "]").encode()
+    read = schema._read_json_fast("search", large)
+    assert read is not None and read[1][0].shape == (50, 4)
+    assert schema._PARSERS.parser is kept
+    assert schema._read_json_fast("search", small) is not None

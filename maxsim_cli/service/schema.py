@@ -193,6 +193,10 @@ def _parse_json(kind: str, body: bytes, corpus_dim: int) -> Checked:
 _KEYS = {"search": frozenset({"queries", "k"}), "rerank": frozenset({"queries", "candidates", "k", "strict"})}
 _QUERY_KEYS = ["embedding", "qid"]
 _PARSERS = threading.local()
+# Bodies up to this size reuse their thread's parser, whose buffers grow to the largest body it read;
+# a larger one gets a parser of its own, freed with it (the worker threads of large bodies would
+# otherwise each keep buffers the size of the largest request, up to --max-request-bytes).
+KEPT_PARSER_BYTES = 1 << 20
 
 
 def _read_json_fast(
@@ -213,8 +217,8 @@ def _read_json_fast(
     are those of the models: doubles rounded once to float32."""
     if simdjson is None or b"\\" in body:
         return None
-    parser = getattr(_PARSERS, "parser", None)
-    if parser is None:  # one a thread, its buffers kept: a new one costs a request its allocation
+    parser = getattr(_PARSERS, "parser", None) if len(body) <= KEPT_PARSER_BYTES else simdjson.Parser()
+    if parser is None:  # one a thread for small bodies, its buffers kept: a new one costs an allocation
         parser = _PARSERS.parser = simdjson.Parser()
     doc = None
     try:
