@@ -8,10 +8,12 @@ requests in flight and removes the server's folder, a worker that cannot start s
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import socket
+import struct
 import time
 import warnings
 from collections.abc import Iterator
@@ -379,3 +381,26 @@ def test_bad_workers_option(value) -> None:
     result = CliRunner().invoke(cli_app, ["serve", CORPUS, "--device", "cpu", "--workers", value])
     assert result.exit_code == 2, result.output
     assert "--workers" in result.output
+
+
+def test_answer_frames_carry_the_hits_exactly() -> None:
+    """An answer frame gives back each query's docnos, float32 score bits (-0.0, the smallest subnormal,
+    the largest float32) and missing docnos; a frame whose scores do not match its hits is refused."""
+    from maxsim_cli.service.schema import Hits
+    from maxsim_cli.service.wire import FrameError, answer_frame, answers_from_frame
+
+    scores = np.array([3.4028235e38, -0.0, 1e-45], dtype=np.float32)
+    answers = [("q1", Hits(["d[1]", "é", "d3"], scores), ["gone"]), ("q2", Hits([], scores[:0]), None)]
+    frame = answer_frame(7, answers, 0.001, 0.002, 3)
+    head_len, size = struct.unpack("<II", frame[:8])
+    header = json.loads(frame[8 : 8 + head_len])
+    payload = frame[8 + head_len :]
+    assert len(payload) == size and header["id"] == 7 and header["batch"] == 3
+    back = answers_from_frame(header, payload)
+    assert [(q, list(h.docnos), m) for q, h, m in back] == [
+        ("q1", ["d[1]", "é", "d3"], ["gone"]),
+        ("q2", [], None),
+    ]
+    assert back[0][1].scores.tobytes() == scores.tobytes()
+    with pytest.raises(FrameError, match="2 scores for 3 hits"):
+        answers_from_frame(header, payload[:8])
