@@ -168,26 +168,47 @@ def to_parsed(checked: Checked) -> Parsed:
 
 
 def _parse_json(kind: str, body: bytes, corpus_dim: int) -> Checked:
-    fast = _read_json_fast(kind, body)
-    if fast is not None:
-        qids, arrays, k, candidates, strict = fast
-        ids, embeddings, offsets = _checked_queries(qids, arrays, corpus_dim)
-        if kind == "search":
-            return Checked(ids, embeddings, offsets, "float32", None, k, name=IN_MEMORY_NAME)
-        checked = _check_candidates(candidates, ids)
-        return Checked(ids, embeddings, offsets, "float32", None, k, checked, strict, IN_MEMORY_NAME)
+    qids, arrays, k, candidates, strict = _read_json_fast(kind, body) or _read_json_models(
+        kind, body, corpus_dim
+    )
+    ids, embeddings, offsets = _checked_queries(qids, arrays, corpus_dim)
+    checked = _check_candidates(candidates, ids) if kind == "rerank" else None
+    return Checked(ids, embeddings, offsets, "float32", None, k, checked, strict, IN_MEMORY_NAME)
+
+
+# A JSON request as read, before the checks of `_checked_queries` and `_check_candidates`: its qids,
+# each query's float32 vectors [tokens, width], k, its candidates ({} for a search) and strict.
+_JsonRequest = tuple[list[str | int], list[np.ndarray], int | None, dict[str, list[str]], bool]
+
+
+def _read_json_models(kind: str, body: bytes, corpus_dim: int) -> _JsonRequest:
+    """The request read by the pydantic models, which word every error: each query's rows made an
+    array once they are known to have one width (in the order, and with the messages, of
+    `Queries.from_embeddings`)."""
     model = SearchIn if kind == "search" else RerankIn
     try:
         request = model.model_validate_json(body)
     except ValidationError as exc:
         raise RequestError(*_validation_message(exc)) from None
-    ids, embeddings, offsets = _queries_from_json(request.queries, corpus_dim)
+    arrays = []
+    for i, item in enumerate(request.queries):
+        rows = item.embedding
+        if not rows:
+            arrays.append(np.zeros((0, corpus_dim), dtype=np.float32))  # refused by the checks: no tokens
+            continue
+        width = len(rows[0])
+        for row in rows:
+            if len(row) != width:
+                raise InputError(
+                    f"{QUERIES}: query {str(item.qid)!r} (index {i}) has token vectors of {width} and "
+                    f"{len(row)} values; every vector of a query has dim values"
+                )
+        with np.errstate(over="ignore"):  # a value past float32's range is refused by the checks, as Inf
+            arrays.append(np.asarray(rows, dtype=np.float32))
+    qids = [item.qid for item in request.queries]
     if isinstance(request, SearchIn):
-        return Checked(ids, embeddings, offsets, "float32", None, request.k, name=IN_MEMORY_NAME)
-    candidates = _check_candidates(request.candidates, ids)
-    return Checked(
-        ids, embeddings, offsets, "float32", None, request.k, candidates, request.strict, IN_MEMORY_NAME
-    )
+        return qids, arrays, request.k, {}, False
+    return qids, arrays, request.k, request.candidates, request.strict
 
 
 _KEYS = {"search": frozenset({"queries", "k"}), "rerank": frozenset({"queries", "candidates", "k", "strict"})}
@@ -199,9 +220,7 @@ _PARSERS = threading.local()
 KEPT_PARSER_BYTES = 1 << 20
 
 
-def _read_json_fast(
-    kind: str, body: bytes
-) -> tuple[list[str | int], list[np.ndarray], int | None, dict[str, list[str]], bool] | None:
+def _read_json_fast(kind: str, body: bytes) -> _JsonRequest | None:
     """A well-formed JSON request read by simdjson, its numbers straight into numpy: (qids, each query's
     float32 vectors, k, candidates, strict); None for anything else (without simdjson too), which the
     pydantic models then read and word the error of. The JSON numbers are most of a request's parsing:
@@ -234,9 +253,7 @@ def _read_json_fast(
         doc = None  # the parser is reused only once nothing refers to its last document
 
 
-def _read_request(
-    kind: str, doc: Any, brackets: int
-) -> tuple[list[str | int], list[np.ndarray], int | None, dict[str, list[str]], bool] | None:
+def _read_request(kind: str, doc: Any, brackets: int) -> _JsonRequest | None:
     if not isinstance(doc, simdjson.Object):
         return None
     keys = list(doc.keys())
@@ -310,31 +327,12 @@ def _validation_message(exc: ValidationError) -> tuple[int, str]:
     return 422, message
 
 
-def _queries_from_json(items: Sequence[QueryIn], corpus_dim: int) -> tuple[list[str], np.ndarray, np.ndarray]:
-    """The ids, packed float32 vectors and offsets of the JSON queries, checked in the order (and with
-    the messages) of `Queries.from_embeddings`, then against the corpus's dim."""
-    arrays = []
-    for i, item in enumerate(items):
-        rows = item.embedding
-        if not rows:
-            arrays.append(np.zeros((0, corpus_dim), dtype=np.float32))  # refused below: no tokens
-            continue
-        width = len(rows[0])
-        for row in rows:
-            if len(row) != width:
-                raise InputError(
-                    f"{QUERIES}: query {str(item.qid)!r} (index {i}) has token vectors of {width} and "
-                    f"{len(row)} values; every vector of a query has dim values"
-                )
-        with np.errstate(over="ignore"):  # a value past float32's range is refused below, as Inf
-            arrays.append(np.asarray(rows, dtype=np.float32))
-    return _checked_queries([item.qid for item in items], arrays, corpus_dim)
-
-
 def _checked_queries(
     qids: Sequence[str | int], arrays: Sequence[np.ndarray], corpus_dim: int
 ) -> tuple[list[str], np.ndarray, np.ndarray]:
-    """`_queries_from_json` once each query's vectors are a float32 array ``[tokens, width]``."""
+    """The ids, packed float32 vectors and offsets of a JSON request's queries (each query's vectors a
+    float32 array ``[tokens, width]``), checked as `Queries.from_embeddings` checks them, then against
+    the corpus's dim."""
     name = IN_MEMORY_NAME
     ids = _as_ids(qids, name)
     _check_lengths(ids, [a.shape[0] for a in arrays], name)
@@ -489,12 +487,6 @@ class Hits:
 
     def __iter__(self) -> Iterator[tuple[str, float]]:
         return zip(self.docnos, self.scores.tolist(), strict=True)
-
-    def first(self, k: int | None) -> Hits:
-        """The best ``k`` hits (all of them when ``k`` is None)."""
-        if k is None or k >= len(self):
-            return self
-        return Hits(self.docnos[:k], self.scores[:k])
 
 
 # One query's answer: its qid (as the request gave it), its hits, and for a rerank the candidates that
