@@ -13,26 +13,14 @@ see the same machine; the two runs are checked equal first.
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
 from bench_serve import build_rerank_corpus, make_queries
-from common import build_corpus, device, make_log, meta, write_json
+from common import build_corpus, device, host_times, make_log, meta, write_json
 
 log = make_log("direct")
-
-
-def timed(fn: Callable[[], object], repeats: int) -> list[float]:
-    for _ in range(5):
-        fn()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def compare(name: str, fn: Callable[[], object], repeats: int, rounds: int = 3) -> dict[str, object]:
@@ -45,7 +33,7 @@ def compare(name: str, fn: Callable[[], object], repeats: int, rounds: int = 3) 
         for way in ("direct", "engine"):
             direct.eligible = eligible if way == "direct" else (lambda *args: None)
             try:
-                times[way] += timed(fn, repeats)
+                times[way] += host_times(fn, repeats, warmup=5)
             finally:
                 direct.eligible = eligible
     row: dict[str, object] = {}

@@ -114,6 +114,25 @@ def write_json(path: str | None, data: Any, indent: int = 1, sort_keys: bool = F
 # timing
 
 
+def host_times(fn: Callable[[], Any], repeats: int, warmup: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn`` on the host clock, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def median_us(fn: Callable[[], Any], repeats: int) -> float:
+    """Median microseconds of a call (host clock), after a warm-up of a tenth as many calls (20 at least)."""
+    import numpy as np
+
+    return round(float(np.median(host_times(fn, repeats, max(20, repeats // 10)))) * 1e6, 1)
+
+
 def median_ms(fn: Callable[[], Any], rep_ms: int = 300) -> float:
     """`triton.testing.do_bench` median (L2 flushed between calls) over ~rep_ms of calls; one call in a
     smoke run."""

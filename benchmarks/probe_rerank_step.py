@@ -22,8 +22,7 @@ import pstats
 import numpy as np
 import torch
 from bench_serve import build_rerank_corpus, make_queries
-from common import make_log, meta, write_json
-from probe_serve_host import median_us
+from common import make_log, median_us, meta, write_json
 
 log = make_log("rerank-step")
 

@@ -21,26 +21,13 @@ import cProfile
 import io
 import json
 import pstats
-import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
 from bench_serve import build_rerank_corpus, make_queries
-from common import make_log, meta, write_json
+from common import make_log, median_us, meta, write_json
 
 log = make_log("serve-host")
-
-
-def median_us(fn: Callable[[], object], repeats: int) -> float:
-    for _ in range(max(20, repeats // 10)):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return round(float(np.median(times)) * 1e6, 1)
 
 
 def main() -> None:
@@ -77,9 +64,7 @@ def main() -> None:
             "parse and check the JSON": lambda: parse_request(
                 "rerank", "application/json", body_bytes, {}, corpus.dim
             ),
-            "score (the batcher's scorer, no kernel)": lambda: scorer.score(
-                [Job("rerank", parsed)]
-            ),
+            "score (the batcher's scorer, no kernel)": lambda: scorer.score([Job("rerank", parsed)]),
             "encode the answer": lambda: answer_json(answers),
         }
         results = {name: median_us(fn, args.repeats) for name, fn in steps.items()}
