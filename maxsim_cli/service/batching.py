@@ -195,8 +195,8 @@ class Scorer:
         float32 score then docno rank (`Corpus.rank_of_ordinal`, the byte order of the ids), both
         descending; tests/test_serve.py holds its answers equal to the library's. One query against
         1,000 candidates: 1.0 ms against the public `rerank`'s 2.4 ms on the H200 host, kernel included
-        (benchmarks/results/serve/archive/serve-rerank-h200-workers0-resident-path.json); without the kernel,
-        0.18 ms against 1.01 on 2 cores (`python benchmarks/probe_serve_host.py`)."""
+        (benchmarks/results/serve/archive/serve-rerank-h200-workers0-resident-path.json); without the
+        kernel 0.13 ms on 2 cores (`python benchmarks/probe_serve_host.py`)."""
         from maxsim_cli.scoring import direct
 
         ordinal_of = self.corpus.ordinal_index()
