@@ -12,7 +12,9 @@ in turn, --runs of each:
   of docs/benchmarks.md ("What a fresh process pays once") would give;
 - ``off-pycache``: that bytecode folder without the warm-up thread;
 - ``on-pycache-rehash``: ``on-pycache`` with ``MAXSIM_TRITON_KEY_CACHE=0``: the warm-up computes Triton's
-  cache key as Triton does instead of reading back its saved copy (`maxsim_cli.warmup.remember_triton_key`).
+  cache key as Triton does instead of reading back its saved copy (`maxsim_cli.warmup.remember_triton_key`);
+- ``on-pycache-late``: ``on-pycache`` with ``MAXSIM_EARLY_CUDA=0``: the CUDA context made by torch's first
+  call on the main thread instead of in a thread beside torch's import (`maxsim_cli.cuda_early`).
 
 Each process writes its timeline (``MAXSIM_TIMELINE``: seconds since the parent started it, per stage)
 and its stats (``--stats-json``). Reported per run: the process's wall time, the command's own
@@ -41,11 +43,12 @@ from common import build_corpus, build_queries, make_log, meta, read_files, writ
 from maxsim_cli.units import parse_size
 
 log = make_log("first-call", clock=True)
-MODES = ("off", "on", "on-pycache", "off-pycache", "on-pycache-rehash")
+MODES = ("off", "on", "on-pycache", "off-pycache", "on-pycache-rehash", "on-pycache-late")
 # stages of the timeline, in the order a run reaches them (those of the warm-up thread: on CUDA only)
 STAGES = (
-    "command", "imports", "checked", "triton_imported", "cache_key", "cuda_ready", "corpus_open",
-    "queries_read", "arena_locked", "kernels_ready", "kernels_joined", "first_batch_launched", "run_written",
+    "command", "cuda_context", "imports", "checked", "triton_imported", "cache_key", "cuda_ready",
+    "corpus_open", "queries_read", "arena_locked", "kernels_ready", "kernels_joined", "first_batch_launched",
+    "run_written",
 )  # fmt: skip
 
 
@@ -91,6 +94,7 @@ def one_run(args: argparse.Namespace, mode: str, corpus: list[str], queries: str
         "MAXSIM_TIMELINE": timeline_path,
         "MAXSIM_KERNEL_WARMUP": "0" if mode.startswith("off") else "1",
         "MAXSIM_TRITON_KEY_CACHE": "0" if mode.endswith("rehash") else "1",
+        "MAXSIM_EARLY_CUDA": "0" if mode.endswith("late") else "1",
     }
     env.pop("PYTHONPYCACHEPREFIX", None)
     if "pycache" in mode:  # bytecode written to, and read from, a folder of its own

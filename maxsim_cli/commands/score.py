@@ -102,6 +102,9 @@ def register(app: typer.Typer) -> None:
         from maxsim_cli import timeline
 
         timeline.mark("command")  # the arguments are parsed (MAXSIM_TIMELINE: docs/benchmarks.md)
+        from maxsim_cli import cuda_early
+
+        cuda_early.start(device, devices)  # the GPU's context made while torch is imported
         from maxsim_cli.progress import progress_enabled
         from maxsim_cli.score import score
         from maxsim_cli.units import parse_size

@@ -83,6 +83,9 @@ def register(app: typer.Typer) -> None:
             import uvicorn  # noqa: F401
         except ImportError:
             raise MaxsimError("maxsim serve needs FastAPI and uvicorn: pip install 'maxsim[serve]'") from None
+        from maxsim_cli import cuda_early
+
+        cuda_early.start(device, devices)  # the GPU's context made while torch is imported
         from maxsim_cli.service.app import parse_devices, serve
         from maxsim_cli.units import parse_size
 
