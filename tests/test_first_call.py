@@ -309,3 +309,119 @@ def test_the_saved_key_is_off_by_environment(monkeypatch: pytest.MonkeyPatch, tm
     monkeypatch.setenv("MAXSIM_TRITON_KEY_CACHE", "0")
     warmup._cache_key()
     assert counted == [1] and list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# The CUDA context made beside torch's import (`maxsim_cli.cuda_early`)
+
+
+@pytest.mark.parametrize(
+    ("device", "devices", "expected"),
+    [
+        ("auto", None, [0]),
+        ("cuda", None, [0]),
+        (" CUDA:3 ", None, [3]),
+        ("cpu", None, []),
+        ("cuda:x", None, []),
+        ("mps", None, []),
+        ("auto", "1,0,1", [0, 1]),
+        ("auto", "0,a", []),
+    ],
+)
+def test_early_cuda_ordinals(monkeypatch: pytest.MonkeyPatch, device, devices, expected) -> None:
+    """The ordinals torch will pick, read from the option text alone; none where it is not plain."""
+    from maxsim_cli import cuda_early
+
+    monkeypatch.delenv(cuda_early.ENV_SWITCH, raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert cuda_early.ordinals(device, devices) == expected
+
+
+@pytest.mark.parametrize("env", [{"MAXSIM_EARLY_CUDA": "0"}, {"WORLD_SIZE": "2"}, {"WORLD_SIZE": "x"}])
+def test_early_cuda_off(monkeypatch: pytest.MonkeyPatch, env: dict) -> None:
+    """Turned off by its switch, and inside a torchrun job (whose launcher picks the rank's device)."""
+    from maxsim_cli import cuda_early
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cuda_early.start("cuda:0") is None
+
+
+def test_early_cuda_without_a_driver_is_silent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No driver library (this machine, or a CPU-only container): the thread ends at once, raising
+    nothing; a driver that fails any call stops it the same way."""
+    from maxsim_cli import cuda_early
+
+    monkeypatch.delenv(cuda_early.ENV_SWITCH, raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(cuda_early, "_LIBRARY", "libmaxsim-no-such-driver.so.1")
+    thread = cuda_early.start("auto")
+    assert thread is not None and thread.daemon
+    thread.join(5)
+    assert not thread.is_alive()
+
+    calls: list[str] = []
+
+    class FailingDriver:
+        def __getattr__(self, name: str):
+            def call(*args) -> int:
+                calls.append(name)
+                return 100  # CUDA_ERROR_NO_DEVICE
+
+            return call
+
+    monkeypatch.setattr(cuda_early.ctypes, "CDLL", lambda name: FailingDriver())
+    cuda_early._make_contexts([0])
+    assert calls == ["cuInit"]
+
+
+def test_early_cuda_retains_each_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a driver: cuInit once, then each wanted device's primary context retained; an ordinal past
+    the device count stops there (torch's own check reports it)."""
+    from maxsim_cli import cuda_early
+
+    calls: list[tuple] = []
+
+    class Driver:
+        def cuInit(self, flags):
+            calls.append(("init", flags))
+            return 0
+
+        def cuDeviceGetCount(self, count):
+            count._obj.value = 2
+            return 0
+
+        def cuDeviceGet(self, handle, ordinal):
+            handle._obj.value = 10 + ordinal
+            return 0
+
+        def cuDevicePrimaryCtxRetain(self, context, handle):
+            calls.append(("retain", handle.value))
+            return 0
+
+    monkeypatch.setattr(cuda_early.ctypes, "CDLL", lambda name: Driver())
+    cuda_early._make_contexts([0, 1])
+    assert calls == [("init", 0), ("retain", 10), ("retain", 11)]
+    calls.clear()
+    cuda_early._make_contexts([1, 5])
+    assert calls == [("init", 0), ("retain", 11)]
+
+
+@pytest.mark.gpu
+def test_early_cuda_context_is_the_one_torch_uses(tmp_path: Path) -> None:
+    """In a fresh process: the context made by the thread is torch's (current once torch sets the
+    device), and a run made after it is a run as before."""
+    code = (
+        "import ctypes, sys\n"
+        "from maxsim_cli import cuda_early\n"
+        "t = cuda_early.start('cuda:0'); t.join()\n"
+        "import torch\n"
+        "torch.cuda.set_device(0); x = torch.ones(4, device='cuda').sum().item()\n"
+        "drv = ctypes.CDLL('libcuda.so.1'); cur = ctypes.c_void_p(); dev = ctypes.c_int()\n"
+        "drv.cuCtxGetCurrent(ctypes.byref(cur)); drv.cuDeviceGet(ctypes.byref(dev), 0)\n"
+        "prim = ctypes.c_void_p(); drv.cuDevicePrimaryCtxRetain(ctypes.byref(prim), dev)\n"
+        "print(x, cur.value == prim.value and cur.value is not None)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["4.0", "True"]
