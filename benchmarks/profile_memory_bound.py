@@ -1,8 +1,10 @@
-"""Launch the one-query kernels once each, int8 then fp16, for Nsight Compute (H200 probe).
+"""Launch the HBM-bound kernels once each, for Nsight Compute (H200 probe).
 
 The one-query workload of `bench_kernels.py` (1 query x 32 tokens against 100K documents of 20-300
-tokens, offsets on the GPU): `maxsim_varlen_int8` (the Triton int8 kernel) and `maxsim_varlen` (fp16).
-Run under ncu, e.g. (run_h200.sh step ncu-one-query):
+tokens, offsets on the GPU): the int8 Triton kernel (`_launch_varlen`, its default tile) with and without
+PREFETCH, then `maxsim_varlen` (fp16); with ``--rerank`` also the int8 rerank (64 queries x 1000
+shuffled candidates of 180 tokens, `_launch_candidates`) with and without PREFETCH. The launches come in
+that order, so ncu's kernel ids tell them apart. Run under ncu, e.g. (run_h200.sh step ncu-one-query):
 
     ncu -k regex:"_maxsim_int8_varlen_kernel|_maxsim_varlen_kernel" --section SpeedOfLight \\
         --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \\
@@ -11,16 +13,34 @@ Run under ncu, e.g. (run_h200.sh step ncu-one-query):
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 from common import make_workload
 from maxsim_kernels import maxsim_varlen
-from maxsim_kernels.maxsim_int8 import maxsim_varlen_int8, quantize_per_token
+from maxsim_kernels import maxsim_int8 as i8
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--rerank", action="store_true", help="also the int8 rerank launches")
+args = parser.parse_args()
 
 w = make_workload("one_query")
 q_off, d_off = w["q_off"].cuda(), w["d_off"].cuda()
-d8, sd = quantize_per_token(w["docs"])
+q8, sq = i8.quantize_per_token(w["queries"])
+d8, sd = i8.quantize_per_token(w["docs"])
 d16 = w["docs"].half()
-maxsim_varlen_int8(w["queries"], q_off, d8, d_off, doc_scales=sd)
+for ahead in (False, True):
+    print("int8 one query, prefetch", ahead)
+    i8._launch_varlen(q8, sq, q_off, d8, sd, d_off, False, prefetch=ahead)
 maxsim_varlen(w["queries"].half(), q_off, d16, d_off)
+if args.rerank:
+    r = make_workload("rerank")
+    rq8, rsq = i8.quantize_per_token(r["queries"])
+    rd8, rsd = i8.quantize_per_token(r["docs"])
+    args8 = (rq8, rsq, r["q_off"].cuda(), rd8, rsd, r["d_off"].cuda())
+    cands = (r["cand_offsets"].cuda(), r["cand_docs"].cuda())
+    for ahead in (False, True):
+        print("int8 rerank, prefetch", ahead)
+        i8._launch_candidates(*args8, *cands, False, prefetch=ahead)
 torch.cuda.synchronize()
 print("done")

@@ -64,9 +64,11 @@ want probe-batch && step probe-batch ${PROBE_BATCH_S:-120} python3 benchmarks/pr
   --out "$logs/probe-batch-host-h200.txt"
 # ncu-one-query: Nsight Compute on the one-query kernels, int8 and fp16 (profile_memory_bound.py)
 want ncu-one-query && step ncu-one-query ${NCU_S:-150} bash -c '
-  PATH=/usr/local/cuda-13/bin:$PATH ncu -k regex:"_maxsim_int8_varlen_kernel|_maxsim_varlen_kernel" \
+  PATH=/usr/local/cuda-13/bin:$PATH ncu -k regex:"_maxsim_int8_varlen_kernel|_maxsim_varlen_kernel|_maxsim_int8_candidates_kernel" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section SchedulerStats --section MemoryWorkloadAnalysis python3 benchmarks/profile_memory_bound.py \
+    --section SchedulerStats --section MemoryWorkloadAnalysis \
+    --metrics regex:"smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    python3 benchmarks/profile_memory_bound.py --rerank \
     > '"$logs"'/ncu-one-query-h200.txt 2>&1; rc=$?; grep -E "Duration|Throughput|Occupancy|Registers|Stall|Eligible|Issued" '"$logs"'/ncu-one-query-h200.txt; exit $rc'
 # ab-offsets: maxsim score with the offsets copied three ways (and a run-ahead bound), fp16 and int8
 # (ab_offsets_copy.py)
