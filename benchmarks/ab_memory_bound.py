@@ -16,7 +16,6 @@ Rerank candidate layouts (64 queries x 1000 candidates of 180 tokens, a pool of 
   per4/per16  contiguous, 4 or 16 candidates a program instead of 8
 
     python benchmarks/ab_memory_bound.py --out benchmarks/results/int8/memory-bound-h200.json
-    python benchmarks/ab_memory_bound.py --parts prefetch --out ...      # PREFETCH against without
     TRITON_INTERPRET=1 python benchmarks/ab_memory_bound.py --smoke     # the script itself, on the CPU
 """
 
@@ -239,62 +238,6 @@ def one_query_and_exhaustive(rep_ms: int, parts: set[str]) -> None:
     RECORD["note"] = "exhaustive rows: tb_s holds TFLOP/s x 1e-3 (flops / ms / 1e9)"
 
 
-def prefetch(rep_ms: int, rounds: int = 3) -> None:
-    """The int8 walks with their next offsets loaded a loop turn ahead (PREFETCH) against without, in
-    alternating rounds: one query x 100K ragged documents, rerank 64 q x 1000 x 180 tokens (shuffled and
-    in order; the default tile and the sweep's 8-candidate tile), the fp16 kernel in each round."""
-    from maxsim_kernels import maxsim_int8 as i8
-    from maxsim_kernels import maxsim_varlen
-
-    dev = device()
-    gen = torch.Generator(device=dev).manual_seed(1)
-    docs16, d_off = ragged(smoke_size(100_000), 20, 300, gen, dev)
-    docs8, sd = i8.quantize_per_token(docs16)
-    n_tok = int(d_off[-1])
-    q = normal_tokens(QUERY_TOKENS, gen, dev)
-    qo = torch.tensor([0, QUERY_TOKENS], dtype=torch.int64, device=dev)
-    q8, sq = i8.quantize_per_token(q)
-    n_rq, per_q, length = 64, smoke_size(1000), 180
-    pool = normal_tokens(n_rq * per_q * length, gen, dev)
-    pool8, pool_sc = i8.quantize_per_token(pool)
-    pool_off = (torch.arange(n_rq * per_q + 1, dtype=torch.int64) * length).to(dev)
-    rq = normal_tokens(n_rq * QUERY_TOKENS, gen, dev)
-    rq8, rsq = i8.quantize_per_token(rq)
-    rqo = (torch.arange(n_rq + 1, dtype=torch.int64) * QUERY_TOKENS).to(dev)
-    c_off = (torch.arange(n_rq + 1, dtype=torch.int64) * per_q).to(dev)
-    perm = torch.randperm(n_rq * per_q, generator=torch.Generator().manual_seed(0)).to(dev)
-    in_order = torch.arange(n_rq * per_q, device=dev)
-    rerank_bytes = n_rq * per_q * length * (DIM + 4.0)
-    for r in range(rounds):
-        row("prefetch", f"round {r} fp16 one query", lambda: maxsim_varlen(q, qo, docs16, d_off),
-            n_tok * DIM * 2.0, None, rep_ms, round=r)  # fmt: skip
-        base = None
-        for ahead in (False, True) if r % 2 == 0 else (True, False):
-
-            def one(ahead=ahead) -> torch.Tensor:
-                return i8._launch_varlen(q8, sq, qo, docs8, sd, d_off, False, prefetch=ahead)[0]
-
-            out = row("prefetch", f"round {r} one query prefetch={ahead}", one, n_tok * (DIM + 4.0), base,
-                      rep_ms, round=r, workload="one_query", prefetch=ahead)  # fmt: skip
-            base = out if base is None else base
-        for layout, cand in (("shuffled", perm), ("in order", in_order)):
-            for per, stages in ((None, None), (8, 4)):
-                base = None
-                for ahead in (False, True) if r % 2 == 0 else (True, False):
-
-                    def rr(ahead=ahead, cand=cand, per=per, stages=stages) -> torch.Tensor:
-                        return i8._launch_candidates(
-                            rq8, rsq, rqo, pool8, pool_sc, pool_off, c_off, cand, False,
-                            cands_per_prog=per, num_stages=stages, prefetch=ahead,
-                        )[0]  # fmt: skip
-
-                    tile = "default tile" if per is None else f"{per} a program, {stages} stages"
-                    out = row("prefetch", f"round {r} rerank {layout} {tile} prefetch={ahead}", rr,
-                              rerank_bytes, base, rep_ms, round=r, workload="rerank", layout=layout,
-                              tile=tile, prefetch=ahead)  # fmt: skip
-                    base = out if base is None else base
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None)
@@ -310,8 +253,6 @@ def main() -> None:
         rerank(args.rep_ms)
     if parts & {"one_query", "exhaustive"}:
         one_query_and_exhaustive(args.rep_ms, parts)
-    if "prefetch" in parts:
-        prefetch(args.rep_ms)
     write_json(args.out, RECORD)
     for r in RECORD["rows"]:
         if "ms" in r:

@@ -106,10 +106,6 @@ _VARLEN_TMA = False
 _FEW_QUERIES_TMA = True
 _CAND_TMA = True
 _ROTATE_CANDIDATES = False
-# The walk's next offsets loaded a loop turn ahead (PREFETCH in both kernels): not yet measured.
-_VARLEN_PREFETCH = False
-_FEW_QUERIES_PREFETCH = False
-_CAND_PREFETCH = False
 _MAX_QUERIES_PER_GROUP = 32  # queries per all-pairs program at most (short queries)
 _QUANT_BLOCK_R = 16  # tokens per program of the quantize kernel
 
@@ -274,13 +270,10 @@ def _maxsim_int8_varlen_kernel(
     ONE_QUERY: tl.constexpr,
     ELEMENT_MAX: tl.constexpr,
     TMA: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):
     """Scores of QUERIES_PER_GROUP consecutive queries against DOCS_PER_PROG consecutive documents.
 
     MAX_Q = max(2, QUERIES_PER_GROUP) is the length of the per-query vectors (a power of two).
-    PREFETCH: the offsets that the walk needs at a document's end are loaded a loop turn before (the
-    walk's next address then waits on no load made in the same turn); the same tiles in the same order.
     """
     if ONE_QUERY:
         # One query is its own bucket with the sizes folded to constants: 1 query x 100K documents took
@@ -318,19 +311,10 @@ def _maxsim_int8_varlen_kernel(
         doc_start = tl.load(d_off_ptr + doc)
         doc_end = tl.load(d_off_ptr + doc + 1)
         tok = doc_start
-        if PREFETCH:
-            # the ends of the next two documents, and the one after them loaded in the previous turn
-            end1 = tl.load(d_off_ptr + tl.minimum(doc + 2, n_docs))
-            end2 = tl.load(d_off_ptr + tl.minimum(doc + 3, n_docs))
-            end3 = end2
-            moved = doc * 0  # 1 when the previous turn ended a document
         row_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         row_arg = tl.full([BLOCK_Q], -1, tl.int32)
         m_tile = tl.full((BLOCK_Q, BLOCK_D) if ELEMENT_MAX else (1, 1), float("-inf"), tl.float32)
         for _ in range(n_tiles):
-            if PREFETCH:
-                end2 = tl.where(moved != 0, end3, end2)  # the end of doc + 2 again
-                end3 = tl.load(d_off_ptr + tl.minimum(doc + 4, n_docs))  # used in the next turn
             val = _scaled_tile(
                 q, d_ptr, d_scale_ptr, tok, doc_end, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, MAGIC, TMA
             )
@@ -346,12 +330,7 @@ def _maxsim_int8_varlen_kernel(
                     tl.store(arg_ptr + rows * stride_arg + doc, row_arg, mask=row_ok)
                 row_max, row_arg, m_tile = restart(row_max, row_arg, m_tile, ELEMENT_MAX, RETURN_ARGMAX)
             # next tile, or the next document's first (the state stays free of the running max)
-            if PREFETCH:
-                next_end = end1
-                end1 = tl.where(last, end2, end1)
-                moved = last.to(tl.int64)
-            else:
-                next_end = tl.load(d_off_ptr + tl.minimum(doc + 2, n_docs))
+            next_end = tl.load(d_off_ptr + tl.minimum(doc + 2, n_docs))
             tok = tl.where(last, doc_end, tok + BLOCK_D)
             doc_start = tl.where(last, doc_end, doc_start)
             doc_end = tl.where(last, next_end, doc_end)
@@ -388,15 +367,6 @@ def _maxsim_int8_varlen_kernel(
                 if RETURN_ARGMAX:
                     tl.store(arg_ptr + rows * stride_arg + doc, row_arg, mask=row_ok)
             tl.store(out_rows + doc, scores, mask=q_ok)
-
-
-@triton.jit
-def _successor(c, k, c_first, c_last, n_cand, ROTATE: tl.constexpr):
-    """The flat candidate k places after c in a program's walk: wrapping within [c_first, c_last) when
-    ROTATE, else c + k, held at the list's last entry (past the run: read, never scored)."""
-    if ROTATE:
-        return c_first + (c - c_first + k) % (c_last - c_first)
-    return tl.minimum(c + k, n_cand - 1)
 
 
 @triton.jit
@@ -445,13 +415,11 @@ def _maxsim_int8_candidates_kernel(
     ELEMENT_MAX: tl.constexpr,
     TMA: tl.constexpr = False,
     ROTATE: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):
     """Scores of CANDS_PER_PROG consecutive (query, candidate) pairs of the flat candidate list.
 
     TMA as in `_scaled_tile`; ROTATE as in maxsim_forward's candidates kernel (the run is walked from its
-    (pid mod n)-th candidate on, wrapping around). PREFETCH: the walk's next candidates (their indices,
-    then their offsets) are loaded a loop turn before they are needed, as in the all-pairs kernel."""
+    (pid mod n)-th candidate on, wrapping around)."""
     c_first = tl.program_id(0).to(tl.int64) * CANDS_PER_PROG
     c_last = tl.minimum(c_first + CANDS_PER_PROG, n_cand)
     query = _owner(cand_off_ptr, c_first, n_queries)
@@ -477,27 +445,10 @@ def _maxsim_int8_candidates_kernel(
         doc_start = tl.load(d_off_ptr + doc)
         doc_end = tl.load(d_off_ptr + doc + 1)
         tok = doc_start
-        if PREFETCH:
-            # the offsets of the candidates 1 and 2 after c, the index of the third; then, loaded in the
-            # previous turn, the third's offsets and the fourth's index
-            doc1 = tl.load(cand_docs_ptr + _successor(c, 1, c_first, c_last, n_cand, ROTATE))
-            start1, end1 = tl.load(d_off_ptr + doc1), tl.load(d_off_ptr + doc1 + 1)
-            doc2 = tl.load(cand_docs_ptr + _successor(c, 2, c_first, c_last, n_cand, ROTATE))
-            start2, end2 = tl.load(d_off_ptr + doc2), tl.load(d_off_ptr + doc2 + 1)
-            doc3 = tl.load(cand_docs_ptr + _successor(c, 3, c_first, c_last, n_cand, ROTATE))
-            start3, end3, doc4 = start2, end2, doc3
-            moved = c * 0  # 1 when the previous turn ended a candidate
         row_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         row_arg = tl.full([BLOCK_Q], -1, tl.int32)
         m_tile = tl.full((BLOCK_Q, BLOCK_D) if ELEMENT_MAX else (1, 1), float("-inf"), tl.float32)
         for _ in range(n_tiles):
-            if PREFETCH:
-                start2 = tl.where(moved != 0, start3, start2)  # candidate c + 2's offsets again
-                end2 = tl.where(moved != 0, end3, end2)
-                doc3 = tl.where(moved != 0, doc4, doc3)  # and c + 3's index
-                # used in the next turn
-                start3, end3 = tl.load(d_off_ptr + doc3), tl.load(d_off_ptr + doc3 + 1)
-                doc4 = tl.load(cand_docs_ptr + _successor(c, 4, c_first, c_last, n_cand, ROTATE))
             val = _scaled_tile(
                 q, d_ptr, d_scale_ptr, tok, doc_end, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, MAGIC, TMA
             )
@@ -514,15 +465,9 @@ def _maxsim_int8_candidates_kernel(
             c_next = c + 1
             if ROTATE:
                 c_next = tl.where(c_next >= c_last, c_first, c_next)
-            if PREFETCH:
-                next_start, next_end = start1, end1
-                start1 = tl.where(last, start2, start1)
-                end1 = tl.where(last, end2, end1)
-                moved = last.to(tl.int64)
-            else:
-                next_doc = tl.load(cand_docs_ptr + tl.minimum(c_next, n_cand - 1))
-                next_start = tl.load(d_off_ptr + next_doc)
-                next_end = tl.load(d_off_ptr + next_doc + 1)
+            next_doc = tl.load(cand_docs_ptr + tl.minimum(c_next, n_cand - 1))
+            next_start = tl.load(d_off_ptr + next_doc)
+            next_end = tl.load(d_off_ptr + next_doc + 1)
             tok = tl.where(last, next_start, tok + BLOCK_D)
             doc_start = tl.where(last, next_start, doc_start)
             doc_end = tl.where(last, next_end, doc_end)
@@ -751,7 +696,6 @@ def _launch_varlen(
     num_stages: int | None = None,
     element_max: bool | None = None,
     tma: bool | None = None,
-    prefetch: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """All-pairs Triton launch (no host synchronisation); keyword overrides are for the tile sweep."""
     nq, nd = query_offsets.numel() - 1, doc_offsets.numel() - 1
@@ -787,7 +731,6 @@ def _launch_varlen(
         ELEMENT_MAX=_element_max(element_max, _FEW_QUERIES_ELEMENT_MAX if few else _VARLEN_ELEMENT_MAX,
                                  return_argmax),
         TMA=codes is not None,
-        PREFETCH=(_FEW_QUERIES_PREFETCH if few else _VARLEN_PREFETCH) if prefetch is None else prefetch,
         num_warps=num_warps or (_FEW_QUERIES_WARPS if few else _VARLEN_WARPS),
         num_stages=num_stages or (_FEW_QUERIES_STAGES if few else _VARLEN_STAGES),
     )  # fmt: skip
@@ -867,7 +810,6 @@ def _launch_candidates(
     element_max: bool | None = None,
     tma: bool | None = None,
     rotate: bool | None = None,
-    prefetch: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-query-candidates Triton launch; synchronises only to size the argmax output."""
     nq = query_offsets.numel() - 1
@@ -899,7 +841,6 @@ def _launch_candidates(
         MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=return_argmax,
         ELEMENT_MAX=_element_max(element_max, _CAND_ELEMENT_MAX, return_argmax),
         TMA=codes is not None, ROTATE=_ROTATE_CANDIDATES if rotate is None else rotate,
-        PREFETCH=_CAND_PREFETCH if prefetch is None else prefetch,
         num_warps=num_warps or _CAND_WARPS, num_stages=num_stages or _CAND_STAGES,
     )  # fmt: skip
     return out, arg

@@ -163,57 +163,6 @@ def test_element_max_tiles_give_the_same_scores(monkeypatch, q_lengths, d_length
     assert torch.equal(by_row[0], by_element[0]) and torch.equal(by_row[1], by_element[1])
 
 
-# Documents that end a tile after one tile, back to back (0, 1, 64 tokens), then longer ones, so that the
-# walk ends documents in consecutive loop turns and within a turn of a program's start and end.
-PREFETCH_DOC_LENGTHS = [1, 0, 64, 1, 65, 3, 0, 0, 130, 64, 2, 1, 128, 7] * 3 + [1, 66]
-
-
-@_NEEDS_TRITON
-@pytest.mark.parametrize("q_lengths", [[5], [3, 9], [40, 1, 33]], ids=["one", "few", "all-pairs"])
-def test_prefetched_offsets_give_the_same_bits(q_lengths: list[int]) -> None:
-    """The walk with its next offsets loaded a turn ahead (PREFETCH) scores the same tiles: the same
-    bits and argmax as without, for all pairs and for candidates (rotated walks too), with ties of
-    repeated candidates and lists that end inside a program."""
-    import maxsim_kernels.maxsim_int8 as int8
-
-    gen = torch.Generator().manual_seed(2027)
-    dim = 32
-    queries, qo = packed(q_lengths, dim, gen)
-    docs, do = packed(PREFETCH_DOC_LENGTHS, dim, gen, scale=0.5)
-    q8, sq = quantize_per_token(queries, backend="torch")
-    d8, sd = quantize_per_token(docs, backend="torch")
-    nd = len(PREFETCH_DOC_LENGTHS)
-    for argmax in (False, True):
-        plain = int8._launch_varlen(q8, sq, qo, d8, sd, do, argmax, docs_per_prog=8, prefetch=False)
-        ahead = int8._launch_varlen(q8, sq, qo, d8, sd, do, argmax, docs_per_prog=8, prefetch=True)
-        assert torch.equal(plain[0], ahead[0]) and (not argmax or torch.equal(plain[1], ahead[1]))
-    ref = maxsim_int8_reference(queries, qo, d8, do, doc_scales=sd)
-    assert torch.equal(ahead[0] == float("-inf"), ref == float("-inf"))
-    counts = [nd + 3, 0, 17][: len(q_lengths)]
-    cand_docs = torch.cat([torch.randint(0, nd, (n,), generator=gen) for n in counts])
-    cand_off = torch.zeros(len(q_lengths) + 1, dtype=torch.int64)
-    cand_off[1:] = torch.tensor(counts).cumsum(0)
-    for rotate in (False, True):
-        runs = [
-            int8._launch_candidates(
-                q8,
-                sq,
-                qo,
-                d8,
-                sd,
-                do,
-                cand_off,
-                cand_docs,
-                True,
-                cands_per_prog=8,
-                rotate=rotate,
-                prefetch=prefetch,
-            )  # fmt: skip
-            for prefetch in (False, True)
-        ]
-        assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("q_lengths,d_lengths,dim", SHAPES[:4] + SHAPES[5:])
 def test_candidates_exact(backend: str, q_lengths: list[int], d_lengths: list[int], dim: int) -> None:

@@ -136,38 +136,6 @@ def test_candidates_exact_at_size() -> None:
         assert (mine[:, int(q_len[q]) :] == -1).all()
 
 
-@pytest.mark.parametrize("tma", [False, True])
-def test_prefetched_offsets_give_the_same_bits_at_size(tma: bool) -> None:
-    """PREFETCH (the walk's next offsets a loop turn ahead) against without, compiled: one query and a
-    few queries against ragged documents of 1-300 tokens (short ones end documents in consecutive
-    turns), candidates shuffled and in order, with and without argmax: the same bits."""
-    from maxsim_kernels import maxsim_int8 as i8
-
-    gen = torch.Generator().manual_seed(5)
-    docs, do = ragged(9000, 1, 300, 128, gen)
-    d8, sd = quantize_per_token(docs)
-    for nq in (1, 2):
-        queries, qo = ragged(nq, 20, 32, 128, gen)
-        q8, sq = quantize_per_token(queries)
-        for argmax in (False, True):
-            runs = [
-                i8._launch_varlen(q8, sq, qo, d8, sd, do, argmax, tma=tma, prefetch=p) for p in (False, True)
-            ]
-            assert torch.equal(runs[0][0], runs[1][0])
-            assert not argmax or torch.equal(runs[0][1], runs[1][1])
-    queries, qo = ragged(16, 20, 32, 128, gen)
-    q8, sq = quantize_per_token(queries)
-    cand_off = (torch.arange(17, dtype=torch.int64) * 500).cuda()
-    for cand in (torch.randperm(8000, generator=gen).cuda(), torch.arange(8000, device="cuda")):
-        for argmax in (False, True):
-            runs = [
-                i8._launch_candidates(q8, sq, qo, d8, sd, do, cand_off, cand, argmax, tma=tma, prefetch=p)
-                for p in (False, True)
-            ]
-            assert torch.equal(runs[0][0], runs[1][0])
-            assert not argmax or torch.equal(runs[0][1], runs[1][1])
-
-
 def corpus_past_2_31_bytes(dim: int, seed: int, n_tokens: int | None = None, device: str = "cuda"):
     """Random int8 documents of 200 tokens (the last one longer) filling 2^31 bytes and 100K tokens more:
     (codes [T, dim], scales [T], host offsets, the generator for the queries)."""
