@@ -16,6 +16,7 @@ Rerank candidate layouts (64 queries x 1000 candidates of 180 tokens, a pool of 
   per4/per16  contiguous, 4 or 16 candidates a program instead of 8
 
     python benchmarks/ab_memory_bound.py --out benchmarks/results/int8/memory-bound-h200.json
+    python benchmarks/ab_memory_bound.py --parts maxnreg --out ...       # register caps against none
     TRITON_INTERPRET=1 python benchmarks/ab_memory_bound.py --smoke     # the script itself, on the CPU
 """
 
@@ -238,6 +239,80 @@ def one_query_and_exhaustive(rep_ms: int, parts: set[str]) -> None:
     RECORD["note"] = "exhaustive rows: tb_s holds TFLOP/s x 1e-3 (flops / ms / 1e9)"
 
 
+def compiled_registers(kernel: Any) -> list[dict]:
+    """(registers, spills, num_stages) of each compiled variant of a Triton kernel, as Triton keeps them."""
+    found = []
+    for caches in getattr(kernel, "device_caches", {}).values():
+        for compiled in caches[0].values():
+            meta = getattr(compiled, "metadata", None)
+            found.append({
+                "n_regs": getattr(compiled, "n_regs", None),
+                "n_spills": getattr(compiled, "n_spills", None),
+                "num_stages": getattr(meta, "num_stages", None),
+                "maxnreg": getattr(meta, "maxnreg", None),
+            })  # fmt: skip
+    return found
+
+
+def register_caps(rep_ms: int, rounds: int = 3, caps: tuple = (None, 120, 112, 104, 96, 88)) -> None:
+    """The HBM-bound int8 tiles with ptxas's register cap (``maxnreg``) at several values against none,
+    in rounds of rotating order: one query x 100K ragged documents, rerank 64 q x 1000 x 180 tokens
+    shuffled; the default tiles, and 4 stages beside them; the fp16 kernel once a round."""
+    from maxsim_kernels import maxsim_int8 as i8
+    from maxsim_kernels import maxsim_varlen
+
+    dev = device()
+    gen = torch.Generator(device=dev).manual_seed(1)
+    docs16, d_off = ragged(smoke_size(100_000), 20, 300, gen, dev)
+    docs8, sd = i8.quantize_per_token(docs16)
+    n_tok = int(d_off[-1])
+    q = normal_tokens(QUERY_TOKENS, gen, dev)
+    qo = torch.tensor([0, QUERY_TOKENS], dtype=torch.int64, device=dev)
+    q8, sq = i8.quantize_per_token(q)
+    n_rq, per_q, length = 64, smoke_size(1000), 180
+    pool8, pool_sc = i8.quantize_per_token(normal_tokens(n_rq * per_q * length, gen, dev))
+    pool_off = (torch.arange(n_rq * per_q + 1, dtype=torch.int64) * length).to(dev)
+    rq8, rsq = i8.quantize_per_token(normal_tokens(n_rq * QUERY_TOKENS, gen, dev))
+    rqo = (torch.arange(n_rq + 1, dtype=torch.int64) * QUERY_TOKENS).to(dev)
+    c_off = (torch.arange(n_rq + 1, dtype=torch.int64) * per_q).to(dev)
+    perm = torch.randperm(n_rq * per_q, generator=torch.Generator().manual_seed(0)).to(dev)
+    rerank_bytes = n_rq * per_q * length * (DIM + 4.0)
+    for r in range(rounds):
+        row("maxnreg", f"round {r} fp16 one query", lambda: maxsim_varlen(q, qo, docs16, d_off),
+            n_tok * DIM * 2.0, None, rep_ms, round=r)  # fmt: skip
+        order = caps[r % len(caps) :] + caps[: r % len(caps)]
+        for stages in (None, 4):
+            base = None
+            for cap in order:
+
+                def one(cap=cap, stages=stages) -> torch.Tensor:
+                    return i8._launch_varlen(
+                        q8, sq, qo, docs8, sd, d_off, False, maxnreg=cap, num_stages=stages
+                    )[0]
+
+                out = row("maxnreg", f"round {r} one query stages={stages} maxnreg={cap}", one,
+                          n_tok * (DIM + 4.0), base, rep_ms, round=r, workload="one_query", maxnreg=cap,
+                          stages=stages)  # fmt: skip
+                base = out if base is None else base
+            base = None
+            for cap in order:
+
+                def rr(cap=cap, stages=stages) -> torch.Tensor:
+                    return i8._launch_candidates(rq8, rsq, rqo, pool8, pool_sc, pool_off, c_off, perm, False,
+                                                 maxnreg=cap, num_stages=stages)[0]  # fmt: skip
+
+                out = row("maxnreg", f"round {r} rerank stages={stages} maxnreg={cap}", rr, rerank_bytes,
+                          base, rep_ms, round=r, workload="rerank", maxnreg=cap, stages=stages)  # fmt: skip
+                base = out if base is None else base
+    RECORD["compiled"] = {
+        "varlen": compiled_registers(i8._maxsim_int8_varlen_kernel),
+        "candidates": compiled_registers(i8._maxsim_int8_candidates_kernel),
+    }
+    for name, found in RECORD["compiled"].items():
+        for c in found:
+            log(f"compiled {name}: {c}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None)
@@ -253,6 +328,8 @@ def main() -> None:
         rerank(args.rep_ms)
     if parts & {"one_query", "exhaustive"}:
         one_query_and_exhaustive(args.rep_ms, parts)
+    if "maxnreg" in parts:
+        register_caps(args.rep_ms)
     write_json(args.out, RECORD)
     for r in RECORD["rows"]:
         if "ms" in r:

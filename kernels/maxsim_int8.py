@@ -55,6 +55,7 @@ kernel uses the same constant: (y + 1.5 * 2^23) - 1.5 * 2^23 for |y| < 2^22.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -680,6 +681,14 @@ def _element_max(override: bool | None, default: bool, return_argmax: bool) -> b
     return (default if override is None else override) and not return_argmax
 
 
+def _register_cap(maxnreg: int | None) -> dict[str, int]:
+    """ptxas's register cap a thread as a launch option, for sweeps: the HBM-bound tiles gained nothing
+    from one (one query within 2% at 96 registers, five programs an SM; rerank 5-10% slower at 104 or
+    fewer, which spill; benchmarks/results/int8/maxnreg-h200.json), so the defaults set none. Compiled
+    launches only (the interpreter takes no such option)."""
+    return {"maxnreg": maxnreg} if maxnreg and os.environ.get("TRITON_INTERPRET") != "1" else {}
+
+
 def _launch_varlen(
     q8: torch.Tensor,
     sq: torch.Tensor,
@@ -696,6 +705,7 @@ def _launch_varlen(
     num_stages: int | None = None,
     element_max: bool | None = None,
     tma: bool | None = None,
+    maxnreg: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """All-pairs Triton launch (no host synchronisation); keyword overrides are for the tile sweep."""
     nq, nd = query_offsets.numel() - 1, doc_offsets.numel() - 1
@@ -733,6 +743,7 @@ def _launch_varlen(
         TMA=codes is not None,
         num_warps=num_warps or (_FEW_QUERIES_WARPS if few else _VARLEN_WARPS),
         num_stages=num_stages or (_FEW_QUERIES_STAGES if few else _VARLEN_STAGES),
+        **_register_cap(maxnreg),
     )  # fmt: skip
     return out, arg
 
@@ -810,6 +821,7 @@ def _launch_candidates(
     element_max: bool | None = None,
     tma: bool | None = None,
     rotate: bool | None = None,
+    maxnreg: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-query-candidates Triton launch; synchronises only to size the argmax output."""
     nq = query_offsets.numel() - 1
@@ -842,6 +854,7 @@ def _launch_candidates(
         ELEMENT_MAX=_element_max(element_max, _CAND_ELEMENT_MAX, return_argmax),
         TMA=codes is not None, ROTATE=_ROTATE_CANDIDATES if rotate is None else rotate,
         num_warps=num_warps or _CAND_WARPS, num_stages=num_stages or _CAND_STAGES,
+        **_register_cap(maxnreg),
     )  # fmt: skip
     return out, arg
 
