@@ -313,83 +313,6 @@ def register_caps(rep_ms: int, rounds: int = 3, caps: tuple = (None, 120, 112, 1
             log(f"compiled {name}: {c}")
 
 
-def folded_scales(rep_ms: int, rounds: int = 3) -> None:
-    """The scale product folded into one fused multiply-add (MAGIC == 2, Gluon FOLD) against the exact
-    conversion then the product, on scales with their low two significand bits cleared (what the fold
-    needs), in alternating rounds: all pairs 512 q x 50K docs (Gluon from host offsets, Triton from
-    device offsets), one query x 100K docs, rerank 64 q x 1000 x 180 shuffled. Same bits asked."""
-    from maxsim_kernels import maxsim_int8 as i8
-    from maxsim_kernels import maxsim_int8_hopper as hopper
-    from maxsim_kernels import maxsim_varlen
-
-    def cleared(scales: torch.Tensor) -> torch.Tensor:
-        return (scales.view(torch.int32) & ~3).view(torch.float32)
-
-    dev = device()
-    gen = torch.Generator(device=dev).manual_seed(1)
-    docs16, d_off = ragged(smoke_size(100_000), 20, 300, gen, dev)
-    docs8, sd = i8.quantize_per_token(docs16)
-    sd = cleared(sd)
-    n_tok = int(d_off[-1])
-    queries = normal_tokens(smoke_size(512) * QUERY_TOKENS, gen, dev)
-    q8_all, sq_all = i8.quantize_per_token(queries)
-    q8, sq = q8_all[:QUERY_TOKENS], sq_all[:QUERY_TOKENS]
-    qo1 = torch.tensor([0, QUERY_TOKENS], dtype=torch.int64, device=dev)
-    n_ex = smoke_size(50_000)
-    t_ex = int(d_off[n_ex])
-    d8_ex, s8_ex, do_ex = docs8[:t_ex], sd[:t_ex], d_off[: n_ex + 1].contiguous()
-    do_ex_h = do_ex.cpu()
-    nq = smoke_size(512)
-    qo = torch.arange(nq + 1, dtype=torch.int64, device=dev) * QUERY_TOKENS
-    qo_h = qo.cpu()
-    flops = 2.0 * queries.shape[0] * t_ex * DIM
-    n_rq, per_q, length = 64, smoke_size(1000), 180
-    pool8, pool_sc = i8.quantize_per_token(normal_tokens(n_rq * per_q * length, gen, dev))
-    pool_sc = cleared(pool_sc)
-    pool_off = (torch.arange(n_rq * per_q + 1, dtype=torch.int64) * length).to(dev)
-    rq8, rsq = q8_all[: n_rq * QUERY_TOKENS], sq_all[: n_rq * QUERY_TOKENS]
-    rqo = qo[: n_rq + 1]
-    c_off = (torch.arange(n_rq + 1, dtype=torch.int64) * per_q).to(dev)
-    perm = torch.randperm(n_rq * per_q, generator=torch.Generator().manual_seed(0)).to(dev)
-    rerank_bytes = n_rq * per_q * length * (DIM + 4.0)
-
-    def gluon(fold: bool) -> torch.Tensor:
-        hopper.FOLD_SCALES = fold
-        try:
-            return i8.maxsim_varlen_int8(q8_all, qo_h, d8_ex, do_ex_h, doc_scales=s8_ex, query_scales=sq_all)
-        finally:
-            hopper.FOLD_SCALES = False
-
-    def triton_all(fold: bool) -> torch.Tensor:
-        return i8._launch_varlen(q8_all, sq_all, qo, d8_ex, s8_ex, do_ex, False, fold=fold)[0]
-
-    def one_query(fold: bool) -> torch.Tensor:
-        return i8._launch_varlen(q8, sq, qo1, docs8, sd, d_off, False, fold=fold)[0]
-
-    def rerank8(fold: bool) -> torch.Tensor:
-        args = (rq8, rsq, rqo, pool8, pool_sc, pool_off, c_off, perm, False)
-        return i8._launch_candidates(*args, fold=fold)[0]
-
-    work = {
-        "all pairs gluon": (gluon, flops),
-        "all pairs triton": (triton_all, flops),
-        "one query": (one_query, n_tok * (DIM + 4.0)),
-        "rerank": (rerank8, rerank_bytes),
-    }
-    fp16_one = lambda: maxsim_varlen(queries[:QUERY_TOKENS], qo1, docs16, d_off)  # noqa: E731
-    fp16_all = lambda: maxsim_varlen(queries, qo, docs16[:t_ex], do_ex)  # noqa: E731
-    for r in range(rounds):
-        row("fold", f"round {r} fp16 one query", fp16_one, n_tok * DIM * 2.0, None, rep_ms, round=r)
-        row("fold", f"round {r} fp16 all pairs", fp16_all, flops, None, rep_ms, round=r)
-        for name, (fn, nbytes) in work.items():
-            base = None
-            for fold in (False, True) if r % 2 == 0 else (True, False):
-                out = row("fold", f"round {r} {name} fold={fold}", lambda fn=fn, fold=fold: fn(fold),
-                          nbytes, base, rep_ms, round=r, workload=name, fold=fold)  # fmt: skip
-                base = out if base is None else base
-    RECORD["note"] = "all pairs rows: tb_s holds TFLOP/s x 1e-3 (flops / ms / 1e9)"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None)
@@ -407,8 +330,6 @@ def main() -> None:
         one_query_and_exhaustive(args.rep_ms, parts)
     if "maxnreg" in parts:
         register_caps(args.rep_ms)
-    if "fold" in parts:
-        folded_scales(args.rep_ms)
     write_json(args.out, RECORD)
     for r in RECORD["rows"]:
         if "ms" in r:

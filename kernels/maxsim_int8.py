@@ -107,7 +107,6 @@ _VARLEN_TMA = False
 _FEW_QUERIES_TMA = True
 _CAND_TMA = True
 _ROTATE_CANDIDATES = False
-_FOLD_SCALES = False  # experiment: the scale product folded (MAGIC == 2); needs 22-bit scales
 _MAX_QUERIES_PER_GROUP = 32  # queries per all-pairs program at most (short queries)
 _QUANT_BLOCK_R = 16  # tokens per program of the quantize kernel
 
@@ -183,22 +182,12 @@ def _scaled_tile(
     s = tl.load(d_scale_ptr + cols, mask=col_ok, other=1.0)
     # 0 inside the document, -inf past its end: applied in the same FMA as the scale.
     bias = tl.where(col_ok, 0.0, float("-inf"))
-    if MAGIC == 2:
-        # scales with their low two significand bits zero: 1.5 * 2^23 * s is exact, so one fused
-        # multiply-add gives fp32(s * acc) from the offset accumulator
+    if MAGIC:
         acc = tl.dot(q, tl.trans(d), tl.full([BLOCK_Q, BLOCK_D], 0x4B400000, tl.int32), out_dtype=tl.int32)
-        shift = tl.where(col_ok, s * -12582912.0, float("-inf"))
-        val = tl.fma(acc.to(tl.float32, bitcast=True), s[None, :], shift[None, :])
+        exact = acc.to(tl.float32, bitcast=True) - 12582912.0
     else:
-        if MAGIC:
-            acc = tl.dot(
-                q, tl.trans(d), tl.full([BLOCK_Q, BLOCK_D], 0x4B400000, tl.int32), out_dtype=tl.int32
-            )
-            exact = acc.to(tl.float32, bitcast=True) - 12582912.0
-        else:
-            exact = tl.dot(q, tl.trans(d), out_dtype=tl.int32).to(tl.float32)
-        val = exact * s[None, :] + bias[None, :]
-    return val
+        exact = tl.dot(q, tl.trans(d), out_dtype=tl.int32).to(tl.float32)
+    return exact * s[None, :] + bias[None, :]
 
 
 @triton.jit
@@ -692,14 +681,6 @@ def _element_max(override: bool | None, default: bool, return_argmax: bool) -> b
     return (default if override is None else override) and not return_argmax
 
 
-def _magic(dim: int, fold: bool | None) -> int:
-    """The kernels' MAGIC: 0 plain int32 -> fp32 conversion, 1 the offset accumulator, 2 that and the
-    scale product folded into one fused multiply-add (scales with their low two significand bits zero)."""
-    if dim > _MAGIC_MAX_DIM:
-        return 0
-    return 2 if (_FOLD_SCALES if fold is None else fold) else 1
-
-
 def _register_cap(maxnreg: int | None) -> dict[str, int]:
     """ptxas's register cap a thread as a launch option, for sweeps: the HBM-bound tiles gained nothing
     from one (one query within 2% at 96 registers, five programs an SM; rerank 5-10% slower at 104 or
@@ -725,7 +706,6 @@ def _launch_varlen(
     element_max: bool | None = None,
     tma: bool | None = None,
     maxnreg: int | None = None,
-    fold: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """All-pairs Triton launch (no host synchronisation); keyword overrides are for the tile sweep."""
     nq, nd = query_offsets.numel() - 1, doc_offsets.numel() - 1
@@ -757,7 +737,7 @@ def _launch_varlen(
         q8.stride(0), d8.stride(0), out.stride(0), nd,
         DOCS_PER_PROG=docs_per_prog, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_K=block_k,
         QUERIES_PER_GROUP=per_group, MAX_Q=max(2, per_group),
-        MAGIC=_magic(dim, fold), RETURN_ARGMAX=return_argmax, ONE_QUERY=nq == 1,
+        MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=return_argmax, ONE_QUERY=nq == 1,
         ELEMENT_MAX=_element_max(element_max, _FEW_QUERIES_ELEMENT_MAX if few else _VARLEN_ELEMENT_MAX,
                                  return_argmax),
         TMA=codes is not None,
@@ -842,7 +822,6 @@ def _launch_candidates(
     tma: bool | None = None,
     rotate: bool | None = None,
     maxnreg: int | None = None,
-    fold: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-query-candidates Triton launch; synchronises only to size the argmax output."""
     nq = query_offsets.numel() - 1
@@ -871,7 +850,7 @@ def _launch_candidates(
         nq, n_cand, dim,
         q8.stride(0), d8.stride(0), 0 if arg is None else arg.stride(0),
         CANDS_PER_PROG=cands_per_prog, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_K=block_k,
-        MAGIC=_magic(dim, fold), RETURN_ARGMAX=return_argmax,
+        MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=return_argmax,
         ELEMENT_MAX=_element_max(element_max, _CAND_ELEMENT_MAX, return_argmax),
         TMA=codes is not None, ROTATE=_ROTATE_CANDIDATES if rotate is None else rotate,
         num_warps=num_warps or _CAND_WARPS, num_stages=num_stages or _CAND_STAGES,

@@ -82,7 +82,6 @@ PROGRAM_START_DOCS = 0.25  # as the fp16 Hopper kernel: a program's start in doc
 # two groups on this kernel is: 4 queries (one group) 1.21 ms against the Triton kernel's 0.80, 8 queries
 # 0.99 against 1.29 (benchmarks/results/archive/int8/int8-queries-h200.json).
 MIN_GROUPS = 2
-FOLD_SCALES = False  # experiment: the scale product folded into one FMA; needs 22-bit scales
 
 _MAGIC_BITS = gl.constexpr(0x4B400000)  # bits of 1.5 * 2^23
 _MAGIC_FLOAT = gl.constexpr(12582912.0)  # 1.5 * 2^23
@@ -107,8 +106,7 @@ def _scales(s_smem, x, col_layout: gl.constexpr, STAGES: gl.constexpr, BLOCK_T: 
 
 @gluon.jit
 def _retire(acc, scale, t, total, tiles, m, tok_a, tok_b, ends, finished, num_finished, tile_tok_ptr,
-            tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES: gl.constexpr,
-            FOLD: gl.constexpr):  # fmt: skip
+            tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES: gl.constexpr):  # fmt: skip
     """Tile t's product is done: refill the ring slot of tile t - 2 with tile t - 2 + STAGES (its first
     token `tok_a`, loaded two tiles ago), fold tile t into the row maxima `m` (parking them in `finished`
     at its document's end), and load the table entries of later tiles."""
@@ -122,11 +120,7 @@ def _retire(acc, scale, t, total, tiles, m, tok_a, tok_b, ends, finished, num_fi
     tok_b = gl.load(tile_tok_ptr + t0 + r + 2, mask=r + 2 < total, other=0)
     if t < total:
         # columns past the document have NaN scales: NaN products, which max ignores
-        if FOLD:  # scales with their low two significand bits zero: -1.5 * 2^23 * s is exact
-            shift = scale * -_MAGIC_FLOAT
-            v = gl.fma((acc + _MAGIC_BITS).to(gl.float32, bitcast=True), scale[None, :], shift[None, :])
-        else:
-            v = ((acc + _MAGIC_BITS).to(gl.float32, bitcast=True) - _MAGIC_FLOAT) * scale[None, :]
+        v = ((acc + _MAGIC_BITS).to(gl.float32, bitcast=True) - _MAGIC_FLOAT) * scale[None, :]
         m = gl.maximum(m, gl.max(v, axis=1))
         if ends != 0:
             finished.index(num_finished).store(m)
@@ -141,7 +135,7 @@ def _int8_allpairs_kernel(
     q_ptr, qs_ptr, q_off_ptr, d_desc, s_desc, tile_tok_ptr, tile_ends_ptr, doc_tile_ptr, out_ptr,
     num_queries, num_docs, num_groups, docs_per_prog, stride_q,
     DIM: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-    QPG: gl.constexpr, FOLD: gl.constexpr = False,
+    QPG: gl.constexpr,
 ):  # fmt: skip
     """Program pid: query group pid % num_groups (queries QPG * g ...), documents
     [(pid // num_groups) * docs_per_prog, + docs_per_prog). q_off int32 [nq + 1]; the tile table
@@ -215,7 +209,7 @@ def _int8_allpairs_kernel(
         acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])
         m, tok_a, tok_b, ends, num_finished = _retire(
             acc_a, scale, base, total, tiles, m, tok_a, tok_b, ends, finished, num_finished, tile_tok_ptr,
-            tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES, FOLD,
+            tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES,
         )  # fmt: skip
         for j in gl.static_range(2, GROUP, 2):
             acc_a = _issue_product(q_rows, d_smem, ready, base + j, zero, STAGES)
@@ -223,20 +217,20 @@ def _int8_allpairs_kernel(
             acc_a, acc_b = warpgroup_mma_wait(num_outstanding=1, deps=[acc_a, acc_b])
             m, tok_a, tok_b, ends, num_finished = _retire(
                 acc_b, scale, base + j - 1, total, tiles, m, tok_a, tok_b, ends, finished, num_finished,
-                tile_tok_ptr, tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES, FOLD,
+                tile_tok_ptr, tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES,
             )  # fmt: skip
             acc_b = _issue_product(q_rows, d_smem, ready, base + j + 1, zero, STAGES)
             scale = _scales(s_smem, base + j, col_layout, STAGES, BLOCK_T)
             acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])
             m, tok_a, tok_b, ends, num_finished = _retire(
                 acc_a, scale, base + j, total, tiles, m, tok_a, tok_b, ends, finished, num_finished,
-                tile_tok_ptr, tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES, FOLD,
+                tile_tok_ptr, tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES,
             )  # fmt: skip
         scale = _scales(s_smem, base + GROUP - 1, col_layout, STAGES, BLOCK_T)
         acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc_b])
         m, tok_a, tok_b, ends, num_finished = _retire(
             acc_b, scale, base + GROUP - 1, total, tiles, m, tok_a, tok_b, ends, finished, num_finished,
-            tile_tok_ptr, tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES, FOLD,
+            tile_tok_ptr, tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES,
         )  # fmt: skip
         if num_finished > 0:
             gl.thread_barrier()
@@ -455,6 +449,6 @@ def maxsim_int8_allpairs(
     _int8_allpairs_kernel[grid](
         q8, sq, q_off32, d_desc, s_desc, tile_tok, tile_ends, doc_tile, out, nq, nd, groups,
         docs_per_prog, q8.stride(0), DIM=d8.shape[1], BLOCK_T=BLOCK_T, STAGES=STAGES, GROUP=GROUP,
-        QPG=queries_a_group, FOLD=FOLD_SCALES, num_warps=NUM_WARPS,
+        QPG=queries_a_group, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
