@@ -125,6 +125,8 @@ def one_run(args: argparse.Namespace, mode: str, corpus: list[str], queries: str
         "kernel_s": stats["score_s"],
         "read_s": stats["read_s"],
         "copy_s": stats["copy_s"],
+        "wait_s": stats.get("wait_s"),
+        "doc_batches": stats.get("doc_batches"),
         "arena_ready_s": stats.get("arena_ready_s"),
         "kernels_wait_s": stats.get("kernels_wait_s"),
         "warmup": stats.get("warmup"),
