@@ -17,6 +17,7 @@ Rerank candidate layouts (64 queries x 1000 candidates of 180 tokens, a pool of 
 
     python benchmarks/ab_memory_bound.py --out benchmarks/results/int8/memory-bound-h200.json
     python benchmarks/ab_memory_bound.py --parts maxnreg --out ...       # register caps against none
+    python benchmarks/ab_memory_bound.py --parts tiles --out ...         # 32-token tiles against 64
     TRITON_INTERPRET=1 python benchmarks/ab_memory_bound.py --smoke     # the script itself, on the CPU
 """
 
@@ -313,6 +314,48 @@ def register_caps(rep_ms: int, rounds: int = 3, caps: tuple = (None, 120, 112, 1
             log(f"compiled {name}: {c}")
 
 
+def tile_sweep(rep_ms: int, rounds: int = 3) -> None:
+    """Document tiles of 32 tokens against the default 64, TMA, in rounds of rotating order: one query x
+    100K ragged documents, rerank 64 q x 1000 x 180 tokens shuffled (180 = 64 + 64 + 52: a 64-token
+    tile reads 6.7% past each candidate; 32-token tiles 3.5%); candidates or documents a program and
+    stages around the defaults. Same bits asked."""
+    from maxsim_kernels import maxsim_int8 as i8
+
+    dev = device()
+    gen = torch.Generator(device=dev).manual_seed(1)
+    docs16, d_off = ragged(smoke_size(100_000), 20, 300, gen, dev)
+    docs8, sd = i8.quantize_per_token(docs16)
+    del docs16
+    n_tok = int(d_off[-1])
+    q8, sq = i8.quantize_per_token(normal_tokens(QUERY_TOKENS, gen, dev))
+    qo = torch.tensor([0, QUERY_TOKENS], dtype=torch.int64, device=dev)
+    n_rq, per_q, length = 64, smoke_size(1000), 180
+    pool8, pool_sc = i8.quantize_per_token(normal_tokens(n_rq * per_q * length, gen, dev))
+    pool_off = (torch.arange(n_rq * per_q + 1, dtype=torch.int64) * length).to(dev)
+    rq8, rsq = i8.quantize_per_token(normal_tokens(n_rq * QUERY_TOKENS, gen, dev))
+    rqo = (torch.arange(n_rq + 1, dtype=torch.int64) * QUERY_TOKENS).to(dev)
+    c_off = (torch.arange(n_rq + 1, dtype=torch.int64) * per_q).to(dev)
+    perm = torch.randperm(n_rq * per_q, generator=torch.Generator().manual_seed(0)).to(dev)
+    rerank_bytes = n_rq * per_q * length * (DIM + 4.0)
+    one_cfgs = [{}] + [dict(block_d=32, docs_per_prog=p, num_stages=st) for p in (32, 64) for st in (3, 5)]
+    cand_cfgs = [{}, dict(cands_per_prog=8, num_stages=4)]
+    cand_cfgs += [dict(block_d=32, cands_per_prog=p, num_stages=st) for p in (8, 16, 32) for st in (4, 6)]
+    for r in range(rounds):
+        for name, cfgs in (("one query", one_cfgs), ("rerank", cand_cfgs)):
+            base = None
+            for cfg in cfgs[r % len(cfgs) :] + cfgs[: r % len(cfgs)]:
+                if name == "one query":
+                    fn = lambda cfg=cfg: i8._launch_varlen(q8, sq, qo, docs8, sd, d_off, False, **cfg)[0]  # noqa: E731
+                    nbytes = n_tok * (DIM + 4.0)
+                else:
+                    args = (rq8, rsq, rqo, pool8, pool_sc, pool_off, c_off, perm, False)
+                    fn = lambda cfg=cfg, args=args: i8._launch_candidates(*args, **cfg)[0]  # noqa: E731
+                    nbytes = rerank_bytes
+                out = row("tiles", f"round {r} {name} {cfg or 'default'}", fn, nbytes, base, rep_ms,
+                          round=r, workload=name, config=cfg)  # fmt: skip
+                base = out if base is None else base
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None)
@@ -330,6 +373,8 @@ def main() -> None:
         one_query_and_exhaustive(args.rep_ms, parts)
     if "maxnreg" in parts:
         register_caps(args.rep_ms)
+    if "tiles" in parts:
+        tile_sweep(args.rep_ms)
     write_json(args.out, RECORD)
     for r in RECORD["rows"]:
         if "ms" in r:
