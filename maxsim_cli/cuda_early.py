@@ -5,7 +5,9 @@ context (docs/benchmarks.md, "What a fresh process pays once"). torch does it on
 the main thread, after its own import (~2 s) and with Python's lock held around parts of it. The driver
 needs neither torch nor the lock: `start` calls it through ``ctypes`` (which drops the lock around each
 foreign call) in a thread of its own as soon as the command knows its device, so the context is made
-while the main thread imports torch, and torch's first CUDA call finds it in place.
+while the main thread imports torch, and torch's first CUDA call finds it in place: a fresh `maxsim score`
+over 8.2 GB took 1.13 s against 1.44 without it, the whole process 3.2 s against 4.0 (H200, fresh
+processes alternating; benchmarks/results/score/first-call-h200-early.json).
 
 What it makes is what torch would make: the driver initialised (``cuInit``) and the device's primary
 context retained (``cuDevicePrimaryCtxRetain``), the one context torch and Triton then use. The ordinal is
