@@ -683,9 +683,9 @@ def _element_max(override: bool | None, default: bool, return_argmax: bool) -> b
 
 def _register_cap(maxnreg: int | None) -> dict[str, int]:
     """ptxas's register cap a thread as a launch option, for sweeps: the HBM-bound tiles gained nothing
-    from one (one query within 2% at 96 registers, five programs an SM; rerank 5-10% slower at 104 or
-    fewer, which spill; benchmarks/results/int8/maxnreg-h200.json), so the defaults set none. Compiled
-    launches only (the interpreter takes no such option)."""
+    from one (one query 0-4% faster at 96 registers, five programs an SM, inside the rounds' spread;
+    rerank 5-10% slower at 104 or fewer, which spill; benchmarks/results/int8/maxnreg-h200.json), so
+    the defaults set none. Compiled launches only (the interpreter takes no such option)."""
     return {"maxnreg": maxnreg} if maxnreg and os.environ.get("TRITON_INTERPRET") != "1" else {}
 
 
