@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -255,18 +256,17 @@ def compiled_registers(kernel: Any) -> list[dict]:
     return found
 
 
-def register_caps(rep_ms: int, rounds: int = 3, caps: tuple = (None, 120, 112, 104, 96, 88)) -> None:
-    """The HBM-bound int8 tiles with ptxas's register cap (``maxnreg``) at several values against none,
-    in rounds of rotating order: one query x 100K ragged documents, rerank 64 q x 1000 x 180 tokens
-    shuffled; the default tiles, and 4 stages beside them; the fp16 kernel once a round."""
+def hbm_inputs() -> SimpleNamespace:
+    """The two HBM-bound int8 workloads of the register-cap and tile parts: one query (32 tokens) x 100K
+    ragged documents (``one``: `_launch_varlen`'s inputs, ``docs16`` the fp16 documents), and rerank 64
+    queries x 1000 shuffled candidates of 180 tokens (``rerank``: `_launch_candidates`'s inputs), with
+    the bytes each reads."""
     from maxsim_kernels import maxsim_int8 as i8
-    from maxsim_kernels import maxsim_varlen
 
     dev = device()
     gen = torch.Generator(device=dev).manual_seed(1)
     docs16, d_off = ragged(smoke_size(100_000), 20, 300, gen, dev)
     docs8, sd = i8.quantize_per_token(docs16)
-    n_tok = int(d_off[-1])
     q = normal_tokens(QUERY_TOKENS, gen, dev)
     qo = torch.tensor([0, QUERY_TOKENS], dtype=torch.int64, device=dev)
     q8, sq = i8.quantize_per_token(q)
@@ -277,32 +277,45 @@ def register_caps(rep_ms: int, rounds: int = 3, caps: tuple = (None, 120, 112, 1
     rqo = (torch.arange(n_rq + 1, dtype=torch.int64) * QUERY_TOKENS).to(dev)
     c_off = (torch.arange(n_rq + 1, dtype=torch.int64) * per_q).to(dev)
     perm = torch.randperm(n_rq * per_q, generator=torch.Generator().manual_seed(0)).to(dev)
-    rerank_bytes = n_rq * per_q * length * (DIM + 4.0)
+    n_tok = int(d_off[-1])
+    return SimpleNamespace(
+        q=q, qo=qo, docs16=docs16, d_off=d_off, n_tok=n_tok,
+        one=(q8, sq, qo, docs8, sd, d_off), one_bytes=n_tok * (DIM + 4.0),
+        rerank=(rq8, rsq, rqo, pool8, pool_sc, pool_off, c_off, perm),
+        rerank_bytes=n_rq * per_q * length * (DIM + 4.0),
+    )  # fmt: skip
+
+
+def register_caps(rep_ms: int, rounds: int = 3, caps: tuple = (None, 120, 112, 104, 96, 88)) -> None:
+    """The HBM-bound int8 tiles with ptxas's register cap (``maxnreg``) at several values against none,
+    in rounds of rotating order: one query x 100K ragged documents, rerank 64 q x 1000 x 180 tokens
+    shuffled; the default tiles, and 4 stages beside them; the fp16 kernel once a round."""
+    from maxsim_kernels import maxsim_int8 as i8
+    from maxsim_kernels import maxsim_varlen
+
+    w = hbm_inputs()
     for r in range(rounds):
-        row("maxnreg", f"round {r} fp16 one query", lambda: maxsim_varlen(q, qo, docs16, d_off),
-            n_tok * DIM * 2.0, None, rep_ms, round=r)  # fmt: skip
+        row("maxnreg", f"round {r} fp16 one query", lambda: maxsim_varlen(w.q, w.qo, w.docs16, w.d_off),
+            w.n_tok * DIM * 2.0, None, rep_ms, round=r)  # fmt: skip
         order = caps[r % len(caps) :] + caps[: r % len(caps)]
         for stages in (None, 4):
             base = None
             for cap in order:
 
                 def one(cap=cap, stages=stages) -> torch.Tensor:
-                    return i8._launch_varlen(
-                        q8, sq, qo, docs8, sd, d_off, False, maxnreg=cap, num_stages=stages
-                    )[0]
+                    return i8._launch_varlen(*w.one, False, maxnreg=cap, num_stages=stages)[0]
 
                 out = row("maxnreg", f"round {r} one query stages={stages} maxnreg={cap}", one,
-                          n_tok * (DIM + 4.0), base, rep_ms, round=r, workload="one_query", maxnreg=cap,
+                          w.one_bytes, base, rep_ms, round=r, workload="one_query", maxnreg=cap,
                           stages=stages)  # fmt: skip
                 base = out if base is None else base
             base = None
             for cap in order:
 
                 def rr(cap=cap, stages=stages) -> torch.Tensor:
-                    return i8._launch_candidates(rq8, rsq, rqo, pool8, pool_sc, pool_off, c_off, perm, False,
-                                                 maxnreg=cap, num_stages=stages)[0]  # fmt: skip
+                    return i8._launch_candidates(*w.rerank, False, maxnreg=cap, num_stages=stages)[0]
 
-                out = row("maxnreg", f"round {r} rerank stages={stages} maxnreg={cap}", rr, rerank_bytes,
+                out = row("maxnreg", f"round {r} rerank stages={stages} maxnreg={cap}", rr, w.rerank_bytes,
                           base, rep_ms, round=r, workload="rerank", maxnreg=cap, stages=stages)  # fmt: skip
                 base = out if base is None else base
     RECORD["compiled"] = {
@@ -321,22 +334,7 @@ def tile_sweep(rep_ms: int, rounds: int = 3) -> None:
     stages around the defaults. Same bits asked."""
     from maxsim_kernels import maxsim_int8 as i8
 
-    dev = device()
-    gen = torch.Generator(device=dev).manual_seed(1)
-    docs16, d_off = ragged(smoke_size(100_000), 20, 300, gen, dev)
-    docs8, sd = i8.quantize_per_token(docs16)
-    del docs16
-    n_tok = int(d_off[-1])
-    q8, sq = i8.quantize_per_token(normal_tokens(QUERY_TOKENS, gen, dev))
-    qo = torch.tensor([0, QUERY_TOKENS], dtype=torch.int64, device=dev)
-    n_rq, per_q, length = 64, smoke_size(1000), 180
-    pool8, pool_sc = i8.quantize_per_token(normal_tokens(n_rq * per_q * length, gen, dev))
-    pool_off = (torch.arange(n_rq * per_q + 1, dtype=torch.int64) * length).to(dev)
-    rq8, rsq = i8.quantize_per_token(normal_tokens(n_rq * QUERY_TOKENS, gen, dev))
-    rqo = (torch.arange(n_rq + 1, dtype=torch.int64) * QUERY_TOKENS).to(dev)
-    c_off = (torch.arange(n_rq + 1, dtype=torch.int64) * per_q).to(dev)
-    perm = torch.randperm(n_rq * per_q, generator=torch.Generator().manual_seed(0)).to(dev)
-    rerank_bytes = n_rq * per_q * length * (DIM + 4.0)
+    w = hbm_inputs()
     one_cfgs = [{}] + [dict(block_d=32, docs_per_prog=p, num_stages=st) for p in (32, 64) for st in (3, 5)]
     cand_cfgs = [{}, dict(cands_per_prog=8, num_stages=4)]
     cand_cfgs += [dict(block_d=32, cands_per_prog=p, num_stages=st) for p in (8, 16, 32) for st in (4, 6)]
@@ -345,12 +343,11 @@ def tile_sweep(rep_ms: int, rounds: int = 3) -> None:
             base = None
             for cfg in cfgs[r % len(cfgs) :] + cfgs[: r % len(cfgs)]:
                 if name == "one query":
-                    fn = lambda cfg=cfg: i8._launch_varlen(q8, sq, qo, docs8, sd, d_off, False, **cfg)[0]  # noqa: E731
-                    nbytes = n_tok * (DIM + 4.0)
+                    fn = lambda cfg=cfg: i8._launch_varlen(*w.one, False, **cfg)[0]  # noqa: E731
+                    nbytes = w.one_bytes
                 else:
-                    args = (rq8, rsq, rqo, pool8, pool_sc, pool_off, c_off, perm, False)
-                    fn = lambda cfg=cfg, args=args: i8._launch_candidates(*args, **cfg)[0]  # noqa: E731
-                    nbytes = rerank_bytes
+                    fn = lambda cfg=cfg: i8._launch_candidates(*w.rerank, False, **cfg)[0]  # noqa: E731
+                    nbytes = w.rerank_bytes
                 out = row("tiles", f"round {r} {name} {cfg or 'default'}", fn, nbytes, base, rep_ms,
                           round=r, workload=name, config=cfg)  # fmt: skip
                 base = out if base is None else base
