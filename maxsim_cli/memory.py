@@ -64,12 +64,11 @@ def _reset_peak() -> bool:
 
 def load_libraries(cuda_device: object | None = None) -> None:
     """Load what a run loads lazily, so that it counts as the process's fixed cost and not as the run's:
-    safetensors, pyarrow's pandas bridge (imported by its first array from Python objects), and on CUDA
-    the device's context."""
-    import pyarrow as pa
+    safetensors, and on CUDA the device's context. Not pandas: a scoring run builds its Arrow arrays
+    without pyarrow's pandas bridge (`maxsim_cli.arrays`), which would import it (0.2-0.3 s, ~45 MB)."""
+    import pyarrow  # noqa: F401
     import safetensors  # noqa: F401 - the shard readers' header check
 
-    pa.array([""])
     if cuda_device is not None:
         import torch
 

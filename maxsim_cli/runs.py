@@ -352,8 +352,10 @@ def format_scores(scores: Sequence[float] | np.ndarray):  # noqa: ANN201 - a pya
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    from maxsim_cli.arrays import values_array
+
     values = np.asarray(scores, dtype=np.float32).reshape(-1) + np.float32(0.0)
-    return pc.cast(pa.array(values, type=pa.float32()), pa.large_string())
+    return pc.cast(values_array(values), pa.large_string())
 
 
 def format_score(x: float) -> str:
@@ -367,22 +369,26 @@ def _ties_by_docno_descending(docnos, keys: np.ndarray) -> bool:  # noqa: ANN001
     m = keys.shape[1] if keys.ndim == 2 else 0
     if m < 2:
         return True
-    import pyarrow as pa
     import pyarrow.compute as pc
+
+    from maxsim_cli.arrays import values_array
 
     row, col = np.nonzero(keys[:, :-1] == keys[:, 1:])
     if len(row) == 0:
         return True
     first = row * m + col
     # Arrow compares strings by their UTF-8 bytes, as Python's str comparison and trec_eval's strcmp do
-    return bool(pc.all(pc.greater(docnos.take(pa.array(first)), docnos.take(pa.array(first + 1)))).as_py())
+    left, right = docnos.take(values_array(first)), docnos.take(values_array(first + 1))
+    return bool(pc.all(pc.greater(left, right)).as_py())
 
 
 def _ranks_text(count: int):  # noqa: ANN202
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    return pc.cast(pa.array(np.arange(1, count + 1, dtype=np.int64)), pa.large_string())
+    from maxsim_cli.arrays import values_array
+
+    return pc.cast(values_array(np.arange(1, count + 1, dtype=np.int64)), pa.large_string())
 
 
 def _float32_keys(scores: Sequence[float]) -> np.ndarray:
@@ -619,11 +625,11 @@ class RunWriter(RankedSink):
             raise RuntimeError(f"RunWriter.{method} called outside its `with` block")
 
     def _take_query(self, qid: str, docnos: list[str], keys: np.ndarray) -> None:
-        import pyarrow as pa
+        from maxsim_cli.arrays import strings_array
 
         scores_text = format_scores(keys)
         if self.fmt == "trec":
-            text = self._trec_lines([qid], len(docnos), pa.array(docnos, type=pa.large_string()), scores_text)
+            text = self._trec_lines([qid], len(docnos), strings_array(docnos), scores_text)
         else:
             results = ",".join(
                 f'{{"docno":{json.dumps(docno, ensure_ascii=False)},"rank":{rank},"score":{score}}}'
@@ -654,23 +660,14 @@ class RunWriter(RankedSink):
 
     def _trec_lines(self, qids: Sequence[str], m: int, docnos, scores_text) -> bytes:  # noqa: ANN001
         """``qid Q0 docno rank score tag`` lines, ``m`` rows a query, ranked from 1."""
-        import pyarrow as pa
         import pyarrow.compute as pc
 
-        qid_column = pa.array(list(qids), type=pa.large_string()).take(
-            pa.array(np.repeat(np.arange(len(qids)), m))
-        )
-        ranks = _ranks_text(m).take(pa.array(np.tile(np.arange(m), len(qids))))
-        text = pa.large_string()
-        lines = pc.binary_join_element_wise(
-            qid_column,
-            pa.scalar("Q0", text),
-            docnos,
-            ranks,
-            scores_text,
-            pa.scalar(f"{self.tag}\n", text),
-            pa.scalar(" ", text),
-        )
+        from maxsim_cli.arrays import strings_array, values_array
+
+        qid_column = strings_array(qids).take(values_array(np.repeat(np.arange(len(qids)), m)))
+        ranks = _ranks_text(m).take(values_array(np.tile(np.arange(m), len(qids))))
+        q0, tag, space = strings_array(["Q0", f"{self.tag}\n", " "])  # Arrow scalars, without pa.scalar
+        lines = pc.binary_join_element_wise(qid_column, q0, docnos, ranks, scores_text, tag, space)
         return string_bytes(lines).tobytes()
 
     def _emit(self, text: str | bytes, queries: int, rows: int) -> None:

@@ -425,3 +425,34 @@ def test_early_cuda_context_is_the_one_torch_uses(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["4.0", "True"]
+
+
+# --------------------------------------------------------------------------------------------------
+# A scoring run without pyarrow's pandas bridge (`maxsim_cli.arrays`)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--candidates", "sample_data/candidates.trec"], ["--format", "jsonl"], ["arrow"]],
+    ids=["exhaustive", "rerank", "jsonl", "arrow-shard"],
+)
+def test_a_score_run_does_not_import_pandas(tmp_path: Path, extra: list[str]) -> None:
+    """pyarrow imports pandas (0.2-0.3 s of a fresh process) at its first ``pa.array`` or
+    ``to_numpy``; a `maxsim score` run builds its arrays without them."""
+    corpus = "sample_data/corpus"
+    if extra == ["arrow"]:
+        corpus, extra = "sample_data/corpus.arrow", []
+    out = tmp_path / "run.out"
+    code = (
+        "import sys\n"
+        "from maxsim_cli.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print('pandas' in sys.modules)\n"
+    )
+    args = ["score", "sample_data/queries.safetensors", corpus, "-k", "10", "-o", str(out), "--device", "cpu"]
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args, *extra], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "False"
+    assert out.stat().st_size > 0

@@ -763,14 +763,14 @@ def write_topk(
     """A running top-k's result (`RunningTopK.result`: float32 scores and docno ranks, ``[nq, m]``, best
     first) to ``sink``: corpus ordinals to a rank of a distributed job (``write_ordinals``), else docnos,
     the whole block at once (``write_ranked``) or query by query (``write_query``)."""
-    import pyarrow as pa
+    from maxsim_cli.arrays import values_array
 
     _, ordinal_of_rank, ids_by_rank = corpus.id_order()
     scores_np = scores.numpy()
     if hasattr(sink, "write_ordinals"):  # a rank of a distributed qpass: columns for rank 0's merge
         sink.write_ordinals(scores_np, ordinal_of_rank[ranks.numpy()])
         return
-    docnos = ids_by_rank.take(pa.array(ranks.numpy().reshape(-1)))  # query after query
+    docnos = ids_by_rank.take(values_array(ranks.numpy()))  # query after query
     if hasattr(sink, "write_ranked"):  # the whole block at once
         sink.write_ranked(list(qids), docnos, scores_np)
         return

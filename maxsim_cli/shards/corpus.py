@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from maxsim_cli.arrays import array_values, strings_array, values_array
 from maxsim_cli.errors import InputError, UsageError
 from maxsim_cli.shards.format import (
     CORPUS_FORMAT_NAME,
@@ -218,8 +219,9 @@ class Corpus:
             ids = self._id_order[0]
         else:
             ids = concat_ids([s.id_array for s in self.shards])
-        found = pc.index_in(pa.array(wanted, type=pa.large_string()), value_set=ids)
-        ordinals = found.fill_null(-1).to_numpy().astype(np.int64)
+        found = pc.index_in(strings_array(wanted), value_set=ids)  # int32, null where absent
+        absent = values_array(np.array([-1], dtype=np.int32))[0]  # a scalar without pa.scalar's pandas probe
+        ordinals = array_values(found.fill_null(absent)).astype(np.int64)
         present = np.flatnonzero(ordinals >= 0)
         shard = np.searchsorted(self.doc_starts, ordinals[present], side="right") - 1
         local = ordinals[present] - self.doc_starts[shard]

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from maxsim_cli.arrays import array_values
 from maxsim_cli.errors import InputError
 
 if TYPE_CHECKING:
@@ -393,11 +394,11 @@ def sorted_id_order(shard_ids: Sequence[pa.Array]) -> tuple[pa.Array, np.ndarray
     threads = min(len(arrays), os.cpu_count() or 1)
     if threads < 2 or (threads < BY_SHARD_SORT_MIN_THREADS and len(ids) < BY_SHARD_SORT_MIN_IDS):
         order = pc.sort_indices(ids)
-        return ids, order.to_numpy().astype(np.int64), ids.take(order)
+        return ids, array_values(order).astype(np.int64), ids.take(order)
 
     def sort_run(values: pa.Array) -> tuple[np.ndarray, pa.Array]:
         run_order = pc.sort_indices(values)
-        return run_order.to_numpy().astype(np.int64), values.take(run_order)
+        return array_values(run_order).astype(np.int64), values.take(run_order)
 
     from concurrent.futures import ThreadPoolExecutor
 
@@ -406,8 +407,8 @@ def sorted_id_order(shard_ids: Sequence[pa.Array]) -> tuple[pa.Array, np.ndarray
     starts = np.cumsum([0] + [len(a) for a in arrays[:-1]])
     ordinal_of_run = np.concatenate([order + start for (order, _), start in zip(runs, starts, strict=True)])
     sorted_runs = pa.concat_arrays([values for _, values in runs])
-    order = pc.sort_indices(sorted_runs).to_numpy()
-    return ids, ordinal_of_run[order], sorted_runs.take(pa.array(order))
+    order = pc.sort_indices(sorted_runs)
+    return ids, ordinal_of_run[array_values(order)], sorted_runs.take(order)
 
 
 def _has_equal_neighbours(values: pa.Array) -> bool:

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from maxsim_cli.arrays import array_values, numbers, strings_array
 from maxsim_cli.errors import MaxsimError
 from maxsim_cli.shards.format import (
     _ARROW_VALUE_TYPES,
@@ -93,7 +94,7 @@ class Shard:
     def id_array(self) -> pa.Array:
         """The ids as an Arrow large_string array (built from `ids` once where the reader had none)."""
         if self._id_array is None:
-            self._id_array = pa.array(self.ids, type=pa.large_string())
+            self._id_array = strings_array(self.ids)
         return self._id_array
 
     # -- subclass hook --
@@ -496,8 +497,7 @@ def _combine(column: pa.ChunkedArray | pa.Array) -> pa.Array:
 
 
 def _list_lengths(arr: pa.Array) -> np.ndarray:
-    offs = arr.offsets.to_numpy(zero_copy_only=False)
-    return np.diff(offs).astype(np.int64)
+    return np.diff(array_values(arr.offsets)).astype(np.int64)
 
 
 class _ArrowTokens:
@@ -523,11 +523,10 @@ class _ArrowTokens:
         values = vectors.flatten()
         if values.null_count:
             raise _err(self.path, f"null values in the embeddings of documents {lo}..{hi} of a record batch")
-        arr = values.to_numpy(zero_copy_only=False)
-        return arr.reshape(-1, self.dim)
+        return numbers(values).reshape(-1, self.dim)
 
     def scales(self, column: pa.Array, lo: int, hi: int) -> np.ndarray:
-        return column.slice(lo, hi - lo).flatten().to_numpy(zero_copy_only=False)
+        return numbers(column.slice(lo, hi - lo).flatten())
 
 
 def _to_torch(parts: list[np.ndarray], dtype: str) -> torch.Tensor:

@@ -1,0 +1,58 @@
+"""numpy and Arrow arrays into each other without pyarrow's pandas bridge.
+
+pyarrow imports pandas the first time a process calls ``pa.array`` or ``Array.to_numpy`` (it probes
+its input for pandas types, and its numpy conversion sets up pandas' types): 0.2-0.3 s of a fresh
+`maxsim score`'s set-up on the H200 machine, ~0.2 s on 2 cores, for arrays of plain numbers and
+strings. These build them from their buffers instead (docs/kernel-notes.md, "The fresh
+process's pass"); ``tests/test_first_call.py`` holds a `maxsim score` run free of pandas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+
+
+def array_values(values: pa.Array) -> np.ndarray:
+    """The values of a null-free fixed-width Arrow array (sort indices, offsets) as a read-only numpy
+    view of its buffer: what ``to_numpy()`` gives, without pandas."""
+    if values.null_count or not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)):
+        raise ValueError(f"array_values: {values.type} with {values.null_count} nulls; numbers without nulls")
+    dtype = np.dtype(values.type.to_pandas_dtype())
+    if len(values) == 0:
+        return np.empty(0, dtype=dtype)
+    data = values.buffers()[1]
+    return np.frombuffer(data, dtype=dtype, count=len(values), offset=values.offset * dtype.itemsize)
+
+
+def numbers(values: pa.Array) -> np.ndarray:
+    """`array_values` where it applies; an array with nulls (or of another type) goes through
+    ``to_numpy``, as before (nulls as NaN where the type allows; the callers' checks name them)."""
+    numeric = pa.types.is_integer(values.type) or pa.types.is_floating(values.type)
+    if numeric and not values.null_count:
+        return array_values(values)
+    return values.to_numpy(zero_copy_only=False)
+
+
+def values_array(values: np.ndarray) -> pa.Array:
+    """A numeric numpy array, flattened, as an Arrow array over the same bytes (no nulls): what
+    ``pa.array`` gives, without pandas."""
+    values = np.ascontiguousarray(values).reshape(-1)
+    kind = pa.from_numpy_dtype(values.dtype)
+    return pa.Array.from_buffers(kind, len(values), [None, pa.py_buffer(values)])
+
+
+def strings_array(items: Sequence[str]) -> pa.Array:
+    """Python strings as an Arrow large_string array (UTF-8 bytes and int64 offsets built here): what
+    ``pa.array(items, type=pa.large_string())`` gives, without pandas. A string that is not valid
+    Unicode (a lone surrogate) is left to ``pa.array``, which refuses it as before."""
+    try:
+        encoded = [item.encode("utf-8") for item in items]
+    except UnicodeEncodeError:
+        return pa.array(list(items), type=pa.large_string())
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)), out=offsets[1:])
+    data = pa.py_buffer(b"".join(encoded))
+    return pa.LargeStringArray.from_buffers(len(encoded), pa.py_buffer(offsets), data)
