@@ -14,13 +14,28 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
+# (``DataType.to_pandas_dtype`` would do, but some pyarrow releases import pandas for it)
+_NUMPY_DTYPES = {
+    pa.int8(): np.dtype("int8"),
+    pa.int16(): np.dtype("int16"),
+    pa.int32(): np.dtype("int32"),
+    pa.int64(): np.dtype("int64"),
+    pa.uint8(): np.dtype("uint8"),
+    pa.uint16(): np.dtype("uint16"),
+    pa.uint32(): np.dtype("uint32"),
+    pa.uint64(): np.dtype("uint64"),
+    pa.float16(): np.dtype("float16"),
+    pa.float32(): np.dtype("float32"),
+    pa.float64(): np.dtype("float64"),
+}
+
 
 def array_values(values: pa.Array) -> np.ndarray:
     """The values of a null-free fixed-width Arrow array (sort indices, offsets) as a read-only numpy
     view of its buffer: what ``to_numpy()`` gives, without pandas."""
     if values.null_count or not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)):
         raise ValueError(f"array_values: {values.type} with {values.null_count} nulls; numbers without nulls")
-    dtype = np.dtype(values.type.to_pandas_dtype())
+    dtype = _NUMPY_DTYPES[values.type]
     if len(values) == 0:
         return np.empty(0, dtype=dtype)
     data = values.buffers()[1]
