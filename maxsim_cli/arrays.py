@@ -1,10 +1,10 @@
 """numpy and Arrow arrays into each other without pyarrow's pandas bridge.
 
 pyarrow imports pandas the first time a process calls ``pa.array`` or ``Array.to_numpy`` (it probes
-its input for pandas types, and its numpy conversion sets up pandas' types): 0.2-0.3 s of a fresh
+its input for pandas types, and its numpy conversion sets up pandas' types): 0.35-0.5 s of a fresh
 `maxsim score`'s set-up on the H200 machine, ~0.2 s on 2 cores, for arrays of plain numbers and
-strings. These build them from their buffers instead (docs/kernel-notes.md, "The fresh
-process's pass"); ``tests/test_first_call.py`` holds a `maxsim score` run free of pandas.
+strings. These build them from their buffers instead (docs/kernel-notes.md, "`maxsim score`: the
+pass against the kernel"); ``tests/test_first_call.py`` holds a `maxsim score` run free of pandas.
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ def _reset_peak() -> bool:
 def load_libraries(cuda_device: object | None = None) -> None:
     """Load what a run loads lazily, so that it counts as the process's fixed cost and not as the run's:
     safetensors, and on CUDA the device's context. Not pandas: a scoring run builds its Arrow arrays
-    without pyarrow's pandas bridge (`maxsim_cli.arrays`), which would import it (0.2-0.3 s, ~45 MB)."""
+    without pyarrow's pandas bridge (`maxsim_cli.arrays`), which would import it (0.35-0.5 s on the
+    H200 host, ~45 MB)."""
     import pyarrow  # noqa: F401
     import safetensors  # noqa: F401 - the shard readers' header check
 
