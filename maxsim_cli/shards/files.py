@@ -27,7 +27,7 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import IO
 
 from maxsim_cli.errors import MaxsimError, UsageError
@@ -158,23 +158,32 @@ def _clash(output: str, out_stat: os.stat_result | None, source: str, folder: bo
     return None
 
 
-def new_file(directory: str, prefix: str, suffix: str) -> tuple[int, str]:
+def new_file(
+    directory: str, prefix: str, suffix: str, claim: Callable[[str], None] | None = None
+) -> tuple[int, str]:
     """A new file ``PREFIX<random>SUFFIX`` in ``directory``, open for writing: ``(fd, path)``.
 
     One ``open(O_CREAT | O_EXCL)`` with mode 0o666 (the umask applies, as for a plain `open`), not
     mkstemp then fchmod: should a signal raise in the main thread right after the file is made, the
-    file is removed here, so an interrupted caller never leaves a file it did not learn of."""
+    file is removed here, so an interrupted caller never leaves a file it did not learn of. ``claim``,
+    given, is called with the path once the file exists and before this returns: the caller's cleanup
+    knows the file from then on, with no instant between this function's return and the caller's
+    assignment at which a signal would leave it unknown (the fault-injection suite found one)."""
     for _ in range(100):
         path = os.path.join(directory, f"{prefix}{secrets.token_hex(6)}{suffix}")
+        fd = -1
         try:
-            return os.open(
-                path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666
-            ), path
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+            if claim is not None:
+                claim(path)
+            return fd, path
         except FileExistsError:
             continue
         except OSError:
             raise
         except BaseException:
+            if fd >= 0:
+                os.close(fd)
             _remove_quietly(path)
             raise
     raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), directory)
@@ -183,17 +192,18 @@ def new_file(directory: str, prefix: str, suffix: str) -> tuple[int, str]:
 def _probe(folder: str, label: str) -> None:
     """Create and remove a file in ``folder``: a read-only file system or a missing permission shows
     here, before any work, rather than after it (root ignores permission bits, `os.access` would not)."""
+    made: list[str] = []  # the probe's path, known before `new_file` returns (its ``claim``)
     try:
-        fd, probe = new_file(folder, ".maxsim-probe-", ".tmp")
+        fd, _ = new_file(folder, ".maxsim-probe-", ".tmp", made.append)
+        os.close(fd)
     except OSError as exc:
         hint = _HINTS.get(exc.errno or 0, "")
         raise MaxsimError(
             f"{label}: cannot write in {folder}: {_reason(exc)}{'; ' + hint if hint else ''}"
         ) from None
-    try:
-        os.close(fd)
     finally:
-        os.unlink(probe)
+        for probe in made:
+            _remove_quietly(probe)
 
 
 def check_output(
@@ -261,10 +271,10 @@ def staging_dir(parent: str, prefix: str) -> str:
     raise write_error(parent, FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST)))
 
 
-def _atomic_temp(path: str) -> tuple[int, str]:
+def _atomic_temp(path: str, claim: Callable[[str], None] | None = None) -> tuple[int, str]:
     """A temp file next to `path` (same filesystem, so `os.replace` is atomic) with the permissions a
     plain `open(path, "w")` would give, not mkstemp's 0600. A directory, FIFO or device at `path` is
-    refused: `os.replace` would put a regular file in its place."""
+    refused: `os.replace` would put a regular file in its place. ``claim`` as for `new_file`."""
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise UsageError(f"{path}: directory {directory} does not exist; create it first")
@@ -273,7 +283,7 @@ def _atomic_temp(path: str) -> tuple[int, str]:
         what = "a directory" if stat.S_ISDIR(existing.st_mode) else "not a regular file"
         raise UsageError(f"{path}: is {what}; give a file name")
     try:
-        return new_file(directory, f".{os.path.basename(path)}.", ".tmp")
+        return new_file(directory, f".{os.path.basename(path)}.", ".tmp", claim)
     except OSError as exc:
         raise write_error(path, exc) from None
 
@@ -317,9 +327,16 @@ class OutputFile:
                 raise write_error(self.path, exc) from None
             return self._file
         self._target = _target(self.path)
-        fd, self._tmp = _atomic_temp(self._target)
-        self._file = os.fdopen(fd, "wb")
+        try:  # a signal anywhere in here (the `with` block has not begun: no __exit__) removes the temp
+            fd, self._tmp = _atomic_temp(self._target, claim=self._claim)
+            self._file = os.fdopen(fd, "wb")
+        except BaseException:
+            self.abort()
+            raise
         return self._file
+
+    def _claim(self, tmp: str) -> None:
+        self._tmp = tmp
 
     def commit(self) -> None:
         """Close the file and move it into place."""

@@ -120,10 +120,18 @@ class _SafetensorsSink:
         big = 10**19
         self.reserved = len(self._header(big, big, big)) + 64
         self.reserved += -self.reserved % 8
-        fd, self.tmp = _atomic_temp(path)
-        self.file = os.fdopen(fd, "wb")
-        self.file.seek(8 + self.reserved)
+        self.tmp: str | None = None
+        try:  # a signal in here (before the caller holds this sink to abort) removes the temp file
+            fd, self.tmp = _atomic_temp(path, claim=self._claim)
+            self.file = os.fdopen(fd, "wb")
+            self.file.seek(8 + self.reserved)
+        except BaseException:
+            _remove_quietly(self.tmp)
+            raise
         self.scales: list[torch.Tensor] = []
+
+    def _claim(self, tmp: str) -> None:
+        self.tmp = tmp
 
     def _header(self, num_docs: int, num_tokens: int, id_bytes: int) -> bytes:
         item = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1}[self.dtype]
@@ -238,9 +246,11 @@ class _RecordSink:
     def __init__(self, path: str, dim: int, dtype: str, fmt: str) -> None:
         self.path, self.dim, self.dtype, self.fmt = path, dim, dtype, fmt
         self.schema = arrow_schema(dim, dtype, length_column=fmt == "parquet")
-        fd, self.spill = _atomic_temp(path + ".spill")
-        os.close(fd)
-        try:
+        self.spill: str | None = None
+        self.tmp: str | None = None
+        try:  # a signal in here (before the caller holds this sink to abort) removes the spill file
+            fd, self.spill = _atomic_temp(path + ".spill", claim=self._claim_spill)
+            os.close(fd)
             self.writer = pa.ipc.new_stream(self.spill, self.schema)
         except BaseException:
             _remove_quietly(self.spill)
@@ -248,7 +258,12 @@ class _RecordSink:
         self.pending: list[tuple[list[str], torch.Tensor, np.ndarray, torch.Tensor | None]] = []
         self.pending_bytes = 0
         self.pending_docs = 0
-        self.tmp: str | None = None
+
+    def _claim_spill(self, spill: str) -> None:
+        self.spill = spill
+
+    def _claim_tmp(self, tmp: str) -> None:
+        self.tmp = tmp
 
     def add(
         self, ids: list[str], values: torch.Tensor, lengths: np.ndarray, scales: torch.Tensor | None
@@ -279,8 +294,9 @@ class _RecordSink:
         final_schema = self.schema.with_metadata(
             {**meta_keys, "num_docs": str(len(ids)), "num_tokens": str(int(offsets[-1]))}
         )
-        fd, self.tmp = _atomic_temp(self.path)
+        fd, self.tmp = _atomic_temp(self.path, claim=self._claim_tmp)
         os.close(fd)
+        assert self.spill is not None
         with pa.OSFile(self.spill, "rb") as source:  # plain reads: a memory map would count in RSS
             reader = pa.ipc.open_stream(source)
             if self.fmt == "parquet":
