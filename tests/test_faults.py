@@ -695,6 +695,17 @@ class _Signal(BaseException):
     """What a stop signal raises in the main thread (KeyboardInterrupt, `cli.Stopped`)."""
 
 
+def _interrupt_after_creation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`new_file` made (and claimed) its file; the signal lands before it returns."""
+    made = output_files.new_file
+
+    def new_file(*args, **kwargs):
+        made(*args, **kwargs)
+        raise _Signal
+
+    monkeypatch.setattr(output_files, "new_file", new_file)
+
+
 def _left(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
@@ -716,13 +727,7 @@ def test_output_file_open_interrupted_leaves_no_temp(tmp_path: Path, monkeypatch
     target = tmp_path / "run.trec"
     target.write_bytes(b"previous\n")
     if where == "after the claim":
-        made = output_files.new_file
-
-        def new_file(*args, **kwargs):
-            made(*args, **kwargs)  # the file exists and is claimed; the signal lands before the return
-            raise _Signal
-
-        monkeypatch.setattr(output_files, "new_file", new_file)
+        _interrupt_after_creation(monkeypatch)
     else:
 
         def fdopen(*args, **kwargs):
@@ -738,13 +743,7 @@ def test_output_file_open_interrupted_leaves_no_temp(tmp_path: Path, monkeypatch
 def test_shard_sinks_interrupted_in_their_constructor_leave_nothing(tmp_path: Path, monkeypatch, fmt) -> None:
     from maxsim_cli.shards import writers
 
-    made = output_files.new_file
-
-    def new_file(*args, **kwargs):
-        made(*args, **kwargs)
-        raise _Signal
-
-    monkeypatch.setattr(output_files, "new_file", new_file)
+    _interrupt_after_creation(monkeypatch)
     with pytest.raises(_Signal):
         if fmt == "safetensors":
             writers._SafetensorsSink(str(tmp_path / "s.safetensors"), 8, "float16", {})
@@ -754,13 +753,7 @@ def test_shard_sinks_interrupted_in_their_constructor_leave_nothing(tmp_path: Pa
 
 
 def test_the_write_probe_interrupted_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
-    made = output_files.new_file
-
-    def new_file(*args, **kwargs):
-        made(*args, **kwargs)
-        raise _Signal
-
-    monkeypatch.setattr(output_files, "new_file", new_file)
+    _interrupt_after_creation(monkeypatch)
     with pytest.raises(_Signal):
         output_files._probe(str(tmp_path), "-o")
     assert _left(tmp_path) == []
