@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
-# (``DataType.to_pandas_dtype`` would do, but some pyarrow releases import pandas for it)
+# Arrow's fixed-width number types and numpy's, both ways (``DataType.to_pandas_dtype`` would do one
+# way, but some pyarrow releases import pandas for it)
 _NUMPY_DTYPES = {
     pa.int8(): np.dtype("int8"),
     pa.int16(): np.dtype("int16"),
@@ -28,12 +29,17 @@ _NUMPY_DTYPES = {
     pa.float32(): np.dtype("float32"),
     pa.float64(): np.dtype("float64"),
 }
+_ARROW_TYPES = {dtype: kind for kind, dtype in _NUMPY_DTYPES.items()}
+
+
+def _plain_numbers(values: pa.Array) -> bool:
+    return values.type in _NUMPY_DTYPES and not values.null_count
 
 
 def array_values(values: pa.Array) -> np.ndarray:
     """The values of a null-free fixed-width Arrow array (sort indices, offsets) as a read-only numpy
     view of its buffer: what ``to_numpy()`` gives, without pandas."""
-    if values.null_count or not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)):
+    if not _plain_numbers(values):
         raise ValueError(f"array_values: {values.type} with {values.null_count} nulls; numbers without nulls")
     dtype = _NUMPY_DTYPES[values.type]
     if len(values) == 0:
@@ -45,18 +51,14 @@ def array_values(values: pa.Array) -> np.ndarray:
 def numbers(values: pa.Array) -> np.ndarray:
     """`array_values` where it applies; an array with nulls (or of another type) goes through
     ``to_numpy``, as before (nulls as NaN where the type allows; the callers' checks name them)."""
-    numeric = pa.types.is_integer(values.type) or pa.types.is_floating(values.type)
-    if numeric and not values.null_count:
-        return array_values(values)
-    return values.to_numpy(zero_copy_only=False)
+    return array_values(values) if _plain_numbers(values) else values.to_numpy(zero_copy_only=False)
 
 
 def values_array(values: np.ndarray) -> pa.Array:
     """A numeric numpy array, flattened, as an Arrow array over the same bytes (no nulls): what
     ``pa.array`` gives, without pandas."""
     values = np.ascontiguousarray(values).reshape(-1)
-    kind = pa.from_numpy_dtype(values.dtype)
-    return pa.Array.from_buffers(kind, len(values), [None, pa.py_buffer(values)])
+    return pa.Array.from_buffers(_ARROW_TYPES[values.dtype], len(values), [None, pa.py_buffer(values)])
 
 
 def strings_array(items: Sequence[str]) -> pa.Array:
