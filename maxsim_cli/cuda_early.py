@@ -36,7 +36,9 @@ _LIBRARY = "libcuda.so.1"
 def ordinals(device: str, devices: str | None = None) -> list[int]:
     """The CUDA ordinals a run with ``--device`` / ``--devices`` will use, as far as the option text
     tells without torch; [] where it names none or is not understood (torch then reports it)."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or int(os.environ.get("WORLD_SIZE", "1") or "1") > 1:
+    world = os.environ.get("WORLD_SIZE", "1").strip() or "1"
+    # inside a torchrun job (or a WORLD_SIZE that is not a number, which the job's own check reports)
+    if os.environ.get(ENV_SWITCH, "1") == "0" or not world.isdigit() or int(world) > 1:
         return []
     if devices:
         parts = [p.strip() for p in devices.split(",")]
@@ -54,19 +56,12 @@ def ordinals(device: str, devices: str | None = None) -> list[int]:
 def start(device: str, devices: str | None = None) -> threading.Thread | None:
     """Start the thread of the module docstring for the ordinals `ordinals` finds; None when there are
     none."""
-    wanted = _safe_ordinals(device, devices)
+    wanted = ordinals(device, devices)
     if not wanted:
         return None
     thread = threading.Thread(target=_make_contexts, args=(wanted,), name="maxsim-cuda-early", daemon=True)
     thread.start()
     return thread
-
-
-def _safe_ordinals(device: str, devices: str | None) -> list[int]:
-    try:
-        return ordinals(device, devices)
-    except ValueError:  # WORLD_SIZE that is not a number: the job's own check reports it
-        return []
 
 
 def _make_contexts(wanted: list[int]) -> None:
