@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import re
 import secrets
@@ -328,15 +329,12 @@ class OutputFile:
             return self._file
         self._target = _target(self.path)
         try:  # a signal anywhere in here (the `with` block has not begun: no __exit__) removes the temp
-            fd, self._tmp = _atomic_temp(self._target, claim=self._claim)
+            fd, self._tmp = _atomic_temp(self._target, claim=functools.partial(setattr, self, "_tmp"))
             self._file = os.fdopen(fd, "wb")
         except BaseException:
             self.abort()
             raise
         return self._file
-
-    def _claim(self, tmp: str) -> None:
-        self._tmp = tmp
 
     def commit(self) -> None:
         """Close the file and move it into place."""

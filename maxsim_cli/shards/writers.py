@@ -14,6 +14,7 @@ Writing takes tensors (numpy input is wrapped), so torch is imported when docume
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -122,16 +123,13 @@ class _SafetensorsSink:
         self.reserved += -self.reserved % 8
         self.tmp: str | None = None
         try:  # a signal in here (before the caller holds this sink to abort) removes the temp file
-            fd, self.tmp = _atomic_temp(path, claim=self._claim)
+            fd, self.tmp = _atomic_temp(path, claim=functools.partial(setattr, self, "tmp"))
             self.file = os.fdopen(fd, "wb")
             self.file.seek(8 + self.reserved)
         except BaseException:
             _remove_quietly(self.tmp)
             raise
         self.scales: list[torch.Tensor] = []
-
-    def _claim(self, tmp: str) -> None:
-        self.tmp = tmp
 
     def _header(self, num_docs: int, num_tokens: int, id_bytes: int) -> bytes:
         item = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1}[self.dtype]
@@ -249,7 +247,7 @@ class _RecordSink:
         self.spill: str | None = None
         self.tmp: str | None = None
         try:  # a signal in here (before the caller holds this sink to abort) removes the spill file
-            fd, self.spill = _atomic_temp(path + ".spill", claim=self._claim_spill)
+            fd, self.spill = _atomic_temp(path + ".spill", claim=functools.partial(setattr, self, "spill"))
             os.close(fd)
             self.writer = pa.ipc.new_stream(self.spill, self.schema)
         except BaseException:
@@ -258,12 +256,6 @@ class _RecordSink:
         self.pending: list[tuple[list[str], torch.Tensor, np.ndarray, torch.Tensor | None]] = []
         self.pending_bytes = 0
         self.pending_docs = 0
-
-    def _claim_spill(self, spill: str) -> None:
-        self.spill = spill
-
-    def _claim_tmp(self, tmp: str) -> None:
-        self.tmp = tmp
 
     def add(
         self, ids: list[str], values: torch.Tensor, lengths: np.ndarray, scales: torch.Tensor | None
@@ -294,7 +286,7 @@ class _RecordSink:
         final_schema = self.schema.with_metadata(
             {**meta_keys, "num_docs": str(len(ids)), "num_tokens": str(int(offsets[-1]))}
         )
-        fd, self.tmp = _atomic_temp(self.path, claim=self._claim_tmp)
+        fd, self.tmp = _atomic_temp(self.path, claim=functools.partial(setattr, self, "tmp"))
         os.close(fd)
         assert self.spill is not None
         with pa.OSFile(self.spill, "rb") as source:  # plain reads: a memory map would count in RSS
