@@ -1,0 +1,174 @@
+"""Where the worker-to-scoring-process hop of `maxsim serve --workers 1` spends its time, stage by stage.
+
+``Server-Timing``'s ``ipc`` is a request's round trip from its worker to the scoring process and back,
+less the queue and the scoring. This starts a real server (`bench_serve.Server`, the rerank corpus of
+`bench_serve.py`) with a ``sitecustomize`` on its path that wraps, in the worker and in the scoring
+process, the functions a request passes through, and stamps each with `time.perf_counter` (the same
+monotonic clock in every process of the machine), then sends one client's rerank requests (1 query x
+1,000 candidates) one after the other and prints the median and p90 of each stage:
+
+    worker:  submit -> request frame built -> (socket) ->
+    scoring: frame read -> its task runs -> request decoded -> batcher starts the batch -> scored ->
+             submit returns -> answer frame built -> (socket) ->
+    worker:  answer frame read -> answer decoded
+
+    python benchmarks/probe_hop_trace.py --device cuda --requests 1000 [--out hop-trace.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import numpy as np
+import torch
+from bench_serve import (
+    CANDIDATES,
+    JSON,
+    Server,
+    build_rerank_corpus,
+    make_queries,
+    one_client,
+)
+
+# The tracer, loaded by every Python process of the server (sitecustomize); it writes its stamps to
+# $MAXSIM_HOP_TRACE/trace-PID.json at exit.
+SITECUSTOMIZE = r"""
+import atexit, json, os, time
+_dir = os.environ.get("MAXSIM_HOP_TRACE")
+if _dir:
+    _stamps = []
+    def _stamp(name, rid):
+        _stamps.append((name, rid, time.perf_counter()))
+    def _dump():
+        with open(os.path.join(_dir, f"trace-{os.getpid()}.json"), "w") as f:
+            json.dump(_stamps, f)
+    atexit.register(_dump)
+    import functools
+    from maxsim_cli.service import batching, wire, workers
+    _current = {"id": None}  # the scoring process's request in hand (one client: one at a time)
+
+    def _wrap(owner, attr, before=None, after=None):
+        original = getattr(owner, attr)
+        if hasattr(original, "__func__"):
+            original = original.__func__
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            if before:
+                before(*args, **kwargs)
+            out = original(*args, **kwargs)
+            if after:
+                after(out, *args, **kwargs)
+            return out
+        setattr(owner, attr, wrapper)
+
+    # worker side (front.HubClient imports these from wire inside its methods)
+    _wrap(wire, "request_frame", before=lambda rid, *a, **k: _stamp("w_submit", rid),
+          after=lambda out, rid, *a, **k: _stamp("w_request_built", rid))
+    _orig_read = wire.read_frame
+    async def _read_frame(reader):
+        out = await _orig_read(reader)
+        rid = out[0].get("id")
+        _stamp("frame_read", rid)
+        if "op" in out[0]:
+            _current["id"] = rid
+        return out
+    wire.read_frame = _read_frame
+    workers.read_frame = _read_frame
+    _wrap(wire, "answers_from_frame",
+          after=lambda out, header, payload: _stamp("w_submit_done", header.get("id")))
+    # scoring side
+    _wrap(workers, "checked_from_frame", before=lambda header, payload: _stamp("h_task", header.get("id")),
+          after=lambda out, header, payload: _stamp("h_decoded", header.get("id")))
+    _wrap(batching.Scorer, "score", before=lambda self, jobs: _stamp("h_score", _current["id"]),
+          after=lambda out, self, jobs: _stamp("h_scored", _current["id"]))
+    _wrap(workers, "answer_frame", before=lambda rid, *a, **k: _stamp("h_submit_done", rid),
+          after=lambda out, rid, *a, **k: _stamp("h_answer_built", rid))
+"""
+
+STAGES = [
+    ("w_submit", "w_request_built", "worker: request frame built"),
+    ("w_request_built", "h_frame_read", "socket to the scoring process, its loop wakes, frame read"),
+    ("h_frame_read", "h_task", "scoring: the request's task starts"),
+    ("h_task", "h_decoded", "scoring: request decoded"),
+    ("h_decoded", "h_score", "scoring: batcher wakes, takes the batch"),
+    ("h_score", "h_scored", "scoring: Scorer.score (GPU included)"),
+    ("h_scored", "h_submit_done", "scoring: the request's task resumes"),
+    ("h_submit_done", "h_answer_built", "scoring: answer frame built"),
+    ("h_answer_built", "w_frame_read", "socket to the worker, its loop wakes, frame read"),
+    ("w_frame_read", "w_submit_done", "worker: submit resumes, answer decoded"),
+]
+
+
+def analyse(trace_dir: str, hub_pid: int) -> dict:
+    per_id: dict[int, dict[str, float]] = {}
+    for path in glob.glob(os.path.join(trace_dir, "trace-*.json")):
+        side = "h" if int(os.path.basename(path)[6:-5]) == hub_pid else "w"
+        for name, rid, t in json.load(open(path)):
+            if rid is not None:
+                per_id.setdefault(rid, {})[f"{side}_frame_read" if name == "frame_read" else name] = t
+    rows = {}
+    complete = [s for s in per_id.values() if all(a in s and b in s for a, b, _ in STAGES)]
+    complete = complete[len(complete) // 10 :]  # the warm-up's first tenth out
+    for a, b, label in STAGES:
+        d = sorted((s[b] - s[a]) * 1e6 for s in complete)
+        rows[label] = {"p50_us": round(statistics.median(d), 1), "p90_us": round(d[int(0.9 * len(d))], 1)}
+    total = sorted((s["w_submit_done"] - s["w_submit"]) * 1e6 for s in complete)
+    rows["worker's submit, whole"] = {"p50_us": round(statistics.median(total), 1)}
+    return {"requests_traced": len(complete), "stages": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--workdir", default="/tmp/mb-hop")
+    parser.add_argument("--rerank-docs", type=int, default=20000)
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+    path = build_rerank_corpus(args.workdir, args.rerank_docs, torch.device(args.device))
+    rng = np.random.default_rng(5)
+    queries = make_queries(8, seed=11)
+    bodies = [
+        json.dumps(
+            {
+                "queries": [{"qid": "q", "embedding": q.tolist()}],
+                "candidates": {
+                    "q": [f"r{i:07d}" for i in rng.choice(args.rerank_docs, CANDIDATES, replace=False)]
+                },
+            }
+        ).encode()
+        for q in queries
+    ]
+    site = tempfile.mkdtemp(prefix="hop-site-")
+    trace_dir = tempfile.mkdtemp(prefix="hop-trace-")
+    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+        f.write(SITECUSTOMIZE)
+    os.environ["PYTHONPATH"] = os.pathsep.join([site, *filter(None, [os.environ.get("PYTHONPATH")])])
+    os.environ["MAXSIM_HOP_TRACE"] = trace_dir
+    server = Server(path, args.device, 2.0, os.path.join(args.workdir, "serve-hop.log"), "1")
+    try:
+        result = one_client(server.url, "/rerank", bodies, args.requests, JSON, 120)
+    finally:
+        code = server.stop()
+    out = {
+        "command": " ".join(["python", *sys.argv]),
+        "server_command": server.command,
+        "server_exit_code": code,
+        "errors": len(result["errors"]),
+        **analyse(trace_dir, server.proc.pid),
+    }
+    print(json.dumps(out, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
