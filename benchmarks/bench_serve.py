@@ -125,7 +125,13 @@ class Server:
     """``maxsim serve`` on 127.0.0.1, a free port, its stderr in a log file."""
 
     def __init__(
-        self, corpus: str, device: str, window_ms: float, log_path: str, workers: str | None = None
+        self,
+        corpus: str,
+        device: str,
+        window_ms: float,
+        log_path: str,
+        workers: str | None = None,
+        busy_poll_ms: str | None = None,
     ) -> None:
         self.log_path = log_path
         self.log_file = open(log_path, "w")  # noqa: SIM115 - closed in stop()
@@ -133,6 +139,8 @@ class Server:
                "--batch-window-ms", str(window_ms)]  # fmt: skip
         if workers is not None:
             cmd += ["--workers", workers]
+        if busy_poll_ms is not None:
+            cmd += ["--busy-poll-ms", busy_poll_ms]
         self.command = " ".join(["maxsim", *cmd[3:]])
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log_file
@@ -330,7 +338,12 @@ def rerank_one_client(args: argparse.Namespace, device: torch.device) -> dict:
     log(f"  the server's scoring step: p50 {scorer_step['p50_ms']} ms, p99 {scorer_step['p99_ms']} ms")
 
     server = Server(
-        path, str(device), args.window_ms, os.path.join(args.workdir, "serve-rerank.log"), args.workers
+        path,
+        str(device),
+        args.window_ms,
+        os.path.join(args.workdir, "serve-rerank.log"),
+        args.workers,
+        args.busy_poll_ms,
     )
     runs = {}
     try:
@@ -540,7 +553,12 @@ def search_clients(args: argparse.Namespace, device: torch.device) -> dict:
     log(f"search in process: one query p50 {in_single['p50_ms']} ms; {n} queries p50 {in_batch['p50_ms']} ms")
 
     server = Server(
-        root, str(device), args.window_ms, os.path.join(args.workdir, "serve-search.log"), args.workers
+        root,
+        str(device),
+        args.window_ms,
+        os.path.join(args.workdir, "serve-search.log"),
+        args.workers,
+        args.busy_poll_ms,
     )
     try:
         import httpx
@@ -615,6 +633,9 @@ def main() -> None:
     parser.add_argument(
         "--workers", default=None, help="the servers' --workers (N or auto; default: the server's own)"
     )
+    parser.add_argument(
+        "--busy-poll-ms", default=None, help="the servers' --busy-poll-ms (default: the server's own)"
+    )
     parser.add_argument("--only", choices=("rerank", "search"), default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -627,6 +648,7 @@ def main() -> None:
         "window_ms": args.window_ms,
         "client_processes": args.client_processes,
         "workers_option": args.workers or "default (auto)",
+        "busy_poll_ms_option": args.busy_poll_ms or "default",
     }
     result["load_average_start"] = os.getloadavg()
     if args.only in (None, "rerank"):

@@ -74,13 +74,17 @@ def local() -> Iterator[TestClient]:
     """The one-process server (`--workers 0`) on the same settings."""
     with open_corpus(CORPUS) as corpus:
         corpus.to("cpu")
-        with TestClient(create_app(corpus, batch_window_ms=5, max_request_bytes=4 << 20)) as client:
+        app = create_app(corpus, batch_window_ms=5, max_request_bytes=4 << 20, busy_poll_ms=2)
+        with TestClient(app) as client:
             yield client
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    s = Server(CORPUS, "--workers", "2", "--batch-window-ms", "5", "--max-request-bytes", "4MiB")
+    # busy polling on (a CPU server has it off unless asked): each request announced to the scoring
+    # process, the loops turning while answers are due; the answers must not change
+    options = ["--workers", "2", "--batch-window-ms", "5", "--max-request-bytes", "4MiB"]
+    s = Server(CORPUS, *options, "--busy-poll-ms", "2")
     yield s
     s.stop()
 

@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from maxsim_cli.errors import InputError, MaxsimError, UsageError
+from maxsim_cli.service.awake import Awake
 from maxsim_cli.service.batching import Batcher, QueryAnswer, Scorer, Timing
 from maxsim_cli.service.schema import JSON_TYPE, Parsed, RequestError, answer_json, parse_request
 
@@ -45,6 +46,10 @@ logger = logging.getLogger("maxsim.serve")
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
 DEFAULT_WINDOW_MS = 2.0
 DEFAULT_MAX_BATCH_QUERIES = 256
+# How long the event loops keep turning after a request is announced or answered, when GPUs score
+# (`maxsim_cli.service.awake`; docs/serve.md, "Busy polling"). Long enough for a client that sends its
+# next request as soon as it has read an answer.
+DEFAULT_BUSY_POLL_MS = 2.0
 # After SIGTERM, requests in flight get this long to finish before they are cancelled.
 GRACEFUL_SHUTDOWN_S = 60
 # Bodies up to this size are parsed on the event loop (well under a millisecond); larger ones on a
@@ -64,13 +69,18 @@ def create_app(
     batch_window_ms: float = DEFAULT_WINDOW_MS,
     max_batch_queries: int = DEFAULT_MAX_BATCH_QUERIES,
     device: str = "auto",
+    busy_poll_ms: float = 0.0,
 ) -> FastAPI:
     """The application over an open ``corpus`` (resident or not; scoring on ``device``, ``auto``: the
     corpus's). The batcher starts and stops with the application's lifespan (``with TestClient(app)``
-    in tests). ``app.state.batcher.counters`` counts the batches."""
+    in tests). ``app.state.batcher.counters`` counts the batches. ``busy_poll_ms``: how long the event
+    loop keeps turning after an answer, for the next request (`Awake`; 0: never)."""
     batcher = Batcher(
         Scorer(corpus, device=device), window_s=batch_window_ms / 1000, max_queries=max_batch_queries
     )
+    # stops while the batcher's thread scores (it needs the interpreter lock) or requests queue
+    # (under load the loop has work enough)
+    awake = Awake(busy_poll_ms / 1000, paused=batcher.loaded)
     index_ids(corpus)
 
     @contextlib.asynccontextmanager
@@ -79,6 +89,7 @@ def create_app(
         try:
             yield
         finally:
+            await awake.close()
             await batcher.close()  # every queued request is answered first
 
     async def submit(kind: str, parsed: Parsed) -> Answered:
@@ -97,6 +108,7 @@ def create_app(
         token=token,
         max_request_bytes=max_request_bytes,
         lifespan=lifespan,
+        on_answer=awake.linger,
     )
     app.state.batcher = batcher
     app.state.corpus = corpus
@@ -124,10 +136,13 @@ def http_app(
     token: str | None,
     max_request_bytes: int,
     lifespan: Callable[[FastAPI], Any],
+    on_request: Callable[[], None] | None = None,
+    on_answer: Callable[[], None] | None = None,
 ) -> FastAPI:
     """The HTTP side of the server: ``parse`` reads a body (`schema.parse_request` in one process,
     `schema.check_request` in a worker process), ``submit`` has it scored, ``health`` says how the
-    server is. Both sides answer with the same bytes and errors."""
+    server is; ``on_request`` is called as a scoring request arrives, ``on_answer`` once its answer is
+    made (`maxsim_cli.service.awake`). Both sides answer with the same bytes and errors."""
     app = FastAPI(
         title="maxsim",
         summary="Exact MaxSim search and rerank over a resident corpus",
@@ -140,6 +155,8 @@ def http_app(
         return await health()
 
     async def answer(kind: str, request: Request) -> Response:
+        if on_request is not None:
+            on_request()
         try:
             body = await _read_body(request, max_request_bytes)
             started = time.perf_counter()
@@ -156,9 +173,12 @@ def http_app(
             else:
                 content = await run_in_threadpool(answer_json, answered.answers)
             header = server_timing(parsed_at - started, answered, time.perf_counter() - answered_at)
-            return Response(content, media_type=JSON_TYPE, headers={"server-timing": header})
+            response = Response(content, media_type=JSON_TYPE, headers={"server-timing": header})
         except Exception as exc:  # noqa: BLE001 - every failure is one request's answer
-            return error_response(exc)
+            response = error_response(exc)
+        if on_answer is not None:
+            on_answer()
+        return response
 
     # The two scoring endpoints are plain Starlette routes: FastAPI's parameter machinery has nothing to
     # do for a raw body, and costs each request its dependency solving.
@@ -458,12 +478,15 @@ def serve(
     max_batch_queries: int = DEFAULT_MAX_BATCH_QUERIES,
     access_log: bool = False,
     workers: int | None = None,
+    busy_poll_ms: float | None = None,
     log: Callable[[str], None] = _stderr,
 ) -> None:
     """Open the corpus, make it resident on ``device`` (or spread over ``devices``), and answer requests
     on ``host:port`` (0: a free port; the line ``serving ... on http://HOST:PORT`` on stderr says which)
     until SIGTERM or Ctrl-C, which let the requests in flight finish first. ``workers``: HTTP in that
-    many worker processes (`maxsim_cli.service.workers`), 0 in this one, None: `auto_workers`."""
+    many worker processes (`maxsim_cli.service.workers`), 0 in this one, None: `auto_workers`.
+    ``busy_poll_ms``: how long the event loops keep turning for a request on its way (`Awake`); None:
+    `DEFAULT_BUSY_POLL_MS` when GPUs score, 0 on the CPU (whose cores are the scorers)."""
     import uvicorn
 
     from maxsim_cli.api import open_corpus
@@ -474,6 +497,8 @@ def serve(
         raise UsageError(f"--batch-window-ms {batch_window_ms}: must be 0 or more")
     if max_batch_queries < 1:
         raise UsageError(f"--max-batch-queries {max_batch_queries}: must be at least 1")
+    if busy_poll_ms is not None and busy_poll_ms < 0:
+        raise UsageError(f"--busy-poll-ms {busy_poll_ms}: must be 0 or more")
     if workers is not None and not 0 <= workers <= MAX_WORKERS:
         raise UsageError(f"--workers {workers}: must be 0 to {MAX_WORKERS}, or auto")
     token = read_token(token_file, log) if token_file is not None else None
@@ -486,6 +511,9 @@ def serve(
             log(f"{corpus!r}: resident in {time.perf_counter() - started:.1f} s")
             warm_up(corpus)
             _settle_for_serving(corpus)
+            if busy_poll_ms is None:
+                on_gpus = all(name.startswith("cuda") for name in corpus_devices(corpus))
+                busy_poll_ms = DEFAULT_BUSY_POLL_MS if on_gpus else 0.0
             if workers is None:
                 from maxsim_cli.service.workers import auto_workers
 
@@ -501,6 +529,7 @@ def serve(
                     batch_window_ms=batch_window_ms,
                     max_batch_queries=max_batch_queries,
                     access_log=access_log,
+                    busy_poll_ms=busy_poll_ms,
                     log=log,
                 )
                 return
@@ -510,6 +539,7 @@ def serve(
                 max_request_bytes=max_request_bytes,
                 batch_window_ms=batch_window_ms,
                 max_batch_queries=max_batch_queries,
+                busy_poll_ms=busy_poll_ms,
             )
             bound = sock.getsockname()[1]
             config = uvicorn.Config(
@@ -542,6 +572,7 @@ def _serve_with_workers(
     batch_window_ms: float,
     max_batch_queries: int,
     access_log: bool,
+    busy_poll_ms: float,
     log: Callable[[str], None],
 ) -> None:
     """`serve`'s scoring process under ``--workers N`` (`maxsim_cli.service.workers`)."""
@@ -564,6 +595,7 @@ def _serve_with_workers(
         health=lambda batcher: health_of(corpus, batcher, workers=workers),
         error_status=error_status,
         graceful_shutdown_s=GRACEFUL_SHUTDOWN_S,
+        busy_poll_s=busy_poll_ms / 1000,
     )
     bound = sock.getsockname()[1]
     sock.listen(2048)

@@ -354,10 +354,15 @@ class Batcher:
         self._closing = False
         self._executor: ThreadPoolExecutor | None = None
         self._busy = False  # the last batch had company: wait the window for the next one
+        self.in_thread = False  # a batch is being scored on the worker thread now
 
     @property
     def counters(self) -> Counters:
         return self.scorer.counters
+
+    def loaded(self) -> bool:
+        """Whether a batch is being scored on the worker thread or requests are queued."""
+        return self.in_thread or bool(self._pending)
 
     async def start(self) -> None:
         self._wake = asyncio.Event()
@@ -419,7 +424,11 @@ class Batcher:
                     # hand-overs (nothing else is waiting to be read while it runs)
                     results: list[Any] = self.scorer.score(batch)
                 else:
-                    results = await loop.run_in_executor(self._executor, self.scorer.score, batch)
+                    self.in_thread = True
+                    try:
+                        results = await loop.run_in_executor(self._executor, self.scorer.score, batch)
+                    finally:
+                        self.in_thread = False
             except Exception as exc:  # noqa: BLE001 - a bug in the scorer: fail this batch, keep serving
                 logger.exception("scoring a batch failed")
                 results = [exc] * len(batch)

@@ -24,15 +24,20 @@ import time
 from typing import Any
 
 from maxsim_cli import lifeline
+from maxsim_cli.service.awake import Awake
 
 
 class HubClient:
-    """The worker's end of its Unix socket: requests sent as they come, answers matched by id."""
+    """The worker's end of its Unix socket: requests sent as they come, answers matched by id. With
+    ``busy_poll_s`` > 0 the worker announces each request as it arrives (`heads_up`) and keeps its
+    event loop turning while an answer is due and that long after (`Awake`)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, busy_poll_s: float = 0.0) -> None:
         self.sock = sock
-        self._next_id = 0
         self._waiting: dict[int, asyncio.Future] = {}
+        # with several requests in flight the loop has work enough to stay awake
+        self.awake = Awake(busy_poll_s, paused=lambda: len(self._waiting) > 1)
+        self._next_id = 0
         self._writer: asyncio.StreamWriter | None = None
         self._reading: asyncio.Task | None = None
         self._gone = False
@@ -42,6 +47,7 @@ class HubClient:
         self._reading = asyncio.get_running_loop().create_task(self._read(reader))
 
     async def close(self) -> None:
+        await self.awake.close()
         if self._writer is not None:
             self._writer.close()
         if self._reading is not None:
@@ -81,9 +87,17 @@ class HubClient:
         request_id = self._next_id
         future = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
-        self._writer.write(frame_of(request_id))
-        await self._writer.drain()
-        return await future
+        with self.awake.waiting():
+            self._writer.write(frame_of(request_id))
+            await self._writer.drain()
+            return await future
+
+    def heads_up(self) -> None:
+        """A request has arrived: tell the scoring process, which wakes while this worker reads it."""
+        from maxsim_cli.service.wire import SOON
+
+        if self.awake.on and not self._gone and self._writer is not None:
+            self._writer.write(SOON)
 
     async def submit(self, kind: str, checked: Any) -> Any:
         """Have a checked request scored: its `app.Answered` (raises the `RequestError` it fails with)."""
@@ -122,7 +136,7 @@ def run(listen_fd: int, hub_path: str, index: int) -> None:
     hub.connect(hub_path)
     hub.sendall(pack({"op": "hello", "worker": index, "pid": os.getpid()}))
     config, _ = recv_frame(hub)
-    client = HubClient(hub)
+    client = HubClient(hub, float(config.get("busy_poll_s", 0.0)))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> Any:
@@ -140,6 +154,8 @@ def run(listen_fd: int, hub_path: str, index: int) -> None:
         token=config["token"],
         max_request_bytes=int(config["max_request_bytes"]),
         lifespan=lifespan,
+        on_request=client.heads_up,
+        on_answer=client.awake.linger,
     )
     log_config = _log_config()
     log_config["loggers"]["uvicorn.error"]["level"] = "WARNING"  # no start-up lines from every worker

@@ -13,6 +13,8 @@ and arrays are read only as the few dtypes below, with their sizes checked again
   ...], "queue_s", "score_s", "batch"}`` + every hit's float32 score in order, or ``{"id", "status",
   "detail"}`` (the HTTP status and one-line message of the error).
 - ``{"op": "health", "id"}``: answered ``{"id", "status": 200, "health": {...}}``.
+- ``{"op": "soon"}`` (`SOON`): a request has reached the worker and will follow once read; not answered
+  (the scoring process keeps its event loop awake for it: `maxsim_cli.service.awake`).
 
 This module imports no torch (the workers run it).
 """
@@ -48,6 +50,9 @@ def pack(header: dict[str, Any], *payload: bytes | memoryview) -> bytes:
     head = to_json(header)
     size = sum(len(part) for part in payload)
     return b"".join((_PREFIX.pack(len(head), size), head, *payload))
+
+
+SOON = pack({"op": "soon"})
 
 
 def _split_prefix(prefix: bytes) -> tuple[int, int]:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from maxsim_cli.errors import MaxsimError
 from maxsim_cli.lifeline import ENV_LAUNCHER_PID
+from maxsim_cli.service.awake import Awake
 from maxsim_cli.service.batching import Batcher, Scorer, Timing
 from maxsim_cli.service.schema import to_parsed
 from maxsim_cli.service.wire import (
@@ -100,10 +101,13 @@ class Hub:
         error_status: Callable[[BaseException], tuple[int, str]],
         graceful_shutdown_s: float,
         device: str = "auto",
+        busy_poll_s: float = 0.0,
     ) -> None:
         """``health``: ``GET /health``'s answer; ``error_status``: a failed request's HTTP status and
         message; ``graceful_shutdown_s``: how long a stopping worker may finish its requests (the
-        HTTP side's, in `maxsim_cli.service.app`)."""
+        HTTP side's, in `maxsim_cli.service.app`); ``busy_poll_s``: how long this process and the
+        workers keep their event loops turning after a request is announced or answered (`Awake`;
+        0: never)."""
         self.corpus = corpus
         self.health = health
         self.error_status = error_status
@@ -117,10 +121,15 @@ class Hub:
             "max_request_bytes": max_request_bytes,
             "access_log": access_log,
             "workers": workers,
+            "busy_poll_s": busy_poll_s,
         }
         self.batcher = Batcher(
             Scorer(corpus, device=device), window_s=batch_window_ms / 1000, max_queries=max_batch_queries
         )
+        # turns on a worker's heads-up, so that its request finds this loop awake; stops while the
+        # batcher's thread scores (it needs the interpreter lock) or requests queue (under load the
+        # loop has work enough)
+        self.awake = Awake(busy_poll_s, paused=self.batcher.loaded)
         self.workers: list[_Worker] = []
         self.folder = ""
         self.path = ""
@@ -151,6 +160,7 @@ class Hub:
                 loop.remove_signal_handler(sig)
             await self._stop_workers()
             server.close()
+            await self.awake.close()
             await self.batcher.close()
             shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -242,7 +252,9 @@ class Hub:
             while True:
                 header, payload = await read_frame(reader)
                 op = header.get("op")
-                if op == "health":
+                if op == "soon":  # a request is on its way: be awake for it
+                    self.awake.linger()
+                elif op == "health":
                     health = self.health(self.batcher)
                     writer.write(pack({"id": header.get("id"), "status": 200, "health": health}))
                 elif op in ("search", "rerank"):
