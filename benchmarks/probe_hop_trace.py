@@ -35,6 +35,7 @@ from bench_serve import (
     make_queries,
     one_client,
 )
+from common import write_json
 
 # The tracer, loaded by every Python process of the server (sitecustomize); it writes its stamps to
 # $MAXSIM_HOP_TRACE/trace-PID.json at exit.
@@ -165,9 +166,7 @@ def main() -> None:
         **analyse(trace_dir, server.proc.pid),
     }
     print(json.dumps(out, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.out, out)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import sys
 import time
 
 import numpy as np
+from common import host_times, write_json
 
 from maxsim_cli.service.schema import Checked, Hits, to_parsed
 from maxsim_cli.service.wire import answer_frame, answers_from_frame, checked_from_frame, request_frame
@@ -48,14 +49,7 @@ def _us(samples: list[float]) -> dict[str, float]:
 
 
 def _time(fn, rounds: int) -> dict[str, float]:
-    for _ in range(min(50, rounds)):
-        fn()
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return _us(samples)
+    return _us(host_times(fn, rounds, warmup=min(50, rounds)))
 
 
 def frames(rounds: int) -> tuple[dict, int, int]:
@@ -196,9 +190,7 @@ def main() -> None:
         "round_trip_idle_gap_0.5ms": trips,
     }
     print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":
