@@ -4,7 +4,8 @@ pyarrow imports pandas the first time a process calls ``pa.array`` or ``Array.to
 its input for pandas types, and its numpy conversion sets up pandas' types): 0.35-0.5 s of a fresh
 `maxsim score`'s set-up on the H200 machine, ~0.2 s on 2 cores, for arrays of plain numbers and
 strings. These build them from their buffers instead (docs/kernel-notes.md, "`maxsim score`: the
-pass against the kernel"); ``tests/test_first_call.py`` holds a `maxsim score` run free of pandas.
+pass against the kernel"); ``tests/test_first_call.py`` holds `maxsim score` runs, and the shard
+commands (`pack`, `quantize`, `inspect`: the Arrow and safetensors readers and writers), free of pandas.
 """
 
 from __future__ import annotations
@@ -61,15 +62,21 @@ def values_array(values: np.ndarray) -> pa.Array:
     return pa.Array.from_buffers(_ARROW_TYPES[values.dtype], len(values), [None, pa.py_buffer(values)])
 
 
-def strings_array(items: Sequence[str]) -> pa.Array:
-    """Python strings as an Arrow large_string array (UTF-8 bytes and int64 offsets built here): what
-    ``pa.array(items, type=pa.large_string())`` gives, without pandas. A string that is not valid
-    Unicode (a lone surrogate) is left to ``pa.array``, which refuses it as before."""
+def strings_array(items: Sequence[str], *, large: bool = True) -> pa.Array:
+    """Python strings as an Arrow large_string array (``large=False``: string, int32 offsets; UTF-8
+    bytes and offsets built here): what ``pa.array(items, type=pa.large_string())`` gives, without
+    pandas. A string that is not valid Unicode (a lone surrogate), or more than 2 GiB of text for a
+    string array, is left to ``pa.array``, which refuses it as before."""
+    kind = pa.large_string() if large else pa.string()
     try:
         encoded = [item.encode("utf-8") for item in items]
     except UnicodeEncodeError:
-        return pa.array(list(items), type=pa.large_string())
+        return pa.array(list(items), type=kind)
     offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
     np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)), out=offsets[1:])
     data = pa.py_buffer(b"".join(encoded))
-    return pa.LargeStringArray.from_buffers(len(encoded), pa.py_buffer(offsets), data)
+    if large:
+        return pa.LargeStringArray.from_buffers(len(encoded), pa.py_buffer(offsets), data)
+    if offsets[-1] > np.iinfo(np.int32).max:
+        return pa.array(list(items), type=kind)
+    return pa.StringArray.from_buffers(len(encoded), pa.py_buffer(offsets.astype(np.int32)), data)

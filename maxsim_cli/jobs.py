@@ -83,6 +83,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from maxsim_cli.arrays import values_array
 from maxsim_cli.errors import MaxsimError, RankStopped, UsageError, quiet_stdout
 from maxsim_cli.lifeline import ENV_LAUNCHER_PID, launcher_gone
 from maxsim_cli.scoring.request import ScoreRequest
@@ -829,8 +830,6 @@ def _remove_quietly(path: str | None) -> None:
 
 def _merge_into(sink: Any, top_k: int, shares: Sequence[_Share], order: _MergeOrder | None) -> None:
     """The best ``top_k`` of every query over all ranks, handed to ``sink`` in the query file's order."""
-    import pyarrow as pa
-
     from maxsim_cli.merge import select_top_k
 
     query_ids = shares[0].query_ids
@@ -838,7 +837,7 @@ def _merge_into(sink: Any, top_k: int, shares: Sequence[_Share], order: _MergeOr
     if order is not None:  # exhaustive mode: columns, every query on every rank that scored
         columns = [share.columns for share in shares if share.columns is not None]
         for q0, scores, ranks in merge_columns(columns, order.rank_of_ordinal, top_k, MERGE_QUERY_BLOCK):
-            docnos = order.ids_by_rank.take(pa.array(ranks.numpy().reshape(-1)))
+            docnos = order.ids_by_rank.take(values_array(ranks.numpy()))
             sink.write_ranked(query_ids[q0 : q0 + scores.shape[0]], docnos, scores.numpy())
         return
     by_query: dict[str, list[tuple[list[str], np.ndarray]]] = {}

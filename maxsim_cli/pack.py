@@ -36,6 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from maxsim_cli.arrays import numbers
 from maxsim_cli.errors import InputError, MaxsimWarning, UsageError
 from maxsim_cli.shards import (
     FLOAT_DTYPES,
@@ -289,7 +290,7 @@ def _table_batch(
             row = first_row + int(np.flatnonzero(np.asarray(col.is_null()))[0])
             raise InputError(f"{path}: row {row}: null in column {name!r}")
     ids = [str(x) for x in id_col.to_pylist()]
-    offsets = emb_col.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = numbers(emb_col.offsets).astype(np.int64)
     lengths = np.diff(offsets)
     if np.any(lengths == 0):
         k = int(np.flatnonzero(lengths == 0)[0])
@@ -304,7 +305,7 @@ def _table_batch(
     if pa.types.is_fixed_size_list(vectors.type):
         dim = vectors.type.list_size
     else:
-        widths = np.diff(vectors.offsets.to_numpy(zero_copy_only=False))
+        widths = np.diff(numbers(vectors.offsets))
         dim = int(widths[0]) if widths.size else 0
         bad = np.flatnonzero(widths != dim)
         if bad.size:
@@ -319,7 +320,7 @@ def _table_batch(
         raise InputError(f"{path}: row {first_row + k}: document {ids[k]!r} has null values")
     if dim < 1:
         raise InputError(f"{path}: row {first_row}: token vectors have no values")
-    arr = values.to_numpy(zero_copy_only=False).reshape(-1, dim)
+    arr = numbers(values).reshape(-1, dim)
     where = [f"{path} row {first_row + k}" for k in range(n)]
     with warnings.catch_warnings():  # a read-only view of Arrow's buffer: only ever read, then cast
         warnings.simplefilter("ignore", UserWarning)
@@ -340,7 +341,7 @@ def _apply_mask(
     first_row: int,
 ) -> tuple[torch.Tensor, np.ndarray]:
     """Keep the token vectors whose mask entry is true / 1; refuse a mask of another length or values."""
-    mask_offsets = mask_col.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+    mask_offsets = numbers(mask_col.offsets).astype(np.int64)
     mask_lengths = np.diff(mask_offsets)
     bad = np.flatnonzero(mask_lengths != lengths)
     if bad.size:
@@ -353,7 +354,7 @@ def _apply_mask(
     if flat.null_count:
         k = _doc_of(mask_offsets, int(np.flatnonzero(np.asarray(flat.is_null()))[0]))
         raise InputError(f"{path}: row {first_row + k}: document {ids[k]!r} has a null in {mask_column!r}")
-    raw = flat.to_numpy(zero_copy_only=False)
+    raw = numbers(flat)
     if raw.dtype != np.bool_:
         odd = np.flatnonzero((raw != 0) & (raw != 1))
         if odd.size:

@@ -61,10 +61,10 @@ class RunCollector(RankedSink):
         return None
 
     def _take_query(self, qid: str, docnos: list[str], keys: np.ndarray) -> None:
-        import pyarrow as pa
+        from maxsim_cli.arrays import strings_array
 
         offsets = np.array([0, len(docnos)], dtype=np.int64)
-        self.blocks.append(_Block([qid], pa.array(docnos, type=pa.large_string()), keys, offsets))
+        self.blocks.append(_Block([qid], strings_array(docnos), keys, offsets))
         self.num_queries += 1
         self.num_rows += len(docnos)
 

@@ -49,14 +49,17 @@ def test_array_values_refuses_nulls_and_other_types() -> None:
         [f"doc{i}" for i in range(1000)],
     ],
 )
-def test_strings_array_equals_pa_array(items: list[str]) -> None:
-    built = strings_array(items)
-    assert built.type == pa.large_string()
-    assert built.equals(pa.array(items, type=pa.large_string()))
+@pytest.mark.parametrize("large", [True, False], ids=["large_string", "string"])
+def test_strings_array_equals_pa_array(items: list[str], large: bool) -> None:
+    kind = pa.large_string() if large else pa.string()
+    built = strings_array(items, large=large)
+    assert built.type == kind
+    assert built.equals(pa.array(items, type=kind))
     assert built.to_pylist() == items
 
 
-def test_strings_array_refuses_what_pa_array_refuses() -> None:
+@pytest.mark.parametrize("large", [True, False], ids=["large_string", "string"])
+def test_strings_array_refuses_what_pa_array_refuses(large: bool) -> None:
     """A lone surrogate is not Unicode: left to pa.array, which raises as it always did."""
     with pytest.raises((pa.ArrowInvalid, UnicodeEncodeError)):
-        strings_array(["ok", "\ud800"])
+        strings_array(["ok", "\ud800"], large=large)

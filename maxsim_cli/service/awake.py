@@ -5,9 +5,10 @@ its process first. On the H200 host a served rerank request crossed from its HTT
 scoring process and back in 0.34 + 0.36 ms of socket time, each side waking from a sleep of a few
 milliseconds, where the same bytes' whole round trip between two event loops idle for 0.5 ms took
 0.18 ms (`python benchmarks/probe_hop_trace.py`, `python benchmarks/probe_worker_hop.py`;
-docs/serve.md, "Busy polling"). `Awake` keeps the loop turning instead: a task that yields at every turn, so the loop polls
-its sockets with a zero timeout, while an answer is due (`waiting`) and for ``linger_s`` after a
-message that announces more (`linger`). It costs a core while it turns, and turns only then.
+docs/serve.md, "Busy polling"). `Awake` keeps the loop turning instead: a task that yields at every
+turn, so the loop polls its sockets with a zero timeout, while an answer is due (`waiting`) and for
+``linger_s`` after a message that announces more (`linger`). It costs a core while it turns, and
+turns only then.
 
 The loop stops turning once ``paused()`` is true, until the next `linger` or `waiting`: a loop that
 shares its process with a scoring thread (the scoring process, or `--workers 0`) must not take the

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from maxsim_cli.arrays import array_values
+from maxsim_cli.arrays import array_values, strings_array
 from maxsim_cli.errors import InputError
 
 if TYPE_CHECKING:
@@ -377,7 +377,7 @@ BY_SHARD_SORT_MIN_IDS = 1_000_000
 def concat_ids(shard_ids: Sequence[pa.Array]) -> pa.Array:
     """Per-shard id arrays as one large_string array, in order."""
     if not shard_ids:
-        return pa.array([], type=pa.large_string())
+        return strings_array([])
     return pa.concat_arrays([a.cast(pa.large_string()) for a in shard_ids])
 
 

@@ -815,7 +815,7 @@ class ParquetShard(_RecordShard):
             _check_nulls(path, head, head.column_names, 0)
             ids = head.column("id").to_pylist()
             if has_length:
-                lens = head.column("length").to_numpy().astype(np.int64)
+                lens = numbers(head.column("length").combine_chunks()).astype(np.int64)
             else:
                 # No `length` column (a foreign writer): decode the embedding lists once to count tokens.
                 parts = [

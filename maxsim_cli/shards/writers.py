@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from maxsim_cli.arrays import strings_array, values_array
 from maxsim_cli.errors import InputError, MaxsimError, MaxsimWarning
 from maxsim_cli.shards.corpus import file_sha256, list_shard_files
 from maxsim_cli.shards.files import _atomic_temp, _remove_quietly, write_error, write_text_atomic
@@ -218,16 +219,17 @@ def _record_batch(
     import torch
 
     raw = values.view(torch.int16).numpy().view(np.uint16) if dtype == "bfloat16" else values.numpy()
-    list_offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32), type=pa.int32())
-    vectors = pa.FixedSizeListArray.from_arrays(
-        pa.array(raw.reshape(-1), type=_ARROW_VALUE_TYPES[dtype]), dim
-    )
-    columns = [pa.array(ids, type=pa.string()), pa.ListArray.from_arrays(list_offsets, vectors)]
+    # arrays built from their buffers (`maxsim_cli.arrays`): pa.array would import pandas
+    list_offsets = values_array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    vectors = pa.FixedSizeListArray.from_arrays(values_array(raw), dim)
+    assert vectors.type.value_type == _ARROW_VALUE_TYPES[dtype]
+    columns = [strings_array(ids, large=False), pa.ListArray.from_arrays(list_offsets, vectors)]
     if dtype == "int8":
         assert scales is not None
-        columns.append(pa.ListArray.from_arrays(list_offsets, pa.array(scales.numpy(), type=pa.float32())))
+        scale_values = values_array(scales.numpy().astype(np.float32, copy=False))
+        columns.append(pa.ListArray.from_arrays(list_offsets, scale_values))
     if "length" in schema.names:
-        columns.append(pa.array(lengths.astype(np.int32), type=pa.int32()))
+        columns.append(values_array(lengths.astype(np.int32)))
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
