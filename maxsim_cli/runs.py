@@ -577,12 +577,16 @@ class RunWriter(RankedSink):
             self._stream = sys.stdout
             return self
         self._output = OutputFile(self.path)
-        binary = self._output.open()
-        if self.path.endswith(".gz"):
-            # mtime=0 and no file name: the same run gives the same bytes.
-            binary = gzip.GzipFile(filename="", mode="wb", fileobj=binary, mtime=0)  # type: ignore[assignment]
-            self._binary = binary
-        self._stream = io.TextIOWrapper(binary, encoding="utf-8", newline="\n")
+        try:  # a signal in here (no `with` block yet, so no __exit__) must not leave the temp file
+            binary = self._output.open()
+            if self.path.endswith(".gz"):
+                # mtime=0 and no file name: the same run gives the same bytes.
+                binary = gzip.GzipFile(filename="", mode="wb", fileobj=binary, mtime=0)  # type: ignore[assignment]
+                self._binary = binary
+            self._stream = io.TextIOWrapper(binary, encoding="utf-8", newline="\n")
+        except BaseException:
+            self._output.abort()
+            raise
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:

@@ -752,6 +752,24 @@ def test_shard_sinks_interrupted_in_their_constructor_leave_nothing(tmp_path: Pa
     assert _left(tmp_path) == []
 
 
+@pytest.mark.parametrize("name", ["run.trec", "run.trec.gz"])
+def test_a_run_writer_interrupted_while_it_opens_leaves_no_temp(tmp_path: Path, monkeypatch, name) -> None:
+    """A signal after `OutputFile.open` has returned but before `RunWriter.__enter__` has (the text
+    wrapper being made: the fault-injection suite's SIGTERM at 0.05 s found this): the temp is removed."""
+    from maxsim_cli import runs
+
+    target = tmp_path / name
+    target.write_bytes(b"previous\n")
+
+    def wrapper(*args, **kwargs):
+        raise _Signal
+
+    monkeypatch.setattr(runs.io, "TextIOWrapper", wrapper)
+    with pytest.raises(_Signal), runs.RunWriter(target):
+        pass
+    assert _left(tmp_path) == [name] and target.read_bytes() == b"previous\n"
+
+
 def test_the_write_probe_interrupted_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
     _interrupt_after_creation(monkeypatch)
     with pytest.raises(_Signal):
