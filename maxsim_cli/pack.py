@@ -354,7 +354,8 @@ def _apply_mask(
     if flat.null_count:
         k = _doc_of(mask_offsets, int(np.flatnonzero(np.asarray(flat.is_null()))[0]))
         raise InputError(f"{path}: row {first_row + k}: document {ids[k]!r} has a null in {mask_column!r}")
-    raw = numbers(flat)
+    # booleans are bits in Arrow, with no numpy view: as 0/1 bytes (their to_numpy imports pandas)
+    raw = numbers(flat.cast(pa.uint8()) if pa.types.is_boolean(flat.type) else flat)
     if raw.dtype != np.bool_:
         odd = np.flatnonzero((raw != 0) & (raw != 1))
         if odd.size:

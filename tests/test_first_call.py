@@ -15,8 +15,11 @@ import time
 import types
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
+from test_pack import hf_table, make_docs
 from test_score import make_corpus, make_queries, parse_run, reference_run, reference_scores
 from typer.testing import CliRunner
 
@@ -458,12 +461,17 @@ def test_a_score_run_does_not_import_pandas(tmp_path: Path, extra: list[str]) ->
         ],
         [["quantize", "sample_data/corpus", "-o", "{tmp}/int8"]],
         [["inspect", "sample_data/corpus.arrow"]],
+        [["pack", "{tmp}/padded.parquet", "-o", "{tmp}/masked", "--mask-column", "attention_mask"]],
     ],
-    ids=["pack-arrow-to-arrow", "quantize-arrow", "quantize-safetensors", "inspect-arrow"],
+    ids=["pack-arrow-to-arrow", "quantize-arrow", "quantize-safetensors", "inspect-arrow", "pack-bool-mask"],
 )
 def test_shard_commands_do_not_import_pandas(tmp_path: Path, steps: list[list[str]]) -> None:
     """The shard readers and writers (Arrow and safetensors, float and int8) build their arrays
     without pyarrow's pandas bridge too: the last command of each runs in a fresh process."""
+    ids, docs = make_docs(n=8, seed=14)
+    table = hf_table(ids, docs, mask_pad=3)
+    table = table.set_column(2, "attention_mask", table.column("attention_mask").cast(pa.list_(pa.bool_())))
+    pq.write_table(table, tmp_path / "padded.parquet")
     *before, last = [[arg.replace("{tmp}", str(tmp_path)) for arg in step] for step in steps]
     for step in before:
         assert runner.invoke(app, step).exit_code == 0
