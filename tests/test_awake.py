@@ -68,6 +68,30 @@ def test_paused_stops_turning_until_the_next_call() -> None:
     asyncio.run(main())
 
 
+def test_several_answers_due_stop_turning() -> None:
+    async def main() -> None:
+        awake = Awake(1.0)
+        loop = asyncio.get_running_loop()
+        first, second = loop.create_future(), loop.create_future()
+
+        async def wait(answer: asyncio.Future) -> None:
+            with awake.waiting():
+                await answer
+
+        one = loop.create_task(wait(first))
+        await asyncio.sleep(0.005)
+        assert awake._task is not None  # one answer due: turning
+        two = loop.create_task(wait(second))
+        await asyncio.sleep(0.005)
+        assert awake._task is None  # two due: the loop has work enough
+        first.set_result(None)
+        second.set_result(None)
+        await asyncio.gather(one, two)
+        await awake.close()
+
+    asyncio.run(main())
+
+
 def test_close_stops_a_turning_loop() -> None:
     async def main() -> None:
         awake = Awake(10.0)

@@ -231,6 +231,11 @@ def corpus_devices(corpus: Corpus) -> list[str]:
     return corpus.device.split(",") if corpus.device is not None else []
 
 
+def _on_gpus(corpus: Corpus) -> bool:
+    """Whether every part of the resident corpus is on a GPU."""
+    return all(name.startswith("cuda") for name in corpus_devices(corpus))
+
+
 def index_ids(corpus: Corpus) -> None:
     """Build the corpus's id dict once, so that a rerank looks its candidates up in it instead of hashing
     every id of the corpus at each request: id -> ordinal for a corpus resident on one device (the
@@ -455,7 +460,7 @@ def _settle_for_serving(corpus: Corpus) -> None:
 
     import torch
 
-    if all(name.startswith("cuda") for name in corpus_devices(corpus)):
+    if _on_gpus(corpus):
         torch.set_num_threads(1)
     gc.collect()
     gc.freeze()
@@ -512,8 +517,7 @@ def serve(
             warm_up(corpus)
             _settle_for_serving(corpus)
             if busy_poll_ms is None:
-                on_gpus = all(name.startswith("cuda") for name in corpus_devices(corpus))
-                busy_poll_ms = DEFAULT_BUSY_POLL_MS if on_gpus else 0.0
+                busy_poll_ms = DEFAULT_BUSY_POLL_MS if _on_gpus(corpus) else 0.0
             if workers is None:
                 from maxsim_cli.service.workers import auto_workers
 

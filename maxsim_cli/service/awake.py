@@ -10,12 +10,11 @@ turn, so the loop polls its sockets with a zero timeout, while an answer is due 
 ``linger_s`` after a message that announces more (`linger`). It costs a core while it turns, and
 turns only then.
 
-The loop stops turning once ``paused()`` is true, until the next `linger` or `waiting`: a loop that
-shares its process with a scoring thread (the scoring process, or `--workers 0`) must not take the
-interpreter lock from that thread, and a loaded loop (requests queued, several answers due) has work
-enough to stay awake. (It does not sleep in short steps instead: uvloop rounds a timer to whole
-milliseconds, and a 0.5 ms sleep to none, which turned the loop at full speed while a batch was
-scored.)
+The loop stops turning once several answers are due at once, or ``paused()`` is true, until the next
+`linger` or `waiting`: a loaded loop (several answers due, requests queued) has work enough to stay
+awake, and a loop that shares its process with a scoring thread (the scoring process, or `--workers
+0`) must not take the interpreter lock from that thread. (Sleeping in short steps instead would
+not do: uvloop rounds a timer to whole milliseconds, and a 0.5 ms sleep to none.)
 """
 
 from __future__ import annotations
@@ -74,9 +73,12 @@ class Awake:
     def _due(self, now: float) -> bool:
         return now < self._until or (self._waiters > 0 and now < self._wait_until)
 
+    def _loaded(self) -> bool:
+        return self._waiters > 1 or (self.paused is not None and self.paused())
+
     async def _turn(self) -> None:
         try:
-            while self._due(time.perf_counter()) and not (self.paused is not None and self.paused()):
+            while self._due(time.perf_counter()) and not self._loaded():
                 await asyncio.sleep(0)
         finally:
             self._task = None

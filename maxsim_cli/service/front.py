@@ -34,10 +34,9 @@ class HubClient:
 
     def __init__(self, sock: socket.socket, busy_poll_s: float = 0.0) -> None:
         self.sock = sock
-        self._waiting: dict[int, asyncio.Future] = {}
-        # with several requests in flight the loop has work enough to stay awake
-        self.awake = Awake(busy_poll_s, paused=lambda: len(self._waiting) > 1)
         self._next_id = 0
+        self._waiting: dict[int, asyncio.Future] = {}
+        self.awake = Awake(busy_poll_s)
         self._writer: asyncio.StreamWriter | None = None
         self._reading: asyncio.Task | None = None
         self._gone = False
