@@ -290,19 +290,26 @@ def run_load(
 # the two measurements
 
 
+def rerank_requests(queries: list[np.ndarray], docs: int) -> tuple[list[list[str]], list[bytes]]:
+    """Each query's ``CANDIDATES`` docnos of the rerank corpus (drawn with seed 5) and its JSON
+    rerank body."""
+    rng = np.random.default_rng(5)
+    cands = [[f"r{i:07d}" for i in rng.choice(docs, CANDIDATES, replace=False)] for _ in queries]
+    bodies = [
+        json.dumps({"queries": [{"qid": "q", "embedding": q.tolist()}], "candidates": {"q": c}}).encode()
+        for q, c in zip(queries, cands, strict=True)
+    ]
+    return cands, bodies
+
+
 def rerank_one_client(args: argparse.Namespace, device: torch.device) -> dict:
     from maxsim_cli import Queries, open_corpus, rerank
     from maxsim_cli.service.batching import Job, Scorer
     from maxsim_cli.service.schema import parse_request
 
     path = build_rerank_corpus(args.workdir, args.rerank_docs, device)
-    rng = np.random.default_rng(5)
     queries = make_queries(DISTINCT, seed=11)
-    cands = [[f"r{i:07d}" for i in rng.choice(args.rerank_docs, CANDIDATES, replace=False)] for _ in queries]
-    bodies = [
-        json.dumps({"queries": [{"qid": "q", "embedding": q.tolist()}], "candidates": {"q": c}}).encode()
-        for q, c in zip(queries, cands, strict=True)
-    ]
+    cands, bodies = rerank_requests(queries, args.rerank_docs)
     arrow_bodies = [arrow_rerank_body(q, c) for q, c in zip(queries, cands, strict=True)]
 
     # in process, on the same device and, as in the server, on a worker thread: the public `rerank`,

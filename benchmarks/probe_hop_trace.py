@@ -25,16 +25,8 @@ import statistics
 import sys
 import tempfile
 
-import numpy as np
 import torch
-from bench_serve import (
-    CANDIDATES,
-    JSON,
-    Server,
-    build_rerank_corpus,
-    make_queries,
-    one_client,
-)
+from bench_serve import JSON, Server, build_rerank_corpus, make_queries, one_client, rerank_requests
 from common import write_json
 
 # The tracer, loaded by every Python process of the server (sitecustomize); it writes its stamps to
@@ -134,19 +126,7 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     path = build_rerank_corpus(args.workdir, args.rerank_docs, torch.device(args.device))
-    rng = np.random.default_rng(5)
-    queries = make_queries(8, seed=11)
-    bodies = [
-        json.dumps(
-            {
-                "queries": [{"qid": "q", "embedding": q.tolist()}],
-                "candidates": {
-                    "q": [f"r{i:07d}" for i in rng.choice(args.rerank_docs, CANDIDATES, replace=False)]
-                },
-            }
-        ).encode()
-        for q in queries
-    ]
+    _, bodies = rerank_requests(make_queries(8, seed=11), args.rerank_docs)
     site = tempfile.mkdtemp(prefix="hop-site-")
     trace_dir = tempfile.mkdtemp(prefix="hop-trace-")
     with open(os.path.join(site, "sitecustomize.py"), "w") as f:

@@ -35,7 +35,13 @@ import numpy as np
 from common import host_times, write_json
 
 from maxsim_cli.service.schema import Checked, Hits, to_parsed
-from maxsim_cli.service.wire import answer_frame, answers_from_frame, checked_from_frame, request_frame
+from maxsim_cli.service.wire import (
+    _recv_exactly,
+    answer_frame,
+    answers_from_frame,
+    checked_from_frame,
+    request_frame,
+)
 
 _LEN = struct.Struct("<I")
 
@@ -76,17 +82,6 @@ def frames(rounds: int) -> tuple[dict, int, int]:
 
 
 # ------------------------------------------------------------------------------------------ echo
-
-
-def _recv_exactly(sock: socket.socket, size: int) -> bytes:
-    parts, left = [], size
-    while left:
-        part = sock.recv(left)
-        if not part:
-            raise ConnectionError
-        parts.append(part)
-        left -= len(part)
-    return b"".join(parts)
 
 
 def _echo_blocking(sock: socket.socket, answer_bytes: int) -> None:
