@@ -387,6 +387,21 @@ def test_bad_workers_option(value) -> None:
     assert "--workers" in result.output
 
 
+@pytest.mark.parametrize("value", ["-1", "soon"])
+def test_bad_busy_poll_option(value) -> None:
+    result = CliRunner().invoke(cli_app, ["serve", CORPUS, "--device", "cpu", "--busy-poll-ms", value])
+    assert result.exit_code == 2, result.output
+    assert "--busy-poll-ms" in result.output and "Traceback" not in result.output
+
+
+def test_a_negative_busy_poll_is_refused_by_the_library() -> None:
+    from maxsim_cli.errors import UsageError
+    from maxsim_cli.service.app import serve
+
+    with pytest.raises(UsageError, match="--busy-poll-ms -1.0: must be 0 or more"):
+        serve([CORPUS], busy_poll_ms=-1.0)
+
+
 def test_answer_frames_carry_the_hits_exactly() -> None:
     """An answer frame gives back each query's docnos, float32 score bits (-0.0, the smallest subnormal,
     the largest float32) and missing docnos; a frame whose scores do not match its hits is refused."""
