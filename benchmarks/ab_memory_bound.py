@@ -18,7 +18,6 @@ Rerank candidate layouts (64 queries x 1000 candidates of 180 tokens, a pool of 
     python benchmarks/ab_memory_bound.py --out benchmarks/results/int8/memory-bound-h200.json
     python benchmarks/ab_memory_bound.py --parts maxnreg --out ...       # register caps against none
     python benchmarks/ab_memory_bound.py --parts tiles --out ...         # 32-token tiles against 64
-    python benchmarks/ab_memory_bound.py --parts docmajor --out ...      # document-major tiles (wgmma)
     TRITON_INTERPRET=1 python benchmarks/ab_memory_bound.py --smoke     # the script itself, on the CPU
 """
 
@@ -354,41 +353,6 @@ def tile_sweep(rep_ms: int, rounds: int = 3) -> None:
                 base = out if base is None else base
 
 
-def doc_major_sweep(rep_ms: int, rounds: int = 3) -> None:
-    """Document-major int8 tiles (d8 . q8^T: a wgmma from shared memory) against the query-major default,
-    in rounds of rotating order, with stages and documents or candidates a program around the defaults;
-    the fp16 kernel once a round. Scores compared with the default's (the per-query sum may add its rows
-    in another order)."""
-    from maxsim_kernels import maxsim_int8 as i8
-    from maxsim_kernels import maxsim_varlen
-
-    w = hbm_inputs()
-    doc = dict(doc_major=True)
-    one_cfgs = [{}] + [dict(doc, docs_per_prog=p, num_stages=st) for p in (16, 32, 64) for st in (3, 4)]
-    one_cfgs += [dict(doc, block_d=128, num_stages=st) for st in (2, 3, 4)]
-    cand_cfgs = [{}] + [dict(doc, cands_per_prog=p, num_stages=st) for p in (8, 16) for st in (3, 4, 5)]
-    cand_cfgs += [dict(doc, block_d=128, cands_per_prog=8, num_stages=st) for st in (2, 3)]
-    for r in range(rounds):
-        row("docmajor", f"round {r} fp16 one query", lambda: maxsim_varlen(w.q, w.qo, w.docs16, w.d_off),
-            w.n_tok * DIM * 2.0, None, rep_ms, round=r)  # fmt: skip
-        for name, cfgs in (("one query", one_cfgs), ("rerank", cand_cfgs)):
-            base = None
-            for cfg in cfgs[r % len(cfgs) :] + cfgs[: r % len(cfgs)]:
-                if name == "one query":
-                    fn = lambda cfg=cfg: i8._launch_varlen(*w.one, False, **cfg)[0]  # noqa: E731
-                    nbytes = w.one_bytes
-                else:
-                    fn = lambda cfg=cfg: i8._launch_candidates(*w.rerank, False, **cfg)[0]  # noqa: E731
-                    nbytes = w.rerank_bytes
-                out = row("docmajor", f"round {r} {name} {cfg or 'default'}", fn, nbytes, base, rep_ms,
-                          round=r, workload=name, config=cfg)  # fmt: skip
-                base = out if base is None else base
-    RECORD["compiled"] = {
-        "varlen": compiled_registers(i8._maxsim_int8_varlen_kernel),
-        "candidates": compiled_registers(i8._maxsim_int8_candidates_kernel),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None)
@@ -408,8 +372,6 @@ def main() -> None:
         register_caps(args.rep_ms)
     if "tiles" in parts:
         tile_sweep(args.rep_ms)
-    if "docmajor" in parts:
-        doc_major_sweep(args.rep_ms)
     write_json(args.out, RECORD)
     for r in RECORD["rows"]:
         if "ms" in r:

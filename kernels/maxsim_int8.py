@@ -107,10 +107,6 @@ _VARLEN_TMA = False
 _FEW_QUERIES_TMA = True
 _CAND_TMA = True
 _ROTATE_CANDIDATES = False
-# Document-major tiles on those shapes (d8 . q8^T: with TMA tiles of 64 tokens Triton issues the product
-# as a wgmma from shared memory, not mma.sync from registers): measured in docs/kernel-notes.md.
-_FEW_QUERIES_DOC_MAJOR = False
-_CAND_DOC_MAJOR = False
 _MAX_QUERIES_PER_GROUP = 32  # queries per all-pairs program at most (short queries)
 _QUANT_BLOCK_R = 16  # tokens per program of the quantize kernel
 
@@ -169,11 +165,8 @@ def _scaled_tile(
     BLOCK_K: tl.constexpr,
     MAGIC: tl.constexpr,
     TMA: tl.constexpr,
-    DOC_MAJOR: tl.constexpr = False,
 ):
-    """fp32(s_d[j] * (q8 . d8[j])) for the BLOCK_D document tokens tok.., -inf from doc_end on: a
-    [BLOCK_Q, BLOCK_D] tile, or with DOC_MAJOR its transpose [BLOCK_D, BLOCK_Q] (d8 . q8^T, the document
-    tile as the product's first operand).
+    """fp32(s_d[j] * (q8 . d8[j])) for the BLOCK_D document tokens tok.., -inf from doc_end on.
 
     TMA: `d_ptr` is a tensor descriptor of the codes (block [BLOCK_D, BLOCK_K], BLOCK_K == dim): the tile
     comes by one bulk copy, rows past the document included (their columns get the -inf bias)."""
@@ -189,23 +182,12 @@ def _scaled_tile(
     s = tl.load(d_scale_ptr + cols, mask=col_ok, other=1.0)
     # 0 inside the document, -inf past its end: applied in the same FMA as the scale.
     bias = tl.where(col_ok, 0.0, float("-inf"))
-    if DOC_MAJOR:
-        if MAGIC:
-            bits = tl.full([BLOCK_D, BLOCK_Q], 0x4B400000, tl.int32)
-            acc = tl.dot(d, tl.trans(q), bits, out_dtype=tl.int32)
-            exact = acc.to(tl.float32, bitcast=True) - 12582912.0
-        else:
-            exact = tl.dot(d, tl.trans(q), out_dtype=tl.int32).to(tl.float32)
-        val = exact * s[:, None] + bias[:, None]
+    if MAGIC:
+        acc = tl.dot(q, tl.trans(d), tl.full([BLOCK_Q, BLOCK_D], 0x4B400000, tl.int32), out_dtype=tl.int32)
+        exact = acc.to(tl.float32, bitcast=True) - 12582912.0
     else:
-        if MAGIC:
-            bits = tl.full([BLOCK_Q, BLOCK_D], 0x4B400000, tl.int32)
-            acc = tl.dot(q, tl.trans(d), bits, out_dtype=tl.int32)
-            exact = acc.to(tl.float32, bitcast=True) - 12582912.0
-        else:
-            exact = tl.dot(q, tl.trans(d), out_dtype=tl.int32).to(tl.float32)
-        val = exact * s[None, :] + bias[None, :]
-    return val
+        exact = tl.dot(q, tl.trans(d), out_dtype=tl.int32).to(tl.float32)
+    return exact * s[None, :] + bias[None, :]
 
 
 @triton.jit
@@ -289,7 +271,6 @@ def _maxsim_int8_varlen_kernel(
     ONE_QUERY: tl.constexpr,
     ELEMENT_MAX: tl.constexpr,
     TMA: tl.constexpr = False,
-    DOC_MAJOR: tl.constexpr = False,
 ):
     """Scores of QUERIES_PER_GROUP consecutive queries against DOCS_PER_PROG consecutive documents.
 
@@ -333,33 +314,17 @@ def _maxsim_int8_varlen_kernel(
         tok = doc_start
         row_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         row_arg = tl.full([BLOCK_Q], -1, tl.int32)
-        m_tile = tl.full(
-            ((BLOCK_D, BLOCK_Q) if DOC_MAJOR else (BLOCK_Q, BLOCK_D)) if ELEMENT_MAX else (1, 1),
-            float("-inf"),
-            tl.float32,
-        )
+        m_tile = tl.full((BLOCK_Q, BLOCK_D) if ELEMENT_MAX else (1, 1), float("-inf"), tl.float32)
         for _ in range(n_tiles):
             val = _scaled_tile(
-                q,
-                d_ptr,
-                d_scale_ptr,
-                tok,
-                doc_end,
-                dim,
-                stride_d,
-                BLOCK_Q,
-                BLOCK_D,
-                BLOCK_K,
-                MAGIC,
-                TMA,
-                DOC_MAJOR,
+                q, d_ptr, d_scale_ptr, tok, doc_end, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, MAGIC, TMA
             )
             row_max, row_arg, m_tile = fold_tile(
                 val, row_max, row_arg, m_tile, tok, doc_start, ELEMENT_MAX, RETURN_ARGMAX
             )
             last = tok + BLOCK_D >= doc_end
             if last:
-                row_max = document_max(row_max, m_tile, 0 if DOC_MAJOR else 1, ELEMENT_MAX)
+                row_max = document_max(row_max, m_tile, 1, ELEMENT_MAX)
                 contrib = tl.where(row_ok, sq * row_max, 0.0)
                 tl.store(out_rows + doc, tl.sum(tl.where(member, contrib[:, None], 0.0), axis=0), mask=q_ok)
                 if RETURN_ARGMAX:
@@ -451,7 +416,6 @@ def _maxsim_int8_candidates_kernel(
     ELEMENT_MAX: tl.constexpr,
     TMA: tl.constexpr = False,
     ROTATE: tl.constexpr = False,
-    DOC_MAJOR: tl.constexpr = False,
 ):
     """Scores of CANDS_PER_PROG consecutive (query, candidate) pairs of the flat candidate list.
 
@@ -484,33 +448,17 @@ def _maxsim_int8_candidates_kernel(
         tok = doc_start
         row_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         row_arg = tl.full([BLOCK_Q], -1, tl.int32)
-        m_tile = tl.full(
-            ((BLOCK_D, BLOCK_Q) if DOC_MAJOR else (BLOCK_Q, BLOCK_D)) if ELEMENT_MAX else (1, 1),
-            float("-inf"),
-            tl.float32,
-        )
+        m_tile = tl.full((BLOCK_Q, BLOCK_D) if ELEMENT_MAX else (1, 1), float("-inf"), tl.float32)
         for _ in range(n_tiles):
             val = _scaled_tile(
-                q,
-                d_ptr,
-                d_scale_ptr,
-                tok,
-                doc_end,
-                dim,
-                stride_d,
-                BLOCK_Q,
-                BLOCK_D,
-                BLOCK_K,
-                MAGIC,
-                TMA,
-                DOC_MAJOR,
+                q, d_ptr, d_scale_ptr, tok, doc_end, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, MAGIC, TMA
             )
             row_max, row_arg, m_tile = fold_tile(
                 val, row_max, row_arg, m_tile, tok, doc_start, ELEMENT_MAX, RETURN_ARGMAX
             )
             last = tok + BLOCK_D >= doc_end
             if last:
-                row_max = document_max(row_max, m_tile, 0 if DOC_MAJOR else 1, ELEMENT_MAX)
+                row_max = document_max(row_max, m_tile, 1, ELEMENT_MAX)
                 tl.store(out_ptr + c, tl.sum(tl.where(row_ok, sq * row_max, 0.0), axis=0))
                 if RETURN_ARGMAX:
                     tl.store(arg_ptr + c * stride_arg + (rows - row_first), row_arg, mask=row_ok)
@@ -758,7 +706,6 @@ def _launch_varlen(
     element_max: bool | None = None,
     tma: bool | None = None,
     maxnreg: int | None = None,
-    doc_major: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """All-pairs Triton launch (no host synchronisation); keyword overrides are for the tile sweep."""
     nq, nd = query_offsets.numel() - 1, doc_offsets.numel() - 1
@@ -783,10 +730,6 @@ def _launch_varlen(
     wanted = (_FEW_QUERIES_TMA if few else _VARLEN_TMA) if tma is None else tma
     codes = _tma_codes(d8, block_d, block_k, wanted)
     tiles = d8 if codes is None else codes
-    element = _element_max(
-        element_max, _FEW_QUERIES_ELEMENT_MAX if few else _VARLEN_ELEMENT_MAX, return_argmax
-    )
-    doc_major = element and (few and _FEW_QUERIES_DOC_MAJOR if doc_major is None else doc_major)
     launch_fitting_shared_memory(
         _maxsim_int8_varlen_kernel, grid,
         q8, sq, query_offsets, tiles, sd, doc_offsets, out, out if arg is None else arg,
@@ -795,7 +738,9 @@ def _launch_varlen(
         DOCS_PER_PROG=docs_per_prog, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_K=block_k,
         QUERIES_PER_GROUP=per_group, MAX_Q=max(2, per_group),
         MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=return_argmax, ONE_QUERY=nq == 1,
-        ELEMENT_MAX=element, TMA=codes is not None, DOC_MAJOR=doc_major,
+        ELEMENT_MAX=_element_max(element_max, _FEW_QUERIES_ELEMENT_MAX if few else _VARLEN_ELEMENT_MAX,
+                                 return_argmax),
+        TMA=codes is not None,
         num_warps=num_warps or (_FEW_QUERIES_WARPS if few else _VARLEN_WARPS),
         num_stages=num_stages or (_FEW_QUERIES_STAGES if few else _VARLEN_STAGES),
         **_register_cap(maxnreg),
@@ -877,7 +822,6 @@ def _launch_candidates(
     tma: bool | None = None,
     rotate: bool | None = None,
     maxnreg: int | None = None,
-    doc_major: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-query-candidates Triton launch; synchronises only to size the argmax output."""
     nq = query_offsets.numel() - 1
@@ -899,8 +843,6 @@ def _launch_candidates(
     cands_per_prog = cands_per_prog or _CAND_PER_PROG
     codes = _tma_codes(d8, block_d, block_k, _CAND_TMA if tma is None else tma)
     tiles = d8 if codes is None else codes
-    element = _element_max(element_max, _CAND_ELEMENT_MAX, return_argmax)
-    doc_major = element and (_CAND_DOC_MAJOR if doc_major is None else doc_major)
     launch_fitting_shared_memory(
         _maxsim_int8_candidates_kernel, (cdiv(n_cand, cands_per_prog),),
         q8, sq, query_offsets, candidate_offsets, candidate_docs, tiles, sd, doc_offsets,
@@ -909,8 +851,8 @@ def _launch_candidates(
         q8.stride(0), d8.stride(0), 0 if arg is None else arg.stride(0),
         CANDS_PER_PROG=cands_per_prog, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_K=block_k,
         MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=return_argmax,
-        ELEMENT_MAX=element, TMA=codes is not None, DOC_MAJOR=doc_major,
-        ROTATE=_ROTATE_CANDIDATES if rotate is None else rotate,
+        ELEMENT_MAX=_element_max(element_max, _CAND_ELEMENT_MAX, return_argmax),
+        TMA=codes is not None, ROTATE=_ROTATE_CANDIDATES if rotate is None else rotate,
         num_warps=num_warps or _CAND_WARPS, num_stages=num_stages or _CAND_STAGES,
         **_register_cap(maxnreg),
     )  # fmt: skip
