@@ -549,60 +549,6 @@ def test_an_idle_server_does_not_wait_the_window(corpus, queries) -> None:
     assert counters.sizes == [1, 3]
 
 
-def test_two_batches_in_flight_answer_each_request_as_alone(corpus, queries, monkeypatch) -> None:
-    """Where batches may overlap (`Scorer.overlaps`: one launch each on a corpus resident on one GPU;
-    forced here on the CPU), a second batch is scored while the first is in flight, never a third, and
-    a batch that may not overlap runs alone; every answer is the request's own `search`."""
-    import threading
-
-    lock = threading.Lock()
-    state = {"now": 0, "most": 0, "alone_with": []}
-    real_score = Scorer.score
-
-    def slow_score(self, jobs):
-        with lock:
-            state["now"] += 1
-            state["most"] = max(state["most"], state["now"])
-            if len(jobs) >= 5:  # the batch that may not overlap: what ran beside it
-                state["alone_with"].append(state["now"] - 1)
-        try:
-            time.sleep(0.15)  # long enough for the next requests to arrive while it is in flight
-            return real_score(self, jobs)
-        finally:
-            with lock:
-                state["now"] -= 1
-
-    monkeypatch.setattr(Scorer, "score", slow_score)
-    monkeypatch.setattr(Scorer, "overlaps", lambda self, jobs: len(jobs) < 5)
-    counters = Counters()
-    single = [Queries.from_embeddings([f"q{i}"], [rows_of(queries, i)]) for i in range(12)]
-
-    async def main() -> list:
-        batcher = Batcher(Scorer(corpus, counters=counters), window_s=0.01)
-        await batcher.start()
-        try:
-            waves = []
-            for wave in ([0], [1, 2], [3, 4], [5, 6, 7, 8, 9], [10, 11]):
-                waves.append(asyncio.gather(*(batcher.submit("search", Parsed(single[i], 5)) for i in wave)))
-                await asyncio.sleep(0.05)
-            return [answer for done in await asyncio.gather(*waves) for answer in done]
-        finally:
-            await batcher.close()
-
-    answers = asyncio.run(main())
-    assert state["most"] == 2, state
-    assert state["alone_with"] == [0], state
-    assert sum(counters.sizes) == 12
-    for i, answer in enumerate(answers):
-        assert {qid: list(hits) for qid, hits, _ in answer} == search(single[i], corpus, k=5).to_dict()
-
-
-def test_only_single_gpu_direct_batches_overlap(corpus, queries) -> None:
-    """`Scorer.overlaps`: never on a corpus that is not resident on a GPU (the CPU here)."""
-    one = Queries.from_embeddings(["x"], [rows_of(queries, 0)])
-    assert not Scorer(corpus).overlaps([Job("search", Parsed(one, 3))])
-
-
 def test_a_failing_batch_is_split_and_only_the_bad_request_fails(corpus, queries, monkeypatch) -> None:
     """A batch that fails is scored again in halves: here every call holding the poisoned request fails,
     as an out-of-memory that the request would also meet alone."""

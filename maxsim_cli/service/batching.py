@@ -2,14 +2,9 @@
 
 `Batcher` (on the server's event loop) queues checked requests (`Job`s). Once the first request of a
 batch has waited ``window_s`` (or the queued queries reach ``max_queries``), it takes every queued
-request of that kind, hands them to `Scorer.score` on a worker thread, and answers each request from
-the result; requests that arrive meanwhile make the next batch, so batches grow with the load.
-
-Batches in flight: one engine pass at a time, except on a corpus resident on one GPU, where a batch the
-direct path scores in one launch (`Scorer.overlaps`) may start while another such batch is in flight
-(`IN_FLIGHT`). Its kernels queue on the GPU behind the first batch's, so the GPU does not wait while
-the first batch's results go back to the host and its answers are written, nor while the next batch's
-queries are gathered and launched: the two threads' host work overlaps the other's GPU work.
+request of that kind, hands them to `Scorer.score` on its one worker thread, and answers each request
+from the result; requests that arrive meanwhile make the next batch, so batches grow with the load.
+One worker thread means one engine pass (one kernel launch per document batch) at a time.
 
 The window is waited only while the server is busy: when the last batch held several requests or
 others were queued behind it. A request that reaches an idle server is scored at once, so one client
@@ -37,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import threading
 import time
 import warnings
 from collections import deque
@@ -63,8 +57,6 @@ logger = logging.getLogger("maxsim.serve")
 # and rerank candidates, a few milliseconds of GPU work.
 QUICK_MAX_QUERIES = 4
 QUICK_MAX_CANDIDATES = 10_000
-# Batches scored at once when each is one launch on a corpus resident on one GPU (module doc); 1 elsewhere.
-IN_FLIGHT = 2
 
 
 @dataclass
@@ -101,14 +93,12 @@ class Counters:
     largest: int = 0
     splits: int = 0
     sizes: list[int] = field(default_factory=list)  # the last batches' sizes (requests), for tests
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def note(self, size: int) -> None:
-        with self._lock:  # two batches may finish at once on two threads
-            self.batches += 1
-            self.requests += size
-            self.largest = max(self.largest, size)
-            self.sizes = [*self.sizes[-999:], size]
+        self.batches += 1
+        self.requests += size
+        self.largest = max(self.largest, size)
+        self.sizes = [*self.sizes[-999:], size]
 
 
 class Scorer:
@@ -130,22 +120,6 @@ class Scorer:
         ):
             return False
         return self.on_gpus
-
-    def overlaps(self, jobs: Sequence[Job]) -> bool:
-        """Whether ``jobs`` may be scored while another such batch is: the corpus is resident on one GPU
-        and the batch is one direct launch there (`maxsim_cli.scoring.direct`: no engine pass, whose
-        planning and threads assume one pass at a time)."""
-        residency = self._one_residency()
-        if residency is None or residency.device.type != "cuda":
-            return False
-        from maxsim_cli.scoring import direct
-
-        queries = sum(job.num_queries for job in jobs)
-        if jobs[0].kind == "search":
-            pairs = queries * len(self.corpus)
-        else:
-            pairs = sum(len(docnos) for job in jobs for docnos in (job.request.candidates or {}).values())
-        return direct.fits(residency.device, pairs)
 
     @property
     def on_gpus(self) -> bool:
@@ -380,28 +354,20 @@ class Batcher:
         self._closing = False
         self._executor: ThreadPoolExecutor | None = None
         self._busy = False  # the last batch had company: wait the window for the next one
-        self._in_flight: set[asyncio.Task] = set()  # batches being scored on the worker threads
-        self._alone = False  # the batch in flight may not overlap another (`Scorer.overlaps`)
-        self._settled: asyncio.Event | None = None  # set when a batch in flight is answered
+        self.in_thread = False  # a batch is being scored on the worker thread now
 
     @property
     def counters(self) -> Counters:
         return self.scorer.counters
 
-    @property
-    def in_thread(self) -> bool:
-        """Whether a batch is being scored on a worker thread now."""
-        return bool(self._in_flight)
-
     def loaded(self) -> bool:
-        """Whether a batch is being scored on a worker thread or requests are queued."""
+        """Whether a batch is being scored on the worker thread or requests are queued."""
         return self.in_thread or bool(self._pending)
 
     async def start(self) -> None:
         self._wake = asyncio.Event()
-        self._settled = asyncio.Event()
         self._closing = False
-        self._executor = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="maxsim-serve")
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="maxsim-serve")
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
@@ -429,18 +395,14 @@ class Batcher:
         return await job.future  # type: ignore[misc]
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         assert self._wake is not None
         while True:
             while not self._pending:
                 if self._closing:
-                    await self._drain()
                     return
                 self._wake.clear()
                 await self._wake.wait()
-            # a slot first (what arrives meanwhile joins the batch): fewer than IN_FLIGHT batches in
-            # flight, none of them one that may not overlap another
-            while self._in_flight and (self._alone or len(self._in_flight) >= IN_FLIGHT):
-                await self._settle()
             first = self._pending[0]
             deadline = first.arrived + (self.window_s if self._busy else 0.0)
             while not self._closing and self._queued(first.kind) < self.max_queries:
@@ -456,65 +418,35 @@ class Batcher:
             if not batch:
                 continue
             started = time.perf_counter()
-            if not (self._busy or self._in_flight or self._pending) and self.scorer.quick(batch):
-                # an idle server and a small request on a GPU: scored here, without the two thread
-                # hand-overs (nothing else is waiting to be read while it runs)
-                try:
+            try:
+                if not self._busy and not self._pending and self.scorer.quick(batch):
+                    # an idle server and a small request on a GPU: scored here, without the two thread
+                    # hand-overs (nothing else is waiting to be read while it runs)
                     results: list[Any] = self.scorer.score(batch)
-                except Exception as exc:  # noqa: BLE001 - a bug in the scorer: fail this batch, keep serving
-                    logger.exception("scoring a batch failed")
-                    results = [exc] * len(batch)
-                self._answer(batch, results, started)
-                continue
-            alone = not self.scorer.overlaps(batch)
-            while alone and self._in_flight:
-                await self._settle()
-            self._alone = alone
-            started = time.perf_counter()
-            task = asyncio.get_running_loop().create_task(self._score_on_thread(batch, started))
-            self._in_flight.add(task)
-
-    async def _settle(self) -> None:
-        """Wait until a batch in flight has been scored."""
-        assert self._settled is not None
-        self._settled.clear()
-        await self._settled.wait()
-
-    async def _score_on_thread(self, batch: list[Job], started: float) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-            results: list[Any] = await loop.run_in_executor(self._executor, self.scorer.score, batch)
-        except Exception as exc:  # noqa: BLE001 - a bug in the scorer: fail this batch, keep serving
-            logger.exception("scoring a batch failed")
-            results = [exc] * len(batch)
-        finally:
-            self._in_flight.discard(asyncio.current_task())  # type: ignore[arg-type]
-            assert self._settled is not None
-            self._settled.set()
-        self._answer(batch, results, started)
-
-    async def _drain(self) -> None:
-        """Wait for the batches in flight to be answered."""
-        while self._in_flight:
-            await asyncio.gather(*self._in_flight, return_exceptions=True)
-
-    def _answer(self, batch: list[Job], results: list[Any], started: float) -> None:
-        """Each job's future from its result; the next batch waits the window if this one had company."""
-        score_s = time.perf_counter() - started
-        for job, result in zip(batch, results, strict=True):
-            if job.timing is not None:
-                job.timing.queue_s = started - job.arrived
-                job.timing.score_s = score_s
-                job.timing.batch_requests = len(batch)
-            assert job.future is not None
-            if job.future.done():  # the client went away
-                continue
-            if isinstance(result, BaseException):
-                job.future.set_exception(result)
-            else:
-                job.future.set_result(result)
-        # company: this batch had several requests, more came while it was scored, or another is in flight
-        self._busy = len(batch) > 1 or bool(self._pending) or bool(self._in_flight)
+                else:
+                    self.in_thread = True
+                    try:
+                        results = await loop.run_in_executor(self._executor, self.scorer.score, batch)
+                    finally:
+                        self.in_thread = False
+            except Exception as exc:  # noqa: BLE001 - a bug in the scorer: fail this batch, keep serving
+                logger.exception("scoring a batch failed")
+                results = [exc] * len(batch)
+            score_s = time.perf_counter() - started
+            for job, result in zip(batch, results, strict=True):
+                if job.timing is not None:
+                    job.timing.queue_s = started - job.arrived
+                    job.timing.score_s = score_s
+                    job.timing.batch_requests = len(batch)
+                assert job.future is not None
+                if job.future.done():  # the client went away
+                    continue
+                if isinstance(result, BaseException):
+                    job.future.set_exception(result)
+                else:
+                    job.future.set_result(result)
+            # company: this batch had several requests, or more came while it was scored
+            self._busy = len(batch) > 1 or bool(self._pending)
 
     def _queued(self, kind: str) -> int:
         return sum(job.num_queries for job in self._pending if job.kind == kind)
