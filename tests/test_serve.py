@@ -39,7 +39,7 @@ from typer.testing import CliRunner  # noqa: E402
 from maxsim_cli import Queries, open_corpus, read_queries, rerank, search  # noqa: E402
 from maxsim_cli.cli import app as cli_app  # noqa: E402
 from maxsim_cli.service.app import check_bind, create_app, is_loopback  # noqa: E402
-from maxsim_cli.service.batching import Batcher, Counters, Job, Scorer  # noqa: E402
+from maxsim_cli.service.batching import Batcher, Counters, Job, Scorer, Timing  # noqa: E402
 from maxsim_cli.service.schema import ARROW_TYPE, Parsed, RequestError  # noqa: E402
 from maxsim_cli.shards import DocBatch, write_shard  # noqa: E402
 
@@ -254,6 +254,32 @@ def test_a_small_request_to_an_idle_gpu_server_is_scored_on_the_event_loop(
     )
     assert threads[0] == threading.main_thread().name
     assert all(name.startswith("maxsim-serve") for name in threads[1:]), threads
+
+
+def test_score_now_answers_a_quick_request_to_an_idle_server_only(corpus, queries, monkeypatch) -> None:
+    """`Batcher.score_now` (what a worker's frame tries first): the answer of `search` for one small
+    request while the batcher runs idle (the corpus said to be on GPUs); None before it starts, after it
+    closes, and for a request that is not quick."""
+    monkeypatch.setattr(Scorer, "on_gpus", property(lambda self: True))
+    one = Queries.from_embeddings(["x"], [rows_of(queries, 0)])
+    big = Queries.from_embeddings([f"q{i}" for i in range(5)], [rows_of(queries, 0)] * 5)
+    batcher = Batcher(Scorer(corpus), window_s=0.0)
+    timing = Timing()
+
+    async def main() -> list:
+        assert batcher.score_now("search", Parsed(one, 3)) is None
+        await batcher.start()
+        try:
+            answers = batcher.score_now("search", Parsed(one, 3), timing)
+            assert batcher.score_now("search", Parsed(big, 3)) is None
+        finally:
+            await batcher.close()
+        assert batcher.score_now("search", Parsed(one, 3)) is None
+        return answers
+
+    answers = asyncio.run(main())
+    assert {qid: list(hits) for qid, hits, _ in answers} == search(one, corpus, k=3).to_dict()
+    assert timing.batch_requests == 1 and timing.score_s > 0
 
 
 @pytest.mark.gpu

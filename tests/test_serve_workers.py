@@ -43,6 +43,7 @@ from test_serve import (  # noqa: E402
     first_stage,
     hits_of,
     query_json,
+    rows_of,
 )
 from typer.testing import CliRunner  # noqa: E402
 
@@ -423,3 +424,80 @@ def test_answer_frames_carry_the_hits_exactly() -> None:
     assert back[0][1].scores.tobytes() == scores.tobytes()
     with pytest.raises(FrameError, match="2 scores for 3 hits"):
         answers_from_frame(header, payload[:8])
+
+
+def unframe(frame: bytes) -> tuple[dict, bytes]:
+    head_len, size = struct.unpack("<II", frame[:8])
+    return json.loads(frame[8 : 8 + head_len]), frame[8 + head_len : 8 + head_len + size]
+
+
+class FrameSink:
+    """What the scoring process writes back to a worker: its frames, in order."""
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    def write(self, frame: bytes) -> None:
+        self.frames.append(frame)
+
+    def is_closing(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("on_gpus", [True, False], ids=["idle-quick", "queued"])
+def test_a_request_frame_is_answered_now_or_queued_with_the_same_answer(
+    queries, monkeypatch, on_gpus
+) -> None:
+    """The scoring process answers a quick request to an idle server straight from the worker's
+    connection (`Batcher.score_now`; here the CPU corpus is said to be on GPUs) and any other through the
+    batcher's queue: the same answer frame either way, that of `search`; a request that fails is an error
+    frame either way."""
+    import asyncio
+
+    from maxsim_cli import Queries
+    from maxsim_cli.service.batching import Batcher, Scorer
+    from maxsim_cli.service.schema import check_request
+    from maxsim_cli.service.wire import answers_from_frame, request_frame
+    from maxsim_cli.service.workers import Hub, _Worker
+
+    monkeypatch.setattr(Scorer, "on_gpus", property(lambda self: on_gpus))
+    queued: list[int] = []
+    submit = Batcher.submit
+
+    async def counted(self, kind, request, timing=None):  # noqa: ANN001, ANN202
+        queued.append(1)
+        return await submit(self, kind, request, timing)
+
+    monkeypatch.setattr(Batcher, "submit", counted)
+    body = json_body({"queries": [query_json(queries, 3)], "k": 4})
+    checked = check_request("search", JSON, body, {}, queries.embeddings.shape[1])
+    frame, bad = request_frame(11, "search", checked), request_frame(12, "search", checked)
+    bad_header, bad_payload = unframe(bad)
+    bad_header["k"] = "four"  # passes the frame's checks, fails in the scorer
+
+    with open_corpus(CORPUS) as corpus:
+        hub = Hub(corpus, socket.socket(), 1, token=None, max_request_bytes=1 << 20, batch_window_ms=0,
+                  max_batch_queries=64, access_log=False, health=lambda b: {}, graceful_shutdown_s=1,
+                  error_status=lambda exc: (500, type(exc).__name__))  # fmt: skip
+        worker = _Worker(0, None, 0.0)  # type: ignore[arg-type]
+        sink = FrameSink()
+
+        async def main() -> None:
+            await hub.batcher.start()
+            try:
+                hub._request(worker, "search", *unframe(frame), sink)  # type: ignore[arg-type]
+                hub._request(worker, "search", bad_header, bad_payload, sink)  # type: ignore[arg-type]
+                await asyncio.gather(*worker.tasks)
+            finally:
+                await hub.batcher.close()
+
+        asyncio.run(main())
+        one = Queries.from_embeddings([queries.ids[3]], [rows_of(queries, 3)])
+        expected = search(one, corpus, k=4).to_dict()
+    assert len(sink.frames) == 2
+    header, payload = unframe(sink.frames[0])
+    assert header["id"] == 11 and header["status"] == 200 and header["queue_s"] >= 0.0
+    assert {q: list(h) for q, h, _ in answers_from_frame(header, payload)} == as_float32(expected)
+    error, _ = unframe(sink.frames[1])
+    assert error["id"] == 12 and error["status"] == 500
+    assert len(queued) == (0 if on_gpus else 2)

@@ -10,7 +10,9 @@ The window is waited only while the server is busy: when the last batch held sev
 others were queued behind it. A request that reaches an idle server is scored at once, so one client
 alone pays no window; under concurrent load every batch gathers for up to the window. When that request
 is small and the corpus is on GPUs (`Scorer.quick`: a few launches, a few milliseconds), it is scored
-on the event loop itself, sparing it the two hand-overs between threads.
+on the event loop itself, sparing it the two hand-overs between threads; a caller on the loop that
+holds such a request already (the scoring process reading a worker's frame) scores it there and then
+(`Batcher.score_now`), sparing also the queue and the hand-overs between tasks.
 
 A request's answer does not depend on what it was batched with:
 
@@ -381,6 +383,24 @@ class Batcher:
         self._task = None
         assert self._executor is not None
         self._executor.shutdown(wait=True)
+
+    def score_now(self, kind: str, request: Parsed, timing: Timing | None = None) -> list[QueryAnswer] | None:
+        """A request's answers scored here and now when the server is idle and the request quick
+        (`Scorer.quick`), as the batcher would score it alone; None otherwise (`submit` it). For a caller
+        on the event loop that holds the request already (a worker's frame): no queue, no tasks to hand
+        it over. Raises what the request fails with."""
+        if self._task is None or self._closing or self._busy or self._pending or self.in_thread:
+            return None
+        job = Job(kind, request, None, time.perf_counter(), timing)
+        if not self.scorer.quick([job]):
+            return None
+        result = self.scorer.score([job])[0]
+        if timing is not None:
+            timing.score_s = time.perf_counter() - job.arrived
+            timing.batch_requests = 1
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     async def submit(self, kind: str, request: Parsed, timing: Timing | None = None) -> list[QueryAnswer]:
         """Queue a checked request and wait for its answers (raises what it fails with); ``timing`` is

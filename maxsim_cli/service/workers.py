@@ -40,7 +40,7 @@ from maxsim_cli.errors import MaxsimError
 from maxsim_cli.lifeline import ENV_LAUNCHER_PID
 from maxsim_cli.service.awake import Awake
 from maxsim_cli.service.batching import Batcher, Scorer, Timing
-from maxsim_cli.service.schema import to_parsed
+from maxsim_cli.service.schema import Parsed, to_parsed
 from maxsim_cli.service.wire import (
     FrameError,
     answer_frame,
@@ -258,9 +258,7 @@ class Hub:
                     health = self.health(self.batcher)
                     writer.write(pack({"id": header.get("id"), "status": 200, "health": health}))
                 elif op in ("search", "rerank"):
-                    task = asyncio.get_running_loop().create_task(self._answer(op, header, payload, writer))
-                    worker.tasks.add(task)
-                    task.add_done_callback(worker.tasks.discard)
+                    self._request(worker, op, header, payload, writer)
                 else:
                     raise FrameError(f"a frame with op {op!r}")
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -270,12 +268,30 @@ class Hub:
         finally:
             writer.close()
 
-    async def _answer(
-        self, kind: str, header: dict[str, Any], payload: bytes, writer: asyncio.StreamWriter
+    def _request(
+        self, worker: _Worker, kind: str, header: dict[str, Any], payload: bytes, writer: asyncio.StreamWriter
     ) -> None:
+        """A request frame: answered here when the server is idle and the request quick
+        (`Batcher.score_now`: no task and no queue between this reader and the scorer), else queued for
+        the batcher in a task of its own."""
         request_id = header.get("id")
         try:
             parsed = to_parsed(checked_from_frame(header, payload))
+            timing = Timing()
+            answers = self.batcher.score_now(kind, parsed, timing)
+            if answers is None:
+                task = asyncio.get_running_loop().create_task(self._answer(kind, request_id, parsed, writer))
+                worker.tasks.add(task)
+                task.add_done_callback(worker.tasks.discard)
+                return
+            frame = answer_frame(request_id, answers, 0.0, timing.score_s, timing.batch_requests)
+        except Exception as exc:  # noqa: BLE001 - every failure is one request's answer
+            frame = error_frame(request_id, *self.error_status(exc))
+        if not writer.is_closing():
+            writer.write(frame)
+
+    async def _answer(self, kind: str, request_id: Any, parsed: Parsed, writer: asyncio.StreamWriter) -> None:
+        try:
             timing = Timing()
             answers = await self.batcher.submit(kind, parsed, timing)
             frame = answer_frame(request_id, answers, timing.queue_s, timing.score_s, timing.batch_requests)
