@@ -11,15 +11,14 @@ there (bench_serve's, the same seed).
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import time
 
 import torch
 from bench_serve import DISTINCT, make_queries
-from common import log_to, meta, write_json
+from common import build_corpus, make_log, meta, write_json
 
-log = log_to("search_batch_sizes")
+log = make_log("search_batch_sizes")
 SIZES = (1, 8, 16, 24, 31, 32, 48, 64)  # at most DISTINCT: the queries bench_serve's clients send
 SCORER_SIZES = (16, 31, 64)
 
@@ -45,7 +44,10 @@ def main() -> None:
     parser.add_argument("--size", default="8GB")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    paths = sorted(glob.glob(os.path.join(args.workdir, f"corpus-{args.size}", "*.safetensors")))
+    from maxsim_cli.units import parse_size
+
+    root = os.path.join(args.workdir, f"corpus-{args.size}")
+    paths = build_corpus(root, parse_size(args.size), 512 << 20, torch.device("cuda"))  # bench_serve's
     queries = make_queries(DISTINCT, seed=12)
     ids = [f"q{i:03d}" for i in range(DISTINCT)]
     record: dict = {"meta": meta(), "search_ms": {}, "scorer_ms": {}}
