@@ -8,9 +8,16 @@ monotonic clock in every process of the machine), then sends one client's rerank
 1,000 candidates) one after the other and prints the median and p90 of each stage:
 
     worker:  submit -> request frame built -> (socket) ->
-    scoring: frame read -> its task runs -> request decoded -> batcher starts the batch -> scored ->
-             submit returns -> answer frame built -> (socket) ->
+    scoring: frame read -> request decoding starts -> decoded -> the scoring starts -> scored ->
+             answer frame starts -> built -> (socket) ->
     worker:  answer frame read -> answer decoded
+
+and inside the scoring (`Scorer.score` on a resident corpus: `Scorer._rerank_resident`): the docnos
+looked up, the queries converted and put on the device (`direct._kernel_inputs`), the launch with its
+inputs and the scores back on the host (`direct._candidates_kernel`), the answers ordered. The same
+stamps are then taken in this process around the same `Scorer.score` calls on the same requests (the
+corpus opened and made resident here, the server stopped), so that each part of the served step has
+its in-process twin beside it.
 
     python benchmarks/probe_hop_trace.py --device cuda --requests 1000 [--out hop-trace.json]
 """
@@ -33,6 +40,26 @@ from common import write_json
 # $MAXSIM_HOP_TRACE/trace-PID.json at exit.
 SITECUSTOMIZE = r"""
 import atexit, json, os, time
+def _wrap_scoring(stamp):
+    # stamps around the scoring step and its parts (also used in the probe's own process)
+    import functools
+    from maxsim_cli.scoring import direct
+    from maxsim_cli.service import batching
+
+    def wrap(owner, attr, first, last):
+        original = getattr(owner, attr)
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            stamp(first)
+            out = original(*args, **kwargs)
+            stamp(last)
+            return out
+        setattr(owner, attr, wrapper)
+
+    wrap(batching.Scorer, "score", "h_score", "h_scored")
+    wrap(direct, "_kernel_inputs", "h_inputs", "h_inputs_done")
+    wrap(direct, "_candidates_kernel", "h_launch", "h_kernel_done")
+
 _dir = os.environ.get("MAXSIM_HOP_TRACE")
 if _dir:
     _stamps = []
@@ -78,24 +105,42 @@ if _dir:
     # scoring side
     _wrap(workers, "checked_from_frame", before=lambda header, payload: _stamp("h_task", header.get("id")),
           after=lambda out, header, payload: _stamp("h_decoded", header.get("id")))
-    _wrap(batching.Scorer, "score", before=lambda self, jobs: _stamp("h_score", _current["id"]),
-          after=lambda out, self, jobs: _stamp("h_scored", _current["id"]))
     _wrap(workers, "answer_frame", before=lambda rid, *a, **k: _stamp("h_submit_done", rid),
           after=lambda out, rid, *a, **k: _stamp("h_answer_built", rid))
+    _wrap_scoring(lambda name: _stamp(name, _current["id"]))
+
 """
 
 STAGES = [
     ("w_submit", "w_request_built", "worker: request frame built"),
     ("w_request_built", "h_frame_read", "socket to the scoring process, its loop wakes, frame read"),
-    ("h_frame_read", "h_task", "scoring: the request's task starts"),
+    ("h_frame_read", "h_task", "scoring: the request's decoding starts (a task's start when queued)"),
     ("h_task", "h_decoded", "scoring: request decoded"),
-    ("h_decoded", "h_score", "scoring: batcher wakes, takes the batch"),
+    ("h_decoded", "h_score", "scoring: the scoring starts (the batcher's hand-over when queued)"),
     ("h_score", "h_scored", "scoring: Scorer.score (GPU included)"),
-    ("h_scored", "h_submit_done", "scoring: the request's task resumes"),
+    ("h_scored", "h_submit_done", "scoring: the answer frame starts (a task's resumption when queued)"),
     ("h_submit_done", "h_answer_built", "scoring: answer frame built"),
     ("h_answer_built", "w_frame_read", "socket to the worker, its loop wakes, frame read"),
     ("w_frame_read", "w_submit_done", "worker: submit resumes, answer decoded"),
 ]
+# Inside Scorer.score, served and in process alike.
+SCORING_STAGES = [
+    ("h_score", "h_inputs", "docnos looked up"),
+    ("h_inputs", "h_inputs_done", "queries converted and on the device"),
+    ("h_inputs_done", "h_launch", "candidates' arrays"),
+    ("h_launch", "h_kernel_done", "launch, kernel, scores back on the host"),
+    ("h_kernel_done", "h_scored", "answers ordered"),
+    ("h_score", "h_scored", "the whole step"),
+]
+
+
+def medians(samples: list[dict[str, float]], stages: list[tuple[str, str, str]]) -> dict:
+    rows = {}
+    for a, b, label in stages:
+        d = sorted((s[b] - s[a]) * 1e6 for s in samples if a in s and b in s)
+        if d:
+            rows[label] = {"p50_us": round(statistics.median(d), 1), "p90_us": round(d[int(0.9 * len(d))], 1)}
+    return rows
 
 
 def analyse(trace_dir: str, hub_pid: int) -> dict:
@@ -105,15 +150,36 @@ def analyse(trace_dir: str, hub_pid: int) -> dict:
         for name, rid, t in json.load(open(path)):
             if rid is not None:
                 per_id.setdefault(rid, {})[f"{side}_frame_read" if name == "frame_read" else name] = t
-    rows = {}
     complete = [s for s in per_id.values() if all(a in s and b in s for a, b, _ in STAGES)]
     complete = complete[len(complete) // 10 :]  # the warm-up's first tenth out
-    for a, b, label in STAGES:
-        d = sorted((s[b] - s[a]) * 1e6 for s in complete)
-        rows[label] = {"p50_us": round(statistics.median(d), 1), "p90_us": round(d[int(0.9 * len(d))], 1)}
+    rows = medians(complete, STAGES)
     total = sorted((s["w_submit_done"] - s["w_submit"]) * 1e6 for s in complete)
     rows["worker's submit, whole"] = {"p50_us": round(statistics.median(total), 1)}
-    return {"requests_traced": len(complete), "stages": rows}
+    return {"requests_traced": len(complete), "stages": rows, "scoring": medians(complete, SCORING_STAGES)}
+
+
+def in_process(corpus_path: str, device: str, bodies: list[bytes], requests: int) -> dict:
+    """The scoring step's parts for the same requests in this process: `Scorer.score` on the resident
+    corpus, one request at a time, stamped as in the server."""
+    import time
+
+    from maxsim_cli import open_corpus
+    from maxsim_cli.service.batching import Job, Scorer
+    from maxsim_cli.service.schema import parse_request
+
+    namespace: dict = {}
+    exec(SITECUSTOMIZE.split("\n_dir = ")[0], namespace)  # the tracer's wrapping, without its dump
+    stamps: list[dict[str, float]] = []
+    namespace["_wrap_scoring"](lambda name: stamps[-1].__setitem__(name, time.perf_counter()))
+    with open_corpus(corpus_path) as corpus:
+        corpus.to(device)
+        scorer = Scorer(corpus, device=device)
+        dim = corpus.dim
+        for i in range(requests):
+            parsed = parse_request("rerank", JSON, bodies[i % len(bodies)], {}, dim)
+            stamps.append({})
+            scorer.score([Job("rerank", parsed)])
+    return medians(stamps[len(stamps) // 10 :], SCORING_STAGES)
 
 
 def main() -> None:
@@ -144,6 +210,7 @@ def main() -> None:
         "server_exit_code": code,
         "errors": len(result["errors"]),
         **analyse(trace_dir, server.proc.pid),
+        "scoring_in_process": in_process(path, args.device, bodies, args.requests),
     }
     print(json.dumps(out, indent=1))
     write_json(args.out, out)
