@@ -36,12 +36,9 @@ import torch
 from bench_serve import JSON, Server, build_rerank_corpus, make_queries, one_client, rerank_requests
 from common import write_json
 
-# The tracer, loaded by every Python process of the server (sitecustomize); it writes its stamps to
-# $MAXSIM_HOP_TRACE/trace-PID.json at exit.
-SITECUSTOMIZE = r"""
-import atexit, json, os, time
+# Stamps around the scoring step and its parts: run by the tracer below, and in the probe's own process.
+SCORING_WRAPS = r"""
 def _wrap_scoring(stamp):
-    # stamps around the scoring step and its parts (also used in the probe's own process)
     import functools
     from maxsim_cli.scoring import direct
     from maxsim_cli.service import batching
@@ -59,7 +56,16 @@ def _wrap_scoring(stamp):
     wrap(batching.Scorer, "score", "h_score", "h_scored")
     wrap(direct, "_kernel_inputs", "h_inputs", "h_inputs_done")
     wrap(direct, "_candidates_kernel", "h_launch", "h_kernel_done")
+"""
 
+# The tracer, loaded by every Python process of the server (sitecustomize); it writes its stamps to
+# $MAXSIM_HOP_TRACE/trace-PID.json at exit.
+SITECUSTOMIZE = (
+    r"""
+import atexit, json, os, time
+"""
+    + SCORING_WRAPS
+    + r"""
 _dir = os.environ.get("MAXSIM_HOP_TRACE")
 if _dir:
     _stamps = []
@@ -108,8 +114,8 @@ if _dir:
     _wrap(workers, "answer_frame", before=lambda rid, *a, **k: _stamp("h_submit_done", rid),
           after=lambda out, rid, *a, **k: _stamp("h_answer_built", rid))
     _wrap_scoring(lambda name: _stamp(name, _current["id"]))
-
 """
+)
 
 STAGES = [
     ("w_submit", "w_request_built", "worker: request frame built"),
@@ -168,7 +174,7 @@ def in_process(corpus_path: str, device: str, bodies: list[bytes], requests: int
     from maxsim_cli.service.schema import parse_request
 
     namespace: dict = {}
-    exec(SITECUSTOMIZE.split("\n_dir = ")[0], namespace)  # the tracer's wrapping, without its dump
+    exec(SCORING_WRAPS, namespace)
     stamps: list[dict[str, float]] = []
     namespace["_wrap_scoring"](lambda name: stamps[-1].__setitem__(name, time.perf_counter()))
     with open_corpus(corpus_path) as corpus:

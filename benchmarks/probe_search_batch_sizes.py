@@ -12,26 +12,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
+from collections.abc import Callable
 
+import numpy as np
 import torch
 from bench_serve import DISTINCT, make_queries
-from common import build_corpus, make_log, meta, write_json
+from common import build_corpus, host_times, make_log, meta, write_json
 
 log = make_log("search_batch_sizes")
 SIZES = (1, 8, 16, 24, 31, 32, 48, 64)  # at most DISTINCT: the queries bench_serve's clients send
 SCORER_SIZES = (16, 31, 64)
 
 
-def median_ms(fn, repeats: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return round(sorted(times)[repeats // 2] * 1e3, 3)
+def median_ms(fn: Callable[[], object], repeats: int = 7) -> float:
+    """Median host milliseconds of a call after one warm-up (each call ends with its results on the
+    host, so the host clock holds its GPU work)."""
+    return round(float(np.median(host_times(fn, repeats, warmup=1))) * 1e3, 3)
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ from starlette.concurrency import run_in_threadpool
 
 from maxsim_cli.errors import InputError, MaxsimError, UsageError
 from maxsim_cli.service.awake import Awake
-from maxsim_cli.service.batching import Batcher, QueryAnswer, Scorer, Timing
+from maxsim_cli.service.batching import Batcher, QueryAnswer, Scorer, Timing, resident_on_gpus
 from maxsim_cli.service.schema import JSON_TYPE, Parsed, RequestError, answer_json, parse_request
 
 if TYPE_CHECKING:
@@ -229,11 +229,6 @@ def server_timing(parse_s: float, answered: Answered, encode_s: float) -> str:
 def corpus_devices(corpus: Corpus) -> list[str]:
     """The devices the corpus is resident on, one a share ([] when it streams from the files)."""
     return corpus.device.split(",") if corpus.device is not None else []
-
-
-def _on_gpus(corpus: Corpus) -> bool:
-    """Whether every part of the resident corpus is on a GPU."""
-    return all(name.startswith("cuda") for name in corpus_devices(corpus))
 
 
 def index_ids(corpus: Corpus) -> None:
@@ -460,7 +455,7 @@ def _settle_for_serving(corpus: Corpus) -> None:
 
     import torch
 
-    if _on_gpus(corpus):
+    if resident_on_gpus(corpus):
         torch.set_num_threads(1)
     gc.collect()
     gc.freeze()
@@ -517,7 +512,7 @@ def serve(
             warm_up(corpus)
             _settle_for_serving(corpus)
             if busy_poll_ms is None:
-                busy_poll_ms = DEFAULT_BUSY_POLL_MS if _on_gpus(corpus) else 0.0
+                busy_poll_ms = DEFAULT_BUSY_POLL_MS if resident_on_gpus(corpus) else 0.0
             if workers is None:
                 from maxsim_cli.service.workers import auto_workers
 

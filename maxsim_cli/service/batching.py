@@ -125,11 +125,10 @@ class Scorer:
 
     @property
     def on_gpus(self) -> bool:
-        placement = self.corpus.placement
-        if placement is not None:
-            return all(part.device.type == "cuda" for part in placement)
-        residency = self._one_residency()
-        return residency is not None and residency.device.type == "cuda"
+        """Whether this scorer scores a corpus resident on GPUs (on one device: the one it scores on)."""
+        if self.corpus.placement is None and self._one_residency() is None:
+            return False
+        return resident_on_gpus(self.corpus)
 
     def score(self, jobs: Sequence[Job]) -> list[list[QueryAnswer] | BaseException]:
         """Each job's answers, or the exception that job alone fails with."""
@@ -297,6 +296,13 @@ def _strict_failure(missing: list[str]) -> InputError:
         f"{CANDIDATES}: {len(missing)} candidates are not in the corpus, e.g. {examples}; check the "
         "candidates, or drop strict to skip them"
     )
+
+
+def resident_on_gpus(corpus: Corpus) -> bool:
+    """Whether the corpus is resident, every part of it on a GPU."""
+    if corpus.placement is not None:
+        return all(part.device.type == "cuda" for part in corpus.placement)
+    return corpus.residency is not None and corpus.residency.device.type == "cuda"
 
 
 def _internal(job: int, query: int) -> str:

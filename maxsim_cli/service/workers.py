@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from maxsim_cli.errors import MaxsimError
 from maxsim_cli.lifeline import ENV_LAUNCHER_PID
 from maxsim_cli.service.awake import Awake
-from maxsim_cli.service.batching import Batcher, Scorer, Timing
+from maxsim_cli.service.batching import Batcher, QueryAnswer, Scorer, Timing
 from maxsim_cli.service.schema import Parsed, to_parsed
 from maxsim_cli.service.wire import (
     FrameError,
@@ -284,7 +284,7 @@ class Hub:
                 worker.tasks.add(task)
                 task.add_done_callback(worker.tasks.discard)
                 return
-            frame = answer_frame(request_id, answers, 0.0, timing.score_s, timing.batch_requests)
+            frame = _answer_frame(request_id, answers, timing)
         except Exception as exc:  # noqa: BLE001 - every failure is one request's answer
             frame = error_frame(request_id, *self.error_status(exc))
         if not writer.is_closing():
@@ -294,8 +294,13 @@ class Hub:
         try:
             timing = Timing()
             answers = await self.batcher.submit(kind, parsed, timing)
-            frame = answer_frame(request_id, answers, timing.queue_s, timing.score_s, timing.batch_requests)
+            frame = _answer_frame(request_id, answers, timing)
         except Exception as exc:  # noqa: BLE001 - every failure is one request's answer
             frame = error_frame(request_id, *self.error_status(exc))
         if not writer.is_closing():
             writer.write(frame)
+
+
+def _answer_frame(request_id: Any, answers: list[QueryAnswer], timing: Timing) -> bytes:
+    """A request's answers as a frame, with where its time went."""
+    return answer_frame(request_id, answers, timing.queue_s, timing.score_s, timing.batch_requests)
