@@ -39,7 +39,14 @@ from typer.testing import CliRunner  # noqa: E402
 from maxsim_cli import Queries, open_corpus, read_queries, rerank, search  # noqa: E402
 from maxsim_cli.cli import app as cli_app  # noqa: E402
 from maxsim_cli.service.app import check_bind, create_app, is_loopback  # noqa: E402
-from maxsim_cli.service.batching import Batcher, Counters, Job, Scorer, Timing  # noqa: E402
+from maxsim_cli.service.batching import (  # noqa: E402
+    Batcher,
+    Counters,
+    Job,
+    Scorer,
+    Timing,
+    resident_on_gpus,
+)
 from maxsim_cli.service.schema import ARROW_TYPE, Parsed, RequestError  # noqa: E402
 from maxsim_cli.shards import DocBatch, write_shard  # noqa: E402
 
@@ -256,6 +263,14 @@ def test_a_small_request_to_an_idle_gpu_server_is_scored_on_the_event_loop(
     assert all(name.startswith("maxsim-serve") for name in threads[1:]), threads
 
 
+def test_resident_on_gpus_needs_every_part_resident_on_a_gpu(corpus) -> None:
+    """`resident_on_gpus` (the busy-poll default, one torch thread, `Scorer.quick`): false for a corpus
+    resident on the CPU and for one that streams from its files (no device at all)."""
+    assert not resident_on_gpus(corpus) and not Scorer(corpus).on_gpus
+    with open_corpus(CORPUS) as streaming:
+        assert not resident_on_gpus(streaming) and not Scorer(streaming).on_gpus
+
+
 def test_score_now_answers_a_quick_request_to_an_idle_server_only(corpus, queries, monkeypatch) -> None:
     """`Batcher.score_now` (what a worker's frame tries first): the answer of `search` for one small
     request while the batcher runs idle (the corpus said to be on GPUs); None before it starts, after it
@@ -289,6 +304,7 @@ def test_a_gpu_resident_corpus_answers_as_the_in_process_calls(queries) -> None:
     stage = first_stage(6)
     with open_corpus(CORPUS) as corpus:
         corpus.to("cuda")
+        assert resident_on_gpus(corpus) and Scorer(corpus).on_gpus
         expected = search(queries, corpus, k=5).to_dict()
         reranked = rerank(queries, corpus, stage).to_dict()
         with TestClient(create_app(corpus, batch_window_ms=20)) as client:
@@ -406,6 +422,7 @@ def answers_on_several_devices(queries: Queries, devices: list[str]) -> None:
     expected_rerank = rerank(queries, CORPUS, stage, device=devices[0]).to_dict()
     with open_corpus(CORPUS) as corpus:
         corpus.to(devices)
+        assert resident_on_gpus(corpus) == all(d.startswith("cuda") for d in devices)
         with TestClient(create_app(corpus, batch_window_ms=0)) as client:
             assert client.get("/health").json()["devices"] == devices
             searched = client.post("/search", json=search_body)
