@@ -106,19 +106,76 @@ class KernelLaunch:
         self.meta["num_stages"] = launch_fitting_shared_memory(self.kernel, self.grid, *args, **self.meta)
 
     def _compile(self, args: Sequence[Any]) -> None:
-        """Fetch the compiled kernel and its launcher (an API Triton keeps public since 3.0)."""
+        found = compiled_kernel(self.kernel, self.grid, self.meta, args)
+        if found is None:
+            return
         try:
-            compiled = self.kernel.warmup(*args, grid=self.grid, **self.meta)
-            params = self.kernel.params[len(args) :]
-            tail = []
-            for param in params:
-                if param.name in self.meta:
-                    tail.append(self.meta[param.name])
-                elif param.is_constexpr and param.has_default:
-                    tail.append(param.default)
-                else:
-                    return  # a runtime argument missing from args: keep the JIT path
-            self.tail = tuple(tail)
-            self.runner = compiled[(*self.grid, 1, 1)[:3]]  # the compiled launcher reads all three extents
+            self.runner = found[0][(*self.grid, 1, 1)[:3]]  # the compiled launcher reads all three extents
+            self.tail = found[1]
         except (AttributeError, TypeError):  # pragma: no cover - a Triton release without this API
             self.runner = None
+
+
+def compiled_kernel(
+    kernel: Any, grid: tuple, meta: dict[str, Any], args: Sequence[Any]
+) -> tuple[Any, tuple] | None:
+    """The compiled kernel for these arguments (an API Triton keeps public since 3.0) and the
+    compile-time values its launcher takes after them; None where this Triton release lacks the API or a
+    runtime argument is missing from ``args`` (keep the JIT path then)."""
+    try:
+        compiled = kernel.warmup(*args, grid=grid, **meta)
+        tail = []
+        for param in kernel.params[len(args) :]:
+            if param.name in meta:
+                tail.append(meta[param.name])
+            elif param.is_constexpr and param.has_default:
+                tail.append(param.default)
+            else:
+                return None
+        return compiled, tuple(tail)
+    except (AttributeError, TypeError):  # pragma: no cover - a Triton release without this API
+        return None
+
+
+def specialisation_key(arg: Any) -> Any:
+    """What Triton specialises a runtime argument on: a tensor's dtype and 16-byte alignment; an int's
+    equality to 1 (a constant then), divisibility by 16 and width (i32, i64, u64); anything else by value."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, int) and not isinstance(arg, bool):
+        width = 0 if -(2**31) <= arg < 2**31 else 1 if -(2**63) <= arg < 2**63 else 2
+        return arg == 1, arg % 16 == 0, width
+    return type(arg), arg
+
+
+class SpecialisedLaunch:
+    """A launch site whose grid and arguments change from call to call (a rerank's candidates), launched
+    through the compiled kernel of each specialisation it meets (`specialisation_key` of every argument):
+    Triton's JIT for a specialisation's first call, its compiled launcher from the second on (as
+    `KernelLaunch` does for one fixed set of arguments). Under the interpreter every call goes through
+    the JIT."""
+
+    __slots__ = ("kernel", "meta", "device", "_seen", "_compiled")
+
+    def __init__(self, kernel: Any, meta: dict[str, Any], device: torch.device) -> None:
+        self.kernel, self.meta, self.device = kernel, dict(meta), device
+        self._seen: set[tuple] = set()
+        self._compiled: dict[tuple, tuple[Any, tuple]] = {}
+
+    def __call__(self, grid: tuple, *args: Any) -> None:
+        key = tuple(map(specialisation_key, args))
+        entry = self._compiled.get(key)
+        if entry is not None:
+            compiled, tail = entry
+            compiled[(*grid, 1, 1)[:3]](
+                *args, *tail, stream=torch._C._cuda_getCurrentRawStream(self.device.index)
+            )
+            return
+        self.meta["num_stages"] = launch_fitting_shared_memory(self.kernel, grid, *args, **self.meta)
+        if self.device.type != "cuda":
+            return
+        if key in self._seen:
+            found = compiled_kernel(self.kernel, grid, self.meta, args)
+            if found is not None:
+                self._compiled[key] = found
+        self._seen.add(key)

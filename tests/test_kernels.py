@@ -793,3 +793,65 @@ def test_int16_argmax_is_refused_for_documents_of_2_pow_15_tokens():
         fwd.maxsim_varlen_forward_triton(
             queries, qo, docs[:4], torch.tensor([0, 4]), return_argmax=True, argmax_dtype=torch.int64
         )
+
+
+# ---------------------------------------------------------------------------------------------------
+# ResidentCandidates: reranks through one reused buffer, the generic launcher's scores
+
+
+def test_specialisation_keys_follow_tritons_rules():
+    from maxsim_kernels._launch import specialisation_key
+
+    assert specialisation_key(1) != specialisation_key(2)  # 1 is a compile-time constant
+    assert specialisation_key(16) == specialisation_key(4096) != specialisation_key(17)
+    assert specialisation_key(2**31) != specialisation_key(2**31 - 16)  # i64 against i32
+    x = torch.zeros(8, dtype=torch.int64)
+    assert specialisation_key(x) == specialisation_key(x[2:]) != specialisation_key(x[1:])
+    assert specialisation_key(x) != specialisation_key(x.float())
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_resident_candidates_equal_the_launcher(dtype):
+    """Calls of every shape one after another through the reused buffer: the generic launcher's scores,
+    bit for bit (the same kernel and inputs), within the reference's bound."""
+    from maxsim_kernels.maxsim_forward import ResidentCandidates, maxsim_candidates_forward_triton
+
+    gen = torch.Generator().manual_seed(21)
+    d_lens = torch.randint(1, 40, (30,), generator=gen)
+    d_lens[5] = 1
+    docs, d_off = packed(d_lens, 24, dtype, gen=gen)
+    staged = ResidentCandidates(docs, d_off)
+    for q_lens, counts in [([5], [1]), ([32], [30]), ([3, 17], [9, 1]), ([1, 4, 7], [4, 0, 11]), ([5], [1])]:
+        queries, q_off = packed(q_lens, 24, torch.float32, gen=gen)
+        c_off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        cand = torch.randint(0, 30, (int(c_off[-1]),), generator=gen).numpy()
+        got = staged(queries, np.asarray(q_lens, dtype=np.int64), c_off, cand)
+        want = maxsim_candidates_forward_triton(
+            queries.to(dtype), q_off, docs, d_off, torch.from_numpy(c_off), torch.from_numpy(cand)
+        )
+        assert got.dtype == np.float32 and np.array_equal(got, want.numpy())
+        ref = maxsim_candidates_reference(
+            queries.to(dtype), q_off, docs, d_off, torch.from_numpy(c_off), torch.from_numpy(cand)
+        )
+        check_scores(
+            torch.from_numpy(got), ref, torch.repeat_interleave(q_off.diff(), torch.tensor(counts)), 24
+        )
+
+
+def test_resident_candidates_refuse_what_they_cannot_score():
+    from maxsim_kernels.maxsim_forward import ResidentCandidates
+
+    docs, d_off = packed([3, 4], 16, torch.float32)
+    staged = ResidentCandidates(docs, d_off)
+    queries, _ = packed([2], 16)
+    one = np.array([0, 1], dtype=np.int64)
+    with pytest.raises(ValueError, match="not a document index"):
+        staged(queries, np.array([2]), one, np.array([2]))
+    with pytest.raises(ValueError, match="disagree"):
+        staged(queries, np.array([2]), np.array([0, 2]), np.array([1]))
+    assert staged(queries, np.array([2]), np.array([0, 0]), np.zeros(0, dtype=np.int64)).shape == (0,)
+    long_query, _ = packed([129], 16)
+    assert staged(long_query, np.array([129]), one, np.array([1])) is None  # chunked: the generic path
+    with pytest.raises(ValueError, match="float16/bfloat16/float32"):
+        ResidentCandidates(docs.to(torch.int8), d_off)

@@ -368,3 +368,39 @@ def test_host_offsets_reach_the_device_without_waiting_for_the_stream():
         source.fill_(-1)
         assert returned_while_busy
         assert torch.equal(copied.cpu(), values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_resident_candidates_equal_the_launcher_bit_for_bit(dtype):
+    """A server's reranks through `ResidentCandidates` (one reused pinned buffer, the compiled kernel of
+    each specialisation from its second call on): the generic launcher's scores, bit for bit, call after
+    call, for 1 and several queries, odd and even program counts, candidate counts that are and are not
+    multiples of 16, and within the reference's bound."""
+    import numpy as np
+    from maxsim_kernels.maxsim_forward import ResidentCandidates, maxsim_candidates_forward_triton
+
+    gen = torch.Generator(device=CUDA).manual_seed(8)
+    cpu_gen = torch.Generator().manual_seed(8)
+    docs, d_off = packed(torch.randint(1, 200, (3000,), generator=cpu_gen), 128, dtype, gen)
+    staged = ResidentCandidates(docs, d_off.to(CUDA))
+    cases = [([32], [1000]), ([32], [1]), ([32], [999]), ([7, 32], [999, 1]), ([3, 32, 17], [37, 0, 300])]
+    for _ in range(3):
+        for q_lens, counts in cases:
+            queries, q_off = packed(q_lens, 128, torch.float32, gen)
+            c_off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            cand = torch.randint(0, 3000, (int(c_off[-1]),), generator=cpu_gen).numpy()
+            got = staged(queries.cpu(), np.asarray(q_lens, dtype=np.int64), c_off, cand)
+            want = maxsim_candidates_forward_triton(
+                queries.to(dtype), q_off, docs, d_off, torch.from_numpy(c_off), torch.from_numpy(cand)
+            )
+            assert np.array_equal(got, want.cpu().numpy()), (q_lens, counts)
+            ref = maxsim_candidates_reference(
+                queries.to(dtype), q_off, docs, d_off, torch.from_numpy(c_off), torch.from_numpy(cand)
+            )
+            assert_close(
+                torch.from_numpy(got).to(CUDA),
+                ref,
+                torch.repeat_interleave(q_off.diff(), torch.tensor(counts)).to(CUDA),
+                128,
+            )
+    assert all(launch._compiled for launch in staged._launches.values())

@@ -147,12 +147,41 @@ def candidate_scores(
     memory. For a caller that finds its candidates itself (`maxsim_cli.service.batching`: a served
     rerank looks docnos up in `Corpus.ordinal_index` and sorts its answers itself)."""
     try:
+        if _staged(corpus, residency, backend):
+            torch.cuda.set_device(residency.device)  # as `_kernel_inputs`: Triton launches on this device
+            scores = _staged_launcher(residency)(
+                _query_embeddings(queries, corpus.dtype, corpus.quantization),
+                np.diff(queries.offsets.numpy()),
+                candidate_offsets,
+                candidate_docs,
+            )
+            if scores is not None:
+                return scores
         kernel_args, kernel_kwargs = _kernel_inputs(corpus, residency, queries, backend)
         return _candidates_kernel(kernel_args, kernel_kwargs, candidate_offsets, candidate_docs)
     except torch.OutOfMemoryError:
         if residency.device.type == "cuda":
             torch.cuda.empty_cache()
         return None
+
+
+def _staged(corpus: Corpus, residency: Residency, backend: str) -> bool:
+    """Whether a rerank goes through the residency's reused launcher (`ResidentCandidates`): a float
+    corpus on CUDA, scored by the Triton kernel."""
+    return (
+        residency.device.type == "cuda"
+        and backend in ("auto", "triton")
+        and corpus.quantization == "none"
+        and corpus.dtype in ("float16", "bfloat16", "float32")
+    )
+
+
+def _staged_launcher(residency: Residency) -> Any:
+    if residency.candidates is None:
+        from maxsim_kernels.maxsim_forward import ResidentCandidates
+
+        residency.candidates = ResidentCandidates(residency.embeddings, residency.offsets)
+    return residency.candidates
 
 
 def _kernel_inputs(

@@ -17,7 +17,7 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -67,6 +67,9 @@ class Residency:
     # each document's docno rank on the device (the tie-break of a search's top-k), made at the first
     # search scored directly (`maxsim_cli.scoring.direct`)
     doc_ranks: torch.Tensor | None = None
+    # the reused launcher of small reranks on a float corpus on CUDA (`direct.candidate_scores`), made at
+    # the first one
+    candidates: Any = None
 
 
 def assign_shards(tokens: Sequence[int], world: int) -> list[list[int]]:
