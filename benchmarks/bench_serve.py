@@ -132,6 +132,7 @@ class Server:
         log_path: str,
         workers: str | None = None,
         busy_poll_ms: str | None = None,
+        direct_connections: str | None = None,
     ) -> None:
         self.log_path = log_path
         self.log_file = open(log_path, "w")  # noqa: SIM115 - closed in stop()
@@ -141,6 +142,8 @@ class Server:
             cmd += ["--workers", workers]
         if busy_poll_ms is not None:
             cmd += ["--busy-poll-ms", busy_poll_ms]
+        if direct_connections is not None:
+            cmd += ["--direct-connections", direct_connections]
         self.command = " ".join(["maxsim", *cmd[3:]])
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log_file
@@ -351,6 +354,7 @@ def rerank_one_client(args: argparse.Namespace, device: torch.device) -> dict:
         os.path.join(args.workdir, "serve-rerank.log"),
         args.workers,
         args.busy_poll_ms,
+        args.direct_connections,
     )
     runs = {}
     try:
@@ -566,6 +570,7 @@ def search_clients(args: argparse.Namespace, device: torch.device) -> dict:
         os.path.join(args.workdir, "serve-search.log"),
         args.workers,
         args.busy_poll_ms,
+        args.direct_connections,
     )
     try:
         import httpx
@@ -643,6 +648,11 @@ def main() -> None:
     parser.add_argument(
         "--busy-poll-ms", default=None, help="the servers' --busy-poll-ms (default: the server's own)"
     )
+    parser.add_argument(
+        "--direct-connections",
+        default=None,
+        help="the servers' --direct-connections (default: the server's own)",
+    )
     parser.add_argument("--only", choices=("rerank", "search"), default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -656,6 +666,7 @@ def main() -> None:
         "client_processes": args.client_processes,
         "workers_option": args.workers or "default (auto)",
         "busy_poll_ms_option": args.busy_poll_ms or "default",
+        "direct_connections_option": args.direct_connections or "default",
     }
     result["load_average_start"] = os.getloadavg()
     if args.only in (None, "rerank"):

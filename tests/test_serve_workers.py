@@ -83,8 +83,11 @@ def local() -> Iterator[TestClient]:
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     # busy polling on (a CPU server has it off unless asked): each request announced to the scoring
-    # process, the loops turning while answers are due; the answers must not change
+    # process, the loops turning while answers are due; the answers must not change. No connection
+    # taken over by the scoring process: every request here crosses from a worker (the connections the
+    # scoring process serves itself have tests of their own, below)
     options = ["--workers", "2", "--batch-window-ms", "5", "--max-request-bytes", "4MiB"]
+    options += ["--direct-connections", "0"]
     s = Server(CORPUS, *options, "--busy-poll-ms", "2")
     yield s
     s.stop()
@@ -306,6 +309,127 @@ def test_int8_corpus_and_queries_with_a_token(tmp_path, queries) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# connections the scoring process takes over (`maxsim_cli.service.takeover`)
+
+
+def spans(response: httpx.Response) -> list[str]:
+    return [name for name, _ in re.findall(r"(\w+);dur=([\d.]+)", response.headers["server-timing"])]
+
+
+def post_json(client: httpx.Client, path: str, body: bytes) -> httpx.Response:
+    return client.post(path, content=body, headers={"content-type": JSON})
+
+
+def raw_post(
+    port: int, path: str, body: bytes, *, pieces: int = 1, sock: socket.socket | None = None
+) -> bytes:
+    """One request on a (new) connection, written at once or in ``pieces``; the response's bytes."""
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    data = head + body
+    own = sock is None
+    sock = sock or socket.create_connection(("127.0.0.1", port), timeout=30)
+    try:
+        step = -(-len(data) // pieces)
+        for at in range(0, len(data), step):
+            sock.sendall(data[at : at + step])
+            if pieces > 1:
+                time.sleep(0.02)
+        response = b""
+        while b"\r\n\r\n" not in response:
+            response += sock.recv(65536)
+        head_part, _, rest = response.partition(b"\r\n\r\n")
+        size = int(re.search(rb"content-length: (\d+)", head_part, re.I).group(1))
+        while len(rest) < size:
+            rest += sock.recv(65536)
+        return head_part + b"\r\n\r\n" + rest
+    finally:
+        if own:
+            sock.close()
+
+
+def test_a_lone_client_is_served_by_the_scoring_process_and_others_by_workers(local, queries) -> None:
+    """The default: the first connection is taken over (no ``ipc``: no hop), a second one while the first
+    is open is a worker's; both answer the one-process server's bytes; once the first closes, the next
+    one is taken over again."""
+    server = Server(CORPUS, "--workers", "2", "--batch-window-ms", "0")
+    try:
+        stage = first_stage(5)
+        requests = [
+            ("/search", json_body({"queries": [query_json(queries, i) for i in range(3)], "k": 7})),
+            ("/rerank", json_body({"queries": [query_json(queries, queries.ids.index(q)) for q in stage],
+                                   "candidates": stage})),
+            ("/search", json_body({"queries": [{"qid": "q", "embedding": [[0.5] * 3]}]})),  # 422
+        ]  # fmt: skip
+        with httpx.Client(base_url=server.url, timeout=30) as first:
+            for path, body in requests * 2:
+                ours, theirs = both(first, local, path, body)
+                assert (ours.status_code, ours.content) == (theirs.status_code, theirs.content)
+            assert "ipc" not in spans(post_json(first, *requests[0]))
+            with httpx.Client(base_url=server.url, timeout=30) as second:
+                for path, body in requests:
+                    ours, theirs = both(second, local, path, body)
+                    assert (ours.status_code, ours.content) == (theirs.status_code, theirs.content)
+                assert "ipc" in spans(post_json(second, *requests[0]))
+
+        # the first is closed: its slot is free again for the next connection
+        def next_is_taken() -> bool:
+            with httpx.Client(base_url=server.url, timeout=30) as client:
+                return "ipc" not in spans(post_json(client, *requests[0]))
+
+        wait_for(next_is_taken, "a new connection to be taken over")
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0, "".join(server.log)
+
+
+def test_a_request_written_with_the_connection_reaches_the_scoring_process_whole(local, queries) -> None:
+    """A client that writes its request as it connects: the bytes the worker's loop had read before it
+    paused the connection travel with it, whole or in pieces, on a new connection each time."""
+    server = Server(CORPUS, "--workers", "1")
+    try:
+        body = json_body({"queries": [query_json(queries, 4)], "k": 5})
+        want = local.post("/search", content=body, headers={"content-type": JSON})
+        for pieces in (1, 1, 1, 3, 1, 7):
+            response = raw_post(server.port, "/search", body, pieces=pieces)
+            head, _, content = response.partition(b"\r\n\r\n")
+            assert b" 200 " in head.split(b"\r\n")[0] and content == want.content
+            assert b"ipc;" not in head  # taken over: the lone connection is the scoring process's
+        # two requests one after the other on one kept connection
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            for _ in range(2):
+                assert raw_post(server.port, "/search", body, sock=sock).endswith(want.content)
+    finally:
+        server.stop()
+
+
+def test_a_taken_connection_checks_the_token_and_the_body_limit(tmp_path, queries) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    server = Server(CORPUS, "--workers", "1", "--token-file", str(token_file), "--max-request-bytes", "1KiB")
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            assert http.get("/health").status_code == 401
+            auth = {"authorization": f"Bearer {TOKEN}"}
+            big = http.post("/search", json={"queries": [query_json(queries, 0)]}, headers=auth)
+            assert big.status_code == 413 and "over the limit of 1024 bytes" in big.json()["detail"]
+            health = http.get("/health", headers=auth)
+            assert health.status_code == 200 and health.json()["workers"] == 1
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("value", ["-1", "one"])
+def test_bad_direct_connections_option(value) -> None:
+    result = CliRunner().invoke(cli_app, ["serve", CORPUS, "--device", "cpu", "--direct-connections", value])
+    assert result.exit_code == 2, result.output
+    assert "--direct-connections" in result.output and "Traceback" not in result.output
+
+
+# --------------------------------------------------------------------------------------------------
 # stopping, and a worker that cannot start
 
 
@@ -501,3 +625,4 @@ def test_a_request_frame_is_answered_now_or_queued_with_the_same_answer(
     error, _ = unframe(sink.frames[1])
     assert error["id"] == 12 and error["status"] == 500
     assert len(queued) == (0 if on_gpus else 2)
+

@@ -13,6 +13,7 @@ from maxsim_cli.errors import MaxsimError
 DEFAULT_MAX_REQUEST_BYTES = "64MiB"
 DEFAULT_WINDOW_MS = 2.0
 DEFAULT_MAX_BATCH_QUERIES = 256
+DEFAULT_DIRECT_CONNECTIONS = 1
 
 
 def register(app: typer.Typer) -> None:
@@ -82,6 +83,16 @@ def register(app: typer.Typer) -> None:
                 "HTTP and JSON work, not the GPU, caps the queries per second."
             ),
         ),
+        direct_connections: int = typer.Option(
+            DEFAULT_DIRECT_CONNECTIONS,
+            "--direct-connections",
+            help=(
+                "With workers: HTTP connections the scoring process takes over and serves itself, the "
+                "first ones to arrive while it holds fewer; their requests skip the hop to a worker and "
+                "back (a lone client gets the latency of --workers 0). 0: none."
+            ),
+            min=0,
+        ),
     ) -> None:
         """Keep a corpus resident and answer exact search and rerank requests over HTTP (JSON or Arrow).
 
@@ -125,4 +136,5 @@ def register(app: typer.Typer) -> None:
             access_log=access_log,
             workers=worker_count,
             busy_poll_ms=busy_poll_ms,
+            direct_connections=direct_connections,
         )

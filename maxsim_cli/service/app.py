@@ -50,6 +50,10 @@ DEFAULT_MAX_BATCH_QUERIES = 256
 # (`maxsim_cli.service.awake`; docs/serve.md, "Busy polling"). Long enough for a client that sends its
 # next request as soon as it has read an answer.
 DEFAULT_BUSY_POLL_MS = 2.0
+# With workers, the connections the scoring process serves itself (`maxsim_cli.service.takeover`): one,
+# so that a lone client skips the hop to a worker, while under load its share of the HTTP work (one
+# connection of many) leaves the scoring to the scoring process.
+DEFAULT_DIRECT_CONNECTIONS = 1
 # After SIGTERM, requests in flight get this long to finish before they are cancelled.
 GRACEFUL_SHUTDOWN_S = 60
 # Bodies up to this size are parsed on the event loop (well under a millisecond); larger ones on a
@@ -92,18 +96,9 @@ def create_app(
             await awake.close()
             await batcher.close()  # every queued request is answered first
 
-    async def submit(kind: str, parsed: Parsed) -> Answered:
-        timing = Timing()
-        answers = await batcher.submit(kind, parsed, timing)
-        return Answered(answers, timing.queue_s, timing.score_s, timing.batch_requests)
-
-    async def health() -> dict[str, Any]:
-        return health_of(corpus, batcher, workers=0)
-
-    app = http_app(
-        parse_request,
-        submit,
-        health,
+    app = scoring_app(
+        batcher,
+        lambda: health_of(corpus, batcher, workers=0),
         corpus_dim=corpus.dim,
         token=token,
         max_request_bytes=max_request_bytes,
@@ -113,6 +108,40 @@ def create_app(
     app.state.batcher = batcher
     app.state.corpus = corpus
     return app
+
+
+def scoring_app(
+    batcher: Batcher,
+    health: Callable[[], dict[str, Any]],
+    *,
+    corpus_dim: int,
+    token: str | None,
+    max_request_bytes: int,
+    lifespan: Callable[[FastAPI], Any] | None = None,
+    on_answer: Callable[[], None] | None = None,
+) -> FastAPI:
+    """`http_app` in the process that scores: bodies read into `Parsed` requests, scored by ``batcher``
+    (the one-process server's app, and the app of the connections a `--workers` server's scoring
+    process takes over: `maxsim_cli.service.takeover`)."""
+
+    async def submit(kind: str, parsed: Parsed) -> Answered:
+        timing = Timing()
+        answers = await batcher.submit(kind, parsed, timing)
+        return Answered(answers, timing.queue_s, timing.score_s, timing.batch_requests)
+
+    async def health_now() -> dict[str, Any]:
+        return health()
+
+    return http_app(
+        parse_request,
+        submit,
+        health_now,
+        corpus_dim=corpus_dim,
+        token=token,
+        max_request_bytes=max_request_bytes,
+        lifespan=lifespan,
+        on_answer=on_answer,
+    )
 
 
 @dataclass
@@ -135,7 +164,7 @@ def http_app(
     corpus_dim: int,
     token: str | None,
     max_request_bytes: int,
-    lifespan: Callable[[FastAPI], Any],
+    lifespan: Callable[[FastAPI], Any] | None,
     on_request: Callable[[], None] | None = None,
     on_answer: Callable[[], None] | None = None,
 ) -> FastAPI:
@@ -479,6 +508,7 @@ def serve(
     access_log: bool = False,
     workers: int | None = None,
     busy_poll_ms: float | None = None,
+    direct_connections: int = DEFAULT_DIRECT_CONNECTIONS,
     log: Callable[[str], None] = _stderr,
 ) -> None:
     """Open the corpus, make it resident on ``device`` (or spread over ``devices``), and answer requests
@@ -486,7 +516,9 @@ def serve(
     until SIGTERM or Ctrl-C, which let the requests in flight finish first. ``workers``: HTTP in that
     many worker processes (`maxsim_cli.service.workers`), 0 in this one, None: `auto_workers`.
     ``busy_poll_ms``: how long the event loops keep turning for a request on its way (`Awake`); None:
-    `DEFAULT_BUSY_POLL_MS` when GPUs score, 0 on the CPU (whose cores are the scorers)."""
+    `DEFAULT_BUSY_POLL_MS` when GPUs score, 0 on the CPU (whose cores are the scorers).
+    ``direct_connections``: with workers, how many HTTP connections the scoring process takes over and
+    serves itself (`maxsim_cli.service.takeover`)."""
     import uvicorn
 
     from maxsim_cli.api import open_corpus
@@ -499,6 +531,8 @@ def serve(
         raise UsageError(f"--max-batch-queries {max_batch_queries}: must be at least 1")
     if busy_poll_ms is not None and busy_poll_ms < 0:
         raise UsageError(f"--busy-poll-ms {busy_poll_ms}: must be 0 or more")
+    if direct_connections < 0:
+        raise UsageError(f"--direct-connections {direct_connections}: must be 0 or more")
     if workers is not None and not 0 <= workers <= MAX_WORKERS:
         raise UsageError(f"--workers {workers}: must be 0 to {MAX_WORKERS}, or auto")
     token = read_token(token_file, log) if token_file is not None else None
@@ -529,6 +563,7 @@ def serve(
                     max_batch_queries=max_batch_queries,
                     access_log=access_log,
                     busy_poll_ms=busy_poll_ms,
+                    direct_connections=direct_connections,
                     log=log,
                 )
                 return
@@ -572,6 +607,7 @@ def _serve_with_workers(
     max_batch_queries: int,
     access_log: bool,
     busy_poll_ms: float,
+    direct_connections: int,
     log: Callable[[str], None],
 ) -> None:
     """`serve`'s scoring process under ``--workers N`` (`maxsim_cli.service.workers`)."""
@@ -595,6 +631,7 @@ def _serve_with_workers(
         error_status=error_status,
         graceful_shutdown_s=GRACEFUL_SHUTDOWN_S,
         busy_poll_s=busy_poll_ms / 1000,
+        direct_connections=direct_connections,
     )
     bound = sock.getsockname()[1]
     sock.listen(2048)

@@ -25,6 +25,7 @@ from typing import Any
 
 from maxsim_cli import lifeline
 from maxsim_cli.service.awake import Awake
+from maxsim_cli.service.takeover import SOCKET_NAME as DIRECT_SOCKET
 
 
 class HubClient:
@@ -159,15 +160,21 @@ def run(listen_fd: int, hub_path: str, index: int) -> None:
     log_config = _log_config()
     log_config["loggers"]["uvicorn.error"]["level"] = "WARNING"  # no start-up lines from every worker
     listener = socket.socket(fileno=listen_fd)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            log_config=log_config,
-            access_log=bool(config["access_log"]),
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-            server_header=False,
-        )
+    server_config = uvicorn.Config(
+        app,
+        log_config=log_config,
+        access_log=bool(config["access_log"]),
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        server_header=False,
     )
+    if config.get("direct"):  # each new connection offered to the scoring process first (`takeover`)
+        from maxsim_cli.service.takeover import Offerer, offering_protocol
+
+        server_config.load()
+        server_config.http_protocol_class = offering_protocol(
+            server_config.http_protocol_class, Offerer(str(config["direct"]))
+        )
+    server = uvicorn.Server(server_config)
     logging.getLogger("maxsim.serve").debug("serve worker %d ready", index)
     # the imported modules out of the collector's generations, as in the scoring process: its full
     # collections, which a request's allocations start, then walk only what requests made
@@ -209,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         # a scoring process that was killed left its socket and folder: the last worker removes them
-        lifeline.remove_if_orphaned([args.hub], os.path.dirname(args.hub))
+        folder = os.path.dirname(args.hub)
+        lifeline.remove_if_orphaned([args.hub, os.path.join(folder, DIRECT_SOCKET)], folder)
     return 0
 
 

@@ -41,6 +41,7 @@ from maxsim_cli.lifeline import ENV_LAUNCHER_PID
 from maxsim_cli.service.awake import Awake
 from maxsim_cli.service.batching import Batcher, QueryAnswer, Scorer, Timing
 from maxsim_cli.service.schema import Parsed, to_parsed
+from maxsim_cli.service.takeover import DirectConnections
 from maxsim_cli.service.wire import (
     FrameError,
     answer_frame,
@@ -102,12 +103,14 @@ class Hub:
         graceful_shutdown_s: float,
         device: str = "auto",
         busy_poll_s: float = 0.0,
+        direct_connections: int = 0,
     ) -> None:
         """``health``: ``GET /health``'s answer; ``error_status``: a failed request's HTTP status and
         message; ``graceful_shutdown_s``: how long a stopping worker may finish its requests (the
         HTTP side's, in `maxsim_cli.service.app`); ``busy_poll_s``: how long this process and the
         workers keep their event loops turning after a request is announced or answered (`Awake`;
-        0: never)."""
+        0: never); ``direct_connections``: how many HTTP connections this process takes over from the
+        workers and serves itself (`maxsim_cli.service.takeover`; 0: none)."""
         self.corpus = corpus
         self.health = health
         self.error_status = error_status
@@ -133,6 +136,8 @@ class Hub:
         self.workers: list[_Worker] = []
         self.folder = ""
         self.path = ""
+        self.direct_connections = direct_connections
+        self.direct: DirectConnections | None = None
 
     async def run(self, on_ready: Callable[[], None]) -> None:
         """Serve until SIGTERM or SIGINT (``on_ready`` once every worker is up); raises `MaxsimError`
@@ -145,6 +150,9 @@ class Hub:
         self.folder = tempfile.mkdtemp(prefix="maxsim-serve-")  # mode 0700: only this user connects
         self.path = os.path.join(self.folder, "hub.sock")
         server = await asyncio.start_unix_server(self._connection, self.path)
+        if self.direct_connections > 0:
+            self.direct = self._direct()
+            self.config["direct"] = self.direct.start(self.folder)
         try:
             self.workers = [self._start(i) for i in range(self.count)]
             announced = False
@@ -158,11 +166,32 @@ class Hub:
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
-            await self._stop_workers()
+            await asyncio.gather(
+                self._stop_workers(), self.direct.close() if self.direct else asyncio.sleep(0)
+            )
             server.close()
             await self.awake.close()
             await self.batcher.close()
             shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _direct(self) -> DirectConnections:
+        """The connections taken over from the workers, served by the one-process server's app."""
+        from maxsim_cli.service.app import scoring_app
+
+        app = scoring_app(
+            self.batcher,
+            lambda: self.health(self.batcher),
+            corpus_dim=self.corpus.dim,
+            token=self.config["token"],
+            max_request_bytes=int(self.config["max_request_bytes"]),
+            on_answer=self.awake.linger,
+        )
+        return DirectConnections(
+            app,
+            self.direct_connections,
+            access_log=bool(self.config["access_log"]),
+            graceful_shutdown_s=self.graceful_shutdown_s,
+        )
 
     # ----------------------------------------------------------------------------------------------
     # the workers
