@@ -40,6 +40,7 @@ from maxsim_cli import Queries, open_corpus, read_queries, rerank, search  # noq
 from maxsim_cli.cli import app as cli_app  # noqa: E402
 from maxsim_cli.service.app import check_bind, create_app, is_loopback  # noqa: E402
 from maxsim_cli.service.batching import (  # noqa: E402
+    QUICK_GAP_S,
     Batcher,
     Counters,
     Job,
@@ -274,7 +275,7 @@ def test_resident_on_gpus_needs_every_part_resident_on_a_gpu(corpus) -> None:
 def test_score_now_answers_a_quick_request_to_an_idle_server_only(corpus, queries, monkeypatch) -> None:
     """`Batcher.score_now` (what a worker's frame tries first): the answer of `search` for one small
     request while the batcher runs idle (the corpus said to be on GPUs); None before it starts, after it
-    closes, and for a request that is not quick."""
+    closes, for a request that is not quick, and for one that comes right after a scoring."""
     monkeypatch.setattr(Scorer, "on_gpus", property(lambda self: True))
     one = Queries.from_embeddings(["x"], [rows_of(queries, 0)])
     big = Queries.from_embeddings([f"q{i}" for i in range(5)], [rows_of(queries, 0)] * 5)
@@ -287,6 +288,10 @@ def test_score_now_answers_a_quick_request_to_an_idle_server_only(corpus, querie
         try:
             answers = batcher.score_now("search", Parsed(one, 3), timing)
             assert batcher.score_now("search", Parsed(big, 3)) is None
+            # right after a scoring: a request that waited behind it (a loaded server) is queued
+            assert batcher.score_now("search", Parsed(one, 3)) is None
+            await asyncio.sleep(2 * QUICK_GAP_S)
+            assert batcher.score_now("search", Parsed(one, 3)) is not None
         finally:
             await batcher.close()
         assert batcher.score_now("search", Parsed(one, 3)) is None

@@ -624,5 +624,54 @@ def test_a_request_frame_is_answered_now_or_queued_with_the_same_answer(
     assert {q: list(h) for q, h, _ in answers_from_frame(header, payload)} == as_float32(expected)
     error, _ = unframe(sink.frames[1])
     assert error["id"] == 12 and error["status"] == 500
-    assert len(queued) == (0 if on_gpus else 2)
+    # the second frame came right after the first was scored: queued either way (`QUICK_GAP_S`)
+    assert len(queued) == (1 if on_gpus else 2)
 
+
+def test_frames_that_waited_behind_a_scoring_are_batched(queries, monkeypatch) -> None:
+    """A loaded server on GPUs: frames from several workers read one after another, as the event loop
+    reads them once a scoring lets it. Only the first is scored at once (`score_now`); the others came
+    right after it and go to the batcher's queue, where they are scored together, each answer that of
+    the request alone."""
+    import asyncio
+
+    from maxsim_cli import Queries
+    from maxsim_cli.service.batching import Scorer
+    from maxsim_cli.service.schema import check_request
+    from maxsim_cli.service.wire import answers_from_frame, request_frame
+    from maxsim_cli.service.workers import Hub, _Worker
+
+    monkeypatch.setattr(Scorer, "on_gpus", property(lambda self: True))
+    frames = []
+    for i in range(8):
+        body = json_body({"queries": [query_json(queries, i)], "k": 3})
+        checked = check_request("search", JSON, body, {}, queries.embeddings.shape[1])
+        frames.append(unframe(request_frame(100 + i, "search", checked)))
+    with open_corpus(CORPUS) as corpus:
+        hub = Hub(corpus, socket.socket(), 2, token=None, max_request_bytes=1 << 20, batch_window_ms=2,
+                  max_batch_queries=64, access_log=False, health=lambda b: {}, graceful_shutdown_s=1,
+                  error_status=lambda exc: (500, type(exc).__name__))  # fmt: skip
+        workers = [_Worker(0, None, 0.0), _Worker(1, None, 0.0)]  # type: ignore[arg-type]
+        sink = FrameSink()
+
+        async def main() -> None:
+            await hub.batcher.start()
+            try:
+                for i, (header, payload) in enumerate(frames):
+                    hub._request(workers[i % 2], "search", header, payload, sink)  # type: ignore[arg-type]
+                await asyncio.gather(*(task for w in workers for task in w.tasks))
+            finally:
+                await hub.batcher.close()
+
+        asyncio.run(main())
+        expected = search(
+            Queries.from_embeddings(queries.ids[:8], [rows_of(queries, i) for i in range(8)]), corpus, k=3
+        ).to_dict()
+        counters = hub.batcher.counters
+    assert len(sink.frames) == 8
+    for frame in sink.frames:
+        header, payload = unframe(frame)
+        assert header["status"] == 200
+        got = {q: list(h) for q, h, _ in answers_from_frame(header, payload)}
+        assert got == as_float32({q: expected[q] for q in got})
+    assert counters.requests == 8 and counters.largest > 1 and counters.batches < 8

@@ -59,6 +59,14 @@ logger = logging.getLogger("maxsim.serve")
 # and rerank candidates, a few milliseconds of GPU work.
 QUICK_MAX_QUERIES = 4
 QUICK_MAX_CANDIDATES = 10_000
+# `Batcher.score_now` leaves a request to the queue when it comes this soon after the last scoring ended:
+# it was waiting behind that scoring (its bytes read as soon as the event loop was free again, tens of
+# microseconds after), which is a loaded server, where batches must form. A lone client's next request
+# comes at least ~1.2 ms after its answer left on the H200 host (the answer to the worker, the HTTP
+# answer, the client's next request, its parsing and frame: `python benchmarks/probe_hop_trace.py`).
+# Without it, 64 clients' single-query searches through 4 workers were scored one at a time: 324-342
+# queries/s instead of 1,100+ (benchmarks/results/serve/takeover/search-w4-direct*.json).
+QUICK_GAP_S = 0.0005
 
 
 @dataclass
@@ -362,6 +370,7 @@ class Batcher:
         self._closing = False
         self._executor: ThreadPoolExecutor | None = None
         self._busy = False  # the last batch had company: wait the window for the next one
+        self._scored_at = 0.0  # when the last scoring ended (`QUICK_GAP_S`)
         self.in_thread = False  # a batch is being scored on the worker thread now
 
     @property
@@ -391,16 +400,18 @@ class Batcher:
         self._executor.shutdown(wait=True)
 
     def score_now(self, kind: str, request: Parsed, timing: Timing | None = None) -> list[QueryAnswer] | None:
-        """A request's answers scored here and now when the server is idle and the request quick
-        (`Scorer.quick`), as the batcher would score it alone; None otherwise (`submit` it). For a caller
+        """A request's answers scored here and now when the server is idle (nothing scored in the last
+        `QUICK_GAP_S` either) and the request quick (`Scorer.quick`), as the batcher would score it
+        alone; None otherwise (`submit` it). For a caller
         on the event loop that holds the request already (a worker's frame): no queue, no tasks to hand
         it over. Raises what the request fails with."""
         if self._task is None or self._closing or self._busy or self._pending or self.in_thread:
             return None
         job = Job(kind, request, None, time.perf_counter(), timing)
-        if not self.scorer.quick([job]):
+        if job.arrived - self._scored_at < QUICK_GAP_S or not self.scorer.quick([job]):
             return None
         result = self.scorer.score([job])[0]
+        self._scored_at = time.perf_counter()
         if timing is not None:
             timing.score_s = time.perf_counter() - job.arrived
             timing.batch_requests = 1
@@ -458,7 +469,8 @@ class Batcher:
             except Exception as exc:  # noqa: BLE001 - a bug in the scorer: fail this batch, keep serving
                 logger.exception("scoring a batch failed")
                 results = [exc] * len(batch)
-            score_s = time.perf_counter() - started
+            self._scored_at = time.perf_counter()
+            score_s = self._scored_at - started
             for job, result in zip(batch, results, strict=True):
                 if job.timing is not None:
                     job.timing.queue_s = started - job.arrived
