@@ -8,6 +8,7 @@ requests in flight and removes the server's folder, a worker that cannot start s
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -37,6 +38,7 @@ from test_serve import (  # noqa: E402
     QUERY_FILE,
     TOKEN,
     Server,
+    _load,
     arrow_stream,
     as_float32,
     cli_run,
@@ -675,3 +677,30 @@ def test_frames_that_waited_behind_a_scoring_are_batched(queries, monkeypatch) -
         got = {q: list(h) for q, h, _ in answers_from_frame(header, payload)}
         assert got == as_float32({q: expected[q] for q in got})
     assert counters.requests == 8 and counters.largest > 1 and counters.batches < 8
+
+
+def test_a_loaded_server_whose_requests_are_quick_batches_them(tmp_path, queries) -> None:
+    """A real server whose scorer says its corpus is on GPUs (a ``sitecustomize`` in the scoring
+    process), so that a lone quick request is scored as its frame is read: under 16 clients the frames
+    that waited behind a scoring go to the queue and are scored in batches (one batch a request was the
+    regression `QUICK_GAP_S` fixes), each answer that of `search`."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "argv = ' '.join(getattr(sys, 'orig_argv', ()))\n"
+        "if 'maxsim_cli' in argv and 'service.front' not in argv:\n"
+        "    from maxsim_cli.service import batching\n"
+        "    batching.Scorer.on_gpus = property(lambda self: True)\n"
+    )
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    server = Server(CORPUS, "--workers", "2", "--direct-connections", "0", env={"PYTHONPATH": path})
+    try:
+        expected = search(queries, CORPUS, k=3, device="cpu").to_dict()
+        bodies = [{"queries": [query_json(queries, i % 200)], "k": 3} for i in range(240)]
+        results = asyncio.run(_load(server.url, bodies, clients=16))
+        for (status, answer), body in zip(results, bodies, strict=True):
+            qid = body["queries"][0]["qid"]
+            assert status == 200 and hits_of(answer) == {qid: expected[qid]}
+        health = httpx.get(f"{server.url}/health").json()
+        assert health["requests"] == 240 and health["batches"] < 0.8 * 240, health
+    finally:
+        server.stop()
