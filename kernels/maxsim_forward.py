@@ -786,8 +786,11 @@ class ResidentCandidates:
 
     The generic launcher checks its inputs, plans, and copies the query offsets, the candidates and the
     program table each in its own pinned staging buffer (torch's caching host allocator) at every call:
-    for 1 query x 1,000 candidates ~0.33 ms of host time a call on the H200 host, against a 22 us kernel
-    (cProfile and torch.profiler: `benchmarks/results/serve/prof-rerank-step-h200.txt`). Here the
+    for 1 query x 1,000 candidates 0.53 ms a call under cProfile on the H200 host (0.40 ms of it torch's
+    own CPU time under torch.profiler), against a 22 us kernel
+    (`benchmarks/results/serve/prof-rerank-step-h200.txt`). A served rerank's step with this launcher:
+    1.03-1.55 ms against 1.44-1.91 (`Server-Timing`, alternating in one call,
+    `benchmarks/results/serve/resident-candidates/ab-h200.txt`). Here the
     call's host arrays go into the buffer with numpy, one transfer takes them to the device, the
     compiled kernel of their specialisation is launched (`SpecialisedLaunch`), and the scores come back
     in a second transfer: the scores are those of `maxsim_candidates_forward_triton` (the same kernel,

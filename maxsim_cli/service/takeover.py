@@ -65,7 +65,6 @@ class DirectConnections:
         self._stopping = False
         self._listener: socket.socket | None = None
         self._peer_state: dict[socket.socket, _Peer] = {}
-        self.taken = 0  # connections taken over so far (health, tests)
 
     @property
     def held(self) -> int:
@@ -138,7 +137,6 @@ class DirectConnections:
     async def _serve(self, fd: int, prefix: bytes) -> None:
         sock = socket.socket(fileno=fd)
         sock.setblocking(False)
-        self.taken += 1
         try:
             protocol = functools.partial(self._protocol, prefix=prefix)
             await asyncio.get_running_loop().connect_accepted_socket(protocol, sock)
