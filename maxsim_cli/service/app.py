@@ -632,6 +632,14 @@ def _serve_with_workers(
         graceful_shutdown_s=GRACEFUL_SHUTDOWN_S,
         busy_poll_s=busy_poll_ms / 1000,
         direct_connections=direct_connections,
+        direct_app=lambda batcher, on_answer: scoring_app(
+            batcher,
+            lambda: health_of(corpus, batcher, workers=workers),
+            corpus_dim=corpus.dim,
+            token=token,
+            max_request_bytes=max_request_bytes,
+            on_answer=on_answer,
+        ),
     )
     bound = sock.getsockname()[1]
     sock.listen(2048)

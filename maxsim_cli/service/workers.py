@@ -104,13 +104,15 @@ class Hub:
         device: str = "auto",
         busy_poll_s: float = 0.0,
         direct_connections: int = 0,
+        direct_app: Callable[[Batcher, Callable[[], None]], Any] | None = None,
     ) -> None:
         """``health``: ``GET /health``'s answer; ``error_status``: a failed request's HTTP status and
         message; ``graceful_shutdown_s``: how long a stopping worker may finish its requests (the
         HTTP side's, in `maxsim_cli.service.app`); ``busy_poll_s``: how long this process and the
         workers keep their event loops turning after a request is announced or answered (`Awake`;
         0: never); ``direct_connections``: how many HTTP connections this process takes over from the
-        workers and serves itself (`maxsim_cli.service.takeover`; 0: none)."""
+        workers and serves itself (`maxsim_cli.service.takeover`; 0: none), with the app that
+        ``direct_app(batcher, on_answer)`` makes (`app.scoring_app`)."""
         self.corpus = corpus
         self.health = health
         self.error_status = error_status
@@ -136,7 +138,8 @@ class Hub:
         self.workers: list[_Worker] = []
         self.folder = ""
         self.path = ""
-        self.direct_connections = direct_connections
+        self.direct_connections = direct_connections if direct_app is not None else 0
+        self.direct_app = direct_app
         self.direct: DirectConnections | None = None
 
     async def run(self, on_ready: Callable[[], None]) -> None:
@@ -176,18 +179,9 @@ class Hub:
 
     def _direct(self) -> DirectConnections:
         """The connections taken over from the workers, served by the one-process server's app."""
-        from maxsim_cli.service.app import scoring_app
-
-        app = scoring_app(
-            self.batcher,
-            lambda: self.health(self.batcher),
-            corpus_dim=self.corpus.dim,
-            token=self.config["token"],
-            max_request_bytes=int(self.config["max_request_bytes"]),
-            on_answer=self.awake.linger,
-        )
+        assert self.direct_app is not None
         return DirectConnections(
-            app,
+            self.direct_app(self.batcher, self.awake.linger),
             self.direct_connections,
             access_log=bool(self.config["access_log"]),
             graceful_shutdown_s=self.graceful_shutdown_s,
