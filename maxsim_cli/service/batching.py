@@ -402,9 +402,9 @@ class Batcher:
     def score_now(self, kind: str, request: Parsed, timing: Timing | None = None) -> list[QueryAnswer] | None:
         """A request's answers scored here and now when the server is idle (nothing scored in the last
         `QUICK_GAP_S` either) and the request quick (`Scorer.quick`), as the batcher would score it
-        alone; None otherwise (`submit` it). For a caller
-        on the event loop that holds the request already (a worker's frame): no queue, no tasks to hand
-        it over. Raises what the request fails with."""
+        alone; None otherwise (`submit` it). For a caller on the event loop that holds the request
+        already (a worker's frame): no queue, no tasks to hand it over. Raises what the request fails
+        with."""
         if self._task is None or self._closing or self._busy or self._pending or self.in_thread:
             return None
         job = Job(kind, request, None, time.perf_counter(), timing)

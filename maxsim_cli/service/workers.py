@@ -6,7 +6,8 @@ descriptor: never a fork of a process holding CUDA and threads). The kernel spre
 over the workers; each reads HTTP, checks the token, the body's size and the request (no torch), and
 sends the checked arrays here over its one Unix socket (`wire`), in a private folder (mode 0700)
 removed at exit. Answers go back the same way and each worker writes the HTTP answer itself, with the
-bytes and errors of the one-process server.
+bytes and errors of the one-process server. Up to ``--direct-connections`` connections are taken over
+from the workers and served here instead, without the hop (`takeover`).
 
 Lifecycle:
 
