@@ -424,6 +424,31 @@ def test_a_taken_connection_checks_the_token_and_the_body_limit(tmp_path, querie
         server.stop()
 
 
+def test_a_taken_connection_outlives_the_workers_and_an_idle_one_closes_at_sigterm(local, queries) -> None:
+    """A connection the scoring process has taken over is its own: the workers killed (and replaced),
+    it goes on answering; at SIGTERM, idle, it is closed at once and the server exits 0."""
+    server = Server(CORPUS, "--workers", "2")
+    try:
+        body = json_body({"queries": [query_json(queries, 7)], "k": 6})
+        want = local.post("/search", content=body, headers={"content-type": JSON}).content
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            assert raw_post(server.port, "/search", body, sock=sock).endswith(want)
+            old = server.workers()
+            for pid in old:
+                os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: len(set(server.workers()) - set(old)) == 2, "two new workers")
+            for _ in range(3):
+                response = raw_post(server.port, "/search", body, sock=sock)
+                assert response.endswith(want) and b"ipc;" not in response.partition(b"\r\n\r\n")[0]
+            started = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            assert sock.recv(1) == b""  # closed by the server, not left to the keep-alive timeout
+            assert server.proc.wait(timeout=30) == 0, "".join(server.log)
+            assert time.monotonic() - started < 15
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("value", ["-1", "one"])
 def test_bad_direct_connections_option(value) -> None:
     result = CliRunner().invoke(cli_app, ["serve", CORPUS, "--device", "cpu", "--direct-connections", value])
