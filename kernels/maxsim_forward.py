@@ -762,10 +762,25 @@ def _varlen_plan(
 
 def candidates_config(layout: Layout) -> tuple[KernelConfig, int]:
     """Config and ROWS (query rows per program) for a per-query-candidates problem."""
-    cfg = _TUNING["cands"]
-    q_pad = max(_MIN_ROWS, next_pow2(layout.max_query_len))
-    rows = min(q_pad, 128)
-    return replace(cfg, block_q=rows), rows
+    return _candidates_config(layout.max_query_len)
+
+
+def _candidates_config(max_query_len: int) -> tuple[KernelConfig, int]:
+    rows = min(max(_MIN_ROWS, next_pow2(max_query_len)), 128)
+    return replace(_TUNING["cands"], block_q=rows), rows
+
+
+def _candidates_meta(
+    cfg: KernelConfig, rows: int, dim: int, dtype: torch.dtype, allow_tf32: bool, return_argmax: bool
+) -> dict[str, Any]:
+    """The candidates kernel's compile-time arguments (with num_warps and num_stages)."""
+    block_k, num_k, even_k = _k_blocking(dim)
+    return dict(
+        ROWS=rows, BLOCK_T=cfg.block_t, BLOCK_K=block_k, NUM_K=num_k, EVEN_K=even_k,
+        CANDS_PER_PROG=cfg.docs_per_prog, PRECISION=_precision(dtype, allow_tf32),
+        RETURN_ARGMAX=return_argmax, **cfg.tile_variant(return_argmax), ROTATE=_ROTATE_CANDIDATES,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
 
 
 def _candidate_blocks(c_off: np.ndarray, per_prog: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -842,8 +857,7 @@ class ResidentCandidates:
         max_len = int(query_lengths.max())
         if max_len > 128 or int(query_lengths.min()) < 1:
             return None
-        rows = min(max(_MIN_ROWS, next_pow2(max_len)), 128)
-        launch = self._launch(rows)
+        launch = self._launch(max_len)
         blocks = _candidate_blocks(candidate_offsets, launch.meta["CANDS_PER_PROG"])
         num_blocks = len(blocks[0])
         # the buffer: queries (the documents' dtype), then int64 query offsets, candidates and the
@@ -856,10 +870,9 @@ class ResidentCandidates:
             staged_q = self._host[:q_bytes].view(self.docs.dtype)[: queries.numel()].view(queries.shape)
             staged_q.copy_(queries)
             host = self._host.numpy()
-            parts = [np.cumsum(query_lengths, dtype=np.int64), candidate_docs, *blocks]
-            host[q_bytes : q_bytes + 8].view(np.int64)[0] = 0
-            np.copyto(host[q_bytes + 8 : q_bytes + 8 * (num_q + 1)].view(np.int64), parts[0])
-            for part, at in zip(parts[1:], starts[1:-1].tolist(), strict=True):
+            query_offsets = np.zeros(num_q + 1, dtype=np.int64)
+            np.cumsum(query_lengths, out=query_offsets[1:])
+            for part, at in zip((query_offsets, candidate_docs, *blocks), starts[:-1].tolist(), strict=True):
                 np.copyto(host[at : at + 8 * len(part)].view(np.int64), part)
             if self._dev is not self._host:
                 self._dev[: starts[-1]].copy_(self._host[: starts[-1]], non_blocking=True)
@@ -884,17 +897,12 @@ class ResidentCandidates:
                     torch.cuda.current_stream(self.device).synchronize()
             return out.numpy().copy()
 
-    def _launch(self, rows: int) -> SpecialisedLaunch:
+    def _launch(self, max_query_len: int) -> SpecialisedLaunch:
+        """The launch site of this ROWS class (`candidates_config`'s), made at its first call."""
+        cfg, rows = _candidates_config(max_query_len)
         launch = self._launches.get(rows)
         if launch is None:
-            cfg = replace(_TUNING["cands"], block_q=rows)
-            block_k, num_k, even_k = _k_blocking(self.dim)
-            meta = dict(
-                ROWS=rows, BLOCK_T=cfg.block_t, BLOCK_K=block_k, NUM_K=num_k, EVEN_K=even_k,
-                CANDS_PER_PROG=cfg.docs_per_prog, PRECISION=_precision(self.docs.dtype, False),
-                RETURN_ARGMAX=False, **cfg.tile_variant(False), ROTATE=_ROTATE_CANDIDATES,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )  # fmt: skip
+            meta = _candidates_meta(cfg, rows, self.dim, self.docs.dtype, False, False)
             launch = self._launches[rows] = SpecialisedLaunch(_maxsim_candidates_kernel, meta, self.device)
         return launch
 
@@ -978,13 +986,7 @@ def _candidates_plan(
                 torch.from_numpy(np.stack(_candidate_blocks(c_off, cfg.docs_per_prog))), device
             ),
         )
-        block_k, num_k, even_k = _k_blocking(dim)
-        meta = dict(
-            ROWS=rows, BLOCK_T=cfg.block_t, BLOCK_K=block_k, NUM_K=num_k, EVEN_K=even_k,
-            CANDS_PER_PROG=cfg.docs_per_prog, PRECISION=_precision(docs.dtype, allow_tf32),
-            RETURN_ARGMAX=return_argmax, **cfg.tile_variant(return_argmax), ROTATE=_ROTATE_CANDIDATES,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+        meta = _candidates_meta(cfg, rows, dim, docs.dtype, allow_tf32, return_argmax)
         launch = KernelLaunch(_maxsim_candidates_kernel, (blocks.shape[1] * num_chunks,), meta, device)
         tensors = (q_off, d_off, on_device(candidate_docs, device), blocks[0], blocks[1], blocks[2])
         ints = (layout.num_queries, num_c, num_chunks, layout.num_docs, dim,
