@@ -546,12 +546,14 @@ def test_bad_busy_poll_option(value) -> None:
     assert "--busy-poll-ms" in result.output and "Traceback" not in result.output
 
 
-def test_a_negative_busy_poll_is_refused_by_the_library() -> None:
+def test_a_negative_busy_poll_or_direct_connections_is_refused_by_the_library() -> None:
     from maxsim_cli.errors import UsageError
     from maxsim_cli.service.app import serve
 
     with pytest.raises(UsageError, match="--busy-poll-ms -1.0: must be 0 or more"):
         serve([CORPUS], busy_poll_ms=-1.0)
+    with pytest.raises(UsageError, match="--direct-connections -1: must be 0 or more"):
+        serve([CORPUS], direct_connections=-1)
 
 
 def test_answer_frames_carry_the_hits_exactly() -> None:
