@@ -18,6 +18,7 @@ Rerank candidate layouts (64 queries x 1000 candidates of 180 tokens, a pool of 
     python benchmarks/ab_memory_bound.py --out benchmarks/results/int8/memory-bound-h200.json
     python benchmarks/ab_memory_bound.py --parts maxnreg --out ...       # register caps against none
     python benchmarks/ab_memory_bound.py --parts tiles --out ...         # 32-token tiles against 64
+    python benchmarks/ab_memory_bound.py --parts convert --out ...       # Gluon all pairs: I2F against bias
     TRITON_INTERPRET=1 python benchmarks/ab_memory_bound.py --smoke     # the script itself, on the CPU
 """
 
@@ -353,6 +354,63 @@ def tile_sweep(rep_ms: int, rounds: int = 3) -> None:
                 base = out if base is None else base
 
 
+def conversions(rep_ms: int, rounds: int = 3) -> None:
+    """The Gluon all-pairs kernel's int32 -> fp32 conversion (`maxsim_int8_hopper.I2F_TILES`: 0 the
+    accumulator-bias bits, 1 the conversion instruction on every other tile, 2 on all), in rounds of
+    rotating order, 512 and 64 queries of 32 tokens x 50K ragged documents (host offsets, as `maxsim
+    score` calls it), the fp16 kernel once a round. Same bits asked."""
+    from maxsim_kernels import maxsim_int8 as i8
+    from maxsim_kernels import maxsim_int8_hopper as hopper
+    from maxsim_kernels import maxsim_varlen
+
+    dev = device()
+    gen = torch.Generator(device=dev).manual_seed(1)
+    docs16, d_off = ragged(smoke_size(50_000), 20, 300, gen, dev)
+    docs8, sd = i8.quantize_per_token(docs16)
+    d_host = d_off.cpu()
+    variants, default = (0, 1, 2), hopper.I2F_TILES
+    for nq in (smoke_size(512), smoke_size(64)):
+        queries = normal_tokens(nq * QUERY_TOKENS, gen, dev)
+        qo = torch.arange(nq + 1, dtype=torch.int64, device=dev) * QUERY_TOKENS
+        q8, sq = i8.quantize_per_token(queries)
+        qo_h = qo.cpu()
+        flops = 2.0 * queries.shape[0] * docs16.shape[0] * DIM
+        for r in range(rounds):
+            fp16 = lambda q=queries, o=qo: maxsim_varlen(q, o, docs16, d_off)  # noqa: E731
+            row("convert", f"{nq} q round {r} fp16", fp16, flops, None, rep_ms, round=r, queries=nq)
+            base = None
+            for v in variants[r % 3 :] + variants[: r % 3]:
+
+                def fn(v=v, q8=q8, qo_h=qo_h, sq=sq) -> torch.Tensor:
+                    hopper.I2F_TILES = v
+                    return i8.maxsim_varlen_int8(q8, qo_h, docs8, d_host, doc_scales=sd, query_scales=sq)
+
+                out = row("convert", f"{nq} q round {r} int8 I2F_TILES={v}", fn, flops, base, rep_ms,
+                          round=r, queries=nq, i2f_tiles=v)  # fmt: skip
+                base = out if base is None else base
+    hopper.I2F_TILES = default
+    # the Triton tiles of the HBM-bound shapes: the accumulator-bias bits (dim <= _MAGIC_MAX_DIM) against
+    # the conversion instruction (what wider vectors use)
+    w = hbm_inputs()
+    magic = i8._MAGIC_MAX_DIM
+    for r in range(rounds):
+        workloads = [("one query", i8._launch_varlen, w.one, w.one_bytes)]
+        workloads.append(("rerank", i8._launch_candidates, w.rerank, w.rerank_bytes))
+        for name, launch, args, nbytes in workloads:
+            base = None
+            for bias in (True, False)[r % 2 :] + (True, False)[: r % 2]:
+
+                def fn(bias=bias, launch=launch, args=args) -> torch.Tensor:
+                    i8._MAGIC_MAX_DIM = magic if bias else 0
+                    return launch(*args, False)[0]
+
+                out = row("convert", f"round {r} {name} triton {'bias bits' if bias else 'I2F'}", fn, nbytes,
+                          base, rep_ms, round=r, workload=name, bias_bits=bias)  # fmt: skip
+                base = out if base is None else base
+    i8._MAGIC_MAX_DIM = magic
+    RECORD["note"] = "convert all-pairs rows: tb_s holds TFLOP/s x 1e-3 (flops / ms / 1e9)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None)
@@ -372,6 +430,8 @@ def main() -> None:
         register_caps(args.rep_ms)
     if "tiles" in parts:
         tile_sweep(args.rep_ms)
+    if "convert" in parts:
+        conversions(args.rep_ms)
     write_json(args.out, RECORD)
     for r in RECORD["rows"]:
         if "ms" in r:

@@ -26,9 +26,10 @@ Per program (one warp group):
 - tiles and their scale rows arrive by TMA in a ring of STAGES buffers. Tile t's product
   Q8 . D8_t^T (int32) is issued asynchronously; while it runs, tile t - 1's products are converted,
   scaled and folded into the running row maxima;
-- the int32 -> fp32 conversion adds the bits of 1.5 * 2^23 and subtracts 1.5 * 2^23 as a float (exact
-  while |acc| < 2^22, as in `maxsim_int8`). Per product element that is four instructions: the
-  integer add, the float subtraction, the scale product and the max;
+- the int32 -> fp32 conversion is the conversion instruction (I2FP.F32.S32 in the sm_90 build; exact,
+  |acc| < 2^24): per product element three instructions, the conversion, the scale product and the
+  max. The accumulator-bias conversion of `maxsim_int8` (add the bits of 1.5 * 2^23, subtract 1.5 *
+  2^23 as a float) takes two instructions for the first and was 5% slower here (`I2F_TILES`);
 - at a document's last tile the 128 row maxima go to shared memory. At the end of each group of GROUP
   tiles, every finished document gets one sum per query of the group (the query scales applied).
 
@@ -40,9 +41,10 @@ Cost (the exhaustive workload of `benchmarks/bench_int8.py`: 512 queries of 32 t
 20-300 tokens): 2 * 128 * 128 * 64 int8 operations a tile, 19.2M tiles; the tensor cores need 256 cycles
 a tile an SM at 4096 int8 MAC/clock, 17 ms for the workload at the datasheet's 1979 TOPS. The loop is
 issue-bound instead: in the exploration's profiles a warp issued 445 instructions a tile (275 of them the
-four per element) at 2.34 of 4 instructions a clock an SM (two programs an SM, 228 registers a thread
-here). Measured 57 ms against the Triton int8 kernel's 66 ms and the fp16 kernel's 81 ms in the same
-process (docs/benchmarks.md, INT8; docs/kernel-notes.md, the int8 Gluon kernel).
+then four per element) at 2.34 of 4 instructions a clock an SM (two programs an SM, 232 registers a
+thread here). Measured 54.2-54.3 ms against 57.0-57.2 with the bias conversion and the fp16 kernel's
+80.9-83.6 ms in the same process (docs/benchmarks.md, INT8; docs/kernel-notes.md, the int8 Gluon
+kernel).
 """
 
 from __future__ import annotations
@@ -76,12 +78,17 @@ STAGES = 4
 GROUP = 8
 NUM_WARPS = 4
 MAX_QPG = 16  # queries a group at most (the per-query sums are unrolled over the group)
-PROGRAMS_PER_SM = 2  # 228 registers x 128 threads, 46 KB of shared memory (sm_90 build)
+PROGRAMS_PER_SM = 2  # 232 registers x 128 threads, 46 KB of shared memory (sm_90 build)
 PROGRAM_START_DOCS = 0.25  # as the fp16 Hopper kernel: a program's start in documents' worth of time
 # One group of 128 rows leaves the shape bound by HBM, where the Triton kernel's tiles are faster; from
 # two groups on this kernel is: 4 queries (one group) 1.21 ms against the Triton kernel's 0.80, 8 queries
 # 0.99 against 1.29 (benchmarks/results/archive/int8/int8-queries-h200.json).
 MIN_GROUPS = 2
+# Which tiles convert their products by the conversion instruction (one instruction) instead of the
+# accumulator-bias bits (two): 0 none, 1 every other tile, 2 all. 512 queries x 50K documents: 54.2-54.3
+# ms (2) against 56.3-56.6 (1) and 57.0-57.2 (0), three rounds, the same bits
+# (benchmarks/results/int8/convert/; `python benchmarks/ab_memory_bound.py --parts convert`).
+I2F_TILES = 2
 
 _MAGIC_BITS = gl.constexpr(0x4B400000)  # bits of 1.5 * 2^23
 _MAGIC_FLOAT = gl.constexpr(12582912.0)  # 1.5 * 2^23
@@ -106,10 +113,12 @@ def _scales(s_smem, x, col_layout: gl.constexpr, STAGES: gl.constexpr, BLOCK_T: 
 
 @gluon.jit
 def _retire(acc, scale, t, total, tiles, m, tok_a, tok_b, ends, finished, num_finished, tile_tok_ptr,
-            tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES: gl.constexpr):  # fmt: skip
+            tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES: gl.constexpr,
+            I2F: gl.constexpr):  # fmt: skip
     """Tile t's product is done: refill the ring slot of tile t - 2 with tile t - 2 + STAGES (its first
     token `tok_a`, loaded two tiles ago), fold tile t into the row maxima `m` (parking them in `finished`
-    at its document's end), and load the table entries of later tiles."""
+    at its document's end), and load the table entries of later tiles. I2F: the products converted by
+    the conversion instruction instead of the accumulator-bias bits (both exact here)."""
     r = t - 2 + STAGES
     # every warp has read tile t - 2's scales: tile t's product being done means every warp has issued it,
     # which each does after retiring tile t - 2
@@ -120,7 +129,11 @@ def _retire(acc, scale, t, total, tiles, m, tok_a, tok_b, ends, finished, num_fi
     tok_b = gl.load(tile_tok_ptr + t0 + r + 2, mask=r + 2 < total, other=0)
     if t < total:
         # columns past the document have NaN scales: NaN products, which max ignores
-        v = ((acc + _MAGIC_BITS).to(gl.float32, bitcast=True) - _MAGIC_FLOAT) * scale[None, :]
+        if I2F:
+            exact = acc.to(gl.float32)
+        else:
+            exact = (acc + _MAGIC_BITS).to(gl.float32, bitcast=True) - _MAGIC_FLOAT
+        v = exact * scale[None, :]
         m = gl.maximum(m, gl.max(v, axis=1))
         if ends != 0:
             finished.index(num_finished).store(m)
@@ -135,13 +148,15 @@ def _int8_allpairs_kernel(
     q_ptr, qs_ptr, q_off_ptr, d_desc, s_desc, tile_tok_ptr, tile_ends_ptr, doc_tile_ptr, out_ptr,
     num_queries, num_docs, num_groups, docs_per_prog, stride_q,
     DIM: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-    QPG: gl.constexpr,
+    QPG: gl.constexpr, I2F_TILES: gl.constexpr,
 ):  # fmt: skip
     """Program pid: query group pid % num_groups (queries QPG * g ...), documents
     [(pid // num_groups) * docs_per_prog, + docs_per_prog). q_off int32 [nq + 1]; the tile table
     (tile_tok, tile_ends int32 [n_tiles], doc_tile int32 [nd + 1]) as `tile_table` makes it; d_desc the
     int8 documents [Td, DIM] in [BLOCK_T, DIM] tiles; s_desc the tile scales [n_tiles, BLOCK_T]."""
     BLOCK_Q: gl.constexpr = 128
+    I2F_A: gl.constexpr = I2F_TILES == 2  # the conversion of the tiles folded from acc_a, acc_b
+    I2F_B: gl.constexpr = I2F_TILES >= 1
     pid = gl.program_id(0)
     grp = pid % num_groups
     d0 = (pid // num_groups) * docs_per_prog
@@ -209,7 +224,7 @@ def _int8_allpairs_kernel(
         acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])
         m, tok_a, tok_b, ends, num_finished = _retire(
             acc_a, scale, base, total, tiles, m, tok_a, tok_b, ends, finished, num_finished, tile_tok_ptr,
-            tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES,
+            tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES, I2F_A,
         )  # fmt: skip
         for j in gl.static_range(2, GROUP, 2):
             acc_a = _issue_product(q_rows, d_smem, ready, base + j, zero, STAGES)
@@ -217,20 +232,20 @@ def _int8_allpairs_kernel(
             acc_a, acc_b = warpgroup_mma_wait(num_outstanding=1, deps=[acc_a, acc_b])
             m, tok_a, tok_b, ends, num_finished = _retire(
                 acc_b, scale, base + j - 1, total, tiles, m, tok_a, tok_b, ends, finished, num_finished,
-                tile_tok_ptr, tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES,
+                tile_tok_ptr, tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES, I2F_B,
             )  # fmt: skip
             acc_b = _issue_product(q_rows, d_smem, ready, base + j + 1, zero, STAGES)
             scale = _scales(s_smem, base + j, col_layout, STAGES, BLOCK_T)
             acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])
             m, tok_a, tok_b, ends, num_finished = _retire(
                 acc_a, scale, base + j, total, tiles, m, tok_a, tok_b, ends, finished, num_finished,
-                tile_tok_ptr, tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES,
+                tile_tok_ptr, tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES, I2F_A,
             )  # fmt: skip
         scale = _scales(s_smem, base + GROUP - 1, col_layout, STAGES, BLOCK_T)
         acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc_b])
         m, tok_a, tok_b, ends, num_finished = _retire(
             acc_b, scale, base + GROUP - 1, total, tiles, m, tok_a, tok_b, ends, finished, num_finished,
-            tile_tok_ptr, tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES,
+            tile_tok_ptr, tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES, I2F_B,
         )  # fmt: skip
         if num_finished > 0:
             gl.thread_barrier()
@@ -449,6 +464,6 @@ def maxsim_int8_allpairs(
     _int8_allpairs_kernel[grid](
         q8, sq, q_off32, d_desc, s_desc, tile_tok, tile_ends, doc_tile, out, nq, nd, groups,
         docs_per_prog, q8.stride(0), DIM=d8.shape[1], BLOCK_T=BLOCK_T, STAGES=STAGES, GROUP=GROUP,
-        QPG=queries_a_group, num_warps=NUM_WARPS,
+        QPG=queries_a_group, I2F_TILES=I2F_TILES, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out

@@ -257,7 +257,8 @@ d_desc = hopper.TensorDescriptor.from_tensor(
     docs, [hopper.BLOCK_T, 128], gl.NVMMASharedLayout.get_default_for([hopper.BLOCK_T, 128], gl.int8))
 s_desc = hopper.TensorDescriptor.from_tensor(
     scales, [1, hopper.BLOCK_T], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
-consts = {"DIM": 128, "BLOCK_T": hopper.BLOCK_T, "STAGES": hopper.STAGES, "GROUP": hopper.GROUP, "QPG": 4}
+consts = {"DIM": 128, "BLOCK_T": hopper.BLOCK_T, "STAGES": hopper.STAGES, "GROUP": hopper.GROUP, "QPG": 4,
+          "I2F_TILES": hopper.I2F_TILES}
 sig = {n: "i32" for n in names}
 sig.update({"q_ptr": "*i8", "qs_ptr": "*fp32", "q_off_ptr": "*i32", "tile_tok_ptr": "*i32",
             "tile_ends_ptr": "*i32", "doc_tile_ptr": "*i32", "out_ptr": "*fp32",
