@@ -13,7 +13,8 @@ number, saying so in one line. A signal that was ignored when maxsim started (``
 A signal that arrives while a module is being imported is held back until the import is over (sent
 again every 20 ms, for at most 5 s: `maxsim_cli.lifeline.defer`): libraries import others lazily
 mid-command and some catch whatever the import raises (pyarrow's pandas bridge retries, then fails
-with a confusing traceback over a half-imported pandas).
+with a confusing traceback over a half-imported pandas). So is one that arrives while `tempfile` first
+looks for the temporary folder, which it does by making and removing a file there.
 """
 
 from __future__ import annotations

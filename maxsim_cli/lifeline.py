@@ -11,7 +11,7 @@ included, which the launcher cannot clean up after:
   written loses its temporary file. A worker that has not ended `GRACE_S` after its launcher died (stuck
   in a collective) is killed.
 - A SIGTERM that arrives while a module is being imported (torch, for the first seconds of a worker) is
-  held back until the import is over, sent again every `DEFER_S` (`importing`): an exception raised
+  held back until the import is over, sent again every `DEFER_S` (`held_back`): an exception raised
   inside an import ends in a confusing traceback, as some libraries catch what their imports raise. A
   worker still importing `DEFER_MAX_S` later leaves at once (`os._exit`), removing the job's files if its
   launcher is gone.
@@ -60,20 +60,27 @@ def launcher_gone() -> bool:
     return pid is not None and os.getppid() != pid
 
 
-def importing(frame: Any) -> bool:
-    """Whether ``frame`` (where a signal interrupted the main thread) runs inside an import."""
+def held_back(frame: Any) -> bool:
+    """Whether ``frame`` (where a signal interrupted the main thread) runs inside an import, or inside
+    the standard library's first look for the temporary folder (`tempfile.gettempdir` makes a randomly
+    named file in each candidate folder and removes it: a signal between the two left the file in
+    ``TMPDIR``)."""
     while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+        code = frame.f_code
+        if code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        if code.co_name == "_get_default_tempdir" and os.path.basename(code.co_filename) == "tempfile.py":
             return True
         frame = frame.f_back
     return False
 
 
 def defer(signum: int, frame: Any) -> bool | None:
-    """For a signal handler: True when ``frame`` is inside an import, and then the signal is sent again in
-    `DEFER_S`; False when it is not; None when it has been held back for `DEFER_MAX_S` already."""
+    """For a signal handler: True when ``frame`` is inside an import or the temporary folder's first look
+    (`held_back`), and then the signal is sent again in `DEFER_S`; False when it is not; None when it
+    has been held back for `DEFER_MAX_S` already."""
     now = time.monotonic()
-    if not importing(frame):
+    if not held_back(frame):
         _deferred_since.pop(signum, None)
         return False
     if now - _deferred_since.setdefault(signum, now) > DEFER_MAX_S:

@@ -775,3 +775,29 @@ def test_the_write_probe_interrupted_leaves_nothing(tmp_path: Path, monkeypatch)
     with pytest.raises(_Signal):
         output_files._probe(str(tmp_path), "-o")
     assert _left(tmp_path) == []
+
+
+def test_a_signal_in_the_temporary_folders_first_look_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
+    """`tempfile`'s first look for the temporary folder makes a randomly named file there and removes it;
+    a stop signal just after the make left the file in TMPDIR (the fault-injection suite's SIGINT at
+    0.023 s into ``score --devices cpu:2`` found it). The signal is held back until the look is over,
+    then stops the command as usual."""
+    from maxsim_cli import cli
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    real_open = os.open
+
+    def open_then_signal(path, *args, **kwargs):
+        fd = real_open(path, *args, **kwargs)
+        if os.path.dirname(path) == str(tmp_path):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_signal)
+    with pytest.raises(cli.Stopped), cli.stop_signals_raise():
+        found = tempfile.gettempdir()
+        monkeypatch.setattr(os, "open", real_open)
+        for _ in range(200):  # the held-back signal is sent again within 20 ms and stops here
+            time.sleep(0.01)
+    assert found == str(tmp_path) and _left(tmp_path) == []
