@@ -234,18 +234,21 @@ def _triton_cache_dir() -> str:
 
 def _save(path: str, key: str) -> None:
     """``key`` written to ``path`` through a temporary file (a reader never sees half of it); nothing
-    when the folder cannot be written."""
-    import tempfile
+    when the folder cannot be written. A stop signal on the way leaves no temporary file."""
+    from maxsim_cli.shards.files import new_file
 
-    tmp = None
+    made: list[str] = []  # the temporary file, known from the instant it exists (`new_file`'s claim)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".maxsim-triton-key-")
+        fd, _ = new_file(os.path.dirname(path), ".maxsim-triton-key-", ".tmp", made.append)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(key)
-        os.replace(tmp, path)
+        os.replace(made[0], path)
+        made.clear()
     except OSError:
-        if tmp is not None:
+        pass
+    finally:
+        for tmp in made:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
 

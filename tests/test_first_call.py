@@ -301,6 +301,22 @@ def test_an_unwritable_cache_folder_still_gives_the_key(
     assert list(fake_version.glob("**/.maxsim-triton-key-*")) == []
 
 
+def test_a_signal_while_the_key_is_saved_leaves_no_temporary_file(
+    fake_version: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C (or a stop signal, which raises as it does) while the key is written: the key is not
+    saved and no temporary file is left in Triton's cache folder."""
+    from maxsim_cli import warmup
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(warmup.os, "fdopen", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        warmup._save(str(fake_version / "cache" / "maxsim-triton-key-x"), KEY)
+    assert list((fake_version / "cache").iterdir()) == []
+
+
 def test_the_saved_key_is_off_by_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """``MAXSIM_TRITON_KEY_CACHE=0``: the warm-up calls Triton's own function and saves nothing."""
     triton_cache = pytest.importorskip("triton.runtime.cache")
