@@ -42,8 +42,8 @@ Cost (the exhaustive workload of `benchmarks/bench_int8.py`: 512 queries of 32 t
 a tile an SM at 4096 int8 MAC/clock, 17 ms for the workload at the datasheet's 1979 TOPS. The loop is
 issue-bound instead: in the exploration's profiles a warp issued 445 instructions a tile (275 of them the
 then four per element) at 2.34 of 4 instructions a clock an SM (two programs an SM, 232 registers a
-thread here). Measured 54.2-54.3 ms against 57.0-57.2 with the bias conversion and the fp16 kernel's
-80.9-83.6 ms in the same process (docs/benchmarks.md, INT8; docs/kernel-notes.md, the int8 Gluon
+thread here). Measured 54.2-54.4 ms against 57.0-57.4 with the bias conversion and the fp16 kernel's
+80.9-84.3 ms in the same processes (docs/benchmarks.md, INT8; docs/kernel-notes.md, the int8 Gluon
 kernel).
 """
 
@@ -85,8 +85,8 @@ PROGRAM_START_DOCS = 0.25  # as the fp16 Hopper kernel: a program's start in doc
 # 0.99 against 1.29 (benchmarks/results/archive/int8/int8-queries-h200.json).
 MIN_GROUPS = 2
 # Which tiles convert their products by the conversion instruction (one instruction) instead of the
-# accumulator-bias bits (two): 0 none, 1 every other tile, 2 all. 512 queries x 50K documents: 54.2-54.3
-# ms (2) against 56.3-56.6 (1) and 57.0-57.2 (0), three rounds, the same bits
+# accumulator-bias bits (two): 0 none, 1 every other tile, 2 all. 512 queries x 50K documents: 54.2-54.4
+# ms (2) against 56.2-56.6 (1) and 57.0-57.4 (0), two calls of three rounds, the same bits
 # (benchmarks/results/int8/convert/; `python benchmarks/ab_memory_bound.py --parts convert`).
 I2F_TILES = 2
 
