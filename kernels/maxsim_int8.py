@@ -46,10 +46,12 @@ lost on every shape. The measurements: docs/kernel-notes.md, "INT8: what limits 
 HBM-bound shapes: TMA tiles". On
 Hopper, all pairs with host offsets go to the Gluon kernel of `maxsim_int8_hopper`.
 
-int32 -> fp32 without the slow conversion instruction (`I2F` issues at 1/8 of the FMA rate on sm_90):
-the MMA accumulator starts at the bit pattern of 1.5 * 2^23 (0x4B400000) instead of 0, so its bits,
-read as fp32, are 1.5 * 2^23 + acc exactly while |acc| < 2^22 (dim <= 255 with |codes| <= 128); one
-subtraction gives acc. Wider vectors use the plain conversion. Rounding half to even in the quantize
+int32 -> fp32 by the accumulator's bits: the MMA accumulator starts at the bit pattern of 1.5 * 2^23
+(0x4B400000) instead of 0, so its bits, read as fp32, are 1.5 * 2^23 + acc exactly while |acc| < 2^22
+(dim <= 255 with |codes| <= 128); one subtraction gives acc. Wider vectors use the conversion
+instruction, which in these tiles is no faster (one instruction either way; H200: one query 0.642-0.694
+ms against 0.633-0.815, benchmarks/results/int8/convert/); the Gluon kernel, whose accumulator starts at
+zero, uses the instruction. Rounding half to even in the quantize
 kernel uses the same constant: (y + 1.5 * 2^23) - 1.5 * 2^23 for |y| < 2^22.
 """
 
