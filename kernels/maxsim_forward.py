@@ -813,7 +813,7 @@ class ResidentCandidates:
 
     ``docs`` float16 / bfloat16 / float32 [T, dim] and ``doc_offsets`` int64 [N + 1], both on the device
     (CUDA; the CPU under the Triton interpreter, for tests). A call takes the queries as a host tensor
-    [Tq, dim] (converted to ``docs``' dtype as they are staged), each query's token count, and per-query
+    [Tq, dim] (converted to ``docs``' dtype as they are staged), their offsets [nq + 1], and per-query
     candidate offsets and corpus ordinals (int64 numpy). It returns None, for the caller's generic path,
     where a query is longer than one program's rows (`candidates_config`: chunked queries).
     """
@@ -835,18 +835,20 @@ class ResidentCandidates:
     def __call__(
         self,
         queries: torch.Tensor,
-        query_lengths: np.ndarray,
+        query_offsets: np.ndarray,
         candidate_offsets: np.ndarray,
         candidate_docs: np.ndarray,
     ) -> np.ndarray | None:
-        num_q, num_c = len(query_lengths), len(candidate_docs)
+        num_q, num_c = len(query_offsets) - 1, len(candidate_docs)
         if (
-            len(candidate_offsets) != num_q + 1
+            query_offsets[0] != 0
+            or query_offsets[-1] != queries.shape[0]
+            or len(candidate_offsets) != num_q + 1
             or candidate_offsets[-1] != num_c
             or queries.shape[1] != self.dim
         ):
             raise ValueError(
-                "ResidentCandidates: queries, lengths, candidate offsets and candidates disagree"
+                "ResidentCandidates: queries, query offsets, candidate offsets and candidates disagree"
             )
         if not num_c:
             return np.zeros(0, dtype=np.float32)
@@ -854,6 +856,7 @@ class ResidentCandidates:
             raise ValueError(
                 f"ResidentCandidates: a candidate is not a document index in [0, {self.num_docs})"
             )
+        query_lengths = np.diff(query_offsets)
         max_len = int(query_lengths.max())
         if max_len > 128 or int(query_lengths.min()) < 1:
             return None
@@ -862,16 +865,14 @@ class ResidentCandidates:
         num_blocks = len(blocks[0])
         # the buffer: queries (the documents' dtype), then int64 query offsets, candidates and the
         # program table, each part at a 16-byte boundary (Triton specialises pointers on it)
-        q_bytes = _round16(queries.shape[0] * self.dim * self.docs.element_size())
+        q_bytes = cdiv(queries.shape[0] * self.dim * self.docs.element_size(), 16) * 16
         ints = (num_q + 1, num_c, num_blocks, num_blocks, num_blocks)
-        starts = np.cumsum([q_bytes] + [_round16(8 * n) for n in ints])
+        starts = np.cumsum([q_bytes] + [cdiv(8 * n, 16) * 16 for n in ints])
         with self._lock:
             self._reserve(int(starts[-1]), num_c)
             staged_q = self._host[:q_bytes].view(self.docs.dtype)[: queries.numel()].view(queries.shape)
             staged_q.copy_(queries)
             host = self._host.numpy()
-            query_offsets = np.zeros(num_q + 1, dtype=np.int64)
-            np.cumsum(query_lengths, out=query_offsets[1:])
             for part, at in zip((query_offsets, candidate_docs, *blocks), starts[:-1].tolist(), strict=True):
                 np.copyto(host[at : at + 8 * len(part)].view(np.int64), part)
             if self._dev is not self._host:
@@ -919,10 +920,6 @@ class ResidentCandidates:
             self._scores_host = (
                 torch.empty(size, dtype=torch.float32, pin_memory=True) if on_cuda else self._scores
             )
-
-
-def _round16(nbytes: int) -> int:
-    return -(-nbytes // 16) * 16
 
 
 def maxsim_candidates_forward_triton(

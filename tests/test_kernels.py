@@ -826,7 +826,7 @@ def test_resident_candidates_equal_the_launcher(dtype):
         queries, q_off = packed(q_lens, 24, torch.float32, gen=gen)
         c_off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         cand = torch.randint(0, 30, (int(c_off[-1]),), generator=gen).numpy()
-        got = staged(queries, np.asarray(q_lens, dtype=np.int64), c_off, cand)
+        got = staged(queries, q_off.numpy(), c_off, cand)
         want = maxsim_candidates_forward_triton(
             queries.to(dtype), q_off, docs, d_off, torch.from_numpy(c_off), torch.from_numpy(cand)
         )
@@ -845,13 +845,15 @@ def test_resident_candidates_refuse_what_they_cannot_score():
     docs, d_off = packed([3, 4], 16, torch.float32)
     staged = ResidentCandidates(docs, d_off)
     queries, _ = packed([2], 16)
-    one = np.array([0, 1], dtype=np.int64)
+    one, q_off = np.array([0, 1], dtype=np.int64), np.array([0, 2])
     with pytest.raises(ValueError, match="not a document index"):
-        staged(queries, np.array([2]), one, np.array([2]))
+        staged(queries, q_off, one, np.array([2]))
     with pytest.raises(ValueError, match="disagree"):
-        staged(queries, np.array([2]), np.array([0, 2]), np.array([1]))
-    assert staged(queries, np.array([2]), np.array([0, 0]), np.zeros(0, dtype=np.int64)).shape == (0,)
+        staged(queries, q_off, np.array([0, 2]), np.array([1]))
+    with pytest.raises(ValueError, match="disagree"):  # offsets past the queries' rows
+        staged(queries, np.array([0, 3]), one, np.array([1]))
+    assert staged(queries, q_off, np.array([0, 0]), np.zeros(0, dtype=np.int64)).shape == (0,)
     long_query, _ = packed([129], 16)
-    assert staged(long_query, np.array([129]), one, np.array([1])) is None  # chunked: the generic path
+    assert staged(long_query, np.array([0, 129]), one, np.array([1])) is None  # chunked: the generic path
     with pytest.raises(ValueError, match="float16/bfloat16/float32"):
         ResidentCandidates(docs.to(torch.int8), d_off)

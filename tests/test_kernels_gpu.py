@@ -389,7 +389,7 @@ def test_resident_candidates_equal_the_launcher_bit_for_bit(dtype):
             queries, q_off = packed(q_lens, 128, torch.float32, gen)
             c_off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
             cand = torch.randint(0, 3000, (int(c_off[-1]),), generator=cpu_gen).numpy()
-            got = staged(queries.cpu(), np.asarray(q_lens, dtype=np.int64), c_off, cand)
+            got = staged(queries.cpu(), q_off.cpu().numpy(), c_off, cand)
             want = maxsim_candidates_forward_triton(
                 queries.to(dtype), q_off, docs, d_off, torch.from_numpy(c_off), torch.from_numpy(cand)
             )

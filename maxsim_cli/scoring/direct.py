@@ -151,7 +151,7 @@ def candidate_scores(
             torch.cuda.set_device(residency.device)  # as `_kernel_inputs`: Triton launches on this device
             scores = _staged_launcher(residency)(
                 _query_embeddings(queries, corpus.dtype, corpus.quantization),
-                np.diff(queries.offsets.numpy()),
+                queries.offsets.numpy(),
                 candidate_offsets,
                 candidate_docs,
             )
