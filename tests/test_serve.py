@@ -1059,3 +1059,14 @@ def test_a_large_body_gets_a_parser_of_its_own(monkeypatch) -> None:
     assert read is not None and read[1][0].shape == (50, 4)
     assert schema._PARSERS.parser is kept
     assert schema._read_json_fast("search", small) is not None
+
+
+def test_the_command_lines_defaults_are_the_librarys() -> None:
+    """`maxsim serve` repeats the library's defaults (to keep FastAPI out of ``--help``): the same values."""
+    from maxsim_cli.commands import serve as command
+    from maxsim_cli.service import app as library
+    from maxsim_cli.units import parse_size
+
+    assert parse_size(command.DEFAULT_MAX_REQUEST_BYTES) == library.DEFAULT_MAX_REQUEST_BYTES
+    for name in ("DEFAULT_WINDOW_MS", "DEFAULT_MAX_BATCH_QUERIES", "DEFAULT_DIRECT_CONNECTIONS"):
+        assert getattr(command, name) == getattr(library, name), name
