@@ -52,7 +52,7 @@ from maxsim_cli.shards import (
     staging_dir,
     write_manifest,
 )
-from maxsim_cli.shards.files import OutputWriteError, check_output, write_error
+from maxsim_cli.shards.files import OutputWriteError, check_output, move_into, swap_corpus_files
 from maxsim_cli.shards.writers import zero_row_warning
 
 # 8 Mi tokens per shard: 2 GiB at dim 128 in float16, far below the 2^31-token limit of Arrow shards,
@@ -792,9 +792,6 @@ def _pack_parts(
         workdir = staging_dir(parent, ".maxsim-pack-")
     except OutputWriteError as exc:
         raise exc.naming(outdir) from None
-    moved: list[str] = []
-    set_aside: list[tuple[str, str]] = []  # (where an old corpus file is now, where it was)
-    trash: str | None = None
     try:
         result = _pack_into(
             workdir,
@@ -814,22 +811,10 @@ def _pack_parts(
         names = [os.path.basename(s.path) for s in result.shards]
         manifest = write_manifest(workdir, names)
         if existed:
-            if old_names:  # the old manifest first: an interrupted swap never shows a mixed corpus as whole
-                trash = staging_dir(outdir, ".maxsim-old-")
-                for name in old_names:
-                    _move(os.path.join(outdir, name), os.path.join(trash, name), outdir)
-                    set_aside.append((os.path.join(trash, name), os.path.join(outdir, name)))
-            for name in [*names, MANIFEST_NAME]:  # the manifest last: a corpus appears complete or not at all
-                target = os.path.join(outdir, name)
-                if os.path.exists(target):
-                    raise UsageError(f"{outdir}: {name} appeared while packing; nothing was written")
-                _move(os.path.join(workdir, name), target, outdir)
-                moved.append(target)
+            swap_corpus_files(workdir, outdir, [*names, MANIFEST_NAME], old_names)
             os.rmdir(workdir)
-            if trash is not None:
-                shutil.rmtree(trash, ignore_errors=True)
         else:
-            _move(workdir, outdir, outdir)
+            move_into(workdir, outdir, outdir)
         result.outdir = outdir
         result.manifest = os.path.join(outdir, os.path.basename(manifest))
         result.shards = [
@@ -838,30 +823,10 @@ def _pack_parts(
         ]
         return result
     except BaseException as exc:
-        for target in moved:
-            try:
-                os.unlink(target)
-            except OSError:
-                pass
-        for now, was in reversed(set_aside):  # shards back before the manifest
-            try:
-                os.replace(now, was)
-            except OSError:
-                pass
         shutil.rmtree(workdir, ignore_errors=True)
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
         if isinstance(exc, OutputWriteError):  # a shard of the staging folder: name the output folder
             raise exc.naming(outdir) from None
         raise
-
-
-def _move(source: str, target: str, outdir: str) -> None:
-    """`os.replace`, an error naming OUTDIR."""
-    try:
-        os.replace(source, target)
-    except OSError as exc:
-        raise write_error(outdir, exc) from None
 
 
 def _raise_duplicate(where: str, doc_id: str, ordinal: int, part_starts: list[tuple[int, _Part]]) -> None:

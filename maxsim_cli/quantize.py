@@ -47,7 +47,7 @@ from maxsim_cli.shards import (
     staging_dir,
     write_manifest,
 )
-from maxsim_cli.shards.files import OutputWriteError, check_output, write_error
+from maxsim_cli.shards.files import OutputWriteError, check_output, swap_corpus_files, write_error
 from maxsim_cli.units import format_count, format_size
 
 DEFAULT_BATCH_TOKENS = 1 << 18  # 262144 tokens: 128 MiB of fp32 at dim 128, the largest transient
@@ -278,30 +278,6 @@ def measure_quality(
     )
 
 
-def _replace_corpus_files(staging: str, output_dir: str, names: list[str]) -> None:
-    """Move the complete new corpus ``names`` (the manifest last) from ``staging`` into ``output_dir`` in
-    place of the shards and manifest there; on a failure the old files are put back."""
-    trash = staging_dir(output_dir, ".maxsim-old-")
-    set_aside: list[str] = []
-    moved: list[str] = []
-    try:
-        for name in _corpus_files(output_dir):  # the old manifest first: never a mixed corpus as whole
-            os.replace(os.path.join(output_dir, name), os.path.join(trash, name))
-            set_aside.append(name)
-        for name in names:
-            os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
-            moved.append(name)
-    except OSError as exc:
-        for name in moved:
-            os.replace(os.path.join(output_dir, name), os.path.join(staging, name))
-        for name in reversed(set_aside):
-            os.replace(os.path.join(trash, name), os.path.join(output_dir, name))
-        shutil.rmtree(trash, ignore_errors=True)
-        raise write_error(output_dir, exc) from None
-    shutil.rmtree(trash, ignore_errors=True)
-    os.rmdir(staging)
-
-
 def quantize_corpus(
     paths: Sequence[str | os.PathLike[str]],
     output_dir: str | os.PathLike[str],
@@ -376,7 +352,8 @@ def quantize_corpus(
                     device=torch_device,
                 )
             if os.path.isdir(output_dir) and os.listdir(output_dir):  # --overwrite (checked above)
-                _replace_corpus_files(staging, output_dir, [*names, MANIFEST_NAME])
+                swap_corpus_files(staging, output_dir, [*names, MANIFEST_NAME], _corpus_files(output_dir))
+                os.rmdir(staging)
             else:
                 try:
                     # an empty directory there is replaced by the one rename (POSIX): no moment without

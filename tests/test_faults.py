@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from faultlib import hidden_entries, snapshot
 from typer.testing import CliRunner
 
 from maxsim_cli.cli import app
@@ -801,3 +802,41 @@ def test_a_signal_in_the_temporary_folders_first_look_leaves_nothing(tmp_path: P
         for _ in range(200):  # the held-back signal is sent again within 20 ms and stops here
             time.sleep(0.01)
     assert found == str(tmp_path) and _left(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["pack", "npy", "-q", "-o", "out/corpus", "--shard-tokens", "20"],
+        ["quantize", "corpus", "--sample-queries", "0", "--device", "cpu", "-o", "out/corpus"],
+    ],
+    ids=["pack", "quantize"],
+)
+def test_stopped_between_the_renames_of_a_swap_the_old_corpus_stays(work: Path, monkeypatch, args) -> None:
+    """``--overwrite`` into a corpus folder swaps the new corpus in by renames (the old files set aside,
+    the new ones moved in, the manifest last: `swap_corpus_files`). A stop signal just after any one of
+    them: the previous corpus, file for file, and nothing hidden left (the fault-injection suite's SIGINT
+    at 0.086 s into `pack` found a set-aside shard lost with the trash; `quantize` put nothing back)."""
+    monkeypatch.chdir(work)
+    (work / "out").mkdir()
+    assert CliRunner().invoke(app, args).exit_code == 0
+    previous = snapshot(work / "out" / "corpus")
+    assert len(previous) > 2  # shards and the manifest
+    real_move = output_files.move_into
+    for stop_after in range(1, 100):
+        calls: list[str] = []
+
+        def move_then_stop(source: str, target: str, outdir: str, calls=calls, stop_after=stop_after) -> None:
+            real_move(source, target, outdir)
+            calls.append(target)
+            if len(calls) == stop_after:
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(output_files, "move_into", move_then_stop)
+        result = CliRunner().invoke(app, [*args, "--overwrite"])
+        if len(calls) < stop_after:  # every rename made: the swap is over
+            assert result.exit_code == 0 and stop_after > 2, result.output
+            break
+        assert result.exit_code != 0, (stop_after, result.output)
+        assert snapshot(work / "out" / "corpus") == previous, f"after rename {stop_after}"
+        assert hidden_entries(work / "out") == []

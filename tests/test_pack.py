@@ -395,21 +395,21 @@ def test_pack_overwrite_replaces_the_corpus_and_keeps_other_files(tmp_path):
 
 
 def test_pack_overwrite_that_fails_leaves_the_old_corpus(tmp_path, monkeypatch):
-    import maxsim_cli.pack as pack_module
+    import maxsim_cli.shards.files as files_module
 
     ids, docs = make_docs(n=10, seed=18)
     src = write_source(tmp_path, "npy", ids, docs)
     out = tmp_path / "out"
     pack([src], str(out), shard_tokens=30)
     before = {n: (out / n).read_bytes() for n in os.listdir(out)}
-    real_move = pack_module._move
+    real_move = files_module.move_into
 
     def failing_move(source, target, outdir):
         if target.endswith("index.json") and ".maxsim-old-" not in target:
             raise OSError(28, "No space left on device")
         real_move(source, target, outdir)
 
-    monkeypatch.setattr(pack_module, "_move", failing_move)
+    monkeypatch.setattr(files_module, "move_into", failing_move)
     with pytest.raises(OSError):
         pack([src], str(out), dtype="float32", overwrite=True)
     assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before  # no debris, the old corpus whole

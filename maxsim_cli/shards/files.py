@@ -12,7 +12,8 @@
   replaced.
 - `write_error(path, exc)`: an `OSError` met while writing (ENOSPC, EROFS, EACCES, EDQUOT, EISDIR, ...)
   as a one-line `OutputWriteError` naming the path.
-- `staging_dir` (a working folder that becomes an output folder) and `write_text_atomic`.
+- `staging_dir` (a working folder that becomes an output folder), `swap_corpus_files` (a new corpus in
+  place of an old one) and `write_text_atomic`.
 
 Temp files and folders are removed by ``except BaseException`` / ``__exit__`` paths, so an error,
 Ctrl-C and SIGTERM / SIGHUP (which the CLI turns into `SystemExit`, see `maxsim_cli.cli`) all leave no
@@ -27,6 +28,7 @@ import functools
 import os
 import re
 import secrets
+import shutil
 import stat
 from collections.abc import Callable, Iterable
 from typing import IO
@@ -270,6 +272,46 @@ def staging_dir(parent: str, prefix: str) -> str:
             raise
         return workdir
     raise write_error(parent, FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST)))
+
+
+def swap_corpus_files(staging: str, output_dir: str, new_names: list[str], old_names: list[str]) -> None:
+    """Move the new corpus files ``new_names`` (the manifest last: a corpus appears complete or not at
+    all) from ``staging`` into ``output_dir``, in place of ``old_names`` there (the old manifest first: an
+    interrupted swap never shows a mixed corpus as whole). On any failure, a stop signal included, the
+    new files there are removed and the old ones put back; each rename is noted before it is made, so
+    one that a signal follows at once is undone too. Raises `OutputWriteError` naming ``output_dir``, or
+    `UsageError` for a new name that appeared there meanwhile. ``staging`` stays the caller's."""
+    trash = staging_dir(output_dir, ".maxsim-old-") if old_names else ""
+    set_aside: list[str] = []
+    moved: list[str] = []
+    try:
+        for name in old_names:
+            set_aside.append(name)
+            move_into(os.path.join(output_dir, name), os.path.join(trash, name), output_dir)
+        for name in new_names:
+            target = os.path.join(output_dir, name)
+            if os.path.exists(target):
+                raise UsageError(f"{output_dir}: {name} appeared while writing; nothing was written")
+            moved.append(name)  # nothing was there: undoing a rename not made removes nothing
+            move_into(os.path.join(staging, name), target, output_dir)
+    except BaseException:
+        for name in moved:
+            _remove_quietly(os.path.join(output_dir, name))
+        for name in reversed(set_aside):
+            with contextlib.suppress(OSError):
+                os.replace(os.path.join(trash, name), os.path.join(output_dir, name))
+        raise
+    finally:
+        if trash:
+            shutil.rmtree(trash, ignore_errors=True)
+
+
+def move_into(source: str, target: str, output_dir: str) -> None:
+    """`os.replace`, an error naming ``output_dir`` (the output being written)."""
+    try:
+        os.replace(source, target)
+    except OSError as exc:
+        raise write_error(output_dir, exc) from None
 
 
 def _atomic_temp(path: str, claim: Callable[[str], None] | None = None) -> tuple[int, str]:
