@@ -19,6 +19,7 @@ Rerank candidate layouts (64 queries x 1000 candidates of 180 tokens, a pool of 
     python benchmarks/ab_memory_bound.py --parts maxnreg --out ...       # register caps against none
     python benchmarks/ab_memory_bound.py --parts tiles --out ...         # 32-token tiles against 64
     python benchmarks/ab_memory_bound.py --parts convert --out ...       # Gluon all pairs: I2F against bias
+    python benchmarks/ab_memory_bound.py --parts stream --out ...        # Gluon stream kernel against Triton
     TRITON_INTERPRET=1 python benchmarks/ab_memory_bound.py --smoke     # the script itself, on the CPU
 """
 
@@ -272,9 +273,11 @@ def hbm_inputs() -> SimpleNamespace:
     qo = torch.tensor([0, QUERY_TOKENS], dtype=torch.int64, device=dev)
     q8, sq = i8.quantize_per_token(q)
     n_rq, per_q, length = 64, smoke_size(1000), 180
-    pool8, pool_sc = i8.quantize_per_token(normal_tokens(n_rq * per_q * length, gen, dev))
+    pool16 = normal_tokens(n_rq * per_q * length, gen, dev)
+    pool8, pool_sc = i8.quantize_per_token(pool16)
     pool_off = (torch.arange(n_rq * per_q + 1, dtype=torch.int64) * length).to(dev)
-    rq8, rsq = i8.quantize_per_token(normal_tokens(n_rq * QUERY_TOKENS, gen, dev))
+    rq16 = normal_tokens(n_rq * QUERY_TOKENS, gen, dev)
+    rq8, rsq = i8.quantize_per_token(rq16)
     rqo = (torch.arange(n_rq + 1, dtype=torch.int64) * QUERY_TOKENS).to(dev)
     c_off = (torch.arange(n_rq + 1, dtype=torch.int64) * per_q).to(dev)
     perm = torch.randperm(n_rq * per_q, generator=torch.Generator().manual_seed(0)).to(dev)
@@ -283,6 +286,7 @@ def hbm_inputs() -> SimpleNamespace:
         q=q, qo=qo, docs16=docs16, d_off=d_off, n_tok=n_tok,
         one=(q8, sq, qo, docs8, sd, d_off), one_bytes=n_tok * (DIM + 4.0),
         rerank=(rq8, rsq, rqo, pool8, pool_sc, pool_off, c_off, perm),
+        rerank16=(rq16, rqo, pool16, pool_off, c_off, perm),
         rerank_bytes=n_rq * per_q * length * (DIM + 4.0),
     )  # fmt: skip
 
@@ -411,6 +415,60 @@ def conversions(rep_ms: int, rounds: int = 3) -> None:
     RECORD["note"] = "convert all-pairs rows: tb_s holds TFLOP/s x 1e-3 (flops / ms / 1e9)"
 
 
+STREAM_ONE = [dict(), dict(maxnreg=0), dict(maxnreg=80), dict(items_per_prog=64)]  # fmt: skip
+STREAM_RERANK = [dict(), dict(stages=6), dict(items_per_prog=32)]  # fmt: skip
+
+
+def stream(rep_ms: int, rounds: int = 4) -> None:
+    """The Gluon stream kernel (`maxsim_int8_hopper_stream`: document-major wgmma tiles by TMA through a
+    deep ring) against the Triton int8 TMA tiles (the default before it) and the fp16 kernel, in rounds of
+    rotating order: one query x 100K ragged documents, rerank 64 q x 1000 x 180 tokens shuffled; its
+    configurations around the defaults. Scores against the Triton tiles' within `max_abs_diff` (the
+    query sums run in another order); every stream configuration the same bits as its default."""
+    from maxsim_kernels import maxsim_candidates, maxsim_varlen
+    from maxsim_kernels import maxsim_int8 as i8
+    from maxsim_kernels import maxsim_int8_hopper_stream as st
+
+    w = hbm_inputs()
+    q8, sq, qo, d8, sd, d_off = w.one
+    rq8, rsq, rqo, pool8, pool_sc, pool_off, c_off, perm = w.rerank
+    for r in range(rounds):
+        row("stream", f"round {r} one query fp16", lambda: maxsim_varlen(w.q, w.qo, w.docs16, w.d_off),
+            w.n_tok * DIM * 2.0, None, rep_ms, round=r, workload="one_query")  # fmt: skip
+        old_one = lambda: i8._launch_varlen(*w.one, False)[0]  # noqa: E731
+        triton_one = row("stream", f"round {r} one query triton int8", old_one, w.one_bytes, None, rep_ms,
+                         round=r, workload="one_query")  # fmt: skip
+        base = None
+        for cfg in STREAM_ONE[r % len(STREAM_ONE) :] + STREAM_ONE[: r % len(STREAM_ONE)]:
+
+            def one(cfg=cfg) -> torch.Tensor:
+                return st.maxsim_int8_stream(q8, sq, qo, None, None, d8, sd, d_off, QUERY_TOKENS, **cfg)[
+                    None, :
+                ]
+
+            out = row("stream", f"round {r} one query stream {cfg or 'default'}", one, w.one_bytes,
+                      triton_one if base is None else base, rep_ms, round=r, workload="one_query",
+                      config=cfg)  # fmt: skip
+            base = out if base is None and cfg == {} else base
+        row("stream", f"round {r} rerank fp16", lambda: maxsim_candidates(*w.rerank16), w.rerank_bytes * 2,
+            None, rep_ms, round=r, workload="rerank")  # fmt: skip
+        old_rr = lambda: i8._launch_candidates(*w.rerank, False)[0]  # noqa: E731
+        triton_rr = row("stream", f"round {r} rerank triton int8", old_rr, w.rerank_bytes, None, rep_ms,
+                        round=r, workload="rerank")  # fmt: skip
+        base = None
+        for cfg in STREAM_RERANK[r % len(STREAM_RERANK) :] + STREAM_RERANK[: r % len(STREAM_RERANK)]:
+
+            def rr(cfg=cfg) -> torch.Tensor:
+                args = (rq8, rsq, rqo, c_off, perm, pool8, pool_sc, pool_off, QUERY_TOKENS)
+                return st.maxsim_int8_stream(*args, **cfg)
+
+            out = row("stream", f"round {r} rerank stream {cfg or 'default'}", rr, w.rerank_bytes,
+                      triton_rr if base is None else base, rep_ms, round=r, workload="rerank",
+                      config=cfg)  # fmt: skip
+            base = out if base is None and cfg == {} else base
+    RECORD["compiled"] = {"stream": compiled_registers(st._int8_stream_kernel)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None)
@@ -432,6 +490,8 @@ def main() -> None:
         tile_sweep(args.rep_ms)
     if "convert" in parts:
         conversions(args.rep_ms)
+    if "stream" in parts:
+        stream(args.rep_ms)
     write_json(args.out, RECORD)
     for r in RECORD["rows"]:
         if "ms" in r:

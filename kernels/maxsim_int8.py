@@ -767,6 +767,26 @@ def _hopper_allpairs(
     return hopper if hopper.supports(_query_lengths(query_offsets, q8.shape[0]), d8, return_argmax) else None
 
 
+def _hopper_stream(
+    query_offsets: torch.Tensor, q8: torch.Tensor, d8: torch.Tensor, return_argmax: bool
+) -> tuple[Any, int] | None:
+    """(the Gluon module `maxsim_int8_hopper_stream`, the longest query) where it takes an HBM-bound
+    problem (one query against every document, or candidates), else None. The query lengths come from
+    the host: offsets given there, or the queries' rows when there is one query (no synchronisation)."""
+    if return_argmax:
+        return None
+    stream = gluon_module("maxsim_int8_hopper_stream", d8.device)
+    if stream is None:
+        return None
+    if query_offsets.numel() == 2:
+        q_lens = np.array([q8.shape[0]])
+    elif query_offsets.device.type == "cpu":
+        q_lens = _query_lengths(query_offsets, q8.shape[0])
+    else:
+        return None
+    return (stream, int(q_lens.max())) if stream.supports(q_lens, d8, return_argmax) else None
+
+
 def _query_lengths(query_offsets: torch.Tensor, n_tokens: int) -> np.ndarray:
     """The queries' lengths from their host offsets (memoised per offsets tensor)."""
     return memo(query_offsets, ("lens", n_tokens),
@@ -1012,10 +1032,16 @@ def maxsim_varlen_int8(
     backend, q8, sq, query_offsets, d8, sd, doc_offsets = _prepare(
         queries, query_offsets, docs, doc_offsets, doc_scales, query_scales, backend
     )
-    hopper = None
-    if backend == "triton":
+    hopper = stream = None
+    if backend == "triton" and query_offsets.numel() == 2:
+        stream = _hopper_stream(given_q_off, q8, d8, return_argmax)
+    elif backend == "triton":
         hopper = _hopper_allpairs(given_q_off, given_d_off, q8, d8, return_argmax)
-    if hopper is not None:
+    if stream is not None:
+        module, longest = stream
+        out = module.maxsim_int8_stream(q8, sq, query_offsets, None, None, d8, sd, doc_offsets, longest)[None]
+        arg = None
+    elif hopper is not None:
         out = _launch_hopper(hopper, given_q_off, given_d_off, query_offsets, doc_offsets, q8, sq, d8, sd)
         arg = None
     elif backend == "triton":
@@ -1069,6 +1095,7 @@ def maxsim_candidates_int8(
     `maxsim_varlen_int8` (the Triton path on CUDA synchronises only to size the argmax).
     """
     del allow_tf32
+    given_q_off = query_offsets
     backend, q8, sq, query_offsets, d8, sd, doc_offsets = _prepare(
         queries, query_offsets, docs, doc_offsets, doc_scales, query_scales, backend
     )
@@ -1077,7 +1104,14 @@ def maxsim_candidates_int8(
     candidate_offsets, candidate_docs = _check_candidates(
         candidate_offsets, candidate_docs, nq, nd, d8.device, check
     )
-    if backend == "triton":
+    stream = _hopper_stream(given_q_off, q8, d8, return_argmax) if backend == "triton" else None
+    if stream is not None:
+        module, longest = stream
+        out = module.maxsim_int8_stream(
+            q8, sq, query_offsets, candidate_offsets, candidate_docs, d8, sd, doc_offsets, longest
+        )
+        arg = None
+    elif backend == "triton":
         out, arg = _launch_candidates(
             q8, sq, query_offsets, d8, sd, doc_offsets, candidate_offsets, candidate_docs, return_argmax
         )

@@ -54,6 +54,15 @@ def uses_hopper(queries, qo, d8, do, return_argmax: bool = False) -> bool:
     return maxsim_int8._hopper_allpairs(qo, do, q8, d8, return_argmax) is not None
 
 
+def uses_stream(queries, qo, d8) -> bool:
+    """Whether scores-only int8 calls with these queries go to the Gluon kernel for HBM-bound shapes
+    (maxsim_int8_hopper_stream: one query, or candidates with host query offsets)."""
+    from maxsim_kernels import maxsim_int8
+
+    q8 = queries if queries.dtype == torch.int8 else quantize_per_token(queries)[0]
+    return maxsim_int8._hopper_stream(qo, q8, d8, False) is not None
+
+
 def check(scores, arg, queries, qo, d8, do, sd) -> None:
     ref, ref_arg = maxsim_int8_reference(queries, qo, d8, do, doc_scales=sd, return_argmax=True)
     assert_scores(scores, ref, score_tolerance(queries, qo, d8, do, sd))
@@ -92,11 +101,15 @@ def test_varlen_exact_at_size(nq: int, q_len: int, nd: int, dim: int) -> None:
     d8, sd = quantize_per_token(docs)
     scores, arg = maxsim_varlen_int8(queries, qo, d8, do, doc_scales=sd, return_argmax=True)
     check(scores, arg, queries, qo, d8, do, sd)
-    assert torch.equal(maxsim_varlen_int8(queries, qo, d8, do, doc_scales=sd), scores)
+    scores_only = maxsim_varlen_int8(queries, qo, d8, do, doc_scales=sd)
+    if uses_stream(queries, qo, d8):  # one query, scores only: the Gluon kernel, sums in another order
+        assert_scores(scores_only, scores.double(), 2 * score_tolerance(queries, qo, d8, do, sd))
+    else:
+        assert torch.equal(scores_only, scores)
     # Offsets from the host (as `maxsim score` passes them): checked there; the same scores, or on Hopper
     # (the Gluon kernel, whose sums run in another order) scores within the same bound.
     host = maxsim_varlen_int8(queries, qo.cpu(), d8, do.cpu(), doc_scales=sd)
-    if uses_hopper(queries, qo.cpu(), d8, do.cpu()):
+    if uses_hopper(queries, qo.cpu(), d8, do.cpu()) or uses_stream(queries, qo.cpu(), d8):
         ref = maxsim_int8_reference(queries, qo, d8, do, doc_scales=sd)
         assert_scores(host, ref, score_tolerance(queries, qo, d8, do, sd))
     else:
@@ -286,3 +299,153 @@ def test_hopper_int8_kernel_builds_for_two_programs_an_sm(sm90_build) -> None:
     registers = int(re.search(r"Used (\d+) registers", report["ptxas"]).group(1))
     assert registers * 128 * 2 <= 65536, registers
     assert report["shared"] <= 227 * 1024 // 2, report["shared"]
+
+
+_INT8_STREAM_SM90_BUILD = r"""
+import torch
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+import maxsim_kernels.maxsim_int8_hopper_stream as st
+
+kernel = st._int8_stream_kernel
+names = kernel.arg_names
+d_desc = st.TensorDescriptor.from_tensor(torch.zeros(1000, 128, dtype=torch.int8), [st.BLOCK_T, 128],
+                                         st._doc_layout(128))
+reports = {}
+for identity, items, cap in ((True, st.ITEMS_ONE_QUERY, st.REGISTERS_ONE_QUERY),
+                             (False, st.ITEMS_CANDIDATES, st.REGISTERS_CANDIDATES)):
+    consts = {"DIM": 128, "N": 32, "ITEMS": items, "BLOCK_T": st.BLOCK_T, "STAGES": st.STAGES,
+              "GROUP": st.GROUP, "IDENTITY": identity}
+    sig = {n: "i32" for n in names}
+    sig.update({"q_ptr": "*i8", "qs_ptr": "*fp32", "q_off_ptr": "*i64", "cand_off_ptr": "*i64",
+                "cand_ptr": "*i64", "off_ptr": "*i64", "sd_ptr": "*fp32", "out_ptr": "*fp32",
+                "d_desc": mangle_type(d_desc), **{n: "constexpr" for n in consts}})
+    src = GluonASTSource(kernel, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
+    compiled = triton.compile(src, target=SM90, options={"num_warps": st.NUM_WARPS, "maxnreg": cap})
+    reports["one_query" if identity else "candidates"] = {
+        "ptxas": ptxas_report(compiled), "shared": compiled.metadata.shared, "cap": cap}
+print(json.dumps(reports))
+"""
+
+
+def test_hopper_int8_stream_kernel_builds_for_its_programs_an_sm(sm90_build) -> None:
+    """The stream kernel's tuning assumes five programs an SM for one query and four for candidates: no
+    spills at the register caps, and shared memory for that many programs."""
+    import triton
+    from maxsim_kernels._launch import GLUON_TRITON
+
+    if not triton.__version__.startswith(GLUON_TRITON):
+        pytest.skip(f"the Hopper kernel is built with triton {GLUON_TRITON}x, not {triton.__version__}")
+    reports = sm90_build(_INT8_STREAM_SM90_BUILD)
+    for name, programs in (("one_query", 5), ("candidates", 4)):
+        report = reports[name]
+        assert " 0 bytes spill stores" in report["ptxas"], (name, report["ptxas"])
+        assert report["cap"] * 128 * programs <= 65536, name
+        assert (report["shared"] + 1024) * programs <= 228 * 1024, (name, report["shared"])
+
+
+def stream_or_skip(queries, qo, d8) -> None:
+    if not uses_stream(queries, qo, d8):
+        pytest.skip("the Gluon int8 stream kernel needs an sm_90 GPU and the Triton release it was built for")
+
+
+ADVERSARIAL_DOC_LENGTHS = [0, 1, 63, 64, 65, 128, 129, 300, 7, 0, 2, 0]
+
+
+def adversarial_docs(gen: torch.Generator, n_random: int = 600):
+    """Ragged documents for the HBM-bound kernels: empty ones, one token, tiles that end exactly at a
+    document's end or one token past or short of it, runs of short documents (several ends a ring), the
+    first half negated (negative similarities), and an exact tie inside a document; (fp16 values on the
+    GPU, host offsets, int8 codes, scales)."""
+    d_lens = ADVERSARIAL_DOC_LENGTHS + torch.randint(0, 301, (n_random,), generator=gen).tolist()
+    d_lens += torch.randint(1, 65, (n_random // 2,), generator=gen).tolist()
+    docs, do = packed_lengths(d_lens, 128, gen)
+    docs[: docs.shape[0] // 2] *= -1
+    docs[int(do[20]) + 1] = docs[int(do[20])]
+    d8, sd = quantize_per_token(docs)
+    return docs, do, d8, sd
+
+
+@pytest.mark.parametrize("q_len", [1, 13, 16, 17, 32, 33, 64])
+def test_hopper_stream_one_query_against_reference(q_len: int) -> None:
+    """One query against every document on the Gluon stream kernel (maxsim_int8_hopper_stream; wgmma's N
+    16, 32 or 64): every score within the float64 bound, -inf for empty documents; the same bits for every
+    ring depth, loop unroll and documents a program (the same sums in the same order)."""
+    from maxsim_kernels import maxsim_int8_hopper_stream as stream
+
+    gen = torch.Generator().manual_seed(q_len)
+    docs, do, d8, sd = adversarial_docs(gen)
+    queries, qo = packed_lengths([q_len], 128, gen)
+    stream_or_skip(queries, qo, d8)
+    scores = maxsim_varlen_int8(queries, qo.cuda(), d8, do.cuda(), doc_scales=sd)
+    qo_d, do_d = qo.cuda(), do.cuda()
+    ref = maxsim_int8_reference(queries, qo_d, d8, do_d, doc_scales=sd)
+    empty = (do.diff() == 0).cuda()
+    assert (scores[:, empty] == float("-inf")).all()
+    tol = score_tolerance(queries, qo_d, d8, do_d, sd)
+    assert_scores(scores[:, ~empty], ref[:, ~empty], tol[:, ~empty])
+    q8, sq = quantize_per_token(queries)
+    for cfg in (dict(items_per_prog=1), dict(items_per_prog=64, stages=3, group=2),
+                dict(items_per_prog=8, stages=8, group=8)):  # fmt: skip
+        again = stream.maxsim_int8_stream(q8, sq, qo_d, None, None, d8, sd, do_d, q_len, **cfg)
+        assert torch.equal(again, scores[0]), cfg
+
+
+def test_hopper_stream_candidates_against_reference() -> None:
+    """Each query against its own candidates on the Gluon stream kernel: ragged query lengths (1..64),
+    ragged candidate counts (none, one, lists that start inside another query's run of items), repeated
+    and empty candidate documents; within the float64 bound, the same bits for every configuration."""
+    from maxsim_kernels import maxsim_int8_hopper_stream as stream
+
+    gen = torch.Generator().manual_seed(5)
+    docs, do, d8, sd = adversarial_docs(gen)
+    nd = do.numel() - 1
+    q_lens = [1, 64, 32, 17, 5, 33, 32, 2] + torch.randint(1, 65, (12,), generator=gen).tolist()
+    queries, qo = packed_lengths(q_lens, 128, gen)
+    nq = len(q_lens)
+    counts = torch.randint(0, 90, (nq,), generator=gen)
+    counts[:4] = torch.tensor([0, 1, 16, 0])
+    cand_off = torch.zeros(nq + 1, dtype=torch.int64)
+    cand_off[1:] = counts.cumsum(0)
+    cand_docs = torch.randint(0, nd, (int(cand_off[-1]),), generator=gen)
+    cand_docs[:3] = torch.tensor([0, 0, 1])  # an empty document, twice, and a one-token one
+    cand_docs = cand_docs.cuda()
+    stream_or_skip(queries, qo, d8)
+    scores = maxsim_candidates_int8(queries, qo, d8, do, cand_off.cuda(), cand_docs, doc_scales=sd)
+    qo_d, do_d = qo.cuda(), do.cuda()
+    ref = maxsim_int8_reference(queries, qo_d, d8, do_d, doc_scales=sd)
+    owner = torch.repeat_interleave(torch.arange(nq), counts).cuda()
+    want = ref[owner, cand_docs]
+    empty = (do.diff() == 0).cuda()[cand_docs]
+    assert (scores[empty] == float("-inf")).all()
+    tol = score_tolerance(queries, qo_d, d8, do_d, sd)[owner, cand_docs]
+    assert_scores(scores[~empty], want[~empty], tol[~empty])
+    q8, sq = quantize_per_token(queries)
+    for cfg in (dict(items_per_prog=1), dict(items_per_prog=4, stages=3, group=2),
+                dict(items_per_prog=64, stages=8, group=8)):  # fmt: skip
+        again = stream.maxsim_int8_stream(q8, sq, qo_d, cand_off.cuda(), cand_docs, d8, sd, do_d, 64, **cfg)
+        assert torch.equal(again, scores), cfg
+
+
+def test_hopper_stream_offsets_past_2_31_bytes() -> None:
+    """The stream kernel on documents whose bytes start beyond 2^31 (one query, and candidates there)."""
+    dim = 128
+    d8, sd, do, gen = corpus_past_2_31_bytes(dim, seed=4)
+    queries = torch.randn(32, dim, device="cuda", generator=gen)
+    qo = torch.tensor([0, 32])
+    stream_or_skip(queries, qo, d8)
+    do_d = do.cuda()
+    scores = maxsim_varlen_int8(queries, qo, d8, do_d, doc_scales=sd)
+    tail = 300
+    first_doc = do.numel() - 1 - tail
+    start = int(do[first_doc])
+    assert start * dim > 2**31
+    sub_off = (do[first_doc:] - start).cuda()
+    qo_d = qo.cuda()
+    ref = maxsim_int8_reference(queries, qo_d, d8[start:], sub_off, doc_scales=sd[start:])
+    tol = score_tolerance(queries, qo_d, d8[start:], sub_off, sd[start:])
+    assert_scores(scores[:, first_doc:], ref, tol)
+    cand = torch.arange(first_doc, do.numel() - 1, device="cuda").flip(0)
+    cand_off = torch.tensor([0, tail], device="cuda")
+    picked = maxsim_candidates_int8(queries, qo, d8, do_d, cand_off, cand, doc_scales=sd)
+    assert torch.equal(picked, scores[0, cand])

@@ -1,0 +1,403 @@
+"""INT8 x INT8 MaxSim on Hopper (sm_90), in Gluon, for the shapes bound by HBM: one query against many
+documents, and each query against its own candidates (reranking). Document-major tiles: each 64-token
+int8 tile, brought by TMA through a deep ring, is the first operand of a warpgroup MMA from shared memory
+against the query held in shared memory, while the previous tile's products are scaled and folded.
+
+    acc[j, i]   = sum_k d8[j, k] * q8[i, k]                 (int32, exact; j a document token)
+    score(q, d) = sum_{i in q} s_q[i] * max_{j in d} (s_d[j] * acc[j, i])
+
+the math of `maxsim_int8` (its docstring): each `s_d[j] * acc[j, i]` is one fp32 product of the exact
+integer and the fp32 scale, so the maxima are bit for bit those of the Triton kernels and of the float64
+reference with `round_products`; the query-scale products and the sum over a query's rows are fp32 and
+differ from the Triton kernels' only by the order of the additions.
+
+Scope: on an sm_90 GPU with the Triton release the kernel was built with, scores only, dim 128, queries of
+at most MAX_QUERY_TOKENS tokens (the query is wgmma's N: 16, 32 or 64 columns), and either one query
+against all documents or candidates; everything else keeps the Triton kernels of `maxsim_int8`.
+
+Work items. The items are the entries of a flat list: the candidates (item c scores query owner(c) against
+document candidate_docs[c]), or for one query all documents (item c is document c). A program takes up to
+ITEMS consecutive items of one query: program k < n_chunks the items of chunk k (items [k * ITEMS, (k + 1)
+* ITEMS)) that belong to the query of the chunk's first item; for candidates, program n_chunks + q the
+first items of query q when its list starts inside a chunk owned by an earlier query. Every item is scored
+once.
+
+Per program (one warp group, 4 warps):
+
+- the query's rows (zero past its length) go to shared memory once, as wgmma's second operand;
+- the program walks its items' tiles in order, each document's first tile at its first token (the last
+  one reads past the document: those rows get a NaN scale, whose products max ignores). Two cursors walk
+  the same sequence of tiles: the ring's, STAGES tiles ahead, issues the TMA copies; the scales', two
+  tiles ahead, loads each tile's 64 scales into registers (two a thread). Each cursor loads an item's
+  document range one item ahead and the candidate's document index two ahead, so no load waits at a
+  document's end;
+- tile t's product D8_t . Q8^T [64, N] (int32) is issued asynchronously; while it runs, tile t - 1's
+  products are converted (the conversion instruction, exact for |acc| < 2^24), scaled by their token's
+  scale and folded into a running maximum per element. At a document's last tile the maxima are reduced
+  over the tokens, weighted by the query scales and summed: one score.
+
+Cost, bound (H200, HBM ~4.2-4.4 TB/s as the fp16 kernel reads): 132 bytes a token (128 of codes, 4 of
+scale), one read each. One query x 100K documents of 20-300 tokens: 2.11 GB, 0.48-0.50 ms; rerank 64
+queries x 1000 candidates x 180 tokens: 1.52 GB, 0.35-0.36 ms. A tile is 8 KB and 64 x N x 128 int8 MACs
+(64 tensor-core clocks an SM at N = 32), 64 x N products past the MMA (three instructions each: 16 a
+thread at N = 32). At the bound an SM takes in a tile every ~520 clocks, so neither the tensor cores nor
+the issue slots are the limit; the bytes in flight are: at ~1.5 us of loaded latency an SM needs ~48 KB
+outstanding, which the ring of each of the programs on an SM keeps (STAGES - 2 tiles ahead).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ._launch import hopper_device
+from ._validate import cdiv
+
+BLOCK_T = 64  # document tokens a tile (wgmma's M)
+# Tuning (H200, triton 3.6; one query x 100K documents of 20-300 tokens, rerank 64 queries x 1000
+# candidates x 180 tokens; benchmarks/results/int8/stream/, docs/kernel-notes.md "INT8 on HBM-bound
+# shapes: the Gluon stream kernel"): a ring of 4 tiles, at 96 registers a thread for one query (five
+# programs an SM: 0.520-0.565 ms against 0.572-0.588 at four) and 128 for candidates (four programs an SM,
+# 141 uncapped, no spills: 0.408-0.427 ms against 0.446-0.450 at 112 and 0.454 uncapped); a ring of 6:
+# one query 0.577-0.595, rerank 0.413-0.428; 8: 0.616-0.681 / 0.464-0.484 (three programs an SM).
+STAGES = 4
+GROUP = 2  # tiles a turn of the unrolled loop (two products in flight); the walk is padded to a multiple.
+# 4: one query 0.580-0.601 ms against 0.558-0.586, rerank 0.418-0.455 against 0.413-0.428 (ring of 6)
+ITEMS_ONE_QUERY = 32  # documents a program; 16: 0.581-0.610 ms, 64: 0.554-0.598, 128: 0.661-0.677
+ITEMS_CANDIDATES = 16  # candidates a program; 8: 0.428-0.440 ms, 32: 0.424-0.486
+NUM_WARPS = 4
+REGISTERS_ONE_QUERY = 96  # ptxas's cap a thread (119 uncapped, no spills at 96 or 80)
+REGISTERS_CANDIDATES = 128  # 65,536 registers / (4 programs x 128 threads)
+MAX_QUERY_TOKENS = 64
+
+
+@gluon.jit
+def _item_range(c, c_last, cand_ptr, off_ptr, IDENTITY: gl.constexpr):
+    """Document range [start, end) of item c (0, 0 at or past c_last), int32."""
+    ok = c < c_last
+    if IDENTITY:
+        doc = c
+    else:
+        doc = gl.load(cand_ptr + c, mask=ok, other=0).to(gl.int32)
+    start = gl.load(off_ptr + doc, mask=ok, other=0).to(gl.int32)
+    end = gl.load(off_ptr + doc + 1, mask=ok, other=0).to(gl.int32)
+    return start, end
+
+
+@gluon.jit
+def _item_doc(c, c_last, cand_ptr, IDENTITY: gl.constexpr):
+    """Document of item c (0 at or past c_last)."""
+    if IDENTITY:
+        return gl.where(c < c_last, c, 0)
+    else:
+        return gl.load(cand_ptr + c, mask=c < c_last, other=0).to(gl.int32)
+
+
+@gluon.jit
+def _cursor_start(c_first, c_last, cand_ptr, off_ptr, IDENTITY: gl.constexpr):
+    """A cursor at the first tile of item c_first: (item, tile's first token, document end, next item's
+    start and end, document of the item after it). Past c_last the ranges are (0, 0) or stale, which only
+    padding tiles (copied, never folded) read."""
+    tok, end = _item_range(c_first, c_last, cand_ptr, off_ptr, IDENTITY)
+    n_start, n_end = _item_range(c_first + 1, c_last, cand_ptr, off_ptr, IDENTITY)
+    n_doc = _item_doc(c_first + 2, c_last, cand_ptr, IDENTITY)
+    return c_first, tok, end, n_start, n_end, n_doc
+
+
+@gluon.jit
+def _cursor_next(c, tok, end, n_start, n_end, n_doc, c_last, cand_ptr, off_ptr, IDENTITY: gl.constexpr,
+                 BLOCK_T: gl.constexpr):  # fmt: skip
+    """The cursor at the next tile. Entering an item it loads the range of the item after it (whose
+    document index it loaded one item earlier) and the document index of the one after that: each loaded
+    value is first used an item later, and a masked load keeps its register's old value, so no load is
+    waited for here (a select of the loaded value would wait for it)."""
+    last = tok + BLOCK_T >= end
+    tok = gl.where(last, n_start, tok + BLOCK_T)
+    end = gl.where(last, n_end, end)
+    c = gl.where(last, c + 1, c)
+    # past c_last nothing is loaded: the cursor walks the last item's range again, for padding tiles
+    n_start = gl.load(off_ptr + n_doc, mask=last & (c + 1 < c_last), other=n_start).to(gl.int32)
+    n_end = gl.load(off_ptr + n_doc + 1, mask=last & (c + 1 < c_last), other=n_end).to(gl.int32)
+    if IDENTITY:
+        n_doc = gl.where(last & (c + 2 < c_last), c + 2, n_doc)
+    else:
+        n_doc = gl.load(cand_ptr + c + 2, mask=last & (c + 2 < c_last), other=n_doc).to(gl.int32)
+    return c, tok, end, n_start, n_end, n_doc
+
+
+@gluon.jit
+def _tile_scales(sd_ptr, tok, end, rows):
+    """The tile's token scales in the accumulator's row layout, NaN past the document."""
+    return gl.load(sd_ptr + tok + rows, mask=tok + rows < end, other=float("nan"))
+
+
+@gluon.jit
+def _product(d_smem, q_t, ready, x, zero, STAGES: gl.constexpr):
+    """Tile x's D8 . Q8^T, asynchronous, once its copy has landed."""
+    slot = x % STAGES
+    mbarrier.wait(ready.index(slot), (x // STAGES) & 1)
+    return warpgroup_mma(d_smem.index(slot), q_t, zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _retire(acc, x, tiles, total, run, sc, last, item, qs, q_ok, out_ptr,
+            pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
+            c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready,
+            IDENTITY: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Tile x's product is done: refill its ring slot with tile x + STAGES (the ring cursor p's tile),
+    fold tile x (scales `sc`, item `item`, `last` if it ends the item) into the running maxima `run`,
+    storing the item's score at its end, and load the scales of tile x + 2 (the scale cursor s)."""
+    if x + STAGES < tiles:
+        slot = x % STAGES
+        mbarrier.expect(ready.index(slot), d_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(d_desc, [ps, 0], ready.index(slot), d_smem.index(slot))
+        pc, ps, pe, pns, pne, pnd = _cursor_next(pc, ps, pe, pns, pne, pnd, c_last, cand_ptr, off_ptr,
+                                                 IDENTITY, BLOCK_T)  # fmt: skip
+    if x < total:
+        v = acc.to(gl.float32) * sc[:, None]
+        run = gl.maximum(run, v)
+        if last:
+            best = gl.max(run, axis=0)
+            score = gl.sum(gl.where(q_ok, qs * best, 0.0), axis=0)
+            gl.store(out_ptr + item, score)
+            run = gl.full(run.shape, float("-inf"), gl.float32, run.type.layout)
+    # the scales of tile x + 2, and its place in the walk
+    sc_new = _tile_scales(sd_ptr, s_tok, s_end, rows)
+    last_new = s_tok + BLOCK_T >= s_end
+    item_new = s_c
+    s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_next(s_c, s_tok, s_end, s_ns, s_ne, s_nd, c_last, cand_ptr,
+                                                       off_ptr, IDENTITY, BLOCK_T)  # fmt: skip
+    return (run, sc_new, last_new, item_new, pc, ps, pe, pns, pne, pnd,
+            s_c, s_tok, s_end, s_ns, s_ne, s_nd)  # fmt: skip
+
+
+@gluon.jit
+def _owner(cand_off_ptr, c, n_queries):
+    """The query whose item list holds item c: the largest q with cand_off[q] <= c."""
+    lo = c * 0
+    hi = lo + n_queries
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        below = gl.load(cand_off_ptr + mid) <= c
+        lo = gl.where(below, mid, lo)
+        hi = gl.where(below, hi, mid)
+    return lo
+
+
+@gluon.jit(do_not_specialize=["n_queries", "n_items", "n_chunks"])
+def _int8_stream_kernel(
+    q_ptr, qs_ptr, q_off_ptr, cand_off_ptr, cand_ptr, off_ptr, d_desc, sd_ptr, out_ptr,
+    n_queries, n_items, n_chunks, stride_q,
+    DIM: gl.constexpr, N: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
+    GROUP: gl.constexpr, IDENTITY: gl.constexpr,
+):  # fmt: skip
+    """Scores of a run of items (see the module docstring): q int8 [Tq, DIM], qs fp32 [Tq], q_off [nq + 1],
+    cand_off [nq + 1] (the items of each query) and cand int64 [n_items], both unused with IDENTITY (one
+    query, item c is document c), off int64 [nd + 1], d_desc the int8 documents [Td, DIM] in [BLOCK_T,
+    DIM] tiles, sd fp32 [Td], out fp32 [n_items]."""
+    pid = gl.program_id(0)
+    if IDENTITY:
+        query = pid * 0
+        c_first = pid * ITEMS
+        c_last = gl.minimum(c_first + ITEMS, n_items)
+    elif pid < n_chunks:
+        c_first = pid * ITEMS
+        query = _owner(cand_off_ptr, c_first, n_queries)
+        q_end = gl.load(cand_off_ptr + query + 1).to(gl.int32)
+        c_last = gl.minimum(gl.minimum(c_first + ITEMS, n_items), q_end)
+    else:
+        query = pid - n_chunks
+        c_first = gl.load(cand_off_ptr + query).to(gl.int32)
+        q_end = gl.load(cand_off_ptr + query + 1).to(gl.int32)
+        c_last = gl.minimum(q_end, gl.cdiv(c_first, ITEMS) * ITEMS)
+    if c_first < c_last:
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 32]
+        )
+        row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+        ld_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        item_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+
+        # the query: rows past its length are zero, their scales zero
+        row_first = gl.load(q_off_ptr + query)
+        row_last = gl.load(q_off_ptr + query + 1)
+        q_tok = row_first + gl.arange(0, N, layout=gl.SliceLayout(1, ld_layout))
+        k = gl.arange(0, DIM, layout=gl.SliceLayout(0, ld_layout))
+        q_rows = gl.load(q_ptr + q_tok.to(gl.int64)[:, None] * stride_q + k[None, :],
+                         mask=(q_tok < row_last)[:, None], other=0)  # fmt: skip
+        q_smem = gl.allocate_shared_memory(
+            gl.int8, [N, DIM], gl.NVMMASharedLayout.get_default_for([N, DIM], gl.int8)
+        )
+        q_smem.store(q_rows)
+        cols = row_first + gl.arange(0, N, layout=col_layout)
+        q_ok = cols < row_last
+        qs = gl.load(qs_ptr + cols, mask=q_ok, other=0.0)
+
+        d_smem = gl.allocate_shared_memory(d_desc.dtype, [STAGES, BLOCK_T, DIM], d_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+        fence_async_shared()
+        gl.thread_barrier()
+        q_t = q_smem.permute((1, 0))
+
+        # the walk's length: every item has max(1, ceil(len / BLOCK_T)) tiles
+        cc = c_first + gl.arange(0, ITEMS, layout=item_layout)
+        c_in = cc < c_last
+        if IDENTITY:
+            docs = cc
+        else:
+            docs = gl.load(cand_ptr + cc, mask=c_in, other=0)
+        lens = gl.load(off_ptr + docs + 1, mask=c_in, other=0) - gl.load(off_ptr + docs, mask=c_in, other=0)
+        total = gl.sum(gl.where(c_in, gl.maximum((lens.to(gl.int32) + BLOCK_T - 1) // BLOCK_T, 1), 0), axis=0)
+        tiles = gl.cdiv(total, GROUP) * GROUP  # padding tiles (past `total`): copied, multiplied, not folded
+
+        # the ring: tiles 0 .. STAGES - 1 requested, its cursor left at tile STAGES
+        pc, ps, pe, pns, pne, pnd = _cursor_start(c_first, c_last, cand_ptr, off_ptr, IDENTITY)
+        for i in gl.static_range(STAGES):
+            if i < tiles:
+                mbarrier.expect(ready.index(i), d_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(d_desc, [ps, 0], ready.index(i), d_smem.index(i))
+                pc, ps, pe, pns, pne, pnd = _cursor_next(pc, ps, pe, pns, pne, pnd, c_last, cand_ptr, off_ptr,
+                                                         IDENTITY, BLOCK_T)  # fmt: skip
+        # the scales of tiles 0 and 1, their cursor left at tile 2
+        rows = gl.arange(0, BLOCK_T, layout=row_layout)
+        s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_start(c_first, c_last, cand_ptr, off_ptr, IDENTITY)
+        sc0 = _tile_scales(sd_ptr, s_tok, s_end, rows)
+        last0 = s_tok + BLOCK_T >= s_end
+        item0 = s_c
+        s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_next(s_c, s_tok, s_end, s_ns, s_ne, s_nd, c_last,
+                                                           cand_ptr, off_ptr, IDENTITY, BLOCK_T)  # fmt: skip
+        sc1 = _tile_scales(sd_ptr, s_tok, s_end, rows)
+        last1 = s_tok + BLOCK_T >= s_end
+        item1 = s_c
+        s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_next(s_c, s_tok, s_end, s_ns, s_ne, s_nd, c_last,
+                                                           cand_ptr, off_ptr, IDENTITY, BLOCK_T)  # fmt: skip
+
+        run = gl.full([BLOCK_T, N], float("-inf"), gl.float32, acc_layout)
+        zero = gl.zeros([BLOCK_T, N], gl.int32, acc_layout)
+        for base in range(0, tiles, GROUP):
+            acc_a = _product(d_smem, q_t, ready, base, zero, STAGES)
+            acc_b = _product(d_smem, q_t, ready, base + 1, zero, STAGES)
+            acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])
+            (run, sc2, last2, item2, pc, ps, pe, pns, pne, pnd,
+             s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
+                acc_a, base, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
+                pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
+                c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, IDENTITY, BLOCK_T, STAGES,
+            )  # fmt: skip
+            sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
+            for j in gl.static_range(2, GROUP, 2):
+                acc_a = _product(d_smem, q_t, ready, base + j, zero, STAGES)
+                acc_a, acc_b = warpgroup_mma_wait(num_outstanding=1, deps=[acc_a, acc_b])
+                (run, sc2, last2, item2, pc, ps, pe, pns, pne, pnd,
+                 s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
+                    acc_b, base + j - 1, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
+                    pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
+                    c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, IDENTITY, BLOCK_T, STAGES,
+                )  # fmt: skip
+                sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
+                acc_b = _product(d_smem, q_t, ready, base + j + 1, zero, STAGES)
+                acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])
+                (run, sc2, last2, item2, pc, ps, pe, pns, pne, pnd,
+                 s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
+                    acc_a, base + j, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
+                    pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
+                    c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, IDENTITY, BLOCK_T, STAGES,
+                )  # fmt: skip
+                sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
+            acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc_b])
+            (run, sc2, last2, item2, pc, ps, pe, pns, pne, pnd,
+             s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
+                acc_b, base + GROUP - 1, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
+                pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
+                c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, IDENTITY, BLOCK_T, STAGES,
+            )  # fmt: skip
+            sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
+
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------------------
+
+
+def query_columns(max_query_len: int) -> int:
+    """wgmma's N for queries of at most `max_query_len` tokens: 16, 32 or 64."""
+    return max(16, 1 << max(0, max_query_len - 1).bit_length())
+
+
+def supports(q_lens: np.ndarray, d8: torch.Tensor, return_argmax: bool) -> bool:
+    """Whether this kernel takes the problem: `q_lens` the query lengths (host), `d8` the int8 documents."""
+    if return_argmax or not len(q_lens) or d8.dim() != 2 or d8.shape[1] != 128:
+        return False
+    return (
+        1 <= int(q_lens.min())
+        and int(q_lens.max()) <= MAX_QUERY_TOKENS
+        and 0 < d8.shape[0] < 2**31 - BLOCK_T  # TMA coordinates and the walk are int32
+        and d8.stride(1) == 1
+        and d8.stride(0) % 16 == 0
+        and d8.data_ptr() % 16 == 0
+        and hopper_device(d8.device)
+    )
+
+
+@functools.cache
+def _doc_layout(dim: int) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_T, dim], gl.int8)
+
+
+def maxsim_int8_stream(
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    q_off: torch.Tensor,
+    item_off: torch.Tensor | None,
+    items: torch.Tensor | None,
+    d8: torch.Tensor,
+    sd: torch.Tensor,
+    d_off: torch.Tensor,
+    max_query_len: int,
+    *,
+    items_per_prog: int | None = None,
+    stages: int = STAGES,
+    group: int = GROUP,
+    maxnreg: int | None = None,
+) -> torch.Tensor:
+    """fp32 scores [n_items]: q8 int8 [Tq, 128] with scales sq fp32 [Tq], query offsets int64 [nq + 1];
+    item_off int64 [nq + 1] the items of each query and items int64 [n_items] the candidates' document
+    indices, or both None for one query against every document; d8 int8 [Td, 128] with
+    scales sd fp32 [Td] and offsets d_off int64 [nd + 1]; all on the GPU. `max_query_len` (host) sizes
+    the query tile (`supports`); keyword overrides are for sweeps (`maxnreg` 0: no register cap)."""
+    nq = q_off.numel() - 1
+    n_items = d_off.numel() - 1 if items is None else items.numel()
+    out = torch.empty((n_items,), dtype=torch.float32, device=d8.device)
+    if n_items == 0:
+        return out
+    per = items_per_prog or (ITEMS_ONE_QUERY if items is None else ITEMS_CANDIDATES)
+    if maxnreg is None:
+        maxnreg = REGISTERS_ONE_QUERY if items is None else REGISTERS_CANDIDATES
+    n_chunks = cdiv(n_items, per)
+    d_desc = TensorDescriptor.from_tensor(d8, [BLOCK_T, d8.shape[1]], _doc_layout(d8.shape[1]))
+    _int8_stream_kernel[(n_chunks + (0 if items is None else nq),)](
+        q8, sq, q_off, q_off if item_off is None else item_off, d_off if items is None else items, d_off,
+        d_desc, sd, out,
+        nq, n_items, n_chunks, q8.stride(0),
+        DIM=d8.shape[1], N=query_columns(max_query_len), ITEMS=per, BLOCK_T=BLOCK_T, STAGES=stages,
+        GROUP=group, IDENTITY=items is None, num_warps=NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
+    )  # fmt: skip
+    return out
