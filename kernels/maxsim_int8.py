@@ -38,13 +38,16 @@ HBM bytes ~= Td * (dim + 4) once (int8 tokens + fp32 scale), half the fp16 bytes
 Past the MMA, each (query token, document token) pair costs the same CUDA-core work as in fp16 (the
 conversion, one FMA, the max) and every tile the same loop, load and reduction overhead, so halving the
 MMA time does not halve the tile time: all pairs run at 1.23x the fp16 kernel's rate, not 2x
-(benchmarks/results/int8/int8-h200.json). HBM-bound shapes read at 3.5 TB/s with TMA tiles on
-Hopper (fp16: 4.4): with cp.async loads they reached 2.9-3.1, three programs an SM (the registers of the
-per-thread addresses) each keeping two 8 KB tiles in flight where fp16 keeps three 16 KB ones. The
+(benchmarks/results/int8/int8-h200.json). HBM-bound shapes read at 3.5 TB/s with these TMA tiles
+on Hopper (fp16: 4.4): with cp.async loads they reached 2.9-3.1, three programs an SM (the registers of
+the per-thread addresses) each keeping two 8 KB tiles in flight where fp16 keeps three 16 KB ones. The
 tiles are query-major: document-major ones, as the fp16 kernel uses for one query and for candidates,
 lost on every shape. The measurements: docs/kernel-notes.md, "INT8: what limits it" and "INT8 on
-HBM-bound shapes: TMA tiles". On
-Hopper, all pairs with host offsets go to the Gluon kernel of `maxsim_int8_hopper`.
+HBM-bound shapes: TMA tiles". On Hopper (sm_90, the Triton release of the Gluon kernels, scores only, dim
+128), all pairs with host offsets go to the Gluon kernel of `maxsim_int8_hopper`, and one query against
+every document or candidates with host query offsets (queries of at most 64 tokens) to the Gluon stream
+kernel of `maxsim_int8_hopper_stream` (3.6-4.1 TB/s: docs/kernel-notes.md, "INT8 on HBM-bound shapes:
+the Gluon stream kernel").
 
 int32 -> fp32 by the accumulator's bits: the MMA accumulator starts at the bit pattern of 1.5 * 2^23
 (0x4B400000) instead of 0, so its bits, read as fp32, are 1.5 * 2^23 + acc exactly while |acc| < 2^22
@@ -1023,9 +1026,10 @@ def maxsim_varlen_int8(
     products are integer). backend: "auto" (Triton on CUDA, torch on CPU), "triton", "torch".
 
     Offsets are checked on the host (a query needs >= 1 token) except by the Triton path on CUDA
-    tensors, which never synchronises with the device; there they must be valid. With offsets on the
-    host, scores only and dim 128 on an sm_90 GPU, many queries run on the Gluon kernel of
-    `maxsim_int8_hopper` (same row maxima; the query sums added in another order, within the same bound).
+    tensors, which never synchronises with the device; there they must be valid. Scores only, dim 128, on
+    an sm_90 GPU: many queries with host offsets run on the Gluon kernel of `maxsim_int8_hopper`, one
+    query of at most 64 tokens on the Gluon stream kernel of `maxsim_int8_hopper_stream` (same maxima;
+    the query sums added in another order, within the same bound).
     """
     del allow_tf32
     given_q_off, given_d_off = query_offsets, doc_offsets
@@ -1092,7 +1096,9 @@ def maxsim_candidates_int8(
     Query i's candidates are ``candidate_docs[candidate_offsets[i]:candidate_offsets[i+1]]`` (int64 indices
     into doc_offsets), read in place. Returns fp32 scores [C] (same formula as `maxsim_varlen_int8`) and,
     with `return_argmax`, int32 [C, max query length] with -1 past each query's length. Checks as in
-    `maxsim_varlen_int8` (the Triton path on CUDA synchronises only to size the argmax).
+    `maxsim_varlen_int8` (the Triton path on CUDA synchronises only to size the argmax). Scores only, dim
+    128, queries of at most 64 tokens whose offsets come from the host, on an sm_90 GPU: the Gluon stream
+    kernel of `maxsim_int8_hopper_stream` (same maxima, sums in another order, within the same bound).
     """
     del allow_tf32
     given_q_off = query_offsets

@@ -42,7 +42,10 @@ queries x 1000 candidates x 180 tokens: 1.52 GB, 0.35-0.36 ms. A tile is 8 KB an
 (64 tensor-core clocks an SM at N = 32), 64 x N products past the MMA (three instructions each: 16 a
 thread at N = 32). At the bound an SM takes in a tile every ~520 clocks, so neither the tensor cores nor
 the issue slots are the limit; the bytes in flight are: at ~1.5 us of loaded latency an SM needs ~48 KB
-outstanding, which the ring of each of the programs on an SM keeps (STAGES - 2 tiles ahead).
+outstanding, which the rings of the programs on an SM keep (each up to STAGES - 1 tiles ahead: five
+programs x 3 x 8 KB for one query). Measured (docs/kernel-notes.md, "INT8 on HBM-bound shapes: the Gluon
+stream kernel"): one query 0.514-0.549 ms (3.84-4.10 TB/s), rerank 0.406-0.428 ms (3.55-3.75 TB/s), against
+the Triton TMA tiles' 0.622-0.674 and 0.446-0.464 in the same rounds.
 """
 
 from __future__ import annotations
@@ -67,18 +70,22 @@ from ._validate import cdiv
 
 BLOCK_T = 64  # document tokens a tile (wgmma's M)
 # Tuning (H200, triton 3.6; one query x 100K documents of 20-300 tokens, rerank 64 queries x 1000
-# candidates x 180 tokens; benchmarks/results/int8/stream/, docs/kernel-notes.md "INT8 on HBM-bound
-# shapes: the Gluon stream kernel"): a ring of 4 tiles, at 96 registers a thread for one query (five
-# programs an SM: 0.520-0.565 ms against 0.572-0.588 at four) and 128 for candidates (four programs an SM,
-# 141 uncapped, no spills: 0.408-0.427 ms against 0.446-0.450 at 112 and 0.454 uncapped); a ring of 6:
-# one query 0.577-0.595, rerank 0.413-0.428; 8: 0.616-0.681 / 0.464-0.484 (three programs an SM).
+# candidates x 180 tokens; rounds in rotating order in one process, ms; benchmarks/results/int8/stream/,
+# docs/kernel-notes.md, "INT8 on HBM-bound shapes: the Gluon stream kernel"):
+# - a ring of 4 tiles against 6 (four programs an SM both): one query 0.553-0.588 against 0.558-0.595,
+#   rerank 0.404-0.428 against 0.413-0.436; 8 (three programs an SM, for its shared memory): one query
+#   0.616-0.681, rerank 0.464-0.482;
+# - one query at 96 registers a thread (119 uncapped), five programs an SM: 0.514-0.549 against
+#   0.557-0.575 uncapped in the same rounds; 80 (six by registers, five by shared memory): 0.512-0.599;
+# - candidates at 128 (141 uncapped), four programs an SM, no spills: 0.413-0.416 against 0.454 uncapped
+#   (ring of 6); 112: 0.433-0.450 (ring of 4).
 STAGES = 4
 GROUP = 2  # tiles a turn of the unrolled loop (two products in flight); the walk is padded to a multiple.
-# 4: one query 0.580-0.601 ms against 0.558-0.586, rerank 0.418-0.455 against 0.413-0.428 (ring of 6)
-ITEMS_ONE_QUERY = 32  # documents a program; 16: 0.581-0.610 ms, 64: 0.554-0.598, 128: 0.661-0.677
-ITEMS_CANDIDATES = 16  # candidates a program; 8: 0.428-0.440 ms, 32: 0.424-0.486
+# 4: one query 0.580-0.601 ms against 0.558-0.586, rerank 0.423-0.425 against 0.413-0.416 (ring of 6)
+ITEMS_ONE_QUERY = 32  # documents a program; 64: 0.551-0.613 ms; 16: 0.581-0.610 and 128: 0.661-0.677 (ring 6)
+ITEMS_CANDIDATES = 16  # candidates a program; 8: 0.425-0.440 ms, 32: 0.424-0.486
 NUM_WARPS = 4
-REGISTERS_ONE_QUERY = 96  # ptxas's cap a thread (119 uncapped, no spills at 96 or 80)
+REGISTERS_ONE_QUERY = 96  # ptxas's register cap a thread (no spills at 96 or 80)
 REGISTERS_CANDIDATES = 128  # 65,536 registers / (4 programs x 128 threads)
 MAX_QUERY_TOKENS = 64
 
