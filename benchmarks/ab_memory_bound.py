@@ -20,6 +20,7 @@ Rerank candidate layouts (64 queries x 1000 candidates of 180 tokens, a pool of 
     python benchmarks/ab_memory_bound.py --parts tiles --out ...         # 32-token tiles against 64
     python benchmarks/ab_memory_bound.py --parts convert --out ...       # Gluon all pairs: I2F against bias
     python benchmarks/ab_memory_bound.py --parts stream --out ...        # Gluon stream kernel against Triton
+    python benchmarks/ab_memory_bound.py --parts stream --defaults-only --rounds 8 --out ...
     TRITON_INTERPRET=1 python benchmarks/ab_memory_bound.py --smoke     # the script itself, on the CPU
 """
 
@@ -419,7 +420,7 @@ STREAM_ONE = [dict(), dict(maxnreg=0), dict(maxnreg=80), dict(items_per_prog=64)
 STREAM_RERANK = [dict(), dict(stages=6), dict(items_per_prog=32)]  # fmt: skip
 
 
-def stream(rep_ms: int, rounds: int = 4) -> None:
+def stream(rep_ms: int, rounds: int = 4, defaults_only: bool = False) -> None:
     """The Gluon stream kernel (`maxsim_int8_hopper_stream`: document-major wgmma tiles by TMA through a
     deep ring) against the Triton int8 TMA tiles (the default before it) and the fp16 kernel, in rounds of
     rotating order: one query x 100K ragged documents, rerank 64 q x 1000 x 180 tokens shuffled; its
@@ -430,6 +431,7 @@ def stream(rep_ms: int, rounds: int = 4) -> None:
     from maxsim_kernels import maxsim_int8_hopper_stream as st
 
     w = hbm_inputs()
+    one_cfgs, rerank_cfgs = ([{}], [{}]) if defaults_only else (STREAM_ONE, STREAM_RERANK)
     q8, sq, qo, d8, sd, d_off = w.one
     rq8, rsq, rqo, pool8, pool_sc, pool_off, c_off, perm = w.rerank
     for r in range(rounds):
@@ -439,7 +441,7 @@ def stream(rep_ms: int, rounds: int = 4) -> None:
         triton_one = row("stream", f"round {r} one query triton int8", old_one, w.one_bytes, None, rep_ms,
                          round=r, workload="one_query")  # fmt: skip
         base = None
-        for cfg in STREAM_ONE[r % len(STREAM_ONE) :] + STREAM_ONE[: r % len(STREAM_ONE)]:
+        for cfg in one_cfgs[r % len(one_cfgs) :] + one_cfgs[: r % len(one_cfgs)]:
 
             def one(cfg=cfg) -> torch.Tensor:
                 return st.maxsim_int8_stream(q8, sq, qo, None, None, d8, sd, d_off, QUERY_TOKENS, **cfg)[
@@ -456,7 +458,7 @@ def stream(rep_ms: int, rounds: int = 4) -> None:
         triton_rr = row("stream", f"round {r} rerank triton int8", old_rr, w.rerank_bytes, None, rep_ms,
                         round=r, workload="rerank")  # fmt: skip
         base = None
-        for cfg in STREAM_RERANK[r % len(STREAM_RERANK) :] + STREAM_RERANK[: r % len(STREAM_RERANK)]:
+        for cfg in rerank_cfgs[r % len(rerank_cfgs) :] + rerank_cfgs[: r % len(rerank_cfgs)]:
 
             def rr(cfg=cfg) -> torch.Tensor:
                 args = (rq8, rsq, rqo, c_off, perm, pool8, pool_sc, pool_off, QUERY_TOKENS)
@@ -475,6 +477,8 @@ def main() -> None:
     parser.add_argument("--rep-ms", type=int, default=150)
     parser.add_argument("--parts", default="rerank,one_query,exhaustive")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one call each (CPU, interpreter)")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of the stream part")
+    parser.add_argument("--defaults-only", action="store_true", help="stream part: the defaults, no sweep")
     args = parser.parse_args()
     SMOKE["on"] = args.smoke
     OUT["path"] = args.out
@@ -491,7 +495,7 @@ def main() -> None:
     if "convert" in parts:
         conversions(args.rep_ms)
     if "stream" in parts:
-        stream(args.rep_ms)
+        stream(args.rep_ms, args.rounds, args.defaults_only)
     write_json(args.out, RECORD)
     for r in RECORD["rows"]:
         if "ms" in r:
