@@ -27,6 +27,7 @@ Rerank candidate layouts (64 queries x 1000 candidates of 180 tokens, a pool of 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -259,27 +260,27 @@ def compiled_registers(kernel: Any) -> list[dict]:
     return found
 
 
-def hbm_inputs() -> SimpleNamespace:
+def hbm_inputs(query_tokens: int = QUERY_TOKENS) -> SimpleNamespace:
     """The two HBM-bound int8 workloads of the register-cap and tile parts: one query (32 tokens) x 100K
     ragged documents (``one``: `_launch_varlen`'s inputs, ``docs16`` the fp16 documents), and rerank 64
     queries x 1000 shuffled candidates of 180 tokens (``rerank``: `_launch_candidates`'s inputs), with
-    the bytes each reads."""
+    the bytes each reads; `query_tokens` a query instead of 32."""
     from maxsim_kernels import maxsim_int8 as i8
 
     dev = device()
     gen = torch.Generator(device=dev).manual_seed(1)
     docs16, d_off = ragged(smoke_size(100_000), 20, 300, gen, dev)
     docs8, sd = i8.quantize_per_token(docs16)
-    q = normal_tokens(QUERY_TOKENS, gen, dev)
-    qo = torch.tensor([0, QUERY_TOKENS], dtype=torch.int64, device=dev)
+    q = normal_tokens(query_tokens, gen, dev)
+    qo = torch.tensor([0, query_tokens], dtype=torch.int64, device=dev)
     q8, sq = i8.quantize_per_token(q)
     n_rq, per_q, length = 64, smoke_size(1000), 180
     pool16 = normal_tokens(n_rq * per_q * length, gen, dev)
     pool8, pool_sc = i8.quantize_per_token(pool16)
     pool_off = (torch.arange(n_rq * per_q + 1, dtype=torch.int64) * length).to(dev)
-    rq16 = normal_tokens(n_rq * QUERY_TOKENS, gen, dev)
+    rq16 = normal_tokens(n_rq * query_tokens, gen, dev)
     rq8, rsq = i8.quantize_per_token(rq16)
-    rqo = (torch.arange(n_rq + 1, dtype=torch.int64) * QUERY_TOKENS).to(dev)
+    rqo = (torch.arange(n_rq + 1, dtype=torch.int64) * query_tokens).to(dev)
     c_off = (torch.arange(n_rq + 1, dtype=torch.int64) * per_q).to(dev)
     perm = torch.randperm(n_rq * per_q, generator=torch.Generator().manual_seed(0)).to(dev)
     n_tok = int(d_off[-1])
@@ -420,7 +421,9 @@ STREAM_ONE = [dict(), dict(maxnreg=0), dict(maxnreg=80), dict(items_per_prog=64)
 STREAM_RERANK = [dict(), dict(stages=6), dict(items_per_prog=32)]  # fmt: skip
 
 
-def stream(rep_ms: int, rounds: int = 4, defaults_only: bool = False) -> None:
+def stream(
+    rep_ms: int, rounds: int = 4, defaults_only: bool = False, query_tokens: int = QUERY_TOKENS
+) -> None:
     """The Gluon stream kernel (`maxsim_int8_hopper_stream`: document-major wgmma tiles by TMA through a
     deep ring) against the Triton int8 TMA tiles (the default before it) and the fp16 kernel, in rounds of
     rotating order: one query x 100K ragged documents, rerank 64 q x 1000 x 180 tokens shuffled; its
@@ -430,7 +433,7 @@ def stream(rep_ms: int, rounds: int = 4, defaults_only: bool = False) -> None:
     from maxsim_kernels import maxsim_int8 as i8
     from maxsim_kernels import maxsim_int8_hopper_stream as st
 
-    w = hbm_inputs()
+    w = hbm_inputs(query_tokens)
     one_cfgs, rerank_cfgs = ([{}], [{}]) if defaults_only else (STREAM_ONE, STREAM_RERANK)
     q8, sq, qo, d8, sd, d_off = w.one
     rq8, rsq, rqo, pool8, pool_sc, pool_off, c_off, perm = w.rerank
@@ -444,7 +447,7 @@ def stream(rep_ms: int, rounds: int = 4, defaults_only: bool = False) -> None:
         for cfg in one_cfgs[r % len(one_cfgs) :] + one_cfgs[: r % len(one_cfgs)]:
 
             def one(cfg=cfg) -> torch.Tensor:
-                return st.maxsim_int8_stream(q8, sq, qo, None, None, d8, sd, d_off, QUERY_TOKENS, **cfg)[
+                return st.maxsim_int8_stream(q8, sq, qo, None, None, d8, sd, d_off, query_tokens, **cfg)[
                     None, :
                 ]
 
@@ -461,7 +464,7 @@ def stream(rep_ms: int, rounds: int = 4, defaults_only: bool = False) -> None:
         for cfg in rerank_cfgs[r % len(rerank_cfgs) :] + rerank_cfgs[: r % len(rerank_cfgs)]:
 
             def rr(cfg=cfg) -> torch.Tensor:
-                args = (rq8, rsq, rqo, c_off, perm, pool8, pool_sc, pool_off, QUERY_TOKENS)
+                args = (rq8, rsq, rqo, c_off, perm, pool8, pool_sc, pool_off, query_tokens)
                 return st.maxsim_int8_stream(*args, **cfg)
 
             out = row("stream", f"round {r} rerank stream {cfg or 'default'}", rr, w.rerank_bytes,
@@ -479,6 +482,14 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one call each (CPU, interpreter)")
     parser.add_argument("--rounds", type=int, default=4, help="rounds of the stream part")
     parser.add_argument("--defaults-only", action="store_true", help="stream part: the defaults, no sweep")
+    parser.add_argument(
+        "--query-tokens", type=int, default=QUERY_TOKENS, help="stream part: a query's tokens"
+    )
+    parser.add_argument(
+        "--stream-configs",
+        default=None,
+        help="stream part: JSON list of configurations instead of the sweep's",
+    )
     args = parser.parse_args()
     SMOKE["on"] = args.smoke
     OUT["path"] = args.out
@@ -495,7 +506,9 @@ def main() -> None:
     if "convert" in parts:
         conversions(args.rep_ms)
     if "stream" in parts:
-        stream(args.rep_ms, args.rounds, args.defaults_only)
+        if args.stream_configs:
+            STREAM_ONE[:] = STREAM_RERANK[:] = json.loads(args.stream_configs)
+        stream(args.rep_ms, args.rounds, args.defaults_only, args.query_tokens)
     write_json(args.out, RECORD)
     for r in RECORD["rows"]:
         if "ms" in r:
