@@ -75,8 +75,9 @@ BLOCK_T = 64  # document tokens a tile (wgmma's M)
 # - a ring of 4 tiles against 6 (four programs an SM both): one query 0.553-0.588 against 0.558-0.595,
 #   rerank 0.404-0.428 against 0.413-0.436; 8 (three programs an SM, for its shared memory): one query
 #   0.616-0.681, rerank 0.464-0.482;
-# - one query at 96 registers a thread (119 uncapped), five programs an SM: 0.514-0.549 against
-#   0.557-0.575 uncapped in the same rounds; 80 (six by registers, five by shared memory): 0.512-0.599;
+# - (queries of 32 tokens, N = 32; other N: `REGISTERS` below) one query at 96 registers a thread (119
+#   uncapped), five programs an SM: 0.514-0.549 against 0.557-0.575 uncapped in the same rounds; 80 (six
+#   by registers, five by shared memory): 0.512-0.599;
 # - candidates at 128 (141 uncapped), four programs an SM, no spills: 0.413-0.416 against 0.454 uncapped
 #   (ring of 6); 112: 0.433-0.450 (ring of 4).
 STAGES = 4
@@ -85,8 +86,12 @@ GROUP = 2  # tiles a turn of the unrolled loop (two products in flight); the wal
 ITEMS_ONE_QUERY = 32  # documents a program; 64: 0.551-0.613 ms; 16: 0.581-0.610 and 128: 0.661-0.677 (ring 6)
 ITEMS_CANDIDATES = 16  # candidates a program; 8: 0.425-0.440 ms, 32: 0.424-0.486
 NUM_WARPS = 4
-REGISTERS_ONE_QUERY = 96  # ptxas's register cap a thread (no spills at 96 or 80)
-REGISTERS_CANDIDATES = 128  # 65,536 registers / (4 programs x 128 threads)
+# ptxas's register cap a thread by wgmma's N (the query tile's columns): (one query, candidates). At N <=
+# 32 five and four programs an SM (65,536 registers / (programs x 128 threads)), no spills; at N = 64 the
+# accumulators double, those caps spill (one query 1.68 ms, rerank 1.15, against the Triton tiles' 1.19
+# and 0.84), uncapped (204 / 238 registers) two programs an SM run 0.97 / 0.63, and 168 (three programs,
+# 12 bytes spilled for candidates) 0.72-0.75 / 0.586-0.591 (64-token queries; stream-q64-h200.json).
+REGISTERS = {16: (96, 128), 32: (96, 128), 64: (168, 168)}
 MAX_QUERY_TOKENS = 64
 
 
@@ -396,15 +401,16 @@ def maxsim_int8_stream(
     if n_items == 0:
         return out
     per = items_per_prog or (ITEMS_ONE_QUERY if items is None else ITEMS_CANDIDATES)
+    n = query_columns(max_query_len)
     if maxnreg is None:
-        maxnreg = REGISTERS_ONE_QUERY if items is None else REGISTERS_CANDIDATES
+        maxnreg = REGISTERS[n][0 if items is None else 1]
     n_chunks = cdiv(n_items, per)
     d_desc = TensorDescriptor.from_tensor(d8, [BLOCK_T, d8.shape[1]], _doc_layout(d8.shape[1]))
     _int8_stream_kernel[(n_chunks + (0 if items is None else nq),)](
         q8, sq, q_off, q_off if item_off is None else item_off, d_off if items is None else items, d_off,
         d_desc, sd, out,
         nq, n_items, n_chunks, q8.stride(0),
-        DIM=d8.shape[1], N=query_columns(max_query_len), ITEMS=per, BLOCK_T=BLOCK_T, STAGES=stages,
+        DIM=d8.shape[1], N=n, ITEMS=per, BLOCK_T=BLOCK_T, STAGES=stages,
         GROUP=group, IDENTITY=items is None, num_warps=NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out

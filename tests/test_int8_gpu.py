@@ -311,37 +311,41 @@ kernel = st._int8_stream_kernel
 names = kernel.arg_names
 d_desc = st.TensorDescriptor.from_tensor(torch.zeros(1000, 128, dtype=torch.int8), [st.BLOCK_T, 128],
                                          st._doc_layout(128))
-reports = {}
-for identity, items, cap in ((True, st.ITEMS_ONE_QUERY, st.REGISTERS_ONE_QUERY),
-                             (False, st.ITEMS_CANDIDATES, st.REGISTERS_CANDIDATES)):
-    consts = {"DIM": 128, "N": 32, "ITEMS": items, "BLOCK_T": st.BLOCK_T, "STAGES": st.STAGES,
-              "GROUP": st.GROUP, "IDENTITY": identity}
-    sig = {n: "i32" for n in names}
-    sig.update({"q_ptr": "*i8", "qs_ptr": "*fp32", "q_off_ptr": "*i64", "cand_off_ptr": "*i64",
-                "cand_ptr": "*i64", "off_ptr": "*i64", "sd_ptr": "*fp32", "out_ptr": "*fp32",
-                "d_desc": mangle_type(d_desc), **{n: "constexpr" for n in consts}})
-    src = GluonASTSource(kernel, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
-    compiled = triton.compile(src, target=SM90, options={"num_warps": st.NUM_WARPS, "maxnreg": cap})
-    reports["one_query" if identity else "candidates"] = {
-        "ptxas": ptxas_report(compiled), "shared": compiled.metadata.shared, "cap": cap}
+reports = []
+for n, caps in st.REGISTERS.items():
+    for identity, items, cap in ((True, st.ITEMS_ONE_QUERY, caps[0]), (False, st.ITEMS_CANDIDATES, caps[1])):
+        consts = {"DIM": 128, "N": n, "ITEMS": items, "BLOCK_T": st.BLOCK_T, "STAGES": st.STAGES,
+                  "GROUP": st.GROUP, "IDENTITY": identity}
+        sig = {k: "i32" for k in names}
+        sig.update({"q_ptr": "*i8", "qs_ptr": "*fp32", "q_off_ptr": "*i64", "cand_off_ptr": "*i64",
+                    "cand_ptr": "*i64", "off_ptr": "*i64", "sd_ptr": "*fp32", "out_ptr": "*fp32",
+                    "d_desc": mangle_type(d_desc), **{k: "constexpr" for k in consts}})
+        src = GluonASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+        compiled = triton.compile(src, target=SM90, options={"num_warps": st.NUM_WARPS, "maxnreg": cap})
+        reports.append({"n": n, "one_query": identity, "cap": cap, "ptxas": ptxas_report(compiled),
+                        "shared": compiled.metadata.shared})
 print(json.dumps(reports))
 """
 
 
 def test_hopper_int8_stream_kernel_builds_for_its_programs_an_sm(sm90_build) -> None:
-    """The stream kernel's tuning assumes five programs an SM for one query and four for candidates: no
-    spills at the register caps, and shared memory for that many programs."""
+    """The stream kernel's register caps (`REGISTERS`, by the query tile's N) and shared memory give the
+    programs an SM the tuning assumes: at N <= 32 five for one query and four for candidates, without
+    spills; at N = 64 three, with at most a few spilled bytes (12 for candidates in triton 3.6's build,
+    measured faster than without the cap)."""
+    import re
+
     import triton
     from maxsim_kernels._launch import GLUON_TRITON
 
     if not triton.__version__.startswith(GLUON_TRITON):
         pytest.skip(f"the Hopper kernel is built with triton {GLUON_TRITON}x, not {triton.__version__}")
-    reports = sm90_build(_INT8_STREAM_SM90_BUILD)
-    for name, programs in (("one_query", 5), ("candidates", 4)):
-        report = reports[name]
-        assert " 0 bytes spill stores" in report["ptxas"], (name, report["ptxas"])
-        assert report["cap"] * 128 * programs <= 65536, name
-        assert (report["shared"] + 1024) * programs <= 228 * 1024, (name, report["shared"])
+    for report in sm90_build(_INT8_STREAM_SM90_BUILD):
+        programs = (5 if report["one_query"] else 4) if report["n"] <= 32 else 3
+        spilled = int(re.search(r"(\d+) bytes spill stores", report["ptxas"]).group(1))
+        assert spilled <= (0 if report["n"] <= 32 else 32), report
+        assert report["cap"] * 128 * programs <= 65536, report
+        assert (report["shared"] + 1024) * programs <= 228 * 1024, report
 
 
 def stream_or_skip(queries, qo, d8) -> None:
