@@ -417,3 +417,25 @@ def test_hopper_kernel_is_not_planned_off_the_gpu() -> None:
     d_off = torch.tensor([0, 500, 1000])
     q8 = torch.zeros(64 * 32, 128, dtype=torch.int8)
     assert maxsim_int8._hopper_allpairs(q_off, d_off, q8, d8, False) is None
+
+
+def test_stream_kernel_is_not_planned_off_the_gpu(monkeypatch) -> None:
+    """The Gluon stream kernel (one query, candidates) takes sm_90 only, scores only, dim 128, queries of
+    1..64 tokens; its query tile is 16, 32 or 64 columns, each with register caps."""
+    import numpy as np
+    from maxsim_kernels import maxsim_int8
+    from maxsim_kernels import maxsim_int8_hopper_stream as stream
+
+    d8 = torch.zeros(1000, 128, dtype=torch.int8)
+    assert [stream.query_columns(n) for n in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+    assert set(stream.REGISTERS) == {stream.query_columns(n) for n in range(1, stream.MAX_QUERY_TOKENS + 1)}
+    assert not stream.supports(np.array([32]), d8, False)  # on the CPU
+    q_off = torch.tensor([0, 32])
+    assert maxsim_int8._hopper_stream(q_off, torch.zeros(32, 128, dtype=torch.int8), d8, False) is None
+    monkeypatch.setattr(stream, "hopper_device", lambda device: True)  # the shape rules alone
+    assert stream.supports(np.array([32, 1, 64]), d8, False)
+    assert not stream.supports(np.array([32]), d8, True)  # the argmax
+    assert not stream.supports(np.array([32]), torch.zeros(1000, 96, dtype=torch.int8), False)
+    assert not stream.supports(np.array([32, 65]), d8, False)
+    assert not stream.supports(np.array([32, 0]), d8, False)
+    assert not stream.supports(np.array([32]), torch.zeros(0, 128, dtype=torch.int8), False)
