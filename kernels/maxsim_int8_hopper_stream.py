@@ -67,6 +67,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._launch import hopper_device
 from ._validate import cdiv
+from .maxsim_int8 import _owner
 
 BLOCK_T = 64  # document tokens a tile (wgmma's M)
 # Tuning (H200, triton 3.6; one query x 100K documents of 20-300 tokens, rerank 64 queries x 1000
@@ -193,19 +194,6 @@ def _retire(acc, x, tiles, total, run, sc, last, item, qs, q_ok, out_ptr,
                                                        off_ptr, IDENTITY, BLOCK_T)  # fmt: skip
     return (run, sc_new, last_new, item_new, pc, ps, pe, pns, pne, pnd,
             s_c, s_tok, s_end, s_ns, s_ne, s_nd)  # fmt: skip
-
-
-@gluon.jit
-def _owner(cand_off_ptr, c, n_queries):
-    """The query whose item list holds item c: the largest q with cand_off[q] <= c."""
-    lo = c * 0
-    hi = lo + n_queries
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        below = gl.load(cand_off_ptr + mid) <= c
-        lo = gl.where(below, mid, lo)
-        hi = gl.where(below, hi, mid)
-    return lo
 
 
 @gluon.jit(do_not_specialize=["n_queries", "n_items", "n_chunks"])
