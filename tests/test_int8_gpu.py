@@ -244,15 +244,21 @@ def test_hopper_allpairs_offsets_past_2_31_bytes() -> None:
     qo = torch.arange(33, dtype=torch.int64) * 32
     hopper_or_skip(queries, qo, d8, do)
     scores = maxsim_varlen_int8(queries, qo, d8, do, doc_scales=sd)
-    tail = 300
+    assert_tail_past_2_31(scores, queries, qo, d8, sd, do)
+
+
+def assert_tail_past_2_31(scores, queries, qo, d8, sd, do, tail: int = 300) -> int:
+    """Scores of the last `tail` documents (all past 2^31 bytes) against the reference on their slice;
+    returns the first of them."""
     first_doc = do.numel() - 1 - tail
     start = int(do[first_doc])
-    assert start * dim > 2**31
+    assert start * d8.shape[1] > 2**31
     sub_off = (do[first_doc:] - start).cuda()
     qo_d = qo.cuda()
     ref = maxsim_int8_reference(queries, qo_d, d8[start:], sub_off, doc_scales=sd[start:])
     tol = score_tolerance(queries, qo_d, d8[start:], sub_off, sd[start:])
     assert_scores(scores[:, first_doc:], ref, tol)
+    return first_doc
 
 
 _INT8_HOPPER_SM90_BUILD = r"""
@@ -440,16 +446,8 @@ def test_hopper_stream_offsets_past_2_31_bytes() -> None:
     stream_or_skip(queries, qo, d8)
     do_d = do.cuda()
     scores = maxsim_varlen_int8(queries, qo, d8, do_d, doc_scales=sd)
-    tail = 300
-    first_doc = do.numel() - 1 - tail
-    start = int(do[first_doc])
-    assert start * dim > 2**31
-    sub_off = (do[first_doc:] - start).cuda()
-    qo_d = qo.cuda()
-    ref = maxsim_int8_reference(queries, qo_d, d8[start:], sub_off, doc_scales=sd[start:])
-    tol = score_tolerance(queries, qo_d, d8[start:], sub_off, sd[start:])
-    assert_scores(scores[:, first_doc:], ref, tol)
+    first_doc = assert_tail_past_2_31(scores, queries, qo, d8, sd, do)
     cand = torch.arange(first_doc, do.numel() - 1, device="cuda").flip(0)
-    cand_off = torch.tensor([0, tail], device="cuda")
+    cand_off = torch.tensor([0, cand.numel()], device="cuda")
     picked = maxsim_candidates_int8(queries, qo, d8, do_d, cand_off, cand, doc_scales=sd)
     assert torch.equal(picked, scores[0, cand])
