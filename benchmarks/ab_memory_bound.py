@@ -427,8 +427,8 @@ def stream(
     """The Gluon stream kernel (`maxsim_int8_hopper_stream`: document-major wgmma tiles by TMA through a
     deep ring) against the Triton int8 TMA tiles (the default before it) and the fp16 kernel, in rounds of
     rotating order: one query x 100K ragged documents, rerank 64 q x 1000 x 180 tokens shuffled; its
-    configurations around the defaults. Scores against the Triton tiles' within `max_abs_diff` (the
-    query sums run in another order); every stream configuration the same bits as its default."""
+    configurations around the defaults. The default's scores against the Triton tiles' (`max_abs_diff`: the
+    query sums run in another order), every other configuration's bitwise against the default's."""
     from maxsim_kernels import maxsim_candidates, maxsim_varlen
     from maxsim_kernels import maxsim_int8 as i8
     from maxsim_kernels import maxsim_int8_hopper_stream as st
@@ -437,40 +437,29 @@ def stream(
     one_cfgs, rerank_cfgs = ([{}], [{}]) if defaults_only else (STREAM_ONE, STREAM_RERANK)
     q8, sq, qo, d8, sd, d_off = w.one
     rq8, rsq, rqo, pool8, pool_sc, pool_off, c_off, perm = w.rerank
+    rerank_args = (rq8, rsq, rqo, c_off, perm, pool8, pool_sc, pool_off, query_tokens)
+    # (name, fp16 kernel, its bytes, Triton int8 tiles, int8 bytes, stream configurations, stream kernel)
+    workloads = [
+        ("one query", lambda: maxsim_varlen(w.q, w.qo, w.docs16, w.d_off), w.n_tok * DIM * 2.0,
+         lambda: i8._launch_varlen(*w.one, False)[0], w.one_bytes, one_cfgs,
+         lambda cfg: st.maxsim_int8_stream(q8, sq, qo, None, None, d8, sd, d_off, query_tokens, **cfg)[None]),
+        ("rerank", lambda: maxsim_candidates(*w.rerank16), w.rerank_bytes * 2,
+         lambda: i8._launch_candidates(*w.rerank, False)[0], w.rerank_bytes, rerank_cfgs,
+         lambda cfg: st.maxsim_int8_stream(*rerank_args, **cfg)),
+    ]  # fmt: skip
     for r in range(rounds):
-        row("stream", f"round {r} one query fp16", lambda: maxsim_varlen(w.q, w.qo, w.docs16, w.d_off),
-            w.n_tok * DIM * 2.0, None, rep_ms, round=r, workload="one_query")  # fmt: skip
-        old_one = lambda: i8._launch_varlen(*w.one, False)[0]  # noqa: E731
-        triton_one = row("stream", f"round {r} one query triton int8", old_one, w.one_bytes, None, rep_ms,
-                         round=r, workload="one_query")  # fmt: skip
-        base = None
-        for cfg in one_cfgs[r % len(one_cfgs) :] + one_cfgs[: r % len(one_cfgs)]:
-
-            def one(cfg=cfg) -> torch.Tensor:
-                return st.maxsim_int8_stream(q8, sq, qo, None, None, d8, sd, d_off, query_tokens, **cfg)[
-                    None, :
-                ]
-
-            out = row("stream", f"round {r} one query stream {cfg or 'default'}", one, w.one_bytes,
-                      triton_one if base is None else base, rep_ms, round=r, workload="one_query",
-                      config=cfg)  # fmt: skip
-            base = out if base is None and cfg == {} else base
-        row("stream", f"round {r} rerank fp16", lambda: maxsim_candidates(*w.rerank16), w.rerank_bytes * 2,
-            None, rep_ms, round=r, workload="rerank")  # fmt: skip
-        old_rr = lambda: i8._launch_candidates(*w.rerank, False)[0]  # noqa: E731
-        triton_rr = row("stream", f"round {r} rerank triton int8", old_rr, w.rerank_bytes, None, rep_ms,
-                        round=r, workload="rerank")  # fmt: skip
-        base = None
-        for cfg in rerank_cfgs[r % len(rerank_cfgs) :] + rerank_cfgs[: r % len(rerank_cfgs)]:
-
-            def rr(cfg=cfg) -> torch.Tensor:
-                args = (rq8, rsq, rqo, c_off, perm, pool8, pool_sc, pool_off, query_tokens)
-                return st.maxsim_int8_stream(*args, **cfg)
-
-            out = row("stream", f"round {r} rerank stream {cfg or 'default'}", rr, w.rerank_bytes,
-                      triton_rr if base is None else base, rep_ms, round=r, workload="rerank",
-                      config=cfg)  # fmt: skip
-            base = out if base is None and cfg == {} else base
+        for name, fp16, fp16_bytes, triton_int8, nbytes, cfgs, stream_kernel in workloads:
+            kind = name.replace(" ", "_")
+            row("stream", f"round {r} {name} fp16", fp16, fp16_bytes, None, rep_ms, round=r, workload=kind)
+            triton_out = row("stream", f"round {r} {name} triton int8", triton_int8, nbytes, None, rep_ms,
+                             round=r, workload=kind)  # fmt: skip
+            default = stream_kernel({})
+            for cfg in cfgs[r % len(cfgs) :] + cfgs[: r % len(cfgs)]:
+                # the default against the Triton tiles (max_abs_diff), the others bitwise against it
+                run = lambda cfg=cfg, kernel=stream_kernel: kernel(cfg)  # noqa: E731
+                base = triton_out if cfg == {} else default
+                label = f"round {r} {name} stream {cfg or 'default'}"
+                row("stream", label, run, nbytes, base, rep_ms, round=r, workload=kind, config=cfg)
     RECORD["compiled"] = {"stream": compiled_registers(st._int8_stream_kernel)}
 
 
