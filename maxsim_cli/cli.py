@@ -30,7 +30,7 @@ from typing import Any
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from maxsim_cli import __version__
+from maxsim_cli import __version__, collector
 from maxsim_cli.errors import MaxsimError, quiet_stdout
 from maxsim_cli.lifeline import defer
 
@@ -228,8 +228,10 @@ def main(argv: list[str] | None = None) -> None:
 
     The stop signals raise from the start, not only while the command runs (Ctrl-C while Typer builds
     the command line is no traceback either), and are let go once the command has ended: the exit code
-    is then the command's. It is the process's entry point: it leaves the stop signals ignored."""
+    is then the command's. It is the process's entry point: it leaves the stop signals ignored, and
+    lets a command pause Python's garbage collector while it sets up (`maxsim_cli.collector`)."""
     code: int = 1
+    collector.one_shot_process()
     try:
         for signum in STOP_SIGNALS:
             if signal.getsignal(signum) is not signal.SIG_IGN:

@@ -371,6 +371,7 @@ class BatchStream:
         self._device_slots: list[_Buffers] = []
         self._pinned: list[_Buffers] = []
         self._slots: queue.Queue = queue.Queue()
+        self._ready: queue.Queue | None = None  # the next iteration's batches, once `start` has begun it
         # CUDA: safetensors shards are read straight into the pinned slots, their values checked on
         # the GPU: one flag per such batch, read once at the end of the first pass.
         self._checks: list[tuple[BatchPlan, torch.Tensor]] = []
@@ -526,7 +527,17 @@ class BatchStream:
         if self.resident:
             self._resident = kept
 
-    def _stream(self, kept: list[Batch]) -> Iterator[Batch]:
+    def start(self) -> None:
+        """Begin reading the next iteration's batches into the staging slots now, before it is asked
+        for: a run calls it once its staging memory is locked, so that the first reads overlap the rest
+        of its set-up instead of opening the pass. Iterating begins them when this was not called;
+        `close` stops them either way. Nothing to do for a stream that reads nothing (resident)."""
+        if self.residency is None and self._resident is None and self._ready is None:
+            self._ready = self._begin_reads()
+
+    def _begin_reads(self) -> queue.Queue:
+        """Start the dispatcher and the reader pool over a fresh set of free slots; returns the queue
+        of read batches, in plan order, ending with None."""
         self._stop.clear()
         slots: queue.Queue = queue.Queue()
         ready: queue.Queue = queue.Queue()
@@ -549,6 +560,13 @@ class BatchStream:
             target=self._dispatch, args=(self._pool, slots, ready), name="maxsim-dispatch", daemon=True
         )
         self._dispatcher.start()
+        return ready
+
+    def _stream(self, kept: list[Batch]) -> Iterator[Batch]:
+        ready, self._ready = self._ready, None
+        if ready is None:
+            ready = self._begin_reads()
+        slots = self._slots
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
         previous: _Buffers | None = None  # device slot of the batch yielded last (CUDA)
         previous_token: object | None = None  # its in-flight token (CPU)
@@ -662,6 +680,7 @@ class BatchStream:
     def close(self) -> None:
         """Stop the dispatcher and the readers (reads not yet started are cancelled)."""
         self._stop.set()
+        self._ready = None
         if self._dispatcher is not None:
             self._slots.put(_STOP)  # wakes a dispatcher waiting for a free slot
             if self._dispatcher.ident is not None:  # not when a signal came before its start()

@@ -174,6 +174,75 @@ def test_interrupt_joins_the_thread(forced, small, tmp_path: Path, monkeypatch: 
     assert not out.exists() and not _warmup_threads()
 
 
+# --------------------------------------------------------------------------------------------------
+# Python's garbage collector in a one-shot process (`maxsim_cli.collector`)
+
+SPY = """
+import gc, json, sys
+from maxsim_cli import collector
+seen = {"collections_while_paused": 0, "passes": []}
+begins = collector.pass_begins
+
+def spy():
+    before = gc.isenabled()
+    begins()
+    seen["passes"].append([before, gc.isenabled(), gc.get_freeze_count() > 0])
+
+def on_gc(phase, info):
+    if phase == "start" and collector._paused:
+        seen["collections_while_paused"] += 1
+
+collector.pass_begins = spy
+gc.callbacks.append(on_gc)
+from maxsim_cli.cli import main
+try:
+    main(sys.argv[1:])
+finally:
+    seen["enabled_at_exit"] = gc.isenabled()
+    print(json.dumps(seen), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("pause", ["1", "0"], ids=["paused", "MAXSIM_GC_PAUSE=0"])
+def test_a_one_shot_score_pauses_the_collector_until_its_pass(small, tmp_path: Path, pause: str) -> None:
+    """`maxsim score` as a process: no collection while it imports and sets up; the pass begins with the
+    collector on and what existed frozen; the run is the one scored in-process. ``MAXSIM_GC_PAUSE=0``:
+    the collector as Python runs it."""
+    paths, qpath, queries, docs = small
+    out = tmp_path / "run.trec"
+    cmd = [sys.executable, "-c", SPY, "score", qpath, *paths, "-k", "3", "--device", "cpu", "-q"]
+    cmd += ["-o", str(out)]
+    env = {**os.environ, "MAXSIM_GC_PAUSE": pause}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stderr.strip().splitlines()[-1])
+    passes = [[False, True, True]] if pause == "1" else [[True, True, False]]
+    assert seen == {"collections_while_paused": 0, "passes": passes, "enabled_at_exit": True}
+    assert parse_run(out.read_text()) == reference_run(reference_scores(queries, docs), 3)
+
+
+def test_the_collector_is_left_alone_in_a_callers_process(small, tmp_path: Path) -> None:
+    """In-process (the API, `CliRunner`): never paused, nothing frozen; a one-shot body that ends without a
+    pass (an error) turns it on again."""
+    import gc
+
+    from maxsim_cli import collector
+
+    paths, qpath, _, _ = small
+    frozen = gc.get_freeze_count()
+    result = runner.invoke(app, ["score", qpath, *paths, "--device", "cpu", "-q", "-o", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    assert gc.isenabled() and gc.get_freeze_count() == frozen
+    collector.one_shot_process()
+    try:
+        with pytest.raises(RuntimeError), collector.paused_until_pass():
+            assert not gc.isenabled()
+            raise RuntimeError("the set-up failed")
+        assert gc.isenabled() and gc.get_freeze_count() == frozen
+    finally:
+        collector._one_shot = False
+
+
 def test_close_before_load_launches_nothing() -> None:
     pytest.importorskip("maxsim_kernels.maxsim_forward")
     called: list[int] = []

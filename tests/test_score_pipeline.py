@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -220,6 +221,44 @@ def test_batch_stream_stops_cleanly_when_abandoned(two_shards) -> None:
     next(it)
     it.close()  # the consumer stops early (an exception, a closed pipe)
     assert stream._pool is None and stream._dispatcher is None
+    corpus.close()
+
+
+def test_batch_stream_started_early_reads_ahead_and_stops_on_close(two_shards) -> None:
+    """`start` begins the reads before the first batch is asked for: the iteration then yields the same
+    batches in order; started and closed without being iterated, no reader is left running."""
+    corpus = open_corpus(two_shards)
+    plans = [BatchPlan(i, [(0, 2 * i, 2 * i + 2)], 2, 0) for i in range(10)]
+    for plan in plans:
+        plan.num_tokens = _part_tokens(corpus, plan.parts[0])
+
+    def stream() -> BatchStream:
+        return BatchStream(
+            corpus.shards, plans, dim=8, dtype=torch.float32, scaled=False, device=torch.device("cpu"),
+            reader_threads=2,
+        )  # fmt: skip
+
+    early = stream()
+    early.start()
+    early.start()  # once only
+    ready = early._ready
+    assert ready is not None and early._pool is not None
+    deadline = 50
+    while ready.qsize() < early.host_slots(2) and deadline:  # the readers fill every slot meanwhile
+        deadline -= 1
+        threading.Event().wait(0.01)
+    assert ready.qsize() == early.host_slots(2)
+    got = [(b.plan.index, b.embeddings.clone()) for b in early]
+    assert [i for i, _ in got] == list(range(10)) and early._ready is None
+    for (_, emb), plan in zip(got, plans, strict=True):
+        assert torch.equal(emb, _read_part(corpus, plan.parts[0]))
+    assert [b.plan.index for b in early] == list(range(10))  # the next iteration starts its own reads
+
+    unused = stream()
+    unused.start()
+    unused.close()
+    assert unused._pool is None and unused._dispatcher is None and unused._ready is None
+    assert not [t for t in threading.enumerate() if t.name.startswith(("maxsim-read", "maxsim-dispatch"))]
     corpus.close()
 
 

@@ -48,7 +48,7 @@ import torch
 from maxsim_kernels._validate import resolve_backend, share_device_copy
 from maxsim_kernels.cpu import NonFiniteDocuments
 
-from maxsim_cli import timeline
+from maxsim_cli import collector, timeline
 from maxsim_cli.devices import DEFAULT_GPU_FREE_SHARE, default_host_bytes
 from maxsim_cli.errors import InputError, MaxsimError, RankStopped
 from maxsim_cli.memory import UNPLANNED_HOST_BYTES, HostMeter
@@ -68,6 +68,8 @@ if TYPE_CHECKING:
     from maxsim_cli.warmup import KernelWarmup
 
 Logger = Callable[[str], None]
+# "0": a CUDA run's reads begin with its pass, not once its staging memory is locked (`BatchStream.start`)
+ENV_EARLY_READS = "MAXSIM_EARLY_READS"
 
 
 def _stderr(message: str) -> None:
@@ -208,21 +210,31 @@ def _run(
         else progress_mod.ScoreProgress(request.show_progress, total_tokens)
     )
     sink_context = sink if hasattr(sink, "__enter__") else contextlib.nullcontext(sink)
+    first_stream = passes[0].stream if passes else None
     with bar_context as bar, sink_context:
         engine.progress = bar
-        if arena is not None:
-            # The pass starts once the arena is locked, so that no page-locking runs during it (with
-            # cudaHostAlloc, locking that overlapped the pass made it wait; see `open_arena`).
-            stats.extra["arena_ready_s"] = round(arena.wait(), 4)
-            timeline.mark("arena_locked")
-        if context.warmup is not None:
-            stats.extra["kernels_wait_s"] = round(context.warmup.wait(), 4)
-            timeline.mark("kernels_joined")
-        stats.setup_s = time.perf_counter() - started
-        if candidates is not None:
-            engine.run_rerank(passes, qids, request.top_k, sink)
-        else:
-            engine.run_exhaustive(passes, qids, request.top_k, sink)
+        try:
+            if arena is not None:
+                # The pass starts once the arena is locked, so that no page-locking runs during it (with
+                # cudaHostAlloc, locking that overlapped the pass made it wait; see `open_arena`).
+                stats.extra["arena_ready_s"] = round(arena.wait(), 4)
+                timeline.mark("arena_locked")
+                if first_stream is not None and os.environ.get(ENV_EARLY_READS, "1") != "0":
+                    # the first batches are read while the kernels' warm-up finishes, not at the pass's
+                    # start (docs/kernel-notes.md, "The fresh process's pass")
+                    first_stream.start()
+            if context.warmup is not None:
+                stats.extra["kernels_wait_s"] = round(context.warmup.wait(), 4)
+                timeline.mark("kernels_joined")
+            stats.setup_s = time.perf_counter() - started
+            collector.pass_begins()
+            if candidates is not None:
+                engine.run_rerank(passes, qids, request.top_k, sink)
+            else:
+                engine.run_exhaustive(passes, qids, request.top_k, sink)
+        finally:
+            if first_stream is not None:
+                first_stream.close()  # its readers stopped on every exit path (the passes close it too)
     if cuda:
         torch.cuda.synchronize(dev)
         stats.peak_gpu_bytes = _allocated_bytes(dev)["peak"] - base_allocated
