@@ -14,7 +14,17 @@ in turn, --runs of each:
 - ``on-pycache-rehash``: ``on-pycache`` with ``MAXSIM_TRITON_KEY_CACHE=0``: the warm-up computes Triton's
   cache key as Triton does instead of reading back its saved copy (`maxsim_cli.warmup.remember_triton_key`);
 - ``on-pycache-late``: ``on-pycache`` with ``MAXSIM_EARLY_CUDA=0``: the CUDA context made by torch's first
-  call on the main thread instead of in a thread beside torch's import (`maxsim_cli.cuda_early`).
+  call on the main thread instead of in a thread beside torch's import (`maxsim_cli.cuda_early`);
+- ``on-pycache-gc``: ``on-pycache`` with ``MAXSIM_GC_PAUSE=0``: Python's garbage collector as Python runs
+  it, not paused for the imports and the set-up and frozen as the pass begins (`maxsim_cli.collector`);
+- ``on-pycache-lateread``: ``on-pycache`` with ``MAXSIM_EARLY_READS=0``: the first batches read as the
+  pass begins instead of while the warm-up finishes (`BatchStream.start`);
+- ``on-pycache-gcfreeze`` / ``on-pycache-gcoff``: ``on-pycache-gc`` with the collector frozen (`gc.freeze`)
+  as the pass starts, or off during it (``PASS_TRACE_GC``, traced runs only).
+
+``--trace`` (and the two gc modes) runs each process under `pass_trace.py`, which records the pass batch
+by batch on the host's clock and the GPU's, and the collections of Python's garbage collector; each
+run's row then has that trace's summary (`pass_trace.summarize`).
 
 Each process writes its timeline (``MAXSIM_TIMELINE``: seconds since the parent started it, per stage)
 and its stats (``--stats-json``). Reported per run: the process's wall time, the command's own
@@ -39,11 +49,15 @@ import time
 
 import torch
 from common import build_corpus, build_queries, make_log, meta, read_files, write_json
+from pass_trace import summarize
 
 from maxsim_cli.units import parse_size
 
 log = make_log("first-call", clock=True)
-MODES = ("off", "on", "on-pycache", "off-pycache", "on-pycache-rehash", "on-pycache-late")
+MODES = (
+    "off", "on", "on-pycache", "off-pycache", "on-pycache-rehash", "on-pycache-late",
+    "on-pycache-gc", "on-pycache-lateread", "on-pycache-gcfreeze", "on-pycache-gcoff",
+)  # fmt: skip
 # stages of the timeline, in the order a run reaches them (those of the warm-up thread: on CUDA only)
 STAGES = (
     "command", "cuda_context", "imports", "checked", "triton_imported", "cache_key", "cuda_ready",
@@ -95,16 +109,32 @@ def one_run(args: argparse.Namespace, mode: str, corpus: list[str], queries: str
         "MAXSIM_KERNEL_WARMUP": "0" if mode.startswith("off") else "1",
         "MAXSIM_TRITON_KEY_CACHE": "0" if mode.endswith("rehash") else "1",
         "MAXSIM_EARLY_CUDA": "0" if mode.endswith("late") else "1",
+        "MAXSIM_GC_PAUSE": "0" if mode.endswith(("-gc", "gcfreeze", "gcoff")) else "1",
+        "MAXSIM_EARLY_READS": "0" if mode.endswith("lateread") else "1",
     }
     env.pop("PYTHONPYCACHEPREFIX", None)
+    env.pop("PASS_TRACE_GC", None)
+    trace_path = None
+    if args.trace or mode.endswith(("gcfreeze", "gcoff")):
+        trace_path = os.path.join(work, f"trace-{tag}.json")
+        env["PASS_TRACE"] = trace_path
+        if mode.endswith(("gcfreeze", "gcoff")):
+            env["PASS_TRACE_GC"] = mode.rsplit("-gc", 1)[1]
     if "pycache" in mode:  # bytecode written to, and read from, a folder of its own
         env["PYTHONPYCACHEPREFIX"] = os.path.join(work, "pycache")
         env.pop("PYTHONDONTWRITEBYTECODE", None)
-    cmd = [sys.executable, "-m", "maxsim_cli", "score", queries, *corpus, "-k", str(args.top_k), "-o", output]
+    launcher = (
+        [os.path.join(os.path.dirname(os.path.abspath(__file__)), "pass_trace.py")]
+        if trace_path
+        else ["-m", "maxsim_cli"]
+    )
+    cmd = [sys.executable, *launcher, "score", queries, *corpus, "-k", str(args.top_k), "-o", output]
     cmd += ["--device", args.device, "--quiet", "--stats-json", stats_path]
     started = time.time()
     env["MAXSIM_TIMELINE_T0"] = repr(started)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    # run from the work folder: `-m` puts the current folder first on the path, so that a checkout there
+    # would be imported instead of the one PYTHONPATH names (a copy of another version, for an A/B)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=work)
     process_s = time.time() - started
     if proc.returncode != 0:
         raise SystemExit(f"{mode} run failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -134,6 +164,10 @@ def one_run(args: argparse.Namespace, mode: str, corpus: list[str], queries: str
         "run_sha256": digest,
     }
     row["pass_over_kernel"] = row["pass_s"] / row["kernel_s"] if row["kernel_s"] else None
+    if trace_path is not None:
+        with open(trace_path, encoding="utf-8") as fh:
+            row["trace"] = summarize(json.load(fh))
+        log(f"{mode:10s} trace {json.dumps(row['trace'])}")
     log(
         f"{mode:10s} process {process_s:.2f} s, command {row['wall_s']:.3f} s (set-up {row['setup_s']:.3f}, "
         f"pass {row['pass_s']:.3f}, kernel {row['kernel_s']:.3f}, waited for the warm-up "
@@ -173,10 +207,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=4, help="fresh processes of each mode")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--trace", action="store_true", help="run each process under pass_trace.py: its pass, batch by batch"
+    )
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     if any(m not in MODES for m in modes):
         parser.error(f"--modes: each of {', '.join(MODES)}")
+    args.workdir = os.path.abspath(args.workdir)
     os.makedirs(args.workdir, exist_ok=True)
     dev = torch.device(args.device)
     started = time.perf_counter()

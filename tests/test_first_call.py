@@ -279,8 +279,9 @@ def test_profile_script_one_fresh_run(tmp_path: Path, monkeypatch: pytest.Monkey
     queries = str(work / "queries.safetensors")
     build_queries(queries, 2, torch.device("cpu"))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    args = profile.argparse.Namespace(workdir=str(work), top_k=5, device="cpu")
+    args = profile.argparse.Namespace(workdir=str(work), top_k=5, device="cpu", trace=False)
     row = profile.one_run(args, "on", corpus, queries, "t")
+    assert "trace" not in row
     assert row["mode"] == "on" and row["warmup"] is None  # no warm-up on the CPU
     assert list(row["stages"]) == [s for s in profile.STAGES if s in row["stages"]]
     assert {"command", "imports", "first_batch_launched", "run_written"} <= row["stages"].keys()
@@ -289,6 +290,14 @@ def test_profile_script_one_fresh_run(tmp_path: Path, monkeypatch: pytest.Monkey
     assert med["on"]["runs"] == 1 and med["off"]["wall_s"] == row["wall_s"]
     report = profile.bytecode_report()
     assert report["py_files"] >= report["with_pyc"] >= 0
+    # under pass_trace.py, with the collector off during the pass: the same run, and the pass's trace
+    traced = profile.one_run(args, "on-pycache-gcoff", corpus, queries, "g")
+    assert traced["run_sha256"] == row["run_sha256"]
+    trace = traced["trace"]
+    assert trace["batches"] >= 1 and 0 < trace["first_batch_host_ms"] <= trace["loop_end"]
+    assert trace["loop_end"] <= trace["result_end"] <= trace["write_start"] <= trace["write_end"]
+    assert trace["gc_in_pass"] == {"gen0": [0, 0.0], "gen1": [0, 0.0], "gen2": [0, 0.0]}
+    assert trace["calls_ms"]["BatchStream.close"][0] >= 1
 
 
 # --------------------------------------------------------------------------------------------------
