@@ -157,6 +157,41 @@ def test_error_after_the_launches_were_given(forced, small, tmp_path: Path) -> N
     assert not _warmup_threads()
 
 
+def _reader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(("maxsim-read", "maxsim-dispatch"))]
+
+
+@pytest.mark.parametrize("early", ["1", "0"], ids=["early-reads", "MAXSIM_EARLY_READS=0"])
+def test_interrupt_while_the_first_batches_are_read(
+    forced, small, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, early: str
+) -> None:
+    """Ctrl-C while the run waits for the warm-up, its first batches being read meanwhile: exit 130, no
+    reader, dispatcher or warm-up thread left, nothing written. ``MAXSIM_EARLY_READS=0``: no reads yet."""
+    from maxsim_cli.pipeline import BatchStream
+
+    started: list[int] = []
+    start = BatchStream.start
+
+    def spy(self: BatchStream) -> None:
+        started.append(1)
+        start(self)
+
+    def interrupted(self: KernelWarmup) -> float:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(BatchStream, "start", spy)
+    monkeypatch.setattr(KernelWarmup, "wait", interrupted)
+    monkeypatch.setenv("MAXSIM_EARLY_READS", early)
+    paths, qpath, _, _ = small
+    out = tmp_path / "run.trec"
+    result = runner.invoke(
+        app, ["score", qpath, *paths, "--device", "cpu", "--backend", "triton", "-o", str(out)]
+    )
+    assert result.exit_code == 130, result.output
+    assert started == ([1] if early == "1" else [])
+    assert not out.exists() and not _warmup_threads() and not _reader_threads()
+
+
 def test_interrupt_joins_the_thread(forced, small, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C while the corpus opens: exit 130, the thread is joined, nothing written."""
     import maxsim_cli.scoring.files as files

@@ -219,10 +219,11 @@ def _run(
                 # cudaHostAlloc, locking that overlapped the pass made it wait; see `open_arena`).
                 stats.extra["arena_ready_s"] = round(arena.wait(), 4)
                 timeline.mark("arena_locked")
-                if first_stream is not None and os.environ.get(ENV_EARLY_READS, "1") != "0":
-                    # the first batches are read while the kernels' warm-up finishes, not at the pass's
-                    # start (docs/kernel-notes.md, "The fresh process's pass")
-                    first_stream.start()
+            early = arena is not None or context.warmup is not None
+            if first_stream is not None and early and os.environ.get(ENV_EARLY_READS, "1") != "0":
+                # the first batches are read (into the locked arena, on CUDA) while the kernels' warm-up
+                # finishes, not at the pass's start (docs/kernel-notes.md, "The fresh process's pass")
+                first_stream.start()
             if context.warmup is not None:
                 stats.extra["kernels_wait_s"] = round(context.warmup.wait(), 4)
                 timeline.mark("kernels_joined")
