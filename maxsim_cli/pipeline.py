@@ -329,7 +329,8 @@ class BatchStream:
 
     Iterate it once per query batch; each iteration yields every plan's `Batch` in plan order. The
     batch yielded last may be used (by work queued on the current stream) until the next one is asked
-    for. Call `close` (or use it as a context manager) to stop the threads.
+    for. `start` begins an iteration's reads before it is asked for. Call `close` (or use it as a context
+    manager) to stop the threads.
     """
 
     def __init__(
