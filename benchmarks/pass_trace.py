@@ -54,7 +54,7 @@ def _wrap_engine(engine_module) -> None:  # noqa: ANN001
 
     engine = engine_module._Engine
     run_exhaustive, score_block = engine.run_exhaustive, engine._score_block
-    timer, timer_end = engine._timer, engine._timer_end
+    timer_end = engine._timer_end
     depth = [0]
 
     def traced_run_exhaustive(self, *args, **kwargs):  # noqa: ANN001, ANN202
@@ -87,16 +87,13 @@ def _wrap_engine(engine_module) -> None:  # noqa: ANN001
                     {"host_start": started, "host_end": time.perf_counter(), "docs": b - a}
                 )
 
-    def traced_timer(self):  # noqa: ANN001, ANN202
-        return timer(self)
-
     def traced_timer_end(self, start) -> None:  # noqa: ANN001
         timer_end(self, start)
         if self.cuda:
             TRACE["events"].append(self.score_events[-1])
 
     engine.run_exhaustive, engine._score_block = traced_run_exhaustive, traced_score_block
-    engine._timer, engine._timer_end = traced_timer, traced_timer_end
+    engine._timer_end = traced_timer_end
 
     pipeline = sys.modules["maxsim_cli.pipeline"]
     for owner, name in (

@@ -248,6 +248,8 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         _stopped_by(signal.SIGINT)
         code = 128 + signal.SIGINT
+    finally:
+        collector.command_ended()
     while True:  # from here on a stop signal is let go: the exit code is the command's
         try:
             for signum in (signal.SIGINT, *STOP_SIGNALS):

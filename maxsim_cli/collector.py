@@ -6,7 +6,8 @@ does, and each full collection scans all it holds: a fresh `maxsim score` proces
 machine's host, of 16-29, 36-70 and 68-113 ms, the last one in the set-up or the pass
 (`benchmarks/pass_trace.py`; docs/kernel-notes.md, "The fresh process's pass"). The process's command
 (`maxsim_cli.cli.main`, so never a caller's own process) pauses the collector while it imports and sets
-up; when the pass begins, what exists is frozen (`gc.freeze`: moved where the collector never looks
+up (`maxsim score`: `pause_until_pass`; `main` turns it on again when a command ends before a pass); when
+the pass begins, what exists is frozen (`gc.freeze`: moved where the collector never looks
 again) and the collector runs again, so the pass's collections scan only what the pass makes. Objects
 are still freed by reference counting meanwhile; what the pause keeps is garbage in cycles made by the
 imports and the set-up, a one-off amount that does not grow with the corpus. ``MAXSIM_GC_PAUSE=0`` leaves
@@ -15,11 +16,9 @@ the collector as Python runs it.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import threading
-from collections.abc import Iterator
 
 ENV_SWITCH = "MAXSIM_GC_PAUSE"
 _lock = threading.Lock()
@@ -28,28 +27,19 @@ _paused = False  # the collector is off until `pass_begins`
 
 
 def one_shot_process() -> None:
-    """This process runs one command and exits: `paused_until_pass` may pause the collector."""
+    """This process runs one command and exits: `pause_until_pass` may pause the collector."""
     global _one_shot
     _one_shot = True
 
 
-@contextlib.contextmanager
-def paused_until_pass() -> Iterator[None]:
-    """Around a command's body: in a one-shot process, the collector off until `pass_begins` (or the
-    body's end), then on again."""
+def pause_until_pass() -> None:
+    """A command's start: in a one-shot process, the collector off until `pass_begins` (or
+    `command_ended`)."""
     global _paused
-    pause = _one_shot and gc.isenabled() and os.environ.get(ENV_SWITCH, "1") != "0"
-    if pause:
-        gc.disable()
-        _paused = True
-    try:
-        yield
-    finally:
-        if pause:
-            with _lock:
-                if _paused:  # no pass began
-                    _paused = False
-                    gc.enable()
+    if _one_shot and gc.isenabled() and os.environ.get(ENV_SWITCH, "1") != "0":
+        with _lock:
+            gc.disable()
+            _paused = True
 
 
 def pass_begins() -> None:
@@ -61,3 +51,12 @@ def pass_begins() -> None:
         _paused = False
         gc.freeze()
         gc.enable()
+
+
+def command_ended() -> None:
+    """The command has ended (`maxsim_cli.cli.main`): the collector on again if no pass began."""
+    global _paused
+    with _lock:
+        if _paused:
+            _paused = False
+            gc.enable()

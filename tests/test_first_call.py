@@ -257,8 +257,8 @@ def test_a_one_shot_score_pauses_the_collector_until_its_pass(small, tmp_path: P
 
 
 def test_the_collector_is_left_alone_in_a_callers_process(small, tmp_path: Path) -> None:
-    """In-process (the API, `CliRunner`): never paused, nothing frozen; a one-shot body that ends without a
-    pass (an error) turns it on again."""
+    """In-process (the API, `CliRunner`): never paused, nothing frozen; a one-shot command that ends
+    without a pass (an error) turns it on again."""
     import gc
 
     from maxsim_cli import collector
@@ -270,12 +270,28 @@ def test_the_collector_is_left_alone_in_a_callers_process(small, tmp_path: Path)
     assert gc.isenabled() and gc.get_freeze_count() == frozen
     collector.one_shot_process()
     try:
-        with pytest.raises(RuntimeError), collector.paused_until_pass():
-            assert not gc.isenabled()
-            raise RuntimeError("the set-up failed")
+        collector.pause_until_pass()
+        assert not gc.isenabled()
+        collector.command_ended()  # the set-up failed: no pass began
         assert gc.isenabled() and gc.get_freeze_count() == frozen
     finally:
         collector._one_shot = False
+        collector.command_ended()
+
+
+def test_a_one_shot_score_that_fails_before_its_pass_turns_the_collector_on_again(small, tmp_path) -> None:
+    """`maxsim score` as a process, failing in its set-up (a missing corpus file): one line, exit 1, the
+    collector on again when the command has ended, nothing frozen, no run written."""
+    _, qpath, _, _ = small
+    out = tmp_path / "run.trec"
+    missing = str(tmp_path / "missing.safetensors")
+    cmd = [sys.executable, "-c", SPY, "score", qpath, missing, "--device", "cpu", "-q", "-o", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr
+    error, spy = proc.stderr.strip().splitlines()
+    assert error.startswith("maxsim: error: ") and "missing.safetensors" in error
+    assert json.loads(spy) == {"collections_while_paused": 0, "passes": [], "enabled_at_exit": True}
+    assert not out.exists()
 
 
 def test_close_before_load_launches_nothing() -> None:

@@ -102,46 +102,46 @@ def register(app: typer.Typer) -> None:
         from maxsim_cli import collector, timeline
 
         timeline.mark("command")  # the arguments are parsed (MAXSIM_TIMELINE: docs/benchmarks.md)
-        with collector.paused_until_pass():  # a one-shot process's imports and set-up: no full scans
-            from maxsim_cli import cuda_early
+        collector.pause_until_pass()  # a one-shot process's imports and set-up: no full scans
+        from maxsim_cli import cuda_early
 
-            cuda_early.start(device, devices)  # the GPU's context made while torch is imported
-            from maxsim_cli.progress import progress_enabled
-            from maxsim_cli.score import score
-            from maxsim_cli.units import parse_size
+        cuda_early.start(device, devices)  # the GPU's context made while torch is imported
+        from maxsim_cli.progress import progress_enabled
+        from maxsim_cli.score import score
+        from maxsim_cli.units import parse_size
 
-            timeline.mark("imports")
+        timeline.mark("imports")
 
-            _check_outputs(output, stats_json, [queries, *corpus, candidates])
-            stats = score(
-                queries,
-                corpus,
-                output=output,
-                top_k=top_k,
-                candidates=candidates,
-                strict=strict,
-                device=device,
-                backend=backend,
-                max_memory=parse_size(max_memory, option="--max-memory") if max_memory is not None else None,
-                max_host_memory=(
-                    parse_size(max_host_memory, option="--max-host-memory")
-                    if max_host_memory is not None
-                    else None
-                ),
-                run_tag=run_tag,
-                fmt=fmt,
-                batch_queries=batch_queries,
-                show_progress=progress_enabled(quiet),
-                devices=devices,
-            )
-            if stats.extra.get("rank", 0):  # a torchrun rank other than 0: rank 0 reports for the job
-                return
-            if stats_json == "-":
-                echo_data(json.dumps(stats.as_dict(), indent=2, sort_keys=True))
-            elif stats_json is not None:
-                stats.write_json(stats_json)
-            if not quiet:
-                typer.echo(f"maxsim: {stats.summary()}", err=True)
+        _check_outputs(output, stats_json, [queries, *corpus, candidates])
+        stats = score(
+            queries,
+            corpus,
+            output=output,
+            top_k=top_k,
+            candidates=candidates,
+            strict=strict,
+            device=device,
+            backend=backend,
+            max_memory=parse_size(max_memory, option="--max-memory") if max_memory is not None else None,
+            max_host_memory=(
+                parse_size(max_host_memory, option="--max-host-memory")
+                if max_host_memory is not None
+                else None
+            ),
+            run_tag=run_tag,
+            fmt=fmt,
+            batch_queries=batch_queries,
+            show_progress=progress_enabled(quiet),
+            devices=devices,
+        )
+        if stats.extra.get("rank", 0):  # a torchrun rank other than 0: rank 0 reports for the job
+            return
+        if stats_json == "-":
+            echo_data(json.dumps(stats.as_dict(), indent=2, sort_keys=True))
+        elif stats_json is not None:
+            stats.write_json(stats_json)
+        if not quiet:
+            typer.echo(f"maxsim: {stats.summary()}", err=True)
 
 
 def _check_outputs(output: str, stats_json: str | None, inputs: list[str | None]) -> None:
