@@ -374,8 +374,10 @@ class BatchStream:
         self._slots: queue.Queue = queue.Queue()
         self._ready: queue.Queue | None = None  # the next iteration's batches, once `start` has begun it
         # CUDA: safetensors shards are read straight into the pinned slots, their values checked on
-        # the GPU: one flag per such batch, read once at the end of the first pass.
-        self._checks: list[tuple[BatchPlan, torch.Tensor]] = []
+        # the GPU: one sum per such batch, written into a device vector (`_check_sums`, one slot a plan)
+        # and read back once at the end of the pass.
+        self._checks: list[BatchPlan] = []
+        self._check_sums: torch.Tensor | None = None
         if self.cuda:
             self._copy_stream = torch.cuda.Stream(device=device)
 
@@ -497,8 +499,12 @@ class BatchStream:
         alarm: the re-read then passes.)"""
         if not self._checks:
             return
-        bad = (~torch.isfinite(torch.stack([check for _, check in self._checks]))).cpu().tolist()
-        plans = [plan for (plan, _), flagged in zip(self._checks, bad, strict=True) if flagged]
+        assert self._check_sums is not None
+        # one copy to the host, where numpy tests the sums: the pass's end launches no kernel of its own
+        # (a fresh process paid 54-67 ms there for the first uses of torch's stack and isfinite kernels,
+        # docs/kernel-notes.md, "The pass, traced")
+        sums = self._check_sums[: len(self._checks)].cpu().numpy()
+        plans = [plan for plan, ok in zip(self._checks, np.isfinite(sums), strict=True) if not ok]
         self._checks.clear()
         for plan in plans:
             read_parts(self.shards, plan.parts)
@@ -668,7 +674,10 @@ class BatchStream:
             # one read of the batch at HBM speed, queued on the scoring stream; `_check_values` reads
             # the values back once per pass
             scales = dev.scales[:tokens] if self.scaled and dev.scales is not None else None
-            self._checks.append((plan, batch_check(dev.embeddings[:tokens], scales)))
+            if self._check_sums is None or self._check_sums.shape[0] < len(self.plans):
+                self._check_sums = torch.empty(len(self.plans), dtype=torch.float32, device=self.device)
+            batch_check(dev.embeddings[:tokens], scales, out=self._check_sums[len(self._checks)])
+            self._checks.append(plan)
         return Batch(
             plan,
             dev.embeddings[:tokens],
@@ -723,15 +732,20 @@ def _reader_thread_init() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + READER_NICE))
 
 
-def batch_check(embeddings: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-    """A 0-dim float32 tensor, on the batch's device, that is finite unless the batch has a NaN/Inf value
-    (float embeddings: their float32 sum) or a NaN/Inf or negative scale (int8: the sum of the scales'
-    square roots; -0.0 and 0.0 pass). A sum can also overflow on finite values: a false alarm, which the
-    re-read in `BatchStream._check_values` clears. One or two launches a batch: less work for the thread
-    that issues every batch's work (docs/kernel-notes.md, "`maxsim score`: the host-side constants")."""
+def batch_check(
+    embeddings: torch.Tensor, scales: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A 0-dim float32 tensor (``out`` when given), on the batch's device, that is finite unless the batch
+    has a NaN/Inf value (float embeddings: their float32 sum) or a NaN/Inf or negative scale (int8: the
+    sum of the scales' square roots; -0.0 and 0.0 pass). A sum can also overflow on finite values: a false
+    alarm, which the re-read in `BatchStream._check_values` clears. One or two launches a batch: less work
+    for the thread that issues every batch's work (docs/kernel-notes.md, "`maxsim score`: the host-side
+    constants")."""
+    if out is None:
+        out = torch.empty((), dtype=torch.float32, device=embeddings.device)
     if scales is not None:
-        return torch.sqrt(scales).sum()
-    return embeddings.sum(dtype=torch.float32)
+        return torch.sum(torch.sqrt(scales).reshape(-1), 0, out=out)
+    return torch.sum(embeddings.reshape(-1), 0, dtype=torch.float32, out=out)
 
 
 def _finite(embeddings: torch.Tensor, scales: torch.Tensor | None) -> bool:

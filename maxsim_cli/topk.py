@@ -26,6 +26,7 @@ bound this for the engine's memory accounting.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 # Bytes per (query, document) pair while a block is merged: the kernel's float32 score (4), the int32
@@ -112,5 +113,8 @@ class RunningTopK:
         if self._keys is None:
             empty = torch.empty((self.num_queries, 0))
             return empty, empty.to(torch.int64)
-        keys = torch.sort(self._keys, dim=1, descending=True).values.cpu()
-        return decode_keys(keys)
+        # sorted on the host (the keys are distinct: ascending order reversed is descending): ~4 MB at
+        # 512 queries x 1000, where a fresh process's first sort on the GPU cost 41-85 ms of kernel
+        # loading (docs/kernel-notes.md, "The pass, traced")
+        keys = np.sort(self._keys.cpu().numpy(), axis=1)[:, ::-1].copy()
+        return decode_keys(torch.from_numpy(keys))

@@ -452,10 +452,13 @@ def test_deferred_value_check_names_the_document(tmp_path) -> None:
         device=torch.device("cpu"),
         reader_threads=1,
     )
-    stream._checks = [(plan, torch.tensor(1.0)), (plan, torch.tensor(float("inf")))]
+    # the batches' sums as the device check leaves them: the second one flagged
+    stream._checks = [plan, plan]
+    stream._check_sums = torch.tensor([1.0, float("inf")])
     with pytest.raises(InputError, match=r"'?b'? .*NaN or Inf values at token 1"):
         stream._check_values()
-    stream._checks = [(plan, torch.tensor(1.0))]
+    stream._checks = [plan]
+    stream._check_sums = torch.tensor([1.0])
     stream._check_values()  # nothing flagged: nothing re-read
     corpus.close()
 
@@ -464,6 +467,9 @@ def test_batch_check_is_finite_only_for_clean_batches() -> None:
     from maxsim_cli.pipeline import batch_check
 
     def clean(emb: torch.Tensor, scales: torch.Tensor | None = None) -> bool:
+        into = torch.empty(3)  # the pass's vector of sums, one slot a batch
+        summed = batch_check(emb, scales, out=into[1])
+        assert bool(torch.isfinite(summed)) == bool(torch.isfinite(into[1]))
         return bool(torch.isfinite(batch_check(emb, scales)))
 
     emb = torch.randn(50, 8).to(torch.float16)
