@@ -20,7 +20,7 @@ turns a list of plans into batches on the device, in plan order, with three stag
    device slot free (an event recorded on the scoring stream).
 
 Values are checked for NaN/Inf wherever they are read: `Shard.read_docs` checks its own; a direct read
-is checked on the GPU after its copy (one flag per batch, read once per pass, `_check_values`) or, on the
+is checked on the GPU after its copy (one sum per batch, read back once per pass, `_check_values`) or, on the
 CPU, by the reader (`_finite`) unless the caller's backend checks them (``check_values=False``: the CPU
 backend's ``check_finite``); a failed check re-reads the batch through the shard's checked reader,
 whose error names the document and the token.
