@@ -546,12 +546,15 @@ def add_score_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None)
 
 
-def prepare_score_corpus(work: str, dev: torch.device, size: str) -> tuple[dict[str, list[str]], str]:
+def prepare_score_corpus(
+    work: str, dev: torch.device, size: str, int8: bool = True
+) -> tuple[dict[str, list[str]], str]:
     """The `score` benchmark's corpus, ready for the end-to-end A/B and probe scripts of `maxsim score`:
     built once under `work` (the 10 GB of fp16 shards that `bench_score.py` measures, their int8
     quantization in corpus-int8, 512 queries of 32 tokens, two small corpora, fp16 and int8), the page
     cache warmed, and `maxsim score` run once on each small corpus so that the kernels are compiled and
-    loaded before anything is timed. Returns (the shards by precision, "fp16" and "int8"; the query file)."""
+    loaded before anything is timed. Returns (the shards by precision, "fp16" and "int8"; the query file).
+    ``int8=False``: no int8 corpora (none made, none warmed, none returned)."""
     from maxsim_cli.quantize import quantize_corpus
     from maxsim_cli.score import score
     from maxsim_cli.units import parse_size
@@ -562,13 +565,16 @@ def prepare_score_corpus(work: str, dev: torch.device, size: str) -> tuple[dict[
     qpath = os.path.join(work, "queries.safetensors")
     if not os.path.exists(qpath):
         build_queries(qpath, 512, dev)
-    int8_dir = os.path.join(work, "corpus-int8")
-    if not os.path.isdir(int8_dir):
-        quantize_corpus(paths, int8_dir, device=dev.type, sample_queries=0)
-    small8 = os.path.join(work, "small-int8")
-    if not os.path.isdir(small8):
-        quantize_corpus(small, small8, device=dev.type, sample_queries=0)
+    corpora, warm = {"fp16": paths}, [small]
+    if int8:
+        int8_dir = os.path.join(work, "corpus-int8")
+        if not os.path.isdir(int8_dir):
+            quantize_corpus(paths, int8_dir, device=dev.type, sample_queries=0)
+        small8 = os.path.join(work, "small-int8")
+        if not os.path.isdir(small8):
+            quantize_corpus(small, small8, device=dev.type, sample_queries=0)
+        corpora["int8"], warm = [int8_dir], [small, [small8]]
     read_files(paths, os.cpu_count() or 1)  # warm the page cache
-    for corpus in (small, [small8]):
+    for corpus in warm:
         score(qpath, corpus, output=os.path.join(work, "warm-up.trec"), device=dev.type, log=lambda m: None)
-    return {"fp16": paths, "int8": [int8_dir]}, qpath
+    return corpora, qpath

@@ -17,6 +17,8 @@ GPU-resident batches, adding one ingredient at a time, each timed back to back o
 queries quantized once as the engine does.
 
     python benchmarks/probe_gpu_side.py --workdir /var/tmp/mb --precisions fp16,int8 --out gpu-side.json
+    python benchmarks/probe_gpu_side.py --workdir /tmp/mb-first --size 8.2GB --steps kernel,+merge,+copies \
+        --out gpu-side-first-call.json      # the corpus of profile_first_call.py
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ STEPS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="/var/tmp/mb")
+    parser.add_argument("--size", default="10GB", help="corpus size (profile_first_call.py's: 8.2GB)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precisions", default="fp16", help="comma-separated: fp16, int8")
     parser.add_argument(
@@ -110,7 +113,8 @@ def main() -> None:
     from maxsim_kernels.maxsim_int8 import quantize_per_token
 
     device = torch.device("cuda")
-    corpora, qpath = prepare_score_corpus(args.workdir, device, "10GB")
+    precisions = args.precisions.split(",")
+    corpora, qpath = prepare_score_corpus(args.workdir, device, args.size, int8="int8" in precisions)
     out = os.path.join(args.workdir, "gpu-side.trec")
     result: dict[str, dict] = {}
     stop = threading.Event()
@@ -119,7 +123,7 @@ def main() -> None:
         while not stop.is_set():
             read_files(files, threads, nice=nice)
 
-    for precision in args.precisions.split(","):
+    for precision in precisions:
         paths = corpora[precision]
         files = [s.info.path for s in open_corpus(paths).shards]
         st = score(qpath, paths, output=out, device="cuda", log=lambda m: None)
