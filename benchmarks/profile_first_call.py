@@ -61,8 +61,8 @@ MODES = (
 # stages of the timeline, in the order a run reaches them (those of the warm-up thread: on CUDA only)
 STAGES = (
     "command", "cuda_context", "imports", "checked", "triton_imported", "cache_key", "cuda_ready",
-    "corpus_open", "queries_read", "arena_locked", "kernels_ready", "kernels_joined", "first_batch_launched",
-    "run_written",
+    "checks_loaded", "corpus_open", "queries_read", "arena_locked", "kernels_ready", "kernels_joined",
+    "first_batch_launched", "run_written",
 )  # fmt: skip
 
 

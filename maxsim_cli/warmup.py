@@ -8,8 +8,9 @@ saved copy, `remember_triton_key`), loading the compiled kernel and Triton's lau
 
 `KernelWarmup.start` starts the thread as soon as a run knows it will launch Triton kernels on a GPU,
 before the corpus is opened: it imports the kernels, gets the cache key and makes the device current
-in its thread, then waits for `load`, which gives it the run's first launches (the run's queries against
-one small document: `maxsim_cli.scoring.files`), and makes them on a stream of its own. The run calls
+in its thread, loads the reductions of the batches' value check (`pipeline.batch_check`), then waits
+for `load`, which gives it the run's first launches (the run's queries against one small document:
+`maxsim_cli.scoring.files`), and makes them on a stream of its own. The run calls
 `wait` before its first launch and `close` on every exit path, so no thread outlives the run, an error
 or Ctrl-C included (the thread stops at its next step). The thread never raises: a launch that fails
 here fails again in the pass, which reports it. It changes no result: the pass launches the same
@@ -97,6 +98,7 @@ class KernelWarmup:
             self._step("cache_key", _cache_key)
             if self.device.type == "cuda":
                 self._step("cuda_ready", self._make_current)
+                self._step("checks_loaded", self._load_checks)
             self._given.wait()
             if self._launch is not None:
                 self._step("kernels_ready", self._first_launches)
@@ -108,6 +110,22 @@ class KernelWarmup:
     def _make_current(self) -> None:
         torch.cuda.set_device(self.device)
         torch.cuda.current_stream(self.device)
+
+    def _load_checks(self) -> None:
+        """The values' check of a pass's batches (`pipeline.batch_check`), on a few zeros of each dtype
+        a corpus can have: it loads PyTorch's reduction kernels while the thread would otherwise wait for
+        the run's queries (on the H200, 45-55 ms of waiting), where the pass's first batch paid 13-19 ms
+        for them (docs/kernel-notes.md, "The pass, traced")."""
+        from maxsim_cli.pipeline import batch_check
+
+        stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(stream):
+            out = torch.empty((), dtype=torch.float32, device=self.device)
+            for dtype in (torch.float16, torch.bfloat16, torch.float32):
+                batch_check(torch.zeros(16, dtype=dtype, device=self.device), None, out=out)
+            scales = torch.ones(16, dtype=torch.float32, device=self.device)
+            batch_check(torch.zeros(16, dtype=torch.int8, device=self.device), scales, out=out)
+        stream.synchronize()
 
     def _first_launches(self) -> None:
         assert self._launch is not None

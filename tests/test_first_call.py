@@ -103,6 +103,19 @@ def test_no_warmup_on_the_cpu(small, tmp_path: Path) -> None:
     assert not _warmup_threads()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_warmup_loads_the_value_check_on_cuda(tmp_path: Path, dtype: str) -> None:
+    """On CUDA the thread loads the batches' value check (each dtype) before the queries come."""
+    paths, _ = make_corpus(tmp_path / "c", dtype, layout=(("safetensors", 6), ("arrow", 5)))
+    make_queries(tmp_path / "q.safetensors", n=3)
+    stats = score(str(tmp_path / "q.safetensors"), paths, output=str(tmp_path / "run.trec"), top_k=3,
+                  device="cuda")  # fmt: skip
+    warmup = stats.extra["warmup"]
+    assert "error" not in warmup and "checks_loaded_s" in warmup and "kernels_ready_s" in warmup, warmup
+    assert len(parse_run((tmp_path / "run.trec").read_text())) == 3
+
+
 def test_warmup_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MAXSIM_KERNEL_WARMUP", "0")
     assert not KernelWarmup.wanted(torch.device("cuda"), "auto")
