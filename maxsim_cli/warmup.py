@@ -114,7 +114,7 @@ class KernelWarmup:
     def _load_checks(self) -> None:
         """The values' check of a pass's batches (`pipeline.batch_check`), on a few zeros of each dtype
         a corpus can have: it loads PyTorch's reduction kernels while the thread would otherwise wait for
-        the run's queries (on the H200, 45-55 ms of waiting), where the pass's first batch paid 13-19 ms
+        the run's queries (on the H200, 45-140 ms of waiting), where the pass's first batch paid 13-24 ms
         for them (docs/kernel-notes.md, "The pass, traced")."""
         from maxsim_cli.pipeline import batch_check
 
