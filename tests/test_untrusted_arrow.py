@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -304,6 +305,17 @@ def test_a_batcher_answers_each_request_under_its_own_qids(corpus) -> None:
 # shard files and `maxsim score -`
 
 
+def error_of(function: Callable[..., object], *args: object) -> str:
+    """``function(*args)``'s exception as ``"Type: message"`` ("" when it returns), the exception itself
+    dropped: pytest's report of an exception from a reader shows the frames' arguments, and the repr of
+    a corrupt record batch reads it unchecked."""
+    try:
+        function(*args)
+    except Exception as exc:  # noqa: BLE001 - any exception is the answer
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
 def corrupt_tables(tmp: Path) -> dict[str, pa.Table]:
     """Query tables that pass Arrow's basic validation but not its full one."""
     table = query_table(tmp, ["q1", "q2", "q3"], dim=8)
@@ -326,8 +338,9 @@ def test_a_corrupt_arrow_shard_is_one_line_naming_the_file(tmp_path, stream) -> 
             with open_shard(path) as shard:
                 assert shard.read_docs(0, 3).num_docs == 3
             continue
-        with pytest.raises(InputError, match=r"bad\.arrow: column '\w+' of record batch 0 .* is corrupt"):
-            open_shard(path)
+        message = error_of(open_shard, path)
+        pattern = r"^InputError: .*bad\.arrow: column '\w+' of record batch 0 .* is corrupt"
+        assert re.search(pattern, message), (what, message)
 
 
 @pytest.mark.parametrize("suffix", [".arrow", ".parquet"])
@@ -336,8 +349,7 @@ def test_a_field_name_that_is_not_utf8_is_one_line_naming_the_file(tmp_path, suf
     write_shard(good, ["d1", "d2"], [np.ones((1, 8), np.float32)] * 2)
     bad = tmp_path / f"bad{suffix}"
     bad.write_bytes(non_utf8_name(good.read_bytes(), b"embedding"))
-    with pytest.raises(InputError, match=rf"bad\{suffix}: .*not valid UTF-8"):
-        open_shard(bad)
+    assert re.search(rf"^InputError: .*bad\{suffix}: .*not valid UTF-8", error_of(open_shard, bad))
     result = runner.invoke(cli_app, ["inspect", str(bad)])
     assert result.exit_code == 1 and "bad" in result.stderr and "UTF-8" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
