@@ -377,3 +377,28 @@ def test_score_from_stdin_refuses_a_corrupt_stream_with_one_line(tmp_path) -> No
         assert result.exit_code == 1, (what, result.output)
         assert "error: <stdin>: " in result.stderr and fragment in result.stderr, (what, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1 and result.stdout == "", what
+
+
+def test_pack_refuses_a_corrupt_source_table_with_one_line(tmp_path) -> None:
+    """`maxsim pack` reads foreign tables: a source whose id offsets point past their buffer was a crash
+    (run in a process of its own); a column name that is not UTF-8 was a traceback."""
+    ids = pa.array(["a", "b", "c"], type=pa.string())
+    vectors = pa.array([[[1.0, 2.0]], [[3.0, 4.0]], [[5.0, 6.0]]], type=pa.list_(pa.list_(pa.float32(), 2)))
+    source = tmp_path / "src.arrow"
+    source.write_bytes(
+        ipc_bytes(pa.table({"id": with_offset(ids, 1, 1 << 30), "embedding": vectors}), stream=False)
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "maxsim_cli", "pack", str(source), "-o", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    assert "src.arrow: rows 0..2: column 'id' is corrupt" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    source.write_bytes(non_utf8_name(ipc_bytes(pa.table({"id": ids, "embedding": vectors})), b"embedding"))
+    result = runner.invoke(cli_app, ["pack", str(source), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1 and "src.arrow: a column name is not valid UTF-8" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()

@@ -18,6 +18,8 @@ Arrow (``Content-Type: application/vnd.apache.arrow.stream``): the query shard s
 ``maxsim score -`` reads (docs/format.md: ``id``, ``embedding``, ``scales`` for int8, the metadata keys
 in the schema metadata); for ``/rerank`` one more column, ``candidates`` (``list<utf8>``, one list of
 docnos per query); ``k`` and ``strict`` as query-string parameters (``/rerank?k=100&strict=true``).
+Every record batch is fully validated (offsets, UTF-8, null counts) before a value is read: a corrupt
+stream is a 400, where an unchecked read of a bad offset would crash the process.
 """
 
 from __future__ import annotations
