@@ -353,6 +353,9 @@ def _maxsim_candidates_kernel(
     DOC_MAJOR as in `_maxsim_varlen_kernel` (scores only). ROTATE: block `blk` walks its candidates
     from the (blk mod n)-th on and wraps around, so that programs running side by side over candidates
     that lie one after another in memory do not read addresses in lockstep (see `_ROTATE_CANDIDATES`).
+    A candidate index outside [0, num_docs) is never dereferenced: it is walked as an empty document and
+    scored NaN (argmax -1), so indices that were not checked on the host (candidates on the GPU) cannot
+    read out of bounds.
     """
     pid = tl.program_id(0).to(tl.int64)
     blk = pid // num_chunks
@@ -371,15 +374,17 @@ def _maxsim_candidates_kernel(
     cc = c_first + tl.arange(0, CANDS_PER_PROG)
     c_in = cc < c_last
     docs = tl.load(cand_ptr + cc, mask=c_in, other=0)
-    lens = tl.load(d_off_ptr + docs + 1, mask=c_in, other=0) - tl.load(d_off_ptr + docs, mask=c_in, other=0)
+    c_ok = c_in & (docs >= 0) & (docs < num_docs)  # a bad index: one tile of an empty document
+    lens = tl.load(d_off_ptr + docs + 1, mask=c_ok, other=0) - tl.load(d_off_ptr + docs, mask=c_ok, other=0)
     total = tl.sum(tl.where(c_in, tl.maximum(tl.cdiv(lens, BLOCK_T), 1), 0))
 
     c = c_first
     if ROTATE:
         c = c_first + blk % (c_last - c_first)
     doc = tl.load(cand_ptr + c)
-    doc_start = tl.load(d_off_ptr + doc)
-    doc_end = tl.load(d_off_ptr + doc + 1)
+    doc_ok = (doc >= 0) & (doc < num_docs)
+    doc_start = tl.load(d_off_ptr + doc, mask=doc_ok, other=0)
+    doc_end = tl.load(d_off_ptr + doc + 1, mask=doc_ok, other=0)
     tok = doc_start
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     a = tl.full((ROWS,), -1, tl.int32)
@@ -400,7 +405,7 @@ def _maxsim_candidates_kernel(
         if last:
             m = document_max(m, m_tile, 0 if DOC_MAJOR else 1, ELEMENT_MAX)
             part = tl.sum(_query_sums(tl.where(q_ok, m, 0.0), 1, ROWS), axis=0)  # one query: [1] -> scalar
-            tl.store(out_ptr + chunk * num_cands + c, part)
+            tl.store(out_ptr + chunk * num_cands + c, tl.where(doc_ok, part, float("nan")))
             if RETURN_ARGMAX:
                 tl.store(arg_ptr + c * stride_arg + q_row, a, mask=q_ok)
             m, a, m_tile = restart(m, a, m_tile, ELEMENT_MAX, RETURN_ARGMAX)
@@ -408,11 +413,13 @@ def _maxsim_candidates_kernel(
         if ROTATE:
             c_next = tl.where(c_next >= c_last, c_first, c_next)
         next_doc = tl.load(cand_ptr + tl.minimum(c_next, num_cands - 1))
-        next_start = tl.load(d_off_ptr + next_doc)
-        next_end = tl.load(d_off_ptr + next_doc + 1)
+        next_ok = (next_doc >= 0) & (next_doc < num_docs)
+        next_start = tl.load(d_off_ptr + next_doc, mask=next_ok, other=0)
+        next_end = tl.load(d_off_ptr + next_doc + 1, mask=next_ok, other=0)
         tok = tl.where(last, next_start, tok + BLOCK_T)
         doc_start = tl.where(last, next_start, doc_start)
         doc_end = tl.where(last, next_end, doc_end)
+        doc_ok = tl.where(last, next_ok, doc_ok)
         c = tl.where(last, c_next, c)
 
 
@@ -939,7 +946,10 @@ def maxsim_candidates_forward_triton(
     """Query i against candidate_docs[candidate_offsets[i]:candidate_offsets[i+1]], fused, documents in place.
 
     Returns fp32 scores [C] and, with `return_argmax`, int32 [C, max_query_len] (-1 past a query's length;
-    `argmax_dtype` as in `maxsim_varlen_forward_triton`).
+    `argmax_dtype` as in `maxsim_varlen_forward_triton`). Candidates on the host are checked there
+    (ValueError for an index outside [0, num_docs)); candidates on the GPU are not read by the host: the
+    kernel scores a bad index NaN (argmax -1) without reading through it. `candidate_offsets` are read on
+    the host to plan the launch (on the GPU: one copy and wait per new offsets tensor).
     """
     queries, docs = _match_dtypes(queries, docs)
     # planned afresh each call: candidate lists change from one reranking batch to the next
@@ -965,7 +975,10 @@ def _candidates_plan(
 ) -> tuple[_Plan, tuple[torch.Tensor, ...]]:
     """The plan and the tensors the kernel takes besides queries, documents and outputs."""
     layout = _checked_layout(queries, query_offsets, docs, doc_offsets, layout)
-    c_off, _ = check_candidates(candidate_offsets, candidate_docs, layout.num_queries, layout.num_docs)
+    # candidates on the GPU are not read back (the kernel guards each index); the offsets are, to plan
+    c_off, _ = check_candidates(
+        candidate_offsets, candidate_docs, layout.num_queries, layout.num_docs, guarded=True
+    )
     device = docs.device
     num_c, dim = int(c_off[-1]), layout.dim
     cfg, rows = candidates_config(layout)
