@@ -483,6 +483,38 @@ _TUNING: dict[str, KernelConfig] = {
     "long": KernelConfig(block_q=128, block_t=64, docs_per_prog=1, num_warps=4, num_stages=2),
     "cands": KernelConfig(block_q=32, block_t=64, docs_per_prog=8, num_warps=4, num_stages=4, doc_major=True),
 }
+# Per-device entries that replace `_TUNING`'s on that device (the table above was swept on the H200). The
+# H100's HBM is ~25% slower and its L2 smaller, and there the HBM-bound classes want one document (two
+# candidates) a program. `python benchmarks/tune_memory_bound.py` on one H100 80GB, 198 configurations, scores
+# bitwise equal to the H200 entry's, then five alternating rounds with the peers
+# (benchmarks/results/kernels/tune-memory-bound-h100.json, medians, ms):
+# - few: 1.2845 against the H200 entry's 1.3285 (flash-maxsim 1.2875, late-interaction-kernels 1.609);
+# - cands: 0.9414 against 0.9461 (flash-maxsim 0.9296, late-interaction-kernels 0.9278).
+_DEVICE_TUNING: dict[str, dict[str, KernelConfig]] = {
+    "H100": {
+        "few": KernelConfig(
+            block_q=32, block_t=64, docs_per_prog=1, num_warps=4, num_stages=2, doc_major=True
+        ),
+        "cands": KernelConfig(block_q=32, block_t=64, docs_per_prog=2, num_warps=2, num_stages=3),
+    },
+}
+
+
+@functools.cache
+def _device_family(device: torch.device) -> str | None:
+    """The `_DEVICE_TUNING` key of a CUDA device ("H100" for every H100 variant), None elsewhere."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((family for family in _DEVICE_TUNING if family in name), None)
+
+
+def tuning(cls: str, device: torch.device | None = None) -> KernelConfig:
+    """Shape class `cls`'s configuration on `device` (its `_DEVICE_TUNING` entry, else `_TUNING`'s)."""
+    family = None if device is None else _device_family(torch.device(device))
+    return _DEVICE_TUNING.get(family, {}).get(cls, _TUNING[cls]) if family else _TUNING[cls]
+
+
 # With return_argmax (the training forward) the all-pairs kernel keeps a running max and argmax per query
 # row, not per tile element, so the scores-only winners above need not win. many: 0.103 / 0.171 ms at
 # ColBERT 128 / 256 docs against 0.137 / 0.241 for the scores-only entry, bitwise equal
@@ -572,9 +604,11 @@ def hopper_docs_per_program(hopper: Any, num_blocks: int, num_docs: int, device:
     return persistent_docs_per_program(num_blocks, num_docs, slots, hopper.PROGRAM_START_DOCS)
 
 
-def varlen_config(layout: Layout, return_argmax: bool = False) -> tuple[str, KernelConfig, int, int]:
-    """Shape class, config, QPB (queries per block) and ROWS (rows per query) for an all-pairs problem
-    (`_ARGMAX_TUNING` overrides the class's entry when the argmax is asked for)."""
+def varlen_config(
+    layout: Layout, return_argmax: bool = False, device: torch.device | None = None
+) -> tuple[str, KernelConfig, int, int]:
+    """Shape class, config, QPB (queries per block) and ROWS (rows per query) for an all-pairs problem on
+    `device` (`_ARGMAX_TUNING` overrides the class's entry when the argmax is asked for)."""
     q_pad = max(_MIN_ROWS, next_pow2(layout.max_query_len))
     if q_pad > 128:
         cls = "long"
@@ -584,7 +618,7 @@ def varlen_config(layout: Layout, return_argmax: bool = False) -> tuple[str, Ker
         cls = "some"
     else:
         cls = "few"
-    cfg = _ARGMAX_TUNING.get(cls, _TUNING[cls]) if return_argmax else _TUNING[cls]
+    cfg = _ARGMAX_TUNING.get(cls, _TUNING[cls]) if return_argmax else tuning(cls, device)
     rows = min(q_pad, cfg.block_q)
     if cls == "few":
         cfg = replace(cfg, block_q=max(rows, min(cfg.block_q, next_pow2(layout.num_queries * q_pad))))
@@ -720,7 +754,7 @@ def _varlen_plan(
     layout = _checked_layout(queries, query_offsets, docs, doc_offsets, layout)
     device = docs.device
     nq, nd, dim = layout.num_queries, layout.num_docs, layout.dim
-    cls, cfg, qpb, rows = varlen_config(layout, return_argmax)
+    cls, cfg, qpb, rows = varlen_config(layout, return_argmax, device)
     if config is not None:
         cfg = config
         if layout.max_query_len > rows:  # chunked long queries: one query a block, block_q rows a chunk
@@ -767,14 +801,14 @@ def _varlen_plan(
     )
 
 
-def candidates_config(layout: Layout) -> tuple[KernelConfig, int]:
-    """Config and ROWS (query rows per program) for a per-query-candidates problem."""
-    return _candidates_config(layout.max_query_len)
+def candidates_config(layout: Layout, device: torch.device | None = None) -> tuple[KernelConfig, int]:
+    """Config and ROWS (query rows per program) for a per-query-candidates problem on `device`."""
+    return _candidates_config(layout.max_query_len, device)
 
 
-def _candidates_config(max_query_len: int) -> tuple[KernelConfig, int]:
+def _candidates_config(max_query_len: int, device: torch.device | None = None) -> tuple[KernelConfig, int]:
     rows = min(max(_MIN_ROWS, next_pow2(max_query_len)), 128)
-    return replace(_TUNING["cands"], block_q=rows), rows
+    return replace(tuning("cands", device), block_q=rows), rows
 
 
 def _candidates_meta(
@@ -907,7 +941,7 @@ class ResidentCandidates:
 
     def _launch(self, max_query_len: int) -> SpecialisedLaunch:
         """The launch site of this ROWS class (`candidates_config`'s), made at its first call."""
-        cfg, rows = _candidates_config(max_query_len)
+        cfg, rows = _candidates_config(max_query_len, self.device)
         launch = self._launches.get(rows)
         if launch is None:
             meta = _candidates_meta(cfg, rows, self.dim, self.docs.dtype, False, False)
@@ -981,7 +1015,7 @@ def _candidates_plan(
     )
     device = docs.device
     num_c, dim = int(c_off[-1]), layout.dim
-    cfg, rows = candidates_config(layout)
+    cfg, rows = candidates_config(layout, device)
     if config is not None:
         cfg, rows = config, config.block_q
     num_chunks = cdiv(layout.max_query_len, rows) if num_c else 1

@@ -11,6 +11,7 @@ the chosen token's similarity must be within 1e-5 of the max.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 # tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA (never on a GPU machine, where the
@@ -402,6 +403,47 @@ def test_triton_many_queries_classes_with_partial_groups(monkeypatch, num_querie
     check_scores(scores, ref, q_lens[:, None], 32)
     pairs = [(qi, di, arg[q_off[qi] : q_off[qi + 1], di]) for qi in range(num_queries) for di in range(37)]
     check_argmax(arg, queries, q_off, docs, d_off, pairs)
+
+
+@pytest.mark.parametrize(("name", "family"), [("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H200", None)])
+def test_the_tuning_table_is_chosen_by_the_device(monkeypatch, name, family):
+    from maxsim_kernels import maxsim_forward as fwd
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    fwd._device_family.cache_clear()
+    try:
+        cuda = torch.device("cuda", 0)
+        for cls in fwd._TUNING:
+            want = fwd._DEVICE_TUNING.get(family, {}).get(cls, fwd._TUNING[cls])
+            assert fwd.tuning(cls, cuda) == want
+            assert fwd.tuning(cls, torch.device("cpu")) == fwd.tuning(cls) == fwd._TUNING[cls]
+    finally:
+        fwd._device_family.cache_clear()
+
+
+@pytest.mark.parametrize("family", ["H100"])
+def test_device_tuning_entries_give_the_same_bits(family):
+    """Every per-device entry scores bit for bit what the default table's entry scores (ragged documents,
+    documents past one tile, an empty document, a query shorter than its rows)."""
+    from maxsim_kernels import maxsim_forward as fwd
+
+    gen = torch.Generator().manual_seed(5)
+    q_lens = torch.tensor([32, 7])
+    d_lens = torch.cat([torch.randint(1, 150, (40,), generator=gen), torch.tensor([0, 64, 65])])
+    queries, q_off = packed(q_lens, 64, torch.float16, gen=gen)
+    docs, d_off = packed(d_lens, 64, torch.float16, gen=gen)
+    entries = fwd._DEVICE_TUNING[family]
+    for q, qo in ((queries[:32], q_off[:2]), (queries, q_off)):
+        base = fwd.maxsim_varlen_forward_triton(q, qo, docs, d_off, config=fwd._TUNING["few"])
+        got = fwd.maxsim_varlen_forward_triton(q, qo, docs, d_off, config=entries["few"])
+        assert torch.equal(got, base)
+    c_off = torch.tensor([0, 5, 12])
+    c_docs = torch.tensor([3, 0, 41, 42, 7, 1, 2, 40, 9, 9, 30, 11])
+    base = fwd.maxsim_candidates_forward_triton(queries, q_off, docs, d_off, c_off, c_docs,
+                                                config=fwd._candidates_config(32)[0])  # fmt: skip
+    cfg = dataclasses.replace(entries["cands"], block_q=32)
+    got = fwd.maxsim_candidates_forward_triton(queries, q_off, docs, d_off, c_off, c_docs, config=cfg)
+    assert torch.equal(got, base)
 
 
 @pytest.mark.parametrize(
