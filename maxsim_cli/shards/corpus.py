@@ -65,6 +65,18 @@ def list_shard_files(directory: str) -> list[str]:
     return [os.path.join(directory, n) for n in names if os.path.isfile(os.path.join(directory, n))]
 
 
+# What to do about a shard of a folder that a symlink takes outside it (the one rule for folders with
+# and without a manifest; a shard file named as a corpus path itself is read wherever it lies).
+_OUTSIDE_REMEDY = "copy the shard into it, or name the file itself as a corpus path"
+
+
+def _outside(root: str, path: str) -> str | None:
+    """The real path of ``path`` (a file in a folder whose real path is ``root``) when a symlink takes
+    it outside that folder, else None."""
+    real = os.path.realpath(path)
+    return real if os.path.commonpath([root, real]) != root else None
+
+
 def read_manifest(directory: str) -> list[dict[str, Any]]:
     """Entries of `directory/index.json`, each with a checked `path` (inside the directory) made absolute."""
     manifest = os.path.join(directory, MANIFEST_NAME)
@@ -91,6 +103,12 @@ def read_manifest(directory: str) -> list[dict[str, Any]]:
         if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
             raise _err(manifest, f"shards[{i}] needs a 'path' string")
         rel = entry["path"]
+        if "\0" in rel:
+            raise _err(
+                manifest,
+                f"shards[{i}] path {rel!r} contains a NUL character, which no file name holds; "
+                "rebuild the manifest with write_manifest",
+            )
         parts = re.split(r"[\\/]", rel)
         if not rel or os.path.isabs(rel) or rel.startswith(("/", "\\")) or ".." in parts:
             raise _err(
@@ -99,12 +117,12 @@ def read_manifest(directory: str) -> list[dict[str, Any]]:
                 "manifest paths must be relative names inside it",
             )
         full = os.path.join(directory, rel)
-        real = os.path.realpath(full)
-        if os.path.commonpath([root, real]) != root:
+        real = _outside(root, full)
+        if real is not None:
             raise _err(
                 manifest,
                 f"shards[{i}] path {rel!r} resolves (through a symlink) to {real}, outside "
-                "the corpus directory; copy the shard into it",
+                f"the corpus directory; {_OUTSIDE_REMEDY}",
             )
         if not os.path.isfile(full):
             raise _err(manifest, f"shards[{i}] path {rel!r}: no such file in {directory}")
@@ -376,6 +394,15 @@ def _expand(path: str, verify_checksums: bool) -> list[tuple[str, dict[str, Any]
     files = list_shard_files(path)
     if not files:
         raise _err(path, "no shards (*.safetensors, *.arrow, *.parquet) in this directory" + _pack_hint(path))
+    root = os.path.realpath(path)
+    for file in files:
+        real = _outside(root, file)
+        if real is not None:
+            raise _err(
+                file,
+                f"resolves (through a symlink) to {real}, outside the corpus directory {path}; "
+                f"{_OUTSIDE_REMEDY}",
+            )
     return [(f, None) for f in files]
 
 
