@@ -432,3 +432,79 @@ def test_readme_python_example_runs(tmp_path, monkeypatch) -> None:
     assert list(namespace["frame"].columns) == ["qid", "docno", "rank", "score"]
     assert namespace["frame"].groupby("qid").size().max() == 10
     assert namespace["run"].qids == ["q1", "q2"]
+
+
+# --------------------------------------------------------------------------------------------------
+# in-memory input the command line never sees
+
+
+def _one_line(info: pytest.ExceptionInfo) -> str:
+    message = str(info.value)
+    assert "\n" not in message and "Traceback" not in message
+    return message
+
+
+@pytest.mark.parametrize(
+    "embedding, dtype",
+    [
+        (np.array([[1.0, 2.0]], dtype=object), "object"),
+        (np.array([["a", "b"]]), "<U1"),
+        (np.ones((1, 2), np.complex64), "complex64"),
+        (torch.ones((1, 2), dtype=torch.complex64), "torch.complex64"),
+        ([[1.0, 2.0], [3.0]], None),  # ragged: not an array
+    ],
+)
+def test_in_memory_queries_that_are_not_numbers_are_input_errors(embedding, dtype) -> None:
+    with pytest.raises(InputError) as info:
+        Queries.from_embeddings(["q1", "q2"], [np.ones((1, 2), np.float32), embedding])
+    message = _one_line(info)
+    assert message.startswith("queries: query 'q2' (index 1): ") and "numbers" in message
+    if dtype is not None:
+        assert f"dtype {dtype} is not a number type" in message
+
+
+def test_an_arrow_shard_deleted_after_opening_is_an_input_error(tmp_path) -> None:
+    """As for safetensors: one line naming the shard, not a bare FileNotFoundError."""
+    ids = [f"d{i}" for i in range(4)]
+    docs = [np.full((2, DIM), 0.5, np.float32) for _ in ids]
+    for name in ("c.arrow", "c.safetensors"):
+        path = tmp_path / name
+        write_shard(str(path), ids, docs)
+        with open_corpus(path) as corpus:
+            path.unlink()
+            with pytest.raises(InputError) as info:
+                search((["q"], [np.ones((1, DIM), np.float32)]), corpus, k=2, device="cpu")
+            message = _one_line(info)
+            assert message.startswith(f"{path}: cannot ") and "read values: " in message
+            assert "No such file" in message
+
+
+def test_a_numpy_boolean_mask_is_a_mask(data) -> None:
+    qids = list(data["queries"])[:3]
+    embs = [data["queries"][q].to(torch.float32) for q in qids]
+    longest = max(e.shape[0] for e in embs)
+    padded = np.full((3, longest, DIM), 7.0, np.float32)
+    mask = np.zeros((3, longest), dtype=bool)
+    for i, e in enumerate(embs):
+        padded[i, : e.shape[0]] = e.numpy()
+        mask[i, : e.shape[0]] = True
+    expected = Queries.from_embeddings(qids, embs)
+    for queries in (
+        Queries.from_embeddings(qids, padded, mask),  # padded, with its [n, L] mask
+        Queries.from_embeddings(qids, list(padded), list(mask)),  # one [L] mask per query
+    ):
+        assert torch.equal(queries.embeddings, expected.embeddings) and queries.offsets.tolist() == (
+            expected.offsets.tolist()
+        )
+    with pytest.raises(InputError, match=r"^queries: mask holds 2; a mask holds True/1"):
+        Queries.from_embeddings(qids, padded, mask.astype(np.int64) * 2)
+
+
+def test_a_nan_in_a_query_is_called_a_query() -> None:
+    bad = np.ones((2, 4), np.float32)
+    bad[1, 3] = np.nan
+    with pytest.raises(InputError) as info:
+        Queries.from_embeddings(["qa", "qx"], [np.ones((1, 4), np.float32), bad])
+    assert _one_line(info) == (
+        "queries: query 'qx' (index 1) has NaN or Inf values at token 1; re-encode or drop that query"
+    )

@@ -418,6 +418,19 @@ def test_one_rule_for_links_out_of_a_corpus_folder(tmp_path, manifest):
             open_corpus([corpus])
 
 
+def test_write_shard_with_mixed_dims_is_an_input_error(tmp_path):
+    path = tmp_path / "m.safetensors"
+    with pytest.raises(InputError) as info:
+        write_shard(path, ["a", "b"], [np.ones((3, 128)), np.ones((3, 64))])
+    assert str(info.value) == (
+        f"{path}: document 'b' (index 1) has vectors of 64 values; this shard has dim 128; encode all "
+        "documents with one model"
+    )
+    assert not path.exists()
+    with pytest.raises(InputError, match=r"document 'b' \(index 1\): dtype <U1 is not a number type"):
+        write_shard(path, ["a", "b"], [np.ones((3, 8)), np.array([["x"] * 8])])
+
+
 def test_manifest_counts_must_match(tmp_path):
     write_shard(tmp_path / "a.safetensors", ["a", "b"], [np.ones((1, 4), np.float32)] * 2)
     manifest = json.loads(open(write_manifest(tmp_path)).read())
