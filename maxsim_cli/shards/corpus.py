@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from maxsim_cli.arrays import array_values, strings_array, values_array
-from maxsim_cli.errors import InputError, UsageError
+from maxsim_cli.errors import STRICT, InputError, UsageError, in_python_terms
 from maxsim_cli.shards.format import (
     CORPUS_FORMAT_NAME,
     CORPUS_FORMAT_VERSION,
@@ -301,6 +301,7 @@ class Corpus:
             return ",".join(str(part.device) for part in self.placement)
         return str(self.residency.device) if self.residency is not None else None
 
+    @in_python_terms
     def to(self, device: str | Sequence[str]) -> Corpus:
         """Make the corpus resident on ``device`` (``cuda``, ``cuda:N``, ``cpu``, ``auto``) and return it:
         every shard is read once into that device's memory, values checked as on every read. A list of
@@ -489,7 +490,7 @@ class InputNote(NamedTuple):
     remedy: str
 
     def warning(self) -> str:
-        return f"{self.fact}; {self.consequence} (--strict makes this an error)"
+        return f"{self.fact}; {self.consequence} ({STRICT.given(True)} makes this an error)"
 
     def error(self) -> str:
         return f"{self.fact}; {self.remedy}"
@@ -508,7 +509,9 @@ def input_notes(
         for path in corpus.skipped:
             notes.append(
                 InputNote(
-                    f"{path}: holds no documents", "skipped", "drop it from the corpus, or leave out --strict"
+                    f"{path}: holds no documents",
+                    "skipped",
+                    f"drop it from the corpus, or leave out {STRICT.given(True)}",
                 )
             )
     if queries is None:
@@ -518,7 +521,7 @@ def input_notes(
             InputNote(
                 f"{query_name}: holds no queries",
                 "the run is empty",
-                "give a query file with queries, or leave out --strict",
+                f"give a query file with queries, or leave out {STRICT.given(True)}",
             )
         )
     corpus_name = corpus.shards[0].path if len(corpus.shards) == 1 else f"{corpus.shards[0].path}, ..."
@@ -528,7 +531,7 @@ def input_notes(
                 f"{query_name}: the queries were made by encoder {queries.encoder!r} but the corpus "
                 f"({corpus_name}) by {corpus.encoder!r}",
                 "scores of vectors from two models mean nothing",
-                "encode the queries with the corpus's model, or leave out --strict",
+                f"encode the queries with the corpus's model, or leave out {STRICT.given(True)}",
             )
         )
     if queries.normalized is not None and queries.normalized != corpus.normalized:
@@ -538,7 +541,7 @@ def input_notes(
                 f"{query_name}: the queries are {how[queries.normalized]} but the corpus ({corpus_name}) "
                 f"is {how[corpus.normalized]} (the shards' normalized metadata)",
                 "scored as they are",
-                "normalise both the same way (maxsim pack --normalize), or leave out --strict",
+                f"normalise both the same way (maxsim pack --normalize), or leave out {STRICT.given(True)}",
             )
         )
     return notes
