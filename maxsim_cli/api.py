@@ -218,16 +218,14 @@ def _score(
         report_notes(input_notes(corpus_obj, q.batch, q.name, skipped=False), strict=strict, log=_log)
         collector = RunCollector()
         stats = _score_direct(request, corpus_obj, q, run_candidates, collector)
-        if stats is not None:
-            pass
-        elif corpus_obj.placement is not None and device == "auto":  # resident on several devices
+        if stats is None and corpus_obj.placement is not None and device == "auto":  # on several devices
             from maxsim_cli import jobs
 
             request.check()
             stats = jobs.score_resident(
                 request, corpus_obj, q.batch, collector, candidates=run_candidates, log=_log
             )
-        else:
+        elif stats is None:
             stats = engine.run(request, corpus_obj, q.batch, collector, candidates=run_candidates, log=_log)
         return collector.run(stats, inputs=_input_paths(q, corpus_obj, candidates))
     finally:

@@ -495,7 +495,7 @@ def test_in_memory_queries_that_are_not_numbers_are_input_errors(embedding, dtyp
     message = _one_line(info)
     assert message.startswith("queries: query 'q2' (index 1): ") and "numbers" in message
     if dtype is not None:
-        assert f"dtype {dtype} is not a number type" in message
+        assert f"dtype {dtype} is not a real-number type" in message
 
 
 @pytest.mark.parametrize("k", [2.5, True, "5", 0, -3])

@@ -427,7 +427,7 @@ def test_write_shard_with_mixed_dims_is_an_input_error(tmp_path):
         "documents with one model"
     )
     assert not path.exists()
-    with pytest.raises(InputError, match=r"document 'b' \(index 1\): dtype <U1 is not a number type"):
+    with pytest.raises(InputError, match=r"document 'b' \(index 1\): dtype <U1 is not a real-number type"):
         write_shard(path, ["a", "b"], [np.ones((3, 8)), np.array([["x"] * 8])])
 
 

@@ -65,7 +65,7 @@ def _as_tensor(x: Any, where: str = "embeddings") -> torch.Tensor:
 
     if isinstance(x, torch.Tensor):
         if x.is_complex():
-            raise InputError(f"{where}: dtype {x.dtype} is not a number type; {_NUMBERS}")
+            raise InputError(f"{where}: dtype {x.dtype} is not a real-number type; {_NUMBERS}")
         return x.detach().cpu()
     try:
         arr = np.asarray(x)
@@ -77,7 +77,7 @@ def _as_tensor(x: Any, where: str = "embeddings") -> torch.Tensor:
             return torch.from_numpy(arr)
     if arr.dtype.kind in "iu" or arr.dtype.kind == "f":
         return torch.from_numpy(arr.astype(np.float32))
-    raise InputError(f"{where}: dtype {arr.dtype} is not a number type; {_NUMBERS}")
+    raise InputError(f"{where}: dtype {arr.dtype} is not a real-number type; {_NUMBERS}")
 
 
 # What `_as_tensor` asks for.
