@@ -349,7 +349,7 @@ def _checked_queries(
     offsets = np.zeros(len(ids) + 1, dtype=np.int64)
     np.cumsum([a.shape[0] for a in arrays], out=offsets[1:])
     _check_ids(name, ids, what="query id")
-    _check_values(name, embeddings, None, offsets, ids, 0)
+    _check_values(name, embeddings, None, offsets, ids, 0, what="query")
     _check_dim(embeddings.shape[1], corpus_dim)
     return ids, embeddings, offsets
 
@@ -422,7 +422,7 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
         offsets = np.asarray(shard.offsets, dtype=np.int64)
         embeddings, scales = shard.rows_numpy(0, shard.num_docs)
         dtype = shard.info.dtype
-    _check_values(ARROW_NAME, _as_float32(embeddings, dtype), scales, offsets, ids, 0)
+    _check_values(ARROW_NAME, _as_float32(embeddings, dtype), scales, offsets, ids, 0, what="query")
     _check_dim(embeddings.shape[1], corpus_dim)
     if kind == "search":
         return Checked(ids, embeddings, offsets, dtype, scales, k)

@@ -762,7 +762,13 @@ class ArrowShard(_RecordShard):
             return super()._read_rows(start, stop)
         # The file is mapped: one truncated since it was opened would be SIGBUS on the first page past
         # its end, so its size and time are checked first (a change during the copy below is not caught)
-        check_unchanged(self.path, self._source.identity, os.stat(self.path))
+        try:
+            now = os.stat(self.path)
+        except OSError as exc:  # removed (or its folder made unreadable) since it was opened
+            raise _err(
+                self.path, f"cannot read values: {_one_line(exc)}; put the file back or open the corpus again"
+            ) from None
+        check_unchanged(self.path, self._source.identity, now)
         rows = super()._read_rows(start, stop)  # copies the rows out of the map
         # the map's pages stay in the process's resident set until dropped (re-read from the page
         # cache if touched again)
