@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from maxsim_cli.service.limits import ConnectionLimits, Connections, limited_protocol
+
 logger = logging.getLogger("maxsim.serve")
 
 SOCKET_NAME = "direct.sock"
@@ -47,7 +49,16 @@ class DirectConnections:
     """The scoring process's side: up to ``limit`` HTTP connections taken over from the workers and served
     by ``app`` (an ASGI app: `app.http_app` over the scoring process's batcher)."""
 
-    def __init__(self, app: Any, limit: int, *, access_log: bool, graceful_shutdown_s: float) -> None:
+    def __init__(
+        self,
+        app: Any,
+        limit: int,
+        *,
+        access_log: bool,
+        graceful_shutdown_s: float,
+        limits: ConnectionLimits | None = None,
+    ) -> None:
+        """``limits``: the time limits of the connections' requests (their number is ``limit``)."""
         import uvicorn
         from uvicorn.server import ServerState
 
@@ -58,8 +69,9 @@ class DirectConnections:
         )
         config.load()
         self._state = ServerState()
+        timed = limited_protocol(config.http_protocol_class, Connections(limits or ConnectionLimits(), None))
         self._protocol = functools.partial(
-            _fed_protocol(config.http_protocol_class), config=config, server_state=self._state, app_state={}
+            _fed_protocol(timed), config=config, server_state=self._state, app_state={}
         )
         self._taking = 0  # descriptors accepted, their protocols not made yet
         self._stopping = False
@@ -252,11 +264,17 @@ def offering_protocol(base: type, offerer: Offerer) -> type:
     scoring process: closed here when taken over, resumed and served here when declined."""
 
     class Offering(base):  # type: ignore[misc, valid-type]
+        @property
+        def handing_over(self) -> bool:
+            """Whether the connection is being offered (its descriptor may be in flight: it is not
+            to be closed here meanwhile)."""
+            return getattr(self, "_offered", None) is not None
+
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             self._offered: bytearray | None = None
             sock = transport.get_extra_info("socket")
-            if sock is None:
+            if sock is None or transport.is_closing():  # closed at once (`limits`: no room)
                 return
             transport.pause_reading()
             self._offered = bytearray()  # what the loop had read already, held until the answer
