@@ -289,6 +289,10 @@ def offering_protocol(base: type, offerer: Offerer) -> type:
         async def _offer(self, transport: asyncio.Transport, fd: int) -> None:
             held = self._offered
             assert held is not None
+            # uvloop starts reading only once connection_made has returned, so the pause made there holds
+            # on asyncio's loop alone: paused again here, before the offer, what the loop reads while the
+            # descriptor is offered is only what it had read already, all of it in ``held``
+            transport.pause_reading()
             try:
                 taken = await offerer.offer(fd, lambda: bytes(held))
             except Exception:  # noqa: BLE001 - an offer that fails is declined: serve it here
