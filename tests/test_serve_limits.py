@@ -252,7 +252,8 @@ def test_stalled_clients_get_408_and_are_closed_while_a_normal_client_is_answere
 def test_more_stalled_connections_than_descriptors_do_not_keep_a_normal_client_out(queries, workers) -> None:
     """The issue's case, scaled down: a server that may open 200 descriptors, 250 connections stalled
     in their headers or bodies with limits far away (60 s): the connections that waited longest are
-    closed (503) to make room, at most the cap stay open, and a normal client is answered at once."""
+    closed (503, or reset) to make room, at most the cap stay open, and a normal client is answered at
+    once."""
     server = Server(
         CORPUS,
         *("--workers", workers, "--header-timeout", "60", "--body-timeout", "60"),
@@ -266,7 +267,11 @@ def test_more_stalled_connections_than_descriptors_do_not_keep_a_normal_client_o
         assert [status for status, _ in answered] == [200, 200]
         assert max(seconds for _, seconds in answered) < 5
         closed = [c for c in crowd if c.closed_at is not None]
-        assert all(c.status == 503 and "--max-connections" in c.detail for c in closed), closed[:3]
+        # each closed with a 503, or reset (one closed with its request unread: with workers, while it
+        # waited to be offered to the scoring process)
+        refused = [c for c in closed if c.answer]
+        assert all(c.status == 503 and "--max-connections" in c.detail for c in refused), refused[:3]
+        assert len(refused) > len(closed) // 2
         # the rest still open: at most the cap (the scoring process holds one more with --workers 1)
         assert len(crowd) - len(closed) <= cap + (workers == "1")
         assert len(closed) >= 250 - cap - 1
