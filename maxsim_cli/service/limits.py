@@ -36,6 +36,7 @@ lowered to fit what the process may open; the server says so on stderr.
 from __future__ import annotations
 
 import contextlib
+import http
 import json
 import logging
 import os
@@ -233,8 +234,6 @@ class Connections:
 
 def _response(status: int, detail: str, default_headers: list[tuple[bytes, bytes]]) -> bytes:
     """An HTTP answer with the server's one-line error body, that closes the connection."""
-    import http
-
     body = json.dumps({"detail": detail}, ensure_ascii=False, separators=(",", ":")).encode()
     lines = [f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}".encode()]
     lines += [name + b": " + value for name, value in default_headers]
