@@ -111,7 +111,7 @@ def register(app: typer.Typer) -> None:
             "--body-timeout",
             help=(
                 "Seconds a client has to send a request's whole body once its headers are in (then 408 "
-                "and the connection is closed), and to start reading an answer it is sent."
+                "and the connection is closed); also the longest a client may leave its answer unread."
             ),
         ),
         max_connections: int = typer.Option(
