@@ -57,8 +57,13 @@ Environment variables read here:
 that the launcher is still there before it writes the run, so no run appears after the job failed.
 SIGINT and SIGHUP go to the launcher alone (workers ignore them); it stops the workers with SIGTERM,
 then SIGKILL after `TERMINATE_GRACE_S`. Rank 0 notes the temporary file of the run it writes in the
-job's folder, so that a launcher whose rank 0 was killed removes exactly that file. A worker that finds
-its launcher gone removes the job's folder (its two or three files) on its way out.
+job's folder, so that a launcher whose rank 0 was killed removes exactly that file, and notes there
+that the run is in place (`COMMIT_NOTE`, at its commit point: `maxsim_cli.lifeline`): a stop signal to
+the launcher from then on, or one that came during that rename, leaves the job's result its own. A
+worker that finds its launcher gone removes the job's folder (its few files) on its way out; one that
+had already finished cannot, and a launcher killed by SIGKILL removes nothing, so the job's folder holds
+a lock file that the launcher and its workers keep locked while any of them runs (`_lock_job`), and a
+job starting removes the folders whose lock is free (`remove_stale_job_folders`).
 """
 
 from __future__ import annotations
@@ -115,8 +120,9 @@ JOB_PREFIX = "maxsim-job-"
 LOCK_NAME = "lock"
 # Every name a job's folder can hold: the next job removes a dead job's folder by these names only.
 JOB_FILES = ("options.json", "status.json", "status.json.tmp", PARTIAL_NOTE, COMMIT_NOTE, LOCK_NAME)
-# A job folder without its lock file for this long is not being made (that takes microseconds): stale.
-STALE_UNLOCKED_S = 60.0
+# A job folder without a lock file is one being made (for microseconds), or a job's of a maxsim from
+# before the locks, which may still run: removed only once it has not changed for a day.
+STALE_UNLOCKED_S = 24 * 3600.0
 # A collective waits this long by default: it must cover the slowest rank's lag behind the fastest at
 # the status exchange (shares are balanced by tokens, so the lag is a small part of a job's time).
 DEFAULT_TIMEOUT_S = 3600.0

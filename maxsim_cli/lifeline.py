@@ -279,8 +279,8 @@ def noted() -> list[int]:
 def end_process(code: int) -> NoReturn:
     """End this process with ``code``, its work done: the exit handlers run (`atexit`) and the standard
     streams are flushed, but the interpreter's teardown (tenths of a second once torch is loaded, during
-    which the stop signals are back at their default action) is skipped. With a thread still running
-    that is not a daemon the interpreter ends as usual, waiting for it."""
+    which a signal with a Python handler gets the default action again) is skipped. With a thread
+    still running that is not a daemon the interpreter ends as usual, waiting for it."""
     main = threading.main_thread()
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not main):
         sys.exit(code)

@@ -4,7 +4,8 @@ alias inputs, against `maxsim score` (in one process and under ``--devices cpu:2
 
 Each signal trial draws a signal (SIGTERM, SIGINT, SIGHUP or SIGKILL) and an instant uniformly over 1.2
 times the command's measured clean run (so some land after it ended), with or without a previous output
-in place. After every trial:
+in place; targeted trials send SIGTERM, SIGINT or SIGHUP as soon as the new output is seen at its name,
+or the summary line on stderr, and must all end with exit 0. After every trial:
 
 - the inputs are unchanged (sha256 of every file);
 - nothing is left anywhere: not beside the output, not inside an output folder, not in the trial's
@@ -12,16 +13,18 @@ in place. After every trial:
   ``--devices`` job is still running;
 - the output is absent (or the previous output is there, untouched) or complete and byte-identical to a
   clean run (`verify`, which prints its report: stdout empty or the whole report, timings aside);
-- the exit code is 128 + N with ``maxsim: stopped by SIGNAME`` as the last line (or -N, the default
-  action, for a signal that arrived as the process was exiting), -9 for SIGKILL, 0 only with the complete
-  output, and never a traceback nor a temp path in a message.
+- the exit code tells the truth both ways: 0 only with the complete output; 128 + N (with ``maxsim:
+  stopped by SIGNAME`` as the last line) or -N (the default action: the signal came before maxsim set
+  its handlers) only with the previous output as it was, or none; -9 for SIGKILL; never a traceback
+  nor a temp path in a message.
 
 **SIGKILL** cannot be caught, so the promise is narrower and checked exactly: the output's final name
 is still absent, the previous output or the complete output (writes go to a temp file that is renamed
 into place); hidden temp files (``.NAME.XXXX.tmp``) and staging folders (``.maxsim-...``) beside or
-inside the output may remain, as may a ``--devices`` job's ``maxsim-job-...`` folder in ``TMPDIR`` when
-the launcher dies before its workers started. Those are counted, not failed. The workers of a killed
-launcher must still end (within seconds) and never write the run.
+inside the output may remain, as may a ``--devices`` job's ``maxsim-job-...`` folder in ``TMPDIR``. Those
+are counted, not failed, but a job folder left must be one that the next job removes
+(`maxsim_cli.jobs.remove_stale_job_folders`, run on it once the trial's processes have ended). The
+workers of a killed launcher must still end (within seconds) and never write the run.
 
 The totals are printed at the end of the module (``python -m pytest -q tests/test_fault_injection.py``)
 and must show no leftover and no corrupt output. ``MAXSIM_FAULT_SEED`` changes the seed (default 26).
