@@ -134,7 +134,8 @@ TERMINATE_GRACE_S = 10.0
 # The launcher's workers run this (not `-m maxsim_cli.jobs`, which would load this module twice).
 # The lifeline is tied before torch is imported (seconds), so that a launcher killed meanwhile takes
 # its workers along; a worker whose launcher died removes the job's folder on its way out.
-# Rank 0 makes the job's commit note once the run is in place; a worker whose work is done ends at once.
+# Rank 0 makes the job's commit note once the run is in place; a worker whose outcome is decided ends at
+# once (`lifeline.end_process`), a traceback aside.
 _WORKER_CODE = f"""
 import os, sys
 from maxsim_cli import lifeline
@@ -149,6 +150,8 @@ try:
     from maxsim_cli.jobs import worker_main
     lifeline.arm()
     code = worker_main(sys.argv[1:])
+except SystemExit as exc:  # stopped (SIGTERM), or a rank's exit code
+    code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
 finally:
     lifeline.disarm()  # the exit code is now the worker's
     lifeline.remove_if_orphaned(files, folder)

@@ -277,13 +277,11 @@ def noted() -> list[int]:
 
 
 def end_process(code: int) -> NoReturn:
-    """End this process with ``code``, its work done: the exit handlers run (`atexit`) and the standard
-    streams are flushed, but the interpreter's teardown (tenths of a second once torch is loaded, during
-    which a signal with a Python handler gets the default action again) is skipped. With a thread
-    still running that is not a daemon the interpreter ends as usual, waiting for it."""
-    main = threading.main_thread()
-    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not main):
-        sys.exit(code)
+    """End this process with ``code``, its outcome decided: the exit handlers run (`atexit`) and the
+    standard streams are flushed, but the interpreter's teardown is skipped - tenths of a second once
+    torch is loaded, during which a signal with a Python handler gets the default action again, and
+    which waits for every thread that is not a daemon: a pool's worker that a stop signal left waiting
+    for work (the signal came while the pool started it) kept a stopped ``score`` from ever exiting."""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -1023,3 +1023,26 @@ def test_once_the_command_has_ended_the_stop_signals_are_ignored(work: Path, arg
     else:
         assert proc.returncode == 0 and proc.stdout == "exit handlers ran\n"
     assert (work / "run.trec").stat().st_size > 0
+
+
+_LEFT_WAITING = r"""
+import sys, threading
+from maxsim_cli.cli import main
+# what a stop signal can leave behind: a pool's worker that the pool never noted (the signal raised in
+# `Thread.start` as it waited for the thread), so that nothing tells it to stop waiting for work
+threading.Thread(target=threading.Event().wait, name="left-waiting").start()
+sys.argv = ["maxsim", *sys.argv[1:]]
+main()
+"""
+
+
+def test_a_thread_left_waiting_does_not_keep_the_process_from_ending(work: Path) -> None:
+    """The fault-injection suite's SIGHUP 0.5 s into ``score`` left a reader pool's worker waiting, and
+    the process, having said ``stopped by SIGHUP``, never ended: the interpreter's shutdown waits for
+    every thread that is not a daemon. The command's outcome decided, the process ends."""
+    args = ["merge", str(work / "candidates.trec"), "-q", "-o", str(work / "run.trec")]
+    proc = subprocess.run(
+        [sys.executable, "-c", _LEFT_WAITING, *args], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert (work / "run.trec").stat().st_size > 0
