@@ -11,7 +11,9 @@ existing directory where a file goes (or a file where a folder goes); a missing 
 without write permission (tests run as root, where permission bits do not stop writes: EACCES is
 injected where files get created) or on a read-only file system (a tmpfs remounted read-only); a full
 disk (a tmpfs filled up) or a quota hit half-way through a file (injected); a full disk behind stdout
-(``/dev/full``); SIGTERM / SIGHUP (and SIGINT, for comparison) half-way through writing.
+(``/dev/full``); SIGTERM / SIGHUP (and SIGINT, for comparison) half-way through writing, just before
+the commit point (the rename that puts the output in place) and the instant it is made; the end of the
+process once the command has ended.
 """
 
 from __future__ import annotations
