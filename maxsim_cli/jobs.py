@@ -1183,11 +1183,22 @@ def _lock_job(job_dir: str) -> int:
     """Create the lock file of the job's folder ``job_dir`` and hold an exclusive `flock` on it for the
     job's life; returns its descriptor, which the workers inherit, so that the lock is free only once
     every process of the job has ended, however it ended (SIGKILL included: the kernel lets go of the
-    lock of a dead process). -1 where there is no `flock` (Windows)."""
+    lock of a dead process). -1 where there is no `flock` (Windows) or it failed (no file can be made
+    there, a file system without locks): the job runs all the same, its folder kept a day if left."""
     if fcntl is None:
         return -1
-    fd = os.open(os.path.join(job_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new and ours: free
+    path = os.path.join(job_dir, LOCK_NAME)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return -1
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new and ours: free
+    except OSError:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # a lock file no one holds would make the folder look stale
+        return -1
     return fd
 
 
@@ -1220,7 +1231,7 @@ def _remove_if_stale(path: str) -> bool:
             fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             if time.time() - st.st_mtime < STALE_UNLOCKED_S:
-                return False  # a job's folder that is being made
+                return False  # a job's folder being made, or an older maxsim's job
         else:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
