@@ -38,6 +38,7 @@ import torch
 
 from maxsim_cli.arrays import numbers
 from maxsim_cli.errors import InputError, MaxsimWarning, UsageError
+from maxsim_cli.lifeline import commit_point
 from maxsim_cli.shards import (
     FLOAT_DTYPES,
     ID_RULE,
@@ -825,7 +826,8 @@ def _pack_parts(
             swap_corpus_files(workdir, outdir, [*names, MANIFEST_NAME], old_names)
             os.rmdir(workdir)
         else:
-            move_into(workdir, outdir, outdir)
+            with commit_point():  # the folder in place: the command's output is complete
+                move_into(workdir, outdir, outdir)
         result.outdir = outdir
         result.manifest = os.path.join(outdir, os.path.basename(manifest))
         result.shards = [
