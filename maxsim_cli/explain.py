@@ -326,6 +326,8 @@ def explain_hits(
     from maxsim_cli.shards import DocBatch, check_same_dim
 
     row = _query_index(queries, qid)
+    if not docnos:
+        return []
     check_same_dim(queries.batch, queries.name, corpus)
     located = corpus.candidate_index(docnos)
     missing = [d for d in docnos if d not in located]

@@ -330,3 +330,124 @@ def test_a_document_shorter_than_its_grid_is_refused(tmp_path: Path) -> None:
         InputError, match=r"document 'p' has 4 tokens but its patch_grid 2x2 from token 1 needs 5"
     ):
         e.patch_map()
+
+
+# --------------------------------------------------------------------------------------------------
+# maxsim serve: "explain": true
+
+
+@pytest.fixture(scope="module")
+def served(data: dict):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("httpx")
+    import warnings
+
+    with warnings.catch_warnings():  # newer Starlette asks for httpx2 and still runs on httpx
+        warnings.filterwarnings("ignore", message=".*httpx2.*")
+        from fastapi.testclient import TestClient
+
+    from maxsim_cli.service.app import create_app
+
+    with open_corpus(data["corpora"]["float16"]) as corpus:
+        corpus.to("cpu")
+        with TestClient(create_app(corpus, batch_window_ms=0)) as client:
+            yield client, corpus
+
+
+def query_json(data: dict, qid: str) -> dict:
+    return {"qid": qid, "embedding": data["query_rows"][qid].tolist()}
+
+
+def check_explained_hits(answer: dict, data: dict, corpus) -> None:  # noqa: ANN001 - a Corpus
+    for result in answer["results"]:
+        assert result["hits"]
+        for hit in result["hits"]:
+            e = hit["explanation"]
+            assert (e["qid"], e["docno"]) == (result["qid"], hit["docno"])
+            assert e["exact"] is True and bits(e["total"]) == bits(e["score"]) == bits(hit["score"])
+            assert len(e["tokens"]) == data["query_rows"][result["qid"]].shape[0]
+            want = explain(data["queries"], corpus, result["qid"], hit["docno"], device="cpu").to_dict()
+            assert e == want
+
+
+def test_served_search_and_rerank_explain_every_hit(served, data: dict) -> None:
+    client, corpus = served
+    queries = [query_json(data, "q8"), query_json(data, "q40")]
+    plain = client.post("/search", json={"queries": queries, "k": 3})
+    assert plain.status_code == 200 and b"explanation" not in plain.content
+    # the answer's bytes without explanations do not depend on the field
+    assert (
+        client.post("/search", json={"queries": queries, "k": 3, "explain": False}).content == plain.content
+    )
+    explained = client.post("/search", json={"queries": queries, "k": 3, "explain": True})
+    assert explained.status_code == 200, explained.text
+    answer = explained.json()
+    assert [[(h["docno"], h["score"]) for h in r["hits"]] for r in answer["results"]] == [
+        [(h["docno"], h["score"]) for h in r["hits"]] for r in plain.json()["results"]
+    ]
+    check_explained_hits(answer, data, corpus)
+    reranked = client.post(
+        "/rerank",
+        json={
+            "queries": queries,
+            "candidates": {"q8": ["d8", "tie", "nope"], "q40": ["d2"]},
+            "explain": True,
+        },
+    )
+    assert reranked.status_code == 200, reranked.text
+    check_explained_hits(reranked.json(), data, corpus)
+    assert reranked.json()["results"][0]["missing"] == ["nope"]
+
+
+def test_served_arrow_requests_take_explain_in_the_query_string(served, data: dict, tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    client, corpus = served
+    path = tmp_path / "q.arrow"
+    write_shard(path, ["q3", "neg"], [data["query_rows"]["q3"], data["query_rows"]["neg"]])
+    with pa.memory_map(str(path)) as source:
+        table = pa.ipc.open_file(source).read_all()
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    body = sink.getvalue().to_pybytes()
+    arrow = {"content-type": "application/vnd.apache.arrow.stream"}
+    response = client.post("/search?k=2&explain=true", content=body, headers=arrow)
+    assert response.status_code == 200, response.text
+    check_explained_hits(response.json(), data, corpus)
+    plain = client.post("/search?k=2", content=body, headers=arrow)
+    assert b"explanation" not in plain.content
+    bad = client.post("/search?explain=maybe", content=body, headers=arrow)
+    assert bad.status_code == 422 and bad.json() == {"detail": "explain='maybe': must be true or false"}
+
+
+def test_served_explain_must_be_a_bool(served, data: dict) -> None:
+    client, _ = served
+    response = client.post("/search", json={"queries": [query_json(data, "q1")], "explain": "yes"})
+    assert response.status_code == 422 and "explain" in response.json()["detail"]
+    assert "\n" not in response.json()["detail"]
+    response = client.post("/search?explain=true", json={"queries": [query_json(data, "q1")]})
+    assert response.status_code == 422
+    assert response.json()["detail"].endswith("with JSON, k, strict and explain go in the body")
+
+
+def split_frame(frame: bytes) -> tuple[dict, bytes]:
+    head_len = int.from_bytes(frame[:4], "little")
+    return json.loads(frame[8 : 8 + head_len]), frame[8 + head_len :]
+
+
+def test_worker_frames_carry_explain_and_explanations(data: dict) -> None:
+    """`maxsim serve --workers`: the request's flag reaches the scoring process, the explanations the
+    worker that answers."""
+    from maxsim_cli.service.schema import Hits, check_request
+    from maxsim_cli.service.wire import answer_frame, answers_from_frame, checked_from_frame, request_frame
+
+    body = json.dumps({"queries": [query_json(data, "q3")], "explain": True}).encode()
+    checked = check_request("search", "application/json", body, {}, DIM)
+    assert checked_from_frame(*split_frame(request_frame(7, "search", checked))).explain is True
+    explanation = {"qid": "q3", "docno": "d1", "exact": True}
+    answers = [("q3", Hits(["d1"], np.array([1.5], dtype=np.float32), [explanation]), None)]
+    back = answers_from_frame(*split_frame(answer_frame(7, answers, 0.0, 0.0, 1)))
+    assert back[0][1].explanations == [explanation] and list(back[0][1]) == [("d1", 1.5)]
+    plain = [("q3", Hits(["d1"], np.array([1.5], dtype=np.float32)), None)]
+    assert answers_from_frame(*split_frame(answer_frame(7, plain, 0.0, 0.0, 1)))[0][1].explanations is None
