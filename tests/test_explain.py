@@ -1,6 +1,6 @@
 """Explanations (`Run.explain`, `maxsim_cli.explain`, `maxsim explain`): each query token's winning document
 token, similarity and share, whose similarities added in the kernel's order give the run's score bit for
-bit: float16, float32 and int8 corpora, ragged lengths (1 to 100 tokens), ties, negative similarities,
+bit: float16, bfloat16, float32 and int8 corpora, ragged lengths (1 to 100 tokens), ties, negative similarities,
 search and rerank, the CPU path and the Triton kernel under its interpreter; ColPali heatmaps over the
 patch grid of a shard's metadata.
 """
@@ -59,7 +59,7 @@ def data(tmp_path_factory) -> dict:
     ids, docs, qids, queries = make_data()
     root = tmp_path_factory.mktemp("explain")
     corpora = {}
-    for dtype in ("float16", "float32"):
+    for dtype in ("float16", "bfloat16", "float32"):
         folder = root / dtype
         folder.mkdir()
         write_shard(folder / "a.safetensors", ids[:6], docs[:6], dtype=dtype)
@@ -92,7 +92,7 @@ def check_against_vectors(e, query: torch.Tensor, doc: torch.Tensor) -> None:
 # the API: exact totals
 
 
-@pytest.mark.parametrize("dtype", ["float16", "float32", "int8"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int8"])
 def test_every_row_of_a_search_and_a_rerank_is_explained_bit_for_bit(data: dict, dtype: str) -> None:
     with open_corpus(data["corpora"][dtype]) as corpus:
         _explain_every_row(data, corpus)
