@@ -374,6 +374,13 @@ def explain_hits(
     terms = terms.to(torch.float32).cpu().numpy()
     argmax = argmax.cpu().numpy()
 
+    # the query's vectors as the kernel scored them, for `Explanation.similarities`: float queries
+    # against an int8 corpus are quantized per token by the kernel, as here
+    kept_query = (q_dev, q_scales)
+    if vectors and scaled and q_scales is None:
+        from maxsim_kernels.maxsim_int8 import quantize_per_token
+
+        kept_query = quantize_per_token(q_dev, backend="torch")
     out = []
     for j, (docno, (s, _)) in enumerate(zip(docnos, places, strict=True)):
         info = corpus.shards[s].info
@@ -396,17 +403,8 @@ def explain_hits(
         kept = None
         if vectors:
             t0, t1 = int(d_offsets[j]), int(d_offsets[j + 1])
-            kept = (
-                q_dev,
-                d_emb[t0:t1],
-                q_scales if q_scales is not None else None,
-                d_scales[t0:t1] if d_scales is not None else None,
-            )
-            if scaled and q_scales is None:  # float queries that the kernel quantizes: as it did
-                from maxsim_kernels.maxsim_int8 import quantize_per_token
-
-                codes, q_sc = quantize_per_token(q_dev, backend="torch")
-                kept = (codes, kept[1], q_sc, kept[3])
+            doc_scales = d_scales[t0:t1] if d_scales is not None else None
+            kept = (kept_query[0], d_emb[t0:t1], kept_query[1], doc_scales)
         out.append(
             Explanation(
                 qid=qid,

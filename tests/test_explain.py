@@ -1,8 +1,8 @@
-"""Explanations (`Run.explain`, `maxsim_cli.explain`, `maxsim explain`): each query token's winning document
-token, similarity and share, whose similarities added in the kernel's order give the run's score bit for
-bit: float16, bfloat16, float32 and int8 corpora, ragged lengths (1 to 100 tokens), ties, negative similarities,
-search and rerank, the CPU path and the Triton kernel under its interpreter; ColPali heatmaps over the
-patch grid of a shard's metadata.
+"""Explanations (`Run.explain`, `maxsim_cli.explain`, `maxsim explain`, `maxsim serve`'s "explain"): each
+query token's winning document token, similarity and share, whose similarities added in the kernel's
+order give the run's score bit for bit: float16, bfloat16, float32 and int8 corpora, ragged lengths (1 to
+100 tokens), ties, negative similarities, search and rerank, the CPU path and the Triton kernel under its
+interpreter; ColPali heatmaps over the patch grid of a shard's metadata.
 """
 
 from __future__ import annotations
@@ -124,6 +124,11 @@ def test_ties_go_to_the_lowest_document_token(data: dict) -> None:
         e = explain(data["queries"], data["corpora"][dtype], "q32", "tie", device="cpu")
         assert {t.doc_token for t in e.tokens} <= {0, 1}  # the first of the three copies
         assert e.exact
+        similarities = e.similarities()  # from the vectors as the kernel took them (int8: its codes)
+        assert similarities.shape == (32, 6)
+        for t in e.tokens:
+            assert int(similarities[t.query_token].argmax()) == t.doc_token
+            assert similarities[t.query_token, t.doc_token] == pytest.approx(t.similarity, rel=1e-5, abs=1e-6)
 
 
 def test_negative_similarities_give_negative_terms_and_shares_that_add_up(data: dict) -> None:
