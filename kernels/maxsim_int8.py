@@ -942,6 +942,20 @@ def _segments(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return segment, local.to(torch.int32)
 
 
+def _sum_rows_in_order(terms: torch.Tensor) -> torch.Tensor:
+    """The rows of ``terms`` [rows, n] added one after another (fp32), as `_varlen_torch`'s index_add adds
+    a query's tokens on the CPU: a score's bits then depend neither on the other candidates of its block
+    (torch's sum over dim 0 orders its additions by the block's width) nor on whether the pair was
+    reranked or searched. On a GPU index_add adds with atomics, in no fixed order: a loop there."""
+    if terms.device.type == "cpu":
+        rows = torch.zeros(terms.shape[0], dtype=torch.int64)
+        return torch.zeros((1, terms.shape[1])).index_add_(0, rows, terms)[0]
+    total = torch.zeros(terms.shape[1], device=terms.device)
+    for row in terms:
+        total += row
+    return total
+
+
 def _varlen_torch(
     q8: torch.Tensor,
     sq: torch.Tensor,
@@ -1017,7 +1031,7 @@ def _candidates_torch(
             sim = q_float @ d8[token].float().T
             sim.mul_(sd[token])
             best, best_arg = _segment_max(sim, segment, last - first, local if return_argmax else None)
-            out[first:last] = (sq[r0:r1, None] * best).sum(0)
+            out[first:last] = _sum_rows_in_order(sq[r0:r1, None] * best)
             if arg is not None:
                 arg[first:last, : r1 - r0] = best_arg.T
             first = last

@@ -333,6 +333,8 @@ def quantize_corpus(
                     normalized=info.normalized,
                     encoder=info.encoder,
                     format=info.format,
+                    patch_grid=info.patch_grid,
+                    patch_start=info.patch_start,
                 ) as writer:
                     for batch in shard.iter_batches(batch_tokens):
                         codes, scales = _quantize_batch(batch, torch_device)
