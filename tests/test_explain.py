@@ -119,6 +119,26 @@ def _explain_every_row(data: dict, corpus) -> None:  # noqa: ANN001 - a Corpus
         check_against_vectors(e, data["query_rows"][qid], data["docs"]["d8"])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("resident", [False, True])
+def test_on_the_gpu_every_explanation_adds_up_to_the_run_bit_for_bit(
+    data: dict, dtype: str, resident
+) -> None:
+    """The fused kernel's scores (streamed, or a corpus resident in GPU memory) against the explanations'
+    pairwise totals: bit for bit, every row of a search and the top rows of a rerank."""
+    with open_corpus(data["corpora"][dtype]) as corpus:
+        if resident:
+            corpus.to("cuda")
+        run = search(data["queries"], corpus, k=len(data["ids"]), device="cuda")
+        candidates = {qid: data["ids"][i % 3 :: 2] for i, qid in enumerate(data["queries"].ids)}
+        reranked = rerank(data["queries"], corpus, candidates, device="cuda")
+        for one, rows in ((run, list(run)), (reranked, [r for r in reranked if r.rank <= 2])):
+            for row in rows:
+                e = one.explain(row.qid, row.docno)
+                assert e.order == PAIRWISE and e.exact and bits(e.total) == bits(row.score), row
+
+
 def test_ties_go_to_the_lowest_document_token(data: dict) -> None:
     for dtype in ("float32", "int8"):
         e = explain(data["queries"], data["corpora"][dtype], "q32", "tie", device="cpu")
