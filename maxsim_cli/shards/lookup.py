@@ -36,6 +36,11 @@ _MIX_2 = np.uint64(0x94D049BB133111EB)
 # length (16 bytes an entry), so the corpus's ids are hashed in pieces of this many bytes (at least one
 # id a piece), whatever the corpus's size.
 HASH_CHUNK_BYTES = 1 << 18
+# Docnos looked up at once (the directory's comparisons take `IdLookup.width` int64 values a docno), and
+# the fullest bucket the directory serves: about 13 for 5M ids of a good hash; more means ids made to
+# collide, looked up by binary search instead.
+LOOKUP_PIECE = 1 << 15
+MAX_BUCKET_WIDTH = 64
 
 # M**i and M**-i modulo 2**64 for i < len: grown on demand, up to a piece's bytes
 _tables = (np.ones(1, dtype=np.uint64), np.ones(1, dtype=np.uint64))
@@ -126,21 +131,55 @@ def _encode(docnos: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
 class IdLookup:
     """Corpus ordinals of document ids (module docstring), built once from ``ids``: every id of the
     corpus in ordinal order as one Arrow (large) string array, unique (`open_corpus` checks it). The
-    array is kept (not copied) to compare ids with."""
+    array is kept (not copied) to compare ids with.
+
+    A hash is found through a directory of its top bits (about one entry a bucket, at most `width`):
+    its bucket's entries are compared at once, so a docno's search reads two or three cache lines
+    where a binary search over the sorted hashes reads ~20 (1.3 ms against 0.2 ms for 1,000 docnos among
+    5M ids, after other work has evicted the caches)."""
 
     def __init__(self, ids: pa.Array) -> None:
         # the ids as bytes (a view of the same buffers), for comparing the id a hash finds with the docno
         self._ids = ids.cast(pa.large_binary())
         hashes = hash_utf8(*_id_bytes(ids))
         order = np.argsort(hashes, kind="stable")
-        self.hashes = hashes[order]  # uint64 [N], ascending
-        self.ordinals = order.astype(np.int64, copy=False)  # int64 [N]: the ordinal of each hash
         self.num_ids = len(hashes)
+        index = np.int32 if self.num_ids < 2**31 else np.int64
+        self.hashes = hashes[order]  # uint64 [N], ascending
+        self.ordinals = order.astype(index)  # the ordinal of each hash
+        del hashes, order
+        bits = max(1, self.num_ids.bit_length() - 1)  # 2**bits buckets: N / 2**bits in [1, 2) a bucket
+        self._shift = np.uint64(64 - bits)
+        counts = np.bincount((self.hashes >> self._shift).astype(np.intp), minlength=1 << bits)
+        self._bucket_start = np.zeros((1 << bits) + 1, dtype=index)  # [2**bits + 1]
+        np.cumsum(counts, out=self._bucket_start[1:])
+        self.width = int(counts.max()) if self.num_ids else 0  # the fullest bucket's entries
 
     @property
     def nbytes(self) -> int:
-        """Host memory the lookup adds to the corpus's own ids: 16 bytes a document."""
-        return self.hashes.nbytes + self.ordinals.nbytes
+        """Host memory the lookup adds to the corpus's own ids: 14 to 16 bytes a document (8 for
+        its hash, 4 for its ordinal, 2 to 4 for the directory; twice that past 2**31 ids)."""
+        return self.hashes.nbytes + self.ordinals.nbytes + self._bucket_start.nbytes
+
+    def _first_at_least(self, wanted: np.ndarray) -> np.ndarray:
+        """``np.searchsorted(self.hashes, wanted)`` (int64), through the directory: each hash against
+        every entry of its bucket at once, in pieces of `LOOKUP_PIECE` hashes (the comparisons take
+        ``width`` values a hash). A directory whose fullest bucket is unusually full (ids made to
+        collide) falls back to the binary search."""
+        if self.width > MAX_BUCKET_WIDTH:
+            return np.searchsorted(self.hashes, wanted)
+        steps = np.arange(self.width, dtype=np.int64)
+        out = np.empty(len(wanted), dtype=np.int64)
+        for a in range(0, len(wanted), LOOKUP_PIECE):
+            piece = wanted[a : a + LOOKUP_PIECE]
+            bucket = (piece >> self._shift).astype(np.intp)
+            first = self._bucket_start[bucket].astype(np.int64)
+            size = self._bucket_start[bucket + 1] - first
+            at = first[:, None] + steps
+            np.minimum(at, self.num_ids - 1, out=at)
+            below = (self.hashes[at] < piece[:, None]) & (steps < size[:, None])
+            out[a : a + len(piece)] = first + np.count_nonzero(below, axis=1)
+        return out
 
     def ordinals_of(self, docnos: Sequence[str]) -> np.ndarray:
         """The corpus ordinal of each of ``docnos`` (int64, in their order), -1 for one not in the
@@ -150,8 +189,8 @@ class IdLookup:
             return np.full(count, -1, dtype=np.int64)
         data, offsets = _encode(docnos)
         wanted = hash_utf8(data, offsets)
-        at = np.minimum(np.searchsorted(self.hashes, wanted), self.num_ids - 1)
-        found = self.ordinals[at]
+        at = np.minimum(self._first_at_least(wanted), self.num_ids - 1)
+        found = self.ordinals[at].astype(np.int64)
         # the id of the first entry of each hash (or of the next larger hash), compared with the docno:
         # where they are equal that is the document, ids being unique
         asked = pa.Array.from_buffers(
