@@ -2,8 +2,10 @@
 
 A corpus made resident on one device (`Corpus.to`) holds every document in one buffer with its offsets
 beside it (`maxsim_cli.shards.resident.Residency`). A search is then one `maxsim_kernels.maxsim_varlen`
-launch over that buffer and one `maxsim_cli.topk.RunningTopK` merge; a rerank is one
-`maxsim_kernels.maxsim_candidates` launch on the candidates' corpus ordinals. The engine
+launch over that buffer and one `maxsim_cli.topk.RunningTopK` merge; a rerank is one launch on the
+candidates' corpus ordinals (`candidate_scores`: on CUDA the residency's reused launcher, as `maxsim
+serve` scores a request), found in the corpus's id lookup (`Corpus.id_lookup`, built once per corpus,
+so that a call costs what its candidates cost, not what the corpus's ids cost). The engine
 (`maxsim_cli.scoring.engine`) issues exactly these launches for a resident corpus too, but around them
 it pays, at every call, for what a streamed run needs: a plan under memory budgets, a batch stream with
 its threads, device and host memory meters. For a served request that is most of the call: the
