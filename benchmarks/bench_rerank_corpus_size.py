@@ -1,6 +1,6 @@
 """Rerank cost against corpus size: the Python API's `rerank`, `maxsim serve`'s scoring step and a
 one-shot `maxsim score --candidates`, on the CPU, 50K to 5M documents, 10 / 100 / 1,000 candidates,
-this source tree against another (``--old-tree``), call for call.
+this source tree against another (``--old-tree``, or ``--old-commit`` of this repository), call for call.
 
     python benchmarks/bench_rerank_corpus_size.py --old-tree /work/main \\
         --out benchmarks/results/rerank-corpus-size/rerank-corpus-size-cpu.json
@@ -26,6 +26,11 @@ Each worker also reports its set-up: opening the corpora, making them resident, 
 and what each added to the process's resident memory. The answers are compared across the trees: the
 API's run written as TREC (sha256 of the bytes), the served hits (docnos and float32 score bits) and
 the one-shot run file must be equal byte for byte.
+
+Each call is timed on the wall clock and by the calling thread's CPU time. The summary gives, for each
+path, corpus size and request size, the median and the 10th percentile of the wall times and the median
+of the CPU times (on a machine shared with other work a call's wall time also counts its waits for a
+core), and the ratio of each between the largest corpus and the smallest.
 
 ``--smoke`` runs small sizes (20K / 60K) and few calls: a check of the script, not a measurement.
 """
@@ -64,12 +69,12 @@ def build_inputs(workdir: str, sizes: list[int], requests: list[int], seed: int)
 
     from maxsim_cli.shards import write_shard
 
-    rng = np.random.default_rng(seed)
     config: dict[str, Any] = {"corpora": {}, "candidates": {}, "runs": {}}
     for size in sizes:
         folder = os.path.join(workdir, f"corpus-{size}")
         config["corpora"][str(size)] = folder
         if not os.path.exists(os.path.join(folder, ".complete")):
+            rng = np.random.default_rng([seed, size])  # the same corpus whatever was made before
             started = time.perf_counter()
             os.makedirs(folder, exist_ok=True)
             ids = rng.permutation(size)
@@ -86,7 +91,7 @@ def build_inputs(workdir: str, sizes: list[int], requests: list[int], seed: int)
             open(os.path.join(folder, ".complete"), "w").close()
             log(f"corpus of {size:,} documents written in {time.perf_counter() - started:.1f} s")
         for count in requests:
-            picks = rng.choice(size, min(count, size), replace=False)
+            picks = np.random.default_rng([seed, size, count]).choice(size, min(count, size), replace=False)
             docnos = [str(i) for i in picks.tolist()]
             config["candidates"][f"{size}/{count}"] = docnos
             run_path = os.path.join(workdir, f"candidates-{size}-{count}.trec")
@@ -94,7 +99,9 @@ def build_inputs(workdir: str, sizes: list[int], requests: list[int], seed: int)
                 fh.writelines(f"{QID} Q0 {d} {r + 1} {-r} first\n" for r, d in enumerate(docnos))
             config["runs"][f"{size}/{count}"] = run_path
     query_path = os.path.join(workdir, "query.safetensors")
-    query = torch.from_numpy(rng.standard_normal((QUERY_TOKENS, DIM)).astype(np.float16))
+    query = torch.from_numpy(
+        np.random.default_rng(seed).standard_normal((QUERY_TOKENS, DIM)).astype(np.float16)
+    )
     write_shard(query_path, [QID], query, offsets=torch.tensor([0, QUERY_TOKENS]), dtype="float16")
     config["queries"] = query_path
     with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as fh:
@@ -180,13 +187,15 @@ class Worker:
             raise answers
         return answers
 
-    def time_calls(self, path: str, size: str, count: int, reps: int, budget_s: float) -> list[float]:
-        times: list[float] = []
+    def time_calls(self, path: str, size: str, count: int, reps: int, budget_s: float) -> list[list[float]]:
+        """[wall seconds, the calling thread's CPU seconds] of each call: on a loaded machine the wall time
+        also counts the waits for a core, the thread's CPU time does not."""
+        times: list[list[float]] = []
         started = time.perf_counter()
         while len(times) < reps and (len(times) < 2 or time.perf_counter() - started < budget_s):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             self.call(path, size, count)
-            times.append(time.perf_counter() - t0)
+            times.append([time.perf_counter() - t0, time.thread_time() - c0])
         return times
 
     def digest(self, path: str, size: str, count: int) -> str:
@@ -303,15 +312,27 @@ def tree_commit(tree: str) -> dict[str, Any]:
 
 
 def median(values: list[float]) -> float:
+    return quantile(values, 0.5)
+
+
+def quantile(values: list[float], share: float) -> float:
+    """The ``share`` quantile of ``values``, interpolated between the nearest two."""
     ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    at = share * (len(ordered) - 1)
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", metavar="WORKDIR", help=argparse.SUPPRESS)
     parser.add_argument("--old-tree", default="/work/main", help="the tree to compare with (its maxsim_cli)")
+    parser.add_argument(
+        "--old-commit",
+        help="compare with this commit of the new tree's repository instead (its maxsim_cli, checked out "
+        "into the work folder with git archive): a fixed old tree while others commit to --old-tree",
+    )
     parser.add_argument(
         "--new-tree",
         default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -338,6 +359,21 @@ def main() -> None:
     own_workdir = args.workdir is None
     trees = {"old": args.old_tree, "new": args.new_tree}
     try:
+        if args.old_commit:
+            trees["old"] = os.path.join(workdir, f"old-{args.old_commit}")
+            os.makedirs(trees["old"], exist_ok=True)
+            archive = subprocess.run(
+                ["git", "-C", args.new_tree, "archive", args.old_commit, "maxsim_cli"],
+                capture_output=True,
+                check=True,
+            ).stdout
+            subprocess.run(["tar", "-x", "-C", trees["old"]], input=archive, check=True)
+        commits = {name: tree_commit(tree) for name, tree in trees.items()}
+        if args.old_commit:
+            commit = subprocess.run(
+                ["git", "-C", args.new_tree, "rev-parse", args.old_commit], capture_output=True, text=True
+            )
+            commits["old"].update(commit=commit.stdout.strip(), maxsim_cli_modified=False)
         build_inputs(workdir, sizes, requests, args.seed)
         clients = {}
         for name, tree in trees.items():
@@ -367,8 +403,8 @@ def main() -> None:
         "torch": torch.__version__,
         "numpy": numpy.__version__,
         "pyarrow": pyarrow.__version__,
-        "trees": {name: tree_commit(tree) for name, tree in trees.items()},
-        "corpus": f"documents of 1 token, dim {DIM}, float16, shards of {DOCS_PER_SHARD:,}; ids 0..N-1 shuffled",
+        "trees": commits,
+        "corpus": f"documents of 1 token, dim {DIM}, float16, shards of {DOCS_PER_SHARD:,}; ids shuffled",
         "query": f"1 query of {QUERY_TOKENS} tokens",
     }
     if args.out:
@@ -385,7 +421,7 @@ def measure(
     names = list(clients)
     setup = {name: client.ask(cmd="first_calls") for name, client in clients.items()}
     log("first calls done")
-    times: dict[str, dict[str, list[float]]] = {name: {} for name in names}
+    times: dict[str, dict[str, list[list[float]]]] = {name: {} for name in names}
     one_shot: dict[str, dict[str, list[dict]]] = {name: {} for name in names}
     loads = []
     for r in range(args.rounds):
@@ -421,24 +457,28 @@ def measure(
         )
     summary: dict[str, Any] = {
         "equal_answers": all(same.values()),
-        "p50_ms": {},
+        "wall_p50_ms": {},
+        "wall_p10_ms": {},
+        "cpu_p50_ms": {},
         "ratio_largest_to_smallest": {},
     }
     for key in times[names[0]]:
-        summary["p50_ms"][key] = {n: round(median(times[n][key]) * 1e3, 3) for n in names}
+        for stat, column, share in (("wall_p50_ms", 0, 0.5), ("wall_p10_ms", 0, 0.1), ("cpu_p50_ms", 1, 0.5)):
+            summary[stat][key] = {
+                n: round(quantile([t[column] for t in times[n][key]], share) * 1e3, 3) for n in names
+            }
     for size in sizes:
-        summary["p50_ms"][f"cli/{size}/{max(requests)}"] = {
+        summary["wall_p50_ms"][f"cli/{size}/{max(requests)}"] = {
             n: round(median([o["s"] for o in one_shot[n][str(size)]]) * 1e3, 1) for n in names
         }
-    for path in ("api", "serve"):
-        for count in requests:
-            small, large = (
-                summary["p50_ms"][f"{path}/{sizes[0]}/{count}"],
-                summary["p50_ms"][f"{path}/{sizes[-1]}/{count}"],
-            )
-            summary["ratio_largest_to_smallest"][f"{path}/{count}"] = {
-                n: round(large[n] / small[n], 3) for n in names
-            }
+    for stat in ("wall_p50_ms", "wall_p10_ms", "cpu_p50_ms"):
+        for path in ("api", "serve"):
+            for count in requests:
+                small = summary[stat][f"{path}/{sizes[0]}/{count}"]
+                large = summary[stat][f"{path}/{sizes[-1]}/{count}"]
+                summary["ratio_largest_to_smallest"][f"{stat}/{path}/{count}"] = {
+                    n: round(large[n] / small[n], 3) for n in names
+                }
     summary["setup"] = {
         n: {size: {k: round(v, 3) for k, v in setup[n][str(size)].items()} for size in map(str, sizes)}
         for n in names
