@@ -2,15 +2,17 @@
 
 A rerank names its candidates by docno; the kernels take corpus ordinals (a document's position over
 the shards in order). Looking docnos up by hashing every id of the corpus at each call (Arrow's
-``index_in``) cost what the corpus costs: 0.2 s a call among 1M ids on 2 cores, for 1,000 candidates.
-A dict of every id costs nothing per call but ~150 bytes a document for as long as the corpus lives
-(0.75 GB for 5M ids) and seconds to build.
+``index_in``) cost what the corpus costs: 0.24 s of CPU a call among 1M ids on 2 cores, 1.3 s among 5M,
+for 10 candidates as for 1,000. A dict of every id costs nothing per call but ~120 bytes a document for
+as long as the corpus lives (571 MiB for 5M ids) and seconds to build
+(benchmarks/results/rerank-corpus-size/).
 
-`IdLookup` holds every id's 64-bit hash, sorted, with each one's ordinal beside it: 16 bytes a
-document (80 MB for 5M), made from the shards' Arrow id buffers by numpy, with no Python object per id,
-in about the time of one ``index_in``. A lookup hashes the asked docnos the same way, finds each hash by
-binary search and compares the id found with the docno byte for byte, so two ids that share a hash
-never answer for each other: it costs what the docnos asked cost, and the logarithm of the corpus size.
+`IdLookup` holds every id's 64-bit hash, sorted, with each one's ordinal beside it and a directory of
+the hashes' top bits: 14 to 16 bytes a document (73 MiB for 5M), made from the shards' Arrow id buffers
+by numpy, with no Python object per id, in the time of one or two ``index_in`` calls. A lookup hashes
+the asked docnos the same way, finds each hash in its bucket of the directory and compares the id found
+with the docno byte for byte, so two ids that share a hash never answer for each other: it costs what
+the docnos asked cost, not what the corpus costs.
 
 The hash (`hash_utf8`) is a polynomial over each id's UTF-8 bytes modulo 2**64 with its length mixed
 in, finished by splitmix64's mixer; it is only ever compared within one process.
@@ -158,7 +160,7 @@ class IdLookup:
     @property
     def nbytes(self) -> int:
         """Host memory the lookup adds to the corpus's own ids: 14 to 16 bytes a document (8 for
-        its hash, 4 for its ordinal, 2 to 4 for the directory; twice that past 2**31 ids)."""
+        its hash, 4 for its ordinal, 2 to 4 for the directory; 20 to 24 past 2**31 ids)."""
         return self.hashes.nbytes + self.ordinals.nbytes + self._bucket_start.nbytes
 
     def _first_at_least(self, wanted: np.ndarray) -> np.ndarray:
