@@ -1,5 +1,6 @@
-"""Looking up a first-stage run's candidates in a corpus: `Corpus.candidate_index` against the dict of
-every id (`Corpus.id_index`), on 2M ids in 10 shards (documents of one token, dim 16; CPU).
+"""Looking up a first-stage run's candidates in a corpus: `Corpus.candidate_index` (through the id lookup,
+`Corpus.id_lookup`, built at its first call) against the dict of every id (`Corpus.id_index`), on 2M ids
+in 10 shards (documents of one token, dim 16; CPU).
 
     python benchmarks/probe_candidate_index.py --workdir /var/tmp/bigids
 """

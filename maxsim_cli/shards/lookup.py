@@ -49,12 +49,15 @@ _tables = (np.ones(1, dtype=np.uint64), np.ones(1, dtype=np.uint64))
 
 
 def _power_tables(count: int) -> tuple[np.ndarray, np.ndarray]:
+    """M**i and M**-i for i < at least ``count``: kept up to a piece's length, made for the call alone
+    past it (a piece of one id longer than a piece), so that the tables stay small."""
     global _tables
     tables = _tables
     if len(tables[0]) < count:
         size = max(count, min(2 * len(tables[0]), HASH_CHUNK_BYTES + 1), 64)
-        tables = tuple(_powers(base, size) for base in (_MULTIPLIER, _INVERSE))  # type: ignore[assignment]
-        _tables = tables
+        tables = (_powers(_MULTIPLIER, size), _powers(_INVERSE, size))
+        if size <= HASH_CHUNK_BYTES + 1:
+            _tables = tables
     return tables
 
 
