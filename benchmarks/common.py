@@ -486,7 +486,7 @@ def read_files(paths: list[str], threads: int, chunk: int = 32 << 20, nice: int 
     the engine's staging slots are): the files cut into `chunk`-byte pieces that the threads take from
     one queue, so all threads stay busy to the end. (Dealing whole files to threads left most threads
     idle while a few read a second 512 MiB file: 20 files on 16 threads measured 13.5 GB/s on the H200
-    machine, pieces 44 GB/s; benchmarks/probe_read_rate.py.) `nice` lowers the threads' priority (Linux).
+    machine, pieces 44 GB/s: results/host/read-rate-h200.json.) `nice` lowers the threads' priority (Linux).
     Returns (seconds, bytes)."""
     pieces = [(p, start) for p in paths for start in range(0, os.path.getsize(p), chunk)]
     pieces.reverse()

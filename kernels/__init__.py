@@ -180,6 +180,15 @@ def maxsim_candidates(
     Query i's candidates are candidate_docs[candidate_offsets[i]:candidate_offsets[i+1]], int64 indices
     into doc_offsets; the documents are read in place, never gathered into a copy. Scales as in
     `maxsim_varlen`.
+
+    Bad indices: candidate_docs on the host, the torch backend and the differentiable path check every
+    index on the host and raise ValueError naming the first entry outside [0, number of documents).
+    candidate_docs on the GPU with the Triton backend are not read by the host (a new candidates tensor
+    per batch then costs no device->host copy and no wait for the device): the kernels never read through
+    a bad index and score its candidate NaN (argmax -1), so bad input shows in the scores. For float
+    documents the candidate_offsets are read on the host, to plan the launch: pass them from the host
+    (offsets on the GPU cost one copy and one wait per new offsets tensor); the int8 kernels read them on
+    the device.
     """
     _check_query_scales(query_scales, docs)
     if docs.dtype == torch.int8:

@@ -267,9 +267,20 @@ def check_inputs(
 
 
 def check_candidates(
-    candidate_offsets: torch.Tensor, candidate_docs: torch.Tensor, num_queries: int, num_docs: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Check the per-query candidate lists; return host copies (offsets int64 [nq+1], docs int64 [C])."""
+    candidate_offsets: torch.Tensor,
+    candidate_docs: torch.Tensor,
+    num_queries: int,
+    num_docs: int,
+    *,
+    guarded: bool = False,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Check the per-query candidate lists; return host copies (offsets int64 [nq+1], docs int64 [C]).
+
+    The offsets are always read on the host (memoised per tensor): the launchers plan their programs from
+    them, so offsets on a GPU cost one device->host copy, and with it a wait for the device, per new
+    offsets tensor. The document indices are checked as `check_candidate_docs` says: with `guarded` (the
+    caller's kernel guards each index itself) indices on a GPU are not read here and the docs copy is None.
+    """
     if not isinstance(candidate_docs, torch.Tensor) or candidate_docs.dim() != 1:
         raise ValueError("candidate_docs must be a 1-D int64 tensor of document indices")
     if candidate_docs.dtype not in (torch.int64, torch.int32):
@@ -279,8 +290,28 @@ def check_candidates(
         raise ValueError(
             f"candidate_offsets has {len(c_off)} entries but there are {num_queries} queries: need nq+1"
         )
-    c_docs = memo(candidate_docs, ("candidates", num_docs), lambda: host_candidates(candidate_docs, num_docs))
-    return c_off, c_docs
+    return c_off, check_candidate_docs(candidate_docs, num_docs, guarded=guarded)
+
+
+def values_on_host(x: torch.Tensor) -> bool:
+    """Whether `x`'s values can be read without waiting for a device (a CPU tensor)."""
+    return x.device.type == "cpu"
+
+
+def check_candidate_docs(candidate_docs: torch.Tensor, num_docs: int, *, guarded: bool) -> np.ndarray | None:
+    """The checked int64 host copy of `candidate_docs` (memoised per tensor), or None where `guarded` and
+    the indices live on a device.
+
+    Candidates on the host are checked here: an index outside [0, num_docs) raises ValueError naming the
+    entry. Candidates on a GPU for a kernel that guards each index (`guarded`: the Triton kernels of the
+    candidates layout, fp16/bf16/fp32 and int8) are not copied to the host: a service passes a new
+    candidates tensor with every batch, and reading it here would make the host wait for the device
+    before every launch (1.23 against 0.96 ms for a rerank of 64 queries x 1,000 candidates on an H100).
+    The kernel then never dereferences a bad index and scores its candidate NaN (argmax -1), so bad input
+    shows in the scores instead of raising."""
+    if guarded and not values_on_host(candidate_docs):
+        return None
+    return memo(candidate_docs, ("candidates", num_docs), lambda: host_candidates(candidate_docs, num_docs))
 
 
 def host_candidates(candidate_docs: torch.Tensor, num_docs: int) -> np.ndarray:

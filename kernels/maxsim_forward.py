@@ -353,6 +353,9 @@ def _maxsim_candidates_kernel(
     DOC_MAJOR as in `_maxsim_varlen_kernel` (scores only). ROTATE: block `blk` walks its candidates
     from the (blk mod n)-th on and wraps around, so that programs running side by side over candidates
     that lie one after another in memory do not read addresses in lockstep (see `_ROTATE_CANDIDATES`).
+    A candidate index outside [0, num_docs) is never dereferenced: it is walked as an empty document and
+    scored NaN (argmax -1), so indices that were not checked on the host (candidates on the GPU) cannot
+    read out of bounds.
     """
     pid = tl.program_id(0).to(tl.int64)
     blk = pid // num_chunks
@@ -371,15 +374,17 @@ def _maxsim_candidates_kernel(
     cc = c_first + tl.arange(0, CANDS_PER_PROG)
     c_in = cc < c_last
     docs = tl.load(cand_ptr + cc, mask=c_in, other=0)
-    lens = tl.load(d_off_ptr + docs + 1, mask=c_in, other=0) - tl.load(d_off_ptr + docs, mask=c_in, other=0)
+    c_ok = c_in & (docs >= 0) & (docs < num_docs)  # a bad index: one tile of an empty document
+    lens = tl.load(d_off_ptr + docs + 1, mask=c_ok, other=0) - tl.load(d_off_ptr + docs, mask=c_ok, other=0)
     total = tl.sum(tl.where(c_in, tl.maximum(tl.cdiv(lens, BLOCK_T), 1), 0))
 
     c = c_first
     if ROTATE:
         c = c_first + blk % (c_last - c_first)
     doc = tl.load(cand_ptr + c)
-    doc_start = tl.load(d_off_ptr + doc)
-    doc_end = tl.load(d_off_ptr + doc + 1)
+    doc_ok = (doc >= 0) & (doc < num_docs)
+    doc_start = tl.load(d_off_ptr + doc, mask=doc_ok, other=0)
+    doc_end = tl.load(d_off_ptr + doc + 1, mask=doc_ok, other=0)
     tok = doc_start
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     a = tl.full((ROWS,), -1, tl.int32)
@@ -400,7 +405,7 @@ def _maxsim_candidates_kernel(
         if last:
             m = document_max(m, m_tile, 0 if DOC_MAJOR else 1, ELEMENT_MAX)
             part = tl.sum(_query_sums(tl.where(q_ok, m, 0.0), 1, ROWS), axis=0)  # one query: [1] -> scalar
-            tl.store(out_ptr + chunk * num_cands + c, part)
+            tl.store(out_ptr + chunk * num_cands + c, tl.where(doc_ok, part, float("nan")))
             if RETURN_ARGMAX:
                 tl.store(arg_ptr + c * stride_arg + q_row, a, mask=q_ok)
             m, a, m_tile = restart(m, a, m_tile, ELEMENT_MAX, RETURN_ARGMAX)
@@ -408,11 +413,13 @@ def _maxsim_candidates_kernel(
         if ROTATE:
             c_next = tl.where(c_next >= c_last, c_first, c_next)
         next_doc = tl.load(cand_ptr + tl.minimum(c_next, num_cands - 1))
-        next_start = tl.load(d_off_ptr + next_doc)
-        next_end = tl.load(d_off_ptr + next_doc + 1)
+        next_ok = (next_doc >= 0) & (next_doc < num_docs)
+        next_start = tl.load(d_off_ptr + next_doc, mask=next_ok, other=0)
+        next_end = tl.load(d_off_ptr + next_doc + 1, mask=next_ok, other=0)
         tok = tl.where(last, next_start, tok + BLOCK_T)
         doc_start = tl.where(last, next_start, doc_start)
         doc_end = tl.where(last, next_end, doc_end)
+        doc_ok = tl.where(last, next_ok, doc_ok)
         c = tl.where(last, c_next, c)
 
 
@@ -476,6 +483,38 @@ _TUNING: dict[str, KernelConfig] = {
     "long": KernelConfig(block_q=128, block_t=64, docs_per_prog=1, num_warps=4, num_stages=2),
     "cands": KernelConfig(block_q=32, block_t=64, docs_per_prog=8, num_warps=4, num_stages=4, doc_major=True),
 }
+# Per-device entries that replace `_TUNING`'s on that device (the table above was swept on the H200). The
+# H100's HBM is ~25% slower and its L2 smaller, and there the HBM-bound classes want one document (two
+# candidates) a program. `python benchmarks/tune_memory_bound.py` on one H100 80GB, 198 configurations, scores
+# bitwise equal to the H200 entry's, then five alternating rounds with the peers
+# (benchmarks/results/kernels/tune-memory-bound-h100.json, medians, ms):
+# - few: 1.2845 against the H200 entry's 1.3285 (flash-maxsim 1.2875, late-interaction-kernels 1.609);
+# - cands: 0.9414 against 0.9461 (flash-maxsim 0.9296, late-interaction-kernels 0.9278).
+_DEVICE_TUNING: dict[str, dict[str, KernelConfig]] = {
+    "H100": {
+        "few": KernelConfig(
+            block_q=32, block_t=64, docs_per_prog=1, num_warps=4, num_stages=2, doc_major=True
+        ),
+        "cands": KernelConfig(block_q=32, block_t=64, docs_per_prog=2, num_warps=2, num_stages=3),
+    },
+}
+
+
+@functools.cache
+def _device_family(device: torch.device) -> str | None:
+    """The `_DEVICE_TUNING` key of a CUDA device ("H100" for every H100 variant), None elsewhere."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((family for family in _DEVICE_TUNING if family in name), None)
+
+
+def tuning(cls: str, device: torch.device | None = None) -> KernelConfig:
+    """Shape class `cls`'s configuration on `device` (its `_DEVICE_TUNING` entry, else `_TUNING`'s)."""
+    family = None if device is None else _device_family(torch.device(device))
+    return _DEVICE_TUNING.get(family, {}).get(cls, _TUNING[cls]) if family else _TUNING[cls]
+
+
 # With return_argmax (the training forward) the all-pairs kernel keeps a running max and argmax per query
 # row, not per tile element, so the scores-only winners above need not win. many: 0.103 / 0.171 ms at
 # ColBERT 128 / 256 docs against 0.137 / 0.241 for the scores-only entry, bitwise equal
@@ -565,9 +604,11 @@ def hopper_docs_per_program(hopper: Any, num_blocks: int, num_docs: int, device:
     return persistent_docs_per_program(num_blocks, num_docs, slots, hopper.PROGRAM_START_DOCS)
 
 
-def varlen_config(layout: Layout, return_argmax: bool = False) -> tuple[str, KernelConfig, int, int]:
-    """Shape class, config, QPB (queries per block) and ROWS (rows per query) for an all-pairs problem
-    (`_ARGMAX_TUNING` overrides the class's entry when the argmax is asked for)."""
+def varlen_config(
+    layout: Layout, return_argmax: bool = False, device: torch.device | None = None
+) -> tuple[str, KernelConfig, int, int]:
+    """Shape class, config, QPB (queries per block) and ROWS (rows per query) for an all-pairs problem on
+    `device` (`_ARGMAX_TUNING` overrides the class's entry when the argmax is asked for)."""
     q_pad = max(_MIN_ROWS, next_pow2(layout.max_query_len))
     if q_pad > 128:
         cls = "long"
@@ -577,7 +618,7 @@ def varlen_config(layout: Layout, return_argmax: bool = False) -> tuple[str, Ker
         cls = "some"
     else:
         cls = "few"
-    cfg = _ARGMAX_TUNING.get(cls, _TUNING[cls]) if return_argmax else _TUNING[cls]
+    cfg = _ARGMAX_TUNING.get(cls, _TUNING[cls]) if return_argmax else tuning(cls, device)
     rows = min(q_pad, cfg.block_q)
     if cls == "few":
         cfg = replace(cfg, block_q=max(rows, min(cfg.block_q, next_pow2(layout.num_queries * q_pad))))
@@ -713,7 +754,7 @@ def _varlen_plan(
     layout = _checked_layout(queries, query_offsets, docs, doc_offsets, layout)
     device = docs.device
     nq, nd, dim = layout.num_queries, layout.num_docs, layout.dim
-    cls, cfg, qpb, rows = varlen_config(layout, return_argmax)
+    cls, cfg, qpb, rows = varlen_config(layout, return_argmax, device)
     if config is not None:
         cfg = config
         if layout.max_query_len > rows:  # chunked long queries: one query a block, block_q rows a chunk
@@ -760,14 +801,14 @@ def _varlen_plan(
     )
 
 
-def candidates_config(layout: Layout) -> tuple[KernelConfig, int]:
-    """Config and ROWS (query rows per program) for a per-query-candidates problem."""
-    return _candidates_config(layout.max_query_len)
+def candidates_config(layout: Layout, device: torch.device | None = None) -> tuple[KernelConfig, int]:
+    """Config and ROWS (query rows per program) for a per-query-candidates problem on `device`."""
+    return _candidates_config(layout.max_query_len, device)
 
 
-def _candidates_config(max_query_len: int) -> tuple[KernelConfig, int]:
+def _candidates_config(max_query_len: int, device: torch.device | None = None) -> tuple[KernelConfig, int]:
     rows = min(max(_MIN_ROWS, next_pow2(max_query_len)), 128)
-    return replace(_TUNING["cands"], block_q=rows), rows
+    return replace(tuning("cands", device), block_q=rows), rows
 
 
 def _candidates_meta(
@@ -900,7 +941,7 @@ class ResidentCandidates:
 
     def _launch(self, max_query_len: int) -> SpecialisedLaunch:
         """The launch site of this ROWS class (`candidates_config`'s), made at its first call."""
-        cfg, rows = _candidates_config(max_query_len)
+        cfg, rows = _candidates_config(max_query_len, self.device)
         launch = self._launches.get(rows)
         if launch is None:
             meta = _candidates_meta(cfg, rows, self.dim, self.docs.dtype, False, False)
@@ -939,7 +980,10 @@ def maxsim_candidates_forward_triton(
     """Query i against candidate_docs[candidate_offsets[i]:candidate_offsets[i+1]], fused, documents in place.
 
     Returns fp32 scores [C] and, with `return_argmax`, int32 [C, max_query_len] (-1 past a query's length;
-    `argmax_dtype` as in `maxsim_varlen_forward_triton`).
+    `argmax_dtype` as in `maxsim_varlen_forward_triton`). Candidates on the host are checked there
+    (ValueError for an index outside [0, num_docs)); candidates on the GPU are not read by the host: the
+    kernel scores a bad index NaN (argmax -1) without reading through it. `candidate_offsets` are read on
+    the host to plan the launch (on the GPU: one copy and wait per new offsets tensor).
     """
     queries, docs = _match_dtypes(queries, docs)
     # planned afresh each call: candidate lists change from one reranking batch to the next
@@ -965,10 +1009,13 @@ def _candidates_plan(
 ) -> tuple[_Plan, tuple[torch.Tensor, ...]]:
     """The plan and the tensors the kernel takes besides queries, documents and outputs."""
     layout = _checked_layout(queries, query_offsets, docs, doc_offsets, layout)
-    c_off, _ = check_candidates(candidate_offsets, candidate_docs, layout.num_queries, layout.num_docs)
+    # candidates on the GPU are not read back (the kernel guards each index); the offsets are, to plan
+    c_off, _ = check_candidates(
+        candidate_offsets, candidate_docs, layout.num_queries, layout.num_docs, guarded=True
+    )
     device = docs.device
     num_c, dim = int(c_off[-1]), layout.dim
-    cfg, rows = candidates_config(layout)
+    cfg, rows = candidates_config(layout, device)
     if config is not None:
         cfg, rows = config, config.block_q
     num_chunks = cdiv(layout.max_query_len, rows) if num_c else 1

@@ -70,7 +70,15 @@ import triton.language as tl
 
 from ._launch import gluon_module, hopper_device, launch_fitting_shared_memory
 from ._running_max import document_max, fold_row_max, fold_tile, restart
-from ._validate import cdiv, host_candidates, host_offsets, memo, memo_pair, on_device, resolve_backend
+from ._validate import (
+    cdiv,
+    check_candidate_docs,
+    host_offsets,
+    memo,
+    memo_pair,
+    on_device,
+    resolve_backend,
+)
 
 # Codes are in [-127, 127]; shards written elsewhere may hold -128, so bounds use 128.
 INT8_ABSMAX = 127.0
@@ -389,7 +397,7 @@ def _owner(cand_off_ptr, c, n_queries):
 
 
 @triton.jit(
-    do_not_specialize=["n_queries", "n_cand", "stride_arg"],
+    do_not_specialize=["n_queries", "n_cand", "n_docs", "stride_arg"],
     do_not_specialize_on_alignment=["q_off_ptr", "cand_off_ptr", "cand_docs_ptr", "d_off_ptr"],
 )
 def _maxsim_int8_candidates_kernel(
@@ -407,6 +415,7 @@ def _maxsim_int8_candidates_kernel(
     # sizes
     n_queries,
     n_cand,
+    n_docs,
     dim,
     # strides
     stride_q,
@@ -425,7 +434,8 @@ def _maxsim_int8_candidates_kernel(
     """Scores of CANDS_PER_PROG consecutive (query, candidate) pairs of the flat candidate list.
 
     TMA as in `_scaled_tile`; ROTATE as in maxsim_forward's candidates kernel (the run is walked from its
-    (pid mod n)-th candidate on, wrapping around)."""
+    (pid mod n)-th candidate on, wrapping around). A candidate index outside [0, n_docs) is never
+    dereferenced: it is walked as an empty document and scored NaN (argmax -1)."""
     c_first = tl.program_id(0).to(tl.int64) * CANDS_PER_PROG
     c_last = tl.minimum(c_first + CANDS_PER_PROG, n_cand)
     query = _owner(cand_off_ptr, c_first, n_queries)
@@ -440,16 +450,18 @@ def _maxsim_int8_candidates_kernel(
         cc = c_first + tl.arange(0, CANDS_PER_PROG)
         c_in = cc < c_last
         cdocs = tl.load(cand_docs_ptr + cc, mask=c_in, other=0)
-        lens = tl.load(d_off_ptr + cdocs + 1, mask=c_in, other=0) - tl.load(
-            d_off_ptr + cdocs, mask=c_in, other=0
+        c_ok = c_in & (cdocs >= 0) & (cdocs < n_docs)  # a bad index: one tile of an empty document
+        lens = tl.load(d_off_ptr + cdocs + 1, mask=c_ok, other=0) - tl.load(
+            d_off_ptr + cdocs, mask=c_ok, other=0
         )
         n_tiles = tl.sum(tl.where(c_in, tl.maximum(tl.cdiv(lens, BLOCK_D), 1), 0))
         c = c_first
         if ROTATE:
             c = c_first + tl.program_id(0) % (c_last - c_first)
         doc = tl.load(cand_docs_ptr + c)
-        doc_start = tl.load(d_off_ptr + doc)
-        doc_end = tl.load(d_off_ptr + doc + 1)
+        doc_ok = (doc >= 0) & (doc < n_docs)
+        doc_start = tl.load(d_off_ptr + doc, mask=doc_ok, other=0)
+        doc_end = tl.load(d_off_ptr + doc + 1, mask=doc_ok, other=0)
         tok = doc_start
         row_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         row_arg = tl.full([BLOCK_Q], -1, tl.int32)
@@ -464,7 +476,8 @@ def _maxsim_int8_candidates_kernel(
             last = tok + BLOCK_D >= doc_end
             if last:
                 row_max = document_max(row_max, m_tile, 1, ELEMENT_MAX)
-                tl.store(out_ptr + c, tl.sum(tl.where(row_ok, sq * row_max, 0.0), axis=0))
+                score = tl.sum(tl.where(row_ok, sq * row_max, 0.0), axis=0)
+                tl.store(out_ptr + c, tl.where(doc_ok, score, float("nan")))
                 if RETURN_ARGMAX:
                     tl.store(arg_ptr + c * stride_arg + (rows - row_first), row_arg, mask=row_ok)
                 row_max, row_arg, m_tile = restart(row_max, row_arg, m_tile, ELEMENT_MAX, RETURN_ARGMAX)
@@ -472,11 +485,13 @@ def _maxsim_int8_candidates_kernel(
             if ROTATE:
                 c_next = tl.where(c_next >= c_last, c_first, c_next)
             next_doc = tl.load(cand_docs_ptr + tl.minimum(c_next, n_cand - 1))
-            next_start = tl.load(d_off_ptr + next_doc)
-            next_end = tl.load(d_off_ptr + next_doc + 1)
+            next_ok = (next_doc >= 0) & (next_doc < n_docs)
+            next_start = tl.load(d_off_ptr + next_doc, mask=next_ok, other=0)
+            next_end = tl.load(d_off_ptr + next_doc + 1, mask=next_ok, other=0)
             tok = tl.where(last, next_start, tok + BLOCK_D)
             doc_start = tl.where(last, next_start, doc_start)
             doc_end = tl.where(last, next_end, doc_end)
+            doc_ok = tl.where(last, next_ok, doc_ok)
             c = tl.where(last, c_next, c)
     else:
         # The run crosses into the next query(s), or a query is longer than one tile.
@@ -485,8 +500,9 @@ def _maxsim_int8_candidates_kernel(
             row_first = tl.load(q_off_ptr + query)
             row_last = tl.load(q_off_ptr + query + 1)
             doc = tl.load(cand_docs_ptr + c).to(tl.int64)
-            start = tl.load(d_off_ptr + doc)
-            stop = tl.load(d_off_ptr + doc + 1)
+            doc_ok = (doc >= 0) & (doc < n_docs)
+            start = tl.load(d_off_ptr + doc, mask=doc_ok, other=0)
+            stop = tl.load(d_off_ptr + doc + 1, mask=doc_ok, other=0)
             contrib = tl.zeros([BLOCK_Q], tl.float32)
             for r in range(row_first, row_last, BLOCK_Q):
                 q, sq, rows, row_ok = _query_tile(
@@ -510,7 +526,7 @@ def _maxsim_int8_candidates_kernel(
                 contrib += tl.where(row_ok, sq * row_max, 0.0)
                 if RETURN_ARGMAX:
                     tl.store(arg_ptr + c * stride_arg + (rows - row_first), row_arg, mask=row_ok)
-            tl.store(out_ptr + c, tl.sum(contrib, axis=0))
+            tl.store(out_ptr + c, tl.where(doc_ok, tl.sum(contrib, axis=0), float("nan")))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -872,7 +888,7 @@ def _launch_candidates(
         _maxsim_int8_candidates_kernel, (cdiv(n_cand, cands_per_prog),),
         q8, sq, query_offsets, candidate_offsets, candidate_docs, tiles, sd, doc_offsets,
         out, out if arg is None else arg,
-        nq, n_cand, dim,
+        nq, n_cand, doc_offsets.numel() - 1, dim,
         q8.stride(0), d8.stride(0), 0 if arg is None else arg.stride(0),
         CANDS_PER_PROG=cands_per_prog, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_K=block_k,
         MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=return_argmax,
@@ -1062,8 +1078,10 @@ def _check_candidates(
     n_docs: int,
     device: torch.device,
     check: bool,
+    guarded: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(candidate_offsets, candidate_docs) on `device`; values checked as in `_offsets`."""
+    """(candidate_offsets, candidate_docs) on `device`; offset values checked as in `_offsets`, document
+    indices as `check_candidate_docs` says (`guarded`: the Triton kernels, which guard each index)."""
     if not isinstance(candidate_docs, torch.Tensor) or candidate_docs.dtype != torch.int64:
         raise ValueError("candidate_docs must be a 1-D int64 tensor [C] of document indices")
     if candidate_docs.dim() != 1 or candidate_docs.device not in (device, torch.device("cpu")):
@@ -1072,8 +1090,8 @@ def _check_candidates(
         raise ValueError(f"candidate_offsets must have nq+1 = {n_queries + 1} entries")
     n_cand = candidate_docs.numel()
     offsets = _offsets("candidate_offsets", candidate_offsets, n_cand, device, empty_ok=True, check=check)
-    if n_cand and (check or candidate_docs.device.type == "cpu"):
-        memo(candidate_docs, ("candidates", n_docs), lambda: host_candidates(candidate_docs, n_docs))
+    if n_cand:
+        check_candidate_docs(candidate_docs, n_docs, guarded=guarded)
     return offsets, on_device(candidate_docs, device)
 
 
@@ -1096,9 +1114,13 @@ def maxsim_candidates_int8(
     Query i's candidates are ``candidate_docs[candidate_offsets[i]:candidate_offsets[i+1]]`` (int64 indices
     into doc_offsets), read in place. Returns fp32 scores [C] (same formula as `maxsim_varlen_int8`) and,
     with `return_argmax`, int32 [C, max query length] with -1 past each query's length. Checks as in
-    `maxsim_varlen_int8` (the Triton path on CUDA synchronises only to size the argmax). Scores only, dim
-    128, queries of at most 64 tokens whose offsets come from the host, on an sm_90 GPU: the Gluon stream
-    kernel of `maxsim_int8_hopper_stream` (same maxima, sums in another order, within the same bound).
+    `maxsim_varlen_int8` (the Triton path on CUDA synchronises only to size the argmax). Candidate indices
+    on the host, or on any device with the torch backend, are checked there (ValueError naming the entry
+    outside [0, number of documents)); on the GPU with the Triton backend they are not read by the host:
+    the kernels (Triton and the Gluon stream kernel) never read through a bad index and score it NaN
+    (argmax -1). Scores only, dim 128, queries of at most 64 tokens whose offsets come from the host, on
+    an sm_90 GPU: the Gluon stream kernel of `maxsim_int8_hopper_stream` (same maxima, sums in another
+    order, within the same bound).
     """
     del allow_tf32
     given_q_off = query_offsets
@@ -1108,7 +1130,7 @@ def maxsim_candidates_int8(
     nq, nd = query_offsets.numel() - 1, doc_offsets.numel() - 1
     check = backend == "torch" or d8.device.type != "cuda"
     candidate_offsets, candidate_docs = _check_candidates(
-        candidate_offsets, candidate_docs, nq, nd, d8.device, check
+        candidate_offsets, candidate_docs, nq, nd, d8.device, check, backend == "triton"
     )
     stream = _hopper_stream(given_q_off, q8, d8, return_argmax) if backend == "triton" else None
     if stream is not None:

@@ -20,7 +20,8 @@ document candidate_docs[c]), or for one query all documents (item c is document 
 ITEMS consecutive items of one query: program k < n_chunks the items of chunk k (items [k * ITEMS, (k + 1)
 * ITEMS)) that belong to the query of the chunk's first item; for candidates, program n_chunks + q the
 first items of query q when its list starts inside a chunk owned by an earlier query. Every item is scored
-once.
+once. A candidate index outside [0, nd) (the host does not read candidates on the GPU) is walked as an
+empty document, never read through, and scored NaN.
 
 Per program (one warp group, 4 warps):
 
@@ -86,6 +87,7 @@ GROUP = 2  # tiles a turn of the unrolled loop (two products in flight); the wal
 # 4: one query 0.580-0.601 ms against 0.558-0.586, rerank 0.423-0.425 against 0.413-0.416 (ring of 6)
 ITEMS_ONE_QUERY = 32  # documents a program; 64: 0.551-0.613 ms; 16: 0.581-0.610 and 128: 0.661-0.677 (ring 6)
 ITEMS_CANDIDATES = 16  # candidates a program; 8: 0.425-0.440 ms, 32: 0.424-0.486
+MAX_ITEMS_CANDIDATES = 64  # a program's candidates with a bad index are the bits of one integer
 NUM_WARPS = 4
 # ptxas's register cap a thread by wgmma's N (the query tile's columns): (one query, candidates). At N <=
 # 32 five and four programs an SM (65,536 registers / (programs x 128 threads)), no spills; at N = 64 the
@@ -97,9 +99,17 @@ MAX_QUERY_TOKENS = 64
 
 
 @gluon.jit
-def _item_range(c, c_last, cand_ptr, off_ptr, IDENTITY: gl.constexpr):
-    """Document range [start, end) of item c (0, 0 at or past c_last), int32."""
+def _is_bad(bad, c, ITEMS: gl.constexpr):
+    """Whether item c's candidate index is outside [0, n_docs): bit c mod ITEMS of the run's mask `bad`."""
+    return ((bad >> (c % ITEMS)) & 1) != 0
+
+
+@gluon.jit
+def _item_range(c, c_last, cand_ptr, off_ptr, bad, IDENTITY: gl.constexpr, ITEMS: gl.constexpr):
+    """Document range [start, end) of item c (0, 0 at or past c_last, or for a bad index), int32."""
     ok = c < c_last
+    if not IDENTITY:
+        ok = ok & ~_is_bad(bad, c, ITEMS)
     if IDENTITY:
         doc = c
     else:
@@ -119,30 +129,37 @@ def _item_doc(c, c_last, cand_ptr, IDENTITY: gl.constexpr):
 
 
 @gluon.jit
-def _cursor_start(c_first, c_last, cand_ptr, off_ptr, IDENTITY: gl.constexpr):
+def _cursor_start(c_first, c_last, cand_ptr, off_ptr, bad, IDENTITY: gl.constexpr, ITEMS: gl.constexpr):
     """A cursor at the first tile of item c_first: (item, tile's first token, document end, next item's
     start and end, document of the item after it). Past c_last the ranges are (0, 0) or stale, which only
     padding tiles (copied, never folded) read."""
-    tok, end = _item_range(c_first, c_last, cand_ptr, off_ptr, IDENTITY)
-    n_start, n_end = _item_range(c_first + 1, c_last, cand_ptr, off_ptr, IDENTITY)
+    tok, end = _item_range(c_first, c_last, cand_ptr, off_ptr, bad, IDENTITY, ITEMS)
+    n_start, n_end = _item_range(c_first + 1, c_last, cand_ptr, off_ptr, bad, IDENTITY, ITEMS)
     n_doc = _item_doc(c_first + 2, c_last, cand_ptr, IDENTITY)
     return c_first, tok, end, n_start, n_end, n_doc
 
 
 @gluon.jit
-def _cursor_next(c, tok, end, n_start, n_end, n_doc, c_last, cand_ptr, off_ptr, IDENTITY: gl.constexpr,
-                 BLOCK_T: gl.constexpr):  # fmt: skip
+def _cursor_next(c, tok, end, n_start, n_end, n_doc, c_last, cand_ptr, off_ptr, bad, IDENTITY: gl.constexpr,
+                 ITEMS: gl.constexpr, BLOCK_T: gl.constexpr):  # fmt: skip
     """The cursor at the next tile. Entering an item it loads the range of the item after it (whose
     document index it loaded one item earlier) and the document index of the one after that: each loaded
     value is first used an item later, and a masked load keeps its register's old value, so no load is
-    waited for here (a select of the loaded value would wait for it)."""
+    waited for here (a select of the loaded value would wait for it). A bad index (`bad`) is not read
+    through: its range is (0, 0), set by the masked load's fallback value, selected before the load."""
     last = tok + BLOCK_T >= end
     tok = gl.where(last, n_start, tok + BLOCK_T)
     end = gl.where(last, n_end, end)
     c = gl.where(last, c + 1, c)
     # past c_last nothing is loaded: the cursor walks the last item's range again, for padding tiles
-    n_start = gl.load(off_ptr + n_doc, mask=last & (c + 1 < c_last), other=n_start).to(gl.int32)
-    n_end = gl.load(off_ptr + n_doc + 1, mask=last & (c + 1 < c_last), other=n_end).to(gl.int32)
+    take = last & (c + 1 < c_last)
+    if IDENTITY:
+        n_start = gl.load(off_ptr + n_doc, mask=take, other=n_start).to(gl.int32)
+        n_end = gl.load(off_ptr + n_doc + 1, mask=take, other=n_end).to(gl.int32)
+    else:
+        read = take & ~_is_bad(bad, c + 1, ITEMS)
+        n_start = gl.load(off_ptr + n_doc, mask=read, other=gl.where(take, 0, n_start)).to(gl.int32)
+        n_end = gl.load(off_ptr + n_doc + 1, mask=read, other=gl.where(take, 0, n_end)).to(gl.int32)
     if IDENTITY:
         n_doc = gl.where(last & (c + 2 < c_last), c + 2, n_doc)
     else:
@@ -167,23 +184,27 @@ def _product(d_smem, q_t, ready, x, zero, STAGES: gl.constexpr):
 @gluon.jit
 def _retire(acc, x, tiles, total, run, sc, last, item, qs, q_ok, out_ptr,
             pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-            c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready,
-            IDENTITY: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+            c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad,
+            IDENTITY: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr,
+            STAGES: gl.constexpr):  # fmt: skip
     """Tile x's product is done: refill its ring slot with tile x + STAGES (the ring cursor p's tile),
     fold tile x (scales `sc`, item `item`, `last` if it ends the item) into the running maxima `run`,
-    storing the item's score at its end, and load the scales of tile x + 2 (the scale cursor s)."""
+    storing the item's score at its end (NaN for a bad index), and load the scales of tile x + 2 (the
+    scale cursor s)."""
     if x + STAGES < tiles:
         slot = x % STAGES
         mbarrier.expect(ready.index(slot), d_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(d_desc, [ps, 0], ready.index(slot), d_smem.index(slot))
-        pc, ps, pe, pns, pne, pnd = _cursor_next(pc, ps, pe, pns, pne, pnd, c_last, cand_ptr, off_ptr,
-                                                 IDENTITY, BLOCK_T)  # fmt: skip
+        pc, ps, pe, pns, pne, pnd = _cursor_next(pc, ps, pe, pns, pne, pnd, c_last, cand_ptr, off_ptr, bad,
+                                                 IDENTITY, ITEMS, BLOCK_T)  # fmt: skip
     if x < total:
         v = acc.to(gl.float32) * sc[:, None]
         run = gl.maximum(run, v)
         if last:
             best = gl.max(run, axis=0)
             score = gl.sum(gl.where(q_ok, qs * best, 0.0), axis=0)
+            if not IDENTITY:
+                score = gl.where(_is_bad(bad, item, ITEMS), float("nan"), score)
             gl.store(out_ptr + item, score)
             run = gl.full(run.shape, float("-inf"), gl.float32, run.type.layout)
     # the scales of tile x + 2, and its place in the walk
@@ -191,22 +212,24 @@ def _retire(acc, x, tiles, total, run, sc, last, item, qs, q_ok, out_ptr,
     last_new = s_tok + BLOCK_T >= s_end
     item_new = s_c
     s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_next(s_c, s_tok, s_end, s_ns, s_ne, s_nd, c_last, cand_ptr,
-                                                       off_ptr, IDENTITY, BLOCK_T)  # fmt: skip
+                                                       off_ptr, bad, IDENTITY, ITEMS, BLOCK_T)  # fmt: skip
     return (run, sc_new, last_new, item_new, pc, ps, pe, pns, pne, pnd,
             s_c, s_tok, s_end, s_ns, s_ne, s_nd)  # fmt: skip
 
 
-@gluon.jit(do_not_specialize=["n_queries", "n_items", "n_chunks"])
+@gluon.jit(do_not_specialize=["n_queries", "n_items", "n_chunks", "n_docs"])
 def _int8_stream_kernel(
     q_ptr, qs_ptr, q_off_ptr, cand_off_ptr, cand_ptr, off_ptr, d_desc, sd_ptr, out_ptr,
-    n_queries, n_items, n_chunks, stride_q,
+    n_queries, n_items, n_chunks, n_docs, stride_q,
     DIM: gl.constexpr, N: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
     GROUP: gl.constexpr, IDENTITY: gl.constexpr,
 ):  # fmt: skip
     """Scores of a run of items (see the module docstring): q int8 [Tq, DIM], qs fp32 [Tq], q_off [nq + 1],
     cand_off [nq + 1] (the items of each query) and cand int64 [n_items], both unused with IDENTITY (one
     query, item c is document c), off int64 [nd + 1], d_desc the int8 documents [Td, DIM] in [BLOCK_T,
-    DIM] tiles, sd fp32 [Td], out fp32 [n_items]."""
+    DIM] tiles, sd fp32 [Td], out fp32 [n_items], n_docs the number of documents (nd). A candidate index
+    outside [0, n_docs) is never read through: its item is walked as an empty document and scored NaN
+    (the run's bad items, found once when its length is counted, are the bits of `bad`)."""
     pid = gl.program_id(0)
     if IDENTITY:
         query = pid * 0
@@ -259,33 +282,45 @@ def _int8_stream_kernel(
         c_in = cc < c_last
         if IDENTITY:
             docs = cc
+            bad = 0
+            c_ok = c_in
         else:
+            # the run's items lie in one aligned block of ITEMS, so c mod ITEMS tells them apart
             docs = gl.load(cand_ptr + cc, mask=c_in, other=0)
-        lens = gl.load(off_ptr + docs + 1, mask=c_in, other=0) - gl.load(off_ptr + docs, mask=c_in, other=0)
+            c_ok = c_in & (docs >= 0) & (docs < n_docs)
+            if ITEMS > 32:  # one bit an item: int32 for the tuned runs (one register), int64 past 32
+                shift = (cc % ITEMS).to(gl.int64)
+            else:
+                shift = cc % ITEMS
+            bad = gl.sum(gl.where(c_in & ~c_ok, 1 << shift, 0), axis=0)
+        lens = gl.load(off_ptr + docs + 1, mask=c_ok, other=0) - gl.load(off_ptr + docs, mask=c_ok, other=0)
         total = gl.sum(gl.where(c_in, gl.maximum((lens.to(gl.int32) + BLOCK_T - 1) // BLOCK_T, 1), 0), axis=0)
         tiles = gl.cdiv(total, GROUP) * GROUP  # padding tiles (past `total`): copied, multiplied, not folded
 
         # the ring: tiles 0 .. STAGES - 1 requested, its cursor left at tile STAGES
-        pc, ps, pe, pns, pne, pnd = _cursor_start(c_first, c_last, cand_ptr, off_ptr, IDENTITY)
+        pc, ps, pe, pns, pne, pnd = _cursor_start(c_first, c_last, cand_ptr, off_ptr, bad, IDENTITY, ITEMS)
         for i in gl.static_range(STAGES):
             if i < tiles:
                 mbarrier.expect(ready.index(i), d_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(d_desc, [ps, 0], ready.index(i), d_smem.index(i))
                 pc, ps, pe, pns, pne, pnd = _cursor_next(pc, ps, pe, pns, pne, pnd, c_last, cand_ptr, off_ptr,
-                                                         IDENTITY, BLOCK_T)  # fmt: skip
+                                                         bad, IDENTITY, ITEMS, BLOCK_T)  # fmt: skip
         # the scales of tiles 0 and 1, their cursor left at tile 2
         rows = gl.arange(0, BLOCK_T, layout=row_layout)
-        s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_start(c_first, c_last, cand_ptr, off_ptr, IDENTITY)
+        s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_start(c_first, c_last, cand_ptr, off_ptr, bad, IDENTITY,
+                                                            ITEMS)  # fmt: skip
         sc0 = _tile_scales(sd_ptr, s_tok, s_end, rows)
         last0 = s_tok + BLOCK_T >= s_end
         item0 = s_c
         s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_next(s_c, s_tok, s_end, s_ns, s_ne, s_nd, c_last,
-                                                           cand_ptr, off_ptr, IDENTITY, BLOCK_T)  # fmt: skip
+                                                           cand_ptr, off_ptr, bad, IDENTITY, ITEMS,
+                                                           BLOCK_T)  # fmt: skip
         sc1 = _tile_scales(sd_ptr, s_tok, s_end, rows)
         last1 = s_tok + BLOCK_T >= s_end
         item1 = s_c
         s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_next(s_c, s_tok, s_end, s_ns, s_ne, s_nd, c_last,
-                                                           cand_ptr, off_ptr, IDENTITY, BLOCK_T)  # fmt: skip
+                                                           cand_ptr, off_ptr, bad, IDENTITY, ITEMS,
+                                                           BLOCK_T)  # fmt: skip
 
         run = gl.full([BLOCK_T, N], float("-inf"), gl.float32, acc_layout)
         zero = gl.zeros([BLOCK_T, N], gl.int32, acc_layout)
@@ -297,7 +332,8 @@ def _int8_stream_kernel(
              s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
                 acc_a, base, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
                 pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-                c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, IDENTITY, BLOCK_T, STAGES,
+                c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad,
+                IDENTITY, ITEMS, BLOCK_T, STAGES,
             )  # fmt: skip
             sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
             for j in gl.static_range(2, GROUP, 2):
@@ -307,7 +343,8 @@ def _int8_stream_kernel(
                  s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
                     acc_b, base + j - 1, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
                     pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-                    c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, IDENTITY, BLOCK_T, STAGES,
+                    c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad,
+                    IDENTITY, ITEMS, BLOCK_T, STAGES,
                 )  # fmt: skip
                 sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
                 acc_b = _product(d_smem, q_t, ready, base + j + 1, zero, STAGES)
@@ -316,7 +353,8 @@ def _int8_stream_kernel(
                  s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
                     acc_a, base + j, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
                     pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-                    c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, IDENTITY, BLOCK_T, STAGES,
+                    c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad,
+                    IDENTITY, ITEMS, BLOCK_T, STAGES,
                 )  # fmt: skip
                 sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
             acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc_b])
@@ -324,7 +362,8 @@ def _int8_stream_kernel(
              s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
                 acc_b, base + GROUP - 1, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
                 pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-                c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, IDENTITY, BLOCK_T, STAGES,
+                c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad,
+                IDENTITY, ITEMS, BLOCK_T, STAGES,
             )  # fmt: skip
             sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
 
@@ -382,13 +421,17 @@ def maxsim_int8_stream(
     item_off int64 [nq + 1] the items of each query and items int64 [n_items] the candidates' document
     indices, or both None for one query against every document; d8 int8 [Td, 128] with
     scales sd fp32 [Td] and offsets d_off int64 [nd + 1]; all on the GPU. `max_query_len` (host) sizes
-    the query tile (`supports`); keyword overrides are for sweeps (`maxnreg` 0: no register cap)."""
+    the query tile (`supports`); keyword overrides are for sweeps (`maxnreg` 0: no register cap). A
+    candidate index outside [0, nd) scores NaN and is never read through (the indices are not read by
+    the host)."""
     nq = q_off.numel() - 1
     n_items = d_off.numel() - 1 if items is None else items.numel()
     out = torch.empty((n_items,), dtype=torch.float32, device=d8.device)
     if n_items == 0:
         return out
     per = items_per_prog or (ITEMS_ONE_QUERY if items is None else ITEMS_CANDIDATES)
+    if items is not None and per > MAX_ITEMS_CANDIDATES:
+        raise ValueError(f"items_per_prog: at most {MAX_ITEMS_CANDIDATES} candidates a program, got {per}")
     n = query_columns(max_query_len)
     if maxnreg is None:
         maxnreg = REGISTERS[n][0 if items is None else 1]
@@ -397,7 +440,7 @@ def maxsim_int8_stream(
     _int8_stream_kernel[(n_chunks + (0 if items is None else nq),)](
         q8, sq, q_off, q_off if item_off is None else item_off, d_off if items is None else items, d_off,
         d_desc, sd, out,
-        nq, n_items, n_chunks, q8.stride(0),
+        nq, n_items, n_chunks, d_off.numel() - 1, q8.stride(0),
         DIM=d8.shape[1], N=n, ITEMS=per, BLOCK_T=BLOCK_T, STAGES=stages,
         GROUP=group, IDENTITY=items is None, num_warps=NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip

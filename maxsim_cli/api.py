@@ -8,10 +8,12 @@
 
 `search` ranks the whole corpus for every query (exact top-k); `rerank` scores the candidates of a
 first-stage run. Both return a `Run` (``run.to_trec(path)`` writes what ``maxsim score`` writes for the
-same inputs, ``run.to_dataframe()`` gives PyTerrier's columns). ``corpus.to("cuda")`` makes the corpus
-*resident*: every shard is read once into GPU memory and later calls read nothing from disk. Bad input
-raises `maxsim_cli.errors.InputError` (and `UsageError` for bad options) with the one-line messages the
-command line prints.
+same inputs, ``run.to_dataframe()`` gives PyTerrier's columns and ranks). ``corpus.to("cuda")`` makes
+the corpus *resident*: every shard is read once into GPU memory and later calls read nothing from disk
+(``corpus.to("auto")``: the GPU when there is one, else host memory). Bad input raises
+`maxsim_cli.errors.InputError` (and `UsageError` for bad options) with the one-line messages the
+command line prints, naming these functions' keyword arguments where it names a flag (``k=0``, not
+``--top-k 0``).
 """
 
 from __future__ import annotations
@@ -19,10 +21,20 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from maxsim_cli.errors import InputError, MaxsimWarning, UsageError
+import numpy as np
+
+from maxsim_cli.errors import (
+    BATCH_QUERIES,
+    TOP_K,
+    InputError,
+    MaxsimWarning,
+    Option,
+    UsageError,
+    in_python_terms,
+)
 from maxsim_cli.queries import Queries, read_queries
 from maxsim_cli.run import Result, Run, RunCollector
 from maxsim_cli.shards import Corpus
@@ -67,11 +79,13 @@ def open_corpus(paths: PathLike | Sequence[PathLike], *, verify_checksums: bool 
     return corpus
 
 
+@in_python_terms
 def search(
     queries: PathLike | Queries | tuple[Sequence[str | int], Any],
     corpus: Corpus | PathLike | Sequence[PathLike],
     *,
     k: int = 1000,
+    strict: bool = False,
     device: str = "auto",
     backend: str = "auto",
     max_memory: int | str | None = None,
@@ -88,7 +102,8 @@ def search(
     to the process's resident set (bytes, or a size such as ``"2GiB"``; `maxsim_cli.memory`). Ties
     are broken by docno descending, so the run does not depend on batch sizes or memory budgets. A
     query file with no queries, or whose metadata names another encoder than the corpus's (or another
-    L2 normalisation), gives a `MaxsimWarning`.
+    L2 normalisation), gives a `MaxsimWarning` (``strict=True``: an `InputError`). Messages name these
+    keyword arguments (``k=0: must be at least 1``).
 
     >>> run = search("sample_data/queries.safetensors", "sample_data/corpus", k=3, device="cpu")
     >>> [(r.docno, r.rank) for r in run][:3]  # doctest: +ELLIPSIS
@@ -98,17 +113,18 @@ def search(
         queries,
         corpus,
         None,
-        top_k=k,
-        strict=False,
+        top_k=_at_least_one(k, TOP_K),
+        strict=strict,
         device=device,
         backend=backend,
         max_memory=max_memory,
         max_host_memory=max_host_memory,
-        batch_queries=batch_queries,
+        batch_queries=None if batch_queries is None else _at_least_one(batch_queries, BATCH_QUERIES),
         show_progress=show_progress,
     )
 
 
+@in_python_terms
 def rerank(
     queries: PathLike | Queries | tuple[Sequence[str | int], Any],
     corpus: Corpus | PathLike | Sequence[PathLike],
@@ -137,13 +153,11 @@ def rerank(
     >>> max(len(rows) for rows in run.to_dict().values())
     5
     """
-    if k is not None and k < 1:
-        raise UsageError(f"k={k}: must be at least 1")
     return _score(
         queries,
         corpus,
         candidates,
-        top_k=ALL_CANDIDATES if k is None else k,
+        top_k=ALL_CANDIDATES if k is None else _at_least_one(k, TOP_K),
         strict=strict,
         device=device,
         backend=backend,
@@ -179,6 +193,8 @@ def _score(
     q = _as_queries(queries)
     corpus_obj, owned = _as_corpus(corpus)
     try:
+        if len(q) == 0 and q.dim == 0:  # no queries from memory, so no dim: the corpus's
+            q = _no_queries(q, corpus_obj.dim)
         if device == "auto" and corpus_obj.residency is not None:
             device = str(corpus_obj.residency.device)
         run_candidates = None if candidates is None else _as_candidates(candidates)
@@ -202,18 +218,16 @@ def _score(
         report_notes(input_notes(corpus_obj, q.batch, q.name, skipped=False), strict=strict, log=_log)
         collector = RunCollector()
         stats = _score_direct(request, corpus_obj, q, run_candidates, collector)
-        if stats is not None:
-            return collector.run(stats)
-        if corpus_obj.placement is not None and device == "auto":  # resident on several devices
+        if stats is None and corpus_obj.placement is not None and device == "auto":  # on several devices
             from maxsim_cli import jobs
 
             request.check()
             stats = jobs.score_resident(
                 request, corpus_obj, q.batch, collector, candidates=run_candidates, log=_log
             )
-        else:
+        elif stats is None:
             stats = engine.run(request, corpus_obj, q.batch, collector, candidates=run_candidates, log=_log)
-        return collector.run(stats)
+        return collector.run(stats, inputs=_input_paths(q, corpus_obj, candidates))
     finally:
         if owned:
             corpus_obj.close()
@@ -234,6 +248,38 @@ def _score_direct(
     if residency is None:
         return None
     return direct.run(request, corpus, residency, queries.batch, collector, candidates=candidates, log=_log)
+
+
+def _at_least_one(value: Any, option: Option) -> int:
+    """A count argument (``k``, ``batch_queries``): a whole number of at least 1 (a bool is refused,
+    though Python counts it as an int)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise UsageError(f"{option.given(value)}: must be a whole number, at least 1")
+    if value < 1:
+        raise UsageError(f"{option.given(value)}: must be at least 1")
+    return int(value)
+
+
+def _no_queries(queries: Queries, dim: int) -> Queries:
+    """An empty set of queries from memory, which carries no dim, given ``dim``: scored as a query
+    file without queries is (a `MaxsimWarning`, an empty run)."""
+    import torch
+
+    from maxsim_cli.shards.format import DocBatch
+
+    empty = DocBatch([], torch.zeros(0, dim), torch.zeros(1, dtype=torch.int64), None)
+    return Queries(empty, queries.name)
+
+
+def _input_paths(queries: Queries, corpus: Corpus, candidates: Any) -> tuple[str, ...]:
+    """The files a run was made from, which `Run.to_trec` refuses to overwrite: the query file, the
+    corpus's shards and their folders (their manifests), the candidates' run file."""
+    paths = [] if queries.path is None else [queries.path]
+    paths += corpus.paths
+    paths += dict.fromkeys(os.path.dirname(os.path.abspath(p)) for p in corpus.paths)
+    if isinstance(candidates, (str, os.PathLike)):
+        paths.append(os.fspath(candidates))
+    return tuple(paths)
 
 
 def _candidates_name(candidates: Any) -> str | None:
@@ -276,13 +322,15 @@ def _as_corpus(corpus: Any) -> tuple[Corpus, bool]:
 
 
 def _size(value: int | str | None, name: str) -> int | None:
+    if isinstance(value, bool):
+        raise UsageError(f"{name}={value}: give a number of bytes or a size such as '2GiB'")
     if value is None or isinstance(value, int):
         if value is not None and value <= 0:
             raise UsageError(f"{name}={value}: must be positive")
         return value
     from maxsim_cli.units import parse_size
 
-    return parse_size(str(value))
+    return parse_size(str(value), option=name)
 
 
 def _as_candidates(candidates: Any) -> dict[str, list[tuple[str, float]]]:
@@ -308,6 +356,11 @@ def _as_candidates(candidates: Any) -> dict[str, list[tuple[str, float]]]:
     if isinstance(candidates, Mapping):
         grouped = {}
         for qid, rows in candidates.items():
+            if isinstance(rows, (str, bytes)) or not isinstance(rows, Iterable):
+                raise InputError(
+                    f"candidates: query {str(qid)!r} has {rows!r} where a list of docnos belongs; pass "
+                    f"{{qid: [docno, ...]}}, e.g. {{{str(qid)!r}: [{rows!r}]}}"
+                )
             grouped.setdefault(str(qid), []).extend(
                 (str(row[0]), float(row[1])) if isinstance(row, tuple) else (str(row), 0.0) for row in rows
             )

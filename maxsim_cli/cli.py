@@ -31,7 +31,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from maxsim_cli import __version__, collector
-from maxsim_cli.errors import MaxsimError, quiet_stdout
+from maxsim_cli.errors import MaxsimError, command_line_terms, quiet_stdout
 from maxsim_cli.lifeline import defer
 
 # Signals that stop a command with its cleanup, like SIGINT; ``jobs.run_rank`` does the same for SIGTERM.
@@ -101,10 +101,10 @@ def _stopped_by(signum: int) -> None:
 
 def run_command(call: Callable[[], Any]) -> int:
     """Run ``call`` (the parser and the command, Typer not in standalone mode) and return the exit code,
-    every error printed as one line."""
+    every error printed as one line, naming options as flags (`command_line_terms`)."""
     code = 0
     try:
-        with stop_signals_raise() as interrupted:
+        with command_line_terms(), stop_signals_raise() as interrupted:
             result = call()
             # not standalone, Typer returns the code of a `typer.Exit` (or of Ctrl-C: 130), else the
             # command's return value (None)

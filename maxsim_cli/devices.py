@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from maxsim_cli.errors import UsageError
+from maxsim_cli.errors import BACKEND, DEVICE, UsageError
 
 # Defaults: host staging memory, and the share of free GPU memory used without --max-memory.
 DEFAULT_HOST_BYTES = 4 << 30
@@ -27,29 +27,31 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cpu")
     if name == "cuda" or name.startswith("cuda:"):
         if not torch.cuda.is_available():
-            raise UsageError(f"--device {device}: no CUDA device is available here; use --device cpu")
+            raise UsageError(
+                f"{DEVICE.given(device)}: no CUDA device is available here; use {DEVICE.given('cpu')}"
+            )
         try:
             dev = torch.device(name)
         except RuntimeError:
-            raise UsageError(f"--device {device}: not a device; use auto, cpu, cuda or cuda:N") from None
+            raise UsageError(f"{DEVICE.given(device)}: not a device; use auto, cpu, cuda or cuda:N") from None
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         if index >= torch.cuda.device_count():
             raise UsageError(
-                f"--device {device}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 to "
+                f"{DEVICE.given(device)}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 to "
                 f"cuda:{torch.cuda.device_count() - 1})"
             )
         return torch.device("cuda", index)
-    raise UsageError(f"--device {device}: not a device; use auto, cpu, cuda or cuda:N")
+    raise UsageError(f"{DEVICE.given(device)}: not a device; use auto, cpu, cuda or cuda:N")
 
 
 def check_backend_option(backend: str, device: torch.device) -> str:
     """`--backend` checked against `--device` (usage errors); returned as given, "auto" included."""
     if backend not in ("auto", "triton", "torch"):
-        raise UsageError(f"--backend {backend}: use auto, triton or torch")
+        raise UsageError(f"{BACKEND.given(backend)}: use auto, triton or torch")
     if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise UsageError(
-            "--backend triton on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1, "
-            "or use --backend torch"
+            f"{BACKEND.given('triton')} on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1, "
+            f"or use {BACKEND.given('torch')}"
         )
     return backend
 

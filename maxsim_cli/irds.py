@@ -11,13 +11,21 @@ What ir_datasets hands over is taken as the dataset's own truth, not refused lik
 (query, document) pair that appears twice keeps its first record (some published runs and qrels repeat
 lines). A non-finite score is still an error, since no ranking can be made from it. A name that is also
 an existing file is read as the file.
+
+A download that fails (no network) is one line naming the dataset, the cache folder ir_datasets uses
+and what to do; ir_datasets' own lines about each failed attempt are left out (its other lines, such as
+a download's progress, are not).
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import logging
 import math
 import os
+import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -81,18 +89,98 @@ def _records(source: str, what: str) -> Iterator[Any]:
     iterator = getattr(dataset, f"{what}_iter")()
     while True:
         try:
-            record = next(iterator)
+            with _quiet_failed_downloads():
+                record = next(iterator)
         except StopIteration:
             return
         except MaxsimError:
             raise
         except Exception as exc:  # noqa: BLE001 - a third party's download or parse error, reported in one line
-            message = " ".join(str(exc).split()) or type(exc).__name__
-            raise MaxsimError(
-                f"{source}: ir_datasets could not read the {what}: {message}; check the network (the first "
-                "use downloads the data) or the cache in ~/.ir_datasets"
-            ) from None
+            raise _failure(source, what, exc) from None
         yield record
+
+
+# How ir_datasets' lines about a failed download attempt begin (`ir_datasets.util.download`).
+_FAILED_ATTEMPT = ("download error", "Download failed")
+
+
+class _FailedAttempts(logging.Filter):
+    """Drops ir_datasets' lines about failed download attempts logged by one thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.thread or not str(record.msg).startswith(_FAILED_ATTEMPT)
+
+
+@contextlib.contextmanager
+def _quiet_failed_downloads() -> Iterator[None]:
+    """While inside, this thread's failed download attempts log nothing: a failure is reported once,
+    by `_failure`, instead of ir_datasets' five lines and a traceback per mirror."""
+    import ir_datasets
+
+    logger = ir_datasets.log.easy().logger()  # ir_datasets' one logger, "ir_datasets"
+    quiet = _FailedAttempts()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+def cache_folder() -> str:
+    """Where ir_datasets keeps its downloads: ``$IR_DATASETS_HOME``, else ``~/.ir_datasets``."""
+    return os.environ.get("IR_DATASETS_HOME") or os.path.join(os.path.expanduser("~"), ".ir_datasets")
+
+
+def _failure(source: str, what: str, exc: BaseException) -> MaxsimError:
+    """ir_datasets' failure to read ``what`` as one line: for a download that could not be made, the
+    folder to fill and how; otherwise its message, shortened."""
+    folder = cache_folder()
+    if _network_failure(exc):
+        return MaxsimError(
+            f"{source}: ir_datasets could not download the {what} (no network here?); its first use "
+            f"downloads the dataset into {folder}: run it once on a machine with network access and copy "
+            "that folder here, or set IR_DATASETS_HOME to a folder that holds the dataset"
+        )
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    if len(message) > 200:
+        message = message[:197] + "..."
+    return MaxsimError(
+        f"{source}: ir_datasets could not read the {what}: {message}; check the cache in {folder} (a "
+        "damaged download is fetched again once its folder there is removed)"
+    )
+
+
+# What requests' and urllib3's errors for an unreachable server are called (ConnectionError,
+# ConnectTimeout, NameResolutionError, MaxRetryError, ...); an HTTP error status is not one of them.
+_NETWORK_WORDS = ("Connection", "Timeout", "NameResolution", "MaxRetry")
+
+
+def _network_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is, or wraps, a failure to reach a server: a connection, name lookup or timeout
+    error, or requests' / urllib3's own (also inside ir_datasets' "All download sources failed")."""
+    pending: list[Any] = [exc]
+    seen: set[int] = set()
+    while pending:
+        item = pending.pop()
+        if isinstance(item, (list, tuple)):
+            pending.extend(item)
+            continue
+        if not isinstance(item, BaseException) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, (ConnectionError, TimeoutError, socket.gaierror)):
+            return True
+        kind = type(item)
+        if kind.__module__.split(".")[0] in ("requests", "urllib3") and any(
+            word in kind.__name__ for word in _NETWORK_WORDS
+        ):
+            return True
+        pending.extend([item.__cause__, item.__context__, *item.args])
+    return False
 
 
 def iter_qrels(source: str) -> Iterator[tuple[str, str, int, int]]:

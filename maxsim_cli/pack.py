@@ -233,9 +233,13 @@ def _check_columns(
     columns = [("--id-column", id_column), ("--embedding-column", embedding_column)]
     if mask_column is not None:
         columns.append(("--mask-column", mask_column))
+    try:
+        names = schema.names
+    except UnicodeDecodeError:  # pyarrow decodes them on reading
+        raise InputError(f"{path}: a column name is not valid UTF-8, as Arrow's must be") from None
     for option, name in columns:
-        if name not in schema.names:
-            raise UsageError(f"{path}: no column {name!r} ({option}); columns: {', '.join(schema.names)}")
+        if name not in names:
+            raise UsageError(f"{path}: no column {name!r} ({option}); columns: {', '.join(names)}")
     id_type = _unwrap(schema.field(id_column).type)
     if not (pa.types.is_string(id_type) or pa.types.is_large_string(id_type) or pa.types.is_integer(id_type)):
         raise UsageError(f"{path}: id column {id_column!r} is {id_type}; it must hold strings or integers")
@@ -286,6 +290,13 @@ def _table_batch(
         mask_col = _storage(batch.column(batch.schema.get_field_index(mask_column)))
         named.append((mask_column, mask_col))
     for name, col in named:
+        try:  # offsets, UTF-8 and null counts, which the reads below trust (a bad offset is a crash)
+            col.validate(full=True)
+        except pa.ArrowException as exc:
+            rows = f"rows {first_row}..{first_row + n - 1}"
+            raise InputError(
+                f"{path}: {rows}: column {name!r} is corrupt: {' '.join(str(exc).split())}"
+            ) from None
         if col.null_count:
             row = first_row + int(np.flatnonzero(np.asarray(col.is_null()))[0])
             raise InputError(f"{path}: row {row}: null in column {name!r}")

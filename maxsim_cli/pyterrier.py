@@ -174,7 +174,7 @@ class MaxSimReranker(_MaxSimTransformer):
         ).to_dataframe()
         where = {(keys[i], docnos[i]): i for i in keep}
         positions = [where[key] for key in zip(run["qid"], run["docno"], strict=True)]
-        return _rows(inp, positions, columns, score=run["score"], rank=run["rank"] - 1 + pt.model.FIRST_RANK)
+        return _rows(inp, positions, columns, score=run["score"], rank=run["rank"] + pt.model.FIRST_RANK)
 
     def _known(self, keys: list[str], docnos: list[str]) -> list[int]:
         """The rows whose docno the corpus has; the others are an error, or dropped with a warning."""
@@ -269,7 +269,7 @@ class MaxSimRetriever(_MaxSimTransformer):
             columns,
             docno=run["docno"],
             score=run["score"],
-            rank=run["rank"] - 1 + pt.model.FIRST_RANK,
+            rank=run["rank"] + pt.model.FIRST_RANK,
         )
 
     def fuse_rank_cutoff(self, k: int) -> MaxSimRetriever:

@@ -36,9 +36,10 @@ class Queries:
     (2, ['q1', '2'], 4, [0, 3, 4])
     """
 
-    def __init__(self, batch: DocBatch, name: str = IN_MEMORY_NAME) -> None:
+    def __init__(self, batch: DocBatch, name: str = IN_MEMORY_NAME, path: str | None = None) -> None:
         self.batch = batch
         self.name = name  # the file they came from, for messages
+        self.path = path  # that file (None for queries from memory or stdin)
 
     @property
     def ids(self) -> list[str]:
@@ -87,17 +88,21 @@ class Queries:
         import torch
 
         from maxsim_cli.shards.format import DocBatch, _check_ids, _check_values
-        from maxsim_cli.shards.writers import _as_tensor
+        from maxsim_cli.shards.writers import _as_tensor, _mask_rows
 
         qids = _as_ids(ids, name)
+
+        def query(i: int) -> str:  # the i-th query, as messages name it
+            return f"query {qids[i]!r} (index {i})" if i < len(qids) else f"query at index {i}"
+
         if isinstance(embeddings, (torch.Tensor, np.ndarray)) and embeddings.ndim == 3:
-            padded = _as_tensor(embeddings)
+            padded = _as_tensor(embeddings, f"{name}: embeddings")
             if padded.shape[0] != len(qids):
                 raise InputError(f"{name}: {len(qids)} ids but {padded.shape[0]} padded queries")
             if mask is None:
                 keep = torch.ones(padded.shape[:2], dtype=torch.bool)
             else:
-                keep = _as_tensor(mask).to(torch.bool)
+                keep = _mask_rows(mask, f"{name}: mask")
                 if tuple(keep.shape) != tuple(padded.shape[:2]):
                     raise InputError(
                         f"{name}: mask has shape {tuple(keep.shape)}; expected {tuple(padded.shape[:2])} "
@@ -112,17 +117,16 @@ class Queries:
                 "arrays, one per query, or a padded [queries, tokens, dim] array with a mask"
             )
         else:
-            docs = [_as_tensor(e) for e in embeddings]
+            docs = [_as_tensor(e, f"{name}: {query(i)}") for i, e in enumerate(embeddings)]
             if len(docs) != len(qids):
                 raise InputError(f"{name}: {len(qids)} ids but {len(docs)} embedding arrays")
             for i, d in enumerate(docs):
                 if d.ndim != 2:
-                    raise InputError(
-                        f"{name}: query {qids[i]!r} (index {i}) has shape {tuple(d.shape)}; expected "
-                        "[tokens, dim]"
-                    )
+                    raise InputError(f"{name}: {query(i)} has shape {tuple(d.shape)}; expected [tokens, dim]")
             if mask is not None:
-                masks = [_as_tensor(m).to(torch.bool).reshape(-1) for m in mask]
+                masks = [
+                    _mask_rows(m, f"{name}: the mask of {query(i)}").reshape(-1) for i, m in enumerate(mask)
+                ]
                 if len(masks) != len(docs):
                     raise InputError(f"{name}: {len(masks)} masks for {len(docs)} queries")
                 for i, (d, m) in enumerate(zip(docs, masks, strict=True)):
@@ -150,7 +154,7 @@ class Queries:
         offsets = torch.zeros(len(qids) + 1, dtype=torch.int64)
         offsets[1:] = torch.cumsum(lengths, 0)
         _check_ids(name, qids, what="query id")
-        _check_values(name, packed, None, offsets.numpy(), qids, 0)
+        _check_values(name, packed, None, offsets.numpy(), qids, 0, what="query")
         return cls(DocBatch(qids, packed, offsets, None), name)
 
 
@@ -180,8 +184,10 @@ def read_queries(path: str | os.PathLike[str]) -> Queries:
     from maxsim_cli.shards import read_queries as read_query_file
 
     name = os.fspath(path)
-    if name == "-" or not os.path.isdir(name):
-        return Queries(read_query_file(name), "<stdin>" if name == "-" else name)
+    if name == "-":
+        return Queries(read_query_file(name), "<stdin>")
+    if not os.path.isdir(name):
+        return Queries(read_query_file(name), name, name)
     import torch
 
     from maxsim_cli.shards.format import DocBatch
@@ -195,7 +201,7 @@ def read_queries(path: str | os.PathLike[str]) -> Queries:
     offsets[1:] = torch.cumsum(lengths, 0)
     scales = torch.cat([p.scales for p in parts]) if parts[0].scales is not None else None
     batch = DocBatch(ids, embeddings, offsets, scales, encoder=folder.encoder, normalized=folder.normalized)
-    return Queries(batch, name)
+    return Queries(batch, name, name)
 
 
 def read_query_ids(path: str | os.PathLike[str]) -> list[str]:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from maxsim_cli.errors import OUTPUT, in_python_terms
 from maxsim_cli.runs import RankedSink, RunWriter, read_run
 
 if TYPE_CHECKING:
@@ -74,9 +75,10 @@ class RunCollector(RankedSink):
         self.num_queries += len(qids)
         self.num_rows += len(qids) * m
 
-    def run(self, stats: object = None) -> Run:
-        """The rows taken so far as a `Run`."""
-        return Run._from_blocks(self.blocks, stats)
+    def run(self, stats: object = None, inputs: Sequence[str] = ()) -> Run:
+        """The rows taken so far as a `Run`; ``inputs``: the files it was made from (`Run.to_trec`
+        refuses to overwrite them)."""
+        return Run._from_blocks(self.blocks, stats, inputs)
 
 
 class Run:
@@ -101,13 +103,15 @@ class Run:
             collector.write_query(str(qid), [str(d) for d, _ in rows], [float(s) for _, s in rows])
         self._blocks = collector.blocks
         self._index: dict[str, tuple[_Block, int]] | None = None
+        self._inputs: tuple[str, ...] = ()
         self.stats: Any = None
 
     @classmethod
-    def _from_blocks(cls, blocks: list[_Block], stats: object = None) -> Run:
+    def _from_blocks(cls, blocks: list[_Block], stats: object = None, inputs: Sequence[str] = ()) -> Run:
         run = cls.__new__(cls)
         run._blocks = blocks
         run._index = None
+        run._inputs = tuple(inputs)
         run.stats = stats
         return run
 
@@ -172,9 +176,17 @@ class Run:
             qid: list(zip(docnos, scores.tolist(), strict=True)) for qid, docnos, scores in self._queries()
         }
 
+    @in_python_terms
     def to_trec(self, path: str | os.PathLike[str], tag: str = "maxsim", *, fmt: str = "trec") -> None:
         """Write the run as ``maxsim score`` does: TREC ``qid Q0 docno rank score tag`` (or ``fmt="jsonl"``),
-        atomically, ``.gz`` compressed, ``"-"`` for stdout. The same inputs give the same bytes."""
+        atomically, ``.gz`` compressed, ``"-"`` for stdout. The same inputs give the same bytes.
+
+        As ``maxsim score -o`` does, refuses (`UsageError`, before writing anything) a ``path`` that is
+        one of the files the run was made from (the query file, a shard or the manifest of the corpus,
+        the candidates' run file), a folder, or a file in a folder that does not exist."""
+        from maxsim_cli.shards.files import check_output
+
+        check_output(path, self._inputs, option=OUTPUT)
         with RunWriter(path, tag=tag, fmt=fmt) as writer:
             for block in self._blocks:
                 m = block.uniform()
@@ -185,9 +197,9 @@ class Run:
                     writer.write_query(qid, docnos, scores.tolist())
 
     def to_dataframe(self) -> pandas.DataFrame:
-        """A pandas DataFrame with PyTerrier's columns ``qid``, ``docno``, ``rank``, ``score`` (ranks from
-        1 as in the TREC file; PyTerrier itself numbers them from 0). Needs pandas
-        (``pip install 'maxsim[pandas]'``)."""
+        """A pandas DataFrame with PyTerrier's columns ``qid``, ``docno``, ``rank``, ``score``, ranks
+        numbered from 0 as PyTerrier numbers them (the TREC file `to_trec` writes numbers them from 1,
+        and so do the `Result` rows of iterating the run). Needs pandas (``pip install 'maxsim[pandas]'``)."""
         try:
             import pandas as pd
         except ImportError:
@@ -199,7 +211,7 @@ class Run:
             lengths = np.diff(block.offsets)
             qids.append(np.repeat(np.asarray(block.qids, dtype=object), lengths))
             docnos.append(np.asarray(block.docnos.to_pylist(), dtype=object))
-            ranks.append(np.arange(len(block.scores)) - np.repeat(block.offsets[:-1], lengths) + 1)
+            ranks.append(np.arange(len(block.scores)) - np.repeat(block.offsets[:-1], lengths))
             scores.append(block.scores.astype(np.float64))
         if not qids:
             return pd.DataFrame({"qid": [], "docno": [], "rank": [], "score": []}).astype(

@@ -97,3 +97,22 @@ def sm90_build() -> Callable[[str], Any]:
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     return run
+
+
+@pytest.fixture
+def device_candidates(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """The launchers' path for candidate indices on a GPU, under the interpreter: `values_on_host` says
+    the CPU candidates tensor cannot be read without waiting for a device, and every host copy of
+    candidates (`host_candidates`, the copy that would wait) is recorded in the returned list."""
+    from maxsim_kernels import _validate
+
+    copies: list[torch.Tensor] = []
+    host_candidates = _validate.host_candidates
+
+    def recorded(candidate_docs: torch.Tensor, num_docs: int) -> Any:
+        copies.append(candidate_docs)
+        return host_candidates(candidate_docs, num_docs)
+
+    monkeypatch.setattr(_validate, "values_on_host", lambda x: False)
+    monkeypatch.setattr(_validate, "host_candidates", recorded)
+    return copies

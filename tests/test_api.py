@@ -159,8 +159,9 @@ def test_run_rows_dict_dataframe_and_read_back(data, tmp_path) -> None:
     assert rows[0].rank == 1 and rows[5].rank == 6 and rows[6].qid == "q1"
     frame = run.to_dataframe()
     assert list(frame.columns) == ["qid", "docno", "rank", "score"] and len(frame) == 48
-    assert frame["rank"].tolist()[:7] == [1, 2, 3, 4, 5, 6, 1]
-    assert [tuple(r) for r in frame.itertuples(index=False)] == [tuple(r) for r in rows]
+    # PyTerrier's ranks, from 0; the rows and the TREC file count from 1
+    assert frame["rank"].tolist()[:7] == [0, 1, 2, 3, 4, 5, 0]
+    assert [tuple(r) for r in frame.itertuples(index=False)] == [r._replace(rank=r.rank - 1) for r in rows]
     path = tmp_path / "run.trec"
     run.to_trec(path)
     again = Run.read(path)
@@ -415,15 +416,13 @@ def test_docstring_examples(module, monkeypatch) -> None:
 
 
 def test_readme_python_example_runs(tmp_path, monkeypatch) -> None:
-    """The README's "From Python" block, run in a fresh folder next to sample_data/ (without a GPU the
-    `corpus.to("cuda")` line is left out)."""
+    """The README's "From Python" block, run as written in a fresh folder next to sample_data/, on
+    whatever devices this machine has (its `corpus.to` picks one)."""
     import re
 
     readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
     section = readme[readme.index("## From Python") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    if not torch.cuda.is_available():
-        code = "\n".join(line for line in code.splitlines() if not line.startswith("corpus.to("))
     (tmp_path / "sample_data").symlink_to(os.path.join(REPO, "sample_data"))
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
@@ -431,4 +430,206 @@ def test_readme_python_example_runs(tmp_path, monkeypatch) -> None:
     assert (tmp_path / "run.trec").stat().st_size > 0
     assert list(namespace["frame"].columns) == ["qid", "docno", "rank", "score"]
     assert namespace["frame"].groupby("qid").size().max() == 10
+    assert namespace["frame"]["rank"].min() == 0  # PyTerrier's ranks
+    assert namespace["corpus"].device is not None  # resident, wherever this machine could hold it
     assert namespace["run"].qids == ["q1", "q2"]
+
+
+# --------------------------------------------------------------------------------------------------
+# the API guards what the command line guards
+
+
+def _one_line(info: pytest.ExceptionInfo) -> str:
+    message = str(info.value)
+    assert "\n" not in message and "Traceback" not in message
+    return message
+
+
+def test_to_trec_refuses_to_overwrite_the_runs_inputs(data, tmp_path) -> None:
+    """`maxsim score -o` refuses to write over its inputs (exit 2); `Run.to_trec` refuses the same."""
+    import shutil
+
+    from maxsim_cli.shards import write_manifest
+
+    corpus = tmp_path / "corpus"
+    shutil.copytree(data["corpus"], corpus)
+    write_manifest(corpus)
+    queries = tmp_path / "queries.safetensors"
+    shutil.copy(data["queries_path"], queries)
+    cands, _ = _candidates(data, tmp_path)
+    inputs = [queries, corpus / "index.json", corpus / "shard1.arrow", cands]
+    before = {str(p): open(p, "rb").read() for p in inputs}
+    with pytest.warns(maxsim_cli.MaxsimWarning):
+        runs = [
+            search(str(queries), str(corpus), k=3, device="cpu"),
+            rerank(str(queries), str(corpus), cands, device="cpu"),
+        ]
+    for run in runs:
+        for target in inputs:
+            if target == cands and run is runs[0]:
+                continue  # a search has no candidates file
+            with pytest.raises(UsageError, match="is (the input|.*a file of the input folder)") as info:
+                run.to_trec(target)
+            assert _one_line(info).startswith(f"path={str(target)!r}: ")
+    assert {str(p): open(p, "rb").read() for p in inputs} == before
+    runs[1].to_trec(tmp_path / "fine.trec")  # anywhere else is fine
+    assert (tmp_path / "fine.trec").stat().st_size > 0
+    # the command line names its option, as before
+    result = runner.invoke(app, ["score", str(queries), str(corpus), "--device", "cpu", "-o", str(queries)])
+    assert result.exit_code == 2 and f"-o {queries}: is the input" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "embedding, dtype",
+    [
+        (np.array([[1.0, 2.0]], dtype=object), "object"),
+        (np.array([["a", "b"]]), "<U1"),
+        (np.ones((1, 2), np.complex64), "complex64"),
+        (torch.ones((1, 2), dtype=torch.complex64), "torch.complex64"),
+        ([[1.0, 2.0], [3.0]], None),  # ragged: not an array
+    ],
+)
+def test_in_memory_queries_that_are_not_numbers_are_input_errors(embedding, dtype) -> None:
+    with pytest.raises(InputError) as info:
+        Queries.from_embeddings(["q1", "q2"], [np.ones((1, 2), np.float32), embedding])
+    message = _one_line(info)
+    assert message.startswith("queries: query 'q2' (index 1): ") and "numbers" in message
+    if dtype is not None:
+        assert f"dtype {dtype} is not a real-number type" in message
+
+
+@pytest.mark.parametrize("k", [2.5, True, "5", 0, -3])
+def test_counts_must_be_whole_numbers_of_at_least_one(data, k) -> None:
+    for call in (
+        lambda: search(data["queries_path"], data["corpus"], k=k, device="cpu"),
+        lambda: rerank(data["queries_path"], data["corpus"], {"q1": ["doc001"]}, k=k, device="cpu"),
+        lambda: search(data["queries_path"], data["corpus"], batch_queries=k, device="cpu"),
+    ):
+        with pytest.raises(UsageError) as info:
+            call()
+        message = _one_line(info)
+        assert message.startswith((f"k={k!r}: ", f"batch_queries={k!r}: ")) and "at least 1" in message
+
+
+def test_an_arrow_shard_deleted_after_opening_is_an_input_error(tmp_path) -> None:
+    """As for safetensors: one line naming the shard, not a bare FileNotFoundError."""
+    ids = [f"d{i}" for i in range(4)]
+    docs = [np.full((2, DIM), 0.5, np.float32) for _ in ids]
+    for name in ("c.arrow", "c.safetensors"):
+        path = tmp_path / name
+        write_shard(str(path), ids, docs)
+        with open_corpus(path) as corpus:
+            path.unlink()
+            with pytest.raises(InputError) as info:
+                search((["q"], [np.ones((1, DIM), np.float32)]), corpus, k=2, device="cpu")
+            message = _one_line(info)
+            assert message.startswith(f"{path}: cannot ") and "read values: " in message
+            assert "No such file" in message
+
+
+# --------------------------------------------------------------------------------------------------
+# bugs a new user met
+
+
+def test_a_numpy_boolean_mask_is_a_mask(data) -> None:
+    qids = list(data["queries"])[:3]
+    embs = [data["queries"][q].to(torch.float32) for q in qids]
+    longest = max(e.shape[0] for e in embs)
+    padded = np.full((3, longest, DIM), 7.0, np.float32)
+    mask = np.zeros((3, longest), dtype=bool)
+    for i, e in enumerate(embs):
+        padded[i, : e.shape[0]] = e.numpy()
+        mask[i, : e.shape[0]] = True
+    expected = Queries.from_embeddings(qids, embs)
+    for queries in (
+        Queries.from_embeddings(qids, padded, mask),  # padded, with its [n, L] mask
+        Queries.from_embeddings(qids, list(padded), list(mask)),  # one [L] mask per query
+    ):
+        assert torch.equal(queries.embeddings, expected.embeddings) and queries.offsets.tolist() == (
+            expected.offsets.tolist()
+        )
+    with pytest.raises(InputError, match=r"^queries: mask holds 2; a mask holds True/1"):
+        Queries.from_embeddings(qids, padded, mask.astype(np.int64) * 2)
+
+
+def test_a_nan_in_a_query_is_called_a_query() -> None:
+    bad = np.ones((2, 4), np.float32)
+    bad[1, 3] = np.nan
+    with pytest.raises(InputError) as info:
+        Queries.from_embeddings(["qa", "qx"], [np.ones((1, 4), np.float32), bad])
+    assert _one_line(info) == (
+        "queries: query 'qx' (index 1) has NaN or Inf values at token 1; re-encode or drop that query"
+    )
+
+
+def test_an_empty_query_set_warns_and_gives_an_empty_run(data) -> None:
+    for empty in (Queries.from_embeddings([], []), ([], [])):
+        with pytest.warns(maxsim_cli.MaxsimWarning, match=r"^queries: holds no queries; the run is empty"):
+            run = search(empty, data["corpus"], k=3, device="cpu")
+        assert len(run) == 0 and run.qids == []
+    with pytest.raises(InputError, match=r"^queries: holds no queries; .* leave out strict=True$"):
+        search(([], []), data["corpus"], strict=True, device="cpu")
+
+
+def test_a_string_where_a_list_of_docnos_belongs_is_an_error(data) -> None:
+    for rows in ("doc001", b"doc001", 7):
+        with pytest.raises(InputError) as info:
+            rerank(data["queries_path"], data["corpus"], {"q1": rows}, device="cpu")
+        assert _one_line(info).startswith(
+            f"candidates: query 'q1' has {rows!r} where a list of docnos belongs"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# the API speaks Python
+
+
+def test_errors_and_warnings_name_the_apis_arguments(data, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    q, c = data["queries_path"], data["corpus"]
+    cases = [
+        (lambda: search(q, c, k=0, device="cpu"), "k=0: must be at least 1"),
+        (lambda: rerank(q, c, {"q1": ["doc001"]}, k=0, device="cpu"), "k=0: must be at least 1"),
+        (
+            lambda: search(q, c, device="cuda"),
+            "device='cuda': no CUDA device is available here; use device='cpu'",
+        ),
+        (lambda: search(q, c, device="tpu"), "device='tpu': not a device; use auto, cpu, cuda or cuda:N"),
+        (lambda: search(q, c, backend="jax", device="cpu"), "backend='jax': use auto, triton or torch"),
+        (lambda: search(q, c, max_memory="lots", device="cpu"), "max_memory: invalid size 'lots'"),
+        (
+            lambda: opened.to("cuda"),
+            "device='cuda': no CUDA device is available here; use device='cpu'",
+        ),
+    ]
+    with open_corpus(c) as opened:
+        for call, message in cases:
+            with pytest.raises(UsageError) as info:
+                call()
+            assert _one_line(info).startswith(message) and "--" not in str(info.value)
+    path, _ = _candidates(data, tmp_path)
+    with pytest.warns(maxsim_cli.MaxsimWarning) as warned:
+        rerank(q, c, path, device="cpu")
+    assert "(strict=True makes this an error)" in str(warned[0].message)
+    with pytest.raises(InputError, match=r"or drop strict=True to skip them$"):
+        rerank(q, c, path, strict=True, device="cpu")
+    # the same vocabulary, rendered as flags by the command line
+    result = runner.invoke(app, ["score", q, c, "--device", "cuda", "-o", str(tmp_path / "r.trec")])
+    assert result.exit_code == 2
+    assert "--device cuda: no CUDA device is available here; use --device cpu" in result.stderr
+    result = runner.invoke(app, ["score", q, c, "--device", "cpu", "--candidates", path, "-q"])
+    assert "(--strict makes this an error)" in result.stderr
+
+
+def test_search_and_rerank_take_the_same_keywords() -> None:
+    import inspect
+
+    def keywords(func) -> dict[str, object]:
+        params = inspect.signature(func).parameters.values()
+        return {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
+
+    searching, reranking = keywords(search), keywords(rerank)
+    assert set(searching) - {"batch_queries"} == set(reranking)
+    assert {name: searching[name] for name in reranking if name != "k"} == {
+        name: default for name, default in reranking.items() if name != "k"
+    }

@@ -329,6 +329,69 @@ def test_candidate_index_out_of_range_raises() -> None:
         )
 
 
+# Outside [0, 23): below 0, the number of documents, past 2^32 (low 32 bits valid), far below 0.
+BAD_CANDIDATES = [-1, 23, 2**32 + 5, -(2**62)]
+
+
+def _bad_candidates_case() -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """Two queries with 9 and 11 candidates among 23 documents (one empty): the Triton kernel's first run
+    of 16 crosses from one query to the next (its per-candidate branch), the second lies in one query (its
+    planned branch). Entries 0, 8, 16 and 19 are BAD_CANDIDATES. Returns (inputs, the candidates, the same
+    with valid indices in place of the bad ones, the bad entries' mask, the doc_scales argument)."""
+    gen = torch.Generator().manual_seed(12)
+    queries, qo = packed([5, 9], 32, gen)
+    lengths = torch.randint(0, 90, (23,), generator=gen)
+    lengths[3] = 0
+    docs, do = packed(lengths.tolist(), 32, gen)
+    d8, sd = quantize_per_token(docs, backend="torch")
+    valid = torch.randint(0, 23, (20,), generator=gen)
+    bad = torch.zeros(20, dtype=torch.bool)
+    bad[[0, 8, 16, 19]] = True
+    cand = valid.clone()
+    cand[bad] = torch.tensor(BAD_CANDIDATES)
+    return (queries, qo, d8, do, torch.tensor([0, 9, 20])), cand, valid, bad, {"doc_scales": sd}
+
+
+@_NEEDS_TRITON
+@pytest.mark.parametrize("return_argmax", [False, True])
+def test_bad_candidate_indices_on_the_device_score_nan_without_a_host_copy(
+    device_candidates, return_argmax: bool
+) -> None:
+    """Candidates on a GPU are not read by the host on the Triton path: the kernel never reads through
+    a bad index, scores its candidate NaN (argmax -1) and the others bit for bit as without it."""
+    inputs, cand, valid, bad, scales = _bad_candidates_case()
+    kwargs = dict(**scales, return_argmax=return_argmax, backend="triton")
+    got = maxsim_candidates_int8(*inputs, cand, **kwargs)
+    want = maxsim_candidates_int8(*inputs, valid, **kwargs)
+    assert device_candidates == [], "the candidates were copied to the host"
+    if return_argmax:
+        (got, got_arg), (want, want_arg) = got, want
+        assert (got_arg[bad] == -1).all()
+        assert torch.equal(got_arg[~bad], want_arg[~bad])
+    assert torch.equal(torch.isnan(got), bad)
+    assert torch.equal(got[~bad], want[~bad])
+    on_torch = maxsim_candidates_int8(*inputs, valid, **scales, backend="torch")
+    torch.testing.assert_close(want, on_torch, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", BAD_CANDIDATES)
+def test_bad_candidate_index_on_the_host_raises_naming_it(backend: str, bad: int) -> None:
+    inputs, _, valid, _, scales = _bad_candidates_case()
+    valid[5] = bad
+    message = rf"candidate_docs\[5\] = {bad} is not a document index in \[0, 23\)"
+    with pytest.raises(ValueError, match=message):
+        maxsim_candidates_int8(*inputs, valid, **scales, backend=backend)
+
+
+def test_torch_path_checks_device_candidates_on_the_host(device_candidates) -> None:
+    inputs, _, valid, _, scales = _bad_candidates_case()
+    valid[5] = 23
+    with pytest.raises(ValueError, match=r"candidate_docs\[5\] = 23 is not a document index"):
+        maxsim_candidates_int8(*inputs, valid, **scales, backend="torch")
+    assert device_candidates
+
+
 def test_dim_beyond_exact_range_raises() -> None:
     docs = torch.zeros(2, 1025, dtype=torch.int8)
     with pytest.raises(ValueError, match="dim 1..1024"):

@@ -451,3 +451,109 @@ def test_hopper_stream_offsets_past_2_31_bytes() -> None:
     cand_off = torch.tensor([0, cand.numel()], device="cuda")
     picked = maxsim_candidates_int8(queries, qo, d8, do_d, cand_off, cand, doc_scales=sd)
     assert torch.equal(picked, scores[0, cand])
+
+
+def device_candidate_batches(n_docs: int, nq: int, seeds, max_count: int = 60):
+    """Per batch: new candidate offsets on the host and new candidate indices on the GPU."""
+    batches = []
+    for seed in seeds:
+        gen = torch.Generator().manual_seed(seed)
+        counts = torch.randint(0, max_count, (nq,), generator=gen)
+        cand_off = torch.zeros(nq + 1, dtype=torch.int64)
+        cand_off[1:] = counts.cumsum(0)
+        batches.append((cand_off, torch.randint(0, n_docs, (int(cand_off[-1]),), generator=gen).cuda()))
+    return batches
+
+
+def with_bad_indices(valid: torch.Tensor, n_docs: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`valid` with about one entry in ten (and the first and last) replaced by an index outside
+    [0, n_docs), including ones whose low 32 bits are a valid index: (candidates, mask of the bad ones)."""
+    gen = torch.Generator().manual_seed(seed)
+    bad = (torch.rand(valid.shape, generator=gen) < 0.1).cuda()
+    bad[0] = bad[-1] = True
+    picks = torch.tensor([-1, n_docs, 2**32 + 5, -(2**62), 2**62], device="cuda")
+    spread = picks[torch.arange(valid.numel(), device="cuda") % picks.numel()]
+    return torch.where(bad, spread, valid), bad
+
+
+@pytest.mark.parametrize("path", ["stream", "triton"])
+def test_new_device_candidates_cost_no_synchronisation(monkeypatch, path: str) -> None:
+    """A new candidates tensor on the GPU each call (as a service passes them), host offsets: no call
+    waits for the device, on the Gluon stream kernel (sm_90) and on the Triton kernel."""
+    from maxsim_kernels import maxsim_int8
+
+    gen = torch.Generator().manual_seed(2)
+    queries, qo = packed_lengths(torch.randint(1, 33, (16,), generator=gen).tolist(), 128, gen)
+    docs, do = packed_lengths(torch.randint(1, 200, (500,), generator=gen).tolist(), 128, gen)
+    d8, sd = quantize_per_token(docs)
+    if path == "stream":
+        stream_or_skip(queries, qo, d8)
+    else:
+        monkeypatch.setattr(maxsim_int8, "_hopper_stream", lambda *args: None)
+    first, *batches = device_candidate_batches(500, 16, range(5))
+    maxsim_candidates_int8(queries, qo, d8, do, *first, doc_scales=sd)  # compiles; reads the offsets once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        scores = [maxsim_candidates_int8(queries, qo, d8, do, *batch, doc_scales=sd) for batch in batches]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    qo_d, do_d = qo.cuda(), do.cuda()
+    ref = maxsim_int8_reference(queries, qo_d, d8, do_d, doc_scales=sd)
+    tol = score_tolerance(queries, qo_d, d8, do_d, sd)
+    for (cand_off, cand_docs), got in zip(batches, scores, strict=True):
+        owner = torch.repeat_interleave(torch.arange(16), cand_off.diff()).cuda()
+        assert_scores(got, ref[owner, cand_docs], tol[owner, cand_docs])
+
+
+def test_bad_device_candidate_indices_score_nan_on_the_triton_kernel(monkeypatch) -> None:
+    """Indices outside [0, nd) on the GPU are never read through: NaN (argmax -1), and every other
+    candidate's score and argmax bit for bit those of the same call without the bad ones."""
+    from maxsim_kernels import maxsim_int8
+
+    monkeypatch.setattr(maxsim_int8, "_hopper_stream", lambda *args: None)
+    gen = torch.Generator().manual_seed(9)
+    queries, qo = packed_lengths([5, 64, 32, 17, 100, 3, 32, 32], 128, gen)  # 100: the per-candidate branch
+    docs, do, d8, sd = adversarial_docs(gen)
+    nd = do.numel() - 1
+    cand_off, valid = device_candidate_batches(nd, 8, [3], max_count=90)[0]
+    cand, bad = with_bad_indices(valid, nd, 3)
+    for return_argmax in (False, True):
+        args = dict(doc_scales=sd, return_argmax=return_argmax)
+        got = maxsim_candidates_int8(queries, qo, d8, do, cand_off, cand, **args)
+        want = maxsim_candidates_int8(queries, qo, d8, do, cand_off, valid, **args)
+        if return_argmax:
+            (got, got_arg), (want, want_arg) = got, want
+            assert (got_arg[bad] == -1).all()
+            assert torch.equal(got_arg[~bad], want_arg[~bad])
+        assert torch.equal(torch.isnan(got), bad)
+        assert torch.equal(got[~bad], want[~bad])
+
+
+def test_bad_device_candidate_indices_score_nan_on_the_stream_kernel() -> None:
+    """The Gluon stream kernel: bad indices (first and last of a program's run, inside one, runs that
+    start inside another query's) score NaN and are never read through; the others keep their bits, for
+    every run length (the bad-index mask is an int32 up to 32 items a run, an int64 past that)."""
+    from maxsim_kernels import maxsim_int8_hopper_stream as stream
+
+    gen = torch.Generator().manual_seed(10)
+    docs, do, d8, sd = adversarial_docs(gen)
+    nd = do.numel() - 1
+    q_lens = [1, 64, 32, 17, 5, 33, 32, 2]
+    queries, qo = packed_lengths(q_lens, 128, gen)
+    stream_or_skip(queries, qo, d8)
+    cand_off, valid = device_candidate_batches(nd, len(q_lens), [4], max_count=90)[0]
+    cand, bad = with_bad_indices(valid, nd, 4)
+    got = maxsim_candidates_int8(queries, qo, d8, do, cand_off, cand, doc_scales=sd)
+    want = maxsim_candidates_int8(queries, qo, d8, do, cand_off, valid, doc_scales=sd)
+    assert torch.equal(torch.isnan(got), bad)
+    assert torch.equal(got[~bad], want[~bad])
+    q8, sq = quantize_per_token(queries)
+    qo_d, do_d, cand_off_d = qo.cuda(), do.cuda(), cand_off.cuda()
+    for cfg in (dict(items_per_prog=1), dict(items_per_prog=4, stages=3, group=2), dict(items_per_prog=32),
+                dict(items_per_prog=64, stages=8, group=8)):  # fmt: skip
+        again = stream.maxsim_int8_stream(q8, sq, qo_d, cand_off_d, cand, d8, sd, do_d, 64, **cfg)
+        assert torch.equal(torch.isnan(again), bad), cfg
+        assert torch.equal(again[~bad], got[~bad]), cfg
+    with pytest.raises(ValueError, match="at most 64 candidates a program"):
+        stream.maxsim_int8_stream(q8, sq, qo_d, cand_off_d, cand, d8, sd, do_d, 64, items_per_prog=128)

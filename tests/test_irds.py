@@ -209,3 +209,28 @@ def test_an_existing_file_named_like_a_dataset_is_read_as_the_file(tmp_path: Pat
     Path("irds:local").write_text("q1 Q0 d1 0 1.0 r\n")
     assert not irds.is_irds("irds:local") and irds.is_irds("irds:elsewhere")
     assert read_run("irds:local") == {"q1": [("d1", 1.0)]}
+
+
+def test_no_network_is_one_line_naming_the_cache_folder(tmp_path: Path, monkeypatch, capfd) -> None:
+    """A dataset whose files must be downloaded, with the network shut: one line naming the dataset,
+    the folder ir_datasets keeps its data in (IR_DATASETS_HOME) and what to do; none of ir_datasets'
+    own lines about the failed attempts."""
+    from ir_datasets.util import Download, RequestsDownload
+
+    home = tmp_path / "irds-home"
+    monkeypatch.setenv("IR_DATASETS_HOME", str(home))
+    mirrors = [RequestsDownload(f"http://127.0.0.1:9/{name}", tries=2) for name in ("qrels", "mirror")]
+    download = Download(mirrors, cache_path=str(tmp_path / "cache" / "qrels"))
+    name = f"maxsim-test/{uuid.uuid4().hex[:12]}"
+    ir_datasets.registry.register(name, Dataset(TrecQrels(download, {})))
+    capfd.readouterr()
+    with pytest.raises(MaxsimError) as info:
+        read_qrels(f"irds:{name}")
+    message = str(info.value)
+    assert message.startswith(f"irds:{name}: ir_datasets could not download the qrels (no network here?)")
+    assert str(home) in message and "~/.ir_datasets" not in message and "\n" not in message
+    assert len(message) < 400
+    assert capfd.readouterr().err == ""  # ir_datasets' [INFO] / [WARNING] lines left out
+    result = runner.invoke(app, ["eval", str(SAMPLE / "candidates.trec"), f"irds:{name}"])
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == [f"maxsim: error: {message}"]

@@ -11,6 +11,7 @@ the chosen token's similarity must be within 1e-5 of the max.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 # tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA (never on a GPU machine, where the
@@ -299,6 +300,79 @@ needs_interpreter = pytest.mark.skipif(
 )
 
 
+# Candidate indices outside [0, num_docs): below 0, num_docs itself, past 2^32 (its low 32 bits are a
+# valid index), and far below 0.
+BAD_CANDIDATES = [-1, 23, 2**32 + 5, -(2**62)]
+
+
+def bad_candidates_case(q_lens, dtype=torch.float16):
+    """23 documents (one empty); 13 candidates for the queries `q_lens`, of which entries 0, 4, 8 and 12
+    (first and last of a run, inside one) are BAD_CANDIDATES: (inputs, the candidates with the bad ones,
+    the same with each bad one replaced by a valid index, the bad entries' mask)."""
+    gen = torch.Generator().manual_seed(8)
+    d_lens = torch.randint(0, 50, (23,), generator=gen)
+    d_lens[4] = 0
+    queries, q_off = packed(q_lens, 24, dtype, gen=gen)
+    docs, d_off = packed(d_lens, 24, dtype, gen=gen)
+    counts = torch.full((len(q_lens),), 13 // len(q_lens))
+    counts[-1] += 13 - int(counts.sum())
+    c_off = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
+    c_off[1:] = counts.cumsum(0)
+    valid = torch.randint(0, 23, (13,), generator=gen)
+    bad = torch.zeros(13, dtype=torch.bool)
+    bad[[0, 4, 8, 12]] = True
+    cand = valid.clone()
+    cand[bad] = torch.tensor(BAD_CANDIDATES)
+    return (queries, q_off, docs, d_off, c_off), cand, valid, bad
+
+
+@needs_interpreter
+@pytest.mark.parametrize("q_lens", [[6, 1, 11, 4], [140, 3]])  # [140, 3]: a long query, in chunks
+@pytest.mark.parametrize("return_argmax", [False, True])
+def test_bad_candidate_indices_on_the_device_score_nan_without_a_host_copy(
+    device_candidates, q_lens, return_argmax
+):
+    """Candidates on a GPU are not read by the host (no copy, no wait for the device): the kernel never
+    reads through a bad index, scores its candidate NaN (argmax -1) and the others as without it."""
+    inputs, cand, valid, bad = bad_candidates_case(q_lens)
+    got = maxsim_candidates(*inputs, cand, return_argmax=return_argmax, backend="triton")
+    want = maxsim_candidates(*inputs, valid, return_argmax=return_argmax, backend="triton")
+    assert device_candidates == [], "the candidates were copied to the host"
+    if return_argmax:
+        (got, got_arg), (want, want_arg) = got, want
+        assert bool((got_arg[bad] == -1).all())
+        assert torch.equal(got_arg[~bad], want_arg[~bad])
+    assert torch.equal(torch.isnan(got), bad)
+    assert torch.equal(got[~bad], want[~bad])
+    ref = maxsim_candidates_reference(*inputs, valid)
+    q_lens_c = torch.repeat_interleave(torch.tensor(q_lens), inputs[4].diff())
+    check_scores(want, ref, q_lens_c, 24)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", BAD_CANDIDATES)
+def test_bad_candidate_index_on_the_host_raises_naming_it(backend, bad):
+    inputs, _, valid, _ = bad_candidates_case([6, 1, 11, 4], torch.float32)
+    valid[5] = bad
+    message = rf"candidate_docs\[5\] = {bad} is not a document index in \[0, 23\)"
+    with pytest.raises(ValueError, match=message):
+        maxsim_candidates(*inputs, valid, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_and_differentiable_paths_check_device_candidates_on_the_host(device_candidates, backend):
+    """The torch path indexes through the candidates and the backward's kernels read through them: both
+    check candidates on the host wherever they live, as before."""
+    (queries, *rest), _, valid, _ = bad_candidates_case([6, 1, 11, 4], torch.float32)
+    valid[5] = 23
+    if backend == "torch":
+        with pytest.raises(ValueError, match=r"candidate_docs\[5\] = 23 is not a document index"):
+            maxsim_candidates(queries, *rest, valid, backend=backend)
+    with pytest.raises(ValueError, match=r"candidate_docs\[5\] = 23 is not a document index"):
+        maxsim_candidates(queries.clone().requires_grad_(True), *rest, valid, backend=backend)
+    assert device_candidates, "the host did not check the candidates"
+
+
 @needs_interpreter
 @pytest.mark.parametrize(
     ("num_queries", "cls", "qpb", "fill_gpu"),
@@ -329,6 +403,47 @@ def test_triton_many_queries_classes_with_partial_groups(monkeypatch, num_querie
     check_scores(scores, ref, q_lens[:, None], 32)
     pairs = [(qi, di, arg[q_off[qi] : q_off[qi + 1], di]) for qi in range(num_queries) for di in range(37)]
     check_argmax(arg, queries, q_off, docs, d_off, pairs)
+
+
+@pytest.mark.parametrize(("name", "family"), [("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H200", None)])
+def test_the_tuning_table_is_chosen_by_the_device(monkeypatch, name, family):
+    from maxsim_kernels import maxsim_forward as fwd
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    fwd._device_family.cache_clear()
+    try:
+        cuda = torch.device("cuda", 0)
+        for cls in fwd._TUNING:
+            want = fwd._DEVICE_TUNING.get(family, {}).get(cls, fwd._TUNING[cls])
+            assert fwd.tuning(cls, cuda) == want
+            assert fwd.tuning(cls, torch.device("cpu")) == fwd.tuning(cls) == fwd._TUNING[cls]
+    finally:
+        fwd._device_family.cache_clear()
+
+
+@pytest.mark.parametrize("family", ["H100"])
+def test_device_tuning_entries_give_the_same_bits(family):
+    """Every per-device entry scores bit for bit what the default table's entry scores (ragged documents,
+    documents past one tile, an empty document, a query shorter than its rows)."""
+    from maxsim_kernels import maxsim_forward as fwd
+
+    gen = torch.Generator().manual_seed(5)
+    q_lens = torch.tensor([32, 7])
+    d_lens = torch.cat([torch.randint(1, 150, (40,), generator=gen), torch.tensor([0, 64, 65])])
+    queries, q_off = packed(q_lens, 64, torch.float16, gen=gen)
+    docs, d_off = packed(d_lens, 64, torch.float16, gen=gen)
+    entries = fwd._DEVICE_TUNING[family]
+    for q, qo in ((queries[:32], q_off[:2]), (queries, q_off)):
+        base = fwd.maxsim_varlen_forward_triton(q, qo, docs, d_off, config=fwd._TUNING["few"])
+        got = fwd.maxsim_varlen_forward_triton(q, qo, docs, d_off, config=entries["few"])
+        assert torch.equal(got, base)
+    c_off = torch.tensor([0, 5, 12])
+    c_docs = torch.tensor([3, 0, 41, 42, 7, 1, 2, 40, 9, 9, 30, 11])
+    base = fwd.maxsim_candidates_forward_triton(queries, q_off, docs, d_off, c_off, c_docs,
+                                                config=fwd._candidates_config(32)[0])  # fmt: skip
+    cfg = dataclasses.replace(entries["cands"], block_q=32)
+    got = fwd.maxsim_candidates_forward_triton(queries, q_off, docs, d_off, c_off, c_docs, config=cfg)
+    assert torch.equal(got, base)
 
 
 @pytest.mark.parametrize(

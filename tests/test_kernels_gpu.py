@@ -404,3 +404,64 @@ def test_resident_candidates_equal_the_launcher_bit_for_bit(dtype):
                 128,
             )
     assert all(launch._compiled for launch in staged._launches.values())
+
+
+def service_batches(n_docs: int, nq: int, seeds, max_count: int = 60):
+    """A service's candidate batches: per batch, new candidate offsets on the host and new candidate
+    indices on the GPU (made before any check of synchronisation starts)."""
+    batches = []
+    for seed in seeds:
+        gen = torch.Generator().manual_seed(seed)
+        counts = torch.randint(0, max_count, (nq,), generator=gen)
+        c_off = torch.zeros(nq + 1, dtype=torch.int64)
+        c_off[1:] = counts.cumsum(0)
+        batches.append((c_off, torch.randint(0, n_docs, (int(c_off[-1]),), generator=gen).to(CUDA)))
+    return batches
+
+
+@pytest.mark.parametrize("doc_offsets_on", ["cpu", "cuda"])
+def test_new_device_candidates_cost_no_synchronisation(doc_offsets_on):
+    """A new candidates tensor on the GPU each call (as a service passes them), the corpus and the query
+    offsets as before, candidate offsets from the host: no call waits for the device."""
+    gen = torch.Generator(device=CUDA).manual_seed(3)
+    cpu_gen = torch.Generator().manual_seed(3)
+    queries, q_off = packed(torch.randint(1, 33, (16,), generator=cpu_gen), 128, torch.float16, gen)
+    docs, d_off = packed(torch.randint(1, 200, (500,), generator=cpu_gen), 128, torch.float16, gen)
+    d_off = d_off.to(doc_offsets_on)
+    first, *batches = service_batches(500, 16, range(5))
+    maxsim_candidates(queries, q_off, docs, d_off, *first)  # compiles; reads the corpus offsets once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        scores = [maxsim_candidates(queries, q_off, docs, d_off, *batch) for batch in batches]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for batch, got in zip(batches, scores, strict=True):
+        ref = maxsim_candidates_reference(queries, q_off, docs, d_off, *batch)
+        q_lens = torch.repeat_interleave(q_off.diff(), batch[0].diff()).to(CUDA)
+        assert_close(got, ref, q_lens, 128)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("q_lens", [[32] * 8, [7, 150, 32]])  # 150: a long query, scored in chunks
+def test_bad_device_candidate_indices_score_nan(dtype, q_lens):
+    """Candidate indices on the GPU outside [0, num_docs) are never read through: NaN for them (argmax
+    -1), the other candidates' scores and argmax bit for bit those of the same call without them."""
+    gen = torch.Generator(device=CUDA).manual_seed(6)
+    cpu_gen = torch.Generator().manual_seed(6)
+    queries, q_off = packed(q_lens, 128, dtype, gen)
+    docs, d_off = packed(torch.randint(0, 300, (2000,), generator=cpu_gen), 128, dtype, gen)
+    c_off, valid = service_batches(2000, len(q_lens), [7], max_count=100)[0]
+    bad = torch.rand(valid.shape, generator=cpu_gen).to(CUDA) < 0.1
+    bad[0] = bad[-1] = True
+    picks = torch.tensor([-1, 2000, 2**32 + 5, -(2**62), 2**62], device=CUDA)
+    cand = torch.where(bad, picks[torch.arange(valid.numel(), device=CUDA) % picks.numel()], valid)
+    for return_argmax in (False, True):
+        got = maxsim_candidates(queries, q_off, docs, d_off, c_off, cand, return_argmax=return_argmax)
+        want = maxsim_candidates(queries, q_off, docs, d_off, c_off, valid, return_argmax=return_argmax)
+        if return_argmax:
+            (got, got_arg), (want, want_arg) = got, want
+            assert bool((got_arg[bad] == -1).all())
+            assert torch.equal(got_arg[~bad], want_arg[~bad])
+        assert torch.equal(torch.isnan(got), bad)
+        assert torch.equal(got[~bad], want[~bad])

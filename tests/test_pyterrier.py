@@ -74,12 +74,13 @@ def as_run(frame: pd.DataFrame) -> Run:
 
 def assert_same_rows(frame: pd.DataFrame, run: Run) -> None:
     """Same queries in the same order, the same rows in the same order, the same float32 scores, and
-    ranks from 0 where the run's count from 1."""
+    the same ranks, from 0 (`Run.to_dataframe` numbers them as PyTerrier does)."""
     expected = run.to_dataframe()
     assert frame["qid"].tolist() == expected["qid"].tolist()
     assert frame["docno"].tolist() == expected["docno"].tolist()
     assert frame["score"].tolist() == expected["score"].tolist()
-    assert (frame["rank"].to_numpy() == expected["rank"].to_numpy() - 1).all()
+    assert (frame["rank"].to_numpy() == expected["rank"].to_numpy()).all()
+    assert (frame["rank"].to_numpy() == [r.rank - 1 for r in run]).all()
     assert frame["score"].dtype == np.float64 and frame["rank"].dtype == np.int64
 
 

@@ -375,6 +375,62 @@ def test_manifest_symlink_escape(tmp_path):
     )
 
 
+def test_manifest_path_with_a_nul_is_one_line(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_shard(corpus / "a.safetensors", ["a"], [np.ones((1, 4), np.float32)])
+    manifest = {"format": "maxsim-corpus", "format_version": 1, "shards": [{"path": "a.safetensors\u0000x"}]}
+    (corpus / "index.json").write_text(json.dumps(manifest))
+    assert_error(run_inspect(corpus), "index.json", r"path 'a.safetensors\x00x' contains a NUL character")
+    with pytest.raises(InputError, match="contains a NUL character"):
+        open_corpus([corpus])
+
+
+@pytest.mark.parametrize("manifest", [False, True])
+def test_one_rule_for_links_out_of_a_corpus_folder(tmp_path, manifest):
+    """With or without index.json, a folder's shard that a symlink takes outside the folder is refused;
+    named as a corpus path itself, the same file is read; links inside the folder are followed."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_shard(corpus / "a.safetensors", ["a"], [np.ones((1, 4), np.float32)])
+    write_shard(tmp_path / "outside.safetensors", ["b"], [np.ones((1, 4), np.float32)])
+    os.symlink(tmp_path / "outside.safetensors", corpus / "b.safetensors")
+    if manifest:
+        write_manifest(corpus, ["a.safetensors", "b.safetensors"])
+    where = "index.json" if manifest else "b.safetensors"
+    assert_error(
+        run_inspect(corpus), where, "resolves (through a symlink) to", "outside the corpus directory"
+    )
+    with pytest.raises(InputError, match="name the file itself as a corpus path"):
+        open_corpus([corpus])
+    (corpus / "b.safetensors").unlink()
+    if manifest:
+        write_manifest(corpus, ["a.safetensors"])
+    with open_corpus([corpus, corpus.parent / "outside.safetensors"]) as named:  # named: read
+        assert named.ids == ["a", "b"]
+    os.symlink(corpus / "a.safetensors", corpus / "sub.safetensors")  # a link inside the folder
+    if manifest:
+        write_manifest(corpus, ["sub.safetensors"])
+        with open_corpus([corpus]) as inside:
+            assert inside.ids == ["a"]
+    else:  # both names of one file are listed: the same shard twice
+        with pytest.raises(InputError, match="the same shard is listed twice"):
+            open_corpus([corpus])
+
+
+def test_write_shard_with_mixed_dims_is_an_input_error(tmp_path):
+    path = tmp_path / "m.safetensors"
+    with pytest.raises(InputError) as info:
+        write_shard(path, ["a", "b"], [np.ones((3, 128)), np.ones((3, 64))])
+    assert str(info.value) == (
+        f"{path}: document 'b' (index 1) has vectors of 64 values; this shard has dim 128; encode all "
+        "documents with one model"
+    )
+    assert not path.exists()
+    with pytest.raises(InputError, match=r"document 'b' \(index 1\): dtype <U1 is not a real-number type"):
+        write_shard(path, ["a", "b"], [np.ones((3, 8)), np.array([["x"] * 8])])
+
+
 def test_manifest_counts_must_match(tmp_path):
     write_shard(tmp_path / "a.safetensors", ["a", "b"], [np.ones((1, 4), np.float32)] * 2)
     manifest = json.loads(open(write_manifest(tmp_path)).read())

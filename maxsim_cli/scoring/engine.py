@@ -50,7 +50,15 @@ from maxsim_kernels.cpu import NonFiniteDocuments
 
 from maxsim_cli import collector, timeline
 from maxsim_cli.devices import DEFAULT_GPU_FREE_SHARE, default_host_bytes
-from maxsim_cli.errors import InputError, MaxsimError, RankStopped
+from maxsim_cli.errors import (
+    BATCH_QUERIES,
+    MAX_HOST_MEMORY,
+    MAX_MEMORY,
+    STRICT,
+    InputError,
+    MaxsimError,
+    RankStopped,
+)
 from maxsim_cli.memory import UNPLANNED_HOST_BYTES, HostMeter
 from maxsim_cli.pipeline import Batch, BatchPlan, BatchStream, PinnedArena, read_parts
 from maxsim_cli.scoring import plan as planning
@@ -260,7 +268,7 @@ def _note_host_memory(stats: ScoreStats, meter: HostMeter, budget: int, given: b
     stats.extra["peak_rss_bytes"] = peak
     if stats.peak_host_bytes > budget:
         option = (
-            f"--max-host-memory {format_size(budget)}"
+            MAX_HOST_MEMORY.given(format_size(budget))
             if given
             else f"the host budget ({format_size(budget)})"
         )
@@ -593,7 +601,7 @@ class _Engine:
         if b - a <= 1:
             raise MaxsimError(
                 f"out of memory on {self.device} scoring one document ({t1 - t0} tokens) against "
-                f"{topk.num_queries} queries; lower --batch-queries or --max-memory, or free GPU memory"
+                f"{topk.num_queries} queries; lower {BATCH_QUERIES} or {MAX_MEMORY}, or free GPU memory"
             )
         self._oom_note(b - a)
         mid = a + (b - a) // 2
@@ -847,11 +855,11 @@ def locate_candidates(
     if strict:
         raise InputError(
             f"{cname}: {n_missing} candidates are not in the corpus ({_corpus_name(corpus_paths)}), "
-            f"e.g. {examples}; check the run and the corpus, or drop --strict to skip them"
+            f"e.g. {examples}; check the run and the corpus, or drop {STRICT.given(True)} to skip them"
         )
     log(
         f"warning: {cname}: {n_missing} candidates are not in the corpus, e.g. {examples}; "
-        "they are left out (--strict makes this an error)"
+        f"they are left out ({STRICT.given(True)} makes this an error)"
     )
     keep = found.tolist()
     docnos_of: dict[int, list[str]] = {}

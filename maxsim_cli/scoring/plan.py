@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from maxsim_cli.errors import InputError, MaxsimError
+from maxsim_cli.errors import BATCH_QUERIES, MAX_HOST_MEMORY, MAX_MEMORY, InputError, MaxsimError
 from maxsim_cli.pipeline import BatchStream, Part, PinnedArena
 from maxsim_cli.topk import MAX_RANKS, PAIR_BYTES, STATE_BYTES
 from maxsim_cli.units import format_size
@@ -79,20 +79,21 @@ def _too_small(budget: Budget, need: int, what: str) -> MaxsimError:
     if budget.cuda:
         return MaxsimError(
             f"the memory budget ({format_size(budget.device_bytes)} on {budget.device}) is too small {what}: "
-            f"it needs about {format_size(int(need / BUDGET_FILL))}; raise --max-memory or pass "
-            "--batch-queries"
+            f"it needs about {format_size(int(need / BUDGET_FILL))}; raise {MAX_MEMORY} or pass "
+            f"{BATCH_QUERIES}"
         )
     if budget.host_reserved:
         mib = -(-(budget.host_reserved + int(need / BUDGET_FILL)) // (1 << 20))  # rounded up
         return MaxsimError(
             f"the host memory budget ({format_size(budget.host_bytes)}) is too small {what}: with "
             f"{format_size(budget.host_reserved)} held for the corpus's ids and offsets, the queries and "
-            f"the scoring threads, the run needs at least {mib} MiB; give --max-host-memory {mib}MiB or more"
+            f"the scoring threads, the run needs at least {mib} MiB; give "
+            f"{MAX_HOST_MEMORY.given(f'{mib}MiB')} or more"
         )
     return MaxsimError(
         f"the memory budget ({format_size(budget.device_bytes)} on {budget.device}) is too small {what}: "
-        f"it needs about {format_size(int(need / BUDGET_FILL))}; raise --max-memory or --max-host-memory "
-        "or pass --batch-queries"
+        f"it needs about {format_size(int(need / BUDGET_FILL))}; raise {MAX_MEMORY} or {MAX_HOST_MEMORY} "
+        f"or pass {BATCH_QUERIES}"
     )
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from maxsim_cli.devices import check_backend_option, resolve_device
-from maxsim_cli.errors import UsageError
+from maxsim_cli.errors import BATCH_QUERIES, MAX_HOST_MEMORY, MAX_MEMORY, TOP_K, UsageError
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,9 @@ class ScoreRequest:
         from maxsim_cli.runs import RunWriter
 
         if self.top_k < 1:
-            raise UsageError(f"--top-k {self.top_k}: must be at least 1")
+            raise UsageError(f"{TOP_K.given(self.top_k)}: must be at least 1")
         if self.batch_queries is not None and self.batch_queries < 1:
-            raise UsageError(f"--batch-queries {self.batch_queries}: must be at least 1")
+            raise UsageError(f"{BATCH_QUERIES.given(self.batch_queries)}: must be at least 1")
         if not self.corpus:
             raise UsageError("no corpus given: pass one or more shard files or directories after QUERIES")
         if any(p == "-" for p in self.corpus):
@@ -77,8 +77,8 @@ class ScoreRequest:
         device = resolve_device(self.device)
         check_backend_option(self.backend, device)
         if self.max_memory is not None and self.max_memory <= 0:
-            raise UsageError("--max-memory must be positive")
+            raise UsageError(f"{MAX_MEMORY} must be positive")
         if self.max_host_memory is not None and self.max_host_memory <= 0:
-            raise UsageError("--max-host-memory must be positive")
+            raise UsageError(f"{MAX_HOST_MEMORY} must be positive")
         RunWriter(self.output, tag=self.run_tag, fmt=self.fmt)  # checks the tag; opens nothing
         return device

@@ -17,7 +17,8 @@ holds such a request already (the scoring process reading a worker's frame) scor
 A request's answer does not depend on what it was batched with:
 
 - Queries are concatenated under internal ids (request index, query index), so two requests may use
-  the same qids; each answer is put back under the request's own qids, in its order.
+  the same qids; each answer is put back under the request's own qids, in its order. A request scored
+  alone keeps its own qids, so the library's messages (a score that overflows float32, ...) name them.
 - A search batch runs with the largest ``k`` of its requests and cuts each request's hits to its own
   ``k``: top-k in trec_eval's order (score descending, ties by docno descending) is prefix-closed, so
   the cut is exactly the request's own top-k. Scores do not depend on the batch (the kernels are
@@ -26,7 +27,8 @@ A request's answer does not depend on what it was batched with:
   each request is cut to its ``k``, its missing docnos are those of its candidates the run does not
   hold, and a ``strict`` request with missing docnos fails alone.
 - A batch that fails (out of memory even after the engine's own halving, or anything else) is split in
-  two and each half is scored again, down to single requests: only a request that fails alone fails.
+  two and each half is scored again, down to single requests: only a request that fails alone fails,
+  with the error of its scoring alone (which names its own qids).
 """
 
 from __future__ import annotations
@@ -155,15 +157,17 @@ class Scorer:
     def _search(self, jobs: Sequence[Job]) -> list[list[QueryAnswer]]:
         from maxsim_cli.api import search
 
-        queries = _concat([job.request.queries for job in jobs])
+        parts = [job.request.queries for job in jobs]
+        keys = _batch_ids(parts)
+        queries = _concat(parts)
         documents = len(self.corpus)
         k = max(min(job.request.k or documents, documents) for job in jobs)
         rows = search(queries, self.corpus, k=k, device=self.device).to_dict()
         self.counters.note(len(jobs))
         return [
             [
-                (qid, Hits.from_pairs(rows.get(_internal(j, i), [])[: job.request.k]), None)
-                for i, qid in enumerate(job.request.queries.ids)
+                (qid, Hits.from_pairs(rows.get(key, [])[: job.request.k]), None)
+                for qid, key in zip(job.request.queries.ids, keys[j], strict=True)
             ]
             for j, job in enumerate(jobs)
         ]
@@ -248,10 +252,13 @@ class Scorer:
         for job in jobs:
             answers: list[QueryAnswer] = []
             missing_total: list[str] = []
+            failure: InputError | None = None
             for qid in job.request.queries.ids:
                 a, b = int(offsets[n]), int(offsets[n + 1])
                 docnos, missing = kept[n], missing_of[n]
                 n += 1
+                if failure is None and not np.isfinite(scores[a:b]).all():
+                    failure = _not_finite(qid, docnos, scores[a:b])
                 # trec_eval's order (`maxsim_cli.runs.sort_trec`): float32 score, then docno, descending
                 keys = scores[a:b].astype(np.float64) + 0.0  # -0.0 ties with 0.0
                 order = np.lexsort((ranks[cand_docs[a:b]], keys))[::-1]
@@ -260,19 +267,24 @@ class Scorer:
                 hits = Hits([docnos[i] for i in order.tolist()], scores[a:b][order])
                 missing_total.extend(missing)
                 answers.append((qid, hits, missing))
+            if failure is not None:
+                out.append(failure)
+                continue
             out.append(_strict_failure(missing_total) if job.request.strict and missing_total else answers)
         return out
 
     def _rerank_library(self, jobs: Sequence[Job]) -> list[list[QueryAnswer] | BaseException]:
         from maxsim_cli.api import MaxsimWarning, rerank
 
-        queries = _concat([job.request.queries for job in jobs])
+        parts = [job.request.queries for job in jobs]
+        keys = _batch_ids(parts)
+        queries = _concat(parts)
         candidates: dict[str, list[str]] = {}
         for j, job in enumerate(jobs):
             assert job.request.candidates is not None
-            index = {qid: i for i, qid in enumerate(job.request.queries.ids)}
+            key_of = dict(zip(job.request.queries.ids, keys[j], strict=True))
             for qid, docnos in job.request.candidates.items():
-                candidates[_internal(j, index[qid])] = docnos
+                candidates[key_of[qid]] = docnos
         with warnings.catch_warnings():
             # missing candidates are reported per request below, not as a warning of the batch
             warnings.simplefilter("ignore", MaxsimWarning)
@@ -282,8 +294,8 @@ class Scorer:
         for j, job in enumerate(jobs):
             answers: list[QueryAnswer] = []
             missing_total: list[str] = []
-            for i, qid in enumerate(job.request.queries.ids):
-                hits = rows.get(_internal(j, i), [])
+            for qid, key in zip(job.request.queries.ids, keys[j], strict=True):
+                hits = rows.get(key, [])
                 asked = job.request.candidates.get(qid, []) if job.request.candidates else []
                 missing: list[str] = []
                 if len(hits) < len(asked):  # hits are distinct docnos of the asked ones
@@ -305,6 +317,17 @@ def _strict_failure(missing: list[str]) -> InputError:
     )
 
 
+def _not_finite(qid: str, docnos: Sequence[str], scores: np.ndarray) -> InputError:
+    """What a rerank request whose query scores a candidate to Inf or NaN (float32 overflow: the request's
+    values are finite, checked when it was read) fails with: the library's message for the same score
+    (`runs.RankedSink`), which a search or a rerank through the library gives."""
+    i = int(np.flatnonzero(~np.isfinite(scores))[0])
+    return InputError(
+        f"run: score {float(scores[i])} of docno {docnos[i]!r} for query {qid!r} is not finite; check the "
+        "embeddings for NaN or Inf, or for values so large that their products overflow float32"
+    )
+
+
 def resident_on_gpus(corpus: Corpus) -> bool:
     """Whether the corpus is resident, every part of it on a GPU."""
     if corpus.placement is not None:
@@ -317,9 +340,18 @@ def _internal(job: int, query: int) -> str:
     return f"{job}.{query}"
 
 
+def _batch_ids(parts: Sequence[Queries]) -> list[list[str]]:
+    """Each request's query ids inside its batch: a request alone keeps its own (unique within it,
+    checked when it was read), so that what the library says of a query names the client's qid; the
+    requests of a larger batch get `_internal` ids, unique across them."""
+    if len(parts) == 1:
+        return [parts[0].ids]
+    return [[_internal(j, i) for i in range(len(part))] for j, part in enumerate(parts)]
+
+
 def _concat(parts: Sequence[Queries]) -> Queries:
-    """The queries of several requests as one `Queries`, ids made unique (`_internal`). Requests of one
-    dtype are concatenated as they are; mixed dtypes go to float32 first (int8 queries dequantized as the
+    """The queries of several requests as one `Queries` under their `_batch_ids`. Requests of one dtype
+    are concatenated as they are; mixed dtypes go to float32 first (int8 queries dequantized as the
     engine does it), which every float dtype converts to exactly, so each query's values reach the
     kernels as they would alone."""
     import torch
@@ -327,10 +359,9 @@ def _concat(parts: Sequence[Queries]) -> Queries:
     from maxsim_cli.queries import Queries
     from maxsim_cli.shards import DocBatch
 
-    ids = [_internal(j, i) for j, part in enumerate(parts) for i in range(len(part))]
     if len(parts) == 1:
-        batch = parts[0].batch
-        return Queries(DocBatch(ids, batch.embeddings, batch.offsets, batch.scales), parts[0].name)
+        return parts[0]
+    ids = [key for keys in _batch_ids(parts) for key in keys]
     same = len({p.embeddings.dtype for p in parts}) == 1 and len({p.scales is None for p in parts}) == 1
     embeddings = torch.cat([p.embeddings if same else _float32(p) for p in parts])
     scales = torch.cat([p.scales for p in parts]) if same and parts[0].scales is not None else None

@@ -18,6 +18,8 @@ Arrow (``Content-Type: application/vnd.apache.arrow.stream``): the query shard s
 ``maxsim score -`` reads (docs/format.md: ``id``, ``embedding``, ``scales`` for int8, the metadata keys
 in the schema metadata); for ``/rerank`` one more column, ``candidates`` (``list<utf8>``, one list of
 docnos per query); ``k`` and ``strict`` as query-string parameters (``/rerank?k=100&strict=true``).
+Every record batch is fully validated (offsets, UTF-8, null counts) before a value is read: a corrupt
+stream is a 400, where an unchecked read of a bad offset would crash the process.
 """
 
 from __future__ import annotations
@@ -347,7 +349,7 @@ def _checked_queries(
     offsets = np.zeros(len(ids) + 1, dtype=np.int64)
     np.cumsum([a.shape[0] for a in arrays], out=offsets[1:])
     _check_ids(name, ids, what="query id")
-    _check_values(name, embeddings, None, offsets, ids, 0)
+    _check_values(name, embeddings, None, offsets, ids, 0, what="query")
     _check_dim(embeddings.shape[1], corpus_dim)
     return ids, embeddings, offsets
 
@@ -400,6 +402,7 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
     import pyarrow as pa
 
     from maxsim_cli.shards import ArrowShard
+    from maxsim_cli.shards.readers import read_stream
 
     allowed = ("k",) if kind == "search" else ("k", "strict")
     for name in params:
@@ -408,11 +411,10 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
     k = _int_param(params, "k", DEFAULT_K if kind == "search" else None)
     strict = _bool_param(params, "strict")
     try:
-        reader = pa.ipc.open_stream(pa.py_buffer(body))
-        batches = list(reader)
-    except (pa.ArrowException, OSError, ValueError) as exc:
-        raise RequestError(400, f"not an Arrow IPC stream: {exc}") from None
-    schema = reader.schema
+        # every record batch fully validated, before any value is read (a bad offset would be a crash)
+        schema, batches = read_stream(ARROW_NAME, body)
+    except InputError as exc:
+        raise RequestError(400, str(exc)) from None
     with ArrowShard(ARROW_NAME, batches, schema, "arrow-stream") as shard:
         if shard.num_docs == 0:
             raise RequestError(422, f"{QUERIES}: the Arrow stream holds no queries")
@@ -420,7 +422,7 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
         offsets = np.asarray(shard.offsets, dtype=np.int64)
         embeddings, scales = shard.rows_numpy(0, shard.num_docs)
         dtype = shard.info.dtype
-    _check_values(ARROW_NAME, _as_float32(embeddings, dtype), scales, offsets, ids, 0)
+    _check_values(ARROW_NAME, _as_float32(embeddings, dtype), scales, offsets, ids, 0, what="query")
     _check_dim(embeddings.shape[1], corpus_dim)
     if kind == "search":
         return Checked(ids, embeddings, offsets, dtype, scales, k)
@@ -428,6 +430,8 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
         raise RequestError(
             422, "the Arrow stream has no 'candidates' column (list<utf8>: each query's docnos) for /rerank"
         )
+    if len(schema.get_all_field_indices("candidates")) > 1:
+        raise RequestError(422, "the Arrow stream has more than one 'candidates' column; send one")
     column = pa.concat_arrays([b.column("candidates") for b in batches]) if batches else None
     if column is None or not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
         raise RequestError(
@@ -443,20 +447,34 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
     return Checked(ids, embeddings, offsets, dtype, scales, k, _check_candidates(candidates, ids), strict)
 
 
+# The largest k of a query string: int64's (no corpus holds more documents; a k past the corpus's size
+# gives every document). Python's int() refuses numbers of over 4,300 digits, with a ValueError.
+MAX_PARAM_INT = (1 << 63) - 1
+
+
 def _int_param(params: Mapping[str, str], name: str, default: int | None) -> int | None:
     if name not in params:
         return default
     text = params[name]
-    if not text.isdigit() or int(text) < 1:
-        raise RequestError(422, f"{name}={text!r}: must be a whole number of at least 1")
-    return int(text)
+    # ASCII digits only: str.isdigit() takes '²' too, which int() refuses
+    digits = text.lstrip("0") if text.isascii() and text.isdigit() else None
+    if digits is None or not digits or len(digits) > 19 or int(digits) > MAX_PARAM_INT:
+        raise RequestError(
+            422, f"{name}={_show_param(text)}: must be a whole number from 1 to {MAX_PARAM_INT}"
+        )
+    return int(digits)
 
 
 def _bool_param(params: Mapping[str, str], name: str) -> bool:
     text = params.get(name, "false").lower()
     if text not in ("true", "false", "1", "0"):
-        raise RequestError(422, f"{name}={params[name]!r}: must be true or false")
+        raise RequestError(422, f"{name}={_show_param(params[name])}: must be true or false")
     return text in ("true", "1")
+
+
+def _show_param(text: str, limit: int = 40) -> str:
+    """A query-string value for a message: quoted, at most ``limit`` characters of it."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
 
 
 # --------------------------------------------------------------------------------------------------

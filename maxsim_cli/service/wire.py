@@ -6,7 +6,7 @@ the payload's lengths, little-endian uint32), a JSON header, then raw array byte
 and arrays are read only as the few dtypes below, with their sizes checked against the header.
 
 - ``{"op": "hello", "worker": i}`` (worker, once): answered ``{"op": "config", ...}`` (the HTTP side's
-  settings: the corpus's dim, the token, the body limit, the number of workers).
+  settings: the corpus's dim, the token, the body limit, the number of workers, the connection limits).
 - ``{"op": "search" | "rerank", "id", "ids", "lengths", "dtype", "dim", "scaled", "k", "candidates",
   "strict", "name"}`` + the packed token vectors (then the float32 scales of an int8 request): a checked
   request (`schema.Checked`). Answered ``{"id", "status": 200, "results": [[qid, [docno, ...], missing],

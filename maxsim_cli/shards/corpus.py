@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from maxsim_cli.errors import InputError, UsageError
+from maxsim_cli.errors import STRICT, InputError, UsageError, in_python_terms
 from maxsim_cli.shards.format import (
     CORPUS_FORMAT_NAME,
     CORPUS_FORMAT_VERSION,
@@ -64,6 +64,18 @@ def list_shard_files(directory: str) -> list[str]:
     return [os.path.join(directory, n) for n in names if os.path.isfile(os.path.join(directory, n))]
 
 
+# What to do about a shard of a folder that a symlink takes outside it (the one rule for folders with
+# and without a manifest; a shard file named as a corpus path itself is read wherever it lies).
+_OUTSIDE_REMEDY = "copy the shard into it, or name the file itself as a corpus path"
+
+
+def _outside(root: str, path: str) -> str | None:
+    """The real path of ``path`` (a file in a folder whose real path is ``root``) when a symlink takes
+    it outside that folder, else None."""
+    real = os.path.realpath(path)
+    return real if os.path.commonpath([root, real]) != root else None
+
+
 def read_manifest(directory: str) -> list[dict[str, Any]]:
     """Entries of `directory/index.json`, each with a checked `path` (inside the directory) made absolute."""
     manifest = os.path.join(directory, MANIFEST_NAME)
@@ -90,6 +102,12 @@ def read_manifest(directory: str) -> list[dict[str, Any]]:
         if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
             raise _err(manifest, f"shards[{i}] needs a 'path' string")
         rel = entry["path"]
+        if "\0" in rel:
+            raise _err(
+                manifest,
+                f"shards[{i}] path {rel!r} contains a NUL character, which no file name holds; "
+                "rebuild the manifest with write_manifest",
+            )
         parts = re.split(r"[\\/]", rel)
         if not rel or os.path.isabs(rel) or rel.startswith(("/", "\\")) or ".." in parts:
             raise _err(
@@ -98,12 +116,12 @@ def read_manifest(directory: str) -> list[dict[str, Any]]:
                 "manifest paths must be relative names inside it",
             )
         full = os.path.join(directory, rel)
-        real = os.path.realpath(full)
-        if os.path.commonpath([root, real]) != root:
+        real = _outside(root, full)
+        if real is not None:
             raise _err(
                 manifest,
                 f"shards[{i}] path {rel!r} resolves (through a symlink) to {real}, outside "
-                "the corpus directory; copy the shard into it",
+                f"the corpus directory; {_OUTSIDE_REMEDY}",
             )
         if not os.path.isfile(full):
             raise _err(manifest, f"shards[{i}] path {rel!r}: no such file in {directory}")
@@ -283,6 +301,7 @@ class Corpus:
             return ",".join(str(part.device) for part in self.placement)
         return str(self.residency.device) if self.residency is not None else None
 
+    @in_python_terms
     def to(self, device: str | Sequence[str]) -> Corpus:
         """Make the corpus resident on ``device`` (``cuda``, ``cuda:N``, ``cpu``, ``auto``) and return it:
         every shard is read once into that device's memory, values checked as on every read. A list of
@@ -376,6 +395,15 @@ def _expand(path: str, verify_checksums: bool) -> list[tuple[str, dict[str, Any]
     files = list_shard_files(path)
     if not files:
         raise _err(path, "no shards (*.safetensors, *.arrow, *.parquet) in this directory" + _pack_hint(path))
+    root = os.path.realpath(path)
+    for file in files:
+        real = _outside(root, file)
+        if real is not None:
+            raise _err(
+                file,
+                f"resolves (through a symlink) to {real}, outside the corpus directory {path}; "
+                f"{_OUTSIDE_REMEDY}",
+            )
     return [(f, None) for f in files]
 
 
@@ -462,7 +490,7 @@ class InputNote(NamedTuple):
     remedy: str
 
     def warning(self) -> str:
-        return f"{self.fact}; {self.consequence} (--strict makes this an error)"
+        return f"{self.fact}; {self.consequence} ({STRICT.given(True)} makes this an error)"
 
     def error(self) -> str:
         return f"{self.fact}; {self.remedy}"
@@ -481,7 +509,9 @@ def input_notes(
         for path in corpus.skipped:
             notes.append(
                 InputNote(
-                    f"{path}: holds no documents", "skipped", "drop it from the corpus, or leave out --strict"
+                    f"{path}: holds no documents",
+                    "skipped",
+                    f"drop it from the corpus, or leave out {STRICT.given(True)}",
                 )
             )
     if queries is None:
@@ -491,7 +521,7 @@ def input_notes(
             InputNote(
                 f"{query_name}: holds no queries",
                 "the run is empty",
-                "give a query file with queries, or leave out --strict",
+                f"give a query file with queries, or leave out {STRICT.given(True)}",
             )
         )
     corpus_name = corpus.shards[0].path if len(corpus.shards) == 1 else f"{corpus.shards[0].path}, ..."
@@ -501,7 +531,7 @@ def input_notes(
                 f"{query_name}: the queries were made by encoder {queries.encoder!r} but the corpus "
                 f"({corpus_name}) by {corpus.encoder!r}",
                 "scores of vectors from two models mean nothing",
-                "encode the queries with the corpus's model, or leave out --strict",
+                f"encode the queries with the corpus's model, or leave out {STRICT.given(True)}",
             )
         )
     if queries.normalized is not None and queries.normalized != corpus.normalized:
@@ -511,7 +541,7 @@ def input_notes(
                 f"{query_name}: the queries are {how[queries.normalized]} but the corpus ({corpus_name}) "
                 f"is {how[corpus.normalized]} (the shards' normalized metadata)",
                 "scored as they are",
-                "normalise both the same way (maxsim pack --normalize), or leave out --strict",
+                f"normalise both the same way (maxsim pack --normalize), or leave out {STRICT.given(True)}",
             )
         )
     return notes

@@ -33,7 +33,7 @@ import stat
 from collections.abc import Callable, Iterable
 from typing import IO
 
-from maxsim_cli.errors import MaxsimError, UsageError
+from maxsim_cli.errors import MaxsimError, Option, UsageError
 from maxsim_cli.shards.format import MANIFEST_NAME, SHARD_SUFFIXES
 
 # What the user can do about a write error, by errno.
@@ -213,7 +213,7 @@ def check_output(
     path: str | os.PathLike[str],
     inputs: Iterable[str | os.PathLike[str] | None] = (),
     *,
-    option: str = "-o",
+    option: str | Option = "-o",
     folder: bool = False,
 ) -> None:
     """Refuse, before any work, an output that would overwrite one of ``inputs`` or cannot be written.
@@ -223,12 +223,13 @@ def check_output(
     as an input file or as a shard or the manifest of an input folder; a folder output may not be an input
     folder or lie inside one. A FIFO or a device passes (it is written through). Raises `UsageError` (exit
     2) naming both paths, or for a directory where a file is expected (or the reverse) or a missing parent
-    folder, and `MaxsimError` for a folder where no file can be created.
+    folder, and `MaxsimError` for a folder where no file can be created. Messages name the output as
+    ``option`` takes it: ``-o run.trec``, or an `Option`'s rendering (``path='run.trec'`` in Python).
     """
     name = os.fspath(path)
     if name == "-":
         return
-    label = f"{option} {name}"
+    label = option.given(name) if isinstance(option, Option) else f"{option} {name}"
     out_stat = _stat(name)
     if not folder and is_stream(name):
         if out_stat is not None and not os.access(name, os.W_OK):

@@ -485,10 +485,13 @@ def _check_values(
     offsets: np.ndarray,
     ids: Sequence[str],
     first_doc: int,
+    *,
+    what: str = "document",
 ) -> None:
-    """NaN/Inf in the values (or NaN/Inf/negative int8 scales): name the document and its token. Torch
-    tensors on the CPU or numpy arrays (float values: bfloat16 as float32)."""
-    for tensor, what in ((embeddings, "NaN or Inf values"), (scales, "a NaN or Inf scale")):
+    """NaN/Inf in the values (or NaN/Inf/negative int8 scales): name the document (``what``: a
+    ``"query"`` for queries from memory or a request) and its token. Torch tensors on the CPU or numpy
+    arrays (float values: bfloat16 as float32)."""
+    for tensor, problem in ((embeddings, "NaN or Inf values"), (scales, "a NaN or Inf scale")):
         if tensor is None:
             continue
         row = first_nonfinite_row(tensor)
@@ -496,8 +499,8 @@ def _check_values(
             doc = int(np.searchsorted(offsets, row, side="right")) - 1
             raise _err(
                 path,
-                f"document {_show_id(ids[doc])} (index {first_doc + doc}) has {what} at token "
-                f"{row - int(offsets[doc])}; re-encode or drop that document",
+                f"{what} {_show_id(ids[doc])} (index {first_doc + doc}) has {problem} at token "
+                f"{row - int(offsets[doc])}; re-encode or drop that {what}",
             )
     negative = None if scales is None else np.flatnonzero(np.asarray(scales) < 0)
     if negative is not None and negative.size:
@@ -505,6 +508,6 @@ def _check_values(
         doc = int(np.searchsorted(offsets, row, side="right")) - 1
         raise _err(
             path,
-            f"document {_show_id(ids[doc])} (index {first_doc + doc}) has a negative int8 scale "
+            f"{what} {_show_id(ids[doc])} (index {first_doc + doc}) has a negative int8 scale "
             f"at token {row - int(offsets[doc])}; scales are max|x|/127 >= 0",
         )

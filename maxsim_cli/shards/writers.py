@@ -47,6 +47,7 @@ from maxsim_cli.shards.format import (
     _check_offsets,
     _check_values,
     _err,
+    _one_line,
     _show_id,
     check_id,
     torch_dtypes,
@@ -57,19 +58,30 @@ if TYPE_CHECKING:
     import torch
 
 
-def _as_tensor(x: Any) -> torch.Tensor:
+def _as_tensor(x: Any, where: str = "embeddings") -> torch.Tensor:
+    """An array or tensor of numbers as a CPU tensor; anything else (strings, objects, complex or
+    boolean values, ragged nested lists) is an `InputError` naming ``where`` (the file and document)."""
     import torch
 
     if isinstance(x, torch.Tensor):
+        if x.is_complex():
+            raise InputError(f"{where}: dtype {x.dtype} is not a real-number type; {_NUMBERS}")
         return x.detach().cpu()
-    arr = np.asarray(x)
+    try:
+        arr = np.asarray(x)
+    except (ValueError, TypeError) as exc:  # ragged nested lists, objects numpy cannot take
+        raise InputError(f"{where}: not an array of numbers ({_one_line(exc)}); {_NUMBERS}") from None
     if arr.dtype == np.float64 or arr.dtype == np.float32 or arr.dtype == np.float16 or arr.dtype == np.int8:
         with warnings.catch_warnings():  # read-only (memory-mapped) arrays: we never write to them
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(arr)
     if arr.dtype.kind in "iu" or arr.dtype.kind == "f":
         return torch.from_numpy(arr.astype(np.float32))
-    raise TypeError(f"embeddings must be numeric arrays or tensors, not {arr.dtype}")
+    raise InputError(f"{where}: dtype {arr.dtype} is not a real-number type; {_NUMBERS}")
+
+
+# What `_as_tensor` asks for.
+_NUMBERS = "pass arrays or tensors of numbers (float16, bfloat16, float32, float64 or integers)"
 
 
 def infer_dtype(x: torch.Tensor) -> str:
@@ -466,14 +478,22 @@ class ShardWriter:
                 "arrays (one per document), a padded [documents, tokens, dim] array with its mask, or "
                 "packed [tokens, dim] rows with offsets="
             )
-        docs = list(_as_tensor(embeddings).unbind(0)) if padded else [_as_tensor(e) for e in embeddings]
+        if padded:
+            docs = list(_as_tensor(embeddings, f"{self.path}: embeddings").unbind(0))
+        else:
+            docs = [_as_tensor(e, self._document(ids, k)) for k, e in enumerate(embeddings)]
         if len(docs) != len(ids):
             raise InputError(f"{self.path}: {len(ids)} ids but {len(docs)} documents of embeddings")
         for k, d in enumerate(docs):
             if d.ndim != 2 or d.shape[0] == 0:
                 raise InputError(
-                    f"{self.path}: document {_show_id(str(ids[k]))} (index {base + k}) has shape "
-                    f"{tuple(d.shape)}; expected [num_tokens >= 1, {self.dim}]"
+                    f"{self._document(ids, k)} has shape {tuple(d.shape)}; expected "
+                    f"[num_tokens >= 1, {self.dim}]"
+                )
+            if d.shape[1] != self.dim:
+                raise InputError(
+                    f"{self._document(ids, k)} has vectors of {d.shape[1]} values; this shard has dim "
+                    f"{self.dim}; encode all documents with one model"
                 )
         if mask is None:
             return docs, scales
@@ -503,6 +523,11 @@ class ShardWriter:
             scales = [_as_tensor(s).reshape(-1)[keep] for s, keep in zip(scales, keeps, strict=True)]
         return [d if bool(keep.all()) else d[keep] for d, keep in zip(docs, keeps, strict=True)], scales
 
+    def _document(self, ids: list[Any], k: int) -> str:
+        """The ``k``-th document of an `add` call, as messages name it (its id when it has one)."""
+        doc_id = f"{_show_id(str(ids[k]))} " if k < len(ids) else ""
+        return f"{self.path}: document {doc_id}(index {len(self.ids) + k})"
+
     def _add(self, ids: list[Any], embeddings: Any, mask: Any, offsets: Any, scales: Any) -> None:
         import torch
 
@@ -513,7 +538,7 @@ class ShardWriter:
                 "embeddings with their mask, or the packed rows alone"
             )
         if offsets is not None:
-            packed = _as_tensor(embeddings)
+            packed = _as_tensor(embeddings, f"{self.path}: embeddings")
             offs = np.asarray(offsets.cpu() if isinstance(offsets, torch.Tensor) else offsets, dtype=np.int64)
             if packed.ndim != 2:
                 raise InputError(
@@ -697,7 +722,7 @@ def write_shard(
 
     path = os.fspath(path)
     if offsets is not None:
-        first = _as_tensor(embeddings)
+        first = _as_tensor(embeddings, f"{path}: embeddings")
     elif isinstance(embeddings, (torch.Tensor, np.ndarray)) and embeddings.ndim != 3:
         raise InputError(
             f"{path}: embeddings of shape {tuple(embeddings.shape)}; pass a list of [tokens, dim] arrays "
@@ -707,7 +732,7 @@ def write_shard(
     else:
         if len(embeddings) == 0:
             raise InputError(f"{path}: no documents to write; a shard holds at least one")
-        first = _as_tensor(embeddings[0])
+        first = _as_tensor(embeddings[0], f"{path}: document (index 0)")
     if first.ndim != 2:
         raise InputError(
             f"{path}: embeddings must be [num_tokens, dim] per document, padded [documents, tokens, dim] "
