@@ -74,6 +74,9 @@ def register(app: typer.Typer) -> None:
             show_default=False,
         ),
         access_log: bool = typer.Option(False, "--access-log", help="Log every request on stderr."),
+        metrics: bool = typer.Option(
+            True, "--metrics/--no-metrics", help="Answer GET /metrics (Prometheus; docs/serve.md)."
+        ),
         workers: str = typer.Option(
             "auto",
             "--workers",
@@ -96,7 +99,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Keep a corpus resident and answer exact search and rerank requests over HTTP (JSON or Arrow).
 
-        GET /health, POST /search, POST /rerank: see docs/serve.md.
+        GET /health, POST /search, POST /rerank, GET /metrics, GET /openapi.json: see docs/serve.md.
 
         Example: maxsim serve corpus/ --device cuda --port 8000 --workers 4
         """
@@ -137,4 +140,5 @@ def register(app: typer.Typer) -> None:
             workers=worker_count,
             busy_poll_ms=busy_poll_ms,
             direct_connections=direct_connections,
+            metrics=metrics,
         )

@@ -54,6 +54,7 @@ from maxsim_cli.service.wire import (
 
 if TYPE_CHECKING:
     from maxsim_cli.api import Corpus
+    from maxsim_cli.service.metrics import Metrics
 
 logger = logging.getLogger("maxsim.serve")
 
@@ -106,6 +107,7 @@ class Hub:
         busy_poll_s: float = 0.0,
         direct_connections: int = 0,
         direct_app: Callable[[Batcher, Callable[[], None]], Any] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         """``health``: ``GET /health``'s answer; ``error_status``: a failed request's HTTP status and
         message; ``graceful_shutdown_s``: how long a stopping worker may finish its requests (the
@@ -113,7 +115,8 @@ class Hub:
         workers keep their event loops turning after a request is announced or answered (`Awake`;
         0: never); ``direct_connections``: how many HTTP connections this process takes over from the
         workers and serves itself (`maxsim_cli.service.takeover`; 0: none), with the app that
-        ``direct_app(batcher, on_answer)`` makes (`app.scoring_app`)."""
+        ``direct_app(batcher, on_answer)`` makes (`app.scoring_app`); ``metrics``: this process's, in
+        the folder the workers write theirs to (`maxsim_cli.service.metrics.shared_metrics`)."""
         self.corpus = corpus
         self.health = health
         self.error_status = error_status
@@ -132,6 +135,10 @@ class Hub:
         self.batcher = Batcher(
             Scorer(corpus, device=device), window_s=batch_window_ms / 1000, max_queries=max_batch_queries
         )
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.watch(corpus, self.batcher)
+            self.config["metrics"] = metrics.folder
         # turns on a worker's heads-up, so that its request finds this loop awake; stops while the
         # batcher's thread scores (it needs the interpreter lock) or requests queue (under load the
         # loop has work enough)
@@ -281,6 +288,10 @@ class Hub:
                 elif op == "health":
                     health = self.health(self.batcher)
                     writer.write(pack({"id": header.get("id"), "status": 200, "health": health}))
+                elif op == "metrics":  # a scrape at a worker: the gauges of this process set first
+                    if self.metrics is not None:
+                        self.metrics.refresh_here()
+                    writer.write(pack({"id": header.get("id"), "status": 200}))
                 elif op in ("search", "rerank"):
                     self._request(worker, op, header, payload, writer)
                 else:
