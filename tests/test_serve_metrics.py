@@ -197,6 +197,18 @@ def test_without_prometheus_client_or_with_no_metrics_the_endpoint_says_why(
         assert client.post("/search", json={"queries": [query_json(queries, 0)]}).status_code == 200
 
 
+def test_a_scrape_that_fails_is_one_line(corpus, monkeypatch) -> None:
+    """A worker whose scoring process is gone cannot have the gauges set: 503, one line, not a 500."""
+    from maxsim_cli.service.schema import RequestError
+
+    async def gone(self) -> bytes:
+        raise RequestError(503, "the server is shutting down")
+
+    monkeypatch.setattr(metrics_module.Metrics, "scrape", gone)
+    with TestClient(create_app(corpus, batch_window_ms=0)) as client:
+        assert_one_line_error(client.get("/metrics"), 503, "shutting down")
+
+
 def test_the_documented_metrics_are_the_ones_exposed(corpus, monkeypatch) -> None:
     """The table of docs/serve.md, "Metrics", names every metric a scrape holds, and only those."""
     section = DOC.read_text().split("### `GET /metrics`", 1)[1].split("\n### ", 1)[0]

@@ -212,7 +212,11 @@ def http_app(
             off = "this server was started with --no-metrics"
             detail = metrics_module.NO_METRICS if not metrics_module.available() else f"/metrics: {off}"
             return JSONResponse({"detail": detail}, status_code=404)
-        return Response(await metrics.scrape(), media_type=metrics_module.CONTENT_TYPE)
+        try:
+            body = await metrics.scrape()
+        except Exception as exc:  # noqa: BLE001 - a worker whose scoring process is gone: 503, one line
+            return error_response(exc)
+        return Response(body, media_type=metrics_module.CONTENT_TYPE)
 
     async def answer(kind: str, request: Request) -> Response:
         if on_request is not None:

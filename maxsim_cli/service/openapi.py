@@ -237,6 +237,12 @@ def _metrics() -> dict[str, Any]:
                 "content": {"text/plain": {"schema": {"type": "string"}}},
             },
             **_errors(UNAUTHORIZED),
-            **_errors({"404": "The server runs without prometheus-client (pip install 'maxsim[serve]')"}),
+            **_errors(
+                {
+                    "404": "The server runs without prometheus-client (pip install 'maxsim[serve]') or "
+                    "with --no-metrics",
+                    "503": "The server is shutting down",
+                }
+            ),
         },
     }
