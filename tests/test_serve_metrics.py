@@ -210,7 +210,7 @@ def test_a_scrape_that_fails_is_one_line(corpus, monkeypatch) -> None:
 
 
 def test_the_documented_metrics_are_the_ones_exposed(corpus, monkeypatch) -> None:
-    """The table of docs/serve.md, "Metrics", names every metric a scrape holds, and only those."""
+    """The table of docs/serve.md, "GET /metrics", names every metric a scrape holds, and only those."""
     section = DOC.read_text().split("### `GET /metrics`", 1)[1].split("\n### ", 1)[0]
     table = re.findall(r"^\| `(maxsim_\w+)` \| (\w+) \|", section, flags=re.M)
     monkeypatch.setattr(metrics_module, "device_memory", lambda devices: {"cuda:0": (1, 2, 3)})
@@ -333,7 +333,8 @@ def test_the_schema_describes_every_route_and_its_errors(served) -> None:
         # the schema's own examples are valid requests
         example = content["application/json"]["example"]
         validator(spec, content["application/json"]["schema"]["$ref"].rsplit("/", 1)[1])(example)
-    assert {p["name"] for p in spec["paths"]["/rerank"]["post"]["parameters"]} == {"k", "strict"}
+    assert {p["name"] for p in spec["paths"]["/search"]["post"]["parameters"]} == {"k", "explain"}
+    assert {p["name"] for p in spec["paths"]["/rerank"]["post"]["parameters"]} == {"k", "strict", "explain"}
     for path in ("/health", "/metrics"):
         assert "401" in spec["paths"][path]["get"]["responses"]
     assert "security" not in spec
@@ -402,6 +403,9 @@ def test_real_answers_and_error_bodies_fit_the_schema(served, queries, tmp_path)
     client, spec = served
     search = client.post("/search", json={"queries": [query_json(queries, 0)], "k": 3})
     validator(spec, "SearchOut")(search.json())
+    explained = client.post("/search", json={"queries": [query_json(queries, 0)], "k": 2, "explain": True})
+    assert "explanation" in explained.json()["results"][0]["hits"][0]
+    validator(spec, "SearchOut")(explained.json())
     candidates = first_stage(1)
     (qid,) = candidates
     i = queries.ids.index(qid)

@@ -1,4 +1,4 @@
-"""`maxsim serve`'s Prometheus metrics, ``GET /metrics`` (docs/serve.md, "Metrics").
+"""`maxsim serve`'s Prometheus metrics, ``GET /metrics`` (docs/serve.md, "GET /metrics").
 
 What is measured, and where:
 

@@ -11,7 +11,7 @@ answers' models; a FastAPI route of the app described nowhere here keeps FastAPI
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,6 +24,39 @@ class _Answer(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class TokenMatchOut(_Answer):
+    """One query token's term of the score (`maxsim_cli.explain.TokenMatch`)."""
+
+    query_token: int = Field(description="The query token's index")
+    doc_token: int = Field(description="The document token it matched (its index; the lowest on ties)")
+    similarity: float = Field(description="Their similarity: the float32 term the score adds")
+    share: float | None = Field(description="similarity / score (None when the score is 0)")
+    patch: list[int] | None = Field(
+        None,
+        min_length=2,
+        max_length=2,
+        description="[row, column] of the matched token in the image's patch grid (shards with a grid only)",
+    )
+
+
+class ExplanationOut(_Answer):
+    """Why a hit scores what it does (`Explanation.to_dict`, what ``maxsim explain --format json``
+    prints)."""
+
+    qid: str
+    docno: str
+    score: float
+    total: float = Field(description="The similarities added in the kernel's order")
+    exact: bool = Field(description="total is score bit for bit")
+    order: Literal["sequential", "pairwise"] = Field(description="The order the kernel adds them in")
+    doc_tokens: int = Field(description="The document's length in tokens")
+    tokens: list[TokenMatchOut]
+    patch_grid: list[int] | None = Field(
+        None, min_length=2, max_length=2, description="[rows, columns] (shards with a grid only)"
+    )
+    patch_start: int | None = Field(None, description="The first patch token (shards with a grid only)")
+
+
 class Hit(_Answer):
     """One document of a query's answer."""
 
@@ -31,6 +64,7 @@ class Hit(_Answer):
     score: float = Field(
         description="Its float32 MaxSim score, with enough digits to give back the same float32"
     )
+    explanation: ExplanationOut | None = Field(None, description='With "explain": true only')
 
 
 class SearchResult(_Answer):
@@ -82,13 +116,26 @@ class HealthOut(BaseModel):
 
 
 MODELS: tuple[type[BaseModel], ...] = (
-    QueryIn, SearchIn, RerankIn, Hit, SearchResult, SearchOut, RerankResult, RerankOut, ErrorOut, HealthOut,
+    QueryIn, SearchIn, RerankIn, TokenMatchOut, ExplanationOut, Hit, SearchResult, SearchOut, RerankResult,
+    RerankOut, ErrorOut, HealthOut,
 )  # fmt: skip
 
-# The refusals of the scoring endpoints (docs/serve.md, "Errors"), each with the body `ErrorOut`.
+# The refusals of any request (docs/serve.md, "Errors"), each with the body `ErrorOut`.
+ANY_REQUEST_ERRORS = {
+    "401": "The server has a token (--token-file) and the Authorization: Bearer header is missing or wrong",
+    "408": (
+        "The request's line and headers took longer than --header-timeout, or its body longer than "
+        "--body-timeout; the connection is closed"
+    ),
+    "503": (
+        "At --max-connections, the connection was closed to make room for a new one (or the new one, when "
+        "every open connection has a request being answered); or the server is shutting down"
+    ),
+}
+# The refusals of the scoring endpoints.
 SCORING_ERRORS = {
     "400": "The body is not JSON, not an Arrow IPC stream (or a corrupt one), or empty",
-    "401": "The server has a token (--token-file) and the Authorization: Bearer header is missing or wrong",
+    **ANY_REQUEST_ERRORS,
     "413": "The body is over --max-request-bytes",
     "415": "Another Content-Type",
     "422": (
@@ -97,9 +144,11 @@ SCORING_ERRORS = {
         "docno twice, strict with missing candidates"
     ),
     "500": "A bug (logged on the server's stderr with its traceback)",
-    "503": "Out of memory even for this request alone, or the server is shutting down",
+    "503": (
+        "Out of memory even for this request alone, or the server is shutting down; or, at "
+        "--max-connections, the connection was closed to make room for a new one"
+    ),
 }
-UNAUTHORIZED = {"401": SCORING_ERRORS["401"]}
 
 SEARCH_EXAMPLE = {"queries": [{"qid": "q1", "embedding": [[0.12, -0.05, 0.33], [0.01, 0.27, -0.4]]}], "k": 10}
 RERANK_EXAMPLE = {
@@ -178,6 +227,15 @@ def _scoring(kind: str, request: type[BaseModel], answer: type[BaseModel], examp
                 "schema": {"type": "boolean", "default": False},
             }
         )
+    parameters.append(
+        {
+            "name": "explain",
+            "in": "query",
+            "required": False,
+            "description": "Every hit carries its explanation (Arrow bodies only)",
+            "schema": {"type": "boolean", "default": False},
+        }
+    )
     arrow = (
         "The query shard stream that `maxsim score -` reads (docs/format.md): an `id` column, an "
         "`embedding` column of token vectors, `scales` for int8"
@@ -221,7 +279,7 @@ def _health() -> dict[str, Any]:
         "summary": "The corpus, and the requests and batches so far",
         "responses": {
             "200": {"description": "The server is up", "content": {JSON_TYPE: {"schema": _ref(HealthOut)}}},
-            **_errors(UNAUTHORIZED),
+            **_errors(ANY_REQUEST_ERRORS),
         },
     }
 
@@ -230,18 +288,17 @@ def _metrics() -> dict[str, Any]:
     return {
         "operationId": "metrics",
         "summary": "Prometheus metrics",
-        "description": 'Prometheus\' text exposition format, version 0.0.4 (docs/serve.md, "Metrics")',
+        "description": 'Prometheus\' text exposition format, version 0.0.4 (docs/serve.md, "GET /metrics")',
         "responses": {
             "200": {
                 "description": "The metrics of every process of the server",
                 "content": {"text/plain": {"schema": {"type": "string"}}},
             },
-            **_errors(UNAUTHORIZED),
+            **_errors(ANY_REQUEST_ERRORS),
             **_errors(
                 {
                     "404": "The server runs without prometheus-client (pip install 'maxsim[serve]') or "
                     "with --no-metrics",
-                    "503": "The server is shutting down",
                 }
             ),
         },

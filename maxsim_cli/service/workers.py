@@ -41,6 +41,7 @@ from maxsim_cli.errors import MaxsimError
 from maxsim_cli.lifeline import ENV_LAUNCHER_PID
 from maxsim_cli.service.awake import Awake
 from maxsim_cli.service.batching import Batcher, QueryAnswer, Scorer, Timing
+from maxsim_cli.service.limits import ConnectionLimits
 from maxsim_cli.service.schema import Parsed, to_parsed
 from maxsim_cli.service.takeover import DirectConnections
 from maxsim_cli.service.wire import (
@@ -107,6 +108,7 @@ class Hub:
         busy_poll_s: float = 0.0,
         direct_connections: int = 0,
         direct_app: Callable[[Batcher, Callable[[], None]], Any] | None = None,
+        limits: ConnectionLimits | None = None,
         metrics: Metrics | None = None,
     ) -> None:
         """``health``: ``GET /health``'s answer; ``error_status``: a failed request's HTTP status and
@@ -115,14 +117,16 @@ class Hub:
         workers keep their event loops turning after a request is announced or answered (`Awake`;
         0: never); ``direct_connections``: how many HTTP connections this process takes over from the
         workers and serves itself (`maxsim_cli.service.takeover`; 0: none), with the app that
-        ``direct_app(batcher, on_answer)`` makes (`app.scoring_app`); ``metrics``: this process's, in
-        the folder the workers write theirs to (`maxsim_cli.service.metrics.shared_metrics`)."""
+        ``direct_app(batcher, on_answer)`` makes (`app.scoring_app`); ``limits``: the time limits and the
+        connection cap of every HTTP connection (`maxsim_cli.service.limits`); ``metrics``: this
+        process's, in the folder the workers write theirs to (`maxsim_cli.service.metrics.shared_metrics`)."""
         self.corpus = corpus
         self.health = health
         self.error_status = error_status
         self.graceful_shutdown_s = graceful_shutdown_s
         self.listener = listener
         self.count = workers
+        self.limits = limits or ConnectionLimits()
         self.config = {
             "op": "config",
             "dim": corpus.dim,
@@ -131,6 +135,9 @@ class Hub:
             "access_log": access_log,
             "workers": workers,
             "busy_poll_s": busy_poll_s,
+            "header_timeout_s": self.limits.header_timeout_s,
+            "body_timeout_s": self.limits.body_timeout_s,
+            "max_connections": self.limits.max_connections,
         }
         self.batcher = Batcher(
             Scorer(corpus, device=device), window_s=batch_window_ms / 1000, max_queries=max_batch_queries
@@ -193,6 +200,7 @@ class Hub:
             self.direct_connections,
             access_log=bool(self.config["access_log"]),
             graceful_shutdown_s=self.graceful_shutdown_s,
+            limits=self.limits,
         )
 
     # ----------------------------------------------------------------------------------------------
