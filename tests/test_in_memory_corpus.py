@@ -259,6 +259,7 @@ def test_bad_documents_get_the_writers_message(tmp_path, ids, embeddings) -> Non
         (["a"], [ONE], [np.array([1, 2])], "the mask of document 'a' (index 0) holds 2"),
         (["a"], [np.array([["x"] * 8])], None, "document 'a' (index 0): dtype <U1 is not a real-number type"),
         ([], [], None, "no documents; a corpus needs at least one document to score"),
+        (["a", "b"], [ONE, torch.ones(2, 8, device="meta")], None, "is on meta but document 'a' on cpu;"),
         (["a"], [np.ones((2, 0))], None, "dim 0"),
     ],
 )
@@ -378,14 +379,15 @@ def test_cuda_tensors_stay_on_the_gpu_and_give_the_run_of_their_shard(tmp_path, 
         assert corpus.device == "cuda:0" and corpus.residency.embeddings.is_cuda
         assert runs(corpus, "auto", tmp_path, "memory") == expected
         # scored on the CPU, the documents stream from the GPU's memory; moved, they are scored there
-        if dtype != "int8":  # int8 on the CPU quantizes the queries otherwise: another run
-            on_cpu = file_runs(ids, docs, tmp_path / "cpu", device="cpu", **kwargs)
-            assert runs(corpus, "cpu", tmp_path, "streamed") == on_cpu
-            corpus.to("cpu")
-            assert corpus.device == "cpu" and not corpus.shards[0].values.is_cuda
-            assert runs(corpus, "auto", tmp_path, "moved") == on_cpu
-            corpus.to("cuda")
-            assert runs(corpus, "auto", tmp_path, "back") == expected
+        (tmp_path / "cpu").mkdir()
+        on_cpu = file_runs(ids, docs, tmp_path / "cpu", device="cpu", **kwargs)
+        assert runs(corpus, "cpu", tmp_path, "streamed") == on_cpu
+        corpus.to("cpu")
+        assert corpus.device == "cpu" and not corpus.shards[0].values.is_cuda
+        assert runs(corpus, "auto", tmp_path, "moved") == on_cpu
+        corpus.to("cuda")
+        assert corpus.device == "cuda:0" and corpus.shards[0].values.is_cuda
+        assert runs(corpus, "auto", tmp_path, "back") == expected
 
 
 @pytest.mark.gpu
@@ -400,3 +402,17 @@ def test_padded_cuda_tensors_with_a_cuda_mask() -> None:
 
 def test_the_package_exports_corpus() -> None:
     assert maxsim_cli.Corpus is Corpus and hasattr(Corpus, "from_embeddings")
+
+
+def test_the_docstring_example_runs(monkeypatch) -> None:
+    import doctest
+
+    from maxsim_cli.shards import corpus as corpus_module
+
+    finder = doctest.DocTestFinder()
+    tests = [t for t in finder.find(corpus_module.Corpus.from_embeddings, "from_embeddings") if t.examples]
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for test in tests:
+        test.globs.update(vars(corpus_module))
+        runner.run(test)
+    assert runner.failures == 0 and runner.tries > 0

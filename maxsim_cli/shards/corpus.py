@@ -358,7 +358,8 @@ class Corpus:
         every shard is read once into that device's memory, values checked as on every read. A list of
         devices spreads the shards over them, balanced by tokens: each device holds its share, and scoring
         runs on all of them and merges. Raises `MaxsimError` (one line: how much is needed, how much is
-        free) when a share does not fit. A corpus resident elsewhere is released first."""
+        free) when a share does not fit. A corpus resident elsewhere is released first. An in-memory
+        corpus (`from_embeddings`) moves its tensors to the one device named."""
         from maxsim_cli.devices import resolve_device
         from maxsim_cli.shards.resident import assign_shards, make_resident
 
