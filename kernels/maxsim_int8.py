@@ -44,7 +44,8 @@ the per-thread addresses) each keeping two 8 KB tiles in flight where fp16 keeps
 tiles are query-major: document-major ones, as the fp16 kernel uses for one query and for candidates,
 lost on every shape. The measurements: docs/kernel-notes.md, "INT8: what limits it" and "INT8 on
 HBM-bound shapes: TMA tiles". On Hopper (sm_90, the Triton release of the Gluon kernels, scores only, dim
-128), all pairs with host offsets go to the Gluon kernel of `maxsim_int8_hopper`, and one query against
+128), all pairs of several queries go to the Gluon kernel of `maxsim_int8_hopper` (offsets on the device
+are read back once per tensor for its plan), and one query against
 every document or candidates with host query offsets (queries of at most 64 tokens) to the Gluon stream
 kernel of `maxsim_int8_hopper_stream` (3.6-4.1 TB/s: docs/kernel-notes.md, "INT8 on HBM-bound shapes:
 the Gluon stream kernel").
@@ -618,7 +619,8 @@ def _prepare(
 
     Returns (backend, q8, s_q, query_offsets, d8, s_d, doc_offsets), the offsets moved to the tensors'
     device. Offset values are checked when they come from the host, and always by the torch path; the
-    Triton path never synchronises with the device to look at offsets already there.
+    Triton path never synchronises with the device to look at offsets already there (the Gluon all-pairs
+    kernel reads them back once per tensor: `_hopper_allpairs`).
     """
     if not isinstance(docs, torch.Tensor) or docs.dtype != torch.int8 or docs.dim() != 2:
         got = f"{docs.dtype} {tuple(docs.shape)}" if isinstance(docs, torch.Tensor) else type(docs)
@@ -776,13 +778,21 @@ def _hopper_allpairs(
     d8: torch.Tensor,
     return_argmax: bool,
 ) -> Any:
-    """The Gluon all-pairs module (`maxsim_int8_hopper`) where it takes the problem, else None. It plans
-    from host offsets only (offsets already on the device would need a synchronisation to be read)."""
-    if return_argmax or query_offsets.device.type != "cpu" or doc_offsets.device.type != "cpu":
+    """The Gluon all-pairs module (`maxsim_int8_hopper`) where it takes the problem, else None.
+
+    It plans from host copies of the offsets. Offsets given on the device are read back once per tensor
+    (memoised with the tensor, checked like host offsets): one synchronisation per new offsets tensor,
+    taken only for problems of several query groups, which are tensor-core bound and long (512 queries x
+    50K documents: ~40-65 ms a call), so that a library user's device tensors get the same kernel as the
+    engine's host offsets (the Triton tiles are ~1.3x slower there)."""
+    if return_argmax:
         return None
     hopper = gluon_module("maxsim_int8_hopper", d8.device)
     if hopper is None:
         return None
+    on_device = query_offsets.device.type != "cpu" or doc_offsets.device.type != "cpu"
+    if on_device and query_offsets.numel() - 1 < hopper.MIN_GROUPS:
+        return None  # too few queries for the kernel whatever their lengths: never read the offsets back
     return hopper if hopper.supports(_query_lengths(query_offsets, q8.shape[0]), d8, return_argmax) else None
 
 
@@ -932,6 +942,20 @@ def _segments(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return segment, local.to(torch.int32)
 
 
+def _sum_rows_in_order(terms: torch.Tensor) -> torch.Tensor:
+    """The rows of ``terms`` [rows, n] added one after another (fp32), as `_varlen_torch`'s index_add adds
+    a query's tokens on the CPU: a score's bits then depend neither on the other candidates of its block
+    (torch's sum over dim 0 orders its additions by the block's width) nor on whether the pair was
+    reranked or searched. On a GPU index_add adds with atomics, in no fixed order: a loop there."""
+    if terms.device.type == "cpu":
+        rows = torch.zeros(terms.shape[0], dtype=torch.int64)
+        return torch.zeros((1, terms.shape[1])).index_add_(0, rows, terms)[0]
+    total = torch.zeros(terms.shape[1], device=terms.device)
+    for row in terms:
+        total += row
+    return total
+
+
 def _varlen_torch(
     q8: torch.Tensor,
     sq: torch.Tensor,
@@ -1007,7 +1031,7 @@ def _candidates_torch(
             sim = q_float @ d8[token].float().T
             sim.mul_(sd[token])
             best, best_arg = _segment_max(sim, segment, last - first, local if return_argmax else None)
-            out[first:last] = (sq[r0:r1, None] * best).sum(0)
+            out[first:last] = _sum_rows_in_order(sq[r0:r1, None] * best)
             if arg is not None:
                 arg[first:last, : r1 - r0] = best_arg.T
             first = last
@@ -1043,7 +1067,8 @@ def maxsim_varlen_int8(
 
     Offsets are checked on the host (a query needs >= 1 token) except by the Triton path on CUDA
     tensors, which never synchronises with the device; there they must be valid. Scores only, dim 128, on
-    an sm_90 GPU: many queries with host offsets run on the Gluon kernel of `maxsim_int8_hopper`, one
+    an sm_90 GPU: many queries run on the Gluon kernel of `maxsim_int8_hopper` (offsets on the device are
+    read back and checked once per tensor, for its plan: one synchronisation per new tensor), one
     query of at most 64 tokens on the Gluon stream kernel of `maxsim_int8_hopper_stream` (same maxima;
     the query sums added in another order, within the same bound).
     """

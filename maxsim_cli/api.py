@@ -8,9 +8,10 @@
 
 `search` ranks the whole corpus for every query (exact top-k); `rerank` scores the candidates of a
 first-stage run. Both return a `Run` (``run.to_trec(path)`` writes what ``maxsim score`` writes for the
-same inputs, ``run.to_dataframe()`` gives PyTerrier's columns and ranks). ``corpus.to("cuda")`` makes
-the corpus *resident*: every shard is read once into GPU memory and later calls read nothing from disk
-(``corpus.to("auto")``: the GPU when there is one, else host memory). Bad input raises
+same inputs, ``run.to_dataframe()`` gives PyTerrier's columns and ranks, ``run.explain(qid, docno)``
+says which document token each query token matched: `maxsim_cli.explain`). ``corpus.to("cuda")``
+makes the corpus *resident*: every shard is read once into GPU memory and later calls read nothing from
+disk (``corpus.to("auto")``: the GPU when there is one, else host memory). Bad input raises
 `maxsim_cli.errors.InputError` (and `UsageError` for bad options) with the one-line messages the
 command line prints, naming these functions' keyword arguments where it names a flag (``k=0``, not
 ``--top-k 0``).
@@ -22,7 +23,7 @@ import logging
 import os
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -39,6 +40,9 @@ from maxsim_cli.queries import Queries, read_queries
 from maxsim_cli.run import Result, Run, RunCollector
 from maxsim_cli.shards import Corpus
 from maxsim_cli.shards import open_corpus as _open_corpus
+
+if TYPE_CHECKING:
+    from maxsim_cli.explain import Explanation
 
 __all__ = [
     "Corpus",
@@ -110,7 +114,7 @@ def search(
     >>> [(r.docno, r.rank) for r in run][:3]  # doctest: +ELLIPSIS
     [('...', 1), ('...', 2), ('...', 3)]
     """
-    return _score(
+    run = _score(
         queries,
         corpus,
         None,
@@ -123,6 +127,7 @@ def search(
         batch_queries=None if batch_queries is None else _at_least_one(batch_queries, BATCH_QUERIES),
         show_progress=show_progress,
     )
+    return _explainable(run, queries, corpus, device, backend)
 
 
 @in_python_terms
@@ -154,7 +159,7 @@ def rerank(
     >>> max(len(rows) for rows in run.to_dict().values())
     5
     """
-    return _score(
+    run = _score(
         queries,
         corpus,
         candidates,
@@ -167,6 +172,30 @@ def rerank(
         batch_queries=None,
         show_progress=show_progress,
     )
+    return _explainable(run, queries, corpus, device, backend)
+
+
+def _explainable(run: Run, queries: Any, corpus: Any, device: str, backend: str) -> Run:
+    """``run`` able to explain its rows (`Run.explain`): it keeps the queries (read again from their file
+    at the first explanation) and the corpus (a path is opened again for each explanation)."""
+    kept: list[Queries] = []
+
+    def explainer(qid: str, docno: str, score: float | None) -> Explanation:
+        from maxsim_cli.explain import explain_hits
+
+        if not kept:
+            kept.append(_as_queries(queries))
+        corpus_obj, owned = _as_corpus(corpus)
+        try:
+            return explain_hits(
+                kept[0], corpus_obj, qid, [docno], device=device, backend=backend, scores=[score]
+            )[0]
+        finally:
+            if owned:
+                corpus_obj.close()
+
+    run._explainer = explainer
+    return run
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,6 +10,13 @@ KeyboardInterrupt), so every ``finally`` / ``__exit__`` runs (temp files and sta
 removed, an output being written is left as it was), and the process exits with 128 + the signal's
 number, saying so in one line. A signal that was ignored when maxsim started (``nohup``) stays ignored.
 
+Once the command's output is in place (`maxsim_cli.lifeline.commit_point`: the final rename, the end
+of a stream) a stop signal no longer stops it: the command finishes (summary line, stats file) and the
+exit code is its own, so that 128 + N always means the previous output is as it was. The same holds
+once the command has ended: the stop signals are then ignored (not a Python handler: the interpreter's
+shutdown puts those back to the default action, which would kill the process by the signal), and as
+the process's entry point `main` ends the process at once, skipping the interpreter's teardown.
+
 A signal that arrives while a module is being imported is held back until the import is over (sent
 again every 20 ms, for at most 5 s: `maxsim_cli.lifeline.defer`): libraries import others lazily
 mid-command and some catch whatever the import raises (pyarrow's pandas bridge retries, then fails
@@ -32,7 +39,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from maxsim_cli import __version__, collector
 from maxsim_cli.errors import MaxsimError, command_line_terms, quiet_stdout
-from maxsim_cli.lifeline import defer
+from maxsim_cli.lifeline import defer, end_process, holds, new_command
 
 # Signals that stop a command with its cleanup, like SIGINT; ``jobs.run_rank`` does the same for SIGTERM.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -52,6 +59,8 @@ def _deferred(signum: int, frame: Any) -> bool:
 
 
 def _raise_stopped(signum: int, frame: Any) -> None:
+    if holds(signum):  # the output is in place (or being put there): the command finishes
+        return
     if not _deferred(signum, frame):
         raise Stopped(signum)
 
@@ -61,7 +70,7 @@ _interrupted: list[int] = []
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
     # Python's own SIGINT handler (KeyboardInterrupt, which Typer turns into exit code 130), remembered
-    if _deferred(signum, frame):
+    if holds(signum) or _deferred(signum, frame):
         return
     _interrupted.append(signum)
     raise KeyboardInterrupt
@@ -72,8 +81,10 @@ def stop_signals_raise() -> Iterator[list[int]]:
     """While inside, SIGTERM and SIGHUP raise `Stopped` in the main thread, and SIGINT raises
     KeyboardInterrupt as always, noting it in the list yielded; the handlers found are put back after.
     Outside the main thread (no handler can be set there) and for a signal ignored on entry (or whose
-    handler is someone else's, for SIGINT) this does nothing."""
+    handler is someone else's, for SIGINT) this does nothing. Inside or after a commit point
+    (`maxsim_cli.lifeline.commit_point`) a stop signal is noted and ignored."""
     _interrupted.clear()
+    new_command()
     if threading.current_thread() is not threading.main_thread():
         yield _interrupted
         return
@@ -198,7 +209,7 @@ app = typer.Typer(
 )
 
 # Each module under maxsim_cli/commands defines `register(app)`; the order is the order of `--help`.
-COMMAND_MODULES = ("pack", "inspect", "score", "eval", "verify", "quantize", "merge", "serve")
+COMMAND_MODULES = ("pack", "inspect", "score", "explain", "eval", "verify", "quantize", "merge", "serve")
 
 
 def _version_callback(value: bool) -> None:
@@ -227,9 +238,11 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry point (`MaxsimGroup.main` prints the errors and exits with their code).
 
     The stop signals raise from the start, not only while the command runs (Ctrl-C while Typer builds
-    the command line is no traceback either), and are let go once the command has ended: the exit code
+    the command line is no traceback either), and are ignored once the command has ended: the exit code
     is then the command's. It is the process's entry point: it leaves the stop signals ignored, and
-    lets a command pause Python's garbage collector while it sets up (`maxsim_cli.collector`)."""
+    lets a command pause Python's garbage collector while it sets up (`maxsim_cli.collector`). Called
+    without ``argv`` (the ``maxsim`` script, ``python -m maxsim_cli``) it ends the process itself
+    (`maxsim_cli.lifeline.end_process`); with ``argv`` it raises `SystemExit` with the code."""
     code: int = 1
     collector.one_shot_process()
     try:
@@ -250,16 +263,14 @@ def main(argv: list[str] | None = None) -> None:
         code = 128 + signal.SIGINT
     finally:
         collector.command_ended()
-    while True:  # from here on a stop signal is let go: the exit code is the command's
+    while True:  # from here on a stop signal is ignored: the exit code is the command's
         try:
             for signum in (signal.SIGINT, *STOP_SIGNALS):
                 if signal.getsignal(signum) in (_raise_stopped, _raise_interrupt):
-                    signal.signal(signum, _let_go)
+                    signal.signal(signum, signal.SIG_IGN)
             break
         except (Stopped, KeyboardInterrupt):  # one already on its way when the command ended
             continue
+    if argv is None:
+        end_process(code)
     sys.exit(code)
-
-
-def _let_go(signum: int, frame: object) -> None:
-    """The handler of the stop signals once the command has ended (`main` is about to exit)."""

@@ -57,8 +57,13 @@ Environment variables read here:
 that the launcher is still there before it writes the run, so no run appears after the job failed.
 SIGINT and SIGHUP go to the launcher alone (workers ignore them); it stops the workers with SIGTERM,
 then SIGKILL after `TERMINATE_GRACE_S`. Rank 0 notes the temporary file of the run it writes in the
-job's folder, so that a launcher whose rank 0 was killed removes exactly that file. A worker that finds
-its launcher gone removes the job's folder (its two or three files) on its way out.
+job's folder, so that a launcher whose rank 0 was killed removes exactly that file, and notes there
+that the run is in place (`COMMIT_NOTE`, at its commit point: `maxsim_cli.lifeline`): a stop signal to
+the launcher from then on, or one that came during that rename, leaves the job's result its own. A
+worker that finds its launcher gone removes the job's folder (its few files) on its way out; one that
+had already finished cannot, and a launcher killed by SIGKILL removes nothing, so the job's folder holds
+a lock file that the launcher and its workers keep locked while any of them runs (`_lock_job`), and a
+job starting removes the folders whose lock is free (`remove_stale_job_folders`).
 """
 
 from __future__ import annotations
@@ -83,13 +88,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from maxsim_cli import lifeline
 from maxsim_cli.arrays import values_array
 from maxsim_cli.errors import MaxsimError, RankStopped, UsageError, quiet_stdout
-from maxsim_cli.lifeline import ENV_LAUNCHER_PID, launcher_gone
+from maxsim_cli.lifeline import ENV_LAUNCHER_PID, holds, launcher_gone
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.stats import ScoreStats
 from maxsim_cli.shards.files import staging_dir
 from maxsim_cli.shards.resident import assign_shards
+
+try:
+    import fcntl
+except ImportError:  # Windows: no job locks, and no stale job folders found
+    fcntl = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from maxsim_cli.progress import ScoreProgress
@@ -102,6 +113,16 @@ ENV_STORE = "MAXSIM_STORE"
 ENV_STATUS = "MAXSIM_STATUS_FILE"
 # Beside the status file: the temporary file rank 0 is writing the run to (one line), while it does.
 PARTIAL_NOTE = "partial-output"
+# Beside it too: made by rank 0 once the run is in place (`lifeline.share_commit`).
+COMMIT_NOTE = "committed"
+# The job's folder in the temporary directory, and its lock file (see `_lock_job`).
+JOB_PREFIX = "maxsim-job-"
+LOCK_NAME = "lock"
+# Every name a job's folder can hold: the next job removes a dead job's folder by these names only.
+JOB_FILES = ("options.json", "status.json", "status.json.tmp", PARTIAL_NOTE, COMMIT_NOTE, LOCK_NAME)
+# A job folder without a lock file is one being made (for microseconds), or a job's of a maxsim from
+# before the locks, which may still run: removed only once it has not changed for a day.
+STALE_UNLOCKED_S = 24 * 3600.0
 # A collective waits this long by default: it must cover the slowest rank's lag behind the fastest at
 # the status exchange (shares are balanced by tokens, so the lag is a small part of a job's time).
 DEFAULT_TIMEOUT_S = 3600.0
@@ -113,22 +134,28 @@ TERMINATE_GRACE_S = 10.0
 # The launcher's workers run this (not `-m maxsim_cli.jobs`, which would load this module twice).
 # The lifeline is tied before torch is imported (seconds), so that a launcher killed meanwhile takes
 # its workers along; a worker whose launcher died removes the job's folder on its way out.
+# Rank 0 makes the job's commit note once the run is in place; a worker whose outcome is decided ends at
+# once (`lifeline.end_process`), a traceback aside.
 _WORKER_CODE = f"""
 import os, sys
 from maxsim_cli import lifeline
 status = os.environ.get({ENV_STATUS!r}, "")
 folder = os.path.dirname(status)
-files = [sys.argv[1], status, status + ".tmp", os.path.join(folder, {PARTIAL_NOTE!r})]
+files = [sys.argv[1], status, status + ".tmp", *(os.path.join(folder, n) for n in {JOB_FILES[3:]!r})]
+lifeline.share_commit(os.path.join(folder, {COMMIT_NOTE!r}))
 try:
     lifeline.tie_to_launcher(files, folder, armed=False)  # SIGTERM ends the worker silently until armed
     import pyarrow
     pyarrow.array([""])  # its pandas bridge, imported at the first array: before any handler can raise
     from maxsim_cli.jobs import worker_main
     lifeline.arm()
-    sys.exit(worker_main(sys.argv[1:]))
+    code = worker_main(sys.argv[1:])
+except SystemExit as exc:  # stopped (SIGTERM), or a rank's exit code
+    code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
 finally:
     lifeline.disarm()  # the exit code is now the worker's
     lifeline.remove_if_orphaned(files, folder)
+lifeline.end_process(code)
 """
 _ERROR_CLASSES: dict[int, type[MaxsimError]] = {1: MaxsimError, 2: UsageError}
 
@@ -494,7 +521,10 @@ def _init_group(rank: int, world: int, timeout: datetime.timedelta) -> None:
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
-    # finally blocks run (the run writer removes its temporary file), then the process exits
+    # finally blocks run (the run writer removes its temporary file), then the process exits; once the
+    # run is in place (`lifeline.commit_point`) the rank finishes instead
+    if holds(signum):
+        return
     raise SystemExit(128 + signum)
 
 
@@ -1088,10 +1118,14 @@ def launch(request: ScoreRequest, devices: Sequence[str]) -> ScoreStats:
     world = len(devices)
     timeout = timeout_seconds()
     cpu_workers = sum(1 for d in devices if d == "cpu")
+    temp_root = tempfile.gettempdir()
+    remove_stale_job_folders(temp_root)  # what launchers killed by SIGKILL left there
     # Made by one mkdir that a signal cannot separate from the cleanup below (TemporaryDirectory could
     # leave it behind when stopped right after making it).
-    job_dir = staging_dir(tempfile.gettempdir(), "maxsim-job-")
+    job_dir = staging_dir(temp_root, JOB_PREFIX)
+    lock = -1
     try:
+        lock = _lock_job(job_dir)
         os.chmod(job_dir, 0o700)  # the job's options name the user's files
         options_path = os.path.join(job_dir, "options.json")
         status_path = os.path.join(job_dir, "status.json")
@@ -1117,17 +1151,102 @@ def launch(request: ScoreRequest, devices: Sequence[str]) -> ScoreStats:
             base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cpu_workers)))
         procs: list[subprocess.Popen] = []
         started = time.perf_counter()
+        lifeline.share_commit(os.path.join(job_dir, COMMIT_NOTE))  # a signal once it exists is ignored
+        worker_fds = (lock,) if lock >= 0 else ()  # the workers hold the job's lock too
         try:
             for r in range(world):
                 env = dict(base, RANK=str(r), LOCAL_RANK=str(r))
-                procs.append(subprocess.Popen([sys.executable, "-c", _WORKER_CODE, options_path], env=env))
+                argv = [sys.executable, "-c", _WORKER_CODE, options_path]
+                procs.append(subprocess.Popen(argv, env=env, pass_fds=worker_fds))
             codes, ended = _wait_all(procs)
+        except (SystemExit, KeyboardInterrupt):  # a stop signal: stop the workers, then see what they did
+            with lifeline.signals_held():  # a second signal changes nothing: the stop is under way
+                _stop(procs)
+            if not lifeline.adopt_commit():
+                raise
+            # rank 0 had put the run in place (its commit point holds the SIGTERM): the job succeeded
+            codes, ended = [int(p.returncode) for p in procs], None
         finally:
             _stop(procs)
             del store
-        return _job_outcome(codes, devices, status_path, request.output, started, ended)
+        committed = lifeline.adopt_commit()  # before the folder, and the note, are removed
+        return _job_outcome(codes, devices, status_path, request.output, started, ended, committed=committed)
     finally:
+        # the job's files, then its lock: a next job finds the folder gone, or locked, never half-removed
         shutil.rmtree(job_dir, ignore_errors=True)
+        lifeline.share_commit(None)
+        if lock >= 0:
+            os.close(lock)
+
+
+def _lock_job(job_dir: str) -> int:
+    """Create the lock file of the job's folder ``job_dir`` and hold an exclusive `flock` on it for the
+    job's life; returns its descriptor, which the workers inherit, so that the lock is free only once
+    every process of the job has ended, however it ended (SIGKILL included: the kernel lets go of the
+    lock of a dead process). -1 where there is no `flock` (Windows) or it failed (no file can be made
+    there, a file system without locks): the job runs all the same, its folder kept a day if left."""
+    if fcntl is None:
+        return -1
+    path = os.path.join(job_dir, LOCK_NAME)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return -1
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new and ours: free
+    except OSError:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # a lock file no one holds would make the folder look stale
+        return -1
+    return fd
+
+
+def remove_stale_job_folders(folder: str) -> list[str]:
+    """Remove the job folders (``maxsim-job-*``, this user's) that ``--devices`` jobs whose processes
+    have all ended left in ``folder`` - a launcher killed by SIGKILL cannot remove its own. A folder is
+    stale when its lock file is free (`_lock_job`), or when it has none and is older than
+    `STALE_UNLOCKED_S`; only the names a job writes (`JOB_FILES`) are removed, then the folder if that
+    emptied it. Returns the folders removed."""
+    if fcntl is None:
+        return []
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.startswith(JOB_PREFIX))
+    except OSError:
+        return []
+    return [path for path in (os.path.join(folder, n) for n in names) if _remove_if_stale(path)]
+
+
+def _remove_if_stale(path: str) -> bool:
+    assert fcntl is not None
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        return False
+    fd = -1
+    try:
+        try:
+            fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if time.time() - st.st_mtime < STALE_UNLOCKED_S:
+                return False  # a job's folder being made, or an older maxsim's job
+        else:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return False  # a process of that job is still running
+        for name in JOB_FILES:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(path, name))
+        os.rmdir(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _wait_all(procs: Sequence[subprocess.Popen]) -> tuple[list[int], list[int]]:
@@ -1191,14 +1310,19 @@ def _job_outcome(
     output: str,
     started: float,
     ended: Sequence[int] | None = None,
+    *,
+    committed: bool = False,
 ) -> ScoreStats:
     """The job's stats from rank 0's report, or its error: a worker killed by a signal (the first to
     end, in `ended` order, when several were), rank 0's report of an error, or a worker that exited
-    without one."""
+    without one. ``committed``: rank 0 put the run in place, and its report is the job's outcome
+    whatever happened to the workers after."""
     status = None
     if os.path.exists(status_path):
         with open(status_path, encoding="utf-8") as fh:
             status = json.load(fh)
+    if committed and status is not None and "stats" in status:
+        return ScoreStats(**status["stats"])
     world = len(devices)
     order = list(ended) if ended is not None else list(range(len(codes)))
     killed = [(r, -codes[r]) for r in order if codes[r] < 0 and codes[r] != -signal.SIGTERM]

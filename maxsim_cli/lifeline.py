@@ -19,17 +19,28 @@ included, which the launcher cannot clean up after:
 SIGINT and SIGHUP are ignored by a worker: Ctrl-C and a closed terminal reach the whole process group,
 and it is the launcher that decides, then stops its workers with SIGTERM.
 
+**The commit point** (`commit_point`), for every process that handles stop signals (the CLI, a worker):
+the step that puts a command's output in place (the final atomic rename, or the end of a stream). A stop
+signal that arrives inside it is held, and once it has ended without an error the output is committed:
+a stop signal from then on is noted and ignored (`holds`), the command finishes what is left (the
+summary line, a stats file) and its exit code is its own. So exit 128 + N always means the previous
+output is as it was, and exit 0 the new output complete. A ``--devices`` worker that commits makes the
+job's commit note (`share_commit`), so that its launcher knows the run is in place.
+
 This module imports nothing of maxsim's and nothing heavy: it must be cheap before torch is loaded.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NoReturn
 
 # The launcher's pid, set by the launcher for its workers.
 ENV_LAUNCHER_PID = "MAXSIM_LAUNCHER_PID"
@@ -93,6 +104,8 @@ def defer(signum: int, frame: Any) -> bool | None:
 
 
 def _raise_exit(signum: int, frame: Any) -> None:
+    if holds(signum):
+        return
     held = defer(signum, frame)
     if held is None:  # stuck in an import: nothing of the job's is open yet, leave now
         if _job_files is not None:
@@ -150,8 +163,8 @@ def tie_to_launcher(
 
 
 def arm() -> None:
-    """From now on SIGTERM raises `SystemExit` in the main thread (held back inside imports), so that the
-    worker's ``finally`` blocks run."""
+    """From now on SIGTERM raises `SystemExit` in the main thread (held back inside imports, ignored once
+    the run is committed: `holds`), so that the worker's ``finally`` blocks run."""
     if launcher_pid() is not None:
         signal.signal(signal.SIGTERM, _raise_exit)
 
@@ -177,3 +190,102 @@ def remove_if_orphaned(paths: list[str], folder: str) -> None:
         os.rmdir(folder)
     except OSError:
         pass
+
+
+# --------------------------------------------------------------------------------------------------
+# The commit point (see the module docstring)
+
+_holding = 0  # commit points under way (in any thread: a signal's handler runs in the main thread)
+_holding_lock = threading.Lock()
+_committed = False  # this command's output is in place
+_noted: list[int] = []  # stop signals that came inside a commit point or after one
+_commit_note: str | None = None  # the job's commit note: made by the worker that commits, read by all
+
+
+def new_command() -> None:
+    """A command begins: nothing is committed yet, no signal noted."""
+    global _committed
+    _committed = False
+    _noted.clear()
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """While inside, a stop signal is noted and does not stop the command (`holds`)."""
+    global _holding
+    with _holding_lock:
+        _holding += 1
+    try:
+        yield
+    finally:
+        with _holding_lock:
+            _holding -= 1
+
+
+@contextlib.contextmanager
+def commit_point() -> Iterator[None]:
+    """Around the step that puts a command's output in place. A stop signal inside is held (`holds`);
+    when the block ends without an exception the output is committed (`committed`), and the job's commit
+    note made if there is one. Outside a process whose handlers ask `holds` it changes nothing."""
+    with signals_held():
+        yield
+        _mark_committed()
+
+
+def _mark_committed() -> None:
+    global _committed
+    if _commit_note is not None and not _committed:
+        try:  # made by one open: the launcher only asks whether it exists
+            os.close(os.open(_commit_note, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        except OSError:
+            pass
+    _committed = True
+
+
+def committed() -> bool:
+    """Whether this command's output is in place: committed here, or by a worker of this job."""
+    return _committed or (_commit_note is not None and os.path.exists(_commit_note))
+
+
+def adopt_commit() -> bool:
+    """The launcher, its workers ended: whether one of them committed the run (the job's note exists),
+    and if so this command is committed too (before the job's folder, and its note, are removed)."""
+    if committed():
+        _mark_committed()
+    return _committed
+
+
+def share_commit(note: str | None) -> None:
+    """The job's commit note (a path in the job's folder; None: none): `commit_point` makes it, and
+    `committed` is also true once it exists."""
+    global _commit_note
+    _commit_note = note
+
+
+def holds(signum: int) -> bool:
+    """For a stop signal's handler: True, and the signal noted, when it must not stop the command - it
+    came inside a commit point or after the output was committed."""
+    if _holding or committed():
+        _noted.append(signum)
+        return True
+    return False
+
+
+def noted() -> list[int]:
+    """The stop signals `holds` kept from stopping this command, in order."""
+    return list(_noted)
+
+
+def end_process(code: int) -> NoReturn:
+    """End this process with ``code``, its outcome decided: the exit handlers run (`atexit`) and the
+    standard streams are flushed, but the interpreter's teardown is skipped - tenths of a second once
+    torch is loaded, during which a signal with a Python handler gets the default action again, and
+    which waits for every thread that is not a daemon: a pool's worker that a stop signal left waiting
+    for work (the signal came while the pool started it) kept a stopped ``score`` from ever exiting."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

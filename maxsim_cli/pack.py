@@ -38,6 +38,7 @@ import torch
 
 from maxsim_cli.arrays import numbers
 from maxsim_cli.errors import InputError, MaxsimWarning, UsageError
+from maxsim_cli.lifeline import commit_point
 from maxsim_cli.shards import (
     FLOAT_DTYPES,
     ID_RULE,
@@ -53,6 +54,7 @@ from maxsim_cli.shards import (
     write_manifest,
 )
 from maxsim_cli.shards.files import OutputWriteError, check_output, move_into, swap_corpus_files
+from maxsim_cli.shards.format import parse_patch_grid
 from maxsim_cli.shards.writers import zero_row_warning
 
 # 8 Mi tokens per shard: 2 GiB at dim 128 in float16, far below the 2^31-token limit of Arrow shards,
@@ -669,6 +671,8 @@ def pack(
     encoder: str | None = None,
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    patch_grid: tuple[int, int] | str | None = None,
+    patch_start: int = 0,
 ) -> PackResult:
     """Pack Parquet / Arrow IPC tables, folders of them (a Hugging Face hub `data/` folder, a
     `save_to_disk` folder) and `.npy` directories into shards `OUTDIR/shard-NNNNN.<ext>` + `index.json`.
@@ -679,7 +683,9 @@ def pack(
     that would take it past `shard_tokens` tokens. With `normalize`, every token vector becomes
     x / ||x||_2 (computed in float32) before the cast to `dtype`. Ids must be unique across all sources.
     An OUTDIR that holds shards is refused unless `overwrite`: its shards and manifest are then replaced
-    (other files stay). `progress(docs, total_docs)` is called after each batch. Returns what was written,
+    (other files stay). `progress(docs, total_docs)` is called after each batch. `patch_grid` (rows,
+    cols, or "ROWSxCOLS") and `patch_start` record image pages' patch grid in every shard
+    (docs/format.md). Returns what was written,
     with the count of documents that carry all-zero token rows (`zero_row_docs`); on any error nothing is
     left in or next to OUTDIR and a replaced corpus is as it was.
     """
@@ -691,6 +697,7 @@ def pack(
         if not os.path.exists(src):
             raise InputError(f"{src}: no such file or directory")
     _check_options(dtype, format, shard_tokens)
+    patch = _patch_option(patch_grid, patch_start)
     parts = [part for src in sources for part in _source_parts(src)]
     return _pack_parts(
         parts,
@@ -707,6 +714,7 @@ def pack(
         overwrite=overwrite,
         overwrite_option="--overwrite",
         progress=progress,
+        patch=patch,
     )
 
 
@@ -723,6 +731,8 @@ def write_dataset(
     format: str = "safetensors",
     encoder: str | None = None,
     overwrite: bool = False,
+    patch_grid: tuple[int, int] | str | None = None,
+    patch_start: int = 0,
 ) -> PackResult:
     """Write a Hugging Face `datasets.Dataset` (or `IterableDataset`) of token embeddings as a corpus
     folder, exactly as `maxsim pack` writes one: shards `OUTDIR/shard-NNNNN.<ext>` and `index.json`.
@@ -741,6 +751,7 @@ def write_dataset(
             "for arrays in memory use write_shard"
         )
     _check_options(dtype, format, shard_tokens)
+    patch = _patch_option(patch_grid, patch_start)
     # The dataset's own Arrow files are inputs: the output may not be (or be inside) their folder.
     inputs = [entry["filename"] for entry in getattr(dataset, "cache_files", None) or []]
     result = _pack_parts(
@@ -758,6 +769,7 @@ def write_dataset(
         overwrite=overwrite,
         overwrite_option="overwrite=True",
         progress=None,
+        patch=patch,
     )
     if result.zero_row_docs:
         remedy = "pass mask_column= (an attention mask column) so that padding is left out"
@@ -778,6 +790,15 @@ def _check_options(dtype: str, format: str, shard_tokens: int) -> None:
         raise UsageError(f"--shard-tokens {shard_tokens}: Arrow shards hold at most 2^31-1 tokens")
 
 
+def _patch_option(patch_grid: tuple[int, int] | str | None, patch_start: int) -> tuple[Any, int]:
+    """``patch_grid`` and ``patch_start`` checked (`UsageError`, before anything is read)."""
+    try:
+        return parse_patch_grid(patch_grid, patch_start if patch_grid is not None or patch_start else None,
+                                "--patch-grid")  # fmt: skip
+    except InputError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _pack_parts(
     parts: list[_Part],
     outdir: str,
@@ -794,6 +815,7 @@ def _pack_parts(
     overwrite: bool,
     overwrite_option: str,
     progress: Callable[[int, int], None] | None,
+    patch: tuple[Any, int] = (None, 0),
 ) -> PackResult:
     check_output(outdir, inputs, folder=True)  # not an input folder (nor inside one), and writable
     existed, old_names = _check_outdir(outdir, overwrite, overwrite_option)
@@ -817,6 +839,7 @@ def _pack_parts(
             encoder,
             progress,
             total_docs,
+            patch,
         )
         result.sources = inputs if parts[0].kind != "dataset" else ["dataset"]
         names = [os.path.basename(s.path) for s in result.shards]
@@ -825,7 +848,8 @@ def _pack_parts(
             swap_corpus_files(workdir, outdir, [*names, MANIFEST_NAME], old_names)
             os.rmdir(workdir)
         else:
-            move_into(workdir, outdir, outdir)
+            with commit_point():  # the folder in place: the command's output is complete
+                move_into(workdir, outdir, outdir)
         result.outdir = outdir
         result.manifest = os.path.join(outdir, os.path.basename(manifest))
         result.shards = [
@@ -877,6 +901,7 @@ def _pack_into(
     encoder: str | None,
     progress: Callable[[int, int], None] | None,
     total_docs: int,
+    patch: tuple[Any, int] = (None, 0),
 ) -> PackResult:
     result = PackResult(outdir=workdir, shards=[], manifest="", dtype=dtype)
     seen: dict[str, int] = {}  # id -> ordinal of the document (over all parts) that first had it
@@ -916,6 +941,8 @@ def _pack_into(
                             encoder=encoder,
                             format=format,
                             warn_zero_rows=False,  # counted here, where the source row is known
+                            patch_grid=patch[0],
+                            patch_start=patch[1],
                         )
                     room = shard_tokens - writer.num_tokens
                     # Documents a..b-1 fit in the room left; an empty shard takes at least one.

@@ -34,6 +34,7 @@ import torch
 from maxsim_cli.agreement import ranking_agreement
 from maxsim_cli.devices import resolve_device
 from maxsim_cli.errors import InputError, UsageError
+from maxsim_cli.lifeline import commit_point
 from maxsim_cli.queries import read_queries
 from maxsim_cli.shards import (
     MANIFEST_NAME,
@@ -332,6 +333,8 @@ def quantize_corpus(
                     normalized=info.normalized,
                     encoder=info.encoder,
                     format=info.format,
+                    patch_grid=info.patch_grid,
+                    patch_start=info.patch_start,
                 ) as writer:
                     for batch in shard.iter_batches(batch_tokens):
                         codes, scales = _quantize_batch(batch, torch_device)
@@ -357,8 +360,9 @@ def quantize_corpus(
             else:
                 try:
                     # an empty directory there is replaced by the one rename (POSIX): no moment without
-                    # it, should a signal come between an rmdir and the rename
-                    os.rename(staging, output_dir)
+                    # it, should a signal come between an rmdir and the rename; the command's commit point
+                    with commit_point():
+                        os.rename(staging, output_dir)
                 except OSError as exc:
                     raise write_error(output_dir, exc) from None
         except BaseException as exc:

@@ -10,7 +10,7 @@ writes the same bytes as `maxsim score` for the same inputs.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -105,6 +105,8 @@ class Run:
         self._index: dict[str, tuple[_Block, int]] | None = None
         self._inputs: tuple[str, ...] = ()
         self.stats: Any = None
+        # set by `search` and `rerank`: (qid, docno, the run's score or None) -> an Explanation
+        self._explainer: Callable[[str, str, float | None], Any] | None = None
 
     @classmethod
     def _from_blocks(cls, blocks: list[_Block], stats: object = None, inputs: Sequence[str] = ()) -> Run:
@@ -113,6 +115,7 @@ class Run:
         run._index = None
         run._inputs = tuple(inputs)
         run.stats = stats
+        run._explainer = None
         return run
 
     @classmethod
@@ -166,6 +169,37 @@ class Run:
 
     def __repr__(self) -> str:
         return f"Run({len(self.qids):,} queries, {len(self):,} results)"
+
+    def explain(self, qid: str, docno: str) -> Any:
+        """Why ``docno`` scored what it did for ``qid``: per query token, the document token it matched,
+        their similarity and its share of the score, as a `maxsim_cli.explain.Explanation` whose
+        ``exact`` says that the similarities, added in the kernel's order, give the run's score bit for
+        bit (docs/api.md, "Explanations"; typed Any here, a layer below the scoring that makes one).
+        For runs that `search` or `rerank` returned, which keep their queries and corpus for it; a docno
+        the run does not list for ``qid`` is explained too, scored anew.
+
+        >>> from maxsim_cli import search
+        >>> run = search("sample_data/queries.safetensors", "sample_data/corpus", k=3, device="cpu")
+        >>> top = next(iter(run))
+        >>> run.explain(top.qid, top.docno).exact
+        True
+        """
+        if self._explainer is None:
+            from maxsim_cli.errors import UsageError
+
+            raise UsageError(
+                "Run.explain: this run was not made by search or rerank, so it has no queries or corpus; "
+                "use maxsim_cli.explain.explain(queries, corpus, qid, docno)"
+            )
+        qid, docno = str(qid), str(docno)
+        score = None
+        if qid in self:
+            block, i = self._where()[qid]
+            a, b = int(block.offsets[i]), int(block.offsets[i + 1])
+            hits = block.docnos[a:b].to_pylist()
+            if docno in hits:
+                score = float(block.scores[a + hits.index(docno)])
+        return self._explainer(qid, docno, score)
 
     # ---------------------------------------------------------------------------------- converting
 

@@ -39,6 +39,7 @@ import numpy as np
 
 from maxsim_cli import irds
 from maxsim_cli.errors import InputError, UsageError
+from maxsim_cli.lifeline import commit_point
 from maxsim_cli.shards import (
     ID_FORBIDDEN,
     ID_FORBIDDEN_NOT_SPACE,
@@ -554,7 +555,8 @@ class RunWriter(RankedSink):
     block exits without an exception; otherwise the temporary file is removed and whatever was at the
     path stays as it was (`maxsim_cli.shards.files.OutputFile`; a FIFO or a device is written through).
     ``"-"`` writes to standard output, flushing after each query so a pipeline sees results as they come.
-    A write error (a full disk, ...) is a one-line `MaxsimError` naming the path.
+    A write error (a full disk, ...) is a one-line `MaxsimError` naming the path. The run in place (or
+    all written to a stream) is the command's commit point (`maxsim_cli.lifeline.commit_point`).
     """
 
     def __init__(self, path: str | os.PathLike[str], tag: str = "maxsim", fmt: str = "trec") -> None:
@@ -576,7 +578,7 @@ class RunWriter(RankedSink):
         if self.path == "-":
             self._stream = sys.stdout
             return self
-        self._output = OutputFile(self.path)
+        self._output = OutputFile(self.path, commits=True)  # the run is the command's output
         try:  # a signal in here (no `with` block yet, so no __exit__) must not leave the temp file
             binary = self._output.open()
             if self.path.endswith(".gz"):
@@ -598,6 +600,8 @@ class RunWriter(RankedSink):
                     raise
                 except OSError as error:
                     raise write_error(self._name, error, nothing_written=False) from None
+                with commit_point():  # the whole run is out: the command's output is complete
+                    pass
             return
         assert self._stream is not None and self._output is not None
         if exc_type is not None:  # the error that ended the block is the one to report

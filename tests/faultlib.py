@@ -3,9 +3,11 @@ inputs' hashes, and a look at what a command left behind.
 
 `ForkServer` is one ``python`` process that has imported torch and maxsim (2-3 s, once) and forks a child
 per command: the child sets up its working folder, stdout, stderr, environment, ``TMPDIR``, resource
-limits and default signal dispositions, then runs `maxsim_cli.cli.main` as ``python -m maxsim_cli``
-would. So a signal drawn at a random instant of a command's run falls in the command's own work, not in
-the interpreter's start-up, and a trial costs what the work costs. The server is a child subreaper
+limits and default signal dispositions, then runs `maxsim_cli.cli.main` as the ``maxsim`` script and
+``python -m maxsim_cli`` do (no arguments: ``sys.argv``), and ends as such a process ends - by `main`
+itself, or through the interpreter's shutdown (with torch loaded, as in a ``score`` process). So a
+signal drawn at a random instant of a command's run falls in the command's own work or in its process's
+end, not in the interpreter's start-up, and a trial costs what the work costs. The server is a child subreaper
 (Linux), so the workers of a ``--devices cpu:N`` launcher that was killed are re-parented to it (not
 to init) and reaped: a worker still running shows in ``/proc``. Exit codes are those of
 `subprocess.Popen.returncode`: ``-N`` for a death by signal N.
@@ -56,17 +58,13 @@ def child(request):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        code = 0
-        try:
-            main(request["argv"])
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        sys.argv = ["maxsim", *request["argv"]]
+        main()  # as the `maxsim` script runs it: it ends the process itself, or raises SystemExit
+    except SystemExit:
+        raise  # through the interpreter's shutdown, as the `maxsim` script's process would end
     except BaseException:
         traceback.print_exc()
-        code = 1
-    os._exit(code)
+    os._exit(1)
 
 
 print(json.dumps({"ready": os.getpid()}), file=channel)

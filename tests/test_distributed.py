@@ -17,6 +17,8 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -493,3 +495,65 @@ def test_a_killed_rank_fails_the_job_under_torchrun(data, tmp_path):
     assert proc.returncode != 0
     assert "Signal 9" in proc.stderr or "SIGKILL" in proc.stderr, proc.stderr
     assert _leftovers(tmp_path, "run.trec") == []
+
+
+# --------------------------------------------------------------------------------------------------
+# the job's folder in the temporary directory: removed by the next job when its launcher was killed
+
+
+def _dead_job_folder(folder: Path, *extra: str) -> Path:
+    """A job folder whose processes have all ended (its lock file held by no one)."""
+    folder.mkdir()
+    for name in ("options.json", "status.json", "partial-output", "lock", *extra):
+        (folder / name).write_text("{}")
+    return folder
+
+
+def test_a_job_folder_is_stale_once_every_process_of_its_job_has_ended(tmp_path):
+    """The launcher's lock on its job folder is inherited by its workers: the folder is not stale while
+    the launcher or any worker lives (a launcher killed by SIGKILL leaves workers behind for a moment),
+    and is removed, file by file, once they have all ended."""
+    folder = tmp_path / "maxsim-job-x"
+    folder.mkdir()
+    lock = jobs._lock_job(str(folder))
+    (folder / "options.json").write_text("{}")
+    worker = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+                              pass_fds=(lock,))  # fmt: skip
+    try:
+        assert jobs.remove_stale_job_folders(str(tmp_path)) == []  # the launcher holds it
+        os.close(lock)  # the launcher is gone; its worker is not
+        assert jobs.remove_stale_job_folders(str(tmp_path)) == []
+    finally:
+        worker.communicate(b"", timeout=30)
+    assert jobs.remove_stale_job_folders(str(tmp_path)) == [str(folder)]
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_next_job_removes_the_folders_of_dead_jobs_only(data, tmp_path, monkeypatch):
+    """A ``--devices`` launcher killed by SIGKILL after its run was written left its ``maxsim-job-*``
+    folder in the temporary directory (2 of 3 tries): the next job removes every job folder whose lock
+    is free, and one without a lock that has not changed for days; it keeps a live job's, one without a
+    lock that is new (being made, or an older maxsim's), and anything it did not write."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    _dead_job_folder(temp / "maxsim-job-dead")
+    old = temp / "maxsim-job-old"
+    old.mkdir()
+    (old / "options.json").write_text("{}")
+    os.utime(old, (time.time() - 2 * 86400, time.time() - 2 * 86400))
+    _dead_job_folder(temp / "maxsim-job-mixed", "notes.txt")
+    (temp / "maxsim-job-new").mkdir()
+    alive = temp / "maxsim-job-alive"
+    alive.mkdir()
+    lock = jobs._lock_job(str(alive))
+    try:
+        out = tmp_path / "run.trec"
+        args = ["score", data["queries"], data["corpus"], "-o", str(out), "--devices", "cpu:2", "-q"]
+        result = runner.invoke(app, args, env=JOB_ENV)
+    finally:
+        os.close(lock)
+    assert result.exit_code == 0, result.output
+    assert sorted(os.listdir(temp)) == ["maxsim-job-alive", "maxsim-job-mixed", "maxsim-job-new"]
+    assert os.listdir(temp / "maxsim-job-mixed") == ["notes.txt"]
+    assert os.listdir(alive) == ["lock"]

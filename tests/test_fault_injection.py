@@ -4,7 +4,8 @@ alias inputs, against `maxsim score` (in one process and under ``--devices cpu:2
 
 Each signal trial draws a signal (SIGTERM, SIGINT, SIGHUP or SIGKILL) and an instant uniformly over 1.2
 times the command's measured clean run (so some land after it ended), with or without a previous output
-in place. After every trial:
+in place; targeted trials send SIGTERM, SIGINT or SIGHUP as soon as the new output is seen at its name,
+or the summary line on stderr, and must all end with exit 0. After every trial:
 
 - the inputs are unchanged (sha256 of every file);
 - nothing is left anywhere: not beside the output, not inside an output folder, not in the trial's
@@ -12,16 +13,18 @@ in place. After every trial:
   ``--devices`` job is still running;
 - the output is absent (or the previous output is there, untouched) or complete and byte-identical to a
   clean run (`verify`, which prints its report: stdout empty or the whole report, timings aside);
-- the exit code is 128 + N with ``maxsim: stopped by SIGNAME`` as the last line (or -N, the default
-  action, for a signal that arrived as the process was exiting), -9 for SIGKILL, 0 only with the complete
-  output, and never a traceback nor a temp path in a message.
+- the exit code tells the truth both ways: 0 only with the complete output; 128 + N (with ``maxsim:
+  stopped by SIGNAME`` as the last line) or -N (the default action: the signal came before maxsim set
+  its handlers) only with the previous output as it was, or none; -9 for SIGKILL; never a traceback
+  nor a temp path in a message.
 
 **SIGKILL** cannot be caught, so the promise is narrower and checked exactly: the output's final name
 is still absent, the previous output or the complete output (writes go to a temp file that is renamed
 into place); hidden temp files (``.NAME.XXXX.tmp``) and staging folders (``.maxsim-...``) beside or
-inside the output may remain, as may a ``--devices`` job's ``maxsim-job-...`` folder in ``TMPDIR`` when
-the launcher dies before its workers started. Those are counted, not failed. The workers of a killed
-launcher must still end (within seconds) and never write the run.
+inside the output may remain, as may a ``--devices`` job's ``maxsim-job-...`` folder in ``TMPDIR``. Those
+are counted, not failed, but a job folder left must be one that the next job removes
+(`maxsim_cli.jobs.remove_stale_job_folders`, run on it once the trial's processes have ended). The
+workers of a killed launcher must still end (within seconds) and never write the run.
 
 The totals are printed at the end of the module (``python -m pytest -q tests/test_fault_injection.py``)
 and must show no leftover and no corrupt output. ``MAXSIM_FAULT_SEED`` changes the seed (default 26).
@@ -48,6 +51,7 @@ import numpy as np
 import pytest
 from faultlib import ForkServer, hidden_entries, snapshot, tree_hashes, wait_gone
 
+from maxsim_cli.jobs import remove_stale_job_folders
 from maxsim_cli.shards import write_manifest, write_shard
 
 SEED = int(os.environ.get("MAXSIM_FAULT_SEED", "26"))
@@ -93,6 +97,7 @@ class Command:
     output: str  # the output's name in the trial's out/ folder ("" for stdout)
     folder: bool = False  # the output is a folder (pack, quantize)
     workers: bool = False  # --devices cpu:2
+    summary: str = ""  # how its summary line on stderr begins (without -q)
 
 
 COMMANDS = {
@@ -103,6 +108,7 @@ COMMANDS = {
             lambda i, o: ["score", f"{i}/queries.safetensors", f"{i}/corpus", "-k", "50", "--device", "cpu",
                           "-q", "-o", o],
             "run.trec",
+            summary="maxsim: scored ",
         ),
         Command(
             "score --devices cpu:2",
@@ -110,17 +116,19 @@ COMMANDS = {
                           "cpu:2", "-q", "-o", o],
             "run.trec",
             workers=True,
+            summary="maxsim: scored ",
         ),
         Command("pack", lambda i, o: ["pack", f"{i}/npy", "-q", "-o", o, "--shard-tokens", "40"], "packed",
-                True),
+                True, summary="packed "),
         Command(
             "quantize",
             lambda i, o: ["quantize", f"{i}/corpus", "--sample-queries", "0", "--device", "cpu", "-o", o],
             "int8",
             True,
+            summary="quantized ",
         ),
         Command("merge", lambda i, o: ["merge", f"{i}/candidates.trec", "-k", "100", "-q", "-o", o],
-                "run.trec"),
+                "run.trec", summary="merged "),
         Command(
             "verify",
             lambda i, o: ["verify", f"{i}/queries.safetensors", f"{i}/corpus", "--device", "cpu", "--json"],
@@ -220,9 +228,12 @@ def run_trial(
     fsize: int | None = None,
     fill: int | None = None,
     argv: list[str] | None = None,
+    moment: str | None = None,
+    summary: bool = False,
 ) -> Trial:
-    """Start the command, inject ``trial.fault`` (a signal after ``trial.delay``; other faults are set up by
-    ``setup(out_folder)`` beforehand), wait for it and every worker to end, then check what is left."""
+    """Start the command, inject ``trial.fault`` (a signal after ``trial.delay``, or at ``moment``: see
+    `MOMENTS`; other faults are set up by ``setup(out_folder)`` beforehand), wait for it and every
+    worker to end, then check what is left. ``summary``: without ``-q``, the summary line printed."""
     before = tree_hashes(inputs)
     number = next(_counter)
     folder = base / f"trial-{number}"
@@ -247,10 +258,15 @@ def run_trial(
     marker = f"MAXSIM_FAULT_TRIAL={number}"
     env = {"TMPDIR": str(folder / "tmp"), "MAXSIM_FAULT_TRIAL": str(number)}
     args = argv or command.args(inputs, str(out) if out is not None else "")
+    if summary:
+        args = [a for a in args if a != "-q"]
     pid = server.spawn(args, folder, folder / "stdout", folder / "stderr", env, fsize)
     signum = getattr(signal, trial.fault, None) if trial.fault.startswith("SIG") else None
     if signum is not None:
-        time.sleep(trial.delay)
+        if moment is None:
+            time.sleep(trial.delay)
+        else:
+            trial.delay = _wait_for(MOMENTS[moment](folder, out, command), pid)
         try:
             os.kill(pid, signum)
         except ProcessLookupError:
@@ -263,6 +279,51 @@ def run_trial(
     shutil.rmtree(folder, ignore_errors=True)
     TRIALS.append(trial)
     return trial
+
+
+def _output_in_place(folder: Path, out: Path, command: Command) -> Any:
+    """The moment the new output is at its name: a new file there, or the folder's manifest."""
+    if command.folder:
+        return lambda: (out / "index.json").exists()
+    previous = out.stat().st_ino if out.exists() else None
+
+    def renamed() -> bool:
+        try:
+            return out.stat().st_ino != previous
+        except FileNotFoundError:
+            return False
+
+    return renamed
+
+
+def _summary_printed(folder: Path, out: Path, command: Command) -> Any:
+    """The moment the command's summary line is on stderr."""
+    marker = command.summary.encode()
+
+    def printed() -> bool:
+        try:
+            return marker in (folder / "stderr").read_bytes()
+        except FileNotFoundError:  # the child has not made it yet
+            return False
+
+    return printed
+
+
+# Instants to send a signal at, found by watching from outside as a user's script would: as soon as it
+# is seen (within a millisecond or so).
+MOMENTS = {"output in place": _output_in_place, "summary printed": _summary_printed}
+
+
+def _wait_for(seen: Any, pid: int, timeout: float = 60.0) -> float:
+    """Poll ``seen()`` until true (or the process is gone); returns the seconds waited."""
+    started = time.monotonic()
+    while not seen() and time.monotonic() - started < timeout:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.0005)
+    return time.monotonic() - started
 
 
 def _finish(server, pid, folder, inputs, before, command, reference, trial, out, kept, signum, marker):  # noqa: ANN001, ANN201
@@ -315,6 +376,12 @@ def _check(
     for name in sorted(os.listdir(folder / "tmp")):
         allowed = signum == signal.SIGKILL and name.startswith("maxsim-job-")
         (trial.sigkill_temps if allowed else trial.leftovers).append(f"tmp/{name}")
+    if any(name.startswith("tmp/maxsim-job-") for name in trial.sigkill_temps):
+        # a killed launcher's job folder: the next job removes it (all its processes have ended)
+        remove_stale_job_folders(str(folder / "tmp"))
+        trial.leftovers += [
+            f"tmp/{name} (not removed by the next job)" for name in os.listdir(folder / "tmp")
+        ]
     trial.leftovers = [
         x for x in trial.leftovers if not (signum == signal.SIGKILL and _SIGKILL_TEMP.search(x))
     ]
@@ -350,10 +417,13 @@ def _check(
     if signum is not None:
         allowed = {-signal.SIGKILL} if signum == signal.SIGKILL else {128 + signum, -signum}
         if code == 0:
-            if trial.outcome not in ("complete",) and command.output:
+            if trial.outcome != "complete":
                 problems.append("exit 0 without the complete output")
         elif code not in allowed:
             problems.append(f"exit code {code} for {trial.fault}: {stderr.strip()[-300:]}")
+        elif signum != signal.SIGKILL and trial.outcome not in ("previous", "absent"):
+            # stopped (128 + N; -N: before maxsim's handlers were set) means nothing was written
+            problems.append(f"exit {code} but the output is {trial.outcome}")
         elif code == 128 + signum and stderr.strip().splitlines()[-1:] != [
             f"maxsim: stopped by {trial.fault}"
         ]:
@@ -446,6 +516,40 @@ def test_signals_at_random_instants(server, inputs, references, tmp_path: Path, 
     trials = _run_all(jobs)
     assert not any(t.problems or t.leftovers for t in trials), _report(trials)
     assert len(trials) >= 20
+
+
+# --------------------------------------------------------------------------------------------------
+# signals just after the output is in place: the command's result is its own
+
+
+TARGETED = ["merge", "score", "pack", "quantize", "score --devices cpu:2"]
+
+
+@pytest.mark.parametrize("name", TARGETED)
+def test_a_signal_just_after_the_output_is_in_place(server, inputs, references, tmp_path: Path, name) -> None:
+    """SIGTERM, SIGINT and SIGHUP sent as soon as the new output is seen at its name, and as soon as the
+    summary line is seen on stderr (the process is ending): the output is complete, so the exit code is
+    the command's own, 0, with no ``stopped by`` line - not 128 + N, nor a death by the signal."""
+    command, reference = COMMANDS[name], references[name]
+    signals = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
+    cases = [(moment, signals[(i + j) % 3]) for i, moment in enumerate(MOMENTS) for j in range(3)]
+    if command.workers:  # each trial starts two workers: two cases
+        cases = [("output in place", signal.SIGTERM), ("summary printed", signal.SIGINT)]
+    jobs = [
+        lambda i=i, moment=moment, signum=signum: run_trial(
+            server, inputs, tmp_path, command, reference, Trial(name, signum.name), previous=i % 2 == 0,
+            moment=moment, summary=True,
+        )
+        for i, (moment, signum) in enumerate(cases)
+    ]  # fmt: skip
+    trials = _run_all(jobs)
+    assert not any(t.problems or t.leftovers for t in trials), _report(trials)
+    wrong = [
+        f"{t.fault} after {t.delay:.3f} s: exit {t.code}, {t.outcome}: {t.stderr.strip()[-300:]}"
+        for t in trials
+        if t.code != 0 or t.outcome != "complete" or "stopped by" in t.stderr
+    ]
+    assert not wrong, "\n".join(wrong)
 
 
 # --------------------------------------------------------------------------------------------------

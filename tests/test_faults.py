@@ -11,7 +11,9 @@ existing directory where a file goes (or a file where a folder goes); a missing 
 without write permission (tests run as root, where permission bits do not stop writes: EACCES is
 injected where files get created) or on a read-only file system (a tmpfs remounted read-only); a full
 disk (a tmpfs filled up) or a quota hit half-way through a file (injected); a full disk behind stdout
-(``/dev/full``); SIGTERM / SIGHUP (and SIGINT, for comparison) half-way through writing.
+(``/dev/full``); SIGTERM / SIGHUP (and SIGINT, for comparison) half-way through writing, just before
+the commit point (the rename that puts the output in place) and the instant it is made; the end of the
+process once the command has ended.
 """
 
 from __future__ import annotations
@@ -840,3 +842,209 @@ def test_stopped_between_the_renames_of_a_swap_the_old_corpus_stays(work: Path, 
         assert result.exit_code != 0, (stop_after, result.output)
         assert snapshot(work / "out" / "corpus") == previous, f"after rename {stop_after}"
         assert hidden_entries(work / "out") == []
+
+
+# --------------------------------------------------------------------------------------------------
+# a stop signal around the commit point (the rename that puts the output in place): before it, exit
+# 128 + N and the previous output as it was; from it on, the command finishes, exit 0, output complete
+
+_SCORE_ARGS = ["score", "queries.safetensors", "corpus", "-k", "50", "--device", "cpu"]
+_QUANTIZE_ARGS = ["quantize", "corpus", "--sample-queries", "0", "--device", "cpu"]
+_COMMIT_CASES = {
+    # command: (arguments, in the work folder; what is at out/X before: a run, nothing, an empty folder
+    # or a corpus of other shards; the path whose rename puts the output in place)
+    "merge": (["merge", "candidates.trec", "-o", "out/run.trec"], "run", "out/run.trec"),
+    "score": ([*_SCORE_ARGS, "-o", "out/run.trec"], "run", "out/run.trec"),
+    "score --stats-json": ([*_SCORE_ARGS, "-o", "-", "--stats-json", "out/run.trec"], "run", "out/run.trec"),
+    "pack": (["pack", "npy", "-o", "out/corpus", "--shard-tokens", "20"], "nothing", "out/corpus"),
+    "pack into an empty folder": (
+        ["pack", "npy", "-o", "out/corpus", "--shard-tokens", "20"],
+        "empty",
+        "out/corpus/index.json",
+    ),
+    "pack --overwrite": (
+        ["pack", "npy", "-o", "out/corpus", "--shard-tokens", "20", "--overwrite"],
+        "corpus",
+        "out/corpus/index.json",
+    ),
+    "quantize": ([*_QUANTIZE_ARGS, "-o", "out/corpus"], "empty", "out/corpus"),
+    "quantize --overwrite": (
+        [*_QUANTIZE_ARGS, "-o", "out/corpus", "--overwrite"],
+        "corpus",
+        "out/corpus/index.json",
+    ),
+}
+
+
+def _make_previous(work: Path, out: Path, what: str) -> None:
+    if what == "run":
+        out.write_bytes(PREVIOUS)
+    elif what == "empty":
+        out.mkdir()
+    elif what == "corpus":
+        assert runner.invoke(app, _pack(work, "-o", str(out), "--shard-tokens", "40")).exit_code == 0
+
+
+def _commit_case(work: Path, case: str) -> tuple[list[str], str, Path, object]:
+    """The case's arguments, its final rename's target, the output, and what is there before the run."""
+    args, previous, target = _COMMIT_CASES[case]
+    out = work / args[args.index("-o") + 1] if "--stats-json" not in args else work / args[-1]
+    (work / "out").mkdir()
+    _make_previous(work, out, previous)
+    return args, str(work / target), out, snapshot(out)
+
+
+def _clean_run(work: Path, case: str) -> object:
+    """What the command writes when nothing stops it (in a folder of its own)."""
+    args, previous, _ = _COMMIT_CASES[case]
+    (work / "clean").mkdir()
+    args = [a.replace("out/", "clean/") for a in args]
+    path = work / next(a for a in reversed(args) if a.startswith("clean/"))
+    _make_previous(work, path, previous)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    snap = snapshot(path)
+    if "--stats-json" in args:  # its timings differ from run to run: its keys are what is compared
+        snap = sorted(json.loads(snap))
+    return snap
+
+
+def _renames_then(target: str, act, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``act()`` just after the rename onto ``target`` (os.replace or os.rename)."""
+    for name in ("replace", "rename"):
+        real = getattr(os, name)
+
+        def wrapped(source, destination, *args, real=real, **kwargs):
+            real(source, destination, *args, **kwargs)
+            if os.path.abspath(destination) == target:
+                act()
+
+        monkeypatch.setattr(os, name, wrapped)
+
+
+@pytest.fixture
+def shell_signals():
+    """The stop signals' dispositions as an interactive shell's job has them (whatever this test runs
+    under: nohup ignores SIGHUP), put back after."""
+    wanted = {
+        signal.SIGTERM: signal.SIG_DFL,
+        signal.SIGHUP: signal.SIG_DFL,
+        signal.SIGINT: signal.default_int_handler,
+    }
+    previous = {signum: signal.signal(signum, handler) for signum, handler in wanted.items()}
+    yield
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
+@pytest.mark.parametrize("case", list(_COMMIT_CASES))
+def test_a_signal_just_after_the_final_rename_lets_the_command_finish(
+    work: Path, monkeypatch, shell_signals, case
+) -> None:
+    """SIGTERM, then SIGINT and SIGHUP, the instant the rename that puts the output in place returns (the
+    fault-injection suite sent them 0.4-1.4 s later and got 143): the command finishes, prints its
+    summary, exit 0, and the output is the complete one."""
+    from maxsim_cli import lifeline
+
+    monkeypatch.chdir(work)
+    clean = _clean_run(work, case)
+    args, target, out, _ = _commit_case(work, case)
+    sent: list[int] = []
+
+    def signals() -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            sent.append(signum)
+            os.kill(os.getpid(), signum)
+
+    _renames_then(target, signals, monkeypatch)
+    result = runner.invoke(app, args)
+    assert sent, "the rename should have been made"
+    assert result.exit_code == 0, result.output
+    assert "stopped by" not in result.stderr, result.stderr
+    now = snapshot(out)
+    assert (sorted(json.loads(now)) if "--stats-json" in args else now) == clean
+    assert lifeline.noted() == sent
+    assert hidden_entries(work / "out") == []
+
+
+@pytest.mark.parametrize("case", list(_COMMIT_CASES))
+def test_a_signal_just_before_the_commit_point_keeps_the_previous_output(
+    work: Path, monkeypatch, shell_signals, case
+) -> None:
+    """SIGTERM as the commit point is reached, before the rename: exit 143, the previous output as it
+    was (the previous run, the empty folder, the old corpus), nothing hidden left."""
+    from maxsim_cli import lifeline, pack, quantize, runs
+
+    monkeypatch.chdir(work)
+    args, _, out, previous = _commit_case(work, case)
+    real = lifeline.commit_point
+
+    def signal_first():
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs before this returns
+        return real()
+
+    for module in (output_files, runs, pack, quantize):
+        monkeypatch.setattr(module, "commit_point", signal_first)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 128 + signal.SIGTERM, result.output
+    assert result.stderr.strip().splitlines()[-1] == "maxsim: stopped by SIGTERM"
+    assert snapshot(out) == previous
+    assert hidden_entries(work / "out") == []
+
+
+_END = r"""
+import atexit, os, signal, sys
+atexit.register(lambda: print("exit handlers ran", flush=True))
+from maxsim_cli.cli import main
+sys.argv = ["maxsim", *sys.argv[1:]]
+if os.environ.get("ARGV") == "given":
+    try:
+        main(sys.argv[1:])
+    except SystemExit as exc:
+        print("SystemExit", exc.code, signal.getsignal(signal.SIGTERM) is signal.SIG_IGN,
+              signal.getsignal(signal.SIGINT) is signal.SIG_IGN, flush=True)
+        os._exit(0)
+main()
+print("not reached")
+"""
+
+
+@pytest.mark.parametrize("argv", ["given", "none"])
+def test_once_the_command_has_ended_the_stop_signals_are_ignored(work: Path, argv: str) -> None:
+    """After the command the stop signals are ignored (SIG_IGN: a Python handler would be put back to the
+    default action by the interpreter's shutdown, and a signal then killed the process by the signal);
+    as the process's entry point (no arguments) `main` ends the process itself, its exit handlers run."""
+    args = ["merge", str(work / "candidates.trec"), "-q", "-o", str(work / "run.trec")]
+    env = dict(os.environ, ARGV=argv)
+    proc = subprocess.run(
+        [sys.executable, "-c", _END, *args], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.stderr == ""
+    if argv == "given":
+        assert proc.returncode == 0 and proc.stdout == "SystemExit 0 True True\n"
+    else:
+        assert proc.returncode == 0 and proc.stdout == "exit handlers ran\n"
+    assert (work / "run.trec").stat().st_size > 0
+
+
+_LEFT_WAITING = r"""
+import sys, threading
+from maxsim_cli.cli import main
+# what a stop signal can leave behind: a pool's worker that the pool never noted (the signal raised in
+# `Thread.start` as it waited for the thread), so that nothing tells it to stop waiting for work
+threading.Thread(target=threading.Event().wait, name="left-waiting").start()
+sys.argv = ["maxsim", *sys.argv[1:]]
+main()
+"""
+
+
+def test_a_thread_left_waiting_does_not_keep_the_process_from_ending(work: Path) -> None:
+    """The fault-injection suite's SIGHUP 0.5 s into ``score`` left a reader pool's worker waiting, and
+    the process, having said ``stopped by SIGHUP``, never ended: the interpreter's shutdown waits for
+    every thread that is not a daemon. The command's outcome decided, the process ends."""
+    args = ["merge", str(work / "candidates.trec"), "-q", "-o", str(work / "run.trec")]
+    proc = subprocess.run(
+        [sys.executable, "-c", _LEFT_WAITING, *args], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert (work / "run.trec").stat().st_size > 0

@@ -195,6 +195,24 @@ def test_candidates_exact(backend: str, q_lengths: list[int], d_lengths: list[in
         assert (arg[c, n:] == -1).all()
 
 
+def test_torch_candidates_score_bitwise_as_all_pairs_whatever_the_block() -> None:
+    """The torch path adds a query's terms one after another for candidates as for all pairs: a pair's
+    score is the same bits whether it was searched or reranked, and whatever the other candidates of its
+    block (torch's sum over dim 0 ordered its additions by the block's width: a 40-token query's score
+    changed in the last bits with the number of candidates)."""
+    gen = torch.Generator().manual_seed(5)
+    queries, qo = packed([40], 64, gen)
+    docs, do = packed([7, 30, 1, 64, 12, 3], 64, gen, scale=3.0)
+    d8, sd = quantize_per_token(docs, backend="torch")
+    all_pairs = maxsim_varlen_int8(queries, qo, d8, do, doc_scales=sd, backend="torch")[0]
+    for docs_of_query in ([1], [1, 4], [0, 1, 2, 3, 4, 5]):
+        cand = torch.tensor(docs_of_query, dtype=torch.int64)
+        scores = maxsim_candidates_int8(
+            queries, qo, d8, do, torch.tensor([0, len(cand)]), cand, doc_scales=sd, backend="torch"
+        )
+        assert torch.equal(scores, all_pairs[cand]), docs_of_query
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ties_pick_the_lowest_index(backend: str) -> None:
     gen = torch.Generator().manual_seed(11)

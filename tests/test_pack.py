@@ -122,6 +122,23 @@ def test_pack_normalize_and_encoder(tmp_path):
     assert not unnormalized.normalized
 
 
+def test_pack_records_the_patch_grid(tmp_path):
+    ids, docs = make_docs(n=6, seed=5)
+    src = write_source(tmp_path, "parquet", ids, docs)
+    out = tmp_path / "pages"
+    options = "--id-column pid --embedding-column colbert --patch-grid 2x3 --patch-start 1 --shard-tokens 40"
+    result = runner.invoke(app, ["pack", src, "-o", str(out), *options.split()])
+    assert result.exit_code == 0, result.output
+    with open_corpus([out]) as corpus:
+        assert len(corpus.shards) > 1
+        assert {(s.info.patch_grid, s.info.patch_start) for s in corpus.shards} == {((2, 3), 1)}
+    bad = runner.invoke(app, ["pack", src, "-o", str(tmp_path / "bad"), "--patch-grid", "2 by 3"])
+    assert bad.exit_code == 2 and "--patch-grid: patch_grid '2 by 3' is not ROWSxCOLS" in bad.output
+    alone = runner.invoke(app, ["pack", src, "-o", str(tmp_path / "bad"), "--patch-start", "2"])
+    assert alone.exit_code == 2 and "patch_start without patch_grid" in alone.output
+    assert not (tmp_path / "bad").exists()
+
+
 def test_pack_several_sources_and_existing_empty_outdir(tmp_path):
     ids_a, docs_a = make_docs(n=5, seed=5)
     ids_b, docs_b = make_docs(n=7, seed=6)

@@ -262,3 +262,12 @@ def test_quality_with_a_query_file_is_seeded(corpus_dir, tmp_path) -> None:
     assert first == second and first.queries == 2 and not first.pseudo_queries
     with open_shard(tmp_path / "one" / "a.safetensors") as shard:
         assert shard.info.dtype == "int8"
+
+
+def test_quantize_keeps_the_patch_grid(tmp_path) -> None:
+    (tmp_path / "in").mkdir()
+    write_shard(tmp_path / "in" / "pages.safetensors", ["p1"], [torch.randn(6, 8)], patch_grid=(2, 2),
+                patch_start=2)  # fmt: skip
+    quantize_corpus([tmp_path / "in"], tmp_path / "out", sample_queries=0)
+    with open_corpus([tmp_path / "out"]) as corpus:
+        assert (corpus.shards[0].info.patch_grid, corpus.shards[0].info.patch_start) == ((2, 2), 2)

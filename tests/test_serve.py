@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -800,7 +800,8 @@ def test_serve_without_fastapi_says_what_to_install(monkeypatch) -> None:
 
 class Server:
     """`maxsim serve CORPUS` in a subprocess on 127.0.0.1, a free port (on the CPU unless ``where`` says
-    otherwise); stderr collected by a thread; ``wait``: until it says it is serving."""
+    otherwise); stderr collected by a thread; ``wait``: until it says it is serving; ``preexec_fn``: run
+    in the child before it starts (e.g. to lower its limits)."""
 
     def __init__(
         self,
@@ -809,6 +810,7 @@ class Server:
         env: dict[str, str] | None = None,
         wait: bool = True,
         where: tuple[str, ...] = ("--device", "cpu"),
+        preexec_fn: Callable[[], None] | None = None,
     ) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "maxsim_cli", "serve", corpus, *where, "--port", "0", *args],
@@ -818,6 +820,7 @@ class Server:
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})},
+            preexec_fn=preexec_fn,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []

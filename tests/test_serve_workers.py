@@ -407,6 +407,29 @@ def test_a_request_written_with_the_connection_reaches_the_scoring_process_whole
         server.stop()
 
 
+def test_a_large_request_written_with_the_connection_reaches_the_scoring_process_whole(local) -> None:
+    """A client that writes a large request (~0.8 MB) as it connects: the worker stops reading the
+    connection while it offers it (uvloop starts reading only after the pause made as the connection is
+    made), so no byte is read there after the ones it hands over with it. (They were lost: the request
+    then waited for bytes that never came.)"""
+    server = Server(CORPUS, "--workers", "1", "--body-timeout", "5")
+    try:
+        rng = np.random.default_rng(5)
+        for attempt in range(12):
+            vectors = rng.standard_normal((200, 384)).round(6)
+            request = {
+                "queries": [{"qid": f"q{i}", "embedding": [row.tolist()]} for i, row in enumerate(vectors)]
+            }
+            body = json_body({**request, "k": 2})
+            want = local.post("/search", content=body, headers={"content-type": JSON})
+            response = raw_post(server.port, "/search", body)
+            head, _, content = response.partition(b"\r\n\r\n")
+            assert b" 200 " in head.split(b"\r\n")[0], (attempt, response[:300])
+            assert content == want.content and b"ipc;" not in head
+    finally:
+        server.stop()
+
+
 def test_a_taken_connection_checks_the_token_and_the_body_limit(tmp_path, queries) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)

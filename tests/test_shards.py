@@ -470,3 +470,52 @@ def test_candidate_index_is_the_same_with_the_id_dict_built(tmp_path):
         built = corpus.candidate_index(wanted)
         assert hashed == {"s2d4": (2, 4), "s0d0": (0, 0), "s1d3": (1, 3)}
         assert {d: built[d] for d in wanted if d in built} == hashed
+
+
+# --------------------------------------------------------------------------------------------------
+# the patch grid of image-patch shards (docs/format.md, "Metadata")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_patch_grid_round_trips_in_every_container(tmp_path, fmt: str) -> None:
+    path = tmp_path / f"pages{SUFFIX[fmt]}"
+    docs = [torch.randn(7, 8), torch.randn(5, 8)]
+    info = write_shard(path, ["p1", "p2"], docs, patch_grid=(2, 2), patch_start=1)
+    assert (info.patch_grid, info.patch_start) == ((2, 2), 1)
+    with open_shard(path) as shard:
+        assert (shard.info.patch_grid, shard.info.patch_start) == ((2, 2), 1)
+    plain = write_shard(tmp_path / f"plain{SUFFIX[fmt]}", ["p1"], docs[:1])
+    assert (plain.patch_grid, plain.patch_start) == (None, 0)
+    assert write_shard(tmp_path / f"s{SUFFIX[fmt]}", ["p1"], docs[:1], patch_grid="3x1").patch_grid == (3, 1)
+
+
+@pytest.mark.parametrize(
+    ("meta", "message"),
+    [
+        ({"patch_grid": "32 x 32"}, "patch_grid '32 x 32' is not ROWSxCOLS"),
+        ({"patch_grid": "0x4"}, "patch_grid '0x4' is not ROWSxCOLS"),
+        ({"patch_grid": "2x2", "patch_start": "-1"}, "patch_start '-1' is not a non-negative integer"),
+        ({"patch_start": "3"}, "patch_start without patch_grid"),
+    ],
+)
+def test_a_malformed_patch_grid_is_one_line_naming_the_file(tmp_path, meta: dict, message: str) -> None:
+    path = tmp_path / "bad.safetensors"
+    embeddings = np.ones((3, 8), dtype=np.float16)
+    save_file(
+        {
+            "embeddings": embeddings,
+            "offsets": np.array([0, 3], dtype=np.int64),
+            "ids": np.frombuffer(b"d1", dtype=np.uint8),
+            "id_offsets": np.array([0, 2], dtype=np.int64),
+        },
+        str(path),
+        metadata={
+            "format": "maxsim-shard", "format_version": "1", "dim": "8", "dtype": "float16",
+            "quantization": "none", "normalized": "false", "num_docs": "1", "num_tokens": "3", **meta,
+        },
+    )  # fmt: skip
+    with pytest.raises(InputError, match=message) as err:
+        open_shard(path)
+    assert str(err.value).startswith(str(path)) and "\n" not in str(err.value)
+    with pytest.raises(InputError, match="is not ROWSxCOLS"):
+        write_shard(tmp_path / "w.safetensors", ["d1"], [embeddings], patch_grid=(4,))

@@ -88,6 +88,15 @@ def register(app: typer.Typer) -> None:
         encoder: str | None = typer.Option(
             None, "--encoder", help="Name of the encoder that made the embeddings, recorded in each shard."
         ),
+        patch_grid: str | None = typer.Option(
+            None,
+            "--patch-grid",
+            help="Image pages (ColPali): the patch grid ROWSxCOLS, e.g. 32x32, recorded in each shard for "
+            "maxsim explain --heatmap (docs/format.md).",
+        ),
+        patch_start: int = typer.Option(
+            0, "--patch-start", min=0, help="With --patch-grid: the token of the first patch (default 0)."
+        ),
         overwrite: bool = typer.Option(
             False,
             "--overwrite",
@@ -121,6 +130,8 @@ def register(app: typer.Typer) -> None:
                 encoder=encoder,
                 overwrite=overwrite,
                 progress=update,
+                patch_grid=patch_grid,
+                patch_start=patch_start,
             )
         if result.zero_row_docs:  # a warning, not an error: the shards are valid, the scores may not be
             remedy = "pack with --mask-column NAME (the attention mask) to leave padding out"

@@ -8,6 +8,11 @@ import typer
 
 from maxsim_cli.commands import cli_errors
 from maxsim_cli.errors import MaxsimError
+from maxsim_cli.service.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+)
 
 # Repeated from maxsim_cli.service.app, which imports FastAPI: `--help` stays light.
 DEFAULT_MAX_REQUEST_BYTES = "64MiB"
@@ -93,6 +98,32 @@ def register(app: typer.Typer) -> None:
             ),
             min=0,
         ),
+        header_timeout: float = typer.Option(
+            DEFAULT_HEADER_TIMEOUT_S,
+            "--header-timeout",
+            help=(
+                "Seconds a client has to send a request's line and headers, from its connection (or its "
+                "next request's first byte); then 408 and the connection is closed."
+            ),
+        ),
+        body_timeout: float = typer.Option(
+            DEFAULT_BODY_TIMEOUT_S,
+            "--body-timeout",
+            help=(
+                "Seconds a client has to send a request's whole body once its headers are in (then 408 "
+                "and the connection is closed); also the longest a client may leave its answer unread."
+            ),
+        ),
+        max_connections: int = typer.Option(
+            DEFAULT_MAX_CONNECTIONS,
+            "--max-connections",
+            help=(
+                "Open HTTP connections at most, in each HTTP process (the server, or each worker); "
+                "lowered to fit the descriptor limit (ulimit -n). One more closes the connection that "
+                "has waited longest for its client."
+            ),
+            min=1,
+        ),
     ) -> None:
         """Keep a corpus resident and answer exact search and rerank requests over HTTP (JSON or Arrow).
 
@@ -137,4 +168,7 @@ def register(app: typer.Typer) -> None:
             workers=worker_count,
             busy_poll_ms=busy_poll_ms,
             direct_connections=direct_connections,
+            header_timeout=header_timeout,
+            body_timeout=body_timeout,
+            max_connections=max_connections,
         )

@@ -227,6 +227,7 @@ def register(app: typer.Typer) -> None:
 
         Example: maxsim verify sample_data/queries.safetensors sample_data/corpus --device cpu
         """
+        from maxsim_cli.lifeline import commit_point
         from maxsim_cli.progress import progress_bar
         from maxsim_cli.verify import EXIT_FAILED, Tolerances, verify
 
@@ -248,9 +249,8 @@ def register(app: typer.Typer) -> None:
                 max_tokens=batch_tokens,
                 progress=update,
             )
-        if as_json:
-            echo_data(json.dumps(_json_safe(report.to_dict()), indent=1))
-        else:
-            echo_data(render(report))
+        text = json.dumps(_json_safe(report.to_dict()), indent=1) if as_json else render(report)
+        with commit_point():  # the report out whole: the command's output (its exit code is 0 or 3)
+            echo_data(text)
         if not report.passed:
             raise typer.Exit(EXIT_FAILED)

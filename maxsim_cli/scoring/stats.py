@@ -99,4 +99,4 @@ class ScoreStats:
 
     def write_json(self, path: str) -> None:
         """Write `as_dict` to ``path`` atomically."""
-        write_text_atomic(path, json.dumps(self.as_dict(), indent=2, sort_keys=True) + "\n")
+        write_text_atomic(path, json.dumps(self.as_dict(), indent=2, sort_keys=True) + "\n", commits=True)

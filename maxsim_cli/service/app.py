@@ -32,10 +32,18 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from maxsim_cli.errors import InputError, MaxsimError, UsageError
 from maxsim_cli.service.awake import Awake
 from maxsim_cli.service.batching import Batcher, QueryAnswer, Scorer, Timing, resident_on_gpus
+from maxsim_cli.service.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    ConnectionLimits,
+    limit_connections,
+)
 from maxsim_cli.service.schema import JSON_TYPE, Parsed, RequestError, answer_json, parse_request
 
 if TYPE_CHECKING:
@@ -303,11 +311,14 @@ async def _read_body(request: Request, limit: int) -> bytes:
         raise RequestError(413, f"request body of {int(declared)} bytes is {too_big}")
     chunks = []
     total = 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            raise RequestError(413, f"request body is {too_big}")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise RequestError(413, f"request body is {too_big}")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone, or closed by the server's time limit: nothing to log
+        raise RequestError(400, "the connection closed before the request's body arrived") from None
     return b"".join(chunks)
 
 
@@ -509,6 +520,9 @@ def serve(
     workers: int | None = None,
     busy_poll_ms: float | None = None,
     direct_connections: int = DEFAULT_DIRECT_CONNECTIONS,
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
     log: Callable[[str], None] = _stderr,
 ) -> None:
     """Open the corpus, make it resident on ``device`` (or spread over ``devices``), and answer requests
@@ -520,7 +534,8 @@ def serve(
     ``busy_poll_ms``: how long the event loops keep turning for a request on its way (`Awake`); None:
     `DEFAULT_BUSY_POLL_MS` when GPUs score, 0 on the CPU (whose cores are the scorers).
     ``direct_connections``: with workers, how many HTTP connections the scoring process takes over and
-    serves itself (`maxsim_cli.service.takeover`)."""
+    serves itself (`maxsim_cli.service.takeover`). ``header_timeout``, ``body_timeout`` (seconds),
+    ``max_connections``: the limits on slow clients and open connections (`maxsim_cli.service.limits`)."""
     import uvicorn
 
     from maxsim_cli.api import Corpus, open_corpus
@@ -537,6 +552,8 @@ def serve(
         raise UsageError(f"--direct-connections {direct_connections}: must be 0 or more")
     if workers is not None and not 0 <= workers <= MAX_WORKERS:
         raise UsageError(f"--workers {workers}: must be 0 to {MAX_WORKERS}, or auto")
+    limits = ConnectionLimits(header_timeout, body_timeout, max_connections)
+    limits.check()
     token = read_token(token_file, log) if token_file is not None else None
     check_bind(host, token)
     sock = _bind(host, port)  # a port in use fails now, before the corpus is loaded
@@ -569,6 +586,7 @@ def serve(
                     access_log=access_log,
                     busy_poll_ms=busy_poll_ms,
                     direct_connections=direct_connections,
+                    limits=limits,
                     log=log,
                 )
                 return
@@ -590,8 +608,9 @@ def serve(
                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                 server_header=False,
             )
+            limit_connections(config, limits, log=log)  # slow clients timed out, connections capped
             server = uvicorn.Server(config)
-            sock.listen(2048)
+            sock.listen(config.backlog)
             log(f"serving on {_url(host, bound)} {STOPS}")
             with _signals_end_cleanly(), _quick_thread_switches():
                 server.run(sockets=[sock])
@@ -613,6 +632,7 @@ def _serve_with_workers(
     access_log: bool,
     busy_poll_ms: float,
     direct_connections: int,
+    limits: ConnectionLimits,
     log: Callable[[str], None],
 ) -> None:
     """`serve`'s scoring process under ``--workers N`` (`maxsim_cli.service.workers`)."""
@@ -637,6 +657,7 @@ def _serve_with_workers(
         graceful_shutdown_s=GRACEFUL_SHUTDOWN_S,
         busy_poll_s=busy_poll_ms / 1000,
         direct_connections=direct_connections,
+        limits=limits,
         direct_app=lambda batcher, on_answer: scoring_app(
             batcher,
             lambda: health_of(corpus, batcher, workers=workers),

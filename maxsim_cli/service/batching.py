@@ -144,8 +144,10 @@ class Scorer:
         """Each job's answers, or the exception that job alone fails with."""
         try:
             if jobs[0].kind == "search":
-                return list(self._search(jobs))
-            return list(self._rerank(jobs))
+                results: list[list[QueryAnswer] | BaseException] = list(self._search(jobs))
+            else:
+                results = self._rerank(jobs)
+            return self._explained(jobs, results)
         except Exception as exc:  # noqa: BLE001 - split the batch, and let a request that fails alone fail
             if len(jobs) == 1:
                 return [exc]
@@ -154,6 +156,30 @@ class Scorer:
             _free_device_memory()
             mid = len(jobs) // 2
             return self.score(jobs[:mid]) + self.score(jobs[mid:])
+
+    def _explained(
+        self, jobs: Sequence[Job], results: list[list[QueryAnswer] | BaseException]
+    ) -> list[list[QueryAnswer] | BaseException]:
+        """``results`` with every hit's explanation for the jobs that asked (``"explain": true``):
+        `maxsim_cli.explain.explain_hits` on the scoring device, one query's hits at a time, compared
+        with the scores of the answer."""
+        from maxsim_cli.explain import explain_hits
+
+        for job, answers in zip(jobs, results, strict=True):
+            if not job.request.explain or isinstance(answers, BaseException):
+                continue
+            for qid, hits, _ in answers:
+                explanations = explain_hits(
+                    job.request.queries,
+                    self.corpus,
+                    qid,
+                    list(hits.docnos),
+                    device=self.device,
+                    scores=hits.scores.tolist(),
+                    vectors=False,
+                )
+                hits.explanations = [e.to_dict() for e in explanations]
+        return results
 
     def _search(self, jobs: Sequence[Job]) -> list[list[QueryAnswer]]:
         from maxsim_cli.api import search

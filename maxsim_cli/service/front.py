@@ -129,6 +129,7 @@ def run(listen_fd: int, hub_path: str, index: int) -> None:
     import uvicorn
 
     from maxsim_cli.service.app import GRACEFUL_SHUTDOWN_S, _log_config, http_app
+    from maxsim_cli.service.limits import ConnectionLimits, limit_connections
     from maxsim_cli.service.schema import check_request
     from maxsim_cli.service.wire import pack, recv_frame
 
@@ -167,10 +168,16 @@ def run(listen_fd: int, hub_path: str, index: int) -> None:
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         server_header=False,
     )
+    limits = ConnectionLimits(
+        float(config["header_timeout_s"]), float(config["body_timeout_s"]), int(config["max_connections"])
+    )
+    # slow clients timed out, connections capped; the first worker says when the cap had to be lowered
+    limit_connections(
+        server_config, limits, log=(lambda m: _stderr(f"each serve worker: {m}")) if index == 0 else None
+    )
     if config.get("direct"):  # each new connection offered to the scoring process first (`takeover`)
         from maxsim_cli.service.takeover import Offerer, offering_protocol
 
-        server_config.load()
         server_config.http_protocol_class = offering_protocol(
             server_config.http_protocol_class, Offerer(str(config["direct"]))
         )
@@ -184,6 +191,10 @@ def run(listen_fd: int, hub_path: str, index: int) -> None:
     if _STOP["asked"]:  # asked to stop while starting: uvicorn starts, sees it, and stops at once
         server.should_exit = True
     server.run(sockets=[listener])
+
+
+def _stderr(message: str) -> None:
+    print(f"maxsim: {message}", file=sys.stderr, flush=True)
 
 
 # A SIGTERM noted before uvicorn serves, and the server to hand it to once there is one.

@@ -14,10 +14,13 @@ JSON (``Content-Type: application/json``)::
     POST /search  {"queries": [{"qid": "q1", "embedding": [[...], ...]}, ...], "k": 10}
     POST /rerank  {"queries": [...], "candidates": {"q1": ["d7", ...]}, "k": 100, "strict": false}
 
+and ``"explain": true`` on either gives every hit an ``explanation`` (`maxsim_cli.explain`).
+
 Arrow (``Content-Type: application/vnd.apache.arrow.stream``): the query shard stream that
 ``maxsim score -`` reads (docs/format.md: ``id``, ``embedding``, ``scales`` for int8, the metadata keys
 in the schema metadata); for ``/rerank`` one more column, ``candidates`` (``list<utf8>``, one list of
-docnos per query); ``k`` and ``strict`` as query-string parameters (``/rerank?k=100&strict=true``).
+docnos per query); ``k``, ``strict`` and ``explain`` as query-string parameters
+(``/rerank?k=100&strict=true&explain=true``).
 Every record batch is fully validated (offsets, UTF-8, null counts) before a value is read: a corrupt
 stream is a 400, where an unchecked read of a bad offset would crash the process.
 """
@@ -81,6 +84,7 @@ class QueryIn(_Model):
 class SearchIn(_Model):
     queries: list[QueryIn] = Field(min_length=1)
     k: int = Field(DEFAULT_K, ge=1)
+    explain: bool = False
 
 
 class RerankIn(_Model):
@@ -88,6 +92,7 @@ class RerankIn(_Model):
     candidates: dict[str, list[str]]
     k: int | None = Field(None, ge=1)
     strict: bool = False
+    explain: bool = False
 
 
 # --------------------------------------------------------------------------------------------------
@@ -97,12 +102,14 @@ class RerankIn(_Model):
 @dataclass(eq=False)
 class Parsed:
     """A checked request: its queries (packed, as the library takes them), ``k`` (None: every
-    candidate), and for a rerank its candidates ``{qid: [docno, ...]}`` and ``strict``."""
+    candidate), for a rerank its candidates ``{qid: [docno, ...]}`` and ``strict``, and ``explain``
+    (every hit with its explanation)."""
 
     queries: Queries
     k: int | None
     candidates: dict[str, list[str]] | None = None
     strict: bool = False
+    explain: bool = False
 
 
 @dataclass(eq=False)
@@ -121,6 +128,7 @@ class Checked:
     candidates: dict[str, list[str]] | None = None
     strict: bool = False
     name: str = QUERIES
+    explain: bool = False
 
 
 def parse_request(
@@ -142,7 +150,8 @@ def check_request(
             if params:
                 raise RequestError(
                     422,
-                    f"query-string parameter {sorted(params)[0]!r}: with JSON, k and strict go in the body",
+                    f"query-string parameter {sorted(params)[0]!r}: with JSON, k, strict and explain go in "
+                    "the body",
                 )
             return _parse_json(kind, body, corpus_dim)
         if media == ARROW_TYPE:
@@ -166,21 +175,23 @@ def to_parsed(checked: Checked) -> Parsed:
         embeddings = torch.from_numpy(checked.embeddings)
     scales = torch.from_numpy(checked.scales) if checked.scales is not None else None
     batch = DocBatch(checked.ids, embeddings, torch.from_numpy(checked.offsets), scales)
-    return Parsed(Queries(batch, checked.name), checked.k, checked.candidates, checked.strict)
+    return Parsed(
+        Queries(batch, checked.name), checked.k, checked.candidates, checked.strict, checked.explain
+    )
 
 
 def _parse_json(kind: str, body: bytes, corpus_dim: int) -> Checked:
-    qids, arrays, k, candidates, strict = _read_json_fast(kind, body) or _read_json_models(
+    qids, arrays, k, candidates, strict, explain = _read_json_fast(kind, body) or _read_json_models(
         kind, body, corpus_dim
     )
     ids, embeddings, offsets = _checked_queries(qids, arrays, corpus_dim)
     checked = _check_candidates(candidates, ids) if kind == "rerank" else None
-    return Checked(ids, embeddings, offsets, "float32", None, k, checked, strict, IN_MEMORY_NAME)
+    return Checked(ids, embeddings, offsets, "float32", None, k, checked, strict, IN_MEMORY_NAME, explain)
 
 
 # A JSON request as read, before the checks of `_checked_queries` and `_check_candidates`: its qids,
-# each query's float32 vectors [tokens, width], k, its candidates ({} for a search) and strict.
-_JsonRequest = tuple[list[str | int], list[np.ndarray], int | None, dict[str, list[str]], bool]
+# each query's float32 vectors [tokens, width], k, its candidates ({} for a search), strict and explain.
+_JsonRequest = tuple[list[str | int], list[np.ndarray], int | None, dict[str, list[str]], bool, bool]
 
 
 def _read_json_models(kind: str, body: bytes, corpus_dim: int) -> _JsonRequest:
@@ -209,11 +220,14 @@ def _read_json_models(kind: str, body: bytes, corpus_dim: int) -> _JsonRequest:
             arrays.append(np.asarray(rows, dtype=np.float32))
     qids = [item.qid for item in request.queries]
     if isinstance(request, SearchIn):
-        return qids, arrays, request.k, {}, False
-    return qids, arrays, request.k, request.candidates, request.strict
+        return qids, arrays, request.k, {}, False, request.explain
+    return qids, arrays, request.k, request.candidates, request.strict, request.explain
 
 
-_KEYS = {"search": frozenset({"queries", "k"}), "rerank": frozenset({"queries", "candidates", "k", "strict"})}
+_KEYS = {
+    "search": frozenset({"queries", "k", "explain"}),
+    "rerank": frozenset({"queries", "candidates", "k", "strict", "explain"}),
+}
 _QUERY_KEYS = ["embedding", "qid"]
 _PARSERS = threading.local()
 # Bodies up to this size reuse their thread's parser, whose buffers grow to the largest body it read;
@@ -263,7 +277,10 @@ def _read_request(kind: str, doc: Any, brackets: int) -> _JsonRequest | None:
         return None
     k = doc.get("k", DEFAULT_K if kind == "search" else None)
     strict = doc.get("strict", False)
+    explain = doc.get("explain", False)
     if not (type(k) is int and k >= 1) and not (k is None and kind == "rerank") or type(strict) is not bool:
+        return None
+    if type(explain) is not bool:
         return None
     queries = doc["queries"]
     if not isinstance(queries, simdjson.Array) or len(queries) == 0:
@@ -310,7 +327,7 @@ def _read_request(kind: str, doc: Any, brackets: int) -> _JsonRequest | None:
             seen += 1
     if brackets != seen + "".join(texts).count("["):
         return None
-    return qids, arrays, k, candidates, strict
+    return qids, arrays, k, candidates, strict, explain
 
 
 def _validation_message(exc: ValidationError) -> tuple[int, str]:
@@ -404,12 +421,13 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
     from maxsim_cli.shards import ArrowShard
     from maxsim_cli.shards.readers import read_stream
 
-    allowed = ("k",) if kind == "search" else ("k", "strict")
+    allowed = ("k", "explain") if kind == "search" else ("k", "strict", "explain")
     for name in params:
         if name not in allowed:
             raise RequestError(422, f"query-string parameter {name!r}: /{kind} takes {' and '.join(allowed)}")
     k = _int_param(params, "k", DEFAULT_K if kind == "search" else None)
     strict = _bool_param(params, "strict")
+    explain = _bool_param(params, "explain")
     try:
         # every record batch fully validated, before any value is read (a bad offset would be a crash)
         schema, batches = read_stream(ARROW_NAME, body)
@@ -425,7 +443,7 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
     _check_values(ARROW_NAME, _as_float32(embeddings, dtype), scales, offsets, ids, 0, what="query")
     _check_dim(embeddings.shape[1], corpus_dim)
     if kind == "search":
-        return Checked(ids, embeddings, offsets, dtype, scales, k)
+        return Checked(ids, embeddings, offsets, dtype, scales, k, explain=explain)
     if "candidates" not in schema.names:
         raise RequestError(
             422, "the Arrow stream has no 'candidates' column (list<utf8>: each query's docnos) for /rerank"
@@ -444,7 +462,8 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
     if column.flatten().null_count:  # Arrow counts them; the query is looked for only then
         qid = next(qid for qid, docnos in candidates.items() if None in docnos)
         raise RequestError(422, f"{CANDIDATES}: query {qid!r} has a null docno")
-    return Checked(ids, embeddings, offsets, dtype, scales, k, _check_candidates(candidates, ids), strict)
+    checked = _check_candidates(candidates, ids)
+    return Checked(ids, embeddings, offsets, dtype, scales, k, checked, strict, explain=explain)
 
 
 # The largest k of a query string: int64's (no corpus holds more documents; a k past the corpus's size
@@ -484,10 +503,13 @@ def _show_param(text: str, limit: int = 40) -> str:
 @dataclass(eq=False)
 class Hits:
     """One query's hits, best first, as two columns: ``docnos`` and their float32 ``scores``. Iterating
-    gives ``(docno, score)`` pairs, scores as Python floats; equal hits have the same docnos and scores."""
+    gives ``(docno, score)`` pairs, scores as Python floats; equal hits have the same docnos and scores.
+    ``explanations``: each hit's explanation (`maxsim_cli.explain.Explanation.to_dict`) when the request
+    asked for them, else None."""
 
     docnos: Sequence[str]
     scores: np.ndarray
+    explanations: list[dict[str, Any]] | None = None
 
     @classmethod
     def from_pairs(cls, pairs: Sequence[tuple[str, float]]) -> Hits:
@@ -516,8 +538,9 @@ _HIT_OPEN, _HIT_SEP, _HIT_NEXT = b'[{"docno":"', b'","score":', b'},{"docno":"'
 
 def answer_json(results: Sequence[QueryAnswer]) -> bytes:
     """``{"results": [{"qid": ..., "hits": [{"docno": ..., "score": ...}, ...]}, ...]}`` (and each
-    rerank result's ``"missing"`` docnos). Scores are the float32 values as Python floats, written with
-    the shortest digits that read back as the same double, so as float32 too. A score that is not finite
+    rerank result's ``"missing"`` docnos; each hit's ``"explanation"`` when the request asked for it).
+    Scores are the float32 values as Python floats, written with the shortest digits that read back as
+    the same double, so as float32 too. A score that is not finite
     (which checked inputs do not give) is an error, as JSON has no such number."""
     parts = [b'{"results":[']
     for i, (qid, hits, missing) in enumerate(results):
@@ -542,6 +565,13 @@ def _hits_json(hits: Hits) -> bytes:
     count = len(hits)
     if count == 0:
         return b"[]"
+    if hits.explanations is not None:
+        return to_json(
+            [
+                {"docno": d, "score": s, "explanation": e}
+                for (d, s), e in zip(hits, hits.explanations, strict=True)
+            ]
+        )
     docnos = to_json(list(hits.docnos))
     plain_bytes = len("".join(hits.docnos).encode("utf-8", "surrogatepass"))
     if len(docnos) != plain_bytes + 3 * count + 1:  # [ "d" , "d" ]: 2 quotes a docno, count - 1 commas

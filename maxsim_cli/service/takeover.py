@@ -8,9 +8,10 @@ serves up to ``--direct-connections`` connections itself, the first ones to come
 and the workers serve the others: a client alone is answered without the hop, and a crowd of clients is
 served by the workers as before (the scoring process's share is one connection of many).
 
-How a connection changes hands: the worker that accepted it pauses it (its protocol's
-``connection_made``) and offers its descriptor over a second Unix socket in the server's private folder
-(``direct.sock``; SCM_RIGHTS, `socket.send_fds`). The scoring process answers one byte: ``n`` (no slot,
+How a connection changes hands: the worker that accepted it holds what it reads of it (from its
+protocol's ``connection_made``) and, once its turn comes (the offers go one at a time), pauses it and
+offers its descriptor over a second Unix socket in the server's private folder (``direct.sock``;
+SCM_RIGHTS, `socket.send_fds`). The scoring process answers one byte: ``n`` (no slot,
 or stopping), and the worker resumes the connection and serves it; or ``y``, and the worker sends the
 bytes its event loop had read from the connection before the pause took hold (a 4-byte length, then
 the bytes: a client that writes its request at once may have them there) and closes its copy; the
@@ -37,6 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from maxsim_cli.service.limits import ConnectionLimits, Connections, limited_protocol
+
 logger = logging.getLogger("maxsim.serve")
 
 SOCKET_NAME = "direct.sock"
@@ -47,7 +50,16 @@ class DirectConnections:
     """The scoring process's side: up to ``limit`` HTTP connections taken over from the workers and served
     by ``app`` (an ASGI app: `app.http_app` over the scoring process's batcher)."""
 
-    def __init__(self, app: Any, limit: int, *, access_log: bool, graceful_shutdown_s: float) -> None:
+    def __init__(
+        self,
+        app: Any,
+        limit: int,
+        *,
+        access_log: bool,
+        graceful_shutdown_s: float,
+        limits: ConnectionLimits | None = None,
+    ) -> None:
+        """``limits``: the time limits of the connections' requests (their number is ``limit``)."""
         import uvicorn
         from uvicorn.server import ServerState
 
@@ -58,8 +70,9 @@ class DirectConnections:
         )
         config.load()
         self._state = ServerState()
+        timed = limited_protocol(config.http_protocol_class, Connections(limits or ConnectionLimits(), None))
         self._protocol = functools.partial(
-            _fed_protocol(config.http_protocol_class), config=config, server_state=self._state, app_state={}
+            _fed_protocol(timed), config=config, server_state=self._state, app_state={}
         )
         self._taking = 0  # descriptors accepted, their protocols not made yet
         self._stopping = False
@@ -214,52 +227,73 @@ class Offerer:
         self.sock = sock
         self._lock = asyncio.Lock()
         self._gone = False
+        self.in_flight: Any = None  # the connection whose descriptor is being offered
 
-    async def offer(self, fd: int, read: Callable[[], bytes]) -> bool:
-        """Offer ``fd``; when it is taken, send ``read()`` (the bytes read from it here) after it."""
+    async def offer(
+        self, fd: int, read: Callable[[], bytes], *, ready: Callable[[], bool], owner: Any = None
+    ) -> bool:
+        """Offer ``fd``; when it is taken, send ``read()`` (the bytes read from it here) after it.
+        ``ready()`` once its turn comes: stops reading the connection here and says whether it is still
+        open (one closed here meanwhile is not offered: its descriptor number may be another
+        connection's by then); ``owner`` is `in_flight` while it is offered."""
         if self._gone:
             return False
         loop = asyncio.get_running_loop()
         async with self._lock:
-            try:
-                socket.send_fds(self.sock, [b"o"], [fd])
-            except BlockingIOError:  # its buffer is full of offers not yet answered: serve it here
+            if not ready():
                 return False
-            except OSError:
-                self._gone = True
-                return False
+            self.in_flight = owner
             try:
-                reply = await loop.sock_recv(self.sock, 1)
-            except OSError:
-                reply = b""
-            if reply != TAKEN:
-                self._gone = not reply  # nothing: the scoring process has gone (this worker stops too)
-                return False
-            await asyncio.sleep(0)  # data read along with the pause's callback arrives first
-            prefix = read()
-            try:
-                await loop.sock_sendall(self.sock, len(prefix).to_bytes(4, "little") + prefix)
-            except OSError:
-                self._gone = True
-            return True
+                return await self._offer(loop, fd, read)
+            finally:
+                self.in_flight = None
+
+    async def _offer(self, loop: asyncio.AbstractEventLoop, fd: int, read: Callable[[], bytes]) -> bool:
+        """`offer` under its lock: the descriptor, the reply, the bytes read here."""
+        try:
+            socket.send_fds(self.sock, [b"o"], [fd])
+        except BlockingIOError:  # its buffer is full of offers not yet answered: serve it here
+            return False
+        except OSError:
+            self._gone = True
+            return False
+        try:
+            reply = await loop.sock_recv(self.sock, 1)
+        except OSError:
+            reply = b""
+        if reply != TAKEN:
+            self._gone = not reply  # nothing: the scoring process has gone (this worker stops too)
+            return False
+        await asyncio.sleep(0)  # data read along with the pause's callback arrives first
+        prefix = read()
+        try:
+            await loop.sock_sendall(self.sock, len(prefix).to_bytes(4, "little") + prefix)
+        except OSError:
+            self._gone = True
+        return True
 
     def close(self) -> None:
         self.sock.close()
 
 
 def offering_protocol(base: type, offerer: Offerer) -> type:
-    """``base`` (uvicorn's HTTP protocol) that, as a connection is made, pauses it and offers it to the
-    scoring process: closed here when taken over, resumed and served here when declined."""
+    """``base`` (uvicorn's HTTP protocol) that, as a connection is made, offers it to the scoring process
+    (paused once its turn comes): closed here when taken over, resumed and served here when declined."""
 
     class Offering(base):  # type: ignore[misc, valid-type]
+        @property
+        def handing_over(self) -> bool:
+            """Whether the connection's descriptor is in flight to the scoring process (it is not to be
+            closed here meanwhile: `maxsim_cli.service.limits`). One waiting for its turn may be."""
+            return offerer.in_flight is self
+
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             self._offered: bytearray | None = None
             sock = transport.get_extra_info("socket")
-            if sock is None:
+            if sock is None or transport.is_closing():  # closed at once (`limits`: no room)
                 return
-            transport.pause_reading()
-            self._offered = bytearray()  # what the loop had read already, held until the answer
+            self._offered = bytearray()  # what the loop reads until the offer is sent, held until the answer
             asyncio.get_running_loop().create_task(self._offer(transport, sock.fileno()))
 
         def data_received(self, data: bytes) -> None:
@@ -271,13 +305,27 @@ def offering_protocol(base: type, offerer: Offerer) -> type:
         async def _offer(self, transport: asyncio.Transport, fd: int) -> None:
             held = self._offered
             assert held is not None
+
+            def ready() -> bool:
+                # paused as the offer is sent (not as the connection is made: uvloop starts reading only
+                # once connection_made has returned), so what this process reads of the connection is
+                # only what it had read already, all of it in ``held``. Read until then, as the offers
+                # before it are answered: a connection closed here while it waits has nothing left
+                # unread, which would reset it and lose its answer.
+                if transport.is_closing():
+                    return False
+                transport.pause_reading()
+                return True
+
             try:
-                taken = await offerer.offer(fd, lambda: bytes(held))
+                taken = await offerer.offer(fd, lambda: bytes(held), ready=ready, owner=self)
             except Exception:  # noqa: BLE001 - an offer that fails is declined: serve it here
                 taken = False
             self._offered = None
             if taken:
                 transport.abort()  # this process's copy; the connection is the scoring process's now
+                return
+            if transport.is_closing():  # closed while it waited for its turn (`limits`)
                 return
             if held:
                 super().data_received(bytes(held))

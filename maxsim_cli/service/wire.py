@@ -6,11 +6,12 @@ the payload's lengths, little-endian uint32), a JSON header, then raw array byte
 and arrays are read only as the few dtypes below, with their sizes checked against the header.
 
 - ``{"op": "hello", "worker": i}`` (worker, once): answered ``{"op": "config", ...}`` (the HTTP side's
-  settings: the corpus's dim, the token, the body limit, the number of workers).
+  settings: the corpus's dim, the token, the body limit, the number of workers, the connection limits).
 - ``{"op": "search" | "rerank", "id", "ids", "lengths", "dtype", "dim", "scaled", "k", "candidates",
-  "strict", "name"}`` + the packed token vectors (then the float32 scales of an int8 request): a checked
-  request (`schema.Checked`). Answered ``{"id", "status": 200, "results": [[qid, [docno, ...], missing],
-  ...], "queue_s", "score_s", "batch"}`` + every hit's float32 score in order, or ``{"id", "status",
+  "strict", "name", "explain"}`` + the packed token vectors (then the float32 scales of an int8 request):
+  a checked request (`schema.Checked`). Answered ``{"id", "status": 200, "results": [[qid, [docno, ...],
+  missing], ...], "queue_s", "score_s", "batch"}`` + every hit's float32 score in order (a request that
+  asked for explanations: ``[qid, [docno, ...], missing, [explanation, ...]]``), or ``{"id", "status",
   "detail"}`` (the HTTP status and one-line message of the error).
 - ``{"op": "health", "id"}``: answered ``{"id", "status": 200, "health": {...}}``.
 - ``{"op": "soon"}`` (`SOON`): a request has reached the worker and will follow once read; not answered
@@ -109,6 +110,7 @@ def request_frame(request_id: int, kind: str, checked: Checked) -> bytes:
         "candidates": checked.candidates,
         "strict": checked.strict,
         "name": checked.name,
+        "explain": checked.explain,
     }
     parts = [memoryview(np.ascontiguousarray(checked.embeddings)).cast("B")]
     if checked.scales is not None:
@@ -140,7 +142,16 @@ def checked_from_frame(header: dict[str, Any], payload: bytes) -> Checked:
     offsets = np.zeros(len(ids) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     return Checked(
-        ids, embeddings, offsets, header["dtype"], scales, k, candidates, bool(header.get("strict")), name
+        ids,
+        embeddings,
+        offsets,
+        header["dtype"],
+        scales,
+        k,
+        candidates,
+        bool(header.get("strict")),
+        name,
+        bool(header.get("explain")),
     )
 
 
@@ -153,7 +164,12 @@ def answer_frame(
 ) -> bytes:
     """A request's answers: docnos in the header, the float32 scores (exact: they are float32 values)
     as raw bytes."""
-    results = [[qid, list(hits.docnos), missing] for qid, hits, missing in answers]
+    results = [
+        [qid, list(hits.docnos), missing]
+        if hits.explanations is None
+        else [qid, list(hits.docnos), missing, hits.explanations]
+        for qid, hits, missing in answers
+    ]
     columns = [hits.scores for _, hits, _ in answers]
     scores = np.concatenate(columns, dtype=np.float32) if columns else np.zeros(0, dtype=np.float32)
     header = {
@@ -170,13 +186,14 @@ def answer_frame(
 def answers_from_frame(header: dict[str, Any], payload: bytes) -> list[QueryAnswer]:
     """The answers of an answer frame, as `Batcher.submit` gives them."""
     scores = np.frombuffer(payload, dtype=np.float32)
-    total = sum(len(docnos) for _, docnos, _ in header["results"])
+    total = sum(len(result[1]) for result in header["results"])
     if total != len(scores):
         raise FrameError(f"an answer frame with {len(scores)} scores for {total} hits")
     out: list[QueryAnswer] = []
     at = 0
-    for qid, docnos, missing in header["results"]:
-        out.append((qid, Hits(docnos, scores[at : at + len(docnos)]), missing))
+    for qid, docnos, missing, *explained in header["results"]:
+        hits = Hits(docnos, scores[at : at + len(docnos)], explained[0] if explained else None)
+        out.append((qid, hits, missing))
         at += len(docnos)
     return out
 

@@ -41,6 +41,7 @@ from maxsim_cli.errors import MaxsimError
 from maxsim_cli.lifeline import ENV_LAUNCHER_PID
 from maxsim_cli.service.awake import Awake
 from maxsim_cli.service.batching import Batcher, QueryAnswer, Scorer, Timing
+from maxsim_cli.service.limits import ConnectionLimits
 from maxsim_cli.service.schema import Parsed, to_parsed
 from maxsim_cli.service.takeover import DirectConnections
 from maxsim_cli.service.wire import (
@@ -106,6 +107,7 @@ class Hub:
         busy_poll_s: float = 0.0,
         direct_connections: int = 0,
         direct_app: Callable[[Batcher, Callable[[], None]], Any] | None = None,
+        limits: ConnectionLimits | None = None,
     ) -> None:
         """``health``: ``GET /health``'s answer; ``error_status``: a failed request's HTTP status and
         message; ``graceful_shutdown_s``: how long a stopping worker may finish its requests (the
@@ -113,13 +115,15 @@ class Hub:
         workers keep their event loops turning after a request is announced or answered (`Awake`;
         0: never); ``direct_connections``: how many HTTP connections this process takes over from the
         workers and serves itself (`maxsim_cli.service.takeover`; 0: none), with the app that
-        ``direct_app(batcher, on_answer)`` makes (`app.scoring_app`)."""
+        ``direct_app(batcher, on_answer)`` makes (`app.scoring_app`); ``limits``: the time limits and the
+        connection cap of every HTTP connection (`maxsim_cli.service.limits`)."""
         self.corpus = corpus
         self.health = health
         self.error_status = error_status
         self.graceful_shutdown_s = graceful_shutdown_s
         self.listener = listener
         self.count = workers
+        self.limits = limits or ConnectionLimits()
         self.config = {
             "op": "config",
             "dim": corpus.dim,
@@ -128,6 +132,9 @@ class Hub:
             "access_log": access_log,
             "workers": workers,
             "busy_poll_s": busy_poll_s,
+            "header_timeout_s": self.limits.header_timeout_s,
+            "body_timeout_s": self.limits.body_timeout_s,
+            "max_connections": self.limits.max_connections,
         }
         self.batcher = Batcher(
             Scorer(corpus, device=device), window_s=batch_window_ms / 1000, max_queries=max_batch_queries
@@ -186,6 +193,7 @@ class Hub:
             self.direct_connections,
             access_log=bool(self.config["access_log"]),
             graceful_shutdown_s=self.graceful_shutdown_s,
+            limits=self.limits,
         )
 
     # ----------------------------------------------------------------------------------------------

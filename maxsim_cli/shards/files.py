@@ -15,6 +15,10 @@
 - `staging_dir` (a working folder that becomes an output folder), `swap_corpus_files` (a new corpus in
   place of an old one) and `write_text_atomic`.
 
+The step that puts a command's output in place (`OutputFile(path, commits=True)`'s rename, the last
+rename of `swap_corpus_files`) is a commit point (`maxsim_cli.lifeline.commit_point`): a stop signal
+from then on no longer stops the command, whose output is complete.
+
 Temp files and folders are removed by ``except BaseException`` / ``__exit__`` paths, so an error,
 Ctrl-C and SIGTERM / SIGHUP (which the CLI turns into `SystemExit`, see `maxsim_cli.cli`) all leave no
 temp file behind and the previous output as it was.
@@ -34,6 +38,7 @@ from collections.abc import Callable, Iterable
 from typing import IO
 
 from maxsim_cli.errors import MaxsimError, Option, UsageError
+from maxsim_cli.lifeline import commit_point
 from maxsim_cli.shards.format import MANIFEST_NAME, SHARD_SUFFIXES
 
 # What the user can do about a write error, by errno.
@@ -280,7 +285,8 @@ def swap_corpus_files(staging: str, output_dir: str, new_names: list[str], old_n
     all) from ``staging`` into ``output_dir``, in place of ``old_names`` there (the old manifest first: an
     interrupted swap never shows a mixed corpus as whole). On any failure, a stop signal included, the
     new files there are removed and the old ones put back; each rename is noted before it is made, so
-    one that a signal follows at once is undone too. Raises `OutputWriteError` naming ``output_dir``, or
+    one that a signal follows at once is undone too; the last one is the command's commit point
+    (`maxsim_cli.lifeline.commit_point`). Raises `OutputWriteError` naming ``output_dir``, or
     `UsageError` for a new name that appeared there meanwhile. ``staging`` stays the caller's."""
     trash = staging_dir(output_dir, ".maxsim-old-") if old_names else ""
     set_aside: list[str] = []
@@ -289,12 +295,14 @@ def swap_corpus_files(staging: str, output_dir: str, new_names: list[str], old_n
         for name in old_names:
             set_aside.append(name)
             move_into(os.path.join(output_dir, name), os.path.join(trash, name), output_dir)
-        for name in new_names:
+        for i, name in enumerate(new_names):
             target = os.path.join(output_dir, name)
             if os.path.exists(target):
                 raise UsageError(f"{output_dir}: {name} appeared while writing; nothing was written")
             moved.append(name)  # nothing was there: undoing a rename not made removes nothing
-            move_into(os.path.join(staging, name), target, output_dir)
+            # the last rename (the manifest) puts the new corpus in place: the command's commit point
+            with commit_point() if i == len(new_names) - 1 else contextlib.nullcontext():
+                move_into(os.path.join(staging, name), target, output_dir)
     except BaseException:
         for name in moved:
             _remove_quietly(os.path.join(output_dir, name))
@@ -348,11 +356,13 @@ class OutputFile:
     file is removed and whatever was at ``path`` stays as it was. A FIFO or a device is opened and written
     through, never replaced. An `OSError` opening, writing, closing or moving the file becomes
     `write_error` naming ``path`` (a `BrokenPipeError` stays one: the reader went away).
-    `open` / `commit` / `abort` do the same by hand.
+    `open` / `commit` / `abort` do the same by hand. ``commits=True``: the file is the command's output,
+    and its rename (or a stream's close) is the command's commit point (`maxsim_cli.lifeline`).
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, commits: bool = False) -> None:
         self.path = os.fspath(path)
+        self.commits = commits
         self.stream = is_stream(self.path)
         self._file: IO[bytes] | None = None
         self._tmp: str | None = None
@@ -384,9 +394,10 @@ class OutputFile:
         assert self._file is not None
         try:
             self._file.close()
-            if self._tmp is not None:
-                os.replace(self._tmp, self._target)
-                self._tmp = None
+            with commit_point() if self.commits else contextlib.nullcontext():
+                if self._tmp is not None:
+                    os.replace(self._tmp, self._target)
+                    self._tmp = None
         except BrokenPipeError:
             self.abort()
             raise
@@ -419,8 +430,8 @@ class OutputFile:
             raise write_error(self.path, exc, nothing_written=not self.stream) from None
 
 
-def write_text_atomic(path: str, text: str) -> None:
+def write_text_atomic(path: str, text: str, *, commits: bool = False) -> None:
     """Write `text` to `path` atomically (`OutputFile`: a temp file and `os.replace`, or written
-    through to a FIFO or a device)."""
-    with OutputFile(path) as fh:
+    through to a FIFO or a device). ``commits`` as for `OutputFile`."""
+    with OutputFile(path, commits=commits) as fh:
         fh.write(text.encode("utf-8"))

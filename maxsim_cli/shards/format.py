@@ -46,6 +46,10 @@ MAX_SAFETENSORS_HEADER = 100_000_000
 # A token counts as L2-normalised when | ||x||_2 - 1 | <= this. bf16 rounds each component with relative
 # error <= 2^-9, which moves the norm of a unit vector by at most ~2e-3; 1e-2 leaves room for that.
 NORM_TOLERANCE = 1e-2
+# Optional metadata of image-patch shards (ColPali): the patch grid "ROWSxCOLS", and the index of the token
+# of the first patch (tokens before it, and past the grid, are not patches). docs/format.md, "Metadata".
+PATCH_GRID_KEY = "patch_grid"
+PATCH_START_KEY = "patch_start"
 
 
 @functools.cache
@@ -172,6 +176,8 @@ class ShardInfo:
     quantization: str  # "none" | "int8-per-token"
     normalized: bool
     encoder: str | None
+    patch_grid: tuple[int, int] | None = None  # (rows, cols) of image patches, from `patch_grid`
+    patch_start: int = 0  # the token of the first patch, from `patch_start`
 
 
 @dataclass
@@ -254,7 +260,42 @@ def _parse_metadata(path: str, meta: dict[str, str] | None, where: str) -> dict[
         values[key] = int(text)
     if values["dim"] < 1:
         raise _err(path, "dim is 0 in metadata; a shard needs vectors of at least one value")
+    values["patch_grid"], values["patch_start"] = parse_patch_grid(
+        meta.get(PATCH_GRID_KEY), meta.get(PATCH_START_KEY), f"{path}: {where}"
+    )
     return values
+
+
+def parse_patch_grid(grid: Any, start: Any, where: str) -> tuple[tuple[int, int] | None, int]:
+    """The ``patch_grid`` ("ROWSxCOLS", or a (rows, cols) pair) and ``patch_start`` (a decimal string or
+    an int, default 0) metadata as (rows, cols) or None, and the start; `InputError` naming ``where``
+    for anything else."""
+    if grid is None:
+        if start is not None:
+            raise InputError(f"{where}: {PATCH_START_KEY} without {PATCH_GRID_KEY}; give both or neither")
+        return None, 0
+    if isinstance(grid, str):
+        found = re.fullmatch(r"([1-9][0-9]{0,5})x([1-9][0-9]{0,5})", grid)
+        rows_cols = (int(found.group(1)), int(found.group(2))) if found else None
+    elif (
+        isinstance(grid, (tuple, list))
+        and len(grid) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) and 0 < n < 10**6 for n in grid)
+    ):
+        rows_cols = (int(grid[0]), int(grid[1]))
+    else:
+        rows_cols = None
+    if rows_cols is None:
+        raise InputError(
+            f"{where}: {PATCH_GRID_KEY} {grid!r} is not ROWSxCOLS (two positive integers, e.g. '32x32')"
+        )
+    if start is None:
+        return rows_cols, 0
+    if isinstance(start, int) and not isinstance(start, bool) and start >= 0:
+        return rows_cols, start
+    if isinstance(start, str) and start.isascii() and start.isdigit() and len(start) <= 9:
+        return rows_cols, int(start)
+    raise InputError(f"{where}: {PATCH_START_KEY} {start!r} is not a non-negative integer")
 
 
 def _check_ids(path: str, ids: Sequence[str], *, what: str = "id") -> None:

@@ -58,8 +58,9 @@ def _shard_info(
 ) -> ShardInfo:
     """What a shard holds, once its structure has been checked against its metadata."""
     return ShardInfo(
-        path, fmt, num_docs, num_tokens, dim, dtype, meta["quantization"], meta["normalized"], meta["encoder"]
-    )
+        path, fmt, num_docs, num_tokens, dim, dtype, meta["quantization"], meta["normalized"],
+        meta["encoder"], meta["patch_grid"], meta["patch_start"],
+    )  # fmt: skip
 
 
 class Shard:

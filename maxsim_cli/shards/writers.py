@@ -42,6 +42,8 @@ from maxsim_cli.shards.format import (
     MANIFEST_NAME,
     MAX_ARROW_TOKENS,
     NORM_TOLERANCE,
+    PATCH_GRID_KEY,
+    PATCH_START_KEY,
     SHARD_SUFFIXES,
     ShardInfo,
     _check_offsets,
@@ -50,6 +52,7 @@ from maxsim_cli.shards.format import (
     _one_line,
     _show_id,
     check_id,
+    parse_patch_grid,
     torch_dtypes,
 )
 from maxsim_cli.shards.readers import open_shard
@@ -342,7 +345,8 @@ class ShardWriter:
 
     `normalized=None` records whether every token vector has unit L2 norm (within NORM_TOLERANCE);
     `True` asserts it and refuses vectors that are not. `format` is safetensors, arrow or parquet
-    (default: from the file suffix; "arrow-stream" writes an Arrow IPC file).
+    (default: from the file suffix; "arrow-stream" writes an Arrow IPC file). `patch_grid` (rows, cols)
+    and `patch_start` record where the image patches of each document are (docs/format.md, "Metadata").
 
     Documents with all-zero token rows are counted (`zero_row_docs`, `first_zero_row_id`) and `close()`
     warns about them with a `MaxsimWarning` (`warn_zero_rows=False`: the caller reports them).
@@ -358,6 +362,8 @@ class ShardWriter:
         encoder: str | None = None,
         format: str | None = None,
         warn_zero_rows: bool = True,
+        patch_grid: tuple[int, int] | str | None = None,
+        patch_start: int = 0,
     ) -> None:
         self.path = os.fspath(path)
         if dtype not in DTYPES:
@@ -376,6 +382,9 @@ class ShardWriter:
         if sys.byteorder != "little":
             raise MaxsimError("maxsim writes little-endian shards and needs a little-endian machine")
         self.dim, self.dtype, self.format, self.encoder = dim, dtype, fmt, encoder
+        self.patch_grid, self.patch_start = parse_patch_grid(
+            patch_grid, patch_start if patch_grid is not None or patch_start else None, self.path
+        )
         self.claimed_normalized = normalized
         self.all_unit = True
         self.ids: list[str] = []
@@ -411,6 +420,9 @@ class ShardWriter:
         }
         if self.encoder:
             meta["encoder"] = self.encoder
+        if self.patch_grid is not None:
+            meta[PATCH_GRID_KEY] = f"{self.patch_grid[0]}x{self.patch_grid[1]}"
+            meta[PATCH_START_KEY] = str(self.patch_start)
         return meta
 
     def _check_new_ids(self, ids: Sequence[str | int]) -> list[str]:
@@ -674,6 +686,8 @@ class ShardWriter:
             "int8-per-token" if self.dtype == "int8" else "none",
             normalized,
             self.encoder,
+            self.patch_grid,
+            self.patch_start,
         )
 
     def abort(self) -> None:
@@ -704,6 +718,8 @@ def write_shard(
     normalized: bool | None = None,
     encoder: str | None = None,
     format: str | None = None,
+    patch_grid: tuple[int, int] | str | None = None,
+    patch_start: int = 0,
 ) -> ShardInfo:
     """Write one shard atomically from in-memory data and return its ShardInfo.
 
@@ -714,7 +730,9 @@ def write_shard(
     is stored as `"7"`). `dtype` defaults to the input's (float64 is stored as float32); int8 needs
     `scales`. `format` defaults to the file suffix (`.arrow`, `.parquet`, else safetensors).
     `normalized=None` records whether all vectors have unit L2 norm. Documents with all-zero token rows
-    (padding passed without its mask) are written as given, with a `MaxsimWarning`.
+    (padding passed without its mask) are written as given, with a `MaxsimWarning`. Image-patch
+    embeddings (ColPali) may record their patch grid, ``patch_grid=(rows, cols)`` (or ``"32x32"``) with
+    ``patch_start`` the token of the first patch, for the heatmaps of `maxsim_cli.explain`.
 
         write_shard("docs.safetensors", ids, model.encode(texts, is_query=False))
         write_shard("pages.safetensors", ids, out, mask=batch["attention_mask"])
@@ -741,7 +759,14 @@ def write_shard(
         )
     dim = int(first.shape[1])
     writer = ShardWriter(
-        path, dim, dtype or infer_dtype(first), normalized=normalized, encoder=encoder, format=format
+        path,
+        dim,
+        dtype or infer_dtype(first),
+        normalized=normalized,
+        encoder=encoder,
+        format=format,
+        patch_grid=patch_grid,
+        patch_start=patch_start,
     )
     writer.add(ids, embeddings, mask=mask, offsets=offsets, scales=scales)
     return writer._close(stacklevel=3)
