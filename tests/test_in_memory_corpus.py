@@ -207,6 +207,22 @@ def test_padding_kept_without_its_mask_is_warned_about() -> None:
         Corpus.from_embeddings(ids, values, _mask)
 
 
+def test_explanations_are_those_of_the_written_shard(tmp_path) -> None:
+    """`Run.explain` reads the one document from memory: the explanation of the written shard's row."""
+    ids, docs = documents()
+    path = tmp_path / "written.safetensors"
+    write_shard(path, ids, docs)
+    q = queries()
+    with open_corpus(path) as written, Corpus.from_embeddings(ids, docs) as corpus:
+        run, expected = search(q, corpus, k=3), search(q, written, k=3, device="cpu")
+        for qid in ("q0", "q3"):
+            for docno, _score in run[qid]:
+                got, want = run.explain(qid, docno), expected.explain(qid, docno)
+                assert got.exact and got.to_dict() == want.to_dict()
+        with pytest.raises(InputError, match=r"corpus \(corpus\): no document 'no-such-doc'"):
+            run.explain("q0", "no-such-doc")
+
+
 # --------------------------------------------------------------------------------------------------
 # the writer's rules and messages
 
