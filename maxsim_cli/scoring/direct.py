@@ -2,8 +2,10 @@
 
 A corpus made resident on one device (`Corpus.to`) holds every document in one buffer with its offsets
 beside it (`maxsim_cli.shards.resident.Residency`). A search is then one `maxsim_kernels.maxsim_varlen`
-launch over that buffer and one `maxsim_cli.topk.RunningTopK` merge; a rerank is one
-`maxsim_kernels.maxsim_candidates` launch on the candidates' corpus ordinals. The engine
+launch over that buffer and one `maxsim_cli.topk.RunningTopK` merge; a rerank is one launch on the
+candidates' corpus ordinals (`candidate_scores`: on CUDA the residency's reused launcher, as `maxsim
+serve` scores a request), found in the corpus's id lookup (`Corpus.id_lookup`, built once per corpus,
+so that a call costs what its candidates cost, not what the corpus's ids cost). The engine
 (`maxsim_cli.scoring.engine`) issues exactly these launches for a resident corpus too, but around them
 it pays, at every call, for what a streamed run needs: a plan under memory budgets, a batch stream with
 its threads, device and host memory meters. For a served request that is most of the call: the
@@ -106,22 +108,11 @@ def run(
     stats.extra["direct"] = True
     notes: list[str] = []  # given to ``log`` once the call has succeeded: the engine would repeat them
     try:
-        kernel_args, kernel_kwargs = _kernel_inputs(corpus, residency, queries, request.backend)
         if candidates is None:
+            kernel_args, kernel_kwargs = _kernel_inputs(corpus, residency, queries, request.backend)
             _search(request, corpus, residency, queries, sink, stats, kernel_args, kernel_kwargs)
-        else:
-            _rerank(
-                request,
-                corpus,
-                residency,
-                queries,
-                sink,
-                stats,
-                candidates,
-                kernel_args,
-                kernel_kwargs,
-                notes.append,
-            )
+        elif not _rerank(request, corpus, residency, queries, sink, stats, candidates, notes.append):
+            return None
     except torch.OutOfMemoryError:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -145,10 +136,11 @@ def candidate_scores(
     ``candidate_docs[candidate_offsets[i]:candidate_offsets[i + 1]]`` (int64 numpy arrays), in one
     `maxsim_kernels.maxsim_candidates` launch on the resident corpus; None when the device ran out of
     memory. For a caller that finds its candidates itself (`maxsim_cli.service.batching`: a served
-    rerank looks docnos up in `Corpus.ordinal_index` and sorts its answers itself)."""
+    rerank sorts its answers itself), and for the library's (`run`)."""
     try:
         if _staged(corpus, residency, backend):
-            torch.cuda.set_device(residency.device)  # as `_kernel_inputs`: Triton launches on this device
+            if residency.device.type == "cuda":
+                torch.cuda.set_device(residency.device)  # as `_kernel_inputs`: Triton launches on it
             scores = _staged_launcher(residency)(
                 _query_embeddings(queries, corpus.dtype, corpus.quantization),
                 queries.offsets.numpy(),
@@ -247,10 +239,11 @@ def _rerank(
     sink: Any,
     stats: ScoreStats,
     candidates: dict[str, list[tuple[str, float]]],
-    kernel_args: tuple,
-    kernel_kwargs: dict,
     log: Callable[[str], None],
-) -> None:
+) -> bool:
+    """The candidates looked up (`locate_candidates`: the corpus's id lookup, built once) and scored in
+    one `candidate_scores` launch, the launch a served rerank makes; False when the device ran out of
+    memory (nothing written)."""
     qids = list(queries.ids)
     located = locate_candidates(
         corpus,
@@ -261,12 +254,11 @@ def _rerank(
         request.strict,
         request.corpus,
         log,
-        corpus.doc_starts,
     )
     stats.missing_candidates = located.missing
     stats.pairs = len(located.pair_query)
     if not stats.pairs:
-        return
+        return True
     # the kernel takes each query's candidates as one run of the list: pairs grouped by query, each
     # query's in run order (the order `write_reranked` reads the scores in)
     order = np.argsort(located.pair_query, kind="stable")
@@ -275,11 +267,14 @@ def _rerank(
     stats.queries_with_candidates = int(np.count_nonzero(counts))
     cand_offsets = np.zeros(len(qids) + 1, dtype=np.int64)
     np.cumsum(counts, out=cand_offsets[1:])
-    scores_np = _candidates_kernel(kernel_args, kernel_kwargs, cand_offsets, pair_doc)
+    scores_np = candidate_scores(corpus, residency, queries, cand_offsets, pair_doc, backend=request.backend)
+    if scores_np is None:
+        return False
     distinct = np.unique(pair_doc)
     stats.documents = len(distinct)
     stats.tokens = int((residency.host_offsets[distinct + 1] - residency.host_offsets[distinct]).sum())
     write_reranked(sink, qids, located.docnos_of, pair_query, scores_np, request.top_k)
+    return True
 
 
 def _device_ranks(corpus: Corpus, residency: Residency) -> torch.Tensor:

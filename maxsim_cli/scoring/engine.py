@@ -634,9 +634,7 @@ class _Engine:
         self, run: dict[str, list[tuple[str, float]]], qids: list[str], qname: str, cname: str, strict: bool
     ) -> list[_Pass]:
         """Map the run's candidates to corpus documents and plan the document batches (`plan_rerank`)."""
-        located = locate_candidates(
-            self.corpus, run, qids, qname, cname, strict, self.corpus_paths, self.log, self.shard_base
-        )
+        located = locate_candidates(self.corpus, run, qids, qname, cname, strict, self.corpus_paths, self.log)
         pair_q, pair_doc, docnos_of = located.pair_query, located.pair_doc, located.docnos_of
         self.stats.missing_candidates = located.missing
         self.docnos_of = docnos_of
@@ -830,11 +828,11 @@ def locate_candidates(
     strict: bool,
     corpus_paths: Sequence[str],
     log: Logger,
-    shard_base: np.ndarray,
 ) -> LocatedCandidates:
-    """Find ``run``'s candidates among the corpus's documents (one id lookup, `Corpus.candidate_index`).
-    A qid of the run that names no query is an `InputError`; candidates not in the corpus are a warning
-    through ``log`` (``strict``: an `InputError`). ``shard_base``: each shard's first corpus ordinal."""
+    """Find ``run``'s candidates among the corpus's documents: one lookup of every candidate in the
+    corpus's `Corpus.id_lookup`, built once per corpus, so a call costs what its candidates cost. A qid
+    of the run that names no query is an `InputError`; candidates not in the corpus are a warning
+    through ``log`` (``strict``: an `InputError`)."""
     qindex = {q: i for i, q in enumerate(qids)}
     for qid in run:
         if qid not in qindex:
@@ -842,48 +840,44 @@ def locate_candidates(
                 f"{cname}: query {qid!r} has candidates but no embedding in {qname}; "
                 "add it to the query file or drop it from the run"
             )
-    id_index = corpus.candidate_index(docno for cands in run.values() for docno, _ in cands)
-    missing: list[str] = []
-    n_missing = 0
-    query_parts: list[np.ndarray] = []
-    doc_parts: list[np.ndarray] = []
-    docnos_of: dict[int, list[str]] = {}
-    # a query's candidates in a few list passes and one array, not a loop of appends: a served rerank
-    # pays this at every request
-    for qid, cands in run.items():
-        qi = qindex[qid]
-        docnos = [docno for docno, _ in cands]
-        wheres = [id_index.get(docno) for docno in docnos]
-        if None in wheres:
-            for docno, where in zip(docnos, wheres, strict=True):
-                if where is None:
-                    n_missing += 1
-                    if len(missing) < 3 and docno not in missing:
-                        missing.append(docno)
-            docnos = [docno for docno, where in zip(docnos, wheres, strict=True) if where is not None]
-            wheres = [where for where in wheres if where is not None]
-        if wheres:
-            located = np.array(wheres, dtype=np.int64).reshape(-1, 2)
-            doc_parts.append(shard_base[located[:, 0]] + located[:, 1])
-            query_parts.append(np.full(len(wheres), qi, dtype=np.int64))
-        docnos_of[qi] = docnos
-    if n_missing:
-        examples = ", ".join(repr(m) for m in missing)
-        if strict:
-            raise InputError(
-                f"{cname}: {n_missing} candidates are not in the corpus ({_corpus_name(corpus_paths)}), "
-                f"e.g. {examples}; check the run and the corpus, or drop {STRICT.given(True)} to skip them"
-            )
-        log(
-            f"warning: {cname}: {n_missing} candidates are not in the corpus, e.g. {examples}; "
-            f"they are left out ({STRICT.given(True)} makes this an error)"
+    # every query's candidates in one list (queries in run order, each query's in run order), looked up
+    # at once: a served rerank pays this at every request
+    query_of = np.fromiter((qindex[qid] for qid in run), dtype=np.int64, count=len(run))
+    docnos_per_query = [[docno for docno, _ in cands] for cands in run.values()]
+    counts = np.fromiter(map(len, docnos_per_query), dtype=np.int64, count=len(docnos_per_query))
+    listed = [docno for docnos in docnos_per_query for docno in docnos]
+    ordinals = corpus.id_lookup().ordinals_of(listed)
+    pair_query = np.repeat(query_of, counts)
+    found = ordinals >= 0
+    n_missing = len(listed) - int(np.count_nonzero(found))
+    if not n_missing:
+        return LocatedCandidates(
+            pair_query, ordinals, dict(zip(query_of.tolist(), docnos_per_query, strict=True)), 0
         )
-    return LocatedCandidates(
-        np.concatenate(query_parts) if query_parts else np.zeros(0, dtype=np.int64),
-        np.concatenate(doc_parts) if doc_parts else np.zeros(0, dtype=np.int64),
-        docnos_of,
-        n_missing,
+    missing: list[str] = []  # the first three distinct, for the message
+    for i in np.flatnonzero(~found).tolist():
+        if listed[i] not in missing:
+            missing.append(listed[i])
+            if len(missing) == 3:
+                break
+    examples = ", ".join(repr(m) for m in missing)
+    if strict:
+        raise InputError(
+            f"{cname}: {n_missing} candidates are not in the corpus ({_corpus_name(corpus_paths)}), "
+            f"e.g. {examples}; check the run and the corpus, or drop {STRICT.given(True)} to skip them"
+        )
+    log(
+        f"warning: {cname}: {n_missing} candidates are not in the corpus, e.g. {examples}; "
+        f"they are left out ({STRICT.given(True)} makes this an error)"
     )
+    keep = found.tolist()
+    docnos_of: dict[int, list[str]] = {}
+    start = 0
+    for qi, docnos in zip(query_of.tolist(), docnos_per_query, strict=True):
+        kept = keep[start : start + len(docnos)]
+        start += len(docnos)
+        docnos_of[qi] = docnos if all(kept) else [d for d, k in zip(docnos, kept, strict=True) if k]
+    return LocatedCandidates(pair_query[found], ordinals[found], docnos_of, n_missing)
 
 
 def write_reranked(

@@ -34,7 +34,6 @@ A request's answer does not depend on what it was batched with:
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 import warnings
@@ -227,10 +226,10 @@ class Scorer:
         (the library's `rerank` is to score it) when the batch is beyond the direct path's size or the
         device ran out of memory.
 
-        The library's `rerank` does the same work for any caller: its candidates as a run, looked up
-        through `Corpus.id_index`'s (shard, document) pairs, its answer as a `Run` in trec_eval's order.
-        Here the request's docnos (unique per query: checked when it was read) go straight to corpus
-        ordinals (`Corpus.ordinal_index`) and each query's scores are ordered in numpy by the same keys,
+        The library's `rerank` does the same work for any caller: its candidates as a run, looked up in
+        the same `Corpus.id_lookup` and scored by the same launch, its answer as a `Run` in trec_eval's
+        order. Here the request's docnos (unique per query: checked when it was read) go straight to
+        corpus ordinals and each query's scores are ordered in numpy by the same keys,
         float32 score then docno rank (`Corpus.rank_of_ordinal`, the byte order of the ids), both
         descending; tests/test_serve.py holds its answers equal to the library's. One query against
         1,000 candidates: 1.0 ms against the public `rerank`'s 2.4 ms on the H200 host, kernel included
@@ -238,23 +237,27 @@ class Scorer:
         kernel 0.13 ms on 2 cores (`python benchmarks/probe_serve_host.py`)."""
         from maxsim_cli.scoring import direct
 
-        ordinal_of = self.corpus.ordinal_index()
+        asked_of: list[list[str]] = []  # each query's candidates, request order
+        for job in jobs:
+            assert job.request.candidates is not None
+            asked_of.extend(job.request.candidates.get(qid, []) for qid in job.request.queries.ids)
+        # every candidate of the batch looked up at once in the corpus's id lookup (built once)
+        found_all = self.corpus.id_lookup().ordinals_of([docno for asked in asked_of for docno in asked])
         kept: list[list[str]] = []  # each query's candidates in the corpus, request order
         ordinals: list[np.ndarray] = []
         missing_of: list[list[str]] = []
-        for job in jobs:
-            assert job.request.candidates is not None
-            for qid in job.request.queries.ids:
-                asked = job.request.candidates.get(qid, [])
-                found = np.fromiter(map(ordinal_of.get, asked, _NOT_FOUND), dtype=np.int64, count=len(asked))
-                if len(found) and found.min() < 0:
-                    missing_of.append([d for d, o in zip(asked, found.tolist(), strict=True) if o < 0])
-                    asked = [d for d, o in zip(asked, found.tolist(), strict=True) if o >= 0]
-                    found = found[found >= 0]
-                else:
-                    missing_of.append([])
-                kept.append(asked)
-                ordinals.append(found)
+        start = 0
+        for asked in asked_of:
+            found = found_all[start : start + len(asked)]
+            start += len(asked)
+            if len(found) and found.min() < 0:
+                missing_of.append([d for d, o in zip(asked, found.tolist(), strict=True) if o < 0])
+                asked = [d for d, o in zip(asked, found.tolist(), strict=True) if o >= 0]
+                found = found[found >= 0]
+            else:
+                missing_of.append([])
+            kept.append(asked)
+            ordinals.append(found)
         counts = np.fromiter(map(len, ordinals), dtype=np.int64, count=len(ordinals))
         offsets = np.zeros(len(ordinals) + 1, dtype=np.int64)
         np.cumsum(counts, out=offsets[1:])
@@ -329,10 +332,6 @@ class Scorer:
                 answers.append((qid, Hits.from_pairs(hits if k is None else hits[:k]), missing))
             out.append(_strict_failure(missing_total) if job.request.strict and missing_total else answers)
         return out
-
-
-# `dict.get`'s default for a docno not in the corpus (no corpus ordinal is negative)
-_NOT_FOUND = itertools.repeat(-1)
 
 
 def _strict_failure(missing: list[str]) -> InputError:

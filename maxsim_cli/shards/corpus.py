@@ -22,9 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from maxsim_cli.arrays import array_values, strings_array, values_array
 from maxsim_cli.errors import STRICT, InputError, UsageError, in_python_terms
 from maxsim_cli.shards.format import (
     CORPUS_FORMAT_NAME,
@@ -39,6 +37,7 @@ from maxsim_cli.shards.format import (
     concat_ids,
     sorted_id_order,
 )
+from maxsim_cli.shards.lookup import IdLookup
 from maxsim_cli.shards.memory import IN_MEMORY_CORPUS, MemoryShard
 from maxsim_cli.shards.readers import Shard, open_shard
 
@@ -189,6 +188,7 @@ class Corpus:
         self._ordinals: dict[str, int] | None = None
         self._id_order: tuple[pa.Array, np.ndarray, pa.Array] | None = None
         self._rank_of_ordinal: np.ndarray | None = None
+        self._lookup: IdLookup | None = None
         self.skipped: list[str] = []  # shards left out by `open_corpus` for holding no documents
         self.residency: Residency | None = None  # every shard on one device (`to`)
         self.placement: list[ResidentPart] | None = None  # shares of the shards on several devices
@@ -268,26 +268,27 @@ class Corpus:
         """The shard files (none for a corpus made in memory)."""
         return [s.path for s in self.shards if not isinstance(s, MemoryShard)]
 
+    def id_lookup(self) -> IdLookup:
+        """Docnos to corpus ordinals (`maxsim_cli.shards.lookup.IdLookup`: 16 bytes a document), built at
+        the first call and kept with the corpus, so that every later lookup costs what its docnos cost,
+        not what the corpus's ids cost: the candidates of a rerank, from the Python API, `maxsim score
+        --candidates` and `maxsim serve` alike."""
+        if self._lookup is None:
+            # every id in ordinal order, one array: `id_order`'s (made at open for several shards)
+            one = self._id_order is None and len(self.shards) == 1
+            self._lookup = IdLookup(self.shards[0].id_array if one else self.id_order()[0])
+        return self._lookup
+
     def candidate_index(self, docnos: Iterable[str]) -> Mapping[str, tuple[int, int]]:
         """`id_index` for `docnos`: a mapping that holds those of them in the corpus (the whole `id_index`
-        when it has been built, as a server keeps it; else only those), made by one hash lookup of the
-        distinct docnos in all ids, by Arrow, instead of a Python dict of every id: 0.56 s against 1.56 s
-        for 100K candidates among 2M ids on 2 cores (`python benchmarks/probe_candidate_index.py`;
-        docs/kernel-notes.md, "`maxsim score`: the host-side constants"), and no dict of the whole
-        corpus's ids in memory."""
-        if self._index is not None:  # the dict of every id is there already (a long-lived corpus): as it is
+        when it has been built; else only those), found through `id_lookup`, not a Python dict of every
+        id."""
+        if self._index is not None:  # the dict of every id is there already: as it is
             return self._index
         wanted = list(dict.fromkeys(docnos))
         if not wanted:
             return {}
-        # the ids in ordinal order: `id_order`'s array when it is made already, else a concatenation
-        if self._id_order is not None:
-            ids = self._id_order[0]
-        else:
-            ids = concat_ids([s.id_array for s in self.shards])
-        found = pc.index_in(strings_array(wanted), value_set=ids)  # int32, null where absent
-        absent = values_array(np.array([-1], dtype=np.int32))[0]  # a scalar without pa.scalar's pandas probe
-        ordinals = array_values(found.fill_null(absent)).astype(np.int64)
+        ordinals = self.id_lookup().ordinals_of(wanted)
         present = np.flatnonzero(ordinals >= 0)
         shard = np.searchsorted(self.doc_starts, ordinals[present], side="right") - 1
         local = ordinals[present] - self.doc_starts[shard]
@@ -316,9 +317,8 @@ class Corpus:
 
     def ordinal_index(self) -> dict[str, int]:
         """doc id -> corpus ordinal (its position over the shards in order, as a resident corpus and the
-        kernels number documents); built once, for a long-lived corpus that looks ids up at every call
-        (a served rerank: 1,000 ids in 32 us on 2 cores, against 178 us for `locate_candidates`
-        through `id_index`'s (shard, document) pairs). Ids are unique across the corpus (checked at open)."""
+        kernels number documents); built once. A dict of every id (~120 bytes a document): to look up
+        some ids, `id_lookup` answers the same in 16. Ids are unique across the corpus (checked at open)."""
         if self._ordinals is None:
             ids = self.id_order()[0].to_pylist()
             self._ordinals = dict(zip(ids, range(len(ids)), strict=True))
