@@ -24,7 +24,8 @@ corpus of `bench_resident.py` (documents of 20-300 tokens, ``--size``) and a rer
 
 Every answer of a distinct request is compared with the in-process call (same docnos, same float32
 scores). Servers run as ``python -m maxsim_cli serve ... --port 0`` on 127.0.0.1 and are stopped with
-SIGTERM (their exit code is recorded). Nothing listens beyond loopback. ``--workers N`` is passed to
+SIGTERM (their exit code is recorded). Nothing listens beyond loopback. ``--metrics off`` starts them
+with ``--no-metrics`` (two runs compare what ``GET /metrics`` costs). ``--workers N`` is passed to
 the servers (left out: the server's own default, ``auto``); the search run records the number the server
 reports and the CPU time per request of the server's main thread (event loop: HTTP, or with workers the
 frames to and from them), of its whole process, and of its worker processes.
@@ -133,6 +134,7 @@ class Server:
         workers: str | None = None,
         busy_poll_ms: str | None = None,
         direct_connections: str | None = None,
+        metrics: bool = True,
     ) -> None:
         self.log_path = log_path
         self.log_file = open(log_path, "w")  # noqa: SIM115 - closed in stop()
@@ -144,6 +146,8 @@ class Server:
             cmd += ["--busy-poll-ms", busy_poll_ms]
         if direct_connections is not None:
             cmd += ["--direct-connections", direct_connections]
+        if not metrics:
+            cmd.append("--no-metrics")
         self.command = " ".join(["maxsim", *cmd[3:]])
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log_file
@@ -355,6 +359,7 @@ def rerank_one_client(args: argparse.Namespace, device: torch.device) -> dict:
         args.workers,
         args.busy_poll_ms,
         args.direct_connections,
+        args.metrics == "on",
     )
     runs = {}
     try:
@@ -571,6 +576,7 @@ def search_clients(args: argparse.Namespace, device: torch.device) -> dict:
         args.workers,
         args.busy_poll_ms,
         args.direct_connections,
+        args.metrics == "on",
     )
     try:
         import httpx
@@ -653,6 +659,12 @@ def main() -> None:
         default=None,
         help="the servers' --direct-connections (default: the server's own)",
     )
+    parser.add_argument(
+        "--metrics",
+        choices=("on", "off"),
+        default="on",
+        help="the servers' GET /metrics (off: --no-metrics); run both to compare the cost",
+    )
     parser.add_argument("--only", choices=("rerank", "search"), default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -667,6 +679,7 @@ def main() -> None:
         "workers_option": args.workers or "default (auto)",
         "busy_poll_ms_option": args.busy_poll_ms or "default",
         "direct_connections_option": args.direct_connections or "default",
+        "metrics": args.metrics,
     }
     result["load_average_start"] = os.getloadavg()
     if args.only in (None, "rerank"):

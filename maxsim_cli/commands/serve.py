@@ -79,6 +79,9 @@ def register(app: typer.Typer) -> None:
             show_default=False,
         ),
         access_log: bool = typer.Option(False, "--access-log", help="Log every request on stderr."),
+        metrics: bool = typer.Option(
+            True, "--metrics/--no-metrics", help="Answer GET /metrics (Prometheus; docs/serve.md)."
+        ),
         workers: str = typer.Option(
             "auto",
             "--workers",
@@ -127,7 +130,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Keep a corpus resident and answer exact search and rerank requests over HTTP (JSON or Arrow).
 
-        GET /health, POST /search, POST /rerank: see docs/serve.md.
+        GET /health, POST /search, POST /rerank, GET /metrics, GET /openapi.json: see docs/serve.md.
 
         Example: maxsim serve corpus/ --device cuda --port 8000 --workers 4
         """
@@ -171,4 +174,5 @@ def register(app: typer.Typer) -> None:
             header_timeout=header_timeout,
             body_timeout=body_timeout,
             max_connections=max_connections,
+            metrics=metrics,
         )

@@ -1,8 +1,10 @@
 """`maxsim serve`: a corpus opened once and kept resident, answering exact search and rerank over HTTP.
 
 `create_app(corpus, ...)` builds the FastAPI application (``GET /health``, ``POST /search``,
-``POST /rerank``) over an open corpus; `serve(paths, ...)` opens the corpus, makes it resident, checks
-the address and token, and runs it under uvicorn until SIGTERM or Ctrl-C. docs/serve.md is the guide.
+``POST /rerank``, ``GET /metrics``: `maxsim_cli.service.metrics`; ``GET /openapi.json`` and ``/docs``:
+`maxsim_cli.service.openapi`) over an open corpus; `serve(paths, ...)` opens the corpus, makes it
+resident, checks the address and token, and runs it under uvicorn until SIGTERM or Ctrl-C.
+docs/serve.md is the guide.
 
 Errors: every refused request gets ``{"detail": "<one line>"}`` and a status: 400 an unreadable body
 (not JSON, not an Arrow stream), 401 a missing or wrong bearer token, 413 a body over the limit, 415
@@ -44,6 +46,7 @@ from maxsim_cli.service.limits import (
     ConnectionLimits,
     limit_connections,
 )
+from maxsim_cli.service.metrics import Metrics
 from maxsim_cli.service.schema import JSON_TYPE, Parsed, RequestError, answer_json, parse_request
 
 if TYPE_CHECKING:
@@ -82,14 +85,21 @@ def create_app(
     max_batch_queries: int = DEFAULT_MAX_BATCH_QUERIES,
     device: str = "auto",
     busy_poll_ms: float = 0.0,
+    metrics: bool = True,
 ) -> FastAPI:
     """The application over an open ``corpus`` (resident or not; scoring on ``device``, ``auto``: the
     corpus's). The batcher starts and stops with the application's lifespan (``with TestClient(app)``
     in tests). ``app.state.batcher.counters`` counts the batches. ``busy_poll_ms``: how long the event
-    loop keeps turning after an answer, for the next request (`Awake`; 0: never)."""
+    loop keeps turning after an answer, for the next request (`Awake`; 0: never). ``metrics``: answer
+    ``GET /metrics`` (`maxsim_cli.service.metrics`; needs prometheus-client)."""
+    from maxsim_cli.service.metrics import available
+
     batcher = Batcher(
         Scorer(corpus, device=device), window_s=batch_window_ms / 1000, max_queries=max_batch_queries
     )
+    measured = Metrics() if metrics and available() else None
+    if measured is not None:
+        measured.watch(corpus, batcher)
     # stops while the batcher's thread scores (it needs the interpreter lock) or requests queue
     # (under load the loop has work enough)
     awake = Awake(busy_poll_ms / 1000, paused=batcher.loaded)
@@ -112,6 +122,7 @@ def create_app(
         max_request_bytes=max_request_bytes,
         lifespan=lifespan,
         on_answer=awake.linger,
+        metrics=measured,
     )
     app.state.batcher = batcher
     app.state.corpus = corpus
@@ -127,6 +138,7 @@ def scoring_app(
     max_request_bytes: int,
     lifespan: Callable[[FastAPI], Any] | None = None,
     on_answer: Callable[[], None] | None = None,
+    metrics: Metrics | None = None,
 ) -> FastAPI:
     """`http_app` in the process that scores: bodies read into `Parsed` requests, scored by ``batcher``
     (the one-process server's app, and the app of the connections a `--workers` server's scoring
@@ -149,6 +161,7 @@ def scoring_app(
         max_request_bytes=max_request_bytes,
         lifespan=lifespan,
         on_answer=on_answer,
+        metrics=metrics,
     )
 
 
@@ -175,21 +188,43 @@ def http_app(
     lifespan: Callable[[FastAPI], Any] | None,
     on_request: Callable[[], None] | None = None,
     on_answer: Callable[[], None] | None = None,
+    metrics: Metrics | None = None,
 ) -> FastAPI:
     """The HTTP side of the server: ``parse`` reads a body (`schema.parse_request` in one process,
     `schema.check_request` in a worker process), ``submit`` has it scored, ``health`` says how the
     server is; ``on_request`` is called as a scoring request arrives, ``on_answer`` once its answer is
-    made (`maxsim_cli.service.awake`). Both sides answer with the same bytes and errors."""
+    made (`maxsim_cli.service.awake`); ``metrics``: what ``GET /metrics`` answers (None: 404). Both
+    sides answer with the same bytes and errors."""
+    from maxsim_cli import __version__
+    from maxsim_cli.service import metrics as metrics_module
+    from maxsim_cli.service.openapi import openapi_schema
+
     app = FastAPI(
         title="maxsim",
         summary="Exact MaxSim search and rerank over a resident corpus",
+        description="The guide: docs/serve.md.",
+        version=__version__,
         lifespan=lifespan,
-        openapi_url=None,  # no schema or docs pages: docs/serve.md describes the endpoints
+        redoc_url=None,
+        swagger_ui_oauth2_redirect_url=None,
     )
+    app.openapi = lambda: openapi_schema(app, token=token is not None)  # type: ignore[method-assign]
 
     @app.get("/health")
     async def health_route() -> dict[str, Any]:
         return await health()
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        if metrics is None:
+            off = "this server was started with --no-metrics"
+            detail = metrics_module.NO_METRICS if not metrics_module.available() else f"/metrics: {off}"
+            return JSONResponse({"detail": detail}, status_code=404)
+        try:
+            body = await metrics.scrape()
+        except Exception as exc:  # noqa: BLE001 - a worker whose scoring process is gone: 503, one line
+            return error_response(exc)
+        return Response(body, media_type=metrics_module.CONTENT_TYPE)
 
     async def answer(kind: str, request: Request) -> Response:
         if on_request is not None:
@@ -233,6 +268,8 @@ def http_app(
 
     if token is not None:
         app.add_middleware(BearerToken, token=token)
+    if metrics is not None:  # added last: outermost, so the token's refusals are counted too
+        app.add_middleware(metrics_module.MetricsMiddleware, metrics=metrics, routes=app.routes)
     return app
 
 
@@ -519,6 +556,7 @@ def serve(
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    metrics: bool = True,
     log: Callable[[str], None] = _stderr,
 ) -> None:
     """Open the corpus, make it resident on ``device`` (or spread over ``devices``), and answer requests
@@ -531,10 +569,12 @@ def serve(
     `DEFAULT_BUSY_POLL_MS` when GPUs score, 0 on the CPU (whose cores are the scorers).
     ``direct_connections``: with workers, how many HTTP connections the scoring process takes over and
     serves itself (`maxsim_cli.service.takeover`). ``header_timeout``, ``body_timeout`` (seconds),
-    ``max_connections``: the limits on slow clients and open connections (`maxsim_cli.service.limits`)."""
+    ``max_connections``: the limits on slow clients and open connections (`maxsim_cli.service.limits`).
+    ``metrics``: answer ``GET /metrics`` (needs prometheus-client; `maxsim_cli.service.metrics`)."""
     import uvicorn
 
     from maxsim_cli.api import Corpus, open_corpus
+    from maxsim_cli.service.metrics import available, shared_metrics
 
     if max_request_bytes < 1:
         raise UsageError(f"--max-request-bytes {max_request_bytes}: must be positive")
@@ -552,6 +592,9 @@ def serve(
     limits.check()
     token = read_token(token_file, log) if token_file is not None else None
     check_bind(host, token)
+    if metrics and not available():
+        log("warning: no prometheus-client, so no /metrics: pip install 'maxsim[serve]'")
+        metrics = False
     sock = _bind(host, port)  # a port in use fails now, before the corpus is loaded
     try:
         given = corpus_paths if isinstance(corpus_paths, Corpus) else None  # the caller's: left open
@@ -570,21 +613,23 @@ def serve(
 
                 workers = auto_workers(corpus_devices(corpus))
             if workers > 0:
-                _serve_with_workers(
-                    corpus,
-                    sock,
-                    workers,
-                    host=host,
-                    token=token,
-                    max_request_bytes=max_request_bytes,
-                    batch_window_ms=batch_window_ms,
-                    max_batch_queries=max_batch_queries,
-                    access_log=access_log,
-                    busy_poll_ms=busy_poll_ms,
-                    direct_connections=direct_connections,
-                    limits=limits,
-                    log=log,
-                )
+                with shared_metrics() if metrics else contextlib.nullcontext() as shared:
+                    _serve_with_workers(
+                        corpus,
+                        sock,
+                        workers,
+                        host=host,
+                        token=token,
+                        max_request_bytes=max_request_bytes,
+                        batch_window_ms=batch_window_ms,
+                        max_batch_queries=max_batch_queries,
+                        access_log=access_log,
+                        busy_poll_ms=busy_poll_ms,
+                        direct_connections=direct_connections,
+                        limits=limits,
+                        metrics=shared,
+                        log=log,
+                    )
                 return
             app = create_app(
                 corpus,
@@ -593,6 +638,7 @@ def serve(
                 batch_window_ms=batch_window_ms,
                 max_batch_queries=max_batch_queries,
                 busy_poll_ms=busy_poll_ms,
+                metrics=metrics,
             )
             bound = sock.getsockname()[1]
             config = uvicorn.Config(
@@ -629,9 +675,11 @@ def _serve_with_workers(
     busy_poll_ms: float,
     direct_connections: int,
     limits: ConnectionLimits,
+    metrics: Metrics | None,
     log: Callable[[str], None],
 ) -> None:
-    """`serve`'s scoring process under ``--workers N`` (`maxsim_cli.service.workers`)."""
+    """`serve`'s scoring process under ``--workers N`` (`maxsim_cli.service.workers`); ``metrics``: every
+    process's, in one folder (`metrics.shared_metrics`)."""
     import asyncio
     import logging.config
 
@@ -661,7 +709,9 @@ def _serve_with_workers(
             token=token,
             max_request_bytes=max_request_bytes,
             on_answer=on_answer,
+            metrics=metrics,
         ),
+        metrics=metrics,
     )
     bound = sock.getsockname()[1]
     sock.listen(2048)

@@ -437,6 +437,11 @@ class Batcher:
         """Whether a batch is being scored on the worker thread or requests are queued."""
         return self.in_thread or bool(self._pending)
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a batch now."""
+        return len(self._pending)
+
     async def start(self) -> None:
         self._wake = asyncio.Event()
         self._closing = False

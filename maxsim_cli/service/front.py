@@ -115,6 +115,12 @@ class HubClient:
         ipc_s = max(0.0, round_trip - queue_s - score_s)
         return Answered(answers, queue_s, score_s, int(header["batch"]), ipc_s)
 
+    async def refresh_metrics(self) -> None:
+        """Have the scoring process set its scrape-time gauges (`maxsim_cli.service.metrics`)."""
+        from maxsim_cli.service.wire import pack
+
+        await self._call(lambda request_id: pack({"op": "metrics", "id": request_id}))
+
     async def health(self) -> dict[str, Any]:
         from maxsim_cli.service.wire import pack
 
@@ -130,6 +136,7 @@ def run(listen_fd: int, hub_path: str, index: int) -> None:
 
     from maxsim_cli.service.app import GRACEFUL_SHUTDOWN_S, _log_config, http_app
     from maxsim_cli.service.limits import ConnectionLimits, limit_connections
+    from maxsim_cli.service.metrics import worker_metrics
     from maxsim_cli.service.schema import check_request
     from maxsim_cli.service.wire import pack, recv_frame
 
@@ -138,6 +145,9 @@ def run(listen_fd: int, hub_path: str, index: int) -> None:
     hub.sendall(pack({"op": "hello", "worker": index, "pid": os.getpid()}))
     config, _ = recv_frame(hub)
     client = HubClient(hub, float(config.get("busy_poll_s", 0.0)))
+    metrics = worker_metrics(config.get("metrics"))  # its values where the scoring process's are
+    if metrics is not None:
+        metrics.refresh = client.refresh_metrics
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> Any:
@@ -157,6 +167,7 @@ def run(listen_fd: int, hub_path: str, index: int) -> None:
         lifespan=lifespan,
         on_request=client.heads_up,
         on_answer=client.awake.linger,
+        metrics=metrics,
     )
     log_config = _log_config()
     log_config["loggers"]["uvicorn.error"]["level"] = "WARNING"  # no start-up lines from every worker
@@ -229,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         # a scoring process that was killed left its socket and folder: the last worker removes them
         folder = os.path.dirname(args.hub)
         lifeline.remove_if_orphaned([args.hub, os.path.join(folder, DIRECT_SOCKET)], folder)
+        metrics = sys.modules.get("maxsim_cli.service.metrics")  # there once the worker made its metrics
+        if metrics is not None:
+            metrics.remove_if_orphaned()
     return 0
 
 

@@ -55,6 +55,7 @@ from maxsim_cli.service.wire import (
 
 if TYPE_CHECKING:
     from maxsim_cli.api import Corpus
+    from maxsim_cli.service.metrics import Metrics
 
 logger = logging.getLogger("maxsim.serve")
 
@@ -108,6 +109,7 @@ class Hub:
         direct_connections: int = 0,
         direct_app: Callable[[Batcher, Callable[[], None]], Any] | None = None,
         limits: ConnectionLimits | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         """``health``: ``GET /health``'s answer; ``error_status``: a failed request's HTTP status and
         message; ``graceful_shutdown_s``: how long a stopping worker may finish its requests (the
@@ -116,7 +118,8 @@ class Hub:
         0: never); ``direct_connections``: how many HTTP connections this process takes over from the
         workers and serves itself (`maxsim_cli.service.takeover`; 0: none), with the app that
         ``direct_app(batcher, on_answer)`` makes (`app.scoring_app`); ``limits``: the time limits and the
-        connection cap of every HTTP connection (`maxsim_cli.service.limits`)."""
+        connection cap of every HTTP connection (`maxsim_cli.service.limits`); ``metrics``: this
+        process's, in the folder the workers write theirs to (`maxsim_cli.service.metrics.shared_metrics`)."""
         self.corpus = corpus
         self.health = health
         self.error_status = error_status
@@ -139,6 +142,10 @@ class Hub:
         self.batcher = Batcher(
             Scorer(corpus, device=device), window_s=batch_window_ms / 1000, max_queries=max_batch_queries
         )
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.watch(corpus, self.batcher)
+            self.config["metrics"] = metrics.folder
         # turns on a worker's heads-up, so that its request finds this loop awake; stops while the
         # batcher's thread scores (it needs the interpreter lock) or requests queue (under load the
         # loop has work enough)
@@ -289,6 +296,10 @@ class Hub:
                 elif op == "health":
                     health = self.health(self.batcher)
                     writer.write(pack({"id": header.get("id"), "status": 200, "health": health}))
+                elif op == "metrics":  # a scrape at a worker: the gauges of this process set first
+                    if self.metrics is not None:
+                        self.metrics.refresh_here()
+                    writer.write(pack({"id": header.get("id"), "status": 200}))
                 elif op in ("search", "rerank"):
                     self._request(worker, op, header, payload, writer)
                 else:
