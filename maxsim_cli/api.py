@@ -86,7 +86,7 @@ def open_corpus(paths: PathLike | Sequence[PathLike], *, verify_checksums: bool 
 @in_python_terms
 def search(
     queries: PathLike | Queries | tuple[Sequence[str | int], Any],
-    corpus: Corpus | PathLike | Sequence[PathLike],
+    corpus: Corpus | PathLike | Sequence[PathLike] | tuple[Sequence[str | int], Any],
     *,
     k: int = 1000,
     strict: bool = False,
@@ -100,7 +100,8 @@ def search(
     """The exact top-``k`` documents of ``corpus`` for every query, as a `Run`.
 
     ``queries``: a query shard path (or folder of them), a `Queries`, or an ``(ids, embeddings)`` pair as
-    `Queries.from_embeddings` takes it. ``corpus``: a `Corpus` (resident or not) or shard path(s).
+    `Queries.from_embeddings` takes it. ``corpus``: a `Corpus` (resident or not, or in memory:
+    `Corpus.from_embeddings`), shard path(s), or an ``(ids, embeddings)`` pair as that takes it.
     ``device``: ``auto`` (the resident corpus's device, else CUDA when there is one), ``cpu``, ``cuda``,
     ``cuda:N``. ``max_memory`` bounds the scoring device's memory, ``max_host_memory`` what the call adds
     to the process's resident set (bytes, or a size such as ``"2GiB"``; `maxsim_cli.memory`). Ties
@@ -132,7 +133,7 @@ def search(
 @in_python_terms
 def rerank(
     queries: PathLike | Queries | tuple[Sequence[str | int], Any],
-    corpus: Corpus | PathLike | Sequence[PathLike],
+    corpus: Corpus | PathLike | Sequence[PathLike] | tuple[Sequence[str | int], Any],
     candidates: Any,
     *,
     k: int | None = None,
@@ -229,7 +230,7 @@ def _score(
         run_candidates = None if candidates is None else _as_candidates(candidates)
         request = ScoreRequest(
             queries=q.name,
-            corpus=tuple(corpus_obj.paths),
+            corpus=tuple(corpus_obj.paths) or (corpus_obj._name(),),  # an in-memory corpus: its name
             output="-",
             top_k=top_k,
             candidates=_candidates_name(candidates),
@@ -347,7 +348,12 @@ def _as_corpus(corpus: Any) -> tuple[Corpus, bool]:
         isinstance(corpus, Sequence) and all(isinstance(p, (str, os.PathLike)) for p in corpus)
     ):
         return open_corpus(corpus), True
-    raise UsageError(f"corpus: got {type(corpus).__name__}; pass a Corpus or shard file/folder path(s)")
+    if isinstance(corpus, tuple) and len(corpus) == 2:  # (ids, embeddings), as for queries
+        return Corpus.from_embeddings(corpus[0], corpus[1]), True
+    raise UsageError(
+        f"corpus: got {type(corpus).__name__}; pass a Corpus, shard file/folder path(s), or an "
+        "(ids, embeddings) pair"
+    )
 
 
 def _size(value: int | str | None, name: str) -> int | None:

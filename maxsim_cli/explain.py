@@ -442,9 +442,9 @@ def _query_index(queries: Queries, qid: str) -> int:
 
 
 def _corpus_name(corpus: Corpus) -> str:
-    """The corpus as messages name it: its shard, or its first shard and how many more."""
-    paths = corpus.paths
-    return paths[0] if len(paths) == 1 else f"{paths[0]} and {len(paths) - 1} more"
+    """The corpus as messages name it: its shard, or its first shard and how many more (an in-memory
+    corpus: its name)."""
+    return corpus._name()
 
 
 def _device(corpus: Corpus, device: str, places: Sequence[tuple[int, int]]) -> torch.device:

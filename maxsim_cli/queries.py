@@ -13,10 +13,6 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from maxsim_cli.errors import InputError
-
 if TYPE_CHECKING:
     import torch
 
@@ -85,95 +81,25 @@ class Queries:
         bfloat16 and float32 are kept. Ids must be unique, non-empty, without whitespace. Raises
         `InputError` naming the query for a bad shape, an empty query, a dim mismatch or NaN/Inf.
         """
-        import torch
+        from maxsim_cli.shards.format import DocBatch
+        from maxsim_cli.shards.memory import QUERY_WORDS, pack_embeddings
 
-        from maxsim_cli.shards.format import DocBatch, _check_ids, _check_values
-        from maxsim_cli.shards.writers import _as_tensor, _mask_rows
-
-        qids = _as_ids(ids, name)
-
-        def query(i: int) -> str:  # the i-th query, as messages name it
-            return f"query {qids[i]!r} (index {i})" if i < len(qids) else f"query at index {i}"
-
-        if isinstance(embeddings, (torch.Tensor, np.ndarray)) and embeddings.ndim == 3:
-            padded = _as_tensor(embeddings, f"{name}: embeddings")
-            if padded.shape[0] != len(qids):
-                raise InputError(f"{name}: {len(qids)} ids but {padded.shape[0]} padded queries")
-            if mask is None:
-                keep = torch.ones(padded.shape[:2], dtype=torch.bool)
-            else:
-                keep = _mask_rows(mask, f"{name}: mask")
-                if tuple(keep.shape) != tuple(padded.shape[:2]):
-                    raise InputError(
-                        f"{name}: mask has shape {tuple(keep.shape)}; expected {tuple(padded.shape[:2])} "
-                        "([queries, tokens]) for embeddings of shape " + str(tuple(padded.shape))
-                    )
-            lengths = keep.sum(dim=1).to(torch.int64)
-            _check_lengths(qids, lengths.tolist(), name)
-            packed = padded[keep]
-        elif isinstance(embeddings, (torch.Tensor, np.ndarray)):
-            raise InputError(
-                f"{name}: embeddings of shape {tuple(embeddings.shape)}; pass a list of [tokens, dim] "
-                "arrays, one per query, or a padded [queries, tokens, dim] array with a mask"
-            )
-        else:
-            docs = [_as_tensor(e, f"{name}: {query(i)}") for i, e in enumerate(embeddings)]
-            if len(docs) != len(qids):
-                raise InputError(f"{name}: {len(qids)} ids but {len(docs)} embedding arrays")
-            for i, d in enumerate(docs):
-                if d.ndim != 2:
-                    raise InputError(f"{name}: {query(i)} has shape {tuple(d.shape)}; expected [tokens, dim]")
-            if mask is not None:
-                masks = [
-                    _mask_rows(m, f"{name}: the mask of {query(i)}").reshape(-1) for i, m in enumerate(mask)
-                ]
-                if len(masks) != len(docs):
-                    raise InputError(f"{name}: {len(masks)} masks for {len(docs)} queries")
-                for i, (d, m) in enumerate(zip(docs, masks, strict=True)):
-                    if m.shape[0] != d.shape[0]:
-                        raise InputError(
-                            f"{name}: the mask of query {qids[i]!r} (index {i}) has {m.shape[0]} entries "
-                            f"for {d.shape[0]} tokens"
-                        )
-                docs = [d[m] for d, m in zip(docs, masks, strict=True)]
-            _check_lengths(qids, [d.shape[0] for d in docs], name)
-            dims = {d.shape[1] for d in docs}
-            if len(dims) > 1:
-                i = next(i for i, d in enumerate(docs) if d.shape[1] != docs[0].shape[1])
-                raise InputError(
-                    f"{name}: query {qids[i]!r} (index {i}) has vectors of {docs[i].shape[1]} values but "
-                    f"query {qids[0]!r} has {docs[0].shape[1]}; encode all queries with one model"
-                )
-            lengths = torch.tensor([d.shape[0] for d in docs], dtype=torch.int64)
-            packed = torch.cat([d.to(docs[0].dtype) for d in docs]) if docs else torch.zeros(0, 0)
-        if packed.dtype == torch.int8:
-            raise InputError(f"{name}: int8 query embeddings carry no scales; pass the float embeddings")
-        if packed.dtype == torch.float64 or not packed.is_floating_point():
-            packed = packed.to(torch.float32)
-        packed = packed.contiguous()
-        offsets = torch.zeros(len(qids) + 1, dtype=torch.int64)
-        offsets[1:] = torch.cumsum(lengths, 0)
-        _check_ids(name, qids, what="query id")
-        _check_values(name, packed, None, offsets.numpy(), qids, 0, what="query")
-        return cls(DocBatch(qids, packed, offsets, None), name)
+        packed = pack_embeddings(ids, embeddings, mask, name=name, words=QUERY_WORDS)
+        return cls(DocBatch(packed.ids, packed.values, packed.offsets, None), name)
 
 
 def _as_ids(ids: Sequence[str | int], name: str) -> list[str]:
-    out = []
-    for i, qid in enumerate(ids):
-        if isinstance(qid, (bool, np.bool_)) or not isinstance(qid, (str, int, np.integer)):
-            raise InputError(f"{name}: query id at index {i} is {type(qid).__name__}; ids must be str or int")
-        out.append(str(qid) if not isinstance(qid, str) else qid)
-    return out
+    """Query ids as strings (`maxsim_cli.shards.memory.as_ids`)."""
+    from maxsim_cli.shards.memory import QUERY_WORDS, as_ids
+
+    return as_ids(ids, name, QUERY_WORDS)
 
 
 def _check_lengths(qids: list[str], lengths: Sequence[int], name: str) -> None:
-    for i, n in enumerate(lengths):
-        if n < 1:
-            raise InputError(
-                f"{name}: query {qids[i]!r} (index {i}) has no tokens (after its mask); every query needs "
-                "at least one"
-            )
+    """Every query holds at least one token (`maxsim_cli.shards.memory.check_lengths`)."""
+    from maxsim_cli.shards.memory import QUERY_WORDS, check_lengths
+
+    check_lengths(qids, lengths, name, QUERY_WORDS)
 
 
 def read_queries(path: str | os.PathLike[str]) -> Queries:

@@ -275,6 +275,30 @@ def test_int8_query_shard_keeps_its_scales(tmp_path, corpus, bm25):
     assert_same_rows(out, expected)
 
 
+def test_an_in_memory_corpus_gives_the_frames_of_its_shards(corpus, query_embs, bm25, topics):
+    """The sample corpus's documents as an encoder would hand them over (a list of [len, dim] tensors),
+    held in memory: both transformers give the frames they give over the shards."""
+    from maxsim_cli import Corpus
+
+    ids, docs = [], []
+    for shard in corpus.shards:
+        batch = shard.read_docs(0, shard.num_docs)
+        ids += batch.ids
+        docs += list(torch.split(batch.embeddings, batch.lengths().tolist()))
+    frame = with_embs(bm25[bm25["qid"].isin(["q001", "q002", "q077"])], query_embs)
+    asked = with_embs(topics[topics["qid"].isin(["q150", "q002"])], query_embs)
+    with Corpus.from_embeddings(ids, docs) as in_memory:
+        for transformer, inp in (
+            (lambda c: MaxSimReranker(c, device="cpu"), frame),
+            (lambda c: MaxSimRetriever(c, k=10, device="cpu"), asked),
+        ):
+            got, expected = transformer(in_memory)(inp), transformer(corpus)(inp)
+            assert got[["qid", "docno", "rank", "score"]].equals(expected[["qid", "docno", "rank", "score"]])
+        unknown = with_embs(pd.DataFrame({"qid": ["q001"], "docno": ["no-such-doc"]}), query_embs)
+        with pytest.raises(InputError, match="not in the corpus .corpus., e.g. 'no-such-doc'"):
+            MaxSimReranker(in_memory, device="cpu")(unknown)
+
+
 # --------------------------------------------------------------------------------------------------
 # the retriever
 

@@ -66,6 +66,7 @@ from maxsim_cli.scoring.plan import Budget, Plan
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.stats import ScoreStats
 from maxsim_cli.shards import check_same_dim
+from maxsim_cli.shards.resident import shard_bytes
 from maxsim_cli.topk import RunningTopK
 from maxsim_cli.units import format_size
 
@@ -165,7 +166,9 @@ def _run(
     residency = corpus.residency if corpus.residency is not None and corpus.residency.device == dev else None
     arena = context.arena
     if cuda and arena is None and residency is None:
-        arena = open_arena(request, dev, context.staging_bytes)
+        # an in-memory corpus scored away from its device has no files to size the staging by
+        held = None if corpus.paths else sum(shard_bytes(s) for s in corpus.shards)
+        arena = open_arena(request, dev, context.staging_bytes, held)
     if cuda:
         torch.cuda.set_device(dev)
         free, _total = torch.cuda.mem_get_info(dev)
@@ -290,9 +293,14 @@ def _host_budget(request: ScoreRequest) -> int:
     return request.max_host_memory if request.max_host_memory is not None else default_host_bytes()
 
 
-def open_arena(request: ScoreRequest, device: torch.device, staging_bytes: int | None = None) -> PinnedArena:
+def open_arena(
+    request: ScoreRequest,
+    device: torch.device,
+    staging_bytes: int | None = None,
+    corpus_bytes: int | None = None,
+) -> PinnedArena:
     """Start page-locking the staging memory of a CUDA run: at most ``staging_bytes`` (default
-    `plan.STAGING_BYTES`), the host budget, or the corpus files' size.
+    `plan.STAGING_BYTES`), the host budget, or the corpus's size (``corpus_bytes``, else its files').
 
     Locked piece by piece from the start, so that the locking is over before the pass begins: locking that
     overlaps the pass makes its CUDA calls and reads wait for the pieces (1.2-1.3 s instead of 0.54 s for
@@ -300,7 +308,8 @@ def open_arena(request: ScoreRequest, device: torch.device, staging_bytes: int |
     the process's address-space lock; docs/kernel-notes.md, "`maxsim score`: the host-side constants")."""
     host_budget = _host_budget(request)
     cap = staging_bytes or planning.STAGING_BYTES
-    staging = min(cap, host_budget, _files_bytes(request.corpus) + (1 << 20))
+    size = _files_bytes(request.corpus) if corpus_bytes is None else corpus_bytes
+    staging = min(cap, host_budget, size + (1 << 20))
     return PinnedArena(staging, BatchStream.host_slots(reader_threads(request, True)), device)
 
 

@@ -539,7 +539,7 @@ def _stderr(message: str) -> None:
 
 
 def serve(
-    corpus_paths: Sequence[str],
+    corpus_paths: Sequence[str] | Corpus,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -561,7 +561,9 @@ def serve(
 ) -> None:
     """Open the corpus, make it resident on ``device`` (or spread over ``devices``), and answer requests
     on ``host:port`` (0: a free port; the line ``serving ... on http://HOST:PORT`` on stderr says which)
-    until SIGTERM or Ctrl-C, which let the requests in flight finish first. ``workers``: HTTP in that
+    until SIGTERM or Ctrl-C, which let the requests in flight finish first. ``corpus_paths`` may be an
+    open `Corpus` instead (an in-memory one too: `Corpus.from_embeddings`): served where it is resident
+    unless ``device`` or ``devices`` say otherwise, and left open. ``workers``: HTTP in that
     many worker processes (`maxsim_cli.service.workers`), 0 in this one, None: `auto_workers`.
     ``busy_poll_ms``: how long the event loops keep turning for a request on its way (`Awake`); None:
     `DEFAULT_BUSY_POLL_MS` when GPUs score, 0 on the CPU (whose cores are the scorers).
@@ -571,7 +573,7 @@ def serve(
     ``metrics``: answer ``GET /metrics`` (needs prometheus-client; `maxsim_cli.service.metrics`)."""
     import uvicorn
 
-    from maxsim_cli.api import open_corpus
+    from maxsim_cli.api import Corpus, open_corpus
     from maxsim_cli.service.metrics import available, shared_metrics
 
     if max_request_bytes < 1:
@@ -595,9 +597,12 @@ def serve(
         metrics = False
     sock = _bind(host, port)  # a port in use fails now, before the corpus is loaded
     try:
-        with open_corpus(list(corpus_paths)) as corpus:
+        given = corpus_paths if isinstance(corpus_paths, Corpus) else None  # the caller's: left open
+        opened = contextlib.nullcontext(given) if given is not None else open_corpus(list(corpus_paths))
+        with opened as corpus:
             started = time.perf_counter()
-            corpus.to(list(devices) if devices else device)
+            if given is None or devices or device != "auto" or corpus.device is None:
+                corpus.to(list(devices) if devices else device)
             log(f"{corpus!r}: resident in {time.perf_counter() - started:.1f} s")
             warm_up(corpus)
             _settle_for_serving(corpus)

@@ -18,6 +18,8 @@ The parts, each importing only those above it:
 
 - `format`: constants, metadata parsing, id / offset / count / value checks, `ShardInfo`, `DocBatch`.
 - `readers`: `Shard` and its safetensors / Arrow / Parquet readers, `open_shard`, `read_queries`.
+- `memory`: embeddings from memory packed and checked (`Queries.from_embeddings`,
+  `Corpus.from_embeddings`), `MemoryShard`, the shard of an in-memory corpus.
 - `corpus`: `Corpus`, `open_corpus`, the `index.json` manifest, `check_same_dim`, `check_kernel_dim`.
 - `files`: atomic output (temp file or folder next to the target, then `os.replace`).
 - `writers`: `ShardWriter`, `write_shard`, `write_manifest`, `arrow_schema`.
@@ -74,6 +76,7 @@ from maxsim_cli.shards.format import (
     torch_dtypes,
 )
 from maxsim_cli.shards.format import _decode_ids as _decode_ids  # tests check ids through it
+from maxsim_cli.shards.memory import MemoryShard
 from maxsim_cli.shards.readers import (
     ArrowShard,
     ParquetShard,
@@ -125,6 +128,7 @@ __all__ = [
     "Corpus",
     "DocBatch",
     "InputNote",
+    "MemoryShard",
     "ParquetShard",
     "SafetensorsShard",
     "Shard",

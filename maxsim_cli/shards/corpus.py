@@ -38,6 +38,7 @@ from maxsim_cli.shards.format import (
     sorted_id_order,
 )
 from maxsim_cli.shards.lookup import IdLookup
+from maxsim_cli.shards.memory import IN_MEMORY_CORPUS, MemoryShard
 from maxsim_cli.shards.readers import Shard, open_shard
 
 if TYPE_CHECKING:
@@ -148,7 +149,8 @@ class Corpus:
     Documents are numbered globally in shard order: shard s holds `doc_starts[s]:doc_starts[s+1]`.
     ``len(corpus)`` counts documents, ``corpus.ids`` lists their ids in that order. ``corpus.to(device)``
     makes it *resident*: every shard read once into that device's memory (`residency`), so scoring reads
-    nothing from disk; otherwise batches stream from the files.
+    nothing from disk; otherwise batches stream from the files. A corpus made by `from_embeddings` has no
+    files (``paths`` is empty): its one `MemoryShard`'s tensors are its residency, on their device.
     """
 
     def __init__(self, shards: list[Shard]) -> None:
@@ -216,9 +218,55 @@ class Corpus:
             self._rank_of_ordinal = ranks
         return self._rank_of_ordinal
 
+    @classmethod
+    def from_embeddings(
+        cls,
+        ids: Sequence[str | int],
+        embeddings: Any,
+        mask: Any = None,
+        *,
+        scales: Any = None,
+        normalized: bool | None = None,
+        encoder: str | None = None,
+        name: str = IN_MEMORY_CORPUS,
+    ) -> Corpus:
+        """A corpus held in memory, from an encoder's output: what `write_shard` takes, without the file.
+
+        ``embeddings``: a list of ``[len, dim]`` arrays/tensors, one per document (PyLate, stanford
+        ColBERT), or a padded ``[n, L, dim]`` array/tensor with ``mask`` ``[n, L]`` (colpali-engine; True/1
+        marks a real token, masked tokens are left out exactly). numpy arrays or torch tensors on any
+        device: the documents are packed once on the device the tensors are on and stay there, resident
+        (``corpus.device``; ``corpus.to(device)`` moves them). float16, bfloat16 and float32 are kept,
+        float64 and integers become float32; int8 values need ``scales`` (one float32 per token, shaped as
+        the mask, ``x ≈ q * scale``). The rules and messages are the writer's (ids unique, non-empty,
+        without whitespace; no empty document; one dim; no NaN/Inf; ``normalized=True`` asserted, None
+        measured; all-zero token rows warned about), each message starting with ``name``. Scores are
+        those of a shard written from the same embeddings, bit for bit.
+
+        >>> import numpy as np
+        >>> docs = [np.ones((3, 8), np.float16), np.ones((2, 8), np.float16)]
+        >>> corpus = Corpus.from_embeddings(["d1", 7], docs)
+        >>> corpus, corpus.ids, corpus.paths
+        (Corpus(2 documents, 5 tokens, dim 8, float16, in memory on cpu), ['d1', '7'], [])
+        """
+        from maxsim_cli.shards.memory import memory_shard
+
+        shard = memory_shard(
+            ids, embeddings, mask, scales=scales, normalized=normalized, encoder=encoder, name=name
+        )
+        corpus = cls([shard])
+        corpus.residency = shard.residency()
+        return corpus
+
+    @property
+    def in_memory(self) -> bool:
+        """Whether the corpus was made from embeddings in memory (`from_embeddings`), not from files."""
+        return any(isinstance(s, MemoryShard) for s in self.shards)
+
     @property
     def paths(self) -> list[str]:
-        return [s.path for s in self.shards]
+        """The shard files (none for a corpus made in memory)."""
+        return [s.path for s in self.shards if not isinstance(s, MemoryShard)]
 
     def id_lookup(self) -> IdLookup:
         """Docnos to corpus ordinals (`maxsim_cli.shards.lookup.IdLookup`: 16 bytes a document), built at
@@ -281,9 +329,12 @@ class Corpus:
 
     def __repr__(self) -> str:
         where = f", resident on {self.residency.device}" if self.residency is not None else ""
+        held = f"{len(self.shards)} shards{where}"
+        if self.in_memory:
+            held = f"in memory on {self.residency.device}" if self.residency is not None else "closed"
         return (
             f"Corpus({self.num_docs:,} documents, {self.num_tokens:,} tokens, dim {self.dim}, "
-            f"{self.dtype}, {len(self.shards)} shards{where})"
+            f"{self.dtype}, {held})"
         )
 
     @property
@@ -307,7 +358,8 @@ class Corpus:
         every shard is read once into that device's memory, values checked as on every read. A list of
         devices spreads the shards over them, balanced by tokens: each device holds its share, and scoring
         runs on all of them and merges. Raises `MaxsimError` (one line: how much is needed, how much is
-        free) when a share does not fit. A corpus resident elsewhere is released first."""
+        free) when a share does not fit. A corpus resident elsewhere is released first. An in-memory
+        corpus (`from_embeddings`) moves its tensors to the one device named."""
         from maxsim_cli.devices import resolve_device
         from maxsim_cli.shards.resident import assign_shards, make_resident
 
@@ -315,6 +367,8 @@ class Corpus:
         if not names:
             raise UsageError("Corpus.to: no device given; pass a device or a list of devices")
         targets = [resolve_device(str(name)) for name in names]
+        if self.in_memory:
+            return self._move(targets)
         if len(targets) == 1:
             if self.residency is not None and self.residency.device == targets[0]:
                 return self
@@ -340,12 +394,30 @@ class Corpus:
         self.placement = parts
         return self
 
+    def _move(self, targets: list[torch.device]) -> Corpus:
+        """`to` for an in-memory corpus: its tensors move to the one device named."""
+        if len(targets) != 1:
+            raise UsageError(
+                f"Corpus.to: {self._name()} is in memory, one block of tensors on one device; pass one "
+                "device, or write it as shards (write_shard) to spread them over several"
+            )
+        shard = self.shards[0]
+        assert isinstance(shard, MemoryShard)
+        if self.residency is None or self.residency.device != targets[0]:
+            shard.move(targets[0])
+            self.residency = shard.residency()
+        return self
+
     def _name(self) -> str:
-        """The corpus as messages name it: its first shard, and how many more."""
-        return self.paths[0] if len(self.paths) == 1 else f"{self.paths[0]} and {len(self.paths) - 1} more"
+        """The corpus as messages name it: its first shard (an in-memory corpus's name), and how many more."""
+        first = self.shards[0].path
+        return first if len(self.shards) == 1 else f"{first} and {len(self.shards) - 1} more"
 
     def release(self) -> None:
-        """Free the device memory of a resident corpus; later scoring streams from the files again."""
+        """Free the device memory of a resident corpus; later scoring streams from the files again. An
+        in-memory corpus keeps its tensors: they are the corpus, until `close`."""
+        if self.in_memory:
+            return
         self.residency = None
         for part in self.placement or ():
             part.corpus.release()  # its shards are this corpus's: released, not closed
@@ -353,6 +425,7 @@ class Corpus:
 
     def close(self) -> None:
         self.release()
+        self.residency = None  # an in-memory corpus's tensors go with its shard
         for shard in self.shards:
             shard.close()
 

@@ -543,6 +543,8 @@ def _check_values(
                 f"{what} {_show_id(ids[doc])} (index {first_doc + doc}) has {problem} at token "
                 f"{row - int(offsets[doc])}; re-encode or drop that {what}",
             )
+    if scales is not None and hasattr(scales, "cpu"):  # a tensor, on any device
+        scales = scales.cpu()
     negative = None if scales is None else np.flatnonzero(np.asarray(scales) < 0)
     if negative is not None and negative.size:
         row = int(negative[0])

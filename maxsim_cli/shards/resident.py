@@ -188,12 +188,37 @@ def make_resident(
                 scales[t0 : t0 + rows].copy_(batch.scales)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    offsets_host, offsets_device = _device_offsets(host_offsets, device)
+    return Residency(
+        device, resident, need, embeddings, scales, doc_base, host_offsets, offsets_host, offsets_device
+    )
+
+
+def residency_of(
+    embeddings: torch.Tensor, scales: torch.Tensor | None, host_offsets: np.ndarray
+) -> Residency:
+    """Packed rows already on a device (an in-memory corpus: `Corpus.from_embeddings`) as a residency of
+    one shard on that device: nothing is copied but the offsets. ``host_offsets``: int64 [N + 1]."""
+    device = embeddings.device
+    nbytes = embeddings.numel() * embeddings.element_size() + len(host_offsets) * 8
+    nbytes += scales.numel() * scales.element_size() if scales is not None else 0
+    offsets_host, offsets_device = _device_offsets(host_offsets, device)
+    doc_base = np.array([0, len(host_offsets) - 1], dtype=np.int64)
+    shard = ResidentShard(embeddings, host_offsets, scales)
+    return Residency(
+        device, [shard], nbytes, embeddings, scales, doc_base, host_offsets, offsets_host, offsets_device
+    )
+
+
+def _device_offsets(host_offsets: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The offsets as a host tensor and its copy on ``device``, the pair the kernels are handed (on CUDA
+    registered as one, so that their checks are made once)."""
+    import torch
+
     offsets_host = torch.from_numpy(host_offsets)
     offsets_device = offsets_host.to(device)
     if device.type == "cuda":
         from maxsim_kernels._validate import share_device_copy
 
         share_device_copy(offsets_host, offsets_device)
-    return Residency(
-        device, resident, need, embeddings, scales, doc_base, host_offsets, offsets_host, offsets_device
-    )
+    return offsets_host, offsets_device

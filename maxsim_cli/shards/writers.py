@@ -61,15 +61,16 @@ if TYPE_CHECKING:
     import torch
 
 
-def _as_tensor(x: Any, where: str = "embeddings") -> torch.Tensor:
-    """An array or tensor of numbers as a CPU tensor; anything else (strings, objects, complex or
-    boolean values, ragged nested lists) is an `InputError` naming ``where`` (the file and document)."""
+def _as_tensor(x: Any, where: str = "embeddings", *, keep_device: bool = False) -> torch.Tensor:
+    """An array or tensor of numbers as a CPU tensor (``keep_device``: a tensor stays on its device);
+    anything else (strings, objects, complex or boolean values, ragged nested lists) is an `InputError`
+    naming ``where`` (the file and document)."""
     import torch
 
     if isinstance(x, torch.Tensor):
         if x.is_complex():
             raise InputError(f"{where}: dtype {x.dtype} is not a real-number type; {_NUMBERS}")
-        return x.detach().cpu()
+        return x.detach() if keep_device else x.detach().cpu()
     try:
         arr = np.asarray(x)
     except (ValueError, TypeError) as exc:  # ragged nested lists, objects numpy cannot take
