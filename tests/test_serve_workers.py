@@ -395,10 +395,17 @@ def test_a_request_written_with_the_connection_reaches_the_scoring_process_whole
         body = json_body({"queries": [query_json(queries, 4)], "k": 5})
         want = local.post("/search", content=body, headers={"content-type": JSON})
         for pieces in (1, 1, 1, 3, 1, 7):
-            response = raw_post(server.port, "/search", body, pieces=pieces)
-            head, _, content = response.partition(b"\r\n\r\n")
-            assert b" 200 " in head.split(b"\r\n")[0] and content == want.content
-            assert b"ipc;" not in head  # taken over: the lone connection is the scoring process's
+            # taken over: the lone connection is the scoring process's, once it has let the previous one
+            # go (on a loaded machine that can come after the next connect: the worker then answers it,
+            # correctly, and the request is sent again on a new connection)
+            for _attempt in range(20):
+                response = raw_post(server.port, "/search", body, pieces=pieces)
+                head, _, content = response.partition(b"\r\n\r\n")
+                assert b" 200 " in head.split(b"\r\n")[0] and content == want.content
+                if b"ipc;" not in head:
+                    break
+                time.sleep(0.05)
+            assert b"ipc;" not in head, pieces
         # two requests one after the other on one kept connection
         with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
             for _ in range(2):
@@ -422,10 +429,15 @@ def test_a_large_request_written_with_the_connection_reaches_the_scoring_process
             }
             body = json_body({**request, "k": 2})
             want = local.post("/search", content=body, headers={"content-type": JSON})
-            response = raw_post(server.port, "/search", body)
-            head, _, content = response.partition(b"\r\n\r\n")
-            assert b" 200 " in head.split(b"\r\n")[0], (attempt, response[:300])
-            assert content == want.content and b"ipc;" not in head
+            for _retry in range(20):  # until taken over (see the test above)
+                response = raw_post(server.port, "/search", body)
+                head, _, content = response.partition(b"\r\n\r\n")
+                assert b" 200 " in head.split(b"\r\n")[0], (attempt, response[:300])
+                assert content == want.content
+                if b"ipc;" not in head:
+                    break
+                time.sleep(0.05)
+            assert b"ipc;" not in head, attempt
     finally:
         server.stop()
 
