@@ -51,7 +51,7 @@ from maxsim_cli import jobs
 from maxsim_cli.score import score
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.shards import write_shard
-from maxsim_cli.shards.corpus import file_sha256
+from maxsim_cli.shards.files import file_sha256
 from maxsim_cli.units import format_size, parse_size
 
 TOP_K = 1000

@@ -10,7 +10,6 @@ different normalisation); `report_notes` turns them into warnings, or into an er
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
@@ -24,11 +23,11 @@ import numpy as np
 import pyarrow as pa
 
 from maxsim_cli.errors import STRICT, InputError, UsageError, in_python_terms
+from maxsim_cli.shards.files import file_sha256, list_shard_files
 from maxsim_cli.shards.format import (
     CORPUS_FORMAT_NAME,
     CORPUS_FORMAT_VERSION,
     MANIFEST_NAME,
-    SHARD_SUFFIXES,
     DocBatch,
     _err,
     _has_equal_neighbours,
@@ -45,24 +44,6 @@ if TYPE_CHECKING:
     import torch
 
     from maxsim_cli.shards.resident import Residency
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def list_shard_files(directory: str) -> list[str]:
-    """Shard files of a directory (`*.safetensors`, `*.arrow`, `*.parquet`), sorted by name."""
-    names = sorted(
-        n
-        for n in os.listdir(directory)
-        if os.path.splitext(n)[1].lower() in SHARD_SUFFIXES and not n.startswith(".")
-    )
-    return [os.path.join(directory, n) for n in names if os.path.isfile(os.path.join(directory, n))]
 
 
 # What to do about a shard of a folder that a symlink takes outside it (the one rule for folders with

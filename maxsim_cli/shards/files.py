@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import hashlib
 import os
 import re
 import secrets
@@ -435,3 +436,22 @@ def write_text_atomic(path: str, text: str, *, commits: bool = False) -> None:
     through to a FIFO or a device). ``commits`` as for `OutputFile`."""
     with OutputFile(path, commits=commits) as fh:
         fh.write(text.encode("utf-8"))
+
+
+def file_sha256(path: str) -> str:
+    """The file's SHA-256, hex (read in 4 MiB pieces)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def list_shard_files(directory: str) -> list[str]:
+    """Shard files of a directory (`*.safetensors`, `*.arrow`, `*.parquet`), sorted by name."""
+    names = sorted(
+        n
+        for n in os.listdir(directory)
+        if os.path.splitext(n)[1].lower() in SHARD_SUFFIXES and not n.startswith(".")
+    )
+    return [os.path.join(directory, n) for n in names if os.path.isfile(os.path.join(directory, n))]

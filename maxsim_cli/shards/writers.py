@@ -29,8 +29,14 @@ import pyarrow.parquet as pq
 
 from maxsim_cli.arrays import strings_array, values_array
 from maxsim_cli.errors import InputError, MaxsimError, MaxsimWarning
-from maxsim_cli.shards.corpus import file_sha256, list_shard_files
-from maxsim_cli.shards.files import _atomic_temp, _remove_quietly, write_error, write_text_atomic
+from maxsim_cli.shards.files import (
+    _atomic_temp,
+    _remove_quietly,
+    file_sha256,
+    list_shard_files,
+    write_error,
+    write_text_atomic,
+)
 from maxsim_cli.shards.format import (
     _ARROW_VALUE_TYPES,
     _ST_DTYPES,
