@@ -755,6 +755,41 @@ def test_cpu_stream_pool_is_reused_and_survives_fork() -> None:
     assert proc.exitcode == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cpu_workers_give_the_bits_of_the_groups_in_order(monkeypatch, dtype) -> None:
+    """The worker threads (one product thread each, units from one queue) score the bits that the
+    caller's thread scored running the groups in order with each op on all its threads, as the blocked
+    path and small reranks did before: scores, argmax, document scales, candidates."""
+    import maxsim_kernels.cpu as cpu
+
+    gen = torch.Generator().manual_seed(21)
+    q_lens = torch.randint(1, 40, (14,), generator=gen).tolist()  # 200+ rows: the blocked path
+    d_lens = torch.randint(0, 90, (70,), generator=gen).tolist()
+    queries, q_off = packed(q_lens, 48, dtype, gen=gen)
+    docs, d_off = packed(d_lens, 48, dtype, gen=gen)
+    scales = torch.rand(docs.shape[0], generator=gen)
+    c_off = torch.arange(15) * 30
+    c_docs = torch.randint(0, 70, (420,), generator=gen)
+    monkeypatch.setattr(cpu, "_GROUP_TOKENS", 128)  # many groups
+    monkeypatch.setattr(cpu, "_RERANK_GROUP_BYTES", 100_000)
+    monkeypatch.setattr(cpu, "_QUERY_GROUP_BYTES", 100_000)
+
+    def calls() -> list[torch.Tensor]:
+        return [
+            cpu.maxsim_varlen_cpu(queries, q_off, docs, d_off),
+            *cpu.maxsim_varlen_cpu(queries, q_off, docs, d_off, return_argmax=True),
+            cpu.maxsim_varlen_cpu(queries, q_off, docs, d_off, doc_scales=scales),
+            *cpu.maxsim_candidates_cpu(queries, q_off, docs, d_off, c_off, c_docs, return_argmax=True),
+        ]
+
+    monkeypatch.setattr(cpu, "_worker_count", lambda: 2)
+    on_workers = calls()
+    monkeypatch.setattr(cpu, "_run_units", lambda work, units, workers: [work(unit) for unit in units])
+    in_order = calls()
+    for got, want in zip(on_workers, in_order, strict=True):
+        assert torch.equal(got, want)
+
+
 _AFFINITY_CHILD = """
 import os, sys, torch
 os.sched_setaffinity(0, {int(sys.argv[1])})
