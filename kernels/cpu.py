@@ -416,13 +416,13 @@ def maxsim_varlen_cpu(
 _RERANK_GROUP_BYTES = 4 << 20
 # Every group goes to the worker threads, also in small calls. Earlier, calls of fewer than 32 groups a
 # worker ran on the caller's thread with each op split over an OpenMP team: 1.7 against 3.4 ms for 1
-# query x 100 candidates on a quiet machine, but a team waits at every op for its slowest thread. With
-# other processes on the cores (2-core machine, load average 6-8, fp32, 4000 documents of 20-300 tokens,
-# 3 alternating rounds, medians of 5 calls): 1 x 100 took 28-168 ms on the caller's thread against 5-13
-# on the workers, 1 x 1000 302-1254 against 29-65 ms; with two more busy processes 136-464 against 9-14
-# and 1346-2958 against 72-218 ms; 1 x 10 (one group) 0.6-1.1 against 1.7-1.8 ms without them, 23-119
-# against 2-17 with them. Cutting a small call's groups smaller, so that every worker gets some, was
-# slower: 1 x 10 in 4 groups 1.64 ms (median of 60) against 0.78 in one, 1 x 100 4.53 against 4.03.
+# query x 100 candidates on a quiet machine, but a team waits at every op for its slowest thread. 2-core
+# machine, load average 4-5 from other jobs, fp32, 4000 documents of 20-300 tokens, 3 alternating
+# rounds, medians of 5 calls, caller's thread against workers: 1 x 10 candidates (one group) 0.4-7.0
+# against 0.7-1.8 ms, 1 x 100 2.1-48.6 against 3.6-4.7, 1 x 1000 109-219 against 27-32; beside two busy
+# processes 21-58 against 1.3-9.7, 89-190 against 13-29 and 744-1342 against 56-97 ms. Cutting a small
+# call's groups smaller, so that every worker gets some, was slower: 1 x 10 in 4 groups 1.64 ms (median
+# of 60) against 0.78 in one, 1 x 100 4.53 against 4.03.
 
 
 def _unit_groups(unit_bytes: np.ndarray, budget: int) -> list[tuple[int, int]]:
