@@ -160,8 +160,15 @@ def _stream_pool(workers: int) -> ThreadPoolExecutor:
 
 
 def _run_units(work: Callable[[Any], None], units: list[Any], workers: int) -> None:
-    """work(unit) for every unit on `workers` pool threads, which take the units from one queue in order."""
-    list(_stream_pool(workers).map(work, units))
+    """work(unit) for every unit on `workers` pool threads, which take the units from one queue in order,
+    under the caller's grad mode (a thread's own; an autograd function's forward runs without grad)."""
+    grad = torch.is_grad_enabled()
+
+    def run(unit: Any) -> None:
+        with torch.set_grad_enabled(grad):
+            work(unit)
+
+    list(_stream_pool(workers).map(run, units))
 
 
 def _forget_pool_after_fork() -> None:

@@ -790,6 +790,31 @@ def test_cpu_workers_give_the_bits_of_the_groups_in_order(monkeypatch, dtype) ->
         assert torch.equal(got, want)
 
 
+def test_cpu_workers_run_under_the_callers_grad_mode(monkeypatch) -> None:
+    """Grad mode is per thread: the worker threads take the caller's, so inputs that require grad score
+    under torch.no_grad() (as in an autograd function's forward) on every path, many groups or few."""
+    import maxsim_kernels.cpu as cpu
+
+    gen = torch.Generator().manual_seed(3)
+    queries, q_off = packed([30] * 6, 32, gen=gen)
+    docs, d_off = packed(torch.randint(1, 60, (40,), generator=gen).tolist(), 32, gen=gen)
+    c_off, c_docs = torch.arange(7) * 20, torch.randint(0, 40, (120,), generator=gen)
+    monkeypatch.setattr(cpu, "_worker_count", lambda: 2)
+    monkeypatch.setattr(cpu, "_GROUP_TOKENS", 64)
+    monkeypatch.setattr(cpu, "_QUERY_GROUP_BYTES", 20_000)
+    monkeypatch.setattr(cpu, "_RERANK_GROUP_BYTES", 20_000)
+    queries.requires_grad_(True)
+    docs.requires_grad_(True)
+    with torch.no_grad():
+        for q, qo in ((queries, q_off), (queries[:30], q_off[:2])):  # the blocked path and the stream
+            scores = cpu.maxsim_varlen_cpu(q, qo, docs, d_off)
+            assert torch.equal(scores, cpu.maxsim_varlen_cpu(q.detach(), qo, docs.detach(), d_off))
+        scores = cpu.maxsim_candidates_cpu(queries, q_off, docs, d_off, c_off, c_docs)
+        assert torch.equal(
+            scores, cpu.maxsim_candidates_cpu(queries.detach(), q_off, docs.detach(), d_off, c_off, c_docs)
+        )
+
+
 _AFFINITY_CHILD = """
 import os, sys, torch
 os.sched_setaffinity(0, {int(sys.argv[1])})
