@@ -161,11 +161,12 @@ def _stream_pool(workers: int) -> ThreadPoolExecutor:
 
 def _run_units(work: Callable[[Any], None], units: list[Any], workers: int) -> None:
     """work(unit) for every unit on `workers` pool threads, which take the units from one queue in order,
-    under the caller's grad mode (a thread's own; an autograd function's forward runs without grad)."""
-    grad = torch.is_grad_enabled()
+    under the caller's grad and inference modes (each thread has its own: an autograd function's forward
+    runs without grad, and only a thread in inference mode may write into the caller's inference tensors)."""
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
     def run(unit: Any) -> None:
-        with torch.set_grad_enabled(grad):
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
             work(unit)
 
     list(_stream_pool(workers).map(run, units))

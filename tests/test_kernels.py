@@ -790,9 +790,10 @@ def test_cpu_workers_give_the_bits_of_the_groups_in_order(monkeypatch, dtype) ->
         assert torch.equal(got, want)
 
 
-def test_cpu_workers_run_under_the_callers_grad_mode(monkeypatch) -> None:
-    """Grad mode is per thread: the worker threads take the caller's, so inputs that require grad score
-    under torch.no_grad() (as in an autograd function's forward) on every path, many groups or few."""
+def test_cpu_workers_run_under_the_callers_grad_and_inference_modes(monkeypatch) -> None:
+    """Grad and inference modes are per thread: the worker threads take the caller's, so inputs that
+    require grad score under torch.no_grad() (as in an autograd function's forward), and a caller in
+    torch.inference_mode() gets its scores, on every path."""
     import maxsim_kernels.cpu as cpu
 
     gen = torch.Generator().manual_seed(3)
@@ -813,6 +814,16 @@ def test_cpu_workers_run_under_the_callers_grad_mode(monkeypatch) -> None:
         assert torch.equal(
             scores, cpu.maxsim_candidates_cpu(queries.detach(), q_off, docs.detach(), d_off, c_off, c_docs)
         )
+    plain = [
+        cpu.maxsim_varlen_cpu(queries.detach(), q_off, docs.detach(), d_off),
+        cpu.maxsim_candidates_cpu(queries.detach(), q_off, docs.detach(), d_off, c_off, c_docs),
+    ]
+    with torch.inference_mode():
+        got = [
+            cpu.maxsim_varlen_cpu(queries.detach(), q_off, docs.detach(), d_off),
+            cpu.maxsim_candidates_cpu(queries.detach(), q_off, docs.detach(), d_off, c_off, c_docs),
+        ]
+    assert all(torch.equal(a, b) for a, b in zip(got, plain, strict=True))
 
 
 _AFFINITY_CHILD = """
