@@ -51,6 +51,17 @@ from ._validate import Layout, check_candidates, check_inputs
 _GROUP_TOKENS = 2048
 _QUERY_ROWS = 512
 
+# On the CPU each group is one unit of work for the worker threads (see _stream_pool), all query rows at
+# once. The groups used to run in order on the caller's thread, each op split over an OpenMP team of
+# torch's thread count: ~15 ops a group, and at each one the team waits for its slowest member, which
+# on a core another process holds waits for the scheduler. 2-core machine, 50 queries x 32 tokens
+# against 1000 documents of 20-300 tokens, fp32, load average 5-11 from other jobs, 3 alternating
+# rounds: 1.5-2.6 s on the workers against 5.2-17.1 s in order and 5.6-11.4 s for a padded torch
+# version (one einsum, masked amax); with two busy processes started beside them 3.4-5.5 against 29-34
+# and 13-27 s. Cutting the queries into ranges too, so that few groups still make many units, was
+# slower: 50 x 10 documents (one group) 28 ms median in one unit, 61 in 8; 50 x 40 127 against 160;
+# 512 x 100 2.6 s either way.
+
 
 # Few query tokens (one query, or a handful): stream the documents in their packed order instead, with
 # no gather: S = D_chunk . Q^T [chunk, Tq] (the orientation of the blocked path, so the similarities are
@@ -72,14 +83,65 @@ _STREAM_CHUNK_TOKENS = 32768
 _MIN_GEMM_ROWS = 16
 
 
-# The stream's worker threads live across calls: starting two threads took ~4 ms of a 63 ms call (1 query
-# x 4000 documents, 2-core dev machine). A new pool when torch's thread count changes, and in a forked
-# child (which has none of the parent's threads). One worker a core, each running its products on one
-# thread (torch's thread count is per thread): otherwise every worker's product opens an OpenMP team as
-# wide as the machine and the cores are oversubscribed; 52.4 / 55.6 ms best / median against 58.9 / 62.7
-# (12 interleaved rounds, maxsim-cpu 92.2 / 96.1 in the same rounds).
+# The worker threads live across calls: starting two threads took ~4 ms of a 63 ms call (1 query x 4000
+# documents, 2-core dev machine). A new pool when the worker count changes, and in a forked child (which
+# has none of the parent's threads). Each worker runs its products on one thread (torch's thread count is
+# per thread): otherwise every worker's product opens an OpenMP team as wide as the machine and the cores
+# are oversubscribed; 52.4 / 55.6 ms best / median against 58.9 / 62.7 (12 interleaved rounds,
+# maxsim-cpu 92.2 / 96.1 in the same rounds).
+# Work goes to the workers as many small units through the pool's one queue, never as a fixed share per
+# thread: a worker that another process keeps off its core holds up one unit, not a half of the call,
+# and no OpenMP team waits at a barrier for its descheduled member (see `_score_docs`). The workers are
+# as many as the CPUs this process may use (`_worker_count`), not fewer when the machine is busy: with
+# two busy processes beside it on the 2-core machine (load average ~10), 50 queries x 1000 documents
+# took 9.6-15.1 s on one worker against 7.3-8.6 s on two (4 alternating rounds); the queue already gives
+# the units of a worker that waits for its core to the other.
 _POOL: tuple[int, ThreadPoolExecutor] | None = None  # (workers, pool)
 _POOL_LOCK = threading.Lock()
+_CGROUP_CPUS: list[int | None] = []  # the cgroup's CPU limit, read once per process
+
+
+def _cgroup_cpu_limit(root: str = "/sys/fs/cgroup") -> int | None:
+    """The CPUs this process's cgroup may use (its CFS quota over its period, rounded up), None when it
+    has no quota: cgroup v2's ``cpu.max`` ("max 100000" or "150000 100000"), else v1's
+    ``cpu/cpu.cfs_quota_us`` and ``cpu.cfs_period_us`` (quota -1: none)."""
+    try:
+        with open(os.path.join(root, "cpu.max"), encoding="ascii") as fh:
+            quota, period = fh.read().split()[:2]
+    except (OSError, ValueError):
+        try:
+            with open(os.path.join(root, "cpu", "cpu.cfs_quota_us"), encoding="ascii") as fh:
+                quota = fh.read().strip()
+            with open(os.path.join(root, "cpu", "cpu.cfs_period_us"), encoding="ascii") as fh:
+                period = fh.read().strip()
+        except OSError:
+            return None
+    try:
+        q, t = int(quota), int(period)
+    except ValueError:  # "max": no quota
+        return None
+    return max(1, -(-q // t)) if q > 0 and t > 0 else None
+
+
+def _usable_cpus() -> int:
+    """The CPUs this thread may run on now: its affinity mask (``os.sched_getaffinity``), capped by the
+    cgroup's CPU quota where there is one (read once per process)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity masks on this platform
+        cpus = os.cpu_count() or 1
+    if not _CGROUP_CPUS:
+        _CGROUP_CPUS.append(_cgroup_cpu_limit())
+    limit = _CGROUP_CPUS[0]
+    return max(1, min(cpus, limit) if limit is not None else cpus)
+
+
+def _worker_count() -> int:
+    """Worker threads a CPU call spreads over: torch's thread count for this thread (what a caller sets
+    with ``torch.set_num_threads``), at most the CPUs it may run on (`_usable_cpus`). torch's default
+    follows the affinity mask at start-up but neither a later mask nor a cgroup quota, and a worker
+    beyond the CPUs only adds switches."""
+    return max(1, min(torch.get_num_threads(), _usable_cpus()))
 
 
 def _stream_pool(workers: int) -> ThreadPoolExecutor:
@@ -97,9 +159,23 @@ def _stream_pool(workers: int) -> ThreadPoolExecutor:
         return _POOL[1]
 
 
+def _run_units(work: Callable[[Any], None], units: list[Any], workers: int) -> None:
+    """work(unit) for every unit on `workers` pool threads, which take the units from one queue in order,
+    under the caller's grad and inference modes (each thread has its own: an autograd function's forward
+    runs without grad, and only a thread in inference mode may write into the caller's inference tensors)."""
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def run(unit: Any) -> None:
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            work(unit)
+
+    list(_stream_pool(workers).map(run, units))
+
+
 def _forget_pool_after_fork() -> None:
     global _POOL, _POOL_LOCK
     _POOL, _POOL_LOCK = None, threading.Lock()
+    _CGROUP_CPUS.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -167,6 +243,7 @@ def _score_stream(
     nd = len(lens)
     out = scores.numpy()
     out[:, lens == 0] = -np.inf
+    workers = _worker_count()
     # chunk boundaries (document indices) of about _STREAM_CHUNK_TOKENS tokens each
     cuts = np.searchsorted(d_offsets, np.arange(0, d_offsets[-1], _STREAM_CHUNK_TOKENS), side="right") - 1
     bounds = np.unique(np.concatenate([cuts, [nd]]))
@@ -174,7 +251,8 @@ def _score_stream(
     token_query = torch.from_numpy(np.repeat(np.arange(nq), np.diff(q_offsets)))
     q_t = q.T.contiguous()
 
-    def work(a: int, b: int) -> None:
+    def work(chunk_docs: tuple[int, int]) -> None:
+        a, b = chunk_docs
         t0, t1 = int(d_offsets[a]), int(d_offsets[b])
         full = np.flatnonzero(lens[a:b] > 0) + a
         if t1 == t0 or len(full) == 0:
@@ -193,7 +271,7 @@ def _score_stream(
         # another order), so a score does not depend on which path its batch took
         out[:, full] = best.new_zeros(len(full), nq).index_add_(1, token_query, best).T.numpy()
 
-    list(_stream_pool(max(1, torch.get_num_threads())).map(work, bounds[:-1], bounds[1:]))
+    _run_units(work, list(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)), workers)
 
 
 def _groups(lens: np.ndarray, group_tokens: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
@@ -219,13 +297,17 @@ def _score_docs(
     """Fill scores[:, k] (and argmax[:, k]) for the documents k with rows [starts[k], starts[k] + lens[k]).
 
     `q` [Tq, dim] is already in the compute dtype; `token_query` [Tq] maps each query token to its query.
+    On the CPU the groups are units of work for the worker threads, elsewhere they run in order on the
+    caller's thread.
     """
     compute, device = q.dtype, q.device
     tq = q.shape[0]
     order, spans = _groups(lens, _GROUP_TOKENS)
     q_t_blocks = [q[r0 : r0 + _QUERY_ROWS].T.contiguous() for r0 in range(0, tq, _QUERY_ROWS)]
     scores[:, torch.from_numpy(np.flatnonzero(lens == 0)).to(device)] = -torch.inf
-    for lo, hi in spans:
+
+    def work(span: tuple[int, int]) -> None:
+        lo, hi = span
         picked = torch.from_numpy(order[lo:hi]).to(device)
         g_lens = lens[order[lo:hi]]
         width = int(g_lens[-1])
@@ -250,6 +332,12 @@ def _score_docs(
                 argmax[r0:r1, picked] = torch.minimum(idx, last).T.to(torch.int32)
         per_query = torch.zeros(n, num_queries, dtype=compute, device=device).index_add_(1, token_query, best)
         scores[:, picked] = per_query.T.to(scores.dtype)
+
+    if device.type == "cpu":
+        _run_units(work, spans, _worker_count())
+    else:
+        for span in spans:
+            work(span)
 
 
 def _compute_dtype(queries: torch.Tensor) -> torch.dtype:
@@ -324,8 +412,8 @@ def maxsim_varlen_cpu(
 # the same sequential sum over a query's tokens as the other paths. For fp16/bf16/fp32 inputs a score is
 # then bitwise the exhaustive path's and the per-query loop's this replaced (tests/test_cpu_rerank.py;
 # float64: MKL's batched and single double products may differ in the last bit). Groups are spread over
-# the stream's worker threads (one product thread each: a product split over an OpenMP team stalls
-# whenever another process holds a core), into per-thread buffers (a unit larger than the budget is a
+# the worker threads (one product thread each: a product split over an OpenMP team stalls whenever
+# another process holds a core), into per-thread buffers (a unit larger than the budget is a
 # group on its own).
 # Measured on the 2-core EPYC machine (torch 2.14, MKL, dim 128; benchmarks/bench_cpu_rerank.py,
 # docs/benchmarks.md), 64 queries x 1000 own candidates of 20-300 tokens, fp32, medians: each candidate a
@@ -334,12 +422,15 @@ def maxsim_varlen_cpu(
 # the copy does not overlap the products); documents shared by ~8 queries 8.4 us (1.12x). Group budget,
 # same workload, 5 rounds: 2 / 4 / 6 / 8 MiB took 0.94 / 0.77 / 0.75 / 0.79 s.
 _RERANK_GROUP_BYTES = 4 << 20
-# Fewer groups than this per worker run on the caller's thread, each op on all cores. Quiet machine, fp16
-# and fp32, caller's thread against workers: 1 query x 100 candidates (3 groups) 1.7 / 3.4 ms, 1 x 1000
-# (30 groups) 12.9 / 13.7 ms, 4 x 1000 47 / 52 ms, 16 x 1000 (~500 groups) 158 / 158 ms, 64 x 1000 527 /
-# 510 ms. But with another process on a core, ops split over an OpenMP team took 10-50x longer (the
-# per-query loop: 180-880 us a pair against 14) and the workers ~2x: large calls go to the workers.
-_RERANK_POOL_GROUPS = 32
+# Every group goes to the worker threads, also in small calls. Earlier, calls of fewer than 32 groups a
+# worker ran on the caller's thread with each op split over an OpenMP team: 1.7 against 3.4 ms for 1
+# query x 100 candidates on a quiet machine, but a team waits at every op for its slowest thread. 2-core
+# machine, load average 4-5 from other jobs, fp32, 4000 documents of 20-300 tokens, 3 alternating
+# rounds, medians of 5 calls, caller's thread against workers: 1 x 10 candidates (one group) 0.4-7.0
+# against 0.7-1.8 ms, 1 x 100 2.1-48.6 against 3.6-4.7, 1 x 1000 109-219 against 27-32; beside two busy
+# processes 21-58 against 1.3-9.7, 89-190 against 13-29 and 744-1342 against 56-97 ms. Cutting a small
+# call's groups smaller, so that every worker gets some, was slower: 1 x 10 in 4 groups 1.64 ms (median
+# of 60) against 0.78 in one, 1 x 100 4.53 against 4.03.
 
 
 def _unit_groups(unit_bytes: np.ndarray, budget: int) -> list[tuple[int, int]]:
@@ -610,7 +701,7 @@ def _rerank_by_query(
     def work(span: tuple[int, int]) -> None:
         _score_query_group(*args, span, pair_scores, pair_argmax, check_finite)
 
-    _run_groups(work, spans)
+    _run_units(work, spans, _worker_count())
     placed = torch.from_numpy(order)
     scores[placed] = pair_scores[:, 0].to(scores.dtype)
     if argmax is not None:
@@ -685,17 +776,6 @@ def maxsim_candidates_cpu(
     return (scores, argmax) if return_argmax else scores
 
 
-def _run_groups(work: Callable[[Any], None], groups: list[Any]) -> None:
-    """work(group) for every group: on the stream's worker threads when there are many (see
-    _RERANK_POOL_GROUPS), otherwise on the caller's thread."""
-    workers = max(1, torch.get_num_threads())
-    if workers > 1 and len(groups) >= _RERANK_POOL_GROUPS * workers:
-        list(_stream_pool(workers).map(work, groups))
-    else:
-        for group in groups:
-            work(group)
-
-
 def _rerank_by_document(
     q: torch.Tensor,
     layout: Layout,
@@ -759,7 +839,7 @@ def _rerank_by_document(
         _score_units(*args, group, pair_scores, pair_argmax, check_finite)
 
     if device.type == "cpu":
-        _run_groups(work, groups)
+        _run_units(work, groups, _worker_count())
     else:
         for group in groups:
             work(group)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
 
 # tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA (never on a GPU machine, where the
 # GPU-marked tests must compile real kernels in this same process).
@@ -830,8 +832,9 @@ def _stream_scores_in_child(conn, inputs) -> None:  # noqa: ANN001
 
 
 def test_cpu_stream_pool_is_reused_and_survives_fork() -> None:
-    """The one-query stream keeps its worker threads across calls, starts a new pool when torch's thread
-    count changes, and a forked child (none of the parent's threads) still scores."""
+    """The one-query stream keeps its worker threads across calls, starts a new pool when the worker
+    count (torch's thread count, at most the usable CPUs) changes, and a forked child (none of the
+    parent's threads) still scores."""
     import multiprocessing
 
     import maxsim_kernels.cpu as cpu
@@ -845,11 +848,14 @@ def test_cpu_stream_pool_is_reused_and_survives_fork() -> None:
     assert cpu._POOL is pool  # reused
     # its workers run their products on one thread each; the caller's thread count is left alone
     assert pool[1].submit(torch.get_num_threads).result() == 1
+    assert pool[0] == min(torch.get_num_threads(), cpu._usable_cpus())
     threads = torch.get_num_threads()
-    torch.set_num_threads(threads + 1)
+    other = 1 if pool[0] > 1 else 2
+    torch.set_num_threads(other)
     try:
-        maxsim_varlen(q, q_off, d, d_off, backend="torch")
-        assert cpu._POOL is not pool and cpu._POOL[0] == threads + 1
+        assert torch.equal(maxsim_varlen(q, q_off, d, d_off, backend="torch"), first)
+        assert cpu._POOL[0] == min(other, cpu._usable_cpus())
+        assert (cpu._POOL is pool) == (cpu._POOL[0] == pool[0])
     finally:
         torch.set_num_threads(threads)
     if "fork" not in multiprocessing.get_all_start_methods():
@@ -862,6 +868,140 @@ def test_cpu_stream_pool_is_reused_and_survives_fork() -> None:
     assert torch.equal(torch.from_numpy(parent.recv()), first)
     proc.join(60)
     assert proc.exitcode == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cpu_workers_give_the_bits_of_the_groups_in_order(monkeypatch, dtype) -> None:
+    """The worker threads (one product thread each, units from one queue) score the bits that the
+    caller's thread scored running the groups in order with each op on all its threads, as the blocked
+    path and small reranks did before: scores, argmax, document scales, candidates."""
+    import maxsim_kernels.cpu as cpu
+
+    gen = torch.Generator().manual_seed(21)
+    q_lens = torch.randint(1, 40, (14,), generator=gen).tolist()  # 200+ rows: the blocked path
+    d_lens = torch.randint(0, 90, (70,), generator=gen).tolist()
+    queries, q_off = packed(q_lens, 48, dtype, gen=gen)
+    docs, d_off = packed(d_lens, 48, dtype, gen=gen)
+    scales = torch.rand(docs.shape[0], generator=gen)
+    c_off = torch.arange(15) * 30
+    c_docs = torch.randint(0, 70, (420,), generator=gen)
+    monkeypatch.setattr(cpu, "_GROUP_TOKENS", 128)  # many groups
+    monkeypatch.setattr(cpu, "_RERANK_GROUP_BYTES", 100_000)
+    monkeypatch.setattr(cpu, "_QUERY_GROUP_BYTES", 100_000)
+
+    def calls() -> list[torch.Tensor]:
+        return [
+            cpu.maxsim_varlen_cpu(queries, q_off, docs, d_off),
+            *cpu.maxsim_varlen_cpu(queries, q_off, docs, d_off, return_argmax=True),
+            cpu.maxsim_varlen_cpu(queries, q_off, docs, d_off, doc_scales=scales),
+            *cpu.maxsim_candidates_cpu(queries, q_off, docs, d_off, c_off, c_docs, return_argmax=True),
+        ]
+
+    monkeypatch.setattr(cpu, "_worker_count", lambda: 2)
+    on_workers = calls()
+    monkeypatch.setattr(cpu, "_run_units", lambda work, units, workers: [work(unit) for unit in units])
+    in_order = calls()
+    for got, want in zip(on_workers, in_order, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_cpu_workers_run_under_the_callers_grad_and_inference_modes(monkeypatch) -> None:
+    """Grad and inference modes are per thread: the worker threads take the caller's, so inputs that
+    require grad score under torch.no_grad() (as in an autograd function's forward), and a caller in
+    torch.inference_mode() gets its scores, on every path."""
+    import maxsim_kernels.cpu as cpu
+
+    gen = torch.Generator().manual_seed(3)
+    queries, q_off = packed([30] * 6, 32, gen=gen)
+    docs, d_off = packed(torch.randint(1, 60, (40,), generator=gen).tolist(), 32, gen=gen)
+    c_off, c_docs = torch.arange(7) * 20, torch.randint(0, 40, (120,), generator=gen)
+    monkeypatch.setattr(cpu, "_worker_count", lambda: 2)
+    monkeypatch.setattr(cpu, "_GROUP_TOKENS", 64)
+    monkeypatch.setattr(cpu, "_QUERY_GROUP_BYTES", 20_000)
+    monkeypatch.setattr(cpu, "_RERANK_GROUP_BYTES", 20_000)
+    queries.requires_grad_(True)
+    docs.requires_grad_(True)
+    with torch.no_grad():
+        for q, qo in ((queries, q_off), (queries[:30], q_off[:2])):  # the blocked path and the stream
+            scores = cpu.maxsim_varlen_cpu(q, qo, docs, d_off)
+            assert torch.equal(scores, cpu.maxsim_varlen_cpu(q.detach(), qo, docs.detach(), d_off))
+        scores = cpu.maxsim_candidates_cpu(queries, q_off, docs, d_off, c_off, c_docs)
+        assert torch.equal(
+            scores, cpu.maxsim_candidates_cpu(queries.detach(), q_off, docs.detach(), d_off, c_off, c_docs)
+        )
+    plain = [
+        cpu.maxsim_varlen_cpu(queries.detach(), q_off, docs.detach(), d_off),
+        cpu.maxsim_candidates_cpu(queries.detach(), q_off, docs.detach(), d_off, c_off, c_docs),
+    ]
+    with torch.inference_mode():
+        got = [
+            cpu.maxsim_varlen_cpu(queries.detach(), q_off, docs.detach(), d_off),
+            cpu.maxsim_candidates_cpu(queries.detach(), q_off, docs.detach(), d_off, c_off, c_docs),
+        ]
+    assert all(torch.equal(a, b) for a, b in zip(got, plain, strict=True))
+
+
+_AFFINITY_CHILD = """
+import os, sys, torch
+os.sched_setaffinity(0, {int(sys.argv[1])})
+torch.set_num_threads(4)  # more than the one CPU: the worker count follows the mask, not this
+import maxsim_kernels.cpu as cpu
+from maxsim_kernels import maxsim_varlen
+gen = torch.Generator().manual_seed(5)
+d_off = torch.tensor([0, 20, 60, 67, 367, 400])
+docs = torch.randn(400, 32, generator=gen)
+out = []
+for nq in (1, 9):  # the one-query stream and the blocked path
+    q = torch.randn(nq * 20, 32, generator=gen)
+    out.append(maxsim_varlen(q, torch.arange(nq + 1) * 20, docs, d_off, backend="torch"))
+    out.append(torch.tensor([cpu._worker_count(), cpu._POOL[0]], dtype=torch.float32))
+print(torch.cat([t.flatten() for t in out]).numpy().tobytes().hex())
+"""
+
+
+def test_cpu_worker_count_follows_the_affinity_mask() -> None:
+    """A process allowed one CPU (os.sched_setaffinity) spreads its work over one worker thread, whatever
+    torch's thread count says, and scores the same bits as this process's workers."""
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity masks on this platform")
+    import maxsim_kernels.cpu as cpu
+
+    cpu_id = min(os.sched_getaffinity(0))
+    child = subprocess.run(
+        [sys.executable, "-c", _AFFINITY_CHILD, str(cpu_id)], capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == 0, child.stderr
+    got = torch.from_numpy(np.frombuffer(bytes.fromhex(child.stdout.strip()), dtype=np.float32).copy())
+    stream, counts1, blocked, counts9 = torch.split(got, [5, 2, 45, 2])
+    assert counts1.tolist() == [1.0, 1.0] and counts9.tolist() == [1.0, 1.0]
+    gen = torch.Generator().manual_seed(5)
+    d_off = torch.tensor([0, 20, 60, 67, 367, 400])
+    docs = torch.randn(400, 32, generator=gen)
+    for nq, want in ((1, stream), (9, blocked)):
+        q = torch.randn(nq * 20, 32, generator=gen)
+        scores = maxsim_varlen(q, torch.arange(nq + 1) * 20, docs, d_off, backend="torch")
+        assert torch.equal(scores.flatten(), want)
+    assert cpu._worker_count() == min(torch.get_num_threads(), cpu._usable_cpus())
+
+
+def test_cpu_worker_count_follows_the_cgroup_quota(tmp_path, monkeypatch) -> None:
+    """A cgroup CPU quota (v2 cpu.max, v1 cfs_quota_us) caps the worker threads, rounded up."""
+    import maxsim_kernels.cpu as cpu
+
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    for text, want in (("150000 100000\n", 2), ("50000 100000\n", 1), ("max 100000\n", None)):
+        (v2 / "cpu.max").write_text(text)
+        assert cpu._cgroup_cpu_limit(str(v2)) == want, text
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    for text, want in (("-1\n", None), ("250000\n", 3)):
+        (v1 / "cpu" / "cpu.cfs_quota_us").write_text(text)
+        assert cpu._cgroup_cpu_limit(str(v1)) == want, text
+    assert cpu._cgroup_cpu_limit(str(tmp_path / "none")) is None
+    monkeypatch.setattr(cpu, "_CGROUP_CPUS", [1])
+    assert cpu._usable_cpus() == 1 and cpu._worker_count() == 1
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
