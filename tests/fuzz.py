@@ -1,6 +1,6 @@
 """Fuzz ``maxsim serve``, the shard readers and the Python API with mutated inputs (`tests/fuzzing.py`).
 
-    python -m tests.fuzz                          # CI size: the cases built on purpose, 300 drawn, seed 1
+    python -m tests.fuzz                          # CI size: the cases built on purpose, 240 drawn, seed 1
     python -m tests.fuzz --cases 20000 --seed 7   # a longer one
     python -m tests.fuzz --seed 1 --target server --case 111 -v   # one case, with its request and answer
     python -m tests.fuzz --target server --case=-1 -v             # a case built on purpose (-N..-1)
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fuzzing  # noqa: E402
 
-DEFAULT_CASES = 300
+DEFAULT_CASES = 240
 DEFAULT_SEED = 1
 
 

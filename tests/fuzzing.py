@@ -1859,10 +1859,13 @@ def _shape_of(message: str) -> str:
 
 
 def _error_name(text: str) -> str:
-    """A 500's ``internal error: Name: message``, its numbers and quoted parts blanked (else the start
-    of the text)."""
+    """A 500's ``internal error: Name: message``, its numbers and quoted parts blanked and cut to its
+    first words (else the start of the text)."""
     match = re.search(r"internal error: (\w+: .*?)\"?}?$", text)
-    return re.sub(r"0x[0-9a-f]+", "0x..", _shape_of(match.group(1)))[:70] if match else one_line(text, 60)
+    if not match:
+        return one_line(text, 60)
+    shape = _shape_of(re.sub(r"0x[0-9a-fA-F]+", "0x..", match.group(1)))
+    return shape if len(shape) <= 64 else shape[:64].rsplit(" ", 1)[0] + " ..."
 
 
 def _traceback_place(stderr: str) -> str:

@@ -6,7 +6,7 @@ Each test asserts that its target shows no crash, hang, 5xx answer, internal err
 answer or error of more than one line; on failure the message is the report, with one line per kind of
 failure and the command that reproduces its first case (``python -m tests.fuzz --seed S --target T
 --case I -v``). ``MAXSIM_FUZZ_SEED`` changes the seed (default 1), ``MAXSIM_FUZZ_CASES`` the number of
-cases drawn and shared among the three targets (default 300; ``python -m tests.fuzz --cases 20000`` for a
+cases drawn and shared among the three targets (default 240; ``python -m tests.fuzz --cases 20000`` for a
 long run). Every run also makes the cases built on purpose from inputs that once failed (numbered -N..-1).
 """
 
@@ -22,7 +22,7 @@ pytest.importorskip("httpx")
 from fuzzing import TARGETS, default_cases, run_fuzz  # noqa: E402
 
 SEED = int(os.environ.get("MAXSIM_FUZZ_SEED", "1"))
-CASES = int(os.environ.get("MAXSIM_FUZZ_CASES", "300"))
+CASES = int(os.environ.get("MAXSIM_FUZZ_CASES", "240"))
 
 
 @pytest.mark.slow
