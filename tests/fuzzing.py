@@ -2782,7 +2782,8 @@ def read_arrow_reference(data: bytes) -> ShardContent:
 def shard_reference(case: ShardCase) -> ShardContent | str | None:
     """What the shard holds; a string: the rule it breaks; None: the harness does not judge it."""
     try:
-        if case.data[:6] == b"ARROW1":
+        # as maxsim sniffs: the leading magic, else the suffix
+        if case.data[:6] == b"ARROW1" or (case.data[:4] != b"PAR1" and case.name.endswith(".arrow")):
             return read_arrow_reference(case.data)
         return read_safetensors_reference(case.data)
     except _Refuse as exc:
