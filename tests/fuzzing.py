@@ -7,7 +7,10 @@ line, and Arrow query streams on ``maxsim score -``'s stdin), and the Python API
 Every case starts from a valid input and mutates it (bit flips, truncation, Arrow offsets that point
 past their buffers, wrong types, extreme numbers, huge lengths, text that is not UTF-8, duplicated ids,
 ...). Case ``i`` of target ``t`` draws from its own generator, seeded by ``(seed, t, i)``, so one case
-is reproduced alone: ``python -m tests.fuzz --seed S --target t --case i``.
+is reproduced alone: ``python -m tests.fuzz --seed S --target t --case=i -v``. Cases -N to -1 of each
+target are built on purpose from inputs that once failed (`KNOWN_SERVER`, `KNOWN_SHARDS`, `KNOWN_API`);
+every run starts with them. The report counts each kind of failure per target and groups the failures
+by what tells them apart (an exception's type, place and message, a signal), with the first case of each.
 
 What counts as a failure, by target:
 
@@ -26,7 +29,7 @@ What counts as a failure, by target:
 - **api** (forked too): as for the shards, against the fuzzing corpus's own values.
 
 The harness itself never reads an Arrow value before ``validate(full=True)``, so only the processes
-under test can crash.
+under test can crash. Servers bind 127.0.0.1 only; every wait has a time limit.
 """
 
 from __future__ import annotations
@@ -2349,6 +2352,7 @@ KNOWN_SHARDS = [
     "Arrow id string offset past its data",
     "Arrow query stream with a field name that is not UTF-8",
     "safetensors id_offsets past the ids",
+    "float32 values whose products overflow float32 (a NaN score left out of the top-k)",
 ]
 
 
@@ -2376,6 +2380,17 @@ def _known_shard(
         columns["zqzq"] = columns.pop("embedding")
         body = arrow_bytes(columns, metadata).replace(b"zqzq", b"\xff\xfe\xfd\xfc")
         return ShardCase("queries.arrows", body, "known/stdin-field-name", note, queries, stdin=True)
+    if which == 4:
+        # finite values whose dot products overflow float32: query qa's first token meets +inf and its
+        # second -inf, so its score of s2 is NaN in float32 where MaxSim is 1.2e39, the best of the shard
+        ids = [f"s{i}" for i in range(8)]  # more documents than the top-4 keeps
+        vectors = [rng.standard_normal((2, DIM)).astype(np.float32) for _ in ids]
+        vectors[2] = np.full((2, DIM), 3.0e38, np.float32)
+        qa = np.stack([np.ones(DIM), np.full(DIM, -0.5)]).astype(np.float32)
+        queries = [qa, -qa]  # qb: NaN too, where MaxSim is -1.2e39, the worst
+        tensors, data, metadata = safetensors_parts(ids, vectors, "float32")
+        data_bytes = safetensors_bytes(tensors, data, metadata)
+        return ShardCase("shard.safetensors", data_bytes, "known/overflow", note, queries)
     tensors, data, metadata = safetensors_parts(ids, vectors, "float16")
     data["id_offsets"] = np.array([0, 2, 4000, 6, 8], np.int64).tobytes()
     return ShardCase(
