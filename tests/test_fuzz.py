@@ -5,7 +5,7 @@ stdin) opened and scored through the library and the command line, and odd argum
 Each test asserts that its target shows no crash, hang, 5xx answer, internal error, traceback, wrong
 answer or error of more than one line; on failure the message is the report, with one line per kind of
 failure and the command that reproduces its first case (``python -m tests.fuzz --seed S --target T
---case I -v``). ``MAXSIM_FUZZ_SEED`` changes the seed (default 1), ``MAXSIM_FUZZ_CASES`` the number of
+--case=I -v``). ``MAXSIM_FUZZ_SEED`` changes the seed (default 1), ``MAXSIM_FUZZ_CASES`` the number of
 cases drawn and shared among the three targets (default 240; ``python -m tests.fuzz --cases 20000`` for a
 long run). Every run also makes the cases built on purpose from inputs that once failed (numbered -N..-1).
 """
