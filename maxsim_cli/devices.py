@@ -16,6 +16,8 @@ DEFAULT_GPU_FREE_SHARE = 0.9
 
 def resolve_device(device: str) -> torch.device:
     """``auto`` (CUDA when there is one), ``cpu``, ``cuda`` or ``cuda:N``; `UsageError` otherwise."""
+    if not isinstance(device, str):  # None or a number from the API: the usage error, not an AttributeError
+        raise UsageError(f"{DEVICE.given(device)}: not a device; use auto, cpu, cuda or cuda:N")
     name = device.strip().lower()
     if name == "auto":
         return (

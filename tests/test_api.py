@@ -595,6 +595,7 @@ def test_errors_and_warnings_name_the_apis_arguments(data, tmp_path, monkeypatch
             "device='cuda': no CUDA device is available here; use device='cpu'",
         ),
         (lambda: search(q, c, device="tpu"), "device='tpu': not a device; use auto, cpu, cuda or cuda:N"),
+        (lambda: search(q, c, device=None), "device=None: not a device; use auto, cpu, cuda or cuda:N"),
         (lambda: search(q, c, backend="jax", device="cpu"), "backend='jax': use auto, triton or torch"),
         (lambda: search(q, c, max_memory="lots", device="cpu"), "max_memory: invalid size 'lots'"),
         (

@@ -222,6 +222,13 @@ def test_dim_disagrees_with_metadata(tmp_path):
     assert_error(run_inspect(path), "s.safetensors", "metadata says dim=5 but the file holds 4")
 
 
+@pytest.mark.parametrize("key", ["dim", "num_docs", "num_tokens"])
+@pytest.mark.parametrize("text", ["\u00b2", "\u0663"])  # str.isdigit() takes both; int() refuses the first
+def test_counts_in_metadata_are_ascii_digits(tmp_path, key, text):
+    path = raw_shard(tmp_path / "s.safetensors", meta={key: text})
+    assert_error(run_inspect(path), "s.safetensors", f"{key} in __metadata__ must be a non-negative integer")
+
+
 # --- offsets ---
 
 

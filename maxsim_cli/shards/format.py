@@ -255,7 +255,8 @@ def _parse_metadata(path: str, meta: dict[str, str] | None, where: str) -> dict[
     }
     for key in ("dim", "num_docs", "num_tokens"):
         text = meta.get(key)
-        if text is None or not text.isdigit():
+        # ASCII digits only: str.isdigit() takes '²' too, which int() refuses
+        if text is None or not (text.isascii() and text.isdigit()):
             raise _err(path, f"{key} in {where} must be a non-negative integer, not {text!r}")
         values[key] = int(text)
     if values["dim"] < 1:
