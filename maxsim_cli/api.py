@@ -386,7 +386,7 @@ def _as_candidates(candidates: Any) -> dict[str, list[tuple[str, float]]]:
         scores = candidates["score"] if "score" in candidates.columns else [0.0] * len(candidates)
         grouped: dict[str, list[tuple[str, float]]] = {}
         for qid, docno, score in zip(candidates["qid"], candidates["docno"], scores, strict=True):
-            grouped.setdefault(str(qid), []).append((str(docno), float(score)))
+            grouped.setdefault(str(qid), []).append((str(docno), _first_stage_score(score, qid, docno)))
         return _each_once(grouped)
     if isinstance(candidates, Mapping):
         grouped = {}
@@ -397,13 +397,27 @@ def _as_candidates(candidates: Any) -> dict[str, list[tuple[str, float]]]:
                     f"{{qid: [docno, ...]}}, e.g. {{{str(qid)!r}: [{rows!r}]}}"
                 )
             grouped.setdefault(str(qid), []).extend(
-                (str(row[0]), float(row[1])) if isinstance(row, tuple) else (str(row), 0.0) for row in rows
+                (str(row[0]), _first_stage_score(row[1], qid, row[0]))
+                if isinstance(row, tuple) and len(row) == 2
+                else (str(row), 0.0)
+                for row in rows
             )
         return _each_once(grouped)
     raise UsageError(
         f"candidates: got {type(candidates).__name__}; pass a run file path, a Run, a {{qid: [docno, ...]}} "
         "mapping or a DataFrame with qid and docno columns"
     )
+
+
+def _first_stage_score(score: Any, qid: Any, docno: Any) -> float:
+    """A candidate's first-stage score as a float, or an `InputError` naming the query and the docno."""
+    try:
+        return float(score)
+    except (TypeError, ValueError):
+        raise InputError(
+            f"candidates: query {str(qid)!r}, docno {str(docno)!r} has the score {score!r}, not a number; "
+            "give (docno, score) pairs with numeric scores, or docnos alone"
+        ) from None
 
 
 def _each_once(grouped: dict[str, list[tuple[str, float]]]) -> dict[str, list[tuple[str, float]]]:

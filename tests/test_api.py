@@ -634,3 +634,42 @@ def test_search_and_rerank_take_the_same_keywords() -> None:
     assert {name: searching[name] for name in reranking if name != "k"} == {
         name: default for name, default in reranking.items() if name != "k"
     }
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda: Queries.from_embeddings(["q0", "q1"], 0.5), id="scalar-embeddings"),
+        pytest.param(
+            lambda: Queries.from_embeddings(["q0"], [torch.ones(2, 8, device="meta")]), id="meta-tensor"
+        ),
+        pytest.param(
+            lambda: Queries.from_embeddings(
+                ["q0", "q1"], [np.ones((2, 8)), np.ones((3, 8))], mask=[None, None]
+            ),
+            id="mask-of-none",
+        ),
+        pytest.param(
+            lambda: Queries.from_embeddings(
+                ["q0", "q1"], np.ones((2, 3, 8), np.float32), mask=[[1, 1, 0], [1, 0]]
+            ),
+            id="ragged-padded-mask",
+        ),
+        pytest.param(
+            lambda: Queries.from_embeddings(["q0"], [np.ones((2, 8))], mask=7), id="scalar-mask-for-a-list"
+        ),
+    ],
+)
+def test_odd_query_inputs_are_one_line_input_errors(call) -> None:
+    with pytest.raises(InputError) as info:
+        call()
+    assert "\n" not in str(info.value)
+
+
+def test_a_candidate_score_that_is_not_a_number_is_an_input_error(tmp_path) -> None:
+    path = tmp_path / "c.safetensors"
+    write_shard(path, ["d1", "d2"], [np.ones((2, 8), np.float32), np.ones((1, 8), np.float32)])
+    queries = Queries.from_embeddings(["q"], [np.ones((2, 8), np.float32)])
+    with pytest.raises(InputError, match="'high', not a number") as info:
+        rerank(queries, str(path), {"q": [("d1", "high"), ("d2", 1.0)]}, device="cpu")
+    assert "\n" not in str(info.value)

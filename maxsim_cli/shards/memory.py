@@ -103,6 +103,13 @@ def check_lengths(ids: list[str], lengths: Sequence[int], name: str, words: Word
             )
 
 
+def _listable(value: Any) -> bool:
+    """Whether ``value`` is a sequence of per-item arrays (not a string, a scalar or a mapping)."""
+    from collections.abc import Iterable, Mapping
+
+    return isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping))
+
+
 def pack_embeddings(
     ids: Any,
     embeddings: Any,
@@ -165,6 +172,17 @@ def pack_embeddings(
             f"arrays, one per {words.what}, or a padded [{words.plural}, tokens, dim] array with a mask"
         )
     else:
+        if not _listable(embeddings):
+            raise InputError(
+                f"{name}: embeddings of type {type(embeddings).__name__}; pass a list of [tokens, dim] "
+                f"arrays, one per {words.what}, or a padded [{words.plural}, tokens, dim] array with a mask"
+            )
+        for what, given in (("mask", mask), ("scales", scales)):
+            if given is not None and not _listable(given):
+                raise InputError(
+                    f"{name}: {what} of type {type(given).__name__}; with a list of embeddings pass a "
+                    f"list of {what} arrays, one per {words.what}"
+                )
         docs = [tensor(e, f"{name}: {item(i)}") for i, e in enumerate(embeddings)]
         if len(docs) != len(keys):
             raise InputError(f"{name}: {len(keys)} ids but {len(docs)} embedding arrays")

@@ -76,6 +76,8 @@ def _as_tensor(x: Any, where: str = "embeddings", *, keep_device: bool = False) 
     if isinstance(x, torch.Tensor):
         if x.is_complex():
             raise InputError(f"{where}: dtype {x.dtype} is not a real-number type; {_NUMBERS}")
+        if x.device.type == "meta":
+            raise InputError(f"{where}: a tensor on the meta device holds no values; {_NUMBERS}")
         return x.detach() if keep_device else x.detach().cpu()
     try:
         arr = np.asarray(x)
@@ -90,8 +92,9 @@ def _as_tensor(x: Any, where: str = "embeddings", *, keep_device: bool = False) 
     raise InputError(f"{where}: dtype {arr.dtype} is not a real-number type; {_NUMBERS}")
 
 
-# What `_as_tensor` asks for.
+# What `_as_tensor` and `_mask_rows` ask for.
 _NUMBERS = "pass arrays or tensors of numbers (float16, bfloat16, float32, float64 or integers)"
+_MASKS = "a mask holds True/1 for real tokens, False/0 for padding, one row a document"
 
 
 def infer_dtype(x: torch.Tensor) -> str:
@@ -115,7 +118,22 @@ def _mask_rows(mask: Any, where: str) -> torch.Tensor:
     """One document's mask as a bool tensor: True/1 marks a real token, False/0 padding."""
     import torch
 
-    keep = mask.detach().cpu() if isinstance(mask, torch.Tensor) else torch.as_tensor(np.asarray(mask))
+    if isinstance(mask, torch.Tensor):
+        if mask.device.type == "meta":
+            raise InputError(f"{where}: a tensor on the meta device holds no values; {_MASKS}")
+        keep = mask.detach().cpu()
+    else:
+        try:
+            array = np.asarray(mask)
+        except (ValueError, TypeError) as exc:  # ragged nested lists
+            raise InputError(
+                f"{where}: not an array of booleans or 0/1 ({_one_line(exc)}); {_MASKS}"
+            ) from None
+        if array.dtype.kind not in "biuf":  # None, strings, objects
+            raise InputError(f"{where}: dtype {array.dtype} is not boolean or 0/1; {_MASKS}")
+        keep = torch.as_tensor(array)
+    if keep.is_complex():
+        raise InputError(f"{where}: dtype {keep.dtype} is not boolean or 0/1; {_MASKS}")
     if keep.dtype != torch.bool:
         if not bool(((keep == 0) | (keep == 1)).all()):
             bad = keep[(keep != 0) & (keep != 1)][0].item()
