@@ -4,7 +4,8 @@ For float32 scores ``s`` and int64 docno ranks ``r`` (``0 <= r < 2**32``) the ke
 
     key = (ord32(s) << 32) | r,    ord32(s) = bits(s) ^ ((bits(s) >> 31) & 0x7FFFFFFF)
 
-with ``-0.0`` read as ``+0.0`` first (the two zeros tie, as they print the same). ``ord32`` keeps the bits
+with ``-0.0`` read as ``+0.0`` and NaN as ``+inf`` first (the two zeros tie, as they print the same; a
+NaN ranks first, where the run writer refuses it). ``ord32`` keeps the bits
 of non-negative floats and flips the 31 low bits of negative ones, so comparing keys as signed int64
 compares scores first and, on equal scores, ranks: trec_eval's order. The torch form of the same
 arithmetic (`maxsim_cli.topk.order_keys`) is nine operations; the scoring thread of `maxsim score` issues
@@ -32,6 +33,7 @@ def _order_keys_kernel(scores_ptr, ranks_ptr, keys_ptr, n, nd, PER_SCORE: tl.con
     mask = offs < n
     s = tl.load(scores_ptr + offs, mask=mask, other=0.0)
     s = tl.where(s == 0.0, 0.0, s)  # -0.0 == 0.0: both zeros become +0.0
+    s = tl.where(s != s, float("inf"), s)  # NaN ranks first, as +inf (see maxsim_cli.topk.order_keys)
     bits = s.to(tl.int32, bitcast=True)
     key32 = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # arithmetic shift: -1 for negative floats
     if PER_SCORE:

@@ -26,6 +26,8 @@ bound this for the engine's memory accounting.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -46,8 +48,11 @@ def order_keys(scores: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
     """int64 keys ``(ord32(score) << 32) | rank`` for float32 ``scores [nq, nd]`` and int64 ``ranks``,
     ``[nd]`` (one per document) or ``[nq, nd]`` (one per score).
 
-    ``scores`` may be modified in place (``-0.0`` becomes ``+0.0``); it must be contiguous float32. On
-    CUDA one launch of `maxsim_kernels.order_keys` does the same arithmetic.
+    ``scores`` may be modified in place (``-0.0`` becomes ``+0.0``, NaN becomes ``+inf``); it must be
+    contiguous float32. A NaN score (finite embeddings whose products overflow float32 to inf - inf) ranks
+    first, like ``+inf``: the run's writer then refuses it, naming the document, where a NaN with its sign
+    bit set would rank last and leave the top-k unseen. On CUDA one launch of `maxsim_kernels.order_keys`
+    does the same arithmetic.
     """
     if scores.dtype != torch.float32:
         raise TypeError(f"order_keys: scores must be float32, got {scores.dtype}")
@@ -56,6 +61,7 @@ def order_keys(scores: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
 
         return order_keys_triton(scores, ranks)
     scores.add_(0.0)  # -0.0 + 0.0 == +0.0 in IEEE arithmetic: the two zeros must tie
+    scores.nan_to_num_(nan=math.inf, posinf=math.inf, neginf=-math.inf)
     bits = scores.view(torch.int32)
     key32 = bits >> 31  # -1 for negative floats, 0 otherwise
     key32 &= _LOW31

@@ -673,3 +673,4 @@ def test_a_candidate_score_that_is_not_a_number_is_an_input_error(tmp_path) -> N
     with pytest.raises(InputError, match="'high', not a number") as info:
         rerank(queries, str(path), {"q": [("d1", "high"), ("d2", 1.0)]}, device="cpu")
     assert "\n" not in str(info.value)
+
