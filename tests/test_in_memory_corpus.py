@@ -275,7 +275,12 @@ def test_bad_documents_get_the_writers_message(tmp_path, ids, embeddings) -> Non
         (["a"], [ONE], [np.array([1, 2])], "the mask of document 'a' (index 0) holds 2"),
         (["a"], [np.array([["x"] * 8])], None, "document 'a' (index 0): dtype <U1 is not a real-number type"),
         ([], [], None, "no documents; a corpus needs at least one document to score"),
-        (["a", "b"], [ONE, torch.ones(2, 8, device="meta")], None, "is on meta but document 'a' on cpu;"),
+        (
+            ["a", "b"],
+            [ONE, torch.ones(2, 8, device="meta")],
+            None,
+            "document 'b' (index 1): a tensor on the meta",
+        ),
         (["a"], [np.ones((2, 0))], None, "dim 0"),
     ],
 )
