@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
             ...,
             metavar="QRELS",
             help="TREC qrels 'qid 0 docno relevance', optionally .gz, or irds:<dataset-id> for the qrels of "
-            "an ir_datasets dataset (pip install 'maxsim[irds]').",
+            "an ir_datasets dataset (pip install 'maxsim\\[irds]').",
         ),
         measure: Annotated[list[str] | None, typer.Option("--measure", "-m", help=_MEASURE_HELP)] = None,
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object {measure: value}."),
