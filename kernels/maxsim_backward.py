@@ -885,16 +885,16 @@ def _forward(
     backend: str,
     doc_scales: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out = _forward_scores(
+    if candidate_docs is not None:
+        # The forward kernels score a bad index of candidates on the GPU NaN, unchecked by the host; the
+        # backward's kernels would read through it, so the differentiable path checks them on the host,
+        # before any launch.
+        num_queries, num_docs = query_offsets.numel() - 1, doc_offsets.numel() - 1
+        check_candidates(candidate_offsets, candidate_docs, num_queries, num_docs)
+    return _forward_scores(
         queries, query_offsets, docs, doc_offsets, candidate_offsets, candidate_docs, allow_tf32, backend,
         doc_scales,
     )  # fmt: skip
-    if candidate_docs is not None:
-        # The forward kernels score a bad index of candidates on the GPU NaN, unchecked by the host; the
-        # backward's kernels would read through it, so the differentiable path checks them on the host.
-        num_queries, num_docs = query_offsets.numel() - 1, doc_offsets.numel() - 1
-        check_candidates(candidate_offsets, candidate_docs, num_queries, num_docs)
-    return out
 
 
 def _forward_scores(
