@@ -67,6 +67,7 @@ __all__ = [
     "check_inputs",
     "check_candidates",
     "Layout",
+    "resolve_backend",
 ]
 
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from maxsim_cli.errors import InputError, UsageError
-from maxsim_cli.shards.format import PATCH_GRID_KEY, PATCH_START_KEY, _show_id
+from maxsim_cli.shards.format import PATCH_GRID_KEY, PATCH_START_KEY, show_id
 
 if TYPE_CHECKING:
     import torch
@@ -135,7 +135,7 @@ class Explanation:
         need = self.patch_start + rows * cols
         if self.doc_tokens < need:
             raise InputError(
-                f"{self.shard}: document {_show_id(self.docno)} has {self.doc_tokens} tokens but its "
+                f"{self.shard}: document {show_id(self.docno)} has {self.doc_tokens} tokens but its "
                 f"{PATCH_GRID_KEY} {rows}x{cols} from token {self.patch_start} needs {need}; fix the shard's "
                 "metadata"
             )
@@ -144,7 +144,7 @@ class Explanation:
     def _check_token(self, token: int) -> None:
         if not 0 <= token < len(self.tokens):
             raise UsageError(
-                f"token {token}: query {_show_id(self.qid)} has {len(self.tokens)} tokens (0 to "
+                f"token {token}: query {show_id(self.qid)} has {len(self.tokens)} tokens (0 to "
                 f"{len(self.tokens) - 1})"
             )
 
@@ -228,7 +228,7 @@ def _as_float64(values: torch.Tensor, scales: torch.Tensor | None) -> np.ndarray
 def kernel_order(corpus: Corpus, device: torch.device, backend: str) -> str:
     """The order in which the kernel that scores ``corpus`` on ``device`` adds a query's terms (module
     doc): pairwise for the Triton kernel of float corpora, else sequential."""
-    from maxsim_kernels._validate import resolve_backend
+    from maxsim_kernels import resolve_backend
 
     triton = resolve_backend(backend, device) == "triton"
     return PAIRWISE if triton and corpus.quantization == "none" else SEQUENTIAL
@@ -322,7 +322,7 @@ def explain_hits(
     import torch
 
     from maxsim_cli.devices import check_backend_option
-    from maxsim_cli.scoring.engine import _query_embeddings, device_queries
+    from maxsim_cli.scoring.engine import device_queries, query_embeddings
     from maxsim_cli.shards import DocBatch, check_same_dim
 
     row = _query_index(queries, qid)
@@ -333,7 +333,7 @@ def explain_hits(
     missing = [d for d in docnos if d not in located]
     if missing:
         raise InputError(
-            f"corpus ({_corpus_name(corpus)}): no document {_show_id(missing[0])}"
+            f"corpus ({_corpus_name(corpus)}): no document {show_id(missing[0])}"
             + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "")
             + "; check the docno"
         )
@@ -347,7 +347,7 @@ def explain_hits(
     a, b = int(queries.offsets[row]), int(queries.offsets[row + 1])
     scales = queries.scales[a:b] if queries.scales is not None else None
     one = DocBatch([qid], queries.embeddings[a:b], torch.tensor([0, b - a], dtype=torch.int64), scales)
-    q_emb = _query_embeddings(one, corpus.dtype, corpus.quantization)
+    q_emb = query_embeddings(one, corpus.dtype, corpus.quantization)
     scaled = corpus.quantization != "none"
     q_dev, q_scales = device_queries(q_emb, dev, scaled)
 
@@ -437,8 +437,8 @@ def _query_index(queries: Queries, qid: str) -> int:
     try:
         return ids.index(qid)
     except ValueError:
-        example = f" (it has {len(ids)}, e.g. {_show_id(ids[0])})" if ids else " (it has none)"
-        raise InputError(f"{queries.name}: no query {_show_id(qid)}{example}; check the qid") from None
+        example = f" (it has {len(ids)}, e.g. {show_id(ids[0])})" if ids else " (it has none)"
+        raise InputError(f"{queries.name}: no query {show_id(qid)}{example}; check the qid") from None
 
 
 def _corpus_name(corpus: Corpus) -> str:

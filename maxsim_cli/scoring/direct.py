@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from maxsim_cli.scoring.engine import (
-    _query_embeddings,
     device_queries,
     locate_candidates,
+    query_embeddings,
     write_reranked,
     write_topk,
 )
@@ -142,7 +142,7 @@ def candidate_scores(
             if residency.device.type == "cuda":
                 torch.cuda.set_device(residency.device)  # as `_kernel_inputs`: Triton launches on it
             scores = _staged_launcher(residency)(
-                _query_embeddings(queries, corpus.dtype, corpus.quantization),
+                query_embeddings(queries, corpus.dtype, corpus.quantization),
                 queries.offsets.numpy(),
                 candidate_offsets,
                 candidate_docs,
@@ -186,7 +186,7 @@ def _kernel_inputs(
         # Triton launches on the calling thread's current device, whatever the tensors' (the engine does
         # the same): a corpus resident on cuda:1, scored from a thread whose device is cuda:0
         torch.cuda.set_device(dev)
-    q_emb = _query_embeddings(queries, corpus.dtype, corpus.quantization)
+    q_emb = query_embeddings(queries, corpus.dtype, corpus.quantization)
     q_emb, query_scales = device_queries(q_emb, dev, corpus.quantization != "none")
     kernel_args = (q_emb, queries.offsets.to(torch.int64), residency.embeddings, residency.offsets_host)
     kernel_kwargs = {"backend": backend, "doc_scales": residency.scales, "query_scales": query_scales}

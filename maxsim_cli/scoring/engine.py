@@ -180,7 +180,7 @@ def _run(
         base_allocated = _allocated_bytes(dev)["current"]
     qname = request.query_name
     check_same_dim(queries, qname, corpus)
-    q_emb = _query_embeddings(queries, corpus.dtype, corpus.quantization)
+    q_emb = query_embeddings(queries, corpus.dtype, corpus.quantization)
     q_offsets = queries.offsets.to(torch.int64)
     qids = list(queries.ids)
     stats.queries = len(qids)
@@ -337,7 +337,7 @@ def _files_bytes(paths: Sequence[str]) -> int:
     return total
 
 
-def _query_embeddings(qbatch: DocBatch, corpus_dtype: str, quantization: str) -> torch.Tensor:
+def query_embeddings(qbatch: DocBatch, corpus_dtype: str, quantization: str) -> torch.Tensor:
     """Queries in the dtype the kernels take for this corpus: the corpus's float dtype, or float32
     for an int8 corpus (the kernels quantize them per token). int8 query files are dequantized."""
     emb = qbatch.embeddings
@@ -355,7 +355,7 @@ def _query_embeddings(qbatch: DocBatch, corpus_dtype: str, quantization: str) ->
 def device_queries(
     q_emb: torch.Tensor, device: torch.device, scaled: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Queries (`_query_embeddings`' dtype) on ``device`` as the kernels take them: for an int8 corpus on
+    """Queries (`query_embeddings`' dtype) on ``device`` as the kernels take them: for an int8 corpus on
     CUDA quantized once (int8 codes and their per-token scales) rather than by the kernel for every
     document batch (a launch and ~60 us of host time each); else as they are, scales None."""
     emb = q_emb.to(device, non_blocking=False)

@@ -94,7 +94,7 @@ def first_launches(
     first = min(num, request.batch_queries or num)
 
     def launch() -> None:
-        q_emb = engine._query_embeddings(queries, corpus.dtype, corpus.quantization)
+        q_emb = engine.query_embeddings(queries, corpus.dtype, corpus.quantization)
         q_off = queries.offsets[: first + 1].to(torch.int64)
         q = q_emb[: int(q_off[-1])].to(device)
         q_scales = None

@@ -32,8 +32,8 @@ from maxsim_cli.shards.format import (
     _err,
     _has_equal_neighbours,
     _one_line,
-    _show_id,
     concat_ids,
+    show_id,
     sorted_id_order,
 )
 from maxsim_cli.shards.lookup import IdLookup
@@ -289,7 +289,7 @@ class Corpus:
                     other = index[doc_id]
                     raise _err(
                         shard.path,
-                        f"duplicate id {_show_id(doc_id)}: document {d} here and document {other[1]} of "
+                        f"duplicate id {show_id(doc_id)}: document {d} here and document {other[1]} of "
                         f"{self.shards[other[0]].path}; ids must be unique across a corpus",
                     )
                 index.update(zip(shard.ids, zip(itertools.repeat(s), range(shard.num_docs)), strict=False))

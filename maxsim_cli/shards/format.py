@@ -139,7 +139,7 @@ def check_id(path: str, value: str, position: str, *, what: str = "id") -> None:
         raise _err(path, f"empty {what} {position}; every document needs an id")
     problem = id_problem(value)
     if problem is not None:
-        raise _err(path, f"{what} {_show_id(value)} {position} {problem}; {ID_RULE}")
+        raise _err(path, f"{what} {show_id(value)} {position} {problem}; {ID_RULE}")
 
 
 def _one_line(text: object, limit: int = 200) -> str:
@@ -152,7 +152,7 @@ def _err(path: str, message: str) -> InputError:
     return InputError(f"{path}: {message}")
 
 
-def _show_id(doc_id: str) -> str:
+def show_id(doc_id: str) -> str:
     """An id for an error message: quoted, escapes visible, never more than one line."""
     text = repr(doc_id)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -311,7 +311,7 @@ def _check_ids(path: str, ids: Sequence[str], *, what: str = "id") -> None:
             if doc_id in first:
                 raise _err(
                     path,
-                    f"duplicate {what} {_show_id(doc_id)} at indices {first[doc_id]} and {i}; "
+                    f"duplicate {what} {show_id(doc_id)} at indices {first[doc_id]} and {i}; "
                     "ids must be unique",
                 )
             first[doc_id] = i
@@ -466,7 +466,7 @@ def _check_offsets(path: str, offsets: np.ndarray, ids: Sequence[str], num_token
         )
     if offsets[0] != 0:
         raise _err(
-            path, f"offsets start at {int(offsets[0])}, not 0 (offset 0 of document {_show_id(ids[0])})"
+            path, f"offsets start at {int(offsets[0])}, not 0 (offset 0 of document {show_id(ids[0])})"
         )
     steps = np.diff(offsets)
     bad = np.flatnonzero(steps <= 0)
@@ -476,11 +476,11 @@ def _check_offsets(path: str, offsets: np.ndarray, ids: Sequence[str], num_token
             raise _err(
                 path,
                 f"offsets are not monotonic: offsets[{i + 1}] = {int(offsets[i + 1])} < "
-                f"offsets[{i}] = {int(offsets[i])} (document {_show_id(ids[i])}, index {i})",
+                f"offsets[{i}] = {int(offsets[i])} (document {show_id(ids[i])}, index {i})",
             )
         raise _err(
             path,
-            f"document {_show_id(ids[i])} (index {i}, offset {int(offsets[i])}) has zero "
+            f"document {show_id(ids[i])} (index {i}, offset {int(offsets[i])}) has zero "
             "tokens; every document needs at least one token vector",
         )
     if offsets[-1] != num_tokens:
@@ -541,7 +541,7 @@ def _check_values(
             doc = int(np.searchsorted(offsets, row, side="right")) - 1
             raise _err(
                 path,
-                f"{what} {_show_id(ids[doc])} (index {first_doc + doc}) has {problem} at token "
+                f"{what} {show_id(ids[doc])} (index {first_doc + doc}) has {problem} at token "
                 f"{row - int(offsets[doc])}; re-encode or drop that {what}",
             )
     if scales is not None and hasattr(scales, "cpu"):  # a tensor, on any device
@@ -552,6 +552,6 @@ def _check_values(
         doc = int(np.searchsorted(offsets, row, side="right")) - 1
         raise _err(
             path,
-            f"{what} {_show_id(ids[doc])} (index {first_doc + doc}) has a negative int8 scale "
+            f"{what} {show_id(ids[doc])} (index {first_doc + doc}) has a negative int8 scale "
             f"at token {row - int(offsets[doc])}; scales are max|x|/127 >= 0",
         )

@@ -23,7 +23,7 @@ from maxsim_cli.shards.format import (
     ShardInfo,
     _check_ids,
     _check_values,
-    _show_id,
+    show_id,
     torch_dtypes,
 )
 from maxsim_cli.shards.readers import Shard
@@ -80,7 +80,7 @@ def as_ids(ids: Any, name: str, words: Words) -> list[str]:
     except UnicodeEncodeError:
         i, key = next((i, k) for i, k in enumerate(out) if not _encodes(k))
         raise InputError(
-            f"{name}: {words.id_word} {_show_id(key)} at index {i} is not valid UTF-8 (lone surrogate)"
+            f"{name}: {words.id_word} {show_id(key)} at index {i} is not valid UTF-8 (lone surrogate)"
         ) from None
     return out
 
@@ -98,7 +98,7 @@ def check_lengths(ids: list[str], lengths: Sequence[int], name: str, words: Word
     for i, n in enumerate(lengths):
         if n < 1:
             raise InputError(
-                f"{name}: {words.what} {_show_id(ids[i])} (index {i}) has no tokens (after its mask); every "
+                f"{name}: {words.what} {show_id(ids[i])} (index {i}) has no tokens (after its mask); every "
                 f"{words.what} needs at least one"
             )
 
@@ -128,17 +128,17 @@ def pack_embeddings(
     a bad shape, an empty item, a dim mismatch, a bad id, NaN/Inf."""
     import torch
 
-    from maxsim_cli.shards.writers import _as_tensor, _mask_rows
+    from maxsim_cli.shards.writers import as_tensor, mask_rows
 
     keys = as_ids(ids, name, words)
 
     def item(i: int) -> str:  # the i-th item, as messages name it
         if i < len(keys):
-            return f"{words.what} {_show_id(keys[i])} (index {i})"
+            return f"{words.what} {show_id(keys[i])} (index {i})"
         return f"{words.what} at index {i}"
 
     def tensor(x: Any, where: str) -> torch.Tensor:
-        return _as_tensor(x, where, keep_device=keep_device)
+        return as_tensor(x, where, keep_device=keep_device)
 
     scale_rows: torch.Tensor | None = None
     if isinstance(embeddings, (torch.Tensor, np.ndarray)) and embeddings.ndim == 3:
@@ -148,7 +148,7 @@ def pack_embeddings(
         if mask is None:
             keep = torch.ones(padded.shape[:2], dtype=torch.bool)
         else:
-            keep = _mask_rows(mask, f"{name}: mask")
+            keep = mask_rows(mask, f"{name}: mask")
             if tuple(keep.shape) != tuple(padded.shape[:2]):
                 raise InputError(
                     f"{name}: mask has shape {tuple(keep.shape)}; expected {tuple(padded.shape[:2])} "
@@ -201,7 +201,7 @@ def pack_embeddings(
                         "give one scale a token"
                     )
         if mask is not None:
-            masks = [_mask_rows(m, f"{name}: the mask of {item(i)}").reshape(-1) for i, m in enumerate(mask)]
+            masks = [mask_rows(m, f"{name}: the mask of {item(i)}").reshape(-1) for i, m in enumerate(mask)]
             if len(masks) != len(docs):
                 raise InputError(f"{name}: {len(masks)} masks for {len(docs)} {words.plural}")
             for i, (d, m) in enumerate(zip(docs, masks, strict=True)):
@@ -217,12 +217,12 @@ def pack_embeddings(
             i = next(i for i, d in enumerate(docs) if d.shape[1] != docs[0].shape[1])
             raise InputError(
                 f"{name}: {item(i)} has vectors of {docs[i].shape[1]} values but {words.what} "
-                f"{_show_id(keys[0])} has {docs[0].shape[1]}; encode all {words.plural} with one model"
+                f"{show_id(keys[0])} has {docs[0].shape[1]}; encode all {words.plural} with one model"
             )
         if len({d.device for d in docs}) > 1:
             i = next(i for i, d in enumerate(docs) if d.device != docs[0].device)
             raise InputError(
-                f"{name}: {item(i)} is on {docs[i].device} but {words.what} {_show_id(keys[0])} on "
+                f"{name}: {item(i)} is on {docs[i].device} but {words.what} {show_id(keys[0])} on "
                 f"{docs[0].device}; put every {words.what} on one device"
             )
         lengths = torch.tensor([d.shape[0] for d in docs], dtype=torch.int64)
@@ -377,7 +377,7 @@ def _unit_rows(
                     doc = int(np.searchsorted(offsets, row, side="right")) - 1
                     raise InputError(
                         f"{name}: normalized=True but token {row - int(offsets[doc])} of document "
-                        f"{_show_id(ids[doc])} has L2 norm {float(norms[row - start]):.4g}; normalise the "
+                        f"{show_id(ids[doc])} has L2 norm {float(norms[row - start]):.4g}; normalise the "
                         "vectors or pass normalized=None"
                     )
         zero = ~chunk.ne(0).any(dim=1)

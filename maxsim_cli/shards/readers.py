@@ -45,7 +45,7 @@ from maxsim_cli.shards.format import (
     _err,
     _one_line,
     _parse_metadata,
-    _show_id,
+    show_id,
     torch_dtypes,
 )
 
@@ -518,7 +518,7 @@ class _ArrowTokens:
                 doc = int(np.searchsorted(tok_offsets, bad[0], side="right")) - 1
                 raise _err(
                     self.path,
-                    f"document {_show_id(ids[first + doc])} has a token vector of "
+                    f"document {show_id(ids[first + doc])} has a token vector of "
                     f"{int(widths[bad[0]])} values; dim is {self.dim}",
                 )
         values = vectors.flatten()
@@ -902,7 +902,7 @@ class ParquetShard(_RecordShard):
                 doc = first + int(np.flatnonzero(lens != want)[0])
                 raise _err(
                     self.path,
-                    f"document {_show_id(self.ids[doc])} (index {doc}) has "
+                    f"document {show_id(self.ids[doc])} (index {doc}) has "
                     f"{int(lens[doc - first])} tokens but the 'length' column says "
                     f"{int(want[doc - first])}",
                 )

@@ -56,9 +56,9 @@ from maxsim_cli.shards.format import (
     _check_values,
     _err,
     _one_line,
-    _show_id,
     check_id,
     parse_patch_grid,
+    show_id,
     torch_dtypes,
 )
 from maxsim_cli.shards.readers import open_shard
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     import torch
 
 
-def _as_tensor(x: Any, where: str = "embeddings", *, keep_device: bool = False) -> torch.Tensor:
+def as_tensor(x: Any, where: str = "embeddings", *, keep_device: bool = False) -> torch.Tensor:
     """An array or tensor of numbers as a CPU tensor (``keep_device``: a tensor stays on its device);
     anything else (strings, objects, complex or boolean values, ragged nested lists) is an `InputError`
     naming ``where`` (the file and document)."""
@@ -92,7 +92,7 @@ def _as_tensor(x: Any, where: str = "embeddings", *, keep_device: bool = False) 
     raise InputError(f"{where}: dtype {arr.dtype} is not a real-number type; {_NUMBERS}")
 
 
-# What `_as_tensor` and `_mask_rows` ask for.
+# What `as_tensor` and `mask_rows` ask for.
 _NUMBERS = "pass arrays or tensors of numbers (float16, bfloat16, float32, float64 or integers)"
 _MASKS = "a mask holds True/1 for real tokens, False/0 for padding, one row a document"
 
@@ -114,7 +114,7 @@ def _as_id_list(ids: Any) -> list[Any]:
     return ids.tolist() if hasattr(ids, "tolist") and not isinstance(ids, (str, bytes)) else list(ids)
 
 
-def _mask_rows(mask: Any, where: str) -> torch.Tensor:
+def mask_rows(mask: Any, where: str) -> torch.Tensor:
     """One document's mask as a bool tensor: True/1 marks a real token, False/0 padding."""
     import torch
 
@@ -149,7 +149,7 @@ def zero_row_warning(path: str, num_docs: int, first_id: str, remedy: str, *, wh
     the mask was not passed: the rows then take part in every max and change the scores). `where`: the
     first document's place in its source."""
     docs = f"{num_docs:,} document carries" if num_docs == 1 else f"{num_docs:,} documents carry"
-    first = _show_id(first_id) + (f" at {where}" if where else "")
+    first = show_id(first_id) + (f" at {where}" if where else "")
     return f"{path}: {docs} all-zero token rows (first: {first}): padding kept without its mask? {remedy}"
 
 
@@ -464,7 +464,7 @@ class ShardWriter:
                 doc_id.encode("utf-8")
             except UnicodeEncodeError:
                 raise InputError(
-                    f"{self.path}: id {_show_id(doc_id)} at index {index} is not valid UTF-8 (lone surrogate)"
+                    f"{self.path}: id {show_id(doc_id)} at index {index} is not valid UTF-8 (lone surrogate)"
                 ) from None
             out.append(doc_id)
         seen = self._seen
@@ -472,7 +472,7 @@ class ShardWriter:
             if doc_id in seen:
                 first = self.ids.index(doc_id) if doc_id in self.ids else out.index(doc_id)
                 raise InputError(
-                    f"{self.path}: duplicate id {_show_id(doc_id)} at indices {first} and "
+                    f"{self.path}: duplicate id {show_id(doc_id)} at indices {first} and "
                     f"{len(self.ids) + k}; ids must be unique"
                 )
             seen.add(doc_id)
@@ -516,9 +516,9 @@ class ShardWriter:
                 "packed [tokens, dim] rows with offsets="
             )
         if padded:
-            docs = list(_as_tensor(embeddings, f"{self.path}: embeddings").unbind(0))
+            docs = list(as_tensor(embeddings, f"{self.path}: embeddings").unbind(0))
         else:
-            docs = [_as_tensor(e, self._document(ids, k)) for k, e in enumerate(embeddings)]
+            docs = [as_tensor(e, self._document(ids, k)) for k, e in enumerate(embeddings)]
         if len(docs) != len(ids):
             raise InputError(f"{self.path}: {len(ids)} ids but {len(docs)} documents of embeddings")
         for k, d in enumerate(docs):
@@ -544,8 +544,8 @@ class ShardWriter:
             raise InputError(f"{self.path}: {len(masks)} masks for {len(docs)} documents; give one each")
         keeps = []
         for k, (d, m) in enumerate(zip(docs, masks, strict=True)):
-            where = f"{self.path}: the mask of document {_show_id(str(ids[k]))} (index {base + k})"
-            keep = _mask_rows(m, where).reshape(-1)
+            where = f"{self.path}: the mask of document {show_id(str(ids[k]))} (index {base + k})"
+            keep = mask_rows(m, where).reshape(-1)
             if keep.shape[0] != d.shape[0]:
                 raise InputError(f"{where} has {keep.shape[0]} entries for {d.shape[0]} token rows")
             if not bool(keep.any()):
@@ -557,12 +557,12 @@ class ShardWriter:
                     f"{self.path}: packed [T] scales with a mask; pass one [len] per document or a padded "
                     "[documents, tokens] array"
                 )
-            scales = [_as_tensor(s).reshape(-1)[keep] for s, keep in zip(scales, keeps, strict=True)]
+            scales = [as_tensor(s).reshape(-1)[keep] for s, keep in zip(scales, keeps, strict=True)]
         return [d if bool(keep.all()) else d[keep] for d, keep in zip(docs, keeps, strict=True)], scales
 
     def _document(self, ids: list[Any], k: int) -> str:
         """The ``k``-th document of an `add` call, as messages name it (its id when it has one)."""
-        doc_id = f"{_show_id(str(ids[k]))} " if k < len(ids) else ""
+        doc_id = f"{show_id(str(ids[k]))} " if k < len(ids) else ""
         return f"{self.path}: document {doc_id}(index {len(self.ids) + k})"
 
     def _add(self, ids: list[Any], embeddings: Any, mask: Any, offsets: Any, scales: Any) -> None:
@@ -575,7 +575,7 @@ class ShardWriter:
                 "embeddings with their mask, or the packed rows alone"
             )
         if offsets is not None:
-            packed = _as_tensor(embeddings, f"{self.path}: embeddings")
+            packed = as_tensor(embeddings, f"{self.path}: embeddings")
             offs = np.asarray(offsets.cpu() if isinstance(offsets, torch.Tensor) else offsets, dtype=np.int64)
             if packed.ndim != 2:
                 raise InputError(
@@ -597,7 +597,7 @@ class ShardWriter:
             )
         if packed.shape[1] != self.dim:
             raise InputError(
-                f"{self.path}: document {_show_id(str(ids[0]))} (index {base}) has vectors of "
+                f"{self.path}: document {show_id(str(ids[0]))} (index {base}) has vectors of "
                 f"{packed.shape[1]} values; this shard has dim {self.dim}"
             )
         ids = self._check_new_ids(ids)
@@ -609,18 +609,18 @@ class ShardWriter:
                 )
             if scales is None:
                 raise InputError(
-                    f"{self.path}: int8 embeddings without scales (document {_show_id(ids[0])}); "
+                    f"{self.path}: int8 embeddings without scales (document {show_id(ids[0])}); "
                     "pass one float32 scale per token"
                 )
             if isinstance(scales, (list, tuple)):
-                scale_t = torch.cat([_as_tensor(s).reshape(-1) for s in scales])
+                scale_t = torch.cat([as_tensor(s).reshape(-1) for s in scales])
             else:
-                scale_t = _as_tensor(scales).reshape(-1)
+                scale_t = as_tensor(scales).reshape(-1)
             scale_t = scale_t.to(torch.float32).contiguous()
             if scale_t.shape[0] != packed.shape[0]:
                 raise InputError(
                     f"{self.path}: {scale_t.shape[0]} scales for {packed.shape[0]} tokens "
-                    f"(documents from {_show_id(ids[0])})"
+                    f"(documents from {show_id(ids[0])})"
                 )
             values = packed.contiguous()
         else:
@@ -647,7 +647,7 @@ class ShardWriter:
                     doc = int(np.searchsorted(local, row, side="right")) - 1
                     raise InputError(
                         f"{self.path}: normalized=True but token {row - int(local[doc])} of document "
-                        f"{_show_id(ids[doc])} has L2 norm {float(norms[row]):.4g}; normalise the "
+                        f"{show_id(ids[doc])} has L2 norm {float(norms[row]):.4g}; normalise the "
                         "vectors or pass normalized=None"
                     )
         if self.dtype != "int8":
@@ -765,7 +765,7 @@ def write_shard(
 
     path = os.fspath(path)
     if offsets is not None:
-        first = _as_tensor(embeddings, f"{path}: embeddings")
+        first = as_tensor(embeddings, f"{path}: embeddings")
     elif isinstance(embeddings, (torch.Tensor, np.ndarray)) and embeddings.ndim != 3:
         raise InputError(
             f"{path}: embeddings of shape {tuple(embeddings.shape)}; pass a list of [tokens, dim] arrays "
@@ -775,7 +775,7 @@ def write_shard(
     else:
         if len(embeddings) == 0:
             raise InputError(f"{path}: no documents to write; a shard holds at least one")
-        first = _as_tensor(embeddings[0], f"{path}: document (index 0)")
+        first = as_tensor(embeddings[0], f"{path}: document (index 0)")
     if first.ndim != 2:
         raise InputError(
             f"{path}: embeddings must be [num_tokens, dim] per document, padded [documents, tokens, dim] "
