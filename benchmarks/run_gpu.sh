@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# One call on the H200 that checks and times the docs' headline figures: the GPU-marked tests, the forward
+# One call on the GPU machine (H100 or H200) that checks and times the docs' headline figures: the GPU-marked tests, the forward
 # kernels against the peers, training (forward + backward), int8, and the verify reports on sample_data/.
-# Usage, on the GPU machine (the peers' wheels in .whl/):  bash benchmarks/run_h200.sh OUTDIR
+# Usage, on the GPU machine (the peers' wheels in .whl/):  bash benchmarks/run_gpu.sh OUTDIR
 # Each step has its own time limit so that one slow step cannot take the others' results with it.
 # Kept results go to benchmarks/results/<area>/: benchmarks/README.md lists each step's area.
 set -u
-out=${1:?usage: run_h200.sh OUTDIR}
+out=${1:?usage: run_gpu.sh OUTDIR}
 logs=$(mktemp -d)
 export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
+if ls .whl/*.whl >/dev/null 2>&1; then  # the peers' wheels, and the serve stack's in .whl/serve/ when present
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl $(ls .whl/serve/*.whl 2>/dev/null) && export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$logs/install.log" 2>&1 || cat "$logs/install.log"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$logs/gpu.txt"
+# the card's name in every result file: h100 or h200
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'H[0-9]{3}' | tr 'A-Z' 'a-z')
+card=${card:-gpu}
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$logs/gpu.txt"
 
 step() {  # step NAME SECONDS CMD...
@@ -23,7 +26,7 @@ step() {  # step NAME SECONDS CMD...
   local rc=$?
   echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$logs/steps.txt"
   tail -n 25 "$logs/$name.log"
-  tar -czf "$out/h200-results.tar.gz" -C "$logs" .  # after every step: a later time-out keeps these
+  tar -czf "$out/$card-results.tar.gz" -C "$logs" .  # after every step: a later time-out keeps these
 }
 
 # STEPS picks a subset (not in the default set: sweep, the tile sweep of bench_kernels.py; score,
@@ -35,28 +38,31 @@ want() { [[ $steps == *" $1 "* ]]; }
 # GPU_TESTS narrows the GPU-marked tests to some files or node ids
 want gpu-tests && step gpu-tests ${GPU_TESTS_S:-300} python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/}
 want sweep && step sweep ${SWEEP_S:-240} python3 benchmarks/bench_kernels.py --sweep \
-  --workloads "${SWEEP_WORKLOADS:-exhaustive,colpali,one_query}" --out "$logs/kernels-sweep-h200.json"
+  --workloads "${SWEEP_WORKLOADS:-exhaustive,colpali,one_query}" --out "$logs/kernels-sweep-$card.json"
 want kernels && step kernels ${KERNELS_S:-300} python3 benchmarks/bench_kernels.py --cold --cold-workloads "${COLD_WORKLOADS:-one_query}" \
-  --workloads "${WORKLOADS:-exhaustive,one_query,colpali,rerank}" --out "$logs/kernels-h200.json"
-want train && step train ${TRAIN_S:-260} python3 benchmarks/bench_train.py --out "$logs/train-h200.json" \
+  --workloads "${WORKLOADS:-exhaustive,one_query,colpali,rerank}" --out "$logs/kernels-$card.json"
+want train && step train ${TRAIN_S:-260} python3 benchmarks/bench_train.py --out "$logs/train-$card.json" \
   --methods ours,plain-autograd,lik,lik-lowmem,flash-maxsim --fp32-shapes colbert-128
 want verify && step verify ${VERIFY_S:-80} python3 benchmarks/verify_reports.py --device cuda --out "$logs/verify"
 want int8 && step int8 ${INT8_S:-200} python3 benchmarks/bench_int8.py gpu --rep-ms 200 ${INT8_ARGS:-} \
-  --out "$logs/int8-h200.json" --workdir /tmp
+  --out "$logs/int8-$card.json" --workdir /tmp
+# api-resident: the Python API's small calls on an 8.2 GB resident corpus beside the kernel alone
+want api-resident && step api-resident ${API_RESIDENT_S:-300} python3 benchmarks/bench_api_resident.py \
+  --workdir /var/tmp/mb-api --size ${API_RESIDENT_SIZE:-8.2GB} --out "$logs/api-resident-$card.json"
 # ab-trees: maxsim score end to end from the checkout and from a baseline tree (AB_BASE, e.g. unpacked by
 # `git archive BASE | tar -x -C ab-base` before the call), alternating fresh processes (ab_trees.py)
 want ab-trees && step ab-trees ${AB_TREES_S:-300} python3 benchmarks/ab_trees.py --tree base=${AB_BASE:-ab-base} \
-  --tree new=. --workdir /var/tmp/mb ${AB_TREES_ARGS:-} --out "$logs/ab-trees-h200.json"
+  --tree new=. --workdir /var/tmp/mb ${AB_TREES_ARGS:-} --out "$logs/ab-trees-$card.json"
 # multigpu: `maxsim score` on 1 and 2 GPUs (needs the two-GPU kind), MGPU_CONFIGS from bench_multigpu.py
 want multigpu && step multigpu ${MULTIGPU_S:-420} python3 benchmarks/bench_multigpu.py --workdir /var/tmp/mgpu \
   --size ${MGPU_SIZE:-10GB} --configs ${MGPU_CONFIGS:-1gpu,2gpu} --repeats ${MGPU_REPEATS:-3} \
-  --log "$logs/multigpu-log.jsonl" --out "$logs/multigpu-h200x2.json"
+  --log "$logs/multigpu-log.jsonl" --out "$logs/multigpu-${card}x2.json"
 # gpu-side: the pass replayed on GPU-resident batches, adding the merge, copies and reads (probe_gpu_side.py)
 # (GPU_SIDE_ARGS: e.g. "--precisions fp16,int8 --steps kernel,+merge,+copies,+reads")
 want gpu-side && step gpu-side ${GPU_SIDE_S:-200} python3 benchmarks/probe_gpu_side.py --workdir /var/tmp/mb \
-  ${GPU_SIDE_ARGS:-} --out "$logs/gpu-side-h200.json"
+  ${GPU_SIDE_ARGS:-} --out "$logs/gpu-side-$card.json"
 # SCORE_ARGS adds options to the score step (e.g. "--int8 --batch-times": fp16 against int8 end to end)
 want score && step score ${SCORE_S:-200} python3 benchmarks/bench_score.py gpu --workdir /var/tmp/mb \
-  ${SCORE_ARGS:-} --out "$logs/score-h200.json"
+  ${SCORE_ARGS:-} --out "$logs/score-$card.json"
 
 cat "$logs/gpu.txt" "$logs/steps.txt"
