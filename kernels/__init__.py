@@ -16,7 +16,9 @@ document of the winning token (ties go to the lowest index; -1 for a document wi
 Inputs: float16, bfloat16 or float32 with fp32 accumulation; queries are converted to the documents'
 dtype. float32 inputs use exact fp32 products unless `allow_tf32=True` (TF32 tensor cores: 10-bit
 mantissa products, ~1e-3 relative error). int8 documents with per-token `doc_scales` go to
-`maxsim_kernels.maxsim_int8`; inputs that require grad go to `maxsim_kernels.maxsim_backward`.
+`maxsim_kernels.maxsim_int8`; uint8 documents are codes below 8 bits (int4 with `doc_scales`, residual2
+with `codebook=`) and go to `maxsim_kernels.maxsim_codes`; inputs that require grad go to
+`maxsim_kernels.maxsim_backward`.
 dim is any multiple of 8 up to 4096. A query with no tokens raises ValueError; a document with no tokens
 scores -inf. Offsets may live on the CPU or on the tensors' device: each offsets tensor is checked (on a
 host copy) and copied to the device once, then remembered per tensor object and in-place version, so
@@ -85,6 +87,12 @@ def _int8_module() -> Any:
     return maxsim_int8
 
 
+def _codes_module() -> Any:
+    from maxsim_kernels import maxsim_codes  # imports triton: only for documents stored as codes
+
+    return maxsim_codes
+
+
 def _backward_module() -> Any:
     try:
         from maxsim_kernels import maxsim_backward
@@ -109,8 +117,10 @@ def __getattr__(name: str) -> Any:
 
 
 def _check_query_scales(query_scales: torch.Tensor | None, docs: torch.Tensor) -> None:
-    if query_scales is not None and not (isinstance(docs, torch.Tensor) and docs.dtype == torch.int8):
-        raise ValueError("query_scales go with int8 queries and int8 documents")
+    if query_scales is not None and not (
+        isinstance(docs, torch.Tensor) and docs.dtype in (torch.int8, torch.uint8)
+    ):
+        raise ValueError("query_scales go with int8 queries and int8 (or uint8 code) documents")
 
 
 def maxsim_varlen(
@@ -124,14 +134,32 @@ def maxsim_varlen(
     backend: str = "auto",
     doc_scales: torch.Tensor | None = None,
     query_scales: torch.Tensor | None = None,
+    codebook: Any = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Every query against every document: fp32 scores [nq, nd] (+ int32 argmax [Tq, nd]).
 
     queries [Tq, dim] with query_offsets int64 [nq+1]; docs [Td, dim] with doc_offsets int64 [nd+1].
     int8 docs take `doc_scales` fp32 [Td], and either float queries (quantized per token on each call)
     or int8 queries with `query_scales` fp32 [Tq] (`maxsim_kernels.maxsim_int8.quantize_per_token`).
+    uint8 docs are codes below 8 bits (`maxsim_kernels.maxsim_codes`): int4 with `doc_scales`, or the
+    residual2 codec with `codebook` (a `maxsim_codes.ResidualCodebook`).
     """
     _check_query_scales(query_scales, docs)
+    if docs.dtype == torch.uint8:
+        return _codes_module().maxsim_varlen_codes(
+            queries,
+            query_offsets,
+            docs,
+            doc_offsets,
+            doc_scales=doc_scales,
+            codebook=codebook,
+            query_scales=query_scales,
+            return_argmax=return_argmax,
+            allow_tf32=allow_tf32,
+            backend=backend,
+        )
+    if codebook is not None:
+        raise ValueError("a codebook goes with uint8 residual2 codes, not with float or int8 documents")
     if docs.dtype == torch.int8:
         return _int8_module().maxsim_varlen_int8(
             queries,
@@ -175,6 +203,7 @@ def maxsim_candidates(
     backend: str = "auto",
     doc_scales: torch.Tensor | None = None,
     query_scales: torch.Tensor | None = None,
+    codebook: Any = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-query candidates (reranking): fp32 scores [C] (+ int32 argmax [C, max_query_len], -1 padded).
 
@@ -192,6 +221,23 @@ def maxsim_candidates(
     the device.
     """
     _check_query_scales(query_scales, docs)
+    if docs.dtype == torch.uint8:
+        return _codes_module().maxsim_candidates_codes(
+            queries,
+            query_offsets,
+            docs,
+            doc_offsets,
+            candidate_offsets,
+            candidate_docs,
+            doc_scales=doc_scales,
+            codebook=codebook,
+            query_scales=query_scales,
+            return_argmax=return_argmax,
+            allow_tf32=allow_tf32,
+            backend=backend,
+        )
+    if codebook is not None:
+        raise ValueError("a codebook goes with uint8 residual2 codes, not with float or int8 documents")
     if docs.dtype == torch.int8:
         return _int8_module().maxsim_candidates_int8(
             queries,

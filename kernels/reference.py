@@ -138,3 +138,49 @@ def maxsim_candidates_reference(
         scores[c0:c1] = s[0]
         argmax[c0:c1, : q1 - q0] = a.T
     return (scores, argmax) if return_argmax else scores
+
+
+def maxsim_codes_reference(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    *,
+    doc_scales: torch.Tensor | None = None,
+    codebook: tuple[torch.Tensor, torch.Tensor] | None = None,
+    query_scales: torch.Tensor | None = None,
+    block_tokens: int = _MAX_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """Every query against documents stored as codes (`maxsim_kernels.maxsim_codes`), in float64 on the
+    *decoded* values: int4 ``s_d[j] * c[j]``, residual2 the fp16 values of `decode_residual2`. The queries
+    are those the kernels score: int8 codes times their scales (float queries are quantized per token
+    first, as the kernels do), so the difference to a kernel is its fp32 rounding alone. Documents are
+    decoded `block_tokens` tokens at a time (a document is never split). Returns float64 [nq, nd].
+    """
+    from .maxsim_codes import ResidualCodebook, decode_int4, decode_residual2, quantized_queries
+
+    if queries.dtype == torch.int8:
+        if query_scales is None:
+            raise ValueError("int8 queries need query_scales")
+        q8, sq = queries, query_scales
+    else:
+        q8, sq = quantized_queries(queries)
+    q = q8.double() * sq.double()[:, None]
+    d_host = doc_offsets.tolist()
+    nd = len(d_host) - 1
+    out = torch.empty((query_offsets.numel() - 1, nd), dtype=torch.float64, device=docs.device)
+    first = 0
+    while first < nd:
+        last = first + 1
+        while last < nd and d_host[last + 1] - d_host[first] <= block_tokens:
+            last += 1
+        t0, t1 = d_host[first], d_host[last]
+        if codebook is None:
+            assert doc_scales is not None, "int4 codes need doc_scales"
+            values = decode_int4(docs[t0:t1]).double() * doc_scales[t0:t1].double()[:, None]
+        else:
+            values = decode_residual2(docs[t0:t1], ResidualCodebook(*codebook)).double()
+        offsets = torch.tensor(d_host[first : last + 1], dtype=torch.int64) - t0
+        out[:, first:last] = maxsim_reference(q, query_offsets, values, offsets)
+        first = last
+    return out

@@ -1,0 +1,863 @@
+"""MaxSim over documents stored as codes below 8 bits: Triton scan kernels that decode in registers, a torch
+CPU path, and the codecs' packing (encode and decode of the stored bytes).
+
+Two codecs; a token is one row of bytes of a uint8 ``[T, width]`` tensor:
+
+- **int4** (``width = dim / 2``, dim even): per-token symmetric scale ``s = absmax(x) / 7`` (1 for an
+  all-zero token) and ``c_k = clamp(round_half_even(x_k / s), -7, 7)``, two's-complement nibbles, value
+  ``2m`` in the low nibble of byte ``m`` and ``2m + 1`` in the high one; the scale is a separate fp32
+  ``doc_scales [T]``, as for int8. Decoded value: ``s * c_k``.
+- **residual2** (``width = 4 + dim / 4``, dim a multiple of 4), the ColBERTv2 residual scheme: bytes 0-3
+  the id of the token's nearest k-means centroid (uint32, little-endian), then a 2-bit bucket per
+  dimension, dimension ``4m + i`` in bits ``2i, 2i + 1`` of byte ``4 + m``. A `ResidualCodebook` gives
+  the centroids ``C`` (fp16 ``[K, dim]``) and per-dimension bucket values ``W`` (fp32 ``[dim, 4]``).
+  Decoded value: ``x_k = fp16(fp32(C[c, k]) + W[k, b_k])`` (the sum rounded once to fp16, everywhere).
+
+Scoring. Queries are quantized per token to int8 exactly as for the int8 corpus
+(`maxsim_int8.quantize_per_token`: codes ``q8`` and scales ``s_q``), or given so with ``query_scales``:
+
+    int4:       score(q, d) = sum_i s_q[i] * max_j (s_d[j] * (q8[i] . c[j]))     q8 . c in int32, exact
+    residual2:  score(q, d) = sum_i s_q[i] * max_j (q8[i] . x[j])                fp16 products, fp32 sums
+
+The int4 max is over exact integers times one fp32 scale, so the max and its winner are those of the
+float64 evaluation of the decoded values; the residual2 dot product is accumulated in fp32 (q8 is exact
+in fp16). `maxsim_kernels.reference.maxsim_codes_reference` evaluates the decoded values in float64; the
+tests state the tolerance. A document with no tokens scores -inf. A centroid id outside the codebook is
+never dereferenced: the Triton kernels score its document NaN; the CPU path raises ValueError naming it.
+
+Cost per document token, one query of Lq tokens, dim d (d = 128 in the figures):
+
+    bytes from HBM:  int4      d / 2 + 4 = 68      (codes + fp32 scale)
+                     residual2 d / 4 + 4 = 36      (codes + centroid id)
+    FLOPs:           2 * Lq * d on the tensor cores (int8 x int8 -> int32 for int4; fp16 x fp16 -> fp32 for
+                     residual2), + ~4 * d CUDA-core ops to unpack and decode the row, once per query group
+
+One query of 32 tokens is 8192 tensor-core FLOPs a token against 68 (36) bytes: 120 (228) FLOP/B, far
+below the H100/H200 ridge (~300 FLOP/B for fp16 at 3.35-4.8 TB/s), so the one-query scan is bound by
+HBM at 68 (36) B/token: on an H200 (4.2 TB/s usable) 16 M tokens read in 0.26 ms (0.14 ms) at best,
+against 1.0 ms for fp16's 256 B/token. residual2 also gathers the centroid row of every token (2 d = 256
+bytes of fp16) from the codebook, which stays in L2 for codebooks up to a few MB (K * d * 2 bytes: 2 MB
+at K = 8192); that L2 traffic, not HBM, may bind on the GPU, and is the first thing to measure there
+(docs/format.md, "Codes below 8 bits"). The decode cost is paid once per (query group, token): with many
+queries a group of up to BLOCK_Q query tokens shares each decoded tile, as in the int8 all-pairs kernel.
+
+Tiling (Triton). All pairs: a program takes a group of consecutive queries (sized from the shapes so that
+queries of the mean length fill one BLOCK_Q-row tile, as in `maxsim_int8`) and DOCS_PER_PROG consecutive
+documents; the group's int8 query tile stays on chip, each document is walked in BLOCK_D-token tiles
+(its first tile starts at its first token, the last is masked with -inf), decoded into a [BLOCK_D,
+BLOCK_K] tile in registers, multiplied on the tensor cores (`tl.dot`), and folded into a running max per
+query token. Candidates: a program takes CANDS_PER_PROG consecutive entries of the flat candidate list
+(their query found by binary search in candidate_offsets) and does the same, reading each candidate in
+place through its index. Scores only (no argmax).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._validate import cdiv, check_candidate_docs, resolve_backend
+from .maxsim_int8 import (
+    _offsets,
+    _quantize_torch,
+    _quantize_triton,
+    _segment_max,
+    _segments,
+    _sum_rows_in_order,
+)
+
+CODECS = ("int4", "residual2")
+INT4_ABSMAX = 7.0
+RESIDUAL_BUCKETS = 4  # 2 bits a dimension
+ID_BYTES = 4  # the residual2 centroid id: uint32, little-endian, first in the row
+MAX_DIM = 1024  # int4: |q8 . c| <= 128 * 8 * dim < 2^24, exact in fp32
+
+# Tile sizes: not yet measured on a GPU; the int8 kernel's (maxsim_int8) as the starting point.
+_VARLEN_BLOCK_Q = 128  # query tokens per program (4 queries of 32 tokens)
+_BLOCK_D = 32  # document tokens per tile
+_VARLEN_DOCS_PER_PROG = 32
+_CAND_PER_PROG = 16
+_MAX_QUERIES_PER_GROUP = 32
+_WARPS = 4
+_STAGES = 2
+
+# CPU path: at most this many fp32 similarities (and decoded values) materialised at once (64 MiB).
+_TORCH_BLOCK_ELEMS = 1 << 24
+
+
+class ResidualCodebook(NamedTuple):
+    """The residual2 codebook: ``centroids`` fp16 ``[K, dim]`` and ``bucket_weights`` fp32 ``[dim, 4]``
+    (the value of each 2-bit bucket, per dimension), on the documents' device."""
+
+    centroids: torch.Tensor
+    bucket_weights: torch.Tensor
+
+    def to(self, device: torch.device | str) -> ResidualCodebook:
+        return ResidualCodebook(self.centroids.to(device), self.bucket_weights.to(device))
+
+
+def code_width(codec: str, dim: int) -> int:
+    """Bytes a token of ``dim`` values takes in the codes tensor (the int4 scale is stored beside it)."""
+    if codec == "int4":
+        return dim // 2
+    if codec == "residual2":
+        return ID_BYTES + dim // 4
+    raise ValueError(f"unknown codec {codec!r} (expected one of {', '.join(CODECS)})")
+
+
+def check_codec_dim(codec: str, dim: int) -> None:
+    """ValueError (one line) for a dim the codec does not store: int4 needs an even dim, residual2 a
+    multiple of 4 (whole bytes a token), both at most MAX_DIM."""
+    if codec == "int4" and (dim < 2 or dim % 2 or dim > MAX_DIM):
+        raise ValueError(f"int4 codes need an even dim from 2 to {MAX_DIM} (two values a byte), got {dim}")
+    if codec == "residual2" and (dim < 4 or dim % 4 or dim > MAX_DIM):
+        raise ValueError(
+            f"residual2 codes need a dim that is a multiple of 4 from 4 to {MAX_DIM} (four values a "
+            f"byte), got {dim}"
+        )
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r} (expected one of {', '.join(CODECS)})")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Packing (torch; CPU or GPU tensors)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def encode_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 codes of ``x`` [T, dim] (dim even): (uint8 [T, dim / 2], fp32 scales [T]), computed in fp32.
+
+    ``s = absmax / 7`` (1 for an all-zero token), ``c = clamp(round_half_even(x / s), -7, 7)``, so
+    ``|x - s * c| <= s / 2`` per value."""
+    check_codec_dim("int4", x.shape[1])
+    xf = x.float()
+    absmax = xf.abs().amax(dim=1)
+    scale = absmax / torch.full_like(absmax, INT4_ABSMAX)  # a tensor divisor: the correctly rounded quotient
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(xf / scale[:, None]).clamp_(-INT4_ABSMAX, INT4_ABSMAX).to(torch.int16)
+    nibbles = (codes & 0xF).to(torch.uint8)
+    return (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).contiguous(), scale
+
+
+def decode_int4(codes: torch.Tensor) -> torch.Tensor:
+    """The signed int4 values of uint8 codes [T, dim / 2] as int8 [T, dim] (any nibble: -8..7)."""
+    low = (codes & 0xF).to(torch.int16)
+    high = (codes >> 4).to(torch.int16)
+    values = torch.stack([low, high], dim=2).reshape(codes.shape[0], -1)
+    return ((values ^ 8) - 8).to(torch.int8)
+
+
+def encode_residual2(
+    x: torch.Tensor, centroid_ids: torch.Tensor, centroids: torch.Tensor, cutoffs: torch.Tensor
+) -> torch.Tensor:
+    """residual2 rows (uint8 [T, 4 + dim / 4]) of ``x`` [T, dim] with their centroid ids [T] (int64):
+    the bucket of dimension k is the number of ``cutoffs[k]`` (fp32 [dim, 3], ascending) that the
+    residual ``x_k - C[id, k]`` reaches or exceeds."""
+    dim = x.shape[1]
+    check_codec_dim("residual2", dim)
+    residual = x.float() - centroids[centroid_ids].float()
+    buckets = (residual[:, :, None] >= cutoffs.float()[None]).sum(dim=2).to(torch.uint8)  # [T, dim] 0..3
+    b = buckets.view(x.shape[0], dim // 4, 4)
+    packed = b[:, :, 0] | (b[:, :, 1] << 2) | (b[:, :, 2] << 4) | (b[:, :, 3] << 6)
+    ids = centroid_ids.to(torch.int64)
+    id_bytes = torch.stack([(ids >> (8 * i)) & 0xFF for i in range(ID_BYTES)], dim=1).to(torch.uint8)
+    return torch.cat([id_bytes, packed], dim=1).contiguous()
+
+
+def residual2_ids(codes: torch.Tensor) -> torch.Tensor:
+    """The centroid ids (int64 [T]) of residual2 rows."""
+    raw = codes[:, :ID_BYTES].to(torch.int64)
+    return raw[:, 0] | (raw[:, 1] << 8) | (raw[:, 2] << 16) | (raw[:, 3] << 24)
+
+
+def residual2_buckets(codes: torch.Tensor) -> torch.Tensor:
+    """The 2-bit buckets (int64 [T, dim]) of residual2 rows."""
+    packed = codes[:, ID_BYTES:].to(torch.int64)
+    return torch.stack([(packed >> (2 * i)) & 3 for i in range(4)], dim=2).reshape(codes.shape[0], -1)
+
+
+def decode_residual2(codes: torch.Tensor, codebook: ResidualCodebook) -> torch.Tensor:
+    """Decoded residual2 values, fp16 [T, dim]: ``fp16(fp32(C[id, k]) + W[k, bucket_k])``. Raises
+    ValueError naming the first row whose centroid id is outside the codebook."""
+    ids = residual2_ids(codes)
+    k = codebook.centroids.shape[0]
+    bad = (ids >= k).nonzero()
+    if bad.numel():
+        row = int(bad[0, 0])
+        raise ValueError(f"token row {row}: centroid id {int(ids[row])} outside the codebook's {k} centroids")
+    buckets = residual2_buckets(codes)
+    weights = codebook.bucket_weights.float().gather(1, buckets.T).T  # [T, dim]
+    return (codebook.centroids[ids].float() + weights).to(torch.float16)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _query_tile(
+    q_ptr,
+    q_scale_ptr,
+    row_first,
+    row_last,
+    dim,
+    stride_q,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CODEC: tl.constexpr,
+):
+    """Rows row_first.. (< row_last) of the int8 queries (as fp16 for residual2: exact) and their scales."""
+    rows = row_first + tl.arange(0, BLOCK_Q)
+    row_ok = rows < row_last
+    k = tl.arange(0, BLOCK_K)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_q + k[None, :], mask=row_ok[:, None] & (k[None, :] < dim), other=0
+    )
+    if CODEC == 1:
+        q = q.to(tl.float16)
+    sq = tl.load(q_scale_ptr + rows, mask=row_ok, other=1.0)
+    return q, sq, rows, row_ok
+
+
+@triton.jit
+def _code_tile(
+    q,
+    d_ptr,
+    d_scale_ptr,
+    cent_ptr,
+    wts_ptr,
+    tok,
+    doc_end,
+    n_centroids,
+    dim,
+    stride_d,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CODEC: tl.constexpr,
+):
+    """Similarities [BLOCK_Q, BLOCK_D] of the query tile with document tokens tok.. decoded in registers;
+    -inf from doc_end on, +inf for a token whose centroid id is outside the codebook (flagged later)."""
+    cols = tok + tl.arange(0, BLOCK_D)
+    col_ok = cols < doc_end
+    k = tl.arange(0, BLOCK_K)
+    k_ok = k < dim
+    bias = tl.where(col_ok, 0.0, float("-inf"))
+    row_start = d_ptr + cols.to(tl.int64) * stride_d
+    rows = row_start[:, None]
+    if CODEC == 0:
+        # int4: the byte of value k is k // 2, its nibble k % 2; sign from the nibble's top bit
+        byte = tl.load(rows + (k // 2)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0).to(tl.int32)
+        nib = (byte >> ((k % 2) * 4)[None, :]) & 0xF
+        c = ((nib ^ 8) - 8).to(tl.int8)
+        acc = tl.dot(q, tl.trans(c), out_dtype=tl.int32).to(tl.float32)  # exact below 2^24
+        s = tl.load(d_scale_ptr + cols, mask=col_ok, other=1.0)
+        return acc * s[None, :] + bias[None, :]
+    else:
+        # residual2: the centroid id from bytes 0-3, the bucket of value k in byte 4 + k // 4
+        cid = tl.zeros([BLOCK_D], tl.int64)
+        for i in tl.static_range(4):
+            part = tl.load(row_start + i, mask=col_ok, other=0).to(tl.int64)
+            cid = cid | (part << (8 * i))
+        id_ok = col_ok & (cid < n_centroids)
+        cent = tl.load(
+            cent_ptr + cid[:, None] * dim + k[None, :], mask=id_ok[:, None] & k_ok[None, :], other=0.0
+        ).to(tl.float32)
+        byte = tl.load(rows + 4 + (k // 4)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0).to(
+            tl.int32
+        )
+        bucket = (byte >> ((k % 4) * 2)[None, :]) & 3
+        w0 = tl.load(wts_ptr + k * 4, mask=k_ok, other=0.0)
+        w1 = tl.load(wts_ptr + k * 4 + 1, mask=k_ok, other=0.0)
+        w2 = tl.load(wts_ptr + k * 4 + 2, mask=k_ok, other=0.0)
+        w3 = tl.load(wts_ptr + k * 4 + 3, mask=k_ok, other=0.0)
+        w = tl.where(
+            bucket == 0,
+            w0[None, :],
+            tl.where(bucket == 1, w1[None, :], tl.where(bucket == 2, w2[None, :], w3[None, :])),
+        )
+        x = (cent + w).to(tl.float16)
+        acc = tl.dot(q, tl.trans(x))  # fp32 accumulation
+        bad = col_ok & (cid >= n_centroids)
+        return acc + tl.where(bad, float("inf"), bias)[None, :]
+
+
+@triton.jit
+def _doc_sums(
+    q,
+    sq,
+    row_ok,
+    member,
+    d_ptr,
+    d_scale_ptr,
+    cent_ptr,
+    wts_ptr,
+    start,
+    stop,
+    n_centroids,
+    dim,
+    stride_d,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CODEC: tl.constexpr,
+):
+    """Per query of the group ([MAX_Q]): sum over its rows of the tile of s_q * max over the document."""
+    row_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+    for t in range(start, stop, BLOCK_D):
+        sim = _code_tile(
+            q, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, t, stop, n_centroids, dim, stride_d,
+            BLOCK_Q, BLOCK_D, BLOCK_K, CODEC,
+        )  # fmt: skip
+        row_max = tl.maximum(row_max, tl.max(sim, axis=1))
+    contrib = tl.where(row_ok, sq * row_max, 0.0)
+    return tl.sum(tl.where(member, contrib[:, None], 0.0), axis=0)
+
+
+@triton.jit
+def _flag_bad_ids(scores):
+    """+inf comes only from a centroid id outside the codebook (the codebook is finite): NaN."""
+    return tl.where(scores == float("inf"), float("nan"), scores)
+
+
+@triton.jit(
+    do_not_specialize=["n_queries", "n_groups", "n_docs", "n_centroids", "stride_out"],
+    do_not_specialize_on_alignment=["q_off_ptr", "d_off_ptr"],
+)
+def _maxsim_codes_varlen_kernel(
+    # pointers
+    q_ptr,
+    q_scale_ptr,
+    q_off_ptr,
+    d_ptr,
+    d_scale_ptr,
+    d_off_ptr,
+    cent_ptr,
+    wts_ptr,
+    out_ptr,
+    # sizes
+    n_queries,
+    n_groups,
+    n_docs,
+    n_centroids,
+    dim,
+    # strides
+    stride_q,
+    stride_d,
+    stride_out,
+    CODEC: tl.constexpr,
+    DOCS_PER_PROG: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    QUERIES_PER_GROUP: tl.constexpr,
+    MAX_Q: tl.constexpr,
+):
+    """Scores of QUERIES_PER_GROUP consecutive queries against DOCS_PER_PROG consecutive documents."""
+    pid = tl.program_id(0)
+    group = pid % n_groups  # group fastest: programs sharing a document chunk run together (L2)
+    doc_first = (pid // n_groups).to(tl.int64) * DOCS_PER_PROG
+    doc_last = tl.minimum(doc_first + DOCS_PER_PROG, n_docs)
+    q_first = group.to(tl.int64) * QUERIES_PER_GROUP
+    q_last = tl.minimum(q_first + QUERIES_PER_GROUP, n_queries)
+    row_first = tl.load(q_off_ptr + q_first)
+    row_last = tl.load(q_off_ptr + q_last)
+    kq = tl.arange(0, MAX_Q)
+    q_ok = q_first + kq < q_last
+    q_ends = tl.load(q_off_ptr + q_first + 1 + kq, mask=q_ok, other=9223372036854775807)
+    out_rows = out_ptr + (q_first + kq) * stride_out
+    if row_last - row_first <= BLOCK_Q:
+        # the planned case: the group's query tile stays on chip for every document
+        q, sq, rows, row_ok = _query_tile(
+            q_ptr, q_scale_ptr, row_first, row_last, dim, stride_q, BLOCK_Q, BLOCK_K, CODEC
+        )
+        local = tl.sum((rows[:, None] >= q_ends[None, :]).to(tl.int32), axis=1)
+        member = (local[:, None] == kq[None, :]) & row_ok[:, None]
+        for doc in range(doc_first, doc_last):
+            start = tl.load(d_off_ptr + doc)
+            stop = tl.load(d_off_ptr + doc + 1)
+            scores = _doc_sums(
+                q, sq, row_ok, member, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, start, stop, n_centroids,
+                dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC,
+            )  # fmt: skip
+            tl.store(out_rows + doc, _flag_bad_ids(scores), mask=q_ok)
+    else:
+        # longer queries than planned: the group's rows in tiles, for each document
+        for doc in range(doc_first, doc_last):
+            start = tl.load(d_off_ptr + doc)
+            stop = tl.load(d_off_ptr + doc + 1)
+            scores = tl.zeros([MAX_Q], tl.float32)
+            for r in range(row_first, row_last, BLOCK_Q):
+                q, sq, rows, row_ok = _query_tile(
+                    q_ptr, q_scale_ptr, r, row_last, dim, stride_q, BLOCK_Q, BLOCK_K, CODEC
+                )
+                local = tl.sum((rows[:, None] >= q_ends[None, :]).to(tl.int32), axis=1)
+                member = (local[:, None] == kq[None, :]) & row_ok[:, None]
+                scores += _doc_sums(
+                    q, sq, row_ok, member, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, start, stop,
+                    n_centroids, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC,
+                )  # fmt: skip
+            tl.store(out_rows + doc, _flag_bad_ids(scores), mask=q_ok)
+
+
+@triton.jit
+def _owner(cand_off_ptr, c, n_queries):
+    """The query whose candidate list holds flat candidate c: the largest q with cand_off[q] <= c."""
+    lo = c * 0
+    hi = lo + n_queries
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        below = tl.load(cand_off_ptr + mid) <= c
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    return lo
+
+
+@triton.jit(
+    do_not_specialize=["n_queries", "n_cand", "n_docs", "n_centroids"],
+    do_not_specialize_on_alignment=["q_off_ptr", "cand_off_ptr", "cand_docs_ptr", "d_off_ptr"],
+)
+def _maxsim_codes_candidates_kernel(
+    # pointers
+    q_ptr,
+    q_scale_ptr,
+    q_off_ptr,
+    cand_off_ptr,
+    cand_docs_ptr,
+    d_ptr,
+    d_scale_ptr,
+    d_off_ptr,
+    cent_ptr,
+    wts_ptr,
+    out_ptr,
+    # sizes
+    n_queries,
+    n_cand,
+    n_docs,
+    n_centroids,
+    dim,
+    # strides
+    stride_q,
+    stride_d,
+    CODEC: tl.constexpr,
+    CANDS_PER_PROG: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Scores of CANDS_PER_PROG consecutive (query, candidate) pairs of the flat candidate list. A
+    candidate index outside [0, n_docs) is never dereferenced: it scores NaN."""
+    c_first = tl.program_id(0).to(tl.int64) * CANDS_PER_PROG
+    c_last = tl.minimum(c_first + CANDS_PER_PROG, n_cand)
+    kq = tl.arange(0, 2)
+    for c in range(c_first, c_last):
+        query = _owner(cand_off_ptr, c, n_queries)
+        row_first = tl.load(q_off_ptr + query)
+        row_last = tl.load(q_off_ptr + query + 1)
+        doc = tl.load(cand_docs_ptr + c).to(tl.int64)
+        doc_ok = (doc >= 0) & (doc < n_docs)
+        start = tl.load(d_off_ptr + doc, mask=doc_ok, other=0)
+        stop = tl.load(d_off_ptr + doc + 1, mask=doc_ok, other=0)
+        total = tl.zeros([2], tl.float32)
+        for r in range(row_first, row_last, BLOCK_Q):
+            q, sq, rows, row_ok = _query_tile(
+                q_ptr, q_scale_ptr, r, row_last, dim, stride_q, BLOCK_Q, BLOCK_K, CODEC
+            )
+            member = row_ok[:, None] & (kq[None, :] == 0)
+            total += _doc_sums(
+                q, sq, row_ok, member, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, start, stop, n_centroids,
+                dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC,
+            )  # fmt: skip
+        score = _flag_bad_ids(tl.sum(total, axis=0))
+        tl.store(out_ptr + c, tl.where(doc_ok, score, float("nan")))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host side: checks and launchers
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _codec_of(doc_scales: torch.Tensor | None, codebook: ResidualCodebook | None) -> str:
+    if codebook is not None and doc_scales is not None:
+        raise ValueError("uint8 codes take doc_scales (int4) or a codebook (residual2), not both")
+    if codebook is None and doc_scales is None:
+        raise ValueError(
+            "uint8 documents are codes: give doc_scales (int4, fp32 [T]) or codebook= (residual2)"
+        )
+    return "int4" if codebook is None else "residual2"
+
+
+def _prepare(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    doc_scales: torch.Tensor | None,
+    query_scales: torch.Tensor | None,
+    codebook: ResidualCodebook | None,
+    backend: str,
+) -> tuple:
+    """Validate; pick the codec and the backend; quantize float queries to int8.
+
+    Returns (codec, dim, backend, q8, s_q, query_offsets, codes, s_d or None, doc_offsets, codebook)."""
+    codec = _codec_of(doc_scales, codebook)
+    if not isinstance(docs, torch.Tensor) or docs.dtype != torch.uint8 or docs.dim() != 2:
+        got = f"{docs.dtype} {tuple(docs.shape)}" if isinstance(docs, torch.Tensor) else type(docs)
+        raise ValueError(f"{codec} MaxSim expects uint8 codes [tokens, width], got {got}")
+    if not isinstance(queries, torch.Tensor) or queries.dim() != 2:
+        raise ValueError(f"queries must be a 2-D [tokens, dim] tensor, got {type(queries)}")
+    dim = queries.shape[1]
+    check_codec_dim(codec, dim)
+    if docs.shape[1] != code_width(codec, dim):
+        raise ValueError(
+            f"{codec} codes of dim {dim} are {code_width(codec, dim)} bytes a token, but the documents "
+            f"have {docs.shape[1]}; the queries and the codes come from different encoders or codecs"
+        )
+    device = docs.device
+    if queries.device != device:
+        raise ValueError(f"queries are on {queries.device}, documents on {device}")
+    if codec == "int4":
+        assert doc_scales is not None
+        if doc_scales.shape != (docs.shape[0],) or doc_scales.device != device:
+            raise ValueError(
+                f"doc_scales must be [{docs.shape[0]}] on {device}, got {tuple(doc_scales.shape)}"
+            )
+        doc_scales = doc_scales.float().contiguous()
+    else:
+        assert codebook is not None
+        cent, wts = codebook
+        if cent.dim() != 2 or cent.shape[1] != dim or wts.shape != (dim, RESIDUAL_BUCKETS):
+            raise ValueError(
+                f"codebook centroids {tuple(cent.shape)} and bucket weights {tuple(wts.shape)} do not fit "
+                f"dim {dim} (expected [K, {dim}] and [{dim}, {RESIDUAL_BUCKETS}])"
+            )
+        codebook = ResidualCodebook(
+            cent.to(device, torch.float16).contiguous(), wts.to(device, torch.float32).contiguous()
+        )
+    backend = resolve_backend(backend, device)
+    check = backend == "torch" or device.type != "cuda"
+    query_offsets = _offsets(
+        "query_offsets", query_offsets, queries.shape[0], device, empty_ok=False, check=check
+    )
+    doc_offsets = _offsets("doc_offsets", doc_offsets, docs.shape[0], device, empty_ok=True, check=check)
+    if queries.dtype == torch.int8:
+        if query_scales is None or query_scales.shape != (queries.shape[0],):
+            raise ValueError(f"int8 queries need query_scales (fp32 [{queries.shape[0]}])")
+        q8, sq = queries, query_scales.to(device).float()
+    elif queries.is_floating_point():
+        q8, sq = _quantize_triton(queries) if backend == "triton" else _quantize_torch(queries)
+    else:
+        raise ValueError(f"queries must be float16/bfloat16/float32 or int8, got {queries.dtype}")
+    codes = docs if docs.stride(1) == 1 else docs.contiguous()
+    q8 = q8 if q8.stride(1) == 1 else q8.contiguous()
+    return codec, dim, backend, q8, sq.contiguous(), query_offsets, codes, doc_scales, doc_offsets, codebook
+
+
+def _kernel_pointers(
+    codes: torch.Tensor, doc_scales: torch.Tensor | None, codebook: ResidualCodebook | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """(scales, centroids, bucket weights, K, CODEC) as the kernels take them; unused ones point at codes."""
+    if codebook is None:
+        assert doc_scales is not None
+        return doc_scales, codes, codes, 0, 0
+    return codes, codebook.centroids, codebook.bucket_weights, codebook.centroids.shape[0], 1
+
+
+def _block_k(dim: int) -> int:
+    return max(32, triton.next_power_of_2(dim))  # int8 tl.dot needs K >= 32
+
+
+def _launch_varlen(
+    codec: str,
+    dim: int,
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    query_offsets: torch.Tensor,
+    codes: torch.Tensor,
+    doc_scales: torch.Tensor | None,
+    doc_offsets: torch.Tensor,
+    codebook: ResidualCodebook | None,
+    *,
+    block_q: int | None = None,
+    block_d: int | None = None,
+    docs_per_prog: int | None = None,
+) -> torch.Tensor:
+    """All-pairs launch (no host synchronisation); keyword overrides are for tests and tile sweeps."""
+    nq, nd = query_offsets.numel() - 1, doc_offsets.numel() - 1
+    out = torch.empty((nq, nd), dtype=torch.float32, device=codes.device)
+    if nq == 0 or nd == 0:
+        return out
+    cap = block_q or _VARLEN_BLOCK_Q
+    mean = triton.next_power_of_2(max(1, -(-q8.shape[0] // nq)))
+    if mean >= cap:
+        per_group, block_q = 1, cap
+    else:
+        per_group = min(_MAX_QUERIES_PER_GROUP, cap // mean, triton.next_power_of_2(nq))
+        block_q = max(16, min(cap, per_group * mean))
+    docs_per_prog = docs_per_prog or _VARLEN_DOCS_PER_PROG
+    n_groups = cdiv(nq, per_group)
+    scales, cent, wts, n_centroids, codec_id = _kernel_pointers(codes, doc_scales, codebook)
+    _maxsim_codes_varlen_kernel[(n_groups * cdiv(nd, docs_per_prog),)](
+        q8, sq, query_offsets, codes, scales, doc_offsets, cent, wts, out,
+        nq, n_groups, nd, n_centroids, dim,
+        q8.stride(0), codes.stride(0), out.stride(0),
+        CODEC=codec_id, DOCS_PER_PROG=docs_per_prog, BLOCK_Q=block_q, BLOCK_D=block_d or _BLOCK_D,
+        BLOCK_K=_block_k(dim), QUERIES_PER_GROUP=per_group, MAX_Q=max(2, per_group),
+        num_warps=_WARPS, num_stages=_STAGES,
+    )  # fmt: skip
+    return out
+
+
+def _launch_candidates(
+    codec: str,
+    dim: int,
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    query_offsets: torch.Tensor,
+    codes: torch.Tensor,
+    doc_scales: torch.Tensor | None,
+    doc_offsets: torch.Tensor,
+    codebook: ResidualCodebook | None,
+    candidate_offsets: torch.Tensor,
+    candidate_docs: torch.Tensor,
+    *,
+    block_q: int | None = None,
+    block_d: int | None = None,
+) -> torch.Tensor:
+    """Per-query-candidates launch (no host synchronisation)."""
+    nq = query_offsets.numel() - 1
+    n_cand = candidate_docs.numel()
+    out = torch.empty((n_cand,), dtype=torch.float32, device=codes.device)
+    if n_cand == 0:
+        return out
+    mean = triton.next_power_of_2(max(1, -(-q8.shape[0] // nq)))
+    block_q = block_q or max(16, min(_VARLEN_BLOCK_Q, mean))
+    scales, cent, wts, n_centroids, codec_id = _kernel_pointers(codes, doc_scales, codebook)
+    _maxsim_codes_candidates_kernel[(cdiv(n_cand, _CAND_PER_PROG),)](
+        q8, sq, query_offsets, candidate_offsets, candidate_docs, codes, scales, doc_offsets, cent, wts, out,
+        nq, n_cand, doc_offsets.numel() - 1, n_centroids, dim,
+        q8.stride(0), codes.stride(0),
+        CODEC=codec_id, CANDS_PER_PROG=_CAND_PER_PROG, BLOCK_Q=block_q, BLOCK_D=block_d or _BLOCK_D,
+        BLOCK_K=_block_k(dim), num_warps=_WARPS, num_stages=_STAGES,
+    )  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CPU path (torch ops, documents decoded a bounded block at a time; also runs on CUDA tensors)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _decoded_block(
+    codes: torch.Tensor, rows: slice | torch.Tensor, doc_scales: torch.Tensor | None, codebook
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(decoded values as fp32 [t, dim], the int4 scales [t] or None) of the token rows ``rows``."""
+    block = codes[rows]
+    if codebook is None:
+        assert doc_scales is not None
+        return decode_int4(block).float(), doc_scales[rows]
+    ids = residual2_ids(block)
+    bad = (ids >= codebook.centroids.shape[0]).nonzero()
+    if bad.numel():  # name the row of the whole codes tensor
+        i = int(bad[0, 0])
+        row = rows.start + i if isinstance(rows, slice) else int(rows[i])
+        raise ValueError(
+            f"document token row {row}: centroid id {int(ids[i])} outside the codebook's "
+            f"{codebook.centroids.shape[0]} centroids; the codes and the codebook do not belong together"
+        )
+    return decode_residual2(block, codebook).float(), None
+
+
+def _block_sims(
+    q_float: torch.Tensor,
+    codes: torch.Tensor,
+    rows: slice | torch.Tensor,
+    doc_scales: torch.Tensor | None,
+    codebook: ResidualCodebook | None,
+) -> torch.Tensor:
+    """Similarities [query rows, t] of the query rows with the decoded token rows ``rows``: int4's integer
+    products are exact in fp32 and take the one fp32 rounding of ``s_d * acc``, as in the kernels."""
+    values, scales = _decoded_block(codes, rows, doc_scales, codebook)
+    sim = q_float @ values.T
+    if scales is not None:
+        sim.mul_(scales)
+    return sim
+
+
+def _varlen_torch(
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    query_offsets: torch.Tensor,
+    codes: torch.Tensor,
+    doc_scales: torch.Tensor | None,
+    doc_offsets: torch.Tensor,
+    codebook: ResidualCodebook | None,
+) -> torch.Tensor:
+    nq, nd = query_offsets.numel() - 1, doc_offsets.numel() - 1
+    device = codes.device
+    dim = q8.shape[1]
+    q_float = q8.float()
+    row_query = torch.repeat_interleave(torch.arange(nq, device=device), query_offsets.diff())
+    d_host = doc_offsets.tolist()
+    out = torch.empty((nq, nd), dtype=torch.float32, device=device)
+    budget = max(1, _TORCH_BLOCK_ELEMS // max(1, q8.shape[0], dim))  # document tokens per block
+    first = 0
+    while first < nd:
+        last = first + 1
+        while last < nd and d_host[last + 1] - d_host[first] <= budget:
+            last += 1
+        sim = _block_sims(q_float, codes, slice(d_host[first], d_host[last]), doc_scales, codebook)
+        segment, _ = _segments(doc_offsets[first : last + 1].diff())
+        best, _ = _segment_max(sim, segment, last - first, None)
+        out[:, first:last] = torch.zeros((nq, last - first), device=device).index_add_(
+            0, row_query, sq[:, None] * best
+        )
+        first = last
+    return out
+
+
+def _candidates_torch(
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    query_offsets: torch.Tensor,
+    codes: torch.Tensor,
+    doc_scales: torch.Tensor | None,
+    doc_offsets: torch.Tensor,
+    codebook: ResidualCodebook | None,
+    candidate_offsets: torch.Tensor,
+    candidate_docs: torch.Tensor,
+) -> torch.Tensor:
+    q_host = query_offsets.tolist()
+    cand_host = candidate_offsets.tolist()
+    nq = len(q_host) - 1
+    dim = q8.shape[1]
+    out = torch.empty((candidate_docs.numel(),), dtype=torch.float32, device=codes.device)
+    cand_start = doc_offsets[candidate_docs]
+    cand_len = doc_offsets[candidate_docs + 1] - cand_start
+    len_host = cand_len.tolist()
+    for query in range(nq):
+        r0, r1 = q_host[query], q_host[query + 1]
+        q_float = q8[r0:r1].float()
+        budget = max(1, _TORCH_BLOCK_ELEMS // max(1, r1 - r0, dim))
+        first, stop = cand_host[query], cand_host[query + 1]
+        while first < stop:
+            last, tokens = first + 1, len_host[first]
+            while last < stop and tokens + len_host[last] <= budget:
+                tokens += len_host[last]
+                last += 1
+            segment, local = _segments(cand_len[first:last])
+            token = cand_start[first:last][segment] + local
+            sim = _block_sims(q_float, codes, token, doc_scales, codebook)
+            best, _ = _segment_max(sim, segment, last - first, None)
+            out[first:last] = _sum_rows_in_order(sq[r0:r1, None] * best)
+            first = last
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------------------
+
+
+def maxsim_varlen_codes(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    *,
+    doc_scales: torch.Tensor | None = None,
+    codebook: ResidualCodebook | None = None,
+    query_scales: torch.Tensor | None = None,
+    return_argmax: bool = False,
+    allow_tf32: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Every query against every document stored as codes: fp32 scores [nq, nd].
+
+    docs: uint8 codes [Td, width] with `doc_scales` fp32 [Td] (int4, width dim / 2) or `codebook` (a
+    `ResidualCodebook`: residual2, width 4 + dim / 4); queries [Tq, dim] float (quantized per token to
+    int8 here) or int8 with `query_scales`. Scores as in the module docstring; a document with no tokens
+    scores -inf. backend: "auto" (Triton on CUDA, torch on CPU), "triton", "torch". Offsets are checked
+    on the host except by the Triton path on CUDA tensors. `allow_tf32` has no effect (the products are
+    int8 or fp16); `return_argmax` is not available for codes.
+    """
+    del allow_tf32
+    if return_argmax:
+        raise ValueError("return_argmax is not available for compressed documents; score the float corpus")
+    codec, dim, backend, q8, sq, q_off, codes, sd, d_off, cb = _prepare(
+        queries, query_offsets, docs, doc_offsets, doc_scales, query_scales, codebook, backend
+    )
+    if backend == "triton":
+        return _launch_varlen(codec, dim, q8, sq, q_off, codes, sd, d_off, cb)
+    return _varlen_torch(q8, sq, q_off, codes, sd, d_off, cb)
+
+
+def maxsim_candidates_codes(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    candidate_offsets: torch.Tensor,
+    candidate_docs: torch.Tensor,
+    *,
+    doc_scales: torch.Tensor | None = None,
+    codebook: ResidualCodebook | None = None,
+    query_scales: torch.Tensor | None = None,
+    return_argmax: bool = False,
+    allow_tf32: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Each query against its own candidates, documents stored as codes: fp32 scores [C].
+
+    Query i's candidates are ``candidate_docs[candidate_offsets[i]:candidate_offsets[i+1]]`` (int64
+    indices into doc_offsets, read in place). Inputs as in `maxsim_varlen_codes`. Candidate indices on the
+    host, or with the torch backend, are checked (ValueError naming the entry); on the GPU with the
+    Triton backend a bad index is never read through and scores NaN.
+    """
+    del allow_tf32
+    if return_argmax:
+        raise ValueError("return_argmax is not available for compressed documents; score the float corpus")
+    codec, dim, backend, q8, sq, q_off, codes, sd, d_off, cb = _prepare(
+        queries, query_offsets, docs, doc_offsets, doc_scales, query_scales, codebook, backend
+    )
+    nq, nd = q_off.numel() - 1, d_off.numel() - 1
+    device = codes.device
+    if not isinstance(candidate_docs, torch.Tensor) or candidate_docs.dtype != torch.int64:
+        raise ValueError("candidate_docs must be a 1-D int64 tensor [C] of document indices")
+    if not isinstance(candidate_offsets, torch.Tensor) or candidate_offsets.shape != (nq + 1,):
+        raise ValueError(f"candidate_offsets must have nq+1 = {nq + 1} entries")
+    check = backend == "torch" or device.type != "cuda"
+    c_off = _offsets(
+        "candidate_offsets", candidate_offsets, candidate_docs.numel(), device, empty_ok=True, check=check
+    )
+    if candidate_docs.numel():
+        check_candidate_docs(candidate_docs, nd, guarded=backend == "triton")
+    c_docs = candidate_docs.to(device)
+    if backend == "triton":
+        return _launch_candidates(codec, dim, q8, sq, q_off, codes, sd, d_off, cb, c_off, c_docs)
+    return _candidates_torch(q8, sq, q_off, codes, sd, d_off, cb, c_off, c_docs)
+
+
+def quantized_queries(queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 codes and scales the kernels score float queries with (for references and tests)."""
+    return _quantize_torch(queries)
+
+
+__all__ = [
+    "CODECS",
+    "ResidualCodebook",
+    "code_width",
+    "check_codec_dim",
+    "encode_int4",
+    "decode_int4",
+    "encode_residual2",
+    "decode_residual2",
+    "residual2_ids",
+    "maxsim_varlen_codes",
+    "maxsim_candidates_codes",
+    "quantized_queries",
+]
