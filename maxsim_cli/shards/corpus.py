@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 
+from maxsim_cli.codecs import Codebook, corpus_codebook
 from maxsim_cli.errors import STRICT, InputError, UsageError, in_python_terms
 from maxsim_cli.shards.files import file_sha256, list_shard_files
 from maxsim_cli.shards.format import (
@@ -173,6 +174,8 @@ class Corpus:
         self.skipped: list[str] = []  # shards left out by `open_corpus` for holding no documents
         self.residency: Residency | None = None  # every shard on one device (`to`)
         self.placement: list[ResidentPart] | None = None  # shares of the shards on several devices
+        # residual2 codes: the codebook beside the shards, checked against what they record
+        self.codebook: Codebook | None = corpus_codebook([s.info for s in shards])
         self._check_unique_ids()  # refuses duplicate ids across shards now, not at scoring time
 
     def _check_unique_ids(self) -> None:

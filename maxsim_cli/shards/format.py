@@ -21,6 +21,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from maxsim_cli.arrays import array_values, strings_array
+from maxsim_cli.codecs import (
+    CODE_QUANTIZATIONS,
+    CODEBOOK_KEY,
+    CODEBOOK_SHA256_KEY,
+    CODES_VERSION,
+    CODES_VERSION_KEY,
+    NUM_CENTROIDS_KEY,
+    code_width,
+    has_scales,
+)
 from maxsim_cli.errors import InputError
 
 if TYPE_CHECKING:
@@ -32,9 +42,9 @@ CORPUS_FORMAT_NAME = "maxsim-corpus"
 CORPUS_FORMAT_VERSION = 1
 MANIFEST_NAME = "index.json"
 
-DTYPES = ("float16", "bfloat16", "float32", "int8")
+DTYPES = ("float16", "bfloat16", "float32", "int8", "uint8")  # uint8: codes below 8 bits (codecs.py)
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
-QUANTIZATIONS = ("none", "int8-per-token")
+QUANTIZATIONS = ("none", "int8-per-token", *CODE_QUANTIZATIONS)
 FORMATS = ("safetensors", "arrow", "parquet", "arrow-stream")
 SHARD_SUFFIXES = {".safetensors": "safetensors", ".arrow": "arrow", ".parquet": "parquet"}
 
@@ -63,10 +73,11 @@ def torch_dtypes() -> dict[str, torch.dtype]:
         "bfloat16": torch.bfloat16,
         "float32": torch.float32,
         "int8": torch.int8,
+        "uint8": torch.uint8,
     }
 
 
-_ST_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "int8": "I8"}
+_ST_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "int8": "I8", "uint8": "U8"}
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 _ST_ITEMSIZE = {
     "F16": 2,
@@ -91,8 +102,15 @@ _ARROW_VALUE_TYPES = {
     "bfloat16": pa.uint16(),
     "float32": pa.float32(),
     "int8": pa.int8(),
+    "uint8": pa.uint8(),
 }
-_NUMPY_STORAGE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "int8": np.int8}
+_NUMPY_STORAGE = {
+    "float16": np.float16,
+    "bfloat16": np.uint16,
+    "float32": np.float32,
+    "int8": np.int8,
+    "uint8": np.uint8,
+}
 
 # What an id may not hold (docs/format.md, "Logical content"): whitespace (`str.isspace()`: TREC fields are
 # whitespace-separated), control characters (C0, DEL, C1: a NUL cuts a C string, a newline a run line) and
@@ -178,6 +196,21 @@ class ShardInfo:
     encoder: str | None
     patch_grid: tuple[int, int] | None = None  # (rows, cols) of image patches, from `patch_grid`
     patch_start: int = 0  # the token of the first patch, from `patch_start`
+    # residual2 codes (docs/format.md, "Codes below 8 bits"): the codebook file beside the shard, its
+    # sha256 and number of centroids, from the metadata
+    codebook: str | None = None
+    codebook_sha256: str | None = None
+    num_centroids: int = 0
+
+    @property
+    def width(self) -> int:
+        """Values (bytes, for codes) a token takes in `embeddings`: dim except for codes below 8 bits."""
+        return code_width(self.quantization, self.dim)
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the shard carries one fp32 scale a token (int8 and int4)."""
+        return has_scales(self.quantization)
 
 
 @dataclass
@@ -240,6 +273,8 @@ def _parse_metadata(path: str, meta: dict[str, str] | None, where: str) -> dict[
         raise _err(path, f"unsupported dtype {dtype!r} in {where} (expected one of {', '.join(DTYPES)})")
     quantization = meta.get("quantization", "none")
     expected_q = "int8-per-token" if dtype == "int8" else "none"
+    if dtype == "uint8":
+        expected_q = quantization if quantization in CODE_QUANTIZATIONS else " or ".join(CODE_QUANTIZATIONS)
     if quantization != expected_q:
         raise _err(
             path, f"quantization {quantization!r} does not fit dtype {dtype!r} (expected {expected_q!r})"
@@ -261,9 +296,45 @@ def _parse_metadata(path: str, meta: dict[str, str] | None, where: str) -> dict[
         values[key] = int(text)
     if values["dim"] < 1:
         raise _err(path, "dim is 0 in metadata; a shard needs vectors of at least one value")
+    values.update(_code_metadata(path, meta, where, quantization, values["dim"]))
     values["patch_grid"], values["patch_start"] = parse_patch_grid(
         meta.get(PATCH_GRID_KEY), meta.get(PATCH_START_KEY), f"{path}: {where}"
     )
+    return values
+
+
+def _code_metadata(
+    path: str, meta: dict[str, str], where: str, quantization: str, dim: int
+) -> dict[str, Any]:
+    """The keys of a codes shard (docs/format.md, "Codes below 8 bits"), checked; `width`, the values a
+    token takes in `embeddings`, for every shard."""
+    values: dict[str, Any] = {"width": code_width(quantization, dim), "codebook": None}
+    values.update(codebook_sha256=None, num_centroids=0)
+    if quantization not in CODE_QUANTIZATIONS:
+        return values
+    if meta.get(CODES_VERSION_KEY) != CODES_VERSION:
+        raise _err(
+            path,
+            f"{CODES_VERSION_KEY} {meta.get(CODES_VERSION_KEY)!r} in {where}: this maxsim reads codes "
+            f"version {CODES_VERSION}; upgrade maxsim or quantize the float corpus again",
+        )
+    step = 2 if quantization == "int4-per-token" else 4
+    if dim % step:
+        raise _err(
+            path, f"dim {dim} of {quantization} codes is not a multiple of {step}; the file is damaged"
+        )
+    if quantization == "residual2-kmeans":
+        sha = meta.get(CODEBOOK_SHA256_KEY, "")
+        count = meta.get(NUM_CENTROIDS_KEY, "")
+        if not meta.get(CODEBOOK_KEY) or not re.fullmatch(r"[0-9a-f]{64}", sha):
+            raise _err(
+                path,
+                f"{quantization} shard without {CODEBOOK_KEY} and {CODEBOOK_SHA256_KEY} (64 hex digits) in "
+                f"{where}; quantize the float corpus again",
+            )
+        if not (count.isascii() and count.isdigit() and 0 < int(count) <= 2**32):
+            raise _err(path, f"{NUM_CENTROIDS_KEY} {count!r} in {where} is not a positive integer")
+        values.update(codebook=meta[CODEBOOK_KEY], codebook_sha256=sha, num_centroids=int(count))
     return values
 
 
@@ -497,7 +568,7 @@ def first_nonfinite_row(values: torch.Tensor | np.ndarray) -> int | None:
     """Index of the first row holding NaN/Inf, or None. One float32 sum first: cheap, no mask. Takes a
     numpy array too (`maxsim serve`'s HTTP workers check requests without torch)."""
     if isinstance(values, np.ndarray):
-        if values.size == 0 or values.dtype == np.int8:
+        if values.size == 0 or values.dtype in (np.int8, np.uint8):
             return None
         with np.errstate(over="ignore", invalid="ignore"):
             if np.isfinite(values.sum(dtype=np.float32)):
@@ -506,7 +577,7 @@ def first_nonfinite_row(values: torch.Tensor | np.ndarray) -> int | None:
         return int(bad[0]) if bad.size else None
     import torch
 
-    if values.numel() == 0 or values.dtype == torch.int8:
+    if values.numel() == 0 or values.dtype in (torch.int8, torch.uint8):
         return None
     if torch.isfinite(values.sum(dtype=torch.float32)):
         return None

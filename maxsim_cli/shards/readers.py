@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from maxsim_cli.arrays import array_values, numbers, strings_array
+from maxsim_cli.codecs import check_code_rows, has_scales
 from maxsim_cli.errors import MaxsimError
 from maxsim_cli.shards.format import (
     _ARROW_VALUE_TYPES,
@@ -59,8 +60,23 @@ def _shard_info(
     """What a shard holds, once its structure has been checked against its metadata."""
     return ShardInfo(
         path, fmt, num_docs, num_tokens, dim, dtype, meta["quantization"], meta["normalized"],
-        meta["encoder"], meta["patch_grid"], meta["patch_start"],
+        meta["encoder"], meta["patch_grid"], meta["patch_start"], meta["codebook"], meta["codebook_sha256"],
+        meta["num_centroids"],
     )  # fmt: skip
+
+
+def _code_width(path: str, meta: dict[str, Any], stored: int) -> int:
+    """The dim of a shard whose `embeddings` rows hold ``stored`` values: refuses rows of codes that are
+    not the width the codec gives the metadata's dim."""
+    if meta["width"] == meta["dim"]:
+        return stored
+    if stored == meta["width"]:
+        return meta["dim"]
+    raise _err(
+        path,
+        f"embeddings rows are {stored} bytes but {meta['quantization']} codes of dim {meta['dim']} take "
+        f"{meta['width']}; the file is damaged or was written by another codec: quantize again",
+    )
 
 
 class Shard:
@@ -128,10 +144,10 @@ class Shard:
         import torch
 
         dtype = torch_dtypes()[self.info.dtype]
-        scales = torch.empty(0, dtype=torch.float32) if self.info.dtype == "int8" else None
+        scales = torch.empty(0, dtype=torch.float32) if self.info.scaled else None
         return DocBatch(
             [],
-            torch.empty(0, self.info.dim, dtype=dtype),
+            torch.empty(0, self.info.width, dtype=dtype),
             torch.zeros(1, dtype=torch.int64),
             scales,
             first_doc,
@@ -151,6 +167,10 @@ class Shard:
         local = self.offsets[start : stop + 1] - self.offsets[start]
         ids = self.ids[start:stop]
         _check_values(self.path, embeddings, scales, local, ids, start)
+        if self.info.num_centroids:
+            check_code_rows(
+                self.path, self.info.quantization, embeddings, self.info.num_centroids, local, ids
+            )
         return DocBatch(ids, embeddings, torch.from_numpy(np.array(local, dtype=np.int64)), scales, start)
 
     def read_doc_indices(self, indices: Sequence[int]) -> DocBatch:
@@ -293,17 +313,18 @@ class SafetensorsShard(Shard):
         if len(emb_shape) != 2:
             raise _err(path, f"embeddings must be 2-D [num_tokens, dim], got shape {emb_shape}")
         num_tokens, dim = emb_shape
+        dim = _code_width(path, meta, dim)
         shapes: dict[str, list[int]] = {}
         for name, want in (("offsets", "I64"), ("ids", "U8"), ("id_offsets", "I64")):
             got, shape = _st_tensor(path, header, name, data_size)
             if got != want or len(shape) != 1:
                 raise _err(path, f"tensor {name!r} must be a 1-D {want} tensor, got {got} {shape}")
             shapes[name] = shape
-        if dtype == "int8":
+        if has_scales(meta["quantization"]):
             if "scales" not in header:
                 raise _err(
                     path,
-                    "int8 embeddings without scales: an int8 shard needs a F32 'scales' "
+                    f"{dtype} embeddings without scales: an int8 shard needs a F32 'scales' "
                     "tensor [num_tokens]; rewrite it with `maxsim quantize`",
                 )
             got, shape = _st_tensor(path, header, "scales", data_size)
@@ -332,9 +353,10 @@ class SafetensorsShard(Shard):
         # little-endian), never through a map of the file: a file truncated while mapped kills the
         # process with SIGBUS, a short read is a one-line error.
         base = 8 + header_len
-        self.row_bytes = dim * _ST_ITEMSIZE[emb_dtype]
+        self.row_bytes = meta["width"] * _ST_ITEMSIZE[emb_dtype]
         self.emb_start = base + int(header["embeddings"]["data_offsets"][0])
-        self.scales_start = base + int(header["scales"]["data_offsets"][0]) if dtype == "int8" else None
+        scaled = has_scales(meta["quantization"])
+        self.scales_start = base + int(header["scales"]["data_offsets"][0]) if scaled else None
         self._identity = _identity(opened)
         self._fd: int | None = None
         self._fd_lock = threading.Lock()
@@ -377,7 +399,7 @@ class SafetensorsShard(Shard):
         import torch
 
         t0, t1 = int(self.offsets[start]), int(self.offsets[stop])
-        emb = torch.empty(t1 - t0, self.info.dim, dtype=torch_dtypes()[self.info.dtype])
+        emb = torch.empty(t1 - t0, self.info.width, dtype=torch_dtypes()[self.info.dtype])
         scales = torch.empty(t1 - t0, dtype=torch.float32) if self.scales_start is not None else None
         self.read_rows_into(t0, t1, emb, scales)
         return emb, scales
@@ -439,8 +461,11 @@ def _uint8() -> Any:
     return torch.uint8
 
 
-def _arrow_schema_types(path: str, schema: pa.Schema, dim: int, dtype: str) -> tuple[bool, bool]:
-    """Check the id / embedding / scales / length columns; return (inner_is_fixed, has_length)."""
+def _arrow_schema_types(
+    path: str, schema: pa.Schema, dim: int, dtype: str, scaled: bool | None = None
+) -> tuple[bool, bool]:
+    """Check the id / embedding / scales / length columns (``dim``: the values a token takes, ``scaled``:
+    a scales column is required, by default for int8); return (inner_is_fixed, has_length)."""
     names = schema.names
     for col in ("id", "embedding"):
         if col not in names:
@@ -465,11 +490,11 @@ def _arrow_schema_types(path: str, schema: pa.Schema, dim: int, dtype: str) -> t
             path,
             f"embedding values are {inner.value_type} but metadata says dtype={dtype} (stored as {want})",
         )
-    if dtype == "int8":
+    if dtype == "int8" if scaled is None else scaled:
         if "scales" not in names:
             raise _err(
                 path,
-                "int8 embeddings without scales: an int8 shard needs a 'scales' "
+                f"{dtype} embeddings without scales: an int8 shard needs a 'scales' "
                 "list<float32> column; rewrite it with `maxsim quantize`",
             )
         st = schema.field("scales").type
@@ -680,7 +705,9 @@ def _record_metadata(
         if hint is not None:
             raise _err(path, hint)
     meta = _parse_metadata(path, decoded, where)
-    fixed, has_length = _arrow_schema_types(path, schema, meta["dim"], meta["dtype"])
+    fixed, has_length = _arrow_schema_types(
+        path, schema, meta["width"], meta["dtype"], has_scales(meta["quantization"])
+    )
     return meta, fixed, has_length
 
 
@@ -714,11 +741,11 @@ class ArrowShard(_RecordShard):
         self, path: str, batches: list[pa.RecordBatch], schema: pa.Schema, fmt: str, source: Any = None
     ) -> None:
         meta, fixed, _ = _record_metadata(path, schema, schema.metadata, "schema metadata")
-        dim, dtype = meta["dim"], meta["dtype"]
+        dim, dtype, scaled = meta["dim"], meta["dtype"], has_scales(meta["quantization"])
         ids: list[str] = []
         lengths: list[np.ndarray] = []
         starts = [0]
-        names = ["id", "embedding"] + (["scales"] if dtype == "int8" else [])
+        names = ["id", "embedding"] + (["scales"] if scaled else [])
         for i, batch in enumerate(batches):
             try:
                 batch.validate()
@@ -733,7 +760,7 @@ class ArrowShard(_RecordShard):
             _check_nulls(path, batch, names, starts[-1])
             ids.extend(batch.column("id").to_pylist())
             doc_lengths = _list_lengths(batch.column("embedding"))
-            if dtype == "int8" and not np.array_equal(_list_lengths(batch.column("scales")), doc_lengths):
+            if scaled and not np.array_equal(_list_lengths(batch.column("scales")), doc_lengths):
                 raise _err(path, f"record batch {i}: scales and embedding lists differ in length")
             lengths.append(doc_lengths)
             starts.append(starts[-1] + batch.num_rows)
@@ -748,9 +775,9 @@ class ArrowShard(_RecordShard):
         self._batches: list[pa.RecordBatch] | None = batches
         self._source = source
         self._chunk_starts = np.asarray(starts, dtype=np.int64)
-        self._tokens = _ArrowTokens(path, dim, dtype, fixed)
+        self._tokens = _ArrowTokens(path, meta["width"], dtype, fixed)
         self._emb_col = schema.get_field_index("embedding")
-        self._scale_col = schema.get_field_index("scales") if dtype == "int8" else None
+        self._scale_col = schema.get_field_index("scales") if scaled else None
 
     def _chunk(self, index: int) -> pa.RecordBatch:
         if self._batches is None:
@@ -854,7 +881,7 @@ class ParquetShard(_RecordShard):
         )
         self._chunk_starts = starts.astype(np.int64)
         # row groups are read with columns ["embedding"(, "scales")], in that order
-        self._emb_col, self._scale_col = 0, (1 if dtype == "int8" else None)
+        self._emb_col, self._scale_col = 0, (1 if has_scales(meta["quantization"]) else None)
         self._cache: tuple[int, pa.Table] | None = None
         self.path = path
         try:
@@ -882,7 +909,7 @@ class ParquetShard(_RecordShard):
         _check_counts(path, meta, len(ids), num_tokens, dim)
         info = _shard_info(path, "parquet", len(ids), num_tokens, dim, dtype, meta)
         super().__init__(info, ids, offsets)
-        self._tokens = _ArrowTokens(path, dim, dtype, fixed)
+        self._tokens = _ArrowTokens(path, meta["width"], dtype, fixed)
 
     def _chunk(self, index: int) -> pa.Table:
         if self._file is None:

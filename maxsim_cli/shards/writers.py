@@ -28,6 +28,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from maxsim_cli.arrays import strings_array, values_array
+from maxsim_cli.codecs import (
+    CODE_QUANTIZATIONS,
+    CODEBOOK_KEY,
+    CODEBOOK_SHA256_KEY,
+    NUM_CENTROIDS_KEY,
+    code_width,
+    has_scales,
+)
 from maxsim_cli.errors import InputError, MaxsimError, MaxsimWarning
 from maxsim_cli.shards.files import (
     _atomic_temp,
@@ -173,11 +181,11 @@ class _SafetensorsSink:
         self.scales: list[torch.Tensor] = []
 
     def _header(self, num_docs: int, num_tokens: int, id_bytes: int) -> bytes:
-        item = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1}[self.dtype]
+        item = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1, "uint8": 1}[self.dtype]
         layout = [
             ("embeddings", _ST_DTYPES[self.dtype], [num_tokens, self.dim], num_tokens * self.dim * item)
         ]
-        if self.dtype == "int8":
+        if has_scales(self.meta_keys["quantization"]):
             layout.append(("scales", "F32", [num_tokens], 4 * num_tokens))
         layout += [
             ("offsets", "I64", [num_docs + 1], 8 * (num_docs + 1)),
@@ -233,14 +241,20 @@ class _SafetensorsSink:
 
 
 def arrow_schema(
-    dim: int, dtype: str, metadata: dict[str, str] | None = None, *, length_column: bool = False
+    dim: int,
+    dtype: str,
+    metadata: dict[str, str] | None = None,
+    *,
+    length_column: bool = False,
+    scaled: bool | None = None,
 ) -> pa.Schema:
-    """The format v1 Arrow schema: id utf8, embedding list<fixed_size_list<T, dim>>, scales for int8."""
+    """The format v1 Arrow schema: id utf8, embedding list<fixed_size_list<T, dim>> (``dim``: the values a
+    token takes), scales for int8 (and, with ``scaled``, for int4 codes)."""
     fields = [
         pa.field("id", pa.string(), nullable=False),
         pa.field("embedding", pa.list_(pa.list_(_ARROW_VALUE_TYPES[dtype], dim)), nullable=False),
     ]
-    if dtype == "int8":
+    if dtype == "int8" if scaled is None else scaled:
         fields.append(pa.field("scales", pa.list_(pa.float32()), nullable=False))
     if length_column:
         fields.append(pa.field("length", pa.int32(), nullable=False))
@@ -264,8 +278,7 @@ def _record_batch(
     vectors = pa.FixedSizeListArray.from_arrays(values_array(raw), dim)
     assert vectors.type.value_type == _ARROW_VALUE_TYPES[dtype]
     columns = [strings_array(ids, large=False), pa.ListArray.from_arrays(list_offsets, vectors)]
-    if dtype == "int8":
-        assert scales is not None
+    if scales is not None:
         scale_values = values_array(scales.numpy().astype(np.float32, copy=False))
         columns.append(pa.ListArray.from_arrays(list_offsets, scale_values))
     if "length" in schema.names:
@@ -283,9 +296,10 @@ class _RecordSink:
     FLUSH_BYTES = 16 << 20
     FLUSH_DOCS = 8192
 
-    def __init__(self, path: str, dim: int, dtype: str, fmt: str) -> None:
+    def __init__(self, path: str, dim: int, dtype: str, fmt: str, scaled: bool | None = None) -> None:
         self.path, self.dim, self.dtype, self.fmt = path, dim, dtype, fmt
-        self.schema = arrow_schema(dim, dtype, length_column=fmt == "parquet")
+        self.scaled = dtype == "int8" if scaled is None else scaled
+        self.schema = arrow_schema(dim, dtype, length_column=fmt == "parquet", scaled=self.scaled)
         self.spill: str | None = None
         self.tmp: str | None = None
         try:  # a signal in here (before the caller holds this sink to abort) removes the spill file
@@ -316,7 +330,7 @@ class _RecordSink:
         ids = [i for p in self.pending for i in p[0]]
         values = torch.cat([p[1] for p in self.pending])
         lengths = np.concatenate([p[2] for p in self.pending])
-        scales = torch.cat([p[3] for p in self.pending]) if self.dtype == "int8" else None  # type: ignore[misc]
+        scales = torch.cat([p[3] for p in self.pending]) if self.scaled else None  # type: ignore[misc]
         self.writer.write_batch(
             _record_batch(self.schema, self.dim, self.dtype, ids, values, lengths, scales)
         )
@@ -388,8 +402,16 @@ class ShardWriter:
         warn_zero_rows: bool = True,
         patch_grid: tuple[int, int] | str | None = None,
         patch_start: int = 0,
+        quantization: str | None = None,
+        code_metadata: dict[str, str] | None = None,
     ) -> None:
         self.path = os.fspath(path)
+        # uint8 embeddings are codes below 8 bits: `quantization` names the codec, `code_metadata` its keys
+        # (maxsim_cli.codecs; `maxsim quantize --bits 4/2` writes them)
+        self.quantization = quantization or ("int8-per-token" if dtype == "int8" else "none")
+        self.code_metadata = dict(code_metadata or {})
+        if (dtype == "uint8") != (self.quantization in CODE_QUANTIZATIONS):
+            raise InputError(f"{self.path}: dtype {dtype!r} does not go with quantization {quantization!r}")
         if dtype not in DTYPES:
             raise InputError(
                 f"{self.path}: unsupported dtype {dtype!r} (expected one of {', '.join(DTYPES)})"
@@ -423,9 +445,9 @@ class ShardWriter:
         self._sink: _SafetensorsSink | _RecordSink
         try:
             if fmt == "safetensors":
-                self._sink = _SafetensorsSink(self.path, dim, dtype, meta)
+                self._sink = _SafetensorsSink(self.path, self.width, dtype, meta)
             else:
-                self._sink = _RecordSink(self.path, dim, dtype, fmt)
+                self._sink = _RecordSink(self.path, self.width, dtype, fmt, has_scales(self.quantization))
         except OSError as exc:  # a full disk, a read-only folder, ...: one line naming the shard
             raise write_error(self.path, exc) from None
 
@@ -433,14 +455,20 @@ class ShardWriter:
     def num_docs(self) -> int:
         return len(self.ids)
 
+    @property
+    def width(self) -> int:
+        """Values a token takes in the file: dim, or the bytes of its codes."""
+        return code_width(self.quantization, self.dim)
+
     def _meta_keys(self, normalized: bool) -> dict[str, str]:
         meta = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "dim": str(self.dim),
             "dtype": self.dtype,
-            "quantization": "int8-per-token" if self.dtype == "int8" else "none",
+            "quantization": self.quantization,
             "normalized": "true" if normalized else "false",
+            **self.code_metadata,
         }
         if self.encoder:
             meta["encoder"] = self.encoder
@@ -595,29 +623,35 @@ class ShardWriter:
                 if len(docs) == 1
                 else torch.cat([d.to(docs[0].dtype) if d.dtype != docs[0].dtype else d for d in docs])
             )
-        if packed.shape[1] != self.dim:
+        if packed.shape[1] != self.width:
             raise InputError(
                 f"{self.path}: document {show_id(str(ids[0]))} (index {base}) has vectors of "
                 f"{packed.shape[1]} values; this shard has dim {self.dim}"
+                + (f" ({self.width} bytes of codes a token)" if self.width != self.dim else "")
             )
         ids = self._check_new_ids(ids)
         scale_t: torch.Tensor | None = None
-        if self.dtype == "int8":
-            if packed.dtype != torch.int8:
+        if self.dtype in ("int8", "uint8"):
+            if packed.dtype != torch_dtypes()[self.dtype]:
                 raise InputError(
-                    f"{self.path}: int8 shard needs int8 embeddings (quantize first), got {packed.dtype}"
+                    f"{self.path}: {self.dtype} shard needs {self.dtype} embeddings (quantize first), "
+                    f"got {packed.dtype}"
                 )
-            if scales is None:
+            if not has_scales(self.quantization):
+                if scales is not None:
+                    raise InputError(f"{self.path}: {self.quantization} codes take no scales")
+            elif scales is None:
                 raise InputError(
                     f"{self.path}: int8 embeddings without scales (document {show_id(ids[0])}); "
                     "pass one float32 scale per token"
                 )
-            if isinstance(scales, (list, tuple)):
+            elif isinstance(scales, (list, tuple)):
                 scale_t = torch.cat([as_tensor(s).reshape(-1) for s in scales])
             else:
                 scale_t = as_tensor(scales).reshape(-1)
-            scale_t = scale_t.to(torch.float32).contiguous()
-            if scale_t.shape[0] != packed.shape[0]:
+            if scale_t is not None:
+                scale_t = scale_t.to(torch.float32).contiguous()
+            if scale_t is not None and scale_t.shape[0] != packed.shape[0]:
                 raise InputError(
                     f"{self.path}: {scale_t.shape[0]} scales for {packed.shape[0]} tokens "
                     f"(documents from {show_id(ids[0])})"
@@ -637,7 +671,7 @@ class ShardWriter:
                 f"{self.path}: more than 2^31-1 tokens in one {self.format} shard (its list "
                 "offsets are int32); split the documents over several shards"
             )
-        if self.dtype != "int8" and (self.all_unit or self.claimed_normalized):
+        if self.dtype not in ("int8", "uint8") and (self.all_unit or self.claimed_normalized):
             norms = values.float().norm(dim=1)
             off = (norms - 1).abs() > NORM_TOLERANCE
             if bool(off.any()):
@@ -650,7 +684,7 @@ class ShardWriter:
                         f"{show_id(ids[doc])} has L2 norm {float(norms[row]):.4g}; normalise the "
                         "vectors or pass normalized=None"
                     )
-        if self.dtype != "int8":
+        if self.dtype not in ("int8", "uint8"):
             self._count_zero_rows(values, local, ids)
         try:
             self._sink.add(ids, values, lengths, scale_t)
@@ -681,7 +715,7 @@ class ShardWriter:
         try:
             if not self.ids:
                 raise InputError(f"{self.path}: no documents to write; a shard holds at least one")
-            if self.dtype == "int8":
+            if self.dtype in ("int8", "uint8"):
                 normalized = bool(self.claimed_normalized)
             elif self.claimed_normalized is None:
                 normalized = self.all_unit
@@ -707,11 +741,14 @@ class ShardWriter:
             self.num_tokens,
             self.dim,
             self.dtype,
-            "int8-per-token" if self.dtype == "int8" else "none",
+            self.quantization,
             normalized,
             self.encoder,
             self.patch_grid,
             self.patch_start,
+            self.code_metadata.get(CODEBOOK_KEY),
+            self.code_metadata.get(CODEBOOK_SHA256_KEY),
+            int(self.code_metadata.get(NUM_CENTROIDS_KEY, 0)),
         )
 
     def abort(self) -> None:

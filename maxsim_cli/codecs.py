@@ -1,0 +1,313 @@
+"""Codecs below 8 bits (docs/format.md, "Codes below 8 bits"): what a shard of codes holds, the residual2
+codebook file beside the shards (written, read, checked), and the training of that codebook.
+
+- ``int4-per-token`` (`maxsim quantize --bits 4`): two signed 4-bit values a byte and one fp32 scale a
+  token: ``dim / 2 + 4`` bytes a token (68 at dim 128).
+- ``residual2-kmeans`` (`--bits 2`), the ColBERTv2 residual scheme: the id of the token's nearest k-means
+  centroid (4 bytes) and a 2-bit bucket a dimension, whose value per dimension comes from the codebook:
+  ``4 + dim / 4`` bytes a token (36 at dim 128), plus the codebook once per corpus.
+
+The byte layouts and the decoding are `maxsim_kernels.maxsim_codes`'s. Importing this module imports no
+torch (the shard readers use its constants); the functions that need torch import it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from maxsim_cli.errors import InputError, UsageError
+
+if TYPE_CHECKING:
+    import torch
+
+# shard metadata `quantization` -> codec of `maxsim_kernels.maxsim_codes`
+CODE_QUANTIZATIONS = {"int4-per-token": "int4", "residual2-kmeans": "residual2"}
+CODES_DTYPE = "uint8"  # the dtype of a codes shard's `embeddings`
+CODES_VERSION = "1"  # metadata `codes_version`: the layout of docs/format.md, "Codes below 8 bits"
+CODEBOOK_NAME = "codebook.safetensors"
+CODEBOOK_FORMAT = "maxsim-codebook"
+# shard metadata keys of a residual2 shard
+CODEBOOK_KEY = "codebook"
+CODEBOOK_SHA256_KEY = "codebook_sha256"
+NUM_CENTROIDS_KEY = "num_centroids"
+CODES_VERSION_KEY = "codes_version"
+BITS = {8: "int8-per-token", 4: "int4-per-token", 2: "residual2-kmeans"}
+MAX_CENTROIDS = 1 << 18  # the peers' largest (PLAID: 2^16-2^18)
+DEFAULT_SAMPLE_TOKENS = 1 << 18  # k-means sample: 128 MiB of fp32 at dim 128
+KMEANS_ITERATIONS = 20
+_ID_BYTES = 4
+
+
+def code_width(quantization: str, dim: int) -> int:
+    """Bytes a token of ``dim`` values takes in the ``embeddings`` of a codes shard (the int4 scale is the
+    separate ``scales``); ``dim`` for any other quantization (values a token)."""
+    codec = CODE_QUANTIZATIONS.get(quantization)
+    if codec == "int4":
+        return dim // 2
+    if codec == "residual2":
+        return _ID_BYTES + dim // 4
+    return dim
+
+
+def has_scales(quantization: str) -> bool:
+    """Whether a shard of this quantization carries one fp32 scale a token."""
+    return quantization in ("int8-per-token", "int4-per-token")
+
+
+def dim_problem(quantization: str, dim: int) -> str | None:
+    """Why a codec cannot store vectors of ``dim`` values, or None."""
+    if quantization == "int4-per-token" and dim % 2:
+        return f"--bits 4 stores two values a byte and needs an even dim, got {dim}"
+    if quantization == "residual2-kmeans" and dim % 4:
+        return f"--bits 2 stores four values a byte and needs a dim that is a multiple of 4, got {dim}"
+    return None
+
+
+def default_centroids(num_tokens: int) -> int:
+    """ColBERTv2's rule: the power of two nearest 16 * sqrt(tokens), between 1 and MAX_CENTROIDS."""
+    wanted = 16 * math.sqrt(max(1, num_tokens))
+    return int(min(MAX_CENTROIDS, 2 ** round(math.log2(wanted))))
+
+
+def _err(path: str, message: str) -> InputError:
+    return InputError(f"{path}: {message}")
+
+
+def sha256_of(path: str) -> str:
+    """Lower-case hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The codebook file
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Codebook:
+    """A residual2 codebook: ``centroids`` fp16 [K, dim], ``bucket_weights`` fp32 [dim, 4] (the decoded
+    value of each bucket), ``bucket_cutoffs`` fp32 [dim, 3] (where a residual moves to the next bucket:
+    what encoding uses), and the file and sha256 it was read from or written to."""
+
+    centroids: torch.Tensor
+    bucket_weights: torch.Tensor
+    bucket_cutoffs: torch.Tensor
+    path: str = ""
+    sha256: str = ""
+
+    @property
+    def num_centroids(self) -> int:
+        return int(self.centroids.shape[0])
+
+    @property
+    def dim(self) -> int:
+        return int(self.centroids.shape[1])
+
+    def for_kernels(self, device: Any = None) -> Any:
+        """The `maxsim_kernels.maxsim_codes.ResidualCodebook` of it (on ``device`` when given)."""
+        from maxsim_kernels.maxsim_codes import ResidualCodebook
+
+        book = ResidualCodebook(self.centroids, self.bucket_weights)
+        return book if device is None else book.to(device)
+
+
+def write_codebook(folder: str, codebook: Codebook) -> Codebook:
+    """Write ``codebook`` atomically as ``folder/codebook.safetensors``; returns it with path and sha256."""
+    from safetensors.torch import save_file
+
+    path = os.path.join(folder, CODEBOOK_NAME)
+    tmp = path + ".tmp"
+    save_file(
+        {
+            "centroids": codebook.centroids.to("cpu").half().contiguous(),
+            "bucket_weights": codebook.bucket_weights.to("cpu").float().contiguous(),
+            "bucket_cutoffs": codebook.bucket_cutoffs.to("cpu").float().contiguous(),
+        },
+        tmp,
+        metadata={
+            "format": CODEBOOK_FORMAT,
+            "format_version": CODES_VERSION,
+            "codec": "residual2-kmeans",
+            "dim": str(codebook.dim),
+            "num_centroids": str(codebook.num_centroids),
+        },
+    )
+    os.replace(tmp, path)
+    return Codebook(
+        codebook.centroids, codebook.bucket_weights, codebook.bucket_cutoffs, path, sha256_of(path)
+    )
+
+
+def read_codebook(path: str, *, shard: str, sha256: str, dim: int, num_centroids: int) -> Codebook:
+    """The codebook at ``path`` named by the metadata of ``shard``: checked against the checksum, dim and
+    number of centroids the shard records, and for NaN/Inf. Every problem is one line naming both files."""
+    import torch
+    from safetensors import safe_open
+
+    both = f"{path} (the codebook of {shard})"
+    if not os.path.isfile(path):
+        raise InputError(
+            f"{both}: missing; a --bits 2 corpus needs the {CODEBOOK_NAME} written beside its shards: "
+            "copy it with the shards, or quantize the float corpus again"
+        )
+    actual = sha256_of(path)
+    if actual != sha256:
+        raise InputError(
+            f"{both}: sha256 {actual[:16]}... differs from the {sha256[:16]}... the shard records; the "
+            "codebook belongs to another corpus: keep each codebook with the shards quantized with it"
+        )
+    try:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            meta = json.loads(f.read(header_len)).get("__metadata__") or {}
+        with safe_open(path, framework="pt") as f:
+            tensors = {name: f.get_tensor(name) for name in ("centroids", "bucket_weights", "bucket_cutoffs")}
+    except Exception as exc:  # safetensors raises its own error types
+        raise InputError(f"{both}: corrupt codebook ({str(exc).splitlines()[0]}); quantize again") from None
+    if meta.get("format") != CODEBOOK_FORMAT or meta.get("format_version") != CODES_VERSION:
+        raise InputError(f"{both}: not a {CODEBOOK_FORMAT} version {CODES_VERSION} file; quantize again")
+    cent, wts, cuts = tensors["centroids"], tensors["bucket_weights"], tensors["bucket_cutoffs"]
+    if (
+        cent.dtype != torch.float16
+        or tuple(cent.shape) != (num_centroids, dim)
+        or wts.dtype != torch.float32
+        or tuple(wts.shape) != (dim, 4)
+        or cuts.dtype != torch.float32
+        or tuple(cuts.shape) != (dim, 3)
+    ):
+        raise InputError(
+            f"{both}: holds centroids {tuple(cent.shape)} {cent.dtype}, bucket weights {tuple(wts.shape)}, "
+            f"cutoffs {tuple(cuts.shape)}; the shard needs fp16 [{num_centroids}, {dim}], fp32 [{dim}, 4] "
+            f"and fp32 [{dim}, 3]; quantize again"
+        )
+    for name, tensor in tensors.items():
+        if not bool(torch.isfinite(tensor).all()):
+            raise InputError(f"{both}: NaN or Inf in {name}; the file is damaged: quantize again")
+    return Codebook(cent, wts, cuts, path, actual)
+
+
+def shard_codebook_path(shard_path: str, name: str) -> str:
+    """The codebook file a shard names: a plain file name, beside the shard."""
+    if not name or os.path.basename(name) != name or name in (".", ".."):
+        raise InputError(f"{shard_path}: codebook {name!r} is not a file name beside the shard; rewrite it")
+    return os.path.join(os.path.dirname(os.path.abspath(shard_path)), name)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Training and encoding
+# ----------------------------------------------------------------------------------------------------------
+
+
+def train_codebook(
+    sample: torch.Tensor, num_centroids: int, *, seed: int = 0, device: torch.device | None = None
+) -> Codebook:
+    """k-means centroids of ``sample`` (float [n, dim]) with fastkmeans (on ``device`` when it is a GPU),
+    then per dimension the bucket cutoffs (the residuals' quartiles) and bucket values (the medians of
+    each quarter: the 1/8, 3/8, 5/8 and 7/8 quantiles), as ColBERTv2 learns them."""
+    import torch
+
+    try:
+        from fastkmeans import FastKMeans
+    except ImportError:
+        raise UsageError(
+            "--bits 2 trains k-means with fastkmeans, which is not installed: pip install 'maxsim[codes]'"
+        ) from None
+    data = sample.float().cpu().contiguous()
+    k = max(1, min(num_centroids, data.shape[0]))
+    gpu = device is not None and device.type == "cuda"
+    kmeans = FastKMeans(
+        d=data.shape[1], k=k, niter=KMEANS_ITERATIONS, gpu=gpu, seed=seed,
+        device=device if gpu else "cpu", verbose=False,
+    )  # fmt: skip
+    kmeans.train(data.numpy())
+    centroids = torch.from_numpy(np.asarray(kmeans.centroids, dtype=np.float32)).half()
+    residuals = data - centroids[nearest_centroids(data, centroids)].float()
+    cutoffs = torch.quantile(residuals, torch.tensor([0.25, 0.5, 0.75]), dim=0).T.contiguous()
+    weights = torch.quantile(residuals, torch.tensor([0.125, 0.375, 0.625, 0.875]), dim=0).T.contiguous()
+    return Codebook(centroids, weights, cutoffs)
+
+
+def nearest_centroids(x: torch.Tensor, centroids: torch.Tensor, block_elems: int = 1 << 24) -> torch.Tensor:
+    """The index (int64 [n]) of the centroid nearest each row of ``x`` in L2, computed a block of rows at a
+    time (at most ``block_elems`` distances at once): argmax of ``2 x . c - |c|^2``."""
+    import torch
+
+    cent = centroids.to(x.device, torch.float32)
+    half_norm = 0.5 * (cent * cent).sum(dim=1)
+    out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+    step = max(1, block_elems // max(1, cent.shape[0]))
+    for a in range(0, x.shape[0], step):
+        out[a : a + step] = (x[a : a + step].float() @ cent.T - half_norm).argmax(dim=1)
+    return out
+
+
+def encode(
+    quantization: str, x: torch.Tensor, codebook: Codebook | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(codes uint8 [T, width], fp32 scales [T] or None) of float tokens ``x`` [T, dim]."""
+    from maxsim_kernels import maxsim_codes
+
+    if quantization == "int4-per-token":
+        return maxsim_codes.encode_int4(x)
+    assert codebook is not None
+    device = x.device
+    ids = nearest_centroids(x, codebook.centroids.to(device))
+    rows = maxsim_codes.encode_residual2(
+        x, ids, codebook.centroids.to(device), codebook.bucket_cutoffs.to(device)
+    )
+    return rows, None
+
+
+def check_code_rows(
+    path: str, quantization: str, rows: torch.Tensor, num_centroids: int, offsets: np.ndarray, ids: list[str]
+) -> None:
+    """A residual2 centroid id at or past ``num_centroids``: one line naming the shard, document and token."""
+    if quantization != "residual2-kmeans" or rows.numel() == 0:
+        return
+    from maxsim_kernels.maxsim_codes import residual2_ids
+
+    bad = (residual2_ids(rows) >= num_centroids).nonzero()
+    if bad.numel():
+        row = int(bad[0, 0])
+        doc = int(np.searchsorted(offsets, row, side="right")) - 1
+        raise _err(
+            path,
+            f"document {ids[doc]!r} token {row - int(offsets[doc])} has centroid id "
+            f"{int(residual2_ids(rows[row : row + 1])[0])}, outside the codebook's {num_centroids} "
+            "centroids; the file is damaged: quantize again",
+        )
+
+
+def corpus_codebook(infos: list[Any]) -> Codebook | None:
+    """The codebook of a residual2 corpus (None for any other), from the `ShardInfo` of its shards: each
+    shard's codebook file is read (once per file) and checked against what the shard records; shards
+    that record different codebooks are refused, naming both."""
+    if not infos or infos[0].quantization != "residual2-kmeans":
+        return None
+    first = infos[0]
+    loaded: dict[str, Codebook] = {}
+    for info in infos:
+        if (info.codebook_sha256, info.num_centroids) != (first.codebook_sha256, first.num_centroids):
+            raise InputError(
+                f"{info.path}: its codebook (sha256 {info.codebook_sha256[:16]}...) differs from that of "
+                f"{first.path} ({first.codebook_sha256[:16]}...); a corpus is quantized with one codebook"
+            )
+        path = shard_codebook_path(info.path, info.codebook)
+        if path not in loaded:
+            loaded[path] = read_codebook(
+                path, shard=info.path, sha256=info.codebook_sha256, dim=info.dim,
+                num_centroids=info.num_centroids,
+            )  # fmt: skip
+    return next(iter(loaded.values()))
