@@ -144,6 +144,7 @@ def write_codebook(folder: str, codebook: Codebook) -> Codebook:
             "num_centroids": str(codebook.num_centroids),
         },
     )
+    os.chmod(tmp, 0o644)  # readable like the shards beside it
     os.replace(tmp, path)
     return Codebook(
         codebook.centroids, codebook.bucket_weights, codebook.bucket_cutoffs, path, sha256_of(path)

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from maxsim_cli import codecs
 from maxsim_cli.agreement import ranking_agreement
 from maxsim_cli.devices import resolve_device
 from maxsim_cli.errors import InputError, UsageError
@@ -96,6 +97,8 @@ class QuantizeReport:
     quality: QualityReport | None = None
     source_dtype: str = ""
     dim: int = 0
+    quantization: str = "int8-per-token"
+    num_centroids: int = 0  # --bits 2: centroids of the codebook
 
     @property
     def compression_ratio(self) -> float:
@@ -105,7 +108,8 @@ class QuantizeReport:
         return (
             f"quantized {format_count(self.num_docs)} documents ({format_count(self.num_tokens)} tokens, "
             f"dim {self.dim}) from "
-            f"{self.source_dtype} to int8 in {len(self.shards)} shard(s) -> {self.output_dir}: "
+            f"{self.source_dtype} to {_LABELS[self.quantization]} in {len(self.shards)} shard(s) -> "
+            f"{self.output_dir}: "
             f"{format_size(self.source_bytes)} -> {format_size(self.output_bytes)}, "
             f"compression ratio {self.compression_ratio:.2f}"
         )
@@ -118,6 +122,8 @@ class QuantizeReport:
             "num_tokens": self.num_tokens,
             "dim": self.dim,
             "source_dtype": self.source_dtype,
+            "quantization": self.quantization,
+            "num_centroids": self.num_centroids,
             "source_bytes": self.source_bytes,
             "output_bytes": self.output_bytes,
             "compression_ratio": self.compression_ratio,
@@ -125,12 +131,22 @@ class QuantizeReport:
         }
 
 
+_LABELS = {
+    "int8-per-token": "int8",
+    "int4-per-token": "4-bit codes",
+    "residual2-kmeans": "2-bit residual codes",
+}
+# host bytes a k-means sample token costs at most, per value: the fp32 sample, its residuals, the
+# quantiles' sorted copy and the fastkmeans working set
+_KMEANS_BYTES_PER_VALUE = 16
+
+
 def _corpus_files(folder: str) -> list[str]:
-    """The shard files and the manifest in ``folder`` (the manifest first)."""
+    """The shard files, the manifest and a codebook in ``folder`` (the manifest first)."""
     names = [
         n
         for n in sorted(os.listdir(folder))
-        if n == MANIFEST_NAME or os.path.splitext(n)[1].lower() in SHARD_SUFFIXES
+        if n in (MANIFEST_NAME, codecs.CODEBOOK_NAME) or os.path.splitext(n)[1].lower() in SHARD_SUFFIXES
     ]
     return sorted(names, key=lambda n: n != MANIFEST_NAME)
 
@@ -152,7 +168,7 @@ def _check_output_dir(output_dir: str, corpus: Corpus, overwrite: bool = False) 
     names: dict[str, str] = {}
     for shard in corpus.shards:
         name = os.path.basename(shard.path)
-        if name == MANIFEST_NAME or name in names:
+        if name in (MANIFEST_NAME, codecs.CODEBOOK_NAME) or name in names:
             raise UsageError(
                 f"{shard.path}: its output name {name!r} clashes with {names.get(name, MANIFEST_NAME)}; "
                 "quantize shards with the same file name into separate OUTDIRs"
@@ -161,11 +177,26 @@ def _check_output_dir(output_dir: str, corpus: Corpus, overwrite: bool = False) 
     return list(names)
 
 
-def _quantize_batch(batch: DocBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    from maxsim_kernels.maxsim_int8 import quantize_per_token
+def _quantize_batch(
+    batch: DocBatch, device: torch.device, quantization: str = "int8-per-token", codebook=None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    values = batch.embeddings.to(device, non_blocking=True)
+    if quantization == "int8-per-token":
+        from maxsim_kernels.maxsim_int8 import quantize_per_token
 
-    codes, scales = quantize_per_token(batch.embeddings.to(device, non_blocking=True))
-    return codes.cpu(), scales.cpu()
+        codes, scales = quantize_per_token(values)
+    else:
+        codes, scales = codecs.encode(quantization, values, codebook)
+    return codes.cpu(), None if scales is None else scales.cpu()
+
+
+def _kmeans_sample(corpus: Corpus, tokens: int, rng: np.random.Generator) -> torch.Tensor:
+    """About ``tokens`` token vectors (fp32) of documents drawn at random (all of them if fewer)."""
+    lengths = np.concatenate([np.diff(np.asarray(s.offsets, dtype=np.int64)) for s in corpus.shards])
+    order = rng.permutation(corpus.num_docs)
+    count = int(np.searchsorted(np.cumsum(lengths[order]), tokens, side="left")) + 1
+    docs, _ = _sample_docs_at(corpus, np.sort(order[: min(count, corpus.num_docs)]))
+    return docs.float()
 
 
 def _pack(batches: Sequence[DocBatch]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,6 +211,11 @@ def _pack(batches: Sequence[DocBatch]) -> tuple[torch.Tensor, torch.Tensor]:
 def _sample_docs(corpus: Corpus, count: int, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """`count` documents drawn without replacement (all of them if fewer), packed, in corpus order."""
     chosen = np.sort(rng.choice(corpus.num_docs, size=min(count, corpus.num_docs), replace=False))
+    return _sample_docs_at(corpus, chosen)
+
+
+def _sample_docs_at(corpus: Corpus, chosen: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The documents of sorted corpus ordinals ``chosen``, packed."""
     shard_of = np.searchsorted(corpus.doc_starts, chosen, side="right") - 1
     batches = []
     for s in np.unique(shard_of):
@@ -244,8 +280,11 @@ def measure_quality(
     seed: int,
     queries_path: str | None = None,
     device: torch.device | None = None,
+    quantization: str = "int8-per-token",
+    codebook: codecs.Codebook | None = None,
 ) -> QualityReport:
-    """Score a seeded sample of the (float) corpus in its own precision and in int8; compare the rankings."""
+    """Score a seeded sample of the (float) corpus in its own precision and quantized (int8 or codes:
+    `quantization`, with the residual2 `codebook`); compare the rankings."""
     from maxsim_kernels import maxsim_varlen
     from maxsim_kernels.maxsim_int8 import maxsim_varlen_int8, quantize_per_token
 
@@ -259,8 +298,17 @@ def measure_quality(
     docs, doc_offsets = docs.to(device), doc_offsets.to(device)
     query_offsets = query_offsets.to(device)
     float_scores = maxsim_varlen(queries.to(device, docs.dtype), query_offsets, docs, doc_offsets)
-    codes, scales = quantize_per_token(docs)
-    int8_scores = maxsim_varlen_int8(queries.to(device), query_offsets, codes, doc_offsets, doc_scales=scales)
+    if quantization == "int8-per-token":
+        codes, scales = quantize_per_token(docs)
+        int8_scores = maxsim_varlen_int8(
+            queries.to(device), query_offsets, codes, doc_offsets, doc_scales=scales
+        )
+    else:
+        codes, scales = codecs.encode(quantization, docs, codebook)
+        book = codebook.for_kernels(device) if codebook is not None else None
+        int8_scores = maxsim_varlen(
+            queries.to(device), query_offsets, codes, doc_offsets, doc_scales=scales, codebook=book
+        )
     stats = ranking_agreement(
         list(int8_scores.cpu()), list(float_scores.cpu()), OVERLAP_DEPTHS, tau_depth=int(docs.shape[0])
     )
@@ -291,8 +339,15 @@ def quantize_corpus(
     device: str = "auto",
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    bits: int = 8,
+    num_centroids: int | None = None,
+    kmeans_sample_tokens: int = codecs.DEFAULT_SAMPLE_TOKENS,
+    max_host_memory: int | None = None,
 ) -> QuantizeReport:
-    """Quantize a float corpus (files and/or directories) into int8 shards under `output_dir`.
+    """Quantize a float corpus (files and/or directories) into int8 shards under `output_dir`, or into
+    codes below 8 bits: `bits` 4 (per-token int4) or 2 (residual over k-means centroids; `num_centroids`
+    of them, by default ColBERTv2's rule, trained on about `kmeans_sample_tokens` tokens drawn from the
+    corpus; the codebook is written beside the shards). docs/format.md, "Codes below 8 bits".
 
     Streams `batch_tokens` tokens at a time; writes into a temporary directory renamed to `output_dir`
     at the end (nothing is left behind on failure). An existing, non-empty `output_dir` is refused
@@ -306,15 +361,30 @@ def quantize_corpus(
         raise UsageError(f"--batch-tokens must be >= 1, got {batch_tokens}")
     if sample_queries < 0 or sample_docs < 1:
         raise UsageError("--sample-queries must be >= 0 and --sample-docs >= 1")
+    if bits not in codecs.BITS:
+        raise UsageError(f"--bits must be 8, 4 or 2, got {bits}")
+    if num_centroids is not None and not 1 <= num_centroids <= codecs.MAX_CENTROIDS:
+        raise UsageError(f"--centroids must be from 1 to {codecs.MAX_CENTROIDS}, got {num_centroids}")
+    if kmeans_sample_tokens < 1:
+        raise UsageError(f"--kmeans-sample-tokens must be >= 1, got {kmeans_sample_tokens}")
+    quantization = codecs.BITS[bits]
+    if max_host_memory is not None and max_host_memory < 1:
+        raise UsageError(f"--max-host-memory must be positive, got {max_host_memory}")
     check_output(output_dir, [*paths, queries_path], folder=True)  # not an input folder, and writable
     torch_device = resolve_device(device)
     with open_corpus(paths) as corpus:
-        if corpus.dtype == "int8":
+        if corpus.dtype in ("int8", "uint8"):
             raise InputError(
-                f"{corpus.shards[0].path}: already int8 (quantization {corpus.quantization}); "
+                f"{corpus.shards[0].path}: already {corpus.dtype} (quantization {corpus.quantization}); "
                 "quantize the float shards it came from"
             )
         check_kernel_dim(corpus)
+        problem = codecs.dim_problem(quantization, corpus.dim)
+        if problem is not None:
+            raise InputError(f"{corpus.shards[0].path}: {problem}")
+        if max_host_memory is not None:  # the k-means sample is what --bits 2 holds beyond a batch
+            per_token = _KMEANS_BYTES_PER_VALUE * corpus.dim
+            kmeans_sample_tokens = max(1, min(kmeans_sample_tokens, max_host_memory // per_token))
         names = _check_output_dir(output_dir, corpus, overwrite)
         parent = os.path.dirname(os.path.abspath(output_dir))
         written: list[ShardInfo] = []
@@ -323,21 +393,38 @@ def quantize_corpus(
         except OutputWriteError as exc:
             raise exc.naming(output_dir) from None
         try:
+            codebook, code_meta, extra_files = None, {}, []
+            if quantization != "int8-per-token":
+                code_meta = {codecs.CODES_VERSION_KEY: codecs.CODES_VERSION}
+            if quantization == "residual2-kmeans":
+                sample = _kmeans_sample(corpus, kmeans_sample_tokens, np.random.default_rng(seed))
+                wanted = num_centroids or codecs.default_centroids(corpus.num_tokens)
+                trained = codecs.train_codebook(sample, wanted, seed=seed, device=torch_device)
+                del sample
+                codebook = codecs.write_codebook(staging, trained)
+                code_meta.update({
+                    codecs.CODEBOOK_KEY: codecs.CODEBOOK_NAME,
+                    codecs.CODEBOOK_SHA256_KEY: codebook.sha256,
+                    codecs.NUM_CENTROIDS_KEY: str(codebook.num_centroids),
+                })  # fmt: skip
+                extra_files = [codecs.CODEBOOK_NAME]
             done = 0
             for shard, name in zip(corpus.shards, names, strict=True):
                 info = shard.info
                 with ShardWriter(
                     os.path.join(staging, name),
                     info.dim,
-                    "int8",
+                    "int8" if quantization == "int8-per-token" else codecs.CODES_DTYPE,
                     normalized=info.normalized,
                     encoder=info.encoder,
                     format=info.format,
                     patch_grid=info.patch_grid,
                     patch_start=info.patch_start,
+                    quantization=quantization,
+                    code_metadata=code_meta,
                 ) as writer:
                     for batch in shard.iter_batches(batch_tokens):
-                        codes, scales = _quantize_batch(batch, torch_device)
+                        codes, scales = _quantize_batch(batch, torch_device, quantization, codebook)
                         writer.add(batch.ids, codes, offsets=batch.offsets, scales=scales)
                         done += batch.num_tokens
                         if progress is not None:
@@ -353,9 +440,12 @@ def quantize_corpus(
                     seed=seed,
                     queries_path=queries_path,
                     device=torch_device,
+                    quantization=quantization,
+                    codebook=codebook,
                 )
             if os.path.isdir(output_dir) and os.listdir(output_dir):  # --overwrite (checked above)
-                swap_corpus_files(staging, output_dir, [*names, MANIFEST_NAME], _corpus_files(output_dir))
+                new_files = [*extra_files, *names, MANIFEST_NAME]
+                swap_corpus_files(staging, output_dir, new_files, _corpus_files(output_dir))
                 os.rmdir(staging)
             else:
                 try:
@@ -381,4 +471,6 @@ def quantize_corpus(
             quality=quality,
             source_dtype=corpus.dtype,
             dim=corpus.dim,
+            quantization=quantization,
+            num_centroids=0 if codebook is None else codebook.num_centroids,
         )

@@ -12,6 +12,7 @@ from maxsim_cli.commands import cli_errors, echo_data
 # `maxsim_cli.quantize.DEFAULT_BATCH_TOKENS`, repeated here so that `--help` does not import the scoring
 # stack (torch) to show it; tests/test_imports.py checks that the two agree.
 DEFAULT_BATCH_TOKENS = 1 << 18
+DEFAULT_KMEANS_SAMPLE_TOKENS = 1 << 18  # maxsim_cli.codecs.DEFAULT_SAMPLE_TOKENS
 
 
 def register(app: typer.Typer) -> None:
@@ -59,6 +60,31 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option(
             "auto", "--device", help="auto, cpu, cuda or cuda:N (quantizing and check)."
         ),
+        bits: int = typer.Option(
+            8,
+            "--bits",
+            help="8: int8 with per-token scales (132 B/token at dim 128); 4: two 4-bit values a byte and a "
+            "per-token scale (68 B/token); 2: the ColBERTv2 residual codec, a k-means centroid id and 2 "
+            "bits a dimension (36 B/token, plus a codebook.safetensors beside the shards). Scores of 4 "
+            "and 2 bits are approximate; exact scores come from the full-precision corpus.",
+        ),
+        centroids: int | None = typer.Option(
+            None,
+            "--centroids",
+            min=1,
+            help="--bits 2: k-means centroids (default: the power of two nearest 16 * sqrt(tokens)).",
+        ),
+        kmeans_sample_tokens: int = typer.Option(
+            DEFAULT_KMEANS_SAMPLE_TOKENS,
+            "--kmeans-sample-tokens",
+            min=1,
+            help="--bits 2: tokens drawn from the corpus to train the centroids and bucket values on.",
+        ),
+        max_host_memory: str | None = typer.Option(
+            None,
+            "--max-host-memory",
+            help="--bits 2: bounds the k-means sample's host memory (e.g. 2G); a smaller sample if needed.",
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object on stdout."),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no summary lines."),
     ) -> None:
@@ -69,10 +95,18 @@ def register(app: typer.Typer) -> None:
         everything is written. The compression ratio and a quality summary (top-10/top-100 overlap and
         Kendall tau-b of int8 against the source precision, on a seeded sample) go to stderr.
 
+        --bits 4 and --bits 2 write smaller codes (docs/format.md, "Codes below 8 bits") that `maxsim
+        score` scans as they are; their scores are approximate.
+
         Example: maxsim quantize sample_data/corpus -o corpus-int8 --overwrite
         """
         from maxsim_cli.progress import progress_bar
         from maxsim_cli.quantize import quantize_corpus
+        from maxsim_cli.units import parse_size
+
+        host_limit = (
+            None if max_host_memory is None else parse_size(max_host_memory, option="--max-host-memory")
+        )
 
         with progress_bar("quantizing", not quiet, "tokens") as update:
             report = quantize_corpus(
@@ -86,6 +120,10 @@ def register(app: typer.Typer) -> None:
                 device=device,
                 overwrite=overwrite,
                 progress=update,
+                bits=bits,
+                num_centroids=centroids,
+                kmeans_sample_tokens=kmeans_sample_tokens,
+                max_host_memory=host_limit,
             )
         if not quiet:
             typer.echo(report.summary(), err=True)

@@ -49,6 +49,7 @@ from maxsim_kernels._validate import resolve_backend, share_device_copy
 from maxsim_kernels.cpu import NonFiniteDocuments
 
 from maxsim_cli import collector, timeline
+from maxsim_cli.codecs import code_width, has_scales
 from maxsim_cli.devices import DEFAULT_GPU_FREE_SHARE, default_host_bytes
 from maxsim_cli.errors import (
     BATCH_QUERIES,
@@ -404,14 +405,18 @@ class _Engine:
         self.stats = stats
         self.log = log
         self.corpus_paths = corpus_paths
-        self.scaled = corpus.quantization != "none"
+        self.scaled = has_scales(corpus.quantization)
         self.doc_dtype = getattr(torch, corpus.dtype)
-        self.tb = corpus.dim * self.doc_dtype.itemsize + (4 if self.scaled else 0)
+        self.width = code_width(corpus.quantization, corpus.dim)  # values a token: dim, or its codes' bytes
+        self.tb = self.width * self.doc_dtype.itemsize + (4 if self.scaled else 0)
+        # residual2 codes: the codebook the kernels decode with, on the device (a few MB at most)
+        codebook = getattr(corpus, "codebook", None)
+        self.codebook = None if codebook is None else codebook.for_kernels(device)
         # The CPU backend checks float documents for NaN/Inf from the similarities it computes anyway
         # (`maxsim_kernels.cpu`, check_finite), so the reader need not: on the 2-core machine the
         # reader's check took 0.16-0.20 s of a core per GB, next to ~0.9 s of scoring per GB on both.
         self.backend_checks = (
-            not self.cuda and not self.scaled and resolve_backend(backend, device) == "torch"
+            not self.cuda and corpus.quantization == "none" and resolve_backend(backend, device) == "torch"
         )
         self.piece_docs: int | None = None  # set after a CUDA OOM: documents per kernel call
         self.progress = None
@@ -595,6 +600,7 @@ class _Engine:
                         backend=self.backend,
                         doc_scales=scales,
                         query_scales=q_scales,
+                        **self._codebook_arg(),
                     )  # fmt: skip
                 ),
             )
@@ -708,7 +714,11 @@ class _Engine:
                                 maxsim_candidates_cpu(*args, doc_scales=scales, check_finite=True)
                                 if check
                                 else maxsim_candidates(
-                                    *args, backend=self.backend, doc_scales=scales, query_scales=q_scales
+                                    *args,
+                                    backend=self.backend,
+                                    doc_scales=scales,
+                                    query_scales=q_scales,
+                                    **self._codebook_arg(),
                                 )
                             ),
                         )
@@ -731,7 +741,7 @@ class _Engine:
         return BatchStream(
             self.shards,
             _interleave(plans),
-            dim=self.corpus.dim,
+            dim=self.width,
             dtype=self.doc_dtype,
             scaled=self.scaled,
             device=self.device,
@@ -741,6 +751,10 @@ class _Engine:
             check_values=not self.backend_checks,
             residency=self.residency,
         )
+
+    def _codebook_arg(self) -> dict[str, object]:
+        """The kernels' ``codebook=`` for a residual2 corpus, nothing for any other."""
+        return {} if self.codebook is None else {"codebook": self.codebook}
 
     def _checked(self, batch: Batch, compute: Callable[[bool], torch.Tensor]) -> torch.Tensor:
         """``compute(check)``: with ``check``, the CPU backend checks the documents' values (the reader

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from maxsim_cli import timeline
+from maxsim_cli.codecs import code_width, has_scales
 from maxsim_cli.memory import HostMeter
 from maxsim_cli.queries import read_queries
 from maxsim_cli.runs import RunWriter, read_run
@@ -98,15 +99,18 @@ def first_launches(
         q_off = queries.offsets[: first + 1].to(torch.int64)
         q = q_emb[: int(q_off[-1])].to(device)
         q_scales = None
-        scaled = corpus.quantization != "none"
+        scaled = has_scales(corpus.quantization)
         if scaled and device.type == "cuda":
             from maxsim_kernels.maxsim_int8 import quantize_per_token
 
             q, q_scales = quantize_per_token(q)
-        docs = torch.zeros((16, corpus.dim), dtype=getattr(torch, corpus.dtype), device=device)
+        width = code_width(corpus.quantization, corpus.dim)
+        docs = torch.zeros((16, width), dtype=getattr(torch, corpus.dtype), device=device)
         d_off = torch.tensor([0, 16], dtype=torch.int64)
         d_scales = torch.ones(16, dtype=torch.float32, device=device) if scaled else None
         kernel_args = dict(backend=request.backend, doc_scales=d_scales, query_scales=q_scales)
+        if getattr(corpus, "codebook", None) is not None:
+            kernel_args["codebook"] = corpus.codebook.for_kernels(device)
         if request.candidates is not None:
             one_each = torch.arange(first + 1, dtype=torch.int64), torch.zeros(first, dtype=torch.int64)
             maxsim_candidates(q, q_off, docs, d_off, *one_each, **kernel_args)

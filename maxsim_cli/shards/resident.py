@@ -93,8 +93,8 @@ def assign_shards(tokens: Sequence[int], world: int) -> list[list[int]]:
 def shard_bytes(shard: Shard) -> int:
     """Device bytes of one resident shard."""
     info = shard.info
-    per_token = info.dim * (1 if info.dtype == "int8" else _itemsize(info.dtype))
-    per_token += 4 if info.quantization != "none" else 0
+    per_token = info.width * (1 if info.dtype in ("int8", "uint8") else _itemsize(info.dtype))
+    per_token += 4 if info.scaled else 0
     return info.num_tokens * per_token + (info.num_docs + 1) * 8
 
 
@@ -140,16 +140,16 @@ def make_resident(
     layouts = {(s.info.dtype, s.info.dim, s.info.quantization) for s in shards}
     if len(layouts) != 1:  # `open_corpus` refuses such shards
         raise MaxsimError(f"{name}: only shards of one dim, dtype and quantization can be resident together")
-    dtype_name, dim, quantization = layouts.pop()
+    dtype_name, _dim, _quantization = layouts.pop()
     doc_base = np.concatenate([[0], np.cumsum([s.info.num_docs for s in shards])]).astype(np.int64)
     row_base = np.concatenate([[0], np.cumsum([s.info.num_tokens for s in shards])]).astype(np.int64)
     host_offsets = np.concatenate(
         [[0]] + [np.asarray(s.offsets, dtype=np.int64)[1:] + row_base[i] for i, s in enumerate(shards)]
     ).astype(np.int64)
-    embeddings = torch.empty((int(row_base[-1]), dim), dtype=getattr(torch, dtype_name), device=device)
-    scales = (
-        torch.empty(int(row_base[-1]), dtype=torch.float32, device=device) if quantization != "none" else None
-    )
+    width = shards[0].info.width  # values a token: dim, or the bytes of its codes
+    embeddings = torch.empty((int(row_base[-1]), width), dtype=getattr(torch, dtype_name), device=device)
+    scaled = shards[0].info.scaled
+    scales = torch.empty(int(row_base[-1]), dtype=torch.float32, device=device) if scaled else None
     resident = [
         ResidentShard(
             embeddings[row_base[i] : row_base[i + 1]],
