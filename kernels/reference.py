@@ -155,7 +155,8 @@ def maxsim_codes_reference(
     *decoded* values: int4 ``s_d[j] * c[j]``, residual2 the fp16 values of `decode_residual2`. The queries
     are those the kernels score: int8 codes times their scales (float queries are quantized per token
     first, as the kernels do), so the difference to a kernel is its fp32 rounding alone. Documents are
-    decoded `block_tokens` tokens at a time (a document is never split). Returns float64 [nq, nd].
+    decoded `block_tokens` tokens at a time (a document is never split), and any dim the codec stores is
+    taken. Returns float64 [nq, nd].
     """
     from .maxsim_codes import ResidualCodebook, decode_int4, decode_residual2, quantized_queries
 
@@ -166,6 +167,9 @@ def maxsim_codes_reference(
     else:
         q8, sq = quantized_queries(queries)
     q = q8.double() * sq.double()[:, None]
+    row_query = torch.repeat_interleave(
+        torch.arange(query_offsets.numel() - 1, device=q.device), query_offsets.to(q.device).diff()
+    )
     d_host = doc_offsets.tolist()
     nd = len(d_host) - 1
     out = torch.empty((query_offsets.numel() - 1, nd), dtype=torch.float64, device=docs.device)
@@ -180,7 +184,10 @@ def maxsim_codes_reference(
             values = decode_int4(docs[t0:t1]).double() * doc_scales[t0:t1].double()[:, None]
         else:
             values = decode_residual2(docs[t0:t1], ResidualCodebook(*codebook)).double()
-        offsets = torch.tensor(d_host[first : last + 1], dtype=torch.int64) - t0
-        out[:, first:last] = maxsim_reference(q, query_offsets, values, offsets)
+        sim = q @ values.T  # [Tq, block tokens], float64
+        for doc in range(first, last):  # each document's max, -inf when it has no tokens
+            a, b = d_host[doc] - t0, d_host[doc + 1] - t0
+            best = sim[:, a:b].max(dim=1).values if b > a else torch.full_like(sim[:, 0], float("-inf"))
+            out[:, doc] = torch.zeros_like(out[:, doc]).index_add_(0, row_query, best)
         first = last
     return out

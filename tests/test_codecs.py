@@ -1,0 +1,419 @@
+"""Codes below 8 bits (int4 per token, 2-bit residual over k-means centroids): packing, the scan kernels
+(Triton under the interpreter, and the torch CPU path) against the float64 reference of the decoded
+values, the shard format's checks, and `maxsim quantize --bits 4/2` then `maxsim score` end to end.
+
+Tolerance. The reference (`maxsim_codes_reference`) scores the same int8 queries against the same
+decoded values in float64, so the only difference is the kernels' fp32 arithmetic: int4 products are
+exact integers times one fp32 document scale (relative error 2^-24), residual2 products are accumulated
+in fp32 over dim terms; then Lq fp32 additions of the per-token maxima. Each rounding is at most 2^-24 of
+the magnitude it touches, so |kernel - reference| <= (dim + Lq + 2) * 2^-24 * sum_i s_q[i] * max_j
+sum_k |q8[i, k] * x[j, k]|, the bound `_bound` computes per (query, document) pair.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from maxsim_kernels import maxsim_candidates, maxsim_varlen
+from maxsim_kernels.maxsim_codes import (
+    ResidualCodebook,
+    decode_int4,
+    decode_residual2,
+    encode_int4,
+    encode_residual2,
+    quantized_queries,
+    residual2_ids,
+)
+from maxsim_kernels.reference import maxsim_codes_reference
+from typer.testing import CliRunner
+
+from maxsim_cli.cli import app
+from maxsim_cli.errors import InputError
+from maxsim_cli.shards import open_corpus, write_shard
+
+SAMPLE = os.path.join(os.path.dirname(__file__), "..", "sample_data")
+
+
+def _packed(lengths: list[int], dim: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    values = torch.randn(sum(lengths), dim, generator=gen)
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    return values, offsets
+
+
+def _codebook(dim: int, k: int, gen: torch.Generator) -> tuple[ResidualCodebook, torch.Tensor]:
+    centroids = torch.randn(k, dim, generator=gen).half()
+    cutoffs = torch.tensor([-0.4, 0.0, 0.4]).repeat(dim, 1) + 0.05 * torch.randn(dim, 3, generator=gen)
+    cutoffs = cutoffs.sort(dim=1).values
+    weights = torch.tensor([-0.7, -0.2, 0.2, 0.7]).repeat(dim, 1) + 0.05 * torch.randn(dim, 4, generator=gen)
+    return ResidualCodebook(centroids, weights.float()), cutoffs.float()
+
+
+def _encoded(codec: str, docs: torch.Tensor, gen: torch.Generator, k: int = 7) -> dict:
+    """Keyword arguments (docs and their scales or codebook) of the codes of ``docs``."""
+    if codec == "int4":
+        codes, scales = encode_int4(docs)
+        return {"docs": codes, "doc_scales": scales}
+    book, cutoffs = _codebook(docs.shape[1], k, gen)
+    ids = torch.randint(0, k, (docs.shape[0],), generator=gen)
+    return {"docs": encode_residual2(docs, ids, book.centroids, cutoffs), "codebook": book}
+
+
+def _decoded(enc: dict) -> torch.Tensor:
+    if "codebook" in enc:
+        return decode_residual2(enc["docs"], enc["codebook"]).double()
+    return decode_int4(enc["docs"]).double() * enc["doc_scales"].double()[:, None]
+
+
+def _bound(queries, q_off, enc: dict) -> torch.Tensor:
+    """The fp32 error bound of the module docstring, per (query, document): [nq, nd]."""
+    q8, sq = quantized_queries(queries)
+    values = _decoded(enc)
+    if "doc_scales" in enc:
+        values = values / enc["doc_scales"].double()[:, None]  # int4: the integer codes (scale after)
+    magnitude = (q8.double().abs() @ values.abs().T) * sq.double()[:, None]  # [Tq, Td]
+    if "doc_scales" in enc:
+        magnitude = magnitude * enc["doc_scales"].double()[None, :]
+    per_row = magnitude.max(dim=1).values  # a bound on every max_j, for all documents at once
+    q_lens = q_off.diff()
+    per_query = torch.zeros(len(q_lens), dtype=torch.float64).index_add_(
+        0, torch.repeat_interleave(torch.arange(len(q_lens)), q_lens), per_row
+    )
+    dim = queries.shape[1]
+    factor = (dim + int(q_lens.max()) + 2) * 2.0**-24
+    return (factor * per_query)[:, None] + 1e-30
+
+
+def _check_close(scores: torch.Tensor, reference: torch.Tensor, bound: torch.Tensor) -> None:
+    finite = torch.isfinite(reference)
+    assert torch.equal(torch.isfinite(scores), finite)
+    assert torch.equal(scores[~finite], reference[~finite].float())  # -inf for empty documents
+    err = (scores.double() - reference).abs().where(finite, torch.zeros_like(reference))
+    assert bool((err <= bound.expand_as(err)).all()), float((err / bound).max())
+
+
+CODECS = ["int4", "residual2"]
+BACKENDS = ["torch", "triton"]
+# (query lengths, document lengths, dim): one-token documents, an empty document, documents that
+# straddle the 16- and 32-token tiles, dims that are not powers of two (int4: even; residual2: / 4)
+SHAPES = [
+    ([3, 1, 7], [1, 40, 17, 0, 33, 1, 2], 20),
+    ([5], [16, 17, 31, 33, 64, 1], 36),
+    ([2, 9, 4, 1], [3, 70, 1], 128),
+]
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("q_lengths,d_lengths,dim", SHAPES)
+def test_all_pairs_within_the_fp32_bound_of_the_decoded_reference(codec, backend, q_lengths, d_lengths, dim):
+    gen = torch.Generator().manual_seed(dim + len(d_lengths))
+    queries, q_off = _packed(q_lengths, dim, gen)
+    docs, d_off = _packed(d_lengths, dim, gen)
+    enc = _encoded(codec, docs, gen)
+    codes = enc.pop("docs")
+    scores = maxsim_varlen(queries, q_off, codes, d_off, backend=backend, **enc)
+    reference = maxsim_codes_reference(queries, q_off, codes, d_off, **enc)
+    _check_close(scores, reference, _bound(queries, q_off, {"docs": codes, **enc}))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_candidates_score_as_all_pairs(codec, backend):
+    gen = torch.Generator().manual_seed(3)
+    dim = 24
+    queries, q_off = _packed([4, 1, 6], dim, gen)
+    docs, d_off = _packed([5, 1, 40, 0, 18], dim, gen)
+    enc = _encoded(codec, docs, gen)
+    codes = enc.pop("docs")
+    cand_off = torch.tensor([0, 3, 3, 7])
+    cand_docs = torch.tensor([4, 0, 2, 1, 3, 2, 2])
+    scores = maxsim_candidates(queries, q_off, codes, d_off, cand_off, cand_docs, backend=backend, **enc)
+    reference = maxsim_codes_reference(queries, q_off, codes, d_off, **enc)
+    owner = torch.repeat_interleave(torch.arange(3), cand_off.diff())
+    expected = reference[owner, cand_docs]
+    bound = _bound(queries, q_off, {"docs": codes, **enc})[owner, 0]
+    _check_close(scores, expected, bound)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_constant_vectors_negative_similarities_and_exact_ties(codec, backend):
+    # every document token the same vector, queries its negation: all similarities negative and tied;
+    # a zero document scores 0 (int4: scale 1, codes 0)
+    dim = 16
+    gen = torch.Generator().manual_seed(5)
+    token = torch.full((dim,), 0.5)
+    docs = torch.cat([token.repeat(3, 1), token.repeat(1, 1), torch.zeros(2, dim)])
+    d_off = torch.tensor([0, 3, 4, 6])
+    queries = -token.repeat(4, 1)
+    q_off = torch.tensor([0, 2, 4])
+    enc = _encoded(codec, docs, gen, k=1)
+    codes = enc.pop("docs")
+    scores = maxsim_varlen(queries, q_off, codes, d_off, backend=backend, **enc)
+    reference = maxsim_codes_reference(queries, q_off, codes, d_off, **enc)
+    assert bool((scores[:, :2] < 0).all())
+    assert torch.equal(scores[:, 0], scores[:, 1])  # the same maxima: three tied tokens or one
+    _check_close(scores, reference, _bound(queries, q_off, {"docs": codes, **enc}))
+
+
+def test_int4_packing_round_trips_and_bounds_the_error():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(50, 30, generator=gen)
+    codes, scales = encode_int4(x)
+    assert codes.dtype == torch.uint8 and codes.shape == (50, 15)
+    values = decode_int4(codes)
+    assert int(values.abs().max()) == 7
+    assert bool(((values.float() * scales[:, None] - x).abs() <= scales[:, None] / 2 + 1e-6).all())
+    every_nibble = torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None]
+    decoded = decode_int4(every_nibble)
+    assert decoded.min() == -8 and decoded.max() == 7  # readers accept -8 from other writers
+
+
+def test_residual2_packing_keeps_ids_and_buckets():
+    gen = torch.Generator().manual_seed(2)
+    book, cutoffs = _codebook(8, 300, gen)
+    x = torch.randn(6, 8, generator=gen)
+    ids = torch.tensor([0, 1, 255, 256, 299, 7])
+    rows = encode_residual2(x, ids, book.centroids, cutoffs)
+    assert rows.shape == (6, 4 + 2)
+    assert torch.equal(residual2_ids(rows), ids)
+    residual = x - book.centroids[ids].float()
+    buckets = (residual[:, :, None] >= cutoffs[None]).sum(dim=2)
+    expected = (book.centroids[ids].float() + book.bucket_weights.gather(1, buckets.T).T).half()
+    assert torch.equal(decode_residual2(rows, book), expected)
+
+
+@pytest.mark.parametrize("codec,dim", [("int4", 15), ("residual2", 18)])
+def test_dims_the_codec_cannot_store_are_refused_in_one_line(codec, dim):
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match=r"dim") as err:
+        if codec == "int4":
+            encode_int4(torch.randn(3, dim, generator=gen))
+        else:
+            encode_residual2(
+                torch.randn(3, dim), torch.zeros(3, dtype=torch.int64), torch.zeros(1, dim), None
+            )
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_centroid_id_outside_the_codebook(backend):
+    gen = torch.Generator().manual_seed(4)
+    queries, q_off = _packed([3], 8, gen)
+    docs, d_off = _packed([2, 3], 8, gen)
+    enc = _encoded("residual2", docs, gen, k=3)
+    codes = enc.pop("docs")
+    codes[3, 0] = 3  # id 3 of 3 centroids, in the second document
+    if backend == "torch":
+        with pytest.raises(ValueError, match="row 3: centroid id 3 outside the codebook's 3 centroids"):
+            maxsim_varlen(queries, q_off, codes, d_off, backend=backend, **enc)
+        return
+    scores = maxsim_varlen(queries, q_off, codes, d_off, backend=backend, **enc)
+    assert torch.isfinite(scores[0, 0]) and torch.isnan(scores[0, 1])  # never read, scored NaN
+
+
+def test_wrong_code_width_and_missing_codebook_raise():
+    gen = torch.Generator().manual_seed(6)
+    queries, q_off = _packed([2], 8, gen)
+    codes, scales = encode_int4(torch.randn(3, 8, generator=gen))
+    d_off = torch.tensor([0, 3])
+    with pytest.raises(ValueError, match="4 bytes a token, but the documents have 3"):
+        maxsim_varlen(queries, q_off, codes[:, :3], d_off, doc_scales=scales)
+    with pytest.raises(ValueError, match="give doc_scales"):
+        maxsim_varlen(queries, q_off, codes, d_off)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# maxsim quantize --bits, the shard format, maxsim score
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    """sample_data/corpus quantized with --bits 4 and --bits 2 (the quality check skipped)."""
+    out = {}
+    runner = CliRunner()
+    for bits in (4, 2):
+        folder = str(tmp_path_factory.mktemp("codes") / f"bits{bits}")
+        args = ["quantize", os.path.join(SAMPLE, "corpus"), "-o", folder, "--bits", str(bits), "-q"]
+        result = runner.invoke(app, [*args, "--sample-queries", "0", "--centroids", "64"])
+        assert result.exit_code == 0, result.output
+        out[bits] = folder
+    return out
+
+
+def test_quantize_writes_the_stated_bytes_per_token(quantized):
+    with open_corpus([quantized[4]]) as c4, open_corpus([quantized[2]]) as c2:
+        assert (c4.dtype, c4.quantization, c4.dim) == ("uint8", "int4-per-token", 384)
+        assert c2.quantization == "residual2-kmeans" and c2.codebook.num_centroids == 64
+        b4 = c4.shards[0].read_docs(0, 2)
+        assert b4.embeddings.shape[1] == 192 and b4.scales is not None  # 192 + 4 bytes = dim / 2 + 4
+        b2 = c2.shards[0].read_docs(0, 2)
+        assert b2.embeddings.shape[1] == 4 + 96 and b2.scales is None  # dim / 4 + 4
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_score_on_the_compressed_folder_writes_a_run(quantized, bits, tmp_path):
+    run = tmp_path / "run.trec"
+    queries = os.path.join(SAMPLE, "queries.safetensors")
+    result = CliRunner().invoke(app, ["score", queries, quantized[bits], "-k", "10", "-o", str(run), "-q"])
+    assert result.exit_code == 0, result.output
+    lines = run.read_text().splitlines()
+    assert len(lines) == 200 * 10 and lines[0].split()[:2] == ["q001", "Q0"]
+
+
+def test_arrow_codes_shard_reads_back(tmp_path):
+    gen = torch.Generator().manual_seed(7)
+    docs = torch.randn(9, 12, generator=gen)
+    codes, scales = encode_int4(docs)
+    path = str(tmp_path / "codes.arrow")
+    from maxsim_cli.shards import ShardWriter
+
+    with ShardWriter(
+        path, 12, "uint8", quantization="int4-per-token", code_metadata={"codes_version": "1"}
+    ) as w:
+        w.add(["a", "b"], codes, offsets=torch.tensor([0, 4, 9]), scales=scales)
+    with open_corpus([path]) as corpus:
+        batch = corpus.shards[0].read_docs(0, 2)
+    assert torch.equal(batch.embeddings, codes) and torch.equal(batch.scales, scales)
+
+
+def _copy(folder: str, tmp_path) -> str:
+    target = str(tmp_path / "copy")
+    shutil.copytree(folder, target)
+    return target
+
+
+def _one_line_error(paths: list[str]) -> str:
+    with pytest.raises(InputError) as err, open_corpus(paths):
+        pass
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_missing_codebook_names_both_files(quantized, tmp_path):
+    folder = _copy(quantized[2], tmp_path)
+    os.remove(os.path.join(folder, "codebook.safetensors"))
+    message = _one_line_error([folder])
+    assert "codebook.safetensors" in message and "shard-00000.safetensors" in message and "missing" in message
+
+
+def test_codebook_of_another_corpus_is_refused(quantized, tmp_path):
+    folder = _copy(quantized[2], tmp_path)
+    other = str(tmp_path / "other")
+    result = CliRunner().invoke(
+        app,
+        [
+            "quantize",
+            os.path.join(SAMPLE, "corpus"),
+            "-o",
+            other,
+            "--bits",
+            "2",
+            "-q",
+            "--sample-queries",
+            "0",
+        ]
+        + ["--centroids", "64", "--seed", "1"],
+    )
+    assert result.exit_code == 0, result.output
+    shutil.copy(os.path.join(other, "codebook.safetensors"), os.path.join(folder, "codebook.safetensors"))
+    message = _one_line_error([folder])
+    assert "belongs to another corpus" in message and "shard-00000.safetensors" in message
+
+
+def test_nan_in_codebook_is_refused(quantized, tmp_path):
+    from maxsim_cli import codecs
+
+    folder = _copy(quantized[2], tmp_path)
+    with open_corpus([folder]) as corpus:
+        book = corpus.codebook
+    bad = book.centroids.clone()
+    bad[3, 5] = float("nan")
+    written = codecs.write_codebook(folder, codecs.Codebook(bad, book.bucket_weights, book.bucket_cutoffs))
+    for name in ("shard-00000.safetensors", "shard-00001.safetensors"):  # make the checksums agree
+        _rewrite_metadata(os.path.join(folder, name), {"codebook_sha256": written.sha256})
+    assert "NaN or Inf in centroids" in _one_line_error([folder])
+
+
+def _rewrite_metadata(path: str, changes: dict[str, str]) -> None:
+    """Change metadata values of a safetensors shard in place (same header length: values padded)."""
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    header["__metadata__"].update(changes)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= length
+    data[8 : 8 + length] = text + b" " * (length - len(text))
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def test_truncated_codes_are_refused_in_one_line(quantized, tmp_path):
+    folder = _copy(quantized[4], tmp_path)
+    path = os.path.join(folder, "shard-00001.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 100)
+    assert "truncated" in _one_line_error([path])
+
+
+def test_wrong_code_width_in_a_shard_is_refused(tmp_path):
+    gen = torch.Generator().manual_seed(8)
+    codes, scales = encode_int4(torch.randn(4, 16, generator=gen))
+    path = str(tmp_path / "wide.safetensors")
+    from maxsim_cli.shards import ShardWriter
+
+    with ShardWriter(
+        path, 16, "uint8", quantization="int4-per-token", code_metadata={"codes_version": "1"}
+    ) as w:
+        w.add(["a"], codes, offsets=torch.tensor([0, 4]), scales=scales)
+    _rewrite_metadata(path, {"dim": "18"})  # 8 bytes a token stored, 9 expected
+    message = _one_line_error([path])
+    assert "embeddings rows are 8 bytes but int4-per-token codes of dim 18 take 9" in message
+
+
+def test_centroid_id_out_of_range_in_a_shard_is_refused_on_read(quantized, tmp_path):
+    folder = _copy(quantized[2], tmp_path)
+    path = os.path.join(folder, "shard-00000.safetensors")
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    start = 8 + length + header["embeddings"]["data_offsets"][0] + 100 * 3  # token 3: its id bytes
+    with open(path, "r+b") as f:
+        f.seek(start)
+        f.write((64).to_bytes(4, "little"))  # 64 of 64 centroids
+    with open_corpus([folder]) as corpus, pytest.raises(InputError) as err:
+        corpus.shards[0].read_docs(0, 5)
+    assert "centroid id 64, outside the codebook's 64 centroids" in str(err.value)
+
+
+def test_quantize_refuses_a_dim_the_codec_cannot_store(tmp_path):
+    gen = torch.Generator().manual_seed(9)
+    source = str(tmp_path / "odd.safetensors")
+    write_shard(source, ["a", "b"], [torch.randn(3, 18, generator=gen), torch.randn(2, 18, generator=gen)])
+    result = CliRunner().invoke(app, ["quantize", source, "-o", str(tmp_path / "out"), "--bits", "2", "-q"])
+    # the corpus reader's rule (a multiple of 8) comes first on the command line; the codecs' own rule
+    # holds for the library
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
+    from maxsim_cli import codecs
+
+    assert "multiple of 4" in codecs.dim_problem("residual2-kmeans", 18)
+    assert "even dim" in codecs.dim_problem("int4-per-token", 15)
+    assert codecs.dim_problem("residual2-kmeans", 20) is None
+
+
+def test_quantize_overwrite_replaces_the_codebook_with_the_shards(quantized, tmp_path):
+    folder = _copy(quantized[2], tmp_path)
+    args = ["quantize", os.path.join(SAMPLE, "corpus"), "-o", folder, "--bits", "2", "-q", "--overwrite"]
+    result = CliRunner().invoke(app, [*args, "--sample-queries", "0", "--centroids", "32"])
+    assert result.exit_code == 0, result.output
+    with open_corpus([folder]) as corpus:
+        assert corpus.codebook.num_centroids == 32
+    result = CliRunner().invoke(app, [*args[:5], "4", *args[6:], "--sample-queries", "0"])
+    assert result.exit_code == 0, result.output
+    assert not os.path.exists(os.path.join(folder, "codebook.safetensors"))  # part of the old corpus
