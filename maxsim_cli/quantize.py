@@ -177,16 +177,18 @@ def _check_output_dir(output_dir: str, corpus: Corpus, overwrite: bool = False) 
     return list(names)
 
 
-def _quantize_batch(
-    batch: DocBatch, device: torch.device, quantization: str = "int8-per-token", codebook=None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    values = batch.embeddings.to(device, non_blocking=True)
-    if quantization == "int8-per-token":
-        from maxsim_kernels.maxsim_int8 import quantize_per_token
+def _quantize_batch(batch: DocBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    from maxsim_kernels.maxsim_int8 import quantize_per_token
 
-        codes, scales = quantize_per_token(values)
-    else:
-        codes, scales = codecs.encode(quantization, values, codebook)
+    codes, scales = quantize_per_token(batch.embeddings.to(device, non_blocking=True))
+    return codes.cpu(), scales.cpu()
+
+
+def _encode_batch(
+    batch: DocBatch, device: torch.device, quantization: str, codebook: codecs.Codebook | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Codes below 8 bits of a batch (`codecs.encode`), on the host."""
+    codes, scales = codecs.encode(quantization, batch.embeddings.to(device, non_blocking=True), codebook)
     return codes.cpu(), None if scales is None else scales.cpu()
 
 
@@ -424,7 +426,10 @@ def quantize_corpus(
                     code_metadata=code_meta,
                 ) as writer:
                     for batch in shard.iter_batches(batch_tokens):
-                        codes, scales = _quantize_batch(batch, torch_device, quantization, codebook)
+                        if quantization == "int8-per-token":
+                            codes, scales = _quantize_batch(batch, torch_device)
+                        else:
+                            codes, scales = _encode_batch(batch, torch_device, quantization, codebook)
                         writer.add(batch.ids, codes, offsets=batch.offsets, scales=scales)
                         done += batch.num_tokens
                         if progress is not None:
