@@ -417,3 +417,21 @@ def test_quantize_overwrite_replaces_the_codebook_with_the_shards(quantized, tmp
     result = CliRunner().invoke(app, [*args[:5], "4", *args[6:], "--sample-queries", "0"])
     assert result.exit_code == 0, result.output
     assert not os.path.exists(os.path.join(folder, "codebook.safetensors"))  # part of the old corpus
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codec", CODECS)
+def test_compiled_kernels_on_the_gpu_within_the_bound(codec):
+    # dim 128, ragged documents of 20-300 tokens, one query and a block of queries: the compiled tiles
+    gen = torch.Generator().manual_seed(11)
+    lengths = torch.randint(20, 301, (300,), generator=gen).tolist()
+    docs, d_off = _packed(lengths, 128, gen)
+    enc = _encoded(codec, docs, gen, k=256)
+    for q_lengths in ([32], [32] * 16):
+        queries, q_off = _packed(q_lengths, 128, gen)
+        on_gpu = {k: v.cuda() if isinstance(v, torch.Tensor) else v.to("cuda") for k, v in enc.items()}
+        codes = on_gpu.pop("docs")
+        scores = maxsim_varlen(queries.cuda(), q_off, codes, d_off, **on_gpu).cpu()
+        host = dict(enc)
+        reference = maxsim_codes_reference(queries, q_off, host.pop("docs"), d_off, **host)
+        _check_close(scores, reference, _bound(queries, q_off, enc))
