@@ -564,7 +564,7 @@ def test_pinned_arena_error_reaches_the_reader(monkeypatch) -> None:
 
 
 def test_threaded_host_register_is_set_once_and_never_over_a_users_setting(monkeypatch) -> None:
-    from maxsim_cli import pipeline
+    from maxsim_cli import tuning as pipeline
 
     calls = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
