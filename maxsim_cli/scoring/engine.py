@@ -44,8 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from maxsim_kernels._validate import resolve_backend, share_device_copy
-from maxsim_kernels.cpu import NonFiniteDocuments
+from maxsim_kernels import NonFiniteDocuments, resolve_backend, share_device_copy
 
 from maxsim_cli import settings, timeline, tuning
 from maxsim_cli.devices import DEFAULT_GPU_FREE_SHARE
@@ -347,7 +346,7 @@ class _Engine:
         """int64 values for a kernel argument, kept on the host.
 
         The kernels read offsets and candidate lists on the host (checks, launch grid) and copy them to
-        the device themselves, without waiting for the stream (`maxsim_kernels._validate.host_to_device`),
+        the device themselves, without waiting for the stream (`maxsim_kernels.validation.host_to_device`),
         so launches queue up while the GPU scores earlier batches. A device tensor would cost a
         device-to-host synchronisation per launch.
         """
