@@ -195,6 +195,9 @@ def main() -> None:
     parser.add_argument("--log", default=None, help="append one JSON line per finished stage here")
     parser.add_argument("--out", default=None, help="JSON file for the summary")
     args = parser.parse_args()
+    from maxsim_cli import tuning
+
+    tuning.one_shot_process()  # the command line's process-wide settings, as `maxsim score` has them
     _log_path = args.log
     if args.cpu:
         device = torch.device("cpu")

@@ -48,10 +48,10 @@ from typing import Any
 
 import torch
 
-from ._validate import Layout, check_candidates, check_inputs, resolve_backend
 from .colbert_scores import colbert_kd_scores, colbert_scores
-from .cpu import maxsim_candidates_cpu, maxsim_varlen_cpu
+from .cpu import NonFiniteDocuments, maxsim_candidates_cpu, maxsim_varlen_cpu
 from .reference import maxsim_candidates_reference, maxsim_reference
+from .validation import MAX_DIM, Layout, check_candidates, check_inputs, resolve_backend, share_device_copy
 
 __all__ = [
     "maxsim_varlen",
@@ -68,6 +68,9 @@ __all__ = [
     "check_candidates",
     "Layout",
     "resolve_backend",
+    "share_device_copy",
+    "MAX_DIM",
+    "NonFiniteDocuments",
 ]
 
 

@@ -56,8 +56,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ._validate import FLOAT_DTYPES, host_to_device, resolve_backend
 from .cpu import maxsim_candidates_cpu, maxsim_varlen_cpu
+from .validation import FLOAT_DTYPES, host_to_device, resolve_backend
 
 __all__ = ["colbert_scores", "colbert_kd_scores"]
 

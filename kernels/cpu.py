@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._validate import Layout, check_candidates, check_inputs
+from .validation import Layout, check_candidates, check_inputs
 
 # Padded document tokens per group and query tokens per matrix product. Measured on the 2-core dev
 # machine (Xeon with AVX-512, torch 2.13, fp32, dim 128), 64 queries x 32 tokens against 4000 documents

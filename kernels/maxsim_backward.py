@@ -71,8 +71,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import KernelLaunch
-from ._validate import (
+from .launch import KernelLaunch
+from .validation import (
     alignment_key,
     cdiv,
     check_candidates,

@@ -58,9 +58,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import KernelLaunch, SpecialisedLaunch, gluon_module
-from ._running_max import document_max, fold_tile, restart
-from ._validate import (
+from .launch import KernelLaunch, SpecialisedLaunch, gluon_module
+from .running_max import document_max, fold_tile, restart
+from .validation import (
     FLOAT_DTYPES,
     Layout,
     alignment_key,

@@ -69,9 +69,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import gluon_module, hopper_device, launch_fitting_shared_memory
-from ._running_max import document_max, fold_row_max, fold_tile, restart
-from ._validate import (
+from .launch import gluon_module, hopper_device, launch_fitting_shared_memory
+from .running_max import document_max, fold_row_max, fold_tile, restart
+from .validation import (
     cdiv,
     check_candidate_docs,
     host_offsets,
@@ -96,7 +96,7 @@ _VARLEN_BLOCK_D = 32  # document tokens per tile
 _VARLEN_DOCS_PER_PROG = 64  # documents per program
 _VARLEN_WARPS = 4
 _VARLEN_STAGES = 2
-_VARLEN_ELEMENT_MAX = True  # running max per tile element (scores only; see kernels/_running_max.py)
+_VARLEN_ELEMENT_MAX = True  # running max per tile element (scores only; see kernels/running_max.py)
 # The few-queries tiles below are for memory-bound shapes: at most _FEW_QUERIES_MAX_ROWS query tokens in
 # all. Against the all-pairs tiles: 2 queries 0.633 ms against 0.704, 4 queries 0.832 against 0.796
 # (benchmarks/results/archive/int8/int8-queries-h200.json); the tile: one query x 100K docs 0.683 ms
@@ -385,7 +385,7 @@ def _maxsim_int8_varlen_kernel(
 
 
 @triton.jit
-def _owner(cand_off_ptr, c, n_queries):
+def candidate_query(cand_off_ptr, c, n_queries):
     """The query whose candidate list holds flat candidate c: the largest q with cand_off[q] <= c."""
     lo = c * 0
     hi = lo + n_queries
@@ -439,7 +439,7 @@ def _maxsim_int8_candidates_kernel(
     dereferenced: it is walked as an empty document and scored NaN (argmax -1)."""
     c_first = tl.program_id(0).to(tl.int64) * CANDS_PER_PROG
     c_last = tl.minimum(c_first + CANDS_PER_PROG, n_cand)
-    query = _owner(cand_off_ptr, c_first, n_queries)
+    query = candidate_query(cand_off_ptr, c_first, n_queries)
     row_first = tl.load(q_off_ptr + query)
     row_last = tl.load(q_off_ptr + query + 1)
     if (tl.load(cand_off_ptr + query + 1) >= c_last) & (row_last - row_first <= BLOCK_Q):
@@ -497,7 +497,7 @@ def _maxsim_int8_candidates_kernel(
     else:
         # The run crosses into the next query(s), or a query is longer than one tile.
         for c in range(c_first, c_last):
-            query = _owner(cand_off_ptr, c, n_queries)
+            query = candidate_query(cand_off_ptr, c, n_queries)
             row_first = tl.load(q_off_ptr + query)
             row_last = tl.load(q_off_ptr + query + 1)
             doc = tl.load(cand_docs_ptr + c).to(tl.int64)

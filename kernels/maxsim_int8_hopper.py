@@ -65,9 +65,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._launch import hopper_device
-from ._validate import cdiv, host_to_device, memo
-from .maxsim_forward_hopper import _issue_product
+from .launch import hopper_device
+from .maxsim_forward_hopper import issue_product
+from .validation import cdiv, host_to_device, memo
 
 # Tuning (H200, the exhaustive workload above; the alternatives: docs/kernel-notes.md, "The int8 Gluon
 # kernel: all pairs on Hopper"): a ring of 4 tiles 57.1 ms against 63.4 for 5 and 60.0 for 6; groups of 16
@@ -218,8 +218,8 @@ def _int8_allpairs_kernel(
     first_doc = d0
     for base in range(0, tiles, GROUP):
         # two products in flight: tile x + 1's is issued before tile x's is folded
-        acc_a = _issue_product(q_rows, d_smem, ready, base, zero, STAGES)
-        acc_b = _issue_product(q_rows, d_smem, ready, base + 1, zero, STAGES)
+        acc_a = issue_product(q_rows, d_smem, ready, base, zero, STAGES)
+        acc_b = issue_product(q_rows, d_smem, ready, base + 1, zero, STAGES)
         scale = _scales(s_smem, base, col_layout, STAGES, BLOCK_T)
         acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])
         m, tok_a, tok_b, ends, num_finished = _retire(
@@ -227,14 +227,14 @@ def _int8_allpairs_kernel(
             tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES, I2F_A,
         )  # fmt: skip
         for j in gl.static_range(2, GROUP, 2):
-            acc_a = _issue_product(q_rows, d_smem, ready, base + j, zero, STAGES)
+            acc_a = issue_product(q_rows, d_smem, ready, base + j, zero, STAGES)
             scale = _scales(s_smem, base + j - 1, col_layout, STAGES, BLOCK_T)
             acc_a, acc_b = warpgroup_mma_wait(num_outstanding=1, deps=[acc_a, acc_b])
             m, tok_a, tok_b, ends, num_finished = _retire(
                 acc_b, scale, base + j - 1, total, tiles, m, tok_a, tok_b, ends, finished, num_finished,
                 tile_tok_ptr, tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES, I2F_B,
             )  # fmt: skip
-            acc_b = _issue_product(q_rows, d_smem, ready, base + j + 1, zero, STAGES)
+            acc_b = issue_product(q_rows, d_smem, ready, base + j + 1, zero, STAGES)
             scale = _scales(s_smem, base + j, col_layout, STAGES, BLOCK_T)
             acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])
             m, tok_a, tok_b, ends, num_finished = _retire(

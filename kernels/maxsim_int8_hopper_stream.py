@@ -66,9 +66,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._launch import hopper_device
-from ._validate import cdiv
-from .maxsim_int8 import _owner
+from .launch import hopper_device
+from .maxsim_int8 import candidate_query
+from .validation import cdiv
 
 BLOCK_T = 64  # document tokens a tile (wgmma's M)
 # Tuning (H200, triton 3.6; one query x 100K documents of 20-300 tokens, rerank 64 queries x 1000
@@ -237,7 +237,7 @@ def _int8_stream_kernel(
         c_last = gl.minimum(c_first + ITEMS, n_items)
     elif pid < n_chunks:
         c_first = pid * ITEMS
-        query = _owner(cand_off_ptr, c_first, n_queries)
+        query = candidate_query(cand_off_ptr, c_first, n_queries)
         q_end = gl.load(cand_off_ptr + query + 1).to(gl.int32)
         c_last = gl.minimum(gl.minimum(c_first + ITEMS, n_items), q_end)
     else:

@@ -37,7 +37,7 @@ from typing import Any
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from maxsim_cli import __version__, collector
+from maxsim_cli import __version__, tuning
 from maxsim_cli.errors import MaxsimError, command_line_terms, quiet_stdout
 from maxsim_cli.lifeline import defer, end_process, holds, new_command
 
@@ -240,11 +240,11 @@ def main(argv: list[str] | None = None) -> None:
     The stop signals raise from the start, not only while the command runs (Ctrl-C while Typer builds
     the command line is no traceback either), and are ignored once the command has ended: the exit code
     is then the command's. It is the process's entry point: it leaves the stop signals ignored, and
-    lets a command pause Python's garbage collector while it sets up (`maxsim_cli.collector`). Called
+    marks the process as the product's own, whose settings (`maxsim_cli.tuning`) a command applies. Called
     without ``argv`` (the ``maxsim`` script, ``python -m maxsim_cli``) it ends the process itself
     (`maxsim_cli.lifeline.end_process`); with ``argv`` it raises `SystemExit` with the code."""
     code: int = 1
-    collector.one_shot_process()
+    tuning.one_shot_process()
     try:
         for signum in STOP_SIGNALS:
             if signal.getsignal(signum) is not signal.SIG_IGN:
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         _stopped_by(signal.SIGINT)
         code = 128 + signal.SIGINT
     finally:
-        collector.command_ended()
+        tuning.command_ended()
     while True:  # from here on a stop signal is ignored: the exit code is the command's
         try:
             for signum in (signal.SIGINT, *STOP_SIGNALS):

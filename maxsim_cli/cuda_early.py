@@ -27,9 +27,9 @@ import ctypes
 import os
 import threading
 
-from maxsim_cli import timeline
+from maxsim_cli import settings, timeline
 
-ENV_SWITCH = "MAXSIM_EARLY_CUDA"
+ENV_SWITCH = settings.EARLY_CUDA
 _LIBRARY = "libcuda.so.1"
 
 
@@ -38,7 +38,7 @@ def ordinals(device: str, devices: str | None = None) -> list[int]:
     tells without torch; [] where it names none or is not understood (torch then reports it)."""
     world = os.environ.get("WORLD_SIZE", "1").strip() or "1"
     # inside a torchrun job (or a WORLD_SIZE that is not a number, which the job's own check reports)
-    if os.environ.get(ENV_SWITCH, "1") == "0" or not world.isdigit() or int(world) > 1:
+    if not settings.early_cuda() or not world.isdigit() or int(world) > 1:
         return []
     if devices:
         parts = [p.strip() for p in devices.split(",")]

@@ -322,7 +322,7 @@ def explain_hits(
     import torch
 
     from maxsim_cli.devices import check_backend_option
-    from maxsim_cli.scoring.engine import device_queries, query_embeddings
+    from maxsim_cli.scoring.resources import device_queries, query_embeddings
     from maxsim_cli.shards import DocBatch, check_same_dim
 
     row = _query_index(queries, qid)

@@ -300,7 +300,7 @@ def test_hopper_int8_kernel_builds_for_two_programs_an_sm(sm90_build) -> None:
     import re
 
     import triton
-    from maxsim_kernels._launch import GLUON_TRITON
+    from maxsim_kernels.launch import GLUON_TRITON
 
     if not triton.__version__.startswith(GLUON_TRITON):
         pytest.skip(f"the Hopper kernel is built with triton {GLUON_TRITON}x, not {triton.__version__}")
@@ -347,7 +347,7 @@ def test_hopper_int8_stream_kernel_builds_for_its_programs_an_sm(sm90_build) -> 
     import re
 
     import triton
-    from maxsim_kernels._launch import GLUON_TRITON
+    from maxsim_kernels.launch import GLUON_TRITON
 
     if not triton.__version__.startswith(GLUON_TRITON):
         pytest.skip(f"the Hopper kernel is built with triton {GLUON_TRITON}x, not {triton.__version__}")

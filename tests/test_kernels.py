@@ -386,7 +386,7 @@ def test_torch_and_differentiable_paths_check_device_candidates_on_the_host(devi
 )
 def test_triton_many_queries_classes_with_partial_groups(monkeypatch, num_queries, cls, qpb, fill_gpu):
     from maxsim_kernels import maxsim_forward as fwd
-    from maxsim_kernels._validate import check_inputs
+    from maxsim_kernels.validation import check_inputs
 
     if not fill_gpu:  # keep the table's documents a program instead of lowering it for a small grid
         monkeypatch.setattr(fwd, "_MIN_PROGRAMS_PER_SM", 0)
@@ -604,7 +604,7 @@ def test_launch_keys_do_not_change_within_a_bucket(monkeypatch):
 def test_offsets_memo_follows_in_place_changes_and_frees():
     import gc
 
-    from maxsim_kernels import _validate as v
+    from maxsim_kernels import validation as v
 
     off = torch.tensor([0, 2, 5])
     first = v.host_offsets("doc_offsets", off, 5)
@@ -634,7 +634,7 @@ def test_a_shared_device_copy_replaces_the_launchers_own_and_follows_the_host_te
     values is refused. The meta device stands in for a GPU."""
     import gc
 
-    from maxsim_kernels import _validate as v
+    from maxsim_kernels import validation as v
 
     meta = torch.device("meta")
     host = torch.tensor([0, 3, 7], dtype=torch.int64)
@@ -668,7 +668,7 @@ def test_launch_plans_follow_their_offsets_and_never_keep_them_alive():
     import weakref
 
     import maxsim_kernels.maxsim_forward as fwd
-    from maxsim_kernels import _validate as v
+    from maxsim_kernels import validation as v
 
     q, q_off = packed([2, 3], 16)
     d, d_off = packed([4, 0, 1], 16)
@@ -1055,7 +1055,7 @@ def test_int16_argmax_is_refused_for_documents_of_2_pow_15_tokens():
 
 
 def test_specialisation_keys_follow_tritons_rules():
-    from maxsim_kernels._launch import specialisation_key
+    from maxsim_kernels.launch import specialisation_key
 
     assert specialisation_key(1) != specialisation_key(2)  # 1 is a compile-time constant
     assert specialisation_key(16) == specialisation_key(4096) != specialisation_key(17)

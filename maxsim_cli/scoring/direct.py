@@ -34,14 +34,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from maxsim_cli.scoring.engine import (
-    device_queries,
-    locate_candidates,
-    query_embeddings,
-    write_reranked,
-    write_topk,
-)
 from maxsim_cli.scoring.request import ScoreRequest
+from maxsim_cli.scoring.resources import device_queries, query_embeddings
+from maxsim_cli.scoring.results import locate_candidates, write_reranked, write_topk
 from maxsim_cli.scoring.stats import ScoreStats
 from maxsim_cli.topk import PAIR_BYTES, RunningTopK
 

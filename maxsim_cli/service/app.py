@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
+from maxsim_cli import tuning
 from maxsim_cli.errors import InputError, MaxsimError, UsageError
 from maxsim_cli.service.awake import Awake
 from maxsim_cli.service.batching import Batcher, QueryAnswer, Scorer, Timing, resident_on_gpus
@@ -488,22 +489,6 @@ def _signals_end_cleanly() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-@contextlib.contextmanager
-def _quick_thread_switches() -> Iterator[None]:
-    """Hand the interpreter lock between the event loop and the scoring thread every `THREAD_SWITCH_S`
-    rather than Python's 5 ms: a thread that wants the lock waits out the interval while the other runs
-    Python, so a request that arrives while a batch is planned or merged would wait that long to be read
-    (as `maxsim_cli.jobs` does for its rank threads, which left a GPU idle without it)."""
-    from maxsim_cli.jobs import THREAD_SWITCH_S
-
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(interval, THREAD_SWITCH_S))
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(interval)
-
-
 def warm_up(corpus: Corpus, device: str = "auto") -> None:
     """One search and one rerank of a one-token query: the kernels are compiled or loaded now, not on a
     client's first request."""
@@ -518,20 +503,11 @@ def warm_up(corpus: Corpus, device: str = "auto") -> None:
 
 
 def _settle_for_serving(corpus: Corpus) -> None:
-    """Once the corpus is resident and the kernels loaded: on GPUs, one host thread for torch's CPU
-    operations (a request's are a few small tensors; the idle pool's threads spin after each one and
-    took cores from the HTTP workers: on the 2-core machine one rerank request went from 5.1 to 3.2 ms
-    p50 over HTTP with 2 workers, `OMP_NUM_THREADS=1`); and every object made so far (the corpus, its
-    id index, the imported modules) moved out of the garbage collector's generations, so its full
-    collections do not walk them while requests wait."""
-    import gc
-
-    import torch
-
+    """Once the corpus is resident and the kernels loaded, the server's process-wide settings
+    (`maxsim_cli.tuning`): one torch host thread on GPUs, what exists frozen out of the collector."""
     if resident_on_gpus(corpus):
-        torch.set_num_threads(1)
-    gc.collect()
-    gc.freeze()
+        tuning.one_torch_host_thread()
+    tuning.freeze_collector()
 
 
 def _stderr(message: str) -> None:
@@ -654,7 +630,9 @@ def serve(
             server = uvicorn.Server(config)
             sock.listen(config.backlog)
             log(f"serving on {_url(host, bound)} {STOPS}")
-            with _signals_end_cleanly(), _quick_thread_switches():
+            # the event loop and the scoring thread hand Python's lock over quickly: a request that arrives
+            # while a batch is planned or merged is read without waiting out Python's 5 ms
+            with _signals_end_cleanly(), tuning.quick_thread_switches():
                 server.run(sockets=[sock])
             log("stopped")
     finally:
@@ -726,7 +704,7 @@ def _serve_with_workers(
     except ImportError:
         loop = asyncio.new_event_loop()
     try:
-        with _quick_thread_switches():
+        with tuning.quick_thread_switches():
             loop.run_until_complete(hub.run(ready))
     finally:
         loop.close()

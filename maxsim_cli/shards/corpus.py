@@ -524,7 +524,7 @@ def check_same_dim(queries: DocBatch, query_path: str, corpus: Corpus) -> None:
 
 def check_kernel_dim(corpus: Corpus) -> None:
     """The corpus's `dim` is one the kernels take (a multiple of 8 up to their maximum)."""
-    from maxsim_kernels._validate import MAX_DIM
+    from maxsim_kernels import MAX_DIM
 
     dim = corpus.dim
     if dim % 8 or not 8 <= dim <= MAX_DIM:

@@ -218,7 +218,7 @@ def _device_offsets(host_offsets: np.ndarray, device: torch.device) -> tuple[tor
     offsets_host = torch.from_numpy(host_offsets)
     offsets_device = offsets_host.to(device)
     if device.type == "cuda":
-        from maxsim_kernels._validate import share_device_copy
+        from maxsim_kernels import share_device_copy
 
         share_device_copy(offsets_host, offsets_device)
     return offsets_host, offsets_device
