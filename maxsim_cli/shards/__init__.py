@@ -75,7 +75,6 @@ from maxsim_cli.shards.format import (
     string_bytes,
     torch_dtypes,
 )
-from maxsim_cli.shards.format import _decode_ids as _decode_ids  # tests check ids through it
 from maxsim_cli.shards.memory import MemoryShard
 from maxsim_cli.shards.readers import (
     ArrowShard,

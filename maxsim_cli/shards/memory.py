@@ -21,8 +21,8 @@ from maxsim_cli.errors import InputError, MaxsimError, MaxsimWarning
 from maxsim_cli.shards.format import (
     NORM_TOLERANCE,
     ShardInfo,
-    _check_ids,
-    _check_values,
+    check_ids,
+    check_values,
     show_id,
     torch_dtypes,
 )
@@ -243,8 +243,8 @@ def pack_embeddings(
         scale_rows = scale_rows.to(torch.float32).contiguous()
     offsets = torch.zeros(len(keys) + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths.cpu(), 0)
-    _check_ids(name, keys, what=words.id_word)
-    _check_values(name, packed, scale_rows, offsets.numpy(), keys, 0, what=words.what)
+    check_ids(name, keys, what=words.id_word)
+    check_values(name, packed, scale_rows, offsets.numpy(), keys, 0, what=words.what)
     return Packed(keys, packed, offsets, scale_rows)
 
 

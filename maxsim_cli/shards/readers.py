@@ -29,22 +29,22 @@ import pyarrow.parquet as pq
 from maxsim_cli.arrays import array_values, numbers, strings_array
 from maxsim_cli.errors import MaxsimError
 from maxsim_cli.shards.format import (
-    _ARROW_VALUE_TYPES,
-    _ST_ITEMSIZE,
-    _ST_NAMES,
+    ARROW_VALUE_TYPES,
     MAX_SAFETENSORS_HEADER,
+    SAFETENSORS_DTYPE_NAMES,
+    SAFETENSORS_ITEMSIZE,
     SHARD_SUFFIXES,
+    ArrowIds,
     DocBatch,
     ShardInfo,
-    _ArrowIds,
-    _check_counts,
-    _check_ids,
-    _check_offsets,
-    _check_values,
-    _decode_ids,
-    _err,
-    _one_line,
-    _parse_metadata,
+    check_counts,
+    check_ids,
+    check_offsets,
+    check_values,
+    decode_ids,
+    input_error,
+    one_line,
+    parse_metadata,
     show_id,
     torch_dtypes,
 )
@@ -150,7 +150,7 @@ class Shard:
             embeddings, scales = self._read_rows(start, stop)
         local = self.offsets[start : stop + 1] - self.offsets[start]
         ids = self.ids[start:stop]
-        _check_values(self.path, embeddings, scales, local, ids, start)
+        check_values(self.path, embeddings, scales, local, ids, start)
         return DocBatch(ids, embeddings, torch.from_numpy(np.array(local, dtype=np.int64)), scales, start)
 
     def read_doc_indices(self, indices: Sequence[int]) -> DocBatch:
@@ -213,7 +213,7 @@ def _st_tensor(path: str, header: dict[str, Any], name: str, data_size: int) -> 
     """Check one safetensors header entry; return (dtype, shape)."""
     entry = header.get(name)
     if not isinstance(entry, dict):
-        raise _err(
+        raise input_error(
             path,
             f"missing tensor {name!r}; a maxsim shard has embeddings, offsets, ids, id_offsets "
             "(and scales when int8)",
@@ -226,14 +226,14 @@ def _st_tensor(path: str, header: dict[str, Any], name: str, data_size: int) -> 
         or len(span) != 2
         or not all(isinstance(s, int) and s >= 0 for s in [*shape, *span])
     ):
-        raise _err(path, f"corrupt header entry for tensor {name!r}")
-    if dtype not in _ST_ITEMSIZE:
-        raise _err(path, f"tensor {name!r} has unknown dtype {dtype!r}")
+        raise input_error(path, f"corrupt header entry for tensor {name!r}")
+    if dtype not in SAFETENSORS_ITEMSIZE:
+        raise input_error(path, f"tensor {name!r} has unknown dtype {dtype!r}")
     begin, end = span
-    if end < begin or end - begin != math.prod(shape) * _ST_ITEMSIZE[dtype]:
-        raise _err(path, f"tensor {name!r}: data_offsets {span} do not match shape {shape} of {dtype}")
+    if end < begin or end - begin != math.prod(shape) * SAFETENSORS_ITEMSIZE[dtype]:
+        raise input_error(path, f"tensor {name!r}: data_offsets {span} do not match shape {shape} of {dtype}")
     if end > data_size:
-        raise _err(
+        raise input_error(
             path,
             f"truncated: tensor {name!r} ends at byte {end} of the data section but only "
             f"{data_size} bytes follow the header; re-copy or rewrite the file",
@@ -250,18 +250,18 @@ class SafetensorsShard(Shard):
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise _err(
+                raise input_error(
                     path, f"truncated: {size} bytes, shorter than the 8-byte safetensors header length"
                 )
             (header_len,) = struct.unpack("<Q", head)
             if header_len > MAX_SAFETENSORS_HEADER:
-                raise _err(
+                raise input_error(
                     path,
                     f"corrupt safetensors header length {header_len} (at offset 0); "
                     "not a safetensors file or damaged",
                 )
             if 8 + header_len > size:
-                raise _err(
+                raise input_error(
                     path,
                     f"truncated: header needs {header_len} bytes after offset 8 but the file "
                     f"has {size} bytes",
@@ -270,47 +270,47 @@ class SafetensorsShard(Shard):
         try:
             header = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise _err(
-                path, f"corrupt safetensors header (bytes 8..{8 + header_len}): {_one_line(exc)}"
+            raise input_error(
+                path, f"corrupt safetensors header (bytes 8..{8 + header_len}): {one_line(exc)}"
             ) from None
         if not isinstance(header, dict):
-            raise _err(path, "corrupt safetensors header: not a JSON object")
+            raise input_error(path, "corrupt safetensors header: not a JSON object")
         meta_raw = header.get("__metadata__")
         if meta_raw is not None and (
             not isinstance(meta_raw, dict) or not all(isinstance(v, str) for v in meta_raw.values())
         ):
-            raise _err(path, "corrupt __metadata__: must map strings to strings")
-        meta = _parse_metadata(path, meta_raw, "__metadata__")
+            raise input_error(path, "corrupt __metadata__: must map strings to strings")
+        meta = parse_metadata(path, meta_raw, "__metadata__")
         data_size = size - 8 - header_len
         emb_dtype, emb_shape = _st_tensor(path, header, "embeddings", data_size)
-        if emb_dtype not in _ST_NAMES:
-            raise _err(
+        if emb_dtype not in SAFETENSORS_DTYPE_NAMES:
+            raise input_error(
                 path, f"unsupported embeddings dtype {emb_dtype} (expected F16, BF16, F32, or I8 with scales)"
             )
-        dtype = _ST_NAMES[emb_dtype]
+        dtype = SAFETENSORS_DTYPE_NAMES[emb_dtype]
         if dtype != meta["dtype"]:
-            raise _err(path, f"embeddings are {emb_dtype} but metadata says dtype={meta['dtype']}")
+            raise input_error(path, f"embeddings are {emb_dtype} but metadata says dtype={meta['dtype']}")
         if len(emb_shape) != 2:
-            raise _err(path, f"embeddings must be 2-D [num_tokens, dim], got shape {emb_shape}")
+            raise input_error(path, f"embeddings must be 2-D [num_tokens, dim], got shape {emb_shape}")
         num_tokens, dim = emb_shape
         shapes: dict[str, list[int]] = {}
         for name, want in (("offsets", "I64"), ("ids", "U8"), ("id_offsets", "I64")):
             got, shape = _st_tensor(path, header, name, data_size)
             if got != want or len(shape) != 1:
-                raise _err(path, f"tensor {name!r} must be a 1-D {want} tensor, got {got} {shape}")
+                raise input_error(path, f"tensor {name!r} must be a 1-D {want} tensor, got {got} {shape}")
             shapes[name] = shape
         if dtype == "int8":
             if "scales" not in header:
-                raise _err(
+                raise input_error(
                     path,
                     "int8 embeddings without scales: an int8 shard needs a F32 'scales' "
                     "tensor [num_tokens]; rewrite it with `maxsim quantize`",
                 )
             got, shape = _st_tensor(path, header, "scales", data_size)
             if got != "F32" or shape != [num_tokens]:
-                raise _err(path, f"tensor 'scales' must be F32 [{num_tokens}], got {got} {shape}")
+                raise input_error(path, f"tensor 'scales' must be F32 [{num_tokens}], got {got} {shape}")
         if shapes["offsets"] != shapes["id_offsets"]:
-            raise _err(
+            raise input_error(
                 path,
                 f"offsets {shapes['offsets']} and id_offsets {shapes['id_offsets']} differ in "
                 "length; both must be [num_docs + 1]",
@@ -327,21 +327,21 @@ class SafetensorsShard(Shard):
         except MaxsimError:
             raise
         except Exception as exc:  # safetensors raises its own error types
-            raise _err(path, f"corrupt safetensors file: {_one_line(exc)}") from None
+            raise input_error(path, f"corrupt safetensors file: {one_line(exc)}") from None
         # The values are read with `os.pread` at these byte positions (docs/format.md: row-major,
         # little-endian), never through a map of the file: a file truncated while mapped kills the
         # process with SIGBUS, a short read is a one-line error.
         base = 8 + header_len
-        self.row_bytes = dim * _ST_ITEMSIZE[emb_dtype]
+        self.row_bytes = dim * SAFETENSORS_ITEMSIZE[emb_dtype]
         self.emb_start = base + int(header["embeddings"]["data_offsets"][0])
         self.scales_start = base + int(header["scales"]["data_offsets"][0]) if dtype == "int8" else None
         self._identity = _identity(opened)
         self._fd: int | None = None
         self._fd_lock = threading.Lock()
         self._closed = False
-        id_array = _decode_ids(path, id_bytes, id_offsets)
-        _check_offsets(path, offsets, _ArrowIds(id_array), num_tokens)
-        _check_counts(path, meta, len(id_array), num_tokens, dim)
+        id_array = decode_ids(path, id_bytes, id_offsets)
+        check_offsets(path, offsets, ArrowIds(id_array), num_tokens)
+        check_counts(path, meta, len(id_array), num_tokens, dim)
         info = _shard_info(path, "safetensors", len(id_array), num_tokens, dim, dtype, meta)
         super().__init__(info, None, offsets.astype(np.int64, copy=False), id_array)
 
@@ -355,7 +355,9 @@ class SafetensorsShard(Shard):
                 try:
                     fd = os.open(self.path, os.O_RDONLY)
                 except OSError as exc:
-                    raise _err(self.path, f"cannot reopen it to read values: {_one_line(exc)}") from None
+                    raise input_error(
+                        self.path, f"cannot reopen it to read values: {one_line(exc)}"
+                    ) from None
                 try:
                     check_unchanged(self.path, self._identity, os.fstat(fd))
                 except BaseException:
@@ -409,7 +411,7 @@ def check_unchanged(path: str, identity: FileIdentity, st: os.stat_result) -> No
         what = f"changed size from {identity[2]} to {now[2]} bytes"
     else:
         what = "was rewritten"
-    raise _err(
+    raise input_error(
         path,
         f"{what} while maxsim was reading it; let the process writing it finish, then run again",
     )
@@ -425,10 +427,12 @@ def pread_into(path: str, fd: int, identity: FileIdentity, out: Any, offset: int
         try:
             got = os.preadv(fd, [view[done : done + (1 << 30)]], offset + done)
         except OSError as exc:
-            raise _err(path, f"cannot read: {_one_line(exc)}") from None
+            raise input_error(path, f"cannot read: {one_line(exc)}") from None
         if got <= 0:
             check_unchanged(path, identity, os.fstat(fd))
-            raise _err(path, f"truncated: the file ends at byte {offset + done}; re-copy or rewrite it")
+            raise input_error(
+                path, f"truncated: the file ends at byte {offset + done}; re-copy or rewrite it"
+            )
         done += got
     check_unchanged(path, identity, os.fstat(fd))
 
@@ -444,40 +448,42 @@ def _arrow_schema_types(path: str, schema: pa.Schema, dim: int, dtype: str) -> t
     names = schema.names
     for col in ("id", "embedding"):
         if col not in names:
-            raise _err(
+            raise input_error(
                 path,
                 f"no {col!r} column (columns: {', '.join(names)}); a maxsim shard has 'id' and 'embedding'",
             )
     if schema.field("id").type not in (pa.string(), pa.large_string()):
-        raise _err(path, f"column 'id' must be utf8 or large_utf8, not {schema.field('id').type}")
+        raise input_error(path, f"column 'id' must be utf8 or large_utf8, not {schema.field('id').type}")
     emb_type = schema.field("embedding").type
     if not (pa.types.is_list(emb_type) or pa.types.is_large_list(emb_type)):
-        raise _err(path, f"column 'embedding' must be list<fixed_size_list<T, dim>>, not {emb_type}")
+        raise input_error(path, f"column 'embedding' must be list<fixed_size_list<T, dim>>, not {emb_type}")
     inner = emb_type.value_type
     fixed = pa.types.is_fixed_size_list(inner)
     if not (fixed or pa.types.is_list(inner) or pa.types.is_large_list(inner)):
-        raise _err(path, f"column 'embedding' must be list<fixed_size_list<T, dim>>, not {emb_type}")
+        raise input_error(path, f"column 'embedding' must be list<fixed_size_list<T, dim>>, not {emb_type}")
     if fixed and inner.list_size != dim:
-        raise _err(path, f"embedding vectors have {inner.list_size} values but metadata says dim={dim}")
-    want = _ARROW_VALUE_TYPES[dtype]
+        raise input_error(
+            path, f"embedding vectors have {inner.list_size} values but metadata says dim={dim}"
+        )
+    want = ARROW_VALUE_TYPES[dtype]
     if inner.value_type != want:
-        raise _err(
+        raise input_error(
             path,
             f"embedding values are {inner.value_type} but metadata says dtype={dtype} (stored as {want})",
         )
     if dtype == "int8":
         if "scales" not in names:
-            raise _err(
+            raise input_error(
                 path,
                 "int8 embeddings without scales: an int8 shard needs a 'scales' "
                 "list<float32> column; rewrite it with `maxsim quantize`",
             )
         st = schema.field("scales").type
         if not ((pa.types.is_list(st) or pa.types.is_large_list(st)) and st.value_type == pa.float32()):
-            raise _err(path, f"column 'scales' must be list<float32>, not {st}")
+            raise input_error(path, f"column 'scales' must be list<float32>, not {st}")
     has_length = "length" in names
     if has_length and not pa.types.is_integer(schema.field("length").type):
-        raise _err(path, f"column 'length' must be an integer, not {schema.field('length').type}")
+        raise input_error(path, f"column 'length' must be an integer, not {schema.field('length').type}")
     return fixed, has_length
 
 
@@ -516,14 +522,16 @@ class _ArrowTokens:
             if bad.size:
                 tok_offsets = np.concatenate([[0], np.cumsum(_list_lengths(sub))])
                 doc = int(np.searchsorted(tok_offsets, bad[0], side="right")) - 1
-                raise _err(
+                raise input_error(
                     self.path,
                     f"document {show_id(ids[first + doc])} has a token vector of "
                     f"{int(widths[bad[0]])} values; dim is {self.dim}",
                 )
         values = vectors.flatten()
         if values.null_count:
-            raise _err(self.path, f"null values in the embeddings of documents {lo}..{hi} of a record batch")
+            raise input_error(
+                self.path, f"null values in the embeddings of documents {lo}..{hi} of a record batch"
+            )
         return numbers(values).reshape(-1, self.dim)
 
     def scales(self, column: pa.Array, lo: int, hi: int) -> np.ndarray:
@@ -587,12 +595,12 @@ class _RecordShard(Shard):
         expected = int(self.offsets[stop] - self.offsets[start])
         tokens = sum(part.shape[0] for part in emb_parts)
         if tokens != expected:
-            raise _err(
+            raise input_error(
                 self.path, f"documents {start}..{stop} hold {tokens} tokens but their lengths say {expected}"
             )
         scale_count = sum(part.shape[0] for part in scale_parts)
         if scale_parts and scale_count != expected:
-            raise _err(
+            raise input_error(
                 self.path, f"documents {start}..{stop} have {scale_count} scales for {expected} tokens"
             )
         return emb_parts, scale_parts
@@ -660,14 +668,14 @@ def _check_field_names(path: str, schema: pa.Schema) -> None:
         try:
             read_names(schema.field(i))
         except UnicodeDecodeError:
-            raise _err(
+            raise input_error(
                 path,
                 f"the name of column {i} (or of a field inside it) is not valid UTF-8; Arrow field names "
                 "are UTF-8 text",
             ) from None
     for name in ("id", "embedding", "scales", "length"):
         if len(schema.get_all_field_indices(name)) > 1:
-            raise _err(path, f"column {name!r} appears more than once; a shard has each column once")
+            raise input_error(path, f"column {name!r} appears more than once; a shard has each column once")
 
 
 def _record_metadata(
@@ -678,8 +686,8 @@ def _record_metadata(
     if not decoded or "format" not in decoded:
         hint = _pack_command(path, schema)
         if hint is not None:
-            raise _err(path, hint)
-    meta = _parse_metadata(path, decoded, where)
+            raise input_error(path, hint)
+    meta = parse_metadata(path, decoded, where)
     fixed, has_length = _arrow_schema_types(path, schema, meta["dim"], meta["dtype"])
     return meta, fixed, has_length
 
@@ -696,7 +704,7 @@ def _validate_full(
     try:
         data.validate(full=True)
     except pa.ArrowException as exc:
-        raise _err(path, f"{what} is corrupt: {_one_line(exc)}; {advice}") from None
+        raise input_error(path, f"{what} is corrupt: {one_line(exc)}; {advice}") from None
 
 
 def _check_nulls(path: str, batch: pa.RecordBatch | pa.Table, names: Sequence[str], first_doc: int) -> None:
@@ -704,7 +712,7 @@ def _check_nulls(path: str, batch: pa.RecordBatch | pa.Table, names: Sequence[st
         col = batch.column(name)
         if col.null_count:
             nulls = np.flatnonzero(np.asarray(_combine(col).is_null()))
-            raise _err(path, f"null in column {name!r} at document index {first_doc + int(nulls[0])}")
+            raise input_error(path, f"null in column {name!r} at document index {first_doc + int(nulls[0])}")
 
 
 class ArrowShard(_RecordShard):
@@ -723,7 +731,7 @@ class ArrowShard(_RecordShard):
             try:
                 batch.validate()
             except pa.ArrowException as exc:
-                raise _err(path, f"corrupt record batch {i}: {_one_line(exc)}") from None
+                raise input_error(path, f"corrupt record batch {i}: {one_line(exc)}") from None
             # Fully validated here, at open, are the columns a shard reads (its other columns never are
             # read): the ids and the lists' offsets are read now, the token values only when a read
             # asks for them, and validating does not touch those (`_validate_full`).
@@ -734,15 +742,15 @@ class ArrowShard(_RecordShard):
             ids.extend(batch.column("id").to_pylist())
             doc_lengths = _list_lengths(batch.column("embedding"))
             if dtype == "int8" and not np.array_equal(_list_lengths(batch.column("scales")), doc_lengths):
-                raise _err(path, f"record batch {i}: scales and embedding lists differ in length")
+                raise input_error(path, f"record batch {i}: scales and embedding lists differ in length")
             lengths.append(doc_lengths)
             starts.append(starts[-1] + batch.num_rows)
-        _check_ids(path, ids)
+        check_ids(path, ids)
         lens = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
         offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         num_tokens = int(offsets[-1])
-        _check_offsets(path, offsets, ids, num_tokens)
-        _check_counts(path, meta, len(ids), num_tokens, dim)
+        check_offsets(path, offsets, ids, num_tokens)
+        check_counts(path, meta, len(ids), num_tokens, dim)
         info = _shard_info(path, fmt, len(ids), num_tokens, dim, dtype, meta)
         super().__init__(info, ids, offsets)
         self._batches: list[pa.RecordBatch] | None = batches
@@ -766,8 +774,8 @@ class ArrowShard(_RecordShard):
         try:
             now = os.stat(self.path)
         except OSError as exc:  # removed (or its folder made unreadable) since it was opened
-            raise _err(
-                self.path, f"cannot read values: {_one_line(exc)}; put the file back or open the corpus again"
+            raise input_error(
+                self.path, f"cannot read values: {one_line(exc)}; put the file back or open the corpus again"
             ) from None
         check_unchanged(self.path, self._source.identity, now)
         rows = super()._read_rows(start, stop)  # copies the rows out of the map
@@ -809,7 +817,7 @@ def _open_arrow(path: str) -> ArrowShard:
     try:
         mapped = _MappedFile(path)
     except (OSError, ValueError, pa.ArrowException) as exc:
-        raise _err(path, f"cannot open: {_one_line(exc)}") from None
+        raise input_error(path, f"cannot open: {one_line(exc)}") from None
     source = mapped.reader
     try:
         try:
@@ -828,7 +836,7 @@ def _open_arrow(path: str) -> ArrowShard:
         raise
     except (pa.ArrowException, OSError, ValueError) as exc:
         mapped.close()
-        raise _err(path, f"corrupt or truncated Arrow IPC file: {_one_line(exc)}") from None
+        raise input_error(path, f"corrupt or truncated Arrow IPC file: {one_line(exc)}") from None
 
 
 class ParquetShard(_RecordShard):
@@ -843,9 +851,9 @@ class ParquetShard(_RecordShard):
             schema = self._file.schema_arrow
             file_meta = self._file.metadata
         except UnicodeDecodeError:  # pyarrow decodes the column names as it opens the file
-            raise _err(path, "a column name is not valid UTF-8, as Parquet's must be") from None
+            raise input_error(path, "a column name is not valid UTF-8, as Parquet's must be") from None
         except (pa.ArrowException, OSError) as exc:
-            raise _err(path, f"corrupt or truncated Parquet file: {_one_line(exc)}") from None
+            raise input_error(path, f"corrupt or truncated Parquet file: {one_line(exc)}") from None
         meta, fixed, has_length = _record_metadata(path, schema, file_meta.metadata, "key-value metadata")
         dim, dtype = meta["dim"], meta["dtype"]
         num_groups = file_meta.num_row_groups
@@ -874,12 +882,12 @@ class ParquetShard(_RecordShard):
         except MaxsimError:
             raise
         except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
-            raise _err(path, f"corrupt or truncated Parquet file: {_one_line(exc)}") from None
-        _check_ids(path, ids)
+            raise input_error(path, f"corrupt or truncated Parquet file: {one_line(exc)}") from None
+        check_ids(path, ids)
         offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         num_tokens = int(offsets[-1])
-        _check_offsets(path, offsets, ids, num_tokens)
-        _check_counts(path, meta, len(ids), num_tokens, dim)
+        check_offsets(path, offsets, ids, num_tokens)
+        check_counts(path, meta, len(ids), num_tokens, dim)
         info = _shard_info(path, "parquet", len(ids), num_tokens, dim, dtype, meta)
         super().__init__(info, ids, offsets)
         self._tokens = _ArrowTokens(path, dim, dtype, fixed)
@@ -892,7 +900,7 @@ class ParquetShard(_RecordShard):
             try:
                 table = self._file.read_row_group(index, columns=names)
             except (pa.ArrowException, OSError) as exc:
-                raise _err(self.path, f"corrupt row group {index}: {_one_line(exc)}") from None
+                raise input_error(self.path, f"corrupt row group {index}: {one_line(exc)}") from None
             first = int(self._chunk_starts[index])
             _validate_full(self.path, table, f"row group {index}")
             _check_nulls(self.path, table, names, first)
@@ -900,7 +908,7 @@ class ParquetShard(_RecordShard):
             want = np.diff(self.offsets[first : int(self._chunk_starts[index + 1]) + 1])
             if not np.array_equal(lens, want):
                 doc = first + int(np.flatnonzero(lens != want)[0])
-                raise _err(
+                raise input_error(
                     self.path,
                     f"document {show_id(self.ids[doc])} (index {doc}) has "
                     f"{int(lens[doc - first])} tokens but the 'length' column says "
@@ -936,15 +944,15 @@ def open_shard(path: str | os.PathLike[str]) -> Shard:
     """
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise _err(path, "no such file")
+        raise input_error(path, "no such file")
     if os.path.isdir(path):
-        raise _err(path, "is a directory; open it with open_corpus or name a shard file")
+        raise input_error(path, "is a directory; open it with open_corpus or name a shard file")
     kind = _sniff(path)
     if kind == "safetensors" and os.path.splitext(path)[1].lower() != ".safetensors":
         with open(path, "rb") as f:
             head = f.read(9)
         if len(head) < 9 or head[8:9] != b"{":
-            raise _err(
+            raise input_error(
                 path, "not a shard: expected a safetensors, Arrow IPC or Parquet file (see docs/format.md)"
             )
     if kind == "arrow":
@@ -962,7 +970,7 @@ def read_stream(name: str, data: bytes) -> tuple[pa.Schema, list[pa.RecordBatch]
         reader = pa.ipc.open_stream(pa.py_buffer(data))
         batches = list(reader)
     except (pa.ArrowException, OSError, ValueError) as exc:
-        raise _err(name, f"not an Arrow IPC stream: {_one_line(exc)}") from None
+        raise input_error(name, f"not an Arrow IPC stream: {one_line(exc)}") from None
     for i, batch in enumerate(batches):
         _validate_full(name, batch, f"record batch {i}", "check the program that wrote the stream")
     return reader.schema, batches
@@ -974,7 +982,9 @@ def read_queries(path: str) -> DocBatch:
         name = "<stdin>"
         data = sys.stdin.buffer.read()
         if not data:
-            raise _err(name, "no data on stdin; pipe an Arrow IPC stream of queries (see docs/format.md)")
+            raise input_error(
+                name, "no data on stdin; pipe an Arrow IPC stream of queries (see docs/format.md)"
+            )
         schema, batches = read_stream(name, data)
         shard: Shard = ArrowShard(name, batches, schema, "arrow-stream")
     else:

@@ -30,16 +30,15 @@ import pyarrow.parquet as pq
 from maxsim_cli.arrays import strings_array, values_array
 from maxsim_cli.errors import InputError, MaxsimError, MaxsimWarning
 from maxsim_cli.shards.files import (
-    _atomic_temp,
-    _remove_quietly,
+    atomic_temp,
     file_sha256,
     list_shard_files,
+    remove_quietly,
     write_error,
     write_text_atomic,
 )
 from maxsim_cli.shards.format import (
-    _ARROW_VALUE_TYPES,
-    _ST_DTYPES,
+    ARROW_VALUE_TYPES,
     CORPUS_FORMAT_NAME,
     CORPUS_FORMAT_VERSION,
     DTYPES,
@@ -50,13 +49,14 @@ from maxsim_cli.shards.format import (
     NORM_TOLERANCE,
     PATCH_GRID_KEY,
     PATCH_START_KEY,
+    SAFETENSORS_DTYPES,
     SHARD_SUFFIXES,
     ShardInfo,
-    _check_offsets,
-    _check_values,
-    _err,
-    _one_line,
     check_id,
+    check_offsets,
+    check_values,
+    input_error,
+    one_line,
     parse_patch_grid,
     show_id,
     torch_dtypes,
@@ -82,7 +82,7 @@ def as_tensor(x: Any, where: str = "embeddings", *, keep_device: bool = False) -
     try:
         arr = np.asarray(x)
     except (ValueError, TypeError) as exc:  # ragged nested lists, objects numpy cannot take
-        raise InputError(f"{where}: not an array of numbers ({_one_line(exc)}); {_NUMBERS}") from None
+        raise InputError(f"{where}: not an array of numbers ({one_line(exc)}); {_NUMBERS}") from None
     if arr.dtype == np.float64 or arr.dtype == np.float32 or arr.dtype == np.float16 or arr.dtype == np.int8:
         with warnings.catch_warnings():  # read-only (memory-mapped) arrays: we never write to them
             warnings.simplefilter("ignore", UserWarning)
@@ -127,7 +127,7 @@ def mask_rows(mask: Any, where: str) -> torch.Tensor:
             array = np.asarray(mask)
         except (ValueError, TypeError) as exc:  # ragged nested lists
             raise InputError(
-                f"{where}: not an array of booleans or 0/1 ({_one_line(exc)}); {_MASKS}"
+                f"{where}: not an array of booleans or 0/1 ({one_line(exc)}); {_MASKS}"
             ) from None
         if array.dtype.kind not in "biuf":  # None, strings, objects
             raise InputError(f"{where}: dtype {array.dtype} is not boolean or 0/1; {_MASKS}")
@@ -164,18 +164,23 @@ class _SafetensorsSink:
         self.reserved += -self.reserved % 8
         self.tmp: str | None = None
         try:  # a signal in here (before the caller holds this sink to abort) removes the temp file
-            fd, self.tmp = _atomic_temp(path, claim=functools.partial(setattr, self, "tmp"))
+            fd, self.tmp = atomic_temp(path, claim=functools.partial(setattr, self, "tmp"))
             self.file = os.fdopen(fd, "wb")
             self.file.seek(8 + self.reserved)
         except BaseException:
-            _remove_quietly(self.tmp)
+            remove_quietly(self.tmp)
             raise
         self.scales: list[torch.Tensor] = []
 
     def _header(self, num_docs: int, num_tokens: int, id_bytes: int) -> bytes:
         item = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1}[self.dtype]
         layout = [
-            ("embeddings", _ST_DTYPES[self.dtype], [num_tokens, self.dim], num_tokens * self.dim * item)
+            (
+                "embeddings",
+                SAFETENSORS_DTYPES[self.dtype],
+                [num_tokens, self.dim],
+                num_tokens * self.dim * item,
+            )
         ]
         if self.dtype == "int8":
             layout.append(("scales", "F32", [num_tokens], 4 * num_tokens))
@@ -229,7 +234,7 @@ class _SafetensorsSink:
             self.file.close()  # flushing what is buffered may fail again (a full disk): the error is known
         except OSError:
             pass
-        _remove_quietly(self.tmp)
+        remove_quietly(self.tmp)
 
 
 def arrow_schema(
@@ -238,7 +243,7 @@ def arrow_schema(
     """The format v1 Arrow schema: id utf8, embedding list<fixed_size_list<T, dim>>, scales for int8."""
     fields = [
         pa.field("id", pa.string(), nullable=False),
-        pa.field("embedding", pa.list_(pa.list_(_ARROW_VALUE_TYPES[dtype], dim)), nullable=False),
+        pa.field("embedding", pa.list_(pa.list_(ARROW_VALUE_TYPES[dtype], dim)), nullable=False),
     ]
     if dtype == "int8":
         fields.append(pa.field("scales", pa.list_(pa.float32()), nullable=False))
@@ -262,7 +267,7 @@ def _record_batch(
     # arrays built from their buffers (`maxsim_cli.arrays`): pa.array would import pandas
     list_offsets = values_array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
     vectors = pa.FixedSizeListArray.from_arrays(values_array(raw), dim)
-    assert vectors.type.value_type == _ARROW_VALUE_TYPES[dtype]
+    assert vectors.type.value_type == ARROW_VALUE_TYPES[dtype]
     columns = [strings_array(ids, large=False), pa.ListArray.from_arrays(list_offsets, vectors)]
     if dtype == "int8":
         assert scales is not None
@@ -289,11 +294,11 @@ class _RecordSink:
         self.spill: str | None = None
         self.tmp: str | None = None
         try:  # a signal in here (before the caller holds this sink to abort) removes the spill file
-            fd, self.spill = _atomic_temp(path + ".spill", claim=functools.partial(setattr, self, "spill"))
+            fd, self.spill = atomic_temp(path + ".spill", claim=functools.partial(setattr, self, "spill"))
             os.close(fd)
             self.writer = pa.ipc.new_stream(self.spill, self.schema)
         except BaseException:
-            _remove_quietly(self.spill)
+            remove_quietly(self.spill)
             raise
         self.pending: list[tuple[list[str], torch.Tensor, np.ndarray, torch.Tensor | None]] = []
         self.pending_bytes = 0
@@ -328,7 +333,7 @@ class _RecordSink:
         final_schema = self.schema.with_metadata(
             {**meta_keys, "num_docs": str(len(ids)), "num_tokens": str(int(offsets[-1]))}
         )
-        fd, self.tmp = _atomic_temp(self.path, claim=functools.partial(setattr, self, "tmp"))
+        fd, self.tmp = atomic_temp(self.path, claim=functools.partial(setattr, self, "tmp"))
         os.close(fd)
         assert self.spill is not None
         with pa.OSFile(self.spill, "rb") as source:  # plain reads: a memory map would count in RSS
@@ -343,15 +348,15 @@ class _RecordSink:
                         out.write_batch(batch)
         os.replace(self.tmp, self.path)
         self.tmp = None
-        _remove_quietly(self.spill)
+        remove_quietly(self.spill)
 
     def abort(self) -> None:
         try:
             self.writer.close()
         except pa.ArrowException:
             pass
-        _remove_quietly(self.spill)
-        _remove_quietly(self.tmp)
+        remove_quietly(self.spill)
+        remove_quietly(self.tmp)
 
 
 def format_for_path(path: str) -> str:
@@ -583,7 +588,7 @@ class ShardWriter:
                 )
             if len(ids) == 0:
                 return
-            _check_offsets(self.path, offs, ids, packed.shape[0])
+            check_offsets(self.path, offs, ids, packed.shape[0])
             lengths = np.diff(offs)
         else:
             if len(embeddings) == 0 and len(ids) == 0:
@@ -631,7 +636,7 @@ class ShardWriter:
                 )
             values = packed.to(torch_dtypes()[self.dtype]).contiguous()
         local = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        _check_values(self.path, values, scale_t, local, ids, base)
+        check_values(self.path, values, scale_t, local, ids, base)
         if self.format != "safetensors" and self.num_tokens + values.shape[0] > MAX_ARROW_TOKENS:
             raise InputError(
                 f"{self.path}: more than 2^31-1 tokens in one {self.format} shard (its list "
@@ -808,7 +813,7 @@ def write_manifest(directory: str | os.PathLike[str], shard_paths: Sequence[str]
         else [os.path.join(directory, os.path.basename(p)) for p in shard_paths]
     )
     if not files:
-        raise _err(directory, "no shards to list in a manifest")
+        raise input_error(directory, "no shards to list in a manifest")
     entries = []
     for f in files:
         with open_shard(f) as shard:
