@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from pydantic_core import to_json
 
 from maxsim_cli.errors import InputError, MaxsimError
-from maxsim_cli.queries import IN_MEMORY_NAME, Queries, _as_ids, _check_lengths
+from maxsim_cli.queries import IN_MEMORY_NAME, Queries, as_query_ids, check_query_lengths
 from maxsim_cli.shards.format import check_ids, check_values
 
 try:  # the serve extra's JSON reader for well-formed requests (`_read_json_fast`)
@@ -353,8 +353,8 @@ def _checked_queries(
     float32 array ``[tokens, width]``), checked as `Queries.from_embeddings` checks them, then against
     the corpus's dim."""
     name = IN_MEMORY_NAME
-    ids = _as_ids(qids, name)
-    _check_lengths(ids, [a.shape[0] for a in arrays], name)
+    ids = as_query_ids(qids, name)
+    check_query_lengths(ids, [a.shape[0] for a in arrays], name)
     first = arrays[0].shape[1]
     for i, a in enumerate(arrays):
         if a.shape[1] != first:
