@@ -354,7 +354,7 @@ class Corpus:
             if self.residency is not None and self.residency.device == targets[0]:
                 return self
             self.release()
-            self.residency = make_resident(self.shards, targets[0], name=self._name())
+            self.residency = make_resident(self.shards, targets[0], name=self.name)
             return self
         if self.placement is not None and [p.device for p in self.placement] == targets:
             return self
@@ -366,7 +366,7 @@ class Corpus:
                 continue
             share = Corpus([self.shards[i] for i in indices])
             try:
-                share.residency = make_resident(share.shards, target, name=share._name())
+                share.residency = make_resident(share.shards, target, name=share.name)
             except BaseException:
                 for part in parts:
                     part.corpus.release()
@@ -379,7 +379,7 @@ class Corpus:
         """`to` for an in-memory corpus: its tensors move to the one device named."""
         if len(targets) != 1:
             raise UsageError(
-                f"Corpus.to: {self._name()} is in memory, one block of tensors on one device; pass one "
+                f"Corpus.to: {self.name} is in memory, one block of tensors on one device; pass one "
                 "device, or write it as shards (write_shard) to spread them over several"
             )
         shard = self.shards[0]
@@ -389,7 +389,8 @@ class Corpus:
             self.residency = shard.residency()
         return self
 
-    def _name(self) -> str:
+    @property
+    def name(self) -> str:
         """The corpus as messages name it: its first shard (an in-memory corpus's name), and how many more."""
         first = self.shards[0].path
         return first if len(self.shards) == 1 else f"{first} and {len(self.shards) - 1} more"
