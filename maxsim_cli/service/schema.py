@@ -419,7 +419,7 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
     import pyarrow as pa
 
     from maxsim_cli.shards import ArrowShard
-    from maxsim_cli.shards.readers import read_stream
+    from maxsim_cli.shards.arrow_shards import read_stream
 
     allowed = ("k", "explain") if kind == "search" else ("k", "strict", "explain")
     for name in params:

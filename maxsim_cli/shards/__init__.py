@@ -17,7 +17,9 @@ document id or offset. Nothing is ever unpickled.
 The parts, each importing only those above it:
 
 - `format`: constants, metadata parsing, id / offset / count / value checks, `ShardInfo`, `DocBatch`.
-- `readers`: `Shard` and its safetensors / Arrow / Parquet readers, `open_shard`, `read_queries`.
+- `shard`: `Shard`, what every reader is, and reading a file's bytes while it may change.
+- `safetensors_shard`, `arrow_shards`: `SafetensorsShard`; `ArrowShard` and `ParquetShard`.
+- `readers`: `open_shard` (the container sniffed from the file's bytes), `read_queries`.
 - `memory`: embeddings from memory packed and checked (`Queries.from_embeddings`,
   `Corpus.from_embeddings`), `MemoryShard`, the shard of an in-memory corpus.
 - `corpus`: `Corpus`, `open_corpus`, the `index.json` manifest, `check_same_dim`, `check_kernel_dim`.
@@ -29,6 +31,7 @@ Importing this package imports no torch, nor does opening a corpus and reading i
 Every name is re-exported here; import from `maxsim_cli.shards`.
 """
 
+from maxsim_cli.shards.arrow_shards import ArrowShard, ParquetShard
 from maxsim_cli.shards.corpus import (
     Corpus,
     InputNote,
@@ -76,14 +79,9 @@ from maxsim_cli.shards.format import (
     torch_dtypes,
 )
 from maxsim_cli.shards.memory import MemoryShard
-from maxsim_cli.shards.readers import (
-    ArrowShard,
-    ParquetShard,
-    SafetensorsShard,
-    Shard,
-    open_shard,
-    read_queries,
-)
+from maxsim_cli.shards.readers import open_shard, read_queries
+from maxsim_cli.shards.safetensors_shard import SafetensorsShard
+from maxsim_cli.shards.shard import Shard
 from maxsim_cli.shards.writers import (
     ShardWriter,
     arrow_schema,

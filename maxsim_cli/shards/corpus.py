@@ -38,7 +38,8 @@ from maxsim_cli.shards.format import (
 )
 from maxsim_cli.shards.lookup import IdLookup
 from maxsim_cli.shards.memory import IN_MEMORY_CORPUS, MemoryShard
-from maxsim_cli.shards.readers import Shard, open_shard
+from maxsim_cli.shards.readers import open_shard
+from maxsim_cli.shards.shard import Shard
 
 if TYPE_CHECKING:
     import torch

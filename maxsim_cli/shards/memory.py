@@ -18,15 +18,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from maxsim_cli.errors import InputError, MaxsimError, MaxsimWarning
-from maxsim_cli.shards.format import (
-    NORM_TOLERANCE,
-    ShardInfo,
-    check_ids,
-    check_values,
-    show_id,
-    torch_dtypes,
-)
-from maxsim_cli.shards.readers import Shard
+from maxsim_cli.shards.format import NORM_TOLERANCE, ShardInfo, check_ids, check_values, show_id, torch_dtypes
+from maxsim_cli.shards.shard import Shard
 
 if TYPE_CHECKING:
     import torch
