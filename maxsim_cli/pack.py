@@ -55,7 +55,7 @@ from maxsim_cli.shards import (
 )
 from maxsim_cli.shards.files import OutputWriteError, check_output, move_into, swap_corpus_files
 from maxsim_cli.shards.format import parse_patch_grid
-from maxsim_cli.shards.writers import zero_row_warning
+from maxsim_cli.shards.inputs import zero_row_warning
 
 # 8 Mi tokens per shard: 2 GiB at dim 128 in float16, far below the 2^31-token limit of Arrow shards,
 # and few enough files that opening a corpus stays instant.

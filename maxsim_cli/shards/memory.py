@@ -121,7 +121,7 @@ def pack_embeddings(
     a bad shape, an empty item, a dim mismatch, a bad id, NaN/Inf."""
     import torch
 
-    from maxsim_cli.shards.writers import as_tensor, mask_rows
+    from maxsim_cli.shards.inputs import as_tensor, mask_rows
 
     keys = as_ids(ids, name, words)
 
@@ -354,7 +354,7 @@ def _unit_rows(
     """Whether every row has unit L2 norm (within `NORM_TOLERANCE`); with ``claimed`` True the first row
     that has not is an `InputError`, as the writer refuses it. Counts the documents with an all-zero row
     and warns about them as the writer does. Rows are read in chunks on their device."""
-    from maxsim_cli.shards.writers import zero_row_warning
+    from maxsim_cli.shards.inputs import zero_row_warning
 
     unit = True
     zero_rows: list[np.ndarray] = []
