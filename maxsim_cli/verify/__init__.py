@@ -50,9 +50,9 @@ from maxsim_cli.verify.run import DEFAULT_BATCH_TOKENS, verify
 __all__ = [
     "DEFAULT_BATCH_TOKENS",
     "EXIT_FAILED",
+    "FULL_FLOAT64_WIDTH",
     "Tolerances",
     "VerifyReport",
-    "FULL_FLOAT64_WIDTH",
     "float_reference",
     "sample_documents",
     "similarity_error",
