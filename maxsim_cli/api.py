@@ -230,7 +230,7 @@ def _score(
         run_candidates = None if candidates is None else _as_candidates(candidates)
         request = ScoreRequest(
             queries=q.name,
-            corpus=tuple(corpus_obj.paths) or (corpus_obj._name(),),  # an in-memory corpus: its name
+            corpus=tuple(corpus_obj.paths) or (corpus_obj.name,),  # an in-memory corpus: its name
             output="-",
             top_k=top_k,
             candidates=_candidates_name(candidates),

@@ -444,7 +444,7 @@ def _query_index(queries: Queries, qid: str) -> int:
 def _corpus_name(corpus: Corpus) -> str:
     """The corpus as messages name it: its shard, or its first shard and how many more (an in-memory
     corpus: its name)."""
-    return corpus._name()
+    return corpus.name
 
 
 def _device(corpus: Corpus, device: str, places: Sequence[tuple[int, int]]) -> torch.device:

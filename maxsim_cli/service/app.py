@@ -463,7 +463,7 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _log_config() -> dict[str, Any]:
+def uvicorn_log_config() -> dict[str, Any]:
     """uvicorn's logging, all of it on stderr (stdout carries data only), plus the ``maxsim`` loggers."""
     from uvicorn.config import LOGGING_CONFIG
 
@@ -621,7 +621,7 @@ def serve(
                 app,
                 host=host,
                 port=bound,
-                log_config=_log_config(),
+                log_config=uvicorn_log_config(),
                 access_log=access_log,
                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                 server_header=False,
@@ -663,7 +663,7 @@ def _serve_with_workers(
 
     from maxsim_cli.service.workers import Hub
 
-    logging.config.dictConfig(_log_config())
+    logging.config.dictConfig(uvicorn_log_config())
     index_ids(corpus)
     hub = Hub(
         corpus,

@@ -133,7 +133,7 @@ def run(listen_fd: int, hub_path: str, index: int) -> None:
 
     import uvicorn
 
-    from maxsim_cli.service.app import GRACEFUL_SHUTDOWN_S, _log_config, http_app
+    from maxsim_cli.service.app import GRACEFUL_SHUTDOWN_S, http_app, uvicorn_log_config
     from maxsim_cli.service.limits import ConnectionLimits, limit_connections
     from maxsim_cli.service.metrics import worker_metrics
     from maxsim_cli.service.schema import check_request
@@ -168,7 +168,7 @@ def run(listen_fd: int, hub_path: str, index: int) -> None:
         on_answer=client.awake.linger,
         metrics=metrics,
     )
-    log_config = _log_config()
+    log_config = uvicorn_log_config()
     log_config["loggers"]["uvicorn.error"]["level"] = "WARNING"  # no start-up lines from every worker
     listener = socket.socket(fileno=listen_fd)
     server_config = uvicorn.Config(

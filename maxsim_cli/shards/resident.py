@@ -26,7 +26,7 @@ from maxsim_cli.errors import MaxsimError
 if TYPE_CHECKING:
     import torch
 
-    from maxsim_cli.shards.readers import Shard
+    from maxsim_cli.shards.shard import Shard
 
 # Rows are read and copied in chunks of about this many bytes: large enough that a chunk's read and
 # copy dwarf their per-call costs, small enough that the chunks in flight (reader threads + 2) stay a
