@@ -249,10 +249,10 @@ def _score(
         collector = RunCollector()
         stats = _score_direct(request, corpus_obj, q, run_candidates, collector)
         if stats is None and corpus_obj.placement is not None and device == "auto":  # on several devices
-            from maxsim_cli import jobs
+            from maxsim_cli.parallel.resident import score_resident
 
             request.check()
-            stats = jobs.score_resident(
+            stats = score_resident(
                 request, corpus_obj, q.batch, collector, candidates=run_candidates, log=_log
             )
         elif stats is None:

@@ -1,7 +1,7 @@
 """`maxsim score`: exact MaxSim of queries against a sharded corpus, exhaustive top-k or reranking.
 
 `score` is the front of the scoring layers: it gathers its options in a `ScoreRequest` and runs it
-either as a job of several ranks (`maxsim_cli.jobs`: ``devices``, or a torchrun environment) or in this
+either as a job of several ranks (`maxsim_cli.parallel`: ``devices``, or a torchrun environment) or in this
 process on one device (`maxsim_cli.scoring.files.score_files`, which opens the inputs and calls
 `maxsim_cli.scoring.engine.run`). The modes, the memory plans and where the time goes are described in
 `maxsim_cli.scoring.engine` and `maxsim_cli.scoring.plan`.
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from maxsim_cli import jobs
 from maxsim_cli.devices import check_backend_option, resolve_device
+from maxsim_cli.parallel.environment import world_size
+from maxsim_cli.parallel.job import dispatch
 from maxsim_cli.scoring.engine import Logger, _Engine, _interleave, _stderr
 from maxsim_cli.scoring.files import score_files
 from maxsim_cli.scoring.plan import (
@@ -59,7 +60,7 @@ def score(
     (`maxsim_cli.memory`). Returns the stats;
     raises `UsageError` / `InputError` / `MaxsimError` with one-line messages, leaving no output file.
     ``devices`` (``"0,1"``, ``"all"``, ``"cpu:N"``) or a torchrun environment makes it a job of several
-    processes with the same output (`maxsim_cli.jobs`).
+    processes with the same output (`maxsim_cli.parallel`).
     """
     request = ScoreRequest(
         queries=queries,
@@ -79,8 +80,8 @@ def score(
         show_progress=show_progress,
         devices=devices,
     )
-    if devices is not None or jobs.world_size() > 1:
-        return jobs.dispatch(request, log=log)
+    if devices is not None or world_size() > 1:
+        return dispatch(request, log=log)
     return score_files(request, log=log)
 
 

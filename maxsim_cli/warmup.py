@@ -41,7 +41,7 @@ from maxsim_cli import timeline
 ENV_SWITCH = "MAXSIM_KERNEL_WARMUP"
 # "0": Triton's cache key computed as Triton does, not read back from the saved copy (`remember_triton_key`)
 ENV_KEY_CACHE = "MAXSIM_TRITON_KEY_CACHE"
-# As `maxsim_cli.jobs.THREAD_SWITCH_S` for its rank threads: a thread that wants the lock waits at most this.
+# As `parallel.threads.THREAD_SWITCH_S` for rank threads: a thread wanting the lock waits at most this.
 SWITCH_S = 0.0005
 
 

@@ -5,7 +5,7 @@ every import statement counts, at module level or inside a function (a lazy impo
 dependency), and so does a package ``__init__`` that re-exports a submodule's names. ``from P import x``
 is an edge to the module ``P.x`` when there is one, else to ``P``. The layers (docs: the target shape):
 
-    commands, cli  >  service  >  api, score  >  jobs  >  scoring
+    commands, cli  >  service  >  api, score  >  parallel  >  scoring
                    >  pipeline, topk, runs, shards, devices, ...  >  maxsim_kernels
 
 And every package found is one that pyproject.toml installs.
@@ -119,9 +119,9 @@ def graph() -> dict[str, set[str]]:
 
 def test_the_graph_sees_the_layers(graph: dict[str, set[str]]) -> None:
     """The parser finds what it checks: a function-level import, a relative one, a package re-export."""
-    assert {"maxsim_cli.scoring.engine", "maxsim_cli.jobs", "maxsim_kernels"} <= graph.keys()
-    assert "maxsim_cli.jobs" in graph["maxsim_cli.score"]
-    assert "maxsim_cli.scoring.files" in graph["maxsim_cli.jobs"]  # imported inside `dispatch`
+    assert {"maxsim_cli.scoring.engine", "maxsim_cli.parallel.job", "maxsim_kernels"} <= graph.keys()
+    assert "maxsim_cli.parallel.job" in graph["maxsim_cli.score"]
+    assert "maxsim_cli.scoring.files" in graph["maxsim_cli.parallel.job"]  # imported inside `dispatch`
     assert any(_within(m, ("maxsim_kernels",)) for m in graph["maxsim_kernels"])  # __init__ re-exports
 
 
@@ -144,9 +144,9 @@ RULES = [
     (("maxsim_kernels",), ("maxsim_cli",)),
     (
         ("maxsim_cli.scoring",),
-        ("maxsim_cli.jobs", "maxsim_cli.score", "maxsim_cli.api", "maxsim_cli.commands", "maxsim_cli.cli"),
+        ("maxsim_cli.parallel", "maxsim_cli.score", "maxsim_cli.api", "maxsim_cli.commands", "maxsim_cli.cli"),
     ),
-    (("maxsim_cli.jobs",), ("maxsim_cli.score", "maxsim_cli.api", "maxsim_cli.commands", "maxsim_cli.cli")),
+    (("maxsim_cli.parallel",), ("maxsim_cli.score", "maxsim_cli.api", "maxsim_cli.commands", "maxsim_cli.cli")),
     (("maxsim_cli.api",), ("maxsim_cli.commands", "maxsim_cli.cli", "maxsim_cli.pyterrier")),
     # the PyTerrier transformers: over the API, beside the command line and the server
     (("maxsim_cli.pyterrier",), ("maxsim_cli.commands", "maxsim_cli.cli", "maxsim_cli.service")),
@@ -165,7 +165,7 @@ RULES = [
         ),
         (
             "maxsim_cli.scoring",
-            "maxsim_cli.jobs",
+            "maxsim_cli.parallel",
             "maxsim_cli.score",
             "maxsim_cli.api",
             "maxsim_cli.commands",

@@ -493,8 +493,8 @@ def _quick_thread_switches() -> Iterator[None]:
     """Hand the interpreter lock between the event loop and the scoring thread every `THREAD_SWITCH_S`
     rather than Python's 5 ms: a thread that wants the lock waits out the interval while the other runs
     Python, so a request that arrives while a batch is planned or merged would wait that long to be read
-    (as `maxsim_cli.jobs` does for its rank threads, which left a GPU idle without it)."""
-    from maxsim_cli.jobs import THREAD_SWITCH_S
+    (as `maxsim_cli.parallel.threads` does for its rank threads, which left a GPU idle without it)."""
+    from maxsim_cli.parallel.threads import THREAD_SWITCH_S
 
     interval = sys.getswitchinterval()
     sys.setswitchinterval(min(interval, THREAD_SWITCH_S))
