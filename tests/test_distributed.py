@@ -28,14 +28,14 @@ from failrank.sitecustomize import failing_share
 from typer.testing import CliRunner
 
 from maxsim_cli.cli import app
+from maxsim_cli.devices import parse_devices
 from maxsim_cli.errors import MaxsimError, UsageError
 from maxsim_cli.merge import select_top_k
-from maxsim_cli.parallel import job as parallel_job
 from maxsim_cli.parallel import launcher, shares, threads
-from maxsim_cli.parallel.devices import parse_devices
 from maxsim_cli.parallel.shares import ResultSink, split_candidates
 from maxsim_cli.runs import sort_trec
 from maxsim_cli.score import score
+from maxsim_cli.scoring import dispatch
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.shards import write_shard
 from maxsim_cli.shards.resident import assign_shards
@@ -277,7 +277,7 @@ def test_usage_errors_before_any_worker_starts(data, tmp_path, monkeypatch):
     assert "standard input cannot be shared" in result.stderr
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UsageError, match="under torchrun leave it out"):
-        parallel_job.dispatch(ScoreRequest(data["queries"], (data["corpus"],), devices="cpu:2"))
+        dispatch.run_files(ScoreRequest(data["queries"], (data["corpus"],), devices="cpu:2"))
     assert not out.exists()
 
 
@@ -379,7 +379,7 @@ def test_ranks_as_threads_equal_single_process(data, tmp_path, monkeypatch, mode
     kwargs = {"top_k": 6, "candidates": data["cands"]} if mode == "rerank" else {"top_k": 5}
     single = tmp_path / "single.trec"
     expected = [m for m in _single(data, single, **kwargs) if m.startswith("warning")]
-    monkeypatch.setattr(parallel_job, "in_threads", lambda devices: True)
+    monkeypatch.setattr(dispatch, "in_threads", lambda devices: True)
     out = tmp_path / "threads.trec"
     messages: list[str] = []
     interval = sys.getswitchinterval()
@@ -412,7 +412,7 @@ def test_rank_threads_share_one_progress_bar(data, tmp_path, monkeypatch, mode):
     _single(data, tmp_path / "single.trec", show_progress=True, **kwargs)
     (single,) = bars
     bars.clear()
-    monkeypatch.setattr(parallel_job, "in_threads", lambda devices: True)
+    monkeypatch.setattr(dispatch, "in_threads", lambda devices: True)
     out = tmp_path / "threads.trec"
     score(data["queries"], [data["corpus"]], output=str(out), devices="cpu:2", show_progress=True, **kwargs)
     (job,) = bars
@@ -429,7 +429,7 @@ def test_gpu_ranks_as_threads_equal_single_process(data, tmp_path, monkeypatch, 
     single = tmp_path / "single.trec"
     score(data["queries"], [data["corpus"]], output=str(single), device="cuda:0", **kwargs)
     devices = ["cuda:0", "cuda:1"] if torch.cuda.device_count() > 1 else ["cuda:0", "cuda:0"]
-    monkeypatch.setattr(parallel_job, "parse_devices", lambda spec: devices)
+    monkeypatch.setattr(dispatch, "parse_devices", lambda spec: devices)
     out = tmp_path / "threads.trec"
     stats = score(data["queries"], [data["corpus"]], output=str(out), devices="0,1", **kwargs)
     assert out.read_bytes() == single.read_bytes()
@@ -444,7 +444,7 @@ def test_a_rank_thread_that_fails_stops_the_others_and_writes_nothing(data, tmp_
 
     from maxsim_cli.scoring.engine import _Engine
 
-    monkeypatch.setattr(parallel_job, "in_threads", lambda devices: True)
+    monkeypatch.setattr(dispatch, "in_threads", lambda devices: True)
     out = tmp_path / "run.trec"
     args = ["score", data["queries"], data["corpus"], "-o", str(out), "--devices", "cpu:2"]
     with monkeypatch.context() as patch:

@@ -14,10 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from maxsim_cli.devices import rank_device
 from maxsim_cli.errors import MaxsimError, UsageError
 from maxsim_cli.lifeline import holds
-from maxsim_cli.parallel.devices import rank_device
 from maxsim_cli.parallel.environment import (
+    ENV_DEVICES,
     ENV_STORE,
     ERROR_CLASSES,
     Logger,
@@ -40,6 +41,17 @@ from maxsim_cli.parallel.work import CudaInit, score_share
 from maxsim_cli.parallel.write import write_merged
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.stats import ScoreStats
+
+
+def _this_rank_device(option: str, local_rank: int) -> str:
+    """The torch device of this rank: from the launcher's list, else from ``--device`` and LOCAL_RANK."""
+    listed = os.environ.get(ENV_DEVICES)
+    if listed:
+        names = listed.split(",")
+        if local_rank >= len(names):
+            raise UsageError(f"{ENV_DEVICES}={listed!r} has no device for local rank {local_rank}")
+        return names[local_rank]
+    return rank_device(option, local_rank)
 
 
 def _init_group(rank: int, world: int, timeout: datetime.timedelta) -> None:
@@ -87,7 +99,7 @@ def run_rank(request: ScoreRequest, *, log: Logger = log_to_stderr) -> ScoreStat
     # exchange like any other error, so that every rank stops.
     device, device_error = "?", None
     try:
-        device = rank_device(request.device, local_rank)
+        device = _this_rank_device(request.device, local_rank)
     except MaxsimError as exc:
         device_error = exc
     cuda_ready = CudaInit(device) if device.startswith("cuda") else None
