@@ -5,7 +5,7 @@ for a usage error (the `MaxsimError` family, and the usage errors of Typer's par
 otherwise draw a box). Nothing else is caught here, so a bug still shows its traceback.
 
 SIGTERM and SIGHUP stop a command the way Ctrl-C (SIGINT) does: they raise an exception in the main
-thread (`SystemExit`, as `maxsim_cli.jobs.run_rank` does for SIGTERM; SIGINT keeps its
+thread (`SystemExit`, as `maxsim_cli.parallel.ranks.run_rank` does for SIGTERM; SIGINT keeps its
 KeyboardInterrupt), so every ``finally`` / ``__exit__`` runs (temp files and staging folders are
 removed, an output being written is left as it was), and the process exits with 128 + the signal's
 number, saying so in one line. A signal that was ignored when maxsim started (``nohup``) stays ignored.
@@ -41,7 +41,7 @@ from maxsim_cli import __version__, tuning
 from maxsim_cli.errors import MaxsimError, command_line_terms, quiet_stdout
 from maxsim_cli.lifeline import defer, end_process, holds, new_command
 
-# Signals that stop a command with its cleanup, like SIGINT; ``jobs.run_rank`` does the same for SIGTERM.
+# Signals that stop a command with its cleanup, like SIGINT (``parallel.ranks.run_rank``: SIGTERM too).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 

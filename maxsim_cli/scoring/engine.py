@@ -90,7 +90,7 @@ def _stderr(message: str) -> None:
 
 @dataclass(frozen=True)
 class RankContext:
-    """What a caller adds to a run beyond its request: a rank of a job (`maxsim_cli.jobs`), or a caller
+    """What a caller adds to a run beyond its request: a rank of a job (`maxsim_cli.parallel`), or a caller
     that started the staging memory early."""
 
     stop: threading.Event | None = None  # set when another rank of the job has failed: stop scoring
@@ -123,7 +123,7 @@ def run(
     ``candidates``: rerank mode's run (``qid -> [(docno, score), ...]``, as `maxsim_cli.runs.read_run`
     returns it); None scores every document. The corpus is neither opened nor closed here. Raises
     `UsageError` / `InputError` / `MaxsimError` with one-line messages; the request's ``devices`` is
-    ignored (a job is `maxsim_cli.jobs`' business). ``setup_s`` and ``wall_s`` count from this call.
+    ignored (a job is `maxsim_cli.parallel`'s business). ``setup_s`` and ``wall_s`` count from this call.
     """
     started = time.perf_counter()
     context = context or RankContext()

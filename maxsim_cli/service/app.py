@@ -425,23 +425,6 @@ def check_bind(host: str, token: str | None) -> None:
         )
 
 
-def parse_devices(devices: str) -> list[str]:
-    """``--devices 0,1`` (GPU indices, ``cuda:N`` or ``cpu``) as device names."""
-    out = []
-    for part in devices.split(","):
-        name = part.strip().lower()
-        if name.isdigit():
-            name = f"cuda:{name}"
-        if not (name == "cpu" or name == "cuda" or name.startswith("cuda:")):
-            raise UsageError(
-                f"--devices {devices}: {part.strip()!r} is not a device; use GPU indices 0,1,..."
-            )
-        out.append(name)
-    if not out:
-        raise UsageError("--devices: no device given")
-    return out
-
-
 def _bind(host: str, port: int) -> socket.socket:
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
