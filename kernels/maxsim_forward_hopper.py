@@ -343,16 +343,11 @@ class LongLaunch:
     made at each call (it holds their address)."""
 
     grid: tuple[int]
-    block_t: int = BLOCK_T
-    stages: int = STAGES
-    group: int = GROUP
 
     def __call__(self, queries, q_off, docs, d_off, scores, _argmax, *ints) -> None:
         dim = docs.shape[1]
-        desc = TensorDescriptor.from_tensor(
-            docs, [self.block_t, dim], _tile_layout(self.block_t, dim, docs.dtype)
-        )
+        desc = TensorDescriptor.from_tensor(docs, [BLOCK_T, dim], _tile_layout(BLOCK_T, dim, docs.dtype))
         _maxsim_long_kernel[self.grid](
             queries, q_off, desc, d_off, scores, *ints,
-            DIM=dim, BLOCK_T=self.block_t, STAGES=self.stages, GROUP=self.group, num_warps=NUM_WARPS,
+            DIM=dim, BLOCK_T=BLOCK_T, STAGES=STAGES, GROUP=GROUP, num_warps=NUM_WARPS,
         )  # fmt: skip

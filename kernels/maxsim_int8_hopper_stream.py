@@ -411,30 +411,70 @@ def maxsim_int8_stream(
     sd: torch.Tensor,
     d_off: torch.Tensor,
     max_query_len: int,
-    *,
-    items_per_prog: int | None = None,
-    stages: int = STAGES,
-    group: int = GROUP,
-    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """fp32 scores [n_items]: q8 int8 [Tq, 128] with scales sq fp32 [Tq], query offsets int64 [nq + 1];
     item_off int64 [nq + 1] the items of each query and items int64 [n_items] the candidates' document
     indices, or both None for one query against every document; d8 int8 [Td, 128] with
     scales sd fp32 [Td] and offsets d_off int64 [nd + 1]; all on the GPU. `max_query_len` (host) sizes
-    the query tile (`supports`); keyword overrides are for sweeps (`maxnreg` 0: no register cap). A
-    candidate index outside [0, nd) scores NaN and is never read through (the indices are not read by
-    the host)."""
+    the query tile (`supports`). A candidate index outside [0, nd) scores NaN and is never read through
+    (the indices are not read by the host). The tiles are the tuning constants above."""
+    n = query_columns(max_query_len)
+    per = ITEMS_ONE_QUERY if items is None else ITEMS_CANDIDATES
+    maxnreg = REGISTERS[n][0 if items is None else 1]
+    return _run_stream(q8, sq, q_off, item_off, items, d8, sd, d_off, n, per, STAGES, GROUP, maxnreg)
+
+
+def stream_with_tiles(
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    q_off: torch.Tensor,
+    item_off: torch.Tensor | None,
+    items: torch.Tensor | None,
+    d8: torch.Tensor,
+    sd: torch.Tensor,
+    d_off: torch.Tensor,
+    max_query_len: int,
+    *,
+    items_per_prog: int | None = None,
+    stages: int | None = None,
+    group: int | None = None,
+    maxnreg: int | None = None,
+) -> torch.Tensor:
+    """`maxsim_int8_stream` with some of its tiles replaced (None keeps the tuned choice; `maxnreg` 0: no
+    register cap), for sweeps and for the tests that every configuration gives the same bits; the library
+    never calls it."""
+    n = query_columns(max_query_len)
+    per = items_per_prog or (ITEMS_ONE_QUERY if items is None else ITEMS_CANDIDATES)
+    if items is not None and per > MAX_ITEMS_CANDIDATES:
+        raise ValueError(f"items_per_prog: at most {MAX_ITEMS_CANDIDATES} candidates a program, got {per}")
+    if maxnreg is None:
+        maxnreg = REGISTERS[n][0 if items is None else 1]
+    return _run_stream(
+        q8, sq, q_off, item_off, items, d8, sd, d_off, n, per,
+        STAGES if stages is None else stages, GROUP if group is None else group, maxnreg,
+    )  # fmt: skip
+
+
+def _run_stream(
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    q_off: torch.Tensor,
+    item_off: torch.Tensor | None,
+    items: torch.Tensor | None,
+    d8: torch.Tensor,
+    sd: torch.Tensor,
+    d_off: torch.Tensor,
+    n: int,
+    per: int,
+    stages: int,
+    group: int,
+    maxnreg: int,
+) -> torch.Tensor:
     nq = q_off.numel() - 1
     n_items = d_off.numel() - 1 if items is None else items.numel()
     out = torch.empty((n_items,), dtype=torch.float32, device=d8.device)
     if n_items == 0:
         return out
-    per = items_per_prog or (ITEMS_ONE_QUERY if items is None else ITEMS_CANDIDATES)
-    if items is not None and per > MAX_ITEMS_CANDIDATES:
-        raise ValueError(f"items_per_prog: at most {MAX_ITEMS_CANDIDATES} candidates a program, got {per}")
-    n = query_columns(max_query_len)
-    if maxnreg is None:
-        maxnreg = REGISTERS[n][0 if items is None else 1]
     n_chunks = cdiv(n_items, per)
     d_desc = TensorDescriptor.from_tensor(d8, [BLOCK_T, d8.shape[1]], _doc_layout(d8.shape[1]))
     _int8_stream_kernel[(n_chunks + (0 if items is None else nq),)](
