@@ -37,8 +37,8 @@ Cost: FLOPs = 2 * Tq * Td * dim integer MACs (all pairs) or 2 * sum_c |q_c| * |d
 HBM bytes ~= Td * (dim + 4) once (int8 tokens + fp32 scale), half the fp16 bytes, plus 4 bytes per score.
 Past the MMA, each (query token, document token) pair costs the same CUDA-core work as in fp16 (the
 conversion, one FMA, the max) and every tile the same loop, load and reduction overhead, so halving the
-MMA time does not halve the tile time: all pairs run at 1.23x the fp16 kernel's rate, not 2x
-(benchmarks/results/int8/int8-h200.json). HBM-bound shapes read at 3.5 TB/s with these TMA tiles
+MMA time does not halve the tile time: all pairs run at 1.23x the fp16 kernel's rate, not 2x.
+HBM-bound shapes read at 3.5 TB/s with these TMA tiles
 on Hopper (fp16: 4.4): with cp.async loads they reached 2.9-3.1, three programs an SM (the registers of
 the per-thread addresses) each keeping two 8 KB tiles in flight where fp16 keeps three 16 KB ones. The
 tiles are query-major: document-major ones, as the fp16 kernel uses for one query and for candidates,
@@ -53,8 +53,8 @@ the Gluon stream kernel").
 int32 -> fp32 by the accumulator's bits: the MMA accumulator starts at the bit pattern of 1.5 * 2^23
 (0x4B400000) instead of 0, so its bits, read as fp32, are 1.5 * 2^23 + acc exactly while |acc| < 2^22
 (dim <= 255 with |codes| <= 128); one subtraction gives acc. Wider vectors use the conversion
-instruction, which in these tiles is no faster (one instruction either way; H200: one query 0.642-0.694
-ms against 0.633-0.815, benchmarks/results/int8/convert/); the Gluon kernel, whose accumulator starts at
+instruction, which in these tiles is no faster (one instruction either way: docs/kernel-notes.md, "INT8:
+what limits it"); the Gluon kernel, whose accumulator starts at
 zero, uses the instruction. Rounding half to even in the quantize
 kernel uses the same constant: (y + 1.5 * 2^23) - 1.5 * 2^23 for |y| < 2^22.
 """
@@ -89,9 +89,8 @@ _MAGIC_MAX_DIM = 255  # |acc| <= 128^2 * dim < 2^22: the accumulator-bias conver
 _MAGIC_BITS = 0x4B400000  # bits of 1.5 * 2^23
 _MAGIC_FLOAT = 12582912.0  # 1.5 * 2^23
 
-# Tuning constants: `benchmarks/bench_int8.py gpu` tile sweeps on one H200 (triton 3.6, dim 128); every
-# sweep's alternatives: docs/kernel-notes.md, "INT8: what limits it". All pairs: 66.5 ms against 70.8 for
-# the 8-warp entry before the per-element max (benchmarks/results/archive/int8/int8-sweep-v5-h200.json).
+# Tuning constants: `benchmarks/bench_int8.py gpu` tile sweeps (triton 3.6, dim 128); every sweep's
+# alternatives: docs/kernel-notes.md, "INT8: what limits it". All pairs 66.5 vs 70.8 ms (8 warps, row max).
 _VARLEN_BLOCK_Q = 256  # query tokens per program in the all-pairs kernel (8 queries of 32 tokens)
 _VARLEN_BLOCK_D = 32  # document tokens per tile
 _VARLEN_DOCS_PER_PROG = 64  # documents per program
@@ -99,25 +98,22 @@ _VARLEN_WARPS = 4
 _VARLEN_STAGES = 2
 _VARLEN_ELEMENT_MAX = True  # running max per tile element (scores only; see kernels/running_max.py)
 # The few-queries tiles below are for memory-bound shapes: at most _FEW_QUERIES_MAX_ROWS query tokens in
-# all. Against the all-pairs tiles: 2 queries 0.633 ms against 0.704, 4 queries 0.832 against 0.796
-# (benchmarks/results/archive/int8/int8-queries-h200.json); the tile: one query x 100K docs 0.683 ms
-# against 0.694 for the v5 entry (benchmarks/results/int8/int8-sweep-v6-h200.json).
+# all (2 queries of 32 tokens faster on them, 4 slower: docs/kernel-notes.md, "The int8 Gluon kernel").
 _FEW_QUERIES_MAX_ROWS = 64
 _FEW_QUERIES_BLOCK_D = 64
 _FEW_QUERIES_DOCS_PER_PROG = 32
 _FEW_QUERIES_WARPS = 4
 _FEW_QUERIES_STAGES = 3
 _FEW_QUERIES_ELEMENT_MAX = True
-# Candidates: 64 queries x 1000 own documents 0.463 ms against 0.502 for the v5 entry (same v6 sweep).
+# Candidates: 64 queries x 1000 own documents 0.463 vs 0.502 ms for the previous entry.
 _CAND_BLOCK_D = 64
 _CAND_PER_PROG = 16  # candidates per program
 _CAND_WARPS = 4
 _CAND_STAGES = 3
 _CAND_ELEMENT_MAX = True
 # Document tiles by TMA bulk copies (sm_90+, dim a power of two) instead of per-thread cp.async loads: one
-# query x 100K docs 0.600 ms against 0.679, rerank 0.441 against 0.517, all pairs 69.8 against 66.7 ms (so
-# not there), same run (benchmarks/results/int8/memory-bound-h200.json; docs/kernel-notes.md, "INT8 on
-# HBM-bound shapes: TMA tiles"). A rotated start of each candidate run lost 2-6% there: off.
+# query 0.600 vs 0.679 ms, rerank 0.441 vs 0.517, all pairs 69.8 vs 66.7 (so not there); a rotated start
+# of each candidate run lost 2-6%: docs/kernel-notes.md, "INT8 on HBM-bound shapes: TMA tiles".
 _VARLEN_TMA = False
 _FEW_QUERIES_TMA = True
 _CAND_TMA = True
@@ -292,9 +288,8 @@ def _maxsim_int8_varlen_kernel(
     MAX_Q = max(2, QUERIES_PER_GROUP) is the length of the per-query vectors (a power of two).
     """
     if ONE_QUERY:
-        # One query is its own bucket with the sizes folded to constants: 1 query x 100K documents took
-        # 0.81 ms so against 1.07 ms with them as runtime values (H200, same run;
-        # benchmarks/results/kernels/ab-specialization-h200.txt).
+        # One query is its own bucket with the sizes folded to constants: 0.81 vs 1.07 ms for 1 query x
+        # 100K documents (docs/kernel-notes.md, version 3).
         n_queries = 1
         n_groups = 1
     pid = tl.program_id(0)
