@@ -28,8 +28,7 @@ once the plan is made and kept only if the pass succeeds.
 
 Where the time goes (one H200, 10 GB of fp16 shards, 512 queries x 32 tokens): the pass over the corpus
 takes 0.50-0.53 s against 0.43 s for the kernel alone, so the kernel bounds it; set-up and writing the run
-come on top (benchmarks/results/score/score-h200-read-pieces.json; the pieces: docs/kernel-notes.md,
-"`maxsim score`: the host-side constants").
+come on top (the pieces: docs/kernel-notes.md, "`maxsim score`: the host-side constants").
 """
 
 from __future__ import annotations
