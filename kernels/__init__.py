@@ -116,6 +116,21 @@ def _check_query_scales(query_scales: torch.Tensor | None, docs: torch.Tensor) -
         raise ValueError("query_scales go with int8 queries and int8 documents")
 
 
+def _check_finite_supported(
+    check_finite: bool, docs: torch.Tensor, queries: torch.Tensor, backend: str
+) -> None:
+    # the check reads the similarities the torch backend computes anyway; the other paths have none
+    if check_finite and (
+        docs.dtype == torch.int8
+        or _needs_grad(queries, docs)
+        or resolve_backend(backend, docs.device) != "torch"
+    ):
+        raise ValueError(
+            "check_finite needs the torch backend (backend='torch', or 'auto' on CPU tensors), float "
+            "documents and inputs that do not require grad"
+        )
+
+
 def maxsim_varlen(
     queries: torch.Tensor,
     query_offsets: torch.Tensor,
@@ -127,14 +142,22 @@ def maxsim_varlen(
     backend: str = "auto",
     doc_scales: torch.Tensor | None = None,
     query_scales: torch.Tensor | None = None,
+    check_finite: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Every query against every document: fp32 scores [nq, nd] (+ int32 argmax [Tq, nd]).
 
     queries [Tq, dim] with query_offsets int64 [nq+1]; docs [Td, dim] with doc_offsets int64 [nd+1].
     int8 docs take `doc_scales` fp32 [Td], and either float queries (quantized per token on each call)
     or int8 queries with `query_scales` fp32 [Tq] (`maxsim_kernels.maxsim_int8.quantize_per_token`).
+
+    ``check_finite``: raise `NonFiniteDocuments` (a ValueError) when a document token's similarities
+    are NaN or Inf: its embedding holds NaN/Inf (or, in bf16/fp32, values so large that the fp32 sum
+    overflows). The similarities are computed anyway, so the check costs next to nothing; the queries
+    must be finite. Only the torch backend on float documents without grad checks: with int8
+    documents, inputs that require grad or the Triton backend it raises ValueError.
     """
     _check_query_scales(query_scales, docs)
+    _check_finite_supported(check_finite, docs, queries, backend)
     if docs.dtype == torch.int8:
         return _int8_module().maxsim_varlen_int8(
             queries,
@@ -162,7 +185,7 @@ def maxsim_varlen(
         return _forward_module().maxsim_varlen_forward_triton(
             queries, query_offsets, docs, doc_offsets, return_argmax=return_argmax, allow_tf32=allow_tf32
         )
-    return _torch_varlen(queries, query_offsets, docs, doc_offsets, return_argmax, doc_scales)
+    return _torch_varlen(queries, query_offsets, docs, doc_offsets, return_argmax, doc_scales, check_finite)
 
 
 def maxsim_candidates(
@@ -178,6 +201,7 @@ def maxsim_candidates(
     backend: str = "auto",
     doc_scales: torch.Tensor | None = None,
     query_scales: torch.Tensor | None = None,
+    check_finite: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-query candidates (reranking): fp32 scores [C] (+ int32 argmax [C, max_query_len], -1 padded).
 
@@ -193,8 +217,11 @@ def maxsim_candidates(
     documents the candidate_offsets are read on the host, to plan the launch: pass them from the host
     (offsets on the GPU cost one copy and one wait per new offsets tensor); the int8 kernels read them on
     the device.
+
+    ``check_finite`` as in `maxsim_varlen` (for the candidates' tokens).
     """
     _check_query_scales(query_scales, docs)
+    _check_finite_supported(check_finite, docs, queries, backend)
     if docs.dtype == torch.int8:
         return _int8_module().maxsim_candidates_int8(
             queries,
@@ -242,6 +269,7 @@ def maxsim_candidates(
         candidate_docs,
         return_argmax,
         doc_scales,
+        check_finite,
     )
 
 
@@ -252,9 +280,16 @@ def _torch_varlen(
     doc_offsets: torch.Tensor,
     return_argmax: bool,
     doc_scales: torch.Tensor | None,
+    check_finite: bool,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     return maxsim_varlen_cpu(
-        queries, query_offsets, docs, doc_offsets, return_argmax=return_argmax, doc_scales=doc_scales
+        queries,
+        query_offsets,
+        docs,
+        doc_offsets,
+        return_argmax=return_argmax,
+        doc_scales=doc_scales,
+        check_finite=check_finite,
     )
 
 
@@ -267,6 +302,7 @@ def _torch_candidates(
     candidate_docs: torch.Tensor,
     return_argmax: bool,
     doc_scales: torch.Tensor | None,
+    check_finite: bool,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     return maxsim_candidates_cpu(
         queries,
@@ -277,4 +313,5 @@ def _torch_candidates(
         candidate_docs,
         return_argmax=return_argmax,
         doc_scales=doc_scales,
+        check_finite=check_finite,
     )

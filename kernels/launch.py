@@ -9,7 +9,7 @@ kernel and compile-time signature (no retry and no recompile on later calls).
 
 Host cost. `kernel[grid](...)` binds and specialises every argument and looks the compiled kernel up in
 Triton's cache on every call: 37.5 us of host time a launch against 16.0 us for the compiled kernel's own
-launcher (benchmarks/results/archive/train/probe-host-before-plans-h200.json). Training steps at ColBERT
+launcher. Training steps at ColBERT
 sizes make four launches and were bound by host time, so a launch site that repeats with the same shapes
 (`KernelLaunch`) calls the compiled launcher directly from its third call on (docs/kernel-notes.md,
 "Training: the inverse map, the host and the argmax tile").

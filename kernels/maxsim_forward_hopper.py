@@ -305,7 +305,7 @@ def supports(queries: torch.Tensor, docs: torch.Tensor, return_argmax: bool) -> 
         not return_argmax
         and docs.dtype in (torch.float16, torch.bfloat16)
         and queries.dtype == docs.dtype
-        and docs.shape[1] == 128  # the dim tested on the H200 (64 builds for sm_90; 256 spills there)
+        and docs.shape[1] == 128  # the dim tested (64 builds for sm_90; 256 spills there)
         and docs.shape[0] < 2**31  # TMA coordinates are int32
         and docs.stride(1) == 1
         and docs.data_ptr() % 16 == 0
@@ -314,11 +314,10 @@ def supports(queries: torch.Tensor, docs: torch.Tensor, return_argmax: bool) -> 
     )
 
 
-# Tuning (H200, ColPali: 1 query x 1024 tokens x 1000 documents of 1024, fp16, dim 128; the alternatives,
-# run by run: docs/kernel-notes.md, "Version 7 (this code): the query in registers, persistent runs of
+# Tuning (ColPali: 1 query x 1024 tokens x 1000 documents of 1024, fp16, dim 128; the alternatives, run by
+# run: docs/kernel-notes.md, "Version 7 (this code): the query in registers, persistent runs of
 # documents"). A ring of 5: 0.438-0.449 ms against 0.462 for 4; groups of 8: 0.434 against 0.439 for 16,
-# whose first call took 5.9 s (benchmarks/results/kernels/long-hopper-v7-dev-{a..e}.json,
-# benchmarks/results/archive/kernels/long-hopper-h200-v7.json).
+# whose first call took 5.9 s.
 BLOCK_T, STAGES, GROUP, NUM_WARPS = 64, 5, 8, 4
 # A program takes 239 registers x 128 threads and 90.6 KB of shared memory (sm_90 build): two fit an SM.
 PROGRAMS_PER_SM = 2
@@ -343,16 +342,11 @@ class LongLaunch:
     made at each call (it holds their address)."""
 
     grid: tuple[int]
-    block_t: int = BLOCK_T
-    stages: int = STAGES
-    group: int = GROUP
 
     def __call__(self, queries, q_off, docs, d_off, scores, _argmax, *ints) -> None:
         dim = docs.shape[1]
-        desc = TensorDescriptor.from_tensor(
-            docs, [self.block_t, dim], _tile_layout(self.block_t, dim, docs.dtype)
-        )
+        desc = TensorDescriptor.from_tensor(docs, [BLOCK_T, dim], _tile_layout(BLOCK_T, dim, docs.dtype))
         _maxsim_long_kernel[self.grid](
             queries, q_off, desc, d_off, scores, *ints,
-            DIM=dim, BLOCK_T=self.block_t, STAGES=self.stages, GROUP=self.group, num_warps=NUM_WARPS,
+            DIM=dim, BLOCK_T=BLOCK_T, STAGES=STAGES, GROUP=GROUP, num_warps=NUM_WARPS,
         )  # fmt: skip

@@ -146,9 +146,8 @@ def share_device_copy(host: torch.Tensor, device_copy: torch.Tensor) -> None:
     `maxsim score` copies each document batch's offsets to the GPU together with its embeddings; the
     kernels take the host offsets (for their checks and launch grids) and would otherwise copy them a
     second time per batch, on the stream the kernel runs on, which then waits for it: ~0.45 ms a batch
-    on the H200 (benchmarks/results/score/pass-breakdown-h200-seeded.json; docs/kernel-notes.md,
-    "`maxsim score`: the pass against the kernel"). The caller guarantees that the values are equal and
-    that `device_copy` is not overwritten while `host` lives.
+    (docs/kernel-notes.md, "`maxsim score`: the pass against the kernel"). The caller guarantees that the
+    values are equal and that `device_copy` is not overwritten while `host` lives.
     """
     if device_copy.dtype != torch.int64 or not device_copy.is_contiguous():
         raise ValueError("share_device_copy: the device copy must be a contiguous int64 tensor")

@@ -473,8 +473,7 @@ class BatchStream:
         # A reader that takes this slot next waits for `end` (`slot.copied`). A blocking-sync event puts
         # it to sleep: CUDA's default with one context on many cores is to spin, and with a slot handed
         # back as soon as its copy is queued, several readers could spin at once on the cores that the
-        # scoring thread needs (on the H200 machine the pass did not measurably change:
-        # benchmarks/results/score/ab-trees-h200-blocking-event.json).
+        # scoring thread needs (the pass did not measurably change: docs/kernel-notes.md).
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True, blocking=True)
         with torch.cuda.stream(self._copy_stream):
@@ -538,10 +537,8 @@ _FINITE_STEP = 1 << 18
 
 
 # Niceness of the reader threads (Linux): they copy from the page cache on every core, and the scoring
-# thread, which issues every batch's work to the GPU, then runs slower: a pass replayed on the H200 took
-# 0.67-0.71 s beside 16 readers, 0.47 s with them at niceness 10, 0.46 s alone
-# (benchmarks/results/score/gpu-side-h200-readers.json; docs/kernel-notes.md, "`maxsim score`: the
-# host-side constants").
+# thread, which issues every batch's work to the GPU, then runs slower: 0.67-0.71 s beside 16 readers,
+# 0.47 s at niceness 10, 0.46 s alone (docs/kernel-notes.md, "`maxsim score`: the host-side constants").
 READER_NICE = 10  # added to the process's niceness (at most 19)
 
 

@@ -404,7 +404,7 @@ def test_hopper_stream_one_query_against_reference(q_len: int) -> None:
     q8, sq = quantize_per_token(queries)
     for cfg in (dict(items_per_prog=1), dict(items_per_prog=64, stages=3, group=2),
                 dict(items_per_prog=8, stages=8, group=8)):  # fmt: skip
-        again = stream.maxsim_int8_stream(q8, sq, qo_d, None, None, d8, sd, do_d, q_len, **cfg)
+        again = stream.stream_with_tiles(q8, sq, qo_d, None, None, d8, sd, do_d, q_len, **cfg)
         assert torch.equal(again, scores[0]), cfg
 
 
@@ -440,7 +440,7 @@ def test_hopper_stream_candidates_against_reference() -> None:
     q8, sq = quantize_per_token(queries)
     for cfg in (dict(items_per_prog=1), dict(items_per_prog=4, stages=3, group=2),
                 dict(items_per_prog=64, stages=8, group=8)):  # fmt: skip
-        again = stream.maxsim_int8_stream(q8, sq, qo_d, cand_off.cuda(), cand_docs, d8, sd, do_d, 64, **cfg)
+        again = stream.stream_with_tiles(q8, sq, qo_d, cand_off.cuda(), cand_docs, d8, sd, do_d, 64, **cfg)
         assert torch.equal(again, scores), cfg
 
 
@@ -559,8 +559,8 @@ def test_bad_device_candidate_indices_score_nan_on_the_stream_kernel() -> None:
     qo_d, do_d, cand_off_d = qo.cuda(), do.cuda(), cand_off.cuda()
     for cfg in (dict(items_per_prog=1), dict(items_per_prog=4, stages=3, group=2), dict(items_per_prog=32),
                 dict(items_per_prog=64, stages=8, group=8)):  # fmt: skip
-        again = stream.maxsim_int8_stream(q8, sq, qo_d, cand_off_d, cand, d8, sd, do_d, 64, **cfg)
+        again = stream.stream_with_tiles(q8, sq, qo_d, cand_off_d, cand, d8, sd, do_d, 64, **cfg)
         assert torch.equal(torch.isnan(again), bad), cfg
         assert torch.equal(again[~bad], got[~bad]), cfg
     with pytest.raises(ValueError, match="at most 64 candidates a program"):
-        stream.maxsim_int8_stream(q8, sq, qo_d, cand_off_d, cand, d8, sd, do_d, 64, items_per_prog=128)
+        stream.stream_with_tiles(q8, sq, qo_d, cand_off_d, cand, d8, sd, do_d, 64, items_per_prog=128)

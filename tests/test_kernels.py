@@ -1035,6 +1035,38 @@ def test_cpu_backend_check_finite_finds_a_non_finite_document_token(bad, query_t
     )
 
 
+def test_public_entries_check_finite_on_the_torch_backend_and_refuse_it_elsewhere():
+    """``check_finite`` reaches the torch backend's check through `maxsim_varlen` / `maxsim_candidates`;
+    the paths that cannot check (int8 documents, inputs that require grad, Triton) say so up front."""
+    import maxsim_kernels as mk
+
+    gen = torch.Generator().manual_seed(12)
+    queries, qo = torch.rand(6, 16, generator=gen) + 0.1, torch.tensor([0, 2, 6])
+    docs, do = torch.randn(9, 16, generator=gen), torch.tensor([0, 4, 9])
+    co, cd = torch.tensor([0, 1, 2]), torch.tensor([1, 0])
+    plain = mk.maxsim_varlen(queries, qo, docs, do)
+    assert torch.equal(mk.maxsim_varlen(queries, qo, docs, do, check_finite=True), plain)
+    assert torch.equal(
+        mk.maxsim_candidates(queries, qo, docs, do, co, cd, check_finite=True),
+        mk.maxsim_candidates(queries, qo, docs, do, co, cd),
+    )
+    docs[6, 3] = float("nan")
+    with pytest.raises(mk.NonFiniteDocuments):
+        mk.maxsim_varlen(queries, qo, docs, do, backend="torch", check_finite=True)
+    with pytest.raises(mk.NonFiniteDocuments):
+        mk.maxsim_candidates(queries, qo, docs, do, co, cd, check_finite=True)
+    assert torch.isnan(mk.maxsim_varlen(queries, qo, docs, do)[:, 1]).all()  # unchecked by default
+    grad_queries = queries.clone().requires_grad_()
+    codes, scales = torch.zeros(9, 16, dtype=torch.int8), torch.ones(9)
+    for call in (
+        lambda: mk.maxsim_varlen(queries, qo, docs, do, backend="triton", check_finite=True),
+        lambda: mk.maxsim_varlen(grad_queries, qo, docs, do, check_finite=True),
+        lambda: mk.maxsim_candidates(queries, qo, codes, do, co, cd, doc_scales=scales, check_finite=True),
+    ):
+        with pytest.raises(ValueError, match="check_finite needs the torch backend"):
+            call()
+
+
 def test_int16_argmax_is_refused_for_documents_of_2_pow_15_tokens():
     """The autograd path's int16 argmax holds indices below 2^15; the forward refuses it otherwise (the
     check comes before any launch), and any other dtype."""

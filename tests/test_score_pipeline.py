@@ -268,13 +268,11 @@ def test_batch_stream_started_early_reads_ahead_and_stops_on_close(two_shards) -
 
 
 def _patch_varlen(monkeypatch, fn) -> None:
-    """Route the engine's all-pairs scoring to ``fn``: the public entry point, and the CPU backend's,
-    which the engine calls directly to have it check the documents' values (``check_finite``)."""
+    """Route the engine's all-pairs scoring (the public entry point, also when it asks the CPU backend
+    to check the documents' values with ``check_finite``) to ``fn``."""
     import maxsim_kernels
-    import maxsim_kernels.cpu
 
     monkeypatch.setattr(maxsim_kernels, "maxsim_varlen", fn, raising=False)
-    monkeypatch.setattr(maxsim_kernels.cpu, "maxsim_varlen_cpu", fn)
 
 
 def _plain_varlen(q, q_off, d, d_off, *, backend="auto", doc_scales=None, **_kwargs) -> torch.Tensor:

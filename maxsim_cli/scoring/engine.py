@@ -28,8 +28,7 @@ once the plan is made and kept only if the pass succeeds.
 
 Where the time goes (one H200, 10 GB of fp16 shards, 512 queries x 32 tokens): the pass over the corpus
 takes 0.50-0.53 s against 0.43 s for the kernel alone, so the kernel bounds it; set-up and writing the run
-come on top (benchmarks/results/score/score-h200-read-pieces.json; the pieces: docs/kernel-notes.md,
-"`maxsim score`: the host-side constants").
+come on top (the pieces: docs/kernel-notes.md, "`maxsim score`: the host-side constants").
 """
 
 from __future__ import annotations
@@ -299,8 +298,8 @@ class _Engine:
         self.scaled = corpus.quantization != "none"
         self.doc_dtype = getattr(torch, corpus.dtype)
         self.tb = corpus.dim * self.doc_dtype.itemsize + (4 if self.scaled else 0)
-        # The CPU backend checks float documents for NaN/Inf from the similarities it computes anyway
-        # (`maxsim_kernels.cpu`, check_finite), so the reader need not: on the 2-core machine the
+        # The torch backend checks float documents for NaN/Inf from the similarities it computes anyway
+        # (`maxsim_varlen`'s check_finite), so the reader need not: on the 2-core machine the
         # reader's check took 0.16-0.20 s of a core per GB, next to ~0.9 s of scoring per GB on both.
         self.backend_checks = (
             not self.cuda and not self.scaled and resolve_backend(backend, device) == "torch"
@@ -453,7 +452,6 @@ class _Engine:
         """Score documents [a, b) of a batch into the top-k; on CUDA OOM halve and retry. `queries`:
         `_query_slice`'s (embeddings, offsets, scales)."""
         from maxsim_kernels import maxsim_varlen
-        from maxsim_kernels.cpu import maxsim_varlen_cpu
 
         q_emb, q_off, q_scales = queries
 
@@ -476,18 +474,15 @@ class _Engine:
         try:
             scores = self._checked(
                 batch,
-                lambda check: (
-                    maxsim_varlen_cpu(q_emb, q_off, docs, offsets, doc_scales=scales, check_finite=True)
-                    if check
-                    else maxsim_varlen(
-                        q_emb,
-                        q_off,
-                        docs,
-                        offsets,
-                        backend=self.backend,
-                        doc_scales=scales,
-                        query_scales=q_scales,
-                    )  # fmt: skip
+                lambda check: maxsim_varlen(
+                    q_emb,
+                    q_off,
+                    docs,
+                    offsets,
+                    backend=self.backend,
+                    doc_scales=scales,
+                    query_scales=q_scales,
+                    check_finite=check,
                 ),
             )
             topk.add(scores, ranks)
@@ -563,7 +558,6 @@ class _Engine:
 
     def run_rerank(self, passes: list[_Pass], qids: list[str], top_k: int, sink: Any) -> None:
         from maxsim_kernels import maxsim_candidates
-        from maxsim_kernels.cpu import maxsim_candidates_cpu
 
         stats = self.stats
         stats.query_batches = 1 if passes else 0
@@ -597,10 +591,12 @@ class _Engine:
                         s = self._checked(
                             batch,
                             lambda check, args=args, scales=batch.scales, q_scales=q_scales: (
-                                maxsim_candidates_cpu(*args, doc_scales=scales, check_finite=True)
-                                if check
-                                else maxsim_candidates(
-                                    *args, backend=self.backend, doc_scales=scales, query_scales=q_scales
+                                maxsim_candidates(
+                                    *args,
+                                    backend=self.backend,
+                                    doc_scales=scales,
+                                    query_scales=q_scales,
+                                    check_finite=check,
                                 )
                             ),
                         )

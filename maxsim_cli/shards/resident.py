@@ -61,7 +61,7 @@ class Residency:
     doc_base: np.ndarray  # int64 [S + 1]: each shard's first document, then the total
     host_offsets: np.ndarray  # int64 [N + 1]: every document's first row in ``embeddings``
     # the same offsets as a host tensor whose device copy (``offsets``) the kernels are handed with it
-    # (`maxsim_kernels._validate.share_device_copy`): one object, so its checks are made once
+    # (`maxsim_kernels.share_device_copy`): one object, so its checks are made once
     offsets_host: torch.Tensor
     offsets: torch.Tensor
     # each document's docno rank on the device (the tie-break of a search's top-k), made at the first
