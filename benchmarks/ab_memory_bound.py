@@ -157,7 +157,7 @@ def rerank(rep_ms: int) -> None:
             def fn8(
                 tma=tma, rotate=rotate, d8=d8, sd=sd, d_off=d_off_dev, co=co_dev, cd=cand_dev
             ) -> torch.Tensor:
-                return i8._launch_candidates(
+                return i8.launch_candidates_with_tiles(
                     q8, sq, q_off_dev, d8, sd, d_off, co, cd, False, tma=tma, rotate=rotate
                 )[0]
 
@@ -170,7 +170,7 @@ def rerank(rep_ms: int) -> None:
                 cfg8 = dict(block_d=bd, cands_per_prog=per, num_warps=warps, num_stages=stages)
 
                 def fn8(cfg8=cfg8, d8=d8, sd=sd, d_off=d_off_dev, co=co_dev, cd=cand_dev) -> torch.Tensor:
-                    return i8._launch_candidates(
+                    return i8.launch_candidates_with_tiles(
                         q8, sq, q_off_dev, d8, sd, d_off, co, cd, False, tma=True, **cfg8
                     )[0]
 
@@ -209,7 +209,7 @@ def one_query_and_exhaustive(rep_ms: int, parts: set[str]) -> None:
         for cfg in configs:
 
             def fn(cfg=cfg) -> torch.Tensor:
-                return i8._launch_varlen(q8, sq, qo, docs8, sd, d_off, False, **cfg)[0]
+                return i8.launch_varlen_with_tiles(q8, sq, qo, docs8, sd, d_off, False, **cfg)[0]
 
             out = row("one_query", f"int8 {cfg}", fn, n_tok * (DIM + 4.0), base, rep_ms, config=cfg)
             base = out if base is None else base
@@ -226,12 +226,12 @@ def one_query_and_exhaustive(rep_ms: int, parts: set[str]) -> None:
         base = row(
             "exhaustive",
             "int8 triton (gpu offsets)",
-            lambda: i8._launch_varlen(q8, sq, qo, d8, s8, do, False, tma=False)[0],
+            lambda: i8.launch_varlen_with_tiles(q8, sq, qo, d8, s8, do, False, tma=False)[0],
             flops,
             None,
             rep_ms,
         )
-        tma = lambda: i8._launch_varlen(q8, sq, qo, d8, s8, do, False, tma=True)[0]  # noqa: E731
+        tma = lambda: i8.launch_varlen_with_tiles(q8, sq, qo, d8, s8, do, False, tma=True)[0]  # noqa: E731
         row("exhaustive", "int8 triton tma", tma, flops, base, rep_ms)
         qo_h, do_h = qo.cpu(), do.cpu()
         row(
@@ -310,7 +310,7 @@ def register_caps(rep_ms: int, rounds: int = 3, caps: tuple = (None, 120, 112, 1
             for cap in order:
 
                 def one(cap=cap, stages=stages) -> torch.Tensor:
-                    return i8._launch_varlen(*w.one, False, maxnreg=cap, num_stages=stages)[0]
+                    return i8.launch_varlen_with_tiles(*w.one, False, maxnreg=cap, num_stages=stages)[0]
 
                 out = row("maxnreg", f"round {r} one query stages={stages} maxnreg={cap}", one,
                           w.one_bytes, base, rep_ms, round=r, workload="one_query", maxnreg=cap,
@@ -320,7 +320,8 @@ def register_caps(rep_ms: int, rounds: int = 3, caps: tuple = (None, 120, 112, 1
             for cap in order:
 
                 def rr(cap=cap, stages=stages) -> torch.Tensor:
-                    return i8._launch_candidates(*w.rerank, False, maxnreg=cap, num_stages=stages)[0]
+                    tiles = dict(maxnreg=cap, num_stages=stages)
+                    return i8.launch_candidates_with_tiles(*w.rerank, False, **tiles)[0]
 
                 out = row("maxnreg", f"round {r} rerank stages={stages} maxnreg={cap}", rr, w.rerank_bytes,
                           base, rep_ms, round=r, workload="rerank", maxnreg=cap, stages=stages)  # fmt: skip
@@ -350,10 +351,10 @@ def tile_sweep(rep_ms: int, rounds: int = 3) -> None:
             base = None
             for cfg in cfgs[r % len(cfgs) :] + cfgs[: r % len(cfgs)]:
                 if name == "one query":
-                    fn = lambda cfg=cfg: i8._launch_varlen(*w.one, False, **cfg)[0]  # noqa: E731
+                    fn = lambda cfg=cfg: i8.launch_varlen_with_tiles(*w.one, False, **cfg)[0]  # noqa: E731
                     nbytes = w.one_bytes
                 else:
-                    fn = lambda cfg=cfg: i8._launch_candidates(*w.rerank, False, **cfg)[0]  # noqa: E731
+                    fn = lambda cfg=cfg: i8.launch_candidates_with_tiles(*w.rerank, False, **cfg)[0]  # noqa: E731
                     nbytes = w.rerank_bytes
                 out = row("tiles", f"round {r} {name} {cfg or 'default'}", fn, nbytes, base, rep_ms,
                           round=r, workload=name, config=cfg)  # fmt: skip
@@ -442,10 +443,10 @@ def stream(
     workloads = [
         ("one query", lambda: maxsim_varlen(w.q, w.qo, w.docs16, w.d_off), w.n_tok * DIM * 2.0,
          lambda: i8._launch_varlen(*w.one, False)[0], w.one_bytes, one_cfgs,
-         lambda cfg: st.maxsim_int8_stream(q8, sq, qo, None, None, d8, sd, d_off, query_tokens, **cfg)[None]),
+         lambda cfg: st.stream_with_tiles(q8, sq, qo, None, None, d8, sd, d_off, query_tokens, **cfg)[None]),
         ("rerank", lambda: maxsim_candidates(*w.rerank16), w.rerank_bytes * 2,
          lambda: i8._launch_candidates(*w.rerank, False)[0], w.rerank_bytes, rerank_cfgs,
-         lambda cfg: st.maxsim_int8_stream(*rerank_args, **cfg)),
+         lambda cfg: st.stream_with_tiles(*rerank_args, **cfg)),
     ]  # fmt: skip
     for r in range(rounds):
         for name, fp16, fp16_bytes, triton_int8, nbytes, cfgs, stream_kernel in workloads:

@@ -41,8 +41,8 @@ import numpy as np
 import torch
 from common import DIM, MAX_LEN, MIN_LEN, QUERY_TOKENS, make_log, meta, offsets_of, write_json
 from maxsim_kernels import cpu, maxsim_candidates_reference
-from maxsim_kernels._validate import Layout, check_candidates, check_inputs
 from maxsim_kernels.cpu import _compute_dtype, _score_docs, maxsim_candidates_cpu, maxsim_varlen_cpu
+from maxsim_kernels.validation import Layout, check_candidates, check_inputs
 
 log = make_log("bench_cpu_rerank")
 

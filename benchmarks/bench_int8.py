@@ -60,8 +60,8 @@ from common import (
 )
 from maxsim_kernels import maxsim_candidates, maxsim_varlen
 from maxsim_kernels.maxsim_int8 import (
-    _launch_candidates,
-    _launch_varlen,
+    launch_candidates_with_tiles,
+    launch_varlen_with_tiles,
     maxsim_candidates_int8,
     maxsim_varlen_int8,
     quantize_per_token,
@@ -186,7 +186,7 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
     # -- tile sweeps (int8 launchers, offsets on the GPU) --
     def varlen_launcher(q, qo, d8, do, sd):
         q8, sq = quantize_per_token(q)
-        return lambda **cfg: _launch_varlen(q8, sq, qo, d8, sd, do, False, **cfg)
+        return lambda **cfg: launch_varlen_with_tiles(q8, sq, qo, d8, sd, do, False, **cfg)
 
     sweeps: dict[str, Any] = {}
     if args.sweep:
@@ -224,7 +224,7 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
         rq8, rsq = quantize_per_token(rq)
         best, rows = sweep(
             "rerank",
-            lambda **cfg: _launch_candidates(
+            lambda **cfg: launch_candidates_with_tiles(
                 rq8, rsq, rq_off, pool8, pool_scales, pool_off, cand_off, cand_docs, False, **cfg
             ),
             [
@@ -258,7 +258,7 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
             return None
         cfg = {k: v for k, v in sweeps[key]["best"].items() if k != "ms"}
         q8, sq = quantize_per_token(q)
-        return lambda: _launch_varlen(q8, sq, qo, d8, sd, do, False, **cfg)
+        return lambda: launch_varlen_with_tiles(q8, sq, qo, d8, sd, do, False, **cfg)
 
     d16, do, d8, sd = ex
     flops = 2.0 * queries16.shape[0] * d16.shape[0] * DIM
@@ -331,7 +331,7 @@ def bench_kernels(args: argparse.Namespace, device: torch.device) -> dict:
             cfg = {k: v for k, v in sweeps["rerank"]["best"].items() if k != "ms"}
             rq8, rsq = quantize_per_token(rq)
             best_fn = functools.partial(
-                _launch_candidates,
+                launch_candidates_with_tiles,
                 rq8,
                 rsq,
                 rq_off,

@@ -14,8 +14,8 @@ run written:
 - ``2gpu``: `score --devices 0,1` in this process: a rank per GPU as threads (`run_threads`), shards
   shared by tokens, results merged and written once;
 - ``1gpu-process`` / ``2gpu-processes``: the same with ranks as fresh worker processes joined through
-  torch.distributed (`jobs.launch`, what torchrun does): interpreter, imports and CUDA start
-  included;
+  torch.distributed (`maxsim_cli.parallel.launcher.launch`, what torchrun does): interpreter, imports
+  and CUDA start included;
 - ``cli-1gpu`` / ``cli-2gpu``: `python -m maxsim_cli score` as a user types it, all start-up included.
 
 Every run must be byte for byte the same file. JSON lines are appended to ``--log`` as stages finish,
@@ -47,7 +47,8 @@ import torch
 from common import DIM, MAX_LEN, MIN_LEN, QUERY_TOKENS, build_queries, read_files, write_json
 
 import maxsim_cli.scoring.plan as plan_module
-from maxsim_cli import jobs
+from maxsim_cli.parallel import launcher as job_launcher
+from maxsim_cli.parallel import threads as rank_threads
 from maxsim_cli.score import score
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.shards import write_shard
@@ -126,15 +127,15 @@ def settings(config: str) -> Iterator[dict]:
     the batch size, for 1gpu and for rank threads alike), readers=N (reader threads per rank), switch=MS
     (Python's GIL switch interval). In-process configurations only."""
     # the engine reads the arena's cap from `maxsim_cli.scoring.plan` and rank threads theirs from
-    # `maxsim_cli.jobs`, both at each run: patch them there
+    # `maxsim_cli.parallel.threads`, both at each run: patch them there
     staging, interval = plan_module.STAGING_BYTES, sys.getswitchinterval()
-    thread_staging = jobs.THREAD_STAGING_BYTES
+    thread_staging = rank_threads.THREAD_STAGING_BYTES
     kwargs: dict = {}
     try:
         for setting in filter(None, config.partition("@")[2].split("+")):
             key, _, value = setting.partition("=")
             if key == "staging":
-                plan_module.STAGING_BYTES = jobs.THREAD_STAGING_BYTES = parse_size(value)
+                plan_module.STAGING_BYTES = rank_threads.THREAD_STAGING_BYTES = parse_size(value)
             elif key == "readers":
                 kwargs["reader_threads"] = int(value)
             elif key == "switch":  # Python's GIL switch interval, in ms
@@ -143,7 +144,7 @@ def settings(config: str) -> Iterator[dict]:
                 raise SystemExit(f"bench_multigpu: unknown setting {setting!r} in {config!r}")
         yield kwargs
     finally:
-        plan_module.STAGING_BYTES, jobs.THREAD_STAGING_BYTES = staging, thread_staging
+        plan_module.STAGING_BYTES, rank_threads.THREAD_STAGING_BYTES = staging, thread_staging
         sys.setswitchinterval(interval)
 
 
@@ -157,9 +158,9 @@ def run_config(config: str, qpath: str, paths: list[str], out: str, devices: lis
             stats = score(qpath, paths, output=out, top_k=TOP_K, device=devices[0], log=log, **kwargs)
     elif name == "2gpu":  # `--devices`: ranks as threads of this process
         with settings(config) as kwargs:
-            stats = jobs.run_threads(request_for(qpath, paths, out, **kwargs), devices)
+            stats = rank_threads.run_threads(request_for(qpath, paths, out, **kwargs), devices)
     elif name in ("1gpu-process", "2gpu-processes"):  # ranks as fresh worker processes
-        stats = jobs.launch(request_for(qpath, paths, out), devices)
+        stats = job_launcher.launch(request_for(qpath, paths, out), devices)
     else:  # cli-1gpu / cli-2gpu: `maxsim score` as a user types it, interpreter start included
         cmd = [sys.executable, "-m", "maxsim_cli", "score", qpath, *paths, "-k", str(TOP_K), "-o", out]
         spec = ",".join(devices) if devices[0].startswith("cuda") else f"cpu:{len(devices)}"
@@ -195,6 +196,9 @@ def main() -> None:
     parser.add_argument("--log", default=None, help="append one JSON line per finished stage here")
     parser.add_argument("--out", default=None, help="JSON file for the summary")
     args = parser.parse_args()
+    from maxsim_cli import tuning
+
+    tuning.one_shot_process()  # the command line's process-wide settings, as `maxsim score` has them
     _log_path = args.log
     if args.cpu:
         device = torch.device("cpu")

@@ -336,6 +336,9 @@ def main() -> None:
     parser.add_argument("--int8-repeats", type=int, default=3, help="gpu: runs of each precision")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args()
+    from maxsim_cli import tuning
+
+    tuning.one_shot_process()  # the command line's process-wide settings, as `maxsim score` has them
     if args.size is None:
         args.size = "10GB" if args.which == "gpu" else "1GB"
     if args.queries is None:

@@ -12,11 +12,11 @@ in turn, --runs of each:
   of docs/benchmarks.md ("What a fresh process pays once") would give;
 - ``off-pycache``: that bytecode folder without the warm-up thread;
 - ``on-pycache-rehash``: ``on-pycache`` with ``MAXSIM_TRITON_KEY_CACHE=0``: the warm-up computes Triton's
-  cache key as Triton does instead of reading back its saved copy (`maxsim_cli.warmup.remember_triton_key`);
+  cache key as Triton does instead of reading back its saved copy (`maxsim_cli.tuning.remember_triton_key`);
 - ``on-pycache-late``: ``on-pycache`` with ``MAXSIM_EARLY_CUDA=0``: the CUDA context made by torch's first
   call on the main thread instead of in a thread beside torch's import (`maxsim_cli.cuda_early`);
 - ``on-pycache-gc``: ``on-pycache`` with ``MAXSIM_GC_PAUSE=0``: Python's garbage collector as Python runs
-  it, not paused for the imports and the set-up and frozen as the pass begins (`maxsim_cli.collector`);
+  it, not paused for the imports and the set-up and frozen as the pass begins (`maxsim_cli.tuning`);
 - ``on-pycache-lateread``: ``on-pycache`` with ``MAXSIM_EARLY_READS=0``: the first batches read as the
   pass begins instead of while the warm-up finishes (`BatchStream.start`);
 - ``on-pycache-gcfreeze`` / ``on-pycache-gcoff``: ``on-pycache-gc`` with the collector frozen (`gc.freeze`)

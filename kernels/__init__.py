@@ -50,10 +50,10 @@ from typing import Any
 
 import torch
 
-from ._validate import Layout, check_candidates, check_inputs, resolve_backend
 from .colbert_scores import colbert_kd_scores, colbert_scores
-from .cpu import maxsim_candidates_cpu, maxsim_varlen_cpu
+from .cpu import NonFiniteDocuments, maxsim_candidates_cpu, maxsim_varlen_cpu
 from .reference import maxsim_candidates_reference, maxsim_reference
+from .validation import MAX_DIM, Layout, check_candidates, check_inputs, resolve_backend, share_device_copy
 
 __all__ = [
     "maxsim_varlen",
@@ -70,6 +70,9 @@ __all__ = [
     "check_candidates",
     "Layout",
     "resolve_backend",
+    "share_device_copy",
+    "MAX_DIM",
+    "NonFiniteDocuments",
 ]
 
 
@@ -123,6 +126,21 @@ def _check_query_scales(query_scales: torch.Tensor | None, docs: torch.Tensor) -
         raise ValueError("query_scales go with int8 queries and int8 (or uint8 code) documents")
 
 
+def _check_finite_supported(
+    check_finite: bool, docs: torch.Tensor, queries: torch.Tensor, backend: str
+) -> None:
+    # the check reads the similarities the torch backend computes anyway; the other paths have none
+    if check_finite and (
+        docs.dtype in (torch.int8, torch.uint8)
+        or _needs_grad(queries, docs)
+        or resolve_backend(backend, docs.device) != "torch"
+    ):
+        raise ValueError(
+            "check_finite needs the torch backend (backend='torch', or 'auto' on CPU tensors), float "
+            "documents and inputs that do not require grad"
+        )
+
+
 def maxsim_varlen(
     queries: torch.Tensor,
     query_offsets: torch.Tensor,
@@ -135,6 +153,7 @@ def maxsim_varlen(
     doc_scales: torch.Tensor | None = None,
     query_scales: torch.Tensor | None = None,
     codebook: Any = None,
+    check_finite: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Every query against every document: fp32 scores [nq, nd] (+ int32 argmax [Tq, nd]).
 
@@ -143,8 +162,15 @@ def maxsim_varlen(
     or int8 queries with `query_scales` fp32 [Tq] (`maxsim_kernels.maxsim_int8.quantize_per_token`).
     uint8 docs are codes below 8 bits (`maxsim_kernels.maxsim_codes`): int4 with `doc_scales`, or the
     residual2 codec with `codebook` (a `maxsim_codes.ResidualCodebook`).
+
+    ``check_finite``: raise `NonFiniteDocuments` (a ValueError) when a document token's similarities
+    are NaN or Inf: its embedding holds NaN/Inf (or, in bf16/fp32, values so large that the fp32 sum
+    overflows). The similarities are computed anyway, so the check costs next to nothing; the queries
+    must be finite. Only the torch backend on float documents without grad checks: with int8 (or code)
+    documents, inputs that require grad or the Triton backend it raises ValueError.
     """
     _check_query_scales(query_scales, docs)
+    _check_finite_supported(check_finite, docs, queries, backend)
     if docs.dtype == torch.uint8:
         return _codes_module().maxsim_varlen_codes(
             queries,
@@ -187,7 +213,7 @@ def maxsim_varlen(
         return _forward_module().maxsim_varlen_forward_triton(
             queries, query_offsets, docs, doc_offsets, return_argmax=return_argmax, allow_tf32=allow_tf32
         )
-    return _torch_varlen(queries, query_offsets, docs, doc_offsets, return_argmax, doc_scales)
+    return _torch_varlen(queries, query_offsets, docs, doc_offsets, return_argmax, doc_scales, check_finite)
 
 
 def maxsim_candidates(
@@ -204,6 +230,7 @@ def maxsim_candidates(
     doc_scales: torch.Tensor | None = None,
     query_scales: torch.Tensor | None = None,
     codebook: Any = None,
+    check_finite: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-query candidates (reranking): fp32 scores [C] (+ int32 argmax [C, max_query_len], -1 padded).
 
@@ -219,8 +246,11 @@ def maxsim_candidates(
     documents the candidate_offsets are read on the host, to plan the launch: pass them from the host
     (offsets on the GPU cost one copy and one wait per new offsets tensor); the int8 kernels read them on
     the device.
+
+    ``check_finite`` as in `maxsim_varlen` (for the candidates' tokens).
     """
     _check_query_scales(query_scales, docs)
+    _check_finite_supported(check_finite, docs, queries, backend)
     if docs.dtype == torch.uint8:
         return _codes_module().maxsim_candidates_codes(
             queries,
@@ -285,6 +315,7 @@ def maxsim_candidates(
         candidate_docs,
         return_argmax,
         doc_scales,
+        check_finite,
     )
 
 
@@ -295,9 +326,16 @@ def _torch_varlen(
     doc_offsets: torch.Tensor,
     return_argmax: bool,
     doc_scales: torch.Tensor | None,
+    check_finite: bool,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     return maxsim_varlen_cpu(
-        queries, query_offsets, docs, doc_offsets, return_argmax=return_argmax, doc_scales=doc_scales
+        queries,
+        query_offsets,
+        docs,
+        doc_offsets,
+        return_argmax=return_argmax,
+        doc_scales=doc_scales,
+        check_finite=check_finite,
     )
 
 
@@ -310,6 +348,7 @@ def _torch_candidates(
     candidate_docs: torch.Tensor,
     return_argmax: bool,
     doc_scales: torch.Tensor | None,
+    check_finite: bool,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     return maxsim_candidates_cpu(
         queries,
@@ -320,4 +359,5 @@ def _torch_candidates(
         candidate_docs,
         return_argmax=return_argmax,
         doc_scales=doc_scales,
+        check_finite=check_finite,
     )

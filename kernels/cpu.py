@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._validate import Layout, check_candidates, check_inputs
+from .validation import Layout, check_candidates, check_inputs
 
 # Padded document tokens per group and query tokens per matrix product. Measured on the 2-core dev
 # machine (Xeon with AVX-512, torch 2.13, fp32, dim 128), 64 queries x 32 tokens against 4000 documents
@@ -215,8 +215,7 @@ def _similarities(a: torch.Tensor, b_t: torch.Tensor, out: torch.Tensor | None =
 
 # Each stream worker's upcast chunk and similarity block live in buffers kept per thread (2 x 16 MB
 # at 32K tokens, d = 128, 128 query tokens): fresh 16 MB tensors were mapped and unmapped by malloc on
-# every chunk, a page fault per 4 KB each time. 1 GB of fp16 documents, 4 queries, 2 cores, interleaved
-# (benchmarks/ab_cpu_score.py, results/cpu-score-ab.txt): from memory 1.31-1.73 s -> 1.04-1.34 s.
+# every chunk, a page fault per 4 KB each time: 1.31-1.73 s -> 1.04-1.34 s (docs/history.md).
 _SCRATCH = threading.local()
 
 

@@ -71,8 +71,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import KernelLaunch
-from ._validate import (
+from .launch import KernelLaunch
+from .validation import (
     alignment_key,
     cdiv,
     check_candidates,
@@ -84,24 +84,23 @@ from ._validate import (
     resolve_backend,
 )
 
-# --- tuning constants (H200, triton 3.6, dim 128; the alternatives' times: docs/kernel-notes.md,
+# --- tuning constants (triton 3.6, dim 128; the alternatives' times: docs/kernel-notes.md,
 # "Training: the inverse map, the host and the argmax tile")
 # Query-gradient kernel: a program owns _DQ_BLOCK_T query tokens and gathers _DQ_BLOCK_C winning rows
 # per token per step ([T, C, dim] in flight, which is what hides the gather latency); within noise of the
-# best variant swept (benchmarks/results/archive/train/train-h200.json, "sweep").
+# best variant swept.
 _DQ_BLOCK_T = 8
 _DQ_BLOCK_C = 8
 _DQ_NUM_WARPS = 4
 # Document-gradient kernel: one program per document token reads its CSR list _DD_BLOCK_E entries at a
-# time: 53 / 96 us at ColBERT 128 / 256 docs against 62 / 115 us for 16 entries on 2 warps
-# (benchmarks/results/archive/train/train-h200.json, "sweep").
+# time: 53 / 96 us at ColBERT 128 / 256 docs against 62 / 115 us for 16 entries on 2 warps.
 _DD_BLOCK_E = 8
 _DD_NUM_WARPS = 1
 # All-pairs inverse CSR: a program sorts the winners of up to _CSR_MAX_SEGMENT query tokens against one
 # document in registers. Segment: 1024 query tokens when there are >= _CSR_MANY_DOCS documents (programs
 # enough from the documents alone), else 4096 (fewer segments keep the dD kernel's per-token loop short);
 # fixed per class so that batch sizes never recompile the kernel. CSR build + dD at ColBERT 128 docs 0.080
-# ms with 1024, ColPali 0.289 with 4096 (benchmarks/results/train/train-sweep-h200.json, "csr_segment_sweep").
+# ms with 1024, ColPali 0.289 with 4096.
 _CSR_MAX_SEGMENT = 4096
 _CSR_MANY_DOCS_SEGMENT = 1024
 _CSR_MANY_DOCS = 64
@@ -109,12 +108,10 @@ _CSR_DOC_BLOCK = 256  # document tokens a step of the suffix minimum (fixed: no 
 # Document gradient without the inverse map (16-bit inputs, queries of at most 128 tokens): a program per
 # (document, _ONEHOT_BLOCK_J of its tokens) forms, for each query, the one-hot matrix [token == winner] and
 # multiplies it into the query's rows on the tensor cores. Its cost grows with queries x documents x token
-# blocks (steps: ~4.6-6 us per thousand on the H200), the inverse map's with the pairs, plus a fixed sort
-# of 4096-token segments below _CSR_MANY_DOCS documents. So it is taken below _CSR_MANY_DOCS documents and
-# up to _ONEHOT_MAX_STEPS steps: at 32 queries x 32 tokens vs 32 documents x 1024 (16K steps) dD took 0.075
-# ms against 0.131 for the inverse map; at 64 x 64 documents (65K steps) 0.258 against 0.066
-# (benchmarks/results/train/train-colpali-queries-h200.json; docs/kernel-notes.md, "Training: short
-# queries against long documents").
+# blocks, the inverse map's with the pairs, plus a fixed sort of 4096-token segments below _CSR_MANY_DOCS
+# documents. So it is taken below _CSR_MANY_DOCS documents and up to _ONEHOT_MAX_STEPS steps: 16K steps
+# 0.075 vs 0.131 ms, 65K steps 0.258 vs 0.066 (docs/kernel-notes.md, "Training: short queries against long
+# documents").
 _DD_PATH = "auto"  # "auto", "csr" or "onehot" (the benchmark's A/B switch; read when a plan is made)
 _ONEHOT_BLOCK_J = 64
 _ONEHOT_BLOCK_I = 32

@@ -59,15 +59,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._validate import cdiv, check_candidate_docs, resolve_backend
 from .maxsim_int8 import (
-    _offsets,
-    _quantize_torch,
-    _quantize_triton,
-    _segment_max,
-    _segments,
-    _sum_rows_in_order,
+    device_offsets,
+    quantize_per_token,
+    segment_ids,
+    segment_max,
+    sum_rows_in_order,
 )
+from .validation import cdiv, check_candidate_docs, resolve_backend
 
 CODECS = ("int4", "residual2")
 INT4_ABSMAX = 7.0
@@ -540,16 +539,18 @@ def _prepare(
         )
     backend = resolve_backend(backend, device)
     check = backend == "torch" or device.type != "cuda"
-    query_offsets = _offsets(
+    query_offsets = device_offsets(
         "query_offsets", query_offsets, queries.shape[0], device, empty_ok=False, check=check
     )
-    doc_offsets = _offsets("doc_offsets", doc_offsets, docs.shape[0], device, empty_ok=True, check=check)
+    doc_offsets = device_offsets(
+        "doc_offsets", doc_offsets, docs.shape[0], device, empty_ok=True, check=check
+    )
     if queries.dtype == torch.int8:
         if query_scales is None or query_scales.shape != (queries.shape[0],):
             raise ValueError(f"int8 queries need query_scales (fp32 [{queries.shape[0]}])")
         q8, sq = queries, query_scales.to(device).float()
     elif queries.is_floating_point():
-        q8, sq = _quantize_triton(queries) if backend == "triton" else _quantize_torch(queries)
+        q8, sq = quantize_per_token(queries, backend=backend)
     else:
         raise ValueError(f"queries must be float16/bfloat16/float32 or int8, got {queries.dtype}")
     codes = docs if docs.stride(1) == 1 else docs.contiguous()
@@ -711,8 +712,8 @@ def _varlen_torch(
         while last < nd and d_host[last + 1] - d_host[first] <= budget:
             last += 1
         sim = _block_sims(q_float, codes, slice(d_host[first], d_host[last]), doc_scales, codebook)
-        segment, _ = _segments(doc_offsets[first : last + 1].diff())
-        best, _ = _segment_max(sim, segment, last - first, None)
+        segment, _ = segment_ids(doc_offsets[first : last + 1].diff())
+        best, _ = segment_max(sim, segment, last - first, None)
         out[:, first:last] = torch.zeros((nq, last - first), device=device).index_add_(
             0, row_query, sq[:, None] * best
         )
@@ -749,11 +750,11 @@ def _candidates_torch(
             while last < stop and tokens + len_host[last] <= budget:
                 tokens += len_host[last]
                 last += 1
-            segment, local = _segments(cand_len[first:last])
+            segment, local = segment_ids(cand_len[first:last])
             token = cand_start[first:last][segment] + local
             sim = _block_sims(q_float, codes, token, doc_scales, codebook)
-            best, _ = _segment_max(sim, segment, last - first, None)
-            out[first:last] = _sum_rows_in_order(sq[r0:r1, None] * best)
+            best, _ = segment_max(sim, segment, last - first, None)
+            out[first:last] = sum_rows_in_order(sq[r0:r1, None] * best)
             first = last
     return out
 
@@ -831,7 +832,7 @@ def maxsim_candidates_codes(
     if not isinstance(candidate_offsets, torch.Tensor) or candidate_offsets.shape != (nq + 1,):
         raise ValueError(f"candidate_offsets must have nq+1 = {nq + 1} entries")
     check = backend == "torch" or device.type != "cuda"
-    c_off = _offsets(
+    c_off = device_offsets(
         "candidate_offsets", candidate_offsets, candidate_docs.numel(), device, empty_ok=True, check=check
     )
     if candidate_docs.numel():
@@ -844,7 +845,7 @@ def maxsim_candidates_codes(
 
 def quantized_queries(queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The int8 codes and scales the kernels score float queries with (for references and tests)."""
-    return _quantize_torch(queries)
+    return quantize_per_token(queries, backend="torch")
 
 
 __all__ = [

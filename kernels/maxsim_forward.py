@@ -58,9 +58,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import KernelLaunch, SpecialisedLaunch, gluon_module
-from ._running_max import document_max, fold_tile, restart
-from ._validate import (
+from .launch import KernelLaunch, SpecialisedLaunch, gluon_module
+from .running_max import document_max, fold_tile, restart
+from .validation import (
     FLOAT_DTYPES,
     Layout,
     alignment_key,
@@ -456,22 +456,14 @@ class KernelConfig:
             raise ValueError("KernelConfig.block_q and block_t must be >= 16 (tl.dot's minimum)")
 
 
-# Shape classes -> configuration (H200, triton 3.6, fp16, dim 128, L2-normalised random vectors).
+# Shape classes -> configuration (triton 3.6, fp16, dim 128, L2-normalised random vectors).
 #   "many":  all-pairs with >= 256 query rows (tensor-core bound: 512 queries x 32 tokens x 50K docs);
 #   "some":  all-pairs with 128 to 255 query rows (a 256-row tile would be half padding);
 #   "few":   all-pairs with < 128 query rows (HBM bound: 1 query x 100K docs of 20-300 tokens);
 #   "long":  queries longer than 128 tokens (1 ColPali query of 1024 tokens x 1000 docs of 1024);
 #   "cands": per-query candidates (HBM bound: 64 queries x their own 1000 docs of 180 tokens).
-# Each entry is its class's fastest in `python benchmarks/bench_kernels.py --sweep` / `--tune` (H200); the
-# alternatives: docs/kernel-notes.md, "The forward tuning table, entry by entry".
-# - many: 82.4 ms exhaustive, 84.6 with a per-row max (benchmarks/results/kernels/kernels-sweep-v5-h200.json);
-# - some: 99.0 ms, the best 128-row entry (benchmarks/results/archive/kernels/kernels-sweep-h200.json);
-# - few: document-major, 0.933 ms for 1 query x 100K docs against 1.038 query-major
-#   (benchmarks/results/kernels/kernels-sweep-v4b-h200.json);
-# - long: 0.638 ms for ColPali, 0.740 with 2 documents and 3 stages
-#   (benchmarks/results/kernels/kernels-tune-h200.json);
-# - cands: document-major, 0.688 ms against 0.755 query-major
-#   (benchmarks/results/kernels/kernels-sweep-v4b-h200.json).
+# Each entry is its class's fastest in `python benchmarks/bench_kernels.py --sweep` / `--tune` on the H200,
+# against its alternatives: docs/kernel-notes.md, "The forward tuning table, entry by entry".
 # sm_90 builds of every entry (triton's ptxas, no GPU needed): no spills; the loads are cp.async-pipelined,
 # the dots wgmma for >= 64 rows (and for document-major tiles).
 _TUNING: dict[str, KernelConfig] = {
@@ -483,13 +475,9 @@ _TUNING: dict[str, KernelConfig] = {
     "long": KernelConfig(block_q=128, block_t=64, docs_per_prog=1, num_warps=4, num_stages=2),
     "cands": KernelConfig(block_q=32, block_t=64, docs_per_prog=8, num_warps=4, num_stages=4, doc_major=True),
 }
-# Per-device entries that replace `_TUNING`'s on that device (the table above was swept on the H200). The
-# H100's HBM is ~25% slower and its L2 smaller, and there the HBM-bound classes want one document (two
-# candidates) a program. `python benchmarks/tune_memory_bound.py` on one H100 80GB, 198 configurations, scores
-# bitwise equal to the H200 entry's, then five alternating rounds with the peers
-# (benchmarks/results/kernels/tune-memory-bound-h100.json, medians, ms):
-# - few: 1.2845 against the H200 entry's 1.3285 (flash-maxsim 1.2875, late-interaction-kernels 1.609);
-# - cands: 0.9414 against 0.9461 (flash-maxsim 0.9296, late-interaction-kernels 0.9278).
+# Per-device entries that replace `_TUNING`'s on that device. On a GPU with slower HBM and a smaller L2 the
+# HBM-bound classes want one document (two candidates) a program; scores bitwise equal to `_TUNING`'s.
+# few 1.2845 vs 1.3285 ms, cands 0.9414 vs 0.9461 on one H100 (tune_memory_bound.py): docs/benchmarks.md
 _DEVICE_TUNING: dict[str, dict[str, KernelConfig]] = {
     "H100": {
         "few": KernelConfig(
@@ -516,17 +504,14 @@ def tuning(cls: str, device: torch.device | None = None) -> KernelConfig:
 
 
 # With return_argmax (the training forward) the all-pairs kernel keeps a running max and argmax per query
-# row, not per tile element, so the scores-only winners above need not win. many: 0.103 / 0.171 ms at
-# ColBERT 128 / 256 docs against 0.137 / 0.241 for the scores-only entry, bitwise equal
-# (benchmarks/results/archive/train/argmax-sweep-h200.json; the other tiles: docs/kernel-notes.md,
-# "Training: the inverse map, the host and the argmax tile").
+# row, not per tile element, so the scores-only winners above need not win.
+# many 0.103 / 0.171 vs 0.137 / 0.241 ms (ColBERT 128 / 256 docs): docs/kernel-notes.md, "The argmax tile"
 _ARGMAX_TUNING: dict[str, KernelConfig] = {
     "many": KernelConfig(block_q=256, block_t=64, docs_per_prog=64, num_warps=8, num_stages=2),
 }
 # Candidates kernel: ROTATE starts each program's run at a rotated candidate, so that programs over candidates
-# that lie one after another never read in lockstep. Candidates in order scored as fast as shuffled ones
-# without it (0.668 against 0.675 ms; rotated 0.672 / 0.679), so it is off
-# (benchmarks/results/int8/memory-bound-h200.json; docs/kernel-notes.md, "Rerank: candidates in order").
+# that lie one after another never read in lockstep. Off: in order 0.668 vs shuffled 0.675 ms without it,
+# rotated 0.672 / 0.679 (docs/kernel-notes.md, "Rerank: candidates in order").
 _ROTATE_CANDIDATES = False
 _MIN_ROWS = 16  # tl.dot needs M, N, K >= 16
 
@@ -842,11 +827,8 @@ class ResidentCandidates:
 
     The generic launcher checks its inputs, plans, and copies the query offsets, the candidates and the
     program table each in its own pinned staging buffer (torch's caching host allocator) at every call:
-    for 1 query x 1,000 candidates 0.53 ms a call under cProfile on the H200 host (0.40 ms of it torch's
-    own CPU time under torch.profiler), against a 22 us kernel
-    (`benchmarks/results/serve/prof-rerank-step-h200.txt`). A served rerank's step with this launcher:
-    1.03-1.55 ms against 1.44-1.91 (`Server-Timing`, alternating in one call,
-    `benchmarks/results/serve/resident-candidates/ab-h200.txt`). Here the
+    for 1 query x 1,000 candidates 0.53 ms a call against a 22 us kernel (docs/history.md, "Kept:
+    `ResidentCandidates`"). Here the
     call's host arrays go into the buffer with numpy, one transfer takes them to the device, the
     compiled kernel of their specialisation is launched (`SpecialisedLaunch`), and the scores come back
     in a second transfer: the scores are those of `maxsim_candidates_forward_triton` (the same kernel,

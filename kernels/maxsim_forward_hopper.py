@@ -60,7 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._launch import hopper_device
+from .launch import hopper_device
 
 BLOCK_Q = gl.constexpr(128)  # query rows a program (one warp group: two m64 wgmma rows)
 
@@ -119,7 +119,7 @@ def _refill(
 
 
 @gluon.jit
-def _issue_product(q_rows, d_smem, ready, x, dead_acc, STAGES: gl.constexpr):
+def issue_product(q_rows, d_smem, ready, x, dead_acc, STAGES: gl.constexpr):
     """Tile x's S = Q . D^T, asynchronous, written over the registers of `dead_acc` (a folded tile)."""
     slot = x % STAGES
     mbarrier.wait(ready.index(slot), (x // STAGES) & 1)
@@ -259,22 +259,22 @@ def _maxsim_long_kernel(
         # a group's first two products start from a zero constant, the others over the registers of a
         # folded tile: a register copy of an accumulator, or one in flight across the loop's back edge,
         # makes ptxas serialize every wgmma
-        acc_a = _issue_product(q_rows, d_smem, ready, base, zero, STAGES)
+        acc_a = issue_product(q_rows, d_smem, ready, base, zero, STAGES)
         acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_a])  # no wait: a tensor from here on
-        acc_b = _issue_product(q_rows, d_smem, ready, base + 1, zero, STAGES)
+        acc_b = issue_product(q_rows, d_smem, ready, base + 1, zero, STAGES)
         acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])  # tile base is done
         m, l_tok, l_end, l_doc, f_tok, f_end, f_doc, num_finished = _retire(
             acc_a, base, tiles, total, m, l_tok, l_end, l_doc, f_tok, f_end, f_doc, d_desc, d_smem, ready,
             d_off_ptr, num_docs, finished, num_finished, col_layout, BLOCK_T, STAGES,
         )  # fmt: skip
         for j in gl.static_range(2, GROUP, 2):  # B holds tile base + j - 1, in flight
-            acc_a = _issue_product(q_rows, d_smem, ready, base + j, acc_a, STAGES)
+            acc_a = issue_product(q_rows, d_smem, ready, base + j, acc_a, STAGES)
             acc_a, acc_b = warpgroup_mma_wait(num_outstanding=1, deps=[acc_a, acc_b])  # base + j - 1 is done
             m, l_tok, l_end, l_doc, f_tok, f_end, f_doc, num_finished = _retire(
                 acc_b, base + j - 1, tiles, total, m, l_tok, l_end, l_doc, f_tok, f_end, f_doc, d_desc,
                 d_smem, ready, d_off_ptr, num_docs, finished, num_finished, col_layout, BLOCK_T, STAGES,
             )  # fmt: skip
-            acc_b = _issue_product(q_rows, d_smem, ready, base + j + 1, acc_b, STAGES)
+            acc_b = issue_product(q_rows, d_smem, ready, base + j + 1, acc_b, STAGES)
             acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])  # base + j is done
             m, l_tok, l_end, l_doc, f_tok, f_end, f_doc, num_finished = _retire(
                 acc_a, base + j, tiles, total, m, l_tok, l_end, l_doc, f_tok, f_end, f_doc, d_desc, d_smem,
@@ -305,7 +305,7 @@ def supports(queries: torch.Tensor, docs: torch.Tensor, return_argmax: bool) -> 
         not return_argmax
         and docs.dtype in (torch.float16, torch.bfloat16)
         and queries.dtype == docs.dtype
-        and docs.shape[1] == 128  # the dim tested on the H200 (64 builds for sm_90; 256 spills there)
+        and docs.shape[1] == 128  # the dim tested (64 builds for sm_90; 256 spills there)
         and docs.shape[0] < 2**31  # TMA coordinates are int32
         and docs.stride(1) == 1
         and docs.data_ptr() % 16 == 0
@@ -314,11 +314,10 @@ def supports(queries: torch.Tensor, docs: torch.Tensor, return_argmax: bool) -> 
     )
 
 
-# Tuning (H200, ColPali: 1 query x 1024 tokens x 1000 documents of 1024, fp16, dim 128; the alternatives,
-# run by run: docs/kernel-notes.md, "Version 7 (this code): the query in registers, persistent runs of
+# Tuning (ColPali: 1 query x 1024 tokens x 1000 documents of 1024, fp16, dim 128; the alternatives, run by
+# run: docs/kernel-notes.md, "Version 7 (this code): the query in registers, persistent runs of
 # documents"). A ring of 5: 0.438-0.449 ms against 0.462 for 4; groups of 8: 0.434 against 0.439 for 16,
-# whose first call took 5.9 s (benchmarks/results/kernels/long-hopper-v7-dev-{a..e}.json,
-# benchmarks/results/archive/kernels/long-hopper-h200-v7.json).
+# whose first call took 5.9 s.
 BLOCK_T, STAGES, GROUP, NUM_WARPS = 64, 5, 8, 4
 # A program takes 239 registers x 128 threads and 90.6 KB of shared memory (sm_90 build): two fit an SM.
 PROGRAMS_PER_SM = 2
@@ -337,22 +336,17 @@ def _tile_layout(block_t: int, dim: int, dtype: torch.dtype) -> gl.NVMMASharedLa
 
 @dataclass(frozen=True)
 class LongLaunch:
-    """A launch of `_maxsim_long_kernel` with the call signature of `_launch.KernelLaunch` as the forward
+    """A launch of `_maxsim_long_kernel` with the call signature of `launch.KernelLaunch` as the forward
     plans use it: (queries, query offsets, docs, doc offsets, scores, unused argmax, *ints), where ints are
     (num_queries, num_docs, num_chunks, docs_per_prog, stride_q). The TMA descriptor of the documents is
     made at each call (it holds their address)."""
 
     grid: tuple[int]
-    block_t: int = BLOCK_T
-    stages: int = STAGES
-    group: int = GROUP
 
     def __call__(self, queries, q_off, docs, d_off, scores, _argmax, *ints) -> None:
         dim = docs.shape[1]
-        desc = TensorDescriptor.from_tensor(
-            docs, [self.block_t, dim], _tile_layout(self.block_t, dim, docs.dtype)
-        )
+        desc = TensorDescriptor.from_tensor(docs, [BLOCK_T, dim], _tile_layout(BLOCK_T, dim, docs.dtype))
         _maxsim_long_kernel[self.grid](
             queries, q_off, desc, d_off, scores, *ints,
-            DIM=dim, BLOCK_T=self.block_t, STAGES=self.stages, GROUP=self.group, num_warps=NUM_WARPS,
+            DIM=dim, BLOCK_T=BLOCK_T, STAGES=STAGES, GROUP=GROUP, num_warps=NUM_WARPS,
         )  # fmt: skip

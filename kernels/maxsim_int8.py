@@ -37,8 +37,8 @@ Cost: FLOPs = 2 * Tq * Td * dim integer MACs (all pairs) or 2 * sum_c |q_c| * |d
 HBM bytes ~= Td * (dim + 4) once (int8 tokens + fp32 scale), half the fp16 bytes, plus 4 bytes per score.
 Past the MMA, each (query token, document token) pair costs the same CUDA-core work as in fp16 (the
 conversion, one FMA, the max) and every tile the same loop, load and reduction overhead, so halving the
-MMA time does not halve the tile time: all pairs run at 1.23x the fp16 kernel's rate, not 2x
-(benchmarks/results/int8/int8-h200.json). HBM-bound shapes read at 3.5 TB/s with these TMA tiles
+MMA time does not halve the tile time: all pairs run at 1.23x the fp16 kernel's rate, not 2x.
+HBM-bound shapes read at 3.5 TB/s with these TMA tiles
 on Hopper (fp16: 4.4): with cp.async loads they reached 2.9-3.1, three programs an SM (the registers of
 the per-thread addresses) each keeping two 8 KB tiles in flight where fp16 keeps three 16 KB ones. The
 tiles are query-major: document-major ones, as the fp16 kernel uses for one query and for candidates,
@@ -53,8 +53,8 @@ the Gluon stream kernel").
 int32 -> fp32 by the accumulator's bits: the MMA accumulator starts at the bit pattern of 1.5 * 2^23
 (0x4B400000) instead of 0, so its bits, read as fp32, are 1.5 * 2^23 + acc exactly while |acc| < 2^22
 (dim <= 255 with |codes| <= 128); one subtraction gives acc. Wider vectors use the conversion
-instruction, which in these tiles is no faster (one instruction either way; H200: one query 0.642-0.694
-ms against 0.633-0.815, benchmarks/results/int8/convert/); the Gluon kernel, whose accumulator starts at
+instruction, which in these tiles is no faster (one instruction either way: docs/kernel-notes.md, "INT8:
+what limits it"); the Gluon kernel, whose accumulator starts at
 zero, uses the instruction. Rounding half to even in the quantize
 kernel uses the same constant: (y + 1.5 * 2^23) - 1.5 * 2^23 for |y| < 2^22.
 """
@@ -62,6 +62,7 @@ kernel uses the same constant: (y + 1.5 * 2^23) - 1.5 * 2^23 for |y| < 2^22.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -69,9 +70,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import gluon_module, hopper_device, launch_fitting_shared_memory
-from ._running_max import document_max, fold_row_max, fold_tile, restart
-from ._validate import (
+from .launch import gluon_module, hopper_device, launch_fitting_shared_memory
+from .running_max import document_max, fold_row_max, fold_tile, restart
+from .validation import (
     cdiv,
     check_candidate_docs,
     host_offsets,
@@ -88,35 +89,31 @@ _MAGIC_MAX_DIM = 255  # |acc| <= 128^2 * dim < 2^22: the accumulator-bias conver
 _MAGIC_BITS = 0x4B400000  # bits of 1.5 * 2^23
 _MAGIC_FLOAT = 12582912.0  # 1.5 * 2^23
 
-# Tuning constants: `benchmarks/bench_int8.py gpu` tile sweeps on one H200 (triton 3.6, dim 128); every
-# sweep's alternatives: docs/kernel-notes.md, "INT8: what limits it". All pairs: 66.5 ms against 70.8 for
-# the 8-warp entry before the per-element max (benchmarks/results/archive/int8/int8-sweep-v5-h200.json).
+# Tuning constants: `benchmarks/bench_int8.py gpu` tile sweeps (triton 3.6, dim 128); every sweep's
+# alternatives: docs/kernel-notes.md, "INT8: what limits it". All pairs 66.5 vs 70.8 ms (8 warps, row max).
 _VARLEN_BLOCK_Q = 256  # query tokens per program in the all-pairs kernel (8 queries of 32 tokens)
 _VARLEN_BLOCK_D = 32  # document tokens per tile
 _VARLEN_DOCS_PER_PROG = 64  # documents per program
 _VARLEN_WARPS = 4
 _VARLEN_STAGES = 2
-_VARLEN_ELEMENT_MAX = True  # running max per tile element (scores only; see kernels/_running_max.py)
+_VARLEN_ELEMENT_MAX = True  # running max per tile element (scores only; see kernels/running_max.py)
 # The few-queries tiles below are for memory-bound shapes: at most _FEW_QUERIES_MAX_ROWS query tokens in
-# all. Against the all-pairs tiles: 2 queries 0.633 ms against 0.704, 4 queries 0.832 against 0.796
-# (benchmarks/results/archive/int8/int8-queries-h200.json); the tile: one query x 100K docs 0.683 ms
-# against 0.694 for the v5 entry (benchmarks/results/int8/int8-sweep-v6-h200.json).
+# all (2 queries of 32 tokens faster on them, 4 slower: docs/kernel-notes.md, "The int8 Gluon kernel").
 _FEW_QUERIES_MAX_ROWS = 64
 _FEW_QUERIES_BLOCK_D = 64
 _FEW_QUERIES_DOCS_PER_PROG = 32
 _FEW_QUERIES_WARPS = 4
 _FEW_QUERIES_STAGES = 3
 _FEW_QUERIES_ELEMENT_MAX = True
-# Candidates: 64 queries x 1000 own documents 0.463 ms against 0.502 for the v5 entry (same v6 sweep).
+# Candidates: 64 queries x 1000 own documents 0.463 vs 0.502 ms for the previous entry.
 _CAND_BLOCK_D = 64
 _CAND_PER_PROG = 16  # candidates per program
 _CAND_WARPS = 4
 _CAND_STAGES = 3
 _CAND_ELEMENT_MAX = True
 # Document tiles by TMA bulk copies (sm_90+, dim a power of two) instead of per-thread cp.async loads: one
-# query x 100K docs 0.600 ms against 0.679, rerank 0.441 against 0.517, all pairs 69.8 against 66.7 ms (so
-# not there), same run (benchmarks/results/int8/memory-bound-h200.json; docs/kernel-notes.md, "INT8 on
-# HBM-bound shapes: TMA tiles"). A rotated start of each candidate run lost 2-6% there: off.
+# query 0.600 vs 0.679 ms, rerank 0.441 vs 0.517, all pairs 69.8 vs 66.7 (so not there); a rotated start
+# of each candidate run lost 2-6%: docs/kernel-notes.md, "INT8 on HBM-bound shapes: TMA tiles".
 _VARLEN_TMA = False
 _FEW_QUERIES_TMA = True
 _CAND_TMA = True
@@ -291,9 +288,8 @@ def _maxsim_int8_varlen_kernel(
     MAX_Q = max(2, QUERIES_PER_GROUP) is the length of the per-query vectors (a power of two).
     """
     if ONE_QUERY:
-        # One query is its own bucket with the sizes folded to constants: 1 query x 100K documents took
-        # 0.81 ms so against 1.07 ms with them as runtime values (H200, same run;
-        # benchmarks/results/kernels/ab-specialization-h200.txt).
+        # One query is its own bucket with the sizes folded to constants: 0.81 vs 1.07 ms for 1 query x
+        # 100K documents (docs/kernel-notes.md, version 3).
         n_queries = 1
         n_groups = 1
     pid = tl.program_id(0)
@@ -385,7 +381,7 @@ def _maxsim_int8_varlen_kernel(
 
 
 @triton.jit
-def _owner(cand_off_ptr, c, n_queries):
+def candidate_query(cand_off_ptr, c, n_queries):
     """The query whose candidate list holds flat candidate c: the largest q with cand_off[q] <= c."""
     lo = c * 0
     hi = lo + n_queries
@@ -439,7 +435,7 @@ def _maxsim_int8_candidates_kernel(
     dereferenced: it is walked as an empty document and scored NaN (argmax -1)."""
     c_first = tl.program_id(0).to(tl.int64) * CANDS_PER_PROG
     c_last = tl.minimum(c_first + CANDS_PER_PROG, n_cand)
-    query = _owner(cand_off_ptr, c_first, n_queries)
+    query = candidate_query(cand_off_ptr, c_first, n_queries)
     row_first = tl.load(q_off_ptr + query)
     row_last = tl.load(q_off_ptr + query + 1)
     if (tl.load(cand_off_ptr + query + 1) >= c_last) & (row_last - row_first <= BLOCK_Q):
@@ -497,7 +493,7 @@ def _maxsim_int8_candidates_kernel(
     else:
         # The run crosses into the next query(s), or a query is longer than one tile.
         for c in range(c_first, c_last):
-            query = _owner(cand_off_ptr, c, n_queries)
+            query = candidate_query(cand_off_ptr, c, n_queries)
             row_first = tl.load(q_off_ptr + query)
             row_last = tl.load(q_off_ptr + query + 1)
             doc = tl.load(cand_docs_ptr + c).to(tl.int64)
@@ -582,7 +578,7 @@ def quantize_per_token(x: torch.Tensor, *, backend: str = "auto") -> tuple[torch
     return _quantize_torch(x)
 
 
-def _offsets(
+def device_offsets(
     name: str, offsets: torch.Tensor, total: int, device: torch.device, *, empty_ok: bool, check: bool
 ):
     """`offsets` on `device`, after checking dtype and shape and, when it is on the host or `check` is set,
@@ -643,10 +639,12 @@ def _prepare(
         )
     backend = resolve_backend(backend, device)
     check = backend == "torch" or device.type != "cuda"
-    query_offsets = _offsets(
+    query_offsets = device_offsets(
         "query_offsets", query_offsets, queries.shape[0], device, empty_ok=False, check=check
     )
-    doc_offsets = _offsets("doc_offsets", doc_offsets, docs.shape[0], device, empty_ok=True, check=check)
+    doc_offsets = device_offsets(
+        "doc_offsets", doc_offsets, docs.shape[0], device, empty_ok=True, check=check
+    )
     if queries.dtype == torch.int8:
         if query_scales is None:
             raise ValueError("int8 queries need query_scales (fp32 [query tokens])")
@@ -699,20 +697,75 @@ def _tma_codes(d8: torch.Tensor, block_d: int, block_k: int, wanted: bool) -> An
     return TensorDescriptor.from_tensor(d8, [block_d, block_k])
 
 
-def _element_max(override: bool | None, default: bool, return_argmax: bool) -> bool:
-    """Running max per tile element: the sweep's override or the tuned default, never with the argmax."""
-    return (default if override is None else override) and not return_argmax
+@dataclass(frozen=True)
+class Tiles:
+    """One Triton launch's tile choices: the tuning constants above (`_varlen_tiles`, `_candidate_tiles`),
+    or a sweep's (`launch_varlen_with_tiles`, `launch_candidates_with_tiles`)."""
+
+    block_q: int  # query rows a tile
+    block_d: int  # document tokens a tile
+    per_prog: int  # documents (all pairs) or candidates a program
+    num_warps: int
+    num_stages: int
+    element_max: bool  # running max per tile element (scores only: never with the argmax)
+    tma: bool  # document tiles by TMA where the GPU and the layout allow it (`_tma_codes`)
+    queries_per_group: int = 1  # all pairs: consecutive queries a program
+    rotate: bool = False  # candidates: each run of a document's tiles starts at a rotated tile
+    maxnreg: int | None = None  # ptxas's register cap a thread (sweeps only: `_register_cap`)
 
 
 def _register_cap(maxnreg: int | None) -> dict[str, int]:
     """ptxas's register cap a thread as a launch option, for sweeps: the HBM-bound tiles gained nothing
-    from one (one query 0-4% faster at 96 registers, five programs an SM, inside the rounds' spread;
-    rerank 5-10% slower at 104 or fewer, which spill; benchmarks/results/int8/maxnreg-h200.json), so
-    the defaults set none. Compiled launches only (the interpreter takes no such option)."""
+    from one (docs/kernel-notes.md), so the tuned tiles set none. Compiled launches only (the interpreter
+    takes no such option)."""
     return {"maxnreg": maxnreg} if maxnreg and os.environ.get("TRITON_INTERPRET") != "1" else {}
 
 
+def _varlen_tiles(n_rows: int, n_queries: int, dim: int) -> Tiles:
+    """The all-pairs tiles from the tuning constants: the few-queries entry for at most
+    `_FEW_QUERIES_MAX_ROWS` query tokens in all (bound by HBM, not by the tensor cores)."""
+    block_q, per_group, block_k = _varlen_plan(n_rows, n_queries, dim)
+    few = n_rows <= _FEW_QUERIES_MAX_ROWS
+    block_d = _FEW_QUERIES_BLOCK_D if few else _VARLEN_BLOCK_D
+    return Tiles(
+        block_q=block_q,
+        block_d=min(block_d, 32) if block_k > 256 else block_d,
+        per_prog=_FEW_QUERIES_DOCS_PER_PROG if few else _VARLEN_DOCS_PER_PROG,
+        num_warps=_FEW_QUERIES_WARPS if few else _VARLEN_WARPS,
+        num_stages=_FEW_QUERIES_STAGES if few else _VARLEN_STAGES,
+        element_max=_FEW_QUERIES_ELEMENT_MAX if few else _VARLEN_ELEMENT_MAX,
+        tma=_FEW_QUERIES_TMA if few else _VARLEN_TMA,
+        queries_per_group=per_group,
+    )
+
+
+def _varlen_outputs(
+    q8: torch.Tensor, nq: int, nd: int, device: torch.device, return_argmax: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    out = torch.empty((nq, nd), dtype=torch.float32, device=device)
+    arg = torch.empty((q8.shape[0], nd), dtype=torch.int32, device=device) if return_argmax else None
+    return out, arg
+
+
 def _launch_varlen(
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    query_offsets: torch.Tensor,
+    d8: torch.Tensor,
+    sd: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    return_argmax: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """All-pairs Triton launch with the tuned tiles (no host synchronisation)."""
+    nq, nd = query_offsets.numel() - 1, doc_offsets.numel() - 1
+    out, arg = _varlen_outputs(q8, nq, nd, d8.device, return_argmax)
+    if out.numel():
+        tiles = _varlen_tiles(q8.shape[0], nq, d8.shape[1])
+        _run_varlen(q8, sq, query_offsets, d8, sd, doc_offsets, out, arg, tiles)
+    return out, arg
+
+
+def launch_varlen_with_tiles(
     q8: torch.Tensor,
     sq: torch.Tensor,
     query_offsets: torch.Tensor,
@@ -730,45 +783,56 @@ def _launch_varlen(
     tma: bool | None = None,
     maxnreg: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """All-pairs Triton launch (no host synchronisation); keyword overrides are for the tile sweep."""
+    """`_launch_varlen` with some of its tiles replaced (None keeps the tuned choice), for the tile sweeps
+    in benchmarks/; the library never calls it. A `block_q` other than the planned one takes as many
+    queries a group as the tile holds at the mean query length."""
     nq, nd = query_offsets.numel() - 1, doc_offsets.numel() - 1
-    dim = d8.shape[1]
-    device = d8.device
-    out = torch.empty((nq, nd), dtype=torch.float32, device=device)
-    arg = torch.empty((q8.shape[0], nd), dtype=torch.int32, device=device) if return_argmax else None
-    if nd == 0 or nq == 0:
+    out, arg = _varlen_outputs(q8, nq, nd, d8.device, return_argmax)
+    if not out.numel():
         return out, arg
-    planned_q, per_group, block_k = _varlen_plan(q8.shape[0], nq, dim)
-    if block_q is not None and block_q != planned_q:  # sweep override: as many queries as the tile holds
+    tiles = _varlen_tiles(q8.shape[0], nq, d8.shape[1])
+    changes: dict[str, Any] = {
+        "block_d": block_d, "per_prog": docs_per_prog, "num_warps": num_warps, "num_stages": num_stages,
+        "element_max": element_max, "tma": tma, "maxnreg": maxnreg,
+    }  # fmt: skip
+    if block_q and block_q != tiles.block_q:
         mean = triton.next_power_of_2(max(1, -(-q8.shape[0] // nq)))
         per_group = max(1, min(_MAX_QUERIES_PER_GROUP, block_q // mean, triton.next_power_of_2(nq)))
-    block_q = block_q or planned_q
-    n_groups = cdiv(nq, per_group)
-    few = q8.shape[0] <= _FEW_QUERIES_MAX_ROWS  # bound by HBM, not by the tensor cores
-    if block_d is None:
-        block_d = _FEW_QUERIES_BLOCK_D if few else _VARLEN_BLOCK_D
-        block_d = min(block_d, 32) if block_k > 256 else block_d
-    docs_per_prog = docs_per_prog or (_FEW_QUERIES_DOCS_PER_PROG if few else _VARLEN_DOCS_PER_PROG)
-    grid = (n_groups * cdiv(nd, docs_per_prog),)
-    wanted = (_FEW_QUERIES_TMA if few else _VARLEN_TMA) if tma is None else tma
-    codes = _tma_codes(d8, block_d, block_k, wanted)
-    tiles = d8 if codes is None else codes
+        changes.update(block_q=block_q, queries_per_group=per_group)
+    tiles = replace(tiles, **{k: v for k, v in changes.items() if v is not None})
+    _run_varlen(q8, sq, query_offsets, d8, sd, doc_offsets, out, arg, tiles)
+    return out, arg
+
+
+def _run_varlen(
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    query_offsets: torch.Tensor,
+    d8: torch.Tensor,
+    sd: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    out: torch.Tensor,
+    arg: torch.Tensor | None,
+    tiles: Tiles,
+) -> None:
+    nq, nd = out.shape
+    dim = d8.shape[1]
+    block_k = _block_k(dim)
+    n_groups = cdiv(nq, tiles.queries_per_group)
+    grid = (n_groups * cdiv(nd, tiles.per_prog),)
+    codes = _tma_codes(d8, tiles.block_d, block_k, tiles.tma)
     launch_fitting_shared_memory(
         _maxsim_int8_varlen_kernel, grid,
-        q8, sq, query_offsets, tiles, sd, doc_offsets, out, out if arg is None else arg,
+        q8, sq, query_offsets, d8 if codes is None else codes, sd, doc_offsets, out,
+        out if arg is None else arg,
         nq, n_groups, nd, dim,
         q8.stride(0), d8.stride(0), out.stride(0), nd,
-        DOCS_PER_PROG=docs_per_prog, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_K=block_k,
-        QUERIES_PER_GROUP=per_group, MAX_Q=max(2, per_group),
-        MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=return_argmax, ONE_QUERY=nq == 1,
-        ELEMENT_MAX=_element_max(element_max, _FEW_QUERIES_ELEMENT_MAX if few else _VARLEN_ELEMENT_MAX,
-                                 return_argmax),
-        TMA=codes is not None,
-        num_warps=num_warps or (_FEW_QUERIES_WARPS if few else _VARLEN_WARPS),
-        num_stages=num_stages or (_FEW_QUERIES_STAGES if few else _VARLEN_STAGES),
-        **_register_cap(maxnreg),
+        DOCS_PER_PROG=tiles.per_prog, BLOCK_Q=tiles.block_q, BLOCK_D=tiles.block_d, BLOCK_K=block_k,
+        QUERIES_PER_GROUP=tiles.queries_per_group, MAX_Q=max(2, tiles.queries_per_group),
+        MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=arg is not None, ONE_QUERY=nq == 1,
+        ELEMENT_MAX=tiles.element_max and arg is None, TMA=codes is not None,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **_register_cap(tiles.maxnreg),
     )  # fmt: skip
-    return out, arg
 
 
 def _hopper_allpairs(
@@ -854,7 +918,57 @@ def _launch_hopper(
     )
 
 
+def _candidate_tiles(n_rows: int, n_queries: int, dim: int) -> Tiles:
+    """The candidates' tiles from the tuning constants: a tile of the mean query length's rows."""
+    block_k = _block_k(dim)
+    mean = triton.next_power_of_2(max(1, -(-n_rows // n_queries)))
+    return Tiles(
+        block_q=max(16, min(_row_cap(block_k), mean)),
+        block_d=min(_CAND_BLOCK_D, 32) if block_k > 256 else _CAND_BLOCK_D,
+        per_prog=_CAND_PER_PROG,
+        num_warps=_CAND_WARPS,
+        num_stages=_CAND_STAGES,
+        element_max=_CAND_ELEMENT_MAX,
+        tma=_CAND_TMA,
+        rotate=_ROTATE_CANDIDATES,
+    )
+
+
+def _candidate_outputs(
+    query_offsets: torch.Tensor, n_cand: int, device: torch.device, return_argmax: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The scores and argmax outputs; sizing the argmax synchronises (the longest query)."""
+    nq = query_offsets.numel() - 1
+    out = torch.empty((n_cand,), dtype=torch.float32, device=device)
+    arg = None
+    if return_argmax:
+        max_len = int(query_offsets.diff().max()) if nq else 0
+        arg = torch.full((n_cand, max_len), -1, dtype=torch.int32, device=device)
+    return out, arg
+
+
 def _launch_candidates(
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    query_offsets: torch.Tensor,
+    d8: torch.Tensor,
+    sd: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    candidate_offsets: torch.Tensor,
+    candidate_docs: torch.Tensor,
+    return_argmax: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-query-candidates Triton launch with the tuned tiles; synchronises only to size the argmax."""
+    out, arg = _candidate_outputs(query_offsets, candidate_docs.numel(), d8.device, return_argmax)
+    if out.numel():
+        tiles = _candidate_tiles(q8.shape[0], query_offsets.numel() - 1, d8.shape[1])
+        _run_candidates(
+            q8, sq, query_offsets, d8, sd, doc_offsets, candidate_offsets, candidate_docs, out, arg, tiles
+        )
+    return out, arg
+
+
+def launch_candidates_with_tiles(
     q8: torch.Tensor,
     sq: torch.Tensor,
     query_offsets: torch.Tensor,
@@ -874,40 +988,51 @@ def _launch_candidates(
     rotate: bool | None = None,
     maxnreg: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-query-candidates Triton launch; synchronises only to size the argmax output."""
-    nq = query_offsets.numel() - 1
-    n_cand = candidate_docs.numel()
-    dim = d8.shape[1]
-    device = d8.device
-    out = torch.empty((n_cand,), dtype=torch.float32, device=device)
-    arg = None
-    if return_argmax:
-        max_len = int(query_offsets.diff().max()) if nq else 0
-        arg = torch.full((n_cand, max_len), -1, dtype=torch.int32, device=device)
-    if n_cand == 0:
+    """`_launch_candidates` with some of its tiles replaced (None keeps the tuned choice), for the tile
+    sweeps in benchmarks/; the library never calls it."""
+    out, arg = _candidate_outputs(query_offsets, candidate_docs.numel(), d8.device, return_argmax)
+    if not out.numel():
         return out, arg
-    block_k = _block_k(dim)
-    mean = triton.next_power_of_2(max(1, -(-q8.shape[0] // nq)))
-    block_q = max(16, min(_row_cap(block_k), mean))
-    if block_d is None:
-        block_d = min(_CAND_BLOCK_D, 32) if block_k > 256 else _CAND_BLOCK_D
-    cands_per_prog = cands_per_prog or _CAND_PER_PROG
-    codes = _tma_codes(d8, block_d, block_k, _CAND_TMA if tma is None else tma)
-    tiles = d8 if codes is None else codes
-    launch_fitting_shared_memory(
-        _maxsim_int8_candidates_kernel, (cdiv(n_cand, cands_per_prog),),
-        q8, sq, query_offsets, candidate_offsets, candidate_docs, tiles, sd, doc_offsets,
-        out, out if arg is None else arg,
-        nq, n_cand, doc_offsets.numel() - 1, dim,
-        q8.stride(0), d8.stride(0), 0 if arg is None else arg.stride(0),
-        CANDS_PER_PROG=cands_per_prog, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_K=block_k,
-        MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=return_argmax,
-        ELEMENT_MAX=_element_max(element_max, _CAND_ELEMENT_MAX, return_argmax),
-        TMA=codes is not None, ROTATE=_ROTATE_CANDIDATES if rotate is None else rotate,
-        num_warps=num_warps or _CAND_WARPS, num_stages=num_stages or _CAND_STAGES,
-        **_register_cap(maxnreg),
-    )  # fmt: skip
+    tiles = _candidate_tiles(q8.shape[0], query_offsets.numel() - 1, d8.shape[1])
+    changes: dict[str, Any] = {
+        "block_d": block_d, "per_prog": cands_per_prog, "num_warps": num_warps, "num_stages": num_stages,
+        "element_max": element_max, "tma": tma, "rotate": rotate, "maxnreg": maxnreg,
+    }  # fmt: skip
+    tiles = replace(tiles, **{k: v for k, v in changes.items() if v is not None})
+    _run_candidates(
+        q8, sq, query_offsets, d8, sd, doc_offsets, candidate_offsets, candidate_docs, out, arg, tiles
+    )
     return out, arg
+
+
+def _run_candidates(
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    query_offsets: torch.Tensor,
+    d8: torch.Tensor,
+    sd: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    candidate_offsets: torch.Tensor,
+    candidate_docs: torch.Tensor,
+    out: torch.Tensor,
+    arg: torch.Tensor | None,
+    tiles: Tiles,
+) -> None:
+    n_cand = out.numel()
+    dim = d8.shape[1]
+    block_k = _block_k(dim)
+    codes = _tma_codes(d8, tiles.block_d, block_k, tiles.tma)
+    launch_fitting_shared_memory(
+        _maxsim_int8_candidates_kernel, (cdiv(n_cand, tiles.per_prog),),
+        q8, sq, query_offsets, candidate_offsets, candidate_docs, d8 if codes is None else codes, sd,
+        doc_offsets, out, out if arg is None else arg,
+        query_offsets.numel() - 1, n_cand, doc_offsets.numel() - 1, dim,
+        q8.stride(0), d8.stride(0), 0 if arg is None else arg.stride(0),
+        CANDS_PER_PROG=tiles.per_prog, BLOCK_Q=tiles.block_q, BLOCK_D=tiles.block_d, BLOCK_K=block_k,
+        MAGIC=dim <= _MAGIC_MAX_DIM, RETURN_ARGMAX=arg is not None,
+        ELEMENT_MAX=tiles.element_max and arg is None, TMA=codes is not None, ROTATE=tiles.rotate,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **_register_cap(tiles.maxnreg),
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -915,7 +1040,7 @@ def _launch_candidates(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _segment_max(
+def segment_max(
     sim: torch.Tensor, segment: torch.Tensor, n_segments: int, local: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Max over the columns of each segment of `sim` [rows, cols] (segment id per column) and, with `local`
@@ -934,7 +1059,7 @@ def _segment_max(
     return best, arg.masked_fill_(arg == never, -1)
 
 
-def _segments(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def segment_ids(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(segment id, index within the segment) of every element of consecutive segments of these lengths."""
     segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
     starts = torch.cumsum(lengths, 0) - lengths
@@ -942,7 +1067,7 @@ def _segments(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return segment, local.to(torch.int32)
 
 
-def _sum_rows_in_order(terms: torch.Tensor) -> torch.Tensor:
+def sum_rows_in_order(terms: torch.Tensor) -> torch.Tensor:
     """The rows of ``terms`` [rows, n] added one after another (fp32), as `_varlen_torch`'s index_add adds
     a query's tokens on the CPU: a score's bits then depend neither on the other candidates of its block
     (torch's sum over dim 0 orders its additions by the block's width) nor on whether the pair was
@@ -983,8 +1108,8 @@ def _varlen_torch(
         # int8 codes as fp32: the products and every partial sum are integers below 2^24, hence exact.
         sim = q_float @ d8[t0:t1].float().T
         sim.mul_(sd[t0:t1])  # the one fp32 rounding of s_d * acc, as in the kernel
-        segment, local = _segments(doc_offsets[first : last + 1].diff())
-        best, best_arg = _segment_max(sim, segment, last - first, local if return_argmax else None)
+        segment, local = segment_ids(doc_offsets[first : last + 1].diff())
+        best, best_arg = segment_max(sim, segment, last - first, local if return_argmax else None)
         out[:, first:last] = torch.zeros((nq, last - first), device=device).index_add_(
             0, row_query, sq[:, None] * best
         )
@@ -1026,12 +1151,12 @@ def _candidates_torch(
             while last < stop and tokens + len_host[last] <= budget:
                 tokens += len_host[last]
                 last += 1
-            segment, local = _segments(cand_len[first:last])
+            segment, local = segment_ids(cand_len[first:last])
             token = cand_start[first:last][segment] + local
             sim = q_float @ d8[token].float().T
             sim.mul_(sd[token])
-            best, best_arg = _segment_max(sim, segment, last - first, local if return_argmax else None)
-            out[first:last] = _sum_rows_in_order(sq[r0:r1, None] * best)
+            best, best_arg = segment_max(sim, segment, last - first, local if return_argmax else None)
+            out[first:last] = sum_rows_in_order(sq[r0:r1, None] * best)
             if arg is not None:
                 arg[first:last, : r1 - r0] = best_arg.T
             first = last
@@ -1105,7 +1230,7 @@ def _check_candidates(
     check: bool,
     guarded: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(candidate_offsets, candidate_docs) on `device`; offset values checked as in `_offsets`, document
+    """(candidate_offsets, candidate_docs) on `device`; offset values checked as in `device_offsets`, document
     indices as `check_candidate_docs` says (`guarded`: the Triton kernels, which guard each index)."""
     if not isinstance(candidate_docs, torch.Tensor) or candidate_docs.dtype != torch.int64:
         raise ValueError("candidate_docs must be a 1-D int64 tensor [C] of document indices")
@@ -1114,7 +1239,9 @@ def _check_candidates(
     if not isinstance(candidate_offsets, torch.Tensor) or candidate_offsets.shape != (n_queries + 1,):
         raise ValueError(f"candidate_offsets must have nq+1 = {n_queries + 1} entries")
     n_cand = candidate_docs.numel()
-    offsets = _offsets("candidate_offsets", candidate_offsets, n_cand, device, empty_ok=True, check=check)
+    offsets = device_offsets(
+        "candidate_offsets", candidate_offsets, n_cand, device, empty_ok=True, check=check
+    )
     if n_cand:
         check_candidate_docs(candidate_docs, n_docs, guarded=guarded)
     return offsets, on_device(candidate_docs, device)

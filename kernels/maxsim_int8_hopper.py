@@ -65,13 +65,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._launch import hopper_device
-from ._validate import cdiv, host_to_device, memo
-from .maxsim_forward_hopper import _issue_product
+from .launch import hopper_device
+from .maxsim_forward_hopper import issue_product
+from .validation import cdiv, host_to_device, memo
 
-# Tuning (H200, the exhaustive workload above; the alternatives: docs/kernel-notes.md, "The int8 Gluon
-# kernel: all pairs on Hopper"): a ring of 4 tiles 57.1 ms against 63.4 for 5 and 60.0 for 6; groups of 16
-# the same as 8 (benchmarks/results/int8/int8-hopper-dev-v5-h200.json).
+# Tuning (the exhaustive workload above; the alternatives: docs/kernel-notes.md, "The int8 Gluon kernel:
+# all pairs on Hopper"): a ring of 4 tiles 57.1 ms against 63.4 for 5 and 60.0 for 6; groups of 16 as 8.
 BLOCK_Q = 128  # query rows a program (one warp group: two m64 wgmma rows)
 BLOCK_T = 64  # document tokens a tile
 STAGES = 4
@@ -81,13 +80,12 @@ MAX_QPG = 16  # queries a group at most (the per-query sums are unrolled over th
 PROGRAMS_PER_SM = 2  # 232 registers x 128 threads, 46 KB of shared memory (sm_90 build)
 PROGRAM_START_DOCS = 0.25  # as the fp16 Hopper kernel: a program's start in documents' worth of time
 # One group of 128 rows leaves the shape bound by HBM, where the Triton kernel's tiles are faster; from
-# two groups on this kernel is: 4 queries (one group) 1.21 ms against the Triton kernel's 0.80, 8 queries
-# 0.99 against 1.29 (benchmarks/results/archive/int8/int8-queries-h200.json).
+# two groups on this kernel is: 4 queries (one group) 1.21 ms against the Triton kernel's 0.80.
 MIN_GROUPS = 2
 # Which tiles convert their products by the conversion instruction (one instruction) instead of the
 # accumulator-bias bits (two): 0 none, 1 every other tile, 2 all. 512 queries x 50K documents: 54.2-54.4
-# ms (2) against 56.2-56.6 (1) and 57.0-57.4 (0), two calls of three rounds, the same bits
-# (benchmarks/results/int8/convert/; `python benchmarks/ab_memory_bound.py --parts convert`).
+# ms (2) against 56.2-56.6 (1) and 57.0-57.4 (0), the same bits (docs/kernel-notes.md, "INT8: what
+# limits it").
 I2F_TILES = 2
 
 _MAGIC_BITS = gl.constexpr(0x4B400000)  # bits of 1.5 * 2^23
@@ -218,8 +216,8 @@ def _int8_allpairs_kernel(
     first_doc = d0
     for base in range(0, tiles, GROUP):
         # two products in flight: tile x + 1's is issued before tile x's is folded
-        acc_a = _issue_product(q_rows, d_smem, ready, base, zero, STAGES)
-        acc_b = _issue_product(q_rows, d_smem, ready, base + 1, zero, STAGES)
+        acc_a = issue_product(q_rows, d_smem, ready, base, zero, STAGES)
+        acc_b = issue_product(q_rows, d_smem, ready, base + 1, zero, STAGES)
         scale = _scales(s_smem, base, col_layout, STAGES, BLOCK_T)
         acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])
         m, tok_a, tok_b, ends, num_finished = _retire(
@@ -227,14 +225,14 @@ def _int8_allpairs_kernel(
             tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES, I2F_A,
         )  # fmt: skip
         for j in gl.static_range(2, GROUP, 2):
-            acc_a = _issue_product(q_rows, d_smem, ready, base + j, zero, STAGES)
+            acc_a = issue_product(q_rows, d_smem, ready, base + j, zero, STAGES)
             scale = _scales(s_smem, base + j - 1, col_layout, STAGES, BLOCK_T)
             acc_a, acc_b = warpgroup_mma_wait(num_outstanding=1, deps=[acc_a, acc_b])
             m, tok_a, tok_b, ends, num_finished = _retire(
                 acc_b, scale, base + j - 1, total, tiles, m, tok_a, tok_b, ends, finished, num_finished,
                 tile_tok_ptr, tile_ends_ptr, t0, d_desc, d_smem, s_desc, s_smem, ready, STAGES, I2F_B,
             )  # fmt: skip
-            acc_b = _issue_product(q_rows, d_smem, ready, base + j + 1, zero, STAGES)
+            acc_b = issue_product(q_rows, d_smem, ready, base + j + 1, zero, STAGES)
             scale = _scales(s_smem, base + j, col_layout, STAGES, BLOCK_T)
             acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])
             m, tok_a, tok_b, ends, num_finished = _retire(
@@ -344,8 +342,7 @@ def device_tables(
     copy that the host does not wait for (`host_to_device`), each part on a 16-byte boundary (the
     kernel's pointers stay aligned). On CUDA such a copy would run on the kernel's stream and hold the
     kernel behind the batch copies: int8 pass 0.383 s with device tables against 0.443 s with host ones
-    (benchmarks/results/score/ab-trees-h200-int8-device-tables.json; docs/kernel-notes.md, "The int8 Gluon
-    kernel: all pairs on Hopper")."""
+    (docs/kernel-notes.md, "The int8 Gluon kernel: all pairs on Hopper")."""
     if device_doc_offsets.is_cuda and len(doc_offsets) > 1:
         n_tiles = int(np.maximum((np.diff(doc_offsets) + BLOCK_T - 1) // BLOCK_T, 1).sum())
         first, ends, doc_tile, inside = tile_table_triton(device_doc_offsets, n_tiles)
@@ -366,9 +363,8 @@ def tile_scales(
     """[n_tiles, block_t] fp32 on the scales' device: each tile's token scales, NaN past its document.
 
     On CUDA one launch of `_tile_scales_kernel` instead of the seven torch operations below, which serve
-    other devices: 0.67 ms of `_launch_hopper` host time a call against 1.04
-    (benchmarks/results/archive/int8/probe-batch-host-h200-d006262.txt; docs/kernel-notes.md, "The int8
-    Gluon kernel: all pairs on Hopper")."""
+    other devices: 0.67 ms of `_launch_hopper` host time a call against 1.04 (docs/kernel-notes.md, "The
+    int8 Gluon kernel: all pairs on Hopper")."""
     if doc_scales.is_cuda:
         return tile_scales_triton(doc_scales, first, inside, block_t)
     padded = torch.cat([doc_scales, doc_scales.new_zeros(block_t)])

@@ -66,34 +66,25 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._launch import hopper_device
-from ._validate import cdiv
-from .maxsim_int8 import _owner
+from .launch import hopper_device
+from .maxsim_int8 import candidate_query
+from .validation import cdiv
 
 BLOCK_T = 64  # document tokens a tile (wgmma's M)
-# Tuning (H200, triton 3.6; one query x 100K documents of 20-300 tokens, rerank 64 queries x 1000
-# candidates x 180 tokens; rounds in rotating order in one process, ms; benchmarks/results/int8/stream/,
-# docs/kernel-notes.md, "INT8 on HBM-bound shapes: the Gluon stream kernel"):
-# - a ring of 4 tiles against 6 (four programs an SM both): one query 0.553-0.588 against 0.558-0.595,
-#   rerank 0.404-0.428 against 0.413-0.436; 8 (three programs an SM, for its shared memory): one query
-#   0.616-0.681, rerank 0.464-0.482;
-# - (queries of 32 tokens, N = 32; other N: `REGISTERS` below) one query at 96 registers a thread (119
-#   uncapped), five programs an SM: 0.514-0.549 against 0.557-0.575 uncapped in the same rounds; 80 (six
-#   by registers, five by shared memory): 0.512-0.599;
-# - candidates at 128 (141 uncapped), four programs an SM, no spills: 0.413-0.416 against 0.454 uncapped
-#   (ring of 6); 112: 0.433-0.450 (ring of 4).
-STAGES = 4
+# Tuning (triton 3.6; one query x 100K documents of 20-300 tokens, rerank 64 queries x 1000 candidates x
+# 180 tokens; every alternative: docs/kernel-notes.md, "INT8 on HBM-bound shapes: the Gluon stream kernel").
+STAGES = 4  # ring of tiles; 6: one query 0.558-0.595 ms against 0.553-0.588, 8: 0.616-0.681
 GROUP = 2  # tiles a turn of the unrolled loop (two products in flight); the walk is padded to a multiple.
-# 4: one query 0.580-0.601 ms against 0.558-0.586, rerank 0.423-0.425 against 0.413-0.416 (ring of 6)
-ITEMS_ONE_QUERY = 32  # documents a program; 64: 0.551-0.613 ms; 16: 0.581-0.610 and 128: 0.661-0.677 (ring 6)
-ITEMS_CANDIDATES = 16  # candidates a program; 8: 0.425-0.440 ms, 32: 0.424-0.486
+# 4: one query 0.580-0.601 ms against 0.558-0.586 (ring of 6)
+ITEMS_ONE_QUERY = 32  # documents a program; 64: 0.551-0.613 ms
+ITEMS_CANDIDATES = 16  # candidates a program; 32: 0.424-0.486 ms
 MAX_ITEMS_CANDIDATES = 64  # a program's candidates with a bad index are the bits of one integer
 NUM_WARPS = 4
 # ptxas's register cap a thread by wgmma's N (the query tile's columns): (one query, candidates). At N <=
 # 32 five and four programs an SM (65,536 registers / (programs x 128 threads)), no spills; at N = 64 the
 # accumulators double, those caps spill (one query 1.68 ms, rerank 1.15, against the Triton tiles' 1.19
 # and 0.84), uncapped (204 / 238 registers) two programs an SM run 0.97 / 0.63, and 168 (three programs,
-# 12 bytes spilled for candidates) 0.72-0.75 / 0.586-0.591 (64-token queries; stream-q64-h200.json).
+# 12 bytes spilled for candidates) 0.72-0.75 / 0.586-0.591 (64-token queries).
 REGISTERS = {16: (96, 128), 32: (96, 128), 64: (168, 168)}
 MAX_QUERY_TOKENS = 64
 
@@ -237,7 +228,7 @@ def _int8_stream_kernel(
         c_last = gl.minimum(c_first + ITEMS, n_items)
     elif pid < n_chunks:
         c_first = pid * ITEMS
-        query = _owner(cand_off_ptr, c_first, n_queries)
+        query = candidate_query(cand_off_ptr, c_first, n_queries)
         q_end = gl.load(cand_off_ptr + query + 1).to(gl.int32)
         c_last = gl.minimum(gl.minimum(c_first + ITEMS, n_items), q_end)
     else:
@@ -411,30 +402,70 @@ def maxsim_int8_stream(
     sd: torch.Tensor,
     d_off: torch.Tensor,
     max_query_len: int,
-    *,
-    items_per_prog: int | None = None,
-    stages: int = STAGES,
-    group: int = GROUP,
-    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """fp32 scores [n_items]: q8 int8 [Tq, 128] with scales sq fp32 [Tq], query offsets int64 [nq + 1];
     item_off int64 [nq + 1] the items of each query and items int64 [n_items] the candidates' document
     indices, or both None for one query against every document; d8 int8 [Td, 128] with
     scales sd fp32 [Td] and offsets d_off int64 [nd + 1]; all on the GPU. `max_query_len` (host) sizes
-    the query tile (`supports`); keyword overrides are for sweeps (`maxnreg` 0: no register cap). A
-    candidate index outside [0, nd) scores NaN and is never read through (the indices are not read by
-    the host)."""
+    the query tile (`supports`). A candidate index outside [0, nd) scores NaN and is never read through
+    (the indices are not read by the host). The tiles are the tuning constants above."""
+    n = query_columns(max_query_len)
+    per = ITEMS_ONE_QUERY if items is None else ITEMS_CANDIDATES
+    maxnreg = REGISTERS[n][0 if items is None else 1]
+    return _run_stream(q8, sq, q_off, item_off, items, d8, sd, d_off, n, per, STAGES, GROUP, maxnreg)
+
+
+def stream_with_tiles(
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    q_off: torch.Tensor,
+    item_off: torch.Tensor | None,
+    items: torch.Tensor | None,
+    d8: torch.Tensor,
+    sd: torch.Tensor,
+    d_off: torch.Tensor,
+    max_query_len: int,
+    *,
+    items_per_prog: int | None = None,
+    stages: int | None = None,
+    group: int | None = None,
+    maxnreg: int | None = None,
+) -> torch.Tensor:
+    """`maxsim_int8_stream` with some of its tiles replaced (None keeps the tuned choice; `maxnreg` 0: no
+    register cap), for sweeps and for the tests that every configuration gives the same bits; the library
+    never calls it."""
+    n = query_columns(max_query_len)
+    per = items_per_prog or (ITEMS_ONE_QUERY if items is None else ITEMS_CANDIDATES)
+    if items is not None and per > MAX_ITEMS_CANDIDATES:
+        raise ValueError(f"items_per_prog: at most {MAX_ITEMS_CANDIDATES} candidates a program, got {per}")
+    if maxnreg is None:
+        maxnreg = REGISTERS[n][0 if items is None else 1]
+    return _run_stream(
+        q8, sq, q_off, item_off, items, d8, sd, d_off, n, per,
+        STAGES if stages is None else stages, GROUP if group is None else group, maxnreg,
+    )  # fmt: skip
+
+
+def _run_stream(
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    q_off: torch.Tensor,
+    item_off: torch.Tensor | None,
+    items: torch.Tensor | None,
+    d8: torch.Tensor,
+    sd: torch.Tensor,
+    d_off: torch.Tensor,
+    n: int,
+    per: int,
+    stages: int,
+    group: int,
+    maxnreg: int,
+) -> torch.Tensor:
     nq = q_off.numel() - 1
     n_items = d_off.numel() - 1 if items is None else items.numel()
     out = torch.empty((n_items,), dtype=torch.float32, device=d8.device)
     if n_items == 0:
         return out
-    per = items_per_prog or (ITEMS_ONE_QUERY if items is None else ITEMS_CANDIDATES)
-    if items is not None and per > MAX_ITEMS_CANDIDATES:
-        raise ValueError(f"items_per_prog: at most {MAX_ITEMS_CANDIDATES} candidates a program, got {per}")
-    n = query_columns(max_query_len)
-    if maxnreg is None:
-        maxnreg = REGISTERS[n][0 if items is None else 1]
     n_chunks = cdiv(n_items, per)
     d_desc = TensorDescriptor.from_tensor(d8, [BLOCK_T, d8.shape[1]], _doc_layout(d8.shape[1]))
     _int8_stream_kernel[(n_chunks + (0 if items is None else nq),)](

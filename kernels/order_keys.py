@@ -11,9 +11,8 @@ compares scores first and, on equal scores, ranks: trec_eval's order. The torch 
 arithmetic (`maxsim_cli.topk.order_keys`) is nine operations; the scoring thread of `maxsim score` issues
 every batch's work, so on CUDA this is one launch instead. Memory-bound: 4 B read and 8 B written per
 score (plus 8 per rank read), ~2 us for a 512 x 1300 block at HBM speed; what it saves is host time per
-batch, not GPU time: in `maxsim score` on the H200, no change beyond noise
-(benchmarks/results/score/ab-trees-h200-trims.json; docs/kernel-notes.md, "`maxsim score`: the pass against
-the kernel").
+batch, not GPU time: in `maxsim score`, no change beyond noise (docs/kernel-notes.md, "`maxsim score`: the
+pass against the kernel").
 """
 
 from __future__ import annotations

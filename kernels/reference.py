@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._validate import check_candidates, check_inputs
+from .validation import check_candidates, check_inputs
 
 _MAX_CHUNK_TOKENS = 1 << 16  # padded document tokens per chunk (bounds the gathered block)
 

@@ -216,7 +216,7 @@ def _score(
     batch_queries: int | None,
     show_progress: bool,
 ) -> Run:
-    from maxsim_cli.scoring import engine
+    from maxsim_cli.scoring import dispatch
     from maxsim_cli.scoring.request import ScoreRequest
     from maxsim_cli.shards import check_same_dim, input_notes, report_notes
 
@@ -225,12 +225,10 @@ def _score(
     try:
         if len(q) == 0 and q.dim == 0:  # no queries from memory, so no dim: the corpus's
             q = _no_queries(q, corpus_obj.dim)
-        if device == "auto" and corpus_obj.residency is not None:
-            device = str(corpus_obj.residency.device)
         run_candidates = None if candidates is None else _as_candidates(candidates)
         request = ScoreRequest(
             queries=q.name,
-            corpus=tuple(corpus_obj.paths) or (corpus_obj._name(),),  # an in-memory corpus: its name
+            corpus=tuple(corpus_obj.paths) or (corpus_obj.name,),  # an in-memory corpus: its name
             output="-",
             top_k=top_k,
             candidates=_candidates_name(candidates),
@@ -247,37 +245,14 @@ def _score(
         # skipped for holding no documents were reported when the corpus was opened
         report_notes(input_notes(corpus_obj, q.batch, q.name, skipped=False), strict=strict, log=_log)
         collector = RunCollector()
-        stats = _score_direct(request, corpus_obj, q, run_candidates, collector)
-        if stats is None and corpus_obj.placement is not None and device == "auto":  # on several devices
-            from maxsim_cli import jobs
-
-            request.check()
-            stats = jobs.score_resident(
-                request, corpus_obj, q.batch, collector, candidates=run_candidates, log=_log
-            )
-        elif stats is None:
-            stats = engine.run(request, corpus_obj, q.batch, collector, candidates=run_candidates, log=_log)
+        # how it runs (one launch, a thread a device, the engine): `dispatch` decides
+        stats = dispatch.run_call(
+            request, corpus_obj, q.batch, collector, candidates=run_candidates, log=_log
+        )
         return collector.run(stats, inputs=_input_paths(q, corpus_obj, candidates))
     finally:
         if owned:
             corpus_obj.close()
-
-
-def _score_direct(
-    request: Any, corpus: Corpus, queries: Queries, candidates: dict | None, collector: RunCollector
-) -> Any:
-    """A small call on a resident corpus, scored in one launch (`maxsim_cli.scoring.direct`): its stats,
-    or None when the engine is to run it (rows are written only when the stats come back)."""
-    if corpus.residency is None:
-        return None
-    from maxsim_cli.scoring import direct
-
-    nq = len(queries)
-    pairs = nq * len(corpus) if candidates is None else sum(len(rows) for rows in candidates.values())
-    residency = direct.eligible(request, corpus, nq, pairs)
-    if residency is None:
-        return None
-    return direct.run(request, corpus, residency, queries.batch, collector, candidates=candidates, log=_log)
 
 
 def _at_least_one(value: Any, option: Option) -> int:

@@ -5,7 +5,7 @@ for a usage error (the `MaxsimError` family, and the usage errors of Typer's par
 otherwise draw a box). Nothing else is caught here, so a bug still shows its traceback.
 
 SIGTERM and SIGHUP stop a command the way Ctrl-C (SIGINT) does: they raise an exception in the main
-thread (`SystemExit`, as `maxsim_cli.jobs.run_rank` does for SIGTERM; SIGINT keeps its
+thread (`SystemExit`, as `maxsim_cli.parallel.ranks.run_rank` does for SIGTERM; SIGINT keeps its
 KeyboardInterrupt), so every ``finally`` / ``__exit__`` runs (temp files and staging folders are
 removed, an output being written is left as it was), and the process exits with 128 + the signal's
 number, saying so in one line. A signal that was ignored when maxsim started (``nohup``) stays ignored.
@@ -37,11 +37,11 @@ from typing import Any
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from maxsim_cli import __version__, collector
+from maxsim_cli import __version__, tuning
 from maxsim_cli.errors import MaxsimError, command_line_terms, quiet_stdout
 from maxsim_cli.lifeline import defer, end_process, holds, new_command
 
-# Signals that stop a command with its cleanup, like SIGINT; ``jobs.run_rank`` does the same for SIGTERM.
+# Signals that stop a command with its cleanup, like SIGINT (``parallel.ranks.run_rank``: SIGTERM too).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
@@ -240,11 +240,11 @@ def main(argv: list[str] | None = None) -> None:
     The stop signals raise from the start, not only while the command runs (Ctrl-C while Typer builds
     the command line is no traceback either), and are ignored once the command has ended: the exit code
     is then the command's. It is the process's entry point: it leaves the stop signals ignored, and
-    lets a command pause Python's garbage collector while it sets up (`maxsim_cli.collector`). Called
+    marks the process as the product's own, whose settings (`maxsim_cli.tuning`) a command applies. Called
     without ``argv`` (the ``maxsim`` script, ``python -m maxsim_cli``) it ends the process itself
     (`maxsim_cli.lifeline.end_process`); with ``argv`` it raises `SystemExit` with the code."""
     code: int = 1
-    collector.one_shot_process()
+    tuning.one_shot_process()
     try:
         for signum in STOP_SIGNALS:
             if signal.getsignal(signum) is not signal.SIG_IGN:
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         _stopped_by(signal.SIGINT)
         code = 128 + signal.SIGINT
     finally:
-        collector.command_ended()
+        tuning.command_ended()
     while True:  # from here on a stop signal is ignored: the exit code is the command's
         try:
             for signum in (signal.SIGINT, *STOP_SIGNALS):

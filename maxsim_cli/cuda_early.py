@@ -27,9 +27,10 @@ import ctypes
 import os
 import threading
 
-from maxsim_cli import timeline
+from maxsim_cli import settings, timeline
+from maxsim_cli.devices import DeviceName, parse_device_name
 
-ENV_SWITCH = "MAXSIM_EARLY_CUDA"
+ENV_SWITCH = settings.EARLY_CUDA
 _LIBRARY = "libcuda.so.1"
 
 
@@ -38,18 +39,18 @@ def ordinals(device: str, devices: str | None = None) -> list[int]:
     tells without torch; [] where it names none or is not understood (torch then reports it)."""
     world = os.environ.get("WORLD_SIZE", "1").strip() or "1"
     # inside a torchrun job (or a WORLD_SIZE that is not a number, which the job's own check reports)
-    if os.environ.get(ENV_SWITCH, "1") == "0" or not world.isdigit() or int(world) > 1:
+    if not settings.early_cuda() or not world.isdigit() or int(world) > 1:
         return []
     if devices:
-        parts = [p.strip() for p in devices.split(",")]
-        if not all(p.isdigit() for p in parts):
+        listed = [parse_device_name(p) for p in devices.split(",")]
+        if not all(d is not None and d.bare for d in listed):
             return []
-        return sorted({int(p) for p in parts})
-    name = device.strip().lower()
-    if name in ("auto", "cuda"):
+        return sorted({d.index for d in listed if d is not None and d.index is not None})
+    parsed = parse_device_name(device)
+    if parsed in (DeviceName("auto"), DeviceName("cuda")):
         return [0]
-    if name.startswith("cuda:") and name[5:].isdigit():
-        return [int(name[5:])]
+    if parsed is not None and parsed.kind == "cuda" and parsed.index is not None and not parsed.bare:
+        return [parsed.index]
     return []
 
 

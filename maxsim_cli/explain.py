@@ -322,7 +322,7 @@ def explain_hits(
     import torch
 
     from maxsim_cli.devices import check_backend_option
-    from maxsim_cli.scoring.engine import device_queries, query_embeddings
+    from maxsim_cli.scoring.resources import device_queries, query_embeddings
     from maxsim_cli.shards import DocBatch, check_same_dim
 
     row = _query_index(queries, qid)
@@ -444,7 +444,7 @@ def _query_index(queries: Queries, qid: str) -> int:
 def _corpus_name(corpus: Corpus) -> str:
     """The corpus as messages name it: its shard, or its first shard and how many more (an in-memory
     corpus: its name)."""
-    return corpus._name()
+    return corpus.name
 
 
 def _device(corpus: Corpus, device: str, places: Sequence[tuple[int, int]]) -> torch.device:

@@ -90,7 +90,7 @@ class InspectReport:
 
     def zero_row_warning(self) -> str | None:
         """One line about the documents carrying all-zero token rows, or None when there are none."""
-        from maxsim_cli.shards.writers import zero_row_warning
+        from maxsim_cli.shards.inputs import zero_row_warning
 
         first = next((r for r in self.shards if r.zero_row_docs), None)
         if not self.zero_row_docs or first is None or first.first_zero_row_doc is None:

@@ -42,8 +42,10 @@ import time
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
+from maxsim_cli import settings
+
 # The launcher's pid, set by the launcher for its workers.
-ENV_LAUNCHER_PID = "MAXSIM_LAUNCHER_PID"
+ENV_LAUNCHER_PID = settings.LAUNCHER_PID
 # How often the watcher thread looks for its parent (a few microseconds each time).
 POLL_S = 0.2
 # Seconds between the launcher's death and SIGKILL for a worker that did not end on SIGTERM.
@@ -60,8 +62,8 @@ _job_files: tuple[list[str], str] | None = None
 def launcher_pid() -> int | None:
     """The launcher's pid from the environment, or None outside a ``--devices`` worker."""
     try:
-        return int(os.environ[ENV_LAUNCHER_PID])
-    except (KeyError, ValueError):
+        return int(settings.launcher_pid() or "")
+    except ValueError:
         return None
 
 

@@ -50,7 +50,6 @@ import os
 import queue
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -59,6 +58,7 @@ import numpy as np
 import torch
 
 from maxsim_cli.shards.resident import Residency
+from maxsim_cli.staging import PinnedArena, SlotBuffers
 
 _STOP = object()  # put in the slot queue to stop the dispatcher
 
@@ -128,188 +128,8 @@ class _HostBatch:
     scales: torch.Tensor | None
     side: torch.Tensor | None
     host_offsets: np.ndarray
-    slot: _Buffers | None
+    slot: SlotBuffers | None
     checked: bool = True  # values checked for NaN/Inf on the host (False: read directly)
-
-
-# PyTorch's pinned allocator, told to page-lock by malloc + cudaHostRegister split over threads instead of
-# cudaHostAlloc: 0.49 GiB locked in 0.086-0.091 s against 0.19-0.31 s on the H200 machine
-# (benchmarks/results/host/pin-h200.txt; docs/kernel-notes.md, "`maxsim score`: the host-side constants").
-THREADED_HOST_REGISTER = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
-_ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
-_threaded_register_done = False
-
-
-def use_threaded_host_register() -> bool:
-    """Switch PyTorch's pinned allocator to threaded registration (`THREADED_HOST_REGISTER`) once per
-    process; returns whether it is on. A user's own allocator configuration (any of `_ALLOC_CONF_VARS`
-    set) is left as it is, as are builds without the setting."""
-    global _threaded_register_done
-    if _threaded_register_done:
-        return True
-    if any(os.environ.get(name) for name in _ALLOC_CONF_VARS) or torch.version.hip is not None:
-        return False
-    # PyTorch has no public call for this: the binding its deprecated `_set_allocator_settings` wraps,
-    # else that function itself with its FutureWarning silenced (stderr carries only our own lines).
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    try:
-        if setter is not None:
-            setter(THREADED_HOST_REGISTER)
-        else:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                torch.cuda.memory._set_allocator_settings(THREADED_HOST_REGISTER)
-    except (AttributeError, RuntimeError):
-        return False
-    _threaded_register_done = True
-    return True
-
-
-class PinnedArena:
-    """Page-locked host memory for `slots` staging slots, allocated by a background thread in pieces.
-
-    Page-locking costs about 0.17 s per GiB on the H200 machine with PyTorch's threaded registration
-    (`use_threaded_host_register`, turned on by a CUDA arena; 0.4-0.5 s per GiB with its default
-    cudaHostAlloc), once per process (PyTorch's host allocator caches the blocks for later runs). The
-    engine starts the arena before it opens the corpus.
-    The arena is `slots` equal shares (``nbytes // slots``, aligned down), locked a piece of whole shares
-    (about `PIECE_BYTES`) at a time: a reader waits only for the piece its share is in, so the first
-    batches are read while later pieces are still being locked, and the arena never holds more than
-    ``nbytes``. The engine sizes batches so that a slot fits a share (`slot_share`); a larger request, or
-    one past the last share, gets None (the caller allocates a slot of its own).
-    """
-
-    ALIGN = 4096
-    PIECE_BYTES = 64 << 20  # about 11 ms to lock on the H200 machine (33 ms with cudaHostAlloc)
-
-    def __init__(self, nbytes: int, slots: int, device: torch.device | None = None) -> None:
-        self.share = self.slot_share(nbytes, slots)
-        self.slots = max(1, slots)
-        self.nbytes = self.share * self.slots
-        self.device = device
-        self._per_piece = max(1, self.PIECE_BYTES // self.share)
-        per_piece = self._per_piece
-        self._piece_shares = [min(per_piece, self.slots - i) for i in range(0, self.slots, per_piece)]
-        self._pieces: list[torch.Tensor] = []
-        self._taken = 0  # shares handed out
-        self._error: BaseException | None = None
-        self._ready = threading.Condition()
-        self.started = time.perf_counter()
-        self.ready_s: float | None = None  # seconds from start to the last piece locked
-        if device is not None and device.type == "cuda":
-            use_threaded_host_register()
-        self._thread = threading.Thread(target=self._allocate, name="maxsim-pin", daemon=True)
-        self._thread.start()
-
-    @classmethod
-    def slot_share(cls, nbytes: int, slots: int) -> int:
-        """Bytes of one share: ``nbytes // slots`` aligned down (at least one alignment unit)."""
-        return max(cls.ALIGN, int(nbytes) // max(1, slots) // cls.ALIGN * cls.ALIGN)
-
-    def _allocate(self) -> None:
-        try:
-            if self.device is not None and self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            for shares in self._piece_shares:
-                piece = self._lock_piece(shares * self.share)
-                with self._ready:
-                    self._pieces.append(piece)
-                    if len(self._pieces) == len(self._piece_shares):
-                        self.ready_s = time.perf_counter() - self.started
-                    self._ready.notify_all()
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the thread that takes memory
-            with self._ready:
-                self._error = exc
-                self._ready.notify_all()
-
-    def wait(self) -> float:
-        """Block until every piece is locked (or locking failed: raised); returns `ready_s`."""
-        with self._ready:
-            while self.ready_s is None:
-                if self._error is not None:
-                    raise self._error
-                self._ready.wait()
-            return self.ready_s
-
-    def _lock_piece(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def take(self, nbytes: int) -> torch.Tensor | None:
-        """``nbytes`` bytes (uint8, aligned) at the start of the next share, or None when they do not fit
-        a share or every share is taken."""
-        if nbytes > self.share:
-            return None
-        with self._ready:
-            if self._taken >= self.slots:
-                return None
-            piece, index = divmod(self._taken, self._per_piece)  # every piece but the last is full
-            self._taken += 1  # the share is ours before we wait: waiting releases the lock to other takers
-            while piece >= len(self._pieces):
-                if self._error is not None:
-                    raise self._error
-                self._ready.wait()
-            start = index * self.share
-            return self._pieces[piece][start : start + nbytes]
-
-
-class _Buffers:
-    """One batch's worth of storage: embeddings, scales, and one int64 vector for offsets + side data.
-
-    Pinned slots are allocated lazily, by the reader thread that first fills them: page-locking a few
-    GiB takes a noticeable fraction of a second, which then overlaps the other readers' work instead of
-    delaying the first batch.
-    """
-
-    def __init__(
-        self,
-        tokens: int,
-        docs: int,
-        side: int,
-        dim: int,
-        dtype: torch.dtype,
-        scaled: bool,
-        device: torch.device | str,
-        pin: bool,
-        arena: PinnedArena | None = None,
-    ) -> None:
-        self._shape = (tokens, docs, side, dim, dtype, scaled, device, pin)
-        self._arena = arena
-        self.embeddings: torch.Tensor
-        self.scales: torch.Tensor | None = None
-        self.ints: torch.Tensor
-        self.allocated = False
-        self.copied: torch.cuda.Event | None = None  # end of the last copy out of this (pinned) slot
-        self.released: torch.cuda.Event | None = None  # end of the last scoring of this (device) slot
-        if torch.device(device).type != "cpu":
-            self.allocate()  # device slots: at once (host slots are filled, and allocated, by readers)
-
-    def allocate(self) -> None:
-        """Allocate the tensors (once)."""
-        if self.allocated:
-            return
-        tokens, docs, side, dim, dtype, scaled, device, pin = self._shape
-        tokens = max(tokens, 1)
-        item = torch.empty(0, dtype=dtype).element_size()
-        sizes = (tokens * dim * item, tokens * 4 if scaled else 0, (docs + 1 + side) * 8)
-        region = self._arena.take(sum(sizes) + 2 * PinnedArena.ALIGN) if self._arena is not None else None
-        if region is not None:
-            pieces, start = [], 0
-            for size in sizes:
-                pieces.append(region[start : start + size])
-                start = -(-(start + size) // PinnedArena.ALIGN) * PinnedArena.ALIGN
-            self.embeddings = pieces[0].view(dtype).view(tokens, dim)
-            self.scales = pieces[1].view(torch.float32) if scaled else None
-            self.ints = pieces[2].view(torch.int64)
-        else:
-            self.embeddings = torch.empty((tokens, dim), dtype=dtype, device=device, pin_memory=pin)
-            if scaled:
-                self.scales = torch.empty(tokens, dtype=torch.float32, device=device, pin_memory=pin)
-            self.ints = torch.empty(docs + 1 + side, dtype=torch.int64, device=device, pin_memory=pin)
-        self.allocated = True
-
-    @staticmethod
-    def nbytes(tokens: int, docs: int, side: int, dim: int, itemsize: int, scaled: bool) -> int:
-        return tokens * (dim * itemsize + (4 if scaled else 0)) + (docs + 1 + side) * 8
 
 
 def read_parts(shards: Sequence, parts: Sequence[Part]) -> list:
@@ -369,8 +189,8 @@ class BatchStream:
         self._pool: ThreadPoolExecutor | None = None
         self._dispatcher: threading.Thread | None = None
         self._stop = threading.Event()
-        self._device_slots: list[_Buffers] = []
-        self._pinned: list[_Buffers] = []
+        self._device_slots: list[SlotBuffers] = []
+        self._pinned: list[SlotBuffers] = []
         self._slots: queue.Queue = queue.Queue()
         self._ready: queue.Queue | None = None  # the next iteration's batches, once `start` has begun it
         # CUDA: safetensors shards are read straight into the pinned slots, their values checked on
@@ -388,7 +208,7 @@ class BatchStream:
         max_tokens: int, max_docs: int, max_side: int, dim: int, itemsize: int, scaled: bool
     ) -> int:
         """Bytes of one staging slot (pinned or device) for batches up to these sizes."""
-        return _Buffers.nbytes(max_tokens, max_docs, max_side, dim, itemsize, scaled)
+        return SlotBuffers.nbytes(max_tokens, max_docs, max_side, dim, itemsize, scaled)
 
     @staticmethod
     def host_slots(reader_threads: int) -> int:
@@ -399,7 +219,7 @@ class BatchStream:
 
     # reading ------------------------------------------------------------------------------------
 
-    def _read(self, plan: BatchPlan, slot: _Buffers | None) -> _HostBatch:
+    def _read(self, plan: BatchPlan, slot: SlotBuffers | None) -> _HostBatch:
         start = time.perf_counter()
         side = plan.side_array()
         if all(len(p) == 3 and self._direct_rows(p[0]) for p in plan.parts):
@@ -463,7 +283,7 @@ class BatchStream:
         safetensors)."""
         return hasattr(self.shards[shard_index], "read_rows_into")
 
-    def _read_direct(self, plan: BatchPlan, slot: _Buffers, side: np.ndarray | None) -> _HostBatch:
+    def _read_direct(self, plan: BatchPlan, slot: SlotBuffers, side: np.ndarray | None) -> _HostBatch:
         """Read a plan of document ranges of safetensors shards straight into a (pinned) slot."""
         slot.allocate()
         if slot.copied is not None:
@@ -575,7 +395,7 @@ class BatchStream:
             ready = self._begin_reads()
         slots = self._slots
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
-        previous: _Buffers | None = None  # device slot of the batch yielded last (CUDA)
+        previous: SlotBuffers | None = None  # device slot of the batch yielded last (CUDA)
         previous_token: object | None = None  # its in-flight token (CPU)
         i = 0
         try:
@@ -639,22 +459,21 @@ class BatchStream:
 
     def _buffers(
         self, device: torch.device | str, plan: BatchPlan | None = None, pin: bool = False
-    ) -> _Buffers:
+    ) -> SlotBuffers:
         if plan is None:
             tokens, docs, side = self.max_tokens, self.max_docs, self.max_side
         else:
             tokens, docs, side = plan.num_tokens, plan.num_docs, plan.side_len
         arena = self.arena if pin else None
-        return _Buffers(tokens, docs, side, self.dim, self.dtype, self.scaled, device, pin, arena)
+        return SlotBuffers(tokens, docs, side, self.dim, self.dtype, self.scaled, device, pin, arena)
 
-    def _copy(self, plan: BatchPlan, host: _HostBatch, dev: _Buffers, compute: torch.cuda.Stream) -> Batch:
+    def _copy(self, plan: BatchPlan, host: _HostBatch, dev: SlotBuffers, compute: torch.cuda.Stream) -> Batch:
         tokens = host.embeddings.shape[0]
         n_ints = host.host_offsets.shape[0] + plan.side_len
         # A reader that takes this slot next waits for `end` (`slot.copied`). A blocking-sync event puts
         # it to sleep: CUDA's default with one context on many cores is to spin, and with a slot handed
         # back as soon as its copy is queued, several readers could spin at once on the cores that the
-        # scoring thread needs (on the H200 machine the pass did not measurably change:
-        # benchmarks/results/score/ab-trees-h200-blocking-event.json).
+        # scoring thread needs (the pass did not measurably change: docs/kernel-notes.md).
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True, blocking=True)
         with torch.cuda.stream(self._copy_stream):
@@ -718,10 +537,8 @@ _FINITE_STEP = 1 << 18
 
 
 # Niceness of the reader threads (Linux): they copy from the page cache on every core, and the scoring
-# thread, which issues every batch's work to the GPU, then runs slower: a pass replayed on the H200 took
-# 0.67-0.71 s beside 16 readers, 0.47 s with them at niceness 10, 0.46 s alone
-# (benchmarks/results/score/gpu-side-h200-readers.json; docs/kernel-notes.md, "`maxsim score`: the
-# host-side constants").
+# thread, which issues every batch's work to the GPU, then runs slower: 0.67-0.71 s beside 16 readers,
+# 0.47 s at niceness 10, 0.46 s alone (docs/kernel-notes.md, "`maxsim score`: the host-side constants").
 READER_NICE = 10  # added to the process's niceness (at most 19)
 
 

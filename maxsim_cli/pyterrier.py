@@ -186,7 +186,7 @@ class MaxSimReranker(_MaxSimTransformer):
         missing = len(docnos) - len(keep)
         what = (
             f"{missing:,} of the frame's {len(docnos):,} rows have a docno that is not in the corpus "
-            f"({self.corpus._name()}), e.g. {docnos[first]!r} of query {keys[first]!r}"
+            f"({self.corpus.name}), e.g. {docnos[first]!r} of query {keys[first]!r}"
         )
         if self.strict:
             raise InputError(

@@ -88,14 +88,14 @@ class Queries:
         return cls(DocBatch(packed.ids, packed.values, packed.offsets, None), name)
 
 
-def _as_ids(ids: Sequence[str | int], name: str) -> list[str]:
+def as_query_ids(ids: Sequence[str | int], name: str) -> list[str]:
     """Query ids as strings (`maxsim_cli.shards.memory.as_ids`)."""
     from maxsim_cli.shards.memory import QUERY_WORDS, as_ids
 
     return as_ids(ids, name, QUERY_WORDS)
 
 
-def _check_lengths(qids: list[str], lengths: Sequence[int], name: str) -> None:
+def check_query_lengths(qids: list[str], lengths: Sequence[int], name: str) -> None:
     """Every query holds at least one token (`maxsim_cli.shards.memory.check_lengths`)."""
     from maxsim_cli.shards.memory import QUERY_WORDS, check_lengths
 

@@ -1,31 +1,24 @@
 """`maxsim score`: exact MaxSim of queries against a sharded corpus, exhaustive top-k or reranking.
 
-`score` is the front of the scoring layers: it gathers its options in a `ScoreRequest` and runs it
-either as a job of several ranks (`maxsim_cli.jobs`: ``devices``, or a torchrun environment) or in this
-process on one device (`maxsim_cli.scoring.files.score_files`, which opens the inputs and calls
-`maxsim_cli.scoring.engine.run`). The modes, the memory plans and where the time goes are described in
-`maxsim_cli.scoring.engine` and `maxsim_cli.scoring.plan`.
+`score` is the front of the scoring layers: it gathers its options in a `ScoreRequest` and hands it to
+`maxsim_cli.scoring.dispatch.run_files`, which runs it as a job of several ranks (`maxsim_cli.parallel`:
+``devices``, or a torchrun environment) or in this process on one device
+(`maxsim_cli.scoring.files.score_files`, which opens the inputs and calls `maxsim_cli.scoring.engine.run`).
+The modes, the memory plans and where the time goes are described in `maxsim_cli.scoring.engine` and
+`maxsim_cli.scoring.plan`.
 
-The other names here are kept for code that imported them from this module before the layers existed.
+The other public names here are kept for code that imported them from this module before the layers
+existed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from maxsim_cli import jobs
 from maxsim_cli.devices import check_backend_option, resolve_device
-from maxsim_cli.scoring.engine import Logger, _Engine, _interleave, _stderr
-from maxsim_cli.scoring.files import score_files
-from maxsim_cli.scoring.plan import (
-    BUDGET_FILL,
-    DEFAULT_READER_THREADS,
-    STAGING_BYTES,
-    _batch_token_limit,
-    _cut_at,
-    _split,
-)
-from maxsim_cli.scoring.plan import Budget as _Budget
+from maxsim_cli.parallel.environment import Logger, log_to_stderr
+from maxsim_cli.scoring.dispatch import run_files
+from maxsim_cli.scoring.plan import BUDGET_FILL, DEFAULT_READER_THREADS, STAGING_BYTES
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.stats import ScoreStats
 
@@ -47,7 +40,7 @@ def score(
     batch_queries: int | None = None,
     reader_threads: int | None = None,
     show_progress: bool = False,
-    log: Logger = _stderr,
+    log: Logger = log_to_stderr,
     devices: str | None = None,
 ) -> ScoreStats:
     """Score the queries of ``queries`` against the shards ``corpus`` and write a run to ``output``.
@@ -59,7 +52,7 @@ def score(
     (`maxsim_cli.memory`). Returns the stats;
     raises `UsageError` / `InputError` / `MaxsimError` with one-line messages, leaving no output file.
     ``devices`` (``"0,1"``, ``"all"``, ``"cpu:N"``) or a torchrun environment makes it a job of several
-    processes with the same output (`maxsim_cli.jobs`).
+    processes with the same output (`maxsim_cli.parallel`).
     """
     request = ScoreRequest(
         queries=queries,
@@ -79,9 +72,7 @@ def score(
         show_progress=show_progress,
         devices=devices,
     )
-    if devices is not None or jobs.world_size() > 1:
-        return jobs.dispatch(request, log=log)
-    return score_files(request, log=log)
+    return run_files(request, log=log)
 
 
 __all__ = [
@@ -90,12 +81,6 @@ __all__ = [
     "STAGING_BYTES",
     "ScoreRequest",
     "ScoreStats",
-    "_Budget",
-    "_Engine",
-    "_batch_token_limit",
-    "_cut_at",
-    "_interleave",
-    "_split",
     "check_backend_option",
     "resolve_device",
     "score",

@@ -22,8 +22,10 @@ import sys
 import threading
 import time
 
-ENV_PATH = "MAXSIM_TIMELINE"
-ENV_T0 = "MAXSIM_TIMELINE_T0"
+from maxsim_cli import settings
+
+ENV_PATH = settings.TIMELINE
+ENV_T0 = settings.TIMELINE_T0
 
 _lock = threading.Lock()
 _stages: dict[str, float] = {}  # stage -> time.time() when first reached
@@ -33,13 +35,13 @@ _registered = False
 
 def enabled() -> bool:
     """Whether ``MAXSIM_TIMELINE`` names a file to write."""
-    return bool(os.environ.get(ENV_PATH))
+    return settings.timeline_path() is not None
 
 
 def mark(stage: str) -> None:
     """Note that ``stage`` is reached now (the first time only); nothing when the timeline is off."""
     global _registered
-    if not os.environ.get(ENV_PATH):
+    if settings.timeline_path() is None:
         return
     now = time.time()
     with _lock:
@@ -54,7 +56,7 @@ def mark(stage: str) -> None:
 
 def process_start() -> tuple[float, str]:
     """(when the process started as a ``time.time()``, and where that came from: "parent" or "proc")."""
-    given = os.environ.get(ENV_T0)
+    given = settings.timeline_t0()
     if given:
         try:
             return float(given), "parent"
@@ -88,7 +90,7 @@ def snapshot() -> dict:
 
 def write() -> None:
     """Write the timeline to ``MAXSIM_TIMELINE`` (temp file + rename); a failure is one line on stderr."""
-    path = os.environ.get(ENV_PATH)
+    path = settings.timeline_path()
     if not path:
         return
     tmp = f"{path}.tmp-{os.getpid()}"

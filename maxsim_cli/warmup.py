@@ -3,8 +3,9 @@
 A fresh process pays once, on its first kernel launch, with the kernel already in Triton's disk cache:
 importing triton (0.3 s on the H200 machine, where its sources were compiled to bytecode at every start),
 the key of Triton's cache (a hash of Triton's own libraries, 0.42 s, once a process; now read back from a
-saved copy, `remember_triton_key`), loading the compiled kernel and Triton's launcher (docs/benchmarks.md,
-"What a fresh process pays once"). Without this thread the pass's first batch pays all of it.
+saved copy, `tuning.remember_triton_key`), loading the compiled kernel and Triton's launcher
+(docs/benchmarks.md, "What a fresh process pays once"). Without this thread the pass's first batch pays
+all of it.
 
 `KernelWarmup.start` starts the thread as soon as a run knows it will launch Triton kernels on a GPU,
 before the corpus is opened: it imports the kernels, gets the cache key and makes the device current
@@ -16,33 +17,25 @@ or Ctrl-C included (the thread stops at its next step). The thread never raises:
 here fails again in the pass, which reports it. It changes no result: the pass launches the same
 kernels with the same arguments either way.
 
-While it runs, Python's lock is handed over every `SWITCH_S` instead of every 5 ms: the imports hold the
-lock, and the set-up beside them (opening shards, sorting ids) takes and drops it at every read and
-would otherwise wait out each interval (an earlier warm-up thread without it slowed the set-up by more
-than it saved; docs/kernel-notes.md, "A fresh process's first batch").
+While it runs, Python's lock is handed over every `tuning.THREAD_SWITCH_S` instead of every 5 ms: the
+imports hold the lock, and the set-up beside them (opening shards, sorting ids) takes and drops it at
+every read and would otherwise wait out each interval (an earlier warm-up thread without it slowed the
+set-up by more than it saved; docs/kernel-notes.md, "A fresh process's first batch").
 
-``MAXSIM_KERNEL_WARMUP=0`` turns the thread off: the first batch then pays the first launch, as before.
+``MAXSIM_KERNEL_WARMUP=0`` turns the thread off: the first batch then pays the first launch, as before
+(`maxsim_cli.settings`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from maxsim_cli import timeline
-
-ENV_SWITCH = "MAXSIM_KERNEL_WARMUP"
-# "0": Triton's cache key computed as Triton does, not read back from the saved copy (`remember_triton_key`)
-ENV_KEY_CACHE = "MAXSIM_TRITON_KEY_CACHE"
-# As `maxsim_cli.jobs.THREAD_SWITCH_S` for its rank threads: a thread that wants the lock waits at most this.
-SWITCH_S = 0.0005
+from maxsim_cli import settings, timeline, tuning
 
 
 class _Cancelled(Exception):
@@ -60,8 +53,8 @@ class KernelWarmup:
         self._launch: Callable[[], None] | None = None
         self._given = threading.Event()  # `load` or `close` was called
         self._cancelled = threading.Event()
-        self._interval: float | None = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._interval, SWITCH_S))
+        self._switches: contextlib.AbstractContextManager[None] | None = tuning.quick_thread_switches()
+        self._switches.__enter__()
         # a daemon only as a safety net: every run joins it (`close`)
         self._thread = threading.Thread(target=self._run, name="maxsim-warmup", daemon=True)
         self._thread.start()
@@ -71,11 +64,11 @@ class KernelWarmup:
         """Whether a run on ``device`` with ``backend`` launches Triton kernels on a GPU from this
         process's main thread (a rank thread of a job does not: the job's threads share the process) and
         the warm-up is not turned off."""
-        if os.environ.get(ENV_SWITCH, "1") == "0" or device.type != "cuda":
+        if not settings.kernel_warmup() or device.type != "cuda":
             return False
         if threading.current_thread() is not threading.main_thread():
             return False
-        from maxsim_kernels._validate import resolve_backend
+        from maxsim_kernels import resolve_backend
 
         return resolve_backend(backend, device) == "triton"
 
@@ -163,9 +156,9 @@ class KernelWarmup:
         return {**self.times, **({"error": self.error} if self.error else {})}
 
     def _restore_interval(self) -> None:
-        if self._interval is not None:
-            sys.setswitchinterval(self._interval)
-            self._interval = None
+        if self._switches is not None:
+            self._switches.__exit__(None, None, None)
+            self._switches = None
 
 
 def _import_kernels() -> None:
@@ -175,110 +168,12 @@ def _import_kernels() -> None:
 
 def _cache_key() -> None:
     """Triton's compile-cache key, read back from the copy kept beside Triton's cache where its files
-    are unchanged (`remember_triton_key`), else computed once a process (an lru_cache inside Triton)."""
+    are unchanged (`tuning.remember_triton_key`, in the command line's process only), else computed once
+    a process (an lru_cache inside Triton)."""
     try:
         from triton.runtime import cache as triton_cache
     except ImportError:  # pragma: no cover - not where this Triton release keeps it: the launch computes it
         return
-    if os.environ.get(ENV_KEY_CACHE, "1") == "0" or not remember_triton_key(triton_cache):
+    remembered = settings.triton_key_cache() and tuning.in_one_shot_process()
+    if not remembered or not tuning.remember_triton_key(triton_cache):
         triton_cache.triton_key()
-
-
-def remember_triton_key(triton_cache: Any) -> bool:
-    """Make Triton's compile-cache key a saved copy instead of a hash of Triton's own files.
-
-    ``triton.runtime.cache.triton_key`` hashes Triton's compiler, backend and language sources and its
-    500 MB library, once a process: 0.42-0.82 s on the H200 host, the longest wait before a fresh
-    process's first launch (docs/benchmarks.md, "What a fresh process pays once"), 0.5-0.9 s on the
-    2-core machine.
-    The key only changes when one of those files does, so it is saved, beside Triton's own cache
-    (``TRITON_CACHE_DIR``, else ~/.triton/cache), under a fingerprint of every such file's path, size
-    and modification time (~5 ms of ``stat``), Triton's version and Python's; a process that finds it
-    there hands it out through a function put in place of ``triton_key`` wherever Triton's modules hold
-    it. A missing, unreadable or unwritable copy is computed as before. Returns whether the key was
-    handed out that way (False: Triton's own function is left as it is)."""
-    original = getattr(triton_cache, "triton_key", None)
-    if original is None:
-        return False
-    version = getattr(sys.modules.get("triton"), "__version__", "")
-    try:
-        fingerprint = _triton_fingerprint(triton_cache, version)
-    except OSError:
-        return False
-    path = os.path.join(_triton_cache_dir(), f"maxsim-triton-key-{fingerprint}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            key = f.read()
-    except OSError:
-        key = ""
-    if not _is_key(key, version):  # absent, or not a key of this Triton: computed and saved
-        key = original()
-        _save(path, key)
-    _hand_out(original, key)
-    return True
-
-
-def _is_key(text: str, version: str) -> bool:
-    """Whether ``text`` reads as Triton's key: its version, then sha256 hex digests joined by dashes."""
-    import re
-
-    return (
-        text.startswith(version)
-        and re.fullmatch(r"[0-9a-f]{64}(-[0-9a-f]{64})*", text[len(version) :]) is not None
-    )
-
-
-def _triton_fingerprint(triton_cache: Any, version: str) -> str:
-    """A hash of what `triton_key` reads: the path, size and modification time of its own module and of
-    every file under Triton's compiler, backends and language folders and its ``_C`` libraries."""
-    import hashlib
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(triton_cache.__file__)))
-    digest = hashlib.sha256(f"{version}|{sys.version}".encode())
-    paths = [os.path.abspath(triton_cache.__file__)]
-    for folder in ("compiler", "backends", "language", "_C"):
-        for where, dirs, files in os.walk(os.path.join(root, folder)):
-            dirs[:] = sorted(d for d in dirs if d != "__pycache__")  # bytecode comes and goes
-            paths += [os.path.join(where, name) for name in sorted(files)]
-    for path in paths:
-        st = os.stat(path)
-        digest.update(f"{os.path.relpath(path, root)}|{st.st_size}|{st.st_mtime_ns}\n".encode())
-    return digest.hexdigest()[:32]
-
-
-def _triton_cache_dir() -> str:
-    return os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
-
-
-def _save(path: str, key: str) -> None:
-    """``key`` written to ``path`` through a temporary file (a reader never sees half of it); nothing
-    when the folder cannot be written. A stop signal on the way leaves no temporary file."""
-    from maxsim_cli.shards.files import new_file
-
-    made: list[str] = []  # the temporary file, known from the instant it exists (`new_file`'s claim)
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, _ = new_file(os.path.dirname(path), ".maxsim-triton-key-", ".tmp", made.append)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(key)
-        os.replace(made[0], path)
-        made.clear()
-    except OSError:
-        pass
-    finally:
-        for tmp in made:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-
-
-def _hand_out(original: Callable[[], str], key: str) -> None:
-    """``key`` from every Triton module's ``triton_key`` (those that imported the function by name
-    included; modules imported later take it from ``triton.runtime.cache``)."""
-
-    def triton_key() -> str:
-        return key
-
-    for name, module in list(sys.modules.items()):
-        in_triton = name == "triton" or name.startswith("triton.")
-        if in_triton and getattr(module, "triton_key", None) is original:
-            module.triton_key = triton_key

@@ -104,7 +104,7 @@ def device_candidates(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     """The launchers' path for candidate indices on a GPU, under the interpreter: `values_on_host` says
     the CPU candidates tensor cannot be read without waiting for a device, and every host copy of
     candidates (`host_candidates`, the copy that would wait) is recorded in the returned list."""
-    from maxsim_kernels import _validate
+    from maxsim_kernels import validation as _validate
 
     copies: list[torch.Tensor] = []
     host_candidates = _validate.host_candidates

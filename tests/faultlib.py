@@ -96,7 +96,7 @@ while True:
 # Modules the commands import lazily: imported once in the server rather than in every child.
 PRELOAD = [
     "maxsim_cli.score",
-    "maxsim_cli.jobs",
+    "maxsim_cli.scoring.dispatch",
     "maxsim_cli.scoring.engine",
     "maxsim_cli.scoring.files",
     "maxsim_cli.pack",

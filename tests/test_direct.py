@@ -146,12 +146,17 @@ def test_out_of_memory_hands_the_call_to_the_engine(corpus_path, queries, monkey
         corpus.to("cpu")
         expected = search(queries, corpus, k=5)
 
-        def out_of_memory(*args, **kwargs):
-            raise torch.OutOfMemoryError("out of memory")
+        def out_of_memory(kernel):
+            def call(*args, check_finite=False, **kwargs):
+                if not check_finite:
+                    raise torch.OutOfMemoryError("out of memory")
+                return kernel(*args, check_finite=check_finite, **kwargs)
 
-        monkeypatch.setattr(maxsim_kernels, "maxsim_varlen", out_of_memory)
-        monkeypatch.setattr(maxsim_kernels, "maxsim_candidates", out_of_memory)
-        # the engine on the CPU scores through maxsim_kernels.cpu (checking values), which still works
+            return call
+
+        for name in ("maxsim_varlen", "maxsim_candidates"):
+            monkeypatch.setattr(maxsim_kernels, name, out_of_memory(getattr(maxsim_kernels, name)))
+        # the engine on the CPU asks the kernels to check values (the direct path does not), which works
         run = search(queries, corpus, k=5)
         assert run.stats.extra.get("direct") is None and run == expected
         # the direct path's notes are dropped with it: the missing candidate is warned about once

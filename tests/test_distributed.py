@@ -1,4 +1,4 @@
-"""`maxsim score` as a job of several processes (`maxsim_cli.jobs`): the run is byte for byte the
+"""`maxsim score` as a job of several processes (`maxsim_cli.parallel`): the run is byte for byte the
 single-process run, in exhaustive and rerank mode; a failing or dying rank fails the job cleanly.
 
 The jobs run on the CPU with gloo: under torchrun (``python -m torch.distributed.run``) and with
@@ -24,22 +24,34 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from failrank.sitecustomize import failing_share
 from typer.testing import CliRunner
 
-from maxsim_cli import jobs
 from maxsim_cli.cli import app
+from maxsim_cli.devices import parse_devices
 from maxsim_cli.errors import MaxsimError, UsageError
-from maxsim_cli.jobs import ResultSink, assign_shards, parse_devices, split_candidates
 from maxsim_cli.merge import select_top_k
+from maxsim_cli.parallel import launcher, shares, threads
+from maxsim_cli.parallel.shares import ResultSink, split_candidates
 from maxsim_cli.runs import sort_trec
 from maxsim_cli.score import score
+from maxsim_cli.scoring import dispatch
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.shards import write_shard
+from maxsim_cli.shards.resident import assign_shards
 
 runner = CliRunner()
 DIM = 32
 SHARD_DOCS = (30, 12, 22, 8)  # unequal shards: the balancing has something to do
 JOB_ENV = {"MAXSIM_DIST_TIMEOUT": "60", "OMP_NUM_THREADS": "1"}
+# A folder whose sitecustomize makes a worker's rank fail (MAXSIM_TEST_FAIL_RANK): tests only.
+FAIL_RANK_DIR = str(Path(__file__).resolve().parent / "failrank")
+
+
+def _fail_rank_env(value: str) -> dict[str, str]:
+    """The environment that makes rank ``value`` of a job's worker processes fail (``R``, ``R:kill``)."""
+    path = os.pathsep.join(p for p in (FAIL_RANK_DIR, os.environ.get("PYTHONPATH")) if p)
+    return {"MAXSIM_TEST_FAIL_RANK": value, "PYTHONPATH": path}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -179,8 +191,8 @@ def test_results_below_the_ranks_bound_never_make_the_top_k():
                 if len(keep):
                     results.append((f"q{q}", [docnos[i] for i in keep], scores[keep]))
             per_rank.append(results)
-        bounds = [jobs.kth_scores(results, k) for results in per_rank]
-        filtered = [jobs.drop_below(results, bounds) for results in per_rank]
+        bounds = [shares.kth_scores(results, k) for results in per_rank]
+        filtered = [shares.drop_below(results, bounds) for results in per_rank]
         for q in range(4):
             assert _best(filtered, f"q{q}", k) == _best(per_rank, f"q{q}", k), trial
         sent = sum(len(ds) for res in filtered for _, ds, _ in res)
@@ -210,11 +222,11 @@ def test_columns_trimmed_by_the_ranks_floor_merge_to_the_union_top_k():
                 rows_o.append(keep[best])
                 rows_s.append(scores_all[q, keep[best]])
             parts.append((np.array(rows_s, np.float32).reshape(nq, -1), np.array(rows_o).reshape(nq, -1)))
-        floors = np.maximum.reduce([jobs.kth_column(p[0], k) for p in parts])
-        trimmed = [jobs.trim_columns(p, floors) for p in parts]
+        floors = np.maximum.reduce([shares.kth_column(p[0], k) for p in parts])
+        trimmed = [shares.trim_columns(p, floors) for p in parts]
         assert sum(p[0].size for p in trimmed) <= sum(p[0].size for p in parts)
         for rows in (2, nq):  # the merge's query blocks do not change the result
-            merged = list(jobs.merge_columns(trimmed, rank_of_ordinal, k, rows))
+            merged = list(shares.merge_columns(trimmed, rank_of_ordinal, k, rows))
             got_scores = np.concatenate([m[1].numpy() for m in merged])
             got_docnos = [[docnos[order[r]] for r in m_ranks] for m in merged for m_ranks in m[2].tolist()]
             for q in range(nq):
@@ -248,7 +260,7 @@ def test_the_request_travels_to_workers_as_json_and_ranks_get_copies():
     assert request.corpus == ("a", "b") and request.queries == "q.arrow"
     with pytest.raises(dataclasses.FrozenInstanceError):
         request.top_k = 3  # type: ignore[misc]
-    sent = json.loads(json.dumps(jobs._worker_options(request)))
+    sent = json.loads(json.dumps(launcher.worker_options(request)))
     assert ScoreRequest(**sent) == dataclasses.replace(request, devices=None)
     share = dataclasses.replace(request, device="cuda:1", devices=None)
     assert (share.device, share.corpus, request.device) == ("cuda:1", ("a", "b"), "auto")
@@ -265,7 +277,7 @@ def test_usage_errors_before_any_worker_starts(data, tmp_path, monkeypatch):
     assert "standard input cannot be shared" in result.stderr
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UsageError, match="under torchrun leave it out"):
-        jobs.dispatch(ScoreRequest(data["queries"], (data["corpus"],), devices="cpu:2"))
+        dispatch.run_files(ScoreRequest(data["queries"], (data["corpus"],), devices="cpu:2"))
     assert not out.exists()
 
 
@@ -339,7 +351,7 @@ def test_a_rank_without_shards_sends_nothing_and_the_run_is_the_same(data, tmp_p
 def test_a_rank_that_raises_fails_the_job_cleanly(data, tmp_path):
     out = tmp_path / "run.trec"
     args = ["score", data["queries"], data["corpus"], "-o", str(out), "--devices", "cpu:2"]
-    result = runner.invoke(app, args, env={**JOB_ENV, "MAXSIM_TEST_FAIL_RANK": "1"})
+    result = runner.invoke(app, args, env={**JOB_ENV, **_fail_rank_env("1")})
     assert result.exit_code == 1
     lines = [x for x in result.stderr.splitlines() if x.strip()]
     assert lines == [
@@ -367,7 +379,7 @@ def test_ranks_as_threads_equal_single_process(data, tmp_path, monkeypatch, mode
     kwargs = {"top_k": 6, "candidates": data["cands"]} if mode == "rerank" else {"top_k": 5}
     single = tmp_path / "single.trec"
     expected = [m for m in _single(data, single, **kwargs) if m.startswith("warning")]
-    monkeypatch.setattr(jobs, "in_threads", lambda devices: True)
+    monkeypatch.setattr(dispatch, "in_threads", lambda devices: True)
     out = tmp_path / "threads.trec"
     messages: list[str] = []
     interval = sys.getswitchinterval()
@@ -400,7 +412,7 @@ def test_rank_threads_share_one_progress_bar(data, tmp_path, monkeypatch, mode):
     _single(data, tmp_path / "single.trec", show_progress=True, **kwargs)
     (single,) = bars
     bars.clear()
-    monkeypatch.setattr(jobs, "in_threads", lambda devices: True)
+    monkeypatch.setattr(dispatch, "in_threads", lambda devices: True)
     out = tmp_path / "threads.trec"
     score(data["queries"], [data["corpus"]], output=str(out), devices="cpu:2", show_progress=True, **kwargs)
     (job,) = bars
@@ -417,7 +429,7 @@ def test_gpu_ranks_as_threads_equal_single_process(data, tmp_path, monkeypatch, 
     single = tmp_path / "single.trec"
     score(data["queries"], [data["corpus"]], output=str(single), device="cuda:0", **kwargs)
     devices = ["cuda:0", "cuda:1"] if torch.cuda.device_count() > 1 else ["cuda:0", "cuda:0"]
-    monkeypatch.setattr(jobs, "parse_devices", lambda spec: devices)
+    monkeypatch.setattr(dispatch, "parse_devices", lambda spec: devices)
     out = tmp_path / "threads.trec"
     stats = score(data["queries"], [data["corpus"]], output=str(out), devices="0,1", **kwargs)
     assert out.read_bytes() == single.read_bytes()
@@ -432,10 +444,12 @@ def test_a_rank_thread_that_fails_stops_the_others_and_writes_nothing(data, tmp_
 
     from maxsim_cli.scoring.engine import _Engine
 
-    monkeypatch.setattr(jobs, "in_threads", lambda devices: True)
+    monkeypatch.setattr(dispatch, "in_threads", lambda devices: True)
     out = tmp_path / "run.trec"
     args = ["score", data["queries"], data["corpus"], "-o", str(out), "--devices", "cpu:2"]
-    result = runner.invoke(app, args, env={**JOB_ENV, "MAXSIM_TEST_FAIL_RANK": "1"})
+    with monkeypatch.context() as patch:
+        patch.setattr(threads, "score_share", failing_share(threads.score_share, "1"))
+        result = runner.invoke(app, args, env=JOB_ENV)
     assert result.exit_code == 1, result.output
     lines = [x for x in result.stderr.splitlines() if x.strip()]
     assert lines == [
@@ -469,7 +483,7 @@ def test_a_rank_thread_that_fails_stops_the_others_and_writes_nothing(data, tmp_
 def test_a_killed_rank_fails_the_job_under_the_launcher(data, tmp_path):
     out = tmp_path / "run.trec"
     args = ["score", data["queries"], data["corpus"], "-o", str(out), "--devices", "cpu:2"]
-    result = runner.invoke(app, args, env={**JOB_ENV, "MAXSIM_TEST_FAIL_RANK": "1:kill"})
+    result = runner.invoke(app, args, env={**JOB_ENV, **_fail_rank_env("1:kill")})
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines() == [
         "maxsim: error: worker rank 1 of 2 (cpu) was killed by SIGKILL; the job stopped and no run was "
@@ -484,14 +498,14 @@ def test_the_first_worker_to_die_is_the_one_named(tmp_path):
     codes = [-signal.SIGABRT, -signal.SIGKILL]
     output = str(tmp_path / "run.trec")
     with pytest.raises(MaxsimError, match=r"^worker rank 1 of 2 \(cpu\) was killed by SIGKILL;"):
-        jobs._job_outcome(codes, ["cpu", "cpu"], str(tmp_path / "none.json"), output, 0.0, [1, 0])
+        launcher.job_outcome(codes, ["cpu", "cpu"], str(tmp_path / "none.json"), output, 0.0, [1, 0])
     with pytest.raises(MaxsimError, match=r"^worker rank 0 of 2 \(cpu\) was killed by SIGABRT;"):
-        jobs._job_outcome(codes, ["cpu", "cpu"], str(tmp_path / "none.json"), output, 0.0, [0, 1])
+        launcher.job_outcome(codes, ["cpu", "cpu"], str(tmp_path / "none.json"), output, 0.0, [0, 1])
 
 
 def test_a_killed_rank_fails_the_job_under_torchrun(data, tmp_path):
     out = tmp_path / "run.trec"
-    proc = _torchrun([data["queries"], data["corpus"], "-o", str(out)], {"MAXSIM_TEST_FAIL_RANK": "1:kill"})
+    proc = _torchrun([data["queries"], data["corpus"], "-o", str(out)], _fail_rank_env("1:kill"))
     assert proc.returncode != 0
     assert "Signal 9" in proc.stderr or "SIGKILL" in proc.stderr, proc.stderr
     assert _leftovers(tmp_path, "run.trec") == []
@@ -515,17 +529,17 @@ def test_a_job_folder_is_stale_once_every_process_of_its_job_has_ended(tmp_path)
     and is removed, file by file, once they have all ended."""
     folder = tmp_path / "maxsim-job-x"
     folder.mkdir()
-    lock = jobs._lock_job(str(folder))
+    lock = launcher.lock_job(str(folder))
     (folder / "options.json").write_text("{}")
     worker = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
                               pass_fds=(lock,))  # fmt: skip
     try:
-        assert jobs.remove_stale_job_folders(str(tmp_path)) == []  # the launcher holds it
+        assert launcher.remove_stale_job_folders(str(tmp_path)) == []  # the launcher holds it
         os.close(lock)  # the launcher is gone; its worker is not
-        assert jobs.remove_stale_job_folders(str(tmp_path)) == []
+        assert launcher.remove_stale_job_folders(str(tmp_path)) == []
     finally:
         worker.communicate(b"", timeout=30)
-    assert jobs.remove_stale_job_folders(str(tmp_path)) == [str(folder)]
+    assert launcher.remove_stale_job_folders(str(tmp_path)) == [str(folder)]
     assert os.listdir(tmp_path) == []
 
 
@@ -546,7 +560,7 @@ def test_the_next_job_removes_the_folders_of_dead_jobs_only(data, tmp_path, monk
     (temp / "maxsim-job-new").mkdir()
     alive = temp / "maxsim-job-alive"
     alive.mkdir()
-    lock = jobs._lock_job(str(alive))
+    lock = launcher.lock_job(str(alive))
     try:
         out = tmp_path / "run.trec"
         args = ["score", data["queries"], data["corpus"], "-o", str(out), "--devices", "cpu:2", "-q"]

@@ -23,7 +23,8 @@ is still absent, the previous output or the complete output (writes go to a temp
 into place); hidden temp files (``.NAME.XXXX.tmp``) and staging folders (``.maxsim-...``) beside or
 inside the output may remain, as may a ``--devices`` job's ``maxsim-job-...`` folder in ``TMPDIR``. Those
 are counted, not failed, but a job folder left must be one that the next job removes
-(`maxsim_cli.jobs.remove_stale_job_folders`, run on it once the trial's processes have ended). The
+(`maxsim_cli.parallel.launcher.remove_stale_job_folders`, run on it once the trial's processes have
+ended). The
 workers of a killed launcher must still end (within seconds) and never write the run.
 
 The totals are printed at the end of the module (``python -m pytest -q tests/test_fault_injection.py``)
@@ -51,7 +52,7 @@ import numpy as np
 import pytest
 from faultlib import ForkServer, hidden_entries, snapshot, tree_hashes, wait_gone
 
-from maxsim_cli.jobs import remove_stale_job_folders
+from maxsim_cli.parallel.launcher import remove_stale_job_folders
 from maxsim_cli.shards import write_manifest, write_shard
 
 SEED = int(os.environ.get("MAXSIM_FAULT_SEED", "26"))

@@ -744,14 +744,14 @@ def test_output_file_open_interrupted_leaves_no_temp(tmp_path: Path, monkeypatch
 
 @pytest.mark.parametrize("fmt", ["safetensors", "arrow"])
 def test_shard_sinks_interrupted_in_their_constructor_leave_nothing(tmp_path: Path, monkeypatch, fmt) -> None:
-    from maxsim_cli.shards import writers
+    from maxsim_cli.shards import sinks
 
     _interrupt_after_creation(monkeypatch)
     with pytest.raises(_Signal):
         if fmt == "safetensors":
-            writers._SafetensorsSink(str(tmp_path / "s.safetensors"), 8, "float16", {})
+            sinks.SafetensorsSink(str(tmp_path / "s.safetensors"), 8, "float16", {})
         else:
-            writers._RecordSink(str(tmp_path / "s.arrow"), 8, "float16", "arrow")
+            sinks.RecordSink(str(tmp_path / "s.arrow"), 8, "float16", "arrow")
     assert _left(tmp_path) == []
 
 

@@ -26,7 +26,8 @@ from typer.testing import CliRunner
 from maxsim_cli import timeline
 from maxsim_cli.cli import app
 from maxsim_cli.score import score
-from maxsim_cli.warmup import SWITCH_S, KernelWarmup
+from maxsim_cli.tuning import THREAD_SWITCH_S as SWITCH_S
+from maxsim_cli.warmup import KernelWarmup
 
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
@@ -227,7 +228,7 @@ def test_interrupt_joins_the_thread(forced, small, tmp_path: Path, monkeypatch: 
 
 SPY = """
 import gc, json, sys
-from maxsim_cli import collector
+from maxsim_cli import tuning as collector
 seen = {"collections_while_paused": 0, "passes": []}
 begins = collector.pass_begins
 
@@ -274,7 +275,7 @@ def test_the_collector_is_left_alone_in_a_callers_process(small, tmp_path: Path)
     without a pass (an error) turns it on again."""
     import gc
 
-    from maxsim_cli import collector
+    from maxsim_cli import tuning as collector
 
     paths, qpath, _, _ = small
     frozen = gc.get_freeze_count()
@@ -397,7 +398,7 @@ def fake_version(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 def test_triton_key_is_saved_then_read_back(fake_version: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first process computes the key and saves it beside Triton's cache; the next reads it back and
     hands it out wherever a Triton module holds ``triton_key``."""
-    from maxsim_cli.warmup import remember_triton_key
+    from maxsim_cli.tuning import remember_triton_key
 
     first, calls = _fake_triton(fake_version / "triton")
     assert remember_triton_key(first) and calls == [1]
@@ -411,7 +412,7 @@ def test_triton_key_is_saved_then_read_back(fake_version: Path, monkeypatch: pyt
 
 
 def test_a_changed_triton_file_or_a_bad_copy_computes_the_key_again(fake_version: Path) -> None:
-    from maxsim_cli.warmup import remember_triton_key
+    from maxsim_cli.tuning import remember_triton_key
 
     root = fake_version / "triton"
     module, _ = _fake_triton(root)
@@ -432,7 +433,7 @@ def test_a_changed_triton_file_or_a_bad_copy_computes_the_key_again(fake_version
 def test_an_unwritable_cache_folder_still_gives_the_key(
     fake_version: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from maxsim_cli.warmup import remember_triton_key
+    from maxsim_cli.tuning import remember_triton_key
 
     blocker = fake_version / "a-file"
     blocker.write_text("")
@@ -448,7 +449,7 @@ def test_a_signal_while_the_key_is_saved_leaves_no_temporary_file(
 ) -> None:
     """Ctrl-C (or a stop signal, which raises as it does) while the key is written: the key is not
     saved and no temporary file is left in Triton's cache folder."""
-    from maxsim_cli import warmup
+    from maxsim_cli import tuning as warmup
 
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt

@@ -102,7 +102,9 @@ def test_varlen_exact_at_size(nq: int, q_len: int, nd: int, dim: int) -> None:
     scores, arg = maxsim_varlen_int8(queries, qo, d8, do, doc_scales=sd, return_argmax=True)
     check(scores, arg, queries, qo, d8, do, sd)
     scores_only = maxsim_varlen_int8(queries, qo, d8, do, doc_scales=sd)
-    if uses_stream(queries, qo, d8):  # one query, scores only: the Gluon kernel, sums in another order
+    if uses_stream(queries, qo, d8) or uses_hopper(queries, qo, d8, do):
+        # scores only on sm_90: a Gluon kernel (one query: the stream kernel; several query groups, offsets
+        # on the host or the device: the all-pairs one), whose sums run in another order than the argmax's
         assert_scores(scores_only, scores.double(), 2 * score_tolerance(queries, qo, d8, do, sd))
     else:
         assert torch.equal(scores_only, scores)
@@ -300,7 +302,7 @@ def test_hopper_int8_kernel_builds_for_two_programs_an_sm(sm90_build) -> None:
     import re
 
     import triton
-    from maxsim_kernels._launch import GLUON_TRITON
+    from maxsim_kernels.launch import GLUON_TRITON
 
     if not triton.__version__.startswith(GLUON_TRITON):
         pytest.skip(f"the Hopper kernel is built with triton {GLUON_TRITON}x, not {triton.__version__}")
@@ -347,7 +349,7 @@ def test_hopper_int8_stream_kernel_builds_for_its_programs_an_sm(sm90_build) -> 
     import re
 
     import triton
-    from maxsim_kernels._launch import GLUON_TRITON
+    from maxsim_kernels.launch import GLUON_TRITON
 
     if not triton.__version__.startswith(GLUON_TRITON):
         pytest.skip(f"the Hopper kernel is built with triton {GLUON_TRITON}x, not {triton.__version__}")
@@ -402,7 +404,7 @@ def test_hopper_stream_one_query_against_reference(q_len: int) -> None:
     q8, sq = quantize_per_token(queries)
     for cfg in (dict(items_per_prog=1), dict(items_per_prog=64, stages=3, group=2),
                 dict(items_per_prog=8, stages=8, group=8)):  # fmt: skip
-        again = stream.maxsim_int8_stream(q8, sq, qo_d, None, None, d8, sd, do_d, q_len, **cfg)
+        again = stream.stream_with_tiles(q8, sq, qo_d, None, None, d8, sd, do_d, q_len, **cfg)
         assert torch.equal(again, scores[0]), cfg
 
 
@@ -438,7 +440,7 @@ def test_hopper_stream_candidates_against_reference() -> None:
     q8, sq = quantize_per_token(queries)
     for cfg in (dict(items_per_prog=1), dict(items_per_prog=4, stages=3, group=2),
                 dict(items_per_prog=64, stages=8, group=8)):  # fmt: skip
-        again = stream.maxsim_int8_stream(q8, sq, qo_d, cand_off.cuda(), cand_docs, d8, sd, do_d, 64, **cfg)
+        again = stream.stream_with_tiles(q8, sq, qo_d, cand_off.cuda(), cand_docs, d8, sd, do_d, 64, **cfg)
         assert torch.equal(again, scores), cfg
 
 
@@ -557,8 +559,8 @@ def test_bad_device_candidate_indices_score_nan_on_the_stream_kernel() -> None:
     qo_d, do_d, cand_off_d = qo.cuda(), do.cuda(), cand_off.cuda()
     for cfg in (dict(items_per_prog=1), dict(items_per_prog=4, stages=3, group=2), dict(items_per_prog=32),
                 dict(items_per_prog=64, stages=8, group=8)):  # fmt: skip
-        again = stream.maxsim_int8_stream(q8, sq, qo_d, cand_off_d, cand, d8, sd, do_d, 64, **cfg)
+        again = stream.stream_with_tiles(q8, sq, qo_d, cand_off_d, cand, d8, sd, do_d, 64, **cfg)
         assert torch.equal(torch.isnan(again), bad), cfg
         assert torch.equal(again[~bad], got[~bad]), cfg
     with pytest.raises(ValueError, match="at most 64 candidates a program"):
-        stream.maxsim_int8_stream(q8, sq, qo_d, cand_off_d, cand, d8, sd, do_d, 64, items_per_prog=128)
+        stream.stream_with_tiles(q8, sq, qo_d, cand_off_d, cand, d8, sd, do_d, 64, items_per_prog=128)

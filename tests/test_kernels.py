@@ -386,7 +386,7 @@ def test_torch_and_differentiable_paths_check_device_candidates_on_the_host(devi
 )
 def test_triton_many_queries_classes_with_partial_groups(monkeypatch, num_queries, cls, qpb, fill_gpu):
     from maxsim_kernels import maxsim_forward as fwd
-    from maxsim_kernels._validate import check_inputs
+    from maxsim_kernels.validation import check_inputs
 
     if not fill_gpu:  # keep the table's documents a program instead of lowering it for a small grid
         monkeypatch.setattr(fwd, "_MIN_PROGRAMS_PER_SM", 0)
@@ -604,7 +604,7 @@ def test_launch_keys_do_not_change_within_a_bucket(monkeypatch):
 def test_offsets_memo_follows_in_place_changes_and_frees():
     import gc
 
-    from maxsim_kernels import _validate as v
+    from maxsim_kernels import validation as v
 
     off = torch.tensor([0, 2, 5])
     first = v.host_offsets("doc_offsets", off, 5)
@@ -634,7 +634,7 @@ def test_a_shared_device_copy_replaces_the_launchers_own_and_follows_the_host_te
     values is refused. The meta device stands in for a GPU."""
     import gc
 
-    from maxsim_kernels import _validate as v
+    from maxsim_kernels import validation as v
 
     meta = torch.device("meta")
     host = torch.tensor([0, 3, 7], dtype=torch.int64)
@@ -668,7 +668,7 @@ def test_launch_plans_follow_their_offsets_and_never_keep_them_alive():
     import weakref
 
     import maxsim_kernels.maxsim_forward as fwd
-    from maxsim_kernels import _validate as v
+    from maxsim_kernels import validation as v
 
     q, q_off = packed([2, 3], 16)
     d, d_off = packed([4, 0, 1], 16)
@@ -1035,6 +1035,38 @@ def test_cpu_backend_check_finite_finds_a_non_finite_document_token(bad, query_t
     )
 
 
+def test_public_entries_check_finite_on_the_torch_backend_and_refuse_it_elsewhere():
+    """``check_finite`` reaches the torch backend's check through `maxsim_varlen` / `maxsim_candidates`;
+    the paths that cannot check (int8 documents, inputs that require grad, Triton) say so up front."""
+    import maxsim_kernels as mk
+
+    gen = torch.Generator().manual_seed(12)
+    queries, qo = torch.rand(6, 16, generator=gen) + 0.1, torch.tensor([0, 2, 6])
+    docs, do = torch.randn(9, 16, generator=gen), torch.tensor([0, 4, 9])
+    co, cd = torch.tensor([0, 1, 2]), torch.tensor([1, 0])
+    plain = mk.maxsim_varlen(queries, qo, docs, do)
+    assert torch.equal(mk.maxsim_varlen(queries, qo, docs, do, check_finite=True), plain)
+    assert torch.equal(
+        mk.maxsim_candidates(queries, qo, docs, do, co, cd, check_finite=True),
+        mk.maxsim_candidates(queries, qo, docs, do, co, cd),
+    )
+    docs[6, 3] = float("nan")
+    with pytest.raises(mk.NonFiniteDocuments):
+        mk.maxsim_varlen(queries, qo, docs, do, backend="torch", check_finite=True)
+    with pytest.raises(mk.NonFiniteDocuments):
+        mk.maxsim_candidates(queries, qo, docs, do, co, cd, check_finite=True)
+    assert torch.isnan(mk.maxsim_varlen(queries, qo, docs, do)[:, 1]).all()  # unchecked by default
+    grad_queries = queries.clone().requires_grad_()
+    codes, scales = torch.zeros(9, 16, dtype=torch.int8), torch.ones(9)
+    for call in (
+        lambda: mk.maxsim_varlen(queries, qo, docs, do, backend="triton", check_finite=True),
+        lambda: mk.maxsim_varlen(grad_queries, qo, docs, do, check_finite=True),
+        lambda: mk.maxsim_candidates(queries, qo, codes, do, co, cd, doc_scales=scales, check_finite=True),
+    ):
+        with pytest.raises(ValueError, match="check_finite needs the torch backend"):
+            call()
+
+
 def test_int16_argmax_is_refused_for_documents_of_2_pow_15_tokens():
     """The autograd path's int16 argmax holds indices below 2^15; the forward refuses it otherwise (the
     check comes before any launch), and any other dtype."""
@@ -1055,7 +1087,7 @@ def test_int16_argmax_is_refused_for_documents_of_2_pow_15_tokens():
 
 
 def test_specialisation_keys_follow_tritons_rules():
-    from maxsim_kernels._launch import specialisation_key
+    from maxsim_kernels.launch import specialisation_key
 
     assert specialisation_key(1) != specialisation_key(2)  # 1 is a compile-time constant
     assert specialisation_key(16) == specialisation_key(4096) != specialisation_key(17)

@@ -111,7 +111,7 @@ def test_varlen_long_queries(dtype):
 
 def _uses_hopper_kernel(queries, q_off, docs, d_off) -> bool:
     from maxsim_kernels import maxsim_forward as fwd
-    from maxsim_kernels._validate import check_inputs
+    from maxsim_kernels.validation import check_inputs
 
     layout = check_inputs(queries, q_off, docs, d_off)
     plan = fwd._varlen_plan(queries, q_off, docs, d_off, False, False, layout, None, None)
@@ -181,7 +181,7 @@ def test_hopper_kernel_builds_without_serialized_wgmma(sm90_build):
     serializes them all (C7514) when an accumulator is copied or in flight across a loop's back edge
     (maxsim_forward_hopper). Built for sm_90 with the Triton release the kernel is used with."""
     import triton
-    from maxsim_kernels._launch import GLUON_TRITON
+    from maxsim_kernels.launch import GLUON_TRITON
 
     if not triton.__version__.startswith(GLUON_TRITON):
         pytest.skip(f"the Hopper kernel is built with triton {GLUON_TRITON}x, not {triton.__version__}")
@@ -340,7 +340,7 @@ def test_repeated_calls_through_the_compiled_launcher_agree():
 
 
 def _pairs(offsets):
-    from maxsim_kernels import _validate as v
+    from maxsim_kernels import validation as v
 
     return v._MEMO[id(offsets)][2]["pairs"]
 
@@ -355,7 +355,7 @@ def test_host_offsets_reach_the_device_without_waiting_for_the_stream():
     """`host_to_device` (how the kernels take offsets from the host) queues its copy behind the kernels
     already on the stream instead of waiting for them, and reads the caller's tensor at once: changing
     it after the call does not change what arrives."""
-    from maxsim_kernels._validate import host_to_device
+    from maxsim_kernels.validation import host_to_device
 
     values = torch.arange(100_000, dtype=torch.int64)
     for source in (values.clone(), values.clone().pin_memory()):

@@ -20,6 +20,7 @@ from maxsim_cli.pipeline import BatchPlan, BatchStream
 from maxsim_cli.scoring.engine import _interleave
 from maxsim_cli.scoring.plan import _cut_at, _split
 from maxsim_cli.shards import open_corpus, write_shard
+from maxsim_cli.staging import SlotBuffers
 from maxsim_cli.topk import RunningTopK, decode_keys, order_keys
 
 # --------------------------------------------------------------------------------------------------
@@ -267,13 +268,11 @@ def test_batch_stream_started_early_reads_ahead_and_stops_on_close(two_shards) -
 
 
 def _patch_varlen(monkeypatch, fn) -> None:
-    """Route the engine's all-pairs scoring to ``fn``: the public entry point, and the CPU backend's,
-    which the engine calls directly to have it check the documents' values (``check_finite``)."""
+    """Route the engine's all-pairs scoring (the public entry point, also when it asks the CPU backend
+    to check the documents' values with ``check_finite``) to ``fn``."""
     import maxsim_kernels
-    import maxsim_kernels.cpu
 
     monkeypatch.setattr(maxsim_kernels, "maxsim_varlen", fn, raising=False)
-    monkeypatch.setattr(maxsim_kernels.cpu, "maxsim_varlen_cpu", fn)
 
 
 def _plain_varlen(q, q_off, d, d_off, *, backend="auto", doc_scales=None, **_kwargs) -> torch.Tensor:
@@ -506,7 +505,7 @@ def test_pinned_arena_carves_aligned_disjoint_slots(monkeypatch) -> None:
     arena = pipeline.PinnedArena((60 << 10) + 100, slots=5)
     assert (arena.share, arena.nbytes) == (12 << 10, 60 << 10)  # never more than asked for
     slots = [
-        pipeline._Buffers(100 + i, 10, 5, 16, torch.bfloat16, True, "cpu", False, arena) for i in range(5)
+        SlotBuffers(100 + i, 10, 5, 16, torch.bfloat16, True, "cpu", False, arena) for i in range(5)
     ]
     for i, slot in enumerate(slots):
         slot.allocate()  # host slots are allocated by the reader that first fills them
@@ -523,10 +522,10 @@ def test_pinned_arena_carves_aligned_disjoint_slots(monkeypatch) -> None:
         assert bool((slot.embeddings == i + 1).all()) and bool((slot.ints == i + 1).all())
     assert arena.wait() >= 0 and arena.ready_s is not None  # every piece locked
     assert [p.numel() for p in locked] == [24 << 10, 24 << 10, 12 << 10]  # whole shares a piece
-    rest = pipeline._Buffers(100, 10, 5, 16, torch.bfloat16, True, "cpu", False, arena)
+    rest = SlotBuffers(100, 10, 5, 16, torch.bfloat16, True, "cpu", False, arena)
     rest.allocate()  # every share is taken: a slot of its own
     assert all(not (0 <= rest.embeddings.data_ptr() - p.data_ptr() < p.numel()) for p in locked)
-    huge = pipeline._Buffers(1 << 20, 10, 0, 16, torch.float16, False, "cpu", False, arena)
+    huge = SlotBuffers(1 << 20, 10, 0, 16, torch.float16, False, "cpu", False, arena)
     huge.allocate()
     assert huge.embeddings.shape == (1 << 20, 16)  # larger than a share: a slot of its own
 
@@ -544,7 +543,7 @@ def test_batches_fit_the_pinned_shares() -> None:
         tb = dim * itemsize + (4 if scaled else 0)
         tokens = int(_batch_token_limit(100 << 30, tb, budget))
         need = (
-            pipeline._Buffers.nbytes(tokens, tokens, tokens, dim, itemsize, scaled)
+            SlotBuffers.nbytes(tokens, tokens, tokens, dim, itemsize, scaled)
             + 2 * pipeline.PinnedArena.ALIGN
         )
         assert need <= pipeline.PinnedArena.slot_share(staging, slots)
@@ -564,7 +563,7 @@ def test_pinned_arena_error_reaches_the_reader(monkeypatch) -> None:
 
 
 def test_threaded_host_register_is_set_once_and_never_over_a_users_setting(monkeypatch) -> None:
-    from maxsim_cli import pipeline
+    from maxsim_cli import tuning as pipeline
 
     calls = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
@@ -740,7 +739,7 @@ def test_batch_ints_reach_the_kernels_through_the_streams_device_copy(
 ) -> None:
     """The offsets and candidate lists that `BatchStream` copies to the GPU with each batch are not
     copied a second time by the kernels' launchers (`share_device_copy`), and the run is unchanged."""
-    from maxsim_kernels import _validate
+    from maxsim_kernels import validation as _validate
 
     from maxsim_cli.scoring.engine import _Engine
 

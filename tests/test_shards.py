@@ -341,11 +341,12 @@ def test_id_checks_without_python_objects_agree_with_python_on_every_code_point(
     import numpy as np
 
     from maxsim_cli import shards as sh
+    from maxsim_cli.shards.format import decode_ids
 
     def decode(ids: list[str]) -> None:
         raw = [i.encode() for i in ids]
         offsets = np.concatenate([[0], np.cumsum([len(r) for r in raw])]).astype(np.int64)
-        sh._decode_ids("t.safetensors", np.frombuffer(b"".join(raw), dtype=np.uint8), offsets)
+        decode_ids("t.safetensors", np.frombuffer(b"".join(raw), dtype=np.uint8), offsets)
 
     for code in range(1, 0x3100):
         char = chr(code)

@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 from maxsim_cli.cli import app
 from maxsim_cli.shards import write_shard
 from maxsim_cli.verify import (
-    _FULL_FLOAT64_WIDTH,
     EXIT_FAILED,
+    FULL_FLOAT64_WIDTH,
     float_reference,
     sample_documents,
     similarity_error,
@@ -79,7 +79,7 @@ def test_float_reference_equals_materialised_float64(dtype, long_docs) -> None:
     gen = torch.Generator().manual_seed(1)
     dim = 24
     q_lens = [3, 1, 7, 5]
-    low = _FULL_FLOAT64_WIDTH + 1 if long_docs else 1
+    low = FULL_FLOAT64_WIDTH + 1 if long_docs else 1
     d_lens = [int(x) for x in torch.randint(low, low + 40, (30,), generator=gen)]
     queries = torch.randn(sum(q_lens), dim, generator=gen).to(dtype)
     docs = (-torch.rand(sum(d_lens), dim, generator=gen)).to(dtype)  # all-negative similarities exist too

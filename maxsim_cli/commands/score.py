@@ -99,10 +99,10 @@ def register(app: typer.Typer) -> None:
 
         Example: maxsim score sample_data/queries.safetensors sample_data/corpus -k 100 -o run.trec
         """
-        from maxsim_cli import collector, timeline
+        from maxsim_cli import timeline, tuning
 
         timeline.mark("command")  # the arguments are parsed (MAXSIM_TIMELINE: docs/benchmarks.md)
-        collector.pause_until_pass()  # a one-shot process's imports and set-up: no full scans
+        tuning.pause_until_pass()  # a one-shot process's imports and set-up: no full scans
         from maxsim_cli import cuda_early
 
         cuda_early.start(device, devices)  # the GPU's context made while torch is imported

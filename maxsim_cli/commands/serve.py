@@ -142,7 +142,8 @@ def register(app: typer.Typer) -> None:
         from maxsim_cli import cuda_early
 
         cuda_early.start(device, devices)  # the GPU's context made while torch is imported
-        from maxsim_cli.service.app import parse_devices, serve
+        from maxsim_cli.devices import parse_serve_devices
+        from maxsim_cli.service.app import serve
         from maxsim_cli.units import parse_size
 
         if devices is not None and device != "auto":
@@ -162,7 +163,7 @@ def register(app: typer.Typer) -> None:
             host=host,
             port=port,
             device=device,
-            devices=parse_devices(devices) if devices is not None else None,
+            devices=parse_serve_devices(devices) if devices is not None else None,
             token_file=token_file,
             max_request_bytes=parse_size(max_request_bytes, option="--max-request-bytes"),
             batch_window_ms=batch_window_ms,

@@ -5,5 +5,5 @@
 - `engine`: runs a plan over an open corpus (stream, kernels, top-k, OOM halving) into a sink;
 - `files`: a whole run from files to a run file; `devices`, `stats`: the device options, `ScoreStats`.
 
-Nothing here knows about jobs of several ranks (`maxsim_cli.jobs`), which wrap `engine.run`.
+Nothing here knows about jobs of several ranks (`maxsim_cli.parallel`), which wrap `engine.run`.
 """

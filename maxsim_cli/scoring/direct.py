@@ -18,7 +18,7 @@ int8 queries quantized once per call as the engine does), keys and sorts results
 (tests/test_direct.py compares the two on every layout). It is taken when:
 
 - the corpus is resident on the device the call scores on (one device; a corpus spread over several
-  goes through `maxsim_cli.jobs`), and there are queries to score;
+  goes through `maxsim_cli.parallel`), and there are queries to score;
 - the call gives no memory budget, query batch size or progress bar (those are the engine's to plan);
 - the work is small: the search's ``[queries, documents]`` score block, or the rerank's pairs, within
   `MAX_BLOCK_BYTES` (the engine's per-pair accounting, `maxsim_cli.topk.PAIR_BYTES`).
@@ -34,14 +34,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from maxsim_cli.scoring.engine import (
-    device_queries,
-    locate_candidates,
-    query_embeddings,
-    write_reranked,
-    write_topk,
-)
 from maxsim_cli.scoring.request import ScoreRequest
+from maxsim_cli.scoring.resources import device_queries, query_embeddings
+from maxsim_cli.scoring.results import locate_candidates, write_reranked, write_topk
 from maxsim_cli.scoring.stats import ScoreStats
 from maxsim_cli.topk import PAIR_BYTES, RunningTopK
 

@@ -28,14 +28,12 @@ once the plan is made and kept only if the pass succeeds.
 
 Where the time goes (one H200, 10 GB of fp16 shards, 512 queries x 32 tokens): the pass over the corpus
 takes 0.50-0.53 s against 0.43 s for the kernel alone, so the kernel bounds it; set-up and writing the run
-come on top (benchmarks/results/score/score-h200-read-pieces.json; the pieces: docs/kernel-notes.md,
-"`maxsim score`: the host-side constants").
+come on top (the pieces: docs/kernel-notes.md, "`maxsim score`: the host-side constants").
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 import time
@@ -45,31 +43,37 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from maxsim_kernels._validate import resolve_backend, share_device_copy
-from maxsim_kernels.cpu import NonFiniteDocuments
+from maxsim_kernels import NonFiniteDocuments, resolve_backend, share_device_copy
 
-from maxsim_cli import collector, timeline
+from maxsim_cli import settings, timeline, tuning
 from maxsim_cli.codecs import code_width, has_scales
-from maxsim_cli.devices import DEFAULT_GPU_FREE_SHARE, default_host_bytes
+from maxsim_cli.devices import DEFAULT_GPU_FREE_SHARE
 from maxsim_cli.errors import (
     BATCH_QUERIES,
-    MAX_HOST_MEMORY,
     MAX_MEMORY,
-    STRICT,
-    InputError,
     MaxsimError,
     RankStopped,
 )
 from maxsim_cli.memory import UNPLANNED_HOST_BYTES, HostMeter
-from maxsim_cli.pipeline import Batch, BatchPlan, BatchStream, PinnedArena, read_parts
+from maxsim_cli.pipeline import Batch, BatchPlan, BatchStream, read_parts
 from maxsim_cli.scoring import plan as planning
 from maxsim_cli.scoring.plan import Budget, Plan
 from maxsim_cli.scoring.request import ScoreRequest
+from maxsim_cli.scoring.resources import (
+    allocated_bytes,
+    device_queries,
+    host_budget_of,
+    note_host_memory,
+    open_arena,
+    query_embeddings,
+    reader_threads,
+)
+from maxsim_cli.scoring.results import locate_candidates, write_reranked, write_topk
 from maxsim_cli.scoring.stats import ScoreStats
 from maxsim_cli.shards import check_same_dim
 from maxsim_cli.shards.resident import shard_bytes
+from maxsim_cli.staging import PinnedArena
 from maxsim_cli.topk import RunningTopK
-from maxsim_cli.units import format_size
 
 if TYPE_CHECKING:
     from maxsim_cli.progress import ScoreProgress
@@ -78,8 +82,6 @@ if TYPE_CHECKING:
     from maxsim_cli.warmup import KernelWarmup
 
 Logger = Callable[[str], None]
-# "0": a CUDA run's reads begin with its pass, not once its staging memory is locked (`BatchStream.start`)
-ENV_EARLY_READS = "MAXSIM_EARLY_READS"
 
 
 def _stderr(message: str) -> None:
@@ -88,7 +90,7 @@ def _stderr(message: str) -> None:
 
 @dataclass(frozen=True)
 class RankContext:
-    """What a caller adds to a run beyond its request: a rank of a job (`maxsim_cli.jobs`), or a caller
+    """What a caller adds to a run beyond its request: a rank of a job (`maxsim_cli.parallel`), or a caller
     that started the staging memory early."""
 
     stop: threading.Event | None = None  # set when another rank of the job has failed: stop scoring
@@ -121,7 +123,7 @@ def run(
     ``candidates``: rerank mode's run (``qid -> [(docno, score), ...]``, as `maxsim_cli.runs.read_run`
     returns it); None scores every document. The corpus is neither opened nor closed here. Raises
     `UsageError` / `InputError` / `MaxsimError` with one-line messages; the request's ``devices`` is
-    ignored (a job is `maxsim_cli.jobs`' business). ``setup_s`` and ``wall_s`` count from this call.
+    ignored (a job is `maxsim_cli.parallel`'s business). ``setup_s`` and ``wall_s`` count from this call.
     """
     started = time.perf_counter()
     context = context or RankContext()
@@ -160,7 +162,7 @@ def _run(
         backend=backend,
         output=request.output,
     )
-    host_budget = _host_budget(request)
+    host_budget = host_budget_of(request)
     threads = reader_threads(request, cuda)
     # A corpus resident on this device (`Corpus.to`) is scored from its device tensors: nothing to read,
     # so no staging memory to lock.
@@ -178,7 +180,7 @@ def _run(
         )
         stats.gpu_budget_bytes = gpu_budget
         torch.cuda.reset_peak_memory_stats(dev)
-        base_allocated = _allocated_bytes(dev)["current"]
+        base_allocated = allocated_bytes(dev)["current"]
     qname = request.query_name
     check_same_dim(queries, qname, corpus)
     q_emb = query_embeddings(queries, corpus.dtype, corpus.quantization)
@@ -232,7 +234,7 @@ def _run(
                 stats.extra["arena_ready_s"] = round(arena.wait(), 4)
                 timeline.mark("arena_locked")
             early = arena is not None or context.warmup is not None
-            if first_stream is not None and early and os.environ.get(ENV_EARLY_READS, "1") != "0":
+            if first_stream is not None and early and settings.early_reads():
                 # the first batches are read (into the locked arena, on CUDA) while the kernels' warm-up
                 # finishes, not at the pass's start (docs/kernel-notes.md, "The fresh process's pass")
                 first_stream.start()
@@ -240,7 +242,7 @@ def _run(
                 stats.extra["kernels_wait_s"] = round(context.warmup.wait(), 4)
                 timeline.mark("kernels_joined")
             stats.setup_s = time.perf_counter() - started
-            collector.pass_begins()
+            tuning.pass_begins()
             if candidates is not None:
                 engine.run_rerank(passes, qids, request.top_k, sink)
             else:
@@ -250,121 +252,10 @@ def _run(
                 first_stream.close()  # its readers stopped on every exit path (the passes close it too)
     if cuda:
         torch.cuda.synchronize(dev)
-        stats.peak_gpu_bytes = _allocated_bytes(dev)["peak"] - base_allocated
-    _note_host_memory(stats, meter, host_budget, request.max_host_memory is not None, log)
+        stats.peak_gpu_bytes = allocated_bytes(dev)["peak"] - base_allocated
+    note_host_memory(stats, meter, host_budget, request.max_host_memory is not None, log)
     stats.wall_s = time.perf_counter() - started
     return stats
-
-
-def _allocated_bytes(dev: torch.device) -> dict[str, int]:
-    """The caching allocator's allocated bytes on ``dev`` ("current", "peak", ...): one nested dict, where
-    `torch.cuda.memory_allocated` and `max_memory_allocated` each flatten every statistic into a new dict
-    (in Python), which a served request of a few milliseconds paid twice."""
-    return torch.cuda.memory_stats_as_nested_dict(dev)["allocated_bytes"]["all"]
-
-
-def _note_host_memory(stats: ScoreStats, meter: HostMeter, budget: int, given: bool, log: Logger) -> None:
-    """The host memory the run used (`maxsim_cli.memory`) into the stats, and a warning when it grew past
-    the budget."""
-    peak = meter.peak()
-    stats.peak_host_bytes = max(0, peak - meter.base)
-    stats.extra["host_base_bytes"] = meter.base
-    stats.extra["peak_rss_bytes"] = peak
-    if stats.peak_host_bytes > budget:
-        option = (
-            MAX_HOST_MEMORY.given(format_size(budget))
-            if given
-            else f"the host budget ({format_size(budget)})"
-        )
-        log(
-            f"warning: the process's memory grew by {format_size(stats.peak_host_bytes)} during the run, "
-            f'over {option}; a larger budget avoids this, or see docs/reliability.md, "Memory bounds"'
-        )
-
-
-def reader_threads(request: ScoreRequest, cuda: bool) -> int:
-    """Reader threads of a run: ``--reader-threads``, else one a core up to `DEFAULT_READER_THREADS` on
-    CUDA and one on the CPU (see there)."""
-    if request.reader_threads:
-        return request.reader_threads
-    return min(planning.DEFAULT_READER_THREADS, os.cpu_count() or 1) if cuda else 1
-
-
-def _host_budget(request: ScoreRequest) -> int:
-    return request.max_host_memory if request.max_host_memory is not None else default_host_bytes()
-
-
-def open_arena(
-    request: ScoreRequest,
-    device: torch.device,
-    staging_bytes: int | None = None,
-    corpus_bytes: int | None = None,
-) -> PinnedArena:
-    """Start page-locking the staging memory of a CUDA run: at most ``staging_bytes`` (default
-    `plan.STAGING_BYTES`), the host budget, or the corpus's size (``corpus_bytes``, else its files').
-
-    Locked piece by piece from the start, so that the locking is over before the pass begins: locking that
-    overlaps the pass makes its CUDA calls and reads wait for the pieces (1.2-1.3 s instead of 0.54 s for
-    a fresh process's first pass on the H200 machine), though it slows the set-up it overlaps (both take
-    the process's address-space lock; docs/kernel-notes.md, "`maxsim score`: the host-side constants")."""
-    host_budget = _host_budget(request)
-    cap = staging_bytes or planning.STAGING_BYTES
-    size = _files_bytes(request.corpus) if corpus_bytes is None else corpus_bytes
-    staging = min(cap, host_budget, size + (1 << 20))
-    return PinnedArena(staging, BatchStream.host_slots(reader_threads(request, True)), device)
-
-
-def _corpus_name(corpus: Sequence[str]) -> str:
-    names = [str(p) for p in corpus]
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
-def _files_bytes(paths: Sequence[str]) -> int:
-    """Bytes of the shard files named (directories: their shard files), for sizing the staging arena."""
-    total = 0
-    for path in paths:
-        try:
-            if os.path.isdir(path):  # a manifest may name shards in sub-directories
-                total += sum(
-                    os.path.getsize(os.path.join(root, name))
-                    for root, _dirs, names in os.walk(path)
-                    for name in names
-                    if name.endswith((".safetensors", ".arrow", ".parquet"))
-                )
-            else:
-                total += os.path.getsize(path)
-        except OSError:
-            return planning.STAGING_BYTES  # open_corpus reports the problem
-    return total
-
-
-def query_embeddings(qbatch: DocBatch, corpus_dtype: str, quantization: str) -> torch.Tensor:
-    """Queries in the dtype the kernels take for this corpus: the corpus's float dtype, or float32
-    for an int8 corpus (the kernels quantize them per token). int8 query files are dequantized."""
-    emb = qbatch.embeddings
-    if emb.dtype == torch.int8:
-        if qbatch.scales is None:
-            raise InputError(
-                "the query file is int8 without per-token scales; re-create it with `maxsim pack`"
-            )
-        emb = emb.to(torch.float32) * qbatch.scales.to(torch.float32)[:, None]
-    if corpus_dtype == "int8" or quantization != "none":
-        return emb.to(torch.float32).contiguous()
-    return emb.to(getattr(torch, corpus_dtype)).contiguous()
-
-
-def device_queries(
-    q_emb: torch.Tensor, device: torch.device, scaled: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Queries (`query_embeddings`' dtype) on ``device`` as the kernels take them: for an int8 corpus on
-    CUDA quantized once (int8 codes and their per-token scales) rather than by the kernel for every
-    document batch (a launch and ~60 us of host time each); else as they are, scales None."""
-    emb = q_emb.to(device, non_blocking=False)
-    if device.type == "cuda" and scaled:
-        from maxsim_kernels.maxsim_int8 import quantize_per_token  # imports Triton: CUDA only
-
-        return quantize_per_token(emb)
-    return emb, None
 
 
 @dataclass
@@ -412,8 +303,8 @@ class _Engine:
         # residual2 codes: the codebook the kernels decode with, on the device (a few MB at most)
         codebook = getattr(corpus, "codebook", None)
         self.codebook = None if codebook is None else codebook.for_kernels(device)
-        # The CPU backend checks float documents for NaN/Inf from the similarities it computes anyway
-        # (`maxsim_kernels.cpu`, check_finite), so the reader need not: on the 2-core machine the
+        # The torch backend checks float documents for NaN/Inf from the similarities it computes anyway
+        # (`maxsim_varlen`'s check_finite), so the reader need not: on the 2-core machine the
         # reader's check took 0.16-0.20 s of a core per GB, next to ~0.9 s of scoring per GB on both.
         self.backend_checks = (
             not self.cuda and corpus.quantization == "none" and resolve_backend(backend, device) == "torch"
@@ -459,7 +350,7 @@ class _Engine:
         """int64 values for a kernel argument, kept on the host.
 
         The kernels read offsets and candidate lists on the host (checks, launch grid) and copy them to
-        the device themselves, without waiting for the stream (`maxsim_kernels._validate.host_to_device`),
+        the device themselves, without waiting for the stream (`maxsim_kernels.validation.host_to_device`),
         so launches queue up while the GPU scores earlier batches. A device tensor would cost a
         device-to-host synchronisation per launch.
         """
@@ -566,7 +457,6 @@ class _Engine:
         """Score documents [a, b) of a batch into the top-k; on CUDA OOM halve and retry. `queries`:
         `_query_slice`'s (embeddings, offsets, scales)."""
         from maxsim_kernels import maxsim_varlen
-        from maxsim_kernels.cpu import maxsim_varlen_cpu
 
         q_emb, q_off, q_scales = queries
 
@@ -589,19 +479,16 @@ class _Engine:
         try:
             scores = self._checked(
                 batch,
-                lambda check: (
-                    maxsim_varlen_cpu(q_emb, q_off, docs, offsets, doc_scales=scales, check_finite=True)
-                    if check
-                    else maxsim_varlen(
-                        q_emb,
-                        q_off,
-                        docs,
-                        offsets,
-                        backend=self.backend,
-                        doc_scales=scales,
-                        query_scales=q_scales,
-                        **self._codebook_arg(),
-                    )  # fmt: skip
+                lambda check: maxsim_varlen(
+                    q_emb,
+                    q_off,
+                    docs,
+                    offsets,
+                    backend=self.backend,
+                    doc_scales=scales,
+                    query_scales=q_scales,
+                    check_finite=check,
+                    **self._codebook_arg(),
                 ),
             )
             topk.add(scores, ranks)
@@ -677,7 +564,6 @@ class _Engine:
 
     def run_rerank(self, passes: list[_Pass], qids: list[str], top_k: int, sink: Any) -> None:
         from maxsim_kernels import maxsim_candidates
-        from maxsim_kernels.cpu import maxsim_candidates_cpu
 
         stats = self.stats
         stats.query_batches = 1 if passes else 0
@@ -711,13 +597,12 @@ class _Engine:
                         s = self._checked(
                             batch,
                             lambda check, args=args, scales=batch.scales, q_scales=q_scales: (
-                                maxsim_candidates_cpu(*args, doc_scales=scales, check_finite=True)
-                                if check
-                                else maxsim_candidates(
+                                maxsim_candidates(
                                     *args,
                                     backend=self.backend,
                                     doc_scales=scales,
                                     query_scales=q_scales,
+                                    check_finite=check,
                                     **self._codebook_arg(),
                                 )
                             ),
@@ -797,125 +682,6 @@ class _Engine:
             end.synchronize()
             self.stats.score_s += start.elapsed_time(end) / 1000.0
         self.score_events.clear()
-
-
-def write_topk(
-    sink: Any, qids: Sequence[str], scores: torch.Tensor, ranks: torch.Tensor, corpus: Corpus
-) -> None:
-    """A running top-k's result (`RunningTopK.result`: float32 scores and docno ranks, ``[nq, m]``, best
-    first) to ``sink``: corpus ordinals to a rank of a distributed job (``write_ordinals``), else docnos,
-    the whole block at once (``write_ranked``) or query by query (``write_query``)."""
-    from maxsim_cli.arrays import values_array
-
-    _, ordinal_of_rank, ids_by_rank = corpus.id_order()
-    scores_np = scores.numpy()
-    if hasattr(sink, "write_ordinals"):  # a rank of a distributed qpass: columns for rank 0's merge
-        sink.write_ordinals(scores_np, ordinal_of_rank[ranks.numpy()])
-        return
-    docnos = ids_by_rank.take(values_array(ranks.numpy()))  # query after query
-    if hasattr(sink, "write_ranked"):  # the whole block at once
-        sink.write_ranked(list(qids), docnos, scores_np)
-        return
-    m = scores_np.shape[1] if scores_np.ndim == 2 else 0
-    for i, qid in enumerate(qids):
-        sink.write_query(qid, docnos[i * m : (i + 1) * m].to_pylist(), scores_np[i].tolist())
-
-
-@dataclass
-class LocatedCandidates:
-    """A first-stage run's candidates found in the corpus: pair ``i`` is query ``pair_query[i]`` against
-    the document of corpus ordinal ``pair_doc[i]``, in (query, run order) order; ``docnos_of[q]`` are
-    query ``q``'s candidates found, in run order; ``missing`` counts candidates not in the corpus."""
-
-    pair_query: np.ndarray
-    pair_doc: np.ndarray
-    docnos_of: dict[int, list[str]]
-    missing: int
-
-
-def locate_candidates(
-    corpus: Corpus,
-    run: dict[str, list[tuple[str, float]]],
-    qids: Sequence[str],
-    qname: str,
-    cname: str,
-    strict: bool,
-    corpus_paths: Sequence[str],
-    log: Logger,
-) -> LocatedCandidates:
-    """Find ``run``'s candidates among the corpus's documents: one lookup of every candidate in the
-    corpus's `Corpus.id_lookup`, built once per corpus, so a call costs what its candidates cost. A qid
-    of the run that names no query is an `InputError`; candidates not in the corpus are a warning
-    through ``log`` (``strict``: an `InputError`)."""
-    qindex = {q: i for i, q in enumerate(qids)}
-    for qid in run:
-        if qid not in qindex:
-            raise InputError(
-                f"{cname}: query {qid!r} has candidates but no embedding in {qname}; "
-                "add it to the query file or drop it from the run"
-            )
-    # every query's candidates in one list (queries in run order, each query's in run order), looked up
-    # at once: a served rerank pays this at every request
-    query_of = np.fromiter((qindex[qid] for qid in run), dtype=np.int64, count=len(run))
-    docnos_per_query = [[docno for docno, _ in cands] for cands in run.values()]
-    counts = np.fromiter(map(len, docnos_per_query), dtype=np.int64, count=len(docnos_per_query))
-    listed = [docno for docnos in docnos_per_query for docno in docnos]
-    ordinals = corpus.id_lookup().ordinals_of(listed)
-    pair_query = np.repeat(query_of, counts)
-    found = ordinals >= 0
-    n_missing = len(listed) - int(np.count_nonzero(found))
-    if not n_missing:
-        return LocatedCandidates(
-            pair_query, ordinals, dict(zip(query_of.tolist(), docnos_per_query, strict=True)), 0
-        )
-    missing: list[str] = []  # the first three distinct, for the message
-    for i in np.flatnonzero(~found).tolist():
-        if listed[i] not in missing:
-            missing.append(listed[i])
-            if len(missing) == 3:
-                break
-    examples = ", ".join(repr(m) for m in missing)
-    if strict:
-        raise InputError(
-            f"{cname}: {n_missing} candidates are not in the corpus ({_corpus_name(corpus_paths)}), "
-            f"e.g. {examples}; check the run and the corpus, or drop {STRICT.given(True)} to skip them"
-        )
-    log(
-        f"warning: {cname}: {n_missing} candidates are not in the corpus, e.g. {examples}; "
-        f"they are left out ({STRICT.given(True)} makes this an error)"
-    )
-    keep = found.tolist()
-    docnos_of: dict[int, list[str]] = {}
-    start = 0
-    for qi, docnos in zip(query_of.tolist(), docnos_per_query, strict=True):
-        kept = keep[start : start + len(docnos)]
-        start += len(docnos)
-        docnos_of[qi] = docnos if all(kept) else [d for d, k in zip(docnos, kept, strict=True) if k]
-    return LocatedCandidates(pair_query[found], ordinals[found], docnos_of, n_missing)
-
-
-def write_reranked(
-    sink: Any,
-    qids: Sequence[str],
-    docnos_of: dict[int, list[str]],
-    pair_query: np.ndarray | None,
-    scores: np.ndarray,
-    top_k: int,
-) -> None:
-    """Each query's candidates with their float32 ``scores`` (pairs in (query, run order) order, as
-    `locate_candidates` gives them) to ``sink``, re-sorted in trec_eval's order and cut to ``top_k``."""
-    from maxsim_cli.runs import sort_trec
-
-    if pair_query is None:
-        return
-    starts = np.searchsorted(pair_query, np.arange(len(qids) + 1))
-    for qi, qid in enumerate(qids):
-        docnos = docnos_of.get(qi)
-        if not docnos:
-            continue
-        sc = scores[starts[qi] : starts[qi + 1]].tolist()
-        keep = sort_trec(docnos, sc)[:top_k]
-        sink.write_query(qid, [docnos[i] for i in keep], [sc[i] for i in keep])
 
 
 def _interleave(plans: list[BatchPlan]) -> list[BatchPlan]:

@@ -14,7 +14,7 @@ from maxsim_cli.codecs import code_width, has_scales
 from maxsim_cli.memory import HostMeter
 from maxsim_cli.queries import read_queries
 from maxsim_cli.runs import RunWriter, read_run
-from maxsim_cli.scoring import engine
+from maxsim_cli.scoring import engine, resources
 from maxsim_cli.scoring.engine import Logger, RankContext
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.stats import ScoreStats
@@ -39,8 +39,8 @@ def score_files(request: ScoreRequest, *, log: Logger = engine._stderr) -> Score
     # on CUDA the first Triton launch's once-a-process work starts now, beside the set-up (`warmup`)
     warmup = KernelWarmup.start(device, request.backend)
     try:
-        # on CUDA the staging memory locks while the corpus opens (`engine.open_arena`)
-        arena = engine.open_arena(request, device) if device.type == "cuda" else None
+        # on CUDA the staging memory locks while the corpus opens (`resources.open_arena`)
+        arena = resources.open_arena(request, device) if device.type == "cuda" else None
         corpus = open_corpus(list(request.corpus))
     except BaseException:
         meter.close()
@@ -95,7 +95,7 @@ def first_launches(
     first = min(num, request.batch_queries or num)
 
     def launch() -> None:
-        q_emb = engine.query_embeddings(queries, corpus.dtype, corpus.quantization)
+        q_emb = resources.query_embeddings(queries, corpus.dtype, corpus.quantization)
         q_off = queries.offsets[: first + 1].to(torch.int64)
         q = q_emb[: int(q_off[-1])].to(device)
         q_scales = None

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from maxsim_cli.errors import BATCH_QUERIES, MAX_HOST_MEMORY, MAX_MEMORY, InputError, MaxsimError
-from maxsim_cli.pipeline import BatchStream, Part, PinnedArena
+from maxsim_cli.pipeline import BatchStream, Part
+from maxsim_cli.staging import PinnedArena
 from maxsim_cli.topk import MAX_RANKS, PAIR_BYTES, STATE_BYTES
 from maxsim_cli.units import format_size
 
@@ -46,12 +47,11 @@ MIN_BATCH_BYTES = 16 << 20
 MAX_BATCH_BYTES = 256 << 20
 # With a budget this small, a query batch is split rather than the document batches shrunk further.
 MIN_BATCH_TOKENS = 16384
-# Reader threads on CUDA: one a core up to 16 (the H200 machine's cores read its page cache at 44 GB/s
-# with 16 threads, 33 with 8: benchmarks/results/host/read-rate-h200.json; docs/kernel-notes.md,
-# "`maxsim score`: the host-side constants"). They run at `pipeline.READER_NICE`. On the CPU one thread:
-# reading is a small share of the time there and every other core scores.
+# Reader threads on CUDA: one a core up to 16 (44 GB/s from the page cache with 16 threads, 33 with 8:
+# docs/kernel-notes.md, "`maxsim score`: the host-side constants"). They run at `pipeline.READER_NICE`.
+# On the CPU one thread: reading is a small share of the time there and every other core scores.
 DEFAULT_READER_THREADS = 16
-# Pinned staging memory on CUDA: page-locking costs ~0.17 s/GiB once per process (pipeline.PinnedArena), so
+# Pinned staging memory on CUDA: page-locking costs ~0.17 s/GiB once per process (staging.PinnedArena), so
 # the slots share one arena of at most this size: (16 + 2) shares of ~28 MiB, i.e. 110K fp16 tokens of
 # d = 128, a batch that still takes ~1.5 ms of kernel time for 512 queries (several times the launch
 # and merge overheads).

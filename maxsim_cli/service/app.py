@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
+from maxsim_cli import tuning
 from maxsim_cli.errors import InputError, MaxsimError, UsageError
 from maxsim_cli.service.awake import Awake
 from maxsim_cli.service.batching import Batcher, QueryAnswer, Scorer, Timing, resident_on_gpus
@@ -424,23 +425,6 @@ def check_bind(host: str, token: str | None) -> None:
         )
 
 
-def parse_devices(devices: str) -> list[str]:
-    """``--devices 0,1`` (GPU indices, ``cuda:N`` or ``cpu``) as device names."""
-    out = []
-    for part in devices.split(","):
-        name = part.strip().lower()
-        if name.isdigit():
-            name = f"cuda:{name}"
-        if not (name == "cpu" or name == "cuda" or name.startswith("cuda:")):
-            raise UsageError(
-                f"--devices {devices}: {part.strip()!r} is not a device; use GPU indices 0,1,..."
-            )
-        out.append(name)
-    if not out:
-        raise UsageError("--devices: no device given")
-    return out
-
-
 def _bind(host: str, port: int) -> socket.socket:
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
@@ -462,7 +446,7 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _log_config() -> dict[str, Any]:
+def uvicorn_log_config() -> dict[str, Any]:
     """uvicorn's logging, all of it on stderr (stdout carries data only), plus the ``maxsim`` loggers."""
     from uvicorn.config import LOGGING_CONFIG
 
@@ -488,22 +472,6 @@ def _signals_end_cleanly() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-@contextlib.contextmanager
-def _quick_thread_switches() -> Iterator[None]:
-    """Hand the interpreter lock between the event loop and the scoring thread every `THREAD_SWITCH_S`
-    rather than Python's 5 ms: a thread that wants the lock waits out the interval while the other runs
-    Python, so a request that arrives while a batch is planned or merged would wait that long to be read
-    (as `maxsim_cli.jobs` does for its rank threads, which left a GPU idle without it)."""
-    from maxsim_cli.jobs import THREAD_SWITCH_S
-
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(interval, THREAD_SWITCH_S))
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(interval)
-
-
 def warm_up(corpus: Corpus, device: str = "auto") -> None:
     """One search and one rerank of a one-token query: the kernels are compiled or loaded now, not on a
     client's first request."""
@@ -518,20 +486,11 @@ def warm_up(corpus: Corpus, device: str = "auto") -> None:
 
 
 def _settle_for_serving(corpus: Corpus) -> None:
-    """Once the corpus is resident and the kernels loaded: on GPUs, one host thread for torch's CPU
-    operations (a request's are a few small tensors; the idle pool's threads spin after each one and
-    took cores from the HTTP workers: on the 2-core machine one rerank request went from 5.1 to 3.2 ms
-    p50 over HTTP with 2 workers, `OMP_NUM_THREADS=1`); and every object made so far (the corpus, its
-    id index, the imported modules) moved out of the garbage collector's generations, so its full
-    collections do not walk them while requests wait."""
-    import gc
-
-    import torch
-
+    """Once the corpus is resident and the kernels loaded, the server's process-wide settings
+    (`maxsim_cli.tuning`): one torch host thread on GPUs, what exists frozen out of the collector."""
     if resident_on_gpus(corpus):
-        torch.set_num_threads(1)
-    gc.collect()
-    gc.freeze()
+        tuning.one_torch_host_thread()
+    tuning.freeze_collector()
 
 
 def _stderr(message: str) -> None:
@@ -645,7 +604,7 @@ def serve(
                 app,
                 host=host,
                 port=bound,
-                log_config=_log_config(),
+                log_config=uvicorn_log_config(),
                 access_log=access_log,
                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                 server_header=False,
@@ -654,7 +613,9 @@ def serve(
             server = uvicorn.Server(config)
             sock.listen(config.backlog)
             log(f"serving on {_url(host, bound)} {STOPS}")
-            with _signals_end_cleanly(), _quick_thread_switches():
+            # the event loop and the scoring thread hand Python's lock over quickly: a request that arrives
+            # while a batch is planned or merged is read without waiting out Python's 5 ms
+            with _signals_end_cleanly(), tuning.quick_thread_switches():
                 server.run(sockets=[sock])
             log("stopped")
     finally:
@@ -685,7 +646,7 @@ def _serve_with_workers(
 
     from maxsim_cli.service.workers import Hub
 
-    logging.config.dictConfig(_log_config())
+    logging.config.dictConfig(uvicorn_log_config())
     index_ids(corpus)
     hub = Hub(
         corpus,
@@ -726,7 +687,7 @@ def _serve_with_workers(
     except ImportError:
         loop = asyncio.new_event_loop()
     try:
-        with _quick_thread_switches():
+        with tuning.quick_thread_switches():
             loop.run_until_complete(hub.run(ready))
     finally:
         loop.close()

@@ -135,7 +135,9 @@ class Scorer:
     @property
     def on_gpus(self) -> bool:
         """Whether this scorer scores a corpus resident on GPUs (on one device: the one it scores on)."""
-        if self.corpus.placement is None and self._one_residency() is None:
+        from maxsim_cli.scoring.dispatch import one_residency
+
+        if self.corpus.placement is None and one_residency(self.corpus, self.device) is None:
             return False
         return resident_on_gpus(self.corpus)
 
@@ -199,32 +201,23 @@ class Scorer:
         ]
 
     def _rerank(self, jobs: Sequence[Job]) -> list[list[QueryAnswer] | BaseException]:
-        residency = self._one_residency()
-        if residency is not None:
-            answers = self._rerank_resident(jobs, residency)
+        from maxsim_cli.scoring import dispatch
+
+        asked = sum(_candidate_count(job.request) for job in jobs)  # found ones: at most these
+        plan = dispatch.plan_served_rerank(self.corpus, self.device, asked)
+        if plan.path == dispatch.DIRECT:
+            assert plan.residency is not None
+            answers = self._rerank_resident(jobs, plan.residency)
             if answers is not None:
                 return answers
         return self._rerank_library(jobs)
 
-    def _one_residency(self) -> Residency | None:
-        """The corpus's residency when every shard is on the one device this scorer scores on."""
-        corpus = self.corpus
-        residency = corpus.residency
-        if residency is None or corpus.placement is not None or len(corpus) == 0:
-            return None
-        if self.device != "auto":
-            from maxsim_cli.devices import resolve_device
-
-            if resolve_device(self.device) != residency.device:
-                return None
-        return residency
-
     def _rerank_resident(
         self, jobs: Sequence[Job], residency: Residency
     ) -> list[list[QueryAnswer] | BaseException] | None:
-        """The batch's answers through one `direct.candidate_scores` launch on the resident corpus; None
-        (the library's `rerank` is to score it) when the batch is beyond the direct path's size or the
-        device ran out of memory.
+        """The batch's answers through one `direct.candidate_scores` launch on the resident corpus (the
+        plan's ``direct`` path: `dispatch.plan_served_rerank`); None (the library's `rerank` is to score
+        it) when the device ran out of memory.
 
         The library's `rerank` does the same work for any caller: its candidates as a run, looked up in
         the same `Corpus.id_lookup` and scored by the same launch, its answer as a `Run` in trec_eval's
@@ -262,8 +255,6 @@ class Scorer:
         offsets = np.zeros(len(ordinals) + 1, dtype=np.int64)
         np.cumsum(counts, out=offsets[1:])
         pairs = int(offsets[-1])
-        if not direct.fits(residency.device, pairs):
-            return None
         cand_docs = ordinals[0] if len(ordinals) == 1 else np.concatenate(ordinals)
         scores = np.zeros(0, dtype=np.float32)
         if pairs:
@@ -332,6 +323,12 @@ class Scorer:
                 answers.append((qid, Hits.from_pairs(hits if k is None else hits[:k]), missing))
             out.append(_strict_failure(missing_total) if job.request.strict and missing_total else answers)
         return out
+
+
+def _candidate_count(request: Parsed) -> int:
+    """The candidates a rerank request asks to score, over its queries."""
+    candidates = request.candidates or {}
+    return sum(len(candidates.get(qid, ())) for qid in request.queries.ids)
 
 
 def _strict_failure(missing: list[str]) -> InputError:

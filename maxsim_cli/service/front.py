@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import os
 import signal
 import socket
@@ -23,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from maxsim_cli import lifeline
+from maxsim_cli import lifeline, tuning
 from maxsim_cli.service.awake import Awake
 from maxsim_cli.service.takeover import SOCKET_NAME as DIRECT_SOCKET
 
@@ -134,7 +133,7 @@ def run(listen_fd: int, hub_path: str, index: int) -> None:
 
     import uvicorn
 
-    from maxsim_cli.service.app import GRACEFUL_SHUTDOWN_S, _log_config, http_app
+    from maxsim_cli.service.app import GRACEFUL_SHUTDOWN_S, http_app, uvicorn_log_config
     from maxsim_cli.service.limits import ConnectionLimits, limit_connections
     from maxsim_cli.service.metrics import worker_metrics
     from maxsim_cli.service.schema import check_request
@@ -169,7 +168,7 @@ def run(listen_fd: int, hub_path: str, index: int) -> None:
         on_answer=client.awake.linger,
         metrics=metrics,
     )
-    log_config = _log_config()
+    log_config = uvicorn_log_config()
     log_config["loggers"]["uvicorn.error"]["level"] = "WARNING"  # no start-up lines from every worker
     listener = socket.socket(fileno=listen_fd)
     server_config = uvicorn.Config(
@@ -196,8 +195,7 @@ def run(listen_fd: int, hub_path: str, index: int) -> None:
     logging.getLogger("maxsim.serve").debug("serve worker %d ready", index)
     # the imported modules out of the collector's generations, as in the scoring process: its full
     # collections, which a request's allocations start, then walk only what requests made
-    gc.collect()
-    gc.freeze()
+    tuning.freeze_collector()
     _STOP["server"] = server
     if _STOP["asked"]:  # asked to stop while starting: uvicorn starts, sees it, and stops at once
         server.should_exit = True

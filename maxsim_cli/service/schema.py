@@ -37,8 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from pydantic_core import to_json
 
 from maxsim_cli.errors import InputError, MaxsimError
-from maxsim_cli.queries import IN_MEMORY_NAME, Queries, _as_ids, _check_lengths
-from maxsim_cli.shards.format import _check_ids, _check_values
+from maxsim_cli.queries import IN_MEMORY_NAME, Queries, as_query_ids, check_query_lengths
+from maxsim_cli.shards.format import check_ids, check_values
 
 try:  # the serve extra's JSON reader for well-formed requests (`_read_json_fast`)
     import simdjson
@@ -353,8 +353,8 @@ def _checked_queries(
     float32 array ``[tokens, width]``), checked as `Queries.from_embeddings` checks them, then against
     the corpus's dim."""
     name = IN_MEMORY_NAME
-    ids = _as_ids(qids, name)
-    _check_lengths(ids, [a.shape[0] for a in arrays], name)
+    ids = as_query_ids(qids, name)
+    check_query_lengths(ids, [a.shape[0] for a in arrays], name)
     first = arrays[0].shape[1]
     for i, a in enumerate(arrays):
         if a.shape[1] != first:
@@ -365,8 +365,8 @@ def _checked_queries(
     embeddings = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
     offsets = np.zeros(len(ids) + 1, dtype=np.int64)
     np.cumsum([a.shape[0] for a in arrays], out=offsets[1:])
-    _check_ids(name, ids, what="query id")
-    _check_values(name, embeddings, None, offsets, ids, 0, what="query")
+    check_ids(name, ids, what="query id")
+    check_values(name, embeddings, None, offsets, ids, 0, what="query")
     _check_dim(embeddings.shape[1], corpus_dim)
     return ids, embeddings, offsets
 
@@ -419,7 +419,7 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
     import pyarrow as pa
 
     from maxsim_cli.shards import ArrowShard
-    from maxsim_cli.shards.readers import read_stream
+    from maxsim_cli.shards.arrow_shards import read_stream
 
     allowed = ("k", "explain") if kind == "search" else ("k", "strict", "explain")
     for name in params:
@@ -440,7 +440,7 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
         offsets = np.asarray(shard.offsets, dtype=np.int64)
         embeddings, scales = shard.rows_numpy(0, shard.num_docs)
         dtype = shard.info.dtype
-    _check_values(ARROW_NAME, _as_float32(embeddings, dtype), scales, offsets, ids, 0, what="query")
+    check_values(ARROW_NAME, _as_float32(embeddings, dtype), scales, offsets, ids, 0, what="query")
     _check_dim(embeddings.shape[1], corpus_dim)
     if kind == "search":
         return Checked(ids, embeddings, offsets, dtype, scales, k, explain=explain)

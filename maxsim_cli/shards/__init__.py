@@ -17,18 +17,23 @@ document id or offset. Nothing is ever unpickled.
 The parts, each importing only those above it:
 
 - `format`: constants, metadata parsing, id / offset / count / value checks, `ShardInfo`, `DocBatch`.
-- `readers`: `Shard` and its safetensors / Arrow / Parquet readers, `open_shard`, `read_queries`.
+- `shard`: `Shard`, what every reader is, and reading a file's bytes while it may change.
+- `safetensors_shard`, `arrow_shards`: `SafetensorsShard`; `ArrowShard` and `ParquetShard`.
+- `readers`: `open_shard` (the container sniffed from the file's bytes), `read_queries`.
 - `memory`: embeddings from memory packed and checked (`Queries.from_embeddings`,
   `Corpus.from_embeddings`), `MemoryShard`, the shard of an in-memory corpus.
 - `corpus`: `Corpus`, `open_corpus`, the `index.json` manifest, `check_same_dim`, `check_kernel_dim`.
 - `files`: atomic output (temp file or folder next to the target, then `os.replace`).
-- `writers`: `ShardWriter`, `write_shard`, `write_manifest`, `arrow_schema`.
+- `inputs`: arrays, tensors and masks from users as tensors (`infer_dtype`), the all-zero rows warning.
+- `sinks`: the safetensors and Arrow IPC / Parquet file writers under `ShardWriter`, `arrow_schema`.
+- `writers`: `ShardWriter`, `write_shard`, `write_manifest`.
 
 Importing this package imports no torch, nor does opening a corpus and reading its ids and offsets
 (what `maxsim inspect` does without value checks): torch comes in when token rows are read or written.
 Every name is re-exported here; import from `maxsim_cli.shards`.
 """
 
+from maxsim_cli.shards.arrow_shards import ArrowShard, ParquetShard
 from maxsim_cli.shards.corpus import (
     Corpus,
     InputNote,
@@ -75,24 +80,13 @@ from maxsim_cli.shards.format import (
     string_bytes,
     torch_dtypes,
 )
-from maxsim_cli.shards.format import _decode_ids as _decode_ids  # tests check ids through it
+from maxsim_cli.shards.inputs import infer_dtype
 from maxsim_cli.shards.memory import MemoryShard
-from maxsim_cli.shards.readers import (
-    ArrowShard,
-    ParquetShard,
-    SafetensorsShard,
-    Shard,
-    open_shard,
-    read_queries,
-)
-from maxsim_cli.shards.writers import (
-    ShardWriter,
-    arrow_schema,
-    format_for_path,
-    infer_dtype,
-    write_manifest,
-    write_shard,
-)
+from maxsim_cli.shards.readers import open_shard, read_queries
+from maxsim_cli.shards.safetensors_shard import SafetensorsShard
+from maxsim_cli.shards.shard import Shard
+from maxsim_cli.shards.sinks import arrow_schema
+from maxsim_cli.shards.writers import ShardWriter, format_for_path, write_manifest, write_shard
 
 
 def __getattr__(name: str) -> object:

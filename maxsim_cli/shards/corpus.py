@@ -30,16 +30,17 @@ from maxsim_cli.shards.format import (
     CORPUS_FORMAT_VERSION,
     MANIFEST_NAME,
     DocBatch,
-    _err,
-    _has_equal_neighbours,
-    _one_line,
     concat_ids,
+    has_equal_neighbours,
+    input_error,
+    one_line,
     show_id,
     sorted_id_order,
 )
 from maxsim_cli.shards.lookup import IdLookup
 from maxsim_cli.shards.memory import IN_MEMORY_CORPUS, MemoryShard
-from maxsim_cli.shards.readers import Shard, open_shard
+from maxsim_cli.shards.readers import open_shard
+from maxsim_cli.shards.shard import Shard
 
 if TYPE_CHECKING:
     import torch
@@ -66,34 +67,34 @@ def read_manifest(directory: str) -> list[dict[str, Any]]:
         with open(manifest, encoding="utf-8") as f:
             doc = json.load(f)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _err(manifest, f"not valid JSON: {_one_line(exc)}") from None
+        raise input_error(manifest, f"not valid JSON: {one_line(exc)}") from None
     if not isinstance(doc, dict) or doc.get("format") != CORPUS_FORMAT_NAME:
         got = doc.get("format") if isinstance(doc, dict) else None
-        raise _err(manifest, f"unknown format {got!r} (expected {CORPUS_FORMAT_NAME!r})")
+        raise input_error(manifest, f"unknown format {got!r} (expected {CORPUS_FORMAT_NAME!r})")
     if doc.get("format_version") != CORPUS_FORMAT_VERSION:
-        raise _err(
+        raise input_error(
             manifest,
             f"unsupported format_version {doc.get('format_version')!r} "
             f"(this maxsim reads version {CORPUS_FORMAT_VERSION})",
         )
     entries = doc.get("shards")
     if not isinstance(entries, list) or not entries:
-        raise _err(manifest, "'shards' must be a non-empty list")
+        raise input_error(manifest, "'shards' must be a non-empty list")
     root = os.path.realpath(directory)
     out = []
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
-            raise _err(manifest, f"shards[{i}] needs a 'path' string")
+            raise input_error(manifest, f"shards[{i}] needs a 'path' string")
         rel = entry["path"]
         if "\0" in rel:
-            raise _err(
+            raise input_error(
                 manifest,
                 f"shards[{i}] path {rel!r} contains a NUL character, which no file name holds; "
                 "rebuild the manifest with write_manifest",
             )
         parts = re.split(r"[\\/]", rel)
         if not rel or os.path.isabs(rel) or rel.startswith(("/", "\\")) or ".." in parts:
-            raise _err(
+            raise input_error(
                 manifest,
                 f"shards[{i}] path {rel!r} names a file outside the corpus directory; "
                 "manifest paths must be relative names inside it",
@@ -101,16 +102,16 @@ def read_manifest(directory: str) -> list[dict[str, Any]]:
         full = os.path.join(directory, rel)
         real = _outside(root, full)
         if real is not None:
-            raise _err(
+            raise input_error(
                 manifest,
                 f"shards[{i}] path {rel!r} resolves (through a symlink) to {real}, outside "
                 f"the corpus directory; {_OUTSIDE_REMEDY}",
             )
         if not os.path.isfile(full):
-            raise _err(manifest, f"shards[{i}] path {rel!r}: no such file in {directory}")
+            raise input_error(manifest, f"shards[{i}] path {rel!r}: no such file in {directory}")
         for key in ("num_docs", "num_tokens"):
             if key in entry and not (isinstance(entry[key], int) and entry[key] >= 0):
-                raise _err(manifest, f"shards[{i}] {key} must be a non-negative integer")
+                raise input_error(manifest, f"shards[{i}] {key} must be a non-negative integer")
         out.append({**entry, "path": full, "relpath": rel})
     return out
 
@@ -143,7 +144,7 @@ class Corpus:
             info = shard.info
             for key in ("dim", "dtype", "quantization"):
                 if getattr(info, key) != getattr(first, key):
-                    raise _err(
+                    raise input_error(
                         info.path,
                         f"{key} mismatch: {key}={getattr(info, key)} here but "
                         f"{key}={getattr(first, key)} in {first.path}; a corpus needs "
@@ -152,7 +153,7 @@ class Corpus:
         encoders = {s.info.encoder for s in shards} - {None}
         if len(encoders) > 1:
             named = sorted(encoders)
-            raise _err(
+            raise input_error(
                 shards[0].path,
                 f"shards were made by different encoders ({', '.join(map(repr, named))}); "
                 "their scores cannot be compared",
@@ -182,7 +183,7 @@ class Corpus:
         # Each shard's ids are unique already; across shards, equal neighbours in the sorted ids (no
         # Python object per id, and the sort is the one `id_order` keeps for writing runs). The id ->
         # (shard, doc) index, which exhaustive scoring never needs, is built only to name a duplicate.
-        if len(self.shards) > 1 and _has_equal_neighbours(self.id_order()[2]):
+        if len(self.shards) > 1 and has_equal_neighbours(self.id_order()[2]):
             self.id_index()  # raises, naming both documents
 
     def id_order(self) -> tuple[pa.Array, np.ndarray, pa.Array]:
@@ -290,7 +291,7 @@ class Corpus:
                 if not index.keys().isdisjoint(shard.ids):
                     d, doc_id = next((d, i) for d, i in enumerate(shard.ids) if i in index)
                     other = index[doc_id]
-                    raise _err(
+                    raise input_error(
                         shard.path,
                         f"duplicate id {show_id(doc_id)}: document {d} here and document {other[1]} of "
                         f"{self.shards[other[0]].path}; ids must be unique across a corpus",
@@ -357,7 +358,7 @@ class Corpus:
             if self.residency is not None and self.residency.device == targets[0]:
                 return self
             self.release()
-            self.residency = make_resident(self.shards, targets[0], name=self._name())
+            self.residency = make_resident(self.shards, targets[0], name=self.name)
             return self
         if self.placement is not None and [p.device for p in self.placement] == targets:
             return self
@@ -369,7 +370,7 @@ class Corpus:
                 continue
             share = Corpus([self.shards[i] for i in indices])
             try:
-                share.residency = make_resident(share.shards, target, name=share._name())
+                share.residency = make_resident(share.shards, target, name=share.name)
             except BaseException:
                 for part in parts:
                     part.corpus.release()
@@ -382,7 +383,7 @@ class Corpus:
         """`to` for an in-memory corpus: its tensors move to the one device named."""
         if len(targets) != 1:
             raise UsageError(
-                f"Corpus.to: {self._name()} is in memory, one block of tensors on one device; pass one "
+                f"Corpus.to: {self.name} is in memory, one block of tensors on one device; pass one "
                 "device, or write it as shards (write_shard) to spread them over several"
             )
         shard = self.shards[0]
@@ -392,7 +393,8 @@ class Corpus:
             self.residency = shard.residency()
         return self
 
-    def _name(self) -> str:
+    @property
+    def name(self) -> str:
         """The corpus as messages name it: its first shard (an in-memory corpus's name), and how many more."""
         first = self.shards[0].path
         return first if len(self.shards) == 1 else f"{first} and {len(self.shards) - 1} more"
@@ -431,7 +433,7 @@ def _pack_hint(folder: str) -> str:
 
 def _expand(path: str, verify_checksums: bool) -> list[tuple[str, dict[str, Any] | None]]:
     if not os.path.exists(path):
-        raise _err(path, "no such file or directory")
+        raise input_error(path, "no such file or directory")
     if not os.path.isdir(path):
         return [(path, None)]
     if os.path.exists(os.path.join(path, MANIFEST_NAME)):
@@ -441,22 +443,26 @@ def _expand(path: str, verify_checksums: bool) -> list[tuple[str, dict[str, Any]
             for entry in entries:
                 want = entry.get("sha256")
                 if not isinstance(want, str):
-                    raise _err(manifest, f"no sha256 for shard {entry['relpath']!r}; cannot verify checksums")
+                    raise input_error(
+                        manifest, f"no sha256 for shard {entry['relpath']!r}; cannot verify checksums"
+                    )
                 got = file_sha256(entry["path"])
                 if got != want.lower():
-                    raise _err(
+                    raise input_error(
                         entry["path"],
                         f"sha256 {got} does not match {want} in {manifest}; the file changed or is damaged",
                     )
         return [(e["path"], e) for e in entries]
     files = list_shard_files(path)
     if not files:
-        raise _err(path, "no shards (*.safetensors, *.arrow, *.parquet) in this directory" + _pack_hint(path))
+        raise input_error(
+            path, "no shards (*.safetensors, *.arrow, *.parquet) in this directory" + _pack_hint(path)
+        )
     root = os.path.realpath(path)
     for file in files:
         real = _outside(root, file)
         if real is not None:
-            raise _err(
+            raise input_error(
                 file,
                 f"resolves (through a symlink) to {real}, outside the corpus directory {path}; "
                 f"{_OUTSIDE_REMEDY}",
@@ -481,7 +487,9 @@ def open_corpus(paths: Sequence[str | os.PathLike[str]], *, verify_checksums: bo
     for path, _ in listed:
         real = os.path.realpath(path)
         if real in seen:
-            raise _err(path, f"the same shard is listed twice (also as {seen[real]}); name each shard once")
+            raise input_error(
+                path, f"the same shard is listed twice (also as {seen[real]}); name each shard once"
+            )
         seen[real] = path
     shards: list[Shard] = []
     try:
@@ -491,7 +499,7 @@ def open_corpus(paths: Sequence[str | os.PathLike[str]], *, verify_checksums: bo
             if entry is not None:
                 for key in ("num_docs", "num_tokens"):
                     if key in entry and entry[key] != getattr(shard, key):
-                        raise _err(
+                        raise input_error(
                             path,
                             f"{key}={getattr(shard, key)} but the manifest "
                             f"{os.path.join(os.path.dirname(path), MANIFEST_NAME)} says "
@@ -500,7 +508,7 @@ def open_corpus(paths: Sequence[str | os.PathLike[str]], *, verify_checksums: bo
         empty = [shard for shard in shards if shard.num_docs == 0]
         if len(empty) == len(shards):
             names = shards[0].path if len(shards) == 1 else f"all {len(shards)} shards, {shards[0].path}, ..."
-            raise _err(names, "holds no documents; a corpus needs at least one document to score")
+            raise input_error(names, "holds no documents; a corpus needs at least one document to score")
         for shard in empty:
             shards.remove(shard)
             shard.close()
@@ -517,7 +525,7 @@ def check_same_dim(queries: DocBatch, query_path: str, corpus: Corpus) -> None:
     """Queries and corpus must share `dim` (the score is a sum of dot products), one the kernels take."""
     dim = int(queries.embeddings.shape[1])
     if dim != corpus.dim:
-        raise _err(
+        raise input_error(
             query_path,
             f"queries have dim {dim} but the corpus ({corpus.shards[0].path}) has dim "
             f"{corpus.dim}; encode both with the same model",
@@ -527,11 +535,11 @@ def check_same_dim(queries: DocBatch, query_path: str, corpus: Corpus) -> None:
 
 def check_kernel_dim(corpus: Corpus) -> None:
     """The corpus's `dim` is one the kernels take (a multiple of 8 up to their maximum)."""
-    from maxsim_kernels._validate import MAX_DIM
+    from maxsim_kernels import MAX_DIM
 
     dim = corpus.dim
     if dim % 8 or not 8 <= dim <= MAX_DIM:
-        raise _err(
+        raise input_error(
             corpus.shards[0].path,
             f"dim {dim}: the kernels take dims that are multiples of 8 from 8 to {MAX_DIM}; pad every "
             "query and document vector with zeros up to a multiple of 8 (the scores do not change)",

@@ -193,7 +193,7 @@ def new_file(
         except BaseException:
             if fd >= 0:
                 os.close(fd)
-            _remove_quietly(path)
+            remove_quietly(path)
             raise
     raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), directory)
 
@@ -212,7 +212,7 @@ def _probe(folder: str, label: str) -> None:
         ) from None
     finally:
         for probe in made:
-            _remove_quietly(probe)
+            remove_quietly(probe)
 
 
 def check_output(
@@ -306,7 +306,7 @@ def swap_corpus_files(staging: str, output_dir: str, new_names: list[str], old_n
                 move_into(os.path.join(staging, name), target, output_dir)
     except BaseException:
         for name in moved:
-            _remove_quietly(os.path.join(output_dir, name))
+            remove_quietly(os.path.join(output_dir, name))
         for name in reversed(set_aside):
             with contextlib.suppress(OSError):
                 os.replace(os.path.join(trash, name), os.path.join(output_dir, name))
@@ -324,7 +324,7 @@ def move_into(source: str, target: str, output_dir: str) -> None:
         raise write_error(output_dir, exc) from None
 
 
-def _atomic_temp(path: str, claim: Callable[[str], None] | None = None) -> tuple[int, str]:
+def atomic_temp(path: str, claim: Callable[[str], None] | None = None) -> tuple[int, str]:
     """A temp file next to `path` (same filesystem, so `os.replace` is atomic) with the permissions a
     plain `open(path, "w")` would give, not mkstemp's 0600. A directory, FIFO or device at `path` is
     refused: `os.replace` would put a regular file in its place. ``claim`` as for `new_file`."""
@@ -341,7 +341,8 @@ def _atomic_temp(path: str, claim: Callable[[str], None] | None = None) -> tuple
         raise write_error(path, exc) from None
 
 
-def _remove_quietly(path: str | None) -> None:
+def remove_quietly(path: str | None) -> None:
+    """Remove the file at `path` if there is one (None: nothing to remove)."""
     if path:
         try:
             os.unlink(path)
@@ -383,7 +384,7 @@ class OutputFile:
             return self._file
         self._target = _target(self.path)
         try:  # a signal anywhere in here (the `with` block has not begun: no __exit__) removes the temp
-            fd, self._tmp = _atomic_temp(self._target, claim=functools.partial(setattr, self, "_tmp"))
+            fd, self._tmp = atomic_temp(self._target, claim=functools.partial(setattr, self, "_tmp"))
             self._file = os.fdopen(fd, "wb")
         except BaseException:
             self.abort()
@@ -416,7 +417,7 @@ class OutputFile:
                 self._file.close()
             except (OSError, ValueError):
                 pass
-        _remove_quietly(self._tmp)
+        remove_quietly(self._tmp)
         self._tmp = None
 
     def __enter__(self) -> IO[bytes]:

@@ -18,15 +18,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from maxsim_cli.errors import InputError, MaxsimError, MaxsimWarning
-from maxsim_cli.shards.format import (
-    NORM_TOLERANCE,
-    ShardInfo,
-    _check_ids,
-    _check_values,
-    show_id,
-    torch_dtypes,
-)
-from maxsim_cli.shards.readers import Shard
+from maxsim_cli.shards.format import NORM_TOLERANCE, ShardInfo, check_ids, check_values, show_id, torch_dtypes
+from maxsim_cli.shards.shard import Shard
 
 if TYPE_CHECKING:
     import torch
@@ -128,7 +121,7 @@ def pack_embeddings(
     a bad shape, an empty item, a dim mismatch, a bad id, NaN/Inf."""
     import torch
 
-    from maxsim_cli.shards.writers import as_tensor, mask_rows
+    from maxsim_cli.shards.inputs import as_tensor, mask_rows
 
     keys = as_ids(ids, name, words)
 
@@ -243,8 +236,8 @@ def pack_embeddings(
         scale_rows = scale_rows.to(torch.float32).contiguous()
     offsets = torch.zeros(len(keys) + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths.cpu(), 0)
-    _check_ids(name, keys, what=words.id_word)
-    _check_values(name, packed, scale_rows, offsets.numpy(), keys, 0, what=words.what)
+    check_ids(name, keys, what=words.id_word)
+    check_values(name, packed, scale_rows, offsets.numpy(), keys, 0, what=words.what)
     return Packed(keys, packed, offsets, scale_rows)
 
 
@@ -361,7 +354,7 @@ def _unit_rows(
     """Whether every row has unit L2 norm (within `NORM_TOLERANCE`); with ``claimed`` True the first row
     that has not is an `InputError`, as the writer refuses it. Counts the documents with an all-zero row
     and warns about them as the writer does. Rows are read in chunks on their device."""
-    from maxsim_cli.shards.writers import zero_row_warning
+    from maxsim_cli.shards.inputs import zero_row_warning
 
     unit = True
     zero_rows: list[np.ndarray] = []

@@ -26,7 +26,7 @@ from maxsim_cli.errors import MaxsimError
 if TYPE_CHECKING:
     import torch
 
-    from maxsim_cli.shards.readers import Shard
+    from maxsim_cli.shards.shard import Shard
 
 # Rows are read and copied in chunks of about this many bytes: large enough that a chunk's read and
 # copy dwarf their per-call costs, small enough that the chunks in flight (reader threads + 2) stay a
@@ -61,7 +61,7 @@ class Residency:
     doc_base: np.ndarray  # int64 [S + 1]: each shard's first document, then the total
     host_offsets: np.ndarray  # int64 [N + 1]: every document's first row in ``embeddings``
     # the same offsets as a host tensor whose device copy (``offsets``) the kernels are handed with it
-    # (`maxsim_kernels._validate.share_device_copy`): one object, so its checks are made once
+    # (`maxsim_kernels.share_device_copy`): one object, so its checks are made once
     offsets_host: torch.Tensor
     offsets: torch.Tensor
     # each document's docno rank on the device (the tie-break of a search's top-k), made at the first
@@ -218,7 +218,7 @@ def _device_offsets(host_offsets: np.ndarray, device: torch.device) -> tuple[tor
     offsets_host = torch.from_numpy(host_offsets)
     offsets_device = offsets_host.to(device)
     if device.type == "cuda":
-        from maxsim_kernels._validate import share_device_copy
+        from maxsim_kernels import share_device_copy
 
         share_device_copy(offsets_host, offsets_device)
     return offsets_host, offsets_device

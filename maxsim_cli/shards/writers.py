@@ -14,20 +14,15 @@ Writing takes tensors (numpy input is wrapped), so torch is imported when docume
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import struct
 import sys
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
-from maxsim_cli.arrays import strings_array, values_array
 from maxsim_cli.codecs import (
     CODE_QUANTIZATIONS,
     CODEBOOK_KEY,
@@ -37,17 +32,8 @@ from maxsim_cli.codecs import (
     has_scales,
 )
 from maxsim_cli.errors import InputError, MaxsimError, MaxsimWarning
-from maxsim_cli.shards.files import (
-    _atomic_temp,
-    _remove_quietly,
-    file_sha256,
-    list_shard_files,
-    write_error,
-    write_text_atomic,
-)
+from maxsim_cli.shards.files import file_sha256, list_shard_files, write_error, write_text_atomic
 from maxsim_cli.shards.format import (
-    _ARROW_VALUE_TYPES,
-    _ST_DTYPES,
     CORPUS_FORMAT_NAME,
     CORPUS_FORMAT_VERSION,
     DTYPES,
@@ -60,312 +46,25 @@ from maxsim_cli.shards.format import (
     PATCH_START_KEY,
     SHARD_SUFFIXES,
     ShardInfo,
-    _check_offsets,
-    _check_values,
-    _err,
-    _one_line,
     check_id,
+    check_offsets,
+    check_values,
+    input_error,
     parse_patch_grid,
     show_id,
     torch_dtypes,
 )
+from maxsim_cli.shards.inputs import as_tensor, infer_dtype, mask_rows, zero_row_warning
 from maxsim_cli.shards.readers import open_shard
+from maxsim_cli.shards.sinks import RecordSink, SafetensorsSink
 
 if TYPE_CHECKING:
     import torch
 
 
-def as_tensor(x: Any, where: str = "embeddings", *, keep_device: bool = False) -> torch.Tensor:
-    """An array or tensor of numbers as a CPU tensor (``keep_device``: a tensor stays on its device);
-    anything else (strings, objects, complex or boolean values, ragged nested lists) is an `InputError`
-    naming ``where`` (the file and document)."""
-    import torch
-
-    if isinstance(x, torch.Tensor):
-        if x.is_complex():
-            raise InputError(f"{where}: dtype {x.dtype} is not a real-number type; {_NUMBERS}")
-        if x.device.type == "meta":
-            raise InputError(f"{where}: a tensor on the meta device holds no values; {_NUMBERS}")
-        return x.detach() if keep_device else x.detach().cpu()
-    try:
-        arr = np.asarray(x)
-    except (ValueError, TypeError) as exc:  # ragged nested lists, objects numpy cannot take
-        raise InputError(f"{where}: not an array of numbers ({_one_line(exc)}); {_NUMBERS}") from None
-    if arr.dtype == np.float64 or arr.dtype == np.float32 or arr.dtype == np.float16 or arr.dtype == np.int8:
-        with warnings.catch_warnings():  # read-only (memory-mapped) arrays: we never write to them
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(arr)
-    if arr.dtype.kind in "iu" or arr.dtype.kind == "f":
-        return torch.from_numpy(arr.astype(np.float32))
-    raise InputError(f"{where}: dtype {arr.dtype} is not a real-number type; {_NUMBERS}")
-
-
-# What `as_tensor` and `mask_rows` ask for.
-_NUMBERS = "pass arrays or tensors of numbers (float16, bfloat16, float32, float64 or integers)"
-_MASKS = "a mask holds True/1 for real tokens, False/0 for padding, one row a document"
-
-
-def infer_dtype(x: torch.Tensor) -> str:
-    """The shard dtype for an input tensor: float64 is stored as float32, the others as they are."""
-    import torch
-
-    if x.dtype == torch.float64:
-        return "float32"
-    dtype_names = {v: k for k, v in torch_dtypes().items()}
-    if x.dtype in dtype_names:
-        return dtype_names[x.dtype]
-    raise TypeError(f"unsupported embedding dtype {x.dtype}")
-
-
 def _as_id_list(ids: Any) -> list[Any]:
     """Ids as a list: a numpy array or a tensor of integer ids gives Python ints."""
     return ids.tolist() if hasattr(ids, "tolist") and not isinstance(ids, (str, bytes)) else list(ids)
-
-
-def mask_rows(mask: Any, where: str) -> torch.Tensor:
-    """One document's mask as a bool tensor: True/1 marks a real token, False/0 padding."""
-    import torch
-
-    if isinstance(mask, torch.Tensor):
-        if mask.device.type == "meta":
-            raise InputError(f"{where}: a tensor on the meta device holds no values; {_MASKS}")
-        keep = mask.detach().cpu()
-    else:
-        try:
-            array = np.asarray(mask)
-        except (ValueError, TypeError) as exc:  # ragged nested lists
-            raise InputError(
-                f"{where}: not an array of booleans or 0/1 ({_one_line(exc)}); {_MASKS}"
-            ) from None
-        if array.dtype.kind not in "biuf":  # None, strings, objects
-            raise InputError(f"{where}: dtype {array.dtype} is not boolean or 0/1; {_MASKS}")
-        keep = torch.as_tensor(array)
-    if keep.is_complex():
-        raise InputError(f"{where}: dtype {keep.dtype} is not boolean or 0/1; {_MASKS}")
-    if keep.dtype != torch.bool:
-        if not bool(((keep == 0) | (keep == 1)).all()):
-            bad = keep[(keep != 0) & (keep != 1)][0].item()
-            raise InputError(
-                f"{where} holds {bad!r}; a mask holds True/1 for real tokens, False/0 for padding"
-            )
-        keep = keep != 0
-    return keep
-
-
-def zero_row_warning(path: str, num_docs: int, first_id: str, remedy: str, *, where: str = "") -> str:
-    """What to tell a user whose documents carry all-zero token rows (most often padding kept because
-    the mask was not passed: the rows then take part in every max and change the scores). `where`: the
-    first document's place in its source."""
-    docs = f"{num_docs:,} document carries" if num_docs == 1 else f"{num_docs:,} documents carry"
-    first = show_id(first_id) + (f" at {where}" if where else "")
-    return f"{path}: {docs} all-zero token rows (first: {first}): padding kept without its mask? {remedy}"
-
-
-class _SafetensorsSink:
-    """Writes embeddings as they come after a reserved header; the rest and the header at close."""
-
-    def __init__(self, path: str, dim: int, dtype: str, meta_keys: dict[str, str]) -> None:
-        self.path, self.dim, self.dtype, self.meta_keys = path, dim, dtype, meta_keys
-        # Reserve room for the longest header the counts could need (20-digit numbers); padded with spaces.
-        big = 10**19
-        self.reserved = len(self._header(big, big, big)) + 64
-        self.reserved += -self.reserved % 8
-        self.tmp: str | None = None
-        try:  # a signal in here (before the caller holds this sink to abort) removes the temp file
-            fd, self.tmp = _atomic_temp(path, claim=functools.partial(setattr, self, "tmp"))
-            self.file = os.fdopen(fd, "wb")
-            self.file.seek(8 + self.reserved)
-        except BaseException:
-            _remove_quietly(self.tmp)
-            raise
-        self.scales: list[torch.Tensor] = []
-
-    def _header(self, num_docs: int, num_tokens: int, id_bytes: int) -> bytes:
-        item = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1, "uint8": 1}[self.dtype]
-        layout = [
-            ("embeddings", _ST_DTYPES[self.dtype], [num_tokens, self.dim], num_tokens * self.dim * item)
-        ]
-        if has_scales(self.meta_keys["quantization"]):
-            layout.append(("scales", "F32", [num_tokens], 4 * num_tokens))
-        layout += [
-            ("offsets", "I64", [num_docs + 1], 8 * (num_docs + 1)),
-            ("id_offsets", "I64", [num_docs + 1], 8 * (num_docs + 1)),
-            ("ids", "U8", [id_bytes], id_bytes),
-        ]
-        header: dict[str, Any] = {
-            "__metadata__": {**self.meta_keys, "num_docs": str(num_docs), "num_tokens": str(num_tokens)}
-        }
-        pos = 0
-        for name, st, shape, nbytes in layout:
-            header[name] = {"dtype": st, "shape": shape, "data_offsets": [pos, pos + nbytes]}
-            pos += nbytes
-        return json.dumps(header, separators=(",", ":")).encode("utf-8")
-
-    def add(
-        self, ids: list[str], values: torch.Tensor, lengths: np.ndarray, scales: torch.Tensor | None
-    ) -> None:
-        import torch
-
-        raw = values.view(torch.int16) if values.dtype == torch.bfloat16 else values
-        self.file.write(memoryview(raw.numpy()).cast("B"))
-        if scales is not None:
-            self.scales.append(scales)
-
-    def finish(self, ids: list[str], offsets: np.ndarray, meta_keys: dict[str, str]) -> None:
-        import torch
-
-        self.meta_keys = meta_keys
-        if self.scales:
-            self.file.write(memoryview(torch.cat(self.scales).numpy()).cast("B"))
-        encoded = [i.encode("utf-8") for i in ids]
-        id_offsets = np.concatenate([[0], np.cumsum([len(b) for b in encoded])]).astype("<i8")
-        self.file.write(offsets.astype("<i8").tobytes())
-        self.file.write(id_offsets.tobytes())
-        self.file.write(b"".join(encoded))
-        header = self._header(len(ids), int(offsets[-1]), int(id_offsets[-1]))
-        if len(header) > self.reserved:
-            raise MaxsimError(f"{self.path}: metadata too long for the reserved header")
-        self.file.seek(0)
-        self.file.write(struct.pack("<Q", self.reserved))
-        self.file.write(header + b" " * (self.reserved - len(header)))
-        self.file.close()
-        os.replace(self.tmp, self.path)
-        self.tmp = None
-
-    def abort(self) -> None:
-        try:
-            self.file.close()  # flushing what is buffered may fail again (a full disk): the error is known
-        except OSError:
-            pass
-        _remove_quietly(self.tmp)
-
-
-def arrow_schema(
-    dim: int,
-    dtype: str,
-    metadata: dict[str, str] | None = None,
-    *,
-    length_column: bool = False,
-    scaled: bool | None = None,
-) -> pa.Schema:
-    """The format v1 Arrow schema: id utf8, embedding list<fixed_size_list<T, dim>> (``dim``: the values a
-    token takes), scales for int8 (and, with ``scaled``, for int4 codes)."""
-    fields = [
-        pa.field("id", pa.string(), nullable=False),
-        pa.field("embedding", pa.list_(pa.list_(_ARROW_VALUE_TYPES[dtype], dim)), nullable=False),
-    ]
-    if dtype == "int8" if scaled is None else scaled:
-        fields.append(pa.field("scales", pa.list_(pa.float32()), nullable=False))
-    if length_column:
-        fields.append(pa.field("length", pa.int32(), nullable=False))
-    return pa.schema(fields, metadata=metadata)
-
-
-def _record_batch(
-    schema: pa.Schema,
-    dim: int,
-    dtype: str,
-    ids: list[str],
-    values: torch.Tensor,
-    lengths: np.ndarray,
-    scales: torch.Tensor | None,
-) -> pa.RecordBatch:
-    import torch
-
-    raw = values.view(torch.int16).numpy().view(np.uint16) if dtype == "bfloat16" else values.numpy()
-    # arrays built from their buffers (`maxsim_cli.arrays`): pa.array would import pandas
-    list_offsets = values_array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-    vectors = pa.FixedSizeListArray.from_arrays(values_array(raw), dim)
-    assert vectors.type.value_type == _ARROW_VALUE_TYPES[dtype]
-    columns = [strings_array(ids, large=False), pa.ListArray.from_arrays(list_offsets, vectors)]
-    if scales is not None:
-        scale_values = values_array(scales.numpy().astype(np.float32, copy=False))
-        columns.append(pa.ListArray.from_arrays(list_offsets, scale_values))
-    if "length" in schema.names:
-        columns.append(values_array(lengths.astype(np.int32)))
-    return pa.RecordBatch.from_arrays(columns, schema=schema)
-
-
-class _RecordSink:
-    """Arrow IPC file or Parquet. The counts belong in the schema metadata, which precedes the data, so
-    record batches are spilled to a temp IPC stream first and copied (memory-mapped) into the final file
-    at close: bounded memory, twice the disk writes."""
-
-    # A record batch / row group is flushed once it holds this many bytes of embeddings or documents:
-    # small enough to bound memory, large enough that per-batch overhead is noise.
-    FLUSH_BYTES = 16 << 20
-    FLUSH_DOCS = 8192
-
-    def __init__(self, path: str, dim: int, dtype: str, fmt: str, scaled: bool | None = None) -> None:
-        self.path, self.dim, self.dtype, self.fmt = path, dim, dtype, fmt
-        self.scaled = dtype == "int8" if scaled is None else scaled
-        self.schema = arrow_schema(dim, dtype, length_column=fmt == "parquet", scaled=self.scaled)
-        self.spill: str | None = None
-        self.tmp: str | None = None
-        try:  # a signal in here (before the caller holds this sink to abort) removes the spill file
-            fd, self.spill = _atomic_temp(path + ".spill", claim=functools.partial(setattr, self, "spill"))
-            os.close(fd)
-            self.writer = pa.ipc.new_stream(self.spill, self.schema)
-        except BaseException:
-            _remove_quietly(self.spill)
-            raise
-        self.pending: list[tuple[list[str], torch.Tensor, np.ndarray, torch.Tensor | None]] = []
-        self.pending_bytes = 0
-        self.pending_docs = 0
-
-    def add(
-        self, ids: list[str], values: torch.Tensor, lengths: np.ndarray, scales: torch.Tensor | None
-    ) -> None:
-        self.pending.append((ids, values, lengths, scales))
-        self.pending_bytes += values.numel() * values.element_size()
-        self.pending_docs += len(ids)
-        if self.pending_bytes >= self.FLUSH_BYTES or self.pending_docs >= self.FLUSH_DOCS:
-            self._flush()
-
-    def _flush(self) -> None:
-        import torch
-
-        if not self.pending:
-            return
-        ids = [i for p in self.pending for i in p[0]]
-        values = torch.cat([p[1] for p in self.pending])
-        lengths = np.concatenate([p[2] for p in self.pending])
-        scales = torch.cat([p[3] for p in self.pending]) if self.scaled else None  # type: ignore[misc]
-        self.writer.write_batch(
-            _record_batch(self.schema, self.dim, self.dtype, ids, values, lengths, scales)
-        )
-        self.pending, self.pending_bytes, self.pending_docs = [], 0, 0
-
-    def finish(self, ids: list[str], offsets: np.ndarray, meta_keys: dict[str, str]) -> None:
-        self._flush()
-        self.writer.close()
-        final_schema = self.schema.with_metadata(
-            {**meta_keys, "num_docs": str(len(ids)), "num_tokens": str(int(offsets[-1]))}
-        )
-        fd, self.tmp = _atomic_temp(self.path, claim=functools.partial(setattr, self, "tmp"))
-        os.close(fd)
-        assert self.spill is not None
-        with pa.OSFile(self.spill, "rb") as source:  # plain reads: a memory map would count in RSS
-            reader = pa.ipc.open_stream(source)
-            if self.fmt == "parquet":
-                with pq.ParquetWriter(self.tmp, final_schema, compression="none") as out:
-                    for batch in reader:
-                        out.write_batch(batch)
-            else:
-                with pa.ipc.new_file(self.tmp, final_schema) as out:
-                    for batch in reader:
-                        out.write_batch(batch)
-        os.replace(self.tmp, self.path)
-        self.tmp = None
-        _remove_quietly(self.spill)
-
-    def abort(self) -> None:
-        try:
-            self.writer.close()
-        except pa.ArrowException:
-            pass
-        _remove_quietly(self.spill)
-        _remove_quietly(self.tmp)
 
 
 def format_for_path(path: str) -> str:
@@ -442,12 +141,12 @@ class ShardWriter:
         self.warn_zero_rows = warn_zero_rows
         self._closed = False
         meta = self._meta_keys(False)
-        self._sink: _SafetensorsSink | _RecordSink
+        self._sink: SafetensorsSink | RecordSink
         try:
             if fmt == "safetensors":
-                self._sink = _SafetensorsSink(self.path, self.width, dtype, meta)
+                self._sink = SafetensorsSink(self.path, self.width, dtype, meta)
             else:
-                self._sink = _RecordSink(self.path, self.width, dtype, fmt, has_scales(self.quantization))
+                self._sink = RecordSink(self.path, self.width, dtype, fmt, has_scales(self.quantization))
         except OSError as exc:  # a full disk, a read-only folder, ...: one line naming the shard
             raise write_error(self.path, exc) from None
 
@@ -611,7 +310,7 @@ class ShardWriter:
                 )
             if len(ids) == 0:
                 return
-            _check_offsets(self.path, offs, ids, packed.shape[0])
+            check_offsets(self.path, offs, ids, packed.shape[0])
             lengths = np.diff(offs)
         else:
             if len(embeddings) == 0 and len(ids) == 0:
@@ -665,7 +364,7 @@ class ShardWriter:
                 )
             values = packed.to(torch_dtypes()[self.dtype]).contiguous()
         local = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        _check_values(self.path, values, scale_t, local, ids, base)
+        check_values(self.path, values, scale_t, local, ids, base)
         if self.format != "safetensors" and self.num_tokens + values.shape[0] > MAX_ARROW_TOKENS:
             raise InputError(
                 f"{self.path}: more than 2^31-1 tokens in one {self.format} shard (its list "
@@ -845,7 +544,7 @@ def write_manifest(directory: str | os.PathLike[str], shard_paths: Sequence[str]
         else [os.path.join(directory, os.path.basename(p)) for p in shard_paths]
     )
     if not files:
-        raise _err(directory, "no shards to list in a manifest")
+        raise input_error(directory, "no shards to list in a manifest")
     entries = []
     for f in files:
         with open_shard(f) as shard:

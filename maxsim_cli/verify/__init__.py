@@ -25,7 +25,7 @@ top-k is a valid reference top-k, and non-finite scores match (`checks` gives th
 
 Where each part lives
 ---------------------
-- `stats`: the numbers compared per pair (`_Scored`), accumulators over batches (argmax agreement,
+- `stats`: the numbers compared per pair (`Scored`), accumulators over batches (argmax agreement,
   timings), the error, yardstick-baseline and ranking statistics; pure computations.
 - `checks`: the rounding-error model (``gamma``), `Tolerances`, the per-score bound and the checks that
   turn statistics into verdicts.
@@ -43,16 +43,16 @@ Imports run one way: stats <- checks <- reference, report; inputs, reference, st
 
 from maxsim_cli.verify.checks import Tolerances, similarity_error
 from maxsim_cli.verify.inputs import sample_documents
-from maxsim_cli.verify.reference import _FULL_FLOAT64_WIDTH, float_reference
+from maxsim_cli.verify.reference import FULL_FLOAT64_WIDTH, float_reference
 from maxsim_cli.verify.report import EXIT_FAILED, VerifyReport
 from maxsim_cli.verify.run import DEFAULT_BATCH_TOKENS, verify
 
 __all__ = [
     "DEFAULT_BATCH_TOKENS",
     "EXIT_FAILED",
+    "FULL_FLOAT64_WIDTH",
     "Tolerances",
     "VerifyReport",
-    "_FULL_FLOAT64_WIDTH",
     "float_reference",
     "sample_documents",
     "similarity_error",

@@ -1,6 +1,6 @@
 """Scoring the planned pairs both ways, batch by batch: the fused kernel exactly as `maxsim score` calls
 it, the reference on the same inputs (and, with a reference corpus, the exact float scores), each batch
-folded into the per-pair numbers (`_Scored`) and the accumulators (`_Counters`)."""
+folded into the per-pair numbers (`Scored`) and the accumulators (`Counters`)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import torch
 
 from maxsim_cli.errors import InputError, MaxsimError
 from maxsim_cli.shards import Corpus, DocBatch
-from maxsim_cli.verify.inputs import _batches_of, _locations_of, _read_locations, _rows_of, _subset
-from maxsim_cli.verify.reference import FloatReference, _plain_dtype, float_reference
-from maxsim_cli.verify.stats import _Counters, _dequantized_norms, _Scored, _segment_max
+from maxsim_cli.verify.inputs import batch_subset, batches_of, locations_of, read_locations, rows_of
+from maxsim_cli.verify.reference import FloatReference, float_reference, yardstick_dtype
+from maxsim_cli.verify.stats import Counters, Scored, dequantized_norms, segment_max
 
 
 @dataclass
-class _Context:
+class BatchContext:
     """What every batch needs: the queries on the device, the options, the bounds' ingredients."""
 
     device: torch.device
@@ -43,7 +43,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _kernel(
-    ctx: _Context,
+    ctx: BatchContext,
     queries: torch.Tensor,
     query_offsets: np.ndarray,
     batch: DocBatch,
@@ -78,7 +78,7 @@ def _kernel(
 
 
 def _reference(
-    ctx: _Context, queries: torch.Tensor, query_offsets: np.ndarray, batch: DocBatch
+    ctx: BatchContext, queries: torch.Tensor, query_offsets: np.ndarray, batch: DocBatch
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, FloatReference | None]:
     """(float64 scores, float32 scores, argmax, near-tie mask, float pass) of queries x batch."""
     dev = ctx.device
@@ -98,13 +98,17 @@ def _reference(
         return score64, None, argmax, None, None
     ref = float_reference(
         queries, query_offsets, docs, batch.offsets.numpy(), sim_error=ctx.sim_error,
-        plain_dtype=_plain_dtype(queries, dev),
+        plain_dtype=yardstick_dtype(queries, dev),
     )  # fmt: skip
     return ref.score64, ref.score32, ref.argmax64, ref.near_tie, ref
 
 
 def _exact_float_scores(
-    ctx: _Context, corpus: Corpus, doc_ids: Sequence[str], query_rows: np.ndarray, query_offsets: np.ndarray
+    ctx: BatchContext,
+    corpus: Corpus,
+    doc_ids: Sequence[str],
+    query_rows: np.ndarray,
+    query_offsets: np.ndarray,
 ) -> np.ndarray:
     """float64 scores of the reference corpus's documents `doc_ids` (quantization impact)."""
     assert ctx.reference_queries is not None
@@ -116,7 +120,7 @@ def _exact_float_scores(
             f"{corpus.paths[0]}: document {exc.args[0]} is not in the reference corpus; "
             "--reference-corpus must hold every scored document (the shards the int8 ones came from)"
         ) from None
-    batch = _read_locations(corpus, locations)
+    batch = read_locations(corpus, locations)
     queries = ctx.reference_queries[torch.from_numpy(query_rows).to(ctx.device)]
     ref = float_reference(
         queries, query_offsets, batch.embeddings.to(ctx.device), batch.offsets.numpy(), sim_error=0.0
@@ -125,7 +129,7 @@ def _exact_float_scores(
 
 
 def _fold_argmax(
-    counters: _Counters,
+    counters: Counters,
     kernel_arg: torch.Tensor,
     ref_arg: torch.Tensor,
     near_tie: torch.Tensor | None,
@@ -140,9 +144,9 @@ def _fold_argmax(
         counters.recomputed += fref.recomputed
 
 
-def _score_all_pairs(
-    ctx: _Context, corpus: Corpus, selection: np.ndarray, max_tokens: int, counters: _Counters
-) -> _Scored:
+def score_all_pairs(
+    ctx: BatchContext, corpus: Corpus, selection: np.ndarray, max_tokens: int, counters: Counters
+) -> Scored:
     """Every query against the selected documents (corpus-wide numbers), batch by batch."""
     nq = len(ctx.query_ids)
     n = selection.size
@@ -156,8 +160,8 @@ def _score_all_pairs(
     token_query = np.repeat(np.arange(nq), np.diff(ctx.query_offsets))
     token_local = all_rows - ctx.query_offsets[token_query]
     col = 0
-    for docs in _batches_of(corpus, selection, max_tokens):
-        batch = _read_locations(corpus, _locations_of(corpus, docs))
+    for docs in batches_of(corpus, selection, max_tokens):
+        batch = read_locations(corpus, locations_of(corpus, docs))
         cols = slice(col, col + docs.size)
         t0 = time.perf_counter()
         k_scores, k_arg = _kernel(ctx, ctx.queries, ctx.query_offsets, batch)
@@ -175,7 +179,7 @@ def _score_all_pairs(
             if ref_plain is None:
                 ref_plain = np.zeros((nq, n))
             ref_plain[:, cols] = fref.score_plain.double().cpu().numpy()
-        doc_norm = _segment_max(_dequantized_norms(batch.embeddings, batch.scales), batch.offsets.numpy())
+        doc_norm = segment_max(dequantized_norms(batch.embeddings, batch.scales), batch.offsets.numpy())
         allowed[:, cols] = (ctx.score_factor * ctx.query_norm_sum)[:, None] * doc_norm.numpy()[None, :]
         ids = batch.ids
 
@@ -198,7 +202,7 @@ def _score_all_pairs(
             counters.quantization_s += time.perf_counter() - t3
         col += docs.size
         counters.advance(nq * docs.size)
-    return _Scored(
+    return Scored(
         docs=[selection] * nq,
         kernel=list(kernel),
         ref64=list(ref64),
@@ -209,13 +213,13 @@ def _score_all_pairs(
     )
 
 
-def _score_candidates(
-    ctx: _Context,
+def score_candidates(
+    ctx: BatchContext,
     corpus: Corpus,
     per_query: list[np.ndarray],
     max_tokens: int,
-    counters: _Counters,
-) -> _Scored:
+    counters: Counters,
+) -> Scored:
     """Each query against its own candidates (corpus-wide numbers), queries grouped under `max_tokens`."""
     nq = len(ctx.query_ids)
     lengths = np.concatenate([np.diff(s.offsets) for s in corpus.shards])
@@ -240,9 +244,9 @@ def _score_candidates(
             group.append(q)
             q += 1
         pool_docs = np.array(sorted(pool), dtype=np.int64)
-        batch = _read_locations(corpus, _locations_of(corpus, pool_docs))
+        batch = read_locations(corpus, locations_of(corpus, pool_docs))
         chosen = np.array(group)
-        rows, g_offsets = _rows_of(ctx.query_offsets, chosen)
+        rows, g_offsets = rows_of(ctx.query_offsets, chosen)
         queries = ctx.queries[torch.from_numpy(rows).to(ctx.device)]
         cand = [np.searchsorted(pool_docs, per_query[g]) for g in group]
         c_off = np.concatenate([[0], np.cumsum([c.size for c in cand])]).astype(np.int64)
@@ -252,12 +256,12 @@ def _score_candidates(
         counters.kernel_s += time.perf_counter() - t0
         k_scores = k_scores.double().cpu().numpy()
         pool_offsets = batch.offsets.numpy()
-        doc_norm = _segment_max(_dequantized_norms(batch.embeddings, batch.scales), pool_offsets).numpy()
+        doc_norm = segment_max(dequantized_norms(batch.embeddings, batch.scales), pool_offsets).numpy()
         for i, g in enumerate(group):
             picked = cand[i]
             if picked.size == 0:
                 continue
-            sub = _subset(batch, picked)
+            sub = batch_subset(batch, picked)
             q_rows = np.arange(g_offsets[i], g_offsets[i + 1])
             q_off = np.array([0, q_rows.size], dtype=np.int64)
             q_vals = queries[torch.from_numpy(q_rows).to(ctx.device)]
@@ -295,7 +299,7 @@ def _score_candidates(
                 )[0]
                 counters.quantization_s += time.perf_counter() - t3
         counters.advance(int(c_off[-1]))
-    return _Scored(
+    return Scored(
         docs=per_query,
         kernel=out_kernel,
         ref64=out64,

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from maxsim_cli.agreement import ArgmaxStats, RankingStats, ToleranceCheck, tolerance_check
-from maxsim_cli.verify.stats import ScoreStats, _Scored
+from maxsim_cli.verify.stats import Scored, ScoreStats
 
 UNIT_ROUNDOFF = 2.0**-24  # fp32, round to nearest
 ACCUMULATION_ROUNDOFF = 2.0**-23  # fp32 accumulators of GEMMs and tensor cores, taken at twice u
@@ -71,7 +71,7 @@ def similarity_error(dtype: str, dim: int, allow_tf32: bool) -> float:
     return error
 
 
-def _score_factor(query_offsets: np.ndarray, base: float) -> np.ndarray:
+def query_score_factors(query_offsets: np.ndarray, base: float) -> np.ndarray:
     """The factor of B per query: ``base + gamma_Lq`` (base: e_sim, or 2u for int8)."""
     return np.array([base + gamma(int(n)) for n in np.diff(query_offsets)], dtype=np.float64)
 
@@ -109,7 +109,7 @@ class ScoreTolerance:
     max_allowed: float
 
 
-def score_tolerance(scored: _Scored, stats: ScoreStats, tol: Tolerances, int8: bool) -> ScoreTolerance:
+def score_tolerance(scored: Scored, stats: ScoreStats, tol: Tolerances, int8: bool) -> ScoreTolerance:
     """Judge every score against its tolerance (the user's rule if given, else B per score)."""
     kernel_flat, ref_flat = stats.kernel, stats.reference
     allowed_flat = scored.flat("allowed")

@@ -13,7 +13,7 @@ from maxsim_cli.runs import read_run
 from maxsim_cli.shards import Corpus, DocBatch
 
 
-def _query_values(batch: DocBatch, corpus_dtype: str, path: str) -> torch.Tensor:
+def query_values(batch: DocBatch, corpus_dtype: str, path: str) -> torch.Tensor:
     """Query vectors as the kernel gets them: the corpus's float dtype, or float32 for an int8 corpus."""
     emb = batch.embeddings
     if emb.dtype == torch.int8:
@@ -27,7 +27,7 @@ def _query_values(batch: DocBatch, corpus_dtype: str, path: str) -> torch.Tensor
     return emb.to(getattr(torch, corpus_dtype)).contiguous()
 
 
-def _read_locations(corpus: Corpus, locations: np.ndarray) -> DocBatch:
+def read_locations(corpus: Corpus, locations: np.ndarray) -> DocBatch:
     """Documents at (shard, index) `locations` [n, 2], in that order, packed into one batch."""
     n = locations.shape[0]
     order = np.lexsort((locations[:, 1], locations[:, 0]))
@@ -61,17 +61,17 @@ def _read_locations(corpus: Corpus, locations: np.ndarray) -> DocBatch:
     )
 
 
-def _locations_of(corpus: Corpus, global_docs: np.ndarray) -> np.ndarray:
+def locations_of(corpus: Corpus, global_docs: np.ndarray) -> np.ndarray:
     """(shard, index in shard) of corpus-wide document numbers."""
     shard = np.searchsorted(corpus.doc_starts, global_docs, side="right") - 1
     return np.stack([shard, global_docs - corpus.doc_starts[shard]], axis=1).astype(np.int64)
 
 
-def _batches_of(corpus: Corpus, global_docs: np.ndarray, max_tokens: int) -> Iterator[np.ndarray]:
+def batches_of(corpus: Corpus, global_docs: np.ndarray, max_tokens: int) -> Iterator[np.ndarray]:
     """Split sorted corpus-wide document numbers into runs of at most `max_tokens` tokens within one
     shard (a longer document alone)."""
     lengths = np.concatenate([np.diff(s.offsets) for s in corpus.shards])[global_docs]
-    shard_of = _locations_of(corpus, global_docs)[:, 0]
+    shard_of = locations_of(corpus, global_docs)[:, 0]
     cumulative = np.concatenate([[0], np.cumsum(lengths)])
     start = 0
     while start < global_docs.size:
@@ -82,7 +82,7 @@ def _batches_of(corpus: Corpus, global_docs: np.ndarray, max_tokens: int) -> Ite
         start = stop
 
 
-def _rows_of(query_offsets: np.ndarray, chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def rows_of(query_offsets: np.ndarray, chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Token rows of the chosen queries and their packed offsets."""
     lengths = np.diff(query_offsets)[chosen]
     rows = (
@@ -93,7 +93,7 @@ def _rows_of(query_offsets: np.ndarray, chosen: np.ndarray) -> tuple[np.ndarray,
     return rows.astype(np.int64), np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
 
 
-def _subset(batch: DocBatch, picked: np.ndarray) -> DocBatch:
+def batch_subset(batch: DocBatch, picked: np.ndarray) -> DocBatch:
     """Documents `picked` of a batch, packed, in that order."""
     offsets = batch.offsets.numpy()
     lengths = offsets[picked + 1] - offsets[picked]
@@ -117,7 +117,7 @@ def sample_documents(num_docs: int, count: int, seed: int) -> np.ndarray:
     return np.sort(rng.choice(num_docs, size=count, replace=False)).astype(np.int64)
 
 
-def _select_candidates(
+def select_candidates(
     path: str, corpus: Corpus, query_ids: list[str], queries_path: str
 ) -> tuple[list[np.ndarray], int, int]:
     """Per query, the corpus-wide numbers of its candidates (in run order); how many queries have none;

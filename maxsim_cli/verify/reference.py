@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from maxsim_cli.verify.checks import ACCUMULATION_ROUNDOFF, gamma
-from maxsim_cli.verify.stats import _segment_max
+from maxsim_cli.verify.stats import segment_max
 
 # Reference pass sizes. CPU, measured on one core of the 2-core dev machine (dim 128, 3200 query tokens,
 # documents of 20-300 tokens): blocks of 4M similarities (1024 query rows x ~4096 padded document tokens,
@@ -40,7 +40,7 @@ _CUDA_FIXUP_BYTES = 256 << 20
 # Documents up to this many tokens get a plain float64 GEMM: its cost per (query token, document) grows
 # with the length, the certified fix-up's (one gathered float64 row) does not; 64 documents of 160
 # tokens x 3200 query tokens, dim 128: float64 GEMM 200 ms vs fix-up 29 ms, so the two meet near 24.
-_FULL_FLOAT64_WIDTH = 24
+FULL_FLOAT64_WIDTH = 24
 
 
 @dataclass
@@ -199,7 +199,7 @@ def float_reference(
     d32 = docs.to(torch.float32)
     if doc_scales is not None:
         d32 = d32 * doc_scales.to(torch.float32)[:, None]
-    doc_norm = _segment_max(torch.linalg.vector_norm(d32.double(), dim=1), doc_offsets)  # max_j |d_j|
+    doc_norm = segment_max(torch.linalg.vector_norm(d32.double(), dim=1), doc_offsets)  # max_j |d_j|
     q_norm = torch.linalg.vector_norm(q64, dim=1)
     gemm_error = gamma(dim, ACCUMULATION_ROUNDOFF)  # bound on |S32 - S| / (|q_i| |d_j|)
     token_query = torch.from_numpy(np.repeat(np.arange(nq), np.diff(query_offsets))).to(device)
@@ -254,7 +254,7 @@ def float_reference(
                 del sims
                 scale = q_norm[r0:r1, None] * g_norm[None, :]  # |q_i| max_j |d_j|, [rows, n]
                 margin = 2.0 * sim_error * scale
-                if width <= _FULL_FLOAT64_WIDTH:
+                if width <= FULL_FLOAT64_WIDTH:
                     sims64 = torch.mm(q_rows64, block64.T)
                     if pad_columns is not None:
                         sims64.index_fill_(1, pad_columns, -math.inf)
@@ -296,7 +296,7 @@ def float_reference(
     return FloatReference(score64, score32, argmax64, argmax32, near_tie, recomputed, score_plain)
 
 
-def _plain_dtype(queries: torch.Tensor, device: torch.device) -> torch.dtype | None:
+def yardstick_dtype(queries: torch.Tensor, device: torch.device) -> torch.dtype | None:
     """The precision of the yardstick's plain PyTorch baseline, where it differs from float32.
 
     On a GPU, 16-bit inputs go through the tensor cores, whose fp32 accumulation of fp16/bf16 products

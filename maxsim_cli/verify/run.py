@@ -26,34 +26,34 @@ from maxsim_cli.devices import check_backend_option, resolve_device
 from maxsim_cli.errors import InputError, MaxsimError, UsageError
 from maxsim_cli.queries import read_queries
 from maxsim_cli.shards import Corpus, DocBatch, check_kernel_dim, open_corpus
-from maxsim_cli.verify.batches import _Context, _score_all_pairs, _score_candidates
+from maxsim_cli.verify.batches import BatchContext, score_all_pairs, score_candidates
 from maxsim_cli.verify.checks import (
     UNIT_ROUNDOFF,
     Check,
     ScoreTolerance,
     Tolerances,
-    _score_factor,
     gradient_verdict,
     quantization_check,
     quantization_min_overlap,
+    query_score_factors,
     score_checks,
     score_tolerance,
     similarity_error,
 )
 from maxsim_cli.verify.inputs import (
-    _locations_of,
-    _query_values,
-    _read_locations,
-    _rows_of,
-    _select_candidates,
+    locations_of,
+    query_values,
+    read_locations,
+    rows_of,
     sample_documents,
+    select_candidates,
 )
 from maxsim_cli.verify.report import Quantization, VerifyReport, near_tie_margin_text
 from maxsim_cli.verify.stats import (
+    Counters,
+    Scored,
     ScoreStats,
-    _Counters,
-    _dequantized_norms,
-    _Scored,
+    dequantized_norms,
     judged_queries,
     kernel_ranking,
     overlap_depths,
@@ -190,7 +190,7 @@ def _verify(
     ctx = _context(queries_path, qbatch, corpus, ref_corpus, dev, backend, allow_tf32)
     plan = _plan(ctx, corpus, sample_docs, seed, candidates, queries_path)
     setup_s = time.perf_counter() - started
-    counters = _Counters(total_pairs=plan.pairs, progress=progress)
+    counters = Counters(total_pairs=plan.pairs, progress=progress)
     scored = _score(ctx, corpus, plan, max_tokens, counters)
 
     stats = score_statistics(scored, corpus.dtype)
@@ -251,10 +251,10 @@ def _context(
     dev: torch.device,
     backend: str,
     allow_tf32: bool,
-) -> _Context:
+) -> BatchContext:
     """The queries as the kernel sees them, on the device, and the per-query ingredients of the bound B."""
     int8 = corpus.dtype == "int8"
-    q_values = _query_values(qbatch, corpus.dtype, queries_path)
+    q_values = query_values(qbatch, corpus.dtype, queries_path)
     q_offsets = qbatch.offsets.numpy().astype(np.int64)
     nq = qbatch.num_docs
     sim_error = 0.0 if int8 else similarity_error(corpus.dtype, corpus.dim, allow_tf32)
@@ -262,16 +262,16 @@ def _context(
         from maxsim_kernels.maxsim_int8 import quantize_per_token
 
         codes, q_scales = quantize_per_token(q_values, backend="torch")
-        q_norms = _dequantized_norms(codes, q_scales)
+        q_norms = dequantized_norms(codes, q_scales)
         base = 2.0 * UNIT_ROUNDOFF
     else:
-        q_norms = _dequantized_norms(q_values, None)
+        q_norms = dequantized_norms(q_values, None)
         base = sim_error
     norm_sum = np.add.reduceat(q_norms.numpy(), q_offsets[:-1]) if q_norms.numel() else np.zeros(nq)
     ref_queries = None
     if ref_corpus is not None:
-        ref_queries = _query_values(qbatch, ref_corpus.dtype, queries_path).to(dev)
-    return _Context(
+        ref_queries = query_values(qbatch, ref_corpus.dtype, queries_path).to(dev)
+    return BatchContext(
         device=dev,
         backend=backend,
         allow_tf32=allow_tf32,
@@ -281,14 +281,14 @@ def _context(
         query_offsets=q_offsets,
         query_ids=list(qbatch.ids),
         query_norm_sum=norm_sum,
-        score_factor=_score_factor(q_offsets, base),
+        score_factor=query_score_factors(q_offsets, base),
         reference_corpus=ref_corpus,
         reference_queries=ref_queries,
     )
 
 
 def _plan(
-    ctx: _Context,
+    ctx: BatchContext,
     corpus: Corpus,
     sample_docs: int | None,
     seed: int,
@@ -299,7 +299,7 @@ def _plan(
     `MAX_SCORES` pairs."""
     nq = len(ctx.query_ids)
     if candidates is not None:
-        per_query, skipped, missing = _select_candidates(candidates, corpus, ctx.query_ids, queries_path)
+        per_query, skipped, missing = select_candidates(candidates, corpus, ctx.query_ids, queries_path)
         plan = _Plan("candidates", per_query=per_query, skipped=skipped, missing=missing)
         pairs = int(sum(p.size for p in per_query))
         if pairs == 0:
@@ -323,16 +323,16 @@ def _plan(
     return plan
 
 
-def _score(ctx: _Context, corpus: Corpus, plan: _Plan, max_tokens: int, counters: _Counters) -> _Scored:
+def _score(ctx: BatchContext, corpus: Corpus, plan: _Plan, max_tokens: int, counters: Counters) -> Scored:
     """Score the planned pairs with the kernel and the reference, batch by batch."""
     if plan.per_query is not None:
-        return _score_candidates(ctx, corpus, plan.per_query, max_tokens, counters)
+        return score_candidates(ctx, corpus, plan.per_query, max_tokens, counters)
     assert plan.selection is not None
-    return _score_all_pairs(ctx, corpus, plan.selection, max_tokens, counters)
+    return score_all_pairs(ctx, corpus, plan.selection, max_tokens, counters)
 
 
 def _quantization(
-    ref_corpus: Corpus, scored: _Scored, stats: ScoreStats, judged: list[int], ks: list[int], tol: Tolerances
+    ref_corpus: Corpus, scored: Scored, stats: ScoreStats, judged: list[int], ks: list[int], tol: Tolerances
 ) -> tuple[Quantization, Check]:
     """The quantized kernel's scores against the exact float scores of the reference corpus, judged."""
     q_min = quantization_min_overlap(tol)
@@ -348,7 +348,7 @@ def _quantization(
 
 
 def _gradient_check(
-    ctx: _Context, corpus: Corpus, scored: _Scored, seed: int, dtype_key: str
+    ctx: BatchContext, corpus: Corpus, scored: Scored, seed: int, dtype_key: str
 ) -> tuple[dict[str, Any], Check]:
     """`maxsim_kernels.maxsim_backward.gradient_check` on a seeded sample of queries x scored documents."""
     try:
@@ -360,8 +360,8 @@ def _gradient_check(
     chosen = np.sort(rng.choice(with_docs, size=min(GRAD_QUERIES, len(with_docs)), replace=False))
     pool = np.unique(np.concatenate([scored.docs[q] for q in chosen]))
     docs = np.sort(rng.choice(pool, size=min(GRAD_DOCS, pool.size), replace=False))
-    batch = _read_locations(corpus, _locations_of(corpus, docs))
-    rows, offsets = _rows_of(ctx.query_offsets, chosen)
+    batch = read_locations(corpus, locations_of(corpus, docs))
+    rows, offsets = rows_of(ctx.query_offsets, chosen)
     dev = ctx.device
     try:
         result = gradient_check(
@@ -380,9 +380,9 @@ def _gradient_check(
 
 
 def _worst_score(
-    ctx: _Context,
+    ctx: BatchContext,
     corpus: Corpus,
-    scored: _Scored,
+    scored: Scored,
     stats: ScoreStats,
     tolerance: ScoreTolerance,
 ) -> dict[str, Any] | None:
@@ -396,7 +396,7 @@ def _worst_score(
     i = tolerance.check.worst_index
     q = int(q_of_pair[i])
     doc = int(scored.docs[q][i - first_pair[q]])
-    shard, local = _locations_of(corpus, np.array([doc]))[0]
+    shard, local = locations_of(corpus, np.array([doc]))[0]
     return {
         "qid": ctx.query_ids[q],
         "docno": corpus.shards[int(shard)].ids[int(local)],
@@ -410,12 +410,12 @@ def _worst_score(
 
 
 def _setup(
-    ctx: _Context,
+    ctx: BatchContext,
     corpus: Corpus,
     plan: _Plan,
-    scored: _Scored,
+    scored: Scored,
     stats: ScoreStats,
-    counters: _Counters,
+    counters: Counters,
     queries_path: str,
     candidates: str | None,
     sample_docs: int | None,

@@ -24,7 +24,7 @@ OVERLAP_KS = (10, 100, 1000)
 TAU_DEPTH = 1000  # Kendall tau-b over each query's top TAU_DEPTH reference documents
 
 
-def _segment_max(values: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
+def segment_max(values: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
     """Max of `values` over each segment [offsets[k], offsets[k+1]) (0 for an empty segment)."""
     lengths = torch.from_numpy(np.diff(offsets)).to(values.device)
     if values.numel() == 0:
@@ -32,14 +32,14 @@ def _segment_max(values: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
     return torch.segment_reduce(values, "max", lengths=lengths, unsafe=True).nan_to_num(0.0, 0.0, 0.0)
 
 
-def _dequantized_norms(values: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+def dequantized_norms(values: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
     """|x_t| per token in float64 (int8 tokens dequantized with their scales)."""
     norms = torch.linalg.vector_norm(values.to(torch.float64), dim=1)
     return norms if scales is None else norms * scales.to(torch.float64).abs()
 
 
 @dataclass
-class _Scored:
+class Scored:
     """Per query: the documents scored (corpus-wide numbers), and per pair the numbers being compared."""
 
     docs: list[np.ndarray]
@@ -99,7 +99,7 @@ class _ArgmaxCounter:
 
 
 @dataclass
-class _Counters:
+class Counters:
     """What the batches add up: time in the kernel, the reference and the quantization reference; argmax
     agreement of the kernel and of the float32 reference; pairs whose float64 max was recomputed."""
 
@@ -136,7 +136,7 @@ class ScoreStats:
     nonfinite_reference: NonFinite
 
 
-def score_statistics(scored: _Scored, dtype: str) -> ScoreStats:
+def score_statistics(scored: Scored, dtype: str) -> ScoreStats:
     """Errors of the kernel (and of the float32 and plain references) against float64; NaN/Inf counts."""
     kernel_flat = scored.flat("kernel")
     ref_flat = scored.flat("ref64")
@@ -157,18 +157,18 @@ def score_statistics(scored: _Scored, dtype: str) -> ScoreStats:
     )
 
 
-def overlap_depths(scored: _Scored) -> list[int]:
+def overlap_depths(scored: Scored) -> list[int]:
     """The top-k depths of `OVERLAP_KS` below the most documents any query scored (at least the first)."""
     max_items = max((d.size for d in scored.docs), default=0)
     return [k for k in OVERLAP_KS if k < max_items] or [OVERLAP_KS[0]]
 
 
-def judged_queries(scored: _Scored) -> list[int]:
+def judged_queries(scored: Scored) -> list[int]:
     """The queries that scored at least one document: only they are ranked."""
     return [q for q, d in enumerate(scored.docs) if d.size]
 
 
-def kernel_ranking(scored: _Scored, tolerance: list[Any], judged: list[int], ks: list[int]) -> RankingStats:
+def kernel_ranking(scored: Scored, tolerance: list[Any], judged: list[int], ks: list[int]) -> RankingStats:
     """Per query, the kernel's ranking against the float64 reference's, scores within `tolerance` tied."""
     return ranking_agreement(
         [scored.kernel[q] for q in judged],
@@ -179,7 +179,7 @@ def kernel_ranking(scored: _Scored, tolerance: list[Any], judged: list[int], ks:
     )
 
 
-def quantization_ranking(scored: _Scored, judged: list[int], ks: list[int]) -> RankingStats:
+def quantization_ranking(scored: Scored, judged: list[int], ks: list[int]) -> RankingStats:
     """Per query, the kernel's ranking against the exact float scores of the reference corpus."""
     assert scored.quant_ref is not None
     return ranking_agreement(

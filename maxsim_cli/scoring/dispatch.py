@@ -1,0 +1,200 @@
+"""How a request runs: the one place that picks the path of a scoring call, as a `Plan`.
+
+Every entry point asks here: `maxsim score` (`maxsim_cli.score.score`: `run_files`), the library's
+`search` and `rerank` (`maxsim_cli.api`, and through them PyTerrier and a served search: `run_call`)
+and a served rerank batch (`maxsim_cli.service.batching.Scorer`: `plan_served_rerank`). The paths:
+
+| path | what runs it | when |
+|---|---|---|
+| ``rank`` | `parallel.ranks.run_rank`: this process is a rank of a torchrun job | ``WORLD_SIZE`` > 1 |
+| ``threads`` | `parallel.threads.run_threads`: a rank thread a GPU | ``--devices`` names several GPUs |
+| ``processes`` | `parallel.launcher.launch`: a worker process a device | ``--devices cpu:N``, N > 1 |
+| ``files`` | `scoring.files.score_files`: this process, one device, inputs from files | otherwise |
+| ``direct`` | `scoring.direct`: one launch on a corpus resident on one device | small (`direct.eligible`) |
+| ``resident`` | `parallel.resident.score_resident`: a thread a device | resident on several devices |
+| ``engine`` | `scoring.engine.run`: an open corpus on one device, streamed or resident | otherwise |
+| ``library`` | the library's `search` / `rerank`, which plans its call here | a served batch, not direct |
+
+This module sits above `maxsim_cli.parallel` (it starts jobs) and below the entry points; the engine
+and the parallel package never import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from maxsim_cli.devices import parse_devices, resolve_device
+from maxsim_cli.errors import UsageError
+from maxsim_cli.parallel.environment import Logger, log_to_stderr, world_size
+from maxsim_cli.scoring.request import ScoreRequest
+from maxsim_cli.scoring.stats import ScoreStats
+
+if TYPE_CHECKING:
+    from maxsim_cli.shards import Corpus, DocBatch
+    from maxsim_cli.shards.resident import Residency
+
+RANK = "rank"
+THREADS = "threads"
+PROCESSES = "processes"
+FILES = "files"
+DIRECT = "direct"
+RESIDENT = "resident"
+ENGINE = "engine"
+LIBRARY = "library"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one request runs: its ``path`` (the table of the module docstring) and the devices it runs on
+    (a name a rank for a job; the device of a one-device path as the request names it; empty where the
+    path learns it from its environment, a torchrun rank). ``residency``: the resident corpus the
+    ``direct`` path scores from."""
+
+    path: str
+    devices: tuple[str, ...] = ()
+    residency: Residency | None = field(default=None, compare=False, repr=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# maxsim score: inputs on disk, the run written to a file
+
+
+def in_threads(devices: Sequence[str]) -> bool:
+    """Whether ``--devices`` runs its ranks as threads of this process (GPUs: `run_threads`) rather than
+    as worker processes (CPU workers, whose torch thread pools would otherwise share one process)."""
+    return all(d.startswith("cuda") for d in devices)
+
+
+def plan_files(request: ScoreRequest) -> Plan:
+    """The plan of a run from files (`maxsim score`): a torchrun rank, a job of several devices
+    (``request.devices``), or this process on one device. Usage errors for options that contradict."""
+    devices = request.devices
+    if world_size() > 1:
+        if devices is not None:
+            raise UsageError(
+                "--devices starts its own workers; under torchrun leave it out (each rank uses "
+                "cuda:LOCAL_RANK, or the CPU with --device cpu)"
+            )
+        return Plan(RANK)
+    if devices is None:
+        return Plan(FILES, (request.device,))
+    names = parse_devices(str(devices))
+    if request.device.strip().lower() != "auto":
+        raise UsageError(
+            f"--device {request.device} and --devices {devices}: give one of them (--devices picks the "
+            "device of each worker)"
+        )
+    if len(names) == 1:  # one device: no workers, score here
+        return Plan(FILES, tuple(names))
+    return Plan(THREADS if in_threads(names) else PROCESSES, tuple(names))
+
+
+def run_files(request: ScoreRequest, *, log: Logger = log_to_stderr) -> ScoreStats:
+    """Run ``request`` (inputs on disk, a run file out) as `plan_files` plans it; its stats."""
+    plan = plan_files(request)
+    if plan.path == RANK:
+        from maxsim_cli.parallel.ranks import run_rank
+
+        return run_rank(request, log=log)
+    if plan.path == THREADS:
+        from maxsim_cli.parallel.threads import run_threads
+
+        return run_threads(request, plan.devices, log=log)
+    if plan.path == PROCESSES:
+        from maxsim_cli.parallel.launcher import launch
+
+        return launch(request, plan.devices)
+    from maxsim_cli.scoring.files import score_files
+
+    if request.devices is not None:
+        request = dataclasses.replace(request, devices=None, device=plan.devices[0])
+    return score_files(request, log=log)
+
+
+# --------------------------------------------------------------------------------------------------
+# the library: an open corpus, queries in memory, rows into a sink
+
+
+def call_request(request: ScoreRequest, corpus: Corpus) -> ScoreRequest:
+    """``request`` on the device a call on ``corpus`` scores on: ``auto`` on a corpus resident on one
+    device is that device."""
+    if request.device == "auto" and corpus.residency is not None:
+        return dataclasses.replace(request, device=str(corpus.residency.device))
+    return request
+
+
+def plan_call(request: ScoreRequest, corpus: Corpus, num_queries: int, pairs: int) -> Plan:
+    """The plan of a library call (`call_request`'s request, ``pairs`` (query, document) pairs):
+    one launch on a resident corpus when it is small (`direct.eligible`), a thread a device for a
+    corpus resident on several (with ``device="auto"``), else the engine."""
+    if corpus.residency is not None:
+        from maxsim_cli.scoring import direct
+
+        residency = direct.eligible(request, corpus, num_queries, pairs)
+        if residency is not None:
+            return Plan(DIRECT, (str(residency.device),), residency)
+    if corpus.placement is not None and request.device == "auto":
+        return Plan(RESIDENT, tuple(str(part.device) for part in corpus.placement))
+    return Plan(ENGINE, (request.device,))
+
+
+def run_call(
+    request: ScoreRequest,
+    corpus: Corpus,
+    queries: DocBatch,
+    sink: Any,
+    *,
+    candidates: dict[str, list[tuple[str, float]]] | None = None,
+    log: Logger = log_to_stderr,
+) -> ScoreStats:
+    """Score ``queries`` against the open ``corpus`` into ``sink`` as `plan_call` plans it; its stats. The
+    direct path hands a call that runs out of device memory to the engine."""
+    from maxsim_cli.scoring import engine
+
+    request = call_request(request, corpus)
+    nq = len(queries.ids)
+    pairs = nq * len(corpus) if candidates is None else sum(len(rows) for rows in candidates.values())
+    plan = plan_call(request, corpus, nq, pairs)
+    if plan.path == DIRECT:
+        from maxsim_cli.scoring import direct
+
+        assert plan.residency is not None
+        stats = direct.run(request, corpus, plan.residency, queries, sink, candidates=candidates, log=log)
+        if stats is not None:
+            return stats
+    elif plan.path == RESIDENT:
+        from maxsim_cli.parallel.resident import score_resident
+
+        request.check()
+        return score_resident(request, corpus, queries, sink, candidates=candidates, log=log)
+    return engine.run(request, corpus, queries, sink, candidates=candidates, log=log)
+
+
+# --------------------------------------------------------------------------------------------------
+# maxsim serve: a batch of rerank requests
+
+
+def one_residency(corpus: Corpus, device: str) -> Residency | None:
+    """The corpus's residency when every shard is on the one device a call on ``device`` scores on."""
+    residency = corpus.residency
+    if residency is None or corpus.placement is not None or len(corpus) == 0:
+        return None
+    if device != "auto" and resolve_device(device) != residency.device:
+        return None
+    return residency
+
+
+def plan_served_rerank(corpus: Corpus, device: str, pairs: int) -> Plan:
+    """The plan of a served rerank batch of ``pairs`` candidates in all: one launch on corpus ordinals
+    (``direct``, the server orders the answers itself) when the corpus is resident on the scoring device
+    and the batch fits the direct path, else the library's `rerank` (``library``)."""
+    residency = one_residency(corpus, device)
+    if residency is not None:
+        from maxsim_cli.scoring import direct
+
+        if direct.fits(residency.device, pairs):
+            return Plan(DIRECT, (str(residency.device),), residency)
+    return Plan(LIBRARY, (device,))

@@ -1,0 +1,138 @@
+"""How a scoring run's results reach its sink: an exhaustive pass's top-k (`write_topk`), and a rerank's
+candidates found in the corpus (`locate_candidates`) and written back re-sorted (`write_reranked`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from maxsim_cli.errors import STRICT, InputError
+from maxsim_cli.scoring.resources import corpus_name
+
+if TYPE_CHECKING:
+    from maxsim_cli.shards import Corpus
+
+Logger = Callable[[str], None]
+
+
+def write_topk(
+    sink: Any, qids: Sequence[str], scores: torch.Tensor, ranks: torch.Tensor, corpus: Corpus
+) -> None:
+    """A running top-k's result (`RunningTopK.result`: float32 scores and docno ranks, ``[nq, m]``, best
+    first) to ``sink``: corpus ordinals to a rank of a distributed job (``write_ordinals``), else docnos,
+    the whole block at once (``write_ranked``) or query by query (``write_query``)."""
+    from maxsim_cli.arrays import values_array
+
+    _, ordinal_of_rank, ids_by_rank = corpus.id_order()
+    scores_np = scores.numpy()
+    if hasattr(sink, "write_ordinals"):  # a rank of a distributed qpass: columns for rank 0's merge
+        sink.write_ordinals(scores_np, ordinal_of_rank[ranks.numpy()])
+        return
+    docnos = ids_by_rank.take(values_array(ranks.numpy()))  # query after query
+    if hasattr(sink, "write_ranked"):  # the whole block at once
+        sink.write_ranked(list(qids), docnos, scores_np)
+        return
+    m = scores_np.shape[1] if scores_np.ndim == 2 else 0
+    for i, qid in enumerate(qids):
+        sink.write_query(qid, docnos[i * m : (i + 1) * m].to_pylist(), scores_np[i].tolist())
+
+
+@dataclass
+class LocatedCandidates:
+    """A first-stage run's candidates found in the corpus: pair ``i`` is query ``pair_query[i]`` against
+    the document of corpus ordinal ``pair_doc[i]``, in (query, run order) order; ``docnos_of[q]`` are
+    query ``q``'s candidates found, in run order; ``missing`` counts candidates not in the corpus."""
+
+    pair_query: np.ndarray
+    pair_doc: np.ndarray
+    docnos_of: dict[int, list[str]]
+    missing: int
+
+
+def locate_candidates(
+    corpus: Corpus,
+    run: dict[str, list[tuple[str, float]]],
+    qids: Sequence[str],
+    qname: str,
+    cname: str,
+    strict: bool,
+    corpus_paths: Sequence[str],
+    log: Logger,
+) -> LocatedCandidates:
+    """Find ``run``'s candidates among the corpus's documents: one lookup of every candidate in the
+    corpus's `Corpus.id_lookup`, built once per corpus, so a call costs what its candidates cost. A qid
+    of the run that names no query is an `InputError`; candidates not in the corpus are a warning
+    through ``log`` (``strict``: an `InputError`)."""
+    qindex = {q: i for i, q in enumerate(qids)}
+    for qid in run:
+        if qid not in qindex:
+            raise InputError(
+                f"{cname}: query {qid!r} has candidates but no embedding in {qname}; "
+                "add it to the query file or drop it from the run"
+            )
+    # every query's candidates in one list (queries in run order, each query's in run order), looked up
+    # at once: a served rerank pays this at every request
+    query_of = np.fromiter((qindex[qid] for qid in run), dtype=np.int64, count=len(run))
+    docnos_per_query = [[docno for docno, _ in cands] for cands in run.values()]
+    counts = np.fromiter(map(len, docnos_per_query), dtype=np.int64, count=len(docnos_per_query))
+    listed = [docno for docnos in docnos_per_query for docno in docnos]
+    ordinals = corpus.id_lookup().ordinals_of(listed)
+    pair_query = np.repeat(query_of, counts)
+    found = ordinals >= 0
+    n_missing = len(listed) - int(np.count_nonzero(found))
+    if not n_missing:
+        return LocatedCandidates(
+            pair_query, ordinals, dict(zip(query_of.tolist(), docnos_per_query, strict=True)), 0
+        )
+    missing: list[str] = []  # the first three distinct, for the message
+    for i in np.flatnonzero(~found).tolist():
+        if listed[i] not in missing:
+            missing.append(listed[i])
+            if len(missing) == 3:
+                break
+    examples = ", ".join(repr(m) for m in missing)
+    if strict:
+        raise InputError(
+            f"{cname}: {n_missing} candidates are not in the corpus ({corpus_name(corpus_paths)}), "
+            f"e.g. {examples}; check the run and the corpus, or drop {STRICT.given(True)} to skip them"
+        )
+    log(
+        f"warning: {cname}: {n_missing} candidates are not in the corpus, e.g. {examples}; "
+        f"they are left out ({STRICT.given(True)} makes this an error)"
+    )
+    keep = found.tolist()
+    docnos_of: dict[int, list[str]] = {}
+    start = 0
+    for qi, docnos in zip(query_of.tolist(), docnos_per_query, strict=True):
+        kept = keep[start : start + len(docnos)]
+        start += len(docnos)
+        docnos_of[qi] = docnos if all(kept) else [d for d, k in zip(docnos, kept, strict=True) if k]
+    return LocatedCandidates(pair_query[found], ordinals[found], docnos_of, n_missing)
+
+
+def write_reranked(
+    sink: Any,
+    qids: Sequence[str],
+    docnos_of: dict[int, list[str]],
+    pair_query: np.ndarray | None,
+    scores: np.ndarray,
+    top_k: int,
+) -> None:
+    """Each query's candidates with their float32 ``scores`` (pairs in (query, run order) order, as
+    `locate_candidates` gives them) to ``sink``, re-sorted in trec_eval's order and cut to ``top_k``."""
+    from maxsim_cli.runs import sort_trec
+
+    if pair_query is None:
+        return
+    starts = np.searchsorted(pair_query, np.arange(len(qids) + 1))
+    for qi, qid in enumerate(qids):
+        docnos = docnos_of.get(qi)
+        if not docnos:
+            continue
+        sc = scores[starts[qi] : starts[qi + 1]].tolist()
+        keep = sort_trec(docnos, sc)[:top_k]
+        sink.write_query(qid, [docnos[i] for i in keep], [sc[i] for i in keep])
