@@ -29,6 +29,8 @@ import numpy as np
 
 from maxsim_cli.errors import (
     BATCH_QUERIES,
+    DEPTH,
+    EXACT_FROM,
     TOP_K,
     InputError,
     MaxsimWarning,
@@ -96,6 +98,8 @@ def search(
     max_host_memory: int | str | None = None,
     batch_queries: int | None = None,
     show_progress: bool = False,
+    exact_from: Corpus | PathLike | Sequence[PathLike] | tuple[Sequence[str | int], Any] | None = None,
+    depth: int | None = None,
 ) -> Run:
     """The exact top-``k`` documents of ``corpus`` for every query, as a `Run`.
 
@@ -109,6 +113,12 @@ def search(
     query file with no queries, or whose metadata names another encoder than the corpus's (or another
     L2 normalisation), gives a `MaxsimWarning` (``strict=True``: an `InputError`). Messages name these
     keyword arguments (``k=0: must be at least 1``).
+
+    A ``corpus`` of 4-bit or 2-bit codes (`maxsim quantize`) gives approximate scores
+    (``run.stats.extra["scores"] == "approximate"``). With ``exact_from`` (the corpus it was quantized
+    from, in any form ``corpus`` takes) the search has two stages: the compressed ``corpus`` gives each
+    query's top ``depth`` (default: 1000 or ``2 * k``, whichever is larger; at least ``k``), which are
+    then scored exactly from ``exact_from``: the scores are those a search of ``exact_from`` gives.
 
     >>> run = search("sample_data/queries.safetensors", "sample_data/corpus", k=3, device="cpu")
     >>> [(r.docno, r.rank) for r in run][:3]  # doctest: +ELLIPSIS
@@ -126,8 +136,10 @@ def search(
         max_host_memory=max_host_memory,
         batch_queries=None if batch_queries is None else _at_least_one(batch_queries, BATCH_QUERIES),
         show_progress=show_progress,
+        exact_from=exact_from,
+        depth=None if depth is None else _at_least_one(depth, DEPTH),
     )
-    return _explainable(run, queries, corpus, device, backend)
+    return _explainable(run, queries, corpus if exact_from is None else exact_from, device, backend)
 
 
 @in_python_terms
@@ -215,6 +227,8 @@ def _score(
     max_host_memory: int | str | None,
     batch_queries: int | None,
     show_progress: bool,
+    exact_from: Any = None,
+    depth: int | None = None,
 ) -> Run:
     from maxsim_cli.scoring import dispatch
     from maxsim_cli.scoring.request import ScoreRequest
@@ -222,7 +236,12 @@ def _score(
 
     q = _as_queries(queries)
     corpus_obj, owned = _as_corpus(corpus)
+    exact_obj, exact_owned = (None, False)
     try:
+        if exact_from is not None:
+            exact_obj, exact_owned = _as_corpus(exact_from)
+        elif depth is not None:
+            raise UsageError(f"{DEPTH.given(depth)} goes with {EXACT_FROM}: give both, or neither")
         if len(q) == 0 and q.dim == 0:  # no queries from memory, so no dim: the corpus's
             q = _no_queries(q, corpus_obj.dim)
         run_candidates = None if candidates is None else _as_candidates(candidates)
@@ -239,20 +258,30 @@ def _score(
             max_host_memory=_size(max_host_memory, "max_host_memory"),
             batch_queries=batch_queries,
             show_progress=show_progress,
+            exact_from=None if exact_obj is None else (tuple(exact_obj.paths) or (exact_obj.name,)),
+            depth=depth,
         )
         check_same_dim(q.batch, q.name, corpus_obj)
+        if exact_obj is not None:
+            check_same_dim(q.batch, q.name, exact_obj)
         # no queries, another encoder or normalisation: `MaxsimWarning`s (strict: `InputError`); shards
         # skipped for holding no documents were reported when the corpus was opened
-        report_notes(input_notes(corpus_obj, q.batch, q.name, skipped=False), strict=strict, log=_log)
+        notes_of = corpus_obj if exact_obj is None else exact_obj  # the scores' corpus
+        report_notes(input_notes(notes_of, q.batch, q.name, skipped=False), strict=strict, log=_log)
         collector = RunCollector()
-        # how it runs (one launch, a thread a device, the engine): `dispatch` decides
+        # how it runs (two stages, one launch, a thread a device, the engine): `dispatch` decides
         stats = dispatch.run_call(
-            request, corpus_obj, q.batch, collector, candidates=run_candidates, log=_log
+            request, corpus_obj, q.batch, collector, candidates=run_candidates, exact=exact_obj, log=_log
         )
-        return collector.run(stats, inputs=_input_paths(q, corpus_obj, candidates))
+        inputs = _input_paths(q, corpus_obj, candidates)
+        if exact_obj is not None:
+            inputs += _input_paths(q, exact_obj, None)
+        return collector.run(stats, inputs=inputs)
     finally:
         if owned:
             corpus_obj.close()
+        if exact_owned and exact_obj is not None:
+            exact_obj.close()
 
 
 def _at_least_one(value: Any, option: Option) -> int:

@@ -39,6 +39,10 @@ CODEBOOK_KEY = "codebook"
 CODEBOOK_SHA256_KEY = "codebook_sha256"
 NUM_CENTROIDS_KEY = "num_centroids"
 CODES_VERSION_KEY = "codes_version"
+# shard metadata keys of every quantized shard: the float corpus it was made from (its number of documents
+# and the sha256 of its ids in order), which `maxsim score --exact-from` checks the exact tier against
+SOURCE_DOCS_KEY = "source_num_docs"
+SOURCE_IDS_KEY = "source_ids_sha256"
 BITS = {8: "int8-per-token", 4: "int4-per-token", 2: "residual2-kmeans"}
 MAX_CENTROIDS = 1 << 18  # the peers' largest (PLAID: 2^16-2^18)
 DEFAULT_SAMPLE_TOKENS = 1 << 18  # k-means sample: 128 MiB of fp32 at dim 128
@@ -75,6 +79,40 @@ def default_centroids(num_tokens: int) -> int:
     """ColBERTv2's rule: the power of two nearest 16 * sqrt(tokens), between 1 and MAX_CENTROIDS."""
     wanted = 16 * math.sqrt(max(1, num_tokens))
     return int(min(MAX_CENTROIDS, 2 ** round(math.log2(wanted))))
+
+
+def ids_sha256(shards: Any) -> str:
+    """The sha256 of a corpus's document ids in corpus order, each id's UTF-8 bytes followed by a newline
+    (ids hold no whitespace): the identity `SOURCE_IDS_KEY` records."""
+    digest = hashlib.sha256()
+    for shard in shards:
+        ids = shard.ids
+        if ids:
+            digest.update(("\n".join(ids) + "\n").encode("utf-8"))
+    return digest.hexdigest()
+
+
+def source_metadata(corpus: Any) -> dict[str, str]:
+    """The metadata keys that name ``corpus`` (an open `Corpus`) as the source of a quantized one."""
+    return {SOURCE_DOCS_KEY: str(corpus.num_docs), SOURCE_IDS_KEY: ids_sha256(corpus.shards)}
+
+
+def check_same_documents(compressed: Any, exact: Any, compressed_name: str, exact_name: str) -> None:
+    """Refuse, in one line naming both, an exact tier that is not the corpus the compressed tier was
+    quantized from: every shard of ``compressed`` records that corpus (`source_metadata`), which must be
+    ``exact``'s documents in the same order."""
+    sources = {s.info.source for s in compressed.shards}
+    if None in sources or len(sources) != 1:
+        raise InputError(
+            f"{compressed_name}: records no single source corpus (a corpus written by this version of "
+            f"`maxsim quantize` does); quantize {exact_name} again to use it with --exact-from"
+        )
+    num_docs, sha = sources.pop()
+    if num_docs != exact.num_docs or sha != ids_sha256(exact.shards):
+        raise InputError(
+            f"{compressed_name} was quantized from another corpus than {exact_name} ({num_docs:,} documents "
+            f"there, {exact.num_docs:,} here, or other ids or order); give the corpus it was quantized from"
+        )
 
 
 def _err(path: str, message: str) -> InputError:

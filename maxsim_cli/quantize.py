@@ -395,9 +395,11 @@ def quantize_corpus(
         except OutputWriteError as exc:
             raise exc.naming(output_dir) from None
         try:
-            codebook, code_meta, extra_files = None, {}, []
+            codebook, extra_files = None, []
+            # every quantized shard names its source corpus: `maxsim score --exact-from` checks it
+            code_meta = codecs.source_metadata(corpus)
             if quantization != "int8-per-token":
-                code_meta = {codecs.CODES_VERSION_KEY: codecs.CODES_VERSION}
+                code_meta[codecs.CODES_VERSION_KEY] = codecs.CODES_VERSION
             if quantization == "residual2-kmeans":
                 sample = _kmeans_sample(corpus, kmeans_sample_tokens, np.random.default_rng(seed))
                 wanted = num_centroids or codecs.default_centroids(corpus.num_tokens)

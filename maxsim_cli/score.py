@@ -42,6 +42,8 @@ def score(
     show_progress: bool = False,
     log: Logger = log_to_stderr,
     devices: str | None = None,
+    exact_from: Sequence[str] | None = None,
+    depth: int | None = None,
 ) -> ScoreStats:
     """Score the queries of ``queries`` against the shards ``corpus`` and write a run to ``output``.
 
@@ -52,7 +54,10 @@ def score(
     (`maxsim_cli.memory`). Returns the stats;
     raises `UsageError` / `InputError` / `MaxsimError` with one-line messages, leaving no output file.
     ``devices`` (``"0,1"``, ``"all"``, ``"cpu:N"``) or a torchrun environment makes it a job of several
-    processes with the same output (`maxsim_cli.parallel`).
+    processes with the same output (`maxsim_cli.parallel`). ``exact_from`` (shard files or folders)
+    makes ``corpus`` a compressed tier (`maxsim quantize`) scanned for each query's top ``depth``
+    (default: `maxsim_cli.scoring.request.DEFAULT_DEPTH` or twice ``top_k``), whose candidates are
+    then scored exactly from ``exact_from``, the corpus it was quantized from.
     """
     request = ScoreRequest(
         queries=queries,
@@ -71,6 +76,8 @@ def score(
         reader_threads=reader_threads,
         show_progress=show_progress,
         devices=devices,
+        exact_from=None if exact_from is None else tuple(exact_from),
+        depth=depth,
     )
     return run_files(request, log=log)
 

@@ -88,6 +88,21 @@ def register(app: typer.Typer) -> None:
             "0,1,... or all (a thread per GPU in this process), or cpu:N (N worker processes). Under "
             "torchrun leave it out (each rank takes cuda:LOCAL_RANK). The run is the same.",
         ),
+        exact_from: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--exact-from",
+                help="CORPUS is a compressed tier (maxsim quantize): scan it for each query's top --depth, "
+                "then score those candidates exactly from these shards, the corpus it was quantized from "
+                "(only the candidates' rows are read). Repeat for several files or folders.",
+            ),
+        ] = None,
+        depth: int | None = typer.Option(
+            None,
+            "--depth",
+            help="With --exact-from: candidates a query taken from the compressed tier (default: 1000 or "
+            "twice --top-k, whichever is larger; at least --top-k).",
+        ),
     ) -> None:
         """Score queries against a corpus of shards with exact MaxSim and write a TREC run.
 
@@ -95,7 +110,8 @@ def register(app: typer.Typer) -> None:
         first-stage run. Results are ordered by score, ties by docno descending; the same inputs give
         the same bytes whatever the memory budget, batch sizes or shard order. The run goes to stdout
         (or -o), the progress bar and a summary line to stderr. With --devices, or under torchrun, the
-        shards are shared among ranks and rank 0 writes the same run (docs/scaling.md).
+        shards are shared among ranks and rank 0 writes the same run (docs/scaling.md). A corpus of
+        4-bit or 2-bit codes gives approximate scores; with --exact-from the top of it is scored exactly.
 
         Example: maxsim score sample_data/queries.safetensors sample_data/corpus -k 100 -o run.trec
         """
@@ -112,7 +128,7 @@ def register(app: typer.Typer) -> None:
 
         timeline.mark("imports")
 
-        _check_outputs(output, stats_json, [queries, *corpus, candidates])
+        _check_outputs(output, stats_json, [queries, *corpus, candidates, *(exact_from or [])])
         stats = score(
             queries,
             corpus,
@@ -133,6 +149,8 @@ def register(app: typer.Typer) -> None:
             batch_queries=batch_queries,
             show_progress=progress_enabled(quiet),
             devices=devices,
+            exact_from=exact_from,
+            depth=depth,
         )
         if stats.extra.get("rank", 0):  # a torchrun rank other than 0: rank 0 reports for the job
             return

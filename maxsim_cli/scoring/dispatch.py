@@ -14,6 +14,8 @@ and a served rerank batch (`maxsim_cli.service.batching.Scorer`: `plan_served_re
 | ``resident`` | `parallel.resident.score_resident`: a thread a device | resident on several devices |
 | ``engine`` | `scoring.engine.run`: an open corpus on one device, streamed or resident | otherwise |
 | ``library`` | the library's `search` / `rerank`, which plans its call here | a served batch, not direct |
+| ``two-stage`` | `run_two_stage`: the compressed tier's top ``depth`` (a call plan), then those candidates \
+exactly from ``exact_from`` (a call plan) | ``--exact-from`` / ``exact_from`` |
 
 This module sits above `maxsim_cli.parallel` (it starts jobs) and below the entry points; the engine
 and the parallel package never import it.
@@ -44,6 +46,7 @@ DIRECT = "direct"
 RESIDENT = "resident"
 ENGINE = "engine"
 LIBRARY = "library"
+TWO_STAGE = "two-stage"
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,10 @@ def plan_files(request: ScoreRequest) -> Plan:
     """The plan of a run from files (`maxsim score`): a torchrun rank, a job of several devices
     (``request.devices``), or this process on one device. Usage errors for options that contradict."""
     devices = request.devices
+    if request.two_stage:
+        if world_size() > 1:
+            raise UsageError("--exact-from runs on one device; run it without torchrun")
+        return Plan(TWO_STAGE, (request.device,))
     if world_size() > 1:
         if devices is not None:
             raise UsageError(
@@ -95,6 +102,10 @@ def plan_files(request: ScoreRequest) -> Plan:
 def run_files(request: ScoreRequest, *, log: Logger = log_to_stderr) -> ScoreStats:
     """Run ``request`` (inputs on disk, a run file out) as `plan_files` plans it; its stats."""
     plan = plan_files(request)
+    if plan.path == TWO_STAGE:
+        from maxsim_cli.scoring import two_stage
+
+        return two_stage.score_files(request, run_two_stage, log=log)
     if plan.path == RANK:
         from maxsim_cli.parallel.ranks import run_rank
 
@@ -127,9 +138,12 @@ def call_request(request: ScoreRequest, corpus: Corpus) -> ScoreRequest:
 
 
 def plan_call(request: ScoreRequest, corpus: Corpus, num_queries: int, pairs: int) -> Plan:
-    """The plan of a library call (`call_request`'s request, ``pairs`` (query, document) pairs):
-    one launch on a resident corpus when it is small (`direct.eligible`), a thread a device for a
-    corpus resident on several (with ``device="auto"``), else the engine."""
+    """The plan of a library call (`call_request`'s request, ``pairs`` (query, document) pairs): the
+    two stages with ``exact_from`` (each stage a call planned here), one launch on a resident corpus
+    when it is small (`direct.eligible`), a thread a device for a corpus resident on several (with
+    ``device="auto"``), else the engine."""
+    if request.two_stage:
+        return Plan(TWO_STAGE, (request.device,))
     if corpus.residency is not None:
         from maxsim_cli.scoring import direct
 
@@ -148,12 +162,18 @@ def run_call(
     sink: Any,
     *,
     candidates: dict[str, list[tuple[str, float]]] | None = None,
+    exact: Corpus | None = None,
     log: Logger = log_to_stderr,
 ) -> ScoreStats:
     """Score ``queries`` against the open ``corpus`` into ``sink`` as `plan_call` plans it; its stats. The
-    direct path hands a call that runs out of device memory to the engine."""
+    direct path hands a call that runs out of device memory to the engine. ``exact``: the open corpus
+    ``request.exact_from`` names, for a two-stage search."""
     from maxsim_cli.scoring import engine
 
+    if request.two_stage:
+        if exact is None:
+            raise ValueError("run_call: a two-stage request needs the open exact corpus (exact=)")
+        return run_two_stage(request, corpus, exact, queries, sink, log=log)
     request = call_request(request, corpus)
     nq = len(queries.ids)
     pairs = nq * len(corpus) if candidates is None else sum(len(rows) for rows in candidates.values())
@@ -171,6 +191,33 @@ def run_call(
         request.check()
         return score_resident(request, corpus, queries, sink, candidates=candidates, log=log)
     return engine.run(request, corpus, queries, sink, candidates=candidates, log=log)
+
+
+def run_two_stage(
+    request: ScoreRequest,
+    compressed: Corpus,
+    exact: Corpus,
+    queries: DocBatch,
+    sink: Any,
+    *,
+    log: Logger = log_to_stderr,
+) -> ScoreStats:
+    """The ``two-stage`` path: each query's top ``request.search_depth`` from the compressed tier, then
+    those candidates scored exactly from ``exact`` (only their rows read) into ``sink``, cut to
+    ``top_k``. Each stage runs as `plan_call` plans it (a resident tier: one launch). The tiers are
+    checked to hold the same documents first (`two_stage.check_tiers`)."""
+    from maxsim_cli.run import RunCollector
+    from maxsim_cli.scoring import two_stage
+
+    request.check()
+    two_stage.check_tiers(request, compressed, exact)
+    scan_name, _ = two_stage.tier_names(request, compressed, exact)
+    scan_request, exact_request = two_stage.stage_requests(request, scan_name)
+    found = RunCollector()
+    scan_stats = run_call(scan_request, compressed, queries, found, log=log)
+    candidates = found.run().to_dict()
+    exact_stats = run_call(exact_request, exact, queries, sink, candidates=candidates, log=log)
+    return two_stage.merge_stats(request, compressed, scan_stats, exact_stats)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ import torch
 from maxsim_kernels import NonFiniteDocuments, resolve_backend, share_device_copy
 
 from maxsim_cli import settings, timeline, tuning
-from maxsim_cli.codecs import code_width, has_scales
+from maxsim_cli.codecs import CODE_QUANTIZATIONS, code_width, has_scales
 from maxsim_cli.devices import DEFAULT_GPU_FREE_SHARE
 from maxsim_cli.errors import (
     BATCH_QUERIES,
@@ -162,6 +162,8 @@ def _run(
         backend=backend,
         output=request.output,
     )
+    if corpus.quantization in CODE_QUANTIZATIONS:  # the compressed tier's scores; exact: --exact-from
+        stats.extra.update(scores="approximate", quantization=corpus.quantization)
     host_budget = host_budget_of(request)
     threads = reader_threads(request, cuda)
     # A corpus resident on this device (`Corpus.to`) is scored from its device tensors: nothing to read,

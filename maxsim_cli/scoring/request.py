@@ -9,7 +9,19 @@ from dataclasses import dataclass
 import torch
 
 from maxsim_cli.devices import check_backend_option, resolve_device
-from maxsim_cli.errors import BATCH_QUERIES, MAX_HOST_MEMORY, MAX_MEMORY, TOP_K, UsageError
+from maxsim_cli.errors import (
+    BATCH_QUERIES,
+    DEPTH,
+    EXACT_FROM,
+    MAX_HOST_MEMORY,
+    MAX_MEMORY,
+    TOP_K,
+    UsageError,
+)
+
+# The compressed tier's candidates a query that `exact_from` scores exactly, by default: the largest of
+# this and 2 * top_k. Chosen from recall of the exact top-10 and top-100 (docs/two-stage.md).
+DEFAULT_DEPTH = 1000
 
 
 @dataclass(frozen=True)
@@ -32,6 +44,10 @@ class ScoreRequest:
     reader_threads: int | None = None
     show_progress: bool = False
     devices: str | None = None
+    # two-stage search: ``corpus`` is a compressed tier, scanned for each query's top ``depth``; those
+    # candidates are scored exactly from the shards ``exact_from`` (the corpus it was quantized from)
+    exact_from: tuple[str, ...] | None = None
+    depth: int | None = None
 
     def __post_init__(self) -> None:
         # paths may come as os.PathLike, the corpus as any sequence (a list from JSON)
@@ -41,6 +57,20 @@ class ScoreRequest:
         object.__setattr__(self, "output", str(self.output))
         if self.candidates is not None:
             object.__setattr__(self, "candidates", str(self.candidates))
+        if self.exact_from is not None:
+            exact: Sequence[str] = self.exact_from
+            object.__setattr__(self, "exact_from", tuple(str(p) for p in exact))
+
+    @property
+    def two_stage(self) -> bool:
+        """Whether the corpus is a compressed tier whose candidates are scored exactly (``exact_from``)."""
+        return self.exact_from is not None
+
+    @property
+    def search_depth(self) -> int:
+        """The compressed tier's candidates a query in a two-stage search: ``depth``, or by default the
+        larger of `DEFAULT_DEPTH` and twice ``top_k``."""
+        return self.depth if self.depth is not None else max(DEFAULT_DEPTH, 2 * self.top_k)
 
     @property
     def mode(self) -> str:
@@ -81,4 +111,28 @@ class ScoreRequest:
         if self.max_host_memory is not None and self.max_host_memory <= 0:
             raise UsageError(f"{MAX_HOST_MEMORY} must be positive")
         RunWriter(self.output, tag=self.run_tag, fmt=self.fmt)  # checks the tag; opens nothing
+        self._check_two_stage()
         return device
+
+    def _check_two_stage(self) -> None:
+        if self.exact_from is None:
+            if self.depth is not None:
+                raise UsageError(f"{DEPTH.given(self.depth)} goes with {EXACT_FROM}: give both, or neither")
+            return
+        if not self.exact_from or any(p == "-" for p in self.exact_from):
+            raise UsageError(f"{EXACT_FROM} needs the shard files or folders of the exact corpus")
+        if self.candidates is not None:
+            raise UsageError(
+                f"{EXACT_FROM} finds its candidates in the compressed corpus; a first-stage run "
+                f"({self.candidates_name}) is reranked without it"
+            )
+        if self.devices is not None:
+            raise UsageError(f"{EXACT_FROM} runs on one device; leave --devices out")
+        if self.depth is not None and self.depth < 1:
+            raise UsageError(f"{DEPTH.given(self.depth)}: must be at least 1")
+        if self.depth is not None and self.depth < self.top_k:
+            # the exact tier sees only the compressed tier's top `depth`: fewer than k would come back
+            raise UsageError(
+                f"{DEPTH.given(self.depth)} is below {TOP_K.given(self.top_k)}: the exact scores come for "
+                f"the compressed tier's top {self.depth} only; give a depth of at least {self.top_k}"
+            )

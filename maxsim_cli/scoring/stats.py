@@ -76,6 +76,15 @@ class ScoreStats:
         candidates found in the corpus, of the queries that had some), their rate, and what was read."""
         gpu = f", peak GPU {format_size(self.peak_gpu_bytes)}" if self.peak_gpu_bytes is not None else ""
         n = format_count
+        two = self.extra.get("two_stage")
+        if self.mode == "two-stage" and two is not None:
+            work = (
+                f"searched {format_counted(self.queries, 'query', 'queries')} x "
+                f"{format_counted(two['scan_documents'], 'document', 'documents')} in "
+                f"{two['compressed_quantization']} (top {n(two['depth'])} each, {two['scan_wall_s']:.2f} s), "
+                f"then scored {n(self.pairs)} candidates exactly ({self.wall_s - two['scan_wall_s']:.2f} s)"
+            )
+            return f"{work}: {self.wall_s:.2f} s in all on {self.device}{gpu}; the scores are exact"
         if self.mode == "rerank":
             without = self.queries - self.queries_with_candidates
             none = f"; {n(without)} of {n(self.queries)} queries had none" if without > 0 else ""
@@ -92,9 +101,15 @@ class ScoreStats:
                 f"{format_counted(self.documents, 'document', 'documents')} = {n(self.pairs)} pairs "
                 f"({n(self.tokens)} document tokens)"
             )
+        approximate = ""
+        if self.extra.get("scores") == "approximate":
+            approximate = (
+                f"; the scores are the {self.extra.get('quantization')} codes' (approximate: --exact-from "
+                "CORPUS scores the top documents exactly)"
+            )
         return (
             f"{work} in {self.wall_s:.2f} s: {format_rate(self.pairs, self.wall_s, 'pairs')} "
-            f"on {self.device}{gpu}"
+            f"on {self.device}{gpu}{approximate}"
         )
 
     def write_json(self, path: str) -> None:

@@ -28,6 +28,8 @@ from maxsim_cli.codecs import (
     CODES_VERSION,
     CODES_VERSION_KEY,
     NUM_CENTROIDS_KEY,
+    SOURCE_DOCS_KEY,
+    SOURCE_IDS_KEY,
     code_width,
     has_scales,
 )
@@ -203,6 +205,8 @@ class ShardInfo:
     codebook: str | None = None
     codebook_sha256: str | None = None
     num_centroids: int = 0
+    # a quantized shard: the corpus it was made from, (documents, sha256 of the ids in order)
+    source: tuple[int, str] | None = None
 
     @property
     def width(self) -> int:
@@ -311,9 +315,9 @@ def _code_metadata(
     path: str, meta: dict[str, str], where: str, quantization: str, dim: int
 ) -> dict[str, Any]:
     """The keys of a codes shard (docs/format.md, "Codes below 8 bits"), checked; `width`, the values a
-    token takes in `embeddings`, for every shard."""
+    token takes in `embeddings`, and the `source` a quantized shard records, for every shard."""
     values: dict[str, Any] = {"width": code_width(quantization, dim), "codebook": None}
-    values.update(codebook_sha256=None, num_centroids=0)
+    values.update(codebook_sha256=None, num_centroids=0, source=_source(path, meta, where))
     if quantization not in CODE_QUANTIZATIONS:
         return values
     if meta.get(CODES_VERSION_KEY) != CODES_VERSION:
@@ -340,6 +344,20 @@ def _code_metadata(
             raise input_error(path, f"{NUM_CENTROIDS_KEY} {count!r} in {where} is not a positive integer")
         values.update(codebook=meta[CODEBOOK_KEY], codebook_sha256=sha, num_centroids=int(count))
     return values
+
+
+def _source(path: str, meta: dict[str, str], where: str) -> tuple[int, str] | None:
+    """The source corpus a quantized shard records (`SOURCE_DOCS_KEY`, `SOURCE_IDS_KEY`), or None."""
+    docs, sha = meta.get(SOURCE_DOCS_KEY), meta.get(SOURCE_IDS_KEY)
+    if docs is None and sha is None:
+        return None
+    if not (docs and docs.isascii() and docs.isdigit() and sha and re.fullmatch(r"[0-9a-f]{64}", sha)):
+        raise input_error(
+            path,
+            f"{SOURCE_DOCS_KEY} {docs!r} and {SOURCE_IDS_KEY} {sha!r} in {where}: expected a document count "
+            "and 64 hex digits; the file is damaged: quantize again",
+        )
+    return int(docs), sha
 
 
 def parse_patch_grid(grid: Any, start: Any, where: str) -> tuple[tuple[int, int] | None, int]:

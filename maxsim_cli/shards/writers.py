@@ -28,6 +28,8 @@ from maxsim_cli.codecs import (
     CODEBOOK_KEY,
     CODEBOOK_SHA256_KEY,
     NUM_CENTROIDS_KEY,
+    SOURCE_DOCS_KEY,
+    SOURCE_IDS_KEY,
     code_width,
     has_scales,
 )
@@ -175,6 +177,11 @@ class ShardWriter:
             meta[PATCH_GRID_KEY] = f"{self.patch_grid[0]}x{self.patch_grid[1]}"
             meta[PATCH_START_KEY] = str(self.patch_start)
         return meta
+
+    def _source(self) -> tuple[int, str] | None:
+        """The source corpus the metadata records (`maxsim quantize`), or None."""
+        docs, sha = self.code_metadata.get(SOURCE_DOCS_KEY), self.code_metadata.get(SOURCE_IDS_KEY)
+        return None if docs is None or sha is None else (int(docs), sha)
 
     def _check_new_ids(self, ids: Sequence[str | int]) -> list[str]:
         out = []
@@ -448,6 +455,7 @@ class ShardWriter:
             self.code_metadata.get(CODEBOOK_KEY),
             self.code_metadata.get(CODEBOOK_SHA256_KEY),
             int(self.code_metadata.get(NUM_CENTROIDS_KEY, 0)),
+            self._source(),
         )
 
     def abort(self) -> None:

@@ -1,0 +1,122 @@
+"""The two-stage search (`maxsim score COMPRESSED --exact-from CORPUS`, ``search(..., exact_from=...)``):
+the compressed tier (int8, or the codes of `maxsim quantize --bits 4/2`) is scanned for each query's
+top ``depth``, then those candidates are scored exactly from CORPUS, the corpus the tier was quantized
+from, by the engine's rerank path (which reads only the candidates' rows), and the top k written with
+their exact scores. `maxsim_cli.scoring.dispatch` plans and runs it (the ``two-stage`` path); this
+module holds its parts: the two stages' requests, the check that both tiers hold the same documents,
+the stats of the whole, and the opening of its inputs for `maxsim score`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from maxsim_cli.codecs import CODE_QUANTIZATIONS, check_same_documents
+from maxsim_cli.errors import EXACT_FROM, InputError
+from maxsim_cli.parallel.environment import Logger
+from maxsim_cli.queries import read_queries
+from maxsim_cli.runs import RunWriter
+from maxsim_cli.scoring.request import ScoreRequest
+from maxsim_cli.scoring.resources import corpus_name
+from maxsim_cli.scoring.stats import ScoreStats
+from maxsim_cli.shards import Corpus, check_same_dim, input_notes, open_corpus, report_notes
+from maxsim_cli.shards.files import check_output
+
+TwoStageRunner = Callable[..., ScoreStats]
+
+
+def tier_names(request: ScoreRequest, compressed: Corpus, exact: Corpus) -> tuple[str, str]:
+    """The two tiers as messages name them: the paths given, or an in-memory corpus's name."""
+    scan_name = corpus_name(request.corpus) if compressed.paths else compressed.name
+    assert request.exact_from is not None
+    exact_name = corpus_name(request.exact_from) if exact.paths else exact.name
+    return scan_name, exact_name
+
+
+def stage_requests(request: ScoreRequest, scan_name: str) -> tuple[ScoreRequest, ScoreRequest]:
+    """The requests of the two stages: the compressed scan keeps each query's top ``depth``; the exact
+    stage reranks those candidates from ``exact_from`` and keeps ``top_k``."""
+    assert request.exact_from is not None
+    depth = request.search_depth
+    scan = dataclasses.replace(request, top_k=depth, exact_from=None, depth=None)
+    exact = dataclasses.replace(
+        request,
+        corpus=request.exact_from,
+        candidates=f"the top {depth} of {scan_name}",
+        exact_from=None,
+        depth=None,
+    )
+    return scan, exact
+
+
+def check_tiers(request: ScoreRequest, compressed: Corpus, exact: Corpus) -> None:
+    """Both tiers hold the same documents (the compressed tier records the corpus it was quantized
+    from), the exact one in full precision: `InputError`s naming both."""
+    scan_name, exact_name = tier_names(request, compressed, exact)
+    if exact.quantization in CODE_QUANTIZATIONS:
+        raise InputError(
+            f"{exact_name}: holds {exact.quantization} codes, not exact scores; {EXACT_FROM} takes the "
+            "corpus they were quantized from"
+        )
+    check_same_documents(compressed, exact, scan_name, exact_name)
+
+
+def merge_stats(request: ScoreRequest, compressed: Corpus, scan: ScoreStats, exact: ScoreStats) -> ScoreStats:
+    """The stats of the whole: the exact stage's, as mode ``two-stage``, with the scan's counts and times
+    under ``two_stage`` and the times of both added."""
+    stats = dataclasses.replace(exact, extra=dict(exact.extra))
+    stats.mode = "two-stage"
+    stats.output = request.output
+    for name in ("wall_s", "read_s", "copy_s", "score_s", "wait_s", "setup_s", "write_s"):
+        setattr(stats, name, getattr(scan, name) + getattr(exact, name))
+    stats.bytes_read = scan.bytes_read + exact.bytes_read
+    if scan.peak_gpu_bytes is not None:
+        stats.peak_gpu_bytes = max(scan.peak_gpu_bytes, exact.peak_gpu_bytes or 0)
+    stats.peak_host_bytes = max(scan.peak_host_bytes, exact.peak_host_bytes)
+    stats.extra.pop("scores", None)
+    stats.extra.pop("quantization", None)
+    stats.extra["scores"] = "exact"
+    stats.extra["two_stage"] = {
+        "depth": request.search_depth,
+        "compressed_quantization": compressed.quantization,
+        "scan_documents": scan.documents,
+        "scan_tokens": scan.tokens,
+        "scan_pairs": scan.pairs,
+        "scan_bytes_read": scan.bytes_read,
+        "scan_wall_s": scan.wall_s,
+        "exact_pairs": exact.pairs,
+        "exact_bytes_read": exact.bytes_read,
+        "exact_wall_s": exact.wall_s,
+    }
+    return stats
+
+
+def score_files(request: ScoreRequest, run: TwoStageRunner, *, log: Logger) -> ScoreStats:
+    """`maxsim score QUERIES COMPRESSED --exact-from CORPUS`: open both tiers and the queries, and hand
+    them to ``run`` (`dispatch.run_two_stage`) with the run file as the sink; both corpora are closed on
+    every exit path, and nothing is written before the exact stage writes the run."""
+    started = time.perf_counter()
+    request.check()
+    assert request.exact_from is not None
+    check_output(request.output, [request.queries, *request.corpus, *request.exact_from])
+    writer = RunWriter(request.output, tag=request.run_tag, fmt=request.fmt)  # opens only in the pass
+    with open_corpus(list(request.corpus)) as compressed, open_corpus(list(request.exact_from)) as exact:
+        queries = read_queries(request.queries).batch
+        check_same_dim(queries, request.query_name, compressed)
+        check_same_dim(queries, request.query_name, exact)
+        notes = input_notes(compressed) + input_notes(exact, queries, request.query_name)
+        report_notes(notes, strict=request.strict, log=log)
+        stats = run(request, compressed, exact, queries, writer, log=log)
+    stats.wall_s = time.perf_counter() - started
+    return stats
+
+
+__all__ = [
+    "check_tiers",
+    "merge_stats",
+    "score_files",
+    "stage_requests",
+    "tier_names",
+]
