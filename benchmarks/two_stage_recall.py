@@ -4,8 +4,9 @@ For each codec (`maxsim quantize --bits 8/4/2`) the compressed corpus is searche
 N, and the exact (float) top-k is looked for in it: recall@k(N) = |exact top-k within compressed top-N| / k,
 averaged over the queries. The two-stage search returns exactly the exact top-k whenever that recall is 1.
 
-    python benchmarks/two_stage_recall.py --corpus sample_data/corpus --queries sample_data/queries.safetensors
-    python benchmarks/two_stage_recall.py --random 20000 --device cpu
+    python benchmarks/two_stage_recall.py --corpus sample_data/corpus \
+        --queries sample_data/queries.safetensors --device cpu
+    python benchmarks/two_stage_recall.py --random 10000 --device cpu
 
 Prints one table row per (codec, k, depth); with --json, one JSON object per row on stdout.
 """
@@ -21,8 +22,8 @@ import numpy as np
 import torch
 
 from maxsim_cli import open_corpus, read_queries, search
-from maxsim_cli.shards import write_shard
 from maxsim_cli.quantize import quantize_corpus
+from maxsim_cli.shards import write_shard
 
 DEPTHS = (10, 20, 50, 100, 200, 300, 500, 1000, 2000)
 
@@ -45,7 +46,9 @@ def random_ragged(folder: str, num_docs: int, num_queries: int, dim: int, seed: 
     return corpus, queries
 
 
-def recall_rows(exact: dict, compressed: dict, ks: list[int], depths: list[int]) -> list[tuple[int, int, float, float]]:
+def recall_rows(
+    exact: dict, compressed: dict, ks: list[int], depths: list[int]
+) -> list[tuple[int, int, float, float]]:
     """(k, depth, mean recall, worst query's recall) for every k and depth."""
     rows = []
     for k in ks:
@@ -79,7 +82,9 @@ def main() -> None:
         if args.corpus:
             corpus_path, queries_path = args.corpus, args.queries
         else:
-            corpus_path, queries_path = random_ragged(tmp, args.random, args.random_queries, args.dim, args.seed)
+            corpus_path, queries_path = random_ragged(
+                tmp, args.random, args.random_queries, args.dim, args.seed
+            )
         queries = read_queries(queries_path)
         with open_corpus(corpus_path) as corpus:
             num_docs = len(corpus)
@@ -88,7 +93,9 @@ def main() -> None:
         label = args.corpus or f"random ragged {args.random} docs x 20-300 tokens, dim {args.dim}"
         for bits in [int(b) for b in args.bits.split(",")]:
             out = os.path.join(tmp, f"bits{bits}")
-            quantize_corpus([corpus_path], out, bits=bits, device=args.device, sample_queries=0, seed=args.seed)
+            quantize_corpus(
+                [corpus_path], out, bits=bits, device=args.device, sample_queries=0, seed=args.seed
+            )
             with open_corpus(out) as compressed:
                 approx = search(queries, compressed, k=max(depths), device=args.device).to_dict()
             for k, depth, mean, worst in recall_rows(exact, approx, ks, depths):
@@ -96,7 +103,9 @@ def main() -> None:
                 if args.json:
                     print(json.dumps(row))
                 else:
-                    print(f"bits {bits}  k {k:4d}  depth {depth:5d}  recall {mean:.4f}  worst query {worst:.2f}")
+                    print(
+                        f"bits {bits}  k {k:4d}  depth {depth:5d}  recall {mean:.4f}  worst query {worst:.2f}"
+                    )
 
 
 if __name__ == "__main__":

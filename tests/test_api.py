@@ -630,7 +630,8 @@ def test_search_and_rerank_take_the_same_keywords() -> None:
         return {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
 
     searching, reranking = keywords(search), keywords(rerank)
-    assert set(searching) - {"batch_queries"} == set(reranking)
+    # search alone: its query batches and the two-stage search (a compressed corpus, exact scores)
+    assert set(searching) - {"batch_queries", "exact_from", "depth"} == set(reranking)
     assert {name: searching[name] for name in reranking if name != "k"} == {
         name: default for name, default in reranking.items() if name != "k"
     }
