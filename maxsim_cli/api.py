@@ -117,7 +117,8 @@ def search(
     A ``corpus`` of 4-bit or 2-bit codes (`maxsim quantize`) gives approximate scores
     (``run.stats.extra["scores"] == "approximate"``). With ``exact_from`` (the corpus it was quantized
     from, in any form ``corpus`` takes) the search has two stages: the compressed ``corpus`` gives each
-    query's top ``depth`` (default: 1000 or ``2 * k``, whichever is larger; at least ``k``), which are
+    query's top ``depth`` (at least ``k``; default: the larger of 1000 and ``5 * k``, for 2-bit codes of
+    2000 and ``20 * k``), which are
     then scored exactly from ``exact_from``: the scores are those a search of ``exact_from`` gives.
 
     >>> run = search("sample_data/queries.safetensors", "sample_data/corpus", k=3, device="cpu")

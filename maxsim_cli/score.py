@@ -56,7 +56,7 @@ def score(
     ``devices`` (``"0,1"``, ``"all"``, ``"cpu:N"``) or a torchrun environment makes it a job of several
     processes with the same output (`maxsim_cli.parallel`). ``exact_from`` (shard files or folders)
     makes ``corpus`` a compressed tier (`maxsim quantize`) scanned for each query's top ``depth``
-    (default: `maxsim_cli.scoring.request.DEFAULT_DEPTH` or twice ``top_k``), whose candidates are
+    (default: `maxsim_cli.scoring.request.default_depth`, by the tier's codec), whose candidates are
     then scored exactly from ``exact_from``, the corpus it was quantized from.
     """
     request = ScoreRequest(

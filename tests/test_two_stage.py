@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from maxsim_cli import search
 from maxsim_cli.cli import app
 from maxsim_cli.errors import InputError, UsageError
-from maxsim_cli.scoring.request import DEFAULT_DEPTH
+from maxsim_cli.scoring.request import default_depth
 from maxsim_cli.shards import write_shard
 
 SAMPLE = os.path.join(os.path.dirname(__file__), "..", "sample_data")
@@ -94,7 +94,7 @@ def test_recall_of_the_exact_top_k_at_the_default_depth_on_sample_data(tiers):
         for k in (10, 100):
             hits = [len({d for d, _ in exact[q][:k]} & {d for d, _ in two[q][:k]}) / k for q in exact]
             assert sum(hits) / len(hits) >= 0.99, (bits, k)
-    assert DEFAULT_DEPTH >= 100
+    assert default_depth("int4-per-token", 100) >= 400  # above the corpus: every document found
 
 
 def test_recall_at_a_measured_depth_below_the_corpus_size(tiers):
@@ -169,6 +169,8 @@ def test_api_names_its_keywords(tiers):
         search(QUERIES, CORPUS, k=5, exact_from=CORPUS, device="cpu")
 
 
-def test_default_depth_is_at_least_twice_k(tiers):
-    run = search(QUERIES, tiers[4], k=10, exact_from=CORPUS, device="cpu")
-    assert run.stats.extra["two_stage"]["depth"] == max(DEFAULT_DEPTH, 20)
+def test_default_depth_by_codec(tiers):
+    assert (default_depth("int4-per-token", 10), default_depth("int4-per-token", 1000)) == (1000, 5000)
+    assert (default_depth("residual2-kmeans", 10), default_depth("residual2-kmeans", 1000)) == (2000, 20000)
+    run = search(QUERIES, tiers[2], k=10, exact_from=CORPUS, device="cpu")
+    assert run.stats.extra["two_stage"]["depth"] == 2000

@@ -100,8 +100,8 @@ def register(app: typer.Typer) -> None:
         depth: int | None = typer.Option(
             None,
             "--depth",
-            help="With --exact-from: candidates a query taken from the compressed tier (default: 1000 or "
-            "twice --top-k, whichever is larger; at least --top-k).",
+            help="With --exact-from: candidates a query taken from the compressed tier, at least --top-k "
+            "(default: the larger of 1000 and 5 x --top-k; for 2-bit codes of 2000 and 20 x --top-k).",
         ),
     ) -> None:
         """Score queries against a corpus of shards with exact MaxSim and write a TREC run.

@@ -212,7 +212,7 @@ def run_two_stage(
     request.check()
     two_stage.check_tiers(request, compressed, exact)
     scan_name, _ = two_stage.tier_names(request, compressed, exact)
-    scan_request, exact_request = two_stage.stage_requests(request, scan_name)
+    scan_request, exact_request = two_stage.stage_requests(request, compressed, scan_name)
     found = RunCollector()
     scan_stats = run_call(scan_request, compressed, queries, found, log=log)
     candidates = found.run().to_dict()

@@ -19,9 +19,19 @@ from maxsim_cli.errors import (
     UsageError,
 )
 
-# The compressed tier's candidates a query that `exact_from` scores exactly, by default: the largest of
-# this and 2 * top_k. Chosen from recall of the exact top-10 and top-100 (docs/two-stage.md).
-DEFAULT_DEPTH = 1000
+# The compressed tier's candidates a query that `exact_from` scores exactly, by default: (floor, factor)
+# -> max(floor, factor * top_k), by the tier's quantization. Chosen from the recall of the exact top-10
+# and top-100 in the compressed top N (benchmarks/two_stage_recall.py, docs/two-stage.md): >= 0.99 on
+# sample_data and on 10K random ragged documents. 2-bit residual codes of random vectors (no clusters
+# for the centroids to find) needed N = 2000 for both; int8 and 4-bit 500 at most.
+DEFAULT_DEPTH = (1000, 5)
+DEFAULT_DEPTHS = {"residual2-kmeans": (2000, 20)}
+
+
+def default_depth(quantization: str, top_k: int) -> int:
+    """The default ``depth`` of a two-stage search whose compressed tier has this quantization."""
+    floor, factor = DEFAULT_DEPTHS.get(quantization, DEFAULT_DEPTH)
+    return max(floor, factor * top_k)
 
 
 @dataclass(frozen=True)
@@ -66,11 +76,10 @@ class ScoreRequest:
         """Whether the corpus is a compressed tier whose candidates are scored exactly (``exact_from``)."""
         return self.exact_from is not None
 
-    @property
-    def search_depth(self) -> int:
-        """The compressed tier's candidates a query in a two-stage search: ``depth``, or by default the
-        larger of `DEFAULT_DEPTH` and twice ``top_k``."""
-        return self.depth if self.depth is not None else max(DEFAULT_DEPTH, 2 * self.top_k)
+    def search_depth(self, quantization: str) -> int:
+        """The compressed tier's candidates a query in a two-stage search (the tier quantized so):
+        ``depth``, or `default_depth`."""
+        return self.depth if self.depth is not None else default_depth(quantization, self.top_k)
 
     @property
     def mode(self) -> str:

@@ -35,11 +35,13 @@ def tier_names(request: ScoreRequest, compressed: Corpus, exact: Corpus) -> tupl
     return scan_name, exact_name
 
 
-def stage_requests(request: ScoreRequest, scan_name: str) -> tuple[ScoreRequest, ScoreRequest]:
+def stage_requests(
+    request: ScoreRequest, compressed: Corpus, scan_name: str
+) -> tuple[ScoreRequest, ScoreRequest]:
     """The requests of the two stages: the compressed scan keeps each query's top ``depth``; the exact
     stage reranks those candidates from ``exact_from`` and keeps ``top_k``."""
     assert request.exact_from is not None
-    depth = request.search_depth
+    depth = request.search_depth(compressed.quantization)
     scan = dataclasses.replace(request, top_k=depth, exact_from=None, depth=None)
     exact = dataclasses.replace(
         request,
@@ -79,7 +81,7 @@ def merge_stats(request: ScoreRequest, compressed: Corpus, scan: ScoreStats, exa
     stats.extra.pop("quantization", None)
     stats.extra["scores"] = "exact"
     stats.extra["two_stage"] = {
-        "depth": request.search_depth,
+        "depth": request.search_depth(compressed.quantization),
         "compressed_quantization": compressed.quantization,
         "scan_documents": scan.documents,
         "scan_tokens": scan.tokens,
