@@ -384,3 +384,9 @@ def test_sort_trec_orders_long_lists_as_pythons_sort_does(n: int) -> None:
         keys = _float32_keys(scores).tolist()
         expected = sorted(range(n), key=lambda i: (keys[i], docnos[i]), reverse=True)
         assert sort_trec(docnos, scores) == expected
+    for _ in range(5):  # distinct scores: the scores alone decide (no docno array is built)
+        docnos = [f"d{rng.randrange(n)}" for _ in range(n)]
+        scores = rng.sample(range(-n, n), n)
+        keys = _float32_keys(scores).tolist()
+        expected = sorted(range(n), key=lambda i: (keys[i], docnos[i]), reverse=True)
+        assert sort_trec(docnos, scores) == expected
