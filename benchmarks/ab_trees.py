@@ -28,7 +28,7 @@ from common import add_score_args, prepare_score_corpus, sha256, write_json
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from maxsim_cli.score import score
+    from maxsim_cli.scoring.entry import score
 
     device = torch.device(args.device)
     corpora, qpath = prepare_score_corpus(args.workdir, device, args.size)

@@ -378,7 +378,7 @@ def bench_topics(device: torch.device) -> dict:
 
 def bench_e2e(work: str, inputs, device: torch.device) -> dict:
     from maxsim_cli.quantize import quantize_corpus
-    from maxsim_cli.score import score
+    from maxsim_cli.scoring.entry import score
     from maxsim_cli.shards import write_shard
 
     queries, q_off, docs, d_off = inputs
@@ -459,7 +459,7 @@ def bench_gpu(args: argparse.Namespace) -> dict:
 
 def bench_cpu(args: argparse.Namespace) -> dict:
     from maxsim_cli.evaluate import evaluate_run
-    from maxsim_cli.runs import RunWriter
+    from maxsim_cli.run_files import RunWriter
     from maxsim_cli.shards import open_corpus, read_queries
 
     torch.set_num_threads(os.cpu_count() or 1)

@@ -49,7 +49,7 @@ from common import DIM, MAX_LEN, MIN_LEN, QUERY_TOKENS, build_queries, read_file
 import maxsim_cli.scoring.plan as plan_module
 from maxsim_cli.parallel import launcher as job_launcher
 from maxsim_cli.parallel import threads as rank_threads
-from maxsim_cli.score import score
+from maxsim_cli.scoring.entry import score
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.shards import write_shard
 from maxsim_cli.shards.files import file_sha256

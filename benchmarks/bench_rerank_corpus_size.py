@@ -18,7 +18,7 @@ a batch of ``--reps`` calls each, round after round (which tree goes first alter
   corpus: the call a library user makes;
 - ``serve``: `maxsim_cli.service.batching.Scorer.score` of one rerank job: `maxsim serve`'s scoring step
   (after `maxsim_cli.service.app.index_ids`, which the server runs at start-up);
-- ``cli``: `maxsim_cli.score.score` of the query file against the corpus folder with a run file of
+- ``cli``: `maxsim_cli.scoring.entry.score` of the query file against the corpus folder with a run file of
   1,000 candidates, the corpus opened by the call (what ``maxsim score --candidates`` runs), once a round.
 
 Each worker also reports its set-up: opening the corpora, making them resident, the first API call
@@ -214,7 +214,7 @@ class Worker:
         return sha.hexdigest()
 
     def one_shot(self, size: str, count: int) -> dict[str, Any]:
-        from maxsim_cli.score import score
+        from maxsim_cli.scoring.entry import score
 
         out = os.path.join(self.workdir, f"cli-{os.getpid()}.trec")
         t0 = time.perf_counter()

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from maxsim_cli.runs import RunWriter
+from maxsim_cli.run_files import RunWriter
 
 
 def main() -> None:

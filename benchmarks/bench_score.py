@@ -4,7 +4,7 @@ Corpus: fp16 shards (safetensors, ~512 MiB each on the GPU, 128 MiB on the CPU) 
 token vectors, d = 128 (256 B a token), document lengths uniform in [20, 300] (mean 160 tokens), written
 with `maxsim_cli.shards.write_shard` to local disk. Queries: 32 tokens each.
 Everything is timed with a warm page cache (the files are read once before) and after a warm-up run on
-a small corpus (first Triton compile excluded); the end-to-end time is `maxsim_cli.score.score` called
+a small corpus (first Triton compile excluded); the end-to-end time is `maxsim_cli.scoring.entry.score` called
 in this process (no interpreter start), output written to a file with the default top-k 1000.
 
 ``gpu`` (one H200):
@@ -64,7 +64,7 @@ from common import (
     write_json,
 )
 
-from maxsim_cli.score import score
+from maxsim_cli.scoring.entry import score
 from maxsim_cli.shards import open_corpus
 from maxsim_cli.units import format_size, parse_size
 
@@ -80,7 +80,7 @@ def log(msg: str) -> None:
 def merge_time(num_queries: int, num_docs: int, k: int, device: torch.device, blocks: int = 20) -> dict:
     """Milliseconds per block of the engine's top-k merge (`RunningTopK.add`: order keys, then top-k of
     the block and of the block's best with the state), next to a plain float32 `torch.topk` of the block."""
-    from maxsim_cli.topk import RunningTopK
+    from maxsim_cli.scoring.topk import RunningTopK
 
     gen = torch.Generator(device=device).manual_seed(2)
     scores = [torch.randn(num_queries, num_docs, generator=gen, device=device) for _ in range(4)]

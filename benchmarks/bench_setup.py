@@ -16,7 +16,7 @@ import platform
 
 import torch
 
-from maxsim_cli import score as score_mod
+from maxsim_cli.scoring import entry as score_mod
 from maxsim_cli.scoring.engine import _Engine
 from maxsim_cli.shards import write_shard
 

@@ -556,7 +556,7 @@ def prepare_score_corpus(
     loaded before anything is timed. Returns (the shards by precision, "fp16" and "int8"; the query file).
     ``int8=False``: no int8 corpora (none made, none warmed, none returned)."""
     from maxsim_cli.quantize import quantize_corpus
-    from maxsim_cli.score import score
+    from maxsim_cli.scoring.entry import score
     from maxsim_cli.units import parse_size
 
     shard_bytes = 512 << 20 if dev.type == "cuda" else 4 << 20

@@ -95,14 +95,14 @@ def _wrap_engine(engine_module) -> None:  # noqa: ANN001
     engine.run_exhaustive, engine._score_block = traced_run_exhaustive, traced_score_block
     engine._timer_end = traced_timer_end
 
-    pipeline = sys.modules["maxsim_cli.pipeline"]
+    pipeline = sys.modules["maxsim_cli.scoring.pipeline"]
     for owner, name in (
         (engine, "_query_slice"), (engine, "_fold_times"), (pipeline.BatchStream, "_copy"),
         (pipeline.BatchStream, "_check_values"), (pipeline.BatchStream, "close"),
     ):  # fmt: skip
         _time_calls(owner, name)
 
-    topk_module = sys.modules["maxsim_cli.topk"]
+    topk_module = sys.modules["maxsim_cli.scoring.topk"]
     result = topk_module.RunningTopK.result
 
     def traced_result(self):  # noqa: ANN001, ANN202

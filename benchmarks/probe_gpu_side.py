@@ -31,10 +31,10 @@ import time
 import torch
 from common import prepare_score_corpus, read_files, write_json
 
-from maxsim_cli.pipeline import batch_check
-from maxsim_cli.score import score
+from maxsim_cli.scoring.entry import score
+from maxsim_cli.scoring.pipeline import batch_check
+from maxsim_cli.scoring.topk import RunningTopK
 from maxsim_cli.shards import open_corpus
-from maxsim_cli.topk import RunningTopK
 
 
 def load_batches(paths: list[str], max_tokens: int, device: torch.device) -> list[tuple]:

@@ -6,7 +6,7 @@ run, then starts fresh ``python -m maxsim_cli score QUERIES CORPUS -k 1000 -o FI
 in turn, --runs of each:
 
 - ``off``: ``MAXSIM_KERNEL_WARMUP=0``, the previous behaviour (the first batch pays the first launch);
-- ``on``: the warm-up thread (`maxsim_cli.warmup`);
+- ``on``: the warm-up thread (`maxsim_cli.scoring.warmup`);
 - ``on-pycache``: the same with ``PYTHONPYCACHEPREFIX`` set to a folder under --workdir (filled by one
   uncounted run), for a Python whose site-packages it may not write bytecode to: what the install advice
   of docs/benchmarks.md ("What a fresh process pays once") would give;

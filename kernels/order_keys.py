@@ -8,8 +8,8 @@ with ``-0.0`` read as ``+0.0`` and NaN as ``+inf`` first (the two zeros tie, as 
 NaN ranks first, where the run writer refuses it). ``ord32`` keeps the bits
 of non-negative floats and flips the 31 low bits of negative ones, so comparing keys as signed int64
 compares scores first and, on equal scores, ranks: trec_eval's order. The torch form of the same
-arithmetic (`maxsim_cli.topk.order_keys`) is nine operations; the scoring thread of `maxsim score` issues
-every batch's work, so on CUDA this is one launch instead. Memory-bound: 4 B read and 8 B written per
+arithmetic (`maxsim_cli.scoring.topk.order_keys`) is nine operations; the scoring thread of `maxsim score`
+issues every batch's work, so on CUDA this is one launch instead. Memory-bound: 4 B read and 8 B written per
 score (plus 8 per rank read), ~2 us for a 512 x 1300 block at HBM speed; what it saves is host time per
 batch, not GPU time: in `maxsim score`, no change beyond noise (docs/kernel-notes.md, "`maxsim score`: the
 pass against the kernel").
@@ -32,7 +32,7 @@ def _order_keys_kernel(scores_ptr, ranks_ptr, keys_ptr, n, nd, PER_SCORE: tl.con
     mask = offs < n
     s = tl.load(scores_ptr + offs, mask=mask, other=0.0)
     s = tl.where(s == 0.0, 0.0, s)  # -0.0 == 0.0: both zeros become +0.0
-    s = tl.where(s != s, float("inf"), s)  # NaN ranks first, as +inf (see maxsim_cli.topk.order_keys)
+    s = tl.where(s != s, float("inf"), s)  # NaN ranks first, as +inf (see maxsim_cli.scoring.topk.order_keys)
     bits = s.to(tl.int32, bitcast=True)
     key32 = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # arithmetic shift: -1 for negative floats
     if PER_SCORE:

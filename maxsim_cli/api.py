@@ -207,7 +207,7 @@ def _explainable(run: Run, queries: Any, corpus: Any, device: str, backend: str)
             if owned:
                 corpus_obj.close()
 
-    run._explainer = explainer
+    run.set_explainer(explainer)
     return run
 
 
@@ -375,7 +375,7 @@ def _size(value: int | str | None, name: str) -> int | None:
 
 def _as_candidates(candidates: Any) -> dict[str, list[tuple[str, float]]]:
     """A first-stage run as the engine takes it: ``{qid: [(docno, score), ...]}`` in first-seen order."""
-    from maxsim_cli.runs import read_run
+    from maxsim_cli.run_files import read_run
 
     if isinstance(candidates, (str, os.PathLike)):
         return read_run(candidates)

@@ -20,6 +20,11 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
 
+def log_to_stderr(message: str) -> None:
+    """A progress or warning line on stderr, as every command prints them (``maxsim: ...``)."""
+    print(f"maxsim: {message}", file=sys.stderr, flush=True)
+
+
 class MaxsimError(Exception):
     """A runtime error the user can act on: exit code 1."""
 

@@ -1,6 +1,6 @@
 """Evaluate a run against TREC qrels with ir_measures (the optional ``eval`` extra).
 
-The run is read by `maxsim_cli.runs` (TREC, MS MARCO or ColBERT format, .gz, ``-`` for stdin), so a
+The run is read by `maxsim_cli.run_files` (TREC, MS MARCO or ColBERT format, .gz, ``-`` for stdin), so a
 malformed line is reported as ``file:line`` before ir_measures sees anything; ``irds:<dataset-id>``, for
 the run or the qrels, reads an ir_datasets dataset's scoreddocs or qrels (`maxsim_cli.irds`). The
 measures themselves are ir_measures' (pytrec_eval inside). Each value is a mean over the *judged*
@@ -17,7 +17,7 @@ from typing import Any
 
 from maxsim_cli.errors import MaxsimError, UsageError
 
-# `maxsim_cli.runs` (numpy, pyarrow) is imported where a run is read, not here: `maxsim eval --help`
+# `maxsim_cli.run_files` (numpy, pyarrow) is imported where a run is read, not here: `maxsim eval --help`
 # imports this module for DEFAULT_MEASURES and should not pay for the readers.
 
 DEFAULT_MEASURES = ("nDCG@10", "RR@10", "R@100")
@@ -72,7 +72,7 @@ def _trec_eval_order(rows: list[tuple[str, float]]) -> dict[str, float]:
     ir_measures hands different measures to different providers, and not all of them break score ties
     as trec_eval does (its RR@k provider does not); distinct scores make every provider see one ranking.
     """
-    from maxsim_cli.runs import sort_trec
+    from maxsim_cli.run_files import sort_trec
 
     docnos = [docno for docno, _ in rows]
     order = sort_trec(docnos, [score for _, score in rows])
@@ -93,7 +93,7 @@ def evaluate_run(
     """
     if str(run_path) == "-" and str(qrels_path) == "-":
         raise UsageError("RUN and QRELS cannot both be '-' (standard input); give one of them as a file")
-    from maxsim_cli.runs import read_qrels, read_run
+    from maxsim_cli.run_files import read_qrels, read_run
 
     ir_measures = _ir_measures()
     parsed = parse_measures(list(measures) if measures else list(DEFAULT_MEASURES))

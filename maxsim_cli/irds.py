@@ -1,6 +1,6 @@
 """Qrels and first-stage runs from ir_datasets (the optional ``irds`` extra): ``irds:<dataset-id>``.
 
-Wherever a run or qrels file is read (`maxsim_cli.runs.read_run` / `read_qrels`: ``maxsim eval``,
+Wherever a run or qrels file is read (`maxsim_cli.run_files.read_run` / `read_qrels`: ``maxsim eval``,
 ``maxsim score --candidates``, ``maxsim verify --candidates``, ``rerank`` in Python), a name such as
 ``irds:msmarco-passage/dev/small`` reads the dataset's qrels or its scoreddocs (its first-stage run,
 BM25 for most) through ``ir_datasets`` instead of a file. ir_datasets downloads and caches the data on
@@ -233,7 +233,7 @@ def _check_ids(source: str, what: str, number: int, qid: str, docno: str) -> Non
 
 
 def read_qrels(source: str) -> dict[str, dict[str, int]]:
-    """``qid -> {docno: relevance}``, qids in the dataset's order (as `maxsim_cli.runs.read_qrels`)."""
+    """``qid -> {docno: relevance}``, qids in the dataset's order (as `maxsim_cli.run_files.read_qrels`)."""
     qrels: dict[str, dict[str, int]] = {}
     for qid, docno, relevance, _ in iter_qrels(source):
         qrels.setdefault(qid, {})[docno] = relevance
@@ -241,7 +241,7 @@ def read_qrels(source: str) -> dict[str, dict[str, int]]:
 
 
 def read_run(source: str) -> dict[str, list[tuple[str, float]]]:
-    """``qid -> [(docno, score), ...]`` from the dataset's scoreddocs (as `maxsim_cli.runs.read_run`)."""
+    """``qid -> [(docno, score), ...]`` from the dataset's scoreddocs (as `maxsim_cli.run_files.read_run`)."""
     run: dict[str, list[tuple[str, float]]] = {}
     for qid, docno, score, _ in iter_scoreddocs(source):
         run.setdefault(qid, []).append((docno, score))

@@ -2,7 +2,7 @@
 
 Each part's run holds, per query, its part's best documents; the union of the parts' top-k contains the
 corpus-wide top-k, so merging reproduces the run a single pass over the whole corpus would have written
-(as long as every part kept at least k documents per query). Ordering is the one of `maxsim_cli.runs`:
+(as long as every part kept at least k documents per query). Ordering is the one of `maxsim_cli.run_files`:
 float32 score descending, ties by docno descending, ranks from 1.
 
 A query's documents are the union of its documents in every input. A document that appears for the same
@@ -37,10 +37,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from maxsim_cli.errors import InputError, MaxsimWarning, UsageError
-from maxsim_cli.runs import RunWriter, format_score, read_run_and_format, sort_trec
+from maxsim_cli.run_files import RunWriter, format_score, read_run_and_format, sort_trec
 from maxsim_cli.shards.files import check_output
 
-# The run format that has no score column (`maxsim_cli.runs`: its scores are -rank).
+# The run format that has no score column (`maxsim_cli.run_files`: its scores are -rank).
 SCORELESS_FORMAT = "msmarco"
 
 
@@ -73,7 +73,7 @@ def merge_runs(
     Queries come in first-appearance order across the inputs (input order, then file order), or, with
     ``queries`` (a query embeddings file: safetensors, Arrow or Parquet), in that file's order, which
     is the order `maxsim score` writes; a query of the runs missing from that file is then an error.
-    Inputs may be any format `maxsim_cli.runs.read_run` reads; ``-`` (at most once) is stdin,
+    Inputs may be any format `maxsim_cli.run_files.read_run` reads; ``-`` (at most once) is stdin,
     ``output="-"`` stdout. The output is written atomically, after every input has been read and checked;
     an output that is one of the inputs, or cannot be written, is refused before any is read.
 
@@ -191,7 +191,7 @@ def _report_query_sets(
 def select_top_k(docnos: Sequence[str], scores: Sequence[float] | np.ndarray, k: int) -> np.ndarray:
     """Indices of the best ``k`` documents (all of them when there are fewer), in no particular order.
 
-    "Best" is trec_eval's order, the one `maxsim_cli.runs.sort_trec` sorts by: float32 score descending,
+    "Best" is trec_eval's order, the one `maxsim_cli.run_files.sort_trec` sorts by: float32 score descending,
     ties by docno descending. O(n) plus a sort of the documents tied at the k-th score.
     """
     values = np.asarray(scores, dtype=np.float32)

@@ -1,7 +1,7 @@
 """`Run`: ranked results in memory, in trec_eval's order, as `search` and `rerank` return them.
 
 A run holds, for each query in the order the queries were given, its documents best first: float32
-score descending, ties broken by docno descending (trec_eval's own order, `maxsim_cli.runs.sort_trec`).
+score descending, ties broken by docno descending (trec_eval's own order, `maxsim_cli.run_files.sort_trec`).
 Results are kept as the engine hands them over (Arrow string arrays and float32 blocks), so a run of
 512 queries x 1000 documents costs no Python object per result until one is asked for; `Run.to_trec`
 writes the same bytes as `maxsim score` for the same inputs.
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from maxsim_cli.errors import OUTPUT, in_python_terms
-from maxsim_cli.runs import RankedSink, RunWriter, read_run
+from maxsim_cli.run_files import RankedSink, RunWriter, read_run
 
 if TYPE_CHECKING:
     import pandas
@@ -108,6 +108,11 @@ class Run:
         # set by `search` and `rerank`: (qid, docno, the run's score or None) -> an Explanation
         self._explainer: Callable[[str, str, float | None], Any] | None = None
 
+    def set_explainer(self, explainer: Callable[[str, str, float | None], Any]) -> None:
+        """What `explain` calls: (qid, docno, the run's score or None) -> an Explanation; `search` and
+        `rerank` set it to score against the queries and corpus they were given."""
+        self._explainer = explainer
+
     @classmethod
     def _from_blocks(cls, blocks: list[_Block], stats: object = None, inputs: Sequence[str] = ()) -> Run:
         run = cls.__new__(cls)
@@ -120,7 +125,7 @@ class Run:
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> Run:
-        """Read a run file: TREC, MS MARCO or ColBERT TSV, optionally gzipped (`maxsim_cli.runs`).
+        """Read a run file: TREC, MS MARCO or ColBERT TSV, optionally gzipped (`maxsim_cli.run_files`).
 
         The rank column is never trusted: rows are re-sorted by score (MS MARCO runs, which have no
         score, rank by ``-rank``). Errors name the file and line.

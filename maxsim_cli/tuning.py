@@ -8,7 +8,7 @@ command line (`maxsim_cli.cli.main`, which also runs ``maxsim serve`` and torchr
 own code applies the settings that depend on the run (`pause_until_pass`, `use_threaded_host_register`,
 `remember_triton_key`) only in such a process, so a caller of ``maxsim_cli.search`` or ``rerank`` gets
 none of them. Two are scoped to a thread the product starts and handed back when it ends: the switch
-interval while the kernels' warm-up thread runs (`maxsim_cli.warmup`) and while rank threads score.
+interval while the kernels' warm-up thread runs (`maxsim_cli.scoring.warmup`) and while rank threads score.
 
 Figures are from the H200 machine unless said otherwise; the stories are in docs/kernel-notes.md.
 This module imports nothing heavy: the command line calls it before torch is loaded.

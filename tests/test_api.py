@@ -263,7 +263,7 @@ def test_a_resident_corpus_is_one_buffer_and_one_batch_across_its_shards(data, t
     launch) across the three shards, its rows one view with offsets sliced from the corpus's own; a
     rerank batch names its candidates as documents of the whole corpus (scored in place); the runs are
     the streamed ones."""
-    from maxsim_cli.pipeline import _ordinals, _resident_rows
+    from maxsim_cli.scoring.pipeline import _ordinals, _resident_rows
 
     streamed = search(data["queries_path"], data["corpus"], k=9, device="cpu")
     path, _cands = _candidates(data, tmp_path)

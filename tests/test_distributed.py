@@ -33,9 +33,9 @@ from maxsim_cli.errors import MaxsimError, UsageError
 from maxsim_cli.merge import select_top_k
 from maxsim_cli.parallel import launcher, shares, threads
 from maxsim_cli.parallel.shares import ResultSink, split_candidates
-from maxsim_cli.runs import sort_trec
-from maxsim_cli.score import score
+from maxsim_cli.run_files import sort_trec
 from maxsim_cli.scoring import dispatch
+from maxsim_cli.scoring.entry import score
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.shards import write_shard
 from maxsim_cli.shards.resident import assign_shards

@@ -576,7 +576,7 @@ _SIGNAL_CASES = {
     # command: (arguments, in the work folder; the function to stop in)
     "score": (
         ["score", "queries.safetensors", "corpus", "-k", "50", "--device", "cpu", "-q", "-o", "out/run.trec"],
-        "maxsim_cli.runs:RunWriter._emit",
+        "maxsim_cli.run_files:RunWriter._emit",
     ),
     "rerank": (
         [
@@ -591,9 +591,12 @@ _SIGNAL_CASES = {
             "-o",
             "out/run.trec.gz",
         ],
-        "maxsim_cli.runs:RunWriter._emit",
+        "maxsim_cli.run_files:RunWriter._emit",
     ),
-    "merge": (["merge", "candidates.trec", "-q", "-o", "out/run.trec"], "maxsim_cli.runs:RunWriter._emit"),
+    "merge": (
+        ["merge", "candidates.trec", "-q", "-o", "out/run.trec"],
+        "maxsim_cli.run_files:RunWriter._emit",
+    ),
     "pack": (
         ["pack", "npy", "-q", "-o", "out/packed", "--shard-tokens", "20"],
         "maxsim_cli.shards:ShardWriter.add",
@@ -759,7 +762,7 @@ def test_shard_sinks_interrupted_in_their_constructor_leave_nothing(tmp_path: Pa
 def test_a_run_writer_interrupted_while_it_opens_leaves_no_temp(tmp_path: Path, monkeypatch, name) -> None:
     """A signal after `OutputFile.open` has returned but before `RunWriter.__enter__` has (the text
     wrapper being made: the fault-injection suite's SIGTERM at 0.05 s found this): the temp is removed."""
-    from maxsim_cli import runs
+    from maxsim_cli import run_files as runs
 
     target = tmp_path / name
     target.write_bytes(b"previous\n")
@@ -973,7 +976,8 @@ def test_a_signal_just_before_the_commit_point_keeps_the_previous_output(
 ) -> None:
     """SIGTERM as the commit point is reached, before the rename: exit 143, the previous output as it
     was (the previous run, the empty folder, the old corpus), nothing hidden left."""
-    from maxsim_cli import lifeline, pack, quantize, runs
+    from maxsim_cli import lifeline, pack, quantize
+    from maxsim_cli import run_files as runs
 
     monkeypatch.chdir(work)
     args, _, out, previous = _commit_case(work, case)

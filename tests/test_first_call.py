@@ -25,9 +25,9 @@ from typer.testing import CliRunner
 
 from maxsim_cli import timeline
 from maxsim_cli.cli import app
-from maxsim_cli.score import score
+from maxsim_cli.scoring.entry import score
+from maxsim_cli.scoring.warmup import KernelWarmup
 from maxsim_cli.tuning import THREAD_SWITCH_S as SWITCH_S
-from maxsim_cli.warmup import KernelWarmup
 
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
@@ -181,7 +181,7 @@ def test_interrupt_while_the_first_batches_are_read(
 ) -> None:
     """Ctrl-C while the run waits for the warm-up, its first batches being read meanwhile: exit 130, no
     reader, dispatcher or warm-up thread left, nothing written. ``MAXSIM_EARLY_READS=0``: no reads yet."""
-    from maxsim_cli.pipeline import BatchStream
+    from maxsim_cli.scoring.pipeline import BatchStream
 
     started: list[int] = []
     start = BatchStream.start
@@ -463,7 +463,7 @@ def test_a_signal_while_the_key_is_saved_leaves_no_temporary_file(
 def test_the_saved_key_is_off_by_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """``MAXSIM_TRITON_KEY_CACHE=0``: the warm-up calls Triton's own function and saves nothing."""
     triton_cache = pytest.importorskip("triton.runtime.cache")
-    from maxsim_cli import warmup
+    from maxsim_cli.scoring import warmup
 
     counted: list[int] = []
     monkeypatch.setattr(triton_cache, "triton_key", lambda: counted.append(1) or "k")

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from maxsim_cli import irds
 from maxsim_cli.cli import app
 from maxsim_cli.errors import InputError, MaxsimError, UsageError
-from maxsim_cli.runs import iter_qrels, iter_run, read_qrels, read_run
+from maxsim_cli.run_files import iter_qrels, iter_run, read_qrels, read_run
 
 ir_datasets = pytest.importorskip("ir_datasets")
 from ir_datasets.datasets.base import Dataset  # noqa: E402
@@ -134,7 +134,7 @@ def test_a_non_finite_score_is_an_error(tmp_path: Path) -> None:
 def test_ids_obey_the_format_rule(tmp_path: Path) -> None:
     """A zero-width character in a docno, or a control character in a qid, is an error naming the record,
     as in a run or qrels file."""
-    from maxsim_cli.runs import read_qrels
+    from maxsim_cli.run_files import read_qrels
 
     dataset = register(tmp_path, scoreddocs="q1 Q0 d1 0 3.0 r\nq1 Q0 d\u200b2 1 2.0 r\n")
     with pytest.raises(InputError, match=r"docno .* in scored document 2 contains an invisible zero-width"):

@@ -120,7 +120,7 @@ def graph() -> dict[str, set[str]]:
 def test_the_graph_sees_the_layers(graph: dict[str, set[str]]) -> None:
     """The parser finds what it checks: a function-level import, a relative one, a package re-export."""
     assert {"maxsim_cli.scoring.engine", "maxsim_cli.scoring.dispatch", "maxsim_kernels"} <= graph.keys()
-    assert "maxsim_cli.scoring.dispatch" in graph["maxsim_cli.score"]
+    assert "maxsim_cli.scoring.dispatch" in graph["maxsim_cli.scoring.entry"]
     assert "maxsim_cli.scoring.files" in graph["maxsim_cli.scoring.dispatch"]  # imported inside `run_files`
     assert any(_within(m, ("maxsim_kernels",)) for m in graph["maxsim_kernels"])  # __init__ re-exports
 
@@ -139,74 +139,141 @@ def test_cycles_are_found() -> None:
     assert _cycles(graph) == [["a", "b", "c"]]
 
 
-# A module above the layer of its package: only its own rule, which names it, applies to it.
-DISPATCH = "maxsim_cli.scoring.dispatch"
-ABOVE_ITS_PACKAGE = {DISPATCH}
-
-# (modules, the modules they must not import)
-RULES = [
-    (("maxsim_kernels",), ("maxsim_cli",)),
+# Every module's layer, from the top: a module imports only modules of its own layer or of layers below it
+# (directly; the graph then holds the rule for every path). A prefix names a module and the modules under
+# it; the longest prefix that names a module decides its layer.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("the command line", ("maxsim_cli.__main__", "maxsim_cli.cli", "maxsim_cli.commands")),
+    ("serve: HTTP over the API", ("maxsim_cli.service",)),
+    ("integrations: PyTerrier and ir_measures over the API", ("maxsim_cli.pyterrier", "maxsim_cli.evaluate")),
+    # the package's __init__ re-exports the API (named exactly: it is not a prefix of every module)
+    ("the API", ("maxsim_cli.api", "maxsim_cli.explain", "=maxsim_cli")),
     (
-        ("maxsim_cli.scoring",),
-        (DISPATCH, "maxsim_cli.parallel", "maxsim_cli.score", "maxsim_cli.api", "maxsim_cli.commands",
-         "maxsim_cli.cli"),
-    ),  # fmt: skip
-    # the one place that picks how a request runs: over the parallel package, under the entry points
-    ((DISPATCH,), ("maxsim_cli.score", "maxsim_cli.api", "maxsim_cli.service", "maxsim_cli.commands",
-                   "maxsim_cli.cli")),  # fmt: skip
-    (
-        ("maxsim_cli.parallel",),
-        (DISPATCH, "maxsim_cli.score", "maxsim_cli.api", "maxsim_cli.commands", "maxsim_cli.cli"),
-    ),
-    (("maxsim_cli.api",), ("maxsim_cli.commands", "maxsim_cli.cli", "maxsim_cli.pyterrier")),
-    # the PyTerrier transformers: over the API, beside the command line and the server
-    (("maxsim_cli.pyterrier",), ("maxsim_cli.commands", "maxsim_cli.cli", "maxsim_cli.service")),
-    # maxsim serve: HTTP over the API; the command line starts it, never the other way round
-    (("maxsim_cli.service",), ("maxsim_cli.commands", "maxsim_cli.cli")),
-    (
-        # the ground floor: shards (with residency), the batch stream, top-k, runs, devices, queries
+        "the other commands' libraries",
         (
-            "maxsim_cli.shards",
-            "maxsim_cli.pipeline",
-            "maxsim_cli.topk",
-            "maxsim_cli.runs",
+            "maxsim_cli.pack",
+            "maxsim_cli.pack_sources",
+            "maxsim_cli.quantize",
+            "maxsim_cli.inspect_shards",
+            "maxsim_cli.verify",
+            "maxsim_cli.agreement",
+        ),
+    ),
+    ("how a request runs: the one dispatch", ("maxsim_cli.scoring.dispatch", "maxsim_cli.scoring.entry")),
+    ("several devices", ("maxsim_cli.parallel",)),
+    ("one device, one process", ("maxsim_cli.scoring",)),
+    (
+        "building blocks",
+        (
             "maxsim_cli.run",
+            "maxsim_cli.run_files",
+            "maxsim_cli.merge",
+            "maxsim_cli.irds",
             "maxsim_cli.queries",
+            "maxsim_cli.shards",
             "maxsim_cli.devices",
-        ),
-        (
-            "maxsim_cli.scoring",
-            "maxsim_cli.parallel",
-            "maxsim_cli.score",
-            "maxsim_cli.api",
-            "maxsim_cli.commands",
-            "maxsim_cli.cli",
+            "maxsim_cli.memory",
+            "maxsim_cli.tuning",
+            "maxsim_cli.cuda_early",
+            "maxsim_cli.progress",
+            "maxsim_cli.lifeline",
+            "maxsim_cli.timeline",
         ),
     ),
+    ("ground floor", ("maxsim_cli.errors", "maxsim_cli.settings", "maxsim_cli.units", "maxsim_cli.arrays")),
+    ("the kernels", ("maxsim_kernels",)),
 ]
 
 
-@pytest.mark.parametrize(("lower", "upper"), RULES, ids=[rule[0][0] for rule in RULES])
-def test_a_layer_imports_nothing_above_it(
-    graph: dict[str, set[str]], lower: tuple[str, ...], upper: tuple[str, ...]
-) -> None:
-    """Directly or through the modules it imports."""
+def _layer_of(module: str) -> int | None:
+    best: tuple[int, int] | None = None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            hit = module == prefix[1:] if prefix.startswith("=") else _within(module, (prefix,))
+            if hit and (best is None or len(prefix) > best[1]):
+                best = (i, len(prefix))
+    return None if best is None else best[0]
+
+
+def test_every_module_has_a_layer(graph: dict[str, set[str]]) -> None:
+    missing = sorted(m for m in graph if _layer_of(m) is None)
+    assert not missing, "modules in no layer of LAYERS: " + ", ".join(missing)
+
+
+def test_a_layer_imports_nothing_above_it(graph: dict[str, set[str]]) -> None:
     bad = []
-    chosen = (m for m in graph if _within(m, lower) and (m not in ABOVE_ITS_PACKAGE or m in lower))
-    for module in sorted(chosen):
-        seen, todo, path_to = {module}, [module], {module: [module]}
-        while todo:
-            current = todo.pop()
-            for target in sorted(graph[current]):
-                if target in seen:
-                    continue
-                seen.add(target)
-                path_to[target] = [*path_to[current], target]
-                if _within(target, upper):
-                    bad.append(" -> ".join(path_to[target]))
-                else:
-                    todo.append(target)
+    for module in sorted(graph):
+        own = _layer_of(module)
+        for target in sorted(graph[module]):
+            above = _layer_of(target)
+            if own is not None and above is not None and above < own:
+                bad.append(f"{module} ({LAYERS[own][0]}) -> {target} ({LAYERS[above][0]})")
     assert not bad, "imports from a layer above: " + "; ".join(bad)
+
+
+def test_layers_are_checked() -> None:
+    """The rule sees an upward import: the kernels importing the library, scoring importing the API."""
+    kernels, engine, api = (
+        _layer_of(m) for m in ("maxsim_kernels.cpu", "maxsim_cli.scoring.engine", "maxsim_cli.api")
+    )
+    assert kernels > engine > api
+    assert _layer_of("maxsim_cli.scoring.dispatch") < _layer_of("maxsim_cli.parallel.threads")
+    assert _layer_of("maxsim_cli") == _layer_of("maxsim_cli.api")
+
+
+def _private_names_used(name: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    """``from M import _x`` and ``M._x`` (M a module of the project other than this one), in ``name``."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    aliases: dict[str, str] = {}  # local name -> project module it stands for
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules:
+                    aliases[alias.asname or alias.name.split(".")[0]] = alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source not in modules or source == name:
+                continue
+            if any(part.startswith("_") and not part.startswith("__") for part in source.split(".")):
+                found.append(f"{name}:{node.lineno} imports the private module {source}")
+            for alias in node.names:
+                if f"{source}.{alias.name}" in modules:
+                    aliases[alias.asname or alias.name] = f"{source}.{alias.name}"
+                elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{name}:{node.lineno} imports {source}.{alias.name}")
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and aliases[node.value.id] != name
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            found.append(f"{name}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_private_name_crosses_a_module() -> None:
+    """A name that another module needs is public (no leading underscore) where it is defined."""
+    modules = _modules()
+    found = []
+    for name, path in sorted(modules.items()):
+        found += _private_names_used(name, path, modules)
+    assert not found, "private names used across modules: " + "; ".join(found)
+
+
+def test_private_names_are_found(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text("from a.b import _hidden\nimport a.c as c\nc._inner()\nfrom a import b\nb._x\n")
+    modules = {"a": tmp_path, "a.b": tmp_path, "a.c": tmp_path, "m": source}
+    assert len(_private_names_used("m", source, modules)) == 3
 
 
 def test_pyproject_lists_every_package() -> None:

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from maxsim_cli.cli import app
 from maxsim_cli.errors import InputError, MaxsimWarning, UsageError
 from maxsim_cli.merge import merge_runs
-from maxsim_cli.runs import RunWriter, read_run, sort_trec
+from maxsim_cli.run_files import RunWriter, read_run, sort_trec
 from maxsim_cli.shards import open_corpus
 
 runner = CliRunner()

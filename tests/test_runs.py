@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from maxsim_cli.errors import InputError, UsageError
-from maxsim_cli.runs import (
+from maxsim_cli.run_files import (
     RunWriter,
     format_score,
     iter_qrels,
@@ -228,7 +228,7 @@ def test_write_ranked_block_equals_write_query_per_query(tmp_path, monkeypatch, 
     -0 included; a block with a bad row goes through write_query, which names it."""
     import pyarrow as pa
 
-    from maxsim_cli import runs
+    from maxsim_cli import run_files as runs
 
     monkeypatch.setattr(runs, "_PARALLEL_ROWS", part_rows)
     monkeypatch.setattr(runs.os, "cpu_count", lambda: 4)
@@ -375,12 +375,18 @@ def test_sort_trec_orders_long_lists_as_pythons_sort_does(n: int) -> None:
     docno) descending, with ties in score, non-ASCII docnos, -0.0 and repeated entries."""
     import random
 
-    from maxsim_cli.runs import _float32_keys, sort_trec
+    from maxsim_cli.run_files import _float32_keys, sort_trec
 
     rng = random.Random(n)
     for _ in range(20):
         docnos = [rng.choice(["d", "D", "é", "zz", "d1", "💡"]) + str(rng.randrange(n)) for _ in range(n)]
         scores = [rng.choice([0.5, -0.0, 0.0, 1.25, 1.0000001, rng.random()]) for _ in docnos]
+        keys = _float32_keys(scores).tolist()
+        expected = sorted(range(n), key=lambda i: (keys[i], docnos[i]), reverse=True)
+        assert sort_trec(docnos, scores) == expected
+    for _ in range(5):  # distinct scores: the scores alone decide (no docno array is built)
+        docnos = [f"d{rng.randrange(n)}" for _ in range(n)]
+        scores = rng.sample(range(-n, n), n)
         keys = _float32_keys(scores).tolist()
         expected = sorted(range(n), key=lambda i: (keys[i], docnos[i]), reverse=True)
         assert sort_trec(docnos, scores) == expected

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from maxsim_cli.runs import read_qrels, read_run
+from maxsim_cli.run_files import read_qrels, read_run
 from maxsim_cli.shards import open_corpus, read_queries
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from maxsim_cli.errors import InputError, MaxsimError
-from maxsim_cli.pipeline import BatchPlan, BatchStream
 from maxsim_cli.scoring.engine import _interleave
+from maxsim_cli.scoring.pipeline import BatchPlan, BatchStream
 from maxsim_cli.scoring.plan import _cut_at, _split
+from maxsim_cli.scoring.staging import SlotBuffers
+from maxsim_cli.scoring.topk import RunningTopK, decode_keys, order_keys
 from maxsim_cli.shards import open_corpus, write_shard
-from maxsim_cli.staging import SlotBuffers
-from maxsim_cli.topk import RunningTopK, decode_keys, order_keys
 
 # --------------------------------------------------------------------------------------------------
 # order keys
@@ -298,8 +298,8 @@ def test_cut_at_shard_boundaries() -> None:
 def test_cpu_batches_stay_within_one_shard(engine_data, tmp_path, monkeypatch) -> None:
     """On the CPU no document batch spans two shards (each is scored from a map of its file, uncopied),
     whatever the budget; the run is the same as with one batch a shard."""
-    from maxsim_cli import score as score_mod
     from maxsim_cli.scoring import engine
+    from maxsim_cli.scoring import entry as score_mod
 
     queries, shards = engine_data
     seen: list[list] = []
@@ -330,7 +330,7 @@ def engine_data(tmp_path, two_shards):
 
 def test_out_of_memory_halves_the_batch_and_gives_the_same_run(engine_data, tmp_path, monkeypatch) -> None:
 
-    from maxsim_cli.score import score
+    from maxsim_cli.scoring.entry import score
 
     _patch_varlen(monkeypatch, _plain_varlen)
     queries, shards = engine_data
@@ -363,7 +363,7 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_run(engine_data, tmp_
 @pytest.mark.parametrize("budget", [3000, 8000, 50_000, 10**9])
 def test_memory_plan_stays_within_the_budget(engine_data, tmp_path, monkeypatch, budget) -> None:
 
-    from maxsim_cli.score import score
+    from maxsim_cli.scoring.entry import score
     from maxsim_cli.scoring.plan import BUDGET_FILL
 
     _patch_varlen(monkeypatch, _plain_varlen)
@@ -382,7 +382,7 @@ def test_memory_plan_stays_within_the_budget(engine_data, tmp_path, monkeypatch,
 
 def test_budget_too_small_for_one_document_is_a_clear_error(engine_data, tmp_path, monkeypatch) -> None:
 
-    from maxsim_cli.score import score
+    from maxsim_cli.scoring.entry import score
 
     _patch_varlen(monkeypatch, _plain_varlen)
     queries, shards = engine_data
@@ -463,7 +463,7 @@ def test_deferred_value_check_names_the_document(tmp_path) -> None:
 
 
 def test_batch_check_is_finite_only_for_clean_batches() -> None:
-    from maxsim_cli.pipeline import batch_check
+    from maxsim_cli.scoring.pipeline import batch_check
 
     def clean(emb: torch.Tensor, scales: torch.Tensor | None = None) -> bool:
         into = torch.empty(3)  # the pass's vector of sums, one slot a batch
@@ -491,7 +491,7 @@ def test_batch_check_is_finite_only_for_clean_batches() -> None:
 
 
 def test_pinned_arena_carves_aligned_disjoint_slots(monkeypatch) -> None:
-    from maxsim_cli import pipeline
+    from maxsim_cli.scoring import pipeline
 
     # the carving, without page-locking (this machine has no CUDA): 5 shares of 12 KiB, 2 a piece
     locked = []
@@ -533,7 +533,7 @@ def test_pinned_arena_carves_aligned_disjoint_slots(monkeypatch) -> None:
 def test_batches_fit_the_pinned_shares() -> None:
     """The planner's token limit keeps a slot (embeddings, scales, offsets and side data, aligned)
     within its share of the arena, so no slot falls outside the pinned budget."""
-    from maxsim_cli import pipeline
+    from maxsim_cli.scoring import pipeline
     from maxsim_cli.scoring.plan import Budget, _batch_token_limit
 
     for staging, dim, itemsize, scaled in [(512 << 20, 128, 2, False), (3 << 20, 96, 1, True)]:
@@ -550,7 +550,7 @@ def test_batches_fit_the_pinned_shares() -> None:
 
 
 def test_pinned_arena_error_reaches_the_reader(monkeypatch) -> None:
-    from maxsim_cli import pipeline
+    from maxsim_cli.scoring import pipeline
 
     def lock_piece(self, nbytes: int) -> torch.Tensor:
         raise RuntimeError("cannot page-lock")
@@ -624,7 +624,7 @@ def test_finite_check_finds_every_non_finite_value_and_passes_extremes(dtype, mo
     """The reader's NaN/Inf check (bit patterns for half precision, in steps): every kind of non-finite
     value is found wherever it sits, including on either side of a step boundary; the largest finite
     values, subnormals and -0.0 pass."""
-    from maxsim_cli import pipeline
+    from maxsim_cli.scoring import pipeline
 
     monkeypatch.setattr(pipeline, "_FINITE_STEP", 64)
     info = torch.finfo(dtype)
@@ -647,7 +647,7 @@ def test_pinned_arena_hands_each_share_to_one_taker_while_pieces_are_still_locki
     import threading
     import time
 
-    from maxsim_cli import pipeline
+    from maxsim_cli.scoring import pipeline
 
     def slow_lock_piece(self, nbytes: int) -> torch.Tensor:
         time.sleep(0.02)  # pieces arrive while the takers wait
@@ -724,7 +724,7 @@ def test_both_backends_on_the_gpu_give_the_same_run(engine_data, tmp_path, int8,
 
 
 def score_run(queries: str, shards: list[str], out, device: str, backend: str, candidates) -> None:  # noqa: ANN001
-    from maxsim_cli.score import score
+    from maxsim_cli.scoring.entry import score
 
     score(
         queries, shards, output=str(out), top_k=5, device=device, backend=backend,
@@ -774,7 +774,7 @@ def test_batch_ints_reach_the_kernels_through_the_streams_device_copy(
 def test_a_small_corpus_is_scored_with_all_queries_in_one_pass(tmp_path) -> None:
     """The staging slots of a small corpus are small (the arena is sized to the files); that must not
     split the queries into many passes, which only device memory calls for."""
-    from maxsim_cli.score import score
+    from maxsim_cli.scoring.entry import score
 
     gen = torch.Generator().manual_seed(2)
     for s in range(2):
@@ -835,7 +835,7 @@ def test_reader_threads_run_below_the_scoring_thread() -> None:
     """Reader threads add READER_NICE to their niceness (the scoring thread keeps its own), capped at 19."""
     import threading
 
-    from maxsim_cli.pipeline import READER_NICE, _reader_thread_init
+    from maxsim_cli.scoring.pipeline import READER_NICE, _reader_thread_init
 
     got: dict[str, int] = {}
 
@@ -885,8 +885,8 @@ def test_a_shard_changed_during_a_run_is_a_one_line_error_and_no_run(
 ):
     """The corpus is opened, then a shard changes before its values are read (the `engine.run` hook):
     one `InputError` naming the shard, no run file; never a crash on a truncated map (SIGBUS)."""
-    from maxsim_cli.score import score
     from maxsim_cli.scoring import engine
+    from maxsim_cli.scoring.entry import score
 
     _name, mutate, message = change
     queries, shards = _changing_corpus(tmp_path)
@@ -998,7 +998,7 @@ def test_host_memory_growth_stays_within_max_host_memory(tmp_path) -> None:
 
 def test_a_run_that_grows_past_max_host_memory_warns(tmp_path, monkeypatch, capsys) -> None:
     from maxsim_cli.memory import HostMeter
-    from maxsim_cli.score import score
+    from maxsim_cli.scoring.entry import score
 
     queries, shards = _changing_corpus(tmp_path)
     monkeypatch.setattr(HostMeter, "peak", lambda self: self.base + (300 << 20))
@@ -1013,7 +1013,7 @@ def test_a_run_that_grows_past_max_host_memory_warns(tmp_path, monkeypatch, caps
 
 
 def test_a_host_budget_below_what_the_run_holds_is_refused_naming_the_minimum(tmp_path) -> None:
-    from maxsim_cli.score import score
+    from maxsim_cli.scoring.entry import score
 
     queries, shards = _changing_corpus(tmp_path)
     out = tmp_path / "run.trec"

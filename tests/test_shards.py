@@ -420,10 +420,10 @@ def test_ordinal_index_numbers_documents_over_the_shards_in_order(tmp_path):
 TORCH_FREE_SCRIPT = """
 import sys
 
-import maxsim_cli.runs
+import maxsim_cli.run_files
 import maxsim_cli.shards
 
-assert "torch" not in sys.modules, "importing maxsim_cli.shards or maxsim_cli.runs imported torch"
+assert "torch" not in sys.modules, "importing maxsim_cli.shards or maxsim_cli.run_files imported torch"
 from maxsim_cli.shards import open_corpus, open_shard
 
 corpus = open_corpus([sys.argv[1]])
@@ -436,7 +436,7 @@ assert "torch" not in sys.modules, "opening shards imported torch"
 
 
 def test_importing_and_opening_shards_needs_no_torch(tmp_path):
-    """Importing the package (and `maxsim_cli.runs`, which imports from it), and opening a corpus or a
+    """Importing the package (and `maxsim_cli.run_files`, which imports from it), and opening a corpus or a
     shard of each container down to its ids and offsets, import no torch: commands that score nothing
     (`maxsim --help`, `eval`, `merge`, `inspect` without value checks) start without it. Checked in a
     fresh interpreter, since this one has torch already."""

@@ -123,7 +123,7 @@ def register(app: typer.Typer) -> None:
 
         cuda_early.start(device, devices)  # the GPU's context made while torch is imported
         from maxsim_cli.progress import progress_enabled
-        from maxsim_cli.score import score
+        from maxsim_cli.scoring.entry import score
         from maxsim_cli.units import parse_size
 
         timeline.mark("imports")

@@ -9,7 +9,7 @@ sends its results to rank 0, which merges them and alone writes the run. Exhaust
 two arrays per rank (float32 scores and corpus ordinals, ``[queries, k]``, 12 B a result), merged on rank
 0 with the engine's order keys and written by the run writer's columnar path, as one process writes
 them; rerank results per query. This package is the layer above the engine: it never calls
-`maxsim_cli.score.score`, which calls it.
+`maxsim_cli.scoring.entry.score`, which calls it.
 
 **Shares.** Shards are dealt largest first (by token count; ties by shard order) to the rank with the
 fewest tokens so far (ties to the lowest rank). With shard token counts ``t_s`` and total ``T``, this

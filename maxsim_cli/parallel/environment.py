@@ -15,11 +15,10 @@ Environment variables the modules of `maxsim_cli.parallel` read (through `maxsim
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 
 from maxsim_cli import settings
-from maxsim_cli.errors import MaxsimError, UsageError
+from maxsim_cli.errors import MaxsimError, UsageError, log_to_stderr  # noqa: F401 - its modules' logger
 
 ENV_TIMEOUT = settings.DIST_TIMEOUT
 ENV_DEVICES = settings.DEVICES
@@ -41,10 +40,6 @@ DEFAULT_TIMEOUT_S = 3600.0
 ERROR_CLASSES: dict[int, type[MaxsimError]] = {1: MaxsimError, 2: UsageError}
 
 Logger = Callable[[str], None]
-
-
-def log_to_stderr(message: str) -> None:
-    print(f"maxsim: {message}", file=sys.stderr, flush=True)
 
 
 def world_size() -> int:

@@ -21,12 +21,13 @@ if TYPE_CHECKING:
 
 
 class ResultSink:
-    """The sink of a rank's `engine.run` in place of `maxsim_cli.runs.RunWriter`: keeps the results in memory.
+    """The sink of a rank's `engine.run` in place of `maxsim_cli.run_files.RunWriter`: keeps the results
+    in memory.
 
     Rerank mode hands it each query's results (`write_query`: docnos and scores); exhaustive mode hands
     it whole query batches as columns (`write_ordinals`: scores and corpus ordinals, ``[nq, m]`` arrays,
     best first), which travel to rank 0 as two arrays instead of a Python string per result. Scores are
-    kept as float32, the precision the run prints (`maxsim_cli.runs.format_score`).
+    kept as float32, the precision the run prints (`maxsim_cli.run_files.format_score`).
     """
 
     def __init__(self) -> None:
@@ -153,8 +154,8 @@ def merge_columns(
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """The best ``top_k`` of the ranks' columns per query, in blocks of up to ``rows`` queries:
     ``(first query, float32 scores [n, m], docno ranks [n, m])``, best first, with the engine's order keys
-    (`maxsim_cli.topk`): float32 score descending, docno descending."""
-    from maxsim_cli.topk import decode_keys, order_keys
+    (`maxsim_cli.scoring.topk`): float32 score descending, docno descending."""
+    from maxsim_cli.scoring.topk import decode_keys, order_keys
 
     parts = [p for p in parts if p[0].shape[1]]
     if not parts:

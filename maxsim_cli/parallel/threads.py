@@ -56,7 +56,7 @@ def run_threads(request: ScoreRequest, devices: Sequence[str], *, log: Logger = 
     try:
         run = run_index = None
         if request.candidates is not None:  # read and indexed once for all ranks
-            from maxsim_cli.runs import read_run
+            from maxsim_cli.run_files import read_run
 
             run = read_run(request.candidates)
             run_index = run_candidate_index(corpus, run)

@@ -95,7 +95,7 @@ def score_share(
     candidates' run and its `run_candidate_index`, when the job has made them already (else made
     here); `progress`: the job's bar, shared by rank threads (else rank 0 draws its own share)."""
     from maxsim_cli.queries import read_queries, read_query_ids
-    from maxsim_cli.runs import read_run
+    from maxsim_cli.run_files import read_run
     from maxsim_cli.scoring import engine
     from maxsim_cli.shards import Corpus, input_notes, report_notes
 

@@ -24,7 +24,7 @@ MERGE_QUERY_BLOCK = 4096
 
 def write_merged(request: ScoreRequest, shares: Sequence[Share], order: MergeOrder | None) -> None:
     """Rank 0: the best ``top_k`` of every query over all ranks, in the query file's order, written once."""
-    from maxsim_cli.runs import RunWriter
+    from maxsim_cli.run_files import RunWriter
 
     if launcher_gone():  # the job has failed: its launcher is dead and reports nothing; write nothing
         raise SystemExit(128 + signal.SIGTERM)

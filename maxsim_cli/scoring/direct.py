@@ -2,7 +2,7 @@
 
 A corpus made resident on one device (`Corpus.to`) holds every document in one buffer with its offsets
 beside it (`maxsim_cli.shards.resident.Residency`). A search is then one `maxsim_kernels.maxsim_varlen`
-launch over that buffer and one `maxsim_cli.topk.RunningTopK` merge; a rerank is one launch on the
+launch over that buffer and one `maxsim_cli.scoring.topk.RunningTopK` merge; a rerank is one launch on the
 candidates' corpus ordinals (`candidate_scores`: on CUDA the residency's reused launcher, as `maxsim
 serve` scores a request), found in the corpus's id lookup (`Corpus.id_lookup`, built once per corpus,
 so that a call costs what its candidates cost, not what the corpus's ids cost). The engine
@@ -21,7 +21,7 @@ int8 queries quantized once per call as the engine does), keys and sorts results
   goes through `maxsim_cli.parallel`), and there are queries to score;
 - the call gives no memory budget, query batch size or progress bar (those are the engine's to plan);
 - the work is small: the search's ``[queries, documents]`` score block, or the rerank's pairs, within
-  `MAX_BLOCK_BYTES` (the engine's per-pair accounting, `maxsim_cli.topk.PAIR_BYTES`).
+  `MAX_BLOCK_BYTES` (the engine's per-pair accounting, `maxsim_cli.scoring.topk.PAIR_BYTES`).
 
 A CUDA out-of-memory error hands the call to the engine, which splits the work.
 """
@@ -38,7 +38,7 @@ from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.resources import device_queries, query_embeddings
 from maxsim_cli.scoring.results import locate_candidates, write_reranked, write_topk
 from maxsim_cli.scoring.stats import ScoreStats
-from maxsim_cli.topk import PAIR_BYTES, RunningTopK
+from maxsim_cli.scoring.topk import PAIR_BYTES, RunningTopK
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -1,6 +1,6 @@
 """How a request runs: the one place that picks the path of a scoring call, as a `Plan`.
 
-Every entry point asks here: `maxsim score` (`maxsim_cli.score.score`: `run_files`), the library's
+Every entry point asks here: `maxsim score` (`maxsim_cli.scoring.entry.score`: `run_files`), the library's
 `search` and `rerank` (`maxsim_cli.api`, and through them PyTerrier and a served search: `run_call`)
 and a served rerank batch (`maxsim_cli.service.batching.Scorer`: `plan_served_rerank`). The paths:
 

@@ -5,10 +5,10 @@ corpus and hands the results to a sink.
 
 **Exhaustive mode** (the default) ranks every document of every shard for every query. Queries are split
 into as few *query batches* as the memory budget allows (one, usually); each query batch makes one pass
-over the corpus, streamed in *document batches* (`maxsim_cli.pipeline`) and scored with
+over the corpus, streamed in *document batches* (`maxsim_cli.scoring.pipeline`) and scored with
 `maxsim_kernels.maxsim_varlen` into a ``[nq, nd]`` block that is folded into a running top-k on the device
-(`maxsim_cli.topk`). Ties are broken by docno descending through order keys, so the run does not depend on
-batch sizes, shard order or memory budgets.
+(`maxsim_cli.scoring.topk`). Ties are broken by docno descending through order keys, so the run does not
+depend on batch sizes, shard order or memory budgets.
 
 **Rerank mode** (``candidates=RUN``) scores exactly the (query, document) pairs of a first-stage run:
 documents are found through one id index, only those some query needs are read (`Shard.read_doc_indices`),
@@ -23,7 +23,7 @@ continues, with a note on stderr.
 ``write_ordinals(scores, ordinals)`` (exhaustive: float32 scores and the corpus's int64 ordinals,
 ``[nq, m]`` numpy arrays, rows best first) or else ``write_ranked(qids, docnos, scores)`` (exhaustive: a
 query batch at once, docnos an Arrow array query after query, scores ``[nq, m]`` float32). A sink that is
-a context manager (`maxsim_cli.runs.RunWriter`) is entered around the pass only: the run file is created
+a context manager (`maxsim_cli.run_files.RunWriter`) is entered around the pass only: the run file is created
 once the plan is made and kept only if the pass succeeds.
 
 Where the time goes (one H200, 10 GB of fp16 shards, 512 queries x 32 tokens): the pass over the corpus
@@ -34,7 +34,6 @@ come on top (the pieces: docs/kernel-notes.md, "`maxsim score`: the host-side co
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,10 +52,11 @@ from maxsim_cli.errors import (
     MAX_MEMORY,
     MaxsimError,
     RankStopped,
+    log_to_stderr,
 )
 from maxsim_cli.memory import UNPLANNED_HOST_BYTES, HostMeter
-from maxsim_cli.pipeline import Batch, BatchPlan, BatchStream, read_parts
 from maxsim_cli.scoring import plan as planning
+from maxsim_cli.scoring.pipeline import Batch, BatchPlan, BatchStream, read_parts
 from maxsim_cli.scoring.plan import Budget, Plan
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.resources import (
@@ -69,23 +69,19 @@ from maxsim_cli.scoring.resources import (
     reader_threads,
 )
 from maxsim_cli.scoring.results import locate_candidates, write_reranked, write_topk
+from maxsim_cli.scoring.staging import PinnedArena
 from maxsim_cli.scoring.stats import ScoreStats
+from maxsim_cli.scoring.topk import RunningTopK
 from maxsim_cli.shards import check_same_dim
 from maxsim_cli.shards.resident import shard_bytes
-from maxsim_cli.staging import PinnedArena
-from maxsim_cli.topk import RunningTopK
 
 if TYPE_CHECKING:
     from maxsim_cli.progress import ScoreProgress
+    from maxsim_cli.scoring.warmup import KernelWarmup
     from maxsim_cli.shards import Corpus, DocBatch
     from maxsim_cli.shards.resident import Residency
-    from maxsim_cli.warmup import KernelWarmup
 
 Logger = Callable[[str], None]
-
-
-def _stderr(message: str) -> None:
-    print(f"maxsim: {message}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -102,7 +98,7 @@ class RankContext:
     # The host memory meter of the run (`maxsim_cli.memory`), started by a caller that opened the inputs
     # (`files.score_files`), so that they count; else the run starts its own.
     host_meter: HostMeter | None = None
-    # The first Triton launch's once-a-process work, started beside the set-up (`maxsim_cli.warmup`):
+    # The first Triton launch's once-a-process work, started beside the set-up (`maxsim_cli.scoring.warmup`):
     # waited for before the pass's first launch.
     warmup: KernelWarmup | None = None
 
@@ -115,12 +111,12 @@ def run(
     *,
     candidates: dict[str, list[tuple[str, float]]] | None = None,
     context: RankContext | None = None,
-    log: Logger = _stderr,
+    log: Logger = log_to_stderr,
 ) -> ScoreStats:
     """Score ``queries`` against the open ``corpus`` as ``request`` says and hand the results to ``sink``
     (see the module docstring); return the stats.
 
-    ``candidates``: rerank mode's run (``qid -> [(docno, score), ...]``, as `maxsim_cli.runs.read_run`
+    ``candidates``: rerank mode's run (``qid -> [(docno, score), ...]``, as `maxsim_cli.run_files.read_run`
     returns it); None scores every document. The corpus is neither opened nor closed here. Raises
     `UsageError` / `InputError` / `MaxsimError` with one-line messages; the request's ``devices`` is
     ignored (a job is `maxsim_cli.parallel`'s business). ``setup_s`` and ``wall_s`` count from this call.
@@ -689,7 +685,7 @@ class _Engine:
 def _interleave(plans: list[BatchPlan]) -> list[BatchPlan]:
     """Plans reordered round-robin over shards (first the first batch of every shard, then the second
     ...), so that reader threads read different shards at once: a shard serialises its own reads. The
-    results do not depend on the order (see `maxsim_cli.topk`)."""
+    results do not depend on the order (see `maxsim_cli.scoring.topk`)."""
     seen: dict[int, int] = {}
     keyed = []
     for plan in plans:

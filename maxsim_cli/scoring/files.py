@@ -1,5 +1,5 @@
 """A scoring run whose inputs are files and whose output is a run file: what `maxsim score` does on one
-device (`maxsim_cli.score.score` without ``--devices``, and a job with a single device)."""
+device (`maxsim_cli.scoring.entry.score` without ``--devices``, and a job with a single device)."""
 
 from __future__ import annotations
 
@@ -11,20 +11,21 @@ import torch
 
 from maxsim_cli import timeline
 from maxsim_cli.codecs import code_width, has_scales
+from maxsim_cli.errors import log_to_stderr
 from maxsim_cli.memory import HostMeter
 from maxsim_cli.queries import read_queries
-from maxsim_cli.runs import RunWriter, read_run
+from maxsim_cli.run_files import RunWriter, read_run
 from maxsim_cli.scoring import engine, resources
 from maxsim_cli.scoring.engine import Logger, RankContext
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.stats import ScoreStats
+from maxsim_cli.scoring.topk import RunningTopK
+from maxsim_cli.scoring.warmup import KernelWarmup
 from maxsim_cli.shards import Corpus, DocBatch, check_same_dim, input_notes, open_corpus, report_notes
 from maxsim_cli.shards.files import check_output
-from maxsim_cli.topk import RunningTopK
-from maxsim_cli.warmup import KernelWarmup
 
 
-def score_files(request: ScoreRequest, *, log: Logger = engine._stderr) -> ScoreStats:
+def score_files(request: ScoreRequest, *, log: Logger = log_to_stderr) -> ScoreStats:
     """Open the request's corpus, read its queries (and candidates), score them with `engine.run` and
     write the run to ``request.output``; the corpus is closed on every exit path. ``setup_s`` and
     ``wall_s`` count from this call."""

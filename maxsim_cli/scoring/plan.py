@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from maxsim_cli.errors import BATCH_QUERIES, MAX_HOST_MEMORY, MAX_MEMORY, InputError, MaxsimError
-from maxsim_cli.pipeline import BatchStream, Part
-from maxsim_cli.staging import PinnedArena
-from maxsim_cli.topk import MAX_RANKS, PAIR_BYTES, STATE_BYTES
+from maxsim_cli.scoring.pipeline import BatchStream, Part
+from maxsim_cli.scoring.staging import PinnedArena
+from maxsim_cli.scoring.topk import MAX_RANKS, PAIR_BYTES, STATE_BYTES
 from maxsim_cli.units import format_size
 
 # Share of a memory budget that plans fill: the rest absorbs the caching allocator's block rounding and
@@ -103,8 +103,8 @@ class Plan:
 
     ``spans[i] = (a, b)``: documents ``a..b-1`` of the planned documents, whose token offsets are
     `tok_cum` (exhaustive: the corpus in ordinal order; rerank: the candidates' documents, `docs`);
-    `parts[i]`: the same documents as per-shard parts (`maxsim_cli.pipeline.Part`). Rerank plans add each
-    batch's side data (`sides`: candidate offsets per query, candidate documents, output positions) and
+    `parts[i]`: the same documents as per-shard parts (`maxsim_cli.scoring.pipeline.Part`). Rerank plans add
+    each batch's side data (`sides`: candidate offsets per query, candidate documents, output positions) and
     the query of each pair in output order (`pair_query`).
     """
 

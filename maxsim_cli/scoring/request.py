@@ -1,5 +1,6 @@
-"""`ScoreRequest`: every option of a scoring run, built once (by `maxsim_cli.score.score`, the API or a job)
-and passed down unchanged; a rank of a job gets ``dataclasses.replace(request, ...)`` with its share."""
+"""`ScoreRequest`: every option of a scoring run, built once (by `maxsim_cli.scoring.entry.score`, the API or
+a job) and passed down unchanged; a rank of a job gets ``dataclasses.replace(request, ...)`` with its
+share."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def default_depth(quantization: str, top_k: int) -> int:
 
 @dataclass(frozen=True)
 class ScoreRequest:
-    """The options of `maxsim_cli.score.score` (see there), paths as strings and the corpus as a tuple."""
+    """The options of `maxsim_cli.scoring.entry.score` (see there), paths as strings and the corpus as a
+    tuple."""
 
     queries: str
     corpus: tuple[str, ...]
@@ -99,7 +101,7 @@ class ScoreRequest:
     def check(self) -> torch.device:
         """Raise the `UsageError` of the first bad option value (in the order `score` has always checked
         them); return the torch device that ``device`` names."""
-        from maxsim_cli.runs import RunWriter
+        from maxsim_cli.run_files import RunWriter
 
         if self.top_k < 1:
             raise UsageError(f"{TOP_K.given(self.top_k)}: must be at least 1")

@@ -12,11 +12,11 @@ import torch
 from maxsim_cli.devices import default_host_bytes
 from maxsim_cli.errors import MAX_HOST_MEMORY, InputError
 from maxsim_cli.memory import HostMeter
-from maxsim_cli.pipeline import BatchStream
 from maxsim_cli.scoring import plan as planning
+from maxsim_cli.scoring.pipeline import BatchStream
 from maxsim_cli.scoring.request import ScoreRequest
+from maxsim_cli.scoring.staging import PinnedArena
 from maxsim_cli.scoring.stats import ScoreStats
-from maxsim_cli.staging import PinnedArena
 from maxsim_cli.units import format_size
 
 if TYPE_CHECKING:

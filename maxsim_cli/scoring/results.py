@@ -124,7 +124,7 @@ def write_reranked(
 ) -> None:
     """Each query's candidates with their float32 ``scores`` (pairs in (query, run order) order, as
     `locate_candidates` gives them) to ``sink``, re-sorted in trec_eval's order and cut to ``top_k``."""
-    from maxsim_cli.runs import sort_trec
+    from maxsim_cli.run_files import sort_trec
 
     if pair_query is None:
         return

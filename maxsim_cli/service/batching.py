@@ -276,7 +276,7 @@ class Scorer:
                 n += 1
                 if failure is None and not np.isfinite(scores[a:b]).all():
                     failure = _not_finite(qid, docnos, scores[a:b])
-                # trec_eval's order (`maxsim_cli.runs.sort_trec`): float32 score, then docno, descending
+                # trec_eval's order (`maxsim_cli.run_files.sort_trec`): float32 score, then docno, descending
                 keys = scores[a:b].astype(np.float64) + 0.0  # -0.0 ties with 0.0
                 order = np.lexsort((ranks[cand_docs[a:b]], keys))[::-1]
                 if job.request.k is not None:

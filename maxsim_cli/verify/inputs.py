@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from maxsim_cli.errors import InputError
-from maxsim_cli.runs import read_run
+from maxsim_cli.run_files import read_run
 from maxsim_cli.shards import Corpus, DocBatch
 
 

@@ -109,7 +109,7 @@ class KernelWarmup:
         a corpus can have: it loads PyTorch's reduction kernels while the thread would otherwise wait for
         the run's queries (on the H200, 45-140 ms of waiting), where the pass's first batch paid 13-24 ms
         for them (docs/kernel-notes.md, "The pass, traced")."""
-        from maxsim_cli.pipeline import batch_check
+        from maxsim_cli.scoring.pipeline import batch_check
 
         stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(stream):

@@ -1,4 +1,4 @@
-"""The staging memory of a batch stream (`maxsim_cli.pipeline`): the page-locked arena of a CUDA pass,
+"""The staging memory of a batch stream (`maxsim_cli.scoring.pipeline`): the page-locked arena of a CUDA pass,
 locked piece by piece in a background thread, and the slots (one batch's tensors) carved from it."""
 
 from __future__ import annotations

@@ -57,8 +57,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from maxsim_cli.scoring.staging import PinnedArena, SlotBuffers
 from maxsim_cli.shards.resident import Residency
-from maxsim_cli.staging import PinnedArena, SlotBuffers
 
 _STOP = object()  # put in the slot queue to stop the dispatcher
 

@@ -407,6 +407,12 @@ def sort_trec(docnos: Sequence[str], scores: Sequence[float]) -> list[int]:
         raise ValueError(f"sort_trec: {len(docnos)} docnos but {len(scores)} scores")
     keys = _float32_keys(scores)
     if len(docnos) >= _NUMPY_SORT_FROM:
+        # without equal scores the scores alone decide, and the docnos (an array of strings to build)
+        # are not needed: 1,000 entries ~40 us against ~200 (a served rerank sorts at every request)
+        order = np.argsort(-keys, kind="stable")
+        ranked = keys[order]
+        if np.isfinite(ranked).all() and bool(np.all(ranked[:-1] > ranked[1:])):
+            return order.tolist()
         # numpy's unicode strings compare by code point too; the position key keeps equal entries in
         # input order, as `sorted(..., reverse=True)` does
         position = -np.arange(len(docnos))
