@@ -169,6 +169,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "maxsim_cli.run_files",
             "maxsim_cli.merge",
             "maxsim_cli.irds",
+            "maxsim_cli.codecs",
             "maxsim_cli.queries",
             "maxsim_cli.shards",
             "maxsim_cli.devices",

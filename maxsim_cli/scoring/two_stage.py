@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from maxsim_cli.codecs import CODE_QUANTIZATIONS, check_same_documents
 from maxsim_cli.errors import EXACT_FROM, InputError
-from maxsim_cli.parallel.environment import Logger
+from maxsim_cli.scoring.engine import Logger
 from maxsim_cli.queries import read_queries
 from maxsim_cli.run_files import RunWriter
 from maxsim_cli.scoring.request import ScoreRequest
