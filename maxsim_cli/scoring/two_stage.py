@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 from maxsim_cli.codecs import CODE_QUANTIZATIONS, check_same_documents
 from maxsim_cli.errors import EXACT_FROM, InputError
-from maxsim_cli.scoring.engine import Logger
 from maxsim_cli.queries import read_queries
 from maxsim_cli.run_files import RunWriter
+from maxsim_cli.scoring.engine import Logger
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.resources import corpus_name
 from maxsim_cli.scoring.stats import ScoreStats
