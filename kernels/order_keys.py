@@ -4,7 +4,8 @@ For float32 scores ``s`` and int64 docno ranks ``r`` (``0 <= r < 2**32``) the ke
 
     key = (ord32(s) << 32) | r,    ord32(s) = bits(s) ^ ((bits(s) >> 31) & 0x7FFFFFFF)
 
-with ``-0.0`` read as ``+0.0`` and NaN as ``+inf`` first (the two zeros tie, as they print the same; a
+(the smallest int64 where ``r < 0``: a deleted document), with ``-0.0`` read as ``+0.0`` and NaN as
+``+inf`` first (the two zeros tie, as they print the same; a
 NaN ranks first, where the run writer refuses it). ``ord32`` keeps the bits
 of non-negative floats and flips the 31 low bits of negative ones, so comparing keys as signed int64
 compares scores first and, on equal scores, ranks: trec_eval's order. The torch form of the same
@@ -39,7 +40,9 @@ def _order_keys_kernel(scores_ptr, ranks_ptr, keys_ptr, n, nd, PER_SCORE: tl.con
         r = tl.load(ranks_ptr + offs, mask=mask, other=0)
     else:
         r = tl.load(ranks_ptr + offs % nd, mask=mask, other=0)
-    tl.store(keys_ptr + offs, (key32.to(tl.int64) << 32) | r, mask=mask)
+    key = (key32.to(tl.int64) << 32) | r
+    key = tl.where(r < 0, -9223372036854775808, key)  # rank -1: a deleted document, below every key
+    tl.store(keys_ptr + offs, key, mask=mask)
 
 
 def order_keys_triton(scores: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:

@@ -209,7 +209,9 @@ app = typer.Typer(
 )
 
 # Each module under maxsim_cli/commands defines `register(app)`; the order is the order of `--help`.
-COMMAND_MODULES = ("pack", "inspect", "score", "explain", "eval", "verify", "quantize", "merge", "serve")
+COMMAND_MODULES = (
+    "pack", "inspect", "score", "explain", "eval", "verify", "quantize", "merge", "edit", "serve"
+)
 
 
 def _version_callback(value: bool) -> None:

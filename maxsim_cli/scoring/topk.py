@@ -7,7 +7,8 @@ Each (query, document) score becomes one int64 *order key*
 where ``ord32`` maps a float32 to an int32 with the same order (non-negative floats keep their bits;
 negative floats have their 31 low bits flipped, which reverses their order), and ``rank(docno)`` is the
 document's position among all the corpus's docnos sorted ascending by their UTF-8 bytes (``0 <= rank <
-2**32``, unique because docnos are unique). Comparing keys as signed integers compares scores first and
+2**32``, unique because docnos are unique; ``-1`` for a deleted document, whose key is `LEFT_OUT`).
+Comparing keys as signed integers compares scores first and
 docnos second, so "largest key first" is exactly trec_eval's order: score descending, ties broken by docno
 descending. Since every key is distinct, the top k keys form one well-defined set, so merging batches in
 any order, of any size, over shards in any order, gives the same result: no margin for ties is needed,
@@ -42,6 +43,10 @@ STATE_BYTES = 64
 _LOW31 = 0x7FFFFFFF
 _LOW32 = 0xFFFFFFFF
 MAX_RANKS = 1 << 32
+# The key of a document left out of the search (`Corpus.rank_of_ordinal` gives it rank -1): the
+# smallest int64, which no score's key reaches (a NaN, whose key it would be, is read as +inf), and
+# which `RunningTopK.result` drops.
+LEFT_OUT = -(1 << 63)
 
 
 def order_keys(scores: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
@@ -69,7 +74,10 @@ def order_keys(scores: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
     keys = key32.to(torch.int64)
     del key32
     keys <<= 32
-    keys |= ranks.to(device=keys.device, dtype=torch.int64)
+    ranks = ranks.to(device=keys.device, dtype=torch.int64)
+    keys |= ranks
+    if ranks.numel() and int(ranks.min()) < 0:  # a document left out (deleted): below every other key
+        keys.masked_fill_((ranks < 0).expand_as(keys), LEFT_OUT)
     return keys
 
 
@@ -124,4 +132,6 @@ class RunningTopK:
         # loading (docs/kernel-notes.md, "The pass, traced"); numpy's sort takes ~1 ms per 64K keys on
         # one core, faster than torch's on the CPU path too
         keys = np.sort(self._keys.cpu().numpy(), axis=1)[:, ::-1].copy()
-        return decode_keys(torch.from_numpy(keys))
+        # documents left out come last, in every row alike (each row saw the same documents)
+        keep = int((keys != LEFT_OUT).sum(axis=1).max(initial=0))
+        return decode_keys(torch.from_numpy(np.ascontiguousarray(keys[:, :keep])))

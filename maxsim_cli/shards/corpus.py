@@ -37,6 +37,7 @@ from maxsim_cli.shards.format import (
     show_id,
     sorted_id_order,
 )
+from maxsim_cli.shards.generations import ReaderLock, manifest_path, open_state
 from maxsim_cli.shards.lookup import IdLookup
 from maxsim_cli.shards.memory import IN_MEMORY_CORPUS, MemoryShard
 from maxsim_cli.shards.readers import open_shard
@@ -116,6 +117,25 @@ def read_manifest(directory: str) -> list[dict[str, Any]]:
     return out
 
 
+def mark_deleted(shard: Shard, rows: np.ndarray, number: int) -> None:
+    """Record a shard's deleted rows on it (``shard.deleted_rows``) and give each of them an id that no
+    document can have (a NUL, then the shard's ``number`` in its corpus and the row): a rerank's
+    candidate never finds a deleted document (it is missing), and an id deleted here may be added
+    again in another shard without counting as a duplicate."""
+    import pyarrow.compute as pc
+
+    shard.deleted_rows = np.asarray(rows, dtype=np.int64)  # type: ignore[attr-defined]
+    ids = shard.id_array.cast(pa.large_string())
+    mask = np.zeros(len(ids), dtype=bool)
+    mask[shard.deleted_rows] = True  # type: ignore[attr-defined]
+    hidden = pa.array([f"\0{number}\0{row}" for row in shard.deleted_rows.tolist()], pa.large_string())  # type: ignore[attr-defined]
+    filler = pa.array(np.zeros(len(ids), dtype=np.int64)).cast(pa.large_string())
+    positions = np.cumsum(mask) - 1
+    replaced = hidden.take(pa.array(np.where(mask, positions, 0))) if len(hidden) else filler
+    shard._id_array = pc.if_else(pa.array(mask), replaced, ids)
+    shard._ids = None
+
+
 @dataclass
 class ResidentPart:
     """One device's share of a corpus spread over several (`Corpus.to` with a list): ``corpus`` holds
@@ -177,7 +197,49 @@ class Corpus:
         self.placement: list[ResidentPart] | None = None  # shares of the shards on several devices
         # residual2 codes: the codebook beside the shards, checked against what they record
         self.codebook: Codebook | None = corpus_codebook([s.info for s in shards])
+        # the committed generation opened (0: a folder without generations, or shard files), the reader
+        # locks that keep its files, and what `refresh` opens again (set by `open_corpus`)
+        self.generation = 0
+        self._locks: list[ReaderLock] = []
+        self._paths: list[str] = []
+        self._verify_checksums = False
+        self._deleted: np.ndarray | None = None
+        self.num_deleted = sum(len(getattr(s, "deleted_rows", ())) for s in shards)
         self._check_unique_ids()  # refuses duplicate ids across shards now, not at scoring time
+
+    def deleted_mask(self) -> np.ndarray | None:
+        """Which documents are deleted (bool ``[len(corpus)]``, corpus ordinal order), or None when none
+        is. A deleted document keeps its ordinal, but no search, rerank or count sees it."""
+        if not self.num_deleted:
+            return None
+        if self._deleted is None:
+            mask = np.zeros(self.num_docs, dtype=bool)
+            for start, shard in zip(self.doc_starts[:-1].tolist(), self.shards, strict=True):
+                rows = getattr(shard, "deleted_rows", None)
+                if rows is not None:
+                    mask[start + rows] = True
+            self._deleted = mask
+        return self._deleted
+
+    @property
+    def num_live(self) -> int:
+        """Documents that are not deleted."""
+        return self.num_docs - self.num_deleted
+
+    def refresh(self) -> bool:
+        """Open the latest committed generation of the folders this corpus was opened from, in place of
+        the one open now: True when it changed (the corpus is then the new generation, released from
+        any device: `to` again), False when it is the one open. A corpus made in memory or from shard
+        files alone has nothing to refresh."""
+        from maxsim_cli.shards.generations import read_pointer
+
+        folders = [p for p in self._paths if os.path.isdir(p)]
+        if not folders or all((read_pointer(p) or 0) == self.generation for p in folders):
+            return False
+        fresh = open_corpus(self._paths, verify_checksums=self._verify_checksums)
+        self.close()
+        self.__dict__.update(fresh.__dict__)
+        return True
 
     def _check_unique_ids(self) -> None:
         # Each shard's ids are unique already; across shards, equal neighbours in the sorted ids (no
@@ -200,6 +262,9 @@ class Corpus:
             ordinal_of_rank = self.id_order()[1]
             ranks = np.empty(len(ordinal_of_rank), dtype=np.int64)
             ranks[ordinal_of_rank] = np.arange(len(ordinal_of_rank), dtype=np.int64)
+            deleted = self.deleted_mask()
+            if deleted is not None:
+                ranks[deleted] = -1  # `order_keys` puts these below every document: never in a run
             self._rank_of_ordinal = ranks
         return self._rank_of_ordinal
 
@@ -414,6 +479,8 @@ class Corpus:
         self.residency = None  # an in-memory corpus's tensors go with its shard
         for shard in self.shards:
             shard.close()
+        for lock in self._locks:
+            lock.release()
 
     def __enter__(self) -> Corpus:
         return self
@@ -431,11 +498,45 @@ def _pack_hint(folder: str) -> str:
     return ""
 
 
-def _expand(path: str, verify_checksums: bool) -> list[tuple[str, dict[str, Any] | None]]:
+def _expand_generation(
+    path: str, verify_checksums: bool, locks: list[ReaderLock]
+) -> list[tuple[str, dict[str, Any] | None]]:
+    """A folder's committed generation (docs/format.md, "Generations"), opened under a reader lock
+    (appended to ``locks``); generation 0 as a folder without generations is read."""
+    state, lock = open_state(path)
+    locks.append(lock)
+    if state.entries is None:
+        return _expand(path, verify_checksums, [], plain=True)
+    out: list[tuple[str, dict[str, Any] | None]] = []
+    for e in state.entries:
+        full = os.path.join(path, e.path)
+        if verify_checksums:
+            if e.sha256 is None:
+                raise input_error(
+                    full, f"no sha256 in generation {state.number}'s manifest; cannot verify checksums"
+                )
+            got = file_sha256(full)
+            if got != e.sha256.lower():
+                raise input_error(
+                    full,
+                    f"sha256 {got} does not match {e.sha256} in generation {state.number}'s manifest; the "
+                    "file changed or is damaged",
+                )
+        entry = {"num_docs": e.num_docs, "num_tokens": e.num_tokens, "deleted": e.deleted,
+                 "generation": state.number, "manifest": manifest_path(path, state.number)}  # fmt: skip
+        out.append((full, entry))
+    return out
+
+
+def _expand(
+    path: str, verify_checksums: bool, locks: list[ReaderLock] | None = None, *, plain: bool = False
+) -> list[tuple[str, dict[str, Any] | None]]:
     if not os.path.exists(path):
         raise input_error(path, "no such file or directory")
     if not os.path.isdir(path):
         return [(path, None)]
+    if not plain and locks is not None:
+        return _expand_generation(path, verify_checksums, locks)
     if os.path.exists(os.path.join(path, MANIFEST_NAME)):
         entries = read_manifest(path)
         if verify_checksums:
@@ -481,8 +582,24 @@ def open_corpus(paths: Sequence[str | os.PathLike[str]], *, verify_checksums: bo
     if not paths:
         raise InputError("corpus: no shard files or directories given")
     listed: list[tuple[str, dict[str, Any] | None]] = []
-    for p in paths:
-        listed.extend(_expand(os.fspath(p), verify_checksums))
+    locks: list[ReaderLock] = []
+    try:
+        for p in paths:
+            listed.extend(_expand(os.fspath(p), verify_checksums, locks))
+        corpus = _open_listed(listed)
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+    corpus._locks = locks
+    corpus._paths = [os.fspath(p) for p in paths]
+    corpus._verify_checksums = verify_checksums
+    generations = {entry["generation"] for _, entry in listed if entry and "generation" in entry}
+    corpus.generation = max(generations, default=0)
+    return corpus
+
+
+def _open_listed(listed: list[tuple[str, dict[str, Any] | None]]) -> Corpus:
     seen: dict[str, str] = {}
     for path, _ in listed:
         real = os.path.realpath(path)
@@ -499,12 +616,15 @@ def open_corpus(paths: Sequence[str | os.PathLike[str]], *, verify_checksums: bo
             if entry is not None:
                 for key in ("num_docs", "num_tokens"):
                     if key in entry and entry[key] != getattr(shard, key):
+                        manifest = entry.get("manifest") or os.path.join(os.path.dirname(path), MANIFEST_NAME)
                         raise input_error(
                             path,
                             f"{key}={getattr(shard, key)} but the manifest "
-                            f"{os.path.join(os.path.dirname(path), MANIFEST_NAME)} says "
+                            f"{manifest} says "
                             f"{entry[key]}; rebuild it with write_manifest",
                         )
+                if len(entry.get("deleted", ())):
+                    mark_deleted(shard, entry["deleted"], len(shards) - 1)
         empty = [shard for shard in shards if shard.num_docs == 0]
         if len(empty) == len(shards):
             names = shards[0].path if len(shards) == 1 else f"all {len(shards)} shards, {shards[0].path}, ..."

@@ -1,0 +1,559 @@
+"""Changing a corpus folder: `add_shards`, `delete_ids`, `compact` (`maxsim add`, `delete`, `compact`).
+
+Each call is one commit of a new generation (`maxsim_cli.shards.generations`), made the same way:
+
+1. the writer lock is taken (`WriterLock`: a second writer is refused in one line), and what an earlier
+   writer that was killed left is removed: a staging folder, a generation folder that the pointer never
+   named, a temp file of the pointer; then old generations that no reader holds are cleaned up;
+2. the committed generation is opened (a reader like any other) and the change is checked in full
+   before anything is written;
+3. the new generation's files (added shards, hard-linked or copied; compacted shards; deletion sets;
+   its manifest) are written into a hidden staging folder ``generations/.staging-XXXX``;
+4. the commit: the staging folder is renamed ``generations/<n>``, then the pointer ``index.json`` is
+   replaced by a rename (`maxsim_cli.lifeline.commit_point`: a stop signal from the first rename on is
+   held, and the command finishes). A reader opens the old pointer or the new one, nothing between;
+5. old generations whose files no reader of this machine holds are removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import io
+import os
+import shutil
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from maxsim_cli.errors import InputError, UsageError
+from maxsim_cli.lifeline import commit_point
+from maxsim_cli.shards.corpus import Corpus, open_corpus, read_manifest
+from maxsim_cli.shards.files import (
+    atomic_temp,
+    file_sha256,
+    list_shard_files,
+    remove_quietly,
+    staging_dir,
+    write_error,
+)
+from maxsim_cli.shards.format import MANIFEST_NAME, check_id, input_error, show_id
+from maxsim_cli.shards.generations import (
+    GENERATION_MANIFEST,
+    GENERATIONS_DIR,
+    ShardEntry,
+    WriterLock,
+    generation_dir,
+    generation_text,
+    manifest_path,
+    numbered_generations,
+    pointer_text,
+    read_pointer,
+    try_lock_generation,
+)
+
+# Tokens read at once while a shard is compacted: ~16 MiB of float16 values at dim 128.
+COMPACT_BATCH_BYTES = 16 << 20
+DEFAULT_THRESHOLD = 0.2
+# Quantizations that add, delete and compact take: full precision and int8 (codes below 8 bits come
+# from `maxsim quantize`, which makes them again from the changed corpus).
+_EDITABLE = ("none", "int8-per-token")
+STAGING_PREFIX = ".staging-"
+
+
+@dataclass
+class Change:
+    """What a command committed: the new generation (None when nothing changed) and its counts."""
+
+    generation: int | None
+    num_docs: int  # live documents after the change
+    num_deleted: int  # deleted rows kept in shards after the change
+    added: int = 0  # documents added
+    deleted: int = 0  # documents deleted by this change
+    unknown: int = 0  # ids asked to delete that the corpus does not hold
+    compacted: int = 0  # shards rewritten
+    removed: int = 0  # files of old generations removed
+
+
+def _check_folder(directory: str) -> str:
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        what = "no such folder" if not os.path.exists(directory) else "is a file, not a corpus folder"
+        raise InputError(f"{directory}: {what}; add, delete and compact change a corpus folder")
+    return directory
+
+
+def _gen0_entries(directory: str) -> list[ShardEntry]:
+    """Generation 0's shards: those of a format_version 1 manifest, or the folder's shard files."""
+    if os.path.exists(os.path.join(directory, MANIFEST_NAME)):
+        raw = read_manifest(directory)
+        return [
+            ShardEntry(e["relpath"], int(e["num_docs"]), int(e["num_tokens"]), e.get("sha256")) for e in raw
+        ]
+    from maxsim_cli.shards.readers import open_shard
+
+    out = []
+    for path in list_shard_files(directory):
+        with open_shard(path) as shard:
+            out.append(ShardEntry(os.path.basename(path), shard.num_docs, shard.num_tokens, None))
+    return out
+
+
+def _generation_files(directory: str, number: int) -> set[str]:
+    """The files (relative paths) generation ``number``'s manifest names, read leniently (for the
+    clean-up: a generation past its use)."""
+    import json
+
+    try:
+        with open(manifest_path(directory, number), encoding="utf-8") as f:
+            doc = json.load(f)
+        files = set()
+        for raw in doc.get("shards", []):
+            files.add(raw["path"])
+            if raw.get("deleted"):
+                files.add(raw["deleted"]["path"])
+        return {f for f in files if isinstance(f, str) and ".." not in f.replace("\\", "/").split("/")}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return set()
+
+
+def recover(directory: str, committed: int) -> None:
+    """Under the writer lock: remove what a killed writer left (a staging folder, a generation folder
+    the pointer never named, a temp file of the pointer)."""
+    folder = os.path.join(directory, GENERATIONS_DIR)
+    for name in os.listdir(folder):
+        if name.startswith(STAGING_PREFIX):
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+    for number in numbered_generations(directory):
+        if number > committed:
+            shutil.rmtree(generation_dir(directory, number), ignore_errors=True)
+    for name in os.listdir(directory):
+        if name.startswith(f".{MANIFEST_NAME}.") and name.endswith(".tmp"):
+            remove_quietly(os.path.join(directory, name))
+
+
+def clean_up(directory: str, committed: int) -> int:
+    """Remove the files of generations older than ``committed`` that no reader of this machine holds
+    (an exclusive lock on each is tried, without waiting) and that no kept generation names; returns
+    how many files went."""
+    old = [m for m in numbered_generations(directory) if m < committed]
+    held: dict[int, int] = {}
+    try:
+        for number in old:
+            fd = try_lock_generation(directory, number)
+            if fd is not None:
+                held[number] = fd
+        keep: set[str] = set()
+        for number in [committed, *(m for m in old if m not in held)]:
+            keep |= _generation_files(directory, number)
+        drop: set[str] = set()
+        for number in held:
+            drop |= _generation_files(directory, number)
+        removed = 0
+        for rel in sorted(drop - keep):
+            path = os.path.join(directory, rel)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed += 1
+        for number in held:
+            remove_quietly(manifest_path(directory, number))
+        for number in numbered_generations(directory):
+            if number < committed and not os.path.exists(manifest_path(directory, number)):
+                with contextlib.suppress(OSError):
+                    os.rmdir(generation_dir(directory, number))  # only once it holds nothing kept
+        return removed
+    finally:
+        for fd in held.values():
+            os.close(fd)
+
+
+class _Commit:
+    """One commit of a new generation: files staged, then the pointer flipped (module docstring)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.lock = WriterLock(directory)
+        try:
+            self.committed = read_pointer(directory) or 0
+            recover(directory, self.committed)
+            clean_up(directory, self.committed)
+            self.number = max([self.committed, *numbered_generations(directory)]) + 1
+            if self.committed == 0:
+                self.entries = _gen0_entries(directory)
+            self.staging = ""
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def stage(self) -> str:
+        if not self.staging:
+            self.staging = staging_dir(os.path.join(self.directory, GENERATIONS_DIR), STAGING_PREFIX)
+        return self.staging
+
+    def rel(self, name: str) -> str:
+        """A new file's path in the manifest (inside the generation's folder once committed)."""
+        return f"{GENERATIONS_DIR}/{self.number}/{name}"
+
+    def write_deleted(self, name: str, rows: np.ndarray) -> tuple[str, str]:
+        """A deletion set into the staging folder: (its manifest path, its sha256)."""
+        buffer = io.BytesIO()
+        np.save(buffer, np.asarray(rows, dtype=np.int64), allow_pickle=False)
+        data = buffer.getvalue()
+        path = os.path.join(self.stage(), name)
+        try:
+            with open(path, "wb") as f:
+                f.write(data)
+        except OSError as exc:
+            raise write_error(self.directory, exc) from None
+        return self.rel(name), hashlib.sha256(data).hexdigest()
+
+    def commit(self, entries: list[ShardEntry]) -> None:
+        directory = self.directory
+        if self.committed == 0:  # generation 0 described, so that a later clean-up knows its files
+            gen0 = generation_dir(directory, 0)
+            try:
+                os.makedirs(gen0, exist_ok=True)
+                with open(os.path.join(gen0, GENERATION_MANIFEST), "w", encoding="utf-8") as f:
+                    f.write(generation_text(0, self.entries))
+            except OSError as exc:
+                raise write_error(directory, exc) from None
+        staging = self.stage()
+        try:
+            with open(os.path.join(staging, GENERATION_MANIFEST), "w", encoding="utf-8") as f:
+                f.write(generation_text(self.number, entries))
+        except OSError as exc:
+            raise write_error(directory, exc) from None
+        pointer = os.path.join(directory, MANIFEST_NAME)
+        fd, tmp = atomic_temp(pointer)
+        target = generation_dir(directory, self.number)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(pointer_text(self.number).encode("utf-8"))
+            with commit_point():
+                os.rename(staging, target)
+                try:
+                    os.replace(tmp, pointer)
+                except BaseException:
+                    os.rename(target, staging)
+                    raise
+            self.staging = ""
+        except OSError as exc:
+            raise write_error(directory, exc) from None
+        finally:
+            remove_quietly(tmp if os.path.exists(tmp) else None)
+        self.committed = self.number
+
+    def close(self) -> int:
+        """Remove the staging folder (nothing committed) or the old generations (committed)."""
+        try:
+            if self.staging:
+                shutil.rmtree(self.staging, ignore_errors=True)
+                self.staging = ""
+                return 0
+            return clean_up(self.directory, self.committed)
+        finally:
+            self.lock.release()
+
+
+def _open_current(directory: str) -> Corpus:
+    corpus = open_corpus([directory])
+    if corpus.quantization not in _EDITABLE:
+        corpus.close()
+        raise InputError(
+            f"{directory}: holds {corpus.quantization} codes; add, delete and compact change full-precision "
+            "and int8 corpora (change the full-precision corpus, then run maxsim quantize again)"
+        )
+    return corpus
+
+
+def _current_entries(commit: _Commit, corpus: Corpus) -> list[ShardEntry]:
+    """The committed generation's entries, aligned with ``corpus.shards``."""
+    if commit.committed == 0:
+        entries = commit.entries
+    else:
+        from maxsim_cli.shards.generations import read_generation
+
+        entries = read_generation(commit.directory, commit.committed)
+    by_path = {os.path.realpath(os.path.join(commit.directory, e.path)): e for e in entries}
+    return [by_path[os.path.realpath(s.path)] for s in corpus.shards]
+
+
+def _with_deleted(
+    commit: _Commit, entries: list[ShardEntry], new_rows: dict[int, np.ndarray]
+) -> list[ShardEntry]:
+    """``entries`` with ``new_rows`` (per entry index) deleted too; a shard left with no document is
+    dropped."""
+    out = []
+    for i, entry in enumerate(entries):
+        rows = new_rows.get(i)
+        if rows is None or not len(rows):
+            out.append(entry)
+            continue
+        merged = np.union1d(entry.deleted, rows).astype(np.int64)
+        if len(merged) == entry.num_docs:
+            continue  # every document deleted: the shard leaves the generation
+        path, sha = commit.write_deleted(f"{i:05d}.deleted.npy", merged)
+        out.append(ShardEntry(entry.path, entry.num_docs, entry.num_tokens, entry.sha256, merged, path, sha))
+    return out
+
+
+def _rows_by_shard(corpus: Corpus, ordinals: np.ndarray) -> dict[int, np.ndarray]:
+    shard = np.searchsorted(corpus.doc_starts, ordinals, side="right") - 1
+    out: dict[int, np.ndarray] = {}
+    for s in np.unique(shard).tolist():
+        out[s] = np.sort(ordinals[shard == s] - corpus.doc_starts[s])
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# add
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EACCES):
+            raise
+        shutil.copyfile(source, target)
+
+
+def add_shards(
+    directory: str,
+    sources: Sequence[str],
+    *,
+    replace: bool = False,
+    log: Callable[[str], None] = lambda _: None,
+) -> Change:
+    """Add the shards of ``sources`` (shard files and/or folders) to the corpus folder ``directory`` in
+    one commit. Their ids must be new to the corpus (``replace``: the documents they name are deleted in
+    the same commit, an upsert), their dim, dtype, quantization and encoder the corpus's; everything is
+    checked before anything is written. The shards are hard-linked into the new generation's folder
+    (copied where a link cannot be made)."""
+    directory = _check_folder(directory)
+    if not sources:
+        raise UsageError("maxsim add: give at least one shard file or folder to add")
+    root = os.path.realpath(directory)
+    for source in sources:
+        real = os.path.realpath(source)
+        if os.path.exists(source) and os.path.commonpath([root, real]) == root:
+            raise InputError(
+                f"{source}: lies inside the corpus folder {directory}; add shards from elsewhere"
+            )
+    commit = _Commit(directory)
+    try:
+        with _open_current(directory) as corpus, open_corpus(list(sources)) as new:
+            if new.num_deleted:
+                raise InputError(
+                    f"{new.name}: has {new.num_deleted} deleted documents; compact it first "
+                    "(maxsim compact --threshold 0) or add its documents from a fresh pack"
+                )
+            for key in ("dim", "dtype", "quantization"):
+                if getattr(new, key) != getattr(corpus, key):
+                    raise input_error(
+                        new.shards[0].path,
+                        f"{key}={getattr(new, key)} but the corpus {directory} has "
+                        f"{key}={getattr(corpus, key)}; added shards need the corpus's dim, dtype and "
+                        "quantization",
+                    )
+            if new.encoder is not None and corpus.encoder is not None and new.encoder != corpus.encoder:
+                raise input_error(
+                    new.shards[0].path,
+                    f"made by encoder {new.encoder!r} but the corpus {directory} by {corpus.encoder!r}; "
+                    "their scores cannot be compared",
+                )
+            new_ids = new.ids
+            found = corpus.id_lookup().ordinals_of(new_ids)
+            present = np.flatnonzero(found >= 0)
+            if len(present) and not replace:
+                i = int(present[0])
+                s = int(np.searchsorted(new.doc_starts, i, side="right") - 1)
+                raise input_error(
+                    new.shards[s].path,
+                    f"id {show_id(new_ids[i])} (document {i - int(new.doc_starts[s])}) is already in the "
+                    f"corpus {directory} ({len(present)} such ids); give new ids, or --replace to replace "
+                    "those documents",
+                )
+            entries = _current_entries(commit, corpus)
+            entries = _with_deleted(commit, entries, _rows_by_shard(corpus, found[present]))
+            staging = commit.stage()
+            for k, shard in enumerate(new.shards):
+                name = f"{k:05d}-{os.path.basename(shard.path)}"
+                target = os.path.join(staging, name)
+                try:
+                    _link_or_copy(shard.path, target)
+                except OSError as exc:
+                    raise write_error(directory, exc) from None
+                entries.append(
+                    ShardEntry(commit.rel(name), shard.num_docs, shard.num_tokens, file_sha256(target))
+                )
+            change = Change(
+                commit.number,
+                corpus.num_live - len(present) + new.num_live,
+                sum(len(e.deleted) for e in entries),
+                added=new.num_live,
+                deleted=len(present),
+            )
+        commit.commit(entries)
+        change.removed = commit.close()
+        return change
+    except BaseException:
+        commit.close()
+        raise
+
+
+# --------------------------------------------------------------------------------------------------
+# delete
+
+
+def read_id_lines(name: str, lines: Iterable[bytes]) -> list[str]:
+    """Ids, one a line (blank lines skipped, spaces around an id ignored), each checked."""
+    out = []
+    for number, raw in enumerate(lines, start=1):
+        try:
+            text = raw.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise InputError(f"{name}: line {number} is not valid UTF-8; give one id a line") from None
+        if number == 1:
+            text = text.removeprefix("\ufeff")
+        if not text:
+            continue
+        check_id(name, text, f"on line {number}")
+        out.append(text)
+    return out
+
+
+def delete_ids(
+    directory: str,
+    ids: Sequence[str],
+    *,
+    strict: bool = False,
+    source: str = "ids",
+    log: Callable[[str], None] = lambda _: None,
+) -> Change:
+    """Delete the documents ``ids`` name from the corpus folder ``directory`` in one commit. Ids the
+    corpus does not hold are warned about through ``log`` (``strict``: an error, nothing committed)."""
+    directory = _check_folder(directory)
+    commit = _Commit(directory)
+    try:
+        with _open_current(directory) as corpus:
+            wanted = list(dict.fromkeys(ids))
+            found = corpus.id_lookup().ordinals_of(wanted)
+            unknown = np.flatnonzero(found < 0)
+            if len(unknown):
+                first = show_id(wanted[int(unknown[0])])
+                fact = (
+                    f"{source}: {len(unknown)} of {len(wanted)} ids are not in the corpus {directory} "
+                    f"(first: {first})"
+                )
+                if strict:
+                    raise InputError(f"{fact}; nothing was deleted (leave out --strict to delete the others)")
+                log(f"warning: {fact}; they are ignored (--strict makes this an error)")
+            ordinals = found[found >= 0]
+            change = Change(
+                None, corpus.num_live, corpus.num_deleted, deleted=len(ordinals), unknown=len(unknown)
+            )
+            if not len(ordinals):
+                return change
+            if len(ordinals) == corpus.num_live:
+                raise InputError(
+                    f"{source}: would delete every document of the corpus {directory}; a corpus needs at "
+                    "least one document"
+                )
+            entries = _with_deleted(
+                commit, _current_entries(commit, corpus), _rows_by_shard(corpus, ordinals)
+            )
+            change = Change(
+                commit.number,
+                corpus.num_live - len(ordinals),
+                sum(len(e.deleted) for e in entries),
+                deleted=len(ordinals),
+                unknown=len(unknown),
+            )
+        commit.commit(entries)
+        change.removed = commit.close()
+        return change
+    except BaseException:
+        commit.close()
+        raise
+
+
+# --------------------------------------------------------------------------------------------------
+# compact
+
+
+def compact(
+    directory: str,
+    threshold: float = DEFAULT_THRESHOLD,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> Change:
+    """Rewrite, in one commit, the shards of the corpus folder ``directory`` whose deleted share reaches
+    ``threshold`` (0 to 1; 0: every shard with a deleted document) without their deleted documents,
+    read and written a bounded batch at a time (the shard writers). Nothing to rewrite: no commit, but
+    what killed writers left and old generations no reader holds are still removed."""
+    directory = _check_folder(directory)
+    if not 0.0 <= threshold <= 1.0:
+        raise UsageError(f"--threshold {threshold}: give the deleted share as a number from 0 to 1")
+    from maxsim_cli.shards.writers import ShardWriter
+
+    commit = _Commit(directory)
+    try:
+        with _open_current(directory) as corpus:
+            entries = _current_entries(commit, corpus)
+            chosen = [
+                i for i, e in enumerate(entries)
+                if len(e.deleted) and len(e.deleted) >= threshold * e.num_docs
+            ]  # fmt: skip
+            change = Change(None, corpus.num_live, corpus.num_deleted)
+            if not chosen:
+                change.removed = commit.close()
+                return change
+            total = sum(entries[i].num_tokens for i in chosen)
+            done = 0
+            staging = commit.stage()
+            for i in chosen:
+                shard, entry = corpus.shards[i], entries[i]
+                info = shard.info
+                itemsize = 1 if info.dtype == "int8" else 2 if info.dtype in ("float16", "bfloat16") else 4
+                batch_tokens = max(1, COMPACT_BATCH_BYTES // (info.width * itemsize))
+                live = np.setdiff1d(np.arange(entry.num_docs, dtype=np.int64), entry.deleted)
+                name = f"{i:05d}-{os.path.basename(entry.path)}"
+                target = os.path.join(staging, name)
+                with ShardWriter(
+                    target,
+                    info.dim,
+                    info.dtype,
+                    encoder=info.encoder,
+                    format=info.format,
+                    patch_grid=info.patch_grid,
+                    patch_start=info.patch_start,
+                    quantization=info.quantization,
+                    warn_zero_rows=False,
+                ) as writer:
+                    a = 0
+                    while a < len(live):
+                        start = int(shard.offsets[live[a]])
+                        b = int(np.searchsorted(shard.offsets[live + 1], start + batch_tokens, side="right"))
+                        b = min(max(b, a + 1), len(live))
+                        batch = shard.read_doc_indices(live[a:b])
+                        writer.add(batch.ids, batch.embeddings, offsets=batch.offsets, scales=batch.scales)
+                        a = b
+                    written = writer.close()
+                done += entry.num_tokens
+                if progress is not None:
+                    progress(done, total)
+                entries[i] = ShardEntry(
+                    commit.rel(name), written.num_docs, written.num_tokens, file_sha256(target)
+                )
+            change = Change(
+                commit.number, corpus.num_live, sum(len(e.deleted) for e in entries), compacted=len(chosen)
+            )
+        commit.commit(entries)
+        change.removed = commit.close()
+        return change
+    except BaseException:
+        commit.close()
+        raise
