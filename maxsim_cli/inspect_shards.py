@@ -65,6 +65,7 @@ class ShardReport:
     token_lengths: LengthStats
     zero_row_docs: int | None = None  # documents with an all-zero token row (None: values not checked)
     first_zero_row_doc: str | None = None
+    deleted_docs: int = 0  # rows deleted in the corpus's generation (not counted in num_docs)
 
 
 @dataclass
@@ -84,6 +85,8 @@ class InspectReport:
     shards: list[ShardReport]
     zero_row_docs: int | None = None  # documents with an all-zero token row (None: values not checked)
     first_zero_row_doc: str | None = None
+    generation: int = 0  # the committed generation opened (0: a folder without generations)
+    deleted_docs: int = 0  # rows deleted in that generation, kept in the shards until compacted
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -107,10 +110,12 @@ class InspectReport:
 
 def _shard_report(shard: Shard) -> ShardReport:
     info = shard.info
+    deleted = len(getattr(shard, "deleted_rows", ()))
     return ShardReport(
+        deleted_docs=deleted,
         path=shard.path,
         format=info.format,
-        num_docs=info.num_docs,
+        num_docs=info.num_docs - deleted,
         num_tokens=info.num_tokens,
         dim=info.dim,
         dtype=info.dtype,
@@ -157,7 +162,9 @@ def inspect_paths(
         first_zero = next((r.first_zero_row_doc for r in reports if r.first_zero_row_doc), None)
         lengths = np.concatenate([np.diff(s.offsets) for s in corpus.shards])
         return InspectReport(
-            num_docs=corpus.num_docs,
+            generation=corpus.generation,
+            deleted_docs=corpus.num_deleted,
+            num_docs=corpus.num_live,
             num_tokens=corpus.num_tokens,
             dim=corpus.dim,
             dtype=corpus.dtype,
@@ -221,6 +228,11 @@ def format_report(report: InspectReport) -> str:
         f"normalised {'yes' if report.normalized else 'no'}  encoder {report.encoder or '-'}  "
         f"values {'checked' if report.values_checked else 'not checked'}"
     )
+    if report.generation or report.deleted_docs:
+        lines.append(
+            f"generation {report.generation}  deleted {format_count(report.deleted_docs)} "
+            "(left out of docs; their tokens stay in the shards until maxsim compact)"
+        )
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -310,8 +311,13 @@ def open_state(directory: str) -> tuple[State, ReaderLock]:
         try:
             fd = _try_lock(path, fcntl.LOCK_SH)
         except FileNotFoundError:
+            if read_pointer(directory) == number:  # not a clean-up after a newer commit: it is missing
+                raise input_error(
+                    path, f"no such file: the pointer names generation {number}, whose manifest is missing"
+                ) from None
             continue  # removed by a clean-up after a newer commit: read the pointer again
         if fd is None:
+            time.sleep(0.01)  # a writer's clean-up holds it for as long as it removes its files
             continue
         if not _same_file(fd, path):
             os.close(fd)

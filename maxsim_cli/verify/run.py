@@ -308,10 +308,12 @@ def _plan(
                 f"{corpus.paths[0]}; verify the run against the corpus it was made for"
             )
     else:
-        if sample_docs is not None and sample_docs < corpus.num_docs:
-            plan = _Plan("sample", selection=sample_documents(corpus.num_docs, sample_docs, seed))
+        deleted = corpus.deleted_mask()  # deleted documents are not the corpus's: never verified
+        live = np.arange(corpus.num_docs, dtype=np.int64) if deleted is None else np.flatnonzero(~deleted)
+        if sample_docs is not None and sample_docs < live.size:
+            plan = _Plan("sample", selection=live[sample_documents(live.size, sample_docs, seed)])
         else:
-            plan = _Plan("all", selection=np.arange(corpus.num_docs, dtype=np.int64))
+            plan = _Plan("all", selection=live)
         assert plan.selection is not None
         pairs = nq * plan.selection.size
     plan.pairs = pairs
