@@ -154,7 +154,8 @@ def test_signals_at_random_instants(server, inputs: Path, tmp_path: Path, name: 
             assert got == new
         else:
             assert code in (-signum, 128 + signum), (code, err)
-            assert got == old, f"{name}: exit {code} but the corpus changed"
+            if signum != signal.SIGKILL:  # SIGKILL may come after the commit: old or new, checked above
+                assert got == old, f"{name}: exit {code} but the corpus changed"
         assert tree_hashes(inputs / "new", inputs / "ids.txt") == hashes  # no input lost or changed
         left = _present(folder) - _expected_files(folder) - {"index.json"}
         if signum == signal.SIGTERM or code == 0:
