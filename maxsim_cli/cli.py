@@ -210,7 +210,8 @@ app = typer.Typer(
 
 # Each module under maxsim_cli/commands defines `register(app)`; the order is the order of `--help`.
 COMMAND_MODULES = (
-    "pack", "inspect", "score", "explain", "eval", "verify", "quantize", "merge", "edit", "serve"
+    "pack", "inspect", "score", "explain", "eval", "verify", "quantize", "merge", "add", "delete", "compact",
+    "serve",
 )
 
 
