@@ -146,7 +146,8 @@ def test_signals_at_random_instants(server, inputs: Path, tmp_path: Path, name: 
         except ProcessLookupError:
             pass
         code = server.wait(pid, 120)
-        err = (base / "err").read_text()
+        # a signal at the fork's first instant comes before the child opened its stderr
+        err = (base / "err").read_text() if (base / "err").exists() else ""
         assert "Traceback" not in err, err
         got = _content(folder)
         assert got in (old, new), f"{name} {signum!r}: the corpus is neither the old nor the new one"
