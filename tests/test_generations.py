@@ -270,3 +270,20 @@ def test_changed_corpus_scores_as_a_fresh_pack_of_its_documents(tmp_path: Path, 
     lines = (tmp_path / "changed.trec").read_text().splitlines()
     got = [[ln.split()[2] for ln in lines if ln.startswith(f"{q} ")] for q in ("q0", "q1", "q2")]
     assert got == _reference_ranking(queries, truth, k)
+
+
+def test_order_keys_leave_out_rank_minus_one_on_both_paths() -> None:
+    """A deleted document (rank -1) gets the smallest key from the torch arithmetic and from the CUDA
+    launch (run here under Triton's interpreter), and `RunningTopK` drops it."""
+    from maxsim_kernels.order_keys import order_keys_triton
+
+    from maxsim_cli.scoring.topk import LEFT_OUT, RunningTopK, order_keys
+
+    scores, ranks = torch.randn(3, 5), torch.tensor([4, -1, 2, 0, -1])
+    keys = order_keys(scores.clone(), ranks)
+    assert torch.equal(keys, order_keys_triton(scores.clone(), ranks))
+    assert (keys[:, [1, 4]] == LEFT_OUT).all() and (keys[:, [0, 2, 3]] != LEFT_OUT).all()
+    topk = RunningTopK(3, 5)
+    topk.add(scores.clone(), ranks)
+    best, best_ranks = topk.result()
+    assert best.shape == (3, 3) and set(best_ranks.flatten().tolist()) == {0, 2, 4}
