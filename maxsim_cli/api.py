@@ -100,6 +100,8 @@ def search(
     show_progress: bool = False,
     exact_from: Corpus | PathLike | Sequence[PathLike] | tuple[Sequence[str | int], Any] | None = None,
     depth: int | None = None,
+    include: Any = None,
+    exclude: Any = None,
 ) -> Run:
     """The exact top-``k`` documents of ``corpus`` for every query, as a `Run`.
 
@@ -121,6 +123,11 @@ def search(
     2000 and ``20 * k``), which are
     then scored exactly from ``exact_from``: the scores are those a search of ``exact_from`` gives.
 
+    ``include`` / ``exclude`` filter the documents the search may return: docnos (a list, set or array)
+    or a boolean mask over the corpus (numpy or torch, one entry a document in corpus order); both given:
+    include minus exclude. The run is the top-``k`` among the allowed documents, the run a search of a
+    corpus of those documents alone gives (docs/api.md, "Filters").
+
     >>> run = search("sample_data/queries.safetensors", "sample_data/corpus", k=3, device="cpu")
     >>> [(r.docno, r.rank) for r in run][:3]  # doctest: +ELLIPSIS
     [('...', 1), ('...', 2), ('...', 3)]
@@ -139,6 +146,8 @@ def search(
         show_progress=show_progress,
         exact_from=exact_from,
         depth=None if depth is None else _at_least_one(depth, DEPTH),
+        include=include,
+        exclude=exclude,
     )
     return _explainable(run, queries, corpus if exact_from is None else exact_from, device, backend)
 
@@ -156,6 +165,8 @@ def rerank(
     max_memory: int | str | None = None,
     max_host_memory: int | str | None = None,
     show_progress: bool = False,
+    include: Any = None,
+    exclude: Any = None,
 ) -> Run:
     """Each query's candidates re-scored by MaxSim and re-sorted, as a `Run` (cut to ``k`` per query
     when given).
@@ -165,7 +176,8 @@ def rerank(
     and ``docno`` columns (PyTerrier's). Candidates missing from the corpus are left out with a
     `MaxsimWarning` (``strict=True``: an `InputError`); a qid without a query embedding is an error.
     A query file with no queries, or from another encoder (or L2 normalisation) than the corpus, gives
-    a `MaxsimWarning` too (``strict=True``: an `InputError`).
+    a `MaxsimWarning` too (``strict=True``: an `InputError`). ``include`` / ``exclude`` (as `search`
+    takes them) drop the candidates outside the filter (``run.stats.extra["filtered_candidates"]``).
 
     >>> run = rerank("sample_data/queries.safetensors", "sample_data/corpus",
     ...              "sample_data/candidates.trec", k=5, device="cpu")
@@ -184,6 +196,8 @@ def rerank(
         max_host_memory=max_host_memory,
         batch_queries=None,
         show_progress=show_progress,
+        include=include,
+        exclude=exclude,
     )
     return _explainable(run, queries, corpus, device, backend)
 
@@ -230,8 +244,10 @@ def _score(
     show_progress: bool,
     exact_from: Any = None,
     depth: int | None = None,
+    include: Any = None,
+    exclude: Any = None,
 ) -> Run:
-    from maxsim_cli.scoring import dispatch
+    from maxsim_cli.scoring import dispatch, filters
     from maxsim_cli.scoring.request import ScoreRequest
     from maxsim_cli.shards import check_same_dim, input_notes, report_notes
 
@@ -269,10 +285,18 @@ def _score(
         # skipped for holding no documents were reported when the corpus was opened
         notes_of = corpus_obj if exact_obj is None else exact_obj  # the scores' corpus
         report_notes(input_notes(notes_of, q.batch, q.name, skipped=False), strict=strict, log=_log)
+        disallowed = filters.disallowed_mask(corpus_obj, include, exclude, strict=strict, log=_log)
         collector = RunCollector()
         # how it runs (two stages, one launch, a thread a device, the engine): `dispatch` decides
         stats = dispatch.run_call(
-            request, corpus_obj, q.batch, collector, candidates=run_candidates, exact=exact_obj, log=_log
+            request,
+            corpus_obj,
+            q.batch,
+            collector,
+            candidates=run_candidates,
+            exact=exact_obj,
+            log=_log,
+            disallowed=disallowed,
         )
         inputs = _input_paths(q, corpus_obj, candidates)
         if exact_obj is not None:

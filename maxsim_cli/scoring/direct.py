@@ -36,7 +36,13 @@ import torch
 
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.resources import device_queries, query_embeddings
-from maxsim_cli.scoring.results import locate_candidates, write_reranked, write_topk
+from maxsim_cli.scoring.results import (
+    drop_disallowed,
+    locate_candidates,
+    subset_candidates,
+    write_reranked,
+    write_topk,
+)
 from maxsim_cli.scoring.stats import ScoreStats
 from maxsim_cli.scoring.topk import PAIR_BYTES, RunningTopK
 
@@ -84,9 +90,13 @@ def run(
     *,
     candidates: dict[str, list[tuple[str, float]]] | None,
     log: Callable[[str], None],
+    disallowed: np.ndarray | None = None,
 ) -> ScoreStats | None:
     """Score ``queries`` against the resident corpus into ``sink`` (rows as the engine hands them over);
-    the stats, or None when the device ran out of memory (nothing was written: run the engine)."""
+    the stats, or None when the device ran out of memory (nothing was written: run the engine).
+    ``disallowed``: a filter's mask, as `maxsim_cli.scoring.engine.run` takes it."""
+    from maxsim_cli.scoring import filters
+
     started = time.perf_counter()
     dev = residency.device
     stats = ScoreStats(
@@ -102,11 +112,19 @@ def run(
     stats.extra["resident_corpus"] = True
     stats.extra["direct"] = True
     notes: list[str] = []  # given to ``log`` once the call has succeeded: the engine would repeat them
+    subset = candidates is None and disallowed is not None and filters.use_subset(disallowed)
+    if disallowed is not None:
+        stats.extra["filter"] = {
+            "allowed": filters.allowed_count(disallowed, len(corpus)),
+            "path": "subset" if subset else ("candidates" if candidates is not None else "scan"),
+        }
     try:
-        if candidates is None:
+        if candidates is None and not subset:
             kernel_args, kernel_kwargs = _kernel_inputs(corpus, residency, queries, request.backend)
-            _search(request, corpus, residency, queries, sink, stats, kernel_args, kernel_kwargs)
-        elif not _rerank(request, corpus, residency, queries, sink, stats, candidates, notes.append):
+            _search(request, corpus, residency, queries, sink, stats, kernel_args, kernel_kwargs, disallowed)
+        elif not _rerank(
+            request, corpus, residency, queries, sink, stats, candidates, notes.append, disallowed
+        ):
             return None
     except torch.OutOfMemoryError:
         if dev.type == "cuda":
@@ -211,13 +229,22 @@ def _search(
     stats: ScoreStats,
     kernel_args: tuple,
     kernel_kwargs: dict,
+    disallowed: np.ndarray | None = None,
 ) -> None:
     from maxsim_kernels import maxsim_varlen
 
     ranks = _device_ranks(corpus, residency)
+    top_k, hidden = request.top_k, None
+    if disallowed is not None:
+        allowed = len(disallowed) - int(np.count_nonzero(disallowed))
+        if allowed == 0:  # a filter that allows nothing: an empty run
+            stats.documents = stats.tokens = stats.pairs = 0
+            return
+        top_k = min(top_k, allowed)  # no disallowed document fills a place (`RunningTopK.add`)
+        hidden = torch.from_numpy(disallowed).to(residency.device)
     scores = maxsim_varlen(*kernel_args, **kernel_kwargs)
-    topk = RunningTopK(len(queries.ids), request.top_k)
-    topk.add(scores, ranks)
+    topk = RunningTopK(len(queries.ids), top_k)
+    topk.add(scores, ranks, hidden)
     del scores
     top_scores, top_ranks = topk.result()
     stats.documents = len(corpus)
@@ -233,23 +260,31 @@ def _rerank(
     queries: DocBatch,
     sink: Any,
     stats: ScoreStats,
-    candidates: dict[str, list[tuple[str, float]]],
+    candidates: dict[str, list[tuple[str, float]]] | None,
     log: Callable[[str], None],
+    disallowed: np.ndarray | None = None,
 ) -> bool:
     """The candidates looked up (`locate_candidates`: the corpus's id lookup, built once) and scored in
     one `candidate_scores` launch, the launch a served rerank makes; False when the device ran out of
     memory (nothing written)."""
     qids = list(queries.ids)
-    located = locate_candidates(
-        corpus,
-        candidates,
-        qids,
-        request.query_name,
-        request.candidates_name,
-        request.strict,
-        request.corpus,
-        log,
-    )
+    if candidates is None:  # a filter's few allowed documents, every query's candidates
+        assert disallowed is not None
+        located = subset_candidates(corpus, disallowed, len(qids))
+    else:
+        located = locate_candidates(
+            corpus,
+            candidates,
+            qids,
+            request.query_name,
+            request.candidates_name,
+            request.strict,
+            request.corpus,
+            log,
+        )
+        if disallowed is not None:
+            located = drop_disallowed(located, disallowed)
+            stats.extra["filtered_candidates"] = located.filtered
     stats.missing_candidates = located.missing
     stats.pairs = len(located.pair_query)
     if not stats.pairs:
