@@ -14,7 +14,8 @@ and a served rerank batch (`maxsim_cli.service.batching.Scorer`: `plan_served_re
 | ``resident`` | `parallel.resident.score_resident`: a thread a device | resident on several devices |
 | ``engine`` | `scoring.engine.run`: an open corpus on one device, streamed or resident | otherwise |
 | ``library`` | the library's `search` / `rerank`, which plans its call here | a served batch, not direct |
-| (a filter) | the ``direct`` and ``engine`` paths with a mask over the corpus (`scoring.filters`): the scan masked, or few allowed documents scored as candidates | ``--include-ids`` / ``include=`` ... |
+| (a filter) | ``direct`` / ``engine`` with a mask over the corpus (`scoring.filters`): the scan masked, \
+or few allowed documents scored as candidates | ``--include-ids``, ``include=``, ``exclude=`` |
 | ``two-stage`` | `run_two_stage`: the compressed tier's top ``depth`` (a call plan), then those candidates \
 exactly from ``exact_from`` (a call plan) | ``--exact-from`` / ``exact_from`` |
 
@@ -219,7 +220,9 @@ def check_filtered(request: ScoreRequest, corpus: Corpus) -> None:
     """A filter runs on one device: a `UsageError` for the paths that do not take one (two stages, a
     corpus resident on several devices, a job of several ranks)."""
     if request.two_stage:
-        raise UsageError(f"{EXACT_FROM} and a filter: filter a search of the exact corpus, or run without one")
+        raise UsageError(
+            f"{EXACT_FROM} and a filter: filter a search of the exact corpus, or run without one"
+        )
     if corpus.placement is not None and request.device == "auto":
         raise UsageError(
             f"a filtered search runs on one device; this corpus is resident on {corpus.device}: pass "

@@ -71,7 +71,7 @@ def read_id_file(path: str, option: Option) -> list[str]:
             continue
         if len(docno.split()) > 1:
             raise InputError(
-                f"{option} {name}, line {number}: {docno[:60]!r} holds whitespace; ids have none, one id a line"
+                f"{option} {name}, line {number}: {docno[:60]!r} holds whitespace; ids have none, one a line"
             )
         ids.append(docno)
     return ids
