@@ -183,15 +183,37 @@ class Scorer:
         return results
 
     def _search(self, jobs: Sequence[Job]) -> list[list[QueryAnswer]]:
-        from maxsim_cli.api import search
+        """The batch's answers: one search of every query, or, where requests carry different filters
+        (``include`` / ``exclude``), one search a filter, each with its own mask."""
+        groups: dict[Any, list[int]] = {}
+        for j, job in enumerate(jobs):
+            groups.setdefault(job.request.filter_key, []).append(j)
+        if len(groups) == 1:
+            out = self._search_one_filter(jobs)
+        else:
+            out = [[] for _ in jobs]
+            for members in groups.values():
+                answers = self._search_one_filter([jobs[j] for j in members])
+                for j, answer in zip(members, answers, strict=True):
+                    out[j] = answer
+        self.counters.note(len(jobs))
+        return out
+
+    def _search_one_filter(self, jobs: Sequence[Job]) -> list[list[QueryAnswer]]:
+        from maxsim_cli.api import MaxsimWarning, search
 
         parts = [job.request.queries for job in jobs]
         keys = _batch_ids(parts)
         queries = _concat(parts)
         documents = len(self.corpus)
         k = max(min(job.request.k or documents, documents) for job in jobs)
-        rows = search(queries, self.corpus, k=k, device=self.device).to_dict()
-        self.counters.note(len(jobs))
+        first = jobs[0].request
+        with warnings.catch_warnings():
+            # a filter's unknown ids, or one that allows nothing: its answer is what it allows
+            warnings.simplefilter("ignore", MaxsimWarning)
+            rows = search(
+                queries, self.corpus, k=k, device=self.device, include=first.include, exclude=first.exclude
+            ).to_dict()
         return [
             [
                 (qid, Hits.from_pairs(rows.get(key, [])[: job.request.k]), None)

@@ -141,7 +141,7 @@ SCORING_ERRORS = {
     "422": (
         "Readable but invalid: an unknown field, a wrong type, wrong dim, NaN/Inf, an empty query, duplicate "
         "qids, k < 1, scores that overflow float32, candidates for a qid the request has no query for, a "
-        "docno twice, strict with missing candidates"
+        "docno twice, strict with missing candidates, a filter id that is empty or holds whitespace"
     ),
     "500": "A bug (logged on the server's stderr with its traceback)",
     "503": (
@@ -240,6 +240,8 @@ def _scoring(kind: str, request: type[BaseModel], answer: type[BaseModel], examp
         "The query shard stream that `maxsim score -` reads (docs/format.md): an `id` column, an "
         "`embedding` column of token vectors, `scales` for int8"
         + (", and a `candidates` column (list<utf8>: each query's docnos)" if kind == "rerank" else "")
+        + "; optional `include` / `exclude` columns (list<utf8>): the request's filter, the ids of every "
+        "row together"
     )
     summary = "The top-k of the whole corpus" if kind == "search" else "Re-score candidates"
     return {

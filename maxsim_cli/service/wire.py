@@ -111,6 +111,8 @@ def request_frame(request_id: int, kind: str, checked: Checked) -> bytes:
         "strict": checked.strict,
         "name": checked.name,
         "explain": checked.explain,
+        "include": checked.include,
+        "exclude": checked.exclude,
     }
     parts = [memoryview(np.ascontiguousarray(checked.embeddings)).cast("B")]
     if checked.scales is not None:
@@ -152,6 +154,8 @@ def checked_from_frame(header: dict[str, Any], payload: bytes) -> Checked:
         bool(header.get("strict")),
         name,
         bool(header.get("explain")),
+        header.get("include"),
+        header.get("exclude"),
     )
 
 
