@@ -9,21 +9,40 @@ import numpy as np
 import pytest
 from test_serve import (
     ARROW_TYPE,
+    CORPUS,
+    QUERY_FILE,
     Batcher,
     Counters,
     Parsed,
+    TestClient,
     arrow_stream,
     assert_one_line_error,
-    client,  # noqa: F401 - a fixture
-    corpus,  # noqa: F401 - a fixture
     first_stage,
     hits_of,
-    queries,  # noqa: F401 - a fixture
     query_json,
 )
 
-from maxsim_cli import rerank, search
+from maxsim_cli import open_corpus, read_queries, rerank, search
+from maxsim_cli.service.app import create_app
 from maxsim_cli.service.batching import Scorer
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    with open_corpus(CORPUS) as c:
+        c.to("cpu")
+        yield c
+
+
+@pytest.fixture(scope="module")
+def queries():
+    return read_queries(QUERY_FILE)
+
+
+@pytest.fixture(scope="module")
+def client(corpus):
+    with TestClient(create_app(corpus, batch_window_ms=20, max_request_bytes=4 << 20)) as c:
+        yield c
 
 
 def _filters(corpus):

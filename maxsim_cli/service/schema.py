@@ -503,7 +503,8 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
     _check_dim(embeddings.shape[1], corpus_dim)
     include, exclude = (_arrow_filter(schema, batches, name) for name in ("include", "exclude"))
     if kind == "search":
-        return _filtered(Checked(ids, embeddings, offsets, dtype, scales, k, explain=explain), include, exclude)
+        checked_search = Checked(ids, embeddings, offsets, dtype, scales, k, explain=explain)
+        return _filtered(checked_search, include, exclude)
     if "candidates" not in schema.names:
         raise RequestError(
             422, "the Arrow stream has no 'candidates' column (list<utf8>: each query's docnos) for /rerank"
@@ -523,9 +524,8 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
         qid = next(qid for qid, docnos in candidates.items() if None in docnos)
         raise RequestError(422, f"{CANDIDATES}: query {qid!r} has a null docno")
     checked = _check_candidates(candidates, ids)
-    return _filtered(
-        Checked(ids, embeddings, offsets, dtype, scales, k, checked, strict, explain=explain), include, exclude
-    )
+    checked_rerank = Checked(ids, embeddings, offsets, dtype, scales, k, checked, strict, explain=explain)
+    return _filtered(checked_rerank, include, exclude)
 
 
 def _arrow_filter(schema: Any, batches: Sequence[Any], name: str) -> list[str] | None:
