@@ -144,6 +144,10 @@ def test_api_filters_on_both_paths(data, monkeypatch, path) -> None:
             assert run.to_dict() == expected
             assert run.stats.extra.get("direct") is (True if path == "direct" else None)
             assert run.stats.extra["filter"] == {"allowed": len(allowed), "path": "scan"}
+        first = corpus.ids[: corpus.shards[0].num_docs]  # one shard's documents: the others not scanned
+        run = search(data["queries"], corpus, k=K, device="cpu", include=first[:-1])
+        want = search(data["queries"], _subcorpus(data, sorted(first[:-1]), f"first-{path}"), k=K)
+        assert run.to_dict() == want.to_dict()
         few = include[:2]  # the subset path
         run = search(data["queries"], corpus, k=K, device="cpu", include=few)
         assert run.stats.extra["filter"]["path"] == "subset"

@@ -236,12 +236,19 @@ def _search(
     ranks = _device_ranks(corpus, residency)
     top_k, hidden = request.top_k, None
     if disallowed is not None:
-        allowed = len(disallowed) - int(np.count_nonzero(disallowed))
-        if allowed == 0:  # a filter that allows nothing: an empty run
+        allowed = np.flatnonzero(~disallowed)
+        if len(allowed) == 0:  # a filter that allows nothing: an empty run
             stats.documents = stats.tokens = stats.pairs = 0
             return
-        top_k = min(top_k, allowed)  # no disallowed document fills a place (`RunningTopK.add`)
-        hidden = torch.from_numpy(disallowed).to(residency.device)
+        top_k = min(top_k, len(allowed))  # no disallowed document fills a place (`RunningTopK.add`)
+        # the documents from the first allowed to the last are scored: a filter of a few shards scores
+        # those shards' rows only
+        lo, hi = int(allowed[0]), int(allowed[-1]) + 1
+        if disallowed[lo:hi].any():
+            hidden = torch.from_numpy(disallowed[lo:hi]).to(residency.device)
+        if hi - lo < len(disallowed):
+            kernel_args, kernel_kwargs = _doc_span(kernel_args, kernel_kwargs, lo, hi)
+            ranks = ranks[lo:hi]
     scores = maxsim_varlen(*kernel_args, **kernel_kwargs)
     topk = RunningTopK(len(queries.ids), top_k)
     topk.add(scores, ranks, hidden)
@@ -251,6 +258,15 @@ def _search(
     stats.tokens = corpus.num_tokens
     stats.pairs = len(queries.ids) * len(corpus)
     write_topk(sink, queries.ids, top_scores, top_ranks, corpus)
+
+
+def _doc_span(kernel_args: tuple, kernel_kwargs: dict, lo: int, hi: int) -> tuple[tuple, dict]:
+    """`_kernel_inputs`'s arguments for documents [lo, hi) of the residency alone."""
+    q_emb, q_offsets, embeddings, offsets_host = kernel_args
+    t0, t1 = int(offsets_host[lo]), int(offsets_host[hi])
+    scales = kernel_kwargs.get("doc_scales")
+    kwargs = {**kernel_kwargs, "doc_scales": None if scales is None else scales[t0:t1]}
+    return (q_emb, q_offsets, embeddings[t0:t1], offsets_host[lo : hi + 1] - t0), kwargs
 
 
 def _rerank(

@@ -212,12 +212,11 @@ def to_parsed(checked: Checked) -> Parsed:
 
 
 def _parse_json(kind: str, body: bytes, corpus_dim: int) -> Checked:
-    qids, arrays, k, candidates, strict, explain, *filter_ids = _read_json_fast(
+    qids, arrays, k, candidates, strict, explain, include, exclude = _read_json_fast(
         kind, body
     ) or _read_json_models(kind, body, corpus_dim)
     ids, embeddings, offsets = _checked_queries(qids, arrays, corpus_dim)
     checked = _check_candidates(candidates, ids) if kind == "rerank" else None
-    include, exclude = filter_ids if filter_ids else (None, None)
     return _filtered(
         Checked(ids, embeddings, offsets, "float32", None, k, checked, strict, IN_MEMORY_NAME, explain),
         include,
@@ -249,7 +248,16 @@ def _filtered(checked: Checked, include: list[str] | None, exclude: list[str] | 
 # A JSON request as read, before the checks of `_checked_queries` and `_check_candidates`: its qids,
 # each query's float32 vectors [tokens, width], k, its candidates ({} for a search), strict and explain,
 # and the filter's include and exclude ids where the request gives them (read by the models alone).
-_JsonRequest = tuple  # (list[str | int], list[np.ndarray], int | None, dict[str, list[str]], bool, bool, ...)
+_JsonRequest = tuple[
+    list[str | int],
+    list[np.ndarray],
+    int | None,
+    dict[str, list[str]],
+    bool,
+    bool,
+    list[str] | None,
+    list[str] | None,
+]
 
 
 def _read_json_models(kind: str, body: bytes, corpus_dim: int) -> _JsonRequest:
@@ -386,7 +394,7 @@ def _read_request(kind: str, doc: Any, brackets: int) -> _JsonRequest | None:
             seen += 1
     if brackets != seen + "".join(texts).count("["):
         return None
-    return qids, arrays, k, candidates, strict, explain
+    return qids, arrays, k, candidates, strict, explain, None, None  # a filter: the models read it
 
 
 def _validation_message(exc: ValidationError) -> tuple[int, str]:
