@@ -13,8 +13,9 @@ corpus allowed through a mask (the masked scan's cost on top of the unfiltered o
 candidates instead), and include lists of the first shards' documents (the scan skips the batches that
 hold no allowed one). Both ways a search runs: streamed from the files (``streamed``: the engine) and
 resident on the device (``resident``: the direct path when the score block fits it). Each case is timed
-alternating with the unfiltered search (median of ``--repeats`` after a warm-up) and its run checked
-against an unfiltered search's top-k of the allowed documents (k = the corpus size) first.
+call by call alternating with the unfiltered search, which goes first every other call (medians of
+``--rounds`` x ``--repeats`` calls after a warm-up), and its run checked first against an unfiltered
+search's top-k of the allowed documents (k = the corpus size).
 
 ``--batch-filters N`` also times what a served batch of N search requests with N different filters
 costs (`maxsim_cli.service.batching.Scorer`: one search a filter) against the same batch with one filter.
@@ -85,11 +86,19 @@ def run_mode(mode: str, paths: list[str], queries, args, dev: str) -> list[dict]
             base: list[float] = []
             filt: list[float] = []
             path = search(queries, corpus, k=args.k, device=dev, **kwargs).stats.extra.get("filter", {})
-            for _ in range(args.rounds):  # alternating, so that both see the same machine
-                base += timed(lambda: search(queries, corpus, k=args.k, device=dev), args.repeats)
-                filt += timed(
-                    lambda kw=kwargs: search(queries, corpus, k=args.k, device=dev, **kw), args.repeats
-                )
+            calls = {
+                "base": lambda: search(queries, corpus, k=args.k, device=dev),
+                "filt": lambda kw=kwargs: search(queries, corpus, k=args.k, device=dev, **kw),
+            }
+            for fn in calls.values():
+                fn()  # warm-up
+            times: dict[str, list[float]] = {"base": [], "filt": []}
+            for r in range(args.rounds * args.repeats):  # call by call, alternating which goes first
+                for way in ("base", "filt") if r % 2 else ("filt", "base"):
+                    t0 = time.perf_counter()
+                    calls[way]()
+                    times[way].append(time.perf_counter() - t0)
+            base, filt = times["base"], times["filt"]
             row = {
                 "mode": mode,
                 "case": name,
