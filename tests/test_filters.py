@@ -218,6 +218,7 @@ def test_ids_from_stdin(data, tmp_path) -> None:
         (["--include-ids", "{missing}"], 1, "no such file"),
         (["--include-ids", "-", "--exclude-ids", "-"], 2, "stdin"),
         (["--include-ids", "{ok}", "--devices", "cpu:2"], 2, "one device"),
+        (["--include-ids", "{ok}", "--exact-from", "{ok}"], 2, "--exact-from"),
     ],
 )
 def test_bad_filter_inputs_are_one_line_errors(data, tmp_path, args, code, words) -> None:
