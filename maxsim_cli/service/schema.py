@@ -85,6 +85,15 @@ class SearchIn(_Model):
     queries: list[QueryIn] = Field(min_length=1)
     k: int = Field(DEFAULT_K, ge=1)
     explain: bool = False
+    depth: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "A server with an exact tier (maxsim serve COMPRESSED --exact-from CORPUS): the compressed "
+            "tier's candidates a query whose exact scores are ranked, at least k (default: maxsim score "
+            "--exact-from's, by the codec and k)"
+        ),
+    )
 
 
 class RerankIn(_Model):
@@ -110,6 +119,7 @@ class Parsed:
     candidates: dict[str, list[str]] | None = None
     strict: bool = False
     explain: bool = False
+    depth: int | None = None  # a search of a server with an exact tier: the compressed tier's candidates
 
 
 @dataclass(eq=False)
@@ -129,6 +139,7 @@ class Checked:
     strict: bool = False
     name: str = QUERIES
     explain: bool = False
+    depth: int | None = None
 
 
 def parse_request(
@@ -176,22 +187,43 @@ def to_parsed(checked: Checked) -> Parsed:
     scales = torch.from_numpy(checked.scales) if checked.scales is not None else None
     batch = DocBatch(checked.ids, embeddings, torch.from_numpy(checked.offsets), scales)
     return Parsed(
-        Queries(batch, checked.name), checked.k, checked.candidates, checked.strict, checked.explain
+        Queries(batch, checked.name),
+        checked.k,
+        checked.candidates,
+        checked.strict,
+        checked.explain,
+        checked.depth,
     )
 
 
 def _parse_json(kind: str, body: bytes, corpus_dim: int) -> Checked:
-    qids, arrays, k, candidates, strict, explain = _read_json_fast(kind, body) or _read_json_models(
+    qids, arrays, k, candidates, strict, explain, depth = _read_json_fast(kind, body) or _read_json_models(
         kind, body, corpus_dim
     )
+    _check_depth(depth, k)
     ids, embeddings, offsets = _checked_queries(qids, arrays, corpus_dim)
     checked = _check_candidates(candidates, ids) if kind == "rerank" else None
-    return Checked(ids, embeddings, offsets, "float32", None, k, checked, strict, IN_MEMORY_NAME, explain)
+    return Checked(
+        ids, embeddings, offsets, "float32", None, k, checked, strict, IN_MEMORY_NAME, explain, depth
+    )
+
+
+def _check_depth(depth: int | None, k: int | None) -> None:
+    """A search's ``depth`` is at least its ``k``: the exact tier ranks the compressed tier's top depth."""
+    if depth is not None and k is not None and depth < k:
+        raise RequestError(
+            422,
+            f"depth: {depth} is below k ({k}); the exact scores come for the compressed tier's top depth "
+            f"only: give a depth of at least {k}, or leave it out",
+        )
 
 
 # A JSON request as read, before the checks of `_checked_queries` and `_check_candidates`: its qids,
-# each query's float32 vectors [tokens, width], k, its candidates ({} for a search), strict and explain.
-_JsonRequest = tuple[list[str | int], list[np.ndarray], int | None, dict[str, list[str]], bool, bool]
+# each query's float32 vectors [tokens, width], k, its candidates ({} for a search), strict, explain and
+# depth (None unless a search gives it).
+_JsonRequest = tuple[
+    list[str | int], list[np.ndarray], int | None, dict[str, list[str]], bool, bool, int | None
+]
 
 
 def _read_json_models(kind: str, body: bytes, corpus_dim: int) -> _JsonRequest:
@@ -220,12 +252,12 @@ def _read_json_models(kind: str, body: bytes, corpus_dim: int) -> _JsonRequest:
             arrays.append(np.asarray(rows, dtype=np.float32))
     qids = [item.qid for item in request.queries]
     if isinstance(request, SearchIn):
-        return qids, arrays, request.k, {}, False, request.explain
-    return qids, arrays, request.k, request.candidates, request.strict, request.explain
+        return qids, arrays, request.k, {}, False, request.explain, request.depth
+    return qids, arrays, request.k, request.candidates, request.strict, request.explain, None
 
 
 _KEYS = {
-    "search": frozenset({"queries", "k", "explain"}),
+    "search": frozenset({"queries", "k", "explain", "depth"}),
     "rerank": frozenset({"queries", "candidates", "k", "strict", "explain"}),
 }
 _QUERY_KEYS = ["embedding", "qid"]
@@ -282,6 +314,9 @@ def _read_request(kind: str, doc: Any, brackets: int) -> _JsonRequest | None:
         return None
     if type(explain) is not bool:
         return None
+    depth = doc.get("depth")
+    if depth is not None and not (type(depth) is int and depth >= 1):
+        return None
     queries = doc["queries"]
     if not isinstance(queries, simdjson.Array) or len(queries) == 0:
         return None
@@ -327,7 +362,7 @@ def _read_request(kind: str, doc: Any, brackets: int) -> _JsonRequest | None:
             seen += 1
     if brackets != seen + "".join(texts).count("["):
         return None
-    return qids, arrays, k, candidates, strict, explain
+    return qids, arrays, k, candidates, strict, explain, depth
 
 
 def _validation_message(exc: ValidationError) -> tuple[int, str]:
@@ -421,13 +456,15 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
     from maxsim_cli.shards import ArrowShard
     from maxsim_cli.shards.arrow_shards import read_stream
 
-    allowed = ("k", "explain") if kind == "search" else ("k", "strict", "explain")
+    allowed = ("k", "explain", "depth") if kind == "search" else ("k", "strict", "explain")
     for name in params:
         if name not in allowed:
             raise RequestError(422, f"query-string parameter {name!r}: /{kind} takes {' and '.join(allowed)}")
     k = _int_param(params, "k", DEFAULT_K if kind == "search" else None)
     strict = _bool_param(params, "strict")
     explain = _bool_param(params, "explain")
+    depth = _int_param(params, "depth", None)
+    _check_depth(depth, k)
     try:
         # every record batch fully validated, before any value is read (a bad offset would be a crash)
         schema, batches = read_stream(ARROW_NAME, body)
@@ -443,7 +480,7 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
     check_values(ARROW_NAME, _as_float32(embeddings, dtype), scales, offsets, ids, 0, what="query")
     _check_dim(embeddings.shape[1], corpus_dim)
     if kind == "search":
-        return Checked(ids, embeddings, offsets, dtype, scales, k, explain=explain)
+        return Checked(ids, embeddings, offsets, dtype, scales, k, explain=explain, depth=depth)
     if "candidates" not in schema.names:
         raise RequestError(
             422, "the Arrow stream has no 'candidates' column (list<utf8>: each query's docnos) for /rerank"
@@ -536,9 +573,11 @@ QueryAnswer = tuple[str, Hits, "list[str] | None"]
 _HIT_OPEN, _HIT_SEP, _HIT_NEXT = b'[{"docno":"', b'","score":', b'},{"docno":"'
 
 
-def answer_json(results: Sequence[QueryAnswer]) -> bytes:
+def answer_json(results: Sequence[QueryAnswer], scores: str | None = None) -> bytes:
     """``{"results": [{"qid": ..., "hits": [{"docno": ..., "score": ...}, ...]}, ...]}`` (and each
-    rerank result's ``"missing"`` docnos; each hit's ``"explanation"`` when the request asked for it).
+    rerank result's ``"missing"`` docnos; each hit's ``"explanation"`` when the request asked for it;
+    ``"scores": "exact"`` or ``"approximate"`` after the results when ``scores`` is given: a server of a
+    compressed tier says which scores it answers with).
     Scores are the float32 values as Python floats, written with the shortest digits that read back as
     the same double, so as float32 too. A score that is not finite
     (which checked inputs do not give) is an error, as JSON has no such number."""
@@ -550,7 +589,7 @@ def answer_json(results: Sequence[QueryAnswer]) -> bytes:
         if missing is not None:
             parts += [b',"missing":', to_json(list(missing))]
         parts.append(b"}")
-    parts.append(b"]}")
+    parts.append(b"]}" if scores is None else b'],"scores":' + to_json(scores) + b"}")
     return b"".join(parts)
 
 
