@@ -19,6 +19,7 @@ command line prints, naming these functions' keyword arguments where it names a 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import warnings
@@ -425,6 +426,11 @@ def _as_candidates(candidates: Any) -> dict[str, list[tuple[str, float]]]:
                     f"candidates: query {str(qid)!r} has {rows!r} where a list of docnos belongs; pass "
                     f"{{qid: [docno, ...]}}, e.g. {{{str(qid)!r}: [{rows!r}]}}"
                 )
+            if not isinstance(rows, (list, tuple)):
+                rows = list(rows)
+            if set(map(type, rows)) <= {str}:  # docnos alone, the common case: paired without a loop here
+                grouped.setdefault(str(qid), []).extend(zip(rows, itertools.repeat(0.0)))
+                continue
             grouped.setdefault(str(qid), []).extend(
                 (str(row[0]), _first_stage_score(row[1], qid, row[0]))
                 if isinstance(row, tuple) and len(row) == 2
@@ -453,7 +459,7 @@ def _each_once(grouped: dict[str, list[tuple[str, float]]]) -> dict[str, list[tu
     """``grouped`` after checking that no query lists a docno twice: a set per query, not a check per
     row (a served rerank pays this at every request)."""
     for qid, rows in grouped.items():
-        if len({docno for docno, _ in rows}) != len(rows):
+        if len(dict(rows)) != len(rows):  # one dict of the pairs, built in C
             seen: set[str] = set()
             twice = next(d for d, _ in rows if d in seen or seen.add(d))  # type: ignore[func-returns-value]
             raise InputError(

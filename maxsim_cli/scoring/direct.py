@@ -203,6 +203,10 @@ def _kernel_inputs(
     q_emb, query_scales = device_queries(q_emb, dev, corpus.quantization != "none")
     kernel_args = (q_emb, queries.offsets.to(torch.int64), residency.embeddings, residency.offsets_host)
     kernel_kwargs = {"backend": backend, "doc_scales": residency.scales, "query_scales": query_scales}
+    if getattr(corpus, "codebook", None) is not None:  # residual2 codes decode with their codebook
+        if residency.codebook is None:
+            residency.codebook = corpus.codebook.for_kernels(dev)
+        kernel_kwargs["codebook"] = residency.codebook
     return kernel_args, kernel_kwargs
 
 

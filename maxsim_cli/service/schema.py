@@ -94,6 +94,15 @@ class SearchIn(_Model):
     explain: bool = False
     include: list[StrictStr] | None = Field(None, description=INCLUDE_HELP)
     exclude: list[StrictStr] | None = Field(None, description=EXCLUDE_HELP)
+    depth: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "A server with an exact tier (maxsim serve COMPRESSED --exact-from CORPUS): the compressed "
+            "tier's candidates a query whose exact scores are ranked, at least k (default: maxsim score "
+            "--exact-from's, by the codec and k)"
+        ),
+    )
 
 
 class RerankIn(_Model):
@@ -134,6 +143,8 @@ class Parsed:
             None if self.exclude is None else tuple(self.exclude),
         )
 
+    depth: int | None = None  # a search of a server with an exact tier: the compressed tier's candidates
+
 
 @dataclass(eq=False)
 class Checked:
@@ -154,6 +165,7 @@ class Checked:
     explain: bool = False
     include: list[str] | None = None
     exclude: list[str] | None = None
+    depth: int | None = None
 
 
 def parse_request(
@@ -208,20 +220,44 @@ def to_parsed(checked: Checked) -> Parsed:
         checked.explain,
         checked.include,
         checked.exclude,
+        checked.depth,
     )
 
 
 def _parse_json(kind: str, body: bytes, corpus_dim: int) -> Checked:
-    qids, arrays, k, candidates, strict, explain, include, exclude = _read_json_fast(
+    qids, arrays, k, candidates, strict, explain, include, exclude, depth = _read_json_fast(
         kind, body
     ) or _read_json_models(kind, body, corpus_dim)
+    _check_depth(depth, k)
     ids, embeddings, offsets = _checked_queries(qids, arrays, corpus_dim)
     checked = _check_candidates(candidates, ids) if kind == "rerank" else None
     return _filtered(
-        Checked(ids, embeddings, offsets, "float32", None, k, checked, strict, IN_MEMORY_NAME, explain),
+        Checked(
+            ids,
+            embeddings,
+            offsets,
+            "float32",
+            None,
+            k,
+            checked,
+            strict,
+            IN_MEMORY_NAME,
+            explain,
+            depth=depth,
+        ),
         include,
         exclude,
     )
+
+
+def _check_depth(depth: int | None, k: int | None) -> None:
+    """A search's ``depth`` is at least its ``k``: the exact tier ranks the compressed tier's top depth."""
+    if depth is not None and k is not None and depth < k:
+        raise RequestError(
+            422,
+            f"depth: {depth} is below k ({k}); the exact scores come for the compressed tier's top depth "
+            f"only: give a depth of at least {k}, or leave it out",
+        )
 
 
 def _filtered(checked: Checked, include: list[str] | None, exclude: list[str] | None) -> Checked:
@@ -247,7 +283,8 @@ def _filtered(checked: Checked, include: list[str] | None, exclude: list[str] | 
 
 # A JSON request as read, before the checks of `_checked_queries` and `_check_candidates`: its qids,
 # each query's float32 vectors [tokens, width], k, its candidates ({} for a search), strict and explain,
-# and the filter's include and exclude ids where the request gives them (read by the models alone).
+# the filter's include and exclude ids where the request gives them (read by the models alone), and depth
+# (None unless a search gives it).
 _JsonRequest = tuple[
     list[str | int],
     list[np.ndarray],
@@ -257,6 +294,7 @@ _JsonRequest = tuple[
     bool,
     list[str] | None,
     list[str] | None,
+    int | None,
 ]
 
 
@@ -287,12 +325,12 @@ def _read_json_models(kind: str, body: bytes, corpus_dim: int) -> _JsonRequest:
     qids = [item.qid for item in request.queries]
     filter_ids = (request.include, request.exclude)
     if isinstance(request, SearchIn):
-        return qids, arrays, request.k, {}, False, request.explain, *filter_ids
-    return qids, arrays, request.k, request.candidates, request.strict, request.explain, *filter_ids
+        return qids, arrays, request.k, {}, False, request.explain, *filter_ids, request.depth
+    return qids, arrays, request.k, request.candidates, request.strict, request.explain, *filter_ids, None
 
 
 _KEYS = {
-    "search": frozenset({"queries", "k", "explain"}),
+    "search": frozenset({"queries", "k", "explain", "depth"}),
     "rerank": frozenset({"queries", "candidates", "k", "strict", "explain"}),
 }
 _QUERY_KEYS = ["embedding", "qid"]
@@ -349,6 +387,9 @@ def _read_request(kind: str, doc: Any, brackets: int) -> _JsonRequest | None:
         return None
     if type(explain) is not bool:
         return None
+    depth = doc.get("depth")
+    if depth is not None and not (type(depth) is int and depth >= 1):
+        return None
     queries = doc["queries"]
     if not isinstance(queries, simdjson.Array) or len(queries) == 0:
         return None
@@ -394,7 +435,7 @@ def _read_request(kind: str, doc: Any, brackets: int) -> _JsonRequest | None:
             seen += 1
     if brackets != seen + "".join(texts).count("["):
         return None
-    return qids, arrays, k, candidates, strict, explain, None, None  # a filter: the models read it
+    return qids, arrays, k, candidates, strict, explain, None, None, depth  # a filter: the models read it
 
 
 def _validation_message(exc: ValidationError) -> tuple[int, str]:
@@ -488,13 +529,15 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
     from maxsim_cli.shards import ArrowShard
     from maxsim_cli.shards.arrow_shards import read_stream
 
-    allowed = ("k", "explain") if kind == "search" else ("k", "strict", "explain")
+    allowed = ("k", "explain", "depth") if kind == "search" else ("k", "strict", "explain")
     for name in params:
         if name not in allowed:
             raise RequestError(422, f"query-string parameter {name!r}: /{kind} takes {' and '.join(allowed)}")
     k = _int_param(params, "k", DEFAULT_K if kind == "search" else None)
     strict = _bool_param(params, "strict")
     explain = _bool_param(params, "explain")
+    depth = _int_param(params, "depth", None)
+    _check_depth(depth, k)
     try:
         # every record batch fully validated, before any value is read (a bad offset would be a crash)
         schema, batches = read_stream(ARROW_NAME, body)
@@ -511,7 +554,7 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
     _check_dim(embeddings.shape[1], corpus_dim)
     include, exclude = (_arrow_filter(schema, batches, name) for name in ("include", "exclude"))
     if kind == "search":
-        checked_search = Checked(ids, embeddings, offsets, dtype, scales, k, explain=explain)
+        checked_search = Checked(ids, embeddings, offsets, dtype, scales, k, explain=explain, depth=depth)
         return _filtered(checked_search, include, exclude)
     if "candidates" not in schema.names:
         raise RequestError(
@@ -628,9 +671,11 @@ QueryAnswer = tuple[str, Hits, "list[str] | None"]
 _HIT_OPEN, _HIT_SEP, _HIT_NEXT = b'[{"docno":"', b'","score":', b'},{"docno":"'
 
 
-def answer_json(results: Sequence[QueryAnswer]) -> bytes:
+def answer_json(results: Sequence[QueryAnswer], scores: str | None = None) -> bytes:
     """``{"results": [{"qid": ..., "hits": [{"docno": ..., "score": ...}, ...]}, ...]}`` (and each
-    rerank result's ``"missing"`` docnos; each hit's ``"explanation"`` when the request asked for it).
+    rerank result's ``"missing"`` docnos; each hit's ``"explanation"`` when the request asked for it;
+    ``"scores": "exact"`` or ``"approximate"`` after the results when ``scores`` is given: a server of a
+    compressed tier says which scores it answers with).
     Scores are the float32 values as Python floats, written with the shortest digits that read back as
     the same double, so as float32 too. A score that is not finite
     (which checked inputs do not give) is an error, as JSON has no such number."""
@@ -642,7 +687,7 @@ def answer_json(results: Sequence[QueryAnswer]) -> bytes:
         if missing is not None:
             parts += [b',"missing":', to_json(list(missing))]
         parts.append(b"}")
-    parts.append(b"]}")
+    parts.append(b"]}" if scores is None else b'],"scores":' + to_json(scores) + b"}")
     return b"".join(parts)
 
 
