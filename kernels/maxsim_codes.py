@@ -149,6 +149,10 @@ def decode_int4(codes: torch.Tensor) -> torch.Tensor:
     return ((values ^ 8) - 8).to(torch.int8)
 
 
+# Values encoded at once by `encode_residual2` (~16 B of temporaries each): bounded memory on any corpus.
+ENCODE_BLOCK_ELEMS = 1 << 24
+
+
 def encode_residual2(
     x: torch.Tensor, centroid_ids: torch.Tensor, centroids: torch.Tensor, cutoffs: torch.Tensor
 ) -> torch.Tensor:
@@ -157,13 +161,20 @@ def encode_residual2(
     residual ``x_k - C[id, k]`` reaches or exceeds."""
     dim = x.shape[1]
     check_codec_dim("residual2", dim)
-    residual = x.float() - centroids[centroid_ids].float()
-    buckets = (residual[:, :, None] >= cutoffs.float()[None]).sum(dim=2).to(torch.uint8)  # [T, dim] 0..3
-    b = buckets.view(x.shape[0], dim // 4, 4)
-    packed = b[:, :, 0] | (b[:, :, 1] << 2) | (b[:, :, 2] << 4) | (b[:, :, 3] << 6)
-    ids = centroid_ids.to(torch.int64)
-    id_bytes = torch.stack([(ids >> (8 * i)) & 0xFF for i in range(ID_BYTES)], dim=1).to(torch.uint8)
-    return torch.cat([id_bytes, packed], dim=1).contiguous()
+    out = torch.empty(x.shape[0], ID_BYTES + dim // 4, dtype=torch.uint8, device=x.device)
+    cut = cutoffs.float()[None]
+    # a block of rows at a time: the comparisons take 3 * dim bytes and the residuals 4 * dim a row
+    step = max(1, ENCODE_BLOCK_ELEMS // dim)
+    for a in range(0, x.shape[0], step):
+        rows = slice(a, a + step)
+        residual = x[rows].float() - centroids[centroid_ids[rows]].float()
+        buckets = (residual[:, :, None] >= cut).sum(dim=2).to(torch.uint8)  # [rows, dim] 0..3
+        b = buckets.view(-1, dim // 4, 4)
+        out[rows, ID_BYTES:] = b[:, :, 0] | (b[:, :, 1] << 2) | (b[:, :, 2] << 4) | (b[:, :, 3] << 6)
+        ids = centroid_ids[rows].to(torch.int64)
+        for i in range(ID_BYTES):
+            out[rows, i] = ((ids >> (8 * i)) & 0xFF).to(torch.uint8)
+    return out
 
 
 def residual2_ids(codes: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ command line prints, naming these functions' keyword arguments where it names a 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import warnings
@@ -100,6 +101,8 @@ def search(
     show_progress: bool = False,
     exact_from: Corpus | PathLike | Sequence[PathLike] | tuple[Sequence[str | int], Any] | None = None,
     depth: int | None = None,
+    include: Any = None,
+    exclude: Any = None,
 ) -> Run:
     """The exact top-``k`` documents of ``corpus`` for every query, as a `Run`.
 
@@ -121,6 +124,11 @@ def search(
     2000 and ``20 * k``), which are
     then scored exactly from ``exact_from``: the scores are those a search of ``exact_from`` gives.
 
+    ``include`` / ``exclude`` filter the documents the search may return: docnos (a list, set or array)
+    or a boolean mask over the corpus (numpy or torch, one entry a document in corpus order); both given:
+    include minus exclude. The run is the top-``k`` among the allowed documents, the run a search of a
+    corpus of those documents alone gives (docs/api.md, "Filters").
+
     >>> run = search("sample_data/queries.safetensors", "sample_data/corpus", k=3, device="cpu")
     >>> [(r.docno, r.rank) for r in run][:3]  # doctest: +ELLIPSIS
     [('...', 1), ('...', 2), ('...', 3)]
@@ -139,6 +147,8 @@ def search(
         show_progress=show_progress,
         exact_from=exact_from,
         depth=None if depth is None else _at_least_one(depth, DEPTH),
+        include=include,
+        exclude=exclude,
     )
     return _explainable(run, queries, corpus if exact_from is None else exact_from, device, backend)
 
@@ -156,6 +166,8 @@ def rerank(
     max_memory: int | str | None = None,
     max_host_memory: int | str | None = None,
     show_progress: bool = False,
+    include: Any = None,
+    exclude: Any = None,
 ) -> Run:
     """Each query's candidates re-scored by MaxSim and re-sorted, as a `Run` (cut to ``k`` per query
     when given).
@@ -165,7 +177,8 @@ def rerank(
     and ``docno`` columns (PyTerrier's). Candidates missing from the corpus are left out with a
     `MaxsimWarning` (``strict=True``: an `InputError`); a qid without a query embedding is an error.
     A query file with no queries, or from another encoder (or L2 normalisation) than the corpus, gives
-    a `MaxsimWarning` too (``strict=True``: an `InputError`).
+    a `MaxsimWarning` too (``strict=True``: an `InputError`). ``include`` / ``exclude`` (as `search`
+    takes them) drop the candidates outside the filter (``run.stats.extra["filtered_candidates"]``).
 
     >>> run = rerank("sample_data/queries.safetensors", "sample_data/corpus",
     ...              "sample_data/candidates.trec", k=5, device="cpu")
@@ -184,6 +197,8 @@ def rerank(
         max_host_memory=max_host_memory,
         batch_queries=None,
         show_progress=show_progress,
+        include=include,
+        exclude=exclude,
     )
     return _explainable(run, queries, corpus, device, backend)
 
@@ -230,8 +245,10 @@ def _score(
     show_progress: bool,
     exact_from: Any = None,
     depth: int | None = None,
+    include: Any = None,
+    exclude: Any = None,
 ) -> Run:
-    from maxsim_cli.scoring import dispatch
+    from maxsim_cli.scoring import dispatch, filters
     from maxsim_cli.scoring.request import ScoreRequest
     from maxsim_cli.shards import check_same_dim, input_notes, report_notes
 
@@ -269,10 +286,18 @@ def _score(
         # skipped for holding no documents were reported when the corpus was opened
         notes_of = corpus_obj if exact_obj is None else exact_obj  # the scores' corpus
         report_notes(input_notes(notes_of, q.batch, q.name, skipped=False), strict=strict, log=_log)
+        disallowed = filters.disallowed_mask(corpus_obj, include, exclude, strict=strict, log=_log)
         collector = RunCollector()
         # how it runs (two stages, one launch, a thread a device, the engine): `dispatch` decides
         stats = dispatch.run_call(
-            request, corpus_obj, q.batch, collector, candidates=run_candidates, exact=exact_obj, log=_log
+            request,
+            corpus_obj,
+            q.batch,
+            collector,
+            candidates=run_candidates,
+            exact=exact_obj,
+            log=_log,
+            disallowed=disallowed,
         )
         inputs = _input_paths(q, corpus_obj, candidates)
         if exact_obj is not None:
@@ -401,6 +426,11 @@ def _as_candidates(candidates: Any) -> dict[str, list[tuple[str, float]]]:
                     f"candidates: query {str(qid)!r} has {rows!r} where a list of docnos belongs; pass "
                     f"{{qid: [docno, ...]}}, e.g. {{{str(qid)!r}: [{rows!r}]}}"
                 )
+            if not isinstance(rows, (list, tuple)):
+                rows = list(rows)
+            if set(map(type, rows)) <= {str}:  # docnos alone, the common case: paired without a loop here
+                grouped.setdefault(str(qid), []).extend(zip(rows, itertools.repeat(0.0)))
+                continue
             grouped.setdefault(str(qid), []).extend(
                 (str(row[0]), _first_stage_score(row[1], qid, row[0]))
                 if isinstance(row, tuple) and len(row) == 2
@@ -429,7 +459,7 @@ def _each_once(grouped: dict[str, list[tuple[str, float]]]) -> dict[str, list[tu
     """``grouped`` after checking that no query lists a docno twice: a set per query, not a check per
     row (a served rerank pays this at every request)."""
     for qid, rows in grouped.items():
-        if len({docno for docno, _ in rows}) != len(rows):
+        if len(dict(rows)) != len(rows):  # one dict of the pairs, built in C
             seen: set[str] = set()
             twice = next(d for d, _ in rows if d in seen or seen.add(d))  # type: ignore[func-returns-value]
             raise InputError(

@@ -68,15 +68,22 @@ def strings_array(items: Sequence[str], *, large: bool = True) -> pa.Array:
     pandas. A string that is not valid Unicode (a lone surrogate), or more than 2 GiB of text for a
     string array, is left to ``pa.array``, which refuses it as before."""
     kind = pa.large_string() if large else pa.string()
-    try:
-        encoded = [item.encode("utf-8") for item in items]
-    except UnicodeEncodeError:
-        return pa.array(list(items), type=kind)
-    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-    np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)), out=offsets[1:])
-    data = pa.py_buffer(b"".join(encoded))
+    joined = "".join(items)
+    if joined.isascii():  # a character is a byte: one join and one encode, no bytes object a string
+        raw = joined.encode("ascii")
+        lengths = np.fromiter(map(len, items), dtype=np.int64, count=len(items))
+    else:
+        try:
+            encoded = [item.encode("utf-8") for item in items]
+        except UnicodeEncodeError:
+            return pa.array(list(items), type=kind)
+        raw = b"".join(encoded)
+        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+    offsets = np.zeros(len(items) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    data = pa.py_buffer(raw)
     if large:
-        return pa.LargeStringArray.from_buffers(len(encoded), pa.py_buffer(offsets), data)
+        return pa.LargeStringArray.from_buffers(len(items), pa.py_buffer(offsets), data)
     if offsets[-1] > np.iinfo(np.int32).max:
         return pa.array(list(items), type=kind)
-    return pa.StringArray.from_buffers(len(encoded), pa.py_buffer(offsets.astype(np.int32)), data)
+    return pa.StringArray.from_buffers(len(items), pa.py_buffer(offsets.astype(np.int32)), data)

@@ -97,10 +97,13 @@ def source_metadata(corpus: Any) -> dict[str, str]:
     return {SOURCE_DOCS_KEY: str(corpus.num_docs), SOURCE_IDS_KEY: ids_sha256(corpus.shards)}
 
 
-def check_same_documents(compressed: Any, exact: Any, compressed_name: str, exact_name: str) -> None:
+def check_same_documents(
+    compressed: Any, exact: Any, compressed_name: str, exact_name: str, exact_ids_sha256: str | None = None
+) -> None:
     """Refuse, in one line naming both, an exact tier that is not the corpus the compressed tier was
     quantized from: every shard of ``compressed`` records that corpus (`source_metadata`), which must be
-    ``exact``'s documents in the same order."""
+    ``exact``'s documents in the same order. ``exact_ids_sha256``: `ids_sha256` of ``exact`` when the
+    caller has it already (a server checks at every request)."""
     sources = {s.info.source for s in compressed.shards}
     if None in sources or len(sources) != 1:
         raise InputError(
@@ -108,7 +111,7 @@ def check_same_documents(compressed: Any, exact: Any, compressed_name: str, exac
             f"`maxsim quantize` does); quantize {exact_name} again to use it with --exact-from"
         )
     num_docs, sha = sources.pop()
-    if num_docs != exact.num_docs or sha != ids_sha256(exact.shards):
+    if num_docs != exact.num_docs or sha != (exact_ids_sha256 or ids_sha256(exact.shards)):
         raise InputError(
             f"{compressed_name} was quantized from another corpus than {exact_name} ({num_docs:,} documents "
             f"there, {exact.num_docs:,} here, or other ids or order); give the corpus it was quantized from"

@@ -397,6 +397,14 @@ def _float32_keys(scores: Sequence[float]) -> np.ndarray:
     return np.asarray(scores, dtype=np.float32).astype(np.float64) + 0.0
 
 
+def _in_trec_order(docnos: Sequence[str], keys: np.ndarray) -> bool:
+    """Whether rows are in trec_eval's order already: keys non-increasing, and where two are equal the
+    docnos descending (only those pairs are compared)."""
+    if not bool(np.all(keys[:-1] >= keys[1:])):
+        return False
+    return all(docnos[i] > docnos[i + 1] for i in np.flatnonzero(keys[:-1] == keys[1:]).tolist())
+
+
 def sort_trec(docnos: Sequence[str], scores: Sequence[float]) -> list[int]:
     """Indices of ``docnos`` in trec_eval's order: float32 score descending, ties by docno descending.
 
@@ -506,11 +514,11 @@ class RankedSink:
             or len(set(docnos)) != len(docnos)
         ):
             self._raise_for_bad_row(qid, docnos, keys)
-        if np.all(key_array[:-1] > key_array[1:]):  # already strictly descending (a top-k): no ties
-            order: Sequence[int] = range(len(keys))
-        else:
-            order = sorted(range(len(docnos)), key=lambda i: (keys[i], docnos[i]), reverse=True)
-        self._take_query(qid, [docnos[i] for i in order], key_array[list(order)].astype(np.float32))
+        if _in_trec_order(docnos, key_array):  # a top-k, or rows `sort_trec` ordered: nothing to sort
+            self._take_query(qid, list(docnos), key_array.astype(np.float32))
+            return
+        order = sorted(range(len(docnos)), key=lambda i: (keys[i], docnos[i]), reverse=True)
+        self._take_query(qid, [docnos[i] for i in order], key_array[order].astype(np.float32))
 
     def write_ranked(self, qids: Sequence[str], docnos, scores: np.ndarray) -> None:  # noqa: ANN001
         """Take several queries at once whose rows are already in trec_eval's order, as a running top-k

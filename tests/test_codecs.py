@@ -435,3 +435,17 @@ def test_compiled_kernels_on_the_gpu_within_the_bound(codec):
         host = dict(enc)
         reference = maxsim_codes_reference(queries, q_off, host.pop("docs"), d_off, **host)
         _check_close(scores, reference, _bound(queries, q_off, enc))
+
+
+def test_residual2_encoding_in_blocks_equals_one_block(monkeypatch) -> None:
+    """`encode_residual2` works a block of rows at a time (bounded memory): any block size, the same bytes."""
+    from maxsim_kernels import maxsim_codes
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 12, generator=gen)
+    centroids = torch.randn(5, 12, generator=gen).half()
+    ids = torch.randint(0, 5, (37,), generator=gen)
+    cutoffs = torch.tensor([-0.5, 0.0, 0.5]).repeat(12, 1)
+    whole = maxsim_codes.encode_residual2(x, ids, centroids, cutoffs)
+    monkeypatch.setattr(maxsim_codes, "ENCODE_BLOCK_ELEMS", 12 * 4)  # blocks of 4 rows, the last of 1
+    assert torch.equal(maxsim_codes.encode_residual2(x, ids, centroids, cutoffs), whole)

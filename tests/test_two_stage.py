@@ -174,3 +174,19 @@ def test_default_depth_by_codec(tiers):
     assert (default_depth("residual2-kmeans", 10), default_depth("residual2-kmeans", 1000)) == (2000, 20000)
     run = search(QUERIES, tiers[2], k=10, exact_from=CORPUS, device="cpu")
     assert run.stats.extra["two_stage"]["depth"] == 2000
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_a_resident_compressed_tier_gives_the_streamed_runs(tiers, bits):
+    """A tier resident on the device (`Corpus.to`, as `maxsim serve` keeps it) is scored in one launch by
+    the direct path, the 2-bit codes with their codebook: the runs of the streamed tier, compressed
+    scores and two-stage alike."""
+    from maxsim_cli import open_corpus
+
+    streamed = search(QUERIES, tiers[bits], k=20, device="cpu").to_dict()
+    two = search(QUERIES, tiers[bits], k=10, exact_from=CORPUS, depth=30, device="cpu").to_dict()
+    with open_corpus(tiers[bits]) as compressed:
+        compressed.to("cpu")
+        assert search(QUERIES, compressed, k=20, device="cpu").to_dict() == streamed
+        run = search(QUERIES, compressed, k=10, exact_from=CORPUS, depth=30, device="cpu")
+        assert run.to_dict() == two

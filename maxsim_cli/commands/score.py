@@ -46,7 +46,8 @@ def register(app: typer.Typer) -> None:
             "--strict",
             help="Make the warnings errors (exit 1, nothing written): candidates missing from the corpus, "
             "corpus shards with no documents, a query file with no queries, queries from another encoder "
-            "or L2 normalisation than the corpus (shard metadata).",
+            "or L2 normalisation than the corpus (shard metadata), filter ids not in the corpus, a filter "
+            "that allows no document.",
         ),
         device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
         backend: str = typer.Option(
@@ -103,6 +104,18 @@ def register(app: typer.Typer) -> None:
             help="With --exact-from: candidates a query taken from the compressed tier, at least --top-k "
             "(default: the larger of 1000 and 5 x --top-k; for 2-bit codes of 2000 and 20 x --top-k).",
         ),
+        include_ids: str | None = typer.Option(
+            None,
+            "--include-ids",
+            help="Return only these documents: a file of ids, one a line ('-' is stdin). A search gives "
+            "the top-k among them; a rerank drops the other candidates.",
+        ),
+        exclude_ids: str | None = typer.Option(
+            None,
+            "--exclude-ids",
+            help="Never return these documents: a file of ids, one a line ('-' is stdin). With "
+            "--include-ids: those minus these.",
+        ),
     ) -> None:
         """Score queries against a corpus of shards with exact MaxSim and write a TREC run.
 
@@ -128,7 +141,9 @@ def register(app: typer.Typer) -> None:
 
         timeline.mark("imports")
 
-        _check_outputs(output, stats_json, [queries, *corpus, candidates, *(exact_from or [])])
+        _check_outputs(
+            output, stats_json, [queries, *corpus, candidates, *(exact_from or []), include_ids, exclude_ids]
+        )
         stats = score(
             queries,
             corpus,
@@ -151,6 +166,8 @@ def register(app: typer.Typer) -> None:
             devices=devices,
             exact_from=exact_from,
             depth=depth,
+            include_ids=include_ids,
+            exclude_ids=exclude_ids,
         )
         if stats.extra.get("rank", 0):  # a torchrun rank other than 0: rank 0 reports for the job
             return

@@ -127,6 +127,15 @@ def register(app: typer.Typer) -> None:
             ),
             min=1,
         ),
+        exact_from: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--exact-from",
+                help="CORPUS is a compressed tier (maxsim quantize): searches take each query's top depth "
+                "from it and answer with the exact scores from these shards, the corpus it was quantized "
+                "from (read per request); reranks are exact too. Repeat for several files or folders.",
+            ),
+        ] = None,
     ) -> None:
         """Keep a corpus resident and answer exact search and rerank requests over HTTP (JSON or Arrow).
 
@@ -176,4 +185,5 @@ def register(app: typer.Typer) -> None:
             body_timeout=body_timeout,
             max_connections=max_connections,
             metrics=metrics,
+            exact_from=exact_from,
         )

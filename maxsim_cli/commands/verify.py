@@ -14,6 +14,7 @@ from maxsim_cli.units import format_count
 if TYPE_CHECKING:
     from maxsim_cli.agreement import ErrorStats, RankingStats
     from maxsim_cli.verify import VerifyReport
+    from maxsim_cli.verify.tiers import TierReport
 
 # `maxsim_cli.verify.DEFAULT_BATCH_TOKENS`, repeated here so that `--help` does not import the scoring
 # stack (torch) to show it; tests/test_imports.py checks that the two agree.
@@ -134,6 +135,40 @@ def render(report: VerifyReport) -> str:
     return "\n".join(lines)
 
 
+def render_tier(report: TierReport) -> str:
+    """The human-readable report of a compressed tier (``--exact-from``)."""
+    s = report.setup
+    lines = [
+        f"maxsim verify: {format_count(s['num_queries'])} queries x {format_count(s['num_docs'])} documents, "
+        f"compressed tier {s['compressed']} ({s['quantization']}) against the exact scores of "
+        f"{s['exact_from']} ({s['exact_dtype']})",
+        f"  dim {s['dim']}, device {s['device']}",
+        "",
+        "recall of the exact top k in the compressed top depth (mean, worst query)",
+    ]
+    for k, default in report.default_depths.items():
+        cells = "  ".join(
+            f"{r.depth}{'*' if r.depth == default else ''}: {r.mean:.4f} ({r.min:.2f})"
+            for r in report.recall
+            if r.k == k
+        )
+        lines.append(f"  recall@{k:<5}{cells}")
+    lines.append("  * the default depth of maxsim score --exact-from (capped at the corpus's size)")
+    lines += ["", *_error_header("compressed score error vs the exact scores (not judged)")]
+    lines += _error_rows("compressed tier", report.errors)
+    lines.append("  relative: to the query's score scale, its largest exact score in absolute value")
+    lines += ["", "checks"]
+    for c in report.checks:
+        lines.append(f"  {'PASS' if c.passed else 'FAIL'}  {c.name:<13}{c.detail}")
+    t = report.timings
+    lines += [
+        "",
+        f"verdict: {'PASS' if report.passed else 'FAIL'}   (exact {t['exact']:.2f} s, compressed "
+        f"{t['compressed']:.2f} s, total {t['total']:.2f} s)",
+    ]
+    return "\n".join(lines)
+
+
 def _json_safe(value: object) -> object:
     """NaN and infinities become null: the output stays strict JSON."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -215,6 +250,18 @@ def register(app: typer.Typer) -> None:
         ),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+        exact_from: list[str] | None = typer.Option(  # noqa: B008 (Typer's option declaration)
+            None,
+            "--exact-from",
+            help="CORPUS is a compressed tier (maxsim quantize): report the recall of the exact top-10 "
+            "and top-100 in its top depth, and its score error, against these float shards, the corpus "
+            "it was quantized from. Repeat for several paths.",
+        ),
+        min_recall: float | None = typer.Option(
+            None,
+            "--min-recall",
+            help="With --exact-from: least mean recall@10 and recall@100 at the default depth (0.99).",
+        ),
     ) -> None:
         """Check the fused kernel against an independent float64 reference and give a verdict.
 
@@ -230,6 +277,37 @@ def register(app: typer.Typer) -> None:
         from maxsim_cli.lifeline import commit_point
         from maxsim_cli.progress import progress_bar
         from maxsim_cli.verify import EXIT_FAILED, Tolerances, verify
+
+        if exact_from:
+            from maxsim_cli.errors import UsageError
+            from maxsim_cli.verify.tiers import MIN_RECALL, verify_tier
+
+            given = {
+                "--sample-docs": sample_docs is not None, "--candidates": candidates is not None,
+                "--reference-corpus": bool(reference_corpus), "--grad": grad, "--atol": atol is not None,
+                "--rtol": rtol is not None, "--min-overlap": min_overlap is not None,
+                "--allow-tf32": allow_tf32,
+            }  # fmt: skip
+            for name, used in given.items():
+                if used:
+                    raise UsageError(
+                        f"{name} does not apply with --exact-from: a compressed tier is verified by the "
+                        "recall and score error of every query against every document"
+                    )
+            tier = verify_tier(
+                queries, corpus, exact_from, device=device, backend=backend,
+                min_recall=MIN_RECALL if min_recall is None else min_recall,
+            )  # fmt: skip
+            text = json.dumps(_json_safe(tier.to_dict()), indent=1) if as_json else render_tier(tier)
+            with commit_point():
+                echo_data(text)
+            if not tier.passed:
+                raise typer.Exit(EXIT_FAILED)
+            return
+        if min_recall is not None:
+            from maxsim_cli.errors import UsageError
+
+            raise UsageError("--min-recall goes with --exact-from (the recall of a compressed tier)")
 
         with progress_bar("verifying", not quiet, "pairs") as update:
             report = verify(

@@ -36,7 +36,13 @@ import torch
 
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.resources import device_queries, query_embeddings
-from maxsim_cli.scoring.results import locate_candidates, write_reranked, write_topk
+from maxsim_cli.scoring.results import (
+    drop_disallowed,
+    locate_candidates,
+    subset_candidates,
+    write_reranked,
+    write_topk,
+)
 from maxsim_cli.scoring.stats import ScoreStats
 from maxsim_cli.scoring.topk import PAIR_BYTES, RunningTopK
 
@@ -84,9 +90,13 @@ def run(
     *,
     candidates: dict[str, list[tuple[str, float]]] | None,
     log: Callable[[str], None],
+    disallowed: np.ndarray | None = None,
 ) -> ScoreStats | None:
     """Score ``queries`` against the resident corpus into ``sink`` (rows as the engine hands them over);
-    the stats, or None when the device ran out of memory (nothing was written: run the engine)."""
+    the stats, or None when the device ran out of memory (nothing was written: run the engine).
+    ``disallowed``: a filter's mask, as `maxsim_cli.scoring.engine.run` takes it."""
+    from maxsim_cli.scoring import filters
+
     started = time.perf_counter()
     dev = residency.device
     stats = ScoreStats(
@@ -102,11 +112,19 @@ def run(
     stats.extra["resident_corpus"] = True
     stats.extra["direct"] = True
     notes: list[str] = []  # given to ``log`` once the call has succeeded: the engine would repeat them
+    subset = candidates is None and disallowed is not None and filters.use_subset(disallowed)
+    if disallowed is not None:
+        stats.extra["filter"] = {
+            "allowed": filters.allowed_count(disallowed, len(corpus)),
+            "path": "subset" if subset else ("candidates" if candidates is not None else "scan"),
+        }
     try:
-        if candidates is None:
+        if candidates is None and not subset:
             kernel_args, kernel_kwargs = _kernel_inputs(corpus, residency, queries, request.backend)
-            _search(request, corpus, residency, queries, sink, stats, kernel_args, kernel_kwargs)
-        elif not _rerank(request, corpus, residency, queries, sink, stats, candidates, notes.append):
+            _search(request, corpus, residency, queries, sink, stats, kernel_args, kernel_kwargs, disallowed)
+        elif not _rerank(
+            request, corpus, residency, queries, sink, stats, candidates, notes.append, disallowed
+        ):
             return None
     except torch.OutOfMemoryError:
         if dev.type == "cuda":
@@ -185,6 +203,10 @@ def _kernel_inputs(
     q_emb, query_scales = device_queries(q_emb, dev, corpus.quantization != "none")
     kernel_args = (q_emb, queries.offsets.to(torch.int64), residency.embeddings, residency.offsets_host)
     kernel_kwargs = {"backend": backend, "doc_scales": residency.scales, "query_scales": query_scales}
+    if getattr(corpus, "codebook", None) is not None:  # residual2 codes decode with their codebook
+        if residency.codebook is None:
+            residency.codebook = corpus.codebook.for_kernels(dev)
+        kernel_kwargs["codebook"] = residency.codebook
     return kernel_args, kernel_kwargs
 
 
@@ -211,19 +233,44 @@ def _search(
     stats: ScoreStats,
     kernel_args: tuple,
     kernel_kwargs: dict,
+    disallowed: np.ndarray | None = None,
 ) -> None:
     from maxsim_kernels import maxsim_varlen
 
     ranks = _device_ranks(corpus, residency)
+    top_k, hidden = request.top_k, None
+    if disallowed is not None:
+        allowed = np.flatnonzero(~disallowed)
+        if len(allowed) == 0:  # a filter that allows nothing: an empty run
+            stats.documents = stats.tokens = stats.pairs = 0
+            return
+        top_k = min(top_k, len(allowed))  # no disallowed document fills a place (`RunningTopK.add`)
+        # the documents from the first allowed to the last are scored: a filter of a few shards scores
+        # those shards' rows only
+        lo, hi = int(allowed[0]), int(allowed[-1]) + 1
+        if disallowed[lo:hi].any():
+            hidden = torch.from_numpy(disallowed[lo:hi]).to(residency.device)
+        if hi - lo < len(disallowed):
+            kernel_args, kernel_kwargs = _doc_span(kernel_args, kernel_kwargs, lo, hi)
+            ranks = ranks[lo:hi]
     scores = maxsim_varlen(*kernel_args, **kernel_kwargs)
-    topk = RunningTopK(len(queries.ids), request.top_k)
-    topk.add(scores, ranks)
+    topk = RunningTopK(len(queries.ids), top_k)
+    topk.add(scores, ranks, hidden)
     del scores
     top_scores, top_ranks = topk.result()
     stats.documents = len(corpus)
     stats.tokens = corpus.num_tokens
     stats.pairs = len(queries.ids) * len(corpus)
     write_topk(sink, queries.ids, top_scores, top_ranks, corpus)
+
+
+def _doc_span(kernel_args: tuple, kernel_kwargs: dict, lo: int, hi: int) -> tuple[tuple, dict]:
+    """`_kernel_inputs`'s arguments for documents [lo, hi) of the residency alone."""
+    q_emb, q_offsets, embeddings, offsets_host = kernel_args
+    t0, t1 = int(offsets_host[lo]), int(offsets_host[hi])
+    scales = kernel_kwargs.get("doc_scales")
+    kwargs = {**kernel_kwargs, "doc_scales": None if scales is None else scales[t0:t1]}
+    return (q_emb, q_offsets, embeddings[t0:t1], offsets_host[lo : hi + 1] - t0), kwargs
 
 
 def _rerank(
@@ -233,23 +280,31 @@ def _rerank(
     queries: DocBatch,
     sink: Any,
     stats: ScoreStats,
-    candidates: dict[str, list[tuple[str, float]]],
+    candidates: dict[str, list[tuple[str, float]]] | None,
     log: Callable[[str], None],
+    disallowed: np.ndarray | None = None,
 ) -> bool:
     """The candidates looked up (`locate_candidates`: the corpus's id lookup, built once) and scored in
     one `candidate_scores` launch, the launch a served rerank makes; False when the device ran out of
     memory (nothing written)."""
     qids = list(queries.ids)
-    located = locate_candidates(
-        corpus,
-        candidates,
-        qids,
-        request.query_name,
-        request.candidates_name,
-        request.strict,
-        request.corpus,
-        log,
-    )
+    if candidates is None:  # a filter's few allowed documents, every query's candidates
+        assert disallowed is not None
+        located = subset_candidates(corpus, disallowed, len(qids))
+    else:
+        located = locate_candidates(
+            corpus,
+            candidates,
+            qids,
+            request.query_name,
+            request.candidates_name,
+            request.strict,
+            request.corpus,
+            log,
+        )
+        if disallowed is not None:
+            located = drop_disallowed(located, disallowed)
+            stats.extra["filtered_candidates"] = located.filtered
     stats.missing_candidates = located.missing
     stats.pairs = len(located.pair_query)
     if not stats.pairs:

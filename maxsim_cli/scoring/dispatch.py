@@ -14,6 +14,8 @@ and a served rerank batch (`maxsim_cli.service.batching.Scorer`: `plan_served_re
 | ``resident`` | `parallel.resident.score_resident`: a thread a device | resident on several devices |
 | ``engine`` | `scoring.engine.run`: an open corpus on one device, streamed or resident | otherwise |
 | ``library`` | the library's `search` / `rerank`, which plans its call here | a served batch, not direct |
+| (a filter) | ``direct`` / ``engine`` with a mask over the corpus (`scoring.filters`): the scan masked, \
+or few allowed documents scored as candidates | ``--include-ids``, ``include=``, ``exclude=`` |
 | ``two-stage`` | `run_two_stage`: the compressed tier's top ``depth`` (a call plan), then those candidates \
 exactly from ``exact_from`` (a call plan) | ``--exact-from`` / ``exact_from`` |
 
@@ -29,12 +31,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from maxsim_cli.devices import parse_devices, resolve_device
-from maxsim_cli.errors import UsageError
+from maxsim_cli.errors import EXACT_FROM, UsageError
 from maxsim_cli.parallel.environment import Logger, log_to_stderr, world_size
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.stats import ScoreStats
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from maxsim_cli.shards import Corpus, DocBatch
     from maxsim_cli.shards.resident import Residency
 
@@ -75,11 +79,15 @@ def plan_files(request: ScoreRequest) -> Plan:
     """The plan of a run from files (`maxsim score`): a torchrun rank, a job of several devices
     (``request.devices``), or this process on one device. Usage errors for options that contradict."""
     devices = request.devices
+    if request.filtered:
+        request.check_filters()  # a job of several devices takes no filter: refused before it starts
     if request.two_stage:
         if world_size() > 1:
             raise UsageError("--exact-from runs on one device; run it without torchrun")
         return Plan(TWO_STAGE, (request.device,))
     if world_size() > 1:
+        if request.filtered:
+            raise UsageError("--include-ids/--exclude-ids run on one device; run them without torchrun")
         if devices is not None:
             raise UsageError(
                 "--devices starts its own workers; under torchrun leave it out (each rank uses "
@@ -164,12 +172,16 @@ def run_call(
     candidates: dict[str, list[tuple[str, float]]] | None = None,
     exact: Corpus | None = None,
     log: Logger = log_to_stderr,
+    disallowed: np.ndarray | None = None,
 ) -> ScoreStats:
     """Score ``queries`` against the open ``corpus`` into ``sink`` as `plan_call` plans it; its stats. The
     direct path hands a call that runs out of device memory to the engine. ``exact``: the open corpus
-    ``request.exact_from`` names, for a two-stage search."""
-    from maxsim_cli.scoring import engine
+    ``request.exact_from`` names, for a two-stage search. ``disallowed``: a filter's mask over the corpus
+    (`maxsim_cli.scoring.filters`), on the direct and engine paths."""
+    from maxsim_cli.scoring import engine, filters
 
+    if disallowed is not None:
+        check_filtered(request, corpus)
     if request.two_stage:
         if exact is None:
             raise ValueError("run_call: a two-stage request needs the open exact corpus (exact=)")
@@ -177,12 +189,23 @@ def run_call(
     request = call_request(request, corpus)
     nq = len(queries.ids)
     pairs = nq * len(corpus) if candidates is None else sum(len(rows) for rows in candidates.values())
+    if candidates is None and disallowed is not None and filters.use_subset(disallowed):
+        pairs = nq * filters.allowed_count(disallowed, len(corpus))  # the allowed documents' pairs
     plan = plan_call(request, corpus, nq, pairs)
     if plan.path == DIRECT:
         from maxsim_cli.scoring import direct
 
         assert plan.residency is not None
-        stats = direct.run(request, corpus, plan.residency, queries, sink, candidates=candidates, log=log)
+        stats = direct.run(
+            request,
+            corpus,
+            plan.residency,
+            queries,
+            sink,
+            candidates=candidates,
+            log=log,
+            disallowed=disallowed,
+        )
         if stats is not None:
             return stats
     elif plan.path == RESIDENT:
@@ -190,7 +213,21 @@ def run_call(
 
         request.check()
         return score_resident(request, corpus, queries, sink, candidates=candidates, log=log)
-    return engine.run(request, corpus, queries, sink, candidates=candidates, log=log)
+    return engine.run(request, corpus, queries, sink, candidates=candidates, log=log, disallowed=disallowed)
+
+
+def check_filtered(request: ScoreRequest, corpus: Corpus) -> None:
+    """A filter runs on one device: a `UsageError` for the paths that do not take one (two stages, a
+    corpus resident on several devices, a job of several ranks)."""
+    if request.two_stage:
+        raise UsageError(
+            f"{EXACT_FROM} and a filter: filter a search of the exact corpus, or run without one"
+        )
+    if corpus.placement is not None and request.device == "auto":
+        raise UsageError(
+            f"a filtered search runs on one device; this corpus is resident on {corpus.device}: pass "
+            "device= one of them, or make it resident on one device"
+        )
 
 
 def run_two_stage(

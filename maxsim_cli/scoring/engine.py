@@ -68,7 +68,13 @@ from maxsim_cli.scoring.resources import (
     query_embeddings,
     reader_threads,
 )
-from maxsim_cli.scoring.results import locate_candidates, write_reranked, write_topk
+from maxsim_cli.scoring.results import (
+    drop_disallowed,
+    locate_candidates,
+    subset_candidates,
+    write_reranked,
+    write_topk,
+)
 from maxsim_cli.scoring.staging import PinnedArena
 from maxsim_cli.scoring.stats import ScoreStats
 from maxsim_cli.scoring.topk import RunningTopK
@@ -112,6 +118,7 @@ def run(
     candidates: dict[str, list[tuple[str, float]]] | None = None,
     context: RankContext | None = None,
     log: Logger = log_to_stderr,
+    disallowed: np.ndarray | None = None,
 ) -> ScoreStats:
     """Score ``queries`` against the open ``corpus`` as ``request`` says and hand the results to ``sink``
     (see the module docstring); return the stats.
@@ -120,6 +127,11 @@ def run(
     returns it); None scores every document. The corpus is neither opened nor closed here. Raises
     `UsageError` / `InputError` / `MaxsimError` with one-line messages; the request's ``devices`` is
     ignored (a job is `maxsim_cli.parallel`'s business). ``setup_s`` and ``wall_s`` count from this call.
+
+    ``disallowed``: a filter's mask (`maxsim_cli.scoring.filters`: bool, one entry a corpus ordinal, True
+    for a document that may not be returned): a search keeps the allowed documents' top-k (masked in the
+    scan, or the allowed documents scored as candidates when they are few: `filters.use_subset`), a
+    rerank drops the disallowed candidates.
     """
     started = time.perf_counter()
     context = context or RankContext()
@@ -130,7 +142,7 @@ def run(
     if meter is None:
         meter = HostMeter(dev if cuda else None)
     try:
-        return _run(request, corpus, queries, sink, candidates, context, log, meter, started)
+        return _run(request, corpus, queries, sink, candidates, context, log, meter, started, disallowed)
     finally:
         if own_meter:
             meter.close()
@@ -146,8 +158,10 @@ def _run(
     log: Logger,
     meter: HostMeter,
     started: float,
+    disallowed: np.ndarray | None = None,
 ) -> ScoreStats:
     from maxsim_cli import progress as progress_mod
+    from maxsim_cli.scoring import filters
 
     dev = request.check()
     backend = request.backend
@@ -207,12 +221,20 @@ def _run(
     engine.arena = arena
     engine.residency = residency
     engine.stop = context.stop
-    if candidates is not None:
+    engine.disallowed = disallowed
+    # few documents allowed: they are every query's candidates (`filters.use_subset`)
+    subset = candidates is None and disallowed is not None and filters.use_subset(disallowed)
+    if disallowed is not None:
+        stats.extra["filter"] = {
+            "allowed": filters.allowed_count(disallowed, len(corpus)),
+            "path": "subset" if subset else ("candidates" if candidates is not None else "scan"),
+        }
+    if candidates is not None or subset:
         passes = engine.rerank_passes(candidates, qids, qname, request.candidates_name, request.strict)
         total_tokens = engine.rerank_total_tokens(passes)
     else:
         passes = engine.exhaustive_passes(request.top_k, request.batch_queries)
-        total_tokens = corpus.num_tokens * len(passes)
+        total_tokens = sum(p.num_tokens for p in passes[0].plans) * len(passes) if passes else 0
     shared_bar = context.progress  # the job's, shared by its rank threads
     if shared_bar is not None:
         shared_bar.add_total(total_tokens)
@@ -241,7 +263,7 @@ def _run(
                 timeline.mark("kernels_joined")
             stats.setup_s = time.perf_counter() - started
             tuning.pass_begins()
-            if candidates is not None:
+            if candidates is not None or subset:
                 engine.run_rerank(passes, qids, request.top_k, sink)
             else:
                 engine.run_exhaustive(passes, qids, request.top_k, sink)
@@ -320,6 +342,9 @@ class _Engine:
         self.docnos_of: dict[int, list[str]] = {}  # rerank: each query's candidates found, in run order
         self.meter: HostMeter | None = None
         self.max_memory: int | None = None  # --max-memory
+        # a filter's mask (`maxsim_cli.scoring.filters`): True for a document that may not be returned
+        self.disallowed: np.ndarray | None = None
+        self.hidden: torch.Tensor | None = None  # the same mask on the device, for the exhaustive pass
 
     def fit_host(self) -> None:
         """CPU: the plan's budget is what is left of the host budget once the run holds its inputs (the
@@ -384,13 +409,16 @@ class _Engine:
             # (`fit_host`)
             self.rank_of_ordinal = self.corpus.rank_of_ordinal()
         self.fit_host()
+        allowed = len(self.doc_lengths) if self.disallowed is None else int((~self.disallowed).sum())
+        if allowed == 0:  # a filter that allows nothing: an empty run
+            return []
         plan = planning.plan_exhaustive(
             self.doc_lengths,
             self.shard_base,
             self._query_offsets(),
             self._query_token_bytes(),
             self.tb,
-            top_k,
+            min(top_k, allowed),
             batch_queries,
             self.budget,
         )
@@ -398,6 +426,12 @@ class _Engine:
             return []
         self._note_plan(plan)
         self.stats.resident = plan.resident
+        spans = list(enumerate(plan.spans))
+        if self.disallowed is not None:
+            # batches that hold no allowed document are neither read nor scored
+            allowed_before = np.concatenate([[0], np.cumsum(~self.disallowed)])
+            spans = [(i, (a, b)) for i, (a, b) in spans if allowed_before[b] > allowed_before[a]]
+            self.hidden = torch.from_numpy(self.disallowed).to(self.device)
         plans = [
             BatchPlan(
                 i,
@@ -407,11 +441,11 @@ class _Engine:
                 side=_RankSlice(self.rank_of_ordinal, a, b),
                 side_len=b - a,
             )
-            for i, (a, b) in enumerate(plan.spans)
+            for i, (a, b) in spans
         ]
         stream = self._stream(plans, resident=plan.resident)
-        self.stats.documents = plan.num_docs
-        self.stats.tokens = plan.num_tokens
+        self.stats.documents = sum(p.num_docs for p in plans)
+        self.stats.tokens = sum(p.num_tokens for p in plans)
         return [_Pass(q0, q1, plans, stream) for q0, q1 in plan.query_batches]
 
     def run_exhaustive(self, passes: list[_Pass], qids: list[str], top_k: int, sink: Any) -> None:
@@ -421,7 +455,7 @@ class _Engine:
         try:
             for qpass in passes:
                 q_emb, q_off, q_scales = self._query_slice(qpass.q0, qpass.q1)
-                topk = RunningTopK(qpass.q1 - qpass.q0, top_k)
+                topk = RunningTopK(qpass.q1 - qpass.q0, self._kept(top_k))
                 assert qpass.stream is not None
                 for batch in qpass.stream:
                     self._score_block(batch, 0, batch.plan.num_docs, (q_emb, q_off, q_scales), topk)
@@ -435,6 +469,24 @@ class _Engine:
             if stream is not None:
                 stream.close()
                 self._fold_times(stream)
+
+    def _kept(self, top_k: int) -> int:
+        """The results a query keeps: ``top_k``, at most the documents a filter allows (so that no
+        disallowed document fills a place: `RunningTopK.add`'s ``hidden``)."""
+        if self.disallowed is None:
+            return top_k
+        return max(1, min(top_k, len(self.disallowed) - int(np.count_nonzero(self.disallowed))))
+
+    def _hidden(self, batch: Batch, a: int, b: int) -> torch.Tensor | None:
+        """The filter's mask of documents [a, b) of a batch on the device; None when all are allowed."""
+        if self.hidden is None or self.disallowed is None:
+            return None
+        side = batch.plan.side
+        assert isinstance(side, _RankSlice)
+        lo, hi = side.a + a, side.a + b
+        if not self.disallowed[lo:hi].any():  # an unfiltered merge
+            return None
+        return self.hidden[lo:hi]
 
     def _batch_done(self, batch: Batch) -> None:
         """After each batch: the progress bar, and a stop when another rank of the job has failed."""
@@ -489,7 +541,7 @@ class _Engine:
                     **self._codebook_arg(),
                 ),
             )
-            topk.add(scores, ranks)
+            topk.add(scores, ranks, self._hidden(batch, a, b))
             del scores
         except torch.OutOfMemoryError:
             oom = True
@@ -522,10 +574,25 @@ class _Engine:
     # ---------------------------------------------------------------------------- rerank
 
     def rerank_passes(
-        self, run: dict[str, list[tuple[str, float]]], qids: list[str], qname: str, cname: str, strict: bool
+        self,
+        run: dict[str, list[tuple[str, float]]] | None,
+        qids: list[str],
+        qname: str,
+        cname: str,
+        strict: bool,
     ) -> list[_Pass]:
-        """Map the run's candidates to corpus documents and plan the document batches (`plan_rerank`)."""
-        located = locate_candidates(self.corpus, run, qids, qname, cname, strict, self.corpus_paths, self.log)
+        """Map the run's candidates to corpus documents and plan the document batches (`plan_rerank`).
+        ``run`` None: a filter's few allowed documents are every query's candidates."""
+        if run is None:
+            assert self.disallowed is not None
+            located = subset_candidates(self.corpus, self.disallowed, len(qids))
+        else:
+            located = locate_candidates(
+                self.corpus, run, qids, qname, cname, strict, self.corpus_paths, self.log
+            )
+            if self.disallowed is not None:
+                located = drop_disallowed(located, self.disallowed)
+                self.stats.extra["filtered_candidates"] = located.filtered
         pair_q, pair_doc, docnos_of = located.pair_query, located.pair_doc, located.docnos_of
         self.stats.missing_candidates = located.missing
         self.docnos_of = docnos_of

@@ -44,6 +44,8 @@ def score(
     devices: str | None = None,
     exact_from: Sequence[str] | None = None,
     depth: int | None = None,
+    include_ids: str | None = None,
+    exclude_ids: str | None = None,
 ) -> ScoreStats:
     """Score the queries of ``queries`` against the shards ``corpus`` and write a run to ``output``.
 
@@ -57,7 +59,9 @@ def score(
     processes with the same output (`maxsim_cli.parallel`). ``exact_from`` (shard files or folders)
     makes ``corpus`` a compressed tier (`maxsim quantize`) scanned for each query's top ``depth``
     (default: `maxsim_cli.scoring.request.default_depth`, by the tier's codec), whose candidates are
-    then scored exactly from ``exact_from``, the corpus it was quantized from.
+    then scored exactly from ``exact_from``, the corpus it was quantized from. ``include_ids`` /
+    ``exclude_ids`` (files of ids, one a line; ``-`` is stdin) filter the documents a search returns and
+    the candidates a rerank keeps (`maxsim_cli.scoring.filters`).
     """
     request = ScoreRequest(
         queries=queries,
@@ -78,6 +82,8 @@ def score(
         devices=devices,
         exact_from=None if exact_from is None else tuple(exact_from),
         depth=depth,
+        include_ids=include_ids,
+        exclude_ids=exclude_ids,
     )
     return run_files(request, log=log)
 

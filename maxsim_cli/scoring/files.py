@@ -58,6 +58,7 @@ def score_files(request: ScoreRequest, *, log: Logger = log_to_stderr) -> ScoreS
         if warmup is not None and queries.num_docs and corpus.num_docs:
             warmup.load(first_launches(request, corpus, queries, device))
         candidates = read_run(request.candidates) if request.candidates is not None else None
+        disallowed = request_filter(request, corpus, log)
         entered = time.perf_counter()
         stats = engine.run(
             request,
@@ -67,6 +68,7 @@ def score_files(request: ScoreRequest, *, log: Logger = log_to_stderr) -> ScoreS
             candidates=candidates,
             context=RankContext(arena=arena, host_meter=meter, warmup=warmup),
             log=log,
+            disallowed=disallowed,
         )
     finally:
         if warmup is not None:
@@ -79,6 +81,21 @@ def score_files(request: ScoreRequest, *, log: Logger = log_to_stderr) -> ScoreS
     stats.setup_s += entered - started
     stats.wall_s = time.perf_counter() - started
     return stats
+
+
+def request_filter(request: ScoreRequest, corpus: Corpus, log: Logger) -> np.ndarray | None:
+    """The mask of ``request``'s filter files over ``corpus`` (`maxsim_cli.scoring.filters`), None
+    without one."""
+    from maxsim_cli.scoring import filters
+
+    if not request.filtered:
+        return None
+    include = exclude = None
+    if request.include_ids is not None:
+        include = filters.read_id_file(request.include_ids, filters.INCLUDE)
+    if request.exclude_ids is not None:
+        exclude = filters.read_id_file(request.exclude_ids, filters.EXCLUDE)
+    return filters.disallowed_mask(corpus, include, exclude, strict=request.strict, log=log)
 
 
 def first_launches(

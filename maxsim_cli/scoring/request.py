@@ -60,6 +60,10 @@ class ScoreRequest:
     # candidates are scored exactly from the shards ``exact_from`` (the corpus it was quantized from)
     exact_from: tuple[str, ...] | None = None
     depth: int | None = None
+    # filters (`maxsim_cli.scoring.filters`): files of ids, one a line ('-': stdin), the documents a
+    # search may return (include) and may not (exclude)
+    include_ids: str | None = None
+    exclude_ids: str | None = None
 
     def __post_init__(self) -> None:
         # paths may come as os.PathLike, the corpus as any sequence (a list from JSON)
@@ -69,6 +73,9 @@ class ScoreRequest:
         object.__setattr__(self, "output", str(self.output))
         if self.candidates is not None:
             object.__setattr__(self, "candidates", str(self.candidates))
+        for name in ("include_ids", "exclude_ids"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, str(getattr(self, name)))
         if self.exact_from is not None:
             exact: Sequence[str] = self.exact_from
             object.__setattr__(self, "exact_from", tuple(str(p) for p in exact))
@@ -123,7 +130,29 @@ class ScoreRequest:
             raise UsageError(f"{MAX_HOST_MEMORY} must be positive")
         RunWriter(self.output, tag=self.run_tag, fmt=self.fmt)  # checks the tag; opens nothing
         self._check_two_stage()
+        self.check_filters()
         return device
+
+    @property
+    def filtered(self) -> bool:
+        """Whether the run has a filter of ids (``include_ids`` / ``exclude_ids``)."""
+        return self.include_ids is not None or self.exclude_ids is not None
+
+    def check_filters(self) -> None:
+        """The `UsageError` of a filter with options that take none (one device, one input on stdin)."""
+        if not self.filtered:
+            return
+        stdin = [p for p in (self.queries, self.candidates, self.include_ids, self.exclude_ids) if p == "-"]
+        if len(stdin) > 1:
+            raise UsageError("several inputs are '-' (stdin): at most one of QUERIES, --candidates, "
+                             "--include-ids and --exclude-ids can be stdin")
+        if self.exact_from is not None:
+            raise UsageError(
+                f"{EXACT_FROM} and --include-ids/--exclude-ids: filter a search of the exact corpus, or "
+                "run without a filter"
+            )
+        if self.devices is not None:
+            raise UsageError("--include-ids/--exclude-ids run on one device; leave --devices out")
 
     def _check_two_stage(self) -> None:
         if self.exact_from is None:

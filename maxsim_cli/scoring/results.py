@@ -45,12 +45,14 @@ def write_topk(
 class LocatedCandidates:
     """A first-stage run's candidates found in the corpus: pair ``i`` is query ``pair_query[i]`` against
     the document of corpus ordinal ``pair_doc[i]``, in (query, run order) order; ``docnos_of[q]`` are
-    query ``q``'s candidates found, in run order; ``missing`` counts candidates not in the corpus."""
+    query ``q``'s candidates found, in run order; ``missing`` counts candidates not in the corpus,
+    ``filtered`` those a filter left out (`drop_disallowed`)."""
 
     pair_query: np.ndarray
     pair_doc: np.ndarray
     docnos_of: dict[int, list[str]]
     missing: int
+    filtered: int = 0
 
 
 def locate_candidates(
@@ -112,6 +114,36 @@ def locate_candidates(
         start += len(docnos)
         docnos_of[qi] = docnos if all(kept) else [d for d, k in zip(docnos, kept, strict=True) if k]
     return LocatedCandidates(pair_query[found], ordinals[found], docnos_of, n_missing)
+
+
+def drop_disallowed(located: LocatedCandidates, disallowed: np.ndarray) -> LocatedCandidates:
+    """``located`` without the candidates a filter's mask disallows (`maxsim_cli.scoring.filters`),
+    counted in ``filtered``: left out as missing candidates are, without a warning."""
+    keep = ~disallowed[located.pair_doc]
+    dropped = len(keep) - int(np.count_nonzero(keep))
+    if not dropped:
+        return located
+    # each query's pairs are one run of the list, in the order of ``docnos_of`` (run order)
+    docnos_of: dict[int, list[str]] = {}
+    start = 0
+    for qi, docnos in located.docnos_of.items():
+        kept = keep[start : start + len(docnos)]
+        start += len(docnos)
+        docnos_of[qi] = [d for d, k in zip(docnos, kept.tolist(), strict=True) if k]
+    return LocatedCandidates(
+        located.pair_query[keep], located.pair_doc[keep], docnos_of, located.missing, dropped
+    )
+
+
+def subset_candidates(corpus: Corpus, disallowed: np.ndarray, num_queries: int) -> LocatedCandidates:
+    """Every document a filter allows as every query's candidates (a filtered search of few documents:
+    `maxsim_cli.scoring.filters.use_subset`), in corpus order."""
+    allowed = np.flatnonzero(~disallowed).astype(np.int64)
+    ids = corpus.id_order()[0] if len(corpus.shards) > 1 else corpus.shards[0].id_array
+    docnos = ids.take(allowed).to_pylist() if len(allowed) else []
+    pair_query = np.repeat(np.arange(num_queries, dtype=np.int64), len(allowed))
+    pair_doc = np.tile(allowed, num_queries)
+    return LocatedCandidates(pair_query, pair_doc, dict.fromkeys(range(num_queries), docnos), 0)
 
 
 def write_reranked(

@@ -89,6 +89,8 @@ class ScoreStats:
             without = self.queries - self.queries_with_candidates
             none = f"; {n(without)} of {n(self.queries)} queries had none" if without > 0 else ""
             missing = f", {n(self.missing_candidates)} not in the corpus" if self.missing_candidates else ""
+            if self.extra.get("filtered_candidates"):
+                missing += f", {n(self.extra['filtered_candidates'])} outside the filter"
             work = (
                 f"reranked {format_counted(self.pairs, 'candidate', 'candidates')} of "
                 f"{format_counted(self.queries_with_candidates, 'query', 'queries')} "
@@ -101,6 +103,9 @@ class ScoreStats:
                 f"{format_counted(self.documents, 'document', 'documents')} = {n(self.pairs)} pairs "
                 f"({n(self.tokens)} document tokens)"
             )
+            kept = self.extra.get("filter")
+            if kept is not None:
+                work += f", {format_counted(kept['allowed'], 'document', 'documents')} allowed by the filter"
         approximate = ""
         if self.extra.get("scores") == "approximate":
             approximate = (

@@ -41,6 +41,9 @@ PAIR_BYTES = 32
 STATE_BYTES = 64
 
 _LOW31 = 0x7FFFFFFF
+# The key of a document a filter disallows (`maxsim_cli.scoring.filters`): below every real key, since a
+# real key's score half is ``ord32`` of a float (NaN scores become +inf first), never -2**31 with rank 0.
+HIDDEN_KEY = -(1 << 63)
 _LOW32 = 0xFFFFFFFF
 MAX_RANKS = 1 << 32
 # The key of a document left out of the search (`Corpus.rank_of_ordinal` gives it rank -1): the
@@ -103,8 +106,11 @@ class RunningTopK:
         self.k = k
         self._keys: torch.Tensor | None = None
 
-    def add(self, scores: torch.Tensor, ranks: torch.Tensor) -> None:
-        """Merge one block: ``scores`` float32 ``[nq, nd]`` (consumed: modified in place), ``ranks`` [nd]."""
+    def add(self, scores: torch.Tensor, ranks: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+        """Merge one block: ``scores`` float32 ``[nq, nd]`` (consumed: modified in place), ``ranks`` [nd].
+        ``hidden``: bool ``[nd]`` on the scores' device, True for documents a filter disallows: their keys
+        become `HIDDEN_KEY`, so they are kept only while fewer than ``k`` others have been seen (a
+        filtered search's ``k`` is at most the documents it allows)."""
         if scores.dim() != 2 or scores.shape[0] != self.num_queries:
             raise ValueError(
                 f"RunningTopK.add: expected scores [{self.num_queries}, nd], got {tuple(scores.shape)}"
@@ -112,6 +118,8 @@ class RunningTopK:
         if scores.shape[1] == 0:
             return
         keys = order_keys(scores, ranks)
+        if hidden is not None:
+            keys.masked_fill_(hidden, HIDDEN_KEY)
         if keys.shape[1] > self.k:
             keys = torch.topk(keys, self.k, dim=1, largest=True, sorted=False).values
         if self._keys is not None:

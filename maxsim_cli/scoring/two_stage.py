@@ -9,11 +9,13 @@ the stats of the whole, and the opening of its inputs for `maxsim score`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+import weakref
 from collections.abc import Callable
 
-from maxsim_cli.codecs import CODE_QUANTIZATIONS, check_same_documents
+from maxsim_cli.codecs import CODE_QUANTIZATIONS, check_same_documents, ids_sha256
 from maxsim_cli.errors import EXACT_FROM, InputError
 from maxsim_cli.queries import read_queries
 from maxsim_cli.run_files import RunWriter
@@ -56,13 +58,38 @@ def stage_requests(
 def check_tiers(request: ScoreRequest, compressed: Corpus, exact: Corpus) -> None:
     """Both tiers hold the same documents (the compressed tier records the corpus it was quantized
     from), the exact one in full precision: `InputError`s naming both."""
-    scan_name, exact_name = tier_names(request, compressed, exact)
+    check_pair(compressed, exact, *tier_names(request, compressed, exact))
+
+
+def check_pair(compressed: Corpus, exact: Corpus, scan_name: str, exact_name: str) -> None:
+    """`check_tiers` with the tiers' names given (`maxsim serve --exact-from` checks them at start-up).
+    The sha256 of the exact tier's ids is computed once per open corpus and kept (`_ids_digest`): a
+    server's search checks its tiers at every request."""
     if exact.quantization in CODE_QUANTIZATIONS:
         raise InputError(
             f"{exact_name}: holds {exact.quantization} codes, not exact scores; {EXACT_FROM} takes the "
             "corpus they were quantized from"
         )
-    check_same_documents(compressed, exact, scan_name, exact_name)
+    check_same_documents(compressed, exact, scan_name, exact_name, _ids_digest(exact))
+
+
+# open corpus -> (its shards when hashed, their ids' sha256): one hash of every id per corpus, not per call
+_DIGESTS: weakref.WeakKeyDictionary[Corpus, tuple[tuple[int, ...], str]] = weakref.WeakKeyDictionary()
+
+
+def _ids_digest(corpus: Corpus) -> str:
+    """`codecs.ids_sha256` of ``corpus``'s ids, kept while its shards are the same objects."""
+    shards = tuple(id(shard) for shard in corpus.shards)
+    try:
+        kept = _DIGESTS.get(corpus)
+    except TypeError:  # a corpus that cannot be weakly referenced: hashed every time
+        return ids_sha256(corpus.shards)
+    if kept is not None and kept[0] == shards:
+        return kept[1]
+    digest = ids_sha256(corpus.shards)
+    with contextlib.suppress(TypeError):
+        _DIGESTS[corpus] = (shards, digest)
+    return digest
 
 
 def merge_stats(request: ScoreRequest, compressed: Corpus, scan: ScoreStats, exact: ScoreStats) -> ScoreStats:
@@ -116,6 +143,7 @@ def score_files(request: ScoreRequest, run: TwoStageRunner, *, log: Logger) -> S
 
 
 __all__ = [
+    "check_pair",
     "check_tiers",
     "merge_stats",
     "score_files",

@@ -87,17 +87,19 @@ def create_app(
     device: str = "auto",
     busy_poll_ms: float = 0.0,
     metrics: bool = True,
+    exact: Corpus | None = None,
 ) -> FastAPI:
     """The application over an open ``corpus`` (resident or not; scoring on ``device``, ``auto``: the
-    corpus's). The batcher starts and stops with the application's lifespan (``with TestClient(app)``
-    in tests). ``app.state.batcher.counters`` counts the batches. ``busy_poll_ms``: how long the event
-    loop keeps turning after an answer, for the next request (`Awake`; 0: never). ``metrics``: answer
-    ``GET /metrics`` (`maxsim_cli.service.metrics`; needs prometheus-client)."""
+    corpus's); ``exact``: the exact tier of a compressed ``corpus``, checked by the caller to hold the
+    same documents (`serve`'s ``exact_from``). The batcher starts and stops with the application's
+    lifespan (``with TestClient(app)`` in tests). ``app.state.batcher.counters`` counts the batches.
+    ``busy_poll_ms``: how long the event loop keeps turning after an answer, for the next request
+    (`Awake`; 0: never). ``metrics``: answer ``GET /metrics`` (`maxsim_cli.service.metrics`; needs
+    prometheus-client)."""
     from maxsim_cli.service.metrics import available
 
-    batcher = Batcher(
-        Scorer(corpus, device=device), window_s=batch_window_ms / 1000, max_queries=max_batch_queries
-    )
+    scorer = Scorer(corpus, device=device, exact=exact)
+    batcher = Batcher(scorer, window_s=batch_window_ms / 1000, max_queries=max_batch_queries)
     measured = Metrics() if metrics and available() else None
     if measured is not None:
         measured.watch(corpus, batcher)
@@ -105,6 +107,8 @@ def create_app(
     # (under load the loop has work enough)
     awake = Awake(busy_poll_ms / 1000, paused=batcher.loaded)
     index_ids(corpus)
+    if exact is not None:
+        index_ids(exact)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> Any:
@@ -124,6 +128,7 @@ def create_app(
         lifespan=lifespan,
         on_answer=awake.linger,
         metrics=measured,
+        scores=scorer.scores,
     )
     app.state.batcher = batcher
     app.state.corpus = corpus
@@ -140,6 +145,7 @@ def scoring_app(
     lifespan: Callable[[FastAPI], Any] | None = None,
     on_answer: Callable[[], None] | None = None,
     metrics: Metrics | None = None,
+    scores: str | None = None,
 ) -> FastAPI:
     """`http_app` in the process that scores: bodies read into `Parsed` requests, scored by ``batcher``
     (the one-process server's app, and the app of the connections a `--workers` server's scoring
@@ -163,6 +169,7 @@ def scoring_app(
         lifespan=lifespan,
         on_answer=on_answer,
         metrics=metrics,
+        scores=scores,
     )
 
 
@@ -190,12 +197,14 @@ def http_app(
     on_request: Callable[[], None] | None = None,
     on_answer: Callable[[], None] | None = None,
     metrics: Metrics | None = None,
+    scores: str | None = None,
 ) -> FastAPI:
     """The HTTP side of the server: ``parse`` reads a body (`schema.parse_request` in one process,
     `schema.check_request` in a worker process), ``submit`` has it scored, ``health`` says how the
     server is; ``on_request`` is called as a scoring request arrives, ``on_answer`` once its answer is
     made (`maxsim_cli.service.awake`); ``metrics``: what ``GET /metrics`` answers (None: 404). Both
-    sides answer with the same bytes and errors."""
+    sides answer with the same bytes and errors. ``scores``: what every answer says of its scores
+    (``"exact"`` or ``"approximate"``: a server of a compressed tier, `batching.scores_label`), or None."""
     from maxsim_cli import __version__
     from maxsim_cli.service import metrics as metrics_module
     from maxsim_cli.service.openapi import openapi_schema
@@ -242,9 +251,9 @@ def http_app(
             answered = await submit(kind, parsed)
             answered_at = time.perf_counter()
             if sum(len(hits) for _, hits, _ in answered.answers) <= INLINE_ANSWER_HITS:
-                content = answer_json(answered.answers)
+                content = answer_json(answered.answers, scores)
             else:
-                content = await run_in_threadpool(answer_json, answered.answers)
+                content = await run_in_threadpool(answer_json, answered.answers, scores)
             header = server_timing(parsed_at - started, answered, time.perf_counter() - answered_at)
             response = Response(content, media_type=JSON_TYPE, headers={"server-timing": header})
         except Exception as exc:  # noqa: BLE001 - every failure is one request's answer
@@ -275,8 +284,9 @@ def http_app(
 
 
 def health_of(corpus: Corpus, batcher: Batcher, *, workers: int) -> dict[str, Any]:
-    """``GET /health``'s answer: the corpus, the batcher's counters, the HTTP worker processes."""
-    return {
+    """``GET /health``'s answer: the corpus, the batcher's counters, the HTTP worker processes (and for
+    a compressed tier what its answers' scores are: ``scores``)."""
+    health = {
         "status": "ok",
         "documents": len(corpus),
         "tokens": corpus.num_tokens,
@@ -287,6 +297,10 @@ def health_of(corpus: Corpus, batcher: Batcher, *, workers: int) -> dict[str, An
         "batches": batcher.counters.batches,
         "workers": workers,
     }
+    scores = batcher.scorer.scores
+    if scores is not None:
+        health["scores"] = scores
+    return health
 
 
 def server_timing(parse_s: float, answered: Answered, encode_s: float) -> str:
@@ -472,9 +486,9 @@ def _signals_end_cleanly() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def warm_up(corpus: Corpus, device: str = "auto") -> None:
+def warm_up(corpus: Corpus, device: str = "auto", exact: Corpus | None = None) -> None:
     """One search and one rerank of a one-token query: the kernels are compiled or loaded now, not on a
-    client's first request."""
+    client's first request (with an exact tier: one two-stage search and a rerank from it too)."""
     import numpy as np
 
     from maxsim_cli.api import Queries, rerank, search
@@ -483,6 +497,9 @@ def warm_up(corpus: Corpus, device: str = "auto") -> None:
     search(queries, corpus, k=1, device=device)
     first = corpus.shards[0].id_array[0].as_py()
     rerank(queries, corpus, {"warm-up": [first]}, device=device)
+    if exact is not None:
+        search(queries, corpus, k=1, device=device, exact_from=exact, depth=1)
+        rerank(queries, exact, {"warm-up": [first]}, device=device)
 
 
 def _settle_for_serving(corpus: Corpus) -> None:
@@ -516,6 +533,7 @@ def serve(
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     metrics: bool = True,
+    exact_from: Sequence[str] | Corpus | None = None,
     log: Callable[[str], None] = _stderr,
 ) -> None:
     """Open the corpus, make it resident on ``device`` (or spread over ``devices``), and answer requests
@@ -529,7 +547,10 @@ def serve(
     ``direct_connections``: with workers, how many HTTP connections the scoring process takes over and
     serves itself (`maxsim_cli.service.takeover`). ``header_timeout``, ``body_timeout`` (seconds),
     ``max_connections``: the limits on slow clients and open connections (`maxsim_cli.service.limits`).
-    ``metrics``: answer ``GET /metrics`` (needs prometheus-client; `maxsim_cli.service.metrics`)."""
+    ``metrics``: answer ``GET /metrics`` (needs prometheus-client; `maxsim_cli.service.metrics`).
+    ``exact_from``: the exact tier of a compressed corpus (shard paths or an open `Corpus`, left where
+    it is: a path is read from its shards per request), checked to hold the corpus's documents before
+    anything is made resident; searches are then two-stage and reranks exact (docs/serve.md)."""
     import uvicorn
 
     from maxsim_cli.api import Corpus, open_corpus
@@ -547,6 +568,8 @@ def serve(
         raise UsageError(f"--direct-connections {direct_connections}: must be 0 or more")
     if workers is not None and not 0 <= workers <= MAX_WORKERS:
         raise UsageError(f"--workers {workers}: must be 0 to {MAX_WORKERS}, or auto")
+    if exact_from is not None and devices:
+        raise UsageError("--exact-from serves from one device; leave --devices out")
     limits = ConnectionLimits(header_timeout, body_timeout, max_connections)
     limits.check()
     token = read_token(token_file, log) if token_file is not None else None
@@ -558,12 +581,15 @@ def serve(
     try:
         given = corpus_paths if isinstance(corpus_paths, Corpus) else None  # the caller's: left open
         opened = contextlib.nullcontext(given) if given is not None else open_corpus(list(corpus_paths))
-        with opened as corpus:
+        with opened as corpus, _exact_tier(corpus, corpus_paths, exact_from) as exact:
             started = time.perf_counter()
             if given is None or devices or device != "auto" or corpus.device is None:
                 corpus.to(list(devices) if devices else device)
             log(f"{corpus!r}: resident in {time.perf_counter() - started:.1f} s")
-            warm_up(corpus)
+            if exact is not None:
+                where = "resident" if exact.device is not None else "read from its shards per request"
+                log(f"exact tier {exact!r}: {where}; searches take the compressed tier's top depth")
+            warm_up(corpus, exact=exact)
             _settle_for_serving(corpus)
             if busy_poll_ms is None:
                 busy_poll_ms = DEFAULT_BUSY_POLL_MS if resident_on_gpus(corpus) else 0.0
@@ -588,6 +614,7 @@ def serve(
                         limits=limits,
                         metrics=shared,
                         log=log,
+                        exact=exact,
                     )
                 return
             app = create_app(
@@ -598,6 +625,7 @@ def serve(
                 max_batch_queries=max_batch_queries,
                 busy_poll_ms=busy_poll_ms,
                 metrics=metrics,
+                exact=exact,
             )
             bound = sock.getsockname()[1]
             config = uvicorn.Config(
@@ -622,6 +650,34 @@ def serve(
         sock.close()
 
 
+@contextlib.contextmanager
+def _exact_tier(
+    corpus: Corpus, corpus_paths: Sequence[str] | Corpus, exact_from: Sequence[str] | Corpus | None
+) -> Iterator[Corpus | None]:
+    """`serve`'s exact tier: opened (a `Corpus` given is used as it is, and left open) and checked to be
+    the corpus ``corpus`` was quantized from (`two_stage.check_pair`: one line naming both if not);
+    None without one."""
+    if exact_from is None:
+        yield None
+        return
+    from maxsim_cli.api import Corpus as CorpusType
+    from maxsim_cli.api import open_corpus
+    from maxsim_cli.scoring.resources import corpus_name
+    from maxsim_cli.scoring.two_stage import check_pair
+
+    given = exact_from if isinstance(exact_from, CorpusType) else None
+    opened = contextlib.nullcontext(given) if given is not None else open_corpus(list(exact_from))
+    with opened as exact:
+        names = [
+            corpus_name(list(paths)) if not isinstance(paths, CorpusType) else (paths.name or repr(paths))
+            for paths in (corpus_paths, exact_from)
+        ]
+        check_pair(corpus, exact, names[0], names[1])
+        if exact.dim != corpus.dim:  # a quantized corpus has its source's dim: a damaged pair
+            raise InputError(f"{names[1]}: dim {exact.dim}, but {names[0]} has dim {corpus.dim}")
+        yield exact
+
+
 def _serve_with_workers(
     corpus: Corpus,
     sock: socket.socket,
@@ -638,6 +694,7 @@ def _serve_with_workers(
     limits: ConnectionLimits,
     metrics: Metrics | None,
     log: Callable[[str], None],
+    exact: Corpus | None = None,
 ) -> None:
     """`serve`'s scoring process under ``--workers N`` (`maxsim_cli.service.workers`); ``metrics``: every
     process's, in one folder (`metrics.shared_metrics`)."""
@@ -648,6 +705,8 @@ def _serve_with_workers(
 
     logging.config.dictConfig(uvicorn_log_config())
     index_ids(corpus)
+    if exact is not None:
+        index_ids(exact)
     hub = Hub(
         corpus,
         sock,
@@ -671,8 +730,10 @@ def _serve_with_workers(
             max_request_bytes=max_request_bytes,
             on_answer=on_answer,
             metrics=metrics,
+            scores=batcher.scorer.scores,
         ),
         metrics=metrics,
+        exact=exact,
     )
     bound = sock.getsockname()[1]
     sock.listen(2048)

@@ -113,12 +113,30 @@ class Counters:
 
 
 class Scorer:
-    """Scores a batch of jobs of one kind against the corpus (called on the batcher's worker thread)."""
+    """Scores a batch of jobs of one kind against the corpus (called on the batcher's worker thread).
 
-    def __init__(self, corpus: Corpus, *, device: str = "auto", counters: Counters | None = None) -> None:
+    ``exact``: the exact tier of a compressed ``corpus`` (`maxsim serve COMPRESSED --exact-from CORPUS`,
+    checked to hold the same documents): a search is the dispatch's two-stage plan (the library's
+    `search` with ``exact_from``: the compressed tier's top ``depth``, then those candidates scored
+    exactly), and a rerank scores its candidates from the exact tier."""
+
+    def __init__(
+        self,
+        corpus: Corpus,
+        *,
+        device: str = "auto",
+        counters: Counters | None = None,
+        exact: Corpus | None = None,
+    ) -> None:
         self.corpus = corpus
         self.device = device
         self.counters = counters or Counters()
+        self.exact = exact
+
+    @property
+    def scores(self) -> str | None:
+        """What the answers' scores are, for a server of a compressed tier: `scores_label`."""
+        return scores_label(self.corpus, self.exact)
 
     def quick(self, jobs: Sequence[Job]) -> bool:
         """Whether ``jobs`` is one small request against a corpus resident on GPUs: its scoring is a few
@@ -129,6 +147,8 @@ class Scorer:
         if request.candidates is not None and (
             sum(len(docnos) for docnos in request.candidates.values()) > QUICK_MAX_CANDIDATES
         ):
+            return False
+        if self.exact is not None:  # the exact tier is read from its shards: not a few launches
             return False
         return self.on_gpus
 
@@ -143,6 +163,11 @@ class Scorer:
 
     def score(self, jobs: Sequence[Job]) -> list[list[QueryAnswer] | BaseException]:
         """Each job's answers, or the exception that job alone fails with."""
+        if jobs[0].kind == "search" and self.exact is None and any(j.request.depth is not None for j in jobs):
+            # a depth needs an exact tier: those requests fail alone, the others are scored
+            rest = [job for job in jobs if job.request.depth is None]
+            scored = iter(self.score(rest) if rest else ())
+            return [NO_EXACT_TIER if job.request.depth is not None else next(scored) for job in jobs]
         try:
             if jobs[0].kind == "search":
                 results: list[list[QueryAnswer] | BaseException] = list(self._search(jobs))
@@ -166,13 +191,14 @@ class Scorer:
         with the scores of the answer."""
         from maxsim_cli.explain import explain_hits
 
+        corpus = self.scores_corpus
         for job, answers in zip(jobs, results, strict=True):
             if not job.request.explain or isinstance(answers, BaseException):
                 continue
             for qid, hits, _ in answers:
                 explanations = explain_hits(
                     job.request.queries,
-                    self.corpus,
+                    corpus,
                     qid,
                     list(hits.docnos),
                     device=self.device,
@@ -183,15 +209,48 @@ class Scorer:
         return results
 
     def _search(self, jobs: Sequence[Job]) -> list[list[QueryAnswer]]:
-        from maxsim_cli.api import search
+        """The batch's answers: one search a group of requests that share a filter (``include`` /
+        ``exclude``) and, on a server with an exact tier, a depth (given, or the default of
+        maxsim score --exact-from for their own k), so that an answer does not depend on its batch."""
+        documents = len(self.corpus)
+        groups: dict[Any, list[int]] = {}
+        for j, job in enumerate(jobs):
+            depth = None
+            if self.exact is not None:
+                from maxsim_cli.scoring.request import default_depth
+
+                k = min(job.request.k or documents, documents)
+                depth = job.request.depth or default_depth(self.corpus.quantization, k)
+            groups.setdefault((job.request.filter_key, depth), []).append(j)
+        out: list[list[QueryAnswer]] = [[] for _ in jobs]
+        for (_, depth), members in groups.items():
+            two_stage = {} if self.exact is None else {"exact_from": self.exact, "depth": depth}
+            answers = self._search_group([jobs[j] for j in members], **two_stage)
+            for j, answer in zip(members, answers, strict=True):
+                out[j] = answer
+        self.counters.note(len(jobs))
+        return out
+
+    def _search_group(self, jobs: Sequence[Job], **two_stage: Any) -> list[list[QueryAnswer]]:
+        """One `search` of the jobs' queries, which share a filter (``two_stage``: its ``exact_from`` and
+        ``depth``), each request's hits cut to its own ``k``."""
+        from maxsim_cli.api import MaxsimWarning, search
 
         parts = [job.request.queries for job in jobs]
         keys = _batch_ids(parts)
         queries = _concat(parts)
         documents = len(self.corpus)
         k = max(min(job.request.k or documents, documents) for job in jobs)
-        rows = search(queries, self.corpus, k=k, device=self.device).to_dict()
-        self.counters.note(len(jobs))
+        first = jobs[0].request
+        filters = {
+            name: value
+            for name, value in (("include", first.include), ("exclude", first.exclude))
+            if value is not None
+        }
+        with warnings.catch_warnings():
+            # a filter's unknown ids, or one that allows nothing: its answer is what it allows
+            warnings.simplefilter("ignore", MaxsimWarning)
+            rows = search(queries, self.corpus, k=k, device=self.device, **filters, **two_stage).to_dict()
         return [
             [
                 (qid, Hits.from_pairs(rows.get(key, [])[: job.request.k]), None)
@@ -204,13 +263,18 @@ class Scorer:
         from maxsim_cli.scoring import dispatch
 
         asked = sum(_candidate_count(job.request) for job in jobs)  # found ones: at most these
-        plan = dispatch.plan_served_rerank(self.corpus, self.device, asked)
+        plan = dispatch.plan_served_rerank(self.scores_corpus, self.device, asked)
         if plan.path == dispatch.DIRECT:
             assert plan.residency is not None
             answers = self._rerank_resident(jobs, plan.residency)
             if answers is not None:
                 return answers
         return self._rerank_library(jobs)
+
+    @property
+    def scores_corpus(self) -> Corpus:
+        """The corpus a rerank and an explanation score from: the exact tier when there is one."""
+        return self.exact if self.exact is not None else self.corpus
 
     def _rerank_resident(
         self, jobs: Sequence[Job], residency: Residency
@@ -230,12 +294,13 @@ class Scorer:
         kernel 0.13 ms on 2 cores (`python benchmarks/probe_serve_host.py`)."""
         from maxsim_cli.scoring import direct
 
+        corpus = self.scores_corpus
         asked_of: list[list[str]] = []  # each query's candidates, request order
         for job in jobs:
             assert job.request.candidates is not None
             asked_of.extend(job.request.candidates.get(qid, []) for qid in job.request.queries.ids)
         # every candidate of the batch looked up at once in the corpus's id lookup (built once)
-        found_all = self.corpus.id_lookup().ordinals_of([docno for asked in asked_of for docno in asked])
+        found_all = corpus.id_lookup().ordinals_of([docno for asked in asked_of for docno in asked])
         kept: list[list[str]] = []  # each query's candidates in the corpus, request order
         ordinals: list[np.ndarray] = []
         missing_of: list[list[str]] = []
@@ -259,10 +324,10 @@ class Scorer:
         scores = np.zeros(0, dtype=np.float32)
         if pairs:
             queries = _concat([job.request.queries for job in jobs])
-            scores = direct.candidate_scores(self.corpus, residency, queries.batch, offsets, cand_docs)
+            scores = direct.candidate_scores(corpus, residency, queries.batch, offsets, cand_docs)
             if scores is None:
                 return None
-        ranks = self.corpus.rank_of_ordinal()
+        ranks = corpus.rank_of_ordinal()
         self.counters.note(len(jobs))
         out: list[list[QueryAnswer] | BaseException] = []
         n = 0
@@ -305,7 +370,7 @@ class Scorer:
         with warnings.catch_warnings():
             # missing candidates are reported per request below, not as a warning of the batch
             warnings.simplefilter("ignore", MaxsimWarning)
-            rows = rerank(queries, self.corpus, candidates, device=self.device).to_dict()
+            rows = rerank(queries, self.scores_corpus, candidates, device=self.device).to_dict()
         self.counters.note(len(jobs))
         out: list[list[QueryAnswer] | BaseException] = []
         for j, job in enumerate(jobs):
@@ -323,6 +388,23 @@ class Scorer:
                 answers.append((qid, Hits.from_pairs(hits if k is None else hits[:k]), missing))
             out.append(_strict_failure(missing_total) if job.request.strict and missing_total else answers)
         return out
+
+
+# A search with a depth, on a server without an exact tier.
+NO_EXACT_TIER = InputError(
+    "depth: this server has no exact tier (maxsim serve COMPRESSED --exact-from CORPUS); leave depth out"
+)
+
+
+def scores_label(corpus: Corpus, exact: Corpus | None) -> str | None:
+    """What a server's answers say of their scores (``"scores"`` in the JSON answer): ``"exact"`` with an
+    exact tier, ``"approximate"`` for a corpus of 4-bit or 2-bit codes without one, else None (the
+    answer says nothing: its scores are those `maxsim score` gives on the corpus served)."""
+    from maxsim_cli.codecs import CODE_QUANTIZATIONS
+
+    if exact is not None:
+        return "exact"
+    return "approximate" if corpus.quantization in CODE_QUANTIZATIONS else None
 
 
 def _candidate_count(request: Parsed) -> int:

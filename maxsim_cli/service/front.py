@@ -167,6 +167,7 @@ def run(listen_fd: int, hub_path: str, index: int) -> None:
         on_request=client.heads_up,
         on_answer=client.awake.linger,
         metrics=metrics,
+        scores=config.get("scores"),
     )
     log_config = uvicorn_log_config()
     log_config["loggers"]["uvicorn.error"]["level"] = "WARNING"  # no start-up lines from every worker

@@ -78,6 +78,15 @@ class SearchOut(_Answer):
     """The answer to ``POST /search``: one result per query, in the request's order."""
 
     results: list[SearchResult]
+    scores: Literal["exact", "approximate"] | None = Field(
+        None,
+        description=(
+            "A server of a compressed tier only (maxsim quantize --bits 4 or 2): exact with --exact-from "
+            "(a search: the exact scores of the compressed tier's top depth; a rerank: from the exact "
+            "tier), approximate without (the codes' scores). Absent on a server of a float or int8 "
+            "corpus, whose scores are maxsim score's"
+        ),
+    )
 
 
 class RerankResult(_Answer):
@@ -93,6 +102,15 @@ class RerankOut(_Answer):
     """The answer to ``POST /rerank``: one result per query, in the request's order."""
 
     results: list[RerankResult]
+    scores: Literal["exact", "approximate"] | None = Field(
+        None,
+        description=(
+            "A server of a compressed tier only (maxsim quantize --bits 4 or 2): exact with --exact-from "
+            "(a search: the exact scores of the compressed tier's top depth; a rerank: from the exact "
+            "tier), approximate without (the codes' scores). Absent on a server of a float or int8 "
+            "corpus, whose scores are maxsim score's"
+        ),
+    )
 
 
 class ErrorOut(_Answer):
@@ -113,6 +131,9 @@ class HealthOut(BaseModel):
     requests: int = Field(description="Scoring requests answered")
     batches: int = Field(description="Batches they were scored in")
     workers: int = Field(description="HTTP worker processes (0: HTTP in the scoring process)")
+    scores: Literal["exact", "approximate"] | None = Field(
+        None, description="A server of a compressed tier only: what its answers' scores are"
+    )
 
 
 MODELS: tuple[type[BaseModel], ...] = (
@@ -141,7 +162,8 @@ SCORING_ERRORS = {
     "422": (
         "Readable but invalid: an unknown field, a wrong type, wrong dim, NaN/Inf, an empty query, duplicate "
         "qids, k < 1, scores that overflow float32, candidates for a qid the request has no query for, a "
-        "docno twice, strict with missing candidates"
+        "docno twice, strict with missing candidates, a filter id that is empty or holds whitespace; a "
+        "search's depth below k, or on a server without an exact tier"
     ),
     "500": "A bug (logged on the server's stderr with its traceback)",
     "503": (
@@ -217,6 +239,20 @@ def _scoring(kind: str, request: type[BaseModel], answer: type[BaseModel], examp
             "schema": {"type": "integer", "minimum": 1, "maximum": (1 << 63) - 1},
         }
     ]
+    if kind == "search":
+        parameters.append(
+            {
+                "name": "depth",
+                "in": "query",
+                "required": False,
+                "description": (
+                    "A server with an exact tier (--exact-from): the compressed tier's candidates a query "
+                    "whose exact scores are ranked, at least k (Arrow bodies only: JSON bodies carry depth; "
+                    "default: maxsim score --exact-from's)"
+                ),
+                "schema": {"type": "integer", "minimum": 1, "maximum": (1 << 63) - 1},
+            }
+        )
     if kind == "rerank":
         parameters.append(
             {
@@ -240,14 +276,18 @@ def _scoring(kind: str, request: type[BaseModel], answer: type[BaseModel], examp
         "The query shard stream that `maxsim score -` reads (docs/format.md): an `id` column, an "
         "`embedding` column of token vectors, `scales` for int8"
         + (", and a `candidates` column (list<utf8>: each query's docnos)" if kind == "rerank" else "")
+        + "; optional `include` / `exclude` columns (list<utf8>): the request's filter, the ids of every "
+        "row together"
     )
     summary = "The top-k of the whole corpus" if kind == "search" else "Re-score candidates"
     return {
         "operationId": kind,
         "summary": summary,
         "description": (
-            "Exact MaxSim; the answers of `maxsim score` for the same inputs. The answer carries a "
-            "`Server-Timing` header (parse, ipc with workers, queue, score, encode; milliseconds)."
+            "Exact MaxSim; the answers of `maxsim score` for the same inputs (a compressed tier served "
+            "with --exact-from: those of `maxsim score --exact-from`; the answer's `scores` says which). "
+            "The answer carries a `Server-Timing` header (parse, ipc with workers, queue, score, encode; "
+            "milliseconds)."
         ),
         "parameters": parameters,
         "requestBody": {

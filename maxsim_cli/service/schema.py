@@ -69,6 +69,13 @@ class RequestError(Exception):
 # JSON models
 
 
+INCLUDE_HELP = (
+    "Filter: only these docnos may be returned (a search: the top-k among them; a rerank: the other "
+    "candidates are dropped). Ids not in the corpus are skipped."
+)
+EXCLUDE_HELP = "Filter: these docnos are never returned; with include, include minus exclude."
+
+
 class _Model(BaseModel):
     # unknown fields are refused; numbers stay numbers ("1.5" is not a float here)
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -85,6 +92,17 @@ class SearchIn(_Model):
     queries: list[QueryIn] = Field(min_length=1)
     k: int = Field(DEFAULT_K, ge=1)
     explain: bool = False
+    include: list[StrictStr] | None = Field(None, description=INCLUDE_HELP)
+    exclude: list[StrictStr] | None = Field(None, description=EXCLUDE_HELP)
+    depth: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "A server with an exact tier (maxsim serve COMPRESSED --exact-from CORPUS): the compressed "
+            "tier's candidates a query whose exact scores are ranked, at least k (default: maxsim score "
+            "--exact-from's, by the codec and k)"
+        ),
+    )
 
 
 class RerankIn(_Model):
@@ -93,6 +111,8 @@ class RerankIn(_Model):
     k: int | None = Field(None, ge=1)
     strict: bool = False
     explain: bool = False
+    include: list[StrictStr] | None = Field(None, description=INCLUDE_HELP)
+    exclude: list[StrictStr] | None = Field(None, description=EXCLUDE_HELP)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -110,6 +130,20 @@ class Parsed:
     candidates: dict[str, list[str]] | None = None
     strict: bool = False
     explain: bool = False
+    # a search's filter (`maxsim_cli.scoring.filters`): the docnos it may return, and may not; a
+    # rerank's is applied to its candidates when it is read
+    include: list[str] | None = None
+    exclude: list[str] | None = None
+
+    @property
+    def filter_key(self) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
+        """The filter as a key: requests of one batch with equal keys are searched together."""
+        return (
+            None if self.include is None else tuple(self.include),
+            None if self.exclude is None else tuple(self.exclude),
+        )
+
+    depth: int | None = None  # a search of a server with an exact tier: the compressed tier's candidates
 
 
 @dataclass(eq=False)
@@ -129,6 +163,9 @@ class Checked:
     strict: bool = False
     name: str = QUERIES
     explain: bool = False
+    include: list[str] | None = None
+    exclude: list[str] | None = None
+    depth: int | None = None
 
 
 def parse_request(
@@ -176,22 +213,89 @@ def to_parsed(checked: Checked) -> Parsed:
     scales = torch.from_numpy(checked.scales) if checked.scales is not None else None
     batch = DocBatch(checked.ids, embeddings, torch.from_numpy(checked.offsets), scales)
     return Parsed(
-        Queries(batch, checked.name), checked.k, checked.candidates, checked.strict, checked.explain
+        Queries(batch, checked.name),
+        checked.k,
+        checked.candidates,
+        checked.strict,
+        checked.explain,
+        checked.include,
+        checked.exclude,
+        checked.depth,
     )
 
 
 def _parse_json(kind: str, body: bytes, corpus_dim: int) -> Checked:
-    qids, arrays, k, candidates, strict, explain = _read_json_fast(kind, body) or _read_json_models(
-        kind, body, corpus_dim
-    )
+    qids, arrays, k, candidates, strict, explain, include, exclude, depth = _read_json_fast(
+        kind, body
+    ) or _read_json_models(kind, body, corpus_dim)
+    _check_depth(depth, k)
     ids, embeddings, offsets = _checked_queries(qids, arrays, corpus_dim)
     checked = _check_candidates(candidates, ids) if kind == "rerank" else None
-    return Checked(ids, embeddings, offsets, "float32", None, k, checked, strict, IN_MEMORY_NAME, explain)
+    return _filtered(
+        Checked(
+            ids,
+            embeddings,
+            offsets,
+            "float32",
+            None,
+            k,
+            checked,
+            strict,
+            IN_MEMORY_NAME,
+            explain,
+            depth=depth,
+        ),
+        include,
+        exclude,
+    )
+
+
+def _check_depth(depth: int | None, k: int | None) -> None:
+    """A search's ``depth`` is at least its ``k``: the exact tier ranks the compressed tier's top depth."""
+    if depth is not None and k is not None and depth < k:
+        raise RequestError(
+            422,
+            f"depth: {depth} is below k ({k}); the exact scores come for the compressed tier's top depth "
+            f"only: give a depth of at least {k}, or leave it out",
+        )
+
+
+def _filtered(checked: Checked, include: list[str] | None, exclude: list[str] | None) -> Checked:
+    """``checked`` with its filter (each id checked: not empty, no whitespace): a search keeps it for
+    the scorer; a rerank's candidates outside it are dropped now (`maxsim_cli.scoring.filters`: as a
+    mask over the corpus would drop them, docnos being unique)."""
+    for name, ids in (("include", include), ("exclude", exclude)):
+        for docno in ids or ():
+            if not docno or len(docno.split()) != 1 or docno.strip() != docno:
+                raise RequestError(422, f"{name}: the id {docno[:60]!r} is empty or holds whitespace")
+    if checked.candidates is None:
+        checked.include, checked.exclude = include, exclude
+        return checked
+    if include is not None or exclude is not None:
+        keep = set(include) if include is not None else None
+        drop = set(exclude or ())
+        checked.candidates = {
+            qid: [d for d in docnos if (keep is None or d in keep) and d not in drop]
+            for qid, docnos in checked.candidates.items()
+        }
+    return checked
 
 
 # A JSON request as read, before the checks of `_checked_queries` and `_check_candidates`: its qids,
-# each query's float32 vectors [tokens, width], k, its candidates ({} for a search), strict and explain.
-_JsonRequest = tuple[list[str | int], list[np.ndarray], int | None, dict[str, list[str]], bool, bool]
+# each query's float32 vectors [tokens, width], k, its candidates ({} for a search), strict and explain,
+# the filter's include and exclude ids where the request gives them (read by the models alone), and depth
+# (None unless a search gives it).
+_JsonRequest = tuple[
+    list[str | int],
+    list[np.ndarray],
+    int | None,
+    dict[str, list[str]],
+    bool,
+    bool,
+    list[str] | None,
+    list[str] | None,
+    int | None,
+]
 
 
 def _read_json_models(kind: str, body: bytes, corpus_dim: int) -> _JsonRequest:
@@ -219,13 +323,14 @@ def _read_json_models(kind: str, body: bytes, corpus_dim: int) -> _JsonRequest:
         with np.errstate(over="ignore"):  # a value past float32's range is refused by the checks, as Inf
             arrays.append(np.asarray(rows, dtype=np.float32))
     qids = [item.qid for item in request.queries]
+    filter_ids = (request.include, request.exclude)
     if isinstance(request, SearchIn):
-        return qids, arrays, request.k, {}, False, request.explain
-    return qids, arrays, request.k, request.candidates, request.strict, request.explain
+        return qids, arrays, request.k, {}, False, request.explain, *filter_ids, request.depth
+    return qids, arrays, request.k, request.candidates, request.strict, request.explain, *filter_ids, None
 
 
 _KEYS = {
-    "search": frozenset({"queries", "k", "explain"}),
+    "search": frozenset({"queries", "k", "explain", "depth"}),
     "rerank": frozenset({"queries", "candidates", "k", "strict", "explain"}),
 }
 _QUERY_KEYS = ["embedding", "qid"]
@@ -282,6 +387,9 @@ def _read_request(kind: str, doc: Any, brackets: int) -> _JsonRequest | None:
         return None
     if type(explain) is not bool:
         return None
+    depth = doc.get("depth")
+    if depth is not None and not (type(depth) is int and depth >= 1):
+        return None
     queries = doc["queries"]
     if not isinstance(queries, simdjson.Array) or len(queries) == 0:
         return None
@@ -327,7 +435,7 @@ def _read_request(kind: str, doc: Any, brackets: int) -> _JsonRequest | None:
             seen += 1
     if brackets != seen + "".join(texts).count("["):
         return None
-    return qids, arrays, k, candidates, strict, explain
+    return qids, arrays, k, candidates, strict, explain, None, None, depth  # a filter: the models read it
 
 
 def _validation_message(exc: ValidationError) -> tuple[int, str]:
@@ -421,13 +529,15 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
     from maxsim_cli.shards import ArrowShard
     from maxsim_cli.shards.arrow_shards import read_stream
 
-    allowed = ("k", "explain") if kind == "search" else ("k", "strict", "explain")
+    allowed = ("k", "explain", "depth") if kind == "search" else ("k", "strict", "explain")
     for name in params:
         if name not in allowed:
             raise RequestError(422, f"query-string parameter {name!r}: /{kind} takes {' and '.join(allowed)}")
     k = _int_param(params, "k", DEFAULT_K if kind == "search" else None)
     strict = _bool_param(params, "strict")
     explain = _bool_param(params, "explain")
+    depth = _int_param(params, "depth", None)
+    _check_depth(depth, k)
     try:
         # every record batch fully validated, before any value is read (a bad offset would be a crash)
         schema, batches = read_stream(ARROW_NAME, body)
@@ -442,8 +552,10 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
         dtype = shard.info.dtype
     check_values(ARROW_NAME, _as_float32(embeddings, dtype), scales, offsets, ids, 0, what="query")
     _check_dim(embeddings.shape[1], corpus_dim)
+    include, exclude = (_arrow_filter(schema, batches, name) for name in ("include", "exclude"))
     if kind == "search":
-        return Checked(ids, embeddings, offsets, dtype, scales, k, explain=explain)
+        checked_search = Checked(ids, embeddings, offsets, dtype, scales, k, explain=explain, depth=depth)
+        return _filtered(checked_search, include, exclude)
     if "candidates" not in schema.names:
         raise RequestError(
             422, "the Arrow stream has no 'candidates' column (list<utf8>: each query's docnos) for /rerank"
@@ -463,7 +575,30 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
         qid = next(qid for qid, docnos in candidates.items() if None in docnos)
         raise RequestError(422, f"{CANDIDATES}: query {qid!r} has a null docno")
     checked = _check_candidates(candidates, ids)
-    return Checked(ids, embeddings, offsets, dtype, scales, k, checked, strict, explain=explain)
+    checked_rerank = Checked(ids, embeddings, offsets, dtype, scales, k, checked, strict, explain=explain)
+    return _filtered(checked_rerank, include, exclude)
+
+
+def _arrow_filter(schema: Any, batches: Sequence[Any], name: str) -> list[str] | None:
+    """A filter's ids from the Arrow stream's ``name`` column (``list<utf8>``): the ids of every row
+    together (one filter a request); None without the column."""
+    import pyarrow as pa
+
+    if name not in schema.names:
+        return None
+    if len(schema.get_all_field_indices(name)) > 1:
+        raise RequestError(422, f"the Arrow stream has more than one {name!r} column; send one")
+    field_type = schema.field(name).type
+    if not (pa.types.is_list(field_type) or pa.types.is_large_list(field_type)) or not (
+        pa.types.is_string(field_type.value_type) or pa.types.is_large_string(field_type.value_type)
+    ):
+        raise RequestError(422, f"the {name!r} column is {field_type}; use list<utf8>")
+    if not batches:
+        return []
+    values = pa.concat_arrays([b.column(name) for b in batches]).flatten()
+    if values.null_count:
+        raise RequestError(422, f"{name}: a null id; give docnos")
+    return values.to_pylist()
 
 
 # The largest k of a query string: int64's (no corpus holds more documents; a k past the corpus's size
@@ -536,9 +671,11 @@ QueryAnswer = tuple[str, Hits, "list[str] | None"]
 _HIT_OPEN, _HIT_SEP, _HIT_NEXT = b'[{"docno":"', b'","score":', b'},{"docno":"'
 
 
-def answer_json(results: Sequence[QueryAnswer]) -> bytes:
+def answer_json(results: Sequence[QueryAnswer], scores: str | None = None) -> bytes:
     """``{"results": [{"qid": ..., "hits": [{"docno": ..., "score": ...}, ...]}, ...]}`` (and each
-    rerank result's ``"missing"`` docnos; each hit's ``"explanation"`` when the request asked for it).
+    rerank result's ``"missing"`` docnos; each hit's ``"explanation"`` when the request asked for it;
+    ``"scores": "exact"`` or ``"approximate"`` after the results when ``scores`` is given: a server of a
+    compressed tier says which scores it answers with).
     Scores are the float32 values as Python floats, written with the shortest digits that read back as
     the same double, so as float32 too. A score that is not finite
     (which checked inputs do not give) is an error, as JSON has no such number."""
@@ -550,7 +687,7 @@ def answer_json(results: Sequence[QueryAnswer]) -> bytes:
         if missing is not None:
             parts += [b',"missing":', to_json(list(missing))]
         parts.append(b"}")
-    parts.append(b"]}")
+    parts.append(b"]}" if scores is None else b'],"scores":' + to_json(scores) + b"}")
     return b"".join(parts)
 
 

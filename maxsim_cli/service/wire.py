@@ -6,13 +6,14 @@ the payload's lengths, little-endian uint32), a JSON header, then raw array byte
 and arrays are read only as the few dtypes below, with their sizes checked against the header.
 
 - ``{"op": "hello", "worker": i}`` (worker, once): answered ``{"op": "config", ...}`` (the HTTP side's
-  settings: the corpus's dim, the token, the body limit, the number of workers, the connection limits).
+  settings: the corpus's dim, the token, the body limit, the number of workers, the connection limits,
+  the label of the answers' scores).
 - ``{"op": "search" | "rerank", "id", "ids", "lengths", "dtype", "dim", "scaled", "k", "candidates",
-  "strict", "name", "explain"}`` + the packed token vectors (then the float32 scales of an int8 request):
-  a checked request (`schema.Checked`). Answered ``{"id", "status": 200, "results": [[qid, [docno, ...],
-  missing], ...], "queue_s", "score_s", "batch"}`` + every hit's float32 score in order (a request that
-  asked for explanations: ``[qid, [docno, ...], missing, [explanation, ...]]``), or ``{"id", "status",
-  "detail"}`` (the HTTP status and one-line message of the error).
+  "strict", "name", "explain", "depth"}`` + the packed token vectors (then the float32 scales of an int8
+  request): a checked request (`schema.Checked`). Answered ``{"id", "status": 200, "results": [[qid,
+  [docno, ...], missing], ...], "queue_s", "score_s", "batch"}`` + every hit's float32 score in order (a
+  request that asked for explanations: ``[qid, [docno, ...], missing, [explanation, ...]]``), or ``{"id",
+  "status", "detail"}`` (the HTTP status and one-line message of the error).
 - ``{"op": "health", "id"}``: answered ``{"id", "status": 200, "health": {...}}``.
 - ``{"op": "soon"}`` (`SOON`): a request has reached the worker and will follow once read; not answered
   (the scoring process keeps its event loop awake for it: `maxsim_cli.service.awake`).
@@ -111,6 +112,9 @@ def request_frame(request_id: int, kind: str, checked: Checked) -> bytes:
         "strict": checked.strict,
         "name": checked.name,
         "explain": checked.explain,
+        "include": checked.include,
+        "exclude": checked.exclude,
+        "depth": checked.depth,
     }
     parts = [memoryview(np.ascontiguousarray(checked.embeddings)).cast("B")]
     if checked.scales is not None:
@@ -129,6 +133,9 @@ def checked_from_frame(header: dict[str, Any], payload: bytes) -> Checked:
         k = header["k"]
         candidates = header["candidates"]
         name = str(header["name"])
+        depth = header.get("depth")
+        if depth is not None and (type(depth) is not int or depth < 1):
+            raise ValueError("depth")
     except (KeyError, TypeError, ValueError) as exc:
         raise FrameError(f"a request frame without a valid {exc}") from None
     if len(lengths) != len(ids) or (lengths < 0).any() or dim < 1:
@@ -152,6 +159,9 @@ def checked_from_frame(header: dict[str, Any], payload: bytes) -> Checked:
         bool(header.get("strict")),
         name,
         bool(header.get("explain")),
+        header.get("include"),
+        header.get("exclude"),
+        depth,
     )
 
 

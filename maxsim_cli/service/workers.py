@@ -110,6 +110,7 @@ class Hub:
         direct_app: Callable[[Batcher, Callable[[], None]], Any] | None = None,
         limits: ConnectionLimits | None = None,
         metrics: Metrics | None = None,
+        exact: Corpus | None = None,
     ) -> None:
         """``health``: ``GET /health``'s answer; ``error_status``: a failed request's HTTP status and
         message; ``graceful_shutdown_s``: how long a stopping worker may finish its requests (the
@@ -119,7 +120,8 @@ class Hub:
         workers and serves itself (`maxsim_cli.service.takeover`; 0: none), with the app that
         ``direct_app(batcher, on_answer)`` makes (`app.scoring_app`); ``limits``: the time limits and the
         connection cap of every HTTP connection (`maxsim_cli.service.limits`); ``metrics``: this
-        process's, in the folder the workers write theirs to (`maxsim_cli.service.metrics.shared_metrics`)."""
+        process's, in the folder the workers write theirs to (`maxsim_cli.service.metrics.shared_metrics`);
+        ``exact``: the exact tier of a compressed ``corpus`` (`Scorer`)."""
         self.corpus = corpus
         self.health = health
         self.error_status = error_status
@@ -139,9 +141,9 @@ class Hub:
             "body_timeout_s": self.limits.body_timeout_s,
             "max_connections": self.limits.max_connections,
         }
-        self.batcher = Batcher(
-            Scorer(corpus, device=device), window_s=batch_window_ms / 1000, max_queries=max_batch_queries
-        )
+        scorer = Scorer(corpus, device=device, exact=exact)
+        self.config["scores"] = scorer.scores  # what the workers' answers say of their scores
+        self.batcher = Batcher(scorer, window_s=batch_window_ms / 1000, max_queries=max_batch_queries)
         self.metrics = metrics
         if metrics is not None:
             metrics.watch(corpus, self.batcher)

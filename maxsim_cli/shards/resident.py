@@ -70,6 +70,8 @@ class Residency:
     # the reused launcher of small reranks on a float corpus on CUDA (`direct.candidate_scores`), made at
     # the first one
     candidates: Any = None
+    # residual2 codes: the kernels' codebook on the device, made at the first call scored directly
+    codebook: Any = None
 
 
 def assign_shards(tokens: Sequence[int], world: int) -> list[list[int]]:

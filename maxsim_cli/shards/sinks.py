@@ -55,7 +55,7 @@ class SafetensorsSink:
                 num_tokens * self.dim * item,
             )
         ]
-        if has_scales(self.meta_keys["quantization"]):
+        if has_scales(self.meta_keys.get("quantization", "none")):
             layout.append(("scales", "F32", [num_tokens], 4 * num_tokens))
         layout += [
             ("offsets", "I64", [num_docs + 1], 8 * (num_docs + 1)),

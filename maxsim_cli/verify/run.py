@@ -22,9 +22,11 @@ import numpy as np
 import torch
 
 from maxsim_cli.agreement import score_errors
+from maxsim_cli.codecs import CODE_QUANTIZATIONS
 from maxsim_cli.devices import check_backend_option, resolve_device
 from maxsim_cli.errors import InputError, MaxsimError, UsageError
 from maxsim_cli.queries import read_queries
+from maxsim_cli.scoring.resources import corpus_name
 from maxsim_cli.shards import Corpus, DocBatch, check_kernel_dim, open_corpus
 from maxsim_cli.verify.batches import BatchContext, score_all_pairs, score_candidates
 from maxsim_cli.verify.checks import (
@@ -113,6 +115,11 @@ def verify(
     docs_corpus = open_corpus(list(corpus))
     ref_corpus = open_corpus(list(reference_corpus)) if reference_corpus else None
     try:
+        if docs_corpus.quantization in CODE_QUANTIZATIONS:  # no per-token argmax: recall and error instead
+            raise UsageError(
+                f"{corpus_name(list(corpus))}: holds {docs_corpus.quantization} codes; verify checks a "
+                "compressed tier against the float corpus it was quantized from: add --exact-from CORPUS"
+            )
         _check_inputs(queries, qbatch, docs_corpus, ref_corpus)
         return _verify(
             queries, qbatch, docs_corpus, ref_corpus, sample_docs, seed, candidates, dev, chosen_backend,

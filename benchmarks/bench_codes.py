@@ -1,0 +1,152 @@
+"""The scan kernels of codes below 8 bits (`maxsim_kernels.maxsim_codes`: int4, residual2) beside our fp16
+and int8 kernels on the same documents, alternating rounds in one process.
+
+    python benchmarks/bench_codes.py --out benchmarks/results/codes/codes-h100.json
+
+Documents: random unit vectors (d = 128), 20-300 tokens each (uniform), fp16; int8 per token
+(`quantize_per_token`), int4 (`encode_int4`), residual2 with a codebook trained by fastkmeans on a
+sample of 262,144 tokens (`maxsim_cli.codecs.train_codebook`, 4,096 centroids). Workloads:
+
+  one_query  1 query of 32 tokens x 100K documents (~16M tokens): HBM-bound, reported as TB/s of the
+             bytes each format reads a token (fp16 256, int8 132, int4 68, residual2 36 at d = 128)
+  all_pairs  512 queries of 32 tokens x 50K documents: reported as pairs/s and against int8
+
+Each time is `triton.testing.do_bench`'s median (L2 flushed between calls) over ``--rep-ms``, in
+``--rounds`` rounds that alternate the formats' order. Before timing, each codec's Triton scores are
+compared with the torch path on the same codes (1,000 documents): the largest difference is recorded.
+Also the quantize speed: encode of the whole corpus on the GPU, and the k-means training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from common import SMOKE, device, make_log, median_ms, meta, smoke_size, sync, write_json
+
+log = make_log("codes", clock=True)
+BYTES = {"fp16": 256, "int8": 132, "int4": 68, "residual2": 36}  # a token at d = 128, what the scan reads
+
+
+def ragged(n: int, lo: int, hi: int, dim: int, gen: torch.Generator, dev: torch.device):
+    lengths = torch.randint(lo, hi + 1, (n,), generator=gen)
+    offsets = torch.zeros(n + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    x = torch.randn(int(offsets[-1]), dim, generator=gen).to(dev, torch.float16)
+    return torch.nn.functional.normalize(x.float(), dim=1).half(), offsets.to(dev)
+
+
+def main() -> None:
+    from maxsim_kernels import maxsim_codes, maxsim_varlen
+    from maxsim_kernels.maxsim_int8 import quantize_per_token
+
+    from maxsim_cli.codecs import encode, train_codebook
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out")
+    parser.add_argument("--rep-ms", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--one-query-docs", type=int, default=100_000)
+    parser.add_argument("--all-pairs-docs", type=int, default=50_000)
+    parser.add_argument("--centroids", type=int, default=4096)
+    parser.add_argument("--smoke", action="store_true", help="a check of the script: tiny sizes, one call")
+    args = parser.parse_args()
+    SMOKE["on"] = args.smoke
+    args.one_query_docs = smoke_size(args.one_query_docs)
+    args.all_pairs_docs = smoke_size(args.all_pairs_docs)
+    args.centroids = smoke_size(args.centroids, 16)
+    dev = device()
+    gen = torch.Generator().manual_seed(0)
+    record: dict = {"meta": meta(dtype="float16", dim=128), "workloads": {}, "check": {}, "quantize": {}}
+
+    docs, offsets = ragged(args.one_query_docs, 20, 300, 128, gen, dev)
+    tokens = docs.shape[0]
+    log(f"{args.one_query_docs} documents, {tokens} tokens")
+    sync()
+    t0 = time.perf_counter()
+    sample = docs[torch.randperm(tokens, generator=gen)[: smoke_size(1 << 18, 256)].to(dev)]
+    book = train_codebook(sample, args.centroids, device=dev)
+    sync()
+    record["quantize"]["kmeans_s"] = time.perf_counter() - t0
+    stored: dict[str, dict] = {"fp16": {"docs": docs, "kw": {}}}
+    for name, make in (
+        ("int8", lambda: quantize_per_token(docs)),
+        ("int4", lambda: encode("int4-per-token", docs, None)),
+        ("residual2", lambda: encode("residual2-kmeans", docs, book)),
+    ):
+        sync()
+        t0 = time.perf_counter()
+        codes, scales = make()
+        sync()
+        record["quantize"][f"{name}_encode_s"] = time.perf_counter() - t0
+        kw = {"doc_scales": scales} if scales is not None else {"codebook": book.for_kernels(dev)}
+        stored[name] = {"docs": codes, "kw": kw}
+    log(f"quantize: {record['quantize']}")
+
+    q = torch.nn.functional.normalize(torch.randn(32, 128, generator=gen), dim=1).to(dev, torch.float16)
+    q_off = torch.tensor([0, 32], device=dev)
+    # correctness: each codec's Triton scores against the torch path on the first 1,000 documents
+    head = offsets[: min(1000, len(offsets) - 1) + 1]
+    for name in ("int4", "residual2"):
+        part = stored[name]["docs"][: int(head[-1])]
+        kw = dict(stored[name]["kw"])
+        if "doc_scales" in kw:
+            kw["doc_scales"] = kw["doc_scales"][: int(head[-1])]
+        fast = maxsim_varlen(q, q_off, part, head, **kw)
+        slow = maxsim_codes.maxsim_varlen_codes(q, q_off, part, head, backend="torch", **kw)
+        record["check"][name] = float((fast.float() - slow.float()).abs().max())
+    log(f"check (max |triton - torch|): {record['check']}")
+
+    def one_query(name: str):
+        s = stored[name]
+        return lambda: maxsim_varlen(q, q_off, s["docs"], offsets, **s["kw"])
+
+    times: dict[str, list[float]] = {n: [] for n in stored}
+    for r in range(args.rounds):
+        order = list(stored) if r % 2 == 0 else list(stored)[::-1]
+        for name in order:
+            times[name].append(median_ms(one_query(name), args.rep_ms))
+    row = {}
+    for name, ts in times.items():
+        ms = statistics.median(ts)
+        row[name] = {"ms": ms, "rounds_ms": ts, "bytes_per_token": BYTES[name],
+                     "tb_per_s": tokens * BYTES[name] / ms / 1e9}  # fmt: skip
+    for name in row:
+        row[name]["speedup_over_fp16"] = row["fp16"]["ms"] / row[name]["ms"]
+    record["workloads"]["one_query"] = {"documents": args.one_query_docs, "tokens": tokens, "formats": row}
+    log(f"one_query: { {n: (round(v['ms'], 4), round(v['speedup_over_fp16'], 2)) for n, v in row.items()} }")
+    write_json(args.out, record)
+
+    # all pairs: 512 queries x the first all-pairs-docs documents
+    n = args.all_pairs_docs
+    end = int(offsets[n])
+    qs = torch.randn(512 * 32, 128, generator=gen)
+    qs = torch.nn.functional.normalize(qs, dim=1).to(dev, torch.float16)
+    qs_off = torch.arange(0, 512 * 32 + 1, 32, device=dev)
+    sub_off = offsets[: n + 1]
+
+    def all_pairs(name: str):
+        s = stored[name]
+        kw = dict(s["kw"])
+        if "doc_scales" in kw:
+            kw["doc_scales"] = kw["doc_scales"][:end]
+        return lambda: maxsim_varlen(qs, qs_off, s["docs"][:end], sub_off, **kw)
+
+    times = {n_: [] for n_ in stored}
+    for r in range(args.rounds):
+        order = list(stored) if r % 2 == 0 else list(stored)[::-1]
+        for name in order:
+            times[name].append(median_ms(all_pairs(name), args.rep_ms))
+    row = {name: {"ms": statistics.median(ts), "rounds_ms": ts} for name, ts in times.items()}
+    for name in row:
+        row[name]["pairs_per_s"] = 512 * n / (row[name]["ms"] / 1e3)
+        row[name]["over_int8_rate"] = row["int8"]["ms"] / row[name]["ms"]
+    record["workloads"]["all_pairs"] = {"queries": 512, "documents": n, "formats": row}
+    log(f"all_pairs: { {k: (round(v['ms'], 3), round(v['over_int8_rate'], 2)) for k, v in row.items()} }")
+    write_json(args.out, record)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""Filters at search time (`maxsim_cli.scoring.filters`): a filtered run is the unfiltered run over the
+filtered corpus, byte for byte, on the streamed engine and the direct path, masked in the scan or with
+few allowed documents scored as candidates; every bad filter is a one-line error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_score import TORCH_DTYPES, invoke, make_corpus, make_queries
+
+import maxsim_cli
+from maxsim_cli import open_corpus, rerank, search
+from maxsim_cli.errors import InputError
+from maxsim_cli.scoring import direct, filters
+from maxsim_cli.shards import write_shard
+
+K = 7
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A corpus of three shards (dyadic values: many exact ties), its documents, and queries."""
+    root = tmp_path_factory.mktemp("filters")
+    paths, docs = make_corpus(root / "corpus", seed=11)
+    make_queries(root / "q.safetensors", n=5, seed=12)
+    return {"root": root, "paths": paths, "docs": docs, "queries": str(root / "q.safetensors")}
+
+
+def _subcorpus(data, allowed: list[str], name: str) -> list[str]:
+    """The allowed documents written by the shard writer as a corpus of their own (two shards)."""
+    folder = data["root"] / name
+    folder.mkdir(exist_ok=True)
+    paths = []
+    halves = [allowed[: len(allowed) // 2], allowed[len(allowed) // 2 :]]
+    for i, ids in enumerate(h for h in halves if h):
+        path = str(folder / f"part{i}.safetensors")
+        write_shard(path, ids, [data["docs"][d].to(TORCH_DTYPES["float16"]) for d in ids], dtype="float16")
+        paths.append(path)
+    return paths
+
+
+def _ids_file(data, name: str, ids: list[str], extra: str = "") -> str:
+    path = data["root"] / name
+    path.write_text("\n".join(ids) + "\n" + extra)
+    return str(path)
+
+
+def _score_bytes(tmp_path, *args: str) -> bytes:
+    out = tmp_path / f"run{len(list(tmp_path.iterdir()))}.trec"
+    result = invoke(*args, "-k", str(K), "-o", str(out), "--quiet")
+    assert result.exit_code == 0, result.output
+    return out.read_bytes()
+
+
+def _sets(data):
+    ids = sorted(data["docs"])
+    rng = np.random.default_rng(5)
+    include = sorted(rng.choice(ids, size=30, replace=False).tolist())
+    exclude = sorted(rng.choice(ids, size=20, replace=False).tolist())
+    return ids, include, exclude
+
+
+@pytest.mark.parametrize("which", ["include", "exclude", "both", "few"])
+def test_cli_filtered_run_is_the_run_over_the_filtered_corpus(data, tmp_path, which) -> None:
+    ids, include, exclude = _sets(data)
+    if which == "few":  # under SUBSET_SHARE of the corpus: scored as candidates
+        include = include[:2]
+    args: list[str] = []
+    allowed = set(ids)
+    if which in ("include", "both", "few"):
+        args += ["--include-ids", _ids_file(data, f"inc-{which}", include, extra="\n\n")]
+        allowed &= set(include)
+    if which in ("exclude", "both"):
+        args += ["--exclude-ids", _ids_file(data, f"exc-{which}", exclude)]
+        allowed -= set(exclude)
+    sub = _subcorpus(data, sorted(allowed), f"sub-{which}")
+    filtered = _score_bytes(tmp_path, data["queries"], *data["paths"], *args)
+    expected = _score_bytes(tmp_path, data["queries"], *sub)
+    assert filtered == expected
+    assert filtered  # something was written
+
+
+def test_rerank_drops_candidates_outside_the_filter(data, tmp_path) -> None:
+    ids, include, _ = _sets(data)
+    rng = np.random.default_rng(9)
+    cands = tmp_path / "cands.trec"
+    lines = []
+    for q in range(5):
+        for rank, d in enumerate(rng.choice(ids, size=15, replace=False).tolist()):
+            lines.append(f"q{q} Q0 {d} {rank + 1} {-rank} first")
+    cands.write_text("\n".join(lines) + "\n")
+    stats = tmp_path / "stats.json"
+    out = tmp_path / "run.trec"
+    inc = _ids_file(data, "inc-rerank", include)
+    result = invoke(
+        data["queries"],
+        *data["paths"],
+        "--candidates",
+        str(cands),
+        "--include-ids",
+        inc,
+        "-o",
+        str(out),
+        "--stats-json",
+        str(stats),
+    )
+    assert result.exit_code == 0, result.output
+    kept = [ln.split() for ln in lines if ln.split()[2] in set(include)]
+    dropped = len(lines) - len(kept)
+    import json
+
+    assert json.loads(stats.read_text())["filtered_candidates"] == dropped
+    assert "outside the filter" in result.output
+    sub = _subcorpus(data, sorted(include), "sub-rerank")
+    out2 = tmp_path / "run2.trec"
+    assert (
+        invoke(data["queries"], *sub, "--candidates", str(cands), "-o", str(out2), "--quiet").exit_code == 0
+    )
+    assert out.read_bytes() == out2.read_bytes()
+
+
+def _api_sets(data, corpus):
+    ids, include, exclude = _sets(data)
+    mask = np.zeros(len(corpus), dtype=bool)
+    order = {d: i for i, d in enumerate(corpus.ids)}
+    mask[[order[d] for d in include]] = True
+    return include, exclude, mask
+
+
+@pytest.mark.parametrize("path", ["engine", "direct"])
+def test_api_filters_on_both_paths(data, monkeypatch, path) -> None:
+    with open_corpus(data["paths"]) as corpus:
+        if path == "direct":
+            corpus.to("cpu")
+        else:
+            monkeypatch.setattr(direct, "eligible", lambda *args: None)
+        include, exclude, mask = _api_sets(data, corpus)
+        allowed = sorted(set(include) - set(exclude))
+        sub = _subcorpus(data, allowed, f"api-{path}")
+        expected = search(data["queries"], sub, k=K, device="cpu").to_dict()
+        for inc in (include, set(include), np.array(include), mask, torch.from_numpy(mask)):
+            run = search(data["queries"], corpus, k=K, device="cpu", include=inc, exclude=exclude)
+            assert run.to_dict() == expected
+            assert run.stats.extra.get("direct") is (True if path == "direct" else None)
+            assert run.stats.extra["filter"] == {"allowed": len(allowed), "path": "scan"}
+        first = corpus.ids[: corpus.shards[0].num_docs]  # one shard's documents: the others not scanned
+        run = search(data["queries"], corpus, k=K, device="cpu", include=first[:-1])
+        want = search(data["queries"], _subcorpus(data, sorted(first[:-1]), f"first-{path}"), k=K)
+        assert run.to_dict() == want.to_dict()
+        few = include[:2]  # the subset path
+        run = search(data["queries"], corpus, k=K, device="cpu", include=few)
+        assert run.stats.extra["filter"]["path"] == "subset"
+        assert run.to_dict() == search(data["queries"], _subcorpus(data, few, f"few-{path}"), k=K).to_dict()
+        only_excluded = [d for d in exclude if d not in include]
+        cands = {"q0": include[:4] + only_excluded[:3], "q1": only_excluded[3:5]}
+        got = rerank(data["queries"], corpus, cands, include=include, exclude=exclude)
+        want = rerank(data["queries"], sub, {q: [d for d in ds if d in allowed] for q, ds in cands.items()})
+        assert got.to_dict() == want.to_dict()
+        kept = sum(1 for ds in cands.values() for d in ds if d in allowed)
+        assert got.stats.extra["filtered_candidates"] == sum(map(len, cands.values())) - kept
+        assert got.stats.extra["filter"]["path"] == "candidates"
+
+
+def test_empty_include_is_an_empty_run_with_a_warning(data, tmp_path) -> None:
+    with open_corpus(data["paths"]) as corpus:
+        with pytest.warns(maxsim_cli.MaxsimWarning, match="allows no document"):
+            run = search(data["queries"], corpus, k=K, device="cpu", include=[])
+        assert len(run) == 0
+        with pytest.raises(InputError, match="allows no document"):
+            search(data["queries"], corpus, k=K, device="cpu", include=[], strict=True)
+    empty = _ids_file(data, "empty", [])
+    out = tmp_path / "run.trec"
+    result = invoke(data["queries"], *data["paths"], "--include-ids", empty, "-o", str(out), "--quiet")
+    assert result.exit_code == 0 and "allows no document" in result.output
+    assert out.read_bytes() == b""
+
+
+def test_unknown_ids_warn_with_a_count_and_strict_refuses(data, tmp_path) -> None:
+    ids, include, _ = _sets(data)
+    inc = _ids_file(data, "unknown", [*include, "nope1", "nope2"])
+    out = tmp_path / "run.trec"
+    result = invoke(data["queries"], *data["paths"], "--include-ids", inc, "-o", str(out), "--quiet")
+    assert result.exit_code == 0
+    assert "2 ids are not in the corpus, e.g. 'nope1', 'nope2'" in result.output
+    out2 = tmp_path / "run2.trec"
+    result = invoke(data["queries"], *data["paths"], "--include-ids", inc, "--strict", "-o", str(out2))
+    assert result.exit_code == 1 and not out2.exists()
+    assert len(result.output.strip().splitlines()) == 1 and "--strict" in result.output
+
+
+def test_ids_from_stdin(data, tmp_path) -> None:
+    _, include, _ = _sets(data)
+    from_file = _score_bytes(
+        tmp_path, data["queries"], *data["paths"], "--include-ids", _ids_file(data, "stdin-cmp", include)
+    )
+    out = tmp_path / "stdin.trec"
+    result = invoke(
+        data["queries"],
+        *data["paths"],
+        "--include-ids",
+        "-",
+        "-k",
+        str(K),
+        "-o",
+        str(out),
+        "--quiet",
+        input="\n".join(include) + "\n",
+    )
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes() == from_file
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "words"),
+    [
+        (["--include-ids", "{ws}"], 1, "line 2"),
+        (["--include-ids", "{missing}"], 1, "no such file"),
+        (["--include-ids", "-", "--exclude-ids", "-"], 2, "stdin"),
+        (["--include-ids", "{ok}", "--devices", "cpu:2"], 2, "one device"),
+        (["--include-ids", "{ok}", "--exact-from", "{ok}"], 2, "--exact-from"),
+    ],
+)
+def test_bad_filter_inputs_are_one_line_errors(data, tmp_path, args, code, words) -> None:
+    files = {
+        "ws": _ids_file(data, "ws", ["doc001", "doc 002"]),
+        "missing": str(tmp_path / "nothing.txt"),
+        "ok": _ids_file(data, "ok", ["doc001"]),
+    }
+    args = [a.format(**files) for a in args]
+    out = tmp_path / "run.trec"
+    result = invoke(data["queries"], *data["paths"], *args, "-o", str(out))
+    assert result.exit_code == code, result.output
+    assert len(result.output.strip().splitlines()) == 1 and words in result.output
+    assert not out.exists()
+
+
+def test_bad_masks_are_one_line_input_errors(data) -> None:
+    with open_corpus(data["paths"]) as corpus:
+        n = len(corpus)
+        for bad, words in [
+            (np.zeros(n - 1, dtype=bool), "shape"),
+            (np.zeros(n, dtype=np.int64), "int64"),
+            (torch.zeros(n, dtype=torch.float32), "float32"),
+            (["doc 1"], "whitespace"),
+        ]:
+            with pytest.raises(InputError, match=words) as info:
+                search(data["queries"], corpus, k=K, device="cpu", include=bad)
+            assert "\n" not in str(info.value)
+
+
+def test_the_subset_share_picks_the_path() -> None:
+    mask = np.ones(100, dtype=bool)
+    mask[:4] = False
+    assert filters.use_subset(mask)
+    mask[:5] = False
+    assert not filters.use_subset(mask)
+
+
+def test_batches_without_an_allowed_document_are_not_read(data, tmp_path) -> None:
+    with open_corpus(data["paths"][:1]) as first:
+        only_first = first.ids
+    inc = _ids_file(data, "first-shard", only_first)
+    stats = {}
+    for name, extra in (("all", []), ("filtered", ["--include-ids", inc])):
+        path = tmp_path / f"{name}.json"
+        result = invoke(
+            data["queries"],
+            *data["paths"],
+            *extra,
+            "--batch-queries",
+            "2",
+            "-k",
+            str(K),
+            "-o",
+            str(tmp_path / f"{name}.trec"),
+            "--quiet",
+            "--stats-json",
+            str(path),
+        )
+        assert result.exit_code == 0, result.output
+        import json
+
+        stats[name] = json.loads(path.read_text())
+    assert stats["filtered"]["documents"] == len(only_first) < stats["all"]["documents"]
+    assert stats["filtered"]["bytes_read"] < stats["all"]["bytes_read"]
+    sub = _subcorpus(data, sorted(only_first), "sub-first")
+    assert (tmp_path / "filtered.trec").read_bytes() == _score_bytes(tmp_path, data["queries"], *sub)
