@@ -163,7 +163,9 @@ def test_health(client, corpus) -> None:
     health = response.json()
     assert health == {
         "status": "ok",
+        "generation": 0,
         "documents": 400,
+        "deleted": 0,
         "tokens": corpus.num_tokens,
         "dim": 384,
         "dtype": "float16",

@@ -136,10 +136,17 @@ def register(app: typer.Typer) -> None:
                 "from (read per request); reranks are exact too. Repeat for several files or folders.",
             ),
         ] = None,
+        watch: bool = typer.Option(
+            False,
+            "--watch",
+            help="Serve a new generation of the corpus (maxsim add, delete, compact) as soon as its "
+            "index.json changes (looked at every second), as POST /reload does.",
+        ),
     ) -> None:
         """Keep a corpus resident and answer exact search and rerank requests over HTTP (JSON or Arrow).
 
-        GET /health, POST /search, POST /rerank, GET /metrics, GET /openapi.json: see docs/serve.md.
+        GET /health, POST /search, POST /rerank, POST /reload, GET /metrics, GET /openapi.json: see
+        docs/serve.md.
 
         Example: maxsim serve corpus/ --device cuda --port 8000 --workers 4
         """
@@ -186,4 +193,5 @@ def register(app: typer.Typer) -> None:
             max_connections=max_connections,
             metrics=metrics,
             exact_from=exact_from,
+            watch=watch,
         )

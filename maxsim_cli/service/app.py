@@ -88,6 +88,9 @@ def create_app(
     busy_poll_ms: float = 0.0,
     metrics: bool = True,
     exact: Corpus | None = None,
+    watch: bool = False,
+    owned: bool = False,
+    exact_owned: bool | None = None,
 ) -> FastAPI:
     """The application over an open ``corpus`` (resident or not; scoring on ``device``, ``auto``: the
     corpus's); ``exact``: the exact tier of a compressed ``corpus``, checked by the caller to hold the
@@ -95,8 +98,12 @@ def create_app(
     lifespan (``with TestClient(app)`` in tests). ``app.state.batcher.counters`` counts the batches.
     ``busy_poll_ms``: how long the event loop keeps turning after an answer, for the next request
     (`Awake`; 0: never). ``metrics``: answer ``GET /metrics`` (`maxsim_cli.service.metrics`; needs
-    prometheus-client)."""
+    prometheus-client). ``POST /reload`` serves the corpus's latest generation
+    (`maxsim_cli.service.reload`); ``watch``: also when a corpus folder's index.json changes;
+    ``owned``: the corpus may be closed once a reload replaces it (``exact_owned``: the exact tier;
+    None: as ``owned``)."""
     from maxsim_cli.service.metrics import available
+    from maxsim_cli.service.reload import Reloader
 
     scorer = Scorer(corpus, device=device, exact=exact)
     batcher = Batcher(scorer, window_s=batch_window_ms / 1000, max_queries=max_batch_queries)
@@ -109,15 +116,19 @@ def create_app(
     index_ids(corpus)
     if exact is not None:
         index_ids(exact)
+    reloader = Reloader(batcher, owned=owned, exact_owned=owned if exact_owned is None else exact_owned)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> Any:
         await batcher.start()
+        if watch:
+            reloader.watch()
         try:
             yield
         finally:
             await awake.close()
             await batcher.close()  # every queued request is answered first
+            reloader.close()
 
     app = scoring_app(
         batcher,
@@ -129,9 +140,11 @@ def create_app(
         on_answer=awake.linger,
         metrics=measured,
         scores=scorer.scores,
+        reload=reloader.reload,
     )
     app.state.batcher = batcher
     app.state.corpus = corpus
+    app.state.reloader = reloader
     return app
 
 
@@ -146,6 +159,7 @@ def scoring_app(
     on_answer: Callable[[], None] | None = None,
     metrics: Metrics | None = None,
     scores: str | None = None,
+    reload: Callable[[], Awaitable[dict[str, Any]]] | None = None,
 ) -> FastAPI:
     """`http_app` in the process that scores: bodies read into `Parsed` requests, scored by ``batcher``
     (the one-process server's app, and the app of the connections a `--workers` server's scoring
@@ -170,6 +184,7 @@ def scoring_app(
         on_answer=on_answer,
         metrics=metrics,
         scores=scores,
+        reload=reload,
     )
 
 
@@ -198,13 +213,15 @@ def http_app(
     on_answer: Callable[[], None] | None = None,
     metrics: Metrics | None = None,
     scores: str | None = None,
+    reload: Callable[[], Awaitable[dict[str, Any]]] | None = None,
 ) -> FastAPI:
     """The HTTP side of the server: ``parse`` reads a body (`schema.parse_request` in one process,
     `schema.check_request` in a worker process), ``submit`` has it scored, ``health`` says how the
     server is; ``on_request`` is called as a scoring request arrives, ``on_answer`` once its answer is
     made (`maxsim_cli.service.awake`); ``metrics``: what ``GET /metrics`` answers (None: 404). Both
     sides answer with the same bytes and errors. ``scores``: what every answer says of its scores
-    (``"exact"`` or ``"approximate"``: a server of a compressed tier, `batching.scores_label`), or None."""
+    (``"exact"`` or ``"approximate"``: a server of a compressed tier, `batching.scores_label`), or None.
+    ``reload``: what ``POST /reload`` does (`maxsim_cli.service.reload.Reloader.reload`; None: 404)."""
     from maxsim_cli import __version__
     from maxsim_cli.service import metrics as metrics_module
     from maxsim_cli.service.openapi import openapi_schema
@@ -276,6 +293,16 @@ def http_app(
     app.add_route("/search", search, methods=["POST"])
     app.add_route("/rerank", rerank, methods=["POST"])
 
+    @app.post("/reload")
+    async def reload_route() -> Response:
+        """Serve the corpus's latest committed generation (docs/serve.md, "A corpus that changes")."""
+        if reload is None:
+            return JSONResponse({"detail": "/reload: this server cannot reload its corpus"}, status_code=404)
+        try:
+            return JSONResponse(await reload())
+        except Exception as exc:  # noqa: BLE001 - a refused reload is one line; the old generation serves
+            return error_response(exc)
+
     if token is not None:
         app.add_middleware(BearerToken, token=token)
     if metrics is not None:  # added last: outermost, so the token's refusals are counted too
@@ -286,9 +313,12 @@ def http_app(
 def health_of(corpus: Corpus, batcher: Batcher, *, workers: int) -> dict[str, Any]:
     """``GET /health``'s answer: the corpus, the batcher's counters, the HTTP worker processes (and for
     a compressed tier what its answers' scores are: ``scores``)."""
+    corpus = batcher.scorer.corpus  # the generation served now (a reload swaps it)
     health = {
         "status": "ok",
-        "documents": len(corpus),
+        "generation": corpus.generation,
+        "documents": corpus.num_live,
+        "deleted": corpus.num_deleted,
         "tokens": corpus.num_tokens,
         "dim": corpus.dim,
         "dtype": corpus.dtype,
@@ -535,6 +565,7 @@ def serve(
     metrics: bool = True,
     exact_from: Sequence[str] | Corpus | None = None,
     log: Callable[[str], None] = _stderr,
+    watch: bool = False,
 ) -> None:
     """Open the corpus, make it resident on ``device`` (or spread over ``devices``), and answer requests
     on ``host:port`` (0: a free port; the line ``serving ... on http://HOST:PORT`` on stderr says which)
@@ -550,7 +581,9 @@ def serve(
     ``metrics``: answer ``GET /metrics`` (needs prometheus-client; `maxsim_cli.service.metrics`).
     ``exact_from``: the exact tier of a compressed corpus (shard paths or an open `Corpus`, left where
     it is: a path is read from its shards per request), checked to hold the corpus's documents before
-    anything is made resident; searches are then two-stage and reranks exact (docs/serve.md)."""
+    anything is made resident; searches are then two-stage and reranks exact (docs/serve.md).
+    ``POST /reload`` serves the corpus's latest committed generation; ``watch``: also as soon as a
+    corpus folder's index.json changes (`maxsim_cli.service.reload`)."""
     import uvicorn
 
     from maxsim_cli.api import Corpus, open_corpus
@@ -615,6 +648,9 @@ def serve(
                         metrics=shared,
                         log=log,
                         exact=exact,
+                        watch=watch,
+                        owned=given is None,
+                        exact_owned=not isinstance(exact_from, Corpus),
                     )
                 return
             app = create_app(
@@ -626,6 +662,9 @@ def serve(
                 busy_poll_ms=busy_poll_ms,
                 metrics=metrics,
                 exact=exact,
+                watch=watch,
+                owned=given is None,
+                exact_owned=not isinstance(exact_from, Corpus),
             )
             bound = sock.getsockname()[1]
             config = uvicorn.Config(
@@ -695,6 +734,9 @@ def _serve_with_workers(
     metrics: Metrics | None,
     log: Callable[[str], None],
     exact: Corpus | None = None,
+    watch: bool = False,
+    owned: bool = False,
+    exact_owned: bool = False,
 ) -> None:
     """`serve`'s scoring process under ``--workers N`` (`maxsim_cli.service.workers`); ``metrics``: every
     process's, in one folder (`metrics.shared_metrics`)."""
@@ -716,7 +758,7 @@ def _serve_with_workers(
         batch_window_ms=batch_window_ms,
         max_batch_queries=max_batch_queries,
         access_log=access_log,
-        health=lambda batcher: health_of(corpus, batcher, workers=workers),
+        health=lambda batcher: health_of(batcher.scorer.corpus, batcher, workers=workers),
         error_status=error_status,
         graceful_shutdown_s=GRACEFUL_SHUTDOWN_S,
         busy_poll_s=busy_poll_ms / 1000,
@@ -724,16 +766,20 @@ def _serve_with_workers(
         limits=limits,
         direct_app=lambda batcher, on_answer: scoring_app(
             batcher,
-            lambda: health_of(corpus, batcher, workers=workers),
+            lambda: health_of(batcher.scorer.corpus, batcher, workers=workers),
             corpus_dim=corpus.dim,
             token=token,
             max_request_bytes=max_request_bytes,
             on_answer=on_answer,
             metrics=metrics,
             scores=batcher.scorer.scores,
+            reload=lambda: hub.reloader.reload(),
         ),
         metrics=metrics,
         exact=exact,
+        watch=watch,
+        owned=owned,
+        exact_owned=exact_owned,
     )
     bound = sock.getsockname()[1]
     sock.listen(2048)

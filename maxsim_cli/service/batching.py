@@ -34,11 +34,12 @@ A request's answer does not depend on what it was batched with:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import warnings
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -132,6 +133,29 @@ class Scorer:
         self.device = device
         self.counters = counters or Counters()
         self.exact = exact
+        # batches being scored by this scorer now, and what to call once a scorer replaced by a reload
+        # (`maxsim_cli.service.reload`) has scored its last one: both touched on the event loop only
+        self._active = 0
+        self._on_retired: Callable[[], None] | None = None
+
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[Scorer]:
+        """Marks a batch scored by this scorer, from its start to its end (on the event loop)."""
+        self._active += 1
+        try:
+            yield self
+        finally:
+            self._active -= 1
+            if self._active == 0 and self._on_retired is not None:
+                retired, self._on_retired = self._on_retired, None
+                retired()
+
+    def retire(self, release: Callable[[], None]) -> None:
+        """This scorer has been replaced: ``release`` its generation now, or once its last batch ends."""
+        if self._active == 0:
+            release()
+        else:
+            self._on_retired = release
 
     @property
     def scores(self) -> str | None:
@@ -550,7 +574,8 @@ class Batcher:
         job = Job(kind, request, None, time.perf_counter(), timing)
         if job.arrived - self._scored_at < QUICK_GAP_S or not self.scorer.quick([job]):
             return None
-        result = self.scorer.score([job])[0]
+        with self.scorer.in_use() as scorer:
+            result = scorer.score([job])[0]
         self._scored_at = time.perf_counter()
         if timing is not None:
             timing.score_s = time.perf_counter() - job.arrived
@@ -595,20 +620,22 @@ class Batcher:
             if not batch:
                 continue
             started = time.perf_counter()
-            try:
-                if not self._busy and not self._pending and self.scorer.quick(batch):
-                    # an idle server and a small request on a GPU: scored here, without the two thread
-                    # hand-overs (nothing else is waiting to be read while it runs)
-                    results: list[Any] = self.scorer.score(batch)
-                else:
-                    self.in_thread = True
-                    try:
-                        results = await loop.run_in_executor(self._executor, self.scorer.score, batch)
-                    finally:
-                        self.in_thread = False
-            except Exception as exc:  # noqa: BLE001 - a bug in the scorer: fail this batch, keep serving
-                logger.exception("scoring a batch failed")
-                results = [exc] * len(batch)
+            # the batch is scored on the generation served as it starts, whatever a reload swaps in
+            with self.scorer.in_use() as scorer:
+                try:
+                    if not self._busy and not self._pending and scorer.quick(batch):
+                        # an idle server and a small request on a GPU: scored here, without the two
+                        # thread hand-overs (nothing else is waiting to be read while it runs)
+                        results: list[Any] = scorer.score(batch)
+                    else:
+                        self.in_thread = True
+                        try:
+                            results = await loop.run_in_executor(self._executor, scorer.score, batch)
+                        finally:
+                            self.in_thread = False
+                except Exception as exc:  # noqa: BLE001 - a bug in the scorer: fail this batch, keep serving
+                    logger.exception("scoring a batch failed")
+                    results = [exc] * len(batch)
             self._scored_at = time.perf_counter()
             score_s = self._scored_at - started
             for job, result in zip(batch, results, strict=True):

@@ -120,6 +120,16 @@ class HubClient:
 
         await self._call(lambda request_id: pack({"op": "metrics", "id": request_id}))
 
+    async def reload(self) -> dict[str, Any]:
+        """Have the scoring process serve the corpus's latest generation (`maxsim_cli.service.reload`)."""
+        from maxsim_cli.service.schema import RequestError
+        from maxsim_cli.service.wire import pack
+
+        header, _ = await self._call(lambda request_id: pack({"op": "reload", "id": request_id}))
+        if header.get("status") != 200:
+            raise RequestError(int(header["status"]), str(header["detail"]))
+        return header["reload"]
+
     async def health(self) -> dict[str, Any]:
         from maxsim_cli.service.wire import pack
 
@@ -168,6 +178,7 @@ def run(listen_fd: int, hub_path: str, index: int) -> None:
         on_answer=client.awake.linger,
         metrics=metrics,
         scores=config.get("scores"),
+        reload=client.reload,
     )
     log_config = uvicorn_log_config()
     log_config["loggers"]["uvicorn.error"]["level"] = "WARNING"  # no start-up lines from every worker

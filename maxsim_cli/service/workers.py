@@ -42,6 +42,7 @@ from maxsim_cli.lifeline import ENV_LAUNCHER_PID
 from maxsim_cli.service.awake import Awake
 from maxsim_cli.service.batching import Batcher, QueryAnswer, Scorer, Timing
 from maxsim_cli.service.limits import ConnectionLimits
+from maxsim_cli.service.reload import Reloader
 from maxsim_cli.service.schema import Parsed, to_parsed
 from maxsim_cli.service.takeover import DirectConnections
 from maxsim_cli.service.wire import (
@@ -111,6 +112,9 @@ class Hub:
         limits: ConnectionLimits | None = None,
         metrics: Metrics | None = None,
         exact: Corpus | None = None,
+        watch: bool = False,
+        owned: bool = False,
+        exact_owned: bool = False,
     ) -> None:
         """``health``: ``GET /health``'s answer; ``error_status``: a failed request's HTTP status and
         message; ``graceful_shutdown_s``: how long a stopping worker may finish its requests (the
@@ -121,7 +125,9 @@ class Hub:
         ``direct_app(batcher, on_answer)`` makes (`app.scoring_app`); ``limits``: the time limits and the
         connection cap of every HTTP connection (`maxsim_cli.service.limits`); ``metrics``: this
         process's, in the folder the workers write theirs to (`maxsim_cli.service.metrics.shared_metrics`);
-        ``exact``: the exact tier of a compressed ``corpus`` (`Scorer`)."""
+        ``exact``: the exact tier of a compressed ``corpus`` (`Scorer`). A worker's ``POST /reload``
+        (and, with ``watch``, a change of the corpus's index.json) reloads the corpus here
+        (`maxsim_cli.service.reload`; ``owned``, ``exact_owned``: `Reloader`'s)."""
         self.corpus = corpus
         self.health = health
         self.error_status = error_status
@@ -144,6 +150,8 @@ class Hub:
         scorer = Scorer(corpus, device=device, exact=exact)
         self.config["scores"] = scorer.scores  # what the workers' answers say of their scores
         self.batcher = Batcher(scorer, window_s=batch_window_ms / 1000, max_queries=max_batch_queries)
+        self.reloader = Reloader(self.batcher, owned=owned, exact_owned=exact_owned)
+        self.watch = watch
         self.metrics = metrics
         if metrics is not None:
             metrics.watch(corpus, self.batcher)
@@ -167,6 +175,8 @@ class Hub:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await self.batcher.start()
+        if self.watch:
+            self.reloader.watch()
         self.folder = tempfile.mkdtemp(prefix="maxsim-serve-")  # mode 0700: only this user connects
         self.path = os.path.join(self.folder, "hub.sock")
         server = await asyncio.start_unix_server(self._connection, self.path)
@@ -192,6 +202,7 @@ class Hub:
             server.close()
             await self.awake.close()
             await self.batcher.close()
+            self.reloader.close()
             shutil.rmtree(self.folder, ignore_errors=True)
 
     def _direct(self) -> DirectConnections:
@@ -302,6 +313,10 @@ class Hub:
                     if self.metrics is not None:
                         self.metrics.refresh_here()
                     writer.write(pack({"id": header.get("id"), "status": 200}))
+                elif op == "reload":  # in a task: the reload loads on a thread while requests go on
+                    task = asyncio.get_running_loop().create_task(self._reload(header.get("id"), writer))
+                    worker.tasks.add(task)
+                    task.add_done_callback(worker.tasks.discard)
                 elif op in ("search", "rerank"):
                     self._request(worker, op, header, payload, writer)
                 else:
@@ -331,6 +346,14 @@ class Hub:
                 return
             frame = _answer_frame(request_id, answers, timing)
         except Exception as exc:  # noqa: BLE001 - every failure is one request's answer
+            frame = error_frame(request_id, *self.error_status(exc))
+        if not writer.is_closing():
+            writer.write(frame)
+
+    async def _reload(self, request_id: Any, writer: asyncio.StreamWriter) -> None:
+        try:
+            frame = pack({"id": request_id, "status": 200, "reload": await self.reloader.reload()})
+        except Exception as exc:  # noqa: BLE001 - a refused reload is one line; the old generation serves
             frame = error_frame(request_id, *self.error_status(exc))
         if not writer.is_closing():
             writer.write(frame)

@@ -231,15 +231,28 @@ class Corpus:
         the one open now: True when it changed (the corpus is then the new generation, released from
         any device: `to` again), False when it is the one open. A corpus made in memory or from shard
         files alone has nothing to refresh."""
-        from maxsim_cli.shards.generations import read_pointer
-
-        folders = [p for p in self._paths if os.path.isdir(p)]
-        if not folders or all((read_pointer(p) or 0) == self.generation for p in folders):
+        fresh = self.latest()
+        if fresh is None:
             return False
-        fresh = open_corpus(self._paths, verify_checksums=self._verify_checksums)
         self.close()
         self.__dict__.update(fresh.__dict__)
         return True
+
+    @property
+    def folders(self) -> list[str]:
+        """The corpus folders this corpus was opened from (what `latest` and `refresh` look at)."""
+        return [p for p in self._paths if os.path.isdir(p)]
+
+    def latest(self) -> Corpus | None:
+        """The latest committed generation of the folders this corpus was opened from, opened as a new
+        corpus (streamed from its files) beside this one, which is left as it is; None when the
+        generation open is the latest, or the corpus was made in memory or from shard files alone."""
+        from maxsim_cli.shards.generations import read_pointer
+
+        folders = self.folders
+        if not folders or all((read_pointer(p) or 0) == self.generation for p in folders):
+            return None
+        return open_corpus(self._paths, verify_checksums=self._verify_checksums)
 
     def _check_unique_ids(self) -> None:
         # Each shard's ids are unique already; across shards, equal neighbours in the sorted ids (no
