@@ -43,6 +43,8 @@ CODES_VERSION_KEY = "codes_version"
 # and the sha256 of its ids in order), which `maxsim score --exact-from` checks the exact tier against
 SOURCE_DOCS_KEY = "source_num_docs"
 SOURCE_IDS_KEY = "source_ids_sha256"
+# and the committed generation of the source corpus folder (docs/format.md, "Generations"; 0: none)
+SOURCE_GENERATION_KEY = "source_generation"
 BITS = {8: "int8-per-token", 4: "int4-per-token", 2: "residual2-kmeans"}
 MAX_CENTROIDS = 1 << 18  # the peers' largest (PLAID: 2^16-2^18)
 DEFAULT_SAMPLE_TOKENS = 1 << 18  # k-means sample: 128 MiB of fp32 at dim 128
@@ -94,7 +96,11 @@ def ids_sha256(shards: Any) -> str:
 
 def source_metadata(corpus: Any) -> dict[str, str]:
     """The metadata keys that name ``corpus`` (an open `Corpus`) as the source of a quantized one."""
-    return {SOURCE_DOCS_KEY: str(corpus.num_docs), SOURCE_IDS_KEY: ids_sha256(corpus.shards)}
+    return {
+        SOURCE_DOCS_KEY: str(corpus.num_docs),
+        SOURCE_IDS_KEY: ids_sha256(corpus.shards),
+        SOURCE_GENERATION_KEY: str(getattr(corpus, "generation", 0)),
+    }
 
 
 def check_same_documents(
@@ -111,6 +117,14 @@ def check_same_documents(
             f"`maxsim quantize` does); quantize {exact_name} again to use it with --exact-from"
         )
     num_docs, sha = sources.pop()
+    made_from = {s.info.source_generation for s in compressed.shards} - {None}
+    generation = getattr(exact, "generation", 0)
+    if made_from and made_from != {generation}:
+        raise InputError(
+            f"{compressed_name} was quantized from generation {max(made_from)} of {exact_name}, which is at "
+            f"generation {generation} now (maxsim add, delete or compact); quantize {exact_name} again "
+            f"(maxsim quantize {exact_name} -o {compressed_name} --overwrite)"
+        )
     if num_docs != exact.num_docs or sha != (exact_ids_sha256 or ids_sha256(exact.shards)):
         raise InputError(
             f"{compressed_name} was quantized from another corpus than {exact_name} ({num_docs:,} documents "

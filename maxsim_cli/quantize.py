@@ -380,6 +380,12 @@ def quantize_corpus(
                 f"{corpus.shards[0].path}: already {corpus.dtype} (quantization {corpus.quantization}); "
                 "quantize the float shards it came from"
             )
+        if corpus.num_deleted:  # its deleted rows would come back as documents of the compressed tier
+            raise InputError(
+                f"{corpus.name}: generation {corpus.generation} has {corpus.num_deleted:,} deleted "
+                f"documents; drop them first (maxsim compact {' '.join(corpus.folders) or 'CORPUS'} "
+                "--threshold 0), then quantize"
+            )
         check_kernel_dim(corpus)
         problem = codecs.dim_problem(quantization, corpus.dim)
         if problem is not None:

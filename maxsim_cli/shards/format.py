@@ -29,6 +29,7 @@ from maxsim_cli.codecs import (
     CODES_VERSION_KEY,
     NUM_CENTROIDS_KEY,
     SOURCE_DOCS_KEY,
+    SOURCE_GENERATION_KEY,
     SOURCE_IDS_KEY,
     code_width,
     has_scales,
@@ -207,6 +208,8 @@ class ShardInfo:
     num_centroids: int = 0
     # a quantized shard: the corpus it was made from, (documents, sha256 of the ids in order)
     source: tuple[int, str] | None = None
+    # ... and that corpus's committed generation (None: not recorded, a tier quantized before generations)
+    source_generation: int | None = None
 
     @property
     def width(self) -> int:
@@ -318,6 +321,12 @@ def _code_metadata(
     token takes in `embeddings`, and the `source` a quantized shard records, for every shard."""
     values: dict[str, Any] = {"width": code_width(quantization, dim), "codebook": None}
     values.update(codebook_sha256=None, num_centroids=0, source=_source(path, meta, where))
+    generation = meta.get(SOURCE_GENERATION_KEY)
+    if generation is not None and not (generation.isascii() and generation.isdigit()):
+        raise input_error(
+            path, f"{SOURCE_GENERATION_KEY} {generation!r} in {where} is not a whole number; quantize again"
+        )
+    values["source_generation"] = int(generation) if generation is not None else None
     if quantization not in CODE_QUANTIZATIONS:
         return values
     if meta.get(CODES_VERSION_KEY) != CODES_VERSION:

@@ -32,7 +32,7 @@ def shard_info(
     return ShardInfo(
         path, fmt, num_docs, num_tokens, dim, dtype, meta["quantization"], meta["normalized"],
         meta["encoder"], meta["patch_grid"], meta["patch_start"], meta["codebook"], meta["codebook_sha256"],
-        meta["num_centroids"], meta["source"],
+        meta["num_centroids"], meta["source"], meta.get("source_generation"),
     )  # fmt: skip
 
 

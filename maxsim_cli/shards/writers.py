@@ -29,6 +29,7 @@ from maxsim_cli.codecs import (
     CODEBOOK_SHA256_KEY,
     NUM_CENTROIDS_KEY,
     SOURCE_DOCS_KEY,
+    SOURCE_GENERATION_KEY,
     SOURCE_IDS_KEY,
     code_width,
     has_scales,
@@ -456,6 +457,7 @@ class ShardWriter:
             self.code_metadata.get(CODEBOOK_SHA256_KEY),
             int(self.code_metadata.get(NUM_CENTROIDS_KEY, 0)),
             self._source(),
+            _whole(self.code_metadata.get(SOURCE_GENERATION_KEY)),
         )
 
     def abort(self) -> None:
@@ -568,3 +570,7 @@ def write_manifest(directory: str | os.PathLike[str], shard_paths: Sequence[str]
     target = os.path.join(directory, MANIFEST_NAME)
     write_text_atomic(target, json.dumps(doc, indent=1) + "\n")
     return target
+
+
+def _whole(value: str | None) -> int | None:
+    return int(value) if value is not None else None
