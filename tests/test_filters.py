@@ -286,3 +286,44 @@ def test_batches_without_an_allowed_document_are_not_read(data, tmp_path) -> Non
     assert stats["filtered"]["bytes_read"] < stats["all"]["bytes_read"]
     sub = _subcorpus(data, sorted(only_first), "sub-first")
     assert (tmp_path / "filtered.trec").read_bytes() == _score_bytes(tmp_path, data["queries"], *sub)
+
+
+@pytest.mark.parametrize("path", ["engine", "direct"])
+def test_a_deleted_document_never_comes_back_through_a_filter(tmp_path, monkeypatch, path) -> None:
+    """Deletions and filters are one mask: an include naming a deleted document (by id, or by a mask
+    over the corpus's ordinals), on the scan and on the subset path, never returns it."""
+    from typer.testing import CliRunner
+
+    from maxsim_cli.cli import app
+    from maxsim_cli.shards import write_manifest
+
+    rng = np.random.default_rng(8)
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    ids = [f"d{i}" for i in range(40)]
+    write_shard(folder / "a.safetensors", ids, [rng.standard_normal((3, 16)).astype(np.float32) for _ in ids])
+    write_manifest(folder)
+    (tmp_path / "gone.txt").write_text("d3\nd4\n")
+    deleted = CliRunner().invoke(app, ["delete", str(folder), "--ids", str(tmp_path / "gone.txt")])
+    assert deleted.exit_code == 0
+    queries = maxsim_cli.Queries.from_embeddings(["q"], [rng.standard_normal((2, 16)).astype(np.float32)])
+    with open_corpus(folder) as corpus:
+        if path == "direct":
+            corpus.to("cpu")
+        else:
+            monkeypatch.setattr(direct, "eligible", lambda *args: None)
+        few = np.zeros(len(corpus), dtype=bool)
+        few[[2, 3, 4]] = True  # the subset path: d3 and d4 are deleted
+        many = np.ones(len(corpus), dtype=bool)  # the scan
+        for include in (few, many, ["d2", "d3", "d4"]):
+            with pytest.warns(maxsim_cli.MaxsimWarning) if isinstance(include, list) else _no_warning():
+                run = search(queries, corpus, k=40, device="cpu", include=include).to_dict()
+            assert run["q"] and not {"d3", "d4"} & {docno for docno, _ in run["q"]}
+        run = search(queries, corpus, k=40, device="cpu", include=few)
+        assert run.stats.extra["filter"] == {"allowed": 1, "path": "subset"}
+
+
+def _no_warning():
+    import contextlib
+
+    return contextlib.nullcontext()

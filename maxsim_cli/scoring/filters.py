@@ -99,6 +99,9 @@ def disallowed_mask(
         np.logical_not(allowed, out=disallowed)
     if exclude is not None:
         disallowed |= _members(corpus, exclude, EXCLUDE, strict, log)
+    deleted = corpus.deleted_mask() if hasattr(corpus, "deleted_mask") else None
+    if deleted is not None:  # one mask: a deleted document is never allowed, whatever the filter says
+        disallowed |= deleted
     if n and not (~disallowed).any():
         message = (
             f"the filter ({_given(include, exclude)}) allows no document of the corpus; the run is empty"
