@@ -60,6 +60,7 @@ import triton
 import triton.language as tl
 
 from .maxsim_int8 import (
+    candidate_query,
     device_offsets,
     quantize_per_token,
     segment_ids,
@@ -414,19 +415,6 @@ def _maxsim_codes_varlen_kernel(
             tl.store(out_rows + doc, _flag_bad_ids(scores), mask=q_ok)
 
 
-@triton.jit
-def _owner(cand_off_ptr, c, n_queries):
-    """The query whose candidate list holds flat candidate c: the largest q with cand_off[q] <= c."""
-    lo = c * 0
-    hi = lo + n_queries
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        below = tl.load(cand_off_ptr + mid) <= c
-        lo = tl.where(below, mid, lo)
-        hi = tl.where(below, hi, mid)
-    return lo
-
-
 @triton.jit(
     do_not_specialize=["n_queries", "n_cand", "n_docs", "n_centroids"],
     do_not_specialize_on_alignment=["q_off_ptr", "cand_off_ptr", "cand_docs_ptr", "d_off_ptr"],
@@ -465,7 +453,7 @@ def _maxsim_codes_candidates_kernel(
     c_last = tl.minimum(c_first + CANDS_PER_PROG, n_cand)
     kq = tl.arange(0, 2)
     for c in range(c_first, c_last):
-        query = _owner(cand_off_ptr, c, n_queries)
+        query = candidate_query(cand_off_ptr, c, n_queries)
         row_first = tl.load(q_off_ptr + query)
         row_last = tl.load(q_off_ptr + query + 1)
         doc = tl.load(cand_docs_ptr + c).to(tl.int64)

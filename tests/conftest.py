@@ -116,3 +116,20 @@ def device_candidates(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     monkeypatch.setattr(_validate, "values_on_host", lambda x: False)
     monkeypatch.setattr(_validate, "host_candidates", recorded)
     return copies
+
+
+@pytest.fixture(scope="session")
+def tiers(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    """sample_data's corpus quantized to 4 and 2 bits (64 centroids), once for every test that reads it:
+    {bits: folder}."""
+    from tierlib import quantize
+
+    root = tmp_path_factory.mktemp("tiers")
+    corpus = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sample_data", "corpus"
+    )
+    folders = {}
+    for bits in (4, 2):
+        folders[bits] = str(root / f"bits{bits}")
+        quantize(corpus, folders[bits], bits)
+    return folders

@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -101,7 +102,7 @@ def _prepared(inputs: Path, base: Path, command: str) -> Path:
     if command == "compact":  # something to compact: a third of a and b deleted
         ids = "".join(f"{x}{i}\n" for x in "ab" for i in range(0, 300, 3))
         subprocess.run(
-            [".venv/bin/maxsim", "delete", str(folder), "--ids", "-", "-q"],
+            [sys.executable, "-m", "maxsim_cli", "delete", str(folder), "--ids", "-", "-q"],
             input=ids.encode(), check=True, cwd=Path(__file__).resolve().parents[1],
         )  # fmt: skip
     return folder

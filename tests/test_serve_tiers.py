@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tierlib import quantize
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
@@ -36,22 +37,6 @@ CORPUS = str(SAMPLE / "corpus")
 QUERY_FILE = str(SAMPLE / "queries.safetensors")
 runner = CliRunner()
 ASKED = list(range(0, 200, 7))  # the queries the tests send: 29 of the 200
-
-
-def _quantize(source: str, folder: str, bits: int) -> None:
-    args = ["quantize", source, "-o", folder, "--bits", str(bits), "-q", "--sample-queries", "0"]
-    result = runner.invoke(cli_app, [*args, "--centroids", "64", "--device", "cpu"])
-    assert result.exit_code == 0, result.output
-
-
-@pytest.fixture(scope="module")
-def tiers(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
-    root = tmp_path_factory.mktemp("tiers")
-    folders = {}
-    for bits in (4, 2):
-        folders[bits] = str(root / f"bits{bits}")
-        _quantize(CORPUS, folders[bits], bits)
-    return folders
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +231,7 @@ def _serve(*args: str):
 
 def test_a_mismatched_pair_is_refused_at_start_up_in_one_line(tiers, tmp_path) -> None:
     half = tmp_path / "half"
-    _quantize(os.path.join(CORPUS, "shard-00000.safetensors"), str(half), 4)
+    quantize(os.path.join(CORPUS, "shard-00000.safetensors"), str(half), 4)
     result = _serve(str(half), "--exact-from", CORPUS)
     assert result.exit_code == 1, result.output
     lines = result.stderr.strip().splitlines()

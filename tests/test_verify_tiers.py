@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tierlib import quantize
 from typer.testing import CliRunner
 
 from maxsim_cli import search
@@ -22,22 +23,6 @@ SAMPLE = ROOT / "sample_data"
 QUERIES = str(SAMPLE / "queries.safetensors")
 CORPUS = str(SAMPLE / "corpus")
 runner = CliRunner()
-
-
-def _quantize(source: str, folder: str, bits: int) -> None:
-    args = ["quantize", source, "-o", folder, "--bits", str(bits), "-q", "--sample-queries", "0"]
-    result = runner.invoke(app, [*args, "--centroids", "64", "--device", "cpu"])
-    assert result.exit_code == 0, result.output
-
-
-@pytest.fixture(scope="module")
-def tiers(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
-    root = tmp_path_factory.mktemp("tiers")
-    folders = {}
-    for bits in (4, 2):
-        folders[bits] = str(root / f"bits{bits}")
-        _quantize(CORPUS, folders[bits], bits)
-    return folders
 
 
 def _verify(*args: str):
@@ -106,7 +91,7 @@ def test_codes_without_exact_from_say_what_verify_needs(tiers) -> None:
 
 def test_a_mismatched_pair_is_one_line(tiers, tmp_path) -> None:
     half = tmp_path / "half"
-    _quantize(os.path.join(CORPUS, "shard-00000.safetensors"), str(half), 4)
+    quantize(os.path.join(CORPUS, "shard-00000.safetensors"), str(half), 4)
     result = _verify(str(half), "--exact-from", CORPUS)
     assert result.exit_code == 1
     line = result.stderr.strip()
