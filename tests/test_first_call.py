@@ -593,59 +593,65 @@ def test_early_cuda_context_is_the_one_torch_uses(tmp_path: Path) -> None:
 # A scoring run without pyarrow's pandas bridge (`maxsim_cli.arrays`)
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [[], ["--candidates", "sample_data/candidates.trec"], ["--format", "jsonl"], ["arrow"]],
-    ids=["exhaustive", "rerank", "jsonl", "arrow-shard"],
-)
-def test_a_score_run_does_not_import_pandas(tmp_path: Path, extra: list[str]) -> None:
-    """pyarrow imports pandas (0.2-0.3 s of a fresh process) at its first ``pa.array`` or
-    ``to_numpy``; a `maxsim score` run builds its arrays without them."""
-    corpus = "sample_data/corpus"
-    if extra == ["arrow"]:
-        corpus, extra = "sample_data/corpus.arrow", []
-    out = tmp_path / "run.out"
-    args = ["score", "sample_data/queries.safetensors", corpus, "-k", "10", "-o", str(out), "--device", "cpu"]
-    assert not _imports_pandas([*args, *extra])
-    assert out.stat().st_size > 0
-
-
-@pytest.mark.parametrize(
-    "steps",
-    [
-        [["pack", "sample_data/corpus.arrow", "-o", "{tmp}/arrow", "--format", "arrow"]],
-        [
-            ["pack", "sample_data/corpus.arrow", "-o", "{tmp}/arrow", "--format", "arrow"],
-            ["quantize", "{tmp}/arrow", "-o", "{tmp}/int8"],
-        ],
-        [["quantize", "sample_data/corpus", "-o", "{tmp}/int8"]],
-        [["inspect", "sample_data/corpus.arrow"]],
-        [["pack", "{tmp}/padded.parquet", "-o", "{tmp}/masked", "--mask-column", "attention_mask"]],
+# Each runs in one fresh process, in this order (a later one may read what an earlier one wrote): a
+# `maxsim score` run of each kind, then the shard readers and writers (Arrow and safetensors, float and
+# int8) that build their arrays without pyarrow's pandas bridge too.
+PANDAS_FREE = {
+    "score-exhaustive": ["score", "{q}", "sample_data/corpus", "-k", "10", "-o", "{tmp}/a.trec", "--device",
+                         "cpu"],
+    "score-rerank": [
+        "score", "{q}", "sample_data/corpus", "-k", "10", "-o", "{tmp}/b.trec", "--device", "cpu",
+        "--candidates", "sample_data/candidates.trec",
     ],
-    ids=["pack-arrow-to-arrow", "quantize-arrow", "quantize-safetensors", "inspect-arrow", "pack-bool-mask"],
-)
-def test_shard_commands_do_not_import_pandas(tmp_path: Path, steps: list[list[str]]) -> None:
-    """The shard readers and writers (Arrow and safetensors, float and int8) build their arrays
-    without pyarrow's pandas bridge too: the last command of each runs in a fresh process."""
+    "score-jsonl": [
+        "score", "{q}", "sample_data/corpus", "-k", "10", "-o", "{tmp}/c.jsonl", "--device", "cpu",
+        "--format", "jsonl",
+    ],
+    "score-arrow-shard": [
+        "score", "{q}", "sample_data/corpus.arrow", "-k", "10", "-o", "{tmp}/d.trec", "--device", "cpu",
+    ],
+    "pack-arrow-to-arrow": ["pack", "sample_data/corpus.arrow", "-o", "{tmp}/arrow", "--format", "arrow"],
+    "quantize-arrow": ["quantize", "{tmp}/arrow", "-o", "{tmp}/int8-arrow"],
+    "quantize-safetensors": ["quantize", "sample_data/corpus", "-o", "{tmp}/int8"],
+    "inspect-arrow": ["inspect", "sample_data/corpus.arrow"],
+    "pack-bool-mask": ["pack", "{tmp}/padded.parquet", "-o", "{tmp}/masked", "--mask-column",
+                       "attention_mask"],
+}  # fmt: skip
+
+
+def test_commands_do_not_import_pandas(tmp_path: Path) -> None:
+    """pyarrow imports pandas (0.2-0.3 s of a fresh process) at its first ``pa.array`` or ``to_numpy``;
+    `maxsim score` and the shard commands build their arrays without them. One fresh process runs every
+    command of `PANDAS_FREE` in turn and says after each whether pandas is imported: the first that
+    imports it is named."""
     ids, docs = make_docs(n=8, seed=14)
     table = hf_table(ids, docs, mask_pad=3)
     table = table.set_column(2, "attention_mask", table.column("attention_mask").cast(pa.list_(pa.bool_())))
     pq.write_table(table, tmp_path / "padded.parquet")
-    *before, last = [[arg.replace("{tmp}", str(tmp_path)) for arg in step] for step in steps]
-    for step in before:
-        assert runner.invoke(app, step).exit_code == 0
-    assert not _imports_pandas(last)
-
-
-def _imports_pandas(args: list[str]) -> bool:
-    """Whether a fresh ``maxsim ARGS`` process (which must succeed) ends with pandas imported."""
+    runs = {
+        name: [
+            arg.replace("{tmp}", str(tmp_path)).replace("{q}", "sample_data/queries.safetensors")
+            for arg in args
+        ]
+        for name, args in PANDAS_FREE.items()
+    }
     code = (
-        "import sys\n"
+        "import json, sys\n"
         "from maxsim_cli.cli import main\n"
-        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-        "print('pandas' in sys.modules)\n"
+        "for name, args in json.loads(sys.argv[1]).items():\n"
+        "    try:\n        main(args)\n"
+        "    except SystemExit as e:\n        assert not e.code, (name, e.code)\n"
+        "    print(name, 'pandas' in sys.modules, flush=True)\n"
     )
-    command = [sys.executable, "-c", code, *args]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(runs)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
-    return proc.stdout.strip().splitlines()[-1] == "True"
+    said = dict(
+        line.split() for line in proc.stdout.splitlines() if line.split()[:1] and line.split()[0] in runs
+    )
+    assert list(said) == list(runs), proc.stdout
+    assert "True" not in said.values(), (
+        f"pandas imported by: {next(n for n, v in said.items() if v == 'True')}"
+    )
+    assert (tmp_path / "a.trec").stat().st_size > 0

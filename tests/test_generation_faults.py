@@ -7,7 +7,7 @@ and their vectors), the inputs are unchanged, and the exit code tells which (0: 
 what is left (a hidden staging folder, a generation folder the pointer never named, a temp file of the
 pointer) is removed by the next writer, and then nothing is left either.
 
-``MAXSIM_GENERATION_TRIALS`` sets the trials per command and signal (default 3; 20 for the full run).
+``MAXSIM_GENERATION_TRIALS`` sets the trials per command and signal (default 2; 20 for the full run).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from maxsim_cli.shards import write_manifest, write_shard
 from maxsim_cli.shards.generations import read_generation, read_pointer
 
 SEED = int(os.environ.get("MAXSIM_FAULT_SEED", "26"))
-TRIALS = int(os.environ.get("MAXSIM_GENERATION_TRIALS", "3"))
+TRIALS = int(os.environ.get("MAXSIM_GENERATION_TRIALS", "2"))
 DIM = 16
 
 

@@ -373,6 +373,8 @@ def doc_examples() -> list[tuple[str, object]]:
             model = "RerankOut" if any("missing" in r for r in example["results"]) else "SearchOut"
         elif "detail" in example:
             model = "ErrorOut"
+        elif "changed" in example:
+            model = "ReloadOut"
         else:
             model = "HealthOut"
         out.append((model, example))
@@ -383,7 +385,7 @@ def test_the_schema_validates_the_examples_of_the_docs(served) -> None:
     _, spec = served
     examples = doc_examples()
     shown = {model for model, _ in examples}
-    assert shown == {"SearchIn", "SearchOut", "RerankIn", "RerankOut", "ErrorOut", "HealthOut"}
+    assert shown == {"SearchIn", "SearchOut", "RerankIn", "RerankOut", "ErrorOut", "HealthOut", "ReloadOut"}
     for model, example in examples:
         validator(spec, model)(example)
     # and the schema is strict enough to tell them apart

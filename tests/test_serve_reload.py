@@ -5,6 +5,7 @@ new generation; a generation that does not fit is refused and the old one answer
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import warnings
@@ -90,6 +91,10 @@ def test_a_reload_that_does_not_fit_is_refused_and_the_old_generation_answers(
 ) -> None:
     from maxsim_cli.shards import resident
 
+    # the server's logger may not propagate (a served app's log configuration): listen to it directly
+    served_log = logging.getLogger("maxsim.serve")
+    served_log.addHandler(caplog.handler)
+    monkeypatch.setattr(served_log, "level", logging.INFO)
     with open_corpus(folder) as corpus, TestClient(create_app(corpus.to("cpu"), batch_window_ms=0)) as client:
         _delete(folder, GONE, tmp_path)
         monkeypatch.setattr(resident, "available_bytes", lambda device: 1000)
@@ -101,6 +106,7 @@ def test_a_reload_that_does_not_fit_is_refused_and_the_old_generation_answers(
         assert set(GONE) <= _docnos(client.post("/search", json=_body()).json())
         assert client.get("/health").json()["generation"] == 0
         monkeypatch.undo()
+        served_log.removeHandler(caplog.handler)
         assert client.post("/reload").json()["changed"] is True
 
 

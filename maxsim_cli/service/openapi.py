@@ -134,11 +134,23 @@ class HealthOut(BaseModel):
     scores: Literal["exact", "approximate"] | None = Field(
         None, description="A server of a compressed tier only: what its answers' scores are"
     )
+    generation: int | None = Field(
+        None, description="The corpus generation served (0: a folder never changed)"
+    )
+    deleted: int | None = Field(None, description="Documents of that generation deleted (not counted above)")
+
+
+class ReloadOut(BaseModel):
+    """``POST /reload``: the generation served after the call."""
+
+    generation: int = Field(description="The generation served now")
+    previous: int = Field(description="The generation served before the call")
+    changed: bool = Field(description="Whether a new generation was loaded (false: the latest was served)")
 
 
 MODELS: tuple[type[BaseModel], ...] = (
     QueryIn, SearchIn, RerankIn, TokenMatchOut, ExplanationOut, Hit, SearchResult, SearchOut, RerankResult,
-    RerankOut, ErrorOut, HealthOut,
+    RerankOut, ErrorOut, HealthOut, ReloadOut,
 )  # fmt: skip
 
 # The refusals of any request (docs/serve.md, "Errors"), each with the body `ErrorOut`.
@@ -206,6 +218,7 @@ def openapi_schema(app: Any, *, token: bool) -> dict[str, Any]:
             "/rerank": {"post": _scoring("rerank", RerankIn, RerankOut, RERANK_EXAMPLE)},
             "/health": {"get": _health()},
             "/metrics": {"get": _metrics()},
+            "/reload": {"post": _reload()},
         }
     )
     if token:
@@ -319,6 +332,33 @@ def _health() -> dict[str, Any]:
         "summary": "The corpus, and the requests and batches so far",
         "responses": {
             "200": {"description": "The server is up", "content": {JSON_TYPE: {"schema": _ref(HealthOut)}}},
+            **_errors(ANY_REQUEST_ERRORS),
+        },
+    }
+
+
+def _reload() -> dict[str, Any]:
+    return {
+        "operationId": "reload",
+        "summary": "Serve the corpus's latest committed generation",
+        "description": (
+            "The new generation is loaded beside the served one and swapped; batches already started finish "
+            'on the old one (docs/serve.md, "A corpus that changes")'
+        ),
+        "responses": {
+            "200": {
+                "description": "The generation served now",
+                "content": {JSON_TYPE: {"schema": _ref(ReloadOut)}},
+            },
+            "409": {
+                "description": "Nothing to reload (a corpus not opened from a folder), or the new generation "
+                "cannot be opened",
+                "content": {JSON_TYPE: {"schema": _ref(ErrorOut)}},
+            },
+            "507": {
+                "description": "The new generation does not fit beside the served one: the served one stays",
+                "content": {JSON_TYPE: {"schema": _ref(ErrorOut)}},
+            },
             **_errors(ANY_REQUEST_ERRORS),
         },
     }
