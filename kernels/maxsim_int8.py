@@ -757,12 +757,7 @@ def _launch_varlen(
     return_argmax: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """All-pairs Triton launch with the tuned tiles (no host synchronisation)."""
-    nq, nd = query_offsets.numel() - 1, doc_offsets.numel() - 1
-    out, arg = _varlen_outputs(q8, nq, nd, d8.device, return_argmax)
-    if out.numel():
-        tiles = _varlen_tiles(q8.shape[0], nq, d8.shape[1])
-        _run_varlen(q8, sq, query_offsets, d8, sd, doc_offsets, out, arg, tiles)
-    return out, arg
+    return launch_varlen_with_tiles(q8, sq, query_offsets, d8, sd, doc_offsets, return_argmax)
 
 
 def launch_varlen_with_tiles(
@@ -959,13 +954,9 @@ def _launch_candidates(
     return_argmax: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-query-candidates Triton launch with the tuned tiles; synchronises only to size the argmax."""
-    out, arg = _candidate_outputs(query_offsets, candidate_docs.numel(), d8.device, return_argmax)
-    if out.numel():
-        tiles = _candidate_tiles(q8.shape[0], query_offsets.numel() - 1, d8.shape[1])
-        _run_candidates(
-            q8, sq, query_offsets, d8, sd, doc_offsets, candidate_offsets, candidate_docs, out, arg, tiles
-        )
-    return out, arg
+    return launch_candidates_with_tiles(
+        q8, sq, query_offsets, d8, sd, doc_offsets, candidate_offsets, candidate_docs, return_argmax
+    )
 
 
 def launch_candidates_with_tiles(
