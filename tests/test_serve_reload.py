@@ -26,6 +26,7 @@ from typer.testing import CliRunner  # noqa: E402
 from maxsim_cli import open_corpus  # noqa: E402
 from maxsim_cli.cli import app as cli_app  # noqa: E402
 from maxsim_cli.service.app import create_app  # noqa: E402
+from maxsim_cli.service.metrics import available as metrics_available  # noqa: E402
 from maxsim_cli.shards import write_manifest, write_shard  # noqa: E402
 
 DIM = 16
@@ -82,6 +83,8 @@ def test_reload_serves_the_new_generation_and_lets_the_old_one_go(folder: Path, 
         assert [r["missing"] for r in answer["results"]] == [["a1"], ["b3"]]
         health = client.get("/health").json()
         assert (health["generation"], health["documents"], health["deleted"]) == (1, DOCS - 4, 4)
+        if metrics_available():  # the corpus gauges follow the swap
+            assert f"maxsim_corpus_documents {float(DOCS - 4)}" in client.get("/metrics").text
         assert all(lock.fd is None for lock in corpus._locks)  # the old generation's reader lock is gone
         assert client.post("/reload").json()["changed"] is False
 

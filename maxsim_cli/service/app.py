@@ -116,7 +116,12 @@ def create_app(
     index_ids(corpus)
     if exact is not None:
         index_ids(exact)
-    reloader = Reloader(batcher, owned=owned, exact_owned=owned if exact_owned is None else exact_owned)
+    reloader = Reloader(
+        batcher,
+        owned=owned,
+        exact_owned=owned if exact_owned is None else exact_owned,
+        on_swap=measured.show_corpus if measured is not None else None,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> Any:

@@ -115,6 +115,13 @@ class Metrics:
             error.inc()
         latency.observe(seconds)
 
+    def show_corpus(self, corpus: Corpus) -> None:
+        """The corpus gauges set to ``corpus``: at the start, and after a reload swaps in a generation."""
+        documents, tokens, size = self._corpus_gauges
+        documents.set(corpus.num_live)
+        tokens.set(corpus.num_tokens)
+        size.set(corpus_bytes(corpus))
+
     def watch(self, corpus: Corpus, batcher: Batcher) -> None:
         """This process scores: the corpus's size now, each batch's size as it is scored (the batcher's
         counters become `BatchCounters`), and the queue depth and device memory at each scrape."""
@@ -127,9 +134,12 @@ class Metrics:
         def gauge(name: str, text: str, labels: Sequence[str] = ()) -> Any:
             return Gauge(name, text, labels, registry=registry, multiprocess_mode=mode)
 
-        gauge("maxsim_corpus_documents", "Documents in the corpus").set(len(corpus))
-        gauge("maxsim_corpus_tokens", "Token vectors in the corpus").set(corpus.num_tokens)
-        gauge("maxsim_corpus_bytes", "Bytes of the corpus where it is resident").set(corpus_bytes(corpus))
+        self._corpus_gauges = (
+            gauge("maxsim_corpus_documents", "Documents in the corpus (deleted ones left out)"),
+            gauge("maxsim_corpus_tokens", "Token vectors in the corpus"),
+            gauge("maxsim_corpus_bytes", "Bytes of the corpus where it is resident"),
+        )
+        self.show_corpus(corpus)
         queue = gauge("maxsim_queue_depth", "Requests waiting for a batch")
         allocated = gauge(
             "maxsim_device_memory_allocated_bytes", "GPU memory held by tensors (torch)", ("device",)

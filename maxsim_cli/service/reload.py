@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from maxsim_cli.errors import MaxsimError
@@ -64,8 +65,16 @@ class Reloader:
     corpus served now (and ``exact_owned`` its exact tier); a corpus it opened is closed once replaced,
     a caller's own is only released from its devices."""
 
-    def __init__(self, batcher: Batcher, *, owned: bool = True, exact_owned: bool = True) -> None:
+    def __init__(
+        self,
+        batcher: Batcher,
+        *,
+        owned: bool = True,
+        exact_owned: bool = True,
+        on_swap: Callable[[Corpus], None] | None = None,
+    ) -> None:
         self.batcher = batcher
+        self._on_swap = on_swap  # told of each generation swapped in (the /metrics corpus gauges)
         scorer = batcher.scorer
         # the corpora this server opened (by id): closed when replaced or when the server stops
         self._mine = {id(c) for c, own in ((scorer.corpus, owned), (scorer.exact, exact_owned)) if own and c}
@@ -92,6 +101,8 @@ class Reloader:
             self.batcher.scorer = Scorer(fresh, device=old.device, counters=old.counters, exact=fresh_exact)
             self._mine.update(id(c) for c in (fresh, fresh_exact) if c is not None)
             old.retire(lambda: self._let_go(old.corpus, old.exact if fresh_exact is not old.exact else None))
+            if self._on_swap is not None:
+                self._on_swap(fresh)
             logger.info(
                 "serving generation %d of %s (%d documents, %d deleted); generation %d is let go after "
                 "its last request", fresh.generation, fresh.name, fresh.num_live, fresh.num_deleted,

@@ -150,12 +150,17 @@ class Hub:
         scorer = Scorer(corpus, device=device, exact=exact)
         self.config["scores"] = scorer.scores  # what the workers' answers say of their scores
         self.batcher = Batcher(scorer, window_s=batch_window_ms / 1000, max_queries=max_batch_queries)
-        self.reloader = Reloader(self.batcher, owned=owned, exact_owned=exact_owned)
         self.watch = watch
         self.metrics = metrics
         if metrics is not None:
             metrics.watch(corpus, self.batcher)
             self.config["metrics"] = metrics.folder
+        self.reloader = Reloader(
+            self.batcher,
+            owned=owned,
+            exact_owned=exact_owned,
+            on_swap=metrics.show_corpus if metrics is not None else None,
+        )
         # turns on a worker's heads-up, so that its request finds this loop awake; stops while the
         # batcher's thread scores (it needs the interpreter lock) or requests queue (under load the
         # loop has work enough)
