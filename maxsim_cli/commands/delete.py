@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import typer
 
 from maxsim_cli.commands import cli_errors
@@ -30,21 +28,10 @@ def register(app: typer.Typer) -> None:
 
         Example: maxsim delete corpus/ --ids gone.txt
         """
-        from maxsim_cli.shards.edit import delete_ids, read_id_lines
+        from maxsim_cli.shards.edit import delete_ids
+        from maxsim_cli.shards.format import read_id_file
         from maxsim_cli.units import format_count as n
 
-        if ids == "-":
-            wanted = read_id_lines("<stdin>", sys.stdin.buffer)
-        else:
-            try:
-                with open(ids, "rb") as fh:
-                    wanted = read_id_lines(ids, fh)
-            except OSError as exc:
-                from maxsim_cli.errors import InputError
-
-                reason = exc.strerror or type(exc).__name__
-                raise InputError(
-                    f"{ids}: cannot read it ({reason}); give a file of ids, one a line, or '-' for stdin"
-                ) from None
+        wanted = read_id_file(ids)
         change = delete_ids(corpus, wanted, strict=strict, source="<stdin>" if ids == "-" else ids, log=log)
         summary(quiet, f"deleted {n(change.deleted)} documents", change)

@@ -23,6 +23,7 @@ from maxsim_cli.scoring.topk import RunningTopK
 from maxsim_cli.scoring.warmup import KernelWarmup
 from maxsim_cli.shards import Corpus, DocBatch, check_same_dim, input_notes, open_corpus, report_notes
 from maxsim_cli.shards.files import check_output
+from maxsim_cli.shards.format import read_id_file
 
 
 def score_files(request: ScoreRequest, *, log: Logger = log_to_stderr) -> ScoreStats:
@@ -92,9 +93,9 @@ def request_filter(request: ScoreRequest, corpus: Corpus, log: Logger) -> np.nda
         return None
     include = exclude = None
     if request.include_ids is not None:
-        include = filters.read_id_file(request.include_ids, filters.INCLUDE)
+        include = read_id_file(request.include_ids, str(filters.INCLUDE))
     if request.exclude_ids is not None:
-        exclude = filters.read_id_file(request.exclude_ids, filters.EXCLUDE)
+        exclude = read_id_file(request.exclude_ids, str(filters.EXCLUDE))
     return filters.disallowed_mask(corpus, include, exclude, strict=request.strict, log=log)
 
 

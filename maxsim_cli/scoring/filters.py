@@ -28,7 +28,6 @@ a warning: they were asked to be left out), counted in its stats (``filtered_can
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -44,37 +43,6 @@ EXCLUDE = Option("--exclude-ids", "exclude")
 SUBSET_SHARE = 0.05
 
 Logger = Callable[[str], None]
-
-
-def read_id_file(path: str, option: Option) -> list[str]:
-    """The ids of a filter file: one a line, ``-`` is stdin; blank lines are skipped. A line holding
-    whitespace inside its id is an `InputError` naming the line."""
-    name = "<stdin>" if path == "-" else path
-    try:
-        if path == "-":
-            text = sys.stdin.buffer.read().decode("utf-8")
-        else:
-            with open(path, "rb") as f:
-                text = f.read().decode("utf-8")
-    except FileNotFoundError:
-        raise InputError(f"{option} {name}: no such file; give a file of ids, one a line") from None
-    except IsADirectoryError:
-        raise InputError(f"{option} {name}: is a folder; give a file of ids, one a line") from None
-    except UnicodeDecodeError as exc:
-        raise InputError(f"{option} {name}: not UTF-8 text (byte {exc.start}); give one id a line") from None
-    except OSError as exc:
-        raise InputError(f"{option} {name}: cannot be read ({exc.strerror})") from None
-    ids: list[str] = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        docno = line.strip()
-        if not docno:
-            continue
-        if len(docno.split()) > 1:
-            raise InputError(
-                f"{option} {name}, line {number}: {docno[:60]!r} holds whitespace; ids have none, one a line"
-            )
-        ids.append(docno)
-    return ids
 
 
 def disallowed_mask(

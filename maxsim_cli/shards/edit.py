@@ -23,7 +23,7 @@ import hashlib
 import io
 import os
 import shutil
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,7 +39,7 @@ from maxsim_cli.shards.files import (
     staging_dir,
     write_error,
 )
-from maxsim_cli.shards.format import MANIFEST_NAME, check_id, input_error, show_id
+from maxsim_cli.shards.format import MANIFEST_NAME, input_error, show_id
 from maxsim_cli.shards.generations import (
     GENERATION_MANIFEST,
     GENERATIONS_DIR,
@@ -406,23 +406,6 @@ def add_shards(
 
 # --------------------------------------------------------------------------------------------------
 # delete
-
-
-def read_id_lines(name: str, lines: Iterable[bytes]) -> list[str]:
-    """Ids, one a line (blank lines skipped, spaces around an id ignored), each checked."""
-    out = []
-    for number, raw in enumerate(lines, start=1):
-        try:
-            text = raw.decode("utf-8").strip()
-        except UnicodeDecodeError:
-            raise InputError(f"{name}: line {number} is not valid UTF-8; give one id a line") from None
-        if number == 1:
-            text = text.removeprefix("\ufeff")
-        if not text:
-            continue
-        check_id(name, text, f"on line {number}")
-        out.append(text)
-    return out
 
 
 def delete_ids(

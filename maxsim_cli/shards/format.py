@@ -164,6 +164,44 @@ def check_id(path: str, value: str, position: str, *, what: str = "id") -> None:
         raise input_error(path, f"{what} {show_id(value)} {position} {problem}; {ID_RULE}")
 
 
+def read_id_file(path: str, label: str = "") -> list[str]:
+    """The ids of a file of ids, one a line (``-``: standard input), as ``maxsim delete --ids`` and the
+    filters' ``--include-ids`` / ``--exclude-ids`` take them: blank lines skipped, spaces around an id
+    and a UTF-8 byte-order mark ignored, each id checked as a shard's are (`check_id`, naming the line).
+    Messages start with ``label`` (the option) and the file's name."""
+    name = "<stdin>" if path == "-" else path
+    where = f"{label} {name}" if label else name
+    fix = "give a file of ids, one a line, or '-' for standard input"
+    try:
+        if path == "-":
+            import sys
+
+            if sys.stdin is None or not hasattr(sys.stdin, "buffer"):
+                raise InputError(f"{where}: no standard input to read the ids from; {fix}")
+            data = sys.stdin.buffer.read()
+        else:
+            with open(path, "rb") as f:
+                data = f.read()
+    except FileNotFoundError:
+        raise InputError(f"{where}: cannot read it: no such file; {fix}") from None
+    except IsADirectoryError:
+        raise InputError(f"{where}: cannot read it: is a folder; {fix}") from None
+    except OSError as exc:
+        raise InputError(f"{where}: cannot read it ({exc.strerror or type(exc).__name__}); {fix}") from None
+    ids = []
+    for number, raw in enumerate(data.splitlines(), start=1):
+        try:
+            text = raw.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise InputError(f"{where}: line {number} is not valid UTF-8; give one id a line") from None
+        if number == 1:
+            text = text.removeprefix("\ufeff")
+        if text:
+            check_id(where, text, f"on line {number}")
+            ids.append(text)
+    return ids
+
+
 def one_line(text: object, limit: int = 200) -> str:
     """Collapse a library's (possibly multi-line) message into one short line."""
     line = " ".join(str(text).split())
