@@ -41,14 +41,11 @@ PAIR_BYTES = 32
 STATE_BYTES = 64
 
 _LOW31 = 0x7FFFFFFF
-# The key of a document a filter disallows (`maxsim_cli.scoring.filters`): below every real key, since a
-# real key's score half is ``ord32`` of a float (NaN scores become +inf first), never -2**31 with rank 0.
-HIDDEN_KEY = -(1 << 63)
 _LOW32 = 0xFFFFFFFF
 MAX_RANKS = 1 << 32
-# The key of a document left out of the search (`Corpus.rank_of_ordinal` gives it rank -1): the
-# smallest int64, which no score's key reaches (a NaN, whose key it would be, is read as +inf), and
-# which `RunningTopK.result` drops.
+# The key of a document left out of the search: deleted (`Corpus.rank_of_ordinal` gives it rank -1) or
+# disallowed by a filter (`RunningTopK.add`'s ``hidden``). The smallest int64, which no score's key
+# reaches (a NaN, whose key it would be, is read as +inf), and which `RunningTopK.result` drops.
 LEFT_OUT = -(1 << 63)
 
 
@@ -109,8 +106,9 @@ class RunningTopK:
     def add(self, scores: torch.Tensor, ranks: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
         """Merge one block: ``scores`` float32 ``[nq, nd]`` (consumed: modified in place), ``ranks`` [nd].
         ``hidden``: bool ``[nd]`` on the scores' device, True for documents a filter disallows: their keys
-        become `HIDDEN_KEY`, so they are kept only while fewer than ``k`` others have been seen (a
-        filtered search's ``k`` is at most the documents it allows)."""
+        become `LEFT_OUT`, as a deleted document's, so they are kept only while fewer than ``k`` others
+        have been seen and `result` drops them (a filtered search's ``k`` is at most the documents it
+        allows)."""
         if scores.dim() != 2 or scores.shape[0] != self.num_queries:
             raise ValueError(
                 f"RunningTopK.add: expected scores [{self.num_queries}, nd], got {tuple(scores.shape)}"
@@ -119,7 +117,7 @@ class RunningTopK:
             return
         keys = order_keys(scores, ranks)
         if hidden is not None:
-            keys.masked_fill_(hidden, HIDDEN_KEY)
+            keys.masked_fill_(hidden, LEFT_OUT)
         if keys.shape[1] > self.k:
             keys = torch.topk(keys, self.k, dim=1, largest=True, sorted=False).values
         if self._keys is not None:
