@@ -46,6 +46,8 @@ want train && step train ${TRAIN_S:-260} python3 benchmarks/bench_train.py --out
 want verify && step verify ${VERIFY_S:-80} python3 benchmarks/verify_reports.py --device cuda --out "$logs/verify"
 want int8 && step int8 ${INT8_S:-200} python3 benchmarks/bench_int8.py gpu --rep-ms 200 ${INT8_ARGS:-} \
   --out "$logs/int8-$card.json" --workdir /tmp
+# codes: the scan kernels below 8 bits (int4, residual2) beside fp16 and int8 on the same documents
+want codes && step codes ${CODES_S:-300} python3 benchmarks/bench_codes.py ${CODES_ARGS:-} --out "$logs/codes-$card.json"
 # api-resident: the Python API's small calls on an 8.2 GB resident corpus beside the kernel alone
 want api-resident && step api-resident ${API_RESIDENT_S:-300} python3 benchmarks/bench_api_resident.py \
   --workdir /var/tmp/mb-api --size ${API_RESIDENT_SIZE:-8.2GB} --out "$logs/api-resident-$card.json"
