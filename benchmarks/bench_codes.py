@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--one-query-docs", type=int, default=100_000)
     parser.add_argument("--all-pairs-docs", type=int, default=50_000)
     parser.add_argument("--centroids", type=int, default=4096)
+    parser.add_argument("--sweep", action="store_true", help="also time the tile plans of SWEEP_* per codec")
     parser.add_argument("--smoke", action="store_true", help="a check of the script: tiny sizes, one call")
     args = parser.parse_args()
     SMOKE["on"] = args.smoke
@@ -99,6 +100,10 @@ def main() -> None:
         record["check"][name] = float((fast.float() - slow.float()).abs().max())
     log(f"check (max |triton - torch|): {record['check']}")
 
+    if args.sweep:
+        record["sweep"] = {"one_query": sweep(q, q_off, stored, offsets, SWEEP_ONE_QUERY, args.rep_ms)}
+        write_json(args.out, record)
+
     def one_query(name: str):
         s = stored[name]
         return lambda: maxsim_varlen(q, q_off, s["docs"], offsets, **s["kw"])
@@ -146,6 +151,59 @@ def main() -> None:
     record["workloads"]["all_pairs"] = {"queries": 512, "documents": n, "formats": row}
     log(f"all_pairs: { {k: (round(v['ms'], 3), round(v['over_int8_rate'], 2)) for k, v in row.items()} }")
     write_json(args.out, record)
+    if args.sweep:
+        cut = {name: {"docs": s["docs"][:end], "kw": cut_scales(s["kw"], end)} for name, s in stored.items()}
+        record["sweep"]["all_pairs"] = sweep(qs, qs_off, cut, sub_off, SWEEP_ALL_PAIRS, args.rep_ms)
+        write_json(args.out, record)
+
+
+def cut_scales(kw: dict, end: int) -> dict:
+    kw = dict(kw)
+    if "doc_scales" in kw:
+        kw["doc_scales"] = kw["doc_scales"][:end]
+    return kw
+
+
+# Tile plans swept (`maxsim_codes.Tiles`: block_q, block_d, docs a program, warps, stages); the first is
+# the shipped plan of that workload.
+SWEEP_ONE_QUERY = [
+    (64, 64, 32, 4, 3), (64, 32, 32, 4, 3), (64, 128, 32, 4, 3), (64, 64, 16, 4, 3), (64, 64, 64, 4, 3),
+    (64, 64, 32, 8, 3), (64, 64, 32, 4, 2), (64, 64, 32, 4, 4), (64, 128, 16, 8, 3), (64, 32, 64, 4, 4),
+    (64, 128, 32, 8, 2), (64, 64, 128, 4, 3),
+]  # fmt: skip
+SWEEP_ALL_PAIRS = [
+    (128, 32, 64, 4, 2), (128, 64, 64, 4, 2), (256, 32, 64, 4, 2), (256, 32, 64, 8, 2), (128, 32, 32, 4, 3),
+    (64, 32, 64, 4, 2), (128, 64, 32, 8, 3), (256, 64, 64, 8, 2),
+]  # fmt: skip
+
+
+def sweep(q, q_off, stored: dict, offsets, plans: list, rep_ms: int) -> dict:
+    """Each codec under each tile plan: the median time and whether its scores equal the first plan's."""
+    from maxsim_kernels.maxsim_codes import Tiles, launch_varlen_with_tiles
+
+    out: dict = {}
+    plans = plans[:2] if SMOKE["on"] else plans
+    for name in ("int4", "residual2"):
+        s = stored[name]
+        rows, first = [], None
+        for plan in plans:
+            tiles = Tiles(*plan)
+            try:
+                scores = launch_varlen_with_tiles(q, q_off, s["docs"], offsets, tiles, **s["kw"])
+                first = scores if first is None else first
+                ms = median_ms(
+                    lambda s=s, tiles=tiles: launch_varlen_with_tiles(
+                        q, q_off, s["docs"], offsets, tiles, **s["kw"]
+                    ),
+                    rep_ms,
+                )
+                same = bool(torch.equal(scores, first))
+                rows.append({"tiles": list(plan), "ms": ms, "equal_to_first": same})
+            except Exception as exc:  # a plan the compiler refuses (shared memory, registers)
+                rows.append({"tiles": list(plan), "error": str(exc).splitlines()[0][:200]})
+            log(f"sweep {name} {plan}: {rows[-1]}")
+        out[name] = rows
+    return out
 
 
 if __name__ == "__main__":

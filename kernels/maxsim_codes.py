@@ -67,6 +67,7 @@ from .maxsim_int8 import (
     segment_max,
     sum_rows_in_order,
 )
+from .running_max import document_max, fold_tile, restart
 from .validation import cdiv, check_candidate_docs, resolve_backend
 
 CODECS = ("int4", "residual2")
@@ -75,14 +76,23 @@ RESIDUAL_BUCKETS = 4  # 2 bits a dimension
 ID_BYTES = 4  # the residual2 centroid id: uint32, little-endian, first in the row
 MAX_DIM = 1024  # int4: |q8 . c| <= 128 * 8 * dim < 2^24, exact in fp32
 
-# Tile sizes: not yet measured on a GPU; the int8 kernel's (maxsim_int8) as the starting point.
-_VARLEN_BLOCK_Q = 128  # query tokens per program (4 queries of 32 tokens)
-_BLOCK_D = 32  # document tokens per tile
-_VARLEN_DOCS_PER_PROG = 32
-_CAND_PER_PROG = 16
+
+# Tile sizes (`Tiles`): the all-pairs plan for many query rows a program, the few-rows plan for one or a
+# few queries (the HBM-bound scan) and the candidates plan; the int8 kernel's (maxsim_int8) as the
+# starting point, chosen on the GPU by `benchmarks/bench_codes.py --sweep` (docs/kernel-notes.md).
+class Tiles(NamedTuple):
+    block_q: int  # query rows a program at most (its group's tile)
+    block_d: int  # document tokens a tile
+    docs_per_prog: int  # documents (all pairs) or candidates a program
+    warps: int
+    stages: int
+
+
+_ALL_PAIRS = Tiles(block_q=128, block_d=32, docs_per_prog=64, warps=4, stages=2)
+_FEW_ROWS = Tiles(block_q=64, block_d=64, docs_per_prog=32, warps=4, stages=3)
+_CANDIDATES = Tiles(block_q=64, block_d=64, docs_per_prog=16, warps=4, stages=3)
+_FEW_ROWS_MAX = 64  # query rows at most for the few-rows plan (one or two queries of 32 tokens)
 _MAX_QUERIES_PER_GROUP = 32
-_WARPS = 4
-_STAGES = 2
 
 # CPU path: at most this many fp32 similarities (and decoded values) materialised at once (64 MiB).
 _TORCH_BLOCK_ELEMS = 1 << 24
@@ -210,7 +220,7 @@ def decode_residual2(codes: torch.Tensor, codebook: ResidualCodebook) -> torch.T
 
 
 @triton.jit
-def _query_tile(
+def _query_planes(
     q_ptr,
     q_scale_ptr,
     row_first,
@@ -221,22 +231,46 @@ def _query_tile(
     BLOCK_K: tl.constexpr,
     CODEC: tl.constexpr,
 ):
-    """Rows row_first.. (< row_last) of the int8 queries (as fp16 for residual2: exact) and their scales."""
+    """Rows row_first.. (< row_last) of the int8 queries split as the codes are packed, and their scales.
+
+    int4: (q[:, 0::2], q[:, 1::2], -, -), the values of each byte's low and high nibbles; residual2:
+    (q[:, 0::4], .., q[:, 3::4]) as fp16 (exact), the values of each byte's four 2-bit buckets. BLOCK_K is
+    the width of one part (a power of two >= the tensor cores' minimum K)."""
     rows = row_first + tl.arange(0, BLOCK_Q)
     row_ok = rows < row_last
     k = tl.arange(0, BLOCK_K)
-    q = tl.load(
-        q_ptr + rows[:, None] * stride_q + k[None, :], mask=row_ok[:, None] & (k[None, :] < dim), other=0
-    )
-    if CODEC == 1:
-        q = q.to(tl.float16)
     sq = tl.load(q_scale_ptr + rows, mask=row_ok, other=1.0)
-    return q, sq, rows, row_ok
+    if CODEC == 0:
+        ok = row_ok[:, None] & (k < dim // 2)[None, :]
+        base = q_ptr + rows[:, None] * stride_q + 2 * k[None, :]
+        qa = tl.load(base, mask=ok, other=0)
+        qb = tl.load(base + 1, mask=ok, other=0)
+        return qa, qb, qa, qa, sq, rows, row_ok
+    else:
+        ok = row_ok[:, None] & (k < dim // 4)[None, :]
+        base = q_ptr + rows[:, None] * stride_q + 4 * k[None, :]
+        qa = tl.load(base, mask=ok, other=0).to(tl.float16)
+        qb = tl.load(base + 1, mask=ok, other=0).to(tl.float16)
+        qc = tl.load(base + 2, mask=ok, other=0).to(tl.float16)
+        qd = tl.load(base + 3, mask=ok, other=0).to(tl.float16)
+        return qa, qb, qc, qd, sq, rows, row_ok
+
+
+@triton.jit
+def _residual2_plane(acc, q_part, packed, cent_rows, id_ok, wts_ptr, m, m_ok, PART: tl.constexpr):
+    """acc + q_part @ x^T for the dimensions 4m + PART: x = fp16(C[id, 4m + PART] + W[4m + PART, bucket])."""
+    bucket = (packed >> (2 * PART)) & 3
+    cent = tl.load(cent_rows + PART, mask=id_ok[:, None] & m_ok[None, :], other=0.0).to(tl.float32)
+    weight = tl.load(wts_ptr + (4 * m[None, :] + PART) * 4 + bucket, mask=m_ok[None, :], other=0.0)
+    return tl.dot(q_part, tl.trans((cent + weight).to(tl.float16)), acc)
 
 
 @triton.jit
 def _code_tile(
-    q,
+    qa,
+    qb,
+    qc,
+    qd,
     d_ptr,
     d_scale_ptr,
     cent_ptr,
@@ -252,54 +286,52 @@ def _code_tile(
     CODEC: tl.constexpr,
 ):
     """Similarities [BLOCK_Q, BLOCK_D] of the query tile with document tokens tok.. decoded in registers;
-    -inf from doc_end on, +inf for a token whose centroid id is outside the codebook (flagged later)."""
+    -inf from doc_end on, +inf for a token whose centroid id is outside the codebook (flagged later).
+
+    Each row of codes is read once as whole bytes (contiguous, vectorised loads) and unpacked into its
+    parts (two nibbles, four 2-bit buckets), each part multiplied with the query columns it holds."""
     cols = tok + tl.arange(0, BLOCK_D)
     col_ok = cols < doc_end
-    k = tl.arange(0, BLOCK_K)
-    k_ok = k < dim
+    m = tl.arange(0, BLOCK_K)
     bias = tl.where(col_ok, 0.0, float("-inf"))
     row_start = d_ptr + cols.to(tl.int64) * stride_d
-    rows = row_start[:, None]
     if CODEC == 0:
-        # int4: the byte of value k is k // 2, its nibble k % 2; sign from the nibble's top bit
-        byte = tl.load(rows + (k // 2)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0).to(tl.int32)
-        nib = (byte >> ((k % 2) * 4)[None, :]) & 0xF
-        c = ((nib ^ 8) - 8).to(tl.int8)
-        acc = tl.dot(q, tl.trans(c), out_dtype=tl.int32).to(tl.float32)  # exact below 2^24
+        # int4: byte m holds value 2m in its low nibble and 2m + 1 in its high one (two's complement)
+        m_ok = m < dim // 2
+        packed = tl.load(row_start[:, None] + m[None, :], mask=col_ok[:, None] & m_ok[None, :], other=0)
+        packed = packed.to(tl.int32)
+        low = (((packed & 0xF) ^ 8) - 8).to(tl.int8)
+        high = (((packed >> 4) ^ 8) - 8).to(tl.int8)
+        acc = tl.dot(qa, tl.trans(low), out_dtype=tl.int32)
+        acc = tl.dot(qb, tl.trans(high), acc, out_dtype=tl.int32)  # exact below 2^24
         s = tl.load(d_scale_ptr + cols, mask=col_ok, other=1.0)
-        return acc * s[None, :] + bias[None, :]
+        return acc.to(tl.float32) * s[None, :] + bias[None, :]
     else:
-        # residual2: the centroid id from bytes 0-3, the bucket of value k in byte 4 + k // 4
+        # residual2: the centroid id from bytes 0-3, then byte 4 + m holds the buckets of 4m .. 4m + 3
         cid = tl.zeros([BLOCK_D], tl.int64)
         for i in tl.static_range(4):
             part = tl.load(row_start + i, mask=col_ok, other=0).to(tl.int64)
             cid = cid | (part << (8 * i))
         id_ok = col_ok & (cid < n_centroids)
-        cent = tl.load(
-            cent_ptr + cid[:, None] * dim + k[None, :], mask=id_ok[:, None] & k_ok[None, :], other=0.0
-        ).to(tl.float32)
-        byte = tl.load(rows + 4 + (k // 4)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0).to(
-            tl.int32
-        )
-        bucket = (byte >> ((k % 4) * 2)[None, :]) & 3
-        w0 = tl.load(wts_ptr + k * 4, mask=k_ok, other=0.0)
-        w1 = tl.load(wts_ptr + k * 4 + 1, mask=k_ok, other=0.0)
-        w2 = tl.load(wts_ptr + k * 4 + 2, mask=k_ok, other=0.0)
-        w3 = tl.load(wts_ptr + k * 4 + 3, mask=k_ok, other=0.0)
-        w = tl.where(
-            bucket == 0,
-            w0[None, :],
-            tl.where(bucket == 1, w1[None, :], tl.where(bucket == 2, w2[None, :], w3[None, :])),
-        )
-        x = (cent + w).to(tl.float16)
-        acc = tl.dot(q, tl.trans(x))  # fp32 accumulation
+        m_ok = m < dim // 4
+        packed = tl.load(row_start[:, None] + 4 + m[None, :], mask=col_ok[:, None] & m_ok[None, :], other=0)
+        packed = packed.to(tl.int32)
+        cent_rows = cent_ptr + cid[:, None] * dim + 4 * m[None, :]
+        acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+        acc = _residual2_plane(acc, qa, packed, cent_rows, id_ok, wts_ptr, m, m_ok, 0)
+        acc = _residual2_plane(acc, qb, packed, cent_rows, id_ok, wts_ptr, m, m_ok, 1)
+        acc = _residual2_plane(acc, qc, packed, cent_rows, id_ok, wts_ptr, m, m_ok, 2)
+        acc = _residual2_plane(acc, qd, packed, cent_rows, id_ok, wts_ptr, m, m_ok, 3)
         bad = col_ok & (cid >= n_centroids)
         return acc + tl.where(bad, float("inf"), bias)[None, :]
 
 
 @triton.jit
 def _doc_sums(
-    q,
+    qa,
+    qb,
+    qc,
+    qd,
     sq,
     row_ok,
     member,
@@ -317,11 +349,11 @@ def _doc_sums(
     BLOCK_K: tl.constexpr,
     CODEC: tl.constexpr,
 ):
-    """Per query of the group ([MAX_Q]): sum over its rows of the tile of s_q * max over the document."""
+    """Per query of the group ([MAX_Q]): sum over its rows of the tile of s_q * max over one document."""
     row_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     for t in range(start, stop, BLOCK_D):
         sim = _code_tile(
-            q, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, t, stop, n_centroids, dim, stride_d,
+            qa, qb, qc, qd, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, t, stop, n_centroids, dim, stride_d,
             BLOCK_Q, BLOCK_D, BLOCK_K, CODEC,
         )  # fmt: skip
         row_max = tl.maximum(row_max, tl.max(sim, axis=1))
@@ -382,20 +414,43 @@ def _maxsim_codes_varlen_kernel(
     q_ends = tl.load(q_off_ptr + q_first + 1 + kq, mask=q_ok, other=9223372036854775807)
     out_rows = out_ptr + (q_first + kq) * stride_out
     if row_last - row_first <= BLOCK_Q:
-        # the planned case: the group's query tile stays on chip for every document
-        q, sq, rows, row_ok = _query_tile(
+        # The planned case: the group's query tile stays on chip, and the tiles of all the program's
+        # documents run in ONE loop (the pipeliner prefetches across documents), the running max kept per
+        # tile element and reduced once a document (as in maxsim_int8).
+        qa, qb, qc, qd, sq, rows, row_ok = _query_planes(
             q_ptr, q_scale_ptr, row_first, row_last, dim, stride_q, BLOCK_Q, BLOCK_K, CODEC
         )
         local = tl.sum((rows[:, None] >= q_ends[None, :]).to(tl.int32), axis=1)
         member = (local[:, None] == kq[None, :]) & row_ok[:, None]
-        for doc in range(doc_first, doc_last):
-            start = tl.load(d_off_ptr + doc)
-            stop = tl.load(d_off_ptr + doc + 1)
-            scores = _doc_sums(
-                q, sq, row_ok, member, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, start, stop, n_centroids,
-                dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC,
+        dd = doc_first + tl.arange(0, DOCS_PER_PROG)
+        d_in = dd < n_docs
+        lens = tl.load(d_off_ptr + dd + 1, mask=d_in, other=0) - tl.load(d_off_ptr + dd, mask=d_in, other=0)
+        n_tiles = tl.sum(tl.where(d_in, tl.maximum(tl.cdiv(lens, BLOCK_D), 1), 0))  # an empty doc: 1 tile
+        doc = doc_first
+        doc_start = tl.load(d_off_ptr + doc)
+        doc_end = tl.load(d_off_ptr + doc + 1)
+        tok = doc_start
+        row_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+        row_arg = tl.full([BLOCK_Q], -1, tl.int32)
+        m_tile = tl.full((BLOCK_Q, BLOCK_D), float("-inf"), tl.float32)
+        for _ in range(n_tiles):
+            sim = _code_tile(
+                qa, qb, qc, qd, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, tok, doc_end, n_centroids, dim,
+                stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC,
             )  # fmt: skip
-            tl.store(out_rows + doc, _flag_bad_ids(scores), mask=q_ok)
+            row_max, row_arg, m_tile = fold_tile(sim, row_max, row_arg, m_tile, tok, doc_start, True, False)
+            last = tok + BLOCK_D >= doc_end
+            if last:
+                row_max = document_max(row_max, m_tile, 1, True)
+                contrib = tl.where(row_ok, sq * row_max, 0.0)
+                scores = tl.sum(tl.where(member, contrib[:, None], 0.0), axis=0)
+                tl.store(out_rows + doc, _flag_bad_ids(scores), mask=q_ok)
+                row_max, row_arg, m_tile = restart(row_max, row_arg, m_tile, True, False)
+            next_end = tl.load(d_off_ptr + tl.minimum(doc + 2, n_docs))
+            tok = tl.where(last, doc_end, tok + BLOCK_D)
+            doc_start = tl.where(last, doc_end, doc_start)
+            doc_end = tl.where(last, next_end, doc_end)
+            doc = doc + last.to(tl.int64)
     else:
         # longer queries than planned: the group's rows in tiles, for each document
         for doc in range(doc_first, doc_last):
@@ -403,14 +458,14 @@ def _maxsim_codes_varlen_kernel(
             stop = tl.load(d_off_ptr + doc + 1)
             scores = tl.zeros([MAX_Q], tl.float32)
             for r in range(row_first, row_last, BLOCK_Q):
-                q, sq, rows, row_ok = _query_tile(
+                qa, qb, qc, qd, sq, rows, row_ok = _query_planes(
                     q_ptr, q_scale_ptr, r, row_last, dim, stride_q, BLOCK_Q, BLOCK_K, CODEC
                 )
                 local = tl.sum((rows[:, None] >= q_ends[None, :]).to(tl.int32), axis=1)
                 member = (local[:, None] == kq[None, :]) & row_ok[:, None]
                 scores += _doc_sums(
-                    q, sq, row_ok, member, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, start, stop,
-                    n_centroids, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC,
+                    qa, qb, qc, qd, sq, row_ok, member, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, start,
+                    stop, n_centroids, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC,
                 )  # fmt: skip
             tl.store(out_rows + doc, _flag_bad_ids(scores), mask=q_ok)
 
@@ -451,27 +506,73 @@ def _maxsim_codes_candidates_kernel(
     candidate index outside [0, n_docs) is never dereferenced: it scores NaN."""
     c_first = tl.program_id(0).to(tl.int64) * CANDS_PER_PROG
     c_last = tl.minimum(c_first + CANDS_PER_PROG, n_cand)
+    query = candidate_query(cand_off_ptr, c_first, n_queries)
+    row_first = tl.load(q_off_ptr + query)
+    row_last = tl.load(q_off_ptr + query + 1)
     kq = tl.arange(0, 2)
-    for c in range(c_first, c_last):
-        query = candidate_query(cand_off_ptr, c, n_queries)
-        row_first = tl.load(q_off_ptr + query)
-        row_last = tl.load(q_off_ptr + query + 1)
-        doc = tl.load(cand_docs_ptr + c).to(tl.int64)
+    if (tl.load(cand_off_ptr + query + 1) >= c_last) & (row_last - row_first <= BLOCK_Q):
+        # One query, one tile (the planned case): all the tiles of the program's candidates in ONE loop.
+        qa, qb, qc, qd, sq, rows, row_ok = _query_planes(
+            q_ptr, q_scale_ptr, row_first, row_last, dim, stride_q, BLOCK_Q, BLOCK_K, CODEC
+        )
+        cc = c_first + tl.arange(0, CANDS_PER_PROG)
+        c_in = cc < c_last
+        cdocs = tl.load(cand_docs_ptr + cc, mask=c_in, other=0)
+        c_ok = c_in & (cdocs >= 0) & (cdocs < n_docs)  # a bad index: one tile of an empty document
+        lens = tl.load(d_off_ptr + cdocs + 1, mask=c_ok, other=0)
+        lens -= tl.load(d_off_ptr + cdocs, mask=c_ok, other=0)
+        n_tiles = tl.sum(tl.where(c_in, tl.maximum(tl.cdiv(lens, BLOCK_D), 1), 0))
+        c = c_first
+        doc = tl.load(cand_docs_ptr + c)
         doc_ok = (doc >= 0) & (doc < n_docs)
-        start = tl.load(d_off_ptr + doc, mask=doc_ok, other=0)
-        stop = tl.load(d_off_ptr + doc + 1, mask=doc_ok, other=0)
-        total = tl.zeros([2], tl.float32)
-        for r in range(row_first, row_last, BLOCK_Q):
-            q, sq, rows, row_ok = _query_tile(
-                q_ptr, q_scale_ptr, r, row_last, dim, stride_q, BLOCK_Q, BLOCK_K, CODEC
-            )
-            member = row_ok[:, None] & (kq[None, :] == 0)
-            total += _doc_sums(
-                q, sq, row_ok, member, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, start, stop, n_centroids,
-                dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC,
+        doc_start = tl.load(d_off_ptr + doc, mask=doc_ok, other=0)
+        doc_end = tl.load(d_off_ptr + doc + 1, mask=doc_ok, other=0)
+        tok = doc_start
+        row_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+        row_arg = tl.full([BLOCK_Q], -1, tl.int32)
+        m_tile = tl.full((BLOCK_Q, BLOCK_D), float("-inf"), tl.float32)
+        for _ in range(n_tiles):
+            sim = _code_tile(
+                qa, qb, qc, qd, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, tok, doc_end, n_centroids, dim,
+                stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC,
             )  # fmt: skip
-        score = _flag_bad_ids(tl.sum(total, axis=0))
-        tl.store(out_ptr + c, tl.where(doc_ok, score, float("nan")))
+            row_max, row_arg, m_tile = fold_tile(sim, row_max, row_arg, m_tile, tok, doc_start, True, False)
+            last = tok + BLOCK_D >= doc_end
+            if last:
+                row_max = document_max(row_max, m_tile, 1, True)
+                score = _flag_bad_ids(tl.sum(tl.where(row_ok, sq * row_max, 0.0), axis=0))
+                tl.store(out_ptr + c, tl.where(doc_ok, score, float("nan")))
+                row_max, row_arg, m_tile = restart(row_max, row_arg, m_tile, True, False)
+                # the next candidate (read in bounds: the loop ends before c passes c_last - 1)
+                c = c + 1
+                doc = tl.load(cand_docs_ptr + tl.minimum(c, c_last - 1))
+                doc_ok = (doc >= 0) & (doc < n_docs)
+                doc_start = tl.load(d_off_ptr + doc, mask=doc_ok, other=0)
+                doc_end = tl.load(d_off_ptr + doc + 1, mask=doc_ok, other=0)
+                tok = doc_start
+            else:
+                tok = tok + BLOCK_D
+    else:
+        for c in range(c_first, c_last):
+            query = candidate_query(cand_off_ptr, c, n_queries)
+            row_first = tl.load(q_off_ptr + query)
+            row_last = tl.load(q_off_ptr + query + 1)
+            doc = tl.load(cand_docs_ptr + c).to(tl.int64)
+            doc_ok = (doc >= 0) & (doc < n_docs)
+            start = tl.load(d_off_ptr + doc, mask=doc_ok, other=0)
+            stop = tl.load(d_off_ptr + doc + 1, mask=doc_ok, other=0)
+            total = tl.zeros([2], tl.float32)
+            for r in range(row_first, row_last, BLOCK_Q):
+                qa, qb, qc, qd, sq, rows, row_ok = _query_planes(
+                    q_ptr, q_scale_ptr, r, row_last, dim, stride_q, BLOCK_Q, BLOCK_K, CODEC
+                )
+                member = row_ok[:, None] & (kq[None, :] == 0)
+                total += _doc_sums(
+                    qa, qb, qc, qd, sq, row_ok, member, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, start, stop,
+                    n_centroids, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC,
+                )  # fmt: skip
+            score = _flag_bad_ids(tl.sum(total, axis=0))
+            tl.store(out_ptr + c, tl.where(doc_ok, score, float("nan")))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -567,8 +668,12 @@ def _kernel_pointers(
     return codes, codebook.centroids, codebook.bucket_weights, codebook.centroids.shape[0], 1
 
 
-def _block_k(dim: int) -> int:
-    return max(32, triton.next_power_of_2(dim))  # int8 tl.dot needs K >= 32
+def _part_width(codec: str, dim: int) -> int:
+    """BLOCK_K: the width of one part of a row (int4: dim / 2 nibbles of each kind; residual2: dim / 4
+    buckets of each position), at least the tensor cores' K (32 for int8, 16 for fp16)."""
+    if codec == "int4":
+        return max(32, triton.next_power_of_2(dim // 2))
+    return max(16, triton.next_power_of_2(dim // 4))
 
 
 def _launch_varlen(
@@ -582,32 +687,30 @@ def _launch_varlen(
     doc_offsets: torch.Tensor,
     codebook: ResidualCodebook | None,
     *,
-    block_q: int | None = None,
-    block_d: int | None = None,
-    docs_per_prog: int | None = None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
-    """All-pairs launch (no host synchronisation); keyword overrides are for tests and tile sweeps."""
+    """All-pairs launch (no host synchronisation); `tiles` overrides the plan (tests and tile sweeps)."""
     nq, nd = query_offsets.numel() - 1, doc_offsets.numel() - 1
     out = torch.empty((nq, nd), dtype=torch.float32, device=codes.device)
     if nq == 0 or nd == 0:
         return out
-    cap = block_q or _VARLEN_BLOCK_Q
+    tiles = tiles or (_FEW_ROWS if q8.shape[0] <= _FEW_ROWS_MAX else _ALL_PAIRS)
+    cap = tiles.block_q
     mean = triton.next_power_of_2(max(1, -(-q8.shape[0] // nq)))
     if mean >= cap:
         per_group, block_q = 1, cap
     else:
         per_group = min(_MAX_QUERIES_PER_GROUP, cap // mean, triton.next_power_of_2(nq))
         block_q = max(16, min(cap, per_group * mean))
-    docs_per_prog = docs_per_prog or _VARLEN_DOCS_PER_PROG
     n_groups = cdiv(nq, per_group)
     scales, cent, wts, n_centroids, codec_id = _kernel_pointers(codes, doc_scales, codebook)
-    _maxsim_codes_varlen_kernel[(n_groups * cdiv(nd, docs_per_prog),)](
+    _maxsim_codes_varlen_kernel[(n_groups * cdiv(nd, tiles.docs_per_prog),)](
         q8, sq, query_offsets, codes, scales, doc_offsets, cent, wts, out,
         nq, n_groups, nd, n_centroids, dim,
         q8.stride(0), codes.stride(0), out.stride(0),
-        CODEC=codec_id, DOCS_PER_PROG=docs_per_prog, BLOCK_Q=block_q, BLOCK_D=block_d or _BLOCK_D,
-        BLOCK_K=_block_k(dim), QUERIES_PER_GROUP=per_group, MAX_Q=max(2, per_group),
-        num_warps=_WARPS, num_stages=_STAGES,
+        CODEC=codec_id, DOCS_PER_PROG=tiles.docs_per_prog, BLOCK_Q=block_q, BLOCK_D=tiles.block_d,
+        BLOCK_K=_part_width(codec, dim), QUERIES_PER_GROUP=per_group, MAX_Q=max(2, per_group),
+        num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
     return out
 
@@ -625,8 +728,7 @@ def _launch_candidates(
     candidate_offsets: torch.Tensor,
     candidate_docs: torch.Tensor,
     *,
-    block_q: int | None = None,
-    block_d: int | None = None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """Per-query-candidates launch (no host synchronisation)."""
     nq = query_offsets.numel() - 1
@@ -634,17 +736,36 @@ def _launch_candidates(
     out = torch.empty((n_cand,), dtype=torch.float32, device=codes.device)
     if n_cand == 0:
         return out
+    tiles = tiles or _CANDIDATES
     mean = triton.next_power_of_2(max(1, -(-q8.shape[0] // nq)))
-    block_q = block_q or max(16, min(_VARLEN_BLOCK_Q, mean))
+    block_q = max(16, min(tiles.block_q, mean))
     scales, cent, wts, n_centroids, codec_id = _kernel_pointers(codes, doc_scales, codebook)
-    _maxsim_codes_candidates_kernel[(cdiv(n_cand, _CAND_PER_PROG),)](
+    _maxsim_codes_candidates_kernel[(cdiv(n_cand, tiles.docs_per_prog),)](
         q8, sq, query_offsets, candidate_offsets, candidate_docs, codes, scales, doc_offsets, cent, wts, out,
         nq, n_cand, doc_offsets.numel() - 1, n_centroids, dim,
         q8.stride(0), codes.stride(0),
-        CODEC=codec_id, CANDS_PER_PROG=_CAND_PER_PROG, BLOCK_Q=block_q, BLOCK_D=block_d or _BLOCK_D,
-        BLOCK_K=_block_k(dim), num_warps=_WARPS, num_stages=_STAGES,
+        CODEC=codec_id, CANDS_PER_PROG=tiles.docs_per_prog, BLOCK_Q=block_q, BLOCK_D=tiles.block_d,
+        BLOCK_K=_part_width(codec, dim), num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
     return out
+
+
+def launch_varlen_with_tiles(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    tiles: Tiles,
+    *,
+    doc_scales: torch.Tensor | None = None,
+    codebook: ResidualCodebook | None = None,
+) -> torch.Tensor:
+    """`maxsim_varlen_codes` (Triton) with the tile plan `tiles` in place of the planned one: for tile
+    sweeps (`benchmarks/bench_codes.py --sweep`), not for production."""
+    codec, dim, _, q8, sq, q_off, codes, sd, d_off, cb = _prepare(
+        queries, query_offsets, docs, doc_offsets, doc_scales, None, codebook, "triton"
+    )
+    return _launch_varlen(codec, dim, q8, sq, q_off, codes, sd, d_off, cb, tiles=tiles)
 
 
 # ----------------------------------------------------------------------------------------------------------

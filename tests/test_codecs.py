@@ -139,6 +139,46 @@ def test_candidates_score_as_all_pairs(codec, backend):
     _check_close(scores, expected, bound)
 
 
+# Every branch of the Triton kernels with small tiles: the few-rows plan (one loop over the tiles of all
+# of a program's documents), the all-pairs plan with groups of queries, queries longer than a program's
+# query tile (the per-document branch), and candidate programs that hold one query's run (one loop) or
+# several queries' (per candidate).
+PLANS = {
+    "few-rows": dict(_FEW_ROWS_MAX=64, _FEW_ROWS=(64, 16, 4, 4, 1)),
+    "all-pairs": dict(_FEW_ROWS_MAX=0, _ALL_PAIRS=(32, 16, 2, 4, 1)),
+    "long-queries": dict(_FEW_ROWS_MAX=0, _ALL_PAIRS=(16, 16, 2, 4, 1)),
+    "candidate-runs": dict(_CANDIDATES=(64, 16, 2, 4, 1)),
+}
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_every_kernel_branch_within_the_bound(codec, plan, monkeypatch):
+    from maxsim_kernels import maxsim_codes
+
+    for name, tiles in PLANS[plan].items():
+        monkeypatch.setattr(
+            maxsim_codes, name, tiles if isinstance(tiles, int) else maxsim_codes.Tiles(*tiles)
+        )
+    gen = torch.Generator().manual_seed(11)
+    dim = 36 if codec == "int4" else 40
+    queries, q_off = _packed([3, 40, 1, 7, 2], dim, gen)
+    docs, d_off = _packed([1, 40, 17, 0, 33, 1, 2, 16, 15], dim, gen)
+    enc = _encoded(codec, docs, gen)
+    codes = enc.pop("docs")
+    reference = maxsim_codes_reference(queries, q_off, codes, d_off, **enc)
+    bound = _bound(queries, q_off, {"docs": codes, **enc})
+    if plan == "candidate-runs":
+        cand_off = torch.tensor([0, 4, 5, 5, 9, 12])
+        cand_docs = torch.tensor([8, 3, 1, 0, 2, 4, 5, 6, 7, 1, 1, 3])
+        scores = maxsim_candidates(queries, q_off, codes, d_off, cand_off, cand_docs, backend="triton", **enc)
+        owner = torch.repeat_interleave(torch.arange(5), cand_off.diff())
+        _check_close(scores, reference[owner, cand_docs], bound[owner, 0])
+    else:
+        scores = maxsim_varlen(queries, q_off, codes, d_off, backend="triton", **enc)
+        _check_close(scores, reference, bound)
+
+
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_constant_vectors_negative_similarities_and_exact_ties(codec, backend):
