@@ -86,10 +86,11 @@ class Tiles(NamedTuple):
     docs_per_prog: int  # documents (all pairs) or candidates a program
     warps: int
     stages: int
+    doc_major: bool = False  # documents the first operand of the products (see `_code_tile`)
 
 
-_ALL_PAIRS = Tiles(block_q=128, block_d=32, docs_per_prog=64, warps=4, stages=2)
-_FEW_ROWS = Tiles(block_q=64, block_d=64, docs_per_prog=32, warps=4, stages=3)
+_ALL_PAIRS = Tiles(block_q=256, block_d=32, docs_per_prog=64, warps=4, stages=2)
+_FEW_ROWS = Tiles(block_q=64, block_d=64, docs_per_prog=64, warps=4, stages=2)
 _CANDIDATES = Tiles(block_q=64, block_d=64, docs_per_prog=16, warps=4, stages=3)
 _FEW_ROWS_MAX = 64  # query rows at most for the few-rows plan (one or two queries of 32 tokens)
 _MAX_QUERIES_PER_GROUP = 32
@@ -257,12 +258,25 @@ def _query_planes(
 
 
 @triton.jit
-def _residual2_plane(acc, q_part, packed, cent_rows, id_ok, wts_ptr, m, m_ok, PART: tl.constexpr):
-    """acc + q_part @ x^T for the dimensions 4m + PART: x = fp16(C[id, 4m + PART] + W[4m + PART, bucket])."""
+def _residual2_part(acc, q_part, packed, cent_rows, id_ok, wts_ptr, m, m_ok, quarter, PART: tl.constexpr,
+                    DOC_MAJOR: tl.constexpr):  # fmt: skip
+    """acc + the products of part PART (dimensions 4m + PART): x = fp16(C[id, 4m + PART] + W[4m + PART, b]).
+
+    The codebook is in part-major order (`_parts_major`): part PART of a centroid is the contiguous
+    columns PART * quarter + m, and so are the rows of W."""
     bucket = (packed >> (2 * PART)) & 3
-    cent = tl.load(cent_rows + PART, mask=id_ok[:, None] & m_ok[None, :], other=0.0).to(tl.float32)
-    weight = tl.load(wts_ptr + (4 * m[None, :] + PART) * 4 + bucket, mask=m_ok[None, :], other=0.0)
-    return tl.dot(q_part, tl.trans((cent + weight).to(tl.float16)), acc)
+    cent = tl.load(cent_rows + PART * quarter, mask=id_ok[:, None] & m_ok[None, :], other=0.0).to(tl.float32)
+    w_row = wts_ptr + (PART * quarter + m) * 4
+    w0 = tl.load(w_row, mask=m_ok, other=0.0)[None, :]
+    w1 = tl.load(w_row + 1, mask=m_ok, other=0.0)[None, :]
+    w2 = tl.load(w_row + 2, mask=m_ok, other=0.0)[None, :]
+    w3 = tl.load(w_row + 3, mask=m_ok, other=0.0)[None, :]
+    odd = (bucket & 1) != 0
+    weight = tl.where((bucket & 2) != 0, tl.where(odd, w3, w2), tl.where(odd, w1, w0))
+    x = (cent + weight).to(tl.float16)
+    if DOC_MAJOR:
+        return tl.dot(x, tl.trans(q_part), acc)
+    return tl.dot(q_part, tl.trans(x), acc)
 
 
 @triton.jit
@@ -284,9 +298,12 @@ def _code_tile(
     BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr,
     CODEC: tl.constexpr,
+    DOC_MAJOR: tl.constexpr,
 ):
-    """Similarities [BLOCK_Q, BLOCK_D] of the query tile with document tokens tok.. decoded in registers;
-    -inf from doc_end on, +inf for a token whose centroid id is outside the codebook (flagged later).
+    """Similarities of the query tile with document tokens tok.. decoded in registers, [BLOCK_Q, BLOCK_D]
+    ([BLOCK_D, BLOCK_Q] with DOC_MAJOR: the decoded tile is the first operand, fed to the tensor cores
+    from registers); -inf from doc_end on, +inf for a token whose centroid id is outside the codebook
+    (flagged later).
 
     Each row of codes is read once as whole bytes (contiguous, vectorised loads) and unpacked into its
     parts (two nibbles, four 2-bit buckets), each part multiplied with the query columns it holds."""
@@ -302,9 +319,13 @@ def _code_tile(
         packed = packed.to(tl.int32)
         low = (((packed & 0xF) ^ 8) - 8).to(tl.int8)
         high = (((packed >> 4) ^ 8) - 8).to(tl.int8)
-        acc = tl.dot(qa, tl.trans(low), out_dtype=tl.int32)
-        acc = tl.dot(qb, tl.trans(high), acc, out_dtype=tl.int32)  # exact below 2^24
         s = tl.load(d_scale_ptr + cols, mask=col_ok, other=1.0)
+        if DOC_MAJOR:
+            acc = tl.dot(low, tl.trans(qa), out_dtype=tl.int32)
+            acc = tl.dot(high, tl.trans(qb), acc, out_dtype=tl.int32)  # exact below 2^24
+            return acc.to(tl.float32) * s[:, None] + bias[:, None]
+        acc = tl.dot(qa, tl.trans(low), out_dtype=tl.int32)
+        acc = tl.dot(qb, tl.trans(high), acc, out_dtype=tl.int32)
         return acc.to(tl.float32) * s[None, :] + bias[None, :]
     else:
         # residual2: the centroid id from bytes 0-3, then byte 4 + m holds the buckets of 4m .. 4m + 3
@@ -313,17 +334,24 @@ def _code_tile(
             part = tl.load(row_start + i, mask=col_ok, other=0).to(tl.int64)
             cid = cid | (part << (8 * i))
         id_ok = col_ok & (cid < n_centroids)
-        m_ok = m < dim // 4
+        quarter = dim // 4
+        m_ok = m < quarter
         packed = tl.load(row_start[:, None] + 4 + m[None, :], mask=col_ok[:, None] & m_ok[None, :], other=0)
         packed = packed.to(tl.int32)
-        cent_rows = cent_ptr + cid[:, None] * dim + 4 * m[None, :]
-        acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-        acc = _residual2_plane(acc, qa, packed, cent_rows, id_ok, wts_ptr, m, m_ok, 0)
-        acc = _residual2_plane(acc, qb, packed, cent_rows, id_ok, wts_ptr, m, m_ok, 1)
-        acc = _residual2_plane(acc, qc, packed, cent_rows, id_ok, wts_ptr, m, m_ok, 2)
-        acc = _residual2_plane(acc, qd, packed, cent_rows, id_ok, wts_ptr, m, m_ok, 3)
+        cent_rows = cent_ptr + cid[:, None] * dim + m[None, :]
+        if DOC_MAJOR:
+            acc = tl.zeros([BLOCK_D, BLOCK_Q], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+        acc = _residual2_part(acc, qa, packed, cent_rows, id_ok, wts_ptr, m, m_ok, quarter, 0, DOC_MAJOR)
+        acc = _residual2_part(acc, qb, packed, cent_rows, id_ok, wts_ptr, m, m_ok, quarter, 1, DOC_MAJOR)
+        acc = _residual2_part(acc, qc, packed, cent_rows, id_ok, wts_ptr, m, m_ok, quarter, 2, DOC_MAJOR)
+        acc = _residual2_part(acc, qd, packed, cent_rows, id_ok, wts_ptr, m, m_ok, quarter, 3, DOC_MAJOR)
         bad = col_ok & (cid >= n_centroids)
-        return acc + tl.where(bad, float("inf"), bias)[None, :]
+        extra = tl.where(bad, float("inf"), bias)
+        if DOC_MAJOR:
+            return acc + extra[:, None]
+        return acc + extra[None, :]
 
 
 @triton.jit
@@ -348,15 +376,16 @@ def _doc_sums(
     BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr,
     CODEC: tl.constexpr,
+    DOC_MAJOR: tl.constexpr,
 ):
     """Per query of the group ([MAX_Q]): sum over its rows of the tile of s_q * max over one document."""
     row_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     for t in range(start, stop, BLOCK_D):
         sim = _code_tile(
             qa, qb, qc, qd, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, t, stop, n_centroids, dim, stride_d,
-            BLOCK_Q, BLOCK_D, BLOCK_K, CODEC,
+            BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR,
         )  # fmt: skip
-        row_max = tl.maximum(row_max, tl.max(sim, axis=1))
+        row_max = tl.maximum(row_max, tl.max(sim, axis=0 if DOC_MAJOR else 1))
     contrib = tl.where(row_ok, sq * row_max, 0.0)
     return tl.sum(tl.where(member, contrib[:, None], 0.0), axis=0)
 
@@ -399,6 +428,7 @@ def _maxsim_codes_varlen_kernel(
     BLOCK_K: tl.constexpr,
     QUERIES_PER_GROUP: tl.constexpr,
     MAX_Q: tl.constexpr,
+    DOC_MAJOR: tl.constexpr,
 ):
     """Scores of QUERIES_PER_GROUP consecutive queries against DOCS_PER_PROG consecutive documents."""
     pid = tl.program_id(0)
@@ -432,16 +462,16 @@ def _maxsim_codes_varlen_kernel(
         tok = doc_start
         row_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         row_arg = tl.full([BLOCK_Q], -1, tl.int32)
-        m_tile = tl.full((BLOCK_Q, BLOCK_D), float("-inf"), tl.float32)
+        m_tile = tl.full((BLOCK_D, BLOCK_Q) if DOC_MAJOR else (BLOCK_Q, BLOCK_D), float("-inf"), tl.float32)
         for _ in range(n_tiles):
             sim = _code_tile(
                 qa, qb, qc, qd, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, tok, doc_end, n_centroids, dim,
-                stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC,
+                stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR,
             )  # fmt: skip
             row_max, row_arg, m_tile = fold_tile(sim, row_max, row_arg, m_tile, tok, doc_start, True, False)
             last = tok + BLOCK_D >= doc_end
             if last:
-                row_max = document_max(row_max, m_tile, 1, True)
+                row_max = document_max(row_max, m_tile, 0 if DOC_MAJOR else 1, True)
                 contrib = tl.where(row_ok, sq * row_max, 0.0)
                 scores = tl.sum(tl.where(member, contrib[:, None], 0.0), axis=0)
                 tl.store(out_rows + doc, _flag_bad_ids(scores), mask=q_ok)
@@ -465,7 +495,7 @@ def _maxsim_codes_varlen_kernel(
                 member = (local[:, None] == kq[None, :]) & row_ok[:, None]
                 scores += _doc_sums(
                     qa, qb, qc, qd, sq, row_ok, member, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, start,
-                    stop, n_centroids, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC,
+                    stop, n_centroids, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR,
                 )  # fmt: skip
             tl.store(out_rows + doc, _flag_bad_ids(scores), mask=q_ok)
 
@@ -501,6 +531,7 @@ def _maxsim_codes_candidates_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOC_MAJOR: tl.constexpr,
 ):
     """Scores of CANDS_PER_PROG consecutive (query, candidate) pairs of the flat candidate list. A
     candidate index outside [0, n_docs) is never dereferenced: it scores NaN."""
@@ -530,16 +561,16 @@ def _maxsim_codes_candidates_kernel(
         tok = doc_start
         row_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         row_arg = tl.full([BLOCK_Q], -1, tl.int32)
-        m_tile = tl.full((BLOCK_Q, BLOCK_D), float("-inf"), tl.float32)
+        m_tile = tl.full((BLOCK_D, BLOCK_Q) if DOC_MAJOR else (BLOCK_Q, BLOCK_D), float("-inf"), tl.float32)
         for _ in range(n_tiles):
             sim = _code_tile(
                 qa, qb, qc, qd, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, tok, doc_end, n_centroids, dim,
-                stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC,
+                stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR,
             )  # fmt: skip
             row_max, row_arg, m_tile = fold_tile(sim, row_max, row_arg, m_tile, tok, doc_start, True, False)
             last = tok + BLOCK_D >= doc_end
             if last:
-                row_max = document_max(row_max, m_tile, 1, True)
+                row_max = document_max(row_max, m_tile, 0 if DOC_MAJOR else 1, True)
                 score = _flag_bad_ids(tl.sum(tl.where(row_ok, sq * row_max, 0.0), axis=0))
                 tl.store(out_ptr + c, tl.where(doc_ok, score, float("nan")))
                 row_max, row_arg, m_tile = restart(row_max, row_arg, m_tile, True, False)
@@ -569,7 +600,7 @@ def _maxsim_codes_candidates_kernel(
                 member = row_ok[:, None] & (kq[None, :] == 0)
                 total += _doc_sums(
                     qa, qb, qc, qd, sq, row_ok, member, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, start, stop,
-                    n_centroids, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC,
+                    n_centroids, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR,
                 )  # fmt: skip
             score = _flag_bad_ids(tl.sum(total, axis=0))
             tl.store(out_ptr + c, tl.where(doc_ok, score, float("nan")))
@@ -665,7 +696,16 @@ def _kernel_pointers(
     if codebook is None:
         assert doc_scales is not None
         return doc_scales, codes, codes, 0, 0
-    return codes, codebook.centroids, codebook.bucket_weights, codebook.centroids.shape[0], 1
+    cent, wts = _parts_major(codebook)
+    return codes, cent, wts, codebook.centroids.shape[0], 1
+
+
+def _parts_major(codebook: ResidualCodebook) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codebook in the kernels' part-major order: column (row of W) p * dim / 4 + m holds dimension
+    4m + p, so that a part of a centroid is one contiguous run (one copy a launch: ~10 us for 16 MB)."""
+    dim = codebook.centroids.shape[1]
+    order = torch.arange(dim, device=codebook.centroids.device).view(dim // 4, 4).T.reshape(-1)
+    return codebook.centroids[:, order].contiguous(), codebook.bucket_weights[order].contiguous()
 
 
 def _part_width(codec: str, dim: int) -> int:
@@ -710,7 +750,7 @@ def _launch_varlen(
         q8.stride(0), codes.stride(0), out.stride(0),
         CODEC=codec_id, DOCS_PER_PROG=tiles.docs_per_prog, BLOCK_Q=block_q, BLOCK_D=tiles.block_d,
         BLOCK_K=_part_width(codec, dim), QUERIES_PER_GROUP=per_group, MAX_Q=max(2, per_group),
-        num_warps=tiles.warps, num_stages=tiles.stages,
+        DOC_MAJOR=tiles.doc_major, num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
     return out
 
@@ -745,7 +785,8 @@ def _launch_candidates(
         nq, n_cand, doc_offsets.numel() - 1, n_centroids, dim,
         q8.stride(0), codes.stride(0),
         CODEC=codec_id, CANDS_PER_PROG=tiles.docs_per_prog, BLOCK_Q=block_q, BLOCK_D=tiles.block_d,
-        BLOCK_K=_part_width(codec, dim), num_warps=tiles.warps, num_stages=tiles.stages,
+        BLOCK_K=_part_width(codec, dim), DOC_MAJOR=tiles.doc_major, num_warps=tiles.warps,
+        num_stages=tiles.stages,
     )  # fmt: skip
     return out
 

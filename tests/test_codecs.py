@@ -148,6 +148,9 @@ PLANS = {
     "all-pairs": dict(_FEW_ROWS_MAX=0, _ALL_PAIRS=(32, 16, 2, 4, 1)),
     "long-queries": dict(_FEW_ROWS_MAX=0, _ALL_PAIRS=(16, 16, 2, 4, 1)),
     "candidate-runs": dict(_CANDIDATES=(64, 16, 2, 4, 1)),
+    "few-rows-doc-major": dict(_FEW_ROWS_MAX=64, _FEW_ROWS=(64, 16, 4, 4, 1, True)),
+    "long-queries-doc-major": dict(_FEW_ROWS_MAX=0, _ALL_PAIRS=(16, 16, 2, 4, 1, True)),
+    "candidate-runs-doc-major": dict(_CANDIDATES=(64, 16, 2, 4, 1, True)),
 }
 
 
@@ -168,7 +171,7 @@ def test_every_kernel_branch_within_the_bound(codec, plan, monkeypatch):
     codes = enc.pop("docs")
     reference = maxsim_codes_reference(queries, q_off, codes, d_off, **enc)
     bound = _bound(queries, q_off, {"docs": codes, **enc})
-    if plan == "candidate-runs":
+    if plan.startswith("candidate-runs"):
         cand_off = torch.tensor([0, 4, 5, 5, 9, 12])
         cand_docs = torch.tensor([8, 3, 1, 0, 2, 4, 5, 6, 7, 1, 1, 3])
         scores = maxsim_candidates(queries, q_off, codes, d_off, cand_off, cand_docs, backend="triton", **enc)
