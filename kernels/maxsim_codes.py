@@ -275,8 +275,10 @@ def _residual2_part(acc, q_part, packed, cent_rows, id_ok, wts_ptr, m, m_ok, qua
     weight = tl.where((bucket & 2) != 0, tl.where(odd, w3, w2), tl.where(odd, w1, w0))
     x = (cent + weight).to(tl.float16)
     if DOC_MAJOR:
-        return tl.dot(x, tl.trans(q_part), acc)
-    return tl.dot(q_part, tl.trans(x), acc)
+        acc = tl.dot(x, tl.trans(q_part), acc)
+    else:
+        acc = tl.dot(q_part, tl.trans(x), acc)
+    return acc
 
 
 @triton.jit
@@ -323,10 +325,12 @@ def _code_tile(
         if DOC_MAJOR:
             acc = tl.dot(low, tl.trans(qa), out_dtype=tl.int32)
             acc = tl.dot(high, tl.trans(qb), acc, out_dtype=tl.int32)  # exact below 2^24
-            return acc.to(tl.float32) * s[:, None] + bias[:, None]
-        acc = tl.dot(qa, tl.trans(low), out_dtype=tl.int32)
-        acc = tl.dot(qb, tl.trans(high), acc, out_dtype=tl.int32)
-        return acc.to(tl.float32) * s[None, :] + bias[None, :]
+            sim = acc.to(tl.float32) * s[:, None] + bias[:, None]
+        else:
+            acc = tl.dot(qa, tl.trans(low), out_dtype=tl.int32)
+            acc = tl.dot(qb, tl.trans(high), acc, out_dtype=tl.int32)
+            sim = acc.to(tl.float32) * s[None, :] + bias[None, :]
+        return sim
     else:
         # residual2: the centroid id from bytes 0-3, then byte 4 + m holds the buckets of 4m .. 4m + 3
         cid = tl.zeros([BLOCK_D], tl.int64)
@@ -350,8 +354,10 @@ def _code_tile(
         bad = col_ok & (cid >= n_centroids)
         extra = tl.where(bad, float("inf"), bias)
         if DOC_MAJOR:
-            return acc + extra[:, None]
-        return acc + extra[None, :]
+            sim = acc + extra[:, None]
+        else:
+            sim = acc + extra[None, :]
+        return sim
 
 
 @triton.jit
