@@ -48,6 +48,14 @@ want int8 && step int8 ${INT8_S:-200} python3 benchmarks/bench_int8.py gpu --rep
   --out "$logs/int8-$card.json" --workdir /tmp
 # codes: the scan kernels below 8 bits (int4, residual2) beside fp16 and int8 on the same documents
 want codes && step codes ${CODES_S:-300} python3 benchmarks/bench_codes.py ${CODES_ARGS:-} --out "$logs/codes-$card.json"
+# two-stage: quantize --bits 4/2 of an 8 GB fp16 corpus (built once in TWO_STAGE_WORKDIR, ~11 GB of disk with
+# its tiers) and one query's two-stage search against its bound; run it as a call of its own
+want two-stage && step two-stage ${TWO_STAGE_S:-540} python3 benchmarks/bench_two_stage.py \
+  --workdir ${TWO_STAGE_WORKDIR:-/var/tmp/mb-two-stage} ${TWO_STAGE_ARGS:-} --out "$logs/two-stage-$card.json"
+# scale: one query's scan over 1e9 tokens of 2-bit codes resident on the GPU (~37 GB), 4-bit at the largest
+# size that fits, a two-stage search composed with an exact tier in host memory; a call of its own
+# (SCALE_ARGS: e.g. "--tokens 5e8" where memory is short, "--exact-dtype int8")
+want scale && step scale ${SCALE_S:-540} python3 benchmarks/bench_scale.py ${SCALE_ARGS:-} --out "$logs/scale-$card.json"
 # api-resident: the Python API's small calls on an 8.2 GB resident corpus beside the kernel alone
 want api-resident && step api-resident ${API_RESIDENT_S:-300} python3 benchmarks/bench_api_resident.py \
   --workdir /var/tmp/mb-api --size ${API_RESIDENT_SIZE:-8.2GB} --out "$logs/api-resident-$card.json"
