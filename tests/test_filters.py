@@ -217,8 +217,10 @@ def test_ids_from_stdin(data, tmp_path) -> None:
         (["--include-ids", "{ws}"], 1, "line 2"),
         (["--include-ids", "{missing}"], 1, "no such file"),
         (["--include-ids", "-", "--exclude-ids", "-"], 2, "stdin"),
-        (["--include-ids", "{ok}", "--devices", "cpu:2"], 2, "one device"),
-        (["--include-ids", "{ok}", "--exact-from", "{ok}"], 2, "--exact-from"),
+        (["--include-ids", "-", "--devices", "cpu:2"], 2, "standard input cannot be shared"),
+        (["--where", "open('x')"], 2, "the function open"),
+        (["--where", "lang =="], 2, "not an expression"),
+        (["--where", 'lang == "en"'], 1, "safetensors shard has none"),
     ],
 )
 def test_bad_filter_inputs_are_one_line_errors(data, tmp_path, args, code, words) -> None:
