@@ -121,7 +121,7 @@ def register(app: typer.Typer) -> None:
             "--where",
             help="Return only the documents for which this condition on the metadata columns of Arrow or "
             "Parquet shards holds, in pyarrow's expression syntax: 'lang == \"en\" and year >= 2020', "
-            "'tag in [\"a\", \"b\"]', 'starts_with(title, \"The\")' (docs/api.md, Filters). With the id "
+            '\'tag in ["a", "b"]\', \'starts_with(title, "The")\' (docs/api.md, Filters). With the id '
             "filters: documents allowed by all of them.",
         ),
     ) -> None:

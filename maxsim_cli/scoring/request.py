@@ -147,8 +147,10 @@ class ScoreRequest:
             return
         stdin = [p for p in (self.queries, self.candidates, self.include_ids, self.exclude_ids) if p == "-"]
         if len(stdin) > 1:
-            raise UsageError("several inputs are '-' (stdin): at most one of QUERIES, --candidates, "
-                             "--include-ids and --exclude-ids can be stdin")
+            raise UsageError(
+                "several inputs are '-' (stdin): at most one of QUERIES, --candidates, "
+                "--include-ids and --exclude-ids can be stdin"
+            )
         if self.where is not None:
             from maxsim_cli.scoring.where import parse_where
 

@@ -104,7 +104,7 @@ def parse_where(text: str) -> pc.Expression:
     if not isinstance(text, str):
         raise UsageError(f"{WHERE}: got {type(text).__name__}; give a pyarrow.compute.Expression or its text")
     if not text.strip():
-        raise WhereSyntaxError(f"{WHERE}: empty; give a condition such as lang == \"en\"")
+        raise WhereSyntaxError(f'{WHERE}: empty; give a condition such as lang == "en"')
     if len(text) > MAX_WHERE_CHARS:
         raise WhereSyntaxError(f"{WHERE}: {len(text)} characters; a filter may have {MAX_WHERE_CHARS}")
     try:
@@ -113,7 +113,7 @@ def parse_where(text: str) -> pc.Expression:
     except SyntaxError as exc:
         raise WhereSyntaxError(
             f"{WHERE} {_shown(text)}: not an expression ({exc.msg}); write a "
-            "condition such as lang == \"en\" and year >= 2020"
+            'condition such as lang == "en" and year >= 2020'
         ) from None
     except (RecursionError, MemoryError):
         raise WhereSyntaxError(_TOO_DEEP.format(WHERE, MAX_WHERE_DEPTH)) from None
@@ -242,7 +242,7 @@ class _Builder:
                 raise self.refuse(node, f"{func.attr}() of other than literals")
             if func.attr == "cast":
                 if len(args) != 1 or not isinstance(args[0], str):
-                    raise self.refuse(node, "cast() of other than a type's name (\"date32\", \"string\")")
+                    raise self.refuse(node, 'cast() of other than a type\'s name ("date32", "string")')
                 return target.cast(pa.type_for_alias(args[0]))
             return getattr(target, func.attr)(*args)
         raise self.refuse(node, "this call")
@@ -280,8 +280,8 @@ def as_expression(where: Any) -> tuple[pc.Expression, str]:
     if isinstance(where, str):
         return parse_where(where), _shown(where)
     raise UsageError(
-        f"{WHERE}: got {type(where).__name__}; give a pyarrow.compute.Expression (pc.field(\"lang\") == "
-        "\"en\") or its text"
+        f'{WHERE}: got {type(where).__name__}; give a pyarrow.compute.Expression (pc.field("lang") == '
+        '"en") or its text'
     )
 
 
@@ -386,7 +386,7 @@ def _columns(expr: pc.Expression, shown: str, schema: pa.Schema, path: str) -> l
         typed = ", ".join(f"{n} is {schema.field(n).type}" for n in used) or "no column"
         raise InputError(
             f"{path}: {WHERE} {shown}: {_first_line(exc)} ({typed} here); compare each column with values "
-            "of its type (text in quotes, numbers without), or cast it: year.cast(\"string\")"
+            'of its type (text in quotes, numbers without), or cast it: year.cast("string")'
         ) from None
     except pa.ArrowTypeError as exc:  # "Filter expression must evaluate to bool, but ..."
         raise InputError(

@@ -76,7 +76,7 @@ INCLUDE_HELP = (
 EXCLUDE_HELP = "Filter: these docnos are never returned; with include, include minus exclude."
 WHERE_HELP = (
     "Filter (a search): a condition on the metadata columns of the corpus's Arrow or Parquet shards, in "
-    "pyarrow's expression syntax (lang == \"en\" and year >= 2020); only the documents it holds for "
+    'pyarrow\'s expression syntax (lang == "en" and year >= 2020); only the documents it holds for '
     "may be returned. With include / exclude: documents allowed by all of them."
 )
 # the longest "where" a request may carry: `maxsim_cli.scoring.where.MAX_WHERE_CHARS`, written out so
@@ -143,8 +143,6 @@ class Parsed:
     # rerank's is applied to its candidates when it is read
     include: list[str] | None = None
     exclude: list[str] | None = None
-    # a search's condition on the corpus's metadata columns, as text (`maxsim_cli.scoring.where`)
-    where: str | None = None
 
     @property
     def filter_key(self) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None, str | None]:
@@ -156,6 +154,8 @@ class Parsed:
         )
 
     depth: int | None = None  # a search of a server with an exact tier: the compressed tier's candidates
+    # a search's condition on the corpus's metadata columns, as text (`maxsim_cli.scoring.where`)
+    where: str | None = None
 
 
 @dataclass(eq=False)
@@ -239,7 +239,7 @@ def to_parsed(checked: Checked) -> Parsed:
 
 
 def _parse_json(kind: str, body: bytes, corpus_dim: int) -> Checked:
-    qids, arrays, k, candidates, strict, explain, include, exclude, depth, where = _read_json_fast(
+    qids, arrays, k, candidates, strict, explain, include, exclude, where, depth = _read_json_fast(
         kind, body
     ) or _read_json_models(kind, body, corpus_dim)
     _check_depth(depth, k)
@@ -307,8 +307,8 @@ def _filtered(
 
 # A JSON request as read, before the checks of `_checked_queries` and `_check_candidates`: its qids,
 # each query's float32 vectors [tokens, width], k, its candidates ({} for a search), strict and explain,
-# the filter's include and exclude ids where the request gives them (read by the models alone), depth
-# (None unless a search gives it) and a search's where (read by the models alone).
+# the filter's include and exclude ids and a search's where, where the request gives them (read by the
+# models alone), and depth (None unless a search gives it).
 _JsonRequest = tuple[
     list[str | int],
     list[np.ndarray],
@@ -318,8 +318,8 @@ _JsonRequest = tuple[
     bool,
     list[str] | None,
     list[str] | None,
-    int | None,
     str | None,
+    int | None,
 ]
 
 
@@ -350,7 +350,7 @@ def _read_json_models(kind: str, body: bytes, corpus_dim: int) -> _JsonRequest:
     qids = [item.qid for item in request.queries]
     filter_ids = (request.include, request.exclude)
     if isinstance(request, SearchIn):
-        return qids, arrays, request.k, {}, False, request.explain, *filter_ids, request.depth, request.where
+        return qids, arrays, request.k, {}, False, request.explain, *filter_ids, request.where, request.depth
     rerank = (request.candidates, request.strict, request.explain)
     return qids, arrays, request.k, *rerank, *filter_ids, None, None
 
@@ -461,7 +461,7 @@ def _read_request(kind: str, doc: Any, brackets: int) -> _JsonRequest | None:
             seen += 1
     if brackets != seen + "".join(texts).count("["):
         return None
-    return qids, arrays, k, candidates, strict, explain, None, None, depth, None  # a filter: the models
+    return qids, arrays, k, candidates, strict, explain, None, None, None, depth  # a filter: the models
 
 
 def _validation_message(exc: ValidationError) -> tuple[int, str]:
