@@ -388,6 +388,27 @@ def test_devices_cpu2_filtered_run_is_the_run_over_the_filtered_corpus(data, tmp
         assert report["filtered_candidates"] > 0
 
 
+def test_torchrun_filtered_run_is_the_single_process_run(data, tmp_path) -> None:
+    """Under torchrun each rank builds the job's mask (the same on every rank) and scores its shards with
+    its part: rank 0 writes the single process's run, and warns once of ids not in the corpus."""
+    import subprocess
+    import sys
+
+    ids, include, exclude = _sets(data)
+    args = ["--include-ids", _ids_file(data, "inc-torchrun", include, extra="nowhere\n")]
+    args += ["--exclude-ids", _ids_file(data, "exc-torchrun", exclude)]
+    single = _score_bytes(tmp_path, data["queries"], *data["paths"], *args)
+    out = tmp_path / "torchrun.trec"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "maxsim_cli", "score", data["queries"], *data["paths"], *args, "--device", "cpu"]
+    cmd += ["-k", str(K), "-o", str(out)]
+    proc = subprocess.run(cmd, env=dict(os.environ, **JOB_ENV), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes() == single
+    warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "1 ids are not in the corpus" in warnings[0], proc.stderr
+
+
 def test_rank_threads_with_a_filter_of_one_rank_s_shards(data, tmp_path, monkeypatch) -> None:
     """Rank threads (``--devices`` with GPUs; here two CPU "devices") with a filter that allows only the
     first shard's documents: one rank has nothing allowed, and the run is still the filtered corpus's."""
