@@ -103,6 +103,7 @@ def search(
     depth: int | None = None,
     include: Any = None,
     exclude: Any = None,
+    where: Any = None,
 ) -> Run:
     """The exact top-``k`` documents of ``corpus`` for every query, as a `Run`.
 
@@ -126,8 +127,11 @@ def search(
 
     ``include`` / ``exclude`` filter the documents the search may return: docnos (a list, set or array)
     or a boolean mask over the corpus (numpy or torch, one entry a document in corpus order); both given:
-    include minus exclude. The run is the top-``k`` among the allowed documents, the run a search of a
-    corpus of those documents alone gives (docs/api.md, "Filters").
+    include minus exclude. ``where``: a condition on the metadata columns of Arrow or Parquet shards, a
+    `pyarrow.compute.Expression` (``pc.field("lang") == "en"``) or its text (``'lang == "en"'``): only
+    the documents it holds for may be returned. The run is the top-``k`` among the allowed documents, the
+    run a search of a corpus of those documents alone gives (docs/api.md, "Filters"); with
+    ``exact_from``, the filter applies to the compressed scan (``where`` reads ``exact_from``'s columns).
 
     >>> run = search("sample_data/queries.safetensors", "sample_data/corpus", k=3, device="cpu")
     >>> [(r.docno, r.rank) for r in run][:3]  # doctest: +ELLIPSIS
@@ -149,6 +153,7 @@ def search(
         depth=None if depth is None else _at_least_one(depth, DEPTH),
         include=include,
         exclude=exclude,
+        where=where,
     )
     return _explainable(run, queries, corpus if exact_from is None else exact_from, device, backend)
 
@@ -168,6 +173,7 @@ def rerank(
     show_progress: bool = False,
     include: Any = None,
     exclude: Any = None,
+    where: Any = None,
 ) -> Run:
     """Each query's candidates re-scored by MaxSim and re-sorted, as a `Run` (cut to ``k`` per query
     when given).
@@ -177,8 +183,8 @@ def rerank(
     and ``docno`` columns (PyTerrier's). Candidates missing from the corpus are left out with a
     `MaxsimWarning` (``strict=True``: an `InputError`); a qid without a query embedding is an error.
     A query file with no queries, or from another encoder (or L2 normalisation) than the corpus, gives
-    a `MaxsimWarning` too (``strict=True``: an `InputError`). ``include`` / ``exclude`` (as `search`
-    takes them) drop the candidates outside the filter (``run.stats.extra["filtered_candidates"]``).
+    a `MaxsimWarning` too (``strict=True``: an `InputError`). ``include`` / ``exclude`` / ``where`` (as
+    `search` takes them) drop the candidates outside the filter (``run.stats.extra["filtered_candidates"]``).
 
     >>> run = rerank("sample_data/queries.safetensors", "sample_data/corpus",
     ...              "sample_data/candidates.trec", k=5, device="cpu")
@@ -199,6 +205,7 @@ def rerank(
         show_progress=show_progress,
         include=include,
         exclude=exclude,
+        where=where,
     )
     return _explainable(run, queries, corpus, device, backend)
 
@@ -247,6 +254,7 @@ def _score(
     depth: int | None = None,
     include: Any = None,
     exclude: Any = None,
+    where: Any = None,
 ) -> Run:
     from maxsim_cli.scoring import dispatch, filters
     from maxsim_cli.scoring.request import ScoreRequest
@@ -286,7 +294,20 @@ def _score(
         # skipped for holding no documents were reported when the corpus was opened
         notes_of = corpus_obj if exact_obj is None else exact_obj  # the scores' corpus
         report_notes(input_notes(notes_of, q.batch, q.name, skipped=False), strict=strict, log=_log)
-        disallowed = filters.disallowed_mask(corpus_obj, include, exclude, strict=strict, log=_log)
+        # two stages: the mask is over the exact corpus (its metadata columns and deletions), which
+        # holds the compressed tier's documents in the same order (checked before the scan uses it)
+        if exact_obj is not None and (include is not None or exclude is not None or where is not None):
+            from maxsim_cli.scoring.two_stage import check_tiers
+
+            check_tiers(request, corpus_obj, exact_obj)
+        disallowed = filters.disallowed_mask(
+            corpus_obj if exact_obj is None else exact_obj,
+            include,
+            exclude,
+            strict=strict,
+            log=_log,
+            where=where,
+        )
         collector = RunCollector()
         # how it runs (two stages, one launch, a thread a device, the engine): `dispatch` decides
         stats = dispatch.run_call(

@@ -4,6 +4,8 @@ few allowed documents scored as candidates; every bad filter is a one-line error
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -217,8 +219,10 @@ def test_ids_from_stdin(data, tmp_path) -> None:
         (["--include-ids", "{ws}"], 1, "line 2"),
         (["--include-ids", "{missing}"], 1, "no such file"),
         (["--include-ids", "-", "--exclude-ids", "-"], 2, "stdin"),
-        (["--include-ids", "{ok}", "--devices", "cpu:2"], 2, "one device"),
-        (["--include-ids", "{ok}", "--exact-from", "{ok}"], 2, "--exact-from"),
+        (["--include-ids", "-", "--devices", "cpu:2"], 2, "standard input cannot be shared"),
+        (["--where", "open('x')"], 2, "the function open"),
+        (["--where", "lang =="], 2, "not an expression"),
+        (["--where", 'lang == "en"'], 1, "safetensors shard has none"),
     ],
 )
 def test_bad_filter_inputs_are_one_line_errors(data, tmp_path, args, code, words) -> None:
@@ -327,3 +331,179 @@ def _no_warning():
     import contextlib
 
     return contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------------------------------
+# several devices: each rank (device) scores its shards with its part of the mask
+
+JOB_ENV = {"MAXSIM_DIST_TIMEOUT": "60", "OMP_NUM_THREADS": "1"}
+
+
+def _first_shard_ids(data) -> list[str]:
+    with open_corpus(data["paths"][:1]) as first:
+        return list(first.ids)
+
+
+@pytest.mark.parametrize("mode", ["search", "rerank"])
+def test_devices_cpu2_filtered_run_is_the_run_over_the_filtered_corpus(data, tmp_path, mode) -> None:
+    """``--devices cpu:2`` (two worker processes, each a share of the shards): the filtered run is the
+    unfiltered run over the filtered corpus, byte for byte; a rerank's is the single process's."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from maxsim_cli.cli import app
+
+    ids, include, exclude = _sets(data)
+    args = ["--include-ids", _ids_file(data, f"inc-dev-{mode}", include)]
+    args += ["--exclude-ids", _ids_file(data, f"exc-dev-{mode}", exclude)]
+    if mode == "rerank":
+        cands = tmp_path / "cands.trec"
+        rng = np.random.default_rng(3)
+        lines = [
+            f"q{q} Q0 {d} {r + 1} {-r} first"
+            for q in range(5)
+            for r, d in enumerate(rng.choice(ids, size=20, replace=False).tolist())
+        ]
+        cands.write_text("\n".join(lines) + "\n")
+        args += ["--candidates", str(cands)]
+        expected = _score_bytes(tmp_path, data["queries"], *data["paths"], *args)
+    else:
+        sub = _subcorpus(data, sorted(set(include) - set(exclude)), "sub-devices")
+        expected = _score_bytes(tmp_path, data["queries"], *sub)
+    out, stats = tmp_path / "dist.trec", tmp_path / "dist.json"
+    result = CliRunner().invoke(
+        app,
+        ["score", data["queries"], *data["paths"], *args, "-k", str(K), "-o", str(out), "--quiet"]
+        + ["--devices", "cpu:2", "--stats-json", str(stats)],
+        env=JOB_ENV,
+    )
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes() == expected and expected
+    report = json.loads(stats.read_text())
+    assert report["world_size"] == 2
+    if mode == "search":
+        assert report["filter"]["allowed"] == len(set(include) - set(exclude))
+    else:
+        assert report["filtered_candidates"] > 0
+
+
+def test_torchrun_filtered_run_is_the_single_process_run(data, tmp_path) -> None:
+    """Under torchrun each rank builds the job's mask (the same on every rank) and scores its shards with
+    its part: rank 0 writes the single process's run, and warns once of ids not in the corpus."""
+    import subprocess
+    import sys
+
+    ids, include, exclude = _sets(data)
+    args = ["--include-ids", _ids_file(data, "inc-torchrun", include, extra="nowhere\n")]
+    args += ["--exclude-ids", _ids_file(data, "exc-torchrun", exclude)]
+    single = _score_bytes(tmp_path, data["queries"], *data["paths"], *args)
+    out = tmp_path / "torchrun.trec"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "maxsim_cli", "score", data["queries"], *data["paths"], *args, "--device", "cpu"]
+    cmd += ["-k", str(K), "-o", str(out)]
+    proc = subprocess.run(cmd, env=dict(os.environ, **JOB_ENV), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes() == single
+    warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "1 ids are not in the corpus" in warnings[0], proc.stderr
+
+
+def test_rank_threads_with_a_filter_of_one_rank_s_shards(data, tmp_path, monkeypatch) -> None:
+    """Rank threads (``--devices`` with GPUs; here two CPU "devices") with a filter that allows only the
+    first shard's documents: one rank has nothing allowed, and the run is still the filtered corpus's."""
+    from maxsim_cli.scoring import dispatch
+    from maxsim_cli.scoring.entry import score
+
+    first = _first_shard_ids(data)
+    sub = _subcorpus(data, sorted(first[:12]), "sub-threads")
+    expected = _score_bytes(tmp_path, data["queries"], *sub)
+    monkeypatch.setattr(dispatch, "in_threads", lambda devices: True)
+    out = tmp_path / "threads.trec"
+    inc = _ids_file(data, "inc-threads", first[:12])
+    stats = score(data["queries"], data["paths"], output=str(out), top_k=K, devices="cpu:2", include_ids=inc)
+    assert out.read_bytes() == expected
+    assert stats.extra["workers"] == "threads" and stats.extra["filter"]["allowed"] == 12
+    assert sorted(r["filter"]["allowed"] for r in stats.extra["ranks"] if "filter" in r)[0] == 0
+
+
+def test_a_corpus_resident_on_two_devices_takes_a_filter(data) -> None:
+    """A corpus resident on several devices (`Corpus.to` with a list) scores each device's shards with
+    their part of the mask: the run of one device."""
+    ids, include, exclude = _sets(data)
+    with open_corpus(data["paths"]) as corpus:
+        expected = search(data["queries"], corpus, k=K, device="cpu", include=include, exclude=exclude)
+        corpus.to(["cpu", "cpu"])
+        run = search(data["queries"], corpus, k=K, include=include, exclude=exclude)
+        assert run.stats.extra["workers"] == "resident devices"
+        assert run.to_dict() == expected.to_dict()
+        assert run.stats.extra["filter"]["allowed"] == len(set(include) - set(exclude))
+
+
+# --------------------------------------------------------------------------------------------------
+# two stages: the filter applies to the compressed scan
+
+SAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "sample_data")
+SAMPLE_QUERIES = os.path.join(SAMPLE, "queries.safetensors")
+SAMPLE_CORPUS = os.path.join(SAMPLE, "corpus")
+
+
+def _sample_subcorpus(folder, allowed: list[str]) -> str:
+    """sample_data's allowed documents as a corpus of their own (one shard, the values as stored)."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "sub.safetensors")
+    with open_corpus([SAMPLE_CORPUS]) as corpus:
+        where = corpus.candidate_index(allowed)
+        docs = []
+        for docno in allowed:
+            s, d = where[docno]
+            batch = corpus.shards[s].read_docs(d, d + 1)
+            docs.append(batch.embeddings)
+        write_shard(path, allowed, docs, dtype="float16", normalized=True, encoder=corpus.encoder)
+    return path
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_two_stage_filtered_run_is_the_exact_run_over_the_filtered_corpus(tiers, tmp_path, bits) -> None:
+    """``--exact-from`` with a filter: the compressed scan keeps only allowed documents, so at a depth
+    that covers them the run is the exact run of the filtered corpus, byte for byte (and the scan's
+    candidates are all allowed at any depth)."""
+    import json
+
+    with open_corpus([SAMPLE_CORPUS]) as corpus:
+        all_ids = list(corpus.ids)
+    rng = np.random.default_rng(bits)
+    include = sorted(rng.choice(all_ids, size=60, replace=False).tolist())
+    exclude = include[::7]
+    allowed = sorted(set(include) - set(exclude))
+    inc, exc = tmp_path / "inc.txt", tmp_path / "exc.txt"
+    inc.write_text("\n".join(include) + "\n")
+    exc.write_text("\n".join(exclude) + "\n")
+    sub = _sample_subcorpus(tmp_path / "sub", allowed)
+    expected = _score_bytes(tmp_path, SAMPLE_QUERIES, sub, "--device", "cpu")
+    filters_args = ["--include-ids", str(inc), "--exclude-ids", str(exc)]
+    tier = [tiers[bits], "--exact-from", SAMPLE_CORPUS, *filters_args, "--device", "cpu"]
+    got = _score_bytes(tmp_path, SAMPLE_QUERIES, *tier, "--depth", str(len(allowed)))
+    assert got == expected
+    stats = tmp_path / "stats.json"
+    shallow = _score_bytes(tmp_path, SAMPLE_QUERIES, *tier, "--depth", str(K), "--stats-json", str(stats))
+    rows = [line.split() for line in shallow.decode().splitlines()]
+    assert rows and {row[2] for row in rows} <= set(allowed)
+    assert all(sum(1 for r in rows if r[0] == q) == K for q in {r[0] for r in rows})
+    report = json.loads(stats.read_text())
+    assert report["filter"]["allowed"] == len(allowed) and report["scores"] == "exact"
+
+
+def test_two_stage_api_filter_and_a_mask(tiers) -> None:
+    """``search(..., exact_from=, include=)``: ids or a mask over the documents (both tiers hold them in
+    one order), the exact top-k among the allowed documents."""
+    with open_corpus([SAMPLE_CORPUS]) as exact:
+        mask = np.zeros(len(exact), dtype=bool)
+        mask[::5] = True
+        allowed = [docno for docno, keep in zip(exact.ids, mask, strict=True) if keep]
+        want = search(SAMPLE_QUERIES, exact, k=5, device="cpu", include=allowed).to_dict()
+        got = search(
+            SAMPLE_QUERIES, tiers[4], k=5, device="cpu", exact_from=exact, depth=len(allowed), include=mask
+        )
+        assert got.to_dict() == want
+        assert got.stats.extra["filter"]["allowed"] == len(allowed)

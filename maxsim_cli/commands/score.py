@@ -116,6 +116,14 @@ def register(app: typer.Typer) -> None:
             help="Never return these documents: a file of ids, one a line ('-' is stdin). With "
             "--include-ids: those minus these.",
         ),
+        where: str | None = typer.Option(
+            None,
+            "--where",
+            help="Return only the documents for which this condition on the metadata columns of Arrow or "
+            "Parquet shards holds, in pyarrow's expression syntax: 'lang == \"en\" and year >= 2020', "
+            '\'tag in ["a", "b"]\', \'starts_with(title, "The")\' (docs/api.md, Filters). With the id '
+            "filters: documents allowed by all of them.",
+        ),
     ) -> None:
         """Score queries against a corpus of shards with exact MaxSim and write a TREC run.
 
@@ -168,6 +176,7 @@ def register(app: typer.Typer) -> None:
             depth=depth,
             include_ids=include_ids,
             exclude_ids=exclude_ids,
+            where=where,
         )
         if stats.extra.get("rank", 0):  # a torchrun rank other than 0: rank 0 reports for the job
             return

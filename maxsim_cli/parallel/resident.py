@@ -9,6 +9,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from maxsim_cli.errors import RankStopped
 from maxsim_cli.parallel.environment import Logger, log_to_stderr
 from maxsim_cli.parallel.shares import (
@@ -36,12 +38,15 @@ def score_resident(
     *,
     candidates: dict[str, list[tuple[str, float]]] | None = None,
     log: Logger = log_to_stderr,
+    disallowed: np.ndarray | None = None,
 ) -> ScoreStats:
     """Score ``queries`` against a corpus whose shards are resident on several devices
     (``corpus.placement``): each device's share by the single-process engine in a thread of its own,
     the shares' top-k merged as `run_threads` merges its ranks', the results handed to ``sink``. The
-    same run as one device gives; a device that fails stops the others, and its error is raised."""
+    same run as one device gives; a device that fails stops the others, and its error is raised.
+    ``disallowed``: a filter's mask over the whole corpus; each device scores with its share's part."""
     from maxsim_cli.scoring import engine
+    from maxsim_cli.scoring.filters import share_mask
 
     placement = corpus.placement
     assert placement, "score_resident needs a corpus resident on several devices"
@@ -68,6 +73,7 @@ def score_resident(
             stats = engine.run(
                 rank_request, part.corpus, queries, rank_sink, candidates=mine,
                 context=engine.RankContext(stop=stop), log=rank_log,
+                disallowed=share_mask(disallowed, corpus, part.shards),
             )  # fmt: skip
             qids = list(queries.ids) if rank == 0 else None
             outcomes[rank] = make_share(rank, str(part.device), part.shards, rank_sink, stats, qids, corpus)

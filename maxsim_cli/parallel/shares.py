@@ -229,6 +229,7 @@ def combine_stats(request: ScoreRequest, shares: Sequence[Share]) -> ScoreStats:
         out.queries_with_candidates = len(
             {qid for share in shares for qid, docnos, _ in share.results if len(docnos)}
         )
+    filtered = [s.extra["filter"] for s in per_rank if "filter" in s.extra]
     peaks = [s.peak_gpu_bytes for s in per_rank if s.peak_gpu_bytes is not None]
     out.peak_gpu_bytes = max(peaks) if peaks else None
     out.resident = all(s.resident for s in per_rank if s.documents)
@@ -240,4 +241,11 @@ def combine_stats(request: ScoreRequest, shares: Sequence[Share]) -> ScoreStats:
             for share, s in zip(shares, per_rank, strict=True)
         ],
     }
+    if filtered:  # each rank's filter counts its own shards: the job's are their sums
+        out.extra["filter"] = {
+            "allowed": sum(f["allowed"] for f in filtered),
+            "path": "/".join(sorted({f["path"] for f in filtered})),
+        }
+    if any("filtered_candidates" in s.extra for s in per_rank):
+        out.extra["filtered_candidates"] = sum(s.extra.get("filtered_candidates", 0) for s in per_rank)
     return out

@@ -14,7 +14,7 @@ from maxsim_cli import tuning
 from maxsim_cli.errors import MaxsimError, RankStopped
 from maxsim_cli.parallel.environment import Logger, log_to_stderr
 from maxsim_cli.parallel.shares import MergeOrder, Share, combine_stats, run_candidate_index
-from maxsim_cli.parallel.work import open_job_corpus, score_share
+from maxsim_cli.parallel.work import job_filter, open_job_corpus, score_share
 from maxsim_cli.parallel.write import write_merged
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.stats import ScoreStats
@@ -60,6 +60,7 @@ def run_threads(request: ScoreRequest, devices: Sequence[str], *, log: Logger = 
 
             run = read_run(request.candidates)
             run_index = run_candidate_index(corpus, run)
+        disallowed = job_filter(request, corpus, 0, log) if request.filtered else None  # made once
         outcomes: list[tuple[Share, MergeOrder | None] | BaseException | None] = [None] * world
         bar = ScoreProgress(request.show_progress, 0, shared=True)  # one for all ranks' work
 
@@ -68,7 +69,7 @@ def run_threads(request: ScoreRequest, devices: Sequence[str], *, log: Logger = 
                 outcomes[rank] = score_share(
                     request, rank, world, devices[rank], None, log,
                     corpus=corpus, stop=stop, staging_bytes=THREAD_STAGING_BYTES, run=run,
-                    run_index=run_index, progress=bar,
+                    run_index=run_index, progress=bar, disallowed=disallowed,
                 )  # fmt: skip
             except BaseException as exc:  # noqa: BLE001 - reported by the launcher's thread
                 outcomes[rank] = exc

@@ -8,6 +8,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from maxsim_cli.errors import UsageError
@@ -40,6 +41,12 @@ def check_no_stdin(request: ScoreRequest) -> None:
             "--candidates '-': standard input cannot be shared by the workers of a distributed job; "
             "save the run to a file and pass its path"
         )
+    for option, path in (("--include-ids", request.include_ids), ("--exclude-ids", request.exclude_ids)):
+        if path == "-":
+            raise UsageError(
+                f"{option} '-': standard input cannot be shared by the workers of a distributed job; "
+                "save the ids to a file and pass its path"
+            )
 
 
 class CudaInit(threading.Thread):
@@ -74,6 +81,15 @@ def open_job_corpus(request: ScoreRequest) -> Corpus:
     return open_corpus(corpus_paths)
 
 
+def job_filter(request: ScoreRequest, corpus: Corpus, rank: int, log: Logger) -> np.ndarray | None:
+    """The job's filter mask over the whole corpus (`maxsim_cli.scoring.filters`), made alike on every
+    rank (the ids files and metadata columns read by each), so that a ``--strict`` error stops every
+    rank at once; its warnings are rank 0's alone, as one process gives them."""
+    from maxsim_cli.scoring.files import request_filter
+
+    return request_filter(request, corpus, log if rank == 0 else (lambda message: None))
+
+
 def score_share(
     request: ScoreRequest,
     rank: int,
@@ -87,16 +103,21 @@ def score_share(
     run: dict[str, list[tuple[str, float]]] | None = None,
     run_index: dict[str, tuple[int, int]] | None = None,
     progress: ScoreProgress | None = None,
+    disallowed: np.ndarray | None = None,
 ) -> tuple[Share, MergeOrder | None]:
     """Score this rank's shards of the corpus (opened here, or the job's open `corpus`, whose shards
     of this rank are closed afterwards) for all queries, return the results (and, on rank 0 in
     exhaustive mode, the docno order that the merge needs). `stop`: set when another rank failed;
     `staging_bytes`: the rank's pinned staging arena (`RankContext`); `run` and `run_index`: the
     candidates' run and its `run_candidate_index`, when the job has made them already (else made
-    here); `progress`: the job's bar, shared by rank threads (else rank 0 draws its own share)."""
+    here); `progress`: the job's bar, shared by rank threads (else rank 0 draws its own share);
+    `disallowed`: the job's filter mask over the whole corpus, when the job has made it already (else
+    made here, from the request's filter: `job_filter`). The rank scores its shards with its part of
+    the mask: each rank's top-k is of its allowed documents, so the merge's is of the job's."""
     from maxsim_cli.queries import read_queries, read_query_ids
     from maxsim_cli.run_files import read_run
     from maxsim_cli.scoring import engine
+    from maxsim_cli.scoring.filters import share_mask
     from maxsim_cli.shards import Corpus, input_notes, report_notes
 
     own_corpus = corpus is None
@@ -122,6 +143,8 @@ def score_share(
         query_ids = None
         if rank == 0:
             query_ids = read_query_ids(request.queries)  # a query shard or a folder of them
+        if disallowed is None and request.filtered:
+            disallowed = job_filter(request, corpus, rank, log)
         candidates = None
         if request.candidates is not None:
             run = run if run is not None else read_run(request.candidates)
@@ -151,7 +174,14 @@ def score_share(
                     )
                 entered = time.perf_counter()
                 stats = engine.run(
-                    share_request, sub, queries, sink, candidates=candidates, context=context, log=log
+                    share_request,
+                    sub,
+                    queries,
+                    sink,
+                    candidates=candidates,
+                    context=context,
+                    log=log,
+                    disallowed=share_mask(disallowed, corpus, mine),
                 )
             finally:
                 sub.close()  # this rank's shards

@@ -14,8 +14,9 @@ and a served rerank batch (`maxsim_cli.service.batching.Scorer`: `plan_served_re
 | ``resident`` | `parallel.resident.score_resident`: a thread a device | resident on several devices |
 | ``engine`` | `scoring.engine.run`: an open corpus on one device, streamed or resident | otherwise |
 | ``library`` | the library's `search` / `rerank`, which plans its call here | a served batch, not direct |
-| (a filter) | ``direct`` / ``engine`` with a mask over the corpus (`scoring.filters`): the scan masked, \
-or few allowed documents scored as candidates | ``--include-ids``, ``include=``, ``exclude=`` |
+| (a filter) | any path, with a mask over the corpus (`scoring.filters`): the scan masked, or few \
+allowed documents scored as candidates; a rank or a device its share of the mask; two stages the \
+compressed scan's | ``--include-ids``, ``--where``, ``include=``, ``exclude=``, ``where=`` |
 | ``two-stage`` | `run_two_stage`: the compressed tier's top ``depth`` (a call plan), then those candidates \
 exactly from ``exact_from`` (a call plan) | ``--exact-from`` / ``exact_from`` |
 
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from maxsim_cli.devices import parse_devices, resolve_device
-from maxsim_cli.errors import EXACT_FROM, UsageError
+from maxsim_cli.errors import UsageError
 from maxsim_cli.parallel.environment import Logger, log_to_stderr, world_size
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.stats import ScoreStats
@@ -80,14 +81,12 @@ def plan_files(request: ScoreRequest) -> Plan:
     (``request.devices``), or this process on one device. Usage errors for options that contradict."""
     devices = request.devices
     if request.filtered:
-        request.check_filters()  # a job of several devices takes no filter: refused before it starts
+        request.check_filters()  # a filter that cannot be read: refused before a job starts
     if request.two_stage:
         if world_size() > 1:
             raise UsageError("--exact-from runs on one device; run it without torchrun")
         return Plan(TWO_STAGE, (request.device,))
     if world_size() > 1:
-        if request.filtered:
-            raise UsageError("--include-ids/--exclude-ids run on one device; run them without torchrun")
         if devices is not None:
             raise UsageError(
                 "--devices starts its own workers; under torchrun leave it out (each rank uses "
@@ -177,15 +176,14 @@ def run_call(
     """Score ``queries`` against the open ``corpus`` into ``sink`` as `plan_call` plans it; its stats. The
     direct path hands a call that runs out of device memory to the engine. ``exact``: the open corpus
     ``request.exact_from`` names, for a two-stage search. ``disallowed``: a filter's mask over the corpus
-    (`maxsim_cli.scoring.filters`), on the direct and engine paths."""
+    (`maxsim_cli.scoring.filters`), on every path (two stages: the compressed scan's; a corpus resident on
+    several devices: each device its share)."""
     from maxsim_cli.scoring import engine, filters
 
-    if disallowed is not None:
-        check_filtered(request, corpus)
     if request.two_stage:
         if exact is None:
             raise ValueError("run_call: a two-stage request needs the open exact corpus (exact=)")
-        return run_two_stage(request, corpus, exact, queries, sink, log=log)
+        return run_two_stage(request, corpus, exact, queries, sink, log=log, disallowed=disallowed)
     request = call_request(request, corpus)
     nq = len(queries.ids)
     pairs = nq * len(corpus) if candidates is None else sum(len(rows) for rows in candidates.values())
@@ -212,22 +210,10 @@ def run_call(
         from maxsim_cli.parallel.resident import score_resident
 
         request.check()
-        return score_resident(request, corpus, queries, sink, candidates=candidates, log=log)
+        return score_resident(
+            request, corpus, queries, sink, candidates=candidates, log=log, disallowed=disallowed
+        )
     return engine.run(request, corpus, queries, sink, candidates=candidates, log=log, disallowed=disallowed)
-
-
-def check_filtered(request: ScoreRequest, corpus: Corpus) -> None:
-    """A filter runs on one device: a `UsageError` for the paths that do not take one (two stages, a
-    corpus resident on several devices, a job of several ranks)."""
-    if request.two_stage:
-        raise UsageError(
-            f"{EXACT_FROM} and a filter: filter a search of the exact corpus, or run without one"
-        )
-    if corpus.placement is not None and request.device == "auto":
-        raise UsageError(
-            f"a filtered search runs on one device; this corpus is resident on {corpus.device}: pass "
-            "device= one of them, or make it resident on one device"
-        )
 
 
 def run_two_stage(
@@ -238,11 +224,15 @@ def run_two_stage(
     sink: Any,
     *,
     log: Logger = log_to_stderr,
+    disallowed: np.ndarray | None = None,
 ) -> ScoreStats:
     """The ``two-stage`` path: each query's top ``request.search_depth`` from the compressed tier, then
     those candidates scored exactly from ``exact`` (only their rows read) into ``sink``, cut to
     ``top_k``. Each stage runs as `plan_call` plans it (a resident tier: one launch). The tiers are
-    checked to hold the same documents first (`two_stage.check_tiers`)."""
+    checked to hold the same documents first (`two_stage.check_tiers`). ``disallowed``: a filter's mask
+    over the documents (both tiers hold them in one order), applied to the compressed scan: every
+    candidate is an allowed document, so the run is the exact top-k among the allowed documents
+    wherever it is among their compressed top ``depth``."""
     from maxsim_cli.run import RunCollector
     from maxsim_cli.scoring import two_stage
 
@@ -251,7 +241,7 @@ def run_two_stage(
     scan_name, _ = two_stage.tier_names(request, compressed, exact)
     scan_request, exact_request = two_stage.stage_requests(request, compressed, scan_name)
     found = RunCollector()
-    scan_stats = run_call(scan_request, compressed, queries, found, log=log)
+    scan_stats = run_call(scan_request, compressed, queries, found, log=log, disallowed=disallowed)
     candidates = found.run().to_dict()
     exact_stats = run_call(exact_request, exact, queries, sink, candidates=candidates, log=log)
     return two_stage.merge_stats(request, compressed, scan_stats, exact_stats)

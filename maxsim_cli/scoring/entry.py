@@ -46,6 +46,7 @@ def score(
     depth: int | None = None,
     include_ids: str | None = None,
     exclude_ids: str | None = None,
+    where: str | None = None,
 ) -> ScoreStats:
     """Score the queries of ``queries`` against the shards ``corpus`` and write a run to ``output``.
 
@@ -60,7 +61,8 @@ def score(
     makes ``corpus`` a compressed tier (`maxsim quantize`) scanned for each query's top ``depth``
     (default: `maxsim_cli.scoring.request.default_depth`, by the tier's codec), whose candidates are
     then scored exactly from ``exact_from``, the corpus it was quantized from. ``include_ids`` /
-    ``exclude_ids`` (files of ids, one a line; ``-`` is stdin) filter the documents a search returns and
+    ``exclude_ids`` (files of ids, one a line; ``-`` is stdin) and ``where`` (a condition on the shards'
+    metadata columns, as text: `maxsim_cli.scoring.where`) filter the documents a search returns and
     the candidates a rerank keeps (`maxsim_cli.scoring.filters`).
     """
     request = ScoreRequest(
@@ -84,6 +86,7 @@ def score(
         depth=depth,
         include_ids=include_ids,
         exclude_ids=exclude_ids,
+        where=where,
     )
     return run_files(request, log=log)
 

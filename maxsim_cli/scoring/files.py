@@ -96,7 +96,9 @@ def request_filter(request: ScoreRequest, corpus: Corpus, log: Logger) -> np.nda
         include = read_id_file(request.include_ids, str(filters.INCLUDE))
     if request.exclude_ids is not None:
         exclude = read_id_file(request.exclude_ids, str(filters.EXCLUDE))
-    return filters.disallowed_mask(corpus, include, exclude, strict=request.strict, log=log)
+    return filters.disallowed_mask(
+        corpus, include, exclude, strict=request.strict, log=log, where=request.where
+    )
 
 
 def first_launches(

@@ -28,7 +28,7 @@ a warning: they were asked to be left out), counted in its stats (``filtered_can
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,7 @@ from maxsim_cli.errors import STRICT, InputError, Option, UsageError
 
 INCLUDE = Option("--include-ids", "include")
 EXCLUDE = Option("--exclude-ids", "exclude")
+WHERE = Option("--where", "where")
 
 # Below this share of the corpus allowed, a filtered search scores the allowed documents as candidates
 # instead of scanning the corpus (module docstring; benchmarks/bench_filters.py measures both).
@@ -52,13 +53,15 @@ def disallowed_mask(
     *,
     strict: bool = False,
     log: Logger,
+    where: Any = None,
 ) -> np.ndarray | None:
     """The corpus's disallowed mask (module docstring) for ``include`` and ``exclude`` (each None, ids
     (a list, set, tuple or array of docnos) or a boolean mask over the corpus: numpy or torch, one entry
-    a document); None when neither is given. Ids not in the corpus: a warning through ``log`` naming
-    their count and a few (``strict``: an `InputError`). No document allowed: a warning (``strict``: an
-    `InputError`), and the run is empty."""
-    if include is None and exclude is None:
+    a document) and ``where`` (None, or a condition on the shards' metadata columns: a
+    `pyarrow.compute.Expression` or its text, `maxsim_cli.scoring.where`); None when none is given.
+    Ids not in the corpus: a warning through ``log`` naming their count and a few (``strict``: an
+    `InputError`). No document allowed: a warning (``strict``: an `InputError`), and the run is empty."""
+    if include is None and exclude is None and where is None:
         return None
     n = len(corpus)
     disallowed = np.zeros(n, dtype=bool)
@@ -67,12 +70,17 @@ def disallowed_mask(
         np.logical_not(allowed, out=disallowed)
     if exclude is not None:
         disallowed |= _members(corpus, exclude, EXCLUDE, strict, log)
+    if where is not None:
+        from maxsim_cli.scoring.where import matching
+
+        disallowed |= ~matching(corpus, where)
     deleted = corpus.deleted_mask() if hasattr(corpus, "deleted_mask") else None
     if deleted is not None:  # one mask: a deleted document is never allowed, whatever the filter says
         disallowed |= deleted
     if n and not (~disallowed).any():
         message = (
-            f"the filter ({_given(include, exclude)}) allows no document of the corpus; the run is empty"
+            f"the filter ({_given(include, exclude, where)}) allows no document of the corpus; the run is "
+            "empty"
         )
         if strict:
             raise InputError(f"{message} ({STRICT.given(True)}: an error; drop it to get the empty run)")
@@ -92,9 +100,20 @@ def allowed_count(disallowed: np.ndarray | None, n: int) -> int:
     return n if disallowed is None else n - int(np.count_nonzero(disallowed))
 
 
-def _given(include: Any, exclude: Any) -> str:
-    parts = [str(option) for option, value in ((INCLUDE, include), (EXCLUDE, exclude)) if value is not None]
-    return " and ".join(parts)
+def _given(include: Any, exclude: Any, where: Any = None) -> str:
+    given = ((INCLUDE, include), (EXCLUDE, exclude), (WHERE, where))
+    return " and ".join(str(option) for option, value in given if value is not None)
+
+
+def share_mask(disallowed: np.ndarray | None, corpus: Any, shards: Sequence[int]) -> np.ndarray | None:
+    """The part of a mask over ``corpus`` that covers its shards ``shards`` (indices, in the order a
+    corpus of those shards numbers its documents): what a rank of a job, or a device of a corpus spread
+    over several, scores with (`maxsim_cli.parallel`)."""
+    if disallowed is None:
+        return None
+    starts = corpus.doc_starts
+    parts = [disallowed[int(starts[s]) : int(starts[s + 1])] for s in shards]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
 
 
 def _members(corpus: Any, value: Any, option: Option, strict: bool, log: Logger) -> np.ndarray:

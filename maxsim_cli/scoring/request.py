@@ -61,9 +61,11 @@ class ScoreRequest:
     exact_from: tuple[str, ...] | None = None
     depth: int | None = None
     # filters (`maxsim_cli.scoring.filters`): files of ids, one a line ('-': stdin), the documents a
-    # search may return (include) and may not (exclude)
+    # search may return (include) and may not (exclude); a condition on the shards' metadata columns,
+    # as text (`maxsim_cli.scoring.where.parse_where`)
     include_ids: str | None = None
     exclude_ids: str | None = None
+    where: str | None = None
 
     def __post_init__(self) -> None:
         # paths may come as os.PathLike, the corpus as any sequence (a list from JSON)
@@ -135,24 +137,24 @@ class ScoreRequest:
 
     @property
     def filtered(self) -> bool:
-        """Whether the run has a filter of ids (``include_ids`` / ``exclude_ids``)."""
-        return self.include_ids is not None or self.exclude_ids is not None
+        """Whether the run has a filter (``include_ids`` / ``exclude_ids`` / ``where``)."""
+        return self.include_ids is not None or self.exclude_ids is not None or self.where is not None
 
     def check_filters(self) -> None:
-        """The `UsageError` of a filter with options that take none (one device, one input on stdin)."""
+        """The `UsageError` of a filter that cannot be read: two inputs on stdin, a ``where`` that is not
+        a condition (`maxsim_cli.scoring.where.parse_where`)."""
         if not self.filtered:
             return
         stdin = [p for p in (self.queries, self.candidates, self.include_ids, self.exclude_ids) if p == "-"]
         if len(stdin) > 1:
-            raise UsageError("several inputs are '-' (stdin): at most one of QUERIES, --candidates, "
-                             "--include-ids and --exclude-ids can be stdin")
-        if self.exact_from is not None:
             raise UsageError(
-                f"{EXACT_FROM} and --include-ids/--exclude-ids: filter a search of the exact corpus, or "
-                "run without a filter"
+                "several inputs are '-' (stdin): at most one of QUERIES, --candidates, "
+                "--include-ids and --exclude-ids can be stdin"
             )
-        if self.devices is not None:
-            raise UsageError("--include-ids/--exclude-ids run on one device; leave --devices out")
+        if self.where is not None:
+            from maxsim_cli.scoring.where import parse_where
+
+            parse_where(self.where)
 
     def _check_two_stage(self) -> None:
         if self.exact_from is None:

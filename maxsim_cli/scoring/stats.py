@@ -84,6 +84,9 @@ class ScoreStats:
                 f"{two['compressed_quantization']} (top {n(two['depth'])} each, {two['scan_wall_s']:.2f} s), "
                 f"then scored {n(self.pairs)} candidates exactly ({self.wall_s - two['scan_wall_s']:.2f} s)"
             )
+            kept = self.extra.get("filter")
+            if kept is not None:
+                work += f", {format_counted(kept['allowed'], 'document', 'documents')} allowed by the filter"
             return f"{work}: {self.wall_s:.2f} s in all on {self.device}{gpu}; the scores are exact"
         if self.mode == "rerank":
             without = self.queries - self.queries_with_candidates

@@ -107,6 +107,8 @@ def merge_stats(request: ScoreRequest, compressed: Corpus, scan: ScoreStats, exa
     stats.extra.pop("scores", None)
     stats.extra.pop("quantization", None)
     stats.extra["scores"] = "exact"
+    if "filter" in scan.extra:  # the filter applies to the scan: its candidates are allowed documents
+        stats.extra["filter"] = scan.extra["filter"]
     stats.extra["two_stage"] = {
         "depth": request.search_depth(compressed.quantization),
         "compressed_quantization": compressed.quantization,
@@ -137,7 +139,15 @@ def score_files(request: ScoreRequest, run: TwoStageRunner, *, log: Logger) -> S
         check_same_dim(queries, request.query_name, exact)
         notes = input_notes(compressed) + input_notes(exact, queries, request.query_name)
         report_notes(notes, strict=request.strict, log=log)
-        stats = run(request, compressed, exact, queries, writer, log=log)
+        disallowed = None
+        if request.filtered:
+            from maxsim_cli.scoring.files import request_filter
+
+            # over the exact corpus, which carries the metadata columns (a tier has none) and the
+            # deletions; checked to hold the tier's documents in its order before the scan uses it
+            check_tiers(request, compressed, exact)
+            disallowed = request_filter(request, exact, log)
+        stats = run(request, compressed, exact, queries, writer, log=log, disallowed=disallowed)
     stats.wall_s = time.perf_counter() - started
     return stats
 

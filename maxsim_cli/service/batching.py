@@ -174,6 +174,8 @@ class Scorer:
             return False
         if self.exact is not None:  # the exact tier is read from its shards: not a few launches
             return False
+        if request.where is not None:  # reads the shards' metadata columns: not on the event loop
+            return False
         return self.on_gpus
 
     @property
@@ -234,7 +236,7 @@ class Scorer:
 
     def _search(self, jobs: Sequence[Job]) -> list[list[QueryAnswer]]:
         """The batch's answers: one search a group of requests that share a filter (``include`` /
-        ``exclude``) and, on a server with an exact tier, a depth (given, or the default of
+        ``exclude`` / ``where``) and, on a server with an exact tier, a depth (given, or the default of
         maxsim score --exact-from for their own k), so that an answer does not depend on its batch."""
         documents = len(self.corpus)
         groups: dict[Any, list[int]] = {}
@@ -266,11 +268,8 @@ class Scorer:
         documents = len(self.corpus)
         k = max(min(job.request.k or documents, documents) for job in jobs)
         first = jobs[0].request
-        filters = {
-            name: value
-            for name, value in (("include", first.include), ("exclude", first.exclude))
-            if value is not None
-        }
+        given = (("include", first.include), ("exclude", first.exclude), ("where", first.where))
+        filters = {name: value for name, value in given if value is not None}
         with warnings.catch_warnings():
             # a filter's unknown ids, or one that allows nothing: its answer is what it allows
             warnings.simplefilter("ignore", MaxsimWarning)

@@ -15,7 +15,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from maxsim_cli.service.schema import ARROW_TYPE, DEFAULT_K, JSON_TYPE, QueryIn, RerankIn, SearchIn
+from maxsim_cli.service.schema import (
+    ARROW_TYPE,
+    DEFAULT_K,
+    JSON_TYPE,
+    MAX_WHERE_CHARS,
+    QueryIn,
+    RerankIn,
+    SearchIn,
+)
 
 REF = "#/components/schemas/{model}"
 
@@ -175,7 +183,8 @@ SCORING_ERRORS = {
         "Readable but invalid: an unknown field, a wrong type, wrong dim, NaN/Inf, an empty query, duplicate "
         "qids, k < 1, scores that overflow float32, candidates for a qid the request has no query for, a "
         "docno twice, strict with missing candidates, a filter id that is empty or holds whitespace; a "
-        "search's depth below k, or on a server without an exact tier"
+        "search's depth below k, or on a server without an exact tier; a where that is not a condition, "
+        "names a column the shards lack, or compares one with a value of another type"
     ),
     "500": "A bug (logged on the server's stderr with its traceback)",
     "503": (
@@ -253,6 +262,19 @@ def _scoring(kind: str, request: type[BaseModel], answer: type[BaseModel], examp
         }
     ]
     if kind == "search":
+        parameters.append(
+            {
+                "name": "where",
+                "in": "query",
+                "required": False,
+                "description": (
+                    "Filter: a condition on the metadata columns of the corpus's Arrow or Parquet shards, "
+                    "in pyarrow's expression syntax, URL-encoded (Arrow bodies only: JSON bodies carry "
+                    "where)"
+                ),
+                "schema": {"type": "string", "maxLength": MAX_WHERE_CHARS},
+            }
+        )
         parameters.append(
             {
                 "name": "depth",

@@ -74,6 +74,14 @@ INCLUDE_HELP = (
     "candidates are dropped). Ids not in the corpus are skipped."
 )
 EXCLUDE_HELP = "Filter: these docnos are never returned; with include, include minus exclude."
+WHERE_HELP = (
+    "Filter (a search): a condition on the metadata columns of the corpus's Arrow or Parquet shards, in "
+    'pyarrow\'s expression syntax (lang == "en" and year >= 2020); only the documents it holds for '
+    "may be returned. With include / exclude: documents allowed by all of them."
+)
+# the longest "where" a request may carry: `maxsim_cli.scoring.where.MAX_WHERE_CHARS`, written out so
+# that reading a request without one loads no pyarrow.compute
+MAX_WHERE_CHARS = 4096
 
 
 class _Model(BaseModel):
@@ -94,6 +102,7 @@ class SearchIn(_Model):
     explain: bool = False
     include: list[StrictStr] | None = Field(None, description=INCLUDE_HELP)
     exclude: list[StrictStr] | None = Field(None, description=EXCLUDE_HELP)
+    where: StrictStr | None = Field(None, max_length=MAX_WHERE_CHARS, description=WHERE_HELP)
     depth: int | None = Field(
         None,
         ge=1,
@@ -136,14 +145,17 @@ class Parsed:
     exclude: list[str] | None = None
 
     @property
-    def filter_key(self) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
+    def filter_key(self) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None, str | None]:
         """The filter as a key: requests of one batch with equal keys are searched together."""
         return (
             None if self.include is None else tuple(self.include),
             None if self.exclude is None else tuple(self.exclude),
+            self.where,
         )
 
     depth: int | None = None  # a search of a server with an exact tier: the compressed tier's candidates
+    # a search's condition on the corpus's metadata columns, as text (`maxsim_cli.scoring.where`)
+    where: str | None = None
 
 
 @dataclass(eq=False)
@@ -166,6 +178,7 @@ class Checked:
     include: list[str] | None = None
     exclude: list[str] | None = None
     depth: int | None = None
+    where: str | None = None
 
 
 def parse_request(
@@ -221,11 +234,12 @@ def to_parsed(checked: Checked) -> Parsed:
         checked.include,
         checked.exclude,
         checked.depth,
+        checked.where,
     )
 
 
 def _parse_json(kind: str, body: bytes, corpus_dim: int) -> Checked:
-    qids, arrays, k, candidates, strict, explain, include, exclude, depth = _read_json_fast(
+    qids, arrays, k, candidates, strict, explain, include, exclude, where, depth = _read_json_fast(
         kind, body
     ) or _read_json_models(kind, body, corpus_dim)
     _check_depth(depth, k)
@@ -247,6 +261,7 @@ def _parse_json(kind: str, body: bytes, corpus_dim: int) -> Checked:
         ),
         include,
         exclude,
+        where,
     )
 
 
@@ -260,16 +275,25 @@ def _check_depth(depth: int | None, k: int | None) -> None:
         )
 
 
-def _filtered(checked: Checked, include: list[str] | None, exclude: list[str] | None) -> Checked:
-    """``checked`` with its filter (each id checked: not empty, no whitespace): a search keeps it for
-    the scorer; a rerank's candidates outside it are dropped now (`maxsim_cli.scoring.filters`: as a
-    mask over the corpus would drop them, docnos being unique)."""
+def _filtered(
+    checked: Checked, include: list[str] | None, exclude: list[str] | None, where: str | None = None
+) -> Checked:
+    """``checked`` with its filter (each id checked: not empty, no whitespace; ``where`` read as a
+    condition, `maxsim_cli.scoring.where.parse_where`): a search keeps it for the scorer; a rerank's
+    candidates outside it are dropped now (`maxsim_cli.scoring.filters`: as a mask over the corpus would
+    drop them, docnos being unique)."""
     for name, ids in (("include", include), ("exclude", exclude)):
         for docno in ids or ():
             if not docno or len(docno.split()) != 1 or docno.strip() != docno:
                 raise RequestError(422, f"{name}: the id {docno[:60]!r} is empty or holds whitespace")
+    if where is not None:
+        from maxsim_cli.errors import python_terms
+        from maxsim_cli.scoring.where import parse_where
+
+        with python_terms():  # the request's field is named as the API names it: where
+            parse_where(where)  # a `UsageError` (422) for what is not a condition, before any scoring
     if checked.candidates is None:
-        checked.include, checked.exclude = include, exclude
+        checked.include, checked.exclude, checked.where = include, exclude, where
         return checked
     if include is not None or exclude is not None:
         keep = set(include) if include is not None else None
@@ -283,8 +307,8 @@ def _filtered(checked: Checked, include: list[str] | None, exclude: list[str] | 
 
 # A JSON request as read, before the checks of `_checked_queries` and `_check_candidates`: its qids,
 # each query's float32 vectors [tokens, width], k, its candidates ({} for a search), strict and explain,
-# the filter's include and exclude ids where the request gives them (read by the models alone), and depth
-# (None unless a search gives it).
+# the filter's include and exclude ids and a search's where, where the request gives them (read by the
+# models alone), and depth (None unless a search gives it).
 _JsonRequest = tuple[
     list[str | int],
     list[np.ndarray],
@@ -294,6 +318,7 @@ _JsonRequest = tuple[
     bool,
     list[str] | None,
     list[str] | None,
+    str | None,
     int | None,
 ]
 
@@ -325,8 +350,9 @@ def _read_json_models(kind: str, body: bytes, corpus_dim: int) -> _JsonRequest:
     qids = [item.qid for item in request.queries]
     filter_ids = (request.include, request.exclude)
     if isinstance(request, SearchIn):
-        return qids, arrays, request.k, {}, False, request.explain, *filter_ids, request.depth
-    return qids, arrays, request.k, request.candidates, request.strict, request.explain, *filter_ids, None
+        return qids, arrays, request.k, {}, False, request.explain, *filter_ids, request.where, request.depth
+    rerank = (request.candidates, request.strict, request.explain)
+    return qids, arrays, request.k, *rerank, *filter_ids, None, None
 
 
 _KEYS = {
@@ -435,7 +461,7 @@ def _read_request(kind: str, doc: Any, brackets: int) -> _JsonRequest | None:
             seen += 1
     if brackets != seen + "".join(texts).count("["):
         return None
-    return qids, arrays, k, candidates, strict, explain, None, None, depth  # a filter: the models read it
+    return qids, arrays, k, candidates, strict, explain, None, None, None, depth  # a filter: the models
 
 
 def _validation_message(exc: ValidationError) -> tuple[int, str]:
@@ -529,7 +555,7 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
     from maxsim_cli.shards import ArrowShard
     from maxsim_cli.shards.arrow_shards import read_stream
 
-    allowed = ("k", "explain", "depth") if kind == "search" else ("k", "strict", "explain")
+    allowed = ("k", "explain", "depth", "where") if kind == "search" else ("k", "strict", "explain")
     for name in params:
         if name not in allowed:
             raise RequestError(422, f"query-string parameter {name!r}: /{kind} takes {' and '.join(allowed)}")
@@ -555,7 +581,7 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
     include, exclude = (_arrow_filter(schema, batches, name) for name in ("include", "exclude"))
     if kind == "search":
         checked_search = Checked(ids, embeddings, offsets, dtype, scales, k, explain=explain, depth=depth)
-        return _filtered(checked_search, include, exclude)
+        return _filtered(checked_search, include, exclude, _where_param(params))
     if "candidates" not in schema.names:
         raise RequestError(
             422, "the Arrow stream has no 'candidates' column (list<utf8>: each query's docnos) for /rerank"
@@ -577,6 +603,14 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
     checked = _check_candidates(candidates, ids)
     checked_rerank = Checked(ids, embeddings, offsets, dtype, scales, k, checked, strict, explain=explain)
     return _filtered(checked_rerank, include, exclude)
+
+
+def _where_param(params: Mapping[str, str]) -> str | None:
+    """An Arrow search's ``where`` query-string parameter (URL-encoded text), bounded in length."""
+    where = params.get("where")
+    if where is not None and len(where) > MAX_WHERE_CHARS:
+        raise RequestError(422, f"where: {len(where)} characters; a filter may have {MAX_WHERE_CHARS}")
+    return where
 
 
 def _arrow_filter(schema: Any, batches: Sequence[Any], name: str) -> list[str] | None:

@@ -115,6 +115,7 @@ def request_frame(request_id: int, kind: str, checked: Checked) -> bytes:
         "include": checked.include,
         "exclude": checked.exclude,
         "depth": checked.depth,
+        "where": checked.where,
     }
     parts = [memoryview(np.ascontiguousarray(checked.embeddings)).cast("B")]
     if checked.scales is not None:
@@ -136,6 +137,9 @@ def checked_from_frame(header: dict[str, Any], payload: bytes) -> Checked:
         depth = header.get("depth")
         if depth is not None and (type(depth) is not int or depth < 1):
             raise ValueError("depth")
+        where = header.get("where")
+        if where is not None and type(where) is not str:
+            raise ValueError("where")
     except (KeyError, TypeError, ValueError) as exc:
         raise FrameError(f"a request frame without a valid {exc}") from None
     if len(lengths) != len(ids) or (lengths < 0).any() or dim < 1:
@@ -162,6 +166,7 @@ def checked_from_frame(header: dict[str, Any], payload: bytes) -> Checked:
         header.get("include"),
         header.get("exclude"),
         depth,
+        where,
     )
 
 

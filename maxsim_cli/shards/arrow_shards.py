@@ -11,7 +11,7 @@ import mmap
 import os
 import re
 import shlex
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -145,6 +145,11 @@ def _to_torch(parts: list[np.ndarray], dtype: str) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
+# The columns a shard is made of (docs/format.md); any other column of an Arrow or Parquet shard is
+# metadata, read only by a ``where`` filter (`maxsim_cli.scoring.where`).
+SHARD_COLUMNS = ("id", "embedding", "scales", "length")
+
+
 class _RecordShard(Shard):
     """Common part of Arrow IPC (file or stream) and Parquet shards: a table split in chunks of rows."""
 
@@ -152,9 +157,35 @@ class _RecordShard(Shard):
     _tokens: _ArrowTokens
     _emb_col: int
     _scale_col: int | None
+    _schema: pa.Schema
+    _chunk_name = "record batch"
 
     def _chunk(self, index: int) -> pa.RecordBatch | pa.Table:
         raise NotImplementedError
+
+    def _metadata_chunk(self, index: int, columns: list[str]) -> pa.Table:
+        """The ``columns`` of chunk ``index`` (record batch / row group), as read (not yet validated)."""
+        raise NotImplementedError
+
+    def metadata_schema(self) -> pa.Schema:
+        return pa.schema([field for field in self._schema if field.name not in SHARD_COLUMNS])
+
+    def metadata_tables(self, columns: Sequence[str]) -> Iterator[tuple[int, pa.Table]]:
+        # a chunk at a time: what is held is one record batch's (row group's) metadata columns, whatever
+        # the shard's size; the embedding and scales columns are never touched
+        names = list(columns)
+        for index in range(len(self._chunk_starts) - 1):
+            with self._lock:
+                table = self._metadata_chunk(index, names)
+            first = int(self._chunk_starts[index])
+            if names:  # read from the file: validated before a value is read (`_validate_full`)
+                where = f"column {', '.join(map(repr, names))} of {self._chunk_name} {index}"
+                _validate_full(self.path, table, where)
+            yield first, table
+            self._release_pages()
+
+    def _release_pages(self) -> None:
+        """After a chunk's metadata was read: let go of what reading it kept in memory."""
 
     def _read_rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         emb_parts, scale_parts = self._row_parts(start, stop)
@@ -358,18 +389,20 @@ class ArrowShard(_RecordShard):
         self._tokens = _ArrowTokens(path, meta["width"], dtype, fixed)
         self._emb_col = schema.get_field_index("embedding")
         self._scale_col = schema.get_field_index("scales") if scaled else None
+        self._schema = schema
 
     def _chunk(self, index: int) -> pa.RecordBatch:
         if self._batches is None:
             raise MaxsimError(f"{self.path}: shard is closed")
         return self._batches[index]
 
-    def _read_rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _check_mapped(self) -> mmap.mmap | None:
+        """The file's map, once the file is checked to be the one opened (None: a stream in memory). A
+        file truncated since it was opened would be SIGBUS on the first page past its end, so its size
+        and time are checked before the map is read (a change during the read is not caught)."""
         mapped = getattr(self._source, "mapped", None)
-        if mapped is None:  # a stream read from stdin: in memory
-            return super()._read_rows(start, stop)
-        # The file is mapped: one truncated since it was opened would be SIGBUS on the first page past
-        # its end, so its size and time are checked first (a change during the copy below is not caught)
+        if mapped is None:
+            return None
         try:
             now = os.stat(self.path)
         except OSError as exc:  # removed (or its folder made unreadable) since it was opened
@@ -377,18 +410,38 @@ class ArrowShard(_RecordShard):
                 self.path, f"cannot read values: {one_line(exc)}; put the file back or open the corpus again"
             ) from None
         check_unchanged(self.path, self._source.identity, now)
+        return mapped
+
+    def _read_rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        mapped = self._check_mapped()
+        if mapped is None:  # a stream read from stdin: in memory
+            return super()._read_rows(start, stop)
         rows = super()._read_rows(start, stop)  # copies the rows out of the map
-        # the map's pages stay in the process's resident set until dropped (re-read from the page
-        # cache if touched again)
-        with contextlib.suppress(OSError, ValueError):
-            mapped.madvise(mmap.MADV_DONTNEED)
+        _drop_pages(mapped)
         return rows
+
+    def _metadata_chunk(self, index: int, columns: list[str]) -> pa.Table:
+        if columns:
+            self._check_mapped()
+        return pa.Table.from_batches([self._chunk(index).select(columns)])
+
+    def _release_pages(self) -> None:
+        mapped = getattr(self._source, "mapped", None)
+        if mapped is not None:
+            _drop_pages(mapped)
 
     def close(self) -> None:
         self._batches = None
         if self._source is not None:
             self._source.close()
             self._source = None
+
+
+def _drop_pages(mapped: mmap.mmap) -> None:
+    """The map's pages stay in the process's resident set until dropped (re-read from the page cache if
+    touched again)."""
+    with contextlib.suppress(OSError, ValueError):
+        mapped.madvise(mmap.MADV_DONTNEED)
 
 
 class _MappedFile:
@@ -491,6 +544,17 @@ class ParquetShard(_RecordShard):
         info = shard_info(path, "parquet", len(ids), num_tokens, dim, dtype, meta)
         super().__init__(info, ids, offsets)
         self._tokens = _ArrowTokens(path, meta["width"], dtype, fixed)
+        self._schema = schema
+
+    _chunk_name = "row group"
+
+    def _metadata_chunk(self, index: int, columns: list[str]) -> pa.Table:
+        if self._file is None:
+            raise MaxsimError(f"{self.path}: shard is closed")
+        try:
+            return self._file.read_row_group(index, columns=columns)
+        except (pa.ArrowException, OSError) as exc:
+            raise input_error(self.path, f"corrupt row group {index}: {one_line(exc)}") from None
 
     def _chunk(self, index: int) -> pa.Table:
         if self._file is None:

@@ -97,6 +97,18 @@ class Shard:
     def close(self) -> None:
         """Release the file (memory map, handles). Reading afterwards is an error."""
 
+    def metadata_schema(self) -> pa.Schema | None:
+        """The schema of the shard's metadata columns (every column beside the ones a shard is made of:
+        what a ``where`` filter reads, `maxsim_cli.scoring.where`); None for a container that has no
+        columns (safetensors, a corpus made in memory)."""
+        return None
+
+    def metadata_tables(self, columns: Sequence[str]) -> Iterator[tuple[int, pa.Table]]:
+        """The metadata ``columns`` (names of `metadata_schema`), a piece of the shard at a time: (the
+        index of the piece's first document, a table of those columns), every value validated; the
+        token vectors are not read."""
+        raise NotImplementedError(f"{type(self).__name__} has no metadata columns")
+
     def _empty_batch(self, first_doc: int = 0) -> DocBatch:
         import torch
 
