@@ -41,14 +41,18 @@ at K = 8192); that L2 traffic, not HBM, may bind on the GPU, and is the first th
 (docs/format.md, "Codes below 8 bits"). The decode cost is paid once per (query group, token): with many
 queries a group of up to BLOCK_Q query tokens shares each decoded tile, as in the int8 all-pairs kernel.
 
-Tiling (Triton). All pairs: a program takes a group of consecutive queries (sized from the shapes so that
-queries of the mean length fill one BLOCK_Q-row tile, as in `maxsim_int8`) and DOCS_PER_PROG consecutive
-documents; the group's int8 query tile stays on chip, each document is walked in BLOCK_D-token tiles
-(its first tile starts at its first token, the last is masked with -inf), decoded into a [BLOCK_D,
-BLOCK_K] tile in registers, multiplied on the tensor cores (`tl.dot`), and folded into a running max per
-query token. Candidates: a program takes CANDS_PER_PROG consecutive entries of the flat candidate list
-(their query found by binary search in candidate_offsets) and does the same, reading each candidate in
-place through its index. Scores only (no argmax).
+Tiling (Triton). A row of codes is read once as whole bytes and split into its parts (int4: the low and
+high nibbles, values 2m and 2m + 1; residual2: the four 2-bit buckets of byte 4 + m, values 4m + p), each
+part decoded and multiplied with the query columns it holds (the residual2 codebook is handed to the
+kernels in part-major order, `_parts_major`, so that a part of a centroid is one contiguous run). All
+pairs: a program takes a group of consecutive queries (sized from the shapes so that queries of the mean
+length fill one BLOCK_Q-row tile, as in `maxsim_int8`) and DOCS_PER_PROG consecutive documents; the group's
+query tile stays on chip and the BLOCK_D-token tiles of all its documents run in one loop (a document's
+first tile starts at its first token, the last is masked with -inf), the running max kept per tile element
+and reduced once a document. Candidates: a program takes consecutive entries of the flat candidate list,
+one loop over their tiles when they belong to one query (else candidate by candidate, their query found by
+binary search in candidate_offsets). The plans (`Tiles`) and their measurements: docs/kernel-notes.md,
+"Codes below 8 bits". Scores only (no argmax).
 """
 
 from __future__ import annotations
