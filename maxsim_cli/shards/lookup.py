@@ -199,15 +199,16 @@ class IdLookup:
         bucket = (wanted >> self._shift).astype(np.intp)
         lo = self._bucket_start[bucket].astype(np.int64)
         hi = self._bucket_start[bucket + 1].astype(np.int64)
-        top = self.num_ids - 1
+        # entries before lo are below the hash and entries from hi on at least it (later buckets hold
+        # larger hashes), so an empty range (mid = lo = hi) stays as it is; but where hi is past the last
+        # entry, which is clipped to, lo may step past it, and is brought back after
         for _ in range(self.width.bit_length()):  # a range of `width` entries halves to none in these
             mid = lo + hi
             mid >>= 1
-            below = self.hashes[np.minimum(mid, top)] < wanted
-            below &= mid < hi  # an empty range stays as it is
-            np.copyto(lo, mid + 1, where=below)
-            np.copyto(hi, mid, where=~below)
-        return lo
+            below = np.take(self.hashes, mid, mode="clip") < wanted
+            lo = np.where(below, mid + 1, lo)
+            hi = np.where(below, hi, mid)
+        return np.minimum(lo, self.num_ids, out=lo)
 
     def ordinals_of(self, docnos: Sequence[str]) -> np.ndarray:
         """The corpus ordinal of each of ``docnos`` (int64, in their order), -1 for one not in the
