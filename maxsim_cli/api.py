@@ -19,6 +19,7 @@ command line prints, naming these functions' keyword arguments where it names a 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -356,11 +357,17 @@ def _input_paths(queries: Queries, corpus: Corpus, candidates: Any) -> tuple[str
     """The files a run was made from, which `Run.to_trec` refuses to overwrite: the query file, the
     corpus's shards and their folders (their manifests), the candidates' run file."""
     paths = [] if queries.path is None else [queries.path]
-    paths += corpus.paths
-    paths += dict.fromkeys(os.path.dirname(os.path.abspath(p)) for p in corpus.paths)
+    paths += _shard_inputs(os.getcwd(), tuple(corpus.paths))
     if isinstance(candidates, (str, os.PathLike)):
         paths.append(os.fspath(candidates))
     return tuple(paths)
+
+
+@functools.lru_cache(maxsize=64)
+def _shard_inputs(cwd: str, shard_paths: tuple[str, ...]) -> tuple[str, ...]:
+    """The shards and their folders, as `_input_paths` lists them: made once per corpus and working
+    directory (``cwd``, which the absolute paths depend on), not at every call."""
+    return (*shard_paths, *dict.fromkeys(os.path.dirname(os.path.abspath(p)) for p in shard_paths))
 
 
 def _candidates_name(candidates: Any) -> str | None:
@@ -420,8 +427,10 @@ def _size(value: int | str | None, name: str) -> int | None:
 
 
 def _as_candidates(candidates: Any) -> dict[str, list[tuple[str, float]]]:
-    """A first-stage run as the engine takes it: ``{qid: [(docno, score), ...]}`` in first-seen order."""
+    """A first-stage run as the engine takes it: ``{qid: [(docno, score), ...]}`` in first-seen order (a
+    query's docnos given alone as a `DocnoRows`, which holds their list)."""
     from maxsim_cli.run_files import read_run
+    from maxsim_cli.scoring.results import DocnoRows
 
     if isinstance(candidates, (str, os.PathLike)):
         return read_run(candidates)
@@ -449,10 +458,15 @@ def _as_candidates(candidates: Any) -> dict[str, list[tuple[str, float]]]:
                 )
             if not isinstance(rows, (list, tuple)):
                 rows = list(rows)
-            if set(map(type, rows)) <= {str}:  # docnos alone, the common case: paired without a loop here
-                grouped.setdefault(str(qid), []).extend(zip(rows, itertools.repeat(0.0)))
+            key = str(qid)
+            if set(map(type, rows)) <= {str}:  # docnos alone, the common case: kept as the list they are
+                if key not in grouped:
+                    grouped[key] = DocnoRows(list(rows))
+                else:  # two keys of one qid (1 and "1"): their rows one after the other
+                    grouped[key] = [*grouped[key], *zip(rows, itertools.repeat(0.0))]
                 continue
-            grouped.setdefault(str(qid), []).extend(
+            grouped[key] = list(grouped.get(key, ()))
+            grouped[key].extend(
                 (str(row[0]), _first_stage_score(row[1], qid, row[0]))
                 if isinstance(row, tuple) and len(row) == 2
                 else (str(row), 0.0)
@@ -479,8 +493,10 @@ def _first_stage_score(score: Any, qid: Any, docno: Any) -> float:
 def _each_once(grouped: dict[str, list[tuple[str, float]]]) -> dict[str, list[tuple[str, float]]]:
     """``grouped`` after checking that no query lists a docno twice: a set per query, not a check per
     row (a served rerank pays this at every request)."""
+    from maxsim_cli.scoring.results import DocnoRows
     for qid, rows in grouped.items():
-        if len(dict(rows)) != len(rows):  # one dict of the pairs, built in C
+        # one set of the docnos, or one dict of the pairs, built in C
+        if len(set(rows.docnos) if isinstance(rows, DocnoRows) else dict(rows)) != len(rows):
             seen: set[str] = set()
             twice = next(d for d, _ in rows if d in seen or seen.add(d))  # type: ignore[func-returns-value]
             raise InputError(

@@ -63,6 +63,7 @@ __all__ = [
     "read_run",
     "read_run_and_format",
     "sort_trec",
+    "untied_order",
 ]
 
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -383,6 +384,17 @@ def _ties_by_docno_descending(docnos, keys: np.ndarray) -> bool:  # noqa: ANN001
     return bool(pc.all(pc.greater(left, right)).as_py())
 
 
+def _none_empty(docnos) -> bool:  # noqa: ANN001 - an Arrow large_string array
+    """Whether no value of ``docnos`` is the empty string (nulls aside): from its offsets."""
+    if docnos.null_count:
+        import pyarrow.compute as pc
+
+        return pc.min(pc.utf8_length(docnos)).as_py() > 0
+    start = docnos.offset
+    offsets = np.frombuffer(docnos.buffers()[1], dtype=np.int64)[start : start + len(docnos) + 1]
+    return bool((offsets[1:] > offsets[:-1]).all())
+
+
 def _ranks_text(count: int):  # noqa: ANN202
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -405,6 +417,23 @@ def _in_trec_order(docnos: Sequence[str], keys: np.ndarray) -> bool:
     return all(docnos[i] > docnos[i + 1] for i in np.flatnonzero(keys[:-1] == keys[1:]).tolist())
 
 
+def _untied(keys: np.ndarray) -> np.ndarray | None:
+    """The order of ``keys`` (`_float32_keys`, or the float32 scores with -0 made 0) descending when they
+    are finite and all different, else None (the docnos then decide between equal scores)."""
+    order = np.argsort(-keys, kind="stable")
+    ranked = keys[order]
+    if np.isfinite(ranked).all() and bool(np.all(ranked[:-1] > ranked[1:])):
+        return order
+    return None
+
+
+def untied_order(scores: np.ndarray) -> np.ndarray | None:
+    """`sort_trec`'s order (int64 indices) of float32 ``scores`` when they are finite and all different,
+    found without the docnos; None when two are equal or one is not finite (`sort_trec` then needs the
+    docnos)."""
+    return _untied(np.asarray(scores, dtype=np.float32) + np.float32(0.0))
+
+
 def sort_trec(docnos: Sequence[str], scores: Sequence[float]) -> list[int]:
     """Indices of ``docnos`` in trec_eval's order: float32 score descending, ties by docno descending.
 
@@ -417,9 +446,8 @@ def sort_trec(docnos: Sequence[str], scores: Sequence[float]) -> list[int]:
     if len(docnos) >= _NUMPY_SORT_FROM:
         # without equal scores the scores alone decide, and the docnos (an array of strings to build)
         # are not needed: 1,000 entries ~40 us against ~200 (a served rerank sorts at every request)
-        order = np.argsort(-keys, kind="stable")
-        ranked = keys[order]
-        if np.isfinite(ranked).all() and bool(np.all(ranked[:-1] > ranked[1:])):
+        order = _untied(keys)
+        if order is not None:
             return order.tolist()
         # numpy's unicode strings compare by code point too; the position key keeps equal entries in
         # input order, as `sorted(..., reverse=True)` does
@@ -529,7 +557,6 @@ class RankedSink:
         goes through `write_query` query by query, which names the culprit.
         """
         import pyarrow as pa
-        import pyarrow.compute as pc
 
         self._check_open("write_ranked")
         nq, m = (len(qids), 0) if scores.size == 0 else scores.shape
@@ -544,7 +571,7 @@ class RankedSink:
             and bool(np.isfinite(keys).all())
             and bool((keys[:, :-1] >= keys[:, 1:]).all())
             and not has_forbidden_chars(docnos)
-            and (m == 0 or pc.min(pc.utf8_length(docnos)).as_py() > 0)
+            and (m == 0 or _none_empty(docnos))
             and _ties_by_docno_descending(docnos, keys)
         )
         if not clean:

@@ -114,6 +114,68 @@ def test_exact_ties_are_broken_by_docno_descending(tmp_path) -> None:
         assert [r.docno for r in reranked] == ["d4", "d2", "d1", "x"]
 
 
+def test_a_rerank_writes_the_engines_trec_bytes_with_ties_misses_and_filters(tmp_path, monkeypatch) -> None:
+    """The direct rerank hands a query's rows over as the lookup's Arrow docnos, sorted by score alone,
+    where no two scores are equal; a query with equal scores goes the way every query went before. Both
+    give the engine's file byte for byte: queries given in another order, with and without ties, a
+    missing candidate, a cut to k and a filter."""
+    gen = torch.Generator().manual_seed(4)
+    docs = [torch.randn(int(n), 8, generator=gen) for n in torch.randint(1, 6, (40,), generator=gen)]
+    docs[7] = docs[3].clone()  # copies: equal scores for every query
+    docs[21] = docs[3].clone()
+    ids = [f"doc{i:02d}" for i in range(40)]
+    write_shard(tmp_path / "a.safetensors", ids[:25], docs[:25], dtype="float32")
+    write_shard(tmp_path / "b.safetensors", ids[25:], docs[25:], dtype="float32")
+    q = Queries.from_embeddings(["q1", "q2", "q3"], [torch.randn(3, 8, generator=gen) for _ in range(3)])
+    cands = {
+        "q3": [ids[i] for i in (30, 3, 12, 21, 5, 7, 39)],  # three copies: tied
+        "q1": [ids[i] for i in (9, 0, 33, 17)] + ["missing"],  # no ties
+        "q2": [ids[i] for i in (2, 26, 14, 38, 11)],
+    }
+    from maxsim_cli.run_files import RankedSink
+
+    outputs, sorted_by_docno = {}, []
+    write_query = RankedSink.write_query
+    for way in ("direct", "engine"):
+        with open_corpus(tmp_path) as corpus, monkeypatch.context() as patch:
+            corpus.to("cpu")
+            if way == "engine":
+                _engine_only(patch)
+            else:  # the queries that go through write_query: those with equal scores
+                patch.setattr(RankedSink, "write_query", lambda self, qid, *a: [
+                    sorted_by_docno.append(qid), write_query(self, qid, *a)][1])  # fmt: skip
+            for k in (None, 2):
+                for exclude in (None, [ids[12], ids[38]]):
+                    with pytest.warns(maxsim_cli.MaxsimWarning, match="1 candidates are not in the corpus"):
+                        run = rerank(q, corpus, cands, k=k, exclude=exclude)
+                    assert run.stats.extra.get("direct") is (True if way == "direct" else None)
+                    path = tmp_path / f"{way}-{k}-{exclude is None}.trec"
+                    run.to_trec(path)
+                    outputs.setdefault(way, []).append(path.read_bytes())
+    assert outputs["direct"] == outputs["engine"]
+    assert set(sorted_by_docno) == {"q3"}
+    assert b"q3 Q0 doc21" in outputs["direct"][0] and outputs["direct"][0].startswith(b"q1 Q0 ")
+
+
+def test_docnos_alone_under_two_keys_of_one_qid_are_one_query(corpus_path, queries) -> None:
+    """Docnos given alone are kept as their list (`DocnoRows`); two keys that name one qid (1 and "1")
+    still join their rows in order, and a docno under both is a docno twice."""
+    from maxsim_cli.scoring.results import DocnoRows
+
+    ids = Queries.from_embeddings(["1"], [torch.ones(2, DIM)])
+    with open_corpus(corpus_path) as corpus:
+        corpus.to("cpu")
+        docnos = corpus.ids[:6]
+        joined = rerank(ids, corpus, {1: docnos[:3], "1": docnos[3:]})
+        pairs = rerank(ids, corpus, {"1": [(d, 0.0) for d in docnos]})
+        assert joined.to_dict() == pairs.to_dict() and len(joined) == 6
+        with pytest.raises(InputError, match=f"docno {docnos[2]!r} appears twice for query '1'"):
+            rerank(ids, corpus, {1: docnos[:3], "1": docnos[2:]})
+    rows = DocnoRows(["a", "b"])
+    assert list(rows) == [("a", 0.0), ("b", 0.0)] and rows[1] == ("b", 0.0) and rows[:1] == [("a", 0.0)]
+    assert rows == [("a", 0.0), ("b", 0.0)] and len(rows) == 2
+
+
 def test_bad_candidates_fail_as_in_the_engine(corpus_path, queries) -> None:
     with open_corpus(corpus_path) as corpus:
         corpus.to("cpu")

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from maxsim_cli.arrays import values_array
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.resources import device_queries, query_embeddings
 from maxsim_cli.scoring.results import (
@@ -311,8 +312,11 @@ def _rerank(
         return True
     # the kernel takes each query's candidates as one run of the list: pairs grouped by query, each
     # query's in run order (the order `write_reranked` reads the scores in)
-    order = np.argsort(located.pair_query, kind="stable")
-    pair_query, pair_doc = located.pair_query[order], located.pair_doc[order]
+    pair_query, pair_doc, pair_docnos = located.pair_query, located.pair_doc, located.pair_docnos
+    if not bool((pair_query[1:] >= pair_query[:-1]).all()):  # queries in another order than the run's
+        order = np.argsort(pair_query, kind="stable")
+        pair_query, pair_doc = pair_query[order], pair_doc[order]
+        pair_docnos = None if pair_docnos is None else pair_docnos.take(values_array(order))
     counts = np.bincount(pair_query, minlength=len(qids))
     stats.queries_with_candidates = int(np.count_nonzero(counts))
     cand_offsets = np.zeros(len(qids) + 1, dtype=np.int64)
@@ -320,10 +324,20 @@ def _rerank(
     scores_np = candidate_scores(corpus, residency, queries, cand_offsets, pair_doc, backend=request.backend)
     if scores_np is None:
         return False
-    distinct = np.unique(pair_doc)
+    # a query lists a document once (`read_run`, the API's candidates, a run's rows): one query's
+    # documents are distinct as they are
+    distinct = pair_doc if stats.queries_with_candidates == 1 else np.unique(pair_doc)
     stats.documents = len(distinct)
     stats.tokens = int((residency.host_offsets[distinct + 1] - residency.host_offsets[distinct]).sum())
-    write_reranked(sink, qids, located.docnos_of, pair_query, scores_np, request.top_k)
+    write_reranked(
+        sink,
+        qids,
+        located.docnos_of,
+        pair_query,
+        scores_np,
+        request.top_k,
+        pair_docnos=pair_docnos,
+    )
     return True
 
 

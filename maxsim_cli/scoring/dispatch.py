@@ -26,6 +26,7 @@ and the parallel package never import it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -140,7 +141,11 @@ def call_request(request: ScoreRequest, corpus: Corpus) -> ScoreRequest:
     """``request`` on the device a call on ``corpus`` scores on: ``auto`` on a corpus resident on one
     device is that device."""
     if request.device == "auto" and corpus.residency is not None:
-        return dataclasses.replace(request, device=str(corpus.residency.device))
+        # a copy with the device alone changed: `dataclasses.replace` would convert every field again
+        # (`ScoreRequest.__post_init__`), at every library call
+        resolved = copy.copy(request)
+        object.__setattr__(resolved, "device", str(corpus.residency.device))
+        return resolved
     return request
 
 

@@ -3,7 +3,8 @@ candidates found in the corpus (`locate_candidates`) and written back re-sorted 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,18 +42,52 @@ def write_topk(
         sink.write_query(qid, docnos[i * m : (i + 1) * m].to_pylist(), scores_np[i].tolist())
 
 
+class DocnoRows(Sequence[tuple[str, float]]):
+    """A query's candidates given as docnos alone: the rows ``(docno, 0.0)`` of a first-stage run, kept
+    as the list of docnos (`locate_candidates` looks that list up as it is; a row's tuple is made only
+    when one is asked for). ``docnos``: plain ``str``, each once."""
+
+    __slots__ = ("docnos",)
+
+    def __init__(self, docnos: list[str]) -> None:
+        self.docnos = docnos
+
+    def __len__(self) -> int:
+        return len(self.docnos)
+
+    def __getitem__(self, index: int | slice) -> tuple[str, float] | list[tuple[str, float]]:
+        if isinstance(index, slice):
+            return [(docno, 0.0) for docno in self.docnos[index]]
+        return (self.docnos[index], 0.0)
+
+    def __iter__(self) -> Iterator[tuple[str, float]]:
+        return zip(self.docnos, itertools.repeat(0.0))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, DocnoRows):
+            return self.docnos == other.docnos
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
 @dataclass
 class LocatedCandidates:
     """A first-stage run's candidates found in the corpus: pair ``i`` is query ``pair_query[i]`` against
     the document of corpus ordinal ``pair_doc[i]``, in (query, run order) order; ``docnos_of[q]`` are
     query ``q``'s candidates found, in run order; ``missing`` counts candidates not in the corpus,
-    ``filtered`` those a filter left out (`drop_disallowed`)."""
+    ``filtered`` those a filter left out (`drop_disallowed`). ``pair_docnos``: pair ``i``'s docno as an
+    Arrow (large) binary or string array, where the lookup made one (`IdLookup.locate`), else None."""
 
     pair_query: np.ndarray
     pair_doc: np.ndarray
     docnos_of: dict[int, list[str]]
     missing: int
     filtered: int = 0
+    pair_docnos: Any = None
 
 
 def locate_candidates(
@@ -79,17 +114,23 @@ def locate_candidates(
     # every query's candidates in one list (queries in run order, each query's in run order), looked up
     # at once: a served rerank pays this at every request
     query_of = np.fromiter((qindex[qid] for qid in run), dtype=np.int64, count=len(run))
-    docnos_per_query = [[docno for docno, _ in cands] for cands in run.values()]
+    docnos_per_query = [
+        cands.docnos if isinstance(cands, DocnoRows) else [docno for docno, _ in cands]
+        for cands in run.values()
+    ]
     counts = np.fromiter(map(len, docnos_per_query), dtype=np.int64, count=len(docnos_per_query))
-    listed = [docno for docnos in docnos_per_query for docno in docnos]
-    ordinals = corpus.id_lookup().ordinals_of(listed)
+    listed = (
+        docnos_per_query[0]
+        if len(docnos_per_query) == 1
+        else [docno for docnos in docnos_per_query for docno in docnos]
+    )
+    ordinals, asked = corpus.id_lookup().locate(listed)
     pair_query = np.repeat(query_of, counts)
     found = ordinals >= 0
     n_missing = len(listed) - int(np.count_nonzero(found))
     if not n_missing:
-        return LocatedCandidates(
-            pair_query, ordinals, dict(zip(query_of.tolist(), docnos_per_query, strict=True)), 0
-        )
+        docnos_of = dict(zip(query_of.tolist(), docnos_per_query, strict=True))
+        return LocatedCandidates(pair_query, ordinals, docnos_of, 0, pair_docnos=asked)
     missing: list[str] = []  # the first three distinct, for the message
     for i in np.flatnonzero(~found).tolist():
         if listed[i] not in missing:
@@ -113,7 +154,16 @@ def locate_candidates(
         kept = keep[start : start + len(docnos)]
         start += len(docnos)
         docnos_of[qi] = docnos if all(kept) else [d for d, k in zip(docnos, kept, strict=True) if k]
-    return LocatedCandidates(pair_query[found], ordinals[found], docnos_of, n_missing)
+    return LocatedCandidates(
+        pair_query[found], ordinals[found], docnos_of, n_missing, pair_docnos=_rows(asked, found)
+    )
+
+
+def _rows(array: Any, keep: np.ndarray) -> Any:
+    """The rows of an Arrow array where the bool mask ``keep`` is True (None stays None)."""
+    from maxsim_cli.arrays import values_array
+
+    return None if array is None else array.take(values_array(np.flatnonzero(keep)))
 
 
 def drop_disallowed(located: LocatedCandidates, disallowed: np.ndarray) -> LocatedCandidates:
@@ -131,7 +181,12 @@ def drop_disallowed(located: LocatedCandidates, disallowed: np.ndarray) -> Locat
         start += len(docnos)
         docnos_of[qi] = [d for d, k in zip(docnos, kept.tolist(), strict=True) if k]
     return LocatedCandidates(
-        located.pair_query[keep], located.pair_doc[keep], docnos_of, located.missing, dropped
+        located.pair_query[keep],
+        located.pair_doc[keep],
+        docnos_of,
+        located.missing,
+        dropped,
+        _rows(located.pair_docnos, keep),
     )
 
 
@@ -153,18 +208,35 @@ def write_reranked(
     pair_query: np.ndarray | None,
     scores: np.ndarray,
     top_k: int,
+    *,
+    pair_docnos: Any = None,
 ) -> None:
     """Each query's candidates with their float32 ``scores`` (pairs in (query, run order) order, as
-    `locate_candidates` gives them) to ``sink``, re-sorted in trec_eval's order and cut to ``top_k``."""
-    from maxsim_cli.run_files import sort_trec
+    `locate_candidates` gives them) to ``sink``, re-sorted in trec_eval's order and cut to ``top_k``.
+
+    With ``pair_docnos`` (each pair's docno, an Arrow string or binary array in the order of ``scores``:
+    `LocatedCandidates.pair_docnos`), a query whose scores are finite and all different is sorted by its
+    scores alone and handed over as Arrow rows taken from it (``sink.write_ranked``, which checks them
+    as ``write_query`` does): no Python string a row. A query with equal or non-finite scores goes
+    through ``write_query`` with ``docnos_of``, as every query did before: the same rows either way."""
+    from maxsim_cli.arrays import values_array
+    from maxsim_cli.run_files import sort_trec, untied_order
 
     if pair_query is None:
         return
-    starts = np.searchsorted(pair_query, np.arange(len(qids) + 1))
+    starts = np.searchsorted(pair_query, np.arange(len(qids) + 1)).tolist()
     for qi, qid in enumerate(qids):
+        a, b = starts[qi], starts[qi + 1]
+        if pair_docnos is not None and b > a:
+            order = untied_order(scores[a:b])
+            if order is not None:
+                keep = order[:top_k]
+                docnos = pair_docnos.slice(a, b - a).take(values_array(keep))
+                sink.write_ranked([qid], docnos, scores[a:b][keep].reshape(1, -1))
+                continue
         docnos = docnos_of.get(qi)
         if not docnos:
             continue
-        sc = scores[starts[qi] : starts[qi + 1]].tolist()
-        keep = sort_trec(docnos, sc)[:top_k]
-        sink.write_query(qid, [docnos[i] for i in keep], [sc[i] for i in keep])
+        sc = scores[a:b].tolist()
+        kept = sort_trec(docnos, sc)[:top_k]
+        sink.write_query(qid, [docnos[i] for i in kept], [sc[i] for i in kept])

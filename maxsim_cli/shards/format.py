@@ -541,7 +541,8 @@ def has_forbidden_chars(strings: pa.Array) -> bool:
     data when every byte is ASCII, Arrow's regex (`ID_FORBIDDEN_RE2`) otherwise."""
     data = string_bytes(strings)
     if len(data) and int(data.max()) < 0x80:
-        return bool(_ASCII_FORBIDDEN[data].any())
+        # ASCII: the forbidden bytes (`_ASCII_FORBIDDEN`) are those up to the space, and DEL
+        return int(data.min()) <= 0x20 or bool((data == 0x7F).any())
     return bool(pc.any(pc.match_substring_regex(strings, ID_FORBIDDEN_RE2)).as_py())
 
 
