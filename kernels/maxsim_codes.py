@@ -71,7 +71,7 @@ from .maxsim_int8 import (
     segment_max,
     sum_rows_in_order,
 )
-from .running_max import document_max, fold_tile, restart
+from .running_max import document_max, fold_tile, restart, tile_count
 from .validation import cdiv, check_candidate_docs, resolve_backend
 
 CODECS = ("int4", "residual2")
@@ -464,8 +464,7 @@ def _maxsim_codes_varlen_kernel(
         member = (local[:, None] == kq[None, :]) & row_ok[:, None]
         dd = doc_first + tl.arange(0, DOCS_PER_PROG)
         d_in = dd < n_docs
-        lens = tl.load(d_off_ptr + dd + 1, mask=d_in, other=0) - tl.load(d_off_ptr + dd, mask=d_in, other=0)
-        n_tiles = tl.sum(tl.where(d_in, tl.maximum(tl.cdiv(lens, BLOCK_D), 1), 0))  # an empty doc: 1 tile
+        n_tiles = tile_count(d_off_ptr, dd, d_in, d_in, BLOCK_D)
         doc = doc_first
         doc_start = tl.load(d_off_ptr + doc)
         doc_end = tl.load(d_off_ptr + doc + 1)
@@ -560,9 +559,7 @@ def _maxsim_codes_candidates_kernel(
         c_in = cc < c_last
         cdocs = tl.load(cand_docs_ptr + cc, mask=c_in, other=0)
         c_ok = c_in & (cdocs >= 0) & (cdocs < n_docs)  # a bad index: one tile of an empty document
-        lens = tl.load(d_off_ptr + cdocs + 1, mask=c_ok, other=0)
-        lens -= tl.load(d_off_ptr + cdocs, mask=c_ok, other=0)
-        n_tiles = tl.sum(tl.where(c_in, tl.maximum(tl.cdiv(lens, BLOCK_D), 1), 0))
+        n_tiles = tile_count(d_off_ptr, cdocs, c_ok, c_in, BLOCK_D)
         c = c_first
         doc = tl.load(cand_docs_ptr + c)
         doc_ok = (doc >= 0) & (doc < n_docs)

@@ -71,7 +71,7 @@ import triton
 import triton.language as tl
 
 from .launch import gluon_module, hopper_device, launch_fitting_shared_memory
-from .running_max import document_max, fold_row_max, fold_tile, restart
+from .running_max import document_max, fold_row_max, fold_tile, restart, tile_count
 from .validation import (
     cdiv,
     check_candidate_docs,
@@ -316,8 +316,7 @@ def _maxsim_int8_varlen_kernel(
         member = (local[:, None] == kq[None, :]) & row_ok[:, None]
         dd = doc_first + tl.arange(0, DOCS_PER_PROG)
         d_in = dd < n_docs
-        lens = tl.load(d_off_ptr + dd + 1, mask=d_in, other=0) - tl.load(d_off_ptr + dd, mask=d_in, other=0)
-        n_tiles = tl.sum(tl.where(d_in, tl.maximum(tl.cdiv(lens, BLOCK_D), 1), 0))  # an empty doc: 1 tile
+        n_tiles = tile_count(d_off_ptr, dd, d_in, d_in, BLOCK_D)  # an empty doc: 1 tile
         doc = doc_first
         doc_start = tl.load(d_off_ptr + doc)
         doc_end = tl.load(d_off_ptr + doc + 1)
@@ -448,10 +447,7 @@ def _maxsim_int8_candidates_kernel(
         c_in = cc < c_last
         cdocs = tl.load(cand_docs_ptr + cc, mask=c_in, other=0)
         c_ok = c_in & (cdocs >= 0) & (cdocs < n_docs)  # a bad index: one tile of an empty document
-        lens = tl.load(d_off_ptr + cdocs + 1, mask=c_ok, other=0) - tl.load(
-            d_off_ptr + cdocs, mask=c_ok, other=0
-        )
-        n_tiles = tl.sum(tl.where(c_in, tl.maximum(tl.cdiv(lens, BLOCK_D), 1), 0))
+        n_tiles = tile_count(d_off_ptr, cdocs, c_ok, c_in, BLOCK_D)
         c = c_first
         if ROTATE:
             c = c_first + tl.program_id(0) % (c_last - c_first)

@@ -58,3 +58,13 @@ def restart(row_max, row_arg, m_tile, ELEMENT_MAX: tl.constexpr, RETURN_ARGMAX: 
         if RETURN_ARGMAX:
             row_arg = tl.full(row_arg.shape, -1, tl.int32)
     return row_max, row_arg, m_tile
+
+
+@triton.jit
+def tile_count(d_off_ptr, docs, readable, counted, BLOCK_D: tl.constexpr):
+    """The BLOCK_D-token tiles that the entries `counted` of `docs` take when walked one after the other
+    in one loop (an empty document, or an entry not `readable`, still one tile: its score is stored there)."""
+    lens = tl.load(d_off_ptr + docs + 1, mask=readable, other=0) - tl.load(
+        d_off_ptr + docs, mask=readable, other=0
+    )
+    return tl.sum(tl.where(counted, tl.maximum(tl.cdiv(lens, BLOCK_D), 1), 0))
