@@ -49,6 +49,10 @@ BITS = {8: "int8-per-token", 4: "int4-per-token", 2: "residual2-kmeans"}
 MAX_CENTROIDS = 1 << 18  # the peers' largest (PLAID: 2^16-2^18)
 DEFAULT_SAMPLE_TOKENS = 1 << 18  # k-means sample: 128 MiB of fp32 at dim 128
 KMEANS_ITERATIONS = 20
+# fastkmeans' Triton assignment kernel walks the centroids in tiles of 128 (64 past dim 384) and reads the
+# tile past the last centroid unmasked: with k not a multiple of 128 it can return an id >= k (a
+# device-side assert in its index_add, seen on an H100 with k = 64). Its torch path is used for other k.
+TRITON_KMEANS_CENTROIDS = 128
 _ID_BYTES = 4
 
 
@@ -285,7 +289,7 @@ def train_codebook(
     gpu = device is not None and device.type == "cuda"
     kmeans = FastKMeans(
         d=data.shape[1], k=k, niter=KMEANS_ITERATIONS, gpu=gpu, seed=seed,
-        device=device if gpu else "cpu", verbose=False,
+        device=device if gpu else "cpu", verbose=False, use_triton=gpu and k % TRITON_KMEANS_CENTROIDS == 0,
     )  # fmt: skip
     kmeans.train(data.numpy())
     centroids = torch.from_numpy(np.asarray(kmeans.centroids, dtype=np.float32)).half()

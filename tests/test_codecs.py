@@ -160,9 +160,11 @@ def test_every_kernel_branch_within_the_bound(codec, plan, monkeypatch):
     from maxsim_kernels import maxsim_codes
 
     for name, tiles in PLANS[plan].items():
-        monkeypatch.setattr(
-            maxsim_codes, name, tiles if isinstance(tiles, int) else maxsim_codes.Tiles(*tiles)
-        )
+        if name == "_FEW_ROWS":  # a plan for each codec
+            tiles = {c: maxsim_codes.Tiles(*tiles) for c in CODECS}
+        elif not isinstance(tiles, int):
+            tiles = maxsim_codes.Tiles(*tiles)
+        monkeypatch.setattr(maxsim_codes, name, tiles)
     gen = torch.Generator().manual_seed(11)
     dim = 36 if codec == "int4" else 40
     queries, q_off = _packed([3, 40, 1, 7, 2], dim, gen)
@@ -492,3 +494,26 @@ def test_residual2_encoding_in_blocks_equals_one_block(monkeypatch) -> None:
     whole = maxsim_codes.encode_residual2(x, ids, centroids, cutoffs)
     monkeypatch.setattr(maxsim_codes, "ENCODE_BLOCK_ELEMS", 12 * 4)  # blocks of 4 rows, the last of 1
     assert torch.equal(maxsim_codes.encode_residual2(x, ids, centroids, cutoffs), whole)
+
+
+@pytest.mark.parametrize("k,triton_path", [(64, False), (100, False), (128, True), (4096, True)])
+def test_gpu_kmeans_takes_the_triton_assignment_only_for_whole_tiles(monkeypatch, k, triton_path) -> None:
+    """fastkmeans' Triton assignment kernel can return a centroid id past k when k is not a multiple of its
+    128-centroid tile (a device-side assert on the GPU); such k take its torch path."""
+    import fastkmeans
+
+    from maxsim_cli import codecs
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, **kwargs) -> None:
+            seen.update(kwargs)
+            self.centroids = torch.zeros(kwargs["k"], kwargs["d"]).numpy()
+
+        def train(self, data) -> None:
+            pass
+
+    monkeypatch.setattr(fastkmeans, "FastKMeans", Recorder)
+    codecs.train_codebook(torch.randn(5000, 8), k, device=torch.device("cuda"))
+    assert seen["use_triton"] is triton_path and seen["gpu"] is True
