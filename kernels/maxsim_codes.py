@@ -63,6 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch_fitting_shared_memory
 from .maxsim_int8 import (
     candidate_query,
     device_offsets,
@@ -728,6 +729,20 @@ def _part_width(codec: str, dim: int) -> int:
     return max(16, triton.next_power_of_2(dim // 4))
 
 
+# Shared memory for a program's query tile at most (its parts: int4 two of int8, residual2 four of fp16):
+# the all-pairs plan's 256 rows at dim 128 take 32 KB (int4) and 64 KB (residual2). H100: residual2 at dim
+# 384 with 256 rows asked for 311 KB of the 227 KB an SM has; capped at 64 rows, 80 KB.
+_QUERY_TILE_BYTES = 1 << 16
+
+
+def _query_rows_cap(tiles: Tiles, codec: str, dim: int) -> int:
+    """The query rows a program takes at most: the plan's, fewer where its query tile would pass
+    `_QUERY_TILE_BYTES` (wide rows)."""
+    row_bytes = _part_width(codec, dim) * (2 if codec == "int4" else 8)
+    fitting = 1 << max(4, (_QUERY_TILE_BYTES // row_bytes).bit_length() - 1)  # a power of two, >= 16
+    return min(tiles.block_q, fitting)
+
+
 def _launch_varlen(
     codec: str,
     dim: int,
@@ -747,7 +762,7 @@ def _launch_varlen(
     if nq == 0 or nd == 0:
         return out
     tiles = tiles or (_FEW_ROWS[codec] if q8.shape[0] <= _FEW_ROWS_MAX else _ALL_PAIRS)
-    cap = tiles.block_q
+    cap = _query_rows_cap(tiles, codec, dim)
     mean = triton.next_power_of_2(max(1, -(-q8.shape[0] // nq)))
     if mean >= cap:
         per_group, block_q = 1, cap
@@ -756,7 +771,8 @@ def _launch_varlen(
         block_q = max(16, min(cap, per_group * mean))
     n_groups = cdiv(nq, per_group)
     scales, cent, wts, n_centroids, codec_id = _kernel_pointers(codes, doc_scales, codebook)
-    _maxsim_codes_varlen_kernel[(n_groups * cdiv(nd, tiles.docs_per_prog),)](
+    launch_fitting_shared_memory(
+        _maxsim_codes_varlen_kernel, (n_groups * cdiv(nd, tiles.docs_per_prog),),
         q8, sq, query_offsets, codes, scales, doc_offsets, cent, wts, out,
         nq, n_groups, nd, n_centroids, dim,
         q8.stride(0), codes.stride(0), out.stride(0),
@@ -790,9 +806,10 @@ def _launch_candidates(
         return out
     tiles = tiles or _CANDIDATES
     mean = triton.next_power_of_2(max(1, -(-q8.shape[0] // nq)))
-    block_q = max(16, min(tiles.block_q, mean))
+    block_q = max(16, min(_query_rows_cap(tiles, codec, dim), mean))
     scales, cent, wts, n_centroids, codec_id = _kernel_pointers(codes, doc_scales, codebook)
-    _maxsim_codes_candidates_kernel[(cdiv(n_cand, tiles.docs_per_prog),)](
+    launch_fitting_shared_memory(
+        _maxsim_codes_candidates_kernel, (cdiv(n_cand, tiles.docs_per_prog),),
         q8, sq, query_offsets, candidate_offsets, candidate_docs, codes, scales, doc_offsets, cent, wts, out,
         nq, n_cand, doc_offsets.numel() - 1, n_centroids, dim,
         q8.stride(0), codes.stride(0),

@@ -517,3 +517,16 @@ def test_gpu_kmeans_takes_the_triton_assignment_only_for_whole_tiles(monkeypatch
     monkeypatch.setattr(fastkmeans, "FastKMeans", Recorder)
     codecs.train_codebook(torch.randn(5000, 8), k, device=torch.device("cuda"))
     assert seen["use_triton"] is triton_path and seen["gpu"] is True
+
+
+def test_query_tiles_of_wide_rows_are_capped_to_fit_shared_memory() -> None:
+    """A program's query tile stays within 64 KB of shared memory: the plan's 256 rows at dim 128, fewer
+    for wider rows (residual2 at dim 384 with 256 rows did not fit an H100's shared memory)."""
+    from maxsim_kernels.maxsim_codes import _ALL_PAIRS, _query_rows_cap
+
+    assert _query_rows_cap(_ALL_PAIRS, "int4", 128) == _query_rows_cap(_ALL_PAIRS, "residual2", 128) == 256
+    assert (_query_rows_cap(_ALL_PAIRS, "int4", 384), _query_rows_cap(_ALL_PAIRS, "residual2", 384)) == (
+        128,
+        64,
+    )
+    assert _query_rows_cap(_ALL_PAIRS, "residual2", 1024) == 32
