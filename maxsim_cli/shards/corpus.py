@@ -37,7 +37,13 @@ from maxsim_cli.shards.format import (
     show_id,
     sorted_id_order,
 )
-from maxsim_cli.shards.generations import ReaderLock, manifest_path, open_state
+from maxsim_cli.shards.generations import (
+    ReaderLock,
+    manifest_path,
+    open_state,
+    parse_ids_record,
+    unique_ids_digest,
+)
 from maxsim_cli.shards.lookup import IdLookup
 from maxsim_cli.shards.memory import IN_MEMORY_CORPUS, MemoryShard
 from maxsim_cli.shards.readers import open_shard
@@ -63,6 +69,13 @@ def _outside(root: str, path: str) -> str | None:
 
 def read_manifest(directory: str) -> list[dict[str, Any]]:
     """Entries of `directory/index.json`, each with a checked `path` (inside the directory) made absolute."""
+    return read_manifest_state(directory)[0]
+
+
+def read_manifest_state(directory: str) -> tuple[list[dict[str, Any]], bool]:
+    """`read_manifest`'s entries (each with its id index, when recorded, as ``ids_path`` and
+    ``ids_sha256``), and whether the manifest records the ids unique across its shards (its
+    ``unique_ids`` equals the digest of their id indexes: `unique_ids_digest`)."""
     manifest = os.path.join(directory, MANIFEST_NAME)
     try:
         with open(manifest, encoding="utf-8") as f:
@@ -113,8 +126,13 @@ def read_manifest(directory: str) -> list[dict[str, Any]]:
         for key in ("num_docs", "num_tokens"):
             if key in entry and not (isinstance(entry[key], int) and entry[key] >= 0):
                 raise input_error(manifest, f"shards[{i}] {key} must be a non-negative integer")
-        out.append({**entry, "path": full, "relpath": rel})
-    return out
+        ids_path = ids_sha256 = None
+        if entry.get("ids") is not None:
+            ids_path, ids_sha256 = parse_ids_record(manifest, directory, entry["ids"], f"shards[{i}]")
+        out.append({**entry, "path": full, "relpath": rel, "ids_path": ids_path, "ids_sha256": ids_sha256})
+    recorded = doc.get("unique_ids")
+    digest = unique_ids_digest([(e["ids_sha256"], None) for e in out])
+    return out, isinstance(recorded, str) and digest is not None and recorded.lower() == digest
 
 
 def mark_deleted(shard: Shard, rows: np.ndarray, number: int) -> None:
@@ -156,7 +174,9 @@ class Corpus:
     files (``paths`` is empty): its one `MemoryShard`'s tensors are its residency, on their device.
     """
 
-    def __init__(self, shards: list[Shard]) -> None:
+    def __init__(self, shards: list[Shard], *, ids_unique: bool = False) -> None:
+        """``ids_unique``: the ids are known unique across the shards (a corpus folder whose manifest
+        records it: `open_corpus`), so they are not sorted to check it."""
         if not shards:
             raise InputError("corpus: no shards given")
         first = shards[0].info
@@ -205,7 +225,8 @@ class Corpus:
         self._verify_checksums = False
         self._deleted: np.ndarray | None = None
         self.num_deleted = sum(len(getattr(s, "deleted_rows", ())) for s in shards)
-        self._check_unique_ids()  # refuses duplicate ids across shards now, not at scoring time
+        if not ids_unique:
+            self._check_unique_ids()  # refuses duplicate ids across shards now, not at scoring time
 
     def deleted_mask(self) -> np.ndarray | None:
         """Which documents are deleted (bool ``[len(corpus)]``, corpus ordinal order), or None when none
@@ -337,9 +358,15 @@ class Corpus:
         not what the corpus's ids cost: the candidates of a rerank, from the Python API, `maxsim score
         --candidates` and `maxsim serve` alike."""
         if self._lookup is None:
-            # every id in ordinal order, one array: `id_order`'s (made at open for several shards)
-            one = self._id_order is None and len(self.shards) == 1
-            self._lookup = IdLookup(self.shards[0].id_array if one else self.id_order()[0])
+            # every id in ordinal order, one array: `id_order`'s when it is made (at open for several
+            # shards, unless the manifest records the ids unique), else the shards' concatenated
+            if self._id_order is not None:
+                ids = self._id_order[0]
+            elif len(self.shards) == 1:
+                ids = self.shards[0].id_array
+            else:
+                ids = concat_ids([s.id_array for s in self.shards])
+            self._lookup = IdLookup(ids)
         return self._lookup
 
     def candidate_index(self, docnos: Iterable[str]) -> Mapping[str, tuple[int, int]]:
@@ -521,9 +548,14 @@ def _expand_generation(
     if state.entries is None:
         return _expand(path, verify_checksums, [], plain=True)
     out: list[tuple[str, dict[str, Any] | None]] = []
+    ids_unique = state.ids_unique
     for e in state.entries:
         full = os.path.join(path, e.path)
         if verify_checksums:
+            if e.ids_path is not None:
+                _verify_file(
+                    os.path.join(path, e.ids_path), e.ids_sha256, f"generation {state.number}'s manifest"
+                )
             if e.sha256 is None:
                 raise input_error(
                     full, f"no sha256 in generation {state.number}'s manifest; cannot verify checksums"
@@ -536,9 +568,21 @@ def _expand_generation(
                     "file changed or is damaged",
                 )
         entry = {"num_docs": e.num_docs, "num_tokens": e.num_tokens, "deleted": e.deleted,
-                 "generation": state.number, "manifest": manifest_path(path, state.number)}  # fmt: skip
+                 "generation": state.number, "manifest": manifest_path(path, state.number),
+                 "ids_unique": ids_unique}  # fmt: skip
         out.append((full, entry))
     return out
+
+
+def _verify_file(path: str, sha256: str | None, manifest: str) -> None:
+    """`verify_checksums` for a file that a manifest names with its sha256 (an id index)."""
+    if not os.path.isfile(path):
+        raise input_error(path, f"no such file, named by {manifest}; maxsim compact builds it again")
+    got = file_sha256(path)
+    if got != (sha256 or "").lower():
+        raise input_error(
+            path, f"sha256 {got} does not match {sha256} in {manifest}; the file changed or is damaged"
+        )
 
 
 def _expand(
@@ -551,10 +595,12 @@ def _expand(
     if not plain and locks is not None:
         return _expand_generation(path, verify_checksums, locks)
     if os.path.exists(os.path.join(path, MANIFEST_NAME)):
-        entries = read_manifest(path)
+        entries, ids_unique = read_manifest_state(path)
         if verify_checksums:
             manifest = os.path.join(path, MANIFEST_NAME)
             for entry in entries:
+                if entry["ids_path"] is not None:
+                    _verify_file(os.path.join(path, entry["ids_path"]), entry["ids_sha256"], manifest)
                 want = entry.get("sha256")
                 if not isinstance(want, str):
                     raise input_error(
@@ -566,7 +612,7 @@ def _expand(
                         entry["path"],
                         f"sha256 {got} does not match {want} in {manifest}; the file changed or is damaged",
                     )
-        return [(e["path"], e) for e in entries]
+        return [(e["path"], {**e, "ids_unique": ids_unique}) for e in entries]
     files = list_shard_files(path)
     if not files:
         raise input_error(
@@ -599,7 +645,9 @@ def open_corpus(paths: Sequence[str | os.PathLike[str]], *, verify_checksums: bo
     try:
         for p in paths:
             listed.extend(_expand(os.fspath(p), verify_checksums, locks))
-        corpus = _open_listed(listed)
+        # one folder whose manifest records its ids unique: not sorted again to check it
+        ids_unique = len(paths) == 1 and bool(listed) and all(e and e.get("ids_unique") for _, e in listed)
+        corpus = _open_listed(listed, ids_unique)
     except BaseException:
         for lock in locks:
             lock.release()
@@ -612,7 +660,7 @@ def open_corpus(paths: Sequence[str | os.PathLike[str]], *, verify_checksums: bo
     return corpus
 
 
-def _open_listed(listed: list[tuple[str, dict[str, Any] | None]]) -> Corpus:
+def _open_listed(listed: list[tuple[str, dict[str, Any] | None]], ids_unique: bool = False) -> Corpus:
     seen: dict[str, str] = {}
     for path, _ in listed:
         real = os.path.realpath(path)
@@ -645,7 +693,7 @@ def _open_listed(listed: list[tuple[str, dict[str, Any] | None]]) -> Corpus:
         for shard in empty:
             shards.remove(shard)
             shard.close()
-        corpus = Corpus(shards)
+        corpus = Corpus(shards, ids_unique=ids_unique)
         corpus.skipped = [shard.path for shard in empty]
         return corpus
     except BaseException:
