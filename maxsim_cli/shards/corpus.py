@@ -42,6 +42,7 @@ from maxsim_cli.shards.generations import (
     manifest_path,
     open_state,
     parse_ids_record,
+    parse_unique_record,
     unique_ids_digest,
 )
 from maxsim_cli.shards.lookup import IdLookup
@@ -130,9 +131,9 @@ def read_manifest_state(directory: str) -> tuple[list[dict[str, Any]], bool]:
         if entry.get("ids") is not None:
             ids_path, ids_sha256 = parse_ids_record(manifest, directory, entry["ids"], f"shards[{i}]")
         out.append({**entry, "path": full, "relpath": rel, "ids_path": ids_path, "ids_sha256": ids_sha256})
-    recorded = doc.get("unique_ids")
+    recorded = parse_unique_record(manifest, doc.get("unique_ids"))
     digest = unique_ids_digest([(e["ids_sha256"], None) for e in out])
-    return out, isinstance(recorded, str) and digest is not None and recorded.lower() == digest
+    return out, digest is not None and recorded == digest
 
 
 def mark_deleted(shard: Shard, rows: np.ndarray, number: int) -> None:

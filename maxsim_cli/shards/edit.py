@@ -69,6 +69,7 @@ from maxsim_cli.shards.id_index import (
     check_unique,
     find_ids,
     index_bytes,
+    parallel_map,
     read_index,
 )
 
@@ -397,19 +398,27 @@ def _indexed(
     file: a warning says which); and whether every one was read as recorded (nothing built)."""
     from maxsim_cli.shards.readers import open_shard
 
+    def recorded(entry: ShardEntry) -> IdIndex | IdIndexError | None:
+        if entry.ids_path is None or entry.ids_sha256 is None:
+            return None
+        try:
+            return read_index(
+                os.path.join(commit.directory, entry.ids_path), entry.ids_sha256, entry.num_docs
+            )
+        except IdIndexError as exc:
+            return exc
+
+    chosen = [i for i in range(len(entries)) if i not in skip]
+    # reading a file and its sha256 leave the GIL: the shards' indexes are read on every core
+    read = parallel_map(recorded, [entries[i] for i in chosen])
     out = []
     as_recorded = True
-    for i, entry in enumerate(entries):
-        if i in skip:
-            continue
+    for i, index in zip(chosen, read, strict=True):
+        entry = entries[i]
         path = os.path.join(commit.directory, entry.path)
-        index = None
-        if entry.ids_path is not None and entry.ids_sha256 is not None:
-            try:
-                index = read_index(os.path.join(commit.directory, entry.ids_path), entry.ids_sha256,
-                                   entry.num_docs)  # fmt: skip
-            except IdIndexError as exc:
-                log(f"warning: {exc}; built again from {path}")
+        if isinstance(index, IdIndexError):
+            log(f"warning: {index}; built again from {path}")
+            index = None
         if index is None:
             with open_shard(path) as shard:
                 if shard.num_docs != entry.num_docs:

@@ -110,6 +110,13 @@ def entries_digest(entries: list[ShardEntry]) -> str | None:
     return unique_ids_digest([(e.ids_sha256, e.deleted_sha256 if e.deleted_path else None) for e in entries])
 
 
+def parse_unique_record(manifest: str, value: Any) -> str | None:
+    """A manifest's ``unique_ids`` (a sha256, lower-cased), or None when it has none."""
+    if value is not None and (not isinstance(value, str) or not _SHA256.match(value)):
+        raise input_error(manifest, f"'unique_ids' must be a sha256 (64 hex digits), got {value!r}")
+    return value.lower() if value is not None else None
+
+
 def parse_ids_record(manifest: str, directory: str, raw: Any, where: str) -> tuple[str, str]:
     """A shard's ``ids`` record (its id index: path and sha256), checked as a manifest's paths are; the
     file itself may be missing (a write command builds it again)."""
@@ -302,10 +309,7 @@ def read_state(directory: str, number: int) -> State:
                 manifest, directory, raw["ids"], f"shards[{i}]"
             )
         out.append(entry)
-    unique = doc.get("unique_ids")
-    if unique is not None and (not isinstance(unique, str) or not _SHA256.match(unique)):
-        raise input_error(manifest, f"'unique_ids' must be a sha256 (64 hex digits), got {unique!r}")
-    return State(number, out, unique.lower() if unique else None)
+    return State(number, out, parse_unique_record(manifest, doc.get("unique_ids")))
 
 
 def generation_text(number: int, entries: list[ShardEntry], *, ids_unique: bool = False) -> str:

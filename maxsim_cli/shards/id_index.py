@@ -28,7 +28,7 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,6 +209,18 @@ def gather_strings(data: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> p
 # finding ids, and checking them unique
 
 
+def parallel_map(work: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+    """``[work(item) for item in items]``, on a thread a core: the shards' indexes are read, checked and
+    searched in numpy, hashlib and Arrow, which leave the GIL."""
+    threads = min(len(items), os.cpu_count() or 1)
+    if threads < 2:
+        return [work(item) for item in items]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="maxsim-ids") as pool:
+        return list(pool.map(work, items))
+
+
 @dataclass
 class IndexedShard:
     """A shard of a generation with its id index: its file, its documents and its deleted rows."""
@@ -255,14 +267,17 @@ def find_ids(
     wanted = id_hashes(data, offsets)
     order = np.argsort(wanted, kind="stable")  # sorted: each shard's search walks its hashes once
     ascending = wanted[order]
-    for s, shard in enumerate(shards):
+
+    def found_in(shard: IndexedShard) -> tuple[np.ndarray, np.ndarray]:
+        """(asked, row): the docnos (their positions in ``docnos``) live in ``shard``, at these rows."""
         hashes = shard.index.hashes
+        none = np.zeros(0, dtype=np.int64)
         if not len(hashes):
-            continue
+            return none, none
         first = np.searchsorted(hashes, ascending, side="left")
         hit = hashes[np.minimum(first, len(hashes) - 1)] == ascending
         if not hit.any():
-            continue
+            return none, none
         asked = order[hit]
         first = first[hit]
         # ids of this shard that share a hash: every entry of the hash is a candidate (rare)
@@ -277,11 +292,13 @@ def find_ids(
         keep = shard.live(rows)
         asked, rows = asked[keep], rows[keep]
         if not len(rows):
-            continue
+            return none, none
         got = shard_ids_at(shard.path, rows, shard.num_docs)
         same = pc.equal(got, gather_strings(data, offsets[asked], offsets[asked + 1]))
         same = array_values(same.cast(pa.uint8())).view(bool)
-        asked, rows = asked[same], rows[same]
+        return asked[same], rows[same]
+
+    for s, (asked, rows) in enumerate(parallel_map(found_in, shards)):
         again = asked[shard_of[asked] >= 0]
         if len(again):
             i = int(again[0])
