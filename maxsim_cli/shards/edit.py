@@ -117,7 +117,7 @@ def _gen0_state(directory: str) -> State:
                 e.get("sha256"),
                 ids_path=e["ids_path"],
                 ids_sha256=e["ids_sha256"],
-            )  # fmt: skip
+            )
             for e in raw
         ]
         state = State(0, entries)
