@@ -408,3 +408,11 @@ def test_a_search_in_many_batches_leaves_out_exactly_the_deleted(
     assert len(blocks) > 4  # many batches of the changed corpus (and of the fresh one)
     assert (tmp_path / "changed.trec").read_bytes() == (tmp_path / "fresh.trec").read_bytes()
     assert not set(gone) & {ln.split()[2] for ln in (tmp_path / "changed.trec").read_text().splitlines()}
+
+
+def test_a_folder_without_shards_is_a_one_line_error(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    for args in (["delete", tmp_path / "empty", "--ids", "-"], ["add", tmp_path / "empty", tmp_path / "x"]):
+        result = _cli(*args, input="a1\n")
+        assert result.exit_code == 1 and "no shards" in result.output, (args, result.output)
+        assert len(result.output.strip().splitlines()) == 1

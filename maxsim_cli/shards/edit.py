@@ -372,6 +372,9 @@ def _corpus_metadata(directory: str, entries: list[ShardEntry]) -> dict[str, Any
     """What a write command needs of the committed generation's shards, read from their headers: the
     dim, dtype, quantization (one that add, delete and compact take) and encoder they share, each
     shard's document count checked against the manifest's."""
+    if not any(e.num_docs for e in entries):  # no shard, or none with a document: open_corpus names it
+        open_corpus([directory]).close()
+        raise input_error(directory, "holds no documents; a corpus needs at least one document")
     metas = []
     for entry in entries:
         path = os.path.join(directory, entry.path)
