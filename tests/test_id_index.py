@@ -246,28 +246,36 @@ def test_a_record_that_does_not_match_is_not_trusted(corpus: Path, tmp_path: Pat
         assert len(result.output.strip().splitlines()) == 1
 
 
-def test_an_old_corpus_gets_its_indexes_at_its_first_write(corpus: Path, monkeypatch) -> None:
-    """A folder packed before id indexes (a manifest without them, or none): it opens as before, and the
-    first write command builds its indexes and checks its ids unique, once."""
-    for f in corpus.glob("*.idindex"):
-        f.unlink()
-    doc = json.loads((corpus / "index.json").read_text())
+@pytest.mark.parametrize("where", ["index.json", "no manifest", "a generation's manifest"])
+def test_an_old_corpus_gets_its_indexes_at_its_first_write(corpus: Path, monkeypatch, where: str) -> None:
+    """A folder changed or packed before id indexes (a manifest without them, or none): it opens as
+    before, and the next write command builds its indexes and checks its ids unique, once."""
+    if where == "a generation's manifest":
+        assert _cli("delete", corpus, "--ids", "-", input="b0\n").exit_code == 0
+    path, doc = _manifest(corpus)
     for entry in doc["shards"]:
+        (corpus / entry["ids"]["path"]).unlink()
         del entry["ids"]
     del doc["unique_ids"]
-    (corpus / "index.json").write_text(json.dumps(doc))
-    assert len(_live(corpus)) == 90
+    path.write_text(json.dumps(doc))
+    if where == "no manifest":
+        path.unlink()
+    live = len(_live(corpus))
     calls = []
     real = id_index.check_unique
     monkeypatch.setattr("maxsim_cli.shards.edit.check_unique", lambda s: calls.append(1) or real(s))
     result = _cli("delete", corpus, "--ids", "-", input="a1\nc2\n")
     assert result.exit_code == 0 and "warning" not in result.output, result.output
     assert calls == [1]
+    number = read_pointer(str(corpus))
     _, doc = _manifest(corpus)
-    assert all(e["ids"]["path"].startswith("generations/1/") for e in doc["shards"]) and doc["unique_ids"]
+    assert (
+        all(e["ids"]["path"].startswith(f"generations/{number}/") for e in doc["shards"])
+        and doc["unique_ids"]
+    )
     assert _cli("delete", corpus, "--ids", "-", input="b3\n").exit_code == 0
     assert calls == [1]  # the record holds now: not checked again
-    assert len(_live(corpus)) == 87
+    assert len(_live(corpus)) == live - 3
 
 
 def test_an_old_corpus_with_duplicate_ids_is_refused_as_before(tmp_path: Path) -> None:
