@@ -16,7 +16,10 @@ system, what another process on the machine does not change as much). Then, per 
 of that tree opens the corpus before the delete and the tree's corpus after it and times a search of
 ``--queries`` queries (k = ``--k``) on ``--device`` on each, alternating, ``--search-repeats`` times after
 a warm-up each. Medians are reported, and the ratio of the fastest searches (the least disturbed by
-other work on the machine).
+other work on the machine). On a shared machine a whole search's time varies by several percent from
+one call to the next, more than a delete changes it; so the one place where a deleted document costs
+anything in the scan, each score block's merge into the running top-k, is also timed alone (CPU time of
+its thread): its extra time after the delete is what the deleted documents cost a search.
 """
 
 from __future__ import annotations
@@ -103,11 +106,27 @@ def search_worker(args: argparse.Namespace) -> None:
     )
     old, new = open_corpus(args.before), open_corpus(args.after)
     assert new.num_deleted > 0 and old.num_deleted == 0
+    # where a deleted document costs anything in the scan: each score block's merge into the top-k
+    # (its order keys leave the deleted out), timed as CPU time of the thread that runs it, which other
+    # work on the machine disturbs far less than a whole search's wall time
+    from maxsim_cli.scoring.topk import RunningTopK
 
-    def one(corpus) -> tuple[float, float]:
-        t, c = time.perf_counter(), time.process_time()
+    merge = RunningTopK.add
+    merged = [0.0]
+
+    def timed_merge(self, *a, **kw):  # noqa: ANN001, ANN202
+        t = time.thread_time()
+        try:
+            return merge(self, *a, **kw)
+        finally:
+            merged[0] += time.thread_time() - t
+
+    RunningTopK.add = timed_merge
+
+    def one(corpus) -> tuple[float, float, float]:
+        t, c, merged[0] = time.perf_counter(), time.process_time(), 0.0
         search(queries, corpus, k=args.k, device=args.device)
-        return time.perf_counter() - t, time.process_time() - c
+        return time.perf_counter() - t, time.process_time() - c, merged[0]
 
     one(old), one(new)  # warm-up: each corpus's id order, the kernels
     before, after = [], []
@@ -118,10 +137,12 @@ def search_worker(args: argparse.Namespace) -> None:
     out = {
         "maxsim_cli": os.path.dirname(maxsim_cli.__file__),
         "torch_threads": torch.get_num_threads(),
-        "search_before_s": [w for w, _ in before],
-        "search_after_s": [w for w, _ in after],
-        "search_before_cpu_s": [c for _, c in before],
-        "search_after_cpu_s": [c for _, c in after],
+        "search_before_s": [w for w, _, _ in before],
+        "search_after_s": [w for w, _, _ in after],
+        "search_before_cpu_s": [c for _, c, _ in before],
+        "search_after_cpu_s": [c for _, c, _ in after],
+        "topk_merge_before_cpu_s": [m for _, _, m in before],
+        "topk_merge_after_cpu_s": [m for _, _, m in after],
     }
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -209,17 +230,23 @@ def main() -> None:
             got = results[name]
             got.update(json.loads(line[len("RESULT ") :]))
             for key in ("delete_command_s", "delete_cpu_s", "search_before_s", "search_after_s",
-                        "search_before_cpu_s", "search_after_cpu_s"):  # fmt: skip
+                        "search_before_cpu_s", "search_after_cpu_s", "topk_merge_before_cpu_s",
+                        "topk_merge_after_cpu_s"):  # fmt: skip
                 got[key + "_median"] = median(got[key])
             got["ratio"] = got["search_after_s_median"] / got["search_before_s_median"]
             got["ratio_cpu"] = got["search_after_cpu_s_median"] / got["search_before_cpu_s_median"]
             # the fastest of each: the search least disturbed by the machine's other work
             got["ratio_min"] = min(got["search_after_s"]) / min(got["search_before_s"])
+            # what the deleted documents add to a search: the merges' extra CPU time, as a share of it
+            extra = got["topk_merge_after_cpu_s_median"] - got["topk_merge_before_cpu_s_median"]
+            got["deleted_cost_s"] = extra
+            got["deleted_cost_share"] = extra / got["search_before_s_median"]
             log(
                 f"{name}: delete {got['delete_command_s_median']:.2f} s ({got['delete_cpu_s_median']:.2f} s "
                 f"CPU); search before {got['search_before_s_median']:.3f} s, after "
                 f"{got['search_after_s_median']:.3f} s: {got['ratio']:.3f}x ({got['ratio_cpu']:.3f}x CPU, "
-                f"{got['ratio_min']:.3f}x fastest to fastest)"
+                f"{got['ratio_min']:.3f}x fastest to fastest); the deleted documents' merges: "
+                f"{extra * 1e3:+.1f} ms a search ({100 * got['deleted_cost_share']:+.2f}%)"
             )
     result = {
         "meta": meta(),

@@ -411,9 +411,7 @@ class _Engine:
             # (`write_topk`): made before the plan, whose budget is what they leave of the host budget
             # (`fit_host`)
             self.rank_of_ordinal = self.corpus.rank_of_ordinal()
-            deleted = self.corpus.deleted_mask()
-            if deleted is not None:
-                self.deleted_ordinals = np.flatnonzero(deleted).astype(np.int64)
+            self.deleted_ordinals = self.corpus.deleted_ordinals()
         self.fit_host()
         allowed = len(self.doc_lengths) if self.disallowed is None else int((~self.disallowed).sum())
         if allowed == 0:  # a filter that allows nothing: an empty run

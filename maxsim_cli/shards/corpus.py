@@ -238,6 +238,7 @@ class Corpus:
         self._paths: list[str] = []
         self._verify_checksums = False
         self._deleted: np.ndarray | None = None
+        self._deleted_ordinals: np.ndarray | None = None
         self.num_deleted = sum(len(getattr(s, "deleted_rows", ())) for s in shards)
         if not ids_unique:
             self._check_unique_ids()  # refuses duplicate ids across shards now, not at scoring time
@@ -255,6 +256,15 @@ class Corpus:
                     mask[start + rows] = True
             self._deleted = mask
         return self._deleted
+
+    def deleted_ordinals(self) -> np.ndarray:
+        """The deleted documents' ordinals, ascending (int64; empty when none is), computed once: a
+        search finds each score block's deleted documents among them."""
+        if self._deleted_ordinals is None:
+            mask = self.deleted_mask()
+            found = np.flatnonzero(mask) if mask is not None else np.zeros(0)
+            self._deleted_ordinals = found.astype(np.int64)
+        return self._deleted_ordinals
 
     @property
     def num_live(self) -> int:
