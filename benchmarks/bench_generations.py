@@ -4,7 +4,7 @@ side by side (``--tree NAME=PATH``: that tree's `maxsim_cli` first on the path o
 
     git archive BASE | tar -x -C /tmp/base-tree           # the baseline tree, beside this checkout
     python benchmarks/bench_generations.py --workdir /tmp/mb-gen --docs 10000000 --shards 16 \\
-        --tree before=/tmp/base-tree --tree after=. --repeats 5 \\
+        --tree before=/tmp/base-tree --tree after=. --repeats 7 --search-repeats 11 \\
         --out benchmarks/results/generations/delete-cpu.json
 
 A corpus of ``--docs`` documents of 1-4 tokens (dim ``--dim``, float16) in ``--shards`` shards, written
