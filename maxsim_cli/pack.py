@@ -53,6 +53,7 @@ from maxsim_cli.shards import (
 )
 from maxsim_cli.shards.files import OutputWriteError, check_output, move_into, swap_corpus_files
 from maxsim_cli.shards.format import parse_patch_grid
+from maxsim_cli.shards.id_index import ID_INDEX_SUFFIX, index_names
 from maxsim_cli.shards.inputs import zero_row_warning
 
 # 8 Mi tokens per shard: 2 GiB at dim 128 in float16, far below the 2^31-token limit of Arrow shards,
@@ -138,11 +139,14 @@ def _cast_checked(batch: SourceBatch, values: torch.Tensor, dtype: str) -> torch
 
 
 def _corpus_names(outdir: str) -> list[str]:
-    """The files of OUTDIR a corpus reader reads: shards and the manifest (the manifest first)."""
+    """The files of OUTDIR a corpus reader reads: shards, their id indexes and the manifest (the manifest
+    first)."""
     names = [
         n
         for n in sorted(os.listdir(outdir))
-        if n == MANIFEST_NAME or os.path.splitext(n)[1].lower() in SHARD_SUFFIXES
+        if n == MANIFEST_NAME
+        or n.endswith(ID_INDEX_SUFFIX)
+        or os.path.splitext(n)[1].lower() in SHARD_SUFFIXES
     ]
     return sorted(names, key=lambda n: n != MANIFEST_NAME)
 
@@ -354,7 +358,7 @@ def _pack_parts(
         names = [os.path.basename(s.path) for s in result.shards]
         manifest = write_manifest(workdir, names)
         if existed:
-            swap_corpus_files(workdir, outdir, [*names, MANIFEST_NAME], old_names)
+            swap_corpus_files(workdir, outdir, [*names, *index_names(names), MANIFEST_NAME], old_names)
             os.rmdir(workdir)
         else:
             with commit_point():  # the folder in place: the command's output is complete

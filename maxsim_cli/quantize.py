@@ -50,6 +50,7 @@ from maxsim_cli.shards import (
     write_manifest,
 )
 from maxsim_cli.shards.files import OutputWriteError, check_output, swap_corpus_files, write_error
+from maxsim_cli.shards.id_index import ID_INDEX_SUFFIX, index_names
 from maxsim_cli.units import format_count, format_size
 
 DEFAULT_BATCH_TOKENS = 1 << 18  # 262144 tokens: 128 MiB of fp32 at dim 128, the largest transient
@@ -142,11 +143,14 @@ _KMEANS_BYTES_PER_VALUE = 16
 
 
 def _corpus_files(folder: str) -> list[str]:
-    """The shard files, the manifest and a codebook in ``folder`` (the manifest first)."""
+    """The shard files, their id indexes, the manifest and a codebook in ``folder`` (the manifest
+    first)."""
     names = [
         n
         for n in sorted(os.listdir(folder))
-        if n in (MANIFEST_NAME, codecs.CODEBOOK_NAME) or os.path.splitext(n)[1].lower() in SHARD_SUFFIXES
+        if n in (MANIFEST_NAME, codecs.CODEBOOK_NAME)
+        or n.endswith(ID_INDEX_SUFFIX)
+        or os.path.splitext(n)[1].lower() in SHARD_SUFFIXES
     ]
     return sorted(names, key=lambda n: n != MANIFEST_NAME)
 
@@ -457,7 +461,7 @@ def quantize_corpus(
                     codebook=codebook,
                 )
             if os.path.isdir(output_dir) and os.listdir(output_dir):  # --overwrite (checked above)
-                new_files = [*extra_files, *names, MANIFEST_NAME]
+                new_files = [*extra_files, *names, *index_names(names), MANIFEST_NAME]
                 swap_corpus_files(staging, output_dir, new_files, _corpus_files(output_dir))
                 os.rmdir(staging)
             else:

@@ -282,6 +282,14 @@ def test_order_keys_leave_out_rank_minus_one_on_both_paths() -> None:
     scores, ranks = torch.randn(3, 5), torch.tensor([4, -1, 2, 0, -1])
     keys = order_keys(scores.clone(), ranks)
     assert torch.equal(keys, order_keys_triton(scores.clone(), ranks))
+    # the columns given (the engine finds a block's deleted documents without scanning its ranks)
+    assert torch.equal(keys, order_keys(scores.clone(), ranks, torch.tensor([1, 4])))
+    assert torch.equal(
+        order_keys(scores.clone(), ranks.abs()),
+        order_keys(scores.clone(), ranks.abs(), torch.tensor([], dtype=torch.int64)),
+    )
+    # ranks per score ([nq, nd]) leave out theirs too
+    assert torch.equal(keys, order_keys(scores.clone(), ranks.expand(3, 5).contiguous()))
     assert (keys[:, [1, 4]] == LEFT_OUT).all() and (keys[:, [0, 2, 3]] != LEFT_OUT).all()
     topk = RunningTopK(3, 5)
     topk.add(scores.clone(), ranks)

@@ -150,7 +150,9 @@ def test_pack_several_sources_and_existing_empty_outdir(tmp_path):
     out.mkdir()
     (out / "README").write_text("kept")
     result = pack([src_a, src_b], str(out), id_column="pid", embedding_column="colbert")
-    assert sorted(os.listdir(out)) == ["README", "index.json", "shard-00000.safetensors"]
+    assert sorted(os.listdir(out)) == [
+        "README", "index.json", "shard-00000.safetensors", "shard-00000.safetensors.idindex"
+    ]  # fmt: skip
     assert result.num_docs == 12
     with open_corpus([out]) as corpus:
         assert corpus.shards[0].ids == ids_a + ids_b
@@ -407,7 +409,9 @@ def test_pack_overwrite_replaces_the_corpus_and_keeps_other_files(tmp_path):
     )
     result = runner.invoke(app, ["pack", src, "-o", str(out), "--overwrite", "--dtype", "float32"])
     assert result.exit_code == 0, result.output
-    assert sorted(os.listdir(out)) == ["index.json", "notes.txt", "shard-00000.safetensors"]
+    assert sorted(os.listdir(out)) == [
+        "index.json", "notes.txt", "shard-00000.safetensors", "shard-00000.safetensors.idindex"
+    ]  # the old shards and their id indexes gone, the other file kept  # fmt: skip
     assert corpus_contents(out)[1].dtype == torch.float32
 
 

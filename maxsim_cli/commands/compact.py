@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from maxsim_cli.commands import cli_errors
-from maxsim_cli.commands.changes import summary
+from maxsim_cli.commands.changes import log, summary
 
 
 def register(app: typer.Typer) -> None:
@@ -32,5 +32,5 @@ def register(app: typer.Typer) -> None:
         """
         from maxsim_cli.shards.edit import compact
 
-        change = compact(corpus, threshold)
+        change = compact(corpus, threshold, log=log)
         summary(quiet, f"compacted {change.compacted} shards", change)

@@ -345,6 +345,9 @@ class _Engine:
         # a filter's mask (`maxsim_cli.scoring.filters`): True for a document that may not be returned
         self.disallowed: np.ndarray | None = None
         self.hidden: torch.Tensor | None = None  # the same mask on the device, for the exhaustive pass
+        # the deleted documents' ordinals, sorted (exhaustive pass): each block's are found among them
+        # (`_left_out`) instead of by scanning its ranks
+        self.deleted_ordinals: np.ndarray = np.zeros(0, dtype=np.int64)
 
     def fit_host(self) -> None:
         """CPU: the plan's budget is what is left of the host budget once the run holds its inputs (the
@@ -408,6 +411,7 @@ class _Engine:
             # (`write_topk`): made before the plan, whose budget is what they leave of the host budget
             # (`fit_host`)
             self.rank_of_ordinal = self.corpus.rank_of_ordinal()
+            self.deleted_ordinals = self.corpus.deleted_ordinals()
         self.fit_host()
         allowed = len(self.doc_lengths) if self.disallowed is None else int((~self.disallowed).sum())
         if allowed == 0:  # a filter that allows nothing: an empty run
@@ -488,6 +492,15 @@ class _Engine:
             return None
         return self.hidden[lo:hi]
 
+    def _left_out(self, batch: Batch, a: int, b: int) -> torch.Tensor:
+        """The columns of the deleted documents among [a, b) of a batch (their ranks are -1): a slice of
+        the sorted deleted ordinals, so that `order_keys` does not scan the block's ranks for them."""
+        side = batch.plan.side
+        assert isinstance(side, _RankSlice)
+        lo = side.a + a
+        i, j = np.searchsorted(self.deleted_ordinals, [lo, side.a + b])
+        return torch.from_numpy(self.deleted_ordinals[i:j] - lo)
+
     def _batch_done(self, batch: Batch) -> None:
         """After each batch: the progress bar, and a stop when another rank of the job has failed."""
         timeline.mark("first_batch_launched")
@@ -541,7 +554,7 @@ class _Engine:
                     **self._codebook_arg(),
                 ),
             )
-            topk.add(scores, ranks, self._hidden(batch, a, b))
+            topk.add(scores, ranks, self._hidden(batch, a, b), self._left_out(batch, a, b))
             del scores
         except torch.OutOfMemoryError:
             oom = True

@@ -49,9 +49,13 @@ MAX_RANKS = 1 << 32
 LEFT_OUT = -(1 << 63)
 
 
-def order_keys(scores: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+def order_keys(
+    scores: torch.Tensor, ranks: torch.Tensor, left_out: torch.Tensor | None = None
+) -> torch.Tensor:
     """int64 keys ``(ord32(score) << 32) | rank`` for float32 ``scores [nq, nd]`` and int64 ``ranks``,
-    ``[nd]`` (one per document) or ``[nq, nd]`` (one per score).
+    ``[nd]`` (one per document) or ``[nq, nd]`` (one per score). A negative rank (a deleted document)
+    gives `LEFT_OUT`. ``left_out``: the columns whose ranks are negative (int64, ``[nd]`` ranks only), when
+    the caller knows them: the ranks are then not scanned for them (one pass over ``nd`` per block).
 
     ``scores`` may be modified in place (``-0.0`` becomes ``+0.0``, NaN becomes ``+inf``); it must be
     contiguous float32. A NaN score (finite embeddings whose products overflow float32 to inf - inf) ranks
@@ -76,7 +80,13 @@ def order_keys(scores: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
     keys <<= 32
     ranks = ranks.to(device=keys.device, dtype=torch.int64)
     keys |= ranks
-    if ranks.numel() and int(ranks.min()) < 0:  # a document left out (deleted): below every other key
+    # a document left out (deleted): below every other key; its columns filled, not a mask of every key
+    if ranks.dim() == 1 and keys.dim() == 2:
+        if left_out is None:
+            left_out = torch.nonzero(ranks < 0).squeeze(1)
+        if left_out.numel():
+            keys.index_fill_(1, left_out.to(keys.device), LEFT_OUT)
+    elif ranks.numel() and int(ranks.min()) < 0:
         keys.masked_fill_((ranks < 0).expand_as(keys), LEFT_OUT)
     return keys
 
@@ -103,19 +113,25 @@ class RunningTopK:
         self.k = k
         self._keys: torch.Tensor | None = None
 
-    def add(self, scores: torch.Tensor, ranks: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+    def add(
+        self,
+        scores: torch.Tensor,
+        ranks: torch.Tensor,
+        hidden: torch.Tensor | None = None,
+        left_out: torch.Tensor | None = None,
+    ) -> None:
         """Merge one block: ``scores`` float32 ``[nq, nd]`` (consumed: modified in place), ``ranks`` [nd].
         ``hidden``: bool ``[nd]`` on the scores' device, True for documents a filter disallows: their keys
         become `LEFT_OUT`, as a deleted document's, so they are kept only while fewer than ``k`` others
         have been seen and `result` drops them (a filtered search's ``k`` is at most the documents it
-        allows)."""
+        allows). ``left_out``: the deleted documents' columns, when the caller knows them (`order_keys`)."""
         if scores.dim() != 2 or scores.shape[0] != self.num_queries:
             raise ValueError(
                 f"RunningTopK.add: expected scores [{self.num_queries}, nd], got {tuple(scores.shape)}"
             )
         if scores.shape[1] == 0:
             return
-        keys = order_keys(scores, ranks)
+        keys = order_keys(scores, ranks, left_out)
         if hidden is not None:
             keys.masked_fill_(hidden, LEFT_OUT)
         if keys.shape[1] > self.k:

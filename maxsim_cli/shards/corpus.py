@@ -37,7 +37,14 @@ from maxsim_cli.shards.format import (
     show_id,
     sorted_id_order,
 )
-from maxsim_cli.shards.generations import ReaderLock, manifest_path, open_state
+from maxsim_cli.shards.generations import (
+    ReaderLock,
+    manifest_path,
+    open_state,
+    parse_ids_record,
+    parse_unique_record,
+    unique_ids_digest,
+)
 from maxsim_cli.shards.lookup import IdLookup
 from maxsim_cli.shards.memory import IN_MEMORY_CORPUS, MemoryShard
 from maxsim_cli.shards.readers import open_shard
@@ -63,6 +70,13 @@ def _outside(root: str, path: str) -> str | None:
 
 def read_manifest(directory: str) -> list[dict[str, Any]]:
     """Entries of `directory/index.json`, each with a checked `path` (inside the directory) made absolute."""
+    return read_manifest_state(directory)[0]
+
+
+def read_manifest_state(directory: str) -> tuple[list[dict[str, Any]], bool]:
+    """`read_manifest`'s entries (each with its id index, when recorded, as ``ids_path`` and
+    ``ids_sha256``), and whether the manifest records the ids unique across its shards (its
+    ``unique_ids`` equals the digest of their id indexes: `unique_ids_digest`)."""
     manifest = os.path.join(directory, MANIFEST_NAME)
     try:
         with open(manifest, encoding="utf-8") as f:
@@ -113,26 +127,44 @@ def read_manifest(directory: str) -> list[dict[str, Any]]:
         for key in ("num_docs", "num_tokens"):
             if key in entry and not (isinstance(entry[key], int) and entry[key] >= 0):
                 raise input_error(manifest, f"shards[{i}] {key} must be a non-negative integer")
-        out.append({**entry, "path": full, "relpath": rel})
-    return out
+        ids_path = ids_sha256 = None
+        if entry.get("ids") is not None:
+            ids_path, ids_sha256 = parse_ids_record(manifest, directory, entry["ids"], f"shards[{i}]")
+        out.append({**entry, "path": full, "relpath": rel, "ids_path": ids_path, "ids_sha256": ids_sha256})
+    recorded = parse_unique_record(manifest, doc.get("unique_ids"))
+    digest = unique_ids_digest([(e["ids_sha256"], None) for e in out])
+    return out, digest is not None and recorded == digest
 
 
 def mark_deleted(shard: Shard, rows: np.ndarray, number: int) -> None:
     """Record a shard's deleted rows on it (``shard.deleted_rows``) and give each of them an id that no
     document can have (a NUL, then the shard's ``number`` in its corpus and the row): a rerank's
     candidate never finds a deleted document (it is missing), and an id deleted here may be added
-    again in another shard without counting as a duplicate."""
-    import pyarrow.compute as pc
+    again in another shard without counting as a duplicate. The new ids array is the old one's bytes
+    copied around the deleted rows' (a slice a run of live ids): no mask over every id, and no
+    ``pa.array``, whose first call imports pandas."""
+    from maxsim_cli.shards.lookup import _id_bytes
 
-    shard.deleted_rows = np.asarray(rows, dtype=np.int64)  # type: ignore[attr-defined]
-    ids = shard.id_array.cast(pa.large_string())
-    mask = np.zeros(len(ids), dtype=bool)
-    mask[shard.deleted_rows] = True  # type: ignore[attr-defined]
-    hidden = pa.array([f"\0{number}\0{row}" for row in shard.deleted_rows.tolist()], pa.large_string())  # type: ignore[attr-defined]
-    filler = pa.array(np.zeros(len(ids), dtype=np.int64)).cast(pa.large_string())
-    positions = np.cumsum(mask) - 1
-    replaced = hidden.take(pa.array(np.where(mask, positions, 0))) if len(hidden) else filler
-    shard._id_array = pc.if_else(pa.array(mask), replaced, ids)
+    deleted = np.asarray(rows, dtype=np.int64)
+    shard.deleted_rows = deleted  # type: ignore[attr-defined]
+    if not len(deleted):
+        return
+    data, offsets = _id_bytes(shard.id_array.cast(pa.large_string()))
+    hidden = [f"\0{number}\0{row}".encode() for row in deleted.tolist()]
+    lengths = np.diff(offsets)
+    lengths[deleted] = [len(name) for name in hidden]
+    new_offsets = np.zeros(len(offsets), dtype=np.int64)
+    np.cumsum(lengths, out=new_offsets[1:])
+    # the live runs between deleted rows: bytes [offsets[after previous deleted], offsets[deleted])
+    run_starts = offsets[np.concatenate([[0], deleted + 1])].tolist()
+    run_stops = offsets[np.concatenate([deleted, [len(offsets) - 1]])].tolist()
+    view = memoryview(data)
+    parts = []
+    for a, b, name in zip(run_starts, run_stops, [*hidden, b""], strict=True):
+        parts += (view[a:b], name)
+    shard._id_array = pa.LargeStringArray.from_buffers(
+        len(lengths), pa.py_buffer(new_offsets), pa.py_buffer(b"".join(parts))
+    )
     shard._ids = None
 
 
@@ -156,7 +188,9 @@ class Corpus:
     files (``paths`` is empty): its one `MemoryShard`'s tensors are its residency, on their device.
     """
 
-    def __init__(self, shards: list[Shard]) -> None:
+    def __init__(self, shards: list[Shard], *, ids_unique: bool = False) -> None:
+        """``ids_unique``: the ids are known unique across the shards (a corpus folder whose manifest
+        records it: `open_corpus`), so they are not sorted to check it."""
         if not shards:
             raise InputError("corpus: no shards given")
         first = shards[0].info
@@ -204,8 +238,10 @@ class Corpus:
         self._paths: list[str] = []
         self._verify_checksums = False
         self._deleted: np.ndarray | None = None
+        self._deleted_ordinals: np.ndarray | None = None
         self.num_deleted = sum(len(getattr(s, "deleted_rows", ())) for s in shards)
-        self._check_unique_ids()  # refuses duplicate ids across shards now, not at scoring time
+        if not ids_unique:
+            self._check_unique_ids()  # refuses duplicate ids across shards now, not at scoring time
 
     def deleted_mask(self) -> np.ndarray | None:
         """Which documents are deleted (bool ``[len(corpus)]``, corpus ordinal order), or None when none
@@ -220,6 +256,15 @@ class Corpus:
                     mask[start + rows] = True
             self._deleted = mask
         return self._deleted
+
+    def deleted_ordinals(self) -> np.ndarray:
+        """The deleted documents' ordinals, ascending (int64; empty when none is), computed once: a
+        search finds each score block's deleted documents among them."""
+        if self._deleted_ordinals is None:
+            mask = self.deleted_mask()
+            found = np.flatnonzero(mask) if mask is not None else np.zeros(0)
+            self._deleted_ordinals = found.astype(np.int64)
+        return self._deleted_ordinals
 
     @property
     def num_live(self) -> int:
@@ -337,9 +382,15 @@ class Corpus:
         not what the corpus's ids cost: the candidates of a rerank, from the Python API, `maxsim score
         --candidates` and `maxsim serve` alike."""
         if self._lookup is None:
-            # every id in ordinal order, one array: `id_order`'s (made at open for several shards)
-            one = self._id_order is None and len(self.shards) == 1
-            self._lookup = IdLookup(self.shards[0].id_array if one else self.id_order()[0])
+            # every id in ordinal order, one array: `id_order`'s when it is made (at open for several
+            # shards, unless the manifest records the ids unique), else the shards' concatenated
+            if self._id_order is not None:
+                ids = self._id_order[0]
+            elif len(self.shards) == 1:
+                ids = self.shards[0].id_array
+            else:
+                ids = concat_ids([s.id_array for s in self.shards])
+            self._lookup = IdLookup(ids)
         return self._lookup
 
     def candidate_index(self, docnos: Iterable[str]) -> Mapping[str, tuple[int, int]]:
@@ -521,9 +572,14 @@ def _expand_generation(
     if state.entries is None:
         return _expand(path, verify_checksums, [], plain=True)
     out: list[tuple[str, dict[str, Any] | None]] = []
+    ids_unique = state.ids_unique
     for e in state.entries:
         full = os.path.join(path, e.path)
         if verify_checksums:
+            if e.ids_path is not None:
+                _verify_file(
+                    os.path.join(path, e.ids_path), e.ids_sha256, f"generation {state.number}'s manifest"
+                )
             if e.sha256 is None:
                 raise input_error(
                     full, f"no sha256 in generation {state.number}'s manifest; cannot verify checksums"
@@ -536,9 +592,21 @@ def _expand_generation(
                     "file changed or is damaged",
                 )
         entry = {"num_docs": e.num_docs, "num_tokens": e.num_tokens, "deleted": e.deleted,
-                 "generation": state.number, "manifest": manifest_path(path, state.number)}  # fmt: skip
+                 "generation": state.number, "manifest": manifest_path(path, state.number),
+                 "ids_unique": ids_unique}  # fmt: skip
         out.append((full, entry))
     return out
+
+
+def _verify_file(path: str, sha256: str | None, manifest: str) -> None:
+    """`verify_checksums` for a file that a manifest names with its sha256 (an id index)."""
+    if not os.path.isfile(path):
+        raise input_error(path, f"no such file, named by {manifest}; maxsim compact builds it again")
+    got = file_sha256(path)
+    if got != (sha256 or "").lower():
+        raise input_error(
+            path, f"sha256 {got} does not match {sha256} in {manifest}; the file changed or is damaged"
+        )
 
 
 def _expand(
@@ -551,10 +619,12 @@ def _expand(
     if not plain and locks is not None:
         return _expand_generation(path, verify_checksums, locks)
     if os.path.exists(os.path.join(path, MANIFEST_NAME)):
-        entries = read_manifest(path)
+        entries, ids_unique = read_manifest_state(path)
         if verify_checksums:
             manifest = os.path.join(path, MANIFEST_NAME)
             for entry in entries:
+                if entry["ids_path"] is not None:
+                    _verify_file(os.path.join(path, entry["ids_path"]), entry["ids_sha256"], manifest)
                 want = entry.get("sha256")
                 if not isinstance(want, str):
                     raise input_error(
@@ -566,7 +636,7 @@ def _expand(
                         entry["path"],
                         f"sha256 {got} does not match {want} in {manifest}; the file changed or is damaged",
                     )
-        return [(e["path"], e) for e in entries]
+        return [(e["path"], {**e, "ids_unique": ids_unique}) for e in entries]
     files = list_shard_files(path)
     if not files:
         raise input_error(
@@ -599,7 +669,9 @@ def open_corpus(paths: Sequence[str | os.PathLike[str]], *, verify_checksums: bo
     try:
         for p in paths:
             listed.extend(_expand(os.fspath(p), verify_checksums, locks))
-        corpus = _open_listed(listed)
+        # one folder whose manifest records its ids unique: not sorted again to check it
+        ids_unique = len(paths) == 1 and bool(listed) and all(e and e.get("ids_unique") for _, e in listed)
+        corpus = _open_listed(listed, ids_unique)
     except BaseException:
         for lock in locks:
             lock.release()
@@ -612,7 +684,7 @@ def open_corpus(paths: Sequence[str | os.PathLike[str]], *, verify_checksums: bo
     return corpus
 
 
-def _open_listed(listed: list[tuple[str, dict[str, Any] | None]]) -> Corpus:
+def _open_listed(listed: list[tuple[str, dict[str, Any] | None]], ids_unique: bool = False) -> Corpus:
     seen: dict[str, str] = {}
     for path, _ in listed:
         real = os.path.realpath(path)
@@ -645,7 +717,7 @@ def _open_listed(listed: list[tuple[str, dict[str, Any] | None]]) -> Corpus:
         for shard in empty:
             shards.remove(shard)
             shard.close()
-        corpus = Corpus(shards)
+        corpus = Corpus(shards, ids_unique=ids_unique)
         corpus.skipped = [shard.path for shard in empty]
         return corpus
     except BaseException:

@@ -5,8 +5,11 @@ Each call is one commit of a new generation (`maxsim_cli.shards.generations`), m
 1. the writer lock is taken (`WriterLock`: a second writer is refused in one line), and what an earlier
    writer that was killed left is removed: a staging folder, a generation folder that the pointer never
    named, a temp file of the pointer; then old generations that no reader holds are cleaned up;
-2. the committed generation is opened (a reader like any other) and the change is checked in full
-   before anything is written;
+2. the committed generation is read and the change is checked in full before anything is written.
+   `delete` and `add` find ids through the shards' id indexes (`maxsim_cli.shards.id_index`), never
+   opening the corpus: their work is that of the ids they are given. An index that is missing or
+   damaged is built again from its shard (a warning), and a generation whose manifest does not record
+   its ids unique (one made before id indexes) has them checked once, through the indexes;
 3. the new generation's files (added shards, hard-linked or copied; compacted shards; deletion sets;
    its manifest) are written into a hidden staging folder ``generations/.staging-XXXX``;
 4. the commit: the staging folder is renamed ``generations/<n>``, then the pointer ``index.json`` is
@@ -18,6 +21,7 @@ Each call is one commit of a new generation (`maxsim_cli.shards.generations`), m
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import io
@@ -25,12 +29,13 @@ import os
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from maxsim_cli.errors import InputError, UsageError
 from maxsim_cli.lifeline import commit_point
-from maxsim_cli.shards.corpus import Corpus, open_corpus, read_manifest
+from maxsim_cli.shards.corpus import Corpus, open_corpus, read_manifest_state
 from maxsim_cli.shards.files import (
     atomic_temp,
     file_sha256,
@@ -39,11 +44,12 @@ from maxsim_cli.shards.files import (
     staging_dir,
     write_error,
 )
-from maxsim_cli.shards.format import MANIFEST_NAME, input_error, show_id
+from maxsim_cli.shards.format import MANIFEST_NAME, concat_ids, input_error, show_id
 from maxsim_cli.shards.generations import (
     GENERATION_MANIFEST,
     GENERATIONS_DIR,
     ShardEntry,
+    State,
     WriterLock,
     generation_dir,
     generation_text,
@@ -51,7 +57,20 @@ from maxsim_cli.shards.generations import (
     numbered_generations,
     pointer_text,
     read_pointer,
+    read_state,
     try_lock_generation,
+)
+from maxsim_cli.shards.id_index import (
+    ID_INDEX_SUFFIX,
+    IdIndex,
+    IdIndexError,
+    IndexedShard,
+    build_index,
+    check_unique,
+    find_ids,
+    index_bytes,
+    parallel_map,
+    read_index,
 )
 
 # Tokens read at once while a shard is compacted: ~16 MiB of float16 values at dim 128.
@@ -85,20 +104,35 @@ def _check_folder(directory: str) -> str:
     return directory
 
 
-def _gen0_entries(directory: str) -> list[ShardEntry]:
-    """Generation 0's shards: those of a format_version 1 manifest, or the folder's shard files."""
+def _gen0_state(directory: str) -> State:
+    """Generation 0: the shards of a format_version 1 manifest (with their id indexes, and whether it
+    records the ids unique), or the folder's shard files."""
     if os.path.exists(os.path.join(directory, MANIFEST_NAME)):
-        raw = read_manifest(directory)
-        return [
-            ShardEntry(e["relpath"], int(e["num_docs"]), int(e["num_tokens"]), e.get("sha256")) for e in raw
+        raw, ids_unique = read_manifest_state(directory)
+        entries = [
+            ShardEntry(
+                e["relpath"],
+                int(e["num_docs"]),
+                int(e["num_tokens"]),
+                e.get("sha256"),
+                ids_path=e["ids_path"],
+                ids_sha256=e["ids_sha256"],
+            )
+            for e in raw
         ]
+        state = State(0, entries)
+        if ids_unique:
+            from maxsim_cli.shards.generations import entries_digest
+
+            state.unique_ids = entries_digest(entries)
+        return state
     from maxsim_cli.shards.readers import open_shard
 
     out = []
     for path in list_shard_files(directory):
         with open_shard(path) as shard:
             out.append(ShardEntry(os.path.basename(path), shard.num_docs, shard.num_tokens, None))
-    return out
+    return State(0, out)
 
 
 def _generation_files(directory: str, number: int) -> set[str]:
@@ -112,8 +146,9 @@ def _generation_files(directory: str, number: int) -> set[str]:
         files = set()
         for raw in doc.get("shards", []):
             files.add(raw["path"])
-            if raw.get("deleted"):
-                files.add(raw["deleted"]["path"])
+            for key in ("deleted", "ids"):
+                if raw.get(key):
+                    files.add(raw[key]["path"])
         return {f for f in files if isinstance(f, str) and ".." not in f.replace("\\", "/").split("/")}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return set()
@@ -181,7 +216,8 @@ class _Commit:
             clean_up(directory, self.committed)
             self.number = max([self.committed, *numbered_generations(directory)]) + 1
             if self.committed == 0:
-                self.entries = _gen0_entries(directory)
+                self.gen0 = _gen0_state(directory)
+                self.entries = self.gen0.entries or []
             self.staging = ""
         except BaseException:
             self.lock.release()
@@ -209,20 +245,38 @@ class _Commit:
             raise write_error(self.directory, exc) from None
         return self.rel(name), hashlib.sha256(data).hexdigest()
 
-    def commit(self, entries: list[ShardEntry]) -> None:
+    def write_index(self, name: str, index: IdIndex) -> tuple[str, str]:
+        """An id index into the staging folder: (its manifest path, its sha256)."""
+        data = index_bytes(index)
+        try:
+            with open(os.path.join(self.stage(), name), "wb") as f:
+                f.write(data)
+        except OSError as exc:
+            raise write_error(self.directory, exc) from None
+        return self.rel(name), hashlib.sha256(data).hexdigest()
+
+    def current(self) -> State:
+        """The committed generation (the writer lock keeps it: no other writer changes or removes it)."""
+        if self.committed == 0:  # copies: `self.entries` describes generation 0's files as they are
+            return State(0, [dataclasses.replace(e) for e in self.entries], self.gen0.unique_ids)
+        return read_state(self.directory, self.committed)
+
+    def commit(self, entries: list[ShardEntry], *, ids_unique: bool = False) -> None:
+        """Commit ``entries`` as the new generation; ``ids_unique``: their live ids were checked unique
+        (recorded in the manifest, `generation_text`)."""
         directory = self.directory
         if self.committed == 0:  # generation 0 described, so that a later clean-up knows its files
             gen0 = generation_dir(directory, 0)
             try:
                 os.makedirs(gen0, exist_ok=True)
                 with open(os.path.join(gen0, GENERATION_MANIFEST), "w", encoding="utf-8") as f:
-                    f.write(generation_text(0, self.entries))
+                    f.write(generation_text(0, self.entries))  # what the clean-up reads: the files
             except OSError as exc:
                 raise write_error(directory, exc) from None
         staging = self.stage()
         try:
             with open(os.path.join(staging, GENERATION_MANIFEST), "w", encoding="utf-8") as f:
-                f.write(generation_text(self.number, entries))
+                f.write(generation_text(self.number, entries, ids_unique=ids_unique))
         except OSError as exc:
             raise write_error(directory, exc) from None
         pointer = os.path.join(directory, MANIFEST_NAME)
@@ -270,12 +324,7 @@ def _open_current(directory: str) -> Corpus:
 
 def _current_entries(commit: _Commit, corpus: Corpus) -> list[ShardEntry]:
     """The committed generation's entries, aligned with ``corpus.shards``."""
-    if commit.committed == 0:
-        entries = commit.entries
-    else:
-        from maxsim_cli.shards.generations import read_generation
-
-        entries = read_generation(commit.directory, commit.committed)
+    entries = commit.current().entries or []
     by_path = {os.path.realpath(os.path.join(commit.directory, e.path)): e for e in entries}
     return [by_path[os.path.realpath(s.path)] for s in corpus.shards]
 
@@ -295,15 +344,111 @@ def _with_deleted(
         if len(merged) == entry.num_docs:
             continue  # every document deleted: the shard leaves the generation
         path, sha = commit.write_deleted(f"{i:05d}.deleted.npy", merged)
-        out.append(ShardEntry(entry.path, entry.num_docs, entry.num_tokens, entry.sha256, merged, path, sha))
+        out.append(dataclasses.replace(entry, deleted=merged, deleted_path=path, deleted_sha256=sha))
     return out
 
 
-def _rows_by_shard(corpus: Corpus, ordinals: np.ndarray) -> dict[int, np.ndarray]:
-    shard = np.searchsorted(corpus.doc_starts, ordinals, side="right") - 1
+def _shard_metadata(path: str) -> dict[str, Any]:
+    """A shard's metadata (dim, dtype, quantization, encoder, num_docs), from its header alone where it
+    is a safetensors file."""
+    from maxsim_cli.shards.readers import _sniff, open_shard
+    from maxsim_cli.shards.safetensors_shard import shard_metadata
+
+    if _sniff(path) == "safetensors":
+        return shard_metadata(path)
+    with open_shard(path) as shard:
+        info = shard.info
+        return {"dim": info.dim, "dtype": info.dtype, "quantization": info.quantization,
+                "encoder": info.encoder, "num_docs": info.num_docs}  # fmt: skip
+
+
+def _changed(path: str, holds: int, recorded: int) -> InputError:
+    return input_error(
+        path, f"num_docs={holds} but the manifest says {recorded}; the shard changed since it was recorded"
+    )
+
+
+def _corpus_metadata(directory: str, entries: list[ShardEntry]) -> dict[str, Any]:
+    """What a write command needs of the committed generation's shards, read from their headers: the
+    dim, dtype, quantization (one that add, delete and compact take) and encoder they share, each
+    shard's document count checked against the manifest's."""
+    if not any(e.num_docs for e in entries):  # no shard, or none with a document: open_corpus names it
+        open_corpus([directory]).close()
+        raise input_error(directory, "holds no documents; a corpus needs at least one document")
+    metas = []
+    for entry in entries:
+        path = os.path.join(directory, entry.path)
+        meta = _shard_metadata(path)
+        if meta["num_docs"] != entry.num_docs:
+            raise _changed(path, meta["num_docs"], entry.num_docs)
+        metas.append(meta)
+    first = metas[0]
+    if first["quantization"] not in _EDITABLE:
+        raise InputError(
+            f"{directory}: holds {first['quantization']} codes; add, delete and compact change "
+            "full-precision and int8 corpora (change the full-precision corpus, then run maxsim quantize "
+            "again)"
+        )
+    encoders = {m["encoder"] for m in metas} - {None}
+    return {**first, "encoder": next(iter(encoders), None) if len(encoders) == 1 else first["encoder"]}
+
+
+def _indexed(
+    commit: _Commit, entries: list[ShardEntry], log: Callable[[str], None], skip: Sequence[int] = ()
+) -> tuple[list[IndexedShard], bool]:
+    """Each entry's id index (but those at positions ``skip``), read (its sha256 checked) or, where it
+    is missing or damaged, built from its shard into the new generation (the entry then names the new
+    file: a warning says which); and whether every one was read as recorded (nothing built)."""
+    from maxsim_cli.shards.readers import open_shard
+
+    def recorded(entry: ShardEntry) -> IdIndex | IdIndexError | None:
+        if entry.ids_path is None or entry.ids_sha256 is None:
+            return None
+        try:
+            return read_index(
+                os.path.join(commit.directory, entry.ids_path), entry.ids_sha256, entry.num_docs
+            )
+        except IdIndexError as exc:
+            return exc
+
+    chosen = [i for i in range(len(entries)) if i not in skip]
+    # reading a file and its sha256 leave the GIL: the shards' indexes are read on every core
+    read = parallel_map(recorded, [entries[i] for i in chosen])
+    out = []
+    as_recorded = True
+    for i, index in zip(chosen, read, strict=True):
+        entry = entries[i]
+        path = os.path.join(commit.directory, entry.path)
+        if isinstance(index, IdIndexError):
+            log(f"warning: {index}; built again from {path}")
+            index = None
+        if index is None:
+            with open_shard(path) as shard:
+                if shard.num_docs != entry.num_docs:
+                    raise _changed(path, shard.num_docs, entry.num_docs)
+                index = build_index(shard.id_array)
+            entry.ids_path, entry.ids_sha256 = commit.write_index(f"{i:05d}{ID_INDEX_SUFFIX}", index)
+            as_recorded = False
+        out.append(IndexedShard(path, entry.num_docs, index, entry.deleted))
+    return out, as_recorded
+
+
+def _checked_unique(commit: _Commit, state: State, log: Callable[[str], None]) -> list[IndexedShard]:
+    """The committed generation's shards with their id indexes (`_indexed`); its live ids checked
+    unique across them, once, where its manifest does not record it (or an index was built again)."""
+    assert state.entries is not None
+    trusted = state.ids_unique
+    shards, as_recorded = _indexed(commit, state.entries, log)
+    if not (trusted and as_recorded):
+        check_unique(shards)
+    return shards
+
+
+def _rows_by_shard(shard: np.ndarray, rows: np.ndarray) -> dict[int, np.ndarray]:
+    """Rows (of the shards ``shard``, one each) grouped by shard, sorted."""
     out: dict[int, np.ndarray] = {}
     for s in np.unique(shard).tolist():
-        out[s] = np.sort(ordinals[shard == s] - corpus.doc_starts[s])
+        out[s] = np.sort(rows[shard == s])
     return out
 
 
@@ -344,40 +489,44 @@ def add_shards(
             )
     commit = _Commit(directory)
     try:
-        with _open_current(directory) as corpus, open_corpus(list(sources)) as new:
+        state = commit.current()
+        entries = state.entries or []
+        meta = _corpus_metadata(directory, entries)
+        with open_corpus(list(sources)) as new:
             if new.num_deleted:
                 raise InputError(
                     f"{new.name}: has {new.num_deleted} deleted documents; compact it first "
                     "(maxsim compact --threshold 0) or add its documents from a fresh pack"
                 )
             for key in ("dim", "dtype", "quantization"):
-                if getattr(new, key) != getattr(corpus, key):
+                if getattr(new, key) != meta[key]:
                     raise input_error(
                         new.shards[0].path,
                         f"{key}={getattr(new, key)} but the corpus {directory} has "
-                        f"{key}={getattr(corpus, key)}; added shards need the corpus's dim, dtype and "
+                        f"{key}={meta[key]}; added shards need the corpus's dim, dtype and "
                         "quantization",
                     )
-            if new.encoder is not None and corpus.encoder is not None and new.encoder != corpus.encoder:
+            if new.encoder is not None and meta["encoder"] is not None and new.encoder != meta["encoder"]:
                 raise input_error(
                     new.shards[0].path,
-                    f"made by encoder {new.encoder!r} but the corpus {directory} by {corpus.encoder!r}; "
+                    f"made by encoder {new.encoder!r} but the corpus {directory} by {meta['encoder']!r}; "
                     "their scores cannot be compared",
                 )
-            new_ids = new.ids
-            found = corpus.id_lookup().ordinals_of(new_ids)
-            present = np.flatnonzero(found >= 0)
+            shards = _checked_unique(commit, state, log)
+            new_ids = concat_ids([s.id_array for s in new.shards])
+            found_shard, found_row = find_ids(shards, new_ids)
+            present = np.flatnonzero(found_shard >= 0)
             if len(present) and not replace:
                 i = int(present[0])
                 s = int(np.searchsorted(new.doc_starts, i, side="right") - 1)
                 raise input_error(
                     new.shards[s].path,
-                    f"id {show_id(new_ids[i])} (document {i - int(new.doc_starts[s])}) is already in the "
-                    f"corpus {directory} ({len(present)} such ids); give new ids, or --replace to replace "
-                    "those documents",
+                    f"id {show_id(new_ids[i].as_py())} (document {i - int(new.doc_starts[s])}) is already "
+                    f"in the corpus {directory} ({len(present)} such ids); give new ids, or --replace to "
+                    "replace those documents",
                 )
-            entries = _current_entries(commit, corpus)
-            entries = _with_deleted(commit, entries, _rows_by_shard(corpus, found[present]))
+            num_live = sum(e.num_docs - len(e.deleted) for e in entries)
+            entries = _with_deleted(commit, entries, _rows_by_shard(found_shard[present], found_row[present]))
             staging = commit.stage()
             for k, shard in enumerate(new.shards):
                 name = f"{k:05d}-{os.path.basename(shard.path)}"
@@ -386,17 +535,20 @@ def add_shards(
                     _link_or_copy(shard.path, target)
                 except OSError as exc:
                     raise write_error(directory, exc) from None
-                entries.append(
-                    ShardEntry(commit.rel(name), shard.num_docs, shard.num_tokens, file_sha256(target))
+                entry = ShardEntry(commit.rel(name), shard.num_docs, shard.num_tokens, file_sha256(target))
+                entry.ids_path, entry.ids_sha256 = commit.write_index(
+                    name + ID_INDEX_SUFFIX, build_index(shard.id_array)
                 )
+                entries.append(entry)
             change = Change(
                 commit.number,
-                corpus.num_live - len(present) + new.num_live,
+                num_live - len(present) + new.num_live,
                 sum(len(e.deleted) for e in entries),
                 added=new.num_live,
                 deleted=len(present),
             )
-        commit.commit(entries)
+        # the live ids were unique, the added ones are (open_corpus) and new to them (or replaced)
+        commit.commit(entries, ids_unique=True)
         change.removed = commit.close()
         return change
     except BaseException:
@@ -421,41 +573,43 @@ def delete_ids(
     directory = _check_folder(directory)
     commit = _Commit(directory)
     try:
-        with _open_current(directory) as corpus:
-            wanted = list(dict.fromkeys(ids))
-            found = corpus.id_lookup().ordinals_of(wanted)
-            unknown = np.flatnonzero(found < 0)
-            if len(unknown):
-                first = show_id(wanted[int(unknown[0])])
-                fact = (
-                    f"{source}: {len(unknown)} of {len(wanted)} ids are not in the corpus {directory} "
-                    f"(first: {first})"
-                )
-                if strict:
-                    raise InputError(f"{fact}; nothing was deleted (leave out --strict to delete the others)")
-                log(f"warning: {fact}; they are ignored (--strict makes this an error)")
-            ordinals = found[found >= 0]
-            change = Change(
-                None, corpus.num_live, corpus.num_deleted, deleted=len(ordinals), unknown=len(unknown)
+        state = commit.current()
+        entries = state.entries or []
+        _corpus_metadata(directory, entries)
+        shards = _checked_unique(commit, state, log)
+        wanted = list(dict.fromkeys(ids))
+        found_shard, found_row = find_ids(shards, wanted)
+        unknown = np.flatnonzero(found_shard < 0)
+        if len(unknown):
+            first = show_id(wanted[int(unknown[0])])
+            fact = (
+                f"{source}: {len(unknown)} of {len(wanted)} ids are not in the corpus {directory} "
+                f"(first: {first})"
             )
-            if not len(ordinals):
-                return change
-            if len(ordinals) == corpus.num_live:
-                raise InputError(
-                    f"{source}: would delete every document of the corpus {directory}; a corpus needs at "
-                    "least one document"
-                )
-            entries = _with_deleted(
-                commit, _current_entries(commit, corpus), _rows_by_shard(corpus, ordinals)
+            if strict:
+                raise InputError(f"{fact}; nothing was deleted (leave out --strict to delete the others)")
+            log(f"warning: {fact}; they are ignored (--strict makes this an error)")
+        found = found_shard >= 0
+        num_live = sum(e.num_docs - len(e.deleted) for e in entries)
+        num_deleted = sum(len(e.deleted) for e in entries)
+        change = Change(None, num_live, num_deleted, deleted=int(found.sum()), unknown=len(unknown))
+        if not found.any():
+            commit.close()
+            return change
+        if change.deleted == num_live:
+            raise InputError(
+                f"{source}: would delete every document of the corpus {directory}; a corpus needs at "
+                "least one document"
             )
-            change = Change(
-                commit.number,
-                corpus.num_live - len(ordinals),
-                sum(len(e.deleted) for e in entries),
-                deleted=len(ordinals),
-                unknown=len(unknown),
-            )
-        commit.commit(entries)
+        entries = _with_deleted(commit, entries, _rows_by_shard(found_shard[found], found_row[found]))
+        change = Change(
+            commit.number,
+            num_live - change.deleted,
+            sum(len(e.deleted) for e in entries),
+            deleted=change.deleted,
+            unknown=len(unknown),
+        )
+        commit.commit(entries, ids_unique=True)  # deleting keeps the live ids unique
         change.removed = commit.close()
         return change
     except BaseException:
@@ -472,6 +626,7 @@ def compact(
     threshold: float = DEFAULT_THRESHOLD,
     *,
     progress: Callable[[int, int], None] | None = None,
+    log: Callable[[str], None] = lambda _: None,
 ) -> Change:
     """Rewrite, in one commit, the shards of the corpus folder ``directory`` whose deleted share reaches
     ``threshold`` (0 to 1; 0: every shard with a deleted document) without their deleted documents,
@@ -480,6 +635,7 @@ def compact(
     directory = _check_folder(directory)
     if not 0.0 <= threshold <= 1.0:
         raise UsageError(f"--threshold {threshold}: give the deleted share as a number from 0 to 1")
+    from maxsim_cli.shards.readers import open_shard
     from maxsim_cli.shards.writers import ShardWriter
 
     commit = _Commit(directory)
@@ -531,10 +687,15 @@ def compact(
                 entries[i] = ShardEntry(
                     commit.rel(name), written.num_docs, written.num_tokens, file_sha256(target)
                 )
+                with open_shard(target) as rewritten:
+                    index = build_index(rewritten.id_array)
+                entries[i].ids_path, entries[i].ids_sha256 = commit.write_index(name + ID_INDEX_SUFFIX, index)
+            _indexed(commit, entries, log, skip=chosen)  # every shard indexed: the ids recorded unique
             change = Change(
                 commit.number, corpus.num_live, sum(len(e.deleted) for e in entries), compacted=len(chosen)
             )
-        commit.commit(entries)
+        # the live ids were unique (open_corpus checks them, or their record), and compacting keeps them
+        commit.commit(entries, ids_unique=True)
         change.removed = commit.close()
         return change
     except BaseException:

@@ -6,7 +6,9 @@ has changed holds, beside its shards (docs/format.md, "Generations"):
 - ``index.json``, the *pointer* (``format_version`` 2): the committed generation's number and manifest.
   A commit replaces it with one rename, so a reader sees the old generation or the new one, never a mix;
 - ``generations/<n>/manifest.json``: generation n's shards (with counts and sha256) and, per shard, its
-  deleted rows: a sorted int64 ``.npy`` file (with its count and sha256) in a generation's folder;
+  deleted rows: a sorted int64 ``.npy`` file (with its count and sha256) in a generation's folder, and
+  its id index (``ids``: `maxsim_cli.shards.id_index`, with its sha256); and ``unique_ids``, the record
+  that the writer checked the live ids unique across the generation (`unique_ids_digest`);
 - ``generations/<n>/``: the files generation n brought (shards added, shards compacted, deletion sets).
 
 A folder without a pointer (a ``format_version`` 1 ``index.json`` or none) is generation 0, read as
@@ -56,8 +58,9 @@ def manifest_path(directory: str, number: int) -> str:
 
 @dataclass
 class ShardEntry:
-    """One shard of a generation: its path relative to the corpus folder, counts, sha256, and the
-    rows deleted from it (``deleted``: sorted unique int64 rows; ``deleted_path``: their file)."""
+    """One shard of a generation: its path relative to the corpus folder, counts, sha256, the rows
+    deleted from it (``deleted``: sorted unique int64 rows; ``deleted_path``: their file) and its id
+    index (``ids_path``, ``ids_sha256``; None for a shard recorded without one)."""
 
     path: str
     num_docs: int
@@ -66,6 +69,8 @@ class ShardEntry:
     deleted: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     deleted_path: str | None = None
     deleted_sha256: str | None = None
+    ids_path: str | None = None
+    ids_sha256: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"path": self.path, "num_docs": self.num_docs, "num_tokens": self.num_tokens}
@@ -76,19 +81,76 @@ class ShardEntry:
                 "count": len(self.deleted),
                 "sha256": self.deleted_sha256,
             }
+        if self.ids_path is not None:
+            out["ids"] = {"path": self.ids_path, "sha256": self.ids_sha256}
         return out
 
     def files(self) -> list[str]:
-        return [self.path] + ([self.deleted_path] if self.deleted_path else [])
+        return [self.path] + [p for p in (self.deleted_path, self.ids_path) if p]
+
+
+# What `unique_ids_digest` hashes first: a digest of another kind or version never matches.
+_UNIQUE_IDS_KIND = "maxsim-unique-ids-1\n"
+_SHA256 = re.compile(r"^[0-9a-fA-F]{64}$")
+
+
+def unique_ids_digest(pairs: list[tuple[str | None, str | None]]) -> str | None:
+    """The ``unique_ids`` record of a generation whose shards have, in order, these (id index sha256,
+    deletion set sha256 or None): a writer that checked the live ids unique across the shards writes it,
+    and a reader that finds it equal to the digest of what the manifest names trusts it (a shard, an id
+    index or a deletion set changed by hand since makes them differ). None when a shard has no index."""
+    if any(ids is None for ids, _ in pairs):
+        return None
+    text = _UNIQUE_IDS_KIND + "".join(f"{ids} {deleted or '-'}\n" for ids, deleted in pairs)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def entries_digest(entries: list[ShardEntry]) -> str | None:
+    """`unique_ids_digest` of a generation's entries."""
+    return unique_ids_digest([(e.ids_sha256, e.deleted_sha256 if e.deleted_path else None) for e in entries])
+
+
+def parse_unique_record(manifest: str, value: Any) -> str | None:
+    """A manifest's ``unique_ids`` (a sha256, lower-cased), or None when it has none."""
+    if value is not None and (not isinstance(value, str) or not _SHA256.match(value)):
+        raise input_error(manifest, f"'unique_ids' must be a sha256 (64 hex digits), got {value!r}")
+    return value.lower() if value is not None else None
+
+
+def parse_ids_record(manifest: str, directory: str, raw: Any, where: str) -> tuple[str, str]:
+    """A shard's ``ids`` record (its id index: path and sha256), checked as a manifest's paths are; the
+    file itself may be missing (a write command builds it again)."""
+    if (
+        not isinstance(raw, dict)
+        or not isinstance(raw.get("sha256"), str)
+        or not _SHA256.match(raw["sha256"])
+    ):
+        raise input_error(
+            manifest, f"{where} ids must be an object with a path and a sha256 (64 hex digits), got {raw!r}"
+        )
+    rel = _relative(manifest, directory, raw.get("path"), f"{where} ids path", must_exist=False)
+    return rel, raw["sha256"].lower()
 
 
 @dataclass
 class State:
     """A corpus folder's committed generation: its number and shards (generation 0: the folder as
-    packed, ``entries`` None when it has no manifest and its shards are whatever files it holds)."""
+    packed, ``entries`` None when it has no manifest and its shards are whatever files it holds), and
+    its ``unique_ids`` record (None when it has none)."""
 
     number: int
     entries: list[ShardEntry] | None
+    unique_ids: str | None = None
+
+    @property
+    def ids_unique(self) -> bool:
+        """Whether the manifest records the live ids unique, for the shards, id indexes and deletion sets
+        it names (`unique_ids_digest`)."""
+        return (
+            self.entries is not None
+            and self.unique_ids is not None
+            and (self.unique_ids == entries_digest(self.entries))
+        )
 
     @property
     def num_deleted(self) -> int:
@@ -135,7 +197,7 @@ def pointer_text(number: int) -> str:
     return json.dumps(doc, indent=1) + "\n"
 
 
-def _relative(manifest: str, directory: str, rel: Any, what: str) -> str:
+def _relative(manifest: str, directory: str, rel: Any, what: str, *, must_exist: bool = True) -> str:
     if not isinstance(rel, str) or not rel or "\0" in rel:
         raise input_error(
             manifest, f"{what} must be a relative file name inside the corpus folder, got {rel!r}"
@@ -149,7 +211,7 @@ def _relative(manifest: str, directory: str, rel: Any, what: str) -> str:
         raise input_error(
             manifest, f"{what} {rel!r} resolves (through a symlink) to {real}, outside the corpus folder"
         )
-    if not os.path.isfile(os.path.join(directory, rel)):
+    if must_exist and not os.path.isfile(os.path.join(directory, rel)):
         raise input_error(manifest, f"{what} {rel!r}: no such file in {directory}")
     return rel
 
@@ -191,6 +253,11 @@ def read_deleted(path: str, num_docs: int, count: int, sha256: Any, manifest: st
 
 def read_generation(directory: str, number: int) -> list[ShardEntry]:
     """Generation ``number``'s shards from its manifest, every path and deletion set checked."""
+    return read_state(directory, number).entries or []
+
+
+def read_state(directory: str, number: int) -> State:
+    """Generation ``number`` from its manifest (`read_generation`), with its ``unique_ids`` record."""
     manifest = manifest_path(directory, number)
     if not os.path.isfile(manifest):
         raise input_error(
@@ -237,12 +304,18 @@ def read_generation(directory: str, number: int) -> list[ShardEntry]:
                 entry.deleted_sha256,
                 manifest,
             )
+        if raw.get("ids") is not None:
+            entry.ids_path, entry.ids_sha256 = parse_ids_record(
+                manifest, directory, raw["ids"], f"shards[{i}]"
+            )
         out.append(entry)
-    return out
+    return State(number, out, parse_unique_record(manifest, doc.get("unique_ids")))
 
 
-def generation_text(number: int, entries: list[ShardEntry]) -> str:
-    doc = {
+def generation_text(number: int, entries: list[ShardEntry], *, ids_unique: bool = False) -> str:
+    """Generation ``number``'s manifest; ``ids_unique``: the writer checked the live ids unique across
+    ``entries``, which the manifest then records (``unique_ids``, when every shard has an id index)."""
+    doc: dict[str, Any] = {
         "format": GENERATION_FORMAT_NAME,
         "format_version": GENERATION_FORMAT_VERSION,
         "generation": number,
@@ -250,6 +323,9 @@ def generation_text(number: int, entries: list[ShardEntry]) -> str:
         "num_deleted": sum(len(e.deleted) for e in entries),
         "shards": [e.to_json() for e in entries],
     }
+    digest = entries_digest(entries) if ids_unique else None
+    if digest is not None:
+        doc["unique_ids"] = digest
     return json.dumps(doc, indent=1) + "\n"
 
 
@@ -323,7 +399,7 @@ def open_state(directory: str) -> tuple[State, ReaderLock]:
             os.close(fd)
             continue
         try:
-            return State(number, read_generation(directory, number)), ReaderLock(fd)
+            return read_state(directory, number), ReaderLock(fd)
         except BaseException:
             os.close(fd)
             raise

@@ -15,7 +15,8 @@ with the docno byte for byte, so two ids that share a hash never answer for each
 the docnos asked cost, not what the corpus costs.
 
 The hash (`hash_utf8`) is a polynomial over each id's UTF-8 bytes modulo 2**64 with its length mixed
-in, finished by splitmix64's mixer; it is only ever compared within one process.
+in, finished by splitmix64's mixer. Its top 32 bits are also what the shards' id indexes hold on disk
+(`maxsim_cli.shards.id_index`, docs/format.md "Id indexes"): a change to it is a change of that format.
 """
 
 from __future__ import annotations

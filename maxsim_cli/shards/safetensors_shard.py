@@ -80,46 +80,52 @@ def _st_tensor(path: str, header: dict[str, Any], name: str, data_size: int) -> 
     return dtype, shape
 
 
+def read_header(path: str) -> tuple[dict[str, Any], int, os.stat_result]:
+    """A safetensors file's header (checked to be a JSON object), its length in bytes, and the file's
+    `os.stat` when it was read."""
+    try:
+        opened = os.stat(path)
+        f = open(path, "rb")  # noqa: SIM115 - closed by the with below
+    except OSError as exc:
+        raise input_error(path, f"cannot read: {one_line(exc)}") from None
+    size = opened.st_size
+    with f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise input_error(
+                path, f"truncated: {size} bytes, shorter than the 8-byte safetensors header length"
+            )
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > MAX_SAFETENSORS_HEADER:
+            raise input_error(
+                path,
+                f"corrupt safetensors header length {header_len} (at offset 0); "
+                "not a safetensors file or damaged",
+            )
+        if 8 + header_len > size:
+            raise input_error(
+                path,
+                f"truncated: header needs {header_len} bytes after offset 8 but the file has {size} bytes",
+            )
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise input_error(
+            path, f"corrupt safetensors header (bytes 8..{8 + header_len}): {one_line(exc)}"
+        ) from None
+    if not isinstance(header, dict):
+        raise input_error(path, "corrupt safetensors header: not a JSON object")
+    return header, header_len, opened
+
+
 class SafetensorsShard(Shard):
     """safetensors container: header parsed and checked here, values through `safe_open(...).get_slice`."""
 
     def __init__(self, path: str) -> None:
-        opened = os.stat(path)
+        header, header_len, opened = read_header(path)
         size = opened.st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise input_error(
-                    path, f"truncated: {size} bytes, shorter than the 8-byte safetensors header length"
-                )
-            (header_len,) = struct.unpack("<Q", head)
-            if header_len > MAX_SAFETENSORS_HEADER:
-                raise input_error(
-                    path,
-                    f"corrupt safetensors header length {header_len} (at offset 0); "
-                    "not a safetensors file or damaged",
-                )
-            if 8 + header_len > size:
-                raise input_error(
-                    path,
-                    f"truncated: header needs {header_len} bytes after offset 8 but the file "
-                    f"has {size} bytes",
-                )
-            raw = f.read(header_len)
-        try:
-            header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise input_error(
-                path, f"corrupt safetensors header (bytes 8..{8 + header_len}): {one_line(exc)}"
-            ) from None
-        if not isinstance(header, dict):
-            raise input_error(path, "corrupt safetensors header: not a JSON object")
-        meta_raw = header.get("__metadata__")
-        if meta_raw is not None and (
-            not isinstance(meta_raw, dict) or not all(isinstance(v, str) for v in meta_raw.values())
-        ):
-            raise input_error(path, "corrupt __metadata__: must map strings to strings")
-        meta = parse_metadata(path, meta_raw, "__metadata__")
+        meta = _metadata(path, header)
         data_size = size - 8 - header_len
         emb_dtype, emb_shape = _st_tensor(path, header, "embeddings", data_size)
         if emb_dtype not in SAFETENSORS_DTYPE_NAMES:
@@ -231,3 +237,62 @@ class SafetensorsShard(Shard):
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+def shard_metadata(path: str) -> dict[str, Any]:
+    """A safetensors shard's metadata (`parse_metadata`: dim, dtype, quantization, encoder, ...), from its
+    header alone."""
+    header, _, _ = read_header(path)
+    return _metadata(path, header)
+
+
+def _metadata(path: str, header: dict[str, Any]) -> dict[str, Any]:
+    meta_raw = header.get("__metadata__")
+    if meta_raw is not None and (
+        not isinstance(meta_raw, dict) or not all(isinstance(v, str) for v in meta_raw.values())
+    ):
+        raise input_error(path, "corrupt __metadata__: must map strings to strings")
+    return parse_metadata(path, meta_raw, "__metadata__")
+
+
+def ids_at(path: str, rows: np.ndarray, num_docs: int) -> Any:
+    """The ids of documents ``rows`` of the safetensors shard at ``path`` (an Arrow large_binary array, in
+    the order of ``rows``), read through a read-only map of its ``id_offsets`` and ``ids`` tensors: only
+    the pages of the ids asked for are read, not the shard's. The header is checked first (both tensors
+    whole inside the file: a map read past a file's end is SIGBUS, and the file is checked unchanged
+    since) and so is each id's span."""
+    import mmap
+
+    from maxsim_cli.shards.id_index import gather_strings
+
+    header, header_len, opened = read_header(path)
+    data_size = opened.st_size - 8 - header_len
+    for name, want, shape in (("id_offsets", "I64", [num_docs + 1]), ("ids", "U8", None)):
+        got, got_shape = _st_tensor(path, header, name, data_size)
+        if got != want or len(got_shape) != 1 or (shape is not None and got_shape != shape):
+            raise input_error(
+                path,
+                f"tensor {name!r} must be a 1-D {want} tensor{f' {shape}' if shape else ''}, got {got} "
+                f"{got_shape}; the file changed since the manifest recorded {num_docs} documents",
+            )
+    base = 8 + header_len
+    offsets_at = base + int(header["id_offsets"]["data_offsets"][0])
+    ids_from, ids_to = (base + int(v) for v in header["ids"]["data_offsets"])
+    with open(path, "rb") as f:
+        check_unchanged(path, file_identity(opened), os.fstat(f.fileno()))
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        id_offsets = np.frombuffer(mapped, dtype="<i8", count=num_docs + 1, offset=offsets_at)
+        starts, stops = id_offsets[rows], id_offsets[rows + 1]
+        del id_offsets
+        if len(rows) and (
+            int(starts.min()) < 0 or (stops < starts).any() or int(stops.max()) > ids_to - ids_from
+        ):
+            raise input_error(path, "id_offsets point outside the ids tensor; the file is damaged")
+        data = np.frombuffer(mapped, dtype=np.uint8, count=ids_to - ids_from, offset=ids_from)
+        try:
+            return gather_strings(data, starts, stops)
+        finally:
+            del data
+    finally:
+        mapped.close()

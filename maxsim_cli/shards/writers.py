@@ -546,7 +546,21 @@ def write_manifest(directory: str | os.PathLike[str], shard_paths: Sequence[str]
     """Write `directory/index.json` (atomically) listing its shards with counts and sha256; return its path.
 
     `shard_paths` (names inside `directory`) fixes the order; default: every shard file, sorted by name.
+    Beside each shard it writes the shard's id index (``<shard>.idindex``, `maxsim_cli.shards.id_index`),
+    recorded with its sha256, and when the ids are unique across the shards it records that too
+    (``unique_ids``): the write commands (`maxsim add`, `delete`) then find ids through the indexes
+    without opening the corpus, and readers do not sort every id to check them unique. Duplicate ids are
+    not an error here: the manifest then records nothing, and opening the corpus names them.
     """
+    from maxsim_cli.shards.generations import unique_ids_digest
+    from maxsim_cli.shards.id_index import (
+        ID_INDEX_SUFFIX,
+        IndexedShard,
+        build_index,
+        check_unique,
+        write_index,
+    )
+
     directory = os.fspath(directory)
     files = (
         list_shard_files(directory)
@@ -556,17 +570,32 @@ def write_manifest(directory: str | os.PathLike[str], shard_paths: Sequence[str]
     if not files:
         raise input_error(directory, "no shards to list in a manifest")
     entries = []
+    indexed = []
     for f in files:
         with open_shard(f) as shard:
+            index = build_index(shard.id_array)
+            name = os.path.basename(f) + ID_INDEX_SUFFIX
             entries.append(
                 {
                     "path": os.path.basename(f),
                     "num_docs": shard.num_docs,
                     "num_tokens": shard.num_tokens,
                     "sha256": file_sha256(f),
+                    "ids": {"path": name, "sha256": write_index(os.path.join(directory, name), index)},
                 }
             )
-    doc = {"format": CORPUS_FORMAT_NAME, "format_version": CORPUS_FORMAT_VERSION, "shards": entries}
+            indexed.append(IndexedShard(f, shard.num_docs, index))
+    doc: dict[str, Any] = {
+        "format": CORPUS_FORMAT_NAME,
+        "format_version": CORPUS_FORMAT_VERSION,
+        "shards": entries,
+    }
+    try:
+        check_unique(indexed)
+    except InputError:
+        pass  # recorded as not known unique: opening the corpus names the duplicate
+    else:
+        doc["unique_ids"] = unique_ids_digest([(e["ids"]["sha256"], None) for e in entries])
     target = os.path.join(directory, MANIFEST_NAME)
     write_text_atomic(target, json.dumps(doc, indent=1) + "\n")
     return target
