@@ -53,6 +53,8 @@ KMEANS_ITERATIONS = 20
 # tile past the last centroid unmasked: with k not a multiple of 128 it can return an id >= k (a
 # device-side assert in its index_add, seen on an H100 with k = 64). Its torch path is used for other k.
 TRITON_KMEANS_CENTROIDS = 128
+BUCKET_ITERATIONS = 10  # Lloyd-Max steps of the bucket cutoffs and values (fit_buckets)
+BUCKET_BLOCK_ELEMS = 1 << 22  # residuals fit_buckets sorts at once: ~100 MB of float64 temporaries
 _ID_BYTES = 4
 
 
@@ -274,8 +276,7 @@ def train_codebook(
     sample: torch.Tensor, num_centroids: int, *, seed: int = 0, device: torch.device | None = None
 ) -> Codebook:
     """k-means centroids of ``sample`` (float [n, dim]) with fastkmeans (on ``device`` when it is a GPU),
-    then per dimension the bucket cutoffs (the residuals' quartiles) and bucket values (the medians of
-    each quarter: the 1/8, 3/8, 5/8 and 7/8 quantiles), as ColBERTv2 learns them."""
+    then per dimension the bucket cutoffs and values that `fit_buckets` fits to the sample's residuals."""
     import torch
 
     try:
@@ -294,9 +295,57 @@ def train_codebook(
     kmeans.train(data.numpy())
     centroids = torch.from_numpy(np.asarray(kmeans.centroids, dtype=np.float32)).half()
     residuals = data - centroids[nearest_centroids(data, centroids)].float()
-    cutoffs = torch.quantile(residuals, torch.tensor([0.25, 0.5, 0.75]), dim=0).T.contiguous()
-    weights = torch.quantile(residuals, torch.tensor([0.125, 0.375, 0.625, 0.875]), dim=0).T.contiguous()
+    cutoffs, weights = fit_buckets(residuals)
     return Codebook(centroids, weights, cutoffs)
+
+
+def fit_buckets(
+    residuals: torch.Tensor, iterations: int = BUCKET_ITERATIONS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per dimension, the 2-bit quantizer of ``residuals`` (float [n, dim]) with the least squared error
+    that Lloyd-Max iteration finds: (cutoffs fp32 [dim, 3], bucket values fp32 [dim, 4]).
+
+    It starts from the quartiles as cutoffs (ColBERTv2's buckets); each step sets a bucket's value to the
+    mean of the residuals in it (a residual ``r`` is in bucket ``j``, the number of cutoffs ``<= r``) and
+    each cutoff half-way between the values beside it; the values returned are the means of the buckets
+    the cutoffs returned make. Against ColBERTv2's values (the 1/8, 3/8, 5/8 and 7/8 quantiles) this
+    lowers the error of the decoded vectors by a third on real-text embeddings (docs/two-stage.md). An
+    empty bucket keeps a value between its cutoffs. A dimension's residuals are sorted once, so a step
+    costs a binary search per cutoff; a block of dimensions at a time bounds the memory."""
+    import torch
+
+    n, dim = residuals.shape
+    cutoffs = torch.empty(dim, 3, dtype=torch.float32)
+    weights = torch.empty(dim, 4, dtype=torch.float32)
+    block = max(1, BUCKET_BLOCK_ELEMS // max(1, n))  # dimensions at a time
+    for a in range(0, dim, block):
+        values = residuals[:, a : a + block].T.double().sort(dim=1).values.contiguous()  # [b, n]
+        # sums[:, i]: the sum of the i smallest residuals of the dimension
+        sums = torch.nn.functional.pad(values.cumsum(dim=1), (1, 0))
+        rank = torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64) * (n - 1)
+        low = rank.floor().long()
+        frac = rank - low
+        cuts = values[:, low] * (1 - frac) + values[:, (low + 1).clamp(max=n - 1)] * frac  # the quartiles
+        for step in range(iterations + 1):
+            bounds = torch.cat(
+                [
+                    torch.zeros(values.shape[0], 1, dtype=torch.int64),
+                    torch.searchsorted(values, cuts),  # residuals below each cutoff
+                    torch.full((values.shape[0], 1), n, dtype=torch.int64),
+                ],
+                dim=1,
+            )
+            counts = bounds[:, 1:] - bounds[:, :-1]
+            totals = sums.gather(1, bounds[:, 1:]) - sums.gather(1, bounds[:, :-1])
+            edges = torch.cat([cuts[:, :1], cuts, cuts[:, -1:]], dim=1)
+            empty = 0.5 * (edges[:, :-1] + edges[:, 1:])
+            means = torch.where(counts > 0, totals / counts.clamp(min=1), empty)
+            if step == iterations:
+                break
+            cuts = 0.5 * (means[:, :-1] + means[:, 1:])
+        cutoffs[a : a + block] = cuts.float()
+        weights[a : a + block] = means.float()
+    return cutoffs, weights
 
 
 def nearest_centroids(x: torch.Tensor, centroids: torch.Tensor, block_elems: int = 1 << 24) -> torch.Tensor:

@@ -23,8 +23,9 @@ from maxsim_cli.errors import (
 # The compressed tier's candidates a query that `exact_from` scores exactly, by default: (floor, factor)
 # -> max(floor, factor * top_k), by the tier's quantization. Chosen from the recall of the exact top-10
 # and top-100 in the compressed top N (benchmarks/two_stage_recall.py, docs/two-stage.md): >= 0.99 on
-# sample_data and on 10K random ragged documents. 2-bit residual codes of random vectors (no clusters
-# for the centroids to find) needed N = 2000 for both; int8 and 4-bit 500 at most.
+# sample_data, 30K Python docstrings (real text: N = 2k was enough for every codec) and 10K random ragged
+# documents. 2-bit residual codes of random vectors (no clusters for the centroids to find) needed
+# N = 2000 for the top 100; int8 and 4-bit 500 at most.
 DEFAULT_DEPTH = (1000, 5)
 DEFAULT_DEPTHS = {"residual2-kmeans": (2000, 20)}
 
