@@ -87,3 +87,15 @@ def strings_array(items: Sequence[str], *, large: bool = True) -> pa.Array:
     if offsets[-1] > np.iinfo(np.int32).max:
         return pa.array(list(items), type=kind)
     return pa.StringArray.from_buffers(len(items), pa.py_buffer(offsets.astype(np.int32)), data)
+
+
+def gather_strings(data: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> pa.Array:
+    """The byte strings ``data[starts[i]:stops[i]]`` as one large_binary array (bytes copied out)."""
+    lengths = (stops - starts).astype(np.int64)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    at = np.repeat(starts.astype(np.int64) - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)
+    values = np.ascontiguousarray(data[at])
+    return pa.Array.from_buffers(
+        pa.large_binary(), len(lengths), [None, pa.py_buffer(offsets), pa.py_buffer(values)]
+    )

@@ -53,7 +53,7 @@ def _python_hash(data: bytes) -> int:
 
 def test_the_hash_is_its_definition_whatever_the_pieces(monkeypatch) -> None:
     words = ["", "a", "ab", "中文", "z" * 1000, "doc123", "\x00", "\x00\x00"] * 2
-    data, offsets = lookup._encode(words)
+    data, offsets = lookup.encode_docnos(words)
     want = [_python_hash(w.encode()) for w in words]
     for piece in (1, 7, 1 << 18):  # one id a piece, several, all of them (an id longer than a piece too)
         monkeypatch.setattr(lookup, "HASH_CHUNK_BYTES", piece)

@@ -33,11 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from maxsim_cli.errors import STRICT, InputError, Option, UsageError
-
-INCLUDE = Option("--include-ids", "include")
-EXCLUDE = Option("--exclude-ids", "exclude")
-WHERE = Option("--where", "where")
+from maxsim_cli.errors import EXCLUDE, INCLUDE, STRICT, WHERE, InputError, Option, UsageError
 
 # Below this share of the corpus allowed, a filtered search scores the allowed documents as candidates
 # instead of scanning the corpus (module docstring; benchmarks/bench_filters.py measures both).

@@ -35,8 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from maxsim_cli.errors import InputError, UsageError
-from maxsim_cli.scoring.filters import EXCLUDE, INCLUDE, WHERE
+from maxsim_cli.errors import EXCLUDE, INCLUDE, WHERE, InputError, UsageError
 from maxsim_cli.shards.format import one_line
 
 # The pyarrow.compute functions a text filter may call (``starts_with(title, "The")``), each with the

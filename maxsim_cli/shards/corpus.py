@@ -143,13 +143,13 @@ def mark_deleted(shard: Shard, rows: np.ndarray, number: int) -> None:
     again in another shard without counting as a duplicate. The new ids array is the old one's bytes
     copied around the deleted rows' (a slice a run of live ids): no mask over every id, and no
     ``pa.array``, whose first call imports pandas."""
-    from maxsim_cli.shards.lookup import _id_bytes
+    from maxsim_cli.shards.lookup import id_bytes
 
     deleted = np.asarray(rows, dtype=np.int64)
     shard.deleted_rows = deleted  # type: ignore[attr-defined]
     if not len(deleted):
         return
-    data, offsets = _id_bytes(shard.id_array.cast(pa.large_string()))
+    data, offsets = id_bytes(shard.id_array.cast(pa.large_string()))
     hidden = [f"\0{number}\0{row}".encode() for row in deleted.tolist()]
     lengths = np.diff(offsets)
     lengths[deleted] = [len(name) for name in hidden]

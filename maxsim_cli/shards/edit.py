@@ -351,10 +351,10 @@ def _with_deleted(
 def _shard_metadata(path: str) -> dict[str, Any]:
     """A shard's metadata (dim, dtype, quantization, encoder, num_docs), from its header alone where it
     is a safetensors file."""
-    from maxsim_cli.shards.readers import _sniff, open_shard
+    from maxsim_cli.shards.readers import open_shard, shard_kind
     from maxsim_cli.shards.safetensors_shard import shard_metadata
 
-    if _sniff(path) == "safetensors":
+    if shard_kind(path) == "safetensors":
         return shard_metadata(path)
     with open_shard(path) as shard:
         info = shard.info

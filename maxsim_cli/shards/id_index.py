@@ -36,10 +36,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from maxsim_cli.arrays import array_values, values_array
+from maxsim_cli.arrays import array_values, gather_strings, values_array
 from maxsim_cli.errors import InputError
 from maxsim_cli.shards.format import input_error, one_line, show_id
-from maxsim_cli.shards.lookup import _encode, _id_bytes, hash_utf8
+from maxsim_cli.shards.lookup import encode_docnos, hash_utf8, id_bytes
 
 ID_INDEX_SUFFIX = ".idindex"
 ID_INDEX_FORMAT = "maxsim-id-index"
@@ -79,7 +79,7 @@ def index_names(names: Sequence[str]) -> list[str]:
 
 def build_index(ids: pa.Array) -> IdIndex:
     """The id index of a shard whose ids (in row order) are ``ids``, an Arrow (large) string array."""
-    hashes = id_hashes(*_id_bytes(ids))
+    hashes = id_hashes(*id_bytes(ids))
     order = np.argsort(hashes, kind="stable")
     rows = order.astype(np.uint32 if len(order) < 2**32 else np.int64)
     return IdIndex(hashes[order], rows)
@@ -181,28 +181,16 @@ def shard_ids_at(path: str, rows: np.ndarray, num_docs: int) -> pa.Array:
     """The ids of documents ``rows`` of the shard at ``path`` (large_binary, in the order of ``rows``): a
     safetensors shard's through a map of its id tensors alone, another container's from the opened
     shard."""
-    from maxsim_cli.shards.readers import _sniff, open_shard
+    from maxsim_cli.shards.readers import open_shard, shard_kind
     from maxsim_cli.shards.safetensors_shard import ids_at
 
     rows = np.asarray(rows, dtype=np.int64)
-    if _sniff(path) == "safetensors":
+    if shard_kind(path) == "safetensors":
         return ids_at(path, rows, num_docs)
     with open_shard(path) as shard:
         if shard.num_docs != num_docs:
             raise input_error(path, f"holds {shard.num_docs} documents but the manifest says {num_docs}")
         return shard.id_array.cast(pa.large_binary()).take(values_array(rows))
-
-
-def gather_strings(data: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> pa.Array:
-    """The byte strings ``data[starts[i]:stops[i]]`` as one large_binary array (bytes copied out)."""
-    lengths = (stops - starts).astype(np.int64)
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    at = np.repeat(starts.astype(np.int64) - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)
-    values = np.ascontiguousarray(data[at])
-    return pa.Array.from_buffers(
-        pa.large_binary(), len(lengths), [None, pa.py_buffer(offsets), pa.py_buffer(values)]
-    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -256,9 +244,9 @@ def find_ids(
     shards' live documents, int64 each; -1 and -1 for one that none holds. An id live in two shards is
     an `InputError` naming both documents."""
     if isinstance(docnos, pa.Array):
-        data, offsets = _id_bytes(docnos)
+        data, offsets = id_bytes(docnos)
     else:
-        data, offsets = _encode(docnos)
+        data, offsets = encode_docnos(docnos)
     count = len(offsets) - 1
     shard_of = np.full(count, -1, dtype=np.int64)
     row_of = np.full(count, -1, dtype=np.int64)

@@ -106,7 +106,7 @@ def hash_utf8(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return out
 
 
-def _id_bytes(ids: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+def id_bytes(ids: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """A (large) string or binary array's bytes (uint8) and int64 offsets into them, without copying the
     bytes."""
     if len(ids) == 0:
@@ -124,7 +124,7 @@ def _id_bytes(ids: pa.Array) -> tuple[np.ndarray, np.ndarray]:
 _SEPARATOR = "\x1f"
 
 
-def _encode(docnos: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+def encode_docnos(docnos: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """Docnos as UTF-8 bytes and int64 offsets (`_encode_docnos`)."""
     data, offsets, _ = _encode_docnos(docnos)
     return data, offsets
@@ -168,7 +168,7 @@ class IdLookup:
     def __init__(self, ids: pa.Array) -> None:
         # the ids as bytes (a view of the same buffers), for comparing the id a hash finds with the docno
         self._ids = ids.cast(pa.large_binary())
-        hashes = hash_utf8(*_id_bytes(ids))
+        hashes = hash_utf8(*id_bytes(ids))
         order = np.argsort(hashes, kind="stable")
         self.num_ids = len(hashes)
         index = np.int32 if self.num_ids < 2**31 else np.int64

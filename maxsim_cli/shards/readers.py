@@ -18,7 +18,8 @@ from maxsim_cli.shards.safetensors_shard import SafetensorsShard
 from maxsim_cli.shards.shard import FileIdentity, Shard, check_unchanged, pread_into
 
 
-def _sniff(path: str) -> str:
+def shard_kind(path: str) -> str:
+    """A shard file's format from its first bytes: "arrow", "parquet" or "safetensors"."""
     with open(path, "rb") as f:
         head = f.read(8)
     if head.startswith(b"ARROW1"):
@@ -41,7 +42,7 @@ def open_shard(path: str | os.PathLike[str]) -> Shard:
         raise input_error(path, "no such file")
     if os.path.isdir(path):
         raise input_error(path, "is a directory; open it with open_corpus or name a shard file")
-    kind = _sniff(path)
+    kind = shard_kind(path)
     if kind == "safetensors" and os.path.splitext(path)[1].lower() != ".safetensors":
         with open(path, "rb") as f:
             head = f.read(9)

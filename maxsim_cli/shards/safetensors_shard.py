@@ -263,7 +263,7 @@ def ids_at(path: str, rows: np.ndarray, num_docs: int) -> Any:
     since) and so is each id's span."""
     import mmap
 
-    from maxsim_cli.shards.id_index import gather_strings
+    from maxsim_cli.arrays import gather_strings
 
     header, header_len, opened = read_header(path)
     data_size = opened.st_size - 8 - header_len
