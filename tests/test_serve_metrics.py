@@ -333,7 +333,8 @@ def test_the_schema_describes_every_route_and_its_errors(served) -> None:
         # the schema's own examples are valid requests
         example = content["application/json"]["example"]
         validator(spec, content["application/json"]["schema"]["$ref"].rsplit("/", 1)[1])(example)
-    assert {p["name"] for p in spec["paths"]["/search"]["post"]["parameters"]} == {"k", "explain", "depth", "where"}
+    search_parameters = {p["name"] for p in spec["paths"]["/search"]["post"]["parameters"]}
+    assert search_parameters == {"k", "explain", "depth", "where"}
     assert {p["name"] for p in spec["paths"]["/rerank"]["post"]["parameters"]} == {"k", "strict", "explain"}
     for path in ("/health", "/metrics"):
         assert "401" in spec["paths"][path]["get"]["responses"]
