@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 import torch
+from tierlib import quantize
 from typer.testing import CliRunner
 
 from maxsim_cli import open_corpus, search
@@ -49,8 +50,7 @@ def tiers(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
     folders = {}
     for bits in (8, 4, 2):
         folders[bits] = str(root / f"bits{bits}")
-        _cli("quantize", CORPUS, "-o", folders[bits], "--bits", bits, "-q", "--sample-queries", 0,
-             "--centroids", 64, "--device", DEVICE)  # fmt: skip
+        quantize(CORPUS, folders[bits], bits, device=DEVICE)
     return folders
 
 

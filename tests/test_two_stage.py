@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from tierlib import quantize
 from typer.testing import CliRunner
 
 from maxsim_cli import search
@@ -21,12 +22,6 @@ QUERIES = os.path.join(SAMPLE, "queries.safetensors")
 CORPUS = os.path.join(SAMPLE, "corpus")
 
 
-def _quantize(source: str, folder: str, bits: int) -> None:
-    args = ["quantize", source, "-o", folder, "--bits", str(bits), "-q", "--sample-queries", "0"]
-    result = CliRunner().invoke(app, [*args, "--centroids", "64", "--device", "cpu"])
-    assert result.exit_code == 0, result.output
-
-
 @pytest.fixture(scope="module")
 def tiers(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
     """sample_data's corpus quantized to int8, 4-bit and 2-bit codes."""
@@ -34,7 +29,7 @@ def tiers(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
     folders = {}
     for bits in (8, 4, 2):
         folders[bits] = str(root / f"bits{bits}")
-        _quantize(CORPUS, folders[bits], bits)
+        quantize(CORPUS, folders[bits], bits)
     return folders
 
 
@@ -51,7 +46,7 @@ def ragged(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, str]:
     queries = str(root / "queries.safetensors")
     write_shard(queries, [f"q{i}" for i in range(6)], [torch.randn(5, 24, generator=gen) for _ in range(6)])
     codes = str(root / "codes")
-    _quantize(str(corpus), codes, 4)
+    quantize(str(corpus), codes, 4)
     return queries, str(corpus), codes
 
 
@@ -120,7 +115,7 @@ def test_compressed_run_says_its_scores_are_approximate(tiers, tmp_path):
 
 def test_another_corpus_is_refused_in_one_line_naming_both(tiers, tmp_path):
     half = tmp_path / "half"
-    _quantize(os.path.join(CORPUS, "shard-00000.safetensors"), str(half), 4)
+    quantize(os.path.join(CORPUS, "shard-00000.safetensors"), str(half), 4)
     out = tmp_path / "run.trec"
     code, text = _score(QUERIES, str(half), "-k", "5", "--exact-from", CORPUS, "-o", str(out))
     assert code == 1

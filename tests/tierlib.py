@@ -7,8 +7,8 @@ from typer.testing import CliRunner
 from maxsim_cli.cli import app
 
 
-def quantize(source: str, folder: str, bits: int) -> None:
-    """``maxsim quantize SOURCE -o FOLDER --bits BITS`` on the CPU (64 centroids for 2 bits), quietly."""
+def quantize(source: str, folder: str, bits: int, device: str = "cpu") -> None:
+    """``maxsim quantize SOURCE -o FOLDER --bits BITS`` on ``device`` (64 centroids for 2 bits), quietly."""
     args = ["quantize", source, "-o", folder, "--bits", str(bits), "-q", "--sample-queries", "0"]
-    result = CliRunner().invoke(app, [*args, "--centroids", "64", "--device", "cpu"])
+    result = CliRunner().invoke(app, [*args, "--centroids", "64", "--device", device])
     assert result.exit_code == 0, result.output
