@@ -73,7 +73,7 @@ from .maxsim_int8 import (
     sum_rows_in_order,
 )
 from .running_max import document_max, fold_tile, restart, tile_count
-from .validation import cdiv, check_candidate_docs, resolve_backend
+from .validation import cdiv, check_candidate_docs, memo, resolve_backend
 
 CODECS = ("int4", "residual2")
 INT4_ABSMAX = 7.0
@@ -715,10 +715,18 @@ def _kernel_pointers(
 
 def _parts_major(codebook: ResidualCodebook) -> tuple[torch.Tensor, torch.Tensor]:
     """The codebook in the kernels' part-major order: column (row of W) p * dim / 4 + m holds dimension
-    4m + p, so that a part of a centroid is one contiguous run (one copy a launch: ~10 us for 16 MB)."""
+    4m + p, so that a part of a centroid is one contiguous run. Made once per codebook tensor (`memo`: a
+    copy of the whole codebook, 64 MiB at 2^18 centroids, is not repeated every launch)."""
     dim = codebook.centroids.shape[1]
-    order = torch.arange(dim, device=codebook.centroids.device).view(dim // 4, 4).T.reshape(-1)
-    return codebook.centroids[:, order].contiguous(), codebook.bucket_weights[order].contiguous()
+
+    def order() -> torch.Tensor:
+        return torch.arange(dim, device=codebook.centroids.device).view(dim // 4, 4).T.reshape(-1)
+
+    centroids = memo(codebook.centroids, "parts_major", lambda: codebook.centroids[:, order()].contiguous())
+    weights = memo(
+        codebook.bucket_weights, "parts_major", lambda: codebook.bucket_weights[order()].contiguous()
+    )
+    return centroids, weights
 
 
 def _part_width(codec: str, dim: int) -> int:

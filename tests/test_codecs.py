@@ -576,3 +576,19 @@ def test_fitted_buckets_of_constant_residuals_decode_them_exactly(rows) -> None:
     cutoffs, weights = codecs.fit_buckets(residuals)
     assert bool(torch.isfinite(cutoffs).all()) and bool(torch.isfinite(weights).all())
     assert _bucket_error(residuals, cutoffs, weights) == 0.0
+
+
+def test_a_codebook_changed_in_place_is_scored_as_changed() -> None:
+    """The kernels keep the codebook's part-major copy for the codebook tensor; an in-place change of the
+    codebook makes a new copy, never a stale score."""
+    gen = torch.Generator().manual_seed(13)
+    queries, q_off = _packed([3, 5], 16, gen)
+    docs, d_off = _packed([4, 9, 1], 16, gen)
+    enc = _encoded("residual2", docs, gen)
+    codes, book = enc["docs"], enc["codebook"]
+    for _ in range(2):
+        scores = maxsim_varlen(queries, q_off, codes, d_off, codebook=book, backend="triton")
+        reference = maxsim_codes_reference(queries, q_off, codes, d_off, codebook=book)
+        _check_close(scores, reference, _bound(queries, q_off, {"docs": codes, "codebook": book}))
+        book.centroids.mul_(-1)
+        book.bucket_weights.add_(0.25)
