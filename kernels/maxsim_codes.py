@@ -11,52 +11,65 @@ Two codecs; a token is one row of bytes of a uint8 ``[T, width]`` tensor:
   the id of the token's nearest k-means centroid (uint32, little-endian), then a 2-bit bucket per
   dimension, dimension ``4m + i`` in bits ``2i, 2i + 1`` of byte ``4 + m``. A `ResidualCodebook` gives
   the centroids ``C`` (fp16 ``[K, dim]``) and per-dimension bucket values ``W`` (fp32 ``[dim, 4]``).
-  Decoded value: ``x_k = fp16(fp32(C[c, k]) + W[k, b_k])`` (the sum rounded once to fp16, everywhere).
+  Decoded value: ``x_k = C[c, k] + W[k, b_k]`` (exact; the CPU path rounds it once to fp32).
 
 Scoring. Queries are quantized per token to int8 exactly as for the int8 corpus
 (`maxsim_int8.quantize_per_token`: codes ``q8`` and scales ``s_q``), or given so with ``query_scales``:
 
     int4:       score(q, d) = sum_i s_q[i] * max_j (s_d[j] * (q8[i] . c[j]))     q8 . c in int32, exact
-    residual2:  score(q, d) = sum_i s_q[i] * max_j (q8[i] . x[j])                fp16 products, fp32 sums
+    residual2:  score(q, d) = sum_i s_q[i] * max_j (q8[i] . x[j])
 
 The int4 max is over exact integers times one fp32 scale, so the max and its winner are those of the
-float64 evaluation of the decoded values; the residual2 dot product is accumulated in fp32 (q8 is exact
-in fp16). `maxsim_kernels.reference.maxsim_codes_reference` evaluates the decoded values in float64; the
-tests state the tolerance. A document with no tokens scores -inf. A centroid id outside the codebook is
-never dereferenced: the Triton kernels score its document NaN; the CPU path raises ValueError naming it.
+float64 evaluation of the decoded values. The residual2 scan kernels split the product in two (the centroid's
+term as in PLAID; `residual2_query_tables`):
+
+    q8 . x = q8 . (C[c] + W[:, 0])  +  sum_v (q8 * D_v) . plane_v(b)
+
+the first term a table over the codebook's centroids (float64, rounded once to fp32) gathered by the
+token's centroid id, the second three tensor-core products with the token's bucket bits: W[k, b] =
+W[k, 0] + b0 D_0[k] + b1 D_1[k] + b0 b1 D_2[k] for the bucket b = b0 + 2 b1, exactly, so the bit planes
+(0 or 1, exact in fp16) replace a decode of the values; the query planes q8 * D_v are rounded to fp16
+(relative 2^-11) and the products summed in fp32. `maxsim_kernels.reference.maxsim_codes_reference`
+evaluates the decoded values in float64; the tests state the tolerance. A document with no tokens scores
+-inf. A centroid id outside the codebook is never dereferenced: the Triton kernels score its document
+NaN; the CPU path raises ValueError naming it.
 
 Cost per document token, one query of Lq tokens, dim d (d = 128 in the figures):
 
     bytes from HBM:  int4      d / 2 + 4 = 68      (codes + fp32 scale)
-                     residual2 d / 4 + 4 = 36      (codes + centroid id)
-    FLOPs:           2 * Lq * d on the tensor cores (int8 x int8 -> int32 for int4; fp16 x fp16 -> fp32 for
-                     residual2), + ~4 * d CUDA-core ops to unpack and decode the row, once per query group
+                     residual2 d / 4 + 4 = 36      (codes + centroid id), + 4 Lq bytes of the centroid
+                                                   table from L2 (fp32 [K, Lq]: 1 MB at K = 8192, Lq = 32)
+    FLOPs:           int4: 2 * Lq * d int8 x int8 -> int32; residual2: 3 * 2 * Lq * d fp16 x fp16 -> fp32
+                     (three bit planes); unpacking (inline PTX, four bytes a register):
+                     int4 7 integer instructions per 8 values, residual2 ~2.5 per 2 plane values
 
-One query of 32 tokens is 8192 tensor-core FLOPs a token against 68 (36) bytes: 120 (228) FLOP/B, far
-below the H100/H200 ridge (~300 FLOP/B for fp16 at 3.35-4.8 TB/s), so the one-query scan is bound by
-HBM at 68 (36) B/token: on an H200 (4.2 TB/s usable) 16 M tokens read in 0.26 ms (0.14 ms) at best,
-against 1.0 ms for fp16's 256 B/token. residual2 also gathers the centroid row of every token (2 d = 256
-bytes of fp16) from the codebook, which stays in L2 for codebooks up to a few MB (K * d * 2 bytes: 2 MB
-at K = 8192); that L2 traffic, not HBM, may bind on the GPU, and is the first thing to measure there
-(docs/format.md, "Codes below 8 bits"). The decode cost is paid once per (query group, token): with many
-queries a group of up to BLOCK_Q query tokens shares each decoded tile, as in the int8 all-pairs kernel.
+One query of 32 tokens is 8192 (int4) or 24576 (residual2) tensor-core FLOPs a token against 68 (36)
+bytes: 120 (680) FLOP/B. The int4 scan is bound by HBM at 68 B/token: on an H100 (3.35 TB/s) 16 M tokens
+read in 0.33 ms at best, against 1.2 ms for fp16's 256 B/token. The residual2 scan is past the fp16 ridge
+(~300 FLOP/B): 16 M tokens are 393 GFLOP, 0.40 ms at the H100's 989 TFLOP/s, against 0.17 ms for its
+bytes; the centroid table's gather (128 B a token from L2 at Lq = 32) comes on top. The decode cost is
+paid once per (query group, token): with many queries a group of up to BLOCK_Q query tokens shares each
+decoded tile, as in the int8 all-pairs kernel.
 
 Tiling (Triton). A row of codes is read once as whole bytes and split into its parts (int4: the low and
-high nibbles, values 2m and 2m + 1; residual2: the four 2-bit buckets of byte 4 + m, values 4m + p), each
-part decoded and multiplied with the query columns it holds (the residual2 codebook is handed to the
-kernels in part-major order, `_parts_major`, so that a part of a centroid is one contiguous run). All
-pairs: a program takes a group of consecutive queries (sized from the shapes so that queries of the mean
-length fill one BLOCK_Q-row tile, as in `maxsim_int8`) and DOCS_PER_PROG consecutive documents; the group's
-query tile stays on chip and the BLOCK_D-token tiles of all its documents run in one loop (a document's
-first tile starts at its first token, the last is masked with -inf), the running max kept per tile element
-and reduced once a document. Candidates: a program takes consecutive entries of the flat candidate list,
-one loop over their tiles when they belong to one query (else candidate by candidate, their query found by
-binary search in candidate_offsets). The plans (`Tiles`) and their measurements: docs/kernel-notes.md,
-"Codes below 8 bits". Scores only (no argmax).
+high nibbles, values 2m and 2m + 1; residual2: the four 2-bit buckets of byte 4 + m, values 4m + p, each
+as three bit planes), each part multiplied with the query columns it holds (the query planes are in
+part-major column order, so that a part is one contiguous run). All pairs: a program takes a group of
+consecutive queries (sized from the shapes so that queries of the mean length fill one BLOCK_Q-row tile,
+as in `maxsim_int8`) and DOCS_PER_PROG consecutive documents; the group's query tile stays on chip and the
+BLOCK_D-token tiles of all its documents run in one loop (a document's first tile starts at its first
+token, the last is masked with -inf), the running max kept per tile element and reduced once a document.
+Candidates: a program takes consecutive entries of the flat candidate list, one loop over their tiles when
+they belong to one query (else candidate by candidate, their query found by binary search in
+candidate_offsets). The residual2 centroid table of one launch is at most `_CENTROID_TABLE_BYTES`; more
+query rows are scanned in launches of whole queries. The plans (`Tiles`) and their measurements:
+docs/kernel-notes.md, "Codes below 8 bits". Scores only (no argmax).
 """
 
 from __future__ import annotations
 
+import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -73,7 +86,7 @@ from .maxsim_int8 import (
     sum_rows_in_order,
 )
 from .running_max import document_max, fold_tile, restart, tile_count
-from .validation import cdiv, check_candidate_docs, memo, resolve_backend
+from .validation import cdiv, check_candidate_docs, resolve_backend
 
 CODECS = ("int4", "residual2")
 INT4_ABSMAX = 7.0
@@ -212,7 +225,7 @@ def residual2_buckets(codes: torch.Tensor) -> torch.Tensor:
 
 
 def decode_residual2(codes: torch.Tensor, codebook: ResidualCodebook) -> torch.Tensor:
-    """Decoded residual2 values, fp16 [T, dim]: ``fp16(fp32(C[id, k]) + W[k, bucket_k])``. Raises
+    """Decoded residual2 values, fp32 [T, dim]: ``C[id, k] + W[k, bucket_k]`` rounded once to fp32. Raises
     ValueError naming the first row whose centroid id is outside the codebook."""
     ids = residual2_ids(codes)
     k = codebook.centroids.shape[0]
@@ -222,12 +235,92 @@ def decode_residual2(codes: torch.Tensor, codebook: ResidualCodebook) -> torch.T
         raise ValueError(f"token row {row}: centroid id {int(ids[row])} outside the codebook's {k} centroids")
     buckets = residual2_buckets(codes)
     weights = codebook.bucket_weights.float().gather(1, buckets.T).T  # [T, dim]
-    return (codebook.centroids[ids].float() + weights).to(torch.float16)
+    return codebook.centroids[ids].float() + weights
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------------------------------------
+
+# Unpacking on the GPU (inline PTX, four bytes of codes a 32-bit register; Triton's interpreter runs the
+# tl ops of `_int4_nibbles` / `_bucket_planes` instead, which give the same values):
+# int4: the two's-complement nibbles of four bytes as int8, ((n ^ 8) + 0x78) ^ 0x80 per byte, 7 integer
+# instructions for 8 values where per-element int32 arithmetic takes ~5 each (Hopper issues 64 integer
+# instructions a clock per SM, half its fp32 rate).
+_INT4_NIBBLES_ASM: tl.constexpr = tl.constexpr(
+    "{ .reg .b32 t; "
+    "lop3.b32 t, $2, 0x0f0f0f0f, 0x08080808, 0x6a; add.u32 t, t, 0x78787878; xor.b32 $0, t, 0x80808080; "
+    "shr.u32 t, $2, 4; "
+    "lop3.b32 t, t, 0x0f0f0f0f, 0x08080808, 0x6a; add.u32 t, t, 0x78787878; xor.b32 $1, t, 0x80808080; }"
+)
+
+
+def _bucket_planes_asm(part: int) -> str:
+    """residual2: bit 0, bit 1 and their AND of bucket ``part`` of four bytes as fp16 0 or 2^-14 (the bit
+    moved to the exponent's lowest bit: 0x0400, the smallest normal fp16; the launcher scales the sums
+    back by 2^14). prmt spreads bytes 0,1 (2,3) to the two halves of a register, so one shift and one AND
+    make two values."""
+    s0, s1 = 10 - 2 * part, 9 - 2 * part
+    half = (
+        "shl.b32 a, {t}, {s0}; shl.b32 c, {t}, {s1}; and.b32 {o0}, a, 0x04000400; "
+        "and.b32 {o1}, c, 0x04000400; lop3.b32 {o2}, a, c, 0x04000400, 0x80; "
+    )
+    return (
+        "{ .reg .b32 t0, t1, a, c; prmt.b32 t0, $6, 0, 0x4140; prmt.b32 t1, $6, 0, 0x4342; "
+        + half.format(t="t0", s0=s0, s1=s1, o0="$0", o1="$2", o2="$4")
+        + half.format(t="t1", s0=s0, s1=s1, o0="$1", o1="$3", o2="$5")
+        + "}"
+    )
+
+
+_PLANES_ASM_0: tl.constexpr = tl.constexpr(_bucket_planes_asm(0))
+_PLANES_ASM_1: tl.constexpr = tl.constexpr(_bucket_planes_asm(1))
+_PLANES_ASM_2: tl.constexpr = tl.constexpr(_bucket_planes_asm(2))
+_PLANES_ASM_3: tl.constexpr = tl.constexpr(_bucket_planes_asm(3))
+PLANE_UNIT_ASM = 2.0**-14  # the value of a set bit in `_bucket_planes_asm`'s planes
+
+
+@triton.jit
+def _int4_nibbles(packed, ASM: tl.constexpr):
+    """The low and high nibbles of uint8 codes as int8 (two's complement)."""
+    if ASM:
+        low, high = tl.inline_asm_elementwise(
+            _INT4_NIBBLES_ASM, "=r,=r,r", [packed], dtype=(tl.int8, tl.int8), is_pure=True, pack=4
+        )
+    else:
+        wide = packed.to(tl.int32)
+        low = (((wide & 0xF) ^ 8) - 8).to(tl.int8)
+        high = (((wide >> 4) ^ 8) - 8).to(tl.int8)
+    return low, high
+
+
+@triton.jit
+def _planes_from_asm(packed, ASM_TEXT: tl.constexpr):
+    return tl.inline_asm_elementwise(
+        ASM_TEXT, "=r,=r,=r,=r,=r,=r,r", [packed], dtype=(tl.float16, tl.float16, tl.float16), is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _bucket_planes(packed, PART: tl.constexpr, ASM: tl.constexpr):
+    """Bucket PART of each uint8 byte as three fp16 planes: bit 0, bit 1 and both bits, each 0 or one
+    unit (1.0; 2^-14 = PLANE_UNIT_ASM with ASM)."""
+    if ASM:
+        if PART == 0:
+            b0, b1, both = _planes_from_asm(packed, _PLANES_ASM_0)
+        elif PART == 1:
+            b0, b1, both = _planes_from_asm(packed, _PLANES_ASM_1)
+        elif PART == 2:
+            b0, b1, both = _planes_from_asm(packed, _PLANES_ASM_2)
+        else:
+            b0, b1, both = _planes_from_asm(packed, _PLANES_ASM_3)
+    else:
+        bucket = (packed.to(tl.int32) >> (2 * PART)) & 3
+        b0 = (bucket & 1).to(tl.float16)
+        b1 = (bucket >> 1).to(tl.float16)
+        both = (bucket == 3).to(tl.float16)
+    return b0, b1, both
 
 
 @triton.jit
@@ -238,15 +331,17 @@ def _query_planes(
     row_last,
     dim,
     stride_q,
+    stride_plane,
     BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
     CODEC: tl.constexpr,
 ):
-    """Rows row_first.. (< row_last) of the int8 queries split as the codes are packed, and their scales.
+    """Rows row_first.. (< row_last) of the query side, split as the codes are packed, and their scales.
 
-    int4: (q[:, 0::2], q[:, 1::2], -, -), the values of each byte's low and high nibbles; residual2:
-    (q[:, 0::4], .., q[:, 3::4]) as fp16 (exact), the values of each byte's four 2-bit buckets. BLOCK_K is
-    the width of one part (a power of two >= the tensor cores' minimum K)."""
+    int4: a tuple (q[:, 0::2], q[:, 1::2]) of the int8 queries, the values of each byte's low and high
+    nibbles. residual2: the fp16 query planes (`residual2_query_tables`, [3, rows, dim] in part-major
+    column order at q_ptr), a tuple of 12: plane v of part p at 3p + v. BLOCK_K is the width of one part (a
+    power of two >= the tensor cores' minimum K)."""
     rows = row_first + tl.arange(0, BLOCK_Q)
     row_ok = rows < row_last
     k = tl.arange(0, BLOCK_K)
@@ -254,71 +349,69 @@ def _query_planes(
     if CODEC == 0:
         ok = row_ok[:, None] & (k < dim // 2)[None, :]
         base = q_ptr + rows[:, None] * stride_q + 2 * k[None, :]
-        qa = tl.load(base, mask=ok, other=0)
-        qb = tl.load(base + 1, mask=ok, other=0)
-        return qa, qb, qa, qa, sq, rows, row_ok
+        qp = (tl.load(base, mask=ok, other=0), tl.load(base + 1, mask=ok, other=0))
     else:
-        ok = row_ok[:, None] & (k < dim // 4)[None, :]
-        base = q_ptr + rows[:, None] * stride_q + 4 * k[None, :]
-        qa = tl.load(base, mask=ok, other=0).to(tl.float16)
-        qb = tl.load(base + 1, mask=ok, other=0).to(tl.float16)
-        qc = tl.load(base + 2, mask=ok, other=0).to(tl.float16)
-        qd = tl.load(base + 3, mask=ok, other=0).to(tl.float16)
-        return qa, qb, qc, qd, sq, rows, row_ok
+        quarter = dim // 4
+        ok = row_ok[:, None] & (k < quarter)[None, :]
+        base = q_ptr + rows[:, None] * stride_q + k[None, :]
+        qp = (
+            tl.load(base, mask=ok, other=0.0),
+            tl.load(base + stride_plane, mask=ok, other=0.0),
+            tl.load(base + 2 * stride_plane, mask=ok, other=0.0),
+            tl.load(base + quarter, mask=ok, other=0.0),
+            tl.load(base + stride_plane + quarter, mask=ok, other=0.0),
+            tl.load(base + 2 * stride_plane + quarter, mask=ok, other=0.0),
+            tl.load(base + 2 * quarter, mask=ok, other=0.0),
+            tl.load(base + stride_plane + 2 * quarter, mask=ok, other=0.0),
+            tl.load(base + 2 * stride_plane + 2 * quarter, mask=ok, other=0.0),
+            tl.load(base + 3 * quarter, mask=ok, other=0.0),
+            tl.load(base + stride_plane + 3 * quarter, mask=ok, other=0.0),
+            tl.load(base + 2 * stride_plane + 3 * quarter, mask=ok, other=0.0),
+        )
+    return qp, sq, rows, row_ok
 
 
 @triton.jit
-def _residual2_part(acc, q_part, packed, cent_rows, id_ok, wts_ptr, m, m_ok, quarter, PART: tl.constexpr,
-                    DOC_MAJOR: tl.constexpr):  # fmt: skip
-    """acc + the products of part PART (dimensions 4m + PART): x = fp16(C[id, 4m + PART] + W[4m + PART, b]).
-
-    The codebook is in part-major order (`_parts_major`): part PART of a centroid is the contiguous
-    columns PART * quarter + m, and so are the rows of W."""
-    bucket = (packed >> (2 * PART)) & 3
-    cent = tl.load(cent_rows + PART * quarter, mask=id_ok[:, None] & m_ok[None, :], other=0.0).to(tl.float32)
-    w_row = wts_ptr + (PART * quarter + m) * 4
-    w0 = tl.load(w_row, mask=m_ok, other=0.0)[None, :]
-    w1 = tl.load(w_row + 1, mask=m_ok, other=0.0)[None, :]
-    w2 = tl.load(w_row + 2, mask=m_ok, other=0.0)[None, :]
-    w3 = tl.load(w_row + 3, mask=m_ok, other=0.0)[None, :]
-    odd = (bucket & 1) != 0
-    weight = tl.where((bucket & 2) != 0, tl.where(odd, w3, w2), tl.where(odd, w1, w0))
-    x = (cent + weight).to(tl.float16)
+def _product(acc, doc_part, q_part, DOC_MAJOR: tl.constexpr):
+    """acc + the products of a decoded document part with a query part ([BLOCK_D, BLOCK_Q] with DOC_MAJOR:
+    the decoded tile is the first operand, fed to the tensor cores from registers)."""
     if DOC_MAJOR:
-        acc = tl.dot(x, tl.trans(q_part), acc)
+        acc = tl.dot(doc_part, tl.trans(q_part), acc, out_dtype=acc.dtype)
     else:
-        acc = tl.dot(q_part, tl.trans(x), acc)
+        acc = tl.dot(q_part, tl.trans(doc_part), acc, out_dtype=acc.dtype)
     return acc
 
 
 @triton.jit
 def _code_tile(
-    qa,
-    qb,
-    qc,
-    qd,
+    qp,
+    rows,
+    row_ok,
     d_ptr,
     d_scale_ptr,
-    cent_ptr,
-    wts_ptr,
+    qc_ptr,
     tok,
     doc_end,
     n_centroids,
     dim,
     stride_d,
+    stride_qc,
+    plane_scale,
     BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr,
     CODEC: tl.constexpr,
     DOC_MAJOR: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """Similarities of the query tile with document tokens tok.. decoded in registers, [BLOCK_Q, BLOCK_D]
-    ([BLOCK_D, BLOCK_Q] with DOC_MAJOR: the decoded tile is the first operand, fed to the tensor cores
-    from registers); -inf from doc_end on, +inf for a token whose centroid id is outside the codebook
-    (flagged later).
+    ([BLOCK_D, BLOCK_Q] with DOC_MAJOR); -inf from doc_end on, +inf for a token whose centroid id is
+    outside the codebook (flagged later).
 
     Each row of codes is read once as whole bytes (contiguous, vectorised loads) and unpacked into its
-    parts (two nibbles, four 2-bit buckets), each part multiplied with the query columns it holds."""
+    parts (two nibbles; four 2-bit buckets, each as three bit planes), each part multiplied with the query
+    columns it holds. residual2 adds the query rows' products with the token's centroid, gathered from the
+    table at qc_ptr ([K, stride_qc] fp32, `residual2_query_tables`)."""
     cols = tok + tl.arange(0, BLOCK_D)
     col_ok = cols < doc_end
     m = tl.arange(0, BLOCK_K)
@@ -328,17 +421,17 @@ def _code_tile(
         # int4: byte m holds value 2m in its low nibble and 2m + 1 in its high one (two's complement)
         m_ok = m < dim // 2
         packed = tl.load(row_start[:, None] + m[None, :], mask=col_ok[:, None] & m_ok[None, :], other=0)
-        packed = packed.to(tl.int32)
-        low = (((packed & 0xF) ^ 8) - 8).to(tl.int8)
-        high = (((packed >> 4) ^ 8) - 8).to(tl.int8)
+        low, high = _int4_nibbles(packed, ASM)
         s = tl.load(d_scale_ptr + cols, mask=col_ok, other=1.0)
         if DOC_MAJOR:
-            acc = tl.dot(low, tl.trans(qa), out_dtype=tl.int32)
-            acc = tl.dot(high, tl.trans(qb), acc, out_dtype=tl.int32)  # exact below 2^24
+            acc = tl.zeros([BLOCK_D, BLOCK_Q], tl.int32)
+        else:
+            acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.int32)
+        acc = _product(acc, low, qp[0], DOC_MAJOR)
+        acc = _product(acc, high, qp[1], DOC_MAJOR)  # exact below 2^24
+        if DOC_MAJOR:
             sim = acc.to(tl.float32) * s[:, None] + bias[:, None]
         else:
-            acc = tl.dot(qa, tl.trans(low), out_dtype=tl.int32)
-            acc = tl.dot(qb, tl.trans(high), acc, out_dtype=tl.int32)
             sim = acc.to(tl.float32) * s[None, :] + bias[None, :]
         return sim
     else:
@@ -348,58 +441,60 @@ def _code_tile(
             part = tl.load(row_start + i, mask=col_ok, other=0).to(tl.int64)
             cid = cid | (part << (8 * i))
         id_ok = col_ok & (cid < n_centroids)
-        quarter = dim // 4
-        m_ok = m < quarter
+        m_ok = m < dim // 4
         packed = tl.load(row_start[:, None] + 4 + m[None, :], mask=col_ok[:, None] & m_ok[None, :], other=0)
-        packed = packed.to(tl.int32)
-        cent_rows = cent_ptr + cid[:, None] * dim + m[None, :]
         if DOC_MAJOR:
             acc = tl.zeros([BLOCK_D, BLOCK_Q], tl.float32)
         else:
             acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-        acc = _residual2_part(acc, qa, packed, cent_rows, id_ok, wts_ptr, m, m_ok, quarter, 0, DOC_MAJOR)
-        acc = _residual2_part(acc, qb, packed, cent_rows, id_ok, wts_ptr, m, m_ok, quarter, 1, DOC_MAJOR)
-        acc = _residual2_part(acc, qc, packed, cent_rows, id_ok, wts_ptr, m, m_ok, quarter, 2, DOC_MAJOR)
-        acc = _residual2_part(acc, qd, packed, cent_rows, id_ok, wts_ptr, m, m_ok, quarter, 3, DOC_MAJOR)
+        for p in tl.static_range(4):
+            b0, b1, both = _bucket_planes(packed, p, ASM)
+            acc = _product(acc, b0, qp[3 * p], DOC_MAJOR)
+            acc = _product(acc, b1, qp[3 * p + 1], DOC_MAJOR)
+            acc = _product(acc, both, qp[3 * p + 2], DOC_MAJOR)
         bad = col_ok & (cid >= n_centroids)
         extra = tl.where(bad, float("inf"), bias)
         if DOC_MAJOR:
-            sim = acc + extra[:, None]
+            at = qc_ptr + cid[:, None] * stride_qc + rows[None, :]
+            centroid = tl.load(at, mask=id_ok[:, None] & row_ok[None, :], other=0.0)
+            sim = acc * plane_scale + centroid + extra[:, None]
         else:
-            sim = acc + extra[None, :]
+            at = qc_ptr + cid[None, :] * stride_qc + rows[:, None]
+            centroid = tl.load(at, mask=id_ok[None, :] & row_ok[:, None], other=0.0)
+            sim = acc * plane_scale + centroid + extra[None, :]
         return sim
 
 
 @triton.jit
 def _doc_sums(
-    qa,
-    qb,
-    qc,
-    qd,
+    qp,
     sq,
+    rows,
     row_ok,
     member,
     d_ptr,
     d_scale_ptr,
-    cent_ptr,
-    wts_ptr,
+    qc_ptr,
     start,
     stop,
     n_centroids,
     dim,
     stride_d,
+    stride_qc,
+    plane_scale,
     BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr,
     CODEC: tl.constexpr,
     DOC_MAJOR: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """Per query of the group ([MAX_Q]): sum over its rows of the tile of s_q * max over one document."""
     row_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     for t in range(start, stop, BLOCK_D):
         sim = _code_tile(
-            qa, qb, qc, qd, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, t, stop, n_centroids, dim, stride_d,
-            BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR,
+            qp, rows, row_ok, d_ptr, d_scale_ptr, qc_ptr, t, stop, n_centroids, dim, stride_d, stride_qc,
+            plane_scale, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR, ASM,
         )  # fmt: skip
         row_max = tl.maximum(row_max, tl.max(sim, axis=0 if DOC_MAJOR else 1))
     contrib = tl.where(row_ok, sq * row_max, 0.0)
@@ -413,7 +508,9 @@ def _flag_bad_ids(scores):
 
 
 @triton.jit(
-    do_not_specialize=["n_queries", "n_groups", "n_docs", "n_centroids", "stride_out"],
+    do_not_specialize=[
+        "n_queries", "n_groups", "n_docs", "n_centroids", "stride_out", "stride_plane", "stride_qc"
+    ],
     do_not_specialize_on_alignment=["q_off_ptr", "d_off_ptr"],
 )
 def _maxsim_codes_varlen_kernel(
@@ -424,8 +521,7 @@ def _maxsim_codes_varlen_kernel(
     d_ptr,
     d_scale_ptr,
     d_off_ptr,
-    cent_ptr,
-    wts_ptr,
+    qc_ptr,
     out_ptr,
     # sizes
     n_queries,
@@ -437,6 +533,9 @@ def _maxsim_codes_varlen_kernel(
     stride_q,
     stride_d,
     stride_out,
+    stride_plane,
+    stride_qc,
+    plane_scale,
     CODEC: tl.constexpr,
     DOCS_PER_PROG: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -445,6 +544,7 @@ def _maxsim_codes_varlen_kernel(
     QUERIES_PER_GROUP: tl.constexpr,
     MAX_Q: tl.constexpr,
     DOC_MAJOR: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """Scores of QUERIES_PER_GROUP consecutive queries against DOCS_PER_PROG consecutive documents."""
     pid = tl.program_id(0)
@@ -463,8 +563,8 @@ def _maxsim_codes_varlen_kernel(
         # The planned case: the group's query tile stays on chip, and the tiles of all the program's
         # documents run in ONE loop (the pipeliner prefetches across documents), the running max kept per
         # tile element and reduced once a document (as in maxsim_int8).
-        qa, qb, qc, qd, sq, rows, row_ok = _query_planes(
-            q_ptr, q_scale_ptr, row_first, row_last, dim, stride_q, BLOCK_Q, BLOCK_K, CODEC
+        qp, sq, rows, row_ok = _query_planes(
+            q_ptr, q_scale_ptr, row_first, row_last, dim, stride_q, stride_plane, BLOCK_Q, BLOCK_K, CODEC
         )
         local = tl.sum((rows[:, None] >= q_ends[None, :]).to(tl.int32), axis=1)
         member = (local[:, None] == kq[None, :]) & row_ok[:, None]
@@ -480,8 +580,8 @@ def _maxsim_codes_varlen_kernel(
         m_tile = tl.full((BLOCK_D, BLOCK_Q) if DOC_MAJOR else (BLOCK_Q, BLOCK_D), float("-inf"), tl.float32)
         for _ in range(n_tiles):
             sim = _code_tile(
-                qa, qb, qc, qd, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, tok, doc_end, n_centroids, dim,
-                stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR,
+                qp, rows, row_ok, d_ptr, d_scale_ptr, qc_ptr, tok, doc_end, n_centroids, dim, stride_d,
+                stride_qc, plane_scale, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR, ASM,
             )  # fmt: skip
             row_max, row_arg, m_tile = fold_tile(sim, row_max, row_arg, m_tile, tok, doc_start, True, False)
             last = tok + BLOCK_D >= doc_end
@@ -503,20 +603,20 @@ def _maxsim_codes_varlen_kernel(
             stop = tl.load(d_off_ptr + doc + 1)
             scores = tl.zeros([MAX_Q], tl.float32)
             for r in range(row_first, row_last, BLOCK_Q):
-                qa, qb, qc, qd, sq, rows, row_ok = _query_planes(
-                    q_ptr, q_scale_ptr, r, row_last, dim, stride_q, BLOCK_Q, BLOCK_K, CODEC
+                qp, sq, rows, row_ok = _query_planes(
+                    q_ptr, q_scale_ptr, r, row_last, dim, stride_q, stride_plane, BLOCK_Q, BLOCK_K, CODEC
                 )
                 local = tl.sum((rows[:, None] >= q_ends[None, :]).to(tl.int32), axis=1)
                 member = (local[:, None] == kq[None, :]) & row_ok[:, None]
                 scores += _doc_sums(
-                    qa, qb, qc, qd, sq, row_ok, member, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, start,
-                    stop, n_centroids, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR,
+                    qp, sq, rows, row_ok, member, d_ptr, d_scale_ptr, qc_ptr, start, stop, n_centroids,
+                    dim, stride_d, stride_qc, plane_scale, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR, ASM,
                 )  # fmt: skip
             tl.store(out_rows + doc, _flag_bad_ids(scores), mask=q_ok)
 
 
 @triton.jit(
-    do_not_specialize=["n_queries", "n_cand", "n_docs", "n_centroids"],
+    do_not_specialize=["n_queries", "n_cand", "n_docs", "n_centroids", "stride_plane", "stride_qc"],
     do_not_specialize_on_alignment=["q_off_ptr", "cand_off_ptr", "cand_docs_ptr", "d_off_ptr"],
 )
 def _maxsim_codes_candidates_kernel(
@@ -529,8 +629,7 @@ def _maxsim_codes_candidates_kernel(
     d_ptr,
     d_scale_ptr,
     d_off_ptr,
-    cent_ptr,
-    wts_ptr,
+    qc_ptr,
     out_ptr,
     # sizes
     n_queries,
@@ -541,12 +640,16 @@ def _maxsim_codes_candidates_kernel(
     # strides
     stride_q,
     stride_d,
+    stride_plane,
+    stride_qc,
+    plane_scale,
     CODEC: tl.constexpr,
     CANDS_PER_PROG: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOC_MAJOR: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """Scores of CANDS_PER_PROG consecutive (query, candidate) pairs of the flat candidate list. A
     candidate index outside [0, n_docs) is never dereferenced: it scores NaN."""
@@ -558,8 +661,8 @@ def _maxsim_codes_candidates_kernel(
     kq = tl.arange(0, 2)
     if (tl.load(cand_off_ptr + query + 1) >= c_last) & (row_last - row_first <= BLOCK_Q):
         # One query, one tile (the planned case): all the tiles of the program's candidates in ONE loop.
-        qa, qb, qc, qd, sq, rows, row_ok = _query_planes(
-            q_ptr, q_scale_ptr, row_first, row_last, dim, stride_q, BLOCK_Q, BLOCK_K, CODEC
+        qp, sq, rows, row_ok = _query_planes(
+            q_ptr, q_scale_ptr, row_first, row_last, dim, stride_q, stride_plane, BLOCK_Q, BLOCK_K, CODEC
         )
         cc = c_first + tl.arange(0, CANDS_PER_PROG)
         c_in = cc < c_last
@@ -577,8 +680,8 @@ def _maxsim_codes_candidates_kernel(
         m_tile = tl.full((BLOCK_D, BLOCK_Q) if DOC_MAJOR else (BLOCK_Q, BLOCK_D), float("-inf"), tl.float32)
         for _ in range(n_tiles):
             sim = _code_tile(
-                qa, qb, qc, qd, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, tok, doc_end, n_centroids, dim,
-                stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR,
+                qp, rows, row_ok, d_ptr, d_scale_ptr, qc_ptr, tok, doc_end, n_centroids, dim, stride_d,
+                stride_qc, plane_scale, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR, ASM,
             )  # fmt: skip
             row_max, row_arg, m_tile = fold_tile(sim, row_max, row_arg, m_tile, tok, doc_start, True, False)
             last = tok + BLOCK_D >= doc_end
@@ -607,13 +710,13 @@ def _maxsim_codes_candidates_kernel(
             stop = tl.load(d_off_ptr + doc + 1, mask=doc_ok, other=0)
             total = tl.zeros([2], tl.float32)
             for r in range(row_first, row_last, BLOCK_Q):
-                qa, qb, qc, qd, sq, rows, row_ok = _query_planes(
-                    q_ptr, q_scale_ptr, r, row_last, dim, stride_q, BLOCK_Q, BLOCK_K, CODEC
+                qp, sq, rows, row_ok = _query_planes(
+                    q_ptr, q_scale_ptr, r, row_last, dim, stride_q, stride_plane, BLOCK_Q, BLOCK_K, CODEC
                 )
                 member = row_ok[:, None] & (kq[None, :] == 0)
                 total += _doc_sums(
-                    qa, qb, qc, qd, sq, row_ok, member, d_ptr, d_scale_ptr, cent_ptr, wts_ptr, start, stop,
-                    n_centroids, dim, stride_d, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR,
+                    qp, sq, rows, row_ok, member, d_ptr, d_scale_ptr, qc_ptr, start, stop, n_centroids,
+                    dim, stride_d, stride_qc, plane_scale, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR, ASM,
                 )  # fmt: skip
             score = _flag_bad_ids(tl.sum(total, axis=0))
             tl.store(out_ptr + c, tl.where(doc_ok, score, float("nan")))
@@ -702,31 +805,46 @@ def _prepare(
     return codec, dim, backend, q8, sq.contiguous(), query_offsets, codes, doc_scales, doc_offsets, codebook
 
 
-def _kernel_pointers(
-    codes: torch.Tensor, doc_scales: torch.Tensor | None, codebook: ResidualCodebook | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-    """(scales, centroids, bucket weights, K, CODEC) as the kernels take them; unused ones point at codes."""
-    if codebook is None:
-        assert doc_scales is not None
-        return doc_scales, codes, codes, 0, 0
-    cent, wts = _parts_major(codebook)
-    return codes, cent, wts, codebook.centroids.shape[0], 1
+class QueryTables(NamedTuple):
+    """The query side of a residual2 scan (`residual2_query_tables`) for R query rows of dim d."""
+
+    planes: torch.Tensor  # fp16 [3, R, d]: q8 * D_v * 2^-e, columns in part-major order
+    by_centroid: torch.Tensor  # fp32 [K, R]: q8 . (C[c] + W[:, 0]) for every centroid c
+    plane_scale: float  # 2^e: the planes' products times this are in q8 units
 
 
-def _parts_major(codebook: ResidualCodebook) -> tuple[torch.Tensor, torch.Tensor]:
-    """The codebook in the kernels' part-major order: column (row of W) p * dim / 4 + m holds dimension
-    4m + p, so that a part of a centroid is one contiguous run. Made once per codebook tensor (`memo`: a
-    copy of the whole codebook, 64 MiB at 2^18 centroids, is not repeated every launch)."""
-    dim = codebook.centroids.shape[1]
+def residual2_plane_weights(bucket_weights: torch.Tensor) -> torch.Tensor:
+    """float64 [3, dim]: the bucket values as bit planes, W[k, b] = W[k, 0] + b0 * D_0[k] + b1 * D_1[k]
+    + b0 * b1 * D_2[k] for the bucket b = b0 + 2 * b1, exactly (in float64)."""
+    w = bucket_weights.double()
+    return torch.stack([w[:, 1] - w[:, 0], w[:, 2] - w[:, 0], w[:, 3] - w[:, 2] - w[:, 1] + w[:, 0]])
 
-    def order() -> torch.Tensor:
-        return torch.arange(dim, device=codebook.centroids.device).view(dim // 4, 4).T.reshape(-1)
 
-    centroids = memo(codebook.centroids, "parts_major", lambda: codebook.centroids[:, order()].contiguous())
-    weights = memo(
-        codebook.bucket_weights, "parts_major", lambda: codebook.bucket_weights[order()].contiguous()
-    )
-    return centroids, weights
+def _part_major_order(dim: int, device: torch.device) -> torch.Tensor:
+    """Column p * dim / 4 + m holds dimension 4m + p: a part of a row is one contiguous run."""
+    return torch.arange(dim, device=device).view(dim // 4, 4).T.reshape(-1)
+
+
+def residual2_query_tables(q8: torch.Tensor, codebook: ResidualCodebook) -> QueryTables:
+    """The residual2 scan's query side for int8 query rows ``q8`` [R, dim]:
+
+        q8 . x = q8 . (C[c] + W[:, 0])  +  sum_v (q8 * D_v) . plane_v(b)           (x the decoded token)
+
+    The first term is a table over the codebook's centroids, computed in float64 and rounded once to fp32
+    (the scan gathers it by the token's centroid id); the second runs on the tensor cores with the query
+    planes q8 * D_v (`residual2_plane_weights`) rounded to fp16 after scaling by a power of two 2^-e that
+    keeps them below 2^15. Relative error of a plane value: 2^-11 (2^-25 * 2^e absolute below fp16's
+    normal range); the tests' bound states the rest."""
+    dim = q8.shape[1]
+    device = q8.device
+    q = q8.double()
+    base = codebook.centroids.double() + codebook.bucket_weights.double()[:, 0][None, :]
+    by_centroid = (base @ q.T).float()  # [K, R]
+    planes = q[None, :, :] * residual2_plane_weights(codebook.bucket_weights).to(device)[:, None, :]
+    top = float(planes.abs().max()) if planes.numel() else 0.0
+    exponent = (math.frexp(top)[1] - 15) if top > 0 else 0  # top * 2^-e < 2^15 <= fp16's max
+    planes = (planes * 2.0**-exponent).to(torch.float16)[:, :, _part_major_order(dim, device)].contiguous()
+    return QueryTables(planes, by_centroid.contiguous(), 2.0**exponent)
 
 
 def _part_width(codec: str, dim: int) -> int:
@@ -737,18 +855,84 @@ def _part_width(codec: str, dim: int) -> int:
     return max(16, triton.next_power_of_2(dim // 4))
 
 
-# Shared memory for a program's query tile at most (its parts: int4 two of int8, residual2 four of fp16):
-# the all-pairs plan's 256 rows at dim 128 take 32 KB (int4) and 64 KB (residual2). H100: residual2 at dim
-# 384 with 256 rows asked for 311 KB of the 227 KB an SM has; capped at 64 rows, 80 KB.
-_QUERY_TILE_BYTES = 1 << 16
+# Shared memory for a program's query tile at most (int4: two parts of int8; residual2: 4 parts x 3 planes
+# of fp16): the all-pairs plan's 256 rows at dim 128 take 32 KB (int4) and 192 KB (residual2, capped at
+# 128 rows: 96 KB). H100: residual2 at dim 384 with 256 rows once asked for 311 KB of the 227 KB an SM has.
+_QUERY_TILE_BYTES = 96 << 10
 
 
 def _query_rows_cap(tiles: Tiles, codec: str, dim: int) -> int:
     """The query rows a program takes at most: the plan's, fewer where its query tile would pass
     `_QUERY_TILE_BYTES` (wide rows)."""
-    row_bytes = _part_width(codec, dim) * (2 if codec == "int4" else 8)
+    row_bytes = _part_width(codec, dim) * (2 if codec == "int4" else 24)
     fitting = 1 << max(4, (_QUERY_TILE_BYTES // row_bytes).bit_length() - 1)  # a power of two, >= 16
     return min(tiles.block_q, fitting)
+
+
+# residual2: the centroid table (fp32 [K, query rows]) of one launch at most; more query rows are scanned
+# in launches of whole queries (a query's rows are never split; one query may pass it alone).
+_CENTROID_TABLE_BYTES = 128 << 20
+
+
+def _use_asm(device: torch.device) -> bool:
+    """The kernels' inline PTX runs on CUDA; Triton's interpreter takes the tl ops that compute the same."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+class _Launch(NamedTuple):
+    """What a launch of the scan kernels takes beside the documents, for one chunk of query rows."""
+
+    q: torch.Tensor  # int4: int8 queries [R, dim]; residual2: the fp16 planes [3, R, dim]
+    stride_q: int
+    stride_plane: int
+    scales_or_codes: torch.Tensor  # int4: the documents' fp32 scales; residual2: any tensor (unused)
+    table: torch.Tensor  # residual2: the centroid table [K, R]; int4: any tensor (unused)
+    stride_table: int
+    plane_scale: float
+    n_centroids: int
+    codec_id: int
+    asm: bool
+
+
+def _launch_args(
+    q8: torch.Tensor, codes: torch.Tensor, doc_scales: torch.Tensor | None, codebook: ResidualCodebook | None
+) -> _Launch:
+    asm = _use_asm(codes.device)
+    if codebook is None:
+        assert doc_scales is not None
+        return _Launch(q8, q8.stride(0), 0, doc_scales, codes, 0, 1.0, 0, 0, asm)
+    tables = residual2_query_tables(q8, codebook)
+    rows = q8.shape[0]
+    unit = PLANE_UNIT_ASM if asm else 1.0
+    return _Launch(
+        tables.planes, q8.shape[1], rows * q8.shape[1], codes, tables.by_centroid, rows,
+        tables.plane_scale / unit, codebook.centroids.shape[0], 1, asm,
+    )  # fmt: skip
+
+
+def _query_chunks(
+    codebook: ResidualCodebook | None, q8: torch.Tensor, query_offsets: torch.Tensor
+) -> list[tuple[int, int, int, int]]:
+    """(first query, last query, first row, last row) of each launch: one for int4 and for residual2 where
+    the centroid table fits `_CENTROID_TABLE_BYTES` (no host synchronisation), else whole queries a chunk."""
+    nq, rows = query_offsets.numel() - 1, q8.shape[0]
+    per_row = 0 if codebook is None else 4 * codebook.centroids.shape[0]
+    if rows * per_row <= _CENTROID_TABLE_BYTES:
+        return [(0, nq, 0, rows)]
+    fitting = max(1, _CENTROID_TABLE_BYTES // per_row)
+    host = query_offsets.tolist()
+    chunks, first = [], 0
+    while first < nq:
+        last = first + 1
+        while last < nq and host[last + 1] - host[first] <= fitting:
+            last += 1
+        chunks.append((first, last, host[first], host[last]))
+        first = last
+    return chunks
+
+
+def _rebased(offsets: torch.Tensor, first: int, last: int, whole: bool) -> torch.Tensor:
+    return offsets if whole else offsets[first : last + 1] - offsets[first]
 
 
 def _launch_varlen(
@@ -764,12 +948,27 @@ def _launch_varlen(
     *,
     tiles: Tiles | None = None,
 ) -> torch.Tensor:
-    """All-pairs launch (no host synchronisation); `tiles` overrides the plan (tests and tile sweeps)."""
+    """All-pairs launch (no host synchronisation unless the residual2 centroid table is split);
+    `tiles` overrides the plan (tests and tile sweeps)."""
     nq, nd = query_offsets.numel() - 1, doc_offsets.numel() - 1
     out = torch.empty((nq, nd), dtype=torch.float32, device=codes.device)
     if nq == 0 or nd == 0:
         return out
-    tiles = tiles or (_FEW_ROWS[codec] if q8.shape[0] <= _FEW_ROWS_MAX else _ALL_PAIRS)
+    chunks = _query_chunks(codebook, q8, query_offsets)
+    for q_first, q_last, r_first, r_last in chunks:
+        whole = len(chunks) == 1
+        offsets = _rebased(query_offsets, q_first, q_last, whole)
+        _launch_varlen_chunk(
+            codec, dim, q8[r_first:r_last], sq[r_first:r_last], offsets, codes, doc_scales, doc_offsets,
+            codebook, out[q_first:q_last], tiles or (_FEW_ROWS[codec] if r_last - r_first <= _FEW_ROWS_MAX
+                                                      else _ALL_PAIRS),
+        )  # fmt: skip
+    return out
+
+
+def _launch_varlen_chunk(codec, dim, q8, sq, query_offsets, codes, doc_scales, doc_offsets, codebook, out,
+                         tiles: Tiles) -> None:  # fmt: skip
+    nq, nd = query_offsets.numel() - 1, doc_offsets.numel() - 1
     cap = _query_rows_cap(tiles, codec, dim)
     mean = triton.next_power_of_2(max(1, -(-q8.shape[0] // nq)))
     if mean >= cap:
@@ -778,17 +977,16 @@ def _launch_varlen(
         per_group = min(_MAX_QUERIES_PER_GROUP, cap // mean, triton.next_power_of_2(nq))
         block_q = max(16, min(cap, per_group * mean))
     n_groups = cdiv(nq, per_group)
-    scales, cent, wts, n_centroids, codec_id = _kernel_pointers(codes, doc_scales, codebook)
+    la = _launch_args(q8, codes, doc_scales, codebook)
     launch_fitting_shared_memory(
         _maxsim_codes_varlen_kernel, (n_groups * cdiv(nd, tiles.docs_per_prog),),
-        q8, sq, query_offsets, codes, scales, doc_offsets, cent, wts, out,
-        nq, n_groups, nd, n_centroids, dim,
-        q8.stride(0), codes.stride(0), out.stride(0),
-        CODEC=codec_id, DOCS_PER_PROG=tiles.docs_per_prog, BLOCK_Q=block_q, BLOCK_D=tiles.block_d,
+        la.q, sq, query_offsets, codes, la.scales_or_codes, doc_offsets, la.table, out,
+        nq, n_groups, nd, la.n_centroids, dim,
+        la.stride_q, codes.stride(0), out.stride(0), la.stride_plane, la.stride_table, la.plane_scale,
+        CODEC=la.codec_id, DOCS_PER_PROG=tiles.docs_per_prog, BLOCK_Q=block_q, BLOCK_D=tiles.block_d,
         BLOCK_K=_part_width(codec, dim), QUERIES_PER_GROUP=per_group, MAX_Q=max(2, per_group),
-        DOC_MAJOR=tiles.doc_major, num_warps=tiles.warps, num_stages=tiles.stages,
+        DOC_MAJOR=tiles.doc_major, ASM=la.asm, num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
-    return out
 
 
 def _launch_candidates(
@@ -806,25 +1004,36 @@ def _launch_candidates(
     *,
     tiles: Tiles | None = None,
 ) -> torch.Tensor:
-    """Per-query-candidates launch (no host synchronisation)."""
-    nq = query_offsets.numel() - 1
+    """Per-query-candidates launch (no host synchronisation unless the residual2 centroid table is split)."""
     n_cand = candidate_docs.numel()
     out = torch.empty((n_cand,), dtype=torch.float32, device=codes.device)
     if n_cand == 0:
         return out
     tiles = tiles or _CANDIDATES
-    mean = triton.next_power_of_2(max(1, -(-q8.shape[0] // nq)))
-    block_q = max(16, min(_query_rows_cap(tiles, codec, dim), mean))
-    scales, cent, wts, n_centroids, codec_id = _kernel_pointers(codes, doc_scales, codebook)
-    launch_fitting_shared_memory(
-        _maxsim_codes_candidates_kernel, (cdiv(n_cand, tiles.docs_per_prog),),
-        q8, sq, query_offsets, candidate_offsets, candidate_docs, codes, scales, doc_offsets, cent, wts, out,
-        nq, n_cand, doc_offsets.numel() - 1, n_centroids, dim,
-        q8.stride(0), codes.stride(0),
-        CODEC=codec_id, CANDS_PER_PROG=tiles.docs_per_prog, BLOCK_Q=block_q, BLOCK_D=tiles.block_d,
-        BLOCK_K=_part_width(codec, dim), DOC_MAJOR=tiles.doc_major, num_warps=tiles.warps,
-        num_stages=tiles.stages,
-    )  # fmt: skip
+    chunks = _query_chunks(codebook, q8, query_offsets)
+    cand_host = candidate_offsets.tolist() if len(chunks) > 1 else [0] * (query_offsets.numel())
+    for q_first, q_last, r_first, r_last in chunks:
+        whole = len(chunks) == 1
+        c_first, c_last = (0, n_cand) if whole else (cand_host[q_first], cand_host[q_last])
+        if c_last == c_first:
+            continue
+        q8c, sqc = q8[r_first:r_last], sq[r_first:r_last]
+        q_off = _rebased(query_offsets, q_first, q_last, whole)
+        nq = q_off.numel() - 1
+        mean = triton.next_power_of_2(max(1, -(-q8c.shape[0] // nq)))
+        block_q = max(16, min(_query_rows_cap(tiles, codec, dim), mean))
+        la = _launch_args(q8c, codes, doc_scales, codebook)
+        launch_fitting_shared_memory(
+            _maxsim_codes_candidates_kernel, (cdiv(c_last - c_first, tiles.docs_per_prog),),
+            la.q, sqc, q_off, _rebased(candidate_offsets, q_first, q_last, whole),
+            candidate_docs[c_first:c_last], codes, la.scales_or_codes, doc_offsets, la.table,
+            out[c_first:c_last],
+            nq, c_last - c_first, doc_offsets.numel() - 1, la.n_centroids, dim,
+            la.stride_q, codes.stride(0), la.stride_plane, la.stride_table, la.plane_scale,
+            CODEC=la.codec_id, CANDS_PER_PROG=tiles.docs_per_prog, BLOCK_Q=block_q, BLOCK_D=tiles.block_d,
+            BLOCK_K=_part_width(codec, dim), DOC_MAJOR=tiles.doc_major, ASM=la.asm, num_warps=tiles.warps,
+            num_stages=tiles.stages,
+        )  # fmt: skip
     return out
 
 

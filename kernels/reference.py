@@ -152,13 +152,14 @@ def maxsim_codes_reference(
     block_tokens: int = _MAX_CHUNK_TOKENS,
 ) -> torch.Tensor:
     """Every query against documents stored as codes (`maxsim_kernels.maxsim_codes`), in float64 on the
-    *decoded* values: int4 ``s_d[j] * c[j]``, residual2 the fp16 values of `decode_residual2`. The queries
-    are those the kernels score: int8 codes times their scales (float queries are quantized per token
-    first, as the kernels do), so the difference to a kernel is its fp32 rounding alone. Documents are
+    *decoded* values: int4 ``s_d[j] * c[j]``, residual2 ``C[id, k] + W[k, b_k]`` (exact in float64). The
+    queries are those the kernels score: int8 codes times their scales (float queries are quantized per
+    token first, as the kernels do), so the difference to a kernel is its rounding alone (fp32, and for
+    the residual2 scan kernels the fp16 query planes of `residual2_query_tables`). Documents are
     decoded `block_tokens` tokens at a time (a document is never split), and any dim the codec stores is
     taken. Returns float64 [nq, nd].
     """
-    from .maxsim_codes import ResidualCodebook, decode_int4, decode_residual2, quantized_queries
+    from .maxsim_codes import decode_int4, quantized_queries, residual2_buckets, residual2_ids
 
     if queries.dtype == torch.int8:
         if query_scales is None:
@@ -183,7 +184,10 @@ def maxsim_codes_reference(
             assert doc_scales is not None, "int4 codes need doc_scales"
             values = decode_int4(docs[t0:t1]).double() * doc_scales[t0:t1].double()[:, None]
         else:
-            values = decode_residual2(docs[t0:t1], ResidualCodebook(*codebook)).double()
+            centroids, weights = codebook
+            block = docs[t0:t1]
+            buckets = residual2_buckets(block)
+            values = centroids[residual2_ids(block)].double() + weights.double().gather(1, buckets.T).T
         sim = q @ values.T  # [Tq, block tokens], float64
         for doc in range(first, last):  # each document's max, -inf when it has no tokens
             a, b = d_host[doc] - t0, d_host[doc + 1] - t0

@@ -3,11 +3,15 @@
 values, the shard format's checks, and `maxsim quantize --bits 4/2` then `maxsim score` end to end.
 
 Tolerance. The reference (`maxsim_codes_reference`) scores the same int8 queries against the same
-decoded values in float64, so the only difference is the kernels' fp32 arithmetic: int4 products are
-exact integers times one fp32 document scale (relative error 2^-24), residual2 products are accumulated
-in fp32 over dim terms; then Lq fp32 additions of the per-token maxima. Each rounding is at most 2^-24 of
-the magnitude it touches, so |kernel - reference| <= (dim + Lq + 2) * 2^-24 * sum_i s_q[i] * max_j
-sum_k |q8[i, k] * x[j, k]|, the bound `_bound` computes per (query, document) pair.
+decoded values in float64, so the only difference is the kernels' arithmetic: int4 products are exact
+integers times one fp32 document scale (relative error 2^-24); the CPU path's residual2 values are decoded
+to fp32 (one rounding) and their products accumulated in fp32 over dim terms; then Lq fp32 additions of
+the per-token maxima. Each rounding is at most 2^-24 of the magnitude it touches, so |kernel - reference|
+<= (dim + Lq + 3) * 2^-24 * sum_i s_q[i] * max_j sum_k |q8[i, k] * x[j, k]|, the bound `_bound` computes
+per (query, document) pair. The residual2 scan kernels take the query side of `residual2_query_tables`:
+a centroid table rounded once to fp32, and query planes q8 * D_v rounded to fp16 (2^-11 relative, 2^-25
+* 2^e absolute below fp16's normal range) whose products with the documents' bit planes are accumulated
+in fp32 over 3 * dim terms; `_bound` adds those roundings for them (`_planes_bound`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from maxsim_kernels.maxsim_codes import (
     encode_residual2,
     quantized_queries,
     residual2_ids,
+    residual2_plane_weights,
+    residual2_query_tables,
 )
 from maxsim_kernels.reference import maxsim_codes_reference
 from typer.testing import CliRunner
@@ -83,8 +89,30 @@ def _bound(queries, q_off, enc: dict) -> torch.Tensor:
         0, torch.repeat_interleave(torch.arange(len(q_lens)), q_lens), per_row
     )
     dim = queries.shape[1]
-    factor = (dim + int(q_lens.max()) + 2) * 2.0**-24
-    return (factor * per_query)[:, None] + 1e-30
+    factor = (dim + int(q_lens.max()) + 3) * 2.0**-24
+    bound = (factor * per_query)[:, None] + 1e-30
+    if "codebook" in enc:
+        bound = bound + _planes_bound(q8, sq, q_lens, enc["codebook"])[:, None]
+    return bound
+
+
+def _planes_bound(q8, sq, q_lens, book) -> torch.Tensor:
+    """The residual2 scan kernels' extra error, per query: the fp16 rounding of the query planes and the
+    fp32 sums over 3 * dim plane products plus the centroid table's term (module docstring)."""
+    planes_d = residual2_plane_weights(book.bucket_weights).abs()  # [3, dim]
+    q = q8.double().abs()
+    plane_mag = q @ planes_d.sum(0)  # [Tq]: sum_k |q8| (|D_0| + |D_1| + |D_2|)
+    base = (book.centroids.double() + book.bucket_weights.double()[:, 0][None, :]).abs()
+    table_mag = (q @ base.T).max(dim=1).values  # [Tq]: the largest |q8| . |C + W0| over centroids
+    plane_scale = residual2_query_tables(q8, book).plane_scale
+    dim = q8.shape[1]
+    per_row = (
+        2.0**-11 * plane_mag
+        + 3 * dim * 2.0**-25 * plane_scale
+        + (3 * dim + 4) * 2.0**-24 * (plane_mag + table_mag)
+    ) * sq.double()
+    rows = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
+    return torch.zeros(len(q_lens), dtype=torch.float64).index_add_(0, rows, per_row)
 
 
 def _check_close(scores: torch.Tensor, reference: torch.Tensor, bound: torch.Tensor) -> None:
@@ -154,9 +182,10 @@ PLANS = {
 }
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("plan", sorted(PLANS))
-def test_every_kernel_branch_within_the_bound(codec, plan, monkeypatch):
+def test_every_kernel_branch_within_the_bound(codec, plan, device, monkeypatch):
     from maxsim_kernels import maxsim_codes
 
     for name, tiles in PLANS[plan].items():
@@ -173,15 +202,49 @@ def test_every_kernel_branch_within_the_bound(codec, plan, monkeypatch):
     codes = enc.pop("docs")
     reference = maxsim_codes_reference(queries, q_off, codes, d_off, **enc)
     bound = _bound(queries, q_off, {"docs": codes, **enc})
+    on = {k: v.to(device) for k, v in enc.items()} if device == "cuda" else enc
+    if "codebook" in on:
+        on["codebook"] = ResidualCodebook(*(t.to(device) for t in enc["codebook"]))
+    gpu_codes, gpu_queries = codes.to(device), queries.to(device)
     if plan.startswith("candidate-runs"):
         cand_off = torch.tensor([0, 4, 5, 5, 9, 12])
         cand_docs = torch.tensor([8, 3, 1, 0, 2, 4, 5, 6, 7, 1, 1, 3])
-        scores = maxsim_candidates(queries, q_off, codes, d_off, cand_off, cand_docs, backend="triton", **enc)
+        scores = maxsim_candidates(
+            gpu_queries, q_off, gpu_codes, d_off, cand_off, cand_docs, backend="triton", **on
+        ).cpu()
         owner = torch.repeat_interleave(torch.arange(5), cand_off.diff())
         _check_close(scores, reference[owner, cand_docs], bound[owner, 0])
     else:
-        scores = maxsim_varlen(queries, q_off, codes, d_off, backend="triton", **enc)
+        scores = maxsim_varlen(gpu_queries, q_off, gpu_codes, d_off, backend="triton", **on).cpu()
         _check_close(scores, reference, bound)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_residual2_centroid_tables_split_over_launches(device, monkeypatch):
+    """More query rows than one centroid table holds: launches of whole queries, each within the bound
+    (all pairs and candidates, a query alone past the table's size included)."""
+    from maxsim_kernels import maxsim_codes
+
+    gen = torch.Generator().manual_seed(13)
+    dim = 24
+    queries, q_off = _packed([3, 9, 1, 4, 2], dim, gen)
+    docs, d_off = _packed([5, 1, 40, 0, 18, 7], dim, gen)
+    enc = _encoded("residual2", docs, gen, k=6)
+    codes = enc.pop("docs")
+    monkeypatch.setattr(maxsim_codes, "_CENTROID_TABLE_BYTES", 5 * 6 * 4)  # 5 rows: the 9-row query alone
+    assert [c[:2] for c in maxsim_codes._query_chunks(enc["codebook"], queries, q_off)] == [
+        (0, 1), (1, 2), (2, 4), (4, 5)
+    ]  # fmt: skip
+    reference = maxsim_codes_reference(queries, q_off, codes, d_off, **enc)
+    bound = _bound(queries, q_off, {"docs": codes, **enc})
+    book = ResidualCodebook(*(t.to(device) for t in enc["codebook"]))
+    args = (queries.to(device), q_off, codes.to(device), d_off)
+    _check_close(maxsim_varlen(*args, backend="triton", codebook=book).cpu(), reference, bound)
+    cand_off = torch.tensor([0, 2, 2, 5, 6, 8])
+    cand_docs = torch.tensor([2, 0, 5, 3, 1, 2, 4, 2])
+    scores = maxsim_candidates(*args, cand_off, cand_docs, backend="triton", codebook=book).cpu()
+    owner = torch.repeat_interleave(torch.arange(5), cand_off.diff())
+    _check_close(scores, reference[owner, cand_docs], bound[owner, 0])
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -228,7 +291,7 @@ def test_residual2_packing_keeps_ids_and_buckets():
     assert torch.equal(residual2_ids(rows), ids)
     residual = x - book.centroids[ids].float()
     buckets = (residual[:, :, None] >= cutoffs[None]).sum(dim=2)
-    expected = (book.centroids[ids].float() + book.bucket_weights.gather(1, buckets.T).T).half()
+    expected = book.centroids[ids].float() + book.bucket_weights.gather(1, buckets.T).T
     assert torch.equal(decode_residual2(rows, book), expected)
 
 
@@ -466,14 +529,15 @@ def test_quantize_overwrite_replaces_the_codebook_with_the_shards(quantized, tmp
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("codec", CODECS)
-def test_compiled_kernels_on_the_gpu_within_the_bound(codec):
-    # dim 128, ragged documents of 20-300 tokens, one query and a block of queries: the compiled tiles
+@pytest.mark.parametrize("dim", [128, 96, 40])
+def test_compiled_kernels_on_the_gpu_within_the_bound(codec, dim):
+    # ragged documents of 20-300 tokens, one query and a block of queries: the compiled tiles
     gen = torch.Generator().manual_seed(11)
     lengths = torch.randint(20, 301, (300,), generator=gen).tolist()
-    docs, d_off = _packed(lengths, 128, gen)
+    docs, d_off = _packed(lengths, dim, gen)
     enc = _encoded(codec, docs, gen, k=256)
     for q_lengths in ([32], [32] * 16):
-        queries, q_off = _packed(q_lengths, 128, gen)
+        queries, q_off = _packed(q_lengths, dim, gen)
         on_gpu = {k: v.cuda() if isinstance(v, torch.Tensor) else v.to("cuda") for k, v in enc.items()}
         codes = on_gpu.pop("docs")
         scores = maxsim_varlen(queries.cuda(), q_off, codes, d_off, **on_gpu).cpu()
@@ -520,16 +584,20 @@ def test_gpu_kmeans_takes_the_triton_assignment_only_for_whole_tiles(monkeypatch
 
 
 def test_query_tiles_of_wide_rows_are_capped_to_fit_shared_memory() -> None:
-    """A program's query tile stays within 64 KB of shared memory: the plan's 256 rows at dim 128, fewer
-    for wider rows (residual2 at dim 384 with 256 rows did not fit an H100's shared memory)."""
+    """A program's query tile stays within 96 KB of shared memory: the plan's 256 rows for int4 at dim 128,
+    fewer for wider rows (residual2: 12 fp16 planes a row; at dim 384 with 256 rows an earlier layout did
+    not fit an H100's shared memory)."""
     from maxsim_kernels.maxsim_codes import _ALL_PAIRS, _query_rows_cap
 
-    assert _query_rows_cap(_ALL_PAIRS, "int4", 128) == _query_rows_cap(_ALL_PAIRS, "residual2", 128) == 256
+    assert (_query_rows_cap(_ALL_PAIRS, "int4", 128), _query_rows_cap(_ALL_PAIRS, "residual2", 128)) == (
+        256,
+        128,
+    )
     assert (_query_rows_cap(_ALL_PAIRS, "int4", 384), _query_rows_cap(_ALL_PAIRS, "residual2", 384)) == (
         128,
-        64,
+        32,
     )
-    assert _query_rows_cap(_ALL_PAIRS, "residual2", 1024) == 32
+    assert _query_rows_cap(_ALL_PAIRS, "residual2", 1024) == 16
 
 
 def _bucket_error(residuals: torch.Tensor, cutoffs: torch.Tensor, weights: torch.Tensor) -> float:
