@@ -86,7 +86,7 @@ from .maxsim_int8 import (
     sum_rows_in_order,
 )
 from .running_max import document_max, fold_tile, restart, tile_count
-from .validation import cdiv, check_candidate_docs, resolve_backend
+from .validation import cdiv, check_candidate_docs, memo, resolve_backend
 
 CODECS = ("int4", "residual2")
 INT4_ABSMAX = 7.0
@@ -105,9 +105,12 @@ class Tiles(NamedTuple):
     warps: int
     stages: int
     doc_major: bool = False  # documents the first operand of the products (see `_code_tile`)
+    decode: bool = False  # residual2: decode the values (`_residual2_part`) in place of the bit planes
 
 
-_ALL_PAIRS = Tiles(block_q=256, block_d=32, docs_per_prog=64, warps=4, stages=2)
+# residual2, 512 x 50K on an H100 (codes-h100-68c6411.json): the bit planes' three products a part took
+# 856 ms where decoding the values took 353 (a decoded tile serves 256 query rows)
+_ALL_PAIRS = Tiles(block_q=256, block_d=32, docs_per_prog=64, warps=4, stages=2, decode=True)
 # one query x 100K documents, H100 (codes-sweep-h100-734c861.json): documents as the first operand, 1.17 ms
 # against 1.59 (int4) and 4.91 against 5.29 (residual2, 128-token tiles)
 _FEW_ROWS = {
@@ -335,13 +338,15 @@ def _query_planes(
     BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
     CODEC: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     """Rows row_first.. (< row_last) of the query side, split as the codes are packed, and their scales.
 
     int4: a tuple (q[:, 0::2], q[:, 1::2]) of the int8 queries, the values of each byte's low and high
     nibbles. residual2: the fp16 query planes (`residual2_query_tables`, [3, rows, dim] in part-major
-    column order at q_ptr), a tuple of 12: plane v of part p at 3p + v. BLOCK_K is the width of one part (a
-    power of two >= the tensor cores' minimum K)."""
+    column order at q_ptr), a tuple of 12: plane v of part p at 3p + v; with DECODE, the int8 queries
+    (q[:, 0::4], .., q[:, 3::4]) as fp16 (exact). BLOCK_K is the width of one part (a power of two >= the
+    tensor cores' minimum K)."""
     rows = row_first + tl.arange(0, BLOCK_Q)
     row_ok = rows < row_last
     k = tl.arange(0, BLOCK_K)
@@ -350,6 +355,15 @@ def _query_planes(
         ok = row_ok[:, None] & (k < dim // 2)[None, :]
         base = q_ptr + rows[:, None] * stride_q + 2 * k[None, :]
         qp = (tl.load(base, mask=ok, other=0), tl.load(base + 1, mask=ok, other=0))
+    elif DECODE:
+        ok = row_ok[:, None] & (k < dim // 4)[None, :]
+        base = q_ptr + rows[:, None] * stride_q + 4 * k[None, :]
+        qp = (
+            tl.load(base, mask=ok, other=0).to(tl.float16),
+            tl.load(base + 1, mask=ok, other=0).to(tl.float16),
+            tl.load(base + 2, mask=ok, other=0).to(tl.float16),
+            tl.load(base + 3, mask=ok, other=0).to(tl.float16),
+        )
     else:
         quarter = dim // 4
         ok = row_ok[:, None] & (k < quarter)[None, :]
@@ -383,6 +397,26 @@ def _product(acc, doc_part, q_part, DOC_MAJOR: tl.constexpr):
 
 
 @triton.jit
+def _residual2_part(acc, q_part, packed, cent_rows, id_ok, wts_ptr, m, m_ok, quarter, PART: tl.constexpr,
+                    DOC_MAJOR: tl.constexpr):  # fmt: skip
+    """acc + the products of part PART (dimensions 4m + PART) with the values decoded, x = fp16(C[id,
+    4m + PART] + W[4m + PART, b]) (the sum rounded once to fp16: 2^-11 relative).
+
+    The codebook is in part-major order (`_parts_major`): part PART of a centroid is the contiguous
+    columns PART * quarter + m, and so are the rows of W."""
+    bucket = (packed.to(tl.int32) >> (2 * PART)) & 3
+    cent = tl.load(cent_rows + PART * quarter, mask=id_ok[:, None] & m_ok[None, :], other=0.0).to(tl.float32)
+    w_row = wts_ptr + (PART * quarter + m) * 4
+    w0 = tl.load(w_row, mask=m_ok, other=0.0)[None, :]
+    w1 = tl.load(w_row + 1, mask=m_ok, other=0.0)[None, :]
+    w2 = tl.load(w_row + 2, mask=m_ok, other=0.0)[None, :]
+    w3 = tl.load(w_row + 3, mask=m_ok, other=0.0)[None, :]
+    odd = (bucket & 1) != 0
+    weight = tl.where((bucket & 2) != 0, tl.where(odd, w3, w2), tl.where(odd, w1, w0))
+    return _product(acc, (cent + weight).to(tl.float16), q_part, DOC_MAJOR)
+
+
+@triton.jit
 def _code_tile(
     qp,
     rows,
@@ -390,6 +424,7 @@ def _code_tile(
     d_ptr,
     d_scale_ptr,
     qc_ptr,
+    wts_ptr,
     tok,
     doc_end,
     n_centroids,
@@ -403,6 +438,7 @@ def _code_tile(
     CODEC: tl.constexpr,
     DOC_MAJOR: tl.constexpr,
     ASM: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     """Similarities of the query tile with document tokens tok.. decoded in registers, [BLOCK_Q, BLOCK_D]
     ([BLOCK_D, BLOCK_Q] with DOC_MAJOR); -inf from doc_end on, +inf for a token whose centroid id is
@@ -411,7 +447,8 @@ def _code_tile(
     Each row of codes is read once as whole bytes (contiguous, vectorised loads) and unpacked into its
     parts (two nibbles; four 2-bit buckets, each as three bit planes), each part multiplied with the query
     columns it holds. residual2 adds the query rows' products with the token's centroid, gathered from the
-    table at qc_ptr ([K, stride_qc] fp32, `residual2_query_tables`)."""
+    table at qc_ptr ([K, stride_qc] fp32, `residual2_query_tables`); with DECODE, qc_ptr and wts_ptr are
+    the part-major codebook (`_parts_major`) and the values are decoded (`_residual2_part`)."""
     cols = tok + tl.arange(0, BLOCK_D)
     col_ok = cols < doc_end
     m = tl.arange(0, BLOCK_K)
@@ -447,13 +484,24 @@ def _code_tile(
             acc = tl.zeros([BLOCK_D, BLOCK_Q], tl.float32)
         else:
             acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+        bad = col_ok & (cid >= n_centroids)
+        extra = tl.where(bad, float("inf"), bias)
+        if DECODE:
+            cent_rows = qc_ptr + cid[:, None] * dim + m[None, :]
+            quarter = dim // 4
+            for p in tl.static_range(4):
+                acc = _residual2_part(acc, qp[p], packed, cent_rows, id_ok, wts_ptr, m, m_ok, quarter, p,
+                                      DOC_MAJOR)  # fmt: skip
+            if DOC_MAJOR:
+                sim = acc + extra[:, None]
+            else:
+                sim = acc + extra[None, :]
+            return sim
         for p in tl.static_range(4):
             b0, b1, both = _bucket_planes(packed, p, ASM)
             acc = _product(acc, b0, qp[3 * p], DOC_MAJOR)
             acc = _product(acc, b1, qp[3 * p + 1], DOC_MAJOR)
             acc = _product(acc, both, qp[3 * p + 2], DOC_MAJOR)
-        bad = col_ok & (cid >= n_centroids)
-        extra = tl.where(bad, float("inf"), bias)
         if DOC_MAJOR:
             at = qc_ptr + cid[:, None] * stride_qc + rows[None, :]
             centroid = tl.load(at, mask=id_ok[:, None] & row_ok[None, :], other=0.0)
@@ -475,6 +523,7 @@ def _doc_sums(
     d_ptr,
     d_scale_ptr,
     qc_ptr,
+    wts_ptr,
     start,
     stop,
     n_centroids,
@@ -488,13 +537,14 @@ def _doc_sums(
     CODEC: tl.constexpr,
     DOC_MAJOR: tl.constexpr,
     ASM: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     """Per query of the group ([MAX_Q]): sum over its rows of the tile of s_q * max over one document."""
     row_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     for t in range(start, stop, BLOCK_D):
         sim = _code_tile(
-            qp, rows, row_ok, d_ptr, d_scale_ptr, qc_ptr, t, stop, n_centroids, dim, stride_d, stride_qc,
-            plane_scale, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR, ASM,
+            qp, rows, row_ok, d_ptr, d_scale_ptr, qc_ptr, wts_ptr, t, stop, n_centroids, dim, stride_d,
+            stride_qc, plane_scale, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR, ASM, DECODE,
         )  # fmt: skip
         row_max = tl.maximum(row_max, tl.max(sim, axis=0 if DOC_MAJOR else 1))
     contrib = tl.where(row_ok, sq * row_max, 0.0)
@@ -522,6 +572,7 @@ def _maxsim_codes_varlen_kernel(
     d_scale_ptr,
     d_off_ptr,
     qc_ptr,
+    wts_ptr,
     out_ptr,
     # sizes
     n_queries,
@@ -545,6 +596,7 @@ def _maxsim_codes_varlen_kernel(
     MAX_Q: tl.constexpr,
     DOC_MAJOR: tl.constexpr,
     ASM: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     """Scores of QUERIES_PER_GROUP consecutive queries against DOCS_PER_PROG consecutive documents."""
     pid = tl.program_id(0)
@@ -564,7 +616,8 @@ def _maxsim_codes_varlen_kernel(
         # documents run in ONE loop (the pipeliner prefetches across documents), the running max kept per
         # tile element and reduced once a document (as in maxsim_int8).
         qp, sq, rows, row_ok = _query_planes(
-            q_ptr, q_scale_ptr, row_first, row_last, dim, stride_q, stride_plane, BLOCK_Q, BLOCK_K, CODEC
+            q_ptr, q_scale_ptr, row_first, row_last, dim, stride_q, stride_plane, BLOCK_Q, BLOCK_K, CODEC,
+            DECODE,
         )
         local = tl.sum((rows[:, None] >= q_ends[None, :]).to(tl.int32), axis=1)
         member = (local[:, None] == kq[None, :]) & row_ok[:, None]
@@ -580,8 +633,8 @@ def _maxsim_codes_varlen_kernel(
         m_tile = tl.full((BLOCK_D, BLOCK_Q) if DOC_MAJOR else (BLOCK_Q, BLOCK_D), float("-inf"), tl.float32)
         for _ in range(n_tiles):
             sim = _code_tile(
-                qp, rows, row_ok, d_ptr, d_scale_ptr, qc_ptr, tok, doc_end, n_centroids, dim, stride_d,
-                stride_qc, plane_scale, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR, ASM,
+                qp, rows, row_ok, d_ptr, d_scale_ptr, qc_ptr, wts_ptr, tok, doc_end, n_centroids, dim,
+                stride_d, stride_qc, plane_scale, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR, ASM, DECODE,
             )  # fmt: skip
             row_max, row_arg, m_tile = fold_tile(sim, row_max, row_arg, m_tile, tok, doc_start, True, False)
             last = tok + BLOCK_D >= doc_end
@@ -604,13 +657,15 @@ def _maxsim_codes_varlen_kernel(
             scores = tl.zeros([MAX_Q], tl.float32)
             for r in range(row_first, row_last, BLOCK_Q):
                 qp, sq, rows, row_ok = _query_planes(
-                    q_ptr, q_scale_ptr, r, row_last, dim, stride_q, stride_plane, BLOCK_Q, BLOCK_K, CODEC
+                    q_ptr, q_scale_ptr, r, row_last, dim, stride_q, stride_plane, BLOCK_Q, BLOCK_K, CODEC,
+                    DECODE,
                 )
                 local = tl.sum((rows[:, None] >= q_ends[None, :]).to(tl.int32), axis=1)
                 member = (local[:, None] == kq[None, :]) & row_ok[:, None]
                 scores += _doc_sums(
-                    qp, sq, rows, row_ok, member, d_ptr, d_scale_ptr, qc_ptr, start, stop, n_centroids,
-                    dim, stride_d, stride_qc, plane_scale, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR, ASM,
+                    qp, sq, rows, row_ok, member, d_ptr, d_scale_ptr, qc_ptr, wts_ptr, start, stop,
+                    n_centroids, dim, stride_d, stride_qc, plane_scale, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC,
+                    DOC_MAJOR, ASM, DECODE,
                 )  # fmt: skip
             tl.store(out_rows + doc, _flag_bad_ids(scores), mask=q_ok)
 
@@ -630,6 +685,7 @@ def _maxsim_codes_candidates_kernel(
     d_scale_ptr,
     d_off_ptr,
     qc_ptr,
+    wts_ptr,
     out_ptr,
     # sizes
     n_queries,
@@ -650,6 +706,7 @@ def _maxsim_codes_candidates_kernel(
     BLOCK_K: tl.constexpr,
     DOC_MAJOR: tl.constexpr,
     ASM: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     """Scores of CANDS_PER_PROG consecutive (query, candidate) pairs of the flat candidate list. A
     candidate index outside [0, n_docs) is never dereferenced: it scores NaN."""
@@ -662,7 +719,8 @@ def _maxsim_codes_candidates_kernel(
     if (tl.load(cand_off_ptr + query + 1) >= c_last) & (row_last - row_first <= BLOCK_Q):
         # One query, one tile (the planned case): all the tiles of the program's candidates in ONE loop.
         qp, sq, rows, row_ok = _query_planes(
-            q_ptr, q_scale_ptr, row_first, row_last, dim, stride_q, stride_plane, BLOCK_Q, BLOCK_K, CODEC
+            q_ptr, q_scale_ptr, row_first, row_last, dim, stride_q, stride_plane, BLOCK_Q, BLOCK_K, CODEC,
+            DECODE,
         )
         cc = c_first + tl.arange(0, CANDS_PER_PROG)
         c_in = cc < c_last
@@ -680,8 +738,8 @@ def _maxsim_codes_candidates_kernel(
         m_tile = tl.full((BLOCK_D, BLOCK_Q) if DOC_MAJOR else (BLOCK_Q, BLOCK_D), float("-inf"), tl.float32)
         for _ in range(n_tiles):
             sim = _code_tile(
-                qp, rows, row_ok, d_ptr, d_scale_ptr, qc_ptr, tok, doc_end, n_centroids, dim, stride_d,
-                stride_qc, plane_scale, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR, ASM,
+                qp, rows, row_ok, d_ptr, d_scale_ptr, qc_ptr, wts_ptr, tok, doc_end, n_centroids, dim,
+                stride_d, stride_qc, plane_scale, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR, ASM, DECODE,
             )  # fmt: skip
             row_max, row_arg, m_tile = fold_tile(sim, row_max, row_arg, m_tile, tok, doc_start, True, False)
             last = tok + BLOCK_D >= doc_end
@@ -711,12 +769,14 @@ def _maxsim_codes_candidates_kernel(
             total = tl.zeros([2], tl.float32)
             for r in range(row_first, row_last, BLOCK_Q):
                 qp, sq, rows, row_ok = _query_planes(
-                    q_ptr, q_scale_ptr, r, row_last, dim, stride_q, stride_plane, BLOCK_Q, BLOCK_K, CODEC
+                    q_ptr, q_scale_ptr, r, row_last, dim, stride_q, stride_plane, BLOCK_Q, BLOCK_K, CODEC,
+                    DECODE,
                 )
                 member = row_ok[:, None] & (kq[None, :] == 0)
                 total += _doc_sums(
-                    qp, sq, rows, row_ok, member, d_ptr, d_scale_ptr, qc_ptr, start, stop, n_centroids,
-                    dim, stride_d, stride_qc, plane_scale, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC, DOC_MAJOR, ASM,
+                    qp, sq, rows, row_ok, member, d_ptr, d_scale_ptr, qc_ptr, wts_ptr, start, stop,
+                    n_centroids, dim, stride_d, stride_qc, plane_scale, BLOCK_Q, BLOCK_D, BLOCK_K, CODEC,
+                    DOC_MAJOR, ASM, DECODE,
                 )  # fmt: skip
             score = _flag_bad_ids(tl.sum(total, axis=0))
             tl.store(out_ptr + c, tl.where(doc_ok, score, float("nan")))
@@ -886,7 +946,8 @@ class _Launch(NamedTuple):
     stride_q: int
     stride_plane: int
     scales_or_codes: torch.Tensor  # int4: the documents' fp32 scales; residual2: any tensor (unused)
-    table: torch.Tensor  # residual2: the centroid table [K, R]; int4: any tensor (unused)
+    table: torch.Tensor  # residual2: the centroid table [K, R] (decode: the part-major centroids)
+    weights: torch.Tensor  # residual2 decode: the part-major bucket values; else any tensor (unused)
     stride_table: int
     plane_scale: float
     n_centroids: int
@@ -895,28 +956,49 @@ class _Launch(NamedTuple):
 
 
 def _launch_args(
-    q8: torch.Tensor, codes: torch.Tensor, doc_scales: torch.Tensor | None, codebook: ResidualCodebook | None
+    q8: torch.Tensor,
+    codes: torch.Tensor,
+    doc_scales: torch.Tensor | None,
+    codebook: ResidualCodebook | None,
+    decode: bool,
 ) -> _Launch:
     asm = _use_asm(codes.device)
     if codebook is None:
         assert doc_scales is not None
-        return _Launch(q8, q8.stride(0), 0, doc_scales, codes, 0, 1.0, 0, 0, asm)
+        return _Launch(q8, q8.stride(0), 0, doc_scales, codes, codes, 0, 1.0, 0, 0, asm)
+    if decode:
+        cent, wts = _parts_major(codebook)
+        return _Launch(q8, q8.stride(0), 0, codes, cent, wts, 0, 1.0, cent.shape[0], 1, asm)
     tables = residual2_query_tables(q8, codebook)
     rows = q8.shape[0]
     unit = PLANE_UNIT_ASM if asm else 1.0
     return _Launch(
-        tables.planes, q8.shape[1], rows * q8.shape[1], codes, tables.by_centroid, rows,
+        tables.planes, q8.shape[1], rows * q8.shape[1], codes, tables.by_centroid, codes, rows,
         tables.plane_scale / unit, codebook.centroids.shape[0], 1, asm,
     )  # fmt: skip
 
 
+def _parts_major(codebook: ResidualCodebook) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codebook in part-major order for the decoding kernels (`_residual2_part`). Made once per
+    codebook tensor (`memo`: a copy of the whole codebook, 64 MiB at 2^18 centroids, is not repeated every
+    launch)."""
+    dim = codebook.centroids.shape[1]
+    order = _part_major_order(dim, codebook.centroids.device)
+    centroids = memo(codebook.centroids, "parts_major", lambda: codebook.centroids[:, order].contiguous())
+    weights = memo(
+        codebook.bucket_weights, "parts_major", lambda: codebook.bucket_weights[order].contiguous()
+    )
+    return centroids, weights
+
+
 def _query_chunks(
-    codebook: ResidualCodebook | None, q8: torch.Tensor, query_offsets: torch.Tensor
+    codebook: ResidualCodebook | None, q8: torch.Tensor, query_offsets: torch.Tensor, tiles: Tiles
 ) -> list[tuple[int, int, int, int]]:
-    """(first query, last query, first row, last row) of each launch: one for int4 and for residual2 where
-    the centroid table fits `_CENTROID_TABLE_BYTES` (no host synchronisation), else whole queries a chunk."""
+    """(first query, last query, first row, last row) of each launch: one for int4, for a decoding plan and
+    where the residual2 centroid table fits `_CENTROID_TABLE_BYTES` (no host synchronisation), else whole
+    queries a chunk."""
     nq, rows = query_offsets.numel() - 1, q8.shape[0]
-    per_row = 0 if codebook is None else 4 * codebook.centroids.shape[0]
+    per_row = 0 if codebook is None or tiles.decode else 4 * codebook.centroids.shape[0]
     if rows * per_row <= _CENTROID_TABLE_BYTES:
         return [(0, nq, 0, rows)]
     fitting = max(1, _CENTROID_TABLE_BYTES // per_row)
@@ -954,14 +1036,13 @@ def _launch_varlen(
     out = torch.empty((nq, nd), dtype=torch.float32, device=codes.device)
     if nq == 0 or nd == 0:
         return out
-    chunks = _query_chunks(codebook, q8, query_offsets)
+    tiles = tiles or (_FEW_ROWS[codec] if q8.shape[0] <= _FEW_ROWS_MAX else _ALL_PAIRS)
+    chunks = _query_chunks(codebook, q8, query_offsets, tiles)
     for q_first, q_last, r_first, r_last in chunks:
-        whole = len(chunks) == 1
-        offsets = _rebased(query_offsets, q_first, q_last, whole)
+        offsets = _rebased(query_offsets, q_first, q_last, len(chunks) == 1)
         _launch_varlen_chunk(
             codec, dim, q8[r_first:r_last], sq[r_first:r_last], offsets, codes, doc_scales, doc_offsets,
-            codebook, out[q_first:q_last], tiles or (_FEW_ROWS[codec] if r_last - r_first <= _FEW_ROWS_MAX
-                                                      else _ALL_PAIRS),
+            codebook, out[q_first:q_last], tiles,
         )  # fmt: skip
     return out
 
@@ -977,15 +1058,16 @@ def _launch_varlen_chunk(codec, dim, q8, sq, query_offsets, codes, doc_scales, d
         per_group = min(_MAX_QUERIES_PER_GROUP, cap // mean, triton.next_power_of_2(nq))
         block_q = max(16, min(cap, per_group * mean))
     n_groups = cdiv(nq, per_group)
-    la = _launch_args(q8, codes, doc_scales, codebook)
+    la = _launch_args(q8, codes, doc_scales, codebook, tiles.decode)
     launch_fitting_shared_memory(
         _maxsim_codes_varlen_kernel, (n_groups * cdiv(nd, tiles.docs_per_prog),),
-        la.q, sq, query_offsets, codes, la.scales_or_codes, doc_offsets, la.table, out,
+        la.q, sq, query_offsets, codes, la.scales_or_codes, doc_offsets, la.table, la.weights, out,
         nq, n_groups, nd, la.n_centroids, dim,
         la.stride_q, codes.stride(0), out.stride(0), la.stride_plane, la.stride_table, la.plane_scale,
         CODEC=la.codec_id, DOCS_PER_PROG=tiles.docs_per_prog, BLOCK_Q=block_q, BLOCK_D=tiles.block_d,
         BLOCK_K=_part_width(codec, dim), QUERIES_PER_GROUP=per_group, MAX_Q=max(2, per_group),
-        DOC_MAJOR=tiles.doc_major, ASM=la.asm, num_warps=tiles.warps, num_stages=tiles.stages,
+        DOC_MAJOR=tiles.doc_major, ASM=la.asm, DECODE=tiles.decode, num_warps=tiles.warps,
+        num_stages=tiles.stages,
     )  # fmt: skip
 
 
@@ -1010,7 +1092,7 @@ def _launch_candidates(
     if n_cand == 0:
         return out
     tiles = tiles or _CANDIDATES
-    chunks = _query_chunks(codebook, q8, query_offsets)
+    chunks = _query_chunks(codebook, q8, query_offsets, tiles)
     cand_host = candidate_offsets.tolist() if len(chunks) > 1 else [0] * (query_offsets.numel())
     for q_first, q_last, r_first, r_last in chunks:
         whole = len(chunks) == 1
@@ -1022,17 +1104,17 @@ def _launch_candidates(
         nq = q_off.numel() - 1
         mean = triton.next_power_of_2(max(1, -(-q8c.shape[0] // nq)))
         block_q = max(16, min(_query_rows_cap(tiles, codec, dim), mean))
-        la = _launch_args(q8c, codes, doc_scales, codebook)
+        la = _launch_args(q8c, codes, doc_scales, codebook, tiles.decode)
         launch_fitting_shared_memory(
             _maxsim_codes_candidates_kernel, (cdiv(c_last - c_first, tiles.docs_per_prog),),
             la.q, sqc, q_off, _rebased(candidate_offsets, q_first, q_last, whole),
-            candidate_docs[c_first:c_last], codes, la.scales_or_codes, doc_offsets, la.table,
+            candidate_docs[c_first:c_last], codes, la.scales_or_codes, doc_offsets, la.table, la.weights,
             out[c_first:c_last],
             nq, c_last - c_first, doc_offsets.numel() - 1, la.n_centroids, dim,
             la.stride_q, codes.stride(0), la.stride_plane, la.stride_table, la.plane_scale,
             CODEC=la.codec_id, CANDS_PER_PROG=tiles.docs_per_prog, BLOCK_Q=block_q, BLOCK_D=tiles.block_d,
-            BLOCK_K=_part_width(codec, dim), DOC_MAJOR=tiles.doc_major, ASM=la.asm, num_warps=tiles.warps,
-            num_stages=tiles.stages,
+            BLOCK_K=_part_width(codec, dim), DOC_MAJOR=tiles.doc_major, ASM=la.asm, DECODE=tiles.decode,
+            num_warps=tiles.warps, num_stages=tiles.stages,
         )  # fmt: skip
     return out
 

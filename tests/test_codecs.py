@@ -11,7 +11,8 @@ the per-token maxima. Each rounding is at most 2^-24 of the magnitude it touches
 per (query, document) pair. The residual2 scan kernels take the query side of `residual2_query_tables`:
 a centroid table rounded once to fp32, and query planes q8 * D_v rounded to fp16 (2^-11 relative, 2^-25
 * 2^e absolute below fp16's normal range) whose products with the documents' bit planes are accumulated
-in fp32 over 3 * dim terms; `_bound` adds those roundings for them (`_planes_bound`).
+in fp32 over 3 * dim terms; `_bound` adds those roundings for them (`_planes_bound`), and the decoding
+plans' rounding of each value to fp16 (2^-11 of sum_k |q8[i, k] * x[j, k]|).
 """
 
 from __future__ import annotations
@@ -91,8 +92,9 @@ def _bound(queries, q_off, enc: dict) -> torch.Tensor:
     dim = queries.shape[1]
     factor = (dim + int(q_lens.max()) + 3) * 2.0**-24
     bound = (factor * per_query)[:, None] + 1e-30
-    if "codebook" in enc:
-        bound = bound + _planes_bound(q8, sq, q_lens, enc["codebook"])[:, None]
+    if "codebook" in enc:  # the bit planes' roundings, or the decoding kernels' fp16 values (2^-11)
+        extra = _planes_bound(q8, sq, q_lens, enc["codebook"]) + 2.0**-11 * per_query
+        bound = bound + extra[:, None]
     return bound
 
 
@@ -179,6 +181,10 @@ PLANS = {
     "few-rows-doc-major": dict(_FEW_ROWS_MAX=64, _FEW_ROWS=(64, 16, 4, 4, 1, True)),
     "long-queries-doc-major": dict(_FEW_ROWS_MAX=0, _ALL_PAIRS=(16, 16, 2, 4, 1, True)),
     "candidate-runs-doc-major": dict(_CANDIDATES=(64, 16, 2, 4, 1, True)),
+    # residual2 with the values decoded in place of the bit planes (int4: the same kernels as above)
+    "all-pairs-decode": dict(_FEW_ROWS_MAX=0, _ALL_PAIRS=(32, 16, 2, 4, 1, False, True)),
+    "long-queries-decode": dict(_FEW_ROWS_MAX=0, _ALL_PAIRS=(16, 16, 2, 4, 1, True, True)),
+    "candidate-runs-decode": dict(_CANDIDATES=(64, 16, 2, 4, 1, False, True)),
 }
 
 
@@ -232,7 +238,8 @@ def test_residual2_centroid_tables_split_over_launches(device, monkeypatch):
     enc = _encoded("residual2", docs, gen, k=6)
     codes = enc.pop("docs")
     monkeypatch.setattr(maxsim_codes, "_CENTROID_TABLE_BYTES", 5 * 6 * 4)  # 5 rows: the 9-row query alone
-    assert [c[:2] for c in maxsim_codes._query_chunks(enc["codebook"], queries, q_off)] == [
+    chunks = maxsim_codes._query_chunks(enc["codebook"], queries, q_off, maxsim_codes._CANDIDATES)
+    assert [c[:2] for c in chunks] == [
         (0, 1), (1, 2), (2, 4), (4, 5)
     ]  # fmt: skip
     reference = maxsim_codes_reference(queries, q_off, codes, d_off, **enc)
