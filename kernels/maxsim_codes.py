@@ -496,20 +496,20 @@ def _code_tile(
                 sim = acc + extra[:, None]
             else:
                 sim = acc + extra[None, :]
-            return sim
-        for p in tl.static_range(4):
-            b0, b1, both = _bucket_planes(packed, p, ASM)
-            acc = _product(acc, b0, qp[3 * p], DOC_MAJOR)
-            acc = _product(acc, b1, qp[3 * p + 1], DOC_MAJOR)
-            acc = _product(acc, both, qp[3 * p + 2], DOC_MAJOR)
-        if DOC_MAJOR:
-            at = qc_ptr + cid[:, None] * stride_qc + rows[None, :]
-            centroid = tl.load(at, mask=id_ok[:, None] & row_ok[None, :], other=0.0)
-            sim = acc * plane_scale + centroid + extra[:, None]
         else:
-            at = qc_ptr + cid[None, :] * stride_qc + rows[:, None]
-            centroid = tl.load(at, mask=id_ok[None, :] & row_ok[:, None], other=0.0)
-            sim = acc * plane_scale + centroid + extra[None, :]
+            for p in tl.static_range(4):
+                b0, b1, both = _bucket_planes(packed, p, ASM)
+                acc = _product(acc, b0, qp[3 * p], DOC_MAJOR)
+                acc = _product(acc, b1, qp[3 * p + 1], DOC_MAJOR)
+                acc = _product(acc, both, qp[3 * p + 2], DOC_MAJOR)
+            if DOC_MAJOR:
+                at = qc_ptr + cid[:, None] * stride_qc + rows[None, :]
+                centroid = tl.load(at, mask=id_ok[:, None] & row_ok[None, :], other=0.0)
+                sim = acc * plane_scale + centroid + extra[:, None]
+            else:
+                at = qc_ptr + cid[None, :] * stride_qc + rows[:, None]
+                centroid = tl.load(at, mask=id_ok[None, :] & row_ok[:, None], other=0.0)
+                sim = acc * plane_scale + centroid + extra[None, :]
         return sim
 
 
