@@ -916,15 +916,17 @@ def _part_width(codec: str, dim: int) -> int:
 
 
 # Shared memory for a program's query tile at most (int4: two parts of int8; residual2: 4 parts x 3 planes
-# of fp16): the all-pairs plan's 256 rows at dim 128 take 32 KB (int4) and 192 KB (residual2, capped at
-# 128 rows: 96 KB). H100: residual2 at dim 384 with 256 rows once asked for 311 KB of the 227 KB an SM has.
+# of fp16, or 4 parts of fp16 where the plan decodes): the all-pairs plan's 256 rows at dim 128 take 32 KB
+# (int4) and 64 KB (residual2, decoding); 256 rows of bit planes would take 192 KB (capped at 128: 96 KB).
+# H100: residual2 at dim 384 with 256 rows once asked for 311 KB of the 227 KB an SM has.
 _QUERY_TILE_BYTES = 96 << 10
 
 
 def _query_rows_cap(tiles: Tiles, codec: str, dim: int) -> int:
     """The query rows a program takes at most: the plan's, fewer where its query tile would pass
     `_QUERY_TILE_BYTES` (wide rows)."""
-    row_bytes = _part_width(codec, dim) * (2 if codec == "int4" else 24)
+    parts_bytes = 2 if codec == "int4" else (8 if tiles.decode else 24)  # int8 x 2, fp16 x 4, fp16 x 12
+    row_bytes = _part_width(codec, dim) * parts_bytes
     fitting = 1 << max(4, (_QUERY_TILE_BYTES // row_bytes).bit_length() - 1)  # a power of two, >= 16
     return min(tiles.block_q, fitting)
 

@@ -596,15 +596,15 @@ def test_query_tiles_of_wide_rows_are_capped_to_fit_shared_memory() -> None:
     not fit an H100's shared memory)."""
     from maxsim_kernels.maxsim_codes import _ALL_PAIRS, _query_rows_cap
 
+    planes = _ALL_PAIRS._replace(decode=False)
     assert (_query_rows_cap(_ALL_PAIRS, "int4", 128), _query_rows_cap(_ALL_PAIRS, "residual2", 128)) == (
         256,
-        128,
+        256,
     )
-    assert (_query_rows_cap(_ALL_PAIRS, "int4", 384), _query_rows_cap(_ALL_PAIRS, "residual2", 384)) == (
-        128,
-        32,
-    )
-    assert _query_rows_cap(_ALL_PAIRS, "residual2", 1024) == 16
+    assert _query_rows_cap(planes, "residual2", 128) == 128
+    assert (_query_rows_cap(_ALL_PAIRS, "int4", 384), _query_rows_cap(planes, "residual2", 384)) == (128, 32)
+    assert _query_rows_cap(_ALL_PAIRS, "residual2", 384) == 64
+    assert _query_rows_cap(planes, "residual2", 1024) == 16
 
 
 def _bucket_error(residuals: torch.Tensor, cutoffs: torch.Tensor, weights: torch.Tensor) -> float:
