@@ -305,6 +305,131 @@ def test_where_with_devices_cpu2_is_the_single_process_run(data, tmp_path) -> No
 
 
 # --------------------------------------------------------------------------------------------------
+# maxsim compact keeps the metadata columns
+
+
+def _metadata_of(path: str) -> pa.Table:
+    """A shard file's id column and metadata columns, as pyarrow reads them."""
+    table = pq.read_table(path) if path.endswith(".parquet") else pa.ipc.open_file(path).read_all()
+    return table.select(["id"] + [n for n in table.column_names if n not in ("id", "embedding", "length")])
+
+
+def _changed_corpus(data, folder) -> list[str]:
+    """``data``'s shards as a corpus folder with a third of the documents deleted; the deleted ids."""
+    import shutil
+
+    from maxsim_cli.shards import write_manifest
+
+    folder.mkdir()
+    for path in data["paths"]:
+        shutil.copy(path, folder)
+    write_manifest(folder)
+    gone = sorted(data["docs"])[::3]
+    (folder.parent / "gone").write_text("\n".join(gone) + "\n")
+    assert _cli("delete", str(folder), "--ids", str(folder.parent / "gone")).exit_code == 0
+    return gone
+
+
+def _cli(*args: str, input: str | None = None):
+    from typer.testing import CliRunner
+
+    from maxsim_cli.cli import app
+
+    return CliRunner().invoke(app, list(args), input=input)
+
+
+def test_compact_carries_the_metadata_columns(data, tmp_path, monkeypatch) -> None:
+    """A compacted Arrow / Parquet shard holds the surviving documents' metadata rows, with the columns'
+    names and types, read and written a small batch at a time: --where gives the run it gave before the
+    compact, byte for byte."""
+    from maxsim_cli.shards import edit, sinks
+
+    folder = tmp_path / "corpus"
+    gone = set(_changed_corpus(data, folder))
+    expected = []
+    for path in data["paths"]:
+        table = _metadata_of(path)
+        expected.append(table.filter(pc.invert(pc.is_in(table.column("id"), pa.array(sorted(gone))))))
+    condition = "lang == 'en' or year >= 2018 or starts_with(title, 'A')"
+    before = _score_bytes(tmp_path, data["queries"], str(folder), "--where", condition)
+    # batches of a few documents read, and record batches of 5 written, across the 8-document chunks
+    monkeypatch.setattr(edit, "COMPACT_BATCH_BYTES", 64)
+    monkeypatch.setattr(sinks.RecordSink, "FLUSH_DOCS", 5)
+    result = _cli("compact", str(folder), "--threshold", "0")
+    assert result.exit_code == 0 and "compacted 3 shards" in result.output, result.output
+    assert _score_bytes(tmp_path, data["queries"], str(folder), "--where", condition) == before
+    with open_corpus(folder) as corpus:
+        assert corpus.num_deleted == 0
+        paths = list(corpus.paths)
+    for path, want in zip(paths, expected, strict=True):
+        got = _metadata_of(path)
+        assert got.schema.equals(want.schema) and got.equals(want), path
+        assert path.endswith(".parquet") or pa.ipc.open_file(path).num_record_batches > 1
+
+
+def test_compact_leaves_a_shard_without_metadata_columns_without(data, tmp_path) -> None:
+    """A corpus of shards with and without metadata columns stays so: --where is refused on it before
+    the compact and after, naming the shard without."""
+    import shutil
+
+    from maxsim_cli.shards import write_manifest
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    ids = [f"plain{i}" for i in range(6)]
+    write_shard(folder / "a.arrow", ids, [data["docs"]["doc001"]] * 6, dtype="float16")
+    shutil.copy(data["paths"][1], folder)
+    write_manifest(folder)
+    assert _cli("delete", str(folder), "--ids", "-", input="plain0\ndoc001\n").exit_code == 0
+    refusals = []
+    for _ in range(2):
+        result = invoke(data["queries"], str(folder), "--where", "year > 2015", "-o", "-")
+        assert result.exit_code == 1
+        refusals.append(result.output)
+        assert _cli("compact", str(folder), "--threshold", "0").exit_code == 0
+    assert [r.split("a.arrow: ", 1)[1] for r in refusals] == [refusals[0].split("a.arrow: ", 1)[1]] * 2
+    with open_corpus(folder) as corpus:
+        assert [len(s.metadata_schema()) for s in corpus.shards] == [0, 3]
+
+
+def test_a_writer_writes_metadata_columns(tmp_path, monkeypatch) -> None:
+    """`ShardWriter(metadata_columns=)`: rows given with each add, dictionary columns kept dictionaries
+    (one dictionary grown across the record batches of an IPC file), every misuse one line."""
+    import numpy as np
+
+    from maxsim_cli.shards import ShardWriter, sinks
+
+    monkeypatch.setattr(sinks.RecordSink, "FLUSH_DOCS", 2)
+    schema = pa.schema([("tag", pa.dictionary(pa.int32(), pa.string())), ("n", pa.int16())])
+    rows = [
+        pa.table({"tag": pa.array(["x", "y", "x"]).dictionary_encode(), "n": [1, 2, None]}).cast(schema),
+        pa.table({"tag": pa.array(["z", "y"]).dictionary_encode(), "n": [4, 5]}).cast(schema),
+    ]
+    vectors = np.ones((2, 4), dtype=np.float32)
+    for suffix in ("arrow", "parquet"):
+        path = tmp_path / f"s.{suffix}"
+        with ShardWriter(path, 4, "float32", metadata_columns=schema) as writer:
+            writer.add(["a", "b", "c"], [vectors] * 3, metadata_columns=rows[0])
+            writer.add(["d", "e"], [vectors] * 2, metadata_columns=rows[1])
+        got = _metadata_of(str(path))
+        assert got.column("id").to_pylist() == list("abcde")
+        assert got.schema.field("tag").type == schema.field("tag").type
+        assert got.column("tag").to_pylist() == ["x", "y", "x", "z", "y"]
+        assert got.column("n").to_pylist() == [1, 2, None, 4, 5]
+    with pytest.raises(InputError, match="holds no metadata columns"):
+        ShardWriter(tmp_path / "s.safetensors", 4, "float32", metadata_columns=schema)
+    with pytest.raises(InputError, match="'length' is a column of the shard's own"):
+        ShardWriter(tmp_path / "t.arrow", 4, "float32", metadata_columns=pa.schema([("length", pa.int8())]))
+    writer = ShardWriter(tmp_path / "t.arrow", 4, "float32", metadata_columns=schema)
+    with pytest.raises(InputError, match="2 rows for 3 documents"):
+        writer.add(["a", "b", "c"], [vectors] * 3, metadata_columns=rows[1])
+    assert not (tmp_path / "t.arrow").exists()
+    writer = ShardWriter(tmp_path / "t.arrow", 4, "float32", metadata_columns=schema)
+    with pytest.raises(InputError, match="column 'n' of type int16"):
+        writer.add(["a"], [vectors], metadata_columns=pa.table({"tag": rows[1]["tag"][:1], "n": [1]}))
+
+
+# --------------------------------------------------------------------------------------------------
 # maxsim serve
 
 
