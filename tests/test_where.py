@@ -12,7 +12,7 @@ import pytest
 from test_score import TORCH_DTYPES, invoke, make_corpus, make_queries
 
 from maxsim_cli import open_corpus, rerank, search
-from maxsim_cli.errors import InputError, UsageError
+from maxsim_cli.errors import InputError, MaxsimWarning, UsageError
 from maxsim_cli.scoring import where as where_mod
 from maxsim_cli.scoring.where import parse_where
 from maxsim_cli.shards import write_shard
@@ -507,12 +507,123 @@ def test_a_bad_served_where_is_a_422(data, served, extra, fragment) -> None:
     assert_one_line_error(answer, 422, fragment)
 
 
-def test_a_served_rerank_takes_no_where(data, served) -> None:
+def _rerank_body(data, condition: str, **extra) -> tuple[dict, dict[str, list[str]]]:
+    """A served rerank's JSON body: each query's candidates a third of the corpus and a docno that is not
+    in it, with ``where`` and ``extra``; and the candidates."""
+    queries = _query_json(data)
+    ids = sorted(data["docs"])
+    candidates = {q["qid"]: [*ids[i::3], "no-such-doc"] for i, q in enumerate(queries[:3])}
+    return {"queries": queries[:3], "candidates": candidates, "where": condition, **extra}, candidates
+
+
+@pytest.mark.parametrize("path", ["direct", "library"])
+def test_a_served_rerank_takes_where(data, served, monkeypatch, path) -> None:
+    """The candidates the condition does not hold for are dropped, as the library's rerank drops them:
+    not missing, the rest scored as they are; with include, what both allow. On both scoring paths."""
+    from maxsim_cli.scoring import dispatch
+
+    if path == "library":
+        monkeypatch.setattr(
+            dispatch, "plan_served_rerank", lambda *a: dispatch.Plan(dispatch.LIBRARY, ("cpu",))
+        )
+    client, corpus = served
+    condition = "lang == 'en' or year < 2014"
+    for extra in ({}, {"include": sorted(data["docs"])[::2]}):
+        body, candidates = _rerank_body(data, condition, **extra)
+        answer = client.post("/rerank", json=body)
+        assert answer.status_code == 200, answer.text
+        with pytest.warns(MaxsimWarning, match="no-such-doc"):
+            want = rerank(data["queries"], corpus, candidates, where=condition, **extra).to_dict()
+        assert hits_of_json(answer.json()) == {q: want.get(q, []) for q in candidates}
+        missing = [] if extra else ["no-such-doc"]  # include drops it with the others it leaves out
+        assert all(r["missing"] == missing for r in answer.json()["results"])
+        kept = [d for d, _ in hits_of_json(answer.json())["q0"]]
+        assert kept and all(_meta(d)["lang"] == "en" or _meta(d)["year"] < 2014 for d in kept)
+
+
+def hits_of_json(answer: dict) -> dict[str, list[tuple[str, float]]]:
+    from test_serve import hits_of
+
+    return hits_of(answer)
+
+
+def test_a_served_arrow_rerank_takes_where_in_the_query_string(data, served, tmp_path) -> None:
+    from urllib.parse import quote
+
+    from test_serve import ARROW_TYPE, arrow_stream
+
+    from maxsim_cli import read_queries
+
+    client, corpus = served
+    condition = "year >= 2016"
+    _, candidates = _rerank_body(data, condition)
+    queries = read_queries(data["queries"])
+    body = arrow_stream(queries, [0, 1, 2], tmp_path, [candidates[q] for q in queries.ids[:3]])
+    answer = client.post(
+        f"/rerank?where={quote(condition)}", content=body, headers={"Content-Type": ARROW_TYPE}
+    )
+    assert answer.status_code == 200, answer.text
+    with pytest.warns(MaxsimWarning, match="no-such-doc"):
+        want = rerank(data["queries"], corpus, candidates, where=condition).to_dict()
+    assert hits_of_json(answer.json()) == {q: want.get(q, []) for q in candidates}
+
+
+@pytest.mark.parametrize(
+    ("where", "fragment"),
+    [
+        ("__import__('os')", "the function __import__"),
+        ("colour == 'red'", "no metadata column 'colour'"),
+        ("lang == 1", "lang is string"),
+        (3, "where"),
+        ("x" * 5000, "where"),
+    ],
+)
+def test_a_bad_served_rerank_where_is_a_422(data, served, where, fragment) -> None:
     from test_serve import assert_one_line_error
 
     client, _ = served
-    body = {"queries": _query_json(data)[:1], "candidates": {"q0": ["doc001"]}, "where": "year > 1"}
-    assert_one_line_error(client.post("/rerank", json=body), 422, "where: unknown field")
+    body = {"queries": _query_json(data)[:1], "candidates": {"q0": ["doc001"]}, "where": where}
+    answer = client.post("/rerank", json=body)
+    assert_one_line_error(answer, 422, fragment)
+    assert "--where" not in answer.json()["detail"]
+
+
+def test_a_rerank_batch_with_a_bad_where_fails_that_request_alone(data, served) -> None:
+    """Reranks of one batch with different conditions each keep their own candidates; one whose condition
+    names a column the shards lack fails alone, the batch not split."""
+    import asyncio
+
+    from test_serve import Batcher, Counters, Parsed
+
+    from maxsim_cli import read_queries
+    from maxsim_cli.service.batching import Scorer
+
+    _, corpus = served
+    queries = read_queries(data["queries"])
+    ids = sorted(data["docs"])
+    candidates = {qid: ids[i::4] for i, qid in enumerate(queries.ids)}
+    wheres = ["lang == 'en'", "colour == 'red'", None, "year < 2015"]
+    requests = [Parsed(queries, None, dict(candidates), where=where) for where in wheres]
+    counters = Counters()
+
+    async def main() -> list:
+        batcher = Batcher(Scorer(corpus, counters=counters), window_s=0.5, max_queries=64)
+        await batcher.start()
+        try:
+            return await asyncio.gather(
+                *(batcher.submit("rerank", r) for r in requests), return_exceptions=True
+            )
+        finally:
+            await batcher.close()
+
+    answers = asyncio.run(main())
+    assert counters.batches == 1 and counters.splits == 0
+    assert isinstance(answers[1], InputError) and "colour" in str(answers[1])
+    for where, answer in zip(wheres, answers, strict=True):
+        if where == "colour == 'red'":
+            continue
+        alone = rerank(queries, corpus, candidates, where=where).to_dict()
+        assert {qid: list(hits) for qid, hits, _ in answer} == {q: alone.get(q, []) for q in queries.ids}
 
 
 def test_the_where_limits_agree() -> None:
@@ -575,3 +686,10 @@ def test_where_crosses_to_the_scoring_process(data) -> None:
     header["where"] = 5
     with pytest.raises(Exception, match="where"):
         checked_from_frame(header, frame[8 + head_len :])
+    body = {"queries": [query_json(queries, 0)], "candidates": {"q0": ["doc001"]}, "where": "year > 2015"}
+    frame = request_frame(
+        8, "rerank", check_request("rerank", None, json_mod.dumps(body).encode(), {}, queries.dim)
+    )
+    head_len = int.from_bytes(frame[:4], "little")
+    header = json_mod.loads(frame[8 : 8 + head_len])
+    assert checked_from_frame(header, frame[8 + head_len :]).where == "year > 2015"
