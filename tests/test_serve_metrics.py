@@ -335,7 +335,8 @@ def test_the_schema_describes_every_route_and_its_errors(served) -> None:
         validator(spec, content["application/json"]["schema"]["$ref"].rsplit("/", 1)[1])(example)
     search_parameters = {p["name"] for p in spec["paths"]["/search"]["post"]["parameters"]}
     assert search_parameters == {"k", "explain", "depth", "where"}
-    assert {p["name"] for p in spec["paths"]["/rerank"]["post"]["parameters"]} == {"k", "strict", "explain"}
+    rerank_parameters = {p["name"] for p in spec["paths"]["/rerank"]["post"]["parameters"]}
+    assert rerank_parameters == {"k", "strict", "explain", "where"}
     for path in ("/health", "/metrics"):
         assert "401" in spec["paths"][path]["get"]["responses"]
     assert "security" not in spec

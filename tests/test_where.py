@@ -12,7 +12,7 @@ import pytest
 from test_score import TORCH_DTYPES, invoke, make_corpus, make_queries
 
 from maxsim_cli import open_corpus, rerank, search
-from maxsim_cli.errors import InputError, UsageError
+from maxsim_cli.errors import InputError, MaxsimWarning, UsageError
 from maxsim_cli.scoring import where as where_mod
 from maxsim_cli.scoring.where import parse_where
 from maxsim_cli.shards import write_shard
@@ -305,6 +305,131 @@ def test_where_with_devices_cpu2_is_the_single_process_run(data, tmp_path) -> No
 
 
 # --------------------------------------------------------------------------------------------------
+# maxsim compact keeps the metadata columns
+
+
+def _metadata_of(path: str) -> pa.Table:
+    """A shard file's id column and metadata columns, as pyarrow reads them."""
+    table = pq.read_table(path) if path.endswith(".parquet") else pa.ipc.open_file(path).read_all()
+    return table.select(["id"] + [n for n in table.column_names if n not in ("id", "embedding", "length")])
+
+
+def _changed_corpus(data, folder) -> list[str]:
+    """``data``'s shards as a corpus folder with a third of the documents deleted; the deleted ids."""
+    import shutil
+
+    from maxsim_cli.shards import write_manifest
+
+    folder.mkdir()
+    for path in data["paths"]:
+        shutil.copy(path, folder)
+    write_manifest(folder)
+    gone = sorted(data["docs"])[::3]
+    (folder.parent / "gone").write_text("\n".join(gone) + "\n")
+    assert _cli("delete", str(folder), "--ids", str(folder.parent / "gone")).exit_code == 0
+    return gone
+
+
+def _cli(*args: str, input: str | None = None):
+    from typer.testing import CliRunner
+
+    from maxsim_cli.cli import app
+
+    return CliRunner().invoke(app, list(args), input=input)
+
+
+def test_compact_carries_the_metadata_columns(data, tmp_path, monkeypatch) -> None:
+    """A compacted Arrow / Parquet shard holds the surviving documents' metadata rows, with the columns'
+    names and types, read and written a small batch at a time: --where gives the run it gave before the
+    compact, byte for byte."""
+    from maxsim_cli.shards import edit, sinks
+
+    folder = tmp_path / "corpus"
+    gone = set(_changed_corpus(data, folder))
+    expected = []
+    for path in data["paths"]:
+        table = _metadata_of(path)
+        expected.append(table.filter(pc.invert(pc.is_in(table.column("id"), pa.array(sorted(gone))))))
+    condition = "lang == 'en' or year >= 2018 or starts_with(title, 'A')"
+    before = _score_bytes(tmp_path, data["queries"], str(folder), "--where", condition)
+    # batches of a few documents read, and record batches of 5 written, across the 8-document chunks
+    monkeypatch.setattr(edit, "COMPACT_BATCH_BYTES", 64)
+    monkeypatch.setattr(sinks.RecordSink, "FLUSH_DOCS", 5)
+    result = _cli("compact", str(folder), "--threshold", "0")
+    assert result.exit_code == 0 and "compacted 3 shards" in result.output, result.output
+    assert _score_bytes(tmp_path, data["queries"], str(folder), "--where", condition) == before
+    with open_corpus(folder) as corpus:
+        assert corpus.num_deleted == 0
+        paths = list(corpus.paths)
+    for path, want in zip(paths, expected, strict=True):
+        got = _metadata_of(path)
+        assert got.schema.equals(want.schema) and got.equals(want), path
+        assert path.endswith(".parquet") or pa.ipc.open_file(path).num_record_batches > 1
+
+
+def test_compact_leaves_a_shard_without_metadata_columns_without(data, tmp_path) -> None:
+    """A corpus of shards with and without metadata columns stays so: --where is refused on it before
+    the compact and after, naming the shard without."""
+    import shutil
+
+    from maxsim_cli.shards import write_manifest
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    ids = [f"plain{i}" for i in range(6)]
+    write_shard(folder / "a.arrow", ids, [data["docs"]["doc001"]] * 6, dtype="float16")
+    shutil.copy(data["paths"][1], folder)
+    write_manifest(folder)
+    assert _cli("delete", str(folder), "--ids", "-", input="plain0\ndoc001\n").exit_code == 0
+    refusals = []
+    for _ in range(2):
+        result = invoke(data["queries"], str(folder), "--where", "year > 2015", "-o", "-")
+        assert result.exit_code == 1
+        refusals.append(result.output)
+        assert _cli("compact", str(folder), "--threshold", "0").exit_code == 0
+    assert [r.split("a.arrow: ", 1)[1] for r in refusals] == [refusals[0].split("a.arrow: ", 1)[1]] * 2
+    with open_corpus(folder) as corpus:
+        assert [len(s.metadata_schema()) for s in corpus.shards] == [0, 3]
+
+
+def test_a_writer_writes_metadata_columns(tmp_path, monkeypatch) -> None:
+    """`ShardWriter(metadata_columns=)`: rows given with each add, dictionary columns kept dictionaries
+    (one dictionary grown across the record batches of an IPC file), every misuse one line."""
+    import numpy as np
+
+    from maxsim_cli.shards import ShardWriter, sinks
+
+    monkeypatch.setattr(sinks.RecordSink, "FLUSH_DOCS", 2)
+    schema = pa.schema([("tag", pa.dictionary(pa.int32(), pa.string())), ("n", pa.int16())])
+    rows = [
+        pa.table({"tag": pa.array(["x", "y", "x"]).dictionary_encode(), "n": [1, 2, None]}).cast(schema),
+        pa.table({"tag": pa.array(["z", "y"]).dictionary_encode(), "n": [4, 5]}).cast(schema),
+    ]
+    vectors = np.ones((2, 4), dtype=np.float32)
+    for suffix in ("arrow", "parquet"):
+        path = tmp_path / f"s.{suffix}"
+        with ShardWriter(path, 4, "float32", metadata_columns=schema) as writer:
+            writer.add(["a", "b", "c"], [vectors] * 3, metadata_columns=rows[0])
+            writer.add(["d", "e"], [vectors] * 2, metadata_columns=rows[1])
+        got = _metadata_of(str(path))
+        assert got.column("id").to_pylist() == list("abcde")
+        assert got.schema.field("tag").type == schema.field("tag").type
+        assert got.column("tag").to_pylist() == ["x", "y", "x", "z", "y"]
+        assert got.column("n").to_pylist() == [1, 2, None, 4, 5]
+    with pytest.raises(InputError, match="holds no metadata columns"):
+        ShardWriter(tmp_path / "s.safetensors", 4, "float32", metadata_columns=schema)
+    with pytest.raises(InputError, match="'length' is a column of the shard's own"):
+        ShardWriter(tmp_path / "t.arrow", 4, "float32", metadata_columns=pa.schema([("length", pa.int8())]))
+    writer = ShardWriter(tmp_path / "t.arrow", 4, "float32", metadata_columns=schema)
+    with pytest.raises(InputError, match="2 rows for 3 documents"):
+        writer.add(["a", "b", "c"], [vectors] * 3, metadata_columns=rows[1])
+    assert not (tmp_path / "t.arrow").exists()
+    writer = ShardWriter(tmp_path / "t.arrow", 4, "float32", metadata_columns=schema)
+    with pytest.raises(InputError, match="column 'n' of type int16"):
+        writer.add(["a"], [vectors], metadata_columns=pa.table({"tag": rows[1]["tag"][:1], "n": [1]}))
+
+
+# --------------------------------------------------------------------------------------------------
 # maxsim serve
 
 
@@ -382,12 +507,123 @@ def test_a_bad_served_where_is_a_422(data, served, extra, fragment) -> None:
     assert_one_line_error(answer, 422, fragment)
 
 
-def test_a_served_rerank_takes_no_where(data, served) -> None:
+def _rerank_body(data, condition: str, **extra) -> tuple[dict, dict[str, list[str]]]:
+    """A served rerank's JSON body: each query's candidates a third of the corpus and a docno that is not
+    in it, with ``where`` and ``extra``; and the candidates."""
+    queries = _query_json(data)
+    ids = sorted(data["docs"])
+    candidates = {q["qid"]: [*ids[i::3], "no-such-doc"] for i, q in enumerate(queries[:3])}
+    return {"queries": queries[:3], "candidates": candidates, "where": condition, **extra}, candidates
+
+
+@pytest.mark.parametrize("path", ["direct", "library"])
+def test_a_served_rerank_takes_where(data, served, monkeypatch, path) -> None:
+    """The candidates the condition does not hold for are dropped, as the library's rerank drops them:
+    not missing, the rest scored as they are; with include, what both allow. On both scoring paths."""
+    from maxsim_cli.scoring import dispatch
+
+    if path == "library":
+        monkeypatch.setattr(
+            dispatch, "plan_served_rerank", lambda *a: dispatch.Plan(dispatch.LIBRARY, ("cpu",))
+        )
+    client, corpus = served
+    condition = "lang == 'en' or year < 2014"
+    for extra in ({}, {"include": sorted(data["docs"])[::2]}):
+        body, candidates = _rerank_body(data, condition, **extra)
+        answer = client.post("/rerank", json=body)
+        assert answer.status_code == 200, answer.text
+        with pytest.warns(MaxsimWarning, match="no-such-doc"):
+            want = rerank(data["queries"], corpus, candidates, where=condition, **extra).to_dict()
+        assert hits_of_json(answer.json()) == {q: want.get(q, []) for q in candidates}
+        missing = [] if extra else ["no-such-doc"]  # include drops it with the others it leaves out
+        assert all(r["missing"] == missing for r in answer.json()["results"])
+        kept = [d for d, _ in hits_of_json(answer.json())["q0"]]
+        assert kept and all(_meta(d)["lang"] == "en" or _meta(d)["year"] < 2014 for d in kept)
+
+
+def hits_of_json(answer: dict) -> dict[str, list[tuple[str, float]]]:
+    from test_serve import hits_of
+
+    return hits_of(answer)
+
+
+def test_a_served_arrow_rerank_takes_where_in_the_query_string(data, served, tmp_path) -> None:
+    from urllib.parse import quote
+
+    from test_serve import ARROW_TYPE, arrow_stream
+
+    from maxsim_cli import read_queries
+
+    client, corpus = served
+    condition = "year >= 2016"
+    _, candidates = _rerank_body(data, condition)
+    queries = read_queries(data["queries"])
+    body = arrow_stream(queries, [0, 1, 2], tmp_path, [candidates[q] for q in queries.ids[:3]])
+    answer = client.post(
+        f"/rerank?where={quote(condition)}", content=body, headers={"Content-Type": ARROW_TYPE}
+    )
+    assert answer.status_code == 200, answer.text
+    with pytest.warns(MaxsimWarning, match="no-such-doc"):
+        want = rerank(data["queries"], corpus, candidates, where=condition).to_dict()
+    assert hits_of_json(answer.json()) == {q: want.get(q, []) for q in candidates}
+
+
+@pytest.mark.parametrize(
+    ("where", "fragment"),
+    [
+        ("__import__('os')", "the function __import__"),
+        ("colour == 'red'", "no metadata column 'colour'"),
+        ("lang == 1", "lang is string"),
+        (3, "where"),
+        ("x" * 5000, "where"),
+    ],
+)
+def test_a_bad_served_rerank_where_is_a_422(data, served, where, fragment) -> None:
     from test_serve import assert_one_line_error
 
     client, _ = served
-    body = {"queries": _query_json(data)[:1], "candidates": {"q0": ["doc001"]}, "where": "year > 1"}
-    assert_one_line_error(client.post("/rerank", json=body), 422, "where: unknown field")
+    body = {"queries": _query_json(data)[:1], "candidates": {"q0": ["doc001"]}, "where": where}
+    answer = client.post("/rerank", json=body)
+    assert_one_line_error(answer, 422, fragment)
+    assert "--where" not in answer.json()["detail"]
+
+
+def test_a_rerank_batch_with_a_bad_where_fails_that_request_alone(data, served) -> None:
+    """Reranks of one batch with different conditions each keep their own candidates; one whose condition
+    names a column the shards lack fails alone, the batch not split."""
+    import asyncio
+
+    from test_serve import Batcher, Counters, Parsed
+
+    from maxsim_cli import read_queries
+    from maxsim_cli.service.batching import Scorer
+
+    _, corpus = served
+    queries = read_queries(data["queries"])
+    ids = sorted(data["docs"])
+    candidates = {qid: ids[i::4] for i, qid in enumerate(queries.ids)}
+    wheres = ["lang == 'en'", "colour == 'red'", None, "year < 2015"]
+    requests = [Parsed(queries, None, dict(candidates), where=where) for where in wheres]
+    counters = Counters()
+
+    async def main() -> list:
+        batcher = Batcher(Scorer(corpus, counters=counters), window_s=0.5, max_queries=64)
+        await batcher.start()
+        try:
+            return await asyncio.gather(
+                *(batcher.submit("rerank", r) for r in requests), return_exceptions=True
+            )
+        finally:
+            await batcher.close()
+
+    answers = asyncio.run(main())
+    assert counters.batches == 1 and counters.splits == 0
+    assert isinstance(answers[1], InputError) and "colour" in str(answers[1])
+    for where, answer in zip(wheres, answers, strict=True):
+        if where == "colour == 'red'":
+            continue
+        alone = rerank(queries, corpus, candidates, where=where).to_dict()
+        assert {qid: list(hits) for qid, hits, _ in answer} == {q: alone.get(q, []) for q in queries.ids}
 
 
 def test_the_where_limits_agree() -> None:
@@ -450,3 +686,10 @@ def test_where_crosses_to_the_scoring_process(data) -> None:
     header["where"] = 5
     with pytest.raises(Exception, match="where"):
         checked_from_frame(header, frame[8 + head_len :])
+    body = {"queries": [query_json(queries, 0)], "candidates": {"q0": ["doc001"]}, "where": "year > 2015"}
+    frame = request_frame(
+        8, "rerank", check_request("rerank", None, json_mod.dumps(body).encode(), {}, queries.dim)
+    )
+    head_len = int.from_bytes(frame[:4], "little")
+    header = json_mod.loads(frame[8 : 8 + head_len])
+    assert checked_from_frame(header, frame[8 + head_len :]).where == "year > 2015"

@@ -283,6 +283,53 @@ class Scorer:
         ]
 
     def _rerank(self, jobs: Sequence[Job]) -> list[list[QueryAnswer] | BaseException]:
+        refused = self._drop_outside_where(jobs)
+        if not any(refused):
+            return self._rerank_candidates(jobs)
+        kept = [job for job, error in zip(jobs, refused, strict=True) if error is None]
+        scored = iter(self._rerank_candidates(kept) if kept else ())
+        return [error if error is not None else next(scored) for error in refused]
+
+    def _drop_outside_where(self, jobs: Sequence[Job]) -> list[BaseException | None]:
+        """Each rerank's candidates without those its ``where`` disallows, as the library's `rerank`
+        drops them (`maxsim_cli.scoring.results.drop_disallowed`): a document of the corpus that the
+        condition does not hold for is left out, not missing; a docno not in the corpus stays, to be
+        answered missing. The condition is read over the corpus the candidates are scored from (its masks
+        kept per corpus: `maxsim_cli.scoring.where.matching`). Per job: None, or the error (a column the
+        shards lack, ...) that it alone fails with."""
+        from maxsim_cli.errors import MaxsimError, python_terms
+        from maxsim_cli.scoring.where import matching
+
+        corpus = self.scores_corpus
+        refused: list[BaseException | None] = []
+        for job in jobs:
+            request = job.request
+            refused.append(None)
+            if request.where is None:
+                continue
+            try:
+                with python_terms():  # the request's field is named as the API names it: where
+                    allowed = matching(corpus, request.where)
+            except MaxsimError as exc:
+                refused[-1] = exc
+                continue
+            if not request.candidates:
+                continue
+            lists = list(request.candidates.items())
+            ordinals = corpus.id_lookup().ordinals_of([docno for _, docnos in lists for docno in docnos])
+            keep = (ordinals < 0) | allowed[np.maximum(ordinals, 0)]
+            if keep.all():
+                continue
+            candidates: dict[str, list[str]] = {}
+            start = 0
+            for qid, docnos in lists:
+                kept = keep[start : start + len(docnos)].tolist()
+                start += len(docnos)
+                candidates[qid] = [docno for docno, k in zip(docnos, kept, strict=True) if k]
+            request.candidates = candidates
+        return refused
+
+    def _rerank_candidates(self, jobs: Sequence[Job]) -> list[list[QueryAnswer] | BaseException]:
         from maxsim_cli.scoring import dispatch
 
         asked = sum(_candidate_count(job.request) for job in jobs)  # found ones: at most these

@@ -261,20 +261,20 @@ def _scoring(kind: str, request: type[BaseModel], answer: type[BaseModel], examp
             "schema": {"type": "integer", "minimum": 1, "maximum": (1 << 63) - 1},
         }
     ]
+    parameters.append(
+        {
+            "name": "where",
+            "in": "query",
+            "required": False,
+            "description": (
+                "Filter: a condition on the metadata columns of the corpus's Arrow or Parquet shards, in "
+                "pyarrow's expression syntax, URL-encoded (Arrow bodies only: JSON bodies carry where)"
+                + ("; the candidates it does not hold for are dropped" if kind == "rerank" else "")
+            ),
+            "schema": {"type": "string", "maxLength": MAX_WHERE_CHARS},
+        }
+    )
     if kind == "search":
-        parameters.append(
-            {
-                "name": "where",
-                "in": "query",
-                "required": False,
-                "description": (
-                    "Filter: a condition on the metadata columns of the corpus's Arrow or Parquet shards, "
-                    "in pyarrow's expression syntax, URL-encoded (Arrow bodies only: JSON bodies carry "
-                    "where)"
-                ),
-                "schema": {"type": "string", "maxLength": MAX_WHERE_CHARS},
-            }
-        )
         parameters.append(
             {
                 "name": "depth",

@@ -75,9 +75,10 @@ INCLUDE_HELP = (
 )
 EXCLUDE_HELP = "Filter: these docnos are never returned; with include, include minus exclude."
 WHERE_HELP = (
-    "Filter (a search): a condition on the metadata columns of the corpus's Arrow or Parquet shards, in "
+    "Filter: a condition on the metadata columns of the corpus's Arrow or Parquet shards, in "
     'pyarrow\'s expression syntax (lang == "en" and year >= 2020); only the documents it holds for '
-    "may be returned. With include / exclude: documents allowed by all of them."
+    "may be returned (a rerank: the other candidates are dropped). With include / exclude: documents "
+    "allowed by all of them."
 )
 # the longest "where" a request may carry: `maxsim_cli.scoring.where.MAX_WHERE_CHARS`, written out so
 # that reading a request without one loads no pyarrow.compute
@@ -122,6 +123,7 @@ class RerankIn(_Model):
     explain: bool = False
     include: list[StrictStr] | None = Field(None, description=INCLUDE_HELP)
     exclude: list[StrictStr] | None = Field(None, description=EXCLUDE_HELP)
+    where: StrictStr | None = Field(None, max_length=MAX_WHERE_CHARS, description=WHERE_HELP)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -154,7 +156,8 @@ class Parsed:
         )
 
     depth: int | None = None  # a search of a server with an exact tier: the compressed tier's candidates
-    # a search's condition on the corpus's metadata columns, as text (`maxsim_cli.scoring.where`)
+    # a condition on the corpus's metadata columns, as text (`maxsim_cli.scoring.where`): a search's
+    # filter, or the candidates a rerank keeps (applied by the scorer, which holds the corpus)
     where: str | None = None
 
 
@@ -280,8 +283,9 @@ def _filtered(
 ) -> Checked:
     """``checked`` with its filter (each id checked: not empty, no whitespace; ``where`` read as a
     condition, `maxsim_cli.scoring.where.parse_where`): a search keeps it for the scorer; a rerank's
-    candidates outside it are dropped now (`maxsim_cli.scoring.filters`: as a mask over the corpus would
-    drop them, docnos being unique)."""
+    candidates outside ``include`` / ``exclude`` are dropped now (`maxsim_cli.scoring.filters`: as a mask
+    over the corpus would drop them, docnos being unique), and its ``where``, which reads the corpus's
+    metadata columns, is kept for the scorer (`Scorer._rerank`)."""
     for name, ids in (("include", include), ("exclude", exclude)):
         for docno in ids or ():
             if not docno or len(docno.split()) != 1 or docno.strip() != docno:
@@ -292,8 +296,9 @@ def _filtered(
 
         with python_terms():  # the request's field is named as the API names it: where
             parse_where(where)  # a `UsageError` (422) for what is not a condition, before any scoring
+    checked.where = where
     if checked.candidates is None:
-        checked.include, checked.exclude, checked.where = include, exclude, where
+        checked.include, checked.exclude = include, exclude
         return checked
     if include is not None or exclude is not None:
         keep = set(include) if include is not None else None
@@ -352,7 +357,7 @@ def _read_json_models(kind: str, body: bytes, corpus_dim: int) -> _JsonRequest:
     if isinstance(request, SearchIn):
         return qids, arrays, request.k, {}, False, request.explain, *filter_ids, request.where, request.depth
     rerank = (request.candidates, request.strict, request.explain)
-    return qids, arrays, request.k, *rerank, *filter_ids, None, None
+    return qids, arrays, request.k, *rerank, *filter_ids, request.where, None
 
 
 _KEYS = {
@@ -555,7 +560,7 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
     from maxsim_cli.shards import ArrowShard
     from maxsim_cli.shards.arrow_shards import read_stream
 
-    allowed = ("k", "explain", "depth", "where") if kind == "search" else ("k", "strict", "explain")
+    allowed = ("k", "explain", "depth", "where") if kind == "search" else ("k", "strict", "explain", "where")
     for name in params:
         if name not in allowed:
             raise RequestError(422, f"query-string parameter {name!r}: /{kind} takes {' and '.join(allowed)}")
@@ -602,11 +607,11 @@ def _parse_arrow(kind: str, body: bytes, params: Mapping[str, str], corpus_dim: 
         raise RequestError(422, f"{CANDIDATES}: query {qid!r} has a null docno")
     checked = _check_candidates(candidates, ids)
     checked_rerank = Checked(ids, embeddings, offsets, dtype, scales, k, checked, strict, explain=explain)
-    return _filtered(checked_rerank, include, exclude)
+    return _filtered(checked_rerank, include, exclude, _where_param(params))
 
 
 def _where_param(params: Mapping[str, str]) -> str | None:
-    """An Arrow search's ``where`` query-string parameter (URL-encoded text), bounded in length."""
+    """An Arrow request's ``where`` query-string parameter (URL-encoded text), bounded in length."""
     where = params.get("where")
     if where is not None and len(where) > MAX_WHERE_CHARS:
         raise RequestError(422, f"where: {len(where)} characters; a filter may have {MAX_WHERE_CHARS}")

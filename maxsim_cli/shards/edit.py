@@ -621,6 +621,34 @@ def delete_ids(
 # compact
 
 
+class _MetadataRows:
+    """The metadata columns of a shard's documents, asked for in increasing document order: one record
+    batch / row group of them held at a time (`Shard.metadata_tables`, each validated as it is read)."""
+
+    def __init__(self, shard: Any, schema: Any) -> None:
+        self.path = shard.path
+        self.chunks = shard.metadata_tables(schema.names)
+        self.first = 0
+        self.table: Any = None
+
+    def take(self, docs: np.ndarray) -> Any:
+        """The rows of documents ``docs`` (shard indices, increasing, each past those asked before)."""
+        import pyarrow as pa
+
+        pieces = []
+        i = 0
+        while i < len(docs):
+            while self.table is None or docs[i] >= self.first + self.table.num_rows:
+                chunk = next(self.chunks, None)
+                if chunk is None:
+                    raise input_error(self.path, f"no metadata columns for document index {int(docs[i])}")
+                self.first, self.table = chunk
+            end = int(np.searchsorted(docs, self.first + self.table.num_rows))
+            pieces.append(self.table.take(pa.array(docs[i:end] - self.first)))
+            i = end
+        return pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces)
+
+
 def compact(
     directory: str,
     threshold: float = DEFAULT_THRESHOLD,
@@ -661,6 +689,10 @@ def compact(
                 live = np.setdiff1d(np.arange(entry.num_docs, dtype=np.int64), entry.deleted)
                 name = f"{i:05d}-{os.path.basename(entry.path)}"
                 target = os.path.join(staging, name)
+                # the metadata columns (Arrow, Parquet) come along, the surviving documents' rows
+                carried = shard.metadata_schema()
+                carried = carried if carried is not None and len(carried) else None
+                metadata = None if carried is None else _MetadataRows(shard, carried)
                 with ShardWriter(
                     target,
                     info.dim,
@@ -671,6 +703,7 @@ def compact(
                     patch_start=info.patch_start,
                     quantization=info.quantization,
                     warn_zero_rows=False,
+                    metadata_columns=carried,
                 ) as writer:
                     a = 0
                     while a < len(live):
@@ -678,7 +711,13 @@ def compact(
                         b = int(np.searchsorted(shard.offsets[live + 1], start + batch_tokens, side="right"))
                         b = min(max(b, a + 1), len(live))
                         batch = shard.read_doc_indices(live[a:b])
-                        writer.add(batch.ids, batch.embeddings, offsets=batch.offsets, scales=batch.scales)
+                        writer.add(
+                            batch.ids,
+                            batch.embeddings,
+                            offsets=batch.offsets,
+                            scales=batch.scales,
+                            metadata_columns=None if metadata is None else metadata.take(live[a:b]),
+                        )
                         a = b
                     written = writer.close()
                 done += entry.num_tokens

@@ -139,6 +139,7 @@ def _record_batch(
     values: torch.Tensor,
     lengths: np.ndarray,
     scales: torch.Tensor | None,
+    metadata: pa.Table | None = None,
 ) -> pa.RecordBatch:
     import torch
 
@@ -153,23 +154,40 @@ def _record_batch(
         columns.append(pa.ListArray.from_arrays(list_offsets, scale_values))
     if "length" in schema.names:
         columns.append(values_array(lengths.astype(np.int32)))
+    if metadata is not None:  # the metadata columns, one chunk each (dictionaries unified)
+        combined = metadata.combine_chunks()
+        columns += [
+            column.chunk(0) if column.num_chunks else pa.array([], column.type) for column in combined.columns
+        ]
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
 class RecordSink:
     """Arrow IPC file or Parquet. The counts belong in the schema metadata, which precedes the data, so
     record batches are spilled to a temp IPC stream first and copied (memory-mapped) into the final file
-    at close: bounded memory, twice the disk writes."""
+    at close: bounded memory, twice the disk writes. ``metadata``: the schema of metadata columns written
+    after the shard's own (docs/format.md), whose rows each `add` gives."""
 
     # A record batch / row group is flushed once it holds this many bytes of embeddings or documents:
     # small enough to bound memory, large enough that per-batch overhead is noise.
     FLUSH_BYTES = 16 << 20
     FLUSH_DOCS = 8192
 
-    def __init__(self, path: str, dim: int, dtype: str, fmt: str, scaled: bool | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        dim: int,
+        dtype: str,
+        fmt: str,
+        scaled: bool | None = None,
+        metadata: pa.Schema | None = None,
+    ) -> None:
         self.path, self.dim, self.dtype, self.fmt = path, dim, dtype, fmt
         self.scaled = dtype == "int8" if scaled is None else scaled
         self.schema = arrow_schema(dim, dtype, length_column=fmt == "parquet", scaled=self.scaled)
+        self.metadata = metadata if metadata is not None and len(metadata) else None
+        for field in self.metadata or ():
+            self.schema = self.schema.append(field)
         self.spill: str | None = None
         self.tmp: str | None = None
         try:  # a signal in here (before the caller holds this sink to abort) removes the spill file
@@ -180,14 +198,23 @@ class RecordSink:
             remove_quietly(self.spill)
             raise
         self.pending: list[tuple[list[str], torch.Tensor, np.ndarray, torch.Tensor | None]] = []
+        self.pending_metadata: list[pa.Table] = []
         self.pending_bytes = 0
         self.pending_docs = 0
 
     def add(
-        self, ids: list[str], values: torch.Tensor, lengths: np.ndarray, scales: torch.Tensor | None
+        self,
+        ids: list[str],
+        values: torch.Tensor,
+        lengths: np.ndarray,
+        scales: torch.Tensor | None,
+        metadata: pa.Table | None = None,
     ) -> None:
         self.pending.append((ids, values, lengths, scales))
         self.pending_bytes += values.numel() * values.element_size()
+        if metadata is not None:
+            self.pending_metadata.append(metadata)
+            self.pending_bytes += metadata.nbytes
         self.pending_docs += len(ids)
         if self.pending_bytes >= self.FLUSH_BYTES or self.pending_docs >= self.FLUSH_DOCS:
             self._flush()
@@ -201,10 +228,11 @@ class RecordSink:
         values = torch.cat([p[1] for p in self.pending])
         lengths = np.concatenate([p[2] for p in self.pending])
         scales = torch.cat([p[3] for p in self.pending]) if self.scaled else None  # type: ignore[misc]
+        metadata = pa.concat_tables(self.pending_metadata) if self.metadata is not None else None
         self.writer.write_batch(
-            _record_batch(self.schema, self.dim, self.dtype, ids, values, lengths, scales)
+            _record_batch(self.schema, self.dim, self.dtype, ids, values, lengths, scales, metadata)
         )
-        self.pending, self.pending_bytes, self.pending_docs = [], 0, 0
+        self.pending, self.pending_metadata, self.pending_bytes, self.pending_docs = [], [], 0, 0
 
     def finish(self, ids: list[str], offsets: np.ndarray, meta_keys: dict[str, str]) -> None:
         self._flush()
@@ -222,8 +250,10 @@ class RecordSink:
                     for batch in reader:
                         out.write_batch(batch)
             else:
-                with pa.ipc.new_file(self.tmp, final_schema) as out:
-                    for batch in reader:
+                # an IPC file holds one dictionary a column (growing by deltas): `_one_dictionary`
+                options = pa.ipc.IpcWriteOptions(emit_dictionary_deltas=True)
+                with pa.ipc.new_file(self.tmp, final_schema, options=options) as out:
+                    for batch in _one_dictionary(reader):
                         out.write_batch(batch)
         os.replace(self.tmp, self.path)
         self.tmp = None
@@ -236,3 +266,23 @@ class RecordSink:
             pass
         remove_quietly(self.spill)
         remove_quietly(self.tmp)
+
+
+def _one_dictionary(batches: Any) -> Any:
+    """``batches`` with each dictionary column's dictionary grown from batch to batch (the values of the
+    earlier batches first, the new ones after: what an IPC file's dictionary deltas can say), where the
+    record batches of a stream may each bring a dictionary of their own."""
+    dictionaries: dict[int, pa.Array] = {}
+    for batch in batches:
+        for i, field in enumerate(batch.schema):
+            if not pa.types.is_dictionary(field.type):
+                continue
+            column = batch.column(i)
+            known = dictionaries.get(i)
+            if known is not None and not column.dictionary.equals(known):
+                # unified after the known dictionary, whose values keep their indices
+                before = pa.DictionaryArray.from_arrays(pa.array([], field.type.index_type), known)
+                column = pa.chunked_array([before, column]).unify_dictionaries().chunk(1)
+                batch = batch.set_column(i, field, column)
+            dictionaries[i] = column.dictionary
+        yield batch

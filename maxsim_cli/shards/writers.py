@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
 
 from maxsim_cli.codecs import (
     CODE_QUANTIZATIONS,
@@ -35,6 +36,7 @@ from maxsim_cli.codecs import (
     has_scales,
 )
 from maxsim_cli.errors import InputError, MaxsimError, MaxsimWarning
+from maxsim_cli.shards.arrow_shards import SHARD_COLUMNS
 from maxsim_cli.shards.files import file_sha256, list_shard_files, write_error, write_text_atomic
 from maxsim_cli.shards.format import (
     CORPUS_FORMAT_NAME,
@@ -90,6 +92,10 @@ class ShardWriter:
 
     Documents with all-zero token rows are counted (`zero_row_docs`, `first_zero_row_id`) and `close()`
     warns about them with a `MaxsimWarning` (`warn_zero_rows=False`: the caller reports them).
+
+    `metadata_columns` (Arrow and Parquet): the schema of metadata columns written after the shard's own
+    (docs/format.md, "Metadata columns"); each `add` then gives their rows for its documents, a
+    `pyarrow.Table` (or record batch) with those columns and types.
     """
 
     def __init__(
@@ -106,6 +112,7 @@ class ShardWriter:
         patch_start: int = 0,
         quantization: str | None = None,
         code_metadata: dict[str, str] | None = None,
+        metadata_columns: pa.Schema | None = None,
     ) -> None:
         self.path = os.fspath(path)
         # uint8 embeddings are codes below 8 bits: `quantization` names the codec, `code_metadata` its keys
@@ -143,19 +150,69 @@ class ShardWriter:
         self.first_zero_row_id: str | None = None
         self.warn_zero_rows = warn_zero_rows
         self._closed = False
+        self.metadata_columns = self._check_metadata_schema(metadata_columns)
         meta = self._meta_keys(False)
         self._sink: SafetensorsSink | RecordSink
         try:
             if fmt == "safetensors":
                 self._sink = SafetensorsSink(self.path, self.width, dtype, meta)
             else:
-                self._sink = RecordSink(self.path, self.width, dtype, fmt, has_scales(self.quantization))
+                self._sink = RecordSink(
+                    self.path, self.width, dtype, fmt, has_scales(self.quantization), self.metadata_columns
+                )
         except OSError as exc:  # a full disk, a read-only folder, ...: one line naming the shard
             raise write_error(self.path, exc) from None
 
     @property
     def num_docs(self) -> int:
         return len(self.ids)
+
+    def _check_metadata_schema(self, schema: pa.Schema | None) -> pa.Schema | None:
+        """The metadata columns to write (None: none), each named once and apart from the shard's own."""
+        if schema is None or len(schema) == 0:
+            return None
+        if self.format == "safetensors":
+            raise InputError(
+                f"{self.path}: a safetensors shard holds no metadata columns; write it as .arrow or .parquet"
+            )
+        for name in schema.names:
+            if name in SHARD_COLUMNS or schema.names.count(name) > 1:
+                what = "is a column of the shard's own" if name in SHARD_COLUMNS else "appears more than once"
+                raise InputError(
+                    f"{self.path}: metadata column {name!r} {what}; give each metadata column a name of "
+                    "its own"
+                )
+        return schema
+
+    def _metadata_rows(self, ids: list[Any], rows: Any) -> pa.Table | None:
+        """``rows`` (the metadata columns of the documents ``ids``) as a table of `metadata_columns`."""
+        if self.metadata_columns is None:
+            if rows is not None:
+                raise InputError(
+                    f"{self.path}: metadata_columns= rows for a writer made without metadata_columns"
+                )
+            return None
+        if rows is None:
+            names = ", ".join(self.metadata_columns.names)
+            raise InputError(f"{self.path}: no metadata_columns= rows; this writer writes {names}")
+        table = pa.Table.from_batches([rows]) if isinstance(rows, pa.RecordBatch) else rows
+        if not isinstance(table, pa.Table) or table.num_rows != len(ids):
+            got = f"{table.num_rows} rows" if isinstance(table, pa.Table) else type(rows).__name__
+            raise InputError(
+                f"{self.path}: metadata_columns= {got} for {len(ids)} documents; give a pyarrow table, a row "
+                "a document"
+            )
+        columns = []
+        for field in self.metadata_columns:
+            found = table.schema.get_all_field_indices(field.name)
+            if len(found) != 1 or table.schema.field(found[0]).type != field.type:
+                have = ", ".join(f"{f.name} ({f.type})" for f in table.schema) or "none"
+                raise InputError(
+                    f"{self.path}: metadata_columns= rows need column {field.name!r} of type {field.type} "
+                    f"once (they have: {have})"
+                )
+            columns.append(table.column(found[0]))
+        return pa.Table.from_arrays(columns, schema=self.metadata_columns)
 
     @property
     def width(self) -> int:
@@ -221,17 +278,21 @@ class ShardWriter:
         mask: Any = None,
         offsets: Any = None,
         scales: Any = None,
+        metadata_columns: Any = None,
     ) -> None:
         """Append documents. `embeddings`: a list of per-document `[len, dim]` arrays/tensors, a padded
         `[n, L, dim]` array/tensor, or one packed `[T, dim]` with `offsets` `[n+1]`. `mask` (with a list
         or a padded array): `[n, L]` or one `[len]` per document, True/1 for real tokens; masked tokens
         are left out. int8 needs `scales` (per document `[len]`, padded `[n, L]`, or packed `[T]`).
-        Ids are str or int (`7` is stored as `"7"`).
+        Ids are str or int (`7` is stored as `"7"`). `metadata_columns`: the documents' rows of the
+        writer's metadata columns (a `pyarrow.Table`), when it was made with them.
         """
         if self._closed:
             raise MaxsimError(f"{self.path}: writer is closed")
         try:
-            self._add(_as_id_list(ids), embeddings, mask, offsets, scales)
+            id_list = _as_id_list(ids)
+            metadata = self._metadata_rows(id_list, metadata_columns)
+            self._add(id_list, embeddings, mask, offsets, scales, metadata)
         except BaseException:
             self.abort()
             raise
@@ -300,7 +361,15 @@ class ShardWriter:
         doc_id = f"{show_id(str(ids[k]))} " if k < len(ids) else ""
         return f"{self.path}: document {doc_id}(index {len(self.ids) + k})"
 
-    def _add(self, ids: list[Any], embeddings: Any, mask: Any, offsets: Any, scales: Any) -> None:
+    def _add(
+        self,
+        ids: list[Any],
+        embeddings: Any,
+        mask: Any,
+        offsets: Any,
+        scales: Any,
+        metadata: pa.Table | None = None,
+    ) -> None:
         import torch
 
         base = len(self.ids)
@@ -394,7 +463,11 @@ class ShardWriter:
         if self.dtype not in ("int8", "uint8"):
             self._count_zero_rows(values, local, ids)
         try:
-            self._sink.add(ids, values, lengths, scale_t)
+            if metadata is None:
+                self._sink.add(ids, values, lengths, scale_t)
+            else:
+                assert isinstance(self._sink, RecordSink)
+                self._sink.add(ids, values, lengths, scale_t, metadata)
         except OSError as exc:
             raise write_error(self.path, exc) from None
         self.ids.extend(ids)
