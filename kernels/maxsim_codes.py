@@ -111,11 +111,12 @@ class Tiles(NamedTuple):
 # residual2, 512 x 50K on an H100 (codes-h100-68c6411.json): the bit planes' three products a part took
 # 856 ms where decoding the values took 353 (a decoded tile serves 256 query rows)
 _ALL_PAIRS = Tiles(block_q=256, block_d=32, docs_per_prog=64, warps=4, stages=2, decode=True)
-# one query x 100K documents, H100 (codes-sweep-h100-734c861.json): documents as the first operand, 1.17 ms
-# against 1.59 (int4) and 4.91 against 5.29 (residual2, 128-token tiles)
+# one query x 100K documents, H100 (codes-sweep-h100-68c6411.json, unpacking by inline PTX, residual2 by
+# bit planes): documents as the first operand, int4 0.674 ms (2 or 3 stages alike; query-major 1.277),
+# residual2 3.245 ms with 16 documents a program and 2 stages against 3.441 with 64 and 3 (4.699 query-major)
 _FEW_ROWS = {
     "int4": Tiles(block_q=64, block_d=64, docs_per_prog=64, warps=4, stages=3, doc_major=True),
-    "residual2": Tiles(block_q=64, block_d=128, docs_per_prog=64, warps=4, stages=3, doc_major=True),
+    "residual2": Tiles(block_q=64, block_d=128, docs_per_prog=16, warps=4, stages=2, doc_major=True),
 }
 _CANDIDATES = Tiles(block_q=64, block_d=64, docs_per_prog=16, warps=4, stages=3)
 _FEW_ROWS_MAX = 64  # query rows at most for the few-rows plan (one or two queries of 32 tokens)
