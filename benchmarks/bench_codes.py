@@ -167,9 +167,10 @@ def cut_scales(kw: dict, end: int) -> dict:
 # Tile plans swept (`maxsim_codes.Tiles`: block_q, block_d, docs a program, warps, stages); the first is
 # the shipped plan of that workload.
 SWEEP_ONE_QUERY = [
-    (64, 64, 64, 4, 2), (64, 64, 64, 4, 2, True), (64, 128, 8, 4, 2, True), (64, 128, 16, 4, 3, True), (64, 128, 32, 4, 2, True), (64, 128, 32, 8, 2, True),
-    (64, 64, 32, 4, 3, True), (64, 128, 64, 4, 3, True), (64, 64, 128, 4, 2, True), (64, 128, 16, 4, 2, True),
-    (64, 64, 64, 4, 3, True), (64, 64, 64, 8, 2, True), (64, 128, 64, 8, 3, True), (64, 256, 32, 8, 2, True),
+    (64, 64, 64, 4, 2), (64, 64, 64, 4, 2, True), (64, 128, 8, 4, 2, True), (64, 128, 16, 4, 3, True),
+    (64, 128, 32, 4, 2, True), (64, 128, 32, 8, 2, True), (64, 64, 32, 4, 3, True), (64, 128, 64, 4, 3, True),
+    (64, 64, 128, 4, 2, True), (64, 128, 16, 4, 2, True), (64, 64, 64, 4, 3, True), (64, 64, 64, 8, 2, True),
+    (64, 128, 64, 8, 3, True), (64, 256, 32, 8, 2, True),
 ]  # fmt: skip
 SWEEP_ALL_PAIRS = [
     (256, 32, 64, 4, 2), (256, 64, 64, 4, 2, True), (128, 64, 64, 4, 2, True), (256, 128, 32, 8, 2, True),
