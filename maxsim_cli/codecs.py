@@ -305,8 +305,7 @@ def train_codebook(
     kmeans.train(data.numpy())
     centroids = torch.from_numpy(np.asarray(kmeans.centroids, dtype=np.float32)).half()
     # the sample's assignment runs where the k-means ran: on the host it is an fp32 product of the sample
-    # and every centroid (262,144 x 65,536 x 128 for an 8 GB corpus: most of a GPU run's time, all of it
-    # CPU time, before it moved)
+    # and every centroid (262,144 x 65,536 x 128 for an 8 GB corpus: minutes of CPU time)
     ids = nearest_centroids(data, centroids, device=device if gpu else None)
     residuals = data - centroids[ids].float()
     cutoffs, weights = fit_buckets(residuals)
