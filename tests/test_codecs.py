@@ -606,7 +606,7 @@ def test_gpu_kmeans_takes_the_triton_assignment_only_for_whole_tiles(monkeypatch
 
 def test_the_training_sample_is_assigned_where_the_kmeans_ran(monkeypatch) -> None:
     """k-means on a GPU: the sample's nearest centroids (for the bucket residuals) are computed there too.
-    On the host they were an fp32 product of the sample and every centroid (262,144 x 65,536 x 128 for an
+    On the host that is an fp32 product of the sample and every centroid (262,144 x 65,536 x 128 for an
     8 GB corpus): most of a GPU quantize's time. k-means on the host: the host."""
     from maxsim_cli import codecs
 
