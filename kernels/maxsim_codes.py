@@ -207,7 +207,7 @@ def encode_residual2(
     for a in range(0, x.shape[0], step):
         rows = slice(a, a + step)
         residual = x[rows].float() - centroids[centroid_ids[rows]].float()
-        buckets = (residual[:, :, None] >= cut).sum(dim=2).to(torch.uint8)  # [rows, dim] 0..3
+        buckets = (residual[:, :, None] >= cut).sum(dim=2, dtype=torch.uint8)  # [rows, dim] 0..3
         b = buckets.view(-1, dim // 4, 4)
         out[rows, ID_BYTES:] = b[:, :, 0] | (b[:, :, 1] << 2) | (b[:, :, 2] << 4) | (b[:, :, 3] << 6)
         ids = centroid_ids[rows].to(torch.int64)

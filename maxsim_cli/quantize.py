@@ -422,6 +422,7 @@ def quantize_corpus(
                     codecs.NUM_CENTROIDS_KEY: str(codebook.num_centroids),
                 })  # fmt: skip
                 extra_files = [codecs.CODEBOOK_NAME]
+                codebook = codebook.to(torch_device)  # once, not once a batch
             done = 0
             for shard, name in zip(corpus.shards, names, strict=True):
                 info = shard.info

@@ -567,15 +567,14 @@ def test_residual2_encoding_in_blocks_equals_one_block(monkeypatch) -> None:
     assert torch.equal(maxsim_codes.encode_residual2(x, ids, centroids, cutoffs), whole)
 
 
-@pytest.mark.parametrize("k,triton_path", [(64, False), (100, False), (128, True), (4096, True)])
-def test_gpu_kmeans_takes_the_triton_assignment_only_for_whole_tiles(monkeypatch, k, triton_path) -> None:
-    """fastkmeans' Triton assignment kernel can return a centroid id past k when k is not a multiple of its
-    128-centroid tile (a device-side assert on the GPU); such k take its torch path."""
+def _recorded_training(monkeypatch) -> dict:
+    """fastkmeans and `nearest_centroids` replaced by recorders (no GPU needed): what `train_codebook`
+    asked of them."""
     import fastkmeans
 
     from maxsim_cli import codecs
 
-    seen = {}
+    seen: dict = {"assigned_on": []}
 
     class Recorder:
         def __init__(self, **kwargs) -> None:
@@ -585,9 +584,164 @@ def test_gpu_kmeans_takes_the_triton_assignment_only_for_whole_tiles(monkeypatch
         def train(self, data) -> None:
             pass
 
+    def nearest(x, centroids, block_elems=None, *, device=None):
+        seen["assigned_on"].append(device)
+        return torch.zeros(x.shape[0], dtype=torch.int64)
+
     monkeypatch.setattr(fastkmeans, "FastKMeans", Recorder)
+    monkeypatch.setattr(codecs, "nearest_centroids", nearest)
+    return seen
+
+
+@pytest.mark.parametrize("k,triton_path", [(64, False), (100, False), (128, True), (4096, True)])
+def test_gpu_kmeans_takes_the_triton_assignment_only_for_whole_tiles(monkeypatch, k, triton_path) -> None:
+    """fastkmeans' Triton assignment kernel can return a centroid id past k when k is not a multiple of its
+    128-centroid tile (a device-side assert on the GPU); such k take its torch path."""
+    from maxsim_cli import codecs
+
+    seen = _recorded_training(monkeypatch)
     codecs.train_codebook(torch.randn(5000, 8), k, device=torch.device("cuda"))
     assert seen["use_triton"] is triton_path and seen["gpu"] is True
+
+
+def test_the_training_sample_is_assigned_where_the_kmeans_ran(monkeypatch) -> None:
+    """k-means on a GPU: the sample's nearest centroids (for the bucket residuals) are computed there too.
+    On the host that is an fp32 product of the sample and every centroid (262,144 x 65,536 x 128 for an
+    8 GB corpus): most of a GPU quantize's time. k-means on the host: the host."""
+    from maxsim_cli import codecs
+
+    seen = _recorded_training(monkeypatch)
+    codecs.train_codebook(torch.randn(500, 8), 128, device=torch.device("cuda"))
+    codecs.train_codebook(torch.randn(500, 8), 128, device=torch.device("cpu"))
+    codecs.train_codebook(torch.randn(500, 8), 128)
+    assert seen["assigned_on"] == [torch.device("cuda"), None, None]
+
+
+def _nearest_reference(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """The nearest centroids by one fp32 product of every row and every centroid (what `nearest_centroids`
+    computed before it worked in reused blocks)."""
+    cent = centroids.float()
+    return (x.float() @ cent.T - 0.5 * (cent * cent).sum(dim=1)).argmax(dim=1)
+
+
+@pytest.mark.parametrize("block_elems", [1, 5 * 3, 5 * 8, 5 * 37, None])
+def test_nearest_centroids_in_blocks_are_the_one_product(block_elems) -> None:
+    """`nearest_centroids` a block of rows at a time (one reused distance block): the same ids as one
+    product of all rows, the first centroid of a tie, whatever the block size (one row, a last block
+    shorter than the others, one block)."""
+    from maxsim_cli import codecs
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 16, generator=gen).half()
+    centroids = torch.randn(5, 16, generator=gen).half()
+    centroids[3] = centroids[1]  # a tie: id 1 wins
+    x[:4] = centroids[1]
+    ids = codecs.nearest_centroids(x, centroids, block_elems)
+    assert ids.dtype == torch.int64 and torch.equal(ids, _nearest_reference(x, centroids))
+    assert ids[:4].tolist() == [1] * 4
+    assert codecs.nearest_centroids(x[:0], centroids, block_elems).shape == (0,)
+
+
+def test_quantized_codes_are_those_of_one_product(tmp_path, monkeypatch) -> None:
+    """`quantize --bits 2` on the host writes, byte for byte, the codes of one fp32 product of every token
+    and every centroid of the codebook it wrote (ids little-endian, then four 2-bit buckets a byte, the
+    lowest dimension in the low bits), with distance blocks of a few rows."""
+    from maxsim_cli import codecs
+    from maxsim_cli.quantize import quantize_corpus
+
+    monkeypatch.setattr(codecs, "NEAREST_BLOCK_ELEMS", 64 * 7)  # 7 tokens a block
+    folder = str(tmp_path / "bits2")
+    source = os.path.join(SAMPLE, "corpus")
+    quantize_corpus([source], folder, bits=2, num_centroids=64, sample_queries=0, device="cpu")
+    with open_corpus([source]) as corpus:
+        x = torch.cat([shard.read_docs(0, shard.num_docs).embeddings for shard in corpus.shards])
+    with open_corpus([folder]) as quantized:
+        book = quantized.codebook
+        rows = torch.cat([shard.read_docs(0, shard.num_docs).embeddings for shard in quantized.shards])
+    ids = _nearest_reference(x, book.centroids)
+    residuals = x.float() - book.centroids[ids].float()
+    buckets = (residuals[:, :, None] >= book.bucket_cutoffs[None]).sum(dim=2).view(x.shape[0], -1, 4)
+    packed = buckets[:, :, 0] | buckets[:, :, 1] << 2 | buckets[:, :, 2] << 4 | buckets[:, :, 3] << 6
+    id_bytes = torch.stack([(ids >> (8 * i)) & 0xFF for i in range(4)], dim=1)
+    assert torch.equal(rows, torch.cat([id_bytes, packed], dim=1).to(torch.uint8))
+
+
+@pytest.mark.parametrize("dim,rows,k", [(128, 300, 200), (20, 37, 5), (384, 130, 129), (260, 10, 3)])
+def test_nearest_centroid_kernel_picks_the_best_score_and_the_first_of_a_tie(dim, rows, k) -> None:
+    """The GPU assignment kernel (here under Triton's interpreter): the centroid of the largest
+    ``x . c - |c|^2 / 2`` up to fp32 rounding, the first of an exact tie, rows and centroids past a tile
+    (the last tiles masked), rows in one tile and wider rows read a chunk at a time."""
+    from maxsim_kernels.nearest_centroid import nearest_centroid_ids
+
+    gen = torch.Generator().manual_seed(dim + k)
+    x = torch.randn(rows, dim, generator=gen).half()
+    centroids = torch.randn(k, dim, generator=gen).half()
+    centroids[-1] = centroids[min(1, k - 1)]  # a tie: the lower id wins
+    x[:2] = centroids[-1]
+    cent = centroids.float()
+    half_norm = 0.5 * (cent * cent).sum(dim=1)
+    ids = nearest_centroid_ids(x, centroids, half_norm)
+    assert ids.dtype == torch.int64 and ids.shape == (rows,)
+    assert ids[:2].tolist() == [min(1, k - 1)] * 2
+    exact = x.double() @ centroids.double().T - 0.5 * (centroids.double() ** 2).sum(dim=1)
+    picked = exact[torch.arange(rows), ids]
+    bound = 2 * (dim + 2) * 2.0**-24 * float((x.double().abs() @ centroids.double().abs().T).max() + 1)
+    assert float((exact.max(dim=1).values - picked).max()) <= bound
+
+
+_NEAREST_SM90_BUILD = r"""
+import maxsim_kernels.nearest_centroid as nc
+
+kernel = nc._nearest_centroid_kernel
+names = kernel.arg_names
+report = {}
+for dim in (128, 96, 20, 256, 384):
+    cfg = nc.launch_config(dim)
+    consts = {k: v for k, v in cfg.items() if k != "num_warps"}
+    sig = {"x_ptr": "*fp16", "c_ptr": "*fp16", "half_norm_ptr": "*fp32", "out_ptr": "*i64", "n_rows": "i32",
+           "n_centroids": "i32", "dim": "i32", "stride_x": "i32", "stride_c": "i32",
+           **{c: "constexpr" for c in consts}}
+    # what Triton's launcher infers at run time for such a dim: 16-aligned pointers and strides
+    aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") or (n[:6] == "stride" and dim % 16 == 0)]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    src = ASTSource(kernel, sig, constexprs={(names.index(c),): v for c, v in consts.items()}, attrs=attrs)
+    compiled = triton.compile(src, target=SM90, options={"num_warps": cfg["num_warps"]})
+    ttgir = compiled.asm["ttgir"]
+    report[dim] = {"pipelined": "async_copy_global_to_local" in ttgir, "wgmma": "warp_group_dot" in ttgir,
+                   "usage": resource_usage(compiled)}
+print(json.dumps(report))
+"""
+
+
+def test_nearest_centroid_kernel_builds_for_sm90_without_spills(sm90_build) -> None:
+    """The GPU assignment kernel compiles for Hopper with triton's own ptxas (no GPU needed): the products
+    on wgmma, the centroid tiles cp.async-pipelined where the rows fit one tile, nothing spilled."""
+    for dim, r in sm90_build(_NEAREST_SM90_BUILD).items():
+        assert r["wgmma"], f"dim {dim}: no wgmma"
+        assert r["pipelined"] or int(dim) > 256, f"dim {dim}: centroid loads are not pipelined"
+        assert not r["usage"] or ("LOCAL:0" in r["usage"] and "STACK:0" in r["usage"]), f"dim {dim}: {r}"
+
+
+@pytest.mark.gpu
+def test_nearest_centroids_on_the_gpu_are_those_of_the_fp32_product() -> None:
+    """On a GPU fp16 tokens meet fp16 centroids on the tensor cores (exact products, fp32 sums in another
+    order): a pick differs from that of the host's fp32 product only between centroids whose distances are
+    within the fp32 rounding of the sums; rows on the host are assigned on the GPU when asked."""
+    from maxsim_cli import codecs
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.nn.functional.normalize(torch.randn(20000, 128, generator=gen), dim=1).half()
+    centroids = torch.nn.functional.normalize(torch.randn(4096, 128, generator=gen), dim=1).half()
+    host = codecs.nearest_centroids(x, centroids)
+    gpu = codecs.nearest_centroids(x.cuda(), centroids.cuda())
+    asked = codecs.nearest_centroids(x, centroids, device="cuda")
+    assert gpu.device.type == "cuda" and asked.device.type == "cpu"
+    assert torch.equal(gpu.cpu(), asked)
+    exact = x.double() @ centroids.double().T - 0.5 * (centroids.double() ** 2).sum(dim=1)
+    rows = torch.arange(x.shape[0])
+    # |x . c| <= 1: each of the 130 fp32 roundings of a score is at most 2^-24 (2^-23 for an accumulator
+    # that truncates); both picks, both paths
+    assert float((exact[rows, host] - exact[rows, asked]).abs().max()) <= 4 * 130 * 2.0**-23
 
 
 def test_query_tiles_of_wide_rows_are_capped_to_fit_shared_memory() -> None:
