@@ -29,7 +29,9 @@ whose error names the document and the token.
 When the corpus fits the GPU budget the stream is *resident*: the first pass copies each batch into its
 own device buffer and later passes (one per query batch) reuse them without reading anything. A corpus
 made resident beforehand (`Corpus.to`, ``residency=``) is not read at all: each batch is a view of its
-buffer, and a rerank batch names its candidates in it (no rows are copied).
+buffer, and a rerank batch names its candidates in it (no rows are copied). A corpus resident in host
+memory and scored on CUDA (``host_residency=``) is not read from its files either: the readers gather each
+batch's rows from it into the slots (`gather_rows`).
 
 On the CPU there are no streams: safetensors ranges are read into the slots as on CUDA (the reader checks
 their values unless the backend does), other batches are the shard's tensors (or packed in a slot); at
@@ -58,7 +60,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from maxsim_cli.scoring.staging import PinnedArena, SlotBuffers
+from maxsim_cli.scoring.staging import PinnedArena, SlotBuffers, gather_rows, gathered_offsets
 from maxsim_cli.shards.resident import Residency
 
 _STOP = object()  # put in the slot queue to stop the dispatcher
@@ -168,9 +170,14 @@ class BatchStream:
         arena: PinnedArena | None = None,
         check_values: bool = True,
         residency: Residency | None = None,
+        host_residency: Residency | None = None,
     ) -> None:
         self.shards = shards
         self.residency = residency  # the corpus already in the device's memory: nothing to read
+        # the corpus resident in host memory (`Corpus.to("cpu")`), scored on CUDA: batches gathered from it
+        # into the slots instead of read from its files (the engine passes it on CUDA only; on the CPU a
+        # resident corpus is ``residency``)
+        self.host_residency = host_residency
         self.check_values = check_values  # CPU: False when the caller's backend checks values itself
         self.arena = arena
         self.plans = list(plans)
@@ -223,6 +230,13 @@ class BatchStream:
     def _read(self, plan: BatchPlan, slot: SlotBuffers | None) -> _HostBatch:
         start = time.perf_counter()
         side = plan.side_array()
+        if self.host_residency is not None:
+            assert slot is not None
+            result = self._gather(plan, slot, side)
+            with self._lock:
+                self.times.read_s += time.perf_counter() - start
+                self.times.bytes_read += result.embeddings.numel() * result.embeddings.element_size()
+            return result
         if all(self._direct_rows(p) for p in plan.parts):
             result = self._read_direct(plan, slot, side)
             if not self.cuda and self.check_values and not _finite(result.embeddings, result.scales):
@@ -322,6 +336,40 @@ class BatchStream:
             ints[: docs + 1].copy(),
             slot,
             checked=False,
+        )
+
+    def _gather(self, plan: BatchPlan, slot: SlotBuffers, side: np.ndarray | None) -> _HostBatch:
+        """A plan's rows gathered from the corpus resident in host memory into a (pinned) slot
+        (`gather_rows`, on this reader thread); its values were checked when it was made resident."""
+        residency = self.host_residency
+        assert residency is not None
+        slot.allocate()
+        if slot.copied is not None:
+            slot.copied.synchronize()  # the previous copy out of this slot has finished
+        docs = _ordinals(residency.doc_base, plan.parts)
+        starts, offsets = gathered_offsets(residency.host_offsets, docs)
+        gather_rows(
+            residency.embeddings,
+            residency.scales,
+            starts,
+            offsets,
+            0,
+            len(docs),
+            slot.embeddings,
+            slot.scales,
+        )
+        tokens, n_doc = int(offsets[-1]), len(docs)
+        ints = slot.ints.numpy()
+        ints[: n_doc + 1] = offsets
+        if side is not None:
+            ints[n_doc + 1 : n_doc + 1 + len(side)] = side
+        return _HostBatch(
+            slot.embeddings[:tokens],
+            slot.ints[: n_doc + 1],
+            slot.scales[:tokens] if slot.scales is not None else None,
+            slot.ints[n_doc + 1 : n_doc + 1 + plan.side_len] if side is not None else None,
+            offsets,
+            slot,
         )
 
     def _check_values(self) -> None:
