@@ -16,7 +16,9 @@ from maxsim_cli import open_corpus, rerank, search
 from maxsim_cli.queries import read_queries
 from maxsim_cli.scoring import direct, host_rows
 from maxsim_cli.scoring.pipeline import BatchPlan, BatchStream
+from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.staging import gathered_offsets
+from maxsim_cli.scoring.two_stage import exact_on_scan_device
 from maxsim_cli.shards import write_shard
 from maxsim_cli.shards.readers import SafetensorsShard
 
@@ -171,6 +173,19 @@ def test_rows_past_the_staging_limit_are_left_to_the_engine(monkeypatch):
         assert staged is None
 
 
+def test_the_exact_stage_of_a_host_tier_goes_to_the_scan_gpu():
+    """With device auto, an exact tier resident on the host is scored on the GPU the scan ran on; an
+    exact tier elsewhere, a device named, or a scan on the CPU keep the request as it is."""
+    request = ScoreRequest(queries="q", corpus=(CORPUS,), candidates="the top 10 of c")
+    with open_corpus(CORPUS) as exact:
+        assert exact_on_scan_device(request, exact, "cuda:0") is request  # not resident
+        exact.to("cpu")
+        assert exact_on_scan_device(request, exact, "cuda:1").device == "cuda:1"
+        assert exact_on_scan_device(request, exact, "cpu") is request
+        named = ScoreRequest(queries="q", corpus=(CORPUS,), device="cpu")
+        assert exact_on_scan_device(named, exact, "cuda:0") is named
+
+
 # --------------------------------------------------------------------------------------------------
 # on a GPU
 
@@ -187,7 +202,7 @@ def tier4(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("device", ["cuda"])
+@pytest.mark.parametrize("device", ["cuda", "auto"])
 def test_two_stage_with_the_exact_tier_on_the_host_gives_the_exact_scores(tier4, device):
     """The exact tier resident on the host, the compressed one on the GPU: the exact stage stages the
     candidates' rows on the GPU (with device auto too) and returns the scores of the exact search."""

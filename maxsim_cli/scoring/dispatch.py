@@ -250,6 +250,7 @@ def run_two_stage(
     found = RunCollector()
     scan_stats = run_call(scan_request, compressed, queries, found, log=log, disallowed=disallowed)
     candidates = found.run().to_dict()
+    exact_request = two_stage.exact_on_scan_device(exact_request, exact, scan_stats.device)
     exact_stats = run_call(exact_request, exact, queries, sink, candidates=candidates, log=log)
     return two_stage.merge_stats(request, compressed, scan_stats, exact_stats)
 
