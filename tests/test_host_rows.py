@@ -92,6 +92,7 @@ def test_gathered_rows_score_as_the_resident_corpus_in_place(which, int8_corpus,
 
 
 def test_gather_rows_in_pieces_keeps_documents_whole(monkeypatch):
+    """Pieces of whole documents, gathered by the gathering threads and handed over in order."""
     host_offsets = np.array([0, 3, 3, 10, 11, 20, 26], dtype=np.int64)
     embeddings = torch.arange(26 * 4, dtype=torch.float32).view(26, 4)
     residency = type(
@@ -101,6 +102,7 @@ def test_gather_rows_in_pieces_keeps_documents_whole(monkeypatch):
     starts, offsets = gathered_offsets(host_offsets, docs)
     assert offsets.tolist() == [0, 9, 12, 12, 19, 25]
     monkeypatch.setattr(host_rows, "PIECE_BYTES", 20 * 5)  # 5 rows of 20 bytes (4 float32 + a scale)
+    monkeypatch.setattr(host_rows, "GATHER_THREADS", 2)
     pieces = []
     out, out_scales = torch.zeros(25, 4), torch.zeros(25)
     host_rows.stage_rows(residency, starts, offsets, out, out_scales, lambda t0, t1: pieces.append((t0, t1)))

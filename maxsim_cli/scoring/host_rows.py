@@ -7,8 +7,9 @@ on the device. They are gathered (`staging.gather_rows`: one `torch.index_select
 the threads of `gather_pool`, a piece of about `PIECE_BYTES` each, into a page-locked staging buffer kept
 with the residency and reused from call to call (`HostStaging`: sized by the largest call's candidates,
 never by the corpus); each piece's host-to-device copy is queued as soon as it is gathered, so that the
-copies overlap the gathering. One `maxsim_kernels.maxsim_candidates` launch then scores every candidate
-over the gathered rows (their offsets rebased), and the scores come back in one copy.
+copies overlap the gathering. One `maxsim_kernels.maxsim_candidates`
+launch then scores every candidate over the gathered rows (their offsets rebased), and the scores come
+back in one copy.
 
 The kernel, the queries (converted as the engine converts them) and each pair's document rows are those
 the engine's rerank scores, so the scores are the engine's bit for bit; the gathered rows are the
@@ -19,8 +20,8 @@ to it. On the CPU (``device`` cpu: tests) the rows are gathered into plain memor
 What it replaces: a CUDA rerank of a host-resident corpus went to the engine, which read the candidates
 from the shard files (the host copy unused), a document a read with a float32 sum of its values on the
 host, packed with `torch.cat` and copied again into a slot. One query's 2,000 candidates (138.6 MB of
-fp16 rows, 2 GB corpus) on the 2-core machine: 168-247 ms of reads that way, 16-18 ms read straight
-into the slots (`SafetensorsShard.read_docs_into`), 10-12 ms gathered here against 8-10 ms for one
+fp16 rows, 2 GB corpus) on the idle 2-core machine, p50: 192 ms of reads that way, 18 ms read straight
+into the slots (`SafetensorsShard.read_docs_into`), 12 ms gathered here against 9 ms for one
 contiguous copy of as many bytes (benchmarks/bench_host_rows.py).
 """
 
@@ -177,10 +178,10 @@ def stage_rows(
     queue_copy: Callable[[int, int], None] | None = None,
 ) -> None:
     """The rows of a gather (`gathered_offsets`) from the host ``residency`` into ``out_embeddings`` (and
-    ``out_scales``), in pieces of about `PIECE_BYTES` (whole documents) gathered by the threads of
-    `gather_pool`; ``queue_copy(t0, t1)`` once each piece is gathered, in order, with its rows: the caller's
-    copy of them runs while later pieces are gathered. Returns once every piece is gathered (a piece's
-    error raised after all have stopped writing)."""
+    ``out_scales``), in pieces of about `PIECE_BYTES` (whole documents); ``queue_copy(t0, t1)`` once each
+    piece is gathered, in order, with its rows: the caller's copy of them runs while later pieces are
+    gathered. The pieces are gathered by the threads of `gather_pool` (one piece: on this thread). Returns
+    once every piece is gathered (a piece's error raised after all have stopped writing)."""
     cuts = _pieces(offsets, _token_bytes(residency))
 
     def gather(a: int, b: int) -> None:
@@ -191,10 +192,11 @@ def stage_rows(
         )
 
     pieces = list(zip(cuts[:-1], cuts[1:], strict=True))
-    if len(pieces) == 1:  # one piece: gathered here
-        gather(*pieces[0])
-        if queue_copy is not None:
-            queue_copy(int(offsets[0]), int(offsets[-1]))
+    if len(pieces) == 1 or GATHER_THREADS == 1:
+        for a, b in pieces:
+            gather(a, b)
+            if queue_copy is not None:
+                queue_copy(int(offsets[a]), int(offsets[b]))
         return
     futures = [gather_pool().submit(gather, a, b) for a, b in pieces]
     try:
@@ -212,8 +214,11 @@ _POOL_LOCK = threading.Lock()
 
 def gather_pool() -> ThreadPoolExecutor:
     """The process's gathering threads (`GATHER_THREADS`), started at the first gather of several pieces.
-    Each runs torch's CPU operations on one thread (the pool is the parallelism; as the batch stream's
-    readers do): a process whose torch threads are one (`maxsim serve` on GPUs) gathers in parallel too."""
+    Each runs torch's CPU operations on one thread (the pool is the parallelism), as the batch stream's
+    readers do. A piece a thread, not torch's intra-op threads a piece: with another process busy on the
+    2-core machine, 34 pieces of 4 MiB took 548 ms through torch's threads (each piece's parallel region
+    waits for its slowest thread) against 17-20 ms here; nor do they depend on how many threads the
+    caller's torch operations use (`maxsim serve` on GPUs sets one)."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
