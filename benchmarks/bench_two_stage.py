@@ -26,7 +26,8 @@ Stages (``--stages``; the JSON is rewritten after each, so a time-out keeps what
                          only the candidates' rows from the files)
                disk      the same with the corpus files dropped from the page cache before every call
                cpu       the exact tier made resident in host memory (`open_corpus(CORPUS).to("cpu")`)
-                         with device="auto": the exact stage then runs where that tier is, on the CPU
+                         with device="auto": the exact stage runs on the scan's GPU, the candidates' rows
+                         gathered from host memory and copied (`maxsim_cli.scoring.host_rows`)
              bound = scan + the candidates' exact bytes (their fp16 rows) / pinned H2D bandwidth (target:
              host within 2x of it); for disk the bound with the random-read rate is given beside it
   check      8 queries: the two-stage top 100 of each tier against `search(queries, CORPUS, k=1000)`:
@@ -495,7 +496,7 @@ def two_stage_tier(
         write_json(args.out, record)
         read_files(exact_paths, os.cpu_count() or 1)  # back in the page cache
 
-        # the exact tier resident in host memory: device="auto" scores the exact stage on the CPU
+        # the exact tier resident in host memory: device="auto" scores the exact stage on the scan's GPU
         if not args.skip_cpu_exact:
             t0 = time.perf_counter()
             try:

@@ -429,6 +429,67 @@ def test_direct_rows_equal_what_safetensors_loads(tmp_path, dtype) -> None:
     assert not hasattr(open_corpus([arrow]).shards[0], "read_rows_into")
 
 
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_index_lists_read_directly_equal_the_checked_reader(tmp_path, dtype) -> None:
+    """A rerank's index list read straight into a buffer (`read_docs_into`: neighbouring documents in
+    one read, any order, repeats) holds the rows `read_doc_indices` gives, and a batch stream of index
+    lists reads them so (CPU: the reader checks the values it read)."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(1, 7, (40,), generator=gen).tolist()
+    embs = [torch.randn(n, 16, generator=gen) for n in lengths]
+    path = tmp_path / f"s.{dtype}.safetensors"
+    if dtype == "int8":
+        scales = [e.abs().amax(dim=1) / 127 for e in embs]
+        codes = [torch.round(e / s[:, None]).to(torch.int8) for e, s in zip(embs, scales, strict=True)]
+        write_shard(path, [f"d{i}" for i in range(40)], codes, scales=scales, dtype="int8")
+    else:
+        write_shard(path, [f"d{i}" for i in range(40)], embs, dtype=dtype)
+    corpus = open_corpus([path])
+    shard = corpus.shards[0]
+    for indices in ([3], [0, 1, 2, 3], [5, 6, 9, 10, 11, 39], [12, 4, 5, 4, 30], list(range(40))):
+        wanted = np.array(indices, dtype=np.int64)
+        checked = shard.read_doc_indices(wanted)
+        rows = int(checked.offsets[-1])
+        out = torch.full((rows + 3, 16), 7, dtype=checked.embeddings.dtype)
+        out_scales = torch.full((rows + 3,), 7.0) if dtype == "int8" else None
+        got = shard.read_docs_into(wanted, out, out_scales)
+        assert got.tolist() == np.diff(checked.offsets.numpy()).tolist()
+        assert torch.equal(out[:rows], checked.embeddings) and bool((out[rows:] == 7).all())
+        if dtype == "int8":
+            assert torch.equal(out_scales[:rows], checked.scales)
+    with pytest.raises(ValueError, match="do not fit"):
+        shard.read_docs_into(np.array([0, 1]), torch.empty(1, 16, dtype=checked.embeddings.dtype), None)
+    parts = [(0, np.array([2, 7, 8, 20], dtype=np.int64))]
+    plan = BatchPlan(0, parts, 4, int(sum(lengths[i] for i in (2, 7, 8, 20))))
+    stream = BatchStream(
+        corpus.shards,
+        [plan],
+        dim=16,
+        dtype=checked.embeddings.dtype,
+        scaled=dtype == "int8",
+        device=torch.device("cpu"),
+        reader_threads=1,
+    )
+    (batch,) = list(stream)
+    expected = shard.read_doc_indices(parts[0][1])
+    assert torch.equal(batch.embeddings, expected.embeddings)
+    assert batch.host_offsets.tolist() == expected.offsets.tolist()
+    if dtype == "int8":
+        assert torch.equal(batch.scales, expected.scales)
+    corpus.close()
+
+
+def test_index_lists_read_directly_name_a_truncated_shard(tmp_path) -> None:
+    path = tmp_path / "s.safetensors"
+    write_shard(path, ["a", "b", "c"], [torch.ones(2, 8), torch.ones(3, 8), torch.ones(1, 8)])
+    corpus = open_corpus([path])
+    shard = corpus.shards[0]
+    os.truncate(path, shard.emb_start + 3 * shard.row_bytes)
+    with pytest.raises(InputError, match="changed size from"):
+        shard.read_docs_into(np.array([0, 2]), torch.empty(3, 8), None)
+    corpus.close()
+
+
 def test_deferred_value_check_names_the_document(tmp_path) -> None:
     path = tmp_path / "s.safetensors"
     write_shard(
@@ -504,9 +565,7 @@ def test_pinned_arena_carves_aligned_disjoint_slots(monkeypatch) -> None:
     monkeypatch.setattr(pipeline.PinnedArena, "PIECE_BYTES", 24 << 10)
     arena = pipeline.PinnedArena((60 << 10) + 100, slots=5)
     assert (arena.share, arena.nbytes) == (12 << 10, 60 << 10)  # never more than asked for
-    slots = [
-        SlotBuffers(100 + i, 10, 5, 16, torch.bfloat16, True, "cpu", False, arena) for i in range(5)
-    ]
+    slots = [SlotBuffers(100 + i, 10, 5, 16, torch.bfloat16, True, "cpu", False, arena) for i in range(5)]
     for i, slot in enumerate(slots):
         slot.allocate()  # host slots are allocated by the reader that first fills them
         assert slot.embeddings.shape == (100 + i, 16) and slot.embeddings.dtype == torch.bfloat16
@@ -543,8 +602,7 @@ def test_batches_fit_the_pinned_shares() -> None:
         tb = dim * itemsize + (4 if scaled else 0)
         tokens = int(_batch_token_limit(100 << 30, tb, budget))
         need = (
-            SlotBuffers.nbytes(tokens, tokens, tokens, dim, itemsize, scaled)
-            + 2 * pipeline.PinnedArena.ALIGN
+            SlotBuffers.nbytes(tokens, tokens, tokens, dim, itemsize, scaled) + 2 * pipeline.PinnedArena.ALIGN
         )
         assert need <= pipeline.PinnedArena.slot_share(staging, slots)
 

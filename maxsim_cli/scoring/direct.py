@@ -23,6 +23,11 @@ int8 queries quantized once per call as the engine does), keys and sorts results
 - the work is small: the search's ``[queries, documents]`` score block, or the rerank's pairs, within
   `MAX_BLOCK_BYTES` (the engine's per-pair accounting, `maxsim_cli.scoring.topk.PAIR_BYTES`).
 
+A rerank on CUDA of a corpus resident in host memory (`Corpus.to("cpu")`: a two-stage search's exact
+tier) is taken too: its candidates' rows alone are gathered into a reused page-locked buffer, copied to
+the GPU and scored there in one launch (`maxsim_cli.scoring.host_rows`), where the engine would read
+them from the shard files; more than `host_rows.MAX_STAGED_BYTES` of rows go to the engine.
+
 A CUDA out-of-memory error hands the call to the engine, which splits the work.
 """
 
@@ -69,11 +74,30 @@ def eligible(request: ScoreRequest, corpus: Corpus, num_queries: int, pairs: int
         return None
     if request.batch_queries is not None or request.show_progress:
         return None
-    if residency.device != request.check():
+    device = request.check()
+    if residency.device != device and not host_staged(request, corpus, residency, device):
         return None
-    if not fits(residency.device, pairs):
+    if not fits(device, pairs):
         return None
     return residency
+
+
+def host_staged(request: ScoreRequest, corpus: Corpus, residency: Residency, device: torch.device) -> bool:
+    """Whether the call is a rerank on CUDA of a corpus resident on the host, scored by staging its
+    candidates' rows on the GPU (`host_rows`)."""
+    from maxsim_cli.scoring import host_rows
+
+    return device.type == "cuda" and request.candidates is not None and host_rows.supported(corpus, residency)
+
+
+def scoring_device(request: ScoreRequest, residency: Residency) -> torch.device:
+    """The device an eligible call scores on: the residency's, or the GPU a corpus resident on the host
+    stages its candidates on (`host_staged`)."""
+    if residency.device.type == "cpu":
+        from maxsim_cli.devices import resolve_device
+
+        return resolve_device(request.device)
+    return residency.device
 
 
 def fits(device: torch.device, pairs: int) -> bool:
@@ -92,14 +116,16 @@ def run(
     candidates: dict[str, list[tuple[str, float]]] | None,
     log: Callable[[str], None],
     disallowed: np.ndarray | None = None,
+    device: torch.device | None = None,
 ) -> ScoreStats | None:
     """Score ``queries`` against the resident corpus into ``sink`` (rows as the engine hands them over);
     the stats, or None when the device ran out of memory (nothing was written: run the engine).
-    ``disallowed``: a filter's mask, as `maxsim_cli.scoring.engine.run` takes it."""
+    ``disallowed``: a filter's mask, as `maxsim_cli.scoring.engine.run` takes it. ``device``: the device
+    scored on (`scoring_device`; default the residency's)."""
     from maxsim_cli.scoring import filters
 
     started = time.perf_counter()
-    dev = residency.device
+    dev = residency.device if device is None else device
     stats = ScoreStats(
         mode="rerank" if candidates is not None else "exhaustive",
         device=str(dev),
@@ -119,12 +145,14 @@ def run(
             "allowed": filters.allowed_count(disallowed, len(corpus)),
             "path": "subset" if subset else ("candidates" if candidates is not None else "scan"),
         }
+    if dev != residency.device and candidates is None:  # only a rerank stages rows (`eligible`)
+        return None
     try:
         if candidates is None and not subset:
             kernel_args, kernel_kwargs = _kernel_inputs(corpus, residency, queries, request.backend)
             _search(request, corpus, residency, queries, sink, stats, kernel_args, kernel_kwargs, disallowed)
         elif not _rerank(
-            request, corpus, residency, queries, sink, stats, candidates, notes.append, disallowed
+            request, corpus, residency, queries, sink, stats, candidates, notes.append, disallowed, dev
         ):
             return None
     except torch.OutOfMemoryError:
@@ -150,7 +178,8 @@ def candidate_scores(
     ``candidate_docs[candidate_offsets[i]:candidate_offsets[i + 1]]`` (int64 numpy arrays), in one
     `maxsim_kernels.maxsim_candidates` launch on the resident corpus; None when the device ran out of
     memory. For a caller that finds its candidates itself (`maxsim_cli.service.batching`: a served
-    rerank sorts its answers itself), and for the library's (`run`)."""
+    rerank sorts its answers itself), and for the library's (`run`; a corpus resident on the host and
+    scored on a GPU: `host_rows.candidate_scores`)."""
     try:
         if _staged(corpus, residency, backend):
             if residency.device.type == "cuda":
@@ -284,10 +313,12 @@ def _rerank(
     candidates: dict[str, list[tuple[str, float]]] | None,
     log: Callable[[str], None],
     disallowed: np.ndarray | None = None,
+    device: torch.device | None = None,
 ) -> bool:
     """The candidates looked up (`locate_candidates`: the corpus's id lookup, built once) and scored in
-    one `candidate_scores` launch, the launch a served rerank makes; False when the device ran out of
-    memory (nothing written)."""
+    one `candidate_scores` launch, the launch a served rerank makes (on ``device``, away from a
+    residency on the host: `host_rows.candidate_scores`); False when the device ran out of memory, or
+    the rows to stage were too many (nothing written)."""
     qids = list(queries.ids)
     if candidates is None:  # a filter's few allowed documents, every query's candidates
         assert disallowed is not None
@@ -321,7 +352,20 @@ def _rerank(
     stats.queries_with_candidates = int(np.count_nonzero(counts))
     cand_offsets = np.zeros(len(qids) + 1, dtype=np.int64)
     np.cumsum(counts, out=cand_offsets[1:])
-    scores_np = candidate_scores(corpus, residency, queries, cand_offsets, pair_doc, backend=request.backend)
+    if device is not None and device != residency.device:
+        from maxsim_cli.scoring import host_rows
+
+        staged = host_rows.candidate_scores(
+            corpus, residency, queries, cand_offsets, pair_doc, device, backend=request.backend
+        )
+        if staged is None:
+            return False
+        scores_np, stats.bytes_read = staged
+        stats.extra["host_rows"] = True
+    else:
+        scores_np = candidate_scores(
+            corpus, residency, queries, cand_offsets, pair_doc, backend=request.backend
+        )
     if scores_np is None:
         return False
     # a query lists a document once (`read_run`, the API's candidates, a run's rows): one query's

@@ -10,7 +10,8 @@ and a served rerank batch (`maxsim_cli.service.batching.Scorer`: `plan_served_re
 | ``threads`` | `parallel.threads.run_threads`: a rank thread a GPU | ``--devices`` names several GPUs |
 | ``processes`` | `parallel.launcher.launch`: a worker process a device | ``--devices cpu:N``, N > 1 |
 | ``files`` | `scoring.files.score_files`: this process, one device, inputs from files | otherwise |
-| ``direct`` | `scoring.direct`: one launch on a corpus resident on one device | small (`direct.eligible`) |
+| ``direct`` | `scoring.direct`: one launch on a corpus resident on one device (a rerank on a GPU of \
+one resident on the host: its candidates' rows staged, `scoring.host_rows`) | small (`direct.eligible`) |
 | ``resident`` | `parallel.resident.score_resident`: a thread a device | resident on several devices |
 | ``engine`` | `scoring.engine.run`: an open corpus on one device, streamed or resident | otherwise |
 | ``library`` | the library's `search` / `rerank`, which plans its call here | a served batch, not direct |
@@ -161,7 +162,7 @@ def plan_call(request: ScoreRequest, corpus: Corpus, num_queries: int, pairs: in
 
         residency = direct.eligible(request, corpus, num_queries, pairs)
         if residency is not None:
-            return Plan(DIRECT, (str(residency.device),), residency)
+            return Plan(DIRECT, (str(direct.scoring_device(request, residency)),), residency)
     if corpus.placement is not None and request.device == "auto":
         return Plan(RESIDENT, tuple(str(part.device) for part in corpus.placement))
     return Plan(ENGINE, (request.device,))
@@ -208,6 +209,7 @@ def run_call(
             candidates=candidates,
             log=log,
             disallowed=disallowed,
+            device=resolve_device(plan.devices[0]),
         )
         if stats is not None:
             return stats
@@ -248,6 +250,7 @@ def run_two_stage(
     found = RunCollector()
     scan_stats = run_call(scan_request, compressed, queries, found, log=log, disallowed=disallowed)
     candidates = found.run().to_dict()
+    exact_request = two_stage.exact_on_scan_device(exact_request, exact, scan_stats.device)
     exact_stats = run_call(exact_request, exact, queries, sink, candidates=candidates, log=log)
     return two_stage.merge_stats(request, compressed, scan_stats, exact_stats)
 

@@ -179,6 +179,8 @@ def _run(
     # A corpus resident on this device (`Corpus.to`) is scored from its device tensors: nothing to read,
     # so no staging memory to lock.
     residency = corpus.residency if corpus.residency is not None and corpus.residency.device == dev else None
+    # A corpus resident in host memory, scored on CUDA: batches are gathered from it, not read from files.
+    host_residency = corpus.residency if cuda and residency is None and _on_host(corpus) else None
     arena = context.arena
     if cuda and arena is None and residency is None:
         # an in-memory corpus scored away from its device has no files to size the staging by
@@ -220,6 +222,7 @@ def _run(
     engine.max_memory = request.max_memory
     engine.arena = arena
     engine.residency = residency
+    engine.host_residency = host_residency
     engine.stop = context.stop
     engine.disallowed = disallowed
     # few documents allowed: they are every query's candidates (`filters.use_subset`)
@@ -276,6 +279,12 @@ def _run(
     note_host_memory(stats, meter, host_budget, request.max_host_memory is not None, log)
     stats.wall_s = time.perf_counter() - started
     return stats
+
+
+def _on_host(corpus: Corpus) -> bool:
+    """Whether the corpus is resident in host memory, all of it in one residency (`Corpus.to("cpu")`)."""
+    residency = corpus.residency
+    return residency is not None and corpus.placement is None and residency.device.type == "cpu"
 
 
 @dataclass
@@ -339,6 +348,7 @@ class _Engine:
         self.score_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.arena: PinnedArena | None = None
         self.residency: Residency | None = None  # the corpus on this device, when it is resident
+        self.host_residency: Residency | None = None  # the corpus in host memory, scored on CUDA
         self.docnos_of: dict[int, list[str]] = {}  # rerank: each query's candidates found, in run order
         self.meter: HostMeter | None = None
         self.max_memory: int | None = None  # --max-memory
@@ -713,6 +723,7 @@ class _Engine:
             arena=self.arena,
             check_values=not self.backend_checks,
             residency=self.residency,
+            host_residency=self.host_residency,
         )
 
     def _codebook_arg(self) -> dict[str, object]:

@@ -5,10 +5,11 @@ turns a list of plans into batches on the device, in plan order, with three stag
 
 1. **Read** - reader threads (a thread pool fed in plan order by one dispatcher thread) fill *staging
    slots*. There are ``reader_threads + 2`` slots, so every reader has one to fill while two filled ones
-   wait. Document ranges of safetensors shards are read with `os.preadv` straight into the slot (one
-   pass over the bytes, no page faults, no per-shard lock: `SafetensorsShard.read_rows_into`, which also
-   turns a shard truncated or rewritten during the run into a one-line error); other containers and
-   index lists go through `Shard.read_docs` / `read_doc_indices` and, on CUDA, are copied into the slot.
+   wait. Document ranges and a rerank's index lists of safetensors shards are read with `os.preadv`
+   straight into the slot (one pass over the bytes, no page faults, no per-shard lock:
+   `SafetensorsShard.read_rows_into` / `read_docs_into`, which also turn a shard truncated or rewritten
+   during the run into a one-line error); other containers go through `Shard.read_docs` /
+   `read_doc_indices` and, on CUDA, are copied into the slot.
    On CUDA the slots are page-locked (carved from one `PinnedArena`); a slot is handed back as soon as its
    copy is *queued*, with the CUDA event that marks the copy's end, and the next reader to take it waits
    on that event before writing (the only host waits are there and on the hand-over queue, both off the
@@ -28,7 +29,9 @@ whose error names the document and the token.
 When the corpus fits the GPU budget the stream is *resident*: the first pass copies each batch into its
 own device buffer and later passes (one per query batch) reuse them without reading anything. A corpus
 made resident beforehand (`Corpus.to`, ``residency=``) is not read at all: each batch is a view of its
-buffer, and a rerank batch names its candidates in it (no rows are copied).
+buffer, and a rerank batch names its candidates in it (no rows are copied). A corpus resident in host
+memory and scored on CUDA (``host_residency=``) is not read from its files either: the readers gather each
+batch's rows from it into the slots (`gather_rows`).
 
 On the CPU there are no streams: safetensors ranges are read into the slots as on CUDA (the reader checks
 their values unless the backend does), other batches are the shard's tensors (or packed in a slot); at
@@ -57,7 +60,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from maxsim_cli.scoring.staging import PinnedArena, SlotBuffers
+from maxsim_cli.scoring.staging import PinnedArena, SlotBuffers, gather_rows, gathered_offsets
 from maxsim_cli.shards.resident import Residency
 
 _STOP = object()  # put in the slot queue to stop the dispatcher
@@ -167,9 +170,14 @@ class BatchStream:
         arena: PinnedArena | None = None,
         check_values: bool = True,
         residency: Residency | None = None,
+        host_residency: Residency | None = None,
     ) -> None:
         self.shards = shards
         self.residency = residency  # the corpus already in the device's memory: nothing to read
+        # the corpus resident in host memory (`Corpus.to("cpu")`), scored on CUDA: batches gathered from it
+        # into the slots instead of read from its files (the engine passes it on CUDA only; on the CPU a
+        # resident corpus is ``residency``)
+        self.host_residency = host_residency
         self.check_values = check_values  # CPU: False when the caller's backend checks values itself
         self.arena = arena
         self.plans = list(plans)
@@ -222,7 +230,14 @@ class BatchStream:
     def _read(self, plan: BatchPlan, slot: SlotBuffers | None) -> _HostBatch:
         start = time.perf_counter()
         side = plan.side_array()
-        if all(len(p) == 3 and self._direct_rows(p[0]) for p in plan.parts):
+        if self.host_residency is not None:
+            assert slot is not None
+            result = self._gather(plan, slot, side)
+            with self._lock:
+                self.times.read_s += time.perf_counter() - start
+                self.times.bytes_read += result.embeddings.numel() * result.embeddings.element_size()
+            return result
+        if all(self._direct_rows(p) for p in plan.parts):
             result = self._read_direct(plan, slot, side)
             if not self.cuda and self.check_values and not _finite(result.embeddings, result.scales):
                 read_parts(self.shards, plan.parts)  # the shard's checked reader names the document
@@ -278,24 +293,35 @@ class BatchStream:
             self.times.bytes_read += nbytes
         return result
 
-    def _direct_rows(self, shard_index: int) -> bool:
-        """Whether the shard reads token rows straight into a caller's buffer (`read_rows_into`:
-        safetensors)."""
-        return hasattr(self.shards[shard_index], "read_rows_into")
+    def _direct_rows(self, part: Part) -> bool:
+        """Whether the part's shard reads its token rows straight into a caller's buffer (safetensors:
+        `read_rows_into` for a range, `read_docs_into` for a rerank's index list)."""
+        return hasattr(self.shards[part[0]], "read_rows_into" if len(part) == 3 else "read_docs_into")
 
     def _read_direct(self, plan: BatchPlan, slot: SlotBuffers, side: np.ndarray | None) -> _HostBatch:
-        """Read a plan of document ranges of safetensors shards straight into a (pinned) slot."""
+        """Read a plan of document ranges or index lists of safetensors shards straight into a (pinned)
+        slot: no copy of the rows but the read, no check of their values on the host (on CUDA the GPU
+        checks them after the copy, `_check_values`)."""
         slot.allocate()
         if slot.copied is not None:
             slot.copied.synchronize()  # the previous copy out of this slot has finished
         ints = slot.ints.numpy()
         ints[0] = 0
         tokens = docs = 0
-        for shard_index, start, stop in plan.parts:  # type: ignore[misc]
-            offsets = self.shards[shard_index].offsets
-            t0, t1 = int(offsets[start]), int(offsets[stop])
+        for part in plan.parts:
+            shard = self.shards[part[0]]
             scales = slot.scales[tokens:] if slot.scales is not None else None
-            self.shards[shard_index].read_rows_into(t0, t1, slot.embeddings[tokens:], scales)
+            if len(part) == 2:  # a rerank's documents, in the plan's order
+                lengths = shard.read_docs_into(part[1], slot.embeddings[tokens:], scales)
+                n_doc = len(lengths)
+                ints[docs + 1 : docs + n_doc + 1] = np.cumsum(lengths) + tokens
+                tokens += int(lengths.sum())
+                docs += n_doc
+                continue
+            _, start, stop = part
+            offsets = shard.offsets
+            t0, t1 = int(offsets[start]), int(offsets[stop])
+            shard.read_rows_into(t0, t1, slot.embeddings[tokens:], scales)
             n_doc = stop - start
             ints[docs + 1 : docs + n_doc + 1] = offsets[start + 1 : stop + 1] - t0 + tokens
             tokens += t1 - t0
@@ -310,6 +336,40 @@ class BatchStream:
             ints[: docs + 1].copy(),
             slot,
             checked=False,
+        )
+
+    def _gather(self, plan: BatchPlan, slot: SlotBuffers, side: np.ndarray | None) -> _HostBatch:
+        """A plan's rows gathered from the corpus resident in host memory into a (pinned) slot
+        (`gather_rows`, on this reader thread); its values were checked when it was made resident."""
+        residency = self.host_residency
+        assert residency is not None
+        slot.allocate()
+        if slot.copied is not None:
+            slot.copied.synchronize()  # the previous copy out of this slot has finished
+        docs = _ordinals(residency.doc_base, plan.parts)
+        starts, offsets = gathered_offsets(residency.host_offsets, docs)
+        gather_rows(
+            residency.embeddings,
+            residency.scales,
+            starts,
+            offsets,
+            0,
+            len(docs),
+            slot.embeddings,
+            slot.scales,
+        )
+        tokens, n_doc = int(offsets[-1]), len(docs)
+        ints = slot.ints.numpy()
+        ints[: n_doc + 1] = offsets
+        if side is not None:
+            ints[n_doc + 1 : n_doc + 1 + len(side)] = side
+        return _HostBatch(
+            slot.embeddings[:tokens],
+            slot.ints[: n_doc + 1],
+            slot.scales[:tokens] if slot.scales is not None else None,
+            slot.ints[n_doc + 1 : n_doc + 1 + plan.side_len] if side is not None else None,
+            offsets,
+            slot,
         )
 
     def _check_values(self) -> None:

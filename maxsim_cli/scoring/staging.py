@@ -1,11 +1,14 @@
 """The staging memory of a batch stream (`maxsim_cli.scoring.pipeline`): the page-locked arena of a CUDA pass,
-locked piece by piece in a background thread, and the slots (one batch's tensors) carved from it."""
+locked piece by piece in a background thread, and the slots (one batch's tensors) carved from it; and the
+gathering of documents' rows from a corpus resident in host memory into staging memory (`gather_rows`).
+"""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import numpy as np
 import torch
 
 from maxsim_cli import tuning
@@ -156,3 +159,38 @@ class SlotBuffers:
     @staticmethod
     def nbytes(tokens: int, docs: int, side: int, dim: int, itemsize: int, scaled: bool) -> int:
         return tokens * (dim * itemsize + (4 if scaled else 0)) + (docs + 1 + side) * 8
+
+
+def gathered_offsets(host_offsets: np.ndarray, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(each document's first row in the residency, int64 [n]; the gathered rows' offsets, int64 [n + 1])
+    of documents ``docs`` gathered one after another in that order."""
+    starts = host_offsets[docs]
+    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+    np.cumsum(host_offsets[docs + 1] - starts, out=offsets[1:])
+    return starts, offsets
+
+
+def gather_rows(
+    embeddings: torch.Tensor,
+    scales: torch.Tensor | None,
+    starts: np.ndarray,
+    offsets: np.ndarray,
+    a: int,
+    b: int,
+    out_embeddings: torch.Tensor,
+    out_scales: torch.Tensor | None,
+) -> None:
+    """Rows of documents ``a:b`` of a gather (`gathered_offsets`' ``starts`` and ``offsets``) from the host
+    ``embeddings`` (and ``scales``) into ``out_embeddings[: rows]`` (and ``out_scales``), one
+    `torch.index_select` over the rows: a copy of their bytes on torch's intra-op threads."""
+    lengths = torch.from_numpy(offsets[a + 1 : b + 1] - offsets[a:b])
+    rows = int(offsets[b] - offsets[a])
+    if rows == 0:
+        return
+    # each gathered row's row in the residency: its document's first row plus its place in the document
+    shift = torch.from_numpy(starts[a:b] - offsets[a:b])
+    index = torch.repeat_interleave(shift, lengths, output_size=rows)
+    index += torch.arange(int(offsets[a]), int(offsets[b]), dtype=torch.int64)
+    torch.index_select(embeddings, 0, index, out=out_embeddings[:rows])
+    if scales is not None and out_scales is not None:
+        torch.index_select(scales, 0, index, out=out_scales[:rows])

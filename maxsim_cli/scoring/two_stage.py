@@ -55,6 +55,19 @@ def stage_requests(
     return scan, exact
 
 
+def exact_on_scan_device(exact_request: ScoreRequest, exact: Corpus, scan_device: str) -> ScoreRequest:
+    """The exact stage's request once the scan has run on ``scan_device``: with ``device="auto"``, an
+    exact tier resident in host memory (``exact.to("cpu")``) is scored on the GPU the scan ran on, its
+    candidates' rows staged there (`maxsim_cli.scoring.host_rows`), not by the CPU; any other request as
+    it is (a tier resident on a GPU is scored there, one on disk where ``auto`` resolves)."""
+    residency = exact.residency
+    if exact_request.device.strip().lower() != "auto" or not scan_device.startswith("cuda"):
+        return exact_request
+    if residency is None or exact.placement is not None or residency.device.type != "cpu":
+        return exact_request
+    return dataclasses.replace(exact_request, device=scan_device)
+
+
 def check_tiers(request: ScoreRequest, compressed: Corpus, exact: Corpus) -> None:
     """Both tiers hold the same documents (the compressed tier records the corpus it was quantized
     from), the exact one in full precision: `InputError`s naming both."""
@@ -155,6 +168,7 @@ def score_files(request: ScoreRequest, run: TwoStageRunner, *, log: Logger) -> S
 __all__ = [
     "check_pair",
     "check_tiers",
+    "exact_on_scan_device",
     "merge_stats",
     "score_files",
     "stage_requests",

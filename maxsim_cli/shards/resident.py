@@ -72,6 +72,9 @@ class Residency:
     candidates: Any = None
     # residual2 codes: the kernels' codebook on the device, made at the first call scored directly
     codebook: Any = None
+    # a corpus resident on the host: the page-locked buffer a rerank on a GPU stages its candidates' rows
+    # in (`maxsim_cli.scoring.host_rows.HostStaging`), made at the first one
+    staging: Any = None
 
 
 def assign_shards(tokens: Sequence[int], world: int) -> list[list[int]]:

@@ -244,6 +244,32 @@ def pread_into(path: str, fd: int, identity: FileIdentity, out: Any, offset: int
     check_unchanged(path, identity, os.fstat(fd))
 
 
+def pread_pieces(path: str, fd: int, identity: FileIdentity, out: Any, offsets: Any, sizes: Any) -> None:
+    """Fill the tensor or array ``out`` with the file's byte ranges ``offsets[i] : offsets[i] + sizes[i]``
+    one after another (`os.preadv` each, into views of one buffer): `pread_into` for many pieces, such as
+    the rows of a rerank's candidates, at a Python call a piece. The file is checked once, after the
+    reads; a read that ends early or a file that changed is the same `InputError` as there."""
+    array = out.view(_uint8()).numpy() if hasattr(out, "numpy") else out.view(np.uint8)
+    view = memoryview(array.reshape(-1)).cast("B")
+    sizes = np.asarray(sizes, dtype=np.int64)
+    if int(sizes.sum()) > len(view):
+        raise ValueError(f"pread_pieces: {int(sizes.sum())} bytes do not fit a buffer of {len(view)}")
+    done = 0
+    for offset, size in zip(np.asarray(offsets).tolist(), sizes.tolist(), strict=True):
+        start = done
+        while done < start + size:
+            at = offset + done - start  # the file's byte the read goes on from
+            try:
+                got = os.preadv(fd, [view[done : start + size]], at)
+            except OSError as exc:
+                raise input_error(path, f"cannot read: {one_line(exc)}") from None
+            if got <= 0:
+                check_unchanged(path, identity, os.fstat(fd))
+                raise input_error(path, f"truncated: the file ends at byte {at}; re-copy or rewrite it")
+            done += got
+    check_unchanged(path, identity, os.fstat(fd))
+
+
 def _uint8() -> Any:
     import torch
 
