@@ -241,7 +241,8 @@ def test_a_gpu_rerank_of_a_host_resident_corpus_gives_the_streamed_run(corpus_ki
         assert rerank(QUERIES, corpus, candidates, device="cuda").to_dict() == streamed
         assert staging.buffer.data_ptr() == kept  # reused, not made again
         # too many rows to stage, or a memory budget: the engine, which gathers its batches from the host
-        # copy too (the files are not read)
+        # copy too (the corpus's files are not read; the queries are read before)
+        queries = read_queries(QUERIES)
         monkeypatch.setattr(host_rows, "MAX_STAGED_BYTES", 1000)
 
         def no_reads(*args, **kwargs):
@@ -249,7 +250,7 @@ def test_a_gpu_rerank_of_a_host_resident_corpus_gives_the_streamed_run(corpus_ki
 
         for name in ("read_rows_into", "read_docs_into", "read_doc_indices", "read_docs"):
             monkeypatch.setattr(SafetensorsShard, name, no_reads)
-        run = rerank(QUERIES, corpus, candidates, device="cuda")
+        run = rerank(queries, corpus, candidates, device="cuda")
         assert run.to_dict() == streamed and "host_rows" not in run.stats.extra
-        run = rerank(QUERIES, corpus, candidates, device="cuda", max_memory="1GiB")
+        run = rerank(queries, corpus, candidates, device="cuda", max_memory="1GiB")
         assert run.to_dict() == streamed and run.stats.bytes_read > 0
