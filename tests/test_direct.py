@@ -115,8 +115,8 @@ def test_exact_ties_are_broken_by_docno_descending(tmp_path) -> None:
 
 
 def test_a_rerank_writes_the_engines_trec_bytes_with_ties_misses_and_filters(tmp_path, monkeypatch) -> None:
-    """The direct rerank hands a query's rows over as the lookup's Arrow docnos, sorted by score alone,
-    where no two scores are equal; a query with equal scores goes the way every query went before. Both
+    """The direct rerank hands a query's rows over as the lookup's Arrow docnos, sorted by score, equal
+    scores by docno descending; none goes through write_query (which the engine's rows take). Both
     give the engine's file byte for byte: queries given in another order, with and without ties, a
     missing candidate, a cut to k and a filter."""
     gen = torch.Generator().manual_seed(4)
@@ -141,7 +141,7 @@ def test_a_rerank_writes_the_engines_trec_bytes_with_ties_misses_and_filters(tmp
             corpus.to("cpu")
             if way == "engine":
                 _engine_only(patch)
-            else:  # the queries that go through write_query: those with equal scores
+            else:  # the queries that go through write_query: none, equal scores or not
                 patch.setattr(RankedSink, "write_query", lambda self, qid, *a: [
                     sorted_by_docno.append(qid), write_query(self, qid, *a)][1])  # fmt: skip
             for k in (None, 2):
@@ -153,7 +153,7 @@ def test_a_rerank_writes_the_engines_trec_bytes_with_ties_misses_and_filters(tmp
                     run.to_trec(path)
                     outputs.setdefault(way, []).append(path.read_bytes())
     assert outputs["direct"] == outputs["engine"]
-    assert set(sorted_by_docno) == {"q3"}
+    assert sorted_by_docno == []
     assert b"q3 Q0 doc21" in outputs["direct"][0] and outputs["direct"][0].startswith(b"q1 Q0 ")
 
 
@@ -243,3 +243,20 @@ def test_on_the_gpu_the_direct_path_is_the_engines_run(corpus_path, queries, tmp
                 _engine_only(patch)
                 want = (search(queries, corpus, k=7), rerank(queries, corpus, cands))
             assert [r.to_dict() for r in got] == [r.to_dict() for r in want]
+
+
+def test_a_querys_order_with_runs_of_equal_scores_is_sort_trecs() -> None:
+    """`_trec_order` sorts the scores in numpy and each run of equal scores by docno: `sort_trec`'s
+    order, whatever the ties (one run, many, at the ends, -0 against 0); None for a non-finite score."""
+    from maxsim_cli.run_files import sort_trec
+    from maxsim_cli.scoring.results import _trec_order
+
+    gen = np.random.default_rng(3)
+    for n in (1, 2, 5, 60, 1000):
+        for levels in (1, 3, 50, 10_000):
+            scores = (gen.integers(0, levels, n) / 7 - 1).astype(np.float32)
+            scores[scores == 0] = np.float32(-0.0) if n % 2 else scores[scores == 0]
+            docnos = [f"{gen.choice(['d', 'é', '中'])}{i}" for i in gen.permutation(n)]
+            assert _trec_order(scores, docnos).tolist() == sort_trec(docnos, scores.tolist()), (n, levels)
+    assert _trec_order(np.array([1, np.nan], np.float32), ["a", "b"]) is None
+    assert _trec_order(np.array([1, 1], np.float32), None) is None

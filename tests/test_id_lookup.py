@@ -236,3 +236,31 @@ def test_the_api_rerank_goes_through_the_servers_launcher(corpus_path, queries, 
             engine_run = rerank(queries, corpus, cands, backend="triton")
         assert engine_run.stats.extra.get("direct") is None
         assert run.to_dict() == engine_run.to_dict() and len(run) == sum(map(len, cands.values()))
+
+
+@pytest.mark.parametrize(
+    "words",
+    [
+        ["d1", "doc22", "", "x"],
+        ["a\x1fb", "c", "\x1f", ""],  # the separator inside docnos: measured one by one
+        ["中文", "é", "a\x1f中", "z" * 300],
+        ["only"],
+        [],
+    ],
+)
+def test_docnos_are_encoded_as_their_utf8_bytes_one_after_another(words) -> None:
+    data, offsets = lookup.encode_docnos(words)
+    encoded = [w.encode() for w in words]
+    assert bytes(data) == b"".join(encoded)
+    assert offsets.tolist() == np.cumsum([0, *map(len, encoded)]).tolist()
+
+
+def test_a_docno_of_an_ids_length_and_hash_but_other_bytes_is_not_found(corpus_path, monkeypatch) -> None:
+    # every hash equal: each docno's first entry is some id of the corpus, compared byte for byte
+    monkeypatch.setattr(lookup, "hash_utf8", lambda data, offsets: np.zeros(len(offsets) - 1, np.uint64))
+    with open_corpus(corpus_path) as corpus:
+        ids = corpus.ids
+        first = corpus.id_lookup().ordinals[0]
+        twin = "".join(chr(ord(c) ^ 1) for c in ids[first])  # same length, other bytes
+        assert twin not in ids
+        assert corpus.id_lookup().ordinals_of([ids[first], twin]).tolist() == [int(first), -1]

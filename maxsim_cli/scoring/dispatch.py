@@ -209,7 +209,8 @@ def run_call(
             candidates=candidates,
             log=log,
             disallowed=disallowed,
-            device=resolve_device(plan.devices[0]),
+            # the device `plan_call` found (`direct.scoring_device`), not resolved from its name again
+            device=direct.scoring_device(request, plan.residency),
         )
         if stats is not None:
             return stats

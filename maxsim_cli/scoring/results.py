@@ -215,12 +215,13 @@ def write_reranked(
     `locate_candidates` gives them) to ``sink``, re-sorted in trec_eval's order and cut to ``top_k``.
 
     With ``pair_docnos`` (each pair's docno, an Arrow string or binary array in the order of ``scores``:
-    `LocatedCandidates.pair_docnos`), a query whose scores are finite and all different is sorted by its
-    scores alone and handed over as Arrow rows taken from it (``sink.write_ranked``, which checks them
-    as ``write_query`` does): no Python string a row. A query with equal or non-finite scores goes
-    through ``write_query`` with ``docnos_of``, as every query did before: the same rows either way."""
+    `LocatedCandidates.pair_docnos`), a query whose scores are finite is sorted by its scores, the few
+    runs of equal scores by their docnos (`_trec_order`), and handed over as Arrow rows taken from it
+    (``sink.write_ranked``, which checks them as ``write_query`` does): no Python string a row. A query
+    with a non-finite score goes through ``write_query`` with ``docnos_of``, as every query did before,
+    which names it: the same rows either way."""
     from maxsim_cli.arrays import values_array
-    from maxsim_cli.run_files import sort_trec, untied_order
+    from maxsim_cli.run_files import sort_trec
 
     if pair_query is None:
         return
@@ -228,7 +229,7 @@ def write_reranked(
     for qi, qid in enumerate(qids):
         a, b = starts[qi], starts[qi + 1]
         if pair_docnos is not None and b > a:
-            order = untied_order(scores[a:b])
+            order = _trec_order(scores[a:b], docnos_of.get(qi))
             if order is not None:
                 keep = order[:top_k]
                 docnos = pair_docnos.slice(a, b - a).take(values_array(keep))
@@ -240,3 +241,29 @@ def write_reranked(
         sc = scores[a:b].tolist()
         kept = sort_trec(docnos, sc)[:top_k]
         sink.write_query(qid, [docnos[i] for i in kept], [sc[i] for i in kept])
+
+
+def _trec_order(scores: np.ndarray, docnos: Sequence[str] | None) -> np.ndarray | None:
+    """`sort_trec`'s order (int64 indices) of one query's float32 ``scores``, ``docnos`` (its Python
+    strings, in the scores' order) deciding between equal scores: the scores sorted in numpy, then each
+    run of equal scores (few: float32 scores rarely tie but for copies of a document, or fp16 products)
+    sorted by docno descending, as `sort_trec` does with every docno. None where a score is not finite
+    (`write_query` then names it), or where there are ties and no ``docnos``."""
+    keys = np.asarray(scores, dtype=np.float32) + np.float32(0.0)  # -0 is 0, as in `sort_trec`
+    order = np.argsort(-keys, kind="stable")
+    ranked = keys[order]
+    if not np.isfinite(ranked).all():
+        return None
+    tied = np.flatnonzero(ranked[:-1] == ranked[1:])  # i: ranks i and i + 1 share a score
+    if len(tied) == 0:
+        return order
+    if docnos is None:
+        return None
+    # runs of equal scores: [first, last] ranks, from the tied neighbours that follow each other
+    breaks = np.flatnonzero(np.diff(tied) != 1)
+    firsts = tied[np.concatenate(([0], breaks + 1))].tolist()
+    lasts = (tied[np.concatenate((breaks, [len(tied) - 1]))] + 1).tolist()
+    for first, last in zip(firsts, lasts, strict=True):
+        run = order[first : last + 1].tolist()
+        order[first : last + 1] = sorted(run, key=docnos.__getitem__, reverse=True)
+    return order
