@@ -894,18 +894,31 @@ def residual2_query_tables(q8: torch.Tensor, codebook: ResidualCodebook) -> Quer
     The first term is a table over the codebook's centroids, computed in float64 and rounded once to fp32
     (the scan gathers it by the token's centroid id); the second runs on the tensor cores with the query
     planes q8 * D_v (`residual2_plane_weights`) rounded to fp16 after scaling by a power of two 2^-e that
-    keeps them below 2^15. Relative error of a plane value: 2^-11 (2^-25 * 2^e absolute below fp16's
-    normal range); the tests' bound states the rest."""
+    keeps them below 2^15 (`_plane_weights_and_exponent`: from the codebook alone, no host round trip a
+    call). Relative error of a plane value: 2^-11 (2^-25 * 2^e absolute below fp16's normal range); the
+    tests' bound states the rest."""
     dim = q8.shape[1]
     device = q8.device
     q = q8.double()
     base = codebook.centroids.double() + codebook.bucket_weights.double()[:, 0][None, :]
     by_centroid = (base @ q.T).float()  # [K, R]
-    planes = q[None, :, :] * residual2_plane_weights(codebook.bucket_weights).to(device)[:, None, :]
-    top = float(planes.abs().max()) if planes.numel() else 0.0
-    exponent = (math.frexp(top)[1] - 15) if top > 0 else 0  # top * 2^-e < 2^15 <= fp16's max
+    weights, exponent = _plane_weights_and_exponent(codebook.bucket_weights)
+    planes = q[None, :, :] * weights.to(device)[:, None, :]
     planes = (planes * 2.0**-exponent).to(torch.float16)[:, :, _part_major_order(dim, device)].contiguous()
     return QueryTables(planes, by_centroid.contiguous(), 2.0**exponent)
+
+
+def _plane_weights_and_exponent(bucket_weights: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """`residual2_plane_weights` and the exponent e of the query planes' scale 2^-e: |q8| <= 128, so
+    128 * max |D_v| * 2^-e < 2^15 <= fp16's max for any int8 queries. Made once per bucket-weights tensor
+    (`memo`; its max is the one host synchronisation)."""
+
+    def compute() -> tuple[torch.Tensor, int]:
+        weights = residual2_plane_weights(bucket_weights)
+        top = 128.0 * float(weights.abs().max())
+        return weights, (math.frexp(top)[1] - 15) if top > 0 else 0
+
+    return memo(bucket_weights, "plane_weights", compute)
 
 
 def _part_width(codec: str, dim: int) -> int:
@@ -1096,9 +1109,9 @@ def _launch_candidates(
         return out
     tiles = tiles or _CANDIDATES
     chunks = _query_chunks(codebook, q8, query_offsets, tiles)
-    cand_host = candidate_offsets.tolist() if len(chunks) > 1 else [0] * (query_offsets.numel())
+    whole = len(chunks) == 1
+    cand_host = [] if whole else candidate_offsets.tolist()  # a split table: each chunk's candidates
     for q_first, q_last, r_first, r_last in chunks:
-        whole = len(chunks) == 1
         c_first, c_last = (0, n_cand) if whole else (cand_host[q_first], cand_host[q_last])
         if c_last == c_first:
             continue
