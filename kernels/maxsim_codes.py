@@ -69,7 +69,6 @@ docs/kernel-notes.md, "Codes below 8 bits". Scores only (no argmax).
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import torch
@@ -86,7 +85,7 @@ from .maxsim_int8 import (
     sum_rows_in_order,
 )
 from .running_max import document_max, fold_tile, restart, tile_count
-from .validation import cdiv, check_candidate_docs, memo, resolve_backend
+from .validation import cdiv, check_candidate_docs, interpreting, memo, resolve_backend
 
 CODECS = ("int4", "residual2")
 INT4_ABSMAX = 7.0
@@ -952,7 +951,7 @@ _CENTROID_TABLE_BYTES = 128 << 20
 
 def _use_asm(device: torch.device) -> bool:
     """The kernels' inline PTX runs on CUDA; Triton's interpreter takes the tl ops that compute the same."""
-    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    return device.type == "cuda" and not interpreting()
 
 
 class _Launch(NamedTuple):

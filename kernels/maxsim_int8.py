@@ -61,7 +61,6 @@ kernel uses the same constant: (y + 1.5 * 2^23) - 1.5 * 2^23 for |y| < 2^22.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -76,6 +75,7 @@ from .validation import (
     cdiv,
     check_candidate_docs,
     host_offsets,
+    interpreting,
     memo,
     memo_pair,
     on_device,
@@ -714,7 +714,7 @@ def _register_cap(maxnreg: int | None) -> dict[str, int]:
     """ptxas's register cap a thread as a launch option, for sweeps: the HBM-bound tiles gained nothing
     from one (docs/kernel-notes.md), so the tuned tiles set none. Compiled launches only (the interpreter
     takes no such option)."""
-    return {"maxnreg": maxnreg} if maxnreg and os.environ.get("TRITON_INTERPRET") != "1" else {}
+    return {"maxnreg": maxnreg} if maxnreg and not interpreting() else {}
 
 
 def _varlen_tiles(n_rows: int, n_queries: int, dim: int) -> Tiles:

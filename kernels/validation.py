@@ -326,6 +326,12 @@ def host_candidates(candidate_docs: torch.Tensor, num_docs: int) -> np.ndarray:
     return c_docs
 
 
+def interpreting() -> bool:
+    """Whether Triton runs its interpreter (TRITON_INTERPRET=1: kernels on CPU tensors, as the tests run
+    them), which takes no compile options and no inline PTX."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     """ "triton" or "torch" for `backend` on tensors of `device` ("auto": Triton on CUDA, torch elsewhere).
 
@@ -335,7 +341,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if backend == "triton" and device.type != "cuda" and not interpreting():
         raise ValueError(
             "backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors); use 'torch'"
         )
