@@ -884,42 +884,47 @@ class ResidentCandidates:
         if max_len > 128 or int(query_lengths.min()) < 1:
             return None
         launch = self._launch(max_len)
-        blocks = _candidate_blocks(candidate_offsets, launch.meta["CANDS_PER_PROG"])
+        per_prog = launch.meta["CANDS_PER_PROG"]
+        if num_q == 1:  # one query (a served or API rerank): its runs of candidates, without a table
+            first = np.arange(0, num_c, per_prog, dtype=np.int64)
+            blocks = (np.zeros(len(first), dtype=np.int64), first, np.minimum(first + per_prog, num_c))
+        else:
+            blocks = _candidate_blocks(candidate_offsets, per_prog)
         num_blocks = len(blocks[0])
         # the buffer: queries (the documents' dtype), then int64 query offsets, candidates and the
         # program table, each part at a 16-byte boundary (Triton specialises pointers on it)
         q_bytes = cdiv(queries.shape[0] * self.dim * self.docs.element_size(), 16) * 16
         ints = (num_q + 1, num_c, num_blocks, num_blocks, num_blocks)
-        starts = np.cumsum([q_bytes] + [cdiv(8 * n, 16) * 16 for n in ints])
+        starts = [q_bytes]
+        for n in ints:
+            starts.append(starts[-1] + cdiv(8 * n, 16) * 16)
         with self._lock:
-            self._reserve(int(starts[-1]), num_c)
-            staged_q = self._host[:q_bytes].view(self.docs.dtype)[: queries.numel()].view(queries.shape)
-            staged_q.copy_(queries)
-            host = self._host.numpy()
-            for part, at in zip((query_offsets, candidate_docs, *blocks), starts[:-1].tolist(), strict=True):
-                np.copyto(host[at : at + 8 * len(part)].view(np.int64), part)
+            self._reserve(starts[-1], num_c)
+            numel = queries.numel()
+            self._host_q[:numel].view(queries.shape).copy_(queries)
+            host = self._host_np
+            for part, at in zip((query_offsets, candidate_docs, *blocks), starts[:-1], strict=True):
+                host[at // 8 : at // 8 + len(part)] = part
             if self._dev is not self._host:
                 self._dev[: starts[-1]].copy_(self._host[: starts[-1]], non_blocking=True)
-            dev = self._dev
-            views = [
-                dev[a : a + 8 * n].view(torch.int64) for a, n in zip(starts[:-1].tolist(), ints, strict=True)
-            ]
-            q_dev = dev[:q_bytes].view(self.docs.dtype)[: queries.numel()].view(queries.shape)
+            # views of the buffer made once (`_reserve`): a slice of each a call
+            dev = self._dev_i64
+            views = [dev[a // 8 : a // 8 + n] for a, n in zip(starts[:-1], ints, strict=True)]
+            q_dev = self._dev_q[:numel].view(queries.shape)
             scores = self._scores[:num_c]
             try:
                 launch(
                     (num_blocks,), q_dev, views[0], self.docs, self.doc_offsets, views[1], views[2], views[3],
                     views[4], scores, scores,
-                    num_q, num_c, 1, self.num_docs, self.dim, q_dev.stride(0), self.docs.stride(0), max_len,
+                    num_q, num_c, 1, self.num_docs, self.dim, self.dim, self.docs.stride(0), max_len,
                 )  # fmt: skip
                 if self._scores_host is self._scores:
                     return scores.numpy().copy()
-                out = self._scores_host[:num_c]
-                out.copy_(scores, non_blocking=True)
+                self._scores_host[:num_c].copy_(scores, non_blocking=True)
             finally:
                 if self.device.type == "cuda":  # the buffers are free again once the stream is done
                     torch.cuda.current_stream(self.device).synchronize()
-            return out.numpy().copy()
+            return self._scores_host_np[:num_c].copy()
 
     def _launch(self, max_query_len: int) -> SpecialisedLaunch:
         """The launch site of this ROWS class (`candidates_config`'s), made at its first call."""
@@ -934,15 +939,20 @@ class ResidentCandidates:
         """Buffers of at least ``nbytes`` and ``num_c`` scores (grown by doubling, kept)."""
         on_cuda = self.device.type == "cuda"
         if self._host.numel() < nbytes:
-            size = max(nbytes, 2 * self._host.numel(), 1 << 16)
+            size = max(nbytes, 2 * self._host.numel(), 1 << 16)  # a multiple of 16, as every part's end
             self._host = torch.empty(size, dtype=torch.uint8, pin_memory=on_cuda)
             self._dev = torch.empty(size, dtype=torch.uint8, device=self.device) if on_cuda else self._host
+            # the views a call takes slices of: the queries' dtype at the start, int64 after
+            self._host_q = self._host.view(self.docs.dtype)
+            self._host_np = self._host.numpy().view(np.int64)
+            self._dev_q, self._dev_i64 = self._dev.view(self.docs.dtype), self._dev.view(torch.int64)
         if self._scores.numel() < num_c:
             size = max(num_c, 2 * self._scores.numel(), 1 << 12)
             self._scores = torch.empty(size, dtype=torch.float32, device=self.device)
             self._scores_host = (
                 torch.empty(size, dtype=torch.float32, pin_memory=True) if on_cuda else self._scores
             )
+            self._scores_host_np = self._scores_host.numpy()
 
 
 def maxsim_candidates_forward_triton(

@@ -431,6 +431,7 @@ def _as_candidates(candidates: Any) -> dict[str, list[tuple[str, float]]]:
     query's docnos given alone as a `DocnoRows`, which holds their list)."""
     from maxsim_cli.run_files import read_run
     from maxsim_cli.scoring.results import DocnoRows
+    from maxsim_cli.shards.lookup import join_docnos
 
     if isinstance(candidates, (str, os.PathLike)):
         return read_run(candidates)
@@ -447,7 +448,7 @@ def _as_candidates(candidates: Any) -> dict[str, list[tuple[str, float]]]:
         grouped: dict[str, list[tuple[str, float]]] = {}
         for qid, docno, score in zip(candidates["qid"], candidates["docno"], scores, strict=True):
             grouped.setdefault(str(qid), []).append((str(docno), _first_stage_score(score, qid, docno)))
-        return _each_once(grouped)
+        return grouped
     if isinstance(candidates, Mapping):
         grouped = {}
         for qid, rows in candidates.items():
@@ -459,9 +460,10 @@ def _as_candidates(candidates: Any) -> dict[str, list[tuple[str, float]]]:
             if not isinstance(rows, (list, tuple)):
                 rows = list(rows)
             key = str(qid)
-            if set(map(type, rows)) <= {str}:  # docnos alone, the common case: kept as the list they are
+            joined = join_docnos(rows)  # docnos alone (every row a str), the common case: kept as they are
+            if joined is not None:
                 if key not in grouped:
-                    grouped[key] = DocnoRows(list(rows))
+                    grouped[key] = DocnoRows(list(rows), joined)
                 else:  # two keys of one qid (1 and "1"): their rows one after the other
                     grouped[key] = [*grouped[key], *zip(rows, itertools.repeat(0.0))]
                 continue
@@ -472,7 +474,7 @@ def _as_candidates(candidates: Any) -> dict[str, list[tuple[str, float]]]:
                 else (str(row), 0.0)
                 for row in rows
             )
-        return _each_once(grouped)
+        return grouped
     raise UsageError(
         f"candidates: got {type(candidates).__name__}; pass a run file path, a Run, a {{qid: [docno, ...]}} "
         "mapping or a DataFrame with qid and docno columns"
@@ -490,17 +492,3 @@ def _first_stage_score(score: Any, qid: Any, docno: Any) -> float:
         ) from None
 
 
-def _each_once(grouped: dict[str, list[tuple[str, float]]]) -> dict[str, list[tuple[str, float]]]:
-    """``grouped`` after checking that no query lists a docno twice: a set per query, not a check per
-    row (a served rerank pays this at every request)."""
-    from maxsim_cli.scoring.results import DocnoRows
-    for qid, rows in grouped.items():
-        # one set of the docnos, or one dict of the pairs, built in C
-        if len(set(rows.docnos) if isinstance(rows, DocnoRows) else dict(rows)) != len(rows):
-            seen: set[str] = set()
-            twice = next(d for d, _ in rows if d in seen or seen.add(d))  # type: ignore[func-returns-value]
-            raise InputError(
-                f"candidates: docno {twice!r} appears twice for query {qid!r}; a run lists each document "
-                "at most once per query"
-            )
-    return grouped

@@ -548,13 +548,18 @@ class RankedSink:
         order = sorted(range(len(docnos)), key=lambda i: (keys[i], docnos[i]), reverse=True)
         self._take_query(qid, [docnos[i] for i in order], key_array[order].astype(np.float32))
 
-    def write_ranked(self, qids: Sequence[str], docnos, scores: np.ndarray) -> None:  # noqa: ANN001
+    def write_ranked(
+        self, qids: Sequence[str], docnos, scores: np.ndarray, *, corpus_ids: bool = False  # noqa: ANN001
+    ) -> None:
         """Take several queries at once whose rows are already in trec_eval's order, as a running top-k
         yields them: query i's rows are ``docnos[i * m : (i + 1) * m]`` (an Arrow string array) with
         float32 ``scores[i]`` ([len(qids), m]).
 
         The rows are checked as `write_query` checks them (ids, finite scores, the order); whatever fails
-        goes through `write_query` query by query, which names the culprit.
+        goes through `write_query` query by query, which names the culprit. ``corpus_ids``: the docnos
+        are ids of an open corpus (each checked as its shard was read: not empty, no forbidden
+        character) and equal scores already have their docnos descending (a top-k by order keys, a
+        rerank sorted by `write_reranked`): those checks of the docnos are skipped, the rest is made.
         """
         import pyarrow as pa
 
@@ -570,9 +575,14 @@ class RankedSink:
             and all(q and not _WHITESPACE.search(q) for q in qids)
             and bool(np.isfinite(keys).all())
             and bool((keys[:, :-1] >= keys[:, 1:]).all())
-            and not has_forbidden_chars(docnos)
-            and (m == 0 or _none_empty(docnos))
-            and _ties_by_docno_descending(docnos, keys)
+            and (
+                corpus_ids
+                or (
+                    not has_forbidden_chars(docnos)
+                    and (m == 0 or _none_empty(docnos))
+                    and _ties_by_docno_descending(docnos, keys)
+                )
+            )
         )
         if not clean:
             for i, qid in enumerate(qids):

@@ -17,6 +17,7 @@ from maxsim_cli import open_corpus, rerank
 from maxsim_cli.errors import InputError
 from maxsim_cli.scoring import direct
 from maxsim_cli.scoring.engine import locate_candidates
+from maxsim_cli.scoring.results import DocnoRows
 from maxsim_cli.shards import Corpus, Shard, lookup, write_shard
 from maxsim_cli.shards import corpus as shard_corpus
 from maxsim_cli.shards import format as shard_format
@@ -264,3 +265,44 @@ def test_a_docno_of_an_ids_length_and_hash_but_other_bytes_is_not_found(corpus_p
         twin = "".join(chr(ord(c) ^ 1) for c in ids[first])  # same length, other bytes
         assert twin not in ids
         assert corpus.id_lookup().ordinals_of([ids[first], twin]).tolist() == [int(first), -1]
+
+
+@pytest.mark.parametrize(
+    ("docnos", "counts", "hashes", "repeat"),
+    [
+        (["a", "b", "c"], [3], None, -1),
+        (["a", "b", "a", "b"], [4], None, 2),
+        (["a", "b", "a", "c"], [2, 2], None, -1),  # one docno in two queries: once each
+        (["a", "b", "b", "a", "a"], [2, 3], None, 4),
+        # every hash equal: the docnos decide, whichever neighbours the sort gives
+        (["x", "y", "x"], [3], "equal", 2),
+        (["x", "y", "z"], [3], "equal", -1),
+        (["x", "y", "x", "y"], [2, 2], "equal", -1),
+        (["x"], [1], None, -1),
+        ([], [0], None, -1),
+    ],
+)
+def test_first_repeat_finds_the_first_docno_its_query_lists_again(docnos, counts, hashes, repeat) -> None:
+    data, offsets = lookup.encode_docnos(docnos)
+    h = lookup.hash_utf8(data, offsets) if hashes is None else np.zeros(len(docnos), np.uint64)
+    assert lookup.first_repeat(h, np.array(counts), docnos) == repeat
+
+
+def test_a_docno_listed_twice_is_one_line_naming_it_and_its_query(corpus_path) -> None:
+    # the check is the lookup's (hashes), for the API's docno lists as for any other run, found or not
+    with open_corpus(corpus_path) as corpus:
+        ids = corpus.ids
+        for lists in ({"q1": [ids[0], ids[1], ids[0]]}, {"q1": [ids[0]], "q2": [ids[2], "nope", "nope"]}):
+            qid, twice = list(lists)[-1], lists[list(lists)[-1]][-1]
+            for run in ({q: [(d, 0.0) for d in docnos] for q, docnos in lists.items()},
+                        {q: DocnoRows(docnos, lookup.join_docnos(docnos)) for q, docnos in lists.items()}):
+                with pytest.raises(InputError, match=f"docno '{twice}' appears twice for query '{qid}'"):
+                    locate_candidates(corpus, run, ["q1", "q2"], "q.st", "candidates", False, [], print)
+
+
+def test_docnos_given_as_str_subclasses_are_located_as_their_strings(corpus_path) -> None:
+    with open_corpus(corpus_path) as corpus:
+        ids = corpus.ids[:5]
+        expected = corpus.id_lookup().ordinals_of(ids).tolist()
+        got = corpus.id_lookup().locate([np.str_(i) for i in ids], lookup.join_docnos(ids))[0]
+        assert got.tolist() == expected == list(range(5))

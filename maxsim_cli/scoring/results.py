@@ -34,8 +34,8 @@ def write_topk(
         sink.write_ordinals(scores_np, ordinal_of_rank[ranks.numpy()])
         return
     docnos = ids_by_rank.take(values_array(ranks.numpy()))  # query after query
-    if hasattr(sink, "write_ranked"):  # the whole block at once
-        sink.write_ranked(list(qids), docnos, scores_np)
+    if hasattr(sink, "write_ranked"):  # the whole block at once: corpus ids, ties by docno (the keys)
+        sink.write_ranked(list(qids), docnos, scores_np, corpus_ids=True)
         return
     m = scores_np.shape[1] if scores_np.ndim == 2 else 0
     for i, qid in enumerate(qids):
@@ -45,12 +45,15 @@ def write_topk(
 class DocnoRows(Sequence[tuple[str, float]]):
     """A query's candidates given as docnos alone: the rows ``(docno, 0.0)`` of a first-stage run, kept
     as the list of docnos (`locate_candidates` looks that list up as it is; a row's tuple is made only
-    when one is asked for). ``docnos``: plain ``str``, each once."""
+    when one is asked for). ``docnos``: ``str`` (their string values are what count), each once
+    (`locate_candidates` checks it). ``joined``: the docnos joined as the lookup joins them
+    (`maxsim_cli.shards.lookup.join_docnos`), where the caller made the join: it is not made again."""
 
-    __slots__ = ("docnos",)
+    __slots__ = ("docnos", "joined")
 
-    def __init__(self, docnos: list[str]) -> None:
+    def __init__(self, docnos: list[str], joined: str | None = None) -> None:
         self.docnos = docnos
+        self.joined = joined
 
     def __len__(self) -> int:
         return len(self.docnos)
@@ -102,8 +105,9 @@ def locate_candidates(
 ) -> LocatedCandidates:
     """Find ``run``'s candidates among the corpus's documents: one lookup of every candidate in the
     corpus's `Corpus.id_lookup`, built once per corpus, so a call costs what its candidates cost. A qid
-    of the run that names no query is an `InputError`; candidates not in the corpus are a warning
-    through ``log`` (``strict``: an `InputError`)."""
+    of the run that names no query, or a query that lists a docno twice, is an `InputError`; candidates
+    not in the corpus are a warning through ``log`` (``strict``: an `InputError`)."""
+    from maxsim_cli.shards.lookup import first_repeat, join_docnos
     qindex = {q: i for i, q in enumerate(qids)}
     for qid in run:
         if qid not in qindex:
@@ -124,7 +128,22 @@ def locate_candidates(
         if len(docnos_per_query) == 1
         else [docno for docnos in docnos_per_query for docno in docnos]
     )
-    ordinals, asked = corpus.id_lookup().locate(listed)
+    # the docnos' join, where the caller made it (`DocnoRows.joined`): made once, not again here
+    joins = [cands.joined if isinstance(cands, DocnoRows) else None for cands in run.values()]
+    if None in joins:
+        joined = None
+    elif len(joins) == 1:
+        joined = joins[0]
+    else:
+        joined = join_docnos([j for j, n in zip(joins, counts.tolist(), strict=True) if n])
+    ordinals, asked, hashes = corpus.id_lookup().locate(listed, joined)
+    twice = first_repeat(hashes, counts, listed)
+    if twice >= 0:
+        qid = list(run)[int(np.searchsorted(np.cumsum(counts), twice, side="right"))]
+        raise InputError(
+            f"{cname}: docno {listed[twice]!r} appears twice for query {qid!r}; a run lists each "
+            "document at most once per query"
+        )
     pair_query = np.repeat(query_of, counts)
     found = ordinals >= 0
     n_missing = len(listed) - int(np.count_nonzero(found))
@@ -233,7 +252,8 @@ def write_reranked(
             if order is not None:
                 keep = order[:top_k]
                 docnos = pair_docnos.slice(a, b - a).take(values_array(keep))
-                sink.write_ranked([qid], docnos, scores[a:b][keep].reshape(1, -1))
+                # found docnos are corpus ids, the ties ordered by `_trec_order`
+                sink.write_ranked([qid], docnos, scores[a:b][keep].reshape(1, -1), corpus_ids=True)
                 continue
         docnos = docnos_of.get(qi)
         if not docnos:

@@ -140,14 +140,27 @@ def encode_docnos(docnos: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     return data, offsets
 
 
-def _encode_docnos(docnos: Sequence[str]) -> tuple[np.ndarray, np.ndarray, bool]:
-    """Docnos as UTF-8 bytes, int64 offsets, and whether every byte is ASCII: one join on `_SEPARATOR`,
-    whose separators numpy finds (the bounds) and drops (the bytes), where a Python ``len`` a docno cost
-    more than the joins (22 against 34 us for 1,000 docnos, 2-core machine, alternating calls), and a
-    second join without separators cost a pass over every docno's string again. A lone surrogate, which
-    no id holds, is kept as its bytes and so matches nothing."""
+def join_docnos(docnos: Sequence[str]) -> str | None:
+    """``docnos`` joined on `_SEPARATOR`, as a lookup encodes them (`IdLookup.locate`'s ``joined``), or
+    None where one is not a ``str``: the join is also the check of their type, in one pass over them."""
+    try:
+        return _SEPARATOR.join(docnos)
+    except TypeError:
+        return None
+
+
+def _encode_docnos(
+    docnos: Sequence[str], joined: str | None = None
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Docnos as UTF-8 bytes, int64 offsets, and whether every byte is ASCII: one join on `_SEPARATOR`
+    (``joined``, where the caller made it: `join_docnos`), whose separators numpy finds (the bounds) and
+    drops (the bytes), where a Python ``len`` a docno cost more than the joins (22 against 34 us for
+    1,000 docnos, 2-core machine, alternating calls), and a second join without separators cost a pass
+    over every docno's string again. A lone surrogate, which no id holds, is kept as its bytes and so
+    matches nothing."""
     count = len(docnos)
-    joined = _SEPARATOR.join(docnos)
+    if joined is None:
+        joined = _SEPARATOR.join(docnos)
     ascii_only = joined.isascii()
     encoding, errors = ("ascii", "strict") if ascii_only else ("utf-8", "surrogatepass")
     apart = np.frombuffer(joined.encode(encoding, errors), dtype=np.uint8)
@@ -235,38 +248,41 @@ class IdLookup:
         corpus. A docno asked twice is looked up twice."""
         return self.locate(docnos)[0]
 
-    def locate(self, docnos: Sequence[str]) -> tuple[np.ndarray, pa.Array]:
-        """`ordinals_of` ``docnos``, and the docnos as the lookup compared them: an Arrow large_string
-        array (large_binary where one is not ASCII) of their UTF-8 bytes, in their order (a found docno's
+    def locate(
+        self, docnos: Sequence[str], joined: str | None = None
+    ) -> tuple[np.ndarray, pa.Array, np.ndarray]:
+        """`ordinals_of` ``docnos``; the docnos as the lookup compared them: an Arrow large_string array
+        (large_binary where one is not ASCII) of their UTF-8 bytes, in their order (a found docno's
         bytes are its id's: a caller takes the rows it answers with from it, a small array, not from the
-        corpus's ids)."""
+        corpus's ids); and their uint64 hashes (`hash_utf8`: equal docnos have equal hashes, which
+        `first_repeat` uses). ``joined``: ``docnos`` joined by `join_docnos`, where the caller has it."""
         count = len(docnos)
-        data, offsets, ascii_only = _encode_docnos(docnos)
+        data, offsets, ascii_only = _encode_docnos(docnos, joined)
         asked = pa.Array.from_buffers(
             pa.large_binary(), count, [None, pa.py_buffer(offsets), pa.py_buffer(data)]
         )
         # ASCII is UTF-8: the docnos as the strings they are, without a check of each byte
         docnos_array = asked.view(pa.large_string()) if ascii_only else asked
-        if count == 0 or self.num_ids == 0:
-            return np.full(count, -1, dtype=np.int64), docnos_array
         wanted = hash_utf8(data, offsets)
+        if count == 0 or self.num_ids == 0:
+            return np.full(count, -1, dtype=np.int64), docnos_array, wanted
         at = self._first_at_least(wanted)
         np.minimum(at, self.num_ids - 1, out=at)
         found = self.ordinals[at].astype(np.int64)
         # the id of the first entry of each hash (or of the next larger hash), compared with the docno:
         # where they are equal that is the document, ids being unique
         if self._same_bytes(found, data, offsets):  # every docno found, the common case
-            return found, docnos_array
+            return found, docnos_array, wanted
         same = pc.equal(self._ids.take(values_array(found)), asked)  # an Arrow index: no pandas probe
         if same.true_count == count:  # every docno found, the common case
-            return found, docnos_array
+            return found, docnos_array, wanted
         same = array_values(same.cast(pa.uint8())).view(bool)
         result = np.where(same, found, -1)
         missed = np.flatnonzero(~same)
         # where the hash was there but its first id is another, a later id of the same hash may be it
         for i in missed[self.hashes[at[missed]] == wanted[missed]].tolist():
             result[i] = self._among_equal_hashes(int(at[i]), bytes(data[offsets[i] : offsets[i + 1]]))
-        return result, docnos_array
+        return result, docnos_array, wanted
 
     def _same_bytes(self, found: np.ndarray, data: np.ndarray, offsets: np.ndarray) -> bool:
         """Whether the id of ordinal ``found[i]`` is docno i (bytes ``data[offsets[i]:offsets[i + 1]]``)
@@ -290,3 +306,38 @@ class IdLookup:
             if self._ids[ordinal].as_py() == docno:
                 return ordinal
         return -1
+
+
+def first_repeat(hashes: np.ndarray, counts: np.ndarray, docnos: Sequence[str]) -> int:
+    """The index of the first docno of ``docnos`` that an earlier one of the same group repeats, or -1:
+    groups of ``counts[i]`` docnos one after another, ``hashes`` their `hash_utf8` hashes (as
+    `IdLookup.locate` gives them). Equal docnos have equal hashes, so the hashes, sorted within their
+    group, show every docno that may repeat another; those few are then compared as strings (two
+    docnos may share a hash). One sort of 64-bit integers, where a set of the docno strings cost 2-4
+    times as much (1,000 docnos, 2-core machine)."""
+    if len(hashes) < 2:
+        return -1
+    if len(counts) == 1:
+        sorted_hashes = np.sort(hashes)
+        if not (sorted_hashes[1:] == sorted_hashes[:-1]).any():  # the common case: no index needed
+            return -1
+        order = np.argsort(hashes, kind="stable")
+        sorted_hashes = hashes[order]
+        pairs = np.flatnonzero(sorted_hashes[1:] == sorted_hashes[:-1])
+    else:
+        group = np.repeat(np.arange(len(counts)), counts)
+        order = np.lexsort((hashes, group))
+        sorted_hashes, sorted_group = hashes[order], group[order]
+        pairs = np.flatnonzero(
+            (sorted_hashes[1:] == sorted_hashes[:-1]) & (sorted_group[1:] == sorted_group[:-1])
+        )
+    if len(pairs) == 0:
+        return -1
+    suspects = np.union1d(order[pairs], order[pairs + 1])  # ascending
+    groups = np.searchsorted(np.cumsum(counts), suspects, side="right")
+    seen: set[tuple[int, str]] = set()
+    for i, g in zip(suspects.tolist(), groups.tolist(), strict=True):
+        if (g, docnos[i]) in seen:
+            return i
+        seen.add((g, docnos[i]))
+    return -1
