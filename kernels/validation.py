@@ -124,11 +124,33 @@ def alignment_key(*tensors: torch.Tensor) -> tuple | None:
     return tuple(key)
 
 
+# Query offsets of at most this many entries, on the host, key a plan by their values (`memo_plan`): a
+# search or a served call brings a new offsets tensor each time, of a few queries.
+_BY_VALUE_MAX = 65
+
+
 def memo_plan(first: object, second: object, key: tuple | None, compute: Callable[[], T]) -> T:
     """compute() remembered per (first, second) offsets pair and `key` (`memo_pair`), or simply computed
-    where an argument is not a tensor (the checks inside compute() then say what is wrong)."""
+    where an argument is not a tensor (the checks inside compute() then say what is wrong).
+
+    Where ``second`` is a few host offsets (`_BY_VALUE_MAX`), the plan is remembered by their values
+    instead, on ``first``, for the `_PAIRS_PER_TENSOR` latest: a plan depends on the offsets' values, not
+    on which tensor holds them, and a search or a served call brings a new tensor of a few queries each
+    time, whose plan (checks, configuration and launch, with its compiled launcher) is then the one
+    made for the same lengths before (one query x 200K documents: 0.18 ms of host time a call on the
+    H100's host, docs/kernel-notes.md, "The API's search: the merge")."""
     if key is None or not isinstance(first, torch.Tensor) or not isinstance(second, torch.Tensor):
         return compute()
+    if second.device.type == "cpu" and second.dim() == 1 and second.numel() <= _BY_VALUE_MAX:
+        plans: dict = memo(first, "plans by query offsets", dict)  # (a fresh dict: nothing is kept)
+        full_key = (second.dtype, tuple(second.tolist()), key)
+        value = plans.get(full_key)
+        if value is None:
+            value = compute()
+            while len(plans) >= _PAIRS_PER_TENSOR:
+                plans.pop(next(iter(plans)))
+            plans[full_key] = value
+        return value
     return memo_pair(first, second, key, compute)
 
 

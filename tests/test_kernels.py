@@ -663,25 +663,32 @@ def test_a_shared_device_copy_replaces_the_launchers_own_and_follows_the_host_te
 def test_launch_plans_follow_their_offsets_and_never_keep_them_alive():
     """The Triton launchers remember checks and launch arguments per pair of offsets tensors: an in-place
     change, another partner or a new shape plans again; a plan holds neither offsets tensor (else the memo
-    would keep every batch's offsets for ever); at most a few partners are kept per tensor."""
+    would keep every batch's offsets for ever); at most a few partners are kept per tensor. A few host
+    query offsets key their plan by value: a new tensor of the same lengths (a search's, every call)
+    finds the plan made before."""
     import gc
     import weakref
 
     import maxsim_kernels.maxsim_forward as fwd
     from maxsim_kernels import validation as v
 
+    def plans(offsets: torch.Tensor, store: str) -> dict:
+        return v._MEMO[id(offsets)][2][store]
+
+    by_value = "plans by query offsets"
     q, q_off = packed([2, 3], 16)
     d, d_off = packed([4, 0, 1], 16)
     first = fwd.maxsim_varlen_forward_triton(q, q_off, d, d_off)
     assert torch.equal(fwd.maxsim_varlen_forward_triton(q, q_off, d, d_off), first)
-    assert len(v._MEMO[id(d_off)][2]["pairs"]) == 1
+    assert torch.equal(fwd.maxsim_varlen_forward_triton(q, q_off.clone(), d, d_off), first)
+    assert len(plans(d_off, by_value)) == 1  # the clone's values found the plan
     d_off[1:] = torch.tensor([1, 4, 5])  # same object, new content
     moved = fwd.maxsim_varlen_forward_triton(q, q_off, d, d_off)
     check_scores(moved, maxsim_reference(q, q_off, d, d_off), torch.tensor([[2], [3]]), 16)
-    planned = len(v._MEMO[id(d_off)][2]["pairs"])
+    planned = len(plans(d_off, by_value))
     q_off[1] = 4  # the partner changes in place: planned again too
     regrouped = fwd.maxsim_varlen_forward_triton(q, q_off, d, d_off)
-    assert len(v._MEMO[id(d_off)][2]["pairs"]) == planned + 1
+    assert len(plans(d_off, by_value)) == planned + 1
     check_scores(regrouped, maxsim_reference(q, q_off, d, d_off), torch.tensor([[4], [1]]), 16)
     q2, q2_off = packed([5], 16)  # another partner, and another shape
     check_scores(
@@ -690,11 +697,19 @@ def test_launch_plans_follow_their_offsets_and_never_keep_them_alive():
         torch.tensor([[5]]),
         16,
     )
+    for lengths in range(1, 2 * v._PAIRS_PER_TENSOR + 1):  # as many lengths: the oldest plans go
+        q3, q3_off = packed([lengths], 16)
+        fwd.maxsim_varlen_forward_triton(q3, q3_off, d, d_off)
+    assert len(plans(d_off, by_value)) <= v._PAIRS_PER_TENSOR
+    # many queries: plans kept per offsets tensor (`memo_pair`)
+    qm, qm_off = packed([1] * v._BY_VALUE_MAX, 16)
+    fwd.maxsim_varlen_forward_triton(qm, qm_off, d, d_off)
+    assert len(plans(d_off, "pairs")) == 1
     for _ in range(2 * v._PAIRS_PER_TENSOR):
-        fwd.maxsim_varlen_forward_triton(q, q_off.clone(), d, d_off)
-    assert len(v._MEMO[id(d_off)][2]["pairs"]) <= v._PAIRS_PER_TENSOR
-    refs = [weakref.ref(t) for t in (q_off, d_off, q2_off)]
-    del q_off, d_off, q2_off
+        fwd.maxsim_varlen_forward_triton(qm, qm_off.clone(), d, d_off)
+    assert len(plans(d_off, "pairs")) <= v._PAIRS_PER_TENSOR
+    refs = [weakref.ref(t) for t in (q_off, d_off, q2_off, qm_off)]
+    del q_off, d_off, q2_off, qm_off
     gc.collect()
     assert all(ref() is None for ref in refs)
 

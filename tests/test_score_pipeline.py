@@ -1081,3 +1081,69 @@ def test_a_host_budget_below_what_the_run_holds_is_refused_naming_the_minimum(tm
     ):
         score(queries, shards, output=str(out), device="cpu", max_host_memory=8 << 20)
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# the blocks' best keys (`maxsim_kernels.order_keys.block_best_keys`), the running top-k's first step on
+# CUDA for a small k: under the interpreter here, on the GPU below
+
+
+@pytest.mark.parametrize(("nq", "nd", "k"), [(1, 5000, 10), (3, 4097, 1), (2, 2049, 32), (1, 6000, 7)])
+def test_block_best_keys_hold_every_rows_best_keys(nq: int, nd: int, k: int) -> None:
+    from maxsim_kernels.order_keys import block_best_keys, order_keys_triton
+
+    gen = torch.Generator().manual_seed(nd + k)
+    # few distinct values (ties decided by rank), both zeros, negative scores, a deleted document
+    scores = torch.randint(-3, 4, (nq, nd), generator=gen).to(torch.float32) / 4
+    scores[0, 7], scores[0, 8] = -0.0, 0.0
+    ranks = torch.randperm(nd, generator=gen)
+    ranks[10] = -1
+    hidden = torch.rand(nd, generator=gen) < 0.3
+    for hide in (None, hidden):
+        best = block_best_keys(scores, ranks, k, hide)
+        keys = order_keys_triton(scores, ranks)
+        if hide is not None:
+            keys[:, hide] = -(1 << 63)
+        expected = torch.topk(keys, k, dim=1).values
+        assert torch.equal(torch.sort(best, dim=1, descending=True).values[:, :k], expected)
+
+
+@pytest.mark.parametrize("k", [1, 10, 32])
+def test_running_topk_through_the_blocks_best_gives_the_same_result(k: int, monkeypatch) -> None:
+    # the CUDA path's choice taken on the CPU (the kernel under the interpreter): one block, then several
+    gen = torch.Generator().manual_seed(k)
+    nq, nd = 2, 4500
+    scores = torch.randint(-40, 40, (nq, nd), generator=gen).to(torch.float32) / 8
+    ranks = torch.randperm(nd, generator=gen)
+    expected = _reference_topk(scores, ranks, k)
+    monkeypatch.setattr(RunningTopK, "_block_best", lambda self, s, r: s.shape[1] > 2048)
+    for cuts in ([], [2100], [1000, 3000]):
+        topk = RunningTopK(nq, k)
+        for a, b in zip([0, *cuts], [*cuts, nd], strict=True):
+            topk.add(scores[:, a:b].contiguous(), ranks[a:b])
+        got_scores, got_ranks = topk.result()
+        rows = zip(got_scores.tolist(), got_ranks.tolist(), strict=True)
+        assert [list(zip(s, r, strict=True)) for s, r in rows] == expected
+
+
+def test_block_best_kernel_builds_for_sm90(sm90_build) -> None:
+    """Every variant `block_best_keys` launches compiles for Hopper: the interpreter takes code (a global
+    that is not a constexpr, say) that the compiler refuses."""
+    built = sm90_build(
+        """
+from maxsim_kernels import order_keys as m
+out = {}
+for K in (1, 2, 4, 8, 16, 32):
+    for hidden in (False, True):
+        sig = {"scores_ptr": "*fp32", "ranks_ptr": "*i64", "hidden_ptr": "*u8" if hidden else "*i64",
+               "best_ptr": "*i64", "nd": "i32", "num_blocks": "i32", "HAS_HIDDEN": "constexpr",
+               "K": "constexpr", "BLOCK": "constexpr"}
+        const = dict(HAS_HIDDEN=hidden, K=K, BLOCK=m.BEST_BLOCK)
+        k = triton.compile(ASTSource(m._block_best_kernel, sig, const), target=SM90,
+                           options={"num_warps": m.BEST_WARPS, "num_stages": 1})
+        out[f"{K} {hidden}"] = resource_usage(k)
+print(json.dumps(out))
+"""
+    )
+    assert len(built) == 12
+    assert all(not usage or "LOCAL:0" in usage for usage in built.values()), built

@@ -40,6 +40,10 @@ PAIR_BYTES = 32
 # (16 for 2k keys) and the new state with its indices (16): 56 rounded up.
 STATE_BYTES = 64
 
+# Keys (all queries') that `RunningTopK.add` leaves to `result` to sort on the host rather than cut to k
+# on the device: the blocks' best keys (`block_best_keys`) for one query against 200K documents are 1,568, and
+# numpy sorts 2,048 int64 in ~20 us, where `torch.topk` on the device is a launch or more.
+HOST_SORTED_KEYS = 2048
 _LOW31 = 0x7FFFFFFF
 _LOW32 = 0xFFFFFFFF
 MAX_RANKS = 1 << 32
@@ -131,9 +135,19 @@ class RunningTopK:
             )
         if scores.shape[1] == 0:
             return
-        keys = order_keys(scores, ranks, left_out)
-        if hidden is not None:
-            keys.masked_fill_(hidden, LEFT_OUT)
+        if self._block_best(scores, ranks):
+            from maxsim_kernels.order_keys import block_best_keys
+
+            # each run of documents' best keys, not every key: far fewer keys to keep, and no topk over
+            # all of them where they are few enough for `result` to sort (`HOST_SORTED_KEYS`)
+            keys = block_best_keys(scores.contiguous(), ranks, self.k, hidden)
+            if self._keys is None and keys.numel() <= max(self.k * self.num_queries, HOST_SORTED_KEYS):
+                self._keys = keys
+                return
+        else:
+            keys = order_keys(scores, ranks, left_out)
+            if hidden is not None:
+                keys.masked_fill_(hidden, LEFT_OUT)
         if keys.shape[1] > self.k:
             keys = torch.topk(keys, self.k, dim=1, largest=True, sorted=False).values
         if self._keys is not None:
@@ -143,6 +157,20 @@ class RunningTopK:
             if keys.shape[1] > self.k:
                 keys = torch.topk(keys, self.k, dim=1, largest=True, sorted=False).values
         self._keys = keys
+
+    def _block_best(self, scores: torch.Tensor, ranks: torch.Tensor) -> bool:
+        """Whether a block goes through `block_best_keys`: on CUDA, one rank a document, a small k, and
+        enough documents that the blocks' best are fewer than the keys."""
+        if not scores.is_cuda:  # (the kernels, and Triton with them, are not imported on the CPU path)
+            return False
+        from maxsim_kernels.order_keys import BEST_BLOCK, BEST_MAX_K
+
+        return (
+            ranks.dim() == 1
+            and ranks.dtype == torch.int64
+            and self.k <= BEST_MAX_K
+            and scores.shape[1] > BEST_BLOCK
+        )
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scores float32 [nq, m], ranks int64 [nq, m])`` on the CPU, best first, ``m = min(k, docs)``."""
@@ -155,7 +183,7 @@ class RunningTopK:
         # one core, faster than torch's on the CPU path too
         keys = np.sort(self._keys.cpu().numpy(), axis=1)[:, ::-1].copy()
         # documents left out come last, in every row alike (each row saw the same documents)
-        keep = int((keys != LEFT_OUT).sum(axis=1).max(initial=0))
+        keep = min(self.k, int((keys != LEFT_OUT).sum(axis=1).max(initial=0)))
         scores, ranks = _decode_host_keys(np.ascontiguousarray(keys[:, :keep]))
         return torch.from_numpy(scores), torch.from_numpy(ranks)
 
