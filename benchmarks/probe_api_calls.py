@@ -266,6 +266,8 @@ def compare(args: argparse.Namespace) -> None:
 
 
 def profile(args: argparse.Namespace) -> None:
+    if args.stub_kernels:
+        stub_kernels()
     calls, _ = prepare(args)
     report = io.StringIO()
     for name, call in calls.items():
@@ -300,7 +302,7 @@ def main() -> None:
     parser.add_argument("--search-calls", type=int, default=0, help="searches with the kernels (0: --calls)")
     parser.add_argument("--out", help="the cProfile report")
     parser.add_argument("--split", action="store_true", help="time kernel, merge and host per call")
-    parser.add_argument("--stub-kernels", action="store_true", help="with --split: random scores, no kernel")
+    parser.add_argument("--stub-kernels", action="store_true", help="random scores, no kernel")
     parser.add_argument("--baseline", help="with --split: a folder of another version's packages to compare")
     parser.add_argument("--baseline-label", help="what the baseline is, for the result file (a commit)")
     parser.add_argument("--label", help="what this checkout is, for the result file")
