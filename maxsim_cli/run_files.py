@@ -567,7 +567,8 @@ class RankedSink:
         nq, m = (len(qids), 0) if scores.size == 0 else scores.shape
         if len(docnos) != nq * m:
             raise ValueError(f"write_ranked: {len(docnos)} docnos for {nq} queries of {m} rows")
-        docnos = docnos.cast(pa.large_string())
+        if docnos.type != pa.large_string():
+            docnos = docnos.cast(pa.large_string())
         keys = scores.astype(np.float32) + np.float32(0.0)
         clean = (
             len(set(qids)) == nq
