@@ -196,25 +196,25 @@ class Codebook:
 
 def write_codebook(folder: str, codebook: Codebook) -> Codebook:
     """Write ``codebook`` atomically as ``folder/codebook.safetensors``; returns it with path and sha256."""
-    from safetensors.torch import save_file
+    from maxsim_cli.shards.format import safetensors_bytes
 
     path = os.path.join(folder, CODEBOOK_NAME)
     tmp = path + ".tmp"
-    save_file(
-        {
-            "centroids": codebook.centroids.to("cpu").half().contiguous(),
-            "bucket_weights": codebook.bucket_weights.to("cpu").float().contiguous(),
-            "bucket_cutoffs": codebook.bucket_cutoffs.to("cpu").float().contiguous(),
-        },
-        tmp,
-        metadata={
-            "format": CODEBOOK_FORMAT,
-            "format_version": CODES_VERSION,
-            "codec": "residual2-kmeans",
-            "dim": str(codebook.dim),
-            "num_centroids": str(codebook.num_centroids),
-        },
-    )
+    arrays = {
+        "centroids": codebook.centroids.to("cpu").half().contiguous().numpy(),
+        "bucket_weights": codebook.bucket_weights.to("cpu").float().contiguous().numpy(),
+        "bucket_cutoffs": codebook.bucket_cutoffs.to("cpu").float().contiguous().numpy(),
+    }
+    meta = {
+        "format": CODEBOOK_FORMAT,
+        "format_version": CODES_VERSION,
+        "codec": "residual2-kmeans",
+        "dim": str(codebook.dim),
+        "num_centroids": str(codebook.num_centroids),
+    }
+    # the same codebook, the same bytes: the shards record its sha256 (`safetensors_bytes`)
+    with open(tmp, "wb") as f:
+        f.write(safetensors_bytes(arrays, meta))
     os.chmod(tmp, 0o644)  # readable like the shards beside it
     os.replace(tmp, path)
     return Codebook(

@@ -455,6 +455,32 @@ def test_nan_in_codebook_is_refused(quantized, tmp_path):
     assert "NaN or Inf in centroids" in _one_line_error([folder])
 
 
+def test_a_codebook_written_again_has_the_same_bytes(quantized, tmp_path):
+    """The shards record the codebook's sha256: the same codebook must give the same bytes, in any
+    process (the safetensors library orders its header from a hash map), and read back as it was."""
+    import subprocess
+    import sys
+
+    from maxsim_cli import codecs
+
+    folder = _copy(quantized[2], tmp_path)
+    with open_corpus([folder]) as corpus:
+        book = corpus.codebook
+    first = codecs.write_codebook(folder, book).sha256
+    assert first == book.sha256  # what quantize wrote
+    script = (
+        "import sys; from maxsim_cli import codecs, open_corpus\n"
+        "c = open_corpus([sys.argv[1]]); print(codecs.write_codebook(sys.argv[1], c.codebook).sha256)"
+    )
+    for _ in range(2):  # fresh processes: another hash seed each
+        out = subprocess.run([sys.executable, "-c", script, folder], capture_output=True, text=True)
+        assert out.returncode == 0 and out.stdout.strip() == first, out.stderr
+    with open_corpus([folder]) as corpus:
+        again = corpus.codebook
+        assert torch.equal(again.centroids, book.centroids)
+        assert torch.equal(again.bucket_weights, book.bucket_weights)
+
+
 def _rewrite_metadata(path: str, changes: dict[str, str]) -> None:
     """Change metadata values of a safetensors shard in place (same header length: values padded)."""
     with open(path, "rb") as f:

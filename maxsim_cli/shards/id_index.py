@@ -38,7 +38,7 @@ import pyarrow.compute as pc
 
 from maxsim_cli.arrays import array_values, gather_strings, values_array
 from maxsim_cli.errors import InputError
-from maxsim_cli.shards.format import input_error, one_line, show_id
+from maxsim_cli.shards.format import input_error, one_line, safetensors_bytes, show_id
 from maxsim_cli.shards.lookup import encode_docnos, hash_utf8, id_bytes
 
 ID_INDEX_SUFFIX = ".idindex"
@@ -92,15 +92,7 @@ def index_bytes(index: IdIndex) -> bytes:
     rows = np.ascontiguousarray(index.rows, dtype="<u4" if index.rows.dtype == np.uint32 else "<i8")
     meta = {"format": ID_INDEX_FORMAT, "format_version": str(ID_INDEX_VERSION), "hash": HASH_NAME,
             "num_docs": str(index.num_docs)}  # fmt: skip
-    header = {
-        "__metadata__": meta,
-        "hashes": {"dtype": "U32", "shape": [len(hashes)], "data_offsets": [0, hashes.nbytes]},
-        "rows": {"dtype": "U32" if rows.dtype == np.uint32 else "I64", "shape": [len(rows)],
-                 "data_offsets": [hashes.nbytes, hashes.nbytes + rows.nbytes]},
-    }  # fmt: skip
-    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    return b"".join([struct.pack("<Q", len(text)), text, hashes.tobytes(), rows.tobytes()])
+    return safetensors_bytes({"hashes": hashes, "rows": rows}, meta)
 
 
 def write_index(path: str, index: IdIndex) -> str:
