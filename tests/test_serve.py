@@ -553,32 +553,6 @@ def test_the_resident_rerank_answers_as_the_library(tmp_path, dtype) -> None:
         assert zeros == ["zero", "plus0"]  # -0.0 and +0.0 tie
 
 
-@pytest.mark.gpu
-@pytest.mark.filterwarnings("ignore::maxsim_cli.errors.MaxsimWarning")
-@pytest.mark.parametrize("dtype", ["float16", "int8"])
-def test_a_served_rerank_of_a_host_resident_corpus_scores_on_the_gpu(tmp_path, dtype) -> None:
-    """Served with device auto where there is a GPU, a corpus resident on the host has its candidates'
-    rows staged on the GPU (`dispatch.plan_served_rerank`), as the library's rerank does: the same
-    answers, bit for bit."""
-    from maxsim_cli.scoring import dispatch
-
-    gen = torch.Generator().manual_seed(5)
-    every = ["d10", "d9", "D1", "\u00e9", "zero", "plus0", "neg", "long", *[f"r{n}" for n in range(12)]]
-    with open_corpus(tie_corpus(tmp_path / "c", dtype)) as corpus:
-        corpus.to("cpu")
-        plan = dispatch.plan_served_rerank(corpus, "auto", 100)
-        assert plan.path == dispatch.DIRECT and plan.devices[0].startswith("cuda")
-        scorer = Scorer(corpus)
-        jobs = [
-            Job("rerank", Parsed(Queries.from_embeddings(["q"], [emb]), k, {"q": every}, False))
-            for emb, k in ((torch.randn(3, 24, generator=gen), None), (torch.full((2, 24), -1.0), 4))
-        ]
-        fast = scorer._rerank_resident(jobs, corpus.residency, torch.device(plan.devices[0]))
-        slow = scorer._rerank_library(jobs)
-        assert fast is not None
-        assert [as_pairs(a) for a in fast] == [as_pairs(b) for b in slow]
-
-
 def test_a_rerank_the_resident_path_cannot_take_goes_to_the_library(corpus, queries, monkeypatch) -> None:
     """A batch too large for one launch, or one that ran the device out of memory, is scored by the
     library's `rerank` instead, with the same answers."""

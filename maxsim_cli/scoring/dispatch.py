@@ -273,18 +273,11 @@ def one_residency(corpus: Corpus, device: str) -> Residency | None:
 def plan_served_rerank(corpus: Corpus, device: str, pairs: int) -> Plan:
     """The plan of a served rerank batch of ``pairs`` candidates in all: one launch on corpus ordinals
     (``direct``, the server orders the answers itself) when the corpus is resident on the scoring device
-    and the batch fits the direct path, else the library's `rerank` (``library``). The direct plan's
-    device is the one it scores on: a corpus resident on the host, served with ``auto`` where
-    there is a GPU, has its candidates' rows staged there (`host_rows`), as the library's rerank does
-    (`direct.host_staged`)."""
+    and the batch fits the direct path, else the library's `rerank` (``library``)."""
     residency = one_residency(corpus, device)
     if residency is not None:
-        from maxsim_cli.scoring import direct, host_rows
+        from maxsim_cli.scoring import direct
 
-        scoring = residency.device
-        if scoring.type == "cpu" and host_rows.supported(corpus, residency):
-            auto = resolve_device(device)
-            scoring = auto if auto.type == "cuda" else scoring
-        if direct.fits(scoring, pairs):
-            return Plan(DIRECT, (str(scoring),), residency)
+        if direct.fits(residency.device, pairs):
+            return Plan(DIRECT, (str(residency.device),), residency)
     return Plan(LIBRARY, (device,))

@@ -336,9 +336,7 @@ class Scorer:
         plan = dispatch.plan_served_rerank(self.scores_corpus, self.device, asked)
         if plan.path == dispatch.DIRECT:
             assert plan.residency is not None
-            import torch
-
-            answers = self._rerank_resident(jobs, plan.residency, torch.device(plan.devices[0]))
+            answers = self._rerank_resident(jobs, plan.residency)
             if answers is not None:
                 return answers
         return self._rerank_library(jobs)
@@ -349,13 +347,11 @@ class Scorer:
         return self.exact if self.exact is not None else self.corpus
 
     def _rerank_resident(
-        self, jobs: Sequence[Job], residency: Residency, device: torch.device | None = None
+        self, jobs: Sequence[Job], residency: Residency
     ) -> list[list[QueryAnswer] | BaseException] | None:
         """The batch's answers through one `direct.candidate_scores` launch on the resident corpus (the
-        plan's ``direct`` path: `dispatch.plan_served_rerank`), or on ``device`` with the candidates'
-        rows staged there from a corpus resident on the host (`host_rows.candidate_scores`, the plan's
-        device; default the residency's); None (the
-        library's `rerank` is to score it) when the device ran out of memory.
+        plan's ``direct`` path: `dispatch.plan_served_rerank`); None (the library's `rerank` is to score
+        it) when the device ran out of memory.
 
         The library's `rerank` does the same work for any caller: its candidates as a run, looked up in
         the same `Corpus.id_lookup` and scored by the same launch, its answer as a `Run` in trec_eval's
@@ -398,19 +394,9 @@ class Scorer:
         scores = np.zeros(0, dtype=np.float32)
         if pairs:
             queries = _concat([job.request.queries for job in jobs])
-            if device is not None and device != residency.device:
-                from maxsim_cli.scoring import host_rows
-
-                staged = host_rows.candidate_scores(
-                    corpus, residency, queries.batch, offsets, cand_docs, device
-                )
-                if staged is None:
-                    return None
-                scores = staged[0]
-            else:
-                scores = direct.candidate_scores(corpus, residency, queries.batch, offsets, cand_docs)
-                if scores is None:
-                    return None
+            scores = direct.candidate_scores(corpus, residency, queries.batch, offsets, cand_docs)
+            if scores is None:
+                return None
         ranks = corpus.rank_of_ordinal()
         self.counters.note(len(jobs))
         out: list[list[QueryAnswer] | BaseException] = []
