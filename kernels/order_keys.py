@@ -22,7 +22,7 @@ that is not among that block's K best is below K keys, all of the row. Keys are 
 are), so the k best are one set whichever way it is found. For one query against 200K documents that is
 98 blocks x 16 keys, sorted on the host, where `torch.topk` over the 200K keys launched a radix selection
 of several kernels a pass, one pass a byte of the key: host time per search, which is what a small
-search costs (docs/kernel-notes.md, "The API's search: the merge").
+search costs (docs/kernel-notes.md, "The API's search and rerank: the host around one launch").
 """
 
 from __future__ import annotations
