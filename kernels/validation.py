@@ -154,25 +154,10 @@ def memo_plan(first: object, second: object, key: tuple | None, compute: Callabl
     return memo_pair(first, second, key, compute)
 
 
-# Device copies of a few host offsets, by their values (`on_device`): at most this many kept.
-_DEVICE_COPIES_KEPT = 64
-_device_copies: dict[tuple, torch.Tensor] = {}
-
-
 def on_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """An int64 contiguous copy of `x` on `device` (memoised: one transfer per offsets tensor). A few
-    host offsets (`_BY_VALUE_MAX`, a search's or a served call's new tensor every call) find the copy
-    made for the same values before: offsets are read, never written, by the kernels."""
+    """An int64 contiguous copy of `x` on `device` (memoised: one transfer per offsets tensor)."""
     if x.device == device and x.dtype == torch.int64 and x.is_contiguous():
         return x
-    if device.type == "cuda" and x.device.type == "cpu" and x.dim() == 1 and x.numel() <= _BY_VALUE_MAX:
-        key = (str(device), tuple(x.tolist()))
-        copy = _device_copies.get(key)
-        if copy is None:
-            while len(_device_copies) >= _DEVICE_COPIES_KEPT:
-                _device_copies.pop(next(iter(_device_copies)))
-            copy = _device_copies[key] = host_to_device(x.to(torch.int64).contiguous(), device)
-        return copy
     return memo(x, ("device", str(device)), lambda: host_to_device(x.to(torch.int64).contiguous(), device))
 
 
