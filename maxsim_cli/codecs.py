@@ -196,7 +196,7 @@ class Codebook:
 
 def write_codebook(folder: str, codebook: Codebook) -> Codebook:
     """Write ``codebook`` atomically as ``folder/codebook.safetensors``; returns it with path and sha256."""
-    from maxsim_cli.shards.format import safetensors_bytes
+    from maxsim_cli.arrays import safetensors_bytes
 
     path = os.path.join(folder, CODEBOOK_NAME)
     tmp = path + ".tmp"

@@ -722,30 +722,3 @@ def check_values(
             f"{what} {show_id(ids[doc])} (index {first_doc + doc}) has a negative int8 scale "
             f"at token {row - int(offsets[doc])}; scales are max|x|/127 >= 0",
         )
-
-
-# numpy dtypes as safetensors names them (`safetensors_bytes`)
-_SAFETENSORS_DTYPES = {"<f2": "F16", "<f4": "F32", "<u4": "U32", "<i8": "I64", "|u1": "U8", "|i1": "I8"}
-
-
-def safetensors_bytes(arrays: dict[str, np.ndarray], meta: dict[str, str]) -> bytes:
-    """A safetensors file's bytes of ``arrays`` (little-endian numpy arrays: float16/32, uint32, int64,
-    uint8, int8) and ``meta``, its header's keys sorted and the arrays in name order: the same contents
-    give the same bytes and sha256, where the safetensors library writes its header from a hash map, in
-    an order that changes from process to process. The header is padded to 8 bytes, as the format asks."""
-    import json
-    import struct
-
-    header: dict[str, Any] = {"__metadata__": dict(meta)}
-    parts, start = [], 0
-    for name in sorted(arrays):
-        array = np.ascontiguousarray(arrays[name])
-        if array.dtype.byteorder == ">":
-            array = array.astype(array.dtype.newbyteorder("<"))
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[array.dtype.str], "shape": list(array.shape),
-                        "data_offsets": [start, start + array.nbytes]}  # fmt: skip
-        parts.append(array.tobytes())
-        start += array.nbytes
-    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    return b"".join([struct.pack("<Q", len(text)), text, *parts])

@@ -36,9 +36,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from maxsim_cli.arrays import array_values, gather_strings, values_array
+from maxsim_cli.arrays import array_values, gather_strings, safetensors_bytes, values_array
 from maxsim_cli.errors import InputError
-from maxsim_cli.shards.format import input_error, one_line, safetensors_bytes, show_id
+from maxsim_cli.shards.format import input_error, one_line, show_id
 from maxsim_cli.shards.lookup import encode_docnos, hash_utf8, id_bytes
 
 ID_INDEX_SUFFIX = ".idindex"
