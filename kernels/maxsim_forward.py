@@ -811,6 +811,9 @@ def _candidates_meta(
 
 def _candidate_blocks(c_off: np.ndarray, per_prog: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Runs of at most `per_prog` candidates of one query: (query, first, last) per program block."""
+    if len(c_off) == 2:  # one query (a served or API rerank): its runs, without the table's arithmetic
+        first = np.arange(c_off[0], c_off[1], per_prog, dtype=np.int64)
+        return np.zeros(len(first), dtype=np.int64), first, np.minimum(first + per_prog, c_off[1])
     counts = np.diff(c_off)
     n_blk = (counts + per_prog - 1) // per_prog
     query = np.repeat(np.arange(len(counts), dtype=np.int64), n_blk)
@@ -884,12 +887,7 @@ class ResidentCandidates:
         if max_len > 128 or int(query_lengths.min()) < 1:
             return None
         launch = self._launch(max_len)
-        per_prog = launch.meta["CANDS_PER_PROG"]
-        if num_q == 1:  # one query (a served or API rerank): its runs of candidates, without a table
-            first = np.arange(0, num_c, per_prog, dtype=np.int64)
-            blocks = (np.zeros(len(first), dtype=np.int64), first, np.minimum(first + per_prog, num_c))
-        else:
-            blocks = _candidate_blocks(candidate_offsets, per_prog)
+        blocks = _candidate_blocks(candidate_offsets, launch.meta["CANDS_PER_PROG"])
         num_blocks = len(blocks[0])
         # the buffer: queries (the documents' dtype), then int64 query offsets, candidates and the
         # program table, each part at a 16-byte boundary (Triton specialises pointers on it)

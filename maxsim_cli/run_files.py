@@ -557,9 +557,8 @@ class RankedSink:
 
         The rows are checked as `write_query` checks them (ids, finite scores, the order); whatever fails
         goes through `write_query` query by query, which names the culprit. ``corpus_ids``: the docnos
-        are ids of an open corpus (each checked as its shard was read: not empty, no forbidden
-        character) and equal scores already have their docnos descending (a top-k by order keys, a
-        rerank sorted by `write_reranked`): those checks of the docnos are skipped, the rest is made.
+        are ids of an open corpus, each checked as its shard was read (not empty, no forbidden
+        character): those two checks are not made again; the rest is.
         """
         import pyarrow as pa
 
@@ -576,14 +575,8 @@ class RankedSink:
             and all(q and not _WHITESPACE.search(q) for q in qids)
             and bool(np.isfinite(keys).all())
             and bool((keys[:, :-1] >= keys[:, 1:]).all())
-            and (
-                corpus_ids
-                or (
-                    not has_forbidden_chars(docnos)
-                    and (m == 0 or _none_empty(docnos))
-                    and _ties_by_docno_descending(docnos, keys)
-                )
-            )
+            and (corpus_ids or (not has_forbidden_chars(docnos) and (m == 0 or _none_empty(docnos))))
+            and _ties_by_docno_descending(docnos, keys)
         )
         if not clean:
             for i, qid in enumerate(qids):

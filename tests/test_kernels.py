@@ -1112,6 +1112,21 @@ def test_specialisation_keys_follow_tritons_rules():
     assert specialisation_key(x) != specialisation_key(x.float())
 
 
+@pytest.mark.parametrize("c_off", [[0, 0], [0, 1], [0, 7], [0, 8], [0, 1000], [3, 20], [0, 5, 5, 21]])
+def test_candidate_blocks_of_one_query_are_the_tables(c_off):
+    """One query's program table (its shortcut) is what the table's arithmetic gives for it."""
+    from maxsim_kernels.maxsim_forward import _candidate_blocks
+
+    c_off = np.array(c_off, dtype=np.int64)
+    counts = np.diff(c_off)
+    n_blk = (counts + 7) // 8
+    query = np.repeat(np.arange(len(counts), dtype=np.int64), n_blk)
+    first = c_off[query] + (np.arange(len(query)) - np.repeat(np.cumsum(n_blk) - n_blk, n_blk)) * 8
+    expected = (query, first, np.minimum(first + 8, c_off[query + 1]))
+    got = _candidate_blocks(c_off, 8)
+    assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(got, expected, strict=True))
+
+
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_resident_candidates_equal_the_launcher(dtype):

@@ -262,6 +262,10 @@ def test_write_ranked_block_equals_write_query_per_query(tmp_path, monkeypatch, 
     with RunWriter(str(c), tag="t") as writer:
         writer.write_ranked(qids, pa.array(swapped), block_scores)
     assert c.read_bytes() == b.read_bytes()
+    # corpus ids (checked when their shards were read) skip the id checks, never the order's
+    with RunWriter(str(c), tag="t") as writer:
+        writer.write_ranked(qids, pa.array(swapped), block_scores, corpus_ids=True)
+    assert c.read_bytes() == b.read_bytes()
     bad = block_scores.copy()
     bad[3, 5] = np.inf
     with pytest.raises(InputError, match=r"score inf of docno '.*' for query 'q3' is not finite"):

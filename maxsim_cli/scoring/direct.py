@@ -41,7 +41,7 @@ import torch
 
 from maxsim_cli.arrays import values_array
 from maxsim_cli.scoring.request import ScoreRequest
-from maxsim_cli.scoring.resources import device_queries, query_embeddings
+from maxsim_cli.scoring.resources import candidate_scores_on, device_queries, query_embeddings
 from maxsim_cli.scoring.results import (
     drop_disallowed,
     locate_candidates,
@@ -193,7 +193,8 @@ def candidate_scores(
             if scores is not None:
                 return scores
         kernel_args, kernel_kwargs = _kernel_inputs(corpus, residency, queries, backend)
-        return _candidates_kernel(kernel_args, kernel_kwargs, candidate_offsets, candidate_docs)
+        candidates = torch.from_numpy(candidate_offsets), torch.from_numpy(candidate_docs)
+        return candidate_scores_on(*kernel_args, *candidates, **kernel_kwargs)
     except torch.OutOfMemoryError:
         if residency.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -238,20 +239,6 @@ def _kernel_inputs(
             residency.codebook = corpus.codebook.for_kernels(dev)
         kernel_kwargs["codebook"] = residency.codebook
     return kernel_args, kernel_kwargs
-
-
-def _candidates_kernel(
-    kernel_args: tuple, kernel_kwargs: dict, candidate_offsets: np.ndarray, candidate_docs: np.ndarray
-) -> np.ndarray:
-    from maxsim_kernels import maxsim_candidates
-
-    scores = maxsim_candidates(
-        *kernel_args,
-        torch.from_numpy(candidate_offsets),
-        torch.from_numpy(candidate_docs),
-        **kernel_kwargs,
-    )
-    return scores.to(torch.float32).cpu().numpy()
 
 
 def _search(

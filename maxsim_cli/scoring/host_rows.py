@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from maxsim_cli.codecs import CODE_QUANTIZATIONS
-from maxsim_cli.scoring.resources import device_queries, query_embeddings
+from maxsim_cli.scoring.resources import candidate_scores_on, device_queries, query_embeddings
 from maxsim_cli.scoring.staging import gather_rows, gathered_offsets
 
 if TYPE_CHECKING:
@@ -136,9 +136,10 @@ def candidate_scores(
         out_scales = torch.empty(rows, dtype=torch.float32) if scaled else None
         stage_rows(residency, starts, offsets, out, out_scales)
         q_dev, q_scales = device_queries(q_emb, device, scaled)
-        scores = _launch(
-            q_dev, q_offsets, out, doc_offsets, cand_offsets, cand_docs, out_scales, q_scales, backend
-        )
+        scores = candidate_scores_on(
+            q_dev, q_offsets, out, doc_offsets, cand_offsets, cand_docs,
+            backend=backend, doc_scales=out_scales, query_scales=q_scales,
+        )  # fmt: skip
         return scores, nbytes
     torch.cuda.set_device(device)  # Triton launches on the calling thread's current device
     staging = staging_of(residency)
@@ -160,9 +161,11 @@ def candidate_scores(
                     dev_scales[t0:t1].copy_(host_scales[t0:t1], non_blocking=True)
 
             stage_rows(residency, starts, offsets, host_emb, host_scales, queue_copy)
-            scores = _launch(
-                q_dev, q_offsets, dev_emb, doc_offsets, cand_offsets, cand_docs, dev_scales, q_scales, backend
-            )  # its copy back waits for the kernel, and so for every copy out of the staging buffer
+            # its copy back waits for the kernel, and so for every copy out of the staging buffer
+            scores = candidate_scores_on(
+                q_dev, q_offsets, dev_emb, doc_offsets, cand_offsets, cand_docs,
+                backend=backend, doc_scales=dev_scales, query_scales=q_scales,
+            )  # fmt: skip
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return None
@@ -239,30 +242,3 @@ def _pieces(offsets: np.ndarray, token_bytes: int) -> list[int]:
     inner = np.unique(np.searchsorted(offsets, marks, side="left"))
     inner = inner[(inner > 0) & (inner < n)]
     return [0, *inner.tolist(), n]
-
-
-def _launch(
-    queries: torch.Tensor,
-    query_offsets: torch.Tensor,
-    docs: torch.Tensor,
-    doc_offsets: torch.Tensor,
-    candidate_offsets: torch.Tensor,
-    candidate_docs: torch.Tensor,
-    doc_scales: torch.Tensor | None,
-    query_scales: torch.Tensor | None,
-    backend: str,
-) -> np.ndarray:
-    from maxsim_kernels import maxsim_candidates
-
-    scores = maxsim_candidates(
-        queries,
-        query_offsets,
-        docs,
-        doc_offsets,
-        candidate_offsets,
-        candidate_docs,
-        backend=backend,
-        doc_scales=doc_scales,
-        query_scales=query_scales,
-    )
-    return scores.to(torch.float32).cpu().numpy()

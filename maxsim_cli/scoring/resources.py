@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from maxsim_cli.devices import default_host_bytes
@@ -146,3 +147,23 @@ def device_queries(
 
         return quantize_per_token(emb)
     return emb, None
+
+
+def candidate_scores_on(
+    queries: torch.Tensor,
+    query_offsets: torch.Tensor,
+    docs: torch.Tensor,
+    doc_offsets: torch.Tensor,
+    candidate_offsets: torch.Tensor,
+    candidate_docs: torch.Tensor,
+    **kernel_kwargs: object,
+) -> np.ndarray:
+    """float32 host scores of one `maxsim_kernels.maxsim_candidates` launch (``kernel_kwargs``: its
+    backend, doc_scales, query_scales, codebook): the launch of a rerank scored in one go, from a
+    residency (`direct`) or from rows staged from the host (`host_rows`)."""
+    from maxsim_kernels import maxsim_candidates
+
+    scores = maxsim_candidates(
+        queries, query_offsets, docs, doc_offsets, candidate_offsets, candidate_docs, **kernel_kwargs
+    )
+    return scores.to(torch.float32).cpu().numpy()

@@ -34,7 +34,7 @@ def write_topk(
         sink.write_ordinals(scores_np, ordinal_of_rank[ranks.numpy()])
         return
     docnos = ids_by_rank.take(values_array(ranks.numpy()))  # query after query
-    if hasattr(sink, "write_ranked"):  # the whole block at once: corpus ids, ties by docno (the keys)
+    if hasattr(sink, "write_ranked"):  # the whole block at once (corpus ids, checked when read)
         sink.write_ranked(list(qids), docnos, scores_np, corpus_ids=True)
         return
     m = scores_np.shape[1] if scores_np.ndim == 2 else 0
@@ -252,7 +252,7 @@ def write_reranked(
             if order is not None:
                 keep = order[:top_k]
                 docnos = pair_docnos.slice(a, b - a).take(values_array(keep))
-                # found docnos are corpus ids, the ties ordered by `_trec_order`
+                # found docnos are corpus ids (checked when their shards were read)
                 sink.write_ranked([qid], docnos, scores[a:b][keep].reshape(1, -1), corpus_ids=True)
                 continue
         docnos = docnos_of.get(qi)
