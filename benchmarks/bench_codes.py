@@ -27,7 +27,7 @@ import torch
 from common import SMOKE, device, make_log, median_ms, meta, smoke_size, sync, write_json
 
 log = make_log("codes", clock=True)
-BYTES = {"fp16": 256, "int8": 132, "int4": 68, "residual2": 36}  # a token at d = 128, what the scan reads
+BYTES = {"fp16": 256, "int8": 132, "int4": 68, "int4_triton": 68, "residual2": 36}  # a token at d = 128
 
 
 def ragged(n: int, lo: int, hi: int, dim: int, gen: torch.Generator, dev: torch.device):
@@ -52,6 +52,11 @@ def main() -> None:
     parser.add_argument("--all-pairs-docs", type=int, default=50_000)
     parser.add_argument("--centroids", type=int, default=4096)
     parser.add_argument("--sweep", action="store_true", help="also time the tile plans of SWEEP_* per codec")
+    parser.add_argument(
+        "--stream-sweep",
+        action="store_true",
+        help="also time int4 on the Gluon stream kernel under the tiles of SWEEP_STREAM",
+    )
     parser.add_argument("--smoke", action="store_true", help="a check of the script: tiny sizes, one call")
     args = parser.parse_args()
     SMOKE["on"] = args.smoke
@@ -86,6 +91,7 @@ def main() -> None:
         stored[name] = {"docs": codes, "kw": kw}
     log(f"quantize: {record['quantize']}")
 
+    stored["int4_triton"] = stored["int4"]  # the same codes on the Triton scan kernel (no Gluon stream)
     q = torch.nn.functional.normalize(torch.randn(32, 128, generator=gen), dim=1).to(dev, torch.float16)
     q_off = torch.tensor([0, 32], device=dev)
     # correctness: each codec's Triton scores against the torch path on the first 1,000 documents
@@ -103,9 +109,15 @@ def main() -> None:
     if args.sweep:
         record["sweep"] = {"one_query": sweep(q, q_off, stored, offsets, SWEEP_ONE_QUERY, args.rep_ms)}
         write_json(args.out, record)
+    if args.stream_sweep:
+        record["stream_sweep"] = stream_sweep(q, stored["int4"], offsets, args.rep_ms)
+        write_json(args.out, record)
 
     def one_query(name: str):
         s = stored[name]
+        if name == "int4_triton":
+            plan, scan = maxsim_codes._FEW_ROWS["int4"], maxsim_codes.launch_varlen_with_tiles
+            return lambda: scan(q, q_off, s["docs"], offsets, plan, **s["kw"])
         return lambda: maxsim_varlen(q, q_off, s["docs"], offsets, **s["kw"])
 
     times: dict[str, list[float]] = {n: [] for n in stored}
@@ -139,9 +151,9 @@ def main() -> None:
             kw["doc_scales"] = kw["doc_scales"][:end]
         return lambda: maxsim_varlen(qs, qs_off, s["docs"][:end], sub_off, **kw)
 
-    times = {n_: [] for n_ in stored}
+    times = {n_: [] for n_ in stored if n_ != "int4_triton"}  # the same path as int4 for many queries
     for r in range(args.rounds):
-        order = list(stored) if r % 2 == 0 else list(stored)[::-1]
+        order = list(times) if r % 2 == 0 else list(times)[::-1]
         for name in order:
             times[name].append(median_ms(all_pairs(name), args.rep_ms))
     row = {name: {"ms": statistics.median(ts), "rounds_ms": ts} for name, ts in times.items()}
@@ -152,7 +164,8 @@ def main() -> None:
     log(f"all_pairs: { {k: (round(v['ms'], 3), round(v['over_int8_rate'], 2)) for k, v in row.items()} }")
     write_json(args.out, record)
     if args.sweep:
-        cut = {name: {"docs": s["docs"][:end], "kw": cut_scales(s["kw"], end)} for name, s in stored.items()}
+        cut = {name: {"docs": s["docs"][:end], "kw": cut_scales(s["kw"], end)} for name, s in stored.items()
+               if name != "int4_triton"}  # fmt: skip
         record["sweep"]["all_pairs"] = sweep(qs, qs_off, cut, sub_off, SWEEP_ALL_PAIRS, args.rep_ms)
         write_json(args.out, record)
 
@@ -176,6 +189,42 @@ SWEEP_ALL_PAIRS = [
     (256, 32, 64, 4, 2), (256, 64, 64, 4, 2, True), (128, 64, 64, 4, 2, True), (256, 128, 32, 8, 2, True),
     (128, 128, 32, 4, 2, True), (256, 64, 64, 8, 2, True), (128, 128, 64, 8, 2, True),
 ]  # fmt: skip
+
+
+# The Gluon stream kernel's tiles for int4 (`maxsim_int8_hopper_stream.stream_with_tiles`: items a program,
+# ring stages, tiles a turn, register cap; 0 = no cap); the first is the shipped `INT4_TILES`.
+SWEEP_STREAM = [
+    (32, 8, 2, 128), (32, 4, 2, 128), (32, 6, 2, 128), (32, 12, 2, 128), (16, 8, 2, 128), (64, 8, 2, 128),
+    (32, 8, 4, 128), (32, 8, 2, 168), (32, 8, 2, 0), (32, 6, 2, 96), (32, 8, 2, 96), (64, 12, 2, 128),
+]  # fmt: skip
+
+
+def stream_sweep(q, int4: dict, offsets, rep_ms: int) -> list:
+    """int4, one query, on the stream kernel under each of SWEEP_STREAM: median time, same bits as the
+    first."""
+    from maxsim_kernels import maxsim_int8_hopper_stream as stream
+    from maxsim_kernels.maxsim_int8 import quantize_per_token
+
+    q8, sq = quantize_per_token(q)
+    q_off = torch.tensor([0, q.shape[0]], device=q.device)
+    rows, first = [], None
+    for items, stages, group, cap in SWEEP_STREAM[:2] if SMOKE["on"] else SWEEP_STREAM:
+        cfg = dict(items_per_prog=items, stages=stages, group=group, maxnreg=cap)
+
+        def call(cfg=cfg):
+            return stream.stream_with_tiles(
+                q8, sq, q_off, None, None, int4["docs"], int4["kw"]["doc_scales"], offsets, q.shape[0], **cfg
+            )
+
+        try:
+            scores = call()
+            first = scores if first is None else first
+            same = bool(torch.equal(scores, first))
+            rows.append({**cfg, "ms": median_ms(call, rep_ms), "equal_to_first": same})
+        except Exception as exc:  # a configuration the compiler refuses (shared memory, registers)
+            rows.append({**cfg, "error": str(exc).splitlines()[0][:200]})
+        log(f"stream sweep {cfg}: {rows[-1]}")
+    return rows
 
 
 def sweep(q, q_off, stored: dict, offsets, plans: list, rep_ms: int) -> dict:

@@ -38,7 +38,7 @@ log = make_log("rerank-new-candidates", clock=True)
 def our_variants(w: dict[str, Any], order: str) -> tuple[dict[str, Callable[[], torch.Tensor]], dict]:
     """The timed calls of this project's kernels for one candidate order, and what they ran on."""
     from maxsim_kernels import maxsim_candidates
-    from maxsim_kernels.maxsim_int8 import _hopper_stream, quantize_per_token
+    from maxsim_kernels.maxsim_int8 import hopper_stream, quantize_per_token
 
     dev = device()
     cand = w["cand_docs"] if order == "shuffled" else torch.arange(w["nd"])
@@ -49,7 +49,7 @@ def our_variants(w: dict[str, Any], order: str) -> tuple[dict[str, Callable[[], 
     args8 = (w["queries"], w["q_off"], d8, w["d_off"], c_off)
     q8 = quantize_per_token(w["queries"])[0]
     info = {
-        "int8_kernel": "gluon-stream" if _hopper_stream(w["q_off"], q8, d8, False) is not None else "triton"
+        "int8_kernel": "gluon-stream" if hopper_stream(w["q_off"], q8, d8, False) is not None else "triton"
     }
 
     def fp16(c: torch.Tensor) -> torch.Tensor:

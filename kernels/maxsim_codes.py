@@ -75,10 +75,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .int4_packing import INT4_NIBBLES_ASM
 from .launch import launch_fitting_shared_memory
 from .maxsim_int8 import (
     candidate_query,
     device_offsets,
+    hopper_stream,
     quantize_per_token,
     segment_ids,
     segment_max,
@@ -245,17 +247,9 @@ def decode_residual2(codes: torch.Tensor, codebook: ResidualCodebook) -> torch.T
 # Triton kernels
 # ----------------------------------------------------------------------------------------------------------
 
-# Unpacking on the GPU (inline PTX, four bytes of codes a 32-bit register; Triton's interpreter runs the
-# tl ops of `_int4_nibbles` / `_bucket_planes` instead, which give the same values):
-# int4: the two's-complement nibbles of four bytes as int8, ((n ^ 8) + 0x78) ^ 0x80 per byte, 7 integer
-# instructions for 8 values where per-element int32 arithmetic takes ~5 each (Hopper issues 64 integer
-# instructions a clock per SM, half its fp32 rate).
-_INT4_NIBBLES_ASM: tl.constexpr = tl.constexpr(
-    "{ .reg .b32 t; "
-    "lop3.b32 t, $2, 0x0f0f0f0f, 0x08080808, 0x6a; add.u32 t, t, 0x78787878; xor.b32 $0, t, 0x80808080; "
-    "shr.u32 t, $2, 4; "
-    "lop3.b32 t, t, 0x0f0f0f0f, 0x08080808, 0x6a; add.u32 t, t, 0x78787878; xor.b32 $1, t, 0x80808080; }"
-)
+# Unpacking on the GPU: inline PTX, four bytes of codes a 32-bit register (int4: `int4_packing`); Triton's
+# interpreter runs the tl ops of `_int4_nibbles` / `_bucket_planes` instead, which give the same values.
+_INT4_NIBBLES_ASM: tl.constexpr = tl.constexpr(INT4_NIBBLES_ASM)
 
 
 def _bucket_planes_asm(part: int) -> str:
@@ -1296,6 +1290,10 @@ def maxsim_varlen_codes(
     codec, dim, backend, q8, sq, q_off, codes, sd, d_off, cb = _prepare(
         queries, query_offsets, docs, doc_offsets, doc_scales, query_scales, codebook, backend
     )
+    stream = _int4_stream(codec, backend, query_offsets, q8, codes) if q_off.numel() == 2 else None
+    if stream is not None:
+        module, longest = stream
+        return module.maxsim_int8_stream(q8, sq, q_off, None, None, codes, sd, d_off, longest)[None]
     if backend == "triton":
         return _launch_varlen(codec, dim, q8, sq, q_off, codes, sd, d_off, cb)
     return _varlen_torch(q8, sq, q_off, codes, sd, d_off, cb)
@@ -1342,9 +1340,24 @@ def maxsim_candidates_codes(
     if candidate_docs.numel():
         check_candidate_docs(candidate_docs, nd, guarded=backend == "triton")
     c_docs = candidate_docs.to(device)
+    stream = _int4_stream(codec, backend, query_offsets, q8, codes)
+    if stream is not None:
+        module, longest = stream
+        return module.maxsim_int8_stream(q8, sq, q_off, c_off, c_docs, codes, sd, d_off, longest)
     if backend == "triton":
         return _launch_candidates(codec, dim, q8, sq, q_off, codes, sd, d_off, cb, c_off, c_docs)
     return _candidates_torch(q8, sq, q_off, codes, sd, d_off, cb, c_off, c_docs)
+
+
+def _int4_stream(
+    codec: str, backend: str, given_q_off: torch.Tensor, q8: torch.Tensor, codes: torch.Tensor
+) -> tuple | None:
+    """(the Gluon stream module, the longest query) where it takes the scan: int4 codes on an sm_90 GPU
+    with the Triton backend, one query or query offsets given on the host (`maxsim_int8.hopper_stream`:
+    queries of at most 64 tokens, dim 128), else None."""
+    if codec != "int4" or backend != "triton":
+        return None
+    return hopper_stream(given_q_off, q8, codes, False)
 
 
 def quantized_queries(queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

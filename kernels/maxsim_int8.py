@@ -851,7 +851,7 @@ def _hopper_allpairs(
     return hopper if hopper.supports(_query_lengths(query_offsets, q8.shape[0]), d8, return_argmax) else None
 
 
-def _hopper_stream(
+def hopper_stream(
     query_offsets: torch.Tensor, q8: torch.Tensor, d8: torch.Tensor, return_argmax: bool
 ) -> tuple[Any, int] | None:
     """(the Gluon module `maxsim_int8_hopper_stream`, the longest query) where it takes an HBM-bound
@@ -1191,7 +1191,7 @@ def maxsim_varlen_int8(
     )
     hopper = stream = None
     if backend == "triton" and query_offsets.numel() == 2:
-        stream = _hopper_stream(given_q_off, q8, d8, return_argmax)
+        stream = hopper_stream(given_q_off, q8, d8, return_argmax)
     elif backend == "triton":
         hopper = _hopper_allpairs(given_q_off, given_d_off, q8, d8, return_argmax)
     if stream is not None:
@@ -1271,7 +1271,7 @@ def maxsim_candidates_int8(
     candidate_offsets, candidate_docs = _check_candidates(
         candidate_offsets, candidate_docs, nq, nd, d8.device, check, backend == "triton"
     )
-    stream = _hopper_stream(given_q_off, q8, d8, return_argmax) if backend == "triton" else None
+    stream = hopper_stream(given_q_off, q8, d8, return_argmax) if backend == "triton" else None
     if stream is not None:
         module, longest = stream
         out = module.maxsim_int8_stream(

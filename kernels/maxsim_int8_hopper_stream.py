@@ -52,6 +52,7 @@ the Triton TMA tiles' 0.622-0.674 and 0.446-0.464 in the same rounds.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -66,6 +67,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .int4_packing import INT4_NIBBLES_ASM as _NIBBLES_TEXT
 from .launch import hopper_device
 from .maxsim_int8 import candidate_query
 from .validation import cdiv
@@ -87,6 +89,24 @@ NUM_WARPS = 4
 # 12 bytes spilled for candidates) 0.72-0.75 / 0.586-0.591 (64-token queries).
 REGISTERS = {16: (96, 128), 32: (96, 128), 64: (168, 168)}
 MAX_QUERY_TOKENS = 64
+_NIBBLES_ASM = gl.constexpr(_NIBBLES_TEXT)  # int4: the two nibbles of four bytes (`int4_packing`)
+
+
+class Tuning(NamedTuple):
+    """One codec's tiles: the ring's stages, tiles a turn, items a program (one query, candidates) and the
+    register caps by the query tile's N."""
+
+    stages: int
+    group: int
+    items_one_query: int
+    items_candidates: int
+    registers: dict[int, tuple[int, int]]
+
+
+INT8_TILES = Tuning(STAGES, GROUP, ITEMS_ONE_QUERY, ITEMS_CANDIDATES, REGISTERS)
+# int4 (PACKED): a tile is 4 KB of codes, half the int8 tile, so the ring is deeper for the same bytes in
+# flight; the nibbles unpacked in registers (16 a thread for two tiles in flight) raise the caps.
+INT4_TILES = Tuning(8, 2, 32, 16, {16: (128, 128), 32: (128, 128), 64: (168, 168)})
 
 
 @gluon.jit
@@ -165,11 +185,34 @@ def _tile_scales(sd_ptr, tok, end, rows):
 
 
 @gluon.jit
-def _product(d_smem, q_t, ready, x, zero, STAGES: gl.constexpr):
-    """Tile x's D8 . Q8^T, asynchronous, once its copy has landed."""
+def _product(d_smem, q_t, q_hi_t, ready, x, zero, STAGES: gl.constexpr, PACKED: gl.constexpr):
+    """Tile x's D8 . Q8^T, asynchronous, once its copy has landed. PACKED (int4 codes): the tile's bytes
+    are loaded into wgmma's register operand layout and split into their low and high nibbles (values 2m
+    and 2m + 1), each multiplied with the query's matching columns (q_t, q_hi_t); ptxas keeps those
+    registers until the products are waited for (it serializes the wgmmas where it cannot: the build
+    test checks it does not)."""
     slot = x % STAGES
     mbarrier.wait(ready.index(slot), (x // STAGES) & 1)
-    return warpgroup_mma(d_smem.index(slot), q_t, zero, use_acc=False, is_async=True)
+    if PACKED:
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=zero.type.layout, k_width=4)
+        packed = d_smem.index(slot).load(a_layout)
+        low, high = gl.inline_asm_elementwise(
+            _NIBBLES_ASM, "=r,=r,r", [packed], dtype=(gl.int8, gl.int8), is_pure=True, pack=4
+        )
+        acc = warpgroup_mma(low, q_t, zero, use_acc=False, is_async=True)
+        return warpgroup_mma(high, q_hi_t, acc, is_async=True)
+    else:
+        return warpgroup_mma(d_smem.index(slot), q_t, zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _wait_previous(newer, older, PACKED: gl.constexpr):
+    """Wait for the products of tile `older` while tile `newer`'s may still run: (`newer`, `older`), both
+    accumulators. A tile's products are one wgmma group (two with PACKED)."""
+    if PACKED:
+        return warpgroup_mma_wait(num_outstanding=2, deps=[newer, older])
+    else:
+        return warpgroup_mma_wait(num_outstanding=1, deps=[newer, older])
 
 
 @gluon.jit
@@ -213,12 +256,13 @@ def _int8_stream_kernel(
     q_ptr, qs_ptr, q_off_ptr, cand_off_ptr, cand_ptr, off_ptr, d_desc, sd_ptr, out_ptr,
     n_queries, n_items, n_chunks, n_docs, stride_q,
     DIM: gl.constexpr, N: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
-    GROUP: gl.constexpr, IDENTITY: gl.constexpr,
+    GROUP: gl.constexpr, IDENTITY: gl.constexpr, PACKED: gl.constexpr,
 ):  # fmt: skip
     """Scores of a run of items (see the module docstring): q int8 [Tq, DIM], qs fp32 [Tq], q_off [nq + 1],
     cand_off [nq + 1] (the items of each query) and cand int64 [n_items], both unused with IDENTITY (one
     query, item c is document c), off int64 [nd + 1], d_desc the int8 documents [Td, DIM] in [BLOCK_T,
-    DIM] tiles, sd fp32 [Td], out fp32 [n_items], n_docs the number of documents (nd). A candidate index
+    DIM] tiles (PACKED: int4 codes, uint8 [Td, DIM / 2] in [BLOCK_T, DIM / 2] tiles), sd fp32 [Td], out
+    fp32 [n_items], n_docs the number of documents (nd). A candidate index
     outside [0, n_docs) is never read through: its item is walked as an empty document and scored NaN
     (the run's bad items, found once when its length is counted, are the bits of `bad`)."""
     pid = gl.program_id(0)
@@ -249,24 +293,38 @@ def _int8_stream_kernel(
         row_first = gl.load(q_off_ptr + query)
         row_last = gl.load(q_off_ptr + query + 1)
         q_tok = row_first + gl.arange(0, N, layout=gl.SliceLayout(1, ld_layout))
-        k = gl.arange(0, DIM, layout=gl.SliceLayout(0, ld_layout))
-        q_rows = gl.load(q_ptr + q_tok.to(gl.int64)[:, None] * stride_q + k[None, :],
-                         mask=(q_tok < row_last)[:, None], other=0)  # fmt: skip
-        q_smem = gl.allocate_shared_memory(
-            gl.int8, [N, DIM], gl.NVMMASharedLayout.get_default_for([N, DIM], gl.int8)
-        )
-        q_smem.store(q_rows)
+        q_row_ptr = q_ptr + q_tok.to(gl.int64)[:, None] * stride_q
+        q_in = (q_tok < row_last)[:, None]
+        if PACKED:
+            # the query's even and odd columns: the products of the codes' low and high nibbles
+            k = gl.arange(0, DIM // 2, layout=gl.SliceLayout(0, ld_layout))
+            q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, DIM // 2], gl.int8)
+            q_smem = gl.allocate_shared_memory(gl.int8, [N, DIM // 2], q_layout)
+            q_hi_smem = gl.allocate_shared_memory(gl.int8, [N, DIM // 2], q_layout)
+            q_smem.store(gl.load(q_row_ptr + 2 * k[None, :], mask=q_in, other=0))
+            q_hi_smem.store(gl.load(q_row_ptr + 2 * k[None, :] + 1, mask=q_in, other=0))
+        else:
+            k = gl.arange(0, DIM, layout=gl.SliceLayout(0, ld_layout))
+            q_smem = gl.allocate_shared_memory(
+                gl.int8, [N, DIM], gl.NVMMASharedLayout.get_default_for([N, DIM], gl.int8)
+            )
+            q_smem.store(gl.load(q_row_ptr + k[None, :], mask=q_in, other=0))
+            q_hi_smem = q_smem
         cols = row_first + gl.arange(0, N, layout=col_layout)
         q_ok = cols < row_last
         qs = gl.load(qs_ptr + cols, mask=q_ok, other=0.0)
 
-        d_smem = gl.allocate_shared_memory(d_desc.dtype, [STAGES, BLOCK_T, DIM], d_desc.layout)
+        if PACKED:
+            d_smem = gl.allocate_shared_memory(d_desc.dtype, [STAGES, BLOCK_T, DIM // 2], d_desc.layout)
+        else:
+            d_smem = gl.allocate_shared_memory(d_desc.dtype, [STAGES, BLOCK_T, DIM], d_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
         fence_async_shared()
         gl.thread_barrier()
         q_t = q_smem.permute((1, 0))
+        q_hi_t = q_hi_smem.permute((1, 0))
 
         # the walk's length: every item has max(1, ceil(len / BLOCK_T)) tiles
         cc = c_first + gl.arange(0, ITEMS, layout=item_layout)
@@ -316,9 +374,9 @@ def _int8_stream_kernel(
         run = gl.full([BLOCK_T, N], float("-inf"), gl.float32, acc_layout)
         zero = gl.zeros([BLOCK_T, N], gl.int32, acc_layout)
         for base in range(0, tiles, GROUP):
-            acc_a = _product(d_smem, q_t, ready, base, zero, STAGES)
-            acc_b = _product(d_smem, q_t, ready, base + 1, zero, STAGES)
-            acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])
+            t_a = _product(d_smem, q_t, q_hi_t, ready, base, zero, STAGES, PACKED)
+            t_b = _product(d_smem, q_t, q_hi_t, ready, base + 1, zero, STAGES, PACKED)
+            t_b, acc_a = _wait_previous(t_b, t_a, PACKED)
             (run, sc2, last2, item2, pc, ps, pe, pns, pne, pnd,
              s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
                 acc_a, base, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
@@ -328,8 +386,8 @@ def _int8_stream_kernel(
             )  # fmt: skip
             sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
             for j in gl.static_range(2, GROUP, 2):
-                acc_a = _product(d_smem, q_t, ready, base + j, zero, STAGES)
-                acc_a, acc_b = warpgroup_mma_wait(num_outstanding=1, deps=[acc_a, acc_b])
+                t_a = _product(d_smem, q_t, q_hi_t, ready, base + j, zero, STAGES, PACKED)
+                t_a, acc_b = _wait_previous(t_a, t_b, PACKED)
                 (run, sc2, last2, item2, pc, ps, pe, pns, pne, pnd,
                  s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
                     acc_b, base + j - 1, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
@@ -338,8 +396,8 @@ def _int8_stream_kernel(
                     IDENTITY, ITEMS, BLOCK_T, STAGES,
                 )  # fmt: skip
                 sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
-                acc_b = _product(d_smem, q_t, ready, base + j + 1, zero, STAGES)
-                acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=[acc_b, acc_a])
+                t_b = _product(d_smem, q_t, q_hi_t, ready, base + j + 1, zero, STAGES, PACKED)
+                t_b, acc_a = _wait_previous(t_b, t_a, PACKED)
                 (run, sc2, last2, item2, pc, ps, pe, pns, pne, pnd,
                  s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
                     acc_a, base + j, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
@@ -348,7 +406,7 @@ def _int8_stream_kernel(
                     IDENTITY, ITEMS, BLOCK_T, STAGES,
                 )  # fmt: skip
                 sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
-            acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc_b])
+            acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[t_b])
             (run, sc2, last2, item2, pc, ps, pe, pns, pne, pnd,
              s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
                 acc_b, base + GROUP - 1, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
@@ -372,9 +430,20 @@ def query_columns(max_query_len: int) -> int:
     return max(16, 1 << max(0, max_query_len - 1).bit_length())
 
 
+def code_width(docs: torch.Tensor) -> int | None:
+    """The row width this kernel reads for `docs`' dtype (int8 values: 128; int4 codes, uint8: 64)."""
+    return {torch.int8: 128, torch.uint8: 64}.get(docs.dtype)
+
+
+def tiles_for(docs: torch.Tensor) -> Tuning:
+    """The tuned tiles of the codec `docs` holds (int8 values, or int4 codes as uint8)."""
+    return INT4_TILES if docs.dtype == torch.uint8 else INT8_TILES
+
+
 def supports(q_lens: np.ndarray, d8: torch.Tensor, return_argmax: bool) -> bool:
-    """Whether this kernel takes the problem: `q_lens` the query lengths (host), `d8` the int8 documents."""
-    if return_argmax or not len(q_lens) or d8.dim() != 2 or d8.shape[1] != 128:
+    """Whether this kernel takes the problem: `q_lens` the query lengths (host), `d8` the documents (int8
+    values [Td, 128], or int4 codes, uint8 [Td, 64])."""
+    if return_argmax or not len(q_lens) or d8.dim() != 2 or d8.shape[1] != code_width(d8):
         return False
     return (
         1 <= int(q_lens.min())
@@ -388,8 +457,9 @@ def supports(q_lens: np.ndarray, d8: torch.Tensor, return_argmax: bool) -> bool:
 
 
 @functools.cache
-def _doc_layout(dim: int) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for([BLOCK_T, dim], gl.int8)
+def _doc_layout(width: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    element = gl.int8 if dtype == torch.int8 else gl.uint8
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_T, width], element)
 
 
 def maxsim_int8_stream(
@@ -405,14 +475,12 @@ def maxsim_int8_stream(
 ) -> torch.Tensor:
     """fp32 scores [n_items]: q8 int8 [Tq, 128] with scales sq fp32 [Tq], query offsets int64 [nq + 1];
     item_off int64 [nq + 1] the items of each query and items int64 [n_items] the candidates' document
-    indices, or both None for one query against every document; d8 int8 [Td, 128] with
-    scales sd fp32 [Td] and offsets d_off int64 [nd + 1]; all on the GPU. `max_query_len` (host) sizes
-    the query tile (`supports`). A candidate index outside [0, nd) scores NaN and is never read through
-    (the indices are not read by the host). The tiles are the tuning constants above."""
-    n = query_columns(max_query_len)
-    per = ITEMS_ONE_QUERY if items is None else ITEMS_CANDIDATES
-    maxnreg = REGISTERS[n][0 if items is None else 1]
-    return _run_stream(q8, sq, q_off, item_off, items, d8, sd, d_off, n, per, STAGES, GROUP, maxnreg)
+    indices, or both None for one query against every document; d8 int8 [Td, 128] (or int4 codes, uint8
+    [Td, 64]: `maxsim_codes`) with scales sd fp32 [Td] and offsets d_off int64 [nd + 1]; all on the GPU.
+    `max_query_len` (host) sizes the query tile (`supports`). A candidate index outside [0, nd) scores NaN
+    and is never read through (the indices are not read by the host). The tiles are the codec's tuned
+    ones (`tiles_for`)."""
+    return stream_with_tiles(q8, sq, q_off, item_off, items, d8, sd, d_off, max_query_len)
 
 
 def stream_with_tiles(
@@ -432,47 +500,28 @@ def stream_with_tiles(
     maxnreg: int | None = None,
 ) -> torch.Tensor:
     """`maxsim_int8_stream` with some of its tiles replaced (None keeps the tuned choice; `maxnreg` 0: no
-    register cap), for sweeps and for the tests that every configuration gives the same bits; the library
-    never calls it."""
+    register cap), for sweeps and for the tests that every configuration gives the same bits."""
+    tuned = tiles_for(d8)
     n = query_columns(max_query_len)
-    per = items_per_prog or (ITEMS_ONE_QUERY if items is None else ITEMS_CANDIDATES)
+    per = items_per_prog or (tuned.items_one_query if items is None else tuned.items_candidates)
     if items is not None and per > MAX_ITEMS_CANDIDATES:
         raise ValueError(f"items_per_prog: at most {MAX_ITEMS_CANDIDATES} candidates a program, got {per}")
     if maxnreg is None:
-        maxnreg = REGISTERS[n][0 if items is None else 1]
-    return _run_stream(
-        q8, sq, q_off, item_off, items, d8, sd, d_off, n, per,
-        STAGES if stages is None else stages, GROUP if group is None else group, maxnreg,
-    )  # fmt: skip
-
-
-def _run_stream(
-    q8: torch.Tensor,
-    sq: torch.Tensor,
-    q_off: torch.Tensor,
-    item_off: torch.Tensor | None,
-    items: torch.Tensor | None,
-    d8: torch.Tensor,
-    sd: torch.Tensor,
-    d_off: torch.Tensor,
-    n: int,
-    per: int,
-    stages: int,
-    group: int,
-    maxnreg: int,
-) -> torch.Tensor:
+        maxnreg = tuned.registers[n][0 if items is None else 1]
     nq = q_off.numel() - 1
     n_items = d_off.numel() - 1 if items is None else items.numel()
     out = torch.empty((n_items,), dtype=torch.float32, device=d8.device)
     if n_items == 0:
         return out
     n_chunks = cdiv(n_items, per)
-    d_desc = TensorDescriptor.from_tensor(d8, [BLOCK_T, d8.shape[1]], _doc_layout(d8.shape[1]))
+    packed = d8.dtype == torch.uint8
+    d_desc = TensorDescriptor.from_tensor(d8, [BLOCK_T, d8.shape[1]], _doc_layout(d8.shape[1], d8.dtype))
     _int8_stream_kernel[(n_chunks + (0 if items is None else nq),)](
         q8, sq, q_off, q_off if item_off is None else item_off, d_off if items is None else items, d_off,
         d_desc, sd, out,
         nq, n_items, n_chunks, d_off.numel() - 1, q8.stride(0),
-        DIM=d8.shape[1], N=n, ITEMS=per, BLOCK_T=BLOCK_T, STAGES=stages,
-        GROUP=group, IDENTITY=items is None, num_warps=NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
+        DIM=q8.shape[1], N=n, ITEMS=per, BLOCK_T=BLOCK_T, STAGES=tuned.stages if stages is None else stages,
+        GROUP=tuned.group if group is None else group, IDENTITY=items is None, PACKED=packed,
+        num_warps=NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out

@@ -512,7 +512,7 @@ def test_stream_kernel_is_not_planned_off_the_gpu(monkeypatch) -> None:
     assert set(stream.REGISTERS) == {stream.query_columns(n) for n in range(1, stream.MAX_QUERY_TOKENS + 1)}
     assert not stream.supports(np.array([32]), d8, False)  # on the CPU
     q_off = torch.tensor([0, 32])
-    assert maxsim_int8._hopper_stream(q_off, torch.zeros(32, 128, dtype=torch.int8), d8, False) is None
+    assert maxsim_int8.hopper_stream(q_off, torch.zeros(32, 128, dtype=torch.int8), d8, False) is None
     monkeypatch.setattr(stream, "hopper_device", lambda device: True)  # the shape rules alone
     assert stream.supports(np.array([32, 1, 64]), d8, False)
     assert not stream.supports(np.array([32]), d8, True)  # the argmax
@@ -520,3 +520,10 @@ def test_stream_kernel_is_not_planned_off_the_gpu(monkeypatch) -> None:
     assert not stream.supports(np.array([32, 65]), d8, False)
     assert not stream.supports(np.array([32, 0]), d8, False)
     assert not stream.supports(np.array([32]), torch.zeros(0, 128, dtype=torch.int8), False)
+    # int4 codes (uint8, two values a byte) of dim 128, with their own tiles
+    codes = torch.zeros(1000, 64, dtype=torch.uint8)
+    assert stream.supports(np.array([32, 1, 64]), codes, False)
+    assert not stream.supports(np.array([32]), torch.zeros(1000, 128, dtype=torch.uint8), False)
+    assert not stream.supports(np.array([32]), torch.zeros(1000, 64, dtype=torch.int8), False)
+    assert stream.tiles_for(codes) is stream.INT4_TILES and stream.tiles_for(d8) is stream.INT8_TILES
+    assert set(stream.INT4_TILES.registers) == set(stream.REGISTERS)
