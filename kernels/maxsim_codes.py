@@ -64,6 +64,10 @@ they belong to one query (else candidate by candidate, their query found by bina
 candidate_offsets). The residual2 centroid table of one launch is at most `_CENTROID_TABLE_BYTES`; more
 query rows are scanned in launches of whole queries. The plans (`Tiles`) and their measurements:
 docs/kernel-notes.md, "Codes below 8 bits". Scores only (no argmax).
+
+On an sm_90 GPU, int4 at dim 128 with one query, or candidates with query offsets on the host (queries of
+at most 64 tokens), runs on the Gluon stream kernel of `maxsim_int8_hopper_stream` instead (TMA ring,
+nibbles unpacked into wgmma's register operand; the same maxima, the query sums in its own order).
 """
 
 from __future__ import annotations

@@ -15,6 +15,17 @@ Scope: on an sm_90 GPU with the Triton release the kernel was built with, scores
 at most MAX_QUERY_TOKENS tokens (the query is wgmma's N: 16, 32 or 64 columns), and either one query
 against all documents or candidates; everything else keeps the Triton kernels of `maxsim_int8`.
 
+int4 codes (PACKED; `maxsim_codes`, the same score with c[j] in -7..7 for d8[j]): a tile is 64 rows of 64
+bytes, two values a byte. Each thread loads its bytes of the tile from shared memory straight into wgmma's
+register operand layout (four consecutive bytes a register), splits them into the low and the high
+nibbles (`int4_packing`: 7 integer instructions for 8 values) and issues two products from registers, the
+low nibbles (values 2m) against the query's even columns and the high ones against its odd columns, both
+held in shared memory. The integer products, maxima and sums are those of the int8 kernel on the decoded
+values, bit for bit. Bound (H100, 3.35 TB/s): 68 bytes a token, 1.09 GB for one query x 100K documents
+of 20-300 tokens, 0.33 ms; a tile now brings 4 KB, so an SM takes one in every ~300 clocks at the bound,
+against ~155 issue slots a tile of the loop (per warp: 16 products converted, scaled and folded, 32 bytes
+unpacked) plus ~210 at each document's end.
+
 Work items. The items are the entries of a flat list: the candidates (item c scores query owner(c) against
 document candidate_docs[c]), or for one query all documents (item c is document c). A program takes up to
 ITEMS consecutive items of one query: program k < n_chunks the items of chunk k (items [k * ITEMS, (k + 1)
