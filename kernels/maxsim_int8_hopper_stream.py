@@ -115,9 +115,12 @@ class Tuning(NamedTuple):
 
 
 INT8_TILES = Tuning(STAGES, GROUP, ITEMS_ONE_QUERY, ITEMS_CANDIDATES, REGISTERS)
-# int4 (PACKED): a tile is 4 KB of codes, half the int8 tile, so the ring is deeper for the same bytes in
-# flight; the nibbles unpacked in registers (16 a thread for two tiles in flight) raise the caps.
-INT4_TILES = Tuning(8, 2, 32, 16, {16: (128, 128), 32: (128, 128), 64: (168, 168)})
+# int4 (PACKED), one query x 100K documents on an H100 (bench_codes.py --stream-sweep, codes-h100-875ba07):
+# 0.588 ms with a ring of 4 (6: 0.597, 8: 0.591, 12: 0.604); 16 documents a program 0.668, 64 0.612; 4
+# tiles a turn 0.654; the cap of 128 registers (four programs an SM) against 168 0.684, none (138, three
+# programs) 0.688 and 96 (spills) 0.936: the scan is bound by the latency of each program's chain of a
+# tile (load into registers, unpack, two products, fold), so programs an SM count, the ring's depth not.
+INT4_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (128, 128), 64: (168, 168)})
 
 
 @gluon.jit

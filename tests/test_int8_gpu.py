@@ -548,8 +548,8 @@ def test_hopper_stream_int4_offsets_past_2_31_bytes() -> None:
     start = int(do[first_doc])
     assert start * 64 > 2**31
     values, sub_off = decode_int4(codes[start:]), do_d[first_doc:] - start
-    ref = maxsim_int8_reference(queries, qo, values, sub_off, doc_scales=sd[start:])
-    tol = score_tolerance(queries, qo, values, sub_off, sd[start:])
+    ref = maxsim_int8_reference(queries, qo.cuda(), values, sub_off, doc_scales=sd[start:])
+    tol = score_tolerance(queries, qo.cuda(), values, sub_off, sd[start:])
     assert_scores(scores[:, first_doc:], ref, tol)
     cand = torch.arange(first_doc, do.numel() - 1, device="cuda").flip(0)
     cand_off = torch.tensor([0, cand.numel()])
