@@ -93,6 +93,7 @@ ITEMS_ONE_QUERY = 32  # documents a program; 64: 0.551-0.613 ms
 ITEMS_CANDIDATES = 16  # candidates a program; 32: 0.424-0.486 ms
 MAX_ITEMS_CANDIDATES = 64  # a program's candidates with a bad index are the bits of one integer
 NUM_WARPS = 4
+_WARPS = gl.constexpr(NUM_WARPS)
 # ptxas's register cap a thread by wgmma's N (the query tile's columns): (one query, candidates). At N <=
 # 32 five and four programs an SM (65,536 registers / (programs x 128 threads)), no spills; at N = 64 the
 # accumulators double, those caps spill (one query 1.68 ms, rerank 1.15, against the Triton tiles' 1.19
@@ -101,6 +102,17 @@ NUM_WARPS = 4
 REGISTERS = {16: (96, 128), 32: (96, 128), 64: (168, 168)}
 MAX_QUERY_TOKENS = 64
 _NIBBLES_ASM = gl.constexpr(_NIBBLES_TEXT)  # int4: the two nibbles of four bytes (`int4_packing`)
+
+
+# int4: an item's end keeps each warp's maxima in shared memory (items x 4 warps x N fp32), the program's
+# scores made at its end (`_deferred_scores`), where that takes at most this much (queries of at most 32
+# tokens; 16 KB for the tuned 32 items at N = 32): no barrier at a document's end.
+DEFERRED_BYTES = 32 << 10
+
+
+def deferred(packed: bool, items: int, n: int) -> bool:
+    """Whether a launch keeps its items' maxima for the program's end (`DEFERRED_BYTES`)."""
+    return packed and n <= 32 and items * NUM_WARPS * n * 4 <= DEFERRED_BYTES
 
 
 class Tuning(NamedTuple):
@@ -232,13 +244,15 @@ def _wait_previous(newer, older, PACKED: gl.constexpr):
 @gluon.jit
 def _retire(acc, x, tiles, total, run, sc, last, item, qs, q_ok, out_ptr,
             pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-            c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad,
+            c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad, partial, c_first,
             IDENTITY: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr,
-            STAGES: gl.constexpr):  # fmt: skip
+            STAGES: gl.constexpr, DEFER: gl.constexpr):  # fmt: skip
     """Tile x's product is done: refill its ring slot with tile x + STAGES (the ring cursor p's tile),
     fold tile x (scales `sc`, item `item`, `last` if it ends the item) into the running maxima `run`,
     storing the item's score at its end (NaN for a bad index), and load the scales of tile x + 2 (the
-    scale cursor s)."""
+    scale cursor s). With DEFER the item's end keeps each warp's maxima of its rows in `partial` (shared
+    memory, a slot an item of the program) and no warp waits for another: `_deferred_scores` finishes
+    the program's items at its end."""
     if x + STAGES < tiles:
         slot = x % STAGES
         mbarrier.expect(ready.index(slot), d_desc.block_type.nbytes)
@@ -249,11 +263,16 @@ def _retire(acc, x, tiles, total, run, sc, last, item, qs, q_ok, out_ptr,
         v = acc.to(gl.float32) * sc[:, None]
         run = gl.maximum(run, v)
         if last:
-            best = gl.max(run, axis=0)
-            score = gl.sum(gl.where(q_ok, qs * best, 0.0), axis=0)
-            if not IDENTITY:
-                score = gl.where(_is_bad(bad, item, ITEMS), float("nan"), score)
-            gl.store(out_ptr + item, score)
+            if DEFER:
+                # rows 16w .. 16w + 15 are warp w's (the accumulator's layout): their max stays in the warp
+                by_warp = gl.max(gl.reshape(run, [_WARPS, BLOCK_T // _WARPS, run.shape[1]]), axis=1)
+                partial.index(item - c_first).store(by_warp)
+            else:
+                best = gl.max(run, axis=0)
+                score = gl.sum(gl.where(q_ok, qs * best, 0.0), axis=0)
+                if not IDENTITY:
+                    score = gl.where(_is_bad(bad, item, ITEMS), float("nan"), score)
+                gl.store(out_ptr + item, score)
             run = gl.full(run.shape, float("-inf"), gl.float32, run.type.layout)
     # the scales of tile x + 2, and its place in the walk
     sc_new = _tile_scales(sd_ptr, s_tok, s_end, rows)
@@ -265,12 +284,33 @@ def _retire(acc, x, tiles, total, run, sc, last, item, qs, q_ok, out_ptr,
             s_c, s_tok, s_end, s_ns, s_ne, s_nd)  # fmt: skip
 
 
+@gluon.jit
+def _deferred_scores(partial, qs_ptr, row_first, row_last, c_first, c_last, out_ptr, bad,
+                     IDENTITY: gl.constexpr, ITEMS: gl.constexpr, N: gl.constexpr):  # fmt: skip
+    """The scores of the program's items from the warps' maxima kept in `partial` ([ITEMS, warps, N], DEFER):
+    the max over the warps, weighted by the query's scales and summed (NaN for a bad index)."""
+    gl.thread_barrier()
+    layout: gl.constexpr = gl.BlockedLayout([1, _WARPS, 1], [32 // N, 1, N], [_WARPS, 1, 1], [2, 1, 0])
+    # the same bytes (row-major, unswizzled) seen whole: a slot an item was written through `index`
+    whole = partial._reinterpret(gl.float32, [ITEMS, _WARPS, N], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    best = gl.max(whole.load(layout), axis=1)
+    best_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    cols = row_first + gl.arange(0, N, layout=gl.SliceLayout(0, best_layout))
+    q_ok = cols < row_last
+    qs = gl.load(qs_ptr + cols, mask=q_ok, other=0.0)
+    score = gl.sum(gl.where(q_ok[None, :], qs[None, :] * best, 0.0), axis=1)
+    items = c_first + gl.arange(0, ITEMS, layout=gl.SliceLayout(1, best_layout))
+    if not IDENTITY:
+        score = gl.where(_is_bad(bad, items, ITEMS), float("nan"), score)
+    gl.store(out_ptr + items, score, mask=items < c_last)
+
+
 @gluon.jit(do_not_specialize=["n_queries", "n_items", "n_chunks", "n_docs"])
 def _int8_stream_kernel(
     q_ptr, qs_ptr, q_off_ptr, cand_off_ptr, cand_ptr, off_ptr, d_desc, sd_ptr, out_ptr,
     n_queries, n_items, n_chunks, n_docs, stride_q,
     DIM: gl.constexpr, N: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
-    GROUP: gl.constexpr, IDENTITY: gl.constexpr, PACKED: gl.constexpr,
+    GROUP: gl.constexpr, IDENTITY: gl.constexpr, PACKED: gl.constexpr, DEFER: gl.constexpr,
 ):  # fmt: skip
     """Scores of a run of items (see the module docstring): q int8 [Tq, DIM], qs fp32 [Tq], q_off [nq + 1],
     cand_off [nq + 1] (the items of each query) and cand int64 [n_items], both unused with IDENTITY (one
@@ -339,6 +379,12 @@ def _int8_stream_kernel(
         gl.thread_barrier()
         q_t = q_smem.permute((1, 0))
         q_hi_t = q_hi_smem.permute((1, 0))
+        if DEFER:  # each warp's maxima at each item's end: [ITEMS, warps, N] fp32
+            partial = gl.allocate_shared_memory(
+                gl.float32, [ITEMS, _WARPS, N], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+            )
+        else:
+            partial = d_smem  # unused
 
         # the walk's length: every item has max(1, ceil(len / BLOCK_T)) tiles
         cc = c_first + gl.arange(0, ITEMS, layout=item_layout)
@@ -395,8 +441,8 @@ def _int8_stream_kernel(
              s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
                 acc_a, base, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
                 pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-                c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad,
-                IDENTITY, ITEMS, BLOCK_T, STAGES,
+                c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad, partial, c_first,
+                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER,
             )  # fmt: skip
             sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
             for j in gl.static_range(2, GROUP, 2):
@@ -406,8 +452,8 @@ def _int8_stream_kernel(
                  s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
                     acc_b, base + j - 1, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
                     pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-                    c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad,
-                    IDENTITY, ITEMS, BLOCK_T, STAGES,
+                    c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad, partial, c_first,
+                    IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER,
                 )  # fmt: skip
                 sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
                 t_b = _product(d_smem, q_t, q_hi_t, ready, base + j + 1, zero, STAGES, PACKED)
@@ -416,8 +462,8 @@ def _int8_stream_kernel(
                  s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
                     acc_a, base + j, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
                     pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-                    c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad,
-                    IDENTITY, ITEMS, BLOCK_T, STAGES,
+                    c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad, partial, c_first,
+                    IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER,
                 )  # fmt: skip
                 sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
             acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[t_b])
@@ -425,11 +471,14 @@ def _int8_stream_kernel(
              s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
                 acc_b, base + GROUP - 1, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
                 pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-                c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad,
-                IDENTITY, ITEMS, BLOCK_T, STAGES,
+                c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad, partial, c_first,
+                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER,
             )  # fmt: skip
             sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
 
+        if DEFER:
+            _deferred_scores(partial, qs_ptr, row_first, row_last, c_first, c_last, out_ptr, bad, IDENTITY,
+                             ITEMS, N)  # fmt: skip
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
 
@@ -536,6 +585,7 @@ def stream_with_tiles(
         nq, n_items, n_chunks, d_off.numel() - 1, q8.stride(0),
         DIM=q8.shape[1], N=n, ITEMS=per, BLOCK_T=BLOCK_T, STAGES=tuned.stages if stages is None else stages,
         GROUP=tuned.group if group is None else group, IDENTITY=items is None, PACKED=packed,
+        DEFER=deferred(packed, per, n),
         num_warps=NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out
