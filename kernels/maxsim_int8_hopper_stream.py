@@ -20,11 +20,13 @@ bytes, two values a byte. Each thread loads its bytes of the tile from shared me
 register operand layout (four consecutive bytes a register), splits them into the low and the high
 nibbles (`int4_packing`: 7 integer instructions for 8 values) and issues two products from registers, the
 low nibbles (values 2m) against the query's even columns and the high ones against its odd columns, both
-held in shared memory. The integer products, maxima and sums are those of the int8 kernel on the decoded
-values, bit for bit. Bound (H100, 3.35 TB/s): 68 bytes a token, 1.09 GB for one query x 100K documents
-of 20-300 tokens, 0.33 ms; a tile now brings 4 KB, so an SM takes one in every ~300 clocks at the bound,
-against ~155 issue slots a tile of the loop (per warp: 16 products converted, scaled and folded, 32 bytes
-unpacked) plus ~210 at each document's end.
+held in shared memory. The integer products and maxima are those of the int8 kernel on the decoded
+values, bit for bit. A document's end does not wait for the other warps (DEFER, `deferred`): each warp
+keeps the maxima of its 16 rows in the item's slot of a shared buffer, and the program's scores are
+summed after its last tile (`_deferred_scores`; the sums in another order than the int8 kernel's).
+Bound (H100, 3.35 TB/s): 68 bytes a token, 1.09 GB for one query x 100K documents of 20-300 tokens, 0.33
+ms; a tile brings 4 KB, so an SM takes one in every ~300 clocks at the bound. Measured 0.475 ms against
+the Triton scan's 0.684 and fp16's 1.309 (docs/kernel-notes.md, "4-bit on the Gluon stream kernel").
 
 Work items. The items are the entries of a flat list: the candidates (item c scores query owner(c) against
 document candidate_docs[c]), or for one query all documents (item c is document c). A program takes up to
@@ -127,7 +129,8 @@ class Tuning(NamedTuple):
 
 
 INT8_TILES = Tuning(STAGES, GROUP, ITEMS_ONE_QUERY, ITEMS_CANDIDATES, REGISTERS)
-# int4 (PACKED), one query x 100K documents on an H100 (bench_codes.py --stream-sweep, codes-h100-875ba07):
+# int4 (PACKED), one query x 100K documents on an H100 (bench_codes.py --stream-sweep, before DEFER:
+# codes-stream-sweep-h100-6ce52ad.json):
 # 0.588 ms with a ring of 4 (6: 0.597, 8: 0.591, 12: 0.604); 16 documents a program 0.668, 64 0.612; 4
 # tiles a turn 0.654; the cap of 128 registers (four programs an SM) against 168 0.684, none (138, three
 # programs) 0.688 and 96 (spills) 0.936: the scan is bound by the latency of each program's chain of a
