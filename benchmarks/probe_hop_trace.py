@@ -14,7 +14,7 @@ monotonic clock in every process of the machine), then sends one client's rerank
 
 and inside the scoring (`Scorer.score` on a resident corpus: `Scorer._rerank_resident`): the docnos
 looked up, the queries converted and put on the device (`direct._kernel_inputs`), the launch with its
-inputs and the scores back on the host (`direct._candidates_kernel`), the answers ordered. The same
+inputs and the scores back on the host (`direct.candidate_scores_on`), the answers ordered. The same
 stamps are then taken in this process around the same `Scorer.score` calls on the same requests (the
 corpus opened and made resident here, the server stopped), so that each part of the served step has
 its in-process twin beside it.
@@ -55,7 +55,7 @@ def _wrap_scoring(stamp):
 
     wrap(batching.Scorer, "score", "h_score", "h_scored")
     wrap(direct, "_kernel_inputs", "h_inputs", "h_inputs_done")
-    wrap(direct, "_candidates_kernel", "h_launch", "h_kernel_done")
+    wrap(direct, "candidate_scores_on", "h_launch", "h_kernel_done")
 """
 
 # The tracer, loaded by every Python process of the server (sitecustomize); it writes its stamps to

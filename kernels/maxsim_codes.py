@@ -1137,13 +1137,14 @@ def launch_varlen_with_tiles(
     query_offsets: torch.Tensor,
     docs: torch.Tensor,
     doc_offsets: torch.Tensor,
-    tiles: Tiles,
+    tiles: Tiles | None,
     *,
     doc_scales: torch.Tensor | None = None,
     codebook: ResidualCodebook | None = None,
 ) -> torch.Tensor:
-    """`maxsim_varlen_codes` (Triton) with the tile plan `tiles` in place of the planned one: for tile
-    sweeps (`benchmarks/bench_codes.py --sweep`), not for production."""
+    """`maxsim_varlen_codes` on the Triton scan kernel, with the tile plan `tiles` in place of the planned
+    one (None: the planned one; never the Gluon stream kernel): for tile sweeps and for timing the scan
+    beside the stream kernel (`benchmarks/bench_codes.py`), not for production."""
     codec, dim, _, q8, sq, q_off, codes, sd, d_off, cb = _prepare(
         queries, query_offsets, docs, doc_offsets, doc_scales, None, codebook, "triton"
     )

@@ -235,16 +235,6 @@ def _product(d_smem, q_t, q_hi_t, ready, x, zero, STAGES: gl.constexpr, PACKED: 
 
 
 @gluon.jit
-def _wait_previous(newer, older, PACKED: gl.constexpr):
-    """Wait for the products of tile `older` while tile `newer`'s may still run: (`newer`, `older`), both
-    accumulators. A tile's products are one wgmma group (two with PACKED)."""
-    if PACKED:
-        return warpgroup_mma_wait(num_outstanding=2, deps=[newer, older])
-    else:
-        return warpgroup_mma_wait(num_outstanding=1, deps=[newer, older])
-
-
-@gluon.jit
 def _retire(acc, x, tiles, total, run, sc, last, item, qs, q_ok, out_ptr,
             pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
             c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad, partial, c_first,
@@ -436,10 +426,12 @@ def _int8_stream_kernel(
 
         run = gl.full([BLOCK_T, N], float("-inf"), gl.float32, acc_layout)
         zero = gl.zeros([BLOCK_T, N], gl.int32, acc_layout)
+        # wgmma groups a tile's products take (`_product`): waiting for all but the newest tile's
+        PRODUCTS: gl.constexpr = 2 if PACKED else 1
         for base in range(0, tiles, GROUP):
             t_a = _product(d_smem, q_t, q_hi_t, ready, base, zero, STAGES, PACKED)
             t_b = _product(d_smem, q_t, q_hi_t, ready, base + 1, zero, STAGES, PACKED)
-            t_b, acc_a = _wait_previous(t_b, t_a, PACKED)
+            t_b, acc_a = warpgroup_mma_wait(num_outstanding=PRODUCTS, deps=[t_b, t_a])
             (run, sc2, last2, item2, pc, ps, pe, pns, pne, pnd,
              s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
                 acc_a, base, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
@@ -450,7 +442,7 @@ def _int8_stream_kernel(
             sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
             for j in gl.static_range(2, GROUP, 2):
                 t_a = _product(d_smem, q_t, q_hi_t, ready, base + j, zero, STAGES, PACKED)
-                t_a, acc_b = _wait_previous(t_a, t_b, PACKED)
+                t_a, acc_b = warpgroup_mma_wait(num_outstanding=PRODUCTS, deps=[t_a, t_b])
                 (run, sc2, last2, item2, pc, ps, pe, pns, pne, pnd,
                  s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
                     acc_b, base + j - 1, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
@@ -460,7 +452,7 @@ def _int8_stream_kernel(
                 )  # fmt: skip
                 sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
                 t_b = _product(d_smem, q_t, q_hi_t, ready, base + j + 1, zero, STAGES, PACKED)
-                t_b, acc_a = _wait_previous(t_b, t_a, PACKED)
+                t_b, acc_a = warpgroup_mma_wait(num_outstanding=PRODUCTS, deps=[t_b, t_a])
                 (run, sc2, last2, item2, pc, ps, pe, pns, pne, pnd,
                  s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
                     acc_a, base + j, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,

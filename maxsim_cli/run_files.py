@@ -63,7 +63,6 @@ __all__ = [
     "read_run",
     "read_run_and_format",
     "sort_trec",
-    "untied_order",
 ]
 
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -425,13 +424,6 @@ def _untied(keys: np.ndarray) -> np.ndarray | None:
     if np.isfinite(ranked).all() and bool(np.all(ranked[:-1] > ranked[1:])):
         return order
     return None
-
-
-def untied_order(scores: np.ndarray) -> np.ndarray | None:
-    """`sort_trec`'s order (int64 indices) of float32 ``scores`` when they are finite and all different,
-    found without the docnos; None when two are equal or one is not finite (`sort_trec` then needs the
-    docnos)."""
-    return _untied(np.asarray(scores, dtype=np.float32) + np.float32(0.0))
 
 
 def sort_trec(docnos: Sequence[str], scores: Sequence[float]) -> list[int]:
