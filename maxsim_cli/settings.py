@@ -2,9 +2,9 @@
 
 Each is read when it is needed, not at import (a process, or a test, may set it later). Three kinds:
 
-- **Switches that turn one start-up step of a fresh ``maxsim score`` off**, for a comparison (the run is
-  the same bytes either way; docs/benchmarks.md, "What a fresh process pays once"): on unless set to
-  ``0``.
+- **Switches that turn one step off**, for a comparison (the run is the same bytes either way): the
+  start-up steps of a fresh ``maxsim score`` (docs/benchmarks.md, "What a fresh process pays once") and
+  the mapping of a host-resident corpus for the GPU (`map_host`); on unless set to ``0``.
 - **What a user asks for**: `timeline_path`, `dist_timeout_s`.
 - **What the ``--devices cpu:N`` launcher hands its workers** (`launcher_devices` ... `launcher_pid`).
 
@@ -21,6 +21,7 @@ GC_PAUSE = "MAXSIM_GC_PAUSE"  # Python's collector paused while a one-shot `maxs
 KERNEL_WARMUP = "MAXSIM_KERNEL_WARMUP"  # the first Triton launches made in a thread during the set-up
 TRITON_KEY_CACHE = "MAXSIM_TRITON_KEY_CACHE"  # Triton's cache key read back from a saved copy
 EARLY_CUDA = "MAXSIM_EARLY_CUDA"  # the CUDA context made in a thread while torch is imported
+MAP_HOST = "MAXSIM_MAP_HOST"  # a host-resident corpus mapped for the GPU: reranks read its rows in place
 
 # what a user asks for
 TIMELINE = "MAXSIM_TIMELINE"  # a file: each stage's seconds since the process started, written at exit
@@ -33,7 +34,7 @@ STORE = "MAXSIM_STORE"  # host:port of the launcher's TCP store
 STATUS_FILE = "MAXSIM_STATUS_FILE"  # where rank 0 reports the job's stats or error
 LAUNCHER_PID = "MAXSIM_LAUNCHER_PID"  # the launcher's pid (`maxsim_cli.lifeline`)
 
-SWITCHES = (EARLY_READS, GC_PAUSE, KERNEL_WARMUP, TRITON_KEY_CACHE, EARLY_CUDA)
+SWITCHES = (EARLY_READS, GC_PAUSE, KERNEL_WARMUP, TRITON_KEY_CACHE, EARLY_CUDA, MAP_HOST)
 
 
 def switched_on(name: str) -> bool:
@@ -64,6 +65,13 @@ def triton_key_cache() -> bool:
 def early_cuda() -> bool:
     """``MAXSIM_EARLY_CUDA``: make the CUDA context in a thread while torch is imported."""
     return switched_on(EARLY_CUDA)
+
+
+def map_host() -> bool:
+    """``MAXSIM_MAP_HOST``: page-lock and map a host-resident corpus for the GPU at its first rerank there,
+    so that the GPU reads the candidates' rows in place (`maxsim_cli.scoring.host_rows`); ``0``: host
+    threads stage them in a page-locked buffer instead."""
+    return switched_on(MAP_HOST)
 
 
 def timeline_path() -> str | None:

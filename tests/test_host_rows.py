@@ -223,10 +223,16 @@ def test_two_stage_with_the_exact_tier_on_the_host_gives_the_exact_scores(tier4,
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "staged"])
 @pytest.mark.parametrize("corpus_kind", ["fp16", "int8"])
-def test_a_gpu_rerank_of_a_host_resident_corpus_gives_the_streamed_run(corpus_kind, int8_corpus, monkeypatch):
-    """The library's rerank on CUDA of a corpus resident on the host: the run of the streamed corpus, its
-    page-locked staging buffer kept and reused; past `MAX_STAGED_BYTES` the engine gives the same run."""
+def test_a_gpu_rerank_of_a_host_resident_corpus_gives_the_streamed_run(
+    corpus_kind, mapped, int8_corpus, monkeypatch
+):
+    """The library's rerank on CUDA of a corpus resident on the host: the run of the streamed corpus, read
+    by the GPU from the mapped rows (the mapping made once, released with the residency) or, with
+    ``MAXSIM_MAP_HOST=0``, through the page-locked staging buffer, kept and reused; past
+    `MAX_STAGED_BYTES` the engine gives the same run."""
+    monkeypatch.setenv("MAXSIM_MAP_HOST", "1" if mapped else "0")
     path = CORPUS if corpus_kind == "fp16" else int8_corpus
     first = search(QUERIES, path, k=60, device="cuda").to_dict()
     candidates = {q: [(d, 0.0) for d, _ in rows[::-1]] for q, rows in first.items()}
@@ -236,10 +242,12 @@ def test_a_gpu_rerank_of_a_host_resident_corpus_gives_the_streamed_run(corpus_ki
         run = rerank(QUERIES, corpus, candidates, device="cuda")
         assert run.to_dict() == streamed and run.stats.extra.get("host_rows") is True
         staging = corpus.residency.staging
-        assert staging is not None and staging.buffer.is_pinned()
-        kept = staging.buffer.data_ptr()
+        assert staging is not None and (staging.mapping is not None) == mapped
+        assert corpus.residency.embeddings.is_pinned() == mapped
+        assert staging.buffer.is_pinned() != mapped  # the buffer only where the rows are not mapped
+        kept = staging.mapping or staging.buffer.data_ptr()
         assert rerank(QUERIES, corpus, candidates, device="cuda").to_dict() == streamed
-        assert staging.buffer.data_ptr() == kept  # reused, not made again
+        assert (staging.mapping or staging.buffer.data_ptr()) == kept  # reused, not made again
         # too many rows to stage, or a memory budget: the engine, which gathers its batches from the host
         # copy too (the corpus's files are not read; the queries are read before)
         queries = read_queries(QUERIES)
@@ -254,3 +262,144 @@ def test_a_gpu_rerank_of_a_host_resident_corpus_gives_the_streamed_run(corpus_ki
         assert run.to_dict() == streamed and "host_rows" not in run.stats.extra
         run = rerank(queries, corpus, candidates, device="cuda", max_memory="1GiB")
         assert run.to_dict() == streamed and run.stats.bytes_read > 0
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_the_mapping_goes_with_the_residency(monkeypatch):
+    """A corpus's host residency dropped (made resident elsewhere): its memory is unlocked."""
+    monkeypatch.setenv("MAXSIM_MAP_HOST", "1")
+    queries = read_queries(QUERIES).batch
+    with open_corpus(CORPUS) as corpus:
+        corpus.to("cpu")
+        offsets, docs = _candidates(len(queries.ids), len(corpus), seed=5)
+        host_rows.candidate_scores(corpus, corpus.residency, queries, offsets, docs, torch.device("cuda"))
+        embeddings = corpus.residency.embeddings
+        assert embeddings.is_pinned()
+        corpus.to("cuda")
+        import gc
+
+        gc.collect()
+        assert not embeddings.is_pinned()
+
+
+# --------------------------------------------------------------------------------------------------
+# the gathering kernel: under the interpreter on the CPU, on the device on a GPU
+
+
+def _kernel_device() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    return "cpu"
+
+
+@pytest.mark.parametrize(
+    "dtype,width,scaled",
+    [(torch.float16, 128, False), (torch.float32, 24, False), (torch.int8, 8, True), (torch.uint8, 3, False)],
+)
+def test_gather_rows_kernel_copies_each_documents_rows(dtype, width, scaled):
+    """Each document's rows (and scales) land at its place in the packed output, whatever their count
+    against the kernel's block of rows (none, one, a block's edge, several blocks), in any order, with
+    rows as 32-bit words or, where a row's bytes are not a multiple of 4, as bytes; rows past the last
+    document are not written."""
+    from maxsim_kernels.gather_rows import BLOCK_ROWS, gather_rows
+
+    device = _kernel_device()
+    gen = torch.Generator().manual_seed(width)
+    lengths = [0, 1, BLOCK_ROWS - 1, BLOCK_ROWS, BLOCK_ROWS + 1, 2 * BLOCK_ROWS + 5, 3, 0, 7]
+    host_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    total = int(host_offsets[-1])
+    if dtype.is_floating_point:
+        src = torch.randn(total, width, generator=gen).to(dtype)
+    else:
+        src = torch.randint(-128 if dtype == torch.int8 else 0, 128, (total, width), generator=gen).to(dtype)
+    src_scales = torch.rand(total, generator=gen) if scaled else None
+    docs = np.array([5, 0, 2, 8, 1, 4, 3, 7], dtype=np.int64)
+    starts, offsets = gathered_offsets(host_offsets, docs)
+    rows = int(offsets[-1])
+    out = torch.full((rows + 3, width), 7, dtype=dtype, device=device)
+    out_scales = torch.full((rows + 3,), -1.0, device=device) if scaled else None
+    index = torch.from_numpy(np.concatenate([starts, offsets])).to(device)
+    src_dev = src.to(device)
+    scales_dev = src_scales.to(device) if src_scales is not None else None
+    gather_rows(
+        src_dev, index[: len(docs)], index[len(docs) :], out, scales_dev, out_scales, max_rows=max(lengths)
+    )
+    picked = torch.cat([torch.arange(host_offsets[d], host_offsets[d + 1]) for d in docs])
+    assert torch.equal(out[:rows].cpu(), src[picked]) and bool((out[rows:] == 7).all())
+    if scaled:
+        assert torch.equal(out_scales[:rows].cpu(), src_scales[picked])
+        assert bool((out_scales[rows:] == -1).all())
+
+
+def test_host_chunks_cover_the_range_and_share_no_page():
+    from maxsim_kernels.gather_rows import _PAGE, _chunks
+
+    cases = [(4096 * 3 + 100, 10 * 4096 + 7, 3 * 4096), (8192, 4096, 1 << 20), (5, 3, 4096)]
+    for address, nbytes, chunk in cases:
+        pieces = _chunks(address, nbytes, chunk)
+        assert pieces[0][0] == address and sum(size for _, size in pieces) == nbytes
+        assert all(a + size == b for (a, size), (b, _) in zip(pieces[:-1], pieces[1:], strict=True))
+        assert all(a % _PAGE == 0 for a, _ in pieces[1:])
+        assert all(size <= chunk + _PAGE for _, size in pieces)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_the_gpu_reads_mapped_host_rows_past_2_31_words():
+    """Rows of a host tensor mapped for the GPU (`map_host`), read by the kernel in place: documents at the
+    start and past 2^31 32-bit words (8.6 GB of fp16 rows of dim 128); the memory is unlocked on release."""
+    from maxsim_kernels.gather_rows import gather_rows, map_host
+
+    width = 128
+    total = (1 << 25) + 4096  # rows of 64 words: the last 4096 start past 2^31 words
+    src = torch.empty((total, width), dtype=torch.float16)
+    gen = torch.Generator().manual_seed(3)
+    ends = [0, 40, 41, 41 + 300, total - 4000, total - 3900, total - 5, total]
+    host_offsets = np.array(ends, dtype=np.int64)
+    for a, b in zip(host_offsets[:-1], host_offsets[1:], strict=True):
+        if b - a <= 4000:
+            src[a:b] = torch.randn(int(b - a), width, generator=gen).to(torch.float16)
+    mapping = map_host([src])
+    assert mapping is not None and src.is_pinned()
+    try:
+        docs = np.array([6, 0, 4, 1, 2], dtype=np.int64)
+        starts, offsets = gathered_offsets(host_offsets, docs)
+        index = torch.from_numpy(np.concatenate([starts, offsets])).cuda()
+        out = torch.empty((int(offsets[-1]), width), dtype=torch.float16, device="cuda")
+        longest = int(np.diff(offsets).max())
+        gather_rows(src, index[: len(docs)], index[len(docs) :], out, max_rows=longest)
+        picked = torch.cat([torch.arange(host_offsets[d], host_offsets[d + 1]) for d in docs])
+        assert torch.equal(out.cpu(), src[picked])
+    finally:
+        mapping.release()
+    assert not src.is_pinned()
+
+
+def test_gather_rows_kernel_builds_for_sm90_with_16_byte_accesses(sm90_build):
+    """The kernel compiles for Hopper in each variant, and an fp16 row of dim 128 (64 words) moves in
+    16-byte loads and stores (the interpreter takes code the compiler refuses, and says nothing of width)."""
+    built = sm90_build(
+        """
+from maxsim_kernels import gather_rows as m
+out = {}
+for words, scaled in ((64, False), (2, True), (3, False)):
+    word = "*i32" if words != 3 else "*u8"
+    sig = {"src": word, "src_scales": "*fp32" if scaled else word, "out": word,
+           "out_scales": "*fp32" if scaled else word, "starts": "*i64", "offsets": "*i64",
+           "WORDS": "constexpr", "WORDS_P2": "constexpr", "BLOCK_ROWS": "constexpr", "SCALED": "constexpr"}
+    const = dict(WORDS=words, WORDS_P2=triton.next_power_of_2(words), BLOCK_ROWS=m.BLOCK_ROWS, SCALED=scaled)
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(6)}
+    k = triton.compile(ASTSource(m._gather_rows_kernel, sig, const, attrs=aligned), target=SM90,
+                       options={"num_warps": m.NUM_WARPS})
+    ptx = k.asm["ptx"]
+    out[f"{words} {scaled}"] = [ptx.count("ld.global.v4"), ptx.count("st.global.v4"), resource_usage(k)]
+print(json.dumps(out))
+"""
+    )
+    assert len(built) == 3
+    loads, stores, _usage = built["64 False"]
+    assert loads > 0 and stores > 0, built
+    assert all(not usage or "LOCAL:0" in usage for _, _, usage in built.values()), built

@@ -78,7 +78,7 @@ def test_settings_read_the_environment_when_asked(monkeypatch) -> None:
     for name in settings.SWITCHES:
         monkeypatch.delenv(name, raising=False)
     assert settings.early_reads() and settings.gc_pause() and settings.kernel_warmup()
-    assert settings.triton_key_cache() and settings.early_cuda()
+    assert settings.triton_key_cache() and settings.early_cuda() and settings.map_host()
     monkeypatch.setenv(settings.EARLY_READS, "0")
     assert not settings.early_reads()
     monkeypatch.setenv(settings.TIMELINE, "")

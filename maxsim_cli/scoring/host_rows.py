@@ -3,19 +3,26 @@
 A corpus made resident on the CPU (`Corpus.to("cpu")`: the exact tier of a two-stage search kept in host
 memory while the compressed tier is scanned on the GPU) holds every token row in one host buffer
 (`maxsim_cli.shards.resident.Residency`). Scoring a rerank of it on CUDA needs the candidates' rows alone
-on the device. They are gathered (`staging.gather_rows`: one `torch.index_select` over a piece's rows) by
-the threads of `gather_pool`, a piece of about `PIECE_BYTES` each, into a page-locked staging buffer kept
-with the residency and reused from call to call (`HostStaging`: sized by the largest call's candidates,
-never by the corpus); each piece's host-to-device copy is queued as soon as it is gathered, so that the
-copies overlap the gathering. One `maxsim_kernels.maxsim_candidates`
-launch then scores every candidate over the gathered rows (their offsets rebased), and the scores come
-back in one copy.
+on the device. At its first such call the buffer is page-locked and mapped into the GPUs' address space
+(`maxsim_kernels.gather_rows.map_host`, kept with the residency in `HostStaging`), and from then on the
+GPU reads the candidates' rows over PCIe itself (`maxsim_kernels.gather_rows.gather_rows`) into one packed
+buffer in its memory: no host thread touches them. Where CUDA refuses the mapping (or with
+``MAXSIM_MAP_HOST=0``) they are gathered instead (`staging.gather_rows`: one `torch.index_select` over a
+piece's rows) by the threads of `gather_pool`, a piece of about `PIECE_BYTES` each, into a page-locked
+staging buffer kept with the residency and reused from call to call (sized by the largest call's
+candidates, never by the corpus); each piece's host-to-device copy is queued as soon as it is gathered,
+so that the copies overlap the gathering. Either way one `maxsim_kernels.maxsim_candidates` launch then
+scores every candidate over the gathered rows (their offsets rebased), and the scores come back in one
+copy.
+
+One query's 1,000 candidates of an 8 GB fp16 corpus (70.8 MB of rows) on the H100 machine: docs/two-stage.md
+gives both ways' times, side by side (benchmarks/bench_two_stage.py).
 
 The kernel, the queries (converted as the engine converts them) and each pair's document rows are those
 the engine's rerank scores, so the scores are the engine's bit for bit; the gathered rows are the
 resident ones, whose values were checked when the corpus was made resident. The engine's batch stream
-gathers from such a corpus the same way (`BatchStream(host_residency=)`), for the calls this path leaves
-to it. On the CPU (``device`` cpu: tests) the rows are gathered into plain memory and scored there.
+gathers from such a corpus with the threads (`BatchStream(host_residency=)`), for the calls this path
+leaves to it. On the CPU (``device`` cpu: tests) the rows are gathered into plain memory and scored there.
 
 What it replaces: a CUDA rerank of a host-resident corpus went to the engine, which read the candidates
 from the shard files (the host copy unused), a document a read with a float32 sum of its values on the
@@ -29,6 +36,8 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
@@ -36,11 +45,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from maxsim_cli import settings
 from maxsim_cli.codecs import CODE_QUANTIZATIONS
 from maxsim_cli.scoring.resources import candidate_scores_on, device_queries, query_embeddings
 from maxsim_cli.scoring.staging import gather_rows, gathered_offsets
 
 if TYPE_CHECKING:
+    from maxsim_kernels.gather_rows import HostMapping
+
     from maxsim_cli.shards import Corpus, DocBatch
     from maxsim_cli.shards.resident import Residency
 
@@ -76,14 +88,18 @@ def _token_bytes(residency: Residency) -> int:
 
 
 class HostStaging:
-    """The page-locked buffer a host-resident corpus stages candidates' rows in, kept with its residency
-    (``Residency.staging``) and reused: grown to the largest call's rows (less than twice them), at most
-    `MAX_STAGED_BYTES`. Calls are serialised (``lock``): a call holds it until its copies out of the
-    buffer have finished."""
+    """What a host-resident corpus keeps for its reranks on a GPU (``Residency.staging``): the mapping of its
+    rows into the GPUs' address space (`maxsim_kernels.gather_rows.map_host`, made at the first call and
+    released with this object), or where that was refused, the page-locked buffer the rows are staged in,
+    reused: grown to the largest call's rows (less than twice them), at most `MAX_STAGED_BYTES`. Calls are
+    serialised (``lock``): a call holds it until its copies out of the buffer have finished."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.mapping: HostMapping | None = None
+        self.map_tried = False
+        self.map_seconds = 0.0
 
     def take(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` page-locked bytes (uint8): the kept buffer, grown first if it is smaller (to a power of
@@ -93,6 +109,23 @@ class HostStaging:
             self.buffer = torch.empty(0, dtype=torch.uint8)  # the old one freed before the new is locked
             self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         return self.buffer[:nbytes]
+
+    def mapped(self, residency: Residency) -> HostMapping | None:
+        """The residency's rows mapped for the GPUs, made at the first call (under ``lock``); None where
+        CUDA refused (the buffer is used then) or ``MAXSIM_MAP_HOST=0``."""
+        if not self.map_tried:
+            self.map_tried = True
+            if settings.map_host():
+                from maxsim_kernels.gather_rows import map_host
+
+                tensors = [t for t in (residency.embeddings, residency.scales) if t is not None]
+                began = time.perf_counter()
+                self.mapping = map_host(tensors)
+                self.map_seconds = time.perf_counter() - began
+                if self.mapping is not None:
+                    # unlocked when this object goes (with its residency, whose tensors it keeps until then)
+                    weakref.finalize(self, self.mapping.release).atexit = False
+        return self.mapping
 
 
 def staging_of(residency: Residency) -> HostStaging:
@@ -145,6 +178,14 @@ def candidate_scores(
     staging = staging_of(residency)
     try:
         with staging.lock:
+            if staging.mapped(residency) is not None:
+                dev_emb, dev_scales = _gather_on_device(residency, starts, offsets, device)
+                q_dev, q_scales = device_queries(q_emb, device, scaled)
+                scores = candidate_scores_on(
+                    q_dev, q_offsets, dev_emb, doc_offsets, cand_offsets, cand_docs,
+                    backend=backend, doc_scales=dev_scales, query_scales=q_scales,
+                )  # fmt: skip
+                return scores, nbytes
             emb_bytes = rows * width * embeddings.element_size()
             scales_at = -(-emb_bytes // 64) * 64  # the scales aligned after the rows
             host = staging.take(scales_at + rows * 4 if scaled else emb_bytes)
@@ -170,6 +211,25 @@ def candidate_scores(
         torch.cuda.empty_cache()
         return None
     return scores, nbytes
+
+
+def _gather_on_device(
+    residency: Residency, starts: np.ndarray, offsets: np.ndarray, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows of a gather (`gathered_offsets`) from the mapped host ``residency`` into new tensors on
+    ``device``, read by the GPU (`maxsim_kernels.gather_rows`); its launch is on the current stream, which
+    the scoring launch after it shares."""
+    from maxsim_kernels.gather_rows import gather_rows as gather_on_gpu
+
+    n = len(starts)
+    rows = int(offsets[-1])
+    embeddings, scales = residency.embeddings, residency.scales
+    index = torch.from_numpy(np.concatenate([starts, offsets]).astype(np.int64, copy=False)).to(device)
+    dev_emb = torch.empty((rows, embeddings.shape[1]), dtype=embeddings.dtype, device=device)
+    dev_scales = torch.empty(rows, dtype=torch.float32, device=device) if scales is not None else None
+    longest = int((offsets[1:] - offsets[:-1]).max()) if n else 0
+    gather_on_gpu(embeddings, index[:n], index[n:], dev_emb, scales, dev_scales, max_rows=longest)
+    return dev_emb, dev_scales
 
 
 def stage_rows(
