@@ -552,6 +552,20 @@ def host_resident_rounds(args, exact, two_stage, stage_split, runs: dict) -> dic
         for key in ("scan_stage_p50_ms", "exact_stage_p50_ms"):
             row[key] = statistics.median(split[key] for split in splits[name])
         row["exact_device"] = runs[max(runs)].stats.device
+    if args.profile:  # where a mapped call's host time goes: cProfile's top functions by cumulative time
+        import cProfile
+        import io
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for i in range(calls):
+            two_stage(i)
+        sync()
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+        rows["cpu"]["profile"] = text.getvalue().splitlines()
     rows["cpu"]["mapped"] = mapping is not None
     rows["cpu"]["map_s"] = staging.map_seconds
     rows["cpu"]["mapped_bytes"] = mapping.nbytes if mapping is not None else 0
@@ -616,6 +630,7 @@ def main() -> None:
     parser.add_argument("--quantize-timeout", type=float, default=240.0)
     parser.add_argument("--quantize-args", default="", help="more options for maxsim quantize")
     parser.add_argument("--skip-cpu-exact", action="store_true", help="no exact tier resident on the host")
+    parser.add_argument("--profile", action="store_true", help="cProfile the mapped calls (host time)")
     parser.add_argument("--out")
     parser.add_argument("--smoke", action="store_true", help="a check of the script: tiny sizes, few calls")
     args = parser.parse_args()
