@@ -185,3 +185,43 @@ def test_a_resident_compressed_tier_gives_the_streamed_runs(tiers, bits):
         assert search(QUERIES, compressed, k=20, device="cpu").to_dict() == streamed
         run = search(QUERIES, compressed, k=10, exact_from=CORPUS, depth=30, device="cpu")
         assert run.to_dict() == two
+
+
+def test_the_scan_hands_its_candidates_over_as_ordinals():
+    """The scan's sink keeps ordinals (`ScanCandidates.write_ordinals`): the exact stage's candidates
+    carry them, and locating them gives what looking their docnos up gives; docnos written otherwise
+    (``write_ranked``, ``write_query``) stay docnos, looked up as any run's."""
+    import numpy as np
+    import pyarrow as pa
+
+    from maxsim_cli import open_corpus
+    from maxsim_cli.queries import read_queries
+    from maxsim_cli.scoring.results import locate_candidates
+    from maxsim_cli.scoring.two_stage import ScanCandidates
+
+    qids = list(read_queries(QUERIES).batch.ids)[:3]
+    with open_corpus(CORPUS) as corpus:
+        rng = np.random.default_rng(0)
+        ordinals = np.stack([rng.choice(len(corpus), 7, replace=False) for _ in qids])
+        sink = ScanCandidates(qids)
+        sink.write_ordinals(np.zeros((2, 7), dtype=np.float32), ordinals[:2])
+        sink.write_ordinals(np.zeros((1, 7), dtype=np.float32), ordinals[2:])
+        carried = sink.candidates(corpus)
+        assert all(rows.ordinals is not None for rows in carried.values())
+        looked_up = {qid: [(docno, 0.0) for docno, _ in rows] for qid, rows in carried.items()}
+
+        def located(run):
+            return locate_candidates(corpus, run, qids, "q", "c", False, [CORPUS], print)
+
+        fast, slow = located(carried), located(looked_up)
+        assert fast.pair_doc.tolist() == slow.pair_doc.tolist() == ordinals.reshape(-1).tolist()
+        assert fast.pair_query.tolist() == slow.pair_query.tolist() and fast.docnos_of == slow.docnos_of
+        assert fast.pair_docnos.to_pylist() == slow.pair_docnos.to_pylist() and fast.missing == 0
+
+        other = ScanCandidates(qids)
+        docnos = [[row[0] for row in looked_up[qid]] for qid in qids[:2]]
+        other.write_ranked(qids[:2], pa.array(docnos[0] + docnos[1]), np.ones((2, 7), dtype=np.float32))
+        other.write_query(qids[2], [d for d, _ in looked_up[qids[2]]], [0.5] * 7)
+        assert {q: [d for d, _ in rows] for q, rows in other.candidates(corpus).items()} == {
+            q: [d for d, _ in rows] for q, rows in looked_up.items()
+        }

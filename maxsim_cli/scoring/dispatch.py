@@ -241,16 +241,15 @@ def run_two_stage(
     over the documents (both tiers hold them in one order), applied to the compressed scan: every
     candidate is an allowed document, so the run is the exact top-k among the allowed documents
     wherever it is among their compressed top ``depth``."""
-    from maxsim_cli.run import RunCollector
     from maxsim_cli.scoring import two_stage
 
     request.check()
     two_stage.check_tiers(request, compressed, exact)
     scan_name, _ = two_stage.tier_names(request, compressed, exact)
     scan_request, exact_request = two_stage.stage_requests(request, compressed, scan_name)
-    found = RunCollector()
+    found = two_stage.ScanCandidates(queries.ids)
     scan_stats = run_call(scan_request, compressed, queries, found, log=log, disallowed=disallowed)
-    candidates = found.run().to_dict()
+    candidates = found.candidates(compressed)
     exact_request = two_stage.exact_on_scan_device(exact_request, exact, scan_stats.device)
     exact_stats = run_call(exact_request, exact, queries, sink, candidates=candidates, log=log)
     return two_stage.merge_stats(request, compressed, scan_stats, exact_stats)

@@ -49,11 +49,16 @@ class DocnoRows(Sequence[tuple[str, float]]):
     (`locate_candidates` checks it). ``joined``: the docnos joined as the lookup joins them
     (`maxsim_cli.shards.lookup.join_docnos`), where the caller made the join: it is not made again."""
 
-    __slots__ = ("docnos", "joined")
+    __slots__ = ("docnos", "joined", "ordinals")
 
-    def __init__(self, docnos: list[str], joined: str | None = None) -> None:
+    def __init__(
+        self, docnos: list[str], joined: str | None = None, ordinals: np.ndarray | None = None
+    ) -> None:
         self.docnos = docnos
         self.joined = joined
+        # the documents' ordinals (int64), where the rows come from a corpus that holds the scored
+        # corpus's documents in its order (a two-stage search's scan, its tiers checked first): no lookup
+        self.ordinals = ordinals
 
     def __len__(self) -> int:
         return len(self.docnos)
@@ -118,6 +123,8 @@ def locate_candidates(
     # every query's candidates in one list (queries in run order, each query's in run order), looked up
     # at once: a served rerank pays this at every request
     query_of = np.fromiter((qindex[qid] for qid in run), dtype=np.int64, count=len(run))
+    if run and all(isinstance(c, DocnoRows) and c.ordinals is not None for c in run.values()):
+        return _located_by_ordinals(corpus, run, query_of)
     docnos_per_query = [
         cands.docnos if isinstance(cands, DocnoRows) else [docno for docno, _ in cands]
         for cands in run.values()
@@ -176,6 +183,22 @@ def locate_candidates(
     return LocatedCandidates(
         pair_query[found], ordinals[found], docnos_of, n_missing, pair_docnos=_rows(asked, found)
     )
+
+
+def _located_by_ordinals(
+    corpus: Corpus, run: dict[str, Any], query_of: np.ndarray
+) -> LocatedCandidates:
+    """`locate_candidates` of rows that carry their ordinals (`DocnoRows.ordinals`): each query's
+    documents distinct and in the corpus, as the scan that found them made them."""
+    from maxsim_cli.arrays import values_array
+
+    rows = list(run.values())
+    counts = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    pair_doc = np.concatenate([r.ordinals for r in rows]).astype(np.int64, copy=False)
+    ids = corpus.id_order()[0] if len(corpus.shards) > 1 else corpus.shards[0].id_array
+    docnos_of = dict(zip(query_of.tolist(), (r.docnos for r in rows), strict=True))
+    pair_docnos = ids.take(values_array(pair_doc))
+    return LocatedCandidates(np.repeat(query_of, counts), pair_doc, docnos_of, 0, pair_docnos=pair_docnos)
 
 
 def _rows(array: Any, keep: np.ndarray) -> Any:

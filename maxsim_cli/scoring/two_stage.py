@@ -13,7 +13,10 @@ import contextlib
 import dataclasses
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
 
 from maxsim_cli.codecs import CODE_QUANTIZATIONS, check_same_documents, ids_sha256
 from maxsim_cli.errors import EXACT_FROM, InputError
@@ -53,6 +56,49 @@ def stage_requests(
         depth=None,
     )
     return scan, exact
+
+
+class ScanCandidates:
+    """The compressed scan's sink (`dispatch.run_two_stage`): each query's top ``depth``, kept as corpus
+    ordinals where the scan hands them over so (``write_ordinals``: an exhaustive pass, resident or
+    streamed), else as the docnos it writes (``write_ranked``, ``write_query``: a filter's few documents
+    scored as candidates, a pass over several devices). `candidates` is the exact stage's run: with
+    ordinals, rows that carry them (`DocnoRows.ordinals`), so that the exact stage looks no docno up. The
+    tiers hold the same documents in one order (`check_tiers`, made before the scan)."""
+
+    def __init__(self, qids: Sequence[str]) -> None:
+        self.qids = list(qids)
+        self._ordinals: list[np.ndarray] = []  # [queries, m] blocks in query order
+        self._rows: dict[str, list[tuple[str, float]]] = {}
+
+    def write_ordinals(self, scores: np.ndarray, ordinals: np.ndarray) -> None:
+        self._ordinals.append(np.asarray(ordinals, dtype=np.int64))
+
+    def write_ranked(self, qids: Sequence[str], docnos: Any, scores: np.ndarray, **_checked: Any) -> None:
+        m = scores.shape[1] if scores.ndim == 2 else 0
+        listed = docnos.to_pylist()
+        for i, qid in enumerate(qids):
+            self.write_query(qid, listed[i * m : (i + 1) * m], scores[i].tolist())
+
+    def write_query(self, qid: str, docnos: Sequence[str], scores: Sequence[float]) -> None:
+        self._rows[qid] = list(zip(docnos, scores, strict=True))
+
+    def candidates(self, corpus: Corpus) -> dict[str, Any]:
+        """Each query's candidates, as `rerank` takes them (``corpus``: the scanned tier, for the ids)."""
+        if not self._ordinals:
+            return self._rows
+        from maxsim_cli.arrays import values_array
+        from maxsim_cli.scoring.results import DocnoRows
+
+        ordinals = np.concatenate(self._ordinals, axis=0) if len(self._ordinals) > 1 else self._ordinals[0]
+        ids = corpus.id_order()[0] if len(corpus.shards) > 1 else corpus.shards[0].id_array
+        m = ordinals.shape[1]
+        docnos = ids.take(values_array(ordinals.reshape(-1))).to_pylist()
+        return {
+            qid: DocnoRows(docnos[i * m : (i + 1) * m], ordinals=ordinals[i])
+            for i, qid in enumerate(self.qids[: ordinals.shape[0]])
+            if m
+        }
 
 
 def exact_on_scan_device(exact_request: ScoreRequest, exact: Corpus, scan_device: str) -> ScoreRequest:
@@ -169,6 +215,7 @@ __all__ = [
     "check_pair",
     "check_tiers",
     "exact_on_scan_device",
+    "ScanCandidates",
     "merge_stats",
     "score_files",
     "stage_requests",
