@@ -273,7 +273,7 @@ def test_the_mapping_goes_with_the_residency(monkeypatch):
     with open_corpus(CORPUS) as corpus:
         corpus.to("cpu")
         offsets, docs = _candidates(len(queries.ids), len(corpus), seed=5)
-        host_rows.candidate_scores(corpus, corpus.residency, queries, offsets, docs, torch.device("cuda"))
+        host_rows.candidate_scores(corpus, corpus.residency, queries, offsets, docs, torch.device("cuda:0"))
         embeddings = corpus.residency.embeddings
         assert embeddings.is_pinned()
         corpus.to("cuda")
