@@ -342,7 +342,7 @@ def int8_kernel(queries, q_off, d8, d_off) -> str:
     from maxsim_kernels import maxsim_int8
 
     q8 = maxsim_int8.quantize_per_token(queries)[0]
-    return "gluon" if maxsim_int8._hopper_allpairs(q_off, d_off, q8, d8, False) is not None else "triton"
+    return "gluon" if maxsim_int8.hopper_allpairs(q_off, d_off, q8, d8, False) is not None else "triton"
 
 
 # the peers' layouts and entry points (flash-maxsim 0.3.0, late-interaction-kernels 0.4.5)

@@ -67,7 +67,10 @@ docs/kernel-notes.md, "Codes below 8 bits". Scores only (no argmax).
 
 On an sm_90 GPU, int4 at dim 128 with one query, or candidates with query offsets on the host (queries of
 at most 64 tokens), runs on the Gluon stream kernel of `maxsim_int8_hopper_stream` instead (TMA ring,
-nibbles unpacked into wgmma's register operand; the same maxima, the query sums in its own order).
+nibbles unpacked into wgmma's register operand; the same maxima, the query sums in its own order). All
+pairs of enough queries to be bound by the tensor cores decode the documents a bounded chunk at a time
+into int8 rows and score them on the Gluon all-pairs kernel of `maxsim_int8_hopper`
+(`_int4_decoded_allpairs`: the decode's bytes are ~1% of such a call's time).
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -84,14 +88,16 @@ from .launch import launch_fitting_shared_memory
 from .maxsim_int8 import (
     candidate_query,
     device_offsets,
+    hopper_allpairs,
     hopper_stream,
+    launch_hopper,
     quantize_per_token,
     segment_ids,
     segment_max,
     sum_rows_in_order,
 )
 from .running_max import document_max, fold_tile, restart, tile_count
-from .validation import cdiv, check_candidate_docs, interpreting, memo, resolve_backend
+from .validation import cdiv, check_candidate_docs, host_offsets, interpreting, memo, resolve_backend
 
 CODECS = ("int4", "residual2")
 INT4_ABSMAX = 7.0
@@ -1299,6 +1305,10 @@ def maxsim_varlen_codes(
     if stream is not None:
         module, longest = stream
         return module.maxsim_int8_stream(q8, sq, q_off, None, None, codes, sd, d_off, longest)[None]
+    if codec == "int4" and backend == "triton" and q_off.numel() > 2:
+        decoded = _int4_decoded_allpairs(query_offsets, doc_offsets, q8, sq, q_off, codes, sd, d_off)
+        if decoded is not None:
+            return decoded
     if backend == "triton":
         return _launch_varlen(codec, dim, q8, sq, q_off, codes, sd, d_off, cb)
     return _varlen_torch(q8, sq, q_off, codes, sd, d_off, cb)
@@ -1363,6 +1373,93 @@ def _int4_stream(
     if codec != "int4" or backend != "triton":
         return None
     return hopper_stream(given_q_off, q8, codes, False)
+
+
+# int4 all pairs on sm_90 (`_int4_decoded_allpairs`): documents decoded to int8 rows a chunk of at most this
+# many bytes at a time, each chunk scored by the Gluon all-pairs kernel of int8.
+DECODE_CHUNK_BYTES = 256 << 20
+_DECODE_ROWS = 64  # rows a program of `_int4_to_int8_kernel`
+
+
+@triton.jit
+def _int4_to_int8_kernel(codes, out, n_rows, WIDTH: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """Rows of int4 codes [n_rows, WIDTH] (value 2m in byte m's low nibble, 2m + 1 in its high one) to
+    int8 values [n_rows, 2 * WIDTH]."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    keep = rows[:, None] < n_rows
+    row_at = rows.to(tl.int64)[:, None]
+    b = tl.load(codes + row_at * WIDTH + tl.arange(0, WIDTH)[None, :], mask=keep, other=0).to(tl.int32)
+    low = ((b & 15) ^ 8) - 8
+    high = ((b >> 4) ^ 8) - 8
+    values = tl.interleave(low, high).to(tl.int8)
+    tl.store(out + row_at * (2 * WIDTH) + tl.arange(0, 2 * WIDTH)[None, :], values, mask=keep)
+
+
+def int4_to_int8(codes: torch.Tensor, out: torch.Tensor) -> None:
+    """The int4 ``codes`` [T, width] decoded into ``out`` [T, 2 * width] (int8 values -7..7, `decode_int4`'s
+    values without their scales), on the codes' device (Triton; on the CPU under TRITON_INTERPRET)."""
+    rows, width = codes.shape
+    if out.shape != (rows, 2 * width) or out.dtype != torch.int8:
+        got = f"{out.dtype} {tuple(out.shape)}"
+        raise ValueError(f"int4_to_int8: out must be int8 [{rows}, {2 * width}], got {got}")
+    if rows:
+        grid = (cdiv(rows, _DECODE_ROWS),)
+        _int4_to_int8_kernel[grid](codes, out, rows, WIDTH=width, BLOCK_ROWS=_DECODE_ROWS, num_warps=4)
+
+
+def _int4_decoded_allpairs(
+    given_q_off: torch.Tensor,
+    given_d_off: torch.Tensor,
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    q_off: torch.Tensor,
+    codes: torch.Tensor,
+    sd: torch.Tensor,
+    d_off: torch.Tensor,
+) -> torch.Tensor | None:
+    """All pairs of several queries against int4 codes on the Gluon all-pairs kernel of int8, where it
+    takes the problem (`maxsim_int8.hopper_allpairs`: sm_90, dim 128, enough query groups), else None.
+
+    Scoring many queries is bound by the tensor cores, not by the bytes: 512 queries x 50K documents are
+    ~53 ms of int8 products, where decoding their 8.0M tokens (0.5 GB of codes into 1.0 GB of int8 rows)
+    moves 1.5 GB, ~0.5 ms at HBM speed. So the documents are decoded chunk by chunk (whole documents,
+    at most `DECODE_CHUNK_BYTES` of int8 rows, reused) and each chunk is scored with its scales: the int8
+    kernel's exact integer products and maxima of the decoded values, its sums, bit for bit those of
+    `maxsim_int8` on the decoded codes."""
+    if codes.shape[1] * 2 != 128 or codes.device.type != "cuda":
+        return None
+    d_host = host_offsets("doc_offsets", given_d_off, codes.shape[0])
+    nd, total = len(d_host) - 1, int(d_host[-1])
+    if nd == 0 or total == 0:
+        return None
+    probe = torch.empty((1, 128), dtype=torch.int8, device=codes.device)  # the kernel's operand, as a shape
+    hopper = hopper_allpairs(given_q_off, given_d_off, q8, probe, False)
+    if hopper is None:
+        return None
+    longest = int(np.diff(d_host).max())
+    chunk = min(total, max(DECODE_CHUNK_BYTES // 128, longest))
+    rows = torch.empty((chunk, 128), dtype=torch.int8, device=codes.device)
+    nq = q_off.numel() - 1
+    out = torch.empty((nq, nd), dtype=torch.float32, device=codes.device)
+    first = 0
+    while first < nd:
+        t0 = int(d_host[first])
+        stop = max(int(np.searchsorted(d_host, t0 + chunk, side="right")) - 1, first + 1)
+        t1 = int(d_host[stop])
+        if t1 == t0:  # documents with no tokens
+            out[:, first:stop] = float("-inf")
+        else:
+            int4_to_int8(codes[t0:t1], rows[: t1 - t0])
+            offsets = torch.from_numpy(np.ascontiguousarray(d_host[first : stop + 1] - t0))
+            part = launch_hopper(
+                hopper, given_q_off, offsets, q_off, offsets.to(codes.device, non_blocking=True),
+                q8, sq, rows[: t1 - t0], sd[t0:t1],
+            )  # fmt: skip
+            if first == 0 and stop == nd:
+                return part
+            out[:, first:stop] = part
+        first = stop
+    return out
 
 
 def quantized_queries(queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

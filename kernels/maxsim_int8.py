@@ -612,7 +612,7 @@ def _prepare(
     Returns (backend, q8, s_q, query_offsets, d8, s_d, doc_offsets), the offsets moved to the tensors'
     device. Offset values are checked when they come from the host, and always by the torch path; the
     Triton path never synchronises with the device to look at offsets already there (the Gluon all-pairs
-    kernel reads them back once per tensor: `_hopper_allpairs`).
+    kernel reads them back once per tensor: `hopper_allpairs`).
     """
     if not isinstance(docs, torch.Tensor) or docs.dtype != torch.int8 or docs.dim() != 2:
         got = f"{docs.dtype} {tuple(docs.shape)}" if isinstance(docs, torch.Tensor) else type(docs)
@@ -826,7 +826,7 @@ def _run_varlen(
     )  # fmt: skip
 
 
-def _hopper_allpairs(
+def hopper_allpairs(
     query_offsets: torch.Tensor,
     doc_offsets: torch.Tensor,
     q8: torch.Tensor,
@@ -877,7 +877,7 @@ def _query_lengths(query_offsets: torch.Tensor, n_tokens: int) -> np.ndarray:
                 lambda: np.diff(host_offsets("query_offsets", query_offsets, n_tokens)))  # fmt: skip
 
 
-def _launch_hopper(
+def launch_hopper(
     hopper: Any,
     query_offsets: torch.Tensor,
     doc_offsets: torch.Tensor,
@@ -1193,13 +1193,13 @@ def maxsim_varlen_int8(
     if backend == "triton" and query_offsets.numel() == 2:
         stream = hopper_stream(given_q_off, q8, d8, return_argmax)
     elif backend == "triton":
-        hopper = _hopper_allpairs(given_q_off, given_d_off, q8, d8, return_argmax)
+        hopper = hopper_allpairs(given_q_off, given_d_off, q8, d8, return_argmax)
     if stream is not None:
         module, longest = stream
         out = module.maxsim_int8_stream(q8, sq, query_offsets, None, None, d8, sd, doc_offsets, longest)[None]
         arg = None
     elif hopper is not None:
-        out = _launch_hopper(hopper, given_q_off, given_d_off, query_offsets, doc_offsets, q8, sq, d8, sd)
+        out = launch_hopper(hopper, given_q_off, given_d_off, query_offsets, doc_offsets, q8, sq, d8, sd)
         arg = None
     elif backend == "triton":
         out, arg = _launch_varlen(q8, sq, query_offsets, d8, sd, doc_offsets, return_argmax)

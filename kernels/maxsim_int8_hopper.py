@@ -363,7 +363,7 @@ def tile_scales(
     """[n_tiles, block_t] fp32 on the scales' device: each tile's token scales, NaN past its document.
 
     On CUDA one launch of `_tile_scales_kernel` instead of the seven torch operations below, which serve
-    other devices: 0.67 ms of `_launch_hopper` host time a call against 1.04 (docs/kernel-notes.md, "The
+    other devices: 0.67 ms of `launch_hopper` host time a call against 1.04 (docs/kernel-notes.md, "The
     int8 Gluon kernel: all pairs on Hopper")."""
     if doc_scales.is_cuda:
         return tile_scales_triton(doc_scales, first, inside, block_t)

@@ -288,6 +288,33 @@ def test_int4_packing_round_trips_and_bounds_the_error():
     assert decoded.min() == -8 and decoded.max() == 7  # readers accept -8 from other writers
 
 
+def test_int4_rows_decode_to_int8_on_the_kernel_as_on_the_host(sm90_build):
+    """`int4_to_int8` (the Triton decode of int4 all pairs on sm_90) gives `decode_int4`'s values for every
+    byte and a ragged row count; it builds for Hopper."""
+    from maxsim_kernels.maxsim_codes import int4_to_int8
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.randint(0, 256, (131, 64), generator=gen, dtype=torch.int32).to(torch.uint8)
+    codes[0] = torch.arange(64, dtype=torch.int32).to(torch.uint8)
+    codes[1] = torch.arange(192, 256, dtype=torch.int32).to(torch.uint8)
+    out = torch.full((131, 128), 99, dtype=torch.int8, device=device)
+    int4_to_int8(codes.to(device), out)
+    assert torch.equal(out.cpu(), decode_int4(codes))
+    built = sm90_build(
+        """
+from maxsim_kernels import maxsim_codes as m
+sig = {"codes": "*u8", "out": "*i8", "n_rows": "i32", "WIDTH": "constexpr", "BLOCK_ROWS": "constexpr"}
+k = triton.compile(ASTSource(m._int4_to_int8_kernel, sig, dict(WIDTH=64, BLOCK_ROWS=m._DECODE_ROWS)),
+                   target=SM90, options={"num_warps": 4})
+print(json.dumps([resource_usage(k)]))
+"""
+    )
+    assert not built[0] or "LOCAL:0" in built[0], built
+
+
 def test_residual2_packing_keeps_ids_and_buckets():
     gen = torch.Generator().manual_seed(2)
     book, cutoffs = _codebook(8, 300, gen)

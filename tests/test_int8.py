@@ -497,7 +497,7 @@ def test_hopper_kernel_is_not_planned_off_the_gpu() -> None:
     q_off = torch.arange(65, dtype=torch.int64) * 32
     d_off = torch.tensor([0, 500, 1000])
     q8 = torch.zeros(64 * 32, 128, dtype=torch.int8)
-    assert maxsim_int8._hopper_allpairs(q_off, d_off, q8, d8, False) is None
+    assert maxsim_int8.hopper_allpairs(q_off, d_off, q8, d8, False) is None
 
 
 def test_stream_kernel_is_not_planned_off_the_gpu(monkeypatch) -> None:

@@ -51,7 +51,7 @@ def uses_hopper(queries, qo, d8, do, return_argmax: bool = False) -> bool:
     from maxsim_kernels import maxsim_int8
 
     q8 = queries if queries.dtype == torch.int8 else quantize_per_token(queries)[0]
-    return maxsim_int8._hopper_allpairs(qo, do, q8, d8, return_argmax) is not None
+    return maxsim_int8.hopper_allpairs(qo, do, q8, d8, return_argmax) is not None
 
 
 def uses_stream(queries, qo, d8) -> bool:
@@ -236,7 +236,7 @@ def test_hopper_allpairs_against_reference(q_lens, monkeypatch) -> None:
     assert torch.equal(maxsim_varlen_int8(queries, qo_d, d8, do_d, doc_scales=sd), scores)
     from maxsim_kernels import maxsim_int8
 
-    monkeypatch.setattr(maxsim_int8, "_hopper_allpairs", lambda *args: None)
+    monkeypatch.setattr(maxsim_int8, "hopper_allpairs", lambda *args: None)
     triton_scores = maxsim_varlen_int8(queries, qo_d, d8, do_d, doc_scales=sd)  # the Triton tiles
     keep = ~empty.cuda()
     assert ((scores - triton_scores)[:, keep].abs() <= 2 * tol[:, keep]).all()
@@ -562,6 +562,75 @@ def test_hopper_stream_int4_offsets_past_2_31_bytes() -> None:
     cand_off = torch.tensor([0, cand.numel()])
     picked = maxsim_candidates_codes(queries, qo, codes, do_d, cand_off, cand, doc_scales=sd)
     assert torch.equal(picked, scores[0, cand])
+
+
+def int4_allpairs_or_skip(queries, qo, do) -> None:
+    from maxsim_kernels import maxsim_int8
+
+    rows = torch.empty((64, 128), dtype=torch.int8, device="cuda")
+    if maxsim_int8.hopper_allpairs(qo, do, quantize_per_token(queries)[0], rows, False) is None:
+        pytest.skip("the Gluon int8 kernel needs an sm_90 GPU and the Triton release it was built with")
+
+
+def test_int4_all_pairs_are_the_int8_kernel_on_the_decoded_values(monkeypatch) -> None:
+    """int4 all pairs of many queries on sm_90: the documents decoded chunk by chunk (whole documents, a
+    chunk smaller than the corpus here: several chunks, one of empty documents alone) and scored by the
+    Gluon all-pairs kernel of int8: bit for bit `maxsim_varlen_int8` on the decoded values with the
+    same scales, within the float64 bound of them, -inf for empty documents."""
+    from maxsim_kernels import maxsim_codes
+    from maxsim_kernels.maxsim_codes import decode_int4, encode_int4, maxsim_varlen_codes
+
+    gen = torch.Generator().manual_seed(23)
+    docs, do, _, _ = adversarial_docs(gen)
+    lengths = do.diff().tolist()
+    lengths[300:300] = [0] * 40  # a run of empty documents past a chunk's end
+    do = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    do[1:] = torch.tensor(lengths).cumsum(0)
+    codes, scales = encode_int4(docs)
+    values = decode_int4(codes)
+    q_lens = torch.randint(1, 33, (96,), generator=gen).tolist()
+    queries, qo = packed_lengths(q_lens, 128, gen)
+    int4_allpairs_or_skip(queries, qo, do)
+    monkeypatch.setattr(maxsim_codes, "DECODE_CHUNK_BYTES", 128 * 4000)
+    qo_d, do_d = qo.cuda(), do.cuda()
+    scores = maxsim_varlen_codes(queries, qo, codes, do, doc_scales=scales)
+    want = maxsim_varlen_int8(queries, qo, values, do, doc_scales=scales)
+    assert torch.equal(scores, want)
+    empty = (do.diff() == 0).cuda()
+    assert (scores[:, empty] == float("-inf")).all()
+    ref = maxsim_int8_reference(queries, qo_d, values, do_d, doc_scales=scales)
+    tol = score_tolerance(queries, qo_d, values, do_d, scales)
+    assert_scores(scores[:, ~empty], ref[:, ~empty], tol[:, ~empty])
+    # offsets on the device: the same bits; one chunk: the same bits
+    assert torch.equal(maxsim_varlen_codes(queries, qo_d, codes, do_d, doc_scales=scales), scores)
+    monkeypatch.setattr(maxsim_codes, "DECODE_CHUNK_BYTES", 1 << 30)
+    assert torch.equal(maxsim_varlen_codes(queries, qo, codes, do, doc_scales=scales), scores)
+
+
+def test_int4_all_pairs_past_2_31_bytes(monkeypatch) -> None:
+    """int4 all pairs whose codes start beyond 2^31 bytes (33.6 M tokens of 64 bytes), decoded in chunks."""
+    from maxsim_kernels import maxsim_codes
+    from maxsim_kernels.maxsim_codes import decode_int4, maxsim_varlen_codes
+
+    n_tokens = (1 << 31) // 64 + 100_000
+    d8, sd, do, gen = corpus_past_2_31_bytes(64, seed=8, n_tokens=n_tokens)
+    codes = d8.view(torch.uint8)
+    del d8
+    queries = torch.randn(16 * 32, 128, device="cuda", generator=gen)
+    qo = torch.arange(17, dtype=torch.int64) * 32
+    int4_allpairs_or_skip(queries, qo, do)
+    monkeypatch.setattr(maxsim_codes, "DECODE_CHUNK_BYTES", 1 << 30)  # 8M tokens a chunk: five chunks
+    scores = maxsim_varlen_codes(queries, qo, codes, do, doc_scales=sd)
+    tail = 300
+    first_doc = do.numel() - 1 - tail
+    start = int(do[first_doc])
+    assert start * 64 > 2**31
+    values, sub_off = decode_int4(codes[start:]), do[first_doc:] - start
+    want = maxsim_varlen_int8(queries, qo, values, sub_off, doc_scales=sd[start:].contiguous())
+    assert torch.equal(scores[:, first_doc:], want)
+    ref = maxsim_int8_reference(queries, qo.cuda(), values, sub_off.cuda(), doc_scales=sd[start:])
+    tol = score_tolerance(queries, qo.cuda(), values, sub_off.cuda(), sd[start:])
+    assert_scores(scores[:, first_doc:], ref, tol)
 
 
 def device_candidate_batches(n_docs: int, nq: int, seeds, max_count: int = 60):
