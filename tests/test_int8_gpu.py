@@ -574,7 +574,7 @@ def int4_allpairs_or_skip(queries, qo, do) -> None:
 
 def test_int4_all_pairs_are_the_int8_kernel_on_the_decoded_values(monkeypatch) -> None:
     """int4 all pairs of many queries on sm_90: the documents decoded chunk by chunk (whole documents, a
-    chunk smaller than the corpus here: several chunks, one of empty documents alone) and scored by the
+    chunk smaller than the corpus here: ~25 chunks, a run of 40 empty documents among them) and scored by the
     Gluon all-pairs kernel of int8: bit for bit `maxsim_varlen_int8` on the decoded values with the
     same scales, within the float64 bound of them, -inf for empty documents."""
     from maxsim_kernels import maxsim_codes
