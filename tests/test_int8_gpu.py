@@ -537,9 +537,20 @@ def test_hopper_stream_int4_is_the_int8_stream_on_the_decoded_values(q_len: int)
         assert torch.equal(again, picked), cfg
 
 
+def int4_tail_past_2_31(codes: torch.Tensor, do: torch.Tensor, tail: int = 300):
+    """The last ``tail`` documents of int4 ``codes`` (all past 2^31 bytes): (first of them, its first token,
+    their decoded values, their host offsets from 0)."""
+    from maxsim_kernels.maxsim_codes import decode_int4
+
+    first_doc = do.numel() - 1 - tail
+    start = int(do[first_doc])
+    assert start * 64 > 2**31
+    return first_doc, start, decode_int4(codes[start:]), do[first_doc:] - start
+
+
 def test_hopper_stream_int4_offsets_past_2_31_bytes() -> None:
     """int4 codes whose bytes start beyond 2^31 (33.6 M tokens of 64 bytes): one query, and candidates."""
-    from maxsim_kernels.maxsim_codes import decode_int4, maxsim_candidates_codes, maxsim_varlen_codes
+    from maxsim_kernels.maxsim_codes import maxsim_candidates_codes, maxsim_varlen_codes
 
     n_tokens = (1 << 31) // 64 + 100_000
     d8, sd, do, gen = corpus_past_2_31_bytes(64, seed=6, n_tokens=n_tokens)
@@ -550,11 +561,8 @@ def test_hopper_stream_int4_offsets_past_2_31_bytes() -> None:
     int4_stream_or_skip(queries, qo, codes)
     do_d = do.cuda()
     scores = maxsim_varlen_codes(queries, qo, codes, do_d, doc_scales=sd)
-    tail = 300
-    first_doc = do.numel() - 1 - tail
-    start = int(do[first_doc])
-    assert start * 64 > 2**31
-    values, sub_off = decode_int4(codes[start:]), do_d[first_doc:] - start
+    first_doc, start, values, sub_off = int4_tail_past_2_31(codes, do)
+    sub_off = sub_off.cuda()
     ref = maxsim_int8_reference(queries, qo.cuda(), values, sub_off, doc_scales=sd[start:])
     tol = score_tolerance(queries, qo.cuda(), values, sub_off, sd[start:])
     assert_scores(scores[:, first_doc:], ref, tol)
@@ -610,7 +618,7 @@ def test_int4_all_pairs_are_the_int8_kernel_on_the_decoded_values(monkeypatch) -
 def test_int4_all_pairs_past_2_31_bytes(monkeypatch) -> None:
     """int4 all pairs whose codes start beyond 2^31 bytes (33.6 M tokens of 64 bytes), decoded in chunks."""
     from maxsim_kernels import maxsim_codes
-    from maxsim_kernels.maxsim_codes import decode_int4, maxsim_varlen_codes
+    from maxsim_kernels.maxsim_codes import maxsim_varlen_codes
 
     n_tokens = (1 << 31) // 64 + 100_000
     d8, sd, do, gen = corpus_past_2_31_bytes(64, seed=8, n_tokens=n_tokens)
@@ -621,11 +629,7 @@ def test_int4_all_pairs_past_2_31_bytes(monkeypatch) -> None:
     int4_allpairs_or_skip(queries, qo, do)
     monkeypatch.setattr(maxsim_codes, "DECODE_CHUNK_BYTES", 1 << 30)  # 8M tokens a chunk: five chunks
     scores = maxsim_varlen_codes(queries, qo, codes, do, doc_scales=sd)
-    tail = 300
-    first_doc = do.numel() - 1 - tail
-    start = int(do[first_doc])
-    assert start * 64 > 2**31
-    values, sub_off = decode_int4(codes[start:]), do[first_doc:] - start
+    first_doc, start, values, sub_off = int4_tail_past_2_31(codes, do)
     want = maxsim_varlen_int8(queries, qo, values, sub_off, doc_scales=sd[start:].contiguous())
     assert torch.equal(scores[:, first_doc:], want)
     ref = maxsim_int8_reference(queries, qo.cuda(), values, sub_off.cuda(), doc_scales=sd[start:])

@@ -164,28 +164,26 @@ def candidate_scores(
     cand_offsets = torch.from_numpy(np.ascontiguousarray(candidate_offsets, dtype=np.int64))
     cand_docs = torch.from_numpy(local.astype(np.int64, copy=False).reshape(-1))
     doc_offsets = torch.from_numpy(offsets)
+
+    def score(rows_emb: torch.Tensor, rows_scales: torch.Tensor | None) -> np.ndarray:
+        """The one launch over the gathered rows (the queries copied to ``device`` first)."""
+        q_dev, q_scales = device_queries(q_emb, device, scaled)
+        return candidate_scores_on(
+            q_dev, q_offsets, rows_emb, doc_offsets, cand_offsets, cand_docs,
+            backend=backend, doc_scales=rows_scales, query_scales=q_scales,
+        )  # fmt: skip
+
     if device.type != "cuda":  # gathered into plain memory and scored where it is
         out = torch.empty((rows, width), dtype=dtype)
         out_scales = torch.empty(rows, dtype=torch.float32) if scaled else None
         stage_rows(residency, starts, offsets, out, out_scales)
-        q_dev, q_scales = device_queries(q_emb, device, scaled)
-        scores = candidate_scores_on(
-            q_dev, q_offsets, out, doc_offsets, cand_offsets, cand_docs,
-            backend=backend, doc_scales=out_scales, query_scales=q_scales,
-        )  # fmt: skip
-        return scores, nbytes
+        return score(out, out_scales), nbytes
     torch.cuda.set_device(device)  # Triton launches on the calling thread's current device
     staging = staging_of(residency)
     try:
         with staging.lock:
             if staging.mapped(residency) is not None:
-                dev_emb, dev_scales = _gather_on_device(residency, starts, offsets, device)
-                q_dev, q_scales = device_queries(q_emb, device, scaled)
-                scores = candidate_scores_on(
-                    q_dev, q_offsets, dev_emb, doc_offsets, cand_offsets, cand_docs,
-                    backend=backend, doc_scales=dev_scales, query_scales=q_scales,
-                )  # fmt: skip
-                return scores, nbytes
+                return score(*_gather_on_device(residency, starts, offsets, device)), nbytes
             emb_bytes = rows * width * embeddings.element_size()
             scales_at = -(-emb_bytes // 64) * 64  # the scales aligned after the rows
             host = staging.take(scales_at + rows * 4 if scaled else emb_bytes)
@@ -193,7 +191,6 @@ def candidate_scores(
             host_scales = host[scales_at:].view(torch.float32) if scaled else None
             dev_emb = torch.empty((rows, width), dtype=dtype, device=device)
             dev_scales = torch.empty(rows, dtype=torch.float32, device=device) if scaled else None
-            q_dev, q_scales = device_queries(q_emb, device, scaled)
 
             def queue_copy(t0: int, t1: int) -> None:
                 # on the stream the kernel runs on: the launch waits for every piece
@@ -203,14 +200,10 @@ def candidate_scores(
 
             stage_rows(residency, starts, offsets, host_emb, host_scales, queue_copy)
             # its copy back waits for the kernel, and so for every copy out of the staging buffer
-            scores = candidate_scores_on(
-                q_dev, q_offsets, dev_emb, doc_offsets, cand_offsets, cand_docs,
-                backend=backend, doc_scales=dev_scales, query_scales=q_scales,
-            )  # fmt: skip
+            return score(dev_emb, dev_scales), nbytes
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return None
-    return scores, nbytes
 
 
 def _gather_on_device(
