@@ -525,7 +525,7 @@ def two_stage_tier(
 def host_resident_rounds(args, exact, two_stage, stage_split, runs: dict) -> dict:
     """The two-stage calls with the exact tier resident on the host, its rows mapped for the GPU ("cpu")
     and staged by host threads ("cpu_staged"), in alternating rounds: each row's p50 over every round's
-    calls, and the stages' split; the mapping's own time (`HostStaging.map_seconds`)."""
+    calls, and the stages' split; the mapping's own time (`HostMapping.seconds`)."""
     from maxsim_cli.scoring.host_rows import staging_of
 
     calls = max(3, args.repeats // 2)
@@ -567,7 +567,7 @@ def host_resident_rounds(args, exact, two_stage, stage_split, runs: dict) -> dic
         pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
         rows["cpu"]["profile"] = text.getvalue().splitlines()
     rows["cpu"]["mapped"] = mapping is not None
-    rows["cpu"]["map_s"] = staging.map_seconds
+    rows["cpu"]["map_s"] = mapping.seconds if mapping is not None else None
     rows["cpu"]["mapped_bytes"] = mapping.nbytes if mapping is not None else 0
     return rows
 

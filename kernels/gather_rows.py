@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -121,9 +122,10 @@ def gather_rows(
 class HostMapping:
     """Host memory page-locked and mapped into every GPU's address space by `map_host`, until `release`."""
 
-    def __init__(self, spans: list[tuple[int, int]]) -> None:
+    def __init__(self, spans: list[tuple[int, int]], seconds: float = 0.0) -> None:
         self.spans = spans  # (address, bytes) of each registered chunk
         self.nbytes = sum(size for _, size in spans)
+        self.seconds = seconds  # what the page-locking took
         self._lock = threading.Lock()
 
     def release(self) -> None:
@@ -179,6 +181,7 @@ def map_host(tensors: Sequence[torch.Tensor], *, threads: int = REGISTER_THREADS
         if nbytes:
             spans.extend(_chunks(tensor.data_ptr(), nbytes, REGISTER_CHUNK_BYTES))
     cudart = torch.cuda.cudart()
+    began = time.perf_counter()
 
     def register(span: tuple[int, int]) -> bool:
         address, size = span
@@ -186,7 +189,8 @@ def map_host(tensors: Sequence[torch.Tensor], *, threads: int = REGISTER_THREADS
 
     with ThreadPoolExecutor(max(1, min(threads, len(spans)))) as pool:
         done = list(pool.map(register, spans))
-    mapping = HostMapping([span for span, ok in zip(spans, done, strict=True) if ok])
+    registered = [span for span, ok in zip(spans, done, strict=True) if ok]
+    mapping = HostMapping(registered, time.perf_counter() - began)
     if not all(done) or not all(_mapped_at_host_address(address) for address, _ in spans):
         mapping.release()
         return None

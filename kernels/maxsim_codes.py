@@ -462,7 +462,7 @@ def _code_tile(
         # int4: byte m holds value 2m in its low nibble and 2m + 1 in its high one (two's complement)
         m_ok = m < dim // 2
         packed = tl.load(row_start[:, None] + m[None, :], mask=col_ok[:, None] & m_ok[None, :], other=0)
-        low, high = _int4_nibbles(packed, ASM)
+        low, high = _int4_nibbles(packed, False)
         s = tl.load(d_scale_ptr + cols, mask=col_ok, other=1.0)
         if DOC_MAJOR:
             acc = tl.zeros([BLOCK_D, BLOCK_Q], tl.int32)
@@ -1376,7 +1376,9 @@ def _int4_stream(
 
 
 # int4 all pairs on sm_90 (`_int4_decoded_allpairs`): documents decoded to int8 rows a chunk of at most this
-# many bytes at a time, each chunk scored by the Gluon all-pairs kernel of int8.
+# many bytes at a time, each chunk scored by the Gluon all-pairs kernel of int8. A bound on the scratch
+# memory, not a tuned size: 512 x 50K (8.0M tokens, four chunks) ran at the int8 rate with it
+# (benchmarks/results/codes/codes-allpairs-h100-9e378c2.json).
 DECODE_CHUNK_BYTES = 256 << 20
 _DECODE_ROWS = 64  # rows a program of `_int4_to_int8_kernel`
 
@@ -1384,14 +1386,14 @@ _DECODE_ROWS = 64  # rows a program of `_int4_to_int8_kernel`
 @triton.jit
 def _int4_to_int8_kernel(codes, out, n_rows, WIDTH: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     """Rows of int4 codes [n_rows, WIDTH] (value 2m in byte m's low nibble, 2m + 1 in its high one) to
-    int8 values [n_rows, 2 * WIDTH]."""
+    int8 values [n_rows, 2 * WIDTH]: the scan kernels' unpacking (`_int4_nibbles`, its tl ops: the decode
+    is ~1% of an all-pairs call), values interleaved."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     keep = rows[:, None] < n_rows
     row_at = rows.to(tl.int64)[:, None]
-    b = tl.load(codes + row_at * WIDTH + tl.arange(0, WIDTH)[None, :], mask=keep, other=0).to(tl.int32)
-    low = ((b & 15) ^ 8) - 8
-    high = ((b >> 4) ^ 8) - 8
-    values = tl.interleave(low, high).to(tl.int8)
+    packed = tl.load(codes + row_at * WIDTH + tl.arange(0, WIDTH)[None, :], mask=keep, other=0)
+    low, high = _int4_nibbles(packed, False)
+    values = tl.interleave(low, high)
     tl.store(out + row_at * (2 * WIDTH) + tl.arange(0, 2 * WIDTH)[None, :], values, mask=keep)
 
 
@@ -1439,25 +1441,25 @@ def _int4_decoded_allpairs(
     longest = int(np.diff(d_host).max())
     chunk = min(total, max(DECODE_CHUNK_BYTES // 128, longest))
     rows = torch.empty((chunk, 128), dtype=torch.int8, device=codes.device)
-    nq = q_off.numel() - 1
-    out = torch.empty((nq, nd), dtype=torch.float32, device=codes.device)
+    out = None  # [nq, nd], made only when the documents take several chunks
     first = 0
     while first < nd:
         t0 = int(d_host[first])
         stop = max(int(np.searchsorted(d_host, t0 + chunk, side="right")) - 1, first + 1)
         t1 = int(d_host[stop])
-        if t1 == t0:  # documents with no tokens
-            out[:, first:stop] = float("-inf")
-        else:
+        part = None  # documents with no tokens: -inf
+        if t1 > t0:
             int4_to_int8(codes[t0:t1], rows[: t1 - t0])
             offsets = torch.from_numpy(np.ascontiguousarray(d_host[first : stop + 1] - t0))
             part = launch_hopper(
-                hopper, given_q_off, offsets, q_off, offsets.to(codes.device, non_blocking=True),
+                hopper, given_q_off, offsets, q_off, offsets.to(codes.device),
                 q8, sq, rows[: t1 - t0], sd[t0:t1],
             )  # fmt: skip
-            if first == 0 and stop == nd:
+            if first == 0 and stop == nd:  # one chunk (it has tokens: `total`): the answer as it is
                 return part
-            out[:, first:stop] = part
+        if out is None:
+            out = torch.empty((q_off.numel() - 1, nd), dtype=torch.float32, device=codes.device)
+        out[:, first:stop] = float("-inf") if part is None else part
         first = stop
     return out
 

@@ -315,8 +315,8 @@ def test_int4_rows_decode_to_int8_on_the_kernel_as_on_the_host(sm90_build):
         """
 from maxsim_kernels import maxsim_codes as m
 sig = {"codes": "*u8", "out": "*i8", "n_rows": "i32", "WIDTH": "constexpr", "BLOCK_ROWS": "constexpr"}
-k = triton.compile(ASTSource(m._int4_to_int8_kernel, sig, dict(WIDTH=64, BLOCK_ROWS=m._DECODE_ROWS)),
-                   target=SM90, options={"num_warps": 4})
+const = dict(WIDTH=64, BLOCK_ROWS=m._DECODE_ROWS)
+k = triton.compile(ASTSource(m._int4_to_int8_kernel, sig, const), target=SM90, options={"num_warps": 4})
 print(json.dumps([resource_usage(k)]))
 """
     )

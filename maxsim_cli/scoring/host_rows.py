@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -99,7 +98,6 @@ class HostStaging:
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self.mapping: HostMapping | None = None
         self.map_tried = False
-        self.map_seconds = 0.0
 
     def take(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` page-locked bytes (uint8): the kept buffer, grown first if it is smaller (to a power of
@@ -119,9 +117,7 @@ class HostStaging:
                 from maxsim_kernels.gather_rows import map_host
 
                 tensors = [t for t in (residency.embeddings, residency.scales) if t is not None]
-                began = time.perf_counter()
                 self.mapping = map_host(tensors)
-                self.map_seconds = time.perf_counter() - began
                 if self.mapping is not None:
                     # unlocked when this object goes (with its residency, whose tensors it keeps until then)
                     weakref.finalize(self, self.mapping.release).atexit = False

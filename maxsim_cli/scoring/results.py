@@ -185,6 +185,12 @@ def locate_candidates(
     )
 
 
+def ids_by_ordinal(corpus: Corpus) -> Any:
+    """The corpus's ids as one Arrow array in ordinal order (one shard's own array, else `Corpus.id_order`'s,
+    made once)."""
+    return corpus.id_order()[0] if len(corpus.shards) > 1 else corpus.shards[0].id_array
+
+
 def _located_by_ordinals(
     corpus: Corpus, run: dict[str, Any], query_of: np.ndarray
 ) -> LocatedCandidates:
@@ -195,7 +201,7 @@ def _located_by_ordinals(
     rows = list(run.values())
     counts = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     pair_doc = np.concatenate([r.ordinals for r in rows]).astype(np.int64, copy=False)
-    ids = corpus.id_order()[0] if len(corpus.shards) > 1 else corpus.shards[0].id_array
+    ids = ids_by_ordinal(corpus)
     docnos_of = dict(zip(query_of.tolist(), (r.docnos for r in rows), strict=True))
     pair_docnos = ids.take(values_array(pair_doc))
     return LocatedCandidates(np.repeat(query_of, counts), pair_doc, docnos_of, 0, pair_docnos=pair_docnos)
@@ -236,7 +242,7 @@ def subset_candidates(corpus: Corpus, disallowed: np.ndarray, num_queries: int) 
     """Every document a filter allows as every query's candidates (a filtered search of few documents:
     `maxsim_cli.scoring.filters.use_subset`), in corpus order."""
     allowed = np.flatnonzero(~disallowed).astype(np.int64)
-    ids = corpus.id_order()[0] if len(corpus.shards) > 1 else corpus.shards[0].id_array
+    ids = ids_by_ordinal(corpus)
     docnos = ids.take(allowed).to_pylist() if len(allowed) else []
     pair_query = np.repeat(np.arange(num_queries, dtype=np.int64), len(allowed))
     pair_doc = np.tile(allowed, num_queries)

@@ -88,12 +88,11 @@ class ScanCandidates:
         if not self._ordinals:
             return self._rows
         from maxsim_cli.arrays import values_array
-        from maxsim_cli.scoring.results import DocnoRows
+        from maxsim_cli.scoring.results import DocnoRows, ids_by_ordinal
 
         ordinals = np.concatenate(self._ordinals, axis=0) if len(self._ordinals) > 1 else self._ordinals[0]
-        ids = corpus.id_order()[0] if len(corpus.shards) > 1 else corpus.shards[0].id_array
         m = ordinals.shape[1]
-        docnos = ids.take(values_array(ordinals.reshape(-1))).to_pylist()
+        docnos = ids_by_ordinal(corpus).take(values_array(ordinals.reshape(-1))).to_pylist()
         return {
             qid: DocnoRows(docnos[i * m : (i + 1) * m], ordinals=ordinals[i])
             for i, qid in enumerate(self.qids[: ordinals.shape[0]])
