@@ -403,3 +403,21 @@ print(json.dumps(out))
     loads, stores, _usage = built["64 False"]
     assert loads > 0 and stores > 0, built
     assert all(not usage or "LOCAL:0" in usage for _, _, usage in built.values()), built
+
+
+def test_gather_rows_refuses_rows_of_another_shape_or_dtype():
+    """The gathering launcher's arguments are checked before any launch: one-line ValueErrors."""
+    from maxsim_kernels.gather_rows import gather_rows, map_host
+    from maxsim_kernels.maxsim_codes import int4_to_int8
+
+    index = torch.zeros(2, dtype=torch.int64)
+    src = torch.zeros(4, 8, dtype=torch.float16)
+    for out in (torch.zeros(4, 8, dtype=torch.float32), torch.zeros(4, 6, dtype=torch.float16)):
+        with pytest.raises(ValueError, match="one width and dtype"):
+            gather_rows(src, index[:1], index, out, max_rows=1)
+    with pytest.raises(ValueError, match="contiguous"):
+        gather_rows(torch.zeros(8, 4, dtype=torch.float16).t(), index[:1], index, src, max_rows=1)
+    with pytest.raises(ValueError, match="contiguous CPU tensors"):
+        map_host([src.t()])
+    with pytest.raises(ValueError, match="out must be int8"):
+        int4_to_int8(torch.zeros(3, 4, dtype=torch.uint8), torch.zeros(3, 8, dtype=torch.int16))
