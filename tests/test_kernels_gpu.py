@@ -335,14 +335,18 @@ def test_repeated_calls_through_the_compiled_launcher_agree():
             first_parts = first if isinstance(first, tuple) else (first,)
             again_parts = again if isinstance(again, tuple) else (again,)
             assert all(torch.equal(a, b) for a, b in zip(first_parts, again_parts, strict=True))
-    plans = [entry[1] for entry in _pairs(d_off).values()]
+    plans = _plans(d_off)
     assert plans and all(plan.launch.runner is not None for plan in plans)
 
 
-def _pairs(offsets):
+def _plans(offsets):
+    """The launch plans remembered on ``offsets``: per partner tensor, and by a few host query offsets'
+    values (`memo_plan`)."""
     from maxsim_kernels import validation as v
 
-    return v._MEMO[id(offsets)][2]["pairs"]
+    memos = v._MEMO[id(offsets)][2]
+    by_tensor = [entry[1] for entry in memos.get("pairs", {}).values()]
+    return by_tensor + list(memos.get("plans by query offsets", {}).values())
 
 
 @pytest.mark.gpu
