@@ -469,3 +469,108 @@ def test_bad_device_candidate_indices_score_nan(dtype, q_lens):
             assert torch.equal(got_arg[~bad], want_arg[~bad])
         assert torch.equal(torch.isnan(got), bad)
         assert torch.equal(got[~bad], want[~bad])
+
+
+def float_stream_or_skip(queries, q_off, docs) -> None:
+    from maxsim_kernels import maxsim_forward as fwd
+    from maxsim_kernels.validation import check_inputs
+
+    layout = check_inputs(queries, q_off, docs, torch.tensor([0, docs.shape[0]]))
+    if fwd._float_stream(docs, layout, False) is None:
+        pytest.skip("the Gluon stream kernel needs an sm_90 GPU and the Triton release it was built for")
+
+
+def adversarial_float_docs(dtype, gen, cpu_gen):
+    """Ragged documents: empty ones, one token, tiles that end exactly at a document's end or one token
+    past or short of it, runs of short documents, the first half negated (negative similarities) and an
+    exact tie inside a document."""
+    lens = [0, 1, 63, 64, 65, 128, 129, 300, 7, 0, 2, 0]
+    lens += torch.randint(0, 301, (600,), generator=cpu_gen).tolist()
+    lens += torch.randint(1, 65, (300,), generator=cpu_gen).tolist()
+    docs, d_off = packed(lens, 128, dtype, gen)
+    docs[: docs.shape[0] // 2] *= -1
+    docs[int(d_off[20]) + 1] = docs[int(d_off[20])]
+    return docs, d_off
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("q_len", [1, 13, 16, 17, 32, 33, 64])
+def test_float_stream_one_query_is_the_triton_kernel(dtype, q_len, monkeypatch):
+    """One fp16 / bf16 query against every document on the Gluon stream kernel: the Triton kernel's scores
+    bit for bit (the same products, maxima and pairwise sum), -inf for empty documents, within the float64
+    bound; the same bits for every ring depth, unroll and documents a program."""
+    from maxsim_kernels import maxsim_forward as fwd
+    from maxsim_kernels import maxsim_int8_hopper_stream as stream
+
+    gen = torch.Generator(device=CUDA).manual_seed(q_len)
+    cpu_gen = torch.Generator().manual_seed(q_len)
+    docs, d_off = adversarial_float_docs(dtype, gen, cpu_gen)
+    queries, q_off = packed([q_len], 128, dtype, gen)
+    float_stream_or_skip(queries, q_off, docs)
+    scores = maxsim_varlen(queries, q_off, docs, d_off)
+    monkeypatch.setattr(fwd, "FLOAT_STREAM", False)
+    want = maxsim_varlen(queries, q_off.clone(), docs, d_off.clone())
+    assert torch.equal(scores, want)
+    ref = maxsim_reference(queries, q_off, docs, d_off)
+    assert_close(scores, ref, [q_len], 128)
+    q_dev, d_dev = q_off.to(CUDA), d_off.to(CUDA)
+    for cfg in (dict(items_per_prog=1), dict(items_per_prog=64, stages=2, group=2),
+                dict(items_per_prog=8, stages=4, group=4)):  # fmt: skip
+        again = stream.stream_with_tiles(queries, None, q_dev, None, None, docs, None, d_dev, q_len, **cfg)
+        assert torch.equal(again, scores[0]), cfg
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_float_stream_candidates_are_the_triton_kernel(dtype, monkeypatch):
+    """Each query against its own candidates on the Gluon stream kernel: ragged query lengths (1..64),
+    ragged candidate counts (none, one, lists that start inside another query's run of items), repeated
+    and empty documents, candidates on the host and on the GPU: the Triton kernel's bits; through
+    `ResidentCandidates` as well."""
+    import numpy as np
+    from maxsim_kernels import maxsim_forward as fwd
+
+    gen = torch.Generator(device=CUDA).manual_seed(5)
+    cpu_gen = torch.Generator().manual_seed(5)
+    docs, d_off = adversarial_float_docs(dtype, gen, cpu_gen)
+    nd = d_off.numel() - 1
+    q_lens = [1, 64, 32, 17, 5, 33, 32, 2] + torch.randint(1, 65, (12,), generator=cpu_gen).tolist()
+    queries, q_off = packed(q_lens, 128, dtype, gen)
+    counts = torch.randint(0, 90, (len(q_lens),), generator=cpu_gen)
+    counts[:4] = torch.tensor([0, 1, 16, 0])
+    c_off = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
+    c_off[1:] = counts.cumsum(0)
+    cand = torch.randint(0, nd, (int(c_off[-1]),), generator=cpu_gen)
+    cand[:3] = torch.tensor([0, 0, 1])  # an empty document, twice, and a one-token one
+    float_stream_or_skip(queries, q_off, docs)
+    got = [maxsim_candidates(queries, q_off, docs, d_off, c_off, c) for c in (cand, cand.to(CUDA))]
+    staged = fwd.ResidentCandidates(docs, d_off.to(CUDA))
+    assert staged._stream is not None
+    resident = staged(queries.cpu(), q_off.numpy(), c_off.numpy(), cand.numpy())
+    monkeypatch.setattr(fwd, "FLOAT_STREAM", False)
+    want = maxsim_candidates(queries, q_off.clone(), docs, d_off.clone(), c_off.clone(), cand)
+    assert torch.equal(got[0], want) and torch.equal(got[1], want)
+    assert np.array_equal(resident, want.cpu().numpy())
+    assert (want[(d_off.diff() == 0)[cand].to(CUDA)] == float("-inf")).all()
+
+
+def test_float_stream_past_2_pow_31_elements(monkeypatch):
+    """fp16 documents whose elements start past 2^31, one query and candidates there: the Triton kernel's
+    bits."""
+    from maxsim_kernels import maxsim_forward as fwd
+
+    dim, tail = 128, 200
+    n_tok = 2**31 // dim + 4000
+    docs = torch.empty(n_tok, dim, dtype=torch.float16, device=CUDA)
+    gen = torch.Generator(device=CUDA).manual_seed(9)
+    docs[-5000:] = torch.randn(5000, dim, device=CUDA, generator=gen).half()
+    d_off = torch.cat([torch.tensor([0, n_tok - 5000]), n_tok - 5000 + torch.arange(1, tail + 1) * 25])
+    queries, q_off = packed([32], dim, torch.float16, gen)
+    float_stream_or_skip(queries, q_off, docs)
+    cand = torch.arange(tail, 0, -1)
+    c_off = torch.tensor([0, tail])
+    scores = maxsim_varlen(queries, q_off, docs[: int(d_off[-1])], d_off)
+    picked = maxsim_candidates(queries, q_off, docs, d_off, c_off, cand)
+    monkeypatch.setattr(fwd, "FLOAT_STREAM", False)
+    assert torch.equal(picked, maxsim_candidates(queries, q_off.clone(), docs, d_off.clone(), c_off, cand))
+    assert torch.equal(picked, scores[0, cand.to(CUDA)])
+    assert bool(torch.isfinite(picked).all())
