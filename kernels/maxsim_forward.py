@@ -514,11 +514,6 @@ _ARGMAX_TUNING: dict[str, KernelConfig] = {
 # rotated 0.672 / 0.679 (docs/kernel-notes.md, "Rerank: candidates in order").
 _ROTATE_CANDIDATES = False
 _MIN_ROWS = 16  # tl.dot needs M, N, K >= 16
-# fp16 / bf16 one query against every document, and candidates, scores only, on an sm_90 GPU: the Gluon
-# stream kernel of `maxsim_int8_hopper_stream` (the same bits as these kernels). Off: on one H100 it is
-# slower than these kernels, rerank 1.004 ms against 0.943 and one query 1.310 against 1.287
-# (benchmarks/bench_float_stream.py, results/kernels/fp16-stream-h100.json).
-FLOAT_STREAM = False
 
 
 def _precision(dtype: torch.dtype, allow_tf32: bool) -> str:
@@ -640,33 +635,8 @@ class _Plan:
     argmax_shape: tuple[int, ...]
     argmax_dtype: torch.dtype
     argmax_fill: int | None  # the argmax's initial value (None: every entry is written)
-    launch: KernelLaunch | _StreamLaunch | None  # None: nothing to score
+    launch: KernelLaunch | None  # None: nothing to score
     ints: tuple[int, ...]  # the kernel's runtime int arguments
-
-
-class _StreamLaunch:
-    """A plan's launch on the Gluon stream kernel (`maxsim_int8_hopper_stream`, fp16 / bf16 values), called
-    as `_finish` calls the Triton launches: (queries, query offsets, docs, doc offsets[, candidate offsets,
-    candidates], scores, scores). The scores are the Triton kernels' bit for bit (`maxsim_float_stream`)."""
-
-    def __init__(self, module: Any, max_query_len: int) -> None:
-        self.module, self.max_query_len = module, max_query_len
-
-    def __call__(self, queries: torch.Tensor, q_off: torch.Tensor, docs: torch.Tensor, d_off: torch.Tensor,
-                 *rest: torch.Tensor) -> None:  # fmt: skip
-        c_off, cands = rest[:2] if len(rest) == 4 else (None, None)
-        self.module.stream_with_tiles(
-            queries, None, q_off, c_off, cands, docs, None, d_off, self.max_query_len, out=rest[-2].view(-1)
-        )
-
-
-def _float_stream(docs: torch.Tensor, layout: Layout, return_argmax: bool) -> Any:
-    """The Gluon stream module where it takes an fp16 / bf16 problem (sm_90, dim 128, queries of 1 to 64
-    tokens, scores only; `maxsim_int8_hopper_stream.supports`), else None."""
-    if return_argmax or docs.dtype not in (torch.float16, torch.bfloat16) or not FLOAT_STREAM:
-        return None
-    stream = gluon_module("maxsim_int8_hopper_stream", docs.device)
-    return stream if stream is not None and stream.supports(layout.q_lens, docs, False) else None
 
 
 def _finish(
@@ -787,10 +757,7 @@ def _varlen_plan(
         if cls == "long" and config is None and rows == 128
         else None
     )
-    stream = _float_stream(docs, layout, return_argmax) if nq == 1 and config is None else None
-    if nd and stream is not None:  # one query, scores only, on Hopper: the stream kernel
-        launch, ints, num_chunks = _StreamLaunch(stream, layout.max_query_len), (), 1
-    elif nq and nd and hopper is not None:  # long queries, scores only, on Hopper: maxsim_forward_hopper
+    if nq and nd and hopper is not None:  # long queries, scores only, on Hopper: maxsim_forward_hopper
         docs_per_prog = hopper_docs_per_program(hopper, num_blocks, nd, device)
         launch = hopper.LongLaunch((num_blocks * cdiv(nd, docs_per_prog),))
         ints = (nq, nd, num_chunks, docs_per_prog, queries.stride(0))
@@ -888,12 +855,6 @@ class ResidentCandidates:
         self.num_docs, self.dim = doc_offsets.numel() - 1, docs.shape[1]
         self._lock = threading.Lock()
         self._launches: dict[int, SpecialisedLaunch] = {}  # per ROWS
-        # fp16 / bf16 on an sm_90 GPU: the Gluon stream kernel, where it takes a call's queries
-        self._stream = (
-            gluon_module("maxsim_int8_hopper_stream", docs.device)
-            if FLOAT_STREAM and docs.dtype in (torch.float16, torch.bfloat16)
-            else None
-        )
         self._host = self._dev = torch.empty(0, dtype=torch.uint8)
         self._scores = self._scores_host = torch.empty(0, dtype=torch.float32)
 
@@ -925,19 +886,13 @@ class ResidentCandidates:
         max_len = int(query_lengths.max())
         if max_len > 128 or int(query_lengths.min()) < 1:
             return None
-        stream = self._stream if self._stream is not None and self._stream.supports(
-            query_lengths, self.docs, False) else None  # fmt: skip
-        if stream is None:
-            launch = self._launch(max_len)
-            blocks = _candidate_blocks(candidate_offsets, launch.meta["CANDS_PER_PROG"])
-            parts = (query_offsets, candidate_docs, *blocks)
-        else:  # the stream kernel reads each query's candidates through their offsets
-            parts = (query_offsets, candidate_docs, candidate_offsets)
+        launch = self._launch(max_len)
+        blocks = _candidate_blocks(candidate_offsets, launch.meta["CANDS_PER_PROG"])
+        num_blocks = len(blocks[0])
         # the buffer: queries (the documents' dtype), then int64 query offsets, candidates and the
-        # program table (or the candidate offsets), each part at a 16-byte boundary (Triton specialises
-        # pointers on it)
+        # program table, each part at a 16-byte boundary (Triton specialises pointers on it)
         q_bytes = cdiv(queries.shape[0] * self.dim * self.docs.element_size(), 16) * 16
-        ints = tuple(len(part) for part in parts)
+        ints = (num_q + 1, num_c, num_blocks, num_blocks, num_blocks)
         starts = [q_bytes]
         for n in ints:
             starts.append(starts[-1] + cdiv(8 * n, 16) * 16)
@@ -946,7 +901,7 @@ class ResidentCandidates:
             numel = queries.numel()
             self._host_q[:numel].view(queries.shape).copy_(queries)
             host = self._host_np
-            for part, at in zip(parts, starts[:-1], strict=True):
+            for part, at in zip((query_offsets, candidate_docs, *blocks), starts[:-1], strict=True):
                 host[at // 8 : at // 8 + len(part)] = part
             if self._dev is not self._host:
                 self._dev[: starts[-1]].copy_(self._host[: starts[-1]], non_blocking=True)
@@ -956,15 +911,11 @@ class ResidentCandidates:
             q_dev = self._dev_q[:numel].view(queries.shape)
             scores = self._scores[:num_c]
             try:
-                if stream is not None:
-                    stream.stream_with_tiles(q_dev, None, views[0], views[2], views[1], self.docs, None,
-                                             self.doc_offsets, max_len, out=scores)  # fmt: skip
-                else:
-                    launch(
-                        (ints[2],), q_dev, views[0], self.docs, self.doc_offsets, views[1], views[2],
-                        views[3], views[4], scores, scores,
-                        num_q, num_c, 1, self.num_docs, self.dim, self.dim, self.docs.stride(0), max_len,
-                    )  # fmt: skip
+                launch(
+                    (num_blocks,), q_dev, views[0], self.docs, self.doc_offsets, views[1], views[2], views[3],
+                    views[4], scores, scores,
+                    num_q, num_c, 1, self.num_docs, self.dim, self.dim, self.docs.stride(0), max_len,
+                )  # fmt: skip
                 if self._scores_host is self._scores:
                     return scores.numpy().copy()
                 self._scores_host[:num_c].copy_(scores, non_blocking=True)
@@ -1061,12 +1012,7 @@ def _candidates_plan(
     argmax_dtype = _argmax_dtype(argmax_dtype, layout) if return_argmax else torch.int32
     q_off, d_off = on_device(query_offsets, device), on_device(doc_offsets, device)
     launch, tensors, ints = None, (q_off, d_off), ()
-    stream = _float_stream(docs, layout, return_argmax) if config is None else None
-    if num_c and stream is not None:  # scores only, on Hopper: the stream kernel
-        num_chunks = 1
-        launch = _StreamLaunch(stream, layout.max_query_len)
-        tensors = (q_off, d_off, on_device(candidate_offsets, device), on_device(candidate_docs, device))
-    elif num_c:
+    if num_c:
         blocks = memo(
             candidate_offsets,
             ("blocks", cfg.docs_per_prog, str(device)),

@@ -1,6 +1,5 @@
-"""INT8 x INT8 MaxSim on Hopper (sm_90), in Gluon, for the shapes bound by HBM (and the same kernel for
-int4 codes and for fp16 / bf16 values): one query against many documents, and each query against its own
-candidates (reranking). Document-major tiles: each 64-token
+"""INT8 x INT8 MaxSim on Hopper (sm_90), in Gluon, for the shapes bound by HBM: one query against many
+documents, and each query against its own candidates (reranking). Document-major tiles: each 64-token
 int8 tile, brought by TMA through a deep ring, is the first operand of a warpgroup MMA from shared memory
 against the query held in shared memory, while the previous tile's products are scaled and folded.
 
@@ -28,14 +27,6 @@ summed after its last tile (`_deferred_scores`; the sums in another order than t
 Bound (H100, 3.35 TB/s): 68 bytes a token, 1.09 GB for one query x 100K documents of 20-300 tokens, 0.33
 ms; a tile brings 4 KB, so an SM takes one in every ~300 clocks at the bound. Measured 0.475 ms against
 the Triton scan's 0.684 and fp16's 1.309 (docs/kernel-notes.md, "4-bit on the Gluon stream kernel").
-
-fp16 / bf16 values (FLOAT; `maxsim_float_stream`, the kernel of `maxsim_forward` for one query and for
-candidates on sm_90): a tile is 64 rows of 128 values (16 KB), the query fp16 / bf16 in shared memory,
-the product fp32 on wgmma (k = 16 an instruction, the order of the Triton kernels' `tl.dot`), no scales
-(rows past a document get NaN in place of a scale, the rest 1: the product with 1 is exact). A document's
-score adds its rows' maxima in the fixed pairwise tree of `maxsim_forward._query_sums` (`_pairwise_sum`),
-so the scores are the Triton kernels' bit for bit. Bound (H100, 3.35 TB/s): 256 bytes a token, 4.1 GB for
-one query x 100K documents, 1.22 ms; rerank 64 x 1000 x 180 tokens 2.95 GB, 0.88 ms.
 
 Work items. The items are the entries of a flat list: the candidates (item c scores query owner(c) against
 document candidate_docs[c]), or for one query all documents (item c is document c). A program takes up to
@@ -145,9 +136,6 @@ INT8_TILES = Tuning(STAGES, GROUP, ITEMS_ONE_QUERY, ITEMS_CANDIDATES, REGISTERS)
 # programs) 0.688 and 96 (spills) 0.936: the scan is bound by the latency of each program's chain of a
 # tile (load into registers, unpack, two products, fold), so programs an SM count, the ring's depth not.
 INT4_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (128, 128), 64: (168, 168)})
-# fp16 / bf16: a tile is 16 KB, so a ring of 3 and the query (8 KB at N = 32) keep four programs an SM in
-# shared memory. Untuned first choice.
-FLOAT_TILES = Tuning(3, 2, 32, 16, {16: (128, 128), 32: (128, 128), 64: (168, 168)})
 
 
 @gluon.jit
@@ -220,25 +208,9 @@ def _cursor_next(c, tok, end, n_start, n_end, n_doc, c_last, cand_ptr, off_ptr, 
 
 
 @gluon.jit
-def _tile_scales(sd_ptr, tok, end, rows, FLOAT: gl.constexpr):
-    """The tile's token scales in the accumulator's row layout, NaN past the document (FLOAT: 1 in it,
-    nothing loaded; the product with 1 is exact)."""
-    if FLOAT:
-        return gl.where(tok + rows < end, 1.0, float("nan"))
-    else:
-        return gl.load(sd_ptr + tok + rows, mask=tok + rows < end, other=float("nan"))
-
-
-@gluon.jit
-def _pairwise_sum(x, N: gl.constexpr):
-    """The sum of [N] values (N a power of two) in `_query_sums`' fixed pairwise tree (`maxsim_forward`):
-    values 2i and 2i + 1, then the pairs of pairs. A float score is then the bits of the Triton kernels'
-    (the same maxima, added in the same order), whatever the program's layout."""
-    x = gl.convert_layout(x, gl.BlockedLayout([N], [32], [_WARPS], [0]))
-    for _ in gl.static_range(N.bit_length() - 1):
-        left, right = gl.split(gl.reshape(x, [x.shape[0] // 2, 2]))
-        x = left + right
-    return gl.sum(x, axis=0)
+def _tile_scales(sd_ptr, tok, end, rows):
+    """The tile's token scales in the accumulator's row layout, NaN past the document."""
+    return gl.load(sd_ptr + tok + rows, mask=tok + rows < end, other=float("nan"))
 
 
 @gluon.jit
@@ -267,7 +239,7 @@ def _retire(acc, x, tiles, total, run, sc, last, item, qs, q_ok, out_ptr,
             pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
             c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad, partial, c_first,
             IDENTITY: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr,
-            STAGES: gl.constexpr, DEFER: gl.constexpr, FLOAT: gl.constexpr):  # fmt: skip
+            STAGES: gl.constexpr, DEFER: gl.constexpr):  # fmt: skip
     """Tile x's product is done: refill its ring slot with tile x + STAGES (the ring cursor p's tile),
     fold tile x (scales `sc`, item `item`, `last` if it ends the item) into the running maxima `run`,
     storing the item's score at its end (NaN for a bad index), and load the scales of tile x + 2 (the
@@ -290,16 +262,13 @@ def _retire(acc, x, tiles, total, run, sc, last, item, qs, q_ok, out_ptr,
                 partial.index(item - c_first).store(by_warp)
             else:
                 best = gl.max(run, axis=0)
-                if FLOAT:
-                    score = _pairwise_sum(gl.where(q_ok, best, 0.0), run.shape[1])
-                else:
-                    score = gl.sum(gl.where(q_ok, qs * best, 0.0), axis=0)
+                score = gl.sum(gl.where(q_ok, qs * best, 0.0), axis=0)
                 if not IDENTITY:
                     score = gl.where(_is_bad(bad, item, ITEMS), float("nan"), score)
                 gl.store(out_ptr + item, score)
             run = gl.full(run.shape, float("-inf"), gl.float32, run.type.layout)
     # the scales of tile x + 2, and its place in the walk
-    sc_new = _tile_scales(sd_ptr, s_tok, s_end, rows, FLOAT)
+    sc_new = _tile_scales(sd_ptr, s_tok, s_end, rows)
     last_new = s_tok + BLOCK_T >= s_end
     item_new = s_c
     s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_next(s_c, s_tok, s_end, s_ns, s_ne, s_nd, c_last, cand_ptr,
@@ -335,14 +304,12 @@ def _int8_stream_kernel(
     n_queries, n_items, n_chunks, n_docs, stride_q,
     DIM: gl.constexpr, N: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
     GROUP: gl.constexpr, IDENTITY: gl.constexpr, PACKED: gl.constexpr, DEFER: gl.constexpr,
-    FLOAT: gl.constexpr,
 ):  # fmt: skip
     """Scores of a run of items (see the module docstring): q int8 [Tq, DIM], qs fp32 [Tq], q_off [nq + 1],
     cand_off [nq + 1] (the items of each query) and cand int64 [n_items], both unused with IDENTITY (one
     query, item c is document c), off int64 [nd + 1], d_desc the int8 documents [Td, DIM] in [BLOCK_T,
-    DIM] tiles (PACKED: int4 codes, uint8 [Td, DIM / 2] in [BLOCK_T, DIM / 2] tiles; FLOAT: fp16 or bf16
-    queries and documents, qs and sd not read), sd fp32 [Td], out fp32 [n_items], n_docs the number of
-    documents (nd). A candidate index
+    DIM] tiles (PACKED: int4 codes, uint8 [Td, DIM / 2] in [BLOCK_T, DIM / 2] tiles), sd fp32 [Td], out
+    fp32 [n_items], n_docs the number of documents (nd). A candidate index
     outside [0, n_docs) is never read through: its item is walked as an empty document and scored NaN
     (the run's bad items, found once when its length is counted, are the bits of `bad`)."""
     pid = gl.program_id(0)
@@ -361,9 +328,8 @@ def _int8_stream_kernel(
         q_end = gl.load(cand_off_ptr + query + 1).to(gl.int32)
         c_last = gl.minimum(q_end, gl.cdiv(c_first, ITEMS) * ITEMS)
     if c_first < c_last:
-        # wgmma's K a instruction: 32 int8 values, 16 fp16 / bf16 ones
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16 if FLOAT else 32]
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 32]
         )
         row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
@@ -386,18 +352,14 @@ def _int8_stream_kernel(
             q_hi_smem.store(gl.load(q_row_ptr + 2 * k[None, :] + 1, mask=q_in, other=0))
         else:
             k = gl.arange(0, DIM, layout=gl.SliceLayout(0, ld_layout))
-            q_type: gl.constexpr = d_desc.dtype
             q_smem = gl.allocate_shared_memory(
-                q_type, [N, DIM], gl.NVMMASharedLayout.get_default_for([N, DIM], q_type)
+                gl.int8, [N, DIM], gl.NVMMASharedLayout.get_default_for([N, DIM], gl.int8)
             )
             q_smem.store(gl.load(q_row_ptr + k[None, :], mask=q_in, other=0))
             q_hi_smem = q_smem
         cols = row_first + gl.arange(0, N, layout=col_layout)
         q_ok = cols < row_last
-        if FLOAT:
-            qs = gl.where(q_ok, 1.0, 0.0)
-        else:
-            qs = gl.load(qs_ptr + cols, mask=q_ok, other=0.0)
+        qs = gl.load(qs_ptr + cols, mask=q_ok, other=0.0)
 
         if PACKED:
             d_smem = gl.allocate_shared_memory(d_desc.dtype, [STAGES, BLOCK_T, DIM // 2], d_desc.layout)
@@ -449,13 +411,13 @@ def _int8_stream_kernel(
         rows = gl.arange(0, BLOCK_T, layout=row_layout)
         s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_start(c_first, c_last, cand_ptr, off_ptr, bad, IDENTITY,
                                                             ITEMS)  # fmt: skip
-        sc0 = _tile_scales(sd_ptr, s_tok, s_end, rows, FLOAT)
+        sc0 = _tile_scales(sd_ptr, s_tok, s_end, rows)
         last0 = s_tok + BLOCK_T >= s_end
         item0 = s_c
         s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_next(s_c, s_tok, s_end, s_ns, s_ne, s_nd, c_last,
                                                            cand_ptr, off_ptr, bad, IDENTITY, ITEMS,
                                                            BLOCK_T)  # fmt: skip
-        sc1 = _tile_scales(sd_ptr, s_tok, s_end, rows, FLOAT)
+        sc1 = _tile_scales(sd_ptr, s_tok, s_end, rows)
         last1 = s_tok + BLOCK_T >= s_end
         item1 = s_c
         s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_next(s_c, s_tok, s_end, s_ns, s_ne, s_nd, c_last,
@@ -463,7 +425,7 @@ def _int8_stream_kernel(
                                                            BLOCK_T)  # fmt: skip
 
         run = gl.full([BLOCK_T, N], float("-inf"), gl.float32, acc_layout)
-        zero = gl.zeros([BLOCK_T, N], gl.float32 if FLOAT else gl.int32, acc_layout)
+        zero = gl.zeros([BLOCK_T, N], gl.int32, acc_layout)
         # wgmma groups a tile's products take (`_product`): waiting for all but the newest tile's
         PRODUCTS: gl.constexpr = 2 if PACKED else 1
         for base in range(0, tiles, GROUP):
@@ -475,7 +437,7 @@ def _int8_stream_kernel(
                 acc_a, base, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
                 pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
                 c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad, partial, c_first,
-                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, FLOAT,
+                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER,
             )  # fmt: skip
             sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
             for j in gl.static_range(2, GROUP, 2):
@@ -486,7 +448,7 @@ def _int8_stream_kernel(
                     acc_b, base + j - 1, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
                     pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
                     c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad, partial, c_first,
-                    IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, FLOAT,
+                    IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER,
                 )  # fmt: skip
                 sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
                 t_b = _product(d_smem, q_t, q_hi_t, ready, base + j + 1, zero, STAGES, PACKED)
@@ -496,7 +458,7 @@ def _int8_stream_kernel(
                     acc_a, base + j, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
                     pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
                     c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad, partial, c_first,
-                    IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, FLOAT,
+                    IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER,
                 )  # fmt: skip
                 sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
             acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[t_b])
@@ -505,7 +467,7 @@ def _int8_stream_kernel(
                 acc_b, base + GROUP - 1, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
                 pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
                 c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad, partial, c_first,
-                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, FLOAT,
+                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER,
             )  # fmt: skip
             sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
 
@@ -526,28 +488,19 @@ def query_columns(max_query_len: int) -> int:
     return max(16, 1 << max(0, max_query_len - 1).bit_length())
 
 
-_WIDTHS = {torch.int8: 128, torch.uint8: 64, torch.float16: 128, torch.bfloat16: 128}
-_ELEMENTS = {
-    torch.int8: gl.int8, torch.uint8: gl.uint8, torch.float16: gl.float16, torch.bfloat16: gl.bfloat16
-}
-
-
 def code_width(docs: torch.Tensor) -> int | None:
-    """The row width this kernel reads for `docs`' dtype (int8 values, fp16 / bf16: 128; int4 codes,
-    uint8: 64)."""
-    return _WIDTHS.get(docs.dtype)
+    """The row width this kernel reads for `docs`' dtype (int8 values: 128; int4 codes, uint8: 64)."""
+    return {torch.int8: 128, torch.uint8: 64}.get(docs.dtype)
 
 
 def tiles_for(docs: torch.Tensor) -> Tuning:
-    """The tuned tiles of the codec `docs` holds (int8 values, int4 codes as uint8, fp16 / bf16)."""
-    if docs.dtype in (torch.float16, torch.bfloat16):
-        return FLOAT_TILES
+    """The tuned tiles of the codec `docs` holds (int8 values, or int4 codes as uint8)."""
     return INT4_TILES if docs.dtype == torch.uint8 else INT8_TILES
 
 
 def supports(q_lens: np.ndarray, d8: torch.Tensor, return_argmax: bool) -> bool:
     """Whether this kernel takes the problem: `q_lens` the query lengths (host), `d8` the documents (int8
-    values [Td, 128], int4 codes, uint8 [Td, 64], or fp16 / bf16 [Td, 128])."""
+    values [Td, 128], or int4 codes, uint8 [Td, 64])."""
     if return_argmax or not len(q_lens) or d8.dim() != 2 or d8.shape[1] != code_width(d8):
         return False
     return (
@@ -563,7 +516,8 @@ def supports(q_lens: np.ndarray, d8: torch.Tensor, return_argmax: bool) -> bool:
 
 @functools.cache
 def _doc_layout(width: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for([BLOCK_T, width], _ELEMENTS[dtype])
+    element = gl.int8 if dtype == torch.int8 else gl.uint8
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_T, width], element)
 
 
 def maxsim_int8_stream(
@@ -587,29 +541,14 @@ def maxsim_int8_stream(
     return stream_with_tiles(q8, sq, q_off, item_off, items, d8, sd, d_off, max_query_len)
 
 
-def maxsim_float_stream(
-    q: torch.Tensor,
-    q_off: torch.Tensor,
-    item_off: torch.Tensor | None,
-    items: torch.Tensor | None,
-    d: torch.Tensor,
-    d_off: torch.Tensor,
-    max_query_len: int,
-) -> torch.Tensor:
-    """`maxsim_int8_stream` on fp16 or bf16 values (q [Tq, 128] and d [Td, 128] of one dtype, no scales):
-    the fp32 scores of `maxsim_forward`'s Triton kernels, bit for bit (the same wgmma products, the same
-    maxima, the same pairwise sum over the query's rows)."""
-    return stream_with_tiles(q, None, q_off, item_off, items, d, None, d_off, max_query_len)
-
-
 def stream_with_tiles(
     q8: torch.Tensor,
-    sq: torch.Tensor | None,
+    sq: torch.Tensor,
     q_off: torch.Tensor,
     item_off: torch.Tensor | None,
     items: torch.Tensor | None,
     d8: torch.Tensor,
-    sd: torch.Tensor | None,
+    sd: torch.Tensor,
     d_off: torch.Tensor,
     max_query_len: int,
     *,
@@ -617,11 +556,9 @@ def stream_with_tiles(
     stages: int | None = None,
     group: int | None = None,
     maxnreg: int | None = None,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`maxsim_int8_stream` with some of its tiles replaced (None keeps the tuned choice; `maxnreg` 0: no
-    register cap), for sweeps and for the tests that every configuration gives the same bits. fp16 / bf16
-    values take no scales (sq, sd None). `out`: fp32 [n_items] on the device, written in place."""
+    register cap), for sweeps and for the tests that every configuration gives the same bits."""
     tuned = tiles_for(d8)
     n = query_columns(max_query_len)
     per = items_per_prog or (tuned.items_one_query if items is None else tuned.items_candidates)
@@ -631,24 +568,19 @@ def stream_with_tiles(
         maxnreg = tuned.registers[n][0 if items is None else 1]
     nq = q_off.numel() - 1
     n_items = d_off.numel() - 1 if items is None else items.numel()
-    if out is None:
-        out = torch.empty((n_items,), dtype=torch.float32, device=d8.device)
+    out = torch.empty((n_items,), dtype=torch.float32, device=d8.device)
     if n_items == 0:
         return out
     n_chunks = cdiv(n_items, per)
     packed = d8.dtype == torch.uint8
-    floating = d8.dtype in (torch.float16, torch.bfloat16)
-    if floating != (sq is None) or floating != (sd is None) or (floating and q8.dtype != d8.dtype):
-        raise ValueError("stream_with_tiles: fp16 / bf16 queries and documents of one dtype take no scales")
     d_desc = TensorDescriptor.from_tensor(d8, [BLOCK_T, d8.shape[1]], _doc_layout(d8.shape[1], d8.dtype))
     _int8_stream_kernel[(n_chunks + (0 if items is None else nq),)](
-        q8, q8 if sq is None else sq, q_off, q_off if item_off is None else item_off,
-        d_off if items is None else items, d_off,
-        d_desc, d_off if sd is None else sd, out,
+        q8, sq, q_off, q_off if item_off is None else item_off, d_off if items is None else items, d_off,
+        d_desc, sd, out,
         nq, n_items, n_chunks, d_off.numel() - 1, q8.stride(0),
         DIM=q8.shape[1], N=n, ITEMS=per, BLOCK_T=BLOCK_T, STAGES=tuned.stages if stages is None else stages,
         GROUP=tuned.group if group is None else group, IDENTITY=items is None, PACKED=packed,
-        DEFER=deferred(packed, per, n), FLOAT=floating,
+        DEFER=deferred(packed, per, n),
         num_warps=NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out
