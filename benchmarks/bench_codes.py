@@ -5,7 +5,10 @@ and int8 kernels on the same documents, alternating rounds in one process.
 
 Documents: random unit vectors (d = 128), 20-300 tokens each (uniform), fp16; int8 per token
 (`quantize_per_token`), int4 (`encode_int4`), residual2 with a codebook trained by fastkmeans on a
-sample of 262,144 tokens (`maxsim_cli.codecs.train_codebook`, 4,096 centroids). Workloads:
+sample of 262,144 tokens (`maxsim_cli.codecs.train_codebook`, 4,096 centroids; its buckets separable, as
+`maxsim quantize` fits them: two bit planes a part). ``residual2_three_planes`` is the same codes with the
+codebook's top bucket value moved by one ulp, which makes the third bit plane nonzero: the three-plane scan
+on the same bytes. Workloads:
 
   one_query  1 query of 32 tokens x 100K documents (~16M tokens): HBM-bound, reported as TB/s of the
              bytes each format reads a token (fp16 256, int8 132, int4 68, residual2 36 at d = 128)
@@ -27,7 +30,8 @@ import torch
 from common import SMOKE, device, make_log, median_ms, meta, smoke_size, sync, write_json
 
 log = make_log("codes", clock=True)
-BYTES = {"fp16": 256, "int8": 132, "int4": 68, "int4_triton": 68, "residual2": 36}  # a token at d = 128
+BYTES = {"fp16": 256, "int8": 132, "int4": 68, "int4_triton": 68, "residual2": 36,
+         "residual2_three_planes": 36}  # a token at d = 128  # fmt: skip
 
 
 def ragged(n: int, lo: int, hi: int, dim: int, gen: torch.Generator, dev: torch.device):
@@ -93,11 +97,19 @@ def main() -> None:
     log(f"quantize: {record['quantize']}")
 
     stored["int4_triton"] = stored["int4"]  # the same codes on the Triton scan kernel (no Gluon stream)
+    # the same residual2 codes, the third bit plane made nonzero: the scan of three planes a part
+    nudged = book.bucket_weights.clone()
+    nudged[:, 3] = torch.nextafter(nudged[:, 3], torch.full_like(nudged[:, 3], float("inf")))
+    three = type(book)(book.centroids, nudged, book.bucket_cutoffs)
+    stored["residual2_three_planes"] = {
+        "docs": stored["residual2"]["docs"],
+        "kw": {"codebook": three.for_kernels(dev)},
+    }
     q = torch.nn.functional.normalize(torch.randn(32, 128, generator=gen), dim=1).to(dev, torch.float16)
     q_off = torch.tensor([0, 32], device=dev)
     # correctness: each codec's Triton scores against the torch path on the first 1,000 documents
     head = offsets[: min(1000, len(offsets) - 1) + 1]
-    for name in ("int4", "residual2"):
+    for name in ("int4", "residual2", "residual2_three_planes"):
         part = stored[name]["docs"][: int(head[-1])]
         kw = dict(stored[name]["kw"])
         if "doc_scales" in kw:
@@ -159,7 +171,8 @@ def main() -> None:
             return lambda: scan(qs, qs_off, s["docs"][:end], sub_off, None, **kw)
         return lambda: maxsim_varlen(qs, qs_off, s["docs"][:end], sub_off, **kw)
 
-    times = {n_: [] for n_ in stored}
+    # (all pairs decode the residual2 values: the planes, and so the three-plane codebook, play no part)
+    times = {n_: [] for n_ in stored if n_ != "residual2_three_planes"}
     for r in range(args.rounds):
         order = list(times) if r % 2 == 0 else list(times)[::-1]
         for name in order:

@@ -4,8 +4,10 @@
 codebook's cutoffs (which bucket a residual falls in) and values (what a bucket decodes to) are per
 dimension. ColBERTv2 takes the quartiles of the residuals as cutoffs and their 1/8, 3/8, 5/8 and 7/8
 quantiles as values; `maxsim_cli.codecs.fit_buckets` runs Lloyd-Max steps from there (each value the
-mean of its bucket, each cutoff half-way between two values). Both are measured here on the same
-centroids (k-means runs once per seed), with the same bytes a token:
+mean of its bucket, each cutoff half-way between two values), by default under the constraint w3 - w2
+= w1 - w0 that zeroes the scan kernels' third bit plane ("separable"; "fitted" is the same without it).
+All three are measured here on the same centroids (k-means runs once per seed), with the same bytes a
+token:
 
 - the squared error of the 2-bit residuals on the k-means sample (``sample_mse``: mean over tokens of
   ``|r - decoded r|^2``, for unit vectors);
@@ -87,7 +89,11 @@ def main() -> None:
     original = fastkmeans.FastKMeans
     fastkmeans.FastKMeans = lambda **kwargs: _Cached(original, **kwargs)  # type: ignore[misc]
     fitted = codecs.fit_buckets
-    rules = {"colbertv2": colbertv2_buckets, "fitted": fitted}
+    rules = {
+        "colbertv2": colbertv2_buckets,
+        "fitted": lambda residuals: fitted(residuals, separable=False),
+        "separable": fitted,  # `maxsim quantize`'s buckets
+    }
     measured: dict[str, float] = {}
 
     def measuring(rule):  # noqa: ANN001, ANN202

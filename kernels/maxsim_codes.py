@@ -40,7 +40,8 @@ Cost per document token, one query of Lq tokens, dim d (d = 128 in the figures):
                      residual2 d / 4 + 4 = 36      (codes + centroid id), + 4 Lq bytes of the centroid
                                                    table from L2 (fp32 [K, Lq]: 1 MB at K = 8192, Lq = 32)
     FLOPs:           int4: 2 * Lq * d int8 x int8 -> int32; residual2: 3 * 2 * Lq * d fp16 x fp16 -> fp32
-                     (three bit planes); unpacking (inline PTX, four bytes a register):
+                     (three bit planes; two where the buckets are separable, D_2 = 0, as `maxsim
+                     quantize` fits them); unpacking (inline PTX, four bytes a register):
                      int4 7 integer instructions per 8 values, residual2 ~2.5 per 2 plane values
 
 One query of 32 tokens is 8192 (int4) or 24576 (residual2) tensor-core FLOPs a token against 68 (36)
@@ -348,7 +349,8 @@ def _query_planes(
 
     int4: a tuple (q[:, 0::2], q[:, 1::2]) of the int8 queries, the values of each byte's low and high
     nibbles. residual2: the fp16 query planes (`residual2_query_tables`, [3, rows, dim] in part-major
-    column order at q_ptr), a tuple of 12: plane v of part p at 3p + v; with DECODE, the int8 queries
+    column order at q_ptr), a tuple of 12: plane v of part p at 3p + v (CODEC 2, separable buckets: plane
+    2 is zero and not loaded, its place holding plane 0, never multiplied); with DECODE, the int8 queries
     (q[:, 0::4], .., q[:, 3::4]) as fp16 (exact). BLOCK_K is the width of one part (a power of two >= the
     tensor cores' minimum K)."""
     rows = row_first + tl.arange(0, BLOCK_Q)
@@ -368,6 +370,20 @@ def _query_planes(
             tl.load(base + 2, mask=ok, other=0).to(tl.float16),
             tl.load(base + 3, mask=ok, other=0).to(tl.float16),
         )
+    elif CODEC == 2:  # separable buckets: no third plane (its place holds the first, never multiplied)
+        quarter = dim // 4
+        ok = row_ok[:, None] & (k < quarter)[None, :]
+        base = q_ptr + rows[:, None] * stride_q + k[None, :]
+        p0 = tl.load(base, mask=ok, other=0.0)
+        p1 = tl.load(base + quarter, mask=ok, other=0.0)
+        p2 = tl.load(base + 2 * quarter, mask=ok, other=0.0)
+        p3 = tl.load(base + 3 * quarter, mask=ok, other=0.0)
+        qp = (
+            p0, tl.load(base + stride_plane, mask=ok, other=0.0), p0,
+            p1, tl.load(base + stride_plane + quarter, mask=ok, other=0.0), p1,
+            p2, tl.load(base + stride_plane + 2 * quarter, mask=ok, other=0.0), p2,
+            p3, tl.load(base + stride_plane + 3 * quarter, mask=ok, other=0.0), p3,
+        )  # fmt: skip
     else:
         quarter = dim // 4
         ok = row_ok[:, None] & (k < quarter)[None, :]
@@ -505,7 +521,8 @@ def _code_tile(
                 b0, b1, both = _bucket_planes(packed, p, ASM)
                 acc = _product(acc, b0, qp[3 * p], DOC_MAJOR)
                 acc = _product(acc, b1, qp[3 * p + 1], DOC_MAJOR)
-                acc = _product(acc, both, qp[3 * p + 2], DOC_MAJOR)
+                if CODEC == 1:  # (separable buckets, CODEC 2: D_2 = 0, no third product)
+                    acc = _product(acc, both, qp[3 * p + 2], DOC_MAJOR)
             if DOC_MAJOR:
                 at = qc_ptr + cid[:, None] * stride_qc + rows[None, :]
                 centroid = tl.load(at, mask=id_ok[:, None] & row_ok[None, :], other=0.0)
@@ -875,6 +892,7 @@ class QueryTables(NamedTuple):
     planes: torch.Tensor  # fp16 [3, R, d]: q8 * D_v * 2^-e, columns in part-major order
     by_centroid: torch.Tensor  # fp32 [K, R]: q8 . (C[c] + W[:, 0]) for every centroid c
     plane_scale: float  # 2^e: the planes' products times this are in q8 units
+    separable: bool  # D_2 is zero in every dimension: the third plane's products are skipped
 
 
 def residual2_plane_weights(bucket_weights: torch.Tensor) -> torch.Tensor:
@@ -905,21 +923,22 @@ def residual2_query_tables(q8: torch.Tensor, codebook: ResidualCodebook) -> Quer
     q = q8.double()
     base = codebook.centroids.double() + codebook.bucket_weights.double()[:, 0][None, :]
     by_centroid = (base @ q.T).float()  # [K, R]
-    weights, exponent = _plane_weights_and_exponent(codebook.bucket_weights)
+    weights, exponent, separable = _plane_weights_and_exponent(codebook.bucket_weights)
     planes = q[None, :, :] * weights.to(device)[:, None, :]
     planes = (planes * 2.0**-exponent).to(torch.float16)[:, :, _part_major_order(dim, device)].contiguous()
-    return QueryTables(planes, by_centroid.contiguous(), 2.0**exponent)
+    return QueryTables(planes, by_centroid.contiguous(), 2.0**exponent, separable)
 
 
-def _plane_weights_and_exponent(bucket_weights: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """`residual2_plane_weights` and the exponent e of the query planes' scale 2^-e: |q8| <= 128, so
-    128 * max |D_v| * 2^-e < 2^15 <= fp16's max for any int8 queries. Made once per bucket-weights tensor
-    (`memo`; its max is the one host synchronisation)."""
+def _plane_weights_and_exponent(bucket_weights: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
+    """`residual2_plane_weights`, the exponent e of the query planes' scale 2^-e (|q8| <= 128, so 128 *
+    max |D_v| * 2^-e < 2^15 <= fp16's max for any int8 queries) and whether D_2 is zero everywhere (the
+    separable buckets `maxsim quantize` fits: `maxsim_cli.codecs.fit_buckets`). Made once per
+    bucket-weights tensor (`memo`; one host synchronisation)."""
 
-    def compute() -> tuple[torch.Tensor, int]:
+    def compute() -> tuple[torch.Tensor, int, bool]:
         weights = residual2_plane_weights(bucket_weights)
-        top = 128.0 * float(weights.abs().max())
-        return weights, (math.frexp(top)[1] - 15) if top > 0 else 0
+        top, third = (float(x) for x in torch.stack([weights.abs().max(), weights[2].abs().max()]).cpu())
+        return weights, (math.frexp(128.0 * top)[1] - 15) if top > 0 else 0, third == 0.0
 
     return memo(bucket_weights, "plane_weights", compute)
 
@@ -970,7 +989,7 @@ class _Launch(NamedTuple):
     stride_table: int
     plane_scale: float
     n_centroids: int
-    codec_id: int
+    codec_id: int  # the kernels' CODEC: 0 int4, 1 residual2, 2 residual2 of separable buckets (no D_2)
     asm: bool
 
 
@@ -993,7 +1012,7 @@ def _launch_args(
     unit = PLANE_UNIT_ASM if asm else 1.0
     return _Launch(
         tables.planes, q8.shape[1], rows * q8.shape[1], codes, tables.by_centroid, codes, rows,
-        tables.plane_scale / unit, codebook.centroids.shape[0], 1, asm,
+        tables.plane_scale / unit, codebook.centroids.shape[0], 2 if tables.separable else 1, asm,
     )  # fmt: skip
 
 

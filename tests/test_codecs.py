@@ -51,20 +51,29 @@ def _packed(lengths: list[int], dim: int, gen: torch.Generator) -> tuple[torch.T
     return values, offsets
 
 
-def _codebook(dim: int, k: int, gen: torch.Generator) -> tuple[ResidualCodebook, torch.Tensor]:
+def _codebook(
+    dim: int, k: int, gen: torch.Generator, separable: bool = False
+) -> tuple[ResidualCodebook, torch.Tensor]:
+    """Random centroids and buckets; ``separable``: values b0 + l D0 + h D1 (bucket l + 2h) on a grid of
+    2^-20, as `maxsim quantize` fits them (the kernels' third bit plane exactly zero)."""
     centroids = torch.randn(k, dim, generator=gen).half()
     cutoffs = torch.tensor([-0.4, 0.0, 0.4]).repeat(dim, 1) + 0.05 * torch.randn(dim, 3, generator=gen)
     cutoffs = cutoffs.sort(dim=1).values
     weights = torch.tensor([-0.7, -0.2, 0.2, 0.7]).repeat(dim, 1) + 0.05 * torch.randn(dim, 4, generator=gen)
+    if separable:
+        b0, d0, d1 = (torch.round(x * 2**20) / 2**20 for x in (weights[:, 0], weights[:, 1] - weights[:, 0],
+                                                                weights[:, 2] - weights[:, 0]))  # fmt: skip
+        weights = torch.stack([b0, b0 + d0, b0 + d1, b0 + d0 + d1], dim=1)
     return ResidualCodebook(centroids, weights.float()), cutoffs.float()
 
 
 def _encoded(codec: str, docs: torch.Tensor, gen: torch.Generator, k: int = 7) -> dict:
-    """Keyword arguments (docs and their scales or codebook) of the codes of ``docs``."""
+    """Keyword arguments (docs and their scales or codebook) of the codes of ``docs`` (``codec``: int4,
+    residual2, or residual2-separable: a codebook of separable buckets)."""
     if codec == "int4":
         codes, scales = encode_int4(docs)
         return {"docs": codes, "doc_scales": scales}
-    book, cutoffs = _codebook(docs.shape[1], k, gen)
+    book, cutoffs = _codebook(docs.shape[1], k, gen, separable=codec == "residual2-separable")
     ids = torch.randint(0, k, (docs.shape[0],), generator=gen)
     return {"docs": encode_residual2(docs, ids, book.centroids, cutoffs), "codebook": book}
 
@@ -125,7 +134,7 @@ def _check_close(scores: torch.Tensor, reference: torch.Tensor, bound: torch.Ten
     assert bool((err <= bound.expand_as(err)).all()), float((err / bound).max())
 
 
-CODECS = ["int4", "residual2"]
+CODECS = ["int4", "residual2", "residual2-separable"]
 BACKENDS = ["torch", "triton"]
 # (query lengths, document lengths, dim): one-token documents, an empty document, documents that
 # straddle the 16- and 32-token tiles, dims that are not powers of two (int4: even; residual2: / 4)
@@ -750,6 +759,42 @@ def test_nearest_centroid_kernel_picks_the_best_score_and_the_first_of_a_tie(dim
     assert float((exact.max(dim=1).values - picked).max()) <= bound
 
 
+_RESIDUAL2_SM90_BUILD = r"""
+import maxsim_kernels.maxsim_codes as mc
+
+kernel = mc._maxsim_codes_varlen_kernel
+names = kernel.arg_names
+tiles = mc._FEW_ROWS["residual2"]  # one query of 32 tokens against a corpus: the scan's plan
+report = {}
+for codec in (1, 2):
+    consts = dict(CODEC=codec, DOCS_PER_PROG=tiles.docs_per_prog, BLOCK_Q=32, BLOCK_D=tiles.block_d,
+                  BLOCK_K=mc._part_width("residual2", 128), QUERIES_PER_GROUP=1, MAX_Q=2,
+                  DOC_MAJOR=tiles.doc_major, ASM=True, DECODE=tiles.decode)
+    sig = {n: "i32" for n in names}
+    sig.update({"q_ptr": "*fp16", "q_scale_ptr": "*fp32", "q_off_ptr": "*i64", "d_ptr": "*u8",
+                "d_scale_ptr": "*u8", "d_off_ptr": "*i64", "qc_ptr": "*fp32", "wts_ptr": "*u8",
+                "out_ptr": "*fp32", "plane_scale": "fp32", **{c: "constexpr" for c in consts}})
+    aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") and "off" not in n]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    src = ASTSource(kernel, sig, constexprs={(names.index(c),): v for c, v in consts.items()}, attrs=attrs)
+    compiled = triton.compile(src, target=SM90, options={"num_warps": tiles.warps,
+                                                         "num_stages": tiles.stages})
+    report[codec] = {"wgmma": compiled.asm["ptx"].count("wgmma.mma_async"), "usage": resource_usage(compiled)}
+print(json.dumps(report))
+"""
+
+
+def test_residual2_scan_of_separable_buckets_builds_with_a_third_fewer_products(sm90_build) -> None:
+    """The residual2 scan for sm_90 (triton's own ptxas, no GPU needed), one query's plan: with separable
+    buckets (CODEC 2) a tile issues two thirds of the bit planes' tensor-core products (64 wgmma against
+    96 in triton 3.6's build), and it does not spill (with three planes the build takes 255 registers and
+    40 bytes of stack)."""
+    report = sm90_build(_RESIDUAL2_SM90_BUILD)
+    three, two = report["1"], report["2"]
+    assert three["wgmma"] > 0 and 3 * two["wgmma"] == 2 * three["wgmma"], report
+    assert not two["usage"] or ("LOCAL:0" in two["usage"] and "STACK:0" in two["usage"]), two
+
+
 _NEAREST_SM90_BUILD = r"""
 import maxsim_kernels.nearest_centroid as nc
 
@@ -828,17 +873,13 @@ def _bucket_error(residuals: torch.Tensor, cutoffs: torch.Tensor, weights: torch
 
 
 def test_fitted_buckets_are_the_means_of_their_residuals_and_beat_the_quantiles(monkeypatch) -> None:
-    """`fit_buckets` (Lloyd-Max per dimension): each bucket value is the mean of the residuals its cutoffs
-    put in it, values and cutoffs ascend, the squared error is below that of ColBERTv2's quantile buckets,
-    and working a block of dimensions at a time changes nothing."""
+    """`fit_buckets` (Lloyd-Max per dimension) without the separable constraint: each bucket value is the
+    mean of the residuals its cutoffs put in it, values and cutoffs ascend, the squared error is below that
+    of ColBERTv2's quantile buckets, and working a block of dimensions at a time changes nothing."""
     from maxsim_cli import codecs
 
-    gen = torch.Generator().manual_seed(6)
-    # heavy tails (Laplace) and a spike at 0 (tokens that are their own centroid), as real residuals have
-    u = torch.rand(2000, 6, generator=gen) - 0.5
-    laplace = -0.1 * u.sign() * torch.log1p(-2 * u.abs())
-    residuals = laplace * (torch.rand(2000, 6, generator=gen) > 0.2)
-    cutoffs, weights = codecs.fit_buckets(residuals)
+    residuals = _heavy_tailed_residuals()
+    cutoffs, weights = codecs.fit_buckets(residuals, separable=False)
     assert cutoffs.shape == (6, 3) and weights.shape == (6, 4)
     assert cutoffs.dtype == weights.dtype == torch.float32
     assert bool((cutoffs.diff(dim=1) >= 0).all()) and bool((weights.diff(dim=1) >= 0).all())
@@ -852,6 +893,43 @@ def test_fitted_buckets_are_the_means_of_their_residuals_and_beat_the_quantiles(
     eighths = torch.quantile(residuals, torch.tensor([0.125, 0.375, 0.625, 0.875]), dim=0).T
     assert _bucket_error(residuals, cutoffs, weights) < 0.8 * _bucket_error(residuals, quartiles, eighths)
     monkeypatch.setattr(codecs, "BUCKET_BLOCK_ELEMS", 4 * 2000)  # blocks of 4 dimensions, the last of 2
+    blocked = codecs.fit_buckets(residuals, separable=False)
+    assert torch.equal(blocked[0], cutoffs) and torch.equal(blocked[1], weights)
+
+
+def _heavy_tailed_residuals() -> torch.Tensor:
+    """2000 x 6 residuals with heavy tails (Laplace) and a spike at 0 (tokens that are their own
+    centroid), as real residuals have."""
+    gen = torch.Generator().manual_seed(6)
+    u = torch.rand(2000, 6, generator=gen) - 0.5
+    laplace = -0.1 * u.sign() * torch.log1p(-2 * u.abs())
+    return laplace * (torch.rand(2000, 6, generator=gen) > 0.2)
+
+
+def test_separable_buckets_zero_the_third_plane_exactly_at_the_same_error(monkeypatch) -> None:
+    """`fit_buckets`' default (separable) values: w3 - w2 - w1 + w0 is exactly 0 in fp32 and in float64
+    (the scan kernels' third bit plane, `residual2_plane_weights`), the values and cutoffs ascend, each
+    value is on the least-squares fit of its buckets' members (the normal equations hold up to the
+    grid's rounding), the squared error is within 2% of the unconstrained fit's, and working a block of
+    dimensions at a time changes nothing."""
+    from maxsim_kernels.maxsim_codes import residual2_plane_weights
+
+    from maxsim_cli import codecs
+
+    residuals = _heavy_tailed_residuals()
+    cutoffs, weights = codecs.fit_buckets(residuals)
+    assert bool((weights[:, 3] - weights[:, 2] == weights[:, 1] - weights[:, 0]).all())
+    assert bool((residual2_plane_weights(weights)[2] == 0).all())
+    assert bool((cutoffs.diff(dim=1) > 0).all()) and bool((weights.diff(dim=1) > 0).all())
+    buckets = (residuals[:, :, None] >= cutoffs[None]).sum(dim=2)
+    terms = torch.tensor(codecs._SEPARABLE_TERMS, dtype=torch.float64)
+    for k in range(6):
+        error = residuals[:, k].double() - weights[k].double()[buckets[:, k]]
+        gradient = (error[:, None] * terms[buckets[:, k]]).sum(dim=0) / len(error)
+        assert float(gradient.abs().max()) < 1e-6
+    free = codecs.fit_buckets(residuals, separable=False)
+    assert _bucket_error(residuals, cutoffs, weights) < 1.02 * _bucket_error(residuals, *free)
+    monkeypatch.setattr(codecs, "BUCKET_BLOCK_ELEMS", 4 * 2000)
     blocked = codecs.fit_buckets(residuals)
     assert torch.equal(blocked[0], cutoffs) and torch.equal(blocked[1], weights)
 
