@@ -104,7 +104,9 @@ def gather_rows(
         raise ValueError(f"gather_rows: src and out must be [rows, width] of one width and dtype: {shapes}")
     if not (src.is_contiguous() and out.is_contiguous()):
         raise ValueError("gather_rows: src and out must be contiguous")
-    scaled = src_scales is not None and out_scales is not None
+    if (src_scales is None) != (out_scales is None):
+        raise ValueError("gather_rows: src_scales and out_scales go together (both, or neither)")
+    scaled = src_scales is not None
     n = starts.numel()
     if n == 0 or max_rows <= 0:
         return

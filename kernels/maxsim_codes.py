@@ -98,7 +98,15 @@ from .maxsim_int8 import (
     sum_rows_in_order,
 )
 from .running_max import document_max, fold_tile, restart, tile_count
-from .validation import cdiv, check_candidate_docs, host_offsets, interpreting, memo, resolve_backend
+from .validation import (
+    cdiv,
+    check_candidate_docs,
+    host_offsets,
+    host_to_device,
+    interpreting,
+    memo,
+    resolve_backend,
+)
 
 CODECS = ("int4", "residual2")
 INT4_ABSMAX = 7.0
@@ -478,7 +486,7 @@ def _code_tile(
         # int4: byte m holds value 2m in its low nibble and 2m + 1 in its high one (two's complement)
         m_ok = m < dim // 2
         packed = tl.load(row_start[:, None] + m[None, :], mask=col_ok[:, None] & m_ok[None, :], other=0)
-        low, high = _int4_nibbles(packed, False)
+        low, high = _int4_nibbles(packed, ASM)
         s = tl.load(d_scale_ptr + cols, mask=col_ok, other=1.0)
         if DOC_MAJOR:
             acc = tl.zeros([BLOCK_D, BLOCK_Q], tl.int32)
@@ -1471,7 +1479,7 @@ def _int4_decoded_allpairs(
             int4_to_int8(codes[t0:t1], rows[: t1 - t0])
             offsets = torch.from_numpy(np.ascontiguousarray(d_host[first : stop + 1] - t0))
             part = launch_hopper(
-                hopper, given_q_off, offsets, q_off, offsets.to(codes.device),
+                hopper, given_q_off, offsets, q_off, host_to_device(offsets, codes.device),
                 q8, sq, rows[: t1 - t0], sd[t0:t1],
             )  # fmt: skip
             if first == 0 and stop == nd:  # one chunk (it has tokens: `total`): the answer as it is

@@ -780,6 +780,20 @@ for codec in (1, 2):
     compiled = triton.compile(src, target=SM90, options={"num_warps": tiles.warps,
                                                          "num_stages": tiles.stages})
     report[codec] = {"wgmma": compiled.asm["ptx"].count("wgmma.mma_async"), "usage": resource_usage(compiled)}
+# int4 on the Triton scan (one query's plan): the nibbles unpacked by the inline PTX (`int4_packing`)
+tiles = mc._FEW_ROWS["int4"]
+consts = dict(CODEC=0, DOCS_PER_PROG=tiles.docs_per_prog, BLOCK_Q=32, BLOCK_D=tiles.block_d,
+              BLOCK_K=mc._part_width("int4", 128), QUERIES_PER_GROUP=1, MAX_Q=2,
+              DOC_MAJOR=tiles.doc_major, ASM=True, DECODE=tiles.decode)
+sig = {n: "i32" for n in names}
+sig.update({"q_ptr": "*i8", "q_scale_ptr": "*fp32", "q_off_ptr": "*i64", "d_ptr": "*u8",
+            "d_scale_ptr": "*fp32", "d_off_ptr": "*i64", "qc_ptr": "*u8", "wts_ptr": "*u8",
+            "out_ptr": "*fp32", "plane_scale": "fp32", **{c: "constexpr" for c in consts}})
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+         if n.endswith("_ptr") and "off" not in n}  # fmt: skip
+src = ASTSource(kernel, sig, constexprs={(names.index(c),): v for c, v in consts.items()}, attrs=attrs)
+compiled = triton.compile(src, target=SM90, options={"num_warps": tiles.warps, "num_stages": tiles.stages})
+report["int4"] = {"unpacked_by_ptx": "0x78787878" in compiled.asm["ptx"], "usage": resource_usage(compiled)}
 # and the candidates kernel's plan (query-major tiles), which a two-stage search's scan does not take but
 # a rerank of a 2-bit corpus does
 kernel = mc._maxsim_codes_candidates_kernel
@@ -805,15 +819,18 @@ print(json.dumps(report))
 """
 
 
-def test_residual2_scan_of_separable_buckets_builds_with_a_third_fewer_products(sm90_build) -> None:
+def test_codes_scan_kernels_build_for_sm90(sm90_build) -> None:
     """The residual2 scan for sm_90 (triton's own ptxas, no GPU needed), one query's plan: with separable
     buckets (CODEC 2) a tile issues two thirds of the bit planes' tensor-core products (64 wgmma against
     96 in triton 3.6's build), and it does not spill (with three planes the build takes 255 registers and
-    40 bytes of stack); the candidates kernel's plan builds with CODEC 2 as well, without spills."""
+    40 bytes of stack); the candidates kernel's plan builds with CODEC 2 as well, without spills. The int4
+    scan (CODEC 0) keeps its inline PTX unpacking."""
     report = sm90_build(_RESIDUAL2_SM90_BUILD)
     three, two = report["1"], report["2"]
     assert three["wgmma"] > 0 and 3 * two["wgmma"] == 2 * three["wgmma"], report
     assert not two["usage"] or ("LOCAL:0" in two["usage"] and "STACK:0" in two["usage"]), two
+    # int4's Triton scan keeps the inline PTX unpacking (`int4_packing`) in the compiled code
+    assert report["int4"]["unpacked_by_ptx"], report["int4"]
     # candidates (query-major tiles: products on mma or wgmma as triton picks): fewer products, no spill
     three, two = report["candidates 1"], report["candidates 2"]
     assert two["wgmma"] <= three["wgmma"], report

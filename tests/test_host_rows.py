@@ -417,6 +417,8 @@ def test_gather_rows_refuses_rows_of_another_shape_or_dtype():
             gather_rows(src, index[:1], index, out, max_rows=1)
     with pytest.raises(ValueError, match="contiguous"):
         gather_rows(torch.zeros(8, 4, dtype=torch.float16).t(), index[:1], index, src, max_rows=1)
+    with pytest.raises(ValueError, match="both, or neither"):
+        gather_rows(src, index[:1], index, src.clone(), torch.ones(4), max_rows=1)
     with pytest.raises(ValueError, match="contiguous CPU tensors"):
         map_host([src.t()])
     with pytest.raises(ValueError, match="out must be int8"):

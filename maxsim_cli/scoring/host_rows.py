@@ -209,11 +209,13 @@ def _gather_on_device(
     ``device``, read by the GPU (`maxsim_kernels.gather_rows`); its launch is on the current stream, which
     the scoring launch after it shares."""
     from maxsim_kernels.gather_rows import gather_rows as gather_on_gpu
+    from maxsim_kernels.validation import host_to_device
 
     n = len(starts)
     rows = int(offsets[-1])
     embeddings, scales = residency.embeddings, residency.scales
-    index = torch.from_numpy(np.concatenate([starts, offsets]).astype(np.int64, copy=False)).to(device)
+    # queued behind the stream's work, not waiting for it (a plain copy from pageable memory would)
+    index = host_to_device(torch.from_numpy(np.concatenate([starts, offsets]).astype(np.int64)), device)
     dev_emb = torch.empty((rows, embeddings.shape[1]), dtype=embeddings.dtype, device=device)
     dev_scales = torch.empty(rows, dtype=torch.float32, device=device) if scales is not None else None
     longest = int((offsets[1:] - offsets[:-1]).max()) if n else 0
