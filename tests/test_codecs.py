@@ -759,62 +759,45 @@ def test_nearest_centroid_kernel_picks_the_best_score_and_the_first_of_a_tie(dim
     assert float((exact.max(dim=1).values - picked).max()) <= bound
 
 
-_RESIDUAL2_SM90_BUILD = r"""
+_CODES_SM90_BUILD = r"""
 import maxsim_kernels.maxsim_codes as mc
 
-kernel = mc._maxsim_codes_varlen_kernel
-names = kernel.arg_names
-tiles = mc._FEW_ROWS["residual2"]  # one query of 32 tokens against a corpus: the scan's plan
-report = {}
-for codec in (1, 2):
-    consts = dict(CODEC=codec, DOCS_PER_PROG=tiles.docs_per_prog, BLOCK_Q=32, BLOCK_D=tiles.block_d,
-                  BLOCK_K=mc._part_width("residual2", 128), QUERIES_PER_GROUP=1, MAX_Q=2,
-                  DOC_MAJOR=tiles.doc_major, ASM=True, DECODE=tiles.decode)
+
+def build(kernel, tiles, codec, pointers, **consts):
+    # the codes kernel for sm_90 with `tiles`' plan, 32 query rows at dim 128: (PTX, resource usage)
+    consts.update(CODEC=codec, BLOCK_Q=32, BLOCK_D=tiles.block_d, DOC_MAJOR=tiles.doc_major, ASM=True,
+                  DECODE=tiles.decode, BLOCK_K=mc._part_width("int4" if codec == 0 else "residual2", 128))
+    names = kernel.arg_names
     sig = {n: "i32" for n in names}
-    sig.update({"q_ptr": "*fp16", "q_scale_ptr": "*fp32", "q_off_ptr": "*i64", "d_ptr": "*u8",
-                "d_scale_ptr": "*u8", "d_off_ptr": "*i64", "qc_ptr": "*fp32", "wts_ptr": "*u8",
-                "out_ptr": "*fp32", "plane_scale": "fp32", **{c: "constexpr" for c in consts}})
-    aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") and "off" not in n]
+    sig.update({"q_ptr": "*i8" if codec == 0 else "*fp16", "q_scale_ptr": "*fp32", "d_ptr": "*u8",
+                "d_scale_ptr": "*fp32" if codec == 0 else "*u8", "qc_ptr": "*u8" if codec == 0 else "*fp32",
+                "wts_ptr": "*u8", "out_ptr": "*fp32", "plane_scale": "fp32", **pointers,
+                **{c: "constexpr" for c in consts}})
+    aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") and n not in pointers]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     src = ASTSource(kernel, sig, constexprs={(names.index(c),): v for c, v in consts.items()}, attrs=attrs)
     compiled = triton.compile(src, target=SM90, options={"num_warps": tiles.warps,
                                                          "num_stages": tiles.stages})
-    report[codec] = {"wgmma": compiled.asm["ptx"].count("wgmma.mma_async"), "usage": resource_usage(compiled)}
+    return compiled.asm["ptx"], resource_usage(compiled)
+
+
+varlen = dict(q_off_ptr="*i64", d_off_ptr="*i64")  # index pointers: no alignment assumed
+candidates = dict(q_off_ptr="*i64", d_off_ptr="*i64", cand_off_ptr="*i64", cand_docs_ptr="*i64")
+report = {}
+for codec in (1, 2):  # residual2, one query of 32 tokens against a corpus: the scan's plan
+    ptx, usage = build(mc._maxsim_codes_varlen_kernel, mc._FEW_ROWS["residual2"], codec, varlen,
+                       DOCS_PER_PROG=mc._FEW_ROWS["residual2"].docs_per_prog, QUERIES_PER_GROUP=1, MAX_Q=2)
+    report[codec] = {"wgmma": ptx.count("wgmma.mma_async"), "usage": usage}
 # int4 on the Triton scan (one query's plan): the nibbles unpacked by the inline PTX (`int4_packing`)
-tiles = mc._FEW_ROWS["int4"]
-consts = dict(CODEC=0, DOCS_PER_PROG=tiles.docs_per_prog, BLOCK_Q=32, BLOCK_D=tiles.block_d,
-              BLOCK_K=mc._part_width("int4", 128), QUERIES_PER_GROUP=1, MAX_Q=2,
-              DOC_MAJOR=tiles.doc_major, ASM=True, DECODE=tiles.decode)
-sig = {n: "i32" for n in names}
-sig.update({"q_ptr": "*i8", "q_scale_ptr": "*fp32", "q_off_ptr": "*i64", "d_ptr": "*u8",
-            "d_scale_ptr": "*fp32", "d_off_ptr": "*i64", "qc_ptr": "*u8", "wts_ptr": "*u8",
-            "out_ptr": "*fp32", "plane_scale": "fp32", **{c: "constexpr" for c in consts}})
-attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-         if n.endswith("_ptr") and "off" not in n}  # fmt: skip
-src = ASTSource(kernel, sig, constexprs={(names.index(c),): v for c, v in consts.items()}, attrs=attrs)
-compiled = triton.compile(src, target=SM90, options={"num_warps": tiles.warps, "num_stages": tiles.stages})
-report["int4"] = {"unpacked_by_ptx": "0x78787878" in compiled.asm["ptx"], "usage": resource_usage(compiled)}
+ptx, usage = build(mc._maxsim_codes_varlen_kernel, mc._FEW_ROWS["int4"], 0, varlen,
+                   DOCS_PER_PROG=mc._FEW_ROWS["int4"].docs_per_prog, QUERIES_PER_GROUP=1, MAX_Q=2)
+report["int4"] = {"unpacked_by_ptx": "0x78787878" in ptx, "usage": usage}
 # and the candidates kernel's plan (query-major tiles), which a two-stage search's scan does not take but
 # a rerank of a 2-bit corpus does
-kernel = mc._maxsim_codes_candidates_kernel
-names = kernel.arg_names
-tiles = mc._CANDIDATES
 for codec in (1, 2):
-    consts = dict(CODEC=codec, CANDS_PER_PROG=tiles.docs_per_prog, BLOCK_Q=32, BLOCK_D=tiles.block_d,
-                  BLOCK_K=mc._part_width("residual2", 128), DOC_MAJOR=tiles.doc_major, ASM=True,
-                  DECODE=tiles.decode)
-    sig = {n: "i32" for n in names}
-    sig.update({"q_ptr": "*fp16", "q_scale_ptr": "*fp32", "q_off_ptr": "*i64", "cand_off_ptr": "*i64",
-                "cand_docs_ptr": "*i64", "d_ptr": "*u8", "d_scale_ptr": "*u8", "d_off_ptr": "*i64",
-                "qc_ptr": "*fp32", "wts_ptr": "*u8", "out_ptr": "*fp32", "plane_scale": "fp32",
-                **{c: "constexpr" for c in consts}})
-    aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") and "off" not in n and "cand" not in n]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
-    src = ASTSource(kernel, sig, constexprs={(names.index(c),): v for c, v in consts.items()}, attrs=attrs)
-    compiled = triton.compile(src, target=SM90, options={"num_warps": tiles.warps,
-                                                         "num_stages": tiles.stages})
-    report[f"candidates {codec}"] = {"wgmma": compiled.asm["ptx"].count("wgmma.mma_async"),
-                                     "usage": resource_usage(compiled)}
+    ptx, usage = build(mc._maxsim_codes_candidates_kernel, mc._CANDIDATES, codec, candidates,
+                       CANDS_PER_PROG=mc._CANDIDATES.docs_per_prog)
+    report[f"candidates {codec}"] = {"wgmma": ptx.count("wgmma.mma_async"), "usage": usage}
 print(json.dumps(report))
 """
 
@@ -825,7 +808,7 @@ def test_codes_scan_kernels_build_for_sm90(sm90_build) -> None:
     96 in triton 3.6's build), and it does not spill (with three planes the build takes 255 registers and
     40 bytes of stack); the candidates kernel's plan builds with CODEC 2 as well, without spills. The int4
     scan (CODEC 0) keeps its inline PTX unpacking."""
-    report = sm90_build(_RESIDUAL2_SM90_BUILD)
+    report = sm90_build(_CODES_SM90_BUILD)
     three, two = report["1"], report["2"]
     assert three["wgmma"] > 0 and 3 * two["wgmma"] == 2 * three["wgmma"], report
     assert not two["usage"] or ("LOCAL:0" in two["usage"] and "STACK:0" in two["usage"]), two
