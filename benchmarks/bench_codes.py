@@ -8,7 +8,8 @@ Documents: random unit vectors (d = 128), 20-300 tokens each (uniform), fp16; in
 sample of 262,144 tokens (`maxsim_cli.codecs.train_codebook`, 4,096 centroids; its buckets separable, as
 `maxsim quantize` fits them: two bit planes a part). ``residual2_three_planes`` is the same codes with the
 codebook's top bucket value moved by one ulp, which makes the third bit plane nonzero: the three-plane scan
-on the same bytes. Workloads:
+on the same bytes. On an sm_90 GPU one query's int4 and residual2 scans run on the Gluon stream kernel;
+``int4_triton`` and ``residual2_triton`` are the same codes on the Triton scan. Workloads:
 
   one_query  1 query of 32 tokens x 100K documents (~16M tokens): HBM-bound, reported as TB/s of the
              bytes each format reads a token (fp16 256, int8 132, int4 68, residual2 36 at d = 128)
@@ -30,8 +31,9 @@ import torch
 from common import SMOKE, device, make_log, median_ms, meta, smoke_size, sync, write_json
 
 log = make_log("codes", clock=True)
-BYTES = {"fp16": 256, "int8": 132, "int4": 68, "int4_triton": 68, "residual2": 36,
+BYTES = {"fp16": 256, "int8": 132, "int4": 68, "int4_triton": 68, "residual2": 36, "residual2_triton": 36,
          "residual2_three_planes": 36}  # a token at d = 128  # fmt: skip
+TRITON_SCANS = ("int4_triton", "residual2_triton")  # the codes of int4 / residual2 on the Triton scan
 
 
 def ragged(n: int, lo: int, hi: int, dim: int, gen: torch.Generator, dev: torch.device):
@@ -60,7 +62,7 @@ def main() -> None:
     parser.add_argument(
         "--stream-sweep",
         action="store_true",
-        help="also time int4 on the Gluon stream kernel under the tiles of SWEEP_STREAM",
+        help="also time int4 and residual2 on the Gluon stream kernel under the tiles of SWEEP_STREAM",
     )
     parser.add_argument("--smoke", action="store_true", help="a check of the script: tiny sizes, one call")
     args = parser.parse_args()
@@ -97,6 +99,7 @@ def main() -> None:
     log(f"quantize: {record['quantize']}")
 
     stored["int4_triton"] = stored["int4"]  # the same codes on the Triton scan kernel (no Gluon stream)
+    stored["residual2_triton"] = stored["residual2"]
     # the same residual2 codes, the third bit plane made nonzero: the scan of three planes a part
     nudged = book.bucket_weights.clone()
     nudged[:, 3] = torch.nextafter(nudged[:, 3], torch.full_like(nudged[:, 3], float("inf")))
@@ -123,12 +126,15 @@ def main() -> None:
         record["sweep"] = {"one_query": sweep(q, q_off, stored, offsets, SWEEP_ONE_QUERY, args.rep_ms)}
         write_json(args.out, record)
     if args.stream_sweep:
-        record["stream_sweep"] = stream_sweep(q, stored["int4"], offsets, args.rep_ms)
+        record["stream_sweep"] = {
+            "int4": stream_sweep(q, stored["int4"], offsets, SWEEP_STREAM, args.rep_ms),
+            "residual2": stream_sweep(q, stored["residual2"], offsets, SWEEP_STREAM_RESIDUAL2, args.rep_ms),
+        }
         write_json(args.out, record)
 
     def one_query(name: str):
         s = stored[name]
-        if name == "int4_triton":
+        if name in TRITON_SCANS:
             scan = maxsim_codes.launch_varlen_with_tiles  # tiles None: the Triton scan's own plan
             return lambda: scan(q, q_off, s["docs"], offsets, None, **s["kw"])
         return lambda: maxsim_varlen(q, q_off, s["docs"], offsets, **s["kw"])
@@ -171,8 +177,9 @@ def main() -> None:
             return lambda: scan(qs, qs_off, s["docs"][:end], sub_off, None, **kw)
         return lambda: maxsim_varlen(qs, qs_off, s["docs"][:end], sub_off, **kw)
 
-    # (all pairs decode the residual2 values: the planes, and so the three-plane codebook, play no part)
-    times = {n_: [] for n_ in stored if n_ != "residual2_three_planes"}
+    # (all pairs decode the residual2 values on the Triton scan: the planes, and so the three-plane
+    # codebook, play no part)
+    times = {n_: [] for n_ in stored if n_ not in ("residual2_three_planes", "residual2_triton")}
     for r in range(args.rounds):
         order = list(times) if r % 2 == 0 else list(times)[::-1]
         for name in order:
@@ -186,7 +193,7 @@ def main() -> None:
     write_json(args.out, record)
     if args.sweep:
         cut = {name: {"docs": s["docs"][:end], "kw": cut_scales(s["kw"], end)} for name, s in stored.items()
-               if name != "int4_triton"}  # fmt: skip
+               if name not in TRITON_SCANS}  # fmt: skip
         record["sweep"]["all_pairs"] = sweep(qs, qs_off, cut, sub_off, SWEEP_ALL_PAIRS, args.rep_ms)
         write_json(args.out, record)
 
@@ -212,29 +219,39 @@ SWEEP_ALL_PAIRS = [
 ]  # fmt: skip
 
 
-# The Gluon stream kernel's tiles for int4 (`maxsim_int8_hopper_stream.stream_with_tiles`: items a program,
-# ring stages, tiles a turn, register cap; 0 = no cap); the first is the shipped `INT4_TILES`.
+# The Gluon stream kernel's tiles (`maxsim_int8_hopper_stream.stream_with_tiles`: items a program, ring
+# stages, tiles a turn, register cap; 0 = no cap); the first is the shipped `INT4_TILES` / `RESIDUAL2_TILES`.
 SWEEP_STREAM = [
     (32, 8, 2, 128), (32, 4, 2, 128), (32, 6, 2, 128), (32, 12, 2, 128), (16, 8, 2, 128), (64, 8, 2, 128),
     (32, 8, 4, 128), (32, 8, 2, 168), (32, 8, 2, 0), (32, 6, 2, 96), (32, 8, 2, 96), (64, 12, 2, 128),
 ]  # fmt: skip
 
 
-def stream_sweep(q, int4: dict, offsets, rep_ms: int) -> list:
-    """int4, one query, on the stream kernel under each of SWEEP_STREAM: median time, same bits as the
-    first."""
+SWEEP_STREAM_RESIDUAL2 = [
+    (32, 6, 1, 0), (32, 6, 1, 168), (32, 6, 1, 128), (32, 4, 1, 0), (32, 8, 1, 0), (16, 6, 1, 0),
+    (64, 6, 1, 0), (32, 6, 1, 160), (32, 3, 1, 0),
+]  # fmt: skip
+
+
+def stream_sweep(q, codes: dict, offsets, configs: list, rep_ms: int) -> list:
+    """int4 or residual2 codes, one query, on the stream kernel under each of `configs`: median time, same
+    bits as the first."""
+    from maxsim_kernels import maxsim_codes
     from maxsim_kernels import maxsim_int8_hopper_stream as stream
     from maxsim_kernels.maxsim_int8 import quantize_per_token
 
     q8, sq = quantize_per_token(q)
     q_off = torch.tensor([0, q.shape[0]], device=q.device)
+    book = codes["kw"].get("codebook")
+    tables = None if book is None else maxsim_codes.residual2_query_tables(q8, book)
+    scales = codes["kw"].get("doc_scales")
     rows, first = [], None
-    for items, stages, group, cap in SWEEP_STREAM[:2] if SMOKE["on"] else SWEEP_STREAM:
+    for items, stages, group, cap in configs[:2] if SMOKE["on"] else configs:
         cfg = dict(items_per_prog=items, stages=stages, group=group, maxnreg=cap)
 
         def call(cfg=cfg):
             return stream.stream_with_tiles(
-                q8, sq, q_off, None, None, int4["docs"], int4["kw"]["doc_scales"], offsets, q.shape[0], **cfg
+                q8, sq, q_off, None, None, codes["docs"], scales, offsets, q.shape[0], residual=tables, **cfg
             )
 
         try:

@@ -201,7 +201,7 @@ def rows_of(host_offsets: np.ndarray, docs: np.ndarray) -> tuple[np.ndarray, np.
 
 
 def main() -> None:
-    from maxsim_kernels import maxsim_varlen
+    from maxsim_kernels import maxsim_codes, maxsim_varlen
 
     from maxsim_cli.codecs import default_centroids
 
@@ -305,12 +305,18 @@ def main() -> None:
                     args.rep_ms,
                 )
                 row["scan_topk_ms"] = topk["ms"]
+                # the same codes on the Triton scan (on sm_90 the scan above runs on the Gluon stream kernel)
+                triton_scan = lambda: maxsim_codes.launch_varlen_with_tiles(  # noqa: E731
+                    queries[0], q_off, codes, offsets, None, codebook=book
+                )
+                row["triton_scan_ms"] = timed_rounds(triton_scan, args.rounds, args.rep_ms)["ms"]
                 row["within_15ms"] = row["ms"] <= 15.0
                 row.update(gpu_memory(dev))
                 scans[name] = row
                 log(
                     f"residual2 K={k}: {row['ms']:.3f} ms ({row['TBps']:.2f} TB/s on 36 B/token), "
-                    f"with top {args.depth}: {row['scan_topk_ms']:.3f} ms"
+                    f"with top {args.depth}: {row['scan_topk_ms']:.3f} ms; "
+                    f"Triton scan {row['triton_scan_ms']:.3f} ms"
                 )
             except torch.OutOfMemoryError as exc:
                 scans[name] = oom_record(exc, dev, num_centroids=k)

@@ -68,7 +68,9 @@ docs/kernel-notes.md, "Codes below 8 bits". Scores only (no argmax).
 
 On an sm_90 GPU, int4 at dim 128 with one query, or candidates with query offsets on the host (queries of
 at most 64 tokens), runs on the Gluon stream kernel of `maxsim_int8_hopper_stream` instead (TMA ring,
-nibbles unpacked into wgmma's register operand; the same maxima, the query sums in its own order). All
+nibbles unpacked into wgmma's register operand; the same maxima, the query sums in its own order); so does
+residual2 at dim 128 with separable buckets (queries of at most 32 tokens, a centroid table of one launch:
+cp.async ring, the bit planes made in wgmma's register operand, the same eight products a tile). All
 pairs of enough queries to be bound by the tensor cores decode the documents a bounded chunk at a time
 into int8 rows and score them on the Gluon all-pairs kernel of `maxsim_int8_hopper`
 (`_int4_decoded_allpairs`: the decode's bytes are ~1% of such a call's time).
@@ -84,7 +86,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .int4_packing import INT4_NIBBLES_ASM
+from .code_unpacking import INT4_NIBBLES_ASM, PLANE_UNIT_ASM, bucket_planes_asm
 from .launch import launch_fitting_shared_memory
 from .maxsim_int8 import (
     candidate_query,
@@ -266,34 +268,15 @@ def decode_residual2(codes: torch.Tensor, codebook: ResidualCodebook) -> torch.T
 # Triton kernels
 # ----------------------------------------------------------------------------------------------------------
 
-# Unpacking on the GPU: inline PTX, four bytes of codes a 32-bit register (int4: `int4_packing`); Triton's
+# Unpacking on the GPU: inline PTX, four bytes of codes a 32-bit register (`code_unpacking`); Triton's
 # interpreter runs the tl ops of `_int4_nibbles` / `_bucket_planes` instead, which give the same values.
 _INT4_NIBBLES_ASM: tl.constexpr = tl.constexpr(INT4_NIBBLES_ASM)
 
 
-def _bucket_planes_asm(part: int) -> str:
-    """residual2: bit 0, bit 1 and their AND of bucket ``part`` of four bytes as fp16 0 or 2^-14 (the bit
-    moved to the exponent's lowest bit: 0x0400, the smallest normal fp16; the launcher scales the sums
-    back by 2^14). prmt spreads bytes 0,1 (2,3) to the two halves of a register, so one shift and one AND
-    make two values."""
-    s0, s1 = 10 - 2 * part, 9 - 2 * part
-    half = (
-        "shl.b32 a, {t}, {s0}; shl.b32 c, {t}, {s1}; and.b32 {o0}, a, 0x04000400; "
-        "and.b32 {o1}, c, 0x04000400; lop3.b32 {o2}, a, c, 0x04000400, 0x80; "
-    )
-    return (
-        "{ .reg .b32 t0, t1, a, c; prmt.b32 t0, $6, 0, 0x4140; prmt.b32 t1, $6, 0, 0x4342; "
-        + half.format(t="t0", s0=s0, s1=s1, o0="$0", o1="$2", o2="$4")
-        + half.format(t="t1", s0=s0, s1=s1, o0="$1", o1="$3", o2="$5")
-        + "}"
-    )
-
-
-_PLANES_ASM_0: tl.constexpr = tl.constexpr(_bucket_planes_asm(0))
-_PLANES_ASM_1: tl.constexpr = tl.constexpr(_bucket_planes_asm(1))
-_PLANES_ASM_2: tl.constexpr = tl.constexpr(_bucket_planes_asm(2))
-_PLANES_ASM_3: tl.constexpr = tl.constexpr(_bucket_planes_asm(3))
-PLANE_UNIT_ASM = 2.0**-14  # the value of a set bit in `_bucket_planes_asm`'s planes
+_PLANES_ASM_0: tl.constexpr = tl.constexpr(bucket_planes_asm(0))
+_PLANES_ASM_1: tl.constexpr = tl.constexpr(bucket_planes_asm(1))
+_PLANES_ASM_2: tl.constexpr = tl.constexpr(bucket_planes_asm(2))
+_PLANES_ASM_3: tl.constexpr = tl.constexpr(bucket_planes_asm(3))
 
 
 @triton.jit
@@ -894,6 +877,12 @@ def _prepare(
     return codec, dim, backend, q8, sq.contiguous(), query_offsets, codes, doc_scales, doc_offsets, codebook
 
 
+# fp32 zeros past the centroid table's last row (`residual2_query_tables`): the Gluon stream kernel reads N
+# columns of a row from the query's first, unmasked (`maxsim_int8_hopper_stream._tile_centroids`; a mask of
+# the query's columns made its candidates build spill 640 bytes)
+TABLE_SLACK = 64
+
+
 class QueryTables(NamedTuple):
     """The query side of a residual2 scan (`residual2_query_tables`) for R query rows of dim d."""
 
@@ -930,11 +919,15 @@ def residual2_query_tables(q8: torch.Tensor, codebook: ResidualCodebook) -> Quer
     device = q8.device
     q = q8.double()
     base = codebook.centroids.double() + codebook.bucket_weights.double()[:, 0][None, :]
-    by_centroid = (base @ q.T).float()  # [K, R]
+    # [K, R], in storage with TABLE_SLACK zeros past it: the stream kernel reads a row's N columns unmasked
+    k, rows = base.shape[0], q8.shape[0]
+    storage = torch.zeros(k * rows + TABLE_SLACK, dtype=torch.float32, device=device)
+    by_centroid = storage[: k * rows].view(k, rows)
+    by_centroid.copy_(base @ q.T)
     weights, exponent, separable = _plane_weights_and_exponent(codebook.bucket_weights)
     planes = q[None, :, :] * weights.to(device)[:, None, :]
     planes = (planes * 2.0**-exponent).to(torch.float16)[:, :, _part_major_order(dim, device)].contiguous()
-    return QueryTables(planes, by_centroid.contiguous(), 2.0**exponent, separable)
+    return QueryTables(planes, by_centroid, 2.0**exponent, separable)
 
 
 def _plane_weights_and_exponent(bucket_weights: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
@@ -1328,10 +1321,13 @@ def maxsim_varlen_codes(
     codec, dim, backend, q8, sq, q_off, codes, sd, d_off, cb = _prepare(
         queries, query_offsets, docs, doc_offsets, doc_scales, query_scales, codebook, backend
     )
-    stream = _int4_stream(codec, backend, query_offsets, q8, codes) if q_off.numel() == 2 else None
+    stream = _code_stream(codec, backend, query_offsets, q8, codes, cb) if q_off.numel() == 2 else None
     if stream is not None:
-        module, longest = stream
-        return module.maxsim_int8_stream(q8, sq, q_off, None, None, codes, sd, d_off, longest)[None]
+        module, longest, tables = stream
+        scores = module.maxsim_int8_stream(
+            q8, sq, q_off, None, None, codes, sd, d_off, longest, residual=tables
+        )
+        return scores[None]
     if codec == "int4" and backend == "triton" and q_off.numel() > 2:
         decoded = _int4_decoded_allpairs(query_offsets, doc_offsets, q8, sq, q_off, codes, sd, d_off)
         if decoded is not None:
@@ -1382,24 +1378,40 @@ def maxsim_candidates_codes(
     if candidate_docs.numel():
         check_candidate_docs(candidate_docs, nd, guarded=backend == "triton")
     c_docs = candidate_docs.to(device)
-    stream = _int4_stream(codec, backend, query_offsets, q8, codes)
+    stream = _code_stream(codec, backend, query_offsets, q8, codes, cb)
     if stream is not None:
-        module, longest = stream
-        return module.maxsim_int8_stream(q8, sq, q_off, c_off, c_docs, codes, sd, d_off, longest)
+        module, longest, tables = stream
+        return module.maxsim_int8_stream(
+            q8, sq, q_off, c_off, c_docs, codes, sd, d_off, longest, residual=tables
+        )
     if backend == "triton":
         return _launch_candidates(codec, dim, q8, sq, q_off, codes, sd, d_off, cb, c_off, c_docs)
     return _candidates_torch(q8, sq, q_off, codes, sd, d_off, cb, c_off, c_docs)
 
 
-def _int4_stream(
-    codec: str, backend: str, given_q_off: torch.Tensor, q8: torch.Tensor, codes: torch.Tensor
+def _code_stream(
+    codec: str,
+    backend: str,
+    given_q_off: torch.Tensor,
+    q8: torch.Tensor,
+    codes: torch.Tensor,
+    codebook: ResidualCodebook | None,
 ) -> tuple | None:
-    """(the Gluon stream module, the longest query) where it takes the scan: int4 codes on an sm_90 GPU
-    with the Triton backend, one query or query offsets given on the host (`maxsim_int8.hopper_stream`:
-    queries of at most 64 tokens, dim 128), else None."""
-    if codec != "int4" or backend != "triton":
+    """(the Gluon stream module, the longest query, the residual2 query tables or None) where it takes the
+    scan, else None: on an sm_90 GPU with the Triton backend, one query or query offsets given on the
+    host (`maxsim_int8.hopper_stream`), dim 128; int4 codes of queries of at most 64 tokens, or residual2
+    codes of separable buckets, queries of at most 32 tokens and a centroid table of one launch."""
+    if backend != "triton":
         return None
-    return hopper_stream(given_q_off, q8, codes, False)
+    if codec == "int4":
+        stream = hopper_stream(given_q_off, q8, codes, False)
+        return None if stream is None else (*stream, None)
+    assert codebook is not None
+    separable = _plane_weights_and_exponent(codebook.bucket_weights)[2]
+    if not separable or q8.shape[0] * 4 * codebook.centroids.shape[0] > _CENTROID_TABLE_BYTES:
+        return None
+    stream = hopper_stream(given_q_off, q8, codes, False, residual=True)
+    return None if stream is None else (*stream, residual2_query_tables(q8, codebook))
 
 
 # int4 all pairs on sm_90 (`_int4_decoded_allpairs`): documents decoded to int8 rows a chunk of at most this

@@ -852,11 +852,16 @@ def hopper_allpairs(
 
 
 def hopper_stream(
-    query_offsets: torch.Tensor, q8: torch.Tensor, d8: torch.Tensor, return_argmax: bool
+    query_offsets: torch.Tensor,
+    q8: torch.Tensor,
+    d8: torch.Tensor,
+    return_argmax: bool,
+    residual: bool = False,
 ) -> tuple[Any, int] | None:
     """(the Gluon module `maxsim_int8_hopper_stream`, the longest query) where it takes an HBM-bound
     problem (one query against every document, or candidates), else None. The query lengths come from
-    the host: offsets given there, or the queries' rows when there is one query (no synchronisation)."""
+    the host: offsets given there, or the queries' rows when there is one query (no synchronisation).
+    `residual`: d8 holds residual2 codes (`supports_residual`)."""
     if return_argmax:
         return None
     stream = gluon_module("maxsim_int8_hopper_stream", d8.device)
@@ -868,7 +873,11 @@ def hopper_stream(
         q_lens = _query_lengths(query_offsets, q8.shape[0])
     else:
         return None
-    return (stream, int(q_lens.max())) if stream.supports(q_lens, d8, return_argmax) else None
+    if residual:
+        taken = stream.supports_residual(q_lens, d8)
+    else:
+        taken = stream.supports(q_lens, d8, return_argmax)
+    return (stream, int(q_lens.max())) if taken else None
 
 
 def _query_lengths(query_offsets: torch.Tensor, n_tokens: int) -> np.ndarray:

@@ -18,7 +18,7 @@ against all documents or candidates; everything else keeps the Triton kernels of
 int4 codes (PACKED; `maxsim_codes`, the same score with c[j] in -7..7 for d8[j]): a tile is 64 rows of 64
 bytes, two values a byte. Each thread loads its bytes of the tile from shared memory straight into wgmma's
 register operand layout (four consecutive bytes a register), splits them into the low and the high
-nibbles (`int4_packing`: 7 integer instructions for 8 values) and issues two products from registers, the
+nibbles (`code_unpacking`: 7 integer instructions for 8 values) and issues two products from registers, the
 low nibbles (values 2m) against the query's even columns and the high ones against its odd columns, both
 held in shared memory. The integer products and maxima are those of the int8 kernel on the decoded
 values, bit for bit. A document's end does not wait for the other warps (DEFER, `deferred`): each warp
@@ -27,6 +27,23 @@ summed after its last tile (`_deferred_scores`; the sums in another order than t
 Bound (H100, 3.35 TB/s): 68 bytes a token, 1.09 GB for one query x 100K documents of 20-300 tokens, 0.33
 ms; a tile brings 4 KB, so an SM takes one in every ~300 clocks at the bound. Measured 0.475 ms against
 the Triton scan's 0.684 and fp16's 1.309 (docs/kernel-notes.md, "4-bit on the Gluon stream kernel").
+
+residual2 codes of separable buckets (RESIDUAL; `maxsim_codes`: a row is a uint32 centroid id and 2 bits a
+dimension, 36 bytes at dim 128; the query side `maxsim_codes.residual2_query_tables`): rows of 36 bytes are
+not 16-byte aligned, so a tile's bucket words (32 bytes a row) come by cp.async, four bytes a copy, each
+thread's copies arriving on the ring slot's barrier (its count is the threads'). Each thread loads its bytes
+of the tile into wgmma's fp16 register operand layout (two consecutive bytes a pair of elements), makes each
+2-bit bucket position p (dimensions 4m + p of byte m) into its bit planes b0 and b1 (fp16 0 or 2^-14:
+`code_unpacking`) and chains eight products from registers, b_v of part p against the query's plane v of part
+p (fp16, [32, N] in shared memory), into one fp32 accumulator: the Triton scan's products
+(`maxsim_codes._code_tile`, CODEC 2); a tile's register operands are 64 registers a thread. The fold adds the
+centroid table's entry of each token and query row (fp32, gathered from L2 by the token's id; the ids loaded
+two tiles ahead and the entries gathered one tile ahead, so no load is waited for at the fold): sim = acc *
+plane_scale + table[id, row]; NaN past the document, +inf for an id outside the codebook (the item then scores
+NaN). Queries of at most 32 tokens (RESIDUAL_MAX_QUERY_TOKENS). Bound (H100): 36 bytes a token, 0.58 GB for
+one query x 100K documents, 0.17 ms at 3.35 TB/s; the products are 64 x N x 256 fp16 MACs a tile (~250
+tensor-core clocks an SM at N = 32, 0.29 ms for 300K tiles over 132 SMs), the unpacking ~140 integer
+instructions a thread a tile beside them.
 
 Work items. The items are the entries of a flat list: the candidates (item c scores query owner(c) against
 document candidate_docs[c]), or for one query all documents (item c is document c). A program takes up to
@@ -65,12 +82,13 @@ the Triton TMA tiles' 0.622-0.674 and 0.446-0.464 in the same rounds.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -80,7 +98,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .int4_packing import INT4_NIBBLES_ASM as _NIBBLES_TEXT
+from .code_unpacking import INT4_NIBBLES_ASM as _NIBBLES_TEXT
+from .code_unpacking import PLANE_UNIT_ASM, bucket_planes_asm
 from .launch import hopper_device
 from .maxsim_int8 import candidate_query
 from .validation import cdiv
@@ -103,7 +122,18 @@ _WARPS = gl.constexpr(NUM_WARPS)
 # 12 bytes spilled for candidates) 0.72-0.75 / 0.586-0.591 (64-token queries).
 REGISTERS = {16: (96, 128), 32: (96, 128), 64: (168, 168)}
 MAX_QUERY_TOKENS = 64
-_NIBBLES_ASM = gl.constexpr(_NIBBLES_TEXT)  # int4: the two nibbles of four bytes (`int4_packing`)
+_NIBBLES_ASM = gl.constexpr(_NIBBLES_TEXT)  # int4: the two nibbles of four bytes (`code_unpacking`)
+# residual2: the bit planes of bucket p of four bytes (`code_unpacking`)
+_PLANES_0 = gl.constexpr(bucket_planes_asm(0))
+_PLANES_1 = gl.constexpr(bucket_planes_asm(1))
+_PLANES_2 = gl.constexpr(bucket_planes_asm(2))
+_PLANES_3 = gl.constexpr(bucket_planes_asm(3))
+RESIDUAL_DIM = 128
+# a residual2 row in int32 words: the centroid id, then 2 bits a dimension (36 bytes)
+RESIDUAL_WORDS = gl.constexpr(1 + RESIDUAL_DIM // 16)
+# queries of at most this many tokens: N = 64 would double the accumulators, running maxima and table
+# entries (~100 more registers a thread beside the products' 64 register operands); not built
+RESIDUAL_MAX_QUERY_TOKENS = 32
 
 
 # int4: an item's end keeps each warp's maxima in shared memory (items x 4 warps x N fp32), the program's
@@ -136,6 +166,10 @@ INT8_TILES = Tuning(STAGES, GROUP, ITEMS_ONE_QUERY, ITEMS_CANDIDATES, REGISTERS)
 # programs) 0.688 and 96 (spills) 0.936: the scan is bound by the latency of each program's chain of a
 # tile (load into registers, unpack, two products, fold), so programs an SM count, the ring's depth not.
 INT4_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (128, 128), 64: (168, 168)})
+# residual2 (RESIDUAL), one query x 100K documents on an H100 (bench_codes.py --stream-sweep): 1.235 ms with
+# a ring of 6, 2 tiles a turn and a cap of 128 registers (four programs an SM), against 1.305 at 168 (three)
+# and 1.355 uncapped (255, two programs); 4 tiles a turn 1.470 uncapped
+RESIDUAL2_TILES = Tuning(6, 2, 32, 16, {16: (128, 128), 32: (128, 128)})
 
 
 @gluon.jit
@@ -214,7 +248,100 @@ def _tile_scales(sd_ptr, tok, end, rows):
 
 
 @gluon.jit
-def _product(d_smem, q_t, q_hi_t, ready, x, zero, STAGES: gl.constexpr, PACKED: gl.constexpr):
+def _copy_codes(codes_ptr, smem, bar, tok, n_tokens, BLOCK_T: gl.constexpr):
+    """residual2: the bucket words (1 .. 8) of rows tok .. tok + BLOCK_T - 1 into smem [BLOCK_T, 8] int32
+    by cp.async, four bytes a copy (a row is 36 bytes: no 16-byte alignment for TMA); `bar` completes its
+    phase when every thread's copies have landed (its count is the threads'). Rows past the codes are not
+    read."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [_WARPS, 1], [1, 0])
+    rows = tok + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, layout))
+    words = 1 + gl.arange(0, RESIDUAL_WORDS - 1, layout=gl.SliceLayout(0, layout))
+    at = codes_ptr + rows.to(gl.int64)[:, None] * RESIDUAL_WORDS + words[None, :]
+    async_copy.async_copy_global_to_shared(smem, at, mask=(rows < n_tokens)[:, None])
+    async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
+def _request(d_desc, d_smem, ready, slot, tok, n_tokens, BLOCK_T: gl.constexpr, RESIDUAL: gl.constexpr):
+    """Copy the tile at token tok into ring slot `slot`: by TMA, or by cp.async for residual2 codes."""
+    if RESIDUAL:
+        _copy_codes(d_desc, d_smem.index(slot), ready.index(slot), tok, n_tokens, BLOCK_T)
+    else:
+        mbarrier.expect(ready.index(slot), d_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(d_desc, [tok, 0], ready.index(slot), d_smem.index(slot))
+
+
+@gluon.jit
+def _tile_ids(codes_ptr, tok, end, rows, n_centroids):
+    """residual2: the tile's centroid ids in the accumulator's row layout, -1 past the document and
+    n_centroids for an id outside the codebook (stored ids are uint32: 2^31 and above read negative)."""
+    inside = tok + rows < end
+    cid = gl.load(codes_ptr + (tok + rows).to(gl.int64) * RESIDUAL_WORDS, mask=inside, other=0)
+    cid = gl.where((cid >= 0) & (cid < n_centroids), cid, n_centroids)
+    return gl.where(inside, cid, -1)
+
+
+@gluon.jit
+def _tile_centroids(tab_ptr, ids, cols, stride_tab, n_centroids):
+    """residual2: the centroid table's entries of the tile's tokens ([BLOCK_T, N] fp32, `_tile_ids`' ids):
+    NaN past the document (max ignores it), +inf for an id outside the codebook (the item scores NaN). The
+    N columns from the query's first row are read whatever its length: past it they are the next rows' (or
+    the table's slack, `maxsim_codes.TABLE_SLACK`), never summed."""
+    ok = (ids >= 0) & (ids < n_centroids)
+    fill = gl.where(ids < 0, float("nan"), float("inf"))
+    at = tab_ptr + ids.to(gl.int64)[:, None] * stride_tab + cols[None, :]
+    return gl.load(at, mask=ok[:, None], other=fill[:, None])
+
+
+@gluon.jit
+def _side(sd_ptr, codes_ptr, tok, end, rows, n_centroids, RESIDUAL: gl.constexpr):
+    """What the fold of a tile takes beside its products, loaded two tiles ahead: its token scales, or
+    for residual2 its centroid ids (`_tile_ids`; their table entries are gathered a tile later)."""
+    if RESIDUAL:
+        return _tile_ids(codes_ptr, tok, end, rows, n_centroids)
+    else:
+        return _tile_scales(sd_ptr, tok, end, rows)
+
+
+@gluon.jit
+def _ready_side(side, tab_ptr, cols, stride_tab, n_centroids, RESIDUAL: gl.constexpr):
+    """The next tile's fold input: the scales as loaded, or residual2's centroid table entries gathered by
+    the ids loaded a tile earlier."""
+    if RESIDUAL:
+        return _tile_centroids(tab_ptr, side, cols, stride_tab, n_centroids)
+    else:
+        return side
+
+
+@gluon.jit
+def _residual_products(packed, q_planes, zero):
+    """residual2: the tile's products, bit planes b0 and b1 of each bucket position p (dimensions 4m + p,
+    byte m of the buckets) against the query planes 0 and 1 of part p: eight from registers, chained."""
+    b0, b1, _ = gl.inline_asm_elementwise(
+        _PLANES_0, "=r,=r,=r,=r,=r,=r,r", [packed], dtype=(gl.float16,) * 3, is_pure=True, pack=4
+    )
+    acc = warpgroup_mma(b0, q_planes.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    acc = warpgroup_mma(b1, q_planes.index(4).permute((1, 0)), acc, is_async=True)
+    b0, b1, _ = gl.inline_asm_elementwise(
+        _PLANES_1, "=r,=r,=r,=r,=r,=r,r", [packed], dtype=(gl.float16,) * 3, is_pure=True, pack=4
+    )
+    acc = warpgroup_mma(b0, q_planes.index(1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(b1, q_planes.index(5).permute((1, 0)), acc, is_async=True)
+    b0, b1, _ = gl.inline_asm_elementwise(
+        _PLANES_2, "=r,=r,=r,=r,=r,=r,r", [packed], dtype=(gl.float16,) * 3, is_pure=True, pack=4
+    )
+    acc = warpgroup_mma(b0, q_planes.index(2).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(b1, q_planes.index(6).permute((1, 0)), acc, is_async=True)
+    b0, b1, _ = gl.inline_asm_elementwise(
+        _PLANES_3, "=r,=r,=r,=r,=r,=r,r", [packed], dtype=(gl.float16,) * 3, is_pure=True, pack=4
+    )
+    acc = warpgroup_mma(b0, q_planes.index(3).permute((1, 0)), acc, is_async=True)
+    return warpgroup_mma(b1, q_planes.index(7).permute((1, 0)), acc, is_async=True)
+
+
+@gluon.jit
+def _product(d_smem, q_t, q_hi_t, ready, x, zero, STAGES: gl.constexpr, PACKED: gl.constexpr,
+             RESIDUAL: gl.constexpr):  # fmt: skip
     """Tile x's D8 . Q8^T, asynchronous, once its copy has landed. PACKED (int4 codes): the tile's bytes
     are loaded into wgmma's register operand layout and split into their low and high nibbles (values 2m
     and 2m + 1), each multiplied with the query's matching columns (q_t, q_hi_t); ptxas keeps those
@@ -222,7 +349,11 @@ def _product(d_smem, q_t, q_hi_t, ready, x, zero, STAGES: gl.constexpr, PACKED: 
     test checks it does not)."""
     slot = x % STAGES
     mbarrier.wait(ready.index(slot), (x // STAGES) & 1)
-    if PACKED:
+    if RESIDUAL:
+        # q_t holds the query planes [8, N, 32] (plane v of part p at 4v + p), d_smem the tiles' bytes
+        a_layout_r: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=zero.type.layout, k_width=2)
+        return _residual_products(d_smem.index(slot).load(a_layout_r), q_t, zero)
+    elif PACKED:
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=zero.type.layout, k_width=4)
         packed = d_smem.index(slot).load(a_layout)
         low, high = gl.inline_asm_elementwise(
@@ -235,25 +366,28 @@ def _product(d_smem, q_t, q_hi_t, ready, x, zero, STAGES: gl.constexpr, PACKED: 
 
 
 @gluon.jit
-def _retire(acc, x, tiles, total, run, sc, last, item, qs, q_ok, out_ptr,
+def _retire(acc, x, tiles, total, run, sc, sc_next, last, item, qs, q_ok, out_ptr,
             pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
             c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad, partial, c_first,
+            n_tokens, cols, stride_tab, n_centroids, plane_scale,
             IDENTITY: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr,
-            STAGES: gl.constexpr, DEFER: gl.constexpr):  # fmt: skip
+            STAGES: gl.constexpr, DEFER: gl.constexpr, RESIDUAL: gl.constexpr):  # fmt: skip
     """Tile x's product is done: refill its ring slot with tile x + STAGES (the ring cursor p's tile),
-    fold tile x (scales `sc`, item `item`, `last` if it ends the item) into the running maxima `run`,
-    storing the item's score at its end (NaN for a bad index), and load the scales of tile x + 2 (the
-    scale cursor s). With DEFER the item's end keeps each warp's maxima of its rows in `partial` (shared
-    memory, a slot an item of the program) and no warp waits for another: `_deferred_scores` finishes
-    the program's items at its end."""
+    fold tile x (`sc`: its scales, or residual2's centroid table entries; item `item`, `last` if it ends
+    the item) into the running maxima `run`, storing the item's score at its end (NaN for a bad index),
+    and load what the fold of tile x + 2 takes (the side cursor s; `_side`). Returns tile x + 1's fold
+    input ready (`_ready_side` of `sc_next`) and tile x + 2's as loaded. With DEFER the item's end keeps
+    each warp's maxima of its rows in `partial` (shared memory, a slot an item of the program) and no warp
+    waits for another: `_deferred_scores` finishes the program's items at its end."""
     if x + STAGES < tiles:
-        slot = x % STAGES
-        mbarrier.expect(ready.index(slot), d_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(d_desc, [ps, 0], ready.index(slot), d_smem.index(slot))
+        _request(d_desc, d_smem, ready, x % STAGES, ps, n_tokens, BLOCK_T, RESIDUAL)
         pc, ps, pe, pns, pne, pnd = _cursor_next(pc, ps, pe, pns, pne, pnd, c_last, cand_ptr, off_ptr, bad,
                                                  IDENTITY, ITEMS, BLOCK_T)  # fmt: skip
     if x < total:
-        v = acc.to(gl.float32) * sc[:, None]
+        if RESIDUAL:
+            v = acc * plane_scale + sc
+        else:
+            v = acc.to(gl.float32) * sc[:, None]
         run = gl.maximum(run, v)
         if last:
             if DEFER:
@@ -263,23 +397,27 @@ def _retire(acc, x, tiles, total, run, sc, last, item, qs, q_ok, out_ptr,
             else:
                 best = gl.max(run, axis=0)
                 score = gl.sum(gl.where(q_ok, qs * best, 0.0), axis=0)
+                if RESIDUAL:  # +inf only from a centroid id outside the codebook
+                    score = gl.where(score == float("inf"), float("nan"), score)
                 if not IDENTITY:
                     score = gl.where(_is_bad(bad, item, ITEMS), float("nan"), score)
                 gl.store(out_ptr + item, score)
             run = gl.full(run.shape, float("-inf"), gl.float32, run.type.layout)
-    # the scales of tile x + 2, and its place in the walk
-    sc_new = _tile_scales(sd_ptr, s_tok, s_end, rows)
+    # tile x + 1's fold input, then what tile x + 2's takes and its place in the walk
+    sc_ready = _ready_side(sc_next, sd_ptr, cols, stride_tab, n_centroids, RESIDUAL)
+    sc_new = _side(sd_ptr, d_desc, s_tok, s_end, rows, n_centroids, RESIDUAL)
     last_new = s_tok + BLOCK_T >= s_end
     item_new = s_c
     s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_next(s_c, s_tok, s_end, s_ns, s_ne, s_nd, c_last, cand_ptr,
                                                        off_ptr, bad, IDENTITY, ITEMS, BLOCK_T)  # fmt: skip
-    return (run, sc_new, last_new, item_new, pc, ps, pe, pns, pne, pnd,
+    return (run, sc_ready, sc_new, last_new, item_new, pc, ps, pe, pns, pne, pnd,
             s_c, s_tok, s_end, s_ns, s_ne, s_nd)  # fmt: skip
 
 
 @gluon.jit
 def _deferred_scores(partial, qs_ptr, row_first, row_last, c_first, c_last, out_ptr, bad,
-                     IDENTITY: gl.constexpr, ITEMS: gl.constexpr, N: gl.constexpr):  # fmt: skip
+                     IDENTITY: gl.constexpr, ITEMS: gl.constexpr, N: gl.constexpr,
+                     RESIDUAL: gl.constexpr):  # fmt: skip
     """The scores of the program's items from the warps' maxima kept in `partial` ([ITEMS, warps, N], DEFER):
     the max over the warps, weighted by the query's scales and summed (NaN for a bad index)."""
     gl.thread_barrier()
@@ -292,24 +430,35 @@ def _deferred_scores(partial, qs_ptr, row_first, row_last, c_first, c_last, out_
     q_ok = cols < row_last
     qs = gl.load(qs_ptr + cols, mask=q_ok, other=0.0)
     score = gl.sum(gl.where(q_ok[None, :], qs[None, :] * best, 0.0), axis=1)
+    if RESIDUAL:  # +inf only from a centroid id outside the codebook
+        score = gl.where(score == float("inf"), float("nan"), score)
     items = c_first + gl.arange(0, ITEMS, layout=gl.SliceLayout(1, best_layout))
     if not IDENTITY:
         score = gl.where(_is_bad(bad, items, ITEMS), float("nan"), score)
     gl.store(out_ptr + items, score, mask=items < c_last)
 
 
-@gluon.jit(do_not_specialize=["n_queries", "n_items", "n_chunks", "n_docs"])
+@gluon.jit(
+    do_not_specialize=[
+        "n_queries", "n_items", "n_chunks", "n_docs", "n_tokens", "stride_plane", "stride_tab", "n_centroids"
+    ]
+)
 def _int8_stream_kernel(
     q_ptr, qs_ptr, q_off_ptr, cand_off_ptr, cand_ptr, off_ptr, d_desc, sd_ptr, out_ptr,
     n_queries, n_items, n_chunks, n_docs, stride_q,
+    n_tokens, stride_plane, stride_tab, n_centroids, plane_scale,
     DIM: gl.constexpr, N: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
     GROUP: gl.constexpr, IDENTITY: gl.constexpr, PACKED: gl.constexpr, DEFER: gl.constexpr,
+    RESIDUAL: gl.constexpr,
 ):  # fmt: skip
     """Scores of a run of items (see the module docstring): q int8 [Tq, DIM], qs fp32 [Tq], q_off [nq + 1],
     cand_off [nq + 1] (the items of each query) and cand int64 [n_items], both unused with IDENTITY (one
     query, item c is document c), off int64 [nd + 1], d_desc the int8 documents [Td, DIM] in [BLOCK_T,
     DIM] tiles (PACKED: int4 codes, uint8 [Td, DIM / 2] in [BLOCK_T, DIM / 2] tiles), sd fp32 [Td], out
-    fp32 [n_items], n_docs the number of documents (nd). A candidate index
+    fp32 [n_items], n_docs the number of documents (nd). RESIDUAL (residual2 codes of separable buckets):
+    q the fp16 query planes [3, Tq, DIM] (row stride stride_q, plane stride stride_plane), d_desc the codes
+    as int32 words [Td, 9] (n_tokens = Td rows), sd the centroid table fp32 [n_centroids, stride_tab]
+    (column = query row), plane_scale the planes' scale. A candidate index
     outside [0, n_docs) is never read through: its item is walked as an empty document and scored NaN
     (the run's bad items, found once when its length is counted, are the bits of `bad`)."""
     pid = gl.program_id(0)
@@ -328,9 +477,14 @@ def _int8_stream_kernel(
         q_end = gl.load(cand_off_ptr + query + 1).to(gl.int32)
         c_last = gl.minimum(q_end, gl.cdiv(c_first, ITEMS) * ITEMS)
     if c_first < c_last:
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 32]
-        )
+        if RESIDUAL:  # fp16 products
+            acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16]
+            )
+        else:
+            acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 32]
+            )
         row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
         ld_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
@@ -342,7 +496,15 @@ def _int8_stream_kernel(
         q_tok = row_first + gl.arange(0, N, layout=gl.SliceLayout(1, ld_layout))
         q_row_ptr = q_ptr + q_tok.to(gl.int64)[:, None] * stride_q
         q_in = (q_tok < row_last)[:, None]
-        if PACKED:
+        if RESIDUAL:
+            # planes 0 and 1 of each part p (columns 32p ..): wgmma's second operands, [N, 32] each
+            k = gl.arange(0, DIM // 4, layout=gl.SliceLayout(0, ld_layout))
+            q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, DIM // 4], gl.float16)
+            q_smem = gl.allocate_shared_memory(gl.float16, [8, N, DIM // 4], q_layout)
+            for i in gl.static_range(8):
+                at = q_row_ptr + (i // 4) * stride_plane + (i % 4) * (DIM // 4) + k[None, :]
+                q_smem.index(i).store(gl.load(at, mask=q_in, other=0.0))
+        elif PACKED:
             # the query's even and odd columns: the products of the codes' low and high nibbles
             k = gl.arange(0, DIM // 2, layout=gl.SliceLayout(0, ld_layout))
             q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, DIM // 2], gl.int8)
@@ -361,17 +523,30 @@ def _int8_stream_kernel(
         q_ok = cols < row_last
         qs = gl.load(qs_ptr + cols, mask=q_ok, other=0.0)
 
-        if PACKED:
+        if RESIDUAL:
+            # the tiles' bucket bytes, copied as words and read as bytes (unswizzled, row-major)
+            plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+            words = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_T, DIM // 16], plain)
+            d_smem = words._reinterpret(gl.uint8, [STAGES, BLOCK_T, DIM // 4], plain)
+            ring = words
+        elif PACKED:
             d_smem = gl.allocate_shared_memory(d_desc.dtype, [STAGES, BLOCK_T, DIM // 2], d_desc.layout)
+            ring = d_smem
         else:
             d_smem = gl.allocate_shared_memory(d_desc.dtype, [STAGES, BLOCK_T, DIM], d_desc.layout)
+            ring = d_smem
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
+            # cp.async: every thread's copies arrive on the barrier; TMA: one arrival and the bytes
+            mbarrier.init(ready.index(i), count=_WARPS * 32 if RESIDUAL else 1)
         fence_async_shared()
         gl.thread_barrier()
-        q_t = q_smem.permute((1, 0))
-        q_hi_t = q_hi_smem.permute((1, 0))
+        if RESIDUAL:
+            q_t = q_smem
+            q_hi_t = q_smem  # unused
+        else:
+            q_t = q_smem.permute((1, 0))
+            q_hi_t = q_hi_smem.permute((1, 0))
         if DEFER:  # each warp's maxima at each item's end: [ITEMS, warps, N] fp32
             partial = gl.allocate_shared_memory(
                 gl.float32, [ITEMS, _WARPS, N], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -403,21 +578,21 @@ def _int8_stream_kernel(
         pc, ps, pe, pns, pne, pnd = _cursor_start(c_first, c_last, cand_ptr, off_ptr, bad, IDENTITY, ITEMS)
         for i in gl.static_range(STAGES):
             if i < tiles:
-                mbarrier.expect(ready.index(i), d_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(d_desc, [ps, 0], ready.index(i), d_smem.index(i))
+                _request(d_desc, ring, ready, i, ps, n_tokens, BLOCK_T, RESIDUAL)
                 pc, ps, pe, pns, pne, pnd = _cursor_next(pc, ps, pe, pns, pne, pnd, c_last, cand_ptr, off_ptr,
                                                          bad, IDENTITY, ITEMS, BLOCK_T)  # fmt: skip
-        # the scales of tiles 0 and 1, their cursor left at tile 2
+        # the fold inputs of tiles 0 (ready) and 1 (as loaded), their cursor left at tile 2
         rows = gl.arange(0, BLOCK_T, layout=row_layout)
         s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_start(c_first, c_last, cand_ptr, off_ptr, bad, IDENTITY,
                                                             ITEMS)  # fmt: skip
-        sc0 = _tile_scales(sd_ptr, s_tok, s_end, rows)
+        sc0 = _ready_side(_side(sd_ptr, d_desc, s_tok, s_end, rows, n_centroids, RESIDUAL), sd_ptr, cols,
+                          stride_tab, n_centroids, RESIDUAL)  # fmt: skip
         last0 = s_tok + BLOCK_T >= s_end
         item0 = s_c
         s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_next(s_c, s_tok, s_end, s_ns, s_ne, s_nd, c_last,
                                                            cand_ptr, off_ptr, bad, IDENTITY, ITEMS,
                                                            BLOCK_T)  # fmt: skip
-        sc1 = _tile_scales(sd_ptr, s_tok, s_end, rows)
+        sc1 = _side(sd_ptr, d_desc, s_tok, s_end, rows, n_centroids, RESIDUAL)
         last1 = s_tok + BLOCK_T >= s_end
         item1 = s_c
         s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_next(s_c, s_tok, s_end, s_ns, s_ne, s_nd, c_last,
@@ -425,55 +600,59 @@ def _int8_stream_kernel(
                                                            BLOCK_T)  # fmt: skip
 
         run = gl.full([BLOCK_T, N], float("-inf"), gl.float32, acc_layout)
-        zero = gl.zeros([BLOCK_T, N], gl.int32, acc_layout)
+        zero = gl.zeros([BLOCK_T, N], gl.float32 if RESIDUAL else gl.int32, acc_layout)
         # wgmma groups a tile's products take (`_product`): waiting for all but the newest tile's
-        PRODUCTS: gl.constexpr = 2 if PACKED else 1
+        PRODUCTS: gl.constexpr = 8 if RESIDUAL else (2 if PACKED else 1)
         for base in range(0, tiles, GROUP):
-            t_a = _product(d_smem, q_t, q_hi_t, ready, base, zero, STAGES, PACKED)
-            t_b = _product(d_smem, q_t, q_hi_t, ready, base + 1, zero, STAGES, PACKED)
+            t_a = _product(d_smem, q_t, q_hi_t, ready, base, zero, STAGES, PACKED, RESIDUAL)
+            t_b = _product(d_smem, q_t, q_hi_t, ready, base + 1, zero, STAGES, PACKED, RESIDUAL)
             t_b, acc_a = warpgroup_mma_wait(num_outstanding=PRODUCTS, deps=[t_b, t_a])
-            (run, sc2, last2, item2, pc, ps, pe, pns, pne, pnd,
+            (run, sc0, sc1, last2, item2, pc, ps, pe, pns, pne, pnd,
              s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
-                acc_a, base, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
+                acc_a, base, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
                 pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-                c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad, partial, c_first,
-                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER,
+                c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
+                n_tokens, cols, stride_tab, n_centroids, plane_scale,
+                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL,
             )  # fmt: skip
-            sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
+            last0, item0, last1, item1 = last1, item1, last2, item2
             for j in gl.static_range(2, GROUP, 2):
-                t_a = _product(d_smem, q_t, q_hi_t, ready, base + j, zero, STAGES, PACKED)
+                t_a = _product(d_smem, q_t, q_hi_t, ready, base + j, zero, STAGES, PACKED, RESIDUAL)
                 t_a, acc_b = warpgroup_mma_wait(num_outstanding=PRODUCTS, deps=[t_a, t_b])
-                (run, sc2, last2, item2, pc, ps, pe, pns, pne, pnd,
+                (run, sc0, sc1, last2, item2, pc, ps, pe, pns, pne, pnd,
                  s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
-                    acc_b, base + j - 1, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
+                    acc_b, base + j - 1, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
                     pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-                    c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad, partial, c_first,
-                    IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER,
+                    c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
+                    n_tokens, cols, stride_tab, n_centroids, plane_scale,
+                    IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL,
                 )  # fmt: skip
-                sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
-                t_b = _product(d_smem, q_t, q_hi_t, ready, base + j + 1, zero, STAGES, PACKED)
+                last0, item0, last1, item1 = last1, item1, last2, item2
+                t_b = _product(d_smem, q_t, q_hi_t, ready, base + j + 1, zero, STAGES, PACKED, RESIDUAL)
                 t_b, acc_a = warpgroup_mma_wait(num_outstanding=PRODUCTS, deps=[t_b, t_a])
-                (run, sc2, last2, item2, pc, ps, pe, pns, pne, pnd,
+                (run, sc0, sc1, last2, item2, pc, ps, pe, pns, pne, pnd,
                  s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
-                    acc_a, base + j, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
+                    acc_a, base + j, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
                     pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-                    c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad, partial, c_first,
-                    IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER,
+                    c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
+                    n_tokens, cols, stride_tab, n_centroids, plane_scale,
+                    IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL,
                 )  # fmt: skip
-                sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
+                last0, item0, last1, item1 = last1, item1, last2, item2
             acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[t_b])
-            (run, sc2, last2, item2, pc, ps, pe, pns, pne, pnd,
+            (run, sc0, sc1, last2, item2, pc, ps, pe, pns, pne, pnd,
              s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
-                acc_b, base + GROUP - 1, tiles, total, run, sc0, last0, item0, qs, q_ok, out_ptr,
+                acc_b, base + GROUP - 1, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
                 pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-                c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad, partial, c_first,
-                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER,
+                c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
+                n_tokens, cols, stride_tab, n_centroids, plane_scale,
+                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL,
             )  # fmt: skip
-            sc0, last0, item0, sc1, last1, item1 = sc1, last1, item1, sc2, last2, item2
+            last0, item0, last1, item1 = last1, item1, last2, item2
 
         if DEFER:
             _deferred_scores(partial, qs_ptr, row_first, row_last, c_first, c_last, out_ptr, bad, IDENTITY,
-                             ITEMS, N)  # fmt: skip
+                             ITEMS, N, RESIDUAL)  # fmt: skip
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
 
@@ -493,9 +672,38 @@ def code_width(docs: torch.Tensor) -> int | None:
     return {torch.int8: 128, torch.uint8: 64}.get(docs.dtype)
 
 
-def tiles_for(docs: torch.Tensor) -> Tuning:
-    """The tuned tiles of the codec `docs` holds (int8 values, or int4 codes as uint8)."""
+def tiles_for(docs: torch.Tensor, residual: bool = False) -> Tuning:
+    """The tuned tiles of the codec `docs` holds (int8 values, int4 codes as uint8, or residual2 codes)."""
+    if residual:
+        return RESIDUAL2_TILES
     return INT4_TILES if docs.dtype == torch.uint8 else INT8_TILES
+
+
+class ResidualQuery(Protocol):
+    """The query side of a residual2 scan (`maxsim_codes.QueryTables`): what the kernel reads of it."""
+
+    planes: torch.Tensor  # fp16 [3, Tq, 128], columns in part-major order
+    by_centroid: torch.Tensor  # fp32 [K, Tq]
+    plane_scale: float
+    separable: bool
+
+
+def supports_residual(q_lens: np.ndarray, codes: torch.Tensor) -> bool:
+    """Whether this kernel takes a residual2 scan: `q_lens` the query lengths (host, at most
+    RESIDUAL_MAX_QUERY_TOKENS), `codes` uint8 [Td, 36] rows of dim 128, contiguous and 4-byte aligned (read
+    as int32 words). The codebook's buckets must be separable (the caller checks)."""
+    if not len(q_lens) or codes.dim() != 2 or codes.dtype != torch.uint8:
+        return False
+    return (
+        codes.shape[1] == 4 * RESIDUAL_WORDS
+        and 1 <= int(q_lens.min())
+        and int(q_lens.max()) <= RESIDUAL_MAX_QUERY_TOKENS
+        and 0 < codes.shape[0] < 2**31 - BLOCK_T  # the walk's tokens are int32
+        and codes.stride(1) == 1
+        and codes.stride(0) == codes.shape[1]
+        and codes.data_ptr() % 4 == 0
+        and hopper_device(codes.device)
+    )
 
 
 def supports(q_lens: np.ndarray, d8: torch.Tensor, return_argmax: bool) -> bool:
@@ -530,6 +738,8 @@ def maxsim_int8_stream(
     sd: torch.Tensor,
     d_off: torch.Tensor,
     max_query_len: int,
+    *,
+    residual: ResidualQuery | None = None,
 ) -> torch.Tensor:
     """fp32 scores [n_items]: q8 int8 [Tq, 128] with scales sq fp32 [Tq], query offsets int64 [nq + 1];
     item_off int64 [nq + 1] the items of each query and items int64 [n_items] the candidates' document
@@ -537,8 +747,9 @@ def maxsim_int8_stream(
     [Td, 64]: `maxsim_codes`) with scales sd fp32 [Td] and offsets d_off int64 [nd + 1]; all on the GPU.
     `max_query_len` (host) sizes the query tile (`supports`). A candidate index outside [0, nd) scores NaN
     and is never read through (the indices are not read by the host). The tiles are the codec's tuned
-    ones (`tiles_for`)."""
-    return stream_with_tiles(q8, sq, q_off, item_off, items, d8, sd, d_off, max_query_len)
+    ones (`tiles_for`). residual2 codes (`maxsim_codes`, uint8 [Td, 36], `supports_residual`): `residual`
+    is the query side (`maxsim_codes.residual2_query_tables` of q8, separable buckets), sd is not read."""
+    return stream_with_tiles(q8, sq, q_off, item_off, items, d8, sd, d_off, max_query_len, residual=residual)
 
 
 def stream_with_tiles(
@@ -552,6 +763,7 @@ def stream_with_tiles(
     d_off: torch.Tensor,
     max_query_len: int,
     *,
+    residual: ResidualQuery | None = None,
     items_per_prog: int | None = None,
     stages: int | None = None,
     group: int | None = None,
@@ -559,7 +771,7 @@ def stream_with_tiles(
 ) -> torch.Tensor:
     """`maxsim_int8_stream` with some of its tiles replaced (None keeps the tuned choice; `maxnreg` 0: no
     register cap), for sweeps and for the tests that every configuration gives the same bits."""
-    tuned = tiles_for(d8)
+    tuned = tiles_for(d8, residual is not None)
     n = query_columns(max_query_len)
     per = items_per_prog or (tuned.items_one_query if items is None else tuned.items_candidates)
     if items is not None and per > MAX_ITEMS_CANDIDATES:
@@ -572,15 +784,28 @@ def stream_with_tiles(
     if n_items == 0:
         return out
     n_chunks = cdiv(n_items, per)
-    packed = d8.dtype == torch.uint8
-    d_desc = TensorDescriptor.from_tensor(d8, [BLOCK_T, d8.shape[1]], _doc_layout(d8.shape[1], d8.dtype))
+    packed = d8.dtype == torch.uint8 and residual is None
+    if residual is None:
+        q, stride_q, stride_plane, scales = q8, q8.stride(0), 0, sd
+        tab_stride, n_centroids, plane_scale = 0, 0, 1.0
+        docs = TensorDescriptor.from_tensor(d8, [BLOCK_T, d8.shape[1]], _doc_layout(d8.shape[1], d8.dtype))
+    else:
+        table = residual.by_centroid
+        slack = table.untyped_storage().nbytes() // 4 - table.storage_offset() - table.numel()
+        if not table.is_contiguous() or slack < n:
+            raise ValueError(f"the centroid table needs {n} fp32 entries of slack past its end; got {slack}")
+        q, stride_q, stride_plane = residual.planes, residual.planes.stride(1), residual.planes.stride(0)
+        scales, tab_stride, n_centroids = table, table.stride(0), table.shape[0]
+        plane_scale = residual.plane_scale / PLANE_UNIT_ASM
+        docs = d8.view(torch.int32)  # [Td, 9] words: cp.async, four bytes a copy
     _int8_stream_kernel[(n_chunks + (0 if items is None else nq),)](
-        q8, sq, q_off, q_off if item_off is None else item_off, d_off if items is None else items, d_off,
-        d_desc, sd, out,
-        nq, n_items, n_chunks, d_off.numel() - 1, q8.stride(0),
+        q, sq, q_off, q_off if item_off is None else item_off, d_off if items is None else items, d_off,
+        docs, scales, out,
+        nq, n_items, n_chunks, d_off.numel() - 1, stride_q,
+        d8.shape[0], stride_plane, tab_stride, n_centroids, plane_scale,
         DIM=q8.shape[1], N=n, ITEMS=per, BLOCK_T=BLOCK_T, STAGES=tuned.stages if stages is None else stages,
         GROUP=tuned.group if group is None else group, IDENTITY=items is None, PACKED=packed,
-        DEFER=deferred(packed, per, n),
+        DEFER=deferred(packed or residual is not None, per, n), RESIDUAL=residual is not None,
         num_warps=NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out

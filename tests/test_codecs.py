@@ -623,6 +623,124 @@ def test_compiled_kernels_on_the_gpu_within_the_bound(codec, dim):
         _check_close(scores, reference, _bound(queries, q_off, enc))
 
 
+# residual2 on the Gluon stream kernel (sm_90, dim 128, separable buckets, queries of at most 32 tokens):
+# documents that are empty, one token, end at or next to a 64-token tile's end, runs of short documents,
+# negative similarities and an exact tie
+STREAM_DOC_LENGTHS = [0, 1, 63, 64, 65, 128, 129, 300, 7, 0, 2, 0]
+
+
+def _residual2_stream_or_skip(queries, q_off, codes, book) -> None:
+    from maxsim_kernels import maxsim_codes
+
+    q8, _ = quantized_queries(queries)
+    if maxsim_codes._code_stream("residual2", "triton", q_off, q8, codes, book) is None:
+        pytest.skip("the Gluon stream kernel needs an sm_90 GPU and the Triton release it was built with")
+
+
+def _stream_corpus(gen: torch.Generator, k: int = 300):
+    """Adversarial ragged documents (d = 128) as residual2 codes of separable buckets: (documents, offsets,
+    codes, codebook), on the CPU."""
+    lengths = STREAM_DOC_LENGTHS + torch.randint(0, 301, (400,), generator=gen).tolist()
+    lengths += torch.randint(1, 65, (200,), generator=gen).tolist()
+    docs, d_off = _packed(lengths, 128, gen)
+    docs[: docs.shape[0] // 2] *= -1
+    docs[int(d_off[20]) + 1] = docs[int(d_off[20])]
+    enc = _encoded("residual2-separable", docs, gen, k=k)
+    enc["docs"][int(d_off[20]) + 1] = enc["docs"][int(d_off[20])]  # the same codes: an exact tie
+    return docs, d_off, enc
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len", [1, 13, 17, 32])
+def test_residual2_stream_kernel_within_the_bound_of_the_decoded_values(q_len: int) -> None:
+    """One query, then ragged queries against their candidates, on the stream kernel: every score within
+    the float64 bound of the decoded values (the bit planes' bound), -inf for empty documents, NaN for a
+    centroid id outside the codebook (one past it, and one that reads negative as int32) and for a bad
+    candidate index; the same bits for every ring depth, loop unroll and items a program."""
+    from maxsim_kernels import maxsim_codes
+    from maxsim_kernels import maxsim_int8_hopper_stream as stream
+
+    gen = torch.Generator().manual_seed(70 + q_len)
+    _, d_off, enc = _stream_corpus(gen)
+    codes, book = enc["docs"], enc["codebook"]
+    queries, q_off = _packed([q_len], 128, gen)
+    book_d = ResidualCodebook(book.centroids.cuda(), book.bucket_weights.cuda())
+    broken = codes.clone()
+    broken[int(d_off[14]) + 3, :4] = torch.tensor([44, 1, 0, 0], dtype=torch.uint8)  # id 300 of 300
+    broken[int(d_off[15]), :4] = 255  # id 2^32 - 1
+    codes_d, d_off_d = broken.cuda(), d_off.cuda()
+    _residual2_stream_or_skip(queries.cuda(), q_off, codes_d, book_d)
+    scores = maxsim_varlen(queries.cuda(), q_off, codes_d, d_off_d, codebook=book_d).cpu()
+    reference = maxsim_codes_reference(queries, q_off, codes, d_off, codebook=book)
+    bound = _bound(queries, q_off, enc)
+    bad = torch.zeros(d_off.numel() - 1, dtype=torch.bool)
+    bad[[14, 15]] = True
+    assert torch.isnan(scores[0, bad]).all() and not torch.isnan(scores[0, ~bad]).any()
+    _check_close(scores[:, ~bad], reference[:, ~bad], bound)
+    q8, sq = quantized_queries(queries.cuda())
+    tables = maxsim_codes.residual2_query_tables(q8, book_d)
+    q_off_d = q_off.cuda()
+    for cfg in (dict(items_per_prog=1), dict(items_per_prog=64, stages=3, group=2),
+                dict(items_per_prog=8, stages=8, group=8), dict(maxnreg=168)):  # fmt: skip
+        again = stream.stream_with_tiles(q8, sq, q_off_d, None, None, codes_d, None, d_off_d, q_len,
+                                         residual=tables, **cfg).cpu()  # fmt: skip
+        assert torch.equal(again[~bad], scores[0, ~bad]) and torch.isnan(again[bad]).all(), cfg
+
+    # ragged queries (1..32 tokens, host offsets) against their candidates: repeats, empty documents, a
+    # query with none, lists that start inside another query's run of items, an index past the documents
+    counts = [0, 1, 37, 5, 120, 16]
+    queries, q_off = _packed([1, 32, q_len, 31, 7, 16], 128, gen)
+    cand_off = torch.tensor([0, *counts]).cumsum(0)
+    nd = d_off.numel() - 1
+    cand = torch.randint(0, nd, (int(cand_off[-1]),), generator=gen)
+    cand[:16] = torch.arange(16)  # the adversarial documents and the bad ids first
+    cand[40] = nd
+    picked = maxsim_candidates(queries.cuda(), q_off, codes_d, d_off_d, cand_off, cand.cuda(),
+                               codebook=book_d).cpu()  # fmt: skip
+    reference = maxsim_codes_reference(queries, q_off, codes, d_off, codebook=book)
+    bound = _bound(queries, q_off, enc)
+    owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    nan = (cand == nd) | bad[cand.clamp(max=nd - 1)]
+    assert torch.equal(torch.isnan(picked), nan)
+    ok = ~nan
+    _check_close(picked[ok], reference[owner[ok], cand[ok]], bound[owner[ok], 0])
+
+
+@pytest.mark.gpu
+def test_residual2_stream_kernel_offsets_past_2_31_bytes() -> None:
+    """residual2 codes whose bytes start beyond 2^31 (59.7M tokens of 36 bytes): the stream kernel scores
+    the last documents as it scores them alone (the same bits), for one query and for candidates."""
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    k = 4096
+    n_tokens = (1 << 31) // 36 + 100_000
+    codes = torch.randint(0, 256, (n_tokens, 36), dtype=torch.uint8, device="cuda", generator=gen)
+    ids = torch.randint(0, k, (n_tokens,), dtype=torch.int32, device="cuda", generator=gen)
+    codes[:, :4] = ids.view(torch.uint8).view(n_tokens, 4)
+    lengths = torch.randint(20, 301, (n_tokens // 20,), device="cuda", generator=gen)
+    ends = lengths.cumsum(0)
+    ends = ends[ends <= n_tokens]
+    d_off = torch.cat([torch.zeros(1, dtype=torch.int64, device="cuda"), ends])
+    host_book, _ = _codebook(128, k, torch.Generator().manual_seed(8), separable=True)
+    book = ResidualCodebook(host_book.centroids.cuda(), host_book.bucket_weights.cuda())
+    queries = torch.randn(32, 128, device="cuda", generator=gen)
+    q_off = torch.tensor([0, 32])
+    _residual2_stream_or_skip(queries, q_off, codes, book)
+    scores = maxsim_varlen(queries, q_off, codes, d_off, codebook=book)
+    first = d_off.numel() - 1 - 300
+    start = int(d_off[first])
+    assert start * 36 > 2**31
+    alone = maxsim_varlen(queries, q_off, codes[start:], d_off[first:] - start, codebook=book)
+    assert torch.equal(scores[:, first:], alone)
+    tail = {"docs": codes[start:].cpu(), "codebook": host_book}
+    tail_off = (d_off[first:] - start).cpu()
+    reference = maxsim_codes_reference(queries.cpu(), q_off, tail["docs"], tail_off, codebook=host_book)
+    _check_close(alone.cpu(), reference, _bound(queries.cpu(), q_off, tail))
+    cand = torch.arange(first, d_off.numel() - 1, device="cuda").flip(0)
+    cand_off = torch.tensor([0, cand.numel()])
+    picked = maxsim_candidates(queries, q_off, codes, d_off, cand_off, cand, codebook=book)
+    assert torch.equal(picked, scores[0, cand])
+
+
 def test_residual2_encoding_in_blocks_equals_one_block(monkeypatch) -> None:
     """`encode_residual2` works a block of rows at a time (bounded memory): any block size, the same bytes."""
     from maxsim_kernels import maxsim_codes
@@ -788,7 +906,7 @@ for codec in (1, 2):  # residual2, one query of 32 tokens against a corpus: the 
     ptx, usage = build(mc._maxsim_codes_varlen_kernel, mc._FEW_ROWS["residual2"], codec, varlen,
                        DOCS_PER_PROG=mc._FEW_ROWS["residual2"].docs_per_prog, QUERIES_PER_GROUP=1, MAX_Q=2)
     report[codec] = {"wgmma": ptx.count("wgmma.mma_async"), "usage": usage}
-# int4 on the Triton scan (one query's plan): the nibbles unpacked by the inline PTX (`int4_packing`)
+# int4 on the Triton scan (one query's plan): the nibbles unpacked by the inline PTX (`code_unpacking`)
 ptx, usage = build(mc._maxsim_codes_varlen_kernel, mc._FEW_ROWS["int4"], 0, varlen,
                    DOCS_PER_PROG=mc._FEW_ROWS["int4"].docs_per_prog, QUERIES_PER_GROUP=1, MAX_Q=2)
 report["int4"] = {"unpacked_by_ptx": "0x78787878" in ptx, "usage": usage}
@@ -812,7 +930,7 @@ def test_codes_scan_kernels_build_for_sm90(sm90_build) -> None:
     three, two = report["1"], report["2"]
     assert three["wgmma"] > 0 and 3 * two["wgmma"] == 2 * three["wgmma"], report
     assert not two["usage"] or ("LOCAL:0" in two["usage"] and "STACK:0" in two["usage"]), two
-    # int4's Triton scan keeps the inline PTX unpacking (`int4_packing`) in the compiled code
+    # int4's Triton scan keeps the inline PTX unpacking (`code_unpacking`) in the compiled code
     assert report["int4"]["unpacked_by_ptx"], report["int4"]
     # candidates (query-major tiles: products on mma or wgmma as triton picks): fewer products, no spill
     three, two = report["candidates 1"], report["candidates 2"]
@@ -985,3 +1103,20 @@ def test_a_codebook_changed_in_place_is_scored_as_changed() -> None:
         _check_close(scores, reference, _bound(queries, q_off, {"docs": codes, "codebook": book}))
         book.centroids.mul_(-1)
         book.bucket_weights.add_(0.25)
+
+
+def test_the_centroid_table_keeps_zeros_past_its_end_for_the_stream_kernel() -> None:
+    """The stream kernel reads N columns of a table row from a query's first, unmasked (up to 64 past the
+    last row's end): the table's storage holds TABLE_SLACK zeros past it, and the table itself is the
+    float64 product rounded once."""
+    from maxsim_kernels.maxsim_codes import TABLE_SLACK
+
+    gen = torch.Generator().manual_seed(5)
+    book, _ = _codebook(128, 37, gen, separable=True)
+    q8, _ = quantized_queries(torch.randn(5, 128, generator=gen))
+    table = residual2_query_tables(q8, book).by_centroid
+    storage = torch.tensor([], dtype=torch.float32).set_(table.untyped_storage())
+    assert table.is_contiguous() and table.storage_offset() == 0
+    assert torch.equal(storage[table.numel() :], torch.zeros(TABLE_SLACK))
+    base = book.centroids.double() + book.bucket_weights.double()[:, 0][None, :]
+    assert torch.equal(table, (base @ q8.double().T).float())
