@@ -921,7 +921,8 @@ def residual2_query_tables(q8: torch.Tensor, codebook: ResidualCodebook) -> Quer
     base = codebook.centroids.double() + codebook.bucket_weights.double()[:, 0][None, :]
     # [K, R], in storage with TABLE_SLACK zeros past it: the stream kernel reads a row's N columns unmasked
     k, rows = base.shape[0], q8.shape[0]
-    storage = torch.zeros(k * rows + TABLE_SLACK, dtype=torch.float32, device=device)
+    storage = torch.empty(k * rows + TABLE_SLACK, dtype=torch.float32, device=device)
+    storage[k * rows :].zero_()
     by_centroid = storage[: k * rows].view(k, rows)
     by_centroid.copy_(base @ q.T)
     weights, exponent, separable = _plane_weights_and_exponent(codebook.bucket_weights)
@@ -971,6 +972,11 @@ def _query_rows_cap(tiles: Tiles, codec: str, dim: int) -> int:
 # residual2: the centroid table (fp32 [K, query rows]) of one launch at most; more query rows are scanned
 # in launches of whole queries (a query's rows are never split; one query may pass it alone).
 _CENTROID_TABLE_BYTES = 128 << 20
+
+
+def _table_fits(rows: int, codebook: ResidualCodebook) -> bool:
+    """Whether the centroid table of `rows` query rows (fp32 [K, rows]) fits one launch."""
+    return rows * 4 * codebook.centroids.shape[0] <= _CENTROID_TABLE_BYTES
 
 
 def _use_asm(device: torch.device) -> bool:
@@ -1037,10 +1043,9 @@ def _query_chunks(
     where the residual2 centroid table fits `_CENTROID_TABLE_BYTES` (no host synchronisation), else whole
     queries a chunk."""
     nq, rows = query_offsets.numel() - 1, q8.shape[0]
-    per_row = 0 if codebook is None or tiles.decode else 4 * codebook.centroids.shape[0]
-    if rows * per_row <= _CENTROID_TABLE_BYTES:
+    if codebook is None or tiles.decode or _table_fits(rows, codebook):
         return [(0, nq, 0, rows)]
-    fitting = max(1, _CENTROID_TABLE_BYTES // per_row)
+    fitting = max(1, _CENTROID_TABLE_BYTES // (4 * codebook.centroids.shape[0]))
     host = query_offsets.tolist()
     chunks, first = [], 0
     while first < nq:
@@ -1408,7 +1413,7 @@ def _code_stream(
         return None if stream is None else (*stream, None)
     assert codebook is not None
     separable = _plane_weights_and_exponent(codebook.bucket_weights)[2]
-    if not separable or q8.shape[0] * 4 * codebook.centroids.shape[0] > _CENTROID_TABLE_BYTES:
+    if not separable or not _table_fits(q8.shape[0], codebook):
         return None
     stream = hopper_stream(given_q_off, q8, codes, False, residual=True)
     return None if stream is None else (*stream, residual2_query_tables(q8, codebook))

@@ -82,7 +82,7 @@ the Triton TMA tiles' 0.622-0.674 and 0.446-0.464 in the same rounds.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -103,6 +103,9 @@ from .code_unpacking import PLANE_UNIT_ASM, bucket_planes_asm
 from .launch import hopper_device
 from .maxsim_int8 import candidate_query
 from .validation import cdiv
+
+if TYPE_CHECKING:
+    from .maxsim_codes import QueryTables
 
 BLOCK_T = 64  # document tokens a tile (wgmma's M)
 # Tuning (triton 3.6; one query x 100K documents of 20-300 tokens, rerank 64 queries x 1000 candidates x
@@ -136,15 +139,16 @@ RESIDUAL_WORDS = gl.constexpr(1 + RESIDUAL_DIM // 16)
 RESIDUAL_MAX_QUERY_TOKENS = 32
 
 
-# int4: an item's end keeps each warp's maxima in shared memory (items x 4 warps x N fp32), the program's
-# scores made at its end (`_deferred_scores`), where that takes at most this much (queries of at most 32
-# tokens; 16 KB for the tuned 32 items at N = 32): no barrier at a document's end.
+# int4 and residual2: an item's end keeps each warp's maxima in shared memory (items x 4 warps x N fp32),
+# the program's scores made at its end (`_deferred_scores`), where that takes at most this much (queries of
+# at most 32 tokens; 16 KB for the tuned 32 items at N = 32): no barrier at a document's end.
 DEFERRED_BYTES = 32 << 10
 
 
-def deferred(packed: bool, items: int, n: int) -> bool:
-    """Whether a launch keeps its items' maxima for the program's end (`DEFERRED_BYTES`)."""
-    return packed and n <= 32 and items * NUM_WARPS * n * 4 <= DEFERRED_BYTES
+def deferred(codes: bool, items: int, n: int) -> bool:
+    """Whether a launch keeps its items' maxima for the program's end (`DEFERRED_BYTES`): codes below 8
+    bits (int4, residual2) only."""
+    return codes and n <= 32 and items * NUM_WARPS * n * 4 <= DEFERRED_BYTES
 
 
 class Tuning(NamedTuple):
@@ -314,29 +318,33 @@ def _ready_side(side, tab_ptr, cols, stride_tab, n_centroids, RESIDUAL: gl.const
 
 
 @gluon.jit
+def _bucket_planes(packed, PART: gl.constexpr):
+    """Bit planes b0 and b1 of bucket position PART of each byte (`code_unpacking.bucket_planes_asm`)."""
+    if PART == 0:
+        text: gl.constexpr = _PLANES_0
+    elif PART == 1:
+        text: gl.constexpr = _PLANES_1
+    elif PART == 2:
+        text: gl.constexpr = _PLANES_2
+    else:
+        text: gl.constexpr = _PLANES_3
+    b0, b1, _ = gl.inline_asm_elementwise(
+        text, "=r,=r,=r,=r,=r,=r,r", [packed], dtype=(gl.float16,) * 3, is_pure=True, pack=4
+    )
+    return b0, b1
+
+
+@gluon.jit
 def _residual_products(packed, q_planes, zero):
     """residual2: the tile's products, bit planes b0 and b1 of each bucket position p (dimensions 4m + p,
-    byte m of the buckets) against the query planes 0 and 1 of part p: eight from registers, chained."""
-    b0, b1, _ = gl.inline_asm_elementwise(
-        _PLANES_0, "=r,=r,=r,=r,=r,=r,r", [packed], dtype=(gl.float16,) * 3, is_pure=True, pack=4
-    )
-    acc = warpgroup_mma(b0, q_planes.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-    acc = warpgroup_mma(b1, q_planes.index(4).permute((1, 0)), acc, is_async=True)
-    b0, b1, _ = gl.inline_asm_elementwise(
-        _PLANES_1, "=r,=r,=r,=r,=r,=r,r", [packed], dtype=(gl.float16,) * 3, is_pure=True, pack=4
-    )
-    acc = warpgroup_mma(b0, q_planes.index(1).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(b1, q_planes.index(5).permute((1, 0)), acc, is_async=True)
-    b0, b1, _ = gl.inline_asm_elementwise(
-        _PLANES_2, "=r,=r,=r,=r,=r,=r,r", [packed], dtype=(gl.float16,) * 3, is_pure=True, pack=4
-    )
-    acc = warpgroup_mma(b0, q_planes.index(2).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(b1, q_planes.index(6).permute((1, 0)), acc, is_async=True)
-    b0, b1, _ = gl.inline_asm_elementwise(
-        _PLANES_3, "=r,=r,=r,=r,=r,=r,r", [packed], dtype=(gl.float16,) * 3, is_pure=True, pack=4
-    )
-    acc = warpgroup_mma(b0, q_planes.index(3).permute((1, 0)), acc, is_async=True)
-    return warpgroup_mma(b1, q_planes.index(7).permute((1, 0)), acc, is_async=True)
+    byte m of the buckets) against the query planes 0 and 1 of part p (`q_planes` index 4v + p): eight
+    from registers, chained."""
+    acc = zero
+    for p in gl.static_range(4):
+        b0, b1 = _bucket_planes(packed, p)
+        acc = warpgroup_mma(b0, q_planes.index(p).permute((1, 0)), acc, use_acc=p > 0, is_async=True)
+        acc = warpgroup_mma(b1, q_planes.index(4 + p).permute((1, 0)), acc, is_async=True)
+    return acc
 
 
 @gluon.jit
@@ -679,15 +687,6 @@ def tiles_for(docs: torch.Tensor, residual: bool = False) -> Tuning:
     return INT4_TILES if docs.dtype == torch.uint8 else INT8_TILES
 
 
-class ResidualQuery(Protocol):
-    """The query side of a residual2 scan (`maxsim_codes.QueryTables`): what the kernel reads of it."""
-
-    planes: torch.Tensor  # fp16 [3, Tq, 128], columns in part-major order
-    by_centroid: torch.Tensor  # fp32 [K, Tq]
-    plane_scale: float
-    separable: bool
-
-
 def supports_residual(q_lens: np.ndarray, codes: torch.Tensor) -> bool:
     """Whether this kernel takes a residual2 scan: `q_lens` the query lengths (host, at most
     RESIDUAL_MAX_QUERY_TOKENS), `codes` uint8 [Td, 36] rows of dim 128, contiguous and 4-byte aligned (read
@@ -739,7 +738,7 @@ def maxsim_int8_stream(
     d_off: torch.Tensor,
     max_query_len: int,
     *,
-    residual: ResidualQuery | None = None,
+    residual: QueryTables | None = None,
 ) -> torch.Tensor:
     """fp32 scores [n_items]: q8 int8 [Tq, 128] with scales sq fp32 [Tq], query offsets int64 [nq + 1];
     item_off int64 [nq + 1] the items of each query and items int64 [n_items] the candidates' document
@@ -763,7 +762,7 @@ def stream_with_tiles(
     d_off: torch.Tensor,
     max_query_len: int,
     *,
-    residual: ResidualQuery | None = None,
+    residual: QueryTables | None = None,
     items_per_prog: int | None = None,
     stages: int | None = None,
     group: int | None = None,

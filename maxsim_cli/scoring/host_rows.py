@@ -215,7 +215,8 @@ def _gather_on_device(
     rows = int(offsets[-1])
     embeddings, scales = residency.embeddings, residency.scales
     # queued behind the stream's work, not waiting for it (a plain copy from pageable memory would)
-    index = host_to_device(torch.from_numpy(np.concatenate([starts, offsets]).astype(np.int64)), device)
+    index = np.concatenate([starts, offsets]).astype(np.int64, copy=False)
+    index = host_to_device(torch.from_numpy(index), device)
     dev_emb = torch.empty((rows, embeddings.shape[1]), dtype=embeddings.dtype, device=device)
     dev_scales = torch.empty(rows, dtype=torch.float32, device=device) if scales is not None else None
     longest = int((offsets[1:] - offsets[:-1]).max()) if n else 0
