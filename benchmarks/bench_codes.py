@@ -61,8 +61,10 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time the tile plans of SWEEP_* per codec")
     parser.add_argument(
         "--stream-sweep",
-        action="store_true",
-        help="also time int4 and residual2 on the Gluon stream kernel under the tiles of SWEEP_STREAM",
+        nargs="?",
+        const="int4,residual2",
+        help="also time these codecs (default both) on the Gluon stream kernel under the tiles of "
+        "SWEEP_STREAM (int4) and SWEEP_STREAM_RESIDUAL2",
     )
     parser.add_argument("--smoke", action="store_true", help="a check of the script: tiny sizes, one call")
     args = parser.parse_args()
@@ -126,9 +128,10 @@ def main() -> None:
         record["sweep"] = {"one_query": sweep(q, q_off, stored, offsets, SWEEP_ONE_QUERY, args.rep_ms)}
         write_json(args.out, record)
     if args.stream_sweep:
+        configs = {"int4": SWEEP_STREAM, "residual2": SWEEP_STREAM_RESIDUAL2}
         record["stream_sweep"] = {
-            "int4": stream_sweep(q, stored["int4"], offsets, SWEEP_STREAM, args.rep_ms),
-            "residual2": stream_sweep(q, stored["residual2"], offsets, SWEEP_STREAM_RESIDUAL2, args.rep_ms),
+            codec: stream_sweep(q, stored[codec], offsets, configs[codec], args.rep_ms)
+            for codec in args.stream_sweep.split(",")
         }
         write_json(args.out, record)
 
@@ -228,8 +231,8 @@ SWEEP_STREAM = [
 
 
 SWEEP_STREAM_RESIDUAL2 = [
-    (32, 6, 1, 0), (32, 6, 1, 168), (32, 6, 1, 128), (32, 4, 1, 0), (32, 8, 1, 0), (16, 6, 1, 0),
-    (64, 6, 1, 0), (32, 6, 1, 160), (32, 3, 1, 0),
+    (32, 6, 2, 128), (32, 6, 2, 168), (32, 6, 2, 0), (32, 4, 2, 128), (32, 8, 2, 128), (32, 6, 4, 168),
+    (16, 6, 2, 128), (64, 6, 2, 128), (32, 4, 2, 168), (32, 6, 2, 152), (32, 3, 2, 128), (64, 6, 2, 168),
 ]  # fmt: skip
 
 

@@ -5,9 +5,9 @@ codebook's cutoffs (which bucket a residual falls in) and values (what a bucket 
 dimension. ColBERTv2 takes the quartiles of the residuals as cutoffs and their 1/8, 3/8, 5/8 and 7/8
 quantiles as values; `maxsim_cli.codecs.fit_buckets` runs Lloyd-Max steps from there (each value the
 mean of its bucket, each cutoff half-way between two values), by default under the constraint w3 - w2
-= w1 - w0 that zeroes the scan kernels' third bit plane ("separable"; "fitted" is the same without it).
-All three are measured here on the same centroids (k-means runs once per seed), with the same bytes a
-token:
+= w1 - w0 that zeroes the scan kernels' third bit plane ("separable"; "fitted" is the same without it;
+"uniform" constrains further to evenly spaced values, one integer a bucket for the products). All four are
+measured here on the same centroids (k-means runs once per seed), with the same bytes a token:
 
 - the squared error of the 2-bit residuals on the k-means sample (``sample_mse``: mean over tokens of
   ``|r - decoded r|^2``, for unit vectors);
@@ -91,8 +91,9 @@ def main() -> None:
     fitted = codecs.fit_buckets
     rules = {
         "colbertv2": colbertv2_buckets,
-        "fitted": lambda residuals: fitted(residuals, separable=False),
-        "separable": fitted,  # `maxsim quantize`'s buckets
+        "fitted": lambda residuals: fitted(residuals, grid="free"),
+        "separable": lambda residuals: fitted(residuals, grid="separable"),
+        "uniform": lambda residuals: fitted(residuals, grid="uniform"),
     }
     measured: dict[str, float] = {}
 

@@ -313,7 +313,7 @@ def train_codebook(
 
 
 def fit_buckets(
-    residuals: torch.Tensor, iterations: int = BUCKET_ITERATIONS, *, separable: bool = True
+    residuals: torch.Tensor, iterations: int = BUCKET_ITERATIONS, *, grid: str = "separable"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per dimension, the 2-bit quantizer of ``residuals`` (float [n, dim]) with the least squared error
     that Lloyd-Max iteration finds: (cutoffs fp32 [dim, 3], bucket values fp32 [dim, 4]).
@@ -326,12 +326,14 @@ def fit_buckets(
     empty bucket keeps a value between its cutoffs. A dimension's residuals are sorted once, so a step
     costs a binary search per cutoff; a block of dimensions at a time bounds the memory.
 
-    ``separable``: as many more steps under the constraint w3 - w2 = w1 - w0, the values ``b0 + l D0 +
-    h D1`` of the bucket ``l + 2h`` (each step the least-squares ``b0, D0, D1`` of the buckets' members,
-    `_separable_values`), rounded to a grid on which the four values and their differences are exact in
-    fp32: the third bit plane of the scan kernels (``w3 - w2 - w1 + w0``) is then exactly zero and its
-    products are skipped (`maxsim_kernels.maxsim_codes`). Same squared error within 0.2% and the same
-    recall and nDCG on real text (docs/two-stage.md, "The buckets")."""
+    ``grid``: "free" is the above. "separable" takes as many more steps under the constraint w3 - w2 =
+    w1 - w0, the values ``b0 + l D0 + h D1`` of the bucket ``l + 2h`` (each step the least-squares ``b0,
+    D0, D1`` of the buckets' members, `_constrained_values`), rounded to a grid on which the four values
+    and their differences are exact in fp32: the third bit plane of the scan kernels (``w3 - w2 - w1 +
+    w0``) is then exactly zero and its products are skipped (`maxsim_kernels.maxsim_codes`). Same squared
+    error within 0.2% and the same recall and nDCG on real text (docs/two-stage.md, "The buckets").
+    "uniform" constrains further to evenly spaced values ``b0 + b D`` (D1 = 2 D0, exactly): the bucket
+    itself is then the one integer the stream kernel multiplies (one product a part, not two)."""
     import torch
 
     n, dim = residuals.shape
@@ -356,14 +358,14 @@ def fit_buckets(
             if step == iterations:
                 break
             cuts = 0.5 * (means[:, :-1] + means[:, 1:])
-        if separable:  # the values returned: the fit of the buckets the cutoffs returned make
+        if grid != "free":  # the values returned: the fit of the buckets the cutoffs returned make
             for step in range(iterations + 1):
                 if step:
                     cuts = 0.5 * (means[:, :-1] + means[:, 1:])
                 bounds = _bucket_bounds(values, cuts)
                 counts = (bounds[:, 1:] - bounds[:, :-1]).double()
                 totals = sums.gather(1, bounds[:, 1:]) - sums.gather(1, bounds[:, :-1])
-                means = _separable_values(counts, totals, means)
+                means = _constrained_values(counts, totals, means, _GRID_TERMS[grid])
         cutoffs[a : a + block] = cuts.float()
         weights[a : a + block] = means.float()
     return cutoffs, weights
@@ -385,25 +387,32 @@ def _bucket_bounds(values: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:
     )
 
 
-# bucket l + 2h -> its value's terms (1, l, h): value = b0 + l D0 + h D1
-_SEPARABLE_TERMS = ((1.0, 0.0, 0.0), (1.0, 1.0, 0.0), (1.0, 0.0, 1.0), (1.0, 1.0, 1.0))
+# bucket l + 2h -> its value's terms: separable (1, l, h), value = b0 + l D0 + h D1; uniform (1, b), value
+# = b0 + b D
+_GRID_TERMS = {
+    "separable": ((1.0, 0.0, 0.0), (1.0, 1.0, 0.0), (1.0, 0.0, 1.0), (1.0, 1.0, 1.0)),
+    "uniform": ((1.0, 0.0), (1.0, 1.0), (1.0, 2.0), (1.0, 3.0)),
+}
+BUCKET_GRIDS = ("free", *_GRID_TERMS)
 
 
-def _separable_values(counts: torch.Tensor, totals: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-    """float64 [b, 4]: the values ``b0 + l D0 + h D1`` (bucket ``l + 2h``) of least squared error for
-    buckets of ``counts`` members summing to ``totals`` ([b, 4] each), rounded to the grid 2^(e - 23) with
-    2^e above each row's largest value, so that each value, and each sum or difference of them, is exact
-    in fp32. A row whose buckets leave the system singular (fewer than three kinds of members), or whose
-    values would not increase, keeps ``previous``."""
+def _constrained_values(
+    counts: torch.Tensor, totals: torch.Tensor, previous: torch.Tensor, grid_terms: tuple
+) -> torch.Tensor:
+    """float64 [b, 4]: the values ``terms @ params`` (``grid_terms``: a bucket's row of terms) of least
+    squared error for buckets of ``counts`` members summing to ``totals`` ([b, 4] each), the parameters
+    rounded to the grid 2^(e - 23) with 2^e above the sum of their magnitudes, so that each value, and each
+    sum or difference of them, is exact in fp32. A row whose buckets leave the system singular (too few
+    kinds of members), or whose values would not increase, keeps ``previous``."""
     import torch
 
-    terms = torch.tensor(_SEPARABLE_TERMS, dtype=torch.float64)
+    terms = torch.tensor(grid_terms, dtype=torch.float64)
     normal = torch.einsum("bj,jk,jl->bkl", counts, terms, terms)
     rhs = torch.einsum("bj,jk->bk", totals, terms)
-    solvable = torch.linalg.matrix_rank(normal) == 3
-    eye = torch.eye(3, dtype=torch.float64).expand_as(normal)
+    solvable = torch.linalg.matrix_rank(normal) == terms.shape[1]
+    eye = torch.eye(terms.shape[1], dtype=torch.float64).expand_as(normal)
     params = torch.linalg.solve(torch.where(solvable[:, None, None], normal, eye), rhs)
-    top = params.abs().sum(dim=1).clamp(min=2.0**-100)
+    top = (params.abs() * terms.abs().max(dim=0).values).sum(dim=1).clamp(min=2.0**-100)
     grid = torch.exp2(torch.ceil(torch.log2(top)) - 23)[:, None]
     values = (torch.round(params / grid) * grid) @ terms.T
     keep = solvable & (values[:, 1:] > values[:, :-1]).all(dim=1)

@@ -1022,7 +1022,7 @@ def test_fitted_buckets_are_the_means_of_their_residuals_and_beat_the_quantiles(
     from maxsim_cli import codecs
 
     residuals = _heavy_tailed_residuals()
-    cutoffs, weights = codecs.fit_buckets(residuals, separable=False)
+    cutoffs, weights = codecs.fit_buckets(residuals, grid="free")
     assert cutoffs.shape == (6, 3) and weights.shape == (6, 4)
     assert cutoffs.dtype == weights.dtype == torch.float32
     assert bool((cutoffs.diff(dim=1) >= 0).all()) and bool((weights.diff(dim=1) >= 0).all())
@@ -1036,7 +1036,7 @@ def test_fitted_buckets_are_the_means_of_their_residuals_and_beat_the_quantiles(
     eighths = torch.quantile(residuals, torch.tensor([0.125, 0.375, 0.625, 0.875]), dim=0).T
     assert _bucket_error(residuals, cutoffs, weights) < 0.8 * _bucket_error(residuals, quartiles, eighths)
     monkeypatch.setattr(codecs, "BUCKET_BLOCK_ELEMS", 4 * 2000)  # blocks of 4 dimensions, the last of 2
-    blocked = codecs.fit_buckets(residuals, separable=False)
+    blocked = codecs.fit_buckets(residuals, grid="free")
     assert torch.equal(blocked[0], cutoffs) and torch.equal(blocked[1], weights)
 
 
@@ -1065,16 +1065,39 @@ def test_separable_buckets_zero_the_third_plane_exactly_at_the_same_error(monkey
     assert bool((residual2_plane_weights(weights)[2] == 0).all())
     assert bool((cutoffs.diff(dim=1) > 0).all()) and bool((weights.diff(dim=1) > 0).all())
     buckets = (residuals[:, :, None] >= cutoffs[None]).sum(dim=2)
-    terms = torch.tensor(codecs._SEPARABLE_TERMS, dtype=torch.float64)
+    terms = torch.tensor(codecs._GRID_TERMS["separable"], dtype=torch.float64)
     for k in range(6):
         error = residuals[:, k].double() - weights[k].double()[buckets[:, k]]
         gradient = (error[:, None] * terms[buckets[:, k]]).sum(dim=0) / len(error)
         assert float(gradient.abs().max()) < 1e-6
-    free = codecs.fit_buckets(residuals, separable=False)
+    free = codecs.fit_buckets(residuals, grid="free")
     assert _bucket_error(residuals, cutoffs, weights) < 1.02 * _bucket_error(residuals, *free)
     monkeypatch.setattr(codecs, "BUCKET_BLOCK_ELEMS", 4 * 2000)
     blocked = codecs.fit_buckets(residuals)
     assert torch.equal(blocked[0], cutoffs) and torch.equal(blocked[1], weights)
+
+
+def test_uniform_buckets_are_evenly_spaced_exactly() -> None:
+    """`fit_buckets(grid="uniform")`: per dimension b0 + b D, the steps equal in fp32 and float64 (the
+    third bit plane zero and D_1 = 2 D_0), each value the least-squares fit of its buckets' members, at a
+    squared error between the free fit's and twice it."""
+    from maxsim_cli import codecs
+
+    gen = torch.Generator().manual_seed(21)
+    residuals = torch.randn(4000, 6, generator=gen) * torch.linspace(0.05, 0.3, 6)
+    residuals[:, 2] = residuals[:, 2].abs() ** 1.5  # a skewed dimension
+    cutoffs, weights = codecs.fit_buckets(residuals, grid="uniform")
+    steps = weights.diff(dim=1)
+    assert bool((steps[:, 0] == steps[:, 1]).all()) and bool((steps[:, 1] == steps[:, 2]).all())
+    planes = residual2_plane_weights(weights)
+    assert bool((planes[1] == 2 * planes[0]).all()) and bool((planes[2] == 0).all())
+    buckets = (residuals[:, :, None] >= cutoffs[None]).sum(dim=2)
+    for k in range(6):
+        error = residuals[:, k].double() - weights[k].double()[buckets[:, k]]
+        terms = torch.stack([torch.ones_like(error), buckets[:, k].double()], dim=1)
+        assert float(((error[:, None] * terms).sum(dim=0) / len(error)).abs().max()) < 1e-6
+    free = _bucket_error(residuals, *codecs.fit_buckets(residuals, grid="free"))
+    assert free <= _bucket_error(residuals, cutoffs, weights) < 2 * free
 
 
 @pytest.mark.parametrize("rows", [1, 5])
