@@ -246,7 +246,7 @@ def stream_sweep(q, codes: dict, offsets, configs: list, rep_ms: int) -> list:
     q8, sq = quantize_per_token(q)
     q_off = torch.tensor([0, q.shape[0]], device=q.device)
     book = codes["kw"].get("codebook")
-    tables = None if book is None else maxsim_codes.residual2_stream_tables(q8, book)
+    tables = None if book is None else maxsim_codes.residual2_query_tables(q8, book)
     scales = codes["kw"].get("doc_scales")
     rows, first = [], None
     for items, stages, group, cap in configs[:2] if SMOKE["on"] else configs:

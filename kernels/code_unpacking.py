@@ -7,9 +7,7 @@ integer instructions for 8 values where per-element int32 arithmetic takes ~5 ea
 integer instructions a clock per SM, half its fp32 rate). Constraints "=r,=r,r", pack=4.
 
 residual2: `bucket_planes_asm` makes a 2-bit bucket of each of four bytes into its bit planes (bit 0, bit 1,
-both) as fp16 0 or one unit (`PLANE_UNIT_ASM`). Constraints "=r,=r,=r,=r,=r,=r,r", pack=4. For int8
-products (the Gluon stream kernel), `BIT_PLANES_INT8_ASM` makes every bucket of four bytes into its two bit
-planes as int8 0 or 1, a shift and an AND for four values. Constraints "=r" x 8, "r", pack=4.
+both) as fp16 0 or one unit (`PLANE_UNIT_ASM`). Constraints "=r,=r,=r,=r,=r,=r,r", pack=4.
 """
 
 INT4_NIBBLES_ASM = (
@@ -37,15 +35,5 @@ def bucket_planes_asm(part: int) -> str:
         + "}"
     )
 
-
-def _bit_plane_int8(bit: int) -> str:
-    """Output ``bit`` of `BIT_PLANES_INT8_ASM`: bit ``bit`` of each byte of the input ($8), as 0 or 1."""
-    if bit == 0:
-        return "and.b32 $0, $8, 0x01010101; "
-    return f"shr.u32 t, $8, {bit}; and.b32 ${bit}, t, 0x01010101; "
-
-
-# output 2p + v: bit v of bucket p (dimension 4m + p of byte m) of each of four bytes, as int8 0 or 1
-BIT_PLANES_INT8_ASM = "{ .reg .b32 t; " + "".join(_bit_plane_int8(bit) for bit in range(8)) + "}"
 
 PLANE_UNIT_ASM = 2.0**-14  # the value of a set bit in `bucket_planes_asm`'s planes

@@ -909,60 +909,26 @@ def residual2_query_tables(q8: torch.Tensor, codebook: ResidualCodebook) -> Quer
 
         q8 . x = q8 . (C[c] + W[:, 0])  +  sum_v (q8 * D_v) . plane_v(b)           (x the decoded token)
 
-    The first term is a table over the codebook's centroids (`_centroid_table`; the scan gathers it by
-    the token's centroid id); the second runs on the tensor cores with the query planes q8 * D_v
-    (`residual2_plane_weights`) rounded to fp16 after scaling by a power of two 2^-e that keeps them below
-    2^15 (`_plane_weights_and_exponent`: from the codebook alone, no host round trip a call). Relative
-    error of a plane value: 2^-11 (2^-25 * 2^e absolute below fp16's normal range); the tests' bound
-    states the rest."""
+    The first term is a table over the codebook's centroids, computed in float64 and rounded once to fp32
+    (the scan gathers it by the token's centroid id); the second runs on the tensor cores with the query
+    planes q8 * D_v (`residual2_plane_weights`) rounded to fp16 after scaling by a power of two 2^-e that
+    keeps them below 2^15 (`_plane_weights_and_exponent`: from the codebook alone, no host round trip a
+    call). Relative error of a plane value: 2^-11 (2^-25 * 2^e absolute below fp16's normal range); the
+    tests' bound states the rest."""
     dim = q8.shape[1]
+    device = q8.device
     q = q8.double()
-    weights, exponent, separable = _plane_weights_and_exponent(codebook.bucket_weights)
-    planes = q[None, :, :] * weights.to(q8.device)[:, None, :]
-    planes = (planes * 2.0**-exponent).to(torch.float16)[:, :, _part_major_order(dim, q8.device)].contiguous()
-    return QueryTables(planes, _centroid_table(q, codebook), 2.0**exponent, separable)
-
-
-class StreamTables(NamedTuple):
-    """The query side of the Gluon stream kernel's residual2 scan (`residual2_stream_tables`), R rows."""
-
-    planes: torch.Tensor  # int8 [2, R, d]: round(q8 * D_v / s), columns in part-major order
-    row_scales: torch.Tensor  # fp32 [R]: s, the planes' scale of each row
-    by_centroid: torch.Tensor  # fp32 [K, R]: q8 . (C[c] + W[:, 0]) for every centroid c
-
-
-def residual2_stream_tables(q8: torch.Tensor, codebook: ResidualCodebook) -> StreamTables:
-    """The query side of the stream kernel's residual2 scan (`maxsim_int8_hopper_stream`), separable
-    buckets (D_2 = 0): the centroid table of `residual2_query_tables`, and the query planes as int8 for
-    int8 products with the bit planes (0 or 1), each row with its own scale:
-
-        sum_v (q8 * D_v) . plane_v(b)  ~  s * sum_v Q_v . plane_v(b),   Q_v = round(q8 * D_v / s)
-
-    with s = max over v, k of |q8[k] D_v[k]| / 127 (1 for a zero row), stored as fp32 and used as stored.
-    The integer products are exact; each Q_v is within s / 2 of q8 * D_v / s * s, so a token's residual
-    term is within s / 2 per set bit (s * d at most) of the float64 one, as the int8 corpus's own query
-    rounding is: ~2^-8 of the residual term, far below the codec's error."""
-    q = q8.double()
-    weights = _plane_weights_and_exponent(codebook.bucket_weights)[0]
-    planes = q[None, :, :] * weights[:2].to(q8.device)[:, None, :]  # [2, R, d]
-    top = planes.abs().amax(dim=(0, 2))
-    scales = torch.where(top > 0, top / 127, 1.0).float()
-    q_planes = torch.round(planes / scales.double()[None, :, None]).clamp(-127, 127).to(torch.int8)
-    q_planes = q_planes[:, :, _part_major_order(q8.shape[1], q8.device)].contiguous()
-    return StreamTables(q_planes, scales, _centroid_table(q, codebook))
-
-
-def _centroid_table(q: torch.Tensor, codebook: ResidualCodebook) -> torch.Tensor:
-    """fp32 [K, R]: q . (C[c] + W[:, 0]) for every centroid c and float64 query row of ``q`` [R, dim],
-    computed in float64 and rounded once, in storage with TABLE_SLACK zeros past it (the stream kernel
-    reads a row's N columns unmasked)."""
     base = codebook.centroids.double() + codebook.bucket_weights.double()[:, 0][None, :]
-    k, rows = base.shape[0], q.shape[0]
-    storage = torch.empty(k * rows + TABLE_SLACK, dtype=torch.float32, device=q.device)
+    # [K, R], in storage with TABLE_SLACK zeros past it: the stream kernel reads a row's N columns unmasked
+    k, rows = base.shape[0], q8.shape[0]
+    storage = torch.empty(k * rows + TABLE_SLACK, dtype=torch.float32, device=device)
     storage[k * rows :].zero_()
     by_centroid = storage[: k * rows].view(k, rows)
     by_centroid.copy_(base @ q.T)
-    return by_centroid
+    weights, exponent, separable = _plane_weights_and_exponent(codebook.bucket_weights)
+    planes = q[None, :, :] * weights.to(device)[:, None, :]
+    planes = (planes * 2.0**-exponent).to(torch.float16)[:, :, _part_major_order(dim, device)].contiguous()
+    return QueryTables(planes, by_centroid, 2.0**exponent, separable)
 
 
 def _plane_weights_and_exponent(bucket_weights: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
@@ -1450,7 +1416,7 @@ def _code_stream(
     if not separable or not _table_fits(q8.shape[0], codebook):
         return None
     stream = hopper_stream(given_q_off, q8, codes, False, residual=True)
-    return None if stream is None else (*stream, residual2_stream_tables(q8, codebook))
+    return None if stream is None else (*stream, residual2_query_tables(q8, codebook))
 
 
 # int4 all pairs on sm_90 (`_int4_decoded_allpairs`): documents decoded to int8 rows a chunk of at most this

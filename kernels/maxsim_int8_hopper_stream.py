@@ -98,14 +98,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .code_unpacking import BIT_PLANES_INT8_ASM as _BIT_PLANES_TEXT
 from .code_unpacking import INT4_NIBBLES_ASM as _NIBBLES_TEXT
+from .code_unpacking import PLANE_UNIT_ASM, bucket_planes_asm
 from .launch import hopper_device
 from .maxsim_int8 import candidate_query
 from .validation import cdiv
 
 if TYPE_CHECKING:
-    from .maxsim_codes import StreamTables
+    from .maxsim_codes import QueryTables
 
 BLOCK_T = 64  # document tokens a tile (wgmma's M)
 # Tuning (triton 3.6; one query x 100K documents of 20-300 tokens, rerank 64 queries x 1000 candidates x
@@ -126,7 +126,11 @@ _WARPS = gl.constexpr(NUM_WARPS)
 REGISTERS = {16: (96, 128), 32: (96, 128), 64: (168, 168)}
 MAX_QUERY_TOKENS = 64
 _NIBBLES_ASM = gl.constexpr(_NIBBLES_TEXT)  # int4: the two nibbles of four bytes (`code_unpacking`)
-_BIT_PLANES_ASM = gl.constexpr(_BIT_PLANES_TEXT)  # residual2: the int8 bit planes of four bytes
+# residual2: the bit planes of bucket p of four bytes (`code_unpacking`)
+_PLANES_0 = gl.constexpr(bucket_planes_asm(0))
+_PLANES_1 = gl.constexpr(bucket_planes_asm(1))
+_PLANES_2 = gl.constexpr(bucket_planes_asm(2))
+_PLANES_3 = gl.constexpr(bucket_planes_asm(3))
 RESIDUAL_DIM = 128
 # a residual2 row in int32 words: the centroid id, then 2 bits a dimension (36 bytes)
 RESIDUAL_WORDS = gl.constexpr(1 + RESIDUAL_DIM // 16)
@@ -169,7 +173,7 @@ INT4_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (128, 128), 64: (168, 168
 # residual2 (RESIDUAL), one query x 100K documents on an H100 (bench_codes.py --stream-sweep): 1.235 ms with
 # a ring of 6, 2 tiles a turn and a cap of 128 registers (four programs an SM), against 1.305 at 168 (three)
 # and 1.355 uncapped (255, two programs); 4 tiles a turn 1.470 uncapped
-RESIDUAL2_TILES = Tuning(4, 2, 32, 16, {16: (0, 0), 32: (0, 0)})
+RESIDUAL2_TILES = Tuning(6, 2, 32, 16, {16: (128, 128), 32: (128, 128)})
 
 
 @gluon.jit
@@ -314,18 +318,32 @@ def _ready_side(side, tab_ptr, cols, stride_tab, n_centroids, RESIDUAL: gl.const
 
 
 @gluon.jit
-def _residual_products(packed, q_planes, zero):
-    """residual2: the tile's products, the int8 bit planes b0 and b1 of each bucket position p (dimensions
-    4m + p, byte m of the buckets: `code_unpacking`) against the query's int8 planes 0 and 1 of part p
-    (`q_planes` index 4v + p): eight from registers, chained into one int32 accumulator."""
-    planes = gl.inline_asm_elementwise(
-        _BIT_PLANES_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [packed], dtype=(gl.int8,) * 8, is_pure=True, pack=4
+def _bucket_planes(packed, PART: gl.constexpr):
+    """Bit planes b0 and b1 of bucket position PART of each byte (`code_unpacking.bucket_planes_asm`)."""
+    if PART == 0:
+        text: gl.constexpr = _PLANES_0
+    elif PART == 1:
+        text: gl.constexpr = _PLANES_1
+    elif PART == 2:
+        text: gl.constexpr = _PLANES_2
+    else:
+        text: gl.constexpr = _PLANES_3
+    b0, b1, _ = gl.inline_asm_elementwise(
+        text, "=r,=r,=r,=r,=r,=r,r", [packed], dtype=(gl.float16,) * 3, is_pure=True, pack=4
     )
+    return b0, b1
+
+
+@gluon.jit
+def _residual_products(packed, q_planes, zero):
+    """residual2: the tile's products, bit planes b0 and b1 of each bucket position p (dimensions 4m + p,
+    byte m of the buckets) against the query planes 0 and 1 of part p (`q_planes` index 4v + p): eight
+    from registers, chained."""
     acc = zero
     for p in gl.static_range(4):
-        low, high = planes[2 * p], planes[2 * p + 1]
-        acc = warpgroup_mma(low, q_planes.index(p).permute((1, 0)), acc, use_acc=p > 0, is_async=True)
-        acc = warpgroup_mma(high, q_planes.index(4 + p).permute((1, 0)), acc, is_async=True)
+        b0, b1 = _bucket_planes(packed, p)
+        acc = warpgroup_mma(b0, q_planes.index(p).permute((1, 0)), acc, use_acc=p > 0, is_async=True)
+        acc = warpgroup_mma(b1, q_planes.index(4 + p).permute((1, 0)), acc, is_async=True)
     return acc
 
 
@@ -339,11 +357,12 @@ def _product(d_smem, q_t, q_hi_t, ready, x, zero, STAGES: gl.constexpr, PACKED: 
     test checks it does not)."""
     slot = x % STAGES
     mbarrier.wait(ready.index(slot), (x // STAGES) & 1)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=zero.type.layout, k_width=4)
     if RESIDUAL:
         # q_t holds the query planes [8, N, 32] (plane v of part p at 4v + p), d_smem the tiles' bytes
-        return _residual_products(d_smem.index(slot).load(a_layout), q_t, zero)
+        a_layout_r: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=zero.type.layout, k_width=2)
+        return _residual_products(d_smem.index(slot).load(a_layout_r), q_t, zero)
     elif PACKED:
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=zero.type.layout, k_width=4)
         packed = d_smem.index(slot).load(a_layout)
         low, high = gl.inline_asm_elementwise(
             _NIBBLES_ASM, "=r,=r,r", [packed], dtype=(gl.int8, gl.int8), is_pure=True, pack=4
@@ -373,8 +392,8 @@ def _retire(acc, x, tiles, total, run, sc, sc_next, last, item, qs, q_ok, out_pt
         pc, ps, pe, pns, pne, pnd = _cursor_next(pc, ps, pe, pns, pne, pnd, c_last, cand_ptr, off_ptr, bad,
                                                  IDENTITY, ITEMS, BLOCK_T)  # fmt: skip
     if x < total:
-        if RESIDUAL:  # plane_scale: the query rows' plane scales (columns)
-            v = acc.to(gl.float32) * plane_scale[None, :] + sc
+        if RESIDUAL:
+            v = acc * plane_scale + sc
         else:
             v = acc.to(gl.float32) * sc[:, None]
         run = gl.maximum(run, v)
@@ -435,7 +454,7 @@ def _deferred_scores(partial, qs_ptr, row_first, row_last, c_first, c_last, out_
 def _int8_stream_kernel(
     q_ptr, qs_ptr, q_off_ptr, cand_off_ptr, cand_ptr, off_ptr, d_desc, sd_ptr, out_ptr,
     n_queries, n_items, n_chunks, n_docs, stride_q,
-    n_tokens, stride_plane, stride_tab, n_centroids, ps_ptr,
+    n_tokens, stride_plane, stride_tab, n_centroids, plane_scale,
     DIM: gl.constexpr, N: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
     GROUP: gl.constexpr, IDENTITY: gl.constexpr, PACKED: gl.constexpr, DEFER: gl.constexpr,
     RESIDUAL: gl.constexpr,
@@ -445,9 +464,9 @@ def _int8_stream_kernel(
     query, item c is document c), off int64 [nd + 1], d_desc the int8 documents [Td, DIM] in [BLOCK_T,
     DIM] tiles (PACKED: int4 codes, uint8 [Td, DIM / 2] in [BLOCK_T, DIM / 2] tiles), sd fp32 [Td], out
     fp32 [n_items], n_docs the number of documents (nd). RESIDUAL (residual2 codes of separable buckets):
-    q the int8 query planes [2, Tq, DIM] (row stride stride_q, plane stride stride_plane), d_desc the codes
+    q the fp16 query planes [3, Tq, DIM] (row stride stride_q, plane stride stride_plane), d_desc the codes
     as int32 words [Td, 9] (n_tokens = Td rows), sd the centroid table fp32 [n_centroids, stride_tab]
-    (column = query row), ps the planes' scale of each query row fp32 [Tq]. A candidate index
+    (column = query row), plane_scale the planes' scale. A candidate index
     outside [0, n_docs) is never read through: its item is walked as an empty document and scored NaN
     (the run's bad items, found once when its length is counted, are the bits of `bad`)."""
     pid = gl.program_id(0)
@@ -466,9 +485,14 @@ def _int8_stream_kernel(
         q_end = gl.load(cand_off_ptr + query + 1).to(gl.int32)
         c_last = gl.minimum(q_end, gl.cdiv(c_first, ITEMS) * ITEMS)
     if c_first < c_last:
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 32]
-        )
+        if RESIDUAL:  # fp16 products
+            acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16]
+            )
+        else:
+            acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 32]
+            )
         row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
         ld_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
@@ -483,11 +507,11 @@ def _int8_stream_kernel(
         if RESIDUAL:
             # planes 0 and 1 of each part p (columns 32p ..): wgmma's second operands, [N, 32] each
             k = gl.arange(0, DIM // 4, layout=gl.SliceLayout(0, ld_layout))
-            q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, DIM // 4], gl.int8)
-            q_smem = gl.allocate_shared_memory(gl.int8, [8, N, DIM // 4], q_layout)
+            q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, DIM // 4], gl.float16)
+            q_smem = gl.allocate_shared_memory(gl.float16, [8, N, DIM // 4], q_layout)
             for i in gl.static_range(8):
                 at = q_row_ptr + (i // 4) * stride_plane + (i % 4) * (DIM // 4) + k[None, :]
-                q_smem.index(i).store(gl.load(at, mask=q_in, other=0))
+                q_smem.index(i).store(gl.load(at, mask=q_in, other=0.0))
         elif PACKED:
             # the query's even and odd columns: the products of the codes' low and high nibbles
             k = gl.arange(0, DIM // 2, layout=gl.SliceLayout(0, ld_layout))
@@ -506,10 +530,6 @@ def _int8_stream_kernel(
         cols = row_first + gl.arange(0, N, layout=col_layout)
         q_ok = cols < row_last
         qs = gl.load(qs_ptr + cols, mask=q_ok, other=0.0)
-        if RESIDUAL:
-            plane_scale = gl.load(ps_ptr + cols, mask=q_ok, other=0.0)
-        else:
-            plane_scale = qs  # unused
 
         if RESIDUAL:
             # the tiles' bucket bytes, copied as words and read as bytes (unswizzled, row-major)
@@ -588,7 +608,7 @@ def _int8_stream_kernel(
                                                            BLOCK_T)  # fmt: skip
 
         run = gl.full([BLOCK_T, N], float("-inf"), gl.float32, acc_layout)
-        zero = gl.zeros([BLOCK_T, N], gl.int32, acc_layout)
+        zero = gl.zeros([BLOCK_T, N], gl.float32 if RESIDUAL else gl.int32, acc_layout)
         # wgmma groups a tile's products take (`_product`): waiting for all but the newest tile's
         PRODUCTS: gl.constexpr = 8 if RESIDUAL else (2 if PACKED else 1)
         for base in range(0, tiles, GROUP):
@@ -718,7 +738,7 @@ def maxsim_int8_stream(
     d_off: torch.Tensor,
     max_query_len: int,
     *,
-    residual: StreamTables | None = None,
+    residual: QueryTables | None = None,
 ) -> torch.Tensor:
     """fp32 scores [n_items]: q8 int8 [Tq, 128] with scales sq fp32 [Tq], query offsets int64 [nq + 1];
     item_off int64 [nq + 1] the items of each query and items int64 [n_items] the candidates' document
@@ -727,7 +747,7 @@ def maxsim_int8_stream(
     `max_query_len` (host) sizes the query tile (`supports`). A candidate index outside [0, nd) scores NaN
     and is never read through (the indices are not read by the host). The tiles are the codec's tuned
     ones (`tiles_for`). residual2 codes (`maxsim_codes`, uint8 [Td, 36], `supports_residual`): `residual`
-    is the query side (`maxsim_codes.residual2_stream_tables` of q8, separable buckets), sd is not read."""
+    is the query side (`maxsim_codes.residual2_query_tables` of q8, separable buckets), sd is not read."""
     return stream_with_tiles(q8, sq, q_off, item_off, items, d8, sd, d_off, max_query_len, residual=residual)
 
 
@@ -742,7 +762,7 @@ def stream_with_tiles(
     d_off: torch.Tensor,
     max_query_len: int,
     *,
-    residual: StreamTables | None = None,
+    residual: QueryTables | None = None,
     items_per_prog: int | None = None,
     stages: int | None = None,
     group: int | None = None,
@@ -766,7 +786,7 @@ def stream_with_tiles(
     packed = d8.dtype == torch.uint8 and residual is None
     if residual is None:
         q, stride_q, stride_plane, scales = q8, q8.stride(0), 0, sd
-        tab_stride, n_centroids, plane_scales = 0, 0, sq
+        tab_stride, n_centroids, plane_scale = 0, 0, 1.0
         docs = TensorDescriptor.from_tensor(d8, [BLOCK_T, d8.shape[1]], _doc_layout(d8.shape[1], d8.dtype))
     else:
         table = residual.by_centroid
@@ -775,13 +795,13 @@ def stream_with_tiles(
             raise ValueError(f"the centroid table needs {n} fp32 entries of slack past its end; got {slack}")
         q, stride_q, stride_plane = residual.planes, residual.planes.stride(1), residual.planes.stride(0)
         scales, tab_stride, n_centroids = table, table.stride(0), table.shape[0]
-        plane_scales = residual.row_scales
+        plane_scale = residual.plane_scale / PLANE_UNIT_ASM
         docs = d8.view(torch.int32)  # [Td, 9] words: cp.async, four bytes a copy
     _int8_stream_kernel[(n_chunks + (0 if items is None else nq),)](
         q, sq, q_off, q_off if item_off is None else item_off, d_off if items is None else items, d_off,
         docs, scales, out,
         nq, n_items, n_chunks, d_off.numel() - 1, stride_q,
-        d8.shape[0], stride_plane, tab_stride, n_centroids, plane_scales,
+        d8.shape[0], stride_plane, tab_stride, n_centroids, plane_scale,
         DIM=q8.shape[1], N=n, ITEMS=per, BLOCK_T=BLOCK_T, STAGES=tuned.stages if stages is None else stages,
         GROUP=tuned.group if group is None else group, IDENTITY=items is None, PACKED=packed,
         DEFER=deferred(packed or residual is not None, per, n), RESIDUAL=residual is not None,

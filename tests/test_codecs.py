@@ -84,9 +84,8 @@ def _decoded(enc: dict) -> torch.Tensor:
     return decode_int4(enc["docs"]).double() * enc["doc_scales"].double()[:, None]
 
 
-def _bound(queries, q_off, enc: dict, stream: bool = False) -> torch.Tensor:
-    """The fp32 error bound of the module docstring, per (query, document): [nq, nd]; ``stream``: of the
-    Gluon stream kernel's residual2 scan (int8 query planes, `_stream_planes_bound`)."""
+def _bound(queries, q_off, enc: dict) -> torch.Tensor:
+    """The fp32 error bound of the module docstring, per (query, document): [nq, nd]."""
     q8, sq = quantized_queries(queries)
     values = _decoded(enc)
     if "doc_scales" in enc:
@@ -102,30 +101,10 @@ def _bound(queries, q_off, enc: dict, stream: bool = False) -> torch.Tensor:
     dim = queries.shape[1]
     factor = (dim + int(q_lens.max()) + 3) * 2.0**-24
     bound = (factor * per_query)[:, None] + 1e-30
-    if "codebook" in enc and stream:
-        bound = bound + _stream_planes_bound(q8, sq, q_lens, enc["codebook"])[:, None]
-    elif "codebook" in enc:  # the bit planes' roundings, or the decoding kernels' fp16 values (2^-11)
+    if "codebook" in enc:  # the bit planes' roundings, or the decoding kernels' fp16 values (2^-11)
         extra = _planes_bound(q8, sq, q_lens, enc["codebook"]) + 2.0**-11 * per_query
         bound = bound + extra[:, None]
     return bound
-
-
-def _stream_planes_bound(q8, sq, q_lens, book) -> torch.Tensor:
-    """The stream kernel's residual2 extra error, per query (`maxsim_codes.residual2_stream_tables`): the
-    int8 query planes within s / 2 of q8 * D_v per set bit (two a dimension at most), and the fp32 product
-    with s and sum with the centroid table's term, each rounded once."""
-    from maxsim_kernels.maxsim_codes import residual2_stream_tables
-
-    planes_d = residual2_plane_weights(book.bucket_weights).abs()
-    q = q8.double().abs()
-    plane_mag = q @ planes_d.sum(0)
-    base = (book.centroids.double() + book.bucket_weights.double()[:, 0][None, :]).abs()
-    table_mag = (q @ base.T).max(dim=1).values
-    scales = residual2_stream_tables(q8, book).row_scales.double()
-    dim = q8.shape[1]
-    per_row = (scales * dim + 2.0**-22 * (plane_mag + table_mag + scales * dim)) * sq.double()
-    rows = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
-    return torch.zeros(len(q_lens), dtype=torch.float64).index_add_(0, rows, per_row)
 
 
 def _planes_bound(q8, sq, q_lens, book) -> torch.Tensor:
@@ -693,13 +672,13 @@ def test_residual2_stream_kernel_within_the_bound_of_the_decoded_values(q_len: i
     _residual2_stream_or_skip(queries.cuda(), q_off, codes_d, book_d)
     scores = maxsim_varlen(queries.cuda(), q_off, codes_d, d_off_d, codebook=book_d).cpu()
     reference = maxsim_codes_reference(queries, q_off, codes, d_off, codebook=book)
-    bound = _bound(queries, q_off, enc, stream=True)
+    bound = _bound(queries, q_off, enc)
     bad = torch.zeros(d_off.numel() - 1, dtype=torch.bool)
     bad[[14, 15]] = True
     assert torch.isnan(scores[0, bad]).all() and not torch.isnan(scores[0, ~bad]).any()
     _check_close(scores[:, ~bad], reference[:, ~bad], bound)
     q8, sq = quantized_queries(queries.cuda())
-    tables = maxsim_codes.residual2_stream_tables(q8, book_d)
+    tables = maxsim_codes.residual2_query_tables(q8, book_d)
     q_off_d = q_off.cuda()
     for cfg in (dict(items_per_prog=1), dict(items_per_prog=64, stages=3, group=2),
                 dict(items_per_prog=8, stages=8, group=8), dict(maxnreg=168)):  # fmt: skip
@@ -719,7 +698,7 @@ def test_residual2_stream_kernel_within_the_bound_of_the_decoded_values(q_len: i
     picked = maxsim_candidates(queries.cuda(), q_off, codes_d, d_off_d, cand_off, cand.cuda(),
                                codebook=book_d).cpu()  # fmt: skip
     reference = maxsim_codes_reference(queries, q_off, codes, d_off, codebook=book)
-    bound = _bound(queries, q_off, enc, stream=True)
+    bound = _bound(queries, q_off, enc)
     owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
     nan = (cand == nd) | bad[cand.clamp(max=nd - 1)]
     assert torch.equal(torch.isnan(picked), nan)
@@ -755,7 +734,7 @@ def test_residual2_stream_kernel_offsets_past_2_31_bytes() -> None:
     tail = {"docs": codes[start:].cpu(), "codebook": host_book}
     tail_off = (d_off[first:] - start).cpu()
     reference = maxsim_codes_reference(queries.cpu(), q_off, tail["docs"], tail_off, codebook=host_book)
-    _check_close(alone.cpu(), reference, _bound(queries.cpu(), q_off, tail, stream=True))
+    _check_close(alone.cpu(), reference, _bound(queries.cpu(), q_off, tail))
     cand = torch.arange(first, d_off.numel() - 1, device="cuda").flip(0)
     cand_off = torch.tensor([0, cand.numel()])
     picked = maxsim_candidates(queries, q_off, codes, d_off, cand_off, cand, codebook=book)
@@ -1147,37 +1126,6 @@ def test_a_codebook_changed_in_place_is_scored_as_changed() -> None:
         _check_close(scores, reference, _bound(queries, q_off, {"docs": codes, "codebook": book}))
         book.centroids.mul_(-1)
         book.bucket_weights.add_(0.25)
-
-
-def test_the_stream_kernels_int8_query_planes_keep_the_stated_bound() -> None:
-    """`residual2_stream_tables`: the stream kernel's math evaluated in float64 from its query side (the
-    int8 planes times each row's scale against the tokens' bit planes, plus the centroid table) is within
-    `_stream_planes_bound` of the float64 products with the decoded values, on adversarial documents; each
-    plane value is within half a step of q8 * D_v, and a zero query row has scale 1 and zero planes."""
-    from maxsim_kernels.maxsim_codes import residual2_buckets, residual2_stream_tables
-
-    gen = torch.Generator().manual_seed(12)
-    docs, _, enc = _stream_corpus(gen, k=50)
-    queries = torch.randn(9, 128, generator=gen)
-    queries[4] = 0.0
-    q8, sq = quantized_queries(queries)
-    book = enc["codebook"]
-    tables = residual2_stream_tables(q8, book)
-    order = torch.arange(128).view(32, 4).T.reshape(-1)  # part-major column -> dimension
-    planes = torch.empty(2, 9, 128, dtype=torch.float64)
-    planes[:, :, order] = tables.planes.double()
-    scales = tables.row_scales.double()
-    assert tables.planes.dtype == torch.int8 and scales[4] == 1 and not planes[:, 4].any()
-    exact = q8.double()[None] * residual2_plane_weights(book.bucket_weights)[:2, None, :]
-    assert bool(((planes * scales[None, :, None] - exact).abs() <= scales[None, :, None] / 2 + 1e-12).all())
-    buckets = residual2_buckets(enc["docs"])
-    bits = torch.stack([buckets & 1, buckets >> 1]).double()  # [2, T, d]
-    ids = residual2_ids(enc["docs"])
-    products = torch.einsum("vrd,vtd->rt", planes, bits)
-    modelled = tables.by_centroid.double()[ids].T + scales[:, None] * products
-    decoded = q8.double() @ _decoded(enc).T
-    per_row = _stream_planes_bound(q8, sq, torch.ones(9, dtype=torch.int64), book) / sq.double()
-    assert bool(((modelled - decoded).abs() <= per_row[:, None]).all())
 
 
 def test_the_centroid_table_keeps_zeros_past_its_end_for_the_stream_kernel() -> None:

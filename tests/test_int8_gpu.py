@@ -327,7 +327,7 @@ for codec, tuned in (("int8", st.INT8_TILES), ("int4", st.INT4_TILES), ("residua
     packed, residual = codec == "int4", codec == "residual2"
     dtype, width = (torch.uint8, 64) if packed else (torch.int8, 128)
     if residual:
-        d_type, q_type = "*i32", "*i8"  # the codes as int32 words (cp.async), the int8 query planes
+        d_type, q_type = "*i32", "*fp16"  # the codes as int32 words (cp.async), the fp16 query planes
     else:
         d_desc = st.TensorDescriptor.from_tensor(torch.zeros(1000, width, dtype=dtype), [st.BLOCK_T, width],
                                                  st._doc_layout(width, dtype))
@@ -341,7 +341,7 @@ for codec, tuned in (("int8", st.INT8_TILES), ("int4", st.INT4_TILES), ("residua
             sig = {k: "i32" for k in names}
             sig.update({"q_ptr": q_type, "qs_ptr": "*fp32", "q_off_ptr": "*i64", "cand_off_ptr": "*i64",
                         "cand_ptr": "*i64", "off_ptr": "*i64", "sd_ptr": "*fp32", "out_ptr": "*fp32",
-                        "d_desc": d_type, "ps_ptr": "*fp32", **{k: "constexpr" for k in consts}})
+                        "d_desc": d_type, "plane_scale": "fp32", **{k: "constexpr" for k in consts}})
             src = GluonASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
             options = {"num_warps": st.NUM_WARPS, **({"maxnreg": cap} if cap else {})}
             compiled = triton.compile(src, target=SM90, options=options)
