@@ -881,16 +881,13 @@ def _prepare(
 # columns of a row from the query's first, unmasked (`maxsim_int8_hopper_stream._tile_centroids`; a mask of
 # the query's columns made its candidates build spill 640 bytes)
 TABLE_SLACK = 64
-# the centroid table's row stride, a multiple of this many fp32 (columns past the query rows zero): the stream
-# kernel then gathers a one-query row with 8-byte loads (`maxsim_int8_hopper_stream._tile_centroids`)
-TABLE_ROW_ALIGN = 4
 
 
 class QueryTables(NamedTuple):
     """The query side of a residual2 scan (`residual2_query_tables`) for R query rows of dim d."""
 
     planes: torch.Tensor  # fp16 [3, R, d]: q8 * D_v * 2^-e, columns in part-major order
-    by_centroid: torch.Tensor  # fp32 [K, R] (row stride a multiple of TABLE_ROW_ALIGN): q8 . (C[c] + W[:, 0])
+    by_centroid: torch.Tensor  # fp32 [K, R]: q8 . (C[c] + W[:, 0]) for every centroid c
     plane_scale: float  # 2^e: the planes' products times this are in q8 units
     separable: bool  # D_2 is zero in every dimension: the third plane's products are skipped
 
@@ -922,15 +919,11 @@ def residual2_query_tables(q8: torch.Tensor, codebook: ResidualCodebook) -> Quer
     device = q8.device
     q = q8.double()
     base = codebook.centroids.double() + codebook.bucket_weights.double()[:, 0][None, :]
-    # [K, R] in rows of a multiple of TABLE_ROW_ALIGN (the columns past R zero), in storage with TABLE_SLACK
-    # zeros past it: the stream kernel reads a row's N columns unmasked
+    # [K, R], in storage with TABLE_SLACK zeros past it: the stream kernel reads a row's N columns unmasked
     k, rows = base.shape[0], q8.shape[0]
-    stride = cdiv(rows, TABLE_ROW_ALIGN) * TABLE_ROW_ALIGN
-    storage = torch.empty(k * stride + TABLE_SLACK, dtype=torch.float32, device=device)
-    storage[k * stride :].zero_()
-    padded = storage[: k * stride].view(k, stride)
-    padded[:, rows:].zero_()
-    by_centroid = padded[:, :rows]
+    storage = torch.empty(k * rows + TABLE_SLACK, dtype=torch.float32, device=device)
+    storage[k * rows :].zero_()
+    by_centroid = storage[: k * rows].view(k, rows)
     by_centroid.copy_(base @ q.T)
     weights, exponent, separable = _plane_weights_and_exponent(codebook.bucket_weights)
     planes = q[None, :, :] * weights.to(device)[:, None, :]
@@ -1022,10 +1015,10 @@ def _launch_args(
         cent, wts = _parts_major(codebook)
         return _Launch(q8, q8.stride(0), 0, codes, cent, wts, 0, 1.0, cent.shape[0], 1, asm)
     tables = residual2_query_tables(q8, codebook)
+    rows = q8.shape[0]
     unit = PLANE_UNIT_ASM if asm else 1.0
     return _Launch(
-        tables.planes, q8.shape[1], q8.shape[0] * q8.shape[1], codes, tables.by_centroid, codes,
-        tables.by_centroid.stride(0),
+        tables.planes, q8.shape[1], rows * q8.shape[1], codes, tables.by_centroid, codes, rows,
         tables.plane_scale / unit, codebook.centroids.shape[0], 2 if tables.separable else 1, asm,
     )  # fmt: skip
 

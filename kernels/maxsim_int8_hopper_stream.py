@@ -286,16 +286,14 @@ def _tile_ids(codes_ptr, tok, end, rows, n_centroids):
 
 
 @gluon.jit
-def _tile_centroids(tab_ptr, ids, cols, stride_tab4, n_centroids):
+def _tile_centroids(tab_ptr, ids, cols, stride_tab, n_centroids):
     """residual2: the centroid table's entries of the tile's tokens ([BLOCK_T, N] fp32, `_tile_ids`' ids):
     NaN past the document (max ignores it), +inf for an id outside the codebook (the item scores NaN). The
-    N columns `cols` are read whatever the query's length: past it they are the next rows' (or the row's
-    zero padding, or the table's slack, `maxsim_codes.TABLE_SLACK`), never summed. The row stride is
-    stride_tab4 * 4 (`maxsim_codes.TABLE_ROW_ALIGN`): with columns from 0 (one query) each thread's two
-    neighbouring columns are one 8-byte load."""
+    N columns from the query's first row are read whatever its length: past it they are the next rows' (or
+    the table's slack, `maxsim_codes.TABLE_SLACK`), never summed."""
     ok = (ids >= 0) & (ids < n_centroids)
     fill = gl.where(ids < 0, float("nan"), float("inf"))
-    at = tab_ptr + (ids.to(gl.int64) * stride_tab4 * 4)[:, None] + cols[None, :]
+    at = tab_ptr + ids.to(gl.int64)[:, None] * stride_tab + cols[None, :]
     return gl.load(at, mask=ok[:, None], other=fill[:, None])
 
 
@@ -310,11 +308,11 @@ def _side(sd_ptr, codes_ptr, tok, end, rows, n_centroids, RESIDUAL: gl.constexpr
 
 
 @gluon.jit
-def _ready_side(side, tab_ptr, cols, stride_tab4, n_centroids, RESIDUAL: gl.constexpr):
+def _ready_side(side, tab_ptr, cols, stride_tab, n_centroids, RESIDUAL: gl.constexpr):
     """The next tile's fold input: the scales as loaded, or residual2's centroid table entries gathered by
     the ids loaded a tile earlier."""
     if RESIDUAL:
-        return _tile_centroids(tab_ptr, side, cols, stride_tab4, n_centroids)
+        return _tile_centroids(tab_ptr, side, cols, stride_tab, n_centroids)
     else:
         return side
 
@@ -379,7 +377,7 @@ def _product(d_smem, q_t, q_hi_t, ready, x, zero, STAGES: gl.constexpr, PACKED: 
 def _retire(acc, x, tiles, total, run, sc, sc_next, last, item, qs, q_ok, out_ptr,
             pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
             c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad, partial, c_first,
-            n_tokens, cols, stride_tab4, n_centroids, plane_scale,
+            n_tokens, cols, stride_tab, n_centroids, plane_scale,
             IDENTITY: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr,
             STAGES: gl.constexpr, DEFER: gl.constexpr, RESIDUAL: gl.constexpr):  # fmt: skip
     """Tile x's product is done: refill its ring slot with tile x + STAGES (the ring cursor p's tile),
@@ -414,7 +412,7 @@ def _retire(acc, x, tiles, total, run, sc, sc_next, last, item, qs, q_ok, out_pt
                 gl.store(out_ptr + item, score)
             run = gl.full(run.shape, float("-inf"), gl.float32, run.type.layout)
     # tile x + 1's fold input, then what tile x + 2's takes and its place in the walk
-    sc_ready = _ready_side(sc_next, sd_ptr, cols, stride_tab4, n_centroids, RESIDUAL)
+    sc_ready = _ready_side(sc_next, sd_ptr, cols, stride_tab, n_centroids, RESIDUAL)
     sc_new = _side(sd_ptr, d_desc, s_tok, s_end, rows, n_centroids, RESIDUAL)
     last_new = s_tok + BLOCK_T >= s_end
     item_new = s_c
@@ -450,13 +448,13 @@ def _deferred_scores(partial, qs_ptr, row_first, row_last, c_first, c_last, out_
 
 @gluon.jit(
     do_not_specialize=[
-        "n_queries", "n_items", "n_chunks", "n_docs", "n_tokens", "stride_plane", "stride_tab4", "n_centroids"
+        "n_queries", "n_items", "n_chunks", "n_docs", "n_tokens", "stride_plane", "stride_tab", "n_centroids"
     ]
 )
 def _int8_stream_kernel(
     q_ptr, qs_ptr, q_off_ptr, cand_off_ptr, cand_ptr, off_ptr, d_desc, sd_ptr, out_ptr,
     n_queries, n_items, n_chunks, n_docs, stride_q,
-    n_tokens, stride_plane, stride_tab4, n_centroids, plane_scale,
+    n_tokens, stride_plane, stride_tab, n_centroids, plane_scale,
     DIM: gl.constexpr, N: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
     GROUP: gl.constexpr, IDENTITY: gl.constexpr, PACKED: gl.constexpr, DEFER: gl.constexpr,
     RESIDUAL: gl.constexpr,
@@ -467,8 +465,8 @@ def _int8_stream_kernel(
     DIM] tiles (PACKED: int4 codes, uint8 [Td, DIM / 2] in [BLOCK_T, DIM / 2] tiles), sd fp32 [Td], out
     fp32 [n_items], n_docs the number of documents (nd). RESIDUAL (residual2 codes of separable buckets):
     q the fp16 query planes [3, Tq, DIM] (row stride stride_q, plane stride stride_plane), d_desc the codes
-    as int32 words [Td, 9] (n_tokens = Td rows), sd the centroid table fp32 [n_centroids, Tq]
-    (column = query row, the row stride stride_tab4 * 4), plane_scale the planes' scale. A candidate index
+    as int32 words [Td, 9] (n_tokens = Td rows), sd the centroid table fp32 [n_centroids, stride_tab]
+    (column = query row), plane_scale the planes' scale. A candidate index
     outside [0, n_docs) is never read through: its item is walked as an empty document and scored NaN
     (the run's bad items, found once when its length is counted, are the bits of `bad`)."""
     pid = gl.program_id(0)
@@ -532,10 +530,6 @@ def _int8_stream_kernel(
         cols = row_first + gl.arange(0, N, layout=col_layout)
         q_ok = cols < row_last
         qs = gl.load(qs_ptr + cols, mask=q_ok, other=0.0)
-        if IDENTITY:  # one query: its rows are the centroid table's columns from 0 (aligned loads)
-            tab_cols = gl.arange(0, N, layout=col_layout)
-        else:
-            tab_cols = cols
 
         if RESIDUAL:
             # the tiles' bucket bytes, copied as words and read as bytes (unswizzled, row-major)
@@ -599,8 +593,8 @@ def _int8_stream_kernel(
         rows = gl.arange(0, BLOCK_T, layout=row_layout)
         s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_start(c_first, c_last, cand_ptr, off_ptr, bad, IDENTITY,
                                                             ITEMS)  # fmt: skip
-        sc0 = _ready_side(_side(sd_ptr, d_desc, s_tok, s_end, rows, n_centroids, RESIDUAL), sd_ptr, tab_cols,
-                          stride_tab4, n_centroids, RESIDUAL)  # fmt: skip
+        sc0 = _ready_side(_side(sd_ptr, d_desc, s_tok, s_end, rows, n_centroids, RESIDUAL), sd_ptr, cols,
+                          stride_tab, n_centroids, RESIDUAL)  # fmt: skip
         last0 = s_tok + BLOCK_T >= s_end
         item0 = s_c
         s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_next(s_c, s_tok, s_end, s_ns, s_ne, s_nd, c_last,
@@ -626,7 +620,7 @@ def _int8_stream_kernel(
                 acc_a, base, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
                 pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
                 c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
-                n_tokens, tab_cols, stride_tab4, n_centroids, plane_scale,
+                n_tokens, cols, stride_tab, n_centroids, plane_scale,
                 IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL,
             )  # fmt: skip
             last0, item0, last1, item1 = last1, item1, last2, item2
@@ -638,7 +632,7 @@ def _int8_stream_kernel(
                     acc_b, base + j - 1, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
                     pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
                     c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
-                    n_tokens, tab_cols, stride_tab4, n_centroids, plane_scale,
+                    n_tokens, cols, stride_tab, n_centroids, plane_scale,
                     IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL,
                 )  # fmt: skip
                 last0, item0, last1, item1 = last1, item1, last2, item2
@@ -649,7 +643,7 @@ def _int8_stream_kernel(
                     acc_a, base + j, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
                     pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
                     c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
-                    n_tokens, tab_cols, stride_tab4, n_centroids, plane_scale,
+                    n_tokens, cols, stride_tab, n_centroids, plane_scale,
                     IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL,
                 )  # fmt: skip
                 last0, item0, last1, item1 = last1, item1, last2, item2
@@ -659,7 +653,7 @@ def _int8_stream_kernel(
                 acc_b, base + GROUP - 1, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
                 pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
                 c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
-                n_tokens, tab_cols, stride_tab4, n_centroids, plane_scale,
+                n_tokens, cols, stride_tab, n_centroids, plane_scale,
                 IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL,
             )  # fmt: skip
             last0, item0, last1, item1 = last1, item1, last2, item2
@@ -792,27 +786,22 @@ def stream_with_tiles(
     packed = d8.dtype == torch.uint8 and residual is None
     if residual is None:
         q, stride_q, stride_plane, scales = q8, q8.stride(0), 0, sd
-        tab_stride4, n_centroids, plane_scale = 0, 0, 1.0
+        tab_stride, n_centroids, plane_scale = 0, 0, 1.0
         docs = TensorDescriptor.from_tensor(d8, [BLOCK_T, d8.shape[1]], _doc_layout(d8.shape[1], d8.dtype))
     else:
         table = residual.by_centroid
-        # the last row's N columns from its last query row are read unmasked: they must lie in the storage
-        read = table.storage_offset() + (table.shape[0] - 1) * table.stride(0) + table.shape[1] - 1 + n
-        slack = table.untyped_storage().nbytes() // 4 - read
-        if table.stride(1) != 1 or table.stride(0) % 4 or slack < 0:
-            raise ValueError(
-                f"the centroid table needs rows of a multiple of 4 fp32 and {n} entries of slack past its "
-                f"last row's columns; got strides {table.stride()} and {slack + n} entries"
-            )
+        slack = table.untyped_storage().nbytes() // 4 - table.storage_offset() - table.numel()
+        if not table.is_contiguous() or slack < n:
+            raise ValueError(f"the centroid table needs {n} fp32 entries of slack past its end; got {slack}")
         q, stride_q, stride_plane = residual.planes, residual.planes.stride(1), residual.planes.stride(0)
-        scales, tab_stride4, n_centroids = table, table.stride(0) // 4, table.shape[0]
+        scales, tab_stride, n_centroids = table, table.stride(0), table.shape[0]
         plane_scale = residual.plane_scale / PLANE_UNIT_ASM
         docs = d8.view(torch.int32)  # [Td, 9] words: cp.async, four bytes a copy
     _int8_stream_kernel[(n_chunks + (0 if items is None else nq),)](
         q, sq, q_off, q_off if item_off is None else item_off, d_off if items is None else items, d_off,
         docs, scales, out,
         nq, n_items, n_chunks, d_off.numel() - 1, stride_q,
-        d8.shape[0], stride_plane, tab_stride4, n_centroids, plane_scale,
+        d8.shape[0], stride_plane, tab_stride, n_centroids, plane_scale,
         DIM=q8.shape[1], N=n, ITEMS=per, BLOCK_T=BLOCK_T, STAGES=tuned.stages if stages is None else stages,
         GROUP=tuned.group if group is None else group, IDENTITY=items is None, PACKED=packed,
         DEFER=deferred(packed or residual is not None, per, n), RESIDUAL=residual is not None,
