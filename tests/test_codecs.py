@@ -1098,6 +1098,8 @@ def test_uniform_buckets_are_evenly_spaced_exactly() -> None:
         assert float(((error[:, None] * terms).sum(dim=0) / len(error)).abs().max()) < 1e-6
     free = _bucket_error(residuals, *codecs.fit_buckets(residuals, grid="free"))
     assert free <= _bucket_error(residuals, cutoffs, weights) < 2 * free
+    with pytest.raises(ValueError, match="unknown bucket grid 'even'"):
+        codecs.fit_buckets(residuals, grid="even")
 
 
 @pytest.mark.parametrize("rows", [1, 5])
