@@ -78,6 +78,7 @@ into int8 rows and score them on the Gluon all-pairs kernel of `maxsim_int8_hopp
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -899,8 +900,10 @@ def residual2_plane_weights(bucket_weights: torch.Tensor) -> torch.Tensor:
     return torch.stack([w[:, 1] - w[:, 0], w[:, 2] - w[:, 0], w[:, 3] - w[:, 2] - w[:, 1] + w[:, 0]])
 
 
+@functools.cache
 def _part_major_order(dim: int, device: torch.device) -> torch.Tensor:
-    """Column p * dim / 4 + m holds dimension 4m + p: a part of a row is one contiguous run."""
+    """Column p * dim / 4 + m holds dimension 4m + p: a part of a row is one contiguous run. Made once per
+    (dim, device): every residual2 call's query planes are indexed by it (`residual2_query_tables`)."""
     return torch.arange(dim, device=device).view(dim // 4, 4).T.reshape(-1)
 
 
