@@ -6,6 +6,10 @@ two outputs are the four low and the four high nibbles as int8: ((n ^ 8) + 0x78)
 integer instructions for 8 values where per-element int32 arithmetic takes ~5 each (Hopper issues 64
 integer instructions a clock per SM, half its fp32 rate). Constraints "=r,=r,r", pack=4.
 
+int2: `quarter_values_asm` makes 2-bit code ``part`` (bits 2 part, 2 part + 1) of each of four bytes into its
+odd value 2v - 3 (-3, -1, 1, 3) as int8: (2v + 0x7d) ^ 0x80 per byte, the shifted code masked in one
+instruction and no carry between bytes, 4 integer instructions for 4 values. Constraints "=r,r", pack=4.
+
 residual2: `bucket_planes_asm` makes a 2-bit bucket of each of four bytes into its bit planes (bit 0, bit 1,
 both) as fp16 0 or one unit (`PLANE_UNIT_ASM`). Constraints "=r,=r,=r,=r,=r,=r,r", pack=4.
 """
@@ -16,6 +20,15 @@ INT4_NIBBLES_ASM = (
     "shr.u32 t, $2, 4; "
     "lop3.b32 t, t, 0x0f0f0f0f, 0x08080808, 0x6a; add.u32 t, t, 0x78787878; xor.b32 $1, t, 0x80808080; }"
 )
+
+
+def quarter_values_asm(part: int) -> str:
+    """int2: the odd values 2v - 3 of 2-bit code ``part`` of four bytes, int8 (module docstring)."""
+    shift = "shl.b32 t, $1, 1" if part == 0 else f"shr.u32 t, $1, {2 * part - 1}"
+    return (
+        "{ .reg .b32 t; " + shift + "; and.b32 t, t, 0x06060606; add.u32 t, t, 0x7d7d7d7d; "
+        "xor.b32 $0, t, 0x80808080; }"
+    )
 
 
 def bucket_planes_asm(part: int) -> str:

@@ -95,6 +95,8 @@ from .maxsim_int8 import (
     hopper_allpairs,
     hopper_stream,
     launch_hopper,
+    maxsim_candidates_int8,
+    maxsim_varlen_int8,
     quantize_per_token,
     segment_ids,
     segment_max,
@@ -111,7 +113,7 @@ from .validation import (
     resolve_backend,
 )
 
-CODECS = ("int4", "residual2")
+CODECS = ("int4", "residual2", "int2")
 INT4_ABSMAX = 7.0
 RESIDUAL_BUCKETS = 4  # 2 bits a dimension
 ID_BYTES = 4  # the residual2 centroid id: uint32, little-endian, first in the row
@@ -160,10 +162,24 @@ class ResidualCodebook(NamedTuple):
         return ResidualCodebook(self.centroids.to(device), self.bucket_weights.to(device))
 
 
+class Int2Levels(NamedTuple):
+    """The int2 codec's grid, per dimension: code v (0..3) of dimension k decodes to ``offsets[k] + s *
+    steps[k] * (2v - 3)`` for the token's scale s; fp32 ``[dim]`` each, on the documents' device."""
+
+    offsets: torch.Tensor
+    steps: torch.Tensor
+
+    def to(self, device: torch.device | str) -> Int2Levels:
+        return Int2Levels(self.offsets.to(device), self.steps.to(device))
+
+
 def code_width(codec: str, dim: int) -> int:
-    """Bytes a token of ``dim`` values takes in the codes tensor (the int4 scale is stored beside it)."""
+    """Bytes a token of ``dim`` values takes in the codes tensor (the int4 and int2 scales are stored
+    beside it)."""
     if codec == "int4":
         return dim // 2
+    if codec == "int2":
+        return dim // 4
     if codec == "residual2":
         return ID_BYTES + dim // 4
     raise ValueError(f"unknown codec {codec!r} (expected one of {', '.join(CODECS)})")
@@ -174,9 +190,9 @@ def check_codec_dim(codec: str, dim: int) -> None:
     multiple of 4 (whole bytes a token), both at most MAX_DIM."""
     if codec == "int4" and (dim < 2 or dim % 2 or dim > MAX_DIM):
         raise ValueError(f"int4 codes need an even dim from 2 to {MAX_DIM} (two values a byte), got {dim}")
-    if codec == "residual2" and (dim < 4 or dim % 4 or dim > MAX_DIM):
+    if codec in ("residual2", "int2") and (dim < 4 or dim % 4 or dim > MAX_DIM):
         raise ValueError(
-            f"residual2 codes need a dim that is a multiple of 4 from 4 to {MAX_DIM} (four values a "
+            f"{codec} codes need a dim that is a multiple of 4 from 4 to {MAX_DIM} (four values a "
             f"byte), got {dim}"
         )
     if codec not in CODECS:
@@ -237,6 +253,69 @@ def encode_residual2(
         for i in range(ID_BYTES):
             out[rows, i] = ((ids >> (8 * i)) & 0xFF).to(torch.uint8)
     return out
+
+
+def encode_int2(x: torch.Tensor, levels: Int2Levels) -> tuple[torch.Tensor, torch.Tensor]:
+    """int2 codes of ``x`` [T, dim] (dim a multiple of 4): (uint8 [T, dim / 4], fp32 scales [T]).
+
+    Per dimension the nearest of the grid's four odd values ``c = 2v - 3`` to ``(x_k - offsets[k]) /
+    steps[k]`` (ties to even, clamped), then the token's least-squares scale ``s = <x - offsets, steps * c>
+    / |steps * c|^2`` (float64, rounded once; 0 where every step is 0): the decoded ``offsets + s * steps *
+    c`` is the nearest point of the token's line. A dimension of step 0 (one that does not vary) decodes to
+    its offset. Code v of dimension ``4m + p`` is bits 2p and 2p + 1 of byte m."""
+    dim = x.shape[1]
+    check_codec_dim("int2", dim)
+    offsets = levels.offsets.to(x.device, torch.float32)
+    steps = levels.steps.to(x.device, torch.float32)
+    codes = torch.empty(x.shape[0], dim // 4, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    step = max(1, ENCODE_BLOCK_ELEMS // dim)
+    for a in range(0, x.shape[0], step):
+        rows = slice(a, a + step)
+        centred = x[rows].float() - offsets
+        stepped = torch.where(steps > 0, centred / steps, torch.zeros_like(centred))
+        v = torch.round((stepped + 3.0) / 2.0).clamp_(0, 3)
+        spread = steps.double() * (2.0 * v.double() - 3.0)
+        norm = (spread * spread).sum(dim=1)
+        fit = (centred.double() * spread).sum(dim=1) / torch.where(norm > 0, norm, torch.ones_like(norm))
+        scales[rows] = fit.float()
+        b = v.to(torch.uint8).view(-1, dim // 4, 4)
+        codes[rows] = b[:, :, 0] | (b[:, :, 1] << 2) | (b[:, :, 2] << 4) | (b[:, :, 3] << 6)
+    return codes, scales
+
+
+def int2_values(codes: torch.Tensor) -> torch.Tensor:
+    """The odd values 2v - 3 (int8 [T, dim], -3..3) of int2 codes [T, dim / 4]."""
+    packed = codes.to(torch.int16)
+    v = torch.stack([(packed >> (2 * i)) & 3 for i in range(4)], dim=2).reshape(codes.shape[0], -1)
+    return (2 * v - 3).to(torch.int8)
+
+
+def decode_int2(codes: torch.Tensor, scales: torch.Tensor, levels: Int2Levels) -> torch.Tensor:
+    """Decoded int2 values, fp32 [T, dim]: ``offsets + s * steps * c`` evaluated in float64, rounded once."""
+    c = int2_values(codes).double()
+    return (levels.offsets.double() + scales.double()[:, None] * levels.steps.double() * c).float()
+
+
+class Int2Queries(NamedTuple):
+    """The query side of an int2 scan (`int2_queries`): the int8 codes and scales of ``q * steps`` and each
+    query row's ``q . offsets``."""
+
+    q8: torch.Tensor  # int8 [Tq, dim]
+    scales: torch.Tensor  # fp32 [Tq]
+    row_offsets: torch.Tensor  # fp32 [Tq]
+
+
+def int2_queries(queries: torch.Tensor, levels: Int2Levels, backend: str = "torch") -> Int2Queries:
+    """The query side of int2 scores (module docstring): ``q . x = q . offsets + s * (q * steps) . c``, so
+    the kernels of int8 score ``q * steps`` (quantized per token to int8, as any query) against the codes'
+    odd values c with the tokens' scales s, and each query row adds ``q . offsets`` (float64, rounded
+    once) to its maximum."""
+    q = queries.float()
+    weighted = q * levels.steps.to(q.device, torch.float32)
+    q8, sq = quantize_per_token(weighted, backend=backend)
+    row_offsets = (queries.double() @ levels.offsets.to(q.device, torch.float64)).float()
+    return Int2Queries(q8, sq, row_offsets)
 
 
 def residual2_ids(codes: torch.Tensor) -> torch.Tensor:
@@ -800,12 +879,17 @@ def _maxsim_codes_candidates_kernel(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _codec_of(doc_scales: torch.Tensor | None, codebook: ResidualCodebook | None) -> str:
+def _codec_of(doc_scales: torch.Tensor | None, codebook: ResidualCodebook | Int2Levels | None) -> str:
+    if isinstance(codebook, Int2Levels):
+        if doc_scales is None:
+            raise ValueError("int2 codes take doc_scales (fp32 [T]) beside their levels")
+        return "int2"
     if codebook is not None and doc_scales is not None:
         raise ValueError("uint8 codes take doc_scales (int4) or a codebook (residual2), not both")
     if codebook is None and doc_scales is None:
         raise ValueError(
-            "uint8 documents are codes: give doc_scales (int4, fp32 [T]) or codebook= (residual2)"
+            "uint8 documents are codes: give doc_scales (int4, fp32 [T]), codebook= (residual2) or both "
+            "(int2: its Int2Levels)"
         )
     return "int4" if codebook is None else "residual2"
 
@@ -822,7 +906,8 @@ def _prepare(
 ) -> tuple:
     """Validate; pick the codec and the backend; quantize float queries to int8.
 
-    Returns (codec, dim, backend, q8, s_q, query_offsets, codes, s_d or None, doc_offsets, codebook)."""
+    Returns (codec, dim, backend, q8, s_q, query_offsets, codes, s_d or None, doc_offsets, codebook); for
+    int2, q8 and s_q are those of `int2_queries` and the last entry its `Int2Queries`."""
     codec = _codec_of(doc_scales, codebook)
     if not isinstance(docs, torch.Tensor) or docs.dtype != torch.uint8 or docs.dim() != 2:
         got = f"{docs.dtype} {tuple(docs.shape)}" if isinstance(docs, torch.Tensor) else type(docs)
@@ -839,14 +924,22 @@ def _prepare(
     device = docs.device
     if queries.device != device:
         raise ValueError(f"queries are on {queries.device}, documents on {device}")
-    if codec == "int4":
+    if codec in ("int4", "int2"):
         assert doc_scales is not None
         if doc_scales.shape != (docs.shape[0],) or doc_scales.device != device:
             raise ValueError(
                 f"doc_scales must be [{docs.shape[0]}] on {device}, got {tuple(doc_scales.shape)}"
             )
         doc_scales = doc_scales.float().contiguous()
-    else:
+    if codec == "int2":
+        offsets, steps = codebook
+        if offsets.shape != (dim,) or steps.shape != (dim,):
+            raise ValueError(
+                f"int2 levels {tuple(offsets.shape)} and {tuple(steps.shape)} do not fit dim {dim} "
+                f"(expected [{dim}] each)"
+            )
+        codebook = Int2Levels(offsets.to(device, torch.float32), steps.to(device, torch.float32))
+    elif codec == "residual2":
         assert codebook is not None
         cent, wts = codebook
         if cent.dim() != 2 or cent.shape[1] != dim or wts.shape != (dim, RESIDUAL_BUCKETS):
@@ -870,9 +963,13 @@ def _prepare(
             raise ValueError(f"int8 queries need query_scales (fp32 [{queries.shape[0]}])")
         q8, sq = queries, query_scales.to(device).float()
     elif queries.is_floating_point():
-        q8, sq = quantize_per_token(queries, backend=backend)
+        q8, sq = (None, None) if codec == "int2" else quantize_per_token(queries, backend=backend)
     else:
         raise ValueError(f"queries must be float16/bfloat16/float32 or int8, got {queries.dtype}")
+    if codec == "int2":  # the int8 scan of q * steps (`int2_queries`), from the float queries
+        given = queries if q8 is None else q8.float() * sq[:, None]
+        codebook = int2_queries(given, codebook, backend=backend)
+        q8, sq = codebook.q8, codebook.scales
     codes = docs if docs.stride(1) == 1 else docs.contiguous()
     q8 = q8 if q8.stride(1) == 1 else q8.contiguous()
     return codec, dim, backend, q8, sq.contiguous(), query_offsets, codes, doc_scales, doc_offsets, codebook
@@ -1329,6 +1426,9 @@ def maxsim_varlen_codes(
     codec, dim, backend, q8, sq, q_off, codes, sd, d_off, cb = _prepare(
         queries, query_offsets, docs, doc_offsets, doc_scales, query_scales, codebook, backend
     )
+    if codec == "int2":
+        scores = _int2_varlen(backend, query_offsets, doc_offsets, q8, sq, q_off, codes, sd, d_off)
+        return scores.add_(_query_sums(cb.row_offsets, q_off)[:, None])
     stream = _code_stream(codec, backend, query_offsets, q8, codes, cb) if q_off.numel() == 2 else None
     if stream is not None:
         module, longest, tables = stream
@@ -1383,6 +1483,22 @@ def maxsim_candidates_codes(
     c_off = device_offsets(
         "candidate_offsets", candidate_offsets, candidate_docs.numel(), device, empty_ok=True, check=check
     )
+    if codec == "int2":
+        stream = hopper_stream(query_offsets, q8, codes, False, int2=True) if backend == "triton" else None
+        if candidate_docs.numel():  # the decoded fallback gathers the candidates' rows: checked here
+            check_candidate_docs(candidate_docs, nd, guarded=stream is not None)
+        c_docs = candidate_docs.to(device)
+        if stream is not None:
+            module, longest = stream
+            scores = module.maxsim_int8_stream(
+                q8, sq, q_off, c_off, c_docs, codes, sd, d_off, longest, int2=True
+            )
+        else:
+            scores = _int2_candidates(backend, query_offsets, q8, sq, codes, sd, d_off, c_off, c_docs)
+        owner = torch.repeat_interleave(
+            torch.arange(nq, device=device), c_off.diff(), output_size=c_docs.numel()
+        )
+        return scores.add_(_query_sums(cb.row_offsets, q_off)[owner])
     if candidate_docs.numel():
         check_candidate_docs(candidate_docs, nd, guarded=backend == "triton")
     c_docs = candidate_docs.to(device)
@@ -1509,6 +1625,87 @@ def _int4_decoded_allpairs(
         out[:, first:stop] = float("-inf") if part is None else part
         first = stop
     return out
+
+
+def _query_sums(row_values: torch.Tensor, q_off: torch.Tensor) -> torch.Tensor:
+    """Each query's sum of its rows' values (fp32 [nq], summed in float64): int2's ``sum_i q_i . offsets``."""
+    nq = q_off.numel() - 1
+    owner = torch.repeat_interleave(torch.arange(nq, device=row_values.device), q_off.diff(),
+                                    output_size=row_values.numel())  # fmt: skip
+    sums = torch.zeros(nq, dtype=torch.float64, device=row_values.device)
+    return sums.index_add_(0, owner, row_values.double()).float()
+
+
+def _int2_varlen(
+    backend: str,
+    given_q_off: torch.Tensor,
+    given_d_off: torch.Tensor,
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    q_off: torch.Tensor,
+    codes: torch.Tensor,
+    sd: torch.Tensor,
+    d_off: torch.Tensor,
+) -> torch.Tensor:
+    """int2 all pairs without the query rows' offsets (`int2_queries`): one query on an sm_90 GPU on the
+    Gluon stream kernel (the codes unpacked in registers), else the documents decoded to their odd values
+    (int8) a chunk of whole documents at a time (at most `DECODE_CHUNK_BYTES`), each chunk scored by the
+    int8 kernels with its scales: the same integer products and maxima."""
+    if backend == "triton" and q_off.numel() == 2:
+        stream = hopper_stream(given_q_off, q8, codes, False, int2=True)
+        if stream is not None:
+            module, longest = stream
+            return module.maxsim_int8_stream(q8, sq, q_off, None, None, codes, sd, d_off, longest, int2=True)[
+                None
+            ]
+    d_host = host_offsets("doc_offsets", given_d_off, codes.shape[0])
+    nd, dim = len(d_host) - 1, q8.shape[1]
+    out = torch.full((q_off.numel() - 1, nd), float("-inf"), dtype=torch.float32, device=codes.device)
+    longest = int(np.diff(d_host).max()) if nd else 0
+    chunk = max(DECODE_CHUNK_BYTES // dim, longest, 1)
+    first = 0
+    while first < nd:
+        t0 = int(d_host[first])
+        stop = max(int(np.searchsorted(d_host, t0 + chunk, side="right")) - 1, first + 1)
+        t1 = int(d_host[stop])
+        if t1 > t0:
+            offsets = torch.from_numpy(np.ascontiguousarray(d_host[first : stop + 1] - t0)).to(codes.device)
+            out[:, first:stop] = maxsim_varlen_int8(
+                q8, given_q_off, int2_values(codes[t0:t1]), offsets, doc_scales=sd[t0:t1], query_scales=sq,
+                backend=backend,
+            )  # fmt: skip
+        first = stop
+    return out
+
+
+def _int2_candidates(
+    backend: str,
+    given_q_off: torch.Tensor,
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    codes: torch.Tensor,
+    sd: torch.Tensor,
+    d_off: torch.Tensor,
+    c_off: torch.Tensor,
+    c_docs: torch.Tensor,
+) -> torch.Tensor:
+    """int2 candidates without the query rows' offsets, decoded: the candidates' documents (indices checked)
+    gathered once each, decoded to their odd values and scored by the int8 candidates kernels."""
+    if c_docs.numel() == 0:
+        return torch.empty(0, dtype=torch.float32, device=codes.device)
+    unique, local = torch.unique(c_docs, return_inverse=True)
+    starts, ends = d_off[unique], d_off[unique + 1]
+    lengths = ends - starts
+    offsets = torch.zeros(unique.numel() + 1, dtype=torch.int64, device=codes.device)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    total = int(offsets[-1])
+    segment = torch.repeat_interleave(torch.arange(unique.numel(), device=codes.device), lengths,
+                                      output_size=total)  # fmt: skip
+    rows = starts[segment] + torch.arange(total, device=codes.device) - offsets[:-1][segment]
+    return maxsim_candidates_int8(
+        q8, given_q_off, int2_values(codes[rows]), offsets, c_off, local,
+        doc_scales=sd[rows], query_scales=sq, backend=backend,
+    )  # fmt: skip
 
 
 def quantized_queries(queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -857,11 +857,12 @@ def hopper_stream(
     d8: torch.Tensor,
     return_argmax: bool,
     residual: bool = False,
+    int2: bool = False,
 ) -> tuple[Any, int] | None:
     """(the Gluon module `maxsim_int8_hopper_stream`, the longest query) where it takes an HBM-bound
     problem (one query against every document, or candidates), else None. The query lengths come from
     the host: offsets given there, or the queries' rows when there is one query (no synchronisation).
-    `residual`: d8 holds residual2 codes (`supports_residual`)."""
+    `residual`: d8 holds residual2 codes (`supports_residual`); `int2`: int2 codes (`maxsim_codes`)."""
     if return_argmax:
         return None
     stream = gluon_module("maxsim_int8_hopper_stream", d8.device)
@@ -876,7 +877,7 @@ def hopper_stream(
     if residual:
         taken = stream.supports_residual(q_lens, d8)
     else:
-        taken = stream.supports(q_lens, d8, return_argmax)
+        taken = stream.supports(q_lens, d8, return_argmax, int2)
     return (stream, int(q_lens.max())) if taken else None
 
 

@@ -99,7 +99,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .code_unpacking import INT4_NIBBLES_ASM as _NIBBLES_TEXT
-from .code_unpacking import PLANE_UNIT_ASM, bucket_planes_asm
+from .code_unpacking import PLANE_UNIT_ASM, bucket_planes_asm, quarter_values_asm
 from .launch import hopper_device
 from .maxsim_int8 import candidate_query
 from .validation import cdiv
@@ -131,6 +131,11 @@ _PLANES_0 = gl.constexpr(bucket_planes_asm(0))
 _PLANES_1 = gl.constexpr(bucket_planes_asm(1))
 _PLANES_2 = gl.constexpr(bucket_planes_asm(2))
 _PLANES_3 = gl.constexpr(bucket_planes_asm(3))
+# int2: the odd values of code p of four bytes (`code_unpacking`)
+_QUARTER_0 = gl.constexpr(quarter_values_asm(0))
+_QUARTER_1 = gl.constexpr(quarter_values_asm(1))
+_QUARTER_2 = gl.constexpr(quarter_values_asm(2))
+_QUARTER_3 = gl.constexpr(quarter_values_asm(3))
 RESIDUAL_DIM = 128
 # a residual2 row in int32 words: the centroid id, then 2 bits a dimension (36 bytes)
 RESIDUAL_WORDS = gl.constexpr(1 + RESIDUAL_DIM // 16)
@@ -173,6 +178,10 @@ INT4_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (128, 128), 64: (168, 168
 # residual2 (RESIDUAL), one query x 100K documents on an H100 (bench_codes.py --stream-sweep): 1.235 ms with
 # a ring of 6, 2 tiles a turn and a cap of 128 registers (four programs an SM), against 1.305 at 168 (three)
 # and 1.355 uncapped (255, two programs); 4 tiles a turn 1.470 uncapped
+# int2 (QUARTER): int4's tiles, not yet swept. Queries of at most 32 tokens (INT2_MAX_QUERY_TOKENS): at N =
+# 64 the candidates build spills 200 bytes under int4's cap of 168 registers
+INT2_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (128, 128)})
+INT2_MAX_QUERY_TOKENS = 32
 RESIDUAL2_TILES = Tuning(6, 2, 32, 16, {16: (128, 128), 32: (128, 128)})
 
 
@@ -348,8 +357,33 @@ def _residual_products(packed, q_planes, zero):
 
 
 @gluon.jit
+def _quarter(packed, PART: gl.constexpr):
+    """int2: the odd values (-3, -1, 1, 3) of 2-bit code PART of each byte as int8 (`code_unpacking`)."""
+    if PART == 0:
+        text: gl.constexpr = _QUARTER_0
+    elif PART == 1:
+        text: gl.constexpr = _QUARTER_1
+    elif PART == 2:
+        text: gl.constexpr = _QUARTER_2
+    else:
+        text: gl.constexpr = _QUARTER_3
+    return gl.inline_asm_elementwise(text, "=r,r", [packed], dtype=gl.int8, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _quarter_products(packed, q_parts, zero):
+    """int2: the tile's products, code p of each byte (dimensions 4m + p) against the query's part p:
+    four from registers, chained."""
+    acc = zero
+    for p in gl.static_range(4):
+        acc = warpgroup_mma(_quarter(packed, p), q_parts.index(p).permute((1, 0)), acc, use_acc=p > 0,
+                            is_async=True)  # fmt: skip
+    return acc
+
+
+@gluon.jit
 def _product(d_smem, q_t, q_hi_t, ready, x, zero, STAGES: gl.constexpr, PACKED: gl.constexpr,
-             RESIDUAL: gl.constexpr):  # fmt: skip
+             RESIDUAL: gl.constexpr, QUARTER: gl.constexpr):  # fmt: skip
     """Tile x's D8 . Q8^T, asynchronous, once its copy has landed. PACKED (int4 codes): the tile's bytes
     are loaded into wgmma's register operand layout and split into their low and high nibbles (values 2m
     and 2m + 1), each multiplied with the query's matching columns (q_t, q_hi_t); ptxas keeps those
@@ -361,6 +395,10 @@ def _product(d_smem, q_t, q_hi_t, ready, x, zero, STAGES: gl.constexpr, PACKED: 
         # q_t holds the query planes [8, N, 32] (plane v of part p at 4v + p), d_smem the tiles' bytes
         a_layout_r: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=zero.type.layout, k_width=2)
         return _residual_products(d_smem.index(slot).load(a_layout_r), q_t, zero)
+    elif QUARTER:
+        # q_t holds the query's parts [4, N, DIM / 4] (part p: the columns 4m + p)
+        a_layout_q: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=zero.type.layout, k_width=4)
+        return _quarter_products(d_smem.index(slot).load(a_layout_q), q_t, zero)
     elif PACKED:
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=zero.type.layout, k_width=4)
         packed = d_smem.index(slot).load(a_layout)
@@ -457,7 +495,7 @@ def _int8_stream_kernel(
     n_tokens, stride_plane, stride_tab, n_centroids, plane_scale,
     DIM: gl.constexpr, N: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
     GROUP: gl.constexpr, IDENTITY: gl.constexpr, PACKED: gl.constexpr, DEFER: gl.constexpr,
-    RESIDUAL: gl.constexpr,
+    RESIDUAL: gl.constexpr, QUARTER: gl.constexpr,
 ):  # fmt: skip
     """Scores of a run of items (see the module docstring): q int8 [Tq, DIM], qs fp32 [Tq], q_off [nq + 1],
     cand_off [nq + 1] (the items of each query) and cand int64 [n_items], both unused with IDENTITY (one
@@ -512,6 +550,14 @@ def _int8_stream_kernel(
             for i in gl.static_range(8):
                 at = q_row_ptr + (i // 4) * stride_plane + (i % 4) * (DIM // 4) + k[None, :]
                 q_smem.index(i).store(gl.load(at, mask=q_in, other=0.0))
+        elif QUARTER:
+            # the query's columns 4m + p, part p: the products of the codes' 2-bit values p
+            k = gl.arange(0, DIM // 4, layout=gl.SliceLayout(0, ld_layout))
+            q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, DIM // 4], gl.int8)
+            q_smem = gl.allocate_shared_memory(gl.int8, [4, N, DIM // 4], q_layout)
+            for i in gl.static_range(4):
+                q_smem.index(i).store(gl.load(q_row_ptr + 4 * k[None, :] + i, mask=q_in, other=0))
+            q_hi_smem = q_smem  # unused
         elif PACKED:
             # the query's even and odd columns: the products of the codes' low and high nibbles
             k = gl.arange(0, DIM // 2, layout=gl.SliceLayout(0, ld_layout))
@@ -538,7 +584,9 @@ def _int8_stream_kernel(
             d_smem = words._reinterpret(gl.uint8, [STAGES, BLOCK_T, DIM // 4], plain)
             ring = words
         elif PACKED:
-            d_smem = gl.allocate_shared_memory(d_desc.dtype, [STAGES, BLOCK_T, DIM // 2], d_desc.layout)
+            d_smem = gl.allocate_shared_memory(
+                d_desc.dtype, [STAGES, BLOCK_T, DIM // (4 if QUARTER else 2)], d_desc.layout
+            )
             ring = d_smem
         else:
             d_smem = gl.allocate_shared_memory(d_desc.dtype, [STAGES, BLOCK_T, DIM], d_desc.layout)
@@ -549,7 +597,7 @@ def _int8_stream_kernel(
             mbarrier.init(ready.index(i), count=_WARPS * 32 if RESIDUAL else 1)
         fence_async_shared()
         gl.thread_barrier()
-        if RESIDUAL:
+        if RESIDUAL or QUARTER:
             q_t = q_smem
             q_hi_t = q_smem  # unused
         else:
@@ -610,10 +658,10 @@ def _int8_stream_kernel(
         run = gl.full([BLOCK_T, N], float("-inf"), gl.float32, acc_layout)
         zero = gl.zeros([BLOCK_T, N], gl.float32 if RESIDUAL else gl.int32, acc_layout)
         # wgmma groups a tile's products take (`_product`): waiting for all but the newest tile's
-        PRODUCTS: gl.constexpr = 8 if RESIDUAL else (2 if PACKED else 1)
+        PRODUCTS: gl.constexpr = 8 if RESIDUAL else (4 if QUARTER else (2 if PACKED else 1))
         for base in range(0, tiles, GROUP):
-            t_a = _product(d_smem, q_t, q_hi_t, ready, base, zero, STAGES, PACKED, RESIDUAL)
-            t_b = _product(d_smem, q_t, q_hi_t, ready, base + 1, zero, STAGES, PACKED, RESIDUAL)
+            t_a = _product(d_smem, q_t, q_hi_t, ready, base, zero, STAGES, PACKED, RESIDUAL, QUARTER)
+            t_b = _product(d_smem, q_t, q_hi_t, ready, base + 1, zero, STAGES, PACKED, RESIDUAL, QUARTER)
             t_b, acc_a = warpgroup_mma_wait(num_outstanding=PRODUCTS, deps=[t_b, t_a])
             (run, sc0, sc1, last2, item2, pc, ps, pe, pns, pne, pnd,
              s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
@@ -625,7 +673,7 @@ def _int8_stream_kernel(
             )  # fmt: skip
             last0, item0, last1, item1 = last1, item1, last2, item2
             for j in gl.static_range(2, GROUP, 2):
-                t_a = _product(d_smem, q_t, q_hi_t, ready, base + j, zero, STAGES, PACKED, RESIDUAL)
+                t_a = _product(d_smem, q_t, q_hi_t, ready, base + j, zero, STAGES, PACKED, RESIDUAL, QUARTER)
                 t_a, acc_b = warpgroup_mma_wait(num_outstanding=PRODUCTS, deps=[t_a, t_b])
                 (run, sc0, sc1, last2, item2, pc, ps, pe, pns, pne, pnd,
                  s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
@@ -636,7 +684,9 @@ def _int8_stream_kernel(
                     IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL,
                 )  # fmt: skip
                 last0, item0, last1, item1 = last1, item1, last2, item2
-                t_b = _product(d_smem, q_t, q_hi_t, ready, base + j + 1, zero, STAGES, PACKED, RESIDUAL)
+                t_b = _product(
+                    d_smem, q_t, q_hi_t, ready, base + j + 1, zero, STAGES, PACKED, RESIDUAL, QUARTER
+                )
                 t_b, acc_a = warpgroup_mma_wait(num_outstanding=PRODUCTS, deps=[t_b, t_a])
                 (run, sc0, sc1, last2, item2, pc, ps, pe, pns, pne, pnd,
                  s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
@@ -675,15 +725,20 @@ def query_columns(max_query_len: int) -> int:
     return max(16, 1 << max(0, max_query_len - 1).bit_length())
 
 
-def code_width(docs: torch.Tensor) -> int | None:
-    """The row width this kernel reads for `docs`' dtype (int8 values: 128; int4 codes, uint8: 64)."""
+def code_width(docs: torch.Tensor, int2: bool = False) -> int | None:
+    """The row width this kernel reads for `docs`' dtype (int8 values: 128; int4 codes, uint8: 64; int2
+    codes, uint8: 32)."""
+    if int2:
+        return 32 if docs.dtype == torch.uint8 else None
     return {torch.int8: 128, torch.uint8: 64}.get(docs.dtype)
 
 
-def tiles_for(docs: torch.Tensor, residual: bool = False) -> Tuning:
-    """The tuned tiles of the codec `docs` holds (int8 values, int4 codes as uint8, or residual2 codes)."""
+def tiles_for(docs: torch.Tensor, residual: bool = False, int2: bool = False) -> Tuning:
+    """The tuned tiles of the codec `docs` holds (int8 values, int4 or int2 codes, or residual2 codes)."""
     if residual:
         return RESIDUAL2_TILES
+    if int2:
+        return INT2_TILES
     return INT4_TILES if docs.dtype == torch.uint8 else INT8_TILES
 
 
@@ -705,10 +760,12 @@ def supports_residual(q_lens: np.ndarray, codes: torch.Tensor) -> bool:
     )
 
 
-def supports(q_lens: np.ndarray, d8: torch.Tensor, return_argmax: bool) -> bool:
+def supports(q_lens: np.ndarray, d8: torch.Tensor, return_argmax: bool, int2: bool = False) -> bool:
     """Whether this kernel takes the problem: `q_lens` the query lengths (host), `d8` the documents (int8
-    values [Td, 128], or int4 codes, uint8 [Td, 64])."""
-    if return_argmax or not len(q_lens) or d8.dim() != 2 or d8.shape[1] != code_width(d8):
+    values [Td, 128], or int4 codes, uint8 [Td, 64], or int2 codes, uint8 [Td, 32])."""
+    if return_argmax or not len(q_lens) or d8.dim() != 2 or d8.shape[1] != code_width(d8, int2):
+        return False
+    if int2 and int(q_lens.max()) > INT2_MAX_QUERY_TOKENS:
         return False
     return (
         1 <= int(q_lens.min())
@@ -739,16 +796,20 @@ def maxsim_int8_stream(
     max_query_len: int,
     *,
     residual: QueryTables | None = None,
+    int2: bool = False,
 ) -> torch.Tensor:
     """fp32 scores [n_items]: q8 int8 [Tq, 128] with scales sq fp32 [Tq], query offsets int64 [nq + 1];
     item_off int64 [nq + 1] the items of each query and items int64 [n_items] the candidates' document
     indices, or both None for one query against every document; d8 int8 [Td, 128] (or int4 codes, uint8
-    [Td, 64]: `maxsim_codes`) with scales sd fp32 [Td] and offsets d_off int64 [nd + 1]; all on the GPU.
-    `max_query_len` (host) sizes the query tile (`supports`). A candidate index outside [0, nd) scores NaN
-    and is never read through (the indices are not read by the host). The tiles are the codec's tuned
+    [Td, 64], or with `int2` int2 codes, uint8 [Td, 32]: `maxsim_codes`) with scales sd fp32 [Td] and
+    offsets d_off int64 [nd + 1]; all on the GPU. `max_query_len` (host) sizes the query tile
+    (`supports`). A candidate index outside [0, nd) scores NaN and is never read through (the indices are
+    not read by the host). The tiles are the codec's tuned
     ones (`tiles_for`). residual2 codes (`maxsim_codes`, uint8 [Td, 36], `supports_residual`): `residual`
     is the query side (`maxsim_codes.residual2_query_tables` of q8, separable buckets), sd is not read."""
-    return stream_with_tiles(q8, sq, q_off, item_off, items, d8, sd, d_off, max_query_len, residual=residual)
+    return stream_with_tiles(
+        q8, sq, q_off, item_off, items, d8, sd, d_off, max_query_len, residual=residual, int2=int2
+    )
 
 
 def stream_with_tiles(
@@ -763,6 +824,7 @@ def stream_with_tiles(
     max_query_len: int,
     *,
     residual: QueryTables | None = None,
+    int2: bool = False,
     items_per_prog: int | None = None,
     stages: int | None = None,
     group: int | None = None,
@@ -770,7 +832,7 @@ def stream_with_tiles(
 ) -> torch.Tensor:
     """`maxsim_int8_stream` with some of its tiles replaced (None keeps the tuned choice; `maxnreg` 0: no
     register cap), for sweeps and for the tests that every configuration gives the same bits."""
-    tuned = tiles_for(d8, residual is not None)
+    tuned = tiles_for(d8, residual is not None, int2)
     n = query_columns(max_query_len)
     per = items_per_prog or (tuned.items_one_query if items is None else tuned.items_candidates)
     if items is not None and per > MAX_ITEMS_CANDIDATES:
@@ -805,6 +867,7 @@ def stream_with_tiles(
         DIM=q8.shape[1], N=n, ITEMS=per, BLOCK_T=BLOCK_T, STAGES=tuned.stages if stages is None else stages,
         GROUP=tuned.group if group is None else group, IDENTITY=items is None, PACKED=packed,
         DEFER=deferred(packed or residual is not None, per, n), RESIDUAL=residual is not None,
+        QUARTER=int2,
         num_warps=NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out

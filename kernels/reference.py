@@ -152,14 +152,24 @@ def maxsim_codes_reference(
     block_tokens: int = _MAX_CHUNK_TOKENS,
 ) -> torch.Tensor:
     """Every query against documents stored as codes (`maxsim_kernels.maxsim_codes`), in float64 on the
-    *decoded* values: int4 ``s_d[j] * c[j]``, residual2 ``C[id, k] + W[k, b_k]`` (exact in float64). The
+    *decoded* values: int4 ``s_d[j] * c[j]``, residual2 ``C[id, k] + W[k, b_k]`` (exact in float64); int2
+    (``codebook`` its `Int2Levels`) ``s_d[j] * steps * c[j]`` scored against the int8 query of
+    `int2_queries`, each query row's ``q . offsets`` added to its maximum. The
     queries are those the kernels score: int8 codes times their scales (float queries are quantized per
     token first, as the kernels do), so the difference to a kernel is its rounding alone (fp32, and for
     the residual2 scan kernels the fp16 query planes of `residual2_query_tables`). Documents are
     decoded `block_tokens` tokens at a time (a document is never split), and any dim the codec stores is
     taken. Returns float64 [nq, nd].
     """
-    from .maxsim_codes import decode_int4, quantized_queries, residual2_buckets, residual2_ids
+    from .maxsim_codes import (
+        Int2Levels,
+        decode_int4,
+        int2_queries,
+        int2_values,
+        quantized_queries,
+        residual2_buckets,
+        residual2_ids,
+    )
 
     if queries.dtype == torch.int8:
         if query_scales is None:
@@ -167,6 +177,12 @@ def maxsim_codes_reference(
         q8, sq = queries, query_scales
     else:
         q8, sq = quantized_queries(queries)
+    int2 = isinstance(codebook, Int2Levels)
+    row_offsets = None
+    if int2:  # the int8 query of q * steps; the rows' q . offsets added to their maxima
+        given = q8.float() * sq.float()[:, None] if queries.dtype == torch.int8 else queries
+        side = int2_queries(given, codebook)
+        q8, sq, row_offsets = side.q8, side.scales, side.row_offsets.double()
     q = q8.double() * sq.double()[:, None]
     row_query = torch.repeat_interleave(
         torch.arange(query_offsets.numel() - 1, device=q.device), query_offsets.to(q.device).diff()
@@ -180,7 +196,10 @@ def maxsim_codes_reference(
         while last < nd and d_host[last + 1] - d_host[first] <= block_tokens:
             last += 1
         t0, t1 = d_host[first], d_host[last]
-        if codebook is None:
+        if int2:
+            assert doc_scales is not None, "int2 codes need doc_scales"
+            values = int2_values(docs[t0:t1]).double() * doc_scales[t0:t1].double()[:, None]
+        elif codebook is None:
             assert doc_scales is not None, "int4 codes need doc_scales"
             values = decode_int4(docs[t0:t1]).double() * doc_scales[t0:t1].double()[:, None]
         else:
@@ -192,6 +211,8 @@ def maxsim_codes_reference(
         for doc in range(first, last):  # each document's max, -inf when it has no tokens
             a, b = d_host[doc] - t0, d_host[doc + 1] - t0
             best = sim[:, a:b].max(dim=1).values if b > a else torch.full_like(sim[:, 0], float("-inf"))
+            if row_offsets is not None:
+                best = best + row_offsets
             out[:, doc] = torch.zeros_like(out[:, doc]).index_add_(0, row_query, best)
         first = last
     return out

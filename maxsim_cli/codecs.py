@@ -53,6 +53,7 @@ KMEANS_ITERATIONS = 20
 # tile past the last centroid unmasked: with k not a multiple of 128 it can return an id >= k (a
 # device-side assert in its index_add, seen on an H100 with k = 64). Its torch path is used for other k.
 TRITON_KMEANS_CENTROIDS = 128
+INT2_ITERATIONS = 20  # Lloyd steps of the int2 grid (fit_int2_levels)
 BUCKET_ITERATIONS = 10  # Lloyd-Max steps of the bucket cutoffs and values (fit_buckets)
 BUCKET_BLOCK_ELEMS = 1 << 22  # residuals fit_buckets sorts at once: ~100 MB of float64 temporaries
 _ID_BYTES = 4
@@ -310,6 +311,33 @@ def train_codebook(
     residuals = data - centroids[ids].float()
     cutoffs, weights = fit_buckets(residuals)
     return Codebook(centroids, weights, cutoffs)
+
+
+def fit_int2_levels(
+    sample: torch.Tensor, iterations: int = INT2_ITERATIONS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int2 codec's grid (`maxsim_kernels.maxsim_codes.Int2Levels`) fitted to ``sample`` (float [n,
+    dim]): per dimension the offset and step of four evenly spaced values ``offset + step * c`` (c = -3, -1,
+    1, 3) with the least squared error Lloyd iteration finds from the mean and half the standard deviation
+    (each value its nearest point of the grid, then the grid's least-squares line through them). A
+    dimension that does not vary in the sample gets step 0: it decodes to its offset, its mean. Returns
+    (offsets, steps), fp32 [dim] each."""
+    import torch
+
+    x = sample.double()
+    offsets = x.mean(dim=0)
+    spread = x.std(dim=0, correction=0)
+    varies = spread > 0
+    steps = torch.where(varies, spread / 2, torch.ones_like(spread))
+    for _ in range(iterations):
+        c = torch.round(((x - offsets) / steps + 3) / 2).clamp_(0, 3) * 2 - 3
+        c_mean = c.mean(dim=0)
+        c_var = ((c - c_mean) ** 2).mean(dim=0)
+        slope = ((c - c_mean) * (x - x.mean(dim=0))).mean(dim=0) / c_var.clamp_min(1e-300)
+        fitted = (c_var > 0) & (slope > 0)
+        steps = torch.where(fitted, slope, steps)
+        offsets = torch.where(fitted, x.mean(dim=0) - steps * c_mean, offsets)
+    return offsets.float(), torch.where(varies, steps, torch.zeros_like(steps)).float()
 
 
 def fit_buckets(

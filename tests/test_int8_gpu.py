@@ -323,9 +323,10 @@ import maxsim_kernels.maxsim_int8_hopper_stream as st
 kernel = st._int8_stream_kernel
 names = kernel.arg_names
 reports = []
-for codec, tuned in (("int8", st.INT8_TILES), ("int4", st.INT4_TILES), ("residual2", st.RESIDUAL2_TILES)):
-    packed, residual = codec == "int4", codec == "residual2"
-    dtype, width = (torch.uint8, 64) if packed else (torch.int8, 128)
+for codec, tuned in (("int8", st.INT8_TILES), ("int4", st.INT4_TILES), ("int2", st.INT2_TILES),
+                     ("residual2", st.RESIDUAL2_TILES)):
+    packed, residual, quarter = codec in ("int4", "int2"), codec == "residual2", codec == "int2"
+    dtype, width = (torch.uint8, 32 if quarter else 64) if packed else (torch.int8, 128)
     if residual:
         d_type, q_type = "*i32", "*fp16"  # the codes as int32 words (cp.async), the fp16 query planes
     else:
@@ -337,7 +338,8 @@ for codec, tuned in (("int8", st.INT8_TILES), ("int4", st.INT4_TILES), ("residua
                                      (False, tuned.items_candidates, caps[1])):
             consts = {"DIM": 128, "N": n, "ITEMS": items, "BLOCK_T": st.BLOCK_T, "STAGES": tuned.stages,
                       "GROUP": tuned.group, "IDENTITY": identity, "PACKED": packed,
-                      "DEFER": st.deferred(packed or residual, items, n), "RESIDUAL": residual}
+                      "DEFER": st.deferred(packed or residual, items, n), "RESIDUAL": residual,
+                      "QUARTER": quarter}
             sig = {k: "i32" for k in names}
             sig.update({"q_ptr": q_type, "qs_ptr": "*fp32", "q_off_ptr": "*i64", "cand_off_ptr": "*i64",
                         "cand_ptr": "*i64", "off_ptr": "*i64", "sd_ptr": "*fp32", "out_ptr": "*fp32",
@@ -373,7 +375,8 @@ def test_hopper_int8_stream_kernel_builds_for_its_programs_an_sm(sm90_build) -> 
         registers = report["cap"] or int(re.search(r"Used (\d+) registers", report["ptxas"]).group(1))
         programs = 65536 // (registers * 128)
         spilled = int(re.search(r"(\d+) bytes spill stores", report["ptxas"]).group(1))
-        allowed = {"int8": 0 if report["n"] <= 32 else 32, "int4": 32, "residual2": 512}[report["codec"]]
+        allowed = {"int8": 0 if report["n"] <= 32 else 32, "int4": 32, "int2": 32, "residual2": 512}
+        allowed = allowed[report["codec"]]
         assert spilled <= allowed, report
         assert programs >= (3 if report["n"] > 32 else 4), report
         assert (report["shared"] + 1024) * programs <= 228 * 1024, report

@@ -1,0 +1,246 @@
+"""The int2 codec of `maxsim_kernels.maxsim_codes`: 2 bits a dimension on a per-dimension grid, a scale a
+token. Its encoding against its definition, its scores against the float64 reference of the decoded values
+on adversarial data (CPU), and on an sm_90 GPU the Gluon stream kernel that unpacks it in registers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from maxsim_kernels import maxsim_candidates, maxsim_varlen
+from maxsim_kernels.maxsim_codes import (
+    Int2Levels,
+    decode_int2,
+    encode_int2,
+    int2_queries,
+    int2_values,
+)
+from maxsim_kernels.reference import maxsim_codes_reference
+
+# one-token documents, an empty one, documents that straddle the 64-token tiles, a long one
+DOC_LENGTHS = [1, 0, 63, 64, 65, 1, 2, 127, 128, 129, 300, 0, 5]
+
+
+def _levels(dim: int, gen: torch.Generator) -> Int2Levels:
+    return Int2Levels(0.1 * torch.randn(dim, generator=gen), 0.1 + 0.4 * torch.rand(dim, generator=gen))
+
+
+def _corpus(lengths: list[int], dim: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    docs = torch.randn(sum(lengths), dim, generator=gen)
+    docs[: docs.shape[0] // 2] *= -1
+    return docs, torch.tensor([0, *lengths]).cumsum(0)
+
+
+def _bound(
+    queries: torch.Tensor, q_off: torch.Tensor, levels: Int2Levels, scales: torch.Tensor
+) -> torch.Tensor:
+    """Per query, what fp32 rounding can move a score by: a few ulps of the sum of each row's largest
+    term (its integer product times the scales, and its offset)."""
+    side = int2_queries(queries, levels)
+    biggest = side.scales.double() * 3 * side.q8.double().abs().sum(dim=1) * scales.double().abs().max()
+    per_row = biggest + side.row_offsets.double().abs()
+    sums = torch.zeros(q_off.numel() - 1, dtype=torch.float64).index_add_(
+        0, torch.repeat_interleave(torch.arange(q_off.numel() - 1), q_off.diff()), per_row
+    )
+    return (sums * 2.0**-20)[:, None]
+
+
+def _check_close(scores: torch.Tensor, reference: torch.Tensor, bound: torch.Tensor) -> None:
+    finite = torch.isfinite(reference)
+    assert torch.equal(torch.isfinite(scores), finite)
+    assert torch.equal(scores[~finite], reference[~finite].float())  # -inf for empty documents
+    err = (scores.double() - reference).abs().where(finite, torch.zeros_like(reference))
+    assert bool((err <= bound.expand_as(err)).all()), float((err / bound).max())
+
+
+@pytest.mark.parametrize("dim", [4, 20, 96, 128])
+def test_int2_codes_decode_to_the_nearest_point_of_the_grid_on_the_tokens_line(dim: int) -> None:
+    """Each code is the nearest odd value (-3, -1, 1, 3) to the centred, stepped value (clamped beyond
+    the grid); the scale is the least-squares one (the error orthogonal to the decoded direction); the
+    bytes hold dimension 4m + p in bits 2p, 2p + 1 of byte m. Constant and all-zero tokens included."""
+    gen = torch.Generator().manual_seed(dim)
+    levels = _levels(dim, gen)
+    x = torch.randn(50, dim, generator=gen)
+    x[3] = 0.0
+    x[4] = 1.5
+    x[5] = levels.offsets  # decodes to itself: every value at a grid's centre
+    codes, scales = encode_int2(x, levels)
+    assert codes.shape == (50, dim // 4) and codes.dtype == torch.uint8 and scales.dtype == torch.float32
+    c = int2_values(codes)
+    assert set(c.unique().tolist()) <= {-3, -1, 1, 3}
+    y = (x - levels.offsets) / levels.steps
+    distance = (y - c.float()).abs()
+    assert bool(((distance <= 1.0 + 1e-5) | (y.abs() > 3.0)).all())
+    spread = levels.steps.double() * c.double()
+    err = (x.double() - levels.offsets.double()) - scales.double()[:, None] * spread
+    assert float((err * spread).sum(dim=1).abs().max()) < 1e-5
+    decoded = decode_int2(codes, scales, levels)
+    assert torch.allclose(decoded[5], levels.offsets, atol=1e-6)
+    v = ((c.long() + 3) // 2).view(50, dim // 4, 4)
+    packed = v[:, :, 0] | (v[:, :, 1] << 2) | (v[:, :, 2] << 4) | (v[:, :, 3] << 6)
+    assert torch.equal(packed.to(torch.uint8), codes)
+
+
+def test_int2_refuses_dims_it_cannot_pack_and_levels_that_do_not_fit() -> None:
+    gen = torch.Generator().manual_seed(1)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        encode_int2(torch.randn(3, 10, generator=gen), _levels(10, gen))
+    levels = _levels(16, gen)
+    codes, scales = encode_int2(torch.randn(5, 16, generator=gen), levels)
+    q, q_off, d_off = torch.randn(2, 16, generator=gen), torch.tensor([0, 2]), torch.tensor([0, 5])
+    with pytest.raises(ValueError, match="doc_scales"):
+        maxsim_varlen(q, q_off, codes, d_off, codebook=levels)
+    with pytest.raises(ValueError, match="do not fit dim 16"):
+        maxsim_varlen(q, q_off, codes, d_off, doc_scales=scales, codebook=_levels(12, gen))
+    with pytest.raises(ValueError, match="4 bytes a token"):
+        maxsim_varlen(q, q_off, codes[:, :3], d_off, doc_scales=scales, codebook=levels)
+
+
+@pytest.mark.parametrize("dim", [20, 96, 128])
+def test_int2_scores_within_rounding_of_the_float64_reference(dim: int) -> None:
+    """All pairs and candidates (CPU): within fp32 rounding of the float64 scores of the decoded values
+    against the int8 query the kernels score (`maxsim_codes_reference`), -inf for empty documents; the
+    same scores through int8 queries with their scales; close to the float query's scores of the decoded
+    values (the int8 query's rounding: at most a few thousandths of a score's scale)."""
+    gen = torch.Generator().manual_seed(10 + dim)
+    levels = _levels(dim, gen)
+    docs, d_off = _corpus(DOC_LENGTHS, dim, gen)
+    docs[int(d_off[6]) + 1] = docs[int(d_off[6])]  # an exact tie
+    codes, scales = encode_int2(docs, levels)
+    queries, q_off = _corpus([1, 32, 7], dim, gen)
+    scores = maxsim_varlen(queries, q_off, codes, d_off, doc_scales=scales, codebook=levels)
+    reference = maxsim_codes_reference(queries, q_off, codes, d_off, doc_scales=scales, codebook=levels)
+    _check_close(scores, reference, _bound(queries, q_off, levels, scales))
+
+    decoded = decode_int2(codes, scales, levels).double()
+    for i in range(3):
+        q = queries[int(q_off[i]) : int(q_off[i + 1])].double()
+        for d in range(len(DOC_LENGTHS)):
+            if DOC_LENGTHS[d]:
+                exact = float((q @ decoded[int(d_off[d]) : int(d_off[d + 1])].T).max(dim=1).values.sum())
+                assert abs(float(scores[i, d]) - exact) <= 0.01 * float(q.abs().sum()), (i, d)
+
+    cand_off = torch.tensor([0, 4, 4, 9])
+    cand = torch.tensor([1, 12, 10, 0, 3, 3, 8, 2, 4])
+    picked = maxsim_candidates(
+        queries, q_off, codes, d_off, cand_off, cand, doc_scales=scales, codebook=levels
+    )
+    owner = torch.tensor([0, 0, 0, 0, 2, 2, 2, 2, 2])
+    _check_close(picked, reference[owner, cand], _bound(queries, q_off, levels, scales)[owner, 0])
+    with pytest.raises(ValueError, match=r"candidate_docs\[1\] = 13"):
+        maxsim_candidates(queries, q_off, codes, d_off, torch.tensor([0, 2, 2, 2]), torch.tensor([0, 13]),
+                          doc_scales=scales, codebook=levels)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------
+# GPU: the Gluon stream kernel (sm_90)
+# ------------------------------------------------------------------------------------------------------
+
+
+def _stream_or_skip(queries: torch.Tensor, codes: torch.Tensor) -> None:
+    from maxsim_kernels.maxsim_int8 import hopper_stream
+
+    side = torch.zeros(queries.shape[0], 128, dtype=torch.int8, device=codes.device)
+    if hopper_stream(torch.tensor([0, queries.shape[0]]), side, codes, False, int2=True) is None:
+        pytest.skip("the Gluon stream kernel needs an sm_90 GPU and the Triton release it was built with")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len", [1, 13, 32])
+def test_int2_stream_kernel_within_rounding_of_the_reference(q_len: int) -> None:
+    """One query, then ragged queries against their candidates, on the stream kernel: within fp32 rounding
+    of the float64 reference, -inf for empty documents, NaN for a bad candidate index; the same bits as
+    the decoded int8 path's maxima allow (the reference), and for every ring depth, loop unroll and items
+    a program."""
+    from maxsim_kernels import maxsim_int8_hopper_stream as stream
+
+    gen = torch.Generator().manual_seed(20 + q_len)
+    levels = _levels(128, gen)
+    lengths = DOC_LENGTHS + torch.randint(0, 301, (400,), generator=gen).tolist()
+    docs, d_off = _corpus(lengths, 128, gen)
+    codes, scales = encode_int2(docs, levels)
+    queries, q_off = _corpus([q_len], 128, gen)
+    codes_d, scales_d, d_off_d, levels_d = codes.cuda(), scales.cuda(), d_off.cuda(), levels.to("cuda")
+    _stream_or_skip(queries, codes_d)
+    got = maxsim_varlen(queries.cuda(), q_off, codes_d, d_off_d, doc_scales=scales_d, codebook=levels_d).cpu()
+    reference = maxsim_codes_reference(queries, q_off, codes, d_off, doc_scales=scales, codebook=levels)
+    _check_close(got, reference, _bound(queries, q_off, levels, scales))
+    side = int2_queries(queries.cuda(), levels_d)
+    first = stream.stream_with_tiles(side.q8, side.scales, q_off.cuda(), None, None, codes_d, scales_d,
+                                     d_off_d, q_len, int2=True).cpu()  # fmt: skip
+    for cfg in (dict(items_per_prog=1), dict(items_per_prog=64, stages=3, group=2),
+                dict(items_per_prog=8, stages=8, group=8), dict(maxnreg=168)):  # fmt: skip
+        again = stream.stream_with_tiles(side.q8, side.scales, q_off.cuda(), None, None, codes_d, scales_d,
+                                         d_off_d, q_len, int2=True, **cfg).cpu()  # fmt: skip
+        assert torch.equal(again, first), cfg
+
+    counts = [0, 1, 37, 5, 120, 16]
+    queries, q_off = _corpus([1, 32, q_len, 31, 7, 16], 128, gen)
+    cand_off = torch.tensor([0, *counts]).cumsum(0)
+    nd = d_off.numel() - 1
+    cand = torch.randint(0, nd, (int(cand_off[-1]),), generator=gen)
+    cand[:13] = torch.arange(13)  # the adversarial documents first
+    cand[40] = nd
+    picked = maxsim_candidates(queries.cuda(), q_off, codes_d, d_off_d, cand_off, cand.cuda(),
+                               doc_scales=scales_d, codebook=levels_d).cpu()  # fmt: skip
+    reference = maxsim_codes_reference(queries, q_off, codes, d_off, doc_scales=scales, codebook=levels)
+    owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    nan = cand == nd
+    assert torch.equal(torch.isnan(picked), nan)
+    ok = ~nan
+    bound = _bound(queries, q_off, levels, scales)
+    _check_close(picked[ok], reference[owner[ok], cand[ok]], bound[owner[ok], 0])
+
+
+@pytest.mark.gpu
+def test_int2_stream_kernel_offsets_past_2_31_bytes() -> None:
+    """int2 codes whose bytes start beyond 2^31 (67.2M tokens of 32 bytes): the stream kernel scores the
+    last documents as it scores them alone (the same bits), for one query and for candidates."""
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    n_tokens = (1 << 31) // 32 + 100_000
+    codes = torch.randint(0, 256, (n_tokens, 32), dtype=torch.uint8, device="cuda", generator=gen)
+    scales = torch.rand(n_tokens, device="cuda", generator=gen) - 0.25
+    lengths = torch.randint(20, 301, (n_tokens // 20,), device="cuda", generator=gen)
+    ends = lengths.cumsum(0)
+    ends = ends[ends <= n_tokens]
+    d_off = torch.cat([torch.zeros(1, dtype=torch.int64, device="cuda"), ends])
+    levels = _levels(128, torch.Generator().manual_seed(8)).to("cuda")
+    queries = torch.randn(32, 128, device="cuda", generator=gen)
+    q_off = torch.tensor([0, 32])
+    _stream_or_skip(queries, codes)
+    scores = maxsim_varlen(queries, q_off, codes, d_off, doc_scales=scales, codebook=levels)
+    first = d_off.numel() - 1 - 300
+    start = int(d_off[first])
+    assert start * 32 > 2**31
+    alone = maxsim_varlen(queries, q_off, codes[start:], d_off[first:] - start, doc_scales=scales[start:],
+                          codebook=levels)  # fmt: skip
+    assert torch.equal(scores[:, first:], alone)
+    cand = torch.arange(first, d_off.numel() - 1, device="cuda").flip(0)
+    picked = maxsim_candidates(queries, q_off, codes, d_off, torch.tensor([0, cand.numel()]), cand,
+                               doc_scales=scales, codebook=levels)  # fmt: skip
+    assert torch.equal(picked, scores[0, cand])
+
+
+def test_the_fitted_grid_is_lloyds_for_gaussian_values_and_keeps_constant_dimensions() -> None:
+    """`fit_int2_levels` on Gaussian columns of several means and spreads: the offsets at the means, the
+    steps at the optimal evenly spaced 4-level quantizer's (half of 0.9957 sigma) and its squared error
+    (at most 0.1188 sigma^2 summed over the columns: the per-token scale lowers the sum); a constant
+    column gets step 0 and decodes exactly, and its query weight is 0."""
+    from maxsim_cli.codecs import fit_int2_levels
+
+    gen = torch.Generator().manual_seed(3)
+    means = torch.tensor([0.0, 1.0, -2.0, 0.5, 3.0, 0.0, -0.1, 0.2])
+    sigmas = torch.tensor([1.0, 0.1, 2.0, 0.5, 0.0, 1.0, 0.3, 0.05])
+    x = means + sigmas * torch.randn(200_000, 8, generator=gen)
+    offsets, steps = fit_int2_levels(x)
+    varies = sigmas > 0
+    assert torch.allclose(offsets, means, atol=0.01 * float(sigmas.max()))
+    assert torch.allclose(steps[varies], 0.4979 * sigmas[varies], rtol=0.01)
+    assert float(steps[4]) == 0.0 and float(offsets[4]) == 3.0
+    levels = Int2Levels(offsets, steps)
+    codes, scales = encode_int2(x[:20_000], levels)
+    decoded = decode_int2(codes, scales, levels)
+    err = ((decoded - x[:20_000]) ** 2).mean(dim=0)
+    assert float(err.sum()) <= 0.1188 * float((sigmas**2).sum())  # the scale fits the token, not a column
+    assert torch.equal(decoded[:, 4], x[:20_000, 4])
+    side = int2_queries(torch.randn(3, 8, generator=gen), levels)
+    assert torch.equal(side.q8[:, 4], torch.zeros(3, dtype=torch.int8))
