@@ -1,7 +1,7 @@
 """MaxSim over documents stored as codes below 8 bits: Triton scan kernels that decode in registers, a torch
 CPU path, and the codecs' packing (encode and decode of the stored bytes).
 
-Two codecs; a token is one row of bytes of a uint8 ``[T, width]`` tensor:
+Three codecs; a token is one row of bytes of a uint8 ``[T, width]`` tensor:
 
 - **int4** (``width = dim / 2``, dim even): per-token symmetric scale ``s = absmax(x) / 7`` (1 for an
   all-zero token) and ``c_k = clamp(round_half_even(x_k / s), -7, 7)``, two's-complement nibbles, value
@@ -12,12 +12,23 @@ Two codecs; a token is one row of bytes of a uint8 ``[T, width]`` tensor:
   dimension, dimension ``4m + i`` in bits ``2i, 2i + 1`` of byte ``4 + m``. A `ResidualCodebook` gives
   the centroids ``C`` (fp16 ``[K, dim]``) and per-dimension bucket values ``W`` (fp32 ``[dim, 4]``).
   Decoded value: ``x_k = C[c, k] + W[k, b_k]`` (exact; the CPU path rounds it once to fp32).
+- **int2** (``width = dim / 4``, dim a multiple of 4): per dimension four evenly spaced values, an
+  `Int2Levels` grid (``offsets`` and ``steps``, fp32 ``[dim]``: `maxsim_cli.codecs.fit_int2_levels` fits
+  them), and a scale a token (fp32 ``doc_scales [T]``, `encode_int2`): code v of dimension ``4m + p``
+  in bits ``2p, 2p + 1`` of byte m, its odd value ``c = 2v - 3``. Decoded value: ``x_k = offsets[k] + s *
+  steps[k] * c_k``. No centroid: nothing is gathered per token (residual2's table: 4 Lq bytes a token).
 
 Scoring. Queries are quantized per token to int8 exactly as for the int8 corpus
 (`maxsim_int8.quantize_per_token`: codes ``q8`` and scales ``s_q``), or given so with ``query_scales``:
 
     int4:       score(q, d) = sum_i s_q[i] * max_j (s_d[j] * (q8[i] . c[j]))     q8 . c in int32, exact
     residual2:  score(q, d) = sum_i s_q[i] * max_j (q8[i] . x[j])
+    int2:       score(q, d) = sum_i (q[i] . offsets + s_w[i] * max_j (s_d[j] * (w8[i] . c[j])))
+
+where for int2 ``w8, s_w`` are the int8 codes and scales of ``q * steps`` (`int2_queries`: the float query,
+not its int8 codes, is weighted) and ``q[i] . offsets`` is float64 rounded once: ``q . x = q . offsets + s *
+(q * steps) . c`` exactly, so int2 is scored by the int8 products, maxima and sums of int4, bit for bit
+the int8 kernels' on the decoded odd values, plus one constant a query row.
 
 The int4 max is over exact integers times one fp32 scale, so the max and its winner are those of the
 float64 evaluation of the decoded values. The residual2 scan kernels split the product in two (the centroid's
@@ -37,6 +48,7 @@ NaN; the CPU path raises ValueError naming it.
 Cost per document token, one query of Lq tokens, dim d (d = 128 in the figures):
 
     bytes from HBM:  int4      d / 2 + 4 = 68      (codes + fp32 scale)
+                     int2      d / 4 + 4 = 36      (codes + fp32 scale)
                      residual2 d / 4 + 4 = 36      (codes + centroid id), + 4 Lq bytes of the centroid
                                                    table from L2 (fp32 [K, Lq]: 1 MB at K = 8192, Lq = 32)
     FLOPs:           int4: 2 * Lq * d int8 x int8 -> int32; residual2: 3 * 2 * Lq * d fp16 x fp16 -> fp32
@@ -70,7 +82,11 @@ On an sm_90 GPU, int4 at dim 128 with one query, or candidates with query offset
 at most 64 tokens), runs on the Gluon stream kernel of `maxsim_int8_hopper_stream` instead (TMA ring,
 nibbles unpacked into wgmma's register operand; the same maxima, the query sums in its own order); so does
 residual2 at dim 128 with separable buckets (queries of at most 32 tokens, a centroid table of one launch:
-cp.async ring, the bit planes made in wgmma's register operand, the same eight products a tile). All
+cp.async ring, the bit planes made in wgmma's register operand, the same eight products a tile); so does
+int2 at dim 128, queries of at most 32 tokens (TMA ring, the odd values unpacked into wgmma's register
+operand, four int8 products a tile); everywhere else int2 documents are decoded to their odd values
+(int8, whole documents, at most `DECODE_CHUNK_BYTES` at a time; a rerank's candidates gathered first) and
+scored by the int8 kernels of `maxsim_int8` with their scales. All
 pairs of enough queries to be bound by the tensor cores decode the documents a bounded chunk at a time
 into int8 rows and score them on the Gluon all-pairs kernel of `maxsim_int8_hopper`
 (`_int4_decoded_allpairs`: the decode's bytes are ~1% of such a call's time).

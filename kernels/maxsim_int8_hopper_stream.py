@@ -28,6 +28,15 @@ Bound (H100, 3.35 TB/s): 68 bytes a token, 1.09 GB for one query x 100K document
 ms; a tile brings 4 KB, so an SM takes one in every ~300 clocks at the bound. Measured 0.475 ms against
 the Triton scan's 0.684 and fp16's 1.309 (docs/kernel-notes.md, "4-bit on the Gluon stream kernel").
 
+int2 codes (QUARTER; `maxsim_codes`: 2 bits a dimension, code v of dimension 4m + p in bits 2p, 2p + 1 of
+byte m, the odd value 2v - 3; a scale a token): a tile is 64 rows of 32 bytes (TMA). Each thread loads its
+bytes into wgmma's int8 register operand layout (four bytes a register) and makes code p of each byte into
+its odd value (`code_unpacking`: 4 integer instructions for 4 values), and issues four products from
+registers, part p against the query's columns 4m + p (the int8 codes of q * steps, `int2_queries`, in
+shared memory); the fold and the scores are int4's (the launcher adds each query row's q . offsets).
+Queries of at most 32 tokens (INT2_MAX_QUERY_TOKENS). Bound (H100, 3.35 TB/s): 36 bytes a token, 0.58 GB
+for one query x 100K documents, 0.17 ms; the products are 64 x N x 128 int8 MACs a tile, as int8's.
+
 residual2 codes of separable buckets (RESIDUAL; `maxsim_codes`: a row is a uint32 centroid id and 2 bits a
 dimension, 36 bytes at dim 128; the query side `maxsim_codes.residual2_query_tables`): rows of 36 bytes are
 not 16-byte aligned, so a tile's bucket words (32 bytes a row) come by cp.async, four bytes a copy, each
