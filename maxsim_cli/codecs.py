@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     import torch
 
 # shard metadata `quantization` -> codec of `maxsim_kernels.maxsim_codes`
-CODE_QUANTIZATIONS = {"int4-per-token": "int4", "residual2-kmeans": "residual2"}
+CODE_QUANTIZATIONS = {"int4-per-token": "int4", "residual2-kmeans": "residual2", "int2-grid": "int2"}
 CODES_DTYPE = "uint8"  # the dtype of a codes shard's `embeddings`
 CODES_VERSION = "1"  # metadata `codes_version`: the layout of docs/format.md, "Codes below 8 bits"
 CODEBOOK_NAME = "codebook.safetensors"
@@ -46,6 +46,8 @@ SOURCE_IDS_KEY = "source_ids_sha256"
 # and the committed generation of the source corpus folder (docs/format.md, "Generations"; 0: none)
 SOURCE_GENERATION_KEY = "source_generation"
 BITS = {8: "int8-per-token", 4: "int4-per-token", 2: "residual2-kmeans"}
+# --bits 2's codecs (`maxsim quantize --codec`): the quantization each writes
+CODECS_2BIT = {"residual2": "residual2-kmeans", "int2": "int2-grid"}
 MAX_CENTROIDS = 1 << 18  # the peers' largest (PLAID: 2^16-2^18)
 DEFAULT_SAMPLE_TOKENS = 1 << 18  # k-means sample: 128 MiB of fp32 at dim 128
 KMEANS_ITERATIONS = 20
@@ -67,19 +69,21 @@ def code_width(quantization: str, dim: int) -> int:
         return dim // 2
     if codec == "residual2":
         return _ID_BYTES + dim // 4
+    if codec == "int2":
+        return dim // 4
     return dim
 
 
 def has_scales(quantization: str) -> bool:
     """Whether a shard of this quantization carries one fp32 scale a token."""
-    return quantization in ("int8-per-token", "int4-per-token")
+    return quantization in ("int8-per-token", "int4-per-token", "int2-grid")
 
 
 def dim_problem(quantization: str, dim: int) -> str | None:
     """Why a codec cannot store vectors of ``dim`` values, or None."""
     if quantization == "int4-per-token" and dim % 2:
         return f"--bits 4 stores two values a byte and needs an even dim, got {dim}"
-    if quantization == "residual2-kmeans" and dim % 4:
+    if quantization in ("residual2-kmeans", "int2-grid") and dim % 4:
         return f"--bits 2 stores four values a byte and needs a dim that is a multiple of 4, got {dim}"
     return None
 
@@ -195,41 +199,84 @@ class Codebook:
         return book if device is None else book.to(device)
 
 
-def write_codebook(folder: str, codebook: Codebook) -> Codebook:
+@dataclass(frozen=True)
+class Int2Grid:
+    """An int2 codebook (`maxsim_kernels.maxsim_codes.Int2Levels`): per dimension the ``offsets`` and
+    ``steps`` (fp32 [dim] each) of the four values ``offset + step * c``, c = -3, -1, 1, 3, and the file and
+    sha256 it was read from or written to."""
+
+    offsets: torch.Tensor
+    steps: torch.Tensor
+    path: str = ""
+    sha256: str = ""
+    num_centroids = 0  # no centroids: the shards record none
+
+    @property
+    def dim(self) -> int:
+        return int(self.offsets.shape[0])
+
+    def to(self, device: Any) -> Int2Grid:
+        return replace(self, offsets=self.offsets.to(device), steps=self.steps.to(device))
+
+    def for_kernels(self, device: Any = None) -> Any:
+        """The `maxsim_kernels.maxsim_codes.Int2Levels` of it (on ``device`` when given)."""
+        from maxsim_kernels.maxsim_codes import Int2Levels
+
+        levels = Int2Levels(self.offsets, self.steps)
+        return levels if device is None else levels.to(device)
+
+
+def write_codebook(folder: str, codebook: Codebook | Int2Grid) -> Codebook | Int2Grid:
     """Write ``codebook`` atomically as ``folder/codebook.safetensors``; returns it with path and sha256."""
     from maxsim_cli.arrays import safetensors_bytes
 
     path = os.path.join(folder, CODEBOOK_NAME)
     tmp = path + ".tmp"
-    arrays = {
-        "centroids": codebook.centroids.to("cpu").half().contiguous().numpy(),
-        "bucket_weights": codebook.bucket_weights.to("cpu").float().contiguous().numpy(),
-        "bucket_cutoffs": codebook.bucket_cutoffs.to("cpu").float().contiguous().numpy(),
-    }
-    meta = {
-        "format": CODEBOOK_FORMAT,
-        "format_version": CODES_VERSION,
-        "codec": "residual2-kmeans",
-        "dim": str(codebook.dim),
-        "num_centroids": str(codebook.num_centroids),
-    }
+    if isinstance(codebook, Int2Grid):
+        arrays = {
+            "offsets": codebook.offsets.to("cpu").float().contiguous().numpy(),
+            "steps": codebook.steps.to("cpu").float().contiguous().numpy(),
+        }
+        meta = {"format": CODEBOOK_FORMAT, "format_version": CODES_VERSION, "codec": "int2-grid",
+                "dim": str(codebook.dim)}  # fmt: skip
+    else:
+        arrays = {
+            "centroids": codebook.centroids.to("cpu").half().contiguous().numpy(),
+            "bucket_weights": codebook.bucket_weights.to("cpu").float().contiguous().numpy(),
+            "bucket_cutoffs": codebook.bucket_cutoffs.to("cpu").float().contiguous().numpy(),
+        }
+        meta = {
+            "format": CODEBOOK_FORMAT,
+            "format_version": CODES_VERSION,
+            "codec": "residual2-kmeans",
+            "dim": str(codebook.dim),
+            "num_centroids": str(codebook.num_centroids),
+        }
     # the same codebook, the same bytes: the shards record its sha256 (`safetensors_bytes`)
     with open(tmp, "wb") as f:
         f.write(safetensors_bytes(arrays, meta))
     os.chmod(tmp, 0o644)  # readable like the shards beside it
     os.replace(tmp, path)
-    return Codebook(
-        codebook.centroids, codebook.bucket_weights, codebook.bucket_cutoffs, path, sha256_of(path)
-    )
+    return replace(codebook, path=path, sha256=sha256_of(path))
 
 
-def read_codebook(path: str, *, shard: str, sha256: str, dim: int, num_centroids: int) -> Codebook:
-    """The codebook at ``path`` named by the metadata of ``shard``: checked against the checksum, dim and
-    number of centroids the shard records, and for NaN/Inf. Every problem is one line naming both files."""
+def read_codebook(
+    path: str,
+    *,
+    shard: str,
+    sha256: str,
+    dim: int,
+    num_centroids: int,
+    quantization: str = "residual2-kmeans",
+) -> Codebook | Int2Grid:
+    """The codebook at ``path`` named by the metadata of ``shard``: checked against the checksum, dim,
+    codec (``quantization``) and number of centroids the shard records, and for NaN/Inf (an int2 grid: and
+    for negative steps). Every problem is one line naming both files."""
     import torch
     from safetensors import safe_open
 
     both = f"{path} (the codebook of {shard})"
+    grid = quantization == "int2-grid"
     if not os.path.isfile(path):
         raise InputError(
             f"{both}: missing; a --bits 2 corpus needs the {CODEBOOK_NAME} written beside its shards: "
@@ -245,12 +292,31 @@ def read_codebook(path: str, *, shard: str, sha256: str, dim: int, num_centroids
         with open(path, "rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
             meta = json.loads(f.read(header_len)).get("__metadata__") or {}
+        names = ("offsets", "steps") if grid else ("centroids", "bucket_weights", "bucket_cutoffs")
         with safe_open(path, framework="pt") as f:
-            tensors = {name: f.get_tensor(name) for name in ("centroids", "bucket_weights", "bucket_cutoffs")}
+            tensors = {name: f.get_tensor(name) for name in names}
     except Exception as exc:  # safetensors raises its own error types
         raise InputError(f"{both}: corrupt codebook ({str(exc).splitlines()[0]}); quantize again") from None
     if meta.get("format") != CODEBOOK_FORMAT or meta.get("format_version") != CODES_VERSION:
         raise InputError(f"{both}: not a {CODEBOOK_FORMAT} version {CODES_VERSION} file; quantize again")
+    if meta.get("codec", "residual2-kmeans") != quantization:
+        raise InputError(
+            f"{both}: a {meta.get('codec')} codebook, where the shard holds {quantization} codes; "
+            "quantize again"
+        )
+    if grid:
+        offsets, steps = tensors["offsets"], tensors["steps"]
+        for name, tensor in tensors.items():
+            if tensor.dtype != torch.float32 or tuple(tensor.shape) != (dim,):
+                raise InputError(
+                    f"{both}: holds {name} {tuple(tensor.shape)} {tensor.dtype}; the shard needs fp32 "
+                    f"[{dim}]; quantize again"
+                )
+            if not bool(torch.isfinite(tensor).all()):
+                raise InputError(f"{both}: NaN or Inf in {name}; the file is damaged: quantize again")
+        if bool((steps < 0).any()):
+            raise InputError(f"{both}: a negative step; the file is damaged: quantize again")
+        return Int2Grid(offsets, steps, path, actual)
     cent, wts, cuts = tensors["centroids"], tensors["bucket_weights"], tensors["bucket_cutoffs"]
     if (
         cent.dtype != torch.float16
@@ -499,7 +565,7 @@ def nearest_centroids(
 
 
 def encode(
-    quantization: str, x: torch.Tensor, codebook: Codebook | None
+    quantization: str, x: torch.Tensor, codebook: Codebook | Int2Grid | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(codes uint8 [T, width], fp32 scales [T] or None) of float tokens ``x`` [T, dim]."""
     from maxsim_kernels import maxsim_codes
@@ -507,6 +573,8 @@ def encode(
     if quantization == "int4-per-token":
         return maxsim_codes.encode_int4(x)
     assert codebook is not None
+    if isinstance(codebook, Int2Grid):
+        return maxsim_codes.encode_int2(x, codebook.for_kernels(x.device))
     centroids = codebook.centroids.to(x.device)  # no copy for a codebook there already (`Codebook.to`)
     ids = nearest_centroids(x, centroids)
     rows = maxsim_codes.encode_residual2(x, ids, centroids, codebook.bucket_cutoffs.to(x.device))
@@ -533,11 +601,11 @@ def check_code_rows(
         )
 
 
-def corpus_codebook(infos: list[Any]) -> Codebook | None:
-    """The codebook of a residual2 corpus (None for any other), from the `ShardInfo` of its shards: each
-    shard's codebook file is read (once per file) and checked against what the shard records; shards
+def corpus_codebook(infos: list[Any]) -> Codebook | Int2Grid | None:
+    """The codebook of a residual2 or int2 corpus (None for any other), from the `ShardInfo` of its shards:
+    each shard's codebook file is read (once per file) and checked against what the shard records; shards
     that record different codebooks are refused, naming both."""
-    if not infos or infos[0].quantization != "residual2-kmeans":
+    if not infos or infos[0].quantization not in ("residual2-kmeans", "int2-grid"):
         return None
     first = infos[0]
     loaded: dict[str, Codebook] = {}
@@ -551,6 +619,6 @@ def corpus_codebook(infos: list[Any]) -> Codebook | None:
         if path not in loaded:
             loaded[path] = read_codebook(
                 path, shard=info.path, sha256=info.codebook_sha256, dim=info.dim,
-                num_centroids=info.num_centroids,
+                num_centroids=info.num_centroids, quantization=first.quantization,
             )  # fmt: skip
     return next(iter(loaded.values()))

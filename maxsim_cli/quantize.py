@@ -136,6 +136,7 @@ _LABELS = {
     "int8-per-token": "int8",
     "int4-per-token": "4-bit codes",
     "residual2-kmeans": "2-bit residual codes",
+    "int2-grid": "2-bit grid codes",
 }
 # host bytes a k-means sample token costs at most, per value: the fp32 sample, its residuals, the
 # quantiles' sorted copy and the fastkmeans working set
@@ -349,11 +350,13 @@ def quantize_corpus(
     num_centroids: int | None = None,
     kmeans_sample_tokens: int = codecs.DEFAULT_SAMPLE_TOKENS,
     max_host_memory: int | None = None,
+    codec: str = "residual2",
 ) -> QuantizeReport:
     """Quantize a float corpus (files and/or directories) into int8 shards under `output_dir`, or into
-    codes below 8 bits: `bits` 4 (per-token int4) or 2 (residual over k-means centroids; `num_centroids`
-    of them, by default ColBERTv2's rule, trained on about `kmeans_sample_tokens` tokens drawn from the
-    corpus; the codebook is written beside the shards). docs/format.md, "Codes below 8 bits".
+    codes below 8 bits: `bits` 4 (per-token int4) or 2, `codec` "residual2" (residual over k-means
+    centroids; `num_centroids` of them, by default ColBERTv2's rule) or "int2" (a per-dimension grid of
+    four values and a scale a token), either fitted on about `kmeans_sample_tokens` tokens drawn from the
+    corpus, its codebook written beside the shards. docs/format.md, "Codes below 8 bits".
 
     Streams `batch_tokens` tokens at a time; writes into a temporary directory renamed to `output_dir`
     at the end (nothing is left behind on failure). An existing, non-empty `output_dir` is refused
@@ -373,7 +376,11 @@ def quantize_corpus(
         raise UsageError(f"--centroids must be from 1 to {codecs.MAX_CENTROIDS}, got {num_centroids}")
     if kmeans_sample_tokens < 1:
         raise UsageError(f"--kmeans-sample-tokens must be >= 1, got {kmeans_sample_tokens}")
-    quantization = codecs.BITS[bits]
+    if codec not in codecs.CODECS_2BIT:
+        raise UsageError(f"--codec must be one of {', '.join(codecs.CODECS_2BIT)}, got {codec!r}")
+    if codec != "residual2" and bits != 2:
+        raise UsageError(f"--codec {codec} is a --bits 2 codec; give --bits 2 with it")
+    quantization = codecs.CODECS_2BIT[codec] if bits == 2 else codecs.BITS[bits]
     if max_host_memory is not None and max_host_memory < 1:
         raise UsageError(f"--max-host-memory must be positive, got {max_host_memory}")
     check_output(output_dir, [*paths, queries_path], folder=True)  # not an input folder, and writable
@@ -410,17 +417,21 @@ def quantize_corpus(
             code_meta = codecs.source_metadata(corpus)
             if quantization != "int8-per-token":
                 code_meta[codecs.CODES_VERSION_KEY] = codecs.CODES_VERSION
-            if quantization == "residual2-kmeans":
+            if quantization in ("residual2-kmeans", "int2-grid"):
                 sample = _kmeans_sample(corpus, kmeans_sample_tokens, np.random.default_rng(seed))
-                wanted = num_centroids or codecs.default_centroids(corpus.num_tokens)
-                trained = codecs.train_codebook(sample, wanted, seed=seed, device=torch_device)
+                if quantization == "int2-grid":
+                    trained = codecs.Int2Grid(*codecs.fit_int2_levels(sample.to(torch_device)))
+                else:
+                    wanted = num_centroids or codecs.default_centroids(corpus.num_tokens)
+                    trained = codecs.train_codebook(sample, wanted, seed=seed, device=torch_device)
                 del sample
                 codebook = codecs.write_codebook(staging, trained)
                 code_meta.update({
                     codecs.CODEBOOK_KEY: codecs.CODEBOOK_NAME,
                     codecs.CODEBOOK_SHA256_KEY: codebook.sha256,
-                    codecs.NUM_CENTROIDS_KEY: str(codebook.num_centroids),
                 })  # fmt: skip
+                if quantization == "residual2-kmeans":
+                    code_meta[codecs.NUM_CENTROIDS_KEY] = str(codebook.num_centroids)
                 extra_files = [codecs.CODEBOOK_NAME]
                 codebook = codebook.to(torch_device)  # once, not once a batch
             done = 0

@@ -64,9 +64,16 @@ def register(app: typer.Typer) -> None:
             8,
             "--bits",
             help="8: int8 with per-token scales (132 B/token at dim 128); 4: two 4-bit values a byte and a "
-            "per-token scale (68 B/token); 2: the ColBERTv2 residual codec, a k-means centroid id and 2 "
-            "bits a dimension (36 B/token, plus a codebook.safetensors beside the shards). Scores of 4 "
-            "and 2 bits are approximate; exact scores come from the full-precision corpus.",
+            "per-token scale (68 B/token); 2: 2 bits a dimension and 4 more bytes a token (36 B/token, "
+            "plus a codebook.safetensors beside the shards; see --codec). Scores of 4 and 2 bits are "
+            "approximate; exact scores come from the full-precision corpus.",
+        ),
+        codec: str = typer.Option(
+            "residual2",
+            "--codec",
+            help="--bits 2: residual2 (the ColBERTv2 residual codec: a k-means centroid id and 2 bits a "
+            "dimension) or int2 (2 bits a dimension on a per-dimension grid of four values, and a scale a "
+            "token: no k-means, and a scan with no per-token centroid lookup).",
         ),
         centroids: int | None = typer.Option(
             None,
@@ -124,6 +131,7 @@ def register(app: typer.Typer) -> None:
                 num_centroids=centroids,
                 kmeans_sample_tokens=kmeans_sample_tokens,
                 max_host_memory=host_limit,
+                codec=codec,
             )
         if not quiet:
             typer.echo(report.summary(), err=True)

@@ -25,9 +25,10 @@ from maxsim_cli.errors import (
 # and top-100 in the compressed top N (benchmarks/two_stage_recall.py, docs/two-stage.md): >= 0.99 on
 # sample_data, 30K Python docstrings (real text: N = 2k was enough for every codec) and 10K random ragged
 # documents. 2-bit residual codes of random vectors (no clusters for the centroids to find) needed
-# N = 2000 for the top 100; int8 and 4-bit 500 at most.
+# N = 2000 for the top 100; int8 and 4-bit 500 at most. 2-bit grid codes (int2) have the residual codes'
+# recall at every depth on the three collections (benchmarks/int2_quality.py): the same depths.
 DEFAULT_DEPTH = (1000, 5)
-DEFAULT_DEPTHS = {"residual2-kmeans": (2000, 20)}
+DEFAULT_DEPTHS = {"residual2-kmeans": (2000, 20), "int2-grid": (2000, 20)}
 
 
 def default_depth(quantization: str, top_k: int) -> int:

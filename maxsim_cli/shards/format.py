@@ -402,7 +402,7 @@ def _code_metadata(
         raise input_error(
             path, f"dim {dim} of {quantization} codes is not a multiple of {step}; the file is damaged"
         )
-    if quantization == "residual2-kmeans":
+    if quantization in ("residual2-kmeans", "int2-grid"):
         sha = meta.get(CODEBOOK_SHA256_KEY, "")
         count = meta.get(NUM_CENTROIDS_KEY, "")
         if not meta.get(CODEBOOK_KEY) or not re.fullmatch(r"[0-9a-f]{64}", sha):
@@ -411,6 +411,9 @@ def _code_metadata(
                 f"{quantization} shard without {CODEBOOK_KEY} and {CODEBOOK_SHA256_KEY} (64 hex digits) in "
                 f"{where}; quantize the float corpus again",
             )
+        if quantization == "int2-grid":  # a grid, no centroids
+            values.update(codebook=meta[CODEBOOK_KEY], codebook_sha256=sha)
+            return values
         if not (count.isascii() and count.isdigit() and 0 < int(count) <= 2**32):
             raise input_error(path, f"{NUM_CENTROIDS_KEY} {count!r} in {where} is not a positive integer")
         values.update(codebook=meta[CODEBOOK_KEY], codebook_sha256=sha, num_centroids=int(count))
