@@ -292,18 +292,20 @@ def read_codebook(
         with open(path, "rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
             meta = json.loads(f.read(header_len)).get("__metadata__") or {}
+        if meta.get("format") == CODEBOOK_FORMAT and meta.get("codec", "residual2-kmeans") != quantization:
+            raise InputError(
+                f"{both}: a {meta.get('codec')} codebook, where the shard holds {quantization} codes; "
+                "quantize again"
+            )
         names = ("offsets", "steps") if grid else ("centroids", "bucket_weights", "bucket_cutoffs")
         with safe_open(path, framework="pt") as f:
             tensors = {name: f.get_tensor(name) for name in names}
+    except InputError:
+        raise
     except Exception as exc:  # safetensors raises its own error types
         raise InputError(f"{both}: corrupt codebook ({str(exc).splitlines()[0]}); quantize again") from None
     if meta.get("format") != CODEBOOK_FORMAT or meta.get("format_version") != CODES_VERSION:
         raise InputError(f"{both}: not a {CODEBOOK_FORMAT} version {CODES_VERSION} file; quantize again")
-    if meta.get("codec", "residual2-kmeans") != quantization:
-        raise InputError(
-            f"{both}: a {meta.get('codec')} codebook, where the shard holds {quantization} codes; "
-            "quantize again"
-        )
     if grid:
         offsets, steps = tensors["offsets"], tensors["steps"]
         for name, tensor in tensors.items():

@@ -4,6 +4,10 @@ on adversarial data (CPU), and on an sm_90 GPU the Gluon stream kernel that unpa
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
 import pytest
 import torch
 from maxsim_kernels import maxsim_candidates, maxsim_varlen
@@ -15,6 +19,12 @@ from maxsim_kernels.maxsim_codes import (
     int2_values,
 )
 from maxsim_kernels.reference import maxsim_codes_reference
+from typer.testing import CliRunner
+
+from maxsim_cli import codecs
+from maxsim_cli.cli import app
+from maxsim_cli.errors import InputError
+from maxsim_cli.shards import open_corpus
 
 # one-token documents, an empty one, documents that straddle the 64-token tiles, a long one
 DOC_LENGTHS = [1, 0, 63, 64, 65, 1, 2, 127, 128, 129, 300, 0, 5]
@@ -244,3 +254,117 @@ def test_the_fitted_grid_is_lloyds_for_gaussian_values_and_keeps_constant_dimens
     assert torch.equal(decoded[:, 4], x[:20_000, 4])
     side = int2_queries(torch.randn(3, 8, generator=gen), levels)
     assert torch.equal(side.q8[:, 4], torch.zeros(3, dtype=torch.int8))
+
+
+# ------------------------------------------------------------------------------------------------------
+# maxsim quantize --bits 2 --codec int2, the shards and their codebook, maxsim score
+# ------------------------------------------------------------------------------------------------------
+
+SAMPLE = os.path.join(os.path.dirname(__file__), "..", "sample_data")
+
+
+@pytest.fixture(scope="module")
+def int2_corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
+    folder = str(tmp_path_factory.mktemp("int2") / "corpus")
+    args = ["quantize", os.path.join(SAMPLE, "corpus"), "-o", folder, "--bits", "2", "--codec", "int2", "-q"]
+    result = CliRunner().invoke(app, [*args, "--sample-queries", "0"])
+    assert result.exit_code == 0, result.output
+    return folder
+
+
+def _one_line_error(paths: list[str]) -> str:
+    with pytest.raises(InputError) as err, open_corpus(paths):
+        pass
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_quantize_int2_writes_36_bytes_a_token_at_dim_128_and_its_grid(int2_corpus: str) -> None:
+    """dim / 4 bytes of codes and a scale a token (sample_data: dim 384, 96 + 4 bytes), the grid beside
+    the shards; the scores of `maxsim score` are the kernels' on those codes, the two-stage search's the
+    float corpus's exactly."""
+    with open_corpus([int2_corpus]) as corpus:
+        assert (corpus.dtype, corpus.quantization, corpus.dim) == ("uint8", "int2-grid", 384)
+        assert isinstance(corpus.codebook, codecs.Int2Grid) and corpus.codebook.dim == 384
+        batch = corpus.shards[0].read_docs(0, 3)
+        assert batch.embeddings.shape[1] == 96 and batch.scales is not None
+        levels = corpus.codebook.for_kernels()
+        codes, scales = encode_int2(_float_docs(0, 3), levels)
+        assert torch.equal(batch.embeddings, codes) and torch.equal(batch.scales, scales)
+
+
+def _float_docs(first: int, count: int) -> torch.Tensor:
+    with open_corpus([os.path.join(SAMPLE, "corpus")]) as corpus:
+        return corpus.shards[0].read_docs(first, count).embeddings.float()
+
+
+def test_score_on_int2_codes_and_two_stage_exact_scores(int2_corpus: str, tmp_path) -> None:
+    queries = os.path.join(SAMPLE, "queries.safetensors")
+    run, exact, two = tmp_path / "run.trec", tmp_path / "exact.trec", tmp_path / "two.trec"
+    float_corpus = os.path.join(SAMPLE, "corpus")
+    for out, corpus, extra in ((run, int2_corpus, []), (exact, float_corpus, []),
+                               (two, int2_corpus, ["--exact-from", float_corpus])):  # fmt: skip
+        args = ["score", queries, corpus, "-k", "10", "-o", str(out), "-q", *extra]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+    lines = run.read_text().splitlines()
+    assert len(lines) == 200 * 10 and lines[0].split()[:2] == ["q001", "Q0"]
+    assert two.read_text() == exact.read_text()  # sample_data's 400 documents: all within the depth
+
+
+def test_int2_codebook_faults_are_one_line_errors(int2_corpus: str, tmp_path) -> None:
+    """Missing, of another codec, with a NaN, or with a negative step: one line naming both files."""
+    folder = str(tmp_path / "copy")
+    shutil.copytree(int2_corpus, folder)
+    book_path = os.path.join(folder, "codebook.safetensors")
+    with open_corpus([folder]) as corpus:
+        grid = corpus.codebook
+    os.remove(book_path)
+    message = _one_line_error([folder])
+    assert "codebook.safetensors" in message and "shard-00000.safetensors" in message and "missing" in message
+
+    def install(book) -> None:  # noqa: ANN001
+        written = codecs.write_codebook(folder, book)
+        for name in ("shard-00000.safetensors", "shard-00001.safetensors"):  # make the checksums agree
+            _rewrite_metadata(os.path.join(folder, name), {"codebook_sha256": written.sha256})
+
+    residual = codecs.Codebook(torch.zeros(4, 384).half(), torch.zeros(384, 4), torch.zeros(384, 3))
+    install(residual)
+    assert "a residual2-kmeans codebook, where the shard holds int2-grid codes" in _one_line_error([folder])
+    bad = grid.offsets.clone()
+    bad[7] = float("nan")
+    install(codecs.Int2Grid(bad, grid.steps))
+    assert "NaN or Inf in offsets" in _one_line_error([folder])
+    steps = grid.steps.clone()
+    steps[3] = -1.0
+    install(codecs.Int2Grid(grid.offsets, steps))
+    assert "negative step" in _one_line_error([folder])
+    install(codecs.Int2Grid(grid.offsets[:380], grid.steps[:380]))
+    assert "the shard needs fp32 [384]" in _one_line_error([folder])
+    install(grid)
+    with open_corpus([folder]) as corpus:
+        assert torch.equal(corpus.codebook.offsets, grid.offsets)
+
+
+def _rewrite_metadata(path: str, changes: dict[str, str]) -> None:
+    """Change metadata values of a safetensors shard in place (same header length: values padded)."""
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    header["__metadata__"].update(changes)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= length
+    data[8 : 8 + length] = text + b" " * (length - len(text))
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def test_codec_option_is_checked(tmp_path) -> None:
+    out = str(tmp_path / "out")
+    args = ["quantize", os.path.join(SAMPLE, "corpus"), "-o", out, "-q", "--sample-queries", "0"]
+    result = CliRunner().invoke(app, [*args, "--bits", "2", "--codec", "int3"])
+    assert result.exit_code == 2 and "--codec must be one of residual2, int2" in result.output
+    result = CliRunner().invoke(app, [*args, "--bits", "4", "--codec", "int2"])
+    assert result.exit_code == 2 and "give --bits 2 with it" in result.output
+    assert not os.path.exists(tmp_path / "out")
