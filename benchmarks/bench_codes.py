@@ -1,24 +1,26 @@
-"""The scan kernels of codes below 8 bits (`maxsim_kernels.maxsim_codes`: int4, residual2) beside our fp16
-and int8 kernels on the same documents, alternating rounds in one process.
+"""The scan kernels of codes below 8 bits (`maxsim_kernels.maxsim_codes`: int4, int2, residual2) beside our
+fp16 and int8 kernels on the same documents, alternating rounds in one process.
 
     python benchmarks/bench_codes.py --out benchmarks/results/codes/codes-h100.json
 
 Documents: random unit vectors (d = 128), 20-300 tokens each (uniform), fp16; int8 per token
 (`quantize_per_token`), int4 (`encode_int4`), residual2 with a codebook trained by fastkmeans on a
 sample of 262,144 tokens (`maxsim_cli.codecs.train_codebook`, 4,096 centroids; its buckets separable, as
-`maxsim quantize` fits them: two bit planes a part). ``residual2_three_planes`` is the same codes with the
-codebook's top bucket value moved by one ulp, which makes the third bit plane nonzero: the three-plane scan
-on the same bytes. On an sm_90 GPU one query's int4 and residual2 scans run on the Gluon stream kernel;
-``int4_triton`` and ``residual2_triton`` are the same codes on the Triton scan. Workloads:
+`maxsim quantize` fits them: two bit planes a part), int2 with its grid fitted on the same sample
+(`maxsim_cli.codecs.fit_int2_levels`, `maxsim quantize --bits 2 --codec int2`).
+``residual2_three_planes`` is the same codes with the codebook's top bucket value moved by one ulp, which
+makes the third bit plane nonzero: the three-plane scan on the same bytes. On an sm_90 GPU one query's
+int4, int2 and residual2 scans run on the Gluon stream kernel; ``int4_triton`` and ``residual2_triton`` are
+the same codes on the Triton scan. Workloads:
 
   one_query  1 query of 32 tokens x 100K documents (~16M tokens): HBM-bound, reported as TB/s of the
-             bytes each format reads a token (fp16 256, int8 132, int4 68, residual2 36 at d = 128)
+             bytes each format reads a token (fp16 256, int8 132, int4 68, int2 and residual2 36 at d = 128)
   all_pairs  512 queries of 32 tokens x 50K documents: reported as pairs/s and against int8
 
 Each time is `triton.testing.do_bench`'s median (L2 flushed between calls) over ``--rep-ms``, in
 ``--rounds`` rounds that alternate the formats' order. Before timing, each codec's Triton scores are
 compared with the torch path on the same codes (1,000 documents): the largest difference is recorded.
-Also the quantize speed: encode of the whole corpus on the GPU, and the k-means training.
+Also the quantize speed: encode of the whole corpus on the GPU, the k-means training and int2's grid fit.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ import torch
 from common import SMOKE, device, make_log, median_ms, meta, smoke_size, sync, write_json
 
 log = make_log("codes", clock=True)
-BYTES = {"fp16": 256, "int8": 132, "int4": 68, "int4_triton": 68, "residual2": 36, "residual2_triton": 36,
-         "residual2_three_planes": 36}  # a token at d = 128  # fmt: skip
+BYTES = {"fp16": 256, "int8": 132, "int4": 68, "int4_triton": 68, "int2": 36, "residual2": 36,
+         "residual2_triton": 36, "residual2_three_planes": 36}  # a token at d = 128  # fmt: skip
 TRITON_SCANS = ("int4_triton", "residual2_triton")  # the codes of int4 / residual2 on the Triton scan
 
 
@@ -48,7 +50,7 @@ def main() -> None:
     from maxsim_kernels import maxsim_codes, maxsim_varlen
     from maxsim_kernels.maxsim_int8 import quantize_per_token
 
-    from maxsim_cli.codecs import encode, train_codebook
+    from maxsim_cli.codecs import Int2Grid, encode, fit_int2_levels, train_codebook
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out")
@@ -85,10 +87,15 @@ def main() -> None:
     book = train_codebook(sample, args.centroids, device=dev)
     sync()
     record["quantize"]["kmeans_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    grid = Int2Grid(*fit_int2_levels(sample))
+    sync()
+    record["quantize"]["int2_fit_s"] = time.perf_counter() - t0
     stored: dict[str, dict] = {"fp16": {"docs": docs, "kw": {}}}
     for name, make in (
         ("int8", lambda: quantize_per_token(docs)),
         ("int4", lambda: encode("int4-per-token", docs, None)),
+        ("int2", lambda: encode("int2-grid", docs, grid)),
         ("residual2", lambda: encode("residual2-kmeans", docs, book)),
     ):
         sync()
@@ -96,7 +103,10 @@ def main() -> None:
         codes, scales = make()
         sync()
         record["quantize"][f"{name}_encode_s"] = time.perf_counter() - t0
-        kw = {"doc_scales": scales} if scales is not None else {"codebook": book.for_kernels(dev)}
+        if name == "int2":
+            kw = {"doc_scales": scales, "codebook": grid.for_kernels(dev)}
+        else:
+            kw = {"doc_scales": scales} if scales is not None else {"codebook": book.for_kernels(dev)}
         stored[name] = {"docs": codes, "kw": kw}
     log(f"quantize: {record['quantize']}")
 
@@ -114,7 +124,7 @@ def main() -> None:
     q_off = torch.tensor([0, 32], device=dev)
     # correctness: each codec's Triton scores against the torch path on the first 1,000 documents
     head = offsets[: min(1000, len(offsets) - 1) + 1]
-    for name in ("int4", "residual2", "residual2_three_planes"):
+    for name in ("int4", "int2", "residual2", "residual2_three_planes"):
         part = stored[name]["docs"][: int(head[-1])]
         kw = dict(stored[name]["kw"])
         if "doc_scales" in kw:
