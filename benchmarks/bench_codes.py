@@ -64,9 +64,9 @@ def main() -> None:
     parser.add_argument(
         "--stream-sweep",
         nargs="?",
-        const="int4,residual2",
-        help="also time these codecs (default both) on the Gluon stream kernel under the tiles of "
-        "SWEEP_STREAM (int4) and SWEEP_STREAM_RESIDUAL2",
+        const="int4,int2,residual2",
+        help="also time these codecs (default all three) on the Gluon stream kernel under the tiles of "
+        "SWEEP_STREAM (int4), SWEEP_STREAM_INT2 and SWEEP_STREAM_RESIDUAL2",
     )
     parser.add_argument("--smoke", action="store_true", help="a check of the script: tiny sizes, one call")
     args = parser.parse_args()
@@ -138,7 +138,7 @@ def main() -> None:
         record["sweep"] = {"one_query": sweep(q, q_off, stored, offsets, SWEEP_ONE_QUERY, args.rep_ms)}
         write_json(args.out, record)
     if args.stream_sweep:
-        configs = {"int4": SWEEP_STREAM, "residual2": SWEEP_STREAM_RESIDUAL2}
+        configs = {"int4": SWEEP_STREAM, "int2": SWEEP_STREAM_INT2, "residual2": SWEEP_STREAM_RESIDUAL2}
         record["stream_sweep"] = {
             codec: stream_sweep(q, stored[codec], offsets, configs[codec], args.rep_ms)
             for codec in args.stream_sweep.split(",")
@@ -246,9 +246,15 @@ SWEEP_STREAM_RESIDUAL2 = [
 ]  # fmt: skip
 
 
+SWEEP_STREAM_INT2 = [
+    (32, 4, 2, 128), (32, 4, 2, 96), (32, 4, 2, 80), (64, 4, 2, 128), (64, 8, 2, 128), (32, 8, 2, 128),
+    (32, 6, 2, 96), (16, 4, 2, 128), (32, 4, 4, 128), (64, 4, 2, 96), (32, 3, 2, 96), (64, 6, 2, 80),
+]  # fmt: skip
+
+
 def stream_sweep(q, codes: dict, offsets, configs: list, rep_ms: int) -> list:
-    """int4 or residual2 codes, one query, on the stream kernel under each of `configs`: median time, same
-    bits as the first."""
+    """int4, int2 or residual2 codes, one query, on the stream kernel under each of `configs`: median time,
+    same bits as the first."""
     from maxsim_kernels import maxsim_codes
     from maxsim_kernels import maxsim_int8_hopper_stream as stream
     from maxsim_kernels.maxsim_int8 import quantize_per_token
@@ -256,6 +262,10 @@ def stream_sweep(q, codes: dict, offsets, configs: list, rep_ms: int) -> list:
     q8, sq = quantize_per_token(q)
     q_off = torch.tensor([0, q.shape[0]], device=q.device)
     book = codes["kw"].get("codebook")
+    int2 = isinstance(book, maxsim_codes.Int2Levels)
+    if int2:  # the query side of int2 (`int2_queries`): its int8 scan without the rows' offsets
+        side = maxsim_codes.int2_queries(q, book)
+        q8, sq, book = side.q8, side.scales, None
     tables = None if book is None else maxsim_codes.residual2_query_tables(q8, book)
     scales = codes["kw"].get("doc_scales")
     rows, first = [], None
@@ -264,7 +274,8 @@ def stream_sweep(q, codes: dict, offsets, configs: list, rep_ms: int) -> list:
 
         def call(cfg=cfg):
             return stream.stream_with_tiles(
-                q8, sq, q_off, None, None, codes["docs"], scales, offsets, q.shape[0], residual=tables, **cfg
+                q8, sq, q_off, None, None, codes["docs"], scales, offsets, q.shape[0], residual=tables,
+                int2=int2, **cfg,
             )
 
         try:

@@ -1576,6 +1576,44 @@ def _int4_to_int8_kernel(codes, out, n_rows, WIDTH: tl.constexpr, BLOCK_ROWS: tl
     tl.store(out + row_at * (2 * WIDTH) + tl.arange(0, 2 * WIDTH)[None, :], values, mask=keep)
 
 
+@triton.jit
+def _int2_to_int8_kernel(
+    codes, out, n_rows, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_ROWS: tl.constexpr
+):
+    """Rows of int2 codes [n_rows, WIDTH] (code v of value 4m + p in bits 2p, 2p + 1 of byte m) to their odd
+    values 2v - 3 as int8 [n_rows, 4 * WIDTH] (BLOCK_W: WIDTH to a power of two)."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    m = tl.arange(0, BLOCK_W)[None, :]
+    keep = (rows[:, None] < n_rows) & (m < WIDTH)
+    row_at = rows.to(tl.int64)[:, None]
+    packed = tl.load(codes + row_at * WIDTH + m, mask=keep, other=0).to(tl.int32)
+    for p in tl.static_range(4):
+        value = ((packed >> (2 * p)) & 3) * 2 - 3
+        tl.store(out + row_at * (4 * WIDTH) + 4 * m + p, value.to(tl.int8), mask=keep)
+
+
+def int2_to_int8(codes: torch.Tensor, out: torch.Tensor) -> None:
+    """The int2 ``codes`` [T, width] decoded into ``out`` [T, 4 * width] (int8 odd values, `int2_values`),
+    on the codes' device (Triton; on the CPU under TRITON_INTERPRET)."""
+    rows, width = codes.shape
+    if out.shape != (rows, 4 * width) or out.dtype != torch.int8:
+        got = f"{out.dtype} {tuple(out.shape)}"
+        raise ValueError(f"int2_to_int8: out must be int8 [{rows}, {4 * width}], got {got}")
+    if rows:
+        grid = (cdiv(rows, _DECODE_ROWS),)
+        _int2_to_int8_kernel[grid](codes, out, rows, WIDTH=width, BLOCK_W=triton.next_power_of_2(width),
+                                   BLOCK_ROWS=_DECODE_ROWS, num_warps=4)  # fmt: skip
+
+
+def _odd_values(codes: torch.Tensor, backend: str) -> torch.Tensor:
+    """int2 codes' odd values (int8): by `int2_to_int8` with the Triton backend, else `int2_values`."""
+    if backend != "triton":
+        return int2_values(codes)
+    out = torch.empty((codes.shape[0], 4 * codes.shape[1]), dtype=torch.int8, device=codes.device)
+    int2_to_int8(codes, out)
+    return out
+
+
 def int4_to_int8(codes: torch.Tensor, out: torch.Tensor) -> None:
     """The int4 ``codes`` [T, width] decoded into ``out`` [T, 2 * width] (int8 values -7..7, `decode_int4`'s
     values without their scales), on the codes' device (Triton; on the CPU under TRITON_INTERPRET)."""
@@ -1684,11 +1722,11 @@ def _int2_varlen(
         t0 = int(d_host[first])
         stop = max(int(np.searchsorted(d_host, t0 + chunk, side="right")) - 1, first + 1)
         t1 = int(d_host[stop])
-        if t1 > t0:
-            offsets = torch.from_numpy(np.ascontiguousarray(d_host[first : stop + 1] - t0)).to(codes.device)
+        if t1 > t0:  # host offsets: the int8 kernels' plans (the Gluon all-pairs kernel's) read them there
+            offsets = torch.from_numpy(np.ascontiguousarray(d_host[first : stop + 1] - t0))
             out[:, first:stop] = maxsim_varlen_int8(
-                q8, given_q_off, int2_values(codes[t0:t1]), offsets, doc_scales=sd[t0:t1], query_scales=sq,
-                backend=backend,
+                q8, given_q_off, _odd_values(codes[t0:t1], backend), offsets, doc_scales=sd[t0:t1],
+                query_scales=sq, backend=backend,
             )  # fmt: skip
         first = stop
     return out
@@ -1719,7 +1757,7 @@ def _int2_candidates(
                                       output_size=total)  # fmt: skip
     rows = starts[segment] + torch.arange(total, device=codes.device) - offsets[:-1][segment]
     return maxsim_candidates_int8(
-        q8, given_q_off, int2_values(codes[rows]), offsets, c_off, local,
+        q8, given_q_off, _odd_values(codes[rows], backend), offsets, c_off, local,
         doc_scales=sd[rows], query_scales=sq, backend=backend,
     )  # fmt: skip
 

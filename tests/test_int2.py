@@ -105,19 +105,21 @@ def test_int2_refuses_dims_it_cannot_pack_and_levels_that_do_not_fit() -> None:
         maxsim_varlen(q, q_off, codes[:, :3], d_off, doc_scales=scales, codebook=levels)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("dim", [20, 96, 128])
-def test_int2_scores_within_rounding_of_the_float64_reference(dim: int) -> None:
+def test_int2_scores_within_rounding_of_the_float64_reference(dim: int, backend: str) -> None:
     """All pairs and candidates (CPU): within fp32 rounding of the float64 scores of the decoded values
     against the int8 query the kernels score (`maxsim_codes_reference`), -inf for empty documents; the
     same scores through int8 queries with their scales; close to the float query's scores of the decoded
-    values (the int8 query's rounding: at most a few thousandths of a score's scale)."""
+    values (the int8 query's rounding: at most a few thousandths of a score's scale). Both backends (the
+    Triton one decodes with `int2_to_int8` and scores with the int8 kernels)."""
     gen = torch.Generator().manual_seed(10 + dim)
     levels = _levels(dim, gen)
     docs, d_off = _corpus(DOC_LENGTHS, dim, gen)
     docs[int(d_off[6]) + 1] = docs[int(d_off[6])]  # an exact tie
     codes, scales = encode_int2(docs, levels)
     queries, q_off = _corpus([1, 32, 7], dim, gen)
-    scores = maxsim_varlen(queries, q_off, codes, d_off, doc_scales=scales, codebook=levels)
+    scores = maxsim_varlen(queries, q_off, codes, d_off, doc_scales=scales, codebook=levels, backend=backend)
     reference = maxsim_codes_reference(queries, q_off, codes, d_off, doc_scales=scales, codebook=levels)
     _check_close(scores, reference, _bound(queries, q_off, levels, scales))
 
@@ -132,13 +134,13 @@ def test_int2_scores_within_rounding_of_the_float64_reference(dim: int) -> None:
     cand_off = torch.tensor([0, 4, 4, 9])
     cand = torch.tensor([1, 12, 10, 0, 3, 3, 8, 2, 4])
     picked = maxsim_candidates(
-        queries, q_off, codes, d_off, cand_off, cand, doc_scales=scales, codebook=levels
+        queries, q_off, codes, d_off, cand_off, cand, doc_scales=scales, codebook=levels, backend=backend
     )
     owner = torch.tensor([0, 0, 0, 0, 2, 2, 2, 2, 2])
     _check_close(picked, reference[owner, cand], _bound(queries, q_off, levels, scales)[owner, 0])
     with pytest.raises(ValueError, match=r"candidate_docs\[1\] = 13"):
         maxsim_candidates(queries, q_off, codes, d_off, torch.tensor([0, 2, 2, 2]), torch.tensor([0, 13]),
-                          doc_scales=scales, codebook=levels)  # fmt: skip
+                          doc_scales=scales, codebook=levels, backend=backend)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -182,6 +184,13 @@ def test_int2_stream_kernel_within_rounding_of_the_reference(q_len: int) -> None
         again = stream.stream_with_tiles(side.q8, side.scales, q_off.cuda(), None, None, codes_d, scales_d,
                                          d_off_d, q_len, int2=True, **cfg).cpu()  # fmt: skip
         assert torch.equal(again, first), cfg
+
+    # several queries, all pairs: the documents decoded to int8 for the int8 kernels (the Gluon all-pairs
+    # kernel on sm_90)
+    queries, q_off = _corpus([q_len, 32, 5], 128, gen)
+    got = maxsim_varlen(queries.cuda(), q_off, codes_d, d_off_d, doc_scales=scales_d, codebook=levels_d).cpu()
+    reference = maxsim_codes_reference(queries, q_off, codes, d_off, doc_scales=scales, codebook=levels)
+    _check_close(got, reference, _bound(queries, q_off, levels, scales))
 
     counts = [0, 1, 37, 5, 120, 16]
     queries, q_off = _corpus([1, 32, q_len, 31, 7, 16], 128, gen)
