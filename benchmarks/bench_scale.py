@@ -30,6 +30,8 @@ CUDA out-of-memory error is recorded and the next stage runs):
              the 1e9-token figure composed: the full scan's time + the measured exact-stage parts
   int4       one query against 4-bit codes (uint8 [T, 64] + fp32 scales) of the first documents, as many
              as fit 92% of the free GPU memory once the 2-bit codes are freed (at most ``--tokens``)
+  int2       one query against int2 codes (uint8 [T, 32] + fp32 scales, `maxsim quantize --codec int2`)
+             of every document, TB/s on its 36 B/token. Target: <= 15 ms at 1e9
 """
 
 from __future__ import annotations
@@ -56,9 +58,9 @@ from common import (
 )
 
 log = make_log("scale", clock=True)
-STAGES = ("residual2", "two-stage", "int4")
+STAGES = ("residual2", "two-stage", "int4", "int2")
 CHUNK_TOKENS = 1 << 25
-BYTES = {"residual2": 4 + DIM // 4, "int4": DIM // 2 + 4}  # what a token's scan reads
+BYTES = {"residual2": 4 + DIM // 4, "int4": DIM // 2 + 4, "int2": DIM // 4 + 4}  # what a token's scan reads
 EXACT_BYTES = {"float16": DIM * 2, "int8": DIM + 4}
 
 
@@ -202,6 +204,7 @@ def rows_of(host_offsets: np.ndarray, docs: np.ndarray) -> tuple[np.ndarray, np.
 
 def main() -> None:
     from maxsim_kernels import maxsim_codes, maxsim_varlen
+    from maxsim_kernels.maxsim_codes import Int2Levels
 
     from maxsim_cli.codecs import default_centroids
 
@@ -370,6 +373,25 @@ def main() -> None:
         except torch.OutOfMemoryError as exc:
             record["int4"] = oom_record(exc, dev)
             log(f"int4: {record['int4']['error']}")
+        write_json(args.out, record)
+
+    if "int2" in stages:
+        try:
+            codes2 = torch.empty((total, DIM // 4), dtype=torch.uint8, device=dev)
+            fill_random_bytes(codes2, 0, gen)
+            scales = torch.empty(total, device=dev).uniform_(-0.02, 0.02, generator=gen)  # in place
+            levels = Int2Levels(torch.zeros(DIM, device=dev), torch.full((DIM,), 0.05, device=dev))
+            scan = lambda: maxsim_varlen(  # noqa: E731
+                queries[0], q_off, codes2, offsets, doc_scales=scales, codebook=levels
+            )
+            row = scan_record("int2", total, num_docs, timed_rounds(scan, args.rounds, args.rep_ms))
+            row.update(gpu_memory(dev))
+            record["int2"] = row
+            log(f"int2: {row['ms']:.3f} ms ({row['TBps']:.2f} TB/s on 36 B/token)")
+            del codes2, scales
+        except torch.OutOfMemoryError as exc:
+            record["int2"] = oom_record(exc, dev)
+            log(f"int2: {record['int2']['error']}")
         write_json(args.out, record)
     log("done")
 
