@@ -380,6 +380,8 @@ def quantize_corpus(
         raise UsageError(f"--codec must be one of {', '.join(codecs.CODECS_2BIT)}, got {codec!r}")
     if codec != "residual2" and bits != 2:
         raise UsageError(f"--codec {codec} is a --bits 2 codec; give --bits 2 with it")
+    if codec == "int2" and num_centroids is not None:
+        raise UsageError("--centroids sets residual2's k-means; --codec int2 has no centroids: leave it out")
     quantization = codecs.CODECS_2BIT[codec] if bits == 2 else codecs.BITS[bits]
     if max_host_memory is not None and max_host_memory < 1:
         raise UsageError(f"--max-host-memory must be positive, got {max_host_memory}")

@@ -376,4 +376,6 @@ def test_codec_option_is_checked(tmp_path) -> None:
     assert result.exit_code == 2 and "--codec must be one of residual2, int2" in result.output
     result = CliRunner().invoke(app, [*args, "--bits", "4", "--codec", "int2"])
     assert result.exit_code == 2 and "give --bits 2 with it" in result.output
+    result = CliRunner().invoke(app, [*args, "--bits", "2", "--codec", "int2", "--centroids", "64"])
+    assert result.exit_code == 2 and "--codec int2 has no centroids" in result.output
     assert not os.path.exists(tmp_path / "out")
