@@ -1595,14 +1595,19 @@ def _int2_to_int8_kernel(
 def int2_to_int8(codes: torch.Tensor, out: torch.Tensor) -> None:
     """The int2 ``codes`` [T, width] decoded into ``out`` [T, 4 * width] (int8 odd values, `int2_values`),
     on the codes' device (Triton; on the CPU under TRITON_INTERPRET)."""
+    block_w = triton.next_power_of_2(codes.shape[1])
+    _decode_rows("int2_to_int8", _int2_to_int8_kernel, codes, out, 4, BLOCK_W=block_w)
+
+
+def _decode_rows(name: str, kernel, codes: torch.Tensor, out: torch.Tensor, per_byte: int, **consts) -> None:  # noqa: ANN001
+    """Launch a decode ``kernel`` of codes [T, width] into int8 ``out`` [T, per_byte * width], checked."""
     rows, width = codes.shape
-    if out.shape != (rows, 4 * width) or out.dtype != torch.int8:
+    if out.shape != (rows, per_byte * width) or out.dtype != torch.int8:
         got = f"{out.dtype} {tuple(out.shape)}"
-        raise ValueError(f"int2_to_int8: out must be int8 [{rows}, {4 * width}], got {got}")
+        raise ValueError(f"{name}: out must be int8 [{rows}, {per_byte * width}], got {got}")
     if rows:
         grid = (cdiv(rows, _DECODE_ROWS),)
-        _int2_to_int8_kernel[grid](codes, out, rows, WIDTH=width, BLOCK_W=triton.next_power_of_2(width),
-                                   BLOCK_ROWS=_DECODE_ROWS, num_warps=4)  # fmt: skip
+        kernel[grid](codes, out, rows, WIDTH=width, BLOCK_ROWS=_DECODE_ROWS, num_warps=4, **consts)
 
 
 def _odd_values(codes: torch.Tensor, backend: str) -> torch.Tensor:
@@ -1617,13 +1622,7 @@ def _odd_values(codes: torch.Tensor, backend: str) -> torch.Tensor:
 def int4_to_int8(codes: torch.Tensor, out: torch.Tensor) -> None:
     """The int4 ``codes`` [T, width] decoded into ``out`` [T, 2 * width] (int8 values -7..7, `decode_int4`'s
     values without their scales), on the codes' device (Triton; on the CPU under TRITON_INTERPRET)."""
-    rows, width = codes.shape
-    if out.shape != (rows, 2 * width) or out.dtype != torch.int8:
-        got = f"{out.dtype} {tuple(out.shape)}"
-        raise ValueError(f"int4_to_int8: out must be int8 [{rows}, {2 * width}], got {got}")
-    if rows:
-        grid = (cdiv(rows, _DECODE_ROWS),)
-        _int4_to_int8_kernel[grid](codes, out, rows, WIDTH=width, BLOCK_ROWS=_DECODE_ROWS, num_warps=4)
+    _decode_rows("int4_to_int8", _int4_to_int8_kernel, codes, out, 2)
 
 
 def _int4_decoded_allpairs(

@@ -36,6 +36,7 @@ from maxsim_kernels.maxsim_codes import (
     residual2_query_tables,
 )
 from maxsim_kernels.reference import maxsim_codes_reference
+from tierlib import check_close, one_line_open_error, rewrite_metadata
 from typer.testing import CliRunner
 
 from maxsim_cli.cli import app
@@ -126,12 +127,6 @@ def _planes_bound(q8, sq, q_lens, book) -> torch.Tensor:
     return torch.zeros(len(q_lens), dtype=torch.float64).index_add_(0, rows, per_row)
 
 
-def _check_close(scores: torch.Tensor, reference: torch.Tensor, bound: torch.Tensor) -> None:
-    finite = torch.isfinite(reference)
-    assert torch.equal(torch.isfinite(scores), finite)
-    assert torch.equal(scores[~finite], reference[~finite].float())  # -inf for empty documents
-    err = (scores.double() - reference).abs().where(finite, torch.zeros_like(reference))
-    assert bool((err <= bound.expand_as(err)).all()), float((err / bound).max())
 
 
 CODECS = ["int4", "residual2", "residual2-separable"]
@@ -163,7 +158,7 @@ def test_all_pairs_within_the_fp32_bound_of_the_decoded_reference(codec, backend
     codes = enc.pop("docs")
     scores = maxsim_varlen(queries, q_off, codes, d_off, backend=backend, **enc)
     reference = maxsim_codes_reference(queries, q_off, codes, d_off, **enc)
-    _check_close(scores, reference, _bound(queries, q_off, {"docs": codes, **enc}))
+    check_close(scores, reference, _bound(queries, q_off, {"docs": codes, **enc}))
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -183,7 +178,7 @@ def test_candidates_score_as_all_pairs(codec, backend):
     owner = torch.repeat_interleave(torch.arange(3), cand_off.diff())
     expected = reference[owner, cand_docs]
     bound = _bound(queries, q_off, {"docs": codes, **enc})[owner, 0]
-    _check_close(scores, expected, bound)
+    check_close(scores, expected, bound)
 
 
 # Every branch of the Triton kernels with small tiles: the few-rows plan (one loop over the tiles of all
@@ -236,10 +231,10 @@ def test_every_kernel_branch_within_the_bound(codec, plan, device, monkeypatch):
             gpu_queries, q_off, gpu_codes, d_off, cand_off, cand_docs, backend="triton", **on
         ).cpu()
         owner = torch.repeat_interleave(torch.arange(5), cand_off.diff())
-        _check_close(scores, reference[owner, cand_docs], bound[owner, 0])
+        check_close(scores, reference[owner, cand_docs], bound[owner, 0])
     else:
         scores = maxsim_varlen(gpu_queries, q_off, gpu_codes, d_off, backend="triton", **on).cpu()
-        _check_close(scores, reference, bound)
+        check_close(scores, reference, bound)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -263,12 +258,12 @@ def test_residual2_centroid_tables_split_over_launches(device, monkeypatch):
     bound = _bound(queries, q_off, {"docs": codes, **enc})
     book = ResidualCodebook(*(t.to(device) for t in enc["codebook"]))
     args = (queries.to(device), q_off, codes.to(device), d_off)
-    _check_close(maxsim_varlen(*args, backend="triton", codebook=book).cpu(), reference, bound)
+    check_close(maxsim_varlen(*args, backend="triton", codebook=book).cpu(), reference, bound)
     cand_off = torch.tensor([0, 2, 2, 5, 6, 8])
     cand_docs = torch.tensor([2, 0, 5, 3, 1, 2, 4, 2])
     scores = maxsim_candidates(*args, cand_off, cand_docs, backend="triton", codebook=book).cpu()
     owner = torch.repeat_interleave(torch.arange(5), cand_off.diff())
-    _check_close(scores, reference[owner, cand_docs], bound[owner, 0])
+    check_close(scores, reference[owner, cand_docs], bound[owner, 0])
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -289,7 +284,7 @@ def test_constant_vectors_negative_similarities_and_exact_ties(codec, backend):
     reference = maxsim_codes_reference(queries, q_off, codes, d_off, **enc)
     assert bool((scores[:, :2] < 0).all())
     assert torch.equal(scores[:, 0], scores[:, 1])  # the same maxima: three tied tokens or one
-    _check_close(scores, reference, _bound(queries, q_off, {"docs": codes, **enc}))
+    check_close(scores, reference, _bound(queries, q_off, {"docs": codes, **enc}))
 
 
 def test_int4_packing_round_trips_and_bounds_the_error():
@@ -447,17 +442,12 @@ def _copy(folder: str, tmp_path) -> str:
     return target
 
 
-def _one_line_error(paths: list[str]) -> str:
-    with pytest.raises(InputError) as err, open_corpus(paths):
-        pass
-    assert "\n" not in str(err.value)
-    return str(err.value)
 
 
 def test_missing_codebook_names_both_files(quantized, tmp_path):
     folder = _copy(quantized[2], tmp_path)
     os.remove(os.path.join(folder, "codebook.safetensors"))
-    message = _one_line_error([folder])
+    message = one_line_open_error([folder])
     assert "codebook.safetensors" in message and "shard-00000.safetensors" in message and "missing" in message
 
 
@@ -481,7 +471,7 @@ def test_codebook_of_another_corpus_is_refused(quantized, tmp_path):
     )
     assert result.exit_code == 0, result.output
     shutil.copy(os.path.join(other, "codebook.safetensors"), os.path.join(folder, "codebook.safetensors"))
-    message = _one_line_error([folder])
+    message = one_line_open_error([folder])
     assert "belongs to another corpus" in message and "shard-00000.safetensors" in message
 
 
@@ -495,8 +485,8 @@ def test_nan_in_codebook_is_refused(quantized, tmp_path):
     bad[3, 5] = float("nan")
     written = codecs.write_codebook(folder, codecs.Codebook(bad, book.bucket_weights, book.bucket_cutoffs))
     for name in ("shard-00000.safetensors", "shard-00001.safetensors"):  # make the checksums agree
-        _rewrite_metadata(os.path.join(folder, name), {"codebook_sha256": written.sha256})
-    assert "NaN or Inf in centroids" in _one_line_error([folder])
+        rewrite_metadata(os.path.join(folder, name), {"codebook_sha256": written.sha256})
+    assert "NaN or Inf in centroids" in one_line_open_error([folder])
 
 
 def test_a_codebook_written_again_has_the_same_bytes(quantized, tmp_path):
@@ -525,18 +515,6 @@ def test_a_codebook_written_again_has_the_same_bytes(quantized, tmp_path):
         assert torch.equal(again.bucket_weights, book.bucket_weights)
 
 
-def _rewrite_metadata(path: str, changes: dict[str, str]) -> None:
-    """Change metadata values of a safetensors shard in place (same header length: values padded)."""
-    with open(path, "rb") as f:
-        data = bytearray(f.read())
-    length = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + length])
-    header["__metadata__"].update(changes)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    assert len(text) <= length
-    data[8 : 8 + length] = text + b" " * (length - len(text))
-    with open(path, "wb") as f:
-        f.write(data)
 
 
 def test_truncated_codes_are_refused_in_one_line(quantized, tmp_path):
@@ -544,7 +522,7 @@ def test_truncated_codes_are_refused_in_one_line(quantized, tmp_path):
     path = os.path.join(folder, "shard-00001.safetensors")
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 100)
-    assert "truncated" in _one_line_error([path])
+    assert "truncated" in one_line_open_error([path])
 
 
 def test_wrong_code_width_in_a_shard_is_refused(tmp_path):
@@ -557,8 +535,8 @@ def test_wrong_code_width_in_a_shard_is_refused(tmp_path):
         path, 16, "uint8", quantization="int4-per-token", code_metadata={"codes_version": "1"}
     ) as w:
         w.add(["a"], codes, offsets=torch.tensor([0, 4]), scales=scales)
-    _rewrite_metadata(path, {"dim": "18"})  # 8 bytes a token stored, 9 expected
-    message = _one_line_error([path])
+    rewrite_metadata(path, {"dim": "18"})  # 8 bytes a token stored, 9 expected
+    message = one_line_open_error([path])
     assert "embeddings rows are 8 bytes but int4-per-token codes of dim 18 take 9" in message
 
 
@@ -620,7 +598,7 @@ def test_compiled_kernels_on_the_gpu_within_the_bound(codec, dim):
         scores = maxsim_varlen(queries.cuda(), q_off, codes, d_off, **on_gpu).cpu()
         host = dict(enc)
         reference = maxsim_codes_reference(queries, q_off, host.pop("docs"), d_off, **host)
-        _check_close(scores, reference, _bound(queries, q_off, enc))
+        check_close(scores, reference, _bound(queries, q_off, enc))
 
 
 # residual2 on the Gluon stream kernel (sm_90, dim 128, separable buckets, queries of at most 32 tokens):
@@ -676,7 +654,7 @@ def test_residual2_stream_kernel_within_the_bound_of_the_decoded_values(q_len: i
     bad = torch.zeros(d_off.numel() - 1, dtype=torch.bool)
     bad[[14, 15]] = True
     assert torch.isnan(scores[0, bad]).all() and not torch.isnan(scores[0, ~bad]).any()
-    _check_close(scores[:, ~bad], reference[:, ~bad], bound)
+    check_close(scores[:, ~bad], reference[:, ~bad], bound)
     q8, sq = quantized_queries(queries.cuda())
     tables = maxsim_codes.residual2_query_tables(q8, book_d)
     q_off_d = q_off.cuda()
@@ -703,7 +681,7 @@ def test_residual2_stream_kernel_within_the_bound_of_the_decoded_values(q_len: i
     nan = (cand == nd) | bad[cand.clamp(max=nd - 1)]
     assert torch.equal(torch.isnan(picked), nan)
     ok = ~nan
-    _check_close(picked[ok], reference[owner[ok], cand[ok]], bound[owner[ok], 0])
+    check_close(picked[ok], reference[owner[ok], cand[ok]], bound[owner[ok], 0])
 
 
 @pytest.mark.gpu
@@ -734,7 +712,7 @@ def test_residual2_stream_kernel_offsets_past_2_31_bytes() -> None:
     tail = {"docs": codes[start:].cpu(), "codebook": host_book}
     tail_off = (d_off[first:] - start).cpu()
     reference = maxsim_codes_reference(queries.cpu(), q_off, tail["docs"], tail_off, codebook=host_book)
-    _check_close(alone.cpu(), reference, _bound(queries.cpu(), q_off, tail))
+    check_close(alone.cpu(), reference, _bound(queries.cpu(), q_off, tail))
     cand = torch.arange(first, d_off.numel() - 1, device="cuda").flip(0)
     cand_off = torch.tensor([0, cand.numel()])
     picked = maxsim_candidates(queries, q_off, codes, d_off, cand_off, cand, codebook=book)
@@ -1125,7 +1103,7 @@ def test_a_codebook_changed_in_place_is_scored_as_changed() -> None:
     for _ in range(2):
         scores = maxsim_varlen(queries, q_off, codes, d_off, codebook=book, backend="triton")
         reference = maxsim_codes_reference(queries, q_off, codes, d_off, codebook=book)
-        _check_close(scores, reference, _bound(queries, q_off, {"docs": codes, "codebook": book}))
+        check_close(scores, reference, _bound(queries, q_off, {"docs": codes, "codebook": book}))
         book.centroids.mul_(-1)
         book.bucket_weights.add_(0.25)
 

@@ -4,7 +4,6 @@ on adversarial data (CPU), and on an sm_90 GPU the Gluon stream kernel that unpa
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -19,11 +18,11 @@ from maxsim_kernels.maxsim_codes import (
     int2_values,
 )
 from maxsim_kernels.reference import maxsim_codes_reference
+from tierlib import check_close, one_line_open_error, rewrite_metadata
 from typer.testing import CliRunner
 
 from maxsim_cli import codecs
 from maxsim_cli.cli import app
-from maxsim_cli.errors import InputError
 from maxsim_cli.shards import open_corpus
 
 # one-token documents, an empty one, documents that straddle the 64-token tiles, a long one
@@ -54,12 +53,6 @@ def _bound(
     return (sums * 2.0**-20)[:, None]
 
 
-def _check_close(scores: torch.Tensor, reference: torch.Tensor, bound: torch.Tensor) -> None:
-    finite = torch.isfinite(reference)
-    assert torch.equal(torch.isfinite(scores), finite)
-    assert torch.equal(scores[~finite], reference[~finite].float())  # -inf for empty documents
-    err = (scores.double() - reference).abs().where(finite, torch.zeros_like(reference))
-    assert bool((err <= bound.expand_as(err)).all()), float((err / bound).max())
 
 
 @pytest.mark.parametrize("dim", [4, 20, 96, 128])
@@ -121,7 +114,7 @@ def test_int2_scores_within_rounding_of_the_float64_reference(dim: int, backend:
     queries, q_off = _corpus([1, 32, 7], dim, gen)
     scores = maxsim_varlen(queries, q_off, codes, d_off, doc_scales=scales, codebook=levels, backend=backend)
     reference = maxsim_codes_reference(queries, q_off, codes, d_off, doc_scales=scales, codebook=levels)
-    _check_close(scores, reference, _bound(queries, q_off, levels, scales))
+    check_close(scores, reference, _bound(queries, q_off, levels, scales))
 
     decoded = decode_int2(codes, scales, levels).double()
     for i in range(3):
@@ -137,7 +130,7 @@ def test_int2_scores_within_rounding_of_the_float64_reference(dim: int, backend:
         queries, q_off, codes, d_off, cand_off, cand, doc_scales=scales, codebook=levels, backend=backend
     )
     owner = torch.tensor([0, 0, 0, 0, 2, 2, 2, 2, 2])
-    _check_close(picked, reference[owner, cand], _bound(queries, q_off, levels, scales)[owner, 0])
+    check_close(picked, reference[owner, cand], _bound(queries, q_off, levels, scales)[owner, 0])
     with pytest.raises(ValueError, match=r"candidate_docs\[1\] = 13"):
         maxsim_candidates(queries, q_off, codes, d_off, torch.tensor([0, 2, 2, 2]), torch.tensor([0, 13]),
                           doc_scales=scales, codebook=levels, backend=backend)  # fmt: skip
@@ -175,7 +168,7 @@ def test_int2_stream_kernel_within_rounding_of_the_reference(q_len: int) -> None
     _stream_or_skip(queries, codes_d)
     got = maxsim_varlen(queries.cuda(), q_off, codes_d, d_off_d, doc_scales=scales_d, codebook=levels_d).cpu()
     reference = maxsim_codes_reference(queries, q_off, codes, d_off, doc_scales=scales, codebook=levels)
-    _check_close(got, reference, _bound(queries, q_off, levels, scales))
+    check_close(got, reference, _bound(queries, q_off, levels, scales))
     side = int2_queries(queries.cuda(), levels_d)
     first = stream.stream_with_tiles(side.q8, side.scales, q_off.cuda(), None, None, codes_d, scales_d,
                                      d_off_d, q_len, int2=True).cpu()  # fmt: skip
@@ -190,7 +183,7 @@ def test_int2_stream_kernel_within_rounding_of_the_reference(q_len: int) -> None
     queries, q_off = _corpus([q_len, 32, 5], 128, gen)
     got = maxsim_varlen(queries.cuda(), q_off, codes_d, d_off_d, doc_scales=scales_d, codebook=levels_d).cpu()
     reference = maxsim_codes_reference(queries, q_off, codes, d_off, doc_scales=scales, codebook=levels)
-    _check_close(got, reference, _bound(queries, q_off, levels, scales))
+    check_close(got, reference, _bound(queries, q_off, levels, scales))
 
     counts = [0, 1, 37, 5, 120, 16]
     queries, q_off = _corpus([1, 32, q_len, 31, 7, 16], 128, gen)
@@ -207,7 +200,7 @@ def test_int2_stream_kernel_within_rounding_of_the_reference(q_len: int) -> None
     assert torch.equal(torch.isnan(picked), nan)
     ok = ~nan
     bound = _bound(queries, q_off, levels, scales)
-    _check_close(picked[ok], reference[owner[ok], cand[ok]], bound[owner[ok], 0])
+    check_close(picked[ok], reference[owner[ok], cand[ok]], bound[owner[ok], 0])
 
 
 @pytest.mark.gpu
@@ -281,11 +274,6 @@ def int2_corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
     return folder
 
 
-def _one_line_error(paths: list[str]) -> str:
-    with pytest.raises(InputError) as err, open_corpus(paths):
-        pass
-    assert "\n" not in str(err.value)
-    return str(err.value)
 
 
 def test_quantize_int2_writes_36_bytes_a_token_at_dim_128_and_its_grid(int2_corpus: str) -> None:
@@ -329,44 +317,33 @@ def test_int2_codebook_faults_are_one_line_errors(int2_corpus: str, tmp_path) ->
     with open_corpus([folder]) as corpus:
         grid = corpus.codebook
     os.remove(book_path)
-    message = _one_line_error([folder])
+    message = one_line_open_error([folder])
     assert "codebook.safetensors" in message and "shard-00000.safetensors" in message and "missing" in message
 
     def install(book) -> None:  # noqa: ANN001
         written = codecs.write_codebook(folder, book)
         for name in ("shard-00000.safetensors", "shard-00001.safetensors"):  # make the checksums agree
-            _rewrite_metadata(os.path.join(folder, name), {"codebook_sha256": written.sha256})
+            rewrite_metadata(os.path.join(folder, name), {"codebook_sha256": written.sha256})
 
     residual = codecs.Codebook(torch.zeros(4, 384).half(), torch.zeros(384, 4), torch.zeros(384, 3))
     install(residual)
-    assert "a residual2-kmeans codebook, where the shard holds int2-grid codes" in _one_line_error([folder])
+    message = one_line_open_error([folder])
+    assert "a residual2-kmeans codebook, where the shard holds int2-grid codes" in message
     bad = grid.offsets.clone()
     bad[7] = float("nan")
     install(codecs.Int2Grid(bad, grid.steps))
-    assert "NaN or Inf in offsets" in _one_line_error([folder])
+    assert "NaN or Inf in offsets" in one_line_open_error([folder])
     steps = grid.steps.clone()
     steps[3] = -1.0
     install(codecs.Int2Grid(grid.offsets, steps))
-    assert "negative step" in _one_line_error([folder])
+    assert "negative step" in one_line_open_error([folder])
     install(codecs.Int2Grid(grid.offsets[:380], grid.steps[:380]))
-    assert "the shard needs fp32 [384]" in _one_line_error([folder])
+    assert "the shard needs fp32 [384]" in one_line_open_error([folder])
     install(grid)
     with open_corpus([folder]) as corpus:
         assert torch.equal(corpus.codebook.offsets, grid.offsets)
 
 
-def _rewrite_metadata(path: str, changes: dict[str, str]) -> None:
-    """Change metadata values of a safetensors shard in place (same header length: values padded)."""
-    with open(path, "rb") as f:
-        data = bytearray(f.read())
-    length = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + length])
-    header["__metadata__"].update(changes)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    assert len(text) <= length
-    data[8 : 8 + length] = text + b" " * (length - len(text))
-    with open(path, "wb") as f:
-        f.write(data)
 
 
 def test_codec_option_is_checked(tmp_path) -> None:
