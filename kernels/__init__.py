@@ -17,7 +17,7 @@ Inputs: float16, bfloat16 or float32 with fp32 accumulation; queries are convert
 dtype. float32 inputs use exact fp32 products unless `allow_tf32=True` (TF32 tensor cores: 10-bit
 mantissa products, ~1e-3 relative error). int8 documents with per-token `doc_scales` go to
 `maxsim_kernels.maxsim_int8`; uint8 documents are codes below 8 bits (int4 with `doc_scales`, residual2
-with `codebook=`) and go to `maxsim_kernels.maxsim_codes`; inputs that require grad go to
+with `codebook=`, int2 with both) and go to `maxsim_kernels.maxsim_codes`; inputs that require grad go to
 `maxsim_kernels.maxsim_backward`.
 dim is any multiple of 8 up to 4096. A query with no tokens raises ValueError; a document with no tokens
 scores -inf. Offsets may live on the CPU or on the tensors' device: each offsets tensor is checked (on a
@@ -160,8 +160,9 @@ def maxsim_varlen(
     queries [Tq, dim] with query_offsets int64 [nq+1]; docs [Td, dim] with doc_offsets int64 [nd+1].
     int8 docs take `doc_scales` fp32 [Td], and either float queries (quantized per token on each call)
     or int8 queries with `query_scales` fp32 [Tq] (`maxsim_kernels.maxsim_int8.quantize_per_token`).
-    uint8 docs are codes below 8 bits (`maxsim_kernels.maxsim_codes`): int4 with `doc_scales`, or the
-    residual2 codec with `codebook` (a `maxsim_codes.ResidualCodebook`).
+    uint8 docs are codes below 8 bits (`maxsim_kernels.maxsim_codes`): int4 with `doc_scales`, the
+    residual2 codec with `codebook` (a `maxsim_codes.ResidualCodebook`), or int2 with `doc_scales` and
+    `codebook` (its `maxsim_codes.Int2Levels`).
 
     ``check_finite``: raise `NonFiniteDocuments` (a ValueError) when a document token's similarities
     are NaN or Inf: its embedding holds NaN/Inf (or, in bf16/fp32, values so large that the fp32 sum
@@ -185,7 +186,7 @@ def maxsim_varlen(
             backend=backend,
         )
     if codebook is not None:
-        raise ValueError("a codebook goes with uint8 residual2 codes, not with float or int8 documents")
+        raise ValueError("a codebook goes with uint8 residual2 or int2 codes, not with float or int8 docs")
     if docs.dtype == torch.int8:
         return _int8_module().maxsim_varlen_int8(
             queries,
@@ -267,7 +268,7 @@ def maxsim_candidates(
             backend=backend,
         )
     if codebook is not None:
-        raise ValueError("a codebook goes with uint8 residual2 codes, not with float or int8 documents")
+        raise ValueError("a codebook goes with uint8 residual2 or int2 codes, not with float or int8 docs")
     if docs.dtype == torch.int8:
         return _int8_module().maxsim_candidates_int8(
             queries,
