@@ -122,7 +122,8 @@ def main() -> None:
                 codecs.fit_buckets = measuring(rule)
                 out = os.path.join(tmp, f"{name}-{seed}")
                 report = quantize_corpus(
-                    [args.corpus], out, bits=2, device=args.device, sample_queries=0, seed=seed
+                    [args.corpus], out, bits=2, codec="residual2", device=args.device, sample_queries=0,
+                    seed=seed,
                 )
                 with open_corpus(out) as compressed:
                     run = search(queries, compressed, k=depth, device=args.device)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from maxsim_cli import open_corpus, read_queries, search
-from maxsim_cli.codecs import BITS
+from maxsim_cli.codecs import BITS, CODECS_2BIT
 from maxsim_cli.evaluate import evaluate_run
 from maxsim_cli.quantize import quantize_corpus
 from maxsim_cli.scoring.request import default_depth
@@ -85,6 +85,11 @@ def effectiveness(run, qrels: str, folder: str, name: str) -> dict[str, float]: 
     return evaluate_run(path, qrels).values
 
 
+def quantization_of(bits: int, codec: str) -> str:
+    """What `maxsim quantize --bits BITS --codec CODEC` writes."""
+    return CODECS_2BIT[codec] if bits == 2 else BITS[bits]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", help="float corpus folder (default: random ragged data)")
@@ -94,6 +99,7 @@ def main() -> None:
     parser.add_argument("--random-queries", type=int, default=64)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--bits", default="8,4,2")
+    parser.add_argument("--codec", default="residual2", help="the 2-bit codec (maxsim quantize --codec)")
     parser.add_argument("--ks", default="10,100")
     parser.add_argument(
         "--depths", default=",".join(map(str, DEPTHS)), help="depths N (those past the corpus dropped)"
@@ -143,11 +149,12 @@ def main() -> None:
             out = os.path.join(tmp, f"bits{bits}")
             started = time.perf_counter()
             report = quantize_corpus(
-                [corpus_path], out, bits=bits, device=args.device, sample_queries=0, seed=args.seed
+                [corpus_path], out, bits=bits, device=args.device, sample_queries=0, seed=args.seed,
+                codec=args.codec,
             )
             quantize_s = time.perf_counter() - started
             codebooks[str(bits)] = {
-                "quantization": BITS[bits],
+                "quantization": quantization_of(bits, args.codec),
                 "num_centroids": report.num_centroids,
                 "output_bytes": report.output_bytes,
                 "codebook_bytes": os.path.getsize(os.path.join(out, "codebook.safetensors"))
@@ -164,7 +171,7 @@ def main() -> None:
                 quality[str(bits)] = effectiveness(approx_run, args.qrels, tmp, f"bits{bits}")
                 print(f"bits {bits}    {json.dumps(quality[str(bits)])} (compressed only)", flush=True)
             for k in ks:
-                wanted = default_depth(BITS[bits], k)
+                wanted = default_depth(quantization_of(bits, args.codec), k)
                 at = sorted(set(depths) | {min(wanted, num_docs)})
                 for k_, depth, mean, worst in recall_rows(exact, approx, [k], at):
                     default = depth == min(wanted, num_docs)

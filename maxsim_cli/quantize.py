@@ -132,6 +132,10 @@ class QuantizeReport:
         }
 
 
+# --bits 2's codec by default. int2 ranks as well as residual2 or better at the same 36 bytes a token, with
+# no k-means, and scans faster (docs/two-stage.md, "Two 2-bit codecs"); residual2 stays the default until
+# int2's decoded all-pairs path has run on a GPU
+DEFAULT_CODEC = "residual2"
 _LABELS = {
     "int8-per-token": "int8",
     "int4-per-token": "4-bit codes",
@@ -350,13 +354,13 @@ def quantize_corpus(
     num_centroids: int | None = None,
     kmeans_sample_tokens: int = codecs.DEFAULT_SAMPLE_TOKENS,
     max_host_memory: int | None = None,
-    codec: str = "residual2",
+    codec: str | None = None,
 ) -> QuantizeReport:
     """Quantize a float corpus (files and/or directories) into int8 shards under `output_dir`, or into
-    codes below 8 bits: `bits` 4 (per-token int4) or 2, `codec` "residual2" (residual over k-means
-    centroids; `num_centroids` of them, by default ColBERTv2's rule) or "int2" (a per-dimension grid of
-    four values and a scale a token), either fitted on about `kmeans_sample_tokens` tokens drawn from the
-    corpus, its codebook written beside the shards. docs/format.md, "Codes below 8 bits".
+    codes below 8 bits: `bits` 4 (per-token int4) or 2, `codec` "residual2" (the default: residual over
+    k-means centroids; `num_centroids` of them, by default ColBERTv2's rule) or "int2" (a per-dimension
+    grid of four values and a scale a token), either fitted on about `kmeans_sample_tokens` tokens drawn
+    from the corpus, its codebook written beside the shards. docs/format.md, "Codes below 8 bits".
 
     Streams `batch_tokens` tokens at a time; writes into a temporary directory renamed to `output_dir`
     at the end (nothing is left behind on failure). An existing, non-empty `output_dir` is refused
@@ -376,11 +380,12 @@ def quantize_corpus(
         raise UsageError(f"--centroids must be from 1 to {codecs.MAX_CENTROIDS}, got {num_centroids}")
     if kmeans_sample_tokens < 1:
         raise UsageError(f"--kmeans-sample-tokens must be >= 1, got {kmeans_sample_tokens}")
-    if codec not in codecs.CODECS_2BIT:
+    if codec is not None and codec not in codecs.CODECS_2BIT:
         raise UsageError(f"--codec must be one of {', '.join(codecs.CODECS_2BIT)}, got {codec!r}")
-    if codec != "residual2" and bits != 2:
+    if codec is not None and bits != 2:
         raise UsageError(f"--codec {codec} is a --bits 2 codec; give --bits 2 with it")
-    if codec == "int2" and num_centroids is not None:
+    codec = codec or DEFAULT_CODEC
+    if bits == 2 and codec == "int2" and num_centroids is not None:
         raise UsageError("--centroids sets residual2's k-means; --codec int2 has no centroids: leave it out")
     quantization = codecs.CODECS_2BIT[codec] if bits == 2 else codecs.BITS[bits]
     if max_host_memory is not None and max_host_memory < 1:

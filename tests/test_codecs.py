@@ -394,6 +394,7 @@ def quantized(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
     for bits in (4, 2):
         folder = str(tmp_path_factory.mktemp("codes") / f"bits{bits}")
         args = ["quantize", os.path.join(SAMPLE, "corpus"), "-o", folder, "--bits", str(bits), "-q"]
+        args += ["--codec", "residual2"] if bits == 2 else []
         result = runner.invoke(app, [*args, "--sample-queries", "0", "--centroids", "64"])
         assert result.exit_code == 0, result.output
         out[bits] = folder
@@ -467,7 +468,7 @@ def test_codebook_of_another_corpus_is_refused(quantized, tmp_path):
             "--sample-queries",
             "0",
         ]
-        + ["--centroids", "64", "--seed", "1"],
+        + ["--codec", "residual2", "--centroids", "64", "--seed", "1"],
     )
     assert result.exit_code == 0, result.output
     shutil.copy(os.path.join(other, "codebook.safetensors"), os.path.join(folder, "codebook.safetensors"))
@@ -573,11 +574,12 @@ def test_quantize_refuses_a_dim_the_codec_cannot_store(tmp_path):
 def test_quantize_overwrite_replaces_the_codebook_with_the_shards(quantized, tmp_path):
     folder = _copy(quantized[2], tmp_path)
     args = ["quantize", os.path.join(SAMPLE, "corpus"), "-o", folder, "--bits", "2", "-q", "--overwrite"]
+    args += ["--codec", "residual2"]
     result = CliRunner().invoke(app, [*args, "--sample-queries", "0", "--centroids", "32"])
     assert result.exit_code == 0, result.output
     with open_corpus([folder]) as corpus:
         assert corpus.codebook.num_centroids == 32
-    result = CliRunner().invoke(app, [*args[:5], "4", *args[6:], "--sample-queries", "0"])
+    result = CliRunner().invoke(app, [*args[:5], "4", *args[6:-2], "--sample-queries", "0"])  # no --codec
     assert result.exit_code == 0, result.output
     assert not os.path.exists(os.path.join(folder, "codebook.safetensors"))  # part of the old corpus
 
@@ -818,7 +820,9 @@ def test_quantized_codes_are_those_of_one_product(tmp_path, monkeypatch) -> None
     monkeypatch.setattr(codecs, "NEAREST_BLOCK_ELEMS", 64 * 7)  # 7 tokens a block
     folder = str(tmp_path / "bits2")
     source = os.path.join(SAMPLE, "corpus")
-    quantize_corpus([source], folder, bits=2, num_centroids=64, sample_queries=0, device="cpu")
+    quantize_corpus(
+        [source], folder, bits=2, codec="residual2", num_centroids=64, sample_queries=0, device="cpu"
+    )
     with open_corpus([source]) as corpus:
         x = torch.cat([shard.read_docs(0, shard.num_docs).embeddings for shard in corpus.shards])
     with open_corpus([folder]) as quantized:

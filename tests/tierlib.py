@@ -14,10 +14,13 @@ from maxsim_cli.errors import InputError
 from maxsim_cli.shards import open_corpus
 
 
-def quantize(source: str, folder: str, bits: int, device: str = "cpu") -> None:
-    """``maxsim quantize SOURCE -o FOLDER --bits BITS`` on ``device`` (64 centroids for 2 bits), quietly."""
+def quantize(source: str, folder: str, bits: int, device: str = "cpu", codec: str = "residual2") -> None:
+    """``maxsim quantize SOURCE -o FOLDER --bits BITS`` on ``device`` (2 bits: ``codec``, residual2 with 64
+    centroids), quietly."""
     args = ["quantize", source, "-o", folder, "--bits", str(bits), "-q", "--sample-queries", "0"]
-    result = CliRunner().invoke(app, [*args, "--centroids", "64", "--device", device])
+    if bits == 2:
+        args += ["--codec", codec, *(["--centroids", "64"] if codec == "residual2" else [])]
+    result = CliRunner().invoke(app, [*args, "--device", device])
     assert result.exit_code == 0, result.output
 
 

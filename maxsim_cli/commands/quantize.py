@@ -68,24 +68,27 @@ def register(app: typer.Typer) -> None:
             "plus a codebook.safetensors beside the shards; see --codec). Scores of 4 and 2 bits are "
             "approximate; exact scores come from the full-precision corpus.",
         ),
-        codec: str = typer.Option(
-            "residual2",
+        codec: str | None = typer.Option(
+            None,
             "--codec",
-            help="--bits 2: residual2 (the ColBERTv2 residual codec: a k-means centroid id and 2 bits a "
-            "dimension) or int2 (2 bits a dimension on a per-dimension grid of four values, and a scale a "
-            "token: no k-means, and a scan with no per-token centroid lookup).",
+            help="--bits 2: residual2 (the default; the ColBERTv2 residual codec: a k-means centroid id and "
+            "2 bits a dimension; --centroids) or int2 (2 bits a dimension on a per-dimension grid of four "
+            "values, and a scale a token: no k-means, and a scan with no per-token centroid lookup). "
+            "docs/two-stage.md compares them.",
         ),
         centroids: int | None = typer.Option(
             None,
             "--centroids",
             min=1,
-            help="--bits 2: k-means centroids (default: the power of two nearest 16 * sqrt(tokens)).",
+            help="--codec residual2: k-means centroids (default: the power of two nearest 16 * "
+            "sqrt(tokens)).",
         ),
         kmeans_sample_tokens: int = typer.Option(
             DEFAULT_KMEANS_SAMPLE_TOKENS,
             "--kmeans-sample-tokens",
             min=1,
-            help="--bits 2: tokens drawn from the corpus to train the centroids and bucket values on.",
+            help="--bits 2: tokens drawn from the corpus to fit the grid (int2) or train the centroids and "
+            "bucket values (residual2) on.",
         ),
         max_host_memory: str | None = typer.Option(
             None,
