@@ -356,3 +356,31 @@ def test_codec_option_is_checked(tmp_path) -> None:
     result = CliRunner().invoke(app, [*args, "--bits", "2", "--codec", "int2", "--centroids", "64"])
     assert result.exit_code == 2 and "--codec int2 has no centroids" in result.output
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_int2_rows_decode_to_int8_on_the_kernel_as_on_the_host(sm90_build) -> None:
+    """`int2_to_int8` (the Triton decode of int2 for the int8 kernels) gives `int2_values`' odd values for
+    every byte, a ragged row count and widths that are not powers of two; it builds for Hopper."""
+    from maxsim_kernels.maxsim_codes import int2_to_int8
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(4)
+    for width in (32, 24, 5):
+        codes = torch.randint(0, 256, (131, width), generator=gen, dtype=torch.int32).to(torch.uint8)
+        codes[: 256 // width + 1].view(-1)[:256] = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        out = torch.full((131, 4 * width), 99, dtype=torch.int8, device=device)
+        int2_to_int8(codes.to(device), out)
+        assert torch.equal(out.cpu(), int2_values(codes)), width
+    built = sm90_build(
+        """
+from maxsim_kernels import maxsim_codes as m
+sig = {"codes": "*u8", "out": "*i8", "n_rows": "i32", "WIDTH": "constexpr", "BLOCK_W": "constexpr",
+       "BLOCK_ROWS": "constexpr"}
+const = dict(WIDTH=32, BLOCK_W=32, BLOCK_ROWS=m._DECODE_ROWS)
+k = triton.compile(ASTSource(m._int2_to_int8_kernel, sig, const), target=SM90, options={"num_warps": 4})
+print(json.dumps([resource_usage(k)]))
+"""
+    )
+    assert not built[0] or "LOCAL:0" in built[0], built
