@@ -2,10 +2,12 @@
 grid and a scale a token, `maxsim_kernels.maxsim_codes`, grid fitted by `maxsim_cli.codecs.fit_int2_levels`)
 beside residual2 (`maxsim quantize --bits 2`'s k-means codebook) and int4, at the same sample.
 
-For each codec: the squared error of the decoded tokens (mean over tokens of |x - decoded x|^2), the
-compressed-only run's nDCG@10, RR@10 and R@100 against the qrels (`maxsim eval`'s), and the recall of the
-exact top-k in the codec's top N (benchmarks/two_stage_recall.py's measure) for k = 10, 100. The exact run
-is the fp32 scan of the float corpus. Scores come from `maxsim_varlen` on the codes (the CPU path here).
+``int2_unscaled`` is int2's codes scored with every token's scale 1: what the scale a token is worth (a
+scan without it would fold integer maxima). For each codec: the squared error of the decoded tokens (mean
+over tokens of |x - decoded x|^2), the compressed-only run's nDCG@10, RR@10 and R@100 against the qrels
+(`maxsim eval`'s), and the recall of the exact top-k in the codec's top N (benchmarks/two_stage_recall.py's
+measure) for k = 10, 100. The exact run is the fp32 scan of the float corpus. Scores come from
+`maxsim_varlen` on the codes (the CPU path here).
 
     python benchmarks/int2_quality.py --corpus sample_data/corpus \
         --queries sample_data/queries.safetensors --qrels sample_data/qrels.txt \
@@ -124,6 +126,9 @@ def main() -> None:
         codes, scales = encode_int2(docs, levels)
         fitted = {"int2": (time.perf_counter() - started, codes, {"doc_scales": scales, "codebook": levels},
                            decode_int2(codes, scales, levels))}  # fmt: skip
+        ones = torch.ones_like(scales)  # the same codes without their scales: what the scale is worth
+        fitted["int2_unscaled"] = (0.0, codes, {"doc_scales": ones, "codebook": levels},
+                                   decode_int2(codes, ones, levels))  # fmt: skip
         started = time.perf_counter()
         num_centroids = default_centroids(docs.shape[0])
         book = train_codebook(sample, num_centroids)

@@ -276,7 +276,8 @@ def encode_int2(x: torch.Tensor, levels: Int2Levels) -> tuple[torch.Tensor, torc
 
     Per dimension the nearest of the grid's four odd values ``c = 2v - 3`` to ``(x_k - offsets[k]) /
     steps[k]`` (ties to even, clamped), then the token's least-squares scale ``s = <x - offsets, steps * c>
-    / |steps * c|^2`` (float64, rounded once; 0 where every step is 0): the decoded ``offsets + s * steps *
+    / |steps * c|^2`` (float64, rounded once; 0 where every step is 0, never negative: each c_k has the
+    sign of its value): the decoded ``offsets + s * steps *
     c`` is the nearest point of the token's line. A dimension of step 0 (one that does not vary) decodes to
     its offset. Code v of dimension ``4m + p`` is bits 2p and 2p + 1 of byte m."""
     dim = x.shape[1]

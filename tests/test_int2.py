@@ -73,6 +73,7 @@ def test_int2_codes_decode_to_the_nearest_point_of_the_grid_on_the_tokens_line(d
     y = (x - levels.offsets) / levels.steps
     distance = (y - c.float()).abs()
     assert bool(((distance <= 1.0 + 1e-5) | (y.abs() > 3.0)).all())
+    assert bool((scales >= 0).all())  # each c_k has its value's sign: what readers of a shard require
     spread = levels.steps.double() * c.double()
     err = (x.double() - levels.offsets.double()) - scales.double()[:, None] * spread
     assert float((err * spread).sum(dim=1).abs().max()) < 1e-5
