@@ -388,23 +388,43 @@ def fit_int2_levels(
     dim]): per dimension the offset and step of four evenly spaced values ``offset + step * c`` (c = -3, -1,
     1, 3) with the least squared error Lloyd iteration finds from the mean and half the standard deviation
     (each value its nearest point of the grid, then the grid's least-squares line through them). A
-    dimension that does not vary in the sample gets step 0: it decodes to its offset, its mean. Returns
-    (offsets, steps), fp32 [dim] each."""
+    dimension that does not vary in the sample gets step 0: it decodes to its offset, its mean. The sample
+    is read a block of rows at a time (`BUCKET_BLOCK_ELEMS` values), its sums kept in float64: the fit's
+    memory beyond the sample is one block's. Returns (offsets, steps), fp32 [dim] each."""
     import torch
 
-    x = sample.double()
-    offsets = x.mean(dim=0)
-    spread = x.std(dim=0, correction=0)
+    n, dim = sample.shape
+    step_rows = max(1, BUCKET_BLOCK_ELEMS // max(1, dim))
+    blocks = [slice(a, a + step_rows) for a in range(0, n, step_rows)]
+
+    def sums(offsets: torch.Tensor, steps: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """Over the sample, per dimension: sum (x - offsets)^2 (``steps`` None), or the sums of c, c^2 and
+        c x for the grid's nearest odd values c."""
+        total = [torch.zeros(dim, dtype=torch.float64, device=sample.device) for _ in range(3)]
+        for rows in blocks:
+            x = sample[rows].double()
+            if steps is None:
+                parts = ((x - offsets) ** 2,)
+            else:
+                c = torch.round(((x - offsets) / steps + 3) / 2).clamp_(0, 3).mul_(2).sub_(3)
+                parts = (c, c * c, c * x)
+            for t, part in zip(total, parts, strict=False):
+                t += part.sum(dim=0)
+        return tuple(total)
+
+    mean_x = sum(sample[rows].double().sum(dim=0) for rows in blocks) / n
+    spread = (sums(mean_x, None)[0] / n).sqrt()  # two passes: exact 0 for a constant dimension
     varies = spread > 0
+    offsets = mean_x
     steps = torch.where(varies, spread / 2, torch.ones_like(spread))
     for _ in range(iterations):
-        c = torch.round(((x - offsets) / steps + 3) / 2).clamp_(0, 3) * 2 - 3
-        c_mean = c.mean(dim=0)
-        c_var = ((c - c_mean) ** 2).mean(dim=0)
-        slope = ((c - c_mean) * (x - x.mean(dim=0))).mean(dim=0) / c_var.clamp_min(1e-300)
-        fitted = (c_var > 0) & (slope > 0)
+        sum_c, sum_cc, sum_cx = sums(offsets, steps)
+        c_mean = sum_c / n
+        c_var = sum_cc / n - c_mean * c_mean
+        slope = (sum_cx / n - c_mean * mean_x) / c_var.clamp_min(1e-300)
+        fitted = (c_var > 1e-12) & (slope > 0)
         steps = torch.where(fitted, slope, steps)
-        offsets = torch.where(fitted, x.mean(dim=0) - steps * c_mean, offsets)
+        offsets = torch.where(fitted, mean_x - steps * c_mean, offsets)
     return offsets.float(), torch.where(varies, steps, torch.zeros_like(steps)).float()
 
 

@@ -233,7 +233,7 @@ def test_int2_stream_kernel_offsets_past_2_31_bytes() -> None:
     assert torch.equal(picked, scores[0, cand])
 
 
-def test_the_fitted_grid_is_lloyds_for_gaussian_values_and_keeps_constant_dimensions() -> None:
+def test_the_fitted_grid_is_lloyds_for_gaussian_values_and_keeps_constant_dimensions(monkeypatch) -> None:
     """`fit_int2_levels` on Gaussian columns of several means and spreads: the offsets at the means, the
     steps at the optimal evenly spaced 4-level quantizer's (half of 0.9957 sigma) and its squared error
     (at most 0.1188 sigma^2 summed over the columns: the per-token scale lowers the sum); a constant
@@ -257,6 +257,10 @@ def test_the_fitted_grid_is_lloyds_for_gaussian_values_and_keeps_constant_dimens
     assert torch.equal(decoded[:, 4], x[:20_000, 4])
     side = int2_queries(torch.randn(3, 8, generator=gen), levels)
     assert torch.equal(side.q8[:, 4], torch.zeros(3, dtype=torch.int8))
+    # the sample is read in blocks of rows (bounded memory): any block size, the same grid to rounding
+    monkeypatch.setattr(codecs, "BUCKET_BLOCK_ELEMS", 8 * 777)
+    again = fit_int2_levels(x)
+    assert torch.allclose(again[0], offsets, atol=1e-6) and torch.allclose(again[1], steps, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------------
