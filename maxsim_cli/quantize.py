@@ -132,9 +132,9 @@ class QuantizeReport:
         }
 
 
-# --bits 2's codec by default. int2 ranks as well as residual2 or better at the same 36 bytes a token, with
-# no k-means, and scans faster (docs/two-stage.md, "Two 2-bit codecs"); residual2 stays the default until
-# int2's decoded all-pairs path has run on a GPU
+# --bits 2's codec by default: residual2, whose every GPU path has been measured. int2 ranks as well or
+# better at the same 36 bytes a token, with no k-means, and scans faster where measured (docs/two-stage.md,
+# "Two 2-bit codecs"); its decoded all-pairs path has not run on a GPU yet (docs/kernel-notes.md)
 DEFAULT_CODEC = "residual2"
 _LABELS = {
     "int8-per-token": "int8",
