@@ -96,6 +96,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -1443,23 +1444,23 @@ def maxsim_varlen_codes(
     codec, dim, backend, q8, sq, q_off, codes, sd, d_off, cb = _prepare(
         queries, query_offsets, docs, doc_offsets, doc_scales, query_scales, codebook, backend
     )
-    if codec == "int2":
-        scores = _int2_varlen(backend, query_offsets, doc_offsets, q8, sq, q_off, codes, sd, d_off)
-        return scores.add_(_query_sums(cb.row_offsets, q_off)[:, None])
     stream = _code_stream(codec, backend, query_offsets, q8, codes, cb) if q_off.numel() == 2 else None
     if stream is not None:
-        module, longest, tables = stream
-        scores = module.maxsim_int8_stream(
-            q8, sq, q_off, None, None, codes, sd, d_off, longest, residual=tables
-        )
-        return scores[None]
-    if codec == "int4" and backend == "triton" and q_off.numel() > 2:
-        decoded = _int4_decoded_allpairs(query_offsets, doc_offsets, q8, sq, q_off, codes, sd, d_off)
+        scores = stream(q8, sq, q_off, None, None, codes, sd, d_off)[None]
+    elif codec == "int2":
+        scores = _int2_decoded_varlen(backend, query_offsets, doc_offsets, q8, sq, q_off, codes, sd)
+    else:
+        decoded = None
+        if codec == "int4" and backend == "triton" and q_off.numel() > 2:
+            decoded = _int4_decoded_allpairs(query_offsets, doc_offsets, q8, sq, q_off, codes, sd, d_off)
         if decoded is not None:
             return decoded
-    if backend == "triton":
-        return _launch_varlen(codec, dim, q8, sq, q_off, codes, sd, d_off, cb)
-    return _varlen_torch(q8, sq, q_off, codes, sd, d_off, cb)
+        if backend == "triton":
+            return _launch_varlen(codec, dim, q8, sq, q_off, codes, sd, d_off, cb)
+        return _varlen_torch(q8, sq, q_off, codes, sd, d_off, cb)
+    if codec == "int2":  # each query row's q . offsets (`int2_queries`)
+        scores.add_(_query_sums(cb.row_offsets, q_off)[:, None])
+    return scores
 
 
 def maxsim_candidates_codes(
@@ -1500,34 +1501,23 @@ def maxsim_candidates_codes(
     c_off = device_offsets(
         "candidate_offsets", candidate_offsets, candidate_docs.numel(), device, empty_ok=True, check=check
     )
-    if codec == "int2":
-        stream = hopper_stream(query_offsets, q8, codes, False, int2=True) if backend == "triton" else None
-        if candidate_docs.numel():  # the decoded fallback gathers the candidates' rows: checked here
-            check_candidate_docs(candidate_docs, nd, guarded=stream is not None)
-        c_docs = candidate_docs.to(device)
-        if stream is not None:
-            module, longest = stream
-            scores = module.maxsim_int8_stream(
-                q8, sq, q_off, c_off, c_docs, codes, sd, d_off, longest, int2=True
-            )
-        else:
-            scores = _int2_candidates(backend, query_offsets, q8, sq, codes, sd, d_off, c_off, c_docs)
-        owner = torch.repeat_interleave(
-            torch.arange(nq, device=device), c_off.diff(), output_size=c_docs.numel()
-        )
-        return scores.add_(_query_sums(cb.row_offsets, q_off)[owner])
-    if candidate_docs.numel():
-        check_candidate_docs(candidate_docs, nd, guarded=backend == "triton")
-    c_docs = candidate_docs.to(device)
     stream = _code_stream(codec, backend, query_offsets, q8, codes, cb)
+    # the kernels guard each index on the GPU; int2's decoded path gathers the candidates' rows first
+    guarded = backend == "triton" and (stream is not None or codec != "int2")
+    if candidate_docs.numel():
+        check_candidate_docs(candidate_docs, nd, guarded=guarded)
+    c_docs = candidate_docs.to(device)
     if stream is not None:
-        module, longest, tables = stream
-        return module.maxsim_int8_stream(
-            q8, sq, q_off, c_off, c_docs, codes, sd, d_off, longest, residual=tables
-        )
-    if backend == "triton":
+        scores = stream(q8, sq, q_off, c_off, c_docs, codes, sd, d_off)
+    elif codec == "int2":
+        scores = _int2_decoded_candidates(backend, query_offsets, q8, sq, codes, sd, d_off, c_off, c_docs)
+    elif backend == "triton":
         return _launch_candidates(codec, dim, q8, sq, q_off, codes, sd, d_off, cb, c_off, c_docs)
-    return _candidates_torch(q8, sq, q_off, codes, sd, d_off, cb, c_off, c_docs)
+    else:
+        return _candidates_torch(q8, sq, q_off, codes, sd, d_off, cb, c_off, c_docs)
+    if codec == "int2":  # each candidate's query's sum of q . offsets (`int2_queries`)
+        scores.add_(_query_sums(cb.row_offsets, q_off)[_owners(c_off, c_docs.numel())])
+    return scores
 
 
 def _code_stream(
@@ -1536,23 +1526,30 @@ def _code_stream(
     given_q_off: torch.Tensor,
     q8: torch.Tensor,
     codes: torch.Tensor,
-    codebook: ResidualCodebook | None,
-) -> tuple | None:
-    """(the Gluon stream module, the longest query, the residual2 query tables or None) where it takes the
-    scan, else None: on an sm_90 GPU with the Triton backend, one query or query offsets given on the
-    host (`maxsim_int8.hopper_stream`), dim 128; int4 codes of queries of at most 64 tokens, or residual2
-    codes of separable buckets, queries of at most 32 tokens and a centroid table of one launch."""
+    codebook: ResidualCodebook | Int2Queries | None,
+) -> Callable[..., torch.Tensor] | None:
+    """The Gluon stream kernel's launch, ``launch(q8, sq, q_off, item_off, items, codes, sd, d_off)`` (its
+    longest query and the codec's query side bound: `maxsim_int8_hopper_stream.maxsim_int8_stream`), where
+    it takes the scan, else None: on an sm_90 GPU with the Triton backend, one query or query offsets given
+    on the host (`maxsim_int8.hopper_stream`), dim 128; int4 codes of queries of at most 64 tokens, int2
+    codes of queries of at most 32, or residual2 codes of separable buckets, queries of at most 32 tokens
+    and a centroid table of one launch."""
     if backend != "triton":
         return None
-    if codec == "int4":
-        stream = hopper_stream(given_q_off, q8, codes, False)
-        return None if stream is None else (*stream, None)
-    assert codebook is not None
-    separable = _plane_weights_and_exponent(codebook.bucket_weights)[2]
-    if not separable or not _table_fits(q8.shape[0], codebook):
+    tables = None
+    if codec == "residual2":
+        assert isinstance(codebook, ResidualCodebook)
+        separable = _plane_weights_and_exponent(codebook.bucket_weights)[2]
+        if not separable or not _table_fits(q8.shape[0], codebook):
+            return None
+    stream = hopper_stream(given_q_off, q8, codes, False, residual=codec == "residual2", int2=codec == "int2")
+    if stream is None:
         return None
-    stream = hopper_stream(given_q_off, q8, codes, False, residual=True)
-    return None if stream is None else (*stream, residual2_query_tables(q8, codebook))
+    module, longest = stream
+    if codec == "residual2":
+        tables = residual2_query_tables(q8, codebook)
+    return functools.partial(module.maxsim_int8_stream, max_query_len=longest, residual=tables,
+                             int2=codec == "int2")  # fmt: skip
 
 
 # int4 all pairs on sm_90 (`_int4_decoded_allpairs`): documents decoded to int8 rows a chunk of at most this
@@ -1659,15 +1656,11 @@ def _int4_decoded_allpairs(
     chunk = min(total, max(DECODE_CHUNK_BYTES // 128, longest))
     rows = torch.empty((chunk, 128), dtype=torch.int8, device=codes.device)
     out = None  # [nq, nd], made only when the documents take several chunks
-    first = 0
-    while first < nd:
-        t0 = int(d_host[first])
-        stop = max(int(np.searchsorted(d_host, t0 + chunk, side="right")) - 1, first + 1)
-        t1 = int(d_host[stop])
+    for first, stop, offsets in _document_chunks(d_host, chunk):
+        t0, t1 = int(d_host[first]), int(d_host[stop])
         part = None  # documents with no tokens: -inf
         if t1 > t0:
             int4_to_int8(codes[t0:t1], rows[: t1 - t0])
-            offsets = torch.from_numpy(np.ascontiguousarray(d_host[first : stop + 1] - t0))
             part = launch_hopper(
                 hopper, given_q_off, offsets, q_off, host_to_device(offsets, codes.device),
                 q8, sq, rows[: t1 - t0], sd[t0:t1],
@@ -1677,20 +1670,34 @@ def _int4_decoded_allpairs(
         if out is None:
             out = torch.empty((q_off.numel() - 1, nd), dtype=torch.float32, device=codes.device)
         out[:, first:stop] = float("-inf") if part is None else part
-        first = stop
     return out
+
+
+def _document_chunks(d_host: np.ndarray, chunk: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Runs of whole documents [first, stop) of at most ``chunk`` tokens (one document where it alone is
+    longer) over the host offsets ``d_host``, with their offsets from their first token (int64, host)."""
+    nd, first = len(d_host) - 1, 0
+    while first < nd:
+        t0 = int(d_host[first])
+        stop = max(int(np.searchsorted(d_host, t0 + chunk, side="right")) - 1, first + 1)
+        yield first, stop, torch.from_numpy(np.ascontiguousarray(d_host[first : stop + 1] - t0))
+        first = stop
+
+
+def _owners(offsets: torch.Tensor, total: int) -> torch.Tensor:
+    """The segment of each of ``total`` entries of consecutive segments bounded by ``offsets`` [n + 1] (their
+    count given: no wait for the device)."""
+    segments = torch.arange(offsets.numel() - 1, device=offsets.device)
+    return torch.repeat_interleave(segments, offsets.diff(), output_size=total)
 
 
 def _query_sums(row_values: torch.Tensor, q_off: torch.Tensor) -> torch.Tensor:
     """Each query's sum of its rows' values (fp32 [nq], summed in float64): int2's ``sum_i q_i . offsets``."""
-    nq = q_off.numel() - 1
-    owner = torch.repeat_interleave(torch.arange(nq, device=row_values.device), q_off.diff(),
-                                    output_size=row_values.numel())  # fmt: skip
-    sums = torch.zeros(nq, dtype=torch.float64, device=row_values.device)
-    return sums.index_add_(0, owner, row_values.double()).float()
+    sums = torch.zeros(q_off.numel() - 1, dtype=torch.float64, device=row_values.device)
+    return sums.index_add_(0, _owners(q_off, row_values.numel()), row_values.double()).float()
 
 
-def _int2_varlen(
+def _int2_decoded_varlen(
     backend: str,
     given_q_off: torch.Tensor,
     given_d_off: torch.Tensor,
@@ -1699,40 +1706,24 @@ def _int2_varlen(
     q_off: torch.Tensor,
     codes: torch.Tensor,
     sd: torch.Tensor,
-    d_off: torch.Tensor,
 ) -> torch.Tensor:
-    """int2 all pairs without the query rows' offsets (`int2_queries`): one query on an sm_90 GPU on the
-    Gluon stream kernel (the codes unpacked in registers), else the documents decoded to their odd values
-    (int8) a chunk of whole documents at a time (at most `DECODE_CHUNK_BYTES`), each chunk scored by the
-    int8 kernels with its scales: the same integer products and maxima."""
-    if backend == "triton" and q_off.numel() == 2:
-        stream = hopper_stream(given_q_off, q8, codes, False, int2=True)
-        if stream is not None:
-            module, longest = stream
-            return module.maxsim_int8_stream(q8, sq, q_off, None, None, codes, sd, d_off, longest, int2=True)[
-                None
-            ]
+    """int2 all pairs without the query rows' offsets (`int2_queries`) where the stream kernel does not take
+    them: the documents decoded to their odd values (int8) a chunk of whole documents at a time (at most
+    `DECODE_CHUNK_BYTES`), each chunk scored by the int8 kernels with its scales: the same integer products
+    and maxima."""
     d_host = host_offsets("doc_offsets", given_d_off, codes.shape[0])
-    nd, dim = len(d_host) - 1, q8.shape[1]
-    out = torch.full((q_off.numel() - 1, nd), float("-inf"), dtype=torch.float32, device=codes.device)
-    longest = int(np.diff(d_host).max()) if nd else 0
-    chunk = max(DECODE_CHUNK_BYTES // dim, longest, 1)
-    first = 0
-    while first < nd:
-        t0 = int(d_host[first])
-        stop = max(int(np.searchsorted(d_host, t0 + chunk, side="right")) - 1, first + 1)
-        t1 = int(d_host[stop])
+    out = torch.full((q_off.numel() - 1, len(d_host) - 1), float("-inf"), device=codes.device)
+    for first, stop, offsets in _document_chunks(d_host, max(1, DECODE_CHUNK_BYTES // q8.shape[1])):
+        t0, t1 = int(d_host[first]), int(d_host[stop])
         if t1 > t0:  # host offsets: the int8 kernels' plans (the Gluon all-pairs kernel's) read them there
-            offsets = torch.from_numpy(np.ascontiguousarray(d_host[first : stop + 1] - t0))
             out[:, first:stop] = maxsim_varlen_int8(
                 q8, given_q_off, _odd_values(codes[t0:t1], backend), offsets, doc_scales=sd[t0:t1],
                 query_scales=sq, backend=backend,
             )  # fmt: skip
-        first = stop
     return out
 
 
-def _int2_candidates(
+def _int2_decoded_candidates(
     backend: str,
     given_q_off: torch.Tensor,
     q8: torch.Tensor,
@@ -1748,14 +1739,12 @@ def _int2_candidates(
     if c_docs.numel() == 0:
         return torch.empty(0, dtype=torch.float32, device=codes.device)
     unique, local = torch.unique(c_docs, return_inverse=True)
-    starts, ends = d_off[unique], d_off[unique + 1]
-    lengths = ends - starts
+    starts = d_off[unique]
+    lengths = d_off[unique + 1] - starts
     offsets = torch.zeros(unique.numel() + 1, dtype=torch.int64, device=codes.device)
     torch.cumsum(lengths, 0, out=offsets[1:])
-    total = int(offsets[-1])
-    segment = torch.repeat_interleave(torch.arange(unique.numel(), device=codes.device), lengths,
-                                      output_size=total)  # fmt: skip
-    rows = starts[segment] + torch.arange(total, device=codes.device) - offsets[:-1][segment]
+    segment, within = segment_ids(lengths)
+    rows = starts[segment] + within
     return maxsim_candidates_int8(
         q8, given_q_off, _odd_values(codes[rows], backend), offsets, c_off, local,
         doc_scales=sd[rows], query_scales=sq, backend=backend,

@@ -389,3 +389,76 @@ print(json.dumps([resource_usage(k)]))
 """
     )
     assert not built[0] or "LOCAL:0" in built[0], built
+
+
+class _FakeStream:
+    """A stand-in for the Gluon stream module (`maxsim_int8.hopper_stream`'s first value): records how it is
+    launched, scores every item 0."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def maxsim_int8_stream(self, q8, sq, q_off, item_off, items, d8, sd, d_off, max_query_len, **kw):  # noqa: ANN001, ANN201
+        self.calls.append({"items": items, "max_query_len": max_query_len, "sd": sd, **kw})
+        return torch.zeros(d_off.numel() - 1 if items is None else items.numel())
+
+
+def test_every_codec_reaches_the_stream_kernel_through_one_dispatch(monkeypatch) -> None:
+    """Where `hopper_stream` takes the scan, `maxsim_codes._code_stream` launches it for int4, int2 and
+    residual2 alike (the codec's query side bound: residual2's tables, int2's flag), and int2's scores get
+    each query's sum of q . offsets after it, for all pairs and for candidates."""
+    from maxsim_kernels import maxsim_codes
+
+    fake = _FakeStream()
+    asked = []
+
+    def stream(q_off, q8, codes, argmax, residual=False, int2=False):  # noqa: ANN001, ANN202
+        asked.append({"residual": residual, "int2": int2})
+        return fake, int(q8.shape[0])
+
+    monkeypatch.setattr(maxsim_codes, "hopper_stream", stream)
+    gen = torch.Generator().manual_seed(30)
+    levels = _levels(128, gen)
+    docs, d_off = _corpus([3, 0, 70], 128, gen)
+    codes, scales = encode_int2(docs, levels)
+    queries, q_off = _corpus([5], 128, gen)
+    side = int2_queries(queries, levels)
+    want = float(side.row_offsets.double().sum())
+    kw = {"doc_scales": scales, "codebook": levels, "backend": "triton"}
+    got = maxsim_codes.maxsim_varlen_codes(queries, q_off, codes, d_off, **kw)
+    assert asked[-1] == {"residual": False, "int2": True} and fake.calls[-1]["int2"] is True
+    assert fake.calls[-1]["residual"] is None and fake.calls[-1]["max_query_len"] == 5
+    assert torch.allclose(got, torch.full((1, 3), want), rtol=1e-6)
+    cand = torch.tensor([2, 0])
+    got = maxsim_codes.maxsim_candidates_codes(queries, q_off, codes, d_off, torch.tensor([0, 2]), cand, **kw)
+    assert torch.equal(fake.calls[-1]["items"], cand)
+    assert torch.allclose(got, torch.full((2,), want), rtol=1e-6)
+
+    int4_codes, int4_scales = maxsim_codes.encode_int4(docs)
+    maxsim_codes.maxsim_varlen_codes(
+        queries, q_off, int4_codes, d_off, doc_scales=int4_scales, backend="triton"
+    )
+    assert asked[-1] == {"residual": False, "int2": False} and fake.calls[-1]["residual"] is None
+    assert fake.calls[-1]["int2"] is False
+    base = (torch.arange(128, dtype=torch.float32) / 1024 - 0.0625)[:, None]  # exact sums below
+    weights = torch.cat([base, base + 0.25, base + 0.5, base + 0.75], dim=1)  # separable: w3 - w2 = w1 - w0
+    book = maxsim_codes.ResidualCodebook(torch.randn(4, 128, generator=gen).half(), weights)
+    ids = torch.randint(0, 4, (docs.shape[0],), generator=gen)
+    rows = maxsim_codes.encode_residual2(docs, ids, book.centroids, torch.zeros(128, 3))
+    maxsim_codes.maxsim_varlen_codes(queries, q_off, rows, d_off, codebook=book, backend="triton")
+    assert asked[-1] == {"residual": True, "int2": False} and fake.calls[-1]["residual"] is not None
+
+
+def test_document_chunks_cover_every_document_once_within_the_bound() -> None:
+    """The decoded paths' walk (`maxsim_codes._document_chunks`): consecutive runs of whole documents of at
+    most ``chunk`` tokens, a longer document alone, empty documents included, each run's offsets from its
+    first token."""
+    import numpy as np
+    from maxsim_kernels.maxsim_codes import _document_chunks
+
+    d_host = np.cumsum([0, 3, 0, 4, 9, 1, 1, 0, 2])
+    runs = list(_document_chunks(d_host, 5))
+    assert [(a, b) for a, b, _ in runs] == [(0, 2), (2, 3), (3, 4), (4, 8)]
+    for a, b, offsets in runs:
+        assert offsets.tolist() == (d_host[a : b + 1] - d_host[a]).tolist()
+        assert b - a == 1 or int(d_host[b] - d_host[a]) <= 5
