@@ -291,8 +291,7 @@ def encode_int2(x: torch.Tensor, levels: Int2Levels) -> tuple[torch.Tensor, torc
     for a in range(0, x.shape[0], step):
         rows = slice(a, a + step)
         centred = x[rows].float() - offsets
-        stepped = torch.where(steps > 0, centred / steps, torch.zeros_like(centred))
-        v = torch.round((stepped + 3.0) / 2.0).clamp_(0, 3)
+        v = int2_grid_codes(centred, steps)
         spread = steps.double() * (2.0 * v.double() - 3.0)
         norm = (spread * spread).sum(dim=1)
         fit = (centred.double() * spread).sum(dim=1) / torch.where(norm > 0, norm, torch.ones_like(norm))
@@ -300,6 +299,14 @@ def encode_int2(x: torch.Tensor, levels: Int2Levels) -> tuple[torch.Tensor, torc
         b = v.to(torch.uint8).view(-1, dim // 4, 4)
         codes[rows] = b[:, :, 0] | (b[:, :, 1] << 2) | (b[:, :, 2] << 4) | (b[:, :, 3] << 6)
     return codes, scales
+
+
+def int2_grid_codes(centred: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """The codes v (0..3, in ``centred``'s float dtype) of the grid's odd values 2v - 3 nearest to
+    ``centred / steps`` per dimension (ties to even, clamped; a dimension of step 0 takes v = 2): what
+    `encode_int2` stores and `maxsim_cli.codecs.fit_int2_levels` fits the grid to."""
+    stepped = torch.where(steps > 0, centred / steps, torch.zeros_like(centred))
+    return torch.round((stepped + 3.0) / 2.0).clamp_(0, 3)
 
 
 def int2_values(codes: torch.Tensor) -> torch.Tensor:
@@ -1770,6 +1777,7 @@ __all__ = [
     "encode_int2",
     "decode_int2",
     "int2_values",
+    "int2_grid_codes",
     "int2_queries",
     "int2_to_int8",
     "maxsim_varlen_codes",

@@ -392,6 +392,7 @@ def fit_int2_levels(
     is read a block of rows at a time (`BUCKET_BLOCK_ELEMS` values), its sums kept in float64: the fit's
     memory beyond the sample is one block's. Returns (offsets, steps), fp32 [dim] each."""
     import torch
+    from maxsim_kernels.maxsim_codes import int2_grid_codes
 
     n, dim = sample.shape
     step_rows = max(1, BUCKET_BLOCK_ELEMS // max(1, dim))
@@ -406,7 +407,7 @@ def fit_int2_levels(
             if steps is None:
                 parts = ((x - offsets) ** 2,)
             else:
-                c = torch.round(((x - offsets) / steps + 3) / 2).clamp_(0, 3).mul_(2).sub_(3)
+                c = int2_grid_codes(x - offsets, steps).mul_(2).sub_(3)
                 parts = (c, c * c, c * x)
             for t, part in zip(total, parts, strict=False):
                 t += part.sum(dim=0)
