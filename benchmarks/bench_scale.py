@@ -379,7 +379,7 @@ def main() -> None:
         try:
             codes2 = torch.empty((total, DIM // 4), dtype=torch.uint8, device=dev)
             fill_random_bytes(codes2, 0, gen)
-            scales = torch.empty(total, device=dev).uniform_(-0.02, 0.02, generator=gen)  # in place
+            scales = torch.empty(total, device=dev).uniform_(0.01, 0.02, generator=gen)  # in place, >= 0
             levels = Int2Levels(torch.zeros(DIM, device=dev), torch.full((DIM,), 0.05, device=dev))
             scan = lambda: maxsim_varlen(  # noqa: E731
                 queries[0], q_off, codes2, offsets, doc_scales=scales, codebook=levels

@@ -1604,7 +1604,14 @@ def int2_to_int8(codes: torch.Tensor, out: torch.Tensor) -> None:
     _decode_rows("int2_to_int8", _int2_to_int8_kernel, codes, out, 4, BLOCK_W=block_w)
 
 
-def _decode_rows(name: str, kernel, codes: torch.Tensor, out: torch.Tensor, per_byte: int, **consts) -> None:  # noqa: ANN001
+def _decode_rows(
+    name: str,
+    kernel: triton.JITFunction,
+    codes: torch.Tensor,
+    out: torch.Tensor,
+    per_byte: int,
+    **consts: int,
+) -> None:
     """Launch a decode ``kernel`` of codes [T, width] into int8 ``out`` [T, per_byte * width], checked."""
     rows, width = codes.shape
     if out.shape != (rows, per_byte * width) or out.dtype != torch.int8:

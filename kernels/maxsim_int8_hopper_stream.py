@@ -135,16 +135,9 @@ _WARPS = gl.constexpr(NUM_WARPS)
 REGISTERS = {16: (96, 128), 32: (96, 128), 64: (168, 168)}
 MAX_QUERY_TOKENS = 64
 _NIBBLES_ASM = gl.constexpr(_NIBBLES_TEXT)  # int4: the two nibbles of four bytes (`code_unpacking`)
-# residual2: the bit planes of bucket p of four bytes (`code_unpacking`)
-_PLANES_0 = gl.constexpr(bucket_planes_asm(0))
-_PLANES_1 = gl.constexpr(bucket_planes_asm(1))
-_PLANES_2 = gl.constexpr(bucket_planes_asm(2))
-_PLANES_3 = gl.constexpr(bucket_planes_asm(3))
-# int2: the odd values of code p of four bytes (`code_unpacking`)
-_QUARTER_0 = gl.constexpr(quarter_values_asm(0))
-_QUARTER_1 = gl.constexpr(quarter_values_asm(1))
-_QUARTER_2 = gl.constexpr(quarter_values_asm(2))
-_QUARTER_3 = gl.constexpr(quarter_values_asm(3))
+# residual2: the bit planes of bucket p of four bytes; int2: the odd values of code p (`code_unpacking`)
+_PLANES = gl.constexpr(tuple(bucket_planes_asm(p) for p in range(4)))
+_QUARTERS = gl.constexpr(tuple(quarter_values_asm(p) for p in range(4)))
 RESIDUAL_DIM = 128
 # a residual2 row in int32 words: the centroid id, then 2 bits a dimension (36 bytes)
 RESIDUAL_WORDS = gl.constexpr(1 + RESIDUAL_DIM // 16)
@@ -153,15 +146,15 @@ RESIDUAL_WORDS = gl.constexpr(1 + RESIDUAL_DIM // 16)
 RESIDUAL_MAX_QUERY_TOKENS = 32
 
 
-# int4 and residual2: an item's end keeps each warp's maxima in shared memory (items x 4 warps x N fp32),
-# the program's scores made at its end (`_deferred_scores`), where that takes at most this much (queries of
-# at most 32 tokens; 16 KB for the tuned 32 items at N = 32): no barrier at a document's end.
+# int4, int2 and residual2: an item's end keeps each warp's maxima in shared memory (items x 4 warps x N
+# fp32), the program's scores made at its end (`_deferred_scores`), where that takes at most this much
+# (queries of at most 32 tokens; 16 KB for the tuned 32 items at N = 32): no barrier at a document's end.
 DEFERRED_BYTES = 32 << 10
 
 
 def deferred(codes: bool, items: int, n: int) -> bool:
     """Whether a launch keeps its items' maxima for the program's end (`DEFERRED_BYTES`): codes below 8
-    bits (int4, residual2) only."""
+    bits (int4, int2, residual2) only."""
     return codes and n <= 32 and items * NUM_WARPS * n * 4 <= DEFERRED_BYTES
 
 
@@ -338,16 +331,8 @@ def _ready_side(side, tab_ptr, cols, stride_tab, n_centroids, RESIDUAL: gl.const
 @gluon.jit
 def _bucket_planes(packed, PART: gl.constexpr):
     """Bit planes b0 and b1 of bucket position PART of each byte (`code_unpacking.bucket_planes_asm`)."""
-    if PART == 0:
-        text: gl.constexpr = _PLANES_0
-    elif PART == 1:
-        text: gl.constexpr = _PLANES_1
-    elif PART == 2:
-        text: gl.constexpr = _PLANES_2
-    else:
-        text: gl.constexpr = _PLANES_3
     b0, b1, _ = gl.inline_asm_elementwise(
-        text, "=r,=r,=r,=r,=r,=r,r", [packed], dtype=(gl.float16,) * 3, is_pure=True, pack=4
+        _PLANES[PART], "=r,=r,=r,=r,=r,=r,r", [packed], dtype=(gl.float16,) * 3, is_pure=True, pack=4
     )
     return b0, b1
 
@@ -368,15 +353,7 @@ def _residual_products(packed, q_planes, zero):
 @gluon.jit
 def _quarter(packed, PART: gl.constexpr):
     """int2: the odd values (-3, -1, 1, 3) of 2-bit code PART of each byte as int8 (`code_unpacking`)."""
-    if PART == 0:
-        text: gl.constexpr = _QUARTER_0
-    elif PART == 1:
-        text: gl.constexpr = _QUARTER_1
-    elif PART == 2:
-        text: gl.constexpr = _QUARTER_2
-    else:
-        text: gl.constexpr = _QUARTER_3
-    return gl.inline_asm_elementwise(text, "=r,r", [packed], dtype=gl.int8, is_pure=True, pack=4)
+    return gl.inline_asm_elementwise(_QUARTERS[PART], "=r,r", [packed], dtype=gl.int8, is_pure=True, pack=4)
 
 
 @gluon.jit
