@@ -232,22 +232,31 @@ def _scratch(name: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Ten
 def _score_stream(
     q: torch.Tensor,
     q_offsets: np.ndarray,
-    docs: torch.Tensor,
+    docs: torch.Tensor | Callable[[int, int], torch.Tensor],
     d_offsets: np.ndarray,
     scores: torch.Tensor,
     check_finite: bool = False,
+    doc_scales: torch.Tensor | None = None,
+    query_scales: torch.Tensor | None = None,
 ) -> None:
-    """All documents in packed order (CPU tensors, no argmax): fills scores [nq, nd]."""
+    """All documents in packed order (CPU tensors, no argmax): fills scores [nq, nd]. ``docs`` is the
+    token rows, or a function of (t0, t1) that returns rows t0 .. t1 - 1 (decoded codes). With
+    ``doc_scales`` each similarity is multiplied by its token's scale before the max, and with
+    ``query_scales`` each query token's max by its scale before the sum (`maxsim_int8_varlen_cpu`)."""
     lens = np.diff(d_offsets)
     nd = len(lens)
     out = scores.numpy()
-    out[:, lens == 0] = -np.inf
+    nq = len(q_offsets) - 1
+    token_query = torch.from_numpy(np.repeat(np.arange(nq), np.diff(q_offsets)))
+    if query_scales is None:
+        out[:, lens == 0] = -np.inf
+    else:  # what the blocked int8 path sums for a document with no tokens: each row's scale times -inf
+        empty = torch.zeros(1, nq).index_add_(1, token_query, (query_scales * -torch.inf)[None])
+        out[:, lens == 0] = empty.numpy().T
     workers = _worker_count()
     # chunk boundaries (document indices) of about _STREAM_CHUNK_TOKENS tokens each
     cuts = np.searchsorted(d_offsets, np.arange(0, d_offsets[-1], _STREAM_CHUNK_TOKENS), side="right") - 1
     bounds = np.unique(np.concatenate([cuts, [nd]]))
-    nq = len(q_offsets) - 1
-    token_query = torch.from_numpy(np.repeat(np.arange(nq), np.diff(q_offsets)))
     q_t = q.T.contiguous()
 
     def work(chunk_docs: tuple[int, int]) -> None:
@@ -256,16 +265,20 @@ def _score_stream(
         full = np.flatnonzero(lens[a:b] > 0) + a
         if t1 == t0 or len(full) == 0:
             return
-        chunk = docs[t0:t1]
+        chunk = docs(t0, t1) if callable(docs) else docs[t0:t1]
         if chunk.dtype != q.dtype:  # upcast into this thread's buffer
             chunk = _scratch("chunk", tuple(chunk.shape), q.dtype).copy_(chunk)
         # [tokens, Tq], as the blocked path computes it
         sim = _similarities(chunk, q_t, out=_scratch("sim", (t1 - t0, q_t.shape[1]), q.dtype))
         if check_finite:
             _require_finite(sim[:, 0])
+        if doc_scales is not None:
+            sim.mul_(doc_scales[t0:t1, None])
         owner = torch.from_numpy(np.repeat(np.arange(b - a), lens[a:b]))[:, None].expand(-1, sim.shape[1])
         best = sim.new_full((b - a, sim.shape[1]), -torch.inf).scatter_reduce_(0, owner, sim, "amax")
         best = best[torch.from_numpy(full - a)]  # [docs, Tq]
+        if query_scales is not None:
+            best.mul_(query_scales)
         # the same sequential sum over query tokens as the blocked path (np.add.reduceat sums in
         # another order), so a score does not depend on which path its batch took
         out[:, full] = best.new_zeros(len(full), nq).index_add_(1, token_query, best).T.numpy()
@@ -398,6 +411,38 @@ def maxsim_varlen_cpu(
             check_finite,
         )
     return (scores, argmax) if return_argmax else scores
+
+
+# int8 values times int8 query codes: every product and partial sum an integer below 2^24 (127 * 127 * dim
+# for dim <= 1040), so the fp32 product is exact whatever the summation order
+INT8_EXACT_MAX_DIM = (1 << 24) // (127 * 127)
+
+
+def int8_stream_applies(q8: torch.Tensor, device: torch.device) -> bool:
+    """Whether `maxsim_int8_varlen_cpu` takes int8 query rows `q8` against documents on `device`."""
+    return device.type == "cpu" and q8.shape[0] <= _STREAM_MAX_ROWS and q8.shape[1] <= INT8_EXACT_MAX_DIM
+
+
+def maxsim_int8_varlen_cpu(
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    q_offsets: np.ndarray,
+    values: torch.Tensor | Callable[[int, int], torch.Tensor],
+    doc_scales: torch.Tensor,
+    d_offsets: np.ndarray,
+) -> torch.Tensor:
+    """int8 scores [nq, nd] of a few query rows (`int8_stream_applies`) on the CPU, streamed as the float
+    path's: ``sum_i sq[i] * max_j (sd[j] * (q8[i] . v[j]))`` with the documents' int8 values ``values``
+    [Td, dim] (or a function of (t0, t1) that decodes rows t0 .. t1 - 1 of codes to them) and their scales
+    ``doc_scales`` [Td]. The integer products are exact in fp32 (`INT8_EXACT_MAX_DIM`), each takes one fp32
+    rounding by its token's scale, and the scaled maxima are summed in query-token order: the bits of
+    `maxsim_int8`'s blocked torch path, chunks of whole documents spread over every core."""
+    nq, nd = len(q_offsets) - 1, len(d_offsets) - 1
+    scores = torch.empty(nq, nd, dtype=torch.float32)
+    if nq and nd:
+        _score_stream(q8.float().contiguous(), q_offsets, values, d_offsets, scores,
+                      doc_scales=doc_scales, query_scales=sq.float())  # fmt: skip
+    return scores
 
 
 # Rerank (each query against its own candidates) by document units, the path where oneDNN's product is

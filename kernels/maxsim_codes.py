@@ -105,6 +105,7 @@ import triton
 import triton.language as tl
 
 from .code_unpacking import INT4_NIBBLES_ASM, PLANE_UNIT_ASM, bucket_planes_asm
+from .cpu import int8_stream_applies, maxsim_int8_varlen_cpu
 from .launch import launch_fitting_shared_memory
 from .maxsim_int8 import (
     candidate_query,
@@ -1464,6 +1465,9 @@ def maxsim_varlen_codes(
             return decoded
         if backend == "triton":
             return _launch_varlen(codec, dim, q8, sq, q_off, codes, sd, d_off, cb)
+        if codec == "int4" and int8_stream_applies(q8, codes.device):  # a few query rows on the CPU
+            decoded = functools.partial(_decoded_rows, decode_int4, codes)
+            return maxsim_int8_varlen_cpu(q8, sq, q_off.numpy(), decoded, sd, d_off.numpy())
         return _varlen_torch(q8, sq, q_off, codes, sd, d_off, cb)
     if codec == "int2":  # each query row's q . offsets (`int2_queries`)
         scores.add_(_query_sums(cb.row_offsets, q_off)[:, None])
@@ -1622,6 +1626,14 @@ def _decode_rows(
         kernel[grid](codes, out, rows, WIDTH=width, BLOCK_ROWS=_DECODE_ROWS, num_warps=4, **consts)
 
 
+def _decoded_rows(
+    decode: Callable[[torch.Tensor], torch.Tensor], codes: torch.Tensor, t0: int, t1: int
+) -> torch.Tensor:
+    """Rows t0 .. t1 - 1 of ``codes`` decoded to their int8 values (int4's nibbles, int2's odd values): a
+    chunk of the CPU stream (`cpu.maxsim_int8_varlen_cpu`)."""
+    return decode(codes[t0:t1])
+
+
 def _odd_values(codes: torch.Tensor, backend: str) -> torch.Tensor:
     """int2 codes' odd values (int8): by `int2_to_int8` with the Triton backend, else `int2_values`."""
     if backend != "triton":
@@ -1726,6 +1738,9 @@ def _int2_decoded_varlen(
     `DECODE_CHUNK_BYTES`), each chunk scored by the int8 kernels with its scales: the same integer products
     and maxima."""
     d_host = host_offsets("doc_offsets", given_d_off, codes.shape[0])
+    if backend == "torch" and int8_stream_applies(q8, codes.device):  # a few query rows on the CPU
+        decoded = functools.partial(_decoded_rows, int2_values, codes)
+        return maxsim_int8_varlen_cpu(q8, sq, q_off.numpy(), decoded, sd, d_host)
     out = torch.full((q_off.numel() - 1, len(d_host) - 1), float("-inf"), device=codes.device)
     for first, stop, offsets in _document_chunks(d_host, max(1, DECODE_CHUNK_BYTES // q8.shape[1])):
         t0, t1 = int(d_host[first]), int(d_host[stop])

@@ -1,0 +1,109 @@
+"""One query against int8 shards and 4-bit and 2-bit codes on the CPU: the streamed int8 path
+(`maxsim_kernels.cpu.maxsim_int8_varlen_cpu`) beside the blocked torch paths it replaced and the float path,
+alternating rounds in one process, each result checked bitwise against the blocked path's.
+
+    python benchmarks/bench_cpu_codes.py --out benchmarks/results/cpu/cpu-codes-2core.json
+    python benchmarks/bench_cpu_codes.py --smoke --out /tmp/cpu-codes.json
+
+Documents: ``--docs`` L2-normalised random vectors (d = 128), 20-300 tokens each (uniform), fp32; int8 per
+token (`quantize_per_token`), int4 (`encode_int4`), int2 (`encode_int2` on a grid fitted to 65,536 of the
+tokens, `maxsim_cli.codecs.fit_int2_levels`). One query of 32 tokens. Each time is the median of
+``--repeats`` calls, in ``--rounds`` rounds that alternate the order of the paths.
+
+  fp32          `maxsim_varlen` on the float tokens (the float stream path)
+  int8 / int4 / int2            `maxsim_varlen` on the codes: the streamed int8 path, the codes decoded a
+                                32K-token chunk at a time on each worker
+  *_blocked     the blocked torch path of the same codes (`maxsim_int8._varlen_torch`; int4:
+                `maxsim_codes._varlen_torch`; int2: its odd values decoded whole, then the int8 path)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from common import SMOKE, make_log, meta, smoke_size, write_json
+
+log = make_log("cpu-codes", clock=True)
+
+
+def main() -> None:
+    from maxsim_kernels import maxsim_codes, maxsim_int8, maxsim_varlen
+    from maxsim_kernels.maxsim_int8 import quantize_per_token
+
+    from maxsim_cli.codecs import fit_int2_levels
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--docs", type=int, default=20_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out")
+    parser.add_argument("--smoke", action="store_true", help="a check of the script: tiny sizes, one call")
+    args = parser.parse_args()
+    SMOKE["on"] = args.smoke
+    n = smoke_size(args.docs, 20)
+    if args.smoke:
+        args.repeats, args.rounds = 1, 1
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(20, 301, (n,), generator=gen)
+    offsets = torch.zeros(n + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    x = torch.nn.functional.normalize(torch.randn(int(offsets[-1]), 128, generator=gen), dim=1)
+    q = torch.nn.functional.normalize(torch.randn(32, 128, generator=gen), dim=1)
+    q_off = torch.tensor([0, 32])
+    q8, sq = quantize_per_token(q)
+    d8, s8 = quantize_per_token(x)
+    c4, s4 = maxsim_codes.encode_int4(x)
+    levels = maxsim_codes.Int2Levels(*(t.float() for t in fit_int2_levels(x[:65536])))
+    c2, s2 = maxsim_codes.encode_int2(x, levels)
+    side = maxsim_codes.int2_queries(q, levels)
+    row_sums = maxsim_codes._query_sums(side.row_offsets, q_off)[:, None]
+
+    def int2_blocked() -> torch.Tensor:
+        values = maxsim_codes.int2_values(c2)
+        out = maxsim_int8._varlen_torch(side.q8, side.scales, q_off, values, s2, offsets, False)[0]
+        return out.add_(row_sums)
+
+    paths = {
+        "fp32": lambda: maxsim_varlen(q, q_off, x, offsets),
+        "int8": lambda: maxsim_varlen(q, q_off, d8, offsets, doc_scales=s8),
+        "int8_blocked": lambda: maxsim_int8._varlen_torch(q8, sq, q_off, d8, s8, offsets, False)[0],
+        "int4": lambda: maxsim_varlen(q, q_off, c4, offsets, doc_scales=s4),
+        "int4_blocked": lambda: maxsim_codes._varlen_torch(q8, sq, q_off, c4, s4, offsets, None),
+        "int2": lambda: maxsim_varlen(q, q_off, c2, offsets, doc_scales=s2, codebook=levels),
+        "int2_blocked": int2_blocked,
+    }
+    record: dict = {
+        "meta": meta(docs=n, tokens=int(offsets[-1]), dim=128, query_tokens=32),
+        "bitwise_equal": {},
+        "ms": {name: [] for name in paths},
+    }
+    results = {name: fn() for name, fn in paths.items()}
+    for codec in ("int8", "int4", "int2"):
+        same = torch.equal(results[codec], results[f"{codec}_blocked"])
+        record["bitwise_equal"][codec] = bool(same)
+    log(f"bitwise equal to the blocked paths: {record['bitwise_equal']}")
+    names = list(paths)
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            times = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                paths[name]()
+                times.append((time.perf_counter() - t0) * 1e3)
+            record["ms"][name].append(statistics.median(times))
+        log(f"round {r}: { {k: round(v[-1], 1) for k, v in record['ms'].items()} }")
+    record["median_ms"] = {k: statistics.median(v) for k, v in record["ms"].items()}
+    record["speedup_over_blocked"] = {
+        c: record["median_ms"][f"{c}_blocked"] / record["median_ms"][c] for c in ("int8", "int4", "int2")
+    }
+    fp32 = record["median_ms"]["fp32"]
+    record["over_fp32"] = {c: record["median_ms"][c] / fp32 for c in ("int8", "int4", "int2")}
+    log(f"medians: { {k: round(v, 1) for k, v in record['median_ms'].items()} }")
+    write_json(args.out, record)
+
+
+if __name__ == "__main__":
+    main()

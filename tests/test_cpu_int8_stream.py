@@ -1,0 +1,75 @@
+"""The CPU's streamed int8 path (`maxsim_kernels.cpu.maxsim_int8_varlen_cpu`: int8 documents, int4 and int2
+codes against a few query rows) gives the bits of the blocked torch paths it replaced, on ragged documents
+with empty and one-token ones, several queries, a query token of zeros, and a query scale of 0 (its product
+with an empty document's -inf is NaN, in both)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from maxsim_kernels import maxsim_codes, maxsim_int8, maxsim_varlen
+from maxsim_kernels.cpu import int8_stream_applies
+from maxsim_kernels.maxsim_int8 import quantize_per_token
+
+
+def _ragged(gen: torch.Generator, n: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.randint(1, 90, (n,), generator=gen)
+    lengths[[0, 7, n - 1]] = 0  # empty documents, first and last among them
+    lengths[[3, 11]] = 1
+    offsets = torch.zeros(n + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    x = torch.randn(int(offsets[-1]), dim, generator=gen)
+    return x, offsets
+
+
+def _queries(gen: torch.Generator, lengths: list[int], dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q = torch.randn(sum(lengths), dim, generator=gen)
+    q[1] = 0.0  # a token of zeros
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return q, offsets
+
+
+@pytest.mark.parametrize("dim", [128, 40])
+@pytest.mark.parametrize("q_lengths", [[32], [5, 1, 12]])
+def test_streamed_int8_paths_are_the_blocked_paths_bitwise(dim, q_lengths, monkeypatch):
+    from maxsim_kernels import cpu
+
+    monkeypatch.setattr(cpu, "_STREAM_CHUNK_TOKENS", 700)  # many chunks, documents across their edges
+    gen = torch.Generator().manual_seed(5)
+    x, d_off = _ragged(gen, 300, dim)
+    q, q_off = _queries(gen, q_lengths, dim)
+    q8, sq = quantize_per_token(q)
+    assert int8_stream_applies(q8, x.device)
+
+    d8, s8 = quantize_per_token(x)
+    streamed = maxsim_varlen(q, q_off, d8, d_off, doc_scales=s8)
+    blocked = maxsim_int8._varlen_torch(q8, sq, q_off, d8, s8, d_off, False)[0]
+    assert torch.allclose(streamed, blocked, equal_nan=True, atol=0, rtol=0)  # bitwise, NaN where NaN
+    assert streamed[:, 0].isneginf().all()  # an empty document
+    zero_scale = sq.clone()
+    zero_scale[1] = 0.0
+    streamed = maxsim_int8.maxsim_varlen_int8(q8, q_off, d8, d_off, doc_scales=s8, query_scales=zero_scale)
+    blocked = maxsim_int8._varlen_torch(q8, zero_scale, q_off, d8, s8, d_off, False)[0]
+    assert torch.allclose(streamed, blocked, equal_nan=True, atol=0, rtol=0)
+    assert streamed[0, 0].isnan() and streamed[0, 1:].isfinite().any()
+
+    c4, s4 = maxsim_codes.encode_int4(x)
+    streamed = maxsim_varlen(q, q_off, c4, d_off, doc_scales=s4)
+    blocked = maxsim_codes._varlen_torch(q8, sq, q_off, c4, s4, d_off, None)
+    assert torch.allclose(streamed, blocked, equal_nan=True, atol=0, rtol=0)
+
+    levels = maxsim_codes.Int2Levels(x.mean(0), x.std(0) / 2)
+    c2, s2 = maxsim_codes.encode_int2(x, levels)
+    streamed = maxsim_varlen(q, q_off, c2, d_off, doc_scales=s2, codebook=levels)
+    side = maxsim_codes.int2_queries(q, levels)
+    blocked = maxsim_int8._varlen_torch(side.q8, side.scales, q_off, maxsim_codes.int2_values(c2), s2, d_off,
+                                        False)[0]  # fmt: skip
+    blocked += maxsim_codes._query_sums(side.row_offsets, q_off)[:, None]
+    assert torch.allclose(streamed, blocked, equal_nan=True, atol=0, rtol=0)
+
+
+def test_many_query_rows_keep_the_blocked_path():
+    q8 = torch.zeros(129, 128, dtype=torch.int8)
+    assert not int8_stream_applies(q8, torch.device("cpu"))
+    assert not int8_stream_applies(q8[:1], torch.device("meta"))
