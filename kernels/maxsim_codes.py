@@ -1466,7 +1466,7 @@ def maxsim_varlen_codes(
         if backend == "triton":
             return _launch_varlen(codec, dim, q8, sq, q_off, codes, sd, d_off, cb)
         if codec == "int4" and int8_stream_applies(q8, codes.device):  # a few query rows on the CPU
-            decoded = functools.partial(_decoded_rows, decode_int4, codes)
+            decoded = functools.partial(_decoded_rows, "int4", codes)
             return maxsim_int8_varlen_cpu(q8, sq, q_off.numpy(), decoded, sd, d_off.numpy())
         return _varlen_torch(q8, sq, q_off, codes, sd, d_off, cb)
     if codec == "int2":  # each query row's q . offsets (`int2_queries`)
@@ -1626,12 +1626,24 @@ def _decode_rows(
         kernel[grid](codes, out, rows, WIDTH=width, BLOCK_ROWS=_DECODE_ROWS, num_warps=4, **consts)
 
 
-def _decoded_rows(
-    decode: Callable[[torch.Tensor], torch.Tensor], codes: torch.Tensor, t0: int, t1: int
-) -> torch.Tensor:
-    """Rows t0 .. t1 - 1 of ``codes`` decoded to their int8 values (int4's nibbles, int2's odd values): a
-    chunk of the CPU stream (`cpu.maxsim_int8_varlen_cpu`)."""
-    return decode(codes[t0:t1])
+def _byte_table(values_of_byte: Callable[[torch.Tensor], torch.Tensor]) -> np.ndarray:
+    """Every byte's int8 values (`decode_int4` or `int2_values` of the byte) as one little-endian word a
+    byte: a table that `np.take` decodes a chunk of codes with (the CPU stream; 3x faster than int4's torch
+    ops on a 32K-token chunk)."""
+    rows = values_of_byte(torch.arange(256, dtype=torch.uint8)[:, None]).numpy()
+    return rows.view({2: np.uint16, 4: np.uint32}[rows.shape[1]])[:, 0].copy()
+
+
+_BYTE_TABLES = {"int4": _byte_table(decode_int4), "int2": _byte_table(int2_values)}
+
+
+def _decoded_rows(codec: str, codes: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+    """Rows t0 .. t1 - 1 of int4 or int2 ``codes`` (CPU) decoded to their int8 values, `decode_int4`'s or
+    `int2_values`'s: a chunk of the CPU stream (`cpu.maxsim_int8_varlen_cpu`)."""
+    chunk = codes[t0:t1]
+    words = np.take(_BYTE_TABLES[codec], chunk.numpy())
+    width = chunk.shape[1] * _BYTE_TABLES[codec].itemsize
+    return torch.from_numpy(np.ascontiguousarray(words).view(np.int8).reshape(chunk.shape[0], width))
 
 
 def _odd_values(codes: torch.Tensor, backend: str) -> torch.Tensor:
@@ -1739,7 +1751,7 @@ def _int2_decoded_varlen(
     and maxima."""
     d_host = host_offsets("doc_offsets", given_d_off, codes.shape[0])
     if backend == "torch" and int8_stream_applies(q8, codes.device):  # a few query rows on the CPU
-        decoded = functools.partial(_decoded_rows, int2_values, codes)
+        decoded = functools.partial(_decoded_rows, "int2", codes)
         return maxsim_int8_varlen_cpu(q8, sq, q_off.numpy(), decoded, sd, d_host)
     out = torch.full((q_off.numel() - 1, len(d_host) - 1), float("-inf"), device=codes.device)
     for first, stop, offsets in _document_chunks(d_host, max(1, DECODE_CHUNK_BYTES // q8.shape[1])):

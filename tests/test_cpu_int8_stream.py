@@ -73,3 +73,11 @@ def test_many_query_rows_keep_the_blocked_path():
     q8 = torch.zeros(129, 128, dtype=torch.int8)
     assert not int8_stream_applies(q8, torch.device("cpu"))
     assert not int8_stream_applies(q8[:1], torch.device("meta"))
+
+
+def test_byte_tables_decode_as_the_torch_decoders():
+    codes = torch.arange(256, dtype=torch.uint8).repeat(3, 1).T.contiguous()  # every byte, [256, 3]
+    assert torch.equal(maxsim_codes._decoded_rows("int4", codes, 0, 256), maxsim_codes.decode_int4(codes))
+    part = maxsim_codes._decoded_rows("int2", codes, 1, 200)
+    assert torch.equal(part, maxsim_codes.int2_values(codes[1:200]))
+    assert maxsim_codes._decoded_rows("int2", codes, 7, 7).shape == (0, 12)
