@@ -413,14 +413,9 @@ def maxsim_varlen_cpu(
     return (scores, argmax) if return_argmax else scores
 
 
-# int8 values times int8 query codes: every product and partial sum an integer below 2^24 (127 * 127 * dim
-# for dim <= 1040), so the fp32 product is exact whatever the summation order
-INT8_EXACT_MAX_DIM = (1 << 24) // (127 * 127)
-
-
 def int8_stream_applies(q8: torch.Tensor, device: torch.device) -> bool:
     """Whether `maxsim_int8_varlen_cpu` takes int8 query rows `q8` against documents on `device`."""
-    return device.type == "cpu" and q8.shape[0] <= _STREAM_MAX_ROWS and q8.shape[1] <= INT8_EXACT_MAX_DIM
+    return device.type == "cpu" and q8.shape[0] <= _STREAM_MAX_ROWS
 
 
 def maxsim_int8_varlen_cpu(
@@ -434,8 +429,9 @@ def maxsim_int8_varlen_cpu(
     """int8 scores [nq, nd] of a few query rows (`int8_stream_applies`) on the CPU, streamed as the float
     path's: ``sum_i sq[i] * max_j (sd[j] * (q8[i] . v[j]))`` with the documents' int8 values ``values``
     [Td, dim] (or a function of (t0, t1) that decodes rows t0 .. t1 - 1 of codes to them) and their scales
-    ``doc_scales`` [Td]. The integer products are exact in fp32 (`INT8_EXACT_MAX_DIM`), each takes one fp32
-    rounding by its token's scale, and the scaled maxima are summed in query-token order: the bits of
+    ``doc_scales`` [Td]. The integer products are exact in fp32 (every partial sum an integer below 2^24 at
+    the callers' dims: `maxsim_int8.MAX_DIM`, `maxsim_codes.MAX_DIM`), each takes one fp32 rounding by its
+    token's scale, and the scaled maxima are summed in query-token order: the bits of
     `maxsim_int8`'s blocked torch path, chunks of whole documents spread over every core."""
     nq, nd = len(q_offsets) - 1, len(d_offsets) - 1
     scores = torch.empty(nq, nd, dtype=torch.float32)

@@ -1455,6 +1455,10 @@ def maxsim_varlen_codes(
     stream = _code_stream(codec, backend, query_offsets, q8, codes, cb) if q_off.numel() == 2 else None
     if stream is not None:
         scores = stream(q8, sq, q_off, None, None, codes, sd, d_off)[None]
+    elif codec in _BYTE_TABLES and backend == "torch" and int8_stream_applies(q8, codes.device):
+        # int4 or int2 against a few query rows on the CPU: decoded a chunk at a time on each worker
+        decoded = functools.partial(_decoded_rows, codec, codes)
+        scores = maxsim_int8_varlen_cpu(q8, sq, q_off.numpy(), decoded, sd, d_off.numpy())
     elif codec == "int2":
         scores = _int2_decoded_varlen(backend, query_offsets, doc_offsets, q8, sq, q_off, codes, sd)
     else:
@@ -1465,9 +1469,6 @@ def maxsim_varlen_codes(
             return decoded
         if backend == "triton":
             return _launch_varlen(codec, dim, q8, sq, q_off, codes, sd, d_off, cb)
-        if codec == "int4" and int8_stream_applies(q8, codes.device):  # a few query rows on the CPU
-            decoded = functools.partial(_decoded_rows, "int4", codes)
-            return maxsim_int8_varlen_cpu(q8, sq, q_off.numpy(), decoded, sd, d_off.numpy())
         return _varlen_torch(q8, sq, q_off, codes, sd, d_off, cb)
     if codec == "int2":  # each query row's q . offsets (`int2_queries`)
         scores.add_(_query_sums(cb.row_offsets, q_off)[:, None])
@@ -1750,9 +1751,6 @@ def _int2_decoded_varlen(
     `DECODE_CHUNK_BYTES`), each chunk scored by the int8 kernels with its scales: the same integer products
     and maxima."""
     d_host = host_offsets("doc_offsets", given_d_off, codes.shape[0])
-    if backend == "torch" and int8_stream_applies(q8, codes.device):  # a few query rows on the CPU
-        decoded = functools.partial(_decoded_rows, "int2", codes)
-        return maxsim_int8_varlen_cpu(q8, sq, q_off.numpy(), decoded, sd, d_host)
     out = torch.full((q_off.numel() - 1, len(d_host) - 1), float("-inf"), device=codes.device)
     for first, stop, offsets in _document_chunks(d_host, max(1, DECODE_CHUNK_BYTES // q8.shape[1])):
         t0, t1 = int(d_host[first]), int(d_host[stop])
