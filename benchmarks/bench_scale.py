@@ -161,6 +161,15 @@ def scan_record(name: str, tokens: int, docs: int, timing: dict) -> dict:
     }
 
 
+def resident_scan(name: str, scan, tokens: int, docs: int, args, dev: torch.device) -> dict:
+    """One query's scan of codes resident on the GPU (int4, int2): its timing, bytes and TB/s, and the
+    GPU's memory, logged."""
+    row = scan_record(name, tokens, docs, timed_rounds(scan, args.rounds, args.rep_ms))
+    row.update(gpu_memory(dev))
+    log(f"{name} at {tokens} tokens: {row['ms']:.3f} ms ({row['TBps']:.2f} TB/s on {BYTES[name]} B/token)")
+    return row
+
+
 def oom_record(exc: BaseException, dev: torch.device, **what) -> dict:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -364,11 +373,8 @@ def main() -> None:
             scales = torch.empty(t4, device=dev).uniform_(0.01, 0.02, generator=gen)  # in place
             off4 = offsets[: n4 + 1]
             scan = lambda: maxsim_varlen(queries[0], q_off, codes4, off4, doc_scales=scales)  # noqa: E731
-            row = scan_record("int4", t4, n4, timed_rounds(scan, args.rounds, args.rep_ms))
-            row["of_corpus_tokens"] = t4 / total
-            row.update(gpu_memory(dev))
-            record["int4"] = row
-            log(f"int4 at {t4} tokens: {row['ms']:.3f} ms ({row['TBps']:.2f} TB/s on 68 B/token)")
+            row = resident_scan("int4", scan, t4, n4, args, dev)
+            record["int4"] = {**row, "of_corpus_tokens": t4 / total}
             del codes4, scales
         except torch.OutOfMemoryError as exc:
             record["int4"] = oom_record(exc, dev)
@@ -384,10 +390,7 @@ def main() -> None:
             scan = lambda: maxsim_varlen(  # noqa: E731
                 queries[0], q_off, codes2, offsets, doc_scales=scales, codebook=levels
             )
-            row = scan_record("int2", total, num_docs, timed_rounds(scan, args.rounds, args.rep_ms))
-            row.update(gpu_memory(dev))
-            record["int2"] = row
-            log(f"int2: {row['ms']:.3f} ms ({row['TBps']:.2f} TB/s on 36 B/token)")
+            record["int2"] = resident_scan("int2", scan, total, num_docs, args, dev)
             del codes2, scales
         except torch.OutOfMemoryError as exc:
             record["int2"] = oom_record(exc, dev)
