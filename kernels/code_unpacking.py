@@ -6,9 +6,15 @@ two outputs are the four low and the four high nibbles as int8: ((n ^ 8) + 0x78)
 integer instructions for 8 values where per-element int32 arithmetic takes ~5 each (Hopper issues 64
 integer instructions a clock per SM, half its fp32 rate). Constraints "=r,=r,r", pack=4.
 
+int4, as stored (`INT4_BIASED_ASM`): the nibbles' values plus 8 (n + 8, 0..15), one LOP3 a register, 3
+instructions for 8 values; a product of them is the signed one plus 8 times the sum of the other operand,
+which the stream kernel's first product takes away (exact in int32). Constraints "=r,=r,r", pack=4.
+
 int2: `quarter_values_asm` makes 2-bit code ``part`` (bits 2 part, 2 part + 1) of each of four bytes into its
-odd value 2v - 3 (-3, -1, 1, 3) as int8: (2v + 0x7d) ^ 0x80 per byte, the shifted code masked in one
-instruction and no carry between bytes, 4 integer instructions for 4 values. Constraints "=r,r", pack=4.
+value v (0..3) as int8: the shifted bytes masked, no carry between bytes, 1 instruction for part 0 and 2
+for the others (7 for 16 values, where the odd values 2v - 3 took 16). The codes stand for the odd values;
+a product of the v is half that of the odd values plus 1.5 times the other operand's sum, which the stream
+kernel's fold takes back (2 acc - 3 sum, exact in int32). Constraints "=r,r", pack=4.
 
 residual2: `bucket_planes_asm` makes a 2-bit bucket of each of four bytes into its bit planes (bit 0, bit 1,
 both) as fp16 0 or one unit (`PLANE_UNIT_ASM`). Constraints "=r,=r,=r,=r,=r,=r,r", pack=4.
@@ -22,13 +28,18 @@ INT4_NIBBLES_ASM = (
 )
 
 
+INT4_BIASED_ASM = (
+    "{ .reg .b32 t; "
+    "lop3.b32 $0, $2, 0x0f0f0f0f, 0x08080808, 0x6a; "
+    "shr.u32 t, $2, 4; lop3.b32 $1, t, 0x0f0f0f0f, 0x08080808, 0x6a; }"
+)
+
+
 def quarter_values_asm(part: int) -> str:
-    """int2: the odd values 2v - 3 of 2-bit code ``part`` of four bytes, int8 (module docstring)."""
-    shift = "shl.b32 t, $1, 1" if part == 0 else f"shr.u32 t, $1, {2 * part - 1}"
-    return (
-        "{ .reg .b32 t; " + shift + "; and.b32 t, t, 0x06060606; add.u32 t, t, 0x7d7d7d7d; "
-        "xor.b32 $0, t, 0x80808080; }"
-    )
+    """int2: the values v (0..3) of 2-bit code ``part`` of four bytes, int8 (module docstring)."""
+    if part == 0:
+        return "and.b32 $0, $1, 0x03030303;"
+    return "{ .reg .b32 t; " + f"shr.u32 t, $1, {2 * part}; " + "and.b32 $0, t, 0x03030303; }"
 
 
 def bucket_planes_asm(part: int) -> str:

@@ -107,6 +107,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .code_unpacking import INT4_BIASED_ASM as _BIASED_TEXT
 from .code_unpacking import INT4_NIBBLES_ASM as _NIBBLES_TEXT
 from .code_unpacking import PLANE_UNIT_ASM, bucket_planes_asm, quarter_values_asm
 from .launch import hopper_device
@@ -135,6 +136,7 @@ _WARPS = gl.constexpr(NUM_WARPS)
 REGISTERS = {16: (96, 128), 32: (96, 128), 64: (168, 168)}
 MAX_QUERY_TOKENS = 64
 _NIBBLES_ASM = gl.constexpr(_NIBBLES_TEXT)  # int4: the two nibbles of four bytes (`code_unpacking`)
+_BIASED_ASM = gl.constexpr(_BIASED_TEXT)  # int4 as stored: the nibbles plus 8 (`code_unpacking`)
 # residual2: the bit planes of bucket p of four bytes; int2: the odd values of code p (`code_unpacking`)
 _PLANES = gl.constexpr(tuple(bucket_planes_asm(p) for p in range(4)))
 _QUARTERS = gl.constexpr(tuple(quarter_values_asm(p) for p in range(4)))
@@ -351,15 +353,39 @@ def _residual_products(packed, q_planes, zero):
 
 
 @gluon.jit
+def _correction_tiles(fix, BLOCK_T: gl.constexpr, N: gl.constexpr, layout: gl.constexpr):
+    """The operands of a product that starts each tile's accumulator at `fix` (int32 [N], a query row's
+    correction, |fix| < 2^17; the slice of `layout` along its rows): A [BLOCK_T, 32] int8 is 1 in its first
+    16 columns and 127 in the others, and B [N, 32] int8 splits fix into 127 hi + lo (hi the nearest
+    integer of fix / 127, |lo| <= 63), hi spread over the last 16 entries and lo over the first 16, each
+    within [-65, 65]: A . B^T = fix in every row, exact in int32. Both in shared memory."""
+    k = gl.arange(0, 32, layout=gl.SliceLayout(0, layout))
+    rows = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, layout))
+    a = gl.where(k[None, :] < 16, 1, 127) + 0 * rows[:, None]
+    a_smem = gl.allocate_shared_memory(
+        gl.int8, [BLOCK_T, 32], gl.NVMMASharedLayout.get_default_for([BLOCK_T, 32], gl.int8)
+    )
+    a_smem.store(a.to(gl.int8))
+    hi = (fix + 127 * 2048 + 63) // 127 - 2048  # operands kept non-negative: // and % of C
+    lo = fix - 127 * hi
+    half = gl.where(k[None, :] < 16, lo[:, None], hi[:, None]) + 2048  # 16 entries summing to it, + 2048
+    b = half // 16 - 128 + ((k[None, :] % 16) < half % 16).to(gl.int32)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, 32], gl.int8)
+    b_smem = gl.allocate_shared_memory(gl.int8, [N, 32], b_layout)
+    b_smem.store(b.to(gl.int8))
+    return a_smem, b_smem
+
+
+@gluon.jit
 def _quarter(packed, PART: gl.constexpr):
-    """int2: the odd values (-3, -1, 1, 3) of 2-bit code PART of each byte as int8 (`code_unpacking`)."""
+    """int2: the values v (0..3) of 2-bit code PART of each byte as int8 (`code_unpacking`)."""
     return gl.inline_asm_elementwise(_QUARTERS[PART], "=r,r", [packed], dtype=gl.int8, is_pure=True, pack=4)
 
 
 @gluon.jit
 def _quarter_products(packed, q_parts, zero):
     """int2: the tile's products, code p of each byte (dimensions 4m + p) against the query's part p:
-    four from registers, chained."""
+    four from registers, chained; of the values v, which the fold makes the odd values' (`_retire`)."""
     acc = zero
     for p in gl.static_range(4):
         acc = warpgroup_mma(_quarter(packed, p), q_parts.index(p).permute((1, 0)), acc, use_acc=p > 0,
@@ -368,13 +394,14 @@ def _quarter_products(packed, q_parts, zero):
 
 
 @gluon.jit
-def _product(d_smem, q_t, q_hi_t, ready, x, zero, STAGES: gl.constexpr, PACKED: gl.constexpr,
-             RESIDUAL: gl.constexpr, QUARTER: gl.constexpr):  # fmt: skip
+def _product(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, x, zero, STAGES: gl.constexpr, PACKED: gl.constexpr,
+             RESIDUAL: gl.constexpr, QUARTER: gl.constexpr, BIASED: gl.constexpr):  # fmt: skip
     """Tile x's D8 . Q8^T, asynchronous, once its copy has landed. PACKED (int4 codes): the tile's bytes
     are loaded into wgmma's register operand layout and split into their low and high nibbles (values 2m
-    and 2m + 1), each multiplied with the query's matching columns (q_t, q_hi_t); ptxas keeps those
-    registers until the products are waited for (it serializes the wgmmas where it cannot: the build
-    test checks it does not)."""
+    and 2m + 1; with BIASED as stored, plus 8, after the correction's product `_correction_tiles`), each
+    multiplied with the query's matching columns (q_t, q_hi_t); ptxas keeps those registers until the
+    products are waited for (it serializes the wgmmas where it cannot: the build test checks it does
+    not)."""
     slot = x % STAGES
     mbarrier.wait(ready.index(slot), (x // STAGES) & 1)
     if RESIDUAL:
@@ -388,10 +415,17 @@ def _product(d_smem, q_t, q_hi_t, ready, x, zero, STAGES: gl.constexpr, PACKED: 
     elif PACKED:
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=zero.type.layout, k_width=4)
         packed = d_smem.index(slot).load(a_layout)
-        low, high = gl.inline_asm_elementwise(
-            _NIBBLES_ASM, "=r,=r,r", [packed], dtype=(gl.int8, gl.int8), is_pure=True, pack=4
-        )
-        acc = warpgroup_mma(low, q_t, zero, use_acc=False, is_async=True)
+        if BIASED:
+            low, high = gl.inline_asm_elementwise(
+                _BIASED_ASM, "=r,=r,r", [packed], dtype=(gl.int8, gl.int8), is_pure=True, pack=4
+            )
+            acc = warpgroup_mma(fix_a, fix_b.permute((1, 0)), zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma(low, q_t, acc, is_async=True)
+        else:
+            low, high = gl.inline_asm_elementwise(
+                _NIBBLES_ASM, "=r,=r,r", [packed], dtype=(gl.int8, gl.int8), is_pure=True, pack=4
+            )
+            acc = warpgroup_mma(low, q_t, zero, use_acc=False, is_async=True)
         return warpgroup_mma(high, q_hi_t, acc, is_async=True)
     else:
         return warpgroup_mma(d_smem.index(slot), q_t, zero, use_acc=False, is_async=True)
@@ -401,16 +435,18 @@ def _product(d_smem, q_t, q_hi_t, ready, x, zero, STAGES: gl.constexpr, PACKED: 
 def _retire(acc, x, tiles, total, run, sc, sc_next, last, item, qs, q_ok, out_ptr,
             pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
             c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad, partial, c_first,
-            n_tokens, cols, stride_tab, n_centroids, plane_scale,
-            IDENTITY: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr,
-            STAGES: gl.constexpr, DEFER: gl.constexpr, RESIDUAL: gl.constexpr):  # fmt: skip
+            n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix,
+            IDENTITY: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
+            DEFER: gl.constexpr, RESIDUAL: gl.constexpr, QUARTER: gl.constexpr):  # fmt: skip
     """Tile x's product is done: refill its ring slot with tile x + STAGES (the ring cursor p's tile),
     fold tile x (`sc`: its scales, or residual2's centroid table entries; item `item`, `last` if it ends
     the item) into the running maxima `run`, storing the item's score at its end (NaN for a bad index),
     and load what the fold of tile x + 2 takes (the side cursor s; `_side`). Returns tile x + 1's fold
     input ready (`_ready_side` of `sc_next`) and tile x + 2's as loaded. With DEFER the item's end keeps
     each warp's maxima of its rows in `partial` (shared memory, a slot an item of the program) and no warp
-    waits for another: `_deferred_scores` finishes the program's items at its end."""
+    waits for another: `_deferred_scores` finishes the program's items at its end. QUARTER: the products of
+    int2's values v become the odd values' as 2 acc + q_fix (q_fix = -3 sum q8 of the query row), exact in
+    int32."""
     if x + STAGES < tiles:
         _request(d_desc, d_smem, ready, x % STAGES, ps, n_tokens, BLOCK_T, RESIDUAL)
         pc, ps, pe, pns, pne, pnd = _cursor_next(pc, ps, pe, pns, pne, pnd, c_last, cand_ptr, off_ptr, bad,
@@ -419,6 +455,8 @@ def _retire(acc, x, tiles, total, run, sc, sc_next, last, item, qs, q_ok, out_pt
         if RESIDUAL:
             v = acc * plane_scale + sc
         else:
+            if QUARTER:
+                acc = acc * 2 + q_fix[None, :]
             v = acc.to(gl.float32) * sc[:, None]
         run = gl.maximum(run, v)
         if last:
@@ -528,6 +566,12 @@ def _int8_stream_kernel(
         q_tok = row_first + gl.arange(0, N, layout=gl.SliceLayout(1, ld_layout))
         q_row_ptr = q_ptr + q_tok.to(gl.int64)[:, None] * stride_q
         q_in = (q_tok < row_last)[:, None]
+        # int4 and int2 multiply the codes' values as stored: int4's nibbles plus 8 after a product that
+        # starts each tile at -8 sum q8 of its query row (`_correction_tiles`; at N = 64 the signed nibbles:
+        # its candidates build spills 40 bytes against 32 so, in triton 3.6), int2's v corrected in the
+        # fold (`_retire`). Each is measured the faster of the two ways for its codec (docs/kernel-notes.md)
+        BIASED: gl.constexpr = PACKED and not QUARTER and N <= 32
+        q_sum = gl.zeros([N], gl.int32, gl.SliceLayout(1, ld_layout))
         if RESIDUAL:
             # planes 0 and 1 of each part p (columns 32p ..): wgmma's second operands, [N, 32] each
             k = gl.arange(0, DIM // 4, layout=gl.SliceLayout(0, ld_layout))
@@ -542,7 +586,9 @@ def _int8_stream_kernel(
             q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, DIM // 4], gl.int8)
             q_smem = gl.allocate_shared_memory(gl.int8, [4, N, DIM // 4], q_layout)
             for i in gl.static_range(4):
-                q_smem.index(i).store(gl.load(q_row_ptr + 4 * k[None, :] + i, mask=q_in, other=0))
+                part = gl.load(q_row_ptr + 4 * k[None, :] + i, mask=q_in, other=0)
+                q_smem.index(i).store(part)
+                q_sum += gl.sum(part.to(gl.int32), axis=1)
             q_hi_smem = q_smem  # unused
         elif PACKED:
             # the query's even and odd columns: the products of the codes' low and high nibbles
@@ -550,8 +596,11 @@ def _int8_stream_kernel(
             q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, DIM // 2], gl.int8)
             q_smem = gl.allocate_shared_memory(gl.int8, [N, DIM // 2], q_layout)
             q_hi_smem = gl.allocate_shared_memory(gl.int8, [N, DIM // 2], q_layout)
-            q_smem.store(gl.load(q_row_ptr + 2 * k[None, :], mask=q_in, other=0))
-            q_hi_smem.store(gl.load(q_row_ptr + 2 * k[None, :] + 1, mask=q_in, other=0))
+            even = gl.load(q_row_ptr + 2 * k[None, :], mask=q_in, other=0)
+            odd = gl.load(q_row_ptr + 2 * k[None, :] + 1, mask=q_in, other=0)
+            q_smem.store(even)
+            q_hi_smem.store(odd)
+            q_sum = gl.sum(even.to(gl.int32), axis=1) + gl.sum(odd.to(gl.int32), axis=1)
         else:
             k = gl.arange(0, DIM, layout=gl.SliceLayout(0, ld_layout))
             q_smem = gl.allocate_shared_memory(
@@ -559,7 +608,12 @@ def _int8_stream_kernel(
             )
             q_smem.store(gl.load(q_row_ptr + k[None, :], mask=q_in, other=0))
             q_hi_smem = q_smem
+        if BIASED:
+            fix_a, fix_b = _correction_tiles(q_sum * -8, BLOCK_T, N, ld_layout)
+        else:
+            fix_a, fix_b = q_smem, q_smem  # unused
         cols = row_first + gl.arange(0, N, layout=col_layout)
+        q_fix = gl.convert_layout(q_sum, col_layout) * -3  # int2's correction (`_retire`)
         q_ok = cols < row_last
         qs = gl.load(qs_ptr + cols, mask=q_ok, other=0.0)
 
@@ -644,43 +698,45 @@ def _int8_stream_kernel(
         run = gl.full([BLOCK_T, N], float("-inf"), gl.float32, acc_layout)
         zero = gl.zeros([BLOCK_T, N], gl.float32 if RESIDUAL else gl.int32, acc_layout)
         # wgmma groups a tile's products take (`_product`): waiting for all but the newest tile's
-        PRODUCTS: gl.constexpr = 8 if RESIDUAL else (4 if QUARTER else (2 if PACKED else 1))
+        PRODUCTS: gl.constexpr = 8 if RESIDUAL else (4 if QUARTER else (2 + BIASED if PACKED else 1))
         for base in range(0, tiles, GROUP):
-            t_a = _product(d_smem, q_t, q_hi_t, ready, base, zero, STAGES, PACKED, RESIDUAL, QUARTER)
-            t_b = _product(d_smem, q_t, q_hi_t, ready, base + 1, zero, STAGES, PACKED, RESIDUAL, QUARTER)
+            t_a = _product(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, base, zero, STAGES, PACKED, RESIDUAL,
+                           QUARTER, BIASED)  # fmt: skip
+            t_b = _product(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, base + 1, zero, STAGES, PACKED, RESIDUAL,
+                           QUARTER, BIASED)  # fmt: skip
             t_b, acc_a = warpgroup_mma_wait(num_outstanding=PRODUCTS, deps=[t_b, t_a])
             (run, sc0, sc1, last2, item2, pc, ps, pe, pns, pne, pnd,
              s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
                 acc_a, base, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
                 pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
                 c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
-                n_tokens, cols, stride_tab, n_centroids, plane_scale,
-                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL,
+                n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix,
+                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER,
             )  # fmt: skip
             last0, item0, last1, item1 = last1, item1, last2, item2
             for j in gl.static_range(2, GROUP, 2):
-                t_a = _product(d_smem, q_t, q_hi_t, ready, base + j, zero, STAGES, PACKED, RESIDUAL, QUARTER)
+                t_a = _product(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, base + j, zero, STAGES, PACKED,
+                               RESIDUAL, QUARTER, BIASED)  # fmt: skip
                 t_a, acc_b = warpgroup_mma_wait(num_outstanding=PRODUCTS, deps=[t_a, t_b])
                 (run, sc0, sc1, last2, item2, pc, ps, pe, pns, pne, pnd,
                  s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
                     acc_b, base + j - 1, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
                     pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
                     c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
-                    n_tokens, cols, stride_tab, n_centroids, plane_scale,
-                    IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL,
+                    n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix,
+                    IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER,
                 )  # fmt: skip
                 last0, item0, last1, item1 = last1, item1, last2, item2
-                t_b = _product(
-                    d_smem, q_t, q_hi_t, ready, base + j + 1, zero, STAGES, PACKED, RESIDUAL, QUARTER
-                )
+                t_b = _product(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, base + j + 1, zero, STAGES, PACKED,
+                               RESIDUAL, QUARTER, BIASED)  # fmt: skip
                 t_b, acc_a = warpgroup_mma_wait(num_outstanding=PRODUCTS, deps=[t_b, t_a])
                 (run, sc0, sc1, last2, item2, pc, ps, pe, pns, pne, pnd,
                  s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
                     acc_a, base + j, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
                     pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
                     c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
-                    n_tokens, cols, stride_tab, n_centroids, plane_scale,
-                    IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL,
+                    n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix,
+                    IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER,
                 )  # fmt: skip
                 last0, item0, last1, item1 = last1, item1, last2, item2
             acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[t_b])
@@ -689,8 +745,8 @@ def _int8_stream_kernel(
                 acc_b, base + GROUP - 1, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
                 pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
                 c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
-                n_tokens, cols, stride_tab, n_centroids, plane_scale,
-                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL,
+                n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix,
+                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER,
             )  # fmt: skip
             last0, item0, last1, item1 = last1, item1, last2, item2
 
