@@ -152,6 +152,15 @@ def _quantize_rows_kernel(
     row_ok = rows < n_rows
     mask = row_ok[:, None] & (cols[None, :] < dim)
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    codes, scale = quantize_rows(x)
+    tl.store(codes_ptr + rows[:, None] * stride_codes + cols[None, :], codes, mask=mask)
+    tl.store(scales_ptr + rows, scale, mask=row_ok)
+
+
+@triton.jit
+def quantize_rows(x):
+    """`quantize_per_token` of a block of rows x fp32 [R, K] (zeros past the dim): (codes int8 [R, K],
+    scales fp32 [R])."""
     absmax = tl.max(tl.abs(x), axis=1)
     # div_rn: correctly rounded like torch's division (Triton's `/` is not, on the GPU).
     scale = tl.math.div_rn(absmax, 127.0)
@@ -159,8 +168,7 @@ def _quantize_rows_kernel(
     y = tl.math.div_rn(x, scale[:, None])
     y = (y + 12582912.0) - 12582912.0  # round half to even (|y| <= 127.5 << 2^22)
     y = tl.minimum(tl.maximum(y, -127.0), 127.0)
-    tl.store(codes_ptr + rows[:, None] * stride_codes + cols[None, :], y.to(tl.int8), mask=mask)
-    tl.store(scales_ptr + rows, scale, mask=row_ok)
+    return y.to(tl.int8), scale
 
 
 @triton.jit

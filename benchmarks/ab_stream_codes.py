@@ -1,0 +1,109 @@
+"""int4 and int2 codes on the Gluon stream kernel against another version of that kernel, in one process:
+the scores compared bit for bit, then alternating `do_bench` rounds. Needs an sm_90 GPU.
+
+The other version is a module inside `maxsim_kernels` (so its relative imports resolve), e.g. the kernel of
+commit BASE with its unpacking module:
+
+    git show BASE:kernels/code_unpacking.py > kernels/_base_unpack.py
+    git show BASE:kernels/maxsim_int8_hopper_stream.py \\
+        | sed 's/from .code_unpacking import/from ._base_unpack import/' > kernels/_base_stream.py
+    python benchmarks/ab_stream_codes.py --baseline _base_stream --out benchmarks/results/codes/ab-....json
+
+Cases: one query of 32, 13 and (int4) 64 tokens against 100K documents of 20-300 tokens (16.0M tokens,
+random unit vectors), and 64 queries of 32 tokens x 1,000 candidates each (every 997th index out of range:
+NaN in both); int4 codes (`encode int4-per-token`) and int2 codes on a grid fitted on 262,144 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+
+import torch
+import triton.testing
+from common import meta, write_json
+
+
+def main() -> None:
+    from maxsim_kernels import maxsim_codes
+    from maxsim_kernels import maxsim_int8_hopper_stream as current
+    from maxsim_kernels.maxsim_int8 import quantize_per_token
+
+    from maxsim_cli.codecs import Int2Grid, encode, fit_int2_levels
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", required=True, help="a maxsim_kernels module: the other kernel")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rep-ms", type=int, default=300)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    base = importlib.import_module(f"maxsim_kernels.{args.baseline}")
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    n_docs = 100_000
+    lens = torch.randint(20, 301, (n_docs,), generator=gen)
+    offsets = torch.zeros(n_docs + 1, dtype=torch.int64)
+    offsets[1:] = lens.cumsum(0)
+    cuda_gen = torch.Generator(device=dev).manual_seed(0)
+    docs = torch.randn(int(offsets[-1]), 128, generator=cuda_gen, device=dev)
+    docs = torch.nn.functional.normalize(docs, dim=1).to(torch.float16)
+    offsets = offsets.to(dev)
+    sample = docs[torch.randperm(docs.shape[0], generator=gen)[: 1 << 18].to(dev)]
+    grid = Int2Grid(*fit_int2_levels(sample))
+    levels = grid.for_kernels(dev)
+    codes = {"int4": encode("int4-per-token", docs, None), "int2": encode("int2-grid", docs, grid)}
+
+    def query_side(codec: str, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if codec == "int2":  # the int8 scan of q * steps, without the rows' offsets (the same in both)
+            side = maxsim_codes.int2_queries(q, levels)
+            return side.q8, side.scales
+        return quantize_per_token(q)
+
+    def unit(rows: int) -> torch.Tensor:
+        q = torch.nn.functional.normalize(torch.randn(rows, 128, generator=gen), dim=1)
+        return q.to(dev, torch.float16)
+
+    cases = []
+    for codec in ("int2", "int4"):
+        for q_len in (32, 13) if codec == "int2" else (32, 13, 64):
+            q8, sq = query_side(codec, unit(q_len))
+            q_off = torch.tensor([0, q_len], device=dev)
+            cases.append((f"{codec}/one_query/q{q_len}", codec, q8, sq, q_off, None, None, q_len))
+        q8, sq = query_side(codec, unit(64 * 32))
+        q_off = torch.arange(0, 64 * 32 + 1, 32, device=dev)
+        item_off = torch.arange(0, 64 * 1000 + 1, 1000, device=dev)
+        items = torch.randint(0, n_docs, (64 * 1000,), generator=gen)
+        items[::997] = n_docs + 5
+        cases.append((f"{codec}/candidates/64x1000", codec, q8, sq, q_off, item_off, items.to(dev), 32))
+
+    record = {"meta": meta(baseline=args.baseline, tokens=int(offsets[-1])), "cases": {}}
+    for name, codec, q8, sq, q_off, item_off, items, q_len in cases:
+        c, s = codes[codec]
+
+        def call(module, q8=q8, sq=sq, q_off=q_off, item_off=item_off, items=items, c=c, s=s, q_len=q_len,
+                 codec=codec):  # fmt: skip
+            return lambda: module.stream_with_tiles(q8, sq, q_off, item_off, items, c, s, offsets, q_len,
+                                                    int2=codec == "int2")  # fmt: skip
+
+        old, new = call(base), call(current)
+        a, b = old(), new()
+        same = bool(torch.equal(a.view(torch.int32), b.view(torch.int32)))
+        times: dict[str, list[float]] = {"baseline": [], "current": []}
+        for r in range(args.rounds):
+            order = [("baseline", old), ("current", new)]
+            for key, fn in order if r % 2 == 0 else order[::-1]:
+                times[key].append(triton.testing.do_bench(fn, rep=args.rep_ms, return_mode="median"))
+        ms = {key: statistics.median(ts) for key, ts in times.items()}
+        record["cases"][name] = {
+            "bitwise_equal": same, "nan": int(a.isnan().sum()), "baseline_ms": ms["baseline"],
+            "current_ms": ms["current"], "speedup": ms["baseline"] / ms["current"], "rounds_ms": times,
+        }  # fmt: skip
+        print(f"{name}: equal {same}  baseline {ms['baseline']:.4f} ms  current {ms['current']:.4f} ms  "
+              f"x{ms['baseline'] / ms['current']:.3f}", flush=True)  # fmt: skip
+        write_json(args.out, record)
+
+
+if __name__ == "__main__":
+    main()
