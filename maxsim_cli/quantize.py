@@ -132,10 +132,9 @@ class QuantizeReport:
         }
 
 
-# --bits 2's codec by default: residual2, whose every GPU path has been measured. int2 ranks as well or
-# better at the same 36 bytes a token, with no k-means, and scans faster where measured (docs/two-stage.md,
-# "Two 2-bit codecs"); its decoded all-pairs path has not run on a GPU yet (docs/kernel-notes.md)
-DEFAULT_CODEC = "residual2"
+# --bits 2's codec by default: int2 ranks as well as residual2 or better at the same 36 bytes a token, needs
+# no k-means (nor fastkmeans), and scans faster (docs/two-stage.md, "Two 2-bit codecs")
+DEFAULT_CODEC = "int2"
 _LABELS = {
     "int8-per-token": "int8",
     "int4-per-token": "4-bit codes",
@@ -357,9 +356,9 @@ def quantize_corpus(
     codec: str | None = None,
 ) -> QuantizeReport:
     """Quantize a float corpus (files and/or directories) into int8 shards under `output_dir`, or into
-    codes below 8 bits: `bits` 4 (per-token int4) or 2, `codec` "residual2" (the default: residual over
-    k-means centroids; `num_centroids` of them, by default ColBERTv2's rule) or "int2" (a per-dimension
-    grid of four values and a scale a token), either fitted on about `kmeans_sample_tokens` tokens drawn
+    codes below 8 bits: `bits` 4 (per-token int4) or 2, `codec` "int2" (the default: a per-dimension grid
+    of four values and a scale a token) or "residual2" (residual over k-means centroids; `num_centroids`
+    of them, by default ColBERTv2's rule), either fitted on about `kmeans_sample_tokens` tokens drawn
     from the corpus, its codebook written beside the shards. docs/format.md, "Codes below 8 bits".
 
     Streams `batch_tokens` tokens at a time; writes into a temporary directory renamed to `output_dir`

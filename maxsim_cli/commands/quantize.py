@@ -71,10 +71,10 @@ def register(app: typer.Typer) -> None:
         codec: str | None = typer.Option(
             None,
             "--codec",
-            help="--bits 2: residual2 (the default; the ColBERTv2 residual codec: a k-means centroid id and "
-            "2 bits a dimension; --centroids) or int2 (2 bits a dimension on a per-dimension grid of four "
-            "values, and a scale a token: no k-means, and a scan with no per-token centroid lookup). "
-            "docs/two-stage.md compares them.",
+            help="--bits 2: int2 (the default; 2 bits a dimension on a per-dimension grid of four values, "
+            "and a scale a token: no k-means, and a scan with no per-token centroid lookup) or residual2 "
+            "(the ColBERTv2 residual codec: a k-means centroid id and 2 bits a dimension; --centroids; "
+            "needs maxsim[codes]). docs/two-stage.md compares them.",
         ),
         centroids: int | None = typer.Option(
             None,
