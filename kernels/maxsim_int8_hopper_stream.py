@@ -18,22 +18,26 @@ against all documents or candidates; everything else keeps the Triton kernels of
 int4 codes (PACKED; `maxsim_codes`, the same score with c[j] in -7..7 for d8[j]): a tile is 64 rows of 64
 bytes, two values a byte. Each thread loads its bytes of the tile from shared memory straight into wgmma's
 register operand layout (four consecutive bytes a register), splits them into the low and the high
-nibbles (`code_unpacking`: 7 integer instructions for 8 values) and issues two products from registers, the
-low nibbles (values 2m) against the query's even columns and the high ones against its odd columns, both
-held in shared memory. The integer products and maxima are those of the int8 kernel on the decoded
-values, bit for bit. A document's end does not wait for the other warps (DEFER, `deferred`): each warp
-keeps the maxima of its 16 rows in the item's slot of a shared buffer, and the program's scores are
-summed after its last tile (`_deferred_scores`; the sums in another order than the int8 kernel's).
+nibbles and issues two products from registers, the low nibbles (values 2m) against the query's even
+columns and the high ones against its odd columns, both held in shared memory. For queries of at most 32
+tokens (BIASED) the nibbles are taken as stored, n + 8 (`code_unpacking`: 3 integer instructions for 8
+values, where the signed values take 7), after a first product that starts the tile's accumulator at -8
+sum q8 of each query row (`_correction_tiles`); at N = 64 the signed nibbles. The integer products and
+maxima are those of the int8 kernel on the decoded values, bit for bit. A document's end does not wait
+for the other warps (DEFER, `deferred`): each warp keeps the maxima of its 16 rows in the item's slot of a
+shared buffer, and the program's scores are summed after its last tile (`_deferred_scores`; the sums in
+another order than the int8 kernel's).
 Bound (H100, 3.35 TB/s): 68 bytes a token, 1.09 GB for one query x 100K documents of 20-300 tokens, 0.33
 ms; a tile brings 4 KB, so an SM takes one in every ~300 clocks at the bound. Measured 0.475 ms against
 the Triton scan's 0.684 and fp16's 1.309 (docs/kernel-notes.md, "4-bit on the Gluon stream kernel").
 
 int2 codes (QUARTER; `maxsim_codes`: 2 bits a dimension, code v of dimension 4m + p in bits 2p, 2p + 1 of
 byte m, the odd value 2v - 3; a scale a token): a tile is 64 rows of 32 bytes (TMA). Each thread loads its
-bytes into wgmma's int8 register operand layout (four bytes a register) and makes code p of each byte into
-its odd value (`code_unpacking`: 4 integer instructions for 4 values), and issues four products from
-registers, part p against the query's columns 4m + p (the int8 codes of q * steps, `int2_queries`, in
-shared memory); the fold and the scores are int4's (the launcher adds each query row's q . offsets).
+bytes into wgmma's int8 register operand layout (four bytes a register) and takes code p of each byte as
+its value v (`code_unpacking`: 7 integer instructions for 16 values, where the odd values take 16), and
+issues four products from registers, part p against the query's columns 4m + p (the int8 codes of q *
+steps, `int2_queries`, in shared memory); the fold makes each product the odd values' (2 acc - 3 sum q8,
+exact in int32, `_retire`), then folds as int4 (the launcher adds each query row's q . offsets).
 Queries of at most 32 tokens (INT2_MAX_QUERY_TOKENS). Bound (H100, 3.35 TB/s): 36 bytes a token, 0.58 GB
 for one query x 100K documents, 0.17 ms; the products are 64 x N x 128 int8 MACs a tile, as int8's.
 
