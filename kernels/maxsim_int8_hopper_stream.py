@@ -182,13 +182,20 @@ INT8_TILES = Tuning(STAGES, GROUP, ITEMS_ONE_QUERY, ITEMS_CANDIDATES, REGISTERS)
 # tiles a turn 0.654; the cap of 128 registers (four programs an SM) against 168 0.684, none (138, three
 # programs) 0.688 and 96 (spills) 0.936: the scan is bound by the latency of each program's chain of a
 # tile (load into registers, unpack, two products, fold), so programs an SM count, the ring's depth not.
-INT4_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (128, 128), 64: (168, 168)})
+# With the codes multiplied as stored (bench_codes.py --stream-sweep int2,int4, H100,
+# codes-stream-sweep-h100-5863efa.json), one query at N = 32 under a cap of 80 registers (no spills): 0.443 ms
+# against 0.460 at 128 (five programs an SM, bound by its 40 KB of shared memory, against four), 72 0.471,
+# 96 0.507; at N = 16 a cap of 80 spills 132 bytes
+INT4_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (80, 128), 64: (168, 168)})
 # residual2 (RESIDUAL), one query x 100K documents on an H100 (bench_codes.py --stream-sweep): 1.235 ms with
 # a ring of 6, 2 tiles a turn and a cap of 128 registers (four programs an SM), against 1.305 at 168 (three)
 # and 1.355 uncapped (255, two programs); 4 tiles a turn 1.470 uncapped
-# int2 (QUARTER): int4's tiles, not yet swept. Queries of at most 32 tokens (INT2_MAX_QUERY_TOKENS): at N =
-# 64 the candidates build spills 200 bytes under int4's cap of 168 registers
-INT2_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (128, 128)})
+# int2 (QUARTER), the same sweep: one query at N = 32 under a cap of 80 registers (no spills, six programs an
+# SM against four) 0.417 ms against 0.444 at 128, 72 0.428, 96 0.508, 64 (spills) 0.529; a ring of 6 or 8
+# 0.421-0.424, 64 documents a program 0.454, 16 0.629; at N = 16 a cap of 80 spills 80 bytes. Queries of at
+# most 32 tokens (INT2_MAX_QUERY_TOKENS): at N = 64 the candidates build spills 200 bytes under int4's cap of
+# 168 registers
+INT2_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (80, 128)})
 INT2_MAX_QUERY_TOKENS = 32
 RESIDUAL2_TILES = Tuning(6, 2, 32, 16, {16: (128, 128), 32: (128, 128)})
 
