@@ -99,7 +99,7 @@ def main() -> None:
     parser.add_argument("--random-queries", type=int, default=64)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--bits", default="8,4,2")
-    parser.add_argument("--codec", default="residual2", help="the 2-bit codec (maxsim quantize --codec)")
+    parser.add_argument("--codec", default="int2", help="the 2-bit codec (quantize --codec, its default)")
     parser.add_argument("--ks", default="10,100")
     parser.add_argument(
         "--depths", default=",".join(map(str, DEPTHS)), help="depths N (those past the corpus dropped)"
