@@ -22,7 +22,7 @@ import statistics
 
 import torch
 import triton.testing
-from common import meta, write_json
+from common import meta, ragged, write_json
 
 
 def main() -> None:
@@ -43,13 +43,7 @@ def main() -> None:
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     n_docs = 100_000
-    lens = torch.randint(20, 301, (n_docs,), generator=gen)
-    offsets = torch.zeros(n_docs + 1, dtype=torch.int64)
-    offsets[1:] = lens.cumsum(0)
-    cuda_gen = torch.Generator(device=dev).manual_seed(0)
-    docs = torch.randn(int(offsets[-1]), 128, generator=cuda_gen, device=dev)
-    docs = torch.nn.functional.normalize(docs, dim=1).to(torch.float16)
-    offsets = offsets.to(dev)
+    docs, offsets = ragged(n_docs, 20, 300, torch.Generator(device=dev).manual_seed(0), dev)
     sample = docs[torch.randperm(docs.shape[0], generator=gen)[: 1 << 18].to(dev)]
     grid = Int2Grid(*fit_int2_levels(sample))
     levels = grid.for_kernels(dev)
