@@ -141,7 +141,7 @@ REGISTERS = {16: (96, 128), 32: (96, 128), 64: (168, 168)}
 MAX_QUERY_TOKENS = 64
 _NIBBLES_ASM = gl.constexpr(_NIBBLES_TEXT)  # int4: the two nibbles of four bytes (`code_unpacking`)
 _BIASED_ASM = gl.constexpr(_BIASED_TEXT)  # int4 as stored: the nibbles plus 8 (`code_unpacking`)
-# residual2: the bit planes of bucket p of four bytes; int2: the odd values of code p (`code_unpacking`)
+# residual2: the bit planes of bucket p of four bytes; int2: the values v of code p (`code_unpacking`)
 _PLANES = gl.constexpr(tuple(bucket_planes_asm(p) for p in range(4)))
 _QUARTERS = gl.constexpr(tuple(quarter_values_asm(p) for p in range(4)))
 RESIDUAL_DIM = 128
@@ -411,8 +411,8 @@ def _product(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, x, zero, STAGES: gl.const
     are loaded into wgmma's register operand layout and split into their low and high nibbles (values 2m
     and 2m + 1; with BIASED as stored, plus 8, after the correction's product `_correction_tiles`), each
     multiplied with the query's matching columns (q_t, q_hi_t); ptxas keeps those registers until the
-    products are waited for (it serializes the wgmmas where it cannot: the build test checks it does
-    not)."""
+    products are waited for (it serializes the wgmmas where it cannot: the build test says where that is
+    measured the faster build)."""
     slot = x % STAGES
     mbarrier.wait(ready.index(slot), (x // STAGES) & 1)
     if RESIDUAL:
