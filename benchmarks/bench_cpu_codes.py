@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-from common import SMOKE, make_log, meta, smoke_size, write_json
+from common import SMOKE, host_times, make_log, meta, offsets_of, smoke_size, write_json
 
 log = make_log("cpu-codes", clock=True)
 
@@ -47,9 +46,7 @@ def main() -> None:
     if args.smoke:
         args.repeats, args.rounds = 1, 1
     gen = torch.Generator().manual_seed(0)
-    lengths = torch.randint(20, 301, (n,), generator=gen)
-    offsets = torch.zeros(n + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(lengths, 0)
+    offsets = offsets_of(torch.randint(20, 301, (n,), generator=gen))
     x = torch.nn.functional.normalize(torch.randn(int(offsets[-1]), 128, generator=gen), dim=1)
     q = torch.nn.functional.normalize(torch.randn(32, 128, generator=gen), dim=1)
     q_off = torch.tensor([0, 32])
@@ -88,12 +85,8 @@ def main() -> None:
     names = list(paths)
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            times = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                paths[name]()
-                times.append((time.perf_counter() - t0) * 1e3)
-            record["ms"][name].append(statistics.median(times))
+            times = host_times(paths[name], args.repeats, warmup=0)
+            record["ms"][name].append(statistics.median(times) * 1e3)
         log(f"round {r}: { {k: round(v[-1], 1) for k, v in record['ms'].items()} }")
     record["median_ms"] = {k: statistics.median(v) for k, v in record["ms"].items()}
     record["speedup_over_blocked"] = {
