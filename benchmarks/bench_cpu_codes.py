@@ -55,13 +55,12 @@ def main() -> None:
     c4, s4 = maxsim_codes.encode_int4(x)
     levels = maxsim_codes.Int2Levels(*(t.float() for t in fit_int2_levels(x[:65536])))
     c2, s2 = maxsim_codes.encode_int2(x, levels)
-    side = maxsim_codes.int2_queries(q, levels)
-    row_sums = maxsim_codes._query_sums(side.row_offsets, q_off)[:, None]
+    side = maxsim_codes.int2_queries(q, levels, query_offsets=q_off)
 
     def int2_blocked() -> torch.Tensor:
         values = maxsim_codes.int2_values(c2)
         out = maxsim_int8._varlen_torch(side.q8, side.scales, q_off, values, s2, offsets, False)[0]
-        return out.add_(row_sums)
+        return out.add_(side.query_sums[:, None])
 
     paths = {
         "fp32": lambda: maxsim_varlen(q, q_off, x, offsets),

@@ -331,7 +331,7 @@ class Int2Queries(NamedTuple):
     q8: torch.Tensor  # int8 [Tq, dim]
     scales: torch.Tensor  # fp32 [Tq]
     row_offsets: torch.Tensor  # fp32 [Tq]
-    query_sums: torch.Tensor | None = None  # fp32 [nq]: each query's sum of its rows' (`_query_sums`)
+    query_sums: torch.Tensor | None = None  # fp32 [nq]: each query's sum of row_offsets (with query offsets)
 
 
 def int2_queries(
@@ -343,27 +343,29 @@ def int2_queries(
     """The query side of int2 scores (module docstring): ``q . x = q . offsets + s * (q * steps) . c``, so
     the kernels of int8 score ``q * steps`` (quantized per token to int8, as any query) against the codes'
     odd values c with the tokens' scales s, and each query row adds ``q . offsets`` (float64, rounded
-    once) to its maximum. With the Triton backend and `query_offsets` (int64 [nq + 1], checked, on the
-    queries' device) one launch makes them all and each query's sum of its rows' offsets (`query_sums`):
-    q8 and the scales are `quantize_per_token`'s bits, the offsets' float64 sums are added in another
-    order than torch's product."""
+    once) to its maximum. With `query_offsets` (int64 [nq + 1], checked, on the queries' device) also each
+    query's sum of its rows' offsets (`query_sums`, float64 sums rounded once); the Triton backend then
+    makes everything in one launch: q8 and the scales `quantize_per_token`'s bits, the offsets' float64
+    sums added in another order than torch's product and `_query_sums`."""
     if query_offsets is not None and resolve_backend(backend, queries.device) == "triton":
         return _int2_queries_triton(queries, levels, query_offsets)
     q = queries.float()
     weighted = q * levels.steps.to(q.device, torch.float32)
     q8, sq = quantize_per_token(weighted, backend=backend)
     row_offsets = (queries.double() @ levels.offsets.to(q.device, torch.float64)).float()
-    return Int2Queries(q8, sq, row_offsets)
+    sums = None if query_offsets is None else _query_sums(row_offsets, query_offsets)
+    return Int2Queries(q8, sq, row_offsets, sums)
 
 
 @triton.jit(do_not_specialize=["n_rows", "dim"])
 def _int2_query_kernel(
-    x_ptr, steps_ptr, offsets_ptr, q_off_ptr, codes_ptr, scales_ptr, rows_ptr, sums_ptr,
+    x_ptr, steps_ptr, offsets_ptr, q_off_ptr, codes_ptr, scales_ptr, row_offsets_ptr, sums_ptr,
     n_rows, dim, stride_x, stride_codes,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Query q's int2 side (`int2_queries`): its rows x times the steps quantized per token (codes, scales),
-    each row's x . offsets in float64 rounded to fp32 (rows), and their sum in float64, rounded (sums[q]).
+    each row's x . offsets in float64 rounded to fp32 (row_offsets), and their sum in float64, rounded
+    (sums[q]).
     Rows outside [0, n_rows) (offsets not checked on the host) are neither read nor written."""
     q = tl.program_id(0)
     r0 = tl.load(q_off_ptr + q)
@@ -382,7 +384,7 @@ def _int2_query_kernel(
         tl.store(codes_ptr + rows[:, None] * stride_codes + cols[None, :], codes, mask=mask)
         tl.store(scales_ptr + rows, scale, mask=row_ok)
         row = tl.sum(x.to(tl.float64) * offsets[None, :], axis=1).to(tl.float32)
-        tl.store(rows_ptr + rows, row, mask=row_ok)
+        tl.store(row_offsets_ptr + rows, row, mask=row_ok)
         total += tl.where(row_ok, row.to(tl.float64), 0.0)
     tl.store(sums_ptr + q, tl.sum(total, axis=0).to(tl.float32))
 
@@ -396,16 +398,16 @@ def _int2_queries_triton(
     dev = x.device
     q8 = torch.empty((n, dim), dtype=torch.int8, device=dev)
     scales = torch.empty((n,), dtype=torch.float32, device=dev)
-    rows = torch.empty((n,), dtype=torch.float32, device=dev)
+    row_offsets = torch.empty((n,), dtype=torch.float32, device=dev)
     sums = torch.empty((query_offsets.numel() - 1,), dtype=torch.float32, device=dev)
     if sums.numel():
         block_k = triton.next_power_of_2(dim)
         _int2_query_kernel[(sums.numel(),)](
             x, levels.steps.to(dev, torch.float32), levels.offsets.to(dev, torch.float32), query_offsets,
-            q8, scales, rows, sums, n, dim, x.stride(0), q8.stride(0),
+            q8, scales, row_offsets, sums, n, dim, x.stride(0), q8.stride(0),
             BLOCK_R=max(1, min(16, 4096 // block_k)), BLOCK_K=block_k,
         )  # fmt: skip
-    return Int2Queries(q8, scales, rows, sums)
+    return Int2Queries(q8, scales, row_offsets, sums)
 
 
 def residual2_ids(codes: torch.Tensor) -> torch.Tensor:
@@ -1535,7 +1537,7 @@ def maxsim_varlen_codes(
             return _launch_varlen(codec, dim, q8, sq, q_off, codes, sd, d_off, cb)
         return _varlen_torch(q8, sq, q_off, codes, sd, d_off, cb)
     if codec == "int2":  # each query row's q . offsets (`int2_queries`)
-        scores.add_(_int2_sums(cb, q_off)[:, None])
+        scores.add_(cb.query_sums[:, None])
     return scores
 
 
@@ -1592,7 +1594,7 @@ def maxsim_candidates_codes(
     else:
         return _candidates_torch(q8, sq, q_off, codes, sd, d_off, cb, c_off, c_docs)
     if codec == "int2":  # each candidate's query's sum of q . offsets (`int2_queries`)
-        scores.add_(_int2_sums(cb, q_off)[_owners(c_off, c_docs.numel())])
+        scores.add_(cb.query_sums[_owners(c_off, c_docs.numel())])
     return scores
 
 
@@ -1792,11 +1794,6 @@ def _owners(offsets: torch.Tensor, total: int) -> torch.Tensor:
     count given: no wait for the device)."""
     segments = torch.arange(offsets.numel() - 1, device=offsets.device)
     return torch.repeat_interleave(segments, offsets.diff(), output_size=total)
-
-
-def _int2_sums(side: Int2Queries, q_off: torch.Tensor) -> torch.Tensor:
-    """Each query's sum of its rows' ``q . offsets``: as `int2_queries` made it, else `_query_sums`."""
-    return side.query_sums if side.query_sums is not None else _query_sums(side.row_offsets, q_off)
 
 
 def _query_sums(row_values: torch.Tensor, q_off: torch.Tensor) -> torch.Tensor:

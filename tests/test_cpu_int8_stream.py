@@ -62,10 +62,10 @@ def test_streamed_int8_paths_are_the_blocked_paths_bitwise(dim, q_lengths, monke
     levels = maxsim_codes.Int2Levels(x.mean(0), x.std(0) / 2)
     c2, s2 = maxsim_codes.encode_int2(x, levels)
     streamed = maxsim_varlen(q, q_off, c2, d_off, doc_scales=s2, codebook=levels)
-    side = maxsim_codes.int2_queries(q, levels)
+    side = maxsim_codes.int2_queries(q, levels, query_offsets=q_off)
     blocked = maxsim_int8._varlen_torch(side.q8, side.scales, q_off, maxsim_codes.int2_values(c2), s2, d_off,
                                         False)[0]  # fmt: skip
-    blocked += maxsim_codes._query_sums(side.row_offsets, q_off)[:, None]
+    blocked += side.query_sums[:, None]
     assert torch.allclose(streamed, blocked, equal_nan=True, atol=0, rtol=0)
 
 

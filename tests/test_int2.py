@@ -107,8 +107,6 @@ def test_int2_query_side_in_one_launch_matches_the_torch_ops(dim: int, dtype: to
     rounded products, divisions and ties to even), with an all-zero row (scale 1) and a row of one value;
     each row's offset and each query's sum are float64 sums in another order, rounded to fp32: within an
     ulp of them."""
-    from maxsim_kernels.maxsim_codes import _query_sums
-
     gen = torch.Generator().manual_seed(dim)
     levels = _levels(dim, gen)
     queries, q_off = _corpus([1, 32, 17, 5], dim, gen)
@@ -116,14 +114,14 @@ def test_int2_query_side_in_one_launch_matches_the_torch_ops(dim: int, dtype: to
     queries[4] = 0
     queries[4, dim - 1] = -2.5
     queries = queries.to(dtype)
-    torch_side = int2_queries(queries, levels)
+    torch_side = int2_queries(queries, levels, query_offsets=q_off)
     side = int2_queries(queries, levels, backend="triton", query_offsets=q_off)
     assert torch.equal(side.q8, torch_side.q8) and torch.equal(side.scales, torch_side.scales)
     assert float(side.scales[3]) == 1.0
     ulp = torch.finfo(torch.float32).eps
     rows = torch_side.row_offsets
     assert torch.allclose(side.row_offsets, rows, rtol=ulp, atol=ulp * float(rows.abs().max()))
-    sums = _query_sums(rows, q_off)
+    sums = torch_side.query_sums
     assert torch.allclose(side.query_sums, sums, rtol=ulp, atol=ulp * float(sums.abs().max()))
 
 
