@@ -89,7 +89,7 @@ operand, four int8 products a tile); everywhere else int2 documents are decoded 
 scored by the int8 kernels of `maxsim_int8` with their scales. All
 pairs of enough queries to be bound by the tensor cores decode the documents a bounded chunk at a time
 into int8 rows and score them on the Gluon all-pairs kernel of `maxsim_int8_hopper`
-(`_int4_decoded_allpairs`: the decode's bytes are ~1% of such a call's time).
+(`_decoded_varlen`: the decode's bytes are ~1% of such a call's time).
 """
 
 from __future__ import annotations
@@ -112,7 +112,6 @@ from .maxsim_int8 import (
     device_offsets,
     hopper_allpairs,
     hopper_stream,
-    launch_hopper,
     maxsim_candidates_int8,
     maxsim_varlen_int8,
     quantize_per_token,
@@ -126,7 +125,6 @@ from .validation import (
     cdiv,
     check_candidate_docs,
     host_offsets,
-    host_to_device,
     interpreting,
     memo,
     resolve_backend,
@@ -1525,14 +1523,14 @@ def maxsim_varlen_codes(
         # int4 or int2 against a few query rows on the CPU: decoded a chunk at a time on each worker
         decoded = functools.partial(_decoded_rows, codec, codes)
         scores = maxsim_int8_varlen_cpu(q8, sq, q_off.numpy(), decoded, sd, d_off.numpy())
-    elif codec == "int2":
-        scores = _int2_decoded_varlen(backend, query_offsets, doc_offsets, q8, sq, q_off, codes, sd)
+    elif codec == "int2" or (
+        codec == "int4"
+        and backend == "triton"
+        and q_off.numel() > 2
+        and _int4_allpairs_on_hopper(query_offsets, doc_offsets, q8, codes)
+    ):
+        scores = _decoded_varlen(codec, backend, query_offsets, doc_offsets, q8, sq, codes, sd)
     else:
-        decoded = None
-        if codec == "int4" and backend == "triton" and q_off.numel() > 2:
-            decoded = _int4_decoded_allpairs(query_offsets, doc_offsets, q8, sq, q_off, codes, sd, d_off)
-        if decoded is not None:
-            return decoded
         if backend == "triton":
             return _launch_varlen(codec, dim, q8, sq, q_off, codes, sd, d_off, cb)
         return _varlen_torch(q8, sq, q_off, codes, sd, d_off, cb)
@@ -1630,10 +1628,10 @@ def _code_stream(
                              int2=codec == "int2")  # fmt: skip
 
 
-# int4 all pairs on sm_90 (`_int4_decoded_allpairs`): documents decoded to int8 rows a chunk of at most this
-# many bytes at a time, each chunk scored by the Gluon all-pairs kernel of int8. A bound on the scratch
-# memory, not a tuned size: 512 x 50K (8.0M tokens, four chunks) ran at the int8 rate with it
-# (benchmarks/results/codes/codes-allpairs-h100-9e378c2.json).
+# int4 and int2 all pairs (`_decoded_varlen`): documents decoded to int8 rows a chunk of at most this
+# many bytes at a time, each chunk scored by the int8 kernels (on sm_90 the Gluon all-pairs kernel). A
+# bound on the scratch memory, not a tuned size: 512 x 50K (8.0M tokens, four chunks) ran at the int8 rate
+# with it, int4 and int2 (benchmarks/results/codes/allpairs-profile-h100-9b3c1b4.json).
 DECODE_CHUNK_BYTES = 256 << 20
 _DECODE_ROWS = 64  # rows a program of `_int4_to_int8_kernel`
 
@@ -1720,12 +1718,19 @@ def _decoded_rows(codec: str, codes: torch.Tensor, t0: int, t1: int) -> torch.Te
     return torch.from_numpy(np.ascontiguousarray(words).view(np.int8).reshape(chunk.shape[0], width))
 
 
+def _int8_values(codec: str, backend: str, codes: torch.Tensor, out: torch.Tensor) -> None:
+    """int4 or int2 ``codes`` [T, width] decoded into ``out`` [T, dim] as their int8 values (`decode_int4`'s,
+    `int2_values`'): by the Triton decode with the Triton backend, else by those torch functions."""
+    if backend == "triton":
+        (int4_to_int8 if codec == "int4" else int2_to_int8)(codes, out)
+    else:
+        out.copy_((decode_int4 if codec == "int4" else int2_values)(codes))
+
+
 def _odd_values(codes: torch.Tensor, backend: str) -> torch.Tensor:
-    """int2 codes' odd values (int8): by `int2_to_int8` with the Triton backend, else `int2_values`."""
-    if backend != "triton":
-        return int2_values(codes)
+    """int2 codes' odd values (int8, `_int8_values`)."""
     out = torch.empty((codes.shape[0], 4 * codes.shape[1]), dtype=torch.int8, device=codes.device)
-    int2_to_int8(codes, out)
+    _int8_values("int2", backend, codes, out)
     return out
 
 
@@ -1735,54 +1740,20 @@ def int4_to_int8(codes: torch.Tensor, out: torch.Tensor) -> None:
     _decode_rows("int4_to_int8", _int4_to_int8_kernel, codes, out, 2)
 
 
-def _int4_decoded_allpairs(
-    given_q_off: torch.Tensor,
-    given_d_off: torch.Tensor,
-    q8: torch.Tensor,
-    sq: torch.Tensor,
-    q_off: torch.Tensor,
-    codes: torch.Tensor,
-    sd: torch.Tensor,
-    d_off: torch.Tensor,
-) -> torch.Tensor | None:
-    """All pairs of several queries against int4 codes on the Gluon all-pairs kernel of int8, where it
-    takes the problem (`maxsim_int8.hopper_allpairs`: sm_90, dim 128, enough query groups), else None.
+def _int4_allpairs_on_hopper(
+    given_q_off: torch.Tensor, given_d_off: torch.Tensor, q8: torch.Tensor, codes: torch.Tensor
+) -> bool:
+    """Whether all pairs of these queries against int4 codes go to the Gluon all-pairs kernel of int8 on
+    their decoded values (`_decoded_varlen`): where that kernel takes the problem
+    (`maxsim_int8.hopper_allpairs`: sm_90, dim 128, enough query groups); else the Triton scan of the codes.
 
     Scoring many queries is bound by the tensor cores, not by the bytes: 512 queries x 50K documents are
     ~53 ms of int8 products, where decoding their 8.0M tokens (0.5 GB of codes into 1.0 GB of int8 rows)
-    moves 1.5 GB, ~0.5 ms at HBM speed. So the documents are decoded chunk by chunk (whole documents,
-    at most `DECODE_CHUNK_BYTES` of int8 rows, reused) and each chunk is scored with its scales: the int8
-    kernel's exact integer products and maxima of the decoded values, its sums, bit for bit those of
-    `maxsim_int8` on the decoded codes."""
-    if codes.shape[1] * 2 != 128 or codes.device.type != "cuda":
-        return None
-    d_host = host_offsets("doc_offsets", given_d_off, codes.shape[0])
-    nd, total = len(d_host) - 1, int(d_host[-1])
-    if nd == 0 or total == 0:
-        return None
+    moves 1.5 GB, ~0.5 ms at HBM speed."""
+    if codes.shape[1] * 2 != 128 or codes.device.type != "cuda" or codes.shape[0] == 0:
+        return False
     probe = torch.empty((1, 128), dtype=torch.int8, device=codes.device)  # the kernel's operand, as a shape
-    hopper = hopper_allpairs(given_q_off, given_d_off, q8, probe, False)
-    if hopper is None:
-        return None
-    longest = int(np.diff(d_host).max())
-    chunk = min(total, max(DECODE_CHUNK_BYTES // 128, longest))
-    rows = torch.empty((chunk, 128), dtype=torch.int8, device=codes.device)
-    out = None  # [nq, nd], made only when the documents take several chunks
-    for first, stop, offsets in _document_chunks(d_host, chunk):
-        t0, t1 = int(d_host[first]), int(d_host[stop])
-        part = None  # documents with no tokens: -inf
-        if t1 > t0:
-            int4_to_int8(codes[t0:t1], rows[: t1 - t0])
-            part = launch_hopper(
-                hopper, given_q_off, offsets, q_off, host_to_device(offsets, codes.device),
-                q8, sq, rows[: t1 - t0], sd[t0:t1],
-            )  # fmt: skip
-            if first == 0 and stop == nd:  # one chunk (it has tokens: `total`): the answer as it is
-                return part
-        if out is None:
-            out = torch.empty((q_off.numel() - 1, nd), dtype=torch.float32, device=codes.device)
-        out[:, first:stop] = float("-inf") if part is None else part
-    return out
+    return hopper_allpairs(given_q_off, given_d_off, q8, probe, False) is not None
 
 
 def _document_chunks(d_host: np.ndarray, chunk: int) -> Iterator[tuple[int, int, torch.Tensor]]:
@@ -1809,30 +1780,44 @@ def _query_sums(row_values: torch.Tensor, q_off: torch.Tensor) -> torch.Tensor:
     return sums.index_add_(0, _owners(q_off, row_values.numel()), row_values.double()).float()
 
 
-def _int2_decoded_varlen(
+def _decoded_varlen(
+    codec: str,
     backend: str,
     given_q_off: torch.Tensor,
     given_d_off: torch.Tensor,
     q8: torch.Tensor,
     sq: torch.Tensor,
-    q_off: torch.Tensor,
     codes: torch.Tensor,
     sd: torch.Tensor,
 ) -> torch.Tensor:
-    """int2 all pairs without the query rows' offsets (`int2_queries`) where the stream kernel does not take
-    them: the documents decoded to their odd values (int8) a chunk of whole documents at a time (at most
-    `DECODE_CHUNK_BYTES`), each chunk scored by the int8 kernels with its scales: the same integer products
-    and maxima."""
+    """All pairs of int4 or int2 codes as the int8 kernels score their values (int2 without the query rows'
+    offsets, `int2_queries`): the documents decoded into one reused buffer of int8 rows a chunk of whole
+    documents at a time (`_int8_values`; at most `DECODE_CHUNK_BYTES`, or one document alone where it is
+    longer), each chunk scored by `maxsim_varlen_int8` with its scales and host offsets (the Gluon
+    all-pairs kernel's plan reads them there): its exact integer products and maxima, bit for bit. Where
+    one chunk holds every document its scores are the answer as they are; documents with no tokens score
+    -inf."""
     d_host = host_offsets("doc_offsets", given_d_off, codes.shape[0])
-    out = torch.full((q_off.numel() - 1, len(d_host) - 1), float("-inf"), device=codes.device)
-    for first, stop, offsets in _document_chunks(d_host, max(1, DECODE_CHUNK_BYTES // q8.shape[1])):
+    nq, nd, dim = given_q_off.numel() - 1, len(d_host) - 1, q8.shape[1]
+    chunk = max(1, DECODE_CHUNK_BYTES // dim)
+    longest = int(np.diff(d_host).max(initial=0))
+    buffer_rows = min(int(d_host[-1]), max(chunk, longest))
+    rows = torch.empty((buffer_rows, dim), dtype=torch.int8, device=codes.device)
+    out = None  # [nq, nd], made only where the documents take several chunks
+    for first, stop, offsets in _document_chunks(d_host, chunk):
         t0, t1 = int(d_host[first]), int(d_host[stop])
-        if t1 > t0:  # host offsets: the int8 kernels' plans (the Gluon all-pairs kernel's) read them there
-            out[:, first:stop] = maxsim_varlen_int8(
-                q8, given_q_off, _odd_values(codes[t0:t1], backend), offsets, doc_scales=sd[t0:t1],
-                query_scales=sq, backend=backend,
-            )  # fmt: skip
-    return out
+        part = None  # documents with no tokens: -inf
+        if t1 > t0:
+            values = rows[: t1 - t0]
+            _int8_values(codec, backend, codes[t0:t1], values)
+            part = maxsim_varlen_int8(q8, given_q_off, values, offsets, doc_scales=sd[t0:t1], query_scales=sq,
+                                      backend=backend)  # fmt: skip
+            if first == 0 and stop == nd:
+                return part
+        if out is None:
+            out = torch.empty((nq, nd), dtype=torch.float32, device=codes.device)
+        out[:, first:stop] = float("-inf") if part is None else part
+    return torch.empty((nq, 0), dtype=torch.float32, device=codes.device) if out is None else out
 
 
 def _int2_decoded_candidates(
