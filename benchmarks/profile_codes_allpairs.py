@@ -1,13 +1,13 @@
 """Where all pairs of codes spend their time: 512 queries of 32 tokens x 50K ragged documents (20-300
 tokens, d = 128) as int8, int4 and int2, each through `maxsim_varlen` with the query offsets on the device
-and on the host. For each: which int8 kernel scored it (`maxsim_int8.hopper_allpairs`' answer, or the
-Triton tiles), the median time (`triton.testing.do_bench`) and one call's host time; then a CUDA profile
-(`torch.profiler`, three calls) of each codec in ``--profile``, kernel by kernel.
+and on the host. For each: the kernels one call launches and their GPU time (`torch.profiler`: the int8
+kernel that scored it, `_int8_allpairs_kernel` for the Gluon all-pairs kernel, and the decode of the
+codes), the median time of a call (`triton.testing.do_bench`) and one call's host time.
 
     python benchmarks/profile_codes_allpairs.py --out benchmarks/results/codes/allpairs-profile-h100.json
 
-``--device cpu --docs 300 --queries 8`` checks the script on a machine without a GPU (the torch paths; it
-times and profiles nothing).
+``--device cpu --docs 300 --queries 8`` checks the script on a machine without a GPU (each call once, on the
+torch paths; nothing timed or profiled).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from common import host_times, median_ms, meta, sync, write_json
 
 
 def main() -> None:
-    from maxsim_kernels import maxsim_codes, maxsim_int8, maxsim_varlen
+    from maxsim_kernels import maxsim_varlen
     from maxsim_kernels.maxsim_int8 import quantize_per_token
     from torch.profiler import ProfilerActivity, profile
 
@@ -30,7 +30,6 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=512)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--rep-ms", type=int, default=300)
-    parser.add_argument("--profile", default="int2,int4", help="codecs to profile kernel by kernel")
     parser.add_argument("--out")
     args = parser.parse_args()
     dev = torch.device(args.device)
@@ -53,54 +52,35 @@ def main() -> None:
     q_off = {"device": torch.arange(0, args.queries * 32 + 1, 32, device=dev)}
     q_off["host"] = q_off["device"].cpu()
 
-    # the path each call takes: the Gluon all-pairs kernel's answer, or the int8 Triton tiles
-    taken: list[str] = []
-    allpairs, tiles = maxsim_int8.hopper_allpairs, maxsim_int8._launch_varlen
-
-    def logged_allpairs(*a, **k):  # noqa: ANN002, ANN003, ANN202
-        module = allpairs(*a, **k)
-        taken.append("gluon all pairs" if module is not None else "no gluon")
-        return module
-
-    def logged_tiles(*a, **k):  # noqa: ANN002, ANN003, ANN202
-        taken.append("int8 triton tiles")
-        return tiles(*a, **k)
-
-    maxsim_int8.hopper_allpairs = maxsim_codes.hopper_allpairs = logged_allpairs
-    maxsim_int8._launch_varlen = logged_tiles
-
     record: dict = {"meta": meta(dtype="float16", dim=128, queries=args.queries, documents=args.docs),
-                    "calls": {}, "profiles": {}}  # fmt: skip
-    timed = dev.type == "cuda"
+                    "calls": {}}  # fmt: skip
+    if dev.type != "cuda":  # a check of the script: each call once, nothing timed or profiled
+        for codes, kw in stored.values():
+            maxsim_varlen(queries, q_off["host"], codes, offsets, **kw)
+        write_json(args.out, record)
+        return
     for where, offs in q_off.items():
         for name, (codes, kw) in stored.items():
 
             def call(codes=codes, kw=kw, offs=offs):  # noqa: ANN001, ANN202
                 return maxsim_varlen(queries, offs, codes, offsets, **kw)
 
-            taken.clear()
             call()
             sync()
-            row = {"path": list(taken)}
-            if timed:
-                row["ms"] = median_ms(call, args.rep_ms)
-                row["host_ms"] = 1e3 * min(host_times(call, 3, 1))
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:  # the kernels one call launches
+                call()
+                sync()
+            kernels = {e.key: {"calls": e.count, "cuda_ms": e.device_time_total / 1e3}
+                       for e in prof.key_averages() if e.device_time_total > 0}  # fmt: skip
+            row = {
+                "ms": median_ms(call, args.rep_ms),
+                "host_ms": 1e3 * min(host_times(call, 3, 1)),
+                "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]["cuda_ms"])),
+            }
             record["calls"][f"{name}/{where} offsets"] = row
-            print(name, where, row, flush=True)
-    for name in filter(None, args.profile.split(",")):
-        codes, kw = stored[name]
-        if not timed:
-            continue
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                maxsim_varlen(queries, q_off["device"], codes, offsets, **kw)
-            sync()
-        kernels = {e.key: {"calls": e.count, "cuda_ms": e.device_time_total / 1e3}
-                   for e in prof.key_averages() if e.device_time_total > 0}  # fmt: skip
-        record["profiles"][name] = dict(sorted(kernels.items(), key=lambda kv: -kv[1]["cuda_ms"])[:12])
-        print(f"== {name} (3 calls)", flush=True)
-        for key, v in record["profiles"][name].items():
-            print(f"  {v['cuda_ms']:10.3f} ms  {v['calls']:4d}  {key[:70]}", flush=True)
+            top = list(row["kernels"].items())[:4]
+            top = ", ".join(f"{k[:40]} {v['cuda_ms']:.3f} ms x{v['calls']}" for k, v in top)
+            print(f"{name} {where}: {row['ms']:.3f} ms (host {row['host_ms']:.2f}); {top}", flush=True)
     write_json(args.out, record)
 
 
