@@ -1,5 +1,6 @@
-"""int4 and int2 codes on the Gluon stream kernel against another version of that kernel, in one process:
-the scores compared bit for bit, then alternating `do_bench` rounds. Needs an sm_90 GPU.
+"""int4 and int2 codes (and int8 values) on the Gluon stream kernel against another version of that kernel,
+or against other tiles of the same one, in one process: the scores compared bit for bit, then alternating
+`do_bench` rounds. Needs an sm_90 GPU.
 
 The other version is a module inside `maxsim_kernels` (so its relative imports resolve), e.g. the kernel of
 commit BASE with its unpacking module:
@@ -9,9 +10,16 @@ commit BASE with its unpacking module:
         | sed 's/from .code_unpacking import/from ._base_unpack import/' > kernels/_base_stream.py
     python benchmarks/ab_stream_codes.py --baseline _base_stream --out benchmarks/results/codes/ab-....json
 
+Tiles of one kernel against others (`stream_with_tiles`' keywords, integers; 0 and 1 for booleans), e.g.
+the walk of one query by the offsets against the corpus's walk table:
+
+    python benchmarks/ab_stream_codes.py --codecs int8,int4,int2 --baseline-tiles table=0 \
+        --current-tiles table=1 --out benchmarks/results/codes/ab-walk-table-h100.json
+
 Cases: one query of 32, 13 and (int4) 64 tokens against 100K documents of 20-300 tokens (16.0M tokens,
 random unit vectors), and 64 queries of 32 tokens x 1,000 candidates each (every 997th index out of range:
-NaN in both); int4 codes (`encode int4-per-token`) and int2 codes on a grid fitted on 262,144 tokens.
+NaN in both); int4 codes (`encode int4-per-token`), int2 codes on a grid fitted on 262,144 tokens, and
+int8 values (`quantize_per_token`; one query of 32 tokens and the candidates).
 """
 
 from __future__ import annotations
@@ -33,12 +41,17 @@ def main() -> None:
     from maxsim_cli.codecs import Int2Grid, encode, fit_int2_levels
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", required=True, help="a maxsim_kernels module: the other kernel")
+    parser.add_argument("--baseline", help="a maxsim_kernels module: the other kernel (default: this one)")
+    parser.add_argument("--baseline-tiles", default="", help="k=v,...: the baseline's stream_with_tiles")
+    parser.add_argument("--current-tiles", default="", help="k=v,...: the current kernel's keywords")
+    parser.add_argument("--codecs", default="int2,int4", help="of int2, int4, int8")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rep-ms", type=int, default=300)
     parser.add_argument("--out")
     args = parser.parse_args()
-    base = importlib.import_module(f"maxsim_kernels.{args.baseline}")
+    base = importlib.import_module(f"maxsim_kernels.{args.baseline}") if args.baseline else current
+    tiles = {"baseline": keywords(args.baseline_tiles), "current": keywords(args.current_tiles)}
+    codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
 
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
@@ -48,6 +61,8 @@ def main() -> None:
     grid = Int2Grid(*fit_int2_levels(sample))
     levels = grid.for_kernels(dev)
     codes = {"int4": encode("int4-per-token", docs, None), "int2": encode("int2-grid", docs, grid)}
+    if "int8" in codecs:
+        codes["int8"] = quantize_per_token(docs)
 
     def query_side(codec: str, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if codec == "int2":  # the int8 scan of q * steps, without the rows' offsets (the same in both)
@@ -60,8 +75,8 @@ def main() -> None:
         return q.to(dev, torch.float16)
 
     cases = []
-    for codec in ("int2", "int4"):
-        for q_len in (32, 13) if codec == "int2" else (32, 13, 64):
+    for codec in codecs:
+        for q_len in {"int2": (32, 13), "int4": (32, 13, 64), "int8": (32,)}[codec]:
             q8, sq = query_side(codec, unit(q_len))
             q_off = torch.tensor([0, q_len], device=dev)
             cases.append((f"{codec}/one_query/q{q_len}", codec, q8, sq, q_off, None, None, q_len))
@@ -72,16 +87,16 @@ def main() -> None:
         items[::997] = n_docs + 5
         cases.append((f"{codec}/candidates/64x1000", codec, q8, sq, q_off, item_off, items.to(dev), 32))
 
-    record = {"meta": meta(baseline=args.baseline, tokens=int(offsets[-1])), "cases": {}}
+    record = {"meta": meta(baseline=args.baseline, tiles=tiles, tokens=int(offsets[-1])), "cases": {}}
     for name, codec, q8, sq, q_off, item_off, items, q_len in cases:
         c, s = codes[codec]
 
-        def call(module, q8=q8, sq=sq, q_off=q_off, item_off=item_off, items=items, c=c, s=s, q_len=q_len,
-                 codec=codec):  # fmt: skip
+        def call(module, cfg, q8=q8, sq=sq, q_off=q_off, item_off=item_off, items=items, c=c, s=s,
+                 q_len=q_len, codec=codec):  # fmt: skip
             return lambda: module.stream_with_tiles(q8, sq, q_off, item_off, items, c, s, offsets, q_len,
-                                                    int2=codec == "int2")  # fmt: skip
+                                                    int2=codec == "int2", **cfg)  # fmt: skip
 
-        old, new = call(base), call(current)
+        old, new = call(base, tiles["baseline"]), call(current, tiles["current"])
         a, b = old(), new()
         same = bool(torch.equal(a.view(torch.int32), b.view(torch.int32)))
         times: dict[str, list[float]] = {"baseline": [], "current": []}
@@ -97,6 +112,12 @@ def main() -> None:
         print(f"{name}: equal {same}  baseline {ms['baseline']:.4f} ms  current {ms['current']:.4f} ms  "
               f"x{ms['baseline'] / ms['current']:.3f}", flush=True)  # fmt: skip
         write_json(args.out, record)
+
+
+def keywords(text: str) -> dict[str, int]:
+    """``k=v,...`` as stream_with_tiles keywords (integer values)."""
+    pairs = [item.split("=", 1) for item in text.split(",") if item.strip()]
+    return {k.strip(): int(v) for k, v in pairs}
 
 
 if __name__ == "__main__":
