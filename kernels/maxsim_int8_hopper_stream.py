@@ -74,7 +74,10 @@ Per program (one warp group, 4 warps):
   the same sequence of tiles: the ring's, STAGES tiles ahead, issues the TMA copies; the scales', two
   tiles ahead, loads each tile's 64 scales into registers (two a thread). Each cursor loads an item's
   document range one item ahead and the candidate's document index two ahead, so no load waits at a
-  document's end;
+  document's end. With TABLE (one query, the codec's `Tuning.table`) the cursors read the walk from a
+  table counted once for the corpus's offsets (`walk_table`: a tile's first token, rows, last-tile bit and
+  item in one int64, each entry loaded a tile before its use), where walking the offsets took ~25 more
+  instructions a tile and warp;
 - tile t's product D8_t . Q8^T [64, N] (int32) is issued asynchronously; while it runs, tile t - 1's
   products are converted (the conversion instruction, exact for |acc| < 2^24), scaled by their token's
   scale and folded into a running maximum per element. At a document's last tile the maxima are reduced
@@ -99,6 +102,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -116,7 +121,7 @@ from .code_unpacking import INT4_NIBBLES_ASM as _NIBBLES_TEXT
 from .code_unpacking import PLANE_UNIT_ASM, bucket_planes_asm, quarter_values_asm
 from .launch import hopper_device
 from .maxsim_int8 import candidate_query
-from .validation import cdiv
+from .validation import cdiv, memo
 
 if TYPE_CHECKING:
     from .maxsim_codes import QueryTables
@@ -165,14 +170,16 @@ def deferred(codes: bool, items: int, n: int) -> bool:
 
 
 class Tuning(NamedTuple):
-    """One codec's tiles: the ring's stages, tiles a turn, items a program (one query, candidates) and the
-    register caps by the query tile's N."""
+    """One codec's tiles: the ring's stages, tiles a turn, items a program (one query, candidates), the
+    register caps by the query tile's N, and whether one query walks the corpus's tile table
+    (`walk_table`) rather than the documents' offsets."""
 
     stages: int
     group: int
     items_one_query: int
     items_candidates: int
     registers: dict[int, tuple[int, int]]
+    table: bool = False
 
 
 INT8_TILES = Tuning(STAGES, GROUP, ITEMS_ONE_QUERY, ITEMS_CANDIDATES, REGISTERS)
@@ -231,10 +238,25 @@ def _item_doc(c, c_last, cand_ptr, IDENTITY: gl.constexpr):
 
 
 @gluon.jit
-def _cursor_start(c_first, c_last, cand_ptr, off_ptr, bad, IDENTITY: gl.constexpr, ITEMS: gl.constexpr):
+def _table_entry(walk_ptr, i, walk_last):
+    """Tile i's entry of the walk's table (`walk_table`; past the program's last tile, its last
+    tile's): (first token, meta: its rows in the document | its last-tile bit << 7 | item mod ITEMS << 8)."""
+    entry = gl.load(walk_ptr + gl.minimum(i, walk_last))
+    return entry.to(gl.int32), (entry >> 32).to(gl.int32)
+
+
+@gluon.jit
+def _cursor_start(c_first, c_last, cand_ptr, off_ptr, bad, walk_ptr, walk_last, IDENTITY: gl.constexpr,
+                  ITEMS: gl.constexpr, TABLE: gl.constexpr):  # fmt: skip
     """A cursor at the first tile of item c_first: (item, tile's first token, document end, next item's
     start and end, document of the item after it). Past c_last the ranges are (0, 0) or stale, which only
-    padding tiles (copied, never folded) read."""
+    padding tiles (copied, never folded) read. TABLE (one query, `walk_table`): (tile, first token, the
+    end of its rows, the next tile's first token and meta, this tile's meta), the next tile's entry
+    loaded a tile ahead of its use."""
+    if TABLE:
+        tok, meta = _table_entry(walk_ptr, 0, walk_last)
+        n_tok, n_meta = _table_entry(walk_ptr, 1, walk_last)
+        return c_first * 0, tok, tok + (meta & 127), n_tok, n_meta, meta
     tok, end = _item_range(c_first, c_last, cand_ptr, off_ptr, bad, IDENTITY, ITEMS)
     n_start, n_end = _item_range(c_first + 1, c_last, cand_ptr, off_ptr, bad, IDENTITY, ITEMS)
     n_doc = _item_doc(c_first + 2, c_last, cand_ptr, IDENTITY)
@@ -242,13 +264,18 @@ def _cursor_start(c_first, c_last, cand_ptr, off_ptr, bad, IDENTITY: gl.constexp
 
 
 @gluon.jit
-def _cursor_next(c, tok, end, n_start, n_end, n_doc, c_last, cand_ptr, off_ptr, bad, IDENTITY: gl.constexpr,
-                 ITEMS: gl.constexpr, BLOCK_T: gl.constexpr):  # fmt: skip
+def _cursor_next(c, tok, end, n_start, n_end, n_doc, c_last, cand_ptr, off_ptr, bad, walk_ptr, walk_last,
+                 IDENTITY: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr,
+                 TABLE: gl.constexpr):  # fmt: skip
     """The cursor at the next tile. Entering an item it loads the range of the item after it (whose
     document index it loaded one item earlier) and the document index of the one after that: each loaded
     value is first used an item later, and a masked load keeps its register's old value, so no load is
     waited for here (a select of the loaded value would wait for it). A bad index (`bad`) is not read
-    through: its range is (0, 0), set by the masked load's fallback value, selected before the load."""
+    through: its range is (0, 0), set by the masked load's fallback value, selected before the load.
+    TABLE: the next tile is the entry loaded a tile ago; the one after it is loaded now."""
+    if TABLE:
+        n_tok, n_meta = _table_entry(walk_ptr, c + 2, walk_last)
+        return c + 1, n_start, n_start + (n_end & 127), n_tok, n_meta, n_end
     last = tok + BLOCK_T >= end
     tok = gl.where(last, n_start, tok + BLOCK_T)
     end = gl.where(last, n_end, end)
@@ -267,6 +294,14 @@ def _cursor_next(c, tok, end, n_start, n_end, n_doc, c_last, cand_ptr, off_ptr, 
     else:
         n_doc = gl.load(cand_ptr + c + 2, mask=last & (c + 2 < c_last), other=n_doc).to(gl.int32)
     return c, tok, end, n_start, n_end, n_doc
+
+
+@gluon.jit
+def _cursor_place(c, tok, end, meta, c_first, BLOCK_T: gl.constexpr, TABLE: gl.constexpr):
+    """The cursor's tile in the walk: (whether it is its item's last, its item)."""
+    if TABLE:
+        return ((meta >> 7) & 1) != 0, c_first + (meta >> 8)
+    return tok + BLOCK_T >= end, c
 
 
 @gluon.jit
@@ -446,9 +481,10 @@ def _product(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, x, zero, STAGES: gl.const
 def _retire(acc, x, tiles, total, run, sc, sc_next, last, item, qs, q_ok, out_ptr,
             pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
             c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad, partial, c_first,
-            n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix,
+            n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last,
             IDENTITY: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
-            DEFER: gl.constexpr, RESIDUAL: gl.constexpr, QUARTER: gl.constexpr):  # fmt: skip
+            DEFER: gl.constexpr, RESIDUAL: gl.constexpr, QUARTER: gl.constexpr,
+            TABLE: gl.constexpr):  # fmt: skip
     """Tile x's product is done: refill its ring slot with tile x + STAGES (the ring cursor p's tile),
     fold tile x (`sc`: its scales, or residual2's centroid table entries; item `item`, `last` if it ends
     the item) into the running maxima `run`, storing the item's score at its end (NaN for a bad index),
@@ -461,7 +497,8 @@ def _retire(acc, x, tiles, total, run, sc, sc_next, last, item, qs, q_ok, out_pt
     if x + STAGES < tiles:
         _request(d_desc, d_smem, ready, x % STAGES, ps, n_tokens, BLOCK_T, RESIDUAL)
         pc, ps, pe, pns, pne, pnd = _cursor_next(pc, ps, pe, pns, pne, pnd, c_last, cand_ptr, off_ptr, bad,
-                                                 IDENTITY, ITEMS, BLOCK_T)  # fmt: skip
+                                                 walk_ptr, walk_last, IDENTITY, ITEMS, BLOCK_T,
+                                                 TABLE)  # fmt: skip
     if x < total:
         if RESIDUAL:
             v = acc * plane_scale + sc
@@ -487,10 +524,10 @@ def _retire(acc, x, tiles, total, run, sc, sc_next, last, item, qs, q_ok, out_pt
     # tile x + 1's fold input, then what tile x + 2's takes and its place in the walk
     sc_ready = _ready_side(sc_next, sd_ptr, cols, stride_tab, n_centroids, RESIDUAL)
     sc_new = _side(sd_ptr, d_desc, s_tok, s_end, rows, n_centroids, RESIDUAL)
-    last_new = s_tok + BLOCK_T >= s_end
-    item_new = s_c
+    last_new, item_new = _cursor_place(s_c, s_tok, s_end, s_nd, c_first, BLOCK_T, TABLE)
     s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_next(s_c, s_tok, s_end, s_ns, s_ne, s_nd, c_last, cand_ptr,
-                                                       off_ptr, bad, IDENTITY, ITEMS, BLOCK_T)  # fmt: skip
+                                                       off_ptr, bad, walk_ptr, walk_last, IDENTITY, ITEMS,
+                                                       BLOCK_T, TABLE)  # fmt: skip
     return (run, sc_ready, sc_new, last_new, item_new, pc, ps, pe, pns, pne, pnd,
             s_c, s_tok, s_end, s_ns, s_ne, s_nd)  # fmt: skip
 
@@ -526,11 +563,12 @@ def _deferred_scores(partial, qs_ptr, row_first, row_last, c_first, c_last, out_
 )
 def _int8_stream_kernel(
     q_ptr, qs_ptr, q_off_ptr, cand_off_ptr, cand_ptr, off_ptr, d_desc, sd_ptr, out_ptr,
+    walk_ptr, walk_first_ptr,
     n_queries, n_items, n_chunks, n_docs, stride_q,
     n_tokens, stride_plane, stride_tab, n_centroids, plane_scale,
     DIM: gl.constexpr, N: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
     GROUP: gl.constexpr, IDENTITY: gl.constexpr, PACKED: gl.constexpr, DEFER: gl.constexpr,
-    RESIDUAL: gl.constexpr, QUARTER: gl.constexpr,
+    RESIDUAL: gl.constexpr, QUARTER: gl.constexpr, TABLE: gl.constexpr,
 ):  # fmt: skip
     """Scores of a run of items (see the module docstring): q int8 [Tq, DIM], qs fp32 [Tq], q_off [nq + 1],
     cand_off [nq + 1] (the items of each query) and cand int64 [n_items], both unused with IDENTITY (one
@@ -662,49 +700,59 @@ def _int8_stream_kernel(
             partial = d_smem  # unused
 
         # the walk's length: every item has max(1, ceil(len / BLOCK_T)) tiles
-        cc = c_first + gl.arange(0, ITEMS, layout=item_layout)
-        c_in = cc < c_last
-        if IDENTITY:
-            docs = cc
+        if TABLE:  # counted once for the corpus (`walk_table`): the program's run of the table
             bad = 0
-            c_ok = c_in
+            walk_first = gl.load(walk_first_ptr + pid)
+            total = gl.load(walk_first_ptr + pid + 1) - walk_first
+            walk_ptr = walk_ptr + walk_first
+            walk_last = total - 1
         else:
-            # the run's items lie in one aligned block of ITEMS, so c mod ITEMS tells them apart
-            docs = gl.load(cand_ptr + cc, mask=c_in, other=0)
-            c_ok = c_in & (docs >= 0) & (docs < n_docs)
-            if ITEMS > 32:  # one bit an item: int32 for the tuned runs (one register), int64 past 32
-                shift = (cc % ITEMS).to(gl.int64)
+            cc = c_first + gl.arange(0, ITEMS, layout=item_layout)
+            c_in = cc < c_last
+            if IDENTITY:
+                docs = cc
+                bad = 0
+                c_ok = c_in
             else:
-                shift = cc % ITEMS
-            bad = gl.sum(gl.where(c_in & ~c_ok, 1 << shift, 0), axis=0)
-        lens = gl.load(off_ptr + docs + 1, mask=c_ok, other=0) - gl.load(off_ptr + docs, mask=c_ok, other=0)
-        total = gl.sum(gl.where(c_in, gl.maximum((lens.to(gl.int32) + BLOCK_T - 1) // BLOCK_T, 1), 0), axis=0)
+                # the run's items lie in one aligned block of ITEMS, so c mod ITEMS tells them apart
+                docs = gl.load(cand_ptr + cc, mask=c_in, other=0)
+                c_ok = c_in & (docs >= 0) & (docs < n_docs)
+                if ITEMS > 32:  # one bit an item: int32 for the tuned runs (one register), int64 past 32
+                    shift = (cc % ITEMS).to(gl.int64)
+                else:
+                    shift = cc % ITEMS
+                bad = gl.sum(gl.where(c_in & ~c_ok, 1 << shift, 0), axis=0)
+            lens = gl.load(off_ptr + docs + 1, mask=c_ok, other=0)
+            lens -= gl.load(off_ptr + docs, mask=c_ok, other=0)
+            total = gl.sum(gl.where(c_in, gl.maximum((lens.to(gl.int32) + BLOCK_T - 1) // BLOCK_T, 1), 0),
+                           axis=0)  # fmt: skip
+            walk_last = total  # unused
         tiles = gl.cdiv(total, GROUP) * GROUP  # padding tiles (past `total`): copied, multiplied, not folded
 
         # the ring: tiles 0 .. STAGES - 1 requested, its cursor left at tile STAGES
-        pc, ps, pe, pns, pne, pnd = _cursor_start(c_first, c_last, cand_ptr, off_ptr, bad, IDENTITY, ITEMS)
+        pc, ps, pe, pns, pne, pnd = _cursor_start(c_first, c_last, cand_ptr, off_ptr, bad, walk_ptr,
+                                                  walk_last, IDENTITY, ITEMS, TABLE)  # fmt: skip
         for i in gl.static_range(STAGES):
             if i < tiles:
                 _request(d_desc, ring, ready, i, ps, n_tokens, BLOCK_T, RESIDUAL)
                 pc, ps, pe, pns, pne, pnd = _cursor_next(pc, ps, pe, pns, pne, pnd, c_last, cand_ptr, off_ptr,
-                                                         bad, IDENTITY, ITEMS, BLOCK_T)  # fmt: skip
+                                                         bad, walk_ptr, walk_last, IDENTITY, ITEMS, BLOCK_T,
+                                                         TABLE)  # fmt: skip
         # the fold inputs of tiles 0 (ready) and 1 (as loaded), their cursor left at tile 2
         rows = gl.arange(0, BLOCK_T, layout=row_layout)
-        s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_start(c_first, c_last, cand_ptr, off_ptr, bad, IDENTITY,
-                                                            ITEMS)  # fmt: skip
+        s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_start(c_first, c_last, cand_ptr, off_ptr, bad, walk_ptr,
+                                                            walk_last, IDENTITY, ITEMS, TABLE)  # fmt: skip
         sc0 = _ready_side(_side(sd_ptr, d_desc, s_tok, s_end, rows, n_centroids, RESIDUAL), sd_ptr, cols,
                           stride_tab, n_centroids, RESIDUAL)  # fmt: skip
-        last0 = s_tok + BLOCK_T >= s_end
-        item0 = s_c
+        last0, item0 = _cursor_place(s_c, s_tok, s_end, s_nd, c_first, BLOCK_T, TABLE)
         s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_next(s_c, s_tok, s_end, s_ns, s_ne, s_nd, c_last,
-                                                           cand_ptr, off_ptr, bad, IDENTITY, ITEMS,
-                                                           BLOCK_T)  # fmt: skip
+                                                           cand_ptr, off_ptr, bad, walk_ptr, walk_last,
+                                                           IDENTITY, ITEMS, BLOCK_T, TABLE)  # fmt: skip
         sc1 = _side(sd_ptr, d_desc, s_tok, s_end, rows, n_centroids, RESIDUAL)
-        last1 = s_tok + BLOCK_T >= s_end
-        item1 = s_c
+        last1, item1 = _cursor_place(s_c, s_tok, s_end, s_nd, c_first, BLOCK_T, TABLE)
         s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_next(s_c, s_tok, s_end, s_ns, s_ne, s_nd, c_last,
-                                                           cand_ptr, off_ptr, bad, IDENTITY, ITEMS,
-                                                           BLOCK_T)  # fmt: skip
+                                                           cand_ptr, off_ptr, bad, walk_ptr, walk_last,
+                                                           IDENTITY, ITEMS, BLOCK_T, TABLE)  # fmt: skip
 
         run = gl.full([BLOCK_T, N], float("-inf"), gl.float32, acc_layout)
         zero = gl.zeros([BLOCK_T, N], gl.float32 if RESIDUAL else gl.int32, acc_layout)
@@ -721,8 +769,8 @@ def _int8_stream_kernel(
                 acc_a, base, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
                 pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
                 c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
-                n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix,
-                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER,
+                n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last,
+                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER, TABLE,
             )  # fmt: skip
             last0, item0, last1, item1 = last1, item1, last2, item2
             for j in gl.static_range(2, GROUP, 2):
@@ -734,8 +782,8 @@ def _int8_stream_kernel(
                     acc_b, base + j - 1, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
                     pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
                     c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
-                    n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix,
-                    IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER,
+                    n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last,
+                    IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER, TABLE,
                 )  # fmt: skip
                 last0, item0, last1, item1 = last1, item1, last2, item2
                 t_b = _product(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, base + j + 1, zero, STAGES, PACKED,
@@ -746,8 +794,8 @@ def _int8_stream_kernel(
                     acc_a, base + j, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
                     pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
                     c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
-                    n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix,
-                    IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER,
+                    n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last,
+                    IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER, TABLE,
                 )  # fmt: skip
                 last0, item0, last1, item1 = last1, item1, last2, item2
             acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[t_b])
@@ -756,8 +804,8 @@ def _int8_stream_kernel(
                 acc_b, base + GROUP - 1, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
                 pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
                 c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
-                n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix,
-                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER,
+                n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last,
+                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER, TABLE,
             )  # fmt: skip
             last0, item0, last1, item1 = last1, item1, last2, item2
 
@@ -837,6 +885,59 @@ def _doc_layout(width: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for([BLOCK_T, width], element)
 
 
+# documents a program of `_walk_table_kernel`
+_WALK_DOCS = 256
+
+
+@triton.jit
+def _walk_table_kernel(off_ptr, first_ptr, out_ptr, n_docs, capacity, ITEMS: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """The entries of documents [pid * BLOCK, (pid + 1) * BLOCK) (`walk_table`): document d's tiles at
+    first[d] ...; an entry past `capacity` (offsets that do not add up) is not written."""
+    docs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = docs < n_docs
+    start = tl.load(off_ptr + docs, mask=ok, other=0)
+    length = tl.load(off_ptr + docs + 1, mask=ok, other=0) - start
+    count = tl.maximum((length + BLOCK_T - 1) // BLOCK_T, 1)
+    first = tl.load(first_ptr + docs, mask=ok, other=0)
+    item = (docs % ITEMS).to(tl.int64) << 40
+    for k in range(0, tl.max(tl.where(ok, count, 0), axis=0)):
+        rows = tl.minimum(tl.maximum(length - k * BLOCK_T, 0), BLOCK_T)
+        last = (k == count - 1).to(tl.int64) << 39
+        entry = ((start + k * BLOCK_T) & 0xFFFFFFFF) | (rows << 32) | last | item
+        tl.store(out_ptr + first + k, entry, mask=ok & (k < count) & (first + k < capacity))
+
+
+def walk_table(d_off: torch.Tensor, n_tokens: int, items: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query's walk of every document, counted once for the offsets `d_off` (int64 [nd + 1], on the
+    GPU; `memo`: kept while the tensor lives unchanged), where each program counts its documents' tiles
+    and walks their offsets (TABLE; docs/kernel-notes.md, "The walk from a table").
+
+    Returns (entries, firsts). entries int64, one a tile in the walk's order (each document's max(1,
+    ceil(len / BLOCK_T)) tiles from its first token): the tile's first token (low 32 bits), its rows in
+    the document (7 bits), whether it is the document's last (1 bit) and the document's index mod `items`
+    (its slot in its program). firsts int32 [programs + 1]: program p's first entry (programs of `items`
+    documents). Made on the GPU without a host synchronisation: the entries are sized for nd +
+    ceil(n_tokens / BLOCK_T) tiles, which offsets within n_tokens never pass (others are cut there: their
+    scores are then wrong, but the table is not written nor read past its end)."""
+
+    def compute() -> tuple[torch.Tensor, torch.Tensor]:
+        n_docs = d_off.numel() - 1
+        capacity = n_docs + cdiv(n_tokens, BLOCK_T) + 1
+        lens = d_off[1:] - d_off[:-1]
+        counts = torch.clamp_min(torch.div(lens + (BLOCK_T - 1), BLOCK_T, rounding_mode="floor"), 1)
+        ends = torch.cumsum(counts, 0)
+        firsts = ends - counts
+        entries = torch.empty(capacity, dtype=torch.int64, device=d_off.device)
+        grid = (cdiv(n_docs, _WALK_DOCS),)
+        _walk_table_kernel[grid](d_off, firsts, entries, n_docs, capacity, ITEMS=items, BLOCK_T=BLOCK_T,
+                                 BLOCK=_WALK_DOCS)  # fmt: skip
+        by_program = torch.cat([firsts[::items], ends[-1:]])
+        return entries, torch.clamp_max(by_program, capacity - 1).to(torch.int32)
+
+    return memo(d_off, ("walk_table", n_tokens, items), compute)
+
+
 def maxsim_int8_stream(
     q8: torch.Tensor,
     sq: torch.Tensor,
@@ -882,9 +983,11 @@ def stream_with_tiles(
     stages: int | None = None,
     group: int | None = None,
     maxnreg: int | None = None,
+    table: bool | None = None,
 ) -> torch.Tensor:
     """`maxsim_int8_stream` with some of its tiles replaced (None keeps the tuned choice; `maxnreg` 0: no
-    register cap), for sweeps and for the tests that every configuration gives the same bits."""
+    register cap; `table`: whether one query walks `walk_table`), for sweeps and for the tests that every
+    configuration gives the same bits."""
     tuned = tiles_for(d8, residual is not None, int2)
     n = query_columns(max_query_len)
     per = items_per_prog or (tuned.items_one_query if items is None else tuned.items_candidates)
@@ -899,28 +1002,34 @@ def stream_with_tiles(
         return out
     n_chunks = cdiv(n_items, per)
     packed = d8.dtype == torch.uint8 and residual is None
+    use_table = items is None and (tuned.table if table is None else table)
+    if use_table:
+        walk, firsts = walk_table(d_off, d8.shape[0], per)
+    else:
+        walk, firsts = d_off, d_off  # unused
     if residual is None:
         q, stride_q, stride_plane, scales = q8, q8.stride(0), 0, sd
         tab_stride, n_centroids, plane_scale = 0, 0, 1.0
         docs = TensorDescriptor.from_tensor(d8, [BLOCK_T, d8.shape[1]], _doc_layout(d8.shape[1], d8.dtype))
     else:
-        table = residual.by_centroid
-        slack = table.untyped_storage().nbytes() // 4 - table.storage_offset() - table.numel()
-        if not table.is_contiguous() or slack < n:
+        by_centroid = residual.by_centroid
+        slack = by_centroid.untyped_storage().nbytes() // 4 - by_centroid.storage_offset()
+        slack -= by_centroid.numel()
+        if not by_centroid.is_contiguous() or slack < n:
             raise ValueError(f"the centroid table needs {n} fp32 entries of slack past its end; got {slack}")
         q, stride_q, stride_plane = residual.planes, residual.planes.stride(1), residual.planes.stride(0)
-        scales, tab_stride, n_centroids = table, table.stride(0), table.shape[0]
+        scales, tab_stride, n_centroids = by_centroid, by_centroid.stride(0), by_centroid.shape[0]
         plane_scale = residual.plane_scale / PLANE_UNIT_ASM
         docs = d8.view(torch.int32)  # [Td, 9] words: cp.async, four bytes a copy
     _int8_stream_kernel[(n_chunks + (0 if items is None else nq),)](
         q, sq, q_off, q_off if item_off is None else item_off, d_off if items is None else items, d_off,
-        docs, scales, out,
+        docs, scales, out, walk, firsts,
         nq, n_items, n_chunks, d_off.numel() - 1, stride_q,
         d8.shape[0], stride_plane, tab_stride, n_centroids, plane_scale,
         DIM=q8.shape[1], N=n, ITEMS=per, BLOCK_T=BLOCK_T, STAGES=tuned.stages if stages is None else stages,
         GROUP=tuned.group if group is None else group, IDENTITY=items is None, PACKED=packed,
         DEFER=deferred(packed or residual is not None, per, n), RESIDUAL=residual is not None,
-        QUARTER=int2,
+        QUARTER=int2, TABLE=use_table,
         num_warps=NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out

@@ -636,7 +636,8 @@ def test_residual2_stream_kernel_within_the_bound_of_the_decoded_values(q_len: i
     """One query, then ragged queries against their candidates, on the stream kernel: every score within
     the float64 bound of the decoded values (the bit planes' bound), -inf for empty documents, NaN for a
     centroid id outside the codebook (one past it, and one that reads negative as int32) and for a bad
-    candidate index; the same bits for every ring depth, loop unroll and items a program."""
+    candidate index; the same bits for every ring depth, loop unroll, items a program and walk (offsets or
+    walk table)."""
     from maxsim_kernels import maxsim_codes
     from maxsim_kernels import maxsim_int8_hopper_stream as stream
 
@@ -661,7 +662,8 @@ def test_residual2_stream_kernel_within_the_bound_of_the_decoded_values(q_len: i
     tables = maxsim_codes.residual2_query_tables(q8, book_d)
     q_off_d = q_off.cuda()
     for cfg in (dict(items_per_prog=1), dict(items_per_prog=64, stages=3, group=2),
-                dict(items_per_prog=8, stages=8, group=8), dict(maxnreg=168)):  # fmt: skip
+                dict(items_per_prog=8, stages=8, group=8), dict(maxnreg=168), dict(table=True),
+                dict(table=False), dict(items_per_prog=8, table=True)):  # fmt: skip
         again = stream.stream_with_tiles(q8, sq, q_off_d, None, None, codes_d, None, d_off_d, q_len,
                                          residual=tables, **cfg).cpu()  # fmt: skip
         assert torch.equal(again[~bad], scores[0, ~bad]) and torch.isnan(again[bad]).all(), cfg

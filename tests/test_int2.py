@@ -181,8 +181,8 @@ def _stream_or_skip(queries: torch.Tensor, codes: torch.Tensor) -> None:
 def test_int2_stream_kernel_within_rounding_of_the_reference(q_len: int) -> None:
     """One query, then ragged queries against their candidates, on the stream kernel: within fp32 rounding
     of the float64 reference, -inf for empty documents, NaN for a bad candidate index; the same bits as
-    the decoded int8 path's maxima allow (the reference), and for every ring depth, loop unroll and items
-    a program."""
+    the decoded int8 path's maxima allow (the reference), and for every ring depth, loop unroll, items a
+    program and walk of one query (offsets or walk table)."""
     from maxsim_kernels import maxsim_int8_hopper_stream as stream
 
     gen = torch.Generator().manual_seed(20 + q_len)
@@ -200,7 +200,8 @@ def test_int2_stream_kernel_within_rounding_of_the_reference(q_len: int) -> None
     first = stream.stream_with_tiles(side.q8, side.scales, q_off.cuda(), None, None, codes_d, scales_d,
                                      d_off_d, q_len, int2=True).cpu()  # fmt: skip
     for cfg in (dict(items_per_prog=1), dict(items_per_prog=64, stages=3, group=2),
-                dict(items_per_prog=8, stages=8, group=8), dict(maxnreg=168)):  # fmt: skip
+                dict(items_per_prog=8, stages=8, group=8), dict(maxnreg=168), dict(table=True),
+                dict(table=False), dict(items_per_prog=8, table=True)):  # fmt: skip
         again = stream.stream_with_tiles(side.q8, side.scales, q_off.cuda(), None, None, codes_d, scales_d,
                                          d_off_d, q_len, int2=True, **cfg).cpu()  # fmt: skip
         assert torch.equal(again, first), cfg

@@ -527,3 +527,46 @@ def test_stream_kernel_is_not_planned_off_the_gpu(monkeypatch) -> None:
     assert not stream.supports(np.array([32]), torch.zeros(1000, 64, dtype=torch.int8), False)
     assert stream.tiles_for(codes) is stream.INT4_TILES and stream.tiles_for(d8) is stream.INT8_TILES
     assert set(stream.INT4_TILES.registers) == set(stream.REGISTERS)
+
+
+@pytest.mark.parametrize("items", [1, 5, 32])
+def test_stream_walk_table_is_the_tile_table(items: int) -> None:
+    """The stream kernel's walk of one query (`walk_table`, made by a Triton kernel: here under the
+    interpreter) holds the all-pairs kernel's tile table (`maxsim_int8_hopper.tile_table`, numpy): each
+    tile's first token, its rows in the document and whether it is the document's last, with the
+    document's slot in its program (index mod `items`), and each program's first tile; empty, one-token
+    and long documents, tiles cut exactly at the tile size, more documents than a program of the kernel
+    takes. Offsets that do not add up stay inside the table."""
+    import numpy as np
+    from maxsim_kernels import maxsim_int8_hopper as hopper
+    from maxsim_kernels import maxsim_int8_hopper_stream as stream
+
+    rng = np.random.default_rng(items)
+    cases = [
+        [0, 1, 63, 64, 65, 128, 129, 0, 7, 300],
+        [0],
+        [5],
+        [64] * (stream._WALK_DOCS + 5),
+        list(rng.integers(0, 700, 2 * stream._WALK_DOCS + 17)) + [5000],
+    ]
+    for lengths in cases:
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        first, ends, doc_tile, inside = hopper.tile_table(offsets, block_t=stream.BLOCK_T)
+        entries, firsts = stream.walk_table(torch.from_numpy(offsets), int(offsets[-1]), items)
+        n_tiles = len(first)
+        assert entries.dtype == torch.int64 and len(entries) >= n_tiles
+        walk = entries[:n_tiles].numpy()
+        meta = walk >> 32
+        assert (walk & 0xFFFFFFFF).tolist() == first.tolist()
+        assert (meta & 127).tolist() == inside.tolist()
+        assert ((meta >> 7) & 1).tolist() == ends.tolist()
+        docs = np.repeat(np.arange(len(lengths)), np.diff(doc_tile))
+        assert (meta >> 8).tolist() == (docs % items).tolist()
+        assert firsts.dtype == torch.int32
+        assert firsts.tolist() == doc_tile[::items].tolist() + ([n_tiles] if len(lengths) % items else [])
+
+    # offsets that do not add up (a document ends before it starts, another runs past the tokens): the
+    # walk is cut at the table's size, each program's first tile inside it
+    offsets = torch.tensor([0, 900, 100, 5000, 5064])
+    entries, firsts = stream.walk_table(offsets, 200, items)
+    assert int(firsts.max()) < len(entries) and int(firsts.min()) >= 0

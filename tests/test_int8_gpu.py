@@ -341,13 +341,16 @@ for codec, tuned in (("int8", st.INT8_TILES), ("int4", st.INT4_TILES), ("int2", 
                       "DEFER": st.deferred(packed or residual, items, n), "RESIDUAL": residual,
                       "QUARTER": quarter}
             sig = {k: "i32" for k in names}
+            consts["TABLE"] = identity and tuned.table
             sig.update({"q_ptr": q_type, "qs_ptr": "*fp32", "q_off_ptr": "*i64", "cand_off_ptr": "*i64",
                         "cand_ptr": "*i64", "off_ptr": "*i64", "sd_ptr": "*fp32", "out_ptr": "*fp32",
-                        "d_desc": d_type, "plane_scale": "fp32", **{k: "constexpr" for k in consts}})
+                        "walk_ptr": "*i64", "walk_first_ptr": "*i32", "d_desc": d_type, "plane_scale": "fp32",
+                        **{k: "constexpr" for k in consts}})
             src = GluonASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
             options = {"num_warps": st.NUM_WARPS, **({"maxnreg": cap} if cap else {})}
             compiled = triton.compile(src, target=SM90, options=options)
             reports.append({"codec": codec, "packed": packed, "n": n, "one_query": identity, "cap": cap,
+                            "table": consts["TABLE"],
                             "ptxas": ptxas_report(compiled), "shared": compiled.metadata.shared})
 print(json.dumps(reports))
 """
@@ -414,7 +417,8 @@ def adversarial_docs(gen: torch.Generator, n_random: int = 600):
 def test_hopper_stream_one_query_against_reference(q_len: int) -> None:
     """One query against every document on the Gluon stream kernel (maxsim_int8_hopper_stream; wgmma's N
     16, 32 or 64): every score within the float64 bound, -inf for empty documents; the same bits for every
-    ring depth, loop unroll and documents a program (the same sums in the same order)."""
+    ring depth, loop unroll, documents a program and walk (the offsets, or the corpus's walk table): the
+    same sums in the same order."""
     from maxsim_kernels import maxsim_int8_hopper_stream as stream
 
     gen = torch.Generator().manual_seed(q_len)
@@ -430,7 +434,9 @@ def test_hopper_stream_one_query_against_reference(q_len: int) -> None:
     assert_scores(scores[:, ~empty], ref[:, ~empty], tol[:, ~empty])
     q8, sq = quantize_per_token(queries)
     for cfg in (dict(items_per_prog=1), dict(items_per_prog=64, stages=3, group=2),
-                dict(items_per_prog=8, stages=8, group=8)):  # fmt: skip
+                dict(items_per_prog=8, stages=8, group=8), dict(table=True), dict(table=False),
+                dict(items_per_prog=8, table=True), dict(items_per_prog=1, stages=3,
+                                                          table=True)):  # fmt: skip
         again = stream.stream_with_tiles(q8, sq, qo_d, None, None, d8, sd, do_d, q_len, **cfg)
         assert torch.equal(again, scores[0]), cfg
 
@@ -503,7 +509,8 @@ def test_hopper_stream_int4_is_the_int8_stream_on_the_decoded_values(q_len: int)
     deferred), so within the bound of each other. One query against every document
     and ragged queries against their candidates, adversarial documents (empty, one token, tiles that end
     at or next to a document's end, negative similarities, a tie); within the float64 bound of the
-    decoded values; the same bits for every ring depth, loop unroll and items a program."""
+    decoded values; the same bits for every ring depth, loop unroll, items a program and walk (offsets or
+    walk table)."""
     from maxsim_kernels import maxsim_int8_hopper_stream as stream
     from maxsim_kernels.maxsim_codes import (
         decode_int4,
@@ -529,7 +536,8 @@ def test_hopper_stream_int4_is_the_int8_stream_on_the_decoded_values(q_len: int)
     assert_scores(scores[:, ~empty], int8[:, ~empty].double(), tol[:, ~empty])
     q8, sq = quantize_per_token(queries)
     for cfg in (dict(items_per_prog=1), dict(items_per_prog=64, stages=3, group=2),
-                dict(items_per_prog=8, stages=4, group=4), dict(maxnreg=0)):  # fmt: skip
+                dict(items_per_prog=8, stages=4, group=4), dict(maxnreg=0), dict(table=True),
+                dict(table=False), dict(items_per_prog=8, table=True)):  # fmt: skip
         again = stream.stream_with_tiles(q8, sq, qo_d, None, None, codes, scales, do_d, q_len, **cfg)
         assert torch.equal(again, scores[0]), cfg
 
