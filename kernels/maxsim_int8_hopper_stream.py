@@ -74,10 +74,10 @@ Per program (one warp group, 4 warps):
   the same sequence of tiles: the ring's, STAGES tiles ahead, issues the TMA copies; the scales', two
   tiles ahead, loads each tile's 64 scales into registers (two a thread). Each cursor loads an item's
   document range one item ahead and the candidate's document index two ahead, so no load waits at a
-  document's end. With TABLE (one query, the codec's `Tuning.table`) the cursors read the walk from a
-  table counted once for the corpus's offsets (`walk_table`: a tile's first token, rows, last-tile bit and
-  item in one int64, each entry loaded a tile before its use), where walking the offsets took ~25 more
-  instructions a tile and warp;
+  document's end. With TABLE (one query, where the codec's `Tuning.table` has N) the cursors read the
+  walk from a table counted once for the corpus's offsets (`walk_table`: a tile's first token, rows,
+  last-tile bit and item in one int64, each entry loaded a tile before its use), where walking the
+  offsets takes ~25 more instructions a tile and warp;
 - tile t's product D8_t . Q8^T [64, N] (int32) is issued asynchronously; while it runs, tile t - 1's
   products are converted (the conversion instruction, exact for |acc| < 2^24), scaled by their token's
   scale and folded into a running maximum per element. At a document's last tile the maxima are reduced
@@ -171,7 +171,7 @@ def deferred(codes: bool, items: int, n: int) -> bool:
 
 class Tuning(NamedTuple):
     """One codec's tiles: the ring's stages, tiles a turn, items a program (one query, candidates), the
-    register caps by the query tile's N, and whether one query walks the corpus's tile table
+    register caps by the query tile's N, and the N at which one query walks the corpus's walk table
     (`walk_table`) rather than the documents' offsets."""
 
     stages: int
@@ -179,7 +179,7 @@ class Tuning(NamedTuple):
     items_one_query: int
     items_candidates: int
     registers: dict[int, tuple[int, int]]
-    table: bool = False
+    table: tuple[int, ...] = ()
 
 
 INT8_TILES = Tuning(STAGES, GROUP, ITEMS_ONE_QUERY, ITEMS_CANDIDATES, REGISTERS)
@@ -193,7 +193,12 @@ INT8_TILES = Tuning(STAGES, GROUP, ITEMS_ONE_QUERY, ITEMS_CANDIDATES, REGISTERS)
 # codes-stream-sweep-h100-5863efa.json), one query at N = 32 under a cap of 80 registers (no spills): 0.443 ms
 # against 0.460 at 128 (five programs an SM, bound by its 40 KB of shared memory, against four), 72 0.471,
 # 96 0.507; at N = 16 a cap of 80 spills 132 bytes
-INT4_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (80, 128), 64: (168, 168)})
+# The walk table (`walk_table`, one query x 100K documents, H100, `python benchmarks/ab_stream_codes.py
+# --codecs int2,int4 --baseline-tiles table=0 --current-tiles table=1 --rounds 5`,
+# ab-walk-table-5rounds-h100-33eb8ba.json, the same bits): int4 at N = 16 (13-token query) 0.395 ms against
+# 0.414 walking the offsets, at N = 64 0.849 against 0.901, at N = 32 0.450 against 0.439 (slower: kept);
+# int2 at N = 16 0.346 against 0.401, at N = 32 0.413 against 0.421; int8 at N = 32 0.699 either way
+INT4_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (80, 128), 64: (168, 168)}, table=(16, 64))
 # residual2 (RESIDUAL), one query x 100K documents on an H100 (bench_codes.py --stream-sweep): 1.235 ms with
 # a ring of 6, 2 tiles a turn and a cap of 128 registers (four programs an SM), against 1.305 at 168 (three)
 # and 1.355 uncapped (255, two programs); 4 tiles a turn 1.470 uncapped
@@ -202,7 +207,7 @@ INT4_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (80, 128), 64: (168, 168)
 # 0.421-0.424, 64 documents a program 0.454, 16 0.629; at N = 16 a cap of 80 spills 80 bytes. Queries of at
 # most 32 tokens (INT2_MAX_QUERY_TOKENS): at N = 64 the candidates build spills 200 bytes under int4's cap of
 # 168 registers
-INT2_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (80, 128)})
+INT2_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (80, 128)}, table=(16, 32))
 INT2_MAX_QUERY_TOKENS = 32
 RESIDUAL2_TILES = Tuning(6, 2, 32, 16, {16: (128, 128), 32: (128, 128)})
 
@@ -1002,7 +1007,7 @@ def stream_with_tiles(
         return out
     n_chunks = cdiv(n_items, per)
     packed = d8.dtype == torch.uint8 and residual is None
-    use_table = items is None and (tuned.table if table is None else table)
+    use_table = items is None and (n in tuned.table if table is None else table)
     if use_table:
         walk, firsts = walk_table(d_off, d8.shape[0], per)
     else:

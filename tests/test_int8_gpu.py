@@ -341,7 +341,7 @@ for codec, tuned in (("int8", st.INT8_TILES), ("int4", st.INT4_TILES), ("int2", 
                       "DEFER": st.deferred(packed or residual, items, n), "RESIDUAL": residual,
                       "QUARTER": quarter}
             sig = {k: "i32" for k in names}
-            consts["TABLE"] = identity and tuned.table
+            consts["TABLE"] = identity and n in tuned.table
             sig.update({"q_ptr": q_type, "qs_ptr": "*fp32", "q_off_ptr": "*i64", "cand_off_ptr": "*i64",
                         "cand_ptr": "*i64", "off_ptr": "*i64", "sd_ptr": "*fp32", "out_ptr": "*fp32",
                         "walk_ptr": "*i64", "walk_first_ptr": "*i32", "d_desc": d_type, "plane_scale": "fp32",
