@@ -1007,7 +1007,8 @@ def stream_with_tiles(
         return out
     n_chunks = cdiv(n_items, per)
     packed = d8.dtype == torch.uint8 and residual is None
-    use_table = items is None and (n in tuned.table if table is None else table)
+    # an inference tensor has no version counter to key the memo by: its table would be counted every call
+    use_table = items is None and not d_off.is_inference() and (n in tuned.table if table is None else table)
     if use_table:
         walk, firsts = walk_table(d_off, d8.shape[0], per)
     else:
