@@ -20,18 +20,22 @@ CUDA out-of-memory error is recorded and the next stage runs):
              Once for each codebook of ``--codebooks``: ``default`` is the K `maxsim quantize` picks for
              this many tokens (2^18 at 1e9: a 64 MiB codebook, larger than L2, whose rows every token
              gathers), a number is a K of its own (4096: 1 MiB, L2-resident). Target: <= 15 ms at 1e9
-  two-stage  composed from its parts, with the tier's default codebook: an exact tier of the first
-             documents (fp16, or int8 with scales: ``--exact-dtype``) in pageable host memory, as many
+  two-stage  composed from its parts, on the codes of ``--two-stage-codec`` (int2, as `maxsim quantize
+             --bits 2` writes by default, run after the int2 stage's scan; residual2 with its default
+             codebook, after the residual2 stage): an exact tier of the first documents (fp16, or int8
+             with scales: ``--exact-dtype``) in pageable host memory, as many
              as ``--exact-host-bytes`` holds (default 60% of MemAvailable); per query, p50 over
              ``--repeats`` distinct queries, of: the scan of those documents' codes and their top
              ``--depth`` (to the host), the candidates' rows gathered on the host (`index_select` into
              pinned memory), copied to the GPU, scored exactly (`maxsim_varlen`) and cut to the top 100.
              Bound: scan + candidate bytes / pinned host-to-device bandwidth (measured here). Beside it,
-             the 1e9-token figure composed: the full scan's time + the measured exact-stage parts
+             the 1e9-token figure composed: the full scan's time (with its top ``--depth``, from the
+             codec's own stage) + the measured exact-stage parts
   int4       one query against 4-bit codes (uint8 [T, 64] + fp32 scales) of the first documents, as many
              as fit 92% of the free GPU memory once the 2-bit codes are freed (at most ``--tokens``)
   int2       one query against int2 codes (uint8 [T, 32] + fp32 scales, `maxsim quantize --codec int2`)
-             of every document, TB/s on its 36 B/token. Target: <= 15 ms at 1e9
+             of every document, TB/s on its 36 B/token, and with the top ``--depth`` taken. Target: <= 15
+             ms at 1e9
 """
 
 from __future__ import annotations
@@ -229,6 +233,9 @@ def main() -> None:
         "--depth", type=int, default=2000, help="candidates of the two-stage search (2-bit: 2000)"
     )
     parser.add_argument("--k", type=int, default=100)
+    parser.add_argument(
+        "--two-stage-codec", choices=("int2", "residual2"), default="int2", help="the two-stage's tier"
+    )
     parser.add_argument("--exact-dtype", choices=("float16", "int8"), default="float16")
     parser.add_argument(
         "--exact-host-bytes", help="host memory for the exact tier (default 60%% of MemAvailable)"
@@ -276,7 +283,8 @@ def main() -> None:
 
     codes = book = None
     current_k = None
-    if "residual2" in stages or "two-stage" in stages:
+    residual2_two_stage = "two-stage" in stages and args.two_stage_codec == "residual2"
+    if "residual2" in stages or residual2_two_stage:
         try:
             t0 = time.perf_counter()
             codes = torch.empty((total, BYTES["residual2"]), dtype=torch.uint8, device=dev)
@@ -334,26 +342,16 @@ def main() -> None:
                 scans[name] = oom_record(exc, dev, num_centroids=k)
             write_json(args.out, record)
 
-    if codes is not None and "two-stage" in stages:
-        try:
-            two_stage(
-                args,
-                record,
-                codes,
-                offsets,
-                host_offsets,
-                queries,
-                q_off,
-                default_k,
-                use_codebook,
-                lambda: book,
-                gen,
-                dev,
-            )
-        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
-            record["two_stage"].update(oom_record(exc, dev))
-            log(f"two-stage: {record['two_stage']['error']}")
-        write_json(args.out, record)
+    if codes is not None and residual2_two_stage:
+
+        def residual2_scan(n_exact: int):
+            use_codebook(default_k)
+            record["two_stage"]["num_centroids"] = default_k
+            codes_e, off_e = codes[: int(host_offsets[n_exact])], offsets[: n_exact + 1]
+            return lambda q: maxsim_varlen(q, q_off, codes_e, off_e, codebook=book)
+
+        full = (record["residual2"].get("scans") or {}).get("default") or {}
+        run_two_stage(args, record, residual2_scan, full, host_offsets, queries, q_off, gen, dev)
 
     codes = book = None  # the 2-bit codes freed: room for the 4-bit ones
     if dev.type == "cuda":
@@ -381,7 +379,8 @@ def main() -> None:
             log(f"int4: {record['int4']['error']}")
         write_json(args.out, record)
 
-    if "int2" in stages:
+    int2_two_stage = "two-stage" in stages and args.two_stage_codec == "int2"
+    if "int2" in stages or int2_two_stage:  # the two-stage's composed figure takes the whole scan's time
         try:
             codes2 = torch.empty((total, DIM // 4), dtype=torch.uint8, device=dev)
             fill_random_bytes(codes2, 0, gen)
@@ -391,6 +390,20 @@ def main() -> None:
                 queries[0], q_off, codes2, offsets, doc_scales=scales, codebook=levels
             )
             record["int2"] = resident_scan("int2", scan, total, num_docs, args, dev)
+            record["int2"]["scan_topk_ms"] = timed_rounds(
+                lambda: torch.topk(scan()[0], min(args.depth, num_docs)), args.rounds, args.rep_ms
+            )["ms"]
+            if int2_two_stage:
+
+                def int2_scan(n_exact: int):
+                    codes_e, off_e = codes2[: int(host_offsets[n_exact])], offsets[: n_exact + 1]
+                    scales_e = scales[: int(host_offsets[n_exact])]
+                    return lambda q: maxsim_varlen(  # noqa: E731
+                        q, q_off, codes_e, off_e, doc_scales=scales_e, codebook=levels
+                    )
+
+                full = record["int2"]
+                run_two_stage(args, record, int2_scan, full, host_offsets, queries, q_off, gen, dev)
             del codes2, scales
         except torch.OutOfMemoryError as exc:
             record["int2"] = oom_record(exc, dev)
@@ -399,27 +412,26 @@ def main() -> None:
     log("done")
 
 
-def two_stage(
-    args,
-    record,
-    codes,
-    offsets,
-    host_offsets,
-    queries,
-    q_off,
-    default_k,
-    use_codebook,
-    current_book,
-    gen,
-    dev,
-) -> None:
-    """The two-stage search composed from its parts, the exact tier in host memory (module docstring)."""
+def run_two_stage(args, record, scan_of, full, host_offsets, queries, q_off, gen, dev) -> None:
+    """`two_stage`, a failure (out of memory) recorded in place of its figures."""
+    try:
+        two_stage(args, record, scan_of, full, host_offsets, queries, q_off, gen, dev)
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
+        record["two_stage"].update(oom_record(exc, dev))
+        log(f"two-stage: {record['two_stage']['error']}")
+    write_json(args.out, record)
+
+
+def two_stage(args, record, scan_of, full, host_offsets, queries, q_off, gen, dev) -> None:
+    """The two-stage search composed from its parts, the exact tier in host memory (module docstring):
+    `scan_of(n)` the scan of the tier's first n documents (one query -> its scores [1, n]), `full` the
+    codec's stage record of the whole corpus's scan (its top ``--depth``: ``scan_topk_ms``)."""
     from maxsim_kernels import maxsim_varlen
 
     from maxsim_cli.units import parse_size
 
     out: dict = record["two_stage"]  # filled as it goes: a failure part-way keeps what was measured
-    out.update(exact_dtype=args.exact_dtype, depth=args.depth, k=args.k)
+    out.update(exact_dtype=args.exact_dtype, depth=args.depth, k=args.k, codec=args.two_stage_codec)
     per_token = EXACT_BYTES[args.exact_dtype]
     if args.exact_host_bytes:
         budget = parse_size(args.exact_host_bytes)
@@ -431,9 +443,7 @@ def two_stage(
     depth = min(args.depth, n_exact)
     out["depth"] = depth
     out.update(host_budget_bytes=budget, documents=n_exact, tokens=t_exact, host_bytes=t_exact * per_token)
-    use_codebook(default_k)
-    book = current_book()
-    out["num_centroids"] = default_k
+    scan_only = scan_of(n_exact)
     t0 = time.perf_counter()
     values, scales = fill_exact_tier(t_exact, args.exact_dtype, gen, dev)
     out["filled_s"] = time.perf_counter() - t0
@@ -452,11 +462,6 @@ def two_stage(
     )
     dev_rows = torch.empty((max_rows, DIM), dtype=values.dtype, device=dev)
     dev_scales = torch.empty(max_rows, dtype=torch.float32, device=dev) if scales is not None else None
-    codes_e, off_e = codes[:t_exact], offsets[: n_exact + 1]
-
-    def scan_only(q):
-        return maxsim_varlen(q, q_off, codes_e, off_e, codebook=book)
-
     out["scan_ms"] = timed_rounds(lambda: scan_only(queries[0]), args.rounds, args.rep_ms)["ms"]
 
     parts: dict[str, list[float]] = {n: [] for n in ("scan_select", "gather", "copy", "exact_topk", "total")}
@@ -507,15 +512,14 @@ def two_stage(
         copy_ms = out["candidate_bytes_p50"] / (h2d * 1e9) * 1e3
         out["bound_ms"] = out["scan_ms"] + copy_ms
         out["over_bound"] = out["p50_ms"]["total"] / out["bound_ms"]
-        scanned = record.get("residual2", {}).get("scans", {}).get("default") or {}
-        if scanned.get("scan_topk_ms") is not None:
+        if full.get("scan_topk_ms") is not None:
             rest = out["p50_ms"]["total"] - out["p50_ms"]["scan_select"]
             out["composed_full_corpus"] = {
                 "tokens": int(host_offsets[-1]),
-                "scan_topk_ms": scanned["scan_topk_ms"],
-                "ms": scanned["scan_topk_ms"] + rest,
-                "bound_ms": scanned["ms"] + copy_ms,
-                "what": "the whole corpus's scan and top depth (residual2 stage, default codebook, do_bench) "
+                "scan_topk_ms": full["scan_topk_ms"],
+                "ms": full["scan_topk_ms"] + rest,
+                "bound_ms": full["ms"] + copy_ms,
+                "what": f"the whole corpus's scan and top depth ({args.two_stage_codec} stage, do_bench) "
                 "+ this stage's gather, copy and exact parts (p50), as if every candidate were in the "
                 "host tier; the bound: the whole scan + the candidates' bytes over pinned H2D",
             }
