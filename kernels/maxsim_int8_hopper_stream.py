@@ -74,10 +74,10 @@ Per program (one warp group, 4 warps):
   the same sequence of tiles: the ring's, STAGES tiles ahead, issues the TMA copies; the scales', two
   tiles ahead, loads each tile's 64 scales into registers (two a thread). Each cursor loads an item's
   document range one item ahead and the candidate's document index two ahead, so no load waits at a
-  document's end. With TABLE (one query, where the codec's `Tuning.table` has N) the cursors read the
-  walk from a table counted once for the corpus's offsets (`walk_table`: a tile's first token, rows,
-  last-tile bit and item in one int64, each entry loaded a tile before its use), where walking the
-  offsets takes ~25 more instructions a tile and warp;
+  document's end. With TABLE (one query, where the codec's `Tuning.table` has N, from the second scan of
+  the same offsets: `walks_table`) the cursors read the walk from a table counted once for the corpus's
+  offsets (`walk_table`: a tile's first token, rows, last-tile bit and item in one int64, each entry
+  loaded a tile before its use), where walking the offsets takes ~25 more instructions a tile and warp;
 - tile t's product D8_t . Q8^T [64, N] (int32) is issued asynchronously; while it runs, tile t - 1's
   products are converted (the conversion instruction, exact for |acc| < 2^24), scaled by their token's
   scale and folded into a running maximum per element. At a document's last tile the maxima are reduced
@@ -943,6 +943,22 @@ def walk_table(d_off: torch.Tensor, n_tokens: int, items: int) -> tuple[torch.Te
     return memo(d_off, ("walk_table", n_tokens, items), compute)
 
 
+def walks_table(d_off: torch.Tensor, n: int, tuned: Tuning, table: bool | None = None) -> bool:
+    """Whether one query against the documents of `d_off` walks `walk_table` (query tile N = `n`): where
+    `table` says so, else where the codec's tuning takes it at N and these offsets are walked for the
+    second time or later. Counting the table costs a few launches (a cumulative sum, one Triton kernel),
+    more than one scan of a small batch saves by it: offsets seen once (a streamed batch) keep the
+    offsets' walk, a corpus scanned again (resident, served) counts its table once and keeps it. An
+    inference tensor has no version counter to key the count by, and keeps the offsets' walk."""
+    if table is not None:
+        return table and not d_off.is_inference()
+    if n not in tuned.table or d_off.is_inference():
+        return False
+    walks = memo(d_off, "one_query_walks", lambda: [0])
+    walks[0] += 1
+    return walks[0] > 1
+
+
 def maxsim_int8_stream(
     q8: torch.Tensor,
     sq: torch.Tensor,
@@ -1007,8 +1023,7 @@ def stream_with_tiles(
         return out
     n_chunks = cdiv(n_items, per)
     packed = d8.dtype == torch.uint8 and residual is None
-    # an inference tensor has no version counter to key the memo by: its table would be counted every call
-    use_table = items is None and not d_off.is_inference() and (n in tuned.table if table is None else table)
+    use_table = items is None and walks_table(d_off, n, tuned, table)
     if use_table:
         walk, firsts = walk_table(d_off, d8.shape[0], per)
     else:

@@ -570,3 +570,27 @@ def test_stream_walk_table_is_the_tile_table(items: int) -> None:
     offsets = torch.tensor([0, 900, 100, 5000, 5064])
     entries, firsts = stream.walk_table(offsets, 200, items)
     assert int(firsts.max()) < len(entries) and int(firsts.min()) >= 0
+
+
+def test_stream_walk_table_is_counted_for_offsets_walked_again() -> None:
+    """One query walks the table (`walks_table`) where the codec's tuning takes it at the query tile's N
+    and its offsets tensor is walked for the second time (a resident corpus), not for offsets seen once (a
+    streamed batch); an explicit choice wins; an inference tensor keeps the offsets' walk; a change in
+    place starts the count again."""
+    from maxsim_kernels import maxsim_int8_hopper_stream as stream
+
+    tuned = stream.INT2_TILES
+    n = tuned.table[0]
+    offsets = torch.tensor([0, 5, 70])
+    assert not stream.walks_table(offsets, n, tuned)
+    assert stream.walks_table(offsets, n, tuned) and stream.walks_table(offsets, n, tuned)
+    assert not stream.walks_table(torch.tensor([0, 5, 70]), n, tuned)  # another tensor: seen once
+    assert not stream.walks_table(offsets, n, stream.INT8_TILES)  # not taken at any N
+    assert stream.walks_table(torch.tensor([0, 5]), n, tuned, table=True)
+    assert not stream.walks_table(offsets, n, tuned, table=False)
+    offsets[2] = 71  # changed in place: a new walk
+    assert not stream.walks_table(offsets, n, tuned)
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 5, 70])
+    assert not stream.walks_table(frozen, n, tuned) and not stream.walks_table(frozen, n, tuned)
+    assert not stream.walks_table(frozen, n, tuned, table=True)
