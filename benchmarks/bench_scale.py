@@ -396,11 +396,10 @@ def main() -> None:
             if int2_two_stage:
 
                 def int2_scan(n_exact: int):
-                    codes_e, off_e = codes2[: int(host_offsets[n_exact])], offsets[: n_exact + 1]
-                    scales_e = scales[: int(host_offsets[n_exact])]
-                    return lambda q: maxsim_varlen(  # noqa: E731
-                        q, q_off, codes_e, off_e, doc_scales=scales_e, codebook=levels
-                    )
+                    t_exact = int(host_offsets[n_exact])
+                    codes_e, off_e, scales_e = codes2[:t_exact], offsets[: n_exact + 1], scales[:t_exact]
+                    kw = {"doc_scales": scales_e, "codebook": levels}
+                    return lambda q: maxsim_varlen(q, q_off, codes_e, off_e, **kw)
 
                 full = record["int2"]
                 run_two_stage(args, record, int2_scan, full, host_offsets, queries, q_off, gen, dev)
