@@ -43,14 +43,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", help="a maxsim_kernels module: the other kernel (default: this one)")
     parser.add_argument("--baseline-tiles", default="", help="k=v,...: the baseline's stream_with_tiles")
-    parser.add_argument("--current-tiles", default="", help="k=v,...: the current kernel's keywords")
+    parser.add_argument(
+        "--current-tiles",
+        action="append",
+        default=None,
+        help="k=v,...: the current kernel's keywords; repeated: several configurations, each "
+        "timed in the same rounds against the baseline",
+    )
     parser.add_argument("--codecs", default="int2,int4", help="of int2, int4, int8")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rep-ms", type=int, default=300)
     parser.add_argument("--out")
     args = parser.parse_args()
     base = importlib.import_module(f"maxsim_kernels.{args.baseline}") if args.baseline else current
-    tiles = {"baseline": keywords(args.baseline_tiles), "current": keywords(args.current_tiles)}
+    currents = args.current_tiles or [""]
+    labels = ["current"] if len(currents) == 1 else [f"current:{text}" for text in currents]
+    tiles = {"baseline": keywords(args.baseline_tiles)}
+    tiles.update({key: keywords(text) for key, text in zip(labels, currents, strict=True)})
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
 
     dev = torch.device("cuda")
@@ -96,21 +105,29 @@ def main() -> None:
             return lambda: module.stream_with_tiles(q8, sq, q_off, item_off, items, c, s, offsets, q_len,
                                                     int2=codec == "int2", **cfg)  # fmt: skip
 
-        old, new = call(base, tiles["baseline"]), call(current, tiles["current"])
-        a, b = old(), new()
-        same = bool(torch.equal(a.view(torch.int32), b.view(torch.int32)))
-        times: dict[str, list[float]] = {"baseline": [], "current": []}
+        fns = {key: call(base if key == "baseline" else current, cfg) for key, cfg in tiles.items()}
+        first = fns["baseline"]().view(torch.int32)
+        same = {
+            key: bool(torch.equal(first, fn().view(torch.int32)))
+            for key, fn in fns.items()
+            if key != "baseline"
+        }
+        times: dict[str, list[float]] = {key: [] for key in fns}
+        order = list(fns.items())
         for r in range(args.rounds):
-            order = [("baseline", old), ("current", new)]
-            for key, fn in order if r % 2 == 0 else order[::-1]:
+            for key, fn in order[r % len(order) :] + order[: r % len(order)]:  # a rotating order
                 times[key].append(triton.testing.do_bench(fn, rep=args.rep_ms, return_mode="median"))
         ms = {key: statistics.median(ts) for key, ts in times.items()}
-        record["cases"][name] = {
-            "bitwise_equal": same, "nan": int(a.isnan().sum()), "baseline_ms": ms["baseline"],
-            "current_ms": ms["current"], "speedup": ms["baseline"] / ms["current"], "rounds_ms": times,
-        }  # fmt: skip
-        print(f"{name}: equal {same}  baseline {ms['baseline']:.4f} ms  current {ms['current']:.4f} ms  "
-              f"x{ms['baseline'] / ms['current']:.3f}", flush=True)  # fmt: skip
+        entry = {"nan": int(first.view(torch.float32).isnan().sum()), "baseline_ms": ms["baseline"],
+                 "rounds_ms": times}  # fmt: skip
+        for key in labels:
+            suffix = key[len("current") :]
+            entry[f"bitwise_equal{suffix}"] = same[key]
+            entry[f"current_ms{suffix}"] = ms[key]
+            entry[f"speedup{suffix}"] = ms["baseline"] / ms[key]
+            print(f"{name}: baseline {ms['baseline']:.4f} ms  {key} {ms[key]:.4f} ms  "
+                  f"x{ms['baseline'] / ms[key]:.3f}  equal {same[key]}", flush=True)  # fmt: skip
+        record["cases"][name] = entry
         write_json(args.out, record)
 
 
