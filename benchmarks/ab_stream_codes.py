@@ -17,9 +17,9 @@ the walk of one query by the offsets against the corpus's walk table:
         --current-tiles table=1 --out benchmarks/results/codes/ab-walk-table-h100.json
 
 Cases: one query of 32, 13 and (int4) 64 tokens against 100K documents of 20-300 tokens (16.0M tokens,
-random unit vectors), and 64 queries of 32 tokens x 1,000 candidates each (every 997th index out of range:
-NaN in both); int4 codes (`encode int4-per-token`), int2 codes on a grid fitted on 262,144 tokens, and
-int8 values (`quantize_per_token`; one query of 32 tokens and the candidates).
+random unit vectors), and 64 queries of 32 tokens (`--candidates-tokens`) x 1,000 candidates each (every
+997th index out of range: NaN in both); int4 codes (`encode int4-per-token`), int2 codes on a grid fitted
+on 262,144 tokens, and int8 values (`quantize_per_token`; one query of 32 tokens and the candidates).
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ def main() -> None:
         "timed in the same rounds against the baseline",
     )
     parser.add_argument("--codecs", default="int2,int4", help="of int2, int4, int8")
+    parser.add_argument("--candidates-tokens", type=int, default=32,
+                        help="the candidates case's query tokens (int2: at most 32)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rep-ms", type=int, default=300)
     parser.add_argument("--out")
@@ -89,12 +91,14 @@ def main() -> None:
             q8, sq = query_side(codec, unit(q_len))
             q_off = torch.tensor([0, q_len], device=dev)
             cases.append((f"{codec}/one_query/q{q_len}", codec, q8, sq, q_off, None, None, q_len))
-        q8, sq = query_side(codec, unit(64 * 32))
-        q_off = torch.arange(0, 64 * 32 + 1, 32, device=dev)
+        tokens = min(args.candidates_tokens, 32) if codec == "int2" else args.candidates_tokens
+        q8, sq = query_side(codec, unit(64 * tokens))
+        q_off = torch.arange(0, 64 * tokens + 1, tokens, device=dev)
         item_off = torch.arange(0, 64 * 1000 + 1, 1000, device=dev)
         items = torch.randint(0, n_docs, (64 * 1000,), generator=gen)
         items[::997] = n_docs + 5
-        cases.append((f"{codec}/candidates/64x1000", codec, q8, sq, q_off, item_off, items.to(dev), 32))
+        name = "candidates/64x1000" + ("" if tokens == 32 else f"/q{tokens}")
+        cases.append((f"{codec}/{name}", codec, q8, sq, q_off, item_off, items.to(dev), tokens))
 
     record = {"meta": meta(baseline=args.baseline, tiles=tiles, tokens=int(offsets[-1])), "cases": {}}
     for name, codec, q8, sq, q_off, item_off, items, q_len in cases:

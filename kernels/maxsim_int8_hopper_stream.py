@@ -171,8 +171,9 @@ def deferred(codes: bool, items: int, n: int) -> bool:
 
 class Tuning(NamedTuple):
     """One codec's tiles: the ring's stages, tiles a turn, items a program (one query, candidates), the
-    register caps by the query tile's N, and the N at which one query walks the corpus's walk table
-    (`walk_table`) rather than the documents' offsets."""
+    register caps by the query tile's N, the N at which one query walks the corpus's walk table
+    (`walk_table`) rather than the documents' offsets, and (N, stages) where one query's ring at that N
+    is deeper or shallower than `stages`."""
 
     stages: int
     group: int
@@ -180,6 +181,11 @@ class Tuning(NamedTuple):
     items_candidates: int
     registers: dict[int, tuple[int, int]]
     table: tuple[int, ...] = ()
+    ring: tuple[tuple[int, int], ...] = ()
+
+    def stages_at(self, n: int, one_query: bool) -> int:
+        """The ring's depth at query tile N = `n`, for one query or for candidates."""
+        return dict(self.ring).get(n, self.stages) if one_query else self.stages
 
 
 INT8_TILES = Tuning(STAGES, GROUP, ITEMS_ONE_QUERY, ITEMS_CANDIDATES, REGISTERS)
@@ -198,7 +204,15 @@ INT8_TILES = Tuning(STAGES, GROUP, ITEMS_ONE_QUERY, ITEMS_CANDIDATES, REGISTERS)
 # ab-walk-table-5rounds-h100-33eb8ba.json, the same bits): int4 at N = 16 (13-token query) 0.395 ms against
 # 0.414 walking the offsets, at N = 64 0.849 against 0.901, at N = 32 0.450 against 0.439 (slower: kept);
 # int2 at N = 16 0.346 against 0.401, at N = 32 0.413 against 0.421; int8 at N = 32 0.699 either way
-INT4_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (80, 128), 64: (168, 168)}, table=(16, 64))
+# One query's ring at N = 64 (a query of 64 tokens, the table's walk, `python benchmarks/ab_stream_codes.py
+# --codecs int2,int4 --rounds 5 --rep-ms 80 --current-tiles stages=3 --current-tiles stages=6`, H100,
+# ab-tiles-sweep-h100-68feb62.json): 0.772 ms with 3 stages, 0.771 with 6, against 0.840 with 4; at N = 32
+# 6 stages ran 4% slower and 3 no faster, at N = 16 both 1-2% slower: 6 at N = 64 alone. Candidates of
+# 64-token queries keep 4: 0.636 ms with 6 against 0.591 (ab-tuned-cand64-ring6-h100.json). Against the
+# previous tuning (`--baseline` the previous module, ab-tuned-{table,offsets,cand64}-h100.json): one query of
+# 64 tokens 0.777 ms against 0.841 (the offsets' walk 0.895 against 0.901), candidates 0.594 either way
+INT4_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (80, 128), 64: (168, 168)}, table=(16, 64),
+                    ring=((64, 6),))  # fmt: skip
 # residual2 (RESIDUAL), one query x 100K documents on an H100 (bench_codes.py --stream-sweep): 1.235 ms with
 # a ring of 6, 2 tiles a turn and a cap of 128 registers (four programs an SM), against 1.305 at 168 (three)
 # and 1.355 uncapped (255, two programs); 4 tiles a turn 1.470 uncapped
@@ -207,7 +221,12 @@ INT4_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (80, 128), 64: (168, 168)
 # 0.421-0.424, 64 documents a program 0.454, 16 0.629; at N = 16 a cap of 80 spills 80 bytes. Queries of at
 # most 32 tokens (INT2_MAX_QUERY_TOKENS): at N = 64 the candidates build spills 200 bytes under int4's cap of
 # 168 registers
-INT2_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (80, 128)}, table=(16, 32))
+# At N = 16 (queries of at most 16 tokens) one query under a cap of 72 registers, seven programs an SM (its
+# products serialized, no spills): 0.3115 ms against 0.3458 at 128 (four, unserialized) and 0.393 at 88, the
+# table's walk (the same sweep, ab-tiles-sweep-h100-68feb62.json); against the previous tuning
+# (ab-tuned-table-h100.json, ab-tuned-offsets-h100.json) 0.312 against 0.346 walking the table, 0.341
+# against 0.400 walking the offsets
+INT2_TILES = Tuning(4, 2, 32, 16, {16: (72, 128), 32: (80, 128)}, table=(16, 32))
 INT2_MAX_QUERY_TOKENS = 32
 RESIDUAL2_TILES = Tuning(6, 2, 32, 16, {16: (128, 128), 32: (128, 128)})
 
@@ -1047,7 +1066,8 @@ def stream_with_tiles(
         docs, scales, out, walk, firsts,
         nq, n_items, n_chunks, d_off.numel() - 1, stride_q,
         d8.shape[0], stride_plane, tab_stride, n_centroids, plane_scale,
-        DIM=q8.shape[1], N=n, ITEMS=per, BLOCK_T=BLOCK_T, STAGES=tuned.stages if stages is None else stages,
+        DIM=q8.shape[1], N=n, ITEMS=per, BLOCK_T=BLOCK_T,
+        STAGES=tuned.stages_at(n, items is None) if stages is None else stages,
         GROUP=tuned.group if group is None else group, IDENTITY=items is None, PACKED=packed,
         DEFER=deferred(packed or residual is not None, per, n), RESIDUAL=residual is not None,
         QUARTER=int2, TABLE=use_table,
