@@ -218,14 +218,14 @@ INT4_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (80, 128), 64: (168, 168)
 # and 1.355 uncapped (255, two programs); 4 tiles a turn 1.470 uncapped
 # int2 (QUARTER), the same sweep: one query at N = 32 under a cap of 80 registers (no spills, six programs an
 # SM against four) 0.417 ms against 0.444 at 128, 72 0.428, 96 0.508, 64 (spills) 0.529; a ring of 6 or 8
-# 0.421-0.424, 64 documents a program 0.454, 16 0.629; at N = 16 a cap of 80 spills 80 bytes. Queries of at
-# most 32 tokens (INT2_MAX_QUERY_TOKENS): at N = 64 the candidates build spills 200 bytes under int4's cap of
-# 168 registers
+# 0.421-0.424, 64 documents a program 0.454, 16 0.629; at N = 16 a cap of 80 spilled 80 bytes then (72 builds
+# without spills since: below). Queries of at most 32 tokens (INT2_MAX_QUERY_TOKENS): at N = 64 the
+# candidates build spills 200 bytes under int4's cap of 168 registers.
 # At N = 16 (queries of at most 16 tokens) one query under a cap of 72 registers, seven programs an SM (its
 # products serialized, no spills): 0.3115 ms against 0.3458 at 128 (four, unserialized) and 0.393 at 88, the
-# table's walk (the same sweep, ab-tiles-sweep-h100-68feb62.json); against the previous tuning
-# (ab-tuned-table-h100.json, ab-tuned-offsets-h100.json) 0.312 against 0.346 walking the table, 0.341
-# against 0.400 walking the offsets
+# table's walk (the ab_stream_codes.py sweep of INT4_TILES' ring, ab-tiles-sweep-h100-68feb62.json); against
+# the previous tuning (ab-tuned-table-h100.json, ab-tuned-offsets-h100.json) 0.312 against 0.346 walking
+# the table, 0.341 against 0.400 walking the offsets
 INT2_TILES = Tuning(4, 2, 32, 16, {16: (72, 128), 32: (80, 128)}, table=(16, 32))
 INT2_MAX_QUERY_TOKENS = 32
 RESIDUAL2_TILES = Tuning(6, 2, 32, 16, {16: (128, 128), 32: (128, 128)})
