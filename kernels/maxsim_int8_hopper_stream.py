@@ -206,7 +206,7 @@ INT8_TILES = Tuning(STAGES, GROUP, ITEMS_ONE_QUERY, ITEMS_CANDIDATES, REGISTERS)
 # int2 at N = 16 0.346 against 0.401, at N = 32 0.413 against 0.421; int8 at N = 32 0.699 either way
 # One query's ring at N = 64 (a query of 64 tokens, the table's walk, `python benchmarks/ab_stream_codes.py
 # --codecs int2,int4 --rounds 5 --rep-ms 80 --current-tiles stages=3 --current-tiles stages=6`, H100,
-# ab-tiles-sweep-h100-68feb62.json): 0.772 ms with 3 stages, 0.771 with 6, against 0.840 with 4; at N = 32
+# ab-tiles-sweep-h100.json): 0.772 ms with 3 stages, 0.771 with 6, against 0.840 with 4; at N = 32
 # 6 stages ran 4% slower and 3 no faster, at N = 16 both 1-2% slower: 6 at N = 64 alone. Candidates of
 # 64-token queries keep 4: 0.636 ms with 6 against 0.591 (ab-tuned-cand64-ring6-h100.json). Against the
 # previous tuning (`--baseline` the previous module, ab-tuned-{table,offsets,cand64}-h100.json): one query of
@@ -223,7 +223,7 @@ INT4_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (80, 128), 64: (168, 168)
 # candidates build spills 200 bytes under int4's cap of 168 registers.
 # At N = 16 (queries of at most 16 tokens) one query under a cap of 72 registers, seven programs an SM (its
 # products serialized, no spills): 0.3115 ms against 0.3458 at 128 (four, unserialized) and 0.393 at 88, the
-# table's walk (the ab_stream_codes.py sweep of INT4_TILES' ring, ab-tiles-sweep-h100-68feb62.json); against
+# table's walk (the ab_stream_codes.py sweep of INT4_TILES' ring, ab-tiles-sweep-h100.json); against
 # the previous tuning (ab-tuned-table-h100.json, ab-tuned-offsets-h100.json) 0.312 against 0.346 walking
 # the table, 0.341 against 0.400 walking the offsets
 INT2_TILES = Tuning(4, 2, 32, 16, {16: (72, 128), 32: (80, 128)}, table=(16, 32))
