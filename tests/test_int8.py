@@ -527,12 +527,18 @@ def test_stream_kernel_is_not_planned_off_the_gpu(monkeypatch) -> None:
     assert not stream.supports(np.array([32]), torch.zeros(1000, 64, dtype=torch.int8), False)
     assert stream.tiles_for(codes) is stream.INT4_TILES and stream.tiles_for(d8) is stream.INT8_TILES
     assert set(stream.INT4_TILES.registers) == set(stream.REGISTERS)
-    # a ring deeper for one query than for candidates where the tuning says so, the codec's depth elsewhere
-    tuned = stream.INT4_TILES
-    for n in tuned.registers:
-        assert tuned.stages_at(n, False) == tuned.stages
-        assert tuned.stages_at(n, True) == dict(tuned.ring).get(n, tuned.stages)
-    assert stream.INT8_TILES.stages_at(64, True) == stream.INT8_TILES.stages
+
+
+def test_stream_ring_depth_by_query_tile() -> None:
+    """A codec's ring is `Tuning.stages` deep for candidates at every query tile, and for one query too but
+    at the tiles its `ring` names (int4's one query at N = 64: 6 deep, its candidates 4)."""
+    from maxsim_kernels import maxsim_int8_hopper_stream as stream
+
+    for tuned in (stream.INT8_TILES, stream.INT4_TILES, stream.INT2_TILES, stream.RESIDUAL2_TILES):
+        for n in tuned.registers:
+            assert tuned.stages_at(n, False) == tuned.stages
+            assert tuned.stages_at(n, True) == dict(tuned.ring).get(n, tuned.stages)
+    assert stream.INT4_TILES.stages_at(64, True) == 6 and stream.INT4_TILES.stages_at(64, False) == 4
 
 
 @pytest.mark.parametrize("items", [1, 5, 32])
