@@ -88,16 +88,18 @@ operand, four int8 products a tile); everywhere else int2 documents are decoded 
 (int8, whole documents, at most `DECODE_CHUNK_BYTES` at a time; a rerank's candidates gathered first) and
 scored by the int8 kernels of `maxsim_int8` with their scales. All
 pairs of enough queries to be bound by the tensor cores decode the documents a bounded chunk at a time
-into int8 rows and score them on the Gluon all-pairs kernel of `maxsim_int8_hopper`
-(`_decoded_varlen`: the decode's bytes are ~1% of such a call's time).
+into int8 rows and score them on the Gluon all-pairs kernel of `maxsim_int8_hopper` (`_decoded_varlen`:
+the decode's bytes are ~1% of such a call's time; chunks alternate between two streams, so that neither
+the decode nor the end of each launch waits on the tensor cores).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -1528,8 +1530,9 @@ def maxsim_varlen_codes(
         and backend == "triton"
         and q_off.numel() > 2
         and _int4_allpairs_on_hopper(query_offsets, doc_offsets, q8, codes)
-    ):
-        scores = _decoded_varlen(codec, backend, query_offsets, doc_offsets, q8, sq, codes, sd)
+    ):  # int2's query sums added to each chunk's scores as they are placed
+        sums = cb.query_sums if codec == "int2" else None
+        return _decoded_varlen(codec, backend, query_offsets, doc_offsets, q8, sq, codes, sd, sums)
     else:
         if backend == "triton":
             return _launch_varlen(codec, dim, q8, sq, q_off, codes, sd, d_off, cb)
@@ -1628,10 +1631,13 @@ def _code_stream(
                              int2=codec == "int2")  # fmt: skip
 
 
-# int4 and int2 all pairs (`_decoded_varlen`): documents decoded to int8 rows a chunk of at most this
-# many bytes at a time, each chunk scored by the int8 kernels (on sm_90 the Gluon all-pairs kernel). A
-# bound on the scratch memory, not a tuned size: 512 x 50K (8.0M tokens, four chunks) ran at the int8 rate
-# with it, int4 and int2 (benchmarks/results/codes/allpairs-profile-h100-9b3c1b4.json).
+# int4 and int2 all pairs (`_decoded_varlen`): documents decoded to int8 rows, this many bytes of buffers
+# in all (on CUDA two of half the size, a chunk of documents each, on two streams), each chunk scored by
+# the int8 kernels (on sm_90 the Gluon all-pairs kernel). A bound on the scratch memory, not a tuned size.
+# 512 x 50K (8.0M tokens) one chunk after another in one buffer: 0.986-0.995x the int8 rate, the products
+# of four launches 1.5 ms longer than int8's one (allpairs-profile-h100-9b3c1b4.json); on two streams, each
+# launch's end filled by the next chunk's, 1.011x for int4 and int2 beside 0.988-0.990x for the one buffer
+# in the same machine's runs (H100, allpairs-streams-*-h100.json, benchmarks/results/codes/)
 DECODE_CHUNK_BYTES = 256 << 20
 _DECODE_ROWS = 64  # rows a program of `_int4_to_int8_kernel`
 
@@ -1789,35 +1795,86 @@ def _decoded_varlen(
     sq: torch.Tensor,
     codes: torch.Tensor,
     sd: torch.Tensor,
+    query_sums: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """All pairs of int4 or int2 codes as the int8 kernels score their values (int2 without the query rows'
-    offsets, `int2_queries`): the documents decoded into one reused buffer of int8 rows a chunk of whole
-    documents at a time (`_int8_values`; at most `DECODE_CHUNK_BYTES`, or one document alone where it is
-    longer), each chunk scored by `maxsim_varlen_int8` with its scales and host offsets (the Gluon
-    all-pairs kernel's plan reads them there): its exact integer products and maxima, bit for bit. Where
-    one chunk holds every document its scores are the answer as they are; documents with no tokens score
-    -inf."""
+    """All pairs of int4 or int2 codes as the int8 kernels score their values, plus ``query_sums[i]`` for
+    query i where given (int2's sums of the query rows' offsets, `int2_queries`): the documents decoded
+    into reused buffers of int8 rows a chunk of whole documents at a time (`_int8_values`;
+    `DECODE_CHUNK_BYTES` in all, or one document alone where it is longer), each chunk scored by
+    `maxsim_varlen_int8` with its scales and host offsets (the Gluon all-pairs kernel's plan reads them
+    there): its exact integer products and maxima, bit for bit. Where one chunk holds every document its
+    scores are the answer as they are; documents with no tokens score -inf. On CUDA, several chunks
+    alternate between two buffers and two streams (`_chunk_streams`), so that one chunk's decode and the
+    start of its products fill the end of the previous chunk's launch."""
     d_host = host_offsets("doc_offsets", given_d_off, codes.shape[0])
     nq, nd, dim = given_q_off.numel() - 1, len(d_host) - 1, q8.shape[1]
-    chunk = max(1, DECODE_CHUNK_BYTES // dim)
-    longest = int(np.diff(d_host).max(initial=0))
-    buffer_rows = min(int(d_host[-1]), max(chunk, longest))
-    rows = torch.empty((buffer_rows, dim), dtype=torch.int8, device=codes.device)
-    out = None  # [nq, nd], made only where the documents take several chunks
-    for first, stop, offsets in _document_chunks(d_host, chunk):
-        t0, t1 = int(d_host[first]), int(d_host[stop])
-        part = None  # documents with no tokens: -inf
-        if t1 > t0:
-            values = rows[: t1 - t0]
-            _int8_values(codec, backend, codes[t0:t1], values)
-            part = maxsim_varlen_int8(q8, given_q_off, values, offsets, doc_scales=sd[t0:t1], query_scales=sq,
-                                      backend=backend)  # fmt: skip
-            if first == 0 and stop == nd:
-                return part
-        if out is None:
-            out = torch.empty((nq, nd), dtype=torch.float32, device=codes.device)
-        out[:, first:stop] = float("-inf") if part is None else part
-    return torch.empty((nq, 0), dtype=torch.float32, device=codes.device) if out is None else out
+    total, longest = int(d_host[-1]), int(np.diff(d_host).max(initial=0))
+    if total * dim <= DECODE_CHUNK_BYTES or nd == 1:  # one chunk: one buffer, the scores as they are
+        scores = _scored_chunk(codec, backend, given_q_off, q8, sq, codes, sd, d_host, (0, nd), None)
+        return scores if query_sums is None else scores.add_(query_sums[:, None])
+    streams = _chunk_streams(codes.device)
+    chunk = max(1, DECODE_CHUNK_BYTES // (len(streams) * dim))  # a buffer a stream, in the same bound
+    buffers = [torch.empty((min(total, max(chunk, longest)), dim), dtype=torch.int8, device=codes.device)
+               for _ in streams]  # fmt: skip
+    out = torch.empty((nq, nd), dtype=torch.float32, device=codes.device)
+    side = streams[1:]
+    for stream in side:  # the side stream starts once its inputs, buffers and output are made
+        stream.wait_stream(streams[0])
+    for i, (first, stop, offsets) in enumerate(_document_chunks(d_host, chunk)):
+        with _on_stream(streams[i % len(streams)]):
+            part = _scored_chunk(codec, backend, given_q_off, q8, sq, codes, sd, d_host, (first, stop),
+                                 buffers[i % len(streams)], offsets)  # fmt: skip
+            if query_sums is None:
+                out[:, first:stop] = part
+            else:  # the sums added in the copy, on the chunk's stream
+                torch.add(part, query_sums[:, None], out=out[:, first:stop])
+    for stream in side:
+        streams[0].wait_stream(stream)
+    return out
+
+
+def _scored_chunk(
+    codec: str,
+    backend: str,
+    given_q_off: torch.Tensor,
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    codes: torch.Tensor,
+    sd: torch.Tensor,
+    d_host: np.ndarray,
+    documents: tuple[int, int],
+    buffer: torch.Tensor | None,
+    offsets: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Documents [first, stop) of `_decoded_varlen` decoded into ``buffer`` (a new one where None) and
+    scored: fp32 [nq, stop - first], -inf where they have no tokens. ``offsets``: theirs from their first
+    token (host), where the caller has them."""
+    first, stop = documents
+    t0, t1 = int(d_host[first]), int(d_host[stop])
+    if t1 == t0:
+        return torch.full((given_q_off.numel() - 1, stop - first), float("-inf"), dtype=torch.float32,
+                          device=codes.device)  # fmt: skip
+    if offsets is None:
+        offsets = torch.from_numpy(np.ascontiguousarray(d_host[first : stop + 1] - t0))
+    if buffer is None:
+        buffer = torch.empty((t1 - t0, q8.shape[1]), dtype=torch.int8, device=codes.device)
+    values = buffer[: t1 - t0]
+    _int8_values(codec, backend, codes[t0:t1], values)
+    return maxsim_varlen_int8(q8, given_q_off, values, offsets, doc_scales=sd[t0:t1], query_scales=sq,
+                              backend=backend)  # fmt: skip
+
+
+def _chunk_streams(device: torch.device) -> tuple:
+    """The streams `_decoded_varlen` alternates its chunks between: on CUDA the current stream and one side
+    stream of the device (from torch's pool), elsewhere one placeholder."""
+    if device.type != "cuda":
+        return (None,)
+    return torch.cuda.current_stream(device), torch.cuda.Stream(device)
+
+
+def _on_stream(stream: Any) -> Any:
+    """``torch.cuda.stream(stream)``, or no change where ``stream`` is None (the CPU)."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
 def _int2_decoded_candidates(

@@ -489,3 +489,31 @@ def test_document_chunks_cover_every_document_once_within_the_bound() -> None:
     for a, b, offsets in runs:
         assert offsets.tolist() == (d_host[a : b + 1] - d_host[a]).tolist()
         assert b - a == 1 or int(d_host[b] - d_host[a]) <= 5
+
+
+@pytest.mark.parametrize(
+    ("backend", "device"),
+    [("torch", "cpu"), ("triton", "cpu"), pytest.param("triton", "cuda", marks=pytest.mark.gpu)],
+)
+def test_int2_all_pairs_in_chunks_give_the_bits_of_one(monkeypatch, backend: str, device: str) -> None:
+    """All pairs decoded a chunk of documents at a time (`maxsim_codes._decoded_varlen`; here chunks of a
+    few tokens, so a long document alone and runs of empty documents make chunks of their own; on CUDA the
+    chunks alternate between two streams): the same bits as one chunk of every document, -inf for empty
+    documents."""
+    from maxsim_kernels import maxsim_codes
+    from maxsim_kernels.cpu import int8_stream_applies
+
+    gen = torch.Generator().manual_seed(31)
+    levels = _levels(128, gen)
+    lengths = [0, 0, 40, 5, 0, 0, 1, 7, 0, 3, 9, 2, 0, 0, 0, 6]  # a chunk of empty documents first
+    docs, d_off = _corpus(lengths, 128, gen)
+    codes, scales = encode_int2(docs, levels)
+    queries, q_off = _corpus([1, 32, 7, 4] * 20, 128, gen)  # past the CPU stream's few query rows
+    assert not int8_stream_applies(queries, queries.device)
+    queries, codes, scales = queries.to(device), codes.to(device), scales.to(device)
+    levels = levels.to(device)
+    whole = maxsim_varlen(queries, q_off, codes, d_off, doc_scales=scales, codebook=levels, backend=backend)
+    monkeypatch.setattr(maxsim_codes, "DECODE_CHUNK_BYTES", 128 * 8)
+    chunked = maxsim_varlen(queries, q_off, codes, d_off, doc_scales=scales, codebook=levels, backend=backend)
+    assert torch.equal(chunked, whole)
+    assert (whole[:, torch.tensor(lengths) == 0] == float("-inf")).all()
