@@ -1636,8 +1636,9 @@ def _code_stream(
 # the int8 kernels (on sm_90 the Gluon all-pairs kernel). A bound on the scratch memory, not a tuned size.
 # 512 x 50K (8.0M tokens) one chunk after another in one buffer: 0.986-0.995x the int8 rate, the products
 # of four launches 1.5 ms longer than int8's one (allpairs-profile-h100-9b3c1b4.json); on two streams, each
-# launch's end filled by the next chunk's, 1.011x for int4 and int2 beside 0.988-0.990x for the one buffer
-# in the same machine's runs (H100, allpairs-streams-*-h100.json, benchmarks/results/codes/)
+# launch's end filled by the next chunk's, 1.008-1.022x for int4 and int2 in four runs beside 0.986-0.999x
+# in five of the one buffer, alternating processes on one H100 (allpairs-two-streams-h100-*.json,
+# allpairs-one-buffer-h100-e76e3b0-*.json, codes-h100-9fd970e.json; benchmarks/results/codes/)
 DECODE_CHUNK_BYTES = 256 << 20
 _DECODE_ROWS = 64  # rows a program of `_int4_to_int8_kernel`
 
