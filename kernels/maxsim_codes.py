@@ -1821,16 +1821,18 @@ def _decoded_varlen(
     side = streams[1:]
     for stream in side:  # the side stream starts once its inputs, buffers and output are made
         stream.wait_stream(streams[0])
-    for i, (first, stop, offsets) in enumerate(_document_chunks(d_host, chunk)):
-        with _on_stream(streams[i % len(streams)]):
-            part = _scored_chunk(codec, backend, given_q_off, q8, sq, codes, sd, d_host, (first, stop),
-                                 buffers[i % len(streams)], offsets)  # fmt: skip
-            if query_sums is None:
-                out[:, first:stop] = part
-            else:  # the sums added in the copy, on the chunk's stream
-                torch.add(part, query_sums[:, None], out=out[:, first:stop])
-    for stream in side:
-        streams[0].wait_stream(stream)
+    try:
+        for i, (first, stop, offsets) in enumerate(_document_chunks(d_host, chunk)):
+            with _on_stream(streams[i % len(streams)]):
+                part = _scored_chunk(codec, backend, given_q_off, q8, sq, codes, sd, d_host, (first, stop),
+                                     buffers[i % len(streams)], offsets)  # fmt: skip
+                if query_sums is None:
+                    out[:, first:stop] = part
+                else:  # the sums added in the copy, on the chunk's stream
+                    torch.add(part, query_sums[:, None], out=out[:, first:stop])
+    finally:  # also on an error (out of memory): the buffers are not freed under the side stream's work
+        for stream in side:
+            streams[0].wait_stream(stream)
     return out
 
 
