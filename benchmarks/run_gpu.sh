@@ -31,9 +31,9 @@ step() {  # step NAME SECONDS CMD...
 
 # STEPS picks a subset (not in the default set: sweep, the tile sweep of bench_kernels.py; score,
 # `maxsim score` end to end on a 10 GB corpus; ab-trees, gpu-side, multigpu: below); WORKLOADS narrows the
-# kernel benchmark. The default set takes longer than one 10-minute call: run STEPS="gpu-tests verify"
-# and STEPS="kernels train int8" as two calls (the full gpu-tests step takes more than 5 minutes: on an H100 at
-# df8f26f its first 155 tests took 300 s; its limit is 540 s, so give it a call with few other steps).
+# kernel benchmark. The default set takes longer than one 10-minute call: run STEPS="gpu-tests",
+# STEPS="kernels verify" and STEPS="train int8" as three calls (the full gpu-tests step takes more than 5
+# minutes: on an H100 at df8f26f its first 155 tests took 300 s; its limit is 540 s).
 steps=" ${STEPS:-gpu-tests kernels train verify int8} "
 want() { [[ $steps == *" $1 "* ]]; }
 # GPU_TESTS narrows the GPU-marked tests to some files or node ids
