@@ -83,6 +83,19 @@ Per program (one warp group, 4 warps):
   scale and folded into a running maximum per element. At a document's last tile the maxima are reduced
   over the tokens, weighted by the query scales and summed: one score.
 
+A producer warp (PRODUCER, `gl.warp_specialize`; `stream_with_tiles(producer=True)`, no codec's tuned
+plan yet: `Tuning.producer`): a fifth warp owns the ring's cursor and its copies (`_produce`). It copies
+tile x into slot x mod STAGES once the scan has handed back the slot's previous tile (an `empty` mbarrier
+a slot, arrived on when that tile's products are done), and the four scanning warps (`_scan`) neither step
+the ring's cursor nor issue copies: 30 (int2) and 44 (int4) fewer instructions a tile and warp in triton
+3.6's sm_90 build (the loop of two tiles 461 against 521, 440 against 529), and where no document ends
+that loop has four barriers of the warp group's 128 threads (before each `ready` wait, as before, and
+before each hand-back, which one thread arrives on) against six CTA barriers, two memory barriers and two
+proxy fences (Triton's shared-memory hazard analysis around each refill). Registers are handed out by warp group, so a
+program holds eight warps' worth of its cap; the producer's group keeps PRODUCER_REGISTERS and gives the
+rest to the scan's (a cap of 64: 104 registers, the products not serialized, four programs an SM). The
+tiles, their order and the folds are the same: the scores are the same bits.
+
 Cost, bound (H200, HBM ~4.2-4.4 TB/s as the fp16 kernel reads): 132 bytes a token (128 of codes, 4 of
 scale), one read each. One query x 100K documents of 20-300 tokens: 2.11 GB, 0.48-0.50 ms; rerank 64
 queries x 1000 candidates x 180 tokens: 1.52 GB, 0.35-0.36 ms. A tile is 8 KB and 64 x N x 128 int8 MACs
@@ -144,6 +157,18 @@ _WARPS = gl.constexpr(NUM_WARPS)
 # 12 bytes spilled for candidates) 0.72-0.75 / 0.586-0.591 (64-token queries).
 REGISTERS = {16: (96, 128), 32: (96, 128), 64: (168, 168)}
 MAX_QUERY_TOKENS = 64
+# PRODUCER: the producer warp's registers (the fewest a warp group takes). Registers are handed out by
+# warp group, so a program of four scanning warps and the producer holds eight warps' worth of its cap
+# (`Tuning.producer`): cap x 256, of which the producer's group gives up all but these to the scan's.
+PRODUCER_REGISTERS = 24
+# PRODUCER's cap where a codec's tuning names none: triton 3.6's ptxas builds the scan's products only
+# under a kernel cap of 62 or more (C7602), whatever the scan's warps are given; 64 gives them 104, and
+# 65,536 / (64 x 256) four programs an SM
+PRODUCER_CAP = 64
+# PRODUCER's items a program: one query with 64 documents a program did not finish on an H100 (the cause
+# not found: docs/kernel-notes.md, "A producer warp fills the ring"); 1-32 ran with the same bits
+PRODUCER_MAX_ITEMS = 32
+_PRODUCER_REGISTERS = gl.constexpr(PRODUCER_REGISTERS)
 _NIBBLES_ASM = gl.constexpr(_NIBBLES_TEXT)  # int4: the two nibbles of four bytes (`code_unpacking`)
 _BIASED_ASM = gl.constexpr(_BIASED_TEXT)  # int4 as stored: the nibbles plus 8 (`code_unpacking`)
 # residual2: the bit planes of bucket p of four bytes; int2: the values v of code p (`code_unpacking`)
@@ -172,8 +197,9 @@ def deferred(codes: bool, items: int, n: int) -> bool:
 class Tuning(NamedTuple):
     """One codec's tiles: the ring's stages, tiles a turn, items a program (one query, candidates), the
     register caps by the query tile's N, the N at which one query walks the corpus's walk table
-    (`walk_table`) rather than the documents' offsets, and (N, stages) where one query's ring at that N
-    is deeper or shallower than `stages`."""
+    (`walk_table`) rather than the documents' offsets, (N, stages) where one query's ring at that N
+    is deeper or shallower than `stages`, and (N, register cap) where one query runs with a producer
+    warp (PRODUCER; the cap is the kernel's, of which the scan's warps get 2 cap - PRODUCER_REGISTERS)."""
 
     stages: int
     group: int
@@ -182,10 +208,17 @@ class Tuning(NamedTuple):
     registers: dict[int, tuple[int, int]]
     table: tuple[int, ...] = ()
     ring: tuple[tuple[int, int], ...] = ()
+    producer: tuple[tuple[int, int], ...] = ()
 
     def stages_at(self, n: int, one_query: bool) -> int:
         """The ring's depth at query tile N = `n`, for one query or for candidates."""
         return dict(self.ring).get(n, self.stages) if one_query else self.stages
+
+    def cap(self, n: int, one_query: bool, producer: bool) -> int:
+        """The register cap at query tile N = `n` (0: none), with or without a producer warp."""
+        if producer:
+            return dict(self.producer).get(n, PRODUCER_CAP)
+        return self.registers[n][0 if one_query else 1]
 
 
 INT8_TILES = Tuning(STAGES, GROUP, ITEMS_ONE_QUERY, ITEMS_CANDIDATES, REGISTERS)
@@ -211,6 +244,14 @@ INT8_TILES = Tuning(STAGES, GROUP, ITEMS_ONE_QUERY, ITEMS_CANDIDATES, REGISTERS)
 # 64-token queries keep 4: 0.636 ms with 6 against 0.591 (ab-tuned-cand64-ring6-h100.json). Against the
 # previous tuning (`--baseline` the previous module, ab-tuned-{table,offsets,cand64}-h100.json): one query of
 # 64 tokens 0.777 ms against 0.841 (the offsets' walk 0.895 against 0.901), candidates 0.594 either way
+# A producer warp (PRODUCER; `python benchmarks/ab_stream_codes.py --codecs int2,int4 --rounds 3 --rep-ms 80
+# --current-tiles producer=1,maxnreg=64`, H100, ab-producer-h100.json, the same bits): one query at N = 32
+# 0.4315 ms against 0.4506 (the scan's warps at 104 registers, four programs an SM, products not
+# serialized; a ring of 3, 6 or 8 no faster: ab-producer-stages{3,6,8}-h100.json), at N = 16 0.425
+# against 0.412, at N = 64 0.990 against 0.778, candidates 0.437 against 0.366; a cap of 72 (three
+# programs an SM) 0.455 at N = 32 (ab-producer-caps-h100.txt). Not taken yet (`producer` empty): the GPU
+# tests of its configurations have not run on a GPU, and a run with 64 documents a program did not finish
+# (docs/kernel-notes.md, "A producer warp fills the ring")
 INT4_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (80, 128), 64: (168, 168)}, table=(16, 64),
                     ring=((64, 6),))  # fmt: skip
 # residual2 (RESIDUAL), one query x 100K documents on an H100 (bench_codes.py --stream-sweep): 1.235 ms with
@@ -226,6 +267,9 @@ INT4_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (80, 128), 64: (168, 168)
 # table's walk (the ab_stream_codes.py sweep of INT4_TILES' ring, ab-tiles-sweep-h100.json); against
 # the previous tuning (ab-tuned-table-h100.json, ab-tuned-offsets-h100.json) 0.312 against 0.346 walking
 # the table, 0.341 against 0.400 walking the offsets
+# A producer warp (the same runs as int4's, not taken yet either): one query at N = 32 0.3798 ms against
+# 0.4113, at N = 16 0.350 against 0.312 (seven programs an SM without it), candidates 0.457 against 0.373;
+# a cap of 72: 0.502 at N = 32
 INT2_TILES = Tuning(4, 2, 32, 16, {16: (72, 128), 32: (80, 128)}, table=(16, 32))
 INT2_MAX_QUERY_TOKENS = 32
 RESIDUAL2_TILES = Tuning(6, 2, 32, 16, {16: (128, 128), 32: (128, 128)})
@@ -508,7 +552,7 @@ def _retire(acc, x, tiles, total, run, sc, sc_next, last, item, qs, q_ok, out_pt
             n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last,
             IDENTITY: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
             DEFER: gl.constexpr, RESIDUAL: gl.constexpr, QUARTER: gl.constexpr,
-            TABLE: gl.constexpr):  # fmt: skip
+            TABLE: gl.constexpr, empty, PRODUCER: gl.constexpr):  # fmt: skip
     """Tile x's product is done: refill its ring slot with tile x + STAGES (the ring cursor p's tile),
     fold tile x (`sc`: its scales, or residual2's centroid table entries; item `item`, `last` if it ends
     the item) into the running maxima `run`, storing the item's score at its end (NaN for a bad index),
@@ -518,7 +562,9 @@ def _retire(acc, x, tiles, total, run, sc, sc_next, last, item, qs, q_ok, out_pt
     waits for another: `_deferred_scores` finishes the program's items at its end. QUARTER: the products of
     int2's values v become the odd values' as 2 acc + q_fix (q_fix = -3 sum q8 of the query row), exact in
     int32."""
-    if x + STAGES < tiles:
+    if PRODUCER:
+        mbarrier.arrive(empty.index(x % STAGES), count=1)
+    elif x + STAGES < tiles:
         _request(d_desc, d_smem, ready, x % STAGES, ps, n_tokens, BLOCK_T, RESIDUAL)
         pc, ps, pe, pns, pne, pnd = _cursor_next(pc, ps, pe, pns, pne, pnd, c_last, cand_ptr, off_ptr, bad,
                                                  walk_ptr, walk_last, IDENTITY, ITEMS, BLOCK_T,
@@ -580,6 +626,117 @@ def _deferred_scores(partial, qs_ptr, row_first, row_last, c_first, c_last, out_
     gl.store(out_ptr + items, score, mask=items < c_last)
 
 
+@gluon.jit
+def _scan(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, empty, tiles, total, qs, q_ok, out_ptr,
+          c_first, c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, bad, partial, n_tokens, cols,
+          stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last, qs_ptr, row_first, row_last,
+          pc, ps, pe, pns, pne, pnd, acc_layout: gl.constexpr,
+          IDENTITY: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
+          GROUP: gl.constexpr, N: gl.constexpr, PACKED: gl.constexpr, DEFER: gl.constexpr,
+          RESIDUAL: gl.constexpr, QUARTER: gl.constexpr, BIASED: gl.constexpr, TABLE: gl.constexpr,
+          PRODUCER: gl.constexpr):  # fmt: skip
+    """The program's walk of its tiles (the module docstring, "Per program"): each tile's products, the
+    previous tile's fold, the items' scores. The ring's tiles 0 .. STAGES - 1 are requested, its cursor
+    (pc ..) at tile STAGES; the scan refills each slot once its tile's products are done. With PRODUCER
+    the producer warp (`_produce`) fills the ring: the scan hands each slot back on `empty` instead, and
+    the ring's cursor is not its own (pc .. unused)."""
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    # the fold inputs of tiles 0 (ready) and 1 (as loaded), their cursor left at tile 2
+    rows = gl.arange(0, BLOCK_T, layout=row_layout)
+    s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_start(c_first, c_last, cand_ptr, off_ptr, bad, walk_ptr,
+                                                        walk_last, IDENTITY, ITEMS, TABLE)  # fmt: skip
+    sc0 = _ready_side(_side(sd_ptr, d_desc, s_tok, s_end, rows, n_centroids, RESIDUAL), sd_ptr, cols,
+                      stride_tab, n_centroids, RESIDUAL)  # fmt: skip
+    last0, item0 = _cursor_place(s_c, s_tok, s_end, s_nd, c_first, BLOCK_T, TABLE)
+    s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_next(s_c, s_tok, s_end, s_ns, s_ne, s_nd, c_last,
+                                                       cand_ptr, off_ptr, bad, walk_ptr, walk_last,
+                                                       IDENTITY, ITEMS, BLOCK_T, TABLE)  # fmt: skip
+    sc1 = _side(sd_ptr, d_desc, s_tok, s_end, rows, n_centroids, RESIDUAL)
+    last1, item1 = _cursor_place(s_c, s_tok, s_end, s_nd, c_first, BLOCK_T, TABLE)
+    s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_next(s_c, s_tok, s_end, s_ns, s_ne, s_nd, c_last,
+                                                       cand_ptr, off_ptr, bad, walk_ptr, walk_last,
+                                                       IDENTITY, ITEMS, BLOCK_T, TABLE)  # fmt: skip
+
+    run = gl.full([BLOCK_T, N], float("-inf"), gl.float32, acc_layout)
+    zero = gl.zeros([BLOCK_T, N], gl.float32 if RESIDUAL else gl.int32, acc_layout)
+    # wgmma groups a tile's products take (`_product`): waiting for all but the newest tile's
+    PRODUCTS: gl.constexpr = 8 if RESIDUAL else (4 if QUARTER else (2 + BIASED if PACKED else 1))
+    for base in range(0, tiles, GROUP):
+        t_a = _product(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, base, zero, STAGES, PACKED, RESIDUAL,
+                       QUARTER, BIASED)  # fmt: skip
+        t_b = _product(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, base + 1, zero, STAGES, PACKED, RESIDUAL,
+                       QUARTER, BIASED)  # fmt: skip
+        t_b, acc_a = warpgroup_mma_wait(num_outstanding=PRODUCTS, deps=[t_b, t_a])
+        (run, sc0, sc1, last2, item2, pc, ps, pe, pns, pne, pnd,
+         s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
+            acc_a, base, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
+            pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
+            c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
+            n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last,
+            IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER, TABLE, empty, PRODUCER,
+        )  # fmt: skip
+        last0, item0, last1, item1 = last1, item1, last2, item2
+        for j in gl.static_range(2, GROUP, 2):
+            t_a = _product(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, base + j, zero, STAGES, PACKED,
+                           RESIDUAL, QUARTER, BIASED)  # fmt: skip
+            t_a, acc_b = warpgroup_mma_wait(num_outstanding=PRODUCTS, deps=[t_a, t_b])
+            (run, sc0, sc1, last2, item2, pc, ps, pe, pns, pne, pnd,
+             s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
+                acc_b, base + j - 1, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
+                pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
+                c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
+                n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last,
+                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER, TABLE, empty, PRODUCER,
+            )  # fmt: skip
+            last0, item0, last1, item1 = last1, item1, last2, item2
+            t_b = _product(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, base + j + 1, zero, STAGES, PACKED,
+                           RESIDUAL, QUARTER, BIASED)  # fmt: skip
+            t_b, acc_a = warpgroup_mma_wait(num_outstanding=PRODUCTS, deps=[t_b, t_a])
+            (run, sc0, sc1, last2, item2, pc, ps, pe, pns, pne, pnd,
+             s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
+                acc_a, base + j, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
+                pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
+                c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
+                n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last,
+                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER, TABLE, empty, PRODUCER,
+            )  # fmt: skip
+            last0, item0, last1, item1 = last1, item1, last2, item2
+        acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[t_b])
+        (run, sc0, sc1, last2, item2, pc, ps, pe, pns, pne, pnd,
+         s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
+            acc_b, base + GROUP - 1, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
+            pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
+            c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
+            n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last,
+            IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER, TABLE, empty, PRODUCER,
+        )  # fmt: skip
+        last0, item0, last1, item1 = last1, item1, last2, item2
+
+    if DEFER:
+        _deferred_scores(partial, qs_ptr, row_first, row_last, c_first, c_last, out_ptr, bad, IDENTITY,
+                         ITEMS, N, RESIDUAL)  # fmt: skip
+
+
+@gluon.jit
+def _produce(d_desc, ring, ready, empty, tiles, c_first, c_last, cand_ptr, off_ptr, bad, walk_ptr, walk_last,
+             n_tokens, IDENTITY: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr,
+             STAGES: gl.constexpr, TABLE: gl.constexpr):  # fmt: skip
+    """PRODUCER: one warp that fills the ring. Tile x goes to slot x mod STAGES once the scan has handed
+    the slot's previous tile back (`empty`, phase x // STAGES - 1; the first STAGES tiles wait for
+    nothing), its copy arriving on `ready` as without a producer. The proxy fence orders the scan's reads
+    of the slot before the copy's writes."""
+    pc, ps, pe, pns, pne, pnd = _cursor_start(c_first, c_last, cand_ptr, off_ptr, bad, walk_ptr, walk_last,
+                                              IDENTITY, ITEMS, TABLE)  # fmt: skip
+    for x in range(tiles):
+        slot = x % STAGES
+        mbarrier.wait(empty.index(slot), ((x // STAGES) & 1) ^ 1)
+        fence_async_shared()
+        _request(d_desc, ring, ready, slot, ps, n_tokens, BLOCK_T, False)
+        pc, ps, pe, pns, pne, pnd = _cursor_next(pc, ps, pe, pns, pne, pnd, c_last, cand_ptr, off_ptr, bad,
+                                                 walk_ptr, walk_last, IDENTITY, ITEMS, BLOCK_T,
+                                                 TABLE)  # fmt: skip
+
+
 @gluon.jit(
     do_not_specialize=[
         "n_queries", "n_items", "n_chunks", "n_docs", "n_tokens", "stride_plane", "stride_tab", "n_centroids"
@@ -592,7 +749,7 @@ def _int8_stream_kernel(
     n_tokens, stride_plane, stride_tab, n_centroids, plane_scale,
     DIM: gl.constexpr, N: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
     GROUP: gl.constexpr, IDENTITY: gl.constexpr, PACKED: gl.constexpr, DEFER: gl.constexpr,
-    RESIDUAL: gl.constexpr, QUARTER: gl.constexpr, TABLE: gl.constexpr,
+    RESIDUAL: gl.constexpr, QUARTER: gl.constexpr, TABLE: gl.constexpr, PRODUCER: gl.constexpr = False,
 ):  # fmt: skip
     """Scores of a run of items (see the module docstring): q int8 [Tq, DIM], qs fp32 [Tq], q_off [nq + 1],
     cand_off [nq + 1] (the items of each query) and cand int64 [n_items], both unused with IDENTITY (one
@@ -628,7 +785,6 @@ def _int8_stream_kernel(
             acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
                 version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 32]
             )
-        row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
         ld_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
         item_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -708,6 +864,12 @@ def _int8_stream_kernel(
         for i in gl.static_range(STAGES):
             # cp.async: every thread's copies arrive on the barrier; TMA: one arrival and the bytes
             mbarrier.init(ready.index(i), count=_WARPS * 32 if RESIDUAL else 1)
+        if PRODUCER:
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(STAGES):
+                mbarrier.init(empty.index(i), count=1)
+        else:
+            empty = ready  # unused
         fence_async_shared()
         gl.thread_barrier()
         if RESIDUAL or QUARTER:
@@ -753,91 +915,38 @@ def _int8_stream_kernel(
             walk_last = total  # unused
         tiles = gl.cdiv(total, GROUP) * GROUP  # padding tiles (past `total`): copied, multiplied, not folded
 
-        # the ring: tiles 0 .. STAGES - 1 requested, its cursor left at tile STAGES
-        pc, ps, pe, pns, pne, pnd = _cursor_start(c_first, c_last, cand_ptr, off_ptr, bad, walk_ptr,
-                                                  walk_last, IDENTITY, ITEMS, TABLE)  # fmt: skip
-        for i in gl.static_range(STAGES):
-            if i < tiles:
-                _request(d_desc, ring, ready, i, ps, n_tokens, BLOCK_T, RESIDUAL)
-                pc, ps, pe, pns, pne, pnd = _cursor_next(pc, ps, pe, pns, pne, pnd, c_last, cand_ptr, off_ptr,
-                                                         bad, walk_ptr, walk_last, IDENTITY, ITEMS, BLOCK_T,
-                                                         TABLE)  # fmt: skip
-        # the fold inputs of tiles 0 (ready) and 1 (as loaded), their cursor left at tile 2
-        rows = gl.arange(0, BLOCK_T, layout=row_layout)
-        s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_start(c_first, c_last, cand_ptr, off_ptr, bad, walk_ptr,
-                                                            walk_last, IDENTITY, ITEMS, TABLE)  # fmt: skip
-        sc0 = _ready_side(_side(sd_ptr, d_desc, s_tok, s_end, rows, n_centroids, RESIDUAL), sd_ptr, cols,
-                          stride_tab, n_centroids, RESIDUAL)  # fmt: skip
-        last0, item0 = _cursor_place(s_c, s_tok, s_end, s_nd, c_first, BLOCK_T, TABLE)
-        s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_next(s_c, s_tok, s_end, s_ns, s_ne, s_nd, c_last,
-                                                           cand_ptr, off_ptr, bad, walk_ptr, walk_last,
-                                                           IDENTITY, ITEMS, BLOCK_T, TABLE)  # fmt: skip
-        sc1 = _side(sd_ptr, d_desc, s_tok, s_end, rows, n_centroids, RESIDUAL)
-        last1, item1 = _cursor_place(s_c, s_tok, s_end, s_nd, c_first, BLOCK_T, TABLE)
-        s_c, s_tok, s_end, s_ns, s_ne, s_nd = _cursor_next(s_c, s_tok, s_end, s_ns, s_ne, s_nd, c_last,
-                                                           cand_ptr, off_ptr, bad, walk_ptr, walk_last,
-                                                           IDENTITY, ITEMS, BLOCK_T, TABLE)  # fmt: skip
-
-        run = gl.full([BLOCK_T, N], float("-inf"), gl.float32, acc_layout)
-        zero = gl.zeros([BLOCK_T, N], gl.float32 if RESIDUAL else gl.int32, acc_layout)
-        # wgmma groups a tile's products take (`_product`): waiting for all but the newest tile's
-        PRODUCTS: gl.constexpr = 8 if RESIDUAL else (4 if QUARTER else (2 + BIASED if PACKED else 1))
-        for base in range(0, tiles, GROUP):
-            t_a = _product(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, base, zero, STAGES, PACKED, RESIDUAL,
-                           QUARTER, BIASED)  # fmt: skip
-            t_b = _product(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, base + 1, zero, STAGES, PACKED, RESIDUAL,
-                           QUARTER, BIASED)  # fmt: skip
-            t_b, acc_a = warpgroup_mma_wait(num_outstanding=PRODUCTS, deps=[t_b, t_a])
-            (run, sc0, sc1, last2, item2, pc, ps, pe, pns, pne, pnd,
-             s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
-                acc_a, base, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
-                pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-                c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
-                n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last,
-                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER, TABLE,
-            )  # fmt: skip
-            last0, item0, last1, item1 = last1, item1, last2, item2
-            for j in gl.static_range(2, GROUP, 2):
-                t_a = _product(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, base + j, zero, STAGES, PACKED,
-                               RESIDUAL, QUARTER, BIASED)  # fmt: skip
-                t_a, acc_b = warpgroup_mma_wait(num_outstanding=PRODUCTS, deps=[t_a, t_b])
-                (run, sc0, sc1, last2, item2, pc, ps, pe, pns, pne, pnd,
-                 s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
-                    acc_b, base + j - 1, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
-                    pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-                    c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
-                    n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last,
-                    IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER, TABLE,
-                )  # fmt: skip
-                last0, item0, last1, item1 = last1, item1, last2, item2
-                t_b = _product(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, base + j + 1, zero, STAGES, PACKED,
-                               RESIDUAL, QUARTER, BIASED)  # fmt: skip
-                t_b, acc_a = warpgroup_mma_wait(num_outstanding=PRODUCTS, deps=[t_b, t_a])
-                (run, sc0, sc1, last2, item2, pc, ps, pe, pns, pne, pnd,
-                 s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
-                    acc_a, base + j, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
-                    pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-                    c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
-                    n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last,
-                    IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER, TABLE,
-                )  # fmt: skip
-                last0, item0, last1, item1 = last1, item1, last2, item2
-            acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[t_b])
-            (run, sc0, sc1, last2, item2, pc, ps, pe, pns, pne, pnd,
-             s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
-                acc_b, base + GROUP - 1, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
-                pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-                c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
-                n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last,
-                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER, TABLE,
-            )  # fmt: skip
-            last0, item0, last1, item1 = last1, item1, last2, item2
-
-        if DEFER:
-            _deferred_scores(partial, qs_ptr, row_first, row_last, c_first, c_last, out_ptr, bad, IDENTITY,
-                             ITEMS, N, RESIDUAL)  # fmt: skip
+        if PRODUCER:  # one more warp fills the ring (`_produce`); the program's four scan it
+            unused = c_first * 0
+            gl.warp_specialize([
+                (_scan, (d_smem, q_t, q_hi_t, fix_a, fix_b, ready, empty, tiles, total, qs, q_ok, out_ptr,
+                         c_first, c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, bad, partial, n_tokens,
+                         cols, stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last, qs_ptr,
+                         row_first, row_last, unused, unused, unused, unused, unused, unused, acc_layout,
+                         IDENTITY, ITEMS, BLOCK_T, STAGES, GROUP, N, PACKED, DEFER, RESIDUAL, QUARTER, BIASED,
+                         TABLE, True)),
+                (_produce, (d_desc, ring, ready, empty, tiles, c_first, c_last, cand_ptr, off_ptr, bad,
+                            walk_ptr, walk_last, n_tokens, IDENTITY, ITEMS, BLOCK_T, STAGES, TABLE)),
+            ], [1], [_PRODUCER_REGISTERS])
+        else:
+            # the ring: tiles 0 .. STAGES - 1 requested, its cursor left at tile STAGES
+            pc, ps, pe, pns, pne, pnd = _cursor_start(c_first, c_last, cand_ptr, off_ptr, bad, walk_ptr,
+                                                      walk_last, IDENTITY, ITEMS, TABLE)
+            for i in gl.static_range(STAGES):
+                if i < tiles:
+                    _request(d_desc, ring, ready, i, ps, n_tokens, BLOCK_T, RESIDUAL)
+                    pc, ps, pe, pns, pne, pnd = _cursor_next(pc, ps, pe, pns, pne, pnd, c_last, cand_ptr,
+                                                             off_ptr, bad, walk_ptr, walk_last, IDENTITY,
+                                                             ITEMS, BLOCK_T, TABLE)
+            _scan(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, empty, tiles, total, qs, q_ok, out_ptr,
+                  c_first, c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, bad, partial, n_tokens, cols,
+                  stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last, qs_ptr, row_first,
+                  row_last, pc, ps, pe, pns, pne, pnd, acc_layout,
+                  IDENTITY, ITEMS, BLOCK_T, STAGES, GROUP, N, PACKED, DEFER, RESIDUAL, QUARTER, BIASED,
+                  TABLE, False)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
+            if PRODUCER:
+                mbarrier.invalidate(empty.index(i))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1024,17 +1133,25 @@ def stream_with_tiles(
     group: int | None = None,
     maxnreg: int | None = None,
     table: bool | None = None,
+    producer: bool | None = None,
 ) -> torch.Tensor:
     """`maxsim_int8_stream` with some of its tiles replaced (None keeps the tuned choice; `maxnreg` 0: no
-    register cap; `table`: whether one query walks `walk_table`), for sweeps and for the tests that every
-    configuration gives the same bits."""
+    register cap; `table`: whether one query walks `walk_table`; `producer`: whether a producer warp fills
+    the ring, not for residual2), for sweeps and for the tests that every configuration gives the same
+    bits."""
     tuned = tiles_for(d8, residual is not None, int2)
     n = query_columns(max_query_len)
     per = items_per_prog or (tuned.items_one_query if items is None else tuned.items_candidates)
     if items is not None and per > MAX_ITEMS_CANDIDATES:
         raise ValueError(f"items_per_prog: at most {MAX_ITEMS_CANDIDATES} candidates a program, got {per}")
+    if producer is None:
+        producer = items is None and n in dict(tuned.producer)
+    if producer and residual is not None:
+        raise ValueError("producer: residual2's copies are every thread's (cp.async), not one warp's")
+    if producer and per > PRODUCER_MAX_ITEMS:
+        raise ValueError(f"producer: at most {PRODUCER_MAX_ITEMS} items a program, got {per}")
     if maxnreg is None:
-        maxnreg = tuned.registers[n][0 if items is None else 1]
+        maxnreg = tuned.cap(n, items is None, producer)
     nq = q_off.numel() - 1
     n_items = d_off.numel() - 1 if items is None else items.numel()
     out = torch.empty((n_items,), dtype=torch.float32, device=d8.device)
@@ -1070,7 +1187,7 @@ def stream_with_tiles(
         STAGES=tuned.stages_at(n, items is None) if stages is None else stages,
         GROUP=tuned.group if group is None else group, IDENTITY=items is None, PACKED=packed,
         DEFER=deferred(packed or residual is not None, per, n), RESIDUAL=residual is not None,
-        QUARTER=int2, TABLE=use_table,
+        QUARTER=int2, TABLE=use_table, PRODUCER=bool(producer),
         num_warps=NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out

@@ -18,7 +18,7 @@ from maxsim_kernels.maxsim_codes import (
     int2_values,
 )
 from maxsim_kernels.reference import maxsim_codes_reference
-from tierlib import check_close, one_line_open_error, rewrite_metadata
+from tierlib import PRODUCER_CONFIGS, check_close, one_line_open_error, rewrite_metadata
 from typer.testing import CliRunner
 
 from maxsim_cli import codecs
@@ -182,7 +182,7 @@ def test_int2_stream_kernel_within_rounding_of_the_reference(q_len: int) -> None
     """One query, then ragged queries against their candidates, on the stream kernel: within fp32 rounding
     of the float64 reference, -inf for empty documents, NaN for a bad candidate index; the same bits as
     the decoded int8 path's maxima allow (the reference), and for every ring depth, loop unroll, items a
-    program and walk of one query (offsets or walk table)."""
+    program, walk of one query (offsets or walk table) and ring filled by a producer warp or not."""
     from maxsim_kernels import maxsim_int8_hopper_stream as stream
 
     gen = torch.Generator().manual_seed(20 + q_len)
@@ -201,7 +201,7 @@ def test_int2_stream_kernel_within_rounding_of_the_reference(q_len: int) -> None
                                      d_off_d, q_len, int2=True).cpu()  # fmt: skip
     for cfg in (dict(items_per_prog=1), dict(items_per_prog=64, stages=3, group=2),
                 dict(items_per_prog=8, stages=8, group=8), dict(maxnreg=168), dict(table=True),
-                dict(table=False), dict(items_per_prog=8, table=True)):  # fmt: skip
+                dict(table=False), dict(items_per_prog=8, table=True), *PRODUCER_CONFIGS):  # fmt: skip
         again = stream.stream_with_tiles(side.q8, side.scales, q_off.cuda(), None, None, codes_d, scales_d,
                                          d_off_d, q_len, int2=True, **cfg).cpu()  # fmt: skip
         assert torch.equal(again, first), cfg

@@ -529,6 +529,28 @@ def test_stream_kernel_is_not_planned_off_the_gpu(monkeypatch) -> None:
     assert set(stream.INT4_TILES.registers) == set(stream.REGISTERS)
 
 
+
+def test_stream_producer_warp_is_refused_where_it_is_not_measured() -> None:
+    """A producer warp fills the ring only where it ran with the same bits: not for residual2 (every
+    thread's cp.async copies), not with more than `PRODUCER_MAX_ITEMS` items a program; the caps it takes
+    give the scan's warps 2 cap - 24 registers, four programs an SM by default. Refused before any launch."""
+    from maxsim_kernels import maxsim_int8_hopper_stream as stream
+
+    codes = torch.zeros(1000, 32, dtype=torch.uint8)
+    q8, sq = torch.zeros(32, 128, dtype=torch.int8), torch.ones(32)
+    q_off, d_off = torch.tensor([0, 32]), torch.tensor([0, 500, 1000])
+    with pytest.raises(ValueError, match="at most 32 items a program"):
+        stream.stream_with_tiles(q8, sq, q_off, None, None, codes, torch.ones(1000), d_off, 32, int2=True,
+                                 producer=True, items_per_prog=64)  # fmt: skip
+    with pytest.raises(ValueError, match="residual2's copies"):
+        stream.stream_with_tiles(q8, sq, q_off, None, None, torch.zeros(1000, 36, dtype=torch.uint8), None,
+                                 d_off, 32, residual=object(), producer=True)  # fmt: skip
+    tuned = stream.INT2_TILES
+    assert tuned.cap(32, True, True) == stream.PRODUCER_CAP == 64
+    assert 65536 // (stream.PRODUCER_CAP * 256) == 4 and 2 * stream.PRODUCER_CAP - 24 == 104
+    assert tuned.cap(32, True, False) == tuned.registers[32][0]
+
+
 def test_stream_ring_depth_by_query_tile() -> None:
     """A codec's ring is `Tuning.stages` deep for candidates at every query tile, and for one query too but
     at the tiles its `ring` names (int4's one query at N = 64: 6 deep, its candidates 4)."""

@@ -1,5 +1,6 @@
 """Compressed tiers of sample_data for the tests: `quantize` through the command line, as a user runs it;
-the shard surgery their fault tests share, and the check of codes' scores against a float64 reference."""
+the shard surgery their fault tests share, the check of codes' scores against a float64 reference, and the
+stream kernel's configurations with and without a producer warp that the codes' GPU tests compare."""
 
 from __future__ import annotations
 
@@ -12,6 +13,17 @@ from typer.testing import CliRunner
 from maxsim_cli.cli import app
 from maxsim_cli.errors import InputError
 from maxsim_cli.shards import open_corpus
+
+# `maxsim_int8_hopper_stream.stream_with_tiles` keywords: the ring filled by a producer warp or by the
+# scanning warps, with each walk of one query, short programs and a shallow ring
+PRODUCER_CONFIGS = (
+    dict(producer=False),
+    dict(producer=True, table=False),
+    dict(producer=True, table=True),
+    dict(producer=True, items_per_prog=1),
+    dict(producer=True, items_per_prog=8, stages=3),
+    dict(producer=True, items_per_prog=32, stages=2),
+)
 
 
 def quantize(source: str, folder: str, bits: int, device: str = "cpu", codec: str = "residual2") -> None:
