@@ -91,10 +91,11 @@ the ring's cursor nor issue copies: 30 (int2) and 44 (int4) fewer instructions a
 3.6's sm_90 build (the loop of two tiles 461 against 521, 440 against 529), and where no document ends
 that loop has four barriers of the warp group's 128 threads (before each `ready` wait, as before, and
 before each hand-back, which one thread arrives on) against six CTA barriers, two memory barriers and two
-proxy fences (Triton's shared-memory hazard analysis around each refill). Registers are handed out by warp group, so a
-program holds eight warps' worth of its cap; the producer's group keeps PRODUCER_REGISTERS and gives the
-rest to the scan's (a cap of 64: 104 registers, the products not serialized, four programs an SM). The
-tiles, their order and the folds are the same: the scores are the same bits.
+proxy fences (Triton's shared-memory hazard analysis around each refill). Registers are handed out by
+warp group, so a program holds eight warps' worth of its cap; the producer's group keeps
+PRODUCER_REGISTERS and gives the rest to the scan's (a cap of 64: 104 registers, the products not
+serialized, four programs an SM). The tiles, their order and the folds are the same: the scores are the
+same bits.
 
 Cost, bound (H200, HBM ~4.2-4.4 TB/s as the fp16 kernel reads): 132 bytes a token (128 of codes, 4 of
 scale), one read each. One query x 100K documents of 20-300 tokens: 2.11 GB, 0.48-0.50 ms; rerank 64
@@ -161,9 +162,10 @@ MAX_QUERY_TOKENS = 64
 # warp group, so a program of four scanning warps and the producer holds eight warps' worth of its cap
 # (`Tuning.producer`): cap x 256, of which the producer's group gives up all but these to the scan's.
 PRODUCER_REGISTERS = 24
-# PRODUCER's cap where a codec's tuning names none: triton 3.6's ptxas builds the scan's products only
-# under a kernel cap of 62 or more (C7602), whatever the scan's warps are given; 64 gives them 104, and
-# 65,536 / (64 x 256) four programs an SM
+# PRODUCER's cap where a codec's tuning names none: the launch of int2's one query on an H100 (triton 3.6)
+# refused caps of 48 and 52 (ptxas C7602: "register target of 62 or higher"; the same kernel built here
+# for sm_90 without a GPU builds at both); 64 gives the scan's warps 104, and 65,536 / (64 x 256) four
+# programs an SM
 PRODUCER_CAP = 64
 # PRODUCER's items a program: one query with 64 documents a program did not finish on an H100 (the cause
 # not found: docs/kernel-notes.md, "A producer warp fills the ring"); 1-32 ran with the same bits
