@@ -1146,8 +1146,8 @@ def stream_with_tiles(
     per = items_per_prog or (tuned.items_one_query if items is None else tuned.items_candidates)
     if items is not None and per > MAX_ITEMS_CANDIDATES:
         raise ValueError(f"items_per_prog: at most {MAX_ITEMS_CANDIDATES} candidates a program, got {per}")
-    if producer is None:
-        producer = items is None and n in dict(tuned.producer)
+    if producer is None:  # where tuned, and for programs of at most PRODUCER_MAX_ITEMS items
+        producer = items is None and n in dict(tuned.producer) and per <= PRODUCER_MAX_ITEMS
     if producer and residual is not None:
         raise ValueError("producer: residual2's copies are every thread's (cp.async), not one warp's")
     if producer and per > PRODUCER_MAX_ITEMS:

@@ -529,7 +529,6 @@ def test_stream_kernel_is_not_planned_off_the_gpu(monkeypatch) -> None:
     assert set(stream.INT4_TILES.registers) == set(stream.REGISTERS)
 
 
-
 def test_stream_producer_warp_is_refused_where_it_is_not_measured() -> None:
     """A producer warp fills the ring only where it ran with the same bits: not for residual2 (every
     thread's cp.async copies), not with more than `PRODUCER_MAX_ITEMS` items a program; the caps it takes
