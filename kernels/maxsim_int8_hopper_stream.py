@@ -548,13 +548,10 @@ def _product(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, x, zero, STAGES: gl.const
 
 
 @gluon.jit
-def _retire(acc, x, tiles, total, run, sc, sc_next, last, item, qs, q_ok, out_ptr,
-            pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-            c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad, partial, c_first,
-            n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last,
-            IDENTITY: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
-            DEFER: gl.constexpr, RESIDUAL: gl.constexpr, QUARTER: gl.constexpr,
-            TABLE: gl.constexpr, empty, PRODUCER: gl.constexpr):  # fmt: skip
+def _retire(acc, x, run, sc, sc_next, last, item, pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne,
+            s_nd, scan, IDENTITY: gl.constexpr, ITEMS: gl.constexpr, BLOCK_T: gl.constexpr,
+            STAGES: gl.constexpr, DEFER: gl.constexpr, RESIDUAL: gl.constexpr, QUARTER: gl.constexpr,
+            TABLE: gl.constexpr, PRODUCER: gl.constexpr):  # fmt: skip
     """Tile x's product is done: refill its ring slot with tile x + STAGES (the ring cursor p's tile),
     fold tile x (`sc`: its scales, or residual2's centroid table entries; item `item`, `last` if it ends
     the item) into the running maxima `run`, storing the item's score at its end (NaN for a bad index),
@@ -564,6 +561,9 @@ def _retire(acc, x, tiles, total, run, sc, sc_next, last, item, qs, q_ok, out_pt
     waits for another: `_deferred_scores` finishes the program's items at its end. QUARTER: the products of
     int2's values v become the odd values' as 2 acc + q_fix (q_fix = -3 sum q8 of the query row), exact in
     int32."""
+    (tiles, total, qs, q_ok, out_ptr, rows, c_last, cand_ptr, off_ptr, sd_ptr, d_desc, d_smem, ready, bad,
+     partial, c_first, n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last,
+     empty) = scan
     if PRODUCER:
         mbarrier.arrive(empty.index(x % STAGES), count=1)
     elif x + STAGES < tiles:
@@ -661,6 +661,10 @@ def _scan(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, empty, tiles, total, qs, q_o
 
     run = gl.full([BLOCK_T, N], float("-inf"), gl.float32, acc_layout)
     zero = gl.zeros([BLOCK_T, N], gl.float32 if RESIDUAL else gl.int32, acc_layout)
+    # what the fold of every tile reads (`_retire`)
+    scan = (tiles, total, qs, q_ok, out_ptr, rows, c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready,
+            bad, partial, c_first, n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix, walk_ptr,
+            walk_last, empty)
     # wgmma groups a tile's products take (`_product`): waiting for all but the newest tile's
     PRODUCTS: gl.constexpr = 8 if RESIDUAL else (4 if QUARTER else (2 + BIASED if PACKED else 1))
     for base in range(0, tiles, GROUP):
@@ -671,11 +675,9 @@ def _scan(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, empty, tiles, total, qs, q_o
         t_b, acc_a = warpgroup_mma_wait(num_outstanding=PRODUCTS, deps=[t_b, t_a])
         (run, sc0, sc1, last2, item2, pc, ps, pe, pns, pne, pnd,
          s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
-            acc_a, base, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
-            pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-            c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
-            n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last,
-            IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER, TABLE, empty, PRODUCER,
+            acc_a, base, run, sc0, sc1, last0, item0, pc, ps, pe, pns, pne, pnd,
+            s_c, s_tok, s_end, s_ns, s_ne, s_nd, scan,
+            IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER, TABLE, PRODUCER,
         )  # fmt: skip
         last0, item0, last1, item1 = last1, item1, last2, item2
         for j in gl.static_range(2, GROUP, 2):
@@ -684,11 +686,9 @@ def _scan(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, empty, tiles, total, qs, q_o
             t_a, acc_b = warpgroup_mma_wait(num_outstanding=PRODUCTS, deps=[t_a, t_b])
             (run, sc0, sc1, last2, item2, pc, ps, pe, pns, pne, pnd,
              s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
-                acc_b, base + j - 1, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
-                pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-                c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
-                n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last,
-                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER, TABLE, empty, PRODUCER,
+                acc_b, base + j - 1, run, sc0, sc1, last0, item0, pc, ps, pe, pns, pne, pnd,
+                s_c, s_tok, s_end, s_ns, s_ne, s_nd, scan,
+                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER, TABLE, PRODUCER,
             )  # fmt: skip
             last0, item0, last1, item1 = last1, item1, last2, item2
             t_b = _product(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, base + j + 1, zero, STAGES, PACKED,
@@ -696,21 +696,17 @@ def _scan(d_smem, q_t, q_hi_t, fix_a, fix_b, ready, empty, tiles, total, qs, q_o
             t_b, acc_a = warpgroup_mma_wait(num_outstanding=PRODUCTS, deps=[t_b, t_a])
             (run, sc0, sc1, last2, item2, pc, ps, pe, pns, pne, pnd,
              s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
-                acc_a, base + j, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
-                pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-                c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
-                n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last,
-                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER, TABLE, empty, PRODUCER,
+                acc_a, base + j, run, sc0, sc1, last0, item0, pc, ps, pe, pns, pne, pnd,
+                s_c, s_tok, s_end, s_ns, s_ne, s_nd, scan,
+                IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER, TABLE, PRODUCER,
             )  # fmt: skip
             last0, item0, last1, item1 = last1, item1, last2, item2
         acc_b = warpgroup_mma_wait(num_outstanding=0, deps=[t_b])
         (run, sc0, sc1, last2, item2, pc, ps, pe, pns, pne, pnd,
          s_c, s_tok, s_end, s_ns, s_ne, s_nd) = _retire(
-            acc_b, base + GROUP - 1, tiles, total, run, sc0, sc1, last0, item0, qs, q_ok, out_ptr,
-            pc, ps, pe, pns, pne, pnd, s_c, s_tok, s_end, s_ns, s_ne, s_nd, rows,
-            c_last, cand_ptr, off_ptr, sd_ptr, d_desc, ring, ready, bad, partial, c_first,
-            n_tokens, cols, stride_tab, n_centroids, plane_scale, q_fix, walk_ptr, walk_last,
-            IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER, TABLE, empty, PRODUCER,
+            acc_b, base + GROUP - 1, run, sc0, sc1, last0, item0, pc, ps, pe, pns, pne, pnd,
+            s_c, s_tok, s_end, s_ns, s_ne, s_nd, scan,
+            IDENTITY, ITEMS, BLOCK_T, STAGES, DEFER, RESIDUAL, QUARTER, TABLE, PRODUCER,
         )  # fmt: skip
         last0, item0, last1, item1 = last1, item1, last2, item2
 
