@@ -99,10 +99,16 @@ def defer(signum: int, frame: Any) -> bool | None:
     if now - _deferred_since.setdefault(signum, now) > DEFER_MAX_S:
         _deferred_since.pop(signum, None)
         return None
+    send_again(signum)
+    return True
+
+
+def send_again(signum: int) -> None:
+    """Send ``signum`` to this process again in `DEFER_S`, from a timer thread: its handler then runs
+    where the main thread is by then."""
     timer = threading.Timer(DEFER_S, os.kill, (os.getpid(), signum))
     timer.daemon = True
     timer.start()
-    return True
 
 
 def _raise_exit(signum: int, frame: Any) -> None:

@@ -809,6 +809,27 @@ def test_a_signal_in_the_temporary_folders_first_look_leaves_nothing(tmp_path: P
     assert found == str(tmp_path) and _left(tmp_path) == []
 
 
+def test_a_stop_signal_inside_a_finalizer_stops_the_command_after_it_unprinted(capsys) -> None:
+    """The collector runs weakref callbacks and ``__del__`` wherever the main thread is; a stop signal's
+    handler that runs inside one raises where nothing can catch it, and Python printed "Exception ignored
+    in ..." with a traceback and went on (the fault-injection suite's SIGTERM at a random instant into
+    ``add``, inside a WeakKeyDictionary's callback). The stop is sent again, stops the command outside the
+    callback, and nothing is printed."""
+    from maxsim_cli import cli
+
+    class Finalized:
+        def __del__(self) -> None:  # as the handler would run here
+            cli._raise_stopped(signal.SIGTERM, None)
+
+    with pytest.raises(cli.Stopped) as stopped, cli.stop_signals_raise():
+        Finalized()  # dropped at once: its __del__ raises where nothing can catch it
+        for _ in range(200):  # the stop is sent again within 20 ms and raises here
+            time.sleep(0.01)
+    assert stopped.value.signum == signal.SIGTERM
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
 @pytest.mark.parametrize(
     "args",
     [
