@@ -27,7 +27,6 @@ looks for the temporary folder, which it does by making and removing a file ther
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import signal
 import sys
@@ -40,18 +39,10 @@ from typer.core import TyperCommand, TyperGroup
 
 from maxsim_cli import __version__, tuning
 from maxsim_cli.errors import MaxsimError, command_line_terms, quiet_stdout
-from maxsim_cli.lifeline import defer, end_process, holds, new_command, send_again
+from maxsim_cli.lifeline import Stopped, defer, end_process, holds, new_command, stops_sent_again
 
 # Signals that stop a command with its cleanup, like SIGINT (``parallel.ranks.run_rank``: SIGTERM too).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-
-class Stopped(SystemExit):
-    """Raised in the main thread by SIGTERM or SIGHUP: cleanup runs, then the exit code is 128 + signum."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(128 + signum)
-        self.signum = signum
 
 
 def _deferred(signum: int, frame: Any) -> bool:
@@ -77,20 +68,6 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _stop_again(previous: Callable[[Any], None], unraisable: Any) -> None:
-    """`sys.unraisablehook` while the stop signals raise. The collector runs weakref callbacks and
-    ``__del__`` wherever the main thread is, and a stop raised by the handler inside one cannot leave it:
-    Python prints it ("Exception ignored in ...", a traceback) and goes on. Such a stop is sent again
-    (`lifeline.send_again`) to stop the command outside the callback, and not printed; anything else goes
-    to ``previous``, the hook found."""
-    if isinstance(unraisable.exc_value, Stopped):
-        send_again(unraisable.exc_value.signum)
-    elif isinstance(unraisable.exc_value, KeyboardInterrupt):
-        send_again(signal.SIGINT)
-    else:
-        previous(unraisable)
-
-
 @contextlib.contextmanager
 def stop_signals_raise() -> Iterator[list[int]]:
     """While inside, SIGTERM and SIGHUP raise `Stopped` in the main thread, and SIGINT raises
@@ -98,7 +75,7 @@ def stop_signals_raise() -> Iterator[list[int]]:
     Outside the main thread (no handler can be set there) and for a signal ignored on entry (or whose
     handler is someone else's, for SIGINT) this does nothing. Inside or after a commit point
     (`maxsim_cli.lifeline.commit_point`) a stop signal is noted and ignored. A stop raised inside a weakref
-    callback or a ``__del__`` is sent again rather than printed (`_stop_again`)."""
+    callback or a ``__del__`` is sent again rather than printed (`lifeline.stop_again`)."""
     _interrupted.clear()
     new_command()
     if threading.current_thread() is not threading.main_thread():
@@ -111,12 +88,11 @@ def stop_signals_raise() -> Iterator[list[int]]:
         previous[signum] = signal.signal(signum, _raise_stopped)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         previous[signal.SIGINT] = signal.signal(signal.SIGINT, _raise_interrupt)
-    hook = sys.unraisablehook
-    sys.unraisablehook = functools.partial(_stop_again, hook)
+    restore_hook = stops_sent_again()
     try:
         yield _interrupted
     finally:
-        sys.unraisablehook = hook
+        restore_hook()
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
@@ -273,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
                 signal.signal(signum, _raise_stopped)
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             signal.signal(signal.SIGINT, _raise_interrupt)
-        sys.unraisablehook = functools.partial(_stop_again, sys.unraisablehook)
+        stops_sent_again()
         command = typer.main.get_command(app)
         command.main(args=argv, prog_name="maxsim")  # exits: MaxsimGroup.main is standalone here
     except Stopped as exc:  # before the command started

@@ -7,9 +7,10 @@ included, which the launcher cannot clean up after:
 - On Linux the kernel sends the worker SIGTERM the moment its parent dies (``prctl(PR_SET_PDEATHSIG)``).
 - Everywhere, a daemon thread checks ``os.getppid()`` every `POLL_S` (a dead parent makes the worker an
   orphan, with a new parent) and sends the worker SIGTERM itself.
-- SIGTERM raises `SystemExit` in the main thread, so the worker's ``finally`` blocks run: a run being
-  written loses its temporary file. A worker that has not ended `GRACE_S` after its launcher died (stuck
-  in a collective) is killed.
+- SIGTERM raises `Stopped` (a `SystemExit`) in the main thread, so the worker's ``finally`` blocks run: a
+  run being written loses its temporary file. One raised inside a weakref callback or a ``__del__``,
+  where nothing can catch it, is sent again (`stop_again`) rather than printed and ignored. A worker
+  that has not ended `GRACE_S` after its launcher died (stuck in a collective) is killed.
 - A SIGTERM that arrives while a module is being imported (torch, for the first seconds of a worker) is
   held back until the import is over, sent again every `DEFER_S` (`held_back`): an exception raised
   inside an import ends in a confusing traceback, as some libraries catch what their imports raise. A
@@ -34,12 +35,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from maxsim_cli import settings
@@ -111,6 +113,40 @@ def send_again(signum: int) -> None:
     timer.start()
 
 
+class Stopped(SystemExit):
+    """Raised in the main thread by a stop signal (the CLI's SIGTERM and SIGHUP, a worker's SIGTERM):
+    cleanup runs, then the exit code is 128 + signum."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+def stop_again(previous: Callable[[Any], None], unraisable: Any) -> None:
+    """`sys.unraisablehook` while the stop signals raise (bound to the hook found, ``previous``). The
+    collector runs weakref callbacks and ``__del__`` wherever the main thread is, and a stop raised by the
+    handler inside one cannot leave it: Python prints it ("Exception ignored in ...", a traceback) and goes
+    on. Such a stop (`Stopped`, KeyboardInterrupt) is sent again (`send_again`) to stop the process outside
+    the callback, and not printed; anything else goes to ``previous``."""
+    if isinstance(unraisable.exc_value, Stopped):
+        send_again(unraisable.exc_value.signum)
+    elif isinstance(unraisable.exc_value, KeyboardInterrupt):
+        send_again(signal.SIGINT)
+    else:
+        previous(unraisable)
+
+
+def stops_sent_again() -> Callable[[], None]:
+    """Install `stop_again` as `sys.unraisablehook` over the hook found; returns what puts that back."""
+    found = sys.unraisablehook
+    sys.unraisablehook = functools.partial(stop_again, found)
+
+    def restore() -> None:
+        sys.unraisablehook = found
+
+    return restore
+
+
 def _raise_exit(signum: int, frame: Any) -> None:
     if holds(signum):
         return
@@ -120,7 +156,7 @@ def _raise_exit(signum: int, frame: Any) -> None:
             remove_if_orphaned(*_job_files)
         os._exit(128 + signum)
     if not held:
-        raise SystemExit(128 + signum)
+        raise Stopped(signum)
 
 
 def _death_signal() -> None:
@@ -170,11 +206,17 @@ def tie_to_launcher(
         raise SystemExit(128 + signal.SIGTERM)
 
 
+_unarmed: list[Callable[[], None]] = []  # what puts the unraisable hook found by `arm` back
+
+
 def arm() -> None:
-    """From now on SIGTERM raises `SystemExit` in the main thread (held back inside imports, ignored once
-    the run is committed: `holds`), so that the worker's ``finally`` blocks run."""
+    """From now on SIGTERM raises `Stopped` in the main thread (held back inside imports, ignored once
+    the run is committed: `holds`; sent again when raised inside a finalizer: `stop_again`), so that the
+    worker's ``finally`` blocks run."""
     if launcher_pid() is not None:
         signal.signal(signal.SIGTERM, _raise_exit)
+        if not _unarmed:
+            _unarmed.append(stops_sent_again())
 
 
 def disarm() -> None:
@@ -182,6 +224,8 @@ def disarm() -> None:
     shutdown (a signal is handled by the main thread whichever thread receives it)."""
     if launcher_pid() is not None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while _unarmed:
+            _unarmed.pop()()
 
 
 def remove_if_orphaned(paths: list[str], folder: str) -> None:

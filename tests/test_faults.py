@@ -830,6 +830,35 @@ def test_a_stop_signal_inside_a_finalizer_stops_the_command_after_it_unprinted(c
     assert "Traceback" not in err and "Exception ignored" not in err, err
 
 
+def test_a_worker_stopped_inside_a_finalizer_stops_after_it_unprinted(monkeypatch, capsys) -> None:
+    """The same in a ``--devices`` worker, whose SIGTERM handler is `lifeline`'s (armed once its imports
+    are done): the stop raised inside a ``__del__`` is sent again and stops the worker outside it, and
+    nothing is printed; disarming puts the unraisable hook found back."""
+    from maxsim_cli import lifeline, settings
+
+    monkeypatch.setenv(settings.LAUNCHER_PID, str(os.getppid()))
+    handler, hook = signal.getsignal(signal.SIGTERM), sys.unraisablehook
+
+    class Finalized:
+        def __del__(self) -> None:  # as the handler would run here
+            lifeline._raise_exit(signal.SIGTERM, None)
+
+    try:
+        lifeline.arm()
+        with pytest.raises(lifeline.Stopped) as stopped:
+            Finalized()  # dropped at once: its __del__ raises where nothing can catch it
+            for _ in range(200):  # the stop is sent again within 20 ms and raises here
+                time.sleep(0.01)
+        assert stopped.value.code == 128 + signal.SIGTERM
+        lifeline.disarm()
+        assert sys.unraisablehook is hook
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+        sys.unraisablehook = hook
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
 @pytest.mark.parametrize(
     "args",
     [
