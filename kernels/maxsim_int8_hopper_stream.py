@@ -83,8 +83,8 @@ Per program (one warp group, 4 warps):
   scale and folded into a running maximum per element. At a document's last tile the maxima are reduced
   over the tokens, weighted by the query scales and summed: one score.
 
-A producer warp (PRODUCER, `gl.warp_specialize`; `stream_with_tiles(producer=True)`, no codec's tuned
-plan yet: `Tuning.producer`): a fifth warp owns the ring's cursor and its copies (`_produce`). It copies
+A producer warp (PRODUCER, `gl.warp_specialize`; int2's and int4's one query at N = 32,
+`Tuning.producer`): a fifth warp owns the ring's cursor and its copies (`_produce`). It copies
 tile x into slot x mod STAGES once the scan has handed back the slot's previous tile (an `empty` mbarrier
 a slot, arrived on when that tile's products are done), and the four scanning warps (`_scan`) neither step
 the ring's cursor nor issue copies: 30 (int2) and 44 (int4) fewer instructions a tile and warp in triton
@@ -162,13 +162,14 @@ MAX_QUERY_TOKENS = 64
 # warp group, so a program of four scanning warps and the producer holds eight warps' worth of its cap
 # (`Tuning.producer`): cap x 256, of which the producer's group gives up all but these to the scan's.
 PRODUCER_REGISTERS = 24
-# PRODUCER's cap where a codec's tuning names none: the launch of int2's one query on an H100 (triton 3.6)
-# refused caps of 48 and 52 (ptxas C7602: "register target of 62 or higher"; the same kernel built here
-# for sm_90 without a GPU builds at both); 64 gives the scan's warps 104, and 65,536 / (64 x 256) four
-# programs an SM
+# PRODUCER's cap where a codec's tuning names none: 64 gives the scan's warps 104 registers, and 65,536 /
+# (64 x 256) four programs an SM; at N = 32 (int2, int4) faster than 48 and 56
+# (ab-producer-caps-n16-h100.json)
 PRODUCER_CAP = 64
-# PRODUCER's items a program: one query with 64 documents a program did not finish on an H100 (the cause
-# not found: docs/kernel-notes.md, "A producer warp fills the ring"); 1-32 ran with the same bits
+# PRODUCER's items a program: a sweep with 64 documents a program once did not finish on an H100; the
+# 64-document programs run alone since (int4's one query of 13, 32 and 64 tokens, both walks, a ring of 2;
+# int2's table walk) finished with the same bits (producer-64-items-h100.txt), the stall not reproduced.
+# The tuned 32 and fewer are what the GPU tests compare bit for bit
 PRODUCER_MAX_ITEMS = 32
 _PRODUCER_REGISTERS = gl.constexpr(PRODUCER_REGISTERS)
 _NIBBLES_ASM = gl.constexpr(_NIBBLES_TEXT)  # int4: the two nibbles of four bytes (`code_unpacking`)
@@ -223,6 +224,13 @@ class Tuning(NamedTuple):
         return self.registers[n][0 if one_query else 1]
 
 
+def takes_producer(tuned: Tuning, n: int, one_query: bool, items: int) -> bool:
+    """Whether a launch's tuned plan has a producer warp fill the ring (PRODUCER): one query, at a query
+    tile N = `n` that the codec's `Tuning.producer` names, in programs of at most PRODUCER_MAX_ITEMS
+    items."""
+    return one_query and n in dict(tuned.producer) and items <= PRODUCER_MAX_ITEMS
+
+
 INT8_TILES = Tuning(STAGES, GROUP, ITEMS_ONE_QUERY, ITEMS_CANDIDATES, REGISTERS)
 # int4 (PACKED), one query x 100K documents on an H100 (bench_codes.py --stream-sweep, before DEFER:
 # codes-stream-sweep-h100-6ce52ad.json):
@@ -251,11 +259,12 @@ INT8_TILES = Tuning(STAGES, GROUP, ITEMS_ONE_QUERY, ITEMS_CANDIDATES, REGISTERS)
 # 0.4315 ms against 0.4506 (the scan's warps at 104 registers, four programs an SM, products not
 # serialized; a ring of 3, 6 or 8 no faster: ab-producer-stages{3,6,8}-h100.json), at N = 16 0.425
 # against 0.412, at N = 64 0.990 against 0.778, candidates 0.437 against 0.366; a cap of 72 (three
-# programs an SM) 0.455 at N = 32 (ab-producer-caps-h100.txt). Not taken yet (`producer` empty): the GPU
-# tests of its configurations have not run on a GPU, and a run with 64 documents a program did not finish
-# (docs/kernel-notes.md, "A producer warp fills the ring")
+# programs an SM) 0.455 at N = 32 (ab-producer-caps-h100.txt). Taken at N = 32: the tuning against the
+# same without it (`--baseline-tiles producer=0`, ab-producer-taken-h100.json) 0.4195 ms against 0.4393,
+# the other cases unchanged. At N = 16 caps of 48 and 56 ran 1.04x faster (ab-producer-caps-n16-h100.json),
+# not taken before the GPU tests run at that cap
 INT4_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (80, 128), 64: (168, 168)}, table=(16, 64),
-                    ring=((64, 6),))  # fmt: skip
+                    ring=((64, 6),), producer=((32, PRODUCER_CAP),))  # fmt: skip
 # residual2 (RESIDUAL), one query x 100K documents on an H100 (bench_codes.py --stream-sweep): 1.235 ms with
 # a ring of 6, 2 tiles a turn and a cap of 128 registers (four programs an SM), against 1.305 at 168 (three)
 # and 1.355 uncapped (255, two programs); 4 tiles a turn 1.470 uncapped
@@ -269,10 +278,12 @@ INT4_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (80, 128), 64: (168, 168)
 # table's walk (the ab_stream_codes.py sweep of INT4_TILES' ring, ab-tiles-sweep-h100.json); against
 # the previous tuning (ab-tuned-table-h100.json, ab-tuned-offsets-h100.json) 0.312 against 0.346 walking
 # the table, 0.341 against 0.400 walking the offsets
-# A producer warp (the same runs as int4's, not taken yet either): one query at N = 32 0.3798 ms against
-# 0.4113, at N = 16 0.350 against 0.312 (seven programs an SM without it), candidates 0.457 against 0.373;
-# a cap of 72: 0.502 at N = 32
-INT2_TILES = Tuning(4, 2, 32, 16, {16: (72, 128), 32: (80, 128)}, table=(16, 32))
+# A producer warp (the same runs as int4's): one query at N = 32 0.3798 ms against 0.4113, at N = 16 0.350
+# against 0.312 (seven programs an SM without it), candidates 0.457 against 0.373; a cap of 72: 0.502 at
+# N = 32. Taken at N = 32 (ab-producer-taken-h100.json: 0.3808 against 0.4121 ms, the same bits); at N = 16
+# a cap of 48 or 56 ran 0.296 against 0.312 (ab-producer-caps-n16-h100.json), not taken yet (as int4's)
+INT2_TILES = Tuning(4, 2, 32, 16, {16: (72, 128), 32: (80, 128)}, table=(16, 32),
+                    producer=((32, PRODUCER_CAP),))
 INT2_MAX_QUERY_TOKENS = 32
 RESIDUAL2_TILES = Tuning(6, 2, 32, 16, {16: (128, 128), 32: (128, 128)})
 
@@ -1142,8 +1153,8 @@ def stream_with_tiles(
     per = items_per_prog or (tuned.items_one_query if items is None else tuned.items_candidates)
     if items is not None and per > MAX_ITEMS_CANDIDATES:
         raise ValueError(f"items_per_prog: at most {MAX_ITEMS_CANDIDATES} candidates a program, got {per}")
-    if producer is None:  # where tuned, and for programs of at most PRODUCER_MAX_ITEMS items
-        producer = items is None and n in dict(tuned.producer) and per <= PRODUCER_MAX_ITEMS
+    if producer is None:
+        producer = takes_producer(tuned, n, items is None, per)
     if producer and residual is not None:
         raise ValueError("producer: residual2's copies are every thread's (cp.async), not one warp's")
     if producer and per > PRODUCER_MAX_ITEMS:
