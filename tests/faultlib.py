@@ -44,6 +44,7 @@ os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
 
 
 def child(request):
+    started = False
     try:
         os.chdir(request["cwd"])
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
@@ -59,9 +60,16 @@ def child(request):
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.argv = ["maxsim", *request["argv"]]
+        started = True
         main()  # as the `maxsim` script runs it: it ends the process itself, or raises SystemExit
     except SystemExit:
         raise  # through the interpreter's shutdown, as the `maxsim` script's process would end
+    except KeyboardInterrupt:
+        if started:  # out of maxsim: a fault of the command's
+            traceback.print_exc()
+        else:  # a SIGINT in this set-up, before maxsim runs: the end of a process stopped while starting
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
     except BaseException:
         traceback.print_exc()
     os._exit(1)
