@@ -334,11 +334,9 @@ for codec, tuned in (("int8", st.INT8_TILES), ("int4", st.INT4_TILES), ("int2", 
         d_desc = st.TensorDescriptor.from_tensor(torch.zeros(1000, width, dtype=dtype), [st.BLOCK_T, width],
                                                  st._doc_layout(width, dtype))
         d_type, q_type = mangle_type(d_desc), "*i8"
-    # with a producer warp: one query at N = 32 for int4 and int2 (measured faster there), and wherever tuned
-    measured = (32,) if codec in ("int4", "int2") else ()
+    # with a producer warp: one query wherever the tuning takes it (int4's and int2's at N = 32)
     builds = [(n, identity, producer) for n in tuned.registers for identity in (True, False)
-              for producer in (False, True)
-              if not producer or (identity and (n in measured or n in dict(tuned.producer)))]
+              for producer in (False, True) if not producer or (identity and n in dict(tuned.producer))]
     for n, identity, producer in builds:
         items = tuned.items_one_query if identity else tuned.items_candidates
         cap = tuned.cap(n, identity, producer)
