@@ -39,6 +39,7 @@ import functools
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -194,6 +195,7 @@ def tie_to_launcher(
     parent = launcher_pid()
     if parent is None:
         return
+    find_temp_folder()
     if job_files is not None and job_folder is not None:
         _job_files = (job_files, job_folder)
     if armed:
@@ -204,6 +206,25 @@ def tie_to_launcher(
     threading.Thread(target=_watch, args=(parent,), name="maxsim-lifeline", daemon=True).start()
     if os.getppid() != parent:  # the launcher died before the death signal was asked for
         raise SystemExit(128 + signal.SIGTERM)
+
+
+def find_temp_folder() -> None:
+    """Take the standard library's first look for the temporary folder now, with SIGTERM blocked.
+
+    That look (`tempfile.gettempdir`) makes a randomly named file in the folder and removes it. Before
+    `arm`, SIGTERM ends a worker at once, and torch's import takes that look: a worker stopped between
+    the two left the file in ``TMPDIR``. Once taken, the answer is kept (``tempfile.tempdir``) and no
+    later call makes a file. A SIGTERM that came meanwhile ends the worker as soon as it is unblocked.
+    Call it before any other thread starts, so that no thread takes the signal in the main one's place.
+    """
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no signal masks, nor SIGTERM from a launcher
+        tempfile.gettempdir()
+        return
+    found = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        tempfile.gettempdir()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, found)
 
 
 _unarmed: list[Callable[[], None]] = []  # what puts the unraisable hook found by `arm` back

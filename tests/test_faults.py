@@ -859,6 +859,37 @@ def test_a_worker_stopped_inside_a_finalizer_stops_after_it_unprinted(monkeypatc
     assert "Traceback" not in err and "Exception ignored" not in err, err
 
 
+_TERM_INSIDE_THE_TEMP_LOOK = """
+import os, signal, sys, tempfile
+real_open = os.open
+
+def open_then_term(path, *args, **kwargs):  # tempfile's probe file is made: SIGTERM before its removal
+    fd = real_open(path, *args, **kwargs)
+    if os.path.dirname(str(path)) == os.environ["TMPDIR"]:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return fd
+
+os.open = open_then_term
+from maxsim_cli import lifeline
+lifeline.tie_to_launcher(armed=False)  # SIGTERM's default action, as in a worker's first imports
+print(tempfile.gettempdir())
+"""
+
+
+def test_a_worker_stopped_inside_the_first_look_for_the_temp_folder_leaves_nothing_there(tmp_path) -> None:
+    """tempfile's first look for the temporary folder makes a file there and removes it; torch's import
+    takes that look while a ``--devices`` worker still ends at once on SIGTERM (its launcher stopping it
+    on Ctrl-C). The worker takes the look itself, first thing, with SIGTERM blocked: the signal ends it
+    after the look, and ``TMPDIR`` holds nothing (the fault-injection suite once found the file there)."""
+    from maxsim_cli import settings
+
+    env = dict(os.environ, TMPDIR=str(tmp_path), **{settings.LAUNCHER_PID: str(os.getpid())})
+    argv = [sys.executable, "-c", _TERM_INSIDE_THE_TEMP_LOOK]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    assert done.stdout == "" and os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize(
     "args",
     [
