@@ -242,8 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     without ``argv`` (the ``maxsim`` script, ``python -m maxsim_cli``) it ends the process itself
     (`maxsim_cli.lifeline.end_process`); with ``argv`` it raises `SystemExit` with the code."""
     code: int = 1
-    tuning.one_shot_process()
     try:
+        tuning.one_shot_process()  # inside: a signal while it runs is a stop like any other
         for signum in STOP_SIGNALS:
             if signal.getsignal(signum) is not signal.SIG_IGN:
                 signal.signal(signum, _raise_stopped)

@@ -43,6 +43,15 @@ channel = os.fdopen(os.dup(1), "w", buffering=1)
 os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
 
 
+def at_entry(exc):
+    # whether exc came at main's first instruction (its check for signals on entry), before any
+    # statement of maxsim's ran: a process as stopped while starting as by a signal before the call
+    tb = exc.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code is main.__code__ and tb.tb_lineno == main.__code__.co_firstlineno
+
+
 def child(request):
     started = False
     try:
@@ -64,8 +73,8 @@ def child(request):
         main()  # as the `maxsim` script runs it: it ends the process itself, or raises SystemExit
     except SystemExit:
         raise  # through the interpreter's shutdown, as the `maxsim` script's process would end
-    except KeyboardInterrupt:
-        if started:  # out of maxsim: a fault of the command's
+    except KeyboardInterrupt as exc:
+        if started and not at_entry(exc):  # out of maxsim: a fault of the command's
             traceback.print_exc()
         else:  # a SIGINT in this set-up, before maxsim runs: the end of a process stopped while starting
             signal.signal(signal.SIGINT, signal.SIG_DFL)
