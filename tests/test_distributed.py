@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -342,6 +343,31 @@ def test_a_rank_without_shards_sends_nothing_and_the_run_is_the_same(data, tmp_p
     result = runner.invoke(app, args, env=JOB_ENV)
     assert result.exit_code == 0, result.output
     assert out.read_bytes() == single.read_bytes()
+
+
+@pytest.mark.parametrize("launch", ["devices", "torchrun"])
+def test_a_commit_while_the_ranks_start_changes_no_rank_s_documents(data, tmp_path, launch):
+    """A write command that commits while a job's ranks start (here rank 0 deletes two documents right
+    after it has looked, before the other rank opens the corpus): every rank opens the generation rank 0
+    found, so the run is the single process's on the corpus as it was; a later run sees the deletion."""
+    corpus = tmp_path / "corpus"
+    shutil.copytree(data["corpus"], corpus)
+    before, out, after = tmp_path / "before.trec", tmp_path / "dist.trec", tmp_path / "after.trec"
+    score(data["queries"], [str(corpus)], output=str(before), device="cpu", top_k=80)
+    deleted = ["s0-d01", "s2-d03"]
+    assert all(d in before.read_text() for d in deleted)
+    path = os.pathsep.join(p for p in (FAIL_RANK_DIR, os.environ.get("PYTHONPATH")) if p)
+    env = {"MAXSIM_TEST_DELETE_AFTER_LOOK": ",".join(deleted), "PYTHONPATH": path}
+    args = [data["queries"], str(corpus), "-k", "80", "-o", str(out)]
+    if launch == "devices":
+        result = runner.invoke(app, ["score", *args, "--devices", "cpu:2"], env={**JOB_ENV, **env})
+        assert result.exit_code == 0, result.output
+    else:
+        proc = _torchrun(args, env)
+        assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes() == before.read_bytes()
+    score(data["queries"], [str(corpus)], output=str(after), device="cpu", top_k=80)
+    assert not any(d in after.read_text() for d in deleted)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -194,6 +194,38 @@ def test_refresh_opens_the_latest_generation(corpus: Path) -> None:
     c.close()
 
 
+def test_a_generation_held_open_is_opened_by_number_after_newer_commits(corpus: Path, tmp_path: Path) -> None:
+    """What the ranks of one job open (`committed_generations`, `open_corpus(generations=...)`): the
+    generation found when the job looked, as long as it is held, whatever was committed since - generation
+    0 too, once its folder is converted - and a generation no longer there is one line."""
+    from maxsim_cli.errors import InputError
+    from maxsim_cli.shards import open_corpus as open_listed
+    from maxsim_cli.shards.generations import committed_generations
+
+    shard = str(corpus / "a.safetensors")
+    numbers, held = committed_generations([str(corpus), shard, str(tmp_path / "nothing")])
+    assert numbers == [0, None, None]
+    assert _cli("delete", corpus, "--ids", "-", input="a1\nb1\n").exit_code == 0  # converts: generation 1
+    with open_listed([corpus], generations=[0]) as c:
+        assert (c.generation, c.num_live, c.num_deleted) == (0, 40, 0)
+    for lock in held:
+        lock.release()
+    numbers, held = committed_generations([str(corpus)])
+    assert numbers == [1]
+    assert _cli("delete", corpus, "--ids", "-", input="b2\n").exit_code == 0
+    assert _cli("compact", corpus, "--threshold", "0").exit_code == 0  # a and b rewritten: generation 3
+    assert (corpus / "a.safetensors").exists()  # generation 1 is held
+    with open_listed([corpus], generations=numbers) as c, open_listed([corpus]) as now:
+        assert (c.generation, c.num_live, c.num_deleted) == (1, 38, 2)
+        assert c.num_docs == 40  # the shards as packed
+        assert (now.generation, now.num_live, now.num_deleted) == (3, 37, 0)
+    for lock in held:
+        lock.release()
+    assert _cli("compact", corpus).exit_code == 0  # generation 1 released: its files go
+    with pytest.raises(InputError, match="generation 1, which this job opened, is no longer there"):
+        open_listed([corpus], generations=[1])
+
+
 def test_damaged_generation_files_are_one_line_errors(corpus: Path) -> None:
     assert _cli("delete", corpus, "--ids", "-", input="a1\n").exit_code == 0
     deleted = next((corpus / "generations" / "1").glob("*.npy"))

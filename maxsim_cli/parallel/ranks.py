@@ -40,6 +40,7 @@ from maxsim_cli.parallel.work import CudaInit, score_share
 from maxsim_cli.parallel.write import write_merged
 from maxsim_cli.scoring.request import ScoreRequest
 from maxsim_cli.scoring.stats import ScoreStats
+from maxsim_cli.shards.generations import ReaderLock, committed_generations
 
 
 def _this_rank_device(option: str, local_rank: int) -> str:
@@ -107,14 +108,46 @@ def run_rank(request: ScoreRequest, *, log: Logger = log_to_stderr) -> ScoreStat
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         _init_group(rank, world, timeout)
-        phases = {"join_s": time.perf_counter() - start}
+        held: list[ReaderLock] = []
         try:
-            return _run_in_group(request, rank, world, device, device_error, cuda_ready, start, phases, log)
+            generations = _rank0_generations(request, rank, world, held)
+            phases = {"join_s": time.perf_counter() - start}
+            return _run_in_group(
+                request, rank, world, device, device_error, cuda_ready, start, phases, log, generations
+            )
         finally:
+            for lock in held:
+                lock.release()
             dist.destroy_process_group()
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _rank0_generations(
+    request: ScoreRequest, rank: int, world: int, held: list[ReaderLock]
+) -> list[int | None] | None:
+    """The generation of each corpus folder that every rank opens: the one committed when rank 0 looks,
+    sent to the others, so that a write command (`maxsim add`, `delete`, `compact`) committing while the
+    ranks start does not give them different documents. Rank 0 holds those generations open (``held``,
+    until the job ends), so that no writer's clean-up removes their files meanwhile. None (each rank
+    opens the committed ones) with one rank, or when rank 0 could not look: opening the corpus then
+    reports why, on every rank."""
+    import torch.distributed as dist
+
+    if world == 1:
+        return None
+    found: list[Any] = [None]
+    if rank == 0:
+        try:
+            numbers, locks = committed_generations([str(p) for p in request.corpus])
+        except (MaxsimError, OSError):
+            pass
+        else:
+            held.extend(locks)
+            found[0] = numbers
+    _collective(rank, world, dist.broadcast_object_list, found, src=0)
+    return found[0]
 
 
 def _run_in_group(
@@ -127,6 +160,7 @@ def _run_in_group(
     start: float,
     phases: dict[str, float],
     log: Logger,
+    generations: list[int | None] | None,
 ) -> ScoreStats:
     import torch.distributed as dist
 
@@ -137,7 +171,9 @@ def _run_in_group(
     try:
         if device_error is not None:
             raise device_error
-        share, merge_order = score_share(request, rank, world, device, cuda_ready, log)
+        share, merge_order = score_share(
+            request, rank, world, device, cuda_ready, log, generations=generations
+        )
     except MaxsimError as exc:
         status = (exc.exit_code, str(exc), device)
     except Exception as exc:  # a bug: the others must still learn of it, then its traceback shows here

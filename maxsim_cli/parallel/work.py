@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -71,14 +72,16 @@ class CudaInit(threading.Thread):
             raise self.error
 
 
-def open_job_corpus(request: ScoreRequest) -> Corpus:
+def open_job_corpus(request: ScoreRequest, generations: Sequence[int | None] | None = None) -> Corpus:
+    """The job's corpus; ``generations``: the generation to open of each corpus folder (the one that
+    rank 0 holds open: `maxsim_cli.parallel.ranks`), else the committed ones."""
     from maxsim_cli.shards import open_corpus
 
     check_no_stdin(request)
     corpus_paths = list(request.corpus)
     if not corpus_paths:
         raise UsageError("no corpus given: pass one or more shard files or directories after QUERIES")
-    return open_corpus(corpus_paths)
+    return open_corpus(corpus_paths, generations=generations)
 
 
 def job_filter(request: ScoreRequest, corpus: Corpus, rank: int, log: Logger) -> np.ndarray | None:
@@ -104,6 +107,7 @@ def score_share(
     run_index: dict[str, tuple[int, int]] | None = None,
     progress: ScoreProgress | None = None,
     disallowed: np.ndarray | None = None,
+    generations: Sequence[int | None] | None = None,
 ) -> tuple[Share, MergeOrder | None]:
     """Score this rank's shards of the corpus (opened here, or the job's open `corpus`, whose shards
     of this rank are closed afterwards) for all queries, return the results (and, on rank 0 in
@@ -113,7 +117,8 @@ def score_share(
     here); `progress`: the job's bar, shared by rank threads (else rank 0 draws its own share);
     `disallowed`: the job's filter mask over the whole corpus, when the job has made it already (else
     made here, from the request's filter: `job_filter`). The rank scores its shards with its part of
-    the mask: each rank's top-k is of its allowed documents, so the merge's is of the job's."""
+    the mask: each rank's top-k is of its allowed documents, so the merge's is of the job's.
+    ``generations``: the corpus folders' generations to open (`open_job_corpus`)."""
     from maxsim_cli.queries import read_queries, read_query_ids
     from maxsim_cli.run_files import read_run
     from maxsim_cli.scoring import engine
@@ -122,7 +127,7 @@ def score_share(
 
     own_corpus = corpus is None
     if corpus is None:
-        corpus = open_job_corpus(request)
+        corpus = open_job_corpus(request, generations)
     try:
         shares = assign_shards([s.num_tokens for s in corpus.shards], world)
         mine = shares[rank]

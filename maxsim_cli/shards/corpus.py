@@ -563,11 +563,12 @@ def _pack_hint(folder: str) -> str:
 
 
 def _expand_generation(
-    path: str, verify_checksums: bool, locks: list[ReaderLock]
+    path: str, verify_checksums: bool, locks: list[ReaderLock], generation: int | None = None
 ) -> list[tuple[str, dict[str, Any] | None]]:
-    """A folder's committed generation (docs/format.md, "Generations"), opened under a reader lock
-    (appended to ``locks``); generation 0 as a folder without generations is read."""
-    state, lock = open_state(path)
+    """A folder's committed generation (docs/format.md, "Generations"), or generation ``generation``,
+    opened under a reader lock (appended to ``locks``); generation 0 as a folder without generations is
+    read."""
+    state, lock = open_state(path, generation)
     locks.append(lock)
     if state.entries is None:
         return _expand(path, verify_checksums, [], plain=True)
@@ -610,14 +611,19 @@ def _verify_file(path: str, sha256: str | None, manifest: str) -> None:
 
 
 def _expand(
-    path: str, verify_checksums: bool, locks: list[ReaderLock] | None = None, *, plain: bool = False
+    path: str,
+    verify_checksums: bool,
+    locks: list[ReaderLock] | None = None,
+    *,
+    plain: bool = False,
+    generation: int | None = None,
 ) -> list[tuple[str, dict[str, Any] | None]]:
     if not os.path.exists(path):
         raise input_error(path, "no such file or directory")
     if not os.path.isdir(path):
         return [(path, None)]
     if not plain and locks is not None:
-        return _expand_generation(path, verify_checksums, locks)
+        return _expand_generation(path, verify_checksums, locks, generation)
     if os.path.exists(os.path.join(path, MANIFEST_NAME)):
         entries, ids_unique = read_manifest_state(path)
         if verify_checksums:
@@ -654,21 +660,31 @@ def _expand(
     return [(f, None) for f in files]
 
 
-def open_corpus(paths: Sequence[str | os.PathLike[str]], *, verify_checksums: bool = False) -> Corpus:
+def open_corpus(
+    paths: Sequence[str | os.PathLike[str]],
+    *,
+    verify_checksums: bool = False,
+    generations: Sequence[int | None] | None = None,
+) -> Corpus:
     """Open shards given as files and/or directories (with an optional `index.json` manifest).
 
     Refuses a dim/dtype/quantization mismatch between shards and duplicate ids across them. Manifest counts
     are checked against the shards; sha256 only with `verify_checksums=True` (it reads every byte). A
     shard with no documents is left out and named in `Corpus.skipped` (the callers warn about it:
-    `input_notes`); a corpus whose shards all hold none is an `InputError`.
+    `input_notes`); a corpus whose shards all hold none is an `InputError`. ``generations``, one a path:
+    the generation to open of each folder (`committed_generations`, which holds them open), None for
+    its committed one (and for a file).
     """
     if not paths:
         raise InputError("corpus: no shard files or directories given")
+    pins = list(generations) if generations is not None else [None] * len(paths)
+    if len(pins) != len(paths):
+        raise ValueError(f"{len(pins)} generations for {len(paths)} corpus paths")
     listed: list[tuple[str, dict[str, Any] | None]] = []
     locks: list[ReaderLock] = []
     try:
-        for p in paths:
-            listed.extend(_expand(os.fspath(p), verify_checksums, locks))
+        for p, pin in zip(paths, pins, strict=True):
+            listed.extend(_expand(os.fspath(p), verify_checksums, locks, generation=pin))
         # one folder whose manifest records its ids unique: not sorted again to check it
         ids_unique = len(paths) == 1 and bool(listed) and all(e and e.get("ids_unique") for _, e in listed)
         corpus = _open_listed(listed, ids_unique)

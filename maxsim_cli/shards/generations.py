@@ -28,6 +28,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -370,9 +371,12 @@ def _same_file(fd: int, path: str) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def open_state(directory: str) -> tuple[State, ReaderLock]:
+def open_state(directory: str, number: int | None = None) -> tuple[State, ReaderLock]:
     """The folder's committed generation, read under a shared lock that the caller holds until it no
-    longer reads the generation's files (`ReaderLock.release`)."""
+    longer reads the generation's files (`ReaderLock.release`). ``number``: that generation instead,
+    which another reader of the job holds open (`open_generation`)."""
+    if number is not None:
+        return open_generation(directory, number)
     for _ in range(OPEN_TRIES):
         number = read_pointer(directory)
         if number is None:  # generation 0: the folder itself is locked
@@ -404,6 +408,54 @@ def open_state(directory: str) -> tuple[State, ReaderLock]:
             os.close(fd)
             raise
     raise MaxsimError(f"{directory}: the committed generation kept changing while it was opened; try again")
+
+
+def open_generation(directory: str, number: int) -> tuple[State, ReaderLock]:
+    """Generation ``number`` of the folder, committed or not any longer, read under a shared lock as
+    `open_state` reads the committed one: for the ranks of one job, which all open the generation that
+    rank 0 found (and holds open, so that no writer's clean-up removes its files meanwhile). Generation
+    0 of a folder converted since is read from the description its first write left
+    (``generations/0/manifest.json``)."""
+    target = directory if number == 0 else manifest_path(directory, number)
+    gone = (
+        f"generation {number}, which this job opened, is no longer there (a write command committed a "
+        "newer one and removed it); run the command again"
+    )
+    try:
+        fd = _try_lock(target, fcntl.LOCK_SH)
+    except FileNotFoundError:
+        raise input_error(target, gone) from None
+    if fd is None:  # a writer's clean-up holds it: it is removing the generation's files
+        raise input_error(target, gone)
+    try:
+        if number == 0 and read_pointer(directory) is None:
+            return State(0, None), ReaderLock(fd)
+        return read_state(directory, number), ReaderLock(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def committed_generations(paths: Sequence[str]) -> tuple[list[int | None], list[ReaderLock]]:
+    """The committed generation of each corpus folder in ``paths`` (None for a file, or a path that is
+    not there: opening the corpus reports it), each held open by a lock returned with them, so that
+    other processes can open the same generations (`open_generation`) for as long as the locks are
+    held."""
+    numbers: list[int | None] = []
+    locks: list[ReaderLock] = []
+    try:
+        for path in paths:
+            if not os.path.isdir(path):
+                numbers.append(None)
+                continue
+            state, lock = open_state(path)
+            locks.append(lock)
+            numbers.append(state.number)
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+    return numbers, locks
 
 
 class WriterLock:
