@@ -226,6 +226,24 @@ def test_a_generation_held_open_is_opened_by_number_after_newer_commits(corpus: 
         open_listed([corpus], generations=[1])
 
 
+def test_latest_compares_each_folder_with_the_generation_opened_of_it(corpus: Path, tmp_path: Path) -> None:
+    """A corpus of two folders at different generations is the latest while neither changes; a commit to
+    either makes `latest` open the new one; `reopen` opens the generations open, whatever came since."""
+    other = tmp_path / "other"
+    other.mkdir()
+    _shard(other / "c.safetensors", [f"c{i}" for i in range(5)], np.random.default_rng(3))
+    assert _cli("delete", corpus, "--ids", "-", input="a1\n").exit_code == 0  # corpus at 1, other at 0
+    c = open_corpus([corpus, other])
+    assert c.latest() is None and c.refresh() is False
+    assert _cli("delete", other, "--ids", "-", input="c1\n").exit_code == 0
+    assert c.refresh() is True
+    assert (c.num_live, c.latest()) == (43, None)
+    assert _cli("delete", corpus, "--ids", "-", input="a2\n").exit_code == 0
+    with c.reopen() as again:  # the generations open, not the latest
+        assert (again.generation, again.num_live) == (c.generation, 43)
+    c.close()
+
+
 def test_damaged_generation_files_are_one_line_errors(corpus: Path) -> None:
     assert _cli("delete", corpus, "--ids", "-", input="a1\n").exit_code == 0
     deleted = next((corpus / "generations" / "1").glob("*.npy"))

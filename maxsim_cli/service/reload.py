@@ -124,7 +124,7 @@ class Reloader:
             return None, None
         try:
             if fresh is None:  # only the exact tier changed: the compressed one is opened again beside
-                fresh = _reopen(served)
+                fresh = served.reopen()
             if fresh_exact is None:
                 fresh_exact = exact
             if fresh_exact is not None:
@@ -208,13 +208,6 @@ class Reloader:
             except OSError:
                 stamps.append(None)
         return stamps
-
-
-def _reopen(corpus: Corpus) -> Corpus:
-    """The generation ``corpus`` is, opened again (a second reader of the same files)."""
-    from maxsim_cli.api import open_corpus
-
-    return open_corpus(corpus._paths, verify_checksums=corpus._verify_checksums)  # noqa: SLF001
 
 
 def _index_ids(corpus: Corpus) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from maxsim_cli.codecs import Codebook, corpus_codebook
-from maxsim_cli.errors import STRICT, InputError, UsageError, in_python_terms
+from maxsim_cli.errors import STRICT, InputError, MaxsimError, UsageError, in_python_terms
 from maxsim_cli.shards.files import file_sha256, list_shard_files
 from maxsim_cli.shards.format import (
     CORPUS_FORMAT_NAME,
@@ -236,6 +236,7 @@ class Corpus:
         self.generation = 0
         self._locks: list[ReaderLock] = []
         self._paths: list[str] = []
+        self._generations: list[int | None] = []  # of each path: its generation open (None: a file)
         self._verify_checksums = False
         self._deleted: np.ndarray | None = None
         self._deleted_ordinals: np.ndarray | None = None
@@ -294,10 +295,20 @@ class Corpus:
         generation open is the latest, or the corpus was made in memory or from shard files alone."""
         from maxsim_cli.shards.generations import read_pointer
 
-        folders = self.folders
-        if not folders or all((read_pointer(p) or 0) == self.generation for p in folders):
+        opened = [(p, g) for p, g in zip(self._paths, self._generations, strict=True) if g is not None]
+        if all((read_pointer(p) or 0) == g for p, g in opened):
             return None
         return open_corpus(self._paths, verify_checksums=self._verify_checksums)
+
+    def reopen(self) -> Corpus:
+        """The generation this corpus is, opened again as a new corpus (a second reader of the same
+        files, streamed from them), whatever has been committed since; a corpus made in memory cannot
+        be."""
+        if not self._paths:
+            raise MaxsimError("a corpus made in memory cannot be opened again from files")
+        return open_corpus(
+            self._paths, verify_checksums=self._verify_checksums, generations=self._generations
+        )
 
     def _check_unique_ids(self) -> None:
         # Each shard's ids are unique already; across shards, equal neighbours in the sorted ids (no
@@ -682,9 +693,13 @@ def open_corpus(
         raise ValueError(f"{len(pins)} generations for {len(paths)} corpus paths")
     listed: list[tuple[str, dict[str, Any] | None]] = []
     locks: list[ReaderLock] = []
+    opened: list[int | None] = []  # each path's generation (None: a shard file)
     try:
         for p, pin in zip(paths, pins, strict=True):
-            listed.extend(_expand(os.fspath(p), verify_checksums, locks, generation=pin))
+            entries = _expand(os.fspath(p), verify_checksums, locks, generation=pin)
+            listed.extend(entries)
+            numbers = [e["generation"] for _, e in entries if e and "generation" in e]
+            opened.append((numbers[0] if numbers else 0) if os.path.isdir(p) else None)
         # one folder whose manifest records its ids unique: not sorted again to check it
         ids_unique = len(paths) == 1 and bool(listed) and all(e and e.get("ids_unique") for _, e in listed)
         corpus = _open_listed(listed, ids_unique)
@@ -694,9 +709,9 @@ def open_corpus(
         raise
     corpus._locks = locks
     corpus._paths = [os.fspath(p) for p in paths]
+    corpus._generations = opened
     corpus._verify_checksums = verify_checksums
-    generations = {entry["generation"] for _, entry in listed if entry and "generation" in entry}
-    corpus.generation = max(generations, default=0)
+    corpus.generation = max((g for g in opened if g is not None), default=0)
     return corpus
 
 
