@@ -412,15 +412,15 @@ def open_state(directory: str, number: int | None = None) -> tuple[State, Reader
 
 def open_generation(directory: str, number: int) -> tuple[State, ReaderLock]:
     """Generation ``number`` of the folder, committed or not any longer, read under a shared lock as
-    `open_state` reads the committed one: for the ranks of one job, which all open the generation that
-    rank 0 found (and holds open, so that no writer's clean-up removes its files meanwhile). Generation
-    0 of a folder converted since is read from the description its first write left
-    (``generations/0/manifest.json``)."""
+    `open_state` reads the committed one. For a generation another reader holds open, so that no
+    writer's clean-up removes its files meanwhile: the one rank 0 of a job found, which every rank
+    opens; the one a corpus holds, opened again (`Corpus.reopen`). Generation 0 of a folder converted
+    since is read from the description its first write left (``generations/0/manifest.json``)."""
     target = directory if number == 0 else manifest_path(directory, number)
     gone = (
         f"generation {number}, which this job opened, is no longer there (a write command committed a "
         "newer one and removed it); run the command again"
-    )
+    )  # only when no reader held it
     try:
         fd = _try_lock(target, fcntl.LOCK_SH)
     except FileNotFoundError:
