@@ -212,8 +212,9 @@ def find_temp_folder() -> None:
     """Take the standard library's first look for the temporary folder now, with SIGTERM blocked.
 
     That look (`tempfile.gettempdir`) makes a randomly named file in the folder and removes it. Before
-    `arm`, SIGTERM ends a worker at once, and torch's import takes that look: a worker stopped between
-    the two left the file in ``TMPDIR``. Once taken, the answer is kept (``tempfile.tempdir``) and no
+    `arm`, SIGTERM ends a worker at once (no handler runs to hold it back, as `held_back` does once
+    armed), and torch's import takes that look: a worker stopped between the two left the file in
+    ``TMPDIR``. Once taken, the answer is kept (``tempfile.tempdir``) and no
     later call makes a file. A SIGTERM that came meanwhile ends the worker as soon as it is unblocked.
     Call it before any other thread starts, so that no thread takes the signal in the main one's place.
     """

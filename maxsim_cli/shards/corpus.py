@@ -688,9 +688,7 @@ def open_corpus(
     """
     if not paths:
         raise InputError("corpus: no shard files or directories given")
-    pins = list(generations) if generations is not None else [None] * len(paths)
-    if len(pins) != len(paths):
-        raise ValueError(f"{len(pins)} generations for {len(paths)} corpus paths")
+    pins = generations if generations is not None else [None] * len(paths)
     listed: list[tuple[str, dict[str, Any] | None]] = []
     locks: list[ReaderLock] = []
     opened: list[int | None] = []  # each path's generation (None: a shard file)
