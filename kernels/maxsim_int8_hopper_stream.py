@@ -83,7 +83,7 @@ Per program (one warp group, 4 warps):
   scale and folded into a running maximum per element. At a document's last tile the maxima are reduced
   over the tokens, weighted by the query scales and summed: one score.
 
-A producer warp (PRODUCER, `gl.warp_specialize`; int2's and int4's one query at N = 32,
+A producer warp (PRODUCER, `gl.warp_specialize`; int2's and int4's one query at N = 16 and 32,
 `Tuning.producer`): a fifth warp owns the ring's cursor and its copies (`_produce`). It copies
 tile x into slot x mod STAGES once the scan has handed back the slot's previous tile (an `empty` mbarrier
 a slot, arrived on when that tile's products are done), and the four scanning warps (`_scan`) neither step
@@ -93,9 +93,9 @@ that loop has four barriers of the warp group's 128 threads (before each `ready`
 before each hand-back, which one thread arrives on) against six CTA barriers, two memory barriers and two
 proxy fences (Triton's shared-memory hazard analysis around each refill). Registers are handed out by
 warp group, so a program holds eight warps' worth of its cap; the producer's group keeps
-PRODUCER_REGISTERS and gives the rest to the scan's (a cap of 64: 104 registers, the products not
-serialized, four programs an SM). The tiles, their order and the folds are the same: the scores are the
-same bits.
+PRODUCER_REGISTERS and gives the rest to the scan's (a cap of 64 at N = 32: 104 registers; 56 at
+N = 16: 88; the products not serialized, four programs an SM). The tiles, their order and the folds are
+the same: the scores are the same bits.
 
 Cost, bound (H200, HBM ~4.2-4.4 TB/s as the fp16 kernel reads): 132 bytes a token (128 of codes, 4 of
 scale), one read each. One query x 100K documents of 20-300 tokens: 2.11 GB, 0.48-0.50 ms; rerank 64
@@ -163,7 +163,7 @@ MAX_QUERY_TOKENS = 64
 # (`Tuning.producer`): cap x 256, of which the producer's group gives up all but these to the scan's.
 PRODUCER_REGISTERS = 24
 # PRODUCER's cap where a codec's tuning names none: 64 gives the scan's warps 104 registers, and 65,536 /
-# (64 x 256) four programs an SM; at N = 32 (int2, int4) faster than 48 and 56
+# (64 x 256) four programs an SM; at N = 32 (int2, int4) faster than 48 and 56, at N = 16 slower than 56
 # (ab-producer-caps-n16-h100.json)
 PRODUCER_CAP = 64
 # PRODUCER's items a program: a sweep with 64 documents a program once did not finish on an H100; the
@@ -261,10 +261,11 @@ INT8_TILES = Tuning(STAGES, GROUP, ITEMS_ONE_QUERY, ITEMS_CANDIDATES, REGISTERS)
 # against 0.412, at N = 64 0.990 against 0.778, candidates 0.437 against 0.366; a cap of 72 (three
 # programs an SM) 0.455 at N = 32 (ab-producer-caps-h100.txt). Taken at N = 32: the tuning against the
 # same without it (`--baseline-tiles producer=0`, ab-producer-taken-h100.json) 0.4195 ms against 0.4393,
-# the other cases unchanged. At N = 16 caps of 48 and 56 ran 1.04x faster (ab-producer-caps-n16-h100.json),
-# not taken before the GPU tests run at that cap
+# the other cases unchanged. At N = 16 caps of 48 and 56 ran 1.04x faster (ab-producer-caps-n16-h100.json);
+# 56 taken (not serialized, four programs an SM): against the same without the producer (`--baseline-tiles
+# producer=0`, ab-producer-n16-taken-h100.json, the same bits) 0.3964 ms against 0.4111 at N = 16
 INT4_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (80, 128), 64: (168, 168)}, table=(16, 64),
-                    ring=((64, 6),), producer=((32, PRODUCER_CAP),))  # fmt: skip
+                    ring=((64, 6),), producer=((16, 56), (32, PRODUCER_CAP)))  # fmt: skip
 # residual2 (RESIDUAL), one query x 100K documents on an H100 (bench_codes.py --stream-sweep): 1.235 ms with
 # a ring of 6, 2 tiles a turn and a cap of 128 registers (four programs an SM), against 1.305 at 168 (three)
 # and 1.355 uncapped (255, two programs); 4 tiles a turn 1.470 uncapped
@@ -281,9 +282,10 @@ INT4_TILES = Tuning(4, 2, 32, 16, {16: (128, 128), 32: (80, 128), 64: (168, 168)
 # A producer warp (the same runs as int4's): one query at N = 32 0.3798 ms against 0.4113, at N = 16 0.350
 # against 0.312 (seven programs an SM without it), candidates 0.457 against 0.373; a cap of 72: 0.502 at
 # N = 32. Taken at N = 32 (ab-producer-taken-h100.json: 0.3808 against 0.4121 ms, the same bits); at N = 16
-# a cap of 48 or 56 ran 0.296 against 0.312 (ab-producer-caps-n16-h100.json), not taken yet (as int4's)
+# a cap of 48 or 56 ran 0.296 against 0.312 (ab-producer-caps-n16-h100.json), 56 taken as int4's
+# (ab-producer-n16-taken-h100.json: 0.2957 against 0.3122 ms, the same bits)
 INT2_TILES = Tuning(4, 2, 32, 16, {16: (72, 128), 32: (80, 128)}, table=(16, 32),
-                    producer=((32, PRODUCER_CAP),))
+                    producer=((16, 56), (32, PRODUCER_CAP)))
 INT2_MAX_QUERY_TOKENS = 32
 RESIDUAL2_TILES = Tuning(6, 2, 32, 16, {16: (128, 128), 32: (128, 128)})
 

@@ -334,7 +334,7 @@ for codec, tuned in (("int8", st.INT8_TILES), ("int4", st.INT4_TILES), ("int2", 
         d_desc = st.TensorDescriptor.from_tensor(torch.zeros(1000, width, dtype=dtype), [st.BLOCK_T, width],
                                                  st._doc_layout(width, dtype))
         d_type, q_type = mangle_type(d_desc), "*i8"
-    # with a producer warp: one query wherever the tuning takes it (int4's and int2's at N = 32)
+    # with a producer warp: one query wherever the tuning takes it (int4's and int2's at N = 16 and 32)
     builds = [(n, identity, producer) for n in tuned.registers for identity in (True, False)
               for producer in (False, True) if not producer or (identity and n in dict(tuned.producer))]
     for n, identity, producer in builds:
@@ -374,7 +374,7 @@ def test_hopper_int8_stream_kernel_builds_for_its_programs_an_sm(sm90_build) -> 
     programs an SM (int4 five, bound by its shared memory: the fewer of what the registers and the shared
     memory allow), measured faster than four unserialised (`INT4_TILES`, `INT2_TILES`), and int2's one
     query at N = 16, serialised under a cap of 72 registers, seven programs an SM. With a producer warp
-    (int4's and int2's one query at N = 32, where it measured faster) a program holds eight warps'
+    (int4's and int2's one query at N = 16 and 32, where it measured faster) a program holds eight warps'
     registers (cap x 256): four programs an SM, the scan's products not serialised, no spills."""
     import re
 
