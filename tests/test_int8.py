@@ -533,7 +533,7 @@ def test_stream_producer_warp_is_refused_where_it_is_not_measured() -> None:
     """A producer warp fills the ring only where it ran with the same bits: not for residual2 (every
     thread's cp.async copies), not with more than `PRODUCER_MAX_ITEMS` items a program (refused before any
     launch); the caps it takes give the scan's warps 2 cap - 24 registers, four programs an SM by default.
-    The tuned plans take it for int2's and int4's one query at N = 32 alone."""
+    The tuned plans take it for int2's and int4's one query at N = 16 (a cap of 56) and 32 alone."""
     from maxsim_kernels import maxsim_int8_hopper_stream as stream
 
     codes = torch.zeros(1000, 32, dtype=torch.uint8)
@@ -549,12 +549,14 @@ def test_stream_producer_warp_is_refused_where_it_is_not_measured() -> None:
     assert tuned.cap(32, True, True) == stream.PRODUCER_CAP == 64
     assert 65536 // (stream.PRODUCER_CAP * 256) == 4 and 2 * stream.PRODUCER_CAP - 24 == 104
     assert tuned.cap(32, True, False) == tuned.registers[32][0]
-    # the tuned plans: int2's and int4's one query at N = 32 (measured faster), programs of 32 items
+    assert tuned.cap(16, True, True) == 56 and 65536 // (56 * 256) == 4 and 2 * 56 - 24 == 88
+    # the tuned plans: int2's and int4's one query at N = 16 and 32 (measured faster), programs of 32 items
     for tiles in (stream.INT2_TILES, stream.INT4_TILES):
-        assert stream.takes_producer(tiles, 32, True, tiles.items_one_query)
-        assert not stream.takes_producer(tiles, 32, True, stream.PRODUCER_MAX_ITEMS + 1)
-        assert not stream.takes_producer(tiles, 32, False, tiles.items_candidates)
-        assert not any(stream.takes_producer(tiles, n, True, 32) for n in (16, 64))
+        for n in (16, 32):
+            assert stream.takes_producer(tiles, n, True, tiles.items_one_query)
+            assert not stream.takes_producer(tiles, n, True, stream.PRODUCER_MAX_ITEMS + 1)
+            assert not stream.takes_producer(tiles, n, False, tiles.items_candidates)
+        assert not stream.takes_producer(tiles, 64, True, 32)
     for tiles in (stream.INT8_TILES, stream.RESIDUAL2_TILES):
         assert not any(stream.takes_producer(tiles, n, True, 32) for n in tiles.registers)
 
