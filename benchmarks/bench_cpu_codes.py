@@ -3,6 +3,7 @@
 alternating rounds in one process, each result checked bitwise against the blocked path's.
 
     python benchmarks/bench_cpu_codes.py --out benchmarks/results/cpu/cpu-codes-2core.json
+    python benchmarks/bench_cpu_codes.py --skip-blocked --out benchmarks/results/cpu/cpu-codes-products.json
     python benchmarks/bench_cpu_codes.py --smoke --out /tmp/cpu-codes.json
 
 Documents: ``--docs`` L2-normalised random vectors (d = 128), 20-300 tokens each (uniform), fp32; int8 per
@@ -13,14 +14,19 @@ tokens, `maxsim_cli.codecs.fit_int2_levels`). One query of 32 tokens. Each time 
   fp32          `maxsim_varlen` on the float tokens (the float stream path)
   int8 / int4 / int2            `maxsim_varlen` on the codes: the streamed int8 path, the codes decoded a
                                 32K-token chunk at a time on each worker
+                                with the chunk's products in integers (`torch._int_mm`)
+  *_fp32        the same streamed path with each chunk upcast to fp32 and an fp32 product (the choice
+                where the CPU has no int8 dot-product instructions: `maxsim_kernels.cpu.int8_products`)
   *_blocked     the blocked torch path of the same codes (`maxsim_int8._varlen_torch`; int4:
-                `maxsim_codes._varlen_torch`; int2: its odd values decoded whole, then the int8 path)
+                `maxsim_codes._varlen_torch`; int2: its odd values decoded whole, then the int8 path);
+                with ``--skip-blocked`` run once for the bit check, not timed
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Callable
 
 import torch
 from common import SMOKE, host_times, make_log, meta, offsets_of, smoke_size, write_json
@@ -29,7 +35,7 @@ log = make_log("cpu-codes", clock=True)
 
 
 def main() -> None:
-    from maxsim_kernels import maxsim_codes, maxsim_int8, maxsim_varlen
+    from maxsim_kernels import cpu, maxsim_codes, maxsim_int8, maxsim_varlen
     from maxsim_kernels.maxsim_int8 import quantize_per_token
 
     from maxsim_cli.codecs import fit_int2_levels
@@ -39,6 +45,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out")
+    parser.add_argument("--skip-blocked", action="store_true", help="time the streamed paths only")
     parser.add_argument("--smoke", action="store_true", help="a check of the script: tiny sizes, one call")
     args = parser.parse_args()
     SMOKE["on"] = args.smoke
@@ -62,24 +69,41 @@ def main() -> None:
         out = maxsim_int8._varlen_torch(side.q8, side.scales, q_off, values, s2, offsets, False)[0]
         return out.add_(side.query_sums[:, None])
 
-    paths = {
-        "fp32": lambda: maxsim_varlen(q, q_off, x, offsets),
+    def products(integers: bool, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def call() -> torch.Tensor:
+            cpu._INT8_PRODUCT = integers
+            try:
+                return fn()
+            finally:
+                cpu._INT8_PRODUCT = None
+
+        return call
+
+    streamed = {
         "int8": lambda: maxsim_varlen(q, q_off, d8, offsets, doc_scales=s8),
-        "int8_blocked": lambda: maxsim_int8._varlen_torch(q8, sq, q_off, d8, s8, offsets, False)[0],
         "int4": lambda: maxsim_varlen(q, q_off, c4, offsets, doc_scales=s4),
-        "int4_blocked": lambda: maxsim_codes._varlen_torch(q8, sq, q_off, c4, s4, offsets, None),
         "int2": lambda: maxsim_varlen(q, q_off, c2, offsets, doc_scales=s2, codebook=levels),
+    }
+    paths = {"fp32": lambda: maxsim_varlen(q, q_off, x, offsets)}
+    for codec, fn in streamed.items():
+        paths[codec] = products(True, fn)
+        paths[f"{codec}_fp32"] = products(False, fn)
+    blocked = {
+        "int8_blocked": lambda: maxsim_int8._varlen_torch(q8, sq, q_off, d8, s8, offsets, False)[0],
+        "int4_blocked": lambda: maxsim_codes._varlen_torch(q8, sq, q_off, c4, s4, offsets, None),
         "int2_blocked": int2_blocked,
     }
+    if not args.skip_blocked:
+        paths.update(blocked)
     record: dict = {
         "meta": meta(docs=n, tokens=int(offsets[-1]), dim=128, query_tokens=32),
         "bitwise_equal": {},
         "ms": {name: [] for name in paths},
     }
-    results = {name: fn() for name, fn in paths.items()}
+    results = {name: fn() for name, fn in {**paths, **blocked}.items()}
     for codec in ("int8", "int4", "int2"):
-        same = torch.equal(results[codec], results[f"{codec}_blocked"])
-        record["bitwise_equal"][codec] = bool(same)
+        for way in (codec, f"{codec}_fp32"):
+            record["bitwise_equal"][way] = bool(torch.equal(results[way], results[f"{codec}_blocked"]))
     log(f"bitwise equal to the blocked paths: {record['bitwise_equal']}")
     names = list(paths)
     for r in range(args.rounds):
@@ -88,11 +112,12 @@ def main() -> None:
             record["ms"][name].append(statistics.median(times) * 1e3)
         log(f"round {r}: { {k: round(v[-1], 1) for k, v in record['ms'].items()} }")
     record["median_ms"] = {k: statistics.median(v) for k, v in record["ms"].items()}
-    record["speedup_over_blocked"] = {
-        c: record["median_ms"][f"{c}_blocked"] / record["median_ms"][c] for c in ("int8", "int4", "int2")
-    }
-    fp32 = record["median_ms"]["fp32"]
-    record["over_fp32"] = {c: record["median_ms"][c] / fp32 for c in ("int8", "int4", "int2")}
+    med = record["median_ms"]
+    if not args.skip_blocked:
+        record["speedup_over_blocked"] = {c: med[f"{c}_blocked"] / med[c] for c in ("int8", "int4", "int2")}
+    record["integer_over_fp32_products"] = {c: med[f"{c}_fp32"] / med[c] for c in ("int8", "int4", "int2")}
+    record["over_fp32"] = {c: med[c] / med["fp32"] for c in ("int8", "int4", "int2")}
+    record["int8_products_chosen"] = cpu.int8_products(128)
     log(f"medians: { {k: round(v, 1) for k, v in record['median_ms'].items()} }")
     write_json(args.out, record)
 

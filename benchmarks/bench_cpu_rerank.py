@@ -151,7 +151,7 @@ def profile_phases(w: dict[str, Any], limit_pairs: int = 16000) -> dict[str, Any
             rows = torch.from_numpy(
                 (s_start[p0:p1, None] + np.minimum(np.arange(width), lens[:, None] - 1)).reshape(-1)
             )
-            block = cpu._scratch(
+            block = cpu.thread_buffer(
                 "rerank_block", (-(-m // cpu._ONEDNN_ROWS) * cpu._ONEDNN_ROWS, DIM), torch.float32
             )
             if docs.dtype == torch.float32:

@@ -107,7 +107,13 @@ import triton
 import triton.language as tl
 
 from .code_unpacking import INT4_NIBBLES_ASM, PLANE_UNIT_ASM, bucket_planes_asm
-from .cpu import int8_stream_applies, maxsim_int8_varlen_cpu
+from .cpu import (
+    int8_columns,
+    int8_products,
+    int8_stream_applies,
+    maxsim_int8_varlen_cpu,
+    thread_buffer,
+)
 from .launch import launch_fitting_shared_memory
 from .maxsim_int8 import (
     candidate_query,
@@ -1524,7 +1530,8 @@ def maxsim_varlen_codes(
     elif codec in _BYTE_TABLES and backend == "torch" and int8_stream_applies(q8, codes.device):
         # int4 or int2 against a few query rows on the CPU: decoded a chunk at a time on each worker
         decoded = functools.partial(_decoded_rows, codec, codes)
-        scores = maxsim_int8_varlen_cpu(q8, sq, q_off.numpy(), decoded, sd, d_off.numpy())
+        products = _Int4Products(codes, q8) if codec == "int4" and int8_products(dim) else None
+        scores = maxsim_int8_varlen_cpu(q8, sq, q_off.numpy(), decoded, sd, d_off.numpy(), products)
     elif codec == "int2" or (
         codec == "int4"
         and backend == "triton"
@@ -1718,11 +1725,40 @@ _BYTE_TABLES = {"int4": _byte_table(decode_int4), "int2": _byte_table(int2_value
 
 def _decoded_rows(codec: str, codes: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     """Rows t0 .. t1 - 1 of int4 or int2 ``codes`` (CPU) decoded to their int8 values, `decode_int4`'s or
-    `int2_values`'s: a chunk of the CPU stream (`cpu.maxsim_int8_varlen_cpu`)."""
+    `int2_values`'s: a chunk of the CPU stream (`cpu.maxsim_int8_varlen_cpu`), valid until this thread
+    decodes the next."""
     chunk = codes[t0:t1]
-    words = np.take(_BYTE_TABLES[codec], chunk.numpy())
-    width = chunk.shape[1] * _BYTE_TABLES[codec].itemsize
-    return torch.from_numpy(np.ascontiguousarray(words).view(np.int8).reshape(chunk.shape[0], width))
+    table = _BYTE_TABLES[codec]
+    out = thread_buffer(f"{codec}_byte_values", (chunk.shape[0], chunk.shape[1] * table.itemsize), torch.int8)
+    # into the worker thread's buffer (`cpu.thread_buffer`): 1.02 against 1.20 ms a new array, int2's
+    # 32K-token chunk; "wrap", which a byte never needs (256 entries), spares the bounds check's copy
+    np.take(table, chunk.numpy(), out=out.numpy().view(table.dtype), mode="wrap")
+    return out
+
+
+class _Int4Products:
+    """The int32 products of rows of int4 codes (CPU) with int8 query rows ``q8`` [rows, dim], made
+    without interleaving the codes' values (`cpu.maxsim_int8_varlen_cpu`'s ``int_products``): the low
+    nibbles (values 2m) sign-extended by two shifts into the first half of each row of a buffer, the high
+    ones (2m + 1) by one into the second, and multiplied with the query's even columns followed by its odd
+    ones: exactly `decode_int4`'s values times q8. A 32K-token chunk at d = 128 on one thread: 2.0 ms with
+    the product, against 4.1 ms for `_decoded_rows` (a table's values, interleaved) and 1.1 for the
+    product after it. The buffers are the worker thread's (`cpu.thread_buffer`), not fresh tensors each
+    chunk."""
+
+    def __init__(self, codes: torch.Tensor, q8: torch.Tensor) -> None:
+        self.codes = codes
+        self.columns = int8_columns(torch.cat([q8[:, 0::2], q8[:, 1::2]], dim=1))
+
+    def __call__(self, t0: int, t1: int, out: torch.Tensor) -> torch.Tensor:
+        chunk = self.codes[t0:t1]
+        rows, width = chunk.shape
+        shifted = thread_buffer("int4_shifted", (rows, width), torch.uint8)
+        values = thread_buffer("int4_values", (rows, 2 * width), torch.int8)
+        torch.bitwise_left_shift(chunk, 4, out=shifted)
+        torch.bitwise_right_shift(shifted.view(torch.int8), 4, out=values[:, :width])  # arithmetic shifts
+        torch.bitwise_right_shift(chunk.view(torch.int8), 4, out=values[:, width:])
+        return torch._int_mm(values, self.columns, out=out)
 
 
 def _int8_values(codec: str, backend: str, codes: torch.Tensor, out: torch.Tensor) -> None:

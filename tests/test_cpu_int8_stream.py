@@ -30,12 +30,16 @@ def _queries(gen: torch.Generator, lengths: list[int], dim: int) -> tuple[torch.
     return q, offsets
 
 
+@pytest.mark.parametrize("integers", [True, False], ids=["int-products", "fp32-products"])
 @pytest.mark.parametrize("dim", [128, 40])
 @pytest.mark.parametrize("q_lengths", [[32], [5, 1, 12]])
-def test_streamed_int8_paths_are_the_blocked_paths_bitwise(dim, q_lengths, monkeypatch):
+def test_streamed_int8_paths_are_the_blocked_paths_bitwise(dim, q_lengths, integers, monkeypatch):
+    """Both ways of the chunks' products (`cpu.int8_products`: int32 products, int4's from its nibbles
+    without its values; or the values upcast to fp32) give the blocked paths' bits."""
     from maxsim_kernels import cpu
 
     monkeypatch.setattr(cpu, "_STREAM_CHUNK_TOKENS", 700)  # many chunks, documents across their edges
+    monkeypatch.setattr(cpu, "_INT8_PRODUCT", integers)
     gen = torch.Generator().manual_seed(5)
     x, d_off = _ragged(gen, 300, dim)
     q, q_off = _queries(gen, q_lengths, dim)
@@ -81,3 +85,56 @@ def test_byte_tables_decode_as_the_torch_decoders():
     part = maxsim_codes._decoded_rows("int2", codes, 1, 200)
     assert torch.equal(part, maxsim_codes.int2_values(codes[1:200]))
     assert maxsim_codes._decoded_rows("int2", codes, 7, 7).shape == (0, 12)
+
+
+@pytest.mark.parametrize("dim", [128, 40, 2])
+def test_int4_products_from_the_nibbles_are_the_decoded_values_products(dim):
+    """`_Int4Products` (the low nibbles, then the high ones, against the query's even columns, then its odd
+    ones) is `decode_int4`'s values times the query rows, exactly, for every byte and the extreme query
+    codes, at any chunk (rows t0 .. t1 - 1)."""
+    gen = torch.Generator().manual_seed(3)
+    every_byte = torch.arange(256, dtype=torch.uint8)
+    codes = every_byte[torch.randint(0, 256, (300, dim // 2), generator=gen)]
+    codes[:256, 0] = every_byte
+    q8 = torch.randint(-128, 128, (7, dim), generator=gen, dtype=torch.int8)
+    q8[0], q8[1] = 127, -128
+    want = maxsim_codes.decode_int4(codes).int() @ q8.int().T
+    products = maxsim_codes._Int4Products(codes, q8)
+    for t0, t1 in ((0, 300), (5, 6), (17, 260)):
+        out = torch.empty(t1 - t0, 7, dtype=torch.int32)
+        assert torch.equal(products(t0, t1, out), want[t0:t1])
+
+
+def test_int8_products_follow_the_cpu_flags(monkeypatch):
+    """Integer products where /proc/cpuinfo lists VNNI or AMX (`_INT8_FLAGS`), fp32 ones elsewhere; the
+    module's switch overrides the flags."""
+    from maxsim_kernels import cpu
+
+    monkeypatch.setattr(cpu, "_INT8_PRODUCT", None)
+    assert cpu.int8_products(128) == cpu._cpu_has_int8_dot()
+    monkeypatch.setattr(cpu, "_INT8_PRODUCT", False)
+    assert not cpu.int8_products(128)
+    monkeypatch.setattr(cpu, "_INT8_PRODUCT", True)
+    assert cpu.int8_products(2) and not cpu.int8_products(1)  # one column: fp32 products
+
+
+@pytest.mark.parametrize("integers", [True, False])
+def test_int8_documents_of_one_and_two_dims_stream_as_the_blocked_path(integers, monkeypatch):
+    """int8 rows of one value (whose products stay in fp32) and of two, and int4 codes of two values (one
+    byte a token), bitwise the blocked paths."""
+    from maxsim_kernels import cpu
+
+    monkeypatch.setattr(cpu, "_INT8_PRODUCT", integers)
+    gen = torch.Generator().manual_seed(8)
+    for dim in (1, 2):
+        x, d_off = _ragged(gen, 40, dim)
+        q, q_off = _queries(gen, [6], dim)
+        q8, sq = quantize_per_token(q)
+        d8, s8 = quantize_per_token(x)
+        streamed = maxsim_varlen(q, q_off, d8, d_off, doc_scales=s8)
+        blocked = maxsim_int8._varlen_torch(q8, sq, q_off, d8, s8, d_off, False)[0]
+        assert torch.allclose(streamed, blocked, equal_nan=True, atol=0, rtol=0), dim
+    c4, s4 = maxsim_codes.encode_int4(x)
+    streamed = maxsim_varlen(q, q_off, c4, d_off, doc_scales=s4)
+    blocked = maxsim_codes._varlen_torch(q8, sq, q_off, c4, s4, d_off, None)
+    assert torch.allclose(streamed, blocked, equal_nan=True, atol=0, rtol=0)
