@@ -267,6 +267,16 @@ def thread_buffer(name: str, shape: tuple[int, int], dtype: torch.dtype) -> torc
     return buf[:need].view(shape)
 
 
+def _empty_document_scores(
+    token_query: torch.Tensor, nq: int, query_scales: torch.Tensor | None
+) -> torch.Tensor:
+    """fp32 [nq]: a document with no tokens scores -inf, or with int8 queries what the blocked int8 path
+    sums for it: each query row's scale times -inf (NaN where a scale is 0)."""
+    if query_scales is None:
+        return torch.full((nq,), -torch.inf)
+    return torch.zeros(nq).index_add_(0, token_query, query_scales * -torch.inf)
+
+
 def _score_stream(
     q: torch.Tensor,
     q_offsets: np.ndarray,
@@ -288,11 +298,7 @@ def _score_stream(
     out = scores.numpy()
     nq = len(q_offsets) - 1
     token_query = torch.from_numpy(np.repeat(np.arange(nq), np.diff(q_offsets)))
-    if query_scales is None:
-        out[:, lens == 0] = -np.inf
-    else:  # what the blocked int8 path sums for a document with no tokens: each row's scale times -inf
-        empty = torch.zeros(1, nq).index_add_(1, token_query, (query_scales * -torch.inf)[None])
-        out[:, lens == 0] = empty.numpy().T
+    out[:, lens == 0] = _empty_document_scores(token_query, nq, query_scales).numpy()[:, None]
     workers = _worker_count()
     # chunk boundaries (document indices) of about _STREAM_CHUNK_TOKENS tokens each
     cuts = np.searchsorted(d_offsets, np.arange(0, d_offsets[-1], _STREAM_CHUNK_TOKENS), side="right") - 1
@@ -356,18 +362,29 @@ def _score_docs(
     scores: torch.Tensor,
     argmax: torch.Tensor | None,
     check_finite: bool = False,
+    token_scales: torch.Tensor | None = None,
+    query_scales: torch.Tensor | None = None,
 ) -> None:
     """Fill scores[:, k] (and argmax[:, k]) for the documents k with rows [starts[k], starts[k] + lens[k]).
 
     `q` [Tq, dim] is already in the compute dtype; `token_query` [Tq] maps each query token to its query.
     On the CPU the groups are units of work for the worker threads, elsewhere they run in order on the
-    caller's thread.
+    caller's thread. int8 documents (`maxsim_int8_docs_cpu`): ``token_scales`` multiplies each
+    similarity by its document token's scale before the max and ``query_scales`` each max by its query
+    token's before the sum; `q` is then the int8 query rows (products in integers, `int8_products`) or
+    their fp32 values, and the documents' int8 values are multiplied as they are.
     """
-    compute, device = q.dtype, q.device
+    integers = q.dtype == torch.int8
+    compute, device = (torch.float32 if token_scales is not None else q.dtype), q.device
     tq = q.shape[0]
     order, spans = _groups(lens, _GROUP_TOKENS)
-    q_t_blocks = [q[r0 : r0 + _QUERY_ROWS].T.contiguous() for r0 in range(0, tq, _QUERY_ROWS)]
-    scores[:, torch.from_numpy(np.flatnonzero(lens == 0)).to(device)] = -torch.inf
+    q_t_blocks = [
+        int8_columns(q[r0 : r0 + _QUERY_ROWS]) if integers else q[r0 : r0 + _QUERY_ROWS].T.contiguous()
+        for r0 in range(0, tq, _QUERY_ROWS)
+    ]
+    scores[:, torch.from_numpy(np.flatnonzero(lens == 0)).to(device)] = _empty_document_scores(
+        token_query, num_queries, query_scales
+    ).to(device, scores.dtype)[:, None]
 
     def work(span: tuple[int, int]) -> None:
         lo, hi = span
@@ -376,14 +393,22 @@ def _score_docs(
         width = int(g_lens[-1])
         rows = starts[order[lo:hi], None] + np.minimum(np.arange(width)[None, :], g_lens[:, None] - 1)
         rows_t = torch.from_numpy(rows.reshape(-1)).to(device)
-        block = docs.index_select(0, rows_t).to(compute)
+        block = docs.index_select(0, rows_t)
+        block = block if integers else block.to(compute)
         if doc_scales is not None:
             block *= doc_scales.index_select(0, rows_t).to(compute)[:, None]
+        row_scales = None if token_scales is None else token_scales.index_select(0, rows_t)[:, None]
         n = len(picked)
         best = torch.empty(n, tq, dtype=compute, device=device)
         for r0, q_t in zip(range(0, tq, _QUERY_ROWS), q_t_blocks, strict=True):
             r1 = min(tq, r0 + _QUERY_ROWS)
-            sim = _similarities(block, q_t).view(n, width, r1 - r0)
+            if integers:  # exact int32 products, as fp32
+                sim = torch._int_mm(block, q_t).to(compute)
+            else:
+                sim = _similarities(block, q_t)
+            if row_scales is not None:  # the one fp32 rounding of s_d * acc
+                sim.mul_(row_scales)
+            sim = sim.view(n, width, r1 - r0)
             if check_finite and r0 == 0:
                 _require_finite(sim[:, :, 0])
             if argmax is None:
@@ -393,6 +418,8 @@ def _score_docs(
                 best[:, r0:r1] = vals
                 last = torch.from_numpy(g_lens - 1).to(device)[:, None]
                 argmax[r0:r1, picked] = torch.minimum(idx, last).T.to(torch.int32)
+        if query_scales is not None:
+            best.mul_(query_scales)
         per_query = torch.zeros(n, num_queries, dtype=compute, device=device).index_add_(1, token_query, best)
         scores[:, picked] = per_query.T.to(scores.dtype)
 
@@ -494,6 +521,30 @@ def maxsim_int8_varlen_cpu(
         q = q8.contiguous() if int8_products(q8.shape[1]) else q8.float().contiguous()
         _score_stream(q, q_offsets, values, d_offsets, scores, doc_scales=doc_scales, query_scales=sq.float(),
                       int_products=int_products)  # fmt: skip
+    return scores
+
+
+def maxsim_int8_docs_cpu(
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    q_offsets: np.ndarray,
+    d8: torch.Tensor,
+    doc_scales: torch.Tensor,
+    d_offsets: np.ndarray,
+) -> torch.Tensor:
+    """int8 scores [nq, nd] of many query rows against int8 documents on the CPU (no argmax):
+    `maxsim_int8_varlen_cpu`'s scores, ``sum_i sq[i] * max_j (sd[j] * (q8[i] . v[j]))``, computed by the
+    float path's document groups (`_score_docs`: documents sorted by length, padded groups spread over
+    the worker threads), the products in integers where the CPU has int8 dot-product instructions
+    (`int8_products`), else on the values as fp32; both exact, so the scores are the bits of
+    `maxsim_int8`'s blocked torch path (one document group after another on the caller's thread)."""
+    nq, nd = len(q_offsets) - 1, len(d_offsets) - 1
+    scores = torch.empty(nq, nd, dtype=torch.float32)
+    if nq and nd:
+        q = q8.contiguous() if int8_products(q8.shape[1]) else q8.float().contiguous()
+        token_query = torch.from_numpy(np.repeat(np.arange(nq), np.diff(q_offsets)))
+        _score_docs(q, token_query, nq, d8, None, d_offsets[:-1], np.diff(d_offsets), scores, None,
+                    token_scales=doc_scales.float(), query_scales=sq.float())  # fmt: skip
     return scores
 
 

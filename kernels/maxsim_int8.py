@@ -69,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .cpu import int8_stream_applies, maxsim_int8_varlen_cpu
+from .cpu import int8_stream_applies, maxsim_int8_docs_cpu, maxsim_int8_varlen_cpu
 from .launch import gluon_module, hopper_device, launch_fitting_shared_memory
 from .running_max import document_max, fold_row_max, fold_tile, restart, tile_count
 from .validation import (
@@ -1224,6 +1224,8 @@ def maxsim_varlen_int8(
         out, arg = _launch_varlen(q8, sq, query_offsets, d8, sd, doc_offsets, return_argmax)
     elif not return_argmax and int8_stream_applies(q8, d8.device):  # a few query rows on the CPU
         out, arg = maxsim_int8_varlen_cpu(q8, sq, query_offsets.numpy(), d8, sd, doc_offsets.numpy()), None
+    elif not return_argmax and d8.device.type == "cpu":  # many query rows on the CPU
+        out, arg = maxsim_int8_docs_cpu(q8, sq, query_offsets.numpy(), d8, sd, doc_offsets.numpy()), None
     else:
         out, arg = _varlen_torch(q8, sq, query_offsets, d8, sd, doc_offsets, return_argmax)
     return (out, arg) if return_argmax else out

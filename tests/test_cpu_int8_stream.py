@@ -138,3 +138,30 @@ def test_int8_documents_of_one_and_two_dims_stream_as_the_blocked_path(integers,
     streamed = maxsim_varlen(q, q_off, c4, d_off, doc_scales=s4)
     blocked = maxsim_codes._varlen_torch(q8, sq, q_off, c4, s4, d_off, None)
     assert torch.allclose(streamed, blocked, equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("integers", [True, False], ids=["int-products", "fp32-products"])
+@pytest.mark.parametrize("dim", [128, 40, 1])
+@pytest.mark.parametrize("q_lengths", [[32] * 9 + [1, 5], [32] * 20 + [7]])
+def test_many_query_rows_in_document_groups_are_the_blocked_path_bitwise(
+    dim, q_lengths, integers, monkeypatch
+):
+    """int8 documents against more query rows than the stream takes (`maxsim_int8_docs_cpu`: the float
+    path's document groups over the workers; 294 rows, and 647 in two blocks of query rows) give the
+    blocked path's bits, with empty and one-token documents, a token of zeros, and a query scale of 0 (NaN
+    against an empty document, in both)."""
+    from maxsim_kernels import cpu
+
+    monkeypatch.setattr(cpu, "_INT8_PRODUCT", integers)
+    monkeypatch.setattr(cpu, "_GROUP_TOKENS", 256)  # many groups
+    gen = torch.Generator().manual_seed(6)
+    x, d_off = _ragged(gen, 300, dim)
+    q, q_off = _queries(gen, q_lengths, dim)
+    q8, sq = quantize_per_token(q)
+    d8, s8 = quantize_per_token(x)
+    assert not int8_stream_applies(q8, x.device)
+    for scales in (sq, torch.where(torch.arange(len(sq)) == 1, 0.0, sq)):
+        grouped = maxsim_int8.maxsim_varlen_int8(q8, q_off, d8, d_off, doc_scales=s8, query_scales=scales)
+        blocked = maxsim_int8._varlen_torch(q8, scales, q_off, d8, s8, d_off, False)[0]
+        assert torch.allclose(grouped, blocked, equal_nan=True, atol=0, rtol=0)
+    assert grouped[0, 0].isnan() and grouped[1:, 0].isneginf().all()

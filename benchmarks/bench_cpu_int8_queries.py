@@ -1,0 +1,95 @@
+"""Many queries against int8 documents on the CPU: `maxsim_varlen_int8`'s document groups
+(`maxsim_kernels.cpu.maxsim_int8_docs_cpu`, products in integers or on fp32 values) beside the blocked torch
+path it replaced (`maxsim_int8._varlen_torch`) and the float path on the same documents, alternating rounds in
+one process, every int8 result checked bitwise against the blocked path's.
+
+    python benchmarks/bench_cpu_int8_queries.py --out benchmarks/results/cpu/cpu-int8-queries.json
+    python benchmarks/bench_cpu_int8_queries.py --smoke --out /tmp/cpu-int8-queries.json
+
+Documents: ``--docs`` L2-normalised random vectors (d = 128), 20-300 tokens each (uniform), int8 per token
+(`quantize_per_token`); ``--queries`` queries of 32 tokens. Each time is the median of ``--repeats`` calls, in
+``--rounds`` rounds that alternate the order of the paths.
+
+  fp32           `maxsim_varlen` on the float tokens (the float path's document groups)
+  int8           `maxsim_varlen_int8`: the document groups, products in integers (`torch._int_mm`)
+  int8_fp32      the same, the int8 values multiplied as fp32 (where the CPU has no int8 dot products)
+  int8_blocked   `maxsim_int8._varlen_torch`: blocks of documents in order on the caller's thread
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+
+import torch
+from common import SMOKE, host_times, make_log, meta, offsets_of, smoke_size, write_json
+
+log = make_log("cpu-int8-queries", clock=True)
+
+
+def main() -> None:
+    from maxsim_kernels import cpu, maxsim_int8, maxsim_varlen
+    from maxsim_kernels.maxsim_int8 import quantize_per_token
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--docs", type=int, default=4000)
+    parser.add_argument("--queries", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out")
+    parser.add_argument("--smoke", action="store_true", help="a check of the script: tiny sizes, one call")
+    args = parser.parse_args()
+    SMOKE["on"] = args.smoke
+    n, nq = smoke_size(args.docs, 20), smoke_size(args.queries, 5)
+    if args.smoke:
+        args.repeats, args.rounds = 1, 1
+    gen = torch.Generator().manual_seed(0)
+    offsets = offsets_of(torch.randint(20, 301, (n,), generator=gen))
+    x = torch.nn.functional.normalize(torch.randn(int(offsets[-1]), 128, generator=gen), dim=1)
+    q = torch.nn.functional.normalize(torch.randn(32 * nq, 128, generator=gen), dim=1)
+    q_off = torch.arange(0, 32 * nq + 1, 32)
+    q8, sq = quantize_per_token(q)
+    d8, s8 = quantize_per_token(x)
+
+    def products(integers: bool) -> Callable[[], torch.Tensor]:
+        def call() -> torch.Tensor:
+            cpu._INT8_PRODUCT = integers
+            try:
+                return maxsim_int8.maxsim_varlen_int8(q8, q_off, d8, offsets, doc_scales=s8, query_scales=sq)
+            finally:
+                cpu._INT8_PRODUCT = None
+
+        return call
+
+    paths = {
+        "fp32": lambda: maxsim_varlen(q, q_off, x, offsets),
+        "int8": products(True),
+        "int8_fp32": products(False),
+        "int8_blocked": lambda: maxsim_int8._varlen_torch(q8, sq, q_off, d8, s8, offsets, False)[0],
+    }
+    record: dict = {
+        "meta": meta(docs=n, tokens=int(offsets[-1]), dim=128, queries=nq, query_tokens=32),
+        "ms": {name: [] for name in paths},
+    }
+    results = {name: fn() for name, fn in paths.items()}
+    record["bitwise_equal"] = {
+        way: bool(torch.equal(results[way], results["int8_blocked"])) for way in ("int8", "int8_fp32")
+    }
+    log(f"bitwise equal to the blocked path: {record['bitwise_equal']}")
+    names = list(paths)
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            times = host_times(paths[name], args.repeats, warmup=0)
+            record["ms"][name].append(statistics.median(times) * 1e3)
+        log(f"round {r}: { {k: round(v[-1], 1) for k, v in record['ms'].items()} }")
+    med = record["median_ms"] = {k: statistics.median(v) for k, v in record["ms"].items()}
+    record["over_blocked"] = {k: med["int8_blocked"] / med[k] for k in ("int8", "int8_fp32")}
+    record["over_fp32"] = {k: med[k] / med["fp32"] for k in ("int8", "int8_fp32", "int8_blocked")}
+    record["int8_products_chosen"] = cpu.int8_products(128)
+    log(f"medians: { {k: round(v, 1) for k, v in med.items()} }")
+    write_json(args.out, record)
+
+
+if __name__ == "__main__":
+    main()
