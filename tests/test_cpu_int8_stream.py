@@ -1,7 +1,8 @@
 """The CPU's streamed int8 path (`maxsim_kernels.cpu.maxsim_int8_varlen_cpu`: int8 documents, int4 and int2
-codes against a few query rows) gives the bits of the blocked torch paths it replaced, on ragged documents
-with empty and one-token ones, several queries, a query token of zeros, and a query scale of 0 (its product
-with an empty document's -inf is NaN, in both)."""
+codes against a few query rows) and its document groups for many query rows against int8 documents
+(`maxsim_int8_docs_cpu`), with integer and with fp32 products, give the bits of the blocked torch paths
+they replaced, on ragged documents with empty and one-token ones, several queries, a query token of zeros,
+and a query scale of 0 (its product with an empty document's -inf is NaN, in both)."""
 
 from __future__ import annotations
 
