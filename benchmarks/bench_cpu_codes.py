@@ -26,10 +26,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Callable
 
 import torch
-from common import SMOKE, host_times, make_log, meta, offsets_of, smoke_size, write_json
+from common import (
+    SMOKE,
+    add_cpu_rounds_args,
+    alternating_host_rounds,
+    cpu_int8_products,
+    make_log,
+    meta,
+    offsets_of,
+    smoke_size,
+    write_json,
+)
 
 log = make_log("cpu-codes", clock=True)
 
@@ -41,12 +50,8 @@ def main() -> None:
     from maxsim_cli.codecs import fit_int2_levels
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--docs", type=int, default=20_000)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out")
+    add_cpu_rounds_args(parser, docs=20_000)
     parser.add_argument("--skip-blocked", action="store_true", help="time the streamed paths only")
-    parser.add_argument("--smoke", action="store_true", help="a check of the script: tiny sizes, one call")
     args = parser.parse_args()
     SMOKE["on"] = args.smoke
     n = smoke_size(args.docs, 20)
@@ -69,16 +74,6 @@ def main() -> None:
         out = maxsim_int8._varlen_torch(side.q8, side.scales, q_off, values, s2, offsets, False)[0]
         return out.add_(side.query_sums[:, None])
 
-    def products(integers: bool, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        def call() -> torch.Tensor:
-            cpu._INT8_PRODUCT = integers
-            try:
-                return fn()
-            finally:
-                cpu._INT8_PRODUCT = None
-
-        return call
-
     streamed = {
         "int8": lambda: maxsim_varlen(q, q_off, d8, offsets, doc_scales=s8),
         "int4": lambda: maxsim_varlen(q, q_off, c4, offsets, doc_scales=s4),
@@ -86,8 +81,8 @@ def main() -> None:
     }
     paths = {"fp32": lambda: maxsim_varlen(q, q_off, x, offsets)}
     for codec, fn in streamed.items():
-        paths[codec] = products(True, fn)
-        paths[f"{codec}_fp32"] = products(False, fn)
+        paths[codec] = cpu_int8_products(True, fn)
+        paths[f"{codec}_fp32"] = cpu_int8_products(False, fn)
     blocked = {
         "int8_blocked": lambda: maxsim_int8._varlen_torch(q8, sq, q_off, d8, s8, offsets, False)[0],
         "int4_blocked": lambda: maxsim_codes._varlen_torch(q8, sq, q_off, c4, s4, offsets, None),
@@ -95,22 +90,14 @@ def main() -> None:
     }
     if not args.skip_blocked:
         paths.update(blocked)
-    record: dict = {
-        "meta": meta(docs=n, tokens=int(offsets[-1]), dim=128, query_tokens=32),
-        "bitwise_equal": {},
-        "ms": {name: [] for name in paths},
-    }
+    record: dict = {"meta": meta(docs=n, tokens=int(offsets[-1]), dim=128, query_tokens=32)}
+    record["bitwise_equal"] = {}
     results = {name: fn() for name, fn in {**paths, **blocked}.items()}
     for codec in ("int8", "int4", "int2"):
         for way in (codec, f"{codec}_fp32"):
             record["bitwise_equal"][way] = bool(torch.equal(results[way], results[f"{codec}_blocked"]))
     log(f"bitwise equal to the blocked paths: {record['bitwise_equal']}")
-    names = list(paths)
-    for r in range(args.rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            times = host_times(paths[name], args.repeats, warmup=0)
-            record["ms"][name].append(statistics.median(times) * 1e3)
-        log(f"round {r}: { {k: round(v[-1], 1) for k, v in record['ms'].items()} }")
+    record["ms"] = alternating_host_rounds(paths, args.rounds, args.repeats, log)
     record["median_ms"] = {k: statistics.median(v) for k, v in record["ms"].items()}
     med = record["median_ms"]
     if not args.skip_blocked:

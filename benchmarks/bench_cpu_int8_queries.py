@@ -20,10 +20,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Callable
 
 import torch
-from common import SMOKE, host_times, make_log, meta, offsets_of, smoke_size, write_json
+from common import (
+    SMOKE,
+    add_cpu_rounds_args,
+    alternating_host_rounds,
+    cpu_int8_products,
+    make_log,
+    meta,
+    offsets_of,
+    smoke_size,
+    write_json,
+)
 
 log = make_log("cpu-int8-queries", clock=True)
 
@@ -33,12 +42,8 @@ def main() -> None:
     from maxsim_kernels.maxsim_int8 import quantize_per_token
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--docs", type=int, default=4000)
+    add_cpu_rounds_args(parser, docs=4000)
     parser.add_argument("--queries", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out")
-    parser.add_argument("--smoke", action="store_true", help="a check of the script: tiny sizes, one call")
     args = parser.parse_args()
     SMOKE["on"] = args.smoke
     n, nq = smoke_size(args.docs, 20), smoke_size(args.queries, 5)
@@ -52,37 +57,22 @@ def main() -> None:
     q8, sq = quantize_per_token(q)
     d8, s8 = quantize_per_token(x)
 
-    def products(integers: bool) -> Callable[[], torch.Tensor]:
-        def call() -> torch.Tensor:
-            cpu._INT8_PRODUCT = integers
-            try:
-                return maxsim_int8.maxsim_varlen_int8(q8, q_off, d8, offsets, doc_scales=s8, query_scales=sq)
-            finally:
-                cpu._INT8_PRODUCT = None
-
-        return call
+    def int8() -> torch.Tensor:
+        return maxsim_int8.maxsim_varlen_int8(q8, q_off, d8, offsets, doc_scales=s8, query_scales=sq)
 
     paths = {
         "fp32": lambda: maxsim_varlen(q, q_off, x, offsets),
-        "int8": products(True),
-        "int8_fp32": products(False),
+        "int8": cpu_int8_products(True, int8),
+        "int8_fp32": cpu_int8_products(False, int8),
         "int8_blocked": lambda: maxsim_int8._varlen_torch(q8, sq, q_off, d8, s8, offsets, False)[0],
     }
-    record: dict = {
-        "meta": meta(docs=n, tokens=int(offsets[-1]), dim=128, queries=nq, query_tokens=32),
-        "ms": {name: [] for name in paths},
-    }
+    record: dict = {"meta": meta(docs=n, tokens=int(offsets[-1]), dim=128, queries=nq, query_tokens=32)}
     results = {name: fn() for name, fn in paths.items()}
     record["bitwise_equal"] = {
         way: bool(torch.equal(results[way], results["int8_blocked"])) for way in ("int8", "int8_fp32")
     }
     log(f"bitwise equal to the blocked path: {record['bitwise_equal']}")
-    names = list(paths)
-    for r in range(args.rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            times = host_times(paths[name], args.repeats, warmup=0)
-            record["ms"][name].append(statistics.median(times) * 1e3)
-        log(f"round {r}: { {k: round(v[-1], 1) for k, v in record['ms'].items()} }")
+    record["ms"] = alternating_host_rounds(paths, args.rounds, args.repeats, log)
     med = record["median_ms"] = {k: statistics.median(v) for k, v in record["ms"].items()}
     record["over_blocked"] = {k: med["int8_blocked"] / med[k] for k in ("int8", "int8_fp32")}
     record["over_fp32"] = {k: med[k] / med["fp32"] for k in ("int8", "int8_fp32", "int8_blocked")}

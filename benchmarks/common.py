@@ -28,6 +28,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import sys
 import threading
 import time
@@ -124,6 +125,44 @@ def host_times(fn: Callable[[], Any], repeats: int, warmup: int) -> list[float]:
         fn()
         times.append(time.perf_counter() - t0)
     return times
+
+
+def alternating_host_rounds(
+    paths: dict[str, Callable[[], Any]], rounds: int, repeats: int, log: Callable[[str], None]
+) -> dict[str, list[float]]:
+    """Each path's median milliseconds of ``repeats`` calls (host clock), in ``rounds`` rounds whose order
+    alternates: {name: [ms of each round]}."""
+    ms: dict[str, list[float]] = {name: [] for name in paths}
+    names = list(paths)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            ms[name].append(statistics.median(host_times(paths[name], repeats, warmup=0)) * 1e3)
+        log(f"round {r}: { {k: round(v[-1], 1) for k, v in ms.items()} }")
+    return ms
+
+
+def cpu_int8_products(integers: bool, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run with the CPU's int8 products in integers or in fp32 (`maxsim_kernels.cpu._INT8_PRODUCT`),
+    the CPU's own choice restored after it."""
+    from maxsim_kernels import cpu
+
+    def call() -> Any:
+        cpu._INT8_PRODUCT = integers
+        try:
+            return fn()
+        finally:
+            cpu._INT8_PRODUCT = None
+
+    return call
+
+
+def add_cpu_rounds_args(parser: argparse.ArgumentParser, docs: int) -> None:
+    """The CPU benchmarks' common options: --docs, --repeats, --rounds, --out, --smoke."""
+    parser.add_argument("--docs", type=int, default=docs)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out")
+    parser.add_argument("--smoke", action="store_true", help="a check of the script: tiny sizes, one call")
 
 
 def median_us(fn: Callable[[], Any], repeats: int) -> float:
