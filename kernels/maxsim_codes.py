@@ -107,13 +107,7 @@ import triton
 import triton.language as tl
 
 from .code_unpacking import INT4_NIBBLES_ASM, PLANE_UNIT_ASM, bucket_planes_asm
-from .cpu import (
-    int8_columns,
-    int8_products,
-    int8_stream_applies,
-    maxsim_int8_varlen_cpu,
-    thread_buffer,
-)
+from .cpu import int8_columns, int8_stream_applies, maxsim_int8_varlen_cpu, thread_buffer
 from .launch import launch_fitting_shared_memory
 from .maxsim_int8 import (
     candidate_query,
@@ -1530,7 +1524,7 @@ def maxsim_varlen_codes(
     elif codec in _BYTE_TABLES and backend == "torch" and int8_stream_applies(q8, codes.device):
         # int4 or int2 against a few query rows on the CPU: decoded a chunk at a time on each worker
         decoded = functools.partial(_decoded_rows, codec, codes)
-        products = _Int4Products(codes, q8) if codec == "int4" and int8_products(dim) else None
+        products = _Int4Products(codes, q8) if codec == "int4" else None  # used where products are integers
         scores = maxsim_int8_varlen_cpu(q8, sq, q_off.numpy(), decoded, sd, d_off.numpy(), products)
     elif codec == "int2" or (
         codec == "int4"
