@@ -929,14 +929,14 @@ def _forward_scores(
     # (this module imports neither the package root nor anything that imports it)
     with torch.no_grad():
         if docs.dtype == torch.int8:
-            from . import maxsim_int8
+            from . import int8_host
 
             kwargs: dict[str, Any] = dict(
                 return_argmax=True, allow_tf32=allow_tf32, backend=backend, doc_scales=doc_scales
             )
             if candidate_docs is None:
-                return maxsim_int8.maxsim_varlen_int8(queries, query_offsets, docs, doc_offsets, **kwargs)
-            return maxsim_int8.maxsim_candidates_int8(
+                return int8_host.maxsim_varlen_int8(queries, query_offsets, docs, doc_offsets, **kwargs)
+            return int8_host.maxsim_candidates_int8(
                 queries, query_offsets, docs, doc_offsets, candidate_offsets, candidate_docs, **kwargs
             )
         from .cpu import maxsim_candidates_cpu, maxsim_varlen_cpu

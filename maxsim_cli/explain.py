@@ -378,7 +378,7 @@ def explain_hits(
     # against an int8 corpus are quantized per token by the kernel, as here
     kept_query = (q_dev, q_scales)
     if vectors and scaled and q_scales is None:
-        from maxsim_kernels.maxsim_int8 import quantize_per_token
+        from maxsim_kernels.int8_host import quantize_per_token
 
         kept_query = quantize_per_token(q_dev, backend="torch")
     out = []

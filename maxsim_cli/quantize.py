@@ -186,7 +186,7 @@ def _check_output_dir(output_dir: str, corpus: Corpus, overwrite: bool = False) 
 
 
 def _quantize_batch(batch: DocBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    from maxsim_kernels.maxsim_int8 import quantize_per_token
+    from maxsim_kernels.int8_host import quantize_per_token
 
     codes, scales = quantize_per_token(batch.embeddings.to(device, non_blocking=True))
     return codes.cpu(), scales.cpu()
@@ -296,7 +296,7 @@ def measure_quality(
     """Score a seeded sample of the (float) corpus in its own precision and quantized (int8 or codes:
     `quantization`, with the residual2 `codebook`); compare the rankings."""
     from maxsim_kernels import maxsim_varlen
-    from maxsim_kernels.maxsim_int8 import maxsim_varlen_int8, quantize_per_token
+    from maxsim_kernels.int8_host import maxsim_varlen_int8, quantize_per_token
 
     device = device or torch.device("cpu")
     rng = np.random.default_rng(seed)

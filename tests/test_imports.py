@@ -126,3 +126,42 @@ def test_help_defaults_repeated_in_the_commands_agree_with_the_library() -> None
 
     assert verify_command.DEFAULT_BATCH_TOKENS == verify.DEFAULT_BATCH_TOKENS
     assert quantize_command.DEFAULT_BATCH_TOKENS == quantize.DEFAULT_BATCH_TOKENS
+
+
+def test_cpu_scoring_of_float_and_int8_corpora_imports_no_triton(tmp_path: Path) -> None:
+    """`maxsim quantize` and `maxsim score` of float and int8 corpora on the CPU run no Triton kernel and
+    import no Triton (~0.15 s of the quickstart's int8 `score` on the 2-core machine); the int8 API's
+    paths on CPU tensors (a few query rows, many, argmax, candidates) neither."""
+    int8_dir, run = tmp_path / "int8", tmp_path / "run.trec"
+    steps = [
+        ["quantize", str(SAMPLE / "corpus"), "-o", str(int8_dir)],
+        ["score", str(SAMPLE / "queries.safetensors"), str(SAMPLE / "corpus"), "-k", "5", "-o", str(run)],
+        ["score", str(SAMPLE / "queries.safetensors"), str(int8_dir), "-k", "5", "-o", str(run)],
+    ]
+    for argv in steps:
+        result = _run_fresh(tmp_path, argv)
+        assert result["exit"] == 0, result["output"]
+        assert result["imported"] == ["torch"], f"{argv[0]} imported {result['imported']}"
+    assert run.stat().st_size > 0
+    script = """
+import sys
+import torch
+import maxsim_kernels as mk
+from maxsim_kernels.int8_host import quantize_per_token
+
+gen = torch.Generator().manual_seed(0)
+docs, queries = torch.randn(50, 40, generator=gen), torch.randn(300, 40, generator=gen)
+d8, sd = quantize_per_token(docs)
+d_off, few, many = torch.tensor([0, 20, 50]), torch.tensor([0, 3, 7]), torch.tensor([0, 150, 300])
+mk.maxsim_varlen(queries[:7], few, d8, d_off, doc_scales=sd)
+mk.maxsim_varlen(queries, many, d8, d_off, doc_scales=sd)
+mk.maxsim_varlen(queries[:7], few, d8, d_off, doc_scales=sd, return_argmax=True)
+cand_off, cand_docs = torch.tensor([0, 1, 2]), torch.tensor([1, 0])
+mk.maxsim_candidates(queries[:7], few, d8, d_off, cand_off, cand_docs, doc_scales=sd)
+print("triton" in sys.modules)
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False"]

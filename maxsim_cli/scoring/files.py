@@ -122,7 +122,7 @@ def first_launches(
         q_scales = None
         scaled = has_scales(corpus.quantization)
         if scaled and device.type == "cuda":
-            from maxsim_kernels.maxsim_int8 import quantize_per_token
+            from maxsim_kernels.int8_host import quantize_per_token
 
             q, q_scales = quantize_per_token(q)
         width = code_width(corpus.quantization, corpus.dim)

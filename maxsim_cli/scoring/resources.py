@@ -143,7 +143,7 @@ def device_queries(
     else:
         emb = q_emb.to(device, non_blocking=False)
     if device.type == "cuda" and scaled:
-        from maxsim_kernels.maxsim_int8 import quantize_per_token  # imports Triton: CUDA only
+        from maxsim_kernels.int8_host import quantize_per_token
 
         return quantize_per_token(emb)
     return emb, None

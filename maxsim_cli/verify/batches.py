@@ -84,7 +84,7 @@ def _reference(
     dev = ctx.device
     docs = batch.embeddings.to(dev)
     if ctx.int8:
-        from maxsim_kernels.maxsim_int8 import maxsim_int8_reference
+        from maxsim_kernels.int8_host import maxsim_int8_reference
 
         assert batch.scales is not None
         score64, argmax = maxsim_int8_reference(

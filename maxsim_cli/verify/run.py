@@ -266,7 +266,7 @@ def _context(
     nq = qbatch.num_docs
     sim_error = 0.0 if int8 else similarity_error(corpus.dtype, corpus.dim, allow_tf32)
     if int8:
-        from maxsim_kernels.maxsim_int8 import quantize_per_token
+        from maxsim_kernels.int8_host import quantize_per_token
 
         codes, q_scales = quantize_per_token(q_values, backend="torch")
         q_norms = dequantized_norms(codes, q_scales)
