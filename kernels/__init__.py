@@ -16,9 +16,9 @@ document of the winning token (ties go to the lowest index; -1 for a document wi
 Inputs: float16, bfloat16 or float32 with fp32 accumulation; queries are converted to the documents'
 dtype. float32 inputs use exact fp32 products unless `allow_tf32=True` (TF32 tensor cores: 10-bit
 mantissa products, ~1e-3 relative error). int8 documents with per-token `doc_scales` go to
-`maxsim_kernels.maxsim_int8`; uint8 documents are codes below 8 bits (int4 with `doc_scales`, residual2
-with `codebook=`, int2 with both) and go to `maxsim_kernels.maxsim_codes`; inputs that require grad go to
-`maxsim_kernels.maxsim_backward`.
+`maxsim_kernels.int8_host` (its Triton kernels in `maxsim_int8`); uint8 documents are codes below 8 bits
+(int4 with `doc_scales`, residual2 with `codebook=`, int2 with both) and go to `maxsim_kernels.maxsim_codes`;
+inputs that require grad go to `maxsim_kernels.maxsim_backward`.
 dim is any multiple of 8 up to 4096. A query with no tokens raises ValueError; a document with no tokens
 scores -inf. Offsets may live on the CPU or on the tensors' device: each offsets tensor is checked (on a
 host copy) and copied to the device once, then remembered per tensor object and in-place version, so

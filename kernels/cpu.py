@@ -548,6 +548,32 @@ def maxsim_int8_docs_cpu(
     return scores
 
 
+def maxsim_int8_candidates_cpu(
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    q_offsets: np.ndarray,
+    d8: torch.Tensor,
+    doc_scales: torch.Tensor,
+    d_offsets: np.ndarray,
+    c_offsets: np.ndarray,
+    c_docs: np.ndarray,
+) -> torch.Tensor:
+    """int8 scores [C] of each query against its own candidates on the CPU (no argmax), for candidates that
+    are dense (`dense_candidates` with `INT8_DENSE_CANDIDATES`): every query against every listed document
+    by the document groups of `maxsim_int8_docs_cpu` (the documents read in place), each pair's score
+    picked from them. A pair scores as it does among all pairs, so the scores are the bits of
+    `maxsim_int8`'s torch rerank (`_candidates_torch`, which scores other candidates)."""
+    nq = len(q_offsets) - 1
+    listed, column = np.unique(c_docs, return_inverse=True)
+    block = torch.empty(nq, len(listed), dtype=torch.float32)
+    q = q8.contiguous() if int8_products(q8.shape[1]) else q8.float().contiguous()
+    token_query = torch.from_numpy(np.repeat(np.arange(nq), np.diff(q_offsets)))
+    _score_docs(q, token_query, nq, d8, None, d_offsets[:-1][listed], np.diff(d_offsets)[listed], block, None,
+                token_scales=doc_scales.float(), query_scales=sq.float())  # fmt: skip
+    pair_query = np.repeat(np.arange(nq), np.diff(c_offsets))
+    return block[torch.from_numpy(pair_query), torch.from_numpy(column)]
+
+
 # Rerank (each query against its own candidates) by document units, the path where oneDNN's product is
 # not used (see _QUERY_GROUP_BYTES below): the (query, document) pairs of all queries are scored
 # together, a document once against all the queries that list it. A "unit" is a document with up to
@@ -875,8 +901,10 @@ def maxsim_candidates_cpu(
     read in place through their indices. The pairs of all queries are scored in one plan, in groups of
     documents of similar length spread over the cores: groups of one query's candidates through
     oneDNN's product where it gives MKL's bits (see _QUERY_GROUP_BYTES), otherwise document units, each
-    document once against every query that lists it (see _RERANK_GROUP_BYTES). A score is bitwise the
-    exhaustive path's for the same pair and does not depend on the other pairs of the call.
+    document once against every query that lists it (see _RERANK_GROUP_BYTES); candidates that are dense
+    (`dense_candidates`, DENSE_CANDIDATES) as every query against every listed document, by the exhaustive
+    path's document groups. A score is bitwise the exhaustive path's for the same pair and does not depend
+    on the other pairs of the call.
     ``check_finite`` as in `maxsim_varlen_cpu` (for the candidates' tokens).
     """
     if layout is None:
@@ -904,7 +932,14 @@ def maxsim_candidates_cpu(
     full = np.flatnonzero(~empty)
     if len(full) == 0:
         return (scores, argmax) if return_argmax else scores
-    if device.type == "cpu" and compute == torch.float32 and _onednn_product(layout.dim):
+    if device.type == "cpu" and dense_candidates(
+        c_docs[full], layout.num_queries, DENSE_CANDIDATES, DENSE_SHARING
+    ):
+        _rerank_as_all_pairs(
+            queries.to(compute).contiguous(), layout, docs, doc_scales, pair_query, c_docs, full, scores,
+            argmax, check_finite,
+        )  # fmt: skip
+    elif device.type == "cpu" and compute == torch.float32 and _onednn_product(layout.dim):
         _rerank_by_query(
             queries, layout, docs, doc_scales, pair_query, c_docs, full, scores, argmax, check_finite
         )
@@ -922,6 +957,72 @@ def maxsim_candidates_cpu(
             check_finite,
         )
     return (scores, argmax) if return_argmax else scores
+
+
+# Reranks whose candidates are dense are scored as all pairs of their queries and the documents they list
+# (`_rerank_as_all_pairs`, `maxsim_int8_candidates_cpu`): each listed document gathered (fp16 and bf16
+# upcast) once for every query instead of once for each query that lists it, and the query rows of many
+# queries in one product, at the price of the pairs nobody asked for. Taken where the candidates hold at
+# least DENSE_CANDIDATES of those pairs and each listed document is listed DENSE_SHARING times on average
+# (a two-stage search whose depth reaches the corpus's size; one shortlist for many queries). The rerank's
+# time over the all pairs' on the 2-core Xeon (`python benchmarks/bench_cpu_rerank_dense.py`,
+# benchmarks/results/cpu/cpu-rerank-dense.json, medians of 3 rounds; 64 queries x 1000 candidates of
+# 20-300 tokens from pools of 1000-4000 documents): fp16 documents at density 1.0 2.97x, 0.77 2.43x, 0.50
+# 1.59x, 0.25 0.83x; fp32 2.63x, 2.10x, 1.43x, 0.71x; sample_data's shape (200 queries x 400 documents of
+# 7-12 tokens, dim 384, every document listed by every query) fp16 6.92x. Density 1.0 with fewer queries
+# (fp32): one 0.61x, two 1.01x, four 1.60x, eight 2.37x. The 2-core EPYC's rerank ran fp16 pairs at 1.13x
+# the exhaustive path's time a pair (see _QUERY_GROUP_BYTES), where all pairs break even at a density of
+# ~0.9: hence the float thresholds. int8 documents, against `maxsim_int8`'s torch rerank (each query's
+# candidates gathered on the caller's thread): density 1.0 7.57x, 0.77 6.27x, 0.50 3.90x, 0.25 1.78x; two
+# queries 2.81x; 8 queries listing a quarter of 1000 documents each (density 0.28, each listed 2.2 times)
+# 1.03x, 16 listing a tenth (0.12, 2.0 times) 0.62x; one query 1.21x (not taken: nothing is shared).
+DENSE_CANDIDATES, DENSE_SHARING = 0.9, 4.0
+INT8_DENSE_CANDIDATES, INT8_DENSE_SHARING = 0.25, 2.0
+
+
+def dense_candidates(pair_doc: np.ndarray, num_queries: int, fraction: float, sharing: float) -> bool:
+    """Whether candidate pairs of these documents cover at least ``fraction`` of all pairs of the call's
+    queries and the distinct documents they list, each listed ``sharing`` times on average."""
+    listed = len(np.unique(pair_doc))
+    return len(pair_doc) >= max(fraction * num_queries, sharing) * listed
+
+
+def _rerank_as_all_pairs(
+    q: torch.Tensor,
+    layout: Layout,
+    docs: torch.Tensor,
+    doc_scales: torch.Tensor | None,
+    pair_query: np.ndarray,
+    pair_doc: np.ndarray,
+    full: np.ndarray,
+    scores: torch.Tensor,
+    argmax: torch.Tensor | None,
+    check_finite: bool,
+) -> None:
+    """Fill scores[full] (and argmax[full]) of the pairs `full` (documents not empty) from the scores of every
+    query against the documents they list, by the exhaustive path's document groups (`_score_docs`, the
+    documents read in place): a pair's score is the exhaustive path's, as on the other rerank paths. `q` in
+    the compute dtype."""
+    listed, column = np.unique(pair_doc[full], return_inverse=True)
+    nq, device = layout.num_queries, q.device
+    block = torch.zeros(nq, len(listed), dtype=scores.dtype, device=device)
+    block_arg = (
+        torch.full((q.shape[0], len(listed)), -1, dtype=torch.int32, device=device)
+        if argmax is not None
+        else None
+    )
+    token_query = torch.from_numpy(np.repeat(np.arange(nq), layout.q_lens)).to(device)
+    starts, lens = layout.d_offsets[:-1][listed], layout.d_lens[listed]
+    _score_docs(q, token_query, nq, docs, doc_scales, starts, lens, block, block_arg, check_finite)
+    owner = pair_query[full]
+    placed = torch.from_numpy(full).to(device)
+    scores[placed] = block[torch.from_numpy(owner), torch.from_numpy(column)]
+    if argmax is not None:
+        width = argmax.shape[1]  # a pair's rows: its query's tokens, -1 past its length
+        rows = layout.q_offsets[:-1][owner, None] + np.arange(width)[None, :]
+        inside = np.arange(width)[None, :] < layout.q_lens[owner, None]
+        picked = block_arg[torch.from_numpy(np.where(inside, rows, 0)), torch.from_numpy(column)[:, None]]
+        argmax[placed] = torch.where(torch.from_numpy(inside), picked, -1)
 
 
 def _rerank_by_document(

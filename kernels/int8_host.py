@@ -12,7 +12,14 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from .cpu import int8_stream_applies, maxsim_int8_docs_cpu, maxsim_int8_varlen_cpu
+from . import cpu
+from .cpu import (
+    dense_candidates,
+    int8_stream_applies,
+    maxsim_int8_candidates_cpu,
+    maxsim_int8_docs_cpu,
+    maxsim_int8_varlen_cpu,
+)
 from .validation import check_candidate_docs, host_offsets, memo, on_device, resolve_backend
 
 # Codes are in [-127, 127]; shards written elsewhere may hold -128, so bounds use 128.
@@ -393,7 +400,9 @@ def maxsim_candidates_int8(
     the kernels (Triton and the Gluon stream kernel) never read through a bad index and score it NaN
     (argmax -1). Scores only, dim 128, queries of at most 64 tokens whose offsets come from the host, on
     an sm_90 GPU: the Gluon stream kernel of `maxsim_int8_hopper_stream` (same maxima, sums in another
-    order, within the same bound).
+    order, within the same bound). On the CPU, candidates that are dense (`cpu.dense_candidates`) are
+    scored as all pairs of the queries and the documents listed (`cpu.maxsim_int8_candidates_cpu`), the
+    same bits.
     """
     del allow_tf32
     given_q_off = query_offsets
@@ -416,6 +425,15 @@ def maxsim_candidates_int8(
         out, arg = gpu._launch_candidates(
             q8, sq, query_offsets, d8, sd, doc_offsets, candidate_offsets, candidate_docs, return_argmax
         )
+    elif (
+        not return_argmax
+        and d8.device.type == "cpu"
+        and candidate_docs.numel()
+        and dense_candidates(candidate_docs.numpy(), nq, cpu.INT8_DENSE_CANDIDATES, cpu.INT8_DENSE_SHARING)
+    ):  # dense candidates: every query against every listed document
+        c_off, c_docs = candidate_offsets.numpy(), candidate_docs.numpy()
+        q_off, d_off = query_offsets.numpy(), doc_offsets.numpy()
+        out, arg = maxsim_int8_candidates_cpu(q8, sq, q_off, d8, sd, d_off, c_off, c_docs), None
     else:
         out, arg = _candidates_torch(
             q8, sq, query_offsets, d8, sd, doc_offsets, candidate_offsets, candidate_docs, return_argmax

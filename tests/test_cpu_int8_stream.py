@@ -6,6 +6,7 @@ and a query scale of 0 (its product with an empty document's -inf is NaN, in bot
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from maxsim_kernels import maxsim_codes, maxsim_int8, maxsim_varlen
@@ -166,3 +167,62 @@ def test_many_query_rows_in_document_groups_are_the_blocked_path_bitwise(
         blocked = maxsim_int8._varlen_torch(q8, scales, q_off, d8, s8, d_off, False)[0]
         assert torch.allclose(grouped, blocked, equal_nan=True, atol=0, rtol=0)
     assert grouped[0, 0].isnan() and grouped[1:, 0].isneginf().all()
+
+
+@pytest.mark.parametrize("integers", [True, False], ids=["int-products", "fp32-products"])
+@pytest.mark.parametrize("dense", [True, False], ids=["all-pairs", "torch-rerank"])
+@pytest.mark.parametrize("dim", [128, 40])
+def test_int8_candidates_on_the_cpu_are_the_torch_rerank_bitwise(dim, dense, integers, monkeypatch):
+    """Dense candidates on the CPU (every query against every listed document: `maxsim_int8_candidates_cpu`)
+    give `_candidates_torch`'s bits: candidates that are empty and one-token documents, a document listed
+    twice by one query and by many, queries without candidates (first and between), a query scale of 0
+    (NaN against an empty document)."""
+    from maxsim_kernels import cpu
+
+    monkeypatch.setattr(cpu, "_INT8_PRODUCT", integers)
+    monkeypatch.setattr(cpu, "INT8_DENSE_CANDIDATES", 0.0 if dense else float("inf"))
+    monkeypatch.setattr(cpu, "INT8_DENSE_SHARING", 0.0)
+    original, taken = cpu._score_docs, []
+
+    def recording(*args, **kwargs):  # the document groups: the all-pairs path alone calls them here
+        taken.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(cpu, "_score_docs", recording)
+    gen = torch.Generator().manual_seed(11)
+    x, d_off = _ragged(gen, 120, dim)
+    q, q_off = _queries(gen, [5, 1, 12, 32, 3, 7], dim)
+    q8, sq = quantize_per_token(q)
+    sq[50] = 0.0  # a token of query 4, whose first candidate is empty
+    d8, s8 = quantize_per_token(x)
+    lists = [
+        [],
+        [0, 3, 3, 50, 7],
+        [],
+        [int(i) for i in torch.randperm(120, generator=gen)[:90]],
+        [0, 11, 119],
+        [3],
+    ]
+    c_off = torch.tensor([0] + [len(x) for x in lists]).cumsum(0)
+    c_docs = torch.tensor([d for x in lists for d in x], dtype=torch.int64)
+    got = maxsim_int8.maxsim_candidates_int8(
+        q8, q_off, d8, d_off, c_off, c_docs, doc_scales=s8, query_scales=sq
+    )
+    want = maxsim_int8._candidates_torch(q8, sq, q_off, d8, s8, d_off, c_off, c_docs, False)[0]
+    assert torch.allclose(got, want, equal_nan=True, atol=0, rtol=0)  # bitwise, NaN where NaN
+    assert got[int(c_off[4])].isnan() and got[int(c_off[1])].isneginf()  # empty document 0
+    assert bool(taken) == dense
+
+
+def test_dense_candidates_need_the_fraction_and_the_sharing():
+    """All pairs where the candidates hold the fraction of the pairs of their queries and listed documents
+    and list each document often enough on average; one query's own list is not shared."""
+    from maxsim_kernels.cpu import dense_candidates
+
+    every = np.tile(np.arange(10), 4)  # 4 queries, each listing all 10 documents
+    assert dense_candidates(every, 4, 0.9, 4.0)
+    assert not dense_candidates(every, 4, 0.9, 5.0)  # listed 4 times each, not 5
+    assert not dense_candidates(np.arange(10), 1, 0.9, 4.0)  # one query: density 1, nothing shared
+    # 3 queries: all 10 documents, the first 5, the last 5: 20 of 30 pairs, each document listed twice
+    two_thirds = np.concatenate([np.arange(10), np.arange(5), np.arange(5, 10)])
+    assert dense_candidates(two_thirds, 3, 0.25, 2.0) and not dense_candidates(two_thirds, 3, 0.9, 2.0)

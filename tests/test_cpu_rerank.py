@@ -1,7 +1,8 @@
-"""The batched CPU rerank (`maxsim_kernels.cpu.maxsim_candidates_cpu`) on both of its paths: groups of one
-query's candidates through oneDNN's product (where it gives MKL's bits), and document units through MKL's
-batched product, a document shared by several queries once against all of them (everywhere else). The
-tests taking the ``rerank_path`` fixture run on each.
+"""The batched CPU rerank (`maxsim_kernels.cpu.maxsim_candidates_cpu`) on each of its paths: groups of one
+query's candidates through oneDNN's product (where it gives MKL's bits), document units through MKL's
+batched product, a document shared by several queries once against all of them (everywhere else), and,
+where the candidates are dense, every query against every listed document by the exhaustive path's
+groups. The tests taking the ``rerank_path`` fixture run on each.
 
 Against the float64 reference (`maxsim_candidates_reference`) with test_kernels.py's tolerances (fp32
 accumulation: |score - ref| <= 2e-6 * Lq * max(1, dim / 32) + 1e-6 * |ref|; the argmax equal to the
@@ -79,12 +80,16 @@ def check_case(
     return scores
 
 
-@pytest.fixture(params=["query groups", "document units"])
+@pytest.fixture(params=["query groups", "document units", "all pairs"])
 def rerank_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test that takes it runs on the oneDNN query groups and on the MKL document units."""
+    """Each test that takes it runs on the oneDNN query groups, on the MKL document units and on the
+    exhaustive path's groups over the listed documents (dense candidates: `DENSE_CANDIDATES`)."""
+    dense = request.param == "all pairs"
+    monkeypatch.setattr(cpu_backend, "DENSE_CANDIDATES", 0.0 if dense else float("inf"))
+    monkeypatch.setattr(cpu_backend, "DENSE_SHARING", 0.0)
     if request.param == "document units":
         monkeypatch.setattr(cpu_backend, "_onednn_product", lambda dim: False)
-    elif not cpu_backend._onednn_product(128):
+    elif request.param == "query groups" and not cpu_backend._onednn_product(128):
         pytest.skip("oneDNN's product is missing here or gives other bits than MKL's")
     return request.param
 
