@@ -84,6 +84,7 @@ def row(
 
 
 def rerank(rep_ms: int) -> None:
+    from maxsim_kernels import int8_host
     from maxsim_kernels import maxsim_forward as fwd
     from maxsim_kernels import maxsim_int8 as i8
 
@@ -92,13 +93,13 @@ def rerank(rep_ms: int) -> None:
     n_rq, per_q, length = 64, smoke_size(1000), 180
     pool_n = n_rq * per_q
     tokens = normal_tokens(pool_n * (length + 1), gen, dev)  # room for the gapped layout
-    pool8, pool_sc = i8.quantize_per_token(tokens)
+    pool8, pool_sc = int8_host.quantize_per_token(tokens)
     plain_off = torch.arange(pool_n + 1, dtype=torch.int64) * length  # host offsets, as the API takes
     gap_lens = torch.tensor([length, 1] * pool_n, dtype=torch.int64)
     gap_off = torch.cat([torch.zeros(1, dtype=torch.int64), gap_lens.cumsum(0)])
     queries = normal_tokens(n_rq * QUERY_TOKENS, gen, dev)
     q_off = torch.arange(n_rq + 1, dtype=torch.int64) * QUERY_TOKENS
-    q8, sq = i8.quantize_per_token(queries)
+    q8, sq = int8_host.quantize_per_token(queries)
     q_off_dev = q_off.to(dev)
     perm = torch.randperm(pool_n, generator=torch.Generator().manual_seed(0))
     layouts = {
@@ -184,18 +185,18 @@ def rerank(rep_ms: int) -> None:
 
 
 def one_query_and_exhaustive(rep_ms: int, parts: set[str]) -> None:
+    from maxsim_kernels import int8_host, maxsim_varlen
     from maxsim_kernels import maxsim_int8 as i8
-    from maxsim_kernels import maxsim_varlen
 
     dev = device()
     gen = torch.Generator(device=dev).manual_seed(1)
     docs16, d_off = ragged(smoke_size(100_000), 20, 300, gen, dev)
-    docs8, sd = i8.quantize_per_token(docs16)
+    docs8, sd = int8_host.quantize_per_token(docs16)
     queries = normal_tokens(smoke_size(512) * QUERY_TOKENS, gen, dev)
     n_tok = int(d_off[-1])
     if "one_query" in parts:
         q, qo = queries[:QUERY_TOKENS], torch.tensor([0, QUERY_TOKENS], dtype=torch.int64, device=dev)
-        q8, sq = i8.quantize_per_token(q)
+        q8, sq = int8_host.quantize_per_token(q)
         fp16 = lambda: maxsim_varlen(q, qo, docs16, d_off)  # noqa: E731
         row("one_query", "fp16 (maxsim_varlen)", fp16, n_tok * DIM * 2.0, None, rep_ms)
         base = None
@@ -219,7 +220,7 @@ def one_query_and_exhaustive(rep_ms: int, parts: set[str]) -> None:
         d16, do, d8, s8 = docs16[:t_ex], d_off[: n_ex + 1].contiguous(), docs8[:t_ex], sd[:t_ex]
         nq = smoke_size(512)
         qo = torch.arange(nq + 1, dtype=torch.int64, device=dev) * QUERY_TOKENS
-        q8, sq = i8.quantize_per_token(queries)
+        q8, sq = int8_host.quantize_per_token(queries)
         flops = 2.0 * queries.shape[0] * t_ex * DIM
         fp16 = lambda: maxsim_varlen(queries, qo, d16, do)  # noqa: E731
         row("exhaustive", "fp16 (maxsim_varlen, gpu offsets)", fp16, flops, None, rep_ms)
@@ -237,7 +238,7 @@ def one_query_and_exhaustive(rep_ms: int, parts: set[str]) -> None:
         row(
             "exhaustive",
             "int8 maxsim_varlen_int8 (host offsets: gluon)",
-            lambda: i8.maxsim_varlen_int8(q8, qo_h, d8, do_h, doc_scales=s8, query_scales=sq),
+            lambda: int8_host.maxsim_varlen_int8(q8, qo_h, d8, do_h, doc_scales=s8, query_scales=sq),
             flops,
             base,
             rep_ms,
@@ -262,24 +263,24 @@ def compiled_registers(kernel: Any) -> list[dict]:
 
 def hbm_inputs(query_tokens: int = QUERY_TOKENS) -> SimpleNamespace:
     """The two HBM-bound int8 workloads of the register-cap and tile parts: one query (32 tokens) x 100K
-    ragged documents (``one``: `_launch_varlen`'s inputs, ``docs16`` the fp16 documents), and rerank 64
-    queries x 1000 shuffled candidates of 180 tokens (``rerank``: `_launch_candidates`'s inputs), with
+    ragged documents (``one``: `launch_varlen`'s inputs, ``docs16`` the fp16 documents), and rerank 64
+    queries x 1000 shuffled candidates of 180 tokens (``rerank``: `launch_candidates`'s inputs), with
     the bytes each reads; `query_tokens` a query instead of 32."""
-    from maxsim_kernels import maxsim_int8 as i8
+    from maxsim_kernels import int8_host
 
     dev = device()
     gen = torch.Generator(device=dev).manual_seed(1)
     docs16, d_off = ragged(smoke_size(100_000), 20, 300, gen, dev)
-    docs8, sd = i8.quantize_per_token(docs16)
+    docs8, sd = int8_host.quantize_per_token(docs16)
     q = normal_tokens(query_tokens, gen, dev)
     qo = torch.tensor([0, query_tokens], dtype=torch.int64, device=dev)
-    q8, sq = i8.quantize_per_token(q)
+    q8, sq = int8_host.quantize_per_token(q)
     n_rq, per_q, length = 64, smoke_size(1000), 180
     pool16 = normal_tokens(n_rq * per_q * length, gen, dev)
-    pool8, pool_sc = i8.quantize_per_token(pool16)
+    pool8, pool_sc = int8_host.quantize_per_token(pool16)
     pool_off = (torch.arange(n_rq * per_q + 1, dtype=torch.int64) * length).to(dev)
     rq16 = normal_tokens(n_rq * query_tokens, gen, dev)
-    rq8, rsq = i8.quantize_per_token(rq16)
+    rq8, rsq = int8_host.quantize_per_token(rq16)
     rqo = (torch.arange(n_rq + 1, dtype=torch.int64) * query_tokens).to(dev)
     c_off = (torch.arange(n_rq + 1, dtype=torch.int64) * per_q).to(dev)
     perm = torch.randperm(n_rq * per_q, generator=torch.Generator().manual_seed(0)).to(dev)
@@ -366,20 +367,20 @@ def conversions(rep_ms: int, rounds: int = 3) -> None:
     accumulator-bias bits, 1 the conversion instruction on every other tile, 2 on all), in rounds of
     rotating order, 512 and 64 queries of 32 tokens x 50K ragged documents (host offsets, as `maxsim
     score` calls it), the fp16 kernel once a round. Same bits asked."""
+    from maxsim_kernels import int8_host, maxsim_varlen
     from maxsim_kernels import maxsim_int8 as i8
     from maxsim_kernels import maxsim_int8_hopper as hopper
-    from maxsim_kernels import maxsim_varlen
 
     dev = device()
     gen = torch.Generator(device=dev).manual_seed(1)
     docs16, d_off = ragged(smoke_size(50_000), 20, 300, gen, dev)
-    docs8, sd = i8.quantize_per_token(docs16)
+    docs8, sd = int8_host.quantize_per_token(docs16)
     d_host = d_off.cpu()
     variants, default = (0, 1, 2), hopper.I2F_TILES
     for nq in (smoke_size(512), smoke_size(64)):
         queries = normal_tokens(nq * QUERY_TOKENS, gen, dev)
         qo = torch.arange(nq + 1, dtype=torch.int64, device=dev) * QUERY_TOKENS
-        q8, sq = i8.quantize_per_token(queries)
+        q8, sq = int8_host.quantize_per_token(queries)
         qo_h = qo.cpu()
         flops = 2.0 * queries.shape[0] * docs16.shape[0] * DIM
         for r in range(rounds):
@@ -390,7 +391,9 @@ def conversions(rep_ms: int, rounds: int = 3) -> None:
 
                 def fn(v=v, q8=q8, qo_h=qo_h, sq=sq) -> torch.Tensor:
                     hopper.I2F_TILES = v
-                    return i8.maxsim_varlen_int8(q8, qo_h, docs8, d_host, doc_scales=sd, query_scales=sq)
+                    return int8_host.maxsim_varlen_int8(
+                        q8, qo_h, docs8, d_host, doc_scales=sd, query_scales=sq
+                    )
 
                 out = row("convert", f"{nq} q round {r} int8 I2F_TILES={v}", fn, flops, base, rep_ms,
                           round=r, queries=nq, i2f_tiles=v)  # fmt: skip
@@ -401,8 +404,8 @@ def conversions(rep_ms: int, rounds: int = 3) -> None:
     w = hbm_inputs()
     magic = i8._MAGIC_MAX_DIM
     for r in range(rounds):
-        workloads = [("one query", i8._launch_varlen, w.one, w.one_bytes)]
-        workloads.append(("rerank", i8._launch_candidates, w.rerank, w.rerank_bytes))
+        workloads = [("one query", i8.launch_varlen, w.one, w.one_bytes)]
+        workloads.append(("rerank", i8.launch_candidates, w.rerank, w.rerank_bytes))
         for name, launch, args, nbytes in workloads:
             base = None
             for bias in (True, False)[r % 2 :] + (True, False)[: r % 2]:
@@ -442,10 +445,10 @@ def stream(
     # (name, fp16 kernel, its bytes, Triton int8 tiles, int8 bytes, stream configurations, stream kernel)
     workloads = [
         ("one query", lambda: maxsim_varlen(w.q, w.qo, w.docs16, w.d_off), w.n_tok * DIM * 2.0,
-         lambda: i8._launch_varlen(*w.one, False)[0], w.one_bytes, one_cfgs,
+         lambda: i8.launch_varlen(*w.one, False)[0], w.one_bytes, one_cfgs,
          lambda cfg: st.stream_with_tiles(q8, sq, qo, None, None, d8, sd, d_off, query_tokens, **cfg)[None]),
         ("rerank", lambda: maxsim_candidates(*w.rerank16), w.rerank_bytes * 2,
-         lambda: i8._launch_candidates(*w.rerank, False)[0], w.rerank_bytes, rerank_cfgs,
+         lambda: i8.launch_candidates(*w.rerank, False)[0], w.rerank_bytes, rerank_cfgs,
          lambda cfg: st.stream_with_tiles(*rerank_args, **cfg)),
     ]  # fmt: skip
     for r in range(rounds):

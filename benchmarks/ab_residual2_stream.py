@@ -29,7 +29,7 @@ CONFIGS = [(32, 6, 2, 128), (32, 6, 2, 168), (32, 6, 2, 0), (32, 4, 2, 0), (32, 
 def main() -> None:
     from maxsim_kernels import maxsim_codes, maxsim_varlen
     from maxsim_kernels import maxsim_int8_hopper_stream as stream
-    from maxsim_kernels.maxsim_int8 import quantize_per_token
+    from maxsim_kernels.int8_host import quantize_per_token
 
     from maxsim_cli.codecs import encode, train_codebook
 

@@ -38,7 +38,7 @@ from common import meta, ragged, write_json
 def main() -> None:
     from maxsim_kernels import maxsim_codes
     from maxsim_kernels import maxsim_int8_hopper_stream as current
-    from maxsim_kernels.maxsim_int8 import quantize_per_token
+    from maxsim_kernels.int8_host import quantize_per_token
 
     from maxsim_cli.codecs import Int2Grid, encode, fit_int2_levels
 

@@ -48,7 +48,7 @@ def ragged(n: int, lo: int, hi: int, dim: int, gen: torch.Generator, dev: torch.
 
 def main() -> None:
     from maxsim_kernels import maxsim_codes, maxsim_varlen
-    from maxsim_kernels.maxsim_int8 import quantize_per_token
+    from maxsim_kernels.int8_host import quantize_per_token
 
     from maxsim_cli.codecs import Int2Grid, encode, fit_int2_levels, train_codebook
 
@@ -257,7 +257,7 @@ def stream_sweep(q, codes: dict, offsets, configs: list, rep_ms: int) -> list:
     same bits as the first."""
     from maxsim_kernels import maxsim_codes
     from maxsim_kernels import maxsim_int8_hopper_stream as stream
-    from maxsim_kernels.maxsim_int8 import quantize_per_token
+    from maxsim_kernels.int8_host import quantize_per_token
 
     q8, sq = quantize_per_token(q)
     q_off = torch.tensor([0, q.shape[0]], device=q.device)

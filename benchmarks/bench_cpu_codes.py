@@ -17,7 +17,7 @@ tokens, `maxsim_cli.codecs.fit_int2_levels`). One query of 32 tokens. Each time 
                                 with the chunk's products in integers (`torch._int_mm`)
   *_fp32        the same streamed path with each chunk upcast to fp32 and an fp32 product (the choice
                 where the CPU has no int8 dot-product instructions: `maxsim_kernels.cpu.int8_products`)
-  *_blocked     the blocked torch path of the same codes (`maxsim_int8._varlen_torch`; int4:
+  *_blocked     the blocked torch path of the same codes (`int8_host._varlen_torch`; int4:
                 `maxsim_codes._varlen_torch`; int2: its odd values decoded whole, then the int8 path);
                 with ``--skip-blocked`` run once for the bit check, not timed
 """
@@ -44,8 +44,8 @@ log = make_log("cpu-codes", clock=True)
 
 
 def main() -> None:
-    from maxsim_kernels import cpu, maxsim_codes, maxsim_int8, maxsim_varlen
-    from maxsim_kernels.maxsim_int8 import quantize_per_token
+    from maxsim_kernels import cpu, int8_host, maxsim_codes, maxsim_varlen
+    from maxsim_kernels.int8_host import quantize_per_token
 
     from maxsim_cli.codecs import fit_int2_levels
 
@@ -71,7 +71,7 @@ def main() -> None:
 
     def int2_blocked() -> torch.Tensor:
         values = maxsim_codes.int2_values(c2)
-        out = maxsim_int8._varlen_torch(side.q8, side.scales, q_off, values, s2, offsets, False)[0]
+        out = int8_host._varlen_torch(side.q8, side.scales, q_off, values, s2, offsets, False)[0]
         return out.add_(side.query_sums[:, None])
 
     streamed = {
@@ -84,7 +84,7 @@ def main() -> None:
         paths[codec] = cpu_int8_products(True, fn)
         paths[f"{codec}_fp32"] = cpu_int8_products(False, fn)
     blocked = {
-        "int8_blocked": lambda: maxsim_int8._varlen_torch(q8, sq, q_off, d8, s8, offsets, False)[0],
+        "int8_blocked": lambda: int8_host._varlen_torch(q8, sq, q_off, d8, s8, offsets, False)[0],
         "int4_blocked": lambda: maxsim_codes._varlen_torch(q8, sq, q_off, c4, s4, offsets, None),
         "int2_blocked": int2_blocked,
     }

@@ -1,6 +1,6 @@
 """Many queries against int8 documents on the CPU: `maxsim_varlen_int8`'s document groups
 (`maxsim_kernels.cpu.maxsim_int8_docs_cpu`, products in integers or on fp32 values) beside the blocked torch
-path it replaced (`maxsim_int8._varlen_torch`) and the float path on the same documents, alternating rounds in
+path it replaced (`int8_host._varlen_torch`) and the float path on the same documents, alternating rounds in
 one process, every int8 result checked bitwise against the blocked path's.
 
     python benchmarks/bench_cpu_int8_queries.py --out benchmarks/results/cpu/cpu-int8-queries.json
@@ -13,7 +13,7 @@ Documents: ``--docs`` L2-normalised random vectors (d = 128), 20-300 tokens each
   fp32           `maxsim_varlen` on the float tokens (the float path's document groups)
   int8           `maxsim_varlen_int8`: the document groups, products in integers (`torch._int_mm`)
   int8_fp32      the same, the int8 values multiplied as fp32 (where the CPU has no int8 dot products)
-  int8_blocked   `maxsim_int8._varlen_torch`: blocks of documents in order on the caller's thread
+  int8_blocked   `int8_host._varlen_torch`: blocks of documents in order on the caller's thread
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ log = make_log("cpu-int8-queries", clock=True)
 
 
 def main() -> None:
-    from maxsim_kernels import cpu, maxsim_int8, maxsim_varlen
-    from maxsim_kernels.maxsim_int8 import quantize_per_token
+    from maxsim_kernels import cpu, int8_host, maxsim_varlen
+    from maxsim_kernels.int8_host import quantize_per_token
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_cpu_rounds_args(parser, docs=4000)
@@ -58,13 +58,13 @@ def main() -> None:
     d8, s8 = quantize_per_token(x)
 
     def int8() -> torch.Tensor:
-        return maxsim_int8.maxsim_varlen_int8(q8, q_off, d8, offsets, doc_scales=s8, query_scales=sq)
+        return int8_host.maxsim_varlen_int8(q8, q_off, d8, offsets, doc_scales=s8, query_scales=sq)
 
     paths = {
         "fp32": lambda: maxsim_varlen(q, q_off, x, offsets),
         "int8": cpu_int8_products(True, int8),
         "int8_fp32": cpu_int8_products(False, int8),
-        "int8_blocked": lambda: maxsim_int8._varlen_torch(q8, sq, q_off, d8, s8, offsets, False)[0],
+        "int8_blocked": lambda: int8_host._varlen_torch(q8, sq, q_off, d8, s8, offsets, False)[0],
     }
     record: dict = {"meta": meta(docs=n, tokens=int(offsets[-1]), dim=128, queries=nq, query_tokens=32)}
     results = {name: fn() for name, fn in paths.items()}

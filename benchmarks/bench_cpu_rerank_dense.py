@@ -17,7 +17,7 @@ Each time is the median of ``--repeats`` calls in ``--rounds`` rounds.
 
   rerank       `maxsim_candidates_cpu` with all pairs off (`cpu.DENSE_CANDIDATES` = inf): its query groups
   all_pairs    the same with all pairs always (the fractions and the sharing at 0)
-  int8_torch   `maxsim_int8._candidates_torch`: each query's candidates gathered on the caller's thread (the
+  int8_torch   `int8_host._candidates_torch`: each query's candidates gathered on the caller's thread (the
                path of int8 candidates that are not dense)
   int8_all     `maxsim_candidates_int8` on the CPU with all pairs always: every query against every listed
                document

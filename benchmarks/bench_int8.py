@@ -59,13 +59,8 @@ from common import (
     write_json,
 )
 from maxsim_kernels import maxsim_candidates, maxsim_varlen
-from maxsim_kernels.maxsim_int8 import (
-    launch_candidates_with_tiles,
-    launch_varlen_with_tiles,
-    maxsim_candidates_int8,
-    maxsim_varlen_int8,
-    quantize_per_token,
-)
+from maxsim_kernels.int8_host import maxsim_candidates_int8, maxsim_varlen_int8, quantize_per_token
+from maxsim_kernels.maxsim_int8 import launch_candidates_with_tiles, launch_varlen_with_tiles
 
 from maxsim_cli.agreement import ranking_agreement
 

@@ -38,7 +38,8 @@ log = make_log("rerank-new-candidates", clock=True)
 def our_variants(w: dict[str, Any], order: str) -> tuple[dict[str, Callable[[], torch.Tensor]], dict]:
     """The timed calls of this project's kernels for one candidate order, and what they ran on."""
     from maxsim_kernels import maxsim_candidates
-    from maxsim_kernels.maxsim_int8 import hopper_stream, quantize_per_token
+    from maxsim_kernels.int8_host import quantize_per_token
+    from maxsim_kernels.maxsim_int8 import hopper_stream
 
     dev = device()
     cand = w["cand_docs"] if order == "shuffled" else torch.arange(w["nd"])

@@ -187,7 +187,7 @@ def oom_record(exc: BaseException, dev: torch.device, **what) -> dict:
 def fill_exact_tier(tokens: int, dtype: str, gen: torch.Generator, dev: torch.device):
     """An exact tier of `tokens` random unit vectors in pageable host memory: fp16 [T, d], or int8 codes
     [T, d] and fp32 scales [T]; made on `dev` a chunk at a time and copied down."""
-    from maxsim_kernels.maxsim_int8 import quantize_per_token
+    from maxsim_kernels.int8_host import quantize_per_token
 
     values = torch.empty((tokens, DIM), dtype=torch.float16 if dtype == "float16" else torch.int8)
     scales = torch.empty(tokens, dtype=torch.float32) if dtype == "int8" else None

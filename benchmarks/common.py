@@ -378,9 +378,9 @@ def training_inputs(
 
 def int8_kernel(queries, q_off, d8, d_off) -> str:
     """Which int8 all-pairs kernel `maxsim_varlen_int8` runs for these inputs (scores only)."""
-    from maxsim_kernels import maxsim_int8
+    from maxsim_kernels import int8_host, maxsim_int8
 
-    q8 = maxsim_int8.quantize_per_token(queries)[0]
+    q8 = int8_host.quantize_per_token(queries)[0]
     return "gluon" if maxsim_int8.hopper_allpairs(q_off, d_off, q8, d8, False) is not None else "triton"
 
 

@@ -110,7 +110,7 @@ def main() -> None:
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    from maxsim_kernels.maxsim_int8 import quantize_per_token
+    from maxsim_kernels.int8_host import quantize_per_token
 
     device = torch.device("cuda")
     precisions = args.precisions.split(",")

@@ -20,7 +20,7 @@ from common import host_times, median_ms, meta, sync, write_json
 
 def main() -> None:
     from maxsim_kernels import maxsim_varlen
-    from maxsim_kernels.maxsim_int8 import quantize_per_token
+    from maxsim_kernels.int8_host import quantize_per_token
     from torch.profiler import ProfilerActivity, profile
 
     from maxsim_cli.codecs import Int2Grid, encode, fit_int2_levels

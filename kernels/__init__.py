@@ -155,7 +155,7 @@ def maxsim_varlen(
 
     queries [Tq, dim] with query_offsets int64 [nq+1]; docs [Td, dim] with doc_offsets int64 [nd+1].
     int8 docs take `doc_scales` fp32 [Td], and either float queries (quantized per token on each call)
-    or int8 queries with `query_scales` fp32 [Tq] (`maxsim_kernels.maxsim_int8.quantize_per_token`).
+    or int8 queries with `query_scales` fp32 [Tq] (`maxsim_kernels.int8_host.quantize_per_token`).
     uint8 docs are codes below 8 bits (`maxsim_kernels.maxsim_codes`): int4 with `doc_scales`, the
     residual2 codec with `codebook` (a `maxsim_codes.ResidualCodebook`), or int2 with `doc_scales` and
     `codebook` (its `maxsim_codes.Int2Levels`).

@@ -511,9 +511,9 @@ def maxsim_int8_varlen_cpu(
     ``doc_scales`` [Td]. Where the products are made in integers (`int8_products`), ``int_products``, if
     given, makes them for a chunk of codes without its values: ``int_products(t0, t1, out)`` writes the
     int32 ``v[j] . q8[i]`` of rows t0 .. t1 - 1 into ``out`` [t1 - t0, rows]. The integer products are
-    exact in fp32 too (every partial sum an integer below 2^24 at the callers' dims: `maxsim_int8.MAX_DIM`,
+    exact in fp32 too (every partial sum an integer below 2^24 at the callers' dims: `int8_host.MAX_DIM`,
     `maxsim_codes.MAX_DIM`), each takes one fp32 rounding by its token's scale, and the scaled maxima are
-    summed in query-token order: the bits of `maxsim_int8`'s blocked torch path, chunks of whole
+    summed in query-token order: the bits of `int8_host`'s blocked torch path, chunks of whole
     documents spread over every core."""
     nq, nd = len(q_offsets) - 1, len(d_offsets) - 1
     scores = torch.empty(nq, nd, dtype=torch.float32)
@@ -537,7 +537,7 @@ def maxsim_int8_docs_cpu(
     float path's document groups (`_score_docs`: documents sorted by length, padded groups spread over
     the worker threads), the products in integers where the CPU has int8 dot-product instructions
     (`int8_products`), else on the values as fp32; both exact, so the scores are the bits of
-    `maxsim_int8`'s blocked torch path (one document group after another on the caller's thread)."""
+    `int8_host`'s blocked torch path (one document group after another on the caller's thread)."""
     nq, nd = len(q_offsets) - 1, len(d_offsets) - 1
     scores = torch.empty(nq, nd, dtype=torch.float32)
     if nq and nd:
@@ -562,7 +562,7 @@ def maxsim_int8_candidates_cpu(
     are dense (`dense_candidates` with `INT8_DENSE_CANDIDATES`): every query against every listed document
     by the document groups of `maxsim_int8_docs_cpu` (the documents read in place), each pair's score
     picked from them. A pair scores as it does among all pairs, so the scores are the bits of
-    `maxsim_int8`'s torch rerank (`_candidates_torch`, which scores other candidates)."""
+    `int8_host`'s torch rerank (`_candidates_torch`, which scores other candidates)."""
     nq = len(q_offsets) - 1
     listed, column = np.unique(c_docs, return_inverse=True)
     block = torch.empty(nq, len(listed), dtype=torch.float32)
@@ -972,7 +972,7 @@ def maxsim_candidates_cpu(
 # 7-12 tokens, dim 384, every document listed by every query) fp16 6.92x. Density 1.0 with fewer queries
 # (fp32): one 0.61x, two 1.01x, four 1.60x, eight 2.37x. The 2-core EPYC's rerank ran fp16 pairs at 1.13x
 # the exhaustive path's time a pair (see _QUERY_GROUP_BYTES), where all pairs break even at a density of
-# ~0.9: hence the float thresholds. int8 documents, against `maxsim_int8`'s torch rerank (each query's
+# ~0.9: hence the float thresholds. int8 documents, against `int8_host`'s torch rerank (each query's
 # candidates gathered on the caller's thread): density 1.0 7.57x, 0.77 6.27x, 0.50 3.90x, 0.25 1.78x; two
 # queries 2.81x; 8 queries listing a quarter of 1000 documents each (density 0.28, each listed 2.2 times)
 # 1.03x, 16 listing a tenth (0.12, 2.0 times) 0.62x; one query 1.21x (not taken: nothing is shared).

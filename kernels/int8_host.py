@@ -71,7 +71,7 @@ def quantize_per_token(x: torch.Tensor, *, backend: str = "auto") -> tuple[torch
     if x.shape[1] == 0:
         raise ValueError("quantize_per_token: dim is 0")
     if resolve_backend(backend, x.device) == "triton":
-        return _kernels()._quantize_triton(x)
+        return _kernels().quantize_triton(x)
     return _quantize_torch(x)
 
 
@@ -149,7 +149,7 @@ def _prepare(
             raise ValueError(f"query_scales must be [{queries.shape[0]}] on {device}")
         q8, sq = queries, query_scales.float()
     elif queries.is_floating_point():
-        q8, sq = _kernels()._quantize_triton(queries) if backend == "triton" else _quantize_torch(queries)
+        q8, sq = _kernels().quantize_triton(queries) if backend == "triton" else _quantize_torch(queries)
     else:
         raise ValueError(f"queries must be float16/bfloat16/float32 or int8, got {queries.dtype}")
     d8 = docs if docs.stride(1) == 1 else docs.contiguous()
@@ -339,7 +339,7 @@ def maxsim_varlen_int8(
             return gpu.launch_hopper(
                 hopper, given_q_off, given_d_off, query_offsets, doc_offsets, q8, sq, d8, sd
             )
-        out, arg = gpu._launch_varlen(q8, sq, query_offsets, d8, sd, doc_offsets, return_argmax)
+        out, arg = gpu.launch_varlen(q8, sq, query_offsets, d8, sd, doc_offsets, return_argmax)
     elif not return_argmax and int8_stream_applies(q8, d8.device):  # a few query rows on the CPU
         out, arg = maxsim_int8_varlen_cpu(q8, sq, query_offsets.numpy(), d8, sd, doc_offsets.numpy()), None
     elif not return_argmax and d8.device.type == "cpu":  # many query rows on the CPU
@@ -422,7 +422,7 @@ def maxsim_candidates_int8(
             return module.maxsim_int8_stream(
                 q8, sq, query_offsets, candidate_offsets, candidate_docs, d8, sd, doc_offsets, longest
             )
-        out, arg = gpu._launch_candidates(
+        out, arg = gpu.launch_candidates(
             q8, sq, query_offsets, d8, sd, doc_offsets, candidate_offsets, candidate_docs, return_argmax
         )
     elif (

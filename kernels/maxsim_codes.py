@@ -19,7 +19,7 @@ Three codecs; a token is one row of bytes of a uint8 ``[T, width]`` tensor:
   steps[k] * c_k``. No centroid: nothing is gathered per token (residual2's table: 4 Lq bytes a token).
 
 Scoring. Queries are quantized per token to int8 exactly as for the int8 corpus
-(`maxsim_int8.quantize_per_token`: codes ``q8`` and scales ``s_q``), or given so with ``query_scales``:
+(`int8_host.quantize_per_token`: codes ``q8`` and scales ``s_q``), or given so with ``query_scales``:
 
     int4:       score(q, d) = sum_i s_q[i] * max_j (s_d[j] * (q8[i] . c[j]))     q8 . c in int32, exact
     residual2:  score(q, d) = sum_i s_q[i] * max_j (q8[i] . x[j])
@@ -108,20 +108,17 @@ import triton.language as tl
 
 from .code_unpacking import INT4_NIBBLES_ASM, PLANE_UNIT_ASM, bucket_planes_asm
 from .cpu import int8_columns, int8_stream_applies, maxsim_int8_varlen_cpu, thread_buffer
-from .launch import launch_fitting_shared_memory
-from .maxsim_int8 import (
-    candidate_query,
+from .int8_host import (
     device_offsets,
-    hopper_allpairs,
-    hopper_stream,
     maxsim_candidates_int8,
     maxsim_varlen_int8,
     quantize_per_token,
-    quantize_rows,
     segment_ids,
     segment_max,
     sum_rows_in_order,
 )
+from .launch import launch_fitting_shared_memory
+from .maxsim_int8 import candidate_query, hopper_allpairs, hopper_stream, quantize_rows
 from .running_max import document_max, fold_tile, restart, tile_count
 from .validation import (
     cdiv,

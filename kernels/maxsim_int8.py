@@ -1,6 +1,7 @@
 """INT8 x INT8 MaxSim with per-token symmetric scales: the Triton kernels on the tensor cores and their
-launchers. The public entry points, the checks, the torch CPU path and the float64 reference of the same
-integer math are in `int8_host`, which imports no Triton (they are named here too).
+launchers (`quantize_triton`, `launch_varlen`, `launch_candidates` and the Gluon kernels' plans). The
+public entry points, the checks, the torch CPU path and the float64 reference of the same integer math are
+in `int8_host`, which imports no Triton and calls these.
 
 Quantization (per token, symmetric): for a vector x of `dim` values,
 
@@ -70,24 +71,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .int8_host import (  # noqa: F401  (the public entry points and the host side, named here as before)
-    _TORCH_BLOCK_ELEMS,
-    INT8_ABSMAX,
-    MAX_DIM,
-    _candidates_torch,
-    _check_candidates,
-    _prepare,
-    _quantize_torch,
-    _varlen_torch,
-    device_offsets,
-    maxsim_candidates_int8,
-    maxsim_int8_reference,
-    maxsim_varlen_int8,
-    quantize_per_token,
-    segment_ids,
-    segment_max,
-    sum_rows_in_order,
-)
 from .launch import gluon_module, hopper_device, launch_fitting_shared_memory
 from .running_max import document_max, fold_row_max, fold_tile, restart, tile_count
 from .validation import (
@@ -545,7 +528,7 @@ def _maxsim_int8_candidates_kernel(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _quantize_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x if x.stride(1) == 1 else x.contiguous()
     n, dim = x.shape
     codes = torch.empty((n, dim), dtype=torch.int8, device=x.device)
@@ -646,7 +629,7 @@ def _varlen_outputs(
     return out, arg
 
 
-def _launch_varlen(
+def launch_varlen(
     q8: torch.Tensor,
     sq: torch.Tensor,
     query_offsets: torch.Tensor,
@@ -677,7 +660,7 @@ def launch_varlen_with_tiles(
     tma: bool | None = None,
     maxnreg: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`_launch_varlen` with some of its tiles replaced (None keeps the tuned choice), for the tile sweeps
+    """`launch_varlen` with some of its tiles replaced (None keeps the tuned choice), for the tile sweeps
     in benchmarks/; the library never calls it. A `block_q` other than the planned one takes as many
     queries a group as the tile holds at the mean query length."""
     nq, nd = query_offsets.numel() - 1, doc_offsets.numel() - 1
@@ -851,7 +834,7 @@ def _candidate_outputs(
     return out, arg
 
 
-def _launch_candidates(
+def launch_candidates(
     q8: torch.Tensor,
     sq: torch.Tensor,
     query_offsets: torch.Tensor,
@@ -888,7 +871,7 @@ def launch_candidates_with_tiles(
     rotate: bool | None = None,
     maxnreg: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`_launch_candidates` with some of its tiles replaced (None keeps the tuned choice), for the tile
+    """`launch_candidates` with some of its tiles replaced (None keeps the tuned choice), for the tile
     sweeps in benchmarks/; the library never calls it."""
     out, arg = _candidate_outputs(query_offsets, candidate_docs.numel(), d8.device, return_argmax)
     if not out.numel():

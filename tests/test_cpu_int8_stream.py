@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from maxsim_kernels import maxsim_codes, maxsim_int8, maxsim_varlen
+from maxsim_kernels import int8_host, maxsim_codes, maxsim_varlen
 from maxsim_kernels.cpu import int8_stream_applies
-from maxsim_kernels.maxsim_int8 import quantize_per_token
+from maxsim_kernels.int8_host import quantize_per_token
 
 
 def _ragged(gen: torch.Generator, n: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,13 +50,13 @@ def test_streamed_int8_paths_are_the_blocked_paths_bitwise(dim, q_lengths, integ
 
     d8, s8 = quantize_per_token(x)
     streamed = maxsim_varlen(q, q_off, d8, d_off, doc_scales=s8)
-    blocked = maxsim_int8._varlen_torch(q8, sq, q_off, d8, s8, d_off, False)[0]
+    blocked = int8_host._varlen_torch(q8, sq, q_off, d8, s8, d_off, False)[0]
     assert torch.allclose(streamed, blocked, equal_nan=True, atol=0, rtol=0)  # bitwise, NaN where NaN
     assert streamed[:, 0].isneginf().all()  # an empty document
     zero_scale = sq.clone()
     zero_scale[1] = 0.0
-    streamed = maxsim_int8.maxsim_varlen_int8(q8, q_off, d8, d_off, doc_scales=s8, query_scales=zero_scale)
-    blocked = maxsim_int8._varlen_torch(q8, zero_scale, q_off, d8, s8, d_off, False)[0]
+    streamed = int8_host.maxsim_varlen_int8(q8, q_off, d8, d_off, doc_scales=s8, query_scales=zero_scale)
+    blocked = int8_host._varlen_torch(q8, zero_scale, q_off, d8, s8, d_off, False)[0]
     assert torch.allclose(streamed, blocked, equal_nan=True, atol=0, rtol=0)
     assert streamed[0, 0].isnan() and streamed[0, 1:].isfinite().any()
 
@@ -69,7 +69,7 @@ def test_streamed_int8_paths_are_the_blocked_paths_bitwise(dim, q_lengths, integ
     c2, s2 = maxsim_codes.encode_int2(x, levels)
     streamed = maxsim_varlen(q, q_off, c2, d_off, doc_scales=s2, codebook=levels)
     side = maxsim_codes.int2_queries(q, levels, query_offsets=q_off)
-    blocked = maxsim_int8._varlen_torch(side.q8, side.scales, q_off, maxsim_codes.int2_values(c2), s2, d_off,
+    blocked = int8_host._varlen_torch(side.q8, side.scales, q_off, maxsim_codes.int2_values(c2), s2, d_off,
                                         False)[0]  # fmt: skip
     blocked += side.query_sums[:, None]
     assert torch.allclose(streamed, blocked, equal_nan=True, atol=0, rtol=0)
@@ -134,7 +134,7 @@ def test_int8_documents_of_one_and_two_dims_stream_as_the_blocked_path(integers,
         q8, sq = quantize_per_token(q)
         d8, s8 = quantize_per_token(x)
         streamed = maxsim_varlen(q, q_off, d8, d_off, doc_scales=s8)
-        blocked = maxsim_int8._varlen_torch(q8, sq, q_off, d8, s8, d_off, False)[0]
+        blocked = int8_host._varlen_torch(q8, sq, q_off, d8, s8, d_off, False)[0]
         assert torch.allclose(streamed, blocked, equal_nan=True, atol=0, rtol=0), dim
     c4, s4 = maxsim_codes.encode_int4(x)
     streamed = maxsim_varlen(q, q_off, c4, d_off, doc_scales=s4)
@@ -163,8 +163,8 @@ def test_many_query_rows_in_document_groups_are_the_blocked_path_bitwise(
     d8, s8 = quantize_per_token(x)
     assert not int8_stream_applies(q8, x.device)
     for scales in (sq, torch.where(torch.arange(len(sq)) == 1, 0.0, sq)):
-        grouped = maxsim_int8.maxsim_varlen_int8(q8, q_off, d8, d_off, doc_scales=s8, query_scales=scales)
-        blocked = maxsim_int8._varlen_torch(q8, scales, q_off, d8, s8, d_off, False)[0]
+        grouped = int8_host.maxsim_varlen_int8(q8, q_off, d8, d_off, doc_scales=s8, query_scales=scales)
+        blocked = int8_host._varlen_torch(q8, scales, q_off, d8, s8, d_off, False)[0]
         assert torch.allclose(grouped, blocked, equal_nan=True, atol=0, rtol=0)
     assert grouped[0, 0].isnan() and grouped[1:, 0].isneginf().all()
 
@@ -205,10 +205,10 @@ def test_int8_candidates_on_the_cpu_are_the_torch_rerank_bitwise(dim, dense, int
     ]
     c_off = torch.tensor([0] + [len(x) for x in lists]).cumsum(0)
     c_docs = torch.tensor([d for x in lists for d in x], dtype=torch.int64)
-    got = maxsim_int8.maxsim_candidates_int8(
+    got = int8_host.maxsim_candidates_int8(
         q8, q_off, d8, d_off, c_off, c_docs, doc_scales=s8, query_scales=sq
     )
-    want = maxsim_int8._candidates_torch(q8, sq, q_off, d8, s8, d_off, c_off, c_docs, False)[0]
+    want = int8_host._candidates_torch(q8, sq, q_off, d8, s8, d_off, c_off, c_docs, False)[0]
     assert torch.allclose(got, want, equal_nan=True, atol=0, rtol=0)  # bitwise, NaN where NaN
     assert got[int(c_off[4])].isnan() and got[int(c_off[1])].isneginf()  # empty document 0
     assert bool(taken) == dense

@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from maxsim_kernels.maxsim_int8 import (
+from maxsim_kernels.int8_host import (
     maxsim_candidates_int8,
     maxsim_int8_reference,
     maxsim_varlen_int8,

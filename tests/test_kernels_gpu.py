@@ -268,6 +268,7 @@ def _compiles(kernel) -> int:
 def test_no_recompilation_within_a_bucket():
     """Sizes that are 1 or multiples of 16, and odd slice alignments, reuse the compiled kernels (after
     one warm-up per class: the backward's inverse map has one for 64 documents or more, one below)."""
+    from maxsim_kernels import int8_host
     from maxsim_kernels import maxsim_backward as bwd
     from maxsim_kernels import maxsim_forward as fwd
     from maxsim_kernels import maxsim_int8 as i8
@@ -293,7 +294,7 @@ def test_no_recompilation_within_a_bucket():
         maxsim_varlen(queries, q_off, docs, d_off)
         c_off = torch.linspace(0, nd, nq + 1).long()
         maxsim_candidates(queries, q_off, docs, d_off, c_off, torch.arange(nd))
-        codes, scales = i8.quantize_per_token(docs)
+        codes, scales = int8_host.quantize_per_token(docs)
         # the int8 tiling is chosen by the mean query length: hold it in one class (17 to 32 tokens)
         q8, q8_off = packed([q_max] * nq, 128, torch.float16, gen)
         maxsim_varlen(q8, q8_off, codes, d_off, doc_scales=scales)

@@ -9,7 +9,7 @@ import maxsim_kernels
 import numpy as np
 import pytest
 import torch
-from maxsim_kernels.maxsim_int8 import quantize_per_token
+from maxsim_kernels.int8_host import quantize_per_token
 from typer.testing import CliRunner
 
 from maxsim_cli import quantize as quantize_module

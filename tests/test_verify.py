@@ -305,7 +305,7 @@ def _near_tied_int8(root: Path) -> None:
     corpus.mkdir()
     write_shard(corpus / "docs.safetensors", ids, docs, dtype="float32")
     codes, scales = [], []
-    from maxsim_kernels.maxsim_int8 import quantize_per_token
+    from maxsim_kernels.int8_host import quantize_per_token
 
     for token in docs:
         c, s = quantize_per_token(token, backend="torch")
@@ -363,7 +363,7 @@ def test_int8_near_ties_fail_min_overlap_1_and_pass_the_defaults(tmp_path) -> No
 
 def test_int8_kernel_exactness_catches_a_moved_argmax(tmp_path, monkeypatch) -> None:
     _write_data(tmp_path / "f", dtype="float32", n_docs=12, n_queries=3)
-    from maxsim_kernels.maxsim_int8 import quantize_per_token
+    from maxsim_kernels.int8_host import quantize_per_token
 
     from maxsim_cli.shards import open_corpus
 
