@@ -558,20 +558,88 @@ def maxsim_int8_candidates_cpu(
     c_offsets: np.ndarray,
     c_docs: np.ndarray,
 ) -> torch.Tensor:
-    """int8 scores [C] of each query against its own candidates on the CPU (no argmax), for candidates that
-    are dense (`dense_candidates` with `INT8_DENSE_CANDIDATES`): every query against every listed document
-    by the document groups of `maxsim_int8_docs_cpu` (the documents read in place), each pair's score
-    picked from them. A pair scores as it does among all pairs, so the scores are the bits of
-    `int8_host`'s torch rerank (`_candidates_torch`, which scores other candidates)."""
+    """int8 scores [C] of each query against its own candidates on the CPU (no argmax), the documents read
+    in place: groups of one query's candidates of similar length spread over the workers
+    (`_int8_query_group`), or, where the candidates are dense (`dense_candidates`), every query against every
+    listed document by the document groups of `maxsim_int8_docs_cpu`, each pair's score picked from them.
+    A pair scores as it does among all pairs, so the scores are the bits of `int8_host`'s torch rerank
+    (`_candidates_torch`, which scores one query's candidates after another on the caller's thread: 3.5-4.6x
+    slower on the 2-core Xeon, `bench_cpu_rerank_dense.py`)."""
     nq = len(q_offsets) - 1
-    listed, column = np.unique(c_docs, return_inverse=True)
-    block = torch.empty(nq, len(listed), dtype=torch.float32)
+    if not len(c_docs):
+        return torch.empty(0, dtype=torch.float32)
     q = q8.contiguous() if int8_products(q8.shape[1]) else q8.float().contiguous()
-    token_query = torch.from_numpy(np.repeat(np.arange(nq), np.diff(q_offsets)))
-    _score_docs(q, token_query, nq, d8, None, d_offsets[:-1][listed], np.diff(d_offsets)[listed], block, None,
-                token_scales=doc_scales.float(), query_scales=sq.float())  # fmt: skip
+    token_scales, query_scales = doc_scales.float(), sq.float()
+    q_lens, d_lens = np.diff(q_offsets), np.diff(d_offsets)
     pair_query = np.repeat(np.arange(nq), np.diff(c_offsets))
-    return block[torch.from_numpy(pair_query), torch.from_numpy(column)]
+    if dense_candidates(c_docs, nq, DENSE_CANDIDATES, DENSE_SHARING):
+        listed, column = np.unique(c_docs, return_inverse=True)
+        block = torch.empty(nq, len(listed), dtype=torch.float32)
+        token_query = torch.from_numpy(np.repeat(np.arange(nq), q_lens))
+        _score_docs(q, token_query, nq, d8, None, d_offsets[:-1][listed], d_lens[listed], block, None,
+                    token_scales=token_scales, query_scales=query_scales)  # fmt: skip
+        return block[torch.from_numpy(pair_query), torch.from_numpy(column)]
+    scores = torch.empty(len(c_docs), dtype=torch.float32)
+    pair_len = d_lens[c_docs]
+    empty = np.flatnonzero(pair_len == 0)
+    if len(empty):  # each query row's scale times -inf, summed in order (NaN where a scale is 0)
+        token_query = torch.from_numpy(np.repeat(np.arange(nq), q_lens))
+        per_query = _empty_document_scores(token_query, nq, query_scales)
+        scores[torch.from_numpy(empty)] = per_query[torch.from_numpy(pair_query[empty])]
+    full = np.flatnonzero(pair_len > 0)
+    # pairs by query, then document length (groups pad little), then document
+    order = full[np.lexsort((c_docs[full], pair_len[full], pair_query[full]))]
+    sorted_query, sorted_len = pair_query[order], pair_len[order]
+    cols = -(-q_lens // _ONEDNN_COLS) * _ONEDNN_COLS  # a query's columns padded with its last row
+    pair_bytes = sorted_len.astype(np.int64) * (q8.shape[1] * q.element_size() + cols[sorted_query] * 8)
+    spans = _query_groups(sorted_query, pair_bytes, _QUERY_GROUP_BYTES)
+    pair_scores = torch.zeros(len(order), 1, dtype=torch.float32)
+    args = (q, q_offsets, q_lens, cols, d8, token_scales, query_scales, d_offsets[:-1][c_docs[order]],
+            sorted_len, sorted_query)  # fmt: skip
+    _run_units(lambda span: _int8_query_group(*args, span, pair_scores), spans, _worker_count())
+    scores[torch.from_numpy(order)] = pair_scores[:, 0]
+    return scores
+
+
+def _int8_query_group(
+    q: torch.Tensor,
+    q_offsets: np.ndarray,
+    q_lens: np.ndarray,
+    cols: np.ndarray,
+    d8: torch.Tensor,
+    token_scales: torch.Tensor,
+    query_scales: torch.Tensor,
+    d_starts: np.ndarray,
+    d_lens: np.ndarray,
+    pair_query: np.ndarray,
+    span: tuple[int, int],
+    scores: torch.Tensor,
+) -> None:
+    """Pairs [p0, p1) of one query (ascending document length, none empty) of `maxsim_int8_candidates_cpu`:
+    the documents' int8 rows gathered (each padded with copies of its last), one product with the query's
+    int8 rows `q` (in integers, or their fp32 values: both exact) padded to cols[i] columns with copies of
+    its last, each similarity times its token's scale (one fp32 rounding), the max over a document's rows,
+    times the query row's scale, and the sum over the query's rows in order: scores[p, 0]."""
+    p0, p1 = span
+    i = int(pair_query[p0])
+    r0, tq, width = int(q_offsets[i]), int(q_lens[i]), int(d_lens[p1 - 1])
+    n, dim = p1 - p0, d8.shape[1]
+    last_row = torch.from_numpy(d_lens[p0:p1, None] - 1)
+    rows = (torch.from_numpy(d_starts[p0:p1, None]) + torch.minimum(torch.arange(width), last_row)).view(-1)
+    q_rows = q[r0 + torch.minimum(torch.arange(int(cols[i])), torch.tensor(tq - 1))]
+    if q.dtype == torch.int8:
+        block = torch.index_select(
+            d8, 0, rows, out=thread_buffer("rerank_int8", (len(rows), dim), torch.int8)
+        )
+        sim = torch._int_mm(block, int8_columns(q_rows)).to(torch.float32)
+    else:
+        block = thread_buffer("rerank_block", (len(rows), dim), torch.float32)
+        block.copy_(torch.index_select(d8, 0, rows))
+        sim = _similarities(block, q_rows.T.contiguous())
+    sim.mul_(token_scales.index_select(0, rows)[:, None])  # the one fp32 rounding of s_d * acc
+    best = torch.amax(sim.view(n, width, -1)[:, :, :tq], dim=1)
+    best.mul_(query_scales[r0 : r0 + tq])
+    scores[p0:p1].index_add_(1, torch.zeros(tq, dtype=torch.int64), best)
 
 
 # Rerank (each query against its own candidates) by document units, the path where oneDNN's product is
@@ -960,24 +1028,20 @@ def maxsim_candidates_cpu(
 
 
 # Reranks whose candidates are dense are scored as all pairs of their queries and the documents they list
-# (`_rerank_as_all_pairs`, `maxsim_int8_candidates_cpu`): each listed document gathered (fp16 and bf16
-# upcast) once for every query instead of once for each query that lists it, and the query rows of many
-# queries in one product, at the price of the pairs nobody asked for. Taken where the candidates hold at
-# least DENSE_CANDIDATES of those pairs and each listed document is listed DENSE_SHARING times on average
-# (a two-stage search whose depth reaches the corpus's size; one shortlist for many queries). The rerank's
-# time over the all pairs' on the 2-core Xeon (`python benchmarks/bench_cpu_rerank_dense.py`,
+# (`_rerank_as_all_pairs`; int8: `maxsim_int8_candidates_cpu`): each listed document gathered (fp16 and
+# bf16 upcast) once for every query instead of once for each query that lists it, and the query rows of
+# many queries in one product, at the price of the pairs nobody asked for. Taken where the candidates hold
+# at least DENSE_CANDIDATES of those pairs and each listed document is listed DENSE_SHARING times on
+# average (a two-stage search whose depth reaches the corpus's size; one shortlist for many queries). The
+# rerank's time over the all pairs' on the 2-core Xeon (`python benchmarks/bench_cpu_rerank_dense.py`,
 # benchmarks/results/cpu/cpu-rerank-dense.json, medians of 3 rounds; 64 queries x 1000 candidates of
-# 20-300 tokens from pools of 1000-4000 documents): fp16 documents at density 1.0 2.97x, 0.77 2.43x, 0.50
-# 1.59x, 0.25 0.83x; fp32 2.63x, 2.10x, 1.43x, 0.71x; sample_data's shape (200 queries x 400 documents of
-# 7-12 tokens, dim 384, every document listed by every query) fp16 6.92x. Density 1.0 with fewer queries
-# (fp32): one 0.61x, two 1.01x, four 1.60x, eight 2.37x. The 2-core EPYC's rerank ran fp16 pairs at 1.13x
-# the exhaustive path's time a pair (see _QUERY_GROUP_BYTES), where all pairs break even at a density of
-# ~0.9: hence the float thresholds. int8 documents, against `int8_host`'s torch rerank (each query's
-# candidates gathered on the caller's thread): density 1.0 7.57x, 0.77 6.27x, 0.50 3.90x, 0.25 1.78x; two
-# queries 2.81x; 8 queries listing a quarter of 1000 documents each (density 0.28, each listed 2.2 times)
-# 1.03x, 16 listing a tenth (0.12, 2.0 times) 0.62x; one query 1.21x (not taken: nothing is shared).
+# 20-300 tokens from pools of 1000-4000 documents): fp16 documents at density 1.0 3.04x, 0.77 2.41x, 0.50
+# 1.60x, 0.25 0.82x; fp32 2.84x, 2.22x, 1.42x, 0.81x; int8 (the query groups) 1.90x, 1.57x, 1.02x, 0.58x;
+# sample_data's shape (200 queries x 400 documents of 7-12 tokens, dim 384, every document listed by every
+# query) fp16 7.09x, int8 5.03x. Density 1.0 with fewer queries: fp32 one 0.56x, two 1.02x, four 1.55x,
+# eight 2.21x; int8 0.40x, 0.70x, 1.10x, 1.76x. The 2-core EPYC's rerank ran fp16 pairs at 1.13x the
+# exhaustive path's time a pair (see _QUERY_GROUP_BYTES), where all pairs break even at a density of ~0.9.
 DENSE_CANDIDATES, DENSE_SHARING = 0.9, 4.0
-INT8_DENSE_CANDIDATES, INT8_DENSE_SHARING = 0.25, 2.0
 
 
 def dense_candidates(pair_doc: np.ndarray, num_queries: int, fraction: float, sharing: float) -> bool:

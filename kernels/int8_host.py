@@ -12,9 +12,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from . import cpu
 from .cpu import (
-    dense_candidates,
     int8_stream_applies,
     maxsim_int8_candidates_cpu,
     maxsim_int8_docs_cpu,
@@ -400,9 +398,9 @@ def maxsim_candidates_int8(
     the kernels (Triton and the Gluon stream kernel) never read through a bad index and score it NaN
     (argmax -1). Scores only, dim 128, queries of at most 64 tokens whose offsets come from the host, on
     an sm_90 GPU: the Gluon stream kernel of `maxsim_int8_hopper_stream` (same maxima, sums in another
-    order, within the same bound). On the CPU, candidates that are dense (`cpu.dense_candidates`) are
-    scored as all pairs of the queries and the documents listed (`cpu.maxsim_int8_candidates_cpu`), the
-    same bits.
+    order, within the same bound). On the CPU without argmax: `cpu.maxsim_int8_candidates_cpu` (groups of
+    one query's candidates over the worker threads, or all pairs of the queries and the documents listed
+    where the candidates are dense), the same bits.
     """
     del allow_tf32
     given_q_off = query_offsets
@@ -425,12 +423,7 @@ def maxsim_candidates_int8(
         out, arg = gpu.launch_candidates(
             q8, sq, query_offsets, d8, sd, doc_offsets, candidate_offsets, candidate_docs, return_argmax
         )
-    elif (
-        not return_argmax
-        and d8.device.type == "cpu"
-        and candidate_docs.numel()
-        and dense_candidates(candidate_docs.numpy(), nq, cpu.INT8_DENSE_CANDIDATES, cpu.INT8_DENSE_SHARING)
-    ):  # dense candidates: every query against every listed document
+    elif not return_argmax and d8.device.type == "cpu":
         c_off, c_docs = candidate_offsets.numpy(), candidate_docs.numpy()
         q_off, d_off = query_offsets.numpy(), doc_offsets.numpy()
         out, arg = maxsim_int8_candidates_cpu(q8, sq, q_off, d8, sd, d_off, c_off, c_docs), None

@@ -170,18 +170,23 @@ def test_many_query_rows_in_document_groups_are_the_blocked_path_bitwise(
 
 
 @pytest.mark.parametrize("integers", [True, False], ids=["int-products", "fp32-products"])
-@pytest.mark.parametrize("dense", [True, False], ids=["all-pairs", "torch-rerank"])
-@pytest.mark.parametrize("dim", [128, 40])
-def test_int8_candidates_on_the_cpu_are_the_torch_rerank_bitwise(dim, dense, integers, monkeypatch):
-    """Dense candidates on the CPU (every query against every listed document: `maxsim_int8_candidates_cpu`)
-    give `_candidates_torch`'s bits: candidates that are empty and one-token documents, a document listed
-    twice by one query and by many, queries without candidates (first and between), a query scale of 0
-    (NaN against an empty document)."""
+@pytest.mark.parametrize("dense", [True, False], ids=["all-pairs", "query-groups"])
+@pytest.mark.parametrize("workers", [False, True], ids=["one-group", "small-groups-on-2-workers"])
+@pytest.mark.parametrize("dim", [128, 40, 2])
+def test_int8_candidates_on_the_cpu_are_the_torch_rerank_bitwise(dim, workers, dense, integers, monkeypatch):
+    """`maxsim_int8_candidates_cpu` on both of its paths (every query against every listed document where
+    the candidates are dense; groups of one query's candidates over the workers) gives `_candidates_torch`'s
+    bits: candidates that are empty and one-token documents, a document listed twice by one query and by
+    many, queries without candidates (first and between) and of one token, a query scale of 0 (NaN against
+    an empty document)."""
     from maxsim_kernels import cpu
 
     monkeypatch.setattr(cpu, "_INT8_PRODUCT", integers)
-    monkeypatch.setattr(cpu, "INT8_DENSE_CANDIDATES", 0.0 if dense else float("inf"))
-    monkeypatch.setattr(cpu, "INT8_DENSE_SHARING", 0.0)
+    if workers:
+        monkeypatch.setattr(cpu, "_QUERY_GROUP_BYTES", 3000)
+        monkeypatch.setattr(cpu, "_worker_count", lambda: 2)
+    monkeypatch.setattr(cpu, "DENSE_CANDIDATES", 0.0 if dense else float("inf"))
+    monkeypatch.setattr(cpu, "DENSE_SHARING", 0.0)
     original, taken = cpu._score_docs, []
 
     def recording(*args, **kwargs):  # the document groups: the all-pairs path alone calls them here
