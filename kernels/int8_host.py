@@ -97,6 +97,25 @@ def device_offsets(
     return on_device(offsets, device)  # one transfer per offsets tensor (memoised)
 
 
+def backend_and_offsets(
+    backend: str,
+    device: torch.device,
+    query_offsets: torch.Tensor,
+    query_tokens: int,
+    doc_offsets: torch.Tensor,
+    doc_tokens: int,
+) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """The backend for tensors on `device` and both offsets there (`device_offsets`: their values checked
+    on the host where they come from it, and always by the torch backend; a query needs a token)."""
+    backend = resolve_backend(backend, device)
+    check = backend == "torch" or device.type != "cuda"
+    query_offsets = device_offsets(
+        "query_offsets", query_offsets, query_tokens, device, empty_ok=False, check=check
+    )
+    doc_offsets = device_offsets("doc_offsets", doc_offsets, doc_tokens, device, empty_ok=True, check=check)
+    return backend, query_offsets, doc_offsets
+
+
 def _prepare(
     queries: torch.Tensor,
     query_offsets: torch.Tensor,
@@ -132,13 +151,8 @@ def _prepare(
             f"doc_scales must be [{docs.shape[0]}] on {device}, "
             f"got {tuple(doc_scales.shape)} on {doc_scales.device}"
         )
-    backend = resolve_backend(backend, device)
-    check = backend == "torch" or device.type != "cuda"
-    query_offsets = device_offsets(
-        "query_offsets", query_offsets, queries.shape[0], device, empty_ok=False, check=check
-    )
-    doc_offsets = device_offsets(
-        "doc_offsets", doc_offsets, docs.shape[0], device, empty_ok=True, check=check
+    backend, query_offsets, doc_offsets = backend_and_offsets(
+        backend, device, query_offsets, queries.shape[0], doc_offsets, docs.shape[0]
     )
     if queries.dtype == torch.int8:
         if query_scales is None:

@@ -109,6 +109,7 @@ import triton.language as tl
 from .code_unpacking import INT4_NIBBLES_ASM, PLANE_UNIT_ASM, bucket_planes_asm
 from .cpu import int8_columns, int8_stream_applies, maxsim_int8_varlen_cpu, thread_buffer
 from .int8_host import (
+    backend_and_offsets,
     device_offsets,
     maxsim_candidates_int8,
     maxsim_varlen_int8,
@@ -1039,13 +1040,8 @@ def _prepare(
         codebook = ResidualCodebook(
             cent.to(device, torch.float16).contiguous(), wts.to(device, torch.float32).contiguous()
         )
-    backend = resolve_backend(backend, device)
-    check = backend == "torch" or device.type != "cuda"
-    query_offsets = device_offsets(
-        "query_offsets", query_offsets, queries.shape[0], device, empty_ok=False, check=check
-    )
-    doc_offsets = device_offsets(
-        "doc_offsets", doc_offsets, docs.shape[0], device, empty_ok=True, check=check
+    backend, query_offsets, doc_offsets = backend_and_offsets(
+        backend, device, query_offsets, queries.shape[0], doc_offsets, docs.shape[0]
     )
     if queries.dtype == torch.int8:
         if query_scales is None or query_scales.shape != (queries.shape[0],):
