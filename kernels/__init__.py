@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from . import int8_host  # imports no Triton: its kernels come with the calls that run them
 from .colbert_scores import colbert_kd_scores, colbert_scores
 from .cpu import NonFiniteDocuments, maxsim_candidates_cpu, maxsim_varlen_cpu
 from .reference import maxsim_candidates_reference, maxsim_reference
@@ -78,12 +79,6 @@ __all__ = [
 
 def _needs_grad(queries: torch.Tensor, docs: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and (queries.requires_grad or docs.requires_grad)
-
-
-def _int8_module() -> Any:
-    from maxsim_kernels import int8_host  # imports no Triton: its kernels come with the calls that run them
-
-    return int8_host
 
 
 def _codes_module() -> Any:
@@ -184,7 +179,7 @@ def maxsim_varlen(
     if codebook is not None:
         raise ValueError("a codebook goes with uint8 residual2 or int2 codes, not with float or int8 docs")
     if docs.dtype == torch.int8:
-        return _int8_module().maxsim_varlen_int8(
+        return int8_host.maxsim_varlen_int8(
             queries,
             query_offsets,
             docs,
@@ -266,7 +261,7 @@ def maxsim_candidates(
     if codebook is not None:
         raise ValueError("a codebook goes with uint8 residual2 or int2 codes, not with float or int8 docs")
     if docs.dtype == torch.int8:
-        return _int8_module().maxsim_candidates_int8(
+        return int8_host.maxsim_candidates_int8(
             queries,
             query_offsets,
             docs,

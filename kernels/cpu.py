@@ -233,6 +233,12 @@ def int8_products(k: int) -> bool:
     return k > 1 and (_cpu_has_int8_dot() if _INT8_PRODUCT is None else _INT8_PRODUCT)
 
 
+def _int8_query_rows(q8: torch.Tensor) -> torch.Tensor:
+    """int8 query rows as the int8 paths multiply them: as they are where the products are made in integers
+    (`int8_products`), else their fp32 values (both exact)."""
+    return q8.contiguous() if int8_products(q8.shape[1]) else q8.float().contiguous()
+
+
 def _similarities(a: torch.Tensor, b_t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """a [m, dim] . b_t [dim, n] as a contiguous [m, n], computed identically whatever m and n are
     (into ``out``, a contiguous [m, n], when given and no padding is needed).
@@ -518,7 +524,7 @@ def maxsim_int8_varlen_cpu(
     nq, nd = len(q_offsets) - 1, len(d_offsets) - 1
     scores = torch.empty(nq, nd, dtype=torch.float32)
     if nq and nd:
-        q = q8.contiguous() if int8_products(q8.shape[1]) else q8.float().contiguous()
+        q = _int8_query_rows(q8)
         _score_stream(q, q_offsets, values, d_offsets, scores, doc_scales=doc_scales, query_scales=sq.float(),
                       int_products=int_products)  # fmt: skip
     return scores
@@ -531,19 +537,23 @@ def maxsim_int8_docs_cpu(
     d8: torch.Tensor,
     doc_scales: torch.Tensor,
     d_offsets: np.ndarray,
+    documents: np.ndarray | None = None,
 ) -> torch.Tensor:
     """int8 scores [nq, nd] of many query rows against int8 documents on the CPU (no argmax):
     `maxsim_int8_varlen_cpu`'s scores, ``sum_i sq[i] * max_j (sd[j] * (q8[i] . v[j]))``, computed by the
     float path's document groups (`_score_docs`: documents sorted by length, padded groups spread over
     the worker threads), the products in integers where the CPU has int8 dot-product instructions
     (`int8_products`), else on the values as fp32; both exact, so the scores are the bits of
-    `int8_host`'s blocked torch path (one document group after another on the caller's thread)."""
-    nq, nd = len(q_offsets) - 1, len(d_offsets) - 1
-    scores = torch.empty(nq, nd, dtype=torch.float32)
-    if nq and nd:
-        q = q8.contiguous() if int8_products(q8.shape[1]) else q8.float().contiguous()
+    `int8_host`'s blocked torch path (one document group after another on the caller's thread).
+    ``documents``: only these documents (indices into d_offsets, read in place), a column each."""
+    nq = len(q_offsets) - 1
+    starts, lens = d_offsets[:-1], np.diff(d_offsets)
+    if documents is not None:
+        starts, lens = starts[documents], lens[documents]
+    scores = torch.empty(nq, len(lens), dtype=torch.float32)
+    if nq and len(lens):
         token_query = torch.from_numpy(np.repeat(np.arange(nq), np.diff(q_offsets)))
-        _score_docs(q, token_query, nq, d8, None, d_offsets[:-1], np.diff(d_offsets), scores, None,
+        _score_docs(_int8_query_rows(q8), token_query, nq, d8, None, starts, lens, scores, None,
                     token_scales=doc_scales.float(), query_scales=sq.float())  # fmt: skip
     return scores
 
@@ -560,7 +570,7 @@ def maxsim_int8_candidates_cpu(
 ) -> torch.Tensor:
     """int8 scores [C] of each query against its own candidates on the CPU (no argmax), the documents read
     in place: groups of one query's candidates of similar length spread over the workers
-    (`_int8_query_group`), or, where the candidates are dense (`dense_candidates`), every query against every
+    (`_int8_query_group`), or, where the candidates are dense (`dense_listing`), every query against every
     listed document by the document groups of `maxsim_int8_docs_cpu`, each pair's score picked from them.
     A pair scores as it does among all pairs, so the scores are the bits of `int8_host`'s torch rerank
     (`_candidates_torch`, which scores one query's candidates after another on the caller's thread: 3.5-4.6x
@@ -568,17 +578,15 @@ def maxsim_int8_candidates_cpu(
     nq = len(q_offsets) - 1
     if not len(c_docs):
         return torch.empty(0, dtype=torch.float32)
-    q = q8.contiguous() if int8_products(q8.shape[1]) else q8.float().contiguous()
+    pair_query = np.repeat(np.arange(nq), np.diff(c_offsets))
+    dense = dense_listing(c_docs, nq)
+    if dense is not None:
+        listed, column = dense
+        block = maxsim_int8_docs_cpu(q8, sq, q_offsets, d8, doc_scales, d_offsets, listed)
+        return block[torch.from_numpy(pair_query), torch.from_numpy(column)]
+    q = _int8_query_rows(q8)
     token_scales, query_scales = doc_scales.float(), sq.float()
     q_lens, d_lens = np.diff(q_offsets), np.diff(d_offsets)
-    pair_query = np.repeat(np.arange(nq), np.diff(c_offsets))
-    if dense_candidates(c_docs, nq, DENSE_CANDIDATES, DENSE_SHARING):
-        listed, column = np.unique(c_docs, return_inverse=True)
-        block = torch.empty(nq, len(listed), dtype=torch.float32)
-        token_query = torch.from_numpy(np.repeat(np.arange(nq), q_lens))
-        _score_docs(q, token_query, nq, d8, None, d_offsets[:-1][listed], d_lens[listed], block, None,
-                    token_scales=token_scales, query_scales=query_scales)  # fmt: skip
-        return block[torch.from_numpy(pair_query), torch.from_numpy(column)]
     scores = torch.empty(len(c_docs), dtype=torch.float32)
     pair_len = d_lens[c_docs]
     empty = np.flatnonzero(pair_len == 0)
@@ -970,7 +978,7 @@ def maxsim_candidates_cpu(
     documents of similar length spread over the cores: groups of one query's candidates through
     oneDNN's product where it gives MKL's bits (see _QUERY_GROUP_BYTES), otherwise document units, each
     document once against every query that lists it (see _RERANK_GROUP_BYTES); candidates that are dense
-    (`dense_candidates`, DENSE_CANDIDATES) as every query against every listed document, by the exhaustive
+    (`dense_listing`, DENSE_CANDIDATES) as every query against every listed document, by the exhaustive
     path's document groups. A score is bitwise the exhaustive path's for the same pair and does not depend
     on the other pairs of the call.
     ``check_finite`` as in `maxsim_varlen_cpu` (for the candidates' tokens).
@@ -1000,11 +1008,10 @@ def maxsim_candidates_cpu(
     full = np.flatnonzero(~empty)
     if len(full) == 0:
         return (scores, argmax) if return_argmax else scores
-    if device.type == "cpu" and dense_candidates(
-        c_docs[full], layout.num_queries, DENSE_CANDIDATES, DENSE_SHARING
-    ):
+    dense = dense_listing(c_docs[full], layout.num_queries) if device.type == "cpu" else None
+    if dense is not None:
         _rerank_as_all_pairs(
-            queries.to(compute).contiguous(), layout, docs, doc_scales, pair_query, c_docs, full, scores,
+            queries.to(compute).contiguous(), layout, docs, doc_scales, pair_query[full], dense, full, scores,
             argmax, check_finite,
         )  # fmt: skip
     elif device.type == "cpu" and compute == torch.float32 and _onednn_product(layout.dim):
@@ -1028,27 +1035,30 @@ def maxsim_candidates_cpu(
 
 
 # Reranks whose candidates are dense are scored as all pairs of their queries and the documents they list
-# (`_rerank_as_all_pairs`; int8: `maxsim_int8_candidates_cpu`): each listed document gathered (fp16 and
-# bf16 upcast) once for every query instead of once for each query that lists it, and the query rows of
-# many queries in one product, at the price of the pairs nobody asked for. Taken where the candidates hold
-# at least DENSE_CANDIDATES of those pairs and each listed document is listed DENSE_SHARING times on
-# average (a two-stage search whose depth reaches the corpus's size; one shortlist for many queries). The
-# rerank's time over the all pairs' on the 2-core Xeon (`python benchmarks/bench_cpu_rerank_dense.py`,
-# benchmarks/results/cpu/cpu-rerank-dense.json, medians of 3 rounds; 64 queries x 1000 candidates of
-# 20-300 tokens from pools of 1000-4000 documents): fp16 documents at density 1.0 3.04x, 0.77 2.41x, 0.50
-# 1.60x, 0.25 0.82x; fp32 2.84x, 2.22x, 1.42x, 0.81x; int8 (the query groups) 1.90x, 1.57x, 1.02x, 0.58x;
-# sample_data's shape (200 queries x 400 documents of 7-12 tokens, dim 384, every document listed by every
-# query) fp16 7.09x, int8 5.03x. Density 1.0 with fewer queries: fp32 one 0.56x, two 1.02x, four 1.55x,
-# eight 2.21x; int8 0.40x, 0.70x, 1.10x, 1.76x. The 2-core EPYC's rerank ran fp16 pairs at 1.13x the
-# exhaustive path's time a pair (see _QUERY_GROUP_BYTES), where all pairs break even at a density of ~0.9.
+# (`dense_listing`; `_rerank_as_all_pairs`, `maxsim_int8_candidates_cpu`): each listed document gathered (fp16
+# and bf16 upcast) once for every query instead of once for each query that lists it, and the query rows of
+# many queries in one product, at the price of the pairs nobody asked for. Taken where the candidates hold at
+# least DENSE_CANDIDATES of those pairs and each listed document is listed DENSE_SHARING times on average (a
+# two-stage search whose depth reaches the corpus's size; one shortlist for many queries). The rerank's time
+# over the all pairs' on the 2-core Xeon (`python benchmarks/bench_cpu_rerank_dense.py`,
+# benchmarks/results/cpu/cpu-rerank-dense.json, medians of 3 rounds; 64 queries x 1000 candidates of 20-300
+# tokens from pools of 1000-4000 documents): fp16 documents at density 1.0 3.04x, 0.77 2.41x, 0.50 1.60x, 0.25
+# 0.82x; fp32 2.84x, 2.22x, 1.42x, 0.81x; int8 (the query groups) 1.90x, 1.57x, 1.02x, 0.58x; sample_data's
+# shape (200 queries x 400 documents of 7-12 tokens, dim 384, every document listed by every query) fp16
+# 7.09x, int8 5.03x. Density 1.0 with fewer queries: fp32 one 0.56x, two 1.02x, four 1.55x, eight 2.21x; int8
+# 0.40x, 0.70x, 1.10x, 1.76x. The 2-core EPYC's rerank ran fp16 pairs at 1.13x the exhaustive path's time a
+# pair (see _QUERY_GROUP_BYTES), where all pairs break even at a density of ~0.9.
 DENSE_CANDIDATES, DENSE_SHARING = 0.9, 4.0
 
 
-def dense_candidates(pair_doc: np.ndarray, num_queries: int, fraction: float, sharing: float) -> bool:
-    """Whether candidate pairs of these documents cover at least ``fraction`` of all pairs of the call's
-    queries and the distinct documents they list, each listed ``sharing`` times on average."""
-    listed = len(np.unique(pair_doc))
-    return len(pair_doc) >= max(fraction * num_queries, sharing) * listed
+def dense_listing(pair_doc: np.ndarray, num_queries: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(the distinct documents listed, each pair's index among them) where candidate pairs of these
+    documents are dense: they cover at least DENSE_CANDIDATES of all pairs of the call's queries and the
+    documents they list, each listed DENSE_SHARING times on average; else None."""
+    listed, column = np.unique(pair_doc, return_inverse=True)
+    if len(pair_doc) < max(DENSE_CANDIDATES * num_queries, DENSE_SHARING) * len(listed):
+        return None
+    return listed, column
 
 
 def _rerank_as_all_pairs(
@@ -1056,18 +1066,19 @@ def _rerank_as_all_pairs(
     layout: Layout,
     docs: torch.Tensor,
     doc_scales: torch.Tensor | None,
-    pair_query: np.ndarray,
-    pair_doc: np.ndarray,
+    owner: np.ndarray,
+    dense: tuple[np.ndarray, np.ndarray],
     full: np.ndarray,
     scores: torch.Tensor,
     argmax: torch.Tensor | None,
     check_finite: bool,
 ) -> None:
-    """Fill scores[full] (and argmax[full]) of the pairs `full` (documents not empty) from the scores of every
-    query against the documents they list, by the exhaustive path's document groups (`_score_docs`, the
-    documents read in place): a pair's score is the exhaustive path's, as on the other rerank paths. `q` in
-    the compute dtype."""
-    listed, column = np.unique(pair_doc[full], return_inverse=True)
+    """Fill scores[full] (and argmax[full]) of the pairs `full` (documents not empty; their queries
+    ``owner``; ``dense`` = `dense_listing` of their documents) from the scores of every query against the
+    listed documents, by the exhaustive path's document groups (`_score_docs`, the documents read in
+    place): a pair's score is the exhaustive path's, as on the other rerank paths. `q` in the compute
+    dtype."""
+    listed, column = dense
     nq, device = layout.num_queries, q.device
     block = torch.zeros(nq, len(listed), dtype=scores.dtype, device=device)
     block_arg = (
@@ -1078,7 +1089,6 @@ def _rerank_as_all_pairs(
     token_query = torch.from_numpy(np.repeat(np.arange(nq), layout.q_lens)).to(device)
     starts, lens = layout.d_offsets[:-1][listed], layout.d_lens[listed]
     _score_docs(q, token_query, nq, docs, doc_scales, starts, lens, block, block_arg, check_finite)
-    owner = pair_query[full]
     placed = torch.from_numpy(full).to(device)
     scores[placed] = block[torch.from_numpy(owner), torch.from_numpy(column)]
     if argmax is not None:

@@ -219,15 +219,22 @@ def test_int8_candidates_on_the_cpu_are_the_torch_rerank_bitwise(dim, workers, d
     assert bool(taken) == dense
 
 
-def test_dense_candidates_need_the_fraction_and_the_sharing():
+def test_dense_listing_needs_the_fraction_and_the_sharing(monkeypatch):
     """All pairs where the candidates hold the fraction of the pairs of their queries and listed documents
-    and list each document often enough on average; one query's own list is not shared."""
-    from maxsim_kernels.cpu import dense_candidates
+    and list each document often enough on average; one query's own list is not shared. The listing is
+    the distinct documents and each pair's column among them."""
+    from maxsim_kernels import cpu
+
+    def dense(pair_doc, num_queries, fraction, sharing):
+        monkeypatch.setattr(cpu, "DENSE_CANDIDATES", fraction)
+        monkeypatch.setattr(cpu, "DENSE_SHARING", sharing)
+        return cpu.dense_listing(pair_doc, num_queries)
 
     every = np.tile(np.arange(10), 4)  # 4 queries, each listing all 10 documents
-    assert dense_candidates(every, 4, 0.9, 4.0)
-    assert not dense_candidates(every, 4, 0.9, 5.0)  # listed 4 times each, not 5
-    assert not dense_candidates(np.arange(10), 1, 0.9, 4.0)  # one query: density 1, nothing shared
+    listed, column = dense(every, 4, 0.9, 4.0)
+    assert np.array_equal(listed, np.arange(10)) and np.array_equal(listed[column], every)
+    assert dense(every, 4, 0.9, 5.0) is None  # listed 4 times each, not 5
+    assert dense(np.arange(10), 1, 0.9, 4.0) is None  # one query: density 1, nothing shared
     # 3 queries: all 10 documents, the first 5, the last 5: 20 of 30 pairs, each document listed twice
     two_thirds = np.concatenate([np.arange(10), np.arange(5), np.arange(5, 10)])
-    assert dense_candidates(two_thirds, 3, 0.25, 2.0) and not dense_candidates(two_thirds, 3, 0.9, 2.0)
+    assert dense(two_thirds, 3, 0.25, 2.0) is not None and dense(two_thirds, 3, 0.9, 2.0) is None
