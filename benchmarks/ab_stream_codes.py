@@ -36,7 +36,7 @@ from common import meta, ragged, write_json
 
 
 def main() -> None:
-    from maxsim_kernels import maxsim_codes
+    from maxsim_kernels import codes_host
     from maxsim_kernels import maxsim_int8_hopper_stream as current
     from maxsim_kernels.int8_host import quantize_per_token
 
@@ -79,7 +79,7 @@ def main() -> None:
 
     def query_side(codec: str, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if codec == "int2":  # the int8 scan of q * steps, without the rows' offsets (the same in both)
-            side = maxsim_codes.int2_queries(q, levels)
+            side = codes_host.int2_queries(q, levels)
             return side.q8, side.scales
         return quantize_per_token(q)
 

@@ -47,7 +47,7 @@ def ragged(n: int, lo: int, hi: int, dim: int, gen: torch.Generator, dev: torch.
 
 
 def main() -> None:
-    from maxsim_kernels import maxsim_codes, maxsim_varlen
+    from maxsim_kernels import codes_host, maxsim_varlen
     from maxsim_kernels.int8_host import quantize_per_token
 
     from maxsim_cli.codecs import Int2Grid, encode, fit_int2_levels, train_codebook
@@ -130,7 +130,7 @@ def main() -> None:
         if "doc_scales" in kw:
             kw["doc_scales"] = kw["doc_scales"][: int(head[-1])]
         fast = maxsim_varlen(q, q_off, part, head, **kw)
-        slow = maxsim_codes.maxsim_varlen_codes(q, q_off, part, head, backend="torch", **kw)
+        slow = codes_host.maxsim_varlen_codes(q, q_off, part, head, backend="torch", **kw)
         record["check"][name] = float((fast.float() - slow.float()).abs().max())
     log(f"check (max |triton - torch|): {record['check']}")
 
@@ -148,7 +148,7 @@ def main() -> None:
     def one_query(name: str):
         s = stored[name]
         if name in TRITON_SCANS:
-            scan = maxsim_codes.launch_varlen_with_tiles  # tiles None: the Triton scan's own plan
+            scan = codes_host.launch_varlen_with_tiles  # tiles None: the Triton scan's own plan
             return lambda: scan(q, q_off, s["docs"], offsets, None, **s["kw"])
         return lambda: maxsim_varlen(q, q_off, s["docs"], offsets, **s["kw"])
 
@@ -186,7 +186,7 @@ def main() -> None:
         if "doc_scales" in kw:
             kw["doc_scales"] = kw["doc_scales"][:end]
         if name == "int4_triton":  # the Triton scan, where sm_90 decodes chunks for the int8 kernel
-            scan = maxsim_codes.launch_varlen_with_tiles
+            scan = codes_host.launch_varlen_with_tiles
             return lambda: scan(qs, qs_off, s["docs"][:end], sub_off, None, **kw)
         return lambda: maxsim_varlen(qs, qs_off, s["docs"][:end], sub_off, **kw)
 
@@ -255,16 +255,16 @@ SWEEP_STREAM_INT2 = [
 def stream_sweep(q, codes: dict, offsets, configs: list, rep_ms: int) -> list:
     """int4, int2 or residual2 codes, one query, on the stream kernel under each of `configs`: median time,
     same bits as the first."""
-    from maxsim_kernels import maxsim_codes
+    from maxsim_kernels import code_packing, codes_host, maxsim_codes
     from maxsim_kernels import maxsim_int8_hopper_stream as stream
     from maxsim_kernels.int8_host import quantize_per_token
 
     q8, sq = quantize_per_token(q)
     q_off = torch.tensor([0, q.shape[0]], device=q.device)
     book = codes["kw"].get("codebook")
-    int2 = isinstance(book, maxsim_codes.Int2Levels)
+    int2 = isinstance(book, code_packing.Int2Levels)
     if int2:  # the query side of int2 (`int2_queries`): its int8 scan without the rows' offsets
-        side = maxsim_codes.int2_queries(q, book)
+        side = codes_host.int2_queries(q, book)
         q8, sq, book = side.q8, side.scales, None
     tables = None if book is None else maxsim_codes.residual2_query_tables(q8, book)
     scales = codes["kw"].get("doc_scales")
@@ -291,7 +291,8 @@ def stream_sweep(q, codes: dict, offsets, configs: list, rep_ms: int) -> list:
 
 def sweep(q, q_off, stored: dict, offsets, plans: list, rep_ms: int) -> dict:
     """Each codec under each tile plan: the median time and whether its scores equal the first plan's."""
-    from maxsim_kernels.maxsim_codes import Tiles, launch_varlen_with_tiles
+    from maxsim_kernels.codes_host import launch_varlen_with_tiles
+    from maxsim_kernels.maxsim_codes import Tiles
 
     out: dict = {}
     plans = plans[:2] if SMOKE["on"] else plans

@@ -18,7 +18,7 @@ tokens, `maxsim_cli.codecs.fit_int2_levels`). One query of 32 tokens. Each time 
   *_fp32        the same streamed path with each chunk upcast to fp32 and an fp32 product (the choice
                 where the CPU has no int8 dot-product instructions: `maxsim_kernels.cpu.int8_products`)
   *_blocked     the blocked torch path of the same codes (`int8_host._varlen_torch`; int4:
-                `maxsim_codes._varlen_torch`; int2: its odd values decoded whole, then the int8 path);
+                `codes_host._varlen_torch`; int2: its odd values decoded whole, then the int8 path);
                 with ``--skip-blocked`` run once for the bit check, not timed
 """
 
@@ -44,7 +44,7 @@ log = make_log("cpu-codes", clock=True)
 
 
 def main() -> None:
-    from maxsim_kernels import cpu, int8_host, maxsim_codes, maxsim_varlen
+    from maxsim_kernels import code_packing, codes_host, cpu, int8_host, maxsim_varlen
     from maxsim_kernels.int8_host import quantize_per_token
 
     from maxsim_cli.codecs import fit_int2_levels
@@ -64,13 +64,13 @@ def main() -> None:
     q_off = torch.tensor([0, 32])
     q8, sq = quantize_per_token(q)
     d8, s8 = quantize_per_token(x)
-    c4, s4 = maxsim_codes.encode_int4(x)
-    levels = maxsim_codes.Int2Levels(*(t.float() for t in fit_int2_levels(x[:65536])))
-    c2, s2 = maxsim_codes.encode_int2(x, levels)
-    side = maxsim_codes.int2_queries(q, levels, query_offsets=q_off)
+    c4, s4 = code_packing.encode_int4(x)
+    levels = code_packing.Int2Levels(*(t.float() for t in fit_int2_levels(x[:65536])))
+    c2, s2 = code_packing.encode_int2(x, levels)
+    side = codes_host.int2_queries(q, levels, query_offsets=q_off)
 
     def int2_blocked() -> torch.Tensor:
-        values = maxsim_codes.int2_values(c2)
+        values = code_packing.int2_values(c2)
         out = int8_host._varlen_torch(side.q8, side.scales, q_off, values, s2, offsets, False)[0]
         return out.add_(side.query_sums[:, None])
 
@@ -85,7 +85,7 @@ def main() -> None:
         paths[f"{codec}_fp32"] = cpu_int8_products(False, fn)
     blocked = {
         "int8_blocked": lambda: int8_host._varlen_torch(q8, sq, q_off, d8, s8, offsets, False)[0],
-        "int4_blocked": lambda: maxsim_codes._varlen_torch(q8, sq, q_off, c4, s4, offsets, None),
+        "int4_blocked": lambda: codes_host._varlen_torch(q8, sq, q_off, c4, s4, offsets, None),
         "int2_blocked": int2_blocked,
     }
     if not args.skip_blocked:

@@ -135,7 +135,7 @@ def draw_ids(codes: torch.Tensor, num_centroids: int, gen: torch.Generator) -> N
 
 
 def make_codebook(num_centroids: int, gen: torch.Generator, dev: torch.device):
-    from maxsim_kernels.maxsim_codes import ResidualCodebook
+    from maxsim_kernels.code_packing import ResidualCodebook
 
     cent = torch.randn(num_centroids, DIM, generator=gen, device=dev)
     cent = torch.nn.functional.normalize(cent, dim=1).half()
@@ -216,8 +216,8 @@ def rows_of(host_offsets: np.ndarray, docs: np.ndarray) -> tuple[np.ndarray, np.
 
 
 def main() -> None:
-    from maxsim_kernels import maxsim_codes, maxsim_varlen
-    from maxsim_kernels.maxsim_codes import Int2Levels
+    from maxsim_kernels import codes_host, maxsim_varlen
+    from maxsim_kernels.code_packing import Int2Levels
 
     from maxsim_cli.codecs import default_centroids
 
@@ -326,7 +326,7 @@ def main() -> None:
                 )
                 row["scan_topk_ms"] = topk["ms"]
                 # the same codes on the Triton scan (on sm_90 the scan above runs on the Gluon stream kernel)
-                triton_scan = lambda: maxsim_codes.launch_varlen_with_tiles(  # noqa: E731
+                triton_scan = lambda: codes_host.launch_varlen_with_tiles(  # noqa: E731
                     queries[0], q_off, codes, offsets, None, codebook=book
                 )
                 row["triton_scan_ms"] = timed_rounds(triton_scan, args.rounds, args.rep_ms)["ms"]

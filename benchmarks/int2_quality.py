@@ -1,5 +1,5 @@
 """The 2-bit codecs' quality on a collection, through the scan kernels' own scores: int2 (a per-dimension
-grid and a scale a token, `maxsim_kernels.maxsim_codes`, grid fitted by `maxsim_cli.codecs.fit_int2_levels`)
+grid and a scale a token, `maxsim_kernels.code_packing`, grid fitted by `maxsim_cli.codecs.fit_int2_levels`)
 beside residual2 (`maxsim quantize --bits 2`'s k-means codebook) and int4, at the same sample.
 
 ``int2_unscaled`` is int2's codes scored with every token's scale 1: what the scale a token is worth (a
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from common import meta, write_json
 from maxsim_kernels import maxsim_varlen
-from maxsim_kernels.maxsim_codes import Int2Levels, decode_int2, decode_int4, decode_residual2, encode_int2
+from maxsim_kernels.code_packing import Int2Levels, decode_int2, decode_int4, decode_residual2, encode_int2
 from safetensors.torch import load_file
 
 from maxsim_cli.codecs import default_centroids, encode, fit_int2_levels, train_codebook

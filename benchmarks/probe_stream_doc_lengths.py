@@ -17,8 +17,8 @@ import triton
 
 def main() -> None:
     from maxsim_kernels import maxsim_int8_hopper_stream as stream
+    from maxsim_kernels.code_packing import encode_int4
     from maxsim_kernels.int8_host import quantize_per_token
-    from maxsim_kernels.maxsim_codes import encode_int4
 
     torch.manual_seed(0)
     tokens = 16_000_000

@@ -17,7 +17,7 @@ Inputs: float16, bfloat16 or float32 with fp32 accumulation; queries are convert
 dtype. float32 inputs use exact fp32 products unless `allow_tf32=True` (TF32 tensor cores: 10-bit
 mantissa products, ~1e-3 relative error). int8 documents with per-token `doc_scales` go to
 `maxsim_kernels.int8_host` (its Triton kernels in `maxsim_int8`); uint8 documents are codes below 8 bits
-(int4 with `doc_scales`, residual2 with `codebook=`, int2 with both) and go to `maxsim_kernels.maxsim_codes`;
+(int4 with `doc_scales`, residual2 with `codebook=`, int2 with both) and go to `maxsim_kernels.codes_host`;
 inputs that require grad go to `maxsim_kernels.maxsim_backward`.
 dim is any multiple of 8 up to 4096. A query with no tokens raises ValueError; a document with no tokens
 scores -inf. Offsets may live on the CPU or on the tensors' device: each offsets tensor is checked (on a
@@ -82,9 +82,9 @@ def _needs_grad(queries: torch.Tensor, docs: torch.Tensor) -> bool:
 
 
 def _codes_module() -> Any:
-    from maxsim_kernels import maxsim_codes  # imports triton: only for documents stored as codes
+    from maxsim_kernels import codes_host  # only for documents stored as codes
 
-    return maxsim_codes
+    return codes_host
 
 
 def _backward_module() -> Any:
@@ -151,9 +151,9 @@ def maxsim_varlen(
     queries [Tq, dim] with query_offsets int64 [nq+1]; docs [Td, dim] with doc_offsets int64 [nd+1].
     int8 docs take `doc_scales` fp32 [Td], and either float queries (quantized per token on each call)
     or int8 queries with `query_scales` fp32 [Tq] (`maxsim_kernels.int8_host.quantize_per_token`).
-    uint8 docs are codes below 8 bits (`maxsim_kernels.maxsim_codes`): int4 with `doc_scales`, the
-    residual2 codec with `codebook` (a `maxsim_codes.ResidualCodebook`), or int2 with `doc_scales` and
-    `codebook` (its `maxsim_codes.Int2Levels`).
+    uint8 docs are codes below 8 bits (`maxsim_kernels.code_packing`): int4 with `doc_scales`, the
+    residual2 codec with `codebook` (a `code_packing.ResidualCodebook`), or int2 with `doc_scales` and
+    `codebook` (its `code_packing.Int2Levels`).
 
     ``check_finite``: raise `NonFiniteDocuments` (a ValueError) when a document token's similarities
     are NaN or Inf: its embedding holds NaN/Inf (or, in bf16/fp32, values so large that the fp32 sum

@@ -518,7 +518,7 @@ def maxsim_int8_varlen_cpu(
     given, makes them for a chunk of codes without its values: ``int_products(t0, t1, out)`` writes the
     int32 ``v[j] . q8[i]`` of rows t0 .. t1 - 1 into ``out`` [t1 - t0, rows]. The integer products are
     exact in fp32 too (every partial sum an integer below 2^24 at the callers' dims: `int8_host.MAX_DIM`,
-    `maxsim_codes.MAX_DIM`), each takes one fp32 rounding by its token's scale, and the scaled maxima are
+    `code_packing.MAX_DIM`), each takes one fp32 rounding by its token's scale, and the scaled maxima are
     summed in query-token order: the bits of `int8_host`'s blocked torch path, chunks of whole
     documents spread over every core."""
     nq, nd = len(q_offsets) - 1, len(d_offsets) - 1

@@ -1,38 +1,10 @@
-"""MaxSim over documents stored as codes below 8 bits: Triton scan kernels that decode in registers, a torch
-CPU path, and the codecs' packing (encode and decode of the stored bytes).
+"""MaxSim over documents stored as codes below 8 bits (`code_packing`), on the GPU: Triton scan kernels that
+decode in registers, the decode of int4 and int2 codes to int8 rows, and their launchers. The entry
+points, checks and CPU paths are `codes_host`'s, which imports this module at the first call that launches
+a kernel; scores as its docstring gives them.
 
-Three codecs; a token is one row of bytes of a uint8 ``[T, width]`` tensor:
-
-- **int4** (``width = dim / 2``, dim even): per-token symmetric scale ``s = absmax(x) / 7`` (1 for an
-  all-zero token) and ``c_k = clamp(round_half_even(x_k / s), -7, 7)``, two's-complement nibbles, value
-  ``2m`` in the low nibble of byte ``m`` and ``2m + 1`` in the high one; the scale is a separate fp32
-  ``doc_scales [T]``, as for int8. Decoded value: ``s * c_k``.
-- **residual2** (``width = 4 + dim / 4``, dim a multiple of 4), the ColBERTv2 residual scheme: bytes 0-3
-  the id of the token's nearest k-means centroid (uint32, little-endian), then a 2-bit bucket per
-  dimension, dimension ``4m + i`` in bits ``2i, 2i + 1`` of byte ``4 + m``. A `ResidualCodebook` gives
-  the centroids ``C`` (fp16 ``[K, dim]``) and per-dimension bucket values ``W`` (fp32 ``[dim, 4]``).
-  Decoded value: ``x_k = C[c, k] + W[k, b_k]`` (exact; the CPU path rounds it once to fp32).
-- **int2** (``width = dim / 4``, dim a multiple of 4): per dimension four evenly spaced values, an
-  `Int2Levels` grid (``offsets`` and ``steps``, fp32 ``[dim]``: `maxsim_cli.codecs.fit_int2_levels` fits
-  them), and a scale a token (fp32 ``doc_scales [T]``, `encode_int2`): code v of dimension ``4m + p``
-  in bits ``2p, 2p + 1`` of byte m, its odd value ``c = 2v - 3``. Decoded value: ``x_k = offsets[k] + s *
-  steps[k] * c_k``. No centroid: nothing is gathered per token (residual2's table: 4 Lq bytes a token).
-
-Scoring. Queries are quantized per token to int8 exactly as for the int8 corpus
-(`int8_host.quantize_per_token`: codes ``q8`` and scales ``s_q``), or given so with ``query_scales``:
-
-    int4:       score(q, d) = sum_i s_q[i] * max_j (s_d[j] * (q8[i] . c[j]))     q8 . c in int32, exact
-    residual2:  score(q, d) = sum_i s_q[i] * max_j (q8[i] . x[j])
-    int2:       score(q, d) = sum_i (q[i] . offsets + s_w[i] * max_j (s_d[j] * (w8[i] . c[j])))
-
-where for int2 ``w8, s_w`` are the int8 codes and scales of ``q * steps`` (`int2_queries`: the float query,
-not its int8 codes, is weighted) and ``q[i] . offsets`` is float64 rounded once: ``q . x = q . offsets + s *
-(q * steps) . c`` exactly, so int2 is scored by the int8 products, maxima and sums of int4, bit for bit
-the int8 kernels' on the decoded odd values, plus one constant a query row.
-
-The int4 max is over exact integers times one fp32 scale, so the max and its winner are those of the
-float64 evaluation of the decoded values. The residual2 scan kernels split the product in two (the centroid's
-term as in PLAID; `residual2_query_tables`):
+The residual2 scan kernels split the product in two (the centroid's term as in PLAID;
+`residual2_query_tables`):
 
     q8 . x = q8 . (C[c] + W[:, 0])  +  sum_v (q8 * D_v) . plane_v(b)
 
@@ -40,10 +12,8 @@ the first term a table over the codebook's centroids (float64, rounded once to f
 token's centroid id, the second three tensor-core products with the token's bucket bits: W[k, b] =
 W[k, 0] + b0 D_0[k] + b1 D_1[k] + b0 b1 D_2[k] for the bucket b = b0 + 2 b1, exactly, so the bit planes
 (0 or 1, exact in fp16) replace a decode of the values; the query planes q8 * D_v are rounded to fp16
-(relative 2^-11) and the products summed in fp32. `maxsim_kernels.reference.maxsim_codes_reference`
-evaluates the decoded values in float64; the tests state the tolerance. A document with no tokens scores
--inf. A centroid id outside the codebook is never dereferenced: the Triton kernels score its document
-NaN; the CPU path raises ValueError naming it.
+(relative 2^-11) and the products summed in fp32. A centroid id outside the codebook is never
+dereferenced: the kernels score its document NaN.
 
 Cost per document token, one query of Lq tokens, dim d (d = 128 in the figures):
 
@@ -85,56 +55,29 @@ residual2 at dim 128 with separable buckets (queries of at most 32 tokens, a cen
 cp.async ring, the bit planes made in wgmma's register operand, the same eight products a tile); so does
 int2 at dim 128, queries of at most 32 tokens (TMA ring, the odd values unpacked into wgmma's register
 operand, four int8 products a tile); everywhere else int2 documents are decoded to their odd values
-(int8, whole documents, at most `DECODE_CHUNK_BYTES` at a time; a rerank's candidates gathered first) and
-scored by the int8 kernels of `maxsim_int8` with their scales. All
-pairs of enough queries to be bound by the tensor cores decode the documents a bounded chunk at a time
-into int8 rows and score them on the Gluon all-pairs kernel of `maxsim_int8_hopper` (`_decoded_varlen`:
-the decode's bytes are ~1% of such a call's time; chunks alternate between two streams, so that neither
-the decode nor the end of each launch waits on the tensor cores).
+(`int2_to_int8`; `codes_host`: whole documents, at most `codes_host.DECODE_CHUNK_BYTES` at a time, a
+rerank's candidates gathered first) and scored by the int8 kernels of `maxsim_int8` with their scales. All
+pairs of enough queries to be bound by the tensor cores (`int4_allpairs_on_hopper`) decode int4 documents
+the same way (`int4_to_int8`) and score them on the Gluon all-pairs kernel of `maxsim_int8_hopper`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from .code_packing import Int2Levels, Int2Queries, ResidualCodebook
 from .code_unpacking import INT4_NIBBLES_ASM, PLANE_UNIT_ASM, bucket_planes_asm
-from .cpu import int8_columns, int8_stream_applies, maxsim_int8_varlen_cpu, thread_buffer
-from .int8_host import (
-    backend_and_offsets,
-    device_offsets,
-    maxsim_candidates_int8,
-    maxsim_varlen_int8,
-    quantize_per_token,
-    segment_ids,
-    segment_max,
-    sum_rows_in_order,
-)
 from .launch import launch_fitting_shared_memory
 from .maxsim_int8 import candidate_query, hopper_allpairs, hopper_stream, quantize_rows
 from .running_max import document_max, fold_tile, restart, tile_count
-from .validation import (
-    cdiv,
-    check_candidate_docs,
-    host_offsets,
-    interpreting,
-    memo,
-    resolve_backend,
-)
-
-CODECS = ("int4", "residual2", "int2")
-INT4_ABSMAX = 7.0
-RESIDUAL_BUCKETS = 4  # 2 bits a dimension
-ID_BYTES = 4  # the residual2 centroid id: uint32, little-endian, first in the row
-MAX_DIM = 1024  # int4: |q8 . c| <= 128 * 8 * dim < 2^24, exact in fp32
+from .validation import cdiv, interpreting, memo
 
 
 # Tile sizes (`Tiles`): the all-pairs plan for many query rows a program, the few-rows plan for one or a
@@ -163,196 +106,6 @@ _FEW_ROWS = {
 _CANDIDATES = Tiles(block_q=64, block_d=64, docs_per_prog=16, warps=4, stages=3)
 _FEW_ROWS_MAX = 64  # query rows at most for the few-rows plan (one or two queries of 32 tokens)
 _MAX_QUERIES_PER_GROUP = 32
-
-# CPU path: at most this many fp32 similarities (and decoded values) materialised at once (64 MiB).
-_TORCH_BLOCK_ELEMS = 1 << 24
-
-
-class ResidualCodebook(NamedTuple):
-    """The residual2 codebook: ``centroids`` fp16 ``[K, dim]`` and ``bucket_weights`` fp32 ``[dim, 4]``
-    (the value of each 2-bit bucket, per dimension), on the documents' device."""
-
-    centroids: torch.Tensor
-    bucket_weights: torch.Tensor
-
-    def to(self, device: torch.device | str) -> ResidualCodebook:
-        return ResidualCodebook(self.centroids.to(device), self.bucket_weights.to(device))
-
-
-class Int2Levels(NamedTuple):
-    """The int2 codec's grid, per dimension: code v (0..3) of dimension k decodes to ``offsets[k] + s *
-    steps[k] * (2v - 3)`` for the token's scale s; fp32 ``[dim]`` each, on the documents' device."""
-
-    offsets: torch.Tensor
-    steps: torch.Tensor
-
-    def to(self, device: torch.device | str) -> Int2Levels:
-        return Int2Levels(self.offsets.to(device), self.steps.to(device))
-
-
-def code_width(codec: str, dim: int) -> int:
-    """Bytes a token of ``dim`` values takes in the codes tensor (the int4 and int2 scales are stored
-    beside it)."""
-    if codec == "int4":
-        return dim // 2
-    if codec == "int2":
-        return dim // 4
-    if codec == "residual2":
-        return ID_BYTES + dim // 4
-    raise ValueError(f"unknown codec {codec!r} (expected one of {', '.join(CODECS)})")
-
-
-def check_codec_dim(codec: str, dim: int) -> None:
-    """ValueError (one line) for a dim the codec does not store: int4 needs an even dim, residual2 a
-    multiple of 4 (whole bytes a token), both at most MAX_DIM."""
-    if codec == "int4" and (dim < 2 or dim % 2 or dim > MAX_DIM):
-        raise ValueError(f"int4 codes need an even dim from 2 to {MAX_DIM} (two values a byte), got {dim}")
-    if codec in ("residual2", "int2") and (dim < 4 or dim % 4 or dim > MAX_DIM):
-        raise ValueError(
-            f"{codec} codes need a dim that is a multiple of 4 from 4 to {MAX_DIM} (four values a "
-            f"byte), got {dim}"
-        )
-    if codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r} (expected one of {', '.join(CODECS)})")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Packing (torch; CPU or GPU tensors)
-# ----------------------------------------------------------------------------------------------------------
-
-
-def encode_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int4 codes of ``x`` [T, dim] (dim even): (uint8 [T, dim / 2], fp32 scales [T]), computed in fp32.
-
-    ``s = absmax / 7`` (1 for an all-zero token), ``c = clamp(round_half_even(x / s), -7, 7)``, so
-    ``|x - s * c| <= s / 2`` per value."""
-    check_codec_dim("int4", x.shape[1])
-    xf = x.float()
-    absmax = xf.abs().amax(dim=1)
-    scale = absmax / torch.full_like(absmax, INT4_ABSMAX)  # a tensor divisor: the correctly rounded quotient
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round(xf / scale[:, None]).clamp_(-INT4_ABSMAX, INT4_ABSMAX).to(torch.int16)
-    nibbles = (codes & 0xF).to(torch.uint8)
-    return (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).contiguous(), scale
-
-
-def decode_int4(codes: torch.Tensor) -> torch.Tensor:
-    """The signed int4 values of uint8 codes [T, dim / 2] as int8 [T, dim] (any nibble: -8..7)."""
-    low = (codes & 0xF).to(torch.int16)
-    high = (codes >> 4).to(torch.int16)
-    values = torch.stack([low, high], dim=2).reshape(codes.shape[0], -1)
-    return ((values ^ 8) - 8).to(torch.int8)
-
-
-# Values encoded at once by `encode_residual2` (~16 B of temporaries each): bounded memory on any corpus.
-ENCODE_BLOCK_ELEMS = 1 << 24
-
-
-def encode_residual2(
-    x: torch.Tensor, centroid_ids: torch.Tensor, centroids: torch.Tensor, cutoffs: torch.Tensor
-) -> torch.Tensor:
-    """residual2 rows (uint8 [T, 4 + dim / 4]) of ``x`` [T, dim] with their centroid ids [T] (int64):
-    the bucket of dimension k is the number of ``cutoffs[k]`` (fp32 [dim, 3], ascending) that the
-    residual ``x_k - C[id, k]`` reaches or exceeds."""
-    dim = x.shape[1]
-    check_codec_dim("residual2", dim)
-    out = torch.empty(x.shape[0], ID_BYTES + dim // 4, dtype=torch.uint8, device=x.device)
-    cut = cutoffs.float()[None]
-    # a block of rows at a time: the comparisons take 3 * dim bytes and the residuals 4 * dim a row
-    step = max(1, ENCODE_BLOCK_ELEMS // dim)
-    for a in range(0, x.shape[0], step):
-        rows = slice(a, a + step)
-        residual = x[rows].float() - centroids[centroid_ids[rows]].float()
-        buckets = (residual[:, :, None] >= cut).sum(dim=2, dtype=torch.uint8)  # [rows, dim] 0..3
-        b = buckets.view(-1, dim // 4, 4)
-        out[rows, ID_BYTES:] = b[:, :, 0] | (b[:, :, 1] << 2) | (b[:, :, 2] << 4) | (b[:, :, 3] << 6)
-        ids = centroid_ids[rows].to(torch.int64)
-        for i in range(ID_BYTES):
-            out[rows, i] = ((ids >> (8 * i)) & 0xFF).to(torch.uint8)
-    return out
-
-
-def encode_int2(x: torch.Tensor, levels: Int2Levels) -> tuple[torch.Tensor, torch.Tensor]:
-    """int2 codes of ``x`` [T, dim] (dim a multiple of 4): (uint8 [T, dim / 4], fp32 scales [T]).
-
-    Per dimension the nearest of the grid's four odd values ``c = 2v - 3`` to ``(x_k - offsets[k]) /
-    steps[k]`` (ties to even, clamped), then the token's least-squares scale ``s = <x - offsets, steps * c>
-    / |steps * c|^2`` (float64, rounded once; 0 where every step is 0, never negative: each c_k has the
-    sign of its value): the decoded ``offsets + s * steps *
-    c`` is the nearest point of the token's line. A dimension of step 0 (one that does not vary) decodes to
-    its offset. Code v of dimension ``4m + p`` is bits 2p and 2p + 1 of byte m."""
-    dim = x.shape[1]
-    check_codec_dim("int2", dim)
-    offsets = levels.offsets.to(x.device, torch.float32)
-    steps = levels.steps.to(x.device, torch.float32)
-    codes = torch.empty(x.shape[0], dim // 4, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    step = max(1, ENCODE_BLOCK_ELEMS // dim)
-    for a in range(0, x.shape[0], step):
-        rows = slice(a, a + step)
-        centred = x[rows].float() - offsets
-        v = int2_grid_codes(centred, steps)
-        spread = steps.double() * (2.0 * v.double() - 3.0)
-        norm = (spread * spread).sum(dim=1)
-        fit = (centred.double() * spread).sum(dim=1) / torch.where(norm > 0, norm, torch.ones_like(norm))
-        scales[rows] = fit.float()
-        b = v.to(torch.uint8).view(-1, dim // 4, 4)
-        codes[rows] = b[:, :, 0] | (b[:, :, 1] << 2) | (b[:, :, 2] << 4) | (b[:, :, 3] << 6)
-    return codes, scales
-
-
-def int2_grid_codes(centred: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """The codes v (0..3, in ``centred``'s float dtype) of the grid's odd values 2v - 3 nearest to
-    ``centred / steps`` per dimension (ties to even, clamped; a dimension of step 0 takes v = 2): what
-    `encode_int2` stores and `maxsim_cli.codecs.fit_int2_levels` fits the grid to."""
-    stepped = torch.where(steps > 0, centred / steps, torch.zeros_like(centred))
-    return torch.round((stepped + 3.0) / 2.0).clamp_(0, 3)
-
-
-def int2_values(codes: torch.Tensor) -> torch.Tensor:
-    """The odd values 2v - 3 (int8 [T, dim], -3..3) of int2 codes [T, dim / 4]."""
-    packed = codes.to(torch.int16)
-    v = torch.stack([(packed >> (2 * i)) & 3 for i in range(4)], dim=2).reshape(codes.shape[0], -1)
-    return (2 * v - 3).to(torch.int8)
-
-
-def decode_int2(codes: torch.Tensor, scales: torch.Tensor, levels: Int2Levels) -> torch.Tensor:
-    """Decoded int2 values, fp32 [T, dim]: ``offsets + s * steps * c`` evaluated in float64, rounded once."""
-    c = int2_values(codes).double()
-    return (levels.offsets.double() + scales.double()[:, None] * levels.steps.double() * c).float()
-
-
-class Int2Queries(NamedTuple):
-    """The query side of an int2 scan (`int2_queries`): the int8 codes and scales of ``q * steps`` and each
-    query row's ``q . offsets``."""
-
-    q8: torch.Tensor  # int8 [Tq, dim]
-    scales: torch.Tensor  # fp32 [Tq]
-    row_offsets: torch.Tensor  # fp32 [Tq]
-    query_sums: torch.Tensor | None = None  # fp32 [nq]: each query's sum of row_offsets (with query offsets)
-
-
-def int2_queries(
-    queries: torch.Tensor,
-    levels: Int2Levels,
-    backend: str = "torch",
-    query_offsets: torch.Tensor | None = None,
-) -> Int2Queries:
-    """The query side of int2 scores (module docstring): ``q . x = q . offsets + s * (q * steps) . c``, so
-    the kernels of int8 score ``q * steps`` (quantized per token to int8, as any query) against the codes'
-    odd values c with the tokens' scales s, and each query row adds ``q . offsets`` (float64, rounded
-    once) to its maximum. With `query_offsets` (int64 [nq + 1], checked, on the queries' device) also each
-    query's sum of its rows' offsets (`query_sums`, float64 sums rounded once); the Triton backend then
-    makes everything in one launch: q8 and the scales `quantize_per_token`'s bits, the offsets' float64
-    sums added in another order than torch's product and `_query_sums`."""
-    if query_offsets is not None and resolve_backend(backend, queries.device) == "triton":
-        return _int2_queries_triton(queries, levels, query_offsets)
-    q = queries.float()
-    weighted = q * levels.steps.to(q.device, torch.float32)
-    q8, sq = quantize_per_token(weighted, backend=backend)
-    row_offsets = (queries.double() @ levels.offsets.to(q.device, torch.float64)).float()
-    sums = None if query_offsets is None else _query_sums(row_offsets, query_offsets)
-    return Int2Queries(q8, sq, row_offsets, sums)
 
 
 @triton.jit(do_not_specialize=["n_rows", "dim"])
@@ -387,7 +140,7 @@ def _int2_query_kernel(
     tl.store(sums_ptr + q, tl.sum(total, axis=0).to(tl.float32))
 
 
-def _int2_queries_triton(
+def int2_queries_triton(
     queries: torch.Tensor, levels: Int2Levels, query_offsets: torch.Tensor
 ) -> Int2Queries:
     """`int2_queries` in one launch (`_int2_query_kernel`): a program a query."""
@@ -406,32 +159,6 @@ def _int2_queries_triton(
             BLOCK_R=max(1, min(16, 4096 // block_k)), BLOCK_K=block_k,
         )  # fmt: skip
     return Int2Queries(q8, scales, row_offsets, sums)
-
-
-def residual2_ids(codes: torch.Tensor) -> torch.Tensor:
-    """The centroid ids (int64 [T]) of residual2 rows."""
-    raw = codes[:, :ID_BYTES].to(torch.int64)
-    return raw[:, 0] | (raw[:, 1] << 8) | (raw[:, 2] << 16) | (raw[:, 3] << 24)
-
-
-def residual2_buckets(codes: torch.Tensor) -> torch.Tensor:
-    """The 2-bit buckets (int64 [T, dim]) of residual2 rows."""
-    packed = codes[:, ID_BYTES:].to(torch.int64)
-    return torch.stack([(packed >> (2 * i)) & 3 for i in range(4)], dim=2).reshape(codes.shape[0], -1)
-
-
-def decode_residual2(codes: torch.Tensor, codebook: ResidualCodebook) -> torch.Tensor:
-    """Decoded residual2 values, fp32 [T, dim]: ``C[id, k] + W[k, bucket_k]`` rounded once to fp32. Raises
-    ValueError naming the first row whose centroid id is outside the codebook."""
-    ids = residual2_ids(codes)
-    k = codebook.centroids.shape[0]
-    bad = (ids >= k).nonzero()
-    if bad.numel():
-        row = int(bad[0, 0])
-        raise ValueError(f"token row {row}: centroid id {int(ids[row])} outside the codebook's {k} centroids")
-    buckets = residual2_buckets(codes)
-    weights = codebook.bucket_weights.float().gather(1, buckets.T).T  # [T, dim]
-    return codebook.centroids[ids].float() + weights
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -969,97 +696,6 @@ def _maxsim_codes_candidates_kernel(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _codec_of(doc_scales: torch.Tensor | None, codebook: ResidualCodebook | Int2Levels | None) -> str:
-    if isinstance(codebook, Int2Levels):
-        if doc_scales is None:
-            raise ValueError("int2 codes take doc_scales (fp32 [T]) beside their levels")
-        return "int2"
-    if codebook is not None and doc_scales is not None:
-        raise ValueError("uint8 codes take doc_scales (int4) or a codebook (residual2), not both")
-    if codebook is None and doc_scales is None:
-        raise ValueError(
-            "uint8 documents are codes: give doc_scales (int4, fp32 [T]), codebook= (residual2) or both "
-            "(int2: its Int2Levels)"
-        )
-    return "int4" if codebook is None else "residual2"
-
-
-def _prepare(
-    queries: torch.Tensor,
-    query_offsets: torch.Tensor,
-    docs: torch.Tensor,
-    doc_offsets: torch.Tensor,
-    doc_scales: torch.Tensor | None,
-    query_scales: torch.Tensor | None,
-    codebook: ResidualCodebook | None,
-    backend: str,
-) -> tuple:
-    """Validate; pick the codec and the backend; quantize float queries to int8.
-
-    Returns (codec, dim, backend, q8, s_q, query_offsets, codes, s_d or None, doc_offsets, codebook); for
-    int2, q8 and s_q are those of `int2_queries` and the last entry its `Int2Queries`."""
-    codec = _codec_of(doc_scales, codebook)
-    if not isinstance(docs, torch.Tensor) or docs.dtype != torch.uint8 or docs.dim() != 2:
-        got = f"{docs.dtype} {tuple(docs.shape)}" if isinstance(docs, torch.Tensor) else type(docs)
-        raise ValueError(f"{codec} MaxSim expects uint8 codes [tokens, width], got {got}")
-    if not isinstance(queries, torch.Tensor) or queries.dim() != 2:
-        raise ValueError(f"queries must be a 2-D [tokens, dim] tensor, got {type(queries)}")
-    dim = queries.shape[1]
-    check_codec_dim(codec, dim)
-    if docs.shape[1] != code_width(codec, dim):
-        raise ValueError(
-            f"{codec} codes of dim {dim} are {code_width(codec, dim)} bytes a token, but the documents "
-            f"have {docs.shape[1]}; the queries and the codes come from different encoders or codecs"
-        )
-    device = docs.device
-    if queries.device != device:
-        raise ValueError(f"queries are on {queries.device}, documents on {device}")
-    if codec in ("int4", "int2"):
-        assert doc_scales is not None
-        if doc_scales.shape != (docs.shape[0],) or doc_scales.device != device:
-            raise ValueError(
-                f"doc_scales must be [{docs.shape[0]}] on {device}, got {tuple(doc_scales.shape)}"
-            )
-        doc_scales = doc_scales.float().contiguous()
-    if codec == "int2":
-        offsets, steps = codebook
-        if offsets.shape != (dim,) or steps.shape != (dim,):
-            raise ValueError(
-                f"int2 levels {tuple(offsets.shape)} and {tuple(steps.shape)} do not fit dim {dim} "
-                f"(expected [{dim}] each)"
-            )
-        codebook = Int2Levels(offsets.to(device, torch.float32), steps.to(device, torch.float32))
-    elif codec == "residual2":
-        assert codebook is not None
-        cent, wts = codebook
-        if cent.dim() != 2 or cent.shape[1] != dim or wts.shape != (dim, RESIDUAL_BUCKETS):
-            raise ValueError(
-                f"codebook centroids {tuple(cent.shape)} and bucket weights {tuple(wts.shape)} do not fit "
-                f"dim {dim} (expected [K, {dim}] and [{dim}, {RESIDUAL_BUCKETS}])"
-            )
-        codebook = ResidualCodebook(
-            cent.to(device, torch.float16).contiguous(), wts.to(device, torch.float32).contiguous()
-        )
-    backend, query_offsets, doc_offsets = backend_and_offsets(
-        backend, device, query_offsets, queries.shape[0], doc_offsets, docs.shape[0]
-    )
-    if queries.dtype == torch.int8:
-        if query_scales is None or query_scales.shape != (queries.shape[0],):
-            raise ValueError(f"int8 queries need query_scales (fp32 [{queries.shape[0]}])")
-        q8, sq = queries, query_scales.to(device).float()
-    elif queries.is_floating_point():
-        q8, sq = (None, None) if codec == "int2" else quantize_per_token(queries, backend=backend)
-    else:
-        raise ValueError(f"queries must be float16/bfloat16/float32 or int8, got {queries.dtype}")
-    if codec == "int2":  # the int8 scan of q * steps (`int2_queries`), from the float queries
-        given = queries if q8 is None else q8.float() * sq[:, None]
-        codebook = int2_queries(given, codebook, backend=backend, query_offsets=query_offsets)
-        q8, sq = codebook.q8, codebook.scales
-    codes = docs if docs.stride(1) == 1 else docs.contiguous()
-    q8 = q8 if q8.stride(1) == 1 else q8.contiguous()
-    return codec, dim, backend, q8, sq.contiguous(), query_offsets, codes, doc_scales, doc_offsets, codebook
-
-
 # fp32 zeros past the centroid table's last row (`residual2_query_tables`): the Gluon stream kernel reads N
 # columns of a row from the query's first, unmasked (`maxsim_int8_hopper_stream._tile_centroids`; a mask of
 # the query's columns made its candidates build spill 640 bytes)
@@ -1246,7 +882,7 @@ def _rebased(offsets: torch.Tensor, first: int, last: int, whole: bool) -> torch
     return offsets if whole else offsets[first : last + 1] - offsets[first]
 
 
-def _launch_varlen(
+def launch_varlen(
     codec: str,
     dim: int,
     q8: torch.Tensor,
@@ -1300,7 +936,7 @@ def _launch_varlen_chunk(codec, dim, q8, sq, query_offsets, codes, doc_scales, d
     )  # fmt: skip
 
 
-def _launch_candidates(
+def launch_candidates(
     codec: str,
     dim: int,
     q8: torch.Tensor,
@@ -1348,254 +984,8 @@ def _launch_candidates(
     return out
 
 
-def launch_varlen_with_tiles(
-    queries: torch.Tensor,
-    query_offsets: torch.Tensor,
-    docs: torch.Tensor,
-    doc_offsets: torch.Tensor,
-    tiles: Tiles | None,
-    *,
-    doc_scales: torch.Tensor | None = None,
-    codebook: ResidualCodebook | None = None,
-) -> torch.Tensor:
-    """`maxsim_varlen_codes` on the Triton scan kernel, with the tile plan `tiles` in place of the planned
-    one (None: the planned one; never the Gluon stream kernel): for tile sweeps and for timing the scan
-    beside the stream kernel (`benchmarks/bench_codes.py`), not for production."""
-    codec, dim, _, q8, sq, q_off, codes, sd, d_off, cb = _prepare(
-        queries, query_offsets, docs, doc_offsets, doc_scales, None, codebook, "triton"
-    )
-    return _launch_varlen(codec, dim, q8, sq, q_off, codes, sd, d_off, cb, tiles=tiles)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# CPU path (torch ops, documents decoded a bounded block at a time; also runs on CUDA tensors)
-# ----------------------------------------------------------------------------------------------------------
-
-
-def _decoded_block(
-    codes: torch.Tensor, rows: slice | torch.Tensor, doc_scales: torch.Tensor | None, codebook
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(decoded values as fp32 [t, dim], the int4 scales [t] or None) of the token rows ``rows``."""
-    block = codes[rows]
-    if codebook is None:
-        assert doc_scales is not None
-        return decode_int4(block).float(), doc_scales[rows]
-    ids = residual2_ids(block)
-    bad = (ids >= codebook.centroids.shape[0]).nonzero()
-    if bad.numel():  # name the row of the whole codes tensor
-        i = int(bad[0, 0])
-        row = rows.start + i if isinstance(rows, slice) else int(rows[i])
-        raise ValueError(
-            f"document token row {row}: centroid id {int(ids[i])} outside the codebook's "
-            f"{codebook.centroids.shape[0]} centroids; the codes and the codebook do not belong together"
-        )
-    return decode_residual2(block, codebook).float(), None
-
-
-def _block_sims(
-    q_float: torch.Tensor,
-    codes: torch.Tensor,
-    rows: slice | torch.Tensor,
-    doc_scales: torch.Tensor | None,
-    codebook: ResidualCodebook | None,
-) -> torch.Tensor:
-    """Similarities [query rows, t] of the query rows with the decoded token rows ``rows``: int4's integer
-    products are exact in fp32 and take the one fp32 rounding of ``s_d * acc``, as in the kernels."""
-    values, scales = _decoded_block(codes, rows, doc_scales, codebook)
-    sim = q_float @ values.T
-    if scales is not None:
-        sim.mul_(scales)
-    return sim
-
-
-def _varlen_torch(
-    q8: torch.Tensor,
-    sq: torch.Tensor,
-    query_offsets: torch.Tensor,
-    codes: torch.Tensor,
-    doc_scales: torch.Tensor | None,
-    doc_offsets: torch.Tensor,
-    codebook: ResidualCodebook | None,
-) -> torch.Tensor:
-    nq, nd = query_offsets.numel() - 1, doc_offsets.numel() - 1
-    device = codes.device
-    dim = q8.shape[1]
-    q_float = q8.float()
-    row_query = torch.repeat_interleave(torch.arange(nq, device=device), query_offsets.diff())
-    d_host = doc_offsets.tolist()
-    out = torch.empty((nq, nd), dtype=torch.float32, device=device)
-    budget = max(1, _TORCH_BLOCK_ELEMS // max(1, q8.shape[0], dim))  # document tokens per block
-    first = 0
-    while first < nd:
-        last = first + 1
-        while last < nd and d_host[last + 1] - d_host[first] <= budget:
-            last += 1
-        sim = _block_sims(q_float, codes, slice(d_host[first], d_host[last]), doc_scales, codebook)
-        segment, _ = segment_ids(doc_offsets[first : last + 1].diff())
-        best, _ = segment_max(sim, segment, last - first, None)
-        out[:, first:last] = torch.zeros((nq, last - first), device=device).index_add_(
-            0, row_query, sq[:, None] * best
-        )
-        first = last
-    return out
-
-
-def _candidates_torch(
-    q8: torch.Tensor,
-    sq: torch.Tensor,
-    query_offsets: torch.Tensor,
-    codes: torch.Tensor,
-    doc_scales: torch.Tensor | None,
-    doc_offsets: torch.Tensor,
-    codebook: ResidualCodebook | None,
-    candidate_offsets: torch.Tensor,
-    candidate_docs: torch.Tensor,
-) -> torch.Tensor:
-    q_host = query_offsets.tolist()
-    cand_host = candidate_offsets.tolist()
-    nq = len(q_host) - 1
-    dim = q8.shape[1]
-    out = torch.empty((candidate_docs.numel(),), dtype=torch.float32, device=codes.device)
-    cand_start = doc_offsets[candidate_docs]
-    cand_len = doc_offsets[candidate_docs + 1] - cand_start
-    len_host = cand_len.tolist()
-    for query in range(nq):
-        r0, r1 = q_host[query], q_host[query + 1]
-        q_float = q8[r0:r1].float()
-        budget = max(1, _TORCH_BLOCK_ELEMS // max(1, r1 - r0, dim))
-        first, stop = cand_host[query], cand_host[query + 1]
-        while first < stop:
-            last, tokens = first + 1, len_host[first]
-            while last < stop and tokens + len_host[last] <= budget:
-                tokens += len_host[last]
-                last += 1
-            segment, local = segment_ids(cand_len[first:last])
-            token = cand_start[first:last][segment] + local
-            sim = _block_sims(q_float, codes, token, doc_scales, codebook)
-            best, _ = segment_max(sim, segment, last - first, None)
-            out[first:last] = sum_rows_in_order(sq[r0:r1, None] * best)
-            first = last
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Public API
-# ----------------------------------------------------------------------------------------------------------
-
-
-def maxsim_varlen_codes(
-    queries: torch.Tensor,
-    query_offsets: torch.Tensor,
-    docs: torch.Tensor,
-    doc_offsets: torch.Tensor,
-    *,
-    doc_scales: torch.Tensor | None = None,
-    codebook: ResidualCodebook | None = None,
-    query_scales: torch.Tensor | None = None,
-    return_argmax: bool = False,
-    allow_tf32: bool = False,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """Every query against every document stored as codes: fp32 scores [nq, nd].
-
-    docs: uint8 codes [Td, width] with `doc_scales` fp32 [Td] (int4, width dim / 2) or `codebook` (a
-    `ResidualCodebook`: residual2, width 4 + dim / 4); queries [Tq, dim] float (quantized per token to
-    int8 here) or int8 with `query_scales`. Scores as in the module docstring; a document with no tokens
-    scores -inf. backend: "auto" (Triton on CUDA, torch on CPU), "triton", "torch". Offsets are checked
-    on the host except by the Triton path on CUDA tensors. `allow_tf32` has no effect (the products are
-    int8 or fp16); `return_argmax` is not available for codes.
-    """
-    del allow_tf32
-    if return_argmax:
-        raise ValueError("return_argmax is not available for compressed documents; score the float corpus")
-    codec, dim, backend, q8, sq, q_off, codes, sd, d_off, cb = _prepare(
-        queries, query_offsets, docs, doc_offsets, doc_scales, query_scales, codebook, backend
-    )
-    stream = _code_stream(codec, backend, query_offsets, q8, codes, cb) if q_off.numel() == 2 else None
-    if stream is not None:
-        scores = stream(q8, sq, q_off, None, None, codes, sd, d_off)[None]
-    elif codec in _BYTE_TABLES and backend == "torch" and int8_stream_applies(q8, codes.device):
-        # int4 or int2 against a few query rows on the CPU: decoded a chunk at a time on each worker
-        decoded = functools.partial(_decoded_rows, codec, codes)
-        products = _Int4Products(codes, q8) if codec == "int4" else None  # used where products are integers
-        scores = maxsim_int8_varlen_cpu(q8, sq, q_off.numpy(), decoded, sd, d_off.numpy(), products)
-    elif codec == "int2" or (
-        codec == "int4"
-        and backend == "triton"
-        and q_off.numel() > 2
-        and _int4_allpairs_on_hopper(query_offsets, doc_offsets, q8, codes)
-    ):  # int2's query sums added to each chunk's scores as they are placed
-        sums = cb.query_sums if codec == "int2" else None
-        return _decoded_varlen(codec, backend, query_offsets, doc_offsets, q8, sq, codes, sd, sums)
-    else:
-        if backend == "triton":
-            return _launch_varlen(codec, dim, q8, sq, q_off, codes, sd, d_off, cb)
-        return _varlen_torch(q8, sq, q_off, codes, sd, d_off, cb)
-    if codec == "int2":  # each query row's q . offsets (`int2_queries`)
-        scores.add_(cb.query_sums[:, None])
-    return scores
-
-
-def maxsim_candidates_codes(
-    queries: torch.Tensor,
-    query_offsets: torch.Tensor,
-    docs: torch.Tensor,
-    doc_offsets: torch.Tensor,
-    candidate_offsets: torch.Tensor,
-    candidate_docs: torch.Tensor,
-    *,
-    doc_scales: torch.Tensor | None = None,
-    codebook: ResidualCodebook | None = None,
-    query_scales: torch.Tensor | None = None,
-    return_argmax: bool = False,
-    allow_tf32: bool = False,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """Each query against its own candidates, documents stored as codes: fp32 scores [C].
-
-    Query i's candidates are ``candidate_docs[candidate_offsets[i]:candidate_offsets[i+1]]`` (int64
-    indices into doc_offsets, read in place). Inputs as in `maxsim_varlen_codes`. Candidate indices on the
-    host, or with the torch backend, are checked (ValueError naming the entry); on the GPU with the
-    Triton backend a bad index is never read through and scores NaN.
-    """
-    del allow_tf32
-    if return_argmax:
-        raise ValueError("return_argmax is not available for compressed documents; score the float corpus")
-    codec, dim, backend, q8, sq, q_off, codes, sd, d_off, cb = _prepare(
-        queries, query_offsets, docs, doc_offsets, doc_scales, query_scales, codebook, backend
-    )
-    nq, nd = q_off.numel() - 1, d_off.numel() - 1
-    device = codes.device
-    if not isinstance(candidate_docs, torch.Tensor) or candidate_docs.dtype != torch.int64:
-        raise ValueError("candidate_docs must be a 1-D int64 tensor [C] of document indices")
-    if not isinstance(candidate_offsets, torch.Tensor) or candidate_offsets.shape != (nq + 1,):
-        raise ValueError(f"candidate_offsets must have nq+1 = {nq + 1} entries")
-    check = backend == "torch" or device.type != "cuda"
-    c_off = device_offsets(
-        "candidate_offsets", candidate_offsets, candidate_docs.numel(), device, empty_ok=True, check=check
-    )
-    stream = _code_stream(codec, backend, query_offsets, q8, codes, cb)
-    # the kernels guard each index on the GPU; int2's decoded path gathers the candidates' rows first
-    guarded = backend == "triton" and (stream is not None or codec != "int2")
-    if candidate_docs.numel():
-        check_candidate_docs(candidate_docs, nd, guarded=guarded)
-    c_docs = candidate_docs.to(device)
-    if stream is not None:
-        scores = stream(q8, sq, q_off, c_off, c_docs, codes, sd, d_off)
-    elif codec == "int2":
-        scores = _int2_decoded_candidates(backend, query_offsets, q8, sq, codes, sd, d_off, c_off, c_docs)
-    elif backend == "triton":
-        return _launch_candidates(codec, dim, q8, sq, q_off, codes, sd, d_off, cb, c_off, c_docs)
-    else:
-        return _candidates_torch(q8, sq, q_off, codes, sd, d_off, cb, c_off, c_docs)
-    if codec == "int2":  # each candidate's query's sum of q . offsets (`int2_queries`)
-        scores.add_(cb.query_sums[_owners(c_off, c_docs.numel())])
-    return scores
-
-
-def _code_stream(
+def code_stream(
     codec: str,
-    backend: str,
     given_q_off: torch.Tensor,
     q8: torch.Tensor,
     codes: torch.Tensor,
@@ -1603,12 +993,10 @@ def _code_stream(
 ) -> Callable[..., torch.Tensor] | None:
     """The Gluon stream kernel's launch, ``launch(q8, sq, q_off, item_off, items, codes, sd, d_off)`` (its
     longest query and the codec's query side bound: `maxsim_int8_hopper_stream.maxsim_int8_stream`), where
-    it takes the scan, else None: on an sm_90 GPU with the Triton backend, one query or query offsets given
-    on the host (`maxsim_int8.hopper_stream`), dim 128; int4 codes of queries of at most 64 tokens, int2
-    codes of queries of at most 32, or residual2 codes of separable buckets, queries of at most 32 tokens
-    and a centroid table of one launch."""
-    if backend != "triton":
-        return None
+    it takes the scan (with the Triton backend), else None: on an sm_90 GPU, one query or query offsets
+    given on the host (`maxsim_int8.hopper_stream`), dim 128; int4 codes of queries of at most 64 tokens,
+    int2 codes of queries of at most 32, or residual2 codes of separable buckets, queries of at most 32
+    tokens and a centroid table of one launch."""
     tables = None
     if codec == "residual2":
         assert isinstance(codebook, ResidualCodebook)
@@ -1625,15 +1013,6 @@ def _code_stream(
                              int2=codec == "int2")  # fmt: skip
 
 
-# int4 and int2 all pairs (`_decoded_varlen`): documents decoded to int8 rows, this many bytes of buffers
-# in all (on CUDA two of half the size, a chunk of documents each, on two streams), each chunk scored by
-# the int8 kernels (on sm_90 the Gluon all-pairs kernel). A bound on the scratch memory, not a tuned size.
-# 512 x 50K (8.0M tokens) one chunk after another in one buffer: 0.986-0.995x the int8 rate, the products
-# of four launches 1.5 ms longer than int8's one (allpairs-profile-h100-9b3c1b4.json); on two streams, each
-# launch's end filled by the next chunk's, 1.008-1.022x for int4 and int2 in four runs beside 0.986-0.999x
-# in five of the one buffer, alternating processes on one H100 (allpairs-two-streams-h100-*.json,
-# allpairs-one-buffer-h100-e76e3b0-*.json, codes-h100-9fd970e.json; benchmarks/results/codes/)
-DECODE_CHUNK_BYTES = 256 << 20
 _DECODE_ROWS = 64  # rows a program of `_int4_to_int8_kernel`
 
 
@@ -1699,78 +1078,13 @@ def _decode_rows(
         kernel[grid](codes, out, rows, WIDTH=width, BLOCK_ROWS=_DECODE_ROWS, num_warps=4, **consts)
 
 
-def _byte_table(values_of_byte: Callable[[torch.Tensor], torch.Tensor]) -> np.ndarray:
-    """Every byte's int8 values (`decode_int4` or `int2_values` of the byte) as one little-endian word a
-    byte: a table that `np.take` decodes a chunk of codes with (the CPU stream; 3x faster than int4's torch
-    ops on a 32K-token chunk)."""
-    rows = values_of_byte(torch.arange(256, dtype=torch.uint8)[:, None]).numpy()
-    return rows.view({2: np.uint16, 4: np.uint32}[rows.shape[1]])[:, 0].copy()
-
-
-_BYTE_TABLES = {"int4": _byte_table(decode_int4), "int2": _byte_table(int2_values)}
-
-
-def _decoded_rows(codec: str, codes: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
-    """Rows t0 .. t1 - 1 of int4 or int2 ``codes`` (CPU) decoded to their int8 values, `decode_int4`'s or
-    `int2_values`'s: a chunk of the CPU stream (`cpu.maxsim_int8_varlen_cpu`), valid until this thread
-    decodes the next."""
-    chunk = codes[t0:t1]
-    table = _BYTE_TABLES[codec]
-    out = thread_buffer(f"{codec}_byte_values", (chunk.shape[0], chunk.shape[1] * table.itemsize), torch.int8)
-    # into the worker thread's buffer (`cpu.thread_buffer`): 1.02 against 1.20 ms a new array, int2's
-    # 32K-token chunk; "wrap", which a byte never needs (256 entries), spares the bounds check's copy
-    np.take(table, chunk.numpy(), out=out.numpy().view(table.dtype), mode="wrap")
-    return out
-
-
-class _Int4Products:
-    """The int32 products of rows of int4 codes (CPU) with int8 query rows ``q8`` [rows, dim], made
-    without interleaving the codes' values (`cpu.maxsim_int8_varlen_cpu`'s ``int_products``): the low
-    nibbles (values 2m) sign-extended by two shifts into the first half of each row of a buffer, the high
-    ones (2m + 1) by one into the second, and multiplied with the query's even columns followed by its odd
-    ones: exactly `decode_int4`'s values times q8. A 32K-token chunk at d = 128 against 32 rows on one
-    thread: 1.8 ms with the product, against 3.2 ms for `_decoded_rows` (a table's values, interleaved)
-    and 0.8 for the product after it. The buffers are the worker thread's (`cpu.thread_buffer`), not
-    fresh tensors each chunk."""
-
-    def __init__(self, codes: torch.Tensor, q8: torch.Tensor) -> None:
-        self.codes = codes
-        self.columns = int8_columns(torch.cat([q8[:, 0::2], q8[:, 1::2]], dim=1))
-
-    def __call__(self, t0: int, t1: int, out: torch.Tensor) -> torch.Tensor:
-        chunk = self.codes[t0:t1]
-        rows, width = chunk.shape
-        shifted = thread_buffer("int4_shifted", (rows, width), torch.uint8)
-        values = thread_buffer("int4_values", (rows, 2 * width), torch.int8)
-        torch.bitwise_left_shift(chunk, 4, out=shifted)
-        torch.bitwise_right_shift(shifted.view(torch.int8), 4, out=values[:, :width])  # arithmetic shifts
-        torch.bitwise_right_shift(chunk.view(torch.int8), 4, out=values[:, width:])
-        return torch._int_mm(values, self.columns, out=out)
-
-
-def _int8_values(codec: str, backend: str, codes: torch.Tensor, out: torch.Tensor) -> None:
-    """int4 or int2 ``codes`` [T, width] decoded into ``out`` [T, dim] as their int8 values (`decode_int4`'s,
-    `int2_values`'): by the Triton decode with the Triton backend, else by those torch functions."""
-    if backend == "triton":
-        (int4_to_int8 if codec == "int4" else int2_to_int8)(codes, out)
-    else:
-        out.copy_((decode_int4 if codec == "int4" else int2_values)(codes))
-
-
-def _odd_values(codes: torch.Tensor, backend: str) -> torch.Tensor:
-    """int2 codes' odd values (int8, `_int8_values`)."""
-    out = torch.empty((codes.shape[0], 4 * codes.shape[1]), dtype=torch.int8, device=codes.device)
-    _int8_values("int2", backend, codes, out)
-    return out
-
-
 def int4_to_int8(codes: torch.Tensor, out: torch.Tensor) -> None:
     """The int4 ``codes`` [T, width] decoded into ``out`` [T, 2 * width] (int8 values -7..7, `decode_int4`'s
     values without their scales), on the codes' device (Triton; on the CPU under TRITON_INTERPRET)."""
     _decode_rows("int4_to_int8", _int4_to_int8_kernel, codes, out, 2)
 
 
-def _int4_allpairs_on_hopper(
+def int4_allpairs_on_hopper(
     given_q_off: torch.Tensor, given_d_off: torch.Tensor, q8: torch.Tensor, codes: torch.Tensor
 ) -> bool:
     """Whether all pairs of these queries against int4 codes go to the Gluon all-pairs kernel of int8 on
@@ -1784,176 +1098,3 @@ def _int4_allpairs_on_hopper(
         return False
     probe = torch.empty((1, 128), dtype=torch.int8, device=codes.device)  # the kernel's operand, as a shape
     return hopper_allpairs(given_q_off, given_d_off, q8, probe, False) is not None
-
-
-def _document_chunks(d_host: np.ndarray, chunk: int) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """Runs of whole documents [first, stop) of at most ``chunk`` tokens (one document where it alone is
-    longer) over the host offsets ``d_host``, with their offsets from their first token (int64, host)."""
-    nd, first = len(d_host) - 1, 0
-    while first < nd:
-        t0 = int(d_host[first])
-        stop = max(int(np.searchsorted(d_host, t0 + chunk, side="right")) - 1, first + 1)
-        yield first, stop, torch.from_numpy(np.ascontiguousarray(d_host[first : stop + 1] - t0))
-        first = stop
-
-
-def _owners(offsets: torch.Tensor, total: int) -> torch.Tensor:
-    """The segment of each of ``total`` entries of consecutive segments bounded by ``offsets`` [n + 1] (their
-    count given: no wait for the device)."""
-    segments = torch.arange(offsets.numel() - 1, device=offsets.device)
-    return torch.repeat_interleave(segments, offsets.diff(), output_size=total)
-
-
-def _query_sums(row_values: torch.Tensor, q_off: torch.Tensor) -> torch.Tensor:
-    """Each query's sum of its rows' values (fp32 [nq], summed in float64): int2's ``sum_i q_i . offsets``."""
-    sums = torch.zeros(q_off.numel() - 1, dtype=torch.float64, device=row_values.device)
-    return sums.index_add_(0, _owners(q_off, row_values.numel()), row_values.double()).float()
-
-
-def _decoded_varlen(
-    codec: str,
-    backend: str,
-    given_q_off: torch.Tensor,
-    given_d_off: torch.Tensor,
-    q8: torch.Tensor,
-    sq: torch.Tensor,
-    codes: torch.Tensor,
-    sd: torch.Tensor,
-    query_sums: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """All pairs of int4 or int2 codes as the int8 kernels score their values, plus ``query_sums[i]`` for
-    query i where given (int2's sums of the query rows' offsets, `int2_queries`): the documents decoded
-    into reused buffers of int8 rows a chunk of whole documents at a time (`_int8_values`;
-    `DECODE_CHUNK_BYTES` in all, or one document alone where it is longer), each chunk scored by
-    `maxsim_varlen_int8` with its scales and host offsets (the Gluon all-pairs kernel's plan reads them
-    there): its exact integer products and maxima, bit for bit. Where one chunk holds every document its
-    scores are the answer as they are; documents with no tokens score -inf. On CUDA, several chunks
-    alternate between two buffers and two streams (`_chunk_streams`), so that one chunk's decode and the
-    start of its products fill the end of the previous chunk's launch."""
-    d_host = host_offsets("doc_offsets", given_d_off, codes.shape[0])
-    nq, nd, dim = given_q_off.numel() - 1, len(d_host) - 1, q8.shape[1]
-    total, longest = int(d_host[-1]), int(np.diff(d_host).max(initial=0))
-    if total * dim <= DECODE_CHUNK_BYTES or nd == 1:  # one chunk: one buffer, the scores as they are
-        scores = _scored_chunk(codec, backend, given_q_off, q8, sq, codes, sd, d_host, (0, nd), None)
-        return scores if query_sums is None else scores.add_(query_sums[:, None])
-    streams = _chunk_streams(codes.device)
-    chunk = max(1, DECODE_CHUNK_BYTES // (len(streams) * dim))  # a buffer a stream, in the same bound
-    buffers = [torch.empty((min(total, max(chunk, longest)), dim), dtype=torch.int8, device=codes.device)
-               for _ in streams]  # fmt: skip
-    out = torch.empty((nq, nd), dtype=torch.float32, device=codes.device)
-    side = streams[1:]
-    for stream in side:  # the side stream starts once its inputs, buffers and output are made
-        stream.wait_stream(streams[0])
-    try:
-        for i, (first, stop, offsets) in enumerate(_document_chunks(d_host, chunk)):
-            with _on_stream(streams[i % len(streams)]):
-                part = _scored_chunk(codec, backend, given_q_off, q8, sq, codes, sd, d_host, (first, stop),
-                                     buffers[i % len(streams)], offsets)  # fmt: skip
-                if query_sums is None:
-                    out[:, first:stop] = part
-                else:  # the sums added in the copy, on the chunk's stream
-                    torch.add(part, query_sums[:, None], out=out[:, first:stop])
-    finally:  # also on an error (out of memory): the buffers are not freed under the side stream's work
-        for stream in side:
-            streams[0].wait_stream(stream)
-    return out
-
-
-def _scored_chunk(
-    codec: str,
-    backend: str,
-    given_q_off: torch.Tensor,
-    q8: torch.Tensor,
-    sq: torch.Tensor,
-    codes: torch.Tensor,
-    sd: torch.Tensor,
-    d_host: np.ndarray,
-    documents: tuple[int, int],
-    buffer: torch.Tensor | None,
-    offsets: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Documents [first, stop) of `_decoded_varlen` decoded into ``buffer`` (a new one where None) and
-    scored: fp32 [nq, stop - first], -inf where they have no tokens. ``offsets``: theirs from their first
-    token (host), where the caller has them."""
-    first, stop = documents
-    t0, t1 = int(d_host[first]), int(d_host[stop])
-    if t1 == t0:
-        return torch.full((given_q_off.numel() - 1, stop - first), float("-inf"), dtype=torch.float32,
-                          device=codes.device)  # fmt: skip
-    if offsets is None:
-        offsets = torch.from_numpy(np.ascontiguousarray(d_host[first : stop + 1] - t0))
-    if buffer is None:
-        buffer = torch.empty((t1 - t0, q8.shape[1]), dtype=torch.int8, device=codes.device)
-    values = buffer[: t1 - t0]
-    _int8_values(codec, backend, codes[t0:t1], values)
-    return maxsim_varlen_int8(q8, given_q_off, values, offsets, doc_scales=sd[t0:t1], query_scales=sq,
-                              backend=backend)  # fmt: skip
-
-
-def _chunk_streams(device: torch.device) -> tuple:
-    """The streams `_decoded_varlen` alternates its chunks between: on CUDA the current stream and one side
-    stream of the device (from torch's pool), elsewhere one placeholder."""
-    if device.type != "cuda":
-        return (None,)
-    return torch.cuda.current_stream(device), torch.cuda.Stream(device)
-
-
-def _on_stream(stream: Any) -> Any:
-    """``torch.cuda.stream(stream)``, or no change where ``stream`` is None (the CPU)."""
-    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
-
-
-def _int2_decoded_candidates(
-    backend: str,
-    given_q_off: torch.Tensor,
-    q8: torch.Tensor,
-    sq: torch.Tensor,
-    codes: torch.Tensor,
-    sd: torch.Tensor,
-    d_off: torch.Tensor,
-    c_off: torch.Tensor,
-    c_docs: torch.Tensor,
-) -> torch.Tensor:
-    """int2 candidates without the query rows' offsets, decoded: the candidates' documents (indices checked)
-    gathered once each, decoded to their odd values and scored by the int8 candidates kernels."""
-    if c_docs.numel() == 0:
-        return torch.empty(0, dtype=torch.float32, device=codes.device)
-    unique, local = torch.unique(c_docs, return_inverse=True)
-    starts = d_off[unique]
-    lengths = d_off[unique + 1] - starts
-    offsets = torch.zeros(unique.numel() + 1, dtype=torch.int64, device=codes.device)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    segment, within = segment_ids(lengths)
-    rows = starts[segment] + within
-    return maxsim_candidates_int8(
-        q8, given_q_off, _odd_values(codes[rows], backend), offsets, c_off, local,
-        doc_scales=sd[rows], query_scales=sq, backend=backend,
-    )  # fmt: skip
-
-
-def quantized_queries(queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int8 codes and scales the kernels score float queries with (for references and tests)."""
-    return quantize_per_token(queries, backend="torch")
-
-
-__all__ = [
-    "CODECS",
-    "ResidualCodebook",
-    "code_width",
-    "check_codec_dim",
-    "encode_int4",
-    "decode_int4",
-    "encode_residual2",
-    "decode_residual2",
-    "residual2_ids",
-    "Int2Levels",
-    "encode_int2",
-    "decode_int2",
-    "int2_values",
-    "int2_grid_codes",
-    "int2_queries",
-    "int2_to_int8",
-    "maxsim_varlen_codes",
-    "maxsim_candidates_codes",
-    "quantized_queries",
-]

@@ -15,7 +15,7 @@ Scope: on an sm_90 GPU with the Triton release the kernel was built with, scores
 at most MAX_QUERY_TOKENS tokens (the query is wgmma's N: 16, 32 or 64 columns), and either one query
 against all documents or candidates; everything else keeps the Triton kernels of `maxsim_int8`.
 
-int4 codes (PACKED; `maxsim_codes`, the same score with c[j] in -7..7 for d8[j]): a tile is 64 rows of 64
+int4 codes (PACKED; `code_packing`, the same score with c[j] in -7..7 for d8[j]): a tile is 64 rows of 64
 bytes, two values a byte. Each thread loads its bytes of the tile from shared memory straight into wgmma's
 register operand layout (four consecutive bytes a register), splits them into the low and the high
 nibbles and issues two products from registers, the low nibbles (values 2m) against the query's even
@@ -31,7 +31,7 @@ Bound (H100, 3.35 TB/s): 68 bytes a token, 1.09 GB for one query x 100K document
 ms; a tile brings 4 KB, so an SM takes one in every ~300 clocks at the bound. Measured 0.475 ms against
 the Triton scan's 0.684 and fp16's 1.309 (docs/kernel-notes.md, "4-bit on the Gluon stream kernel").
 
-int2 codes (QUARTER; `maxsim_codes`: 2 bits a dimension, code v of dimension 4m + p in bits 2p, 2p + 1 of
+int2 codes (QUARTER; `code_packing`: 2 bits a dimension, code v of dimension 4m + p in bits 2p, 2p + 1 of
 byte m, the odd value 2v - 3; a scale a token): a tile is 64 rows of 32 bytes (TMA). Each thread loads its
 bytes into wgmma's int8 register operand layout (four bytes a register) and takes code p of each byte as
 its value v (`code_unpacking`: 7 integer instructions for 16 values, where the odd values take 16), and
@@ -41,7 +41,7 @@ exact in int32, `_retire`), then folds as int4 (the launcher adds each query row
 Queries of at most 32 tokens (INT2_MAX_QUERY_TOKENS). Bound (H100, 3.35 TB/s): 36 bytes a token, 0.58 GB
 for one query x 100K documents, 0.17 ms; the products are 64 x N x 128 int8 MACs a tile, as int8's.
 
-residual2 codes of separable buckets (RESIDUAL; `maxsim_codes`: a row is a uint32 centroid id and 2 bits a
+residual2 codes of separable buckets (RESIDUAL; `code_packing`: a row is a uint32 centroid id and 2 bits a
 dimension, 36 bytes at dim 128; the query side `maxsim_codes.residual2_query_tables`): rows of 36 bytes are
 not 16-byte aligned, so a tile's bucket words (32 bytes a row) come by cp.async, four bytes a copy, each
 thread's copies arriving on the ring slot's barrier (its count is the threads'). Each thread loads its bytes
@@ -1115,11 +1115,11 @@ def maxsim_int8_stream(
     """fp32 scores [n_items]: q8 int8 [Tq, 128] with scales sq fp32 [Tq], query offsets int64 [nq + 1];
     item_off int64 [nq + 1] the items of each query and items int64 [n_items] the candidates' document
     indices, or both None for one query against every document; d8 int8 [Td, 128] (or int4 codes, uint8
-    [Td, 64], or with `int2` int2 codes, uint8 [Td, 32]: `maxsim_codes`) with scales sd fp32 [Td] and
+    [Td, 64], or with `int2` int2 codes, uint8 [Td, 32]: `code_packing`) with scales sd fp32 [Td] and
     offsets d_off int64 [nd + 1]; all on the GPU. `max_query_len` (host) sizes the query tile
     (`supports`). A candidate index outside [0, nd) scores NaN and is never read through (the indices are
     not read by the host). The tiles are the codec's tuned
-    ones (`tiles_for`). residual2 codes (`maxsim_codes`, uint8 [Td, 36], `supports_residual`): `residual`
+    ones (`tiles_for`). residual2 codes (`code_packing`, uint8 [Td, 36], `supports_residual`): `residual`
     is the query side (`maxsim_codes.residual2_query_tables` of q8, separable buckets), sd is not read."""
     return stream_with_tiles(
         q8, sq, q_off, item_off, items, d8, sd, d_off, max_query_len, residual=residual, int2=int2

@@ -151,7 +151,7 @@ def maxsim_codes_reference(
     query_scales: torch.Tensor | None = None,
     block_tokens: int = _MAX_CHUNK_TOKENS,
 ) -> torch.Tensor:
-    """Every query against documents stored as codes (`maxsim_kernels.maxsim_codes`), in float64 on the
+    """Every query against documents stored as codes (`maxsim_kernels.code_packing`), in float64 on the
     *decoded* values: int4 ``s_d[j] * c[j]``, residual2 ``C[id, k] + W[k, b_k]`` (exact in float64); int2
     (``codebook`` its `Int2Levels`) ``s_d[j] * steps * c[j]`` scored against the int8 query of
     `int2_queries`, each query row's ``q . offsets`` added to its maximum. The
@@ -161,15 +161,8 @@ def maxsim_codes_reference(
     decoded `block_tokens` tokens at a time (a document is never split), and any dim the codec stores is
     taken. Returns float64 [nq, nd].
     """
-    from .maxsim_codes import (
-        Int2Levels,
-        decode_int4,
-        int2_queries,
-        int2_values,
-        quantized_queries,
-        residual2_buckets,
-        residual2_ids,
-    )
+    from .code_packing import Int2Levels, decode_int4, int2_values, residual2_buckets, residual2_ids
+    from .codes_host import int2_queries, quantized_queries
 
     if queries.dtype == torch.int8:
         if query_scales is None:

@@ -7,7 +7,7 @@ codebook file beside the shards (written, read, checked), and the training of th
   centroid (4 bytes) and a 2-bit bucket a dimension, whose value per dimension comes from the codebook:
   ``4 + dim / 4`` bytes a token (36 at dim 128), plus the codebook once per corpus.
 
-The byte layouts and the decoding are `maxsim_kernels.maxsim_codes`'s. Importing this module imports no
+The byte layouts and the decoding are `maxsim_kernels.code_packing`'s. Importing this module imports no
 torch (the shard readers use its constants); the functions that need torch import it.
 """
 
@@ -28,7 +28,7 @@ from maxsim_cli.errors import InputError, UsageError
 if TYPE_CHECKING:
     import torch
 
-# shard metadata `quantization` -> codec of `maxsim_kernels.maxsim_codes`
+# shard metadata `quantization` -> codec of `maxsim_kernels.code_packing`
 CODE_QUANTIZATIONS = {"int4-per-token": "int4", "residual2-kmeans": "residual2", "int2-grid": "int2"}
 CODES_DTYPE = "uint8"  # the dtype of a codes shard's `embeddings`
 CODES_VERSION = "1"  # metadata `codes_version`: the layout of docs/format.md, "Codes below 8 bits"
@@ -192,8 +192,8 @@ class Codebook:
         )
 
     def for_kernels(self, device: Any = None) -> Any:
-        """The `maxsim_kernels.maxsim_codes.ResidualCodebook` of it (on ``device`` when given)."""
-        from maxsim_kernels.maxsim_codes import ResidualCodebook
+        """The `maxsim_kernels.code_packing.ResidualCodebook` of it (on ``device`` when given)."""
+        from maxsim_kernels.code_packing import ResidualCodebook
 
         book = ResidualCodebook(self.centroids, self.bucket_weights)
         return book if device is None else book.to(device)
@@ -201,7 +201,7 @@ class Codebook:
 
 @dataclass(frozen=True)
 class Int2Grid:
-    """An int2 codebook (`maxsim_kernels.maxsim_codes.Int2Levels`): per dimension the ``offsets`` and
+    """An int2 codebook (`maxsim_kernels.code_packing.Int2Levels`): per dimension the ``offsets`` and
     ``steps`` (fp32 [dim] each) of the four values ``offset + step * c``, c = -3, -1, 1, 3, and the file and
     sha256 it was read from or written to."""
 
@@ -219,8 +219,8 @@ class Int2Grid:
         return replace(self, offsets=self.offsets.to(device), steps=self.steps.to(device))
 
     def for_kernels(self, device: Any = None) -> Any:
-        """The `maxsim_kernels.maxsim_codes.Int2Levels` of it (on ``device`` when given)."""
-        from maxsim_kernels.maxsim_codes import Int2Levels
+        """The `maxsim_kernels.code_packing.Int2Levels` of it (on ``device`` when given)."""
+        from maxsim_kernels.code_packing import Int2Levels
 
         levels = Int2Levels(self.offsets, self.steps)
         return levels if device is None else levels.to(device)
@@ -384,7 +384,7 @@ def train_codebook(
 def fit_int2_levels(
     sample: torch.Tensor, iterations: int = INT2_ITERATIONS
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int2 codec's grid (`maxsim_kernels.maxsim_codes.Int2Levels`) fitted to ``sample`` (float [n,
+    """The int2 codec's grid (`maxsim_kernels.code_packing.Int2Levels`) fitted to ``sample`` (float [n,
     dim]): per dimension the offset and step of four evenly spaced values ``offset + step * c`` (c = -3, -1,
     1, 3) with the least squared error Lloyd iteration finds from the mean and half the standard deviation
     (each value its nearest point of the grid, then the grid's least-squares line through them). A
@@ -392,7 +392,7 @@ def fit_int2_levels(
     is read a block of rows at a time (`BUCKET_BLOCK_ELEMS` values), its sums kept in float64: the fit's
     memory beyond the sample is one block's. Returns (offsets, steps), fp32 [dim] each."""
     import torch
-    from maxsim_kernels.maxsim_codes import int2_grid_codes
+    from maxsim_kernels.code_packing import int2_grid_codes
 
     n, dim = sample.shape
     step_rows = max(1, BUCKET_BLOCK_ELEMS // max(1, dim))
@@ -591,16 +591,16 @@ def encode(
     quantization: str, x: torch.Tensor, codebook: Codebook | Int2Grid | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(codes uint8 [T, width], fp32 scales [T] or None) of float tokens ``x`` [T, dim]."""
-    from maxsim_kernels import maxsim_codes
+    from maxsim_kernels import code_packing
 
     if quantization == "int4-per-token":
-        return maxsim_codes.encode_int4(x)
+        return code_packing.encode_int4(x)
     assert codebook is not None
     if isinstance(codebook, Int2Grid):
-        return maxsim_codes.encode_int2(x, codebook.for_kernels(x.device))
+        return code_packing.encode_int2(x, codebook.for_kernels(x.device))
     centroids = codebook.centroids.to(x.device)  # no copy for a codebook there already (`Codebook.to`)
     ids = nearest_centroids(x, centroids)
-    rows = maxsim_codes.encode_residual2(x, ids, centroids, codebook.bucket_cutoffs.to(x.device))
+    rows = code_packing.encode_residual2(x, ids, centroids, codebook.bucket_cutoffs.to(x.device))
     return rows, None
 
 
@@ -610,7 +610,7 @@ def check_code_rows(
     """A residual2 centroid id at or past ``num_centroids``: one line naming the shard, document and token."""
     if quantization != "residual2-kmeans" or rows.numel() == 0:
         return
-    from maxsim_kernels.maxsim_codes import residual2_ids
+    from maxsim_kernels.code_packing import residual2_ids
 
     bad = (residual2_ids(rows) >= num_centroids).nonzero()
     if bad.numel():

@@ -24,17 +24,16 @@ import shutil
 import pytest
 import torch
 from maxsim_kernels import maxsim_candidates, maxsim_varlen
-from maxsim_kernels.maxsim_codes import (
+from maxsim_kernels.code_packing import (
     ResidualCodebook,
     decode_int4,
     decode_residual2,
     encode_int4,
     encode_residual2,
-    quantized_queries,
     residual2_ids,
-    residual2_plane_weights,
-    residual2_query_tables,
 )
+from maxsim_kernels.codes_host import quantized_queries
+from maxsim_kernels.maxsim_codes import residual2_plane_weights, residual2_query_tables
 from maxsim_kernels.reference import maxsim_codes_reference
 from tierlib import check_close, one_line_open_error, rewrite_metadata
 from typer.testing import CliRunner
@@ -613,7 +612,7 @@ def _residual2_stream_or_skip(queries, q_off, codes, book) -> None:
     from maxsim_kernels import maxsim_codes
 
     q8, _ = quantized_queries(queries)
-    if maxsim_codes._code_stream("residual2", "triton", q_off, q8, codes, book) is None:
+    if maxsim_codes.code_stream("residual2", q_off, q8, codes, book) is None:
         pytest.skip("the Gluon stream kernel needs an sm_90 GPU and the Triton release it was built with")
 
 
@@ -725,16 +724,16 @@ def test_residual2_stream_kernel_offsets_past_2_31_bytes() -> None:
 
 def test_residual2_encoding_in_blocks_equals_one_block(monkeypatch) -> None:
     """`encode_residual2` works a block of rows at a time (bounded memory): any block size, the same bytes."""
-    from maxsim_kernels import maxsim_codes
+    from maxsim_kernels import code_packing
 
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(37, 12, generator=gen)
     centroids = torch.randn(5, 12, generator=gen).half()
     ids = torch.randint(0, 5, (37,), generator=gen)
     cutoffs = torch.tensor([-0.5, 0.0, 0.5]).repeat(12, 1)
-    whole = maxsim_codes.encode_residual2(x, ids, centroids, cutoffs)
-    monkeypatch.setattr(maxsim_codes, "ENCODE_BLOCK_ELEMS", 12 * 4)  # blocks of 4 rows, the last of 1
-    assert torch.equal(maxsim_codes.encode_residual2(x, ids, centroids, cutoffs), whole)
+    whole = code_packing.encode_residual2(x, ids, centroids, cutoffs)
+    monkeypatch.setattr(code_packing, "ENCODE_BLOCK_ELEMS", 12 * 4)  # blocks of 4 rows, the last of 1
+    assert torch.equal(code_packing.encode_residual2(x, ids, centroids, cutoffs), whole)
 
 
 def _recorded_training(monkeypatch) -> dict:

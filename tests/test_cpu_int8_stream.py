@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from maxsim_kernels import int8_host, maxsim_codes, maxsim_varlen
+from maxsim_kernels import code_packing, codes_host, int8_host, maxsim_varlen
 from maxsim_kernels.cpu import int8_stream_applies
 from maxsim_kernels.int8_host import quantize_per_token
 
@@ -60,16 +60,16 @@ def test_streamed_int8_paths_are_the_blocked_paths_bitwise(dim, q_lengths, integ
     assert torch.allclose(streamed, blocked, equal_nan=True, atol=0, rtol=0)
     assert streamed[0, 0].isnan() and streamed[0, 1:].isfinite().any()
 
-    c4, s4 = maxsim_codes.encode_int4(x)
+    c4, s4 = code_packing.encode_int4(x)
     streamed = maxsim_varlen(q, q_off, c4, d_off, doc_scales=s4)
-    blocked = maxsim_codes._varlen_torch(q8, sq, q_off, c4, s4, d_off, None)
+    blocked = codes_host._varlen_torch(q8, sq, q_off, c4, s4, d_off, None)
     assert torch.allclose(streamed, blocked, equal_nan=True, atol=0, rtol=0)
 
-    levels = maxsim_codes.Int2Levels(x.mean(0), x.std(0) / 2)
-    c2, s2 = maxsim_codes.encode_int2(x, levels)
+    levels = code_packing.Int2Levels(x.mean(0), x.std(0) / 2)
+    c2, s2 = code_packing.encode_int2(x, levels)
     streamed = maxsim_varlen(q, q_off, c2, d_off, doc_scales=s2, codebook=levels)
-    side = maxsim_codes.int2_queries(q, levels, query_offsets=q_off)
-    blocked = int8_host._varlen_torch(side.q8, side.scales, q_off, maxsim_codes.int2_values(c2), s2, d_off,
+    side = codes_host.int2_queries(q, levels, query_offsets=q_off)
+    blocked = int8_host._varlen_torch(side.q8, side.scales, q_off, code_packing.int2_values(c2), s2, d_off,
                                         False)[0]  # fmt: skip
     blocked += side.query_sums[:, None]
     assert torch.allclose(streamed, blocked, equal_nan=True, atol=0, rtol=0)
@@ -83,10 +83,10 @@ def test_many_query_rows_keep_the_blocked_path():
 
 def test_byte_tables_decode_as_the_torch_decoders():
     codes = torch.arange(256, dtype=torch.uint8).repeat(3, 1).T.contiguous()  # every byte, [256, 3]
-    assert torch.equal(maxsim_codes._decoded_rows("int4", codes, 0, 256), maxsim_codes.decode_int4(codes))
-    part = maxsim_codes._decoded_rows("int2", codes, 1, 200)
-    assert torch.equal(part, maxsim_codes.int2_values(codes[1:200]))
-    assert maxsim_codes._decoded_rows("int2", codes, 7, 7).shape == (0, 12)
+    assert torch.equal(codes_host._decoded_rows("int4", codes, 0, 256), code_packing.decode_int4(codes))
+    part = codes_host._decoded_rows("int2", codes, 1, 200)
+    assert torch.equal(part, code_packing.int2_values(codes[1:200]))
+    assert codes_host._decoded_rows("int2", codes, 7, 7).shape == (0, 12)
 
 
 @pytest.mark.parametrize("dim", [128, 40, 2])
@@ -100,8 +100,8 @@ def test_int4_products_from_the_nibbles_are_the_decoded_values_products(dim):
     codes[:256, 0] = every_byte
     q8 = torch.randint(-128, 128, (7, dim), generator=gen, dtype=torch.int8)
     q8[0], q8[1] = 127, -128
-    want = maxsim_codes.decode_int4(codes).int() @ q8.int().T
-    products = maxsim_codes._Int4Products(codes, q8)
+    want = code_packing.decode_int4(codes).int() @ q8.int().T
+    products = codes_host._Int4Products(codes, q8)
     for t0, t1 in ((0, 300), (5, 6), (17, 260)):
         out = torch.empty(t1 - t0, 7, dtype=torch.int32)
         assert torch.equal(products(t0, t1, out), want[t0:t1])
@@ -136,9 +136,9 @@ def test_int8_documents_of_one_and_two_dims_stream_as_the_blocked_path(integers,
         streamed = maxsim_varlen(q, q_off, d8, d_off, doc_scales=s8)
         blocked = int8_host._varlen_torch(q8, sq, q_off, d8, s8, d_off, False)[0]
         assert torch.allclose(streamed, blocked, equal_nan=True, atol=0, rtol=0), dim
-    c4, s4 = maxsim_codes.encode_int4(x)
+    c4, s4 = code_packing.encode_int4(x)
     streamed = maxsim_varlen(q, q_off, c4, d_off, doc_scales=s4)
-    blocked = maxsim_codes._varlen_torch(q8, sq, q_off, c4, s4, d_off, None)
+    blocked = codes_host._varlen_torch(q8, sq, q_off, c4, s4, d_off, None)
     assert torch.allclose(streamed, blocked, equal_nan=True, atol=0, rtol=0)
 
 

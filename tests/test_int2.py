@@ -1,4 +1,4 @@
-"""The int2 codec of `maxsim_kernels.maxsim_codes`: 2 bits a dimension on a per-dimension grid, a scale a
+"""The int2 codec of `maxsim_kernels.code_packing`: 2 bits a dimension on a per-dimension grid, a scale a
 token. Its encoding against its definition, its scores against the float64 reference of the decoded values
 on adversarial data (CPU), and on an sm_90 GPU the Gluon stream kernel that unpacks it in registers."""
 
@@ -10,13 +10,8 @@ import shutil
 import pytest
 import torch
 from maxsim_kernels import maxsim_candidates, maxsim_varlen
-from maxsim_kernels.maxsim_codes import (
-    Int2Levels,
-    decode_int2,
-    encode_int2,
-    int2_queries,
-    int2_values,
-)
+from maxsim_kernels.code_packing import Int2Levels, decode_int2, encode_int2, int2_values
+from maxsim_kernels.codes_host import int2_queries
 from maxsim_kernels.reference import maxsim_codes_reference
 from tierlib import PRODUCER_CONFIGS, check_close, one_line_open_error, rewrite_metadata
 from typer.testing import CliRunner
@@ -431,10 +426,10 @@ class _FakeStream:
 
 
 def test_every_codec_reaches_the_stream_kernel_through_one_dispatch(monkeypatch) -> None:
-    """Where `hopper_stream` takes the scan, `maxsim_codes._code_stream` launches it for int4, int2 and
+    """Where `hopper_stream` takes the scan, `maxsim_codes.code_stream` launches it for int4, int2 and
     residual2 alike (the codec's query side bound: residual2's tables, int2's flag), and int2's scores get
     each query's sum of q . offsets after it, for all pairs and for candidates."""
-    from maxsim_kernels import maxsim_codes
+    from maxsim_kernels import code_packing, codes_host, maxsim_codes
 
     fake = _FakeStream()
     asked = []
@@ -452,36 +447,36 @@ def test_every_codec_reaches_the_stream_kernel_through_one_dispatch(monkeypatch)
     side = int2_queries(queries, levels)
     want = float(side.row_offsets.double().sum())
     kw = {"doc_scales": scales, "codebook": levels, "backend": "triton"}
-    got = maxsim_codes.maxsim_varlen_codes(queries, q_off, codes, d_off, **kw)
+    got = codes_host.maxsim_varlen_codes(queries, q_off, codes, d_off, **kw)
     assert asked[-1] == {"residual": False, "int2": True} and fake.calls[-1]["int2"] is True
     assert fake.calls[-1]["residual"] is None and fake.calls[-1]["max_query_len"] == 5
     assert torch.allclose(got, torch.full((1, 3), want), rtol=1e-6)
     cand = torch.tensor([2, 0])
-    got = maxsim_codes.maxsim_candidates_codes(queries, q_off, codes, d_off, torch.tensor([0, 2]), cand, **kw)
+    got = codes_host.maxsim_candidates_codes(queries, q_off, codes, d_off, torch.tensor([0, 2]), cand, **kw)
     assert torch.equal(fake.calls[-1]["items"], cand)
     assert torch.allclose(got, torch.full((2,), want), rtol=1e-6)
 
-    int4_codes, int4_scales = maxsim_codes.encode_int4(docs)
-    maxsim_codes.maxsim_varlen_codes(
+    int4_codes, int4_scales = code_packing.encode_int4(docs)
+    codes_host.maxsim_varlen_codes(
         queries, q_off, int4_codes, d_off, doc_scales=int4_scales, backend="triton"
     )
     assert asked[-1] == {"residual": False, "int2": False} and fake.calls[-1]["residual"] is None
     assert fake.calls[-1]["int2"] is False
     base = (torch.arange(128, dtype=torch.float32) / 1024 - 0.0625)[:, None]  # exact sums below
     weights = torch.cat([base, base + 0.25, base + 0.5, base + 0.75], dim=1)  # separable: w3 - w2 = w1 - w0
-    book = maxsim_codes.ResidualCodebook(torch.randn(4, 128, generator=gen).half(), weights)
+    book = code_packing.ResidualCodebook(torch.randn(4, 128, generator=gen).half(), weights)
     ids = torch.randint(0, 4, (docs.shape[0],), generator=gen)
-    rows = maxsim_codes.encode_residual2(docs, ids, book.centroids, torch.zeros(128, 3))
-    maxsim_codes.maxsim_varlen_codes(queries, q_off, rows, d_off, codebook=book, backend="triton")
+    rows = code_packing.encode_residual2(docs, ids, book.centroids, torch.zeros(128, 3))
+    codes_host.maxsim_varlen_codes(queries, q_off, rows, d_off, codebook=book, backend="triton")
     assert asked[-1] == {"residual": True, "int2": False} and fake.calls[-1]["residual"] is not None
 
 
 def test_document_chunks_cover_every_document_once_within_the_bound() -> None:
-    """The decoded paths' walk (`maxsim_codes._document_chunks`): consecutive runs of whole documents of at
+    """The decoded paths' walk (`codes_host._document_chunks`): consecutive runs of whole documents of at
     most ``chunk`` tokens, a longer document alone, empty documents included, each run's offsets from its
     first token."""
     import numpy as np
-    from maxsim_kernels.maxsim_codes import _document_chunks
+    from maxsim_kernels.codes_host import _document_chunks
 
     d_host = np.cumsum([0, 3, 0, 4, 9, 1, 1, 0, 2])
     runs = list(_document_chunks(d_host, 5))
@@ -496,11 +491,11 @@ def test_document_chunks_cover_every_document_once_within_the_bound() -> None:
     [("torch", "cpu"), ("triton", "cpu"), pytest.param("triton", "cuda", marks=pytest.mark.gpu)],
 )
 def test_int2_all_pairs_in_chunks_give_the_bits_of_one(monkeypatch, backend: str, device: str) -> None:
-    """All pairs decoded a chunk of documents at a time (`maxsim_codes._decoded_varlen`; here chunks of a
+    """All pairs decoded a chunk of documents at a time (`codes_host._decoded_varlen`; here chunks of a
     few tokens, so a long document alone and runs of empty documents make chunks of their own; on CUDA the
     chunks alternate between two streams): the same bits as one chunk of every document, -inf for empty
     documents."""
-    from maxsim_kernels import maxsim_codes
+    from maxsim_kernels import codes_host
     from maxsim_kernels.cpu import int8_stream_applies
 
     gen = torch.Generator().manual_seed(31)
@@ -513,7 +508,7 @@ def test_int2_all_pairs_in_chunks_give_the_bits_of_one(monkeypatch, backend: str
     queries, codes, scales = queries.to(device), codes.to(device), scales.to(device)
     levels = levels.to(device)
     whole = maxsim_varlen(queries, q_off, codes, d_off, doc_scales=scales, codebook=levels, backend=backend)
-    monkeypatch.setattr(maxsim_codes, "DECODE_CHUNK_BYTES", 128 * 8)
+    monkeypatch.setattr(codes_host, "DECODE_CHUNK_BYTES", 128 * 8)
     chunked = maxsim_varlen(queries, q_off, codes, d_off, doc_scales=scales, codebook=levels, backend=backend)
     assert torch.equal(chunked, whole)
     assert (whole[:, torch.tensor(lengths) == 0] == float("-inf")).all()

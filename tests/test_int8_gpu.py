@@ -522,12 +522,8 @@ def test_hopper_stream_int4_is_the_int8_stream_on_the_decoded_values(q_len: int)
     decoded values; the same bits for every ring depth, loop unroll, items a program and walk (offsets or
     walk table)."""
     from maxsim_kernels import maxsim_int8_hopper_stream as stream
-    from maxsim_kernels.maxsim_codes import (
-        decode_int4,
-        encode_int4,
-        maxsim_candidates_codes,
-        maxsim_varlen_codes,
-    )
+    from maxsim_kernels.code_packing import decode_int4, encode_int4
+    from maxsim_kernels.codes_host import maxsim_candidates_codes, maxsim_varlen_codes
 
     gen = torch.Generator().manual_seed(40 + q_len)
     docs, do, _, _ = adversarial_docs(gen)
@@ -578,7 +574,7 @@ def test_hopper_stream_int4_is_the_int8_stream_on_the_decoded_values(q_len: int)
 def int4_tail_past_2_31(codes: torch.Tensor, do: torch.Tensor, tail: int = 300):
     """The last ``tail`` documents of int4 ``codes`` (all past 2^31 bytes): (first of them, its first token,
     their decoded values, their host offsets from 0)."""
-    from maxsim_kernels.maxsim_codes import decode_int4
+    from maxsim_kernels.code_packing import decode_int4
 
     first_doc = do.numel() - 1 - tail
     start = int(do[first_doc])
@@ -588,7 +584,7 @@ def int4_tail_past_2_31(codes: torch.Tensor, do: torch.Tensor, tail: int = 300):
 
 def test_hopper_stream_int4_offsets_past_2_31_bytes() -> None:
     """int4 codes whose bytes start beyond 2^31 (33.6 M tokens of 64 bytes): one query, and candidates."""
-    from maxsim_kernels.maxsim_codes import maxsim_candidates_codes, maxsim_varlen_codes
+    from maxsim_kernels.codes_host import maxsim_candidates_codes, maxsim_varlen_codes
 
     n_tokens = (1 << 31) // 64 + 100_000
     d8, sd, do, gen = corpus_past_2_31_bytes(64, seed=6, n_tokens=n_tokens)
@@ -623,8 +619,9 @@ def test_int4_all_pairs_are_the_int8_kernel_on_the_decoded_values(monkeypatch) -
     chunk smaller than the corpus here: ~25 chunks, a run of 40 empty documents among them) and scored by the
     Gluon all-pairs kernel of int8: bit for bit `maxsim_varlen_int8` on the decoded values with the
     same scales, within the float64 bound of them, -inf for empty documents."""
-    from maxsim_kernels import maxsim_codes
-    from maxsim_kernels.maxsim_codes import decode_int4, encode_int4, maxsim_varlen_codes
+    from maxsim_kernels import codes_host
+    from maxsim_kernels.code_packing import decode_int4, encode_int4
+    from maxsim_kernels.codes_host import maxsim_varlen_codes
 
     gen = torch.Generator().manual_seed(23)
     docs, do, _, _ = adversarial_docs(gen)
@@ -637,7 +634,7 @@ def test_int4_all_pairs_are_the_int8_kernel_on_the_decoded_values(monkeypatch) -
     q_lens = torch.randint(1, 33, (96,), generator=gen).tolist()
     queries, qo = packed_lengths(q_lens, 128, gen)
     int4_allpairs_or_skip(queries, qo, do)
-    monkeypatch.setattr(maxsim_codes, "DECODE_CHUNK_BYTES", 128 * 4000)
+    monkeypatch.setattr(codes_host, "DECODE_CHUNK_BYTES", 128 * 4000)
     qo_d, do_d = qo.cuda(), do.cuda()
     scores = maxsim_varlen_codes(queries, qo, codes, do, doc_scales=scales)
     want = maxsim_varlen_int8(queries, qo, values, do, doc_scales=scales)
@@ -649,14 +646,14 @@ def test_int4_all_pairs_are_the_int8_kernel_on_the_decoded_values(monkeypatch) -
     assert_scores(scores[:, ~empty], ref[:, ~empty], tol[:, ~empty])
     # offsets on the device: the same bits; one chunk: the same bits
     assert torch.equal(maxsim_varlen_codes(queries, qo_d, codes, do_d, doc_scales=scales), scores)
-    monkeypatch.setattr(maxsim_codes, "DECODE_CHUNK_BYTES", 1 << 30)
+    monkeypatch.setattr(codes_host, "DECODE_CHUNK_BYTES", 1 << 30)
     assert torch.equal(maxsim_varlen_codes(queries, qo, codes, do, doc_scales=scales), scores)
 
 
 def test_int4_all_pairs_past_2_31_bytes(monkeypatch) -> None:
     """int4 all pairs whose codes start beyond 2^31 bytes (33.6 M tokens of 64 bytes), decoded in chunks."""
-    from maxsim_kernels import maxsim_codes
-    from maxsim_kernels.maxsim_codes import maxsim_varlen_codes
+    from maxsim_kernels import codes_host
+    from maxsim_kernels.codes_host import maxsim_varlen_codes
 
     n_tokens = (1 << 31) // 64 + 100_000
     d8, sd, do, gen = corpus_past_2_31_bytes(64, seed=8, n_tokens=n_tokens)
@@ -665,7 +662,7 @@ def test_int4_all_pairs_past_2_31_bytes(monkeypatch) -> None:
     queries = torch.randn(16 * 32, 128, device="cuda", generator=gen)
     qo = torch.arange(17, dtype=torch.int64) * 32
     int4_allpairs_or_skip(queries, qo, do)
-    monkeypatch.setattr(maxsim_codes, "DECODE_CHUNK_BYTES", 1 << 30)  # 8M tokens a chunk: five chunks
+    monkeypatch.setattr(codes_host, "DECODE_CHUNK_BYTES", 1 << 30)  # 8M tokens a chunk: five chunks
     scores = maxsim_varlen_codes(queries, qo, codes, do, doc_scales=sd)
     first_doc, start, values, sub_off = int4_tail_past_2_31(codes, do)
     want = maxsim_varlen_int8(queries, qo, values, sub_off, doc_scales=sd[start:].contiguous())
