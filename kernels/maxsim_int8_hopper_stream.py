@@ -1155,6 +1155,10 @@ def stream_with_tiles(
     per = items_per_prog or (tuned.items_one_query if items is None else tuned.items_candidates)
     if items is not None and per > MAX_ITEMS_CANDIDATES:
         raise ValueError(f"items_per_prog: at most {MAX_ITEMS_CANDIDATES} candidates a program, got {per}")
+    if group is not None and (group < 2 or group % 2):
+        # a turn of the loop takes its tiles in pairs: an odd group reads a tile the walk never pads to
+        # (group=1 faulted on an H100, one query of int2 codes)
+        raise ValueError(f"group: tiles a turn come in pairs (an even number from 2), got {group}")
     if producer is None:
         producer = takes_producer(tuned, n, items is None, per)
     if producer and residual is not None:

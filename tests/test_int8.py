@@ -529,6 +529,26 @@ def test_stream_kernel_is_not_planned_off_the_gpu(monkeypatch) -> None:
     assert set(stream.INT4_TILES.registers) == set(stream.REGISTERS)
 
 
+def test_stream_tiles_refuse_an_odd_group_and_too_many_candidates() -> None:
+    """`stream_with_tiles` refuses, before any launch, a group of tiles a turn that is not an even number
+    (the loop takes its tiles in pairs: group=1 faulted on an H100) and more than `MAX_ITEMS_CANDIDATES`
+    candidates a program; every tuned plan takes 2 tiles a turn."""
+    from maxsim_kernels import maxsim_int8_hopper_stream as stream
+
+    codes = torch.zeros(1000, 32, dtype=torch.uint8)
+    q8, sq = torch.zeros(32, 128, dtype=torch.int8), torch.ones(32)
+    q_off, d_off = torch.tensor([0, 32]), torch.tensor([0, 500, 1000])
+    for group in (0, 1, 3):
+        with pytest.raises(ValueError, match=f"an even number from 2\\), got {group}"):
+            stream.stream_with_tiles(q8, sq, q_off, None, None, codes, torch.ones(1000), d_off, 32, int2=True,
+                                     group=group)  # fmt: skip
+    with pytest.raises(ValueError, match="at most 64 candidates a program"):
+        stream.stream_with_tiles(q8, sq, q_off, torch.tensor([0, 2]), torch.tensor([0, 1]), codes,
+                                 torch.ones(1000), d_off, 32, int2=True, items_per_prog=65)  # fmt: skip
+    tunings = (stream.INT8_TILES, stream.INT4_TILES, stream.INT2_TILES, stream.RESIDUAL2_TILES)
+    assert all(t.group == 2 for t in tunings)
+
+
 def test_stream_producer_warp_is_refused_where_it_is_not_measured() -> None:
     """A producer warp fills the ring only where it ran with the same bits: not for residual2 (every
     thread's cp.async copies), not with more than `PRODUCER_MAX_ITEMS` items a program (refused before any
