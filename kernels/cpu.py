@@ -798,7 +798,57 @@ def _score_units(
 # 8.18 us a pair fp32 (1.15x the exhaustive path's 7.15; the document units 13.48), 8.57 fp16 (1.13x);
 # documents shared by ~8 queries 7.99 (1.09x; units 8.58). Group budget, 64 queries x 250 candidates on a
 # loaded machine: 1 / 2 / 3 / 4 / 6 / 8 MiB took 16.4 / 10.8-11.2 / 10.4 / 9.1-9.3 / 9.4 / 10.4 us a pair.
-_QUERY_GROUP_BYTES = 4 << 20
+# A group also costs a part whatever its size, which larger groups spread; past the caches they lose
+# again. On a 2-core Xeon with 2 MiB of L2 a core (64 x 1000 own candidates, 5 alternating rounds,
+# benchmarks/sweep_cpu_rerank_groups.py, docs/kernel-notes.md "CPU rerank"): fp16 1 / 2 / 4 / 8 / 16 / 32
+# MiB 56.5 / 33.4 / 22.8 / 17.6 / 15.9 / 19.1 us a pair, int8 2 / 4 / 8 / 16 MiB 22.3 / 13.9 / 11.0 / 12.3.
+# The budget is 4 x the L2 cache of a core (the Xeon's 2 MiB:
+# 8 MiB), at least the 4 MiB measured best on the EPYC (whose L2, 1 MiB at most, gives no more) and at most
+# 16 (`_query_group_bytes`).
+_QUERY_GROUP_L2_TIMES = 4
+_QUERY_GROUP_MIN, _QUERY_GROUP_MAX = 4 << 20, 16 << 20
+
+
+def _l2_cache_bytes(root: str = "/sys/devices/system/cpu") -> int | None:
+    """The L2 cache of the first CPU this process may run on (sysfs ``cache/index*/``: the unified or data
+    cache of level 2, its ``size`` such as "2048K"), None where it cannot be read."""
+    try:
+        cpu = min(os.sched_getaffinity(0))
+    except (AttributeError, OSError, ValueError):
+        cpu = 0
+    folder = os.path.join(root, f"cpu{cpu}", "cache")
+    try:
+        indexes = sorted(os.listdir(folder))
+    except OSError:
+        return None
+    for index in indexes:
+        try:
+            with open(os.path.join(folder, index, "level"), encoding="ascii") as fh:
+                level = fh.read().strip()
+            with open(os.path.join(folder, index, "type"), encoding="ascii") as fh:
+                kind = fh.read().strip()
+            with open(os.path.join(folder, index, "size"), encoding="ascii") as fh:
+                size = fh.read().strip()
+        except OSError:
+            continue
+        if level != "2" or kind not in ("Unified", "Data"):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        try:
+            return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        except ValueError:
+            return None
+    return None
+
+
+def _query_group_bytes(l2: int | None) -> int:
+    """A rerank group's budget for a core of ``l2`` bytes of L2 cache (None: unknown, the EPYC's 4 MiB)."""
+    if l2 is None:
+        return _QUERY_GROUP_MIN
+    return min(_QUERY_GROUP_MAX, max(_QUERY_GROUP_MIN, _QUERY_GROUP_L2_TIMES * l2))
+
+
+_QUERY_GROUP_BYTES = _query_group_bytes(_l2_cache_bytes())
 # oneDNN builds a primitive for each new shape (~0.2 ms, against ~0.03 ms for a cached 1000-row call):
 # a product's rows are padded to a multiple of _ONEDNN_ROWS and its columns (the query's tokens, padded
 # with copies of the last one) to a multiple of _ONEDNN_COLS, so that shapes repeat. Columns >= 16 also

@@ -999,6 +999,37 @@ def test_cpu_worker_count_follows_the_affinity_mask() -> None:
     assert cpu._worker_count() == min(torch.get_num_threads(), cpu._usable_cpus())
 
 
+def test_cpu_rerank_group_budget_follows_the_l2_cache(tmp_path, monkeypatch) -> None:
+    """The CPU rerank's group budget is 4 x a core's L2 cache (sysfs, the first CPU this process may run
+    on), within 4-16 MiB; 4 MiB where the cache cannot be read. The budget changes how pairs are grouped,
+    never the bits (`tests/test_cpu_rerank.py`)."""
+    import maxsim_kernels.cpu as cpu
+
+    monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: {3, 5})
+    cache = tmp_path / "cpu3" / "cache"
+    for index, (level, kind, size) in enumerate(
+        (
+            ("1", "Data", "48K"),
+            ("1", "Instruction", "64K"),
+            ("2", "Unified", "2048K"),
+            ("3", "Unified", "480M"),
+        )
+    ):
+        folder = cache / f"index{index}"
+        folder.mkdir(parents=True)
+        for name, text in (("level", level), ("type", kind), ("size", size)):
+            (folder / name).write_text(text + "\n")
+    assert cpu._l2_cache_bytes(str(tmp_path)) == 2 << 20
+    (cache / "index2" / "size").write_text("1M\n")
+    assert cpu._l2_cache_bytes(str(tmp_path)) == 1 << 20
+    (cache / "index2" / "size").write_text("junk\n")
+    assert cpu._l2_cache_bytes(str(tmp_path)) is None
+    assert cpu._l2_cache_bytes(str(tmp_path / "none")) is None
+    mib = 1 << 20
+    wants = ((None, 4), (512 << 10, 4), (mib, 4), (2 * mib, 8), (3 * mib, 12), (32 * mib, 16))
+    assert [cpu._query_group_bytes(l2) // mib for l2, _ in wants] == [want for _, want in wants]
+
+
 def test_cpu_worker_count_follows_the_cgroup_quota(tmp_path, monkeypatch) -> None:
     """A cgroup CPU quota (v2 cpu.max, v1 cfs_quota_us) caps the worker threads, rounded up."""
     import maxsim_kernels.cpu as cpu
