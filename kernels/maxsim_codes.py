@@ -114,9 +114,9 @@ def _int2_query_kernel(
     n_rows, dim, stride_x, stride_codes,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Query q's int2 side (`int2_queries`): its rows x times the steps quantized per token (codes, scales),
-    each row's x . offsets in float64 rounded to fp32 (row_offsets), and their sum in float64, rounded
-    (sums[q]).
+    """Query q's int2 side (`codes_host.int2_queries`): its rows x times the steps quantized per token
+    (codes, scales), each row's x . offsets in float64 rounded to fp32 (row_offsets), and their sum in
+    float64, rounded (sums[q]).
     Rows outside [0, n_rows) (offsets not checked on the host) are neither read nor written."""
     q = tl.program_id(0)
     r0 = tl.load(q_off_ptr + q)
@@ -143,7 +143,7 @@ def _int2_query_kernel(
 def int2_queries_triton(
     queries: torch.Tensor, levels: Int2Levels, query_offsets: torch.Tensor
 ) -> Int2Queries:
-    """`int2_queries` in one launch (`_int2_query_kernel`): a program a query."""
+    """`codes_host.int2_queries` in one launch (`_int2_query_kernel`): a program a query."""
     x = queries if queries.stride(1) == 1 else queries.contiguous()
     n, dim = x.shape
     dev = x.device
@@ -1088,7 +1088,7 @@ def int4_allpairs_on_hopper(
     given_q_off: torch.Tensor, given_d_off: torch.Tensor, q8: torch.Tensor, codes: torch.Tensor
 ) -> bool:
     """Whether all pairs of these queries against int4 codes go to the Gluon all-pairs kernel of int8 on
-    their decoded values (`_decoded_varlen`): where that kernel takes the problem
+    their decoded values (`codes_host._decoded_varlen`): where that kernel takes the problem
     (`maxsim_int8.hopper_allpairs`: sm_90, dim 128, enough query groups); else the Triton scan of the codes.
 
     Scoring many queries is bound by the tensor cores, not by the bytes: 512 queries x 50K documents are
