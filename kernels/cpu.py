@@ -849,6 +849,16 @@ def _query_group_bytes(l2: int | None) -> int:
 
 
 _QUERY_GROUP_BYTES = _query_group_bytes(_l2_cache_bytes())
+# The query groups take a call whose queries have at least this many candidates each on average; fewer go
+# to the document units. A group also costs a part whatever its pairs (the calls around its product, and
+# the padding to its longest document, which sorting a query's few candidates does little to reduce), so
+# a query of few candidates pays it over few pairs. `maxsim score --candidates` on the CPU scores a batch of
+# documents at a time: 150 candidates a query came as ~9 a call in 16 batches. 2-core Xeon, 64 queries,
+# fp16, 5 alternating rounds, the same bits (`python benchmarks/bench_cpu_rerank_per_query.py`), us a pair
+# query groups / document units, candidates a query 9: 78.3 / 36.0, 20: 47.4 / 32.1, 32: 36.7 / 31.8, 40: 35.3
+# / 30.9, 80: 29.3 / 29.3, 150: 25.0 / 29.3. The crossing is ~80 there; it comes earlier where oneDNN's
+# product outruns MKL's (the EPYC: 2.4x, not measured at these counts), hence 32.
+_QUERY_GROUP_MIN_PAIRS = 32
 # oneDNN builds a primitive for each new shape (~0.2 ms, against ~0.03 ms for a cached 1000-row call):
 # a product's rows are padded to a multiple of _ONEDNN_ROWS and its columns (the query's tokens, padded
 # with copies of the last one) to a multiple of _ONEDNN_COLS, so that shapes repeat. Columns >= 16 also
@@ -1026,8 +1036,9 @@ def maxsim_candidates_cpu(
     Returns fp32 scores [C] (+ int32 argmax [C, max_query_len], -1 past a query's length). Documents are
     read in place through their indices. The pairs of all queries are scored in one plan, in groups of
     documents of similar length spread over the cores: groups of one query's candidates through
-    oneDNN's product where it gives MKL's bits (see _QUERY_GROUP_BYTES), otherwise document units, each
-    document once against every query that lists it (see _RERANK_GROUP_BYTES); candidates that are dense
+    oneDNN's product where it gives MKL's bits and the queries have enough candidates each (see
+    _QUERY_GROUP_BYTES, _QUERY_GROUP_MIN_PAIRS), otherwise document units, each document once against
+    every query that lists it (see _RERANK_GROUP_BYTES); candidates that are dense
     (`dense_listing`, DENSE_CANDIDATES) as every query against every listed document, by the exhaustive
     path's document groups. A score is bitwise the exhaustive path's for the same pair and does not depend
     on the other pairs of the call.
@@ -1064,7 +1075,12 @@ def maxsim_candidates_cpu(
             queries.to(compute).contiguous(), layout, docs, doc_scales, pair_query[full], dense, full, scores,
             argmax, check_finite,
         )  # fmt: skip
-    elif device.type == "cpu" and compute == torch.float32 and _onednn_product(layout.dim):
+    elif (
+        device.type == "cpu"
+        and compute == torch.float32
+        and len(full) >= _QUERY_GROUP_MIN_PAIRS * len(np.unique(pair_query[full]))
+        and _onednn_product(layout.dim)
+    ):
         _rerank_by_query(
             queries, layout, docs, doc_scales, pair_query, c_docs, full, scores, argmax, check_finite
         )

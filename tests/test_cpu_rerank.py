@@ -89,9 +89,34 @@ def rerank_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(cpu_backend, "DENSE_SHARING", 0.0)
     if request.param == "document units":
         monkeypatch.setattr(cpu_backend, "_onednn_product", lambda dim: False)
-    elif request.param == "query groups" and not cpu_backend._onednn_product(128):
-        pytest.skip("oneDNN's product is missing here or gives other bits than MKL's")
+    elif request.param == "query groups":
+        if not cpu_backend._onednn_product(128):
+            pytest.skip("oneDNN's product is missing here or gives other bits than MKL's")
+        monkeypatch.setattr(cpu_backend, "_QUERY_GROUP_MIN_PAIRS", 0)  # the few candidates of these tests
     return request.param
+
+
+def test_queries_of_few_candidates_go_to_the_document_units(monkeypatch) -> None:
+    """The query groups take a call whose queries list `_QUERY_GROUP_MIN_PAIRS` candidates each on average
+    (queries without candidates not counted); fewer go to the document units, with the same bits."""
+    if not cpu_backend._onednn_product(32):
+        pytest.skip("oneDNN's product is missing here or gives other bits than MKL's")
+    monkeypatch.setattr(cpu_backend, "_QUERY_GROUP_MIN_PAIRS", 4)
+    taken = []
+    for name in ("_rerank_by_query", "_rerank_by_document"):
+        real = getattr(cpu_backend, name)
+        monkeypatch.setattr(
+            cpu_backend, name, lambda *a, _n=name, _f=real, **k: (taken.append(_n), _f(*a, **k))
+        )
+    gen = torch.Generator().manual_seed(3)
+    q, qo = packed([5, 3, 4], 32, gen=gen)
+    d, do = packed([7, 1, 12, 30, 2, 9, 4, 5], 32, gen=gen)
+    outs = []
+    for lists in ([[0, 1, 2, 3], [], [4, 5, 6, 7]], [[0, 1, 2], [], [4, 5, 6, 7]]):  # 4 a query; 3.5
+        off, docs = candidates(lists)
+        outs.append(maxsim_candidates_cpu(q, qo, d, do, off, docs))
+    assert taken == ["_rerank_by_query", "_rerank_by_document"]
+    assert torch.equal(outs[1][:3], outs[0][:3]) and torch.equal(outs[1][3:], outs[0][4:])
 
 
 def set_budget(monkeypatch: pytest.MonkeyPatch, budget: int) -> None:
