@@ -802,9 +802,8 @@ def _score_units(
 # again. On a 2-core Xeon with 2 MiB of L2 a core (64 x 1000 own candidates, 5 alternating rounds,
 # benchmarks/sweep_cpu_rerank_groups.py, docs/kernel-notes.md "CPU rerank"): fp16 1 / 2 / 4 / 8 / 16 / 32
 # MiB 56.5 / 33.4 / 22.8 / 17.6 / 15.9 / 19.1 us a pair, int8 2 / 4 / 8 / 16 MiB 22.3 / 13.9 / 11.0 / 12.3.
-# The budget is 4 x the L2 cache of a core (the Xeon's 2 MiB:
-# 8 MiB), at least the 4 MiB measured best on the EPYC (whose L2, 1 MiB at most, gives no more) and at most
-# 16 (`_query_group_bytes`).
+# The budget is 4 x the L2 cache of a core (the Xeon's 2 MiB: 8 MiB), at least the 4 MiB measured best on
+# the EPYC (an EPYC's L2, 1 MiB at most, gives no more) and at most 16 (`_query_group_bytes`).
 _QUERY_GROUP_L2_TIMES = 4
 _QUERY_GROUP_MIN, _QUERY_GROUP_MAX = 4 << 20, 16 << 20
 
@@ -1078,7 +1077,7 @@ def maxsim_candidates_cpu(
     elif (
         device.type == "cpu"
         and compute == torch.float32
-        and len(full) >= _QUERY_GROUP_MIN_PAIRS * len(np.unique(pair_query[full]))
+        and len(full) >= _QUERY_GROUP_MIN_PAIRS * (1 + np.count_nonzero(np.diff(pair_query[full])))
         and _onednn_product(layout.dim)
     ):
         _rerank_by_query(
