@@ -264,11 +264,16 @@ _SCRATCH = threading.local()
 
 
 def thread_buffer(name: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous [rows, cols] view of this thread's reusable buffer ``name`` (grown when too small)."""
+    """A contiguous [rows, cols] view of this thread's reusable buffer ``name`` (grown when too small).
+
+    The buffer is a normal tensor, never an inference tensor, even when made under ``torch.inference_mode``
+    (a call from `maxsim score` or the API): written in place outside inference mode by a later call, an
+    inference tensor raises."""
     need = shape[0] * shape[1]
     buf = getattr(_SCRATCH, name, None)
     if buf is None or buf.dtype != dtype or buf.numel() < need:
-        buf = torch.empty(need, dtype=dtype)
+        with torch.inference_mode(False):
+            buf = torch.empty(need, dtype=dtype)
         setattr(_SCRATCH, name, buf)
     return buf[:need].view(shape)
 

@@ -178,6 +178,26 @@ def test_one_candidate_a_query(rerank_path):
     check_case([9], [3, 60], [[1]], 24, seed=12)  # one query, one candidate
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_calls_inside_and_outside_inference_mode_in_turn(rerank_path, workers, monkeypatch):
+    """The worker threads' reused buffers (`cpu.thread_buffer`) are normal tensors even when a call under
+    ``torch.inference_mode`` (`maxsim score`, the API) makes them: a later call outside it writes into them
+    in place (an inference tensor raised there), and back inside. The same bits each time; the few-rows
+    stream of `maxsim_varlen_cpu` alike."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: workers)
+    gen = torch.Generator().manual_seed(21)
+    q, qo = packed([5, 3, 9], 32, gen=gen)
+    d, do = packed([7, 1, 12, 40, 3], 32, gen=gen)
+    off, docs = candidates([[0, 1, 3], [2], [4, 3, 0, 1]])
+    outs = []
+    for inference in (True, False, True, False):
+        with torch.inference_mode(inference):
+            outs.append(maxsim_candidates_cpu(q, qo, d, do, off, docs))
+            outs.append(maxsim_varlen_cpu(q[:5], qo[:2], d, do))
+    for i, out in enumerate(outs[2:]):
+        assert torch.equal(out, outs[i % 2]), i
+
+
 def test_the_same_documents_in_every_query_in_other_orders(rerank_path):
     """Every query lists the same documents (some twice) in its own order: each pair is scored in its
     query's group, a document gathered once a pair, and lands at its own position."""
