@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from bench_cpu_rerank import workload
-from common import SMOKE, alternating_host_rounds, make_log, meta, write_json
+from common import SMOKE, add_rounds_args, alternating_host_rounds, make_log, meta, write_json
 from maxsim_kernels import cpu
 
 log = make_log("cpu-rerank-per-query", clock=True)
@@ -59,10 +59,7 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=64)
     parser.add_argument("--per-query", default="9,20,32,40,80,150", help="candidates a query, swept")
     parser.add_argument("--dtype", default="float16", choices=["float16", "float32"])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out")
-    parser.add_argument("--smoke", action="store_true", help="a check of the script: tiny sizes, one call")
+    add_rounds_args(parser, repeats=3, rounds=5)
     args = parser.parse_args()
     if args.smoke:
         SMOKE["on"] = True

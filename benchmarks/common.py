@@ -159,8 +159,13 @@ def cpu_int8_products(integers: bool, fn: Callable[[], Any]) -> Callable[[], Any
 def add_cpu_rounds_args(parser: argparse.ArgumentParser, docs: int) -> None:
     """The CPU benchmarks' common options: --docs, --repeats, --rounds, --out, --smoke."""
     parser.add_argument("--docs", type=int, default=docs)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3)
+    add_rounds_args(parser)
+
+
+def add_rounds_args(parser: argparse.ArgumentParser, repeats: int = 3, rounds: int = 3) -> None:
+    """--repeats (calls a round), --rounds (alternating rounds), --out, --smoke."""
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--out")
     parser.add_argument("--smoke", action="store_true", help="a check of the script: tiny sizes, one call")
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from bench_cpu_rerank import workload
-from common import SMOKE, alternating_host_rounds, make_log, meta, write_json
+from common import SMOKE, add_rounds_args, alternating_host_rounds, make_log, meta, write_json
 from maxsim_kernels import cpu, int8_host
 
 log = make_log("cpu-rerank-groups", clock=True)
@@ -59,10 +59,7 @@ def main() -> None:
     parser.add_argument("--exhaustive-docs", type=int, default=2000)
     parser.add_argument("--dtype", default="float16", choices=["float16", "float32", "int8"])
     parser.add_argument("--budgets", default="1,2,4,8,16,32", help="group budgets swept, MiB")
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out")
-    parser.add_argument("--smoke", action="store_true", help="a check of the script: tiny sizes, one call")
+    add_rounds_args(parser, repeats=1, rounds=5)
     args = parser.parse_args()
     if args.smoke:
         SMOKE["on"] = True
