@@ -57,7 +57,9 @@ from .code_packing import (
 from .cpu import int8_columns, int8_stream_applies, maxsim_int8_varlen_cpu, thread_buffer
 from .int8_host import (
     backend_and_offsets,
+    candidate_runs,
     device_offsets,
+    document_runs,
     maxsim_candidates_int8,
     maxsim_varlen_int8,
     quantize_per_token,
@@ -270,18 +272,13 @@ def _varlen_torch(
     d_host = doc_offsets.tolist()
     out = torch.empty((nq, nd), dtype=torch.float32, device=device)
     budget = max(1, _TORCH_BLOCK_ELEMS // max(1, q8.shape[0], dim))  # document tokens per block
-    first = 0
-    while first < nd:
-        last = first + 1
-        while last < nd and d_host[last + 1] - d_host[first] <= budget:
-            last += 1
+    for first, last in document_runs(d_host, budget):
         sim = _block_sims(q_float, codes, slice(d_host[first], d_host[last]), doc_scales, codebook)
         segment, _ = segment_ids(doc_offsets[first : last + 1].diff())
         best, _ = segment_max(sim, segment, last - first, None)
         out[:, first:last] = torch.zeros((nq, last - first), device=device).index_add_(
             0, row_query, sq[:, None] * best
         )
-        first = last
     return out
 
 
@@ -308,18 +305,12 @@ def _candidates_torch(
         r0, r1 = q_host[query], q_host[query + 1]
         q_float = q8[r0:r1].float()
         budget = max(1, _TORCH_BLOCK_ELEMS // max(1, r1 - r0, dim))
-        first, stop = cand_host[query], cand_host[query + 1]
-        while first < stop:
-            last, tokens = first + 1, len_host[first]
-            while last < stop and tokens + len_host[last] <= budget:
-                tokens += len_host[last]
-                last += 1
+        for first, last in candidate_runs(len_host, cand_host[query], cand_host[query + 1], budget):
             segment, local = segment_ids(cand_len[first:last])
             token = cand_start[first:last][segment] + local
             sim = _block_sims(q_float, codes, token, doc_scales, codebook)
             best, _ = segment_max(sim, segment, last - first, None)
             out[first:last] = sum_rows_in_order(sq[r0:r1, None] * best)
-            first = last
     return out
 
 
@@ -537,12 +528,8 @@ def _odd_values(codes: torch.Tensor, backend: str) -> torch.Tensor:
 def _document_chunks(d_host: np.ndarray, chunk: int) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Runs of whole documents [first, stop) of at most ``chunk`` tokens (one document where it alone is
     longer) over the host offsets ``d_host``, with their offsets from their first token (int64, host)."""
-    nd, first = len(d_host) - 1, 0
-    while first < nd:
-        t0 = int(d_host[first])
-        stop = max(int(np.searchsorted(d_host, t0 + chunk, side="right")) - 1, first + 1)
-        yield first, stop, torch.from_numpy(np.ascontiguousarray(d_host[first : stop + 1] - t0))
-        first = stop
+    for first, stop in document_runs(d_host, chunk):
+        yield first, stop, torch.from_numpy(np.ascontiguousarray(d_host[first : stop + 1] - d_host[first]))
 
 
 def _owners(offsets: torch.Tensor, total: int) -> torch.Tensor:

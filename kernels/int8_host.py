@@ -7,6 +7,7 @@ where no kernel of it runs."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 
 import numpy as np
@@ -201,6 +202,29 @@ def segment_ids(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return segment, local.to(torch.int32)
 
 
+def document_runs(d_host: Sequence[int] | np.ndarray, budget: int) -> Iterator[tuple[int, int]]:
+    """Runs [first, stop) of consecutive whole documents of at most ``budget`` tokens (one document alone
+    where it is longer; empty documents join the run before them) over the host offsets ``d_host``."""
+    offsets = np.asarray(d_host)
+    nd, first = len(offsets) - 1, 0
+    while first < nd:
+        stop = max(int(np.searchsorted(offsets, offsets[first] + budget, side="right")) - 1, first + 1)
+        yield first, stop
+        first = stop
+
+
+def candidate_runs(len_host: Sequence[int], first: int, stop: int, budget: int) -> Iterator[tuple[int, int]]:
+    """Runs [a, b) of the candidates first .. stop - 1 (their documents' token counts ``len_host``) of at most
+    ``budget`` tokens together (one candidate alone where it is longer)."""
+    while first < stop:
+        last, tokens = first + 1, len_host[first]
+        while last < stop and tokens + len_host[last] <= budget:
+            tokens += len_host[last]
+            last += 1
+        yield first, last
+        first = last
+
+
 def sum_rows_in_order(terms: torch.Tensor) -> torch.Tensor:
     """The rows of ``terms`` [rows, n] added one after another (fp32), as `_varlen_torch`'s index_add adds
     a query's tokens on the CPU: a score's bits then depend neither on the other candidates of its block
@@ -233,11 +257,7 @@ def _varlen_torch(
     out = torch.empty((nq, nd), dtype=torch.float32, device=device)
     arg = torch.empty((n_rows, nd), dtype=torch.int32, device=device) if return_argmax else None
     budget = max(1, _TORCH_BLOCK_ELEMS // max(1, n_rows))  # document tokens per block
-    first = 0
-    while first < nd:
-        last = first + 1
-        while last < nd and d_host[last + 1] - d_host[first] <= budget:
-            last += 1
+    for first, last in document_runs(d_host, budget):
         t0, t1 = d_host[first], d_host[last]
         # int8 codes as fp32: the products and every partial sum are integers below 2^24, hence exact.
         sim = q_float @ d8[t0:t1].float().T
@@ -249,7 +269,6 @@ def _varlen_torch(
         )
         if arg is not None:
             arg[:, first:last] = best_arg
-        first = last
     return out, arg
 
 
@@ -279,12 +298,7 @@ def _candidates_torch(
         r0, r1 = q_host[query], q_host[query + 1]
         q_float = q8[r0:r1].float()
         budget = max(1, _TORCH_BLOCK_ELEMS // max(1, r1 - r0))
-        first, stop = cand_host[query], cand_host[query + 1]
-        while first < stop:
-            last, tokens = first + 1, len_host[first]
-            while last < stop and tokens + len_host[last] <= budget:
-                tokens += len_host[last]
-                last += 1
+        for first, last in candidate_runs(len_host, cand_host[query], cand_host[query + 1], budget):
             segment, local = segment_ids(cand_len[first:last])
             token = cand_start[first:last][segment] + local
             sim = q_float @ d8[token].float().T
@@ -293,7 +307,6 @@ def _candidates_torch(
             out[first:last] = sum_rows_in_order(sq[r0:r1, None] * best)
             if arg is not None:
                 arg[first:last, : r1 - r0] = best_arg.T
-            first = last
     return out, arg
 
 

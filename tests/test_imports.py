@@ -128,6 +128,21 @@ def test_help_defaults_repeated_in_the_commands_agree_with_the_library() -> None
     assert quantize_command.DEFAULT_BATCH_TOKENS == quantize.DEFAULT_BATCH_TOKENS
 
 
+def _assert_no_triton(tmp_path: Path, steps: list[list[str]], script: str) -> None:
+    """Each CLI command of ``steps`` in a fresh process exits 0 having imported torch and no Triton, and
+    ``script`` (API calls) leaves triton out of ``sys.modules``."""
+    for argv in steps:
+        result = _run_fresh(tmp_path, argv)
+        assert result["exit"] == 0, result["output"]
+        assert result["imported"] == ["torch"], f"{argv[:2]} imported {result['imported']}"
+    script += '\nimport sys\nprint("triton" in sys.modules)\n'
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False"]
+
+
 def test_cpu_scoring_of_float_and_int8_corpora_imports_no_triton(tmp_path: Path) -> None:
     """`maxsim quantize` and `maxsim score` of float and int8 corpora on the CPU run no Triton kernel and
     import no Triton (~0.15 s of the quickstart's int8 `score` on the 2-core machine); the int8 API's
@@ -138,13 +153,7 @@ def test_cpu_scoring_of_float_and_int8_corpora_imports_no_triton(tmp_path: Path)
         ["score", str(SAMPLE / "queries.safetensors"), str(SAMPLE / "corpus"), "-k", "5", "-o", str(run)],
         ["score", str(SAMPLE / "queries.safetensors"), str(int8_dir), "-k", "5", "-o", str(run)],
     ]
-    for argv in steps:
-        result = _run_fresh(tmp_path, argv)
-        assert result["exit"] == 0, result["output"]
-        assert result["imported"] == ["torch"], f"{argv[0]} imported {result['imported']}"
-    assert run.stat().st_size > 0
     script = """
-import sys
 import torch
 import maxsim_kernels as mk
 from maxsim_kernels.int8_host import quantize_per_token
@@ -158,13 +167,9 @@ mk.maxsim_varlen(queries, many, d8, d_off, doc_scales=sd)
 mk.maxsim_varlen(queries[:7], few, d8, d_off, doc_scales=sd, return_argmax=True)
 cand_off, cand_docs = torch.tensor([0, 1, 2]), torch.tensor([1, 0])
 mk.maxsim_candidates(queries[:7], few, d8, d_off, cand_off, cand_docs, doc_scales=sd)
-print("triton" in sys.modules)
 """
-    proc = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["False"]
+    _assert_no_triton(tmp_path, steps, script)
+    assert run.stat().st_size > 0
 
 
 def test_cpu_scoring_of_4_and_2_bit_corpora_imports_no_triton(tmp_path: Path) -> None:
@@ -180,13 +185,7 @@ def test_cpu_scoring_of_4_and_2_bit_corpora_imports_no_triton(tmp_path: Path) ->
         ["score", queries, str(bits2), "-k", "5", "-o", str(run)],
         ["score", queries, str(bits2), "-k", "5", "--exact-from", corpus, "-o", str(run)],
     ]
-    for argv in steps:
-        result = _run_fresh(tmp_path, argv)
-        assert result["exit"] == 0, result["output"]
-        assert result["imported"] == ["torch"], f"{argv[:2]} imported {result['imported']}"
-    assert run.stat().st_size > 0
     script = """
-import sys
 import torch
 import maxsim_kernels as mk
 from maxsim_kernels.code_packing import (
@@ -209,10 +208,6 @@ for codes, kw in tiers:
     mk.maxsim_varlen(queries[:7], few, codes, d_off, **kw)
     mk.maxsim_varlen(queries, many, codes, d_off, **kw)
     mk.maxsim_candidates(queries[:7], few, codes, d_off, cand_off, cand_docs, **kw)
-print("triton" in sys.modules)
 """
-    proc = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["False"]
+    _assert_no_triton(tmp_path, steps, script)
+    assert run.stat().st_size > 0

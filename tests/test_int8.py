@@ -658,3 +658,35 @@ def test_stream_walk_table_is_counted_for_offsets_walked_again() -> None:
         frozen = torch.tensor([0, 5, 70])
     assert not stream.walks_table(frozen, n, tuned) and not stream.walks_table(frozen, n, tuned)
     assert not stream.walks_table(frozen, n, tuned, table=True)
+
+
+def test_document_and_candidate_runs_are_maximal_within_the_budget() -> None:
+    """The torch paths' blocks (`int8_host.document_runs`, `candidate_runs`): consecutive runs covering every
+    document (or candidate) once, each the longest that fits the budget from its first, a longer one alone;
+    empty documents join the run before them."""
+    import random
+
+    from maxsim_kernels.int8_host import candidate_runs, document_runs
+
+    def consecutive(runs: list[tuple[int, int]], first: int, stop: int) -> bool:
+        bounds = [first] + [b for _, b in runs]
+        return [a for a, _ in runs] == bounds[:-1] and bounds[-1] == stop
+
+    rng = random.Random(4)
+    for _ in range(200):
+        lens = [rng.choice([0, 0, 1, 2, 5, 9, 30]) for _ in range(rng.randint(0, 12))]
+        budget = rng.randint(1, 20)
+        offsets = [0]
+        for n in lens:
+            offsets.append(offsets[-1] + n)
+        runs = list(document_runs(offsets, budget))
+        assert consecutive(runs, 0, len(lens))
+        for a, b in runs:
+            assert b - a == 1 or offsets[b] - offsets[a] <= budget
+            assert b == len(lens) or offsets[b + 1] - offsets[a] > budget  # the next document does not fit
+        first, stop = sorted(rng.sample(range(len(lens) + 1), 2)) if lens else (0, 0)
+        runs = list(candidate_runs(lens, first, stop, budget))
+        assert consecutive(runs, first, stop)
+        for a, b in runs:
+            assert b - a == 1 or sum(lens[a:b]) <= budget
+            assert b == stop or sum(lens[a : b + 1]) > budget
