@@ -614,6 +614,14 @@ def maxsim_int8_candidates_cpu(
     return scores
 
 
+def _padded_rows(starts: np.ndarray, lens: np.ndarray, width: int) -> torch.Tensor:
+    """The token rows of documents at ``starts`` of ``lens`` tokens (none empty), each padded to ``width``
+    with copies of its last row, flat (int64). Torch ops, not numpy: they leave the GIL to the other
+    workers while they run."""
+    last_row = torch.from_numpy(lens[:, None] - 1)
+    return (torch.from_numpy(starts[:, None]) + torch.minimum(torch.arange(width), last_row)).view(-1)
+
+
 def _int8_query_group(
     q: torch.Tensor,
     q_offsets: np.ndarray,
@@ -637,17 +645,13 @@ def _int8_query_group(
     i = int(pair_query[p0])
     r0, tq, width = int(q_offsets[i]), int(q_lens[i]), int(d_lens[p1 - 1])
     n, dim = p1 - p0, d8.shape[1]
-    last_row = torch.from_numpy(d_lens[p0:p1, None] - 1)
-    rows = (torch.from_numpy(d_starts[p0:p1, None]) + torch.minimum(torch.arange(width), last_row)).view(-1)
+    rows = _padded_rows(d_starts[p0:p1], d_lens[p0:p1], width)
     q_rows = q[r0 + torch.minimum(torch.arange(int(cols[i])), torch.tensor(tq - 1))]
+    block8 = torch.index_select(d8, 0, rows, out=thread_buffer("rerank_int8", (len(rows), dim), torch.int8))
     if q.dtype == torch.int8:
-        block = torch.index_select(
-            d8, 0, rows, out=thread_buffer("rerank_int8", (len(rows), dim), torch.int8)
-        )
-        sim = torch._int_mm(block, int8_columns(q_rows)).to(torch.float32)
+        sim = torch._int_mm(block8, int8_columns(q_rows)).to(torch.float32)
     else:
-        block = thread_buffer("rerank_block", (len(rows), dim), torch.float32)
-        block.copy_(torch.index_select(d8, 0, rows))
+        block = thread_buffer("rerank_block", (len(rows), dim), torch.float32).copy_(block8)
         sim = _similarities(block, q_rows.T.contiguous())
     sim.mul_(token_scales.index_select(0, rows)[:, None])  # the one fp32 rounding of s_d * acc
     best = torch.amax(sim.view(n, width, -1)[:, :, :tq], dim=1)
@@ -941,9 +945,7 @@ def _score_query_group(
     lens = d_lens[p0:p1]
     n, width, dim = p1 - p0, int(lens[-1]), weights.shape[1]
     m = n * width
-    # torch ops, not numpy: they leave the GIL to the other worker while they run
-    last_row = torch.from_numpy(lens[:, None] - 1)
-    rows = (torch.from_numpy(d_starts[p0:p1, None]) + torch.minimum(torch.arange(width), last_row)).view(-1)
+    rows = _padded_rows(d_starts[p0:p1], lens, width)
     block = thread_buffer("rerank_block", (-(-m // _ONEDNN_ROWS) * _ONEDNN_ROWS, dim), torch.float32)
     if docs.dtype == torch.float32:
         torch.index_select(docs, 0, rows, out=block[:m])
