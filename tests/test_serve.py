@@ -38,9 +38,9 @@ from typer.testing import CliRunner  # noqa: E402
 
 from maxsim_cli import Queries, open_corpus, read_queries, rerank, search  # noqa: E402
 from maxsim_cli.cli import app as cli_app  # noqa: E402
+from maxsim_cli.service import batching  # noqa: E402
 from maxsim_cli.service.app import check_bind, create_app, is_loopback  # noqa: E402
 from maxsim_cli.service.batching import (  # noqa: E402
-    QUICK_GAP_S,
     Batcher,
     Counters,
     Job,
@@ -279,6 +279,9 @@ def test_score_now_answers_a_quick_request_to_an_idle_server_only(corpus, querie
     request while the batcher runs idle (the corpus said to be on GPUs); None before it starts, after it
     closes, for a request that is not quick, and for one that comes right after a scoring."""
     monkeypatch.setattr(Scorer, "on_gpus", property(lambda self: True))
+    # "right after" must hold on a slow or loaded machine too: a gap it cannot miss
+    gap_s = 0.25
+    monkeypatch.setattr(batching, "QUICK_GAP_S", gap_s)
     one = Queries.from_embeddings(["x"], [rows_of(queries, 0)])
     big = Queries.from_embeddings([f"q{i}" for i in range(5)], [rows_of(queries, 0)] * 5)
     batcher = Batcher(Scorer(corpus), window_s=0.0)
@@ -292,7 +295,7 @@ def test_score_now_answers_a_quick_request_to_an_idle_server_only(corpus, querie
             assert batcher.score_now("search", Parsed(big, 3)) is None
             # right after a scoring: a request that waited behind it (a loaded server) is queued
             assert batcher.score_now("search", Parsed(one, 3)) is None
-            await asyncio.sleep(2 * QUICK_GAP_S)
+            await asyncio.sleep(2 * gap_s)
             assert batcher.score_now("search", Parsed(one, 3)) is not None
         finally:
             await batcher.close()

@@ -643,12 +643,16 @@ def test_a_request_frame_is_answered_now_or_queued_with_the_same_answer(
     import asyncio
 
     from maxsim_cli import Queries
+    from maxsim_cli.service import batching
     from maxsim_cli.service.batching import Batcher, Scorer
     from maxsim_cli.service.schema import check_request
     from maxsim_cli.service.wire import answers_from_frame, request_frame
     from maxsim_cli.service.workers import Hub, _Worker
 
     monkeypatch.setattr(Scorer, "on_gpus", property(lambda self: on_gpus))
+    # the second frame is parsed right after the first is scored; on a slow or loaded machine that can
+    # take longer than the real gap, so the gap here is one no machine misses
+    monkeypatch.setattr(batching, "QUICK_GAP_S", 30.0)
     queued: list[int] = []
     submit = Batcher.submit
 
@@ -700,12 +704,14 @@ def test_frames_that_waited_behind_a_scoring_are_batched(queries, monkeypatch) -
     import asyncio
 
     from maxsim_cli import Queries
+    from maxsim_cli.service import batching
     from maxsim_cli.service.batching import Scorer
     from maxsim_cli.service.schema import check_request
     from maxsim_cli.service.wire import answers_from_frame, request_frame
     from maxsim_cli.service.workers import Hub, _Worker
 
     monkeypatch.setattr(Scorer, "on_gpus", property(lambda self: True))
+    monkeypatch.setattr(batching, "QUICK_GAP_S", 30.0)  # each frame comes "right after" on any machine
     frames = []
     for i in range(8):
         body = json_body({"queries": [query_json(queries, i)], "k": 3})

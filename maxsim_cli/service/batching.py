@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import warnings
 from collections import deque
@@ -575,7 +576,7 @@ class Batcher:
         self._closing = False
         self._executor: ThreadPoolExecutor | None = None
         self._busy = False  # the last batch had company: wait the window for the next one
-        self._scored_at = 0.0  # when the last scoring ended (`QUICK_GAP_S`)
+        self._scored_at = -math.inf  # when the last scoring ended (`QUICK_GAP_S`); never yet
         self.in_thread = False  # a batch is being scored on the worker thread now
 
     @property
