@@ -153,6 +153,27 @@ def _worker_count() -> int:
     return max(1, min(torch.get_num_threads(), _usable_cpus()))
 
 
+# `torch.set_num_threads` sets the calling thread's count and also the process's default, which a thread
+# takes at its first call that reads its count: a pool whose threads each set 1 made every thread started
+# after it, and a thread that had not read its count yet (the main thread of `maxsim score`, whose readers
+# start first), run CPU calls on one worker. `one_torch_thread` puts the default back; the count of the
+# thread that imports this module is read here, at the default.
+_DEFAULT_THREADS_LOCK = threading.Lock()
+torch.get_num_threads()
+
+
+def one_torch_thread() -> None:
+    """This thread's torch CPU operations on one thread (a pool's initializer: the pool is the
+    parallelism), leaving the count that threads started later take as it was. ``torch.set_num_threads``
+    sets both; the default is set back from a thread of its own, so that this one keeps 1."""
+    with _DEFAULT_THREADS_LOCK:
+        default = torch.get_num_threads()  # a new thread's first read: the default, as it is now
+        torch.set_num_threads(1)
+        restore = threading.Thread(target=torch.set_num_threads, args=(default,), name="maxsim-threads")
+        restore.start()
+        restore.join()
+
+
 def _stream_pool(workers: int) -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
@@ -161,9 +182,7 @@ def _stream_pool(workers: int) -> ThreadPoolExecutor:
                 _POOL[1].shutdown(wait=False)
             _POOL = (
                 workers,
-                ThreadPoolExecutor(
-                    workers, thread_name_prefix="maxsim-cpu", initializer=torch.set_num_threads, initargs=(1,)
-                ),
+                ThreadPoolExecutor(workers, thread_name_prefix="maxsim-cpu", initializer=one_torch_thread),
             )
         return _POOL[1]
 

@@ -999,6 +999,47 @@ def test_cpu_worker_count_follows_the_affinity_mask() -> None:
     assert cpu._worker_count() == min(torch.get_num_threads(), cpu._usable_cpus())
 
 
+_THREAD_COUNT_CHILD = """
+import threading, torch
+from concurrent.futures import ThreadPoolExecutor
+def count_in_a_new_thread():
+    got = []
+    thread = threading.Thread(target=lambda: got.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    return got[0]
+default = count_in_a_new_thread()  # torch's default here, read without touching this thread's
+import maxsim_kernels.cpu as cpu
+from maxsim_cli.scoring import host_rows, pipeline
+def start_pools():  # every pool whose threads run torch on one thread, started from a thread of its own
+    cpu._stream_pool(2).submit(int).result()
+    host_rows.gather_pool().submit(int).result()
+    ThreadPoolExecutor(2, initializer=pipeline._reader_thread_init).submit(int).result()
+starter = threading.Thread(target=start_pools)
+starter.start()
+starter.join()
+workers = cpu._stream_pool(2).submit(torch.get_num_threads).result()
+print(default, torch.get_num_threads(), count_in_a_new_thread(), workers)
+"""
+
+
+def test_pools_of_one_torch_thread_leave_other_threads_their_count() -> None:
+    """The kernels' workers, the gathering threads and the batch stream's readers each run torch on one
+    thread, and leave the count other threads take as it was: the main thread (which read its count when
+    the kernels were imported) and a thread started after the pools keep torch's default, so a CPU call
+    there spreads over every worker. Before, the pools' count of 1 became the default: the main thread of
+    `maxsim score` with one query, and any thread started later (a server's scoring thread), scored on
+    one worker."""
+    child = subprocess.run(
+        [sys.executable, "-c", _THREAD_COUNT_CHILD], capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == 0, child.stderr
+    default, main, later, worker = map(int, child.stdout.split())
+    if default < 2:
+        pytest.skip("torch's default is one thread here: nothing to tell apart")
+    assert (main, later, worker) == (default, default, 1)
+
+
 def test_cpu_rerank_group_budget_follows_the_l2_cache(tmp_path, monkeypatch) -> None:
     """The CPU rerank's group budget is 4 x a core's L2 cache (sysfs, the first CPU this process may run
     on), within 4-16 MiB; 4 MiB where the cache cannot be read. The budget changes how pairs are grouped,

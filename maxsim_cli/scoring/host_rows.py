@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from maxsim_kernels.cpu import one_torch_thread
 
 from maxsim_cli import settings
 from maxsim_cli.codecs import CODE_QUANTIZATIONS
@@ -280,8 +281,7 @@ def gather_pool() -> ThreadPoolExecutor:
             _POOL = ThreadPoolExecutor(
                 GATHER_THREADS,
                 thread_name_prefix="maxsim-gather",
-                initializer=torch.set_num_threads,
-                initargs=(1,),
+                initializer=one_torch_thread,
             )
         return _POOL
 

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from maxsim_kernels.cpu import one_torch_thread
 
 from maxsim_cli.scoring.staging import PinnedArena, SlotBuffers, gather_rows, gathered_offsets
 from maxsim_cli.shards.resident import Residency
@@ -603,7 +604,7 @@ READER_NICE = 10  # added to the process's niceness (at most 19)
 
 
 def _reader_thread_init() -> None:
-    torch.set_num_threads(1)
+    one_torch_thread()
     with contextlib.suppress(AttributeError, OSError):  # per-thread priority: Linux only
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + READER_NICE))
