@@ -41,7 +41,9 @@ RERANK_PAIR_BYTES = 48
 # Document batches: aim at MIN_BATCHES per pass over the corpus so reading, copying and scoring overlap
 # (the first batch's read and the last one's scoring are not hidden: with 16 batches that is ~1/8 of a
 # pass), within these sizes. 16 MiB keeps launches long against their ~20 us overhead; 256 MiB keeps the
-# pinned slots (reader_threads + 2 of them) at a few GiB.
+# pinned slots (reader_threads + 2 of them) at a few GiB. On the 2-core CPU machine fewer batches gained at
+# most 1.10x (a rerank at 8, with 1.4x the memory) and lost past that
+# (benchmarks/results/cpu/min-batches-cpu-2core.txt).
 MIN_BATCHES = 16
 MIN_BATCH_BYTES = 16 << 20
 MAX_BATCH_BYTES = 256 << 20
