@@ -278,7 +278,11 @@ def _similarities(a: torch.Tensor, b_t: torch.Tensor, out: torch.Tensor | None =
 
 # Each stream worker's upcast chunk and similarity block live in buffers kept per thread (2 x 16 MB
 # at 32K tokens, d = 128, 128 query tokens): fresh 16 MB tensors were mapped and unmapped by malloc on
-# every chunk, a page fault per 4 KB each time: 1.31-1.73 s -> 1.04-1.34 s (docs/history.md).
+# every chunk, a page fault per 4 KB each time: 1.31-1.73 s -> 1.04-1.34 s (docs/history.md). The blocked
+# path's gathered rows, upcast block and similarities (~5.5 MiB a worker at d = 128) too: 64 queries x 512 MiB
+# of fp16 took 5.65 s against 6.75 with fresh tensors a group, and the process grew 142 MiB against 183
+# (what the C allocator kept of them in each worker's arena; 2-core Xeon, medians of 5,
+# benchmarks/results/cpu/blocked-buffers-2core.txt).
 _SCRATCH = threading.local()
 
 
@@ -406,7 +410,7 @@ def _score_docs(
     """
     integers = q.dtype == torch.int8
     compute, device = (torch.float32 if token_scales is not None else q.dtype), q.device
-    tq = q.shape[0]
+    on_cpu, tq, dim = device.type == "cpu", q.shape[0], docs.shape[1]
     order, spans = _groups(lens, _GROUP_TOKENS)
     q_t_blocks = [
         int8_columns(q[r0 : r0 + _QUERY_ROWS]) if integers else q[r0 : r0 + _QUERY_ROWS].T.contiguous()
@@ -423,8 +427,14 @@ def _score_docs(
         width = int(g_lens[-1])
         rows = starts[order[lo:hi], None] + np.minimum(np.arange(width)[None, :], g_lens[:, None] - 1)
         rows_t = torch.from_numpy(rows.reshape(-1)).to(device)
-        block = docs.index_select(0, rows_t)
-        block = block if integers else block.to(compute)
+        if on_cpu:  # into this worker's buffers (the similarities too): see _SCRATCH
+            rows_buffer = thread_buffer("docs_rows", (len(rows_t), dim), docs.dtype)
+            block = torch.index_select(docs, 0, rows_t, out=rows_buffer)
+            if not integers and block.dtype != compute:
+                block = thread_buffer("docs_block", tuple(block.shape), compute).copy_(block)
+        else:
+            block = docs.index_select(0, rows_t)
+            block = block if integers else block.to(compute)
         if doc_scales is not None:
             block *= doc_scales.index_select(0, rows_t).to(compute)[:, None]
         row_scales = None if token_scales is None else token_scales.index_select(0, rows_t)[:, None]
@@ -432,10 +442,15 @@ def _score_docs(
         best = torch.empty(n, tq, dtype=compute, device=device)
         for r0, q_t in zip(range(0, tq, _QUERY_ROWS), q_t_blocks, strict=True):
             r1 = min(tq, r0 + _QUERY_ROWS)
-            if integers:  # exact int32 products, as fp32
+            shape = (block.shape[0], r1 - r0)
+            if integers and on_cpu:  # exact int32 products, as fp32
+                ints = torch._int_mm(block, q_t, out=thread_buffer("docs_ints", shape, torch.int32))
+                sim = thread_buffer("docs_sim", shape, compute).copy_(ints)
+            elif integers:
                 sim = torch._int_mm(block, q_t).to(compute)
             else:
-                sim = _similarities(block, q_t)
+                out = thread_buffer("docs_sim", shape, compute) if on_cpu else None
+                sim = _similarities(block, q_t, out=out)
             if row_scales is not None:  # the one fp32 rounding of s_d * acc
                 sim.mul_(row_scales)
             sim = sim.view(n, width, r1 - r0)
@@ -453,7 +468,7 @@ def _score_docs(
         per_query = torch.zeros(n, num_queries, dtype=compute, device=device).index_add_(1, token_query, best)
         scores[:, picked] = per_query.T.to(scores.dtype)
 
-    if device.type == "cpu":
+    if on_cpu:
         _run_units(work, spans, _worker_count())
     else:
         for span in spans:
