@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -73,8 +74,21 @@ _QUERY_ROWS = 512
 # chunks with S^T = Q . D^T and np.maximum.reduceat 69.4 ms, 32K 64.0, 64K 67.3; this path with 32K
 # chunks 62.7 ms (sgemm on cold [chunk, 128] x [128, 32] runs at ~130 GFLOP/s, 40% of the 4096^3 rate,
 # and is ~75% of the time; the scatter max ~15%).
+# A chunk is sized by the bytes of its worker's buffers (the upcast rows and the similarities, counted as
+# `_stream_token_bytes`), not by tokens: 2-core Xeon, 1 query of 8 / 32 / 96 tokens against 2.1M fp16
+# tokens in memory, 7 alternating rounds, medians, the same bits at every size (ms, 4 / 8 / 12 / 16 / 24 /
+# 32 MiB): 8 rows 214 / 164 / 157 / 162 / 177 / 204, 32 rows 233 / 171 / 148 / 143 / 170 / 202, 96 rows
+# 380 / 310 / 279 / 278 / 323 / 361 (benchmarks/results/cpu/stream-chunk-bytes-2core.txt). 32K tokens, the
+# earlier size, are 20 MiB at 32 rows and 28 MiB at 96.
 _STREAM_MAX_ROWS = 128
-_STREAM_CHUNK_TOKENS = 32768
+_STREAM_CHUNK_BYTES = 12 << 20
+
+
+def _stream_token_bytes(dim: int, query_rows: int, compute: torch.dtype) -> int:
+    """A document token's bytes in a stream worker's buffers: its row upcast (or decoded) and its similarities
+    with every query row (and their int32 products, for int8 queries: counted for every call)."""
+    size = torch.finfo(compute).bits // 8 if compute.is_floating_point else 4
+    return dim * size + query_rows * (size + 4)
 
 # Batch invariance: MKL's sgemm switches to other kernels, with other summation orders along dim, when
 # either operand has fewer than ~8 rows (seen with torch 2.13 on AVX-512: 1 x 50, 3 x 7, 300 x 5 and
@@ -172,6 +186,11 @@ def one_torch_thread() -> None:
         restore = threading.Thread(target=torch.set_num_threads, args=(default,), name="maxsim-threads")
         restore.start()
         restore.join()
+
+
+def worker_count() -> int:
+    """The worker threads a CPU call from this thread spreads over now."""
+    return _worker_count()
 
 
 def _stream_pool(workers: int) -> ThreadPoolExecutor:
@@ -289,16 +308,37 @@ _SCRATCH = threading.local()
 def thread_buffer(name: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     """A contiguous [rows, cols] view of this thread's reusable buffer ``name`` (grown when too small).
 
+    A thread keeps at most `worker_keep_bytes` of buffers: a new one lets go of those used least recently
+    first (a call's own stay alive through its views until it returns). Every path's buffers of one call
+    fit that at the dims of the field, so a worker that runs one path keeps them all, and one that ran
+    another path before drops that path's instead of holding both.
+
     The buffer is a normal tensor, never an inference tensor, even when made under ``torch.inference_mode``
     (a call from `maxsim score` or the API): written in place outside inference mode by a later call, an
     inference tensor raises."""
     need = shape[0] * shape[1]
-    buf = getattr(_SCRATCH, name, None)
+    kept: OrderedDict[str, torch.Tensor] | None = getattr(_SCRATCH, "buffers", None)
+    if kept is None:
+        kept = _SCRATCH.buffers = OrderedDict()
+    buf = kept.pop(name, None)
     if buf is None or buf.dtype != dtype or buf.numel() < need:
+        buf = None  # let go of the smaller one before the new one is made
+        held = sum(b.numel() * b.element_size() for b in kept.values())
+        while kept and held + need * dtype.itemsize > worker_keep_bytes():
+            _, old = kept.popitem(last=False)
+            held -= old.numel() * old.element_size()
         with torch.inference_mode(False):
             buf = torch.empty(need, dtype=dtype)
-        setattr(_SCRATCH, name, buf)
+    kept[name] = buf  # the most recently used last
     return buf[:need].view(shape)
+
+
+def worker_keep_bytes() -> int:
+    """The buffers a worker thread keeps (`thread_buffer`): the largest of one call's on any path, at d <=
+    256 and documents of a few thousand tokens: the stream's chunk (`_STREAM_CHUNK_BYTES`) or a rerank
+    group's rows (its budget and the rows before their upcast: 1.5 x `_QUERY_GROUP_BYTES`), and 4 MiB for
+    a chunk's long last document and its decoded codes (the blocked path's group: 5.5 MiB at d = 128)."""
+    return max(_STREAM_CHUNK_BYTES, 3 * _QUERY_GROUP_BYTES // 2) + (4 << 20)
 
 
 def _empty_document_scores(
@@ -334,10 +374,12 @@ def _score_stream(
     token_query = torch.from_numpy(np.repeat(np.arange(nq), np.diff(q_offsets)))
     out[:, lens == 0] = _empty_document_scores(token_query, nq, query_scales).numpy()[:, None]
     workers = _worker_count()
-    # chunk boundaries (document indices) of about _STREAM_CHUNK_TOKENS tokens each
-    cuts = np.searchsorted(d_offsets, np.arange(0, d_offsets[-1], _STREAM_CHUNK_TOKENS), side="right") - 1
-    bounds = np.unique(np.concatenate([cuts, [nd]]))
     integers = q.dtype == torch.int8
+    # chunk boundaries (document indices) of about _STREAM_CHUNK_BYTES of buffers each
+    compute = torch.float32 if integers else q.dtype
+    chunk_tokens = max(1, _STREAM_CHUNK_BYTES // _stream_token_bytes(q.shape[1], q.shape[0], compute))
+    cuts = np.searchsorted(d_offsets, np.arange(0, d_offsets[-1], chunk_tokens), side="right") - 1
+    bounds = np.unique(np.concatenate([cuts, [nd]]))
     q_t = int8_columns(q) if integers else q.T.contiguous()  # floats: contiguous columns (`_similarities`)
 
     def work(chunk_docs: tuple[int, int]) -> None:

@@ -17,12 +17,23 @@ import resource
 import sys
 import threading
 
-# Host bytes a CPU run uses that no plan sizes: the CPU backend's blocks (~5 MiB a scoring thread,
-# `maxsim_kernels.cpu`), what the C allocator keeps of freed blocks in its per-thread arenas (~20 MiB:
-# it went away with a fixed MALLOC_MMAP_THRESHOLD_), library code touched for the first time, the run
-# writer's buffers. Measured on the 2-core machine, 64 queries against 128-512 MB of fp16 shards: the
-# peak grew 42-45 MiB past the planned batches and the inputs (benchmarks/bench_host_memory.py).
-UNPLANNED_HOST_BYTES = 48 << 20
+# Host bytes a CPU run uses that no plan sizes, besides its worker threads' (`worker_host_bytes`): what
+# the C allocator keeps of the run's freed blocks, library code touched for the first time, the run
+# writer's buffers. Measured on the 2-core machine, the 512 MiB fp16 corpus, 1 query / 64 queries / 64 x
+# 150 own candidates at --max-host-memory 128MiB: the peak grew 43-62 MiB past the planned batches, of
+# which the inputs were 17-24 MiB and the two workers' ~19 MiB
+# (benchmarks/results/memory/workers-host-memory-2core.txt).
+UNPLANNED_HOST_BYTES = 24 << 20
+
+
+def worker_host_bytes(workers: int) -> int:
+    """Host bytes a CPU run's ``workers`` worker threads hold: each keeps its buffers, at most
+    `maxsim_kernels.cpu.worker_keep_bytes` (16 MiB on the 2-core Xeon; each worker grew the run by 9.5-9.6
+    MiB there, its buffers, its product library's and what the allocator kept: 16 workers forced on the 2
+    cores against 2, benchmarks/results/memory/workers-host-memory-2core.txt)."""
+    from maxsim_kernels.cpu import worker_keep_bytes
+
+    return workers * worker_keep_bytes()
 
 _active = 0  # meters running in this process (rank threads of a job): only the first resets the peak
 _lock = threading.Lock()

@@ -40,7 +40,9 @@ def test_streamed_int8_paths_are_the_blocked_paths_bitwise(dim, q_lengths, integ
     without its values; or the values upcast to fp32) give the blocked paths' bits."""
     from maxsim_kernels import cpu
 
-    monkeypatch.setattr(cpu, "_STREAM_CHUNK_TOKENS", 700)  # many chunks, documents across their edges
+    # chunks of ~700 tokens: many, documents across their edges
+    chunk_bytes = 700 * cpu._stream_token_bytes(dim, sum(q_lengths), torch.float32)
+    monkeypatch.setattr(cpu, "_STREAM_CHUNK_BYTES", chunk_bytes)
     monkeypatch.setattr(cpu, "_INT8_PRODUCT", integers)
     gen = torch.Generator().manual_seed(5)
     x, d_off = _ragged(gen, 300, dim)

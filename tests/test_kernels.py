@@ -999,6 +999,34 @@ def test_cpu_worker_count_follows_the_affinity_mask() -> None:
     assert cpu._worker_count() == min(torch.get_num_threads(), cpu._usable_cpus())
 
 
+def test_a_worker_thread_keeps_at_most_its_share_of_buffers(monkeypatch) -> None:
+    """`cpu.thread_buffer` keeps at most `worker_keep_bytes` of buffers a thread: a buffer asked for again
+    is reused, a new one that would go past the share lets go of those used least recently first, and one
+    let go stays valid through the view its caller holds."""
+    import threading
+
+    import maxsim_kernels.cpu as cpu
+
+    monkeypatch.setattr(cpu, "worker_keep_bytes", lambda: 1 << 20)
+    seen = {}
+
+    def run() -> None:  # a thread of its own: no buffers yet
+        a = cpu.thread_buffer("a", (256, 256), torch.float32).fill_(1.0)  # 256 KiB
+        seen["reused"] = cpu.thread_buffer("a", (128, 256), torch.float32).data_ptr() == a.data_ptr()
+        cpu.thread_buffer("b", (512, 256), torch.float32)  # 512 KiB: both kept
+        cpu.thread_buffer("c", (384, 256), torch.float32)  # 384 KiB more: past 1 MiB, "a" goes
+        kept = cpu._SCRATCH.buffers
+        seen["names"] = list(kept)
+        seen["held"] = sum(b.numel() * b.element_size() for b in kept.values())
+        seen["a"] = float(a.sum())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert seen["reused"] and seen["names"] == ["b", "c"]
+    assert seen["held"] == (512 + 384) * 1024 and seen["a"] == 256 * 256
+
+
 _THREAD_COUNT_CHILD = """
 import threading, torch
 from concurrent.futures import ThreadPoolExecutor

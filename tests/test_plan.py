@@ -74,7 +74,7 @@ def test_smaller_budgets_make_more_batches_that_fit(budget: int) -> None:
 
 def test_a_budget_too_small_for_the_longest_document_is_a_clear_error() -> None:
     lengths, bounds = _corpus()
-    with pytest.raises(MaxsimError, match=r"memory budget \(200 B on cpu\) is too small for 1 queries"):
+    with pytest.raises(MaxsimError, match=r"memory budget \(200 B on cpu\) is too small for 1 query "):
         plan_exhaustive(lengths, bounds, _queries(5), QTB, TB, 10, None, _cpu(200))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import sys
 import threading
 
@@ -1080,6 +1081,30 @@ def test_a_host_budget_below_what_the_run_holds_is_refused_naming_the_minimum(tm
         match=r"\(8 MiB\) is too small .* needs at least (\d+) MiB; give --max-host-memory \1MiB or more$",
     ):
         score(queries, shards, output=str(out), device="cpu", max_host_memory=8 << 20)
+    assert not out.exists()
+
+
+def test_a_cpu_run_holds_its_worker_threads_buffers_within_the_host_budget(tmp_path, monkeypatch) -> None:
+    """A CPU run reserves each worker thread's buffers (`memory.worker_host_bytes`) before it plans its
+    batches: with many workers a budget that holds one worker's is refused, naming a minimum that counts
+    them all, before any work; `cpu_workers` in the stats says how many the run used."""
+    from maxsim_kernels.cpu import worker_keep_bytes
+
+    from maxsim_cli.scoring import engine
+    from maxsim_cli.scoring.entry import score
+
+    queries, shards = _changing_corpus(tmp_path)
+    out = tmp_path / "run.trec"
+    budget = 2 * worker_keep_bytes() + (64 << 20)
+    monkeypatch.setattr(engine, "worker_count", lambda: 1)
+    stats = score(queries, shards, output=str(out), device="cpu", max_host_memory=budget)
+    assert stats.extra["cpu_workers"] == 1 and stats.extra["host_reserved_bytes"] > worker_keep_bytes()
+    out.unlink()
+    monkeypatch.setattr(engine, "worker_count", lambda: 16)
+    with pytest.raises(MaxsimError, match=r"is too small .* needs at least (\d+) MiB") as refused:
+        score(queries, shards, output=str(out), device="cpu", max_host_memory=budget)
+    minimum = int(re.search(r"needs at least (\d+) MiB", str(refused.value)).group(1)) << 20
+    assert minimum > 16 * worker_keep_bytes()
     assert not out.exists()
 
 

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from maxsim_kernels import NonFiniteDocuments, resolve_backend, share_device_copy
+from maxsim_kernels.cpu import worker_count
 
 from maxsim_cli import settings, timeline, tuning
 from maxsim_cli.codecs import CODE_QUANTIZATIONS, code_width, has_scales
@@ -54,7 +55,7 @@ from maxsim_cli.errors import (
     RankStopped,
     log_to_stderr,
 )
-from maxsim_cli.memory import UNPLANNED_HOST_BYTES, HostMeter
+from maxsim_cli.memory import UNPLANNED_HOST_BYTES, HostMeter, worker_host_bytes
 from maxsim_cli.scoring import plan as planning
 from maxsim_cli.scoring.pipeline import Batch, BatchPlan, BatchStream, read_parts
 from maxsim_cli.scoring.plan import Budget, Plan
@@ -361,12 +362,14 @@ class _Engine:
 
     def fit_host(self) -> None:
         """CPU: the plan's budget is what is left of the host budget once the run holds its inputs (the
-        corpus's ids and offsets, the queries, the id order) and `UNPLANNED_HOST_BYTES` for what no plan
-        sizes; at most --max-memory. The planner's error names the total a run needs when not even one
-        batch fits."""
+        corpus's ids and offsets, the queries, the id order), its worker threads' buffers
+        (`worker_host_bytes`) and `UNPLANNED_HOST_BYTES` for what no plan sizes; at most --max-memory. The
+        planner's error names the total a run needs when not even one batch fits."""
         if self.cuda or self.meter is None:
             return
-        held = self.meter.used() + UNPLANNED_HOST_BYTES
+        workers = worker_count()
+        held = self.meter.used() + UNPLANNED_HOST_BYTES + worker_host_bytes(workers)
+        self.stats.extra["cpu_workers"] = workers
         room = max(self.budget.host_bytes - held, 1)
         self.budget.device_bytes = min(room, self.max_memory or room)
         self.budget.host_reserved = held if self.budget.device_bytes == room else 0

@@ -368,7 +368,8 @@ def _fit_spans(
         if need <= usable:
             return spans, need
         if doc_limit <= 1 and token_limit <= longest:
-            raise _too_small(budget, need, f"for {nq_b} queries and the longest document ({longest} tokens)")
+            queries = "1 query" if nq_b == 1 else f"{nq_b} queries"
+            raise _too_small(budget, need, f"for {queries} and the longest document ({longest} tokens)")
         token_limit = max(token_limit * 0.8, 1.0)
         doc_limit = max(doc_limit * 0.8, 1.0)
 
