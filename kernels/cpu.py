@@ -295,8 +295,8 @@ def _similarities(a: torch.Tensor, b_t: torch.Tensor, out: torch.Tensor | None =
     return product if product.shape == (m, n) else product[:m, :n].contiguous()
 
 
-# Each stream worker's upcast chunk and similarity block live in buffers kept per thread (2 x 16 MB
-# at 32K tokens, d = 128, 128 query tokens): fresh 16 MB tensors were mapped and unmapped by malloc on
+# Each stream worker's upcast chunk and similarity block live in buffers kept per thread (12 MiB a chunk,
+# `_STREAM_CHUNK_BYTES`): fresh 16 MB tensors (32K-token chunks then) were mapped and unmapped by malloc on
 # every chunk, a page fault per 4 KB each time: 1.31-1.73 s -> 1.04-1.34 s (docs/history.md). The blocked
 # path's gathered rows, upcast block and similarities (~5.5 MiB a worker at d = 128) too: 64 queries x 512 MiB
 # of fp16 took 5.65 s against 6.75 with fresh tensors a group, and the process grew 142 MiB against 183
