@@ -651,8 +651,10 @@ def maxsim_int8_candidates_cpu(
 ) -> torch.Tensor:
     """int8 scores [C] of each query against its own candidates on the CPU (no argmax), the documents read
     in place: groups of one query's candidates of similar length spread over the workers
-    (`_int8_query_group`), or, where the candidates are dense (`dense_listing`), every query against every
-    listed document by the document groups of `maxsim_int8_docs_cpu`, each pair's score picked from them.
+    (`_int8_query_group`); for queries of few candidates (`_INT8_QUERY_GROUP_MIN_PAIRS`) the document units
+    of the float rerank (`_rerank_by_document`) on the int8 values as fp32; or, where the candidates are
+    dense (`dense_listing`), every query against every listed document by the document groups of
+    `maxsim_int8_docs_cpu`, each pair's score picked from them.
     A pair scores as it does among all pairs, so the scores are the bits of `int8_host`'s torch rerank
     (`_candidates_torch`, which scores one query's candidates after another on the caller's thread: 3.5-4.6x
     slower on the 2-core Xeon, `bench_cpu_rerank_dense.py`)."""
@@ -676,6 +678,12 @@ def maxsim_int8_candidates_cpu(
         per_query = _empty_document_scores(token_query, nq, query_scales)
         scores[torch.from_numpy(empty)] = per_query[torch.from_numpy(pair_query[empty])]
     full = np.flatnonzero(pair_len > 0)
+    if len(full) < _INT8_QUERY_GROUP_MIN_PAIRS * (1 + np.count_nonzero(np.diff(pair_query[full]))):
+        # few candidates a query: the document units, on the int8 values as fp32 (exact products)
+        layout = Layout(q_offsets, d_offsets, q_lens, d_lens, q8.shape[1])
+        _rerank_by_document(q8.float(), layout, d8, None, pair_query, c_docs, full, scores, None, False,
+                            token_scales, query_scales)  # fmt: skip
+        return scores
     # pairs by query, then document length (groups pad little), then document
     order = full[np.lexsort((c_docs[full], pair_len[full], pair_query[full]))]
     sorted_query, sorted_len = pair_query[order], pair_len[order]
@@ -794,11 +802,16 @@ def _score_units(
     scores: torch.Tensor,
     argmax: torch.Tensor | None,
     check_finite: bool,
+    token_scales: torch.Tensor | None = None,
+    query_scales: torch.Tensor | None = None,
 ) -> None:
     """One group: units [u0, u1) (ascending document length, none empty) of k pairs each, pairs [p0, p0 +
     (u1 - u0) * k). Unit u is document rows [d_starts[u], + d_lens[u]); pair p is query rows
     [q_starts[p], + q_lens[p]) of `q` (compute dtype). Adds each pair's score into scores[p, 0] (zeros
-    on entry) and writes argmax[p, :q_lens[p]]."""
+    on entry) and writes argmax[p, :q_lens[p]]. int8 documents (`maxsim_int8_candidates_cpu`): `q` holds
+    the int8 query rows' fp32 values (the products exact), ``token_scales`` multiplies each similarity by
+    its document token's scale before the max and ``query_scales`` each max by its query token's before
+    the sum, as `_score_docs` does."""
     u0, u1, k, p0 = group
     n, m = u1 - u0, (u1 - u0) * k
     compute, device, dim = q.dtype, q.device, q.shape[1]
@@ -820,6 +833,7 @@ def _score_units(
         block.copy_(torch.index_select(docs, 0, rows, out=buffer("raw", n * width, dim, docs.dtype)))
     if doc_scales is not None:
         block *= doc_scales.index_select(0, rows).to(compute)[:, None]
+    row_scales = None if token_scales is None else token_scales.index_select(0, rows).view(n, width, 1)
     block = block.view(n, width, dim)
     p1 = p0 + m
     ql = q_lens[p0:p1]
@@ -844,6 +858,8 @@ def _score_units(
             q_g.transpose(1, 2),
             out=buffer("sim", n * width, k * cols_n, compute).view(n, width, k * cols_n),
         )
+        if row_scales is not None:  # the one fp32 rounding of s_d * acc
+            sim.mul_(row_scales)
         if check_finite and c0 == 0:
             _require_finite(sim[:, :, 0])
         if argmax is None:
@@ -853,6 +869,9 @@ def _score_units(
             best[:, c0:c1] = vals.view(m, cols_n)[:, : c1 - c0]
             last = torch.from_numpy(np.repeat(lens - 1, k)).to(device)[:, None]
             argmax[p0:p1, c0:c1] = torch.minimum(idx.view(m, cols_n)[:, : c1 - c0], last).to(torch.int32)
+    if query_scales is not None:  # each query token's max times its scale (past a query's length: dropped)
+        q_rows = q_starts[p0:p1, None] + np.minimum(np.arange(tq), ql[:, None] - 1)
+        best.mul_(query_scales[torch.from_numpy(q_rows).to(device)])
     if int(ql.min()) < tq:  # a shorter query's extra columns: -0.0 leaves a sum unchanged, argmax -1
         extra = torch.from_numpy(np.arange(tq)[None, :] >= ql[:, None]).to(device)
         best.masked_fill_(extra, -0.0)
@@ -943,6 +962,11 @@ _QUERY_GROUP_BYTES = _query_group_bytes(_l2_cache_bytes())
 # / 30.9, 80: 29.3 / 29.3, 150: 25.0 / 29.3. The crossing is ~80 there; it comes earlier where oneDNN's
 # product outruns MKL's (the EPYC: 2.4x, not measured at these counts), hence 32.
 _QUERY_GROUP_MIN_PAIRS = 32
+# The same for int8 documents (`maxsim_int8_candidates_cpu`), whose query groups multiply in integers and
+# whose document units multiply the int8 values as fp32: 2-core Xeon, 64 queries, 5 alternating rounds, the
+# same bits, us a pair query groups / document units, candidates a query 9: 81.4 / 48.9, 20: 49.9 / 47.2, 32:
+# 29.9 / 36.3, 40: 26.7 / 33.1, 150: 17.6 / 31.8 (benchmarks/results/cpu/cpu-int8-rerank-per-query-xeon.txt).
+_INT8_QUERY_GROUP_MIN_PAIRS = 24
 # oneDNN builds a primitive for each new shape (~0.2 ms, against ~0.03 ms for a cached 1000-row call):
 # a product's rows are padded to a multiple of _ONEDNN_ROWS and its columns (the query's tokens, padded
 # with copies of the last one) to a multiple of _ONEDNN_COLS, so that shapes repeat. Columns >= 16 also
@@ -1258,9 +1282,12 @@ def _rerank_by_document(
     scores: torch.Tensor,
     argmax: torch.Tensor | None,
     check_finite: bool,
+    token_scales: torch.Tensor | None = None,
+    query_scales: torch.Tensor | None = None,
 ) -> None:
     """Fill scores[full] (and argmax[full]) of the pairs `full` (documents not empty) in document units
-    through MKL's batched product (see _RERANK_GROUP_BYTES); `q` in the compute dtype."""
+    through MKL's batched product (see _RERANK_GROUP_BYTES); `q` in the compute dtype (int8 documents:
+    ``token_scales`` and ``query_scales`` as in `_score_units`)."""
     compute, device = q.dtype, q.device
     # pairs by document (then query); each document's run of pairs cut into units of <= k_max pairs
     by_doc = full[np.lexsort((pair_query[full], pair_doc[full]))]
@@ -1307,7 +1334,7 @@ def _rerank_by_document(
     )
 
     def work(group: tuple[int, int, int, int]) -> None:
-        _score_units(*args, group, pair_scores, pair_argmax, check_finite)
+        _score_units(*args, group, pair_scores, pair_argmax, check_finite, token_scales, query_scales)
 
     if device.type == "cpu":
         _run_units(work, groups, _worker_count())

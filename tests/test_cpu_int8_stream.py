@@ -172,21 +172,27 @@ def test_many_query_rows_in_document_groups_are_the_blocked_path_bitwise(
 
 
 @pytest.mark.parametrize("integers", [True, False], ids=["int-products", "fp32-products"])
-@pytest.mark.parametrize("dense", [True, False], ids=["all-pairs", "query-groups"])
+@pytest.mark.parametrize("path", ["all-pairs", "query-groups", "document-units"])
 @pytest.mark.parametrize("workers", [False, True], ids=["one-group", "small-groups-on-2-workers"])
 @pytest.mark.parametrize("dim", [128, 40, 2])
-def test_int8_candidates_on_the_cpu_are_the_torch_rerank_bitwise(dim, workers, dense, integers, monkeypatch):
-    """`maxsim_int8_candidates_cpu` on both of its paths (every query against every listed document where
-    the candidates are dense; groups of one query's candidates over the workers) gives `_candidates_torch`'s
-    bits: candidates that are empty and one-token documents, a document listed twice by one query and by
-    many, queries without candidates (first and between) and of one token, a query scale of 0 (NaN against
-    an empty document)."""
+def test_int8_candidates_on_the_cpu_are_the_torch_rerank_bitwise(dim, workers, path, integers, monkeypatch):
+    """`maxsim_int8_candidates_cpu` on each of its paths (every query against every listed document where
+    the candidates are dense; groups of one query's candidates over the workers; documents once against
+    every query that lists them, for queries of few candidates) gives `_candidates_torch`'s bits:
+    candidates that are empty and one-token documents, a document listed twice by one query and by many,
+    queries without candidates (first and between) and of one token, a query scale of 0 (NaN against an
+    empty document)."""
     from maxsim_kernels import cpu
 
     monkeypatch.setattr(cpu, "_INT8_PRODUCT", integers)
     if workers:
         monkeypatch.setattr(cpu, "_QUERY_GROUP_BYTES", 3000)
+        monkeypatch.setattr(cpu, "_RERANK_GROUP_BYTES", 3000)
         monkeypatch.setattr(cpu, "_worker_count", lambda: 2)
+    dense = path == "all-pairs"
+    monkeypatch.setattr(cpu, "_INT8_QUERY_GROUP_MIN_PAIRS", 0 if path == "query-groups" else 10**9)
+    units, real_units = [], cpu._rerank_by_document
+    monkeypatch.setattr(cpu, "_rerank_by_document", lambda *a, **k: (units.append(1), real_units(*a, **k)))
     monkeypatch.setattr(cpu, "DENSE_CANDIDATES", 0.0 if dense else float("inf"))
     monkeypatch.setattr(cpu, "DENSE_SHARING", 0.0)
     original, taken = cpu._score_docs, []
@@ -218,7 +224,7 @@ def test_int8_candidates_on_the_cpu_are_the_torch_rerank_bitwise(dim, workers, d
     want = int8_host._candidates_torch(q8, sq, q_off, d8, s8, d_off, c_off, c_docs, False)[0]
     assert torch.allclose(got, want, equal_nan=True, atol=0, rtol=0)  # bitwise, NaN where NaN
     assert got[int(c_off[4])].isnan() and got[int(c_off[1])].isneginf()  # empty document 0
-    assert bool(taken) == dense
+    assert bool(taken) == dense and bool(units) == (path == "document-units")
 
 
 def test_dense_listing_needs_the_fraction_and_the_sharing(monkeypatch):
