@@ -457,6 +457,11 @@ def launch_varlen_with_tiles(
 # in five of the one buffer, alternating processes on one H100 (allpairs-two-streams-h100-*.json,
 # allpairs-one-buffer-h100-e76e3b0-*.json, codes-h100-9fd970e.json; benchmarks/results/codes/)
 DECODE_CHUNK_BYTES = 256 << 20
+# int2 candidates on the CPU (`_int2_decoded_candidates`): at most this many bytes of decoded rows at once,
+# a run of candidates at a time, so that a rerank batch's decoded rows (4x its codes' bytes) stay out of
+# its host memory: a bound, not a tuned size (64 x 150 candidates at --max-host-memory 128MiB grew 430 MiB
+# with one decode a batch, benchmarks/results/cpu/int2-rerank-memory-2core.txt).
+DECODED_CANDIDATE_BYTES = 4 << 20
 
 
 def _byte_table(values_of_byte: Callable[[torch.Tensor], torch.Tensor]) -> np.ndarray:
@@ -510,10 +515,15 @@ class _Int4Products:
 
 def _int8_values(codec: str, backend: str, codes: torch.Tensor, out: torch.Tensor) -> None:
     """int4 or int2 ``codes`` [T, width] decoded into ``out`` [T, dim] as their int8 values (`decode_int4`'s,
-    `int2_values`'): by the Triton decode with the Triton backend, else by those torch functions."""
+    `int2_values`'): by the Triton decode with the Triton backend, on the CPU by the byte table (no
+    temporaries: those functions' int16 steps took ~8 bytes a value, 430-770 MiB for the decoded candidates of
+    an int2 rerank batch), else by those torch functions."""
     if backend == "triton":
         gpu = _kernels()
         (gpu.int4_to_int8 if codec == "int4" else gpu.int2_to_int8)(codes, out)
+    elif codes.device.type == "cpu" and out.is_contiguous():
+        table = _BYTE_TABLES[codec]
+        np.take(table, codes.contiguous().numpy(), out=out.numpy().view(table.dtype), mode="wrap")
     else:
         out.copy_((decode_int4 if codec == "int4" else int2_values)(codes))
 
@@ -650,9 +660,33 @@ def _int2_decoded_candidates(
     c_docs: torch.Tensor,
 ) -> torch.Tensor:
     """int2 candidates without the query rows' offsets, decoded: the candidates' documents (indices checked)
-    gathered once each, decoded to their odd values and scored by the int8 candidates kernels."""
+    gathered once each, decoded to their odd values and scored by the int8 candidates kernels. On the CPU
+    a run of candidates at a time, whose rows hold at most `DECODED_CANDIDATE_BYTES` decoded."""
     if c_docs.numel() == 0:
         return torch.empty(0, dtype=torch.float32, device=codes.device)
+    if codes.device.type != "cpu":
+        return _int2_decoded_run(backend, given_q_off, q8, sq, codes, sd, d_off, c_off, c_docs)
+    scores = torch.empty(c_docs.numel(), dtype=torch.float32)
+    lengths = (d_off[c_docs + 1] - d_off[c_docs]).numpy()
+    run_tokens = max(1, DECODED_CANDIDATE_BYTES // (4 * codes.shape[1]))
+    for a, b in document_runs(np.concatenate([[0], np.cumsum(lengths)]), run_tokens):
+        run_off = c_off.clamp(a, b) - a  # each query's candidates within the run (many have none)
+        scores[a:b] = _int2_decoded_run(backend, given_q_off, q8, sq, codes, sd, d_off, run_off, c_docs[a:b])
+    return scores
+
+
+def _int2_decoded_run(
+    backend: str,
+    given_q_off: torch.Tensor,
+    q8: torch.Tensor,
+    sq: torch.Tensor,
+    codes: torch.Tensor,
+    sd: torch.Tensor,
+    d_off: torch.Tensor,
+    c_off: torch.Tensor,
+    c_docs: torch.Tensor,
+) -> torch.Tensor:
+    """`_int2_decoded_candidates` of one run of candidates (at least one)."""
     unique, local = torch.unique(c_docs, return_inverse=True)
     starts = d_off[unique]
     lengths = d_off[unique + 1] - starts

@@ -512,3 +512,32 @@ def test_int2_all_pairs_in_chunks_give_the_bits_of_one(monkeypatch, backend: str
     chunked = maxsim_varlen(queries, q_off, codes, d_off, doc_scales=scales, codebook=levels, backend=backend)
     assert torch.equal(chunked, whole)
     assert (whole[:, torch.tensor(lengths) == 0] == float("-inf")).all()
+
+
+def test_int2_candidates_on_the_cpu_in_runs_give_the_bits_of_one(monkeypatch) -> None:
+    """int2 candidates on the CPU are decoded (by the byte table: `int2_values`' values) a run of
+    candidates at a time (`codes_host.DECODED_CANDIDATE_BYTES`; here runs of a few tokens, so a long
+    document alone and queries whose candidates straddle runs): the same bits as one run of every
+    candidate, with repeats, empty documents and queries without candidates."""
+    from maxsim_kernels import codes_host
+
+    gen = torch.Generator().manual_seed(37)
+    levels = _levels(128, gen)
+    lengths = [0, 40, 5, 1, 7, 0, 3, 9, 2, 6, 300]
+    docs, d_off = _corpus(lengths, 128, gen)
+    codes, scales = encode_int2(docs, levels)
+    out = torch.empty(codes.shape[0], 4 * codes.shape[1], dtype=torch.int8)
+    codes_host._int8_values("int2", "torch", codes, out)
+    assert torch.equal(out, int2_values(codes))
+    queries, q_off = _corpus([3, 1, 32, 7, 4], 128, gen)
+    lists = [[1, 2, 2, 0], [], [10, 4, 5, 6, 7, 8, 9, 3, 1], [3], [0, 5]]
+    c_off = torch.tensor([0] + [len(x) for x in lists]).cumsum(0)
+    c_docs = torch.tensor([d for x in lists for d in x], dtype=torch.int64)
+    args = (queries, q_off, codes, d_off, c_off, c_docs)
+    whole = maxsim_candidates(*args, doc_scales=scales, codebook=levels, backend="torch")
+    monkeypatch.setattr(codes_host, "DECODED_CANDIDATE_BYTES", 128 * 4 * 8)
+    runs = maxsim_candidates(*args, doc_scales=scales, codebook=levels, backend="torch")
+    assert torch.equal(runs, whole)
+    reference = maxsim_codes_reference(queries, q_off, codes, d_off, doc_scales=scales, codebook=levels)
+    owner = torch.repeat_interleave(torch.arange(len(lists)), c_off.diff())
+    assert torch.equal(whole.isneginf(), reference[owner, c_docs].isneginf())
