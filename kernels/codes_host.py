@@ -54,7 +54,7 @@ from .code_packing import (
     int2_values,
     residual2_ids,
 )
-from .cpu import int8_columns, int8_stream_applies, maxsim_int8_varlen_cpu, thread_buffer
+from .cpu import int8_columns, int8_stream_applies, maxsim_int8_varlen_cpu, thread_buffer, worker_count
 from .int8_host import (
     backend_and_offsets,
     candidate_runs,
@@ -355,11 +355,15 @@ def maxsim_varlen_codes(
         decoded = functools.partial(_decoded_rows, codec, codes)
         products = _Int4Products(codes, q8) if codec == "int4" else None  # used where products are integers
         scores = maxsim_int8_varlen_cpu(q8, sq, q_off.numpy(), decoded, sd, d_off.numpy(), products)
-    elif codec == "int2" or (
-        codec == "int4"
-        and backend == "triton"
-        and q_off.numel() > 2
-        and _kernels().int4_allpairs_on_hopper(query_offsets, doc_offsets, q8, codes)
+    elif (
+        codec == "int2"
+        or (codec == "int4" and backend == "torch" and codes.device.type == "cpu")
+        or (
+            codec == "int4"
+            and backend == "triton"
+            and q_off.numel() > 2
+            and _kernels().int4_allpairs_on_hopper(query_offsets, doc_offsets, q8, codes)
+        )
     ):  # int2's query sums added to each chunk's scores as they are placed
         sums = cb.query_sums if codec == "int2" else None
         return _decoded_varlen(codec, backend, query_offsets, doc_offsets, q8, sq, codes, sd, sums)
@@ -457,11 +461,18 @@ def launch_varlen_with_tiles(
 # in five of the one buffer, alternating processes on one H100 (allpairs-two-streams-h100-*.json,
 # allpairs-one-buffer-h100-e76e3b0-*.json, codes-h100-9fd970e.json; benchmarks/results/codes/)
 DECODE_CHUNK_BYTES = 256 << 20
-# int2 candidates on the CPU (`_int2_decoded_candidates`): at most this many bytes of decoded rows at once,
-# a run of candidates at a time, so that a rerank batch's decoded rows (4x its codes' bytes) stay out of
-# its host memory: a bound, not a tuned size (64 x 150 candidates at --max-host-memory 128MiB grew 430 MiB
-# with one decode a batch, benchmarks/results/cpu/int2-rerank-memory-2core.txt).
+# Decoded int8 rows on the CPU (int4 and int2 all pairs, `_decoded_varlen`; int2 candidates, a run of
+# candidates at a time, `_int2_decoded_candidates`): at most this many bytes at once, and 1 MiB more a worker
+# thread (a chunk's document groups, 2,048 padded tokens each, keep every worker busy), so that a batch's
+# decoded rows (2-4x its codes' bytes) stay out of the run's host memory. A bound, not a tuned size: 64 x 150
+# int2 candidates at --max-host-memory 128MiB grew 365-558 MiB with one decode a batch, 106-117 in runs
+# (benchmarks/results/cpu/int2-rerank-memory-2core.txt).
 DECODED_CANDIDATE_BYTES = 4 << 20
+
+
+def cpu_decode_bytes() -> int:
+    """The decoded rows the CPU holds at once (`DECODED_CANDIDATE_BYTES` and 1 MiB a worker)."""
+    return DECODED_CANDIDATE_BYTES + worker_count() * (1 << 20)
 
 
 def _byte_table(values_of_byte: Callable[[torch.Tensor], torch.Tensor]) -> np.ndarray:
@@ -578,11 +589,12 @@ def _decoded_varlen(
     d_host = host_offsets("doc_offsets", given_d_off, codes.shape[0])
     nq, nd, dim = given_q_off.numel() - 1, len(d_host) - 1, q8.shape[1]
     total, longest = int(d_host[-1]), int(np.diff(d_host).max(initial=0))
-    if total * dim <= DECODE_CHUNK_BYTES or nd == 1:  # one chunk: one buffer, the scores as they are
+    bound = cpu_decode_bytes() if codes.device.type == "cpu" else DECODE_CHUNK_BYTES
+    if total * dim <= bound or nd == 1:  # one chunk: one buffer, the scores as they are
         scores = _scored_chunk(codec, backend, given_q_off, q8, sq, codes, sd, d_host, (0, nd), None)
         return scores if query_sums is None else scores.add_(query_sums[:, None])
     streams = _chunk_streams(codes.device)
-    chunk = max(1, DECODE_CHUNK_BYTES // (len(streams) * dim))  # a buffer a stream, in the same bound
+    chunk = max(1, bound // (len(streams) * dim))  # a buffer a stream, in the same bound
     buffers = [torch.empty((min(total, max(chunk, longest)), dim), dtype=torch.int8, device=codes.device)
                for _ in streams]  # fmt: skip
     out = torch.empty((nq, nd), dtype=torch.float32, device=codes.device)
@@ -668,7 +680,7 @@ def _int2_decoded_candidates(
         return _int2_decoded_run(backend, given_q_off, q8, sq, codes, sd, d_off, c_off, c_docs)
     scores = torch.empty(c_docs.numel(), dtype=torch.float32)
     lengths = (d_off[c_docs + 1] - d_off[c_docs]).numpy()
-    run_tokens = max(1, DECODED_CANDIDATE_BYTES // (4 * codes.shape[1]))
+    run_tokens = max(1, cpu_decode_bytes() // (4 * codes.shape[1]))
     for a, b in document_runs(np.concatenate([[0], np.cumsum(lengths)]), run_tokens):
         run_off = c_off.clamp(a, b) - a  # each query's candidates within the run (many have none)
         scores[a:b] = _int2_decoded_run(backend, given_q_off, q8, sq, codes, sd, d_off, run_off, c_docs[a:b])

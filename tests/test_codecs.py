@@ -180,6 +180,24 @@ def test_candidates_score_as_all_pairs(codec, backend):
     check_close(scores, expected, bound)
 
 
+@pytest.mark.parametrize("dim", [128, 40])
+def test_int4_all_pairs_on_the_cpu_are_the_torch_path_bitwise(dim, monkeypatch):
+    """int4 all pairs of many query rows on the CPU are decoded to int8 values a chunk of documents at a time
+    and scored by the int8 CPU path's workers (`codes_host._decoded_varlen`; here chunks of a few documents):
+    the bits of the per-block torch path (`codes_host._varlen_torch`), with empty and one-token documents."""
+    from maxsim_kernels import codes_host
+
+    gen = torch.Generator().manual_seed(dim)
+    queries, q_off = _packed([32, 1, 7] * 50, dim, gen)  # past the CPU stream's few query rows
+    docs, d_off = _packed([0, 5, 1, 40, 300, 0, 18, 2, 7], dim, gen)
+    enc = _encoded("int4", docs, gen)
+    codes = enc.pop("docs")
+    monkeypatch.setattr(codes_host, "cpu_decode_bytes", lambda: 50 * dim)
+    scores = maxsim_varlen(queries, q_off, codes, d_off, backend="torch", **enc)
+    q8, sq = codes_host.quantized_queries(queries)
+    assert torch.equal(scores, codes_host._varlen_torch(q8, sq, q_off, codes, enc["doc_scales"], d_off, None))
+
+
 # Every branch of the Triton kernels with small tiles: the few-rows plan (one loop over the tiles of all
 # of a program's documents), the all-pairs plan with groups of queries, queries longer than a program's
 # query tile (the per-document branch), and candidate programs that hold one query's run (one loop) or

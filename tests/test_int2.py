@@ -509,6 +509,7 @@ def test_int2_all_pairs_in_chunks_give_the_bits_of_one(monkeypatch, backend: str
     levels = levels.to(device)
     whole = maxsim_varlen(queries, q_off, codes, d_off, doc_scales=scales, codebook=levels, backend=backend)
     monkeypatch.setattr(codes_host, "DECODE_CHUNK_BYTES", 128 * 8)
+    monkeypatch.setattr(codes_host, "cpu_decode_bytes", lambda: 128 * 8)  # the CPU's bound
     chunked = maxsim_varlen(queries, q_off, codes, d_off, doc_scales=scales, codebook=levels, backend=backend)
     assert torch.equal(chunked, whole)
     assert (whole[:, torch.tensor(lengths) == 0] == float("-inf")).all()
@@ -535,7 +536,7 @@ def test_int2_candidates_on_the_cpu_in_runs_give_the_bits_of_one(monkeypatch) ->
     c_docs = torch.tensor([d for x in lists for d in x], dtype=torch.int64)
     args = (queries, q_off, codes, d_off, c_off, c_docs)
     whole = maxsim_candidates(*args, doc_scales=scales, codebook=levels, backend="torch")
-    monkeypatch.setattr(codes_host, "DECODED_CANDIDATE_BYTES", 128 * 4 * 8)
+    monkeypatch.setattr(codes_host, "cpu_decode_bytes", lambda: 128 * 4 * 8)
     runs = maxsim_candidates(*args, doc_scales=scales, codebook=levels, backend="torch")
     assert torch.equal(runs, whole)
     reference = maxsim_codes_reference(queries, q_off, codes, d_off, doc_scales=scales, codebook=levels)
