@@ -673,43 +673,32 @@ def _int2_decoded_candidates(
 ) -> torch.Tensor:
     """int2 candidates without the query rows' offsets, decoded: the candidates' documents (indices checked)
     gathered once each, decoded to their odd values and scored by the int8 candidates kernels. On the CPU
-    a run of candidates at a time, whose rows hold at most `DECODED_CANDIDATE_BYTES` decoded."""
+    a run of candidates at a time, whose rows hold at most `cpu_decode_bytes` decoded."""
+
+    def scored(run_off: torch.Tensor, run_docs: torch.Tensor) -> torch.Tensor:
+        unique, local = torch.unique(run_docs, return_inverse=True)
+        starts = d_off[unique]
+        lengths = d_off[unique + 1] - starts
+        offsets = torch.zeros(unique.numel() + 1, dtype=torch.int64, device=codes.device)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        segment, within = segment_ids(lengths)
+        rows = starts[segment] + within
+        return maxsim_candidates_int8(
+            q8, given_q_off, _odd_values(codes[rows], backend), offsets, run_off, local,
+            doc_scales=sd[rows], query_scales=sq, backend=backend,
+        )  # fmt: skip
+
     if c_docs.numel() == 0:
         return torch.empty(0, dtype=torch.float32, device=codes.device)
     if codes.device.type != "cpu":
-        return _int2_decoded_run(backend, given_q_off, q8, sq, codes, sd, d_off, c_off, c_docs)
+        return scored(c_off, c_docs)
     scores = torch.empty(c_docs.numel(), dtype=torch.float32)
     lengths = (d_off[c_docs + 1] - d_off[c_docs]).numpy()
     run_tokens = max(1, cpu_decode_bytes() // (4 * codes.shape[1]))
     for a, b in document_runs(np.concatenate([[0], np.cumsum(lengths)]), run_tokens):
-        run_off = c_off.clamp(a, b) - a  # each query's candidates within the run (many have none)
-        scores[a:b] = _int2_decoded_run(backend, given_q_off, q8, sq, codes, sd, d_off, run_off, c_docs[a:b])
+        # each query's candidates within the run (many have none)
+        scores[a:b] = scored(c_off.clamp(a, b) - a, c_docs[a:b])
     return scores
-
-
-def _int2_decoded_run(
-    backend: str,
-    given_q_off: torch.Tensor,
-    q8: torch.Tensor,
-    sq: torch.Tensor,
-    codes: torch.Tensor,
-    sd: torch.Tensor,
-    d_off: torch.Tensor,
-    c_off: torch.Tensor,
-    c_docs: torch.Tensor,
-) -> torch.Tensor:
-    """`_int2_decoded_candidates` of one run of candidates (at least one)."""
-    unique, local = torch.unique(c_docs, return_inverse=True)
-    starts = d_off[unique]
-    lengths = d_off[unique + 1] - starts
-    offsets = torch.zeros(unique.numel() + 1, dtype=torch.int64, device=codes.device)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    segment, within = segment_ids(lengths)
-    rows = starts[segment] + within
-    return maxsim_candidates_int8(
-        q8, given_q_off, _odd_values(codes[rows], backend), offsets, c_off, local,
-        doc_scales=sd[rows], query_scales=sq, backend=backend,
-    )  # fmt: skip
 
 
 def quantized_queries(queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
