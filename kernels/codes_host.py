@@ -467,12 +467,12 @@ DECODE_CHUNK_BYTES = 256 << 20
 # decoded rows (2-4x its codes' bytes) stay out of the run's host memory. A bound, not a tuned size: 64 x 150
 # int2 candidates at --max-host-memory 128MiB grew 365-558 MiB with one decode a batch, 106-117 in runs
 # (benchmarks/results/cpu/int2-rerank-memory-2core.txt).
-DECODED_CANDIDATE_BYTES = 4 << 20
+CPU_DECODE_BYTES = 4 << 20
 
 
 def cpu_decode_bytes() -> int:
-    """The decoded rows the CPU holds at once (`DECODED_CANDIDATE_BYTES` and 1 MiB a worker)."""
-    return DECODED_CANDIDATE_BYTES + worker_count() * (1 << 20)
+    """The decoded rows the CPU holds at once (`CPU_DECODE_BYTES` and 1 MiB a worker)."""
+    return CPU_DECODE_BYTES + worker_count() * (1 << 20)
 
 
 def _byte_table(values_of_byte: Callable[[torch.Tensor], torch.Tensor]) -> np.ndarray:

@@ -87,7 +87,7 @@ _STREAM_CHUNK_BYTES = 12 << 20
 def _stream_token_bytes(dim: int, query_rows: int, compute: torch.dtype) -> int:
     """A document token's bytes in a stream worker's buffers: its row upcast (or decoded) and its similarities
     with every query row (and their int32 products, for int8 queries: counted for every call)."""
-    size = torch.finfo(compute).bits // 8 if compute.is_floating_point else 4
+    size = torch.finfo(compute).bits // 8
     return dim * size + query_rows * (size + 4)
 
 # Batch invariance: MKL's sgemm switches to other kernels, with other summation orders along dim, when
@@ -678,7 +678,7 @@ def maxsim_int8_candidates_cpu(
         per_query = _empty_document_scores(token_query, nq, query_scales)
         scores[torch.from_numpy(empty)] = per_query[torch.from_numpy(pair_query[empty])]
     full = np.flatnonzero(pair_len > 0)
-    if len(full) < _INT8_QUERY_GROUP_MIN_PAIRS * (1 + np.count_nonzero(np.diff(pair_query[full]))):
+    if _few_candidates_a_query(pair_query[full], _INT8_QUERY_GROUP_MIN_PAIRS):
         # few candidates a query: the document units, on the int8 values as fp32 (exact products)
         layout = Layout(q_offsets, d_offsets, q_lens, d_lens, q8.shape[1])
         _rerank_by_document(q8.float(), layout, d8, None, pair_query, c_docs, full, scores, None, False,
@@ -967,6 +967,12 @@ _QUERY_GROUP_MIN_PAIRS = 32
 # same bits, us a pair query groups / document units, candidates a query 9: 81.4 / 48.9, 20: 49.9 / 47.2, 32:
 # 29.9 / 36.3, 40: 26.7 / 33.1, 150: 17.6 / 31.8 (benchmarks/results/cpu/cpu-int8-rerank-per-query-xeon.txt).
 _INT8_QUERY_GROUP_MIN_PAIRS = 24
+
+
+def _few_candidates_a_query(pair_query: np.ndarray, min_pairs: int) -> bool:
+    """Whether the queries of these pairs (each pair's query, grouped by query) list fewer than ``min_pairs``
+    candidates each on average (queries without candidates not counted)."""
+    return len(pair_query) < min_pairs * (1 + np.count_nonzero(np.diff(pair_query)))
 # oneDNN builds a primitive for each new shape (~0.2 ms, against ~0.03 ms for a cached 1000-row call):
 # a product's rows are padded to a multiple of _ONEDNN_ROWS and its columns (the query's tokens, padded
 # with copies of the last one) to a multiple of _ONEDNN_COLS, so that shapes repeat. Columns >= 16 also
@@ -1184,7 +1190,7 @@ def maxsim_candidates_cpu(
     elif (
         device.type == "cpu"
         and compute == torch.float32
-        and len(full) >= _QUERY_GROUP_MIN_PAIRS * (1 + np.count_nonzero(np.diff(pair_query[full])))
+        and not _few_candidates_a_query(pair_query[full], _QUERY_GROUP_MIN_PAIRS)
         and _onednn_product(layout.dim)
     ):
         _rerank_by_query(

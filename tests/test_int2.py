@@ -517,7 +517,7 @@ def test_int2_all_pairs_in_chunks_give_the_bits_of_one(monkeypatch, backend: str
 
 def test_int2_candidates_on_the_cpu_in_runs_give_the_bits_of_one(monkeypatch) -> None:
     """int2 candidates on the CPU are decoded (by the byte table: `int2_values`' values) a run of
-    candidates at a time (`codes_host.DECODED_CANDIDATE_BYTES`; here runs of a few tokens, so a long
+    candidates at a time (`codes_host.cpu_decode_bytes`; here runs of a few tokens, so a long
     document alone and queries whose candidates straddle runs): the same bits as one run of every
     candidate, with repeats, empty documents and queries without candidates."""
     from maxsim_kernels import codes_host
